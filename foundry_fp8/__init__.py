@@ -1,0 +1,31 @@
+"""foundry-fp8: safe, observable FP8 training with TransformerEngine for Composer and LLM-Foundry.
+
+Importing this package is cheap: it imports neither torch nor TransformerEngine. The public
+names below load on first use, so `foundry-fp8 lint` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "TESwap": "foundry_fp8.composer.te_swap",
+    "FP8Stats": "foundry_fp8.composer.stats",
+    "FP8State": "foundry_fp8.composer.state",
+    "FP8Lint": "foundry_fp8.composer.lint",
+    "FP8Monitor": "foundry_fp8.monitor",
+    "FP8Recipe": "foundry_fp8.recipe",
+    "tensor_stats": "foundry_fp8.numerics",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'foundry_fp8' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,44 @@
+"""`foundry-fp8` command line: lint, doctor, report, bench.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
+Those modules import torch only inside `run`, so `foundry-fp8 lint` stays fast and GPU-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from foundry_fp8 import __version__
+
+SUBCOMMANDS = {
+    "lint": ("foundry_fp8.lint.cli", "check LLM-Foundry train YAMLs and Accelerate configs for FP8 mistakes"),
+    "doctor": ("foundry_fp8.doctor", "print the FP8 environment (torch, CUDA, GPU, TE) and flag bad mixes"),
+    "report": ("foundry_fp8.report", "turn a run's fp8_stats JSONL into plots and a markdown summary"),
+    "bench": ("foundry_fp8.bench", "MPT throughput benchmark: FP8 variants vs BF16 (--tiny runs on CPU)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="foundry-fp8", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"foundry-fp8 {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(sub_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The FP8 recipe a run uses, as users write it in a YAML (`te_swap: {fp8_recipe: {...}}`).
+
+Pure Python, no torch: the linter, the Composer algorithm, the emulated backend and the TE
+backend all validate recipes with `recipe_problems`, so a rule is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+Scaling = Literal["delayed", "current"]
+FP8Format = Literal["HYBRID", "E4M3"]
+
+#: Composer's default recipe (what every LLM-Foundry YAML run gets today). Our default matches
+#: it, so adding `te_swap` never silently changes a run's numerics.
+COMPOSER_DEFAULT_HISTORY = 16
+
+#: FP8 GEMMs need Ada/Hopper (compute capability 8.9) or newer.
+MIN_FP8_CAPABILITY = (8, 9)
+
+#: Keys that TE's `DelayedScaling` used to accept and no longer does, with what to do instead.
+REMOVED_TE_KEYS: dict[str, str] = {
+    "interval": "remove it: scales are updated every step since TE 1.x removed `interval`",
+    "override_linear_precision": (
+        "remove it: TE 2.x dropped `override_linear_precision`; keep a layer out of FP8 "
+        "with te_swap's `keep_first_blocks`/`exclude` instead"
+    ),
+}
+
+_DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
+_CURRENT_ONLY = ("use_power_2_scales",)
+
+
+@dataclass(frozen=True)
+class RecipeProblem:
+    """One thing wrong with a recipe: the key it is about, what is wrong, and the fix."""
+
+    key: str
+    message: str
+    fix: str
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message is one line and names the key."""
+
+    def __init__(self, problem: RecipeProblem):
+        self.problem = problem
+        super().__init__(f"fp8_recipe.{problem.key}: {problem.message} (fix: {problem.fix})")
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """How FP8 scaling factors are chosen.
+
+    `delayed`: scale from the max (or most recent) amax of the last `amax_history_len` steps,
+    as TE's `DelayedScaling`. `current`: scale from this tensor's own amax, as TE's
+    `Float8CurrentScaling` (TE >= 2.2); keeps no history.
+    HYBRID means E4M3 for forward tensors (activations, weights) and E5M2 for gradients.
+    """
+
+    scaling: Scaling = "delayed"
+    fp8_format: FP8Format = "HYBRID"
+    amax_history_len: int = COMPOSER_DEFAULT_HISTORY
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    margin: int = 0
+    reduce_amax: bool = True
+    use_power_2_scales: bool = False
+
+    def __post_init__(self) -> None:
+        problems = recipe_problems(asdict(self))
+        if problems:
+            raise RecipeError(problems[0])
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> FP8Recipe:
+        """Build from YAML options, raising `RecipeError` on the first problem."""
+        options = dict(options or {})
+        problems = recipe_problems(options)
+        if problems:
+            raise RecipeError(problems[0])
+        if "fp8_format" in options:
+            options["fp8_format"] = str(options["fp8_format"]).upper()
+        return cls(**options)
+
+    def format_for(self, direction: Literal["forward", "backward"]) -> Literal["e4m3", "e5m2"]:
+        """The FP8 format of forward tensors or of gradients under this recipe."""
+        if direction == "backward" and self.fp8_format == "HYBRID":
+            return "e5m2"
+        return "e4m3"
+
+    @property
+    def keeps_history(self) -> bool:
+        return self.scaling == "delayed"
+
+    def as_config(self) -> dict[str, Any]:
+        """The keys that matter for this scaling mode, for run configs and coverage tables."""
+        skip = _CURRENT_ONLY if self.scaling == "delayed" else _DELAYED_ONLY
+        return {k: v for k, v in asdict(self).items() if k not in skip}
+
+
+_KNOWN_KEYS = frozenset(f.name for f in fields(FP8Recipe))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
+    """Every problem with a recipe mapping (empty when it is usable). Never raises."""
+    if not isinstance(options, Mapping):
+        return [RecipeProblem("", f"must be a mapping, got {type(options).__name__}",
+                              "write fp8_recipe as a mapping, e.g. {scaling: delayed}")]
+    problems: list[RecipeProblem] = []
+    for key in options:
+        key = str(key)
+        if key in REMOVED_TE_KEYS:
+            problems.append(RecipeProblem(key, "TransformerEngine no longer accepts this key",
+                                          REMOVED_TE_KEYS[key]))
+        elif key not in _KNOWN_KEYS:
+            problems.append(RecipeProblem(
+                key, "unknown recipe key", f"use one of: {', '.join(sorted(_KNOWN_KEYS))}"))
+
+    scaling = options.get("scaling", "delayed")
+    if scaling not in ("delayed", "current"):
+        problems.append(RecipeProblem(
+            "scaling", f"unknown scaling {scaling!r}",
+            "use 'delayed' (TE DelayedScaling) or 'current' (TE Float8CurrentScaling, TE >= 2.2)"))
+
+    fmt = str(options.get("fp8_format", "HYBRID")).upper().removeprefix("FORMAT.")
+    if fmt == "E5M2":
+        problems.append(RecipeProblem(
+            "fp8_format", "pure E5M2 training is not supported by TransformerEngine",
+            "use HYBRID (E4M3 forward, E5M2 gradients) or E4M3"))
+    elif fmt not in ("HYBRID", "E4M3"):
+        problems.append(RecipeProblem("fp8_format", f"unknown FP8 format {fmt!r}",
+                                      "use HYBRID or E4M3"))
+
+    history = options.get("amax_history_len", COMPOSER_DEFAULT_HISTORY)
+    if not _is_int(history) or history < 1:
+        problems.append(RecipeProblem("amax_history_len",
+                                      f"must be a positive integer, got {history!r}",
+                                      "e.g. 16 (Composer's default) or 1024 (TE's default)"))
+    algo = options.get("amax_compute_algo", "max")
+    if algo not in ("max", "most_recent"):
+        problems.append(RecipeProblem("amax_compute_algo", f"unknown algorithm {algo!r}",
+                                      "use 'max' or 'most_recent'"))
+    margin = options.get("margin", 0)
+    if not _is_int(margin) or margin < 0:
+        problems.append(RecipeProblem("margin", f"must be a non-negative integer, got {margin!r}",
+                                      "use 0 unless you see overflows"))
+    for flag in ("reduce_amax", "use_power_2_scales"):
+        if flag in options and not isinstance(options[flag], bool):
+            problems.append(RecipeProblem(flag, f"must be true or false, got {options[flag]!r}",
+                                          f"write {flag}: true or {flag}: false"))
+
+    if scaling == "current":
+        for key in _DELAYED_ONLY:
+            if key in options:
+                problems.append(RecipeProblem(
+                    key, "only applies to delayed scaling; current scaling keeps no amax history",
+                    f"remove {key}, or use scaling: delayed"))
+    elif scaling == "delayed":
+        for key in _CURRENT_ONLY:
+            if key in options:
+                problems.append(RecipeProblem(key, "only applies to current scaling",
+                                              f"remove {key}, or use scaling: current"))
+    return problems
+
+
+def environment_problems(recipe: FP8Recipe, capability: tuple[int, int] | None,
+                         te_version: tuple[int, ...] | None) -> list[RecipeProblem]:
+    """Problems running `recipe` on a GPU of `capability` with TE `te_version` (None: absent)."""
+    problems = []
+    if capability is not None and tuple(capability) < MIN_FP8_CAPABILITY:
+        problems.append(RecipeProblem(
+            "scaling", f"FP8 needs compute capability 8.9+, this GPU has "
+                       f"{capability[0]}.{capability[1]}",
+            "run on Ada/Hopper or newer, or use te_swap: {backend: emulate} for FP8 numerics"))
+    if recipe.scaling == "current" and te_version is not None and tuple(te_version) < (2, 2):
+        problems.append(RecipeProblem(
+            "scaling", f"current scaling needs TransformerEngine >= 2.2, found "
+                       f"{'.'.join(map(str, te_version))}",
+            "upgrade TransformerEngine or use scaling: delayed"))
+    return problems
