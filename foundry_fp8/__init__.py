@@ -12,11 +12,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "TESwap": "foundry_fp8.composer.te_swap",
     "FP8Stats": "foundry_fp8.composer.stats",
-    "FP8State": "foundry_fp8.composer.state",
     "FP8Lint": "foundry_fp8.composer.lint",
-    "FP8Monitor": "foundry_fp8.monitor",
     "FP8Recipe": "foundry_fp8.recipe",
     "tensor_stats": "foundry_fp8.numerics",
 }

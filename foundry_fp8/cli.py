@@ -14,9 +14,7 @@ from foundry_fp8 import __version__
 
 SUBCOMMANDS = {
     "lint": ("foundry_fp8.lint.cli", "check LLM-Foundry train YAMLs and Accelerate configs for FP8 mistakes"),
-    "doctor": ("foundry_fp8.doctor", "print the FP8 environment (torch, CUDA, GPU, TE) and flag bad mixes"),
     "report": ("foundry_fp8.report", "turn a run's fp8_stats JSONL into plots and a markdown summary"),
-    "bench": ("foundry_fp8.bench", "MPT throughput benchmark: FP8 variants vs BF16 (--tiny runs on CPU)"),
 }
 
 

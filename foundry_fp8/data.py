@@ -1,0 +1,114 @@
+"""Tiny local tokenizer and dataset for CPU runs and tests: nothing is downloaded.
+
+The text is generated from a small grammar, so a tiny MPT can learn it (loss falls well below
+ln(vocab)) in a few dozen batches. The tokenizer is a byte-level BPE trained on that text and
+saved as a `PreTrainedTokenizerFast`; the dataset is MDS shards of raw text that LLM-Foundry's
+`text` dataloader tokenizes itself. Both are cached: a second call with the same settings is free.
+
+Run as `python -m foundry_fp8.data DATA_ROOT` to build them (the Makefile does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_ADJECTIVES = ["red", "quick", "lazy", "small", "bright", "quiet", "heavy", "cold", "old", "new"]
+_NOUNS = ["fox", "dog", "cat", "bird", "tree", "river", "stone", "house", "road", "cloud"]
+_VERBS = ["sees", "jumps over", "follows", "finds", "carries", "watches", "passes", "hides"]
+_ENDINGS = ["today", "at night", "in the rain", "by the sea", "again", "slowly"]
+
+
+@dataclass(frozen=True)
+class TinyData:
+    """Where the tiny tokenizer and MDS dataset live."""
+
+    root: Path
+    vocab_size: int
+    num_samples: int
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / f"tokenizer-v{self.vocab_size}"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / f"text-{self.num_samples}"
+
+
+def generate_text(rng: random.Random, sentences: int) -> str:
+    """Sentences from a fixed grammar: learnable structure with some randomness."""
+    out = []
+    for _ in range(sentences):
+        out.append(
+            f"the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} "
+            f"the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)} {rng.choice(_ENDINGS)}."
+        )
+    return " ".join(out)
+
+
+def _build_tokenizer(path: Path, vocab_size: int, corpus: list[str]) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.save_pretrained(str(path))
+
+
+def _build_dataset(path: Path, corpus: list[str]) -> None:
+    from streaming import MDSWriter
+
+    for split in ("train", "val"):
+        texts = corpus if split == "train" else corpus[: max(8, len(corpus) // 8)]
+        with MDSWriter(out=str(path / split), columns={"text": "str"}, compression=None) as out:
+            for text in texts:
+                out.write({"text": text})
+
+
+def prepare_tiny_data(root: str | Path, vocab_size: int = 512, num_samples: int = 2048,
+                      seed: int = 0) -> TinyData:
+    """Build (or reuse) the tiny tokenizer and dataset under `root`."""
+    data = TinyData(Path(root).resolve(), vocab_size, num_samples)
+    from filelock import FileLock
+
+    marker = data.root / f"ready-v{vocab_size}-{num_samples}-{seed}.json"
+    data.root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(data.root / ".build.lock")):  # parallel test workers build it once
+        if marker.exists():
+            return data
+        rng = random.Random(seed)
+        corpus = [generate_text(rng, sentences=12) for _ in range(num_samples)]
+        _build_tokenizer(data.tokenizer_dir, vocab_size, corpus)
+        _build_dataset(data.data_dir, corpus)
+        marker.write_text(json.dumps({**asdict(data), "root": str(data.root), "seed": seed}))
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the tiny local tokenizer and dataset.")
+    parser.add_argument("root", nargs="?", default="data")
+    args = parser.parse_args(argv)
+    data = prepare_tiny_data(args.root)
+    print(f"tokenizer: {data.tokenizer_dir}\ndataset:   {data.data_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
