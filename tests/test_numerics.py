@@ -1,0 +1,124 @@
+"""FP8 numerics against an independent float64 reference written from the format definitions."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from foundry_fp8.numerics import (
+    FP8_MAX,
+    current_scale,
+    delayed_scale_update,
+    quantize_dequantize,
+    tensor_stats,
+)
+
+# (mantissa bits, smallest normal exponent) of each format
+FORMAT_BITS = {"e4m3": (3, -6), "e5m2": (2, -14)}
+
+
+def ref_round(v: float, fmt: str) -> float:
+    """Round-to-nearest-even onto the FP8 grid, saturating at the format max (pure Python)."""
+    mbits, emin = FORMAT_BITS[fmt]
+    if v == 0:
+        return 0.0
+    e = max(math.floor(math.log2(abs(v))), emin)
+    step = 2.0 ** (e - mbits)
+    q = round(v / step) * step  # Python's round is half-to-even
+    return max(-FP8_MAX[fmt], min(FP8_MAX[fmt], q))
+
+
+def ref_stats(values: list[float], fmt: str, scale: float) -> dict[str, float]:
+    finite = [v for v in values if math.isfinite(v)]
+    rt = [ref_round(v * scale, fmt) / scale for v in finite]
+    n = len(finite)
+    dot = sum(a * b for a, b in zip(finite, rt))
+    na, nb = math.sqrt(sum(a * a for a in finite)), math.sqrt(sum(b * b for b in rt))
+    return {
+        "amax": max(abs(v) for v in finite),
+        "amin": min(abs(v) for v in finite if v != 0),
+        "underflow_pct": 100.0 * sum(1 for v, r in zip(finite, rt) if v != 0 and r == 0) / n,
+        "overflow_pct": 100.0 * sum(1 for v in finite if abs(v) * scale > FP8_MAX[fmt]) / n,
+        "mse": sum((a - b) ** 2 for a, b in zip(finite, rt)) / n,
+        "cos_sim": dot / (na * nb),
+    }
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_round_trip_matches_reference_grid(fmt):
+    rng = random.Random(0)
+    values = [rng.gauss(0, 1) * 10 ** rng.uniform(-4, 3) for _ in range(2000)]
+    values += [FP8_MAX[fmt], FP8_MAX[fmt] * 1.01, -FP8_MAX[fmt] * 5, 2.0 ** -9, 2.0 ** -17]
+    x = torch.tensor(values, dtype=torch.float32)
+    got = quantize_dequantize(x, 1.0, fmt)
+    want = torch.tensor([ref_round(float(v), fmt) for v in x], dtype=torch.float32)
+    assert torch.equal(got, want)
+    assert not torch.isnan(got).any(), "overflow must saturate, not become NaN"
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_stats_match_float64_reference(fmt, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(4096, generator=gen) * torch.logspace(-9, 2, 4096)).to(dtype)
+    scale = FP8_MAX[fmt] / 100.0  # a stale delayed-style scale: the largest elements overflow
+    got = tensor_stats(x, fmt, scale=scale)
+    want = ref_stats([float(v) for v in x.float()], fmt, scale)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-12), key
+    assert got["overflow_pct"] > 0 and got["underflow_pct"] > 0
+
+
+def test_current_scaling_fills_the_range_and_never_overflows():
+    x = torch.tensor([0.5, -2.0, 1e-3, 0.0])
+    stats = tensor_stats(x, "e4m3")
+    assert stats["scale"] == pytest.approx(448.0 / 2.0)
+    assert stats["overflow_pct"] == 0.0
+    assert stats["amin"] == pytest.approx(1e-3)
+    # exactly fp8_max survives a unit-scale round trip; just above saturates to it
+    assert tensor_stats(torch.tensor([448.0]), "e4m3", scale=1.0)["mse"] == 0.0
+    above = tensor_stats(torch.tensor([480.0]), "e4m3", scale=1.0)
+    assert above["overflow_pct"] == 100.0 and above["mse"] == pytest.approx(32.0 ** 2)
+
+
+def test_nan_and_inf_are_counted_but_do_not_poison_stats():
+    x = torch.tensor([1.0, float("nan"), float("inf"), -2.0, float("-inf")])
+    stats = tensor_stats(x, "e4m3")
+    assert stats["nan_count"] == 1 and stats["inf_count"] == 2
+    assert stats["amax"] == 2.0 and stats["cos_sim"] == pytest.approx(1.0)
+    assert all(math.isfinite(v) for v in stats.values())
+
+
+def test_all_zero_tensor():
+    stats = tensor_stats(torch.zeros(16), "e4m3")
+    assert stats["amax"] == 0.0 and stats["scale"] == 1.0  # TE keeps scale 1 for amax 0
+    assert stats["underflow_pct"] == 0.0 and stats["mse"] == 0.0
+
+
+def test_subnormal_underflow_hand_computed():
+    # e4m3's smallest subnormal is 2**-9; half of it rounds (to even) to zero.
+    x = torch.tensor([2.0 ** -9, 2.0 ** -10, 2.0 ** -11, 1.0])
+    stats = tensor_stats(x, "e4m3", scale=1.0)
+    assert stats["underflow_pct"] == pytest.approx(50.0)
+
+
+def test_current_scale_edge_rules():
+    amax = torch.tensor([2.0, 0.0, float("inf"), 1e-45])
+    scale = current_scale(amax, "e4m3")
+    assert scale.tolist()[:3] == [224.0, 1.0, 1.0]
+    assert scale[3].item() == torch.finfo(torch.float32).max
+    assert current_scale(torch.tensor(3.0), "e4m3", power_2=True).item() == 128.0
+    assert current_scale(torch.tensor(1e-6), "e4m3", epsilon=1e-3).item() == pytest.approx(448e3)
+
+
+def test_delayed_update_follows_history_rules():
+    history = torch.tensor([[4.0, 0.0, float("nan")], [8.0, 0.0, 1.0], [2.0, 0.0, 1.0]])
+    scale = torch.tensor([1.0, 5.0, 7.0])
+    new_history, new_scale = delayed_scale_update(history, scale, 448.0, "max", margin=1)
+    assert new_scale.tolist() == [448.0 / 8.0 / 2.0, 5.0, 7.0]  # zero and NaN amax keep scale
+    assert new_history[:, 0].tolist() == [0.0, 2.0, 4.0]  # rolled by one, slot 0 cleared
+    _, recent = delayed_scale_update(history, scale, 448.0, "most_recent")
+    assert recent[0].item() == 448.0 / 4.0
