@@ -64,7 +64,7 @@ def test_round_trip_matches_reference_grid(fmt):
 def test_tensor_stats_match_float64_reference(fmt, dtype):
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(4096, generator=gen) * torch.logspace(-9, 2, 4096)).to(dtype)
-    scale = FP8_MAX[fmt] / 100.0  # a stale delayed-style scale: the largest elements overflow
+    scale = FP8_MAX[fmt] / 128.0  # exact in float32; a stale delayed-style scale: the largest elements overflow
     got = tensor_stats(x, fmt, scale=scale)
     want = ref_stats([float(v) for v in x.float()], fmt, scale)
     for key, value in want.items():
