@@ -1,4 +1,4 @@
-"""`foundry-fp8` command line: lint, doctor, report, bench.
+"""`foundry-fp8` command line: lint, report.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Those modules import torch only inside `run`, so `foundry-fp8 lint` stays fast and GPU-free.
@@ -14,7 +14,7 @@ from foundry_fp8 import __version__
 
 SUBCOMMANDS = {
     "lint": ("foundry_fp8.lint.cli", "check LLM-Foundry train YAMLs and Accelerate configs for FP8 mistakes"),
-    "report": ("foundry_fp8.report", "turn a run's fp8_stats JSONL into plots and a markdown summary"),
+    "report": ("foundry_fp8.report", "summarise a run's fp8_stats metrics into a markdown table"),
 }
 
 

@@ -96,7 +96,12 @@ def tensor_stats_tensor(x: torch.Tensor, fmt: str = "e4m3", scale: torch.Tensor 
     count = max(values.numel(), 1)
     roundtrip = quantize_dequantize(values, scale_t, fmt)
     underflow = ((values != 0) & (roundtrip == 0)).sum() * (100.0 / count)
-    overflow = (magnitude * scale_t > FP8_MAX[fmt]).sum() * (100.0 / count)
+    if scale is None:
+        # 0 by construction; amax * float32(fp8_max / amax) can land a rounding step above
+        # fp8_max, which saturates to the value it would round to anyway.
+        overflow = torch.zeros((), device=flat.device)
+    else:
+        overflow = (magnitude * scale_t > FP8_MAX[fmt]).sum() * (100.0 / count)
     values64, roundtrip64 = values.double(), roundtrip.double()
     mse = ((values64 - roundtrip64) ** 2).sum() / count
     norms = values64.norm() * roundtrip64.norm()
