@@ -21,8 +21,8 @@ def worst_stats(metrics_file: Path) -> dict[tuple[str, str], dict[str, float]]:
     for _, metrics in read_jsonl(metrics_file):
         for name, value in metrics.items():
             parts = name.split("/")
-            if len(parts) != 4 or parts[0] != "fp8" or parts[3] not in WORST:
-                continue
+            if len(parts) != 4 or parts[0] != "fp8" or parts[3] not in WORST or value != value:
+                continue  # NaN statistics are counted by nan_count, not ranked here
             row = table.setdefault((parts[1], parts[2]), {})
             pick = max if WORST[parts[3]] else min
             row[parts[3]] = pick(row.get(parts[3], value), value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from composer.core import State
@@ -32,8 +33,6 @@ class JSONLLogger(LoggerDestination):
             self.sink.write(step if step is not None else -1, metrics)
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        import json
-
         self._pending_hparams.update(hyperparameters)
         if self.sink is not None:
             path = self.sink.path.with_name("hparams.json")
