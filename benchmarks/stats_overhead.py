@@ -45,7 +45,10 @@ def time_variant(interval: str | None, batches: int, data, root: Path) -> float:
                  "save_interval": f"{batches}ba", "callbacks": callbacks,
                  "console_log_interval": f"{batches}ba"}
 
-    import llmfoundry.command_utils.train as train_module
+    import importlib
+
+    # the package re-exports the function `train`, which shadows the module's name
+    train_module = importlib.import_module("llmfoundry.command_utils.train")
 
     original = train_module.Trainer
 
