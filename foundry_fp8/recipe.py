@@ -69,7 +69,7 @@ class FP8Recipe:
     use_power_2_scales: bool = False
 
     def __post_init__(self) -> None:
-        problems = recipe_problems(asdict(self))
+        problems = recipe_problems(self.as_config())
         if problems:
             raise RecipeError(problems[0])
 

@@ -1,0 +1,172 @@
+"""FP8 training numerics in plain torch: a linear layer that behaves like TE's under FP8.
+
+`EmulatedFP8Linear` keeps TE's delayed-scaling state layout in `module.fp8_meta`
+(`scaling_fwd`: input, weight, output; `scaling_bwd`: grad_output, grad_input; each with
+`scale` and `amax_history`), casts its GEMM inputs through saturating FP8 round trips with the
+scale in force, and records amaxes into history slot 0. As in TE, forward scales are updated when
+the outermost `fp8_autocast` exits and backward scales when the backward pass ends. It gives FP8
+numerics on hardware without FP8 (CPU, A100); it is not fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from foundry_fp8.numerics import FP8_MAX, current_scale, delayed_scale_update, quantize_dequantize
+from foundry_fp8.recipe import FP8Recipe
+
+FWD_INPUT, FWD_WEIGHT, FWD_OUTPUT = 0, 1, 2
+BWD_GRAD_OUTPUT, BWD_GRAD_INPUT = 0, 1
+
+
+@dataclass
+class _AutocastState:
+    depth: int = 0
+    recipe: FP8Recipe | None = None
+    forward_modules: list[EmulatedFP8Linear] = field(default_factory=list)
+    backward_modules: list[EmulatedFP8Linear] = field(default_factory=list)
+
+
+_STATE = _AutocastState()
+
+
+def is_fp8_enabled() -> bool:
+    return _STATE.depth > 0
+
+
+@contextmanager
+def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None) -> Iterator[None]:
+    """Run `EmulatedFP8Linear` layers in FP8; the outermost exit updates forward scales."""
+    if not enabled:
+        yield
+        return
+    outer = _STATE.depth == 0
+    previous = _STATE.recipe
+    _STATE.recipe = recipe or previous or FP8Recipe()
+    _STATE.depth += 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+        if outer:
+            modules, _STATE.forward_modules = _STATE.forward_modules, []
+            for module in dict.fromkeys(modules):  # each module once, in call order
+                module._update_scales("scaling_fwd", _STATE.recipe, "forward")
+        _STATE.recipe = previous
+
+
+class ScalingMeta(nn.Module):
+    """`scale` [n] and `amax_history` [history_len, n], as TE's FP8TensorMeta holds them.
+
+    Non-persistent buffers: they follow `.to(device)` but stay out of the model state_dict.
+    """
+
+    def __init__(self, n: int, history_len: int):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(n), persistent=False)
+        self.register_buffer("amax_history", torch.zeros(history_len, n), persistent=False)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, recipe):
+        meta = module.fp8_meta["scaling_fwd"]
+        fmt = recipe.format_for("forward")
+        scales = module._cast_scales(meta, (x, weight), fmt, recipe)
+        qx = quantize_dequantize(x, scales[FWD_INPUT], fmt)
+        qw = quantize_dequantize(weight, scales[FWD_WEIGHT], fmt)
+        ctx.save_for_backward(qx, qw)
+        ctx.module, ctx.recipe, ctx.has_bias = module, recipe, bias is not None
+        return nn.functional.linear(qx, qw, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qx, qw = ctx.saved_tensors
+        module, recipe = ctx.module, ctx.recipe
+        meta = module.fp8_meta["scaling_bwd"]
+        fmt = recipe.format_for("backward")
+        scale = module._cast_scales(meta, (grad_out,), fmt, recipe)[BWD_GRAD_OUTPUT]
+        qg = quantize_dequantize(grad_out, scale, fmt)
+        grad_x = qg @ qw
+        grad_w = qg.reshape(-1, qg.shape[-1]).t() @ qx.reshape(-1, qx.shape[-1])
+        grad_b = qg.reshape(-1, qg.shape[-1]).sum(0) if ctx.has_bias else None
+        _queue_backward_update(module, recipe)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _queue_backward_update(module: EmulatedFP8Linear, recipe: FP8Recipe) -> None:
+    """Update every backward scale once, when the whole backward pass has finished."""
+    first = not _STATE.backward_modules
+    _STATE.backward_modules.append(module)
+    if not first:
+        return
+
+    def update() -> None:
+        modules, _STATE.backward_modules = _STATE.backward_modules, []
+        for mod in dict.fromkeys(modules):
+            mod._update_scales("scaling_bwd", recipe, "backward")
+
+    torch.autograd.Variable._execution_engine.queue_callback(update)
+
+
+class EmulatedFP8Linear(nn.Linear):
+    """`nn.Linear` whose GEMMs see FP8-rounded inputs inside `fp8_autocast` (a plain Linear
+    outside it). Parameter names are unchanged, so optimizers and checkpoints line up."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 history_len: int = 1024):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fp8_meta = nn.ModuleDict({"scaling_fwd": ScalingMeta(3, history_len),
+                                       "scaling_bwd": ScalingMeta(2, history_len)})
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> EmulatedFP8Linear:
+        """Same shapes, dtype and device; weights and bias copied bit for bit."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device=linear.weight.device, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias)
+        return new
+
+    def _fit_history(self, meta: ScalingMeta, recipe: FP8Recipe) -> None:
+        """Resize the history to the recipe's length (fresh state, as TE does on a recipe change)."""
+        if meta.amax_history.shape[0] != recipe.amax_history_len:
+            meta.amax_history = meta.amax_history.new_zeros(recipe.amax_history_len,
+                                                            meta.amax_history.shape[1])
+
+    def _cast_scales(self, meta: ScalingMeta, tensors: tuple[torch.Tensor, ...], fmt: str,
+                     recipe: FP8Recipe) -> torch.Tensor:
+        """The scales to cast `tensors` with; records their amaxes in history slot 0."""
+        amaxes = torch.stack([t.detach().abs().max().float() for t in tensors])
+        if recipe.scaling == "current":
+            return torch.stack([current_scale(a, fmt, power_2=recipe.use_power_2_scales)
+                                for a in amaxes])
+        self._fit_history(meta, recipe)
+        n = len(tensors)
+        meta.amax_history[0, :n] = torch.maximum(meta.amax_history[0, :n], amaxes)
+        return meta.scale[:n]
+
+    def _update_scales(self, which: str, recipe: FP8Recipe,
+                       direction: Literal["forward", "backward"]) -> None:
+        fmt = recipe.format_for(direction)
+        if recipe.scaling != "delayed":
+            return
+        meta = self.fp8_meta[which]
+        meta.amax_history, meta.scale = delayed_scale_update(
+            meta.amax_history, meta.scale, FP8_MAX[fmt], recipe.amax_compute_algo, recipe.margin)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_fp8_enabled():
+            return super().forward(x)
+        recipe = _STATE.recipe
+        _STATE.forward_modules.append(self)
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe)
