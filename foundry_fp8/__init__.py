@@ -12,6 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    "TESwap": "foundry_fp8.composer.te_swap",
     "FP8Stats": "foundry_fp8.composer.stats",
     "FP8Lint": "foundry_fp8.composer.lint",
     "FP8Recipe": "foundry_fp8.recipe",

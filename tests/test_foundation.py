@@ -14,6 +14,7 @@ from foundry_fp8.jsonl import read_jsonl
 from tests.tiny_run import run_folder, run_tiny
 
 ENTRIES = [
+    ("algorithms", "te_swap", "TESwap"),
     ("callbacks", "fp8_stats", "FP8Stats"),
     ("callbacks_with_config", "fp8_lint", "FP8Lint"),
     ("loggers", "jsonl", "JSONLLogger"),
