@@ -1,7 +1,8 @@
 """The main job behind `make run`: train the tiny MPT with our callbacks, then report.
 
 The training run goes through LLM-Foundry's own `llmfoundry train` command, exactly as a user
-would start it: `yamls/mpt-tiny-cpu.yaml` with `fp8_lint` and `fp8_stats`, logging to W&B
+would start it: `yamls/mpt-tiny-cpu.yaml` with `te_swap` (emulated FP8 backend), `fp8_lint` and
+`fp8_stats`, logging to W&B
 (offline) and to a local JSONL file; then `foundry-fp8 report` summarises the FP8 statistics.
 """
 
@@ -51,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     full = run_root / RUN_NAME
     (full / "metrics.jsonl").unlink(missing_ok=True)
 
-    print(f"== 1. train {RUN_NAME} on CPU with fp8_lint and fp8_stats through `llmfoundry train`", flush=True)
+    print(f"== 1. train {RUN_NAME} on CPU with te_swap (emulated FP8), fp8_lint and fp8_stats through `llmfoundry train`", flush=True)
     _train(data_root, run_root, RUN_NAME)
     losses = _losses(full / "metrics.jsonl")
     final_step = max(losses)
-    print(f"   loss {losses[min(losses)]:.3f} -> {losses[final_step]:.3f} over {final_step} "
+    print(f"   loss {losses[min(losses)]:.3f} -> {losses[final_step]:.3f} over {len(losses)} "
           f"batches (uniform guess: ln(512) = {math.log(512):.3f})")
 
     print("== 2. FP8 statistics report", flush=True)
