@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "TESwap": "foundry_fp8.composer.te_swap",
     "FP8Stats": "foundry_fp8.composer.stats",
+    "FP8State": "foundry_fp8.composer.state",
     "FP8Lint": "foundry_fp8.composer.lint",
     "FP8Recipe": "foundry_fp8.recipe",
     "tensor_stats": "foundry_fp8.numerics",

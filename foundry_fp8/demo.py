@@ -18,6 +18,7 @@ from foundry_fp8.jsonl import read_jsonl
 
 TINY_YAML = Path(__file__).resolve().parents[1] / "yamls" / "mpt-tiny-cpu.yaml"
 RUN_NAME = "mpt-tiny-cpu"
+RESUME_STEP = 20
 
 
 def _train(data_root: Path, run_root: Path, run_name: str, *extra: str) -> None:
@@ -43,23 +44,55 @@ def _losses(metrics_file: Path) -> dict[int, float]:
             if "loss/train/total" in m}
 
 
+def compare_resume(full: Path, resumed: Path, final_step: int) -> list[str]:
+    """Differences between the uninterrupted and the resumed run (empty when identical)."""
+    import torch
+
+    from foundry_fp8.composer.state import fp8_state_from_checkpoint
+
+    problems = []
+    loss_full, loss_resumed = _losses(full / "metrics.jsonl"), _losses(resumed / "metrics.jsonl")
+    for step in sorted(loss_resumed):
+        if loss_full.get(step) != loss_resumed[step]:
+            problems.append(f"loss at step {step}: {loss_full.get(step)} vs {loss_resumed[step]}")
+    name = f"ep0-ba{final_step}-rank0.pt"
+    state_full = fp8_state_from_checkpoint(full / "checkpoints" / name)
+    state_resumed = fp8_state_from_checkpoint(resumed / "checkpoints" / name)
+    if not state_full or state_full.keys() != state_resumed.keys():
+        problems.append("missing or different FP8 modules in the two checkpoints")
+    for module in state_full.keys() & state_resumed.keys():
+        for key, tensor in state_full[module].items():
+            if not torch.equal(tensor, state_resumed[module][key]):
+                problems.append(f"{module}.{key} differs")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-root", type=Path, default=Path("data"))
     parser.add_argument("--run-root", type=Path, default=Path("runs"))
     args = parser.parse_args(argv)
     data_root, run_root = args.data_root.resolve(), args.run_root.resolve()
-    full = run_root / RUN_NAME
-    (full / "metrics.jsonl").unlink(missing_ok=True)
+    full, resumed = run_root / RUN_NAME, run_root / f"{RUN_NAME}-resumed"
+    for folder in (full, resumed):
+        (folder / "metrics.jsonl").unlink(missing_ok=True)
 
-    print(f"== 1. train {RUN_NAME} on CPU with te_swap (emulated FP8), fp8_lint and fp8_stats through `llmfoundry train`", flush=True)
+    print(f"== 1. train {RUN_NAME} on CPU with te_swap (emulated FP8), fp8_lint, fp8_stats and fp8_state through `llmfoundry train`", flush=True)
     _train(data_root, run_root, RUN_NAME)
     losses = _losses(full / "metrics.jsonl")
-    final_step = max(losses)
-    print(f"   loss {losses[min(losses)]:.3f} -> {losses[final_step]:.3f} over {len(losses)} "
+    print(f"   loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f} over {len(losses)} "
           f"batches (uniform guess: ln(512) = {math.log(512):.3f})")
 
-    print("== 2. FP8 statistics report", flush=True)
+    print(f"== 2. resume from the step-{RESUME_STEP} checkpoint", flush=True)
+    checkpoint = full / "checkpoints" / f"ep0-ba{RESUME_STEP}-rank0.pt"
+    _train(data_root, run_root, resumed.name, f"load_path={checkpoint}")
+    problems = compare_resume(full, resumed, final_step=len(losses))
+    if problems:
+        print("   RESUME MISMATCH:\n   " + "\n   ".join(problems))
+        return 1
+    print(f"   identical FP8 state at step {len(losses)} and identical losses after resuming")
+
+    print("== 3. FP8 statistics report", flush=True)
     subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "report", str(full)], check=True)
 
     wandb_runs = sorted((full / "wandb").glob("offline-run-*"))

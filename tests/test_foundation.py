@@ -16,6 +16,7 @@ from tests.tiny_run import run_folder, run_tiny
 ENTRIES = [
     ("algorithms", "te_swap", "TESwap"),
     ("callbacks", "fp8_stats", "FP8Stats"),
+    ("callbacks", "fp8_state", "FP8State"),
     ("callbacks_with_config", "fp8_lint", "FP8Lint"),
     ("loggers", "jsonl", "JSONLLogger"),
 ]
