@@ -9,7 +9,7 @@ import torch
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.recipe import RecipeError
 from foundry_fp8.swap import SwapConfig, apply_swap, fp8_share, plan_swap
-from tests.tiny_run import run_tiny
+from tests.tiny_run import run_tiny, tiny_config
 
 
 def _mpt(d_model: int = 64, ffn_type: str = "mptmlp", no_bias: bool = True, n_layers: int = 3):
@@ -92,3 +92,20 @@ def test_real_run_follows_the_recipe_and_trains_converted_weights(tmp_path, tiny
             newest = meta.amax_history[-1, 0]
             assert newest > 0
             assert meta.scale[0].item() == pytest.approx(fmt_max / newest.item(), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_real_run_with_current_scaling_keeps_no_history(tmp_path, tiny_data):
+    from llmfoundry.command_utils import train
+
+    cfg = tiny_config(tmp_path, tiny_data, {"max_duration": "3ba", "save_interval": "3ba",
+                                            "eval_interval": "3ba"})
+    # replace (not merge) the YAML's delayed recipe: fp8_lint rejects history keys with current
+    cfg.algorithms.te_swap.fp8_recipe = {"scaling": "current"}
+    trainer = train(cfg)
+    layers = [m for m in trainer.state.model.modules() if isinstance(m, EmulatedFP8Linear)]
+    assert len(layers) == 8
+    for layer in layers:
+        for which in ("scaling_fwd", "scaling_bwd"):
+            meta = layer.fp8_meta[which]
+            assert meta.amax_history.abs().sum() == 0 and torch.all(meta.scale == 1)
