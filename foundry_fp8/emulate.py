@@ -4,18 +4,22 @@
 (`scaling_fwd`: input, weight, output; `scaling_bwd`: grad_output, grad_input; each with
 `scale` and `amax_history`), casts its GEMM inputs through saturating FP8 round trips with the
 scale in force, and records amaxes into history slot 0. As in TE, forward scales are updated when
-the outermost `fp8_autocast` exits and backward scales when the backward pass ends. It gives FP8
+the outermost `fp8_autocast` exits and backward scales when the backward pass ends. `fp8_checkpoint` recomputes activations
+the way TE's `distributed.checkpoint` does (same recipe and scales as the original forward, no
+amax recorded), so checkpointing does not change the numerics (TE issue #1190). It gives FP8
 numerics on hardware without FP8 (CPU, A100); it is not fast.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from foundry_fp8.numerics import FP8_MAX, current_scale, delayed_scale_update, quantize_dequantize
@@ -31,6 +35,10 @@ class _AutocastState:
     recipe: FP8Recipe | None = None
     forward_modules: list[EmulatedFP8Linear] = field(default_factory=list)
     backward_modules: list[EmulatedFP8Linear] = field(default_factory=list)
+    # fp8_checkpoint: scales in force at the original forward, stashed per module, in call order;
+    # `replay` is set while the recompute consumes them.
+    stash: dict[EmulatedFP8Linear, deque[torch.Tensor]] | None = None
+    replay: dict[EmulatedFP8Linear, deque[torch.Tensor]] | None = None
 
 
 _STATE = _AutocastState()
@@ -61,16 +69,58 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None) -> Itera
         _STATE.recipe = previous
 
 
+@contextmanager
+def _stashing(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]]) -> Iterator[None]:
+    previous, _STATE.stash = _STATE.stash, scales
+    try:
+        yield
+    finally:
+        _STATE.stash = previous
+
+
+@contextmanager
+def _replaying(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]],
+               recipe: FP8Recipe) -> Iterator[None]:
+    """FP8 on with the original recipe and stashed scales; no amax recorded, no scale update."""
+    saved = _STATE.depth, _STATE.recipe, _STATE.replay
+    _STATE.depth, _STATE.recipe, _STATE.replay = saved[0] + 1, recipe, scales
+    try:
+        yield
+    finally:
+        _STATE.depth, _STATE.recipe, _STATE.replay = saved
+
+
+def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Activation checkpointing that is safe for `EmulatedFP8Linear` (cf. TE's checkpoint).
+
+    Plain `torch.utils.checkpoint` recomputes during backward, outside `fp8_autocast` and after
+    the forward scales were updated, so the saved activations differ from the original forward
+    (reentrant mode even back-propagates through a non-FP8 graph and never updates the backward
+    scales). Here the recompute runs under the original recipe with the scales in force at the
+    original forward and records no amax. Non-reentrant; `kwargs` go to torch's checkpoint.
+    """
+    if not is_fp8_enabled():
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    scales: dict[EmulatedFP8Linear, deque[torch.Tensor]] = {}
+    recipe = _STATE.recipe
+    assert recipe is not None
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False,
+        context_fn=lambda: (_stashing(scales), _replaying(scales, recipe)), **kwargs)
+
+
 class ScalingMeta(nn.Module):
     """`scale` [n] and `amax_history` [history_len, n], as TE's FP8TensorMeta holds them.
 
-    Non-persistent buffers: they follow `.to(device)` but stay out of the model state_dict.
+    The history is empty until the first delayed-scaling forward sizes it by the recipe (or
+    `fp8_state` restores a checkpoint's). Non-persistent buffers: they follow `.to(device)` but
+    stay out of the model state_dict.
     """
 
-    def __init__(self, n: int, history_len: int):
+    def __init__(self, n: int):
         super().__init__()
         self.register_buffer("scale", torch.ones(n), persistent=False)
-        self.register_buffer("amax_history", torch.zeros(history_len, n), persistent=False)
+        self.register_buffer("amax_history", torch.zeros(0, n), persistent=False)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -95,7 +145,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         qg = quantize_dequantize(grad_out, scale, fmt)
         grad_x = qg @ qw
         grad_w = qg.reshape(-1, qg.shape[-1]).t() @ qx.reshape(-1, qx.shape[-1])
-        grad_b = qg.reshape(-1, qg.shape[-1]).sum(0) if ctx.has_bias else None
+        # TE's fused bgrad + cast reduces the high-precision gradient (module/base.py,
+        # grad_output_preprocess: tex.bgrad_quantize)
+        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
         _queue_backward_update(module, recipe)
         return grad_x, grad_w, grad_b, None, None
 
@@ -120,11 +172,9 @@ class EmulatedFP8Linear(nn.Linear):
     outside it). Parameter names are unchanged, so optimizers and checkpoints line up."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 history_len: int = 1024):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.fp8_meta = nn.ModuleDict({"scaling_fwd": ScalingMeta(3, history_len),
-                                       "scaling_bwd": ScalingMeta(2, history_len)})
+        self.fp8_meta = nn.ModuleDict({"scaling_fwd": ScalingMeta(3), "scaling_bwd": ScalingMeta(2)})
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> EmulatedFP8Linear:
@@ -150,9 +200,13 @@ class EmulatedFP8Linear(nn.Linear):
         if recipe.scaling == "current":
             return torch.stack([current_scale(a, fmt, power_2=recipe.use_power_2_scales)
                                 for a in amaxes])
-        self._fit_history(meta, recipe)
         n = len(tensors)
+        if _STATE.replay is not None and meta is self.fp8_meta["scaling_fwd"]:
+            return _STATE.replay[self].popleft()
+        self._fit_history(meta, recipe)
         meta.amax_history[0, :n] = torch.maximum(meta.amax_history[0, :n], amaxes)
+        if _STATE.stash is not None and meta is self.fp8_meta["scaling_fwd"]:
+            _STATE.stash.setdefault(self, deque()).append(meta.scale[:n].clone())
         return meta.scale[:n]
 
     def _update_scales(self, which: str, recipe: FP8Recipe,
@@ -168,5 +222,6 @@ class EmulatedFP8Linear(nn.Linear):
         if not is_fp8_enabled():
             return super().forward(x)
         recipe = _STATE.recipe
-        _STATE.forward_modules.append(self)
+        if _STATE.replay is None:
+            _STATE.forward_modules.append(self)
         return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe)

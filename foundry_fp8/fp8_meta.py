@@ -1,7 +1,8 @@
 """Read and write a module's delayed-scaling state without TE's pickled `_extra_state`.
 
 Duck-typed on `module.fp8_meta["scaling_fwd"/"scaling_bwd"]` with `.scale` and `.amax_history`:
-the layout of TE's modules and of our EmulatedFP8Linear. No TE import.
+the layout of TE's modules (TE 2.x keeps it in `DelayedScalingRecipeState`) and of our
+EmulatedFP8Linear. No TE import.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ from torch import nn
 _DIRECTIONS = (("fwd", "scaling_fwd"), ("bwd", "scaling_bwd"))
 
 
+def is_fp8_module(module: nn.Module) -> bool:
+    """A module that can run in FP8: TE's Linear/LayerNormLinear/LayerNormMLP (an `fp8_meta`
+    dict and TE's `init_fp8_metadata`) or our EmulatedFP8Linear. TE modules count before their
+    first FP8 forward too, when they hold no scaling state yet."""
+    meta = getattr(module, "fp8_meta", None)
+    if meta is None:
+        return False
+    return hasattr(module, "init_fp8_metadata") or bool(read_fp8_meta(module))
+
+
 def read_fp8_meta(module: nn.Module) -> dict[str, torch.Tensor]:
     """`{fwd_scale, fwd_amax_history, bwd_scale, bwd_amax_history}` (copies); empty if none."""
     meta = getattr(module, "fp8_meta", None)
@@ -21,29 +32,42 @@ def read_fp8_meta(module: nn.Module) -> dict[str, torch.Tensor]:
     if meta is None:
         return tensors
     for short, key in _DIRECTIONS:
-        if key in meta and hasattr(meta[key], "scale"):
+        if key in meta and hasattr(meta[key], "scale") and hasattr(meta[key], "amax_history"):
             tensors[f"{short}_scale"] = meta[key].scale.detach().cpu().clone()
             tensors[f"{short}_amax_history"] = meta[key].amax_history.detach().cpu().clone()
     return tensors
 
 
 def write_fp8_meta(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Restore what `read_fp8_meta` returned, in place, on the module's device."""
+    """Restore what `read_fp8_meta` returned, in place, on the module's device.
+
+    In place (TE's quantizers and global amax buffers alias these tensors), so shapes must
+    match, except that a history still empty (EmulatedFP8Linear before its first forward) takes
+    the checkpoint's length. Otherwise a different history length means a different recipe, and
+    raises ValueError before anything is written.
+    """
     for short, key in _DIRECTIONS:
         if f"{short}_scale" not in tensors:
             continue
         target = module.fp8_meta[key]
-        device = target.scale.device
-        history = tensors[f"{short}_amax_history"].to(device)
-        if target.amax_history.shape == history.shape:
-            target.amax_history.copy_(history)
-        else:  # the history length follows the checkpoint's recipe
-            target.amax_history = history.clone()
-        target.scale.copy_(tensors[f"{short}_scale"].to(device))
+        for name in ("scale", "amax_history"):
+            have, want = getattr(target, name).shape, tensors[f"{short}_{name}"].shape
+            if have != want and not (name == "amax_history" and have[0] == 0):
+                raise ValueError(f"{short}_{name} has shape {tuple(want)} in the checkpoint, "
+                                 f"{tuple(have)} in the model")
+    for short, key in _DIRECTIONS:
+        if f"{short}_scale" in tensors:
+            target = module.fp8_meta[key]
+            history = tensors[f"{short}_amax_history"].to(target.amax_history.device)
+            if target.amax_history.shape[0] == 0:
+                target.amax_history = history.clone()
+            else:
+                target.amax_history.copy_(history)
+            target.scale.copy_(tensors[f"{short}_scale"])
 
 
 def fp8_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """`(name, module)` for every module that holds delayed-scaling state."""
+    """`(name, module)` for every FP8 module of `model`, with or without state yet."""
     for name, module in model.named_modules():
-        if read_fp8_meta(module):
+        if is_fp8_module(module):
             yield name, module

@@ -1,43 +1,80 @@
-"""Plan which linear layers run in FP8, then convert them (torchao's convert style).
+"""Plan which layers run in FP8, then convert them (torchao's convert style).
 
-`plan_swap` is pure: it decides, for every `nn.Linear`, convert or keep and why. `apply_swap`
-replaces the chosen modules in place, copying weights exactly, keeping attribute names (so
-parameter names, optimizers and checkpoints line up) and LLM-Foundry's init attributes.
+`plan_swap` is pure: it decides, for every candidate module, convert or keep and why.
+`apply_swap` replaces the chosen modules in place, copying parameters exactly, keeping attribute
+names (so parameter names, optimizers and checkpoints line up) and LLM-Foundry's init attributes.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
-#: LLM-Foundry sets these on linear layers and its param_init_fns read them.
+#: LLM-Foundry sets these on linear layers (attention.py, ffn.py) and its param_init_fns read
+#: them, which matters when `init_device: meta` defers init until after the swap.
 KEPT_ATTRIBUTES = ("_fused", "_is_residual")
 _BLOCK = re.compile(r"\bblocks\.(\d+)\.")
+
+Kind = Literal["linear", "layernorm", "ln_mlp", "tied_lm_head"]
+
+
+def gelu_tanh_error(lo: float = -8.0, hi: float = 8.0, n: int = 16001) -> tuple[float, float]:
+    """(max abs, max relative) difference of tanh-approximated vs exact GELU on [lo, hi].
+
+    TE's LayerNormMLP `gelu` is the tanh form; MPT's default GELU is exact (erf). The relative
+    difference is taken where |exact GELU| > 0.01 (it is unbounded near the zeros).
+    """
+    x = torch.linspace(lo, hi, n, dtype=torch.float64)
+    exact = nn.functional.gelu(x)
+    diff = (nn.functional.gelu(x, approximate="tanh") - exact).abs()
+    big = exact.abs() > 1e-2
+    return diff.max().item(), (diff[big] / exact[big].abs()).max().item()
 
 
 @dataclass(frozen=True)
 class SwapConfig:
-    """Which linear layers to convert. Dims must suit TE's FP8 GEMMs (both % 16)."""
+    """Which layers to convert.
+
+    `min_gemm_size`: GEMMs whose smaller weight dim is below it stay high precision (too small to
+    gain from FP8). `tokens_per_microbatch`: when given, checked against TE's rule that a GEMM
+    input's leading dims multiply to a multiple of 8. `keep_lm_head: false` converts an untied
+    LM head; MPT ties it to the embedding by default (`F.linear` on `wte.weight`, no module), so
+    a tied head always stays. `convert_layernorm` and `fuse_ln_mlp` need the `te` backend.
+    """
 
     backend: Literal["te", "emulate"] = "te"
     keep_first_blocks: int = 0
     keep_last_blocks: int = 0
+    keep_lm_head: bool = True
+    convert_layernorm: bool = False
+    fuse_ln_mlp: bool = False
     include: str | None = None
     exclude: str | None = None
-    min_features: int = 16
+    min_gemm_size: int = 0
+    tokens_per_microbatch: int | None = None
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("te", "emulate"):
             raise ValueError(f"te_swap.backend: use 'te' or 'emulate', got {self.backend!r}")
-        for key in ("keep_first_blocks", "keep_last_blocks", "min_features"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
-                raise ValueError(f"te_swap.{key}: must be a non-negative integer")
+        for key in ("keep_first_blocks", "keep_last_blocks", "min_gemm_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"te_swap.{key}: must be a non-negative integer, got {value!r}")
+        tokens = self.tokens_per_microbatch
+        if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"te_swap.tokens_per_microbatch: must be a positive integer, "
+                             f"got {tokens!r}")
+        for key in ("keep_lm_head", "convert_layernorm", "fuse_ln_mlp"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"te_swap.{key}: must be true or false")
         for key in ("include", "exclude"):
             try:
                 re.compile(getattr(self, key) or "")
@@ -47,47 +84,193 @@ class SwapConfig:
 
 @dataclass(frozen=True)
 class Decision:
+    """One module: convert or keep, why, and what it weighs (GEMM FLOPs per token, params)."""
+
     name: str
+    kind: Kind
     convert: bool
     reason: str
+    in_features: int
+    out_features: int
     params: int
+    flops_share: float = 0.0  # of all linear-GEMM FLOPs of the model, per token
+
+    @property
+    def flops(self) -> int:
+        """Forward GEMM FLOPs per token (2 per multiply-add); LN-MLP counts its two GEMMs."""
+        if self.kind == "layernorm":
+            return 0
+        return 2 * self.in_features * self.out_features * (2 if self.kind == "ln_mlp" else 1)
 
 
-def _keep_reason(name: str, module: nn.Linear, config: SwapConfig, n_blocks: int) -> str | None:
-    match = _BLOCK.search(name)
-    if match is None:
-        return "outside the transformer blocks (embeddings / LM head stay high precision)"
-    block = int(match.group(1))
-    if block < config.keep_first_blocks or block >= n_blocks - config.keep_last_blocks:
-        return f"block {block} kept in high precision (keep_first/last_blocks)"
+@dataclass(frozen=True)
+class SwapPlan:
+    decisions: tuple[Decision, ...]
+    backend: str
+
+    @property
+    def converted(self) -> list[Decision]:
+        return [d for d in self.decisions if d.convert]
+
+    @property
+    def fp8_flops_share(self) -> float:
+        """Share of the model's linear-GEMM FLOPs that will run in FP8."""
+        return sum(d.flops_share for d in self.converted)
+
+    @property
+    def fp8_param_share(self) -> float:
+        """Share of the parameters of GEMM modules (tied LM head included) that run in FP8."""
+        gemms = [d for d in self.decisions if d.kind != "layernorm"]
+        total = sum(d.params for d in gemms)
+        return sum(d.params for d in gemms if d.convert) / total if total else 0.0
+
+
+def _n_params(*modules: nn.Module) -> int:
+    return sum(p.numel() for m in modules for p in m.parameters(recurse=False))
+
+
+def _filter_reason(name: str, module: nn.Module, config: SwapConfig, n_blocks: int) -> str | None:
+    """Reasons shared by every kind: block position, regexes, the user's filter."""
+    match = _BLOCK.search(name + ".")
+    if match is not None:
+        block = int(match.group(1))
+        if block < config.keep_first_blocks or block >= n_blocks - config.keep_last_blocks:
+            return f"block {block} kept in high precision (keep_first/last_blocks)"
     if config.include and not re.search(config.include, name):
         return "not matched by include"
     if config.exclude and re.search(config.exclude, name):
         return "matched by exclude"
     if config.module_filter_fn is not None and not config.module_filter_fn(module, name):
         return "rejected by module_filter_fn"
-    if module.in_features % 16 or module.out_features % 16:
-        return (f"shape {module.out_features}x{module.in_features} breaks TE's FP8 rule "
-                "(dims divisible by 16)")
-    if min(module.in_features, module.out_features) < config.min_features:
-        return f"smaller than min_features {config.min_features}"
     return None
 
 
-def plan_swap(model: nn.Module, config: SwapConfig) -> list[Decision]:
-    """Convert-or-keep, with the reason, for every `nn.Linear` of `model`."""
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    blocks = {int(b.group(1)) for n, _ in linears if (b := _BLOCK.search(n))}
+def _gemm_reason(in_features: int, out_features: int, config: SwapConfig) -> str | None:
+    """TE's FP8 GEMM rule: a GEMM input's last dim % 16 and its leading dims' product % 8
+    (transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec). The weight [out, in] needs
+    in % 16, and out % 16 too, since out is the last dim of the output gradient the backward
+    GEMMs read in FP8."""
+    if in_features % 16 or out_features % 16:
+        return (f"shape {out_features}x{in_features} breaks TE's FP8 rule "
+                "(weight dims divisible by 16)")
+    tokens = config.tokens_per_microbatch
+    if tokens is not None and tokens % 8:
+        return f"{tokens} tokens per micro-batch breaks TE's FP8 rule (divisible by 8)"
+    if min(in_features, out_features) < config.min_gemm_size:
+        return f"smaller than min_gemm_size {config.min_gemm_size}"
+    return None
+
+
+def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
+    """(why not, ffn) for fusing an MPT block's `norm_2` + `ffn` into `te.LayerNormMLP`."""
+    ffn, norm = getattr(block, "ffn", None), getattr(block, "norm_2", None)
+    if ffn is None or norm is None:
+        return "no norm_2 + ffn pair (ffn_type te_ln_mlp is already fused)", None
+    if hasattr(ffn, "gate_proj"):
+        return ("ffn_type mptglu is not fused: TE's geglu/swiglu use their own gate/up layout "
+                "and tanh GELU; kept as separate linears"), None
+    if not (isinstance(getattr(ffn, "up_proj", None), nn.Linear)
+            and isinstance(getattr(ffn, "down_proj", None), nn.Linear)):
+        return f"ffn {type(ffn).__name__} is not an MPT MLP (up_proj/down_proj)", None
+    act = getattr(ffn, "act", None)
+    if not (isinstance(act, functools.partial) and act.func is nn.functional.gelu):
+        return "ffn_act_fn is not GELU: TE's LayerNormMLP here only maps gelu", None
+    if not isinstance(norm, nn.LayerNorm):
+        return f"norm {type(norm).__name__} is not a LayerNorm", None
+    if norm.bias is None:
+        return "norm has no bias: te.LayerNormMLP always trains one", None
+    if (ffn.up_proj.bias is None) != (ffn.down_proj.bias is None):
+        return "up_proj/down_proj bias mismatch", None
+    return None, ffn
+
+
+def _backend_reason(config: SwapConfig, what: str) -> str | None:
+    if config.backend != "te":
+        return f"{what} needs backend te (the emulated backend converts linear layers only)"
+    return None
+
+
+def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
+    """Convert-or-keep, with the reason, for every candidate module of `model`."""
+    modules = dict(model.named_modules())
+    blocks = {int(b.group(1)) for n in modules if (b := _BLOCK.search(n + "."))}
     n_blocks = max(blocks) + 1 if blocks else 0
-    plan = []
-    for name, module in linears:
-        reason = _keep_reason(name, module, config, n_blocks)
-        plan.append(Decision(name, reason is None, reason or "converted",
-                             module.weight.numel()))
-    return plan
+    decisions: list[Decision] = []
+    fused: set[str] = set()
+
+    if config.fuse_ln_mlp:
+        max_abs, max_rel = gelu_tanh_error()
+        for name, block in modules.items():
+            if not (hasattr(block, "norm_2") and hasattr(block, "ffn")):
+                continue
+            why, ffn = _fusable_mlp(block)
+            if ffn is not None:
+                up = ffn.up_proj
+                why = (_backend_reason(config, "fuse_ln_mlp")
+                       or _filter_reason(f"{name}.ffn", ffn, config, n_blocks)
+                       or _gemm_reason(up.in_features, up.out_features, config))
+            if why is not None:  # a note only: its linears are planned one by one below
+                decisions.append(Decision(f"{name}.ffn", "ln_mlp", False, f"not fused: {why}",
+                                          0, 0, 0))
+                continue
+            fused.update(f"{name}.{part}" for part in ("norm_2", "ffn.up_proj", "ffn.down_proj"))
+            decisions.append(Decision(
+                f"{name}.ffn", "ln_mlp", True,
+                f"fused norm_2+MLP; TE gelu is tanh-approx (max abs diff {max_abs:.1e}, "
+                f"rel {max_rel:.1e} vs MPT's exact erf GELU)",
+                up.in_features, up.out_features, _n_params(block.norm_2, up, ffn.down_proj)))
+
+    for name, module in modules.items():
+        if name in fused:
+            continue
+        if isinstance(module, nn.Linear):
+            if _BLOCK.search(name + ".") is None and not name.endswith("lm_head"):
+                reason = "outside the transformer blocks"
+            elif name.endswith("lm_head") and config.keep_lm_head:
+                reason = "LM head kept in high precision (keep_lm_head)"
+            else:
+                reason = (_filter_reason(name, module, config, n_blocks)
+                          or _gemm_reason(module.in_features, module.out_features, config))
+            decisions.append(Decision(name, "linear", reason is None, reason or "converted",
+                                      module.in_features, module.out_features, _n_params(module)))
+        elif config.convert_layernorm and isinstance(module, nn.LayerNorm):
+            reason = (_backend_reason(config, "convert_layernorm")
+                      or _filter_reason(name, module, config, n_blocks))
+            if reason is None and module.bias is None:
+                reason = "no bias: te.LayerNorm always trains one"
+            if reason is None and module.weight.device.type == "meta":
+                reason = ("init_device meta: LLM-Foundry's param_init_fn would not initialise "
+                          "te.LayerNorm (not in its norms registry)")
+            decisions.append(Decision(name, "layernorm", reason is None,
+                                      reason or "te.LayerNorm (fused kernel, not FP8)",
+                                      module.normalized_shape[-1], module.normalized_shape[-1],
+                                      _n_params(module)))
+
+    tied = _tied_lm_head(model)
+    if tied is not None:
+        vocab, d_model = tied
+        decisions.append(Decision("lm_head (tied to wte)", "tied_lm_head", False,
+                                  "tied to the embedding (F.linear on wte.weight): no module to "
+                                  "convert", d_model, vocab, vocab * d_model))
+    total = sum(d.flops for d in decisions) or 1
+    decisions = [Decision(**{**d.__dict__, "flops_share": d.flops / total}) for d in decisions]
+    return SwapPlan(tuple(decisions), config.backend)
 
 
-def _converter(backend: str) -> Callable[[nn.Linear], nn.Module]:
+def _tied_lm_head(model: nn.Module) -> tuple[int, int] | None:
+    """(vocab, d_model) when the model computes logits from its input embedding (MPT's
+    `tie_word_embeddings`, default true), else None. Looks through wrappers (Composer's)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(module, "get_input_embeddings") and hasattr(config, "tie_word_embeddings"):
+            if not config.tie_word_embeddings:
+                return None
+            weight = module.get_input_embeddings().weight
+            return weight.shape[0], weight.shape[1]
+    return None
+
+
+def _converter(backend: str, kind: Kind) -> Callable[[nn.Module], nn.Module]:
     if backend == "emulate":
         from foundry_fp8.emulate import EmulatedFP8Linear
 
@@ -95,46 +278,79 @@ def _converter(backend: str) -> Callable[[nn.Linear], nn.Module]:
     from foundry_fp8 import te_backend
 
     te_backend.require_te()
-    return te_backend.make_te_linear
+    return te_backend.make_te_linear if kind == "linear" else te_backend.make_te_layernorm
 
 
-def apply_swap(model: nn.Module, plan: list[Decision], backend: str,
+def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
                optimizers: Optimizer | Sequence[Optimizer] | None = None) -> int:
-    """Convert the planned modules in place; the optimizers follow the new parameters."""
-    from composer.utils.module_surgery import replace_module_classes
+    """Convert the planned modules in place; the optimizers follow the new parameters.
 
-    convert = _converter(backend)
-    wanted = {d.name for d in plan if d.convert}
-    targets = {id(m) for n, m in model.named_modules() if n in wanted}
+    Linear and LayerNorm swaps keep every parameter name. A fused LN-MLP replaces the block's
+    `ffn` (and sets `norm_2` to None, as LLM-Foundry's `te_ln_mlp` blocks have it), so its
+    parameters get TE's names (`ffn.layer_norm_weight`, `ffn.fc1_weight`, ...).
+    """
+    from composer.utils.module_surgery import replace_module_classes, update_params_in_optimizer
+
+    backend = backend or plan.backend
+    modules = dict(model.named_modules())
+    count = 0
+    for decision in plan.converted:
+        if decision.kind != "ln_mlp":
+            continue
+        from foundry_fp8 import te_backend
+
+        te_backend.require_te()
+        block = modules[decision.name.removesuffix(".ffn")]
+        old = [block.norm_2, block.ffn.up_proj, block.ffn.down_proj]
+        new = te_backend.make_te_layernorm_mlp(*old)  # LLM-Foundry's te init knows it
+        if optimizers is not None:
+            update_params_in_optimizer([p for m in old for p in m.parameters()],
+                                       list(new.parameters()), optimizers)
+        block.ffn, block.norm_2 = new, None
+        count += 1
+
+    targets = {id(modules[d.name]): d.kind for d in plan.converted if d.kind != "ln_mlp"}
 
     def policy(module: nn.Module, index: int) -> nn.Module | None:
         del index
-        if id(module) not in targets:
+        kind = targets.get(id(module))
+        if kind is None:
             return None
-        new = convert(module)
+        new = _converter(backend, kind)(module)
         for attr in KEPT_ATTRIBUTES:
             if hasattr(module, attr):
                 setattr(new, attr, getattr(module, attr))
         return new
 
-    return len(replace_module_classes(model, {nn.Linear: policy}, optimizers=optimizers))
+    policies = {nn.Linear: policy, nn.LayerNorm: policy}
+    return count + len(replace_module_classes(model, policies, optimizers=optimizers))
 
 
-def coverage_table(plan: list[Decision]) -> str:
-    """Converted vs kept layers by reason, with the share of linear parameters in FP8."""
-    total = sum(d.params for d in plan) or 1
-    rows: dict[str, list[int]] = {}
-    for d in plan:
-        row = rows.setdefault(d.reason, [0, 0])
+def coverage_table(plan: SwapPlan) -> str:
+    """Converted vs kept modules by reason, with their share of linear FLOPs and params."""
+    rows: dict[tuple[bool, str, str], list[float]] = {}
+    for d in plan.decisions:
+        row = rows.setdefault((d.convert, d.kind, d.reason), [0, 0, 0.0])
         row[0] += 1
         row[1] += d.params
-    lines = ["| layers | linear params | share | decision |", "|---|---|---|---|"]
-    for reason, (count, params) in sorted(rows.items(), key=lambda kv: kv[0] != "converted"):
-        lines.append(f"| {count} | {params} | {100 * params / total:.1f}% | {reason} |")
+        row[2] += d.flops_share
+    lines = [f"te_swap coverage ({plan.backend}): {100 * plan.fp8_flops_share:.1f}% of linear "
+             f"FLOPs and {100 * plan.fp8_param_share:.1f}% of linear params in FP8",
+             "| FP8 | kind | modules | params | FLOPs share | reason |",
+             "|---|---|---|---|---|---|"]
+    for (convert, kind, reason), (count, params, share) in sorted(
+            rows.items(), key=lambda kv: (not kv[0][0], kv[0][1], -kv[1][2])):
+        lines.append(f"| {'yes' if convert else 'no'} | {kind} | {count} | {params} | "
+                     f"{100 * share:.1f}% | {reason} |")
     return "\n".join(lines)
 
 
-def fp8_share(plan: list[Decision]) -> float:
-    """Share of linear parameters (and so, per token, of linear FLOPs) that run in FP8."""
-    total = sum(d.params for d in plan)
-    return sum(d.params for d in plan if d.convert) / total if total else 0.0
+def would_run_fp8(precision: str, te_modules: int, emulated_modules: int = 0) -> bool:
+    """Whether a run computes anything in FP8.
+
+    `amp_fp8` only makes TE modules (`fc_type: te`, `te_ln_mlp`, or converted by te_swap) run
+    in FP8: Composer wraps the forward in TE's autocast, which leaves torch layers untouched.
+    Emulated FP8 layers run their FP8 numerics at any precision.
+    """
+    return emulated_modules > 0 or (precision == "amp_fp8" and te_modules > 0)
+

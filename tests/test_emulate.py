@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
-from foundry_fp8.numerics import FP8_MAX, quantize_dequantize
+from foundry_fp8.numerics import FP8_MAX, delayed_scale_update, quantize_dequantize
 from foundry_fp8.recipe import FP8Recipe
 
 
@@ -73,3 +73,56 @@ def test_current_scaling_keeps_no_history_and_saturates_nothing():
     want = nn.functional.linear(quantize_dequantize(x, sx, "e4m3"),
                                 quantize_dequantize(layer.weight.detach(), sw, "e4m3"), layer.bias)
     assert torch.allclose(out, want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["HYBRID", "E4M3"])
+def test_state_equals_a_loop_of_delayed_scale_update(fmt):
+    """Full history and scales, forward and backward, after every step, with margin and
+    most_recent, against numerics.delayed_scale_update fed amaxes taken from the raw tensors."""
+    recipe = FP8Recipe(fp8_format=fmt, amax_history_len=3, amax_compute_algo="most_recent",
+                       margin=1)
+    torch.manual_seed(0)
+    layer = EmulatedFP8Linear(16, 8, bias=False)
+    fwd_hist, fwd_scale = torch.zeros(3, 3), torch.ones(3)
+    bwd_hist, bwd_scale = torch.zeros(3, 2), torch.ones(2)
+    bwd_max = FP8_MAX[recipe.format_for("backward")]
+    for step in range(5):
+        x = torch.randn(4, 16) * 10 ** (step - 2)
+        with fp8_autocast(recipe=recipe):
+            out = layer(x)
+        fwd_hist[0, :2] = torch.stack([x.abs().max(), layer.weight.detach().abs().max()])
+        fwd_hist, fwd_scale = delayed_scale_update(fwd_hist, fwd_scale, 448.0, "most_recent", 1)
+        grad = torch.randn_like(out) * (step + 1)
+        out.backward(grad)
+        bwd_hist[0, 0] = grad.abs().max()
+        bwd_hist, bwd_scale = delayed_scale_update(bwd_hist, bwd_scale, bwd_max, "most_recent", 1)
+        meta = layer.fp8_meta
+        assert torch.equal(meta["scaling_fwd"].amax_history, fwd_hist)
+        assert torch.equal(meta["scaling_fwd"].scale, fwd_scale)
+        assert torch.equal(meta["scaling_bwd"].amax_history, bwd_hist)
+        assert torch.equal(meta["scaling_bwd"].scale, bwd_scale)
+
+
+def test_gradients_equal_float64_reference():
+    """dX = qdq(dY) @ qdq(W), dW = qdq(dY)^T @ qdq(X) (E5M2 gradients under HYBRID), and, as in
+    TE's fused bgrad, db = sum of the unquantized dY; scales in force, float64."""
+    torch.manual_seed(0)
+    layer = EmulatedFP8Linear(32, 16)
+    recipe = FP8Recipe()
+    for step in range(3):  # later steps use non-trivial delayed scales
+        x = (torch.randn(2, 5, 32) * (step + 1)).requires_grad_()
+        sx, sw = layer.fp8_meta["scaling_fwd"].scale[:2].clone()
+        sg = layer.fp8_meta["scaling_bwd"].scale[0].clone()
+        layer.zero_grad()
+        with fp8_autocast(recipe=recipe):
+            out = layer(x)
+        grad = torch.randn_like(out) * 1e-3
+        out.backward(grad)
+        qx = quantize_dequantize(x.detach(), sx, "e4m3").double()
+        qw = quantize_dequantize(layer.weight.detach(), sw, "e4m3").double()
+        qg = quantize_dequantize(grad, sg, "e5m2").double()
+        assert torch.allclose(x.grad.double(), qg @ qw, rtol=1e-5, atol=1e-9)
+        want_dw = qg.reshape(-1, 16).t() @ qx.reshape(-1, 32)
+        assert torch.allclose(layer.weight.grad.double(), want_dw, rtol=1e-5, atol=1e-9)
+        assert torch.allclose(layer.bias.grad.double(), grad.double().sum((0, 1)), rtol=1e-5)
+    assert sg != 1.0  # the last step really ran with a delayed backward scale

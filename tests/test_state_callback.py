@@ -3,12 +3,23 @@ one (real LLM-Foundry runs with te_swap's emulated backend); mismatches are name
 
 from __future__ import annotations
 
+import logging
+import pickle
+
 import pytest
 import torch
+from composer.core import Event
+from composer.loggers import Logger
 from torch import nn
 
-from foundry_fp8.composer.state import FP8State, fp8_state_from_checkpoint
-from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.composer.state import (
+    FP8State,
+    FP8StateError,
+    fp8_state_from_checkpoint,
+    recompute_settings,
+    without_pickled_extra_state,
+)
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
 from foundry_fp8.jsonl import read_jsonl
 from tests.tiny_run import run_folder, run_tiny
 
@@ -71,3 +82,145 @@ def test_round_trip_and_named_mismatch():
     lenient = FP8State(strict=False)
     lenient._model = target
     lenient.load_state_dict(state)  # warns, restores the modules that match
+
+
+# -- TE's pickled _extra_state ---------------------------------------------------------------
+
+
+class PickledExtraStateLinear(EmulatedFP8Linear):
+    """TE's extra-state contract: a pickle in a uint8 tensor on save; on load an empty tensor is
+    skipped and a non-empty one refused, as TE >= 2.16 does without
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE (transformer_engine/pytorch/module/base.py)."""
+
+    def get_extra_state(self):
+        payload = pickle.dumps({"scale_fwd": self.fp8_meta["scaling_fwd"].scale.clone()})
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        if state.numel():
+            raise RuntimeError("refusing to unpickle _extra_state")
+
+
+def test_without_pickled_extra_state_keeps_keys_and_values():
+    sd = {"a.weight": torch.ones(2), "a._extra_state": torch.arange(5, dtype=torch.uint8),
+          "b._extra_state_like": torch.ones(1)}
+    clean = without_pickled_extra_state(sd)
+    assert clean.keys() == sd.keys() and clean["a.weight"] is sd["a.weight"]
+    assert clean["a._extra_state"].numel() == 0 and clean["a._extra_state"].dtype == torch.uint8
+    assert clean["b._extra_state_like"] is sd["b._extra_state_like"]
+    assert sd["a._extra_state"].numel() == 5  # input untouched
+
+
+def test_composer_model_state_dict_has_no_pickled_extra_state(tmp_path):
+    from composer.core import Precision, State
+    from composer.devices import DeviceCPU
+    from composer.models import ComposerClassifier
+
+    def model():
+        torch.manual_seed(0)
+        return ComposerClassifier(nn.Sequential(PickledExtraStateLinear(16, 16)), num_classes=16)
+
+    saved = model()
+    state = State(model=saved, rank_zero_seed=0, run_name="x", device=DeviceCPU(),
+                  precision=Precision.FP32)
+    assert saved.state_dict()["module.0._extra_state"].numel() > 0  # before fp8_state
+    FP8State().run_event(Event.INIT, state, Logger(state))
+    sd = state.get_model_state_dict()  # what Composer writes into checkpoints
+    assert sd["module.0._extra_state"].numel() == 0
+    torch.save(sd, tmp_path / "model.pt")
+    fresh = model()
+    fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
+    assert torch.equal(fresh.module[0].weight, saved.module[0].weight)
+
+
+# -- activation checkpointing guard -----------------------------------------------------------
+
+
+AC = {"activation_checkpointing": True, "activation_checkpointing_reentrant": True,
+      "te_checkpoint_wrapper": False}
+
+
+def test_recompute_settings():
+    assert recompute_settings("amp_fp8", AC, 1, (2, 8), emulated=False) == {
+        "te_checkpoint_wrapper": True, "activation_checkpointing_reentrant": False}
+    done = {**AC, "te_checkpoint_wrapper": True, "activation_checkpointing_reentrant": False}
+    assert recompute_settings("amp_fp8", done, 1, (2, 8), emulated=False) == {}
+    assert recompute_settings("amp_fp8", {**AC, "activation_checkpointing": False}, 1, (2, 8),
+                              emulated=False) == {}
+    assert recompute_settings("amp_bf16", AC, 1, (2, 8), emulated=False) == {}
+    assert recompute_settings("amp_fp8", None, 0, (2, 8), emulated=True) == {}
+    with pytest.raises(FP8StateError, match=r"TransformerEngine 1\.11\.0 .*>= 1\.12"):
+        recompute_settings("amp_fp8", AC, 1, (1, 11, 0), emulated=False)
+    with pytest.raises(FP8StateError, match="only FSDP1"):
+        recompute_settings("amp_fp8", {"activation_checkpointing": True}, 2, (2, 8),
+                           emulated=False)
+    with pytest.raises(FP8StateError, match="emulated FP8 layers outside FP8"):
+        recompute_settings("fp32", AC, 1, None, emulated=True)
+
+
+# -- the #1190 symptom watch, in real Composer training -------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self, checkpoint):
+        super().__init__()
+        self.stem, self.head = nn.Linear(16, 16), nn.Linear(16, 4)  # kept high precision
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.checkpoint = checkpoint
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = self.checkpoint(block, x)
+        return self.head(x)
+
+
+def _fit(checkpoint, callback: FP8State):
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from foundry_fp8.composer.te_swap import TESwap
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 16) * 4, torch.randint(0, 4, (64,)))
+    trainer = Trainer(model=ComposerClassifier(_Net(checkpoint), num_classes=4),
+                      train_dataloader=DataLoader(data, batch_size=8), max_duration="6ba",
+                      algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
+                      callbacks=[callback], device="cpu", progress_bar=False, loggers=[])
+    trainer.fit()
+    return trainer
+
+
+def _reentrant(fn, x):
+    return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=True)
+
+
+def test_watch_fails_on_frozen_backward_scales():
+    with pytest.raises(FP8StateError, match=r"backward FP8 scales are not updating .* "
+                                            r"module\.blocks\.0\.down, module\.blocks\.0\.up"):
+        _fit(_reentrant, FP8State())
+
+
+def test_watch_warns_when_not_strict(caplog):
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+        _fit(_reentrant, FP8State(strict=False))
+    assert "TE #1190 symptom" in caplog.text
+
+
+def test_watch_quiet_with_fp8_checkpoint(caplog):
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+        trainer = _fit(fp8_checkpoint, FP8State())
+    assert "symptom" not in caplog.text
+    layer = trainer.state.model.module.blocks[1].up
+    assert isinstance(layer, EmulatedFP8Linear)
+    assert layer.fp8_meta["scaling_bwd"].amax_history.abs().sum() > 0

@@ -1,70 +1,303 @@
-"""`fp8_state`: FP8 amax histories and scales saved in, and restored from, Composer checkpoints.
+"""`fp8_state`: FP8 amax histories and scales kept right across checkpoints and activation recompute.
 
-The state lives in this callback's own entry of the checkpoint, keyed by module name, so resuming
-never depends on TE's pickled `_extra_state` (which TE >= 2.16 refuses to unpickle by default).
+The state lives in this callback's own entry of the checkpoint, keyed by module name (per rank
+where ranks differ), so resuming never depends on TE's pickled `_extra_state`: TE >= 2.16 refuses
+to unpickle it without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE, before any callback could help. Our
+checkpoints keep the `_extra_state` keys but store an empty tensor, which TE's `set_extra_state`
+skips. At INIT it also makes FSDP activation checkpointing recompute under FP8 (TE #1190), and
+for the first batches it watches for the #1190 symptom: forward FP8 state moving while the
+backward state stands still.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
+from composer.utils import dist
+from torch import nn
 
-from foundry_fp8.fp8_meta import fp8_modules, read_fp8_meta, write_fp8_meta
+from foundry_fp8.emulate import EmulatedFP8Linear
+from foundry_fp8.fp8_meta import fp8_modules, is_fp8_module, read_fp8_meta, write_fp8_meta
 
 log = logging.getLogger(__name__)
 
+FP8ModuleState = dict[str, dict[str, torch.Tensor]]
 
-def fp8_state_from_checkpoint(path: str | Path) -> dict[str, dict[str, torch.Tensor]]:
-    """The FP8 state `fp8_state` stored in a Composer checkpoint file (empty if none)."""
+#: Activation recompute of TE modules is wrong before TE 1.12 (TE issue #1190).
+MIN_TE_FOR_RECOMPUTE = (1, 12)
+
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+# Name segments that FSDP, activation checkpointing and torch.compile insert into module names.
+_WRAPPER_SEGMENT = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)"
+                              r"(?=\.|$)")
+
+
+class FP8StateError(ValueError):
+    """A checkpoint or configuration that fp8_state refuses; the message names what to fix."""
+
+
+def canonical_name(name: str) -> str:
+    """A module name without the wrappers' segments, so FSDP and plain runs use the same keys."""
+    return _WRAPPER_SEGMENT.sub("", name).lstrip(".")
+
+
+def empty_extra_state() -> torch.Tensor:
+    """What TE's `set_extra_state` skips: an empty uint8 tensor (no pickle to load)."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def without_pickled_extra_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a model state_dict whose `_extra_state` entries hold no pickled state.
+
+    The keys stay (a strict load expects them); TE >= 2.16 then loads the checkpoint without
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE. The FP8 state they held is what `fp8_state` saves.
+    """
+    return {k: empty_extra_state() if k.split(".")[-1] == EXTRA_STATE_SUFFIX else v
+            for k, v in state_dict.items()}
+
+
+def _empty_extra_state_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                            local_metadata: Any) -> None:
+    del module, local_metadata
+    key = prefix + EXTRA_STATE_SUFFIX
+    if key in state_dict:
+        state_dict.update(without_pickled_extra_state({key: state_dict[key]}))
+
+
+def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
+    """The FP8 state `fp8_state` stored in a Composer checkpoint file, rank 0's (empty if none)."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     return checkpoint["state"].get("callbacks", {}).get(FP8State.__qualname__, {}).get(
         "modules", {})
 
 
-class FP8State(Callback):
-    """`callbacks: {fp8_state: {strict: true}}`. With `strict`, a checkpoint whose FP8 modules do
-    not match the model's is an error naming them; otherwise a warning."""
+def recompute_settings(precision: str, fsdp: Mapping[str, Any] | None, fsdp_version: int,
+                       te_version: tuple[int, ...] | None, emulated: bool) -> dict[str, Any]:
+    """The FSDP config fields to set so that activation recompute runs under FP8.
 
-    def __init__(self, strict: bool = True):
+    Composer recomputes TE modules under FP8 only with its `te_checkpoint_wrapper` (FSDP1,
+    `amp_fp8`, non-reentrant), while its default is reentrant torch checkpointing. Raises
+    `FP8StateError` where no setting makes the recompute safe.
+    """
+    if not fsdp or not (fsdp.get("activation_checkpointing") or fsdp.get("activation_cpu_offload")):
+        return {}
+    if emulated:
+        raise FP8StateError(
+            "fp8_state: fsdp_config.activation_checkpointing would recompute te_swap's emulated "
+            "FP8 layers outside FP8 (TE #1190 class); turn it off, or checkpoint with "
+            "foundry_fp8.emulate.fp8_checkpoint in your own model")
+    if precision != "amp_fp8" or te_version is None:
+        return {}
+    if tuple(te_version) < MIN_TE_FOR_RECOMPUTE:
+        raise FP8StateError(
+            f"fp8_state: TransformerEngine {'.'.join(map(str, te_version))} recomputes FP8 "
+            f"activations wrongly (TE #1190); use TransformerEngine >= "
+            f"{'.'.join(map(str, MIN_TE_FOR_RECOMPUTE))} or turn off "
+            "fsdp_config.activation_checkpointing")
+    if fsdp_version != 1:
+        raise FP8StateError(
+            "fp8_state: with amp_fp8, fsdp_config.activation_checkpointing needs Composer's "
+            "te_checkpoint_wrapper, which only FSDP1 has; use FSDP1 or turn activation "
+            "checkpointing off")
+    wanted = {"te_checkpoint_wrapper": True, "activation_checkpointing_reentrant": False}
+    return {k: v for k, v in wanted.items() if fsdp.get(k) != v}
+
+
+def stale_backward_modules(before: FP8ModuleState, after: FP8ModuleState,
+                           grads_nonzero: set[str]) -> list[str]:
+    """Modules whose forward FP8 state moved over a batch while their backward state did not,
+    although their weight had a non-zero gradient: the #1190 symptom (backward amaxes never
+    recorded). With current scaling neither moves, so nothing is reported."""
+    stale = []
+    for name in sorted(before.keys() & after.keys() & grads_nonzero):
+        old, new = before[name], after[name]
+        moved = [not torch.equal(old[k], new[k]) for k in ("fwd_amax_history", "bwd_amax_history")]
+        if moved[0] and not moved[1] and torch.equal(old["bwd_scale"], new["bwd_scale"]):
+            stale.append(name)
+    return stale
+
+
+class FP8State(Callback):
+    """`callbacks: {fp8_state: {strict: true, watch_batches: 8}}`.
+
+    With `strict`, a checkpoint whose FP8 modules do not match the model's, and the #1190
+    symptom, are errors naming the modules; otherwise warnings. Unsafe activation-checkpointing
+    setups are always refused. `watch_batches`: how many first batches the symptom is watched
+    for (0: never); it shows from the first batches on.
+    """
+
+    def __init__(self, strict: bool = True, watch_batches: int = 8):
+        if not isinstance(watch_batches, int) or watch_batches < 0:
+            raise ValueError(f"fp8_state.watch_batches: must be a non-negative integer, got "
+                             f"{watch_batches!r}")
         self.strict = strict
-        self._model: torch.nn.Module | None = None
-        self._pending: dict[str, dict[str, torch.Tensor]] | None = None
+        self.watch_batches = watch_batches
+        self._model: nn.Module | None = None
+        self._pending: dict[str, Any] | None = None
+        self._last: FP8ModuleState | None = None
+        self._stale: dict[str, int] = {}
+        self._watched = 0
+
+    # -- events ---------------------------------------------------------------------------
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         del logger
-        if event == Event.INIT:
-            self._model = state.model  # te_swap has converted it (algorithms run first)
-        elif event in (Event.AFTER_LOAD, Event.FIT_START) and self._pending is not None:
-            self._restore(self._pending)
-            self._pending = None
+        try:
+            if event == Event.INIT:
+                self._init(state)
+            elif event == Event.FIT_START and self._pending is not None:
+                self.load_state_dict(self._pending)
+            elif event == Event.BATCH_END and self.watch_batches:
+                self._watch()
+        except FP8StateError:
+            raise
+        except Exception:
+            if self.strict:
+                raise
+            log.exception("fp8_state: internal error at %s; FP8 symptom watch disabled", event)
+            self.watch_batches = 0
+
+    def _init(self, state: State) -> None:
+        """After te_swap converted the model (algorithms run before callbacks at INIT) and
+        before FSDP wraps it (after INIT), so FSDP config changes still take effect."""
+        self._model = state.model
+        for module in state.model.modules():  # FP8 modules, and TE's ops (te.LayerNorm)
+            if is_fp8_module(module) or type(module).__module__.startswith("transformer_engine"):
+                module.register_state_dict_post_hook(_empty_extra_state_hook)
+        fsdp = state.fsdp_config
+        fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing",
+                                                "activation_cpu_offload", "te_checkpoint_wrapper",
+                                                "activation_checkpointing_reentrant")
+                  if hasattr(fsdp, k)}
+        precision = state.precision.value
+        te_version = None
+        if precision == "amp_fp8" and fields.get("activation_checkpointing"):
+            from foundry_fp8.te_backend import te_version as installed_te_version
+
+            te_version = installed_te_version()
+        emulated = any(isinstance(m, EmulatedFP8Linear) for m in state.model.modules())
+        settings = recompute_settings(precision, fields, state.fsdp_config_version, te_version,
+                                      emulated)
+        for key, value in settings.items():
+            setattr(fsdp, key, value)
+            log.warning("fp8_state: set fsdp_config.%s=%s so activation recompute runs under "
+                        "FP8 (TE #1190)", key, value)
+
+    def _watch(self) -> None:
+        assert self._model is not None
+        current = self._local_state()
+        grads_nonzero = {canonical_name(n) for n, m in fp8_modules(self._model)
+                         if any(p.grad is not None and bool(p.grad.abs().max() > 0)
+                                for p in m.parameters(recurse=False))}
+        if self._last is not None:
+            stale = set(stale_backward_modules(self._last, current, grads_nonzero))
+            self._stale = {n: self._stale.get(n, 0) + 1 for n in stale}
+            if any(count >= 2 for count in self._stale.values()):
+                self._report_stale(sorted(self._stale))
+        self._last = current
+        self._watched += 1
+        if self._watched >= self.watch_batches:
+            self.watch_batches, self._last = 0, None
+
+    def _report_stale(self, names: list[str]) -> None:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        message = (f"fp8_state: backward FP8 scales are not updating while forward ones are "
+                   f"(TE #1190 symptom: activation recompute outside FP8?) in {shown}")
+        if self.strict:
+            raise FP8StateError(message + " (fp8_state: {strict: false} only warns)")
+        log.warning(message)
+        self.watch_batches = 0
+
+    # -- checkpoint state -----------------------------------------------------------------
+
+    def _local_state(self) -> FP8ModuleState:
+        assert self._model is not None
+        return {canonical_name(name): tensors for name, module in fp8_modules(self._model)
+                if (tensors := read_fp8_meta(module))}
 
     def state_dict(self) -> dict[str, Any]:
-        if self._model is None:
-            return {"modules": {}}
-        return {"modules": {name: read_fp8_meta(m) for name, m in fp8_modules(self._model)}}
+        """Rank 0's state as `modules`; every rank's as `ranks` when they differ. The same on
+        all ranks (all ranks call this when Composer saves), so any rank's file is complete."""
+        local = self._local_state() if self._model is not None else {}
+        ranks = dist.all_gather_object(local) if dist.get_world_size() > 1 else [local]
+        saved: dict[str, Any] = {"modules": ranks[0]}
+        if any(not _same_state(ranks[0], other) for other in ranks[1:]):
+            saved["ranks"] = ranks
+        return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._pending = state.get("modules", {})
-        if self._model is not None:
-            self._restore(self._pending)
-            self._pending = None
+        if self._model is None:  # restored at FIT_START, once the model is known
+            self._pending = state
+            return
+        self._pending = None
+        self._restore(self._this_rank(state))
 
-    def _restore(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _this_rank(self, state: dict[str, Any]) -> FP8ModuleState:
+        ranks = state.get("ranks")
+        if ranks is None:
+            return state.get("modules", {})
+        world, rank = dist.get_world_size(), dist.get_global_rank()
+        if len(ranks) == world:
+            return ranks[rank]
+        self._mismatch(f"fp8_state: the checkpoint holds per-rank FP8 state for {len(ranks)} "
+                       f"ranks, this run has {world}; using rank 0's on every rank")
+        return state["modules"]
+
+    def _mismatch(self, message: str) -> None:
+        if self.strict:
+            raise FP8StateError(message + " (set fp8_state: {strict: false} to continue)")
+        log.warning(message)
+
+    def _restore(self, saved: FP8ModuleState) -> None:
         assert self._model is not None
-        modules = dict(fp8_modules(self._model))
-        missing, unexpected = sorted(modules.keys() - saved.keys()), sorted(saved.keys() - modules.keys())
+        modules = {canonical_name(n): m for n, m in fp8_modules(self._model)}
+        missing = sorted(modules.keys() - saved.keys())
+        unexpected = sorted(saved.keys() - modules.keys())
         if missing or unexpected:
-            message = (f"fp8_state: checkpoint FP8 modules do not match the model; in the model "
-                       f"only: {missing or 'none'}; in the checkpoint only: {unexpected or 'none'}")
-            if self.strict:
-                raise ValueError(message + " (set fp8_state: {strict: false} to continue)")
-            log.warning(message)
-        for name in modules.keys() & saved.keys():
-            write_fp8_meta(modules[name], saved[name])
+            self._mismatch(f"fp8_state: checkpoint FP8 modules do not match the model; in the "
+                           f"model only: {missing or 'none'}; in the checkpoint only: "
+                           f"{unexpected or 'none'}")
+        shapes = []
+        for name in sorted(modules.keys() & saved.keys()):
+            module = modules[name]
+            if not read_fp8_meta(module):  # TE before its first FP8 forward
+                _restore_at_first_forward(module, saved[name])
+                continue
+            try:
+                write_fp8_meta(module, saved[name])
+            except ValueError as error:
+                shapes.append(f"{name} ({error})")
+        if shapes:
+            self._mismatch("fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
+                           + "; ".join(shapes))
         log.info("fp8_state: restored amax history and scales of %d modules",
-                 len(modules.keys() & saved.keys()))
+                 len(modules.keys() & saved.keys()) - len(shapes))
+
+
+def _same_state(a: FP8ModuleState, b: FP8ModuleState) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n])
+        for n in a)
+
+
+def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """TE creates a module's scaling state in its first FP8 forward; create it a moment earlier
+    (inside the model forward, so inside Composer's FP8 autocast) and write the saved values."""
+
+    def pre_hook(mod: nn.Module, args: Any) -> None:
+        del args
+        if not read_fp8_meta(mod):
+            mod.init_fp8_metadata(num_gemms=len(tensors["fwd_scale"]) // 3)
+        if read_fp8_meta(mod):  # FP8 is on: TE made the state
+            write_fp8_meta(mod, tensors)
+            handle.remove()
+
+    handle = module.register_forward_pre_hook(pre_hook)

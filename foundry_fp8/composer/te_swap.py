@@ -1,72 +1,189 @@
-"""`te_swap`: the Composer algorithm that puts a model's linear layers in FP8.
+"""`te_swap`: the Composer algorithm that puts a model's layers in FP8, with the chosen recipe.
 
-At INIT (before FSDP wraps the model, after LLM-Foundry built the optimizer) it plans and
-converts, moving the optimizer to the new parameters, and prints the coverage table. With the
-`emulate` backend it runs each training forward under `emulate.fp8_autocast` with the chosen
-recipe; eval forwards stay in high precision, as Composer does for `amp_fp8`.
+At INIT (Composer runs it before FSDP wraps the model; LLM-Foundry has already built the
+optimizer) it plans, refuses runs where nothing would compute in FP8, converts (moving the
+optimizer to the new parameters) and prints and logs the coverage table with the recipe.
+
+The recipe reaches the layers one way per path, so exactly one recipe is ever active:
+- `te` + `delayed`: Composer's own `amp_fp8` autocast builds `DelayedScaling(**precision_config)`
+  on every batch, so the recipe goes into the run state's precision config (see
+  `_set_precision_config`).
+- `te` + `current`: Composer cannot build `Float8CurrentScaling`, so TE's autocast with it is
+  entered around the model's training forward, inside Composer's (forward hooks on the model run
+  inside Composer's precision context); TE modules see only the innermost recipe.
+- `emulate`: `emulate.fp8_autocast(recipe)` around the model's training forward, the same way.
+Eval forwards stay in high precision, as Composer runs them (`fp8_autocast_enabled=False`).
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
+from torch import nn
 
-from foundry_fp8.recipe import FP8Recipe
-from foundry_fp8.swap import SwapConfig, apply_swap, coverage_table, fp8_share, plan_swap
+from foundry_fp8.fp8_meta import is_fp8_module
+from foundry_fp8.recipe import FP8Recipe, RecipeError, environment_problems
+from foundry_fp8.swap import (
+    SwapConfig,
+    SwapPlan,
+    apply_swap,
+    coverage_table,
+    plan_swap,
+    would_run_fp8,
+)
 
 log = logging.getLogger(__name__)
 
+#: LLM-Foundry's train() warns this (llmfoundry/command_utils/train.py, validate_config) before
+#: any algorithm exists, so it cannot be filtered from here; te_swap answers it at INIT.
+FOUNDRY_FP8_WARNING = "fp8 only supported for te.Linear layers"
+
 
 class TESwap(Algorithm):
-    """`algorithms: {te_swap: {backend: emulate, keep_first_blocks: 1, fp8_recipe: {...}}}`."""
+    """`algorithms: {te_swap: {backend: emulate, keep_first_blocks: 1, fp8_recipe: {...}}}`.
+
+    Options are `SwapConfig`'s fields plus `fp8_recipe` (see `FP8Recipe`) and `strict`: with
+    `strict: false`, a failure of te_swap's own per-forward autocast is logged and te_swap stops
+    entering it instead of crashing the run (refusals and bad options always raise).
+    """
 
     def __init__(self, backend: str = "te", keep_first_blocks: int = 0, keep_last_blocks: int = 0,
-                 include: str | None = None, exclude: str | None = None, min_features: int = 16,
-                 fp8_recipe: dict[str, Any] | None = None):
-        self.config = SwapConfig(backend=backend, keep_first_blocks=keep_first_blocks,
-                                 keep_last_blocks=keep_last_blocks, include=include,
-                                 exclude=exclude, min_features=min_features)
+                 keep_lm_head: bool = True, convert_layernorm: bool = False,
+                 fuse_ln_mlp: bool = False, include: str | None = None,
+                 exclude: str | None = None, min_gemm_size: int = 0,
+                 tokens_per_microbatch: int | None = None,
+                 module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+                 fp8_recipe: dict[str, Any] | None = None, strict: bool = True):
+        self.config = SwapConfig(
+            backend=backend, keep_first_blocks=keep_first_blocks,
+            keep_last_blocks=keep_last_blocks, keep_lm_head=keep_lm_head,
+            convert_layernorm=convert_layernorm, fuse_ln_mlp=fuse_ln_mlp, include=include,
+            exclude=exclude, min_gemm_size=min_gemm_size,
+            tokens_per_microbatch=tokens_per_microbatch, module_filter_fn=module_filter_fn)
         self.recipe = FP8Recipe.from_options(fp8_recipe)
+        self.strict = strict
         if backend == "te":
-            from foundry_fp8 import te_backend
-
-            te_backend.require_te()
-            raise NotImplementedError(
-                "te_swap: backend 'te' is not wired to Composer's FP8 context yet (never run on a "
-                "GPU); use backend: emulate")
+            _check_te_environment(self.recipe)
+        self.plan: SwapPlan | None = None
         self._autocast = ExitStack()
-        self.plan: list = []
+        self._hooks: list[Any] = []
 
     def match(self, event: Event, state: State) -> bool:
         del state
-        return event in (Event.INIT, Event.BEFORE_FORWARD, Event.AFTER_FORWARD)
+        return event in (Event.INIT, Event.FIT_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             self._convert(state, logger)
-        elif event == Event.BEFORE_FORWARD:
-            from foundry_fp8.emulate import fp8_autocast
-
-            self._autocast.close()  # a forward that raised never reached AFTER_FORWARD
-            self._autocast.enter_context(fp8_autocast(recipe=self.recipe))
-        elif event == Event.AFTER_FORWARD:
-            self._autocast.close()  # outermost exit: forward scales update, as in TE
+        else:
+            self._autocast.close()
 
     def _convert(self, state: State, logger: Logger) -> None:
-        self.plan = plan_swap(state.model, self.config)
-        if not any(d.convert for d in self.plan):
-            raise ValueError("te_swap: no linear layer qualifies for FP8 (see the reasons: "
-                             + "; ".join(sorted({d.reason for d in self.plan})) + ")")
-        converted = apply_swap(state.model, self.plan, self.config.backend, state.optimizers)
-        table = coverage_table(self.plan)
-        share = fp8_share(self.plan)
-        print(f"foundry_fp8 te_swap ({self.config.backend}): {converted} layers in FP8, "
-              f"{100 * share:.1f}% of linear params; recipe {self.recipe.as_config()}\n{table}",
-              flush=True)
-        logger.log_hyperparameters({"fp8/backend": self.config.backend,
-                                    "fp8/recipe": self.recipe.as_config(),
-                                    "fp8/linear_param_share": share})
+        model = state.model
+        plan = plan_swap(model, self.config)
+        precision = state.precision.value
+        planned = len(plan.converted)
+        existing = sum(1 for m in model.modules() if is_fp8_module(m))
+        te_modules = existing + (planned if self.config.backend == "te" else 0)
+        emulated = planned if self.config.backend == "emulate" else 0
+        if not would_run_fp8(precision, te_modules, emulated):
+            raise ValueError(_refusal(precision, self.config.backend, plan))
+        converted = apply_swap(model, plan, self.config.backend, state.optimizers)
+        self.plan = plan
+        if self.config.backend == "te" and self.recipe.scaling == "delayed":
+            _set_precision_config(state, self.recipe)
+        else:
+            self._hooks = [model.register_forward_pre_hook(self._enter),
+                           model.register_forward_hook(self._exit)]
+        table = coverage_table(plan)
+        recipe = self.recipe.as_config()
+        print(f"foundry_fp8 te_swap: {converted} modules converted ({self.config.backend}), "
+              f"FP8 recipe {recipe}\n{table}", flush=True)
+        if precision == "amp_fp8":
+            print(f"foundry_fp8 te_swap: ignore LLM-Foundry's warning '{FOUNDRY_FP8_WARNING}' "
+                  f"above: te_swap converted {converted} modules, which run in FP8", flush=True)
+        logger.log_hyperparameters({
+            "fp8/backend": self.config.backend, "fp8/recipe": recipe,
+            "fp8/modules_converted": converted,
+            "fp8/linear_flops_share": plan.fp8_flops_share,
+            "fp8/linear_param_share": plan.fp8_param_share, "fp8/coverage": table})
+
+    def _recipe_context(self) -> AbstractContextManager:
+        if self.config.backend == "emulate":
+            from foundry_fp8.emulate import fp8_autocast
+
+            return fp8_autocast(recipe=self.recipe)
+        from foundry_fp8 import te_backend
+
+        return te_backend.te_fp8_autocast(self.recipe)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        del args
+        self._autocast.close()  # a forward that raised never reached its exit hook
+        if not module.training or not self._hooks:
+            return
+        try:
+            self._autocast.enter_context(self._recipe_context())
+        except Exception:
+            if self.strict:
+                raise
+            log.exception("te_swap: entering the FP8 recipe autocast failed; te_swap stops "
+                          "entering it (strict: false), converted layers run without it")
+            self._remove_hooks()
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        del module, args, output
+        self._autocast.close()  # outermost exit: forward scales update, as in TE
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _check_te_environment(recipe: FP8Recipe) -> None:
+    """`backend: te` needs TE (error names `emulate`) and a GPU/TE that can run the recipe."""
+    import torch
+
+    from foundry_fp8 import te_backend
+
+    te_backend.require_te()
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    problems = environment_problems(recipe, capability, te_backend.te_version())
+    if problems:
+        raise RecipeError(problems[0])
+
+
+def _refusal(precision: str, backend: str, plan: SwapPlan) -> str:
+    if precision == "amp_fp8" or backend == "emulate":
+        reasons = "; ".join(sorted({d.reason for d in plan.decisions})) or "no linear layers"
+        return (f"te_swap: precision {precision} but no module would run in FP8 (every layer "
+                f"kept: {reasons}); relax keep_first/last_blocks, include/exclude or "
+                "min_gemm_size, or do not ask for FP8")
+    return (f"te_swap: backend te converts layers to TransformerEngine, but precision is "
+            f"{precision}, so none of them would run in FP8; set precision: amp_fp8")
+
+
+def _set_precision_config(state: State, recipe: FP8Recipe) -> None:
+    """Make Composer's `amp_fp8` autocast use `recipe` (a delayed one).
+
+    `State.precision_config` is a read-only property backed by `State._precision_config`, which
+    only the Trainer constructor sets (LLM-Foundry 0.22 passes none) and which Composer reads on
+    every batch (trainer.py, `get_precision_context(state.precision, state.precision_config)`).
+    Setting the backing attribute at INIT, before the first batch, is the one place the
+    recipe can enter without patching the Trainer; a different precision_config already given to
+    the Trainer is refused rather than overridden, so only one recipe is ever in force.
+    """
+    from foundry_fp8 import te_backend
+
+    wanted = te_backend.delayed_scaling_kwargs(recipe)
+    current = state.precision_config
+    if current is not None and dict(current) != wanted:
+        raise ValueError(f"te_swap.fp8_recipe: the Trainer already has precision_config "
+                         f"{dict(current)}; give the recipe in one place only")
+    state._precision_config = wanted

@@ -1,0 +1,18 @@
+"""MPT-1B FP8 vs BF16 training throughput on one GPU; the same as `foundry-fp8 bench`.
+
+    python benchmarks/mpt_throughput.py                       # all variants, results/mpt-1b-<gpu>.*
+    python benchmarks/mpt_throughput.py --variants bf16,fp8-te-swap --seq-len 2048 --steps 30
+    python benchmarks/mpt_throughput.py --tiny --out /tmp/bench   # CPU code path, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from foundry_fp8 import bench
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench.add_arguments(parser)
+    sys.exit(bench.run(parser.parse_args()))

@@ -1,0 +1,508 @@
+"""`foundry-fp8 bench`: MPT-1B training throughput, FP8 variants against BF16, in one process.
+
+Every variant is built from our `yamls/mpt-1b-*.yaml` through LLM-Foundry's model builder and
+trained by Composer's Trainer on synthetic batches with learnable structure (random n-grams
+repeated through each sequence), so the loss after the timed steps can be compared across
+variants. Timing: warm-up steps, then timed steps between CUDA events (perf_counter on CPU),
+then a few profiled steps that give attention's share of op time. `--tiny` runs the same path
+on CPU with a tiny MPT in fp32, te_swap on its `emulate` backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import json
+import math
+import platform
+import re
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+YAMLS = REPO / "yamls"
+RESULTS = REPO / "benchmarks" / "results"
+
+# H100 SXM dense peaks, the numbers Composer's speed_monitor uses (1.979e15 / 2, 3.958e15 / 2).
+PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
+
+# Tiny CPU model: small enough for CI, TE-shaped (multiples of 16).
+TINY_MODEL = {"d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 512,
+              "init_device": "cpu"}
+ATTENTION_OPS = re.compile(r"scaled_dot_product|ScaledDotProduct|flash_attention|"
+                           r"efficient_attention|cudnn_attention")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way a user could train MPT-1B; `yaml` picks mpt-1b-{yaml}.yaml."""
+
+    name: str
+    yaml: str
+    what: str
+    model: dict[str, Any] = field(default_factory=dict)
+    te_swap: bool = False
+    stats_interval: int | None = None
+
+    @property
+    def native_te(self) -> bool:
+        """Uses LLM-Foundry's own TE layers (no emulation exists for them)."""
+        return bool(self.model)
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("bf16", "bf16", "amp_bf16, torch layers"),
+    Variant("fp8-fc-te", "fp8", "amp_fp8, LLM-Foundry fc_type: te", model={"fc_type": "te"}),
+    Variant("fp8-te-ln-mlp", "fp8", "amp_fp8, fc_type: te + ffn_type: te_ln_mlp",
+            model={"fc_type": "te", "ffn_config": {"ffn_type": "te_ln_mlp"}}),
+    Variant("fp8-te-swap", "fp8", "amp_fp8 via our te_swap", te_swap=True),
+    Variant("fp8-te-swap-stats100", "fp8", "te_swap + fp8_stats every 100 batches",
+            te_swap=True, stats_interval=100),
+    Variant("fp8-te-swap-stats1", "fp8", "te_swap + fp8_stats every batch",
+            te_swap=True, stats_interval=1),
+)}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    variants: tuple[str, ...] = tuple(VARIANTS)
+    tiny: bool = False
+    seq_len: int = 2048
+    batch: int = 32  # sequences per optimizer step
+    micro_batch: int | str = "auto"  # Composer's auto microbatching fills the GPU per variant
+    warmup: int = 10
+    steps: int = 30
+    profile_steps: int = 2
+    activation_checkpointing: bool = False
+    compile: bool = False
+    seed: int = 17
+
+
+def synthetic_batches(n_batches: int, batch: int, seq_len: int, vocab: int, seed: int,
+                      ngram: int = 8, bank: int = 256) -> list[dict[str, Any]]:
+    """Sequences of n-grams drawn from a fixed random bank: after an n-gram's first token the
+    rest is predictable, so a model that learns drives the loss well below log(vocab)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    grams = torch.randint(0, vocab, (bank, ngram), generator=g)
+    per_seq = math.ceil(seq_len / ngram)
+    out = []
+    for _ in range(n_batches):
+        ids = grams[torch.randint(0, bank, (batch, per_seq), generator=g)].view(batch, -1)
+        ids = ids[:, :seq_len].contiguous()
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def load_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
+    """The variant's train config from our YAML, resolved, with the bench's overrides."""
+    from omegaconf import OmegaConf as om
+
+    cfg = om.to_container(om.load(YAMLS / f"mpt-1b-{variant.yaml}.yaml"), resolve=True)
+    model = cfg["model"]
+    model.update(variant.model, max_seq_len=config.seq_len)
+    algorithms = cfg.setdefault("algorithms", {}) or {}
+    if not variant.te_swap:
+        algorithms.pop("te_swap", None)
+    fsdp = cfg.get("fsdp_config") or {}
+    if config.activation_checkpointing:
+        fsdp.update(activation_checkpointing=True, activation_checkpointing_reentrant=False)
+        if variant.yaml == "fp8":  # recompute inside TE's FP8 context (lint rule FP8002)
+            fsdp["te_checkpoint_wrapper"] = True
+    if config.tiny:
+        model.update(TINY_MODEL)
+        cfg["precision"] = "fp32"  # Composer runs amp_fp8 only on CUDA with TE
+        cfg["optimizer"]["lr"] = 3e-3
+        fsdp = None  # single CPU process; FSDP is a GPU setup
+        if "te_swap" in algorithms:
+            algorithms["te_swap"]["backend"] = "emulate"
+    cfg["fsdp_config"] = fsdp
+    cfg["algorithms"] = algorithms
+    return cfg
+
+
+class _Timer:
+    """Composer callback: times steps [warmup, warmup+steps), keeps their losses, then profiles
+    the following `profile_steps` steps for attention's share."""
+
+    def __init__(self, config: BenchConfig, cuda: bool, bar):
+        from composer.core import Callback
+
+        self.config, self.cuda, self.bar = config, cuda, bar
+        self.start = self.end = None
+        self.losses: list = []
+        self.profiler = None
+        self.attention_share: float | None = None
+        timer = self
+
+        class Hook(Callback):
+            def fit_start(self, state, logger):
+                if timer.cuda:
+                    import torch
+
+                    torch.cuda.reset_peak_memory_stats()
+
+            def batch_start(self, state, logger):
+                timer.on_batch_start(int(state.timestamp.batch))
+
+            def batch_end(self, state, logger):
+                timer.on_batch_end(int(state.timestamp.batch) - 1, state)
+
+        self.callback = Hook()
+
+    def _stamp(self):
+        if self.cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            return self.start.elapsed_time(self.end) / 1000
+        return self.end - self.start
+
+    def on_batch_start(self, batch: int) -> None:
+        c = self.config
+        if batch == c.warmup:
+            self.start = self._stamp()
+        elif batch == c.warmup + c.steps and c.profile_steps:
+            import torch.profiler as tp
+
+            activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.cuda else [])
+            self.profiler = tp.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_batch_end(self, batch: int, state) -> None:
+        c = self.config
+        if c.warmup <= batch < c.warmup + c.steps:
+            self.losses.append(state.loss.detach())  # no sync inside the timed window
+        if batch == c.warmup + c.steps - 1:
+            self.end = self._stamp()
+        if batch == c.warmup + c.steps + c.profile_steps - 1 and self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            self.attention_share = attention_share(self.profiler.events(), self.cuda)
+        self.bar.update(1)
+
+
+def attention_share(events, cuda: bool) -> float | None:
+    """Attention's share of op time (device time on CUDA, CPU time otherwise): inclusive time of
+    the outermost attention ops over that of all top-level ops."""
+    def total(e) -> float:
+        return e.device_time_total if cuda else e.cpu_time_total
+
+    def inside_attention(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if ATTENTION_OPS.search(parent.name):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    ops = [e for e in events if e.device_type.name == "CPU"]
+    everything = sum(total(e) for e in ops if e.cpu_parent is None)
+    attention = sum(total(e) for e in ops
+                    if ATTENTION_OPS.search(e.name) and not inside_attention(e))
+    return attention / everything if everything else None
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """LLM-Foundry's model flops per token, fwd+bwd (ComposerMPTCausalLM.flops_per_batch:
+    3 x (2 x params + attention term) per token)."""
+    import torch
+
+    batch = {"input_ids": torch.zeros(1, seq_len, dtype=torch.long)}
+    return model.flops_per_batch(batch) / seq_len
+
+
+def run_variant(variant: Variant, config: BenchConfig, bar) -> dict[str, Any]:
+    """Train one variant; return its measured row (without ratio_to_bf16)."""
+    import torch
+    from composer import Trainer
+    from composer.algorithms import GradientClipping
+    from composer.core.engine import Engine
+    from composer.utils import reproducibility
+    from llmfoundry.utils.builders import build_composer_model, build_optimizer
+    from llmfoundry.utils.config_utils import process_init_device
+
+    import foundry_fp8.attention  # noqa: F401  (registers attn_impl sdpa before MPT is built)
+
+    cfg = load_config(variant, config)
+    cuda = not config.tiny
+    model_cfg = dict(cfg["model"])
+    name = model_cfg.pop("name")
+    fsdp = cfg["fsdp_config"]
+    reproducibility.seed_all(config.seed)  # same initial weights in every variant
+    model = build_composer_model(name, model_cfg, tokenizer=None,
+                                 init_context=process_init_device(model_cfg, fsdp))
+    fpt = flops_per_token(model, config.seq_len)  # counts parameters: before FSDP shards them
+    optimizer_cfg = dict(cfg["optimizer"])
+    optimizer = build_optimizer(model, optimizer_cfg.pop("name"), optimizer_cfg)
+    algorithms = [GradientClipping(**cfg["algorithms"]["gradient_clipping"])]
+    if "te_swap" in cfg["algorithms"]:
+        from foundry_fp8.composer.te_swap import TESwap
+
+        algorithms.append(TESwap(**cfg["algorithms"]["te_swap"]))
+    timer = _Timer(config, cuda, bar)
+    callbacks = [timer.callback]
+    if variant.stats_interval is not None:
+        from foundry_fp8.composer.stats import FP8Stats
+
+        callbacks.append(FP8Stats(interval=variant.stats_interval))
+    n_batches = config.warmup + config.steps + config.profile_steps
+    batches = synthetic_batches(n_batches, config.batch, config.seq_len,
+                                model_cfg["vocab_size"], config.seed)
+    micro = config.batch if config.micro_batch == "auto" and not cuda else config.micro_batch
+    trainer = Trainer(
+        model=model, train_dataloader=batches, max_duration=f"{n_batches}ba",
+        optimizers=optimizer, algorithms=algorithms, callbacks=callbacks, loggers=[],
+        precision=cfg["precision"], device="gpu" if cuda else "cpu",
+        device_train_microbatch_size=micro,
+        parallelism_config={"fsdp": fsdp} if fsdp else None,
+        compile_config={} if config.compile else None,
+        progress_bar=False, log_to_console=False, seed=config.seed)
+    try:
+        trainer.fit()
+        seconds = timer.seconds()
+        micro_used = trainer.state.device_train_microbatch_size
+        peak_gb = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) / 2**30
+    finally:
+        trainer.close()
+        # Composer registers every Engine's close with atexit, holding its State (model and
+        # optimizer) until the process exits: with six 1B variants that would fill the GPU.
+        # All trainers this bench made are closed by now, so their exit hooks have nothing to do.
+        atexit.unregister(Engine._close)
+    tokens_per_s = config.steps * config.batch * config.seq_len / seconds
+    precision = "fp8" if variant.yaml == "fp8" else "bf16"
+    mfu = fpt * tokens_per_s / PEAK_FLOPS[precision]
+    losses = [float(x) for x in timer.losses]
+    del trainer, model, optimizer
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return {
+        "name": variant.name, "precision": cfg["precision"], "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        # LLM-Foundry's collect_results.py: recompute adds a forward, 4 passes instead of 3
+        "hfu": mfu * 4 / 3 if config.activation_checkpointing and not config.tiny else mfu,
+        "mfu_peak_tflops": PEAK_FLOPS[precision] / 1e12, "peak_mem_gb": peak_gb,
+        "loss": losses[-1], "loss_first_timed_step": losses[0],
+        "attention_share": timer.attention_share, "micro_batch": micro_used,
+        "what": variant.what,
+    }
+
+
+def _peak_rss() -> int:
+    """Process peak RSS in bytes (CPU runs have no per-variant allocator peak)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def skip_reason(variant: Variant, config: BenchConfig) -> str | None:
+    """Why a variant cannot run here, or None."""
+    if config.tiny:
+        return "needs TransformerEngine layers (no CPU emulation)" if variant.native_te else None
+    from foundry_fp8.te_backend import te_available
+
+    if variant.yaml == "fp8" and not te_available():
+        return "TransformerEngine is not installed"
+    return None
+
+
+def environment(tiny: bool) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def dist(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    driver = None
+    if torch.cuda.is_available() and not tiny:
+        try:
+            driver = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+        except (OSError, subprocess.CalledProcessError):
+            driver = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not tiny else \
+        f"cpu ({platform.processor() or platform.machine()})"
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
+                "transformer_engine": dist("transformer_engine") or dist("transformer-engine"),
+                "composer": dist("mosaicml"), "llmfoundry": dist("llm-foundry"),
+                "foundry_fp8": dist("foundry-fp8"), "python": platform.python_version()}
+    return {"gpu": gpu, "versions": versions}
+
+
+def run_bench(config: BenchConfig) -> dict[str, Any]:
+    """All chosen variants, in order, in this process. Variants that cannot run here or that
+    fail are listed under `skipped` with the reason; no number is ever filled in for them."""
+    from tqdm import tqdm
+
+    per_variant = config.warmup + config.steps + config.profile_steps
+    rows, skipped = [], []
+    with tqdm(total=per_variant * len(config.variants), unit="step", desc="bench") as bar:
+        for i, name in enumerate(config.variants):
+            variant = VARIANTS[name]
+            bar.set_postfix_str(name)
+            reason = skip_reason(variant, config)
+            if reason is None:
+                try:
+                    rows.append(run_variant(variant, config, bar))
+                    continue
+                except Exception as err:  # a broken variant must not lose the others' numbers
+                    reason = f"failed: {type(err).__name__}: {err}".splitlines()[0][:300]
+            skipped.append({"name": name, "reason": reason})
+            bar.update((i + 1) * per_variant - bar.n)
+    base = next((r["tokens_per_s"] for r in rows if r["name"] == "bf16"), None)
+    for row in rows:
+        row["ratio_to_bf16"] = row["tokens_per_s"] / base if base else None
+    env = environment(config.tiny)
+    return {"gpu": env["gpu"], "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": env["versions"], "variants": rows, "skipped": skipped,
+            "setup": {"model": "tiny MPT (CPU, fp32)" if config.tiny else "MPT-1B",
+                      "seq_len": config.seq_len, "batch": config.batch,
+                      "micro_batch": config.micro_batch, "warmup": config.warmup,
+                      "steps": config.steps,
+                      "activation_checkpointing": config.activation_checkpointing,
+                      "compile": config.compile,
+                      "attention": "sdpa", "tiny": config.tiny}}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s, v = result["setup"], result["versions"]
+    lines = [f"# {s['model']} training throughput", "",
+             f"{result['gpu']}, driver {v['driver']}, CUDA {v['cuda']}, torch {v['torch']}, "
+             f"TE {v['transformer_engine']}, Composer {v['composer']}, LLM-Foundry "
+             f"{v['llmfoundry']}; {result['date']}.", "",
+             f"seq {s['seq_len']}, {s['batch']} sequences/step, micro-batch {s['micro_batch']}, "
+             f"{s['warmup']} warm-up + {s['steps']} timed steps, attention `{s['attention']}`, "
+             f"activation checkpointing {s['activation_checkpointing']}, "
+             f"torch.compile {s['compile']}.", "",
+             "MFU = LLM-Foundry's flops per token (3 x (2 x params + attention term)) x tokens/s "
+             "over the H100 SXM dense peak: 989 TFLOP/s for bf16, 1979 TFLOP/s for fp8 variants. "
+             "HFU adds the recomputed forward when activation checkpointing is on.", "",
+             "| variant | precision | tokens/s | x bf16 | MFU | HFU | peak mem GB | loss "
+             "(first timed -> last) | attention share | micro-batch |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    def fmt(value: float | None, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    for r in result["variants"]:
+        lines.append(
+            f"| {r['name']} | {r['precision']} | {r['tokens_per_s']:,.0f} | "
+            f"{fmt(r['ratio_to_bf16'], '.3f')} | {100 * r['mfu']:.1f}% | {100 * r['hfu']:.1f}% | "
+            f"{r['peak_mem_gb']:.2f} | {r['loss_first_timed_step']:.3f} -> {r['loss']:.3f} | "
+            f"{fmt(r['attention_share'], '.1%')} | {r['micro_batch']} |")
+    for r in result["skipped"]:
+        lines.append(f"| {r['name']} | not run: {r['reason']} | | | | | | | | |")
+    if s["tiny"]:
+        lines += ["", "Tiny CPU run: exercises the code path only. Speeds, MFU (against H100 "
+                  "peaks) and memory (process peak RSS) say nothing about H100 performance."]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(result: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """`mpt-tiny-cpu.*` for --tiny, `mpt-1b-<gpu>.*` otherwise: a CI run never overwrites
+    published GPU results."""
+    out.mkdir(parents=True, exist_ok=True)
+    if result["setup"]["tiny"]:
+        stem = "mpt-tiny-cpu"
+    else:
+        stem = "mpt-1b-" + re.sub(r"[^a-z0-9]+", "-", result["gpu"].lower()).strip("-")
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    md_path.write_text(markdown(result))
+    return json_path, md_path
+
+
+def _micro_batch(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError("--micro-batch must be a positive integer or 'auto'")
+    return number
+
+
+def _variants(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown {', '.join(unknown) or '(none given)'}; choose from "
+            + ", ".join(VARIANTS))
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny MPT on CPU, fp32, te_swap emulated: the CI path")
+    parser.add_argument("--variants", type=_variants, default=tuple(VARIANTS),
+                        help="comma-separated, from: " + ", ".join(VARIANTS))
+    parser.add_argument("--seq-len", type=int, default=None, help="default 2048 (tiny: 64)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences per optimizer step; default 32 (tiny: 4)")
+    parser.add_argument("--micro-batch", type=_micro_batch, default="auto",
+                        help="sequences per forward; 'auto' (default) lets Composer fill the GPU")
+    parser.add_argument("--warmup", type=int, default=None, help="default 10 (tiny: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps; default 30 (tiny: 6)")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"default {RESULTS}")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    tiny = args.tiny
+    positive = {"--seq-len": args.seq_len, "--batch": args.batch, "--steps": args.steps}
+    for key, value in positive.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+
+    def pick(value, default, tiny_default):
+        return value if value is not None else (tiny_default if tiny else default)
+
+    return BenchConfig(variants=args.variants, tiny=tiny, seq_len=pick(args.seq_len, 2048, 64),
+                       batch=pick(args.batch, 32, 4), micro_batch=args.micro_batch,
+                       warmup=pick(args.warmup, 10, 2), steps=pick(args.steps, 30, 6),
+                       activation_checkpointing=args.activation_checkpointing,
+                       compile=args.compile)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        print(f"foundry-fp8 bench: {err}")
+        return 2
+    if not config.tiny:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("foundry-fp8 bench: no CUDA GPU; use --tiny for the CPU path")
+            return 2
+    result = run_bench(config)
+    json_path, md_path = write_results(result, args.out)
+    print(markdown(result))
+    print(f"wrote {json_path} and {md_path}")
+    return 0 if result["variants"] else 1

@@ -1,0 +1,149 @@
+"""`foundry-fp8 bench --tiny` end to end on CPU (one run for the module), plus its pure parts.
+No speed assertions: the numbers are checked for consistency with each other and with
+LLM-Foundry's flops formula, never against expected speeds."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from foundry_fp8 import bench
+from foundry_fp8.cli import main
+
+RUNNABLE_ON_CPU = ["bf16", "fp8-te-swap", "fp8-te-swap-stats100", "fp8-te-swap-stats1"]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["bench", "--tiny", "--warmup", "1", "--steps", str(STEPS), "--out", str(out)]) == 0
+    result = json.loads((out / "mpt-tiny-cpu.json").read_text())
+    return result, (out / "mpt-tiny-cpu.md").read_text(), out
+
+
+def test_json_has_the_issue_shape(tiny_result):
+    result, _, out = tiny_result
+    assert {"gpu", "date", "versions", "variants"} <= set(result)
+    assert isinstance(result["gpu"], str) and isinstance(result["date"], str)
+    assert result["versions"]["torch"] == torch.__version__
+    assert [v["name"] for v in result["variants"]] == RUNNABLE_ON_CPU
+    for row in result["variants"]:
+        for key in ("tokens_per_s", "mfu", "peak_mem_gb", "loss", "ratio_to_bf16"):
+            assert isinstance(row[key], float) and math.isfinite(row[key]), (row["name"], key)
+        assert row["precision"] == "fp32"  # what actually ran on CPU, not what the YAML says
+        assert row["tokens_per_s"] > 0 and row["peak_mem_gb"] > 0
+        assert 0 < row["attention_share"] < 1
+    # the TE-native variants cannot run without TE: listed with a reason, no numbers invented
+    assert {s["name"]: s["reason"] for s in result["skipped"]} == {
+        "fp8-fc-te": "needs TransformerEngine layers (no CPU emulation)",
+        "fp8-te-ln-mlp": "needs TransformerEngine layers (no CPU emulation)"}
+    assert not list(out.glob("mpt-1b-*"))  # a tiny run never writes GPU result names
+
+
+def test_ratio_and_mfu_follow_llm_foundry_formula(tiny_result):
+    """MFU recomputed here from LLM-Foundry's formula with an independent parameter count:
+    flops/token = 3 * (2 * params + n_layers * 4 * d_model * seq_len)."""
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    result, _, _ = tiny_result
+    seq, m = result["setup"]["seq_len"], bench.TINY_MODEL
+    params = sum(p.numel() for p in MPTForCausalLM(MPTConfig(
+        d_model=m["d_model"], n_heads=m["n_heads"], n_layers=m["n_layers"], expansion_ratio=4,
+        max_seq_len=seq, vocab_size=m["vocab_size"], attn_config={"attn_impl": "torch"},
+    )).parameters())
+    flops_per_token = 3 * (2 * params + m["n_layers"] * 4 * m["d_model"] * seq)
+    rows = {r["name"]: r for r in result["variants"]}
+    for name, row in rows.items():
+        peak = 989e12 if name == "bf16" else 1979e12
+        assert row["mfu_peak_tflops"] * 1e12 == peak
+        assert row["mfu"] == pytest.approx(flops_per_token * row["tokens_per_s"] / peak, rel=1e-9)
+        assert row["hfu"] == row["mfu"]  # no activation checkpointing
+        assert row["ratio_to_bf16"] == pytest.approx(
+            row["tokens_per_s"] / rows["bf16"]["tokens_per_s"], rel=1e-12)
+    assert rows["bf16"]["ratio_to_bf16"] == 1.0
+
+
+def test_losses_fall_and_stats_do_not_change_training(tiny_result):
+    """Synthetic n-gram batches are learnable; every variant starts from the same weights, and
+    fp8_stats only observes, so the te_swap runs with and without it train identically."""
+    rows = {r["name"]: r for r in tiny_result[0]["variants"]}
+    for row in rows.values():
+        assert row["loss"] < row["loss_first_timed_step"] - 0.05, row["name"]
+    swap = rows["fp8-te-swap"]
+    for name in ("fp8-te-swap-stats100", "fp8-te-swap-stats1"):
+        assert rows[name]["loss"] == pytest.approx(swap["loss"], rel=1e-6)
+    # FP8 emulation perturbs, but only slightly, the same model on the same batches
+    assert swap["loss_first_timed_step"] == pytest.approx(rows["bf16"]["loss_first_timed_step"],
+                                                          rel=0.02)
+
+
+def test_markdown_table_lists_every_variant(tiny_result):
+    result, md, _ = tiny_result
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| variant | precision | tokens/s | x bf16 | MFU |")
+    for row in result["variants"]:
+        line = next(line for line in table if line.startswith(f"| {row['name']} |"))
+        assert f"{row['tokens_per_s']:,.0f}" in line and f"{row['loss']:.3f}" in line
+    assert sum("not run" in line for line in table) == 2
+    assert "989 TFLOP/s for bf16, 1979 TFLOP/s for fp8" in md
+
+
+def test_synthetic_batches_are_ngram_sequences():
+    batches = bench.synthetic_batches(3, batch=2, seq_len=20, vocab=50, seed=5, ngram=4, bank=6)
+    again = bench.synthetic_batches(3, batch=2, seq_len=20, vocab=50, seed=5, ngram=4, bank=6)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again, strict=True))
+    ids = torch.cat([b["input_ids"] for b in batches])
+    assert ids.shape == (6, 20) and torch.equal(batches[0]["labels"], batches[0]["input_ids"])
+    grams = {tuple(seq[i:i + 4].tolist()) for seq in ids for i in range(0, 20, 4)}
+    assert len(grams) <= 6  # every aligned 4-token chunk comes from the 6-gram bank
+
+
+def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["bench", "--tiny", "--variants", "bf16,nope"])
+    assert "unknown nope; choose from bf16" in capsys.readouterr().err
+    assert main(["bench", "--tiny", "--steps", "0", "--out", str(tmp_path)]) == 2
+    assert "--steps must be >= 1, got 0" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_h100_bf16_and_te_variant(tmp_path):
+    """On a GPU with TE: MPT-1B, bf16 and fc_type te, a few steps; checks the GPU path produces
+    sane, self-consistent numbers (not targets)."""
+    assert main(["bench", "--variants", "bf16,fp8-fc-te", "--warmup", "3", "--steps", "5",
+                 "--batch", "8", "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("mpt-1b-*.json")).read_text())
+    assert result["versions"]["driver"] and result["versions"]["transformer_engine"]
+    rows = {r["name"]: r for r in result["variants"]}
+    assert set(rows) == {"bf16", "fp8-fc-te"}, result["skipped"]
+    for row in rows.values():
+        assert 0 < row["mfu"] < 1 and row["peak_mem_gb"] > 1 and math.isfinite(row["loss"])
+    assert rows["fp8-fc-te"]["precision"] == "amp_fp8"
+
+
+def test_each_variant_frees_its_model(monkeypatch):
+    """Composer's atexit hook would keep every closed Trainer's model alive; six MPT-1B variants
+    in one process only fit on one GPU if each is freed before the next."""
+    import gc
+    import weakref
+
+    from tqdm import tqdm
+
+    refs = []
+    count = bench.flops_per_token
+
+    def remember(model, seq_len):
+        refs.append(weakref.ref(model))
+        return count(model, seq_len)
+
+    monkeypatch.setattr(bench, "flops_per_token", remember)
+    config = bench.BenchConfig(variants=("bf16",), tiny=True, seq_len=32, batch=2, warmup=1,
+                               steps=1, profile_steps=0)
+    with tqdm(disable=True) as bar:
+        row = bench.run_variant(bench.VARIANTS["bf16"], config, bar)
+    gc.collect()
+    assert refs[0]() is None and row["attention_share"] is None  # profiling was off

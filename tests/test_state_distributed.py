@@ -1,0 +1,100 @@
+"""fp8_state under 2 CPU ranks (gloo): state that differs per rank is saved and restored per
+rank; state that is the same on every rank is saved once."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from foundry_fp8.composer.state import FP8State, FP8StateError
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.fp8_meta import read_fp8_meta
+from foundry_fp8.recipe import FP8Recipe
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16))
+
+
+def _train(model: nn.Module, data_seed: int) -> None:
+    generator = torch.Generator().manual_seed(data_seed)
+    for _ in range(2):
+        with fp8_autocast(recipe=FP8Recipe(amax_history_len=4)):
+            out = model(torch.randn(4, 16, generator=generator) * (1 + data_seed))
+        out.sum().backward()
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    # Composer's dist reads these too (a Trainer earlier in the session may have set them to 1)
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE="2", NODE_RANK="0")
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                  world_size=2)
+    try:
+        for mode, data_seed in (("differ", rank), ("same", 0)):
+            model = _model()
+            _train(model, data_seed)
+            saver = FP8State()
+            saver._model = model
+            saved = saver.state_dict()
+            target = _model()
+            loader = FP8State()
+            loader._model = target
+            loader.load_state_dict(saved)
+            torch.save({"saved": saved, "own": [read_fp8_meta(m) for m in model],
+                        "restored": [read_fp8_meta(m) for m in target]},
+                       f"{out_dir}/{mode}-rank{rank}.pt")
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    """Both scenarios in one 2-process run (starting the processes dominates the cost)."""
+    out = tmp_path_factory.mktemp("ranks")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, str(out)), nprocs=2, join=True)
+    return {mode: [torch.load(out / f"{mode}-rank{r}.pt", weights_only=False) for r in range(2)]
+            for mode in ("differ", "same")}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_per_rank_state_saved_and_restored_per_rank(results):
+    results = results["differ"]
+    saved = results[0]["saved"]
+    assert len(saved["ranks"]) == 2
+    assert not _equal(results[0]["own"][0], results[1]["own"][0])  # ranks really differ
+    for rank, result in enumerate(results):
+        # every rank wrote the same complete state (sharded saves dedupe to the lowest rank)
+        assert _equal(result["saved"]["modules"]["0"], saved["modules"]["0"])
+        assert _equal(result["saved"]["ranks"][1]["1"], saved["ranks"][1]["1"])
+        for own, restored in zip(result["own"], result["restored"], strict=True):
+            assert _equal(own, restored)  # each rank got its own state back
+        assert _equal(saved["ranks"][rank]["0"], result["own"][0])
+    # a single process restoring a 2-rank checkpoint: error, or rank 0's state with a warning
+    target = _model()
+    strict, lenient = FP8State(), FP8State(strict=False)
+    strict._model = lenient._model = target
+    with pytest.raises(FP8StateError, match="per-rank FP8 state for 2 ranks, this run has 1"):
+        strict.load_state_dict(saved)
+    lenient.load_state_dict(saved)
+    assert _equal(read_fp8_meta(target[1]), results[0]["own"][1])
+
+
+def test_same_state_on_every_rank_is_saved_once(results):
+    for result in results["same"]:
+        assert "ranks" not in result["saved"]
+        for own, restored in zip(result["own"], result["restored"], strict=True):
+            assert _equal(own, restored)

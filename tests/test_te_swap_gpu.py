@@ -1,0 +1,131 @@
+"""te_swap's TransformerEngine backend on an H100 (skipped without CUDA; never run on the CPU
+machine this was written on): a real LLM-Foundry run converted to TE trains in FP8 and tracks
+BF16, and the recipe TE uses inside the forward is the one the YAML chose."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+
+from tests.tiny_run import tiny_config
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 512  # yamls/mpt-tiny-cpu.yaml
+SHORT = {"max_duration": "3ba", "save_interval": "3ba", "eval_interval": "3ba",
+         "precision": "amp_fp8"}
+
+
+class _RecipeProbe(Callback):
+    """Reads, inside every TE module's training forward, the recipe TE's global FP8 state holds
+    and the module's own amax history length."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[object, int | None]] = []
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        del logger
+        from foundry_fp8.te_backend import active_te_recipe
+
+        def hook(module, args):
+            if not module.training:
+                return
+            meta = module.fp8_meta.get("scaling_fwd")
+            history = getattr(meta, "amax_history", None)
+            self.seen.append((active_te_recipe(), None if history is None else history.shape[0]))
+
+        for module in state.model.modules():
+            if type(module).__module__.startswith("transformer_engine") and hasattr(
+                    module, "fp8_meta"):
+                module.register_forward_hook(lambda m, a, o: hook(m, a))
+
+
+def _train(tmp_path, tiny_data, overrides, recipe: dict | None = None, probe: bool = False):
+    """`recipe` replaces the YAML's te_swap recipe (None: no te_swap at all)."""
+    from llmfoundry.command_utils import train
+    from llmfoundry.registry import callbacks
+
+    pytest.importorskip("transformer_engine.pytorch")
+    cfg = tiny_config(tmp_path, tiny_data, overrides)
+    if recipe is None:
+        del cfg.algorithms["te_swap"]
+    else:
+        cfg.algorithms.te_swap = {"backend": "te", "fp8_recipe": recipe}
+    if probe:
+        callbacks.register("te_swap_recipe_probe", func=_RecipeProbe)
+        cfg.callbacks["te_swap_recipe_probe"] = {}
+    trainer = train(cfg)
+    found = [c for c in trainer.state.callbacks if isinstance(c, _RecipeProbe)]
+    return trainer, (found[0] if found else None)
+
+
+def test_mpt_swapped_to_te_trains_in_fp8_and_tracks_bf16(tmp_path, tiny_data):
+    common = {"max_duration": "40ba", "save_interval": "40ba", "eval_interval": "40ba"}
+    bf16, _ = _train(tmp_path / "bf16", tiny_data, {**common, "precision": "amp_bf16"})
+    fp8, _ = _train(tmp_path / "fp8", tiny_data, {**common, "precision": "amp_fp8"},
+                    recipe={"scaling": "delayed"})
+    te_layers = [m for m in fp8.state.model.modules()
+                 if type(m).__module__.startswith("transformer_engine")]
+    assert len(te_layers) == 8
+    assert all(m.fp8_meta["scaling_fwd"].amax_history.abs().sum() > 0 for m in te_layers)
+    loss_fp8, loss_bf16 = fp8.state.loss.item(), bf16.state.loss.item()
+    assert loss_fp8 < 0.6 * math.log(VOCAB)  # learned well below a uniform guess
+    assert abs(loss_fp8 - loss_bf16) < 0.05 * loss_bf16 + 0.05
+
+
+def test_delayed_recipe_read_back_inside_forward(tmp_path, tiny_data):
+    from transformer_engine.common.recipe import DelayedScaling
+
+    trainer, probe = _train(tmp_path, tiny_data, SHORT, probe=True,
+                            recipe={"amax_history_len": 7, "amax_compute_algo": "most_recent"})
+    assert trainer.state.precision_config["amax_history_len"] == 7
+    assert len(probe.seen) == 3 * 8
+    for active, history_len in probe.seen:
+        assert isinstance(active, DelayedScaling)
+        assert (active.amax_history_len, active.amax_compute_algo) == (7, "most_recent")
+        assert history_len == 7
+
+
+def test_current_recipe_is_the_only_one_active_inside_forward(tmp_path, tiny_data):
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    trainer, probe = _train(tmp_path, tiny_data, SHORT, recipe={"scaling": "current"},
+                            probe=True)
+    assert trainer.state.precision_config is None  # Composer's default stays outside
+    assert len(probe.seen) == 3 * 8
+    # nested inside Composer's DelayedScaling autocast, every TE module saw current scaling
+    assert {type(active) for active, _ in probe.seen} == {Float8CurrentScaling}
+    assert all(history_len is None for _, history_len in probe.seen)
+    assert torch.isfinite(trainer.state.loss)
+
+
+def test_fused_ln_mlp_and_layernorm_swap_keep_the_function_up_to_tanh_gelu():
+    te = pytest.importorskip("transformer_engine.pytorch")
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap
+
+    torch.manual_seed(0)
+    model = MPTForCausalLM(MPTConfig(d_model=128, n_heads=4, n_layers=2, expansion_ratio=4,
+                                     max_seq_len=64, vocab_size=VOCAB,
+                                     attn_config={"attn_impl": "torch"})).cuda().eval()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randint(0, VOCAB, (2, 64), device="cuda")
+    with torch.no_grad():
+        reference = model(batch).logits
+    plan = plan_swap(model, SwapConfig(backend="te", fuse_ln_mlp=True, convert_layernorm=True))
+    fused = [d for d in plan.converted if d.kind == "ln_mlp"]
+    assert len(fused) == 2 and "tanh-approx" in fused[0].reason
+    apply_swap(model, plan, optimizers=optimizer)
+    ffn = model.transformer.blocks[0].ffn
+    assert isinstance(ffn, te.LayerNormMLP) and model.transformer.blocks[0].norm_2 is None
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert params == {id(p) for p in model.parameters()}  # the optimizer follows the swap
+    with torch.no_grad():
+        swapped = model(batch).logits  # no FP8 autocast: only GELU's tanh form differs
+    error = ((swapped - reference).norm() / reference.norm()).item()
+    assert 0 < error < 1e-2
