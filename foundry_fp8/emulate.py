@@ -4,10 +4,11 @@
 (`scaling_fwd`: input, weight, output; `scaling_bwd`: grad_output, grad_input; each with
 `scale` and `amax_history`), casts its GEMM inputs through saturating FP8 round trips with the
 scale in force, and records amaxes into history slot 0. As in TE, forward scales are updated when
-the outermost `fp8_autocast` exits and backward scales when the backward pass ends. `fp8_checkpoint` recomputes activations
-the way TE's `distributed.checkpoint` does (same recipe and scales as the original forward, no
-amax recorded), so checkpointing does not change the numerics (TE issue #1190). It gives FP8
-numerics on hardware without FP8 (CPU, A100); it is not fast.
+the outermost `fp8_autocast` exits and backward scales when the backward pass ends.
+`fp8_checkpoint` recomputes activations the way TE's `distributed.checkpoint` does (same recipe
+and scales as the original forward, no amax recorded), so checkpointing does not change the
+numerics (TE issue #1190). It gives FP8 numerics on hardware without FP8 (CPU, A100); it is not
+fast.
 """
 
 from __future__ import annotations
@@ -196,13 +197,14 @@ class EmulatedFP8Linear(nn.Linear):
     def _cast_scales(self, meta: ScalingMeta, tensors: tuple[torch.Tensor, ...], fmt: str,
                      recipe: FP8Recipe) -> torch.Tensor:
         """The scales to cast `tensors` with; records their amaxes in history slot 0."""
+        if (recipe.scaling == "delayed" and _STATE.replay is not None
+                and meta is self.fp8_meta["scaling_fwd"]):
+            return _STATE.replay[self].popleft()  # recompute: the original forward's scales
         amaxes = torch.stack([t.detach().abs().max().float() for t in tensors])
         if recipe.scaling == "current":
             return torch.stack([current_scale(a, fmt, power_2=recipe.use_power_2_scales)
                                 for a in amaxes])
         n = len(tensors)
-        if _STATE.replay is not None and meta is self.fp8_meta["scaling_fwd"]:
-            return _STATE.replay[self].popleft()
         self._fit_history(meta, recipe)
         meta.amax_history[0, :n] = torch.maximum(meta.amax_history[0, :n], amaxes)
         if _STATE.stash is not None and meta is self.fp8_meta["scaling_fwd"]:

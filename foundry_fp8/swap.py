@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
+
 #: LLM-Foundry sets these on linear layers (attention.py, ffn.py) and its param_init_fns read
 #: them, which matters when `init_device: meta` defers init until after the swap.
 KEPT_ATTRIBUTES = ("_fused", "_is_residual")
@@ -146,15 +148,13 @@ def _filter_reason(name: str, module: nn.Module, config: SwapConfig, n_blocks: i
 
 
 def _gemm_reason(in_features: int, out_features: int, config: SwapConfig) -> str | None:
-    """TE's FP8 GEMM rule: a GEMM input's last dim % 16 and its leading dims' product % 8
-    (transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec). The weight [out, in] needs
-    in % 16, and out % 16 too, since out is the last dim of the output gradient the backward
-    GEMMs read in FP8."""
-    if in_features % 16 or out_features % 16:
+    """TE's FP8 GEMM rule (`foundry_fp8.shapes`). The weight [out, in] needs in % 16, and
+    out % 16 too, since out is the last dim of the output gradient the backward GEMMs read."""
+    if not (dim_fits_fp8(in_features) and dim_fits_fp8(out_features)):
         return (f"shape {out_features}x{in_features} breaks TE's FP8 rule "
                 "(weight dims divisible by 16)")
     tokens = config.tokens_per_microbatch
-    if tokens is not None and tokens % 8:
+    if tokens is not None and not tokens_fit_fp8(tokens):
         return f"{tokens} tokens per micro-batch breaks TE's FP8 rule (divisible by 8)"
     if min(in_features, out_features) < config.min_gemm_size:
         return f"smaller than min_gemm_size {config.min_gemm_size}"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from foundry_fp8.recipe import recipe_problems
+from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
 
 
 @dataclass(frozen=True)
@@ -96,19 +97,19 @@ def gemm_dims(config: Mapping[str, Any]) -> Iterator[Finding]:
         return
     model = _section(config, "model")
     d_model = model.get("d_model")
-    if isinstance(d_model, int) and d_model % 16:
+    if isinstance(d_model, int) and not dim_fits_fp8(d_model):
         yield Finding("FP8005", "error", "model.d_model",
                       f"d_model {d_model} is not divisible by 16, as TE's FP8 GEMMs require",
                       "use a multiple of 16")
     ratio = model.get("expansion_ratio")
     if isinstance(d_model, int) and isinstance(ratio, (int, float)):
         hidden = int(d_model * ratio)
-        if hidden % 16:
+        if not dim_fits_fp8(hidden):
             yield Finding("FP8005", "error", "model.expansion_ratio",
                           f"FFN hidden size {hidden} is not divisible by 16", "adjust expansion_ratio")
     micro = config.get("device_train_microbatch_size")
     seq = config.get("max_seq_len")
-    if isinstance(micro, int) and isinstance(seq, int) and (micro * seq) % 8:
+    if isinstance(micro, int) and isinstance(seq, int) and not tokens_fit_fp8(micro * seq):
         yield Finding("FP8006", "error", "device_train_microbatch_size",
                       f"{micro} x {seq} tokens per micro-batch is not divisible by 8, as TE's FP8 "
                       "GEMMs require", "choose a micro-batch size or max_seq_len that fixes it")
