@@ -175,7 +175,19 @@ class EmulatedFP8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.reset_scaling_state()
+
+    def reset_scaling_state(self) -> None:
+        """Fresh scales (1) and empty histories, on CPU when the weights are on `meta`.
+
+        Never on `meta`: FSDP materialises a module with meta buffers by `to_empty` plus
+        LLM-Foundry's param_init_fn, which knows nothing of these, so the scales would be
+        uninitialised memory. LLM-Foundry keeps its own buffers on CPU for the same reason;
+        FSDP moves them to the GPU with the rest of the module.
+        """
+        device = self.weight.device if self.weight.device.type != "meta" else "cpu"
         self.fp8_meta = nn.ModuleDict({"scaling_fwd": ScalingMeta(3), "scaling_bwd": ScalingMeta(2)})
+        self.fp8_meta.to(device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> EmulatedFP8Linear:

@@ -323,7 +323,13 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
         return new
 
     policies = {nn.Linear: policy, nn.LayerNorm: policy}
-    return count + len(replace_module_classes(model, policies, optimizers=optimizers))
+    replaced = replace_module_classes(model, policies, optimizers=optimizers)
+    for new in replaced.values():
+        # Composer's surgery moved each new module to its predecessor's device, on
+        # `init_device: meta` taking the emulated scaling buffers there too.
+        if any(b.is_meta for b in new.buffers()) and hasattr(new, "reset_scaling_state"):
+            new.reset_scaling_state()
+    return count + len(replaced)
 
 
 def coverage_table(plan: SwapPlan) -> str:

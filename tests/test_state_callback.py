@@ -224,3 +224,16 @@ def test_watch_quiet_with_fp8_checkpoint(caplog):
     layer = trainer.state.model.module.blocks[1].up
     assert isinstance(layer, EmulatedFP8Linear)
     assert layer.fp8_meta["scaling_bwd"].amax_history.abs().sum() > 0
+
+
+def test_own_error_is_logged_and_training_goes_on(caplog, monkeypatch):
+    """A bug inside fp8_state (here: reading the FP8 state fails) must not stop training."""
+    def broken(self):
+        raise RuntimeError("injected fp8_state bug")
+
+    monkeypatch.setattr(FP8State, "_local_state", broken)
+    callback = FP8State()  # strict by default: strict is about findings, not our own bugs
+    with caplog.at_level(logging.ERROR, logger="foundry_fp8.composer.state"):
+        trainer = _fit(fp8_checkpoint, callback)
+    assert int(trainer.state.timestamp.batch) == 6
+    assert "injected fp8_state bug" in caplog.text and callback.watch_batches == 0

@@ -186,3 +186,41 @@ def test_converted_model_runs_fp8_numerics():
 ])
 def test_would_run_fp8(precision, te, emulated, expected):
     assert would_run_fp8(precision, te, emulated) is expected
+
+
+def _materialize_like_fsdp(model, seed: int) -> None:
+    """What Composer's FSDP1 does with `init_device: meta` (dist_strategy.py, _param_init_fn):
+    each module with meta parameters or buffers gets `to_empty`, then the model's
+    param_init_fn (LLM-Foundry's, which reads `_fused` and `_is_residual`)."""
+    torch.manual_seed(seed)
+    for module in model.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if any(t.is_meta for t in tensors):
+            module.to_empty(device="cpu", recurse=False)
+            model.param_init_fn(module)
+
+
+def test_meta_init_after_swap_equals_meta_init_without_it():
+    """te_swap runs at INIT, before FSDP materialises a meta model: the converted layers must
+    get exactly the init LLM-Foundry gives the original ones, and usable FP8 scales."""
+    reference = _mpt(init_device="meta")
+    _materialize_like_fsdp(reference, seed=3)
+    swapped = _mpt(init_device="meta")
+    plan = plan_swap(swapped, SwapConfig(backend="emulate"))
+    assert apply_swap(swapped, plan) == 12
+    _materialize_like_fsdp(swapped, seed=3)
+    want, got = reference.state_dict(), swapped.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    layer = swapped.transformer.blocks[0].attn.out_proj
+    assert type(layer) is EmulatedFP8Linear
+    assert torch.equal(layer.fp8_meta["scaling_fwd"].scale, torch.ones(3))  # not to_empty garbage
+    assert layer.fp8_meta["scaling_bwd"].amax_history.shape == (0, 2)
+    # the residual init really depends on the kept attribute: without it the init differs
+    stripped = _mpt(init_device="meta")
+    apply_swap(stripped, plan_swap(stripped, SwapConfig(backend="emulate")))
+    for block in stripped.transformer.blocks:
+        del block.attn.out_proj._is_residual
+    _materialize_like_fsdp(stripped, seed=3)
+    out_proj = "transformer.blocks.0.attn.out_proj.weight"
+    assert not torch.equal(stripped.state_dict()[out_proj], want[out_proj])

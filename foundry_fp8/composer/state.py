@@ -130,7 +130,8 @@ class FP8State(Callback):
 
     With `strict`, a checkpoint whose FP8 modules do not match the model's, and the #1190
     symptom, are errors naming the modules; otherwise warnings. Unsafe activation-checkpointing
-    setups are always refused. `watch_batches`: how many first batches the symptom is watched
+    setups are always refused. An error in fp8_state's own code is logged and switches the
+    watch off; it never stops the run. `watch_batches`: how many first batches the symptom is watched
     for (0: never); it shows from the first batches on.
     """
 
@@ -160,8 +161,8 @@ class FP8State(Callback):
         except FP8StateError:
             raise
         except Exception:
-            if self.strict:
-                raise
+            # Our own bug must not stop a run: `strict` is about the checkpoint and the
+            # symptoms we find, not about fp8_state's own failures.
             log.exception("fp8_state: internal error at %s; FP8 symptom watch disabled", event)
             self.watch_batches = 0
 
