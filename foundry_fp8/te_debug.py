@@ -1,0 +1,123 @@
+"""TE's own FP8 statistics (nvdlfw-inspect's `LogFp8TensorStats`) for what module hooks miss.
+
+Module hooks see a TE module's input and weights, not the GEMM inputs inside fused modules
+(`LayerNormLinear`'s normalised X, `LayerNormMLP`'s inner activation). TE's debug API computes
+statistics on the tensors it really casts. It must be initialised before the first TE module is
+created (TE's `TEDebugState` refuses otherwise), so `FP8Stats` starts it in its constructor:
+LLM-Foundry builds callbacks before the model. TE and nvdlfw-inspect are imported lazily.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+#: Tensors TE's feature can watch, named as our `fp8_stats` names them.
+TE_TENSORS = ("activation", "weight", "gradient")
+
+#: Statistics under the training recipe, plus the current-scaling what-if of delayed scaling
+#: (TE: `overflows%` exists only for delayed scaling; `<recipe>_<stat>` names a what-if).
+DELAYED_STATS = ("underflows%", "overflows%", "scale_inv_min", "scale_inv_max", "mse",
+                 "fp8_current_scaling_underflows%", "fp8_current_scaling_mse")
+CURRENT_STATS = ("underflows%", "scale_inv_min", "scale_inv_max", "mse")
+
+FEATURE = "LogFp8TensorStats"
+NAMESPACE = "transformer_engine"
+
+
+def log_fp8_tensor_stats_config(layers: str, tensors: Sequence[str], freq: int,
+                                scaling: str = "delayed", start_step: int | None = None,
+                                end_step: int | None = None) -> dict[str, Any]:
+    """The nvdlfw-inspect config enabling TE's `LogFp8TensorStats` on layers whose names match
+    the regex `layers` (searched, as our hooks do), every `freq` steps."""
+    unknown = set(tensors) - set(TE_TENSORS)
+    if unknown:
+        raise ValueError(f"fp8_stats.tensors: unknown {sorted(unknown)}; use {list(TE_TENSORS)}")
+    re.compile(layers)
+    stats = list(DELAYED_STATS if scaling == "delayed" else CURRENT_STATS)
+    window = {k: v for k, v in (("start_step", start_step), ("end_step", end_step))
+              if v is not None}
+    return {"foundry_fp8_stats": {
+        "enabled": True,
+        "layers": {"layer_name_regex_pattern": layers},
+        NAMESPACE: {FEATURE: {
+            "enabled": True,
+            "tensors_struct": [{"tensor": t, "stats": stats, "freq": freq, **window}
+                               for t in tensors],
+        }},
+    }}
+
+
+def metric_name(te_name: str, layers: Iterable[str]) -> str | None:
+    """TE logs `<layer>_<tensor>_<stat>`; ours is `fp8/<layer>/<tensor>/te_<stat>`.
+
+    Layer names hold underscores too, so the layer is the longest known name that prefixes
+    `te_name`; None when no known layer and tensor fit.
+    """
+    for layer in sorted(layers, key=len, reverse=True):
+        rest = te_name.removeprefix(f"{layer}_")
+        if rest == te_name:
+            continue
+        for tensor in TE_TENSORS:
+            if rest.startswith(f"{tensor}_"):
+                return f"fp8/{layer}/{tensor}/te_{rest.removeprefix(f'{tensor}_')}"
+    return None
+
+
+def is_te_module(module: Any) -> bool:
+    """A TransformerEngine module (by where its class lives; no TE import)."""
+    return type(module).__module__.startswith("transformer_engine")
+
+
+class TEDebugSession:
+    """One run's TE debug API: start before the model exists, name layers, step, close.
+
+    `sink(name, value, step)` receives every statistic TE logs, under our metric names.
+    """
+
+    def __init__(self, config: Mapping[str, Any], log_dir: Path,
+                 sink: Callable[[str, float, int], None]):
+        self.config, self.log_dir, self.sink = dict(config), Path(log_dir), sink
+        self.layer_names: set[str] = set()
+
+    def start(self) -> None:
+        import nvdlfw_inspect.api as debug_api
+        import transformer_engine.debug.features as te_features
+        import yaml
+        from nvdlfw_inspect.logging import BaseLogger
+
+        session = self
+
+        class _Forward(BaseLogger):
+            def log_scalar(self, name: str, value: float | int, iteration: int,
+                           **kwargs: Any) -> None:
+                del kwargs
+                ours = metric_name(name, session.layer_names)
+                session.sink(ours or f"fp8/te_debug/{name}", float(value), int(iteration))
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        config_file = self.log_dir / "te_debug.yaml"
+        config_file.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        debug_api.initialize(config_file=str(config_file),
+                             feature_dirs=[str(Path(te_features.__file__).parent)],
+                             log_dir=str(self.log_dir), statistics_logger=_Forward())
+
+    def name_layers(self, named_modules: Iterable[tuple[str, Any]]) -> None:
+        """Give TE modules our module names (TE would call them `Layer_<n>`), so the layer regex
+        and the metric names match what our hooks use."""
+        for name, module in named_modules:
+            if is_te_module(module) and hasattr(module, "name"):
+                module.name = name
+                self.layer_names.add(name)
+
+    def step(self) -> None:
+        import nvdlfw_inspect.api as debug_api
+
+        debug_api.step()
+
+    def close(self) -> None:
+        import nvdlfw_inspect.api as debug_api
+
+        debug_api.end_debug()

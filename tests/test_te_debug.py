@@ -1,0 +1,77 @@
+"""The TE debug-API config and metric names, checked with nvdlfw-inspect's own config parser
+(TE itself cannot run here; the session against real TE is a GPU test)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from foundry_fp8.te_debug import (
+    CURRENT_STATS,
+    DELAYED_STATS,
+    FEATURE,
+    NAMESPACE,
+    log_fp8_tensor_stats_config,
+    metric_name,
+)
+
+LAYERS = [f"model.transformer.blocks.{b}.{p}" for b in range(12)
+          for p in ("attn.Wqkv", "attn.out_proj", "ffn")]
+
+
+@pytest.fixture
+def config_manager(tmp_path):
+    config_manager = pytest.importorskip("nvdlfw_inspect.config_manager")
+    from nvdlfw_inspect.logging import initialize_logger
+
+    initialize_logger(str(tmp_path))  # the parser logs what it reads
+    manager = config_manager.ConfigManager
+    manager.reset()
+    yield manager
+    manager.reset()
+
+
+def _load(manager, config):
+    registry = {NAMESPACE: SimpleNamespace(features={FEATURE: None}),
+                "base": SimpleNamespace(features={})}
+    manager._load_config(config, registry)
+
+
+def test_config_selects_the_same_layers_as_our_regex(config_manager):
+    pattern = r"blocks\.(0|11)\.attn"
+    _load(config_manager, log_fp8_tensor_stats_config(pattern, ["activation", "gradient"], 100,
+                                                      start_step=10))
+    selected = [name for name in LAYERS if config_manager.get_config_for_layer(name)]
+    assert selected == ["model.transformer.blocks.0.attn.Wqkv",
+                        "model.transformer.blocks.0.attn.out_proj",
+                        "model.transformer.blocks.11.attn.Wqkv",
+                        "model.transformer.blocks.11.attn.out_proj"]
+    feature = config_manager.get_config_for_layer(selected[0])[NAMESPACE][FEATURE]
+    assert feature["enabled"] is True
+    assert [s["tensor"] for s in feature["tensors_struct"]] == ["activation", "gradient"]
+    assert all(s["freq"] == 100 and s["start_step"] == 10 and "end_step" not in s
+               for s in feature["tensors_struct"])
+    assert feature["tensors_struct"][0]["stats"] == list(DELAYED_STATS)
+
+
+def test_current_scaling_asks_for_no_delayed_only_stat():
+    config = log_fp8_tensor_stats_config(".*", ["weight"], 1, scaling="current")
+    stats = config["foundry_fp8_stats"][NAMESPACE][FEATURE]["tensors_struct"][0]["stats"]
+    assert stats == list(CURRENT_STATS) and "overflows%" not in stats
+
+
+def test_bad_tensor_name_is_refused():
+    with pytest.raises(ValueError, match="fp8_stats.tensors"):
+        log_fp8_tensor_stats_config(".*", ["activations"], 1)
+
+
+def test_metric_names_split_layers_that_contain_underscores():
+    layers = ["blocks.0.attn.out_proj", "blocks.0.attn.out", "blocks.1.ffn"]
+    assert (metric_name("blocks.0.attn.out_proj_activation_underflows%", layers)
+            == "fp8/blocks.0.attn.out_proj/activation/te_underflows%")
+    assert (metric_name("blocks.0.attn.out_gradient_fp8_current_scaling_mse", layers)
+            == "fp8/blocks.0.attn.out/gradient/te_fp8_current_scaling_mse")
+    assert metric_name("blocks.1.ffn_weight_scale_inv_max", layers) == \
+        "fp8/blocks.1.ffn/weight/te_scale_inv_max"
+    assert metric_name("Layer_7_activation_mse", layers) is None
