@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from foundry_fp8.environment import parse_version
 from foundry_fp8.recipe import FP8Recipe
 
 
@@ -35,13 +36,7 @@ def te_version() -> tuple[int, ...] | None:
         import transformer_engine
 
         text = transformer_engine.__version__
-    numbers = []
-    for part in text.split("+")[0].split("."):
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits:
-            break
-        numbers.append(int(digits))
-    return tuple(numbers)
+    return parse_version(text)
 
 
 def require_te() -> None:

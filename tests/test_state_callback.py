@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from composer.core import Event
+from composer.core import Algorithm, Event
 from composer.loggers import Logger
 from torch import nn
 
@@ -124,13 +124,75 @@ def test_composer_model_state_dict_has_no_pickled_extra_state(tmp_path):
     state = State(model=saved, rank_zero_seed=0, run_name="x", device=DeviceCPU(),
                   precision=Precision.FP32)
     assert saved.state_dict()["module.0._extra_state"].numel() > 0  # before fp8_state
-    FP8State().run_event(Event.INIT, state, Logger(state))
+    callback = FP8State()
+    for event in (Event.INIT, Event.BEFORE_LOAD):
+        callback.run_event(event, state, Logger(state))
     sd = state.get_model_state_dict()  # what Composer writes into checkpoints
     assert sd["module.0._extra_state"].numel() == 0
     torch.save(sd, tmp_path / "model.pt")
     fresh = model()
     fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
     assert torch.equal(fresh.module[0].weight, saved.module[0].weight)
+
+
+class _SwapToExtraState(Algorithm):
+    """Converts at INIT as te_swap does, into a module with TE's pickled `_extra_state`."""
+
+    def match(self, event, state):
+        return event == Event.INIT
+
+    def apply(self, event, state, logger):
+        from composer.utils.module_surgery import replace_module_classes
+
+        policy = {nn.Linear: lambda module, index: PickledExtraStateLinear.from_linear(module)}
+        replace_module_classes(state.model, policy, optimizers=state.optimizers)
+
+
+def test_modules_converted_at_init_save_no_pickle_in_a_real_checkpoint(tmp_path):
+    """Composer runs callbacks before algorithms at INIT: modules te_swap creates then must
+    still save an empty `_extra_state`, so the checkpoint loads where TE refuses pickles."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def fit(duration: str, **kwargs):
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(16, 16), torch.randint(0, 16, (16,)))
+        trainer = Trainer(model=ComposerClassifier(nn.Sequential(nn.Linear(16, 16)), 16),
+                          train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
+                          algorithms=[_SwapToExtraState()], callbacks=[FP8State()],
+                          device="cpu", progress_bar=False, loggers=[],
+                          save_folder=str(tmp_path), save_interval="2ba", **kwargs)
+        trainer.fit()
+        return trainer
+
+    fit("2ba")
+    saved = torch.load(tmp_path / "ep0-ba2-rank0.pt", weights_only=False)["state"]["model"]
+    assert saved["module.0._extra_state"].numel() == 0
+    resumed = fit("3ba", load_path=str(tmp_path / "ep0-ba2-rank0.pt"), save_overwrite=True)
+    assert isinstance(resumed.state.model.module[0], PickledExtraStateLinear)
+    assert int(resumed.state.timestamp.batch) == 3
+
+
+def test_emulated_te_swap_with_fsdp_activation_checkpointing_is_refused_at_init():
+    """At INIT te_swap has not converted yet (callbacks run first): fp8_state reads the plan
+    from the run's algorithms."""
+    from types import SimpleNamespace
+
+    from composer.core import Precision
+
+    from foundry_fp8.composer.te_swap import TESwap
+
+    state = SimpleNamespace(
+        model=nn.Sequential(nn.Linear(16, 16)), precision=Precision.FP32,
+        fsdp_config=SimpleNamespace(activation_checkpointing=True, activation_cpu_offload=False,
+                                    te_checkpoint_wrapper=False,
+                                    activation_checkpointing_reentrant=True),
+        fsdp_config_version=1, algorithms=[TESwap(backend="emulate")])
+    with pytest.raises(FP8StateError, match="emulated FP8 layers outside FP8"):
+        FP8State().run_event(Event.INIT, state, None)
+    state.algorithms = []
+    FP8State().run_event(Event.INIT, state, None)  # nothing emulated: nothing to refuse
 
 
 # -- activation checkpointing guard -----------------------------------------------------------

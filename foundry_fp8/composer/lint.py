@@ -1,39 +1,93 @@
-"""`fp8_lint`: the linter's rules on the run's resolved config, before any GPU time is spent."""
+"""`fp8_lint`: the linter's rules on the run's resolved config, before any GPU time is spent,
+and a check of the built model that `precision: amp_fp8` has something to run in FP8."""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
-from composer.core import Callback, State
+from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
-from foundry_fp8.lint.rules import lint_config
+from foundry_fp8.lint.rules import Finding, LintContext, fsdp_version_from_env, lint_config
 
 log = logging.getLogger(__name__)
 
+FAIL_ON = ("error", "never")
+
+
+def fp8_module_counts(model: Any) -> tuple[int, int]:
+    """(TE modules, emulated FP8 modules) in a model, as `would_run_fp8` counts them."""
+    from foundry_fp8.emulate import EmulatedFP8Linear
+    from foundry_fp8.fp8_meta import is_fp8_module
+
+    fp8 = [m for m in model.modules() if is_fp8_module(m)]
+    emulated = sum(isinstance(m, EmulatedFP8Linear) for m in fp8)
+    return len(fp8) - emulated, emulated
+
+
+def model_problem(precision: str, model: Any) -> str | None:
+    """Why an `amp_fp8` run's model would compute nothing in FP8; None when it would."""
+    from foundry_fp8.swap import would_run_fp8
+
+    if precision != "amp_fp8":
+        return None
+    te_modules, emulated = fp8_module_counts(model)
+    if would_run_fp8(precision, te_modules, emulated):
+        return None
+    return ("fp8_lint: precision amp_fp8, but the model has no FP8 module (no TE layer, none "
+            "converted by te_swap), so nothing would run in FP8; add `algorithms: {te_swap: "
+            "{}}` or `model.fc_type: te`, or do not ask for amp_fp8")
+
+
+def _describe(f: Finding) -> str:
+    return f"{f.rule} {f.key}: {f.message} (fix: {f.fix})"
+
 
 class FP8Lint(Callback):
-    """LLM-Foundry passes the train config (`callbacks_with_config`), and builds callbacks before
-    the Trainer, so errors stop the run at construction. `fail_on: never` only warns."""
+    """`callbacks: {fp8_lint: {fail_on: error}}`.
+
+    LLM-Foundry passes its logged train config (`callbacks_with_config`) and builds callbacks
+    before the Trainer, so config errors, and version rules for this machine (TE too old for
+    activation checkpointing, a GPU without FP8), stop the run at construction; findings name
+    key paths (the config has no lines). Then, once the model exists (BEFORE_LOAD: Composer runs
+    callbacks before algorithms at INIT, so te_swap has converted only after INIT), an
+    `amp_fp8` run whose model has no FP8 module fails too. `fail_on: never` only warns.
+    """
 
     def __init__(self, train_config: Any, fail_on: str = "error"):
-        if fail_on not in ("error", "never"):
+        if fail_on not in FAIL_ON:
             raise ValueError(f"fp8_lint.fail_on: use 'error' or 'never', got {fail_on!r}")
+        self.fail_on = fail_on
         from omegaconf import DictConfig, OmegaConf
 
         if isinstance(train_config, DictConfig):
             train_config = OmegaConf.to_container(train_config, resolve=True)
-        self.findings = lint_config(train_config or {})
-        for f in self.findings:
-            log.warning("fp8_lint %s %s %s: %s (fix: %s)", f.severity, f.rule, f.key, f.message,
-                        f.fix)
-        errors = [f for f in self.findings if f.severity == "error"]
-        if errors and fail_on == "error":
-            first = errors[0]
-            raise ValueError(f"fp8_lint: {first.rule} {first.key}: {first.message} "
-                             f"(fix: {first.fix}); {len(errors)} error(s) in total")
+        context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ))
+        from foundry_fp8.doctor import config_environment_findings
 
-    def fit_start(self, state: State, logger: Logger) -> None:
-        del state
-        logger.log_hyperparameters({"fp8_lint/findings": len(self.findings)})
+        self.findings = (lint_config(train_config or {}, context)
+                         + config_environment_findings(train_config or {}))
+        for f in self.findings:
+            log.warning("fp8_lint %s %s", f.severity, _describe(f))
+        errors = [f for f in self.findings if f.severity == "error"]
+        if errors:
+            self._fail(f"fp8_lint: {_describe(errors[0])}; {len(errors)} error(s) in total")
+
+    def _fail(self, message: str) -> None:
+        if self.fail_on == "error":
+            raise ValueError(message)
+        log.warning("%s (fail_on: never, continuing)", message)
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.BEFORE_LOAD:
+            self.check_model(state)
+        elif event == Event.FIT_START:
+            logger.log_hyperparameters({"fp8_lint/findings": len(self.findings)})
+
+    def check_model(self, state: State) -> None:
+        """Fail (or warn) when `amp_fp8` has nothing to run in FP8 in the built model."""
+        problem = model_problem(state.precision.value, state.model)
+        if problem:
+            self._fail(problem)

@@ -23,15 +23,14 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
+from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
+from foundry_fp8.environment import MIN_TE_FOR_RECOMPUTE
 from foundry_fp8.fp8_meta import fp8_modules, is_fp8_module, read_fp8_meta, write_fp8_meta
 
 log = logging.getLogger(__name__)
 
 FP8ModuleState = dict[str, dict[str, torch.Tensor]]
-
-#: Activation recompute of TE modules is wrong before TE 1.12 (TE issue #1190).
-MIN_TE_FOR_RECOMPUTE = (1, 12)
 
 EXTRA_STATE_SUFFIX = "_extra_state"
 
@@ -154,6 +153,8 @@ class FP8State(Callback):
         try:
             if event == Event.INIT:
                 self._init(state)
+            elif event == Event.BEFORE_LOAD:
+                self._empty_extra_state_on_save(state.model)
             elif event == Event.FIT_START and self._pending is not None:
                 self.load_state_dict(self._pending)
             elif event == Event.BATCH_END and self.watch_batches:
@@ -167,12 +168,10 @@ class FP8State(Callback):
             self.watch_batches = 0
 
     def _init(self, state: State) -> None:
-        """After te_swap converted the model (algorithms run before callbacks at INIT) and
-        before FSDP wraps it (after INIT), so FSDP config changes still take effect."""
+        """Before FSDP wraps the model (right after INIT), so FSDP config changes still take
+        effect. Composer runs callbacks before algorithms at INIT: te_swap has not converted
+        the model yet, so its plan is read from the run's algorithms."""
         self._model = state.model
-        for module in state.model.modules():  # FP8 modules, and TE's ops (te.LayerNorm)
-            if is_fp8_module(module) or type(module).__module__.startswith("transformer_engine"):
-                module.register_state_dict_post_hook(_empty_extra_state_hook)
         fsdp = state.fsdp_config
         fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing",
                                                 "activation_cpu_offload", "te_checkpoint_wrapper",
@@ -184,13 +183,23 @@ class FP8State(Callback):
             from foundry_fp8.te_backend import te_version as installed_te_version
 
             te_version = installed_te_version()
-        emulated = any(isinstance(m, EmulatedFP8Linear) for m in state.model.modules())
+        emulated = (any(isinstance(m, EmulatedFP8Linear) for m in state.model.modules())
+                    or any(isinstance(a, TESwap) and a.config.backend == "emulate"
+                           for a in state.algorithms))
         settings = recompute_settings(precision, fields, state.fsdp_config_version, te_version,
                                       emulated)
         for key, value in settings.items():
             setattr(fsdp, key, value)
             log.warning("fp8_state: set fsdp_config.%s=%s so activation recompute runs under "
                         "FP8 (TE #1190)", key, value)
+
+    @staticmethod
+    def _empty_extra_state_on_save(model: nn.Module) -> None:
+        """At BEFORE_LOAD: te_swap has converted the model (INIT) and the checkpoint is not
+        loaded yet, so every FP8 module saves, and loads, an empty `_extra_state`."""
+        for module in model.modules():  # FP8 modules, and TE's ops (te.LayerNorm)
+            if is_fp8_module(module) or type(module).__module__.startswith("transformer_engine"):
+                module.register_state_dict_post_hook(_empty_extra_state_hook)
 
     def _watch(self) -> None:
         assert self._model is not None

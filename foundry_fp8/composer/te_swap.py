@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any
+from typing import Any, Literal
 
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
@@ -52,7 +52,7 @@ class TESwap(Algorithm):
     entering it instead of crashing the run (refusals and bad options always raise).
     """
 
-    def __init__(self, backend: str = "te", keep_first_blocks: int = 0, keep_last_blocks: int = 0,
+    def __init__(self, backend: Literal["te", "emulate"] = "te", keep_first_blocks: int = 0, keep_last_blocks: int = 0,
                  keep_lm_head: bool = True, convert_layernorm: bool = False,
                  fuse_ln_mlp: bool = False, include: str | None = None,
                  exclude: str | None = None, min_gemm_size: int = 0,

@@ -6,85 +6,40 @@ Exit codes: 0 no errors, 1 at least one error finding, 2 a file could not be rea
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+from foundry_fp8.lint.load import LintInputError, load_config, position_of
+from foundry_fp8.lint.output import render_json, render_sarif, render_text, use_colour
+from foundry_fp8.lint.rules import Finding, LintContext, fsdp_version_from_env, lint_config
 
-from foundry_fp8.lint.rules import Finding, lint_config
-
-
-class LintInputError(Exception):
-    """A file we cannot lint; the message is one line naming the file (and line when known)."""
+__all__ = ["LintInputError", "add_arguments", "lint_file", "run"]
 
 
-def key_lines(text: str) -> dict[str, int]:
-    """Dotted key path -> 1-based line of that key in the YAML text."""
-    lines: dict[str, int] = {}
-
-    def walk(node: yaml.Node, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value in node.value:
-                path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-                lines[path] = key_node.start_mark.line + 1
-                walk(value, path)
-
-    root = yaml.compose(text)
-    if root is not None:
-        walk(root, "")
-    return lines
-
-
-def load_config(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """The resolved config (omegaconf, `variables` and `${...}` resolved) and key lines."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise LintInputError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        lines = key_lines(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise LintInputError(f"{path}{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
-    try:
-        config = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        line = lines.get(str(key), "?")
-        raise LintInputError(f"{path}:{line}: cannot resolve key {key}: "
-                             f"{str(e).splitlines()[0]}") from None
-    if not isinstance(config, dict):
-        raise LintInputError(f"{path}:1: a train config must be a mapping")
-    return config, lines
-
-
-def _line_of(key: str, lines: dict[str, int]) -> int | None:
-    while key:
-        if key in lines:
-            return lines[key]
-        key = key.rpartition(".")[0]
-    return None
-
-
-def lint_file(path: Path) -> dict[str, Any]:
+def lint_file(path: Path, fsdp_version: int = 1) -> dict[str, Any]:
     """One entry of the JSON contract: {path, error, findings}."""
+    from foundry_fp8.lint.accelerate import lint_accelerate_file  # Accelerate/DeepSpeed configs
+
     try:
-        config, lines = load_config(path)
+        accelerate = lint_accelerate_file(path)
+        if accelerate is not None:
+            return {"path": str(path), "error": None, "findings": [
+                _as_dict(f, position_of(f.key, accelerate[1])) for f in accelerate[0]]}
+        loaded = load_config(path)
     except LintInputError as e:
         return {"path": str(path), "error": str(e), "findings": []}
-    findings = [_as_dict(f, _line_of(f.key, lines)) for f in lint_config(config)]
+    context = LintContext(scope="file", fsdp_version=fsdp_version, env_keys=loaded.env_keys)
+    findings = [_as_dict(f, position_of(f.key, loaded.positions))
+                for f in lint_config(loaded.config, context)]
     return {"path": str(path), "error": None, "findings": findings}
 
 
-def _as_dict(finding: Finding, line: int | None) -> dict[str, Any]:
+def _as_dict(finding: Finding, position: tuple[int, int] | None) -> dict[str, Any]:
+    line, column = position if position else (None, None)
     return {"rule": finding.rule, "severity": finding.severity, "key": finding.key,
-            "line": line, "message": finding.message, "fix": finding.fix}
+            "line": line, "column": column, "message": finding.message, "fix": finding.fix}
 
 
 def _expand(paths: list[str]) -> list[Path]:
@@ -97,22 +52,28 @@ def _expand(paths: list[str]) -> list[Path]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", help="train YAML files or folders of them")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--format", choices=("text", "json", "sarif"), default="text",
+                        help="text: a table per file (colour on a terminal unless NO_COLOR); "
+                             "json: {files: [{path, error, findings}]}; sarif: SARIF 2.1.0")
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    """2 if a file could not be linted, else 1 if any finding is an error, else 0."""
+    if any(e["error"] for e in report["files"]):
+        return 2
+    return int(any(f["severity"] == "error" for e in report["files"] for f in e["findings"]))
 
 
 def run(args: argparse.Namespace) -> int:
-    report = {"files": [lint_file(p) for p in _expand(args.paths)]}
+    fsdp_version = fsdp_version_from_env(os.environ)
+    report = {"files": [lint_file(p, fsdp_version) for p in _expand(args.paths)]}
     if args.format == "json":
-        print(json.dumps(report, indent=2))
+        print(render_json(report))
+    elif args.format == "sarif":
+        print(render_sarif(report))
     else:
         for entry in report["files"]:
             if entry["error"]:
                 print(f"error: {entry['error']}", file=sys.stderr)
-            for f in entry["findings"]:
-                print(f"{entry['path']}:{f['line']}: {f['severity']} {f['rule']} {f['key']}: "
-                      f"{f['message']} (fix: {f['fix']})")
-        total = sum(len(e["findings"]) for e in report["files"])
-        print(f"{len(report['files'])} file(s) linted, {total} finding(s)")
-    if any(e["error"] for e in report["files"]):
-        return 2
-    return int(any(f["severity"] == "error" for e in report["files"] for f in e["findings"]))
+        print(render_text(report, use_colour(sys.stdout.isatty(), os.environ)))
+    return exit_code(report)

@@ -1,0 +1,118 @@
+"""The linter's three outputs, from one report `{"files": [{path, error, findings}]}`.
+
+Text is a table per file for people (colour only on a terminal, never with NO_COLOR set);
+JSON keeps the contract of issue #5 plus `column`; SARIF 2.1.0 feeds code-scanning UIs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from foundry_fp8 import __version__
+from foundry_fp8.lint.registry import all_rules
+from foundry_fp8.lint.rules import SEVERITIES
+
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+SARIF_LEVELS = {"error": "error", "warning": "warning", "info": "note"}
+_COLOURS = {"error": "31", "warning": "33", "info": "36", "dim": "2", "bold": "1"}
+
+
+def use_colour(is_tty: bool, environ: Mapping[str, str]) -> bool:
+    """Colour on a terminal unless NO_COLOR is set to anything non-empty (no-color.org)."""
+    return is_tty and not environ.get("NO_COLOR")
+
+
+def _paint(text: str, style: str, colour: bool) -> str:
+    return f"\033[{_COLOURS[style]}m{text}\033[0m" if colour else text
+
+
+def _where(finding: Mapping[str, Any]) -> str:
+    line, column = finding.get("line"), finding.get("column")
+    if line is None:
+        return "-"
+    return f"{line}:{column}" if column else str(line)
+
+
+def render_text(report: Mapping[str, Any], colour: bool = False) -> str:
+    """One table per file with findings (location, severity, rule, key, message, fix)."""
+    out: list[str] = []
+    counts = dict.fromkeys(SEVERITIES, 0)
+    for entry in report["files"]:
+        findings = sorted(entry["findings"], key=lambda f: (f["line"] or 0, f["column"] or 0))
+        if entry["error"] or not findings:
+            continue
+        out.append(_paint(entry["path"], "bold", colour))
+        widths = [max(len(_where(f)) for f in findings),
+                  max(len(f["severity"]) for f in findings),
+                  max(len(f["rule"]) for f in findings),
+                  max(len(f["key"]) for f in findings)]
+        for f in findings:
+            counts[f["severity"]] += 1
+            cells = [_where(f).ljust(widths[0]),
+                     _paint(f["severity"].ljust(widths[1]), f["severity"], colour),
+                     f["rule"].ljust(widths[2]), f["key"].ljust(widths[3])]
+            out.append("  " + "  ".join(cells) + "  " + f["message"])
+            indent = " " * (2 + sum(widths) + 2 * len(widths))
+            out.append(indent + _paint(f"fix: {f['fix']}", "dim", colour))
+        out.append("")
+    unreadable = sum(1 for e in report["files"] if e["error"])
+    summary = (f"{len(report['files'])} file(s) linted: {counts['error']} error(s), "
+               f"{counts['warning']} warning(s), {counts['info']} info")
+    if unreadable:
+        summary += f", {unreadable} file(s) could not be linted"
+    out.append(summary)
+    return "\n".join(out)
+
+
+def render_json(report: Mapping[str, Any]) -> str:
+    return json.dumps(report, indent=2)
+
+
+def _uri(path: str) -> str:
+    """A SARIF artifact URI: relative paths stay relative (resolved against the repo root by
+    code-scanning UIs), absolute ones become file:// URIs."""
+    p = Path(path)
+    return p.as_uri() if p.is_absolute() else p.as_posix()
+
+
+def _location(path: str, line: int | None, column: int | None) -> dict[str, Any]:
+    physical: dict[str, Any] = {"artifactLocation": {"uri": _uri(path)}}
+    if line is not None:
+        physical["region"] = {"startLine": line, **({"startColumn": column} if column else {})}
+    return {"physicalLocation": physical}
+
+
+def render_sarif(report: Mapping[str, Any]) -> str:
+    """A SARIF 2.1.0 log: one run, our rules as reportingDescriptors, one result per finding;
+    files that could not be linted become error notifications of the invocation."""
+    known = all_rules()
+    index = {rule.id: i for i, rule in enumerate(known)}
+    rules = [{"id": rule.id, "name": rule.id,
+              "shortDescription": {"text": rule.summary.replace("`", "")},
+              "fullDescription": {"text": rule.rationale},
+              "help": {"text": f"{rule.rationale}\nFix: {rule.fix}\nSource: {rule.source}"},
+              "defaultConfiguration": {"level": SARIF_LEVELS[rule.severity]}}
+             for rule in known]
+    results = []
+    notifications = []
+    for entry in report["files"]:
+        if entry["error"]:
+            notifications.append({"level": "error", "message": {"text": entry["error"]},
+                                  "locations": [_location(entry["path"], None, None)]})
+        for f in entry["findings"]:
+            result: dict[str, Any] = {
+                "ruleId": f["rule"], "level": SARIF_LEVELS[f["severity"]],
+                "message": {"text": f"{f['key']}: {f['message']} (fix: {f['fix']})"},
+                "locations": [_location(entry["path"], f["line"], f["column"])]}
+            if f["rule"] in index:
+                result["ruleIndex"] = index[f["rule"]]
+            results.append(result)
+    run = {"tool": {"driver": {"name": "foundry-fp8 lint", "version": __version__,
+                               "rules": rules}},
+           "invocations": [{"executionSuccessful": not notifications,
+                            "toolExecutionNotifications": notifications}],
+           "results": results}
+    return json.dumps({"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}, indent=2)

@@ -1,0 +1,215 @@
+"""Accelerate/DeepSpeed config rules (FP81xx): each triggers at its key and line, and a config
+that should not trigger it does not; unreadable files are one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from foundry_fp8.lint.accelerate import (
+    ACCELERATE_RULES,
+    lint_accelerate,
+    lint_accelerate_file,
+    lint_input,
+)
+from foundry_fp8.lint.cli import lint_file
+from foundry_fp8.lint.rules import RULES
+
+HEAD = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: {dist}
+mixed_precision: {mp}
+"""
+GOOD_DS = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+
+
+def write(tmp_path: Path, body: str, dist: str = "MULTI_GPU", mp: str = "fp8",
+          deepspeed: dict | str | None = None) -> Path:
+    """An Accelerate YAML (HEAD then `body`), and its DeepSpeed JSON ds.json when given."""
+    if deepspeed is not None:
+        (tmp_path / "ds.json").write_text(deepspeed if isinstance(deepspeed, str)
+                                          else json.dumps(deepspeed, indent=2))
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(HEAD.format(dist=dist, mp=mp) + textwrap.dedent(body))
+    return path
+
+
+def found(path: Path, rule: str) -> list[tuple[str, int, str]]:
+    entry = lint_file(path)
+    assert entry["error"] is None, entry["error"]
+    return [(f["key"], f["line"], f["severity"]) for f in entry["findings"] if f["rule"] == rule]
+
+
+DS_FILE = """\
+deepspeed_config:
+  deepspeed_config_file: ds.json
+"""
+
+
+def test_fp16_block_with_fp8(tmp_path):
+    path = write(tmp_path, DS_FILE, dist="DEEPSPEED",
+                 deepspeed={"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    assert found(path, "FP8101") == [("deepspeed_config.deepspeed_config_file", 5, "error")]
+    message = next(f["message"] for f in lint_file(path)["findings"] if f["rule"] == "FP8101")
+    assert "ds.json:3" in message and "fp16.enabled" in message
+    for ds in (GOOD_DS, {"fp16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}):
+        assert found(write(tmp_path, DS_FILE, dist="DEEPSPEED", deepspeed=ds), "FP8101") == []
+    # without fp8 an fp16 DeepSpeed config is nothing of ours
+    path = write(tmp_path, DS_FILE, dist="DEEPSPEED", mp="fp16",
+                 deepspeed={"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    assert found(path, "FP8101") == []
+
+
+def test_deepspeed_file_refuses_mixed_precision_and_zero_keys(tmp_path):
+    path = write(tmp_path, DS_FILE + "  zero_stage: 3\n", dist="DEEPSPEED", deepspeed=GOOD_DS)
+    assert found(path, "FP8102") == [("mixed_precision", 3, "error"),
+                                     ("deepspeed_config.zero_stage", 6, "error")]
+    inline = "deepspeed_config:\n  zero_stage: 3\n"
+    assert found(write(tmp_path, inline, dist="DEEPSPEED"), "FP8102") == []
+
+
+@pytest.mark.parametrize(("version", "dist", "severity"), [
+    ((1, 8, 1), "DEEPSPEED", "error"), ((1, 3, 0), "DEEPSPEED", "error"),
+    (None, "DEEPSPEED", "warning"), ((1, 5, 0), "MULTI_GPU", "error"),
+])
+def test_fp8_from_config_never_reaches_te(version, dist, severity):
+    config = {"distributed_type": dist, "mixed_precision": "fp8"}
+    findings = [f for f in lint_accelerate(lint_input(config, version=version))
+                if f.rule == "FP8103"]
+    assert [(f.key, f.severity) for f in findings] == [("mixed_precision", severity)]
+
+
+@pytest.mark.parametrize(("version", "dist", "mp"), [
+    ((1, 11, 0), "DEEPSPEED", "fp8"), ((1, 14, 0), "DEEPSPEED", "fp8"),
+    ((1, 8, 1), "MULTI_GPU", "fp8"), ((1, 3, 0), "MULTI_GPU", "fp8"),
+    (None, "MULTI_GPU", "fp8"), ((1, 8, 1), "DEEPSPEED", "bf16"),
+])
+def test_fp8_from_config_reaches_te(version, dist, mp):
+    config = {"distributed_type": dist, "mixed_precision": mp}
+    assert not [f for f in lint_accelerate(lint_input(config, version=version))
+                if f.rule == "FP8103"]
+
+
+def test_fp8103_through_the_file_uses_the_installed_accelerate(tmp_path):
+    path = write(tmp_path, "", dist="DEEPSPEED")
+    assert [line for _key, line, _sev in found(path, "FP8103")] == [3]
+
+
+RECIPE = """\
+fp8_config:
+  backend: TE
+  fp8_format: E4M3
+  amax_history_len: 16
+"""
+
+
+def test_recipe_ignored_under_deepspeed(tmp_path):
+    assert found(write(tmp_path, RECIPE, dist="DEEPSPEED"), "FP8104") == [
+        ("fp8_config", 4, "warning")]
+    assert found(write(tmp_path, RECIPE), "FP8104") == []  # honoured without DeepSpeed
+    defaults = "fp8_config:\n  backend: TE\n  fp8_format: HYBRID\n  interval: 1\n  margin: 0\n"
+    assert found(write(tmp_path, defaults, dist="DEEPSPEED"), "FP8104") == []
+    config = {"distributed_type": "DEEPSPEED", "mixed_precision": "fp8",
+              "fp8_config": {"amax_history_len": 16}}
+    assert not [f for f in lint_accelerate(lint_input(config, version=(1, 3, 0)))
+                if f.rule == "FP8104"]  # 1.0-1.3 runs no FP8 under DeepSpeed at all (FP8103)
+
+
+def test_fp8_config_keys_accelerate_never_reads(tmp_path):
+    body = ("fp8_config:\n  backend: TE\n  amax_history_length: 16\n"
+            "  amax_compute_algorithm: max\n  amax_histroy_len: 8\n")
+    path = write(tmp_path, body)
+    assert found(path, "FP8105") == [("fp8_config.amax_history_length", 6, "warning"),
+                                     ("fp8_config.amax_compute_algorithm", 7, "warning"),
+                                     ("fp8_config.amax_histroy_len", 8, "warning")]
+    fixes = [f["fix"] for f in lint_file(path)["findings"] if f["rule"] == "FP8105"]
+    assert fixes[0] == "rename it to amax_history_len"
+    assert "amax_history_len" in fixes[2]  # did-you-mean
+    assert found(write(tmp_path, RECIPE + "  format: E4M3\n  margin: 1\n"), "FP8105") == []
+
+
+def test_most_recent_is_replaced_by_max(tmp_path):
+    body = "fp8_config:\n  backend: TE\n  amax_compute_algo: most_recent\n"
+    assert found(write(tmp_path, body), "FP8106") == [
+        ("fp8_config.amax_compute_algo", 6, "warning")]
+    assert found(write(tmp_path, body.replace("most_recent", "max")), "FP8106") == []
+    msamp = "fp8_config:\n  backend: MSAMP\n  amax_compute_algo: most_recent\n"
+    assert found(write(tmp_path, msamp), "FP8106") == []
+
+
+def test_recipe_values_te_rejects(tmp_path):
+    body = ("fp8_config:\n  backend: TE\n  fp8_format: e5m2\n  interval: 2\n"
+            "  override_linear_precision: [false, false, true]\n  amax_history_len: 0\n")
+    assert sorted(found(write(tmp_path, body), "FP8107")) == [
+        ("fp8_config.amax_history_len", 9, "error"), ("fp8_config.fp8_format", 6, "error"),
+        ("fp8_config.interval", 7, "error"), ("fp8_config.override_linear_precision", 8, "error")]
+    # what `accelerate config` writes: defaults that Accelerate never forwards to TE
+    written = ("fp8_config:\n  backend: TE\n  fp8_format: HYBRID\n  interval: 1\n"
+               "  override_linear_precision: [false, false, false]\n  margin: 0\n")
+    assert found(write(tmp_path, written), "FP8107") == []
+    assert found(write(tmp_path, "fp8_config:\n  override_linear_precision: false\n"),
+                 "FP8107") == []
+
+
+def test_zero_stage_auto(tmp_path):
+    ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": "auto"}}
+    path = write(tmp_path, DS_FILE, dist="DEEPSPEED", mp="bf16", deepspeed=ds)
+    assert found(path, "FP8108") == [("deepspeed_config.deepspeed_config_file", 5, "warning")]
+    alone = tmp_path / "ds.json"
+    assert found(alone, "FP8108") == [("zero_optimization.stage", 6, "warning")]
+    alone.write_text(json.dumps(GOOD_DS, indent=2))
+    assert found(alone, "FP8108") == []
+
+
+def test_deepspeed_file_missing_and_found_relative_to_the_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)
+    body = "deepspeed_config:\n  deepspeed_config_file: nowhere.json\n"
+    path = write(tmp_path, body, dist="DEEPSPEED", mp="bf16")
+    assert found(path, "FP8109") == [("deepspeed_config.deepspeed_config_file", 5, "warning")]
+    path = write(tmp_path, DS_FILE, dist="DEEPSPEED", mp="bf16", deepspeed=GOOD_DS)
+    assert found(path, "FP8109") == []
+
+
+def test_train_yamls_are_not_taken_for_accelerate_configs(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("precision: amp_bf16\ndeepspeed_config: {}\nmodel: {d_model: 64}\n")
+    assert lint_accelerate_file(path) is None
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", *args],
+                          capture_output=True, text=True, check=False)
+
+
+@pytest.mark.parametrize(("name", "text", "where"), [
+    ("bad.json", '{\n  "fp16": {"enabled": true},,\n}\n', "bad.json:2:"),
+    ("accelerate.yaml", "distributed_type: DEEPSPEED\nfp8_config: [a\n", "accelerate.yaml:"),
+    ("list.json", "[1, 2]\n", "list.json:1:"),
+])
+def test_unreadable_files_exit_2_with_one_line(tmp_path, name, text, where):
+    path = tmp_path / name
+    path.write_text(text)
+    done = _cli(str(path))
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and where in errors[0] and "Traceback" not in done.stderr
+
+
+def test_broken_deepspeed_json_behind_an_accelerate_config_exits_2(tmp_path):
+    path = write(tmp_path, DS_FILE, dist="DEEPSPEED", deepspeed='{"fp16": }')
+    entry = lint_file(path)
+    assert entry["error"].startswith(f"{tmp_path / 'ds.json'}:1:")
+    assert _cli(str(path)).returncode == 2
+
+
+def test_rules_are_registered_with_docs_fields():
+    ids = [rule.id for rule in ACCELERATE_RULES]
+    assert ids == [f"FP81{n:02d}" for n in range(1, 10)]
+    assert not set(ids) & {rule.id for rule in RULES}
+    for rule in ACCELERATE_RULES:
+        assert rule.summary and rule.rationale and rule.source and rule.fix

@@ -1,0 +1,148 @@
+"""Environment rules (FP82xx) on hand-made snapshots, and the real `foundry-fp8 doctor` on this
+machine (which may have no GPU and no TransformerEngine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from foundry_fp8.doctor import config_environment_findings, exit_code, gather_snapshot
+from foundry_fp8.environment import (
+    ENVIRONMENT_RULES,
+    NO_GPU,
+    Snapshot,
+    environment_findings,
+    parse_version,
+)
+from foundry_fp8.lint.accelerate import ACCELERATE_RULES
+from foundry_fp8.lint.rules import RULES
+
+H100 = Snapshot(python="3.11.7", torch="2.7.0", torch_cuda="12.6", gpu_name="NVIDIA H100",
+                capability=(9, 0), te="2.8.0", te_torch="2.8.0", te_core="2.8.0",
+                te_core_package="transformer-engine-cu12", te_import_checked=True)
+CPU = Snapshot(python="3.11.7", torch="2.7.0")
+TE_RUN = {"precision": "amp_fp8", "algorithms": {"te_swap": {"backend": "te"}}}
+EMULATED_RUN = {"precision": "amp_fp8", "algorithms": {"te_swap": {"backend": "emulate"}}}
+
+
+def rules(snapshot: Snapshot, config: dict | None = None) -> list[tuple[str, str]]:
+    return [(f.rule, f.severity) for f in environment_findings(snapshot, config)]
+
+
+def test_a_good_gpu_machine_has_nothing_to_report():
+    assert rules(H100) == []
+    assert rules(H100, TE_RUN) == []
+
+
+@pytest.mark.parametrize(("snapshot", "expected"), [
+    (CPU, [("FP8201", "info")]),
+    (Snapshot(python="3", te="2.8.0"), [("FP8201", "info")]),
+    (Snapshot(python="3", capability=(8, 0), gpu_name="A100"), [("FP8202", "warning")]),
+    (Snapshot(python="3", capability=(8, 9), torch_cuda="11.8", gpu_name="L4"),
+     [("FP8203", "warning"), ("FP8204", "warning")]),
+    (Snapshot(python="3", capability=(9, 0)), [("FP8204", "warning")]),
+    (Snapshot(python="3", capability=(9, 0), te="2.8.0", te_torch="2.7.0", te_core="2.8.0",
+              te_core_package="transformer-engine-cu12"), [("FP8205", "error")]),
+    (Snapshot(python="3", capability=(9, 0), te="2.8.0", te_import_checked=True,
+              te_import_error="ImportError: undefined symbol"), [("FP8206", "error")]),
+])
+def test_each_environment_rule_triggers(snapshot, expected):
+    assert rules(snapshot) == expected
+
+
+@pytest.mark.parametrize("snapshot", [
+    Snapshot(python="3", capability=(8, 9), torch_cuda="12.1", te="2.8.0"),  # Ada, CUDA ok
+    Snapshot(python="3", capability=(10, 0), torch_cuda="12.8", te="2.8.0"),
+    Snapshot(python="3", capability=(9, 0), te="2.8.0"),  # source build: no pip packages
+    Snapshot(python="3", capability=(9, 0), te="2.8.0",  # import not checked (fp8_lint)
+             te_import_error="never looked"),
+])
+def test_environment_rules_stay_quiet(snapshot):
+    assert rules(snapshot) == []
+
+
+def test_no_gpu_message_is_plain():
+    assert environment_findings(CPU)[0].message == NO_GPU
+    assert NO_GPU == "no GPU: FP8 training needs an H100/Ada; the emulated backend works here"
+
+
+def test_run_rules_judge_only_runs_that_need_te():
+    assert rules(CPU, EMULATED_RUN) == []
+    assert rules(CPU, {"precision": "amp_bf16"}) == []
+    assert rules(CPU, TE_RUN) == [("FP8201", "error"), ("FP8204", "error")]
+    assert rules(CPU, {"model": {"fc_type": {"name": "te"}}}) == [("FP8201", "error"),
+                                                                  ("FP8204", "error")]
+    a100 = Snapshot(python="3", capability=(8, 0), te="2.8.0")
+    assert rules(a100, {"algorithms": {"te_swap": {}}}) == [("FP8202", "error")]  # te default
+
+
+def test_old_te_with_activation_checkpointing():
+    run = {**TE_RUN, "fsdp_config": {"activation_checkpointing": True}}
+    old = Snapshot(python="3", capability=(9, 0), te="1.11.0")
+    assert rules(old, run) == [("FP8207", "error")]
+    assert rules(old, TE_RUN) == []
+    assert rules(Snapshot(python="3", capability=(9, 0), te="1.12.0"), run) == []
+    found = environment_findings(old, run)[0]
+    assert found.key == "fsdp_config.activation_checkpointing" and "#1190" in found.message
+
+
+def test_current_scaling_needs_te_2_2():
+    run = {"algorithms": {"te_swap": {"backend": "te", "fp8_recipe": {"scaling": "current"}}}}
+    assert rules(Snapshot(python="3", capability=(9, 0), te="2.1.0"), run) == [
+        ("FP8208", "error")]
+    assert rules(Snapshot(python="3", capability=(9, 0), te="2.2.0"), run) == []
+    broken = {"algorithms": {"te_swap": {"fp8_recipe": {"scaling": "sometimes"}}}}
+    assert rules(Snapshot(python="3", capability=(9, 0), te="2.1.0"), broken) == []  # FP8008's
+
+
+def test_rule_ids_are_unique_and_documented():
+    ids = [rule.id for rule in ENVIRONMENT_RULES]
+    assert ids == [f"FP82{n:02d}" for n in range(1, 9)]
+    assert not set(ids) & {rule.id for rule in [*RULES, *ACCELERATE_RULES]}
+    for rule in ENVIRONMENT_RULES:
+        assert rule.summary and rule.rationale and rule.source and rule.fix
+
+
+@pytest.mark.parametrize(("text", "version"), [
+    ("2.7.0+cu126", (2, 7, 0)), ("1.12.0.dev0+abc", (1, 12, 0)), ("2.2rc1", (2, 2)),
+    ("unknown (no package metadata)", None), (None, None), ("", None),
+])
+def test_parse_version(text, version):
+    assert parse_version(text) == version
+
+
+def test_exit_codes():
+    info = environment_findings(CPU)
+    error = environment_findings(Snapshot(python="3", capability=(9, 0), te="2", te_torch="1"))
+    assert exit_code([], strict=True) == 0
+    assert exit_code(info, strict=False) == 0 and exit_code(info, strict=True) == 1
+    assert exit_code(error, strict=False) == 1
+
+
+def test_the_callback_helper_runs_here():
+    assert isinstance(config_environment_findings(EMULATED_RUN), list)
+    assert config_environment_findings(EMULATED_RUN) == []
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "doctor", *args],
+                          capture_output=True, text=True, check=False, timeout=300)
+
+
+def test_real_doctor_on_this_machine():
+    snapshot = gather_snapshot(probe_te_import=True)
+    done = _doctor()
+    assert done.returncode == (1 if any(f.severity == "error"
+                                        for f in environment_findings(snapshot)) else 0)
+    assert "Traceback" not in done.stderr
+    assert "TransformerEngine" in done.stdout and "torch" in done.stdout
+    if not snapshot.has_gpu:
+        assert NO_GPU in done.stdout
+        assert _doctor("--strict").returncode == 1
+    report = json.loads(_doctor("--format", "json", "--no-te-import").stdout)
+    assert report["environment"]["python"] == snapshot.python
+    assert {f["rule"] for f in report["findings"]} >= ({"FP8201"} if not snapshot.has_gpu
+                                                       else set())

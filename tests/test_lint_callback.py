@@ -1,0 +1,79 @@
+"""The `fp8_lint` callback: config rules on LLM-Foundry's logged config (key paths, no lines),
+and the model check once te_swap has converted the model.
+
+Composer refuses `amp_fp8` on CPU when the Trainer is built (composer/core/precision.py,
+`_validate_precision`), so the model check is called here with a minimal state object holding
+a real tiny LLM-Foundry MPT, before and after te_swap's emulated conversion.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+from composer.core import Event, Precision
+
+from foundry_fp8.composer.lint import FP8Lint, fp8_module_counts
+from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap
+
+
+def _tiny_mpt():
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    config = MPTConfig(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=32,
+                       vocab_size=128, attn_config={"attn_impl": "torch"})
+    return MPTForCausalLM(config)
+
+
+def _state(precision: Precision, model) -> SimpleNamespace:
+    return SimpleNamespace(precision=precision, model=model)
+
+
+def test_config_errors_stop_the_run_at_construction():
+    with pytest.raises(ValueError, match="FP8001 precision"):
+        FP8Lint(train_config={"precision": "amp_fp8", "model": {}})
+    lint = FP8Lint(train_config={"precision": "amp_fp8"}, fail_on="never")
+    assert [f.rule for f in lint.findings] == ["FP8001"]
+
+
+def test_logged_config_extras_are_not_unknown_keys():
+    # LLM-Foundry's logged config carries flattened metadata keys and more: no FP8009 there
+    lint = FP8Lint(train_config={"precision": "amp_bf16", "my_metadata": 1, "merge": True,
+                                 "n_params": 10})
+    assert lint.findings == []
+
+
+def test_amp_fp8_model_without_fp8_modules_fails_after_te_swap_had_its_chance(caplog):
+    model = _tiny_mpt()
+    # a config that passes (te_swap will convert), whose model has no FP8 module yet
+    lint = FP8Lint(train_config={"precision": "amp_fp8",
+                                 "algorithms": {"te_swap": {"backend": "emulate"}}})
+    with pytest.raises(ValueError, match="no FP8 module"):
+        lint.run_event(Event.BEFORE_LOAD, _state(Precision.AMP_FP8, model), logger=None)
+
+    lenient = FP8Lint(train_config={}, fail_on="never")
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.lint"):
+        lenient.check_model(_state(Precision.AMP_FP8, model))
+    assert "no FP8 module" in caplog.text
+    lenient.check_model(_state(Precision.AMP_BF16, model))  # not amp_fp8: nothing to say
+
+    converted = apply_swap(model, plan_swap(model, SwapConfig(backend="emulate")), "emulate")
+    assert converted > 0 and fp8_module_counts(model) == (0, converted)
+    lint.check_model(_state(Precision.AMP_FP8, model))  # now it would run FP8: no error
+
+
+def test_bad_fail_on_is_refused():
+    with pytest.raises(ValueError, match="fail_on"):
+        FP8Lint(train_config={}, fail_on="warn")
+
+
+def test_version_rules_judge_this_machine_for_te_runs_only():
+    """This CPU machine has no GPU and no TE: a run that needs real TE stops at construction,
+    naming the environment rule; an emulated run is not judged on hardware."""
+    te_run = {"precision": "amp_fp8", "model": {"name": "mpt_causal_lm", "fc_type": "te"}}
+    with pytest.raises(ValueError, match=r"FP8201 gpu: no GPU"):
+        FP8Lint(train_config=te_run)
+    emulated = FP8Lint(train_config={"precision": "fp32",
+                                     "algorithms": {"te_swap": {"backend": "emulate"}}})
+    assert not [f for f in emulated.findings if f.rule.startswith("FP82")]
