@@ -1,57 +1,259 @@
 """FP8Monitor: per-layer FP8 health for any PyTorch training loop.
 
-Watches the GEMM input (activation), weight and output gradient of selected `nn.Linear` layers
-and reports `tensor_stats` under current scaling for each. Hooks exist only during logging steps,
-so other steps pay nothing; all statistics of a step reach the host in one transfer.
+Watches the GEMM input (activation), weight and output gradient of selected linear layers
+(`nn.Linear`, our EmulatedFP8Linear, TE's `Linear`/`LayerNormLinear`/`LayerNormMLP`) and reports
+`tensor_stats` for each under the scale the tensor is (or would be) cast with:
+
+- a module that runs delayed-scaling FP8 (EmulatedFP8Linear inside `fp8_autocast`, TE modules
+  inside TE's autocast): the scale from its own `fp8_meta` read *before* the cast (forward
+  pre-hook, backward pre-hook), because TE and the emulation update scales when the autocast
+  (forward) or the backward pass ends, so a scale read afterwards is the next step's;
+- a module under current scaling: `fp8_max / amax` of the tensor itself;
+- anything else (plain `nn.Linear`): the `recipe` what-if, current by default; `delayed` keeps
+  an amax history recorded, amax only, on the batches before each logging step.
+
+Hooks exist only on logging steps (and, for a delayed what-if, on the recording batches before
+them); a logging step pools its statistics across ranks with one all_reduce per reduction op and
+moves them to the host in one transfer.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from foundry_fp8.numerics import STAT_KEYS, tensor_stats_tensor
+from foundry_fp8 import emulate
+from foundry_fp8.numerics import (
+    FP8_MAX,
+    STAT_KEYS,
+    SUFFICIENT_INDEX,
+    all_reduce_sufficient_stats,
+    delayed_scale_update,
+    empty_sufficient_stats,
+    finalize_stats,
+    finite_amax,
+    sufficient_stats,
+)
+from foundry_fp8.recipe import FP8Recipe, RecipeError
 
-TENSOR_FORMATS = {"activation": "e4m3", "weight": "e4m3", "gradient": "e5m2"}
+TENSOR_KINDS = ("activation", "weight", "gradient")
+CURRENT = FP8Recipe(scaling="current")
+
+
+class FP8MonitorError(RuntimeError):
+    """A hook of the monitor failed (on this rank or another); training itself is unaffected."""
+
+
+def parse_recipe(option: str | Mapping[str, Any] | FP8Recipe | None) -> FP8Recipe:
+    """`current`, `delayed`, or a recipe mapping (`{scaling: delayed, amax_history_len: 16}`)."""
+    if isinstance(option, FP8Recipe):
+        return option
+    options = {"scaling": option or "current"} if not isinstance(option, Mapping) else dict(option)
+    try:
+        return FP8Recipe.from_options(options)
+    except RecipeError as e:
+        raise ValueError(f"fp8_stats.recipe: {e.problem.key}: {e.problem.message} "
+                         f"(fix: {e.problem.fix})") from None
 
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """Which layers and tensors to watch, and when a layer deserves a warning."""
+    """Which layers and tensors to watch, the what-if recipe, warnings and dumps."""
 
     include: str = ".*"
     exclude: str | None = None
-    tensors: tuple[str, ...] = ("activation", "weight", "gradient")
+    tensors: tuple[str, ...] = TENSOR_KINDS
+    recipe: FP8Recipe = CURRENT
     max_underflow_pct: float = 5.0
     max_overflow_pct: float = 0.0
     min_cos_sim: float = 0.99
+    dump_layers: str | None = None  # regex; None: every watched layer
+    dump_max_mb: float = 64.0
+    dump_folder: str | Path | None = None
 
     def __post_init__(self) -> None:
-        unknown = set(self.tensors) - set(TENSOR_FORMATS)
+        unknown = set(self.tensors) - set(TENSOR_KINDS)
         if unknown:
             raise ValueError(f"fp8_stats.tensors: unknown {sorted(unknown)}; "
-                             f"use {sorted(TENSOR_FORMATS)}")
-        for key in ("include", "exclude"):
+                             f"use {sorted(TENSOR_KINDS)}")
+        for key in ("include", "exclude", "dump_layers"):
             pattern = getattr(self, key)
             if pattern is not None:
                 try:
                     re.compile(pattern)
                 except re.error as e:
                     raise ValueError(f"fp8_stats.{key}: bad regex {pattern!r}: {e}") from None
+        if self.dump_max_mb < 0:
+            raise ValueError(f"fp8_stats.dump_max_mb: must be >= 0, got {self.dump_max_mb}")
 
 
-def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Linear]:
-    """The linear layers whose qualified names match `include` and not `exclude`."""
+@dataclass(frozen=True)
+class Schedule:
+    """Which steps log (every `interval` in [start, end), plus the dump steps) and dump."""
+
+    interval: int = 1
+    start: int = 0
+    end: int | None = None
+    dump_steps: tuple[int, ...] = ()
+
+    def logs(self, step: int) -> bool:
+        in_window = step >= self.start and (self.end is None or step < self.end)
+        return (in_window and step % self.interval == 0) or step in self.dump_steps
+
+    def dumps(self, step: int) -> bool:
+        return step in self.dump_steps
+
+    def next_log(self, step: int) -> int | None:
+        """The first logging step after `step`."""
+        first = max(step + 1, self.start)
+        candidates = [d for d in self.dump_steps if d > step]
+        regular = -(-first // self.interval) * self.interval
+        if self.end is None or regular < self.end:
+            candidates.append(regular)
+        return min(candidates, default=None)
+
+    def records(self, step: int, window: int) -> bool:
+        """Whether `step` lies in the `window` batches before a logging step."""
+        following = self.next_log(step)
+        return following is not None and following - step <= window
+
+
+@dataclass(frozen=True)
+class Watch:
+    """A tensor a module hook sees: its metric name, which `tensors:` kind selects it, where it
+    comes from (`input`, a weight attribute, `grad_output`) and its slot in the module's
+    `fp8_meta` scale (None: not known for this module)."""
+
+    name: str
+    kind: str
+    source: str
+    slot: int | None
+
+    @property
+    def direction(self) -> str:
+        return "backward" if self.kind == "gradient" else "forward"
+
+
+LINEAR_WATCHES = (Watch("activation", "activation", "input", emulate.FWD_INPUT),
+                  Watch("weight", "weight", "weight", emulate.FWD_WEIGHT),
+                  Watch("gradient", "gradient", "grad_output", emulate.BWD_GRAD_OUTPUT))
+# TE's LayerNormLinear: the hook input is the pre-norm X, not the GEMM input (post-norm X, cast
+# with scale slot 0), so no activation is reported; LayerNormMLP: only its weights and its output
+# gradient (fc2's dY) are visible. Slots are TE's FP8FwdTensors/FP8BwdTensors.
+TE_WATCHES = {
+    "Linear": LINEAR_WATCHES,
+    "LayerNormLinear": LINEAR_WATCHES[1:],
+    "LayerNormMLP": (Watch("fc1_weight", "weight", "fc1_weight", 1),
+                     Watch("fc2_weight", "weight", "fc2_weight", 4)),
+}
+
+
+def te_class_name(module: nn.Module) -> str | None:
+    """`Linear`, `LayerNormLinear` or `LayerNormMLP` for TE's modules (or subclasses), by class
+    name and module prefix: no TE import."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("transformer_engine") and cls.__name__ in TE_WATCHES:
+            return cls.__name__
+    return None
+
+
+def _ln_mlp_grad_slot() -> int | None:
+    """fc2's grad-output scale slot in TE's LayerNormMLP: GRAD_OUTPUT1 (0) up to TE 2.3,
+    GRAD_OUTPUT2 (2) from TE 2.4 (layernorm_mlp.py); None when TE's version is unknown."""
+    from foundry_fp8.te_backend import te_version
+
+    version = te_version()
+    if version is None:
+        return None
+    return 2 if version >= (2, 4) else 0
+
+
+def watches_for(module: nn.Module) -> tuple[Watch, ...] | None:
+    """The tensors module hooks can see on `module`; None when it is not a watched layer."""
+    name = te_class_name(module)
+    if name == "LayerNormMLP":
+        return (*TE_WATCHES[name], Watch("gradient", "gradient", "grad_output", _ln_mlp_grad_slot()))
+    if name is not None:
+        return TE_WATCHES[name]
+    return LINEAR_WATCHES if isinstance(module, nn.Linear) else None
+
+
+def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Module]:
+    """The watched layers whose qualified names match `include` and not `exclude`."""
     return {
         name: module for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and re.search(config.include, name)
+        if watches_for(module) is not None and re.search(config.include, name)
         and not (config.exclude and re.search(config.exclude, name))
     }
+
+
+@dataclass(frozen=True)
+class CastMode:
+    """How a module casts its GEMM inputs in this forward."""
+
+    delayed: bool  # with the scale in its own fp8_meta (else current scaling)
+    forward_fmt: str
+    backward_fmt: str
+    power_2: bool = False
+
+    def fmt(self, direction: str) -> str:
+        return self.backward_fmt if direction == "backward" else self.forward_fmt
+
+
+def _te_state_manager() -> Any:
+    """TE's FP8GlobalStateManager if TE is loaded (a TE module exists, so it is); no import."""
+    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        manager = getattr(sys.modules.get(name), "FP8GlobalStateManager", None)
+        if manager is not None:
+            return manager
+    return None
+
+
+def _te_cast_mode() -> CastMode | None:
+    manager = _te_state_manager()
+    if manager is None or not manager.is_fp8_enabled():
+        return None
+    recipe = manager.get_fp8_recipe()
+    kind = type(recipe).__name__
+    delayed = recipe.delayed() if hasattr(recipe, "delayed") else kind == "DelayedScaling"
+    if not delayed and kind != "Float8CurrentScaling":
+        return None  # block scaling (MXFP8, NVFP4): no per-tensor scale; report the what-if
+    fmt = getattr(getattr(recipe, "fp8_format", None), "name", "HYBRID")
+    return CastMode(delayed, "e5m2" if fmt == "E5M2" else "e4m3",
+                    "e4m3" if fmt == "E4M3" else "e5m2")
+
+
+def cast_mode(module: nn.Module) -> CastMode | None:
+    """How `module` casts in the forward about to run; None when it does not run in FP8."""
+    if isinstance(module, emulate.EmulatedFP8Linear):
+        recipe = emulate._STATE.recipe if emulate.is_fp8_enabled() else None
+        if recipe is None:
+            return None
+        return CastMode(recipe.scaling == "delayed", recipe.format_for("forward"),
+                        recipe.format_for("backward"), recipe.use_power_2_scales)
+    return _te_cast_mode() if te_class_name(module) is not None else None
+
+
+def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, bool]:
+    """The delayed scale `module` will cast `watch`'s tensor with (read before the cast), and
+    whether it is still the initial one: no state yet (TE creates it, with scale 1, in its first
+    FP8 forward) or an amax history not yet sized (EmulatedFP8Linear before its first cast)."""
+    meta = getattr(module, "fp8_meta", None)
+    key = "scaling_bwd" if watch.direction == "backward" else "scaling_fwd"
+    state = meta[key] if meta is not None and key in meta else None
+    scale = getattr(state, "scale", None)
+    if scale is None or watch.slot is None or scale.numel() <= watch.slot:
+        return torch.ones(()), True
+    history = getattr(state, "amax_history", None)
+    return scale.reshape(-1)[watch.slot], history is not None and history.shape[0] == 0
 
 
 def advice(layer: str, tensor: str, stats: dict[str, float], config: MonitorConfig) -> str | None:
@@ -65,64 +267,321 @@ def advice(layer: str, tensor: str, stats: dict[str, float], config: MonitorConf
         problems.append(f"cosine similarity with FP8 round trip {stats['cos_sim']:.4f}")
     if not problems:
         return None
-    return (f"FP8 {tensor} of layer '{layer}': {'; '.join(problems)} (amax {stats['amax']:.3g}). "
-            "Remedies: keep this layer (or the first/last blocks) in BF16, use current scaling, "
-            "or a longer amax history.")
+    return (f"FP8 {tensor} of layer '{layer}': {'; '.join(problems)} (amax {stats['amax']:.3g}, "
+            f"scale ratio {stats['scale_ratio']:.3g}). Remedies: keep this layer (or the "
+            "first/last blocks) in BF16, use current scaling, or a longer amax history.")
+
+
+#: Fit-end summary columns: (column, statistic, how the worst value is picked).
+SUMMARY_COLUMNS: tuple[tuple[str, str, Callable[[float, float], float]], ...] = (
+    ("underflow_pct", "underflow_pct", max), ("overflow_pct", "overflow_pct", max),
+    ("cos_sim", "cos_sim", min), ("mse", "mse", max),
+    ("min_scale_ratio", "scale_ratio", min), ("max_scale_ratio", "scale_ratio", max))
+
+
+def fold_worst(table: dict[tuple[str, str], dict[str, float]], key: tuple[str, str],
+               stats: Mapping[str, float]) -> None:
+    """Fold one step's statistics of (layer, tensor) into the worst values seen so far."""
+    row = table.setdefault(key, {})
+    for column, stat, pick in SUMMARY_COLUMNS:
+        value = stats.get(stat)
+        if value is not None and value == value:  # NaN is reported by nan_count, not ranked
+            row[column] = pick(row.get(column, value), value)
+
+
+def render_summary(table: Mapping[tuple[str, str], Mapping[str, float]]) -> str:
+    """Markdown table of the worst values, worst underflow first; empty when nothing logged."""
+    if not table:
+        return ""
+    names = [column for column, _, _ in SUMMARY_COLUMNS]
+    lines = ["| layer | tensor | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
+    for (layer, tensor), row in sorted(table.items(),
+                                       key=lambda kv: (-kv[1].get("underflow_pct", 0), kv[0])):
+        values = " | ".join(f"{row.get(name, float('nan')):.4g}" for name in names)
+        lines.append(f"| {layer} | {tensor} | {values} |")
+    return "\n".join(lines) + "\n"
+
+
+def _distributed() -> bool:
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
+@dataclass
+class _Step:
+    """What one armed step collects."""
+
+    step: int | None
+    logging: bool
+    recording: bool
+    dumping: bool
+    seen: set[int] = field(default_factory=set)
+    modes: dict[str, CastMode | None] = field(default_factory=dict)
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    initial: set[int] = field(default_factory=set)  # rows cast with the initial delayed scale
+    amax: torch.Tensor | None = None  # what-if amaxes of this step, one per row
+    dump: dict[str, torch.Tensor] = field(default_factory=dict)
+    dump_bytes: int = 0
+    left_out: list[str] = field(default_factory=list)
 
 
 class FP8Monitor:
-    """Collects FP8 statistics on the steps you choose: `start_step()` ... `finish_step()`."""
+    """Collects FP8 statistics on the steps you choose: `start_step(step)` ... `finish_step()`.
+
+    `start_step()` without a step logs that step; with a step number, `schedule` decides (log,
+    dump, or record amaxes for a delayed `recipe` what-if). `finish_step()` returns
+    `{"fp8/<layer>/<tensor>/<stat>": value}` (pooled over ranks, the same on every rank).
+    """
 
     def __init__(self, model: nn.Module, config: MonitorConfig | None = None,
-                 on_warning: Callable[[str], None] | None = None):
+                 on_warning: Callable[[str], None] | None = None,
+                 schedule: Schedule | None = None):
         self.model = model
         self.config = config or MonitorConfig()
+        self.schedule = schedule or Schedule()
+        if self.schedule.dump_steps and self.config.dump_folder is None:
+            raise ValueError("fp8_stats.dump_steps: needs a dump_folder")
         self.layers = select_layers(model, self.config)
         self.on_warning = on_warning or (lambda msg: warnings.warn(msg, stacklevel=2))
+        self._watches = {name: tuple(w for w in watches_for(module) or ()
+                                     if w.kind in self.config.tensors)
+                         for name, module in self.layers.items()}
+        self.rows = [(name, w.name) for name, ws in self._watches.items() for w in ws]
+        self._row = {key: i for i, key in enumerate(self.rows)}
+        recipe = self.config.recipe
+        self._whatif_fp8_max = torch.tensor(
+            [FP8_MAX[recipe.format_for(w.direction)] for ws in self._watches.values() for w in ws])
+        self._dump_re = re.compile(self.config.dump_layers or ".*")
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._pending: dict[tuple[str, str], torch.Tensor] = {}
+        self._step: _Step | None = None
         self._warned: set[tuple[str, str]] = set()
+        self._history: torch.Tensor | None = None  # what-if delayed state [len, rows]
+        self._scale: torch.Tensor | None = None
+        self._folds = 0  # delayed what-if updates so far
+        self.error: BaseException | None = None
+        self.worst: dict[tuple[str, str], dict[str, float]] = {}
 
-    def _record(self, layer: str, tensor: str, value: torch.Tensor) -> None:
-        # First sighting wins: activation recompute runs forward hooks a second time.
-        key = (layer, tensor)
-        if tensor in self.config.tensors and key not in self._pending:
-            self._pending[key] = tensor_stats_tensor(value, TENSOR_FORMATS[tensor])
-
-    def start_step(self) -> None:
-        """Register hooks for this step only."""
-        for name, module in self.layers.items():
-            def forward_hook(mod, inputs, _output, name=name):
-                self._record(name, "activation", inputs[0])
-                self._record(name, "weight", mod.weight)
-
-            def backward_hook(_mod, _grad_input, grad_output, name=name):
-                self._record(name, "gradient", grad_output[0])
-
-            self._handles.append(module.register_forward_hook(forward_hook))
-            if "gradient" in self.config.tensors:
-                self._handles.append(module.register_full_backward_hook(backward_hook))
+    @property
+    def record_window(self) -> int:
+        """Batches before a logging step whose amaxes a delayed what-if needs (0: current)."""
+        recipe = self.config.recipe
+        if recipe.scaling != "delayed":
+            return 0
+        return 1 if recipe.amax_compute_algo == "most_recent" else recipe.amax_history_len
 
     @property
     def active(self) -> bool:
-        return bool(self._handles)
+        return self._step is not None
 
-    def finish_step(self) -> dict[str, float]:
-        """Remove hooks and return `{"fp8/<layer>/<tensor>/<stat>": value}`, warning once per
-        layer and tensor that crosses a threshold."""
+    def _device(self) -> torch.device:
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+    def start_step(self, step: int | None = None) -> bool:
+        """Arm hooks for this step if it logs, dumps or records; returns whether it did."""
+        self.abort()
+        window = self.record_window
+        logging = step is None or self.schedule.logs(step)
+        recording = window > 0 and (logging or self.schedule.records(step, window))
+        if not (logging or recording):
+            return False
+        dumping = (step is not None and logging and self.schedule.dumps(step)
+                   and self.config.dump_folder is not None)
+        self._step = _Step(step, logging, recording, dumping)
+        if recording and self._history is None:
+            self._init_whatif()
+        for name, module in self.layers.items():
+            if not self._watches[name]:
+                continue
+            self._handles.append(module.register_forward_pre_hook(
+                lambda mod, args, kwargs, name=name: self._guard(self._forward, name, mod, args,
+                                                                 kwargs), with_kwargs=True))
+            if any(w.kind == "gradient" for w in self._watches[name]):
+                self._handles.append(module.register_full_backward_pre_hook(
+                    lambda mod, grad_output, name=name: self._guard(self._backward, name, mod,
+                                                                    grad_output)))
+        return True
+
+    def _init_whatif(self) -> None:
+        """Fresh delayed state (history of zeros, scale 1), as TE starts. Never reset: the
+        `record_window` batches before a logging step roll every older amax out of the history
+        (a window of zero amaxes keeps the previous scale, as TE does)."""
+        device = self._device()
+        self._history = torch.zeros(self.config.recipe.amax_history_len, len(self.rows),
+                                    device=device)
+        self._scale = torch.ones(len(self.rows), device=device)
+        self._whatif_fp8_max = self._whatif_fp8_max.to(device)
+
+    def _guard(self, hook: Callable[..., None], *args: Any) -> None:
+        """Our failure must not break the model's forward/backward: keep it for finish_step."""
+        if self.error is not None or self._step is None:
+            return
+        try:
+            hook(*args)
+        except Exception as e:  # re-raised by finish_step, on every rank
+            self.error = e
+
+    def _forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        step = self._step
+        assert step is not None
+        if name not in step.modes:  # the first forward (not an activation recompute) decides
+            step.modes[name] = cast_mode(module)
+        for watch in self._watches[name]:
+            if watch.direction == "backward":
+                continue
+            if watch.source == "input":
+                value = args[0] if args else next(iter(kwargs.values()), None)
+            else:
+                value = getattr(module, watch.source, None)
+            if isinstance(value, torch.Tensor):
+                self._observe(name, watch, module, value)
+
+    def _backward(self, name: str, module: nn.Module, grad_output: tuple) -> None:
+        for watch in self._watches[name]:
+            if watch.direction == "backward" and grad_output and grad_output[0] is not None:
+                self._observe(name, watch, module, grad_output[0])
+
+    def _observe(self, name: str, watch: Watch, module: nn.Module, value: torch.Tensor) -> None:
+        step = self._step
+        assert step is not None
+        idx = self._row[(name, watch.name)]
+        if idx in step.seen:  # first sighting wins: recompute and later micro-batches repeat
+            return
+        step.seen.add(idx)
+        mode = step.modes.get(name)
+        whatif = mode is None or (mode.delayed and watch.slot is None)
+        if whatif:
+            recipe = self.config.recipe
+            fmt, power_2 = recipe.format_for(watch.direction), recipe.use_power_2_scales
+            scale = self._scale[idx] if recipe.scaling == "delayed" else None
+            initial = scale is not None and self._folds == 0
+        else:
+            assert mode is not None
+            fmt, power_2 = mode.fmt(watch.direction), mode.power_2
+            scale, initial = cast_scale(module, watch) if mode.delayed else (None, False)
+        if not step.logging:
+            if whatif:
+                self._note_amax(idx, finite_amax(value))
+            return
+        row = sufficient_stats(value, fmt, scale, power_2=power_2)
+        step.pending[idx] = row
+        if initial:
+            step.initial.add(idx)
+        if whatif and step.recording:
+            self._note_amax(idx, row[SUFFICIENT_INDEX["amax"]].float())
+        if step.dumping and self._dump_re.search(name):
+            self._add_dump(f"{name}/{watch.name}", value, -row[SUFFICIENT_INDEX["neg_scale"]])
+
+    def _note_amax(self, idx: int, amax: torch.Tensor) -> None:
+        step = self._step
+        assert step is not None
+        if step.amax is None:
+            step.amax = torch.zeros(len(self.rows), device=amax.device)
+        step.amax[idx] = amax
+
+    def _add_dump(self, key: str, value: torch.Tensor, scale: torch.Tensor) -> None:
+        """Keep a copy of the high-precision tensor and its scale, until the size cap."""
+        step = self._step
+        assert step is not None
+        size = value.numel() * value.element_size() + 4
+        if step.left_out or step.dump_bytes + size > self.config.dump_max_mb * 2**20:
+            step.left_out.append(key)
+            return
+        step.dump[key] = value.detach().clone()
+        step.dump[f"{key}/scale"] = scale.float().reshape(())
+        step.dump_bytes += size
+
+    def abort(self) -> None:
+        """Remove hooks and drop what this step collected (no collectives)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        pending, self._pending = self._pending, {}
-        if not pending:
+        self._step = None
+
+    def finish_step(self) -> dict[str, float]:
+        """Remove hooks; on a logging step, pool the statistics over ranks and return
+        `{"fp8/<layer>/<tensor>/<stat>": value}`, warning once per layer and tensor that crosses
+        a threshold. Raises FP8MonitorError when a hook failed on any rank."""
+        step = self._step
+        self.abort()
+        if step is None:
             return {}
-        rows = torch.stack(list(pending.values())).cpu().tolist()  # the one host transfer
+        distributed = _distributed()
+        if step.recording:
+            self._fold_amax(step, distributed)
+        if not step.logging:
+            if self.error is not None and not distributed:
+                raise FP8MonitorError(f"fp8 monitor hook failed: {self.error!r}") from self.error
+            return {}  # under several ranks, the next logging step's reduce reports it
+        metrics = self._pool(step, distributed)
+        if step.dumping:
+            self._write_dump(step)
+        return metrics
+
+    def _fold_amax(self, step: _Step, distributed: bool) -> None:
+        """One delayed-scaling update of the what-if state with this step's amaxes (reduced
+        across ranks as TE's `reduce_amax` does); stays on the device."""
+        assert self._history is not None and self._scale is not None
+        amax = step.amax if step.amax is not None else torch.zeros_like(self._scale)
+        if distributed and self.config.recipe.reduce_amax:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+        self._history[0] = amax.to(self._history.device)
+        recipe = self.config.recipe
+        self._history, self._scale = delayed_scale_update(
+            self._history, self._scale, self._whatif_fp8_max, recipe.amax_compute_algo,
+            recipe.margin)
+        self._folds += 1
+
+    def _pool(self, step: _Step, distributed: bool) -> dict[str, float]:
+        n = len(self.rows)
+        device = next(iter(step.pending.values())).device if step.pending else self._device()
+        table = empty_sufficient_stats(n + 1, device)  # the last row carries the error flag
+        for idx, row in step.pending.items():
+            table[idx] = row
+        table[n, SUFFICIENT_INDEX["seen"]] = float(self.error is not None)
+        if distributed:
+            all_reduce_sufficient_stats(table)
+        seen = table[:, SUFFICIENT_INDEX["seen"]]
+        host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen]).cpu().tolist()
+        width = len(STAT_KEYS)
+        if host[-1] > 0:  # the one host transfer of this step is above
+            raise FP8MonitorError(f"fp8 monitor hook failed on {int(host[-1])} rank(s)"
+                                  + (f": {self.error!r}" if self.error else "")) from self.error
         metrics: dict[str, float] = {}
-        for (layer, tensor), row in zip(pending, rows, strict=True):
-            stats = dict(zip(STAT_KEYS, row, strict=True))
+        for i, (layer, tensor) in enumerate(self.rows):
+            if host[n * width + i] == 0:
+                continue  # no rank saw this tensor (layer unused this step)
+            stats = dict(zip(STAT_KEYS, host[i * width:(i + 1) * width], strict=True))
             metrics.update({f"fp8/{layer}/{tensor}/{k}": v for k, v in stats.items()})
+            if i in step.initial:
+                continue  # delayed scaling's first cast (scale 1): expected, neither advice nor
+                # the run's worst (still logged)
+            fold_worst(self.worst, (layer, tensor), stats)
             message = advice(layer, tensor, stats, self.config)
             if message and (layer, tensor) not in self._warned:
                 self._warned.add((layer, tensor))
                 self.on_warning(message)
         return metrics
+
+    def _write_dump(self, step: _Step) -> None:
+        """One safetensors file per step and rank: `<layer>/<tensor>` and its `/scale`."""
+        from safetensors.torch import save_file
+
+        assert step.step is not None and self.config.dump_folder is not None
+        rank = torch.distributed.get_rank() if _distributed() else 0
+        folder = Path(self.config.dump_folder)
+        path = folder / f"step{step.step:07d}-rank{rank}.safetensors"
+        tensors = {k: v.detach().cpu().contiguous() for k, v in step.dump.items()}
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(path), metadata={"step": str(step.step), "rank": str(rank)})
+        except OSError as e:  # a full disk on one rank must not desynchronise the ranks
+            self.on_warning(f"fp8 dump {path} not written: {e}")
+            return
+        if step.left_out:
+            self.on_warning(f"fp8 dump {path}: dump_max_mb={self.config.dump_max_mb:g} reached; "
+                            f"left out: {', '.join(step.left_out)} (raise dump_max_mb or narrow "
+                            "dump_layers)")
+
+    def summary(self) -> str:
+        """The worst value per layer and tensor over every logged step (markdown)."""
+        return render_summary(self.worst)

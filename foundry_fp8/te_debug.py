@@ -27,6 +27,14 @@ FEATURE = "LogFp8TensorStats"
 NAMESPACE = "transformer_engine"
 
 
+def layer_pattern(include: str, exclude: str | None = None) -> str:
+    """One regex (nvdlfw-inspect takes one, and searches it) for names that match `include`
+    and not `exclude`, as fp8_stats' own `layers`/`exclude` select them."""
+    if not exclude:
+        return include
+    return f"^(?!.*(?:{exclude}))(?=.*(?:{include}))"
+
+
 def log_fp8_tensor_stats_config(layers: str, tensors: Sequence[str], freq: int,
                                 scaling: str = "delayed", start_step: int | None = None,
                                 end_step: int | None = None) -> dict[str, Any]:

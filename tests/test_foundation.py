@@ -48,7 +48,7 @@ def test_importing_the_package_needs_neither_torch_nor_te():
 def test_cli_lists_subcommands_and_version():
     out = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "--help"], capture_output=True,
                          text=True, check=True).stdout
-    for sub in ("lint", "report"):
+    for sub in ("lint", "report", "bench", "doctor"):
         assert sub in out
     version = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "--version"],
                              capture_output=True, text=True, check=True).stdout
@@ -69,3 +69,19 @@ def test_tiny_mpt_trains_on_cpu_through_llmfoundry(tmp_path, tiny_data):
     assert int(trainer.state.timestamp.batch) == 24
     assert list((folder / "wandb").glob("offline-run-*")), "W&B offline run missing"
     assert (folder / "checkpoints" / "latest-rank0.pt").exists()
+
+
+def test_jsonl_logger_writes_on_rank_zero_only(tmp_path, monkeypatch):
+    """Composer hands every rank's metrics to every destination: one file, one writer."""
+    from types import SimpleNamespace
+
+    from composer.utils import dist
+
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    for rank in (1, 0):
+        monkeypatch.setattr(dist, "get_global_rank", lambda rank=rank: rank)
+        logger = JSONLLogger(path=str(tmp_path / "{run_name}" / "metrics.jsonl"))
+        logger.init(SimpleNamespace(run_name="r"), None)
+        logger.log_metrics({"loss": 1.5 + rank}, step=3)
+    assert list(read_jsonl(tmp_path / "r" / "metrics.jsonl")) == [(3, {"loss": 1.5})]

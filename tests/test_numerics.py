@@ -10,9 +10,15 @@ import torch
 
 from foundry_fp8.numerics import (
     FP8_MAX,
+    STAT_KEYS,
     current_scale,
     delayed_scale_update,
+    empty_sufficient_stats,
+    finalize_stats,
+    finite_amax,
+    pool_sufficient_stats,
     quantize_dequantize,
+    sufficient_stats,
     tensor_stats,
 )
 
@@ -124,3 +130,39 @@ def test_delayed_update_follows_history_rules():
     assert new_history[:, 0].tolist() == [0.0, 2.0, 4.0]  # rolled by one, slot 0 cleared
     _, recent = delayed_scale_update(history, scale, 448.0, "most_recent")
     assert recent[0].item() == 448.0 / 4.0
+
+
+def test_scale_ratio_and_current_scale_hand_computed():
+    x = torch.tensor([0.5, -2.0, 1e-3])
+    stats = tensor_stats(x, "e4m3", scale=56.0)  # a delayed scale from an older amax of 8
+    assert stats["current_scale"] == 224.0 and stats["scale"] == 56.0
+    assert stats["scale_ratio"] == 0.25  # a quarter of the range wasted
+    assert tensor_stats(x, "e4m3")["scale_ratio"] == 1.0  # current scaling
+    assert tensor_stats(x, "e4m3", margin=1)["scale_ratio"] == 0.5
+
+
+def test_finite_amax_skips_nan_and_inf():
+    assert finite_amax(torch.tensor([1.0, float("nan"), -3.0, float("inf")])).item() == 3.0
+    assert finite_amax(torch.tensor([float("nan")])).item() == 0.0
+    assert finite_amax(torch.zeros(0)).item() == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_pooled_pieces_equal_the_stats_of_the_whole_tensor(fmt):
+    gen = torch.Generator().manual_seed(5)
+    whole = torch.randn(3000, generator=gen) * torch.logspace(-10, 3, 3000)
+    whole[7], whole[2500], whole[2600] = float("nan"), float("inf"), 0.0
+    pieces = [whole[:1000], whole[1000:1001], whole[1001:2999], whole[2999:], whole[:0]]
+    scale = FP8_MAX[fmt] / 64.0  # one scale for every piece: the pooled meaning is exact
+    rows = torch.stack([sufficient_stats(p, fmt, scale) for p in pieces])
+    pooled = dict(zip(STAT_KEYS, finalize_stats(pool_sufficient_stats(rows)).tolist(), strict=True))
+    want = tensor_stats(whole, fmt, scale=scale)
+    ref = ref_stats([float(v) for v in whole], fmt, scale)
+    for key in STAT_KEYS:
+        assert pooled[key] == pytest.approx(want[key], rel=1e-12, abs=1e-300), key
+    for key, value in ref.items():
+        assert pooled[key] == pytest.approx(value, rel=1e-6), key
+    assert pooled["nan_count"] == 1 and pooled["inf_count"] == 1
+    # a piece nobody saw changes nothing
+    padded = torch.cat([rows, empty_sufficient_stats(2)])
+    assert torch.equal(pool_sufficient_stats(padded), pool_sufficient_stats(rows))

@@ -1,14 +1,21 @@
-"""fp8_stats in a real LLM-Foundry run, and FP8Monitor on a hand-built model."""
+"""fp8_stats in a real LLM-Foundry run, the callback's event handling on a hand-built model,
+and FP8Monitor on a hand-built model."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
+from composer.core import Event
+from safetensors.torch import load_file
 from torch import nn
 
+from foundry_fp8.composer.jsonl_logger import JSONLLogger
+from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.jsonl import read_jsonl
-from foundry_fp8.monitor import FP8Monitor, MonitorConfig
-from foundry_fp8.numerics import tensor_stats
+from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig
+from foundry_fp8.numerics import STAT_KEYS, tensor_stats
 from tests.tiny_run import run_folder, run_tiny
 
 
@@ -30,22 +37,104 @@ def test_monitor_matches_tensor_stats_and_flags_the_outlier_layer():
     assert any("'1'" in w and "weight" in w for w in warnings_seen)
     assert not any("'0'" in w and "weight" in w for w in warnings_seen)
     # after the logging step no hook remains: non-logging steps cost nothing
-    assert not model[0]._forward_hooks and not model[1]._backward_hooks
+    for layer in model:
+        assert not (layer._forward_pre_hooks or layer._forward_hooks
+                    or layer._backward_pre_hooks or layer._backward_hooks)
 
 
 def test_bad_options_fail_with_the_key():
-    from foundry_fp8.composer.stats import FP8Stats
-
     with pytest.raises(ValueError, match="fp8_stats.interval"):
         FP8Stats(interval="1ep")
     with pytest.raises(ValueError, match="fp8_stats.tensors"):
         FP8Stats(tensors=["activations"])
+    with pytest.raises(ValueError, match="fp8_stats.recipe: margin"):
+        FP8Stats(recipe={"scaling": "current", "margin": 1})
+    with pytest.raises(ValueError, match="fp8_stats.dump_layers"):
+        FP8Stats(dump_layers="(")
+
+
+class _Logger:
+    """What the callback uses of Composer's Logger."""
+
+    def __init__(self, destinations=()):
+        self.destinations = list(destinations)
+        self.metrics: dict[int, dict] = {}
+        self.hparams: dict = {}
+
+    def log_metrics(self, metrics, step):
+        self.metrics.setdefault(step, {}).update(metrics)
+
+    def log_hyperparameters(self, hparams):
+        self.hparams.update(hparams)
+
+
+def _fit(callback: FP8Stats, steps: int, logger: _Logger | None = None) -> tuple[nn.Module, _Logger]:
+    """Drive the callback through Composer's events around a hand-written training loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    state = types.SimpleNamespace(model=model, run_name="run", callbacks=[],
+                                  timestamp=types.SimpleNamespace(batch=0))
+    logger = logger or _Logger()
+    callback.run_event(Event.FIT_START, state, logger)
+    for batch in range(steps):
+        state.timestamp.batch = batch
+        callback.run_event(Event.BATCH_START, state, logger)
+        model(torch.randn(4, 8)).sum().backward()  # training goes on whatever the hooks do
+        state.timestamp.batch = batch + 1  # Composer counts the batch before BATCH_END
+        callback.run_event(Event.BATCH_END, state, logger)
+    callback.run_event(Event.FIT_END, state, logger)
+    return model, logger
+
+
+def test_callback_logs_on_schedule_and_prints_the_summary(capsys):
+    _, logger = _fit(FP8Stats(interval="2ba", end=4), 6)
+    assert sorted(logger.metrics) == [0, 2]
+    assert set(logger.metrics[2]) == {f"fp8/{layer}/{tensor}/{stat}" for layer in ("0", "1")
+                                      for tensor in ("activation", "weight", "gradient")
+                                      for stat in STAT_KEYS}
+    summary = logger.hparams["fp8/stats_summary"]
+    assert "| 1 | gradient |" in summary and summary in capsys.readouterr().out
+
+
+def test_only_rank_zero_logs(monkeypatch, capsys):
+    monkeypatch.setattr("foundry_fp8.composer.stats.dist.get_global_rank", lambda: 1)
+    callback = FP8Stats(interval=1)
+    _, logger = _fit(callback, 2)
+    assert logger.metrics == {} and logger.hparams == {} and capsys.readouterr().out == ""
+    assert callback.monitor is not None and callback.monitor.worst  # it still computed them
+
+
+def test_hook_failure_disables_the_callback_without_stopping_training(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("our bug")
+
+    monkeypatch.setattr("foundry_fp8.monitor.sufficient_stats", broken)
+    callback = FP8Stats(interval=1)
+    model, logger = _fit(callback, 3)
+    assert callback.disabled and logger.metrics == {}
+    assert "fp8_stats failed; disabling it" in caplog.text and "our bug" in caplog.text
+    for layer in model:
+        assert not (layer._forward_pre_hooks or layer._backward_pre_hooks)
+    with pytest.raises(FP8MonitorError, match="our bug"):
+        _fit(FP8Stats(interval=1, strict=True), 1)
+
+
+def test_dumps_go_under_the_jsonl_loggers_run_folder(tmp_path):
+    jsonl = JSONLLogger(path=str(tmp_path / "{run_name}" / "metrics.jsonl"))
+    jsonl.init(types.SimpleNamespace(run_name="run"), None)
+    _fit(FP8Stats(interval=10, dump_steps=[1], dump_layers="^1$"), 2, _Logger([jsonl]))
+    dump = load_file(tmp_path / "run" / "fp8_dumps" / "step0000001-rank0.safetensors")
+    assert sorted(dump) == [f"1/{t}{s}" for t in ("activation", "gradient", "weight")
+                            for s in ("", "/scale")]
+    _fit(FP8Stats(interval=10, dump_steps=[1], dump_folder=str(tmp_path / "{run_name}-dumps")), 2)
+    assert (tmp_path / "run-dumps" / "step0000001-rank0.safetensors").exists()
 
 
 @pytest.mark.slow
-def test_fp8_stats_logs_every_selected_layer_in_a_real_run(tmp_path, tiny_data):
+def test_fp8_stats_logs_every_selected_layer_in_a_real_run(tmp_path, tiny_data, capsys):
     overrides = {"max_duration": "6ba", "save_interval": "6ba",
-                 "callbacks": {"fp8_stats": {"interval": "3ba", "layers": r"blocks\.0\."}}}
+                 "callbacks": {"fp8_stats": {"interval": "3ba", "layers": r"blocks\.0\.",
+                                             "dump_steps": [3], "dump_layers": r"ffn\.up_proj"}}}
     run_tiny(tmp_path, tiny_data, overrides)
     logged: dict[int, dict] = {}
     for step, metrics in read_jsonl(run_folder(tmp_path) / "metrics.jsonl"):
@@ -60,3 +149,18 @@ def test_fp8_stats_logs_every_selected_layer_in_a_real_run(tmp_path, tiny_data):
         for tensor in ("activation", "weight", "gradient"):
             assert 0 < logged[3][f"fp8/{layer}/{tensor}/amax"] < float("inf")
             assert 0.9 < logged[3][f"fp8/{layer}/{tensor}/cos_sim"] <= 1.0
+            for step in (0, 3):
+                assert {f"fp8/{layer}/{tensor}/{k}" for k in STAT_KEYS} <= logged[step].keys()
+    # te_swap's emulated layers run delayed scaling: the scale they cast with is the real,
+    # lagging one (step 0: TE's initial 1; step 3: from steps 0-2's amaxes), not the current one
+    ratios = [v for step in (0, 3) for k, v in logged[step].items() if k.endswith("/scale_ratio")]
+    assert len(ratios) == 2 * 4 * 3 and all(0 < r < float("inf") for r in ratios)
+    assert any(abs(r - 1.0) > 1e-3 for r in ratios)
+    assert all(logged[0][k] == 1.0 for k in logged[0] if k.endswith("/scale"))
+    dump = load_file(run_folder(tmp_path) / "fp8_dumps" / "step0000003-rank0.safetensors")
+    up = "model.transformer.blocks.0.ffn.up_proj"
+    assert sorted(dump) == sorted(f"{up}/{t}{s}" for t in ("activation", "weight", "gradient")
+                                  for s in ("", "/scale"))
+    assert dump[f"{up}/activation/scale"].item() == logged[3][f"fp8/{up}/activation/scale"]
+    assert dump[f"{up}/weight"].shape == (256, 64)
+    assert f"| {up} | gradient |" in capsys.readouterr().out  # the fit-end summary

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from foundry_fp8.te_debug import (
     DELAYED_STATS,
     FEATURE,
     NAMESPACE,
+    layer_pattern,
     log_fp8_tensor_stats_config,
     metric_name,
 )
@@ -75,3 +77,20 @@ def test_metric_names_split_layers_that_contain_underscores():
     assert metric_name("blocks.1.ffn_weight_scale_inv_max", layers) == \
         "fp8/blocks.1.ffn/weight/te_scale_inv_max"
     assert metric_name("Layer_7_activation_mse", layers) is None
+
+
+def test_one_pattern_selects_like_include_and_exclude():
+    include, exclude = r"blocks\.(0|11)\.", r"out_proj"
+    pattern = re.compile(layer_pattern(include, exclude))
+    ours = [n for n in LAYERS if re.search(include, n) and not re.search(exclude, n)]
+    assert [n for n in LAYERS if pattern.search(n)] == ours
+    assert len(ours) == 4 and layer_pattern(include) == include
+
+
+def test_fp8_stats_te_debug_needs_te_and_says_so():
+    from foundry_fp8.composer.stats import FP8Stats
+
+    with pytest.raises(ValueError, match="fp8_stats.te_debug: use 'delayed' or 'current'"):
+        FP8Stats(te_debug="yes")
+    with pytest.raises(RuntimeError, match="fp8_stats.te_debug: needs TransformerEngine"):
+        FP8Stats(te_debug="delayed")  # no TE on this machine

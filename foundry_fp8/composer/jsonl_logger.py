@@ -7,6 +7,7 @@ from typing import Any
 
 from composer.core import State
 from composer.loggers import Logger, LoggerDestination
+from composer.utils import dist
 
 from foundry_fp8.jsonl import JsonlSink
 
@@ -16,7 +17,9 @@ DEFAULT_PATH = "runs/{run_name}/metrics.jsonl"
 class JSONLLogger(LoggerDestination):
     """Registered as `jsonl` in LLM-Foundry's loggers: `loggers: {jsonl: {path: ...}}`.
 
-    `path` may contain `{run_name}`. Hyperparameters go to `hparams.json` beside it.
+    `path` may contain `{run_name}`. Hyperparameters go to `hparams.json` beside it. Only
+    global rank 0 writes, as W&B and MLflow do: Composer sends every rank's metrics to every
+    destination, and several ranks appending to one file would interleave copies.
     """
 
     def __init__(self, path: str = DEFAULT_PATH):
@@ -26,7 +29,8 @@ class JSONLLogger(LoggerDestination):
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
-        self.sink = JsonlSink(self.path_template.format(run_name=state.run_name))
+        if dist.get_global_rank() == 0:
+            self.sink = JsonlSink(self.path_template.format(run_name=state.run_name))
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.sink is not None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
 
 from composer.core import Callback, Event, State, Time, TimeUnit
 from composer.loggers import Logger
+from composer.utils import dist
 
-from foundry_fp8.monitor import FP8Monitor, MonitorConfig
+from foundry_fp8.monitor import FP8Monitor, MonitorConfig, Schedule, parse_recipe
+from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +32,29 @@ def _batches(interval: int | str) -> int:
     return value
 
 
+def run_folder(state: State, logger: Logger) -> Path:
+    """Where this run writes: the `jsonl` logger's folder (what `foundry-fp8 report` reads),
+    else the parent of a local checkpoint `save_folder`, else `runs/<run_name>`."""
+    from composer.callbacks import CheckpointSaver
+    from composer.utils.file_helpers import format_name_with_dist
+
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    for destination in logger.destinations:
+        if isinstance(destination, JSONLLogger) and destination.sink is not None:
+            return destination.sink.path.parent
+    for callback in state.callbacks:
+        if isinstance(callback, CheckpointSaver):
+            folder = format_name_with_dist(str(callback.folder), state.run_name)
+            if "://" not in folder:
+                return Path(folder).parent
+    return Path("runs") / state.run_name
+
+
 class FP8Stats(Callback):
-    """Logs `fp8/<layer>/<tensor>/<stat>` every `interval` batches between `start` and `end`.
+    """Logs `fp8/<layer>/<tensor>/<stat>` every `interval` batches between `start` and `end`
+    (and at `dump_steps`, where it also saves the tensors), pooled over ranks and logged by
+    rank 0; prints the worst value per layer and tensor at fit end.
 
     Our own errors never stop training: the callback logs the error and switches itself off,
     unless `strict: true`.
@@ -35,20 +62,29 @@ class FP8Stats(Callback):
 
     def __init__(self, interval: int | str = "100ba", start: int = 0, end: int | None = None,
                  layers: str = ".*", exclude: str | None = None,
-                 tensors: list[str] | tuple[str, ...] = ("activation", "weight", "gradient"),
+                 tensors: Sequence[str] = ("activation", "weight", "gradient"),
+                 recipe: str | Mapping[str, Any] = "current",
                  max_underflow_pct: float = 5.0, max_overflow_pct: float = 0.0,
-                 min_cos_sim: float = 0.99, strict: bool = False):
-        self.interval = _batches(interval)
-        self.start, self.end, self.strict = start, end, strict
+                 min_cos_sim: float = 0.99, dump_steps: Sequence[int] = (),
+                 dump_layers: str | None = None, dump_max_mb: float = 64.0,
+                 dump_folder: str | None = None,
+                 te_debug: Literal["delayed", "current"] | None = None,
+                 te_debug_folder: str = "te_debug", strict: bool = False):
+        self.schedule = Schedule(_batches(interval), start, end, tuple(int(s) for s in dump_steps))
         self.config = MonitorConfig(include=layers, exclude=exclude, tensors=tuple(tensors),
+                                    recipe=parse_recipe(recipe),
                                     max_underflow_pct=max_underflow_pct,
-                                    max_overflow_pct=max_overflow_pct, min_cos_sim=min_cos_sim)
+                                    max_overflow_pct=max_overflow_pct, min_cos_sim=min_cos_sim,
+                                    dump_layers=dump_layers, dump_max_mb=dump_max_mb)
+        self.dump_folder = dump_folder
+        self.strict = strict
         self.monitor: FP8Monitor | None = None
         self.disabled = False
-
-    def _due(self, batch: int) -> bool:
-        in_window = batch >= self.start and (self.end is None or batch < self.end)
-        return in_window and batch % self.interval == 0
+        self._step = 0
+        self._te_metrics: dict[str, float] = {}
+        self.te_debug = _start_te_debug(te_debug, layers, exclude, self.config.tensors,
+                                        self.schedule, Path(te_debug_folder),
+                                        self._te_metrics.__setitem__)
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         if self.disabled:
@@ -61,17 +97,65 @@ class FP8Stats(Callback):
             log.exception("fp8_stats failed; disabling it for the rest of the run "
                           "(set strict: true to fail instead)")
             if self.monitor is not None:
-                self.monitor.finish_step()
+                self.monitor.abort()
             self.disabled = True
 
     def _run_event(self, event: Event, state: State, logger: Logger) -> None:
+        rank_zero = dist.get_global_rank() == 0
         if event == Event.FIT_START:
-            self.monitor = FP8Monitor(state.model, self.config, on_warning=log.warning)
+            config = self.config
+            if self.schedule.dump_steps:
+                folder = (self.dump_folder.format(run_name=state.run_name) if self.dump_folder
+                          else run_folder(state, logger) / "fp8_dumps")
+                config = dataclasses.replace(config, dump_folder=folder)
+            self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
+                                      on_warning=log.warning if rank_zero else lambda _: None)
             log.info("fp8_stats watches %d layers", len(self.monitor.layers))
-        elif event == Event.BATCH_START and self.monitor is not None:
-            if self._due(int(state.timestamp.batch)):
-                self.monitor.start_step()
-        elif event == Event.BATCH_END and self.monitor is not None and self.monitor.active:
-            # timestamp already counts this batch; log at the step it describes
-            metrics = self.monitor.finish_step()
-            logger.log_metrics(metrics, step=int(state.timestamp.batch) - 1)
+            if self.te_debug is not None:
+                self.te_debug.name_layers(state.model.named_modules())
+        elif self.monitor is None:
+            return
+        elif event == Event.BATCH_START:
+            self._step = int(state.timestamp.batch)
+            self.monitor.start_step(self._step)
+        elif event == Event.BATCH_END:
+            metrics = self.monitor.finish_step() if self.monitor.active else {}
+            if self.te_debug is not None:
+                self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
+                metrics.update(self._te_metrics)
+                self._te_metrics.clear()
+            if metrics and rank_zero:
+                logger.log_metrics(metrics, step=self._step)
+        elif event == Event.FIT_END:
+            if self.te_debug is not None:
+                self.te_debug.close()
+            summary = self.monitor.summary()
+            if summary and rank_zero:
+                print(f"foundry_fp8 fp8_stats: worst value per layer and tensor\n{summary}",
+                      flush=True)
+                logger.log_hyperparameters({"fp8/stats_summary": summary})
+
+
+def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
+                    tensors: Sequence[str], schedule: Schedule, folder: Path,
+                    sink: Callable[[str, float], None]) -> TEDebugSession | None:
+    """TE's own statistics on the tensors TE casts (`te_debug: delayed|current`, the training
+    recipe's scaling, which decides what TE can compute). Started here, in the constructor:
+    TE's debug API must exist before the first TE module, and LLM-Foundry builds callbacks
+    before the model."""
+    if scaling is None:
+        return None
+    if scaling not in ("delayed", "current"):
+        raise ValueError(f"fp8_stats.te_debug: use 'delayed' or 'current' (the run's FP8 "
+                         f"scaling), got {scaling!r}")
+    from foundry_fp8 import te_backend
+
+    if not te_backend.te_available():
+        raise RuntimeError("fp8_stats.te_debug: needs TransformerEngine and nvdlfw-inspect "
+                           "(pip install 'foundry-fp8[te]' on a GPU machine); without TE, "
+                           "leave te_debug unset: the module-hook statistics work anywhere")
+    config = log_fp8_tensor_stats_config(layer_pattern(layers, exclude), tensors, schedule.interval, scaling,
+                                         start_step=schedule.start, end_step=schedule.end)
+    session = TEDebugSession(config, folder, lambda name, value, step: sink(name, value))
+    session.start()
+    return session

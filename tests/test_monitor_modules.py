@@ -1,0 +1,149 @@
+"""Which layers FP8Monitor watches and which tensors each module type exposes, with stand-ins for
+TE's Linear/LayerNormLinear/LayerNormMLP (classes whose __module__ starts with
+transformer_engine) and a stand-in for TE's FP8 global state. The real TE path needs a GPU."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from foundry_fp8.emulate import EmulatedFP8Linear
+from foundry_fp8.monitor import FP8Monitor, MonitorConfig, select_layers
+from foundry_fp8.numerics import tensor_stats
+
+TE_MODULE = "transformer_engine.pytorch.module.fake"
+
+
+class _TELinear(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n))
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        return nn.functional.linear(inp, self.weight)
+
+
+class _TELayerNormLinear(_TELinear):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        return super().forward(nn.functional.layer_norm(inp, inp.shape[-1:]))
+
+
+class _TELayerNormMLP(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.fc1_weight = nn.Parameter(torch.randn(2 * n, n))
+        self.fc2_weight = nn.Parameter(torch.randn(n, 2 * n) * 3)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        hidden = nn.functional.gelu(nn.functional.linear(
+            nn.functional.layer_norm(inp, inp.shape[-1:]), self.fc1_weight))
+        return nn.functional.linear(hidden, self.fc2_weight)
+
+
+# TE's class names, from a transformer_engine module
+Linear = type("Linear", (_TELinear,), {"__module__": TE_MODULE})
+LayerNormLinear = type("LayerNormLinear", (_TELayerNormLinear,), {"__module__": TE_MODULE})
+LayerNormMLP = type("LayerNormMLP", (_TELayerNormMLP,), {"__module__": TE_MODULE})
+UserLinear = type("UserLinear", (Linear,), {"__module__": "mylib"})  # a subclass of TE's
+NotTELinear = type("Linear", (_TELinear,), {"__module__": "mylib.layers"})  # same name only
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), EmulatedFP8Linear(8, 8), Linear(8), LayerNormLinear(8),
+                         LayerNormMLP(8), UserLinear(8), NotTELinear(8))
+
+
+def _step(model: nn.Module, monitor: FP8Monitor) -> tuple[dict, dict]:
+    """One logging step; returns the metrics and the hand-captured tensors of the LN-MLP."""
+    seen: dict[str, torch.Tensor] = {}
+    x = torch.randn(4, 8)
+    monitor.start_step()
+    h = x
+    for i, layer in enumerate(model):
+        h = layer(h)
+        if i == 4:
+            h.register_hook(lambda g: seen.__setitem__("mlp_grad_output", g.clone()))
+    (h * 2).sum().backward()
+    return monitor.finish_step(), seen
+
+
+def test_selects_linear_emulated_and_te_modules_by_class_name():
+    model = _model()
+    assert sorted(select_layers(model, MonitorConfig())) == ["0", "1", "2", "3", "4", "5"]
+    assert sorted(select_layers(model, MonitorConfig(include="[1-4]", exclude="3"))) == [
+        "1", "2", "4"]
+
+
+def test_each_module_type_exposes_its_tensors():
+    model = _model()
+    metrics, seen = _step(model, FP8Monitor(model, MonitorConfig(), on_warning=lambda _: None))
+    tensors = {}
+    for key in metrics:
+        _, layer, tensor, _ = key.split("/")
+        tensors.setdefault(layer, set()).add(tensor)
+    linear = {"activation", "weight", "gradient"}
+    assert tensors == {"0": linear, "1": linear, "2": linear, "5": linear,
+                       "3": {"weight", "gradient"},  # the hook's input is pre-norm: not reported
+                       "4": {"fc1_weight", "fc2_weight", "gradient"}}
+    mlp = model[4]
+    assert metrics["fp8/4/fc2_weight/amax"] == pytest.approx(tensor_stats(mlp.fc2_weight)["amax"])
+    assert metrics["fp8/4/fc1_weight/underflow_pct"] == pytest.approx(
+        tensor_stats(mlp.fc1_weight)["underflow_pct"])
+    grad = tensor_stats(seen["mlp_grad_output"], "e5m2")  # fc2's dY is the module's grad output
+    assert metrics["fp8/4/gradient/amax"] == pytest.approx(grad["amax"])
+    assert metrics["fp8/4/gradient/mse"] == pytest.approx(grad["mse"])
+    only_weights = FP8Monitor(model, MonitorConfig(tensors=("weight",)))
+    metrics, _ = _step(model, only_weights)
+    assert {k.split("/")[2] for k in metrics} == {"weight", "fc1_weight", "fc2_weight"}
+
+
+class _FakeStateManager:
+    """TE's FP8GlobalStateManager as the monitor reads it: enabled, with a recipe."""
+
+    enabled = True
+    recipe = type("DelayedScaling", (), {"fp8_format": types.SimpleNamespace(name="HYBRID")})()
+
+    @classmethod
+    def is_fp8_enabled(cls) -> bool:
+        return cls.enabled
+
+    @classmethod
+    def get_fp8_recipe(cls):
+        return cls.recipe
+
+
+def _te_state(module: nn.Module, fwd: list[float], bwd: list[float]) -> None:
+    module.fp8_meta = {"scaling_fwd": types.SimpleNamespace(scale=torch.tensor(fwd)),
+                       "scaling_bwd": types.SimpleNamespace(scale=torch.tensor(bwd))}
+
+
+def test_te_modules_under_delayed_fp8_report_their_own_scales(monkeypatch):
+    fake = types.ModuleType("transformer_engine.pytorch.quantization")
+    fake.FP8GlobalStateManager = _FakeStateManager
+    monkeypatch.setitem(__import__("sys").modules, fake.__name__, fake)
+    model = _model()
+    _te_state(model[2], [4.0, 8.0, 1.0], [16.0, 1.0])
+    _te_state(model[3], [1.0, 32.0, 1.0], [64.0, 1.0])
+    _te_state(model[4], [1.0, 2.0, 1.0, 1.0, 0.5, 1.0], [128.0, 1.0, 256.0, 1.0])
+    metrics, seen = _step(model, FP8Monitor(model, MonitorConfig(), on_warning=lambda _: None))
+    assert metrics["fp8/2/activation/scale"] == 4.0
+    assert metrics["fp8/2/weight/scale"] == 8.0
+    assert metrics["fp8/2/gradient/scale"] == 16.0
+    assert metrics["fp8/3/weight/scale"] == 32.0 and metrics["fp8/3/gradient/scale"] == 64.0
+    assert metrics["fp8/4/fc1_weight/scale"] == 2.0 and metrics["fp8/4/fc2_weight/scale"] == 0.5
+    assert metrics["fp8/4/fc2_weight/overflow_pct"] == pytest.approx(
+        tensor_stats(model[4].fc2_weight, scale=0.5)["overflow_pct"])
+    # fc2's grad-output slot depends on TE's version; without TE installed it is not known, so
+    # that gradient falls back to the what-if recipe (current scaling)
+    current = 57344.0 / seen["mlp_grad_output"].abs().max().item()
+    assert metrics["fp8/4/gradient/scale"] == pytest.approx(current)
+    # outside TE's FP8 autocast the same modules run in high precision: what-if (current)
+    monkeypatch.setattr(_FakeStateManager, "enabled", False)
+    metrics, _ = _step(model, FP8Monitor(model, MonitorConfig(), on_warning=lambda _: None))
+    assert metrics["fp8/2/weight/scale"] == pytest.approx(
+        448.0 / model[2].weight.abs().max().item())
+    assert metrics["fp8/2/weight/scale_ratio"] == 1.0

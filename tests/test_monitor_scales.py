@@ -1,0 +1,193 @@
+"""The scale FP8Monitor reports is the one each tensor was cast with: the real delayed scale of
+EmulatedFP8Linear (read before the cast, not after TE-style updates) and the `recipe` what-if of
+plain nn.Linear, both checked against a float64 hand replay of delayed scaling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
+from foundry_fp8.monitor import FP8Monitor, MonitorConfig, Schedule, parse_recipe
+from foundry_fp8.numerics import quantize_dequantize, tensor_stats
+from foundry_fp8.recipe import FP8Recipe
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+X_AMAX = [1.0, 8.0, 0.25, 2.0, 0.5, 4.0]  # powers of 2: every hand-computed scale is exact
+G_AMAX = [4.0, 0.5, 64.0, 1.0, 2.0, 0.125]
+W_AMAX = 0.5
+
+
+def _unit(*shape: int, seed: int) -> torch.Tensor:
+    """Random values whose largest magnitude is exactly 1."""
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return t / t.abs().max()
+
+
+def _delayed(amaxes: list[float], t: int, history: int, fp8_max: float, margin: int = 0) -> float:
+    """Hand replay of delayed scaling from a fresh state: step t casts with the max of the
+    `history` amaxes before it (TE's max algorithm), 1 before any amax exists."""
+    window = amaxes[max(0, t - history):t]
+    return fp8_max / max(window) / 2.0 ** margin if window else 1.0
+
+
+def _emulated_model() -> nn.Sequential:
+    layer = EmulatedFP8Linear(8, 4, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(_unit(4, 8, seed=2) * W_AMAX)
+    return nn.Sequential(layer)
+
+
+def _check_stats(metrics: dict, prefix: str, x: torch.Tensor, fmt: str, scale: float) -> None:
+    want = tensor_stats(x, fmt, scale=scale)
+    for key, value in want.items():
+        assert metrics[f"{prefix}/{key}"] == pytest.approx(value, rel=1e-9, abs=1e-30), key
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_delayed_scale_is_the_one_in_force_at_cast_time(checkpointed):
+    model = _emulated_model()
+    layer = model[0]
+    recipe = FP8Recipe(amax_history_len=2)
+    monitor = FP8Monitor(model, MonitorConfig())
+    base, gbase = _unit(16, 8, seed=0), _unit(16, 4, seed=1)
+    for t, (a, b) in enumerate(zip(X_AMAX, G_AMAX, strict=True)):
+        x, g = base * a, gbase * b
+        monitor.start_step()
+        with fp8_autocast(recipe=recipe):
+            out = fp8_checkpoint(model, x) if checkpointed else model(x)
+        read_after_forward = layer.fp8_meta["scaling_fwd"].scale[0].item()
+        (out * g).sum().backward()
+        metrics = monitor.finish_step()
+
+        x_scale, g_scale = _delayed(X_AMAX, t, 2, E4M3_MAX), _delayed(G_AMAX, t, 2, E5M2_MAX)
+        w_scale = 1.0 if t == 0 else E4M3_MAX / W_AMAX
+        assert metrics["fp8/0/activation/scale"] == x_scale
+        assert metrics["fp8/0/weight/scale"] == w_scale
+        assert metrics["fp8/0/gradient/scale"] == g_scale
+        # ... which is what the layer really cast with: its output is the GEMM of those casts
+        q = nn.functional.linear(quantize_dequantize(x, x_scale, "e4m3"),
+                                 quantize_dequantize(layer.weight.detach(), w_scale, "e4m3"))
+        assert torch.equal(out.detach(), q)
+        # ... and not what the layer's state holds after the forward (already next step's)
+        assert read_after_forward == E4M3_MAX / max(X_AMAX[max(0, t - 1):t + 1])
+        if t in (0, 1, 3, 5):  # the amax moved, so the post-update scale is a different number
+            assert read_after_forward != metrics["fp8/0/activation/scale"]
+        _check_stats(metrics, "fp8/0/activation", x, "e4m3", x_scale)
+        _check_stats(metrics, "fp8/0/gradient", g, "e5m2", g_scale)
+        assert metrics["fp8/0/activation/current_scale"] == E4M3_MAX / a
+        assert metrics["fp8/0/activation/scale_ratio"] == pytest.approx(x_scale * a / E4M3_MAX)
+        assert metrics["fp8/0/gradient/scale_ratio"] == pytest.approx(g_scale * b / E5M2_MAX)
+    assert metrics["fp8/0/activation/overflow_pct"] > 0  # step 5: amax 4 cast with 448 / 2
+
+
+def test_the_initial_delayed_scale_is_logged_but_neither_warned_about_nor_summarised():
+    model = _emulated_model()
+    warned: list[str] = []
+    monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append)
+    logged = []
+    for amax in (1e-4, 1e-4, 1e-2):  # scale 1 underflows everything; then 448/1e-4 overflows
+        monitor.start_step()
+        with fp8_autocast(recipe=FP8Recipe(amax_history_len=1)):
+            model(_unit(16, 8, seed=0) * amax).sum().backward()
+        logged.append(monitor.finish_step())
+    assert logged[0]["fp8/0/activation/underflow_pct"] == 100.0  # logged as it happened
+    assert logged[1]["fp8/0/activation/underflow_pct"] == 0.0
+    assert logged[2]["fp8/0/activation/overflow_pct"] > 0
+    assert [w for w in warned if "activation" in w] == [
+        w for w in warned if "overflow" in w and "activation" in w]  # the step-2 warning only
+    assert len([w for w in warned if "activation" in w]) == 1
+    assert monitor.worst[("0", "activation")]["underflow_pct"] == 0.0  # step 0 left out
+
+
+def test_current_scaling_module_reports_the_current_scale():
+    model = _emulated_model()
+    monitor = FP8Monitor(model, MonitorConfig())
+    x = _unit(16, 8, seed=0) * 8.0
+    for _ in range(2):
+        monitor.start_step()
+        with fp8_autocast(recipe=FP8Recipe(scaling="current")):
+            model(x).sum().backward()
+        metrics = monitor.finish_step()
+        assert metrics["fp8/0/activation/scale"] == E4M3_MAX / 8.0
+        assert metrics["fp8/0/activation/scale_ratio"] == 1.0
+
+
+def _plain_model() -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(8, 4, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(_unit(4, 8, seed=2) * W_AMAX)
+    return model
+
+
+def _run_whatif(recipe: dict, schedule: Schedule, steps: int, x_amax: list[float],
+                g_amax: list[float]) -> tuple[list[bool], dict[int, dict]]:
+    model = _plain_model()
+    monitor = FP8Monitor(model, MonitorConfig(recipe=parse_recipe(recipe)), schedule=schedule)
+    base, gbase = _unit(16, 8, seed=0), _unit(16, 4, seed=1)
+    armed, logged = [], {}
+    for t in range(steps):
+        armed.append(monitor.start_step(t))
+        hooks = bool(model[0]._forward_pre_hooks) or bool(model[0]._backward_pre_hooks)
+        assert hooks == armed[-1]
+        (model(base * x_amax[t]) * (gbase * g_amax[t])).sum().backward()
+        metrics = monitor.finish_step()
+        if metrics:
+            logged[t] = metrics
+        assert not model[0]._forward_pre_hooks and not model[0]._backward_pre_hooks
+    return armed, logged
+
+
+def test_whatif_delayed_records_only_the_window_before_each_logging_step():
+    x_amax = [1.0, 2.0, 8.0, 0.5, 0.25, 4.0, 16.0, 0.5, 2.0, 1.0, 0.125]
+    g_amax = [2.0, 1.0, 0.5, 32.0, 4.0, 1.0, 0.25, 8.0, 0.5, 2.0, 1.0]
+    recipe = {"scaling": "delayed", "amax_history_len": 3, "margin": 1}
+    armed, logged = _run_whatif(recipe, Schedule(interval=5), 11, x_amax, g_amax)
+    # log at 0, 5, 10; amax-only recording in the 3 batches before 5 and before 10
+    assert [t for t, a in enumerate(armed) if a] == [0, 2, 3, 4, 5, 7, 8, 9, 10]
+    assert sorted(logged) == [0, 5, 10]
+    assert logged[0]["fp8/0/activation/scale"] == 1.0  # a fresh delayed state, as TE starts
+    for t in (5, 10):
+        x_scale = _delayed(x_amax, t, 3, E4M3_MAX, margin=1)
+        g_scale = _delayed(g_amax, t, 3, E5M2_MAX, margin=1)
+        assert logged[t]["fp8/0/activation/scale"] == x_scale
+        assert logged[t]["fp8/0/gradient/scale"] == g_scale
+        assert logged[t]["fp8/0/weight/scale"] == E4M3_MAX / W_AMAX / 2
+        _check_stats(logged[t], "fp8/0/activation", _unit(16, 8, seed=0) * x_amax[t], "e4m3",
+                     x_scale)
+        _check_stats(logged[t], "fp8/0/gradient", _unit(16, 4, seed=1) * g_amax[t], "e5m2",
+                     g_scale)
+    assert logged[10]["fp8/0/activation/scale_ratio"] == pytest.approx(
+        _delayed(x_amax, 10, 3, E4M3_MAX, margin=1) * x_amax[10] / E4M3_MAX)
+    # the spike at step 6 (16.0) is outside the window: nothing records it
+    assert logged[10]["fp8/0/activation/scale"] == E4M3_MAX / 2.0 / 2
+
+
+def test_whatif_delayed_is_continuous_when_the_window_covers_the_interval():
+    x_amax = [1.0, 2.0, 8.0, 0.5, 0.25, 4.0, 16.0]
+    g_amax = [2.0, 1.0, 0.5, 32.0, 4.0, 1.0, 0.25]
+    recipe = {"scaling": "delayed", "amax_history_len": 3}
+    armed, logged = _run_whatif(recipe, Schedule(interval=2), 7, x_amax, g_amax)
+    assert all(armed)
+    for t in (2, 4, 6):
+        assert logged[t]["fp8/0/activation/scale"] == _delayed(x_amax, t, 3, E4M3_MAX)
+        assert logged[t]["fp8/0/gradient/scale"] == _delayed(g_amax, t, 3, E5M2_MAX)
+    recent, _ = _run_whatif({"scaling": "delayed", "amax_compute_algo": "most_recent"},
+                            Schedule(interval=4), 5, x_amax, g_amax)
+    assert [t for t, a in enumerate(recent) if a] == [0, 3, 4]  # most_recent needs one batch
+
+
+def test_current_recipe_never_records_and_has_ratio_one():
+    armed, logged = _run_whatif({"scaling": "current"}, Schedule(interval=3), 4,
+                                [1.0, 2.0, 4.0, 8.0], [1.0] * 4)
+    assert armed == [True, False, False, True]
+    assert logged[3]["fp8/0/activation/scale"] == E4M3_MAX / 8.0
+    assert logged[3]["fp8/0/activation/scale_ratio"] == 1.0
+
+
+def test_bad_recipe_names_the_key():
+    with pytest.raises(ValueError, match="fp8_stats.recipe: amax_history_len"):
+        parse_recipe({"scaling": "delayed", "amax_history_len": 0})
+    with pytest.raises(ValueError, match="fp8_stats.recipe: scaling"):
+        parse_recipe("sometimes")

@@ -1,0 +1,48 @@
+"""TE's debug API through our TEDebugSession, on a real te.Linear (H100; never run yet: no GPU
+was lent to the session that wrote it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foundry_fp8.numerics import FP8_MAX, tensor_stats
+from foundry_fp8.te_debug import TEDebugSession, log_fp8_tensor_stats_config
+
+pytestmark = pytest.mark.gpu
+
+
+def test_te_underflow_stat_matches_ours_at_the_scale_te_used(tmp_path):
+    te = pytest.importorskip("transformer_engine.pytorch")
+    pytest.importorskip("nvdlfw_inspect")
+    from transformer_engine.common.recipe import DelayedScaling, Format
+    from transformer_engine.debug.pytorch.debug_state import TEDebugState
+
+    got: dict[tuple[str, int], float] = {}
+    config = log_fp8_tensor_stats_config(r"^lin$", ["activation", "weight", "gradient"], freq=1)
+    session = TEDebugSession(config, tmp_path, lambda n, v, s: got.__setitem__((n, s), v))
+    session.start()  # before the first TE module, as fp8_stats does
+    try:
+        layer = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+        session.name_layers([("lin", layer)])
+        torch.manual_seed(0)
+        x = (torch.randn(128, 256, device="cuda") * torch.logspace(-4, 1, 256, device="cuda"))
+        x = x.to(torch.bfloat16).requires_grad_()
+        recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+        for _ in range(2):
+            with te.autocast(enabled=True, recipe=recipe):
+                out = layer(x)
+            out.float().sum().backward()
+            session.step()
+    finally:
+        session.close()
+        TEDebugState._reset()  # later tests build TE modules without the debug API
+
+    names = {name for name, _ in got}
+    for tensor in ("activation", "weight", "gradient"):
+        assert f"fp8/lin/{tensor}/te_underflows%" in names, sorted(names)
+    # step 1 casts x with the delayed scale from step 0's amax: fp8_max / amax(x)
+    step1 = {name: value for (name, step), value in got.items() if step == 1}
+    scale = FP8_MAX["e4m3"] / x.detach().float().abs().max().item()
+    ours = tensor_stats(x.detach(), "e4m3", scale=scale)["underflow_pct"]
+    assert step1["fp8/lin/activation/te_underflows%"] == pytest.approx(ours, abs=0.05)
