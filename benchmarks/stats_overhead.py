@@ -1,100 +1,246 @@
 """Cost of `fp8_stats` on the tiny CPU MPT run, measured in one process.
 
-Trains the same tiny run (through LLM-Foundry's `train`) without the callback, with it at
-interval 100 and at interval 1, and reports wall time per batch. From the interval-1 run it
-derives the cost of one logging step relative to a training step, and from that the amortized
-overhead at interval 100. Writes JSON and markdown under benchmarks/results/ (or --out).
+Comparing whole runs with and without the callback cannot resolve a 1 % effect on a shared
+2-core machine (an earlier attempt measured -26 %). So this times every batch (Composer
+BATCH_END timestamps from a callback that runs after fp8_stats' own BATCH_END work) and compares
+each logging step, and the step after it, with the three steps just before it in the same run:
+that gives the cost of a logging step relative to a training step directly, and from it the
+amortized overhead at interval 100. Runs without the callback, interleaved with the runs that
+have it (off/on, then on/off, ...), check that steps which do not log cost nothing. Every figure
+is the median over rounds with its min-max spread; the load average is recorded with each round.
 
-    .venv/bin/python benchmarks/stats_overhead.py [--batches 60] [--out benchmarks/results]
+    .venv/bin/python benchmarks/stats_overhead.py [--rounds 8] [--batches 160] [--interval 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
 import json
+import os
 import platform
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
+from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from foundry_fp8.data import prepare_tiny_data  # noqa: E402
-from tests.tiny_run import run_tiny  # noqa: E402
+from tests.tiny_run import run_folder, run_tiny  # noqa: E402
 
-VARIANTS = {"no-stats": None, "stats100": "100ba", "stats1": "1ba"}
+TARGET_PCT = 1.0  # issue #3: amortized overhead at interval 100 at most 1 %
+AMORTIZE_OVER = 100
 
 
-def time_variant(interval: str | None, batches: int, data, root: Path) -> float:
-    """Seconds per training batch, excluding the first 5 (warm-up)."""
+def step_durations(stamps: Sequence[float]) -> list[float]:
+    """Seconds per batch from consecutive BATCH_END stamps: duration i belongs to batch i
+    (the first batch has no start stamp and is dropped, with the warm-up)."""
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+def logging_events(durations: Sequence[float], interval: int,
+                   warmup: int) -> list[tuple[float, float, float]]:
+    """(base, logging, after) seconds for each logging step of a run: base is the median of the
+    three steps before it, `after` the step following it (anything a logging step leaves
+    behind). Pairing with neighbours 50 ms away cancels the load changes of a shared machine.
+    fp8_stats logs at batch % interval == 0; durations[i] belongs to batch i + 1."""
+    by_batch = {i + 1: seconds for i, seconds in enumerate(durations)}
+    events = []
+    for batch in range(max(warmup, 4), len(durations)):
+        if batch % interval == 0 and batch + 1 in by_batch:
+            base = statistics.median(by_batch[batch - k] for k in (1, 2, 3))
+            events.append((base, by_batch[batch], by_batch[batch + 1]))
+    return events
+
+
+def round_figures(off: Sequence[float], on: Sequence[float], interval: int,
+                  warmup: int) -> dict[str, float]:
+    """One round's numbers from the per-batch durations of an off run and an on run."""
+    if interval < 5:
+        raise ValueError("--interval must be at least 5: three non-logging steps before each "
+                         "logging step and one after")
+    events = logging_events(on, interval, warmup)
+    other = [d for i, d in enumerate(on) if i + 1 >= warmup and (i + 1) % interval not in (0, 1)]
+    base_off, base_on = statistics.median(off[warmup:]), statistics.median(other)
+    return {
+        "off_ms": 1000 * base_off, "on_other_ms": 1000 * base_on,
+        "logging_events": len(events),
+        "logging_step_vs_train_step": statistics.median(log / base for base, log, _ in events),
+        "after_logging_step_vs_train_step": statistics.median(after / base for base, _, after in events),
+        "non_logging_step_slowdown_pct": 100 * (base_on / base_off - 1),
+        # one logging event's excess, in training steps, spread over AMORTIZE_OVER steps
+        "amortized_overhead_pct_interval100": 100 / AMORTIZE_OVER * statistics.median(
+            (log + after - 2 * base) / base for base, log, after in events),
+    }
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def time_run(interval: int | None, batches: int, data: Any, root: Path) -> tuple[list[float], int]:
+    """Per-batch seconds of one tiny run, and how many fp8/ metrics one logging step wrote."""
     from composer.core import Callback
 
-    class BatchTimer(Callback):
+    class BatchEndStamps(Callback):  # appended last: runs after fp8_stats' BATCH_END work
         def __init__(self) -> None:
             self.stamps: list[float] = []
 
         def batch_end(self, state, logger) -> None:
             self.stamps.append(time.perf_counter())
 
-    callbacks = {} if interval is None else {"fp8_stats": {"interval": interval}}
-    timer = BatchTimer()
+    stamps = BatchEndStamps()
+    callbacks = {} if interval is None else {"fp8_stats": {"interval": f"{interval}ba"}}
     overrides = {"max_duration": f"{batches}ba", "eval_interval": f"{batches}ba",
                  "save_interval": f"{batches}ba", "callbacks": callbacks,
                  "console_log_interval": f"{batches}ba"}
-
-    import importlib
-
     # the package re-exports the function `train`, which shadows the module's name
     train_module = importlib.import_module("llmfoundry.command_utils.train")
-
     original = train_module.Trainer
 
-    def with_timer(*args, **kwargs):
-        kwargs["callbacks"] = [*kwargs.get("callbacks", []), timer]
+    def with_stamps(*args, **kwargs):
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), stamps]
         return original(*args, **kwargs)
 
-    train_module.Trainer = with_timer
+    train_module.Trainer = with_stamps
     try:
         run_tiny(root, data, overrides)
     finally:
         train_module.Trainer = original
-    steps = timer.stamps[5:]
-    return (steps[-1] - steps[0]) / (len(steps) - 1)
+    from foundry_fp8.jsonl import read_jsonl
+
+    per_step = [sum(k.startswith("fp8/") for k in m) for _, m in read_jsonl(run_folder(root) / "metrics.jsonl")]
+    return step_durations(stamps.stamps), max(per_step, default=0)
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or platform.machine())
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    import torch
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    dirty = " + uncommitted changes" if git("status", "--porcelain", "foundry_fp8") else ""
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "mosaicml": version("mosaicml"), "llm-foundry": version("llm-foundry"),
+            "foundry-fp8": f"{version('foundry-fp8')} (git {git('rev-parse', '--short', 'HEAD')}{dirty})",
+            "torch_threads": str(torch.get_num_threads())}
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    r, cfg = result["results"], result["config"]
+
+    def fmt(key: str, unit: str = "", digits: int = 2) -> str:
+        s = r[key]
+        return f"{s['median']:.{digits}f}{unit} (min {s['min']:.{digits}f}, max {s['max']:.{digits}f})"
+
+    rows = "\n".join(
+        f"| {i} | {x['order']} | {x['off_ms']:.1f} | {x['on_other_ms']:.1f} | "
+        f"{x['logging_step_vs_train_step']:.2f} | {x['after_logging_step_vs_train_step']:.2f} | "
+        f"{x['amortized_overhead_pct_interval100']:.3f} | {x['logging_events']} | "
+        f"{x['load_1min_start']:.2f} / {x['load_1min_end']:.2f} |"
+        for i, x in enumerate(result["rounds"]))
+    load = result["load_average"]
+    amortized = r["amortized_overhead_pct_interval100"]
+    verdict = "meets" if amortized["median"] <= TARGET_PCT else "MISSES"
+    worst = "also" if amortized["max"] <= TARGET_PCT else "but not"
+    return f"""# fp8_stats overhead, tiny MPT on CPU ({result["date"]})
+
+Machine: {result["machine"]["cpu"]}, {result["machine"]["cores"]} cores shared with other jobs.
+Load average (1/5/15 min): {"/".join(f"{v:.2f}" for v in load["before"])} before,
+{"/".join(f"{v:.2f}" for v in load["after"])} after ({result["duration_s"]} s); per round below. The
+benchmark itself keeps about 2 threads busy, so a load near 2 means little else ran; above
+it, other jobs competed for the 2 cores.
+Versions: {", ".join(f"{k} {v}" for k, v in result["versions"].items())}.
+
+Method: {cfg["rounds"]} rounds, each one run without `fp8_stats` and one with it at interval
+{cfg["interval"]} (order alternating), {cfg["batches"]} batches per run, the first {cfg["warmup"]} dropped.
+Every batch is timed by Composer BATCH_END timestamps. Each logging step
+({cfg["metrics_per_logging_step"]} `fp8/` metrics: every linear layer x activation/weight/gradient
+x every statistic) and the step after it are compared with the median of the three steps just
+before it in the same run, so load changes on the shared machine cancel out. Figures: median
+over rounds (min, max).
+
+| result | value |
+|---|---|
+| training step without fp8_stats | {fmt("step_ms_off", " ms", 1)} |
+| **logging step / training step** | {fmt("logging_step_vs_train_step", "x")} |
+| step after a logging step / training step | {fmt("after_logging_step_vs_train_step", "x")} |
+| **amortized overhead at interval {AMORTIZE_OVER}** | {fmt("amortized_overhead_pct_interval100", " %", 3)} |
+| non-logging step with fp8_stats vs without (interleaved runs) | {fmt("non_logging_step_slowdown_pct", " %")} |
+
+The amortized figure is one logging event's excess (logging step + the step after it, in
+training steps) spread over {AMORTIZE_OVER} steps. Its median {verdict} the issue's target of at most
+{TARGET_PCT:g} %, {worst} in every round. Non-logging steps run no hooks; their difference
+against runs without the callback is run-to-run noise on the shared machine (its spread shows
+how large), not a cost.
+
+| round | order | off: ms/step | on, non-logging: ms/step | logging/train | after/train | amortized % @{AMORTIZE_OVER} | logging steps | load 1 min (start / end) |
+|---|---|---|---|---|---|---|---|---|
+{rows}
+"""
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=160)
+    parser.add_argument("--interval", type=int, default=10, help="fp8_stats interval while timing")
+    parser.add_argument("--warmup", type=int, default=10, help="batches dropped at the start of each run")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
     data = prepare_tiny_data(REPO / "data")
-    per_batch = {}
-    for name, interval in VARIANTS.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            per_batch[name] = time_variant(interval, args.batches, data, Path(tmp))
-    base = per_batch["no-stats"]
-    logging_step_ratio = per_batch["stats1"] / base  # every step logs at interval 1
+    load_before = os.getloadavg()
+    started = datetime.now(timezone.utc)
+    rounds, metrics_per_step = [], 0
+    for i in range(args.rounds):
+        order = ("off", "on") if i % 2 == 0 else ("on", "off")
+        durations, load_start = {}, os.getloadavg()[0]
+        for variant in order:
+            gc.collect()
+            with tempfile.TemporaryDirectory() as tmp:
+                durations[variant], count = time_run(args.interval if variant == "on" else None,
+                                                     args.batches, data, Path(tmp))
+            metrics_per_step = max(metrics_per_step, count)
+        figures = round_figures(durations["off"], durations["on"], args.interval, args.warmup)
+        rounds.append({"order": "/".join(order), **figures, "load_1min_start": load_start,
+                       "load_1min_end": os.getloadavg()[0]})
+        print(json.dumps(rounds[-1]), flush=True)
+    keys = ["logging_step_vs_train_step", "after_logging_step_vs_train_step",
+            "non_logging_step_slowdown_pct", "amortized_overhead_pct_interval100"]
+    results = {"step_ms_off": spread([r["off_ms"] for r in rounds]),
+               **{k: spread([r[k] for r in rounds]) for k in keys}}
     result = {
-        "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-        "device": "cpu", "batches": args.batches,
-        "seconds_per_batch": per_batch,
-        "logging_step_cost_vs_train_step": logging_step_ratio,
-        "amortized_overhead_pct_interval100": 100 * (logging_step_ratio - 1) / 100,
-        "measured_overhead_pct_interval100": 100 * (per_batch["stats100"] / base - 1),
+        "date": started.isoformat(timespec="seconds"),
+        "duration_s": round((datetime.now(timezone.utc) - started).total_seconds()),
+        "machine": machine(), "device": "cpu", "versions": versions(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "config": {"rounds": args.rounds, "batches": args.batches, "interval": args.interval,
+                   "warmup": args.warmup, "metrics_per_logging_step": metrics_per_step},
+        "results": results, "target_pct": TARGET_PCT,
+        "meets_target_median": results["amortized_overhead_pct_interval100"]["median"] <= TARGET_PCT,
+        "meets_target_every_round": results["amortized_overhead_pct_interval100"]["max"] <= TARGET_PCT,
+        "rounds": rounds,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stats_overhead_cpu.json").write_text(json.dumps(result, indent=2))
-    rows = "\n".join(f"| {k} | {v * 1000:.1f} |" for k, v in per_batch.items())
-    (args.out / "stats_overhead_cpu.md").write_text(
-        f"# fp8_stats overhead, tiny MPT on CPU ({result['date']})\n\n| variant | ms/batch |\n"
-        f"|---|---|\n{rows}\n\nA logging step costs {logging_step_ratio:.2f}x a training step; "
-        f"amortized over interval 100: {result['amortized_overhead_pct_interval100']:.2f} % "
-        f"(measured directly: {result['measured_overhead_pct_interval100']:.2f} %, within "
-        "run-to-run noise on a shared 2-core machine).\n")
-    print(json.dumps(result, indent=2))
+    (args.out / "stats_overhead_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "stats_overhead_cpu.md").write_text(render_markdown(result))
+    print(render_markdown(result))
     return 0
 
 

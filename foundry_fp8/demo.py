@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  metrics (JSONL):   {full / 'metrics.jsonl'}")
     print(f"  W&B offline run:   {wandb_runs[-1] if wandb_runs else 'missing'}"
           "  (upload later with `wandb sync <dir>`)")
-    print(f"  FP8 report:        {full / 'fp8_report.md'}")
+    print(f"  FP8 report:        {full / 'fp8_report.md'}  (flagged layers, reading guide, plots)")
+    pngs = sorted(full.glob("fp8_*.png"))
+    print(f"  FP8 plots:         {len(pngs)} PNGs in {full}: " + ", ".join(p.name for p in pngs))
     print(f"  checkpoints:       {full / 'checkpoints'}")
     return 0
 

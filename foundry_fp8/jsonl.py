@@ -37,16 +37,28 @@ class JsonlSink:
             f.write(json.dumps(record) + "\n")
 
 
+class JsonlError(ValueError):
+    """A line that is not a `{"step", "metrics"}` record; the message names file and line."""
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield `(step, metrics)` per line; string NaN/Inf come back as floats."""
+    """Yield `(step, metrics)` per line; string NaN/Inf come back as floats.
+
+    A malformed line (e.g. one cut short by a killed run) raises JsonlError naming file and line.
+    """
     with Path(path).open(encoding="utf-8") as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+                step, items = record["step"], record["metrics"].items()
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise JsonlError(f"{path}:{lineno}: not a metrics record "
+                                 f"({type(e).__name__}: {e})") from None
             metrics = {}
-            for key, value in record["metrics"].items():
+            for key, value in items:
                 if isinstance(value, str) and value in ("nan", "inf", "-inf"):
                     value = float(value)
                 metrics[key] = value
-            yield record["step"], metrics
+            yield step, metrics

@@ -43,6 +43,7 @@ from foundry_fp8.numerics import (
     sufficient_stats,
 )
 from foundry_fp8.recipe import FP8Recipe, RecipeError
+from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
 
 TENSOR_KINDS = ("activation", "weight", "gradient")
 CURRENT = FP8Recipe(scaling="current")
@@ -72,9 +73,9 @@ class MonitorConfig:
     exclude: str | None = None
     tensors: tuple[str, ...] = TENSOR_KINDS
     recipe: FP8Recipe = CURRENT
-    max_underflow_pct: float = 5.0
-    max_overflow_pct: float = 0.0
-    min_cos_sim: float = 0.99
+    max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct
+    max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct
+    min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim
     dump_layers: str | None = None  # regex; None: every watched layer
     dump_max_mb: float = 64.0
     dump_folder: str | Path | None = None

@@ -14,6 +14,7 @@ from composer.utils import dist
 
 from foundry_fp8.monitor import FP8Monitor, MonitorConfig, Schedule, parse_recipe
 from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
+from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,9 @@ class FP8Stats(Callback):
                  layers: str = ".*", exclude: str | None = None,
                  tensors: Sequence[str] = ("activation", "weight", "gradient"),
                  recipe: str | Mapping[str, Any] = "current",
-                 max_underflow_pct: float = 5.0, max_overflow_pct: float = 0.0,
-                 min_cos_sim: float = 0.99, dump_steps: Sequence[int] = (),
+                 max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct,
+                 max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct,
+                 min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim, dump_steps: Sequence[int] = (),
                  dump_layers: str | None = None, dump_max_mb: float = 64.0,
                  dump_folder: str | None = None,
                  te_debug: Literal["delayed", "current"] | None = None,
