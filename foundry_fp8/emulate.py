@@ -49,6 +49,11 @@ def is_fp8_enabled() -> bool:
     return _STATE.depth > 0
 
 
+def active_recipe() -> FP8Recipe | None:
+    """The recipe emulated layers cast with right now; None outside `fp8_autocast`."""
+    return _STATE.recipe if is_fp8_enabled() else None
+
+
 @contextmanager
 def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None) -> Iterator[None]:
     """Run `EmulatedFP8Linear` layers in FP8; the outermost exit updates forward scales."""
@@ -201,10 +206,14 @@ class EmulatedFP8Linear(nn.Linear):
         return new
 
     def _fit_history(self, meta: ScalingMeta, recipe: FP8Recipe) -> None:
-        """Resize the history to the recipe's length (fresh state, as TE does on a recipe change)."""
-        if meta.amax_history.shape[0] != recipe.amax_history_len:
-            meta.amax_history = meta.amax_history.new_zeros(recipe.amax_history_len,
-                                                            meta.amax_history.shape[1])
+        """Resize the history to the recipe's length keeping its rows and the scales, as TE's
+        `adjust_amax_history_length` does when a delayed recipe's length changes: the first
+        rows are kept when it shrinks, zero rows appended when it grows."""
+        history, length = meta.amax_history, recipe.amax_history_len
+        if history.shape[0] > length:
+            meta.amax_history = history[:length].clone()
+        elif history.shape[0] < length:
+            meta.amax_history = nn.functional.pad(history, (0, 0, 0, length - history.shape[0]))
 
     def _cast_scales(self, meta: ScalingMeta, tensors: tuple[torch.Tensor, ...], fmt: str,
                      recipe: FP8Recipe) -> torch.Tensor:

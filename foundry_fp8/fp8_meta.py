@@ -1,8 +1,12 @@
 """Read and write a module's delayed-scaling state without TE's pickled `_extra_state`.
 
-Duck-typed on `module.fp8_meta["scaling_fwd"/"scaling_bwd"]` with `.scale` and `.amax_history`:
-the layout of TE's modules (TE 2.x keeps it in `DelayedScalingRecipeState`) and of our
-EmulatedFP8Linear. No TE import.
+Duck-typed on `module.fp8_meta["scaling_fwd"/"scaling_bwd"]` with `.scale` [n] and
+`.amax_history` [history_len, n]: the layout of TE's modules and of our EmulatedFP8Linear. TE
+(2.20: `module/base.py`, `set_meta_tensor`) creates it at a module's first forward under FP8
+autocast, as a `DelayedScalingRecipeState` for delayed scaling, with n = 3 per GEMM forward
+(input, weight, output) and 2 per GEMM backward (grad output, grad input); current scaling's
+state has no `scale`, so it reads as no state. TE 1.x's `FP8TensorMeta` also holds `scale_inv`.
+No TE import.
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ def read_fp8_meta(module: nn.Module) -> dict[str, torch.Tensor]:
 def write_fp8_meta(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Restore what `read_fp8_meta` returned, in place, on the module's device.
 
-    In place (TE's quantizers and global amax buffers alias these tensors), so shapes must
-    match, except that a history still empty (EmulatedFP8Linear before its first forward) takes
-    the checkpoint's length. Otherwise a different history length means a different recipe, and
-    raises ValueError before anything is written.
+    In place: TE's quantizers hold views of `scale` and of `amax_history[0]`, and its global
+    amax-reduction buffers reference the tensors themselves. So shapes must match, except that a
+    history still empty (EmulatedFP8Linear before its first forward) takes the checkpoint's
+    length. Otherwise a different history length means a different recipe, and raises
+    ValueError before anything is written. A `scale_inv` (TE 1.x's `FP8TensorMeta`) is set to
+    1 / scale, as TE's own scale update does, so no cast or GEMM sees a stale pair.
     """
     for short, key in _DIRECTIONS:
         if f"{short}_scale" not in tensors:
@@ -64,6 +70,8 @@ def write_fp8_meta(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             else:
                 target.amax_history.copy_(history)
             target.scale.copy_(tensors[f"{short}_scale"])
+            if isinstance(getattr(target, "scale_inv", None), torch.Tensor):
+                target.scale_inv.copy_(target.scale.reciprocal())
 
 
 def fp8_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

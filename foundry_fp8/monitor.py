@@ -235,7 +235,7 @@ def _te_cast_mode() -> CastMode | None:
 def cast_mode(module: nn.Module) -> CastMode | None:
     """How `module` casts in the forward about to run; None when it does not run in FP8."""
     if isinstance(module, emulate.EmulatedFP8Linear):
-        recipe = emulate._STATE.recipe if emulate.is_fp8_enabled() else None
+        recipe = emulate.active_recipe()
         if recipe is None:
             return None
         return CastMode(recipe.scaling == "delayed", recipe.format_for("forward"),

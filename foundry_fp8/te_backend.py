@@ -1,16 +1,26 @@
 """The one module that touches TransformerEngine, imported lazily inside functions.
 
-Everything else (swap planning, the emulated backend, CI) runs without TE. Facts used below are
-from TE 2.20's Python sources: `te.Linear`/`te.LayerNormMLP` take `params_dtype` and `device`
-(`"meta"` defers parameter init); `te.LayerNorm` (an op since TE 2.x) takes `dtype`/`device` and
-always has a bias; `te.autocast(recipe=...)` replaces `te.fp8_autocast`, which TE 2.20 still
-has but deprecates (DeprecationWarning); `Float8CurrentScaling` exists from TE 2.2.
+Everything else (swap planning, the emulated backend, CI) runs without TE. Facts used below were
+read in TE's Python sources (2.20, and the tags back to 1.12 where noted):
+- `te.Linear`/`te.LayerNormMLP` take `params_dtype` and `device`, and defer parameter init only
+  when `device == "meta"` compares true, which a `torch.device("meta")` never does: given one,
+  TE materialises the parameters on CUDA (`module/base.py`, `reset_parameters`). So `"meta"` is
+  passed as a string.
+- `te.LayerNorm` (a `te.ops` op since TE 1.13) takes `normalized_shape`, `eps`, `dtype`,
+  `device` and always has a bias; TE 1.12's takes `hidden_size` (an int) and `params_dtype`.
+- `te.autocast(recipe=...)` exists from TE 2.9 and replaces `te.fp8_autocast(fp8_recipe=...)`,
+  which TE 2.20 still has but deprecates; `FP8GlobalStateManager` moved from
+  `pytorch/fp8.py` to `pytorch/quantization.py` in TE 2.9.
+- `Float8CurrentScaling` exists from TE 2.2; its `use_power_2_scales` field from TE 2.8, while
+  TE's Linear/LayerNormLinear/LayerNormMLP read power-of-2 from the class-level QParams
+  `fp8_quant_fwd_inp`/`fp8_quant_fwd_weight`/`fp8_quant_bwd_grad`, fixed at import from
+  NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES (`_customize_quantizers_float8_current_scaling`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from importlib import metadata
 from typing import Any
@@ -20,6 +30,13 @@ from torch import nn
 
 from foundry_fp8.environment import parse_version
 from foundry_fp8.recipe import FP8Recipe
+
+#: Oldest TE whose module arguments, FP8 state layout and activation recompute (TE #1190, fixed
+#: by TE #1254 in 1.12) this module was checked against.
+MIN_TE_VERSION = (1, 12)
+
+#: TE's per-tensor current-scaling quantisation parameters that te.Linear and friends read.
+_CURRENT_SCALING_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 
 
 def te_available() -> bool:
@@ -39,15 +56,30 @@ def te_version() -> tuple[int, ...] | None:
     return parse_version(text)
 
 
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
 def require_te() -> None:
-    """Fail clearly where TE cannot be imported: never fall back silently."""
+    """Fail clearly where TE cannot be imported or is older than checked: never fall back."""
     if not te_available():
         raise RuntimeError("te_swap.backend: 'te' needs TransformerEngine (pip install "
                            "'foundry-fp8[te]' on a GPU machine); for FP8 numerics without TE "
                            "use te_swap: {backend: emulate}")
+    version = te_version()
+    if version is not None and version < MIN_TE_VERSION:
+        raise RuntimeError(f"te_swap.backend: 'te' needs TransformerEngine >= "
+                           f"{_dotted(MIN_TE_VERSION)}, found {_dotted(version)}; upgrade it, "
+                           "or use te_swap: {backend: emulate}")
 
 
-def _copy(dst: nn.Parameter | None, src: torch.Tensor | None) -> None:
+def te_device(tensor: torch.Tensor) -> torch.device | str:
+    """The `device` argument for a TE module built like `tensor`: the string "meta" on the meta
+    device (TE tests `device == "meta"`), else the tensor's device."""
+    return "meta" if tensor.device.type == "meta" else tensor.device
+
+
+def _copy(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
     """Bit-exact copy unless the destination is on the meta device (FSDP initialises it)."""
     if dst is None or src is None or dst.device.type == "meta":
         return
@@ -60,7 +92,7 @@ def make_te_linear(src: nn.Linear) -> nn.Module:
     import transformer_engine.pytorch as te
 
     new = te.Linear(src.in_features, src.out_features, bias=src.bias is not None,
-                    params_dtype=src.weight.dtype, device=src.weight.device)
+                    params_dtype=src.weight.dtype, device=te_device(src.weight))
     _copy(new.weight, src.weight)
     _copy(new.bias, src.bias)
     return new
@@ -70,8 +102,16 @@ def make_te_layernorm(src: nn.LayerNorm) -> nn.Module:
     """A `te.LayerNorm` (same `weight`/`bias` names) with `src`'s eps; parameters copied."""
     import transformer_engine.pytorch as te
 
-    new = te.LayerNorm(src.normalized_shape, eps=src.eps, dtype=src.weight.dtype,
-                       device=src.weight.device)
+    version = te_version()
+    if version is not None and version < (1, 13):  # before te.LayerNorm became an op
+        if len(src.normalized_shape) != 1:
+            raise ValueError(f"TransformerEngine {_dotted(version)}'s LayerNorm normalises one "
+                             f"dimension, not {tuple(src.normalized_shape)}")
+        new = te.LayerNorm(src.normalized_shape[0], eps=src.eps, params_dtype=src.weight.dtype,
+                           device=te_device(src.weight))
+    else:
+        new = te.LayerNorm(tuple(src.normalized_shape), eps=src.eps, dtype=src.weight.dtype,
+                           device=te_device(src.weight))
     _copy(new.weight, src.weight)
     _copy(new.bias, src.bias)
     return new
@@ -87,7 +127,7 @@ def make_te_layernorm_mlp(norm: nn.LayerNorm, up: nn.Linear, down: nn.Linear) ->
 
     new = te.LayerNormMLP(hidden_size=up.in_features, ffn_hidden_size=up.out_features,
                           eps=norm.eps, bias=up.bias is not None, activation="gelu",
-                          params_dtype=up.weight.dtype, device=up.weight.device)
+                          params_dtype=up.weight.dtype, device=te_device(up.weight))
     for dst, src in ((new.layer_norm_weight, norm.weight), (new.layer_norm_bias, norm.bias),
                      (new.fc1_weight, up.weight), (new.fc2_weight, down.weight)):
         _copy(dst, src)
@@ -99,7 +139,8 @@ def make_te_layernorm_mlp(norm: nn.LayerNorm, up: nn.Linear, down: nn.Linear) ->
 
 def delayed_scaling_kwargs(recipe: FP8Recipe) -> dict[str, Any]:
     """`DelayedScaling(**kwargs)` for a delayed recipe: the dict Composer's `precision_config`
-    takes (Composer builds `DelayedScaling(**precision_config)` on every batch)."""
+    takes (Composer builds `DelayedScaling(**precision_config)` on every batch, so `fp8_format`
+    must be TE's `Format` member: TE compares it with `Format.HYBRID`, a string never matches)."""
     from transformer_engine.common.recipe import Format
 
     if recipe.scaling != "delayed":
@@ -109,6 +150,23 @@ def delayed_scaling_kwargs(recipe: FP8Recipe) -> dict[str, Any]:
             "reduce_amax": recipe.reduce_amax}
 
 
+def _current_scaling(te_recipe: Any, recipe: FP8Recipe) -> Any:
+    """`Float8CurrentScaling` whose GEMM-input quantizers really use `use_power_2_scales`.
+
+    The constructor field (TE >= 2.8) alone does not reach te.Linear's quantizers: they read the
+    QParams class attributes, so this instance gets its own copies with `power_2_scale` set.
+    """
+    cls = te_recipe.Float8CurrentScaling
+    kwargs: dict[str, Any] = {"fp8_format": te_recipe.Format[recipe.fp8_format]}
+    if "use_power_2_scales" in {f.name for f in dataclasses.fields(cls)}:
+        kwargs["use_power_2_scales"] = recipe.use_power_2_scales
+    new = cls(**kwargs)
+    for name in _CURRENT_SCALING_QPARAMS:
+        setattr(new, name, dataclasses.replace(getattr(new, name),
+                                               power_2_scale=recipe.use_power_2_scales))
+    return new
+
+
 def to_te_recipe(recipe: FP8Recipe) -> Any:
     """The TE recipe object for `recipe`: `DelayedScaling` or `Float8CurrentScaling`."""
     from transformer_engine.common import recipe as te_recipe
@@ -116,15 +174,17 @@ def to_te_recipe(recipe: FP8Recipe) -> Any:
     if recipe.scaling == "delayed":
         return te_recipe.DelayedScaling(**delayed_scaling_kwargs(recipe))
     if not hasattr(te_recipe, "Float8CurrentScaling"):
+        found = te_version()
         raise RuntimeError(f"fp8_recipe.scaling: 'current' needs TransformerEngine >= 2.2, found "
-                           f"{te_version()}; use scaling: delayed")
-    return te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format[recipe.fp8_format],
-                                          use_power_2_scales=recipe.use_power_2_scales)
+                           f"{_dotted(found) if found else 'unknown'}; use scaling: delayed")
+    return _current_scaling(te_recipe, recipe)
 
 
 def te_fp8_autocast(recipe: FP8Recipe) -> AbstractContextManager:
     """Enter TE's FP8 autocast with `recipe` (`te.autocast` where it exists, else the older
-    `te.fp8_autocast`)."""
+    `te.fp8_autocast`). Nested inside another TE autocast, TE modules use this recipe (the
+    innermost, `FP8GlobalStateManager.get_fp8_recipe()`); amax reduction and the delayed-scaling
+    update run when the outermost autocast exits."""
     import transformer_engine.pytorch as te
 
     te_recipe = to_te_recipe(recipe)
@@ -133,18 +193,11 @@ def te_fp8_autocast(recipe: FP8Recipe) -> AbstractContextManager:
     return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe)
 
 
-def te_checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """TE's activation checkpoint: the recompute runs under the forward's FP8 state."""
-    import transformer_engine.pytorch as te
-
-    return te.distributed.checkpoint(fn, *args, **kwargs)
-
-
 def active_te_recipe() -> Any:
     """The recipe TE's FP8 global state holds right now (read inside a forward to verify)."""
     try:
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-    except ImportError:  # TE before the quantization module (TE 1.x to early 2.x)
+    except ImportError:  # TE before 2.9
         from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
     return FP8GlobalStateManager.get_fp8_recipe()

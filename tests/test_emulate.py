@@ -126,3 +126,25 @@ def test_gradients_equal_float64_reference():
         assert torch.allclose(layer.weight.grad.double(), want_dw, rtol=1e-5, atol=1e-9)
         assert torch.allclose(layer.bias.grad.double(), grad.double().sum((0, 1)), rtol=1e-5)
     assert sg != 1.0  # the last step really ran with a delayed backward scale
+
+
+def test_history_length_change_keeps_rows_and_scales_as_te():
+    """TE's adjust_amax_history_length: a changed delayed recipe keeps the first rows (zero rows
+    appended when it grows) and the scales."""
+    torch.manual_seed(0)
+    layer, x = EmulatedFP8Linear(8, 8), torch.randn(4, 8)
+    meta = layer.fp8_meta["scaling_fwd"]
+    for length in (4, 4):
+        with fp8_autocast(recipe=FP8Recipe(amax_history_len=length)):
+            layer(x)
+    before, scale = meta.amax_history.clone(), meta.scale.clone()
+    assert before[1:].abs().sum() > 0
+    with fp8_autocast(recipe=FP8Recipe(amax_history_len=6)):
+        layer(x)
+        grown = meta.amax_history.clone()
+        assert torch.equal(meta.scale, scale)
+    assert torch.equal(grown[1:4], before[1:4]) and not grown[4:].any()
+    after = meta.amax_history.clone()
+    with fp8_autocast(recipe=FP8Recipe(amax_history_len=2)):
+        layer(x)
+        assert torch.equal(meta.amax_history[1:], after[1:2])

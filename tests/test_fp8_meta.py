@@ -63,3 +63,15 @@ def test_write_refuses_other_history_length_and_writes_nothing():
         write_fp8_meta(target, read_fp8_meta(source))
     for key, value in before.items():
         assert torch.equal(read_fp8_meta(target)[key], value), key
+
+
+def test_write_keeps_te1_scale_inv_consistent():
+    """TE 1.x's FP8TensorMeta also holds `scale_inv`, which TE's own update sets to 1 / scale."""
+    from types import SimpleNamespace
+
+    module = nn.Module()
+    module.fp8_meta = {"scaling_fwd": SimpleNamespace(scale=torch.ones(3), scale_inv=torch.ones(3),
+                                                      amax_history=torch.zeros(2, 3))}
+    scale = torch.tensor([2.0, 4.0, 8.0])
+    write_fp8_meta(module, {"fwd_scale": scale, "fwd_amax_history": torch.ones(2, 3)})
+    assert torch.equal(module.fp8_meta["scaling_fwd"].scale_inv, torch.tensor([0.5, 0.25, 0.125]))

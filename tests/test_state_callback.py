@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import pickletools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from foundry_fp8.composer.state import (
     without_pickled_extra_state,
 )
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
+from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.jsonl import read_jsonl
 from tests.tiny_run import run_folder, run_tiny
 
@@ -84,21 +87,85 @@ def test_round_trip_and_named_mismatch():
     lenient.load_state_dict(state)  # warns, restores the modules that match
 
 
+class _LazyStateLinear(nn.Linear):
+    """TE's lazy FP8 state (module/base.py, init_fp8_metadata): no scaling state until a forward
+    under FP8 autocast creates it for the active recipe (3 forward and 2 backward tensors per
+    GEMM); a current-scaling recipe's state has no scale or history."""
+
+    def __init__(self, history_len: int | None = 4):
+        super().__init__(4, 4)
+        self.fp8_meta: dict = {}
+        self.fp8, self.fp8_on, self.history_len = False, False, history_len
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        self.fp8 = self.fp8_on
+        if not self.fp8 or "scaling_fwd" in self.fp8_meta:
+            return
+        for key, n in (("scaling_fwd", 3 * num_gemms), ("scaling_bwd", 2 * num_gemms)):
+            self.fp8_meta[key] = SimpleNamespace() if self.history_len is None else \
+                SimpleNamespace(scale=torch.ones(n), amax_history=torch.zeros(self.history_len, n))
+
+    def forward(self, x):
+        self.init_fp8_metadata()
+        return super().forward(x)
+
+
+SAVED = {"fwd_scale": torch.full((3,), 2.0), "fwd_amax_history": torch.ones(4, 3),
+         "bwd_scale": torch.full((2,), 3.0), "bwd_amax_history": torch.ones(4, 2)}
+
+
+def _resume_lazy(history_len: int | None, strict: bool = True) -> _LazyStateLinear:
+    module = _LazyStateLinear(history_len)
+    loader = FP8State(strict=strict)
+    loader._model = nn.Sequential(module)
+    loader.load_state_dict({"modules": {"0": SAVED}})
+    loader._model(torch.randn(2, 4))  # FP8 off (an eval forward): nothing to restore into yet
+    assert read_fp8_meta(module) == {} and module._forward_pre_hooks
+    module.fp8_on = True
+    return module
+
+
+def test_restore_waits_for_the_first_fp8_forward():
+    module = _resume_lazy(history_len=4)
+    module(torch.randn(2, 4))
+    got = read_fp8_meta(module)
+    assert got.keys() == SAVED.keys() and all(torch.equal(got[k], v) for k, v in SAVED.items())
+    assert not module._forward_pre_hooks
+
+
+@pytest.mark.parametrize(("history_len", "match"), [(None, "keeps none"), (8, "does not fit")])
+def test_deferred_restore_reports_a_recipe_that_does_not_fit(history_len, match, caplog):
+    with pytest.raises(FP8StateError, match=rf"{match}.*\(0\)"):
+        _resume_lazy(history_len)(torch.randn(2, 4))
+    module = _resume_lazy(history_len, strict=False)
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+        module(torch.randn(2, 4))
+        module(torch.randn(2, 4))
+    assert caplog.text.count(match) == 1 and not module._forward_pre_hooks
+
+
 # -- TE's pickled _extra_state ---------------------------------------------------------------
 
 
 class PickledExtraStateLinear(EmulatedFP8Linear):
-    """TE's extra-state contract: a pickle in a uint8 tensor on save; on load an empty tensor is
-    skipped and a non-empty one refused, as TE >= 2.16 does without
-    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE (transformer_engine/pytorch/module/base.py)."""
+    """TE's extra-state contract: a pickle in a uint8 tensor on save. On load, TE >= 2.16.1
+    refuses a pickle that resolves globals (a delayed-scaling state) without
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE (pytorch/_extra_state.py), and TE before 2.4 unpickles
+    whatever tensor it gets, an empty one included (module/base.py, set_extra_state)."""
 
     def get_extra_state(self):
         payload = pickle.dumps({"scale_fwd": self.fp8_meta["scaling_fwd"].scale.clone()})
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     def set_extra_state(self, state):
-        if state.numel():
+        data = state.numpy().tobytes()
+        if any(op.name in ("GLOBAL", "STACK_GLOBAL") for op, _, _ in pickletools.genops(data)):
             raise RuntimeError("refusing to unpickle _extra_state")
+        assert pickle.loads(data) is None  # TE: no state to load
+
+
+def _inert(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.uint8 and pickle.loads(tensor.numpy().tobytes()) is None
 
 
 def test_without_pickled_extra_state_keeps_keys_and_values():
@@ -106,9 +173,11 @@ def test_without_pickled_extra_state_keeps_keys_and_values():
           "b._extra_state_like": torch.ones(1)}
     clean = without_pickled_extra_state(sd)
     assert clean.keys() == sd.keys() and clean["a.weight"] is sd["a.weight"]
-    assert clean["a._extra_state"].numel() == 0 and clean["a._extra_state"].dtype == torch.uint8
+    assert _inert(clean["a._extra_state"])
     assert clean["b._extra_state_like"] is sd["b._extra_state_like"]
     assert sd["a._extra_state"].numel() == 5  # input untouched
+    with pytest.raises(EOFError):  # what TE before 2.4 does with an empty tensor
+        pickle.loads(torch.empty(0, dtype=torch.uint8).numpy().tobytes())
 
 
 def test_composer_model_state_dict_has_no_pickled_extra_state(tmp_path):
@@ -128,7 +197,7 @@ def test_composer_model_state_dict_has_no_pickled_extra_state(tmp_path):
     for event in (Event.INIT, Event.BEFORE_LOAD):
         callback.run_event(event, state, Logger(state))
     sd = state.get_model_state_dict()  # what Composer writes into checkpoints
-    assert sd["module.0._extra_state"].numel() == 0
+    assert _inert(sd["module.0._extra_state"])
     torch.save(sd, tmp_path / "model.pt")
     fresh = model()
     fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
@@ -150,7 +219,7 @@ class _SwapToExtraState(Algorithm):
 
 def test_modules_converted_at_init_save_no_pickle_in_a_real_checkpoint(tmp_path):
     """Composer runs callbacks before algorithms at INIT: modules te_swap creates then must
-    still save an empty `_extra_state`, so the checkpoint loads where TE refuses pickles."""
+    still save an inert `_extra_state`, so the checkpoint loads where TE refuses pickles."""
     from composer import Trainer
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
@@ -168,7 +237,7 @@ def test_modules_converted_at_init_save_no_pickle_in_a_real_checkpoint(tmp_path)
 
     fit("2ba")
     saved = torch.load(tmp_path / "ep0-ba2-rank0.pt", weights_only=False)["state"]["model"]
-    assert saved["module.0._extra_state"].numel() == 0
+    assert _inert(saved["module.0._extra_state"])
     resumed = fit("3ba", load_path=str(tmp_path / "ep0-ba2-rank0.pt"), save_overwrite=True)
     assert isinstance(resumed.state.model.module[0], PickledExtraStateLinear)
     assert int(resumed.state.timestamp.batch) == 3
@@ -218,6 +287,10 @@ def test_recompute_settings():
                            emulated=False)
     with pytest.raises(FP8StateError, match="emulated FP8 layers outside FP8"):
         recompute_settings("fp32", AC, 1, None, emulated=True)
+    # CPU offload alone recomputes nothing (Composer wraps in offload_wrapper only)
+    offload = {"activation_checkpointing": False, "activation_cpu_offload": True}
+    assert recompute_settings("amp_fp8", offload, 2, (2, 8), emulated=False) == {}
+    assert recompute_settings("fp32", offload, 1, None, emulated=True) == {}
 
 
 # -- the #1190 symptom watch, in real Composer training -------------------------------------

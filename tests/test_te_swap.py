@@ -3,14 +3,22 @@ emulated backend whose FP8 state follows the YAML's recipe."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import sys
+import types
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
 import pytest
 import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 
 from foundry_fp8.emulate import EmulatedFP8Linear, is_fp8_enabled
+from foundry_fp8.environment import parse_version
 from foundry_fp8.numerics import FP8_MAX, delayed_scale_update
-from foundry_fp8.recipe import RecipeError
+from foundry_fp8.recipe import FP8Recipe, RecipeError
 from tests.tiny_run import run_tiny, tiny_config
 
 LAYER = "model.transformer.blocks.0.attn.Wqkv"
@@ -168,3 +176,237 @@ def test_refuses_when_nothing_would_run_in_fp8():
     model = ComposerClassifier(torch.nn.Sequential(torch.nn.Linear(16, 16)), num_classes=16)
     with pytest.raises(ValueError, match="no module would run in FP8.*outside the transformer"):
         Trainer(model=model, algorithms=[TESwap(backend="emulate")], device="cpu")
+
+
+def test_a_forward_that_raises_leaves_the_recipe_autocast():
+    """Composer's auto micro-batching retries a forward that ran out of memory: te_swap's
+    autocast must be left before Composer's, not at the next forward."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+
+    from foundry_fp8.composer.te_swap import TESwap
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16)])
+            self.fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.blocks[0](x)
+            if self.fail:
+                raise RuntimeError("simulated out of memory")
+            return x
+
+    net = Net()
+    trainer = Trainer(model=ComposerClassifier(net, num_classes=16), device="cpu", loggers=[],
+                      algorithms=[TESwap(backend="emulate")], progress_bar=False)
+    model, batch = trainer.state.model.train(), (torch.randn(4, 16), torch.zeros(4).long())
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(batch)
+    assert not is_fp8_enabled()
+    net.fail = False
+    model(batch)
+    assert not is_fp8_enabled()
+
+
+# -- TE facts, against a stand-in `transformer_engine` that keeps TE's contracts ---------------
+
+
+@dataclass(frozen=True)
+class _QParams:  # transformer_engine/common/recipe/__init__.py, QParams
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+
+class _Format(Enum):  # names as TE's Format
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+    HYBRID = "hybrid"
+
+
+@dataclass
+class _DelayedScaling:
+    margin: int = 0
+    fp8_format: _Format = _Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    scaling_factor_compute_algo: Any = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+
+@dataclass
+class _CurrentScaling220:
+    """TE 2.8-2.20: a `use_power_2_scales` field, but the QParams te.Linear reads are class
+    attributes built from the field's default (NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES)."""
+
+    use_power_2_scales: bool = False
+    fp8_format: _Format = _Format.HYBRID
+    fp8_quant_fwd_inp = _QParams(power_2_scale=use_power_2_scales)
+    fp8_quant_fwd_weight = _QParams(power_2_scale=use_power_2_scales)
+    fp8_quant_bwd_grad = _QParams(power_2_scale=use_power_2_scales)
+
+
+@dataclass
+class _CurrentScaling22:
+    """TE 2.2-2.7: no `use_power_2_scales` field at all."""
+
+    fp8_format: _Format = _Format.HYBRID
+    fp8_quant_fwd_inp = _QParams()
+    fp8_quant_fwd_weight = _QParams()
+    fp8_quant_bwd_grad = _QParams()
+
+
+def _param(shape: tuple[int, ...], device: Any, dtype: torch.dtype | None) -> torch.nn.Parameter:
+    """TE's parameter contract (module/base.py, reset_parameters): allocated on `device`, and
+    initialised unless `device == "meta"`, materialising a meta tensor (on CUDA in TE)."""
+    tensor = torch.empty(shape, device=device, dtype=dtype or torch.get_default_dtype())
+    if not device == "meta" and tensor.is_meta:
+        tensor = torch.empty_like(tensor, device="cpu")
+    return torch.nn.Parameter(tensor.normal_() if not tensor.is_meta else tensor)
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 params_dtype: torch.dtype | None = None, device: Any = "cuda") -> None:
+        super().__init__()
+        self.weight = _param((out_features, in_features), device, params_dtype)
+        self.bias = _param((out_features,), device, params_dtype) if bias else None
+
+
+class _LayerNormMLP(torch.nn.Module):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
+                 bias: bool = True, activation: str = "gelu",
+                 params_dtype: torch.dtype | None = None, device: Any = "cuda") -> None:
+        super().__init__()
+        self.layer_norm_weight = _param((hidden_size,), device, params_dtype)
+        self.layer_norm_bias = _param((hidden_size,), device, params_dtype)
+        self.fc1_weight = _param((ffn_hidden_size, hidden_size), device, params_dtype)
+        self.fc2_weight = _param((hidden_size, ffn_hidden_size), device, params_dtype)
+        self.fc1_bias = _param((ffn_hidden_size,), device, params_dtype) if bias else None
+        self.fc2_bias = _param((hidden_size,), device, params_dtype) if bias else None
+
+
+class _LayerNormOp(torch.nn.Module):
+    """TE >= 1.13 (te.ops.LayerNorm): keyword-only eps/device/dtype."""
+
+    def __init__(self, normalized_shape: Any, *, eps: float = 1e-5, device: Any = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+        self.weight, self.bias = _param(shape, device, dtype), _param(shape, device, dtype)
+
+
+class _LayerNorm112(torch.nn.Module):
+    """TE 1.12: `hidden_size` (an int) and `params_dtype`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False,
+                 device: Any = "cuda") -> None:
+        super().__init__()
+        assert isinstance(hidden_size, int)
+        self.weight = _param((hidden_size,), device, params_dtype)
+        self.bias = _param((hidden_size,), device, params_dtype)
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """Installs a stand-in TE of the version given to the returned function."""
+
+    def install(version: str = "2.20.2") -> None:
+        root = types.ModuleType("transformer_engine")
+        root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
+        root.__version__ = version
+        pytorch, common, recipe = (types.ModuleType(f"transformer_engine.{n}")
+                                   for n in ("pytorch", "common", "common.recipe"))
+        new = parse_version(version) >= (1, 13)
+        for cls in (_Linear, _LayerNormMLP, _LayerNormOp, _LayerNorm112):
+            cls.__module__ = "transformer_engine.pytorch.module"
+        pytorch.Linear, pytorch.LayerNormMLP = _Linear, _LayerNormMLP
+        pytorch.LayerNorm = _LayerNormOp if new else _LayerNorm112
+        recipe.Format, recipe.DelayedScaling, recipe.QParams = _Format, _DelayedScaling, _QParams
+        if parse_version(version) >= (2, 2):
+            recipe.Float8CurrentScaling = (_CurrentScaling220 if parse_version(version) >= (2, 8)
+                                           else _CurrentScaling22)
+        root.pytorch, root.common, common.recipe = pytorch, common, recipe
+        for module in (root, pytorch, common, recipe):
+            monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    return install
+
+
+def test_meta_layers_stay_on_meta_for_fsdp_to_initialise(fake_te):
+    """TE defers init only for `device == "meta"`, which a torch.device never equals: handed
+    one, TE would materialise the layer (on CUDA) and the copy from meta would fail."""
+    from foundry_fp8 import te_backend
+
+    fake_te()
+    with torch.device("meta"):
+        norm, up, down = torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+    linear = te_backend.make_te_linear(up)
+    assert linear.weight.is_meta and linear.bias.is_meta
+    fused = te_backend.make_te_layernorm_mlp(norm, up, down)
+    assert all(p.is_meta for p in fused.parameters())
+    assert te_backend.te_device(torch.empty(1)) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("version", ["2.20.2", "1.12.0"])
+def test_layernorm_arguments_follow_the_te_version(fake_te, version):
+    from foundry_fp8 import te_backend
+
+    fake_te(version)
+    src = torch.nn.LayerNorm(32, eps=1e-6)
+    torch.nn.init.normal_(src.weight)
+    new = te_backend.make_te_layernorm(src)
+    assert torch.equal(new.weight, src.weight) and torch.equal(new.bias, src.bias)
+
+
+@pytest.mark.parametrize("version", ["2.20.2", "2.2.0"])
+@pytest.mark.parametrize("power_2", [True, False])
+def test_current_scaling_power_of_2_reaches_the_gemm_quantizers(fake_te, version, power_2):
+    """te.Linear sets its input, weight and grad quantizers' power-of-2 flag from the recipe's
+    QParams (module/linear.py, _customize_quantizers_float8_current_scaling)."""
+    from foundry_fp8 import te_backend
+
+    fake_te(version)
+    recipe = te_backend.to_te_recipe(FP8Recipe(scaling="current", fp8_format="E4M3",
+                                               use_power_2_scales=power_2))
+    assert recipe.fp8_format is _Format.E4M3
+    for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+        assert getattr(recipe, name).power_2_scale is power_2, name
+    assert _CurrentScaling220.fp8_quant_fwd_inp.power_2_scale is False  # class left alone
+
+
+def test_te_older_than_checked_is_refused_by_name(fake_te):
+    from foundry_fp8 import te_backend
+
+    fake_te("1.11.0")
+    with pytest.raises(RuntimeError, match=r"TransformerEngine >= 1\.12, found 1\.11\.0"):
+        te_backend.require_te()
+    fake_te("2.1.0")
+    te_backend.require_te()
+    with pytest.raises(RuntimeError, match=r"'current' needs TransformerEngine >= 2\.2"):
+        te_backend.to_te_recipe(FP8Recipe(scaling="current"))
+
+
+def test_delayed_recipe_becomes_composers_precision_config(fake_te):
+    """Composer builds `DelayedScaling(**state.precision_config)` every batch."""
+    from composer.core import Precision
+    from composer.core import State as ComposerState
+    from composer.devices import DeviceCPU
+
+    from foundry_fp8.composer.te_swap import _set_precision_config
+
+    fake_te()
+    state = ComposerState(model=torch.nn.Linear(2, 2), rank_zero_seed=0, run_name="x",
+                          device=DeviceCPU(), precision=Precision.FP32)
+    recipe = FP8Recipe(amax_history_len=7, amax_compute_algo="most_recent", margin=1)
+    _set_precision_config(state, recipe)
+    built = _DelayedScaling(**state.precision_config)
+    assert (built.fp8_format, built.amax_history_len, built.amax_compute_algo, built.margin,
+            built.reduce_amax) == (_Format.HYBRID, 7, "most_recent", 1, True)
+    _set_precision_config(state, recipe)  # the same again: fine
+    with pytest.raises(ValueError, match="give the recipe in one place only"):
+        _set_precision_config(state, FP8Recipe(amax_history_len=8))

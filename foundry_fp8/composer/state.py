@@ -1,19 +1,21 @@
 """`fp8_state`: FP8 amax histories and scales kept right across checkpoints and activation recompute.
 
 The state lives in this callback's own entry of the checkpoint, keyed by module name (per rank
-where ranks differ), so resuming never depends on TE's pickled `_extra_state`: TE >= 2.16 refuses
-to unpickle it without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE, before any callback could help. Our
-checkpoints keep the `_extra_state` keys but store an empty tensor, which TE's `set_extra_state`
-skips. At INIT it also makes FSDP activation checkpointing recompute under FP8 (TE #1190), and
-for the first batches it watches for the #1190 symptom: forward FP8 state moving while the
-backward state stands still.
+where ranks differ), so resuming never depends on TE's pickled `_extra_state`: TE 2.16.1, 2.17.1
+and >= 2.18 refuse to unpickle a delayed-scaling one without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE,
+before any callback could help. Our checkpoints keep the `_extra_state` keys but store a pickled
+`None`, which every TE from 1.12 to 2.20 loads as "no state" (an empty tensor would be skipped
+too from TE 2.4 on, but older TE fails to unpickle it). At INIT it also makes FSDP activation
+checkpointing recompute under FP8 (TE #1190), and for the first batches it watches for the
+#1190 symptom: forward FP8 state moving while the backward state stands still.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,22 +50,24 @@ def canonical_name(name: str) -> str:
     return _WRAPPER_SEGMENT.sub("", name).lstrip(".")
 
 
-def empty_extra_state() -> torch.Tensor:
-    """What TE's `set_extra_state` skips: an empty uint8 tensor (no pickle to load)."""
-    return torch.empty(0, dtype=torch.uint8)
+def inert_extra_state() -> torch.Tensor:
+    """A pickled `None` as TE's uint8 extra-state tensor: TE's `set_extra_state` returns on a
+    `None` state, and TE >= 2.16.1 classifies a pickle without globals as safe to ignore
+    (`pytorch/_extra_state.py`), so it loads without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE."""
+    return torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8)
 
 
 def without_pickled_extra_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a model state_dict whose `_extra_state` entries hold no pickled state.
 
-    The keys stay (a strict load expects them); TE >= 2.16 then loads the checkpoint without
+    The keys stay (a strict load expects them); TE then loads the checkpoint without
     NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE. The FP8 state they held is what `fp8_state` saves.
     """
-    return {k: empty_extra_state() if k.split(".")[-1] == EXTRA_STATE_SUFFIX else v
+    return {k: inert_extra_state() if k.split(".")[-1] == EXTRA_STATE_SUFFIX else v
             for k, v in state_dict.items()}
 
 
-def _empty_extra_state_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+def _inert_extra_state_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                             local_metadata: Any) -> None:
     del module, local_metadata
     key = prefix + EXTRA_STATE_SUFFIX
@@ -82,11 +86,15 @@ def recompute_settings(precision: str, fsdp: Mapping[str, Any] | None, fsdp_vers
                        te_version: tuple[int, ...] | None, emulated: bool) -> dict[str, Any]:
     """The FSDP config fields to set so that activation recompute runs under FP8.
 
-    Composer recomputes TE modules under FP8 only with its `te_checkpoint_wrapper` (FSDP1,
-    `amp_fp8`, non-reentrant), while its default is reentrant torch checkpointing. Raises
+    Composer 0.32 (`distributed/dist_strategy.py`) recomputes TE modules under FP8 only with
+    its `te_checkpoint_wrapper` (FSDP1, read only when precision is `amp_fp8`, asserted
+    non-reentrant), which wraps blocks in `te.distributed.checkpoint`; its default is reentrant
+    torch checkpointing, and FSDP2's is non-reentrant torch checkpointing, both recomputing
+    outside TE's autocast. `activation_cpu_offload` alone recomputes nothing (offload_wrapper
+    only moves saved tensors), so only `activation_checkpointing` matters. Raises
     `FP8StateError` where no setting makes the recompute safe.
     """
-    if not fsdp or not (fsdp.get("activation_checkpointing") or fsdp.get("activation_cpu_offload")):
+    if not fsdp or not fsdp.get("activation_checkpointing"):
         return {}
     if emulated:
         raise FP8StateError(
@@ -154,7 +162,7 @@ class FP8State(Callback):
             if event == Event.INIT:
                 self._init(state)
             elif event == Event.BEFORE_LOAD:
-                self._empty_extra_state_on_save(state.model)
+                self._inert_extra_state_on_save(state.model)
             elif event == Event.FIT_START and self._pending is not None:
                 self.load_state_dict(self._pending)
             elif event == Event.BATCH_END and self.watch_batches:
@@ -173,8 +181,7 @@ class FP8State(Callback):
         the model yet, so its plan is read from the run's algorithms."""
         self._model = state.model
         fsdp = state.fsdp_config
-        fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing",
-                                                "activation_cpu_offload", "te_checkpoint_wrapper",
+        fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing", "te_checkpoint_wrapper",
                                                 "activation_checkpointing_reentrant")
                   if hasattr(fsdp, k)}
         precision = state.precision.value
@@ -194,12 +201,12 @@ class FP8State(Callback):
                         "FP8 (TE #1190)", key, value)
 
     @staticmethod
-    def _empty_extra_state_on_save(model: nn.Module) -> None:
+    def _inert_extra_state_on_save(model: nn.Module) -> None:
         """At BEFORE_LOAD: te_swap has converted the model (INIT) and the checkpoint is not
-        loaded yet, so every FP8 module saves, and loads, an empty `_extra_state`."""
+        loaded yet, so every FP8 module saves, and loads, an inert `_extra_state`."""
         for module in model.modules():  # FP8 modules, and TE's ops (te.LayerNorm)
             if is_fp8_module(module) or type(module).__module__.startswith("transformer_engine"):
-                module.register_state_dict_post_hook(_empty_extra_state_hook)
+                module.register_state_dict_post_hook(_inert_extra_state_hook)
 
     def _watch(self) -> None:
         assert self._model is not None
@@ -279,7 +286,9 @@ class FP8State(Callback):
         for name in sorted(modules.keys() & saved.keys()):
             module = modules[name]
             if not read_fp8_meta(module):  # TE before its first FP8 forward
-                _restore_at_first_forward(module, saved[name])
+                _restore_at_first_forward(module, saved[name],
+                                          lambda message, name=name: self._mismatch(
+                                              f"{message} ({name})"))
                 continue
             try:
                 write_fp8_meta(module, saved[name])
@@ -298,16 +307,34 @@ def _same_state(a: FP8ModuleState, b: FP8ModuleState) -> bool:
         for n in a)
 
 
-def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor],
+                              on_mismatch: Callable[[str], None]) -> None:
     """TE creates a module's scaling state in its first FP8 forward; create it a moment earlier
-    (inside the model forward, so inside Composer's FP8 autocast) and write the saved values."""
+    and write the saved values.
+
+    The pre-hook runs inside the model forward, so inside Composer's FP8 autocast, where TE's
+    `init_fp8_metadata(num_gemms)` (the call TE's own `prepare_forward` makes, 3 forward
+    tensors per GEMM) builds the state for the active recipe; TE's forward then finds it
+    initialised for the same recipe and keeps it. Forwards outside FP8 (eval) leave the hook
+    waiting; a run whose recipe keeps no such state (current scaling) or does not fit the
+    checkpoint is reported through `on_mismatch`, once.
+    """
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
         del args
         if not read_fp8_meta(mod):
             mod.init_fp8_metadata(num_gemms=len(tensors["fwd_scale"]) // 3)
-        if read_fp8_meta(mod):  # FP8 is on: TE made the state
+        if not read_fp8_meta(mod) and not getattr(mod, "fp8", False):
+            return  # FP8 is off in this forward: wait for one with FP8
+        handle.remove()
+        if not read_fp8_meta(mod):
+            on_mismatch("fp8_state: the checkpoint holds delayed-scaling FP8 state, but this "
+                        "run's recipe keeps none (current scaling?); it was not restored")
+            return
+        try:
             write_fp8_meta(mod, tensors)
-            handle.remove()
+        except ValueError as error:
+            on_mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
+                        f"{error}")
 
     handle = module.register_forward_pre_hook(pre_hook)

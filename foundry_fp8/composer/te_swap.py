@@ -10,7 +10,11 @@ The recipe reaches the layers one way per path, so exactly one recipe is ever ac
   `_set_precision_config`).
 - `te` + `current`: Composer cannot build `Float8CurrentScaling`, so TE's autocast with it is
   entered around the model's training forward, inside Composer's (forward hooks on the model run
-  inside Composer's precision context); TE modules see only the innermost recipe.
+  inside Composer's precision context). TE 2.20 (`pytorch/quantization.py`): an autocast saves
+  the global FP8 state on entry and restores it on exit, TE modules read the innermost recipe,
+  and only the outermost exit runs the delayed-scaling amax reduction and scale update, which
+  finds nothing to do (current-scaling modules register no amax buffers). A module sees one
+  recipe type throughout, so TE's "Recipe type changed" warning does not fire.
 - `emulate`: `emulate.fp8_autocast(recipe)` around the model's training forward, the same way.
 Eval forwards stay in high precision, as Composer runs them (`fp8_autocast_enabled=False`).
 """
@@ -98,8 +102,10 @@ class TESwap(Algorithm):
         if self.config.backend == "te" and self.recipe.scaling == "delayed":
             _set_precision_config(state, self.recipe)
         else:
+            # always_call: a forward that raises (Composer's auto micro-batching retries after
+            # an OOM) still leaves te_swap's autocast before Composer's, innermost first.
             self._hooks = [model.register_forward_pre_hook(self._enter),
-                           model.register_forward_hook(self._exit)]
+                           model.register_forward_hook(self._exit, always_call=True)]
         table = coverage_table(plan)
         recipe = self.recipe.as_config()
         print(f"foundry_fp8 te_swap: {converted} modules converted ({self.config.backend}), "
@@ -124,7 +130,7 @@ class TESwap(Algorithm):
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         del args
-        self._autocast.close()  # a forward that raised never reached its exit hook
+        self._autocast.close()  # left open only if the last exit hook could not run
         if not module.training or not self._hooks:
             return
         try:
