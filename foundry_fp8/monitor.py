@@ -553,9 +553,10 @@ class FP8Monitor:
                 continue  # no rank saw this tensor (layer unused this step)
             stats = dict(zip(STAT_KEYS, host[i * width:(i + 1) * width], strict=True))
             metrics.update({f"fp8/{layer}/{tensor}/{k}": v for k, v in stats.items()})
-            if i in step.initial:
-                continue  # delayed scaling's first cast (scale 1): expected, neither advice nor
-                # the run's worst (still logged)
+            if i in step.initial:  # delayed scaling's first cast (scale 1): expected, so
+                # neither advice nor the run's worst; logged, and marked for the report
+                metrics[f"fp8/{layer}/{tensor}/initial_scale"] = 1.0
+                continue
             fold_worst(self.worst, (layer, tensor), stats)
             message = advice(layer, tensor, stats, self.config)
             if message and (layer, tensor) not in self._warned:

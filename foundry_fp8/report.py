@@ -47,6 +47,9 @@ class StatSpec:
     quiet_when_zero: bool = False  # drawn and tabled only when some value is non-zero
 
 
+#: Logged as 1 by fp8_stats for a tensor cast with delayed scaling's initial scale 1.0.
+INITIAL_SCALE = "initial_scale"
+
 SPECS: dict[str, StatSpec] = {
     "underflow_pct": StatSpec("% of elements flushed to 0", "high", "heatmap"),
     "overflow_pct": StatSpec("% of elements above the FP8 max", "high", "heatmap"),
@@ -105,6 +108,13 @@ class RunMetrics:
     tensors: list[str] = field(default_factory=list)
     stats: list[str] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # every step with any fp8 metric, sorted
+    # (layer, tensor, step) cast with delayed scaling's initial scale 1.0 (fp8_stats logs
+    # `initial_scale`): plotted, but neither flagged nor ranked, as fp8_stats does not warn
+    initial: set[tuple[str, str, int]] = field(default_factory=set)
+
+    def judged(self, layer: str, tensor: str, by_step: dict[int, float]) -> dict[int, float]:
+        """`by_step` without the steps cast with the initial scale."""
+        return {step: v for step, v in by_step.items() if (layer, tensor, step) not in self.initial}
 
 
 def known_first(names: Iterable[str], known: Iterable[str]) -> list[str]:
@@ -121,6 +131,7 @@ def collect(records: Iterable[tuple[int, Mapping[str, Any]]]) -> RunMetrics:
     tensors: dict[str, None] = {}
     stats: dict[str, None] = {}
     steps: set[int] = set()
+    initial: set[tuple[str, str, int]] = set()
     for step, metrics in records:
         for name, value in metrics.items():
             parts = name.split("/")
@@ -128,13 +139,17 @@ def collect(records: Iterable[tuple[int, Mapping[str, Any]]]) -> RunMetrics:
                     or not isinstance(value, (int, float))):
                 continue
             _, layer, tensor, stat = parts
+            if stat == INITIAL_SCALE:
+                if value:
+                    initial.add((layer, tensor, step))
+                continue
             values.setdefault((layer, tensor, stat), {})[step] = float(value)
             layers.setdefault(layer)
             tensors.setdefault(tensor)
             stats.setdefault(stat)
             steps.add(step)
     return RunMetrics(values=values, layers=list(layers), tensors=known_first(tensors, TENSOR_ORDER),
-                      stats=known_first(stats, SPECS), steps=sorted(steps))
+                      stats=known_first(stats, SPECS), steps=sorted(steps), initial=initial)
 
 
 def load(metrics_file: Path) -> RunMetrics:
@@ -161,9 +176,11 @@ def worst_point(stat: str, by_step: Mapping[int, float]) -> tuple[int, float] | 
 
 
 def worst_values(run: RunMetrics) -> dict[tuple[str, str], dict[str, float]]:
-    """(layer, tensor) -> worst value of each ranked statistic over all logged steps."""
+    """(layer, tensor) -> worst value of each ranked statistic over the logged steps (not those
+    cast with the initial delayed scale)."""
     table: dict[tuple[str, str], dict[str, float]] = {}
-    for (layer, tensor, stat), by_step in run.values.items():
+    for (layer, tensor, stat), logged in run.values.items():
+        by_step = run.judged(layer, tensor, logged)
         point = worst_point(stat, by_step) if spec(stat).worse else None
         if point is not None:
             table.setdefault((layer, tensor), {})[stat] = point[1]
@@ -209,8 +226,9 @@ def findings(run: RunMetrics, thresholds: Thresholds) -> list[Finding]:
         "scale_ratio": (lambda v: v > thresholds.max_scale_ratio, f"> {thresholds.max_scale_ratio:g}"),
     }
     found = []
-    for (layer, tensor, stat), by_step in run.values.items():
-        point = worst_point(stat, by_step) if stat in rules else None
+    for (layer, tensor, stat), logged in run.values.items():
+        by_step = run.judged(layer, tensor, logged)
+        point = worst_point(stat, by_step) if stat in rules and by_step else None
         if point is not None and rules[stat][0](point[1]):
             over = sum(1 for v in by_step.values() if rules[stat][0](v))
             found.append(Finding(layer, tensor, stat, point[1], point[0], rules[stat][1],
@@ -234,8 +252,9 @@ def worst_layers(run: RunMetrics, stat: str, n: int = 3) -> list[Ranked]:
     underflow anywhere is not a ranking). The mean, not the peak: under delayed scaling every
     layer's step 0 runs on the initial scale 1.0 and underflows, which would rank at random."""
     ranked = []
-    for (layer, tensor, s), by_step in run.values.items():
-        point = worst_point(stat, by_step) if s == stat else None
+    for (layer, tensor, s), logged in run.values.items():
+        by_step = run.judged(layer, tensor, logged)
+        point = worst_point(stat, by_step) if s == stat and by_step else None
         if point is not None:
             mean = statistics.fmean(v for v in by_step.values() if v == v)
             ranked.append(Ranked(layer, tensor, mean, point[1], point[0]))

@@ -93,6 +93,8 @@ def test_the_initial_delayed_scale_is_logged_but_neither_warned_about_nor_summar
             model(_unit(16, 8, seed=0) * amax).sum().backward()
         logged.append(monitor.finish_step())
     assert logged[0]["fp8/0/activation/underflow_pct"] == 100.0  # logged as it happened
+    assert logged[0]["fp8/0/activation/initial_scale"] == 1.0  # and marked for the report
+    assert not any(k.endswith("/initial_scale") for k in logged[1])
     assert logged[1]["fp8/0/activation/underflow_pct"] == 0.0
     assert logged[2]["fp8/0/activation/overflow_pct"] > 0
     assert [w for w in warned if "activation" in w] == [

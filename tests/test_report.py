@@ -202,3 +202,20 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, content, args, message
     out = capsys.readouterr()
     assert out.out.startswith("error: ") and message in out.out
     assert out.out.count("\n") == 1 and not out.err
+
+
+def test_initial_scale_steps_are_plotted_but_not_flagged_or_ranked(tmp_path):
+    """fp8_stats marks delayed scaling's first cast (scale 1.0) with `initial_scale`: expected
+    underflow there is no finding, as fp8_stats does not warn about it either."""
+    layer = "model.blocks.0.fc"
+    records = [(0, {f"fp8/{layer}/gradient/underflow_pct": 30.0,
+                    f"fp8/{layer}/gradient/initial_scale": 1.0}),
+               (10, {f"fp8/{layer}/gradient/underflow_pct": 0.5}),
+               (20, {f"fp8/{layer}/gradient/underflow_pct": 7.0})]
+    run = report.collect(records)
+    assert "initial_scale" not in run.stats
+    assert run.values[(layer, "gradient", "underflow_pct")] == {0: 30.0, 10: 0.5, 20: 7.0}
+    found = report.findings(run, report.Thresholds())
+    assert [(f.step, f.value, f.steps_over, f.steps_logged) for f in found] == [(20, 7.0, 1, 2)]
+    assert report.worst_values(run)[(layer, "gradient")]["underflow_pct"] == 7.0
+    assert [(r.mean, r.worst) for r in report.worst_layers(run, "underflow_pct")] == [(3.75, 7.0)]
