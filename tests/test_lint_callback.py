@@ -54,13 +54,13 @@ def test_amp_fp8_model_without_fp8_modules_fails_after_te_swap_had_its_chance(ca
 
     lenient = FP8Lint(train_config={}, fail_on="never")
     with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.lint"):
-        lenient.check_model(_state(Precision.AMP_FP8, model))
+        lenient.run_event(Event.BEFORE_LOAD, _state(Precision.AMP_FP8, model), logger=None)
     assert "no FP8 module" in caplog.text
-    lenient.check_model(_state(Precision.AMP_BF16, model))  # not amp_fp8: nothing to say
+    lenient.run_event(Event.BEFORE_LOAD, _state(Precision.AMP_BF16, model), logger=None)  # not amp_fp8: nothing to say
 
     converted = apply_swap(model, plan_swap(model, SwapConfig(backend="emulate")), "emulate")
     assert converted > 0 and fp8_module_counts(model) == (0, converted)
-    lint.check_model(_state(Precision.AMP_FP8, model))  # now it would run FP8: no error
+    lint.run_event(Event.BEFORE_LOAD, _state(Precision.AMP_FP8, model), logger=None)  # now it would run FP8: no error
 
 
 def test_bad_fail_on_is_refused():
@@ -77,3 +77,22 @@ def test_version_rules_judge_this_machine_for_te_runs_only():
     emulated = FP8Lint(train_config={"precision": "fp32",
                                      "algorithms": {"te_swap": {"backend": "emulate"}}})
     assert not [f for f in emulated.findings if f.rule.startswith("FP82")]
+
+
+def test_our_own_bug_never_stops_the_run(monkeypatch, caplog):
+    """A crash inside the linter or the model check is logged; the run goes on."""
+    import foundry_fp8.composer.lint as lint_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected linter bug")
+
+    monkeypatch.setattr(lint_module, "lint_config", broken)
+    monkeypatch.setattr(lint_module, "model_problem", broken)
+    with caplog.at_level(logging.ERROR, logger="foundry_fp8.composer.lint"):
+        lint = FP8Lint(train_config={"precision": "amp_fp8"})  # would be FP8001 when working
+        lint.run_event(Event.BEFORE_LOAD, _state(Precision.AMP_FP8, _tiny_mpt()), logger=None)
+    assert lint.findings == []
+    failures = [r for r in caplog.records if r.exc_info and "injected" in str(r.exc_info[1])]
+    assert [r.getMessage() for r in failures] == [
+        "fp8_lint: the linter failed on this config; the run is not linted",
+        "fp8_lint: checking the model failed; skipped"]

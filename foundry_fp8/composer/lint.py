@@ -64,11 +64,7 @@ class FP8Lint(Callback):
 
         if isinstance(train_config, DictConfig):
             train_config = OmegaConf.to_container(train_config, resolve=True)
-        context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ))
-        from foundry_fp8.doctor import config_environment_findings
-
-        self.findings = (lint_config(train_config or {}, context)
-                         + config_environment_findings(train_config or {}))
+        self.findings = _run_findings(train_config or {})
         for f in self.findings:
             log.warning("fp8_lint %s %s", f.severity, _describe(f))
         errors = [f for f in self.findings if f.severity == "error"]
@@ -82,12 +78,26 @@ class FP8Lint(Callback):
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.BEFORE_LOAD:
-            self.check_model(state)
+            try:
+                problem = model_problem(state.precision.value, state.model)
+            except Exception:  # our bug: the run goes on, with the error in its log
+                log.exception("fp8_lint: checking the model failed; skipped")
+                return
+            if problem:
+                self._fail(problem)
         elif event == Event.FIT_START:
             logger.log_hyperparameters({"fp8_lint/findings": len(self.findings)})
 
-    def check_model(self, state: State) -> None:
-        """Fail (or warn) when `amp_fp8` has nothing to run in FP8 in the built model."""
-        problem = model_problem(state.precision.value, state.model)
-        if problem:
-            self._fail(problem)
+
+
+def _run_findings(config: Any) -> list[Finding]:
+    """The file rules and this machine's version rules for a run's config. A failure inside
+    them is our bug, not the run's: it is logged and the run goes on unlinted."""
+    from foundry_fp8.doctor import config_environment_findings
+
+    try:
+        context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ))
+        return lint_config(config, context) + config_environment_findings(config)
+    except Exception:
+        log.exception("fp8_lint: the linter failed on this config; the run is not linted")
+        return []
