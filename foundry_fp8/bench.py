@@ -501,8 +501,18 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("foundry-fp8 bench: no CUDA GPU; use --tiny for the CPU path")
             return 2
+    try:  # a folder that cannot be written fails now, not after the benchmark has run
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"foundry-fp8 bench: --out {args.out}: cannot create the folder: {err.strerror}")
+        return 2
     result = run_bench(config)
-    json_path, md_path = write_results(result, args.out)
+    try:
+        json_path, md_path = write_results(result, args.out)
+    except OSError as err:
+        print(markdown(result))
+        print(f"foundry-fp8 bench: --out {args.out}: results not written: {err}")
+        return 2
     print(markdown(result))
     print(f"wrote {json_path} and {md_path}")
     return 0 if result["variants"] else 1

@@ -159,11 +159,13 @@ class _FP8LinearFunction(torch.autograd.Function):
 
 
 def _queue_backward_update(module: EmulatedFP8Linear, recipe: FP8Recipe) -> None:
-    """Update every backward scale once, when the whole backward pass has finished."""
-    first = not _STATE.backward_modules
+    """Update every backward scale once, when the whole backward pass has finished.
+
+    Every call queues a callback (the first to run updates all modules, the rest find nothing
+    to do): autograd drops the callbacks of a backward that raises, so a single callback queued
+    by the first module would leave the list non-empty and no later backward would queue one.
+    """
     _STATE.backward_modules.append(module)
-    if not first:
-        return
 
     def update() -> None:
         modules, _STATE.backward_modules = _STATE.backward_modules, []

@@ -90,10 +90,6 @@ class FP8Recipe:
             return "e5m2"
         return "e4m3"
 
-    @property
-    def keeps_history(self) -> bool:
-        return self.scaling == "delayed"
-
     def as_config(self) -> dict[str, Any]:
         """The keys that matter for this scaling mode, for run configs and coverage tables."""
         skip = _CURRENT_ONLY if self.scaling == "delayed" else _DELAYED_ONLY

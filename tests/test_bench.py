@@ -148,3 +148,17 @@ def test_each_variant_frees_its_model(monkeypatch):
         row = bench.run_variant(bench.VARIANTS["bf16"], config, bar)
     gc.collect()
     assert refs[0]() is None and row["attention_share"] is None  # profiling was off
+
+
+def test_an_unwritable_out_folder_is_a_one_line_error_before_the_run(capsys, tmp_path,
+                                                                    monkeypatch):
+    def must_not_run(config):
+        raise AssertionError("the benchmark ran although its results could not be written")
+
+    monkeypatch.setattr(bench, "run_bench", must_not_run)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["bench", "--tiny", "--variants", "bf16", "--out", str(blocker / "out")]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"foundry-fp8 bench: --out {blocker / 'out'}: cannot create")
+    assert len(out.strip().splitlines()) == 1 and "Traceback" not in out

@@ -148,3 +148,34 @@ def test_history_length_change_keeps_rows_and_scales_as_te():
     with fp8_autocast(recipe=FP8Recipe(amax_history_len=2)):
         layer(x)
         assert torch.equal(meta.amax_history[1:], after[1:2])
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises: a backward pass that dies half-way (an OOM, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward died")
+
+
+def test_backward_scales_update_after_a_backward_that_failed():
+    """Composer retries a batch after an OOM in backward; the emulation must go on updating
+    backward scales afterwards, as TE does (grad-output amax 1 in the failed pass, 2 after)."""
+    recipe = FP8Recipe(amax_history_len=4, amax_compute_algo="max")
+    first, last = EmulatedFP8Linear(16, 16, bias=False), EmulatedFP8Linear(16, 16, bias=False)
+    x = torch.randn(3, 16, requires_grad=True)
+    with fp8_autocast(recipe=recipe):
+        out = last(_FailingBackward.apply(first(x)))
+    with pytest.raises(RuntimeError, match="backward died"):
+        out.sum().backward()  # `last` ran its backward (d out = 1); `first` never did
+    assert last.fp8_meta["scaling_bwd"].scale[0].item() == 1.0  # no update yet, as in TE
+    with fp8_autocast(recipe=recipe):
+        out = last(first(x))
+    (2.0 * out.sum()).backward()  # d out = 2 everywhere
+    # the history slot holds max(1, 2) = 2 for `last`; `first` saw only this pass
+    assert last.fp8_meta["scaling_bwd"].scale[0].item() == FP8_MAX["e5m2"] / 2.0
+    assert first.fp8_meta["scaling_bwd"].scale[0].item() > 1.0

@@ -372,3 +372,25 @@ def test_own_error_is_logged_and_training_goes_on(caplog, monkeypatch):
         trainer = _fit(fp8_checkpoint, callback)
     assert int(trainer.state.timestamp.batch) == 6
     assert "injected fp8_state bug" in caplog.text and callback.watch_batches == 0
+
+
+def test_own_error_while_saving_is_logged_and_the_resume_starts_fresh(caplog, monkeypatch):
+    """Composer calls state_dict() inside its checkpoint save: a bug there must not stop the
+    run, and the checkpoint it leaves must resume (strict) with fresh FP8 state."""
+    saver = FP8State()
+    saver._model = _trained_model()
+
+    def broken(self):
+        raise RuntimeError("injected fp8_state bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FP8State, "_local_state", broken)
+        with caplog.at_level(logging.ERROR, logger="foundry_fp8.composer.state"):
+            saved = saver.state_dict()
+    assert "injected fp8_state bug" in caplog.text
+    loader = FP8State()  # strict
+    loader._model = nn.Sequential(EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16))
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+        loader.load_state_dict(saved)
+    assert "holds no FP8 state" in caplog.text
+    assert loader._model[0].fp8_meta["scaling_fwd"].amax_history.shape[0] == 0  # fresh

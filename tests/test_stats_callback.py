@@ -164,3 +164,22 @@ def test_fp8_stats_logs_every_selected_layer_in_a_real_run(tmp_path, tiny_data, 
     assert dump[f"{up}/activation/scale"].item() == logged[3][f"fp8/{up}/activation/scale"]
     assert dump[f"{up}/weight"].shape == (256, 64)
     assert f"| {up} | gradient |" in capsys.readouterr().out  # the fit-end summary
+
+
+def test_a_failing_logger_on_rank_zero_does_not_switch_the_callback_off(caplog):
+    """Only rank 0 logs: switching the callback off there alone would leave the other ranks in
+    the next logging step's all_reduce for ever, so the failure is logged and the stats go on."""
+
+    class FlakyLogger(_Logger):
+        def log_metrics(self, metrics, step):
+            if not self.metrics and step == 0:
+                self.metrics[-1] = {}  # fail once, on the first logging step
+                raise OSError("disk full")
+            super().log_metrics(metrics, step)
+
+    callback = FP8Stats(interval=2)
+    _, logger = _fit(callback, 4, FlakyLogger())
+    assert not callback.disabled and "disk full" in caplog.text
+    assert sorted(logger.metrics) == [-1, 2] and "fp8/0/activation/amax" in logger.metrics[2]
+    with pytest.raises(OSError, match="disk full"):
+        _fit(FP8Stats(interval=2, strict=True), 1, FlakyLogger())

@@ -242,15 +242,30 @@ class FP8State(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's state as `modules`; every rank's as `ranks` when they differ. The same on
-        all ranks (all ranks call this when Composer saves), so any rank's file is complete."""
-        local = self._local_state() if self._model is not None else {}
+        all ranks (all ranks call this when Composer saves), so any rank's file is complete.
+        A failure to read the state (our bug) is logged and saves `unsaved` instead of stopping
+        the save; the all_gather still runs on every rank."""
+        local: FP8ModuleState | None
+        try:
+            local = self._local_state() if self._model is not None else {}
+        except Exception:
+            log.exception("fp8_state: internal error reading the FP8 state to save; this "
+                          "checkpoint holds none")
+            local = None
         ranks = dist.all_gather_object(local) if dist.get_world_size() > 1 else [local]
+        if any(r is None for r in ranks):
+            return {"modules": {}, "unsaved": True}
         saved: dict[str, Any] = {"modules": ranks[0]}
         if any(not _same_state(ranks[0], other) for other in ranks[1:]):
             saved["ranks"] = ranks
         return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("unsaved"):
+            self._pending = None
+            log.warning("fp8_state: the checkpoint holds no FP8 state (reading it failed when "
+                        "it was saved); FP8 scales and amax histories start fresh")
+            return
         if self._model is None:  # restored at FIT_START, once the model is known
             self._pending = state
             return

@@ -127,7 +127,8 @@ class FP8Stats(Callback):
                 metrics.update(self._te_metrics)
                 self._te_metrics.clear()
             if metrics and rank_zero:
-                logger.log_metrics(metrics, step=self._step)
+                self._rank_zero(lambda: logger.log_metrics(metrics, step=self._step),
+                                "logging the metrics")
         elif event == Event.FIT_END:
             if self.te_debug is not None:
                 self.te_debug.close()
@@ -135,7 +136,19 @@ class FP8Stats(Callback):
             if summary and rank_zero:
                 print(f"foundry_fp8 fp8_stats: worst value per layer and tensor\n{summary}",
                       flush=True)
-                logger.log_hyperparameters({"fp8/stats_summary": summary})
+                self._rank_zero(lambda: logger.log_hyperparameters(
+                    {"fp8/stats_summary": summary}), "logging the summary")
+
+    def _rank_zero(self, call: Callable[[], None], what: str) -> None:
+        """What rank 0 alone does (logging): a failure is logged and the callback stays on.
+        Switching it off on rank 0 only would leave the other ranks waiting in the next
+        logging step's all_reduce forever; `strict: true` raises."""
+        try:
+            call()
+        except Exception:
+            if self.strict:
+                raise
+            log.exception("fp8_stats: %s failed on rank 0; the statistics go on", what)
 
 
 def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
