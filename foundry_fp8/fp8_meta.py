@@ -11,12 +11,22 @@ No TE import.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 _DIRECTIONS = (("fwd", "scaling_fwd"), ("bwd", "scaling_bwd"))
+
+# Name segments that FSDP, activation checkpointing and torch.compile insert into module names.
+_WRAPPER_SEGMENT = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)"
+                              r"(?=\.|$)")
+
+
+def canonical_name(name: str) -> str:
+    """A module name without the wrappers' segments, so FSDP and plain runs use the same keys."""
+    return _WRAPPER_SEGMENT.sub("", name).lstrip(".")
 
 
 def is_fp8_module(module: nn.Module) -> bool:

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from foundry_fp8.fp8_meta import canonical_name
+
 #: Tensors TE's feature can watch, named as our `fp8_stats` names them.
 TE_TENSORS = ("activation", "weight", "gradient")
 
@@ -117,8 +119,8 @@ class TEDebugSession:
         and the metric names match what our hooks use."""
         for name, module in named_modules:
             if is_te_module(module) and hasattr(module, "name"):
-                module.name = name
-                self.layer_names.add(name)
+                module.name = canonical_name(name)  # as fp8_stats' hooks name it
+                self.layer_names.add(module.name)
 
     def step(self) -> None:
         import nvdlfw_inspect.api as debug_api

@@ -147,3 +147,22 @@ def test_te_modules_under_delayed_fp8_report_their_own_scales(monkeypatch):
     assert metrics["fp8/2/weight/scale"] == pytest.approx(
         448.0 / model[2].weight.abs().max().item())
     assert metrics["fp8/2/weight/scale_ratio"] == 1.0
+
+
+def test_wrapped_layers_keep_their_plain_names():
+    """FSDP and activation checkpointing insert wrapper segments into module names; metric
+    names and the layer regexes see the model's own names, as fp8_state's keys do."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 8))
+    model[0] = checkpoint_wrapper(model[0])
+    assert "0._checkpoint_wrapped_module.0" in dict(model.named_modules())
+    assert list(select_layers(model, MonitorConfig(include=r"^0\.0$"))) == ["0.0"]
+    monitor = FP8Monitor(model, MonitorConfig())
+    x = torch.randn(4, 8)
+    monitor.start_step()
+    model(x).sum().backward()
+    metrics = monitor.finish_step()
+    assert metrics["fp8/0.0/activation/amax"] == pytest.approx(tensor_stats(x)["amax"])
+    assert not any("_checkpoint_wrapped_module" in k for k in metrics)

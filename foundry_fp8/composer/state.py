@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,13 @@ from torch import nn
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.environment import MIN_TE_FOR_RECOMPUTE
-from foundry_fp8.fp8_meta import fp8_modules, is_fp8_module, read_fp8_meta, write_fp8_meta
+from foundry_fp8.fp8_meta import (
+    canonical_name,
+    fp8_modules,
+    is_fp8_module,
+    read_fp8_meta,
+    write_fp8_meta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +41,9 @@ FP8ModuleState = dict[str, dict[str, torch.Tensor]]
 
 EXTRA_STATE_SUFFIX = "_extra_state"
 
-# Name segments that FSDP, activation checkpointing and torch.compile insert into module names.
-_WRAPPER_SEGMENT = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)"
-                              r"(?=\.|$)")
-
 
 class FP8StateError(ValueError):
     """A checkpoint or configuration that fp8_state refuses; the message names what to fix."""
-
-
-def canonical_name(name: str) -> str:
-    """A module name without the wrappers' segments, so FSDP and plain runs use the same keys."""
-    return _WRAPPER_SEGMENT.sub("", name).lstrip(".")
 
 
 def inert_extra_state() -> torch.Tensor:
@@ -212,7 +208,8 @@ class FP8State(Callback):
         assert self._model is not None
         current = self._local_state()
         grads_nonzero = {canonical_name(n) for n, m in fp8_modules(self._model)
-                         if any(p.grad is not None and bool(p.grad.abs().max() > 0)
+                         if any(p.grad is not None and p.grad.numel() > 0
+                                and bool(p.grad.abs().max() > 0)
                                 for p in m.parameters(recurse=False))}
         if self._last is not None:
             stale = set(stale_backward_modules(self._last, current, grads_nonzero))
