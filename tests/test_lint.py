@@ -89,6 +89,7 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8020": (_merge(EMULATE, {"algorithms": {"te_swap": {"keep_first_blocks": "two"}}}),
                "algorithms.te_swap.keep_first_blocks", 1),
     "FP8021": ({"algorithms": {"te_swap": {}}}, "algorithms.te_swap", 1),
+    "FP8022": ({"callbacks": ["fp8_stats", "fp8_state"]}, "callbacks", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -114,6 +115,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8019": ({"callbacks": {"fp8_stats": {"interval": "10ba"}}}, 1),
     "FP8020": (_merge(EMULATE, {"algorithms": {"te_swap": {"keep_first_blocks": 2}}}), 1),
     "FP8021": (EMULATE, 1),
+    "FP8022": ({"callbacks": {"fp8_stats": {}, "fp8_state": None}}, 1),
 }
 
 

@@ -15,6 +15,14 @@ from foundry_fp8.lint.entries import NO_DEFAULT, UNREADABLE, our_entries
 from foundry_fp8.lint.rules import lint_config
 
 
+def test_mapping_sections_are_trainconfigs_dict_fields():
+    from llmfoundry.utils.config_utils import TrainConfig
+
+    dict_fields = {f.name for f in dataclasses.fields(TrainConfig)
+                   if str(f.type).replace("typing.", "").removeprefix("Optional[").startswith("dict[")}
+    assert known.MAPPING_SECTIONS == dict_fields
+
+
 def test_train_config_keys_match_llmfoundry():
     from llmfoundry.utils.config_utils import TRAIN_CONFIG_KEYS, TrainConfig
 

@@ -29,6 +29,14 @@ TRAIN_CONFIG_KEYS = frozenset({
     "run_name", "autoresume", "profiler", "variables", "n_gpus", "device_train_grad_accum",
 })
 
+#: TrainConfig fields annotated `dict[str, Any]` (optional or not): sections that must be
+#: mappings. `variables` is popped before TrainConfig is built and is used as a mapping.
+MAPPING_SECTIONS = frozenset({
+    "model", "tokenizer", "optimizer", "scheduler", "train_loader", "fsdp_config", "tp_config",
+    "eval_loader", "eval_gauntlet", "loggers", "callbacks", "algorithms", "compile_config",
+    "metadata", "profiler", "variables",
+})
+
 #: `fields(FSDPConfig)` without the private `_device_mesh` (composer/utils/parallelism.py).
 #: Its `__init__` sets any keyword as an attribute, so an unknown key is silently ignored.
 FSDP_CONFIG_KEYS = frozenset({

@@ -18,6 +18,7 @@ from foundry_fp8.lint.known import (
     FP8_DTYPE_NAMES,
     FSDP2_CONFIG_KEYS,
     FSDP_CONFIG_KEYS,
+    MAPPING_SECTIONS,
     MIXED_PRECISION_DTYPE_KEYS,
     MIXED_PRECISION_MODES,
     MPT_DEFAULTS,
@@ -323,6 +324,15 @@ def unknown_top_level_keys(config: Mapping[str, Any], ctx: LintContext) -> Itera
                           f"LLM-Foundry 0.22 refuses unknown top-level key `{key}`"
                           + did_you_mean(key, TRAIN_CONFIG_KEYS),
                           "fix the spelling, or move the value under `variables:`")
+
+
+def sections_not_mappings(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
+    for key in sorted(MAPPING_SECTIONS & {str(k) for k in config}):
+        value = config[key]
+        if value is not None and not isinstance(value, Mapping):
+            yield Finding("FP8022", "error", key,
+                          f"`{key}` must be a mapping, got {type(value).__name__} {value!r:.60}",
+                          f"write {key} as a mapping (`name: value` lines)")
 
 
 def unknown_fsdp_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
@@ -688,6 +698,13 @@ RULES = [
          "Checked against the annotations of the classes' __init__ signatures.",
          "foundry_fp8/composer/*.py __init__ signatures",
          "give a value of the annotated type", entry_option_types),
+    Rule("FP8022", "error", "a section that must be a mapping is not one (e.g. `callbacks:` "
+         "written as a list)",
+         "TrainConfig annotates these fields `dict[str, Any]`; LLM-Foundry iterates "
+         "`callbacks`, `algorithms` and `loggers` as name -> options and crashes on a list.",
+         f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig; "
+         "llmfoundry/command_utils/train.py (callbacks, algorithms, loggers)",
+         "write the section as a mapping", sections_not_mappings),
     Rule("FP8021", "error", "te_swap's `te` backend (its default) without amp_fp8",
          "TE layers compute in FP8 only inside Composer's amp_fp8 autocast; te_swap refuses the "
          "run at INIT when nothing would run in FP8.",
