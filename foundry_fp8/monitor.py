@@ -295,16 +295,11 @@ def fold_worst(table: dict[tuple[str, str], dict[str, float]], key: tuple[str, s
 
 
 def render_summary(table: Mapping[tuple[str, str], Mapping[str, float]]) -> str:
-    """Markdown table of the worst values, worst underflow first; empty when nothing logged."""
-    if not table:
-        return ""
-    names = [column for column, _, _ in SUMMARY_COLUMNS]
-    lines = ["| layer | tensor | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
-    for (layer, tensor), row in sorted(table.items(),
-                                       key=lambda kv: (-kv[1].get("underflow_pct", 0), kv[0])):
-        values = " | ".join(f"{row.get(name, float('nan')):.4g}" for name in names)
-        lines.append(f"| {layer} | {tensor} | {values} |")
-    return "\n".join(lines) + "\n"
+    """Markdown table of the worst values, worst underflow first (the report's table, which
+    `foundry-fp8 report` prints too); empty when nothing was logged."""
+    from foundry_fp8.report import render
+
+    return render(dict(table)) if table else ""
 
 
 def _distributed() -> bool:

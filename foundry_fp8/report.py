@@ -518,7 +518,7 @@ def render(table: dict[tuple[str, str], dict[str, float]]) -> str:
     extra = known_first({s: None for row in table.values() for s in row if s not in WORST}, SPECS)
     extra = [s for s in extra if not (spec(s).quiet_when_zero
                                       and all(row.get(s, 0) == 0 for row in table.values()))]
-    columns = [*WORST, *extra]
+    columns = [*(k for k in WORST if any(k in row for row in table.values())), *extra]
     lines = ["| layer | tensor | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     for (layer, tensor), row in sorted(table.items(), key=lambda kv: -kv[1].get("underflow_pct", 0)):
         values = " | ".join(f"{row.get(k, NAN):.4g}" for k in columns)
