@@ -133,9 +133,9 @@ class FP8State(Callback):
 
     With `strict`, a checkpoint whose FP8 modules do not match the model's, and the #1190
     symptom, are errors naming the modules; otherwise warnings. Unsafe activation-checkpointing
-    setups are always refused. An error in fp8_state's own code is logged and switches the
-    watch off; it never stops the run. `watch_batches`: how many first batches the symptom is watched
-    for (0: never); it shows from the first batches on.
+    setups are always refused. An error in fp8_state's own code while training or saving is
+    logged (and switches the watch off); it never stops the run. `watch_batches`: how many
+    first batches the symptom is watched for (0: never); it shows from the first batches on.
     """
 
     def __init__(self, strict: bool = True, watch_batches: int = 8):
