@@ -4,7 +4,8 @@
 (`scaling_fwd`: input, weight, output; `scaling_bwd`: grad_output, grad_input; each with
 `scale` and `amax_history`), casts its GEMM inputs through saturating FP8 round trips with the
 scale in force, and records amaxes into history slot 0. As in TE, forward scales are updated when
-the outermost `fp8_autocast` exits and backward scales when the backward pass ends.
+the outermost `fp8_autocast` exits (see `fp8_autocast` for nesting) and backward scales when the
+backward pass ends, each layer with the recipe it cast under.
 `fp8_checkpoint` recomputes activations the way TE's `distributed.checkpoint` does (same recipe
 and scales as the original forward, no amax recorded), so checkpointing does not change the
 numerics (TE issue #1190). It gives FP8 numerics on hardware without FP8 (CPU, A100); it is not
@@ -30,12 +31,18 @@ FWD_INPUT, FWD_WEIGHT, FWD_OUTPUT = 0, 1, 2
 BWD_GRAD_OUTPUT, BWD_GRAD_INPUT = 0, 1
 
 
+Direction = Literal["forward", "backward"]
+
+
 @dataclass
 class _AutocastState:
-    depth: int = 0
+    depth: int = 0  # open fp8_autocast regions, enabled or not (TE's autocast_depth)
+    enabled: bool = False
     recipe: FP8Recipe | None = None
-    forward_modules: list[EmulatedFP8Linear] = field(default_factory=list)
-    backward_modules: list[EmulatedFP8Linear] = field(default_factory=list)
+    # Layers whose amaxes await a scale update, each with the recipe of its first cast since
+    # its last update, per direction.
+    pending: dict[Direction, dict[EmulatedFP8Linear, FP8Recipe]] = field(
+        default_factory=lambda: {"forward": {}, "backward": {}})
     # fp8_checkpoint: scales in force at the original forward, stashed per module, in call order;
     # `replay` is set while the recompute consumes them.
     stash: dict[EmulatedFP8Linear, deque[torch.Tensor]] | None = None
@@ -46,33 +53,47 @@ _STATE = _AutocastState()
 
 
 def is_fp8_enabled() -> bool:
-    return _STATE.depth > 0
+    return _STATE.enabled
 
 
 def active_recipe() -> FP8Recipe | None:
-    """The recipe emulated layers cast with right now; None outside `fp8_autocast`."""
+    """The recipe emulated layers cast with right now; None where FP8 is off."""
     return _STATE.recipe if is_fp8_enabled() else None
 
 
 @contextmanager
 def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None) -> Iterator[None]:
-    """Run `EmulatedFP8Linear` layers in FP8; the outermost exit updates forward scales."""
-    if not enabled:
-        yield
-        return
-    outer = _STATE.depth == 0
-    previous = _STATE.recipe
-    _STATE.recipe = recipe or previous or FP8Recipe()
+    """Run `EmulatedFP8Linear` layers in FP8 (`enabled`) or in high precision, as TE's autocast.
+
+    From TE 2.20.2's `pytorch/quantization.py`: entering saves the state and sets FP8 on or off
+    with this region's recipe, so a nested `enabled=False` region runs layers in high precision
+    and records no amax, and a nested recipe replaces the enclosing one (`recipe=None` means the
+    default recipe, not the enclosing one: `autocast_enter`, l. 740-756); exiting restores the
+    saved state (`autocast.__exit__`, l. 1058). Only an enabled autocast that leaves the last
+    open region, with grad enabled, updates forward scales (`autocast_exit`, l. 779), so a nested
+    region never does; amaxes recorded without an update (no_grad, a disabled outermost region)
+    wait for the next one. Each layer is updated with the recipe it cast under, as TE keys its
+    amax buffers by recipe (l. 550, 675). One difference: TE registers a layer once and then
+    updates it at every such exit, run or not (a zero amax enters its history); here only layers
+    that cast since their last update are updated.
+    """
+    saved = _STATE.enabled, _STATE.recipe
+    _STATE.enabled, _STATE.recipe = enabled, recipe or FP8Recipe()
     _STATE.depth += 1
     try:
         yield
     finally:
+        _STATE.enabled, _STATE.recipe = saved
         _STATE.depth -= 1
-        if outer:
-            modules, _STATE.forward_modules = _STATE.forward_modules, []
-            for module in dict.fromkeys(modules):  # each module once, in call order
-                module._update_scales("scaling_fwd", _STATE.recipe, "forward")
-        _STATE.recipe = previous
+        if enabled and _STATE.depth == 0 and torch.is_grad_enabled():
+            _update_pending("forward")
+
+
+def _update_pending(direction: Direction) -> None:
+    """One scale update for every layer with amaxes pending in `direction`, in call order."""
+    pending, _STATE.pending[direction] = _STATE.pending[direction], {}
+    for module, recipe in pending.items():
+        module._update_scales(recipe, direction)
 
 
 @contextmanager
@@ -88,12 +109,12 @@ def _stashing(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]]) -> Iterator[
 def _replaying(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]],
                recipe: FP8Recipe) -> Iterator[None]:
     """FP8 on with the original recipe and stashed scales; no amax recorded, no scale update."""
-    saved = _STATE.depth, _STATE.recipe, _STATE.replay
-    _STATE.depth, _STATE.recipe, _STATE.replay = saved[0] + 1, recipe, scales
+    saved = _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay
+    _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay = saved[0] + 1, True, recipe, scales
     try:
         yield
     finally:
-        _STATE.depth, _STATE.recipe, _STATE.replay = saved
+        _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay = saved
 
 
 def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -165,14 +186,8 @@ def _queue_backward_update(module: EmulatedFP8Linear, recipe: FP8Recipe) -> None
     to do): autograd drops the callbacks of a backward that raises, so a single callback queued
     by the first module would leave the list non-empty and no later backward would queue one.
     """
-    _STATE.backward_modules.append(module)
-
-    def update() -> None:
-        modules, _STATE.backward_modules = _STATE.backward_modules, []
-        for mod in dict.fromkeys(modules):
-            mod._update_scales("scaling_bwd", recipe, "backward")
-
-    torch.autograd.Variable._execution_engine.queue_callback(update)
+    _STATE.pending["backward"].setdefault(module, recipe)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _update_pending("backward"))
 
 
 class EmulatedFP8Linear(nn.Linear):
@@ -234,12 +249,11 @@ class EmulatedFP8Linear(nn.Linear):
             _STATE.stash.setdefault(self, deque()).append(meta.scale[:n].clone())
         return meta.scale[:n]
 
-    def _update_scales(self, which: str, recipe: FP8Recipe,
-                       direction: Literal["forward", "backward"]) -> None:
+    def _update_scales(self, recipe: FP8Recipe, direction: Direction) -> None:
         fmt = recipe.format_for(direction)
         if recipe.scaling != "delayed":
             return
-        meta = self.fp8_meta[which]
+        meta = self.fp8_meta["scaling_fwd" if direction == "forward" else "scaling_bwd"]
         meta.amax_history, meta.scale = delayed_scale_update(
             meta.amax_history, meta.scale, FP8_MAX[fmt], recipe.amax_compute_algo, recipe.margin)
 
@@ -248,5 +262,5 @@ class EmulatedFP8Linear(nn.Linear):
             return super().forward(x)
         recipe = _STATE.recipe
         if _STATE.replay is None:
-            _STATE.forward_modules.append(self)
+            _STATE.pending["forward"].setdefault(self, recipe)
         return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe)

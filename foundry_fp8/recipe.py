@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from enum import Enum
 from typing import Any, Literal
 
 Scaling = Literal["delayed", "current"]
@@ -27,6 +28,14 @@ REMOVED_TE_KEYS: dict[str, str] = {
         "remove it: TE 2.x dropped `override_linear_precision`; keep a layer out of FP8 "
         "with te_swap's `keep_first_blocks`/`exclude` instead"
     ),
+}
+
+#: TE's `DelayedScaling` fields with their defaults (TE 2.20.2,
+#: transformer_engine/common/recipe/__init__.py:253-260, less the environment-set
+#: `backward_override`): what a Composer `precision_config` means by a key it leaves out.
+TE_DELAYED_DEFAULTS: dict[str, Any] = {
+    "margin": 0, "fp8_format": "HYBRID", "amax_history_len": 1024, "amax_compute_algo": "max",
+    "scaling_factor_compute_algo": None, "reduce_amax": True, "fp8_dpa": False, "fp8_mha": False,
 }
 
 _DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
@@ -69,6 +78,7 @@ class FP8Recipe:
     use_power_2_scales: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", fp8_format_name(self.fp8_format))
         problems = recipe_problems(self.as_config())
         if problems:
             raise RecipeError(problems[0])
@@ -80,8 +90,6 @@ class FP8Recipe:
         problems = recipe_problems(options)
         if problems:
             raise RecipeError(problems[0])
-        if "fp8_format" in options:
-            options["fp8_format"] = str(options["fp8_format"]).upper()
         return cls(**options)
 
     def format_for(self, direction: Literal["forward", "backward"]) -> Literal["e4m3", "e5m2"]:
@@ -97,6 +105,29 @@ class FP8Recipe:
 
 
 _KNOWN_KEYS = frozenset(f.name for f in fields(FP8Recipe))
+
+
+def fp8_format_name(value: Any) -> str:
+    """An FP8 format's name however it is written: TE's `Format.HYBRID` (an Enum member),
+    "HYBRID", "hybrid" or "Format.HYBRID" are all "HYBRID"."""
+    if isinstance(value, Enum):
+        return value.name
+    return str(value).upper().removeprefix("FORMAT.")
+
+
+def is_same_delayed_recipe(precision_config: Mapping[str, Any], recipe: FP8Recipe) -> bool:
+    """Whether `DelayedScaling(**precision_config)` (how Composer reads it) means `recipe`.
+
+    Compared on meaning, not spelling: keys left out take TE's defaults (`TE_DELAYED_DEFAULTS`)
+    and `fp8_format` is compared by name. A key DelayedScaling lacks never matches, nor does a
+    value `recipe` cannot hold (`fp8_dpa: true`, a callable `amax_compute_algo`).
+    """
+    if recipe.scaling != "delayed":
+        return False
+    given = {**TE_DELAYED_DEFAULTS, **precision_config}
+    given["fp8_format"] = fp8_format_name(given["fp8_format"])
+    ours = {k: v for k, v in recipe.as_config().items() if k in TE_DELAYED_DEFAULTS}
+    return given == {**TE_DELAYED_DEFAULTS, **ours}
 
 
 def _is_int(value: Any) -> bool:
@@ -124,7 +155,7 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
             "scaling", f"unknown scaling {scaling!r}",
             "use 'delayed' (TE DelayedScaling) or 'current' (TE Float8CurrentScaling, TE >= 2.2)"))
 
-    fmt = str(options.get("fp8_format", "HYBRID")).upper().removeprefix("FORMAT.")
+    fmt = fp8_format_name(options.get("fp8_format", "HYBRID"))
     if fmt == "E5M2":
         problems.append(RecipeProblem(
             "fp8_format", "pure E5M2 training is not supported by TransformerEngine",

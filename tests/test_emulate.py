@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import pytest
 import torch
 from torch import nn
 
-from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.emulate import EmulatedFP8Linear, active_recipe, fp8_autocast, is_fp8_enabled
 from foundry_fp8.numerics import FP8_MAX, delayed_scale_update, quantize_dequantize
 from foundry_fp8.recipe import FP8Recipe
 
@@ -179,3 +182,110 @@ def test_backward_scales_update_after_a_backward_that_failed():
     # the history slot holds max(1, 2) = 2 for `last`; `first` saw only this pass
     assert last.fp8_meta["scaling_bwd"].scale[0].item() == FP8_MAX["e5m2"] / 2.0
     assert first.fp8_meta["scaling_bwd"].scale[0].item() > 1.0
+
+
+# -- nesting, as TE 2.20.2's autocast (pytorch/quantization.py, autocast_enter/autocast_exit) --
+
+def _amaxes(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.stack([t.detach().abs().max() for t in tensors])
+
+
+def test_disabled_region_inside_an_enabled_one_runs_in_high_precision():
+    """Inside a nested `enabled=False` region the layer is a plain nn.Linear and records no
+    amax; after it the outer recipe casts again, and the one forward update at the outermost
+    exit is the update of a run without the nested region."""
+    torch.manual_seed(0)
+    recipe = FP8Recipe(amax_history_len=4)
+    linear = nn.Linear(16, 8)
+    layer, twin = EmulatedFP8Linear.from_linear(linear), EmulatedFP8Linear.from_linear(linear)
+    x0, x1, x2 = torch.randn(4, 16), torch.randn(4, 16) * 3, torch.randn(4, 16) * 1000
+    for module in (layer, twin):  # one step first, so the scales in force are not 1
+        with fp8_autocast(recipe=recipe):
+            module(x0)
+    meta = layer.fp8_meta["scaling_fwd"]
+    history, scale = meta.amax_history.clone(), meta.scale.clone()
+    assert scale[0] == FP8_MAX["e4m3"] / x0.abs().max()
+    with fp8_autocast(recipe=recipe):
+        with fp8_autocast(enabled=False):
+            assert not is_fp8_enabled() and active_recipe() is None
+            inside = layer(x2)
+            assert torch.equal(inside, linear(x2))
+            assert torch.equal(meta.amax_history, history)
+        assert is_fp8_enabled() and active_recipe() is recipe
+        out = layer(x1)
+        assert torch.equal(meta.scale, scale)  # the nested exit updated nothing
+    assert not is_fp8_enabled()
+    want = nn.functional.linear(quantize_dequantize(x1, scale[0], "e4m3"),
+                                quantize_dequantize(linear.weight.detach(), scale[1], "e4m3"),
+                                linear.bias)
+    assert torch.equal(out, want)
+    history[0, :2] = _amaxes(x1, linear.weight)
+    want_history, want_scale = delayed_scale_update(history, scale, FP8_MAX["e4m3"])
+    assert torch.equal(meta.amax_history, want_history) and torch.equal(meta.scale, want_scale)
+    with fp8_autocast(recipe=recipe):
+        twin(x1)
+    assert torch.equal(twin.fp8_meta["scaling_fwd"].amax_history, want_history)
+    assert torch.equal(twin.fp8_meta["scaling_fwd"].scale, want_scale)
+    backward = layer.fp8_meta["scaling_bwd"].amax_history.clone()
+    inside.sum().backward()  # the high-precision forward's backward records nothing either
+    assert torch.equal(layer.fp8_meta["scaling_bwd"].amax_history, backward)
+
+
+@pytest.mark.parametrize("around", [lambda: fp8_autocast(enabled=False), torch.no_grad],
+                         ids=["disabled-outermost", "no_grad"])
+def test_amaxes_cast_without_an_update_wait_for_the_next_one(
+        around: Callable[[], AbstractContextManager]):
+    """TE updates forward scales only when an enabled autocast leaves the last open region with
+    grad enabled; until then the amax stays in history slot 0, maxed with the next ones."""
+    torch.manual_seed(0)
+    recipe = FP8Recipe(amax_history_len=4)
+    layer = EmulatedFP8Linear(16, 8)
+    x1, x2 = torch.randn(4, 16) * 5, torch.randn(4, 16) * 0.5
+    with around():
+        with fp8_autocast(recipe=recipe):
+            layer(x1)
+    meta = layer.fp8_meta["scaling_fwd"]
+    assert torch.equal(meta.scale, torch.ones(3))
+    assert meta.amax_history[0, 0] == x1.abs().max()
+    with fp8_autocast(recipe=recipe):
+        layer(x2)
+    history = torch.zeros(4, 3)
+    history[0, :2] = torch.stack([max(x1.abs().max(), x2.abs().max()),
+                                  layer.weight.detach().abs().max()])
+    want_history, want_scale = delayed_scale_update(history, torch.ones(3), FP8_MAX["e4m3"])
+    assert torch.equal(meta.amax_history, want_history) and torch.equal(meta.scale, want_scale)
+
+
+def test_nested_recipe_casts_inside_and_updates_its_layers_at_the_outermost_exit():
+    """A nested recipe replaces the enclosing one (None: the default recipe, as TE's default);
+    its layers are updated with it, forward and backward, and only at the outermost exit."""
+    torch.manual_seed(0)
+    outer = FP8Recipe(amax_history_len=4)  # HYBRID, max, margin 0
+    inner = FP8Recipe(fp8_format="E4M3", amax_history_len=2, amax_compute_algo="most_recent",
+                      margin=1)
+    a, b = EmulatedFP8Linear(16, 16, bias=False), EmulatedFP8Linear(16, 8, bias=False)
+    x = torch.randn(4, 16) * 3
+    with fp8_autocast(recipe=outer):
+        h = a(x)
+        h.retain_grad()
+        with fp8_autocast(recipe=inner):
+            assert active_recipe() is inner
+            out = b(h)
+            with fp8_autocast():
+                assert active_recipe() == FP8Recipe()
+        assert active_recipe() is outer
+        assert torch.equal(b.fp8_meta["scaling_fwd"].scale, torch.ones(3))
+    grad = torch.randn_like(out) * 7
+    out.backward(grad)
+    cases = [(a, "scaling_fwd", 4, 3, _amaxes(x, a.weight), 448.0, "max", 0),
+             (b, "scaling_fwd", 2, 3, _amaxes(h, b.weight), 448.0, "most_recent", 1),
+             (a, "scaling_bwd", 4, 2, _amaxes(h.grad), 57344.0, "max", 0),
+             (b, "scaling_bwd", 2, 2, _amaxes(grad), 448.0, "most_recent", 1)]
+    for layer, which, length, n, amaxes, fp8_max, algo, margin in cases:
+        history = torch.zeros(length, n)
+        history[0, :len(amaxes)] = amaxes
+        want_history, want_scale = delayed_scale_update(history, torch.ones(n), fp8_max, algo,
+                                                        margin)
+        meta = layer.fp8_meta[which]
+        assert torch.equal(meta.amax_history, want_history), (which, length)
+        assert torch.equal(meta.scale, want_scale), (which, length)

@@ -350,6 +350,9 @@ def test_upstream_pretrain_yamls_lint_without_errors():
     ("a: 1\na: 2\n", ":"),
     ("--- a\n--- b\n", ":"),
     ("- just\n- a list\n", ":1"),
+    ("just a scalar\n", ":1"),
+    ("", ": a train config must be a mapping"),
+    ("# only a comment\n\n   \n", ": a train config must be a mapping"),
 ])
 def test_unreadable_files_exit_2_with_one_line(tmp_path, text, where):
     path = tmp_path / "bad.yaml"
@@ -359,6 +362,18 @@ def test_unreadable_files_exit_2_with_one_line(tmp_path, text, where):
     assert "Traceback" not in result.stderr
     errors = result.stderr.strip().splitlines()
     assert len(errors) == 1 and f"{path}{where}" in errors[0], errors
+
+
+def test_an_empty_file_in_a_folder_leaves_the_others_linted(tmp_path):
+    (tmp_path / "a-empty.yaml").write_text("# nothing yet\n")
+    broken = _write(tmp_path, {"precision": "amp_fp8"}, name="b-broken.yaml")
+    clean = _write(tmp_path, {}, name="c-clean.yaml")
+    result = _lint(str(tmp_path), "--format", "json")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    entries = {Path(e["path"]).name: e for e in json.loads(result.stdout)["files"]}
+    assert entries["a-empty.yaml"]["error"].startswith(f"{tmp_path / 'a-empty.yaml'}: ")
+    assert entries[broken.name]["error"] is None and "FP8001" in _rules(entries[broken.name])
+    assert entries[clean.name] == {"path": str(clean), "error": None, "findings": []}
 
 
 def test_missing_and_binary_files_exit_2(tmp_path):

@@ -236,6 +236,11 @@ class _DelayedScaling:
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
+    def __post_init__(self) -> None:  # TE's is a pydantic dataclass: it refuses a string format
+        if not isinstance(self.fp8_format, _Format):
+            raise ValueError(f"fp8_format: input should be a Format member, got "
+                             f"{self.fp8_format!r}")
+
 
 @dataclass
 class _CurrentScaling220:
@@ -410,3 +415,70 @@ def test_delayed_recipe_becomes_composers_precision_config(fake_te):
     _set_precision_config(state, recipe)  # the same again: fine
     with pytest.raises(ValueError, match="give the recipe in one place only"):
         _set_precision_config(state, FP8Recipe(amax_history_len=8))
+
+
+_RECIPE_7 = FP8Recipe(amax_history_len=7, amax_compute_algo="most_recent", margin=1)
+
+
+def _state_with(precision_config: dict[str, Any]) -> Any:
+    from composer.core import Precision
+    from composer.core import State as ComposerState
+    from composer.devices import DeviceCPU
+
+    return ComposerState(model=torch.nn.Linear(2, 2), rank_zero_seed=0, run_name="x",
+                         device=DeviceCPU(), precision=Precision.FP32,
+                         precision_config=precision_config)
+
+
+@pytest.mark.parametrize(("given", "recipe"), [
+    ({"fp8_format": "HYBRID", "amax_history_len": 7, "amax_compute_algo": "most_recent",
+      "margin": 1}, _RECIPE_7),
+    ({"fp8_format": "hybrid", "amax_history_len": 7, "amax_compute_algo": "most_recent",
+      "margin": 1, "reduce_amax": True, "fp8_dpa": False}, _RECIPE_7),
+    ({"fp8_format": _Format.HYBRID, "amax_history_len": 7, "amax_compute_algo": "most_recent",
+      "margin": 1}, _RECIPE_7),
+    # Composer's own default (composer/core/precision.py); TE's defaults fill margin, reduce_amax
+    ({"fp8_format": _Format.HYBRID, "amax_history_len": 16, "amax_compute_algo": "max"},
+     FP8Recipe()),
+    ({"fp8_format": "E4M3", "amax_history_len": 1024}, FP8Recipe(fp8_format="E4M3",
+                                                                  amax_history_len=1024)),
+], ids=["string", "lower-case-with-defaults", "enum", "composer-default", "te-default-history"])
+def test_a_trainer_precision_config_meaning_our_recipe_is_accepted(fake_te, given, recipe):
+    """Compared on meaning: a string format is the Format member of that name, and a key left
+    out is TE's default. What Composer will hand TE is ours, with the Format member."""
+    from foundry_fp8.composer.te_swap import _set_precision_config
+
+    fake_te()
+    state = _state_with(given)
+    _set_precision_config(state, recipe)
+    built = _DelayedScaling(**state.precision_config)
+    assert (built.fp8_format.name, built.amax_history_len, built.amax_compute_algo, built.margin,
+            built.reduce_amax) == (recipe.fp8_format, recipe.amax_history_len,
+                                   recipe.amax_compute_algo, recipe.margin, recipe.reduce_amax)
+
+
+@pytest.mark.parametrize("given", [
+    {"fp8_format": "E4M3", "amax_history_len": 7, "amax_compute_algo": "most_recent",
+     "margin": 1},
+    {"fp8_format": "HYBRID", "amax_compute_algo": "most_recent", "margin": 1},  # TE's 1024
+    {"fp8_format": "HYBRID", "amax_history_len": 7, "amax_compute_algo": "most_recent",
+     "margin": 1, "fp8_dpa": True},
+    {"fp8_format": "HYBRID", "amax_history_len": 7, "amax_compute_algo": "most_recent",
+     "margin": 1, "interval": 1},
+], ids=["format", "history-left-out", "fp8_dpa", "key-te-removed"])
+def test_a_trainer_precision_config_meaning_another_recipe_is_refused(fake_te, given):
+    from foundry_fp8.composer.te_swap import _set_precision_config
+
+    fake_te()
+    state = _state_with(given)
+    with pytest.raises(ValueError, match=r"^te_swap\.fp8_recipe: the Trainer already has "
+                                         r"precision_config .*give the recipe in one place only$"):
+        _set_precision_config(state, _RECIPE_7)
+    assert state.precision_config == given  # left as given
+
+
+@pytest.mark.parametrize("spelling", ["HYBRID", "hybrid", "Format.HYBRID", _Format.HYBRID])
+def test_fp8_format_spellings_are_one_format(spelling):
+    recipe = FP8Recipe.from_options({"fp8_format": spelling})
+    assert recipe == FP8Recipe() and recipe.format_for("backward") == "e5m2"
+    assert FP8Recipe(fp8_format=spelling) == FP8Recipe()

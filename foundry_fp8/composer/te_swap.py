@@ -31,7 +31,7 @@ from composer.loggers import Logger
 from torch import nn
 
 from foundry_fp8.fp8_meta import is_fp8_module
-from foundry_fp8.recipe import FP8Recipe, RecipeError, environment_problems
+from foundry_fp8.recipe import FP8Recipe, RecipeError, environment_problems, is_same_delayed_recipe
 from foundry_fp8.swap import (
     SwapConfig,
     SwapPlan,
@@ -183,13 +183,16 @@ def _set_precision_config(state: State, recipe: FP8Recipe) -> None:
     every batch (trainer.py, `get_precision_context(state.precision, state.precision_config)`).
     Setting the backing attribute at INIT, before the first batch, is the one place the
     recipe can enter without patching the Trainer; a different precision_config already given to
-    the Trainer is refused rather than overridden, so only one recipe is ever in force.
+    the Trainer is refused rather than overridden, so only one recipe is ever in force. One that
+    means the same recipe (`is_same_delayed_recipe`: keys left at TE's defaults, `fp8_format`
+    as the string "HYBRID") is replaced by ours, written with TE's `Format` member: Composer
+    passes precision_config to TE unchanged, and TE 2.20.2's DelayedScaling, a pydantic
+    dataclass, refuses a string `fp8_format`.
     """
     from foundry_fp8 import te_backend
 
-    wanted = te_backend.delayed_scaling_kwargs(recipe)
     current = state.precision_config
-    if current is not None and dict(current) != wanted:
+    if current is not None and not is_same_delayed_recipe(current, recipe):
         raise ValueError(f"te_swap.fp8_recipe: the Trainer already has precision_config "
                          f"{dict(current)}; give the recipe in one place only")
-    state._precision_config = wanted
+    state._precision_config = te_backend.delayed_scaling_kwargs(recipe)

@@ -85,7 +85,10 @@ def load_config(path: Path) -> LoadedConfig:
         raise LintInputError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
     try:
         root = yaml.compose(text, Loader=_Loader)
-        if root is not None and not isinstance(root, yaml.MappingNode):
+        if root is None:  # LLM-Foundry's train_from_yaml cannot train from it either
+            raise LintInputError(f"{path}: a train config must be a mapping; the file has no "
+                                 "YAML content (empty, or only comments)")
+        if not isinstance(root, yaml.MappingNode):
             raise LintInputError(f"{path}:{root.start_mark.line + 1}: a train config must be a "
                                  "mapping")
         positions, env_values = key_positions(root)
@@ -108,8 +111,6 @@ def load_config(path: Path) -> LoadedConfig:
         line = positions.get(key, ("?",))[0]
         raise LintInputError(f"{path}:{line}: cannot resolve key {key}: "
                              f"{str(e).splitlines()[0]}") from None
-    if not isinstance(config, dict):
-        raise LintInputError(f"{path}:1: a train config must be a mapping")
     return LoadedConfig(config, positions, tuple(env_keys))
 
 
