@@ -1,4 +1,5 @@
-"""MPT-1B FP8 vs BF16 training throughput on one GPU; the same as `foundry-fp8 bench`.
+"""MPT-1B FP8 vs BF16 training throughput on one GPU; the same as `foundry-fp8 bench`, run on
+this checkout's foundry_fp8 (whatever is installed), its yamls/ and benchmarks/results/.
 
     python benchmarks/mpt_throughput.py                       # all variants, results/mpt-1b-<gpu>.*
     python benchmarks/mpt_throughput.py --variants bf16,fp8-te-swap --seq-len 2048 --steps 30
@@ -9,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from foundry_fp8 import bench
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from foundry_fp8 import bench  # noqa: E402  (this checkout's package, found through sys.path)
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

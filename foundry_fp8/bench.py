@@ -6,6 +6,10 @@ repeated through each sequence), so the loss after the timed steps can be compar
 variants. Timing: warm-up steps, then timed steps between CUDA events (perf_counter on CPU),
 then a few profiled steps that give attention's share of op time. `--tiny` runs the same path
 on CPU with a tiny MPT in fp32, te_swap on its `emulate` backend.
+
+The YAMLs are the repository's, not the package's: from a checkout (an editable install, or
+`python -m foundry_fp8.cli` in its root) the bench finds them and writes to its
+`benchmarks/results/`; an installed package needs `--yamls DIR` and writes to the current directory.
 """
 
 from __future__ import annotations
@@ -19,14 +23,29 @@ import platform
 import re
 import subprocess
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-YAMLS = REPO / "yamls"
-RESULTS = REPO / "benchmarks" / "results"
+
+def _checkout() -> Path | None:
+    """The foundry-fp8 repository this package was imported from; None for an installed package."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "yamls" / "mpt-1b-bf16.yaml").is_file() else None
+
+
+CHECKOUT = _checkout()
+
+
+def default_yamls() -> Path | None:
+    return CHECKOUT / "yamls" if CHECKOUT else None
+
+
+def default_out() -> Path:
+    return CHECKOUT / "benchmarks" / "results" if CHECKOUT else Path.cwd()
+
 
 # H100 SXM dense peaks, the numbers Composer's speed_monitor uses (1.979e15 / 2, 3.958e15 / 2).
 PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
@@ -81,6 +100,7 @@ class BenchConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     seed: int = 17
+    yamls: Path | None = field(default_factory=default_yamls)  # holds mpt-1b-{bf16,fp8}.yaml
 
 
 def synthetic_batches(n_batches: int, batch: int, seq_len: int, vocab: int, seed: int,
@@ -100,11 +120,20 @@ def synthetic_batches(n_batches: int, batch: int, seq_len: int, vocab: int, seed
     return out
 
 
+def yaml_path(variant: Variant, config: BenchConfig) -> Path:
+    if config.yamls is None:
+        raise ValueError(
+            "the MPT-1B YAMLs (mpt-1b-bf16.yaml, mpt-1b-fp8.yaml) are in the foundry-fp8 "
+            "repository's yamls/, and this foundry_fp8 is installed, not a checkout: "
+            "pass --yamls DIR (a checkout's yamls/)")
+    return config.yamls / f"mpt-1b-{variant.yaml}.yaml"
+
+
 def load_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
     """The variant's train config from our YAML, resolved, with the bench's overrides."""
     from omegaconf import OmegaConf as om
 
-    cfg = om.to_container(om.load(YAMLS / f"mpt-1b-{variant.yaml}.yaml"), resolve=True)
+    cfg = om.to_container(om.load(yaml_path(variant, config)), resolve=True)
     model = cfg["model"]
     model.update(variant.model, max_seq_len=config.seq_len)
     algorithms = cfg.setdefault("algorithms", {}) or {}
@@ -226,6 +255,16 @@ def flops_per_token(model, seq_len: int) -> float:
     return model.flops_per_batch(batch) / seq_len
 
 
+def _release_memory(tiny: bool) -> None:
+    """Free the last variant's model and optimizer (also after it raised: its frames are gone
+    once the exception is handled) before the next one measures its peak memory."""
+    gc.collect()
+    if not tiny:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def run_variant(variant: Variant, config: BenchConfig, bar) -> dict[str, Any]:
     """Train one variant; return its measured row (without ratio_to_bf16)."""
     import torch
@@ -264,21 +303,23 @@ def run_variant(variant: Variant, config: BenchConfig, bar) -> dict[str, Any]:
     batches = synthetic_batches(n_batches, config.batch, config.seq_len,
                                 model_cfg["vocab_size"], config.seed)
     micro = config.batch if config.micro_batch == "auto" and not cuda else config.micro_batch
-    trainer = Trainer(
-        model=model, train_dataloader=batches, max_duration=f"{n_batches}ba",
-        optimizers=optimizer, algorithms=algorithms, callbacks=callbacks, loggers=[],
-        precision=cfg["precision"], device="gpu" if cuda else "cpu",
-        device_train_microbatch_size=micro,
-        parallelism_config={"fsdp": fsdp} if fsdp else None,
-        compile_config={} if config.compile else None,
-        progress_bar=False, log_to_console=False, seed=config.seed)
+    trainer = None
     try:
+        trainer = Trainer(
+            model=model, train_dataloader=batches, max_duration=f"{n_batches}ba",
+            optimizers=optimizer, algorithms=algorithms, callbacks=callbacks, loggers=[],
+            precision=cfg["precision"], device="gpu" if cuda else "cpu",
+            device_train_microbatch_size=micro,
+            parallelism_config={"fsdp": fsdp} if fsdp else None,
+            compile_config={} if config.compile else None,
+            progress_bar=False, log_to_console=False, seed=config.seed)
         trainer.fit()
         seconds = timer.seconds()
         micro_used = trainer.state.device_train_microbatch_size
         peak_gb = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) / 2**30
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         # Composer registers every Engine's close with atexit, holding its State (model and
         # optimizer) until the process exits: with six 1B variants that would fill the GPU.
         # All trainers this bench made are closed by now, so their exit hooks have nothing to do.
@@ -287,10 +328,6 @@ def run_variant(variant: Variant, config: BenchConfig, bar) -> dict[str, Any]:
     precision = "fp8" if variant.yaml == "fp8" else "bf16"
     mfu = fpt * tokens_per_s / PEAK_FLOPS[precision]
     losses = [float(x) for x in timer.losses]
-    del trainer, model, optimizer
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return {
         "name": variant.name, "precision": cfg["precision"], "tokens_per_s": tokens_per_s,
         "mfu": mfu,
@@ -350,24 +387,29 @@ def environment(tiny: bool) -> dict[str, Any]:
 
 
 def run_bench(config: BenchConfig) -> dict[str, Any]:
-    """All chosen variants, in order, in this process. Variants that cannot run here or that
-    fail are listed under `skipped` with the reason; no number is ever filled in for them."""
+    """All chosen variants, in order, in this process. Variants that cannot run here are listed
+    under `skipped` with the reason, variants that raised under `failed` with the error (and its
+    traceback); no number is ever filled in for either."""
     from tqdm import tqdm
 
     per_variant = config.warmup + config.steps + config.profile_steps
-    rows, skipped = [], []
+    rows, skipped, failed = [], [], []
     with tqdm(total=per_variant * len(config.variants), unit="step", desc="bench") as bar:
         for i, name in enumerate(config.variants):
             variant = VARIANTS[name]
             bar.set_postfix_str(name)
             reason = skip_reason(variant, config)
-            if reason is None:
+            if reason is not None:
+                skipped.append({"name": name, "reason": reason})
+            else:
                 try:
                     rows.append(run_variant(variant, config, bar))
-                    continue
                 except Exception as err:  # a broken variant must not lose the others' numbers
-                    reason = f"failed: {type(err).__name__}: {err}".splitlines()[0][:300]
-            skipped.append({"name": name, "reason": reason})
+                    failed.append({"name": name,
+                                   "reason": f"{type(err).__name__}: {err}".splitlines()[0][:300],
+                                   "traceback": traceback.format_exc()})
+                finally:
+                    _release_memory(config.tiny)
             bar.update((i + 1) * per_variant - bar.n)
     base = next((r["tokens_per_s"] for r in rows if r["name"] == "bf16"), None)
     for row in rows:
@@ -375,6 +417,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     env = environment(config.tiny)
     return {"gpu": env["gpu"], "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "versions": env["versions"], "variants": rows, "skipped": skipped,
+            "failed": failed,
             "setup": {"model": "tiny MPT (CPU, fp32)" if config.tiny else "MPT-1B",
                       "seq_len": config.seq_len, "batch": config.batch,
                       "micro_batch": config.micro_batch, "warmup": config.warmup,
@@ -411,6 +454,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{fmt(r['attention_share'], '.1%')} | {r['micro_batch']} |")
     for r in result["skipped"]:
         lines.append(f"| {r['name']} | not run: {r['reason']} | | | | | | | | |")
+    for r in result["failed"]:
+        lines.append(f"| {r['name']} | FAILED: {r['reason']} | | | | | | | | |")
     if s["tiny"]:
         lines += ["", "Tiny CPU run: exercises the code path only. Speeds, MFU (against H100 "
                   "peaks) and memory (process peak RSS) say nothing about H100 performance."]
@@ -467,7 +512,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps; default 30 (tiny: 6)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"default {RESULTS}")
+    parser.add_argument("--yamls", type=Path, default=None, metavar="DIR",
+                        help="folder holding mpt-1b-bf16.yaml and mpt-1b-fp8.yaml; default the "
+                        f"checkout's yamls/ (here: {default_yamls() or 'none, not a checkout'})")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="results folder; default the checkout's benchmarks/results/, else "
+                        f"the current directory (here: {default_out()})")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -482,11 +532,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     def pick(value, default, tiny_default):
         return value if value is not None else (tiny_default if tiny else default)
 
-    return BenchConfig(variants=args.variants, tiny=tiny, seq_len=pick(args.seq_len, 2048, 64),
-                       batch=pick(args.batch, 32, 4), micro_batch=args.micro_batch,
-                       warmup=pick(args.warmup, 10, 2), steps=pick(args.steps, 30, 6),
-                       activation_checkpointing=args.activation_checkpointing,
-                       compile=args.compile)
+    config = BenchConfig(variants=args.variants, tiny=tiny, seq_len=pick(args.seq_len, 2048, 64),
+                         batch=pick(args.batch, 32, 4), micro_batch=args.micro_batch,
+                         warmup=pick(args.warmup, 10, 2), steps=pick(args.steps, 30, 6),
+                         activation_checkpointing=args.activation_checkpointing,
+                         compile=args.compile,
+                         yamls=args.yamls if args.yamls is not None else default_yamls())
+    for path in dict.fromkeys(yaml_path(VARIANTS[name], config) for name in config.variants):
+        if not path.is_file():
+            raise ValueError(f"--yamls {config.yamls}: no {path.name} there (the bench reads "
+                             "mpt-1b-bf16.yaml and mpt-1b-fp8.yaml from the foundry-fp8 "
+                             "repository's yamls/)")
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -501,18 +558,23 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("foundry-fp8 bench: no CUDA GPU; use --tiny for the CPU path")
             return 2
+    out = args.out if args.out is not None else default_out()
     try:  # a folder that cannot be written fails now, not after the benchmark has run
-        args.out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        print(f"foundry-fp8 bench: --out {args.out}: cannot create the folder: {err.strerror}")
+        print(f"foundry-fp8 bench: --out {out}: cannot create the folder: {err.strerror}")
         return 2
     result = run_bench(config)
     try:
-        json_path, md_path = write_results(result, args.out)
+        json_path, md_path = write_results(result, out)
     except OSError as err:
         print(markdown(result))
-        print(f"foundry-fp8 bench: --out {args.out}: results not written: {err}")
+        print(f"foundry-fp8 bench: --out {out}: results not written: {err}")
         return 2
     print(markdown(result))
     print(f"wrote {json_path} and {md_path}")
-    return 0 if result["variants"] else 1
+    for r in result["failed"]:
+        print(f"foundry-fp8 bench: {r['name']} failed: {r['reason']}")
+    if not result["variants"] and not result["failed"]:
+        print("foundry-fp8 bench: no variant ran (see 'not run' above)")
+    return 1 if result["failed"] or not result["variants"] else 0

@@ -1,4 +1,4 @@
-"""`foundry-fp8` command line: lint, report.
+"""`foundry-fp8` command line; `SUBCOMMANDS` below is the one list of its subcommands.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Those modules import torch only inside `run`, so `foundry-fp8 lint` stays fast and GPU-free.
@@ -21,7 +21,9 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="foundry-fp8", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="foundry-fp8",
+        description=f"FP8 training tools for Composer and LLM-Foundry: {', '.join(SUBCOMMANDS)}.")
     parser.add_argument("--version", action="version", version=f"foundry-fp8 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():

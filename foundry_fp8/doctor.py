@@ -6,8 +6,9 @@ built for another torch can fail at import or crash the interpreter, and the doc
 that, not die of it. No probe can make the doctor fail; an unknown value is shown as such.
 
 Exit codes: 0 nothing is broken (missing GPU or TE is reported, not failed: the emulated backend
-runs anywhere); 1 an error finding (a broken TE install), or with `--strict` any finding at all,
-i.e. this machine cannot train FP8 with TE as it is (use `--strict` on GPU nodes and in their CI).
+runs anywhere); 1 an error finding (a broken TE install), or with `--strict` a warning too, i.e.
+this machine cannot train FP8 with TE as it is (use `--strict` on GPU nodes and in their CI).
+An info never fails. A non-zero exit ends the output with one line saying which findings caused it.
 """
 
 from __future__ import annotations
@@ -120,16 +121,35 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
             ("deepspeed", shown(s.deepspeed))]
 
 
+def failing(findings: list[Finding], strict: bool) -> list[Finding]:
+    """The findings that fail the doctor: errors, and with `strict` warnings; never infos."""
+    severities = ("error", "warning") if strict else ("error",)
+    return [f for f in findings if f.severity in severities]
+
+
 def exit_code(findings: list[Finding], strict: bool) -> int:
-    if strict:
-        return int(bool(findings))
-    return int(any(f.severity == "error" for f in findings))
+    return int(bool(failing(findings, strict)))
+
+
+def exit_reason(findings: list[Finding], strict: bool) -> str | None:
+    """One line on why the doctor exits non-zero; None when it exits 0."""
+    bad = failing(findings, strict)
+    if not bad:
+        return None
+    errors = sum(f.severity == "error" for f in bad)
+    warnings = len(bad) - errors
+    what = " and ".join(f"{n} {kind}{'s' * (n > 1)}"
+                        for kind, n in (("error", errors), ("warning", warnings)) if n)
+    rules = ", ".join(dict.fromkeys(f.rule for f in bad))
+    strict_note = " (with --strict, warnings fail too)" if warnings else ""
+    return f"foundry-fp8 doctor: exit 1 because of {what}: {rules}{strict_note}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--strict", action="store_true",
-                        help="exit 1 unless this machine can train FP8 with TransformerEngine")
+                        help="exit 1 on warnings too, i.e. unless this machine can train FP8 "
+                        "with TransformerEngine (infos never fail)")
     parser.add_argument("--no-te-import", action="store_true",
                         help="skip importing TransformerEngine in a subprocess (faster)")
 
@@ -137,11 +157,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     snapshot = gather_snapshot(probe_te_import=not args.no_te_import)
     findings = environment_findings(snapshot)
-    code = exit_code(findings, args.strict)
+    code, reason = exit_code(findings, args.strict), exit_reason(findings, args.strict)
     if args.format == "json":
         print(json.dumps({"environment": asdict(snapshot),
-                          "findings": [asdict(f) for f in findings], "exit_code": code},
-                         indent=2))
+                          "findings": [asdict(f) for f in findings], "exit_code": code,
+                          "exit_reason": reason}, indent=2))
         return code
     width = max(len(name) for name, _ in _rows(snapshot))
     for name, value in _rows(snapshot):
@@ -151,4 +171,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{f.severity} {f.rule} {f.key}: {f.message} (fix: {f.fix})")
     if not findings:
         print("ready for FP8 training with TransformerEngine")
+    if reason:
+        print(reason)
     return code

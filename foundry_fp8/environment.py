@@ -116,7 +116,7 @@ def uses_te(config: Mapping[str, Any]) -> bool:
 def no_gpu(env: Mapping[str, Any], _: LintContext) -> Iterator[Finding]:
     snapshot = env["snapshot"]
     if not snapshot.has_gpu:
-        yield Finding("FP8201", "info", "gpu", NO_GPU,
+        yield Finding("FP8201", "warning", "gpu", NO_GPU,
                       "train FP8 on an H100/H200 or Ada GPU; here use te_swap: {backend: emulate}")
 
 
@@ -209,7 +209,7 @@ TE_SRC = "TransformerEngine (NVIDIA/TransformerEngine main, also read at v1.0-v2
 #: Version and capability rules (ids FP82xx). Checks read `context(snapshot, config)`; FP8207 and
 #: FP8208 need the run's config and say nothing in `foundry-fp8 doctor`.
 ENVIRONMENT_RULES = [
-    Rule("FP8201", "info", "no GPU (FP8 training needs one; the emulated backend works)",
+    Rule("FP8201", "warning", "no GPU (FP8 training needs one; the emulated backend works)",
          "FP8 GEMMs run only on GPUs; te_swap's `backend: emulate` gives FP8 numerics anywhere. "
          "An error in `fp8_lint` for a run that asks for TE layers.",
          "foundry_fp8/composer/te_swap.py (_check_te_environment); foundry_fp8/emulate.py",

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +46,7 @@ def test_json_has_the_issue_shape(tiny_result):
     assert {s["name"]: s["reason"] for s in result["skipped"]} == {
         "fp8-fc-te": "needs TransformerEngine layers (no CPU emulation)",
         "fp8-te-ln-mlp": "needs TransformerEngine layers (no CPU emulation)"}
+    assert result["failed"] == []
     assert not list(out.glob("mpt-1b-*"))  # a tiny run never writes GPU result names
 
 
@@ -120,7 +126,8 @@ def test_h100_bf16_and_te_variant(tmp_path):
     result = json.loads(next(tmp_path.glob("mpt-1b-*.json")).read_text())
     assert result["versions"]["driver"] and result["versions"]["transformer_engine"]
     rows = {r["name"]: r for r in result["variants"]}
-    assert set(rows) == {"bf16", "fp8-fc-te", "fp8-te-swap"}, result["skipped"]
+    assert set(rows) == {"bf16", "fp8-fc-te", "fp8-te-swap"}, (result["skipped"],
+                                                                result["failed"])
     for row in rows.values():
         assert 0 < row["mfu"] < 1 and row["peak_mem_gb"] > 1 and math.isfinite(row["loss"])
     assert rows["fp8-fc-te"]["precision"] == rows["fp8-te-swap"]["precision"] == "amp_fp8"
@@ -162,3 +169,85 @@ def test_an_unwritable_out_folder_is_a_one_line_error_before_the_run(capsys, tmp
     out = capsys.readouterr().out
     assert out.startswith(f"foundry-fp8 bench: --out {blocker / 'out'}: cannot create")
     assert len(out.strip().splitlines()) == 1 and "Traceback" not in out
+
+
+def _fake_run_variant(variant, config, bar):
+    """A bf16 row without training; te_swap variants crash as a broken GPU kernel would."""
+    if variant.te_swap:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
+    return {"name": variant.name, "precision": "fp32", "tokens_per_s": 1000.0, "mfu": 0.1,
+            "hfu": 0.1, "mfu_peak_tflops": 989.0, "peak_mem_gb": 1.0, "loss": 1.0,
+            "loss_first_timed_step": 2.0, "attention_share": None, "micro_batch": 4,
+            "what": variant.what}
+
+
+def test_a_failed_variant_fails_the_run_after_the_others_are_written(capsys, tmp_path,
+                                                                    monkeypatch):
+    """A crash is not a skip: the results of the variants that ran are written, the failure is
+    recorded with its reason, printed in one line, and the exit is non-zero."""
+    monkeypatch.setattr(bench, "run_variant", _fake_run_variant)
+    assert main(["bench", "--tiny", "--variants", "bf16,fp8-fc-te,fp8-te-swap",
+                 "--out", str(tmp_path)]) == 1
+    result = json.loads((tmp_path / "mpt-tiny-cpu.json").read_text())
+    assert [r["name"] for r in result["variants"]] == ["bf16"]
+    assert result["skipped"] == [{"name": "fp8-fc-te",
+                                  "reason": "needs TransformerEngine layers (no CPU emulation)"}]
+    [failed] = result["failed"]
+    assert failed["name"] == "fp8-te-swap"
+    assert failed["reason"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert "Traceback" in failed["traceback"] and "_fake_run_variant" in failed["traceback"]
+    md = (tmp_path / "mpt-tiny-cpu.md").read_text()
+    assert f"| fp8-te-swap | FAILED: {failed['reason']} |" in md
+    assert "| fp8-fc-te | not run: needs TransformerEngine layers" in md
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == (
+        "foundry-fp8 bench: fp8-te-swap failed: RuntimeError: CUDA error: an illegal memory "
+        "access was encountered")
+    assert "Traceback" not in out
+
+
+def test_skipped_variants_alone_do_not_fail_the_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "run_variant", _fake_run_variant)
+    assert main(["bench", "--tiny", "--variants", "bf16,fp8-fc-te", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--tiny", "--variants", "fp8-fc-te", "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "foundry-fp8 bench: no variant ran (see 'not run' above)")
+
+
+def test_yamls_folder_without_the_yamls_is_a_one_line_error(capsys, tmp_path):
+    (tmp_path / "mpt-1b-bf16.yaml").write_text(
+        (bench.CHECKOUT / "yamls" / "mpt-1b-bf16.yaml").read_text())
+    assert main(["bench", "--tiny", "--variants", "bf16,fp8-te-swap", "--yamls", str(tmp_path),
+                 "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert out == (f"foundry-fp8 bench: --yamls {tmp_path}: no mpt-1b-fp8.yaml there (the bench "
+                   "reads mpt-1b-bf16.yaml and mpt-1b-fp8.yaml from the foundry-fp8 repository's "
+                   "yamls/)\n")
+
+
+def test_installed_package_needs_yamls_and_writes_to_the_current_directory(tmp_path):
+    """foundry_fp8 copied out of the checkout, as pip installs it: without --yamls a one-line
+    error says where the YAMLs are and how to point at them; with it, results land in the
+    current directory, not in site-packages."""
+    site, work = tmp_path / "site", tmp_path / "work"
+    shutil.copytree(Path(bench.__file__).parent, site / "foundry_fp8",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+
+    def bench_here(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "bench", *args],
+                              cwd=work, env=env, capture_output=True, text=True, timeout=600)
+
+    done = bench_here("--tiny")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == (
+        "foundry-fp8 bench: the MPT-1B YAMLs (mpt-1b-bf16.yaml, mpt-1b-fp8.yaml) are in the "
+        "foundry-fp8 repository's yamls/, and this foundry_fp8 is installed, not a checkout: "
+        "pass --yamls DIR (a checkout's yamls/)\n")
+    assert "Traceback" not in done.stderr
+    # fp8-fc-te is skipped on CPU: nothing trains, the (empty) results are still written
+    done = bench_here("--tiny", "--variants", "fp8-fc-te", "--yamls", str(bench.CHECKOUT / "yamls"))
+    assert done.returncode == 1 and "no variant ran" in done.stdout, done.stdout + done.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["mpt-tiny-cpu.json", "mpt-tiny-cpu.md"]
+    assert not (site / "benchmarks").exists()

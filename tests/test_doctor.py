@@ -9,7 +9,14 @@ import sys
 
 import pytest
 
-from foundry_fp8.doctor import config_environment_findings, exit_code, gather_snapshot
+from foundry_fp8 import doctor
+from foundry_fp8.cli import main
+from foundry_fp8.doctor import (
+    config_environment_findings,
+    exit_code,
+    exit_reason,
+    gather_snapshot,
+)
 from foundry_fp8.environment import (
     ENVIRONMENT_RULES,
     NO_GPU,
@@ -18,12 +25,13 @@ from foundry_fp8.environment import (
     parse_version,
 )
 from foundry_fp8.lint.accelerate import ACCELERATE_RULES
-from foundry_fp8.lint.rules import RULES
+from foundry_fp8.lint.rules import RULES, Finding
 
 H100 = Snapshot(python="3.11.7", torch="2.7.0", torch_cuda="12.6", gpu_name="NVIDIA H100",
                 capability=(9, 0), te="2.8.0", te_torch="2.8.0", te_core="2.8.0",
                 te_core_package="transformer-engine-cu12", te_import_checked=True)
 CPU = Snapshot(python="3.11.7", torch="2.7.0")
+A100 = Snapshot(python="3", capability=(8, 0), gpu_name="A100")
 TE_RUN = {"precision": "amp_fp8", "algorithms": {"te_swap": {"backend": "te"}}}
 EMULATED_RUN = {"precision": "amp_fp8", "algorithms": {"te_swap": {"backend": "emulate"}}}
 
@@ -38,8 +46,8 @@ def test_a_good_gpu_machine_has_nothing_to_report():
 
 
 @pytest.mark.parametrize(("snapshot", "expected"), [
-    (CPU, [("FP8201", "info")]),
-    (Snapshot(python="3", te="2.8.0"), [("FP8201", "info")]),
+    (CPU, [("FP8201", "warning")]),
+    (Snapshot(python="3", te="2.8.0"), [("FP8201", "warning")]),
     (Snapshot(python="3", capability=(8, 0), gpu_name="A100"), [("FP8202", "warning")]),
     (Snapshot(python="3", capability=(8, 9), torch_cuda="11.8", gpu_name="L4"),
      [("FP8203", "warning"), ("FP8204", "warning")]),
@@ -114,12 +122,57 @@ def test_parse_version(text, version):
     assert parse_version(text) == version
 
 
-def test_exit_codes():
-    info = environment_findings(CPU)
-    error = environment_findings(Snapshot(python="3", capability=(9, 0), te="2", te_torch="1"))
+INFO = Finding("FP8201", "info", "gpu", "m", "f")
+WARNING = Finding("FP8202", "warning", "gpu", "m", "f")
+WARNING_2 = Finding("FP8204", "warning", "transformer_engine", "m", "f")
+ERROR = Finding("FP8205", "error", "transformer_engine", "m", "f")
+
+
+def test_exit_codes_errors_fail_strict_adds_warnings_infos_never_fail():
     assert exit_code([], strict=True) == 0
-    assert exit_code(info, strict=False) == 0 and exit_code(info, strict=True) == 1
+    assert exit_code([INFO], strict=False) == 0 and exit_code([INFO], strict=True) == 0
+    assert exit_code([WARNING], strict=False) == 0 and exit_code([WARNING], strict=True) == 1
+    assert exit_code([INFO, ERROR], strict=False) == 1
+    error = environment_findings(Snapshot(python="3", capability=(9, 0), te="2", te_torch="1"))
     assert exit_code(error, strict=False) == 1
+
+
+def test_exit_reason_is_one_line_naming_the_failing_findings():
+    assert exit_reason([], strict=True) is None
+    assert exit_reason([INFO, WARNING], strict=False) is None
+    assert exit_reason([INFO], strict=True) is None
+    assert exit_reason([INFO, WARNING, ERROR], strict=False) == (
+        "foundry-fp8 doctor: exit 1 because of 1 error: FP8205")
+    assert exit_reason([INFO, ERROR, WARNING, WARNING_2], strict=True) == (
+        "foundry-fp8 doctor: exit 1 because of 1 error and 2 warnings: FP8205, FP8202, FP8204 "
+        "(with --strict, warnings fail too)")
+
+
+@pytest.mark.parametrize(("snapshot", "args", "code", "last_line"), [
+    (A100, [], 0,
+     "warning FP8202 gpu: A100: "),
+    (A100, ["--strict"], 1, "foundry-fp8 doctor: exit 1 because of 1 warning: FP8202 "
+                            "(with --strict, warnings fail too)"),
+    (H100, ["--strict"], 0, "ready for FP8 training with TransformerEngine"),
+    (Snapshot(python="3", capability=(9, 0), te="2.8.0", te_torch="2.7.0", te_core="2.8.0",
+              te_core_package="transformer-engine-cu12"), [], 1,
+     "foundry-fp8 doctor: exit 1 because of 1 error: FP8205"),
+])
+def test_doctor_output_ends_with_why_it_fails(capsys, monkeypatch, snapshot, args, code,
+                                              last_line):
+    monkeypatch.setattr(doctor, "gather_snapshot", lambda probe_te_import: snapshot)
+    assert main(["doctor", *args]) == code
+    assert capsys.readouterr().out.splitlines()[-1].startswith(last_line)
+
+
+def test_an_info_alone_never_fails_even_strict(capsys, monkeypatch):
+    monkeypatch.setattr(doctor, "environment_findings", lambda snapshot: [INFO])
+    monkeypatch.setattr(doctor, "gather_snapshot", lambda probe_te_import: H100)
+    assert main(["doctor", "--strict"]) == 0
+    assert "exit 1" not in capsys.readouterr().out
+    assert main(["doctor", "--strict", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 0 and report["exit_reason"] is None
 
 
 def test_the_callback_helper_runs_here():
@@ -134,14 +187,17 @@ def _doctor(*args: str) -> subprocess.CompletedProcess:
 
 def test_real_doctor_on_this_machine():
     snapshot = gather_snapshot(probe_te_import=True)
+    findings = environment_findings(snapshot)
     done = _doctor()
-    assert done.returncode == (1 if any(f.severity == "error"
-                                        for f in environment_findings(snapshot)) else 0)
+    assert done.returncode == (1 if any(f.severity == "error" for f in findings) else 0)
     assert "Traceback" not in done.stderr
     assert "TransformerEngine" in done.stdout and "torch" in done.stdout
     if not snapshot.has_gpu:
         assert NO_GPU in done.stdout
-        assert _doctor("--strict").returncode == 1
+    strict = _doctor("--strict")
+    assert strict.returncode == exit_code(findings, strict=True)
+    if strict.returncode:
+        assert strict.stdout.splitlines()[-1] == exit_reason(findings, strict=True)
     report = json.loads(_doctor("--format", "json", "--no-te-import").stdout)
     assert report["environment"]["python"] == snapshot.python
     assert {f["rule"] for f in report["findings"]} >= ({"FP8201"} if not snapshot.has_gpu

@@ -4,6 +4,7 @@ tiny MPT really trains through LLM-Foundry's `train` on CPU, logging to W&B (off
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -46,10 +47,15 @@ def test_importing_the_package_needs_neither_torch_nor_te():
 
 
 def test_cli_lists_subcommands_and_version():
+    from foundry_fp8.cli import SUBCOMMANDS
+
     out = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "--help"], capture_output=True,
                          text=True, check=True).stdout
-    for sub in ("lint", "report", "bench", "doctor"):
-        assert sub in out
+    description = set(re.findall(r"[\w-]+", out.split("\n\n")[1]))  # the line under usage
+    listed = {line.split()[0] for line in out.split("COMMAND\n")[-1].splitlines()
+              if line.startswith("    ") and not line.startswith("     ")}
+    assert set(SUBCOMMANDS) == listed >= {"lint", "report", "bench", "doctor"}
+    assert set(SUBCOMMANDS) <= description, description
     version = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "--version"],
                              capture_output=True, text=True, check=True).stdout
     assert version.startswith("foundry-fp8 ")
