@@ -13,6 +13,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+#: How every record written by JsonlSink starts (json.dumps escapes `"` inside strings, so these
+#: bytes appear nowhere else): where a killed run's partial line got glued to the next record,
+#: the reader finds that record at the last occurrence.
+RECORD_START = '{"step": '
+
 
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item):
@@ -25,40 +30,101 @@ def _jsonable(value: Any) -> Any:
 
 
 class JsonlSink:
-    """Writes metric records to one JSONL file, creating its folder on first write."""
+    """Writes metric records to one JSONL file, creating its folder on first write.
+
+    Each record goes out in one `write` of a whole line. A file that does not end in a newline
+    (a run killed mid-write, then resumed into the same file) first gets one, so the new record
+    starts its own line instead of being glued to the partial one.
+    """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"step": int(step), "metrics": {k: _jsonable(v) for k, v in metrics.items()}}
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        record = {"step": int(step), "metrics": {str(k): _jsonable(v) for k, v in metrics.items()}}
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        with self.path.open("a+b") as f:  # appends wherever we seek
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = b"\n" + line
+            f.write(line)
 
 
 class JsonlError(ValueError):
-    """A line that is not a `{"step", "metrics"}` record; the message names file and line."""
+    """A file that is not a metrics file: a line that is JSON but not a `{"step", "metrics"}`
+    record, or no record at all; the message names file, line and key."""
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+def _record(value: Any, where: str) -> tuple[int, dict[str, Any]]:
+    """(step, metrics) of one decoded line, or JsonlError naming the key at fault."""
+    if not isinstance(value, dict):
+        raise JsonlError(f"{where}: not a metrics record (a JSON {type(value).__name__}, "
+                         'expected {"step": int, "metrics": {...}})')
+    for key in ("step", "metrics"):
+        if key not in value:
+            raise JsonlError(f"{where}: not a metrics record (no key {key!r})")
+    step, items = value["step"], value["metrics"]
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise JsonlError(f"{where}: key 'step': expected an integer, got {json.dumps(step)}")
+    if not isinstance(items, dict):
+        raise JsonlError(f"{where}: key 'metrics': expected an object, got "
+                         f"{json.dumps(items)[:40]}")
+    metrics = {}
+    for key, item in items.items():
+        if isinstance(item, str) and item in ("nan", "inf", "-inf"):
+            item = float(item)
+        metrics[key] = item
+    return step, metrics
+
+
+def read_jsonl(path: str | os.PathLike[str],
+               skipped: list[int] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield `(step, metrics)` per line; string NaN/Inf come back as floats.
 
-    A malformed line (e.g. one cut short by a killed run) raises JsonlError naming file and line.
+    A line that does not decode (not JSON, not UTF-8) is what a run killed mid-write leaves:
+    cut short at the end of the file, or, once a resumed run appended to it, glued to the next
+    record (whose line then still yields that record). Any number of such lines is skipped and
+    their numbers appended to `skipped` (the caller warns once); each crash leaves at most one.
+    A line that decodes but is not a `{"step": int, "metrics": {...}}` record raises JsonlError
+    naming file, line and key (no writer of ours produces it: it is another file), and so does
+    a file with no record at all but undecodable lines. Blank lines are ignored.
     """
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    skipped = [] if skipped is None else skipped
+    first_skipped = len(skipped)
+    records = 0
+    error = ""
+    with Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
-                step, items = record["step"], record["metrics"].items()
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise JsonlError(f"{path}:{lineno}: not a metrics record "
-                                 f"({type(e).__name__}: {e})") from None
-            metrics = {}
-            for key, value in items:
-                if isinstance(value, str) and value in ("nan", "inf", "-inf"):
-                    value = float(value)
-                metrics[key] = value
-            yield step, metrics
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                value = json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                error = error or f"line {lineno}: {type(e).__name__}: {e}"
+                skipped.append(lineno)
+                glued = _glued_record(raw, where)
+                if glued is not None:
+                    records += 1
+                    yield glued
+                continue
+            records += 1
+            yield _record(value, where)
+    if not records and len(skipped) > first_skipped:
+        bad = len(skipped) - first_skipped
+        raise JsonlError(f"{path}: no metrics record; {bad} line{' does' if bad == 1 else 's do'}"
+                         f" not decode as JSON ({error[:120]})")
+
+
+def _glued_record(raw: bytes, where: str) -> tuple[int, dict[str, Any]] | None:
+    """The whole record after a partial one on the same line, if there is one."""
+    start = raw.rfind(RECORD_START.encode())
+    if start <= 0:
+        return None
+    try:
+        return _record(json.loads(raw[start:].decode("utf-8")), where)
+    except ValueError:  # also JsonlError: the tail is not a record either
+        return None

@@ -12,6 +12,15 @@ Reads the run's `metrics.jsonl` (written by the `jsonl` logger; `fp8_stats` logs
 - `fp8_report.md`: flagged layers, the worst layers per statistic, a reading guide, the plots,
   and the worst value of every statistic per layer and tensor.
 
+Flags follow what `fp8_stats` warns about, with the run's own thresholds (from hparams.json):
+underflow_pct, overflow_pct and cos_sim, plus any NaN/Inf. `scale_ratio` is shown (time series,
+worst layers, table) but not flagged: a delayed scale the tensor outgrew saturates elements,
+and overflow_pct already judges how many, with a threshold that tolerates the few a slowly
+growing amax saturates by design.
+
+A run killed mid-write leaves a partial line in metrics.jsonl (see `read_jsonl`): such lines are
+skipped with one warning, and the report covers the rest.
+
 Everything up to the drawing is pure Python on plain data (tested exactly); the drawing is a thin
 matplotlib layer, imported only when drawing. No torch.
 """
@@ -23,6 +32,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,7 +105,8 @@ def thresholds_from_hparams(hparams: Mapping[str, Any]) -> Thresholds:
     if not isinstance(cfg, Mapping):
         return Thresholds()
     keys = ("max_underflow_pct", "max_overflow_pct", "min_cos_sim")
-    given = {k: float(cfg[k]) for k in keys if isinstance(cfg.get(k), (int, float))}
+    given = {k: float(cfg[k]) for k in keys
+             if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)}
     return Thresholds(**given, source="the run's fp8_stats settings (hparams.json)")
 
 
@@ -152,8 +163,9 @@ def collect(records: Iterable[tuple[int, Mapping[str, Any]]]) -> RunMetrics:
                       stats=known_first(stats, SPECS), steps=sorted(steps), initial=initial)
 
 
-def load(metrics_file: Path) -> RunMetrics:
-    return collect(read_jsonl(metrics_file))
+def load(metrics_file: Path, skipped: list[int] | None = None) -> RunMetrics:
+    """The run's metrics; numbers of undecodable lines (a killed run's) go to `skipped`."""
+    return collect(read_jsonl(metrics_file, skipped))
 
 
 def heatmap_matrix(run: RunMetrics, stat: str, tensor: str) -> list[list[float]]:
@@ -216,14 +228,16 @@ class Finding:
 
 def findings(run: RunMetrics, thresholds: Thresholds) -> list[Finding]:
     """Every (layer, tensor, statistic) whose worst value breaks a threshold; the ones bad on
-    most of their steps first (persistent problems are the actionable ones)."""
+    most of their steps first (persistent problems are the actionable ones).
+
+    The rules are fp8_stats's warnings (underflow, overflow, cos_sim) plus any NaN/Inf; not
+    scale_ratio, which fp8_stats does not warn about either (see the module doc)."""
     rules = {
         "nan_count": (lambda v: v > 0, "> 0"),
         "inf_count": (lambda v: v > 0, "> 0"),
         "overflow_pct": (lambda v: v > thresholds.max_overflow_pct, f"> {thresholds.max_overflow_pct:g} %"),
         "underflow_pct": (lambda v: v > thresholds.max_underflow_pct, f"> {thresholds.max_underflow_pct:g} %"),
         "cos_sim": (lambda v: v < thresholds.min_cos_sim, f"< {thresholds.min_cos_sim:g}"),
-        "scale_ratio": (lambda v: v > thresholds.max_scale_ratio, f"> {thresholds.max_scale_ratio:g}"),
     }
     found = []
     for (layer, tensor, stat), logged in run.values.items():
@@ -545,10 +559,13 @@ GUIDE = """\
   from a layer that stays bad. Time-series plots leave such a first step off their scale.
 - **amax**: largest magnitude. Spikes of 10x or a steady climb come before loss divergence;
   the layer whose amax moves first is where to look.
-- **scale_ratio** (when logged): delayed scale in force at cast time / current scale. About 1:
-  the amax history fits the tensor. Above 1: the tensor outgrew its scale (saturation, see
-  overflow). Far below 1 (e.g. under 1/16): an old spike in the history keeps the scale small
-  and costs precision; a shorter `amax_history_len` or `amax_compute_algo: most_recent` helps.
+- **scale_ratio** (when logged; not flagged): delayed scale in force at cast time / current
+  scale. About 1: the amax history fits the tensor. Above 1: the tensor outgrew its scale and
+  its largest elements saturate; a slowly growing amax does that by design, and overflow_pct
+  tells whether it saturates enough to matter. A ratio far above 1 in many layers at once is
+  an amax spike: look at amax. Far below 1 (e.g. under 1/16): an old spike in the history
+  keeps the scale small and costs precision; a shorter `amax_history_len` or
+  `amax_compute_algo: most_recent` helps.
 """
 
 
@@ -567,8 +584,9 @@ def render_report(run: RunMetrics, found: list[Finding], thresholds: Thresholds,
         shape += f" Plots and lists drop the common prefix `{prefix}`."
     lines = ["# FP8 health report", "", shape, "", "## Flagged", "",
              f"Thresholds from {thresholds.source}: underflow > {thresholds.max_underflow_pct:g} %, "
-             f"overflow > {thresholds.max_overflow_pct:g} %, cos_sim < {thresholds.min_cos_sim:g}, "
-             f"scale_ratio > {thresholds.max_scale_ratio:g}, any NaN/Inf.", ""]
+             f"overflow > {thresholds.max_overflow_pct:g} %, cos_sim < {thresholds.min_cos_sim:g} "
+             "(what fp8_stats warns about), and any NaN/Inf. scale_ratio is not flagged: its "
+             "cost shows as overflow (above 1) or underflow (far below 1).", ""]
     if found:
         lines += ["| layer | tensor | statistic | worst | at step | rule | steps over |",
                   "|---|---|---|---|---|---|---|"]
@@ -607,20 +625,41 @@ class ReportError(Exception):
     """A one-line reason the report cannot be made (exit 2)."""
 
 
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def _load_run(metrics_file: Path) -> RunMetrics:
     if not metrics_file.is_file():
         raise ReportError(f"{metrics_file}: not found (was the `jsonl` logger in the YAML?)")
+    skipped: list[int] = []
     try:
         if metrics_file.stat().st_size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        run = load(metrics_file)
+        run = load(metrics_file, skipped)
     except JsonlError as e:
         raise ReportError(str(e)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ReportError(f"{metrics_file}: cannot read ({e})") from None
+    except OSError as e:
+        raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
+    if skipped:
+        shown_lines = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        lines = "1 line that does" if len(skipped) == 1 else f"{len(skipped)} lines that do"
+        warn(f"{metrics_file}:{skipped[0]}: skipped {lines} not decode (line {shown_lines}; a "
+             "run killed mid-write leaves one); the report covers the rest")
     if not run.values:
         raise ReportError(f"{metrics_file}: no fp8/ metrics (was `fp8_stats` in the YAML?)")
     return run
+
+
+def _out_folder(out: Path) -> None:
+    """Create `--out` (or check the run folder) before drawing, so a bad one is one line."""
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"{out}: not a folder (--out names the folder for the PNGs and "
+                          "fp8_report.md)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"{out}: cannot create the output folder ({e.strerror or e})") from None
 
 
 def _read_hparams(path: Path) -> Thresholds:
@@ -647,26 +686,33 @@ def make_report(run_folder: Path, layers: str | None = None,
                           f"(e.g. {run.layers[0]})")
     thresholds = _read_hparams(metrics_file.with_name("hparams.json"))
     out = out or metrics_file.parent
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for stat in run.stats:
-        if spec(stat).plot == "heatmap" and shown(run, stat):
-            draw_heatmap(run, stat, out / f"fp8_heatmap_{stat}.png", thresholds)
-            written.append(out / f"fp8_heatmap_{stat}.png")
-    if any(spec(s).plot == "series" for s in run.stats):
-        draw_series(run, chosen, out / SERIES_FILE)
-        written.append(out / SERIES_FILE)
-    found = findings(run, thresholds)
-    report = out / "fp8_report.md"
-    report.write_text(render_report(run, found, thresholds, chosen, [p.name for p in written]))
-    return run, found, [*written, report]
+    _out_folder(out)
+    written: list[Path] = []
+    target = out
+    try:
+        for stat in run.stats:
+            if spec(stat).plot == "heatmap" and shown(run, stat):
+                target = out / f"fp8_heatmap_{stat}.png"
+                draw_heatmap(run, stat, target, thresholds)
+                written.append(target)
+        if any(spec(s).plot == "series" for s in run.stats):
+            target = out / SERIES_FILE
+            draw_series(run, chosen, target)
+            written.append(target)
+        found = findings(run, thresholds)
+        target = out / "fp8_report.md"
+        target.write_text(render_report(run, found, thresholds, chosen,
+                                        [p.name for p in written]))
+    except OSError as e:  # a read-only folder, a full disk, a folder in the file's place
+        raise ReportError(f"{target}: cannot write ({e.strerror or e})") from None
+    return run, found, [*written, target]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         metrics, found, written = make_report(args.run_folder, args.layers, args.out)
     except ReportError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(render(worst_values(metrics)))
     shown_found = found[:MAX_PRINTED]

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 class Thresholds:
     """`max_overflow_pct` is not 0: delayed scaling saturates a few elements by design when a
     tensor's amax grows between steps, and one saturated element in 10,000 is noise, not a
-    layer to move to BF16. `max_scale_ratio` above 1: the tensor outgrew its delayed scale."""
+    layer to move to BF16."""
 
     max_underflow_pct: float = 5.0
     max_overflow_pct: float = 0.01
     min_cos_sim: float = 0.99
-    max_scale_ratio: float = 1.001
     source: str = "fp8_stats defaults"
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
+import string
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from composer.core import State
@@ -11,34 +15,87 @@ from composer.utils import dist
 
 from foundry_fp8.jsonl import JsonlSink
 
+log = logging.getLogger(__name__)
+
 DEFAULT_PATH = "runs/{run_name}/metrics.jsonl"
+PLACEHOLDERS = ("run_name",)
+
+
+def check_path(path: Any) -> str:
+    """`path` itself if it is a usable template, else a one-line ValueError naming the option."""
+    allowed = ", ".join(f"{{{name}}}" for name in PLACEHOLDERS)
+    where = f"loggers.jsonl.path: {path!r}"
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{where}: expected a file path such as {DEFAULT_PATH!r} "
+                         f"(placeholders: {allowed})")
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(path) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"{where}: {e} (placeholders: {allowed}; write {{{{ and }}}} for "
+                         "literal braces)") from None
+    unknown = [name for name in fields if name not in PLACEHOLDERS]
+    if unknown:
+        raise ValueError(f"{where}: unknown placeholder {{{unknown[0]}}}; allowed: {allowed}")
+    return path
 
 
 class JSONLLogger(LoggerDestination):
     """Registered as `jsonl` in LLM-Foundry's loggers: `loggers: {jsonl: {path: ...}}`.
 
-    `path` may contain `{run_name}`. Hyperparameters go to `hparams.json` beside it. Only
-    global rank 0 writes, as W&B and MLflow do: Composer sends every rank's metrics to every
-    destination, and several ranks appending to one file would interleave copies.
+    `path` may contain `{run_name}`; it is checked here, when LLM-Foundry builds the logger.
+    Hyperparameters go to `hparams.json` beside it. Only global rank 0 writes, as W&B and
+    MLflow do: Composer sends every rank's metrics to every destination, and several ranks
+    appending to one file would interleave copies.
+
+    Composer does not guard its logger destinations, so a failure here would end the run. A
+    folder that cannot be created or a file that cannot be written (at INIT or mid-run: full
+    disk, a folder in the file's place) is logged once, naming the path and the OS error, and
+    the logger stops writing while training goes on; `strict: true` raises instead.
     """
 
-    def __init__(self, path: str = DEFAULT_PATH):
-        self.path_template = path
-        self.sink: JsonlSink | None = None
+    def __init__(self, path: str = DEFAULT_PATH, strict: bool = False):
+        self.path_template = check_path(path)
+        self.strict = strict
+        self.sink: JsonlSink | None = None  # rank 0's file (set even once writing stopped)
+        self.stopped = False  # a write failed: nothing more is written
         self._pending_hparams: dict[str, Any] = {}
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
-        if dist.get_global_rank() == 0:
-            self.sink = JsonlSink(self.path_template.format(run_name=state.run_name))
+        if dist.get_global_rank() != 0:
+            return
+        sink = self.sink = JsonlSink(self.path_template.format(run_name=state.run_name))
+
+        def can_write() -> None:  # now, not at the first metric: say so before training
+            sink.path.parent.mkdir(parents=True, exist_ok=True)
+            sink.path.open("ab").close()
+
+        self._guard(can_write, sink.path)
+        if self._pending_hparams:
+            self.log_hyperparameters({})
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        if self.sink is not None:
-            self.sink.write(step if step is not None else -1, metrics)
+        if self.sink is not None and not self.stopped:
+            sink = self.sink
+            self._guard(lambda: sink.write(step if step is not None else -1, metrics), sink.path)
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self._pending_hparams.update(hyperparameters)
-        if self.sink is not None:
+        if self.sink is not None and not self.stopped:
             path = self.sink.path.with_name("hparams.json")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self._pending_hparams, indent=2, default=str))
+            hparams = self._pending_hparams
+            self._guard(lambda: path.write_text(json.dumps(hparams, indent=2, default=str,
+                                                           skipkeys=True)), path)
+
+    def _guard(self, call: Callable[[], object], path: Path) -> None:
+        """Run a write; on failure warn once and stop writing (`strict`: raise)."""
+        try:
+            call()
+        except Exception as e:
+            if self.strict:
+                raise
+            self.stopped = True
+            reason = f"{type(e).__name__}: {e.strerror or e}" if isinstance(e, OSError) else repr(e)
+            log.warning("jsonl logger: cannot write %s (%s); it writes nothing more to %s, "
+                        "training goes on (loggers.jsonl.strict: true makes this an error)",
+                        path, reason, path.parent)

@@ -1,0 +1,198 @@
+"""metrics.jsonl: the writer, the reader's tolerance of a killed run's partial line, and the
+`jsonl` logger's checks and failure handling (in a real Composer Trainer)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+
+import pytest
+
+from foundry_fp8.jsonl import JsonlError, JsonlSink, read_jsonl
+
+RECORDS = [(0, {"loss": 3.0, "fp8/a/weight/cos_sim": 0.999}), (10, {"loss": 2.0}),
+           (20, {"loss": 1.0, "fp8/a/weight/mse": float("nan")})]
+
+
+def _write(path, records=RECORDS):
+    sink = JsonlSink(path)
+    for step, metrics in records:
+        sink.write(step, metrics)
+    return path
+
+
+def _read(path):
+    skipped: list[int] = []
+    return [(s, {k: "nan" if v != v else v for k, v in m.items()})
+            for s, m in read_jsonl(path, skipped)], skipped
+
+
+EXPECTED = [(s, {k: "nan" if v != v else v for k, v in m.items()}) for s, m in RECORDS]
+
+
+def test_a_line_cut_short_by_a_killed_run_is_skipped_and_counted(tmp_path):
+    path = _write(tmp_path / "metrics.jsonl")
+    text = path.read_text()
+    path.write_text(text[: len(text) - 10])  # the last record cut in half, no newline
+    assert _read(path) == (EXPECTED[:2], [3])
+
+
+def test_a_resumed_run_appends_on_a_fresh_line(tmp_path):
+    path = _write(tmp_path / "metrics.jsonl", RECORDS[:2])
+    path.write_text(path.read_text()[:-12])  # killed mid-write: the second record is partial
+    _write(path, RECORDS[2:])  # the resumed run appends
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2])["step"] == 20
+    assert _read(path) == ([EXPECTED[0], EXPECTED[2]], [2])
+
+
+def test_a_record_glued_to_a_partial_line_is_recovered(tmp_path):
+    """Files written before the writer's fresh-line fix: partial line + next record on one line."""
+    path = _write(tmp_path / "metrics.jsonl")
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1][:15] + lines[2])
+    assert _read(path) == ([EXPECTED[0], EXPECTED[2]], [2])
+    path.write_text(lines[0] + "\0" * 40 + "\n" + lines[2])  # a crash's zero-filled tail
+    assert _read(path) == ([EXPECTED[0], EXPECTED[2]], [2])
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ('{"step": 0}\n', "metrics.jsonl:1: not a metrics record (no key 'metrics')"),
+    ('{"step": 0, "metrics": {}}\n[1, 2]\n', "metrics.jsonl:2: not a metrics record (a JSON list"),
+    ('{"step": 0, "metrics": {}}\n{"step": null, "metrics": {}}\n',
+     "metrics.jsonl:2: key 'step': expected an integer, got null"),
+    ('{"step": "x", "metrics": {}}\n', "metrics.jsonl:1: key 'step': expected an integer, got \"x\""),
+    ('{"step": 1, "metrics": 5}\n', "metrics.jsonl:1: key 'metrics': expected an object, got 5"),
+    ("step,loss\n0,3.0\n", "metrics.jsonl: no metrics record; 2 lines do not decode as JSON"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "metrics.jsonl: no metrics record; 3 lines"),
+    ('{"step": 0, "met\n', "metrics.jsonl: no metrics record; 1 line does not decode"),
+])
+def test_a_file_that_is_not_a_metrics_file_is_still_an_error(tmp_path, content, message):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(JsonlError) as error:
+        list(read_jsonl(path))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# ---- the `jsonl` logger ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("runs/{runname}/metrics.jsonl", "unknown placeholder {runname}; allowed: {run_name}"),
+    ("runs/{}/metrics.jsonl", "unknown placeholder {}; allowed: {run_name}"),
+    ("runs/{run_name.x}/m.jsonl", "unknown placeholder {run_name.x}"),
+    ("runs/{run_name/metrics.jsonl", "expected '}'"),
+    (None, "expected a file path"),
+    (5, "expected a file path"),
+    ("", "expected a file path"),
+])
+def test_logger_checks_its_path_when_built(path, message):
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    with pytest.raises(ValueError, match="^loggers.jsonl.path: ") as error:
+        JSONLLogger(path=path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert JSONLLogger(path="runs/{{literal}}/{run_name}.jsonl").path_template
+
+
+def _logger(tmp_path, **kwargs):
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    logger = JSONLLogger(**kwargs)
+    logger.init(types.SimpleNamespace(run_name="r"), None)
+    return logger
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_logger_with_an_unwritable_folder_warns_once_and_writes_nothing(tmp_path, caplog):
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / "afile" / "{run_name}" / "metrics.jsonl"  # a file where a folder must be
+    logger = _logger(tmp_path, path=str(path))
+    logger.log_hyperparameters({"seed": 1})
+    logger.log_metrics({"loss": 1.0}, step=0)
+    [warning] = _warnings(caplog)
+    assert f"cannot write {tmp_path / 'afile' / 'r' / 'metrics.jsonl'}" in warning
+    assert "NotADirectoryError" in warning or "FileExistsError" in warning
+    assert logger.sink is not None and logger.stopped
+    with pytest.raises(OSError):
+        _logger(tmp_path, path=str(path), strict=True)
+
+
+def test_logger_write_failure_mid_run_warns_once_and_stops_writing(tmp_path, caplog):
+    logger = _logger(tmp_path, path=str(tmp_path / "{run_name}" / "metrics.jsonl"))
+    logger.log_metrics({"loss": 1.0}, step=0)
+    file = tmp_path / "r" / "metrics.jsonl"
+    file.unlink()
+    file.mkdir()  # the file replaced by a folder
+    for step in (1, 2):
+        logger.log_metrics({"loss": 1.0}, step=step)
+    logger.log_hyperparameters({"seed": 1})
+    [warning] = _warnings(caplog)
+    assert f"cannot write {file} (IsADirectoryError: Is a directory)" in warning
+    assert not (tmp_path / "r" / "hparams.json").exists()  # stopped: nothing more is written
+
+    strict = _logger(tmp_path, path=str(tmp_path / "s" / "{run_name}.jsonl"), strict=True)
+    (tmp_path / "s" / "r.jsonl").unlink()
+    (tmp_path / "s" / "r.jsonl").mkdir()
+    with pytest.raises(IsADirectoryError):
+        strict.log_metrics({"loss": 1.0}, step=3)
+
+
+def test_hparams_logged_before_init_are_written_at_init(tmp_path):
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    logger = JSONLLogger(path=str(tmp_path / "{run_name}" / "metrics.jsonl"))
+    logger.log_hyperparameters({"seed": 1})
+    logger.init(types.SimpleNamespace(run_name="r"), None)
+    assert json.loads((tmp_path / "r" / "hparams.json").read_text()) == {"seed": 1}
+
+
+def _train(tmp_path, logger, callbacks=(), batches=4):
+    """A real Composer Trainer on a tiny classifier, CPU, a few batches."""
+    import torch
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    model = ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2)
+    trainer = Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+                      train_dataloader=DataLoader(data, batch_size=4), max_duration=f"{batches}ba",
+                      loggers=[logger], callbacks=list(callbacks), run_name="r",
+                      progress_bar=False, log_to_console=False, save_folder=None)
+    trainer.fit()
+    return trainer
+
+
+def test_training_survives_a_write_failure_in_a_real_trainer(tmp_path, caplog):
+    """Composer does not guard logger destinations: an exception there would end the run."""
+    from composer.core import Callback
+
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    file = tmp_path / "r" / "metrics.jsonl"
+
+    class BreakTheFile(Callback):
+        def batch_start(self, state, logger):
+            if int(state.timestamp.batch) == 2:
+                file.unlink()
+                file.mkdir()
+
+    trainer = _train(tmp_path, JSONLLogger(path=str(tmp_path / "{run_name}" / "metrics.jsonl")),
+                     [BreakTheFile()])
+    assert int(trainer.state.timestamp.batch) == 4
+    assert sum("cannot write" in w for w in _warnings(caplog)) == 1
+
+
+def test_training_survives_an_unwritable_folder_in_a_real_trainer(tmp_path, caplog):
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    (tmp_path / "afile").write_text("")
+    trainer = _train(tmp_path, JSONLLogger(path=str(tmp_path / "afile" / "{run_name}.jsonl")))
+    assert int(trainer.state.timestamp.batch) == 4
+    assert sum("cannot write" in w for w in _warnings(caplog)) == 1
