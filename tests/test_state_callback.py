@@ -14,16 +14,19 @@ from composer.core import Algorithm, Event
 from composer.loggers import Logger
 from torch import nn
 
+from foundry_fp8.composer import state as state_module
 from foundry_fp8.composer.state import (
     FP8State,
     FP8StateError,
     fp8_state_from_checkpoint,
     recompute_settings,
+    stale_backward_modules,
     without_pickled_extra_state,
 )
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
 from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.jsonl import read_jsonl
+from foundry_fp8.recipe import FP8Recipe
 from tests.tiny_run import run_folder, run_tiny
 
 SWAP = {"te_swap": {"backend": "emulate", "fp8_recipe": {"amax_history_len": 4}}}
@@ -319,7 +322,8 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _fit(checkpoint, callback: FP8State):
+def _fit(checkpoint, callback: FP8State, **kwargs):
+    """6 batches of 8 under te_swap's emulated FP8; `kwargs` go to the Trainer."""
     from composer import Trainer
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
@@ -331,7 +335,8 @@ def _fit(checkpoint, callback: FP8State):
     trainer = Trainer(model=ComposerClassifier(_Net(checkpoint), num_classes=4),
                       train_dataloader=DataLoader(data, batch_size=8), max_duration="6ba",
                       algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
-                      callbacks=[callback], device="cpu", progress_bar=False, loggers=[])
+                      callbacks=[callback], device="cpu", progress_bar=False, loggers=[],
+                      **kwargs)
     trainer.fit()
     return trainer
 
@@ -359,6 +364,212 @@ def test_watch_quiet_with_fp8_checkpoint(caplog):
     layer = trainer.state.model.module.blocks[1].up
     assert isinstance(layer, EmulatedFP8Linear)
     assert layer.fp8_meta["scaling_bwd"].amax_history.abs().sum() > 0
+
+
+def _never_update_backward(monkeypatch) -> None:
+    """TE <= 1.11's reentrant checkpoint (#1190), in the emulation: backward amaxes are recorded
+    into row 0 of the history as usual, but no backward scale update ever runs."""
+    update = EmulatedFP8Linear._update_scales
+
+    def forward_only(self, *args, **kwargs):
+        if "backward" not in (*args, *kwargs.values()):
+            update(self, *args, **kwargs)
+
+    monkeypatch.setattr(EmulatedFP8Linear, "_update_scales", forward_only)
+
+
+def test_watch_fails_when_backward_updates_never_run(monkeypatch):
+    """The FP8 recompute itself is right (fp8_checkpoint), the backward update is missing."""
+    _never_update_backward(monkeypatch)
+    with pytest.raises(FP8StateError, match=r"module\.blocks\.0\.down, module\.blocks\.0\.up, "
+                                            r"module\.blocks\.1\.down.*te_checkpoint_wrapper"):
+        _fit(fp8_checkpoint, FP8State())
+
+
+def test_watch_quiet_with_eval_batches_and_gradient_accumulation(caplog):
+    """Composer evaluates after every batch, and each batch is 4 micro-batches (4 forward and
+    4 backward updates between two BATCH_ENDs)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    evaluation = DataLoader(TensorDataset(torch.randn(16, 16) * 8, torch.randint(0, 4, (16,))),
+                            batch_size=8)
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+        trainer = _fit(fp8_checkpoint, FP8State(), eval_dataloader=evaluation,
+                       eval_interval="1ba", device_train_microbatch_size=2)
+    assert "symptom" not in caplog.text and int(trainer.state.timestamp.batch) == 6
+    assert int(trainer.state.eval_timestamp.batch) == 2  # the last evaluation ran
+    assert trainer.state.device_train_microbatch_size == 2
+
+
+# -- the watch's check, step by step (emulated FP8 layers, no Composer) ----------------------
+
+
+def _old_stale_backward_modules(before, after, grads_nonzero):
+    """The check before this one: a module was stale when its forward history changed and its
+    whole backward history (row 0 included) and backward scale did not."""
+    stale = []
+    for name in sorted(before.keys() & after.keys() & grads_nonzero):
+        old, new = before[name], after[name]
+        moved = [not torch.equal(old[k], new[k]) for k in ("fwd_amax_history", "bwd_amax_history")]
+        if moved[0] and not moved[1] and torch.equal(old["bwd_scale"], new["bwd_scale"]):
+            stale.append(name)
+    return stale
+
+
+DELAYED = FP8Recipe(amax_history_len=4)
+
+
+def _layers(n: int = 2) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(EmulatedFP8Linear(16, 16) for _ in range(n)))
+
+
+def _train_watched(model: nn.Module, steps: int, callback: FP8State | None = None, *,
+                   recipe: FP8Recipe = DELAYED, grow: float = 1.0, micro_batches: int = 1,
+                   eval_batches: int = 0) -> list[tuple[dict, set[str]]]:
+    """`steps` training steps (no optimizer) on random data, each of `micro_batches` forward and
+    backward passes, the loss and so every gradient growing `grow`-fold per step; then the
+    callback's BATCH_END (the watch), then `eval_batches` no-grad forwards under FP8 with
+    larger inputs. Per step: the FP8 state and the modules with a non-zero weight gradient."""
+    generator = torch.Generator().manual_seed(1)
+    steps_seen = []
+    for step in range(steps):
+        for _ in range(micro_batches):
+            with fp8_autocast(recipe=recipe):
+                out = model(torch.randn(8, 16, generator=generator))
+            (out * torch.randn(out.shape, generator=generator) * grow ** step).sum().backward()
+        grads = {name for name, m in model.named_modules() if isinstance(m, EmulatedFP8Linear)
+                 and m.weight.grad is not None and bool(m.weight.grad.abs().max() > 0)}
+        steps_seen.append(({name: read_fp8_meta(m) for name, m in model.named_modules()
+                            if isinstance(m, EmulatedFP8Linear)}, grads))
+        if callback is not None:
+            callback.run_event(Event.BATCH_END, None, None)
+        model.zero_grad(set_to_none=True)
+        for _ in range(eval_batches):
+            with torch.no_grad(), fp8_autocast(recipe=recipe):
+                model(8 * torch.randn(8, 16, generator=generator))
+    return steps_seen
+
+
+def _watching(model: nn.Module, strict: bool = True) -> FP8State:
+    callback = FP8State(strict=strict, watch_batches=8)
+    callback._model = model
+    return callback
+
+
+def _pairs(steps_seen):
+    return [(before, after, grads) for (before, _), (after, grads)
+            in zip(steps_seen, steps_seen[1:], strict=False)]
+
+
+def test_watch_catches_row0_accumulating_which_the_old_check_missed(monkeypatch):
+    """#1190 as TE <= 1.11 showed it: backward amaxes max-accumulate in row 0, never rolled in.
+    With gradients growing every step row 0 grows every step: the old check, which compared
+    the whole backward history, saw it move and stayed quiet; the backward rows 1.. (all zero)
+    and scales (1) never moved."""
+    _never_update_backward(monkeypatch)
+    steps_seen = _train_watched(_layers(), 6, grow=4.0)
+    for before, after, grads in _pairs(steps_seen):
+        assert grads == {"0", "1"}
+        assert _old_stale_backward_modules(before, after, grads) == []
+        assert stale_backward_modules(before, after, grads) == ["0", "1"]
+        for name in grads:
+            assert after[name]["bwd_amax_history"][0, 0] > before[name]["bwd_amax_history"][0, 0]
+            assert not after[name]["bwd_amax_history"][1:].any()
+            assert torch.equal(after[name]["bwd_scale"], torch.ones(2))
+
+    with monkeypatch.context() as patch:  # the callback with the old check runs through
+        patch.setattr(state_module, "stale_backward_modules", _old_stale_backward_modules)
+        model = _layers()
+        _train_watched(model, 8, _watching(model), grow=4.0)
+    model = _layers()
+    with pytest.raises(FP8StateError, match=r"not updating .* in 0, 1; recompute FP8 layers"):
+        _train_watched(model, 8, _watching(model), grow=4.0)
+
+
+def test_watch_catches_backward_history_unchanged_after_resume(monkeypatch):
+    """After a resume, backward rows 1.. hold the checkpoint's amaxes: they stay unchanged."""
+    trained = _layers()
+    _train_watched(trained, 6)
+    saved = _watching(trained).state_dict()
+    _never_update_backward(monkeypatch)
+    model = _layers()
+    callback = _watching(model)
+    callback.load_state_dict(saved)
+    before = read_fp8_meta(model[1])["bwd_amax_history"]
+    assert before[1:].any()
+    with pytest.raises(FP8StateError, match=r"in 0, 1;"):
+        _train_watched(model, 8, callback, grow=4.0)
+    assert torch.equal(read_fp8_meta(model[1])["bwd_amax_history"][1:], before[1:])
+
+
+def _watch_quietly(model: nn.Module, **options) -> list[tuple[dict, set[str]]]:
+    """Train 8 steps under a strict watch of 8 batches: every batch watched, nothing found
+    (a finding raises; an error of the watch itself would stop it short of 8)."""
+    callback = options.pop("callback", None) or _watching(model)
+    steps_seen = _train_watched(model, 8, callback, **options)
+    assert callback._watched == 8 and callback.watch_batches == 0
+    return steps_seen
+
+
+@pytest.mark.parametrize("history_len", [1, 2, 4, 16])
+@pytest.mark.parametrize("grow", [0.25, 1.0, 4.0])
+def test_watch_quiet_when_healthy(history_len, grow):
+    """Healthy delayed scaling: quiet while the history fills (16 > 8 steps) and once it is full
+    and wraps, with gradients shrinking, random or growing."""
+    _watch_quietly(_layers(), recipe=FP8Recipe(amax_history_len=history_len), grow=grow)
+
+
+def test_watch_quiet_with_current_scaling():
+    model = _layers()
+    _watch_quietly(model, recipe=FP8Recipe(scaling="current"), grow=4.0)
+    assert read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0  # no history to watch
+
+
+def test_watch_quiet_with_micro_batches():
+    """Gradient accumulation: 3 forward and 3 backward updates between two BATCH_ENDs."""
+    _watch_quietly(_layers(), micro_batches=3, grow=4.0)
+
+
+def test_watch_quiet_with_eval_batches():
+    """No-grad FP8 forwards between batches (as TE: no update under no_grad, their amaxes wait
+    in row 0 for the next training update)."""
+    model = _layers()
+    _watch_quietly(model, eval_batches=3, grow=4.0)
+    assert read_fp8_meta(model[0])["fwd_amax_history"][0].any()
+
+
+def test_watch_quiet_after_resume():
+    trained = _layers()
+    _train_watched(trained, 6)
+    model = _layers()
+    callback = _watching(model)
+    callback.load_state_dict(_watching(trained).state_dict())
+    assert read_fp8_meta(model[0])["bwd_amax_history"][1:].any()  # a full history restored
+    _watch_quietly(model, callback=callback, grow=4.0)
+
+
+class _PartlyTrained(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen, self.trained, self.unused = (EmulatedFP8Linear(16, 16) for _ in range(3))
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.trained(self.frozen(x))
+
+
+def test_watch_quiet_for_modules_without_gradient():
+    """A frozen first layer (no backward runs through it: nothing needs its gradients) and a
+    layer never called. The frozen one's forward history rolls and its backward one never
+    moves, which only its missing gradient tells from the symptom."""
+    model = _PartlyTrained()
+    steps_seen = _watch_quietly(model, grow=4.0)
+    assert all(grads == {"trained"} for _, grads in steps_seen)
+    everything = {"frozen", "trained", "unused"}
+    assert all(stale_backward_modules(before, after, everything) == ["frozen"]
+               for before, after, _ in _pairs(steps_seen))
 
 
 def test_own_error_is_logged_and_training_goes_on(caplog, monkeypatch):

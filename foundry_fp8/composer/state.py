@@ -7,7 +7,7 @@ before any callback could help. Our checkpoints keep the `_extra_state` keys but
 `None`, which every TE from 1.12 to 2.20 loads as "no state" (an empty tensor would be skipped
 too from TE 2.4 on, but older TE fails to unpickle it). At INIT it also makes FSDP activation
 checkpointing recompute under FP8 (TE #1190), and for the first batches it watches for the
-#1190 symptom: forward FP8 state moving while the backward state stands still.
+#1190 symptom: forward amax histories rolling while the backward ones never do.
 """
 
 from __future__ import annotations
@@ -114,18 +114,30 @@ def recompute_settings(precision: str, fsdp: Mapping[str, Any] | None, fsdp_vers
     return {k: v for k, v in wanted.items() if fsdp.get(k) != v}
 
 
+def _rolled(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether a delayed-scaling amax history took in an amax: its past rows (1..) changed.
+
+    Row 0 is left out: it max-accumulates the amaxes being recorded until an update rolls it
+    in, so it also moves, whenever amaxes grow, where no update ever runs."""
+    return not torch.equal(before[1:], after[1:])
+
+
 def stale_backward_modules(before: FP8ModuleState, after: FP8ModuleState,
                            grads_nonzero: set[str]) -> list[str]:
-    """Modules whose forward FP8 state moved over a batch while their backward state did not,
-    although their weight had a non-zero gradient: the #1190 symptom (backward amaxes never
-    recorded). With current scaling neither moves, so nothing is reported."""
-    stale = []
-    for name in sorted(before.keys() & after.keys() & grads_nonzero):
-        old, new = before[name], after[name]
-        moved = [not torch.equal(old[k], new[k]) for k in ("fwd_amax_history", "bwd_amax_history")]
-        if moved[0] and not moved[1] and torch.equal(old["bwd_scale"], new["bwd_scale"]):
-            stale.append(name)
-    return stale
+    """Modules whose forward amax history rolled between two states while their backward one
+    did not roll and their backward scale stayed, although their weight had a non-zero
+    gradient: the TE #1190 symptom, backward scale updates never running (backward amaxes not
+    recorded at all, or recorded into row 0 and never rolled in).
+
+    Quiet where backward updates run at all, once per backward (micro-batches, eval batches
+    between the states, a history not yet full or restored from a checkpoint), for modules
+    without a gradient (frozen, unused), and where no past rows are kept (current scaling, a
+    history of length 1): there the symptom cannot be told from a steady state.
+    """
+    return [name for name in sorted(before.keys() & after.keys() & grads_nonzero)
+            if _rolled(before[name]["fwd_amax_history"], after[name]["fwd_amax_history"])
+            and not _rolled(before[name]["bwd_amax_history"], after[name]["bwd_amax_history"])
+            and torch.equal(before[name]["bwd_scale"], after[name]["bwd_scale"])]
 
 
 class FP8State(Callback):
@@ -224,7 +236,11 @@ class FP8State(Callback):
     def _report_stale(self, names: list[str]) -> None:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         message = (f"fp8_state: backward FP8 scales are not updating while forward ones are "
-                   f"(TE #1190 symptom: activation recompute outside FP8?) in {shown}")
+                   f"(TE #1190 symptom: activation recompute outside FP8?) in {shown}; "
+                   f"recompute FP8 layers with te.distributed.checkpoint on TE >= "
+                   f"{'.'.join(map(str, MIN_TE_FOR_RECOMPUTE))} (Composer FSDP1: "
+                   f"te_checkpoint_wrapper: true, activation_checkpointing_reentrant: false) or "
+                   f"foundry_fp8.emulate.fp8_checkpoint, not torch.utils.checkpoint")
         if self.strict:
             raise FP8StateError(message + " (fp8_state: {strict: false} only warns)")
         log.warning(message)
