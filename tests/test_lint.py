@@ -90,6 +90,7 @@ CASES: dict[str, tuple[dict, str, int]] = {
                "algorithms.te_swap.keep_first_blocks", 1),
     "FP8021": ({"algorithms": {"te_swap": {}}}, "algorithms.te_swap", 1),
     "FP8022": ({"callbacks": ["fp8_stats", "fp8_state"]}, "callbacks", 1),
+    "FP8023": ({"callbacks": {"fp8_lint": {"fail_on": "warning"}}}, "callbacks.fp8_lint.fail_on", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -116,6 +117,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8020": (_merge(EMULATE, {"algorithms": {"te_swap": {"keep_first_blocks": 2}}}), 1),
     "FP8021": (EMULATE, 1),
     "FP8022": ({"callbacks": {"fp8_stats": {}, "fp8_state": None}}, 1),
+    "FP8023": ({"callbacks": {"fp8_lint": {"fail_on": "never"}}}, 1),
 }
 
 
@@ -496,13 +498,16 @@ _values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(all
                        | st.text(max_size=5),
                        lambda inner: st.lists(inner, max_size=3)
                        | st.dictionaries(st.text(max_size=8) | st.sampled_from(
-                           ["te_swap", "fp8_stats", "fp8_lint", "fp8_state", "fc_type", "name",
-                            "ffn_config", "mixed_precision", "num_workers", "fp8_recipe"]),
+                           ["te_swap", "fp8_stats", "fp8_lint", "fp8_state", "jsonl", "fc_type",
+                            "name", "ffn_config", "mixed_precision", "num_workers", "fp8_recipe",
+                            "recipe", "interval", "tensors", "layers", "include", "path",
+                            "dump_folder", "fail_on", "watch_batches", "te_debug"]),
                            inner, max_size=4), max_leaves=12)
 _keys = st.sampled_from(["precision", "model", "fsdp_config", "algorithms", "callbacks",
                          "loggers", "max_seq_len", "device_train_microbatch_size",
                          "precision_config", "train_loader", "eval_loader", "eval_loaders",
-                         "variables", "precison"])
+                         "variables", "precison", "icl_tasks", "icl_tasks_str", "eval_gauntlet",
+                         "code_paths"])
 
 
 @settings(max_examples=300, deadline=None)
@@ -537,3 +542,154 @@ def test_a_misspelled_choice_names_the_choices_and_the_closest():
     assert [(f.rule, f.key) for f in found] == [("FP8020", "algorithms.te_swap.backend")]
     assert found[0].message == ("te_swap.backend must be one of 'te', 'emulate', got 'emualte' "
                                 "(did you mean `emulate`?)")
+
+
+# -- section shapes LLM-Foundry accepts (FP8022) ---------------------------------------------
+
+#: Modeled on LLM-Foundry's scripts/train/yamls/pretrain/gpt-neo-125m_eval.yaml, with the list
+#: form of eval_loader that make_dataclass_and_log_config turns into eval_loaders.
+GPT_NEO_EVAL = """\
+variables:
+  data_local: ./my-copy-c4
+  max_seq_len: 2048
+max_seq_len: ${variables.max_seq_len}
+model:
+  name: hf_causal_lm
+  pretrained_model_name_or_path: EleutherAI/gpt-neo-125M
+  pretrained: false
+tokenizer:
+  name: EleutherAI/gpt-neo-125M
+train_loader:
+  name: text
+  dataset: {local: '${variables.data_local}', split: train, max_seq_len: 2048}
+  num_workers: 8
+eval_loader:
+  - label: c4
+    name: text
+    dataset: {local: '${variables.data_local}', split: val, max_seq_len: 2048}
+    num_workers: 8
+  - label: c4_small
+    name: text
+    dataset: {local: '${variables.data_local}', split: val_small, max_seq_len: 2048}
+    num_workers: 8
+scheduler: {name: cosine_with_warmup, t_warmup: 100ba, alpha_f: 0.1}
+optimizer: {name: decoupled_adamw, lr: 6.0e-4, betas: [0.9, 0.95]}
+max_duration: 4800ba
+eval_interval: 500ba
+global_train_batch_size: 256
+device_eval_batch_size: 4
+device_train_microbatch_size: 4
+precision: amp_bf16
+icl_tasks: eval/yamls/tasks_v0.2.yaml  # a path: LLM-Foundry reads it as icl_tasks_str
+icl_subset_num_batches: 2
+eval_gauntlet: 'eval/yamls/eval_gauntlet_v0.2.yaml'
+icl_seq_len: 1024
+code_paths: [my_code.py]
+callbacks:
+  speed_monitor: {window_size: 10}
+  lr_monitor: {}
+"""
+
+
+def test_gpt_neo_eval_style_config_lints_clean(tmp_path):
+    path = tmp_path / "gpt-neo-125m_eval.yaml"
+    path.write_text(GPT_NEO_EVAL)
+    result = _lint(str(path), "--format", "json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["files"][0]["findings"] == []
+
+
+@pytest.mark.parametrize(("edit", "key"), [
+    ({"icl_tasks": {"label": "x"}}, "icl_tasks"),
+    ({"icl_tasks": ["tasks.yaml"]}, "icl_tasks.0"),
+    ({"eval_gauntlet": ["a", "b"]}, "eval_gauntlet"),
+    ({"eval_loader": [{"name": "text"}, "c4"]}, "eval_loader.1"),
+    ({"eval_loader": "c4"}, "eval_loader"),
+    ({"eval_loaders": {"name": "text"}}, "eval_loaders"),
+    ({"code_paths": "my_code.py"}, "code_paths"),
+    ({"loggers": ["jsonl"]}, "loggers"),
+    ({"algorithms": "te_swap"}, "algorithms"),
+    ({"tokenizer": None}, "tokenizer"),  # mandatory: not Optional
+    ({"eval_loader": {"name": "text"}, "eval_loaders": [{"name": "text"}]}, "eval_loaders"),
+    ({"icl_tasks": None, "icl_tasks_str": "tasks.yaml"}, "icl_tasks_str"),
+])
+def test_section_shapes_llmfoundry_refuses(edit, key):
+    found = [f for f in lint_config(edit) if f.rule == "FP8022"]
+    assert [f.key for f in found] == [key], found
+    assert "FP8009" not in {f.rule for f in lint_config(edit)}
+
+
+@pytest.mark.parametrize("edit", [
+    {"eval_loader": [{"name": "text"}]}, {"eval_loader": []}, {"eval_loader": None},
+    {"eval_loaders": [{"name": "text"}]}, {"icl_tasks": [{"label": "x"}]}, {"icl_tasks": ""},
+    {"eval_gauntlet": {"weighting": "EQUAL"}}, {"eval_gauntlet": "gauntlet.yaml"},
+    {"code_paths": ["a.py", 1]}, {"save_ignore_keys": []}, {"loggers": None},
+    {"eval_loader": None, "eval_loaders": [{"name": "text"}]}, {"icl_tasks_str": "tasks.yaml"},
+])
+def test_section_shapes_llmfoundry_accepts(edit):
+    assert "FP8022" not in {f.rule for f in lint_config(edit)}
+
+
+def test_keys_that_are_not_strings_are_named_at_their_line(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text(BASE + "1: 2\ncallbacks:\n  on: {}\n")  # `on` is a bool in YAML 1.1
+    entry = lint_file(path)
+    assert entry["error"] is None
+    found = [(f["rule"], f["key"], f["line"]) for f in entry["findings"]]
+    assert found == [("FP8022", "1", 16), ("FP8022", "callbacks.True", 18)]
+    assert "keys must be strings" in entry["findings"][0]["message"]
+    # deeper down LLM-Foundry does not check, so neither do we
+    assert lint_config({"model": {"config_overrides": {"id2label": {0: "neg"}}}}) == []
+
+
+# -- load messages -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("model:\n\td_model: 64\n", ":2:1"),
+    ("model:\n  d_model: 64\n\tn_heads: 4\n", ":3:1"),
+    ("model:\n  d_model: 64\n  \tn_heads: 4\n", ":3:3"),
+    ("\tprecision: amp_fp8\n", ":1:1"),
+    ("a: |\n\tx\n", ":2:1"),
+])
+def test_a_tab_in_indentation_is_named(tmp_path, text, where):
+    path = tmp_path / "tab.yaml"
+    path.write_text(text)
+    result = _lint(str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    error, = result.stderr.strip().splitlines()
+    assert error == f"error: {path}{where}: not valid YAML: a tab is not allowed in YAML " \
+                    "indentation (use spaces)"
+
+
+@pytest.mark.parametrize(("text", "where", "snippet"), [
+    ("precision: amp_bf16\nnull: 3\n", ":2:1", "the key `null` is read as null"),
+    ("model:\n  d_model: 64\n  ~: 3\n", ":3:3", "the key `~` is read as null"),
+    ("model:\n  ? [1, 2]\n  : 3\n", ":2:5", "the key is a list or a mapping"),
+])
+def test_keys_omegaconf_refuses_exit_2_at_their_line(tmp_path, text, where, snippet):
+    path = tmp_path / "key.yaml"
+    path.write_text(text)
+    result = _lint(str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    error, = result.stderr.strip().splitlines()
+    assert error.startswith(f"error: {path}{where}: cannot load: {snippet}"), error
+    assert "keys must be strings" in error
+
+
+def test_a_folder_without_yaml_exits_2_naming_it(tmp_path):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    (tmp_path / "empty" / "notes.txt").write_text("no YAML here")
+    folder = tmp_path / "empty"
+    result = _lint(str(folder))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    error, = result.stderr.strip().splitlines()
+    assert error == f"error: {folder}: no .yaml or .yml file in this folder"
+    assert "0 file(s) linted" in result.stdout and "1 path(s) could not be linted" in result.stdout
+    # next to a folder with YAML it still fails the run
+    good = tmp_path / "good"
+    good.mkdir()
+    _write(good, {})
+    result = _lint(str(good), str(folder), "--format", "json")
+    assert result.returncode == 2
+    errors = [e["error"] for e in json.loads(result.stdout)["files"]]
+    assert errors == [None, f"{folder}: no .yaml or .yml file in this folder"]

@@ -14,13 +14,59 @@ from foundry_fp8.lint import known
 from foundry_fp8.lint.entries import NO_DEFAULT, UNREADABLE, our_entries
 from foundry_fp8.lint.rules import lint_config
 
+_MANDATORY = {"model": {}, "tokenizer": {}, "optimizer": {}, "scheduler": {}, "train_loader": {},
+              "device_train_batch_size": 1, "device_eval_batch_size": 1, "max_duration": "1ba",
+              "max_seq_len": 8, "global_train_batch_size": 8, "device_train_microbatch_size": 1}
 
-def test_mapping_sections_are_trainconfigs_dict_fields():
+
+def _llmfoundry_accepts(config: dict) -> bool:
+    """Whether `llmfoundry train` gets past building its TrainConfig from this config."""
+    from llmfoundry.utils.config_utils import (
+        TRAIN_CONFIG_KEYS,
+        TrainConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+
+    try:
+        make_dataclass_and_log_config(OmegaConf.create({**_MANDATORY, **config}), TrainConfig,
+                                      TRAIN_CONFIG_KEYS, transforms="all")
+    except Exception:  # omegaconf's ValidationError, forbid_config_key's ValueError, an assert
+        return False
+    return True
+
+
+def test_section_shapes_cover_trainconfigs_container_fields():
     from llmfoundry.utils.config_utils import TrainConfig
 
-    dict_fields = {f.name for f in dataclasses.fields(TrainConfig)
-                   if str(f.type).replace("typing.", "").removeprefix("Optional[").startswith("dict[")}
-    assert known.MAPPING_SECTIONS == dict_fields
+    containers = {f.name for f in dataclasses.fields(TrainConfig)
+                  if "dict[" in str(f.type) or "list[" in str(f.type)}
+    assert set(known.SECTION_SHAPES) == containers
+    assert set(known.FILLED_KEYS) <= containers | {"icl_tasks_str", "eval_gauntlet_str"}
+
+
+_SHAPE_SAMPLES = [{"a": {}}, {}, [{"a": 1}], [], "x.yaml", "", ["a", 1, True], None, 3, True,
+                  [None], ["a", {"b": 1}], [[1]], [{"a": 1}, "b"], {1: 2}, [{1: 2}]]
+
+
+@pytest.mark.parametrize("key", sorted(known.SECTION_SHAPES))
+def test_section_shapes_agree_with_llmfoundry(key):
+    for sample in _SHAPE_SAMPLES:
+        flagged = any(f.rule == "FP8022" for f in lint_config({key: sample}))
+        assert _llmfoundry_accepts({key: sample}) != flagged, (key, sample)
+
+
+@pytest.mark.parametrize("config", [
+    {1: 2}, {True: 2},
+    {"eval_loader": {}, "eval_loaders": []}, {"eval_loader": None, "eval_loaders": []},
+    {"eval_loader": [{}], "eval_loaders": []},
+    {"icl_tasks": "a", "icl_tasks_str": "b"}, {"icl_tasks": None, "icl_tasks_str": "b"},
+    {"icl_tasks_str": "b"}, {"eval_gauntlet": None, "eval_gauntlet_str": "b"},
+    {"eval_gauntlet_str": "b"}, {"model": {"a": {1: 2}}},
+])
+def test_keys_rule_agrees_with_llmfoundry(config):
+    flagged = any(f.rule == "FP8022" for f in lint_config(config))
+    assert _llmfoundry_accepts(config) != flagged
 
 
 def test_train_config_keys_match_llmfoundry():
@@ -160,3 +206,86 @@ def test_entry_options_equal_the_real_signatures():
                 assert real is inspect.Parameter.empty
             elif option.default is not UNREADABLE:
                 assert option.default == real, (entry.name, option.name)
+
+
+# -- our entries' option values: the linter's verdict is the constructor's ------------------
+
+#: (entry, options): values the constructors refuse, and near misses they accept.
+CONSTRUCTOR_CASES = [
+    ("te_swap", {"keep_first_blocks": -1}), ("te_swap", {"keep_last_blocks": 2}),
+    ("te_swap", {"min_gemm_size": -16}), ("te_swap", {"tokens_per_microbatch": 0}),
+    ("te_swap", {"tokens_per_microbatch": 8}), ("te_swap", {"include": "("}),
+    ("te_swap", {"exclude": r"lm_head|blocks\.0\."}), ("te_swap", {"backend": "emualte"}),
+    ("te_swap", {"fp8_recipe": {"fp8_format": "E5M2"}}), ("te_swap", {"fp8_recipe": {"margin": 1}}),
+    ("fp8_state", {"watch_batches": -1}), ("fp8_state", {"watch_batches": 0}),
+    ("fp8_lint", {"fail_on": "warning"}), ("fp8_lint", {"fail_on": "never"}),
+    ("jsonl", {"path": "{runname}/m.jsonl"}), ("jsonl", {"path": "{run_name}/m.jsonl"}),
+    ("jsonl", {"path": "a{b"}), ("jsonl", {"path": ""}),
+    ("fp8_stats", {"layers": "("}), ("fp8_stats", {"exclude": "[a"}),
+    ("fp8_stats", {"dump_layers": "*"}), ("fp8_stats", {"layers": "attn|ffn"}),
+    ("fp8_stats", {"tensors": ["activations"]}), ("fp8_stats", {"tensors": ["weight"]}),
+    ("fp8_stats", {"dump_max_mb": -1}), ("fp8_stats", {"dump_max_mb": 0.5}),
+    ("fp8_stats", {"recipe": {"scaling": "delayed", "interval": 1}}),
+    ("fp8_stats", {"recipe": "delyaed"}), ("fp8_stats", {"recipe": "delayed"}),
+    ("fp8_stats", {"recipe": {"scaling": "current", "use_power_2_scales": True}}),
+    ("fp8_stats", {"te_debug": "dleayed"}),
+    *[("fp8_stats", {"interval": i}) for i in (
+        0, 1, 7, "100ba", "5BA", " 5ba", "5 ba", "1e2ba", "1_0ba", "+3ba", "2.5ba", "0ba",
+        "-1ba", "ba", "0x10ba", "infba", "nanba", "1h2m3s", "5ep", "10tok")],
+]
+
+
+def _build(name: str, options: dict) -> bool:
+    """Whether our class for entry `name` accepts these options."""
+    import importlib
+
+    entry = next(e for e in our_entries().values() if e.name == name)
+    module, _, cls = entry.target.partition(":")
+    extra = {"train_config": {}} if entry.reserved else {}
+    extra.update({"backend": "emulate"} if name == "te_swap" and "backend" not in options else {})
+    try:
+        getattr(importlib.import_module(module), cls)(**extra, **options)
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("name", "options"), CONSTRUCTOR_CASES,
+                         ids=[f"{n}-{o}" for n, o in CONSTRUCTOR_CASES])
+def test_option_verdicts_agree_with_the_constructors(name, options):
+    from foundry_fp8.lint.values import check_options
+
+    section = next(s for (s, n) in our_entries() if n == name)
+    given = {**options, **({"backend": "emulate"} if name == "te_swap" and "backend" not in
+                           options else {})}
+    flagged = [f for f in lint_config({section: {name: given}})
+               if f.rule in ("FP8008", "FP8019", "FP8020", "FP8023")]
+    built = _build(name, options)
+    assert built == (not flagged), flagged
+    try:
+        check_options(name, given)
+        checked = True
+    except ValueError:
+        checked = False
+    assert checked == built
+
+
+def test_option_constants_read_from_source_equal_the_modules():
+    from foundry_fp8.composer import jsonl_logger, lint
+    from foundry_fp8.lint.entries import module_constant
+    from foundry_fp8.monitor import TENSOR_KINDS
+
+    assert module_constant("foundry_fp8.composer.lint", "FAIL_ON") == lint.FAIL_ON
+    assert module_constant("foundry_fp8.monitor", "TENSOR_KINDS") == TENSOR_KINDS
+    assert module_constant("foundry_fp8.composer.jsonl_logger", "PLACEHOLDERS") == \
+        jsonl_logger.PLACEHOLDERS
+
+
+def test_dump_folder_is_formatted_with_the_jsonl_placeholders():
+    """FP8023 checks fp8_stats' dump_folder with the jsonl logger's placeholders: what
+    FP8Stats fills it with at FIT_START (it does not check it when built)."""
+    from foundry_fp8.composer import jsonl_logger, stats
+
+    source = inspect.getsource(stats)
+    assert "self.dump_folder.format(run_name=state.run_name)" in source
+    assert jsonl_logger.PLACEHOLDERS == ("run_name",)

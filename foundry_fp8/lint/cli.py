@@ -42,12 +42,19 @@ def _as_dict(finding: Finding, position: tuple[int, int] | None) -> dict[str, An
             "line": line, "column": column, "message": finding.message, "fix": finding.fix}
 
 
-def _expand(paths: list[str]) -> list[Path]:
-    files: list[Path] = []
+def _expand(paths: list[str]) -> list[Path | dict[str, Any]]:
+    """The files to lint; a folder without YAML files becomes an error entry (a wrong path in
+    CI must not pass as "0 files linted")."""
+    items: list[Path | dict[str, Any]] = []
     for name in paths:
         p = Path(name)
-        files.extend(sorted(p.rglob("*.yaml")) + sorted(p.rglob("*.yml")) if p.is_dir() else [p])
-    return files
+        if not p.is_dir():
+            items.append(p)
+            continue
+        found = sorted(p.rglob("*.yaml")) + sorted(p.rglob("*.yml"))
+        items += found or [{"path": str(p), "error": f"{p}: no .yaml or .yml file in this folder",
+                            "findings": []}]
+    return items
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +73,8 @@ def exit_code(report: dict[str, Any]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     fsdp_version = fsdp_version_from_env(os.environ)
-    report = {"files": [lint_file(p, fsdp_version) for p in _expand(args.paths)]}
+    report = {"files": [lint_file(p, fsdp_version) if isinstance(p, Path) else p
+                        for p in _expand(args.paths)]}
     if args.format == "json":
         print(render_json(report))
     elif args.format == "sarif":

@@ -93,6 +93,21 @@ def _source_file(module: str) -> Path | None:
 
 
 @functools.cache
+def module_constant(module: str, name: str) -> Any:
+    """A literal module-level constant of ours (`FAIL_ON = ("error", "never")`), read from the
+    module's source so that nothing is imported (our Composer modules import torch)."""
+    path = _source_file(module)
+    if path is None:
+        raise LookupError(f"{module} is not a module of ours")
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) and node.value else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return ast.literal_eval(node.value)  # type: ignore[union-attr,arg-type]
+    raise LookupError(f"no literal constant {name} in {module}")
+
+
+@functools.cache
 def our_entries() -> dict[tuple[str, str], Entry]:
     """(section, name) -> Entry for every entry point of ours that LLM-Foundry would load."""
     entries: dict[tuple[str, str], Entry] = {}
@@ -128,12 +143,13 @@ _NAMED: dict[str, Check] = {
     "str": lambda v: isinstance(v, str),
     "None": lambda v: v is None,
     "list": lambda v: isinstance(v, list),
-    "tuple": lambda v: isinstance(v, list),  # YAML has no tuples; LLM-Foundry passes lists
-    "Sequence": lambda v: isinstance(v, list),
+    # YAML gives lists; tuples are what a constructor's own defaults hold
+    "tuple": lambda v: isinstance(v, (list, tuple)),
+    "Sequence": lambda v: isinstance(v, (list, tuple)),
     "dict": lambda v: isinstance(v, Mapping),
     "Mapping": lambda v: isinstance(v, Mapping),
-    # A YAML value is never callable, so only `None` (from an Optional) fits a Callable.
-    "Callable": lambda v: False,
+    # A YAML value is never callable, so only `None` (from an Optional) fits a Callable there.
+    "Callable": callable,
 }
 
 
@@ -177,16 +193,34 @@ def _check_for(node: ast.expr) -> Check | None:
     return None
 
 
+def _members(node: ast.expr) -> list[ast.expr]:
+    """The parts of a union (`A | B`, `Optional[A]`, `Union[A, B]`), or [node]."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _members(node.left) + _members(node.right)
+    if isinstance(node, ast.Subscript) and _name(node.value) in ("Optional", "Union"):
+        inner = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        parts = [m for part in inner for m in _members(part)]
+        return parts + ([ast.Constant(None)] if _name(node.value) == "Optional" else [])
+    return [node]
+
+
 def literal_values(annotation: str | None) -> list[Any] | None:
-    """The values of a plain `Literal[...]` annotation (None for any other annotation)."""
+    """The values a `Literal[...]` annotation admits, None included when it is a union with
+    None (`Literal["a", "b"] | None`); None for any other annotation."""
     try:
-        node = ast.parse(annotation or "", mode="eval").body
+        parts = _members(ast.parse(annotation or "", mode="eval").body)
     except SyntaxError:
         return None
-    if not (isinstance(node, ast.Subscript) and _name(node.value) == "Literal"):
-        return None
-    members = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-    return [m.value for m in members if isinstance(m, ast.Constant)]
+    values: list[Any] = []
+    for part in parts:
+        if isinstance(part, ast.Constant) and part.value is None:
+            values.append(None)
+        elif isinstance(part, ast.Subscript) and _name(part.value) == "Literal":
+            members = part.slice.elts if isinstance(part.slice, ast.Tuple) else [part.slice]
+            values += [m.value for m in members if isinstance(m, ast.Constant)]
+        else:
+            return None
+    return values if any(v is not None for v in values) else None
 
 
 def accepts(annotation: str | None, value: Any) -> bool:

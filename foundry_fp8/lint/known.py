@@ -29,13 +29,33 @@ TRAIN_CONFIG_KEYS = frozenset({
     "run_name", "autoresume", "profiler", "variables", "n_gpus", "device_train_grad_accum",
 })
 
-#: TrainConfig fields annotated `dict[str, Any]` (optional or not): sections that must be
-#: mappings. `variables` is popped before TrainConfig is built and is used as a mapping.
-MAPPING_SECTIONS = frozenset({
-    "model", "tokenizer", "optimizer", "scheduler", "train_loader", "fsdp_config", "tp_config",
-    "eval_loader", "eval_gauntlet", "loggers", "callbacks", "algorithms", "compile_config",
-    "metadata", "profiler", "variables",
-})
+#: The YAML shapes of TrainConfig's container fields, as `make_dataclass_and_log_config`
+#: (llmfoundry/utils/config_utils.py) lets them through: omegaconf's structured config checks
+#: the field's type (`dict[str, Any]`: a mapping with string keys; `list[dict[str, Any]]`: a
+#: list of such mappings; `list[str]`: a list of scalars, which omegaconf turns into strings),
+#: null only where it is Optional; and before that LLM-Foundry flattens three unions: a list
+#: `eval_loader` becomes `eval_loaders`, a string `icl_tasks` / `eval_gauntlet` becomes
+#: `icl_tasks_str` / `eval_gauntlet_str`.
+MAPPING, MAPPINGS, SCALARS, STRING, NULL = ("a mapping", "a list of mappings", "a list of strings",
+                                            "a string", "null")
+SECTION_SHAPES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("model", "tokenizer", "optimizer", "scheduler", "train_loader"), (MAPPING,)),
+    **dict.fromkeys(("fsdp_config", "tp_config", "loggers", "callbacks", "algorithms",
+                     "compile_config", "metadata", "profiler", "variables"), (MAPPING, NULL)),
+    "eval_loader": (MAPPING, MAPPINGS, NULL),
+    "eval_loaders": (MAPPINGS, NULL),
+    "icl_tasks": (MAPPINGS, STRING, NULL),
+    "eval_gauntlet": (MAPPING, STRING, NULL),
+    **dict.fromkeys(("code_paths", "load_ignore_keys", "save_ignore_keys"), (SCALARS, NULL)),
+}
+
+#: Keys LLM-Foundry fills itself from another when flattening those unions, and refuses next to
+#: it (`forbid_config_key`): key -> (source key, refused even when the source is null).
+FILLED_KEYS: dict[str, tuple[str, bool]] = {
+    "eval_loaders": ("eval_loader", False),
+    "icl_tasks_str": ("icl_tasks", True),
+    "eval_gauntlet_str": ("eval_gauntlet", True),
+}
 
 #: `fields(FSDPConfig)` without the private `_device_mesh` (composer/utils/parallelism.py).
 #: Its `__init__` sets any keyword as an attribute, so an unknown key is silently ignored.

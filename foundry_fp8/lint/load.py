@@ -35,6 +35,17 @@ class LoadedConfig:
     env_keys: tuple[str, ...] = ()
 
 
+def _key_text(node: yaml.Node) -> str:
+    """A mapping key as the loaded config spells it: `1` for `0x1`, `True` for `on`, `None`
+    for `null`; the text itself for strings and for what does not construct."""
+    if not isinstance(node, yaml.ScalarNode) or node.tag.endswith(":str"):
+        return str(node.value)
+    try:
+        return str(yaml.SafeLoader("").construct_object(node, deep=True))
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError):
+        return str(node.value)
+
+
 def key_positions(root: yaml.Node | None,
                   ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
     """Dotted key path (list items by index) -> (line, column) of the key in a composed YAML
@@ -49,7 +60,8 @@ def key_positions(root: yaml.Node | None,
         active.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for key_node, value in node.value:
-                path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                key = _key_text(key_node)
+                path = f"{prefix}.{key}" if prefix else key
                 positions.setdefault(path, (key_node.start_mark.line + 1,
                                             key_node.start_mark.column + 1))
                 walk(value, path)
@@ -67,8 +79,35 @@ def key_positions(root: yaml.Node | None,
     return positions, env_values
 
 
-def _yaml_error(path: Path, error: yaml.YAMLError) -> LintInputError:
+def _key_problem(root: yaml.Node) -> tuple[yaml.Node, str] | None:
+    """The first mapping key omegaconf refuses (null, a list or a mapping), and why; other
+    keys that are not strings load, and FP8022 reports them where LLM-Foundry refuses them."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, _ in node.value:
+                if not isinstance(key, yaml.ScalarNode):
+                    return key, "is a list or a mapping; keys must be strings"
+                if key.tag.endswith(":null"):
+                    return key, (f"`{key.value}` is read as null" if key.value else
+                                 "is empty, read as null") + "; keys must be strings (quote it)"
+            stack += [value for _, value in reversed(node.value)]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += list(reversed(node.value))
+    return None
+
+
+def _yaml_error(path: Path, error: yaml.YAMLError, text: str) -> LintInputError:
     mark = getattr(error, "problem_mark", None)
+    if mark is not None and 0 <= mark.index < len(text) and text[mark.index] == "\t" \
+            and isinstance(error, yaml.scanner.ScannerError):
+        return LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: a tab "
+                              "is not allowed in YAML indentation (use spaces)")
     where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
     problem = getattr(error, "problem", None) or str(error).splitlines()[0]
     return LintInputError(f"{path}{where}: not valid YAML: {problem}")
@@ -91,10 +130,15 @@ def load_config(path: Path) -> LoadedConfig:
         if not isinstance(root, yaml.MappingNode):
             raise LintInputError(f"{path}:{root.start_mark.line + 1}: a train config must be a "
                                  "mapping")
+        bad_key = _key_problem(root)
+        if bad_key:
+            mark = bad_key[0].start_mark
+            raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: cannot load: the key "
+                                 f"{bad_key[1]}")
         positions, env_values = key_positions(root)
         raw = OmegaConf.create(text)
     except yaml.YAMLError as e:
-        raise _yaml_error(path, e) from None
+        raise _yaml_error(path, e, text) from None
     except (OmegaConfBaseException, ValueError, TypeError, RecursionError) as e:
         raise LintInputError(f"{path}:1: cannot load: {str(e).splitlines()[0]}") from None
     env_keys = []

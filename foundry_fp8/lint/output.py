@@ -59,10 +59,10 @@ def render_text(report: Mapping[str, Any], colour: bool = False) -> str:
             out.append(indent + _paint(f"fix: {f['fix']}", "dim", colour))
         out.append("")
     unreadable = sum(1 for e in report["files"] if e["error"])
-    summary = (f"{len(report['files'])} file(s) linted: {counts['error']} error(s), "
-               f"{counts['warning']} warning(s), {counts['info']} info")
+    summary = (f"{len(report['files']) - unreadable} file(s) linted: {counts['error']} "
+               f"error(s), {counts['warning']} warning(s), {counts['info']} info")
     if unreadable:
-        summary += f", {unreadable} file(s) could not be linted"
+        summary += f"; {unreadable} path(s) could not be linted"
     out.append(summary)
     return "\n".join(out)
 

@@ -3,8 +3,9 @@
 Each rule is a function `(config, context) -> findings`, registered in RULES with its id, the
 severity it reports at most, what it catches, why (with the source the fact was verified in)
 and the usual fix. `docs/rules.md` is generated from RULES (`python -m foundry_fp8.lint.docs`).
-Recipe checks reuse `foundry_fp8.recipe.recipe_problems`, so the linter and `te_swap` agree;
-our entries' options come from their classes' signatures (`foundry_fp8.lint.entries`).
+Our entries' options are checked by `foundry_fp8.lint.values` (names and types from the
+classes' signatures, values from one table, recipes by `foundry_fp8.recipe.recipe_problems`),
+which the constructors can call too, so the linter and the run agree.
 """
 
 from __future__ import annotations
@@ -13,23 +14,29 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from foundry_fp8.lint.entries import NO_DEFAULT, UNREADABLE, accepts, literal_values, our_entries
+from foundry_fp8.lint.entries import NO_DEFAULT, UNREADABLE, our_entries
 from foundry_fp8.lint.known import (
+    FILLED_KEYS,
     FP8_DTYPE_NAMES,
     FSDP2_CONFIG_KEYS,
     FSDP_CONFIG_KEYS,
-    MAPPING_SECTIONS,
+    MAPPING,
+    MAPPINGS,
     MIXED_PRECISION_DTYPE_KEYS,
     MIXED_PRECISION_MODES,
     MPT_DEFAULTS,
+    NULL,
     PRECISIONS,
     REENTRANT_DEFAULT,
+    SCALARS,
+    SECTION_SHAPES,
+    STRING,
     TEXT_LOADER_DEFAULTS,
     TORCH_DTYPE_NAMES,
     TRAIN_CONFIG_KEYS,
     did_you_mean,
 )
-from foundry_fp8.recipe import recipe_problems
+from foundry_fp8.lint.values import option_problems
 from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
 
 Severity = Literal["error", "warning", "info"]
@@ -308,17 +315,13 @@ def retired_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Findin
 
 
 def recipe_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
-    recipe = _get(config, "algorithms.te_swap.fp8_recipe")
-    if recipe is None:
-        return
-    for problem in recipe_problems(recipe):
-        key = "algorithms.te_swap.fp8_recipe" + (f".{problem.key}" if problem.key else "")
-        yield Finding("FP8008", "error", key, problem.message, problem.fix)
+    yield from _option_findings(config, "FP8008", ("recipe",))
 
 
 def unknown_top_level_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
     for key in config:
-        key = str(key)
+        if not isinstance(key, str):
+            continue  # FP8022: keys must be strings
         if key not in TRAIN_CONFIG_KEYS and key not in RETIRED_TOP_LEVEL:
             yield Finding("FP8009", "error", key,
                           f"LLM-Foundry 0.22 refuses unknown top-level key `{key}`"
@@ -326,13 +329,65 @@ def unknown_top_level_keys(config: Mapping[str, Any], ctx: LintContext) -> Itera
                           "fix the spelling, or move the value under `variables:`")
 
 
-def sections_not_mappings(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
-    for key in sorted(MAPPING_SECTIONS & {str(k) for k in config}):
-        value = config[key]
-        if value is not None and not isinstance(value, Mapping):
+def _item_fits(item: Any, shape: str) -> bool:
+    """An item of a list section: a mapping, or a scalar omegaconf makes a string (bool too)."""
+    return isinstance(item, Mapping) if shape == MAPPINGS else isinstance(item, (str, int, float))
+
+
+def _shape_fits(value: Any, shape: str) -> bool:
+    if shape == NULL:
+        return value is None
+    if shape == STRING:
+        return isinstance(value, str)
+    if shape == MAPPING:
+        return isinstance(value, Mapping)
+    return isinstance(value, list) and all(_item_fits(v, shape) for v in value)
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r:.60}"
+
+
+def _wrong_shape(key: str, value: Any, shapes: tuple[str, ...]) -> Finding:
+    listed = next((s for s in shapes if s in (MAPPINGS, SCALARS)), None)
+    if listed and isinstance(value, list):  # the list is fine, one of its items is not
+        bad = next(i for i, v in enumerate(value) if not _item_fits(v, listed))
+        item = "a mapping" if listed == MAPPINGS else "a string"
+        return Finding("FP8022", "error", f"{key}.{bad}", f"each item of `{key}` must be {item}, "
+                       f"got {_shown(value[bad])}", f"write item {bad} of {key} as {item}")
+    what = shapes[0] if len(shapes) == 1 else f"{', '.join(shapes[:-1])} or {shapes[-1]}"
+    return Finding("FP8022", "error", key, f"`{key}` must be {what}, got {_shown(value)}",
+                   f"write {key} as {shapes[0]}")
+
+
+def _non_string_keys(prefix: str, mapping: Mapping[Any, Any]) -> Iterator[Finding]:
+    for key in mapping:
+        if not isinstance(key, str):
+            yield Finding("FP8022", "error", f"{prefix}{key}",
+                          f"key `{key}` is read as {type(key).__name__}, not a string (YAML reads "
+                          "unquoted numbers, true/false, yes/no and on/off so); LLM-Foundry's "
+                          "config keys must be strings", "quote the key")
+
+
+def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
+    """Sections whose YAML shape TrainConfig refuses, keys that are not strings where
+    LLM-Foundry reads them (top level, a section's own keys), and keys it fills itself."""
+    yield from _non_string_keys("", config)
+    for key, shapes in SECTION_SHAPES.items():
+        value = config.get(key)
+        if key not in config or any(_shape_fits(value, shape) for shape in shapes):
+            mappings = [value] if isinstance(value, Mapping) else \
+                value if _shape_fits(value, MAPPINGS) else []
+            for index, mapping in enumerate(mappings):
+                prefix = f"{key}." if isinstance(value, Mapping) else f"{key}.{index}."
+                yield from _non_string_keys(prefix, mapping)
+        else:
+            yield _wrong_shape(key, value, shapes)
+    for key, (source, even_null) in FILLED_KEYS.items():
+        if key in config and source in config and (even_null or config[source] is not None):
             yield Finding("FP8022", "error", key,
-                          f"`{key}` must be a mapping, got {type(value).__name__} {value!r:.60}",
-                          f"write {key} as a mapping (`name: value` lines)")
+                          f"LLM-Foundry fills `{key}` from `{source}` itself and refuses both in "
+                          "one config ('should not be set')", f"remove {key}; give it as {source}")
 
 
 def unknown_fsdp_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
@@ -498,52 +553,31 @@ def _entry_items(config: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any]]:
             yield f"{section}.{name}", entry, block[name]
 
 
+def _option_findings(config: Mapping[str, Any], rule: str,
+                     kinds: tuple[str, ...]) -> Iterator[Finding]:
+    """Our entries' option problems of these kinds (foundry_fp8.lint.values)."""
+    for key, entry, options in _entry_items(config):
+        if isinstance(options, Mapping):
+            for problem in option_problems(entry, options):
+                if problem.kind in kinds:
+                    yield Finding(rule, "error", f"{key}.{problem.option}", problem.message,
+                                  problem.fix)
+
+
 def entry_options_unknown(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
     for key, entry, options in _entry_items(config):
-        if options is None:
-            continue
-        if not isinstance(options, Mapping):
+        if options is not None and not isinstance(options, Mapping):
             yield Finding("FP8019", "error", key, f"{entry.name}'s options must be a mapping, "
                           f"got {type(options).__name__}", f"write `{entry.name}: {{}}`")
-            continue
-        for option in options:
-            option = str(option)
-            if option in entry.reserved:
-                yield Finding("FP8019", "error", f"{key}.{option}", f"LLM-Foundry passes "
-                              f"`{option}` itself and refuses it in the YAML",
-                              f"remove {key}.{option}")
-            elif option not in entry.options and not entry.any_options:
-                yield Finding("FP8019", "error", f"{key}.{option}",
-                              f"{entry.name} has no option `{option}`"
-                              + did_you_mean(option, entry.options),
-                              f"use one of: {', '.join(sorted(entry.options))}")
+    yield from _option_findings(config, "FP8019", ("unknown", "reserved"))
 
 
 def entry_option_types(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
-    for key, entry, options in _entry_items(config):
-        if not isinstance(options, Mapping):
-            continue
-        for name, value in options.items():
-            option = entry.options.get(str(name))
-            if option is None or name in RULE_CHECKED_OPTIONS or accepts(option.annotation,
-                                                                           value):
-                continue
-            allowed = literal_values(option.annotation)
-            if allowed is not None:
-                choices = ", ".join(map(repr, allowed))
-                yield Finding("FP8020", "error", f"{key}.{name}",
-                              f"{entry.name}.{name} must be one of {choices}, got {value!r}"
-                              + did_you_mean(str(value), [str(a) for a in allowed]),
-                              f"use one of {choices}")
-                continue
-            yield Finding("FP8020", "error", f"{key}.{name}",
-                          f"{entry.name}.{name} takes {option.annotation}, got "
-                          f"{type(value).__name__} {value!r}",
-                          f"give {name} a value of type {option.annotation}")
+    yield from _option_findings(config, "FP8020", ("type",))
 
 
-#: Options a dedicated rule checks in full (FP8008 for fp8_recipe).
-RULE_CHECKED_OPTIONS = frozenset({"fp8_recipe"})
+def entry_option_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
+    yield from _option_findings(config, "FP8023", ("value",))
 
 
 def te_swap_without_amp_fp8(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Finding]:
@@ -621,10 +655,13 @@ RULES = [
          "FSDPConfig.__init__, composer/trainer/trainer.py (no deepspeed_config); "
          "https://github.com/mosaicml/composer/pull/3732 (DeepSpeed removed)",
          "see the message", retired_keys),
-    Rule("FP8008", "error", "FP8 recipe problems (pure E5M2, keys TE removed such as `interval`, "
-         "unknown keys and values)",
-         "Shared with foundry_fp8.recipe, which te_swap uses, so the linter and the run agree.",
-         "foundry_fp8/recipe.py recipe_problems (TE's DelayedScaling)",
+    Rule("FP8008", "error", "FP8 recipe problems in te_swap's `fp8_recipe` or fp8_stats' "
+         "`recipe` (pure E5M2, keys TE removed such as `interval`, unknown keys and values)",
+         "Shared with foundry_fp8.recipe, which te_swap (FP8Recipe.from_options) and fp8_stats "
+         "(parse_recipe: a scaling name, or a recipe mapping) use, so the linter and the run "
+         "agree.",
+         "foundry_fp8/recipe.py recipe_problems (TE's DelayedScaling); foundry_fp8/monitor.py "
+         "parse_recipe; foundry_fp8/lint/values.py OPTION_VALUES",
          "see the message", recipe_keys),
     Rule("FP8009", "error", "unknown top-level keys (did-you-mean)",
          "LLM-Foundry raises 'Unused parameters [...] found in cfg' for any top-level key that "
@@ -694,22 +731,45 @@ RULES = [
          f"foundry_fp8/composer/*.py __init__ signatures; {FOUNDRY} "
          "llmfoundry/utils/builders.py build_callback (reserved train_config)",
          "fix the spelling", entry_options_unknown),
-    Rule("FP8020", "error", "options of our entries with the wrong type",
-         "Checked against the annotations of the classes' __init__ signatures.",
-         "foundry_fp8/composer/*.py __init__ signatures",
+    Rule("FP8020", "error", "options of our entries with the wrong type (a `Literal` value "
+         "outside its choices, `\"true\"` for a bool, `true` for an int)",
+         "Checked against the annotations of the classes' __init__ signatures; a Literal admits "
+         "only its values, a bool only true/false, an int neither a bool nor a float.",
+         "foundry_fp8/composer/*.py __init__ signatures; foundry_fp8/lint/entries.py accepts",
          "give a value of the annotated type", entry_option_types),
-    Rule("FP8022", "error", "a section that must be a mapping is not one (e.g. `callbacks:` "
-         "written as a list)",
-         "TrainConfig annotates these fields `dict[str, Any]`; LLM-Foundry iterates "
-         "`callbacks`, `algorithms` and `loggers` as name -> options and crashes on a list.",
-         f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig; "
-         "llmfoundry/command_utils/train.py (callbacks, algorithms, loggers)",
-         "write the section as a mapping", sections_not_mappings),
     Rule("FP8021", "error", "te_swap's `te` backend (its default) without amp_fp8",
          "TE layers compute in FP8 only inside Composer's amp_fp8 autocast; te_swap refuses the "
          "run at INIT when nothing would run in FP8.",
          "foundry_fp8/composer/te_swap.py TESwap._convert, foundry_fp8/swap.py would_run_fp8",
          "precision: amp_fp8, or te_swap backend: emulate", te_swap_without_amp_fp8),
+    Rule("FP8022", "error", "a section in a shape LLM-Foundry refuses (`callbacks:` as a list, "
+         "`icl_tasks:` as a mapping), a key that is not a string, or a key LLM-Foundry fills "
+         "itself (`eval_loaders` next to `eval_loader`)",
+         "make_dataclass_and_log_config builds TrainConfig through omegaconf's structured "
+         "config, which refuses a section whose shape its field type does not admit "
+         "(`dict[str, Any]`: a mapping with string keys; `list[dict[str, Any]]`; `list[str]`), "
+         "and asserts that top-level keys are strings. It first accepts a list `eval_loader` "
+         "(as eval_loaders) and a string `icl_tasks` or `eval_gauntlet` (a path, as "
+         "icl_tasks_str / eval_gauntlet_str), refusing those filled keys next to their source.",
+         f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig, "
+         "make_dataclass_and_log_config, forbid_config_key; omegaconf 2.4 OmegaConf.structured",
+         "write the section in one of the shapes the message names", section_shapes),
+    Rule("FP8023", "error", "option values of our entries that their constructors refuse "
+         "(negative counts, regexes that do not compile, unknown choices such as "
+         "`fail_on: warning`, unknown `{placeholders}` in paths)",
+         "LLM-Foundry builds algorithms, callbacks and loggers before training, so a value of "
+         "the right type that the constructor refuses still stops the run (fp8_stats' "
+         "dump_folder is filled with {run_name} at FIT_START, where an unknown placeholder "
+         "switches fp8_stats off). One table (foundry_fp8/lint/values.py OPTION_VALUES) holds "
+         "these constraints; choices the code keeps as constants are read from its source.",
+         "foundry_fp8/swap.py SwapConfig.__post_init__ (te_swap counts, include/exclude); "
+         "foundry_fp8/composer/stats.py _batches, dump_folder.format(run_name=...) and "
+         "foundry_fp8/monitor.py MonitorConfig.__post_init__ (fp8_stats interval, tensors, "
+         "layers/exclude/dump_layers, dump_max_mb); foundry_fp8/composer/state.py "
+         "FP8State.__init__ (watch_batches); foundry_fp8/composer/lint.py FAIL_ON; "
+         "foundry_fp8/composer/jsonl_logger.py check_path, PLACEHOLDERS; "
+         f"{COMPOSER} composer/core/time.py Time.from_timestring",
+         "see the message", entry_option_values),
 ]
 
 
