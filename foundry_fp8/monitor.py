@@ -15,6 +15,11 @@ Watches the GEMM input (activation), weight and output gradient of selected line
 Hooks exist only on logging steps (and, for a delayed what-if, on the recording batches before
 them); a logging step pools its statistics across ranks with one all_reduce per reduction op and
 moves them to the host in one transfer.
+
+Under several ranks the collectives must stay matched, so a failure on one rank (in a hook, in
+`start_step`, in `finish_step`'s own work, or one handed to `fail()`) does not stop that rank: it
+keeps joining each step's collectives, with no statistics of its own, and sets a flag carried by
+the pooling's all_reduce SUM; at that logging step every rank raises FP8MonitorError together.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -51,7 +56,8 @@ CURRENT = FP8Recipe(scaling="current")
 
 
 class FP8MonitorError(RuntimeError):
-    """A hook of the monitor failed (on this rank or another); training itself is unaffected."""
+    """The monitor failed on this rank or another (raised on every rank at the same logging
+    step); training itself is unaffected."""
 
 
 def parse_recipe(option: str | Mapping[str, Any] | FP8Recipe | None) -> FP8Recipe:
@@ -302,7 +308,7 @@ def render_summary(table: Mapping[tuple[str, str], Mapping[str, float]]) -> str:
     return render(dict(table)) if table else ""
 
 
-def _distributed() -> bool:
+def multi_rank() -> bool:
     return (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1)
 
@@ -377,7 +383,8 @@ class FP8Monitor:
         return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
     def start_step(self, step: int | None = None) -> bool:
-        """Arm hooks for this step if it logs, dumps or records; returns whether it did."""
+        """Arm hooks for this step if it logs, dumps or records; returns whether it does (after a
+        failure on this rank, such a step arms nothing but still joins its collectives)."""
         self.abort()
         window = self.record_window
         logging = step is None or self.schedule.logs(step)
@@ -387,6 +394,11 @@ class FP8Monitor:
         dumping = (step is not None and logging and self.schedule.dumps(step)
                    and self.config.dump_folder is not None)
         self._step = _Step(step, logging, recording, dumping)
+        if self.error is None:
+            self._attempt(self._arm, recording)
+        return True
+
+    def _arm(self, recording: bool) -> None:
         if recording and self._history is None:
             self._init_whatif()
         for name, module in self.layers.items():
@@ -399,7 +411,6 @@ class FP8Monitor:
                 self._handles.append(module.register_full_backward_pre_hook(
                     lambda mod, grad_output, name=name: self._guard(self._backward, name, mod,
                                                                     grad_output)))
-        return True
 
     def _init_whatif(self) -> None:
         """Fresh delayed state (history of zeros, scale 1), as TE starts. Never reset: the
@@ -419,6 +430,17 @@ class FP8Monitor:
             hook(*args)
         except Exception as e:  # re-raised by finish_step, on every rank
             self.error = e
+
+    def _attempt(self, work: Callable[..., Any], *args: Any) -> Any:
+        """This rank's own work in a step: on failure under several ranks, `fail()` and return
+        None, so that the rank still joins the step's collectives; in a single process, raise."""
+        try:
+            return work(*args)
+        except Exception as e:
+            self.fail(e)
+            if not multi_rank():
+                raise
+            return None
 
     def _forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         step = self._step
@@ -492,38 +514,59 @@ class FP8Monitor:
 
     def abort(self) -> None:
         """Remove hooks and drop what this step collected (no collectives)."""
+        self._unhook()
+        self._step = None
+
+    def fail(self, error: BaseException) -> None:
+        """Record a failure of ours on this rank and stop collecting. The armed step's and later
+        steps' collectives still run; the first logging step pools the flag and `finish_step`
+        raises FP8MonitorError on every rank there."""
+        if self.error is None:
+            self.error = error
+        self._unhook()
+
+    def _unhook(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._step = None
 
     def finish_step(self) -> dict[str, float]:
         """Remove hooks; on a logging step, pool the statistics over ranks and return
         `{"fp8/<layer>/<tensor>/<stat>": value}`, warning once per layer and tensor that crosses
-        a threshold. Raises FP8MonitorError when a hook failed on any rank."""
+        a threshold. Raises FP8MonitorError when the monitor failed on any rank: in a single
+        process at once, under several ranks on every rank at the first logging step since."""
         step = self._step
         self.abort()
         if step is None:
             return {}
-        distributed = _distributed()
+        distributed = multi_rank()
         if step.recording:
             self._fold_amax(step, distributed)
+        if step.dumping and self.error is None:
+            self._attempt(self._write_dump, step)  # before the pooling, which reports its failure
         if not step.logging:
             if self.error is not None and not distributed:
-                raise FP8MonitorError(f"fp8 monitor hook failed: {self.error!r}") from self.error
+                self._raise_failure(1)
             return {}  # under several ranks, the next logging step's reduce reports it
-        metrics = self._pool(step, distributed)
-        if step.dumping:
-            self._write_dump(step)
-        return metrics
+        return self._pool(step, distributed)
+
+    def _raise_failure(self, ranks: int) -> NoReturn:
+        raise FP8MonitorError(f"fp8 monitor failed on {ranks} rank(s)"
+                              + (f": {self.error!r}" if self.error else "")) from self.error
 
     def _fold_amax(self, step: _Step, distributed: bool) -> None:
         """One delayed-scaling update of the what-if state with this step's amaxes (reduced
-        across ranks as TE's `reduce_amax` does); stays on the device."""
-        assert self._history is not None and self._scale is not None
-        amax = step.amax if step.amax is not None else torch.zeros_like(self._scale)
+        across ranks as TE's `reduce_amax` does); stays on the device. A rank that failed
+        only joins the all_reduce."""
+        amax = step.amax if step.amax is not None else torch.zeros(len(self.rows),
+                                                                    device=self._device())
         if distributed and self.config.recipe.reduce_amax:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+        if self.error is None:
+            self._attempt(self._update_whatif, amax)
+
+    def _update_whatif(self, amax: torch.Tensor) -> None:
+        assert self._history is not None and self._scale is not None
         self._history[0] = amax.to(self._history.device)
         recipe = self.config.recipe
         self._history, self._scale = delayed_scale_update(
@@ -542,10 +585,12 @@ class FP8Monitor:
             all_reduce_sufficient_stats(table)
         seen = table[:, SUFFICIENT_INDEX["seen"]]
         host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen]).cpu().tolist()
-        width = len(STAT_KEYS)
         if host[-1] > 0:  # the one host transfer of this step is above
-            raise FP8MonitorError(f"fp8 monitor hook failed on {int(host[-1])} rank(s)"
-                                  + (f": {self.error!r}" if self.error else "")) from self.error
+            self._raise_failure(int(host[-1]))
+        return self._attempt(self._metrics, step, host) or {}
+
+    def _metrics(self, step: _Step, host: list[float]) -> dict[str, float]:
+        n, width = len(self.rows), len(STAT_KEYS)
         metrics: dict[str, float] = {}
         for i, (layer, tensor) in enumerate(self.rows):
             if host[n * width + i] == 0:
@@ -568,7 +613,7 @@ class FP8Monitor:
         from safetensors.torch import save_file
 
         assert step.step is not None and self.config.dump_folder is not None
-        rank = torch.distributed.get_rank() if _distributed() else 0
+        rank = torch.distributed.get_rank() if multi_rank() else 0
         folder = Path(self.config.dump_folder)
         path = folder / f"step{step.step:07d}-rank{rank}.safetensors"
         tensors = {k: v.detach().cpu().contiguous() for k, v in step.dump.items()}

@@ -1,19 +1,32 @@
 """FP8 statistics pooled across 2 CPU ranks (gloo): equal to the statistics of both ranks'
-tensors taken together where that is their meaning, identical on every rank, and a hook failure
-on one rank stops the monitor on all ranks instead of hanging them."""
+tensors taken together where that is their meaning, identical on every rank; and a failure on
+one rank (in a hook, at FIT_START, in start_step, in a dump, in finish_step) switches fp8_stats
+off on every rank together instead of leaving the others in a collective for ever."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
 import math
 import os
+import pkgutil
 import socket
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
+from composer.core import Event
+from composer.devices import DeviceCPU
 from torch import nn
 
+from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule, parse_recipe
 from foundry_fp8.numerics import (
     STAT_KEYS,
@@ -46,11 +59,21 @@ def _weights() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 4, bias=False))
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _init(rank: int, port: int) -> None:
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE="2", NODE_RANK="0")
     torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                   world_size=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    _init(rank, port)
     result: dict = {}
     try:
         # 1. the numerics: one all_reduce per op over stacked rows
@@ -97,10 +120,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def results(tmp_path_factory) -> list[dict]:
     """Every scenario in one 2-process run (starting the processes dominates the cost)."""
     out = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -168,3 +188,181 @@ def test_delayed_whatif_reduces_amax_across_ranks(results):
 def test_a_failure_on_one_rank_stops_every_rank(results):
     assert "1 rank(s)" in results[0]["raised"]
     assert "hook failed on rank 1" in results[1]["raised"]
+
+
+# fp8_stats over 2 ranks, driven through Composer's events around a hand-written training loop;
+# each scenario breaks one function on rank 1 only (on its `call`-th call)
+
+
+class _Logger:
+    """What the callback uses of Composer's Logger."""
+
+    destinations: list = []
+
+    def __init__(self):
+        self.metrics: dict[int, dict] = {}
+
+    def log_metrics(self, metrics, step):
+        self.metrics.setdefault(step, {}).update(metrics)
+
+    def log_hyperparameters(self, hparams):
+        pass
+
+
+def _train(rank: int, callback: FP8Stats | None, steps: int) -> tuple[nn.Module, _Logger]:
+    model = _weights()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = types.SimpleNamespace(model=model, run_name="run", callbacks=[], device=DeviceCPU(),
+                                  timestamp=types.SimpleNamespace(batch=0))
+    logger = _Logger()
+    events = callback.run_event if callback else lambda *_: None
+    events(Event.FIT_START, state, logger)
+    for batch in range(steps):
+        state.timestamp.batch = batch
+        events(Event.BATCH_START, state, logger)
+        optimizer.zero_grad()
+        model(_inputs(rank, batch)).sum().backward()
+        optimizer.step()
+        state.timestamp.batch = batch + 1  # Composer counts the batch before BATCH_END
+        events(Event.BATCH_END, state, logger)
+    events(Event.FIT_END, state, logger)
+    return model, logger
+
+
+def _breaks(target: str, call: int) -> Callable[..., object]:
+    """`target` that raises on its `call`-th call (a TypeError: neither OSError nor ours)."""
+    original = pkgutil.resolve_name(target)
+    calls = itertools.count(1)
+
+    def broken(*args, **kwargs):
+        if next(calls) == call:
+            raise TypeError(f"injected failure on rank 1 in {target.rsplit('.', 1)[-1]}")
+        return original(*args, **kwargs)
+
+    return broken
+
+
+DELAYED = {"scaling": "delayed", "amax_history_len": 2}
+# name: (fp8_stats options, steps, function broken on rank 1, on which call, the step the ranks
+# stop at: rank 0 logs the logging steps before it)
+SCENARIOS: dict[str, tuple[dict, int, str | None, int, int | None]] = {
+    "clean": ({"interval": 2}, 5, None, 0, None),
+    "fit_start": ({"interval": 2}, 5, "foundry_fp8.composer.stats.FP8Monitor", 1, 0),
+    # logging steps 0, 2, 4: hooks are registered at steps 0 and 2
+    "start_step": ({"interval": 2}, 5, "torch.nn.Linear.register_forward_pre_hook", 2, 2),
+    "dump": ({"interval": 2, "dump_steps": [1]}, 5, "safetensors.torch.save_file", 1, 1),
+    # logging steps 0, 3, 6, recording every step: the what-if update of step 1 (a recording
+    # step: rank 1 then joins step 2's amax all_reduce) or of step 3, before its pooling
+    "fold_recording": ({"interval": 3, "recipe": DELAYED}, 7,
+                       "foundry_fp8.monitor.delayed_scale_update", 2, 3),
+    "fold_logging": ({"interval": 3, "recipe": DELAYED}, 7,
+                     "foundry_fp8.monitor.delayed_scale_update", 4, 3),
+    "strict_dump": ({"interval": 2, "dump_steps": [1], "strict": True}, 5,
+                    "safetensors.torch.save_file", 1, 1),
+}
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))  # with the traceback
+
+
+def _scenario(rank: int, name: str, out_dir: str) -> dict:
+    options, steps, target, call, _ = SCENARIOS[name]
+    callback = FP8Stats(**{"dump_folder": f"{out_dir}/{name}-dumps", **options})
+    broken = (mock.patch(target, _breaks(target, call)) if target and rank == 1
+              else contextlib.nullcontext())
+    handler = _Lines()
+    logging.getLogger("foundry_fp8").addHandler(handler)
+    try:
+        with broken:
+            model, logger = _train(rank, callback, steps)
+    except FP8MonitorError as e:
+        return {"raised": str(e)}
+    finally:
+        logging.getLogger("foundry_fp8").removeHandler(handler)
+    reference, _ = _train(rank, None, steps)
+    return {"disabled": callback.disabled, "metrics": logger.metrics,
+            "log": "\n".join(handler.lines),
+            "trained_alike": all(torch.equal(a, b) for a, b in
+                                 zip(model.parameters(), reference.parameters(), strict=True)),
+            "hooks_left": any(m._forward_pre_hooks or m._backward_pre_hooks for m in model)}
+
+
+def _callback_worker(rank: int, port: int, out_dir: str, names: list[str]) -> None:
+    _init(rank, port)
+    try:
+        for name in names:
+            torch.save(_scenario(rank, name, out_dir), f"{out_dir}/{name}-rank{rank}.pt")
+            torch_dist.barrier()
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def _run_ranks(out: Path, names: list[str], deadline_s: float = 180.0) -> None:
+    """Both ranks through `names`, killed at the deadline: a scenario that hangs leaves no
+    result (and fails its test) instead of hanging the suite."""
+    context = mp.start_processes(_callback_worker, args=(_free_port(), str(out), names),
+                                 nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1) and time.monotonic() < deadline:
+            pass
+    except mp.ProcessException as e:  # a rank raised: the scenarios left are missing
+        print(e)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+@pytest.fixture(scope="module")
+def callback_results(tmp_path_factory) -> Callable[[str], list[dict]]:
+    """Every scenario in one 2-process run."""
+    out = tmp_path_factory.mktemp("callback")
+    _run_ranks(out, list(SCENARIOS))
+
+    def results(name: str) -> list[dict]:
+        paths = [out / f"{name}-rank{r}.pt" for r in range(2)]
+        missing = [p.name for p in paths if not p.exists()]
+        assert not missing, f"{name}: no result from {missing}: a rank hung or died"
+        return [torch.load(p, weights_only=False) for p in paths]
+
+    return results
+
+
+def test_without_failures_the_callback_logs_the_same_pooled_numbers(callback_results, results):
+    ranks = callback_results("clean")
+    assert not ranks[0]["disabled"] and not ranks[1]["disabled"]
+    assert sorted(ranks[0]["metrics"]) == [0, 2, 4] and ranks[1]["metrics"] == {}
+    assert ranks[0]["metrics"][0] == results[0]["current"]  # bit for bit
+    assert all(r["trained_alike"] and not r["hooks_left"] for r in ranks)
+    assert "failed" not in ranks[0]["log"] + ranks[1]["log"]
+
+
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n not in ("clean", "strict_dump")])
+def test_a_failure_on_one_rank_switches_every_rank_off_together(callback_results, name):
+    ranks = callback_results(name)
+    stop = SCENARIOS[name][-1]
+    assert ranks[0]["disabled"] and ranks[1]["disabled"]
+    assert all(r["trained_alike"] and not r["hooks_left"] for r in ranks)  # training unaffected
+    logging_steps = [s for s in range(stop) if FP8Stats(**SCENARIOS[name][0]).schedule.logs(s)]
+    assert sorted(ranks[0]["metrics"]) == logging_steps
+    assert "TypeError: injected failure on rank 1" in ranks[1]["log"]
+    assert "injected failure" not in ranks[0]["log"]
+    if name == "fit_start":
+        assert "failed to start on another rank" in ranks[0]["log"]
+    else:  # both ranks report the pooled failure
+        assert all("failed on 1 rank(s)" in r["log"] for r in ranks)
+
+
+def test_strict_raises_on_every_rank_at_the_pooling(callback_results):
+    """A failure the monitor catches (here a dump's) still reaches the pooling on every rank,
+    where `strict: true` raises on all of them together."""
+    ranks = callback_results("strict_dump")
+    assert all("failed on 1 rank(s)" in r["raised"] for r in ranks)
+    assert "injected failure on rank 1" in ranks[1]["raised"]

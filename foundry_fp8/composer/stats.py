@@ -8,11 +8,19 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from composer.core import Callback, Event, State, Time, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 
-from foundry_fp8.monitor import FP8Monitor, MonitorConfig, Schedule, parse_recipe
+from foundry_fp8.monitor import (
+    FP8Monitor,
+    FP8MonitorError,
+    MonitorConfig,
+    Schedule,
+    multi_rank,
+    parse_recipe,
+)
 from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
 
@@ -58,7 +66,12 @@ class FP8Stats(Callback):
     rank 0; prints the worst value per layer and tensor at fit end.
 
     Our own errors never stop training: the callback logs the error and switches itself off,
-    unless `strict: true`.
+    unless `strict: true`. Under several ranks every rank switches off together, so that none
+    is left waiting in a collective: a rank that fails logs its error and stays in step (joining
+    the collectives with no statistics of its own) until the next logging step, whose all_reduce
+    carries its failure flag and switches fp8_stats off on every rank (see FP8Monitor.fail); a
+    failure to start at FIT_START is agreed on by one all_reduce there. `strict: true` raises on
+    the failing rank instead: the job then dies, the other ranks being ended by the launcher.
     """
 
     def __init__(self, interval: int | str = "100ba", start: int = 0, end: int | None = None,
@@ -93,18 +106,37 @@ class FP8Stats(Callback):
             return
         try:
             self._run_event(event, state, logger)
-        except Exception:
+        except Exception as e:
             if self.strict:
                 raise
-            log.exception("fp8_stats failed; disabling it for the rest of the run "
-                          "(set strict: true to fail instead)")
-            if self.monitor is not None:
-                self.monitor.abort()
-            self.disabled = True
+            self._failed(e)
+        if event == Event.FIT_START and multi_rank():
+            # once per fit: a rank that could not build its monitor cannot join the steps'
+            # collectives, so the ranks agree here on whether one failed
+            failed = state.device.tensor_to_device(torch.tensor([float(self.disabled)]))
+            dist.all_reduce(failed, reduce_operation="MAX")
+            if failed.item() and not self.disabled:
+                log.error("fp8_stats failed to start on another rank; disabling it here too")
+                self.disabled = True
+
+    def _failed(self, error: Exception) -> None:
+        """Switch off now where every rank agrees (an FP8MonitorError, raised on every rank
+        together; a single process; no monitor yet); else stay in step (see the class doc)."""
+        if self.monitor is not None and multi_rank() and not isinstance(error, FP8MonitorError):
+            log.exception("fp8_stats failed on this rank; every rank switches it off at the next "
+                          "logging step (set strict: true to fail instead)")
+            self.monitor.fail(error)
+            return
+        log.exception("fp8_stats failed; disabling it for the rest of the run "
+                      "(set strict: true to fail instead)")
+        if self.monitor is not None:
+            self.monitor.abort()
+        self.disabled = True
 
     def _run_event(self, event: Event, state: State, logger: Logger) -> None:
         rank_zero = dist.get_global_rank() == 0
         if event == Event.FIT_START:
+            self.monitor = None  # until built: a rank that fails here cannot join collectives
             config = self.config
             if self.schedule.dump_steps:
                 folder = (self.dump_folder.format(run_name=state.run_name) if self.dump_folder
@@ -121,7 +153,7 @@ class FP8Stats(Callback):
             self._step = int(state.timestamp.batch)
             self.monitor.start_step(self._step)
         elif event == Event.BATCH_END:
-            metrics = self.monitor.finish_step() if self.monitor.active else {}
+            metrics = self.monitor.finish_step()  # raises only on every rank together
             if self.te_debug is not None:
                 self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
                 metrics.update(self._te_metrics)
@@ -140,9 +172,8 @@ class FP8Stats(Callback):
                     {"fp8/stats_summary": summary}), "logging the summary")
 
     def _rank_zero(self, call: Callable[[], None], what: str) -> None:
-        """What rank 0 alone does (logging): a failure is logged and the callback stays on.
-        Switching it off on rank 0 only would leave the other ranks waiting in the next
-        logging step's all_reduce forever; `strict: true` raises."""
+        """What rank 0 alone does (logging): a failure of the logger is logged and the
+        statistics go on; `strict: true` raises."""
         try:
             call()
         except Exception:
