@@ -37,6 +37,7 @@ from torch import nn
 
 from foundry_fp8 import emulate
 from foundry_fp8.fp8_meta import canonical_name
+from foundry_fp8.lint.values import OPTION_VALUES, Recipe, check_options
 from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
@@ -48,7 +49,7 @@ from foundry_fp8.numerics import (
     finite_amax,
     sufficient_stats,
 )
-from foundry_fp8.recipe import FP8Recipe, RecipeError
+from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
 
 TENSOR_KINDS = ("activation", "weight", "gradient")
@@ -61,15 +62,14 @@ class FP8MonitorError(RuntimeError):
 
 
 def parse_recipe(option: str | Mapping[str, Any] | FP8Recipe | None) -> FP8Recipe:
-    """`current`, `delayed`, or a recipe mapping (`{scaling: delayed, amax_history_len: 16}`)."""
+    """`current`, `delayed`, or a recipe mapping (`{scaling: delayed, amax_history_len: 16}`);
+    null means current. A bad one raises fp8_stats' one-line error (`check_options`)."""
     if isinstance(option, FP8Recipe):
         return option
-    options = {"scaling": option or "current"} if not isinstance(option, Mapping) else dict(option)
-    try:
-        return FP8Recipe.from_options(options)
-    except RecipeError as e:
-        raise ValueError(f"fp8_stats.recipe: {e.problem.key}: {e.problem.message} "
-                         f"(fix: {e.problem.fix})") from None
+    check_options("fp8_stats", {"recipe": option})
+    recipe = OPTION_VALUES["fp8_stats"]["recipe"]
+    assert isinstance(recipe, Recipe)
+    return FP8Recipe.from_options(recipe.as_mapping(option))
 
 
 @dataclass(frozen=True)
@@ -88,19 +88,12 @@ class MonitorConfig:
     dump_folder: str | Path | None = None
 
     def __post_init__(self) -> None:
-        unknown = set(self.tensors) - set(TENSOR_KINDS)
-        if unknown:
-            raise ValueError(f"fp8_stats.tensors: unknown {sorted(unknown)}; "
-                             f"use {sorted(TENSOR_KINDS)}")
-        for key in ("include", "exclude", "dump_layers"):
-            pattern = getattr(self, key)
-            if pattern is not None:
-                try:
-                    re.compile(pattern)
-                except re.error as e:
-                    raise ValueError(f"fp8_stats.{key}: bad regex {pattern!r}: {e}") from None
-        if self.dump_max_mb < 0:
-            raise ValueError(f"fp8_stats.dump_max_mb: must be >= 0, got {self.dump_max_mb}")
+        # fp8_stats' option checks (foundry_fp8/lint/values.py); `include` is its `layers`
+        check_options("fp8_stats", {
+            "layers": self.include, "exclude": self.exclude, "tensors": self.tensors,
+            "max_underflow_pct": self.max_underflow_pct,
+            "max_overflow_pct": self.max_overflow_pct, "min_cos_sim": self.min_cos_sim,
+            "dump_layers": self.dump_layers, "dump_max_mb": self.dump_max_mb})
 
 
 @dataclass(frozen=True)
@@ -111,6 +104,10 @@ class Schedule:
     start: int = 0
     end: int | None = None
     dump_steps: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_options("fp8_stats", {"interval": self.interval, "start": self.start,
+                                    "end": self.end, "dump_steps": self.dump_steps})
 
     def logs(self, step: int) -> bool:
         in_window = step >= self.start and (self.end is None or step < self.end)
@@ -267,8 +264,23 @@ def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, bool]:
     return scale.reshape(-1)[watch.slot], history is not None and history.shape[0] == 0
 
 
+def non_finite(stats: Mapping[str, float]) -> str:
+    """`3 NaN and 1 Inf values` for a tensor that held them; '' for a finite one."""
+    counts = [f"{stats[key]:.0f} {name}" for key, name in (("nan_count", "NaN"),
+                                                          ("inf_count", "Inf"))
+              if stats.get(key, 0) > 0]
+    return f"{' and '.join(counts)} values" if counts else ""
+
+
 def advice(layer: str, tensor: str, stats: dict[str, float], config: MonitorConfig) -> str | None:
-    """A warning for a layer whose FP8 numbers cross a threshold, with the usual remedies."""
+    """A warning for a layer whose FP8 numbers cross a threshold, with the usual remedies, or
+    whose tensor holds NaN or Inf (its other statistics are those of its finite values): what
+    `foundry-fp8 report` flags (`report.findings`), a test checks."""
+    if found := non_finite(stats):
+        return (f"FP8 {tensor} of layer '{layer}': {found} in the high-precision tensor, "
+                "before any FP8 cast (its statistics count the finite values only). Look for "
+                "divergence (loss, learning rate, gradient clipping) or an overflow upstream "
+                "of this layer.")
     problems = []
     if stats["underflow_pct"] > config.max_underflow_pct:
         problems.append(f"{stats['underflow_pct']:.2f}% of values underflow to 0")
@@ -360,7 +372,7 @@ class FP8Monitor:
         self._dump_re = re.compile(self.config.dump_layers or ".*")
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._step: _Step | None = None
-        self._warned: set[tuple[str, str]] = set()
+        self._warned: set[tuple[str, str, bool]] = set()  # (layer, tensor, NaN/Inf)
         self._history: torch.Tensor | None = None  # what-if delayed state [len, rows]
         self._scale: torch.Tensor | None = None
         self._folds = 0  # delayed what-if updates so far
@@ -603,8 +615,9 @@ class FP8Monitor:
                 continue
             fold_worst(self.worst, (layer, tensor), stats)
             message = advice(layer, tensor, stats, self.config)
-            if message and (layer, tensor) not in self._warned:
-                self._warned.add((layer, tensor))
+            key = (layer, tensor, bool(non_finite(stats)))  # NaN/Inf warn after a threshold
+            if message and key not in self._warned:
+                self._warned.add(key)
                 self.on_warning(message)
         return metrics
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from foundry_fp8.lint.values import check_options
 from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
 
 #: LLM-Foundry sets these on linear layers (attention.py, ffn.py) and its param_init_fns read
@@ -64,24 +65,8 @@ class SwapConfig:
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in ("te", "emulate"):
-            raise ValueError(f"te_swap.backend: use 'te' or 'emulate', got {self.backend!r}")
-        for key in ("keep_first_blocks", "keep_last_blocks", "min_gemm_size"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"te_swap.{key}: must be a non-negative integer, got {value!r}")
-        tokens = self.tokens_per_microbatch
-        if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
-            raise ValueError(f"te_swap.tokens_per_microbatch: must be a positive integer, "
-                             f"got {tokens!r}")
-        for key in ("keep_lm_head", "convert_layernorm", "fuse_ln_mlp"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"te_swap.{key}: must be true or false")
-        for key in ("include", "exclude"):
-            try:
-                re.compile(getattr(self, key) or "")
-            except re.error as e:
-                raise ValueError(f"te_swap.{key}: bad regex: {e}") from None
+        # te_swap's option checks (foundry_fp8/lint/values.py), for Python callers too
+        check_options("te_swap", {f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)

@@ -79,13 +79,15 @@ def test_a_file_that_is_not_a_metrics_file_is_still_an_error(tmp_path, content, 
 # ---- the `jsonl` logger ------------------------------------------------------------------
 
 @pytest.mark.parametrize(("path", "message"), [
-    ("runs/{runname}/metrics.jsonl", "unknown placeholder {runname}; allowed: {run_name}"),
-    ("runs/{}/metrics.jsonl", "unknown placeholder {}; allowed: {run_name}"),
+    ("runs/{runname}/metrics.jsonl", "has unknown placeholder {runname} (did you mean "
+                                     "`run_name`?) (fix: use only {run_name}"),
+    ("runs/{}/metrics.jsonl", "has unknown placeholder {} (fix: use only {run_name}"),
     ("runs/{run_name.x}/m.jsonl", "unknown placeholder {run_name.x}"),
     ("runs/{run_name/metrics.jsonl", "expected '}'"),
-    (None, "expected a file path"),
-    (5, "expected a file path"),
-    ("", "expected a file path"),
+    (None, "takes str, got null"),
+    (5, "takes str, got int 5"),
+    ("", "must be a file path, got an empty one"),
+    (" ", "must be a file path, got an empty one"),
 ])
 def test_logger_checks_its_path_when_built(path, message):
     from foundry_fp8.composer.jsonl_logger import JSONLLogger
@@ -94,6 +96,8 @@ def test_logger_checks_its_path_when_built(path, message):
         JSONLLogger(path=path)
     assert message in str(error.value) and "\n" not in str(error.value)
     assert JSONLLogger(path="runs/{{literal}}/{run_name}.jsonl").path_template
+    with pytest.raises(ValueError, match=r"^loggers\.jsonl\.strict: takes bool, got str"):
+        JSONLLogger(strict="true")
 
 
 def _logger(tmp_path, **kwargs):

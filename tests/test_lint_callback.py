@@ -63,9 +63,15 @@ def test_amp_fp8_model_without_fp8_modules_fails_after_te_swap_had_its_chance(ca
     lint.run_event(Event.BEFORE_LOAD, _state(Precision.AMP_FP8, model), logger=None)  # now it would run FP8: no error
 
 
-def test_bad_fail_on_is_refused():
-    with pytest.raises(ValueError, match="fail_on"):
-        FP8Lint(train_config={}, fail_on="warn")
+@pytest.mark.parametrize(("fail_on", "snippet"), [
+    ("warn", "must be one of 'error', 'never', got 'warn' (fix: use one of"),
+    (None, "takes str, got null"), (False, "takes str, got bool False"),
+])
+def test_bad_fail_on_is_refused(fail_on, snippet):
+    with pytest.raises(ValueError) as error:
+        FP8Lint(train_config={}, fail_on=fail_on)
+    assert str(error.value).startswith(f"callbacks.fp8_lint.fail_on: {snippet}")
+    assert "\n" not in str(error.value)
 
 
 def test_version_rules_judge_this_machine_for_te_runs_only():

@@ -4,8 +4,10 @@ or a new option that changes them fails here instead of silently drifting."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import textwrap
 import warnings
 
 import pytest
@@ -229,6 +231,23 @@ CONSTRUCTOR_CASES = [
     ("fp8_stats", {"recipe": "delyaed"}), ("fp8_stats", {"recipe": "delayed"}),
     ("fp8_stats", {"recipe": {"scaling": "current", "use_power_2_scales": True}}),
     ("fp8_stats", {"te_debug": "dleayed"}),
+    # the audit's values: each refused with a message naming its key, near misses accepted
+    ("te_swap", {"fp8_recipe": "delayed"}), ("te_swap", {"include": 5}),
+    ("te_swap", {"tokens_per_microbatch": True}), ("te_swap", {"strict": "false"}),
+    ("te_swap", {"strict": False}), ("te_swap", {"module_filter_fn": "my.fn"}),
+    ("fp8_state", {"watch_batches": "8"}), ("fp8_state", {"strict": "false"}),
+    ("fp8_lint", {"fail_on": None}), ("jsonl", {"strict": "true"}),
+    ("fp8_stats", {"layers": 5}), ("fp8_stats", {"interval": "abc"}),
+    ("fp8_stats", {"interval": 10.0}), ("fp8_stats", {"interval": None}),
+    ("fp8_stats", {"dump_steps": 1000}), ("fp8_stats", {"dump_steps": "1000"}),
+    ("fp8_stats", {"dump_steps": [0, 1000]}), ("fp8_stats", {"dump_steps": [-1]}),
+    ("fp8_stats", {"tensors": "activation"}), ("fp8_stats", {"start": "10ba"}),
+    ("fp8_stats", {"start": 10, "end": 5}), ("fp8_stats", {"start": 10, "end": 11}),
+    ("fp8_stats", {"end": 0}), ("fp8_stats", {"start": -1}),
+    ("fp8_stats", {"max_underflow_pct": -1}), ("fp8_stats", {"max_underflow_pct": 100}),
+    ("fp8_stats", {"max_overflow_pct": "0.01"}), ("fp8_stats", {"min_cos_sim": 2}),
+    ("fp8_stats", {"min_cos_sim": -1}), ("fp8_stats", {"strict": "false"}),
+    ("fp8_stats", {"dump_folder": "{run}/dumps"}), ("fp8_stats", {"dump_folder": "{run_name}/d"}),
     *[("fp8_stats", {"interval": i}) for i in (
         0, 1, 7, "100ba", "5BA", " 5ba", "5 ba", "1e2ba", "1_0ba", "+3ba", "2.5ba", "0ba",
         "-1ba", "ba", "0x10ba", "infba", "nanba", "1h2m3s", "5ep", "10tok")],
@@ -283,9 +302,25 @@ def test_option_constants_read_from_source_equal_the_modules():
 
 def test_dump_folder_is_formatted_with_the_jsonl_placeholders():
     """FP8023 checks fp8_stats' dump_folder with the jsonl logger's placeholders: what
-    FP8Stats fills it with at FIT_START (it does not check it when built)."""
+    FP8Stats fills it with at FIT_START (and checks, through check_options, when built)."""
     from foundry_fp8.composer import jsonl_logger, stats
 
     source = inspect.getsource(stats)
     assert "self.dump_folder.format(run_name=state.run_name)" in source
     assert jsonl_logger.PLACEHOLDERS == ("run_name",)
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.dump_folder: has unknown "):
+        stats.FP8Stats(dump_folder="{run}/dumps")
+
+
+def test_constructors_check_their_options_through_the_one_table():
+    """No constructor keeps a copy of a check: each calls check_options before anything else,
+    and its errors name the key path as the linter's findings do."""
+    import importlib
+
+    for entry in our_entries().values():
+        module, _, name = entry.target.partition(":")
+        init = inspect.getsource(getattr(importlib.import_module(module), name).__init__)
+        function = ast.parse(textwrap.dedent(init)).body[0]
+        assert isinstance(function, ast.FunctionDef)
+        body = function.body[1:] if ast.get_docstring(function) else function.body
+        assert ast.unparse(body[0]) == f"check_options('{entry.name}', locals())", entry.name

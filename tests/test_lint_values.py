@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from foundry_fp8.lint.cli import lint_file
 from foundry_fp8.lint.entries import module_constant
 from foundry_fp8.lint.rules import lint_config
-from foundry_fp8.lint.values import OPTION_VALUES, check_options
+from foundry_fp8.lint.values import (
+    OPTION_RELATIONS,
+    OPTION_VALUES,
+    as_items,
+    batches,
+    check_options,
+    option_problems,
+)
 
 #: The audit's file: every entry in it fails at construction.
 ALL_BROKEN = """\
@@ -77,6 +84,18 @@ def test_a_file_whose_entries_all_fail_at_construction_does_not_lint_clean(tmp_p
     ("fp8_stats", "tensors", ["activation", "grad"], "got 'grad' (did you mean `gradient`?)"),
     ("fp8_stats", "dump_max_mb", -0.5, "must be a number >= 0"),
     ("fp8_stats", "dump_folder", "dumps/{run}", "unknown placeholder {run}"),
+    ("fp8_stats", "interval", "abc", "must be a number of batches, got 'abc'"),
+    ("fp8_stats", "start", -1, "must be a non-negative integer, got -1"),
+    ("fp8_stats", "end", 0, "must be greater than start (0), got 0"),
+    ("fp8_stats", "dump_steps", [10, -1], "item 1 must be a non-negative integer, got -1"),
+    ("fp8_stats", "dump_steps", [True], "item 0 must be a non-negative integer, got True"),
+    ("fp8_stats", "dump_steps", ["1000"], "item 0 must be a non-negative integer, got '1000'"),
+    ("fp8_stats", "dump_steps", -5, "must be a non-negative integer, got -5"),
+    ("fp8_stats", "max_underflow_pct", -1, "must be a number from 0 to 100, got -1"),
+    ("fp8_stats", "max_overflow_pct", 100.5, "must be a number from 0 to 100, got 100.5"),
+    ("fp8_stats", "max_overflow_pct", float("nan"), "must be a number from 0 to 100, got nan"),
+    ("fp8_stats", "min_cos_sim", 2, "must be a number from -1 to 1, got 2"),
+    ("fp8_stats", "min_cos_sim", -1.5, "must be a number from -1 to 1"),
     ("jsonl", "path", "{runname}/m.jsonl", "unknown placeholder {runname} (did you mean"),
     ("jsonl", "path", "runs/{run_name/m.jsonl", "is not a valid path template"),
     ("jsonl", "path", "  ", "must be a file path"),
@@ -101,6 +120,13 @@ def test_values_the_constructors_refuse(entry, option, value, snippet):
     ("fp8_stats", "recipe", {"scaling": "current"}), ("fp8_stats", "recipe", None),
     ("jsonl", "path", "runs/{run_name}/metrics.jsonl"), ("jsonl", "path", "m{{x}}.jsonl"),
     ("fp8_stats", "te_debug", None), ("fp8_stats", "te_debug", "current"),
+    ("fp8_stats", "start", 0), ("fp8_stats", "start", 500), ("fp8_stats", "end", 1),
+    ("fp8_stats", "end", None), ("fp8_stats", "dump_steps", 1000),
+    ("fp8_stats", "dump_steps", [0, 1000]), ("fp8_stats", "dump_steps", []),
+    ("fp8_stats", "max_underflow_pct", 0), ("fp8_stats", "max_underflow_pct", 100),
+    ("fp8_stats", "max_overflow_pct", 0.01), ("fp8_stats", "min_cos_sim", -1),
+    ("fp8_stats", "min_cos_sim", 1), ("fp8_stats", "min_cos_sim", 0.999),
+    ("fp8_stats", "strict", False), ("te_swap", "strict", False),
 ])
 def test_near_misses_lint_clean(entry, option, value):
     section = {"te_swap": "algorithms", "jsonl": "loggers"}.get(entry, "callbacks")
@@ -126,13 +152,52 @@ def test_fp8_stats_recipe_is_checked_like_te_swaps(recipe, key, snippet):
      "must be one of 'delayed', 'current', null, got 'dleayed' (did you mean `delayed`?)"),
     ({"strict": "true"}, "strict", "takes bool, got str 'true'"),
     ({"interval": True}, "interval", "takes int | str, got bool True"),
-    ({"dump_steps": 5}, "dump_steps", "takes Sequence[int], got int 5"),
+    ({"strict": "false"}, "strict", "takes bool, got str 'false'"),
+    ({"interval": 10.0}, "interval", "takes int | str, got float 10.0"),
+    ({"interval": None}, "interval", "takes int | str, got null"),
+    ({"dump_steps": "1000"}, "dump_steps", "takes int | Sequence[int], got str '1000'"),
     ({"tensors": "weight"}, "tensors", "takes Sequence[str], got str 'weight'"),
+    ({"layers": 5}, "layers", "takes str, got int 5"),
+    ({"start": "10ba"}, "start", "takes int, got str '10ba'"),
+    ({"min_cos_sim": "0.99"}, "min_cos_sim", "takes float, got str '0.99'"),
 ])
 def test_types_from_the_annotations(options, key, snippet):
     found = lint_config({"callbacks": {"fp8_stats": options}})
     assert [(f.rule, f.key) for f in found] == [("FP8020", f"callbacks.fp8_stats.{key}")], found
     assert snippet in found[0].message
+
+
+@pytest.mark.parametrize(("options", "key", "snippet"), [
+    ({"fp8_recipe": "delayed"}, "fp8_recipe", "must be a mapping, got str"),
+    ({"include": 5}, "include", "takes str | None, got int 5"),
+    ({"tokens_per_microbatch": True}, "tokens_per_microbatch", "takes int | None, got bool"),
+    ({"keep_lm_head": "false"}, "keep_lm_head", "takes bool, got str 'false'"),
+])
+def test_te_swap_types(options, key, snippet):
+    found = lint_config({"algorithms": {"te_swap": {"backend": "emulate", **options}}})
+    assert [f.key for f in found] == [f"algorithms.te_swap.{key}"], found
+    assert snippet in found[0].message
+
+
+@pytest.mark.parametrize(("options", "found"), [
+    ({"start": 10, "end": 5}, ["end"]),
+    ({"start": 10, "end": 10}, ["end"]),
+    ({"start": 10, "end": 11}, []),
+    ({"start": 10}, []),  # end: null, no end
+    ({"end": 0}, ["end"]),  # start's default, 0
+    ({"start": -3, "end": 0}, ["start"]),  # start's own problem first, no relation then
+    ({"start": "0", "end": 0}, ["start"]),
+    ({"start": 5, "end": None}, []),
+])
+def test_fp8_stats_end_is_after_start(options, found):
+    findings = lint_config({"callbacks": {"fp8_stats": options}})
+    assert [f.key.split(".")[-1] for f in findings] == found, findings
+    if found == ["end"]:
+        assert findings[0].rule == "FP8023" and "must be greater than start" in \
+            findings[0].message
+        with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.end: must be greater "
+                                             r"than start \("):
+            check_options("fp8_stats", {"start": 0, **options})
 
 
 def test_a_literal_annotation_is_enforced():
@@ -141,16 +206,43 @@ def test_a_literal_annotation_is_enforced():
         ("FP8020", "te_swap.backend must be one of 'te', 'emulate', got 'transformer_engine'")]
 
 
-def test_check_options_raises_one_line_for_the_first_problem():
-    with pytest.raises(ValueError, match=r"^fp8_state\.watch_batches must be a non-negative "
-                                         r"integer, got -1 \(fix: use a non-negative integer\)$"):
+def test_check_options_raises_one_line_naming_the_key_path():
+    """The key path as the linter's findings have it (`callbacks.fp8_state.watch_batches`)."""
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_state\.watch_batches: must be a "
+                                         r"non-negative integer, got -1 \(fix: use a "
+                                         r"non-negative integer\)$"):
         check_options("fp8_state", {"self": object(), "strict": True, "watch_batches": -1})
-    with pytest.raises(ValueError, match="fp8_lint.fail_on must be one of"):
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_lint\.fail_on: must be one of"):
         check_options("fp8_lint", {"train_config": {}, "fail_on": "warning"})
-    with pytest.raises(ValueError, match="fp8_stats.recipe.interval"):
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe\.interval: "
+                                         "TransformerEngine no longer accepts"):
         check_options("fp8_stats", {"recipe": {"interval": 1}})
-    with pytest.raises(ValueError, match="te_swap.keep_lm_head takes bool"):
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe: unknown scaling"):
+        check_options("fp8_stats", {"recipe": "delyaed"})
+    with pytest.raises(ValueError, match=r"^algorithms\.te_swap\.keep_lm_head: takes bool"):
         check_options("te_swap", {"keep_lm_head": "true"})
+    with pytest.raises(ValueError, match=r"^loggers\.jsonl\.path: has unknown placeholder"):
+        check_options("jsonl", {"path": "{run}.jsonl"})
+    # the path is the finding's key, the rest its message without the entry.option subject
+    for section, name, option, value in [("callbacks", "fp8_stats", "interval", 0),
+                                         ("algorithms", "te_swap", "include", "(")]:
+        [finding] = [f for f in lint_config({section: {name: {option: value}}})
+                     if f.rule == "FP8023"]
+        with pytest.raises(ValueError) as error:
+            check_options(name, {option: value})
+        detail = finding.message.removeprefix(f"{name}.{option} ")
+        assert str(error.value) == f"{finding.key}: {detail} (fix: {finding.fix})"
+
+
+def test_check_options_never_stops_a_run_for_a_bug_of_its_own(monkeypatch, caplog):
+    from foundry_fp8.lint import values
+
+    def broken(entry, options):
+        raise KeyError("our bug")
+
+    monkeypatch.setattr(values, "option_problems", broken)
+    check_options("fp8_state", {"watch_batches": -1})  # not checked, not raised
+    assert "checking fp8_state's options failed" in caplog.text
 
 
 def test_check_options_accepts_what_constructors_hold_by_default():
@@ -160,6 +252,9 @@ def test_check_options_accepts_what_constructors_hold_by_default():
     check_options("te_swap", {"backend": "te", "module_filter_fn": lambda module, name: True,
                               "fp8_recipe": None, "include": None})
     check_options("jsonl", {"path": "runs/{run_name}/metrics.jsonl", "strict": False})
+    from foundry_fp8.recipe import FP8Recipe
+
+    check_options("fp8_stats", {"recipe": FP8Recipe(scaling="delayed"), "dump_steps": 1000})
 
 
 def test_the_table_names_only_options_that_exist():
@@ -169,6 +264,9 @@ def test_the_table_names_only_options_that_exist():
     assert set(OPTION_VALUES) <= set(entries)
     for name, constraints in OPTION_VALUES.items():
         assert set(constraints) <= set(entries[name].options), name
+    for name, relations in OPTION_RELATIONS.items():
+        for relation in relations:
+            assert {relation.option, relation.other} <= set(entries[name].options), name
 
 
 def test_choices_are_read_from_the_code_without_importing_it():
@@ -191,7 +289,17 @@ def test_option_checks_never_crash(option, value):
     section = {"te_swap": "algorithms", "jsonl": "loggers"}.get(name, "callbacks")
     for finding in lint_config({section: {name: {key: value}}}):
         assert finding.message and finding.fix and "\n" not in finding.message
+    from foundry_fp8.lint.entries import our_entries
+
+    entry = next(e for e in our_entries().values() if e.name == name)
+    for problem in option_problems(entry, {key: value}):  # raises on a bug of ours
+        assert problem.detail and "\n" not in problem.message + problem.detail
     try:
         check_options(name, {key: value})
     except ValueError as e:
-        assert str(e).startswith(f"{name}.{key}") and "\n" not in str(e)
+        assert str(e).startswith(f"{section}.{name}.{key}") and "\n" not in str(e)
+
+
+def test_a_bare_value_is_a_list_of_one():
+    assert as_items(1000) == (1000,) and as_items([1, 2]) == (1, 2) and as_items(()) == ()
+    assert batches(7) == 7 and batches("1e2BA") == 100 and batches(" 5ba") == 5

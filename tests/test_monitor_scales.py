@@ -189,7 +189,13 @@ def test_current_recipe_never_records_and_has_ratio_one():
 
 
 def test_bad_recipe_names_the_key():
-    with pytest.raises(ValueError, match="fp8_stats.recipe: amax_history_len"):
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe\.amax_history_len: "
+                                         "must be a positive integer"):
         parse_recipe({"scaling": "delayed", "amax_history_len": 0})
-    with pytest.raises(ValueError, match="fp8_stats.recipe: scaling"):
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe: unknown scaling "
+                                         "'sometimes'"):
         parse_recipe("sometimes")
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe: unknown scaling "
+                                         r"\['delayed'\]"):
+        parse_recipe(["delayed"])
+    assert parse_recipe(None).scaling == "current"

@@ -71,6 +71,19 @@ def _trained_model() -> nn.Module:
     return model
 
 
+@pytest.mark.parametrize(("options", "key"), [
+    ({"watch_batches": -1}, "watch_batches"), ({"watch_batches": "8"}, "watch_batches"),
+    ({"watch_batches": 2.5}, "watch_batches"), ({"watch_batches": True}, "watch_batches"),
+    ({"strict": "false"}, "strict"), ({"strict": None}, "strict"),
+])
+def test_bad_options_name_their_key_path(options, key):
+    with pytest.raises(ValueError) as error:
+        FP8State(**options)
+    assert str(error.value).startswith(f"callbacks.fp8_state.{key}: ")
+    assert "(fix: " in str(error.value) and "\n" not in str(error.value)
+    assert FP8State(strict=False, watch_batches=0).watch_batches == 0
+
+
 def test_round_trip_and_named_mismatch():
     source, target = _trained_model(), nn.Sequential(EmulatedFP8Linear(16, 16),
                                                      EmulatedFP8Linear(16, 16))

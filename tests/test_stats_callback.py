@@ -14,7 +14,7 @@ from torch import nn
 from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.jsonl import read_jsonl
-from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig
+from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule
 from foundry_fp8.numerics import STAT_KEYS, tensor_stats
 from tests.tiny_run import run_folder, run_tiny
 
@@ -42,15 +42,140 @@ def test_monitor_matches_tensor_stats_and_flags_the_outlier_layer():
                     or layer._backward_pre_hooks or layer._backward_hooks)
 
 
-def test_bad_options_fail_with_the_key():
-    with pytest.raises(ValueError, match="fp8_stats.interval"):
-        FP8Stats(interval="1ep")
-    with pytest.raises(ValueError, match="fp8_stats.tensors"):
-        FP8Stats(tensors=["activations"])
-    with pytest.raises(ValueError, match="fp8_stats.recipe: margin"):
-        FP8Stats(recipe={"scaling": "current", "margin": 1})
-    with pytest.raises(ValueError, match="fp8_stats.dump_layers"):
-        FP8Stats(dump_layers="(")
+def test_a_tensor_with_nan_or_inf_gets_one_warning_as_the_report_flags_it():
+    """fp8_stats warns where `foundry-fp8 report` flags: NaN/Inf too, whatever the thresholds
+    (the statistics are of the finite values, so no threshold would catch them)."""
+    from foundry_fp8 import report
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32))  # its weight and output gradient stay finite
+    warned: list[str] = []
+    monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append)
+    records = []
+    for step in range(3):
+        x = torch.randn(8, 32)
+        if step > 0:
+            x[0, 0], x[1, 1], x[2, 2] = float("nan"), float("inf"), float("nan")
+        monitor.start_step(step)
+        model(x).sum().backward()
+        records.append((step, monitor.finish_step()))
+    assert records[1][1]["fp8/0/activation/nan_count"] == 2.0
+    assert records[1][1]["fp8/0/activation/inf_count"] == 1.0
+    assert warned == [  # once, though steps 1 and 2 both have them
+        "FP8 activation of layer '0': 2 NaN and 1 Inf values in the high-precision tensor, "
+        "before any FP8 cast (its statistics count the finite values only). Look for "
+        "divergence (loss, learning rate, gradient clipping) or an overflow upstream of this "
+        "layer."]
+    run = report.collect(records)
+    flagged = {(f.layer, f.tensor) for f in report.findings(run, report.Thresholds())}
+    assert flagged == {("0", "activation")}
+
+
+@pytest.mark.parametrize("stats", [
+    {"nan_count": 1.0}, {"inf_count": 3.0}, {"nan_count": 1.0, "cos_sim": float("nan")},
+    {"underflow_pct": 5.01}, {"underflow_pct": 5.0}, {"overflow_pct": 0.02},
+    {"cos_sim": 0.98}, {"cos_sim": float("nan")}, {"scale_ratio": 50.0}, {},
+])
+def test_advice_warns_exactly_where_the_report_flags(stats):
+    from foundry_fp8 import report
+    from foundry_fp8.monitor import advice
+
+    full = {**dict.fromkeys(STAT_KEYS, 0.0), "cos_sim": 1.0, "scale_ratio": 1.0, **stats}
+    run = report.collect([(0, {f"fp8/l/weight/{k}": v for k, v in full.items()})])
+    flagged = bool(report.findings(run, report.Thresholds()))
+    assert (advice("l", "weight", full, MonitorConfig()) is not None) == flagged
+
+
+def test_a_threshold_warning_does_not_hide_a_later_nan():
+    model = nn.Linear(16, 16)
+    with torch.no_grad():
+        model.weight[0, 0] = 1e6  # underflow: a threshold warning at step 0
+    warned: list[str] = []
+    monitor = FP8Monitor(model, MonitorConfig(tensors=("weight",)), on_warning=warned.append)
+    for step in range(3):
+        if step == 1:
+            with torch.no_grad():
+                model.weight[1, 1] = float("nan")
+        monitor.start_step(step)
+        model(torch.randn(2, 16))
+        monitor.finish_step()
+    assert len(warned) == 2 and "underflow" in warned[0] and "1 NaN values" in warned[1]
+
+
+#: The audit's values: (options, key path in the message).
+BAD_OPTIONS = [
+    ({"interval": "1ep"}, "interval"), ({"interval": "abc"}, "interval"),
+    ({"interval": 10.0}, "interval"), ({"interval": None}, "interval"),
+    ({"interval": 0}, "interval"), ({"layers": 5}, "layers"), ({"exclude": 5}, "exclude"),
+    ({"dump_layers": "("}, "dump_layers"), ({"tensors": "activation"}, "tensors"),
+    ({"tensors": ["activations"]}, "tensors"), ({"dump_steps": "1000"}, "dump_steps"),
+    ({"dump_steps": [-1]}, "dump_steps"), ({"dump_steps": [1.5]}, "dump_steps"),
+    ({"dump_steps": -2}, "dump_steps"), ({"start": "10ba"}, "start"), ({"start": -1}, "start"),
+    ({"start": 10, "end": 5}, "end"), ({"end": 0}, "end"),
+    ({"max_underflow_pct": -1}, "max_underflow_pct"),
+    ({"max_underflow_pct": "5"}, "max_underflow_pct"),
+    ({"max_overflow_pct": 101}, "max_overflow_pct"), ({"min_cos_sim": 2}, "min_cos_sim"),
+    ({"min_cos_sim": "0.99"}, "min_cos_sim"), ({"strict": "false"}, "strict"),
+    ({"dump_max_mb": -1}, "dump_max_mb"), ({"dump_folder": "{run}/d"}, "dump_folder"),
+    ({"te_debug": "dleayed"}, "te_debug"), ({"te_debug_folder": 3}, "te_debug_folder"),
+    ({"recipe": "delyaed"}, "recipe"),
+    ({"recipe": {"scaling": "current", "margin": 1}}, "recipe.margin"),
+]
+
+
+@pytest.mark.parametrize(("options", "key"), BAD_OPTIONS, ids=[k for _, k in BAD_OPTIONS])
+def test_bad_options_fail_with_the_key_path(options, key):
+    with pytest.raises(ValueError) as error:
+        FP8Stats(**options)
+    message = str(error.value)
+    assert message.startswith(f"callbacks.fp8_stats.{key}: ") and "\n" not in message
+    assert "(fix: " in message
+
+
+def test_near_misses_are_accepted():
+    callback = FP8Stats(interval="10BA", start=5, end=6, dump_steps=1000, layers="attn|ffn",
+                        max_underflow_pct=100, max_overflow_pct=0, min_cos_sim=-1,
+                        dump_folder="{run_name}/dumps", strict=False)
+    assert callback.schedule == Schedule(interval=10, start=5, end=6, dump_steps=(1000,))
+    assert FP8Stats(interval=3, dump_steps=(0, 7), tensors=("weight",), end=None).schedule == \
+        Schedule(interval=3, dump_steps=(0, 7))
+    assert FP8Stats(recipe=None).config.recipe.scaling == "current"  # null: current
+
+
+@pytest.mark.parametrize("interval", ["100ba", "5BA", " 5ba", "5 ba", "1e2ba", "1_0ba", "+3ba",
+                                      "1.0ba", "2.5ba", "0ba", "-1ba", "ba", "0x10ba", "infba",
+                                      "nanba", "1h2m3s", "5ep", "10tok", "5ba "])
+def test_intervals_read_as_composer_reads_them(interval):
+    """Our reading of a batch interval (lint/values.py) is Composer's Time.from_timestring."""
+    from composer.core import Time, TimeUnit
+
+    from foundry_fp8.lint.values import Batches, batches
+
+    try:
+        time = Time.from_timestring(interval)
+        composer = time.value if time.unit == TimeUnit.BATCH and time.value >= 1 else None
+    except (ValueError, TypeError, OverflowError):
+        composer = None
+    ours = None if Batches(1).problem(interval) else batches(interval)
+    assert ours == composer
+
+
+def test_python_callers_keep_working():
+    """Tuples, an FP8Recipe, Schedule and MonitorConfig built directly are checked too."""
+    from foundry_fp8.monitor import parse_recipe
+    from foundry_fp8.recipe import FP8Recipe
+
+    recipe = FP8Recipe(scaling="delayed", amax_history_len=4)
+    assert FP8Stats(recipe=recipe, tensors=("weight",)).config.recipe is recipe
+    assert parse_recipe(recipe) is recipe
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.layers: is not a valid"):
+        MonitorConfig(include="(")
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.min_cos_sim: "):
+        MonitorConfig(min_cos_sim=1.5)
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.end: must be greater"):
+        Schedule(start=4, end=2)
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.interval: "):
+        Schedule(interval=0)
 
 
 class _Logger:

@@ -90,7 +90,8 @@ def test_one_pattern_selects_like_include_and_exclude():
 def test_fp8_stats_te_debug_needs_te_and_says_so():
     from foundry_fp8.composer.stats import FP8Stats
 
-    with pytest.raises(ValueError, match="fp8_stats.te_debug: use 'delayed' or 'current'"):
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.te_debug: must be one of "
+                                         "'delayed', 'current', null, got 'yes'"):
         FP8Stats(te_debug="yes")
     with pytest.raises(RuntimeError, match="fp8_stats.te_debug: needs TransformerEngine"):
         FP8Stats(te_debug="delayed")  # no TE on this machine

@@ -18,7 +18,7 @@ from composer.loggers import Logger
 from foundry_fp8.emulate import EmulatedFP8Linear, is_fp8_enabled
 from foundry_fp8.environment import parse_version
 from foundry_fp8.numerics import FP8_MAX, delayed_scale_update
-from foundry_fp8.recipe import FP8Recipe, RecipeError
+from foundry_fp8.recipe import FP8Recipe
 from tests.tiny_run import run_tiny, tiny_config
 
 LAYER = "model.transformer.blocks.0.attn.Wqkv"
@@ -136,13 +136,13 @@ def test_real_run_with_current_scaling_keeps_no_history(tmp_path, tiny_data):
 def test_bad_options_fail_before_training_naming_the_key(tmp_path, tiny_data):
     from foundry_fp8.composer.te_swap import TESwap
 
-    with pytest.raises(RecipeError, match=r"^fp8_recipe\.fp8_format: .*E5M2"):
+    with pytest.raises(ValueError, match=r"^algorithms\.te_swap\.fp8_recipe\.fp8_format: .*E5M2"):
         TESwap(backend="emulate", fp8_recipe={"fp8_format": "E5M2"})
-    with pytest.raises(RecipeError, match=r"^fp8_recipe\.amax_history_len: "):
+    with pytest.raises(ValueError, match=r"^algorithms\.te_swap\.fp8_recipe\.amax_history_len: "):
         TESwap(backend="emulate", fp8_recipe={"scaling": "current", "amax_history_len": 4})
-    with pytest.raises(ValueError, match="te_swap.backend"):
+    with pytest.raises(ValueError, match=r"^algorithms\.te_swap\.backend: must be one of"):
         TESwap(backend="fp8")
-    with pytest.raises(ValueError, match="te_swap.min_gemm_size"):
+    with pytest.raises(ValueError, match=r"^algorithms\.te_swap\.min_gemm_size: "):
         TESwap(backend="emulate", min_gemm_size=-4)
     # through LLM-Foundry's train() (without fp8_lint, which would catch it first): the error
     # comes before any batch, on one line
@@ -151,10 +151,49 @@ def test_bad_options_fail_before_training_naming_the_key(tmp_path, tiny_data):
     cfg = tiny_config(tmp_path, tiny_data, {"algorithms": {"te_swap": {"fp8_recipe": {
         "interval": 1}}}})
     del cfg.callbacks["fp8_lint"]
-    with pytest.raises(RecipeError) as error:
+    with pytest.raises(ValueError) as error:
         train(cfg)
-    assert str(error.value).startswith("fp8_recipe.interval: ") and "\n" not in str(error.value)
+    assert str(error.value).startswith("algorithms.te_swap.fp8_recipe.interval: ")
+    assert "\n" not in str(error.value)
     assert not list(tmp_path.rglob("*.pt"))
+
+
+#: The audit's values: (options, key path in the message).
+BAD_OPTIONS = [
+    ({"fp8_recipe": "delayed"}, "fp8_recipe"), ({"fp8_recipe": ["scaling"]}, "fp8_recipe"),
+    ({"fp8_recipe": {"scaling": "delayd"}}, "fp8_recipe.scaling"),
+    ({"include": 5}, "include"), ({"exclude": "("}, "exclude"),
+    ({"tokens_per_microbatch": True}, "tokens_per_microbatch"),
+    ({"tokens_per_microbatch": 0}, "tokens_per_microbatch"),
+    ({"keep_first_blocks": "1"}, "keep_first_blocks"), ({"keep_last_blocks": -1}, "keep_last_blocks"),
+    ({"keep_lm_head": "false"}, "keep_lm_head"), ({"fuse_ln_mlp": 1}, "fuse_ln_mlp"),
+    ({"strict": "false"}, "strict"), ({"module_filter_fn": "my.fn"}, "module_filter_fn"),
+]
+
+
+@pytest.mark.parametrize(("options", "key"), BAD_OPTIONS, ids=[k for _, k in BAD_OPTIONS])
+def test_bad_options_name_their_key_path(options, key):
+    from foundry_fp8.composer.te_swap import TESwap
+
+    with pytest.raises(ValueError) as error:
+        TESwap(backend="emulate", **options)
+    message = str(error.value)
+    assert message.startswith(f"algorithms.te_swap.{key}: ") and "(fix: " in message
+    assert "\n" not in message
+
+
+def test_python_callers_keep_working():
+    import re
+
+    from foundry_fp8.composer.te_swap import TESwap
+    from foundry_fp8.swap import SwapConfig
+
+    swap = TESwap(backend="emulate", include=r"blocks\.\d+", tokens_per_microbatch=8,
+                  module_filter_fn=lambda module, name: True, strict=False,
+                  fp8_recipe={"scaling": "current"})
+    assert swap.config.tokens_per_microbatch == 8 and swap.recipe.scaling == "current"
+    with pytest.raises(ValueError, match=r"^algorithms\.te_swap\.include: takes str"):
+        SwapConfig(include=re.compile("x"))  # annotated str: a pattern's source, not a Pattern
 
 
 def test_te_backend_without_te_names_emulate():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,29 +13,12 @@ from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
 from foundry_fp8.jsonl import JsonlSink
+from foundry_fp8.lint.values import check_options
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "runs/{run_name}/metrics.jsonl"
 PLACEHOLDERS = ("run_name",)
-
-
-def check_path(path: Any) -> str:
-    """`path` itself if it is a usable template, else a one-line ValueError naming the option."""
-    allowed = ", ".join(f"{{{name}}}" for name in PLACEHOLDERS)
-    where = f"loggers.jsonl.path: {path!r}"
-    if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{where}: expected a file path such as {DEFAULT_PATH!r} "
-                         f"(placeholders: {allowed})")
-    try:
-        fields = [name for _, name, _, _ in string.Formatter().parse(path) if name is not None]
-    except ValueError as e:
-        raise ValueError(f"{where}: {e} (placeholders: {allowed}; write {{{{ and }}}} for "
-                         "literal braces)") from None
-    unknown = [name for name in fields if name not in PLACEHOLDERS]
-    if unknown:
-        raise ValueError(f"{where}: unknown placeholder {{{unknown[0]}}}; allowed: {allowed}")
-    return path
 
 
 class JSONLLogger(LoggerDestination):
@@ -54,7 +36,8 @@ class JSONLLogger(LoggerDestination):
     """
 
     def __init__(self, path: str = DEFAULT_PATH, strict: bool = False):
-        self.path_template = check_path(path)
+        check_options("jsonl", locals())  # path: a template with known placeholders
+        self.path_template = path
         self.strict = strict
         self.sink: JsonlSink | None = None  # rank 0's file (set even once writing stopped)
         self.stopped = False  # a write failed: nothing more is written

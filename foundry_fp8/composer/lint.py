@@ -11,6 +11,7 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
 from foundry_fp8.lint.rules import Finding, LintContext, fsdp_version_from_env, lint_config
+from foundry_fp8.lint.values import check_options
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,7 @@ class FP8Lint(Callback):
     """
 
     def __init__(self, train_config: Any, fail_on: str = "error"):
-        if fail_on not in FAIL_ON:
-            raise ValueError(f"fp8_lint.fail_on: use 'error' or 'never', got {fail_on!r}")
+        check_options("fp8_lint", locals())  # fail_on among FAIL_ON, as the linter checks
         self.fail_on = fail_on
         from omegaconf import DictConfig, OmegaConf
 

@@ -34,6 +34,7 @@ from foundry_fp8.fp8_meta import (
     read_fp8_meta,
     write_fp8_meta,
 )
+from foundry_fp8.lint.values import check_options
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,7 @@ class FP8State(Callback):
     """
 
     def __init__(self, strict: bool = True, watch_batches: int = 8):
-        if not isinstance(watch_batches, int) or watch_batches < 0:
-            raise ValueError(f"fp8_state.watch_batches: must be a non-negative integer, got "
-                             f"{watch_batches!r}")
+        check_options("fp8_state", locals())  # one-line errors naming callbacks.fp8_state.<key>
         self.strict = strict
         self.watch_batches = watch_batches
         self._model: nn.Module | None = None

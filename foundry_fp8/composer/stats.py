@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from composer.core import Callback, Event, State, Time, TimeUnit
+from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from foundry_fp8.lint.values import as_items, batches, check_options
 from foundry_fp8.monitor import (
     FP8Monitor,
     FP8MonitorError,
@@ -25,20 +26,6 @@ from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_s
 from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
 
 log = logging.getLogger(__name__)
-
-
-def _batches(interval: int | str) -> int:
-    """`100` or `"100ba"` -> 100; only batch intervals make sense for per-step stats."""
-    if isinstance(interval, int):
-        value = interval
-    else:
-        time = Time.from_timestring(str(interval))
-        if time.unit != TimeUnit.BATCH:
-            raise ValueError(f"fp8_stats.interval: use batches such as '100ba', got {interval!r}")
-        value = time.value
-    if value < 1:
-        raise ValueError(f"fp8_stats.interval: must be at least 1 batch, got {interval!r}")
-    return value
 
 
 def run_folder(state: State, logger: Logger) -> Path:
@@ -80,12 +67,13 @@ class FP8Stats(Callback):
                  recipe: str | Mapping[str, Any] = "current",
                  max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct,
                  max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct,
-                 min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim, dump_steps: Sequence[int] = (),
-                 dump_layers: str | None = None, dump_max_mb: float = 64.0,
-                 dump_folder: str | None = None,
+                 min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim,
+                 dump_steps: int | Sequence[int] = (), dump_layers: str | None = None,
+                 dump_max_mb: float = 64.0, dump_folder: str | None = None,
                  te_debug: Literal["delayed", "current"] | None = None,
                  te_debug_folder: str = "te_debug", strict: bool = False):
-        self.schedule = Schedule(_batches(interval), start, end, tuple(int(s) for s in dump_steps))
+        check_options("fp8_stats", locals())  # one-line errors naming callbacks.fp8_stats.<key>
+        self.schedule = Schedule(batches(interval), start, end, as_items(dump_steps))
         self.config = MonitorConfig(include=layers, exclude=exclude, tensors=tuple(tensors),
                                     recipe=parse_recipe(recipe),
                                     max_underflow_pct=max_underflow_pct,
@@ -191,9 +179,6 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
     before the model."""
     if scaling is None:
         return None
-    if scaling not in ("delayed", "current"):
-        raise ValueError(f"fp8_stats.te_debug: use 'delayed' or 'current' (the run's FP8 "
-                         f"scaling), got {scaling!r}")
     from foundry_fp8 import te_backend
 
     if not te_backend.te_available():

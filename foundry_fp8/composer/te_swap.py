@@ -31,6 +31,7 @@ from composer.loggers import Logger
 from torch import nn
 
 from foundry_fp8.fp8_meta import is_fp8_module
+from foundry_fp8.lint.values import check_options
 from foundry_fp8.recipe import FP8Recipe, RecipeError, environment_problems, is_same_delayed_recipe
 from foundry_fp8.swap import (
     SwapConfig,
@@ -63,6 +64,7 @@ class TESwap(Algorithm):
                  tokens_per_microbatch: int | None = None,
                  module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
                  fp8_recipe: dict[str, Any] | None = None, strict: bool = True):
+        check_options("te_swap", locals())  # one-line errors naming algorithms.te_swap.<key>
         self.config = SwapConfig(
             backend=backend, keep_first_blocks=keep_first_blocks,
             keep_last_blocks=keep_last_blocks, keep_lm_head=keep_lm_head,

@@ -755,20 +755,20 @@ RULES = [
          "make_dataclass_and_log_config, forbid_config_key; omegaconf 2.4 OmegaConf.structured",
          "write the section in one of the shapes the message names", section_shapes),
     Rule("FP8023", "error", "option values of our entries that their constructors refuse "
-         "(negative counts, regexes that do not compile, unknown choices such as "
-         "`fail_on: warning`, unknown `{placeholders}` in paths)",
+         "(negative counts, thresholds out of range, fp8_stats' `end` not after its `start`, "
+         "regexes that do not compile, unknown choices such as `fail_on: warning`, unknown "
+         "`{placeholders}` in paths)",
          "LLM-Foundry builds algorithms, callbacks and loggers before training, so a value of "
-         "the right type that the constructor refuses still stops the run (fp8_stats' "
-         "dump_folder is filled with {run_name} at FIT_START, where an unknown placeholder "
-         "switches fp8_stats off). One table (foundry_fp8/lint/values.py OPTION_VALUES) holds "
-         "these constraints; choices the code keeps as constants are read from its source.",
-         "foundry_fp8/swap.py SwapConfig.__post_init__ (te_swap counts, include/exclude); "
-         "foundry_fp8/composer/stats.py _batches, dump_folder.format(run_name=...) and "
-         "foundry_fp8/monitor.py MonitorConfig.__post_init__ (fp8_stats interval, tensors, "
-         "layers/exclude/dump_layers, dump_max_mb); foundry_fp8/composer/state.py "
-         "FP8State.__init__ (watch_batches); foundry_fp8/composer/lint.py FAIL_ON; "
-         "foundry_fp8/composer/jsonl_logger.py check_path, PLACEHOLDERS; "
-         f"{COMPOSER} composer/core/time.py Time.from_timestring",
+         "the right type that the constructor refuses still stops the run. One table "
+         "(foundry_fp8/lint/values.py OPTION_VALUES, OPTION_RELATIONS) holds these "
+         "constraints and every constructor checks its options with it (check_options), so "
+         "the linter and the run agree; choices the code keeps as constants are read from its "
+         "source.",
+         "foundry_fp8/lint/values.py OPTION_VALUES, check_options (called first by TESwap, "
+         "SwapConfig, FP8Stats, Schedule, MonitorConfig, parse_recipe, FP8State, FP8Lint, "
+         "JSONLLogger); foundry_fp8/composer/lint.py FAIL_ON; foundry_fp8/monitor.py "
+         "TENSOR_KINDS; foundry_fp8/composer/jsonl_logger.py PLACEHOLDERS; "
+         f"{COMPOSER} composer/core/time.py Time.from_timestring (batch intervals read alike)",
          "see the message", entry_option_values),
 ]
 
