@@ -73,9 +73,10 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None) -> Itera
     open region, with grad enabled, updates forward scales (`autocast_exit`, l. 779), so a nested
     region never does; amaxes recorded without an update (no_grad, a disabled outermost region)
     wait for the next one. Each layer is updated with the recipe it cast under, as TE keys its
-    amax buffers by recipe (l. 550, 675). One difference: TE registers a layer once and then
-    updates it at every such exit, run or not (a zero amax enters its history); here only layers
-    that cast since their last update are updated.
+    amax buffers by recipe (l. 550, 675). TE updates every layer it registered at each such
+    exit, cast or not, but its fused update leaves a slot with nothing recorded alone
+    (`numerics.delayed_scale_update`), so updating only the layers that cast since their last
+    update, as here, ends in the same state.
     """
     saved = _STATE.enabled, _STATE.recipe
     _STATE.enabled, _STATE.recipe = enabled, recipe or FP8Recipe()
@@ -106,11 +107,14 @@ def _stashing(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]]) -> Iterator[
 
 
 @contextmanager
-def _replaying(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]],
-               recipe: FP8Recipe) -> Iterator[None]:
-    """FP8 on with the original recipe and stashed scales; no amax recorded, no scale update."""
+def _replaying(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]], enabled: bool,
+               recipe: FP8Recipe | None) -> Iterator[None]:
+    """FP8 on or off with the recipe as at checkpoint time (autocasts inside the function decide
+    for their region), stashed scales, no amax recorded; one region deeper, so no exit inside
+    updates scales (TE's recompute autocast, distributed.py:811-816)."""
     saved = _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay
-    _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay = saved[0] + 1, True, recipe, scales
+    _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay = (saved[0] + 1, enabled, recipe,
+                                                                  scales)
     try:
         yield
     finally:
@@ -124,16 +128,16 @@ def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     the forward scales were updated, so the saved activations differ from the original forward
     (reentrant mode even back-propagates through a non-FP8 graph and never updates the backward
     scales). Here the recompute runs under the original recipe with the scales in force at the
-    original forward and records no amax. Non-reentrant; `kwargs` go to torch's checkpoint.
+    original forward and records no amax. That holds too when `function` opens its own
+    `fp8_autocast` and is checkpointed outside FP8, as in TE 2.20.2 (distributed.py:257-271):
+    the inner region's exit in the recompute is not the outermost one, so it updates nothing.
+    Non-reentrant; `kwargs` go to torch's checkpoint.
     """
-    if not is_fp8_enabled():
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     scales: dict[EmulatedFP8Linear, deque[torch.Tensor]] = {}
-    recipe = _STATE.recipe
-    assert recipe is not None
+    enabled, recipe = _STATE.enabled, _STATE.recipe
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False,
-        context_fn=lambda: (_stashing(scales), _replaying(scales, recipe)), **kwargs)
+        context_fn=lambda: (_stashing(scales), _replaying(scales, enabled, recipe)), **kwargs)
 
 
 class ScalingMeta(nn.Module):

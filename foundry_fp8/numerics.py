@@ -1,9 +1,8 @@
 """FP8 numerics in plain torch: TE's scaling rules, saturating round trips, tensor statistics.
 
 Works on any device (FP8 readiness on CPU or A100). Scale rules follow TransformerEngine:
-current scaling `scale = fp8_max / amax` (TE's compute_scale_from_amax), delayed scaling
-`fp8_max / amax_from_history / 2**margin` with the previous scale kept when amax is 0 or not
-finite, and the history rolled with slot 0 zeroed after every update.
+current scaling `scale = fp8_max / amax` (TE's compute_scale_from_amax), delayed scaling as
+TE's default fused update (`delayed_scale_update`).
 
 Statistics go through sufficient statistics (`sufficient_stats`): sums and maxima that pool
 exactly across pieces of a tensor (ranks), so cross-rank numbers are those of the whole tensor
@@ -45,39 +44,58 @@ def current_scale(amax: torch.Tensor, fmt: str, *, epsilon: float = 0.0,
     return _scale_from_amax(amax, FP8_MAX[fmt], epsilon=epsilon, power_2=power_2)
 
 
+def _divide(numerator: torch.Tensor | float, amax: torch.Tensor) -> torch.Tensor:
+    """`numerator / amax` rounded once, as TE's kernels divide (`__fdiv_rn` in
+    transformer_engine/common/recipe/recipe_common.cuh:31): torch computes `number / tensor`
+    as a product with a rounded reciprocal, one ulp off for about a quarter of the amaxes."""
+    return torch.as_tensor(numerator, dtype=torch.float32, device=amax.device) / amax
+
+
 def _scale_from_amax(amax: torch.Tensor, fp8_max: torch.Tensor | float, *, epsilon: float = 0.0,
                      power_2: bool = False) -> torch.Tensor:
     """`current_scale` with the format's max given as a number or a per-element tensor."""
     amax = torch.clamp(amax.float(), min=epsilon)
-    scale = (fp8_max / amax).float()
+    scale = _divide(fp8_max, amax)
     scale = torch.where((amax == 0) | torch.isinf(amax), torch.ones_like(scale), scale)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
     scale = torch.where(torch.isnan(scale), torch.ones_like(scale), scale)
-    if power_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    if power_2:  # keep the exponent bits as TE does (recipe_common.cuh:39-41); log2 may round up
+        scale = torch.ldexp(torch.ones_like(scale), torch.frexp(scale).exponent - 1)
     return scale
 
 
 def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor,
                          fp8_max: torch.Tensor | float, algo: str = "max",
                          margin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One delayed-scaling update: returns `(new_history, new_scale)`.
+    """One delayed-scaling update, column by column as TE's default fused kernel
+    (`kernel_bulk`, transformer_engine/common/recipe/delayed_scaling.cu:162-253, unchanged
+    since v2.18): returns `(new_history, new_scale)`.
 
-    `amax_history` is [history_len, n_tensors] with the newest amax in row 0.
+    `amax_history` is [history_len, n_tensors], the amax to record in row 0. A column whose row
+    0 is 0 recorded nothing and is left alone, history and scale (l. 182-186), so updating
+    twice changes nothing. Any other column (NaN too) is rolled up by one with row 0 zeroed,
+    the recorded amax landing in the last row (l. 187-198); its new scale is
+    `fp8_max * 2**-margin / amax` (l. 331, 239), amax being the largest row before the roll,
+    NaN rows skipped as fmaxf does (`max`, l. 206-217), or row 0 (`most_recent`, l. 204). The
+    scale is kept when that amax is not finite and positive, float32 max when the division
+    overflows (l. 238-249). TE's unfused Python path (NVTE_UNFUSED_FP8_UPDATE=1) rolls every
+    column; it is not modelled.
     """
+    recorded = amax_history[0]
     if algo == "max":
-        amax = amax_history.max(dim=0).values
+        amax = torch.where(torch.isnan(amax_history), 0.0, amax_history).amax(dim=0)
     elif algo == "most_recent":
-        amax = amax_history[0]
+        amax = recorded
     else:
         raise ValueError(f"unknown amax_compute_algo {algo!r}: use 'max' or 'most_recent'")
-    new_scale = (fp8_max / amax) / (2.0 ** margin)
-    usable = (amax > 0) & torch.isfinite(amax)
+    new_scale = _divide(fp8_max * 2.0 ** -margin, amax)
+    usable = (recorded != 0) & (amax > 0) & torch.isfinite(amax)
     new_scale = torch.where(usable, new_scale, scale)
     new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLOAT32_MAX),
                             new_scale)
-    new_history = torch.roll(amax_history, shifts=-1, dims=0)
-    new_history[0] = 0.0
+    rolled = torch.roll(amax_history, shifts=-1, dims=0)
+    rolled[0] = 0.0
+    new_history = torch.where(recorded != 0, rolled, amax_history)
     return new_history, new_scale.to(scale.dtype)
 
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
 from torch import nn
 
-from foundry_fp8.emulate import EmulatedFP8Linear, active_recipe, fp8_autocast, is_fp8_enabled
+from foundry_fp8.emulate import (
+    EmulatedFP8Linear,
+    active_recipe,
+    fp8_autocast,
+    fp8_checkpoint,
+    is_fp8_enabled,
+)
 from foundry_fp8.numerics import FP8_MAX, delayed_scale_update, quantize_dequantize
 from foundry_fp8.recipe import FP8Recipe
 
@@ -204,7 +210,7 @@ def test_disabled_region_inside_an_enabled_one_runs_in_high_precision():
             module(x0)
     meta = layer.fp8_meta["scaling_fwd"]
     history, scale = meta.amax_history.clone(), meta.scale.clone()
-    assert scale[0] == FP8_MAX["e4m3"] / x0.abs().max()
+    assert scale[0] == (FP8_MAX["e4m3"] / x0.abs().max().double()).float()
     with fp8_autocast(recipe=recipe):
         with fp8_autocast(enabled=False):
             assert not is_fp8_enabled() and active_recipe() is None
@@ -289,3 +295,128 @@ def test_nested_recipe_casts_inside_and_updates_its_layers_at_the_outermost_exit
         meta = layer.fp8_meta[which]
         assert torch.equal(meta.amax_history, want_history), (which, length)
         assert torch.equal(meta.scale, want_scale), (which, length)
+
+
+# -- zero amaxes, as TE's default fused update (transformer_engine/common/recipe/delayed_scaling.cu)
+
+class _KernelSlot:
+    """One scale slot under TE's fused update, restated in float64: a window over the non-zero
+    amaxes recorded so far; an update that recorded nothing (amax 0) changes nothing."""
+
+    def __init__(self, fp8_max: float, recipe: FP8Recipe):
+        self.scaled_max = fp8_max * 2.0 ** -recipe.margin
+        self.length, self.algo = recipe.amax_history_len, recipe.amax_compute_algo
+        self.recorded: list[float] = []
+        self.scale = 1.0
+
+    def update(self, amax: float) -> None:
+        if amax == 0:
+            return
+        window = (self.recorded + [amax])[-self.length:]
+        ref = amax if self.algo == "most_recent" else max(window)
+        self.scale = torch.tensor(self.scaled_max / ref, dtype=torch.float32).item()
+        self.recorded.append(amax)
+
+    def history(self) -> list[float]:
+        """As TE lays it out: row 0 empty, then the last length-1 amaxes, oldest first."""
+        padded = [0.0] * (self.length - 1) + self.recorded
+        return [0.0] + padded[len(padded) - (self.length - 1):]
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_zero_amax_slots_are_left_alone_as_te_does(algo):
+    """A zero-initialised weight (amax 0 until the first optimizer step), all-zero batches and
+    the never-cast output and grad-input slots: after every step, both directions equal
+    `_KernelSlot`s fed the amaxes of the raw tensors."""
+    recipe = FP8Recipe(amax_history_len=3, amax_compute_algo=algo, margin=1)
+    torch.manual_seed(0)
+    layer = EmulatedFP8Linear(16, 8)
+    nn.init.zeros_(layer.weight)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    slots = {"scaling_fwd": [_KernelSlot(FP8_MAX["e4m3"], recipe) for _ in range(3)],
+             "scaling_bwd": [_KernelSlot(FP8_MAX["e5m2"], recipe) for _ in range(2)]}
+    x_amaxes = []
+    for step, size in enumerate([4.0, 0.0, 1.0, 0.0, 0.0, 0.5]):
+        x = torch.randn(4, 16) * size
+        weight_amax = layer.weight.detach().abs().max().item()
+        assert (weight_amax == 0) == (step == 0)
+        with fp8_autocast(recipe=recipe):
+            out = layer(x)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        x_amaxes.append(x.abs().max().item())
+        amaxes = {"scaling_fwd": [x_amaxes[-1], weight_amax, 0.0],
+                  "scaling_bwd": [grad.abs().max().item(), 0.0]}
+        for which, meta_slots in slots.items():
+            for slot, amax in zip(meta_slots, amaxes[which], strict=True):
+                slot.update(amax)
+            meta = layer.fp8_meta[which]
+            want_history = torch.tensor([slot.history() for slot in meta_slots]).t()
+            assert torch.equal(meta.amax_history, want_history), (step, which)
+            assert torch.equal(meta.scale, torch.tensor([s.scale for s in meta_slots])), (step, which)
+    if algo == "max":  # three zero batches did not push the first amax out (rolling would)
+        assert x_amaxes[0] == max(x_amaxes)
+        scale = layer.fp8_meta["scaling_fwd"].scale[0].item()
+        assert scale == pytest.approx(224.0 / x_amaxes[0], rel=1e-6)
+
+
+# -- fp8_checkpoint around a function that opens its own fp8_autocast (TE 2.20.2 distributed.py)
+
+class _OwnAutocastBlock(nn.Module):
+    """A block that turns FP8 on itself (a model choosing its precision per block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = EmulatedFP8Linear(16, 32), EmulatedFP8Linear(32, 16)
+
+    def forward(self, x):
+        with fp8_autocast(recipe=FP8Recipe(amax_history_len=3)):
+            return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+def _train_own_autocast(checkpoint, outer: Callable[[], AbstractContextManager], steps: int = 3):
+    """Per step: input and weight gradients, then every layer's histories and scales."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_OwnAutocastBlock() for _ in range(2))
+    optimizer = torch.optim.SGD(blocks.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    results = []
+    for step in range(steps):
+        x = (torch.randn(8, 16, generator=generator) * (step + 1)).requires_grad_()
+        with outer():
+            h = x
+            for block in blocks:
+                h = block(h) if checkpoint is None else checkpoint(block, h)
+        (h * torch.randn(h.shape, generator=generator)).sum().backward()
+        tensors = [x.grad] + [p.grad for p in blocks.parameters()]
+        tensors += [t for m in blocks.modules() if isinstance(m, EmulatedFP8Linear)
+                    for meta in m.fp8_meta.values() for t in (meta.amax_history, meta.scale)]
+        results.append([t.clone() for t in tensors])
+        optimizer.step()
+        optimizer.zero_grad()
+    return results
+
+
+def _plain_checkpoint(function, x):
+    return torch.utils.checkpoint.checkpoint(function, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("outer", [nullcontext, lambda: fp8_autocast(recipe=FP8Recipe(fp8_format="E4M3"))],
+                         ids=["outside-fp8", "inside-another-recipe"])
+def test_checkpointed_function_with_its_own_autocast_is_bit_identical(outer):
+    """As TE 2.20.2 stashes inside the function's own autocast and recomputes one region deep,
+    the recompute casts with the original scales and updates nothing: gradients, histories and
+    scales equal a run without checkpointing. Plain torch checkpoint (what fp8_checkpoint did
+    outside FP8) recomputes with the updated scales and updates once more, so it differs."""
+    reference = _train_own_autocast(None, outer)
+    for got, want in zip(_train_own_autocast(fp8_checkpoint, outer), reference, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    plain = _train_own_autocast(_plain_checkpoint, outer, steps=1)[0]
+    n_grads = 1 + 4 * 2  # x, then weight and bias of each of the 4 layers
+    assert not torch.equal(plain[0], reference[0][0])  # input gradient
+    assert not all(torch.equal(a, b) for a, b in zip(plain[1:n_grads], reference[0][1:n_grads],
+                                                     strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(plain[n_grads:], reference[0][n_grads:],
+                                                     strict=True))

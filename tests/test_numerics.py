@@ -122,14 +122,64 @@ def test_current_scale_edge_rules():
     assert current_scale(torch.tensor(1e-6), "e4m3", epsilon=1e-3).item() == pytest.approx(448e3)
 
 
-def test_delayed_update_follows_history_rules():
-    history = torch.tensor([[4.0, 0.0, float("nan")], [8.0, 0.0, 1.0], [2.0, 0.0, 1.0]])
-    scale = torch.tensor([1.0, 5.0, 7.0])
+def test_scales_are_quotients_rounded_once():
+    """TE divides with one rounding (`__fdiv_rn`), which the float64 quotient rounded to float32
+    is; power-of-2 scales keep the exponent bits, so a scale just below 2**20 gives 2**19."""
+    amax = torch.rand(10_000, generator=torch.Generator().manual_seed(4)) * 10 + 1e-3
+    assert torch.equal(current_scale(amax, "e4m3"), (448.0 / amax.double()).float())
+    _, scale = delayed_scale_update(amax[None], torch.ones_like(amax), 448.0, "max", margin=1)
+    assert torch.equal(scale, (224.0 / amax.double()).float())
+    exact = torch.tensor(448.0 * 2.0 ** -20)
+    above = torch.nextafter(exact, torch.tensor(1.0))
+    assert current_scale(exact, "e4m3", power_2=True).item() == 2.0 ** 20
+    assert current_scale(above, "e4m3").item() < 2.0 ** 20
+    assert current_scale(above, "e4m3", power_2=True).item() == 2.0 ** 19
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_delayed_update_follows_the_fused_kernel_column_by_column():
+    """Hand-computed, newest amax in row 0. Columns: 0 recorded 4: rolled, max(4, 8, 2) = 8;
+    1 recorded nothing (older rows 3, 5): left alone, where always rolling would give 448/2/5;
+    2 recorded NaN: rolled, the max skips it; 3 all zero: left alone; 4 recorded inf: rolled,
+    scale kept."""
+    history = torch.tensor([[4.0, 0.0, NAN, 0.0, INF],
+                            [8.0, 3.0, 1.0, 0.0, 1.0],
+                            [2.0, 5.0, 1.0, 0.0, 1.0]])
+    scale = torch.tensor([1.0, 5.0, 7.0, 9.0, 11.0])
+    want_history = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0],
+                                 [2.0, 3.0, 1.0, 0.0, 1.0],
+                                 [4.0, 5.0, NAN, 0.0, INF]])
     new_history, new_scale = delayed_scale_update(history, scale, 448.0, "max", margin=1)
-    assert new_scale.tolist() == [448.0 / 8.0 / 2.0, 5.0, 7.0]  # zero and NaN amax keep scale
-    assert new_history[:, 0].tolist() == [0.0, 2.0, 4.0]  # rolled by one, slot 0 cleared
-    _, recent = delayed_scale_update(history, scale, 448.0, "most_recent")
-    assert recent[0].item() == 448.0 / 4.0
+    assert new_scale.tolist() == [448.0 / 2 / 8, 5.0, 448.0 / 2 / 1, 9.0, 11.0]
+    torch.testing.assert_close(new_history, want_history, rtol=0, atol=0, equal_nan=True)
+    new_history, new_scale = delayed_scale_update(history, scale, 448.0, "most_recent")
+    assert new_scale.tolist() == [448.0 / 4, 5.0, 7.0, 9.0, 11.0]  # NaN, inf: scale kept
+    torch.testing.assert_close(new_history, want_history, rtol=0, atol=0, equal_nan=True)
+
+
+def test_delayed_update_divides_the_margin_scaled_max():
+    """`fp8_max * 2**-margin / amax` as TE's kernel: for amax 9e-37, 448 / amax overflows float32
+    but 224 / amax does not; a smaller amax still overflows to float32 max."""
+    history = torch.tensor([[9e-37, 1e-45]])
+    _, scale = delayed_scale_update(history, torch.ones(2), 448.0, "max", margin=1)
+    assert 448.0 / float(history[0, 0]) > torch.finfo(torch.float32).max
+    want = torch.tensor([224.0 / float(history[0, 0]), torch.finfo(torch.float32).max])
+    assert torch.equal(scale, want)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_update_without_new_amaxes_changes_nothing(algo):
+    history = torch.tensor([[3.0, 0.0], [1.0, 0.0], [6.0, 0.0]])
+    state = delayed_scale_update(history, torch.tensor([1.0, 2.0]), 448.0, algo)
+    once = [t.clone() for t in state]
+    for _ in range(3):  # TE updates every registered module at every outermost exit
+        state = delayed_scale_update(*state, 448.0, algo)
+        assert all(torch.equal(a, b) for a, b in zip(state, once, strict=True))
+    zeros, scale = torch.zeros(4, 3), torch.tensor([1.0, 2.0, 3.0])
+    new_history, new_scale = delayed_scale_update(zeros, scale, 448.0, algo)
+    assert torch.equal(new_history, zeros) and torch.equal(new_scale, scale)
 
 
 def test_scale_ratio_and_current_scale_hand_computed():
