@@ -3,19 +3,16 @@ rank; state that is the same on every rank is saved once."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from foundry_fp8.composer.state import FP8State, FP8StateError
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.recipe import FP8Recipe
+from tests.ranks import init_rank, run_ranks
 
 
 def _model() -> nn.Module:
@@ -32,11 +29,7 @@ def _train(model: nn.Module, data_seed: int) -> None:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    # Composer's dist reads these too (a Trainer earlier in the session may have set them to 1)
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE="2", NODE_RANK="0")
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                  world_size=2)
+    init_rank(rank, port)
     try:
         for mode, data_seed in (("differ", rank), ("same", 0)):
             model = _model()
@@ -59,10 +52,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def results(tmp_path_factory) -> dict[str, list[dict]]:
     """Both scenarios in one 2-process run (starting the processes dominates the cost)."""
     out = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=2, join=True)
+    run_ranks(_worker, str(out))
     return {mode: [torch.load(out / f"{mode}-rank{r}.pt", weights_only=False) for r in range(2)]
             for mode in ("differ", "same")}
 

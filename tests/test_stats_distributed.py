@@ -9,19 +9,14 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import pkgutil
-import socket
-import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
 from composer.core import Event
 from composer.devices import DeviceCPU
 from torch import nn
@@ -35,6 +30,7 @@ from foundry_fp8.numerics import (
     sufficient_stats,
     tensor_stats,
 )
+from tests.ranks import init_rank, run_ranks
 from tests.test_numerics import ref_round
 
 SCALE = 448.0 / 64.0
@@ -59,21 +55,8 @@ def _weights() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 4, bias=False))
 
 
-def _init(rank: int, port: int) -> None:
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE="2", NODE_RANK="0")
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                  world_size=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    _init(rank, port)
+    init_rank(rank, port)
     result: dict = {}
     try:
         # 1. the numerics: one all_reduce per op over stacked rows
@@ -120,7 +103,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def results(tmp_path_factory) -> list[dict]:
     """Every scenario in one 2-process run (starting the processes dominates the cost)."""
     out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    run_ranks(_worker, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -294,7 +277,7 @@ def _scenario(rank: int, name: str, out_dir: str) -> dict:
 
 
 def _callback_worker(rank: int, port: int, out_dir: str, names: list[str]) -> None:
-    _init(rank, port)
+    init_rank(rank, port)
     try:
         for name in names:
             torch.save(_scenario(rank, name, out_dir), f"{out_dir}/{name}-rank{rank}.pt")
@@ -303,28 +286,11 @@ def _callback_worker(rank: int, port: int, out_dir: str, names: list[str]) -> No
         torch_dist.destroy_process_group()
 
 
-def _run_ranks(out: Path, names: list[str], deadline_s: float = 180.0) -> None:
-    """Both ranks through `names`, killed at the deadline: a scenario that hangs leaves no
-    result (and fails its test) instead of hanging the suite."""
-    context = mp.start_processes(_callback_worker, args=(_free_port(), str(out), names),
-                                 nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + deadline_s
-    try:
-        while not context.join(timeout=1) and time.monotonic() < deadline:
-            pass
-    except mp.ProcessException as e:  # a rank raised: the scenarios left are missing
-        print(e)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-
-
 @pytest.fixture(scope="module")
 def callback_results(tmp_path_factory) -> Callable[[str], list[dict]]:
     """Every scenario in one 2-process run."""
     out = tmp_path_factory.mktemp("callback")
-    _run_ranks(out, list(SCENARIOS))
+    run_ranks(_callback_worker, str(out), list(SCENARIOS))
 
     def results(name: str) -> list[dict]:
         paths = [out / f"{name}-rank{r}.pt" for r in range(2)]

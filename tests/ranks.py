@@ -1,0 +1,45 @@
+"""Two CPU processes over gloo for the multi-rank tests, under a deadline: a rank that hangs or
+dies leaves its results missing, so its test fails instead of blocking the suite."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+
+WORLD_SIZE = 2
+
+
+def init_rank(rank: int, port: int) -> None:
+    """Join the 2-rank gloo group; collectives give up after a minute rather than wait for ever."""
+    # Composer's dist reads these too (a Trainer earlier in the session may have set them to 1)
+    os.environ.update(WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(WORLD_SIZE), NODE_RANK="0")
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                  world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
+
+
+def run_ranks(worker: Callable[..., None], *args: Any, deadline_s: float = 180.0) -> None:
+    """`worker(rank, port, *args)` on both ranks; whatever is still running at the deadline is
+    killed. A rank that raised is reported on stdout; its test then finds no result."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(worker, args=(port, *args), nprocs=WORLD_SIZE, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1) and time.monotonic() < deadline:
+            pass
+    except mp.ProcessException as e:
+        print(e)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
