@@ -426,8 +426,9 @@ class FP8Monitor:
 
     def _init_whatif(self) -> None:
         """Fresh delayed state (history of zeros, scale 1), as TE starts. Never reset: the
-        `record_window` batches before a logging step roll every older amax out of the history
-        (a window of zero amaxes keeps the previous scale, as TE does)."""
+        `record_window` batches before a logging step push older amaxes out of the history of
+        every tensor seen on them (a slot whose amax is 0 neither rolls nor changes its scale, as
+        in TE's update kernel)."""
         device = self._device()
         self._history = torch.zeros(self.config.recipe.amax_history_len, len(self.rows),
                                     device=device)
