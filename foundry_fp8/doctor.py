@@ -57,9 +57,11 @@ def _torch_facts() -> dict[str, Any]:
 
 
 def te_import_error(timeout_s: float = TE_IMPORT_TIMEOUT_S) -> str | None:
-    """Why `import transformer_engine.pytorch` fails in a fresh interpreter (None: it imports)."""
+    """Why `import transformer_engine.pytorch` fails in a fresh interpreter (None: it imports).
+    torch is imported first, as in every training script: TE's core library finds NCCL only
+    through the libraries torch loads, so TE imported alone can fail on a healthy install."""
     try:
-        done = subprocess.run([sys.executable, "-c", "import transformer_engine.pytorch"],
+        done = subprocess.run([sys.executable, "-c", "import torch, transformer_engine.pytorch"],
                               capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return f"did not finish within {timeout_s:.0f} s"
