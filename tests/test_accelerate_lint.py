@@ -95,9 +95,29 @@ def test_fp8_from_config_reaches_te(version, dist, mp):
                 if f.rule == "FP8103"]
 
 
-def test_fp8103_through_the_file_uses_the_installed_accelerate(tmp_path):
+@pytest.mark.parametrize(("installed", "expected"), [
+    ("1.10.1", [("mixed_precision", 3, "error")]),  # older than 1.11: FP8 never enabled
+    ("1.11.0", []),
+    (None, [("mixed_precision", 3, "warning")]),  # version unknown: a warning
+])
+def test_fp8103_through_the_file_uses_the_installed_accelerate(tmp_path, monkeypatch,
+                                                                installed, expected):
+    """The file path lints against the installed Accelerate's version, as its distribution
+    metadata reports it; the test sets that version, so it holds whatever is installed."""
+    from foundry_fp8.lint import accelerate
+
+    real = accelerate.metadata.version
+
+    def version(name: str) -> str:
+        if name != "accelerate":
+            return real(name)
+        if installed is None:
+            raise accelerate.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(accelerate.metadata, "version", version)
     path = write(tmp_path, "", dist="DEEPSPEED")
-    assert [line for _key, line, _sev in found(path, "FP8103")] == [3]
+    assert found(path, "FP8103") == expected
 
 
 RECIPE = """\

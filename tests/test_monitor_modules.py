@@ -121,7 +121,11 @@ def _te_state(module: nn.Module, fwd: list[float], bwd: list[float]) -> None:
                        "scaling_bwd": types.SimpleNamespace(scale=torch.tensor(bwd))}
 
 
-def test_te_modules_under_delayed_fp8_report_their_own_scales(monkeypatch):
+@pytest.mark.parametrize("te", [None, (2, 3, 0), (2, 20, 2)], ids=["no-te", "te-2.3", "te-2.20"])
+def test_te_modules_under_delayed_fp8_report_their_own_scales(monkeypatch, te):
+    from foundry_fp8 import te_backend
+
+    monkeypatch.setattr(te_backend, "te_version", lambda: te)  # not whatever TE is installed
     fake = types.ModuleType("transformer_engine.pytorch.quantization")
     fake.FP8GlobalStateManager = _FakeStateManager
     monkeypatch.setitem(__import__("sys").modules, fake.__name__, fake)
@@ -137,10 +141,14 @@ def test_te_modules_under_delayed_fp8_report_their_own_scales(monkeypatch):
     assert metrics["fp8/4/fc1_weight/scale"] == 2.0 and metrics["fp8/4/fc2_weight/scale"] == 0.5
     assert metrics["fp8/4/fc2_weight/overflow_pct"] == pytest.approx(
         tensor_stats(model[4].fc2_weight, scale=0.5)["overflow_pct"])
-    # fc2's grad-output slot depends on TE's version; without TE installed it is not known, so
-    # that gradient falls back to the what-if recipe (current scaling)
-    current = 57344.0 / seen["mlp_grad_output"].abs().max().item()
-    assert metrics["fp8/4/gradient/scale"] == pytest.approx(current)
+    # fc2's grad-output slot depends on TE's version: GRAD_OUTPUT1 (0) up to TE 2.3, GRAD_OUTPUT2
+    # (2) from 2.4; without TE it is not known, so that gradient falls back to the what-if recipe
+    # (current scaling)
+    if te is None:
+        current = 57344.0 / seen["mlp_grad_output"].abs().max().item()
+        assert metrics["fp8/4/gradient/scale"] == pytest.approx(current)
+    else:
+        assert metrics["fp8/4/gradient/scale"] == (256.0 if te >= (2, 4) else 128.0)
     # outside TE's FP8 autocast the same modules run in high precision: what-if (current)
     monkeypatch.setattr(_FakeStateManager, "enabled", False)
     metrics, _ = _step(model, FP8Monitor(model, MonitorConfig(), on_warning=lambda _: None))

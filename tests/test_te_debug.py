@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -87,11 +88,13 @@ def test_one_pattern_selects_like_include_and_exclude():
     assert len(ours) == 4 and layer_pattern(include) == include
 
 
-def test_fp8_stats_te_debug_needs_te_and_says_so():
+def test_fp8_stats_te_debug_needs_te_and_says_so(monkeypatch):
     from foundry_fp8.composer.stats import FP8Stats
 
+    # TE hidden from the import system, so `te_available()` is False even where TE is installed
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.te_debug: must be one of "
                                          "'delayed', 'current', null, got 'yes'"):
         FP8Stats(te_debug="yes")
     with pytest.raises(RuntimeError, match="fp8_stats.te_debug: needs TransformerEngine"):
-        FP8Stats(te_debug="delayed")  # no TE on this machine
+        FP8Stats(te_debug="delayed")  # no TE importable

@@ -357,9 +357,13 @@ class _LayerNorm112(torch.nn.Module):
 
 @pytest.fixture
 def fake_te(monkeypatch):
-    """Installs a stand-in TE of the version given to the returned function."""
+    """Installs a stand-in TE of the version given to the returned function. The version the
+    product code sees is the stand-in's, even where a real TE is installed (whose distribution
+    metadata `te_version` would otherwise read)."""
+    from foundry_fp8 import te_backend
 
     def install(version: str = "2.20.2") -> None:
+        monkeypatch.setattr(te_backend, "te_version", lambda: parse_version(version))
         root = types.ModuleType("transformer_engine")
         root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
         root.__version__ = version
