@@ -85,6 +85,9 @@ class FP8Stats(Callback):
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
+        #: Called on every rank at each logging step with (step, table, flags): the pooled
+        #: `{(layer, tensor): {stat: value}}` and the health flags raised (fp8_guard's input).
+        self.listeners: list[Callable[[int, dict, dict], None]] = []
         self.te_debug = _start_te_debug(te_debug, layers, exclude, self.config.tensors,
                                         self.schedule, Path(te_debug_folder),
                                         self._te_metrics.__setitem__)
@@ -142,6 +145,10 @@ class FP8Stats(Callback):
             self.monitor.start_step(self._step)
         elif event == Event.BATCH_END:
             metrics = self.monitor.finish_step()  # raises only on every rank together
+            if metrics and self.listeners:
+                table = stats_table(metrics)
+                for listener in self.listeners:
+                    listener(self._step, table, {})
             if self.te_debug is not None:
                 self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
                 metrics.update(self._te_metrics)
@@ -168,6 +175,15 @@ class FP8Stats(Callback):
             if self.strict:
                 raise
             log.exception("fp8_stats: %s failed on rank 0; the statistics go on", what)
+
+
+def stats_table(metrics: Mapping[str, float]) -> dict[tuple[str, str], dict[str, float]]:
+    """`{(layer, tensor): {stat: value}}` from the monitor's `fp8/<layer>/<tensor>/<stat>`."""
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    for key, value in metrics.items():
+        layer, tensor, stat = key.removeprefix("fp8/").rsplit("/", 2)
+        table.setdefault((layer, tensor), {})[stat] = value
+    return table
 
 
 def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,

@@ -1,0 +1,229 @@
+"""fp8_guard's decisions, plain Python: which FP8 layers fall back to high precision, at which
+logging step, within what budget, and what to write in the YAML next time.
+
+The judgement is the health package's (`HealthTracker`: the same rules as `fp8_stats`' advice
+and `foundry-fp8 report`), run with the guard's own thresholds, `consecutive` being its
+persistence: an FP8 layer falls back at the first logging step where a rule flags one of its
+tensors. A guard that resumes from a checkpoint replays the last judged tables into a fresh
+tracker, so its streaks, and so its decisions, are those of the run that did not stop.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from foundry_fp8._guard_health import DEFAULT_THRESHOLDS, Flag, HealthTracker, Thresholds, short_layer
+
+Table = Mapping[tuple[str, str], Mapping[str, float]]
+OPTION = "callbacks.fp8_guard"
+
+
+class GuardOptionError(ValueError):
+    """A bad fp8_guard option, named by its key path."""
+
+
+class GuardBudgetError(RuntimeError):
+    """More of the FP8 FLOPs would fall back than `max_fallback_share` allows (`strict: true`)."""
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """fp8_guard's options. `consecutive`: logging steps a rule must hold before it flags (the
+    tracker's persistence); `max_fallback_share`: of the FLOPs that ran in FP8 at the start, the
+    most that may fall back; `strict`: past it, stop the run (else warn and keep the layer in
+    FP8), and raise the guard's own errors instead of switching it off."""
+
+    consecutive: int = DEFAULT_THRESHOLDS.persist_steps
+    max_fallback_share: float = 0.10
+    max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct
+    max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct
+    min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("consecutive", _is_int(self.consecutive) and self.consecutive >= 1,
+             "an integer >= 1"),
+            ("max_fallback_share", _is_number(self.max_fallback_share)
+             and 0 <= self.max_fallback_share <= 1, "a share between 0 and 1 (0.1 = 10 %)"),
+            ("max_underflow_pct", _is_number(self.max_underflow_pct)
+             and 0 <= self.max_underflow_pct <= 100, "a percentage between 0 and 100"),
+            ("max_overflow_pct", _is_number(self.max_overflow_pct)
+             and 0 <= self.max_overflow_pct <= 100, "a percentage between 0 and 100"),
+            ("min_cos_sim", _is_number(self.min_cos_sim) and -1 <= self.min_cos_sim <= 1,
+             "a cosine similarity between -1 and 1"),
+            ("strict", isinstance(self.strict, bool), "true or false"),
+        )
+        for key, ok, want in checks:
+            if not ok:
+                raise GuardOptionError(f"{OPTION}.{key}: must be {want}, got "
+                                       f"{getattr(self, key)!r}")
+
+    def thresholds(self) -> Thresholds:
+        return Thresholds(max_underflow_pct=self.max_underflow_pct,
+                          max_overflow_pct=self.max_overflow_pct, min_cos_sim=self.min_cos_sim,
+                          persist_steps=self.consecutive, source="fp8_guard options")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """One layer moved to high precision: from the step after `step` on."""
+
+    layer: str
+    step: int
+    flops_share: float  # of the model's linear-GEMM FLOPs
+    reasons: tuple[str, ...]  # the flags' messages
+    numbers: dict[str, float] = field(default_factory=dict)  # `<tensor>/<stat>` at `step`
+
+
+@dataclass
+class Verdict:
+    """What one logging step decided."""
+
+    fallbacks: list[Fallback]
+    refused: list[str]  # candidates the budget kept in FP8
+    budget_message: str | None  # set when a candidate was refused
+
+
+class GuardCore:
+    """Judges each logging step's table and records the fallbacks.
+
+    `flops` gives each FP8 layer (by the tables' layer names) its share of the model's linear
+    GEMM FLOPs; only those layers are judged. Two calls per logging step, so that ranks can
+    agree in between: `candidates` (this rank's view) then `decide` (with the union over ranks).
+    """
+
+    def __init__(self, config: GuardConfig, flops: Mapping[str, float]):
+        self.config = config
+        self.flops = dict(flops)
+        self.initial_share = sum(self.flops.values())
+        self.fallbacks: dict[str, Fallback] = {}
+        self.warned: set[str] = set()
+        self._tracker = HealthTracker(config.thresholds())
+        self._recent: list[tuple[int, dict[tuple[str, str], dict[str, float]]]] = []
+        self._flags: dict[str, list[Flag]] = {}
+
+    @property
+    def layers(self) -> list[str]:
+        """The judged layers in a fixed order (the same on every rank)."""
+        return sorted(self.flops)
+
+    @property
+    def fp8_flops_share(self) -> float:
+        """Share of the model's linear-GEMM FLOPs that runs in FP8 now."""
+        return self.initial_share - sum(f.flops_share for f in self.fallbacks.values())
+
+    @property
+    def fallback_share(self) -> float:
+        """Share of the FLOPs that ran in FP8 at the start that now falls back."""
+        if not self.initial_share:
+            return 0.0
+        return sum(f.flops_share for f in self.fallbacks.values()) / self.initial_share
+
+    def candidates(self, step: int, table: Table) -> list[str]:
+        """The FP8 layers still in FP8 that a rule flags at this logging step."""
+        judged = {key: dict(stats) for key, stats in table.items()
+                  if key[0] in self.flops and key[0] not in self.fallbacks}
+        self._recent = [*self._recent, (step, judged)][-(self.config.consecutive + 1):]
+        raised = self._tracker.update(step, judged)
+        self._flags = {}
+        for (layer, _), flags in raised.items():
+            self._flags.setdefault(layer, []).extend(flags)
+        return sorted(self._flags)
+
+    def decide(self, step: int, layers: Iterable[str], table: Table) -> Verdict:
+        """Fall back `layers` (every rank's candidates) in order while the budget allows."""
+        verdict = Verdict([], [], None)
+        for layer in sorted(set(layers) - set(self.fallbacks)):
+            share = self.flops.get(layer, 0.0)
+            after = self.fallback_share + (share / self.initial_share if self.initial_share else 0)
+            if after > self.config.max_fallback_share + 1e-12:
+                verdict.refused.append(layer)
+                continue
+            reasons = tuple(f.message for f in self._flags.get(layer, ()))
+            numbers = {f"{tensor}/{stat}": float(value)
+                       for (name, tensor), stats in table.items() if name == layer
+                       for stat, value in stats.items()}
+            fallback = Fallback(layer, step, share, reasons or ("flagged on another rank",),
+                                numbers)
+            self.fallbacks[layer] = fallback
+            verdict.fallbacks.append(fallback)
+        if verdict.refused:
+            verdict.budget_message = self._over_budget(step, verdict.refused)
+        return verdict
+
+    def _over_budget(self, step: int, refused: list[str]) -> str:
+        wanted = sum(self.flops.get(layer, 0.0) for layer in refused) / (self.initial_share or 1)
+        kept = ", ".join(self.fallbacks) or "none"
+        return (f"fp8_guard: at step {step}, {', '.join(refused)} would also fall back, putting "
+                f"{100 * (self.fallback_share + wanted):.1f} % of the FP8 FLOPs in high precision,"
+                f" over {OPTION}.max_fallback_share = {100 * self.config.max_fallback_share:g} %"
+                f" (already in fallback: {kept}). FP8 is not working for this model: check the "
+                f"recipe and the learning rate, or raise {OPTION}.max_fallback_share")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the fallbacks and the tables the tracker's streaks depend on."""
+        return {
+            "fallbacks": [asdict(f) for f in self.fallbacks.values()],
+            "recent": [(step, [[layer, tensor, stats] for (layer, tensor), stats in t.items()])
+                       for step, t in self._recent],
+            "warned": sorted(self.warned),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the fallbacks, and the streaks by replaying the recent tables."""
+        self.fallbacks = {}
+        for item in state.get("fallbacks", ()):
+            fallback = Fallback(**{**item, "reasons": tuple(item["reasons"])})
+            self.fallbacks[fallback.layer] = fallback
+        self.warned = set(state.get("warned", ()))
+        self._tracker = HealthTracker(self.config.thresholds())
+        self._recent = []
+        for step, rows in state.get("recent", ()):
+            table = {(layer, tensor): dict(stats) for layer, tensor, stats in rows}
+            self._recent.append((step, table))
+            self._tracker.update(step, table)
+
+
+def exclude_regex(layers: Iterable[str], existing: str | None = None) -> str:
+    """te_swap's `exclude` that keeps `layers` (and what `existing` excluded) in high precision:
+    te_swap searches the regex in module names, so each layer matches at the end of its name."""
+    parts = [f"{re.escape(short_layer(layer))}$" for layer in sorted(layers)]
+    if existing:
+        parts.insert(0, f"(?:{existing})")
+    return "|".join(parts)
+
+
+def static_yaml(layers: Iterable[str], existing: str | None = None) -> str:
+    """The YAML that runs the same layers in high precision from the start."""
+    pattern = exclude_regex(layers, existing).replace("'", "''")
+    return f"algorithms: {{te_swap: {{exclude: '{pattern}'}}}}"
+
+
+def fallback_message(fallback: Fallback, yaml: str) -> str:
+    """The one log line of a fallback."""
+    return (f"fp8_guard: layer '{fallback.layer}' runs in high precision from step "
+            f"{fallback.step + 1} on ({100 * fallback.flops_share:.1f} % of the linear FLOPs), "
+            f"flagged at step {fallback.step}: {' | '.join(fallback.reasons)}. To run it so from "
+            f"the start next time: {yaml}")
+
+
+def render_fallbacks(fallbacks: Iterable[Fallback], fp8_share: float) -> str:
+    """Fit-end table of the fallbacks (markdown)."""
+    rows = ["| layer | from step | FLOPs share | flagged for |", "|---|---|---|---|"]
+    for f in fallbacks:
+        rules = "; ".join(r.split(": ", 1)[-1].split(" (")[0] for r in f.reasons)
+        rows.append(f"| {f.layer} | {f.step + 1} | {100 * f.flops_share:.1f} % | {rules} |")
+    rows.append(f"\nFP8 share of the linear FLOPs now: {100 * fp8_share:.1f} %")
+    return "\n".join(rows)
