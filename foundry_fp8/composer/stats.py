@@ -23,7 +23,7 @@ from foundry_fp8.monitor import (
     parse_recipe,
 )
 from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
-from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 
 log = logging.getLogger(__name__)
 
