@@ -13,6 +13,7 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.lint.values import as_items, batches, check_options
 from foundry_fp8.monitor import (
     FP8Monitor,
@@ -134,7 +135,7 @@ class FP8Stats(Callback):
                                       on_warning=log.warning if rank_zero else lambda _: None)
             log.info("fp8_stats watches %d layers", len(self.monitor.layers))
             if self.te_debug is not None:
-                self.te_debug.name_layers(state.model.named_modules())
+                self.te_debug.name_layers(canonical_modules(state.model))
         elif self.monitor is None:
             return
         elif event == Event.BATCH_START:
