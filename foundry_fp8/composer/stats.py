@@ -13,6 +13,8 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from foundry_fp8.fp8_meta import canonical_modules
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 from foundry_fp8.lint.values import as_items, batches, check_options
 from foundry_fp8.monitor import (
     FP8Monitor,
@@ -23,7 +25,6 @@ from foundry_fp8.monitor import (
     parse_recipe,
 )
 from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
-from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class FP8Stats(Callback):
                                   on_warning=log.warning if _is_rank_zero() else lambda _: None)
         log.info("fp8_stats watches %d layers", len(self.monitor.layers))
         if self.te_debug is not None:
-            self.te_debug.name_layers(state.model.named_modules())
+            self.te_debug.name_layers(canonical_modules(state.model))
 
     def _batch_start(self, state: State, logger: Logger) -> None:
         if self.monitor is not None:
