@@ -17,7 +17,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
-from foundry_fp8.fp8_meta import canonical_name
+from foundry_fp8.fp8_meta import canonical_modules
 
 
 class InjectOutlier(Callback):
@@ -49,8 +49,7 @@ class InjectOutlier(Callback):
 
 def find_layer(model: nn.Module, layer: str) -> nn.Module:
     """The module whose wrapper-free name is `layer` or ends with `.<layer>`."""
-    for name, module in model.named_modules():
-        name = canonical_name(name)
+    for name, module in canonical_modules(model):
         if name == layer or name.endswith(f".{layer}"):
             return module
     raise KeyError(f"no module named {layer!r}")

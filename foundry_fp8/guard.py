@@ -15,13 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from foundry_fp8._guard_health import (
-    DEFAULT_THRESHOLDS,
-    Flag,
-    HealthTracker,
-    Thresholds,
-    short_layer,
-)
+from foundry_fp8.health import DEFAULT_THRESHOLDS, Flag, HealthTracker, Thresholds, short_layer
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
 OPTION = "callbacks.fp8_guard"

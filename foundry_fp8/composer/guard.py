@@ -28,7 +28,7 @@ from foundry_fp8.guard import (
     render_fallbacks,
     static_yaml,
 )
-from foundry_fp8.guard import short_layer as _short
+from foundry_fp8.health import short_layer
 from foundry_fp8.monitor import multi_rank
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class FP8Guard(Callback):
 
     def _start(self, state: State) -> None:
         self._remove_all()
-        self._modules = {_short(canonical_name(n)): m for n, m in fp8_modules(state.model)}
+        self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)}
         swap = next((a for a in state.algorithms if isinstance(a, TESwap)), None)
         self._exclude = swap.config.exclude if swap is not None else None
         self.core = GuardCore(self.config, layer_flops(state.model, self._modules, swap))
@@ -143,7 +143,7 @@ class FP8Guard(Callback):
         if self.disabled or self.core is None:
             return
         core = self.core
-        table = {(_short(layer), tensor): stats for (layer, tensor), stats in table.items()}
+        table = {(short_layer(layer), tensor): stats for (layer, tensor), stats in table.items()}
         mine: list[str] = []
         failed = False
         try:
@@ -267,7 +267,7 @@ def layer_flops(model: nn.Module, layers: Mapping[str, nn.Module],
     modules."""
     planned: dict[str, float] = {}
     if swap is not None and swap.plan is not None:
-        planned = {_short(canonical_name(d.name)): d.flops_share for d in swap.plan.decisions}
+        planned = {short_layer(canonical_name(d.name)): d.flops_share for d in swap.plan.decisions}
     total = sum(_gemm_flops(m) for m in model.modules()
                 if isinstance(m, nn.Linear) or m in layers.values()) or 1
     return {layer: planned.get(layer, _gemm_flops(m) / total) for layer, m in layers.items()}
