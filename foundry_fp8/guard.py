@@ -2,10 +2,11 @@
 logging step, within what budget, and what to write in the YAML next time.
 
 The judgement is the health package's (`HealthTracker`: the same rules as `fp8_stats`' advice
-and `foundry-fp8 report`), run with the guard's own thresholds, `consecutive` being its
-persistence: an FP8 layer falls back at the first logging step where a rule flags one of its
-tensors. A guard that resumes from a checkpoint replays the last judged tables into a fresh
-tracker, so its streaks, and so its decisions, are those of the run that did not stop.
+and `foundry-fp8 report`), applied to each logging step on its own with the guard's thresholds;
+an FP8 layer falls back once some rule has flagged one of its tensors at `consecutive` logging
+steps in a row, so a single amax spike does not move a layer. A guard that resumes from a
+checkpoint replays the last judged tables into a fresh tracker, so its streaks, and so its
+decisions, are those of the run that did not stop.
 """
 
 from __future__ import annotations
@@ -31,15 +32,18 @@ class GuardBudgetError(RuntimeError):
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """fp8_guard's options. `consecutive`: logging steps a rule must hold before it flags (the
-    tracker's persistence); `max_fallback_share`: of the FLOPs that ran in FP8 at the start, the
+    """fp8_guard's options. `consecutive`: logging steps in a row at which a rule flags a layer
+    before it falls back; `max_fallback_share`: of the FLOPs that ran in FP8 at the start, the
     most that may fall back; `strict`: past it, stop the run (else warn and keep the layer in
     FP8), and raise the guard's own errors instead of switching it off."""
 
     consecutive: int = DEFAULT_THRESHOLDS.persist_steps
     max_fallback_share: float = 0.10
     max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct
-    max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct
+    # The guard acts, so it asks for ten times the overflow fp8_stats warns about: under delayed
+    # scaling a weight that grows by its updates saturates its largest element at every step
+    # (one of 4096, 0.024 %, in the tiny MPT's healthy out_proj weights), which costs nothing.
+    max_overflow_pct: float = 10 * DEFAULT_THRESHOLDS.max_overflow_pct
     min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim
     strict: bool = False
 
@@ -65,7 +69,7 @@ class GuardConfig:
     def thresholds(self) -> Thresholds:
         return Thresholds(max_underflow_pct=self.max_underflow_pct,
                           max_overflow_pct=self.max_overflow_pct, min_cos_sim=self.min_cos_sim,
-                          persist_steps=self.consecutive, source="fp8_guard options")
+                          persist_steps=1, source="fp8_guard options")
 
 
 def _is_int(value: Any) -> bool:
@@ -113,6 +117,7 @@ class GuardCore:
         self._tracker = HealthTracker(config.thresholds())
         self._recent: list[tuple[int, dict[tuple[str, str], dict[str, float]]]] = []
         self._flags: dict[str, list[Flag]] = {}
+        self._streaks: dict[str, int] = {}  # consecutive flagged logging steps per layer
 
     @property
     def layers(self) -> list[str]:
@@ -132,15 +137,20 @@ class GuardCore:
         return sum(f.flops_share for f in self.fallbacks.values()) / self.initial_share
 
     def candidates(self, step: int, table: Table) -> list[str]:
-        """The FP8 layers still in FP8 that a rule flags at this logging step."""
+        """The FP8 layers still in FP8 flagged at this and the `consecutive - 1` logging steps
+        before it."""
         judged = {key: dict(stats) for key, stats in table.items()
                   if key[0] in self.flops and key[0] not in self.fallbacks}
-        self._recent = [*self._recent, (step, judged)][-(self.config.consecutive + 1):]
+        # the streaks need `consecutive` steps, the rising-underflow rule two
+        self._recent = [*self._recent, (step, judged)][-max(self.config.consecutive, 2):]
         raised = self._tracker.update(step, judged)
         self._flags = {}
         for (layer, _), flags in raised.items():
             self._flags.setdefault(layer, []).extend(flags)
-        return sorted(self._flags)
+        for layer in {layer for layer, _ in judged}:
+            self._streaks[layer] = self._streaks.get(layer, 0) + 1 if layer in self._flags else 0
+        return sorted(layer for layer in self._flags
+                      if self._streaks[layer] >= self.config.consecutive)
 
     def decide(self, step: int, layers: Iterable[str], table: Table) -> Verdict:
         """Fall back `layers` (every rank's candidates) in order while the budget allows."""
@@ -189,11 +199,9 @@ class GuardCore:
             self.fallbacks[fallback.layer] = fallback
         self.warned = set(state.get("warned", ()))
         self._tracker = HealthTracker(self.config.thresholds())
-        self._recent = []
+        self._recent, self._streaks = [], {}
         for step, rows in state.get("recent", ()):
-            table = {(layer, tensor): dict(stats) for layer, tensor, stats in rows}
-            self._recent.append((step, table))
-            self._tracker.update(step, table)
+            self.candidates(step, {(layer, tensor): stats for layer, tensor, stats in rows})
 
 
 def exclude_regex(layers: Iterable[str], existing: str | None = None) -> str:

@@ -68,6 +68,18 @@ def test_a_layer_falls_back_after_consecutive_bad_logging_steps_within_budget():
     assert core.candidates(10, _table({"a", "c"})) == ["c"]
 
 
+def test_a_single_amax_spike_moves_no_layer_but_nonfinite_inputs_in_a_row_do():
+    spike = {**HEALTHY, "overflow_pct": 1.56, "cos_sim": 0.37, "scale_ratio": 2.8e4}
+    nonfinite = {**HEALTHY, "nan_count": 3.0}
+    core = GuardCore(GuardConfig(consecutive=2), {"a": 0.05, "b": 0.05})
+    rows = {0: {"a": spike}, 2: {}, 4: {"b": nonfinite}, 6: {"b": nonfinite}}
+    seen = [core.candidates(step, {(layer, "activation"): {**HEALTHY, **row.get(layer, {})}
+                                   for layer in ("a", "b")})
+            for step, row in rows.items()]
+    assert seen == [[], [], [], ["b"]]
+    assert core._flags["b"][0].rule == "nonfinite"
+
+
 def test_resume_mid_streak_decides_at_the_same_step():
     config = GuardConfig(consecutive=3)
     flops = {"a": 0.05, "b": 0.05}

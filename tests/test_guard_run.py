@@ -12,6 +12,7 @@ import torch
 
 from foundry_fp8.composer.guard import FALLBACK_LAYERS, FP8_FLOPS_SHARE, FP8Guard
 from foundry_fp8.composer.state import fp8_state_from_checkpoint
+from foundry_fp8.composer.stats import stats_table
 from foundry_fp8.fault import InjectOutlier
 from foundry_fp8.jsonl import read_jsonl
 from tests.tiny_run import run_folder, tiny_config
@@ -71,11 +72,18 @@ def _losses(metrics: dict[int, dict]) -> dict[int, float]:
     return {s: m["loss/train/total"] for s, m in metrics.items() if "loss/train/total" in m}
 
 
-def _underflow(metrics: dict[int, dict], layer: str) -> dict[int, float]:
-    """The layer's activation underflow per logging step, whatever the key layout."""
-    return {s: v for s, m in metrics.items() for k, v in m.items()
-            if layer in k and "activation" in k and "underflow_pct" in k
-            and "initial" not in k}
+def _bad_steps(metrics: dict[int, dict], layer: str, guard: FP8Guard) -> list[int]:
+    """Logging steps at which one of the layer's tensors crossed a limit of the guard's."""
+    c = guard.config
+    bad = []
+    for step, values in sorted(metrics.items()):
+        rows = [stats for (name, _), stats in stats_table(values).items()
+                if name.endswith(LAYER) and not stats.get("initial_scale")]
+        if any(r["underflow_pct"] > c.max_underflow_pct or r["overflow_pct"] > c.max_overflow_pct
+               or r["cos_sim"] < c.min_cos_sim or r["nan_count"] + r["inf_count"] > 0
+               for r in rows):
+            bad.append(step)
+    return bad
 
 
 @pytest.mark.slow
@@ -83,15 +91,17 @@ def test_exactly_the_faulty_layer_falls_back_when_its_rule_says(runs):
     guard, metrics = runs["guarded"]
     assert list(guard.core.fallbacks) == [LAYER]
     fallback = guard.core.fallbacks[LAYER]
-    # the unguarded run's numbers: the first logging step over the guard's underflow limit,
-    # then CONSECUTIVE logging steps in a row
-    underflow = _underflow(runs["unguarded"][1], LAYER)
-    first = min(s for s, v in underflow.items() if v > guard.config.max_underflow_pct)
-    assert first >= START
-    assert all(underflow[first + INTERVAL * k] > guard.config.max_underflow_pct
-               for k in range(CONSECUTIVE))
-    assert fallback.step == first + INTERVAL * (CONSECUTIVE - 1)
-    assert fallback.numbers["activation/underflow_pct"] == pytest.approx(underflow[fallback.step])
+    # from the unguarded run's numbers: the first logging step at which the layer has crossed a
+    # limit at CONSECUTIVE logging steps in a row (the fault's first step is one of them)
+    bad = _bad_steps(runs["unguarded"][1], LAYER, guard)
+    assert bad[0] == START
+    expected = next(s for s in bad
+                    if all(s - INTERVAL * k in bad for k in range(CONSECUTIVE)))
+    assert fallback.step == expected
+    unguarded = stats_table(runs["unguarded"][1][expected])
+    assert fallback.numbers["activation/underflow_pct"] == next(
+        stats["underflow_pct"] for (name, tensor), stats in unguarded.items()
+        if name.endswith(LAYER) and tensor == "activation")
     # the W&B series: 0 then 1 layer; the FP8 FLOPs share drops by out_proj's 64 x 64 GEMM
     # of the model's 2 x (64x192 + 64x64 + 64x256 + 256x64) + 64x512 (tied LM head)
     logged = {s: (m[FALLBACK_LAYERS], m[FP8_FLOPS_SHARE]) for s, m in metrics.items()
