@@ -9,7 +9,10 @@ that a high-precision run of the same layer does not have.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from composer.core import Callback, State
@@ -53,3 +56,89 @@ def find_layer(model: nn.Module, layer: str) -> nn.Module:
         if name == layer or name.endswith(f".{layer}"):
             return module
     raise KeyError(f"no module named {layer!r}")
+
+
+def train_with_fault(yaml_path: Path, data_root: Path, run_root: Path, run_name: str,
+                     layer: str, start: int, interval: int = 5, consecutive: int = 2) -> Path:
+    """`make run`'s fault demonstration: the tiny YAML with the outlier injected into `layer`
+    from `start` on and fp8_guard watching fp8_stats every `interval` batches. In this process:
+    the fault is registered here, not an entry point. Returns the run folder."""
+    from llmfoundry.command_utils import train
+    from llmfoundry.registry import callbacks
+    from omegaconf import OmegaConf as om
+
+    callbacks.register("inject_outlier", func=InjectOutlier)
+    cfg = om.load(yaml_path)
+    cfg.variables.update(data_root=str(data_root), run_root=str(run_root), run_name=run_name)
+    cfg.callbacks.fp8_stats.interval = f"{interval}ba"
+    cfg.callbacks.fp8_guard = {"consecutive": consecutive}
+    cfg.callbacks.inject_outlier = {"layer": layer, "start": start}
+    cfg.save_interval = cfg.max_duration
+    folder = run_root / run_name
+    folder.mkdir(parents=True, exist_ok=True)
+    train(cfg)
+    return folder
+
+
+def before_after(healthy: Path, faulty: Path, layer: str) -> list[str]:
+    """Lines comparing the two runs' `metrics.jsonl` at the faulty run's logging steps: the
+    losses and the layer's activation underflow, and where it ran in high precision."""
+    from foundry_fp8.composer.guard import FALLBACK_LAYERS
+    from foundry_fp8.composer.stats import stats_table
+    from foundry_fp8.jsonl import read_jsonl
+
+    def merged(folder: Path) -> dict[int, dict[str, Any]]:
+        steps: dict[int, dict[str, Any]] = {}
+        for step, metrics in read_jsonl(folder / "metrics.jsonl"):
+            steps.setdefault(step, {}).update(metrics)
+        return steps
+
+    ok, bad = merged(healthy), merged(faulty)
+    lines = [f"{'step':>6} {'loss, healthy':>14} {'loss, fault':>12} "
+             f"{'underflow % (fault)':>20}  {layer}"]
+    fallen = 0.0
+    for step in sorted(s for s, m in bad.items() if FALLBACK_LAYERS in m):
+        where = ("in FP8" if not bad[step][FALLBACK_LAYERS] else "high precision" if fallen
+                 else "falls back after this step")
+        fallen = bad[step][FALLBACK_LAYERS]
+        underflow = next((stats.get("underflow_pct") for (name, tensor), stats
+                          in stats_table(bad[step]).items()
+                          if name.endswith(layer) and tensor == "activation"), float("nan"))
+        loss_ok = ok.get(step, {}).get("loss/train/total", float("nan"))
+        loss_bad = bad[step].get("loss/train/total", float("nan"))
+        lines.append(f"{step:>6} {loss_ok:>14.4f} {loss_bad:>12.4f} {underflow:>20.2f}  {where}")
+    return lines
+
+
+#: make run's fault: the second block's attention output projection, from batch 10 on.
+DEMO_LAYER, DEMO_START = "blocks.1.attn.out_proj", 10
+
+
+def demo(yaml_path: Path, data_root: Path, run_root: Path, healthy: Path) -> None:
+    """`make run`'s fp8_guard step: the fault run in a subprocess (its log beside the run), the
+    guard's lines from it, then the before/after table against the healthy run."""
+    from foundry_fp8.composer.guard import FALLBACK_LAYERS
+    from foundry_fp8.jsonl import read_jsonl
+
+    moved = [m[FALLBACK_LAYERS] for _, m in read_jsonl(healthy / "metrics.jsonl")
+             if FALLBACK_LAYERS in m]
+    print(f"   the healthy run above had fp8_guard on: {max(moved, default=float('nan')):.0f} "
+          f"layers fell back over {len(moved)} logging steps", flush=True)
+    name = f"{healthy.name}-fault"
+    log = run_root / f"{name}.log"
+    cmd = [sys.executable, "-m", "foundry_fp8.fault", str(yaml_path), str(data_root),
+           str(run_root), name]
+    print("$", " ".join(cmd), flush=True)
+    with log.open("w") as f:
+        result = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    for line in log.read_text().splitlines():
+        if "fp8_guard" in line or line.startswith("|"):
+            print("  " + line)
+    if result.returncode != 0:
+        raise SystemExit(f"the fault run failed (exit {result.returncode}); full log: {log}")
+    print("   " + "\n   ".join(before_after(healthy, run_root / name, DEMO_LAYER)), flush=True)
+
+
+if __name__ == "__main__":
+    train_with_fault(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4],
+                     DEMO_LAYER, DEMO_START)
