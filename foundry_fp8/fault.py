@@ -1,7 +1,7 @@
 """An injected FP8 fault for fp8_guard's tests and `make run`'s demonstration.
 
 `InjectOutlier` multiplies one input channel of one layer by `factor` in training forwards from
-batch `start` on: an outlier feature. At 1e5 the tensor spans more than E4M3 holds with its
+batch `start` on (the backward passes the gradient through unscaled): an outlier feature. At 1e5 the tensor spans more than E4M3 holds with its
 subnormals (448 / 2^-9, about 2.3e5, over a spread of values), so delayed scaling, which sizes
 the scale for the outlier, flushes much of the rest to 0 at every step: persistent FP8 trouble
 that a high-precision run of the same layer does not have.
@@ -46,7 +46,10 @@ class InjectOutlier(Callback):
         if not module.training or self._batch < self.start:
             return None
         x = args[0].clone()
-        x[..., self.channel] = x[..., self.channel] * self.factor
+        # forward only: the gradient flowing back upstream is left as it was, so the fault
+        # stays in this layer's FP8 cast instead of spreading an outlier into earlier layers'
+        channel = x[..., self.channel]
+        x[..., self.channel] = channel + (self.factor - 1) * channel.detach()
         return (x, *args[1:])
 
 

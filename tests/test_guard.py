@@ -193,3 +193,65 @@ def test_the_region_is_left_when_the_forward_raises():
         x = torch.randn(4, 16)
         assert not torch.equal(model[1](x), nn.functional.linear(x, model[1].weight,
                                                                  model[1].bias))
+
+
+def _loop(guard: FP8Guard, steps: int = 10) -> list[str]:
+    """fp8_stats (every 2 batches) and `guard` over an emulated 2-layer model whose last layer
+    gets an outlier channel from batch 4 (a mean loss keeps the gradients, and so the first
+    layer, unaffected); returns the guard's warnings."""
+    import logging
+    import types
+
+    from composer.core import Event
+    from composer.devices import DeviceCPU
+
+    from foundry_fp8.composer.stats import FP8Stats
+    from foundry_fp8.fault import InjectOutlier
+
+    torch.manual_seed(0)
+    model = nn.Sequential(EmulatedFP8Linear(32, 32), nn.GELU(), EmulatedFP8Linear(32, 32))
+    callbacks = [FP8Stats(interval=2), guard, InjectOutlier("2", start=4)]
+    state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
+                                  algorithms=[], device=DeviceCPU(),
+                                  timestamp=types.SimpleNamespace(batch=0))
+    logger = types.SimpleNamespace(destinations=[], log_metrics=lambda *a, **k: None,
+                                   log_hyperparameters=lambda *a, **k: None)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("foundry_fp8.composer.guard").addHandler(handler)
+    try:
+        for callback in callbacks:
+            callback.run_event(Event.FIT_START, state, logger)
+        for batch in range(steps):
+            state.timestamp.batch = batch
+            for callback in callbacks:
+                callback.run_event(Event.BATCH_START, state, logger)
+            with fp8_autocast(recipe=FP8Recipe(scaling="delayed", amax_history_len=4)):
+                model(torch.randn(256, 32)).mean().backward()
+            state.timestamp.batch = batch + 1
+            for event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT):
+                for callback in callbacks:
+                    callback.run_event(event, state, logger)
+    finally:
+        logging.getLogger("foundry_fp8.composer.guard").removeHandler(handler)
+    return warnings
+
+
+def test_past_the_budget_strict_stops_the_run_and_otherwise_warns_once():
+    with pytest.raises(RuntimeError, match=r"^fp8_guard: at step 6, 2 would also fall back, "
+                                           r"putting 50\.0 % of the FP8 FLOPs"):
+        _loop(FP8Guard(consecutive=2, strict=True))
+    guard = FP8Guard(consecutive=2)
+    warnings = _loop(guard)
+    assert guard.core.fallbacks == {}
+    assert [w for w in warnings if "max_fallback_share" in w] == [warnings[0]]
+    assert "stays in FP8" in warnings[0]
+
+
+def test_the_guard_needs_fp8_stats():
+    import types
+
+    state = types.SimpleNamespace(callbacks=[FP8Guard()])
+    with pytest.raises(GuardOptionError, match=r"^callbacks\.fp8_guard: needs callbacks\.fp8_stats"):
+        FP8Guard().fit_start(state, None)

@@ -92,7 +92,11 @@ class FP8Guard(Callback):
             log.exception("fp8_guard failed to start; it is off for this run (strict: true "
                           "to fail instead)")
             failed = True
-        if self._agree([], failed)[1]:
+        if multi_rank():  # one rank without a core cannot join the steps' all_reduce
+            flag = state.device.tensor_to_device(torch.tensor([float(failed)]))
+            dist.all_reduce(flag, reduce_operation="MAX")
+            failed = bool(flag.item())
+        if failed:
             self.disabled = True
         elif self._listen not in stats.listeners:
             stats.listeners.append(self._listen)
