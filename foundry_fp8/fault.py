@@ -1,10 +1,12 @@
 """An injected FP8 fault for fp8_guard's tests and `make run`'s demonstration.
 
 `InjectOutlier` multiplies one input channel of one layer by `factor` in training forwards from
-batch `start` on (the backward passes the gradient through unscaled): an outlier feature. At 1e5 the tensor spans more than E4M3 holds with its
-subnormals (448 / 2^-9, about 2.3e5, over a spread of values), so delayed scaling, which sizes
-the scale for the outlier, flushes much of the rest to 0 at every step: persistent FP8 trouble
-that a high-precision run of the same layer does not have.
+batch `start` on, and subtracts that channel's extra contribution from the layer's output again:
+in high precision the layer computes what it did (up to rounding), gradients included, but the
+tensor it casts holds an outlier feature. At 1e5 that tensor spans more than E4M3 holds with its
+subnormals (448 / 2^-9, about 2.3e5, over a spread of values), so the scale delayed scaling
+sizes for the outlier flushes most of the rest to 0 at every step, and the FP8 rounding error of
+the outlier itself no longer cancels: persistent FP8 trouble that only FP8 has.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
@@ -32,25 +35,37 @@ class InjectOutlier(Callback):
         self.layer, self.start, self.factor, self.channel = layer, start, factor, channel
         self.ranks = None if ranks is None else tuple(ranks)
         self._batch = 0
+        self._extra: torch.Tensor | None = None  # this forward's added outlier
 
     def fit_start(self, state: State, logger: Logger) -> None:
         if self.ranks is not None and dist.get_global_rank() not in self.ranks:
             return
         module = find_layer(state.model, self.layer)
         module.register_forward_pre_hook(self._scale)
+        module.register_forward_hook(self._compensate)
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self._batch = int(state.timestamp.batch)
 
+    def _active(self, module: nn.Module) -> bool:
+        return module.training and self._batch >= self.start
+
     def _scale(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if not module.training or self._batch < self.start:
+        if not self._active(module):
             return None
         x = args[0].clone()
-        # forward only: the gradient flowing back upstream is left as it was, so the fault
-        # stays in this layer's FP8 cast instead of spreading an outlier into earlier layers'
         channel = x[..., self.channel]
-        x[..., self.channel] = channel + (self.factor - 1) * channel.detach()
+        self._extra = (self.factor - 1) * channel.detach()
+        x[..., self.channel] = channel + self._extra  # the gradient to x passes unscaled
         return (x, *args[1:])
+
+    def _compensate(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Subtract extra * W[:, channel]: with W attached, the weight's gradient is its
+        healthy one in high precision too."""
+        if not self._active(module) or self._extra is None:
+            return None
+        extra, self._extra = self._extra, None
+        return output - extra.unsqueeze(-1) * module.weight[:, self.channel]
 
 
 def find_layer(model: nn.Module, layer: str) -> nn.Module:

@@ -255,3 +255,30 @@ def test_the_guard_needs_fp8_stats():
     state = types.SimpleNamespace(callbacks=[FP8Guard()])
     with pytest.raises(GuardOptionError, match=r"^callbacks\.fp8_guard: needs callbacks\.fp8_stats"):
         FP8Guard().fit_start(state, None)
+
+
+def test_the_injected_outlier_harms_fp8_only():
+    """The fault the run tests use: in high precision the layer and its gradients are as
+    without it up to float32 rounding of the 1e5-times channel (about 1 % of the output's
+    largest value); in FP8 its output is off by more than that value."""
+    import types
+
+    from foundry_fp8.fault import InjectOutlier
+
+    torch.manual_seed(0)
+    layer = EmulatedFP8Linear(64, 64, bias=False)
+    x = torch.randn(8, 16, 64, requires_grad=True)
+    healthy = layer(x)
+    (grad_x, grad_w) = torch.autograd.grad(healthy.square().sum(), (x, layer.weight))
+    fault = InjectOutlier("", start=0)
+    fault.fit_start(types.SimpleNamespace(model=layer), None)
+    faulty = layer(x)
+    (fault_x, fault_w) = torch.autograd.grad(faulty.square().sum(), (x, layer.weight))
+    scale = healthy.abs().max()
+    assert (faulty - healthy).abs().max() < 2e-2 * scale
+    assert (fault_x - grad_x).abs().max() < 2e-2 * grad_x.abs().max()
+    assert (fault_w - grad_w).abs().max() < 2e-2 * grad_w.abs().max()
+    with fp8_autocast(recipe=FP8Recipe(scaling="delayed", amax_history_len=4)):
+        layer(x)  # the first FP8 forward sizes the scale for the outlier
+        in_fp8 = layer(x)
+    assert (in_fp8 - healthy).abs().max() > scale

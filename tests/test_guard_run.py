@@ -138,7 +138,7 @@ def test_the_loss_after_the_fallback_is_closer_to_the_run_without_fp8(runs):
     assert len(after) >= 5
     gap_guarded = mean(abs(guarded[s] - reference[s]) for s in after)
     gap_unguarded = mean(abs(unguarded[s] - reference[s]) for s in after)
-    assert gap_guarded < gap_unguarded, (gap_guarded, gap_unguarded)
+    assert gap_guarded < gap_unguarded, (gap_guarded, gap_unguarded, reference, guarded, unguarded)
 
 
 @pytest.mark.slow
@@ -148,7 +148,7 @@ def test_a_resume_reproduces_the_decision_and_the_losses_bit_exact(runs, resumed
     straight, straight_metrics = runs["guarded"]
     assert guard.core.fallbacks == straight.core.fallbacks
     losses, expected = _losses(metrics), _losses(straight_metrics)
-    assert losses and max(losses) == END
+    assert losses and max(losses) == END - 1  # Composer logs a batch's loss at its index
     for step, loss in losses.items():
         assert loss == expected[step], step
 
