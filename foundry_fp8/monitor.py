@@ -36,7 +36,7 @@ from torch import nn
 
 from foundry_fp8 import emulate
 from foundry_fp8.filters import module_filter_fn, search
-from foundry_fp8.fp8_meta import canonical_name
+from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
@@ -118,11 +118,10 @@ def watches_for(module: nn.Module) -> tuple[Watch, ...] | None:
 
 def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Module]:
     """The watched layers whose names match `layers` and not `exclude`, by their names without
-    FSDP's and activation checkpointing's wrapper segments: the same regexes and metric names
-    with or without FSDP."""
+    DDP's, FSDP's and activation checkpointing's wrapper segments: the same regexes and metric
+    names with or without FSDP."""
     selected = module_filter_fn(config.PATH, config.layers, config.exclude)
-    named = ((canonical_name(name), module) for name, module in model.named_modules())
-    return {name: module for name, module in named
+    return {name: module for name, module in canonical_modules(model)
             if watches_for(module) is not None and selected(module, name)}
 
 

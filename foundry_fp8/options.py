@@ -20,8 +20,8 @@ from typing import Any, ClassVar, Literal
 
 import regex
 
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 from foundry_fp8.recipe import FP8Recipe, recipe_problems
-from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
 
 Kind = Literal["unknown", "reserved", "type", "value", "recipe"]
 
