@@ -16,68 +16,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from foundry_fp8.health import DEFAULT_THRESHOLDS, Flag, HealthTracker, Thresholds, short_layer
+from foundry_fp8.health import Flag, HealthTracker, Thresholds, short_layer
+from foundry_fp8.options import FP8GuardOptions as GuardConfig
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
-OPTION = "callbacks.fp8_guard"
-
-
-class GuardOptionError(ValueError):
-    """A bad fp8_guard option, named by its key path."""
+OPTION = GuardConfig.PATH
 
 
 class GuardBudgetError(RuntimeError):
     """More of the FP8 FLOPs would fall back than `max_fallback_share` allows (`strict: true`)."""
 
 
-@dataclass(frozen=True)
-class GuardConfig:
-    """fp8_guard's options. `consecutive`: logging steps in a row at which a rule flags a layer
-    before it falls back; `max_fallback_share`: of the FLOPs that ran in FP8 at the start, the
-    most that may fall back; `strict`: past it, stop the run (else warn and keep the layer in
-    FP8), and raise the guard's own errors instead of switching it off."""
-
-    consecutive: int = DEFAULT_THRESHOLDS.persist_steps
-    max_fallback_share: float = 0.10
-    max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct
-    # The guard acts, so it asks for ten times the overflow fp8_stats warns about: under delayed
-    # scaling a weight that grows by its updates saturates its largest element at every step
-    # (one of 4096, 0.024 %, in the tiny MPT's healthy out_proj weights), which costs nothing.
-    max_overflow_pct: float = 10 * DEFAULT_THRESHOLDS.max_overflow_pct
-    min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim
-    strict: bool = False
-
-    def __post_init__(self) -> None:
-        checks = (
-            ("consecutive", _is_int(self.consecutive) and self.consecutive >= 1,
-             "an integer >= 1"),
-            ("max_fallback_share", _is_number(self.max_fallback_share)
-             and 0 <= self.max_fallback_share <= 1, "a share between 0 and 1 (0.1 = 10 %)"),
-            ("max_underflow_pct", _is_number(self.max_underflow_pct)
-             and 0 <= self.max_underflow_pct <= 100, "a percentage between 0 and 100"),
-            ("max_overflow_pct", _is_number(self.max_overflow_pct)
-             and 0 <= self.max_overflow_pct <= 100, "a percentage between 0 and 100"),
-            ("min_cos_sim", _is_number(self.min_cos_sim) and -1 <= self.min_cos_sim <= 1,
-             "a cosine similarity between -1 and 1"),
-            ("strict", isinstance(self.strict, bool), "true or false"),
-        )
-        for key, ok, want in checks:
-            if not ok:
-                raise GuardOptionError(f"{OPTION}.{key}: must be {want}, got "
-                                       f"{getattr(self, key)!r}")
-
-    def thresholds(self) -> Thresholds:
-        return Thresholds(max_underflow_pct=self.max_underflow_pct,
-                          max_overflow_pct=self.max_overflow_pct, min_cos_sim=self.min_cos_sim,
-                          persist_steps=1, source="fp8_guard options")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+def thresholds(config: GuardConfig) -> Thresholds:
+    """The tracker's limits: each logging step judged on its own (the guard counts the steps)."""
+    return Thresholds(max_underflow_pct=config.max_underflow_pct,
+                      max_overflow_pct=config.max_overflow_pct, min_cos_sim=config.min_cos_sim,
+                      persist_steps=1, source="fp8_guard options")
 
 
 @dataclass(frozen=True)
@@ -114,7 +68,7 @@ class GuardCore:
         self.initial_share = sum(self.flops.values())
         self.fallbacks: dict[str, Fallback] = {}
         self.warned: set[str] = set()
-        self._tracker = HealthTracker(config.thresholds())
+        self._tracker = HealthTracker(thresholds(config))
         self._recent: list[tuple[int, dict[tuple[str, str], dict[str, float]]]] = []
         self._flags: dict[str, list[Flag]] = {}
         self._streaks: dict[str, int] = {}  # consecutive flagged logging steps per layer
@@ -198,7 +152,7 @@ class GuardCore:
             fallback = Fallback(**{**item, "reasons": tuple(item["reasons"])})
             self.fallbacks[fallback.layer] = fallback
         self.warned = set(state.get("warned", ()))
-        self._tracker = HealthTracker(self.config.thresholds())
+        self._tracker = HealthTracker(thresholds(self.config))
         self._recent, self._streaks = [], {}
         for step, rows in state.get("recent", ()):
             self.candidates(step, {(layer, tensor): stats for layer, tensor, stats in rows})

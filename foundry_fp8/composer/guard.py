@@ -23,13 +23,13 @@ from foundry_fp8.guard import (
     GuardBudgetError,
     GuardConfig,
     GuardCore,
-    GuardOptionError,
     fallback_message,
     render_fallbacks,
     static_yaml,
 )
 from foundry_fp8.health import short_layer
 from foundry_fp8.monitor import multi_rank
+from foundry_fp8.options import build
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +56,8 @@ class FP8Guard(Callback):
     so) unless `strict: true`.
     """
 
-    def __init__(self, consecutive: int = GuardConfig.consecutive,
-                 max_fallback_share: float = GuardConfig.max_fallback_share,
-                 max_underflow_pct: float = GuardConfig.max_underflow_pct,
-                 max_overflow_pct: float = GuardConfig.max_overflow_pct,
-                 min_cos_sim: float = GuardConfig.min_cos_sim, strict: bool = False):
-        self.config = GuardConfig(consecutive=consecutive, max_fallback_share=max_fallback_share,
-                                  max_underflow_pct=max_underflow_pct,
-                                  max_overflow_pct=max_overflow_pct, min_cos_sim=min_cos_sim,
-                                  strict=strict)
+    def __init__(self, **options: Any):
+        self.config: GuardConfig = build("fp8_guard", options)  # one line naming the key
         self.core: GuardCore | None = None
         self.disabled = False
         self._restored: Mapping[str, Any] | None = None
@@ -80,7 +73,7 @@ class FP8Guard(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         stats = next((c for c in state.callbacks if isinstance(c, FP8Stats)), None)
         if stats is None:
-            raise GuardOptionError(f"{OPTION}: needs callbacks.fp8_stats, whose statistics it "
+            raise ValueError(f"{OPTION}: needs callbacks.fp8_stats, whose statistics it "
                                    "acts on (add `fp8_stats: {interval: 100ba}`)")
         self._state, self._logger = state, logger
         failed = False
