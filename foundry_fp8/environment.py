@@ -2,7 +2,8 @@
 
 `foundry-fp8 doctor` gathers the snapshot (foundry_fp8.doctor) and `fp8_lint` calls
 `run_environment_findings` with the run's config; both judge it here, so a rule is written once.
-Nothing here imports torch or TransformerEngine. Facts, with where they were read:
+Nothing here imports torch or TransformerEngine. The version facts live in
+`foundry_fp8.te.facts`; in short:
 
 - FP8 GEMMs need compute capability 8.9+ (`recipe.environment_problems`, shared with `te_swap`);
   on Ada (8.9) TE also wants torch built for CUDA >= 12.1 (TE `_compute_fp8_support`,
@@ -30,37 +31,15 @@ from foundry_fp8.lint.rules import (
     _te_swap,
 )
 from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem, environment_problems
-
-#: TE releases whose activation recompute is correct under FP8 (TE #1190, fixed by TE #1254).
-MIN_TE_FOR_RECOMPUTE = (1, 12)
-#: Ada needs torch's CUDA >= 12.1 for TE's FP8 (TE `_compute_fp8_support`).
-ADA = (8, 9)
-MIN_CUDA_FOR_ADA_FP8 = (12, 1)
+from foundry_fp8.te.facts import (
+    ADA,
+    MIN_CUDA_FOR_ADA_FP8,
+    MIN_TE_FOR_RECOMPUTE,
+    dotted,
+    parse_version,
+)
 
 NO_GPU = "no GPU: FP8 training needs an H100/Ada; the emulated backend works here"
-
-
-def parse_version(text: str | None) -> tuple[int, ...] | None:
-    """Leading numeric release of a version string ('2.7.0+cu126' -> (2, 7, 0)); None if none."""
-    if not text:
-        return None
-    numbers: list[int] = []
-    for part in str(text).split("+")[0].split("."):
-        digits = ""
-        for char in part:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) != len(part):  # '0rc1', '1a0': a pre-release tail ends the release
-            break
-    return tuple(numbers) or None
-
-
-def dotted(version: tuple[int, ...] | None) -> str:
-    return ".".join(map(str, version)) if version else "?"
 
 
 @dataclass(frozen=True)
@@ -133,9 +112,10 @@ def ada_cuda(env: Mapping[str, Any], _: LintContext) -> Iterator[Finding]:
     if snapshot.capability is not None and tuple(snapshot.capability) == ADA and cuda \
             and cuda[:2] < MIN_CUDA_FOR_ADA_FP8:
         yield Finding("FP8203", "warning", "torch_cuda",
-                      f"TransformerEngine refuses FP8 on Ada (8.9) when torch is built for CUDA "
-                      f"{snapshot.torch_cuda}; it needs CUDA 12.1 or newer",
-                      "install a torch build for CUDA 12.1 or newer")
+                      f"TransformerEngine refuses FP8 on Ada ({dotted(ADA)}) when torch is built "
+                      f"for CUDA {snapshot.torch_cuda}; it needs CUDA "
+                      f"{dotted(MIN_CUDA_FOR_ADA_FP8)} or newer",
+                      f"install a torch build for CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer")
 
 
 def te_missing(env: Mapping[str, Any], _: LintContext) -> Iterator[Finding]:
@@ -185,9 +165,10 @@ def recompute_te(env: Mapping[str, Any], _: LintContext) -> Iterator[Finding]:
             and te < MIN_TE_FOR_RECOMPUTE:
         yield Finding("FP8207", "error", "fsdp_config.activation_checkpointing",
                       f"TransformerEngine {snapshot.te} recomputes FP8 layers with wrong backward "
-                      "scales under activation checkpointing (TE issue #1190, fixed in TE 1.12)",
-                      "upgrade TransformerEngine to 1.12 or newer, or turn off "
-                      "fsdp_config.activation_checkpointing")
+                      "scales under activation checkpointing (TE issue #1190, fixed in TE "
+                      f"{dotted(MIN_TE_FOR_RECOMPUTE)})",
+                      f"upgrade TransformerEngine to {dotted(MIN_TE_FOR_RECOMPUTE)} or newer, or "
+                      "turn off fsdp_config.activation_checkpointing")
 
 
 def recipe_te(env: Mapping[str, Any], _: LintContext) -> Iterator[Finding]:

@@ -12,15 +12,14 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Literal
 
+from foundry_fp8.te.facts import MIN_FP8_CAPABILITY, MIN_TE_CURRENT_SCALING, dotted
+
 Scaling = Literal["delayed", "current"]
 FP8Format = Literal["HYBRID", "E4M3"]
 
 #: Composer's default recipe (what every LLM-Foundry YAML run gets today). Our default matches
 #: it, so adding `te_swap` never silently changes a run's numerics.
 COMPOSER_DEFAULT_HISTORY = 16
-
-#: FP8 GEMMs need Ada/Hopper (compute capability 8.9) or newer.
-MIN_FP8_CAPABILITY = (8, 9)
 
 #: The FP8 formats' largest finite values and smallest subnormals (OCP FP8 spec; torch's
 #: `finfo(float8_e4m3fn).max`, `finfo(float8_e5m2).max`; E4M3: 2**-9, E5M2: 2**-16).
@@ -223,12 +222,13 @@ def environment_problems(recipe: FP8Recipe, capability: tuple[int, int] | None,
     problems = []
     if capability is not None and tuple(capability) < MIN_FP8_CAPABILITY:
         problems.append(RecipeProblem(
-            "scaling", f"FP8 needs compute capability 8.9+, this GPU has "
-                       f"{capability[0]}.{capability[1]}",
+            "scaling", f"FP8 needs compute capability {dotted(MIN_FP8_CAPABILITY)}+, this GPU "
+                       f"has {dotted(tuple(capability))}",
             "run on Ada/Hopper or newer, or use te_swap: {backend: emulate} for FP8 numerics"))
-    if recipe.scaling == "current" and te_version is not None and tuple(te_version) < (2, 2):
+    if recipe.scaling == "current" and te_version is not None \
+            and tuple(te_version) < MIN_TE_CURRENT_SCALING:
         problems.append(RecipeProblem(
-            "scaling", f"current scaling needs TransformerEngine >= 2.2, found "
-                       f"{'.'.join(map(str, te_version))}",
+            "scaling", f"current scaling needs TransformerEngine >= "
+                       f"{dotted(MIN_TE_CURRENT_SCALING)}, found {dotted(tuple(te_version))}",
             "upgrade TransformerEngine or use scaling: delayed"))
     return problems

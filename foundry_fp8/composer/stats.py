@@ -16,7 +16,7 @@ from composer.utils import dist
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, multi_rank
 from foundry_fp8.options import MonitorConfig, Schedule, build
-from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
+from foundry_fp8.te.debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +188,9 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
     before the model."""
     if scaling is None:
         return None
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te.probe import te_available
 
-    if not te_backend.te_available():
+    if not te_available():
         raise RuntimeError("fp8_stats.te_debug: needs TransformerEngine and nvdlfw-inspect "
                            "(pip install 'foundry-fp8[te]' on a GPU machine); without TE, "
                            "leave te_debug unset: the module-hook statistics work anywhere")
