@@ -461,7 +461,7 @@ def test_docs_rules_md_is_generated_from_the_registry():
 # -- speed, no torch, robustness ----------------------------------------------------------
 
 def test_lint_is_fast_and_does_not_import_torch(tmp_path):
-    path = REPO / "yamls" / "mpt-1b-fp8.yaml"
+    path = REPO / "foundry_fp8" / "tools" / "yamls" / "mpt-1b-fp8.yaml"
     code = textwrap.dedent(f"""
         import sys, time
         start = time.perf_counter()
