@@ -5,7 +5,7 @@
 Nothing here imports torch or TransformerEngine. The version facts live in
 `foundry_fp8.te.facts`; in short:
 
-- FP8 GEMMs need compute capability 8.9+ (`recipe.environment_problems`, shared with `te_swap`);
+- FP8 GEMMs need compute capability 8.9+ (`te.facts.environment_problems`, shared with `te_swap`);
   on Ada (8.9) TE also wants torch built for CUDA >= 12.1 (TE `_compute_fp8_support`,
   transformer_engine/pytorch/quantization.py; the same check since TE 1.0 in pytorch/fp8.py).
 - pip-installed TE asserts, on `import transformer_engine.pytorch`, that `transformer-engine`,
@@ -13,7 +13,7 @@ Nothing here imports torch or TransformerEngine. The version facts live in
   (TE `load_framework_extension`, transformer_engine/common/__init__.py).
 - TE activation recompute kept wrong backward scales before TE 1.12 (TE issue #1190, fixed by
   TE PR #1254, first released in v1.12).
-- Current scaling needs TE >= 2.2 (`recipe.environment_problems`).
+- Current scaling needs TE >= 2.2 (`te.facts.environment_problems`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from foundry_fp8.lint.rules import (
     _section,
     _te_swap,
 )
-from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem, environment_problems
+from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
 from foundry_fp8.te.facts import (
     ADA,
     MIN_CUDA_FOR_ADA_FP8,
     MIN_TE_FOR_RECOMPUTE,
     dotted,
+    environment_problems,
     parse_version,
 )
 
@@ -197,7 +198,7 @@ ENVIRONMENT_RULES = [
          "train FP8 on an H100/H200 or Ada GPU; here use te_swap: {backend: emulate}", no_gpu),
     Rule("FP8202", "warning", "GPU compute capability below 8.9",
          "TE refuses FP8 below compute capability 8.9 (Ada); shared with te_swap through "
-         "recipe.environment_problems. An error in `fp8_lint` for a run that asks for TE.",
+         "te.facts.environment_problems. An error in `fp8_lint` for a run that asks for TE.",
          f"{TE_SRC} transformer_engine/pytorch/quantization.py _compute_fp8_support "
          "(pytorch/fp8.py before 2.x)",
          "run on Ada/Hopper or newer, or use te_swap: {backend: emulate}", gpu_capability),
@@ -233,7 +234,7 @@ ENVIRONMENT_RULES = [
          recompute_te),
     Rule("FP8208", "error", "current scaling with TransformerEngine older than 2.2",
          "TE's Float8CurrentScaling exists from TE 2.2; checked by fp8_lint against the "
-         "installed TE (recipe.environment_problems, shared with te_swap).",
+         "installed TE (te.facts.environment_problems, shared with te_swap).",
          f"{TE_SRC} transformer_engine/common/recipe/__init__.py (v2.2)",
          "upgrade TransformerEngine or use scaling: delayed", recipe_te),
 ]

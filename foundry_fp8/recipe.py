@@ -12,8 +12,6 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any, Literal
 
-from foundry_fp8.te.facts import MIN_FP8_CAPABILITY, MIN_TE_CURRENT_SCALING, dotted
-
 Scaling = Literal["delayed", "current"]
 FP8Format = Literal["HYBRID", "E4M3"]
 
@@ -213,22 +211,4 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
             if key in options:
                 problems.append(RecipeProblem(key, "only applies to current scaling",
                                               f"remove {key}, or use scaling: current"))
-    return problems
-
-
-def environment_problems(recipe: FP8Recipe, capability: tuple[int, int] | None,
-                         te_version: tuple[int, ...] | None) -> list[RecipeProblem]:
-    """Problems running `recipe` on a GPU of `capability` with TE `te_version` (None: absent)."""
-    problems = []
-    if capability is not None and tuple(capability) < MIN_FP8_CAPABILITY:
-        problems.append(RecipeProblem(
-            "scaling", f"FP8 needs compute capability {dotted(MIN_FP8_CAPABILITY)}+, this GPU "
-                       f"has {dotted(tuple(capability))}",
-            "run on Ada/Hopper or newer, or use te_swap: {backend: emulate} for FP8 numerics"))
-    if recipe.scaling == "current" and te_version is not None \
-            and tuple(te_version) < MIN_TE_CURRENT_SCALING:
-        problems.append(RecipeProblem(
-            "scaling", f"current scaling needs TransformerEngine >= "
-                       f"{dotted(MIN_TE_CURRENT_SCALING)}, found {dotted(tuple(te_version))}",
-            "upgrade TransformerEngine or use scaling: delayed"))
     return problems

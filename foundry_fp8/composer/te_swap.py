@@ -31,7 +31,7 @@ from torch import nn
 
 from foundry_fp8.fp8_meta import is_fp8_module
 from foundry_fp8.options import SwapConfig, build
-from foundry_fp8.recipe import FP8Recipe, RecipeError, environment_problems, is_same_delayed_recipe
+from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
 from foundry_fp8.swap import (
     SwapPlan,
     apply_swap,
@@ -147,6 +147,7 @@ def _check_te_environment(recipe: FP8Recipe) -> None:
     import torch
 
     from foundry_fp8.te import backend, probe
+    from foundry_fp8.te.facts import environment_problems
 
     backend.require_te()
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None

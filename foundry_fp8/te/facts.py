@@ -1,9 +1,11 @@
-"""Every TransformerEngine, CUDA and GPU version fact we rely on, with where it was read.
-Pure Python: no torch, no TE. The backend, the linter's rules, the doctor and `fp8_state` read
+"""Every TransformerEngine, CUDA and GPU version fact we rely on, with where it was read,
+and what they mean for a recipe (`environment_problems`). Pure Python: no torch, no TE. The backend, the linter's rules, the doctor and `fp8_state` read
 these names, so a fact is written once.
 """
 
 from __future__ import annotations
+
+from foundry_fp8.recipe import FP8Recipe, RecipeProblem
 
 Version = tuple[int, ...]
 
@@ -78,3 +80,21 @@ def ln_mlp_grad_slot(version: Version | None) -> int | None:
     if version is None:
         return None
     return 2 if tuple(version) >= TE_LN_MLP_GRAD_OUTPUT2 else 0
+
+
+def environment_problems(recipe: FP8Recipe, capability: tuple[int, int] | None,
+                         te_version: Version | None) -> list[RecipeProblem]:
+    """Problems running `recipe` on a GPU of `capability` with TE `te_version` (None: absent)."""
+    problems = []
+    if capability is not None and tuple(capability) < MIN_FP8_CAPABILITY:
+        problems.append(RecipeProblem(
+            "scaling", f"FP8 needs compute capability {dotted(MIN_FP8_CAPABILITY)}+, this GPU "
+                       f"has {dotted(tuple(capability))}",
+            "run on Ada/Hopper or newer, or use te_swap: {backend: emulate} for FP8 numerics"))
+    if recipe.scaling == "current" and te_version is not None \
+            and tuple(te_version) < MIN_TE_CURRENT_SCALING:
+        problems.append(RecipeProblem(
+            "scaling", f"current scaling needs TransformerEngine >= "
+                       f"{dotted(MIN_TE_CURRENT_SCALING)}, found {dotted(tuple(te_version))}",
+            "upgrade TransformerEngine or use scaling: delayed"))
+    return problems
