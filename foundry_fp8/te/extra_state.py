@@ -5,7 +5,7 @@ and >= 2.18 refuse to unpickle a delayed-scaling one without NVTE_ALLOW_UNSAFE_P
 (pytorch/_extra_state.py; `facts.refuses_pickled_extra_state`), before any callback could help;
 `fp8_state` keeps the state itself and saves a pickled `None` in its place, which TE's
 `set_extra_state` reads as "no state" on every TE from 1.12 to 2.20 (an empty tensor is skipped
-only from TE 2.4, `facts.TE_SKIPS_EMPTY_EXTRA_STATE`: older TE fails to unpickle it).
+only from TE 2.4: older TE fails to unpickle it; see `facts`).
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ TE_LAYERNORM_AS_OP = (1, 13)
 #: and GRAD_OUTPUT2 (2) from TE 2.4 (pytorch/module/layernorm_mlp.py).
 TE_LN_MLP_GRAD_OUTPUT2 = (2, 4)
 
-#: TE's `set_extra_state` skips an empty `_extra_state` tensor from TE 2.4 on; older TE fails to
-#: unpickle one, while a pickled `None` loads as "no state" on every TE from 1.12 to 2.20.
-TE_SKIPS_EMPTY_EXTRA_STATE = (2, 4)
+# TE's `set_extra_state` skips an empty `_extra_state` tensor from TE 2.4 on; older TE fails to
+# unpickle one, while a pickled `None` loads as "no state" on every TE from 1.12 to 2.20: so
+# `te.extra_state` saves a pickled `None` (a rule for our checkpoints, no version check).
 
 #: TE releases that refuse to unpickle a delayed-scaling `_extra_state` unless
 #: NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE is set (pytorch/_extra_state.py): 2.16.1, 2.17.1 and
