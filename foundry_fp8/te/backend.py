@@ -166,3 +166,23 @@ def te_fp8_autocast(recipe: FP8Recipe) -> AbstractContextManager:
     if hasattr(te, "autocast"):
         return te.autocast(enabled=True, recipe=te_recipe)
     return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe)
+
+
+def te_high_precision() -> AbstractContextManager:
+    """A region where TE's modules run in high precision, for fp8_guard's fallbacks.
+
+    TE 2.20.2 (`pytorch/quantization.py`): entering saves the global FP8 state and sets FP8 off
+    (`autocast.__enter__`, `autocast_enter`); a module then sees `fp8=False` in
+    `init_fp8_metadata` (`module/base.py`), so it neither casts nor adds its amaxes to the
+    reduction buffers, and its backward follows the forward (`ctx.fp8`). A nested region does not
+    reset `is_first_fp8_module` (only depth 0 does) and its exit restores the saved state, so the
+    backward amax reduction stays with the first module that does run in FP8; a disabled exit
+    updates no scales. The layer's own delayed state, registered in TE's buffers by its earlier
+    FP8 forwards, then sees zero amaxes, which the fused update leaves alone (no roll, scale kept:
+    `common/recipe/delayed_scaling.cu`, `kernel_bulk`). Not run on a GPU yet.
+    """
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=False)
+    return te.fp8_autocast(enabled=False)
