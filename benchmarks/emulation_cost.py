@@ -20,15 +20,12 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +35,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.stats_overhead import machine, versions  # noqa: E402
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast  # noqa: E402
 from foundry_fp8.recipe import FP8Recipe  # noqa: E402
 from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap  # noqa: E402
@@ -119,34 +117,6 @@ def measure(name: str, build: Callable[[], tuple[nn.Module, Callable]], mpt: boo
     return row
 
 
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "absent"
-
-
-def _git() -> str:
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "foundry_fp8"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + (" + uncommitted changes" if dirty else "")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def write_markdown(report: dict[str, Any], path: Path) -> None:
     rows = "\n".join(
         f"| {r['name']} | {r['layers_emulated']} | {r['scaling']} | {r['plain_ms']:.1f} | "
@@ -205,10 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "duration_s": round(time.monotonic() - started),
         "command": "python benchmarks/emulation_cost.py " + " ".join(argv or sys.argv[1:]),
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "platform": platform.platform()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "llm-foundry": _version("llm-foundry"), "foundry-fp8": f"0.1.0 (git {_git()})",
-                     "torch_threads": str(torch.get_num_threads())},
+        "machine": machine(), "versions": versions(),
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "rounds": args.rounds, "steps": args.steps, "results": results,
     }
