@@ -33,6 +33,12 @@ class WandbRun:
     def keys(self) -> set[str]:
         return {key for row in self.rows for key in row if not key.startswith("_")}
 
+    def table(self, key: str, step: int) -> tuple[list[str], list[list[Any]]]:
+        """(columns, rows) of the table logged as `key` at `step`, from the run's media file."""
+        value = next(row[key] for row in self.rows if row["_step"] == step and key in row)
+        data = json.loads((self.path.parent / "files" / value["path"]).read_text())
+        return data["columns"], data["data"]
+
     def media(self, kind: str) -> dict[str, list[int]]:
         """{key: steps} of the history values of one W&B media type (`image-file`,
         `table-file`, or `images/separated` for a list of images)."""
