@@ -81,8 +81,8 @@ class FP8Stats(Callback):
 
     Defaults: `layers: .*`, `tensors: [activation, weight, gradient]`, `interval: 100ba`,
     `image_interval: 1000ba`, `console_layers: false`. An MPT-1B (24 blocks x 4 linears x 3
-    tensors) logs 16 summary series on the console and 3,168 per-layer series
-    (288 x 11 statistics; 3,456 with `fp8_initial_scale`) elsewhere.
+    tensors) logs 16 summary series on the console and 3,456 per-layer series (288 x 12
+    statistics; 288 more `fp8_initial_scale` under delayed scaling) elsewhere.
 
     Our own errors never stop training: the callback logs the error and switches itself off,
     unless `strict: true`. Under several ranks every rank switches off together, so that none
