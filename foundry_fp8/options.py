@@ -530,7 +530,8 @@ class MonitorConfig(Options):
 class FP8StatsOptions(Options):
     """`callbacks: {fp8_stats: {...}}`: the Schedule's and MonitorConfig's options plus these:
     `dump_folder` (a template with `{run_name}`; default `<run folder>/fp8_dumps`), TE's own
-    statistics (`te_debug: delayed|current`, into `te_debug_folder`) and `strict`."""
+    statistics (`te_debug: delayed|current`, into `te_debug_folder`), the images' and table's
+    `image_interval`, `console_layers` and `strict`."""
 
     PATH: ClassVar[str] = "callbacks.fp8_stats"
 
@@ -540,6 +541,9 @@ class FP8StatsOptions(Options):
     te_debug: Literal["delayed", "current"] | None = option(
         None, OneOf(("delayed", "current", None), kind="type"))
     te_debug_folder: str = option("te_debug", Text())
+    # heatmaps and the per-layer table every this many batches (null: never); kept as an int
+    image_interval: int | str | None = option(1000, Optional(Batches(1)))
+    console_layers: bool = option(False, Flag())  # per-layer series on the console too
     strict: bool = option(False, Flag())
 
 
