@@ -224,7 +224,7 @@ def high_precision_context(module: nn.Module) -> AbstractContextManager:
     if isinstance(module, emulate.EmulatedFP8Linear):
         return emulate.fp8_autocast(enabled=False)
     if hasattr(module, "init_fp8_metadata"):  # a TE module
-        from foundry_fp8 import te_backend
+        from foundry_fp8.te import backend as te_backend
 
         return te_backend.te_high_precision()
     return nullcontext()
