@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,23 @@ class InjectOutlier(Callback):
         return output - extra.unsqueeze(-1) * module.weight[:, self.channel]
 
 
+def stats_table(metrics: Mapping[str, float]) -> dict[tuple[str, str], dict[str, float]]:
+    """`{(layer, tensor): {stat: value}}` from a logged step's per-layer FP8 metrics (the health
+    key layout, or the older `fp8/<layer>/<tensor>/<stat>`); other keys are left out."""
+    from foundry_fp8.health.keys import parse_key
+
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    for key, value in metrics.items():
+        parsed = parse_key(key)
+        if parsed is None and key.startswith("fp8/") and key.count("/") >= 3:
+            layer, tensor, stat = key.removeprefix("fp8/").rsplit("/", 2)
+            parsed = stat, tensor, layer
+        if parsed is not None and isinstance(value, int | float):
+            stat, tensor, layer = parsed
+            table.setdefault((layer, tensor), {})[stat] = value
+    return table
+
+
 def find_layer(model: nn.Module, layer: str) -> nn.Module:
     """The module whose wrapper-free name is `layer` or ends with `.<layer>`."""
     for name, module in canonical_modules(model):
@@ -102,7 +119,6 @@ def before_after(healthy: Path, faulty: Path, layer: str) -> list[str]:
     """Lines comparing the two runs' `metrics.jsonl` at the faulty run's logging steps: the
     losses and the layer's activation underflow, and where it ran in high precision."""
     from foundry_fp8.composer.guard import FALLBACK_LAYERS
-    from foundry_fp8.composer.stats import stats_table
     from foundry_fp8.jsonl import read_jsonl
 
     def merged(folder: Path) -> dict[int, dict[str, Any]]:

@@ -12,8 +12,7 @@ import torch
 
 from foundry_fp8.composer.guard import FALLBACK_LAYERS, FP8_FLOPS_SHARE, FP8Guard
 from foundry_fp8.composer.state import fp8_state_from_checkpoint
-from foundry_fp8.composer.stats import stats_table
-from foundry_fp8.fault import InjectOutlier
+from foundry_fp8.fault import InjectOutlier, stats_table
 from foundry_fp8.jsonl import read_jsonl
 from tests.tiny_run import run_folder, tiny_config
 
