@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+from foundry_fp8.recipe import FP8_MAX
+
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -99,15 +100,35 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor,
     return new_history, new_scale.to(scale.dtype)
 
 
-def quantize_dequantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
-    """`x -> saturate(x * scale) -> fp8 -> / scale`, in x's dtype.
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
+    """`saturate(x * scale)` cast to the FP8 dtype: the FP8 values a GEMM reads.
 
     Saturation first: a plain cast to float8_e4m3fn turns overflow into NaN.
     """
     _check_format(fmt)
     scaled = x.float() * scale
-    scaled = torch.clamp(scaled, -FP8_MAX[fmt], FP8_MAX[fmt])
-    return (scaled.to(FP8_DTYPE[fmt]).float() / scale).to(x.dtype)
+    return torch.clamp(scaled, -FP8_MAX[fmt], FP8_MAX[fmt]).to(FP8_DTYPE[fmt])
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """FP8 values back to float32: `q / scale`."""
+    return q.float() / scale
+
+
+def quantize_dequantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
+    """`x -> saturate(x * scale) -> fp8 -> / scale`, in x's dtype."""
+    return dequantize(quantize(x, scale, fmt), scale).to(x.dtype)
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """The amax TE records when it casts x: the largest magnitude, NaN skipped and inf kept, as
+    its kernels reduce with `fmaxf` (transformer_engine/common/util/vectorized_pointwise.h:202,
+    common/recipe/current_scaling.cu:55-60); 0 for an empty x, which TE does not cast
+    (pytorch/csrc/quantizer.cpp:634, 990). float32 on x's device, no host sync."""
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    magnitude = x.detach().abs()
+    return torch.where(torch.isnan(magnitude), 0, magnitude).max().float()
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
@@ -164,12 +185,6 @@ def empty_sufficient_stats(n: int, device: torch.device | str | None = None) -> 
     rows = torch.zeros(n, len(SUFFICIENT_KEYS), dtype=torch.float64, device=device)
     rows[:, len(SUM_KEYS):] = -torch.inf
     return rows
-
-
-def pool_sufficient_stats(rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Pool sufficient statistics along `dim` (e.g. pieces of one tensor): sum or max per key."""
-    sums, maxes = rows.split([len(SUM_KEYS), len(MAX_KEYS)], dim=-1)
-    return torch.cat([sums.sum(dim), maxes.amax(dim)], dim=-1)
 
 
 def all_reduce_sufficient_stats(rows: torch.Tensor, group: object | None = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ def test_readme_has_the_examples_this_file_checks() -> None:
     assert len(blocks) == 1
     added = yaml.safe_load(blocks[0])  # the keys a user adds: every entry we register
     assert set(added["algorithms"]) == {"te_swap"}
-    assert set(added["callbacks"]) == {"fp8_lint", "fp8_state", "fp8_stats"}
+    assert set(added["callbacks"]) == {"fp8_lint", "fp8_state", "fp8_stats", "fp8_guard"}
     assert set(added["loggers"]) == {"jsonl"}
     assert "fp8_recipe" in _yaml_blocks(TE_SWAP_DOC)[0]
 

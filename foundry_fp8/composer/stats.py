@@ -6,26 +6,24 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from composer.core import Callback, Event, State
+from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from foundry_fp8.lint.values import as_items, batches, check_options
-from foundry_fp8.monitor import (
-    FP8Monitor,
-    FP8MonitorError,
-    MonitorConfig,
-    Schedule,
-    multi_rank,
-    parse_recipe,
-)
-from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
-from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
+from foundry_fp8.fp8_meta import canonical_modules
+from foundry_fp8.health.keys import parse_key
+from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, multi_rank
+from foundry_fp8.options import MonitorConfig, Schedule, build
+from foundry_fp8.te.debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 
 log = logging.getLogger(__name__)
+
+
+def _is_rank_zero() -> bool:
+    return dist.get_global_rank() == 0
 
 
 def run_folder(state: State, logger: Logger) -> Path:
@@ -61,44 +59,31 @@ class FP8Stats(Callback):
     the failing rank instead: the job then dies, the other ranks being ended by the launcher.
     """
 
-    def __init__(self, interval: int | str = "100ba", start: int = 0, end: int | None = None,
-                 layers: str = ".*", exclude: str | None = None,
-                 tensors: Sequence[str] = ("activation", "weight", "gradient"),
-                 recipe: str | Mapping[str, Any] = "current",
-                 max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct,
-                 max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct,
-                 min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim,
-                 dump_steps: int | Sequence[int] = (), dump_layers: str | None = None,
-                 dump_max_mb: float = 64.0, dump_folder: str | None = None,
-                 te_debug: Literal["delayed", "current"] | None = None,
-                 te_debug_folder: str = "te_debug", strict: bool = False):
-        check_options("fp8_stats", locals())  # one-line errors naming callbacks.fp8_stats.<key>
-        self.schedule = Schedule(batches(interval), start, end, as_items(dump_steps))
-        self.config = MonitorConfig(include=layers, exclude=exclude, tensors=tuple(tensors),
-                                    recipe=parse_recipe(recipe),
-                                    max_underflow_pct=max_underflow_pct,
-                                    max_overflow_pct=max_overflow_pct, min_cos_sim=min_cos_sim,
-                                    dump_layers=dump_layers, dump_max_mb=dump_max_mb)
-        self.dump_folder = dump_folder
-        self.strict = strict
+    def __init__(self, **options: Any):
+        self.options = build("fp8_stats", options)  # one line naming callbacks.fp8_stats.<key>
+        self.schedule: Schedule = self.options.schedule
+        self.config: MonitorConfig = self.options.monitor
+        self.dump_folder: str | None = self.options.dump_folder
+        self.strict: bool = self.options.strict
         self.monitor: FP8Monitor | None = None
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
-        self.te_debug = _start_te_debug(te_debug, layers, exclude, self.config.tensors,
-                                        self.schedule, Path(te_debug_folder),
+        #: Called on every rank at each logging step with (step, table, flags): the pooled
+        #: `{(layer, tensor): {stat: value}}` and the health flags raised (fp8_guard's input).
+        self.listeners: list[Callable[[int, dict, dict], None]] = []
+        self.te_debug = _start_te_debug(self.options.te_debug, self.config.layers,
+                                        self.config.exclude, self.config.tensors, self.schedule,
+                                        Path(self.options.te_debug_folder),
                                         self._te_metrics.__setitem__)
 
-    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+    # Composer's named events; each runs under `_guarded` (our error never stops training).
+
+    def fit_start(self, state: State, logger: Logger) -> None:
         if self.disabled:
             return
-        try:
-            self._run_event(event, state, logger)
-        except Exception as e:
-            if self.strict:
-                raise
-            self._failed(e)
-        if event == Event.FIT_START and multi_rank():
+        self._guarded(self._fit_start, state, logger)
+        if multi_rank():
             # once per fit: a rank that could not build its monitor cannot join the steps'
             # collectives, so the ranks agree here on whether one failed
             failed = state.device.tensor_to_device(torch.tensor([float(self.disabled)]))
@@ -106,6 +91,26 @@ class FP8Stats(Callback):
             if failed.item() and not self.disabled:
                 log.error("fp8_stats failed to start on another rank; disabling it here too")
                 self.disabled = True
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._guarded(self._batch_start, state, logger)
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        self._guarded(self._after_train_batch, state, logger)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self._guarded(self._fit_end, state, logger)
+
+    def _guarded(self, work: Callable[[State, Logger], None], state: State,
+                 logger: Logger) -> None:
+        if self.disabled:
+            return
+        try:
+            work(state, logger)
+        except Exception as e:
+            if self.strict:
+                raise
+            self._failed(e)
 
     def _failed(self, error: Exception) -> None:
         """Switch off now where every rank agrees (an FP8MonitorError, raised on every rank
@@ -121,43 +126,55 @@ class FP8Stats(Callback):
             self.monitor.abort()
         self.disabled = True
 
-    def _run_event(self, event: Event, state: State, logger: Logger) -> None:
-        rank_zero = dist.get_global_rank() == 0
-        if event == Event.FIT_START:
-            self.monitor = None  # until built: a rank that fails here cannot join collectives
-            config = self.config
-            if self.schedule.dump_steps:
-                folder = (self.dump_folder.format(run_name=state.run_name) if self.dump_folder
-                          else run_folder(state, logger) / "fp8_dumps")
-                config = dataclasses.replace(config, dump_folder=folder)
-            self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
-                                      on_warning=log.warning if rank_zero else lambda _: None)
-            log.info("fp8_stats watches %d layers", len(self.monitor.layers))
-            if self.te_debug is not None:
-                self.te_debug.name_layers(state.model.named_modules())
-        elif self.monitor is None:
-            return
-        elif event == Event.BATCH_START:
+    def _fit_start(self, state: State, logger: Logger) -> None:
+        self.monitor = None  # until built: a rank that fails here cannot join collectives
+        config = self.config
+        if self.schedule.dump_steps:
+            folder = (self.dump_folder.format(run_name=state.run_name) if self.dump_folder
+                      else run_folder(state, logger) / "fp8_dumps")
+            config = dataclasses.replace(config, dump_folder=folder)
+        self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
+                                  on_warning=log.warning if _is_rank_zero() else lambda _: None)
+        log.info("fp8_stats watches %d layers", len(self.monitor.layers))
+        if self.te_debug is not None:
+            self.te_debug.name_layers(canonical_modules(state.model))
+
+    def _batch_start(self, state: State, logger: Logger) -> None:
+        if self.monitor is not None:
             self._step = int(state.timestamp.batch)
             self.monitor.start_step(self._step)
-        elif event == Event.BATCH_END:
-            metrics = self.monitor.finish_step()  # raises only on every rank together
-            if self.te_debug is not None:
-                self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
-                metrics.update(self._te_metrics)
-                self._te_metrics.clear()
-            if metrics and rank_zero:
-                self._rank_zero(lambda: logger.log_metrics(metrics, step=self._step),
-                                "logging the metrics")
-        elif event == Event.FIT_END:
-            if self.te_debug is not None:
-                self.te_debug.close()
-            summary = self.monitor.summary()
-            if summary and rank_zero:
-                print(f"foundry_fp8 fp8_stats: worst value per layer and tensor\n{summary}",
-                      flush=True)
-                self._rank_zero(lambda: logger.log_hyperparameters(
-                    {"fp8/stats_summary": summary}), "logging the summary")
+
+    def _after_train_batch(self, state: State, logger: Logger) -> None:
+        """The batch's forward and backward are done (every micro-batch) and Composer has not
+        yet logged its loss: logged now at the batch's own step, the step of its
+        `loss/train/total`, they land in W&B. At BATCH_END other callbacks have already logged
+        at the next step, and W&B drops a step lower than one it has seen."""
+        if self.monitor is None:
+            return
+        metrics = self.monitor.finish_step()  # raises only on every rank together
+        if metrics and self.listeners:
+            table = stats_table(metrics)
+            for listener in self.listeners:
+                listener(self._step, table, {})
+        if self.te_debug is not None:
+            self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
+            metrics.update(self._te_metrics)
+            self._te_metrics.clear()
+        if metrics and _is_rank_zero():
+            self._rank_zero(lambda: logger.log_metrics(metrics, step=self._step),
+                            "logging the metrics")
+
+    def _fit_end(self, state: State, logger: Logger) -> None:
+        if self.monitor is None:
+            return
+        if self.te_debug is not None:
+            self.te_debug.close()
+        summary = self.monitor.summary()
+        if summary and _is_rank_zero():
+            print(f"foundry_fp8 fp8_stats: worst value per layer and tensor\n{summary}",
+                  flush=True)
+            self._rank_zero(lambda: logger.log_hyperparameters(
+                {"fp8/stats_summary": summary}), "logging the summary")
 
     def _rank_zero(self, call: Callable[[], None], what: str) -> None:
         """What rank 0 alone does (logging): a failure of the logger is logged and the
@@ -170,6 +187,21 @@ class FP8Stats(Callback):
             log.exception("fp8_stats: %s failed on rank 0; the statistics go on", what)
 
 
+def stats_table(metrics: Mapping[str, float]) -> dict[tuple[str, str], dict[str, float]]:
+    """`{(layer, tensor): {stat: value}}` from the monitor's per-layer metrics (the health key
+    layout, or the older `fp8/<layer>/<tensor>/<stat>`); other keys are left out."""
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    for key, value in metrics.items():
+        parsed = parse_key(key)
+        if parsed is None and key.startswith("fp8/") and key.count("/") >= 3:
+            layer, tensor, stat = key.removeprefix("fp8/").rsplit("/", 2)
+            parsed = stat, tensor, layer
+        if parsed is not None:
+            stat, tensor, layer = parsed
+            table.setdefault((layer, tensor), {})[stat] = value
+    return table
+
+
 def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
                     tensors: Sequence[str], schedule: Schedule, folder: Path,
                     sink: Callable[[str, float], None]) -> TEDebugSession | None:
@@ -179,9 +211,9 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
     before the model."""
     if scaling is None:
         return None
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te.probe import te_available
 
-    if not te_backend.te_available():
+    if not te_available():
         raise RuntimeError("fp8_stats.te_debug: needs TransformerEngine and nvdlfw-inspect "
                            "(pip install 'foundry-fp8[te]' on a GPU machine); without TE, "
                            "leave te_debug unset: the module-hook statistics work anywhere")
