@@ -195,10 +195,9 @@ class FP8Stats(Callback):
         if self.monitor is None:
             return
         metrics = self.monitor.finish_step()  # raises only on every rank together
-        if metrics and self.listeners:
-            table = stats_table(metrics)
-            for listener in self.listeners:
-                listener(self._step, table, {})
+        if metrics:
+            for listener in self.listeners:  # the pooled table and flags, on every rank
+                listener(self._step, self.monitor.table, self.monitor.flags)
         te_metrics: dict[str, float] = {}
         if self.te_debug is not None:
             self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
