@@ -107,6 +107,7 @@ class FP8Stats(Callback):
         # images are due from this step on: none at the first logging steps, one column wide
         self._next_image = self.image_interval or 0
         self._imaged: int | None = None  # the logging step the last images showed
+        self._warned_table = False
         self.monitor: FP8Monitor | None = None
         self.disabled = False
         self._step = 0
@@ -194,10 +195,9 @@ class FP8Stats(Callback):
         if self.monitor is None:
             return
         metrics = self.monitor.finish_step()  # raises only on every rank together
-        if metrics and self.listeners:
-            table = stats_table(metrics)
-            for listener in self.listeners:
-                listener(self._step, table, {})
+        if metrics:
+            for listener in self.listeners:  # the pooled table and flags, on every rank
+                listener(self._step, self.monitor.table, self.monitor.flags)
         te_metrics: dict[str, float] = {}
         if self.te_debug is not None:
             self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
@@ -244,6 +244,11 @@ class FP8Stats(Callback):
                                            use_table=False)
         columns, rows = table_rows(self.monitor.table, self.monitor.flags)
         for destination in destinations:
+            if _wandb_table_hangs(destination):
+                if not self._warned_table:
+                    self._warned_table = True
+                    log.warning(WANDB_OFFLINE_TABLE)
+                continue
             destination.log_table(columns, rows, TABLE_NAME, step)
         self._imaged = self._recent[-1][0] if self._recent else None
 
@@ -279,6 +284,27 @@ class FP8Stats(Callback):
 
 def _console(destination: LoggerDestination) -> bool:
     return isinstance(destination, ConsoleLogger)
+
+
+WANDB_OFFLINE_TABLE = (
+    "fp8_stats: the per-layer table is not sent to W&B: this run is offline with W&B's "
+    "allow_offline_artifacts on (its default), and then logging a table asks the W&B server "
+    "for its version first (wandb 0.18, data_types/base_types/wb_value.py), retrying for as "
+    "long as there is no network. Set loggers.wandb.init_kwargs.settings.allow_offline_artifacts:"
+    " false to get the table (the heatmaps and series are sent either way)")
+
+
+def _wandb_table_hangs(destination: LoggerDestination) -> bool:
+    """Whether a table logged to this W&B destination would wait on the network (above)."""
+    from composer.loggers import WandBLogger
+
+    if not isinstance(destination, WandBLogger):
+        return False
+    import wandb
+
+    settings = getattr(wandb.run, "settings", None)
+    return bool(settings is not None and settings._offline
+                and getattr(settings, "allow_offline_artifacts", False))
 
 
 def heatmap_rows(table: Table) -> dict[tuple[str, str], dict[str, float]]:
