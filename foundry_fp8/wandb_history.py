@@ -77,6 +77,14 @@ def _item_key(item: Any) -> str:
     return item.key or "/".join(item.nested_key)
 
 
+def _put(row: dict[str, Any], path: list[str], value: Any) -> None:
+    """W&B writes a media value (an image list, a table) as one item per field, with the
+    path `[key, field, ...]`: put it back together as the dict that was logged."""
+    for part in path[:-1]:
+        row = row.setdefault(part, {})
+    row[path[-1]] = value
+
+
 def read_run(path: str | Path) -> WandbRun:
     """Read one `.wandb` file (a run still being written may end in a partial record: what
     precedes it is returned)."""
@@ -91,7 +99,9 @@ def read_run(path: str | Path) -> WandbRun:
             break
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            row = {_item_key(item): json.loads(item.value_json) for item in record.history.item}
+            row: dict[str, Any] = {}
+            for item in record.history.item:
+                _put(row, list(item.nested_key) or [item.key], json.loads(item.value_json))
             row.setdefault("_step", record.history.step.num)
             run.rows.append(row)
         elif kind == "config":
