@@ -80,7 +80,8 @@ def test_what_fp8_stats_logs_reaches_wandb_at_the_loss_steps_also_after_a_resume
         tmp_path, tiny_data, capfd):
     run_tiny(tmp_path, tiny_data, _overrides("full"), wandb=True)
     console = capfd.readouterr()
-    [run] = wandb_history.read_runs(run_folder(tmp_path, "full"))
+    [run] = wandb_history.read_runs(run_folder(tmp_path, "full"), wait=120)
+    assert run.complete
     assert run.steps("loss/train/total") == list(range(BATCHES))
     steps = _logging_steps(run)
     assert steps == [0, 2, 4, 6, 8, 10]
@@ -117,7 +118,7 @@ def test_what_fp8_stats_logs_reaches_wandb_at_the_loss_steps_also_after_a_resume
     with _with_callback(_BreakWeight()):
         run_tiny(tmp_path, tiny_data, _overrides("resumed", load_path=str(checkpoint)),
                  wandb=True)
-    [resumed] = wandb_history.read_runs(run_folder(tmp_path, "resumed"))
+    [resumed] = wandb_history.read_runs(run_folder(tmp_path, "resumed"), wait=120)
     assert resumed.steps("loss/train/total") == list(range(RESUME_AT, BATCHES))
     assert _logging_steps(resumed) == [8, 10]
     for key in sorted(LAYER_KEYS | SUMMARY_KEYS):
