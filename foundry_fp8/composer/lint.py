@@ -10,7 +10,10 @@ from typing import Any
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
-from foundry_fp8.lint.rules import Finding, LintContext, fsdp_version_from_env, lint_config
+from foundry_fp8.environment import gather_snapshot
+from foundry_fp8.lint.registry import Finding, LintContext
+from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config
+from foundry_fp8.lint.rules.environment import environment_findings
 from foundry_fp8.lint.values import check_options
 
 log = logging.getLogger(__name__)
@@ -89,15 +92,15 @@ class FP8Lint(Callback):
             logger.log_hyperparameters({"fp8_lint/findings": len(self.findings)})
 
 
-
 def _run_findings(config: Any) -> list[Finding]:
-    """The file rules and this machine's version rules for a run's config. A failure inside
-    them is our bug, not the run's: it is logged and the run goes on unlinted."""
-    from foundry_fp8.doctor import config_environment_findings
-
+    """The file rules and this machine's version rules for a run's config (the environment
+    probe, without the TE import subprocess: the run imports TE itself moments later). A
+    failure inside them is our bug, not the run's: it is logged and the run goes on unlinted."""
     try:
-        context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ))
-        return lint_config(config, context) + config_environment_findings(config)
+        snapshot = gather_snapshot(probe_te_import=False)
+        context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ),
+                              snapshot=snapshot)
+        return lint_config(config, context) + environment_findings(snapshot, config)
     except Exception:
         log.exception("fp8_lint: the linter failed on this config; the run is not linted")
         return []
