@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from foundry_fp8 import emulate
-from foundry_fp8.fp8_meta import canonical_name
+from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.lint.values import OPTION_VALUES, Recipe, check_options
 from foundry_fp8.numerics import (
     FP8_MAX,
@@ -50,7 +50,7 @@ from foundry_fp8.numerics import (
     sufficient_stats,
 )
 from foundry_fp8.recipe import FP8Recipe
-from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 
 TENSOR_KINDS = ("activation", "weight", "gradient")
 CURRENT = FP8Recipe(scaling="current")
@@ -193,9 +193,9 @@ def watches_for(module: nn.Module) -> tuple[Watch, ...] | None:
 
 def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Module]:
     """The watched layers whose names match `include` and not `exclude`, by their names without
-    FSDP's and activation checkpointing's wrapper segments: the same regexes and metric names
+    DDP's, FSDP's and activation checkpointing's wrapper segments: the same regexes and metric names
     with or without FSDP."""
-    named = ((canonical_name(name), module) for name, module in model.named_modules())
+    named = canonical_modules(model)
     return {
         name: module for name, module in named
         if watches_for(module) is not None and re.search(config.include, name)
