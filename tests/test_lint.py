@@ -99,7 +99,7 @@ CASES: dict[str, tuple[dict, str, int]] = {
                                                      "activation_checkpointing_reentrant": True}}),
                "fsdp_config.activation_checkpointing_reentrant", 1),
     "FP8026": ({"callbacks": {"te_swap": {}}}, "callbacks.te_swap", 1),
-    "FP8027": (EMULATE, "algorithms.te_swap", 1),
+    "FP8027": (_merge(EMULATE, {"save_folder": "ckpt"}), "algorithms.te_swap", 1),
     "FP8028": (_merge({"precision": "amp_fp8"}, EMULATE), "precision", 1),
     "FP8029": ({"model": {"loss_fn": "fused_crossentropy"}}, "model.loss_fn", 1),
 }
@@ -132,7 +132,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8024": ({"model": {"ffn_config": {"ffn_type": "te_ln_mlp"}}}, 1),
     "FP8025": (TE_CKPT, 1),
     "FP8026": ({"callbacks": {"fp8_stats": {}}, "algorithms": {"gradient_clipping": {}}}, 1),
-    "FP8027": (_merge(EMULATE, {"callbacks": {"fp8_state": {}}}), 1),
+    "FP8027": (_merge(EMULATE, {"save_folder": "ckpt", "callbacks": {"fp8_state": {}}}), 1),
     "FP8028": (EMULATE, 1),
     "FP8029": ({"model": {"loss_fn": "torch_crossentropy"}}, 1),
 }
@@ -557,8 +557,7 @@ def test_files_never_crash_the_linter(tmp_path, text):
 
 
 def test_a_misspelled_choice_names_the_choices_and_the_closest():
-    found = lint_config({"algorithms": {"te_swap": {"backend": "emualte"}},
-                         "callbacks": {"fp8_state": {}}})
+    found = lint_config({"algorithms": {"te_swap": {"backend": "emualte"}}})
     assert [(f.rule, f.key) for f in found] == [("FP8020", "algorithms.te_swap.backend")]
     assert found[0].message == ("te_swap.backend must be one of 'te', 'emulate', got 'emualte' "
                                 "(did you mean `emulate`?)")

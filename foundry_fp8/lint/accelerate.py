@@ -24,8 +24,8 @@ from foundry_fp8.lint.rules.accelerate import AccelerateInput
 ACCELERATE_MARKERS = ("compute_environment", "distributed_type")
 #: Keys only an Accelerate config has: a file holding one and no LLM-Foundry key is an
 #: Accelerate config even without its markers (a snippet from Accelerate's docs).
-ACCELERATE_ONLY = ACCELERATE_CONFIG_KEYS - TRAIN_CONFIG_KEYS - {"fsdp_config",
-                                                                "deepspeed_config"}
+ACCELERATE_ONLY = ACCELERATE_CONFIG_KEYS - TRAIN_CONFIG_KEYS - {
+    "fsdp_config", "deepspeed_config", "fp16"}  # fp16: a DeepSpeed JSON key too
 #: Keys a DeepSpeed JSON shares with a train config; any other TrainConfig key makes a JSON file
 #: an LLM-Foundry train config.
 DEEPSPEED_SHARED = frozenset({"optimizer", "scheduler"})

@@ -144,18 +144,15 @@ def deepspeed_file_exclusive(inp: AccelerateInput, _: LintContext) -> Iterator[H
 
 
 def _deepspeed_precision(inp: AccelerateInput) -> str:
-    """The precision the DeepSpeed config names, as AcceleratorState reported it."""
+    """The precision AcceleratorState reported under DeepSpeed: the DeepSpeed JSON's fp16 when
+    it enables it, else bf16 (what DeepSpeedPlugin.set_mixed_precision writes for fp8)."""
     ds = inp.deepspeed
-    if ds is not None and _is_true(section(ds, "fp16").get("enabled")):
-        return "fp16"
-    if ds is not None and _is_true(section(ds, "bf16").get("enabled")):
-        return "bf16"
-    return "precision (bf16, fp16 or none)"
+    return "fp16" if ds is not None and _is_true(section(ds, "fp16").get("enabled")) else "bf16"
 
 
 @rule("FP8103", "error", "FP8 from the config never reaches TE with this Accelerate",
       why="Under DeepSpeed, AcceleratorState.mixed_precision returned the DeepSpeed config's "
-      "precision (bf16 or fp16) until 1.11 (fixed by PR #3688), so Accelerator() never enabled "
+      "precision (bf16, or the JSON's fp16) until 1.11 (fixed by PR #3688), so Accelerator() never enabled "
       "FP8 from a config (issue #3360, PR #3714); in 1.0-1.3 fp8_backend needed that same "
       "value, in 1.4-1.7 an auto-created recipe was never marked as an FP8 handler (any "
       "distributed type; fixed by PR #3611 in 1.8). Judged against the Accelerate installed "
@@ -176,7 +173,7 @@ def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
         yield Hit("mixed_precision", f"under DeepSpeed, {shown}"
                   f"{'' if version else ' older than 1.11'} reports the DeepSpeed config's "
                   f"{ds} as the mixed precision, so Accelerator() never enables FP8 from this "
-                  f"config: the run trains in {ds.split(' ')[0].upper()} with no error "
+                  f"config: the run trains in {ds.upper()} with no error "
                   "(accelerate #3360)", severity=None if version else "warning",
                   fix="use accelerate>=1.11; older versions need an explicit "
                   "FP8RecipeKwargs(backend='TE') in Accelerator(kwargs_handlers=...) (1.0-1.3: "

@@ -156,18 +156,29 @@ def unknown_entries(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
                           f"named `{name}`" + did_you_mean(name, registered_names(section_name)))
 
 
-@rule("FP8027", "warning", "te_swap without fp8_state: FP8 scales reset at every resume",
+#: Keys with which LLM-Foundry saves or resumes checkpoints (a CheckpointSaver for
+#: save_folder; load_path and autoresume load one).
+CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
+
+
+@rule("FP8027", "warning", "te_swap without fp8_state in a run that saves or resumes "
+      "checkpoints: FP8 scales reset at every resume",
       why="te_swap's emulated layers keep their FP8 scales and amax histories in buffers that "
       "are not in Composer's checkpoint, and TE layers keep them in a pickled `_extra_state` "
       "that TE >= 2.16 refuses to load without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE; fp8_state "
-      "saves and restores them. te_swap warns the same at the start of a run.",
-      source="foundry_fp8/composer/state.py (FP8State); TE 2.16 "
-      "transformer_engine/pytorch/module/base.py set_extra_state",
+      "saves and restores them. te_swap logs the same warning at INIT when the run has a "
+      "checkpoint saver and no fp8_state.",
+      source="foundry_fp8/composer/te_swap.py _warn_without_fp8_state; "
+      "foundry_fp8/composer/state.py FP8State; TE (>= 2.16) transformer_engine/pytorch "
+      "extra-state checkpoint helpers, should_load_extra_state_pickle; "
+      f"{FOUNDRY} llmfoundry/command_utils/train.py (save_folder, load_path, autoresume)",
       fix="add `callbacks: {fp8_state: {}}`")
 def te_swap_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    if te_swap(config) is not None and not has_fp8_state(config):
-        yield Hit("algorithms.te_swap", "te_swap without fp8_state: FP8 scales and amax "
-                  "histories reset at every resume (they are not in the checkpoint)")
+    saves = [k for k in CHECKPOINT_KEYS if config.get(k)]
+    if te_swap(config) is not None and not has_fp8_state(config) and saves:
+        yield Hit("algorithms.te_swap", f"te_swap without fp8_state ({saves[0]} is set): a "
+                  "resume from this run's checkpoints starts FP8 scales and amax histories "
+                  "fresh (they are not in the checkpoint)")
 
 
 @rule("FP8028", "error", "`precision: amp_fp8` with te_swap's emulated backend and no TE layer",
