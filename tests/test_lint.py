@@ -712,3 +712,32 @@ def test_a_folder_without_yaml_exits_2_naming_it(tmp_path):
     assert result.returncode == 2
     errors = [e["error"] for e in json.loads(result.stdout)["files"]]
     assert errors == [None, f"{folder}: no .yaml or .yml file in this folder"]
+
+
+def test_te_swap_without_fp8_state_is_said_only_where_checkpoints_are_saved_or_resumed():
+    for key, value in (("save_folder", "s3://bucket/run"), ("load_path", "ckpt.pt"),
+                       ("autoresume", True)):
+        assert "FP8027" in _lint_dict(_merge(EMULATE, {key: value}))
+    assert "FP8027" not in _lint_dict(EMULATE)  # nothing to resume from
+    assert "FP8027" not in _lint_dict(_merge(EMULATE, {"autoresume": False}))
+
+
+def test_fp8002_does_not_fire_where_fp8001_applies():
+    found = _lint_dict(_merge({"precision": "amp_fp8"}, CKPT))
+    assert "FP8001" in found and "FP8002" not in found
+
+
+def test_the_environment_probe_does_not_import_the_linter():
+    """No cycle: `lint/` reads the probe (foundry_fp8.environment); the probe reads nothing of
+    the linter's, and the fp8_lint callback uses the probe, not the doctor CLI."""
+    import ast
+
+    def imports(module: str) -> set[str]:
+        tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
+        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module} | {a.name for node in ast.walk(tree)
+                                    if isinstance(node, ast.Import) for a in node.names}
+
+    assert not {m for m in imports("foundry_fp8.environment") if m.startswith("foundry_fp8")}
+    assert "foundry_fp8.doctor" not in imports("foundry_fp8.composer.lint")
+    assert "foundry_fp8.environment" in imports("foundry_fp8.composer.lint")

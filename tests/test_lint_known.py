@@ -324,3 +324,45 @@ def test_constructors_check_their_options_through_the_one_table():
         assert isinstance(function, ast.FunctionDef)
         body = function.body[1:] if ast.get_docstring(function) else function.body
         assert ast.unparse(body[0]) == f"check_options('{entry.name}', locals())", entry.name
+
+
+def test_mpt_model_keys_match_llmfoundry_and_transformers():
+    import inspect
+
+    from llmfoundry.models.mpt import ComposerMPTCausalLM, MPTConfig
+    from transformers import PretrainedConfig
+
+    mpt = set(inspect.signature(MPTConfig.__init__).parameters) - {"self", "kwargs"}
+    assert known.MPT_CONFIG_KEYS == mpt
+    composer = set(inspect.signature(ComposerMPTCausalLM.__init__).parameters) - {
+        "self", "kwargs", "tokenizer"}  # the tokenizer comes from the `tokenizer:` section
+    assert composer <= known.FOUNDRY_MODEL_KEYS
+    assert known.FOUNDRY_MODEL_KEYS - composer == {"name", "master_weights_dtype"}
+    assert known.HF_CONFIG_KEYS == set(vars(PretrainedConfig())) | {"num_labels"}
+
+
+def test_registry_names_match_llmfoundrys_registries():
+    from llmfoundry import registry
+
+    from foundry_fp8.lint.rules.ours import registered_names
+
+    live = {"callbacks": set(registry.callbacks.get_all())
+            | set(registry.callbacks_with_config.get_all()),
+            "algorithms": set(registry.algorithms.get_all()),
+            "loggers": set(registry.loggers.get_all())}
+    for section, names in live.items():
+        assert registered_names(section) == names, section  # built-ins + entry points, ours too
+        assert known.FOUNDRY_REGISTRY[section] <= names
+
+
+def test_eval_config_keys_match_llmfoundry():
+    from llmfoundry.utils.config_utils import EVAL_CONFIG_KEYS
+
+    assert known.EVAL_CONFIG_KEYS == EVAL_CONFIG_KEYS
+
+
+def test_accelerate_config_keys_match_the_installed_accelerate():
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    assert known.ACCELERATE_CONFIG_KEYS == set(ClusterConfig.__dataclass_fields__) | {
+        "fp16", "dynamo_backend"}  # converted by ClusterConfig.process_config
