@@ -520,20 +520,26 @@ _values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(all
                            ["te_swap", "fp8_stats", "fp8_lint", "fp8_state", "jsonl", "fc_type",
                             "name", "ffn_config", "mixed_precision", "num_workers", "fp8_recipe",
                             "recipe", "interval", "tensors", "layers", "include", "path",
-                            "dump_folder", "fail_on", "watch_batches", "te_debug"]),
+                            "dump_folder", "fail_on", "watch_batches", "te_debug", "loss_fn",
+                            "ffn_config_defaults", "activation_checkpointing_reentrant",
+                            "te_checkpoint_wrapper", "activation_checkpointing"]),
                            inner, max_size=4), max_leaves=12)
 _keys = st.sampled_from(["precision", "model", "fsdp_config", "algorithms", "callbacks",
                          "loggers", "max_seq_len", "device_train_microbatch_size",
                          "precision_config", "train_loader", "eval_loader", "eval_loaders",
                          "variables", "precison", "icl_tasks", "icl_tasks_str", "eval_gauntlet",
-                         "code_paths"])
+                         "code_paths", "save_folder", "autoresume", "models"])
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(_keys, _values, max_size=6), st.sampled_from([1, 2]))
 def test_rules_never_crash_on_random_configs(config, fsdp_version):
+    from foundry_fp8.lint.registry import run_rules
+
+    bare = Snapshot(python="3")
     for scope in ("file", "run"):
-        for finding in lint_config(config, LintContext(scope=scope, fsdp_version=fsdp_version)):
+        context = LintContext(scope=scope, fsdp_version=fsdp_version, snapshot=bare)
+        for finding in lint_config(config, context) + run_rules("eval", config, context):
             assert finding.severity in ("error", "warning", "info")
             assert finding.key and finding.message and finding.fix
 

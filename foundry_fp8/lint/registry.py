@@ -131,11 +131,6 @@ def run_rules(family: str, data: Any, context: LintContext,
             for f in r.findings(data, context)]
 
 
-def by_id(rule_id: str) -> Rule:
-    _load_all()
-    return _REGISTRY[rule_id]
-
-
 def section(config: Any, key: str) -> Mapping[str, Any]:
     """A sub-mapping, or an empty one when absent or of the wrong type (never crash on input)."""
     value = config.get(key) if isinstance(config, Mapping) else None

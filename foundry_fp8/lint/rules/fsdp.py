@@ -169,7 +169,7 @@ def fsdp_mixed_precision(config: Mapping[str, Any], ctx: LintContext) -> Iterato
             yield Hit(sub, f"Composer reads only {', '.join(MIXED_PRECISION_DTYPE_KEYS)}; "
                       f"`{name}` is ignored" + did_you_mean(str(name), MIXED_PRECISION_DTYPE_KEYS),
                       fix="fix the spelling or remove the key")
-        elif dtype is not None and dtype not in TORCH_DTYPE_NAMES:
+        elif dtype is not None and (not isinstance(dtype, str) or dtype not in TORCH_DTYPE_NAMES):
             yield Hit(sub, f"Composer does not know dtype {dtype!r}",
                       fix="use float32, bfloat16 or float16")
         elif dtype in FP8_DTYPE_NAMES:

@@ -106,6 +106,11 @@ def fc_type_dict(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
                   "layers' and skips its reentrant-checkpointing fix for TE layers")
 
 
+def _is_mpt(model: Mapping[str, Any]) -> bool:
+    name = model.get("name")
+    return isinstance(name, str) and name in MPT_MODEL_NAMES
+
+
 #: Values that ask for TE layers: an ignored key holding one changes what FP8 does.
 _TE_WORDS = frozenset({"te", "te_ln_mlp"})
 
@@ -141,7 +146,7 @@ def unknown_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
 def model_key_hits(model: Mapping[str, Any], prefix: str) -> Iterator[Hit]:
     """FP8024's findings for one model section (a train config's, or an eval config's
     `models.N.model`)."""
-    if model.get("name") not in MPT_MODEL_NAMES:
+    if not _is_mpt(model):
         return
     known = MPT_CONFIG_KEYS | FOUNDRY_MODEL_KEYS
     for key, value in model.items():
@@ -167,7 +172,7 @@ def model_key_hits(model: Mapping[str, Any], prefix: str) -> Iterator[Hit]:
 def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     snapshot = ctx.snapshot
-    if model.get("name") not in MPT_MODEL_NAMES or snapshot is None \
+    if not _is_mpt(model) or snapshot is None \
             or snapshot.flash_attn_cross_entropy:
         return
     if model.get("loss_fn", "fused_crossentropy") != "fused_crossentropy":
