@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout, not an installed copy
-SEED = REPO / "yamls" / "mpt-1b-fp8.yaml"
+SEED = REPO / "foundry_fp8" / "tools" / "yamls" / "mpt-1b-fp8.yaml"
 CORPUS = REPO / "tests" / "lint_corpus"
 RESULTS = REPO / "benchmarks" / "results"
 TARGET_S = 1.0

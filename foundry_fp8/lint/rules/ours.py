@@ -1,6 +1,7 @@
 """Our entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_lint`, `jsonl`): where LLM-Foundry's
-registries look for them, their options (foundry_fp8.lint.values, which the constructors call
-too, so the linter and the run agree), and how they combine with precision."""
+registries look for them, their options (foundry_fp8.lint.values, with the option dataclasses
+the constructors build, `foundry_fp8.options`, so the linter and the run agree), and how they
+combine with precision."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY
 from foundry_fp8.lint.values import option_problems
 
-OUR_OPTIONS = "foundry_fp8/composer/*.py __init__ signatures"
+OUR_OPTIONS = "foundry_fp8/options.py ENTRIES"
 
 
 def _entry_items(config: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any]]:
@@ -38,11 +39,12 @@ def _option_hits(config: Mapping[str, Any], kinds: tuple[str, ...]) -> Iterator[
 
 @rule("FP8008", "error", "FP8 recipe problems in te_swap's `fp8_recipe` or fp8_stats' "
       "`recipe` (pure E5M2, keys TE removed such as `interval`, unknown keys and values)",
-      why="Shared with foundry_fp8.recipe, which te_swap (FP8Recipe.from_options) and fp8_stats "
-      "(parse_recipe: a scaling name, or a recipe mapping) use, so the linter and the run "
-      "agree.",
-      source="foundry_fp8/recipe.py recipe_problems (TE's DelayedScaling); "
-      "foundry_fp8/monitor.py parse_recipe; foundry_fp8/lint/values.py OPTION_VALUES",
+      why="Shared with foundry_fp8.recipe, which te_swap's and fp8_stats' option dataclasses "
+      "use (fp8_stats' `recipe` is a scaling name or a recipe mapping), so the linter and the "
+      "run agree. margin and amax_history_len have bounds (recipe.MAX_MARGIN, MAX_HISTORY).",
+      source="foundry_fp8/recipe.py recipe_problems (TE's DelayedScaling; TE 2.20 "
+      "transformer_engine/common/recipe/delayed_scaling.cu:300 for the margin); "
+      "foundry_fp8/options.py Recipe",
       fix="see the message")
 def recipe_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     yield from _option_hits(config, ("recipe",))
@@ -51,7 +53,7 @@ def recipe_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
 @rule("FP8019", "error", "unknown options of our entries (te_swap, fp8_stats, fp8_state, "
       "fp8_lint, jsonl) (did-you-mean)",
       why="LLM-Foundry passes an entry's mapping as keyword arguments, so an unknown option "
-      "fails at construction. The option lists are read from the classes' __init__ signatures.",
+      "fails at construction. The option lists are the fields of our option dataclasses.",
       source=f"{OUR_OPTIONS}; {FOUNDRY} llmfoundry/utils/builders.py build_callback (reserved "
       "train_config)",
       fix="fix the spelling", also=("eval",))
@@ -65,9 +67,9 @@ def entry_options_unknown(config: Mapping[str, Any], ctx: LintContext) -> Iterat
 
 @rule("FP8020", "error", "options of our entries with the wrong type (a `Literal` value "
       "outside its choices, `\"true\"` for a bool, `true` for an int)",
-      why="Checked against the annotations of the classes' __init__ signatures; a Literal "
-      "admits only its values, a bool only true/false, an int neither a bool nor a float.",
-      source=f"{OUR_OPTIONS}; foundry_fp8/lint/entries.py accepts",
+      why="Checked by each option's declared check; a Literal admits only its values, a bool "
+      "only true/false, an int neither a bool nor a float.",
+      source="foundry_fp8/options.py (the option dataclasses' fields)",
       fix="give a value of the annotated type", also=("eval",))
 def entry_option_types(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     yield from _option_hits(config, ("type",))
@@ -92,14 +94,12 @@ def te_swap_without_amp_fp8(config: Mapping[str, Any], ctx: LintContext) -> Iter
       "regexes that do not compile, unknown choices such as `fail_on: warning`, unknown "
       "`{placeholders}` in paths)",
       why="LLM-Foundry builds algorithms, callbacks and loggers before training, so a value of "
-      "the right type that the constructor refuses still stops the run. One table "
-      "(foundry_fp8/lint/values.py OPTION_VALUES, OPTION_RELATIONS) holds these constraints "
-      "and every constructor checks its options with it (check_options), so the linter and the "
-      "run agree; choices the code keeps as constants are read from its source.",
-      source="foundry_fp8/lint/values.py OPTION_VALUES, check_options (called first by TESwap, "
-      "SwapConfig, FP8Stats, Schedule, MonitorConfig, parse_recipe, FP8State, FP8Lint, "
-      "JSONLLogger); foundry_fp8/composer/lint.py FAIL_ON; foundry_fp8/monitor.py "
-      "TENSOR_KINDS; foundry_fp8/composer/jsonl_logger.py PLACEHOLDERS; "
+      "the right type that the constructor refuses still stops the run. Each option's check is "
+      "declared once, on its field of a frozen options dataclass (foundry_fp8/options.py), "
+      "which every constructor builds first, so the linter and the run agree; every wrong item "
+      "of a list is reported at its own key.",
+      source="foundry_fp8/options.py (TESwapOptions, SwapConfig, FP8StatsOptions, Schedule, "
+      "MonitorConfig, FP8StateOptions, FP8LintOptions, JSONLOptions); "
       f"{COMPOSER} composer/core/time.py Time.from_timestring (batch intervals read alike)",
       fix="see the message", also=("eval",))
 def entry_option_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
