@@ -203,3 +203,25 @@ def test_real_doctor_on_this_machine():
     assert report["environment"]["python"] == snapshot.python
     assert {f["rule"] for f in report["findings"]} >= ({"FP8201"} if not snapshot.has_gpu
                                                        else set())
+
+
+@pytest.mark.parametrize(("script", "gpu_name", "capability"), [
+    ('echo "NVIDIA H100 80GB HBM3, 9.0"', "NVIDIA H100 80GB HBM3", [9, 0]),
+    ('echo "NVIDIA L4, 8.9"; echo "NVIDIA L4, 8.9"', "NVIDIA L4", [8, 9]),  # the first GPU
+    ("exit 0", None, None),  # a driver with no GPU listed
+    ('echo "NVIDIA-SMI has failed" >&2; exit 9', "unknown (nvidia-smi: NVIDIA-SMI has failed)",
+     None),
+])
+def test_the_probe_reads_the_gpu_from_nvidia_smi(tmp_path, script, gpu_name, capability):
+    """Without torch in the process, the GPU comes from `nvidia-smi --query-gpu=name,compute_cap
+    --format=csv,noheader` (faked here: this machine has no GPU; never run on a real one)."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    code = ("import json; from foundry_fp8.environment import gather_snapshot; "
+            "s = gather_snapshot(probe_te_import=False); print(json.dumps([s.gpu_name, "
+            "s.capability]))")
+    env = {**__import__("os").environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env).stdout
+    assert json.loads(out) == [gpu_name, capability]
