@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_BYTES = 2 * 1024 * 1024
 MAX_DEPTH = 100
 MAX_EXPANDED_NODES = 200_000
+#: Python's limit on int() of a decimal string (sys.get_int_max_str_digits, 4300 by default).
+_MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
 
 
 class LintInputError(Exception):
@@ -166,7 +169,8 @@ def _check_depth(path: Path, text: str) -> None:
 
 def _check_expansion(path: Path, root: yaml.Node) -> None:
     """Refuse a document whose aliases expand to more than MAX_EXPANDED_NODES nodes (counted
-    once per distinct node, iteratively, so the count itself stays cheap)."""
+    once per distinct node, iteratively, so the count itself stays cheap), or that holds an
+    integer too long for Python to read, at its line."""
     sizes: dict[int, int] = {}
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
@@ -182,6 +186,12 @@ def _check_expansion(path: Path, root: yaml.Node) -> None:
                                      f"{MAX_EXPANDED_NODES} values (an alias bomb?); refusing "
                                      "to load it")
             continue
+        if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":int") \
+                and len(str(node.value)) > _MAX_INT_DIGITS:
+            mark = node.start_mark
+            raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: an integer of "
+                                 f"{len(str(node.value))} digits; Python reads at most "
+                                 f"{_MAX_INT_DIGITS} (quote it if it is a string)")
         stack.append((node, True))
         stack += [(c, False) for c in children if id(c) not in sizes]
 
