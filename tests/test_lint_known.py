@@ -335,6 +335,21 @@ def test_mpt_model_keys_match_llmfoundry_and_transformers():
     assert known.HF_CONFIG_KEYS == set(vars(PretrainedConfig())) | {"num_labels"}
 
 
+def test_the_mpt_attributes_read_are_those_mpts_code_reads():
+    """Keys MPT keeps as attributes and reads back: `kwargs.get('x')` in MPTBlock and
+    `getattr(self.config, 'x')` in modeling_mpt.py, read from the installed sources."""
+    import inspect
+    import re
+
+    from llmfoundry.models.layers import blocks
+    from llmfoundry.models.mpt import modeling_mpt
+
+    read = set(re.findall(r"kwargs\.get\(\s*'(\w+)'", inspect.getsource(blocks.MPTBlock)))
+    read |= set(re.findall(r"getattr\(\s*self\.config,\s*'(\w+)'",
+                           inspect.getsource(modeling_mpt)))
+    assert known.MPT_ATTRIBUTES_READ == read - known.MPT_CONFIG_KEYS
+
+
 def test_registry_names_match_llmfoundrys_registries():
     from llmfoundry import registry
 

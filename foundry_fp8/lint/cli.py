@@ -25,6 +25,7 @@ from foundry_fp8.lint.accelerate import (
     lint_accelerate_file,
     read_json,
 )
+from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
 from foundry_fp8.lint.load import LintInputError, load_config, load_data, position_of, read_text
 from foundry_fp8.lint.output import render_json, render_sarif, render_text, use_colour
 from foundry_fp8.lint.registry import Finding, LintContext, run_rules
@@ -33,15 +34,18 @@ from foundry_fp8.lint.rules.eval import is_eval_config
 
 __all__ = ["LintInputError", "add_arguments", "lint_file", "run"]
 
-#: Keys of an MCLI run config (mcli's RunConfig) besides `parameters`: with a `parameters`
-#: mapping, one of these makes the file an MCLI run config.
+#: Keys of an MCLI run config (mcli's RunConfig) besides `parameters`, as LLM-Foundry's mcli/
+#: folder uses them.
 MCLI_KEYS = frozenset({"name", "image", "command", "compute", "integrations", "scheduling",
                        "env_variables", "gpu_num", "gpu_type", "cluster", "entrypoint"})
 
 
 def _is_mcli(data: Any) -> bool:
-    return isinstance(data, Mapping) and isinstance(data.get("parameters"), Mapping) \
-        and bool({str(k) for k in data} & MCLI_KEYS)
+    """An MCLI run config: MCLI's keys and none of a train config's (`parameters` aside)."""
+    if not isinstance(data, Mapping):
+        return False
+    keys = {str(k) for k in data}
+    return bool(keys & (MCLI_KEYS - {"name"})) and not keys & TRAIN_CONFIG_KEYS
 
 
 def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[int, int]],
@@ -53,8 +57,9 @@ def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[in
 
 def lint_file(path: Path, fsdp_version: int = 1,
               snapshot: Snapshot | None = None) -> dict[str, Any]:
-    """One entry of the JSON contract: {path, error, findings}. `snapshot`: what is installed
-    where the linter runs, for the rules that depend on it (None: they stay quiet)."""
+    """One entry of the JSON contract: {path, error, findings}, plus `skipped` (why) for a file
+    with nothing to lint. `snapshot`: what is installed where the linter runs, for the rules
+    that depend on it (None: they stay quiet)."""
     try:
         text = read_text(path)
         data = read_json(path, text) if path.suffix.lower() == ".json" else load_data(path, text)
@@ -64,6 +69,10 @@ def lint_file(path: Path, fsdp_version: int = 1,
             findings, positions = lint_accelerate_file(path, text, data)
             return _entry(path, findings, positions)
         subtree = "parameters" if _is_mcli(data) else None
+        if subtree and not isinstance(data.get(subtree), Mapping):
+            return {"path": str(path), "error": None, "findings": [], "skipped": (
+                "an MCLI run config without a `parameters:` mapping (its command does not "
+                "train from a config MCLI writes): nothing to lint")}
         loaded = load_config(path, text, subtree)
     except LintInputError as e:
         return {"path": str(path), "error": str(e), "findings": []}

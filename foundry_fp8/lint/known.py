@@ -125,6 +125,10 @@ MPT_CONFIG_KEYS = frozenset({
 #: `ComposerMPTCausalLM.__init__`'s own parameters (llmfoundry/models/mpt/modeling_mpt.py).
 FOUNDRY_MODEL_KEYS = frozenset({"name", "master_weights_dtype", "use_train_metrics",
                                 "additional_train_metrics", "loss_fn"})
+#: Keys MPTConfig keeps as attributes that MPT's code then reads: `fuse_norm_attn_norm`
+#: (llmfoundry/models/layers/blocks.py MPTBlock, `kwargs.get`, from `config.to_dict()`) and
+#: `activation_checkpointing_target` (modeling_mpt.py activation_checkpointing_fn, `getattr`).
+MPT_ATTRIBUTES_READ = frozenset({"fuse_norm_attn_norm", "activation_checkpointing_target"})
 #: The attributes transformers 4.51's `PretrainedConfig()` sets from its keywords, plus
 #: `num_labels`: keys MPTConfig passes on that do mean something to transformers.
 HF_CONFIG_KEYS = frozenset({

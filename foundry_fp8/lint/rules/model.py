@@ -9,6 +9,7 @@ from foundry_fp8.lint.config import as_int, get, native_te_layers, te_swap
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
     HF_CONFIG_KEYS,
+    MPT_ATTRIBUTES_READ,
     MPT_CONFIG_KEYS,
     MPT_DEFAULTS,
     MPT_MODEL_NAMES,
@@ -131,11 +132,14 @@ def _asks_for_te(value: Any, depth: int = 0) -> bool:
       why="LLM-Foundry passes the model section to ComposerMPTCausalLM, which gives every key it "
       "does not name to MPTConfig, which gives every key it does not name to transformers' "
       "PretrainedConfig, which stores it as an attribute nothing reads: "
-      "`ffn_config_defaults: {ffn_type: te_ln_mlp}` builds the default MLP. A warning, and an "
+      "`ffn_config_defaults: {ffn_type: te_ln_mlp}` builds the default MLP (the few such "
+      "attributes MPT's code reads, fuse_norm_attn_norm and activation_checkpointing_target, "
+      "are known). A warning, and an "
       "error when the ignored value asks for TE layers (`te`, `te_ln_mlp`), since FP8 then "
       "does not happen as written.",
       source=f"{FOUNDRY} llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__, "
-      "llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM.__init__, "
+      "llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM.__init__ and "
+      "activation_checkpointing_fn, llmfoundry/models/layers/blocks.py MPTBlock.__init__, "
       "llmfoundry/command_utils/train.py train (name, master_weights_dtype); transformers 4.51 "
       "configuration_utils.py PretrainedConfig.__init__ (setattr for remaining kwargs)",
       fix="fix the spelling (the message names the closest MPT key) or remove the key")
@@ -150,7 +154,8 @@ def model_key_hits(model: Mapping[str, Any], prefix: str) -> Iterator[Hit]:
         return
     known = MPT_CONFIG_KEYS | FOUNDRY_MODEL_KEYS
     for key, value in model.items():
-        if not isinstance(key, str) or key in known or key in HF_CONFIG_KEYS:
+        if not isinstance(key, str) or key in known or key in HF_CONFIG_KEYS \
+                or key in MPT_ATTRIBUTES_READ:
             continue
         hint = did_you_mean(key, known)
         if _asks_for_te(value):
