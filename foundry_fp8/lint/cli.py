@@ -37,7 +37,8 @@ __all__ = ["LintInputError", "add_arguments", "lint_file", "run"]
 #: Keys of an MCLI run config (mcli's RunConfig) besides `parameters`, as LLM-Foundry's mcli/
 #: folder uses them.
 MCLI_KEYS = frozenset({"name", "image", "command", "compute", "integrations", "scheduling",
-                       "env_variables", "gpu_num", "gpu_type", "cluster", "entrypoint"})
+                       "env_variables", "gpu_num", "gpu_type", "cluster", "entrypoint",
+                       "run_name", "metadata"})
 
 
 def _is_mcli(data: Any) -> bool:
@@ -45,7 +46,7 @@ def _is_mcli(data: Any) -> bool:
     if not isinstance(data, Mapping):
         return False
     keys = {str(k) for k in data}
-    return bool(keys & (MCLI_KEYS - {"name"})) and not keys & TRAIN_CONFIG_KEYS
+    return bool(keys & (MCLI_KEYS - {"name"})) and not keys & (TRAIN_CONFIG_KEYS - MCLI_KEYS)
 
 
 def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[int, int]],
