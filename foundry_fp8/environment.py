@@ -5,7 +5,8 @@ from `nvidia-smi`; TE's import is tried in a subprocess with a time limit (a TE 
 for another torch can crash the interpreter). No probe can fail: an unknown value is None.
 
 The rules that judge a snapshot (FP82xx) live in `foundry_fp8.lint.rules.environment`; the
-doctor CLI and the `fp8_lint` callback both call them. Nothing here imports the linter.
+doctor CLI and the `fp8_lint` callback both call them. Nothing here imports the linter; the
+version facts the rules compare with live in `foundry_fp8.te.facts`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,7 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import Any
 
-#: TE releases whose activation recompute is correct under FP8 (TE #1190, fixed by TE #1254).
-MIN_TE_FOR_RECOMPUTE = (1, 12)
-#: Ada needs torch's CUDA >= 12.1 for TE's FP8 (TE `_compute_fp8_support`).
-ADA = (8, 9)
-MIN_CUDA_FOR_ADA_FP8 = (12, 1)
+from foundry_fp8.te.facts import parse_version
 
 #: Seconds allowed for `import transformer_engine.pytorch` in the subprocess (it loads CUDA).
 TE_IMPORT_TIMEOUT_S = 120
@@ -32,29 +29,6 @@ TE_IMPORT_TIMEOUT_S = 120
 NVIDIA_SMI_TIMEOUT_S = 20
 TE_CORE_PACKAGES = ("transformer-engine-cu12", "transformer-engine-cu13")
 CUDNN_PACKAGES = ("nvidia-cudnn-cu12", "nvidia-cudnn-cu13")
-
-
-def parse_version(text: str | None) -> tuple[int, ...] | None:
-    """Leading numeric release of a version string ('2.7.0+cu126' -> (2, 7, 0)); None if none."""
-    if not text:
-        return None
-    numbers: list[int] = []
-    for part in str(text).split("+")[0].split("."):
-        digits = ""
-        for char in part:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) != len(part):  # '0rc1', '1a0': a pre-release tail ends the release
-            break
-    return tuple(numbers) or None
-
-
-def dotted(version: tuple[int, ...] | None) -> str:
-    return ".".join(map(str, version)) if version else "?"
 
 
 @dataclass(frozen=True)

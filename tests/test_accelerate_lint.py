@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 
 from foundry_fp8.lint.accelerate import (
-    ACCELERATE_RULES,
     lint_accelerate,
     lint_accelerate_file,
     lint_input,
 )
 from foundry_fp8.lint.cli import lint_file
+from foundry_fp8.lint.registry import rules_of
 from foundry_fp8.lint.rules import RULES
+
+ACCELERATE_RULES = rules_of("accelerate")
 
 HEAD = """\
 compute_environment: LOCAL_MACHINE

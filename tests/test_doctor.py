@@ -12,12 +12,13 @@ import pytest
 from foundry_fp8 import doctor
 from foundry_fp8.cli import main
 from foundry_fp8.doctor import exit_code, exit_reason
-from foundry_fp8.environment import Snapshot, gather_snapshot, parse_version
-from foundry_fp8.lint.accelerate import ACCELERATE_RULES
+from foundry_fp8.environment import Snapshot, gather_snapshot
 from foundry_fp8.lint.registry import Finding, rules_of
 from foundry_fp8.lint.rules import RULES
 from foundry_fp8.lint.rules.environment import NO_GPU, environment_findings
+from foundry_fp8.te.facts import parse_version
 
+ACCELERATE_RULES = rules_of("accelerate")
 ENVIRONMENT_RULES = rules_of("environment")
 
 H100 = Snapshot(python="3.11.7", torch="2.7.0", torch_cuda="12.6", gpu_name="NVIDIA H100",

@@ -193,7 +193,8 @@ CLASSES = {"te_swap": "foundry_fp8.composer.te_swap:TESwap",
            "fp8_stats": "foundry_fp8.composer.stats:FP8Stats",
            "fp8_state": "foundry_fp8.composer.state:FP8State",
            "fp8_lint": "foundry_fp8.composer.lint:FP8Lint",
-           "jsonl": "foundry_fp8.composer.jsonl_logger:JSONLLogger"}
+           "jsonl": "foundry_fp8.composer.jsonl_logger:JSONLLogger",
+           "fp8_guard": "foundry_fp8.composer.guard:FP8Guard"}
 
 
 def _class(name: str) -> type:
@@ -312,7 +313,8 @@ def test_constructors_build_their_options_once():
         function = ast.parse(textwrap.dedent(init)).body[0]
         assert isinstance(function, ast.FunctionDef)
         body = function.body[1:] if ast.get_docstring(function) else function.body
-        assert ast.unparse(body[0]).startswith(f"self.options = build('{name}', options)"), name
+        first = ast.unparse(body[0])  # `self.options = build(...)`, or fp8_guard's annotated form
+        assert first.startswith("self.") and first.endswith(f"= build('{name}', options)"), name
         extra = {"train_config": {}} if name == "fp8_lint" else {}
         typo, option = ("fail_onn", "fail_on") if name == "fp8_lint" else ("strictt", "strict")
         with pytest.raises(OptionError, match=rf"\.{name}\.{typo}: is not an option \(did you "

@@ -13,11 +13,11 @@ from typing import Any
 
 import yaml
 
-from foundry_fp8.environment import parse_version
 from foundry_fp8.lint.known import ACCELERATE_CONFIG_KEYS, TRAIN_CONFIG_KEYS
 from foundry_fp8.lint.load import LintInputError, compose, key_positions, load_data, read_text
-from foundry_fp8.lint.registry import Finding, LintContext, rules_of, run_rules, section
+from foundry_fp8.lint.registry import Finding, LintContext, run_rules, section
 from foundry_fp8.lint.rules.accelerate import AccelerateInput
+from foundry_fp8.te.facts import parse_version
 
 #: Top-level keys that mark an Accelerate config (`process_config` requires distributed_type;
 #: `accelerate config` always writes compute_environment). LLM-Foundry YAMLs have neither.
@@ -29,7 +29,6 @@ ACCELERATE_ONLY = ACCELERATE_CONFIG_KEYS - TRAIN_CONFIG_KEYS - {
 #: Keys a DeepSpeed JSON shares with a train config; any other TrainConfig key makes a JSON file
 #: an LLM-Foundry train config.
 DEEPSPEED_SHARED = frozenset({"optimizer", "scheduler"})
-ACCELERATE_RULES = rules_of("accelerate")
 
 
 def lint_input(accelerate: Mapping[str, Any] | None, deepspeed: Mapping[str, Any] | None = None,

@@ -6,7 +6,8 @@ committed docs/rules.md equals this output, so the two cannot drift.
 
 from __future__ import annotations
 
-from foundry_fp8.lint.registry import FAMILIES, Rule, rule_sets
+from foundry_fp8.lint.registry import FAMILIES, Rule
+from foundry_fp8.lint.rules import rule_sets
 
 HEADER = """\
 # `foundry-fp8 lint` rules

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8 import __version__
-from foundry_fp8.lint.registry import SEVERITIES, all_rules
+from foundry_fp8.lint.registry import SEVERITIES
+from foundry_fp8.lint.rules import all_rules
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_LEVELS = {"error": "error", "warning": "warning", "info": "note"}

@@ -104,24 +104,10 @@ def rule(id: str, severity: Severity, summary: str, *, why: str, source: str, fi
     return register
 
 
-def _load_all() -> None:
-    """Import every module that defines rules (registration happens at import)."""
-    import foundry_fp8.lint.rules  # noqa: F401  (imports each topic module)
-
-
 def rules_of(family: str) -> list[Rule]:
-    """The rules of one family, in id order."""
-    _load_all()
+    """The registered rules of one family, in id order (import `foundry_fp8.lint.rules` first
+    for all of them: registration happens when a rule's module is imported)."""
     return sorted((r for r in _REGISTRY.values() if r.family == family), key=lambda r: r.id)
-
-
-def rule_sets() -> list[tuple[str, list[Rule]]]:
-    """(title, rules) per family that has rules, in FAMILIES order."""
-    return [(title, rules) for family, title in FAMILIES.items() if (rules := rules_of(family))]
-
-
-def all_rules() -> list[Rule]:
-    return [r for _, rules in rule_sets() for r in rules]
 
 
 def run_rules(family: str, data: Any, context: LintContext,

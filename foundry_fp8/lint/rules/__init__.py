@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from foundry_fp8.lint.config import fsdp_version_from_env
-from foundry_fp8.lint.registry import SEVERITIES, Finding, LintContext, Rule, rules_of, run_rules
+from foundry_fp8.lint.registry import (
+    FAMILIES,
+    SEVERITIES,
+    Finding,
+    LintContext,
+    Rule,
+    rules_of,
+    run_rules,
+)
 from foundry_fp8.lint.rules import (  # noqa: F401  (registration happens at import)
     accelerate,
     environment,
@@ -31,8 +39,8 @@ from foundry_fp8.lint.rules import (  # noqa: F401  (registration happens at imp
     train,
 )
 
-__all__ = ["RULES", "SEVERITIES", "Finding", "LintContext", "Rule", "fsdp_version_from_env",
-           "lint_config"]
+__all__ = ["RULES", "SEVERITIES", "Finding", "LintContext", "Rule", "all_rules",
+           "fsdp_version_from_env", "lint_config", "rule_sets"]
 
 #: The train-config rules, in id order.
 RULES = rules_of("train")
@@ -45,3 +53,12 @@ def lint_config(config: Mapping[str, Any], context: LintContext | None = None) -
         return []
     return run_rules("train", config, context,
                      only=lambda r: r.scope == "any" or context.scope == "file")
+
+
+def rule_sets() -> list[tuple[str, list[Rule]]]:
+    """(title, rules) per family that has rules, in FAMILIES order: docs/rules.md, SARIF."""
+    return [(title, rules) for family, title in FAMILIES.items() if (rules := rules_of(family))]
+
+
+def all_rules() -> list[Rule]:
+    return [r for _, rules in rule_sets() for r in rules]

@@ -18,11 +18,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from foundry_fp8.environment import dotted
 from foundry_fp8.lint.known import ACCELERATE_CONFIG_KEYS, did_you_mean
 from foundry_fp8.lint.load import position_of
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.recipe import recipe_problems
+from foundry_fp8.te.facts import dotted
 
 ACC = "Accelerate (huggingface/accelerate, tags v0.34.2-v1.14.0)"
 TE = "TransformerEngine (NVIDIA/TransformerEngine, tags v1.0-v2.18)"

@@ -2,7 +2,7 @@
 without a run's config. `foundry-fp8 doctor` judges the machine alone; `fp8_lint` judges the
 run's config on the machine it runs on. Facts, with where they were read:
 
-- FP8 GEMMs need compute capability 8.9+ (`recipe.environment_problems`, shared with `te_swap`);
+- FP8 GEMMs need compute capability 8.9+ (`te.facts.environment_problems`, shared with `te_swap`);
   on Ada (8.9) TE also wants torch built for CUDA >= 12.1 (TE `_compute_fp8_support`,
   transformer_engine/pytorch/quantization.py; the same check since TE 1.0 in pytorch/fp8.py).
 - pip-installed TE asserts, on `import transformer_engine.pytorch`, that `transformer-engine`,
@@ -10,7 +10,9 @@ run's config on the machine it runs on. Facts, with where they were read:
   (TE `load_framework_extension`, transformer_engine/common/__init__.py).
 - TE activation recompute kept wrong backward scales before TE 1.12 (TE issue #1190, fixed by
   TE PR #1254, first released in v1.12).
-- Current scaling needs TE >= 2.2 (`recipe.environment_problems`).
+- Current scaling needs TE >= 2.2 (`te.facts.environment_problems`).
+
+The version facts themselves live in `foundry_fp8.te.facts`.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from foundry_fp8.environment import (
+from foundry_fp8.environment import Snapshot
+from foundry_fp8.lint.config import uses_te
+from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules, section
+from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
+from foundry_fp8.te.facts import (
     ADA,
     MIN_CUDA_FOR_ADA_FP8,
     MIN_TE_FOR_RECOMPUTE,
-    Snapshot,
+    dotted,
+    environment_problems,
     parse_version,
 )
-from foundry_fp8.lint.config import uses_te
-from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules, section
-from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem, environment_problems
 
 NO_GPU = "no GPU: FP8 training needs an H100/Ada; the emulated backend works here"
 TE_SRC = "TransformerEngine (NVIDIA/TransformerEngine main, also read at v1.0-v2.18 tags)"
@@ -59,7 +63,7 @@ def no_gpu(env: Environment, _: LintContext) -> Iterator[Hit]:
 
 @rule("FP8202", "warning", "GPU compute capability below 8.9",
       why="TE refuses FP8 below compute capability 8.9 (Ada); shared with te_swap through "
-      "recipe.environment_problems. An error in `fp8_lint` for a run that asks for TE.",
+      "te.facts.environment_problems. An error in `fp8_lint` for a run that asks for TE.",
       source=f"{TE_SRC} transformer_engine/pytorch/quantization.py _compute_fp8_support "
       "(pytorch/fp8.py before 2.x)",
       fix="run on Ada/Hopper or newer, or use te_swap: {backend: emulate}", family="environment")
@@ -79,8 +83,10 @@ def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
     cuda = parse_version(snapshot.torch_cuda)
     if snapshot.capability is not None and tuple(snapshot.capability) == ADA and cuda \
             and cuda[:2] < MIN_CUDA_FOR_ADA_FP8:
-        yield Hit("torch_cuda", f"TransformerEngine refuses FP8 on Ada (8.9) when torch is built "
-                  f"for CUDA {snapshot.torch_cuda}; it needs CUDA 12.1 or newer")
+        yield Hit("torch_cuda", f"TransformerEngine refuses FP8 on Ada ({dotted(ADA)}) when torch "
+                  f"is built for CUDA {snapshot.torch_cuda}; it needs CUDA "
+                  f"{dotted(MIN_CUDA_FOR_ADA_FP8)} or newer",
+                  fix=f"install a torch build for CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer")
 
 
 @rule("FP8204", "warning", "TransformerEngine missing where it is needed",
@@ -149,12 +155,14 @@ def recompute_te(env: Environment, _: LintContext) -> Iterator[Hit]:
             and te < MIN_TE_FOR_RECOMPUTE:
         yield Hit("fsdp_config.activation_checkpointing", f"TransformerEngine {snapshot.te} "
                   "recomputes FP8 layers with wrong backward scales under activation "
-                  "checkpointing (TE issue #1190, fixed in TE 1.12)")
+                  f"checkpointing (TE issue #1190, fixed in TE {dotted(MIN_TE_FOR_RECOMPUTE)})",
+                  fix=f"upgrade TransformerEngine to {dotted(MIN_TE_FOR_RECOMPUTE)} or newer, or "
+                  "turn off fsdp_config.activation_checkpointing")
 
 
 @rule("FP8208", "error", "current scaling with TransformerEngine older than 2.2",
       why="TE's Float8CurrentScaling exists from TE 2.2; checked by fp8_lint against the "
-      "installed TE (recipe.environment_problems, shared with te_swap).",
+      "installed TE (te.facts.environment_problems, shared with te_swap).",
       source=f"{TE_SRC} transformer_engine/common/recipe/__init__.py (v2.2)",
       fix="upgrade TransformerEngine or use scaling: delayed", family="environment")
 def recipe_te(env: Environment, _: LintContext) -> Iterator[Hit]:

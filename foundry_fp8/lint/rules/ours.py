@@ -168,9 +168,10 @@ CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
       "that TE >= 2.16 refuses to load without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE; fp8_state "
       "saves and restores them. te_swap logs the same warning at INIT when the run has a "
       "checkpoint saver and no fp8_state.",
-      source="foundry_fp8/composer/te_swap.py _warn_without_fp8_state; "
-      "foundry_fp8/composer/state.py FP8State; TE (>= 2.16) transformer_engine/pytorch "
-      "extra-state checkpoint helpers, should_load_extra_state_pickle; "
+      source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
+      "warning, issue 19 item 5); TE transformer_engine/pytorch/_extra_state.py "
+      "should_load_extra_state_pickle (TE 2.16.1, 2.17.1, >= 2.18: foundry_fp8/te/facts.py "
+      "TE_PICKLE_GUARD_FIXES, TE_PICKLE_GUARD_FROM); "
       f"{FOUNDRY} llmfoundry/command_utils/train.py (save_folder, load_path, autoresume)",
       fix="add `callbacks: {fp8_state: {}}`")
 def te_swap_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
