@@ -71,12 +71,15 @@ def exit_reason(findings: list[Finding], strict: bool) -> str | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text: a table of versions, then the findings; json: {environment, "
+                        "findings, exit_code, exit_reason}; default text")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 on warnings too, i.e. unless this machine can train FP8 "
-                        "with TransformerEngine (infos never fail)")
+                        "with TransformerEngine (infos never fail); default off: errors only")
     parser.add_argument("--no-te-import", action="store_true",
-                        help="skip importing TransformerEngine in a subprocess (faster)")
+                        help="skip importing TransformerEngine in a subprocess (faster); default "
+                        "off: a TE build that does not import is found")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -121,28 +121,6 @@ class Optional(Check):
 
 
 @dataclass(frozen=True)
-class Integer(Check):
-    """An int (not a bool) in [minimum, maximum]."""
-
-    minimum: int
-    maximum: int | None = None
-    type_text = "int"
-
-    def problems(self, value: Any) -> list[Found]:
-        if not _is_int(value):
-            return self._type(value)
-        if self.minimum <= value and (self.maximum is None or value <= self.maximum):
-            return []
-        return [("", "value", f"must be {self.word()}, got {value!r}", f"use {self.word()}")]
-
-    def word(self) -> str:
-        if self.maximum is not None:
-            return f"an integer from {self.minimum} to {self.maximum}"
-        return {0: "a non-negative integer", 1: "a positive integer"}.get(
-            self.minimum, f"an integer >= {self.minimum}")
-
-
-@dataclass(frozen=True)
 class Number(Check):
     """An int or float (not NaN) in [minimum, maximum]."""
 
@@ -150,14 +128,36 @@ class Number(Check):
     maximum: float | None = None
     type_text = "float"
 
+    def fits(self, value: Any) -> bool:
+        return _is_int(value) or isinstance(value, float)
+
     def problems(self, value: Any) -> list[Found]:
-        if not (_is_int(value) or isinstance(value, float)):
+        if not self.fits(value):
             return self._type(value)
         if self.minimum <= value and (self.maximum is None or value <= self.maximum):
             return []
-        word = (f"a number >= {self.minimum:g}" if self.maximum is None
-                else f"a number from {self.minimum:g} to {self.maximum:g}")
-        return [("", "value", f"must be {word}, got {value!r}", f"use {word}")]
+        return [("", "value", f"must be {self.word()}, got {value!r}", f"use {self.word()}")]
+
+    def word(self) -> str:
+        if self.maximum is None:
+            return f"a number >= {self.minimum:g}"
+        return f"a number from {self.minimum:g} to {self.maximum:g}"
+
+
+@dataclass(frozen=True)
+class Integer(Number):
+    """An int (not a bool) in [minimum, maximum]."""
+
+    type_text = "int"
+
+    def fits(self, value: Any) -> bool:
+        return _is_int(value)
+
+    def word(self) -> str:
+        if self.maximum is not None:
+            return f"an integer from {self.minimum} to {self.maximum}"
+        return {0: "a non-negative integer", 1: "a positive integer"}.get(
+            int(self.minimum), f"an integer >= {self.minimum}")
 
 
 @dataclass(frozen=True)
@@ -530,7 +530,8 @@ class MonitorConfig(Options):
 class FP8StatsOptions(Options):
     """`callbacks: {fp8_stats: {...}}`: the Schedule's and MonitorConfig's options plus these:
     `dump_folder` (a template with `{run_name}`; default `<run folder>/fp8_dumps`), TE's own
-    statistics (`te_debug: delayed|current`, into `te_debug_folder`) and `strict`."""
+    statistics (`te_debug: delayed|current`, into `te_debug_folder`), the images' and table's
+    `image_interval`, `console_layers` and `strict`."""
 
     PATH: ClassVar[str] = "callbacks.fp8_stats"
 
@@ -540,6 +541,9 @@ class FP8StatsOptions(Options):
     te_debug: Literal["delayed", "current"] | None = option(
         None, OneOf(("delayed", "current", None), kind="type"))
     te_debug_folder: str = option("te_debug", Text())
+    # heatmaps and the per-layer table every this many batches (null: never); kept as an int
+    image_interval: int | str | None = option(1000, Optional(Batches(1)))
+    console_layers: bool = option(False, Flag())  # per-layer series on the console too
     strict: bool = option(False, Flag())
 
 

@@ -33,6 +33,12 @@ class WandbRun:
     def keys(self) -> set[str]:
         return {key for row in self.rows for key in row if not key.startswith("_")}
 
+    def table(self, key: str, step: int) -> tuple[list[str], list[list[Any]]]:
+        """(columns, rows) of the table logged as `key` at `step`, from the run's media file."""
+        value = next(row[key] for row in self.rows if row["_step"] == step and key in row)
+        data = json.loads((self.path.parent / "files" / value["path"]).read_text())
+        return data["columns"], data["data"]
+
     def media(self, kind: str) -> dict[str, list[int]]:
         """{key: steps} of the history values of one W&B media type (`image-file`,
         `table-file`, or `images/separated` for a list of images)."""
@@ -103,16 +109,22 @@ def read_runs(folder: str | Path) -> list[WandbRun]:
     return [read_run(path) for path in run_files(folder)]
 
 
-def describe(runs: Iterable[WandbRun], prefixes: tuple[str, ...] = ("fp8",)) -> str:
-    """A few lines on what reached W&B: per run, how many history rows, how many series whose
-    key starts with one of `prefixes` and at which steps, and the images and tables."""
+def describe(runs: Iterable[WandbRun]) -> str:
+    """A few lines on what reached W&B, per run: history rows, the FP8 summary series and the
+    per-layer series (`health.keys` layout) with their steps, the images and the tables."""
+    from foundry_fp8.health.keys import SUMMARY_PREFIX, parse_key
+
     lines = []
     for run in runs:
-        keys = sorted(k for k in run.keys() if k.startswith(prefixes))
-        steps = sorted({s for k in keys for s in run.steps(k)})
-        lines.append(f"{run.path}: {len(run.rows)} history rows; {len(keys)} series "
-                     f"({', '.join(prefixes)}*) at steps {steps or 'none'}")
-        for kind, label in (("image-file", "image"), ("images/separated", "images"),
+        keys = run.keys()
+        layers = sorted(k for k in keys if parse_key(k))
+        summary = sorted(k for k in keys if k.startswith(f"{SUMMARY_PREFIX}/"))
+        lines.append(f"{run.path}: {len(run.rows)} history rows")
+        for label, found in (("summary", summary), ("per-layer", layers)):
+            steps = sorted({s for k in found for s in run.steps(k)})
+            lines.append(f"  {len(found)} FP8 {label} series at steps {steps or 'none'}"
+                         + (f", e.g. {found[0]}" if found else ""))
+        for kind, label in (("images/separated", "images"), ("image-file", "image"),
                             ("table-file", "table")):
             for key, at in sorted(run.media(kind).items()):
                 lines.append(f"  {label} {key} at steps {at}")

@@ -313,8 +313,9 @@ def test_constructors_build_their_options_once():
         function = ast.parse(textwrap.dedent(init)).body[0]
         assert isinstance(function, ast.FunctionDef)
         body = function.body[1:] if ast.get_docstring(function) else function.body
-        first = ast.unparse(body[0])  # `self.options = build(...)`, or fp8_guard's annotated form
-        assert first.startswith("self.") and first.endswith(f"= build('{name}', options)"), name
+        first = body[0]
+        assert isinstance(first, (ast.Assign, ast.AnnAssign)), name
+        assert ast.unparse(first.value) == f"build('{name}', options)", name
         extra = {"train_config": {}} if name == "fp8_lint" else {}
         typo, option = ("fail_onn", "fail_on") if name == "fp8_lint" else ("strictt", "strict")
         with pytest.raises(OptionError, match=rf"\.{name}\.{typo}: is not an option \(did you "

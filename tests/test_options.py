@@ -131,3 +131,23 @@ def test_options_import_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_plain_pytorch_example_runs(capsys):
+    """Issue 12.5: the docs' plain-PyTorch example runs as written, logging at steps 0, 10, 20
+    and summarising both watched layers' three tensors."""
+    import re
+    import warnings
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "fp8_stats.md"
+    [code] = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.DOTALL)
+    assert len(code.splitlines()) <= 22
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the monitor's threshold warnings
+        exec(compile(code, str(doc), "exec"), {})
+    out = capsys.readouterr().out
+    assert re.findall(r"^step (\d+): \d+ values$", out, flags=re.MULTILINE) == ["0", "10", "20"]
+    rows = re.findall(r"^\| (\d) \| (\w+) \|", out, flags=re.MULTILINE)
+    assert sorted(rows) == sorted((layer, tensor) for layer in "02"
+                                  for tensor in ("activation", "weight", "gradient"))

@@ -1,34 +1,45 @@
 """What reaches W&B, checked where the user looks: a real tiny LLM-Foundry training with
 Composer's `WandBLogger` (offline), its `.wandb` file read back with W&B's own reader
-(`foundry_fp8.wandb_history`), never "the logger was called" or "the folder exists"."""
+(`foundry_fp8.wandb_history`), never "the logger was called" or "the folder exists"; and
+what Composer's console printed."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Iterator
+
 import pytest
+import torch
+from composer.core import Callback
 
 from foundry_fp8 import wandb_history
+from foundry_fp8.composer.stats import IMAGE_PREFIX, TABLE_NAME
+from foundry_fp8.health import INITIAL_SCALE, SUMMARIES, TENSORS, layer_key, summary_key
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.numerics import STAT_KEYS
 from tests.tiny_run import run_folder, run_tiny
 
-INTERVAL = 4
+INTERVAL = 2
+IMAGE_INTERVAL = 4
 BATCHES = 12
 RESUME_AT = 8
-LINEARS = ("attn.Wqkv", "attn.out_proj", "ffn.up_proj", "ffn.down_proj")
-TENSORS = ("activation", "weight", "gradient")
-
-
-def _layer_keys() -> set[str]:
-    """Every per-layer series of the tiny MPT (2 blocks x 4 linears x 3 tensors x stats)."""
-    return {f"fp8/model.transformer.blocks.{block}.{linear}/{tensor}/{stat}"
-            for block in (0, 1) for linear in LINEARS for tensor in TENSORS for stat in STAT_KEYS}
+BROKEN_AT = 10
+BROKEN = "blocks.1.attn.Wqkv"
+LAYERS = [f"blocks.{b}.{linear}" for b in (0, 1)
+          for linear in ("attn.Wqkv", "attn.out_proj", "ffn.up_proj", "ffn.down_proj")]
+LAYER_KEYS = {layer_key(stat, tensor, layer) for layer in LAYERS for tensor in TENSORS
+              for stat in STAT_KEYS}
+SUMMARY_KEYS = {summary_key(t, name) for t in TENSORS for name in SUMMARIES} | {
+    summary_key(None, "flagged_layers")}
 
 
 def _overrides(run_name: str, **extra) -> dict:
     return {"variables": {"run_name": run_name}, "max_duration": f"{BATCHES}ba",
             "save_interval": f"{RESUME_AT}ba", "eval_interval": f"{BATCHES}ba",
             "console_log_interval": f"{INTERVAL}ba",
-            "callbacks": {"fp8_stats": {"interval": f"{INTERVAL}ba"}}, **extra}
+            "callbacks": {"fp8_stats": {"interval": f"{INTERVAL}ba",
+                                        "image_interval": f"{IMAGE_INTERVAL}ba"}}, **extra}
 
 
 def _logging_steps(run: wandb_history.WandbRun) -> list[int]:
@@ -37,36 +48,91 @@ def _logging_steps(run: wandb_history.WandbRun) -> list[int]:
     return [step for step in run.steps("loss/train/total") if step % INTERVAL == 0]
 
 
-@pytest.mark.slow
-def test_every_fp8_series_reaches_the_wandb_history_at_the_loss_steps_and_after_resume(
-        tmp_path, tiny_data):
-    run_tiny(tmp_path, tiny_data, _overrides("full"), wandb=True)
-    [run] = wandb_history.read_runs(run_folder(tmp_path, "full"))
-    assert _logging_steps(run) == [0, 4, 8]  # the loss is where Composer logs it: 0 .. 11
-    assert run.steps("loss/train/total") == list(range(BATCHES))
-    for key in sorted(_layer_keys()):
-        assert run.steps(key) == [0, 4, 8], key
-    assert {k for k in run.keys() if k.startswith("fp8")} == _layer_keys() | {
-        f"fp8/model.transformer.blocks.{b}.{linear}/{t}/initial_scale"
-        for b in (0, 1) for linear in LINEARS for t in TENSORS}
+class _BreakWeight(Callback):
+    """Scales one layer's weight x1e4 just before batch BROKEN_AT's forward."""
 
-    # resume from the step-8 checkpoint: W&B offline starts a new run file, whose history goes
-    # on at the resumed steps; the JSONL sink holds them too
+    def batch_start(self, state, logger) -> None:
+        if int(state.timestamp.batch) == BROKEN_AT:
+            module = dict(state.model.named_modules())[f"model.transformer.{BROKEN}"]
+            with torch.no_grad():
+                module.weight.mul_(1e4)
+
+
+@contextlib.contextmanager
+def _with_callback(callback: Callback) -> Iterator[None]:
+    """LLM-Foundry's train() builds the Trainer itself: add one more callback to it."""
+    train_module = importlib.import_module("llmfoundry.command_utils.train")
+    original = train_module.Trainer
+
+    def trainer(*args, **kwargs):
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), callback]
+        return original(*args, **kwargs)
+
+    train_module.Trainer = trainer
+    try:
+        yield
+    finally:
+        train_module.Trainer = original
+
+
+@pytest.mark.slow
+def test_what_fp8_stats_logs_reaches_wandb_at_the_loss_steps_also_after_a_resume(
+        tmp_path, tiny_data, capfd):
+    run_tiny(tmp_path, tiny_data, _overrides("full"), wandb=True)
+    console = capfd.readouterr()
+    [run] = wandb_history.read_runs(run_folder(tmp_path, "full"))
+    assert run.steps("loss/train/total") == list(range(BATCHES))
+    steps = _logging_steps(run)
+    assert steps == [0, 2, 4, 6, 8, 10]
+    for key in sorted(LAYER_KEYS | SUMMARY_KEYS):
+        assert run.steps(key) == steps, key
+    # te_swap's emulated layers run delayed scaling: step 0 casts with the initial scale
+    initial = {layer_key(INITIAL_SCALE, t, layer) for layer in LAYERS for t in TENSORS}
+    for key in initial:
+        assert run.steps(key) == [0], key
+    assert {k for k in run.keys() if k.startswith("fp8")} == LAYER_KEYS | SUMMARY_KEYS | initial
+    # the healthy tiny run: nothing flagged, at any step
+    assert all(row[summary_key(None, "flagged_layers")] == 0 for row in run.rows
+               if summary_key(None, "flagged_layers") in row)
+    # heatmaps and table every IMAGE_INTERVAL batches, and at fit end (step 12, for step 10)
+    images = run.media("images/separated")
+    assert {f"{IMAGE_PREFIX}{s}" for s in ("underflow_pct", "overflow_pct", "cos_sim")} <= \
+        images.keys()
+    assert all(at == [4, 8, 12] for at in images.values()), images
+    assert run.media("table-file") == {TABLE_NAME: [4, 8, 12]}
+    columns, rows = run.table(TABLE_NAME, 8)
+    assert len(rows) == len(LAYERS) * len(TENSORS)
+    row_8 = next(r for r in rows if r[:2] == [BROKEN, "weight"])
+    at_8 = next(r for r in run.rows if r["_step"] == 8 and layer_key("amax", "weight", BROKEN) in r)
+    assert row_8[columns.index("amax")] == at_8[layer_key("amax", "weight", BROKEN)]
+    # Composer's console: the summary series, none of the per-layer ones
+    assert f"Train {summary_key('gradient', 'worst_underflow_pct')}: " in console.err + console.out
+    assert "fp8_underflow_pct/" not in console.err + console.out
+
+    # resume from the step-8 checkpoint, with one weight broken at batch 10: W&B offline starts
+    # a new run file, whose history goes on at the resumed steps; the JSONL sink has them too
     checkpoint = run_folder(tmp_path, "full") / "checkpoints" / f"ep0-ba{RESUME_AT}-rank0.pt"
-    run_tiny(tmp_path, tiny_data, _overrides("resumed", load_path=str(checkpoint)), wandb=True)
+    with _with_callback(_BreakWeight()):
+        run_tiny(tmp_path, tiny_data, _overrides("resumed", load_path=str(checkpoint)),
+                 wandb=True)
     [resumed] = wandb_history.read_runs(run_folder(tmp_path, "resumed"))
     assert resumed.steps("loss/train/total") == list(range(RESUME_AT, BATCHES))
-    assert _logging_steps(resumed) == [8]
-    for key in sorted(_layer_keys()):
-        assert resumed.steps(key) == [8], key
-    jsonl = [(step, m) for step, m in read_jsonl(run_folder(tmp_path, "resumed") / "metrics.jsonl")
-             if any(k.startswith("fp8/") for k in m)]
-    assert [step for step, _ in jsonl] == [8]
-    assert _layer_keys() <= jsonl[0][1].keys()
-    # the same step of the same model state gives the same statistics in both runs
-    full_row = next(row for row in run.rows if row["_step"] == 8 and "fp8/model.transformer."
-                    "blocks.0.attn.Wqkv/weight/amax" in row)
-    resumed_row = next(row for row in resumed.rows if "fp8/model.transformer.blocks.0.attn.Wqkv"
-                       "/weight/amax" in row)
-    assert resumed_row["fp8/model.transformer.blocks.0.attn.Wqkv/weight/amax"] == \
-        full_row["fp8/model.transformer.blocks.0.attn.Wqkv/weight/amax"]
+    assert _logging_steps(resumed) == [8, 10]
+    for key in sorted(LAYER_KEYS | SUMMARY_KEYS):
+        assert resumed.steps(key) == [8, 10], key
+    jsonl = [step for step, m in read_jsonl(run_folder(tmp_path, "resumed") / "metrics.jsonl")
+             if LAYER_KEYS <= m.keys()]
+    assert jsonl == [8, 10]
+    # the same model state at step 8 gives the same statistics in both runs
+    resumed_8 = next(r for r in resumed.rows if r["_step"] == 8 and LAYER_KEYS <= r.keys())
+    full_8 = next(r for r in run.rows if r["_step"] == 8 and LAYER_KEYS <= r.keys())
+    assert {k: resumed_8[k] for k in LAYER_KEYS} == {k: full_8[k] for k in LAYER_KEYS}
+    # the broken weight: counted in the summary at step 10, named in the fit-end table with
+    # the YAML key that changes it
+    at_10 = next(r for r in resumed.rows if r["_step"] == 10 and SUMMARY_KEYS <= r.keys())
+    assert at_10[summary_key("weight", "flagged_layers")] == 1
+    assert at_10[summary_key("weight", "worst_overflow_pct")] > 50
+    assert resumed.media("table-file") == {TABLE_NAME: [8, 12]}
+    columns, rows = resumed.table(TABLE_NAME, 12)
+    flags = {(r[0], r[1]): r[-1] for r in rows}
+    assert "algorithms.te_swap.fp8_recipe.scaling: current" in flags[(BROKEN, "weight")], flags

@@ -4,22 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from composer.core import Callback, State
-from composer.loggers import Logger
+from composer.loggers import ConsoleLogger, Logger, LoggerDestination
 from composer.utils import dist
 
 from foundry_fp8.fp8_meta import canonical_modules
-from foundry_fp8.health.keys import parse_key
+from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
+from foundry_fp8.health.history import shown
+from foundry_fp8.health.plots import draw_heatmap, to_rgb
+from foundry_fp8.health.specs import known_first
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, multi_rank
 from foundry_fp8.options import MonitorConfig, Schedule, build
 from foundry_fp8.te.debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 
 log = logging.getLogger(__name__)
+
+Table = Mapping[tuple[str, str], Mapping[str, float]]
+#: W&B sections: one image per statistic under `fp8_heatmap/`, the table as `fp8_table`.
+IMAGE_PREFIX = "fp8_heatmap/"
+TABLE_NAME = "fp8_table"
+DEFAULT_INTERVAL = "100ba"
+#: Logging steps a heatmap shows (the latest ones): a readable width, bounded memory.
+IMAGE_STEPS = 64
 
 
 def _is_rank_zero() -> bool:
@@ -46,9 +58,31 @@ def run_folder(state: State, logger: Logger) -> Path:
 
 
 class FP8Stats(Callback):
-    """Logs `fp8/<layer>/<tensor>/<stat>` every `interval` batches between `start` and `end`
-    (and at `dump_steps`, where it also saves the tensors), pooled over ranks and logged by
-    rank 0; prints the worst value per layer and tensor at fit end.
+    """FP8 health of every selected linear layer, every `interval` batches between `start` and
+    `end` (and at `dump_steps`, where it also saves the tensors), pooled over ranks and logged by
+    rank 0 at the batch's own step (the step of Composer's `loss/train/total` for that batch).
+
+    Keys it logs (`health.keys`), per logging step:
+
+    - summary series, on every destination, console included: `fp8/<tensor>/worst_underflow_pct`,
+      `fp8/<tensor>/worst_overflow_pct`, `fp8/<tensor>/worst_cos_sim`,
+      `fp8/<tensor>/flagged_layers`, `fp8/<tensor>/nonfinite` (tensor: activation, weight,
+      gradient) and `fp8/flagged_layers`;
+    - per-layer series `fp8_<stat>/<tensor>/<layer>` (W&B makes one section per statistic;
+      `<layer>` without the `model.transformer.` prefix or wrapper segments), and
+      `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast: on every
+      destination except the console unless `console_layers: true`;
+    - every `image_interval` batches (at the first logging step from each multiple on) and at
+      fit end: one layers x logging steps heatmap per statistic, `fp8_heatmap/<stat>`
+      (`Logger.log_images`, the last `IMAGE_STEPS` logging steps), and the per-layer table of
+      the logging step, `fp8_table` (`Logger.log_table`), off the console; `null` turns them off;
+    - at fit end the hyperparameter `fp8/stats_summary`, the worst value per layer and tensor
+      (also printed).
+
+    Defaults: `layers: .*`, `tensors: [activation, weight, gradient]`, `interval: 100ba`,
+    `image_interval: 1000ba`, `console_layers: false`. An MPT-1B (24 blocks x 4 linears x 3
+    tensors) logs 16 summary series on the console and 3,456 per-layer series (288 x 12
+    statistics; 288 more `fp8_initial_scale` under delayed scaling) elsewhere.
 
     Our own errors never stop training: the callback logs the error and switches itself off,
     unless `strict: true`. Under several ranks every rank switches off together, so that none
@@ -60,11 +94,20 @@ class FP8Stats(Callback):
     """
 
     def __init__(self, **options: Any):
-        self.options = build("fp8_stats", options)  # one line naming callbacks.fp8_stats.<key>
+        # fp8_stats logs every 100 batches unless told (FP8Monitor's Schedule: every step)
+        self.options = build("fp8_stats", {"interval": DEFAULT_INTERVAL, **options})  # one line naming callbacks.fp8_stats.<key>
         self.schedule: Schedule = self.options.schedule
         self.config: MonitorConfig = self.options.monitor
         self.dump_folder: str | None = self.options.dump_folder
         self.strict: bool = self.options.strict
+        self.image_interval: int | None = self.options.image_interval
+        self.console_layers: bool = self.options.console_layers
+        self._recent: deque[tuple[int, dict[tuple[str, str], dict[str, float]]]] = deque(
+            maxlen=IMAGE_STEPS)  # the last logging steps' tables, for the heatmaps
+        # images are due from this step on: none at the first logging steps, one column wide
+        self._next_image = self.image_interval or 0
+        self._imaged: int | None = None  # the logging step the last images showed
+        self._warned_table = False
         self.monitor: FP8Monitor | None = None
         self.disabled = False
         self._step = 0
@@ -152,25 +195,77 @@ class FP8Stats(Callback):
         if self.monitor is None:
             return
         metrics = self.monitor.finish_step()  # raises only on every rank together
-        if metrics and self.listeners:
-            table = stats_table(metrics)
-            for listener in self.listeners:
-                listener(self._step, table, {})
+        if metrics:
+            for listener in self.listeners:  # the pooled table and flags, on every rank
+                listener(self._step, self.monitor.table, self.monitor.flags)
+        te_metrics: dict[str, float] = {}
         if self.te_debug is not None:
             self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
-            metrics.update(self._te_metrics)
+            te_metrics = dict(self._te_metrics)
             self._te_metrics.clear()
-        if metrics and _is_rank_zero():
-            self._rank_zero(lambda: logger.log_metrics(metrics, step=self._step),
+        if metrics:
+            self._recent.append((self._step, heatmap_rows(self.monitor.table)))
+        if not _is_rank_zero():
+            return
+        if metrics or te_metrics:
+            self._rank_zero(lambda: self._log_metrics(logger, metrics, te_metrics),
                             "logging the metrics")
+        if metrics and self.image_interval is not None and self._step >= self._next_image:
+            self._next_image = (self._step // self.image_interval + 1) * self.image_interval
+            self._rank_zero(lambda: self._log_pictures(logger, self._step),
+                            "logging the images and table")
+
+    def _log_metrics(self, logger: Logger, metrics: Mapping[str, float],
+                     te_metrics: Mapping[str, float]) -> None:
+        """The summary series everywhere; the per-layer ones (and TE's) off the console unless
+        `console_layers`: thousands of lines at MPT-1B scale."""
+        summary = {k: v for k, v in metrics.items() if parse_key(k) is None}
+        layers = {**{k: v for k, v in metrics.items() if parse_key(k) is not None}, **te_metrics}
+        for destination in logger.destinations:
+            shown = summary if _console(destination) and not self.console_layers else {
+                **summary, **layers}
+            if shown:
+                destination.log_metrics(shown, self._step)
+
+    def _log_pictures(self, logger: Logger, step: int) -> None:
+        """The heatmaps of the last logging steps and the last logging step's per-layer table,
+        through Composer's Logger API (W&B shows them natively), to every destination but the
+        console (which would print the table as JSON at every line after)."""
+        assert self.monitor is not None
+        run = RunMetrics()
+        for logged, table in self._recent:
+            run.add_table(logged, table)
+        destinations = [d for d in logger.destinations if not _console(d)]
+        for stat in run.stats:
+            if spec(stat).plot == "heatmap" and shown(run, stat):
+                image = to_rgb(draw_heatmap(run, stat, self.monitor.tracker.thresholds))
+                for destination in destinations:
+                    destination.log_images(image, f"{IMAGE_PREFIX}{stat}", True, step,
+                                           use_table=False)
+        columns, rows = table_rows(self.monitor.table, self.monitor.flags)
+        for destination in destinations:
+            if _wandb_table_hangs(destination):
+                if not self._warned_table:
+                    self._warned_table = True
+                    log.warning(WANDB_OFFLINE_TABLE)
+                continue
+            destination.log_table(columns, rows, TABLE_NAME, step)
+        self._imaged = self._recent[-1][0] if self._recent else None
 
     def _fit_end(self, state: State, logger: Logger) -> None:
         if self.monitor is None:
             return
         if self.te_debug is not None:
             self.te_debug.close()
+        if not _is_rank_zero():
+            return
+        if (self.image_interval is not None and self._recent
+                and self._imaged != self._recent[-1][0]):
+            # the run's end, at the step W&B is at now (the batch count after the last batch)
+            self._rank_zero(lambda: self._log_pictures(logger, int(state.timestamp.batch)),
+                            "logging the images and table")
         summary = self.monitor.summary()
-        if summary and _is_rank_zero():
+        if summary:
             print(f"foundry_fp8 fp8_stats: worst value per layer and tensor\n{summary}",
                   flush=True)
             self._rank_zero(lambda: logger.log_hyperparameters(
@@ -185,6 +280,50 @@ class FP8Stats(Callback):
             if self.strict:
                 raise
             log.exception("fp8_stats: %s failed on rank 0; the statistics go on", what)
+
+
+def _console(destination: LoggerDestination) -> bool:
+    return isinstance(destination, ConsoleLogger)
+
+
+WANDB_OFFLINE_TABLE = (
+    "fp8_stats: the per-layer table is not sent to W&B: this run is offline with W&B's "
+    "allow_offline_artifacts on (its default), and then logging a table asks the W&B server "
+    "for its version first (wandb 0.18, data_types/base_types/wb_value.py), retrying for as "
+    "long as there is no network. Set loggers.wandb.init_kwargs.settings.allow_offline_artifacts:"
+    " false to get the table (the heatmaps and series are sent either way)")
+
+
+def _wandb_table_hangs(destination: LoggerDestination) -> bool:
+    """Whether a table logged to this W&B destination would wait on the network (above)."""
+    from composer.loggers import WandBLogger
+
+    if not isinstance(destination, WandBLogger):
+        return False
+    import wandb
+
+    settings = getattr(wandb.run, "settings", None)
+    return bool(settings is not None and settings._offline
+                and getattr(settings, "allow_offline_artifacts", False))
+
+
+def heatmap_rows(table: Table) -> dict[tuple[str, str], dict[str, float]]:
+    """What the heatmaps need of one logging step's table: their statistics and the marker of
+    delayed scaling's first cast (kept for `IMAGE_STEPS` steps, so only these)."""
+    return {key: {stat: value for stat, value in stats.items()
+                  if stat == INITIAL_SCALE or spec(stat).plot == "heatmap"}
+            for key, stats in table.items()}
+
+
+def table_rows(table: Table, flags: Mapping[tuple[str, str], Sequence[Flag]],
+               ) -> tuple[list[str], list[list[Any]]]:
+    """The per-layer table of one logging step: layer, tensor, each statistic, and the rules
+    it broke there with the YAML key to change (`rule: key; ...`)."""
+    stats = known_first({stat for row in table.values() for stat in row}, SPECS)
+    rows = [[layer, tensor, *(row.get(stat, float("nan")) for stat in stats),
+             "; ".join(f"{flag.rule}: {flag.yaml_key}" for flag in flags.get((layer, tensor), ()))]
+            for (layer, tensor), row in table.items()]
+    return ["layer", "tensor", *stats, "flags"], rows
 
 
 def stats_table(metrics: Mapping[str, float]) -> dict[tuple[str, str], dict[str, float]]:
