@@ -10,6 +10,7 @@ media (images, tables) and the config. Used by the tests and by `make run`'s dem
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ class WandbRun:
     rows: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)  # media files the run uploads
+    complete: bool = False  # the run's exit record is written: nothing more will come
 
     def steps(self, key: str) -> list[int]:
         """The steps of the rows that hold `key`, in order."""
@@ -77,6 +79,14 @@ def _item_key(item: Any) -> str:
     return item.key or "/".join(item.nested_key)
 
 
+def _put(row: dict[str, Any], path: list[str], value: Any) -> None:
+    """W&B writes a media value (an image list, a table) as one item per field, with the
+    path `[key, field, ...]`: put it back together as the dict that was logged."""
+    for part in path[:-1]:
+        row = row.setdefault(part, {})
+    row[path[-1]] = value
+
+
 def read_run(path: str | Path) -> WandbRun:
     """Read one `.wandb` file (a run still being written may end in a partial record: what
     precedes it is returned)."""
@@ -91,7 +101,9 @@ def read_run(path: str | Path) -> WandbRun:
             break
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            row = {_item_key(item): json.loads(item.value_json) for item in record.history.item}
+            row: dict[str, Any] = {}
+            for item in record.history.item:
+                _put(row, list(item.nested_key) or [item.key], json.loads(item.value_json))
             row.setdefault("_step", record.history.step.num)
             run.rows.append(row)
         elif kind == "config":
@@ -100,13 +112,22 @@ def read_run(path: str | Path) -> WandbRun:
         elif kind == "run":
             for item in record.run.config.update:
                 run.config[_item_key(item)] = json.loads(item.value_json)
+        elif kind == "exit":
+            run.complete = True
         elif kind == "files":
             run.files.extend(f.path for f in record.files.files)
     return run
 
 
-def read_runs(folder: str | Path) -> list[WandbRun]:
-    return [read_run(path) for path in run_files(folder)]
+def read_runs(folder: str | Path, wait: float = 0.0) -> list[WandbRun]:
+    """Every offline run under `folder`; with `wait`, up to that many seconds for W&B's
+    service to finish writing them (`wandb.finish()` can return before the file is complete)."""
+    deadline = time.monotonic() + wait
+    while True:
+        runs = [read_run(path) for path in run_files(folder)]
+        if all(run.complete for run in runs) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.5)
 
 
 def describe(runs: Iterable[WandbRun]) -> str:

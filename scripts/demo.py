@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "report", str(full)], check=True)
 
     print("== 5. what reached the W&B offline history (read back with W&B's own reader)", flush=True)
-    print(wandb_history.describe(wandb_history.read_runs(full)))
+    print(wandb_history.describe(wandb_history.read_runs(full, wait=60)))
     wandb_runs = sorted((full / "wandb").glob("offline-run-*"))
     print("\nOutputs:")
     print(f"  metrics (JSONL):   {full / 'metrics.jsonl'}")

@@ -75,7 +75,9 @@ def test_tiny_mpt_trains_on_cpu_through_llmfoundry(tmp_path, tiny_data):
     assert losses[-1] < 0.6 * math.log(512)
     assert int(trainer.state.timestamp.batch) == 24
     # what reached W&B, read back from the offline run file (not "the folder exists")
-    [wandb_run] = wandb_history.read_runs(folder)
+    trainer.close()  # as the CLI does at exit: finishes the W&B run
+    [wandb_run] = wandb_history.read_runs(folder, wait=120)
+    assert wandb_run.complete
     assert wandb_run.steps("loss/train/total") == list(range(24))
     assert [m["loss/train/total"] for m in wandb_run.rows if "loss/train/total" in m] == losses
     assert (folder / "checkpoints" / "latest-rank0.pt").exists()

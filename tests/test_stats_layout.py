@@ -101,3 +101,20 @@ def test_series_of_an_mpt_1b_with_the_defaults():
     assert len(layers) == 24 * 4 and "blocks.23.ffn.down_proj" in layers
     assert len([k for k in keys if parse_key(k)]) == 24 * 4 * 3 * len(STAT_KEYS)
     assert set(console.logged_metrics) == SUMMARY_KEYS and len(SUMMARY_KEYS) == 16
+
+
+@pytest.mark.parametrize(("offline", "allow", "hangs"), [
+    (True, True, True), (True, False, False), (False, True, False)])
+def test_a_table_is_not_sent_to_an_offline_wandb_that_would_wait_on_the_network(
+        monkeypatch, offline, allow, hangs):
+    """wandb 0.18 asks the server for its version before logging a table unless offline with
+    allow_offline_artifacts off; without network it retries for ever (seen in a test run)."""
+    import wandb
+    from composer.loggers import WandBLogger
+
+    from foundry_fp8.composer.stats import _wandb_table_hangs
+
+    settings = types.SimpleNamespace(_offline=offline, allow_offline_artifacts=allow)
+    monkeypatch.setattr(wandb, "run", types.SimpleNamespace(settings=settings))
+    assert _wandb_table_hangs(WandBLogger()) is hangs
+    assert _wandb_table_hangs(ConsoleLogger()) is False
