@@ -5,7 +5,8 @@
 # CI's other jobs (.ci/run):
 #   make test-oldest - the oldest supported set (constraints/oldest.txt) in .venv-oldest, on the
 #                      tests that touch Composer's and LLM-Foundry's APIs
-#   make lock        - rewrite constraints/ci.txt from .venv (after changing setup.cfg's ranges)
+#   make lock        - rewrite constraints/ci.txt: the newest set setup.cfg's ranges allow today,
+#                      resolved in a fresh venv (then `make test` installs it)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -16,6 +17,7 @@ DATA_ROOT ?= data
 # What the oldest set runs: our Composer/LLM-Foundry entries in real runs, the attention
 # registry, the bench's tiny path, the wheel install and the docs' CPU try.
 OLDEST_TESTS ?= tests/test_te_swap.py tests/test_state_callback.py tests/test_stats_callback.py \
+	tests/test_readme.py tests/test_cli_help.py \
 	tests/test_lint_callback.py tests/test_attention.py tests/test_jsonl.py tests/test_bench.py \
 	tests/test_packaging.py tests/test_docs_try.py
 
@@ -51,6 +53,11 @@ test: $(VENV)/.installed-test
 test-oldest: $(OLDEST)/.installed-test
 	$(OLDEST)/bin/pytest -m "not gpu" $(OLDEST_TESTS)
 
-lock: $(VENV)/.installed-test
-	{ sed -n '1,2p' constraints/ci.txt; $(BIN)/pip freeze --exclude-editable; } > constraints/ci.new
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet --upgrade pip
+	.venv-lock/bin/pip install --quiet -e ".[test]"
+	{ sed -n '1,2p' constraints/ci.txt; .venv-lock/bin/pip freeze --exclude-editable; } > constraints/ci.new
 	mv constraints/ci.new constraints/ci.txt
+	rm -rf .venv-lock

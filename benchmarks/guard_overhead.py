@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.stats_overhead import machine, spread, step_durations, versions  # noqa: E402
-from foundry_fp8.data import prepare_tiny_data  # noqa: E402
+from foundry_fp8.tools.tiny_data import prepare_tiny_data  # noqa: E402
 from tests.tiny_run import run_tiny  # noqa: E402
 
 

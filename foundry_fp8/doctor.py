@@ -1,9 +1,9 @@
 """`foundry-fp8 doctor`: the environment FP8 training depends on, and what is wrong with it.
 
-Versions come from package metadata (no import); torch is imported for its CUDA build, cuDNN and
-the GPU. TransformerEngine is imported only in a subprocess, with a time limit: a TE extension
-built for another torch can fail at import or crash the interpreter, and the doctor must report
-that, not die of it. No probe can make the doctor fail; an unknown value is shown as such.
+The machine is read by the torch-free probe `foundry_fp8.environment.gather_snapshot` (package
+metadata, torch's version file, nvidia-smi, TE's import in a time-limited subprocess) and judged
+by the FP82xx rules (`foundry_fp8.lint.rules.environment`). No probe can make the doctor fail;
+an unknown value is shown as such.
 
 Exit codes: 0 nothing is broken (missing GPU or TE is reported, not failed: the emulated backend
 runs anywhere); 1 an error finding (a broken TE install), or with `--strict` a warning too, i.e.
@@ -15,88 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
-import sys
-from collections.abc import Mapping
-from dataclasses import asdict, replace
-from importlib import metadata, util
-from typing import Any
+from dataclasses import asdict
 
-from foundry_fp8.environment import Snapshot, environment_findings
-from foundry_fp8.lint.rules import Finding
-
-#: Seconds allowed for `import transformer_engine.pytorch` in the subprocess (it loads CUDA).
-TE_IMPORT_TIMEOUT_S = 120
-TE_CORE_PACKAGES = ("transformer-engine-cu12", "transformer-engine-cu13")
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except Exception:  # not installed, or a broken dist-info: neither may stop the doctor
-        return None
-
-
-def _torch_facts() -> dict[str, Any]:
-    """torch's CUDA build, cuDNN and the first GPU; {} when torch cannot be imported."""
-    try:
-        import torch
-    except Exception:
-        return {}
-    facts: dict[str, Any] = {"torch_cuda": torch.version.cuda}
-    try:
-        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        facts["cudnn"] = str(cudnn) if cudnn else None
-        if torch.cuda.is_available():
-            facts["gpu_name"] = torch.cuda.get_device_name(0)
-            facts["capability"] = tuple(torch.cuda.get_device_capability(0))
-    except Exception as e:  # a driver problem is worth showing, not dying of
-        facts["gpu_name"] = f"unknown ({type(e).__name__}: {e})"
-    return facts
-
-
-def te_import_error(timeout_s: float = TE_IMPORT_TIMEOUT_S) -> str | None:
-    """Why `import transformer_engine.pytorch` fails in a fresh interpreter (None: it imports).
-    torch is imported first, as in every training script: TE's core library finds NCCL only
-    through the libraries torch loads, so TE imported alone can fail on a healthy install."""
-    try:
-        done = subprocess.run([sys.executable, "-c", "import torch, transformer_engine.pytorch"],
-                              capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return f"did not finish within {timeout_s:.0f} s"
-    except OSError as e:
-        return f"could not start Python: {e}"
-    if done.returncode == 0:
-        return None
-    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-    return lines[-1] if lines else f"exit status {done.returncode}"
-
-
-def gather_snapshot(probe_te_import: bool = True) -> Snapshot:
-    """This machine's snapshot. `probe_te_import` spends a subprocess importing TE."""
-    core_package = next((p for p in TE_CORE_PACKAGES if _version(p)), None)
-    te = _version("transformer-engine")
-    if te is None and util.find_spec("transformer_engine") is not None:
-        te = "unknown (no package metadata)"
-    snapshot = Snapshot(
-        python=platform.python_version(), torch=_version("torch"),
-        te=te, te_torch=_version("transformer-engine-torch"),
-        te_core=_version(core_package) if core_package else None, te_core_package=core_package,
-        composer=_version("mosaicml"), llmfoundry=_version("llm-foundry"),
-        flash_attn=_version("flash-attn"), accelerate=_version("accelerate"),
-        deepspeed=_version("deepspeed"), **_torch_facts())
-    if probe_te_import and te is not None:
-        snapshot = replace(snapshot, te_import_checked=True, te_import_error=te_import_error())
-    return snapshot
-
-
-def config_environment_findings(config: Mapping[str, Any]) -> list[Finding]:
-    """Version rules for a run's resolved config on this machine, for the `fp8_lint` callback.
-
-    Skips the TE import subprocess: the run imports TE itself moments later.
-    """
-    return environment_findings(gather_snapshot(probe_te_import=False), config)
+from foundry_fp8.environment import Snapshot, gather_snapshot
+from foundry_fp8.lint.registry import Finding
+from foundry_fp8.lint.rules.environment import environment_findings
 
 
 def _rows(s: Snapshot) -> list[tuple[str, str]]:
@@ -148,12 +71,15 @@ def exit_reason(findings: list[Finding], strict: bool) -> str | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text: a table of versions, then the findings; json: {environment, "
+                        "findings, exit_code, exit_reason}; default text")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 on warnings too, i.e. unless this machine can train FP8 "
-                        "with TransformerEngine (infos never fail)")
+                        "with TransformerEngine (infos never fail); default off: errors only")
     parser.add_argument("--no-te-import", action="store_true",
-                        help="skip importing TransformerEngine in a subprocess (faster)")
+                        help="skip importing TransformerEngine in a subprocess (faster); default "
+                        "off: a TE build that does not import is found")
 
 
 def run(args: argparse.Namespace) -> int:

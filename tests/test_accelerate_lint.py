@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 
 from foundry_fp8.lint.accelerate import (
-    ACCELERATE_RULES,
     lint_accelerate,
     lint_accelerate_file,
     lint_input,
 )
 from foundry_fp8.lint.cli import lint_file
+from foundry_fp8.lint.registry import rules_of
 from foundry_fp8.lint.rules import RULES
+
+ACCELERATE_RULES = rules_of("accelerate")
 
 HEAD = """\
 compute_environment: LOCAL_MACHINE
@@ -229,7 +231,7 @@ def test_broken_deepspeed_json_behind_an_accelerate_config_exits_2(tmp_path):
 
 def test_rules_are_registered_with_docs_fields():
     ids = [rule.id for rule in ACCELERATE_RULES]
-    assert ids == [f"FP81{n:02d}" for n in range(1, 10)]
+    assert ids == [f"FP81{n:02d}" for n in range(1, 15)]
     assert not set(ids) & {rule.id for rule in RULES}
     for rule in ACCELERATE_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix

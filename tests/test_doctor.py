@@ -11,21 +11,15 @@ import pytest
 
 from foundry_fp8 import doctor
 from foundry_fp8.cli import main
-from foundry_fp8.doctor import (
-    config_environment_findings,
-    exit_code,
-    exit_reason,
-    gather_snapshot,
-)
-from foundry_fp8.environment import (
-    ENVIRONMENT_RULES,
-    NO_GPU,
-    Snapshot,
-    environment_findings,
-)
-from foundry_fp8.lint.accelerate import ACCELERATE_RULES
-from foundry_fp8.lint.rules import RULES, Finding
+from foundry_fp8.doctor import exit_code, exit_reason
+from foundry_fp8.environment import Snapshot, gather_snapshot
+from foundry_fp8.lint.registry import Finding, rules_of
+from foundry_fp8.lint.rules import RULES
+from foundry_fp8.lint.rules.environment import NO_GPU, environment_findings
 from foundry_fp8.te.facts import parse_version
+
+ACCELERATE_RULES = rules_of("accelerate")
+ENVIRONMENT_RULES = rules_of("environment")
 
 H100 = Snapshot(python="3.11.7", torch="2.7.0", torch_cuda="12.6", gpu_name="NVIDIA H100",
                 capability=(9, 0), te="2.8.0", te_torch="2.8.0", te_core="2.8.0",
@@ -175,9 +169,17 @@ def test_an_info_alone_never_fails_even_strict(capsys, monkeypatch):
     assert report["exit_code"] == 0 and report["exit_reason"] is None
 
 
-def test_the_callback_helper_runs_here():
-    assert isinstance(config_environment_findings(EMULATED_RUN), list)
-    assert config_environment_findings(EMULATED_RUN) == []
+def test_the_probe_runs_here_without_importing_torch():
+    code = ("import sys; from foundry_fp8.environment import gather_snapshot; "
+            "s = gather_snapshot(probe_te_import=False); "
+            "print(s.torch, s.torch_cuda, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    import torch  # the reference: what torch itself says about its build
+
+    assert out == [torch.__version__.split("+")[0] if out[0] == torch.__version__.split("+")[0]
+                   else torch.__version__, str(torch.version.cuda), "False"]
+    assert environment_findings(gather_snapshot(probe_te_import=False), EMULATED_RUN) == []
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess:
@@ -202,3 +204,25 @@ def test_real_doctor_on_this_machine():
     assert report["environment"]["python"] == snapshot.python
     assert {f["rule"] for f in report["findings"]} >= ({"FP8201"} if not snapshot.has_gpu
                                                        else set())
+
+
+@pytest.mark.parametrize(("script", "gpu_name", "capability"), [
+    ('echo "NVIDIA H100 80GB HBM3, 9.0"', "NVIDIA H100 80GB HBM3", [9, 0]),
+    ('echo "NVIDIA L4, 8.9"; echo "NVIDIA L4, 8.9"', "NVIDIA L4", [8, 9]),  # the first GPU
+    ("exit 0", None, None),  # a driver with no GPU listed
+    ('echo "NVIDIA-SMI has failed" >&2; exit 9', "unknown (nvidia-smi: NVIDIA-SMI has failed)",
+     None),
+])
+def test_the_probe_reads_the_gpu_from_nvidia_smi(tmp_path, script, gpu_name, capability):
+    """Without torch in the process, the GPU comes from `nvidia-smi --query-gpu=name,compute_cap
+    --format=csv,noheader` (faked here: this machine has no GPU; never run on a real one)."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    code = ("import json; from foundry_fp8.environment import gather_snapshot; "
+            "s = gather_snapshot(probe_te_import=False); print(json.dumps([s.gpu_name, "
+            "s.capability]))")
+    env = {**__import__("os").environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env).stdout
+    assert json.loads(out) == [gpu_name, capability]

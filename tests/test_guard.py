@@ -282,3 +282,12 @@ def test_the_injected_outlier_harms_fp8_only():
         layer(x)  # the first FP8 forward sizes the scale for the outlier
         in_fp8 = layer(x)
     assert (in_fp8 - healthy).abs().max() > scale
+
+
+def test_the_decision_core_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, foundry_fp8.guard; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

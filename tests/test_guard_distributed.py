@@ -69,8 +69,9 @@ def _train(rank: int, broken: bool) -> dict:
             loss.backward()
             optimizer.step()
             state.timestamp.batch = batch + 1
-            for callback in callbacks:
-                callback.run_event(Event.BATCH_END, state, logger)
+            for event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT):
+                for callback in callbacks:
+                    callback.run_event(event, state, logger)
             history[batch + 1] = sorted(guard.core.fallbacks) if guard.core else []
             states[batch + 1] = read_fp8_meta(model[2])["fwd_amax_history"].tolist()
     return {"history": history, "steps": {k: f.step for k, f in guard.core.fallbacks.items()},

@@ -28,10 +28,6 @@ TOOLS = ("lint", "report", "doctor", "cli", "environment", "tools")
 ALLOWED: dict[tuple[str, str], str] = {
     # health: fit-end summary table moves from report.render to health/ (15.2)
     ("runtime", "foundry_fp8.monitor -> foundry_fp8.report"): "health",
-    # lint: environment becomes a torch-free probe plus FP82xx rules inside lint/ (15.4)
-    ("cycle", "foundry_fp8.environment <-> foundry_fp8.lint"): "lint",
-    # lint: the fp8_lint callback uses the probe, not the doctor CLI (15.4)
-    ("callback", "foundry_fp8.composer.lint -> foundry_fp8.doctor"): "lint",
 }
 
 

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.cli import exit_code, lint_file
 from foundry_fp8.lint.docs import rules_markdown
 from foundry_fp8.lint.output import render_sarif, render_text, use_colour
-from foundry_fp8.lint.registry import all_rules
-from foundry_fp8.lint.rules import RULES, LintContext, lint_config
+from foundry_fp8.lint.rules import RULES, LintContext, all_rules, lint_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,6 +37,7 @@ model:
   n_layers: 24
   expansion_ratio: 4
   max_seq_len: ${variables.seq}
+  loss_fn: torch_crossentropy
 fsdp_config:
   sharding_strategy: FULL_SHARD
   activation_checkpointing: false
@@ -90,6 +91,15 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8021": ({"algorithms": {"te_swap": {}}}, "algorithms.te_swap", 1),
     "FP8022": ({"callbacks": ["fp8_stats", "fp8_state"]}, "callbacks", 1),
     "FP8023": ({"callbacks": {"fp8_lint": {"fail_on": "warning"}}}, "callbacks.fp8_lint.fail_on", 1),
+    "FP8024": ({"model": {"ffn_config_defaults": {"ffn_type": "te_ln_mlp"}}},
+               "model.ffn_config_defaults", 1),
+    "FP8025": (_merge(FP8_TE, CKPT, {"fsdp_config": {"te_checkpoint_wrapper": True,
+                                                     "activation_checkpointing_reentrant": True}}),
+               "fsdp_config.activation_checkpointing_reentrant", 1),
+    "FP8026": ({"callbacks": {"te_swap": {}}}, "callbacks.te_swap", 1),
+    "FP8027": (_merge(EMULATE, {"save_folder": "ckpt"}), "algorithms.te_swap", 1),
+    "FP8028": (_merge({"precision": "amp_fp8"}, EMULATE), "precision", 1),
+    "FP8029": ({"model": {"loss_fn": "fused_crossentropy"}}, "model.loss_fn", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -117,7 +127,16 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8021": (EMULATE, 1),
     "FP8022": ({"callbacks": {"fp8_stats": {}, "fp8_state": None}}, 1),
     "FP8023": ({"callbacks": {"fp8_lint": {"fail_on": "never"}}}, 1),
+    "FP8024": ({"model": {"ffn_config": {"ffn_type": "te_ln_mlp"}}}, 1),
+    "FP8025": (TE_CKPT, 1),
+    "FP8026": ({"callbacks": {"fp8_stats": {}}, "algorithms": {"gradient_clipping": {}}}, 1),
+    "FP8027": (_merge(EMULATE, {"save_folder": "ckpt", "callbacks": {"fp8_state": {}}}), 1),
+    "FP8028": (EMULATE, 1),
+    "FP8029": ({"model": {"loss_fn": "torch_crossentropy"}}, 1),
 }
+
+#: A machine without flash-attn (FP8029 judges against what is installed).
+NO_FLASH = Snapshot(python="3.11")
 
 
 def _write(tmp_path: Path, edit: dict, name: str = "train.yaml") -> Path:
@@ -154,7 +173,7 @@ def test_clean_config_has_no_findings(tmp_path):
 def test_rule_fires_with_its_key_line_and_column(tmp_path, rule):
     edit, key, fsdp_version = CASES[rule]
     path = _write(tmp_path, edit)
-    entry = lint_file(path, fsdp_version)
+    entry = lint_file(path, fsdp_version, NO_FLASH)
     assert entry["error"] is None, entry["error"]
     hit = [f for f in entry["findings"] if f["rule"] == rule]
     assert hit, entry["findings"]
@@ -167,7 +186,7 @@ def test_rule_fires_with_its_key_line_and_column(tmp_path, rule):
 @pytest.mark.parametrize("rule", sorted(NEAR_MISSES))
 def test_rule_quiet_on_near_miss(tmp_path, rule):
     edit, fsdp_version = NEAR_MISSES[rule]
-    entry = lint_file(_write(tmp_path, edit), fsdp_version)
+    entry = lint_file(_write(tmp_path, edit), fsdp_version, NO_FLASH)
     assert entry["error"] is None and rule not in _rules(entry), entry["findings"]
 
 
@@ -289,7 +308,7 @@ def test_oc_env_is_reported_even_when_the_variable_is_unset(tmp_path):
     path.write_text(BASE + "run_name: ${oc.env:FOUNDRY_FP8_SURELY_UNSET}\n")
     entry = lint_file(path)
     assert entry["error"] is None
-    assert [(f["rule"], f["line"]) for f in entry["findings"]] == [("FP8017", 16)]
+    assert [(f["rule"], f["line"]) for f in entry["findings"]] == [("FP8017", 17)]
 
 
 def test_run_scope_skips_file_only_rules():
@@ -460,19 +479,18 @@ def test_docs_rules_md_is_generated_from_the_registry():
 
 # -- speed, no torch, robustness ----------------------------------------------------------
 
-def test_lint_is_fast_and_does_not_import_torch(tmp_path):
+def test_lint_does_not_import_torch():
+    """The linter runs where torch is not installed (CI, a laptop); its speed is measured in
+    benchmarks/lint_speed.py, not asserted here."""
     path = REPO / "foundry_fp8" / "tools" / "yamls" / "mpt-1b-fp8.yaml"
     code = textwrap.dedent(f"""
-        import sys, time
-        start = time.perf_counter()
+        import sys
         from foundry_fp8.cli import main
         main(["lint", {str(path)!r}])
-        print(time.perf_counter() - start, "torch" in sys.modules)
+        print("torch" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    seconds, torch_imported = out.stdout.strip().splitlines()[-1].split()
-    assert torch_imported == "False"
-    assert float(seconds) < 1.0
+    assert out.stdout.strip().splitlines()[-1] == "False"
 
 
 _values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
@@ -482,20 +500,26 @@ _values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(all
                            ["te_swap", "fp8_stats", "fp8_lint", "fp8_state", "jsonl", "fc_type",
                             "name", "ffn_config", "mixed_precision", "num_workers", "fp8_recipe",
                             "recipe", "interval", "tensors", "layers", "include", "path",
-                            "dump_folder", "fail_on", "watch_batches", "te_debug"]),
+                            "dump_folder", "fail_on", "watch_batches", "te_debug", "loss_fn",
+                            "ffn_config_defaults", "activation_checkpointing_reentrant",
+                            "te_checkpoint_wrapper", "activation_checkpointing"]),
                            inner, max_size=4), max_leaves=12)
 _keys = st.sampled_from(["precision", "model", "fsdp_config", "algorithms", "callbacks",
                          "loggers", "max_seq_len", "device_train_microbatch_size",
                          "precision_config", "train_loader", "eval_loader", "eval_loaders",
                          "variables", "precison", "icl_tasks", "icl_tasks_str", "eval_gauntlet",
-                         "code_paths"])
+                         "code_paths", "save_folder", "autoresume", "models"])
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(_keys, _values, max_size=6), st.sampled_from([1, 2]))
 def test_rules_never_crash_on_random_configs(config, fsdp_version):
+    from foundry_fp8.lint.registry import run_rules
+
+    bare = Snapshot(python="3")
     for scope in ("file", "run"):
-        for finding in lint_config(config, LintContext(scope=scope, fsdp_version=fsdp_version)):
+        context = LintContext(scope=scope, fsdp_version=fsdp_version, snapshot=bare)
+        for finding in lint_config(config, context) + run_rules("eval", config, context):
             assert finding.severity in ("error", "warning", "info")
             assert finding.key and finding.message and finding.fix
 
@@ -617,7 +641,7 @@ def test_keys_that_are_not_strings_are_named_at_their_line(tmp_path):
     entry = lint_file(path)
     assert entry["error"] is None
     found = [(f["rule"], f["key"], f["line"]) for f in entry["findings"]]
-    assert found == [("FP8022", "1", 16), ("FP8022", "callbacks.True", 18)]
+    assert found == [("FP8022", "1", 17), ("FP8022", "callbacks.True", 19)]
     assert "keys must be strings" in entry["findings"][0]["message"]
     # deeper down LLM-Foundry does not check, so neither do we
     assert lint_config({"model": {"config_overrides": {"id2label": {0: "neg"}}}}) == []
@@ -674,3 +698,33 @@ def test_a_folder_without_yaml_exits_2_naming_it(tmp_path):
     assert result.returncode == 2
     errors = [e["error"] for e in json.loads(result.stdout)["files"]]
     assert errors == [None, f"{folder}: no .yaml or .yml file in this folder"]
+
+
+def test_te_swap_without_fp8_state_is_said_only_where_checkpoints_are_saved_or_resumed():
+    for key, value in (("save_folder", "s3://bucket/run"), ("load_path", "ckpt.pt"),
+                       ("autoresume", True)):
+        assert "FP8027" in _lint_dict(_merge(EMULATE, {key: value}))
+    assert "FP8027" not in _lint_dict(EMULATE)  # nothing to resume from
+    assert "FP8027" not in _lint_dict(_merge(EMULATE, {"autoresume": False}))
+
+
+def test_fp8002_does_not_fire_where_fp8001_applies():
+    found = _lint_dict(_merge({"precision": "amp_fp8"}, CKPT))
+    assert "FP8001" in found and "FP8002" not in found
+
+
+def test_the_environment_probe_does_not_import_the_linter():
+    """No cycle: `lint/` reads the probe (foundry_fp8.environment); the probe reads nothing of
+    the linter's, and the fp8_lint callback uses the probe, not the doctor CLI."""
+    import ast
+
+    def imports(module: str) -> set[str]:
+        tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
+        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module} | {a.name for node in ast.walk(tree)
+                                    if isinstance(node, ast.Import) for a in node.names}
+
+    assert not {m for m in imports("foundry_fp8.environment")
+                if m.startswith(("foundry_fp8.lint", "foundry_fp8.doctor"))}
+    assert "foundry_fp8.doctor" not in imports("foundry_fp8.composer.lint")
+    assert "foundry_fp8.environment" in imports("foundry_fp8.composer.lint")

@@ -15,6 +15,7 @@ import pytest
 from composer.core import Event, Precision
 
 from foundry_fp8.composer.lint import FP8Lint, fp8_module_counts
+from foundry_fp8.environment import Snapshot
 from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap
 
 
@@ -44,11 +45,19 @@ def test_logged_config_extras_are_not_unknown_keys():
     assert lint.findings == []
 
 
-def test_amp_fp8_model_without_fp8_modules_fails_after_te_swap_had_its_chance(caplog):
+def test_amp_fp8_model_without_fp8_modules_fails_after_te_swap_had_its_chance(caplog,
+                                                                               monkeypatch):
+    import foundry_fp8.composer.lint as lint_module
+
+    # an H100 with TE, where amp_fp8 with the emulated backend is allowed (FP8028 a warning)
+    h100 = Snapshot(python="3", capability=(9, 0), te="2.8.0")
+    monkeypatch.setattr(lint_module, "gather_snapshot", lambda probe_te_import: h100)
     model = _tiny_mpt()
     # a config that passes (te_swap will convert), whose model has no FP8 module yet
     lint = FP8Lint(train_config={"precision": "amp_fp8",
-                                 "algorithms": {"te_swap": {"backend": "emulate"}}})
+                                 "algorithms": {"te_swap": {"backend": "emulate"}},
+                                 "callbacks": {"fp8_state": {}}})
+    assert [(f.rule, f.severity) for f in lint.findings] == [("FP8028", "warning")]
     with pytest.raises(ValueError, match="no FP8 module"):
         lint.run_event(Event.BEFORE_LOAD, _state(Precision.AMP_FP8, model), logger=None)
 
@@ -77,12 +86,31 @@ def test_bad_fail_on_is_refused(fail_on, snippet):
 def test_version_rules_judge_this_machine_for_te_runs_only():
     """This CPU machine has no GPU and no TE: a run that needs real TE stops at construction,
     naming the environment rule; an emulated run is not judged on hardware."""
-    te_run = {"precision": "amp_fp8", "model": {"name": "mpt_causal_lm", "fc_type": "te"}}
+    te_run = {"precision": "amp_fp8", "model": {"name": "mpt_causal_lm", "fc_type": "te",
+                                                "loss_fn": "torch_crossentropy"}}
     with pytest.raises(ValueError, match=r"FP8201 gpu: no GPU"):
         FP8Lint(train_config=te_run)
     emulated = FP8Lint(train_config={"precision": "fp32",
                                      "algorithms": {"te_swap": {"backend": "emulate"}}})
     assert not [f for f in emulated.findings if f.rule.startswith("FP82")]
+
+
+def test_mpt_default_loss_needs_flash_attn_on_the_training_machine():
+    """MPT's default loss is flash-attn's cross entropy; this machine has no flash-attn, so
+    LLM-Foundry would raise building the model: fp8_lint stops the run first."""
+    from foundry_fp8.environment import gather_snapshot
+
+    assert not gather_snapshot(probe_te_import=False).flash_attn_cross_entropy
+    with pytest.raises(ValueError, match="FP8029 model: no loss_fn"):
+        FP8Lint(train_config={"model": {"name": "mpt_causal_lm"}})
+    with pytest.raises(ValueError) as built:  # the reference: LLM-Foundry's own refusal
+        from llmfoundry.models.mpt import ComposerMPTCausalLM
+
+        ComposerMPTCausalLM(d_model=64, n_heads=4, n_layers=1, max_seq_len=16, vocab_size=64,
+                            attn_config={"attn_impl": "torch"})
+    assert "Fused Cross Entropy is not installed" in str(built.value)
+    assert FP8Lint(train_config={"model": {"name": "mpt_causal_lm",
+                                           "loss_fn": "torch_crossentropy"}}).findings == []
 
 
 def test_our_own_bug_never_stops_the_run(monkeypatch, caplog):

@@ -321,3 +321,60 @@ def test_constructors_build_their_options_once():
         with pytest.raises(OptionError, match=rf"\.{name}\.{typo}: is not an option \(did you "
                                               rf"mean `{option}`\?\)"):
             _class(name)(**extra, **{typo: True})
+
+
+def test_mpt_model_keys_match_llmfoundry_and_transformers():
+    import inspect
+
+    from llmfoundry.models.mpt import ComposerMPTCausalLM, MPTConfig
+    from transformers import PretrainedConfig
+
+    mpt = set(inspect.signature(MPTConfig.__init__).parameters) - {"self", "kwargs"}
+    assert known.MPT_CONFIG_KEYS == mpt
+    composer = set(inspect.signature(ComposerMPTCausalLM.__init__).parameters) - {
+        "self", "kwargs", "tokenizer"}  # the tokenizer comes from the `tokenizer:` section
+    assert composer <= known.FOUNDRY_MODEL_KEYS
+    assert known.FOUNDRY_MODEL_KEYS - composer == {"name", "master_weights_dtype"}
+    assert known.HF_CONFIG_KEYS == set(vars(PretrainedConfig())) | {"num_labels"}
+
+
+def test_the_mpt_attributes_read_are_those_mpts_code_reads():
+    """Keys MPT keeps as attributes and reads back: `kwargs.get('x')` in MPTBlock and
+    `getattr(self.config, 'x')` in modeling_mpt.py, read from the installed sources."""
+    import inspect
+    import re
+
+    from llmfoundry.models.layers import blocks
+    from llmfoundry.models.mpt import modeling_mpt
+
+    read = set(re.findall(r"kwargs\.get\(\s*'(\w+)'", inspect.getsource(blocks.MPTBlock)))
+    read |= set(re.findall(r"getattr\(\s*self\.config,\s*'(\w+)'",
+                           inspect.getsource(modeling_mpt)))
+    assert known.MPT_ATTRIBUTES_READ == read - known.MPT_CONFIG_KEYS
+
+
+def test_registry_names_match_llmfoundrys_registries():
+    from llmfoundry import registry
+
+    from foundry_fp8.lint.rules.ours import registered_names
+
+    live = {"callbacks": set(registry.callbacks.get_all())
+            | set(registry.callbacks_with_config.get_all()),
+            "algorithms": set(registry.algorithms.get_all()),
+            "loggers": set(registry.loggers.get_all())}
+    for section, names in live.items():
+        assert registered_names(section) == names, section  # built-ins + entry points, ours too
+        assert known.FOUNDRY_REGISTRY[section] <= names
+
+
+def test_eval_config_keys_match_llmfoundry():
+    from llmfoundry.utils.config_utils import EVAL_CONFIG_KEYS
+
+    assert known.EVAL_CONFIG_KEYS == EVAL_CONFIG_KEYS
+
+
+def test_accelerate_config_keys_match_the_installed_accelerate():
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    assert known.ACCELERATE_CONFIG_KEYS == set(ClusterConfig.__dataclass_fields__) | {
+        "fp16", "dynamo_backend"}  # converted by ClusterConfig.process_config

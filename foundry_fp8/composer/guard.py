@@ -73,8 +73,8 @@ class FP8Guard(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         stats = next((c for c in state.callbacks if isinstance(c, FP8Stats)), None)
         if stats is None:
-            raise ValueError(f"{OPTION}: needs callbacks.fp8_stats, whose statistics it "
-                                   "acts on (add `fp8_stats: {interval: 100ba}`)")
+            raise ValueError(f"{OPTION}: needs callbacks.fp8_stats, whose statistics it acts "
+                             "on (add `fp8_stats: {interval: 100ba}`)")
         self._state, self._logger = state, logger
         failed = False
         try:

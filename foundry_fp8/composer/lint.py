@@ -7,10 +7,13 @@ import logging
 import os
 from typing import Any
 
-from composer.core import Callback, Event, State
+from composer.core import Callback, State
 from composer.loggers import Logger
 
-from foundry_fp8.lint.rules import Finding, LintContext, fsdp_version_from_env, lint_config
+from foundry_fp8.environment import gather_snapshot
+from foundry_fp8.lint.registry import Finding, LintContext
+from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config
+from foundry_fp8.lint.rules.environment import environment_findings
 from foundry_fp8.options import build
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,8 @@ class FP8Lint(Callback):
     key paths (the config has no lines). Then, once the model exists (BEFORE_LOAD: Composer runs
     callbacks before algorithms at INIT, so te_swap has converted only after INIT), an
     `amp_fp8` run whose model has no FP8 module fails too. `fail_on: never` only warns.
+
+    Logs (as a hyperparameter, at FIT_START): `fp8_lint/findings`, the number of findings.
     """
 
     def __init__(self, train_config: Any, **options: Any):
@@ -74,28 +79,28 @@ class FP8Lint(Callback):
             raise ValueError(message)
         log.warning("%s (fail_on: never, continuing)", message)
 
-    def run_event(self, event: Event, state: State, logger: Logger) -> None:
-        if event == Event.BEFORE_LOAD:
-            try:
-                problem = model_problem(state.precision.value, state.model)
-            except Exception:  # our bug: the run goes on, with the error in its log
-                log.exception("fp8_lint: checking the model failed; skipped")
-                return
-            if problem:
-                self._fail(problem)
-        elif event == Event.FIT_START:
-            logger.log_hyperparameters({"fp8_lint/findings": len(self.findings)})
+    def before_load(self, state: State, logger: Logger) -> None:
+        try:
+            problem = model_problem(state.precision.value, state.model)
+        except Exception:  # our bug: the run goes on, with the error in its log
+            log.exception("fp8_lint: checking the model failed; skipped")
+            return
+        if problem:
+            self._fail(problem)
 
+    def fit_start(self, state: State, logger: Logger) -> None:
+        logger.log_hyperparameters({"fp8_lint/findings": len(self.findings)})
 
 
 def _run_findings(config: Any) -> list[Finding]:
-    """The file rules and this machine's version rules for a run's config. A failure inside
-    them is our bug, not the run's: it is logged and the run goes on unlinted."""
-    from foundry_fp8.doctor import config_environment_findings
-
+    """The file rules and this machine's version rules for a run's config (the environment
+    probe, without the TE import subprocess: the run imports TE itself moments later). A
+    failure inside them is our bug, not the run's: it is logged and the run goes on unlinted."""
     try:
-        context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ))
-        return lint_config(config, context) + config_environment_findings(config)
+        snapshot = gather_snapshot(probe_te_import=False)
+        context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ),
+                              snapshot=snapshot)
+        return lint_config(config, context) + environment_findings(snapshot, config)
     except Exception:
         log.exception("fp8_lint: the linter failed on this config; the run is not linted")
         return []

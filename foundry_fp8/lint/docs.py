@@ -6,15 +6,15 @@ committed docs/rules.md equals this output, so the two cannot drift.
 
 from __future__ import annotations
 
-from foundry_fp8.lint.registry import rule_sets
-from foundry_fp8.lint.rules import Rule
+from foundry_fp8.lint.registry import FAMILIES, Rule
+from foundry_fp8.lint.rules import rule_sets
 
 HEADER = """\
 # `foundry-fp8 lint` rules
 
-Generated from the rule registries (`foundry_fp8/lint/rules.py`, `foundry_fp8/lint/accelerate.py`,
-`foundry_fp8/environment.py`) by `python -m foundry_fp8.lint.docs > docs/rules.md`; do not edit
-by hand. Severity is the most severe level a rule reports: some report a milder level in the
+Generated from the rule registry (each rule is registered where it is defined, in
+`foundry_fp8/lint/rules/*.py`) by `python -m foundry_fp8.lint.docs > docs/rules.md`; do not
+edit by hand. Severity is the most severe level a rule reports: some report a milder level in the
 situations their rationale names. Each source names the file (and version) the fact was
 verified in; the train-YAML rules against Composer 0.32.1, LLM-Foundry 0.22.0, TransformerEngine
 2.8 and torch 2.7.0.
@@ -25,8 +25,10 @@ parsed or resolved.
 
 
 def _section(rule: Rule) -> str:
-    scope = ("\n- **Applies to**: YAML files only (not to `fp8_lint`, which sees LLM-Foundry's "
+    scope = ("\n- **Applies to**: files only (not to `fp8_lint`, which sees LLM-Foundry's "
              "logged config)" if rule.scope == "file" else "")
+    if rule.also:
+        scope += "\n- **Also checks**: " + ", ".join(FAMILIES[f] for f in rule.also)
     return (f'<a id="{rule.id.lower()}"></a>\n\n### {rule.id}: {rule.summary}\n\n'
             f"- **Severity**: {rule.severity}\n"
             f"- **Why**: {rule.rationale}\n"

@@ -109,3 +109,91 @@ TEXT_LOADER_DEFAULTS = {"prefetch_factor": 2, "persistent_workers": True}
 
 #: FSDPConfig.activation_checkpointing_reentrant's default (composer/utils/parallelism.py).
 REENTRANT_DEFAULT = True
+
+#: `MPTConfig.__init__`'s named parameters (llmfoundry/models/mpt/configuration_mpt.py). Any
+#: other keyword goes to transformers' PretrainedConfig, which keeps it as an attribute that
+#: nothing reads: a misspelled model key is silently ignored.
+MPT_CONFIG_KEYS = frozenset({
+    "d_model", "n_heads", "n_layers", "head_dim", "expansion_ratio", "max_seq_len",
+    "vocab_size", "resid_pdrop", "emb_pdrop", "learned_pos_emb", "attn_config", "ffn_config",
+    "init_device", "logit_scale", "no_bias", "attention_bias", "embedding_fraction",
+    "norm_type", "norm_eps", "use_cache", "init_config", "fc_type", "tie_word_embeddings",
+    "use_pad_tok_in_ffn", "block_overrides", "final_logit_softcapping",
+})
+#: Model keys LLM-Foundry itself takes before MPTConfig sees the rest: `name` and
+#: `master_weights_dtype` (llmfoundry/command_utils/train.py train), and
+#: `ComposerMPTCausalLM.__init__`'s own parameters (llmfoundry/models/mpt/modeling_mpt.py).
+FOUNDRY_MODEL_KEYS = frozenset({"name", "master_weights_dtype", "use_train_metrics",
+                                "additional_train_metrics", "loss_fn"})
+#: Keys MPTConfig keeps as attributes that MPT's code then reads: `fuse_norm_attn_norm`
+#: (llmfoundry/models/layers/blocks.py MPTBlock, `kwargs.get`, from `config.to_dict()`) and
+#: `activation_checkpointing_target` (modeling_mpt.py activation_checkpointing_fn, `getattr`).
+MPT_ATTRIBUTES_READ = frozenset({"fuse_norm_attn_norm", "activation_checkpointing_target"})
+#: The attributes transformers 4.51's `PretrainedConfig()` sets from its keywords, plus
+#: `num_labels`: keys MPTConfig passes on that do mean something to transformers.
+HF_CONFIG_KEYS = frozenset({
+    "_attn_implementation_autoset", "_attn_implementation_internal", "_commit_hash",
+    "_name_or_path", "add_cross_attention", "architectures", "bad_words_ids",
+    "begin_suppress_tokens", "bos_token_id", "chunk_size_feed_forward",
+    "cross_attention_hidden_size", "decoder_start_token_id", "diversity_penalty", "do_sample",
+    "early_stopping", "encoder_no_repeat_ngram_size", "eos_token_id",
+    "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id",
+    "forced_eos_token_id", "id2label", "is_decoder", "is_encoder_decoder", "label2id",
+    "length_penalty", "max_length", "min_length", "no_repeat_ngram_size", "num_beam_groups",
+    "num_beams", "num_return_sequences", "output_attentions", "output_hidden_states",
+    "output_scores", "pad_token_id", "prefix", "problem_type", "pruned_heads",
+    "remove_invalid_values", "repetition_penalty", "return_dict", "return_dict_in_generate",
+    "sep_token_id", "suppress_tokens", "task_specific_params", "temperature", "tf_legacy_loss",
+    "tie_encoder_decoder", "tie_word_embeddings", "tokenizer_class", "top_k", "top_p",
+    "torch_dtype", "torchscript", "transformers_version", "typical_p", "use_bfloat16",
+    "num_labels",
+})
+#: The model names whose keys FP8024 checks: LLM-Foundry's MPT classes.
+MPT_MODEL_NAMES = frozenset({"mpt_causal_lm"})
+
+#: LLM-Foundry 0.22's built-in registry entries (llmfoundry/registry.py, filled by
+#: llmfoundry/callbacks/__init__.py, algorithms/__init__.py, loggers/__init__.py), by train
+#: config section. Entries others register through entry points (ours among them) are read from
+#: package metadata (`foundry_fp8.lint.rules.ours.registered_names`).
+FOUNDRY_REGISTRY = {
+    "callbacks": frozenset({
+        "early_stopper", "env_logging", "eval_output_logging", "fdiff_metrics",
+        "generate_callback", "global_lr_scaling", "hf_checkpointer", "kill_loss_spike",
+        "layer_freezing", "load_checkpoint", "loss_perp_v_len", "lr_monitor",
+        "mbmoe_tok_per_expert", "memory_monitor", "memory_snapshot", "mono_checkpoint_saver",
+        "nan_monitor", "oom_observer", "optimizer_monitor", "run_timeout", "runtime_estimator",
+        "scheduled_gc", "speed_monitor", "system_metrics_monitor",
+        # callbacks_with_config, built from the same `callbacks:` section
+        "async_eval", "curriculum_learning", "dataset_swap"}),
+    "algorithms": frozenset({"alibi", "gated_linear_units", "gradient_clipping",
+                             "low_precision_layernorm"}),
+    "loggers": frozenset({"in_memory_logger", "inmemory", "mlflow", "mosaicml", "tensorboard",
+                          "wandb"}),
+}
+#: The entry-point groups catalogue reads for each section (llmfoundry/registry.py namespaces).
+REGISTRY_GROUPS = {"callbacks": ("llmfoundry_callbacks", "llmfoundry_callbacks_with_config"),
+                   "algorithms": ("llmfoundry_algorithms",),
+                   "loggers": ("llmfoundry_loggers",)}
+
+#: `ClusterConfig`'s fields (accelerate 1.8.1, commands/config/config_args.py), plus the two
+#: legacy keys `process_config` converts (`fp16`, `dynamo_backend`): `from_yaml_file` raises
+#: for any other top-level key.
+ACCELERATE_CONFIG_KEYS = frozenset({
+    "command_file", "commands", "compute_environment", "debug", "deepspeed_config",
+    "distributed_type", "downcast_bf16", "dynamo_config", "enable_cpu_affinity", "fp8_config",
+    "fsdp_config", "gpu_ids", "ipex_config", "machine_rank", "main_process_ip",
+    "main_process_port", "main_training_function", "megatron_lm_config", "mixed_precision",
+    "mpirun_config", "num_machines", "num_processes", "rdzv_backend", "same_network",
+    "tpu_env", "tpu_name", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_zone", "use_cpu",
+    "fp16", "dynamo_backend",
+})
+
+#: `fields(EvalConfig)` (llmfoundry/utils/config_utils.py): `eval_from_yaml` passes them to
+#: `make_dataclass_and_log_config`, which refuses any other top-level key.
+EVAL_CONFIG_KEYS = frozenset({
+    "models", "max_seq_len", "device_eval_batch_size", "code_paths", "eval_gauntlet",
+    "eval_gauntlet_str", "eval_loader", "eval_loaders", "eval_subset_num_batches",
+    "icl_subset_num_batches", "icl_tasks", "icl_tasks_str", "python_log_level", "loggers",
+    "console_log_interval", "log_config", "seed", "precision", "run_name", "metadata",
+    "dist_timeout", "fsdp_config", "callbacks", "variables",
+})

@@ -8,7 +8,10 @@ text, so the file still lints and the `oc.env` rule can name every such key.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,16 @@ import yaml
 OC_ENV = re.compile(r"\$\{\s*oc\.env\s*:")
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+#: Bounds that keep one file's lint short whatever it holds: bytes read, nesting depth (YAML's
+#: C composer recurses and crashes the interpreter near 100,000 levels; omegaconf recurses in
+#: Python), and nodes after alias expansion (a "billion laughs" file is small but expands to
+#: 10^9 nodes). A real train config is a few KiB, under 10 levels and a few thousand nodes.
+MAX_BYTES = 2 * 1024 * 1024
+MAX_DEPTH = 100
+MAX_EXPANDED_NODES = 200_000
+#: Python's limit on int() of a decimal string (sys.get_int_max_str_digits, 4300 by default).
+_MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
 
 
 class LintInputError(Exception):
@@ -113,36 +126,135 @@ def _yaml_error(path: Path, error: yaml.YAMLError, text: str) -> LintInputError:
     return LintInputError(f"{path}{where}: not valid YAML: {problem}")
 
 
-def load_config(path: Path) -> LoadedConfig:
-    """The resolved config with key positions; LintInputError (one line) when we cannot."""
+def read_text(path: Path) -> str:
+    """The text of a regular file of at most MAX_BYTES; LintInputError (one line) otherwise. A
+    FIFO, a device (/dev/zero) or a socket is refused before it is opened: reading one could
+    block forever or never end."""
+    try:
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            raise LintInputError(f"{path}: is a folder")
+        if not stat.S_ISREG(info.st_mode):
+            raise LintInputError(f"{path}: not a regular file (a FIFO, device or socket); "
+                                 "refusing to read it")
+        if info.st_size > MAX_BYTES:
+            raise LintInputError(f"{path}: {info.st_size} bytes, more than the {MAX_BYTES} a "
+                                 "config can sensibly be; refusing to read it")
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise LintInputError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_BYTES:
+        raise LintInputError(f"{path}: more than {MAX_BYTES} bytes; refusing to read it")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LintInputError(f"{path}: cannot read: not UTF-8 text (byte {e.start})") from None
+
+
+def _check_depth(path: Path, text: str) -> None:
+    """Refuse nesting deeper than MAX_DEPTH, found from YAML's parse events (a loop, no
+    recursion) before anything composes the document recursively."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                mark = event.start_mark
+                raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: nested more "
+                                     f"than {MAX_DEPTH} levels deep; refusing to load it")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
+def _check_expansion(path: Path, root: yaml.Node) -> None:
+    """Refuse a document whose aliases expand to more than MAX_EXPANDED_NODES nodes (counted
+    once per distinct node, iteratively, so the count itself stays cheap), or that holds an
+    integer too long for Python to read, at its line."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) \
+            else list(node.value) if isinstance(node, yaml.SequenceNode) else []
+        if done:
+            sizes[id(node)] = 1 + sum(sizes.get(id(c), 0) for c in children)
+            if sizes[id(node)] > MAX_EXPANDED_NODES:
+                raise LintInputError(f"{path}: its aliases expand to more than "
+                                     f"{MAX_EXPANDED_NODES} values (an alias bomb?); refusing "
+                                     "to load it")
+            continue
+        if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":int") \
+                and len(str(node.value)) > _MAX_INT_DIGITS:
+            mark = node.start_mark
+            raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: an integer of "
+                                 f"{len(str(node.value))} digits; Python reads at most "
+                                 f"{_MAX_INT_DIGITS} (quote it if it is a string)")
+        stack.append((node, True))
+        stack += [(c, False) for c in children if id(c) not in sizes]
+
+
+def compose(path: Path, text: str) -> yaml.Node | None:
+    """The YAML document's node graph within the bounds above, with keys omegaconf can load;
+    yaml.YAMLError as PyYAML raises it, LintInputError past a bound or for such a key."""
+    _check_depth(path, text)
+    root = yaml.compose(text, Loader=_Loader)
+    if root is not None:
+        _check_expansion(path, root)
+        bad_key = _key_problem(root)
+        if bad_key:
+            mark = bad_key[0].start_mark
+            raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: cannot load: the key "
+                                 f"{bad_key[1]}")
+    return root
+
+
+def load_data(path: Path, text: str) -> Any:
+    """The YAML document as plain Python values, within the bounds above (to tell what kind of
+    config a file is); LintInputError (one line) when it cannot be read so."""
+    try:
+        compose(path, text)
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise _yaml_error(path, e, text) from None
+    except (ValueError, TypeError, RecursionError, MemoryError) as e:
+        raise LintInputError(f"{path}:1: cannot load: {_first_line(e)}") from None
+
+
+def load_config(path: Path, text: str | None = None, subtree: str | None = None,
+                ) -> LoadedConfig:
+    """The resolved config with key positions; LintInputError (one line) when we cannot.
+    `subtree`: resolve only this top-level section, as its own document (an MCLI run config's
+    `parameters`, which MCLI hands to the train script as the whole config); positions and
+    `${oc.env:...}` keys stay relative to the file."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    text = read_text(path) if text is None else text
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise LintInputError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
-    try:
-        root = yaml.compose(text, Loader=_Loader)
+        root = compose(path, text)
         if root is None:  # LLM-Foundry's train_from_yaml cannot train from it either
             raise LintInputError(f"{path}: a train config must be a mapping; the file has no "
                                  "YAML content (empty, or only comments)")
         if not isinstance(root, yaml.MappingNode):
             raise LintInputError(f"{path}:{root.start_mark.line + 1}: a train config must be a "
                                  "mapping")
-        bad_key = _key_problem(root)
-        if bad_key:
-            mark = bad_key[0].start_mark
-            raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: cannot load: the key "
-                                 f"{bad_key[1]}")
         positions, env_values = key_positions(root)
         raw = OmegaConf.create(text)
+        if subtree is not None:
+            raw = OmegaConf.create(OmegaConf.to_container(raw[subtree], resolve=False))
     except yaml.YAMLError as e:
         raise _yaml_error(path, e, text) from None
-    except (OmegaConfBaseException, ValueError, TypeError, RecursionError) as e:
-        raise LintInputError(f"{path}:1: cannot load: {str(e).splitlines()[0]}") from None
+    except (OmegaConfBaseException, ValueError, TypeError, RecursionError, MemoryError) as e:
+        raise LintInputError(f"{path}:1: cannot load: {_first_line(e)}") from None
     env_keys = []
+    inside = f"{subtree}." if subtree is not None else ""
     for key, value in env_values:
+        if not key.startswith(inside):
+            continue
+        key = key[len(inside):]
         try:
             OmegaConf.update(raw, key, value.replace("${", "\\${"), merge=False)
             env_keys.append(key)
@@ -150,12 +262,18 @@ def load_config(path: Path) -> LoadedConfig:
             pass  # a key omegaconf cannot address; resolution reports it if it matters
     try:
         config = OmegaConf.to_container(raw, resolve=True)
-    except (OmegaConfBaseException, ValueError, TypeError, RecursionError) as e:
+    except (OmegaConfBaseException, ValueError, TypeError, RecursionError, MemoryError) as e:
         key = str(getattr(e, "full_key", None) or "?")
+        key = f"{inside}{key}" if key != "?" else key
         line = positions.get(key, ("?",))[0]
-        raise LintInputError(f"{path}:{line}: cannot resolve key {key}: "
-                             f"{str(e).splitlines()[0]}") from None
+        raise LintInputError(f"{path}:{line}: cannot resolve key {key}: {_first_line(e)}") \
+            from None
     return LoadedConfig(config, positions, tuple(env_keys))
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__
 
 
 def position_of(key: str, positions: dict[str, tuple[int, int]]) -> tuple[int, int] | None:

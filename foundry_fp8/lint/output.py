@@ -1,7 +1,8 @@
 """The linter's three outputs, from one report `{"files": [{path, error, findings}]}`.
 
 Text is a table per file for people (colour only on a terminal, never with NO_COLOR set);
-JSON keeps the contract of issue #5 plus `column`; SARIF 2.1.0 feeds code-scanning UIs.
+JSON keeps the contract of issue #5 plus `column` (and `skipped`, why a file had nothing to
+lint); SARIF 2.1.0 feeds code-scanning UIs.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8 import __version__
-from foundry_fp8.lint.registry import all_rules
-from foundry_fp8.lint.rules import SEVERITIES
+from foundry_fp8.lint.registry import SEVERITIES
+from foundry_fp8.lint.rules import all_rules
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_LEVELS = {"error": "error", "warning": "warning", "info": "note"}
@@ -42,6 +43,8 @@ def render_text(report: Mapping[str, Any], colour: bool = False) -> str:
     counts = dict.fromkeys(SEVERITIES, 0)
     for entry in report["files"]:
         findings = sorted(entry["findings"], key=lambda f: (f["line"] or 0, f["column"] or 0))
+        if entry.get("skipped"):
+            out += [_paint(entry["path"], "bold", colour), f"  skipped: {entry['skipped']}", ""]
         if entry["error"] or not findings:
             continue
         out.append(_paint(entry["path"], "bold", colour))
@@ -63,6 +66,9 @@ def render_text(report: Mapping[str, Any], colour: bool = False) -> str:
                f"error(s), {counts['warning']} warning(s), {counts['info']} info")
     if unreadable:
         summary += f"; {unreadable} path(s) could not be linted"
+    skipped = sum(1 for e in report["files"] if e.get("skipped"))
+    if skipped:
+        summary += f"; {skipped} skipped (nothing to lint)"
     out.append(summary)
     return "\n".join(out)
 

@@ -1,26 +1,123 @@
-"""Every rule family in one place, for docs/rules.md and SARIF's rule list.
+"""Rules are registered where they are defined: `@rule(...)` on the check function carries the
+id, severity, summary, why, source and fix, in the style of TE's debug features (one class
+per feature, registered where it is defined). docs/rules.md and SARIF's rule list read this
+registry; nothing else holds a rule id or a fix. No torch here.
 
-The train-YAML rules live in `foundry_fp8.lint.rules`, the Accelerate/DeepSpeed ones in
-`foundry_fp8.lint.accelerate` and the environment ones (`foundry-fp8 doctor`, `fp8_lint`) in
-`foundry_fp8.environment`; all use the same `Rule` and none imports torch.
+A check yields `Hit`s: the key, the message, and only where they differ from the rule's, a
+milder severity or a fix for this occurrence; `Rule.findings` turns them into `Finding`s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from foundry_fp8.lint.rules import RULES, Rule
+Severity = Literal["error", "warning", "info"]
+SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
+
+#: The input each family's checks read, in the order docs/rules.md lists them.
+FAMILIES = {
+    "train": "LLM-Foundry train YAMLs",
+    "eval": "LLM-Foundry eval YAMLs",
+    "accelerate": "Accelerate and DeepSpeed configs",
+    "environment": "The environment (`foundry-fp8 doctor`, `fp8_lint`)",
+}
 
 
-def rule_sets() -> list[tuple[str, Sequence[Rule]]]:
-    """(title, rules) per family, in id order."""
-    from foundry_fp8.environment import ENVIRONMENT_RULES
-    from foundry_fp8.lint.accelerate import ACCELERATE_RULES
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    severity: Severity
+    key: str  # dotted key path
+    message: str
+    fix: str
 
-    return [("LLM-Foundry train YAMLs", RULES),
-            ("Accelerate and DeepSpeed configs", ACCELERATE_RULES),
-            ("The environment (`foundry-fp8 doctor`, `fp8_lint`)", ENVIRONMENT_RULES)]
+
+@dataclass(frozen=True)
+class Hit:
+    """What a check found; `severity` and `fix` default to the rule's."""
+
+    key: str
+    message: str
+    severity: Severity | None = None
+    fix: str | None = None
 
 
-def all_rules() -> list[Rule]:
-    return [rule for _, rules in rule_sets() for rule in rules]
+@dataclass(frozen=True)
+class LintContext:
+    """What the config alone does not say.
+
+    `scope`: "file" for a YAML as written; "run" for the config LLM-Foundry hands to
+    `fp8_lint` (its logged config, which also holds flattened `metadata` keys and its own
+    additions, so rules about the file's top-level keys do not apply). `fsdp_version`: the
+    FSDP Composer will use (Composer picks 2 only when the environment has FSDP_VERSION=2).
+    `env_keys`: keys whose value uses `${oc.env:...}` in the file. `snapshot`: this machine's
+    `foundry_fp8.environment.Snapshot` for rules that depend on what is installed (None: not
+    probed, such rules stay quiet).
+    """
+
+    scope: Literal["file", "run"] = "file"
+    fsdp_version: int = 1
+    env_keys: tuple[str, ...] = ()
+    snapshot: Any = None
+
+
+Check = Callable[[Any, LintContext], Iterable[Hit]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    severity: Severity  # the most severe level it reports
+    summary: str  # what it catches, one line
+    rationale: str
+    source: str  # where the fact was verified
+    fix: str
+    check: Check
+    family: str = "train"
+    scope: Literal["any", "file"] = "any"
+    also: tuple[str, ...] = ()  # other families whose inputs this check reads alike
+
+    def findings(self, data: Any, context: LintContext) -> list[Finding]:
+        return [Finding(self.id, hit.severity or self.severity, hit.key, hit.message,
+                        hit.fix or self.fix) for hit in self.check(data, context)]
+
+
+_REGISTRY: dict[str, Rule] = {}
+
+
+def rule(id: str, severity: Severity, summary: str, *, why: str, source: str, fix: str,
+         family: str = "train", scope: Literal["any", "file"] = "any",
+         also: tuple[str, ...] = ()) -> Callable[[Check], Check]:
+    """Register the decorated check as rule `id` (each id once); `also` names other families
+    (eval configs) whose input the check reads the same way."""
+    if family not in FAMILIES or not set(also) <= set(FAMILIES):
+        raise ValueError(f"unknown rule family {family!r}")
+
+    def register(check: Check) -> Check:
+        if id in _REGISTRY:
+            raise ValueError(f"rule {id} registered twice")
+        _REGISTRY[id] = Rule(id, severity, summary, why, source, fix, check, family, scope, also)
+        return check
+
+    return register
+
+
+def rules_of(family: str) -> list[Rule]:
+    """The registered rules of one family, in id order (import `foundry_fp8.lint.rules` first
+    for all of them: registration happens when a rule's module is imported)."""
+    return sorted((r for r in _REGISTRY.values() if r.family == family), key=lambda r: r.id)
+
+
+def run_rules(family: str, data: Any, context: LintContext,
+              only: Callable[[Rule], bool] | None = None) -> list[Finding]:
+    """Every finding of one family's rules on `data`."""
+    return [f for r in rules_of(family) if only is None or only(r)
+            for f in r.findings(data, context)]
+
+
+def section(config: Any, key: str) -> Mapping[str, Any]:
+    """A sub-mapping, or an empty one when absent or of the wrong type (never crash on input)."""
+    value = config.get(key) if isinstance(config, Mapping) else None
+    return value if isinstance(value, Mapping) else {}

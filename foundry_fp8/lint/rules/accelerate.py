@@ -1,0 +1,411 @@
+"""HuggingFace Accelerate configs, and the DeepSpeed JSON they point to: FP8 settings that
+Accelerate refuses, drops or overrides without a word.
+
+Every fact below was read in Accelerate's sources (tags v0.34.2 to v1.14.0; 1.8.1 installed
+here) and TE's; the rules' sources say where. How a config reaches TE: `accelerate launch`
+turns `mixed_precision` into ACCELERATE_MIXED_PRECISION and each `fp8_config` key `k` into
+ACCELERATE_FP8_<K> (commands/launch.py `_validate_launch_command`, utils/launch.py
+`setup_fp8_env`); the training process's `Accelerator()` builds a `TERecipeKwargs` from those
+variables, and `apply_fp8_autowrap` (utils/transformer_engine.py) gives TE's `DelayedScaling`
+only the values that differ from TERecipeKwargs' own defaults (`KwargsHandler.to_kwargs`).
+
+Checks read an `AccelerateInput` (`foundry_fp8.lint.accelerate` reads the files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from foundry_fp8.lint.known import ACCELERATE_CONFIG_KEYS, did_you_mean
+from foundry_fp8.lint.load import position_of
+from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.recipe import recipe_problems
+from foundry_fp8.te.facts import dotted
+
+ACC = "Accelerate (huggingface/accelerate, tags v0.34.2-v1.14.0)"
+TE = "TransformerEngine (NVIDIA/TransformerEngine, tags v1.0-v2.18)"
+
+#: `fp8_config` keys whose ACCELERATE_FP8_* variable something reads (TERecipeKwargs,
+#: MSAMPRecipeKwargs, AORecipeKwargs, Accelerator.fp8_backend). Any other key is dropped.
+FP8_CONFIG_KEYS = frozenset({
+    "backend", "use_autocast_during_eval", "margin", "interval", "fp8_format", "format",
+    "amax_history_len", "amax_compute_algo", "override_linear_precision",
+    "use_mxfp8_block_scaling", "opt_level", "enable_fsdp_float8_all_gather", "pad_inner_dim",
+})
+#: Names `accelerate config` writes (commands/config/cluster.py) that the launcher never reads.
+QUESTIONNAIRE_NAMES = {"amax_history_length": "amax_history_len",
+                       "amax_compute_algorithm": "amax_compute_algo",
+                       "optimization_level": "opt_level"}
+#: TERecipeKwargs' defaults: a value equal to these never reaches TE (to_kwargs drops it).
+TE_RECIPE_DEFAULTS: dict[str, Any] = {
+    "fp8_format": "HYBRID", "amax_history_len": 1024, "amax_compute_algo": "most_recent",
+    "margin": 0, "interval": 1, "override_linear_precision": (False, False, False),
+    "use_autocast_during_eval": False, "use_mxfp8_block_scaling": False,
+}
+#: accelerate-yaml `deepspeed_config` keys refused next to `deepspeed_config_file`
+#: (DeepSpeedPlugin._deepspeed_config_checks), plus a top-level `mixed_precision`.
+DS_FILE_EXCLUSIVE = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage",
+                     "offload_optimizer_device", "offload_param_device",
+                     "offload_param_nvme_path", "offload_optimizer_nvme_path",
+                     "zero3_save_16bit_model")
+DS_FILE_KEY = "deepspeed_config.deepspeed_config_file"
+
+FP8_FROM_CONFIG_UNDER_DEEPSPEED = (1, 11)  # AcceleratorState keeps "fp8" under DeepSpeed
+FP8_AUTO_BROKEN = ((1, 4), (1, 8))  # auto-created recipe never marked as an FP8 handler
+DS_RECIPE_FROM_FP8_RECIPE_KWARGS_ONLY = (1, 4)  # TERecipeKwargs exists; DS path ignores it
+STR_FP8_ENV = (1, 9)  # setup_fp8_env puts the override's bools in the env until 1.9.0
+
+
+@dataclass(frozen=True)
+class AccelerateInput:
+    """What the rules read. `accelerate`: the Accelerate config ({} when linting a DeepSpeed
+    JSON alone); `deepspeed`: the DeepSpeed JSON; `version`: the installed Accelerate (None:
+    unknown); `deepspeed_path`/`deepspeed_positions`: where DeepSpeed keys are, for messages;
+    `deepspeed_missing`: a `deepspeed_config_file` that could not be found."""
+
+    accelerate: Mapping[str, Any] = field(default_factory=dict)
+    deepspeed: Mapping[str, Any] | None = None
+    version: tuple[int, ...] | None = None
+    deepspeed_path: str | None = None
+    deepspeed_positions: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    deepspeed_missing: str | None = None
+
+
+def _text(value: Any) -> str:
+    return str(value).strip().lower() if value is not None else ""
+
+
+def _is_true(value: Any) -> bool:
+    return _text(value) in ("true", "1", "yes")
+
+
+def _fp8(acc: Mapping[str, Any]) -> bool:
+    return _text(acc.get("mixed_precision")) == "fp8"
+
+
+def _deepspeed(acc: Mapping[str, Any]) -> bool:
+    return _text(acc.get("distributed_type")) == "deepspeed"
+
+
+def _te_backend(acc: Mapping[str, Any]) -> bool:
+    return _text(section(acc, "fp8_config").get("backend")) in ("", "te")
+
+
+def _ds_where(inp: AccelerateInput, ds_key: str) -> tuple[str, str]:
+    """(finding key, message prefix) for a key of the DeepSpeed JSON: its own key when the JSON
+    is the linted file, else the Accelerate file's `deepspeed_config_file` and the JSON's line."""
+    if inp.accelerate:
+        line = position_of(ds_key, dict(inp.deepspeed_positions))
+        where = f"{inp.deepspeed_path}:{line[0]}" if line else str(inp.deepspeed_path)
+        return DS_FILE_KEY, f"{where}: `{ds_key}` "
+    return ds_key, f"`{ds_key}` "
+
+
+@rule("FP8101", "error", "Accelerate `mixed_precision: fp8` with DeepSpeed `fp16` enabled",
+      why="DeepSpeedPlugin.set_mixed_precision runs FP8 on a bf16 base and raises when the "
+      "DeepSpeed JSON enables fp16. A bf16 block is what Accelerate itself adds for FP8, so it "
+      "is not flagged.",
+      source=f"{ACC} src/accelerate/utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision",
+      fix='set "fp16": {"enabled": false} and "bf16": {"enabled": true} (or "auto") in the '
+      "DeepSpeed JSON", family="accelerate")
+def fp16_with_fp8(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    if _fp8(inp.accelerate) and inp.deepspeed is not None \
+            and _is_true(section(inp.deepspeed, "fp16").get("enabled")):
+        key, prefix = _ds_where(inp, "fp16.enabled")
+        yield Hit(key, f"{prefix}is true with mixed_precision fp8: Accelerate refuses it at "
+                  "Accelerator() ('cannot be set to fp8 when fp16 is set in the DeepSpeed "
+                  "config file'); FP8 runs on a bf16 base")
+
+
+@rule("FP8102", "error", "`deepspeed_config_file` with mixed_precision or ZeRO settings in the "
+      "Accelerate config",
+      why="The launcher records the Accelerate config's deepspeed_config keys (and "
+      "mixed_precision) in ACCELERATE_CONFIG_DS_FIELDS; with a DeepSpeed file, "
+      "_deepspeed_config_checks raises for mixed_precision, zero_stage, "
+      "gradient_accumulation_steps, gradient_clipping, offload_* and zero3_save_16bit_model.",
+      source=f"{ACC} src/accelerate/commands/launch.py launch_command; "
+      "src/accelerate/utils/dataclasses.py DeepSpeedPlugin._deepspeed_config_checks",
+      fix="move them to the DeepSpeed JSON; FP8 via `accelerate launch --mixed_precision fp8`",
+      family="accelerate")
+def deepspeed_file_exclusive(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    ds_config = section(inp.accelerate, "deepspeed_config")
+    if not ds_config.get("deepspeed_config_file"):
+        return
+    if inp.accelerate.get("mixed_precision") is not None:
+        yield Hit("mixed_precision", "with deepspeed_config_file, Accelerate refuses "
+                  "mixed_precision in the Accelerate config (ValueError at Accelerator(): 'the "
+                  "following accelerate config variables will be ignored')")
+    for name in DS_FILE_EXCLUSIVE:
+        if name in ds_config:
+            yield Hit(f"deepspeed_config.{name}", f"with deepspeed_config_file, Accelerate "
+                      f"refuses {name} in the Accelerate config (ValueError at Accelerator())")
+
+
+def _deepspeed_precision(inp: AccelerateInput) -> str:
+    """The precision AcceleratorState reported under DeepSpeed: the DeepSpeed JSON's fp16 when
+    it enables it, else bf16 (what DeepSpeedPlugin.set_mixed_precision writes for fp8)."""
+    ds = inp.deepspeed
+    return "fp16" if ds is not None and _is_true(section(ds, "fp16").get("enabled")) else "bf16"
+
+
+@rule("FP8103", "error", "FP8 from the config never reaches TE with this Accelerate",
+      why="Under DeepSpeed, AcceleratorState.mixed_precision returned the DeepSpeed config's "
+      "precision (bf16, or the JSON's fp16) until 1.11 (fixed by PR #3688), so Accelerator() never enabled "
+      "FP8 from a config (issue #3360, PR #3714); in 1.0-1.3 fp8_backend needed that same "
+      "value, in 1.4-1.7 an auto-created recipe was never marked as an FP8 handler (any "
+      "distributed type; fixed by PR #3611 in 1.8). Judged against the Accelerate installed "
+      "where the linter runs; a warning when it is not installed.",
+      source=f"{ACC} src/accelerate/state.py AcceleratorState.mixed_precision; "
+      "src/accelerate/accelerator.py Accelerator.__init__ and fp8_backend; "
+      "https://github.com/huggingface/accelerate/issues/3360; "
+      "https://github.com/huggingface/accelerate/pull/3714",
+      fix="upgrade Accelerate (1.11+ under DeepSpeed, 1.8+ otherwise)", family="accelerate")
+def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    """FP8 asked for in the config but never reaching TE with this Accelerate version."""
+    acc, version = inp.accelerate, inp.version
+    if not _fp8(acc):
+        return
+    shown = f"accelerate {dotted(version)}" if version else "accelerate"
+    if _deepspeed(acc) and (version is None or version < FP8_FROM_CONFIG_UNDER_DEEPSPEED):
+        ds = _deepspeed_precision(inp)
+        yield Hit("mixed_precision", f"under DeepSpeed, {shown}"
+                  f"{'' if version else ' older than 1.11'} reports the DeepSpeed config's "
+                  f"{ds} as the mixed precision, so Accelerator() never enables FP8 from this "
+                  f"config: the run trains in {ds.upper()} with no error "
+                  "(accelerate #3360)", severity=None if version else "warning",
+                  fix="use accelerate>=1.11; older versions need an explicit "
+                  "FP8RecipeKwargs(backend='TE') in Accelerator(kwargs_handlers=...) (1.0-1.3: "
+                  "not even that), checked with has_transformer_engine_layers(model.module)")
+    elif (not _deepspeed(acc) and version is not None
+          and FP8_AUTO_BROKEN[0] <= version < FP8_AUTO_BROKEN[1]):
+        yield Hit("mixed_precision", f"{shown} creates the FP8 recipe from this config but "
+                  "never marks it as an FP8 handler, so no layer is converted to TE and no FP8 "
+                  "autocast runs: the run trains without FP8, with no error",
+                  fix="use accelerate>=1.8, or pass TERecipeKwargs(...) in "
+                  "Accelerator(kwargs_handlers=...)")
+
+
+def _custom(key: str, value: Any) -> bool:
+    """Would TERecipeKwargs forward this value to TE (it differs from Accelerate's default)?"""
+    default = TE_RECIPE_DEFAULTS[key]
+    if key == "override_linear_precision":
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return any(_is_true(v) for v in values)
+    if isinstance(default, bool):
+        return _is_true(value)
+    if isinstance(default, str):
+        return _text(value) != default.lower()
+    return value != default and str(value) != str(default)
+
+
+def _recipe_items(fp8_config: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+    """TE recipe key -> (fp8_config key, value) for the values Accelerate forwards to TE."""
+    items = {}
+    for name, value in fp8_config.items():
+        key = "fp8_format" if name == "format" else str(name)
+        if key in TE_RECIPE_DEFAULTS and _custom(key, value):
+            items[key] = (str(name), value)
+    return items
+
+
+@rule("FP8104", "warning", "FP8 recipe in `fp8_config` under DeepSpeed (ignored)",
+      why="_prepare_deepspeed wraps the model with apply_fp8_autowrap(model, "
+      "self.fp8_recipe_handler): the recipe built from the config is a TERecipeKwargs "
+      "(te_recipe_handler), so TE gets DelayedScaling() with its defaults. Since 1.4, still in "
+      "1.14.",
+      source=f"{ACC} src/accelerate/accelerator.py Accelerator._prepare_deepspeed; "
+      "src/accelerate/utils/transformer_engine.py apply_fp8_autowrap",
+      fix="pass FP8RecipeKwargs(backend='TE', ...) with these values in "
+      "Accelerator(kwargs_handlers=...), or rely on TE's defaults", family="accelerate")
+def deepspeed_recipe_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    if not (_fp8(acc) and _deepspeed(acc) and _te_backend(acc)):
+        return
+    if version is not None and version < DS_RECIPE_FROM_FP8_RECIPE_KWARGS_ONLY:
+        return  # FP8 does not run under DeepSpeed there at all (FP8103)
+    custom = _recipe_items(section(acc, "fp8_config"))
+    custom.pop("use_autocast_during_eval", None)
+    if custom:
+        names = ", ".join(name for name, _value in custom.values())
+        yield Hit("fp8_config", f"under DeepSpeed Accelerate builds TE's recipe only from the "
+                  f"deprecated FP8RecipeKwargs, so this config's {names} never reach TE: it "
+                  "runs TE's default DelayedScaling (HYBRID, amax_history_len 1024, max)")
+
+
+@rule("FP8105", "warning", "`fp8_config` keys Accelerate never reads (did-you-mean)",
+      why="The launcher turns each fp8_config key k into ACCELERATE_FP8_<K>; only the names the "
+      "recipe classes read have an effect. `accelerate config` itself writes "
+      "amax_history_length, amax_compute_algorithm and optimization_level, which are dropped: "
+      "the run uses the defaults (1024, most_recent, O2).",
+      source=f"{ACC} src/accelerate/commands/config/cluster.py; src/accelerate/commands/launch.py"
+      " _validate_launch_command; src/accelerate/utils/launch.py setup_fp8_env; "
+      "src/accelerate/utils/dataclasses.py TERecipeKwargs/MSAMPRecipeKwargs.__post_init__",
+      fix="use amax_history_len, amax_compute_algo, opt_level", family="accelerate")
+def fp8_config_unknown_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    for name in section(inp.accelerate, "fp8_config"):
+        name = str(name)
+        if name in FP8_CONFIG_KEYS:
+            continue
+        if name in QUESTIONNAIRE_NAMES:
+            yield Hit(f"fp8_config.{name}", f"fp8_config.{name} is silently dropped: "
+                      f"`accelerate config` writes {name}, but `accelerate launch` reads "
+                      f"{QUESTIONNAIRE_NAMES[name]}", fix=f"rename it to {QUESTIONNAIRE_NAMES[name]}")
+        else:
+            yield Hit(f"fp8_config.{name}", f"fp8_config.{name} is silently dropped: no part of "
+                      "Accelerate reads it",
+                      fix="fix the spelling" + did_you_mean(name, FP8_CONFIG_KEYS))
+
+
+@rule("FP8106", "warning", "`fp8_config.amax_compute_algo: most_recent` (TE runs max)",
+      why="KwargsHandler.to_kwargs forwards only values that differ from TERecipeKwargs' "
+      "defaults, and Accelerate's default is most_recent while TE's DelayedScaling default "
+      "is max: asking for most_recent gives max.",
+      source=f"{ACC} src/accelerate/utils/dataclasses.py KwargsHandler.to_kwargs, "
+      f"TERecipeKwargs; {TE} transformer_engine/common/recipe/__init__.py DelayedScaling",
+      fix="write max (what runs); most_recent cannot be set through Accelerate",
+      family="accelerate")
+def most_recent_dropped(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    algo = section(inp.accelerate, "fp8_config").get("amax_compute_algo")
+    if _te_backend(inp.accelerate) and _text(algo) == "most_recent":
+        yield Hit("fp8_config.amax_compute_algo", "most_recent is Accelerate's default, and "
+                  "Accelerate forwards to TE only values that differ from its defaults: TE uses "
+                  "its own default, max")
+
+
+@rule("FP8107", "error", "`fp8_config` recipe values TE rejects (E5M2, removed keys)",
+      why="Accelerate passes non-default values to DelayedScaling: TE asserts 'Pure E5M2 "
+      "training is not supported'; override_linear_precision is gone in TE 2.0 and interval "
+      "in TE 2.2 (TypeError; interval was unused since 1.8). Values are checked by "
+      "recipe.recipe_problems, as for te_swap's fp8_recipe.",
+      source=f"{TE} transformer_engine/common/recipe/__init__.py DelayedScaling; "
+      f"{ACC} src/accelerate/utils/transformer_engine.py apply_fp8_autowrap",
+      fix="fp8_format HYBRID or E4M3; remove interval and override_linear_precision",
+      family="accelerate")
+def recipe_values(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    if not _te_backend(inp.accelerate):
+        return
+    items = _recipe_items(section(inp.accelerate, "fp8_config"))
+    for key in ("use_autocast_during_eval", "use_mxfp8_block_scaling"):
+        items.pop(key, None)  # Accelerate's own switches, not TE recipe fields
+    if isinstance(items.get("override_linear_precision", (None, ()))[1], str):
+        items.pop("override_linear_precision")  # FP8110: the launcher fails first
+    for problem in recipe_problems({key: value for key, (_name, value) in items.items()}):
+        name = items[problem.key][0] if problem.key in items else problem.key
+        yield Hit(f"fp8_config.{name}", problem.message, fix=problem.fix)
+
+
+@rule("FP8108", "warning", "DeepSpeed `zero_optimization.stage: auto`",
+      why="DeepSpeedPlugin fills an `auto` stage from its zero_stage, which is "
+      "ACCELERATE_DEEPSPEED_ZERO_STAGE or 2; with a DeepSpeed file the Accelerate config "
+      "cannot set zero_stage (FP8102), so `auto` silently means ZeRO-2.",
+      source=f"{ACC} src/accelerate/utils/dataclasses.py DeepSpeedPlugin.__post_init__ and "
+      "fill_match",
+      fix="write the ZeRO stage you want (0-3)", family="accelerate")
+def zero_stage_auto(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    ds = inp.deepspeed
+    if ds is not None and _text(section(ds, "zero_optimization").get("stage")) == "auto":
+        key, prefix = _ds_where(inp, "zero_optimization.stage")
+        yield Hit(key, f"{prefix}is auto: Accelerate fills it with its own zero_stage, 2 unless "
+                  "`accelerate launch --zero_stage N` is given (the Accelerate config may not set "
+                  "zero_stage next to a DeepSpeed file)")
+
+
+@rule("FP8109", "warning", "`deepspeed_config_file` not found",
+      why="HfDeepSpeedConfig opens the path from the launch directory; a file we cannot find "
+      "is not checked.",
+      source=f"{ACC} src/accelerate/utils/deepspeed.py HfDeepSpeedConfig.__init__",
+      fix="use an absolute path, or lint from the launch directory", family="accelerate")
+def deepspeed_file_missing(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    if inp.deepspeed_missing:
+        yield Hit(DS_FILE_KEY, f"DeepSpeed config {inp.deepspeed_missing} not found next to "
+                  "this file or in the current directory, so it was not checked; Accelerate "
+                  "opens a relative path from the directory `accelerate launch` runs in")
+
+
+@rule("FP8110", "error", "`fp8_config.override_linear_precision` written as a string",
+      why="setup_fp8_env exports value[0], value[1] and value[2] as ACCELERATE_FP8_OVERRIDE_"
+      "FPROP/DGRAD/WGRAD: a string such as `(false, false, false)` (the form Accelerate's own "
+      "docs show) exports '(', 'f' and 'a', and TERecipeKwargs() fails to read them as flags.",
+      source=f"{ACC} src/accelerate/utils/launch.py setup_fp8_env; "
+      "src/accelerate/utils/dataclasses.py TERecipeKwargs.__post_init__ (parse_flag_from_env)",
+      fix="write a YAML list: override_linear_precision: [false, false, false] (or remove it: "
+      "that is the default)", family="accelerate")
+def override_as_string(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    value = section(inp.accelerate, "fp8_config").get("override_linear_precision")
+    if isinstance(value, str):
+        shown = [value[i] if i < len(value) else "" for i in range(3)]
+        yield Hit("fp8_config.override_linear_precision", f"a string: the launcher exports its "
+                  f"first three characters {shown} as the FPROP/DGRAD/WGRAD flags, which "
+                  "TERecipeKwargs cannot read")
+
+
+@rule("FP8111", "error", "top-level keys Accelerate's config does not have (`fp8_backend`, "
+      "misspellings) (did-you-mean)",
+      why="ClusterConfig.from_yaml_file raises 'The config file ... had unknown keys' for any "
+      "top-level key that is not a ClusterConfig field; the FP8 backend belongs under "
+      "fp8_config.",
+      source=f"{ACC} src/accelerate/commands/config/config_args.py BaseConfig.from_yaml_file, "
+      "ClusterConfig",
+      fix="fix the spelling; write the FP8 backend as fp8_config: {backend: TE}",
+      family="accelerate")
+def unknown_accelerate_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    for key in inp.accelerate:
+        key = str(key)
+        if key in ACCELERATE_CONFIG_KEYS:
+            continue
+        if key == "fp8_backend":
+            yield Hit(key, "Accelerate's config has no fp8_backend (`accelerate launch` raises "
+                      "on unknown keys); the backend is fp8_config.backend",
+                      fix="write fp8_config: {backend: TE} (or MSAMP, AO)")
+        else:
+            yield Hit(key, f"Accelerate's config has no `{key}` (`accelerate launch` raises on "
+                      "unknown keys)" + did_you_mean(key, ACCELERATE_CONFIG_KEYS))
+
+
+@rule("FP8112", "warning", "`fp8_config` with `mixed_precision` other than fp8",
+      why="The launcher exports fp8_config only when mixed_precision is fp8 "
+      "(setup_fp8_env is called under `mixed_precision == 'fp8'`): otherwise the recipe is "
+      "silently unused.",
+      source=f"{ACC} src/accelerate/utils/launch.py prepare_simple_launcher_cmd_env, "
+      "prepare_multi_gpu_env, prepare_deepspeed_cmd_env",
+      fix="set mixed_precision: fp8, or remove fp8_config", family="accelerate")
+def fp8_config_unused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc = inp.accelerate
+    if section(acc, "fp8_config") and not _fp8(acc) \
+            and not section(acc, "deepspeed_config").get("deepspeed_config_file"):
+        yield Hit("fp8_config", f"mixed_precision is {acc.get('mixed_precision') or 'not set'}, "
+                  "so the launcher never exports fp8_config: it is silently unused")
+
+
+@rule("FP8113", "error", "Accelerate < 1.9 launching FP8 with `distributed_type: NO`",
+      why="Before 1.9.0 setup_fp8_env put override_linear_precision's booleans (default "
+      "(False, False, False)) into the launch environment unconverted, and the single-process "
+      "launcher hands that environment to subprocess, which raises TypeError on a bool: "
+      "`accelerate launch` fails before training. Judged against the installed Accelerate; a "
+      "warning when it is not installed.",
+      source=f"{ACC} src/accelerate/utils/launch.py setup_fp8_env, "
+      "prepare_simple_launcher_cmd_env (v1.8.1); fixed in v1.9.0",
+      fix="use accelerate>=1.9", family="accelerate")
+def fp8_single_process_old_accelerate(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    if not (_fp8(acc) and _text(acc.get("distributed_type")) == "no"):
+        return
+    if version is None or version < STR_FP8_ENV:
+        who = f"accelerate {dotted(version)}" if version else "an Accelerate older than 1.9"
+        yield Hit("distributed_type", f"{who} exports FP8 flags as Python booleans into the "
+                  "single-process launch environment: `accelerate launch` fails with TypeError",
+                  severity=None if version else "warning")
+
+
+@rule("FP8114", "error", "an Accelerate config without `distributed_type`",
+      why="ClusterConfig.process_config raises 'A `distributed_type` must be specified in the "
+      "config file.' A file with Accelerate's keys (mixed_precision, fp8_config, "
+      "num_processes, ...) and none of LLM-Foundry's is linted as an Accelerate config.",
+      source=f"{ACC} src/accelerate/commands/config/config_args.py BaseConfig.process_config",
+      fix="add distributed_type (NO, MULTI_GPU, FSDP, DEEPSPEED, ...)", family="accelerate")
+def missing_distributed_type(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    if inp.accelerate and "distributed_type" not in inp.accelerate:
+        yield Hit(next(iter(map(str, inp.accelerate))), "this Accelerate config has no "
+                  "distributed_type: `accelerate launch --config_file` refuses it")

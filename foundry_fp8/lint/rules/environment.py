@@ -1,0 +1,194 @@
+"""Version and capability rules (FP82xx) over a `foundry_fp8.environment.Snapshot`, with or
+without a run's config. `foundry-fp8 doctor` judges the machine alone; `fp8_lint` judges the
+run's config on the machine it runs on. Facts, with where they were read:
+
+- FP8 GEMMs need compute capability 8.9+ (`te.facts.environment_problems`, shared with `te_swap`);
+  on Ada (8.9) TE also wants torch built for CUDA >= 12.1 (TE `_compute_fp8_support`,
+  transformer_engine/pytorch/quantization.py; the same check since TE 1.0 in pytorch/fp8.py).
+- pip-installed TE asserts, on `import transformer_engine.pytorch`, that `transformer-engine`,
+  `transformer-engine-torch` and `transformer-engine-cu12/cu13` have one version
+  (TE `load_framework_extension`, transformer_engine/common/__init__.py).
+- TE activation recompute kept wrong backward scales before TE 1.12 (TE issue #1190, fixed by
+  TE PR #1254, first released in v1.12).
+- Current scaling needs TE >= 2.2 (`te.facts.environment_problems`).
+
+The version facts themselves live in `foundry_fp8.te.facts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from foundry_fp8.environment import Snapshot
+from foundry_fp8.lint.config import uses_te
+from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules, section
+from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
+from foundry_fp8.te.facts import (
+    ADA,
+    MIN_CUDA_FOR_ADA_FP8,
+    MIN_TE_FOR_RECOMPUTE,
+    dotted,
+    environment_problems,
+    parse_version,
+)
+
+NO_GPU = "no GPU: FP8 training needs an H100/Ada; the emulated backend works here"
+TE_SRC = "TransformerEngine (NVIDIA/TransformerEngine main, also read at v1.0-v2.18 tags)"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What environment rules read: the snapshot, and the run's resolved config (or None)."""
+
+    snapshot: Snapshot
+    config: Mapping[str, Any] | None = None
+
+
+def _capability_problems(snapshot: Snapshot) -> list[RecipeProblem]:
+    return environment_problems(FP8Recipe(), snapshot.capability, None)
+
+
+@rule("FP8201", "warning", "no GPU (FP8 training needs one; the emulated backend works)",
+      why="FP8 GEMMs run only on GPUs; te_swap's `backend: emulate` gives FP8 numerics "
+      "anywhere. An error in `fp8_lint` for a run that asks for TE layers.",
+      source="foundry_fp8/composer/te_swap.py (_check_te_environment); foundry_fp8/emulate.py",
+      fix="train FP8 on an H100/H200 or Ada GPU; here use te_swap: {backend: emulate}",
+      family="environment")
+def no_gpu(env: Environment, _: LintContext) -> Iterator[Hit]:
+    if not env.snapshot.has_gpu:
+        yield Hit("gpu", NO_GPU)
+
+
+@rule("FP8202", "warning", "GPU compute capability below 8.9",
+      why="TE refuses FP8 below compute capability 8.9 (Ada); shared with te_swap through "
+      "te.facts.environment_problems. An error in `fp8_lint` for a run that asks for TE.",
+      source=f"{TE_SRC} transformer_engine/pytorch/quantization.py _compute_fp8_support "
+      "(pytorch/fp8.py before 2.x)",
+      fix="run on Ada/Hopper or newer, or use te_swap: {backend: emulate}", family="environment")
+def gpu_capability(env: Environment, _: LintContext) -> Iterator[Hit]:
+    for problem in _capability_problems(env.snapshot):
+        yield Hit("gpu", f"{env.snapshot.gpu_name or 'this GPU'}: {problem.message}",
+                  fix=problem.fix)
+
+
+@rule("FP8203", "warning", "Ada GPU with torch built for CUDA older than 12.1",
+      why="On compute capability 8.9 TE also needs CUDA 12.1+ (and cuBLASLt 12.1.3+) for FP8; "
+      "the same check since TE 1.0.",
+      source=f"{TE_SRC} transformer_engine/pytorch/quantization.py _compute_fp8_support",
+      fix="install a torch build for CUDA 12.1 or newer", family="environment")
+def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    cuda = parse_version(snapshot.torch_cuda)
+    if snapshot.capability is not None and tuple(snapshot.capability) == ADA and cuda \
+            and cuda[:2] < MIN_CUDA_FOR_ADA_FP8:
+        yield Hit("torch_cuda", f"TransformerEngine refuses FP8 on Ada ({dotted(ADA)}) when torch "
+                  f"is built for CUDA {snapshot.torch_cuda}; it needs CUDA "
+                  f"{dotted(MIN_CUDA_FOR_ADA_FP8)} or newer",
+                  fix=f"install a torch build for CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer")
+
+
+@rule("FP8204", "warning", "TransformerEngine missing where it is needed",
+      why="A GPU that can run FP8, or a run with TE layers, without TE: only the emulated "
+      "backend works. An error in `fp8_lint` for a run that asks for TE.",
+      source="setup.cfg extra `te` (transformer-engine[pytorch]>=1.12)",
+      fix="pip install 'foundry-fp8[te]', or use te_swap: {backend: emulate}",
+      family="environment")
+def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
+    """TE absent where it matters: a run that needs it, or a GPU that could run FP8."""
+    snapshot = env.snapshot
+    if snapshot.te is not None:
+        return
+    if env.config is not None:
+        yield Hit("transformer_engine", "this run uses TransformerEngine layers, but TE is not "
+                  "installed")
+    elif snapshot.has_gpu and not _capability_problems(snapshot):
+        yield Hit("transformer_engine", "this GPU can run FP8, but TransformerEngine is not "
+                  "installed: only the emulated backend works")
+
+
+@rule("FP8205", "error", "TransformerEngine pip packages of different versions",
+      why="On `import transformer_engine.pytorch`, TE asserts that transformer-engine, "
+      "transformer-engine-torch and transformer-engine-cu12/cu13 have one version.",
+      source=f"{TE_SRC} transformer_engine/common/__init__.py load_framework_extension",
+      fix="pip install --no-build-isolation 'transformer-engine[pytorch]==VERSION' so that all "
+      "of them have one VERSION", family="environment")
+def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    found = {name: v for name, v in (("transformer-engine", snapshot.te),
+                                     ("transformer-engine-torch", snapshot.te_torch),
+                                     (snapshot.te_core_package, snapshot.te_core))
+             if name and v is not None}
+    if snapshot.te_torch is not None and len(set(found.values())) > 1:
+        listed = ", ".join(f"{name} {v}" for name, v in found.items())
+        yield Hit("transformer_engine", f"TransformerEngine packages differ in version ({listed}):"
+                  " `import transformer_engine.pytorch` fails TE's version check")
+
+
+@rule("FP8206", "error", "TransformerEngine's torch extension does not import",
+      why="TE's torch extension is compiled against one torch; with another torch (or a broken "
+      "CUDA setup) `import transformer_engine.pytorch` fails. The doctor imports it in a "
+      "subprocess so that a crash cannot take the doctor down; fp8_lint does not import it.",
+      source=f"{TE_SRC} transformer_engine/common/__init__.py load_framework_extension; "
+      "transformer_engine/pytorch/__init__.py",
+      fix="rebuild TE against the installed torch (pip install --no-build-isolation "
+      "'transformer-engine[pytorch]'), or install wheels built for it", family="environment")
+def te_import(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    if snapshot.te is not None and snapshot.te_import_checked and snapshot.te_import_error:
+        yield Hit("transformer_engine", f"`import transformer_engine.pytorch` fails: "
+                  f"{snapshot.te_import_error} (installed torch: {snapshot.torch or '?'})")
+
+
+@rule("FP8207", "error", "TransformerEngine older than 1.12 with activation checkpointing",
+      why="FP8 activation recompute kept wrong backward scales (TE issue #1190); fixed by TE PR "
+      "#1254, first released in TE v1.12. Checked by fp8_lint against the installed TE.",
+      source="https://github.com/NVIDIA/TransformerEngine/issues/1190; "
+      "https://github.com/NVIDIA/TransformerEngine/pull/1254 (git tag --contains: v1.12)",
+      fix="upgrade TransformerEngine to 1.12 or newer, or turn off "
+      "fsdp_config.activation_checkpointing", family="environment")
+def recompute_te(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    te = snapshot.te_version
+    if section(env.config, "fsdp_config").get("activation_checkpointing") and te is not None \
+            and te < MIN_TE_FOR_RECOMPUTE:
+        yield Hit("fsdp_config.activation_checkpointing", f"TransformerEngine {snapshot.te} "
+                  "recomputes FP8 layers with wrong backward scales under activation "
+                  f"checkpointing (TE issue #1190, fixed in TE {dotted(MIN_TE_FOR_RECOMPUTE)})",
+                  fix=f"upgrade TransformerEngine to {dotted(MIN_TE_FOR_RECOMPUTE)} or newer, or "
+                  "turn off fsdp_config.activation_checkpointing")
+
+
+@rule("FP8208", "error", "current scaling with TransformerEngine older than 2.2",
+      why="TE's Float8CurrentScaling exists from TE 2.2; checked by fp8_lint against the "
+      "installed TE (te.facts.environment_problems, shared with te_swap).",
+      source=f"{TE_SRC} transformer_engine/common/recipe/__init__.py (v2.2)",
+      fix="upgrade TransformerEngine or use scaling: delayed", family="environment")
+def recipe_te(env: Environment, _: LintContext) -> Iterator[Hit]:
+    options = section(section(env.config, "algorithms"), "te_swap").get("fp8_recipe")
+    if env.config is None or env.snapshot.te_version is None or not isinstance(options, Mapping):
+        return
+    try:
+        recipe = FP8Recipe.from_options(options)
+    except (RecipeError, TypeError):
+        return  # a broken recipe is the linter's FP8008
+    for problem in environment_problems(recipe, None, env.snapshot.te_version):
+        yield Hit(f"algorithms.te_swap.fp8_recipe.{problem.key}", problem.message,
+                  fix=problem.fix)
+
+
+def environment_findings(snapshot: Snapshot,
+                         config: Mapping[str, Any] | None = None) -> list[Finding]:
+    """Findings for this environment; with a run's `config`, for that run.
+
+    Without a config (the doctor) hardware limits are warnings: the emulated backend runs
+    anywhere. With a config, a run that uses only the emulated backend gets nothing, and a run
+    that needs real TE gets every finding as an error, since it cannot do what it asks.
+    """
+    findings = run_rules("environment", Environment(snapshot, config), LintContext(scope="run"))
+    if config is None:
+        return findings
+    if not uses_te(config):
+        return []
+    return [replace(f, severity="error") for f in findings]

@@ -1,0 +1,229 @@
+"""FSDP and activation recompute with FP8: which wrapper recomputes, whether reentrant, which
+FSDP version reads which key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from foundry_fp8.lint.config import (
+    fsdp,
+    get,
+    has_fp8_layers,
+    has_fp8_state,
+    is_fp8,
+    recomputes,
+    te_swap,
+)
+from foundry_fp8.lint.known import (
+    FP8_DTYPE_NAMES,
+    FSDP2_CONFIG_KEYS,
+    FSDP_CONFIG_KEYS,
+    MIXED_PRECISION_DTYPE_KEYS,
+    MIXED_PRECISION_MODES,
+    REENTRANT_DEFAULT,
+    TORCH_DTYPE_NAMES,
+    did_you_mean,
+)
+from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, RETIRED_FSDP
+
+#: FSDPConfig flags Composer reads only under amp_fp8 and only in FSDP1 (dist_strategy.py).
+TE_FSDP_FLAGS = ("te_checkpoint_wrapper", "te_shard_fp8_weight")
+TE_1190 = "TE issue https://github.com/NVIDIA/TransformerEngine/issues/1190"
+
+
+@rule("FP8002", "error", "FSDP activation checkpointing with FP8 but no `te_checkpoint_wrapper`",
+      why="Without te_checkpoint_wrapper Composer recomputes blocks with torch's checkpoint, "
+      "which runs TE modules outside fp8_autocast: the recompute differs from the forward. "
+      "Reported as info when fp8_state is in the callbacks, which sets it at INIT; not "
+      "reported when nothing runs in FP8 (FP8001).",
+      source=f"{COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module; TE PR "
+      f"https://github.com/NVIDIA/TransformerEngine/pull/24 (recompute outside fp8_autocast); "
+      f"{TE_1190}; foundry_fp8/composer/state.py recompute_settings",
+      fix="fsdp_config: {te_checkpoint_wrapper: true, activation_checkpointing_reentrant: false}")
+def recompute_without_te_checkpoint(config: Mapping[str, Any], ctx: LintContext,
+                                    ) -> Iterator[Hit]:
+    settings = fsdp(config)
+    if not (is_fp8(config) and has_fp8_layers(config) and ctx.fsdp_version == 1
+            and settings.get("activation_checkpointing")
+            and not settings.get("te_checkpoint_wrapper")):
+        return
+    if has_fp8_state(config):
+        yield Hit("fsdp_config.activation_checkpointing", "fp8_state switches on "
+                  "te_checkpoint_wrapper with non-reentrant recompute at INIT (FSDP1 and TE >= "
+                  "1.12; otherwise it refuses the run)", severity="info")
+    else:
+        yield Hit("fsdp_config.activation_checkpointing", "activation checkpointing with FP8 "
+                  "recomputes TE layers outside the FP8 autocast (the recompute differs from "
+                  "the forward)")
+
+
+def _foundry_flips_reentrant(config: Mapping[str, Any]) -> bool:
+    """LLM-Foundry's validate_config turns an explicit `activation_checkpointing_reentrant:
+    true` into false for `fc_type: te` (the string only) or a `te` ffn_type when
+    activation_checkpointing is on."""
+    settings = fsdp(config)
+    model = section(config, "model")
+    foundry_sees_te = (model.get("fc_type", "torch") == "te"
+                       or "te" in str(get(model, "ffn_config.ffn_type") or "mptmlp"))
+    return (settings.get("activation_checkpointing_reentrant") is True and foundry_sees_te
+            and settings.get("activation_checkpointing") is True)
+
+
+def _reentrant(config: Mapping[str, Any]) -> bool:
+    """The reentrant setting Composer ends up with (its default is true)."""
+    if _foundry_flips_reentrant(config):
+        return False
+    return bool(fsdp(config).get("activation_checkpointing_reentrant", REENTRANT_DEFAULT))
+
+
+@rule("FP8003", "error", "`te_checkpoint_wrapper` with reentrant checkpointing "
+      "(Composer's default)",
+      why="Composer asserts 'TE checkpoint only works with non-reentrant checkpointing' when "
+      "it wraps blocks under amp_fp8, and FSDPConfig defaults activation_checkpointing_reentrant "
+      "to true. LLM-Foundry flips an explicit true to false only for `fc_type: te` (string) "
+      "or a te ffn_type (FP8025). Info when fp8_state is in the callbacks (it sets it at INIT).",
+      source=f"{COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module and "
+      f"composer/utils/parallelism.py FSDPConfig; {FOUNDRY} llmfoundry/command_utils/train.py "
+      "validate_config",
+      fix="fsdp_config.activation_checkpointing_reentrant: false")
+def te_wrapper_reentrant(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    settings = fsdp(config)
+    if not (is_fp8(config) and ctx.fsdp_version == 1 and settings.get("te_checkpoint_wrapper")
+            and recomputes(settings) and _reentrant(config)):
+        return
+    if has_fp8_state(config):
+        yield Hit("fsdp_config.te_checkpoint_wrapper", "fp8_state sets "
+                  "activation_checkpointing_reentrant: false at INIT", severity="info")
+    else:
+        yield Hit("fsdp_config.te_checkpoint_wrapper", "te_checkpoint_wrapper needs "
+                  "non-reentrant checkpointing, and Composer defaults "
+                  "activation_checkpointing_reentrant to true (it asserts at FSDP wrapping)")
+
+
+@rule("FP8025", "info", "`activation_checkpointing_reentrant: true` that LLM-Foundry turns off",
+      why="With activation_checkpointing on and `fc_type: te` (the string) or a te ffn_type, "
+      "LLM-Foundry's validate_config sets activation_checkpointing_reentrant to false with only "
+      "a log line: the YAML says reentrant, the run is not.",
+      source=f"{FOUNDRY} llmfoundry/command_utils/train.py validate_config",
+      fix="write activation_checkpointing_reentrant: false, which is what runs")
+def reentrant_switched_off(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if ctx.fsdp_version == 1 and _foundry_flips_reentrant(config):
+        yield Hit("fsdp_config.activation_checkpointing_reentrant", "LLM-Foundry switches "
+                  "reentrant checkpointing off for TE layers (fc_type: te or a te ffn_type): "
+                  "the run recomputes non-reentrant although this says true")
+
+
+@rule("FP8010", "error", "unknown `fsdp_config` keys (did-you-mean)",
+      why="FSDPConfig.__init__ sets every keyword as an attribute, so a misspelled key (say "
+      "`activation_checkpointing_reentrnt`) is silently ignored. Keys only the other FSDP "
+      "version reads are warnings.",
+      source=f"{COMPOSER} composer/utils/parallelism.py FSDPConfig, "
+      "FSDP2Config.from_compatible_attrs",
+      fix="fix the spelling or remove the key", also=("eval",))
+def unknown_fsdp_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    known = FSDP_CONFIG_KEYS if ctx.fsdp_version == 1 else FSDP2_CONFIG_KEYS
+    other = FSDP2_CONFIG_KEYS if ctx.fsdp_version == 1 else FSDP_CONFIG_KEYS
+    retired = RETIRED_FSDP if ctx.fsdp_version == 1 else {}
+    for key in fsdp(config):
+        key = str(key)
+        if key in known or key in retired or (ctx.fsdp_version == 2 and key in TE_FSDP_FLAGS):
+            continue  # FP8015 reports te_* flags under FSDP2
+        if key in other:
+            yield Hit(f"fsdp_config.{key}", f"only FSDP{3 - ctx.fsdp_version} reads `{key}`; "
+                      f"Composer ignores it under FSDP{ctx.fsdp_version}", severity="warning",
+                      fix="remove it, or run the FSDP version that reads it (FSDP_VERSION)")
+        else:
+            yield Hit(f"fsdp_config.{key}", f"Composer's FSDP{ctx.fsdp_version} config has no "
+                      f"`{key}`; it would be silently ignored" + did_you_mean(key, known))
+
+
+_DTYPE_MAPPING = "use DEFAULT, PURE, FULL or a {param_dtype, reduce_dtype, buffer_dtype} mapping"
+
+
+@rule("FP8012", "error", "FSDP `mixed_precision` Composer cannot interpret, or FP8 dtypes in it",
+      why="get_mixed_precision accepts DEFAULT, PURE, FULL or a mapping of param_dtype, "
+      "reduce_dtype and buffer_dtype (other keys are ignored) and raises on other values; "
+      "FP8 dtype names become bfloat16 (warning).",
+      source=f"{COMPOSER} composer/distributed/mosaic_parallelism.py get_mixed_precision, "
+      "_get_torch_dtype",
+      fix="DEFAULT (the usual choice with amp_fp8), PURE or FULL", also=("eval",))
+def fsdp_mixed_precision(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    settings = fsdp(config)
+    if "mixed_precision" not in settings:
+        return
+    value = settings["mixed_precision"]
+    key = "fsdp_config.mixed_precision"
+    if isinstance(value, str):
+        if value.upper() not in MIXED_PRECISION_MODES:
+            yield Hit(key, f"Composer cannot interpret mixed_precision {value!r}"
+                      + did_you_mean(value.upper(), MIXED_PRECISION_MODES), fix=_DTYPE_MAPPING)
+        return
+    if not isinstance(value, Mapping):
+        yield Hit(key, f"Composer cannot interpret mixed_precision {value!r}", fix=_DTYPE_MAPPING)
+        return
+    for name, dtype in value.items():
+        sub = f"{key}.{name}"
+        if name not in MIXED_PRECISION_DTYPE_KEYS:
+            yield Hit(sub, f"Composer reads only {', '.join(MIXED_PRECISION_DTYPE_KEYS)}; "
+                      f"`{name}` is ignored" + did_you_mean(str(name), MIXED_PRECISION_DTYPE_KEYS),
+                      fix="fix the spelling or remove the key")
+        elif dtype is not None and (not isinstance(dtype, str) or dtype not in TORCH_DTYPE_NAMES):
+            yield Hit(sub, f"Composer does not know dtype {dtype!r}",
+                      fix="use float32, bfloat16 or float16")
+        elif dtype in FP8_DTYPE_NAMES:
+            yield Hit(sub, f"{name} {dtype!r} means bfloat16: FSDP never keeps or communicates "
+                      "parameters in FP8 (only TE layers compute in FP8)", severity="warning",
+                      fix=f"write {name}: bfloat16 to say what happens")
+
+
+@rule("FP8013", "error", "FSDP activation checkpointing with te_swap's emulated backend",
+      why="The emulated FP8 autocast is entered around the model's forward, so a recompute in "
+      "backward runs outside it; fp8_state refuses such runs.",
+      source="foundry_fp8/composer/te_swap.py (_enter/_exit hooks), "
+      "foundry_fp8/composer/state.py recompute_settings",
+      fix="turn FSDP activation checkpointing off, or checkpoint blocks with "
+      "foundry_fp8.emulate.fp8_checkpoint")
+def emulated_recompute(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    swap = te_swap(config)
+    settings = fsdp(config)
+    if swap is not None and swap.get("backend") == "emulate" and recomputes(settings):
+        key = "fsdp_config.activation_checkpointing" if settings.get("activation_checkpointing") \
+            else "fsdp_config.activation_cpu_offload"
+        yield Hit(key, "FSDP activation checkpointing recomputes te_swap's emulated FP8 layers "
+                  "outside te_swap's FP8 autocast (fp8_state refuses this run)")
+
+
+@rule("FP8014", "warning", "`te_checkpoint_wrapper` / `te_shard_fp8_weight` without amp_fp8",
+      why="Composer reads both only when precision is amp_fp8; otherwise they do nothing.",
+      source=f"{COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module",
+      fix="remove them, or set precision: amp_fp8")
+def te_fsdp_flags_without_fp8(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if is_fp8(config):
+        return
+    for key in TE_FSDP_FLAGS:
+        if fsdp(config).get(key):
+            yield Hit(f"fsdp_config.{key}", f"Composer ignores {key} unless precision is amp_fp8")
+
+
+@rule("FP8015", "error", "FP8 FSDP settings under FSDP2 (FSDP_VERSION=2)",
+      why="Only FSDPConfig (FSDP1) has te_checkpoint_wrapper and te_shard_fp8_weight; under "
+      "FSDP_VERSION=2 Composer drops them with a warning and recomputes with torch's "
+      "checkpoint wrapper. The CLI reads FSDP_VERSION from its environment, as Composer does.",
+      source=f"{COMPOSER} composer/trainer/trainer.py _parse_parallelism_config, "
+      "composer/utils/parallelism.py FSDP2Config, composer/distributed/prepare_distributed.py",
+      fix="run FSDP1 (unset FSDP_VERSION), or turn activation_checkpointing off / remove the "
+      "te_* flags")
+def te_flags_need_fsdp1(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if ctx.fsdp_version != 2:
+        return
+    settings = fsdp(config)
+    if is_fp8(config) and has_fp8_layers(config) and settings.get("activation_checkpointing"):
+        yield Hit("fsdp_config.activation_checkpointing", "FSDP_VERSION=2: Composer's FSDP2 "
+                  "recompute is not TE-aware and it has no te_checkpoint_wrapper, so TE layers "
+                  "are recomputed outside FP8")
+    for key in TE_FSDP_FLAGS:
+        if settings.get(key):
+            yield Hit(f"fsdp_config.{key}", f"FSDP_VERSION=2: Composer drops {key} (FSDP1 only)",
+                      severity="warning")

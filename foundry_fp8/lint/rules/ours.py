@@ -1,0 +1,205 @@
+"""Our entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_lint`, `jsonl`): where LLM-Foundry's
+registries look for them, their options (foundry_fp8.lint.values, with the option dataclasses
+the constructors build, `foundry_fp8.options`, so the linter and the run agree), and how they
+combine with precision."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from functools import cache
+from importlib import metadata
+from typing import Any
+
+from foundry_fp8.lint.config import has_fp8_state, is_fp8, native_te_layers, precision, te_swap
+from foundry_fp8.lint.entries import our_entries
+from foundry_fp8.lint.known import FOUNDRY_REGISTRY, PRECISIONS, REGISTRY_GROUPS, did_you_mean
+from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY
+from foundry_fp8.lint.values import option_problems
+
+OUR_OPTIONS = "foundry_fp8/options.py ENTRIES"
+
+
+def _entry_items(config: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any]]:
+    """(key, entry, options) for each of our entries the config uses."""
+    for (section_name, name), entry in our_entries().items():
+        block = section(config, section_name)
+        if name in block:
+            yield f"{section_name}.{name}", entry, block[name]
+
+
+def _option_hits(config: Mapping[str, Any], kinds: tuple[str, ...]) -> Iterator[Hit]:
+    """Our entries' option problems of these kinds (foundry_fp8.lint.values)."""
+    for key, entry, options in _entry_items(config):
+        if isinstance(options, Mapping):
+            for problem in option_problems(entry, options):
+                if problem.kind in kinds:
+                    yield Hit(f"{key}.{problem.option}", problem.message, fix=problem.fix)
+
+
+@rule("FP8008", "error", "FP8 recipe problems in te_swap's `fp8_recipe` or fp8_stats' "
+      "`recipe` (pure E5M2, keys TE removed such as `interval`, unknown keys and values)",
+      why="Shared with foundry_fp8.recipe, which te_swap's and fp8_stats' option dataclasses "
+      "use (fp8_stats' `recipe` is a scaling name or a recipe mapping), so the linter and the "
+      "run agree. margin and amax_history_len have bounds (recipe.MAX_MARGIN, MAX_HISTORY).",
+      source="foundry_fp8/recipe.py recipe_problems (TE's DelayedScaling; TE 2.20 "
+      "transformer_engine/common/recipe/delayed_scaling.cu:300 for the margin); "
+      "foundry_fp8/options.py Recipe",
+      fix="see the message")
+def recipe_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    yield from _option_hits(config, ("recipe",))
+
+
+@rule("FP8019", "error", "unknown options of our entries (te_swap, fp8_stats, fp8_state, "
+      "fp8_lint, jsonl) (did-you-mean)",
+      why="LLM-Foundry passes an entry's mapping as keyword arguments, so an unknown option "
+      "fails at construction. The option lists are the fields of our option dataclasses.",
+      source=f"{OUR_OPTIONS}; {FOUNDRY} llmfoundry/utils/builders.py build_callback (reserved "
+      "train_config)",
+      fix="fix the spelling", also=("eval",))
+def entry_options_unknown(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for key, entry, options in _entry_items(config):
+        if options is not None and not isinstance(options, Mapping):
+            yield Hit(key, f"{entry.name}'s options must be a mapping, got "
+                      f"{type(options).__name__}", fix=f"write `{entry.name}: {{}}`")
+    yield from _option_hits(config, ("unknown", "reserved"))
+
+
+@rule("FP8020", "error", "options of our entries with the wrong type (a `Literal` value "
+      "outside its choices, `\"true\"` for a bool, `true` for an int)",
+      why="Checked by each option's declared check; a Literal admits only its values, a bool "
+      "only true/false, an int neither a bool nor a float.",
+      source="foundry_fp8/options.py (the option dataclasses' fields)",
+      fix="give a value of the annotated type", also=("eval",))
+def entry_option_types(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    yield from _option_hits(config, ("type",))
+
+
+@rule("FP8021", "error", "te_swap's `te` backend (its default) without amp_fp8",
+      why="TE layers compute in FP8 only inside Composer's amp_fp8 autocast; te_swap refuses "
+      "the run at INIT when nothing would run in FP8.",
+      source="foundry_fp8/composer/te_swap.py TESwap._convert, foundry_fp8/swap.py would_run_fp8",
+      fix="precision: amp_fp8, or te_swap backend: emulate")
+def te_swap_without_amp_fp8(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    swap = te_swap(config)
+    if swap is not None and swap.get("backend") == "te" and not is_fp8(config) \
+            and precision(config) in PRECISIONS:
+        yield Hit("algorithms.te_swap", f"te_swap's backend te converts layers to TE, which "
+                  f"computes in FP8 only under precision amp_fp8, not {precision(config)}; "
+                  "te_swap refuses the run at INIT")
+
+
+@rule("FP8023", "error", "option values of our entries that their constructors refuse "
+      "(negative counts, thresholds out of range, fp8_stats' `end` not after its `start`, "
+      "regexes that do not compile, unknown choices such as `fail_on: warning`, unknown "
+      "`{placeholders}` in paths)",
+      why="LLM-Foundry builds algorithms, callbacks and loggers before training, so a value of "
+      "the right type that the constructor refuses still stops the run. Each option's check is "
+      "declared once, on its field of a frozen options dataclass (foundry_fp8/options.py), "
+      "which every constructor builds first, so the linter and the run agree; every wrong item "
+      "of a list is reported at its own key.",
+      source="foundry_fp8/options.py (TESwapOptions, SwapConfig, FP8StatsOptions, Schedule, "
+      "MonitorConfig, FP8StateOptions, FP8LintOptions, JSONLOptions); "
+      f"{COMPOSER} composer/core/time.py Time.from_timestring (batch intervals read alike)",
+      fix="see the message", also=("eval",))
+def entry_option_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    yield from _option_hits(config, ("value",))
+
+
+@cache
+def _entry_point_names() -> dict[str, frozenset[str]]:
+    """Entry-point names per group of every installed package, read in one pass over package
+    metadata (one `entry_points(group=...)` call per group would scan every package again)."""
+    try:
+        found = metadata.entry_points()
+        groups = {g for gs in REGISTRY_GROUPS.values() for g in gs}
+        return {g: frozenset(ep.name for ep in found.select(group=g)) for g in groups}
+    except Exception:  # broken metadata: judge by the built-ins and our own entries
+        return {}
+
+
+def registered_names(section_name: str) -> frozenset[str]:
+    """The names LLM-Foundry's registry for a section holds: its built-ins, and every entry
+    point of the matching groups (ours and other plugins'), read from package metadata
+    without importing anything."""
+    names = set(FOUNDRY_REGISTRY[section_name])
+    names |= {name for (where, name) in our_entries() if where == section_name}
+    for group in REGISTRY_GROUPS[section_name]:
+        names |= _entry_point_names().get(group, frozenset())
+    return frozenset(names)
+
+
+@rule("FP8026", "error", "an entry LLM-Foundry's registries do not hold under that section "
+      "(our `te_swap` under `callbacks:`, a misspelled `fp8_stat:`) (did-you-mean)",
+      why="LLM-Foundry builds `callbacks:`, `algorithms:` and `loggers:` entries by name from "
+      "separate registries (construct_from_registry) and raises for a name its registry does "
+      "not hold. The names are LLM-Foundry's built-ins and the entry points installed packages "
+      "register (ours too), read from package metadata. Files only: in a run, LLM-Foundry's "
+      "registry (which tests and scripts can fill at runtime) has already answered.",
+      source=f"{FOUNDRY} llmfoundry/registry.py, llmfoundry/utils/builders.py build_callback, "
+      "build_algorithm, build_logger, llmfoundry/utils/registry_utils.py "
+      "construct_from_registry; setup.cfg [options.entry_points]",
+      fix="move the entry to the section the message names, or fix the spelling",
+      scope="file", also=("eval",))
+def unknown_entries(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for section_name in REGISTRY_GROUPS:
+        for name in section(config, section_name):
+            if not isinstance(name, str) or name in registered_names(section_name):
+                continue
+            home = next((s for s in REGISTRY_GROUPS if name in registered_names(s)), None)
+            if home:
+                yield Hit(f"{section_name}.{name}", f"`{name}` is not a {section_name[:-1]}: "
+                          f"LLM-Foundry's {section_name} registry does not hold it, its "
+                          f"{home} registry does", fix=f"move it to `{home}:`")
+            else:
+                yield Hit(f"{section_name}.{name}", f"LLM-Foundry has no {section_name[:-1]} "
+                          f"named `{name}`" + did_you_mean(name, registered_names(section_name)))
+
+
+#: Keys with which LLM-Foundry saves or resumes checkpoints (a CheckpointSaver for
+#: save_folder; load_path and autoresume load one).
+CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
+
+
+@rule("FP8027", "warning", "te_swap without fp8_state in a run that saves or resumes "
+      "checkpoints: FP8 scales reset at every resume",
+      why="te_swap's emulated layers keep their FP8 scales and amax histories in buffers that "
+      "are not in Composer's checkpoint, and TE layers keep them in a pickled `_extra_state` "
+      "that TE >= 2.16 refuses to load without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE; fp8_state "
+      "saves and restores them. te_swap logs the same warning at INIT when the run has a "
+      "checkpoint saver and no fp8_state.",
+      source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
+      "warning, issue 19 item 5); TE transformer_engine/pytorch/_extra_state.py "
+      "should_load_extra_state_pickle (TE 2.16.1, 2.17.1, >= 2.18: foundry_fp8/te/facts.py "
+      "TE_PICKLE_GUARD_FIXES, TE_PICKLE_GUARD_FROM); "
+      f"{FOUNDRY} llmfoundry/command_utils/train.py (save_folder, load_path, autoresume)",
+      fix="add `callbacks: {fp8_state: {}}`")
+def te_swap_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    saves = [k for k in CHECKPOINT_KEYS if config.get(k)]
+    if te_swap(config) is not None and not has_fp8_state(config) and saves:
+        yield Hit("algorithms.te_swap", f"te_swap without fp8_state ({saves[0]} is set): a "
+                  "resume from this run's checkpoints starts FP8 scales and amax histories "
+                  "fresh (they are not in the checkpoint)")
+
+
+@rule("FP8028", "error", "`precision: amp_fp8` with te_swap's emulated backend and no TE layer",
+      why="Emulated FP8 layers run FP8 numerics at any precision; amp_fp8 only enters TE's "
+      "autocast, which Composer refuses without TE or a GPU of compute capability 8.9+ (and "
+      "Composer refuses every precision but fp32 on CPU when the Trainer is built). The "
+      "emulated backend names a machine without FP8 hardware. A warning when this machine "
+      "has TE and such a GPU (amp_fp8 then does nothing for emulated layers).",
+      source=f"{COMPOSER} composer/core/precision.py _validate_precision, "
+      "get_precision_context; foundry_fp8/swap.py would_run_fp8",
+      fix="precision: amp_bf16 on a GPU (fp32 on CPU), keeping te_swap: {backend: emulate}")
+def amp_fp8_with_emulation(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    swap = te_swap(config)
+    if not (is_fp8(config) and swap is not None and swap.get("backend") == "emulate"
+            and not native_te_layers(config)):
+        return
+    snapshot = ctx.snapshot
+    capable = snapshot is not None and snapshot.te is not None and snapshot.capability is not None \
+        and tuple(snapshot.capability) >= (8, 9)
+    yield Hit("precision", "precision amp_fp8 with te_swap's emulated backend: amp_fp8 needs "
+              "TransformerEngine and an FP8 GPU (Composer raises without them, and refuses any "
+              "precision but fp32 on CPU), and emulated layers do not need it",
+              severity="warning" if capable else None)

@@ -1,0 +1,243 @@
+"""The train config's own keys and sections: precision, retired and unknown top-level keys,
+section shapes, `${oc.env:...}`, micro-batch tokens, text loaders."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from foundry_fp8.lint.config import as_int, has_fp8_layers, is_fp8, native_te_layers, precision
+from foundry_fp8.lint.config import te_swap as te_swap_options
+from foundry_fp8.lint.known import (
+    FILLED_KEYS,
+    MAPPING,
+    MAPPINGS,
+    NULL,
+    PRECISIONS,
+    SCALARS,
+    SECTION_SHAPES,
+    STRING,
+    TEXT_LOADER_DEFAULTS,
+    TRAIN_CONFIG_KEYS,
+    did_you_mean,
+)
+from foundry_fp8.lint.registry import Hit, LintContext, rule
+from foundry_fp8.shapes import tokens_fit_fp8
+
+COMPOSER = "Composer 0.32.1"
+FOUNDRY = "LLM-Foundry 0.22.0"
+TE28 = "TE 2.8"
+
+
+@rule("FP8001", "error", "`precision: amp_fp8` with nothing that would run in FP8",
+      why="Composer's amp_fp8 only enters TE's fp8_autocast, which changes TE modules alone; "
+      "with no TE layer the run trains without FP8 behind one warning. Not reported where "
+      "FP8028 applies (te_swap's emulated backend, which runs FP8 numerics at any precision).",
+      source=f"{COMPOSER} composer/core/precision.py get_precision_context; {FOUNDRY} "
+      "llmfoundry/command_utils/train.py validate_config ('fp8 only supported for te.Linear "
+      "layers'); foundry_fp8/swap.py would_run_fp8",
+      fix="add `algorithms: {te_swap: {}}` or `model.fc_type: te`")
+def fp8_without_fp8_layers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if is_fp8(config) and not has_fp8_layers(config):
+        yield Hit("precision", "precision amp_fp8, but no layer would run in FP8 (no fc_type: te, "
+                  "no ffn_type: te_ln_mlp, no te_swap algorithm)")
+
+
+@rule("FP8006", "error", "tokens per micro-batch not divisible by 8 with TE layers in FP8",
+      why="A GEMM input is (micro-batch x max_seq_len, features): TE asserts the leading dims' "
+      "product is divisible by 8.",
+      source=f"{TE28} transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec",
+      fix="pick device_train_microbatch_size and max_seq_len whose product is a multiple of 8")
+def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    swap = te_swap_options(config)
+    te_layers = native_te_layers(config) or (swap is not None and swap.get("backend") == "te")
+    if not (is_fp8(config) and te_layers):
+        return
+    micro = as_int(config.get("device_train_microbatch_size"))
+    seq = as_int(config.get("max_seq_len"))
+    if micro is not None and seq is not None and not tokens_fit_fp8(micro * seq):
+        yield Hit("device_train_microbatch_size", f"{micro} x {seq} tokens per micro-batch is not "
+                  "divisible by 8, as TE's FP8 GEMMs require")
+
+
+#: Keys that configs written for older Composer / LLM-Foundry or for DeepSpeed carry, which
+#: this Composer/LLM-Foundry refuses; the message says what replaced them.
+RETIRED_TOP_LEVEL = {
+    "precision_config": (
+        "LLM-Foundry 0.22's train config has no precision_config (Composer's Trainer argument "
+        "is not reachable from the YAML)",
+        "give the FP8 recipe as `algorithms: {te_swap: {fp8_recipe: {...}}}`"),
+    "deepspeed_config": (
+        "Composer 0.32 has no DeepSpeed support left and LLM-Foundry 0.22's train config has no "
+        "deepspeed_config", "shard with `fsdp_config` instead"),
+}
+RETIRED_FSDP = {
+    "device_mesh": (
+        "Composer raises: giving the device mesh in the FSDP config was deprecated in 0.24.0",
+        "use data_parallel_shard_degree and/or data_parallel_replicate_degree"),
+}
+
+
+@rule("FP8007", "error", "keys this Composer / LLM-Foundry no longer accept "
+      "(`precision_config`, `deepspeed_config`, `fsdp_config.device_mesh`)",
+      why="LLM-Foundry refuses top-level keys outside its TrainConfig; Composer removed "
+      "DeepSpeed and raises on a device mesh in the FSDP config. The message names the "
+      "replacement (for precision_config: our te_swap fp8_recipe).",
+      source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig and "
+      f"make_dataclass_and_log_config; {COMPOSER} composer/utils/parallelism.py "
+      "FSDPConfig.__init__, composer/trainer/trainer.py (no deepspeed_config); "
+      "https://github.com/mosaicml/composer/pull/3732 (DeepSpeed removed)",
+      fix="see the message")
+def retired_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for key, (message, fix) in RETIRED_TOP_LEVEL.items():
+        if key in config:
+            yield Hit(key, message, fix=fix)
+    fsdp = config.get("fsdp_config")
+    if ctx.fsdp_version == 1 and isinstance(fsdp, Mapping):
+        for key, (message, fix) in RETIRED_FSDP.items():
+            if key in fsdp:
+                yield Hit(f"fsdp_config.{key}", message, fix=fix)
+
+
+@rule("FP8009", "error", "unknown top-level keys (did-you-mean)",
+      why="LLM-Foundry raises 'Unused parameters [...] found in cfg' for any top-level key that "
+      "is not a TrainConfig field.",
+      source=f"{FOUNDRY} llmfoundry/utils/config_utils.py make_dataclass_and_log_config, "
+      "TrainConfig",
+      fix="fix the spelling, or move the value under `variables:`", scope="file")
+def unknown_top_level_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for key in config:
+        if not isinstance(key, str):
+            continue  # FP8022: keys must be strings
+        if key not in TRAIN_CONFIG_KEYS and key not in RETIRED_TOP_LEVEL:
+            yield Hit(key, f"LLM-Foundry 0.22 refuses unknown top-level key `{key}`"
+                      + did_you_mean(key, TRAIN_CONFIG_KEYS))
+
+
+@rule("FP8011", "error", "`precision` that Composer does not know (did-you-mean)",
+      why="Composer's Precision enum has fp32, amp_fp16, amp_bf16 and amp_fp8 (any case); "
+      "anything else fails when the Trainer is built.",
+      source=f"{COMPOSER} composer/core/precision.py Precision",
+      fix="precision: amp_fp8 (or amp_bf16, amp_fp16, fp32)", also=("eval",))
+def precision_value(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if "precision" in config and precision(config) not in PRECISIONS:
+        value = config["precision"]
+        yield Hit("precision", f"Composer has no precision {value!r}"
+                  + did_you_mean(str(value).lower(), PRECISIONS))
+
+
+@rule("FP8017", "error", "`${oc.env:...}` interpolations",
+      why="train_from_yaml calls omegaconf's clear_resolver('oc.env') before loading the YAML, "
+      "so `llmfoundry train` fails with 'Unsupported interpolation type oc.env'.",
+      source=f"{FOUNDRY} llmfoundry/command_utils/train.py train_from_yaml",
+      fix="put the value in the YAML or pass it as a command-line override "
+      "(`llmfoundry train x.yaml key=value`)", scope="file", also=("eval",))
+def oc_env_interpolation(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for key in ctx.env_keys:
+        yield Hit(key, "`llmfoundry train` (train_from_yaml) clears omegaconf's oc.env resolver, "
+                  "so ${oc.env:...} fails to resolve")
+
+
+_LOADERS = ("train_loader", "eval_loader")
+
+
+def _text_loaders(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    for name in (*_LOADERS, "eval_loaders"):
+        value = config.get(name)
+        items = [(name, value)] if isinstance(value, Mapping) else \
+            [(f"{name}.{i}", v) for i, v in enumerate(value)] if isinstance(value, list) else []
+        for key, loader in items:
+            if isinstance(loader, Mapping) and loader.get("name") == "text":
+                yield key, loader
+
+
+@rule("FP8018", "error", "text loader with `num_workers: 0` but prefetch/persistent workers",
+      why="build_text_dataloader defaults prefetch_factor to 2 and persistent_workers to true, "
+      "and torch's DataLoader raises for either with num_workers 0.",
+      source=f"{FOUNDRY} llmfoundry/data/text_data.py build_text_dataloader; torch 2.7.0 "
+      "torch/utils/data/dataloader.py DataLoader.__init__",
+      fix="prefetch_factor: null and persistent_workers: false")
+def text_loader_without_workers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    wanted = {"prefetch_factor": "null", "persistent_workers": "false"}
+    for key, loader in _text_loaders(config):
+        if loader.get("num_workers") != 0:
+            continue
+        for option, default in TEXT_LOADER_DEFAULTS.items():
+            value = loader.get(option, default)
+            # torch refuses any prefetch_factor but None, and any truthy persistent_workers
+            if (value is not None) if option == "prefetch_factor" else bool(value):
+                where = f"{key}.{option}" if option in loader else f"{key}.num_workers"
+                yield Hit(where, f"text loader with num_workers: 0 needs {option}: "
+                          f"{wanted[option]} (LLM-Foundry's default is {default}; torch's "
+                          "DataLoader raises)", fix=f"set {key}.{option}: {wanted[option]}")
+
+
+def _item_fits(item: Any, shape: str) -> bool:
+    """An item of a list section: a mapping, or a scalar omegaconf makes a string (bool too)."""
+    return isinstance(item, Mapping) if shape == MAPPINGS else isinstance(item, (str, int, float))
+
+
+def _shape_fits(value: Any, shape: str) -> bool:
+    if shape == NULL:
+        return value is None
+    if shape == STRING:
+        return isinstance(value, str)
+    if shape == MAPPING:
+        return isinstance(value, Mapping)
+    return isinstance(value, list) and all(_item_fits(v, shape) for v in value)
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r:.60}"
+
+
+def _wrong_shape(key: str, value: Any, shapes: tuple[str, ...]) -> Hit:
+    listed = next((s for s in shapes if s in (MAPPINGS, SCALARS)), None)
+    if listed and isinstance(value, list):  # the list is fine, one of its items is not
+        bad = next(i for i, v in enumerate(value) if not _item_fits(v, listed))
+        item = "a mapping" if listed == MAPPINGS else "a string"
+        return Hit(f"{key}.{bad}", f"each item of `{key}` must be {item}, got "
+                   f"{_shown(value[bad])}", fix=f"write item {bad} of {key} as {item}")
+    what = shapes[0] if len(shapes) == 1 else f"{', '.join(shapes[:-1])} or {shapes[-1]}"
+    return Hit(key, f"`{key}` must be {what}, got {_shown(value)}",
+               fix=f"write {key} as {shapes[0]}")
+
+
+def _non_string_keys(prefix: str, mapping: Mapping[Any, Any]) -> Iterator[Hit]:
+    for key in mapping:
+        if not isinstance(key, str):
+            yield Hit(f"{prefix}{key}", f"key `{key}` is read as {type(key).__name__}, not a "
+                      "string (YAML reads unquoted numbers, true/false, yes/no and on/off so); "
+                      "LLM-Foundry's config keys must be strings", fix="quote the key")
+
+
+@rule("FP8022", "error", "a section in a shape LLM-Foundry refuses (`callbacks:` as a list, "
+      "`icl_tasks:` as a mapping), a key that is not a string, or a key LLM-Foundry fills "
+      "itself (`eval_loaders` next to `eval_loader`)",
+      why="make_dataclass_and_log_config builds TrainConfig through omegaconf's structured "
+      "config, which refuses a section whose shape its field type does not admit "
+      "(`dict[str, Any]`: a mapping with string keys; `list[dict[str, Any]]`; `list[str]`), "
+      "and asserts that top-level keys are strings. It first accepts a list `eval_loader` "
+      "(as eval_loaders) and a string `icl_tasks` or `eval_gauntlet` (a path, as "
+      "icl_tasks_str / eval_gauntlet_str), refusing those filled keys next to their source.",
+      source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig, "
+      "make_dataclass_and_log_config, forbid_config_key; omegaconf 2.4 OmegaConf.structured",
+      fix="write the section in one of the shapes the message names")
+def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    """Sections whose YAML shape TrainConfig refuses, keys that are not strings where
+    LLM-Foundry reads them (top level, a section's own keys), and keys it fills itself."""
+    yield from _non_string_keys("", config)
+    for key, shapes in SECTION_SHAPES.items():
+        value = config.get(key)
+        if key not in config or any(_shape_fits(value, shape) for shape in shapes):
+            mappings = [value] if isinstance(value, Mapping) else \
+                value if _shape_fits(value, MAPPINGS) else []
+            for index, mapping in enumerate(mappings):
+                prefix = f"{key}." if isinstance(value, Mapping) else f"{key}.{index}."
+                yield from _non_string_keys(prefix, mapping)
+        else:
+            yield _wrong_shape(key, value, shapes)
+    for key, (source, even_null) in FILLED_KEYS.items():
+        if key in config and source in config and (even_null or config[source] is not None):
+            yield Hit(key, f"LLM-Foundry fills `{key}` from `{source}` itself and refuses both in "
+                      "one config ('should not be set')", fix=f"remove {key}; give it as {source}")

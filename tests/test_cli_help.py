@@ -1,0 +1,44 @@
+"""Every `foundry-fp8` subcommand and option says what it does and its default in `--help`
+(issue 18): read from the parser the CLI really builds, so a new option without help fails."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from foundry_fp8.cli import SUBCOMMANDS, build_parser
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    [group] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(group.choices)
+
+
+def test_every_subcommand_is_listed_with_what_it_does() -> None:
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "--help"],
+                          capture_output=True, text=True, check=True)
+    for name, (_, what) in SUBCOMMANDS.items():
+        assert name in done.stdout and what.split()[0] in done.stdout
+
+
+@pytest.mark.parametrize("command", list(SUBCOMMANDS))
+def test_every_option_says_what_it_does_and_its_default(command: str) -> None:
+    parser = _subparsers()[command]
+    assert parser.description
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help and len(action.help) > 10, f"{command} {name}: no help"
+        required = not action.option_strings and action.nargs in (None, "+")
+        if not required:  # an option, or a positional that may be left out
+            assert "default" in action.help.lower(), f"{command} {name}: no default in its help"
+
+
+def test_tiny_data_module_help_says_what_it_builds() -> None:
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8.tools.tiny_data", "--help"],
+                          capture_output=True, text=True, check=True)
+    assert "tokenizer" in done.stdout and "MDS" in done.stdout and "without any download" in done.stdout

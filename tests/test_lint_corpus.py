@@ -1,0 +1,195 @@
+"""The lint corpus (tests/lint_corpus): train, eval, MCLI, Accelerate and DeepSpeed configs in
+the shapes LLM-Foundry's and Accelerate's repositories use, each with its expected findings
+(expected.yaml), the seed's MPT-1B config among them. Configs we call clean are checked against
+LLM-Foundry's own loaders; a train config with an unknown top-level key is refused by them too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from foundry_fp8.environment import Snapshot
+from foundry_fp8.lint import accelerate
+from foundry_fp8.lint.cli import lint_file
+
+CORPUS = Path(__file__).resolve().parent / "lint_corpus"
+EXPECTED: dict[str, list[list[str]]] = yaml.safe_load((CORPUS / "expected.yaml").read_text())
+#: The machine the expectations are written for: no flash-attn, TE or GPU.
+BARE = Snapshot(python="3.11")
+
+
+@pytest.fixture(autouse=True)
+def _accelerate_1_8_1(monkeypatch):
+    """Version-dependent Accelerate rules judge the version the expectations name."""
+    monkeypatch.setattr(accelerate, "installed_accelerate", lambda: (1, 8, 1))
+
+
+def test_every_corpus_file_has_expectations():
+    files = {str(p.relative_to(CORPUS)) for p in CORPUS.rglob("*")
+             if p.is_file() and p.name != "expected.yaml"}
+    assert files == set(EXPECTED)
+    kinds = {name.split("/")[0] for name in EXPECTED}
+    assert kinds == {"train", "eval", "mcli", "accelerate", "deepspeed"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_corpus_file_gives_exactly_its_expected_findings(name):
+    entry = lint_file(CORPUS / name, 1, BARE)
+    assert entry["error"] is None, entry["error"]
+    found = sorted([f["rule"], f["key"], f["severity"]] for f in entry["findings"])
+    assert found == sorted(EXPECTED[name]), entry["findings"]
+    for f in entry["findings"]:
+        assert f["line"] is not None and f["message"] and f["fix"]
+
+
+def test_an_mcli_run_without_parameters_is_skipped_with_a_note():
+    entry = lint_file(CORPUS / "mcli" / "mcli-convert-checkpoint.yaml", 1, BARE)
+    assert entry["findings"] == [] and "without a `parameters:` mapping" in entry["skipped"]
+
+
+def test_the_seed_config_names_the_key_mpt_reads():
+    entry = lint_file(CORPUS / "train" / "mpt-1b-seed-te-ln-mlp.yaml", 1, BARE)
+    message, = [f["message"] for f in entry["findings"] if f["rule"] == "FP8024"]
+    assert "did you mean `ffn_config`?" in message
+
+
+def test_mpt_really_ignores_the_seed_configs_key():
+    """The reference for FP8024: LLM-Foundry's own MPT builds the default MLP, not TE's fused
+    one, from `ffn_config_defaults`, and keeps the key as an attribute."""
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    config = MPTConfig(d_model=64, n_heads=4, n_layers=1, max_seq_len=16, vocab_size=64,
+                       attn_config={"attn_impl": "torch"},
+                       ffn_config_defaults={"ffn_type": "te_ln_mlp"})
+    assert config.ffn_config_defaults == {"ffn_type": "te_ln_mlp"}
+    assert config.ffn_config["ffn_type"] == "mptmlp"
+    block = MPTForCausalLM(config).transformer.blocks[0]
+    assert type(block.ffn).__name__ == "MPTMLP"
+
+
+def test_fp8103_names_the_precision_the_deepspeed_file_sets():
+    entry = lint_file(CORPUS / "accelerate" / "deepspeed-fp16-file.yaml", 1, BARE)
+    message, = [f["message"] for f in entry["findings"] if f["rule"] == "FP8103"]
+    assert "config's fp16 as the mixed precision" in message and "trains in FP16" in message
+    assert "bf16" not in message
+
+
+def _resolved(name: str) -> dict[str, Any]:
+    data = yaml.safe_load((CORPUS / name).read_text())
+    return data["parameters"] if name.startswith("mcli/") else data
+
+
+def _train_loader_accepts(config: dict[str, Any]) -> None:
+    from llmfoundry.utils.config_utils import (
+        TRAIN_CONFIG_KEYS,
+        TrainConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+
+    make_dataclass_and_log_config(OmegaConf.create(config), TrainConfig, TRAIN_CONFIG_KEYS,
+                                  transforms="all")
+
+
+def _trains(name: str) -> bool:
+    """A train config, or an MCLI run config that trains from its `parameters`."""
+    kind = name.split("/")[0]
+    return kind == "train" or (kind == "mcli" and "parameters" in yaml.safe_load(
+        (CORPUS / name).read_text()))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, found in EXPECTED.items()
+                                        if not found and _trains(n)))
+def test_clean_train_configs_pass_llmfoundrys_loader(name):
+    _train_loader_accepts(_resolved(name))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, found in EXPECTED.items() if not found
+                                        and n.startswith("eval/")))
+def test_clean_eval_configs_pass_llmfoundrys_eval_loader(name):
+    from llmfoundry.utils.config_utils import (
+        EVAL_CONFIG_KEYS,
+        EvalConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+
+    make_dataclass_and_log_config(OmegaConf.create(_resolved(name)), EvalConfig,
+                                  EVAL_CONFIG_KEYS, icl_tasks_required=False)
+
+
+@pytest.mark.parametrize(("name", "key"), [("train/unknown-top-level.yaml", "precison"),
+                                           ("mcli/mcli-typo.yaml", "precison")])
+def test_unknown_top_level_keys_are_refused_by_llmfoundry_too(name, key):
+    clean = _resolved("train/mpt-125m-te-swap.yaml")
+    with pytest.raises(ValueError, match=f"Unused parameters.*{key}"):
+        _train_loader_accepts({**clean, key: _resolved(name)[key]})
+
+
+def test_eval_config_with_a_train_key_is_refused_by_llmfoundry_too():
+    from llmfoundry.utils.config_utils import (
+        EVAL_CONFIG_KEYS,
+        EvalConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+
+    config = {**_resolved("eval/hf-eval.yaml"), "algorithms": {"te_swap": {}}}
+    with pytest.raises(ValueError, match="Unused parameters.*algorithms"):
+        make_dataclass_and_log_config(OmegaConf.create(config), EvalConfig, EVAL_CONFIG_KEYS,
+                                      icl_tasks_required=False)
+
+
+@pytest.mark.parametrize(("name", "refused"), [
+    ("accelerate/fp8-backend-top-level.yaml", "had unknown keys"),  # FP8111
+    ("accelerate/fp8-docs-snippet.yaml", "distributed_type` must be specified"),  # FP8114
+    ("accelerate/fp8-single-process.yaml", None),  # loads; FP8113 fails at launch
+    ("accelerate/bf16-with-fp8-config.yaml", None),
+])
+def test_accelerate_configs_against_accelerates_own_loader(name, refused):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    if refused is None:
+        ClusterConfig.from_yaml_file(str(CORPUS / name))
+    else:
+        with pytest.raises(ValueError, match=refused):
+            ClusterConfig.from_yaml_file(str(CORPUS / name))
+
+
+def test_a_string_override_reaches_te_recipe_kwargs_as_characters(monkeypatch):
+    """FP8110's reference: Accelerate's launcher exports a string override_linear_precision
+    character by character, and TERecipeKwargs then fails reading the flags."""
+    import argparse
+
+    from accelerate.utils.environment import parse_flag_from_env
+    from accelerate.utils.launch import setup_fp8_env
+
+    fp8_config = yaml.safe_load((CORPUS / "accelerate/fp8-docs-snippet.yaml").read_text())
+    value = fp8_config["fp8_config"]["override_linear_precision"]
+    env = setup_fp8_env(argparse.Namespace(fp8_override_linear_precision=value), {})
+    keys = [f"ACCELERATE_FP8_OVERRIDE_{k}" for k in ("FPROP", "DGRAD", "WGRAD")]
+    assert [env[k] for k in keys] == ["(", "f", "a"]
+    # TERecipeKwargs.__post_init__ reads FPROP first (it needs TE, absent here: read it alike)
+    monkeypatch.setenv(keys[0], env[keys[0]])
+    with pytest.raises(ValueError, match="invalid truth value"):
+        parse_flag_from_env(keys[0])
+
+
+def test_accelerate_1_8_puts_booleans_in_the_single_process_env():
+    """FP8113's reference: accelerate 1.8.1's setup_fp8_env exports the default override as
+    Python booleans, which subprocess refuses as environment values."""
+    import argparse
+    import subprocess
+    import sys
+
+    from accelerate.utils.launch import setup_fp8_env
+
+    env = setup_fp8_env(argparse.Namespace(fp8_override_linear_precision=(False, False, False)),
+                        {})
+    assert env["ACCELERATE_FP8_OVERRIDE_FPROP"] is False
+    with pytest.raises(TypeError):
+        subprocess.run([sys.executable, "-c", "pass"], env=env, check=False)

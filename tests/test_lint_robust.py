@@ -1,0 +1,123 @@
+"""`foundry-fp8 lint` never crashes and never hangs: every input it cannot lint gives exit 2 and
+one line naming the file, with no traceback (issue 14). A hang would trip the subprocess time
+limit, which is a guard, not a speed target (speed: benchmarks/lint_speed.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from foundry_fp8.environment import Snapshot
+from foundry_fp8.lint.cli import exit_code, lint_file
+from foundry_fp8.lint.load import MAX_BYTES, MAX_DEPTH, MAX_EXPANDED_NODES
+
+HANG_GUARD_S = 60
+
+
+def _lint(*paths: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", *map(str, paths)],
+                          capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+
+
+def _one_line_exit_2(done: subprocess.CompletedProcess, path: Path, snippet: str) -> None:
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {path}"), done.stderr
+    assert snippet in errors[0], errors[0]
+
+
+def _billion_laughs() -> str:
+    text, previous = 'a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n', "a"
+    for name in "bcdefghi":
+        text += f"{name}: &{name} [{', '.join(['*' + previous] * 9)}]\n"
+        previous = name
+    return text
+
+
+@pytest.mark.parametrize(("text", "snippet"), [
+    ("a: " + "[" * 1000 + "]" * 1000 + "\n", f"nested more than {MAX_DEPTH} levels"),
+    ("".join(" " * i + f"k{i}:\n" for i in range(1000)) + " " * 1000 + "x: 1\n",
+     f"nested more than {MAX_DEPTH} levels"),
+    ("a: " + "[" * 200_000 + "]" * 200_000 + "\n", "nested more than"),  # libyaml would crash
+    ("max_seq_len: " + "9" * 5000 + "\n", ":1:14: an integer of 5000 digits"),
+    (_billion_laughs(), f"more than {MAX_EXPANDED_NODES} values"),
+    ("distributed_type: 'NO'\n" + _billion_laughs(), "an alias bomb"),  # Accelerate-shaped
+], ids=["flow-1000", "block-1000", "flow-200000", "5000-digits", "laughs", "laughs-accelerate"])
+def test_hostile_yaml_is_refused_in_one_line(tmp_path, text, snippet):
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text)
+    _one_line_exit_2(_lint(path), path, snippet)
+
+
+def test_deep_json_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    _one_line_exit_2(_lint(path), path, "cannot load")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_alone_or_in_a_folder_is_refused_without_reading_it(tmp_path):
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)  # opening it for reading would block until a writer comes: never here
+    _one_line_exit_2(_lint(fifo), fifo, "not a regular file")
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    os.mkfifo(folder / "x.yaml")
+    _one_line_exit_2(_lint(folder), folder / "x.yaml", "not a regular file")
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero")
+def test_dev_zero_is_refused():
+    _one_line_exit_2(_lint("/dev/zero"), Path("/dev/zero"), "not a regular file")
+
+
+def test_a_huge_file_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "huge.yaml"
+    with open(path, "wb") as f:
+        f.truncate(64 * 1024 * 1024 * 1024)  # sparse: 64 GiB that would never fit in memory
+    _one_line_exit_2(_lint(path), path, f"more than the {MAX_BYTES}")
+
+
+_scalars = (st.none() | st.booleans() | st.integers() | st.integers(10 ** 4000, 10 ** 4400)
+            | st.floats() | st.text(max_size=12)
+            | st.sampled_from(["${variables.x}", "${oc.env:HOME}", "${", "amp_fp8", "te",
+                               "te_ln_mlp", "emulate", "fp8", "NO", "DEEPSPEED", "(false,)"]))
+_keys = st.text(max_size=10) | st.sampled_from([
+    "precision", "model", "models", "parameters", "image", "fsdp_config", "algorithms",
+    "callbacks", "loggers", "te_swap", "fp8_stats", "fp8_state", "fc_type", "ffn_config",
+    "ffn_config_defaults", "name", "mpt_causal_lm", "mixed_precision", "distributed_type",
+    "fp8_config", "override_linear_precision", "deepspeed_config", "variables", "loss_fn",
+    "activation_checkpointing", "te_checkpoint_wrapper", "save_folder", "zero_optimization"])
+_documents = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(_keys, inner, max_size=5), max_leaves=25)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(document=_documents, depth=st.integers(0, 130), suffix=st.sampled_from([".yaml", ".json"]))
+def test_any_yaml_structure_lints_or_fails_in_one_line(tmp_path, document, depth, suffix):
+    """Property: whatever structure and values a file holds (nested past the depth bound,
+    integers past Python's digit limit, NaN, interpolations, Accelerate/MCLI/eval shapes), the
+    linter returns findings or one line naming the file, never an exception."""
+    for _ in range(depth):
+        document = {"k": document}
+    path = tmp_path / f"doc{suffix}"
+    try:
+        path.write_text(yaml.safe_dump(document) if suffix == ".yaml" else
+                        __import__("json").dumps(document, default=str))
+    except (ValueError, RecursionError):
+        return  # a document the writers themselves cannot write
+    entry = lint_file(path, 1, Snapshot(python="3"))
+    assert exit_code({"files": [entry]}) in (0, 1, 2)
+    if entry["error"]:
+        assert "\n" not in entry["error"] and entry["error"].startswith(str(path))
+    for f in entry["findings"]:
+        assert f["severity"] in ("error", "warning", "info") and f["message"] and f["fix"]
