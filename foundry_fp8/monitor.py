@@ -37,6 +37,17 @@ from torch import nn
 
 from foundry_fp8 import emulate
 from foundry_fp8.fp8_meta import canonical_name
+from foundry_fp8.health import (
+    DEFAULT_THRESHOLDS,
+    INITIAL_SCALE,
+    Flag,
+    HealthTracker,
+    Thresholds,
+    layer_key,
+    render_table,
+    short_layer,
+    summary_metrics,
+)
 from foundry_fp8.lint.values import OPTION_VALUES, Recipe, check_options
 from foundry_fp8.numerics import (
     FP8_MAX,
@@ -50,7 +61,6 @@ from foundry_fp8.numerics import (
     sufficient_stats,
 )
 from foundry_fp8.recipe import FP8Recipe
-from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 
 TENSOR_KINDS = ("activation", "weight", "gradient")
 CURRENT = FP8Recipe(scaling="current")
@@ -94,6 +104,16 @@ class MonitorConfig:
             "max_underflow_pct": self.max_underflow_pct,
             "max_overflow_pct": self.max_overflow_pct, "min_cos_sim": self.min_cos_sim,
             "dump_layers": self.dump_layers, "dump_max_mb": self.dump_max_mb})
+
+
+def thresholds_of(config: MonitorConfig) -> Thresholds:
+    """The flagging limits a monitor warns with."""
+    return Thresholds(max_underflow_pct=config.max_underflow_pct,
+                      max_overflow_pct=config.max_overflow_pct, min_cos_sim=config.min_cos_sim)
+
+
+class NoLayersError(ValueError):
+    """`layers`/`exclude` select no layer: the statistics would silently be empty."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +223,19 @@ def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Modul
     }
 
 
+def no_layers_message(model: nn.Module, config: MonitorConfig) -> str:
+    """One line: the regexes, how many linear layers there are, a few of their names."""
+    names = [canonical_name(name) for name, module in model.named_modules()
+             if watches_for(module) is not None]
+    where = f"layers {config.include!r}" + (f" minus exclude {config.exclude!r}"
+                                            if config.exclude else "")
+    if not names:
+        return f"fp8_stats.{where}: the model has no linear layer to watch"
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (f"fp8_stats.{where} matches none of the model's {len(names)} linear layers "
+            f"(names are searched with re.search, e.g. {shown})")
+
+
 @dataclass(frozen=True)
 class CastMode:
     """How a module casts its GEMM inputs in this forward."""
@@ -264,62 +297,6 @@ def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, bool]:
     return scale.reshape(-1)[watch.slot], history is not None and history.shape[0] == 0
 
 
-def non_finite(stats: Mapping[str, float]) -> str:
-    """`3 NaN and 1 Inf values` for a tensor that held them; '' for a finite one."""
-    counts = [f"{stats[key]:.0f} {name}" for key, name in (("nan_count", "NaN"),
-                                                          ("inf_count", "Inf"))
-              if stats.get(key, 0) > 0]
-    return f"{' and '.join(counts)} values" if counts else ""
-
-
-def advice(layer: str, tensor: str, stats: dict[str, float], config: MonitorConfig) -> str | None:
-    """A warning for a layer whose FP8 numbers cross a threshold, with the usual remedies, or
-    whose tensor holds NaN or Inf (its other statistics are those of its finite values): what
-    `foundry-fp8 report` flags (`report.findings`), a test checks."""
-    if found := non_finite(stats):
-        return (f"FP8 {tensor} of layer '{layer}': {found} in the high-precision tensor, "
-                "before any FP8 cast (its statistics count the finite values only). Look for "
-                "divergence (loss, learning rate, gradient clipping) or an overflow upstream "
-                "of this layer.")
-    problems = []
-    if stats["underflow_pct"] > config.max_underflow_pct:
-        problems.append(f"{stats['underflow_pct']:.2f}% of values underflow to 0")
-    if stats["overflow_pct"] > config.max_overflow_pct:
-        problems.append(f"{stats['overflow_pct']:.2f}% of values overflow")
-    if stats["cos_sim"] < config.min_cos_sim:
-        problems.append(f"cosine similarity with FP8 round trip {stats['cos_sim']:.4f}")
-    if not problems:
-        return None
-    return (f"FP8 {tensor} of layer '{layer}': {'; '.join(problems)} (amax {stats['amax']:.3g}, "
-            f"scale ratio {stats['scale_ratio']:.3g}). Remedies: keep this layer (or the "
-            "first/last blocks) in BF16, use current scaling, or a longer amax history.")
-
-
-#: Fit-end summary columns: (column, statistic, how the worst value is picked).
-SUMMARY_COLUMNS: tuple[tuple[str, str, Callable[[float, float], float]], ...] = (
-    ("underflow_pct", "underflow_pct", max), ("overflow_pct", "overflow_pct", max),
-    ("cos_sim", "cos_sim", min), ("mse", "mse", max),
-    ("min_scale_ratio", "scale_ratio", min), ("max_scale_ratio", "scale_ratio", max))
-
-
-def fold_worst(table: dict[tuple[str, str], dict[str, float]], key: tuple[str, str],
-               stats: Mapping[str, float]) -> None:
-    """Fold one step's statistics of (layer, tensor) into the worst values seen so far."""
-    row = table.setdefault(key, {})
-    for column, stat, pick in SUMMARY_COLUMNS:
-        value = stats.get(stat)
-        if value is not None and value == value:  # NaN is reported by nan_count, not ranked
-            row[column] = pick(row.get(column, value), value)
-
-
-def render_summary(table: Mapping[tuple[str, str], Mapping[str, float]]) -> str:
-    """Markdown table of the worst values, worst underflow first (the report's table, which
-    `foundry-fp8 report` prints too); empty when nothing was logged."""
-    from foundry_fp8.report import render
-
-    return render(dict(table)) if table else ""
-
-
 def multi_rank() -> bool:
     return (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1)
@@ -347,8 +324,9 @@ class FP8Monitor:
     """Collects FP8 statistics on the steps you choose: `start_step(step)` ... `finish_step()`.
 
     `start_step()` without a step logs that step; with a step number, `schedule` decides (log,
-    dump, or record amaxes for a delayed `recipe` what-if). `finish_step()` returns
-    `{"fp8/<layer>/<tensor>/<stat>": value}` (pooled over ranks, the same on every rank).
+    dump, or record amaxes for a delayed `recipe` what-if). `finish_step()` returns the
+    per-layer series `fp8_<stat>/<tensor>/<layer>` and the summary series `fp8/<tensor>/<name>`
+    (`health.keys`; pooled over ranks, the same on every rank), judged by `self.tracker`.
     """
 
     def __init__(self, model: nn.Module, config: MonitorConfig | None = None,
@@ -360,6 +338,8 @@ class FP8Monitor:
         if self.schedule.dump_steps and self.config.dump_folder is None:
             raise ValueError("fp8_stats.dump_steps: needs a dump_folder")
         self.layers = select_layers(model, self.config)
+        if not self.layers:
+            raise NoLayersError(no_layers_message(model, self.config))
         self.on_warning = on_warning or (lambda msg: warnings.warn(msg, stacklevel=2))
         self._watches = {name: tuple(w for w in watches_for(module) or ()
                                      if w.kind in self.config.tensors)
@@ -372,12 +352,16 @@ class FP8Monitor:
         self._dump_re = re.compile(self.config.dump_layers or ".*")
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._step: _Step | None = None
-        self._warned: set[tuple[str, str, bool]] = set()  # (layer, tensor, NaN/Inf)
         self._history: torch.Tensor | None = None  # what-if delayed state [len, rows]
         self._scale: torch.Tensor | None = None
         self._folds = 0  # delayed what-if updates so far
         self.error: BaseException | None = None
-        self.worst: dict[tuple[str, str], dict[str, float]] = {}
+        self._dump_failed = False  # warned once about a dump that could not be written
+        self.tracker = HealthTracker(thresholds_of(self.config))
+        self.short = {name: short_layer(name) for name in self.layers}  # names in keys
+        # the last logging step's statistics and flags, for listeners (the guard)
+        self.table: dict[tuple[str, str], dict[str, float]] = {}
+        self.flags: dict[tuple[str, str], list[Flag]] = {}
 
     @property
     def record_window(self) -> int:
@@ -544,9 +528,8 @@ class FP8Monitor:
         self._handles.clear()
 
     def finish_step(self) -> dict[str, float]:
-        """Remove hooks; on a logging step, pool the statistics over ranks and return
-        `{"fp8/<layer>/<tensor>/<stat>": value}`, warning once per layer and tensor that crosses
-        a threshold. Raises FP8MonitorError when the monitor failed on any rank: in a single
+        """Remove hooks; on a logging step, pool the statistics over ranks and return the
+        step's series (`health.keys` layout), warning once per layer, tensor and rule flagged. Raises FP8MonitorError when the monitor failed on any rank: in a single
         process at once, under several ranks on every rank at the first logging step since."""
         step = self._step
         self.abort()
@@ -603,27 +586,31 @@ class FP8Monitor:
         return self._attempt(self._metrics, step, host) or {}
 
     def _metrics(self, step: _Step, host: list[float]) -> dict[str, float]:
+        """Per-layer and summary series (`health.keys` layout); warns once per layer, tensor
+        and rule that the health rules flag."""
         n, width = len(self.rows), len(STAT_KEYS)
-        metrics: dict[str, float] = {}
+        table: dict[tuple[str, str], dict[str, float]] = {}
         for i, (layer, tensor) in enumerate(self.rows):
             if host[n * width + i] == 0:
                 continue  # no rank saw this tensor (layer unused this step)
             stats = dict(zip(STAT_KEYS, host[i * width:(i + 1) * width], strict=True))
-            metrics.update({f"fp8/{layer}/{tensor}/{k}": v for k, v in stats.items()})
             if i in step.initial:  # delayed scaling's first cast (scale 1): expected, so
-                # neither advice nor the run's worst; logged, and marked for the report
-                metrics[f"fp8/{layer}/{tensor}/initial_scale"] = 1.0
-                continue
-            fold_worst(self.worst, (layer, tensor), stats)
-            message = advice(layer, tensor, stats, self.config)
-            key = (layer, tensor, bool(non_finite(stats)))  # NaN/Inf warn after a threshold
-            if message and key not in self._warned:
-                self._warned.add(key)
-                self.on_warning(message)
+                stats[INITIAL_SCALE] = 1.0  # marked, and neither flagged nor the run's worst
+            table[(self.short[layer], tensor)] = stats
+        flags = self.tracker.update(step.step or 0, table)
+        self.table, self.flags = table, flags
+        for found in flags.values():
+            for flag in found:
+                if flag.new:
+                    self.on_warning(flag.message)
+        metrics = {layer_key(stat, tensor, layer): value
+                   for (layer, tensor), stats in table.items() for stat, value in stats.items()}
+        metrics.update(summary_metrics(table, flags))
         return metrics
 
     def _write_dump(self, step: _Step) -> None:
         """One safetensors file per step and rank: `<layer>/<tensor>` and its `/scale`."""
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         assert step.step is not None and self.config.dump_folder is not None
@@ -634,8 +621,12 @@ class FP8Monitor:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(path), metadata={"step": str(step.step), "rank": str(rank)})
-        except OSError as e:  # a full disk on one rank must not desynchronise the ranks
-            self.on_warning(f"fp8 dump {path} not written: {e}")
+        except (OSError, SafetensorError) as e:  # a full disk, a folder gone unwritable: skip
+            # this dump, statistics go on (and the ranks stay in step)
+            if not self._dump_failed:
+                self.on_warning(f"fp8 dump {path} not written ({e}); the statistics go on, "
+                                "later dumps are tried and not reported")
+            self._dump_failed = True
             return
         if step.left_out:
             self.on_warning(f"fp8 dump {path}: dump_max_mb={self.config.dump_max_mb:g} reached; "
@@ -643,5 +634,5 @@ class FP8Monitor:
                             "dump_layers)")
 
     def summary(self) -> str:
-        """The worst value per layer and tensor over every logged step (markdown)."""
-        return render_summary(self.worst)
+        """The worst value per layer and tensor over every judged step (markdown)."""
+        return render_table(self.tracker.worst)

@@ -13,6 +13,7 @@ from torch import nn
 
 from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.stats import FP8Stats
+from foundry_fp8.health import SUMMARIES, HealthTracker, collect, layer_key, parse_key, summary_key
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule
 from foundry_fp8.numerics import STAT_KEYS, tensor_stats
@@ -30,10 +31,10 @@ def test_monitor_matches_tensor_stats_and_flags_the_outlier_layer():
     monitor.start_step()
     model(x).sum().backward()
     metrics = monitor.finish_step()
-    assert metrics["fp8/0/activation/amax"] == pytest.approx(tensor_stats(x)["amax"])
-    assert metrics["fp8/1/weight/underflow_pct"] == pytest.approx(
+    assert metrics[layer_key("amax", "activation", "0")] == pytest.approx(tensor_stats(x)["amax"])
+    assert metrics[layer_key("underflow_pct", "weight", "1")] == pytest.approx(
         tensor_stats(model[1].weight)["underflow_pct"])
-    assert metrics["fp8/1/gradient/amax"] == pytest.approx(1.0)  # d(sum)/d(output) = 1
+    assert metrics[layer_key("amax", "gradient", "1")] == pytest.approx(1.0)  # d(sum)/d(out) = 1
     assert any("'1'" in w and "weight" in w for w in warnings_seen)
     assert not any("'0'" in w and "weight" in w for w in warnings_seen)
     # after the logging step no hook remains: non-logging steps cost nothing
@@ -45,8 +46,6 @@ def test_monitor_matches_tensor_stats_and_flags_the_outlier_layer():
 def test_a_tensor_with_nan_or_inf_gets_one_warning_as_the_report_flags_it():
     """fp8_stats warns where `foundry-fp8 report` flags: NaN/Inf too, whatever the thresholds
     (the statistics are of the finite values, so no threshold would catch them)."""
-    from foundry_fp8 import report
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32))  # its weight and output gradient stay finite
     warned: list[str] = []
@@ -59,31 +58,16 @@ def test_a_tensor_with_nan_or_inf_gets_one_warning_as_the_report_flags_it():
         monitor.start_step(step)
         model(x).sum().backward()
         records.append((step, monitor.finish_step()))
-    assert records[1][1]["fp8/0/activation/nan_count"] == 2.0
-    assert records[1][1]["fp8/0/activation/inf_count"] == 1.0
-    assert warned == [  # once, though steps 1 and 2 both have them
-        "FP8 activation of layer '0': 2 NaN and 1 Inf values in the high-precision tensor, "
-        "before any FP8 cast (its statistics count the finite values only). Look for "
-        "divergence (loss, learning rate, gradient clipping) or an overflow upstream of this "
-        "layer."]
-    run = report.collect(records)
-    flagged = {(f.layer, f.tensor) for f in report.findings(run, report.Thresholds())}
-    assert flagged == {("0", "activation")}
-
-
-@pytest.mark.parametrize("stats", [
-    {"nan_count": 1.0}, {"inf_count": 3.0}, {"nan_count": 1.0, "cos_sim": float("nan")},
-    {"underflow_pct": 5.01}, {"underflow_pct": 5.0}, {"overflow_pct": 0.02},
-    {"cos_sim": 0.98}, {"cos_sim": float("nan")}, {"scale_ratio": 50.0}, {},
-])
-def test_advice_warns_exactly_where_the_report_flags(stats):
-    from foundry_fp8 import report
-    from foundry_fp8.monitor import advice
-
-    full = {**dict.fromkeys(STAT_KEYS, 0.0), "cos_sim": 1.0, "scale_ratio": 1.0, **stats}
-    run = report.collect([(0, {f"fp8/l/weight/{k}": v for k, v in full.items()})])
-    flagged = bool(report.findings(run, report.Thresholds()))
-    assert (advice("l", "weight", full, MonitorConfig()) is not None) == flagged
+    assert records[1][1][layer_key("nan_count", "activation", "0")] == 2.0
+    assert records[1][1][layer_key("inf_count", "activation", "0")] == 1.0
+    [message] = warned  # once, though steps 1 and 2 both have them
+    assert message.startswith("FP8 activation of layer '0' at step 1: nan_count 2 (2 NaN and 1 "
+                              "Inf elements, before any FP8 cast).")
+    assert message.endswith("Change: optimizer.lr (lower it)")
+    tracker = HealthTracker()  # the report replays the logged steps through the same rules
+    for step, table in collect(records).tables():
+        tracker.update(step, table)
+    assert {(f.layer, f.tensor) for f in tracker.flags} == {("0", "activation")}
 
 
 def test_a_threshold_warning_does_not_hide_a_later_nan():
@@ -99,7 +83,7 @@ def test_a_threshold_warning_does_not_hide_a_later_nan():
         monitor.start_step(step)
         model(torch.randn(2, 16))
         monitor.finish_step()
-    assert len(warned) == 2 and "underflow" in warned[0] and "1 NaN values" in warned[1]
+    assert len(warned) == 2 and "underflow" in warned[0] and "1 NaN and 0 Inf" in warned[1]
 
 
 #: The audit's values: (options, key path in the message).
@@ -214,9 +198,12 @@ def _fit(callback: FP8Stats, steps: int, logger: _Logger | None = None) -> tuple
 def test_callback_logs_on_schedule_and_prints_the_summary(capsys):
     _, logger = _fit(FP8Stats(interval="2ba", end=4), 6)
     assert sorted(logger.metrics) == [0, 2]
-    assert set(logger.metrics[2]) == {f"fp8/{layer}/{tensor}/{stat}" for layer in ("0", "1")
-                                      for tensor in ("activation", "weight", "gradient")
-                                      for stat in STAT_KEYS}
+    assert {k for k in logger.metrics[2] if parse_key(k)} == {
+        layer_key(stat, tensor, layer) for layer in ("0", "1")
+        for tensor in ("activation", "weight", "gradient") for stat in STAT_KEYS}
+    assert {k for k in logger.metrics[2] if not parse_key(k)} == {
+        summary_key(tensor, name) for tensor in ("activation", "weight", "gradient")
+        for name in SUMMARIES} | {summary_key(None, "flagged_layers")}
     summary = logger.hparams["fp8/stats_summary"]
     assert "| 1 | gradient |" in summary and summary in capsys.readouterr().out
 
@@ -226,7 +213,7 @@ def test_only_rank_zero_logs(monkeypatch, capsys):
     callback = FP8Stats(interval=1)
     _, logger = _fit(callback, 2)
     assert logger.metrics == {} and logger.hparams == {} and capsys.readouterr().out == ""
-    assert callback.monitor is not None and callback.monitor.worst  # it still computed them
+    assert callback.monitor is not None and callback.monitor.tracker.worst  # it still computed them
 
 
 def test_hook_failure_disables_the_callback_without_stopping_training(monkeypatch, caplog):
@@ -263,32 +250,34 @@ def test_fp8_stats_logs_every_selected_layer_in_a_real_run(tmp_path, tiny_data, 
     run_tiny(tmp_path, tiny_data, overrides)
     logged: dict[int, dict] = {}
     for step, metrics in read_jsonl(run_folder(tmp_path) / "metrics.jsonl"):
-        fp8 = {k: v for k, v in metrics.items() if k.startswith("fp8/")}
+        fp8 = {k: v for k, v in metrics.items() if parse_key(k)}
         if fp8:
             logged.setdefault(step, {}).update(fp8)
     assert sorted(logged) == [0, 3]
-    layers = {k.split("/")[1] for k in logged[3]}
-    assert layers == {"model.transformer.blocks.0.attn.Wqkv", "model.transformer.blocks.0.attn.out_proj",
-                      "model.transformer.blocks.0.ffn.up_proj", "model.transformer.blocks.0.ffn.down_proj"}
+    layers = {parse_key(k)[2] for k in logged[3]}  # short names: no `model.transformer.`
+    assert layers == {"blocks.0.attn.Wqkv", "blocks.0.attn.out_proj", "blocks.0.ffn.up_proj",
+                      "blocks.0.ffn.down_proj"}
     for layer in layers:
         for tensor in ("activation", "weight", "gradient"):
-            assert 0 < logged[3][f"fp8/{layer}/{tensor}/amax"] < float("inf")
-            assert 0.9 < logged[3][f"fp8/{layer}/{tensor}/cos_sim"] <= 1.0
+            assert 0 < logged[3][layer_key("amax", tensor, layer)] < float("inf")
+            assert 0.9 < logged[3][layer_key("cos_sim", tensor, layer)] <= 1.0
             for step in (0, 3):
-                assert {f"fp8/{layer}/{tensor}/{k}" for k in STAT_KEYS} <= logged[step].keys()
+                assert {layer_key(k, tensor, layer) for k in STAT_KEYS} <= logged[step].keys()
     # te_swap's emulated layers run delayed scaling: the scale they cast with is the real,
     # lagging one (step 0: TE's initial 1; step 3: from steps 0-2's amaxes), not the current one
-    ratios = [v for step in (0, 3) for k, v in logged[step].items() if k.endswith("/scale_ratio")]
+    ratios = [v for step in (0, 3) for k, v in logged[step].items()
+              if k.startswith("fp8_scale_ratio/")]
     assert len(ratios) == 2 * 4 * 3 and all(0 < r < float("inf") for r in ratios)
     assert any(abs(r - 1.0) > 1e-3 for r in ratios)
-    assert all(logged[0][k] == 1.0 for k in logged[0] if k.endswith("/scale"))
+    assert all(logged[0][k] == 1.0 for k in logged[0] if k.startswith("fp8_scale/"))
     dump = load_file(run_folder(tmp_path) / "fp8_dumps" / "step0000003-rank0.safetensors")
     up = "model.transformer.blocks.0.ffn.up_proj"
     assert sorted(dump) == sorted(f"{up}/{t}{s}" for t in ("activation", "weight", "gradient")
                                   for s in ("", "/scale"))
-    assert dump[f"{up}/activation/scale"].item() == logged[3][f"fp8/{up}/activation/scale"]
+    assert dump[f"{up}/activation/scale"].item() == logged[3][
+        layer_key("scale", "activation", up.removeprefix("model.transformer."))]
     assert dump[f"{up}/weight"].shape == (256, 64)
-    assert f"| {up} | gradient |" in capsys.readouterr().out  # the fit-end summary
+    assert "| blocks.0.ffn.up_proj | gradient |" in capsys.readouterr().out  # fit-end summary
 
 
 def test_a_failing_logger_on_rank_zero_does_not_switch_the_callback_off(caplog):
@@ -305,6 +294,6 @@ def test_a_failing_logger_on_rank_zero_does_not_switch_the_callback_off(caplog):
     callback = FP8Stats(interval=2)
     _, logger = _fit(callback, 4, FlakyLogger())
     assert not callback.disabled and "disk full" in caplog.text
-    assert sorted(logger.metrics) == [-1, 2] and "fp8/0/activation/amax" in logger.metrics[2]
+    assert sorted(logger.metrics) == [-1, 2] and layer_key("amax", "activation", "0") in logger.metrics[2]
     with pytest.raises(OSError, match="disk full"):
         _fit(FP8Stats(interval=2, strict=True), 1, FlakyLogger())

@@ -13,17 +13,18 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 from foundry_fp8.lint.values import as_items, batches, check_options
 from foundry_fp8.monitor import (
     FP8Monitor,
     FP8MonitorError,
     MonitorConfig,
+    NoLayersError,
     Schedule,
     multi_rank,
     parse_recipe,
 )
 from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
-from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,11 @@ class FP8Stats(Callback):
     def _failed(self, error: Exception) -> None:
         """Switch off now where every rank agrees (an FP8MonitorError, raised on every rank
         together; a single process; no monitor yet); else stay in step (see the class doc)."""
+        if isinstance(error, NoLayersError):  # the user's `layers` regex, not our bug: one line
+            log.warning("%s; fp8_stats is off for this run (strict: true makes this an error)",
+                        error)
+            self.disabled = True
+            return
         if self.monitor is not None and multi_rank() and not isinstance(error, FP8MonitorError):
             log.exception("fp8_stats failed on this rank; every rank switches it off at the next "
                           "logging step (set strict: true to fail instead)")
