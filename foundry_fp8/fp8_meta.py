@@ -24,9 +24,22 @@ _WRAPPER_SEGMENT = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_
                               r"(?=\.|$)")
 
 
-def canonical_name(name: str) -> str:
-    """A module name without the wrappers' segments, so FSDP and plain runs use the same keys."""
+def canonical_name(name: str, ddp: bool = False) -> str:
+    """A module name without the wrappers' segments, so FSDP, DDP and plain runs use the same
+    keys. `ddp`: the name comes from a DistributedDataParallel's `named_modules()`, whose first
+    segment is DDP's own `module` (a model may have a child named `module` too, as Composer's
+    ComposerClassifier does: only the caller knows which one it is)."""
+    if ddp and name.split(".")[0] == "module":
+        name = name[len("module."):]
     return _WRAPPER_SEGMENT.sub("", name).lstrip(".")
+
+
+def canonical_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`model.named_modules()` under `canonical_name`s; a DDP wrapper itself is left out."""
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    for name, module in model.named_modules():
+        if not (ddp and module is model):
+            yield canonical_name(name, ddp=ddp), module
 
 
 def is_fp8_module(module: nn.Module) -> bool:
@@ -85,7 +98,7 @@ def write_fp8_meta(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def fp8_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """`(name, module)` for every FP8 module of `model`, with or without state yet."""
-    for name, module in model.named_modules():
+    """`(canonical name, module)` for every FP8 module of `model`, with or without state yet."""
+    for name, module in canonical_modules(model):
         if is_fp8_module(module):
             yield name, module

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from foundry_fp8 import emulate
-from foundry_fp8.fp8_meta import canonical_name
+from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import (
     DEFAULT_THRESHOLDS,
     INITIAL_SCALE,
@@ -213,9 +213,9 @@ def watches_for(module: nn.Module) -> tuple[Watch, ...] | None:
 
 def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Module]:
     """The watched layers whose names match `include` and not `exclude`, by their names without
-    FSDP's and activation checkpointing's wrapper segments: the same regexes and metric names
+    DDP's, FSDP's and activation checkpointing's wrapper segments: the same regexes and metric names
     with or without FSDP."""
-    named = ((canonical_name(name), module) for name, module in model.named_modules())
+    named = canonical_modules(model)
     return {
         name: module for name, module in named
         if watches_for(module) is not None and re.search(config.include, name)
@@ -225,8 +225,7 @@ def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Modul
 
 def no_layers_message(model: nn.Module, config: MonitorConfig) -> str:
     """One line: the regexes, how many linear layers there are, a few of their names."""
-    names = [canonical_name(name) for name, module in model.named_modules()
-             if watches_for(module) is not None]
+    names = [name for name, module in canonical_modules(model) if watches_for(module) is not None]
     where = f"layers {config.include!r}" + (f" minus exclude {config.exclude!r}"
                                             if config.exclude else "")
     if not names:

@@ -28,7 +28,6 @@ from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.environment import MIN_TE_FOR_RECOMPUTE
 from foundry_fp8.fp8_meta import (
-    canonical_name,
     fp8_modules,
     is_fp8_module,
     read_fp8_meta,
@@ -218,7 +217,7 @@ class FP8State(Callback):
     def _watch(self) -> None:
         assert self._model is not None
         current = self._local_state()
-        grads_nonzero = {canonical_name(n) for n, m in fp8_modules(self._model)
+        grads_nonzero = {n for n, m in fp8_modules(self._model)
                          if any(p.grad is not None and p.grad.numel() > 0
                                 and bool(p.grad.abs().max() > 0)
                                 for p in m.parameters(recurse=False))}
@@ -249,7 +248,7 @@ class FP8State(Callback):
 
     def _local_state(self) -> FP8ModuleState:
         assert self._model is not None
-        return {canonical_name(name): tensors for name, module in fp8_modules(self._model)
+        return {name: tensors for name, module in fp8_modules(self._model)
                 if (tensors := read_fp8_meta(module))}
 
     def state_dict(self) -> dict[str, Any]:
@@ -302,7 +301,7 @@ class FP8State(Callback):
 
     def _restore(self, saved: FP8ModuleState) -> None:
         assert self._model is not None
-        modules = {canonical_name(n): m for n, m in fp8_modules(self._model)}
+        modules = dict(fp8_modules(self._model))
         missing = sorted(modules.keys() - saved.keys())
         unexpected = sorted(saved.keys() - modules.keys())
         if missing or unexpected:
