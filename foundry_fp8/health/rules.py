@@ -99,10 +99,6 @@ class HealthTracker:
         state = self._state.get((layer, tensor))
         return state.bad if state else 0
 
-    def flagged_layers(self, tensor: str | None = None) -> set[str]:
-        """Layers flagged so far (for one tensor kind, or any)."""
-        return {f.layer for f in self.flags if tensor is None or f.tensor == tensor}
-
     def _fold_worst(self, key: tuple[str, str], stats: Mapping[str, float]) -> None:
         row = self.worst.setdefault(key, {})
         for stat, value in stats.items():
