@@ -282,10 +282,12 @@ def cast_mode(module: nn.Module) -> CastMode | None:
     return _te_cast_mode() if te_class_name(module) is not None else None
 
 
-def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, bool]:
+def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, torch.Tensor | bool]:
     """The delayed scale `module` will cast `watch`'s tensor with (read before the cast), and
-    whether it is still the initial one: no state yet (TE creates it, with scale 1, in its first
-    FP8 forward) or an amax history not yet sized (EmulatedFP8Linear before its first cast)."""
+    whether it is still the initial one (on the device, no host sync): no state yet (TE creates
+    it, with scale 1, in its first FP8 forward), an amax history not yet sized
+    (EmulatedFP8Linear before its first cast), or scale 1 with nothing recorded for this tensor
+    yet (the backward of the first step: the forward has sized the history, not filled it)."""
     meta = getattr(module, "fp8_meta", None)
     key = "scaling_bwd" if watch.direction == "backward" else "scaling_fwd"
     state = meta[key] if meta is not None and key in meta else None
@@ -293,7 +295,10 @@ def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, bool]:
     if scale is None or watch.slot is None or scale.numel() <= watch.slot:
         return torch.ones(()), True
     history = getattr(state, "amax_history", None)
-    return scale.reshape(-1)[watch.slot], history is not None and history.shape[0] == 0
+    current = scale.reshape(-1)[watch.slot]
+    if history is None or history.dim() != 2 or history.shape[1] <= watch.slot:
+        return current, history is not None and history.numel() == 0
+    return current, (current == 1) & (history[:, watch.slot] == 0).all()
 
 
 def multi_rank() -> bool:
@@ -312,7 +317,9 @@ class _Step:
     seen: set[int] = field(default_factory=set)
     modes: dict[str, CastMode | None] = field(default_factory=dict)
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
-    initial: set[int] = field(default_factory=set)  # rows cast with the initial delayed scale
+    # rows that may be cast with the initial delayed scale: whether they are (bool or 0-d device
+    # tensor, read in the step's one host transfer)
+    initial: dict[int, torch.Tensor | bool] = field(default_factory=dict)
     amax: torch.Tensor | None = None  # what-if amaxes of this step, one per row
     dump: dict[str, torch.Tensor] = field(default_factory=dict)
     dump_bytes: int = 0
@@ -482,8 +489,8 @@ class FP8Monitor:
             return
         row = sufficient_stats(value, fmt, scale, power_2=power_2)
         step.pending[idx] = row
-        if initial:
-            step.initial.add(idx)
+        if initial is not False:
+            step.initial[idx] = initial
         if whatif and step.recording:
             self._note_amax(idx, row[SUFFICIENT_INDEX["amax"]].float())
         if step.dumping and self._dump_re.search(name):
@@ -579,9 +586,12 @@ class FP8Monitor:
         if distributed:
             all_reduce_sufficient_stats(table)
         seen = table[:, SUFFICIENT_INDEX["seen"]]
-        host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen]).cpu().tolist()
-        if host[-1] > 0:  # the one host transfer of this step is above
-            self._raise_failure(int(host[-1]))
+        marks = torch.zeros(n, dtype=torch.float64, device=device)  # 1: initial scale
+        for idx, initial in step.initial.items():
+            marks[idx] = initial
+        host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen, marks]).cpu().tolist()
+        if host[-n - 1] > 0:  # the error flag; the one host transfer of this step is above
+            self._raise_failure(int(host[-n - 1]))
         return self._attempt(self._metrics, step, host) or {}
 
     def _metrics(self, step: _Step, host: list[float]) -> dict[str, float]:
@@ -593,7 +603,7 @@ class FP8Monitor:
             if host[n * width + i] == 0:
                 continue  # no rank saw this tensor (layer unused this step)
             stats = dict(zip(STAT_KEYS, host[i * width:(i + 1) * width], strict=True))
-            if i in step.initial:  # delayed scaling's first cast (scale 1): expected, so
+            if host[n * width + n + 1 + i] > 0:  # delayed scaling's first cast (scale 1): so
                 stats[INITIAL_SCALE] = 1.0  # marked, and neither flagged nor the run's worst
             table[(self.short[layer], tensor)] = stats
         flags = self.tracker.update(step.step or 0, table)

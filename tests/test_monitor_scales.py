@@ -95,6 +95,8 @@ def test_the_initial_delayed_scale_is_logged_but_neither_warned_about_nor_summar
         logged.append(monitor.finish_step())
     assert logged[0][layer_key("underflow_pct", "activation", "0")] == 100.0  # logged as it happened
     assert logged[0][layer_key("initial_scale", "activation", "0")] == 1.0  # and marked for the report
+    # the first backward casts with the initial scale too, though the forward sized the history
+    assert logged[0][layer_key("initial_scale", "gradient", "0")] == 1.0
     assert not any(k.startswith("fp8_initial_scale/") for k in logged[1])
     assert logged[1][layer_key("underflow_pct", "activation", "0")] == 0.0
     assert logged[2][layer_key("overflow_pct", "activation", "0")] > 0
