@@ -24,10 +24,8 @@ the pooling's all_reduce SUM; at that logging step every rank raises FP8MonitorE
 
 from __future__ import annotations
 
-import re
-import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -36,9 +34,9 @@ import torch
 from torch import nn
 
 from foundry_fp8 import emulate
+from foundry_fp8.filters import module_filter_fn, search
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import (
-    DEFAULT_THRESHOLDS,
     INITIAL_SCALE,
     Flag,
     HealthTracker,
@@ -48,7 +46,6 @@ from foundry_fp8.health import (
     short_layer,
     summary_metrics,
 )
-from foundry_fp8.lint.values import OPTION_VALUES, Recipe, check_options
 from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
@@ -60,95 +57,13 @@ from foundry_fp8.numerics import (
     finite_amax,
     sufficient_stats,
 )
-from foundry_fp8.recipe import FP8Recipe
-
-TENSOR_KINDS = ("activation", "weight", "gradient")
-CURRENT = FP8Recipe(scaling="current")
+from foundry_fp8.options import MonitorConfig, Schedule
+from foundry_fp8.te import probe
 
 
 class FP8MonitorError(RuntimeError):
     """The monitor failed on this rank or another (raised on every rank at the same logging
     step); training itself is unaffected."""
-
-
-def parse_recipe(option: str | Mapping[str, Any] | FP8Recipe | None) -> FP8Recipe:
-    """`current`, `delayed`, or a recipe mapping (`{scaling: delayed, amax_history_len: 16}`);
-    null means current. A bad one raises fp8_stats' one-line error (`check_options`)."""
-    if isinstance(option, FP8Recipe):
-        return option
-    check_options("fp8_stats", {"recipe": option})
-    recipe = OPTION_VALUES["fp8_stats"]["recipe"]
-    assert isinstance(recipe, Recipe)
-    return FP8Recipe.from_options(recipe.as_mapping(option))
-
-
-@dataclass(frozen=True)
-class MonitorConfig:
-    """Which layers and tensors to watch, the what-if recipe, warnings and dumps."""
-
-    include: str = ".*"
-    exclude: str | None = None
-    tensors: tuple[str, ...] = TENSOR_KINDS
-    recipe: FP8Recipe = CURRENT
-    max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct
-    max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct
-    min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim
-    dump_layers: str | None = None  # regex; None: every watched layer
-    dump_max_mb: float = 64.0
-    dump_folder: str | Path | None = None
-
-    def __post_init__(self) -> None:
-        # fp8_stats' option checks (foundry_fp8/lint/values.py); `include` is its `layers`
-        check_options("fp8_stats", {
-            "layers": self.include, "exclude": self.exclude, "tensors": self.tensors,
-            "max_underflow_pct": self.max_underflow_pct,
-            "max_overflow_pct": self.max_overflow_pct, "min_cos_sim": self.min_cos_sim,
-            "dump_layers": self.dump_layers, "dump_max_mb": self.dump_max_mb})
-
-
-def thresholds_of(config: MonitorConfig) -> Thresholds:
-    """The flagging limits a monitor warns with."""
-    return Thresholds(max_underflow_pct=config.max_underflow_pct,
-                      max_overflow_pct=config.max_overflow_pct, min_cos_sim=config.min_cos_sim)
-
-
-class NoLayersError(ValueError):
-    """`layers`/`exclude` select no layer: the statistics would silently be empty."""
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Which steps log (every `interval` in [start, end), plus the dump steps) and dump."""
-
-    interval: int = 1
-    start: int = 0
-    end: int | None = None
-    dump_steps: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_options("fp8_stats", {"interval": self.interval, "start": self.start,
-                                    "end": self.end, "dump_steps": self.dump_steps})
-
-    def logs(self, step: int) -> bool:
-        in_window = step >= self.start and (self.end is None or step < self.end)
-        return (in_window and step % self.interval == 0) or step in self.dump_steps
-
-    def dumps(self, step: int) -> bool:
-        return step in self.dump_steps
-
-    def next_log(self, step: int) -> int | None:
-        """The first logging step after `step`."""
-        first = max(step + 1, self.start)
-        candidates = [d for d in self.dump_steps if d > step]
-        regular = -(-first // self.interval) * self.interval
-        if self.end is None or regular < self.end:
-            candidates.append(regular)
-        return min(candidates, default=None)
-
-    def records(self, step: int, window: int) -> bool:
-        """Whether `step` lies in the `window` batches before a logging step."""
-        following = self.next_log(step)
-        return following is not None and following - step <= window
 
 
 @dataclass(frozen=True)
@@ -176,57 +91,45 @@ LINEAR_WATCHES = (Watch("activation", "activation", "input", emulate.FWD_INPUT),
 TE_WATCHES = {
     "Linear": LINEAR_WATCHES,
     "LayerNormLinear": LINEAR_WATCHES[1:],
-    "LayerNormMLP": (Watch("fc1_weight", "weight", "fc1_weight", 1),
-                     Watch("fc2_weight", "weight", "fc2_weight", 4)),
+    "LayerNormMLP": (Watch("fc1_weight", "weight", "fc1_weight", probe.GEMM1_WEIGHT),
+                     Watch("fc2_weight", "weight", "fc2_weight", probe.GEMM2_WEIGHT)),
 }
-
-
-def te_class_name(module: nn.Module) -> str | None:
-    """`Linear`, `LayerNormLinear` or `LayerNormMLP` for TE's modules (or subclasses), by class
-    name and module prefix: no TE import."""
-    for cls in type(module).__mro__:
-        if cls.__module__.startswith("transformer_engine") and cls.__name__ in TE_WATCHES:
-            return cls.__name__
-    return None
-
-
-def _ln_mlp_grad_slot() -> int | None:
-    """fc2's grad-output scale slot in TE's LayerNormMLP: GRAD_OUTPUT1 (0) up to TE 2.3,
-    GRAD_OUTPUT2 (2) from TE 2.4 (layernorm_mlp.py); None when TE's version is unknown."""
-    from foundry_fp8.te_backend import te_version
-
-    version = te_version()
-    if version is None:
-        return None
-    return 2 if version >= (2, 4) else 0
 
 
 def watches_for(module: nn.Module) -> tuple[Watch, ...] | None:
     """The tensors module hooks can see on `module`; None when it is not a watched layer."""
-    name = te_class_name(module)
+    name = probe.te_class_name(module)
     if name == "LayerNormMLP":
-        return (*TE_WATCHES[name], Watch("gradient", "gradient", "grad_output", _ln_mlp_grad_slot()))
+        return (*TE_WATCHES[name],
+                Watch("gradient", "gradient", "grad_output", probe.ln_mlp_gradient_slot()))
     if name is not None:
         return TE_WATCHES[name]
     return LINEAR_WATCHES if isinstance(module, nn.Linear) else None
 
 
 def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Module]:
-    """The watched layers whose names match `include` and not `exclude`, by their names without
-    DDP's, FSDP's and activation checkpointing's wrapper segments: the same regexes and metric names
-    with or without FSDP."""
-    named = canonical_modules(model)
-    return {
-        name: module for name, module in named
-        if watches_for(module) is not None and re.search(config.include, name)
-        and not (config.exclude and re.search(config.exclude, name))
-    }
+    """The watched layers whose names match `layers` and not `exclude`, by their names without
+    DDP's, FSDP's and activation checkpointing's wrapper segments: the same regexes and metric
+    names with or without FSDP."""
+    selected = module_filter_fn(config.PATH, config.layers, config.exclude)
+    return {name: module for name, module in canonical_modules(model)
+            if watches_for(module) is not None and selected(module, name)}
+
+
+def thresholds_of(config: MonitorConfig) -> Thresholds:
+    """The flagging limits a monitor warns with."""
+    return Thresholds(max_underflow_pct=config.max_underflow_pct,
+                      max_overflow_pct=config.max_overflow_pct, min_cos_sim=config.min_cos_sim)
+
+
+class NoLayersError(ValueError):
+    """`layers`/`exclude` select no layer: the statistics would silently be empty."""
 
 
 def no_layers_message(model: nn.Module, config: MonitorConfig) -> str:
     """One line: the regexes, how many linear layers there are, a few of their names."""
     names = [name for name, module in canonical_modules(model) if watches_for(module) is not None]
-    where = f"layers {config.include!r}" + (f" minus exclude {config.exclude!r}"
+    where = f"layers {config.layers!r}" + (f" minus exclude {config.exclude!r}"
                                             if config.exclude else "")
     if not names:
         return f"fp8_stats.{where}: the model has no linear layer to watch"
@@ -248,27 +151,9 @@ class CastMode:
         return self.backward_fmt if direction == "backward" else self.forward_fmt
 
 
-def _te_state_manager() -> Any:
-    """TE's FP8GlobalStateManager if TE is loaded (a TE module exists, so it is); no import."""
-    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
-        manager = getattr(sys.modules.get(name), "FP8GlobalStateManager", None)
-        if manager is not None:
-            return manager
-    return None
-
-
 def _te_cast_mode() -> CastMode | None:
-    manager = _te_state_manager()
-    if manager is None or not manager.is_fp8_enabled():
-        return None
-    recipe = manager.get_fp8_recipe()
-    kind = type(recipe).__name__
-    delayed = recipe.delayed() if hasattr(recipe, "delayed") else kind == "DelayedScaling"
-    if not delayed and kind != "Float8CurrentScaling":
-        return None  # block scaling (MXFP8, NVFP4): no per-tensor scale; report the what-if
-    fmt = getattr(getattr(recipe, "fp8_format", None), "name", "HYBRID")
-    return CastMode(delayed, "e5m2" if fmt == "E5M2" else "e4m3",
-                    "e4m3" if fmt == "E4M3" else "e5m2")
+    formats = probe.active_cast_formats()
+    return None if formats is None else CastMode(*formats)
 
 
 def cast_mode(module: nn.Module) -> CastMode | None:
@@ -279,7 +164,7 @@ def cast_mode(module: nn.Module) -> CastMode | None:
             return None
         return CastMode(recipe.scaling == "delayed", recipe.format_for("forward"),
                         recipe.format_for("backward"), recipe.use_power_2_scales)
-    return _te_cast_mode() if te_class_name(module) is not None else None
+    return _te_cast_mode() if probe.te_class_name(module) is not None else None
 
 
 def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, torch.Tensor | bool]:
@@ -355,7 +240,6 @@ class FP8Monitor:
         recipe = self.config.recipe
         self._whatif_fp8_max = torch.tensor(
             [FP8_MAX[recipe.format_for(w.direction)] for ws in self._watches.values() for w in ws])
-        self._dump_re = re.compile(self.config.dump_layers or ".*")
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._step: _Step | None = None
         self._history: torch.Tensor | None = None  # what-if delayed state [len, rows]
@@ -493,7 +377,9 @@ class FP8Monitor:
             step.initial[idx] = initial
         if whatif and step.recording:
             self._note_amax(idx, row[SUFFICIENT_INDEX["amax"]].float())
-        if step.dumping and self._dump_re.search(name):
+        dump_layers = self.config.dump_layers
+        if step.dumping and (dump_layers is None or search(f"{self.config.PATH}.dump_layers",
+                                                           dump_layers, name)):
             self._add_dump(f"{name}/{watch.name}", value, -row[SUFFICIENT_INDEX["neg_scale"]])
 
     def _note_amax(self, idx: int, amax: torch.Tensor) -> None:
@@ -535,7 +421,8 @@ class FP8Monitor:
 
     def finish_step(self) -> dict[str, float]:
         """Remove hooks; on a logging step, pool the statistics over ranks and return the
-        step's series (`health.keys` layout), warning once per layer, tensor and rule flagged. Raises FP8MonitorError when the monitor failed on any rank: in a single
+        step's series (`health.keys` layout), warning once per layer, tensor and rule flagged.
+        Raises FP8MonitorError when the monitor failed on any rank: in a single
         process at once, under several ranks on every rank at the first logging step since."""
         step = self._step
         self.abort()

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+from foundry_fp8.recipe import FP8_MAX
+
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -184,12 +185,6 @@ def empty_sufficient_stats(n: int, device: torch.device | str | None = None) -> 
     rows = torch.zeros(n, len(SUFFICIENT_KEYS), dtype=torch.float64, device=device)
     rows[:, len(SUM_KEYS):] = -torch.inf
     return rows
-
-
-def pool_sufficient_stats(rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Pool sufficient statistics along `dim` (e.g. pieces of one tensor): sum or max per key."""
-    sums, maxes = rows.split([len(SUM_KEYS), len(MAX_KEYS)], dim=-1)
-    return torch.cat([sums.sum(dim), maxes.amax(dim)], dim=-1)
 
 
 def all_reduce_sufficient_stats(rows: torch.Tensor, group: object | None = None) -> torch.Tensor:

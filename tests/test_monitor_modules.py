@@ -75,7 +75,7 @@ def _step(model: nn.Module, monitor: FP8Monitor) -> tuple[dict, dict]:
 def test_selects_linear_emulated_and_te_modules_by_class_name():
     model = _model()
     assert sorted(select_layers(model, MonitorConfig())) == ["0", "1", "2", "3", "4", "5"]
-    assert sorted(select_layers(model, MonitorConfig(include="[1-4]", exclude="3"))) == [
+    assert sorted(select_layers(model, MonitorConfig(layers="[1-4]", exclude="3"))) == [
         "1", "2", "4"]
 
 
@@ -125,9 +125,9 @@ def _te_state(module: nn.Module, fwd: list[float], bwd: list[float]) -> None:
 
 @pytest.mark.parametrize("te", [None, (2, 3, 0), (2, 20, 2)], ids=["no-te", "te-2.3", "te-2.20"])
 def test_te_modules_under_delayed_fp8_report_their_own_scales(monkeypatch, te):
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import probe
 
-    monkeypatch.setattr(te_backend, "te_version", lambda: te)  # not whatever TE is installed
+    monkeypatch.setattr(probe, "te_version", lambda: te)  # not whatever TE is installed
     fake = types.ModuleType("transformer_engine.pytorch.quantization")
     fake.FP8GlobalStateManager = _FakeStateManager
     monkeypatch.setitem(__import__("sys").modules, fake.__name__, fake)
@@ -168,7 +168,7 @@ def test_wrapped_layers_keep_their_plain_names():
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 8))
     model[0] = checkpoint_wrapper(model[0])
     assert "0._checkpoint_wrapped_module.0" in dict(model.named_modules())
-    assert list(select_layers(model, MonitorConfig(include=r"^0\.0$"))) == ["0.0"]
+    assert list(select_layers(model, MonitorConfig(layers=r"^0\.0$"))) == ["0.0"]
     monitor = FP8Monitor(model, MonitorConfig())
     x = torch.randn(4, 8)
     monitor.start_step()
@@ -181,7 +181,7 @@ def test_wrapped_layers_keep_their_plain_names():
 def test_layers_that_match_nothing_fail_naming_the_key_and_real_names():
     model = _model()
     with pytest.raises(NoLayersError) as caught:
-        FP8Monitor(model, MonitorConfig(include="^transformer"))
+        FP8Monitor(model, MonitorConfig(layers="^transformer"))
     assert str(caught.value) == ("fp8_stats.layers '^transformer' matches none of the model's 6 "
                                  "linear layers (names are searched with re.search, e.g. 0, 1, "
                                  "2, 3, ...)")

@@ -13,12 +13,9 @@ from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
 from foundry_fp8.jsonl import JsonlSink
-from foundry_fp8.lint.values import check_options
+from foundry_fp8.options import build
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PATH = "runs/{run_name}/metrics.jsonl"
-PLACEHOLDERS = ("run_name",)
 
 
 class JSONLLogger(LoggerDestination):
@@ -35,10 +32,10 @@ class JSONLLogger(LoggerDestination):
     the logger stops writing while training goes on; `strict: true` raises instead.
     """
 
-    def __init__(self, path: str = DEFAULT_PATH, strict: bool = False):
-        check_options("jsonl", locals())  # path: a template with known placeholders
-        self.path_template = path
-        self.strict = strict
+    def __init__(self, **options: Any):
+        self.options = build("jsonl", options)  # one line naming loggers.jsonl.<key>
+        self.path_template: str = self.options.path
+        self.strict: bool = self.options.strict
         self.sink: JsonlSink | None = None  # rank 0's file (set even once writing stopped)
         self.stopped = False  # a write failed: nothing more is written
         self._pending_hparams: dict[str, Any] = {}

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from composer.core import Callback, State
@@ -14,18 +14,10 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from foundry_fp8.fp8_meta import canonical_modules
-from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
-from foundry_fp8.lint.values import as_items, batches, check_options
-from foundry_fp8.monitor import (
-    FP8Monitor,
-    FP8MonitorError,
-    MonitorConfig,
-    NoLayersError,
-    Schedule,
-    multi_rank,
-    parse_recipe,
-)
-from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
+from foundry_fp8.health.keys import parse_key
+from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
+from foundry_fp8.options import MonitorConfig, Schedule, build
+from foundry_fp8.te.debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 
 log = logging.getLogger(__name__)
 
@@ -67,32 +59,22 @@ class FP8Stats(Callback):
     the failing rank instead: the job then dies, the other ranks being ended by the launcher.
     """
 
-    def __init__(self, interval: int | str = "100ba", start: int = 0, end: int | None = None,
-                 layers: str = ".*", exclude: str | None = None,
-                 tensors: Sequence[str] = ("activation", "weight", "gradient"),
-                 recipe: str | Mapping[str, Any] = "current",
-                 max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct,
-                 max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct,
-                 min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim,
-                 dump_steps: int | Sequence[int] = (), dump_layers: str | None = None,
-                 dump_max_mb: float = 64.0, dump_folder: str | None = None,
-                 te_debug: Literal["delayed", "current"] | None = None,
-                 te_debug_folder: str = "te_debug", strict: bool = False):
-        check_options("fp8_stats", locals())  # one-line errors naming callbacks.fp8_stats.<key>
-        self.schedule = Schedule(batches(interval), start, end, as_items(dump_steps))
-        self.config = MonitorConfig(include=layers, exclude=exclude, tensors=tuple(tensors),
-                                    recipe=parse_recipe(recipe),
-                                    max_underflow_pct=max_underflow_pct,
-                                    max_overflow_pct=max_overflow_pct, min_cos_sim=min_cos_sim,
-                                    dump_layers=dump_layers, dump_max_mb=dump_max_mb)
-        self.dump_folder = dump_folder
-        self.strict = strict
+    def __init__(self, **options: Any):
+        self.options = build("fp8_stats", options)  # one line naming callbacks.fp8_stats.<key>
+        self.schedule: Schedule = self.options.schedule
+        self.config: MonitorConfig = self.options.monitor
+        self.dump_folder: str | None = self.options.dump_folder
+        self.strict: bool = self.options.strict
         self.monitor: FP8Monitor | None = None
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
-        self.te_debug = _start_te_debug(te_debug, layers, exclude, self.config.tensors,
-                                        self.schedule, Path(te_debug_folder),
+        #: Called on every rank at each logging step with (step, table, flags): the pooled
+        #: `{(layer, tensor): {stat: value}}` and the health flags raised (fp8_guard's input).
+        self.listeners: list[Callable[[int, dict, dict], None]] = []
+        self.te_debug = _start_te_debug(self.options.te_debug, self.config.layers,
+                                        self.config.exclude, self.config.tensors, self.schedule,
+                                        Path(self.options.te_debug_folder),
                                         self._te_metrics.__setitem__)
 
     # Composer's named events; each runs under `_guarded` (our error never stops training).
@@ -175,6 +157,10 @@ class FP8Stats(Callback):
         if self.monitor is None:
             return
         metrics = self.monitor.finish_step()  # raises only on every rank together
+        if metrics and self.listeners:
+            table = stats_table(metrics)
+            for listener in self.listeners:
+                listener(self._step, table, {})
         if self.te_debug is not None:
             self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
             metrics.update(self._te_metrics)
@@ -206,6 +192,21 @@ class FP8Stats(Callback):
             log.exception("fp8_stats: %s failed on rank 0; the statistics go on", what)
 
 
+def stats_table(metrics: Mapping[str, float]) -> dict[tuple[str, str], dict[str, float]]:
+    """`{(layer, tensor): {stat: value}}` from the monitor's per-layer metrics (the health key
+    layout, or the older `fp8/<layer>/<tensor>/<stat>`); other keys are left out."""
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    for key, value in metrics.items():
+        parsed = parse_key(key)
+        if parsed is None and key.startswith("fp8/") and key.count("/") >= 3:
+            layer, tensor, stat = key.removeprefix("fp8/").rsplit("/", 2)
+            parsed = stat, tensor, layer
+        if parsed is not None:
+            stat, tensor, layer = parsed
+            table.setdefault((layer, tensor), {})[stat] = value
+    return table
+
+
 def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
                     tensors: Sequence[str], schedule: Schedule, folder: Path,
                     sink: Callable[[str, float], None]) -> TEDebugSession | None:
@@ -215,9 +216,9 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
     before the model."""
     if scaling is None:
         return None
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te.probe import te_available
 
-    if not te_backend.te_available():
+    if not te_available():
         raise RuntimeError("fp8_stats.te_debug: needs TransformerEngine and nvdlfw-inspect "
                            "(pip install 'foundry-fp8[te]' on a GPU machine); without TE, "
                            "leave te_debug unset: the module-hook statistics work anywhere")
