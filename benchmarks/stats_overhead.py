@@ -87,7 +87,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 def time_run(interval: int | None, batches: int, data: Any, root: Path) -> tuple[list[float], int]:
-    """Per-batch seconds of one tiny run, and how many fp8/ metrics one logging step wrote."""
+    """Per-batch seconds of one tiny run, and how many FP8 metrics one logging step wrote."""
     from composer.core import Callback
 
     class BatchEndStamps(Callback):  # appended last: runs after fp8_stats' BATCH_END work
@@ -117,7 +117,8 @@ def time_run(interval: int | None, batches: int, data: Any, root: Path) -> tuple
         train_module.Trainer = original
     from foundry_fp8.jsonl import read_jsonl
 
-    per_step = [sum(k.startswith("fp8/") for k in m) for _, m in read_jsonl(run_folder(root) / "metrics.jsonl")]
+    per_step = [sum(k.startswith(("fp8/", "fp8_")) for k in m)  # summary and per-layer series
+                for _, m in read_jsonl(run_folder(root) / "metrics.jsonl")]
     return step_durations(stamps.stamps), max(per_step, default=0)
 
 
@@ -171,8 +172,8 @@ Versions: {", ".join(f"{k} {v}" for k, v in result["versions"].items())}.
 Method: {cfg["rounds"]} rounds, each one run without `fp8_stats` and one with it at interval
 {cfg["interval"]} (order alternating), {cfg["batches"]} batches per run, the first {cfg["warmup"]} dropped.
 Every batch is timed by Composer BATCH_END timestamps. Each logging step
-({cfg["metrics_per_logging_step"]} `fp8/` metrics: every linear layer x activation/weight/gradient
-x every statistic) and the step after it are compared with the median of the three steps just
+({cfg["metrics_per_logging_step"]} FP8 metrics: every linear layer x activation/weight/gradient
+x every statistic, plus the summary series) and the step after it are compared with the median of the three steps just
 before it in the same run, so load changes on the shared machine cancel out. Figures: median
 over rounds (min, max).
 
