@@ -105,7 +105,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 def time_run(interval: int | None, batches: int, data: Any, root: Path) -> tuple[list[float], int]:
-    """Per-batch seconds of one tiny run, and how many fp8/ metrics one logging step wrote."""
+    """Per-batch seconds of one tiny run, and how many FP8 metrics one logging step wrote."""
     from composer.core import Callback
 
     class BatchEndStamps(Callback):  # appended last: runs after fp8_stats' BATCH_END work
@@ -136,7 +136,8 @@ def time_run(interval: int | None, batches: int, data: Any, root: Path) -> tuple
         train_module.Trainer = original
     from foundry_fp8.jsonl import read_jsonl
 
-    per_step = [sum(k.startswith("fp8") for k in m) for _, m in read_jsonl(run_folder(root) / "metrics.jsonl")]
+    per_step = [sum(k.startswith(("fp8/", "fp8_")) for k in m)  # summary and per-layer series
+                for _, m in read_jsonl(run_folder(root) / "metrics.jsonl")]
     return step_durations(stamps.stamps), max(per_step, default=0)
 
 

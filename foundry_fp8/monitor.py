@@ -25,7 +25,7 @@ the pooling's all_reduce SUM; at that logging step every rank raises FP8MonitorE
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -36,6 +36,16 @@ from torch import nn
 from foundry_fp8 import emulate
 from foundry_fp8.filters import module_filter_fn, search
 from foundry_fp8.fp8_meta import canonical_modules
+from foundry_fp8.health import (
+    INITIAL_SCALE,
+    Flag,
+    HealthTracker,
+    Thresholds,
+    layer_key,
+    render_table,
+    short_layer,
+    summary_metrics,
+)
 from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
@@ -106,6 +116,28 @@ def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Modul
             if watches_for(module) is not None and selected(module, name)}
 
 
+def thresholds_of(config: MonitorConfig) -> Thresholds:
+    """The flagging limits a monitor warns with."""
+    return Thresholds(max_underflow_pct=config.max_underflow_pct,
+                      max_overflow_pct=config.max_overflow_pct, min_cos_sim=config.min_cos_sim)
+
+
+class NoLayersError(ValueError):
+    """`layers`/`exclude` select no layer: the statistics would silently be empty."""
+
+
+def no_layers_message(model: nn.Module, config: MonitorConfig) -> str:
+    """One line: the regexes, how many linear layers there are, a few of their names."""
+    names = [name for name, module in canonical_modules(model) if watches_for(module) is not None]
+    where = f"layers {config.layers!r}" + (f" minus exclude {config.exclude!r}"
+                                            if config.exclude else "")
+    if not names:
+        return f"fp8_stats.{where}: the model has no linear layer to watch"
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (f"fp8_stats.{where} matches none of the model's {len(names)} linear layers "
+            f"(names are searched with re.search, e.g. {shown})")
+
+
 @dataclass(frozen=True)
 class CastMode:
     """How a module casts its GEMM inputs in this forward."""
@@ -135,10 +167,12 @@ def cast_mode(module: nn.Module) -> CastMode | None:
     return _te_cast_mode() if probe.te_class_name(module) is not None else None
 
 
-def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, bool]:
+def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, torch.Tensor | bool]:
     """The delayed scale `module` will cast `watch`'s tensor with (read before the cast), and
-    whether it is still the initial one: no state yet (TE creates it, with scale 1, in its first
-    FP8 forward) or an amax history not yet sized (EmulatedFP8Linear before its first cast)."""
+    whether it is still the initial one (on the device, no host sync): no state yet (TE creates
+    it, with scale 1, in its first FP8 forward), an amax history not yet sized
+    (EmulatedFP8Linear before its first cast), or scale 1 with nothing recorded for this tensor
+    yet (the backward of the first step: the forward has sized the history, not filled it)."""
     meta = getattr(module, "fp8_meta", None)
     key = "scaling_bwd" if watch.direction == "backward" else "scaling_fwd"
     state = meta[key] if meta is not None and key in meta else None
@@ -146,63 +180,10 @@ def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, bool]:
     if scale is None or watch.slot is None or scale.numel() <= watch.slot:
         return torch.ones(()), True
     history = getattr(state, "amax_history", None)
-    return scale.reshape(-1)[watch.slot], history is not None and history.shape[0] == 0
-
-
-def non_finite(stats: Mapping[str, float]) -> str:
-    """`3 NaN and 1 Inf values` for a tensor that held them; '' for a finite one."""
-    counts = [f"{stats[key]:.0f} {name}" for key, name in (("nan_count", "NaN"),
-                                                          ("inf_count", "Inf"))
-              if stats.get(key, 0) > 0]
-    return f"{' and '.join(counts)} values" if counts else ""
-
-
-def advice(layer: str, tensor: str, stats: dict[str, float], config: MonitorConfig) -> str | None:
-    """A warning for a layer whose FP8 numbers cross a threshold, with the usual remedies, or
-    whose tensor holds NaN or Inf (its other statistics are those of its finite values): what
-    `foundry-fp8 report` flags (`report.findings`), a test checks."""
-    if found := non_finite(stats):
-        return (f"FP8 {tensor} of layer '{layer}': {found} in the high-precision tensor, "
-                "before any FP8 cast (its statistics count the finite values only). Look for "
-                "divergence (loss, learning rate, gradient clipping) or an overflow upstream "
-                "of this layer.")
-    problems = []
-    if stats["underflow_pct"] > config.max_underflow_pct:
-        problems.append(f"{stats['underflow_pct']:.2f}% of values underflow to 0")
-    if stats["overflow_pct"] > config.max_overflow_pct:
-        problems.append(f"{stats['overflow_pct']:.2f}% of values overflow")
-    if stats["cos_sim"] < config.min_cos_sim:
-        problems.append(f"cosine similarity with FP8 round trip {stats['cos_sim']:.4f}")
-    if not problems:
-        return None
-    return (f"FP8 {tensor} of layer '{layer}': {'; '.join(problems)} (amax {stats['amax']:.3g}, "
-            f"scale ratio {stats['scale_ratio']:.3g}). Remedies: keep this layer (or the "
-            "first/last blocks) in BF16, use current scaling, or a longer amax history.")
-
-
-#: Fit-end summary columns: (column, statistic, how the worst value is picked).
-SUMMARY_COLUMNS: tuple[tuple[str, str, Callable[[float, float], float]], ...] = (
-    ("underflow_pct", "underflow_pct", max), ("overflow_pct", "overflow_pct", max),
-    ("cos_sim", "cos_sim", min), ("mse", "mse", max),
-    ("min_scale_ratio", "scale_ratio", min), ("max_scale_ratio", "scale_ratio", max))
-
-
-def fold_worst(table: dict[tuple[str, str], dict[str, float]], key: tuple[str, str],
-               stats: Mapping[str, float]) -> None:
-    """Fold one step's statistics of (layer, tensor) into the worst values seen so far."""
-    row = table.setdefault(key, {})
-    for column, stat, pick in SUMMARY_COLUMNS:
-        value = stats.get(stat)
-        if value is not None and value == value:  # NaN is reported by nan_count, not ranked
-            row[column] = pick(row.get(column, value), value)
-
-
-def render_summary(table: Mapping[tuple[str, str], Mapping[str, float]]) -> str:
-    """Markdown table of the worst values, worst underflow first (the report's table, which
-    `foundry-fp8 report` prints too); empty when nothing was logged."""
-    from foundry_fp8.report import render
-
-    return render(dict(table)) if table else ""
+    current = scale.reshape(-1)[watch.slot]
+    if history is None or history.dim() != 2 or history.shape[1] <= watch.slot:
+        return current, history is not None and history.numel() == 0
+    return current, (current == 1) & (history[:, watch.slot] == 0).all()
 
 
 def multi_rank() -> bool:
@@ -221,7 +202,9 @@ class _Step:
     seen: set[int] = field(default_factory=set)
     modes: dict[str, CastMode | None] = field(default_factory=dict)
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
-    initial: set[int] = field(default_factory=set)  # rows cast with the initial delayed scale
+    # rows that may be cast with the initial delayed scale: whether they are (bool or 0-d device
+    # tensor, read in the step's one host transfer)
+    initial: dict[int, torch.Tensor | bool] = field(default_factory=dict)
     amax: torch.Tensor | None = None  # what-if amaxes of this step, one per row
     dump: dict[str, torch.Tensor] = field(default_factory=dict)
     dump_bytes: int = 0
@@ -232,8 +215,9 @@ class FP8Monitor:
     """Collects FP8 statistics on the steps you choose: `start_step(step)` ... `finish_step()`.
 
     `start_step()` without a step logs that step; with a step number, `schedule` decides (log,
-    dump, or record amaxes for a delayed `recipe` what-if). `finish_step()` returns
-    `{"fp8/<layer>/<tensor>/<stat>": value}` (pooled over ranks, the same on every rank).
+    dump, or record amaxes for a delayed `recipe` what-if). `finish_step()` returns the
+    per-layer series `fp8_<stat>/<tensor>/<layer>` and the summary series `fp8/<tensor>/<name>`
+    (`health.keys`; pooled over ranks, the same on every rank), judged by `self.tracker`.
     """
 
     def __init__(self, model: nn.Module, config: MonitorConfig | None = None,
@@ -245,6 +229,8 @@ class FP8Monitor:
         if self.schedule.dump_steps and self.config.dump_folder is None:
             raise ValueError("fp8_stats.dump_steps: needs a dump_folder")
         self.layers = select_layers(model, self.config)
+        if not self.layers:
+            raise NoLayersError(no_layers_message(model, self.config))
         self.on_warning = on_warning or (lambda msg: warnings.warn(msg, stacklevel=2))
         self._watches = {name: tuple(w for w in watches_for(module) or ()
                                      if w.kind in self.config.tensors)
@@ -256,12 +242,16 @@ class FP8Monitor:
             [FP8_MAX[recipe.format_for(w.direction)] for ws in self._watches.values() for w in ws])
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._step: _Step | None = None
-        self._warned: set[tuple[str, str, bool]] = set()  # (layer, tensor, NaN/Inf)
         self._history: torch.Tensor | None = None  # what-if delayed state [len, rows]
         self._scale: torch.Tensor | None = None
         self._folds = 0  # delayed what-if updates so far
         self.error: BaseException | None = None
-        self.worst: dict[tuple[str, str], dict[str, float]] = {}
+        self._dump_failed = False  # warned once about a dump that could not be written
+        self.tracker = HealthTracker(thresholds_of(self.config))
+        self.short = {name: short_layer(name) for name in self.layers}  # names in keys
+        # the last logging step's statistics and flags, for listeners (the guard)
+        self.table: dict[tuple[str, str], dict[str, float]] = {}
+        self.flags: dict[tuple[str, str], list[Flag]] = {}
 
     @property
     def record_window(self) -> int:
@@ -383,8 +373,8 @@ class FP8Monitor:
             return
         row = sufficient_stats(value, fmt, scale, power_2=power_2)
         step.pending[idx] = row
-        if initial:
-            step.initial.add(idx)
+        if initial is not False:
+            step.initial[idx] = initial
         if whatif and step.recording:
             self._note_amax(idx, row[SUFFICIENT_INDEX["amax"]].float())
         dump_layers = self.config.dump_layers
@@ -430,9 +420,9 @@ class FP8Monitor:
         self._handles.clear()
 
     def finish_step(self) -> dict[str, float]:
-        """Remove hooks; on a logging step, pool the statistics over ranks and return
-        `{"fp8/<layer>/<tensor>/<stat>": value}`, warning once per layer and tensor that crosses
-        a threshold. Raises FP8MonitorError when the monitor failed on any rank: in a single
+        """Remove hooks; on a logging step, pool the statistics over ranks and return the
+        step's series (`health.keys` layout), warning once per layer, tensor and rule flagged.
+        Raises FP8MonitorError when the monitor failed on any rank: in a single
         process at once, under several ranks on every rank at the first logging step since."""
         step = self._step
         self.abort()
@@ -483,33 +473,40 @@ class FP8Monitor:
         if distributed:
             all_reduce_sufficient_stats(table)
         seen = table[:, SUFFICIENT_INDEX["seen"]]
-        host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen]).cpu().tolist()
-        if host[-1] > 0:  # the one host transfer of this step is above
-            self._raise_failure(int(host[-1]))
+        marks = torch.zeros(n, dtype=torch.float64, device=device)  # 1: initial scale
+        for idx, initial in step.initial.items():
+            marks[idx] = initial
+        host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen, marks]).cpu().tolist()
+        if host[-n - 1] > 0:  # the error flag; the one host transfer of this step is above
+            self._raise_failure(int(host[-n - 1]))
         return self._attempt(self._metrics, step, host) or {}
 
     def _metrics(self, step: _Step, host: list[float]) -> dict[str, float]:
+        """Per-layer and summary series (`health.keys` layout); warns once per layer, tensor
+        and rule that the health rules flag."""
         n, width = len(self.rows), len(STAT_KEYS)
-        metrics: dict[str, float] = {}
+        table: dict[tuple[str, str], dict[str, float]] = {}
         for i, (layer, tensor) in enumerate(self.rows):
             if host[n * width + i] == 0:
                 continue  # no rank saw this tensor (layer unused this step)
             stats = dict(zip(STAT_KEYS, host[i * width:(i + 1) * width], strict=True))
-            metrics.update({f"fp8/{layer}/{tensor}/{k}": v for k, v in stats.items()})
-            if i in step.initial:  # delayed scaling's first cast (scale 1): expected, so
-                # neither advice nor the run's worst; logged, and marked for the report
-                metrics[f"fp8/{layer}/{tensor}/initial_scale"] = 1.0
-                continue
-            fold_worst(self.worst, (layer, tensor), stats)
-            message = advice(layer, tensor, stats, self.config)
-            key = (layer, tensor, bool(non_finite(stats)))  # NaN/Inf warn after a threshold
-            if message and key not in self._warned:
-                self._warned.add(key)
-                self.on_warning(message)
+            if host[n * width + n + 1 + i] > 0:  # delayed scaling's first cast (scale 1): so
+                stats[INITIAL_SCALE] = 1.0  # marked, and neither flagged nor the run's worst
+            table[(self.short[layer], tensor)] = stats
+        flags = self.tracker.update(step.step or 0, table)
+        self.table, self.flags = table, flags
+        for found in flags.values():
+            for flag in found:
+                if flag.new:
+                    self.on_warning(flag.message)
+        metrics = {layer_key(stat, tensor, layer): value
+                   for (layer, tensor), stats in table.items() for stat, value in stats.items()}
+        metrics.update(summary_metrics(table, flags))
         return metrics
 
     def _write_dump(self, step: _Step) -> None:
         """One safetensors file per step and rank: `<layer>/<tensor>` and its `/scale`."""
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         assert step.step is not None and self.config.dump_folder is not None
@@ -520,8 +517,12 @@ class FP8Monitor:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(path), metadata={"step": str(step.step), "rank": str(rank)})
-        except OSError as e:  # a full disk on one rank must not desynchronise the ranks
-            self.on_warning(f"fp8 dump {path} not written: {e}")
+        except (OSError, SafetensorError) as e:  # a full disk, a folder gone unwritable: skip
+            # this dump, statistics go on (and the ranks stay in step)
+            if not self._dump_failed:
+                self.on_warning(f"fp8 dump {path} not written ({e}); the statistics go on, "
+                                "later dumps are tried and not reported")
+            self._dump_failed = True
             return
         if step.left_out:
             self.on_warning(f"fp8 dump {path}: dump_max_mb={self.config.dump_max_mb:g} reached; "
@@ -529,5 +530,5 @@ class FP8Monitor:
                             "dump_layers)")
 
     def summary(self) -> str:
-        """The worst value per layer and tensor over every logged step (markdown)."""
-        return render_summary(self.worst)
+        """The worst value per layer and tensor over every judged step (markdown)."""
+        return render_table(self.tracker.worst)

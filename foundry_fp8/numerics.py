@@ -19,7 +19,7 @@ FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 #: Order of the values `tensor_stats_tensor` and `finalize_stats` return.
-STAT_KEYS = ("amax", "amin", "underflow_pct", "overflow_pct", "mse", "cos_sim", "scale",
+STAT_KEYS = ("amax", "amin", "underflow_pct", "overflow_pct", "mse", "rel_mse", "cos_sim", "scale",
              "current_scale", "scale_ratio", "nan_count", "inf_count")
 
 #: Sufficient statistics of one tensor (`sufficient_stats`), in this order: the SUM_KEYS pool by
@@ -202,7 +202,7 @@ def all_reduce_sufficient_stats(rows: torch.Tensor, group: object | None = None)
 
 def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     """Sufficient statistics [..., K] -> the statistics [..., len(STAT_KEYS)] (float64, same
-    device). Percentages and mse are over the finite elements; `scale` is the smallest pooled
+    device). Percentages and mse are over the finite elements, rel_mse = ‖x - fp8(x)‖² / ‖x‖²; `scale` is the smallest pooled
     scale; `current_scale` is `fp8_max / amax` of the pooled amax (no margin);
     `scale_ratio = scale / current_scale`."""
     s = {key: rows[..., i] for i, key in enumerate(SUFFICIENT_KEYS)}
@@ -216,6 +216,9 @@ def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     stats = {
         "amax": s["amax"], "amin": amin, "underflow_pct": s["underflow"] * 100.0 / count,
         "overflow_pct": s["overflow"] * 100.0 / count, "mse": s["sq_error"] / count,
+        # the error relative to the tensor's own size, comparable across layers and tensors
+        "rel_mse": torch.where(s["x_sq"] > 0, s["sq_error"] / s["x_sq"].clamp_min(1e-300),
+                               torch.zeros_like(s["x_sq"])),
         "cos_sim": cos, "scale": scale, "current_scale": current, "scale_ratio": scale / current,
         "nan_count": s["nan_count"], "inf_count": s["inf_count"],
     }

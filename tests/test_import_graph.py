@@ -26,8 +26,6 @@ TOOLS = ("lint", "report", "doctor", "cli", "environment", "tools")
 #: Violations another engineer is removing this session, each with who and why; the lead
 #: shrinks this at the end (an entry no longer violated fails, so it cannot go stale).
 ALLOWED: dict[tuple[str, str], str] = {
-    # health: fit-end summary table moves from report.render to health/ (15.2)
-    ("runtime", "foundry_fp8.monitor -> foundry_fp8.report"): "health",
 }
 
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from foundry_fp8.emulate import EmulatedFP8Linear
-from foundry_fp8.monitor import FP8Monitor, MonitorConfig, select_layers
+from foundry_fp8.health import layer_key, parse_key
+from foundry_fp8.monitor import FP8Monitor, MonitorConfig, NoLayersError, select_layers
 from foundry_fp8.numerics import tensor_stats
 
 TE_MODULE = "transformer_engine.pytorch.module.fake"
@@ -83,22 +84,23 @@ def test_each_module_type_exposes_its_tensors():
     metrics, seen = _step(model, FP8Monitor(model, MonitorConfig(), on_warning=lambda _: None))
     tensors = {}
     for key in metrics:
-        _, layer, tensor, _ = key.split("/")
-        tensors.setdefault(layer, set()).add(tensor)
+        if parsed := parse_key(key):  # not the summary series
+            tensors.setdefault(parsed[2], set()).add(parsed[1])
     linear = {"activation", "weight", "gradient"}
     assert tensors == {"0": linear, "1": linear, "2": linear, "5": linear,
                        "3": {"weight", "gradient"},  # the hook's input is pre-norm: not reported
                        "4": {"fc1_weight", "fc2_weight", "gradient"}}
     mlp = model[4]
-    assert metrics["fp8/4/fc2_weight/amax"] == pytest.approx(tensor_stats(mlp.fc2_weight)["amax"])
-    assert metrics["fp8/4/fc1_weight/underflow_pct"] == pytest.approx(
+    assert metrics[layer_key("amax", "fc2_weight", "4")] == pytest.approx(tensor_stats(mlp.fc2_weight)["amax"])
+    assert metrics[layer_key("underflow_pct", "fc1_weight", "4")] == pytest.approx(
         tensor_stats(mlp.fc1_weight)["underflow_pct"])
     grad = tensor_stats(seen["mlp_grad_output"], "e5m2")  # fc2's dY is the module's grad output
-    assert metrics["fp8/4/gradient/amax"] == pytest.approx(grad["amax"])
-    assert metrics["fp8/4/gradient/mse"] == pytest.approx(grad["mse"])
+    assert metrics[layer_key("amax", "gradient", "4")] == pytest.approx(grad["amax"])
+    assert metrics[layer_key("mse", "gradient", "4")] == pytest.approx(grad["mse"])
     only_weights = FP8Monitor(model, MonitorConfig(tensors=("weight",)))
     metrics, _ = _step(model, only_weights)
-    assert {k.split("/")[2] for k in metrics} == {"weight", "fc1_weight", "fc2_weight"}
+    assert {parsed[1] for k in metrics if (parsed := parse_key(k))} == {
+        "weight", "fc1_weight", "fc2_weight"}
 
 
 class _FakeStateManager:
@@ -134,27 +136,27 @@ def test_te_modules_under_delayed_fp8_report_their_own_scales(monkeypatch, te):
     _te_state(model[3], [1.0, 32.0, 1.0], [64.0, 1.0])
     _te_state(model[4], [1.0, 2.0, 1.0, 1.0, 0.5, 1.0], [128.0, 1.0, 256.0, 1.0])
     metrics, seen = _step(model, FP8Monitor(model, MonitorConfig(), on_warning=lambda _: None))
-    assert metrics["fp8/2/activation/scale"] == 4.0
-    assert metrics["fp8/2/weight/scale"] == 8.0
-    assert metrics["fp8/2/gradient/scale"] == 16.0
-    assert metrics["fp8/3/weight/scale"] == 32.0 and metrics["fp8/3/gradient/scale"] == 64.0
-    assert metrics["fp8/4/fc1_weight/scale"] == 2.0 and metrics["fp8/4/fc2_weight/scale"] == 0.5
-    assert metrics["fp8/4/fc2_weight/overflow_pct"] == pytest.approx(
+    assert metrics[layer_key("scale", "activation", "2")] == 4.0
+    assert metrics[layer_key("scale", "weight", "2")] == 8.0
+    assert metrics[layer_key("scale", "gradient", "2")] == 16.0
+    assert metrics[layer_key("scale", "weight", "3")] == 32.0 and metrics[layer_key("scale", "gradient", "3")] == 64.0
+    assert metrics[layer_key("scale", "fc1_weight", "4")] == 2.0 and metrics[layer_key("scale", "fc2_weight", "4")] == 0.5
+    assert metrics[layer_key("overflow_pct", "fc2_weight", "4")] == pytest.approx(
         tensor_stats(model[4].fc2_weight, scale=0.5)["overflow_pct"])
     # fc2's grad-output slot depends on TE's version: GRAD_OUTPUT1 (0) up to TE 2.3, GRAD_OUTPUT2
     # (2) from 2.4; without TE it is not known, so that gradient falls back to the what-if recipe
     # (current scaling)
     if te is None:
         current = 57344.0 / seen["mlp_grad_output"].abs().max().item()
-        assert metrics["fp8/4/gradient/scale"] == pytest.approx(current)
+        assert metrics[layer_key("scale", "gradient", "4")] == pytest.approx(current)
     else:
-        assert metrics["fp8/4/gradient/scale"] == (256.0 if te >= (2, 4) else 128.0)
+        assert metrics[layer_key("scale", "gradient", "4")] == (256.0 if te >= (2, 4) else 128.0)
     # outside TE's FP8 autocast the same modules run in high precision: what-if (current)
     monkeypatch.setattr(_FakeStateManager, "enabled", False)
     metrics, _ = _step(model, FP8Monitor(model, MonitorConfig(), on_warning=lambda _: None))
-    assert metrics["fp8/2/weight/scale"] == pytest.approx(
+    assert metrics[layer_key("scale", "weight", "2")] == pytest.approx(
         448.0 / model[2].weight.abs().max().item())
-    assert metrics["fp8/2/weight/scale_ratio"] == 1.0
+    assert metrics[layer_key("scale_ratio", "weight", "2")] == 1.0
 
 
 def test_wrapped_layers_keep_their_plain_names():
@@ -172,5 +174,18 @@ def test_wrapped_layers_keep_their_plain_names():
     monitor.start_step()
     model(x).sum().backward()
     metrics = monitor.finish_step()
-    assert metrics["fp8/0.0/activation/amax"] == pytest.approx(tensor_stats(x)["amax"])
+    assert metrics[layer_key("amax", "activation", "0.0")] == pytest.approx(tensor_stats(x)["amax"])
     assert not any("_checkpoint_wrapped_module" in k for k in metrics)
+
+
+def test_layers_that_match_nothing_fail_naming_the_key_and_real_names():
+    model = _model()
+    with pytest.raises(NoLayersError) as caught:
+        FP8Monitor(model, MonitorConfig(layers="^transformer"))
+    assert str(caught.value) == ("fp8_stats.layers '^transformer' matches none of the model's 6 "
+                                 "linear layers (names are searched with re.search, e.g. 0, 1, "
+                                 "2, 3, ...)")
+    with pytest.raises(NoLayersError, match="minus exclude '.'"):
+        FP8Monitor(model, MonitorConfig(exclude="."))
+    with pytest.raises(NoLayersError, match="no linear layer"):
+        FP8Monitor(nn.Sequential(nn.ReLU()), MonitorConfig())

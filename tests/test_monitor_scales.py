@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
+from foundry_fp8.health import layer_key
 from foundry_fp8.monitor import FP8Monitor, MonitorConfig, Schedule
 from foundry_fp8.numerics import quantize_dequantize, tensor_stats
 from foundry_fp8.recipe import FP8Recipe
@@ -39,10 +40,10 @@ def _emulated_model() -> nn.Sequential:
     return nn.Sequential(layer)
 
 
-def _check_stats(metrics: dict, prefix: str, x: torch.Tensor, fmt: str, scale: float) -> None:
+def _check_stats(metrics: dict, tensor: str, x: torch.Tensor, fmt: str, scale: float) -> None:
     want = tensor_stats(x, fmt, scale=scale)
     for key, value in want.items():
-        assert metrics[f"{prefix}/{key}"] == pytest.approx(value, rel=1e-9, abs=1e-30), key
+        assert metrics[layer_key(key, tensor, "0")] == pytest.approx(value, rel=1e-9, abs=1e-30), key
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
@@ -63,9 +64,9 @@ def test_delayed_scale_is_the_one_in_force_at_cast_time(checkpointed):
 
         x_scale, g_scale = _delayed(X_AMAX, t, 2, E4M3_MAX), _delayed(G_AMAX, t, 2, E5M2_MAX)
         w_scale = 1.0 if t == 0 else E4M3_MAX / W_AMAX
-        assert metrics["fp8/0/activation/scale"] == x_scale
-        assert metrics["fp8/0/weight/scale"] == w_scale
-        assert metrics["fp8/0/gradient/scale"] == g_scale
+        assert metrics[layer_key("scale", "activation", "0")] == x_scale
+        assert metrics[layer_key("scale", "weight", "0")] == w_scale
+        assert metrics[layer_key("scale", "gradient", "0")] == g_scale
         # ... which is what the layer really cast with: its output is the GEMM of those casts
         q = nn.functional.linear(quantize_dequantize(x, x_scale, "e4m3"),
                                  quantize_dequantize(layer.weight.detach(), w_scale, "e4m3"))
@@ -73,13 +74,13 @@ def test_delayed_scale_is_the_one_in_force_at_cast_time(checkpointed):
         # ... and not what the layer's state holds after the forward (already next step's)
         assert read_after_forward == E4M3_MAX / max(X_AMAX[max(0, t - 1):t + 1])
         if t in (0, 1, 3, 5):  # the amax moved, so the post-update scale is a different number
-            assert read_after_forward != metrics["fp8/0/activation/scale"]
-        _check_stats(metrics, "fp8/0/activation", x, "e4m3", x_scale)
-        _check_stats(metrics, "fp8/0/gradient", g, "e5m2", g_scale)
-        assert metrics["fp8/0/activation/current_scale"] == E4M3_MAX / a
-        assert metrics["fp8/0/activation/scale_ratio"] == pytest.approx(x_scale * a / E4M3_MAX)
-        assert metrics["fp8/0/gradient/scale_ratio"] == pytest.approx(g_scale * b / E5M2_MAX)
-    assert metrics["fp8/0/activation/overflow_pct"] > 0  # step 5: amax 4 cast with 448 / 2
+            assert read_after_forward != metrics[layer_key("scale", "activation", "0")]
+        _check_stats(metrics, "activation", x, "e4m3", x_scale)
+        _check_stats(metrics, "gradient", g, "e5m2", g_scale)
+        assert metrics[layer_key("current_scale", "activation", "0")] == E4M3_MAX / a
+        assert metrics[layer_key("scale_ratio", "activation", "0")] == pytest.approx(x_scale * a / E4M3_MAX)
+        assert metrics[layer_key("scale_ratio", "gradient", "0")] == pytest.approx(g_scale * b / E5M2_MAX)
+    assert metrics[layer_key("overflow_pct", "activation", "0")] > 0  # step 5: amax 4 cast with 448 / 2
 
 
 def test_the_initial_delayed_scale_is_logged_but_neither_warned_about_nor_summarised():
@@ -92,15 +93,17 @@ def test_the_initial_delayed_scale_is_logged_but_neither_warned_about_nor_summar
         with fp8_autocast(recipe=FP8Recipe(amax_history_len=1)):
             model(_unit(16, 8, seed=0) * amax).sum().backward()
         logged.append(monitor.finish_step())
-    assert logged[0]["fp8/0/activation/underflow_pct"] == 100.0  # logged as it happened
-    assert logged[0]["fp8/0/activation/initial_scale"] == 1.0  # and marked for the report
-    assert not any(k.endswith("/initial_scale") for k in logged[1])
-    assert logged[1]["fp8/0/activation/underflow_pct"] == 0.0
-    assert logged[2]["fp8/0/activation/overflow_pct"] > 0
+    assert logged[0][layer_key("underflow_pct", "activation", "0")] == 100.0  # logged as it happened
+    assert logged[0][layer_key("initial_scale", "activation", "0")] == 1.0  # and marked for the report
+    # the first backward casts with the initial scale too, though the forward sized the history
+    assert logged[0][layer_key("initial_scale", "gradient", "0")] == 1.0
+    assert not any(k.startswith("fp8_initial_scale/") for k in logged[1])
+    assert logged[1][layer_key("underflow_pct", "activation", "0")] == 0.0
+    assert logged[2][layer_key("overflow_pct", "activation", "0")] > 0
     assert [w for w in warned if "activation" in w] == [
         w for w in warned if "overflow" in w and "activation" in w]  # the step-2 warning only
     assert len([w for w in warned if "activation" in w]) == 1
-    assert monitor.worst[("0", "activation")]["underflow_pct"] == 0.0  # step 0 left out
+    assert monitor.tracker.worst[("0", "activation")]["underflow_pct"] == 0.0  # step 0 left out
 
 
 def test_current_scaling_module_reports_the_current_scale():
@@ -112,8 +115,8 @@ def test_current_scaling_module_reports_the_current_scale():
         with fp8_autocast(recipe=FP8Recipe(scaling="current")):
             model(x).sum().backward()
         metrics = monitor.finish_step()
-        assert metrics["fp8/0/activation/scale"] == E4M3_MAX / 8.0
-        assert metrics["fp8/0/activation/scale_ratio"] == 1.0
+        assert metrics[layer_key("scale", "activation", "0")] == E4M3_MAX / 8.0
+        assert metrics[layer_key("scale_ratio", "activation", "0")] == 1.0
 
 
 def _plain_model() -> nn.Sequential:
@@ -149,21 +152,21 @@ def test_whatif_delayed_records_only_the_window_before_each_logging_step():
     # log at 0, 5, 10; amax-only recording in the 3 batches before 5 and before 10
     assert [t for t, a in enumerate(armed) if a] == [0, 2, 3, 4, 5, 7, 8, 9, 10]
     assert sorted(logged) == [0, 5, 10]
-    assert logged[0]["fp8/0/activation/scale"] == 1.0  # a fresh delayed state, as TE starts
+    assert logged[0][layer_key("scale", "activation", "0")] == 1.0  # a fresh delayed state, as TE starts
     for t in (5, 10):
         x_scale = _delayed(x_amax, t, 3, E4M3_MAX, margin=1)
         g_scale = _delayed(g_amax, t, 3, E5M2_MAX, margin=1)
-        assert logged[t]["fp8/0/activation/scale"] == x_scale
-        assert logged[t]["fp8/0/gradient/scale"] == g_scale
-        assert logged[t]["fp8/0/weight/scale"] == E4M3_MAX / W_AMAX / 2
-        _check_stats(logged[t], "fp8/0/activation", _unit(16, 8, seed=0) * x_amax[t], "e4m3",
+        assert logged[t][layer_key("scale", "activation", "0")] == x_scale
+        assert logged[t][layer_key("scale", "gradient", "0")] == g_scale
+        assert logged[t][layer_key("scale", "weight", "0")] == E4M3_MAX / W_AMAX / 2
+        _check_stats(logged[t], "activation", _unit(16, 8, seed=0) * x_amax[t], "e4m3",
                      x_scale)
-        _check_stats(logged[t], "fp8/0/gradient", _unit(16, 4, seed=1) * g_amax[t], "e5m2",
+        _check_stats(logged[t], "gradient", _unit(16, 4, seed=1) * g_amax[t], "e5m2",
                      g_scale)
-    assert logged[10]["fp8/0/activation/scale_ratio"] == pytest.approx(
+    assert logged[10][layer_key("scale_ratio", "activation", "0")] == pytest.approx(
         _delayed(x_amax, 10, 3, E4M3_MAX, margin=1) * x_amax[10] / E4M3_MAX)
     # the spike at step 6 (16.0) is outside the window: nothing records it
-    assert logged[10]["fp8/0/activation/scale"] == E4M3_MAX / 2.0 / 2
+    assert logged[10][layer_key("scale", "activation", "0")] == E4M3_MAX / 2.0 / 2
 
 
 def test_whatif_delayed_is_continuous_when_the_window_covers_the_interval():
@@ -173,8 +176,8 @@ def test_whatif_delayed_is_continuous_when_the_window_covers_the_interval():
     armed, logged = _run_whatif(recipe, Schedule(interval=2), 7, x_amax, g_amax)
     assert all(armed)
     for t in (2, 4, 6):
-        assert logged[t]["fp8/0/activation/scale"] == _delayed(x_amax, t, 3, E4M3_MAX)
-        assert logged[t]["fp8/0/gradient/scale"] == _delayed(g_amax, t, 3, E5M2_MAX)
+        assert logged[t][layer_key("scale", "activation", "0")] == _delayed(x_amax, t, 3, E4M3_MAX)
+        assert logged[t][layer_key("scale", "gradient", "0")] == _delayed(g_amax, t, 3, E5M2_MAX)
     recent, _ = _run_whatif({"scaling": "delayed", "amax_compute_algo": "most_recent"},
                             Schedule(interval=4), 5, x_amax, g_amax)
     assert [t for t, a in enumerate(recent) if a] == [0, 3, 4]  # most_recent needs one batch
@@ -184,8 +187,8 @@ def test_current_recipe_never_records_and_has_ratio_one():
     armed, logged = _run_whatif({"scaling": "current"}, Schedule(interval=3), 4,
                                 [1.0, 2.0, 4.0, 8.0], [1.0] * 4)
     assert armed == [True, False, False, True]
-    assert logged[3]["fp8/0/activation/scale"] == E4M3_MAX / 8.0
-    assert logged[3]["fp8/0/activation/scale_ratio"] == 1.0
+    assert logged[3][layer_key("scale", "activation", "0")] == E4M3_MAX / 8.0
+    assert logged[3][layer_key("scale_ratio", "activation", "0")] == 1.0
 
 
 def test_bad_recipe_names_the_key():

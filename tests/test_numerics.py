@@ -49,6 +49,7 @@ def ref_stats(values: list[float], fmt: str, scale: float) -> dict[str, float]:
         "underflow_pct": 100.0 * sum(1 for v, r in zip(finite, rt, strict=True) if v != 0 and r == 0) / n,
         "overflow_pct": 100.0 * sum(1 for v in finite if abs(v) * scale > FP8_MAX[fmt]) / n,
         "mse": sum((a - b) ** 2 for a, b in zip(finite, rt, strict=True)) / n,
+        "rel_mse": sum((a - b) ** 2 for a, b in zip(finite, rt, strict=True)) / (na * na),
         "cos_sim": dot / (na * nb),
     }
 

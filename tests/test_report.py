@@ -1,20 +1,32 @@
 """`foundry-fp8 report`: worst values, flagged layers, chosen layers and the PNGs, on a
-metrics.jsonl written by hand with known numbers."""
+metrics.jsonl written by hand with known numbers; bad and hostile input is one line, exit 2."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from foundry_fp8 import report
 from foundry_fp8.cli import main
-from foundry_fp8.jsonl import JsonlSink
+from foundry_fp8.health import HealthTracker, Thresholds, collect, layer_key, worst_values
+from foundry_fp8.health.history import Ranked, heatmap_matrix, series, worst_layers
+from foundry_fp8.health.plots import (
+    block_index,
+    choose_layers,
+    common_prefix,
+    log_limits,
+    tick_indices,
+)
+from foundry_fp8.jsonl import JsonlSink, read_jsonl
+from foundry_fp8.report.cli import replay
+from foundry_fp8.report.read import thresholds_from_hparams
 
-L0, L1, L2 = "model.blocks.0.attn.qkv", "model.blocks.1.ffn.up", "model.blocks.2.ffn.down"
+L0, L1, L2 = "blocks.0.attn.qkv", "blocks.1.ffn.up", "blocks.2.ffn.down"
 STEPS = (0, 10, 20)
 # (layer, tensor, stat) -> value per step; None: not logged. Everything else is healthy.
 SPECIAL = {
@@ -24,8 +36,9 @@ SPECIAL = {
     (L1, "activation", "scale_ratio"): (1.0, 1.5, 1.0),  # outgrew its delayed scale at step 10
     (L0, "activation", "amax"): (2.0, 4.0, 8.0),
 }
-HEALTHY = {"amax": 1.0, "underflow_pct": 0.0, "overflow_pct": 0.0, "mse": 1e-6, "cos_sim": 0.9995,
-           "scale": 448.0, "scale_ratio": 1.0, "nan_count": 0.0, "inf_count": 0.0}
+HEALTHY = {"amax": 1.0, "underflow_pct": 0.0, "overflow_pct": 0.0, "rel_mse": 1e-3,
+           "cos_sim": 0.9995, "scale": 448.0, "scale_ratio": 1.0, "nan_count": 0.0,
+           "inf_count": 0.0}
 
 
 def write_run(folder: Path, extra: dict[str, float] | None = None) -> Path:
@@ -38,9 +51,13 @@ def write_run(folder: Path, extra: dict[str, float] | None = None) -> Path:
             for tensor in ("activation", "gradient"):
                 for stat, healthy in HEALTHY.items():
                     value = SPECIAL.get((layer, tensor, stat), (healthy,) * 3)[i]
-                    metrics[f"fp8/{layer}/{tensor}/{stat}"] = value
+                    metrics[layer_key(stat, tensor, layer)] = value
         sink.write(step, {**metrics, **(extra or {})} if step == 20 else metrics)
     return folder
+
+
+def load(path: Path):
+    return collect(read_jsonl(path))
 
 
 def assert_valid_png(path: Path, min_pixels: int = 100_000) -> None:
@@ -54,14 +71,14 @@ def assert_valid_png(path: Path, min_pixels: int = 100_000) -> None:
 
 def test_report_keeps_worst_values(tmp_path):
     sink = JsonlSink(tmp_path / "metrics.jsonl")
-    sink.write(0, {"fp8/blocks.0.up/weight/underflow_pct": 1.0,
-                   "fp8/blocks.0.up/weight/cos_sim": 0.999, "loss/train/total": 3.0})
-    sink.write(10, {"fp8/blocks.0.up/weight/underflow_pct": 7.5,
-                    "fp8/blocks.0.up/weight/cos_sim": 0.98})
-    sink.write(20, {"fp8/blocks.0.up/weight/underflow_pct": 2.0,
-                    "fp8/blocks.0.up/weight/cos_sim": float("nan")})
-
-    row = report.worst_stats(tmp_path / "metrics.jsonl")[("blocks.0.up", "weight")]
+    key = "blocks.0.up"
+    sink.write(0, {layer_key("underflow_pct", "weight", key): 1.0,
+                   layer_key("cos_sim", "weight", key): 0.999, "loss/train/total": 3.0})
+    sink.write(10, {layer_key("underflow_pct", "weight", key): 7.5,
+                    layer_key("cos_sim", "weight", key): 0.98})
+    sink.write(20, {layer_key("underflow_pct", "weight", key): 2.0,
+                    layer_key("cos_sim", "weight", key): float("nan")})
+    row = worst_values(load(tmp_path / "metrics.jsonl"))[(key, "weight")]
     assert row["underflow_pct"] == 7.5
     assert row["cos_sim"] == 0.98  # NaN never hides a real bad value
     out = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "report", str(tmp_path)],
@@ -70,121 +87,141 @@ def test_report_keeps_worst_values(tmp_path):
     assert (tmp_path / "fp8_report.md").exists()
 
 
-def test_report_without_fp8_metrics_exits_2(tmp_path):
+@pytest.mark.parametrize(("hparams", "why"), [
+    (None, "was `fp8_stats` in the YAML?"),
+    ({"callbacks": {"fp8_lint": {}}}, "the run had no `fp8_stats` callback (add "),
+    ({"callbacks": {"fp8_stats": {"layers": "^nothing"}}},
+     "fp8_stats ran but logged no layer (callbacks.fp8_stats.layers: '^nothing' matched nothing"),
+])
+def test_report_without_fp8_metrics_says_why_and_exits_2(tmp_path, hparams, why):
     JsonlSink(tmp_path / "metrics.jsonl").write(0, {"loss/train/total": 1.0})
+    if hparams is not None:
+        (tmp_path / "hparams.json").write_text(json.dumps(hparams))
     result = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "report", str(tmp_path)],
                             capture_output=True, text=True)
-    assert result.returncode == 2 and "fp8_stats" in result.stderr and not result.stdout
+    assert result.returncode == 2 and why in result.stderr and not result.stdout
+    assert result.stderr.count("\n") == 1
 
 
 def test_data_preparation_is_exact(tmp_path):
-    run = report.load(write_run(tmp_path) / "metrics.jsonl")
+    run = load(write_run(tmp_path) / "metrics.jsonl")
     assert run.layers == [L0, L1, L2] and run.tensors == ["activation", "gradient"]
     assert run.steps == [0, 10, 20]
-    assert run.stats == ["underflow_pct", "overflow_pct", "mse", "cos_sim", "nan_count",
+    assert run.stats == ["underflow_pct", "overflow_pct", "rel_mse", "cos_sim", "nan_count",
                          "inf_count", "amax", "scale", "scale_ratio"]
-    matrix = report.heatmap_matrix(run, "underflow_pct", "gradient")
+    matrix = heatmap_matrix(run, "underflow_pct", "gradient")
     assert matrix[:2] == [[0.0, 0.0, 0.0], [1.0, 4.0, 9.0]]
     assert matrix[2][:2] == [0.5, 0.5] and math.isnan(matrix[2][2])  # not logged at step 20
-    assert report.series(run, L0, "activation", "amax") == ([0, 10, 20], [2.0, 4.0, 8.0])
-    assert report.series(run, L2, "activation", "cos_sim") == ([0, 10], [0.9995, 0.98])
+    assert series(run, L0, "activation", "amax") == ([0, 10, 20], [2.0, 4.0, 8.0])
+    assert series(run, L2, "activation", "cos_sim") == ([0, 10], [0.9995, 0.98])
 
-    worst = report.worst_values(run)
+    worst = worst_values(run)
     assert worst[(L1, "gradient")]["underflow_pct"] == 9.0
     assert worst[(L2, "activation")]["cos_sim"] == 0.98
     assert worst[(L1, "activation")]["scale_ratio"] == 1.5
     assert "scale" not in worst[(L1, "activation")]  # not ranked: no better or worse
 
-    found = [(f.layer, f.tensor, f.stat, f.value, f.step, f.steps_over, f.steps_logged)
-             for f in report.findings(run, report.Thresholds())]
-    # scale_ratio 1.5 is not flagged: fp8_stats does not warn on it (overflow_pct judges it)
-    assert found == [(L2, "activation", "cos_sim", 0.98, 10, 1, 2),  # bad on most steps first
-                     (L1, "gradient", "underflow_pct", 9.0, 20, 1, 3)]
-    assert report.worst_layers(run, "underflow_pct") == [
-        report.Ranked(L1, "gradient", 14 / 3, 9.0, 20), report.Ranked(L2, "gradient", 0.5, 0.5, 0)]
-    assert report.worst_layers(run, "overflow_pct") == []  # 0 everywhere is not a ranking
-    assert report.choose_layers(run) == [
+    flags = replay(run, HealthTracker())
+    assert [(f.layer, f.tensor, f.rule, f.value, f.step) for f in flags] == [
+        (L2, "activation", "cos_low", 0.98, 10), (L1, "gradient", "underflow", 9.0, 20)]
+    # scale_ratio 1.5 without overflow is no flag: nothing saturates
+    assert worst_layers(run, "underflow_pct") == [
+        Ranked(L1, "gradient", 14 / 3, 9.0, 20), Ranked(L2, "gradient", 0.5, 0.5, 0)]
+    assert worst_layers(run, "overflow_pct") == []  # 0 everywhere is not a ranking
+    assert choose_layers(run) == [
         (L0, "first block"), (L1, "most underflow: 4.67 % of gradient on average"),
         (L2, "last block")]
-    assert report.choose_layers(run, r"ffn\.") == [(L1, ""), (L2, "")]
+    assert choose_layers(run, r"ffn\.") == [(L1, ""), (L2, "")]
 
 
 def test_collect_keeps_the_later_value_of_a_step_logged_twice():
-    run = report.collect([(5, {"fp8/a/weight/mse": 1.0, "fp8/a/weight/note": "text"}),
-                          (5, {"fp8/a/weight/mse": 2.0, "fp8/a": 3.0, "lr": 0.1})])
+    run = collect([(5, {layer_key("mse", "weight", "a"): 1.0, layer_key("note", "weight", "a"): "x"}),
+                   (5, {layer_key("mse", "weight", "a"): 2.0, "fp8/weight/worst_cos_sim": 3.0,
+                        "lr": 0.1})])
     assert run.values == {("a", "weight", "mse"): {5: 2.0}}
 
 
 @pytest.mark.parametrize(("layers", "prefix"), [
-    ([L0, L1, L2], "model."),  # keeps `blocks.` before the block number
+    (["model.blocks.0.a", "model.blocks.1.b"], "model."),  # keeps `blocks.` before the number
     (["m.enc.attn.q", "m.enc.attn.k"], "m.enc.attn."),
     (["a.x", "b.x"], ""),
     ([L0], ""),
 ])
 def test_common_prefix(layers, prefix):
-    assert report.common_prefix(layers) == prefix
+    assert common_prefix(layers) == prefix
 
 
 def test_choose_layers_without_block_numbers_and_without_underflow():
-    run = report.collect([(0, {f"fp8/{name}/weight/underflow_pct": 0.0
-                               for name in ("embed", "mid", "head")})])
-    assert report.choose_layers(run) == [("embed", "first block"), ("head", "last block")]
-    assert report.block_index("h.12.mlp") == 12 and report.block_index("lm_head") is None
-    assert report.tick_indices(30, 10) == list(range(0, 30, 3))
+    run = collect([(0, {layer_key("underflow_pct", "weight", name): 0.0
+                        for name in ("embed", "mid", "head")})])
+    assert choose_layers(run) == [("embed", "first block"), ("head", "last block")]
+    assert block_index("h.12.mlp") == 12 and block_index("lm_head") is None
+    assert tick_indices(30, 10) == list(range(0, 30, 3))
 
 
 def test_log_limits_leave_an_outlying_first_step_off_the_scale():
     # delayed scaling: step 0 runs on the initial scale 1.0, then ~100
-    assert report.log_limits([([0, 10, 20], [1.0, 100.0, 200.0])]) == (100 / 1.5, 300.0, 0)
-    assert report.log_limits([([0, 10, 20], [20.0, 100.0, 200.0])]) is None
-    assert report.log_limits([([0], [1.0])]) is None
+    assert log_limits([([0, 10, 20], [1.0, 100.0, 200.0])]) == (100 / 1.5, 300.0, 0)
+    assert log_limits([([0, 10, 20], [20.0, 100.0, 200.0])]) is None
+    assert log_limits([([0], [1.0])]) is None
 
 
 def test_thresholds_follow_the_run_and_default_to_fp8_stats():
     from foundry_fp8.monitor import MonitorConfig
 
-    default, config = report.Thresholds(), MonitorConfig()
+    default, config = Thresholds(), MonitorConfig()
     assert (default.max_underflow_pct, default.max_overflow_pct, default.min_cos_sim) == (
         config.max_underflow_pct, config.max_overflow_pct, config.min_cos_sim)
     hparams = {"callbacks": {"fp8_stats": {"interval": "10ba", "max_underflow_pct": 10}}}
-    assert report.thresholds_from_hparams(hparams).max_underflow_pct == 10.0
-    assert report.thresholds_from_hparams({"callbacks": {}}) == report.Thresholds()
+    assert thresholds_from_hparams(hparams).max_underflow_pct == 10.0
+    assert thresholds_from_hparams({"callbacks": {}}) == Thresholds()
+    assert thresholds_from_hparams({"callbacks": {"fp8_stats": {"min_cos_sim": 5}}}) == Thresholds()
 
 
 def test_cli_writes_plots_and_markdown(tmp_path, capsys):
-    folder = write_run(tmp_path / "run", extra={f"fp8/{L1}/gradient/new_stat": 2.0})
+    folder = write_run(tmp_path / "run", extra={layer_key("new_stat", "gradient", L1): 2.0})
     out = tmp_path / "report"
     assert main(["report", str(folder), "--out", str(out)]) == 0
     stdout = capsys.readouterr().out
     pngs = ["fp8_heatmap_underflow_pct.png", "fp8_heatmap_overflow_pct.png",
-            "fp8_heatmap_mse.png", "fp8_heatmap_cos_sim.png",
+            "fp8_heatmap_rel_mse.png", "fp8_heatmap_cos_sim.png",
             "fp8_heatmap_new_stat.png",  # a statistic this version does not know
             "fp8_timeseries.png"]
     assert sorted(p.name for p in out.glob("*.png")) == sorted(pngs)  # no NaN/Inf count plots
     for name in pngs:
         assert_valid_png(out / name)
         assert name in stdout
-    assert "2 flagged" in stdout and f"{L1} gradient: underflow_pct 9 % at step 20" in stdout
+    assert "2 flagged" in stdout
+    assert (f"'{L1}' gradient: underflow_pct 9 % at step 20 (> 5 %; 1 of 3 steps). Likely "
+            "cause: the tensor's range is wider than FP8 holds at this layer. Change: "
+            "algorithms.te_swap.keep_first_blocks: 1") not in stdout  # L1 is a middle block
+    assert (f"'{L1}' gradient: underflow_pct 9 % at step 20 (> 5 %; 1 of 3 steps). Likely "
+            "cause: the tensor's range is wider than FP8 holds at this layer. Change: "
+            r"algorithms.te_swap.exclude: 'blocks\.1\.ffn\.up$'") in stdout
 
     md = (out / "fp8_report.md").read_text()
-    assert f"| {L1} | gradient | underflow_pct | 9 % | 20 | > 5 % | 1 of 3 |" in md
-    assert f"| {L2} | activation | cos_sim | 0.98 | 10 | < 0.99 | 1 of 2 |" in md
-    assert "| scale_ratio |" not in md.split("## Worst layers")[0]  # shown, not flagged
-    assert "scale_ratio is not flagged" in md and "scale_ratio > " not in md
+    assert (f"| {L1} | gradient | underflow_pct | 9 % | 20 | 1 of 3 | the tensor's range is "
+            r"wider than FP8 holds at this layer | `algorithms.te_swap.exclude: "
+            r"'blocks\.1\.ffn\.up$'` |") in md
+    assert (f"| {L2} | activation | cos_sim | 0.98 | 10 | 1 of 2 | FP8 rounding loses too much "
+            "of this tensor | `algorithms.te_swap.keep_last_blocks: 1` |") in md
+    assert md.index(f"| {L2} | activation | cos_sim") < md.index(f"| {L1} | gradient |")
+    assert "**Above 1** (overflow side)" in md and "**Below 1** (underflow side)" in md
     assert "**scale_ratio**: `blocks.1.ffn.up` activation mean 1.167, worst 1.5 (step 10)" in md
-    assert ("**underflow_pct**: `blocks.1.ffn.up` gradient mean 4.67 %, worst 9 % (step 20); "
+    assert ("**underflow_pct**: `blocks.1.ffn.up` gradient mean 4.667 %, worst 9 % (step 20); "
             "`blocks.2.ffn.down` gradient mean 0.5 %, worst 0.5 % (step 0)\n") in md
     assert all(f"![{name}]({name})" in md for name in pngs)
     assert f"| {L1} | gradient | 9 |" in md  # the full table, worst underflow first
 
 
 def test_cli_layers_option_and_nonfinite_counts(tmp_path, capsys):
-    folder = write_run(tmp_path, extra={f"fp8/{L2}/gradient/nan_count": 3.0})
+    folder = write_run(tmp_path, extra={layer_key("nan_count", "gradient", L2): 3.0})
     assert main(["report", str(folder), "--layers", r"blocks\.0\."]) == 0
     assert_valid_png(tmp_path / "fp8_heatmap_nan_count.png")  # drawn once a NaN was seen
     md = (tmp_path / "fp8_report.md").read_text()
-    assert "Time series show `model.blocks.0.attn.qkv`." in md
-    assert f"| {L2} | gradient | nan_count | 3 | 20 | > 0 | 1 of 3 |" in md
+    assert "Time series show `blocks.0.attn.qkv`." in md
+    assert (f"| {L2} | gradient | nan_count | 3 | 20 | 1 of 3 | the run diverges") in md
+    assert "`algorithms.gradient_clipping.clipping_threshold (lower it)`" in md
     capsys.readouterr()
 
 
@@ -204,9 +241,13 @@ RUN = "run"  # a healthy run's metrics.jsonl, then the content appended
      "metrics.jsonl:4: key 'step': expected an integer, got null"),
     (RUN, '{"step": "x", "metrics": {}}\n', [],
      "metrics.jsonl:4: key 'step': expected an integer, got \"x\""),
+    (RUN, json.dumps({"step": 10**16, "metrics": {layer_key("amax", "weight", L0): 1.0}}) + "\n",
+     [], "metrics.jsonl: step 10000000000000000 is not a training step (outside 0 to 2**53)"),
+    (RUN, json.dumps({"step": -5, "metrics": {layer_key("amax", "weight", L0): 1.0}}) + "\n",
+     [], "metrics.jsonl: step -5 is not a training step"),
 ])
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, setup, content, args, message):
-    """On stderr, as `foundry-fp8 lint` prints them; never a traceback."""
+    """On stderr, as `foundry-fp8 lint` prints them; never a traceback, never a hang."""
     if setup == RUN:
         write_run(tmp_path)
     if content is not None:
@@ -220,21 +261,55 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, setup, content, args, 
     assert out.err.count("\n") == 1 and not out.out
 
 
-def test_initial_scale_steps_are_plotted_but_not_flagged_or_ranked(tmp_path):
-    """fp8_stats marks delayed scaling's first cast (scale 1.0) with `initial_scale`: expected
-    underflow there is no finding, as fp8_stats does not warn about it either."""
-    layer = "model.blocks.0.fc"
-    records = [(0, {f"fp8/{layer}/gradient/underflow_pct": 30.0,
-                    f"fp8/{layer}/gradient/initial_scale": 1.0}),
-               (10, {f"fp8/{layer}/gradient/underflow_pct": 0.5}),
-               (20, {f"fp8/{layer}/gradient/underflow_pct": 7.0})]
-    run = report.collect(records)
+HOSTILE = ("a|b", "two\nlines", "<img src=x onerror=alert(1)>", "x/y/z", "tick`s", "$x^2$",
+           "back\\slash")
+
+
+def test_hostile_names_and_huge_values_render_safely(tmp_path, capsys):
+    """Values near float64's max, `|`, newlines, HTML, `/`, backticks and mathtext in layer
+    names: the report renders them as text, keeps every layer, draws every plot."""
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for i, step in enumerate((0, 10, 2**53)):
+        metrics = {}
+        for name in HOSTILE:
+            for stat, value in HEALTHY.items():
+                metrics[layer_key(stat, "weight", name)] = value
+            metrics[layer_key("amax", "weight", name)] = 1.7e308 if i else 1e-300
+            metrics[layer_key("rel_mse", "weight", name)] = 1e308
+            metrics[layer_key("scale_ratio", "weight", name)] = 1e308 if i == 1 else 1e-308
+            metrics[layer_key("underflow_pct", "weight", name)] = 100.0
+        sink.write(step, metrics)
+    assert main(["report", str(tmp_path)]) == 0
+    stdout = capsys.readouterr().out
+    assert f"{len(HOSTILE)} flagged" in stdout or "flagged" in stdout
+    md = (tmp_path / "fp8_report.md").read_text()
+    outside_code = re.sub(r"`[^`\n]*`", "", md)  # a code span shows its text literally
+    assert "<img" not in outside_code and "&lt;img src=x onerror=alert(1)&gt;" in md
+    for row in md.split("## Worst value per layer and tensor")[1].splitlines():
+        if row.startswith("| ") and "---" not in row and "layer |" not in row:
+            assert len(re.split(r"(?<!\\)\|", row)) == 2 + 2 + 6, row  # no cell split
+    assert "a\\|b" in md and "two lines" in md and "x/y/z" in md and "tick\\`s" in md
+    assert load(tmp_path / "metrics.jsonl").layers == list(HOSTILE)  # `/` kept
+    for png in tmp_path.glob("*.png"):
+        assert_valid_png(png, min_pixels=10_000)
+
+
+def test_initial_scale_steps_are_marked_not_flagged_or_ranked(tmp_path):
+    """fp8_stats marks delayed scaling's first cast (scale 1.0) with `fp8_initial_scale`:
+    expected underflow there is no finding, no worst value, and a grey heatmap cell."""
+    layer = "blocks.0.fc"
+    records = [(0, {layer_key("underflow_pct", "gradient", layer): 30.0,
+                    layer_key("initial_scale", "gradient", layer): 1.0}),
+               (10, {layer_key("underflow_pct", "gradient", layer): 0.5}),
+               (20, {layer_key("underflow_pct", "gradient", layer): 7.0})]
+    run = collect(records)
     assert "initial_scale" not in run.stats
     assert run.values[(layer, "gradient", "underflow_pct")] == {0: 30.0, 10: 0.5, 20: 7.0}
-    found = report.findings(run, report.Thresholds())
-    assert [(f.step, f.value, f.steps_over, f.steps_logged) for f in found] == [(20, 7.0, 1, 2)]
-    assert report.worst_values(run)[(layer, "gradient")]["underflow_pct"] == 7.0
-    assert [(r.mean, r.worst) for r in report.worst_layers(run, "underflow_pct")] == [(3.75, 7.0)]
+    assert math.isnan(heatmap_matrix(run, "underflow_pct", "gradient")[0][0])  # not coloured
+    flags = replay(run, HealthTracker())
+    assert [(f.step, f.value) for f in flags] == [(20, 7.0)]
+    assert worst_values(run)[(layer, "gradient")]["underflow_pct"] == 7.0
+    assert [(r.mean, r.worst) for r in worst_layers(run, "underflow_pct")] == [(3.75, 7.0)]
 
 
 def test_a_run_killed_mid_write_still_gets_its_report(tmp_path, capsys):
@@ -246,9 +321,13 @@ def test_a_run_killed_mid_write_still_gets_its_report(tmp_path, capsys):
     out = capsys.readouterr()
     assert out.err == (f"warning: {path}:3: skipped 1 line that does not decode (line 3; a run "
                        "killed mid-write leaves one); the report covers the rest\n")
-    assert report.load(path).steps == [0, 10]
+    assert load_skipping(path).steps == [0, 10]
 
-    JsonlSink(path).write(30, {f"fp8/{L1}/gradient/underflow_pct": 6.0})  # the resumed run
+    JsonlSink(path).write(30, {layer_key("underflow_pct", "gradient", L1): 6.0})  # resumed run
     assert main(["report", str(tmp_path)]) == 0
-    assert f"{L1} gradient: underflow_pct 6 % at step 30" in capsys.readouterr().out
-    assert report.load(path).steps == [0, 10, 30]
+    assert f"'{L1}' gradient: underflow_pct 6 % at step 30" in capsys.readouterr().out
+    assert load_skipping(path).steps == [0, 10, 30]
+
+
+def load_skipping(path: Path):
+    return collect(read_jsonl(path, []))

@@ -22,6 +22,7 @@ from composer.devices import DeviceCPU
 from torch import nn
 
 from foundry_fp8.composer.stats import FP8Stats
+from foundry_fp8.health import layer_key
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule
 from foundry_fp8.numerics import (
     STAT_KEYS,
@@ -145,15 +146,15 @@ def test_monitor_pools_current_scaling_per_rank_casts(results):
     parts = [(x, (torch.tensor(448.0) / torch.tensor(max(abs(v) for v in x))).item()) for x in xs]
     want = _ref_pooled(parts, "e4m3")
     for key, value in want.items():
-        assert metrics[f"fp8/0/activation/{key}"] == pytest.approx(value, rel=1e-5), key  # float32 q
-    assert metrics["fp8/0/activation/scale"] == pytest.approx(min(s for _, s in parts))
-    assert metrics["fp8/0/activation/scale_ratio"] == pytest.approx(1.0)
+        assert metrics[layer_key(key, "activation", "0")] == pytest.approx(value, rel=1e-5), key  # float32 q
+    assert metrics[layer_key("scale", "activation", "0")] == pytest.approx(min(s for _, s in parts))
+    assert metrics[layer_key("scale_ratio", "activation", "0")] == pytest.approx(1.0)
     # the weight is the same on both ranks: pooled = the stats of the one weight
     weight = _weights()[0].weight.detach()
     for key, value in tensor_stats(weight).items():
-        assert metrics[f"fp8/0/weight/{key}"] == pytest.approx(value, rel=1e-9), key
+        assert metrics[layer_key(key, "weight", "0")] == pytest.approx(value, rel=1e-9), key
     # d(sum)/d(output) = 1 everywhere, on both ranks: exact in FP8
-    assert metrics["fp8/0/gradient/amax"] == 1.0 and metrics["fp8/0/gradient/mse"] == 0.0
+    assert metrics[layer_key("amax", "gradient", "0")] == 1.0 and metrics[layer_key("mse", "gradient", "0")] == 0.0
 
 
 def test_delayed_whatif_reduces_amax_across_ranks(results):
@@ -162,10 +163,10 @@ def test_delayed_whatif_reduces_amax_across_ranks(results):
     # step 3 casts with 448 / max over both ranks of steps 1-2's amaxes (history 2)
     amax = max(_inputs(r, s).abs().max().item() for r in range(2) for s in (1, 2))
     scale = torch.tensor(448.0) / torch.tensor(amax)  # float32, as the scale is stored
-    assert metrics["fp8/0/activation/scale"] == scale.item()
+    assert metrics[layer_key("scale", "activation", "0")] == scale.item()
     both = torch.cat([_inputs(0, 3), _inputs(1, 3)])
     for key, value in tensor_stats(both, scale=scale).items():
-        assert metrics[f"fp8/0/activation/{key}"] == pytest.approx(value, rel=1e-9), key
+        assert metrics[layer_key(key, "activation", "0")] == pytest.approx(value, rel=1e-9), key
 
 
 def test_a_failure_on_one_rank_stops_every_rank(results):

@@ -72,11 +72,11 @@ def test_bad_tensor_name_is_refused():
 def test_metric_names_split_layers_that_contain_underscores():
     layers = ["blocks.0.attn.out_proj", "blocks.0.attn.out", "blocks.1.ffn"]
     assert (metric_name("blocks.0.attn.out_proj_activation_underflows%", layers)
-            == "fp8/blocks.0.attn.out_proj/activation/te_underflows%")
+            == "fp8_te_underflows%/activation/blocks.0.attn.out_proj")
     assert (metric_name("blocks.0.attn.out_gradient_fp8_current_scaling_mse", layers)
-            == "fp8/blocks.0.attn.out/gradient/te_fp8_current_scaling_mse")
+            == "fp8_te_fp8_current_scaling_mse/gradient/blocks.0.attn.out")
     assert metric_name("blocks.1.ffn_weight_scale_inv_max", layers) == \
-        "fp8/blocks.1.ffn/weight/te_scale_inv_max"
+        "fp8_te_scale_inv_max/weight/blocks.1.ffn"
     assert metric_name("Layer_7_activation_mse", layers) is None
 
 

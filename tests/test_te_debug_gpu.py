@@ -40,9 +40,9 @@ def test_te_underflow_stat_matches_ours_at_the_scale_te_used(tmp_path):
 
     names = {name for name, _ in got}
     for tensor in ("activation", "weight", "gradient"):
-        assert f"fp8/lin/{tensor}/te_underflows%" in names, sorted(names)
+        assert f"fp8_te_underflows%/{tensor}/lin" in names, sorted(names)
     # step 1 casts x with the delayed scale from step 0's amax: fp8_max / amax(x)
     step1 = {name: value for (name, step), value in got.items() if step == 1}
     scale = FP8_MAX["e4m3"] / x.detach().float().abs().max().item()
     ours = tensor_stats(x.detach(), "e4m3", scale=scale)["underflow_pct"]
-    assert step1["fp8/lin/activation/te_underflows%"] == pytest.approx(ours, abs=0.05)
+    assert step1["fp8_te_underflows%/activation/lin"] == pytest.approx(ours, abs=0.05)

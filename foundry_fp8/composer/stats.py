@@ -19,7 +19,7 @@ from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key
 from foundry_fp8.health.history import shown
 from foundry_fp8.health.plots import draw_heatmap, to_rgb
 from foundry_fp8.health.specs import known_first
-from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, multi_rank
+from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
 from foundry_fp8.options import MonitorConfig, Schedule, build
 from foundry_fp8.te.debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 
@@ -158,6 +158,11 @@ class FP8Stats(Callback):
     def _failed(self, error: Exception) -> None:
         """Switch off now where every rank agrees (an FP8MonitorError, raised on every rank
         together; a single process; no monitor yet); else stay in step (see the class doc)."""
+        if isinstance(error, NoLayersError):  # the user's `layers` regex, not our bug: one line
+            log.warning("%s; fp8_stats is off for this run (strict: true makes this an error)",
+                        error)
+            self.disabled = True
+            return
         if self.monitor is not None and multi_rank() and not isinstance(error, FP8MonitorError):
             log.exception("fp8_stats failed on this rank; every rank switches it off at the next "
                           "logging step (set strict: true to fail instead)")

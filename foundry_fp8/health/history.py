@@ -131,8 +131,8 @@ def worst_layers(run: RunMetrics, stat: str, n: int = 3) -> list[Ranked]:
         point = worst_point(stat, by_step) if s == stat and by_step else None
         if point is not None:
             finite = [v for v in by_step.values() if math.isfinite(v)]
-            # each term divided first: a sum of values near 1e308 would overflow
-            mean = sum(v / len(finite) for v in finite) if finite else point[1]
+            # plain sum: inf for values near 1e308, where math.fsum/fmean raise OverflowError
+            mean = sum(finite) / len(finite) if finite else point[1]
             ranked.append(Ranked(layer, tensor, mean, point[1], point[0]))
     ranked.sort(key=lambda r: -badness(stat, r.mean))
     perfect = PERFECT.get(spec(stat).worse or "", NAN)

@@ -18,7 +18,7 @@ INITIAL_SCALE = "initial_scale"
 #: Summary names per tensor kind (`summary_key(tensor, name)`); `flagged_layers` also over all.
 SUMMARIES = ("worst_underflow_pct", "worst_overflow_pct", "worst_cos_sim", "flagged_layers",
              "nonfinite")
-_STAT = re.compile(r"[a-z0-9_]+")
+_STAT = re.compile(r"[^/\s]+")  # any name without a `/` or space (TE has `underflows%`)
 # Module-name segments that are not layers: the Composer/HF wrappers' attribute names at the
 # front (`model.transformer.blocks.0...` -> `blocks.0...`).
 _FRONT = ("model.", "transformer.")

@@ -77,6 +77,25 @@ def tick_indices(n: int, max_ticks: int) -> list[int]:
     return list(range(0, n, stride))
 
 
+#: Magnitudes plotted within [1 / PLOT_MAX, PLOT_MAX]: matplotlib's colour bars and log axes
+#: multiply their limits and overflow near float64's max (1.8e308).
+PLOT_MAX = 1e300
+
+
+def text(label: str) -> str:
+    """A name as matplotlib prints it literally (`$` would start mathtext, which can fail)."""
+    return " ".join(label.splitlines()).replace("$", r"\$")
+
+
+def drawable(values: Any) -> Any:
+    """`values` (NaN kept) with magnitudes clipped into what matplotlib can scale."""
+    import numpy as np
+
+    array = np.asarray(values, dtype=float)
+    magnitude = np.clip(np.abs(array), 1 / PLOT_MAX, PLOT_MAX)
+    return np.where(array == 0, 0.0, np.sign(array) * magnitude)
+
+
 PCT_LINEAR_BELOW = 0.01  # percent; log colour steps above it, so 0.1 % and 10 % both show
 
 
@@ -141,7 +160,7 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
     sp = spec(stat)
     tensors = [t for t in run.tensors if any((layer, t, stat) in run.values for layer in run.layers)]
     prefix = common_prefix(run.layers)
-    names = [layer.removeprefix(prefix) for layer in run.layers]
+    names = [text(layer.removeprefix(prefix)) for layer in run.layers]
     n_layers, n_steps = len(names), len(run.steps)
     height = min(max(2.6, 0.26 * n_layers + 1.5), 24.0)
     panel = min(max(2.2, 0.17 * n_steps + 1.3), 4.8)
@@ -149,7 +168,7 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
     width = 0.065 * max(map(len, names)) + 0.4 + panel * len(tensors) + 0.9 * bars
     fig = _figure(width, height)
     axes = fig.subplots(1, len(tensors), sharey=True, squeeze=False)[0]
-    matrices = {t: np.array(heatmap_matrix(run, stat, t), dtype=float) for t in tensors}
+    matrices = {t: drawable(np.array(heatmap_matrix(run, stat, t), dtype=float)) for t in tensors}
     shared = [v for m in matrices.values() for v in m.ravel().tolist()]
     cmap = matplotlib.colormaps["YlOrRd_r" if sp.worse == "low" else "YlOrRd"].with_extremes(bad="#d0d0d0")
     annotate = n_steps <= 12 and n_layers <= 40 and not sp.log  # numbers in cells when they fit
@@ -162,7 +181,7 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
                           cmap=cmap, norm=norm)
         finite = matrix[np.isfinite(matrix)]
         quiet = " - all 0" if finite.size and not finite.any() else ""
-        ax.set_title(f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')}){quiet}", fontsize=9)
+        ax.set_title(text(f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')}){quiet}"), fontsize=9)
         xticks = tick_indices(n_steps, int(panel * 2.5))
         ax.set_xticks(xticks, [str(run.steps[i]) for i in xticks], fontsize=7,
                       rotation=90 if len(str(run.steps[-1])) > 3 else 0)
@@ -188,7 +207,7 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
     yticks = tick_indices(n_layers, int((height - 1.5) / 0.13))
     axes[0].set_yticks(yticks, [names[i] for i in yticks], fontsize=7)
     where = f"layers under {prefix}" if prefix else "layers"
-    fig.suptitle(f"{stat}: {where} × logging steps (grey: not logged, or cast with the "
+    fig.suptitle(f"{text(stat)}: {text(where)} × logging steps (grey: not logged, or cast with the "
                  "initial scale 1)", fontsize=10)
     return fig
 
@@ -228,10 +247,11 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]]) -> Any:
     for row, stat in enumerate(stats):
         for col, tensor in enumerate(run.tensors):
             ax = axes[row][col]
-            lines = [series(run, layer, tensor, stat) for layer, _ in chosen]
+            lines = [(steps, drawable(values).tolist()) for steps, values in
+                     (series(run, layer, tensor, stat) for layer, _ in chosen)]
             for k, ((layer, why), (steps, values)) in enumerate(zip(chosen, lines, strict=True)):
                 ax.plot(steps, values, marker="o", ms=2.5, lw=1.2, color=f"C{k % 10}",
-                        label=layer.removeprefix(prefix) + (f" ({why})" if why else ""))
+                        label=text(layer.removeprefix(prefix) + (f" ({why})" if why else "")))
             limits = log_limits(lines) if spec(stat).log else None
             if spec(stat).log:
                 ax.set_yscale("log")
@@ -248,7 +268,7 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]]) -> Any:
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3, which="both", lw=0.5)
             if row == 0:
-                ax.set_title(f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')})", fontsize=9)
+                ax.set_title(text(f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')})"), fontsize=9)
             if col == 0:
                 label = spec(stat).label
                 ax.set_ylabel(label if label.startswith(stat) else f"{stat}\n{label}", fontsize=8)

@@ -60,9 +60,7 @@ def _value(stats: Mapping[str, float], stat: str, default: float) -> float:
 class _State:
     """What the tracker remembers of one (layer, tensor)."""
 
-    over: int = 0  # consecutive judged logging steps with overflow above the limit
-    under: int = 0
-    cos: int = 0
+    over: int = 0  # consecutive judged logging steps with overflow that clips
     bad: int = 0  # consecutive judged logging steps with any limit crossed
     rising: list[float] = field(default_factory=list)  # last underflow values (gradients)
 
@@ -101,10 +99,6 @@ class HealthTracker:
         state = self._state.get((layer, tensor))
         return state.bad if state else 0
 
-    def flagged_layers(self, tensor: str | None = None) -> set[str]:
-        """Layers flagged so far (for one tensor kind, or any)."""
-        return {f.layer for f in self.flags if tensor is None or f.tensor == tensor}
-
     def _fold_worst(self, key: tuple[str, str], stats: Mapping[str, float]) -> None:
         row = self.worst.setdefault(key, {})
         for stat, value in stats.items():
@@ -119,19 +113,21 @@ class HealthTracker:
         cos = _value(stats, "cos_sim", 1.0)
         ratio = _value(stats, "scale_ratio", 1.0)
         nonfinite = _value(stats, "nan_count", 0.0) + _value(stats, "inf_count", 0.0)
-        s.over = s.over + 1 if overflow > t.max_overflow_pct else 0
-        s.under = s.under + 1 if underflow > t.max_underflow_pct else 0
-        s.cos = s.cos + 1 if cos < t.min_cos_sim else 0
-        s.bad = s.bad + 1 if (s.over or s.under or s.cos or nonfinite) else 0
+        clips = overflow > t.max_overflow_pct and ratio > t.clip_ratio
+        s.over = s.over + 1 if clips else 0
+        crossed = (clips or underflow > t.max_underflow_pct or cos < t.min_cos_sim
+                   or nonfinite > 0)
+        s.bad = s.bad + 1 if crossed else 0
         s.rising = [*s.rising, underflow][-(t.persist_steps + 1):]
         n = t.persist_steps
         steps = f"for {n} logging steps" if n > 1 else "at a logging step"
         found: list[tuple[str, str, float, str, str, str]] = []  # rule, stat, value, limit, cause, key
         if nonfinite:
+            nan, inf = _value(stats, "nan_count", 0.0), _value(stats, "inf_count", 0.0)
             key = ("algorithms.gradient_clipping.clipping_threshold" if tensor == "gradient"
                    else "optimizer.lr")
-            found.append(("nonfinite", "nan_count" if _value(stats, "nan_count", 0) else "inf_count",
-                          nonfinite, "NaN/Inf before any FP8 cast",
+            found.append(("nonfinite", "nan_count" if nan else "inf_count", nan or inf,
+                          f"{nan:.0f} NaN and {inf:.0f} Inf elements, before any FP8 cast",
                           "the run diverges: the high-precision tensor already holds NaN/Inf",
                           f"{key} (lower it)"))
         if overflow > t.max_overflow_pct and ratio >= t.spike_ratio:
@@ -142,18 +138,18 @@ class HealthTracker:
                           f"{RECIPE}.scaling: current"))
         elif s.over >= n:
             found.append(("overflow_persistent", "overflow_pct", overflow,
-                          f"> {t.max_overflow_pct:g} % {steps}",
+                          f"> {t.max_overflow_pct:g} % with scale_ratio > {t.clip_ratio:.3g} "
+                          f"{steps}",
                           "the tensor keeps outgrowing its delayed scale",
                           f"{RECIPE}.margin: 1"))
-        if s.under >= n and ratio < t.stale_ratio:
+        if underflow > t.max_underflow_pct and ratio < t.stale_ratio:
             found.append(("underflow_stale", "underflow_pct", underflow,
-                          f"> {t.max_underflow_pct:g} % {steps}, scale_ratio {ratio:.3g} < "
+                          f"> {t.max_underflow_pct:g} % with scale_ratio {ratio:.3g} < "
                           f"{t.stale_ratio:g}",
                           "an old amax spike in the history keeps the scale too small",
                           f"{RECIPE}.amax_history_len (shorter)"))
-        elif s.under >= n:
-            found.append(("underflow_persistent", "underflow_pct", underflow,
-                          f"> {t.max_underflow_pct:g} % {steps}",
+        elif underflow > t.max_underflow_pct:
+            found.append(("underflow", "underflow_pct", underflow, f"> {t.max_underflow_pct:g} %",
                           "the tensor's range is wider than FP8 holds at this layer",
                           self._keep_in_bf16(layer)))
         elif tensor == "gradient" and self._rising(s.rising):
@@ -161,8 +157,8 @@ class HealthTracker:
                           f"rising {n} logging steps in a row, to > {t.max_underflow_pct / 5:g} %",
                           "gradients shrink toward the bottom of E5M2's range",
                           self._keep_in_bf16(layer)))
-        if s.cos >= n and not found:
-            found.append(("cos_low", "cos_sim", cos, f"< {t.min_cos_sim:g} {steps}",
+        if cos < t.min_cos_sim and not found:
+            found.append(("cos_low", "cos_sim", cos, f"< {t.min_cos_sim:g}",
                           "FP8 rounding loses too much of this tensor",
                           self._keep_in_bf16(layer)))
         flags = []

@@ -13,9 +13,19 @@ COLUMNS = ("underflow_pct", "overflow_pct", "rel_mse", "cos_sim", "scale_ratio",
 
 
 def md_escape(text: str) -> str:
-    """Text safe in a markdown table cell or line: no HTML, `|` escaped, one line."""
+    """Text safe in a markdown table cell or line (not inside a code span): one line, no HTML,
+    `|`, `\\` and backticks escaped."""
     one_line = " ".join(text.splitlines()) if text else text
-    return html.escape(one_line, quote=False).replace("|", "\\|").replace("`", "\\`")
+    escaped = html.escape(one_line.replace("\\", "\\\\"), quote=False)
+    return escaped.replace("|", "\\|").replace("`", "\\`")
+
+
+def md_code(text: str) -> str:
+    """`text` as a code span (backslashes stay literal), or escaped text when it holds a
+    backtick or a line break, which a code span cannot hold."""
+    if "`" in text or "\n" in text or "\r" in text or "|" in text:
+        return md_escape(text)
+    return f"`{text}`"
 
 
 def number(value: float) -> str:

@@ -2,9 +2,11 @@
 warns during the run), the guard, and `foundry-fp8 report` (which flags afterwards).
 
 The defaults separate a healthy delayed-scaling run from real trouble (docs/report.md gives the
-numbers they come from): a weight that grows slowly saturates a few elements for one logging
-step with its scale ratio near 1, so overflow and underflow are judged over `persist_steps`
-consecutive logging steps, and only a jump of the amax (`spike_ratio`) is flagged at once.
+numbers they come from): a weight that grows slowly saturates its largest element or two at
+every logging step with its scale ratio within 1 % of 1, which clips them less than FP8
+rounding moves them (`clip_ratio`). Overflow is judged over `persist_steps` consecutive
+logging steps, unless the amax jumped (`spike_ratio`); underflow, cosine and NaN/Inf at once
+(a healthy run stays far from their limits after its first cast).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ class Thresholds:
     max_underflow_pct: float = 5.0
     max_overflow_pct: float = 0.01
     min_cos_sim: float = 0.99
-    persist_steps: int = 3  # consecutive logging steps over a limit before a flag
+    persist_steps: int = 3  # consecutive logging steps of clipping overflow before a flag
+    # Overflow counts only with scale_ratio above this: below it, saturation clips the largest
+    # elements by less than E4M3 rounds them anyway (half a step at the max: 16/448 = 1/28).
+    clip_ratio: float = 1 + 1 / 28
     spike_ratio: float = 2.0  # overflow with scale_ratio at least this: an amax spike, flagged at once
     stale_ratio: float = 1 / 16  # underflow with scale_ratio below this: an old spike in the history
     source: str = "fp8_stats defaults"
@@ -30,6 +35,7 @@ class Thresholds:
             "max_overflow_pct": 0 <= self.max_overflow_pct <= 100,
             "min_cos_sim": -1 <= self.min_cos_sim <= 1,
             "persist_steps": isinstance(self.persist_steps, int) and self.persist_steps >= 1,
+            "clip_ratio": self.clip_ratio >= 1,
             "spike_ratio": self.spike_ratio > 1,
             "stale_ratio": 0 < self.stale_ratio < 1,
         }

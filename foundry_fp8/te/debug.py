@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from foundry_fp8.health.keys import layer_key, short_layer
 from foundry_fp8.te.probe import is_te_module
 
 #: Tensors TE's feature can watch, named as our `fp8_stats` names them.
@@ -61,7 +62,7 @@ def log_fp8_tensor_stats_config(layers: str, tensors: Sequence[str], freq: int,
 
 
 def metric_name(te_name: str, layers: Iterable[str]) -> str | None:
-    """TE logs `<layer>_<tensor>_<stat>`; ours is `fp8/<layer>/<tensor>/te_<stat>`.
+    """TE logs `<layer>_<tensor>_<stat>`; ours is `fp8_te_<stat>/<tensor>/<layer>` (health.keys).
 
     Layer names hold underscores too, so the layer is the longest known name that prefixes
     `te_name`; None when no known layer and tensor fit.
@@ -72,7 +73,7 @@ def metric_name(te_name: str, layers: Iterable[str]) -> str | None:
             continue
         for tensor in TE_TENSORS:
             if rest.startswith(f"{tensor}_"):
-                return f"fp8/{layer}/{tensor}/te_{rest.removeprefix(f'{tensor}_')}"
+                return layer_key(f"te_{rest.removeprefix(f'{tensor}_')}", tensor, short_layer(layer))
     return None
 
 

@@ -1,0 +1,119 @@
+"""`foundry-fp8 report RUN_FOLDER`: reads the run, replays its logging steps through the same
+health rules `fp8_stats` warned with, draws the plots and writes fp8_report.md. Bad input is one
+line and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table, worst_values
+from foundry_fp8.health.history import shown
+from foundry_fp8.health.plots import choose_layers, draw_heatmap, draw_series, save_png
+from foundry_fp8.health.specs import spec
+from foundry_fp8.report.markdown import findings, fmt, render_report
+from foundry_fp8.report.read import (
+    ReportError,
+    load_run,
+    read_hparams,
+    thresholds_from_hparams,
+)
+
+SERIES_FILE = "fp8_timeseries.png"
+MAX_PRINTED = 10  # flagged rows on the terminal; the markdown has them all
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_folder", type=Path,
+                        help="folder holding the run's metrics.jsonl (or the .jsonl file itself)")
+    parser.add_argument("--layers", metavar="REGEX",
+                        help="layers for the amax/scale time series (re.search on layer names); "
+                             "default: first and last block and the layer with the most "
+                             "underflow (mean over steps)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="where the PNGs and fp8_report.md go (default: the run folder)")
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _out_folder(out: Path) -> None:
+    """Create `--out` (or check the run folder) before drawing, so a bad one is one line."""
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"{out}: not a folder (--out names the folder for the PNGs and "
+                          "fp8_report.md)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"{out}: cannot create the output folder ({e.strerror or e})") from None
+
+
+def replay(run: RunMetrics, tracker: HealthTracker) -> list[Flag]:
+    """The run's logging steps through the health rules, in step order."""
+    for step, table in run.tables():
+        tracker.update(step, table)
+    return tracker.flags
+
+
+def make_report(run_folder: Path, layers: str | None = None,
+                out: Path | None = None) -> tuple[RunMetrics, list[Flag], list[Path]]:
+    """Write the PNGs and fp8_report.md; returns the metrics, the flags and the written paths
+    (markdown last)."""
+    metrics_file = run_folder if run_folder.is_file() else run_folder / "metrics.jsonl"
+    run = load_run(metrics_file, warn)
+    if layers is not None:
+        try:
+            re.compile(layers)
+        except re.error as e:
+            raise ReportError(f"--layers {layers!r}: bad regex ({e})") from None
+    chosen = choose_layers(run, layers)
+    if not chosen:
+        raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
+                          f"(e.g. {run.layers[0]!r})")
+    thresholds = thresholds_from_hparams(read_hparams(metrics_file.with_name("hparams.json"))
+                                         or {})
+    flags = replay(run, HealthTracker(thresholds))
+    out = out or metrics_file.parent
+    _out_folder(out)
+    written: list[Path] = []
+    target = out
+    try:
+        for stat in run.stats:
+            if spec(stat).plot == "heatmap" and shown(run, stat):
+                target = out / f"fp8_heatmap_{stat}.png"
+                save_png(draw_heatmap(run, stat, thresholds), target)
+                written.append(target)
+        if any(spec(s).plot == "series" for s in run.stats):
+            target = out / SERIES_FILE
+            save_png(draw_series(run, chosen), target)
+            written.append(target)
+        target = out / "fp8_report.md"
+        target.write_text(render_report(run, flags, thresholds, chosen,
+                                        [p.name for p in written]))
+    except OSError as e:  # a read-only folder, a full disk, a folder in the file's place
+        raise ReportError(f"{target}: cannot write ({e.strerror or e})") from None
+    return run, flags, [*written, target]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        metrics, flags, written = make_report(args.run_folder, args.layers, args.out)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(render_table(worst_values(metrics)))
+    found = findings(metrics, flags)
+    print(f"{len(found)} flagged" + "".join(
+        f"\n  {f.first.layer!r} {f.first.tensor}: {f.worst.stat} {fmt(f.worst.stat, f.worst.value)} "
+        f"at step {f.worst.step} ({f.first.limit}; {f.steps} of {f.logged} steps). Likely cause: "
+        f"{f.first.cause}. Change: {f.first.yaml_key}" for f in found[:MAX_PRINTED]))
+    if len(found) > MAX_PRINTED:
+        print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")
+    print(f"plots ({len(written) - 1} PNGs) in {written[0].parent}:")
+    for path in written[:-1]:
+        print(f"  {path.name}")
+    print(f"written to {written[-1]}")
+    return 0

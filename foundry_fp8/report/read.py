@@ -1,0 +1,94 @@
+"""Reading a run for the report: its `metrics.jsonl` (the `health.keys` layout) and the
+thresholds its `fp8_stats` ran with (hparams.json); bad input is one line (ReportError)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from foundry_fp8.health import RunMetrics, Thresholds, collect
+from foundry_fp8.jsonl import JsonlError, read_jsonl
+
+#: Steps beyond this are not a training's (and not exact in float64, which plotting uses).
+MAX_STEP = 2**53
+
+
+class ReportError(Exception):
+    """A one-line reason the report cannot be made (exit 2)."""
+
+
+def thresholds_from_hparams(hparams: Mapping[str, Any]) -> Thresholds:
+    """The run's own `fp8_stats` thresholds (from the `jsonl` logger's hparams.json), so the
+    report flags what the run warned about."""
+    cfg = _fp8_stats_options(hparams)
+    if cfg is None:
+        return Thresholds()
+    keys = ("max_underflow_pct", "max_overflow_pct", "min_cos_sim")
+    given = {k: float(cfg[k]) for k in keys
+             if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)
+             and math.isfinite(cfg[k])}
+    try:
+        return Thresholds(**given, source="the run's fp8_stats settings (hparams.json)")
+    except ValueError:
+        return Thresholds()
+
+
+def _fp8_stats_options(hparams: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    callbacks = hparams.get("callbacks")
+    cfg = callbacks.get("fp8_stats") if isinstance(callbacks, Mapping) else None
+    return cfg if isinstance(cfg, Mapping) else None
+
+
+def read_hparams(path: Path) -> Mapping[str, Any] | None:
+    """hparams.json, or None when absent or unreadable."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, Mapping) else None
+
+
+def load_run(metrics_file: Path, warn: Any) -> RunMetrics:
+    """The run's per-layer FP8 metrics; ReportError (one line) when there are none, saying why.
+    Undecodable lines (a run killed mid-write leaves one) are skipped with one warning."""
+    if not metrics_file.is_file():
+        raise ReportError(f"{metrics_file}: not found (was the `jsonl` logger in the YAML?)")
+    skipped: list[int] = []
+    try:
+        if metrics_file.stat().st_size == 0:
+            raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
+        run = collect(read_jsonl(metrics_file, skipped))
+    except JsonlError as e:
+        raise ReportError(str(e)) from None
+    except OSError as e:
+        raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
+    if skipped:
+        shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        lines = "1 line that does" if len(skipped) == 1 else f"{len(skipped)} lines that do"
+        warn(f"{metrics_file}:{skipped[0]}: skipped {lines} not decode (line {shown}; a run "
+             "killed mid-write leaves one); the report covers the rest")
+    if not run.values:
+        raise ReportError(why_empty(metrics_file))
+    if (bad := next((s for s in run.steps if not 0 <= s <= MAX_STEP), None)) is not None:
+        raise ReportError(f"{metrics_file}: step {bad} is not a training step (outside 0 to "
+                          "2**53)")
+    return run
+
+
+def why_empty(metrics_file: Path) -> str:
+    """Why a metrics file holds no per-layer FP8 series: no fp8_stats in the run, or it ran and
+    watched nothing (or logged in an older layout)."""
+    hparams = read_hparams(metrics_file.with_name("hparams.json"))
+    if hparams is not None and _fp8_stats_options(hparams) is None:
+        return (f"{metrics_file}: no FP8 statistics: the run had no `fp8_stats` callback (add "
+                "`callbacks: {fp8_stats: {}}` to the YAML)")
+    if hparams is not None:
+        layers = _fp8_stats_options(hparams).get("layers", ".*")  # type: ignore[union-attr]
+        return (f"{metrics_file}: no FP8 statistics: fp8_stats ran but logged no layer "
+                f"(callbacks.fp8_stats.layers: {layers!r} matched nothing, or the run ended "
+                "before its first logging step)")
+    return (f"{metrics_file}: no FP8 statistics (`fp8_<stat>/<tensor>/<layer>` series): was "
+            "`fp8_stats` in the YAML?")
