@@ -389,3 +389,41 @@ def test_a_pickled_object_in_the_state_itself_is_refused():
     with pytest.raises(FP8StateError, match=r"modules\.0\.fwd_scale: expected a tensor, got "
                                             r"SimpleNamespace"):
         _callback(_layers()).load_state_dict(payload)
+
+
+# -- te_swap without fp8_state --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_te_swap_without_fp8_state_warns_at_start_when_saving(tmp_path, caplog, with_state):
+    """Without fp8_state a resume starts FP8 scaling fresh: a real resume shows it (history
+    back to empty), and te_swap says so at INIT."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(16, 16)])
+
+        def forward(self, x):
+            return self.blocks[0](x)
+
+    def trainer(duration: str, **kwargs) -> Trainer:
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(32, 16), torch.randint(0, 16, (32,)))
+        return Trainer(
+            model=ComposerClassifier(Net(), num_classes=16),
+            train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
+            algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
+            callbacks=[FP8State()] if with_state else [], device="cpu", progress_bar=False,
+            loggers=[], save_folder=str(tmp_path), save_interval="2ba", save_overwrite=True,
+            **kwargs)
+
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.te_swap"):
+        trainer("2ba").fit()
+    assert ("has no fp8_state callback" in caplog.text) != with_state
+    resumed = trainer("3ba", load_path=str(tmp_path / "ep0-ba2-rank0.pt"))
+    history = read_fp8_meta(resumed.state.model.module.blocks[0])["fwd_amax_history"]
+    assert (history.numel() > 0) == with_state  # fresh (empty) without fp8_state
