@@ -18,6 +18,13 @@ _LAZY = {
     "FP8Lint": "foundry_fp8.composer.lint",
     "FP8Recipe": "foundry_fp8.recipe",
     "tensor_stats": "foundry_fp8.numerics",
+    # the emulated FP8 backend: stable names, whatever the file layout
+    "EmulatedFP8Linear": "foundry_fp8.emulate",
+    "fp8_autocast": "foundry_fp8.emulate",
+    "fp8_checkpoint": "foundry_fp8.emulate",
+    "quantize_dequantize": "foundry_fp8.numerics",
+    "current_scale": "foundry_fp8.numerics",
+    "delayed_scale_update": "foundry_fp8.numerics",
 }
 
 __all__ = ["__version__", *_LAZY]

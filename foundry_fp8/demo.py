@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from foundry_fp8 import wandb_history
 from foundry_fp8.jsonl import read_jsonl
 
 TINY_YAML = Path(__file__).resolve().parents[1] / "yamls" / "mpt-tiny-cpu.yaml"
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     print("== 3. FP8 statistics report", flush=True)
     subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "report", str(full)], check=True)
 
+    print("== 4. what reached the W&B offline history (read back with W&B's own reader)", flush=True)
+    print(wandb_history.describe(wandb_history.read_runs(full)))
     wandb_runs = sorted((full / "wandb").glob("offline-run-*"))
     print("\nOutputs:")
     print(f"  metrics (JSONL):   {full / 'metrics.jsonl'}")

@@ -2,10 +2,18 @@
 
 `EmulatedFP8Linear` keeps TE's delayed-scaling state layout in `module.fp8_meta`
 (`scaling_fwd`: input, weight, output; `scaling_bwd`: grad_output, grad_input; each with
-`scale` and `amax_history`), casts its GEMM inputs through saturating FP8 round trips with the
-scale in force, and records amaxes into history slot 0. As in TE, forward scales are updated when
-the outermost `fp8_autocast` exits (see `fp8_autocast` for nesting) and backward scales when the
-backward pass ends, each layer with the recipe it cast under.
+`scale` and `amax_history`), casts its GEMM operands to FP8 with the scale in force, records
+their amaxes into history slot 0 (NaN skipped, as TE's kernels) and multiplies the FP8 values in
+float32, rounding each GEMM's result once to the activation dtype, as TE's FP8 GEMMs do.
+Scale updates follow TE 2.20 (`pytorch/quantization.py`, `pytorch/module/linear.py`): a layer
+registers at its first delayed-scaling cast under that recipe and amax reduction group; the
+forward scales of every registered layer are updated when the outermost `fp8_autocast` exits,
+the backward scales at the end of the backward of the first layer that cast in each outermost
+autocast; with `reduce_amax`, row 0 of the histories is all-reduced (MAX) across the group
+first. A layer keeps the recipe it first cast under: TE goes on updating it with that recipe
+whatever the later autocasts say (TE's open TODO #3157), so a layer cast under another recipe
+raises `RecipeError` naming the key rather than predict numbers TE would not produce
+(`amax_history_len` excepted, which TE follows).
 `fp8_checkpoint` recomputes activations the way TE's `distributed.checkpoint` does (same recipe
 and scales as the original forward, no amax recorded), so checkpointing does not change the
 numerics (TE issue #1190). It gives FP8 numerics on hardware without FP8 (CPU, A100); it is not
@@ -14,24 +22,45 @@ fast.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from foundry_fp8.numerics import FP8_MAX, current_scale, delayed_scale_update, quantize_dequantize
-from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.numerics import (
+    FP8_MAX,
+    amax,
+    current_scale,
+    delayed_scale_update,
+    dequantize,
+    quantize,
+)
+from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
 
-FWD_INPUT, FWD_WEIGHT, FWD_OUTPUT = 0, 1, 2
-BWD_GRAD_OUTPUT, BWD_GRAD_INPUT = 0, 1
+FWD_INPUT, FWD_WEIGHT = 0, 1
+BWD_GRAD_OUTPUT = 0
 
 
 Direction = Literal["forward", "backward"]
+_META_KEY: dict[Direction, str] = {"forward": "scaling_fwd", "backward": "scaling_bwd"}
+
+
+@dataclass
+class _AmaxBuffer:
+    """One of TE's global amax buffers: the layers registered under one recipe and amax
+    reduction group, in registration order, updated together with that recipe
+    (`add_fp8_tensors_to_global_buffer`, quantization.py:501-566). Weak references: a freed
+    layer drops out."""
+
+    recipe: FP8Recipe
+    group: Any
+    layers: list[weakref.ref[EmulatedFP8Linear]] = field(default_factory=list)
 
 
 @dataclass
@@ -39,10 +68,11 @@ class _AutocastState:
     depth: int = 0  # open fp8_autocast regions, enabled or not (TE's autocast_depth)
     enabled: bool = False
     recipe: FP8Recipe | None = None
-    # Layers whose amaxes await a scale update, each with the recipe of its first cast since
-    # its last update, per direction.
-    pending: dict[Direction, dict[EmulatedFP8Linear, FP8Recipe]] = field(
-        default_factory=lambda: {"forward": {}, "backward": {}})
+    group: Any = None  # the amax reduction group in force (None: the world group)
+    # TE's is_first_fp8_module: set when the outermost region opens, taken by the first layer
+    # that casts with grad; that layer's backward updates the backward scales.
+    first_module: bool = False
+    buffers: dict[tuple[FP8Recipe, int | None], _AmaxBuffer] = field(default_factory=dict)
     # fp8_checkpoint: scales in force at the original forward, stashed per module, in call order;
     # `replay` is set while the recompute consumes them.
     stash: dict[EmulatedFP8Linear, deque[torch.Tensor]] | None = None
@@ -50,6 +80,12 @@ class _AutocastState:
 
 
 _STATE = _AutocastState()
+# Per layer, weakly (a deep copy is a new layer): the recipe of its first FP8 cast, and the
+# buffer it registered in (delayed scaling only).
+_FIRST_RECIPE: weakref.WeakKeyDictionary[EmulatedFP8Linear, FP8Recipe] = (
+    weakref.WeakKeyDictionary())
+_REGISTERED: weakref.WeakKeyDictionary[EmulatedFP8Linear, _AmaxBuffer] = (
+    weakref.WeakKeyDictionary())
 
 
 def is_fp8_enabled() -> bool:
@@ -62,39 +98,73 @@ def active_recipe() -> FP8Recipe | None:
 
 
 @contextmanager
-def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None) -> Iterator[None]:
+def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
+                 amax_reduction_group: Any = None) -> Iterator[None]:
     """Run `EmulatedFP8Linear` layers in FP8 (`enabled`) or in high precision, as TE's autocast.
 
-    From TE 2.20.2's `pytorch/quantization.py`: entering saves the state and sets FP8 on or off
-    with this region's recipe, so a nested `enabled=False` region runs layers in high precision
-    and records no amax, and a nested recipe replaces the enclosing one (`recipe=None` means the
-    default recipe, not the enclosing one: `autocast_enter`, l. 740-756); exiting restores the
-    saved state (`autocast.__exit__`, l. 1058). Only an enabled autocast that leaves the last
-    open region, with grad enabled, updates forward scales (`autocast_exit`, l. 779), so a nested
-    region never does; amaxes recorded without an update (no_grad, a disabled outermost region)
-    wait for the next one. Each layer is updated with the recipe it cast under, as TE keys its
-    amax buffers by recipe (l. 550, 675). TE updates every layer it registered at each such
-    exit, cast or not, but its fused update leaves a slot with nothing recorded alone
-    (`numerics.delayed_scale_update`), so updating only the layers that cast since their last
-    update, as here, ends in the same state.
+    From TE 2.20's `pytorch/quantization.py`: entering saves the state and sets FP8 on or off
+    with this region's recipe and amax reduction group (None: the world group), so a nested
+    `enabled=False` region runs layers in high precision and records no amax, and a nested
+    recipe replaces the enclosing one (`recipe=None` means the default recipe, not the
+    enclosing one: `autocast_enter`, l. 730-756); exiting restores the saved state, the
+    first-module flag included (`autocast.__exit__`, l. 1056-1059). Only an enabled autocast
+    that leaves the last open region, with grad enabled, updates forward scales
+    (`autocast_exit`, l. 772-782), so a nested region never does; amaxes recorded without an
+    update (no_grad, a disabled outermost region) wait for the next one. The update covers
+    every registered layer, each with the recipe it registered under; the fused update leaves
+    a slot with nothing recorded alone (`numerics.delayed_scale_update`).
     """
-    saved = _STATE.enabled, _STATE.recipe
+    saved = _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.first_module
+    if _STATE.depth == 0:
+        _STATE.first_module = True
     _STATE.enabled, _STATE.recipe = enabled, recipe or FP8Recipe()
+    _STATE.group = amax_reduction_group
     _STATE.depth += 1
     try:
         yield
     finally:
-        _STATE.enabled, _STATE.recipe = saved
+        _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.first_module = saved
         _STATE.depth -= 1
         if enabled and _STATE.depth == 0 and torch.is_grad_enabled():
-            _update_pending("forward")
+            _reduce_and_update("forward")
 
 
-def _update_pending(direction: Direction) -> None:
-    """One scale update for every layer with amaxes pending in `direction`, in call order."""
-    pending, _STATE.pending[direction] = _STATE.pending[direction], {}
-    for module, recipe in pending.items():
-        module._update_scales(recipe, direction)
+def _reduce_and_update(direction: Direction) -> None:
+    """TE's `reduce_and_update_fp8_tensors` (quantization.py:655-711): per buffer, row 0 of
+    every registered layer's history all-reduced (MAX) across the buffer's group when its
+    recipe says `reduce_amax`, then one fused scale update per layer with that recipe."""
+    for buffer in _STATE.buffers.values():
+        buffer.layers = [ref for ref in buffer.layers if ref() is not None]
+        metas = [layer.fp8_meta[_META_KEY[direction]] for ref in buffer.layers
+                 if (layer := ref()) is not None]
+        if not metas:
+            continue
+        if buffer.recipe.reduce_amax:
+            _all_reduce_max([meta.amax_history[0] for meta in metas], buffer.group)
+        recipe = buffer.recipe
+        fp8_max = FP8_MAX[recipe.format_for(direction)]
+        for meta in metas:
+            meta.amax_history, meta.scale = delayed_scale_update(
+                meta.amax_history, meta.scale, fp8_max, recipe.amax_compute_algo, recipe.margin)
+
+
+def _all_reduce_max(rows: list[torch.Tensor], group: Any) -> None:
+    """One MAX all-reduce of the concatenated rows, written back in place; nothing to do
+    without torch.distributed or with one rank (TE's condition, quantization.py:677-683)."""
+    import torch.distributed as torch_dist
+
+    if (not torch_dist.is_available() or not torch_dist.is_initialized()
+            or torch_dist.get_world_size(group=group) <= 1):
+        return
+    flat = torch.cat(rows)
+    torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.MAX, group=group)
+    for row, reduced in zip(rows, flat.split([row.numel() for row in rows]), strict=True):
+        row.copy_(reduced)
+
+
+def _take_first_module() -> bool:
+    first, _STATE.first_module = _STATE.first_module, False
+    return first
 
 
 @contextmanager
@@ -110,8 +180,9 @@ def _stashing(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]]) -> Iterator[
 def _replaying(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]], enabled: bool,
                recipe: FP8Recipe | None) -> Iterator[None]:
     """FP8 on or off with the recipe as at checkpoint time (autocasts inside the function decide
-    for their region), stashed scales, no amax recorded; one region deeper, so no exit inside
-    updates scales (TE's recompute autocast, distributed.py:811-816)."""
+    for their region), stashed scales, no amax recorded, no layer registered and the
+    first-module flag untouched (TE's recompute phase, linear.py:258-265); one region deeper,
+    so no exit inside updates scales (TE's recompute autocast, distributed.py:797-803)."""
     saved = _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay
     _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay = (saved[0] + 1, enabled, recipe,
                                                                   scales)
@@ -129,7 +200,7 @@ def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     (reentrant mode even back-propagates through a non-FP8 graph and never updates the backward
     scales). Here the recompute runs under the original recipe with the scales in force at the
     original forward and records no amax. That holds too when `function` opens its own
-    `fp8_autocast` and is checkpointed outside FP8, as in TE 2.20.2 (distributed.py:257-271):
+    `fp8_autocast` and is checkpointed outside FP8, as in TE 2.20 (distributed.py:257-271):
     the inner region's exit in the recompute is not the outermost one, so it updates nothing.
     Non-reentrant; `kwargs` go to torch's checkpoint.
     """
@@ -138,6 +209,21 @@ def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False,
         context_fn=lambda: (_stashing(scales), _replaying(scales, enabled, recipe)), **kwargs)
+
+
+def _activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype TE computes in: torch autocast's where it is on, else the input's
+    (`set_activation_dtype`, module/base.py:1482-1502)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _bias_dtype(activation_dtype: torch.dtype) -> torch.dtype:
+    """cuBLAS takes no float32 bias with FP8 operands: TE casts it to bfloat16 then
+    (linear.py:499-502); the epilogue adds it to the float32 accumulator."""
+    return torch.bfloat16 if activation_dtype == torch.float32 else activation_dtype
 
 
 class ScalingMeta(nn.Module):
@@ -155,48 +241,56 @@ class ScalingMeta(nn.Module):
 
 
 class _FP8LinearFunction(torch.autograd.Function):
+    """y = x W^T + b with FP8 operands: each GEMM multiplies the FP8 values in float32 and
+    rounds its result once to the activation dtype (forward, dgrad and wgrad, as TE's
+    general_gemm with out_dtype=activation_dtype, linear.py:536-545, 1086-1095, 1249-1265)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, module, recipe):
+    def forward(ctx, x, weight, bias, module, recipe, update_backward):
         meta = module.fp8_meta["scaling_fwd"]
         fmt = recipe.format_for("forward")
+        dtype = _activation_dtype(x)
         scales = module._cast_scales(meta, (x, weight), fmt, recipe)
-        qx = quantize_dequantize(x, scales[FWD_INPUT], fmt)
-        qw = quantize_dequantize(weight, scales[FWD_WEIGHT], fmt)
-        ctx.save_for_backward(qx, qw)
-        ctx.module, ctx.recipe, ctx.has_bias = module, recipe, bias is not None
-        return nn.functional.linear(qx, qw, bias)
+        sx, sw = scales[FWD_INPUT].clone(), scales[FWD_WEIGHT].clone()
+        qx, qw = quantize(x, sx, fmt), quantize(weight, sw, fmt)
+        ctx.save_for_backward(qx, qw, sx, sw)
+        ctx.module, ctx.recipe, ctx.update_backward = module, recipe, update_backward
+        ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype, dtype
+        with torch.autocast(x.device.type, enabled=False):
+            out = nn.functional.linear(dequantize(qx, sx), dequantize(qw, sw))
+            if bias is not None:
+                out = out + bias.to(_bias_dtype(dtype)).float()
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx, qw = ctx.saved_tensors
+        qx, qw, sx, sw = ctx.saved_tensors
         module, recipe = ctx.module, ctx.recipe
+        x_dtype, w_dtype, b_dtype, dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         meta = module.fp8_meta["scaling_bwd"]
         fmt = recipe.format_for("backward")
-        scale = module._cast_scales(meta, (grad_out,), fmt, recipe)[BWD_GRAD_OUTPUT]
-        qg = quantize_dequantize(grad_out, scale, fmt)
-        grad_x = qg @ qw
-        grad_w = qg.reshape(-1, qg.shape[-1]).t() @ qx.reshape(-1, qx.shape[-1])
-        # TE's fused bgrad + cast reduces the high-precision gradient (module/base.py,
-        # grad_output_preprocess: tex.bgrad_quantize)
-        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        _queue_backward_update(module, recipe)
-        return grad_x, grad_w, grad_b, None, None
-
-
-def _queue_backward_update(module: EmulatedFP8Linear, recipe: FP8Recipe) -> None:
-    """Update every backward scale once, when the whole backward pass has finished.
-
-    Every call queues a callback (the first to run updates all modules, the rest find nothing
-    to do): autograd drops the callbacks of a backward that raises, so a single callback queued
-    by the first module would leave the list non-empty and no later backward would queue one.
-    """
-    _STATE.pending["backward"].setdefault(module, recipe)
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: _update_pending("backward"))
+        sg = module._cast_scales(meta, (grad_out,), fmt, recipe)[BWD_GRAD_OUTPUT]
+        g = dequantize(quantize(grad_out, sg, fmt), sg)
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = (g @ dequantize(qw, sw)).to(dtype).to(x_dtype)
+        if need_w:
+            g2d, x2d = g.reshape(-1, g.shape[-1]), dequantize(qx, sx).reshape(-1, qx.shape[-1])
+            grad_w = (g2d.t() @ x2d).to(dtype).to(w_dtype)
+        if need_b:
+            # TE's fused bgrad + cast reduces the high-precision gradient (module/base.py,
+            # grad_output_preprocess: tex.bgrad_quantize), accumulating in float32
+            grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_b = grad_2d.float().sum(0).to(grad_out.dtype).to(b_dtype)
+        if ctx.update_backward:  # the end of this layer's backward (linear.py:1462-1470)
+            _reduce_and_update("backward")
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class EmulatedFP8Linear(nn.Linear):
-    """`nn.Linear` whose GEMMs see FP8-rounded inputs inside `fp8_autocast` (a plain Linear
-    outside it). Parameter names are unchanged, so optimizers and checkpoints line up."""
+    """`nn.Linear` whose GEMMs read FP8 operands inside `fp8_autocast` (a plain Linear outside
+    it). Parameter names are unchanged, so optimizers and checkpoints line up."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
@@ -204,7 +298,8 @@ class EmulatedFP8Linear(nn.Linear):
         self.reset_scaling_state()
 
     def reset_scaling_state(self) -> None:
-        """Fresh scales (1) and empty histories, on CPU when the weights are on `meta`.
+        """Fresh scales (1), empty histories, no recipe and no registration, as a new layer;
+        on CPU when the weights are on `meta`.
 
         Never on `meta`: FSDP materialises a module with meta buffers by `to_empty` plus
         LLM-Foundry's param_init_fn, which knows nothing of these, so the scales would be
@@ -214,6 +309,10 @@ class EmulatedFP8Linear(nn.Linear):
         device = self.weight.device if self.weight.device.type != "meta" else "cpu"
         self.fp8_meta = nn.ModuleDict({"scaling_fwd": ScalingMeta(3), "scaling_bwd": ScalingMeta(2)})
         self.fp8_meta.to(device)
+        _FIRST_RECIPE.pop(self, None)
+        buffer = _REGISTERED.pop(self, None)
+        if buffer is not None:
+            buffer.layers = [ref for ref in buffer.layers if ref() is not self]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> EmulatedFP8Linear:
@@ -226,6 +325,24 @@ class EmulatedFP8Linear(nn.Linear):
                 new.bias.copy_(linear.bias)
         return new
 
+    def _check_recipe(self, recipe: FP8Recipe) -> None:
+        """Refuse a recipe other than this layer's first (the history length aside, which TE
+        follows): TE keeps the first recipe's format, margin, algorithm and reduction for a
+        layer (module/base.py:1106-1117 reuses its state, quantization.py:522-524 registers
+        it once), and going back to delayed after current scaling leaves it never updated."""
+        first = _FIRST_RECIPE.setdefault(self, recipe)
+        if first == recipe:
+            return
+        key = next((f.name for f in fields(FP8Recipe) if f.name != "amax_history_len"
+                    and getattr(first, f.name) != getattr(recipe, f.name)), None)
+        if key is None:
+            return
+        raise RecipeError(RecipeProblem(
+            key, f"this layer first ran FP8 with {key}={getattr(first, key)!r}, now "
+                 f"{getattr(recipe, key)!r}; TransformerEngine would go on with the first "
+                 "recipe for it, so the emulation refuses the change",
+            "keep one recipe per layer for the whole run, or call reset_scaling_state()"))
+
     def _fit_history(self, meta: ScalingMeta, recipe: FP8Recipe) -> None:
         """Resize the history to the recipe's length keeping its rows and the scales, as TE's
         `adjust_amax_history_length` does when a delayed recipe's length changes: the first
@@ -236,35 +353,45 @@ class EmulatedFP8Linear(nn.Linear):
         elif history.shape[0] < length:
             meta.amax_history = nn.functional.pad(history, (0, 0, 0, length - history.shape[0]))
 
+    def _register(self, recipe: FP8Recipe) -> None:
+        """Join the amax buffer of (recipe, group) at the first delayed-scaling cast, once
+        (`add_fp8_tensors_to_global_buffer`, quantization.py:519-524)."""
+        if self in _REGISTERED:
+            return
+        group = _STATE.group
+        key = (recipe, None if group is None else id(group))
+        buffer = _STATE.buffers.setdefault(key, _AmaxBuffer(recipe, group))
+        buffer.layers.append(weakref.ref(self))
+        _REGISTERED[self] = buffer
+
     def _cast_scales(self, meta: ScalingMeta, tensors: tuple[torch.Tensor, ...], fmt: str,
                      recipe: FP8Recipe) -> torch.Tensor:
         """The scales to cast `tensors` with; records their amaxes in history slot 0."""
         if (recipe.scaling == "delayed" and _STATE.replay is not None
                 and meta is self.fp8_meta["scaling_fwd"]):
             return _STATE.replay[self].popleft()  # recompute: the original forward's scales
-        amaxes = torch.stack([t.detach().abs().max().float() for t in tensors])
+        amaxes = torch.stack([amax(t) for t in tensors])
         if recipe.scaling == "current":
-            return torch.stack([current_scale(a, fmt, power_2=recipe.use_power_2_scales)
-                                for a in amaxes])
+            return current_scale(amaxes, fmt, power_2=recipe.use_power_2_scales)
         n = len(tensors)
-        self._fit_history(meta, recipe)
         meta.amax_history[0, :n] = torch.maximum(meta.amax_history[0, :n], amaxes)
         if _STATE.stash is not None and meta is self.fp8_meta["scaling_fwd"]:
             _STATE.stash.setdefault(self, deque()).append(meta.scale[:n].clone())
         return meta.scale[:n]
 
-    def _update_scales(self, recipe: FP8Recipe, direction: Direction) -> None:
-        fmt = recipe.format_for(direction)
-        if recipe.scaling != "delayed":
-            return
-        meta = self.fp8_meta["scaling_fwd" if direction == "forward" else "scaling_bwd"]
-        meta.amax_history, meta.scale = delayed_scale_update(
-            meta.amax_history, meta.scale, FP8_MAX[fmt], recipe.amax_compute_algo, recipe.margin)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not is_fp8_enabled():
             return super().forward(x)
         recipe = _STATE.recipe
-        if _STATE.replay is None:
-            _STATE.pending["forward"].setdefault(self, recipe)
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe)
+        self._check_recipe(recipe)
+        replaying = _STATE.replay is not None
+        if recipe.scaling == "delayed" and not replaying:
+            for meta in self.fp8_meta.values():
+                self._fit_history(meta, recipe)
+            self._register(recipe)
+        # TE flags the first layer that casts with grad in each outermost autocast
+        # (linear.py:1436-1444); the recompute leaves the flag alone
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, self.weight, self.bias))
+        update_backward = needs_grad and not replaying and _take_first_module()
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe, update_backward)

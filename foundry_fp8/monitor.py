@@ -50,7 +50,7 @@ from foundry_fp8.numerics import (
     sufficient_stats,
 )
 from foundry_fp8.recipe import FP8Recipe
-from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 
 TENSOR_KINDS = ("activation", "weight", "gradient")
 CURRENT = FP8Recipe(scaling="current")

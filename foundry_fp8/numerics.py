@@ -99,15 +99,35 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor,
     return new_history, new_scale.to(scale.dtype)
 
 
-def quantize_dequantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
-    """`x -> saturate(x * scale) -> fp8 -> / scale`, in x's dtype.
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
+    """`saturate(x * scale)` cast to the FP8 dtype: the FP8 values a GEMM reads.
 
     Saturation first: a plain cast to float8_e4m3fn turns overflow into NaN.
     """
     _check_format(fmt)
     scaled = x.float() * scale
-    scaled = torch.clamp(scaled, -FP8_MAX[fmt], FP8_MAX[fmt])
-    return (scaled.to(FP8_DTYPE[fmt]).float() / scale).to(x.dtype)
+    return torch.clamp(scaled, -FP8_MAX[fmt], FP8_MAX[fmt]).to(FP8_DTYPE[fmt])
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """FP8 values back to float32: `q / scale`."""
+    return q.float() / scale
+
+
+def quantize_dequantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
+    """`x -> saturate(x * scale) -> fp8 -> / scale`, in x's dtype."""
+    return dequantize(quantize(x, scale, fmt), scale).to(x.dtype)
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """The amax TE records when it casts x: the largest magnitude, NaN skipped and inf kept, as
+    its kernels reduce with `fmaxf` (transformer_engine/common/util/vectorized_pointwise.h:202,
+    common/recipe/current_scaling.cu:55-60); 0 for an empty x, which TE does not cast
+    (pytorch/csrc/quantizer.cpp:634, 990). float32 on x's device, no host sync."""
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    magnitude = x.detach().abs()
+    return torch.where(torch.isnan(magnitude), 0, magnitude).max().float()
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from foundry_fp8.jsonl import JsonlError, read_jsonl
-from foundry_fp8.thresholds import Thresholds
+from foundry_fp8.health.thresholds import Thresholds
 
 NAN = float("nan")
 

@@ -31,6 +31,15 @@ def _replay_scales(amaxes: list[float], fmt: str, history_len: int, algo: str) -
     return scales
 
 
+def _te_fp32_linear(qx: torch.Tensor, qw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A float32 layer's FP8 forward as TE 2.20 computes it: the GEMM of the FP8 operands in
+    float32, then the bias, which TE casts to bfloat16 for FP8 GEMMs of float32 activations
+    (cuBLAS takes no float32 bias with FP8 operands: pytorch/module/linear.py:499-502) and the
+    GEMM epilogue adds to the float32 result."""
+    out = qx @ qw.t()
+    return out if bias is None else out + bias.detach().to(torch.bfloat16).float()
+
+
 def test_copy_is_exact_and_plain_outside_autocast():
     torch.manual_seed(0)
     linear = nn.Linear(16, 8)
@@ -57,9 +66,9 @@ def test_delayed_scaling_follows_recipe_and_replay(algo):
         assert sx == pytest.approx(want_x_scales[step], rel=1e-6)
         with fp8_autocast(recipe=recipe):
             out = layer(x)
-        want_out = nn.functional.linear(quantize_dequantize(x.detach(), sx, "e4m3"),
-                                        quantize_dequantize(layer.weight.detach(), sw, "e4m3"),
-                                        layer.bias)
+        want_out = _te_fp32_linear(quantize_dequantize(x.detach(), sx, "e4m3"),
+                                   quantize_dequantize(layer.weight.detach(), sw, "e4m3"),
+                                   layer.bias)
         assert torch.equal(out, want_out)
         grad = torch.randn_like(out) * (step + 1)
         g_amaxes.append(float(grad.abs().max()))
@@ -79,8 +88,8 @@ def test_current_scaling_keeps_no_history_and_saturates_nothing():
     assert layer.fp8_meta["scaling_fwd"].amax_history.abs().sum() == 0
     sx = FP8_MAX["e4m3"] / x.abs().max()
     sw = FP8_MAX["e4m3"] / layer.weight.detach().abs().max()
-    want = nn.functional.linear(quantize_dequantize(x, sx, "e4m3"),
-                                quantize_dequantize(layer.weight.detach(), sw, "e4m3"), layer.bias)
+    want = _te_fp32_linear(quantize_dequantize(x, sx, "e4m3"),
+                           quantize_dequantize(layer.weight.detach(), sw, "e4m3"), layer.bias)
     assert torch.allclose(out, want, rtol=1e-6, atol=1e-5)
 
 
@@ -221,9 +230,9 @@ def test_disabled_region_inside_an_enabled_one_runs_in_high_precision():
         out = layer(x1)
         assert torch.equal(meta.scale, scale)  # the nested exit updated nothing
     assert not is_fp8_enabled()
-    want = nn.functional.linear(quantize_dequantize(x1, scale[0], "e4m3"),
-                                quantize_dequantize(linear.weight.detach(), scale[1], "e4m3"),
-                                linear.bias)
+    want = _te_fp32_linear(quantize_dequantize(x1, scale[0], "e4m3"),
+                           quantize_dequantize(linear.weight.detach(), scale[1], "e4m3"),
+                           linear.bias)
     assert torch.equal(out, want)
     history[0, :2] = _amaxes(x1, linear.weight)
     want_history, want_scale = delayed_scale_update(history, scale, FP8_MAX["e4m3"])

@@ -385,13 +385,15 @@ def test_watch_quiet_with_fp8_checkpoint(caplog):
 def _never_update_backward(monkeypatch) -> None:
     """TE <= 1.11's reentrant checkpoint (#1190), in the emulation: backward amaxes are recorded
     into row 0 of the history as usual, but no backward scale update ever runs."""
-    update = EmulatedFP8Linear._update_scales
+    from foundry_fp8 import emulate
 
-    def forward_only(self, *args, **kwargs):
-        if "backward" not in (*args, *kwargs.values()):
-            update(self, *args, **kwargs)
+    update = emulate._reduce_and_update
 
-    monkeypatch.setattr(EmulatedFP8Linear, "_update_scales", forward_only)
+    def forward_only(direction: str) -> None:
+        if direction == "forward":
+            update(direction)
+
+    monkeypatch.setattr(emulate, "_reduce_and_update", forward_only)
 
 
 def test_watch_fails_when_backward_updates_never_run(monkeypatch):

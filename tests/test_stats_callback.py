@@ -205,6 +205,7 @@ def _fit(callback: FP8Stats, steps: int, logger: _Logger | None = None) -> tuple
         state.timestamp.batch = batch
         callback.run_event(Event.BATCH_START, state, logger)
         model(torch.randn(4, 8)).sum().backward()  # training goes on whatever the hooks do
+        callback.run_event(Event.AFTER_TRAIN_BATCH, state, logger)  # before the batch counts
         state.timestamp.batch = batch + 1  # Composer counts the batch before BATCH_END
         callback.run_event(Event.BATCH_END, state, logger)
     callback.run_event(Event.FIT_END, state, logger)

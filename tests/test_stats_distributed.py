@@ -205,6 +205,7 @@ def _train(rank: int, callback: FP8Stats | None, steps: int) -> tuple[nn.Module,
         events(Event.BATCH_START, state, logger)
         optimizer.zero_grad()
         model(_inputs(rank, batch)).sum().backward()
+        events(Event.AFTER_TRAIN_BATCH, state, logger)
         optimizer.step()
         state.timestamp.batch = batch + 1  # Composer counts the batch before BATCH_END
         events(Event.BATCH_END, state, logger)

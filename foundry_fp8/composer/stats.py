@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from composer.core import Callback, Event, State
+from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
 from foundry_fp8.fp8_meta import canonical_modules
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 from foundry_fp8.lint.values import as_items, batches, check_options
 from foundry_fp8.monitor import (
     FP8Monitor,
@@ -24,9 +25,12 @@ from foundry_fp8.monitor import (
     parse_recipe,
 )
 from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
-from foundry_fp8.thresholds import DEFAULT_THRESHOLDS
 
 log = logging.getLogger(__name__)
+
+
+def _is_rank_zero() -> bool:
+    return dist.get_global_rank() == 0
 
 
 def run_folder(state: State, logger: Logger) -> Path:
@@ -90,16 +94,13 @@ class FP8Stats(Callback):
                                         self.schedule, Path(te_debug_folder),
                                         self._te_metrics.__setitem__)
 
-    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+    # Composer's named events; each runs under `_guarded` (our error never stops training).
+
+    def fit_start(self, state: State, logger: Logger) -> None:
         if self.disabled:
             return
-        try:
-            self._run_event(event, state, logger)
-        except Exception as e:
-            if self.strict:
-                raise
-            self._failed(e)
-        if event == Event.FIT_START and multi_rank():
+        self._guarded(self._fit_start, state, logger)
+        if multi_rank():
             # once per fit: a rank that could not build its monitor cannot join the steps'
             # collectives, so the ranks agree here on whether one failed
             failed = state.device.tensor_to_device(torch.tensor([float(self.disabled)]))
@@ -107,6 +108,26 @@ class FP8Stats(Callback):
             if failed.item() and not self.disabled:
                 log.error("fp8_stats failed to start on another rank; disabling it here too")
                 self.disabled = True
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._guarded(self._batch_start, state, logger)
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        self._guarded(self._after_train_batch, state, logger)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self._guarded(self._fit_end, state, logger)
+
+    def _guarded(self, work: Callable[[State, Logger], None], state: State,
+                 logger: Logger) -> None:
+        if self.disabled:
+            return
+        try:
+            work(state, logger)
+        except Exception as e:
+            if self.strict:
+                raise
+            self._failed(e)
 
     def _failed(self, error: Exception) -> None:
         """Switch off now where every rank agrees (an FP8MonitorError, raised on every rank
@@ -122,43 +143,51 @@ class FP8Stats(Callback):
             self.monitor.abort()
         self.disabled = True
 
-    def _run_event(self, event: Event, state: State, logger: Logger) -> None:
-        rank_zero = dist.get_global_rank() == 0
-        if event == Event.FIT_START:
-            self.monitor = None  # until built: a rank that fails here cannot join collectives
-            config = self.config
-            if self.schedule.dump_steps:
-                folder = (self.dump_folder.format(run_name=state.run_name) if self.dump_folder
-                          else run_folder(state, logger) / "fp8_dumps")
-                config = dataclasses.replace(config, dump_folder=folder)
-            self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
-                                      on_warning=log.warning if rank_zero else lambda _: None)
-            log.info("fp8_stats watches %d layers", len(self.monitor.layers))
-            if self.te_debug is not None:
-                self.te_debug.name_layers(canonical_modules(state.model))
-        elif self.monitor is None:
-            return
-        elif event == Event.BATCH_START:
+    def _fit_start(self, state: State, logger: Logger) -> None:
+        self.monitor = None  # until built: a rank that fails here cannot join collectives
+        config = self.config
+        if self.schedule.dump_steps:
+            folder = (self.dump_folder.format(run_name=state.run_name) if self.dump_folder
+                      else run_folder(state, logger) / "fp8_dumps")
+            config = dataclasses.replace(config, dump_folder=folder)
+        self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
+                                  on_warning=log.warning if _is_rank_zero() else lambda _: None)
+        log.info("fp8_stats watches %d layers", len(self.monitor.layers))
+        if self.te_debug is not None:
+            self.te_debug.name_layers(canonical_modules(state.model))
+
+    def _batch_start(self, state: State, logger: Logger) -> None:
+        if self.monitor is not None:
             self._step = int(state.timestamp.batch)
             self.monitor.start_step(self._step)
-        elif event == Event.BATCH_END:
-            metrics = self.monitor.finish_step()  # raises only on every rank together
-            if self.te_debug is not None:
-                self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
-                metrics.update(self._te_metrics)
-                self._te_metrics.clear()
-            if metrics and rank_zero:
-                self._rank_zero(lambda: logger.log_metrics(metrics, step=self._step),
-                                "logging the metrics")
-        elif event == Event.FIT_END:
-            if self.te_debug is not None:
-                self.te_debug.close()
-            summary = self.monitor.summary()
-            if summary and rank_zero:
-                print(f"foundry_fp8 fp8_stats: worst value per layer and tensor\n{summary}",
-                      flush=True)
-                self._rank_zero(lambda: logger.log_hyperparameters(
-                    {"fp8/stats_summary": summary}), "logging the summary")
+
+    def _after_train_batch(self, state: State, logger: Logger) -> None:
+        """The batch's forward and backward are done (every micro-batch) and Composer has not
+        yet logged its loss: logged now at the batch's own step, the step of its
+        `loss/train/total`, they land in W&B. At BATCH_END other callbacks have already logged
+        at the next step, and W&B drops a step lower than one it has seen."""
+        if self.monitor is None:
+            return
+        metrics = self.monitor.finish_step()  # raises only on every rank together
+        if self.te_debug is not None:
+            self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
+            metrics.update(self._te_metrics)
+            self._te_metrics.clear()
+        if metrics and _is_rank_zero():
+            self._rank_zero(lambda: logger.log_metrics(metrics, step=self._step),
+                            "logging the metrics")
+
+    def _fit_end(self, state: State, logger: Logger) -> None:
+        if self.monitor is None:
+            return
+        if self.te_debug is not None:
+            self.te_debug.close()
+        summary = self.monitor.summary()
+        if summary and _is_rank_zero():
+            print(f"foundry_fp8 fp8_stats: worst value per layer and tensor\n{summary}",
+                  flush=True)
+            self._rank_zero(lambda: logger.log_hyperparameters(
+                {"fp8/stats_summary": summary}), "logging the summary")
 
     def _rank_zero(self, call: Callable[[], None], what: str) -> None:
         """What rank 0 alone does (logging): a failure of the logger is logged and the

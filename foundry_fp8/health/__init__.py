@@ -1,0 +1,26 @@
+"""FP8 health: the metric key layout, thresholds, flagging rules (which side of a statistic is
+worse, the cause and YAML key of each warning), the tracker that applies them step by step, the
+worst-value table and the plots. Used by `fp8_stats`, the guard and `foundry-fp8 report`.
+Torch-free; matplotlib only inside `health.plots`' drawing functions."""
+
+from foundry_fp8.health.history import RunMetrics, collect, worst_values
+from foundry_fp8.health.keys import (
+    INITIAL_SCALE,
+    SUMMARIES,
+    TENSORS,
+    layer_key,
+    parse_key,
+    short_layer,
+    summary_key,
+)
+from foundry_fp8.health.rules import Flag, HealthTracker, summary_metrics
+from foundry_fp8.health.specs import SPECS, StatSpec, badness, spec, worse_of
+from foundry_fp8.health.table import md_escape, render_table
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
+
+__all__ = [
+    "DEFAULT_THRESHOLDS", "INITIAL_SCALE", "SPECS", "SUMMARIES", "TENSORS", "Flag",
+    "HealthTracker", "RunMetrics", "StatSpec", "Thresholds", "badness", "collect", "layer_key",
+    "md_escape", "parse_key", "render_table", "short_layer", "spec", "summary_key",
+    "summary_metrics", "worse_of", "worst_values",
+]

@@ -1,0 +1,149 @@
+"""A run's FP8 statistics over its logging steps, `values[(layer, tensor, stat)][step]`: what
+the report reads from metrics.jsonl and `fp8_stats` keeps for its images. Plain Python."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from foundry_fp8.health.keys import INITIAL_SCALE, parse_key
+from foundry_fp8.health.specs import PERFECT, SPECS, TENSOR_ORDER, badness, known_first, spec
+
+NAN = float("nan")
+
+
+@dataclass
+class RunMetrics:
+    """The per-layer FP8 statistics of one run; steps cast with delayed scaling's initial
+    scale are in `initial` (drawn, but neither ranked nor flagged)."""
+
+    values: dict[tuple[str, str, str], dict[int, float]] = field(default_factory=dict)
+    layers: list[str] = field(default_factory=list)  # first-logged order = forward order
+    tensors: list[str] = field(default_factory=list)
+    stats: list[str] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # every step with any fp8 metric, sorted
+    initial: set[tuple[str, str, int]] = field(default_factory=set)
+
+    def add(self, step: int, layer: str, tensor: str, stat: str, value: float) -> None:
+        """One number; a step logged twice (a resumed run appending) keeps the later value."""
+        if stat == INITIAL_SCALE:
+            if value:
+                self.initial.add((layer, tensor, step))
+            return
+        self.values.setdefault((layer, tensor, stat), {})[step] = float(value)
+        for names, name in ((self.layers, layer), (self.tensors, tensor), (self.stats, stat)):
+            if name not in names:
+                names.append(name)
+        if step not in self.steps:
+            self.steps.append(step)
+
+    def add_table(self, step: int, table: Mapping[tuple[str, str], Mapping[str, float]]) -> None:
+        """One logging step's `{(layer, tensor): {stat: value}}`."""
+        for (layer, tensor), stats in table.items():
+            for stat, value in stats.items():
+                self.add(step, layer, tensor, stat, value)
+        self.tidy()
+
+    def tidy(self) -> None:
+        """Known tensors and statistics first, steps sorted."""
+        self.tensors = known_first(self.tensors, TENSOR_ORDER)
+        self.stats = known_first(self.stats, SPECS)
+        self.steps.sort()
+
+    def judged(self, layer: str, tensor: str, by_step: dict[int, float]) -> dict[int, float]:
+        """`by_step` without the steps cast with the initial scale."""
+        return {step: v for step, v in by_step.items() if (layer, tensor, step) not in self.initial}
+
+    def tables(self) -> Iterator[tuple[int, dict[tuple[str, str], dict[str, float]]]]:
+        """(step, table) in step order, as `fp8_stats` saw them (initial casts marked)."""
+        by_step: dict[int, dict[tuple[str, str], dict[str, float]]] = {}
+        for (layer, tensor, stat), logged in self.values.items():
+            for step, value in logged.items():
+                by_step.setdefault(step, {}).setdefault((layer, tensor), {})[stat] = value
+        for layer, tensor, step in self.initial:
+            if (layer, tensor) in by_step.get(step, {}):
+                by_step[step][(layer, tensor)][INITIAL_SCALE] = 1.0
+        for step in sorted(by_step):
+            yield step, by_step[step]
+
+
+def collect(records: Iterable[tuple[int, Mapping[str, Any]]]) -> RunMetrics:
+    """The per-layer numbers (`health.keys` layout) of `(step, metrics)` records."""
+    run = RunMetrics()
+    for step, metrics in records:
+        for name, value in metrics.items():
+            parsed = parse_key(name)
+            if (parsed is None or isinstance(value, bool) or not isinstance(value, (int, float))):
+                continue
+            stat, tensor, layer = parsed
+            run.add(step, layer, tensor, stat, float(value))
+    run.tidy()
+    return run
+
+
+def heatmap_matrix(run: RunMetrics, stat: str, tensor: str) -> list[list[float]]:
+    """Rows `run.layers`, columns `run.steps`; NaN where not logged or cast with the initial
+    scale (marked, not coloured as the worst cells)."""
+    return [[NAN if (layer, tensor, step) in run.initial
+             else run.values.get((layer, tensor, stat), {}).get(step, NAN) for step in run.steps]
+            for layer in run.layers]
+
+
+def series(run: RunMetrics, layer: str, tensor: str, stat: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one layer's statistic, in step order."""
+    by_step = run.values.get((layer, tensor, stat), {})
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def worst_point(stat: str, by_step: Mapping[int, float]) -> tuple[int, float] | None:
+    """(step, value) of the worst finite value; NaN never hides a real bad value."""
+    finite = [(s, v) for s, v in by_step.items() if v == v]
+    return max(finite, key=lambda sv: badness(stat, sv[1])) if finite else None
+
+
+def worst_values(run: RunMetrics) -> dict[tuple[str, str], dict[str, float]]:
+    """(layer, tensor) -> worst value of each ranked statistic over the judged steps."""
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    for (layer, tensor, stat), logged in run.values.items():
+        point = worst_point(stat, run.judged(layer, tensor, logged)) if spec(stat).worse else None
+        if point is not None:
+            table.setdefault((layer, tensor), {})[stat] = point[1]
+    return table
+
+
+@dataclass(frozen=True)
+class Ranked:
+    layer: str
+    tensor: str
+    mean: float  # over the judged steps: the typical state
+    worst: float
+    step: int  # where the worst was
+
+
+def worst_layers(run: RunMetrics, stat: str, n: int = 3) -> list[Ranked]:
+    """The `n` (layer, tensor) pairs with the worst mean of `stat`, leaving out perfect ones."""
+    ranked = []
+    for (layer, tensor, s), logged in run.values.items():
+        by_step = run.judged(layer, tensor, logged)
+        point = worst_point(stat, by_step) if s == stat and by_step else None
+        if point is not None:
+            finite = [v for v in by_step.values() if math.isfinite(v)]
+            # each term divided first: a sum of values near 1e308 would overflow
+            mean = sum(v / len(finite) for v in finite) if finite else point[1]
+            ranked.append(Ranked(layer, tensor, mean, point[1], point[0]))
+    ranked.sort(key=lambda r: -badness(stat, r.mean))
+    perfect = PERFECT.get(spec(stat).worse or "", NAN)
+    return [r for r in ranked[:n] if r.mean != perfect]
+
+
+def all_zero(run: RunMetrics, stat: str) -> bool:
+    return all(v == 0 for (_, _, s), by_step in run.values.items() if s == stat
+               for v in by_step.values())
+
+
+def shown(run: RunMetrics, stat: str) -> bool:
+    """Whether a statistic earns a plot (NaN/Inf counts only when some were seen)."""
+    return stat in run.stats and not (spec(stat).quiet_when_zero and all_zero(run, stat))

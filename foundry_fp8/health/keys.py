@@ -1,0 +1,57 @@
+"""The metric key layout of FP8 statistics, written and read only through this module.
+
+Per-layer series are `fp8_<stat>/<tensor>/<layer>`: W&B makes one section per text before the
+first `/`, so each section holds one statistic. The layer comes last and may itself hold `/`.
+Summary series are `fp8/<tensor>/<name>` (and `fp8/<name>` over all tensors): few, charted,
+alertable, printed on the console. Plain Python.
+"""
+
+from __future__ import annotations
+
+import re
+
+TENSORS = ("activation", "weight", "gradient")
+LAYER_PREFIX = "fp8_"
+SUMMARY_PREFIX = "fp8"
+#: Logged as 1 for a tensor cast with delayed scaling's initial scale 1 (no amax history yet).
+INITIAL_SCALE = "initial_scale"
+#: Summary names per tensor kind (`summary_key(tensor, name)`); `flagged_layers` also over all.
+SUMMARIES = ("worst_underflow_pct", "worst_overflow_pct", "worst_cos_sim", "flagged_layers",
+             "nonfinite")
+_STAT = re.compile(r"[a-z0-9_]+")
+# Module-name segments that are not layers: the Composer/HF wrappers' attribute names at the
+# front (`model.transformer.blocks.0...` -> `blocks.0...`).
+_FRONT = ("model.", "transformer.")
+
+
+def layer_key(stat: str, tensor: str, layer: str) -> str:
+    """`fp8_underflow_pct/gradient/blocks.0.attn.Wqkv`."""
+    if not _STAT.fullmatch(stat) or not tensor or "/" in tensor:
+        raise ValueError(f"bad FP8 statistic or tensor name: {stat!r}, {tensor!r}")
+    return f"{LAYER_PREFIX}{stat}/{tensor}/{layer}"
+
+
+def summary_key(tensor: str | None, name: str) -> str:
+    """`fp8/gradient/worst_underflow_pct`, or `fp8/flagged_layers` for `tensor=None`."""
+    return f"{SUMMARY_PREFIX}/{name}" if tensor is None else f"{SUMMARY_PREFIX}/{tensor}/{name}"
+
+
+def parse_key(key: str) -> tuple[str, str, str] | None:
+    """(stat, tensor, layer) of a per-layer key; None for any other key (summaries included).
+    Everything after the second `/` is the layer, so a `/` in a layer name survives."""
+    if not key.startswith(LAYER_PREFIX):
+        return None
+    head, _, rest = key.partition("/")
+    tensor, _, layer = rest.partition("/")
+    stat = head.removeprefix(LAYER_PREFIX)
+    if not _STAT.fullmatch(stat) or not tensor or not layer:
+        return None
+    return stat, tensor, layer
+
+
+def short_layer(name: str) -> str:
+    """The layer's name in keys: `model.transformer.blocks.0.attn.Wqkv` -> `blocks.0.attn.Wqkv`
+    (the caller has already removed FSDP/DDP/checkpoint wrapper segments)."""
+    for front in _FRONT:
+        name = name.removeprefix(front)
+    return name

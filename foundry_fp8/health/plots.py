@@ -1,0 +1,273 @@
+"""Pictures of a run's FP8 statistics: layers x steps heatmaps and amax/scale time series, for
+`foundry-fp8 report` (PNG files) and `fp8_stats` (images through Composer's Logger).
+
+Everything before the drawing is plain data (tested exactly); matplotlib is imported only when
+drawing, with the Agg canvas (no pyplot state). No torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from foundry_fp8.health.history import RunMetrics, heatmap_matrix, series, worst_layers
+from foundry_fp8.health.rules import block_index
+from foundry_fp8.health.specs import TENSOR_FORMAT, spec
+from foundry_fp8.health.thresholds import Thresholds
+
+
+def choose_layers(run: RunMetrics, pattern: str | None = None) -> list[tuple[str, str]]:
+    """(layer, why) for the time-series plot, in model order: the layers matching `pattern`
+    (why: ""), or else the first layer of the first block, the last layer of the last block and
+    the layer with the worst underflow."""
+    if pattern is not None:
+        return [(layer, "") for layer in run.layers if re.search(pattern, layer)]
+    numbered = [layer for layer in run.layers if block_index(layer) is not None]
+    if numbered:
+        first_block = min(block_index(layer) for layer in numbered)
+        last_block = max(block_index(layer) for layer in numbered)
+        first = next(layer for layer in numbered if block_index(layer) == first_block)
+        last = [layer for layer in numbered if block_index(layer) == last_block][-1]
+    else:
+        first, last = run.layers[0], run.layers[-1]
+    reasons: dict[str, list[str]] = {first: ["first block"]}
+    reasons.setdefault(last, []).append("last block")
+    for w in worst_layers(run, "underflow_pct", n=1):
+        reasons.setdefault(w.layer, []).append(f"most underflow: {w.mean:.3g} % of {w.tensor} on average")
+    return [(layer, "; ".join(reasons[layer])) for layer in run.layers if layer in reasons]
+
+
+def common_prefix(layers: list[str]) -> str:
+    """The dotted prefix all layer names share, kept short of a block number (so labels read
+    `blocks.0.attn.Wqkv`, not `0.attn.Wqkv`); empty for a single layer."""
+    if len(layers) < 2:
+        return ""
+    split = [layer.split(".") for layer in layers]
+    shared = []
+    for parts in zip(*(s[:-1] for s in split), strict=False):
+        if len(set(parts)) != 1:
+            break
+        shared.append(parts[0])
+    while shared and any(len(s) > len(shared) and s[len(shared)].isdigit() for s in split):
+        shared.pop()
+    return ".".join(shared) + "." if shared else ""
+
+
+def log_limits(lines: list[tuple[list[int], list[float]]]) -> tuple[float, float, int] | None:
+    """Log-axis limits leaving out the first logged step when it lies more than 10x outside the
+    other steps' range: delayed scaling runs step 0 on the initial scale 1.0, which would
+    flatten every later point. (low, high, the step left off the scale), or None: no need."""
+    points = [(s, v) for steps, values in lines for s, v in zip(steps, values, strict=True)
+              if 0 < v < math.inf]
+    first = min((s for s, _ in points), default=None)
+    rest = [v for s, v in points if s != first]
+    if not rest:
+        return None
+    low, high = min(rest), max(rest)
+    if all(low / 10 <= v <= high * 10 for s, v in points if s == first):
+        return None
+    return low / 1.5, high * 1.5, first
+
+
+def tick_indices(n: int, max_ticks: int) -> list[int]:
+    """At most about `max_ticks` evenly spaced positions out of `n`, always including the first."""
+    stride = max(1, math.ceil(n / max(1, max_ticks)))
+    return list(range(0, n, stride))
+
+
+PCT_LINEAR_BELOW = 0.01  # percent; log colour steps above it, so 0.1 % and 10 % both show
+
+
+def _cos_forward(x: Any) -> Any:
+    import numpy as np
+
+    return -np.log10(np.clip(1.0 - np.asarray(x, dtype=float), 1e-7, None))
+
+
+def _cos_inverse(y: Any) -> Any:
+    import numpy as np
+
+    return 1.0 - 10.0 ** -np.asarray(y, dtype=float)
+
+
+def _norm(stat: str, values: list[float], thresholds: Thresholds) -> tuple[Any, float | None, list[float] | None]:
+    """Colour normalisation, the threshold to mark on the colour bar and its ticks.
+
+    Percentages always span 0-100 % (log above 0.01 %), and cosine similarity runs on a log scale
+    of 1 - cos (0.99, 0.999, ...), so a colour means the same in every report and small but real
+    differences stay visible.
+    """
+    from matplotlib.colors import FuncNorm, LogNorm, Normalize, SymLogNorm
+
+    finite = [v for v in values if math.isfinite(v)]
+    if stat in ("underflow_pct", "overflow_pct"):
+        limit = thresholds.max_underflow_pct if stat == "underflow_pct" else thresholds.max_overflow_pct
+        norm = SymLogNorm(PCT_LINEAR_BELOW, linscale=0.3, vmin=0.0, vmax=100.0, base=10)
+        return norm, limit if limit > 0 else None, [0, 0.01, 0.1, 1, 10, 100]
+    if stat == "cos_sim":
+        low = min(min(finite, default=1.0), thresholds.min_cos_sim, 0.9)
+        ticks = [t for t in (0.0, 0.5, 0.9, 0.99, 0.999, 0.9999) if t >= low]
+        # 0.9999 is the top: an E4M3 round trip cannot beat about 0.9996, E5M2 about 0.9986
+        return FuncNorm((_cos_forward, _cos_inverse), vmin=low, vmax=0.9999), thresholds.min_cos_sim, ticks
+    if spec(stat).log:
+        positive = [v for v in finite if v > 0] or [1.0]
+        low, high = min(positive), max(positive)
+        return LogNorm(low if low < high else low / 10, high if low < high else high * 10), None, None
+    low, top = min(min(finite, default=0.0), 0.0), max(finite, default=0.0)
+    return Normalize(low, top if top > low else low + 1.0), None, None
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)  # Agg, without pyplot's global state
+    return fig
+
+
+def _cell(stat: str, value: float) -> str:
+    """A number that fits a heatmap cell; cosines need their digits after the 0.99."""
+    return f"{value:.5f}" if stat == "cos_sim" else f"{value:.2g}"
+
+
+def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
+    """One panel per tensor kind: layers down, logging steps across, grey where not logged."""
+    import matplotlib
+    import numpy as np
+
+    sp = spec(stat)
+    tensors = [t for t in run.tensors if any((layer, t, stat) in run.values for layer in run.layers)]
+    prefix = common_prefix(run.layers)
+    names = [layer.removeprefix(prefix) for layer in run.layers]
+    n_layers, n_steps = len(names), len(run.steps)
+    height = min(max(2.6, 0.26 * n_layers + 1.5), 24.0)
+    panel = min(max(2.2, 0.17 * n_steps + 1.3), 4.8)
+    bars = 1 if sp.shared_scale else len(tensors)  # colour bars, about 0.9 inch each
+    width = 0.065 * max(map(len, names)) + 0.4 + panel * len(tensors) + 0.9 * bars
+    fig = _figure(width, height)
+    axes = fig.subplots(1, len(tensors), sharey=True, squeeze=False)[0]
+    matrices = {t: np.array(heatmap_matrix(run, stat, t), dtype=float) for t in tensors}
+    shared = [v for m in matrices.values() for v in m.ravel().tolist()]
+    cmap = matplotlib.colormaps["YlOrRd_r" if sp.worse == "low" else "YlOrRd"].with_extremes(bad="#d0d0d0")
+    annotate = n_steps <= 12 and n_layers <= 40 and not sp.log  # numbers in cells when they fit
+    for ax, tensor in zip(axes, tensors, strict=True):
+        matrix = matrices[tensor]
+        norm, limit, ticks = _norm(stat, shared if sp.shared_scale else matrix.ravel().tolist(), thresholds)
+        if sp.log:  # a zero error is the best colour, not a hole
+            matrix = np.where(matrix <= 0, norm.vmin, matrix)
+        image = ax.imshow(np.ma.masked_invalid(matrix), aspect="auto", interpolation="nearest",
+                          cmap=cmap, norm=norm)
+        finite = matrix[np.isfinite(matrix)]
+        quiet = " - all 0" if finite.size and not finite.any() else ""
+        ax.set_title(f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')}){quiet}", fontsize=9)
+        xticks = tick_indices(n_steps, int(panel * 2.5))
+        ax.set_xticks(xticks, [str(run.steps[i]) for i in xticks], fontsize=7,
+                      rotation=90 if len(str(run.steps[-1])) > 3 else 0)
+        ax.set_xlabel("step", fontsize=8)
+        if annotate:
+            for (row, col), value in np.ndenumerate(matrix):
+                if math.isfinite(value):
+                    level = float(norm(value))
+                    dark = level < 0.35 if sp.worse == "low" else level > 0.65
+                    ax.text(col, row, _cell(stat, value), ha="center", va="center", fontsize=6,
+                            color="white" if dark else "black")
+        if not sp.shared_scale or ax is axes[-1]:
+            bar = fig.colorbar(image, ax=ax if not sp.shared_scale else list(axes), shrink=0.95,
+                               aspect=30, pad=0.02)
+            if ax is axes[-1]:
+                bar.set_label(sp.label + (f"\n(black line: flagged beyond {limit:g})" if limit else ""),
+                              fontsize=8)
+            if ticks is not None:
+                bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
+            _readable_log_ticks(bar.ax, norm.vmin, norm.vmax)
+            if limit is not None:
+                bar.ax.axhline(limit, color="black", lw=1.5)
+    yticks = tick_indices(n_layers, int((height - 1.5) / 0.13))
+    axes[0].set_yticks(yticks, [names[i] for i in yticks], fontsize=7)
+    where = f"layers under {prefix}" if prefix else "layers"
+    fig.suptitle(f"{stat}: {where} × logging steps (grey: not logged, or cast with the "
+                 "initial scale 1)", fontsize=10)
+    return fig
+
+
+def _readable_log_ticks(ax: Any, low: float | None = None, high: float | None = None) -> None:
+    """Plain numbers (`0.7`, `6`, `2000`) on a log y axis (or colour bar: pass its norm's range,
+    its limits are 0-1) spanning less than two decades, where
+    matplotlib would print `6 x 10^0` at mixed sizes; between one and two decades only the minor
+    ticks at 2 and 5 get a label."""
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter
+
+    def plain(v: float, _: Any = None) -> str:
+        if not 1e-4 <= v < 1e5:
+            return f"{v:.2g}"
+        return np.format_float_positional(v, precision=3, fractional=False, trim="-")
+
+    def two_and_five(v: float, _: Any = None) -> str:
+        return plain(v) if f"{v:.0e}"[0] in "25" else ""
+
+    ax.tick_params(which="both", labelsize=7)
+    if low is None or high is None:
+        low, high = ax.get_ylim()
+    if ax.get_yscale() == "log" and low > 0 and high / low < 100:
+        ax.yaxis.set_major_formatter(FuncFormatter(plain))
+        ax.yaxis.set_minor_formatter(FuncFormatter(plain if high / low < 10 else two_and_five))
+
+
+def draw_series(run: RunMetrics, chosen: list[tuple[str, str]]) -> Any:
+    """Rows: amax, scale (current_scale, scale_ratio when logged); columns: tensor kinds."""
+    from matplotlib.ticker import MaxNLocator
+
+    stats = [s for s in run.stats if spec(s).plot == "series"]
+    prefix = common_prefix(run.layers)
+    fig = _figure(3.6 * len(run.tensors) + 0.6, 2.1 * len(stats) + 1.0 + 0.22 * len(chosen))
+    axes = fig.subplots(len(stats), len(run.tensors), sharex=True, squeeze=False)
+    for row, stat in enumerate(stats):
+        for col, tensor in enumerate(run.tensors):
+            ax = axes[row][col]
+            lines = [series(run, layer, tensor, stat) for layer, _ in chosen]
+            for k, ((layer, why), (steps, values)) in enumerate(zip(chosen, lines, strict=True)):
+                ax.plot(steps, values, marker="o", ms=2.5, lw=1.2, color=f"C{k % 10}",
+                        label=layer.removeprefix(prefix) + (f" ({why})" if why else ""))
+            limits = log_limits(lines) if spec(stat).log else None
+            if spec(stat).log:
+                ax.set_yscale("log")
+            if limits is not None:
+                ax.set_ylim(limits[0], limits[1])
+                ax.text(0.98, 0.03, f"step {limits[2]} off scale", transform=ax.transAxes,
+                        ha="right", fontsize=6, color="dimgrey")
+            if stat == "scale_ratio":
+                ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            _readable_log_ticks(ax)
+            if len(run.steps) <= 12:
+                ax.set_xticks(run.steps)
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3, which="both", lw=0.5)
+            if row == 0:
+                ax.set_title(f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')})", fontsize=9)
+            if col == 0:
+                label = spec(stat).label
+                ax.set_ylabel(label if label.startswith(stat) else f"{stat}\n{label}", fontsize=8)
+            if row == len(stats) - 1:
+                ax.set_xlabel("step", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncols=1, fontsize=8, frameon=False)
+    return fig
+
+
+
+
+def save_png(fig: Any, path: Path) -> None:
+    fig.savefig(path)
+
+
+def to_rgb(fig: Any) -> Any:
+    """The figure as an RGB uint8 array [height, width, 3] (what Composer's log_images takes)."""
+    import numpy as np
+
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()

@@ -1,0 +1,218 @@
+"""The flagging rules and the stateful tracker that applies them, one logging step at a time.
+
+`HealthTracker(thresholds).update(step, table)` takes one logging step's statistics,
+`{(layer, tensor): {stat: value}}`, and returns the flags raised at that step. The same tracker
+serves `fp8_stats` (console warnings, summary series), the guard (how many consecutive logging
+steps a layer has been bad) and `foundry-fp8 report` (which replays a run's steps through it).
+
+Each flag names one likely cause and the one YAML key that changes it. Plain Python.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, summary_key
+from foundry_fp8.health.specs import worse_of
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
+
+Table = Mapping[tuple[str, str], Mapping[str, float]]
+SWAP = "algorithms.te_swap"
+RECIPE = f"{SWAP}.fp8_recipe"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One rule broken by one layer's tensor at one logging step."""
+
+    rule: str  # e.g. "overflow_persistent"
+    layer: str
+    tensor: str
+    step: int
+    stat: str  # the statistic the rule judges
+    value: float
+    limit: str  # the rule in words, e.g. "> 0.01 % for 3 logging steps"
+    cause: str  # the one likely cause
+    yaml_key: str  # what to change, e.g. "algorithms.te_swap.keep_last_blocks: 1"
+    new: bool = True  # first time this rule flags this layer and tensor
+
+    @property
+    def message(self) -> str:
+        shown = f"{self.value:.3g} %" if self.stat.endswith("_pct") else f"{self.value:.4g}"
+        return (f"FP8 {self.tensor} of layer '{self.layer}' at step {self.step}: {self.stat} "
+                f"{shown} ({self.limit}). Likely cause: {self.cause}. Change: {self.yaml_key}")
+
+
+def block_index(layer: str) -> int | None:
+    """The first numeric component of a module name (`blocks.7.attn` -> 7), if any."""
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", layer)
+    return int(match.group(1)) if match else None
+
+
+def _value(stats: Mapping[str, float], stat: str, default: float) -> float:
+    value = stats.get(stat, default)
+    return default if value != value else float(value)
+
+
+@dataclass
+class _State:
+    """What the tracker remembers of one (layer, tensor)."""
+
+    over: int = 0  # consecutive judged logging steps with overflow above the limit
+    under: int = 0
+    cos: int = 0
+    bad: int = 0  # consecutive judged logging steps with any limit crossed
+    rising: list[float] = field(default_factory=list)  # last underflow values (gradients)
+
+
+@dataclass
+class HealthTracker:
+    """Applies the rules to each logging step in order; remembers streaks, flags and the worst
+    value of each statistic over the judged steps (not those cast with the initial scale)."""
+
+    thresholds: Thresholds = DEFAULT_THRESHOLDS
+    flags: list[Flag] = field(default_factory=list)  # every flag raised so far
+    worst: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    blocks: set[int] = field(default_factory=set)  # block numbers of the layers seen
+    _state: dict[tuple[str, str], _State] = field(default_factory=dict)
+    _raised: set[tuple[str, str, str]] = field(default_factory=set)
+
+    def update(self, step: int, table: Table) -> dict[tuple[str, str], list[Flag]]:
+        """Judge one logging step; returns the flags raised at this step per (layer, tensor)."""
+        for layer, _ in table:
+            if (block := block_index(layer)) is not None:
+                self.blocks.add(block)
+        raised: dict[tuple[str, str], list[Flag]] = {}
+        for (layer, tensor), stats in table.items():
+            if stats.get(INITIAL_SCALE):
+                continue  # delayed scaling's first cast: scale 1 by design, not judged
+            self._fold_worst((layer, tensor), stats)
+            found = self._judge(step, layer, tensor, stats)
+            if found:
+                raised[(layer, tensor)] = found
+                self.flags.extend(found)
+        return raised
+
+    def streak(self, layer: str, tensor: str) -> int:
+        """Consecutive judged logging steps (up to the last) on which this tensor crossed any
+        limit; what the guard acts on."""
+        state = self._state.get((layer, tensor))
+        return state.bad if state else 0
+
+    def flagged_layers(self, tensor: str | None = None) -> set[str]:
+        """Layers flagged so far (for one tensor kind, or any)."""
+        return {f.layer for f in self.flags if tensor is None or f.tensor == tensor}
+
+    def _fold_worst(self, key: tuple[str, str], stats: Mapping[str, float]) -> None:
+        row = self.worst.setdefault(key, {})
+        for stat, value in stats.items():
+            if stat != INITIAL_SCALE and value == value:
+                row[stat] = worse_of(stat, row.get(stat, value), float(value))
+
+    def _judge(self, step: int, layer: str, tensor: str, stats: Mapping[str, float]) -> list[Flag]:
+        t = self.thresholds
+        s = self._state.setdefault((layer, tensor), _State())
+        underflow = _value(stats, "underflow_pct", 0.0)
+        overflow = _value(stats, "overflow_pct", 0.0)
+        cos = _value(stats, "cos_sim", 1.0)
+        ratio = _value(stats, "scale_ratio", 1.0)
+        nonfinite = _value(stats, "nan_count", 0.0) + _value(stats, "inf_count", 0.0)
+        s.over = s.over + 1 if overflow > t.max_overflow_pct else 0
+        s.under = s.under + 1 if underflow > t.max_underflow_pct else 0
+        s.cos = s.cos + 1 if cos < t.min_cos_sim else 0
+        s.bad = s.bad + 1 if (s.over or s.under or s.cos or nonfinite) else 0
+        s.rising = [*s.rising, underflow][-(t.persist_steps + 1):]
+        n = t.persist_steps
+        steps = f"for {n} logging steps" if n > 1 else "at a logging step"
+        found: list[tuple[str, str, float, str, str, str]] = []  # rule, stat, value, limit, cause, key
+        if nonfinite:
+            key = ("algorithms.gradient_clipping.clipping_threshold" if tensor == "gradient"
+                   else "optimizer.lr")
+            found.append(("nonfinite", "nan_count" if _value(stats, "nan_count", 0) else "inf_count",
+                          nonfinite, "NaN/Inf before any FP8 cast",
+                          "the run diverges: the high-precision tensor already holds NaN/Inf",
+                          f"{key} (lower it)"))
+        if overflow > t.max_overflow_pct and ratio >= t.spike_ratio:
+            found.append(("overflow_spike", "overflow_pct", overflow,
+                          f"> {t.max_overflow_pct:g} % with scale_ratio {ratio:.3g} >= "
+                          f"{t.spike_ratio:g}",
+                          "an amax spike: the tensor jumped past the scale its amax history set",
+                          f"{RECIPE}.scaling: current"))
+        elif s.over >= n:
+            found.append(("overflow_persistent", "overflow_pct", overflow,
+                          f"> {t.max_overflow_pct:g} % {steps}",
+                          "the tensor keeps outgrowing its delayed scale",
+                          f"{RECIPE}.margin: 1"))
+        if s.under >= n and ratio < t.stale_ratio:
+            found.append(("underflow_stale", "underflow_pct", underflow,
+                          f"> {t.max_underflow_pct:g} % {steps}, scale_ratio {ratio:.3g} < "
+                          f"{t.stale_ratio:g}",
+                          "an old amax spike in the history keeps the scale too small",
+                          f"{RECIPE}.amax_history_len (shorter)"))
+        elif s.under >= n:
+            found.append(("underflow_persistent", "underflow_pct", underflow,
+                          f"> {t.max_underflow_pct:g} % {steps}",
+                          "the tensor's range is wider than FP8 holds at this layer",
+                          self._keep_in_bf16(layer)))
+        elif tensor == "gradient" and self._rising(s.rising):
+            found.append(("underflow_rising", "underflow_pct", underflow,
+                          f"rising {n} logging steps in a row, to > {t.max_underflow_pct / 5:g} %",
+                          "gradients shrink toward the bottom of E5M2's range",
+                          self._keep_in_bf16(layer)))
+        if s.cos >= n and not found:
+            found.append(("cos_low", "cos_sim", cos, f"< {t.min_cos_sim:g} {steps}",
+                          "FP8 rounding loses too much of this tensor",
+                          self._keep_in_bf16(layer)))
+        flags = []
+        for rule, stat, value, limit, cause, key in found:
+            new = (layer, tensor, rule) not in self._raised
+            self._raised.add((layer, tensor, rule))
+            flags.append(Flag(rule, layer, tensor, step, stat, value, limit, cause, key, new))
+        return flags
+
+    def _rising(self, values: list[float]) -> bool:
+        """Gradient underflow that grew at each of the last `persist_steps` logging steps, at
+        least doubled, and passed a fifth of the underflow limit."""
+        n = self.thresholds.persist_steps
+        if len(values) <= n:
+            return False
+        grew = all(b > a for a, b in zip(values, values[1:], strict=False))
+        return grew and values[-1] >= 2 * values[0] and values[-1] > self.thresholds.max_underflow_pct / 5
+
+    def _keep_in_bf16(self, layer: str) -> str:
+        """The YAML key keeping this layer in BF16: its edge block's count, else `exclude`."""
+        block = block_index(layer)
+        if block is not None and len(self.blocks) > 1:
+            if block == max(self.blocks):
+                return f"{SWAP}.keep_last_blocks: 1"
+            if block == min(self.blocks):
+                return f"{SWAP}.keep_first_blocks: 1"
+        return f"{SWAP}.exclude: '{re.escape(layer)}$'"
+
+
+def summary_metrics(table: Table, raised: Mapping[tuple[str, str], list[Flag]]) -> dict[str, float]:
+    """This step's summary series (`health.keys.SUMMARIES`), per tensor kind and overall:
+    worst values over the judged layers, layers flagged at this step, NaN/Inf elements."""
+    metrics: dict[str, float] = {}
+    tensors = [t for t in TENSORS if any(k[1] == t for k in table)]
+    tensors += sorted({k[1] for k in table} - set(tensors))
+    for tensor in tensors:
+        rows = [stats for (_, t), stats in table.items()
+                if t == tensor and not stats.get(INITIAL_SCALE)]
+        for name, stat, default in (("worst_underflow_pct", "underflow_pct", 0.0),
+                                    ("worst_overflow_pct", "overflow_pct", 0.0),
+                                    ("worst_cos_sim", "cos_sim", 1.0)):
+            values = [float(r[stat]) for r in rows if stat in r and r[stat] == r[stat]]
+            worst = default
+            for v in values:
+                worst = worse_of(stat, worst, v)
+            metrics[summary_key(tensor, name)] = worst
+        metrics[summary_key(tensor, "flagged_layers")] = float(
+            len({layer for (layer, t) in raised if t == tensor}))
+        metrics[summary_key(tensor, "nonfinite")] = sum(
+            _value(stats, "nan_count", 0.0) + _value(stats, "inf_count", 0.0)
+            for (_, t), stats in table.items() if t == tensor)
+    metrics[summary_key(None, "flagged_layers")] = float(len({layer for layer, _ in raised}))
+    return metrics

@@ -1,0 +1,172 @@
+"""foundry_fp8.health: the key layout, the flagging rules over logging steps, the table."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from foundry_fp8.health import (
+    HealthTracker,
+    Thresholds,
+    layer_key,
+    parse_key,
+    render_table,
+    short_layer,
+    summary_key,
+    summary_metrics,
+)
+
+HEALTHY = {"amax": 1.0, "underflow_pct": 0.0, "overflow_pct": 0.0, "rel_mse": 1e-3,
+           "cos_sim": 0.9995, "scale_ratio": 1.0, "nan_count": 0.0, "inf_count": 0.0}
+LAYERS = ("blocks.0.attn.Wqkv", "blocks.1.ffn.up_proj", "blocks.2.ffn.down_proj")
+
+
+def table(**special: dict[str, float]) -> dict[tuple[str, str], dict[str, float]]:
+    """Every layer healthy for weight and gradient; `special` keyed `b<block>_<tensor>`."""
+    out = {}
+    for block, layer in enumerate(LAYERS):
+        for tensor in ("weight", "gradient"):
+            out[(layer, tensor)] = {**HEALTHY, **special.get(f"b{block}_{tensor}", {})}
+    return out
+
+
+def test_keys_round_trip_and_group_one_statistic_per_section():
+    key = layer_key("underflow_pct", "gradient", "blocks.0.attn.Wqkv")
+    assert key == "fp8_underflow_pct/gradient/blocks.0.attn.Wqkv"
+    assert key.split("/")[0] == "fp8_underflow_pct"  # W&B's section
+    assert parse_key(key) == ("underflow_pct", "gradient", "blocks.0.attn.Wqkv")
+    assert summary_key("weight", "worst_cos_sim") == "fp8/weight/worst_cos_sim"
+    assert summary_key(None, "flagged_layers") == "fp8/flagged_layers"
+    for other in ("fp8/weight/worst_cos_sim", "fp8/stats_summary", "loss/train/total",
+                  "fp8_underflow_pct/gradient", "fp8_/gradient/x", "fp8_Bad/weight/x"):
+        assert parse_key(other) is None, other
+    assert short_layer("model.transformer.blocks.3.ffn.down_proj") == "blocks.3.ffn.down_proj"
+
+
+@given(stat=st.from_regex(r"[a-z0-9_]{1,12}", fullmatch=True),
+       tensor=st.sampled_from(["activation", "weight", "gradient", "fc1_weight"]),
+       layer=st.text(min_size=1, max_size=30))
+def test_any_layer_name_survives_the_key(stat, tensor, layer):
+    """A `/`, `|`, newline or HTML in a layer name is kept, not dropped."""
+    assert parse_key(layer_key(stat, tensor, layer)) == (stat, tensor, layer)
+
+
+def test_a_bad_statistic_name_is_refused():
+    with pytest.raises(ValueError):
+        layer_key("under/flow", "weight", "x")
+
+
+def test_one_step_of_small_overflow_near_ratio_1_is_not_flagged():
+    """A slowly growing weight under delayed scaling: a few hundredths of a percent saturate for
+    one logging step with its scale ratio ~1; normal, not a flag."""
+    tracker = HealthTracker()
+    assert tracker.update(10, table(b1_weight={"overflow_pct": 0.03, "scale_ratio": 1.004})) == {}
+    assert tracker.update(20, table()) == {}
+    assert tracker.update(30, table(b1_weight={"overflow_pct": 0.02, "scale_ratio": 1.002})) == {}
+    assert tracker.flags == [] and tracker.streak(LAYERS[1], "weight") == 1
+
+
+def test_persistent_overflow_is_flagged_on_the_third_step_with_the_margin_key():
+    tracker = HealthTracker()
+    bad = table(b1_weight={"overflow_pct": 0.05, "scale_ratio": 1.01})
+    assert tracker.update(10, bad) == {} and tracker.update(20, bad) == {}
+    assert tracker.streak(LAYERS[1], "weight") == 2
+    raised = tracker.update(30, bad)
+    (flag,) = raised[(LAYERS[1], "weight")]
+    assert (flag.rule, flag.step, flag.new) == ("overflow_persistent", 30, True)
+    assert flag.yaml_key == "algorithms.te_swap.fp8_recipe.margin: 1"
+    assert LAYERS[1] in flag.message and "margin" in flag.message
+    (again,) = tracker.update(40, bad)[(LAYERS[1], "weight")]
+    assert not again.new  # still raised (charted), but the console warns once
+
+
+def test_overflow_with_the_scale_far_behind_is_a_spike_flagged_at_once():
+    raised = HealthTracker().update(10, table(b0_gradient={"overflow_pct": 2.0,
+                                                           "scale_ratio": 40.0}))
+    (flag,) = raised[(LAYERS[0], "gradient")]
+    assert flag.rule == "overflow_spike"
+    assert flag.yaml_key == "algorithms.te_swap.fp8_recipe.scaling: current"
+
+
+def test_persistent_underflow_names_the_edge_block_or_the_layer():
+    tracker = HealthTracker(Thresholds(persist_steps=2))
+    under = {"underflow_pct": 12.0}
+    tracker.update(10, table(b2_gradient=under, b1_weight=under))
+    raised = tracker.update(20, table(b2_gradient=under, b1_weight=under))
+    assert raised[(LAYERS[2], "gradient")][0].yaml_key == "algorithms.te_swap.keep_last_blocks: 1"
+    assert raised[(LAYERS[1], "weight")][0].yaml_key == (
+        r"algorithms.te_swap.exclude: 'blocks\.1\.ffn\.up_proj$'")
+
+
+def test_underflow_with_a_stale_spike_in_the_history_names_the_history_length():
+    tracker = HealthTracker(Thresholds(persist_steps=1))
+    raised = tracker.update(10, table(b1_weight={"underflow_pct": 30.0, "scale_ratio": 0.01}))
+    (flag,) = raised[(LAYERS[1], "weight")]
+    assert flag.rule == "underflow_stale"
+    assert flag.yaml_key.startswith("algorithms.te_swap.fp8_recipe.amax_history_len")
+
+
+def test_growing_gradient_underflow_is_flagged_before_the_limit():
+    tracker = HealthTracker()
+    rising = (0.5, 0.9, 1.4, 2.5)  # under the 5 % limit, but doubling over 3 steps
+    flags = [tracker.update(step, table(b1_gradient={"underflow_pct": v}))
+             for step, v in zip((10, 20, 30, 40), rising, strict=True)]
+    assert flags[:3] == [{}, {}, {}]
+    assert flags[3][(LAYERS[1], "gradient")][0].rule == "underflow_rising"
+
+
+def test_nonfinite_is_flagged_at_once_and_the_initial_scale_is_not_judged():
+    tracker = HealthTracker()
+    first = table(b0_weight={"underflow_pct": 90.0, "cos_sim": 0.2, "initial_scale": 1.0})
+    assert tracker.update(0, first) == {}
+    assert (LAYERS[0], "weight") not in tracker.worst  # neither flagged nor the worst
+    raised = tracker.update(10, table(b1_gradient={"nan_count": 3.0}))
+    (flag,) = raised[(LAYERS[1], "gradient")]
+    assert flag.rule == "nonfinite" and "clipping_threshold" in flag.yaml_key
+
+
+def test_summary_series():
+    tracker = HealthTracker(Thresholds(persist_steps=1))
+    step = table(b1_weight={"overflow_pct": 0.5, "cos_sim": 0.97, "scale_ratio": 3.0},
+                 b2_gradient={"underflow_pct": 7.0, "inf_count": 2.0},
+                 b0_weight={"underflow_pct": 99.0, "initial_scale": 1.0})
+    metrics = summary_metrics(step, tracker.update(10, step))
+    assert metrics["fp8/weight/worst_overflow_pct"] == 0.5
+    assert metrics["fp8/weight/worst_cos_sim"] == 0.97
+    assert metrics["fp8/weight/worst_underflow_pct"] == 0.0  # the initial cast is not judged
+    assert metrics["fp8/gradient/worst_underflow_pct"] == 7.0
+    assert metrics["fp8/gradient/nonfinite"] == 2.0
+    assert metrics["fp8/weight/flagged_layers"] == 1.0
+    assert metrics["fp8/gradient/flagged_layers"] == 1.0
+    assert metrics["fp8/flagged_layers"] == 2.0
+
+
+def test_thresholds_validate_themselves():
+    with pytest.raises(ValueError, match="persist_steps"):
+        Thresholds(persist_steps=0)
+    with pytest.raises(ValueError, match="min_cos_sim"):
+        Thresholds(min_cos_sim=2.0)
+
+
+def test_table_escapes_hostile_names_and_prints_huge_numbers():
+    text = render_table({("a|b\n<script>x</script>", "weight"):
+                         {"underflow_pct": 1e308, "cos_sim": -math.inf, "scale_ratio": 2.0}})
+    row = text.splitlines()[2]
+    assert "<script>" not in text and "a\\|b &lt;script&gt;" in row
+    cells = re.split(r"(?<!\\)\|", row)[1:-1]
+    assert len(cells) == 5  # layer, tensor, 3 values: no cell split by the name
+    assert "1e+308" in row
+    assert render_table({}) == ""
+
+
+def test_health_imports_neither_torch_nor_matplotlib():
+    code = ("import sys, foundry_fp8.health, foundry_fp8.health.plots; "
+            "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
