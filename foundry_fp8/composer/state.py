@@ -112,6 +112,9 @@ def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
         reason = next((line.removeprefix("WeightsUnpickler error: ") for line in lines
                        if "GLOBAL" in line), lines[-1] if lines else "")
         raise FP8StateError(f"fp8_state: {path}: not loaded, its pickle could run code ({reason})") from None
+    except (OSError, RuntimeError, EOFError) as error:  # cut short, not a torch file
+        raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint "
+                            f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
     entry = checkpoint.get("state", {}).get("callbacks", {}).get(FP8State.__qualname__, {})
     problem = payload_problem(entry)
     if problem:
