@@ -1,32 +1,56 @@
-# The README's two commands. Both create .venv when missing and install what they need into it.
+# The README's two commands. Both create .venv when missing and install what they need into it,
+# at the exact versions of constraints/ci.txt.
 #   make run   - lint yamls/, build the tiny data, train the tiny MPT on CPU with our callbacks
-#   make test  - run the CPU test suite (what CI runs)
+#   make test  - run the CPU test suite (what CI runs first)
+# CI's other jobs (.ci/run):
+#   make test-oldest - the oldest supported set (constraints/oldest.txt) in .venv-oldest, on the
+#                      tests that touch Composer's and LLM-Foundry's APIs
+#   make lock        - rewrite constraints/ci.txt from .venv (after changing setup.cfg's ranges)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
+OLDEST := .venv-oldest
 RUN_ROOT ?= runs
 DATA_ROOT ?= data
+# What the oldest set runs: our Composer/LLM-Foundry entries in real runs, the attention
+# registry, the bench's tiny path, the wheel install and the docs' CPU try.
+OLDEST_TESTS ?= tests/test_te_swap.py tests/test_state_callback.py tests/test_stats_callback.py \
+	tests/test_lint_callback.py tests/test_attention.py tests/test_jsonl.py tests/test_bench.py \
+	tests/test_packaging.py tests/test_docs_try.py
 
-.PHONY: run test lint-yamls
+.PHONY: run test test-oldest lock
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# Stamp files re-run the install when setup.cfg changes.
-$(VENV)/.installed-run: setup.cfg pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+# Stamp files re-run the install when setup.cfg or the pinned set changes.
+$(VENV)/.installed-run: setup.cfg pyproject.toml constraints/ci.txt | $(BIN)/python
+	$(BIN)/pip install --quiet -c constraints/ci.txt -e .
 	touch $@
 
-$(VENV)/.installed-test: setup.cfg pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[test]"
+$(VENV)/.installed-test: setup.cfg pyproject.toml constraints/ci.txt | $(BIN)/python
+	$(BIN)/pip install --quiet -c constraints/ci.txt -e ".[test]"
 	touch $@ $(VENV)/.installed-run
+
+$(OLDEST)/.installed-test: setup.cfg pyproject.toml constraints/oldest.txt
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install --quiet --upgrade pip
+	$(OLDEST)/bin/pip install --quiet -c constraints/oldest.txt -e ".[test]"
+	touch $@
 
 run: $(VENV)/.installed-run
 	$(BIN)/foundry-fp8 lint yamls/
-	$(BIN)/python -m foundry_fp8.data $(DATA_ROOT)
-	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(BIN)/python -m foundry_fp8.demo --data-root $(DATA_ROOT) --run-root $(RUN_ROOT)
+	$(BIN)/foundry-fp8 tiny-data $(DATA_ROOT)
+	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(BIN)/python scripts/demo.py --data-root $(DATA_ROOT) --run-root $(RUN_ROOT)
 
 test: $(VENV)/.installed-test
 	$(BIN)/pytest -m "not gpu"
+
+test-oldest: $(OLDEST)/.installed-test
+	$(OLDEST)/bin/pytest -m "not gpu" $(OLDEST_TESTS)
+
+lock: $(VENV)/.installed-test
+	{ sed -n '1,2p' constraints/ci.txt; $(BIN)/pip freeze --exclude-editable; } > constraints/ci.new
+	mv constraints/ci.new constraints/ci.txt

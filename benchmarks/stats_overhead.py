@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from foundry_fp8.data import prepare_tiny_data  # noqa: E402
+from foundry_fp8.tools.tiny_data import prepare_tiny_data  # noqa: E402
 from tests.tiny_run import run_folder, run_tiny  # noqa: E402
 
 TARGET_PCT = 1.0  # issue #3: amortized overhead at interval 100 at most 1 %

@@ -15,8 +15,9 @@ from foundry_fp8 import __version__
 SUBCOMMANDS = {
     "lint": ("foundry_fp8.lint.cli", "check LLM-Foundry train YAMLs and Accelerate configs for FP8 mistakes"),
     "report": ("foundry_fp8.report", "plot a run's fp8_stats metrics (PNG heatmaps, time series) and summarise them in markdown"),
-    "bench": ("foundry_fp8.bench", "MPT-1B training throughput: FP8 variants against BF16"),
+    "bench": ("foundry_fp8.tools.bench", "MPT-1B training throughput: FP8 variants against BF16"),
     "doctor": ("foundry_fp8.doctor", "the environment FP8 training needs (GPU, torch, TE), and what is wrong"),
+    "tiny-data": ("foundry_fp8.tools.tiny_data", "build a tiny local tokenizer and text dataset for a CPU try (nothing downloaded)"),
 }
 
 

@@ -24,7 +24,6 @@ the pooling's all_reduce SUM; at that logging step every rank raises FP8MonitorE
 
 from __future__ import annotations
 
-import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -36,8 +35,8 @@ import torch
 from torch import nn
 
 from foundry_fp8 import emulate
+from foundry_fp8.filters import module_filter_fn, search
 from foundry_fp8.fp8_meta import canonical_modules
-from foundry_fp8.lint.values import OPTION_VALUES, Recipe, check_options
 from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
@@ -49,86 +48,12 @@ from foundry_fp8.numerics import (
     finite_amax,
     sufficient_stats,
 )
-from foundry_fp8.recipe import FP8Recipe
-from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
-
-TENSOR_KINDS = ("activation", "weight", "gradient")
-CURRENT = FP8Recipe(scaling="current")
+from foundry_fp8.options import MonitorConfig, Schedule
 
 
 class FP8MonitorError(RuntimeError):
     """The monitor failed on this rank or another (raised on every rank at the same logging
     step); training itself is unaffected."""
-
-
-def parse_recipe(option: str | Mapping[str, Any] | FP8Recipe | None) -> FP8Recipe:
-    """`current`, `delayed`, or a recipe mapping (`{scaling: delayed, amax_history_len: 16}`);
-    null means current. A bad one raises fp8_stats' one-line error (`check_options`)."""
-    if isinstance(option, FP8Recipe):
-        return option
-    check_options("fp8_stats", {"recipe": option})
-    recipe = OPTION_VALUES["fp8_stats"]["recipe"]
-    assert isinstance(recipe, Recipe)
-    return FP8Recipe.from_options(recipe.as_mapping(option))
-
-
-@dataclass(frozen=True)
-class MonitorConfig:
-    """Which layers and tensors to watch, the what-if recipe, warnings and dumps."""
-
-    include: str = ".*"
-    exclude: str | None = None
-    tensors: tuple[str, ...] = TENSOR_KINDS
-    recipe: FP8Recipe = CURRENT
-    max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct
-    max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct
-    min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim
-    dump_layers: str | None = None  # regex; None: every watched layer
-    dump_max_mb: float = 64.0
-    dump_folder: str | Path | None = None
-
-    def __post_init__(self) -> None:
-        # fp8_stats' option checks (foundry_fp8/lint/values.py); `include` is its `layers`
-        check_options("fp8_stats", {
-            "layers": self.include, "exclude": self.exclude, "tensors": self.tensors,
-            "max_underflow_pct": self.max_underflow_pct,
-            "max_overflow_pct": self.max_overflow_pct, "min_cos_sim": self.min_cos_sim,
-            "dump_layers": self.dump_layers, "dump_max_mb": self.dump_max_mb})
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Which steps log (every `interval` in [start, end), plus the dump steps) and dump."""
-
-    interval: int = 1
-    start: int = 0
-    end: int | None = None
-    dump_steps: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_options("fp8_stats", {"interval": self.interval, "start": self.start,
-                                    "end": self.end, "dump_steps": self.dump_steps})
-
-    def logs(self, step: int) -> bool:
-        in_window = step >= self.start and (self.end is None or step < self.end)
-        return (in_window and step % self.interval == 0) or step in self.dump_steps
-
-    def dumps(self, step: int) -> bool:
-        return step in self.dump_steps
-
-    def next_log(self, step: int) -> int | None:
-        """The first logging step after `step`."""
-        first = max(step + 1, self.start)
-        candidates = [d for d in self.dump_steps if d > step]
-        regular = -(-first // self.interval) * self.interval
-        if self.end is None or regular < self.end:
-            candidates.append(regular)
-        return min(candidates, default=None)
-
-    def records(self, step: int, window: int) -> bool:
-        """Whether `step` lies in the `window` batches before a logging step."""
-        following = self.next_log(step)
-        return following is not None and following - step <= window
 
 
 @dataclass(frozen=True)
@@ -192,15 +117,12 @@ def watches_for(module: nn.Module) -> tuple[Watch, ...] | None:
 
 
 def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Module]:
-    """The watched layers whose names match `include` and not `exclude`, by their names without
-    DDP's, FSDP's and activation checkpointing's wrapper segments: the same regexes and metric names
-    with or without FSDP."""
-    named = canonical_modules(model)
-    return {
-        name: module for name, module in named
-        if watches_for(module) is not None and re.search(config.include, name)
-        and not (config.exclude and re.search(config.exclude, name))
-    }
+    """The watched layers whose names match `layers` and not `exclude`, by their names without
+    DDP's, FSDP's and activation checkpointing's wrapper segments: the same regexes and metric
+    names with or without FSDP."""
+    selected = module_filter_fn(config.PATH, config.layers, config.exclude)
+    return {name: module for name, module in canonical_modules(model)
+            if watches_for(module) is not None and selected(module, name)}
 
 
 @dataclass(frozen=True)
@@ -369,7 +291,6 @@ class FP8Monitor:
         recipe = self.config.recipe
         self._whatif_fp8_max = torch.tensor(
             [FP8_MAX[recipe.format_for(w.direction)] for ws in self._watches.values() for w in ws])
-        self._dump_re = re.compile(self.config.dump_layers or ".*")
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._step: _Step | None = None
         self._warned: set[tuple[str, str, bool]] = set()  # (layer, tensor, NaN/Inf)
@@ -503,7 +424,9 @@ class FP8Monitor:
             step.initial.add(idx)
         if whatif and step.recording:
             self._note_amax(idx, row[SUFFICIENT_INDEX["amax"]].float())
-        if step.dumping and self._dump_re.search(name):
+        dump_layers = self.config.dump_layers
+        if step.dumping and (dump_layers is None or search(f"{self.config.PATH}.dump_layers",
+                                                           dump_layers, name)):
             self._add_dump(f"{name}/{watch.name}", value, -row[SUFFICIENT_INDEX["neg_scale"]])
 
     def _note_amax(self, idx: int, amax: torch.Tensor) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+from foundry_fp8.recipe import FP8_MAX
+
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FLOAT32_MAX = torch.finfo(torch.float32).max
 

@@ -6,6 +6,7 @@ backend all validate recipes with `recipe_problems`, so a rule is written once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
@@ -20,6 +21,24 @@ COMPOSER_DEFAULT_HISTORY = 16
 
 #: FP8 GEMMs need Ada/Hopper (compute capability 8.9) or newer.
 MIN_FP8_CAPABILITY = (8, 9)
+
+#: The FP8 formats' largest finite values and smallest subnormals (OCP FP8 spec; torch's
+#: `finfo(float8_e4m3fn).max`, `finfo(float8_e5m2).max`; E4M3: 2**-9, E5M2: 2**-16).
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+FP8_MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
+
+#: The largest `margin` whose scale still maps a tensor's amax into E4M3's range (the forward
+#: format of every recipe): TE scales by `fp8_max * 2**-margin / amax` in FP32
+#: (transformer_engine/common/recipe/delayed_scaling.cu:300 in TE 2.20; TE checks no bound,
+#: recipe/__init__.py:253), so once 2**margin > 448 / 2**-9 (margin 18) even the amax is scaled
+#: below E4M3's smallest subnormal and the tensor underflows; `margin: 100000` makes the FP32
+#: scale 0 and the loss NaN from step 1 (issue 19.3).
+MAX_MARGIN = int(math.log2(FP8_MAX["e4m3"] / FP8_MIN_SUBNORMAL["e4m3"]))
+
+#: The longest amax history: 64 times TE's default 1024 (recipe/__init__.py:255). TE checks no
+#: bound; a window longer than a run is "every step so far", and the history is allocated per
+#: tensor at the first FP8 step (10**10 steps: 40 GB each, failing at INIT).
+MAX_HISTORY = 65536
 
 #: Keys that TE's `DelayedScaling` used to accept and no longer does, with what to do instead.
 REMOVED_TE_KEYS: dict[str, str] = {
@@ -165,18 +184,20 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
                                       "use HYBRID or E4M3"))
 
     history = options.get("amax_history_len", COMPOSER_DEFAULT_HISTORY)
-    if not _is_int(history) or history < 1:
-        problems.append(RecipeProblem("amax_history_len",
-                                      f"must be a positive integer, got {history!r}",
-                                      "e.g. 16 (Composer's default) or 1024 (TE's default)"))
+    if not _is_int(history) or not 1 <= history <= MAX_HISTORY:
+        problems.append(RecipeProblem(
+            "amax_history_len", f"must be an integer from 1 to {MAX_HISTORY}, got {history!r}",
+            "e.g. 16 (Composer's default) or 1024 (TE's default)"))
     algo = options.get("amax_compute_algo", "max")
     if algo not in ("max", "most_recent"):
         problems.append(RecipeProblem("amax_compute_algo", f"unknown algorithm {algo!r}",
                                       "use 'max' or 'most_recent'"))
     margin = options.get("margin", 0)
-    if not _is_int(margin) or margin < 0:
-        problems.append(RecipeProblem("margin", f"must be a non-negative integer, got {margin!r}",
-                                      "use 0 unless you see overflows"))
+    if not _is_int(margin) or not 0 <= margin <= MAX_MARGIN:
+        problems.append(RecipeProblem(
+            "margin", f"must be an integer from 0 to {MAX_MARGIN}, got {margin!r} (a larger "
+            "margin scales even the amax below E4M3's smallest subnormal: the tensor underflows)",
+            "use 0 unless you see overflows"))
     for flag in ("reduce_amax", "use_power_2_scales"):
         if flag in options and not isinstance(options[flag], bool):
             problems.append(RecipeProblem(flag, f"must be true or false, got {options[flag]!r}",

@@ -10,14 +10,15 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from foundry_fp8.lint.values import check_options
+from foundry_fp8.filters import search
+from foundry_fp8.options import SwapConfig
 from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
 
 #: LLM-Foundry sets these on linear layers (attention.py, ffn.py) and its param_init_fns read
@@ -39,34 +40,6 @@ def gelu_tanh_error(lo: float = -8.0, hi: float = 8.0, n: int = 16001) -> tuple[
     diff = (nn.functional.gelu(x, approximate="tanh") - exact).abs()
     big = exact.abs() > 1e-2
     return diff.max().item(), (diff[big] / exact[big].abs()).max().item()
-
-
-@dataclass(frozen=True)
-class SwapConfig:
-    """Which layers to convert.
-
-    `min_gemm_size`: GEMMs whose smaller weight dim is below it stay high precision (too small to
-    gain from FP8). `tokens_per_microbatch`: when given, checked against TE's rule that a GEMM
-    input's leading dims multiply to a multiple of 8. `keep_lm_head: false` converts an untied
-    LM head; MPT ties it to the embedding by default (`F.linear` on `wte.weight`, no module), so
-    a tied head always stays. `convert_layernorm` and `fuse_ln_mlp` need the `te` backend.
-    """
-
-    backend: Literal["te", "emulate"] = "te"
-    keep_first_blocks: int = 0
-    keep_last_blocks: int = 0
-    keep_lm_head: bool = True
-    convert_layernorm: bool = False
-    fuse_ln_mlp: bool = False
-    include: str | None = None
-    exclude: str | None = None
-    min_gemm_size: int = 0
-    tokens_per_microbatch: int | None = None
-    module_filter_fn: Callable[[nn.Module, str], bool] | None = None
-
-    def __post_init__(self) -> None:
-        # te_swap's option checks (foundry_fp8/lint/values.py), for Python callers too
-        check_options("te_swap", {f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -123,9 +96,9 @@ def _filter_reason(name: str, module: nn.Module, config: SwapConfig, n_blocks: i
         block = int(match.group(1))
         if block < config.keep_first_blocks or block >= n_blocks - config.keep_last_blocks:
             return f"block {block} kept in high precision (keep_first/last_blocks)"
-    if config.include and not re.search(config.include, name):
+    if config.include and not search(f"{config.PATH}.include", config.include, name):
         return "not matched by include"
-    if config.exclude and re.search(config.exclude, name):
+    if config.exclude and search(f"{config.PATH}.exclude", config.exclude, name):
         return "matched by exclude"
     if config.module_filter_fn is not None and not config.module_filter_fn(module, name):
         return "rejected by module_filter_fn"

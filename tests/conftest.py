@@ -36,6 +36,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_data():
     """The tiny tokenizer and MDS dataset, built once into the repo's git-ignored data/."""
-    from foundry_fp8.data import prepare_tiny_data
+    from foundry_fp8.tools.tiny_data import prepare_tiny_data
 
     return prepare_tiny_data(REPO_ROOT / "data")

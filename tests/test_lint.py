@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from foundry_fp8.lint.cli import exit_code, lint_file
 from foundry_fp8.lint.docs import rules_markdown
-from foundry_fp8.lint.entries import UNREADABLE, accepts, signature_options
 from foundry_fp8.lint.output import render_sarif, render_text, use_colour
 from foundry_fp8.lint.registry import all_rules
 from foundry_fp8.lint.rules import RULES, LintContext, lint_config
@@ -276,24 +275,6 @@ def test_our_entries_options_are_read_from_the_classes():
         ("FP8020", "loggers.jsonl.path"), ("FP8020", "algorithms.te_swap.module_filter_fn")}
 
 
-def test_signature_parsing_and_annotations():
-    source = textwrap.dedent("""
-        class Algo:
-            def __init__(self, backend: Literal["te", "emulate"] = "te", *, n: int | None = None,
-                         limit=DEFAULT, **kwargs):
-                pass
-    """)
-    options, any_options = signature_options(source, "Algo")
-    assert any_options and list(options) == ["backend", "n", "limit"]
-    assert options["backend"].default == "te" and options["limit"].default is UNREADABLE
-    assert accepts(options["backend"].annotation, "emulate")
-    assert not accepts(options["backend"].annotation, "emualte")
-    assert accepts("int | None", None) and not accepts("int | None", True)
-    assert accepts("float", 1) and not accepts("float", "1")
-    assert accepts("Optional[list[str]]", ["a"]) and not accepts("Optional[list[str]]", "a")
-    assert accepts("SomethingUnknown", object())  # cannot judge: accept
-
-
 def test_text_loaders_in_list_form_get_their_own_line(tmp_path):
     loaders = [{**TEXT, "prefetch_factor": None, "persistent_workers": False},
                {**TEXT, "persistent_workers": True, "prefetch_factor": None}]
@@ -480,7 +461,7 @@ def test_docs_rules_md_is_generated_from_the_registry():
 # -- speed, no torch, robustness ----------------------------------------------------------
 
 def test_lint_is_fast_and_does_not_import_torch(tmp_path):
-    path = REPO / "yamls" / "mpt-1b-fp8.yaml"
+    path = REPO / "foundry_fp8" / "tools" / "yamls" / "mpt-1b-fp8.yaml"
     code = textwrap.dedent(f"""
         import sys, time
         start = time.perf_counter()

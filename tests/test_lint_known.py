@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 from foundry_fp8.lint import known
-from foundry_fp8.lint.entries import NO_DEFAULT, UNREADABLE, our_entries
+from foundry_fp8.lint.entries import our_entries
 from foundry_fp8.lint.rules import lint_config
 
 _MANDATORY = {"model": {}, "tokenizer": {}, "optimizer": {}, "scheduler": {}, "train_loader": {},
@@ -188,26 +188,30 @@ def test_te_ln_mlp_refuses_ffn_act_fn():
     assert "'ffn_act_fn' in self.ffn_config.keys()" in source
 
 
-def test_entry_options_equal_the_real_signatures():
+#: Our registry entries' classes, as setup.cfg's entry points name them.
+CLASSES = {"te_swap": "foundry_fp8.composer.te_swap:TESwap",
+           "fp8_stats": "foundry_fp8.composer.stats:FP8Stats",
+           "fp8_state": "foundry_fp8.composer.state:FP8State",
+           "fp8_lint": "foundry_fp8.composer.lint:FP8Lint",
+           "jsonl": "foundry_fp8.composer.jsonl_logger:JSONLLogger"}
+
+
+def _class(name: str) -> type:
     import importlib
 
-    entries = our_entries()
-    assert {("algorithms", "te_swap"), ("callbacks", "fp8_stats"), ("callbacks", "fp8_state"),
-            ("callbacks", "fp8_lint")} <= set(entries)
-    for entry in entries.values():
-        module, _, name = entry.target.partition(":")
-        params = dict(inspect.signature(getattr(importlib.import_module(module), name))
-                      .parameters)
-        for reserved in entry.reserved:
-            params.pop(reserved)
-        assert set(entry.options) == {n for n, p in params.items()
-                                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        for option in entry.options.values():
-            real = params[option.name].default
-            if option.default is NO_DEFAULT:
-                assert real is inspect.Parameter.empty
-            elif option.default is not UNREADABLE:
-                assert option.default == real, (entry.name, option.name)
+    module, _, cls = CLASSES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def test_entry_points_name_the_classes_the_linter_knows():
+    from importlib import metadata
+
+    points = {p.name: p.value for group in ("llmfoundry_algorithms", "llmfoundry_callbacks",
+                                            "llmfoundry_callbacks_with_config",
+                                            "llmfoundry_loggers")
+              for p in metadata.entry_points(group=group) if p.value.startswith("foundry_fp8")}
+    assert {n: v for n, v in points.items() if n in CLASSES} == CLASSES
+    assert {n for (_, n) in our_entries()} == set(CLASSES)
 
 
 # -- our entries' option values: the linter's verdict is the constructor's ------------------
@@ -256,14 +260,10 @@ CONSTRUCTOR_CASES = [
 
 def _build(name: str, options: dict) -> bool:
     """Whether our class for entry `name` accepts these options."""
-    import importlib
-
-    entry = next(e for e in our_entries().values() if e.name == name)
-    module, _, cls = entry.target.partition(":")
-    extra = {"train_config": {}} if entry.reserved else {}
+    extra: dict = {"train_config": {}} if name == "fp8_lint" else {}
     extra.update({"backend": "emulate"} if name == "te_swap" and "backend" not in options else {})
     try:
-        getattr(importlib.import_module(module), cls)(**extra, **options)
+        _class(name)(**extra, **options)
     except Exception:
         return False
     return True
@@ -272,7 +272,7 @@ def _build(name: str, options: dict) -> bool:
 @pytest.mark.parametrize(("name", "options"), CONSTRUCTOR_CASES,
                          ids=[f"{n}-{o}" for n, o in CONSTRUCTOR_CASES])
 def test_option_verdicts_agree_with_the_constructors(name, options):
-    from foundry_fp8.lint.values import check_options
+    from foundry_fp8.options import OptionError, build
 
     section = next(s for (s, n) in our_entries() if n == name)
     given = {**options, **({"backend": "emulate"} if name == "te_swap" and "backend" not in
@@ -282,45 +282,39 @@ def test_option_verdicts_agree_with_the_constructors(name, options):
     built = _build(name, options)
     assert built == (not flagged), flagged
     try:
-        check_options(name, given)
+        build(name, given)
         checked = True
-    except ValueError:
+    except OptionError:
         checked = False
     assert checked == built
 
 
-def test_option_constants_read_from_source_equal_the_modules():
-    from foundry_fp8.composer import jsonl_logger, lint
-    from foundry_fp8.lint.entries import module_constant
-    from foundry_fp8.monitor import TENSOR_KINDS
-
-    assert module_constant("foundry_fp8.composer.lint", "FAIL_ON") == lint.FAIL_ON
-    assert module_constant("foundry_fp8.monitor", "TENSOR_KINDS") == TENSOR_KINDS
-    assert module_constant("foundry_fp8.composer.jsonl_logger", "PLACEHOLDERS") == \
-        jsonl_logger.PLACEHOLDERS
-
-
 def test_dump_folder_is_formatted_with_the_jsonl_placeholders():
     """FP8023 checks fp8_stats' dump_folder with the jsonl logger's placeholders: what
-    FP8Stats fills it with at FIT_START (and checks, through check_options, when built)."""
-    from foundry_fp8.composer import jsonl_logger, stats
+    FP8Stats fills it with at FIT_START (and checks when built)."""
+    from foundry_fp8.composer import stats
+    from foundry_fp8.options import PLACEHOLDERS
 
     source = inspect.getsource(stats)
     assert "self.dump_folder.format(run_name=state.run_name)" in source
-    assert jsonl_logger.PLACEHOLDERS == ("run_name",)
+    assert PLACEHOLDERS == ("run_name",)
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.dump_folder: has unknown "):
         stats.FP8Stats(dump_folder="{run}/dumps")
 
 
-def test_constructors_check_their_options_through_the_one_table():
-    """No constructor keeps a copy of a check: each calls check_options before anything else,
-    and its errors name the key path as the linter's findings do."""
-    import importlib
+def test_constructors_build_their_options_once():
+    """No constructor keeps a copy of a check: each builds its options dataclass first, and an
+    unknown keyword is our one-line error with did-you-mean, not Python's TypeError (19.11)."""
+    from foundry_fp8.options import OptionError
 
-    for entry in our_entries().values():
-        module, _, name = entry.target.partition(":")
-        init = inspect.getsource(getattr(importlib.import_module(module), name).__init__)
+    for name in CLASSES:
+        init = inspect.getsource(_class(name).__init__)
         function = ast.parse(textwrap.dedent(init)).body[0]
         assert isinstance(function, ast.FunctionDef)
         body = function.body[1:] if ast.get_docstring(function) else function.body
-        assert ast.unparse(body[0]) == f"check_options('{entry.name}', locals())", entry.name
+        assert ast.unparse(body[0]).startswith(f"self.options = build('{name}', options)"), name
+        extra = {"train_config": {}} if name == "fp8_lint" else {}
+        typo, option = ("fail_onn", "fail_on") if name == "fp8_lint" else ("strictt", "strict")
+        with pytest.raises(OptionError, match=rf"\.{name}\.{typo}: is not an option \(did you "
+                                              rf"mean `{option}`\?\)"):
+            _class(name)(**extra, **{typo: True})

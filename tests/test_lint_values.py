@@ -1,7 +1,7 @@
 """Option values of our entries: a file whose entries would all fail at construction must not
-lint clean. Types come from the `__init__` annotations (FP8020), values from one table
-(FP8023), recipes from `recipe_problems` (FP8008). No torch here; tests/test_lint_known.py
-checks the verdicts against the real constructors."""
+lint clean. Types (FP8020), values (FP8023) and recipes (FP8008) come from the option
+dataclasses the constructors build (`foundry_fp8.options`). No torch here;
+tests/test_lint_known.py checks the verdicts against the real constructors."""
 
 from __future__ import annotations
 
@@ -12,16 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from foundry_fp8.lint.cli import lint_file
-from foundry_fp8.lint.entries import module_constant
+from foundry_fp8.lint.entries import our_entries
 from foundry_fp8.lint.rules import lint_config
-from foundry_fp8.lint.values import (
-    OPTION_RELATIONS,
-    OPTION_VALUES,
-    as_items,
-    batches,
-    check_options,
-    option_problems,
-)
+from foundry_fp8.lint.values import option_problems
+from foundry_fp8.options import ENTRIES, Batches, Integer, Items, OptionError, build
 
 #: The audit's file: every entry in it fails at construction.
 ALL_BROKEN = """\
@@ -60,12 +54,14 @@ def test_a_file_whose_entries_all_fail_at_construction_does_not_lint_clean(tmp_p
         ("FP8023", "algorithms.te_swap.keep_first_blocks"),
         ("FP8023", "callbacks.fp8_lint.fail_on"), ("FP8023", "callbacks.fp8_state.watch_batches"),
         ("FP8023", "callbacks.fp8_stats.interval"), ("FP8023", "callbacks.fp8_stats.layers"),
-        ("FP8023", "callbacks.fp8_stats.tensors"), ("FP8023", "callbacks.fp8_stats.dump_max_mb"),
+        ("FP8023", "callbacks.fp8_stats.tensors.0"),
+        ("FP8023", "callbacks.fp8_stats.dump_max_mb"),
         ("FP8008", "callbacks.fp8_stats.recipe.interval"), ("FP8023", "loggers.jsonl.path")}
     lines = path.read_text().splitlines()
-    for f in entry["findings"]:  # each at its own key
+    for f in entry["findings"]:  # each at its own key (a list item at the item)
         text = lines[f["line"] - 1][f["column"] - 1:]
-        assert text.startswith(f["key"].split(".")[-1] + ":"), (text, f)
+        last = f["key"].split(".")[-1]
+        assert text.startswith("activations]" if last == "0" else last + ":"), (text, f)
 
 
 @pytest.mark.parametrize(("entry", "option", "value", "snippet"), [
@@ -81,15 +77,15 @@ def test_a_file_whose_entries_all_fail_at_construction_does_not_lint_clean(tmp_p
     ("fp8_stats", "interval", "0ba", "must be at least 1 batch"),
     ("fp8_stats", "interval", "2.5ba", "whole number of batches"),
     ("fp8_stats", "interval", "10ep", "must be a number of batches"),
-    ("fp8_stats", "tensors", ["activation", "grad"], "got 'grad' (did you mean `gradient`?)"),
-    ("fp8_stats", "dump_max_mb", -0.5, "must be a number >= 0"),
+    ("fp8_stats", "tensors", ["grad"], "got 'grad' (did you mean `gradient`?)"),
+    ("fp8_stats", "dump_max_mb", -0.5, "must be a number from 0 to 262144"),
+    ("fp8_stats", "dump_max_mb", 1e9, "must be a number from 0 to 262144"),
     ("fp8_stats", "dump_folder", "dumps/{run}", "unknown placeholder {run}"),
     ("fp8_stats", "interval", "abc", "must be a number of batches, got 'abc'"),
     ("fp8_stats", "start", -1, "must be a non-negative integer, got -1"),
     ("fp8_stats", "end", 0, "must be greater than start (0), got 0"),
-    ("fp8_stats", "dump_steps", [10, -1], "item 1 must be a non-negative integer, got -1"),
-    ("fp8_stats", "dump_steps", [True], "item 0 must be a non-negative integer, got True"),
-    ("fp8_stats", "dump_steps", ["1000"], "item 0 must be a non-negative integer, got '1000'"),
+    ("fp8_stats", "dump_steps", [True], "must be a non-negative integer, got True"),
+    ("fp8_stats", "dump_steps", ["1000"], "must be a non-negative integer, got '1000'"),
     ("fp8_stats", "dump_steps", -5, "must be a non-negative integer, got -5"),
     ("fp8_stats", "max_underflow_pct", -1, "must be a number from 0 to 100, got -1"),
     ("fp8_stats", "max_overflow_pct", 100.5, "must be a number from 0 to 100, got 100.5"),
@@ -104,8 +100,9 @@ def test_values_the_constructors_refuse(entry, option, value, snippet):
     section = {"te_swap": "algorithms", "jsonl": "loggers"}.get(entry, "callbacks")
     options = {option: value, **({"backend": "emulate"} if entry == "te_swap" else {})}
     found = lint_config({section: {entry: options}})
+    item = ".0" if isinstance(value, list) else ""
     assert [(f.rule, f.key) for f in found] == [
-        ("FP8023", f"{section}.{entry}.{option}")], found
+        ("FP8023", f"{section}.{entry}.{option}{item}")], found
     assert snippet in found[0].message and found[0].fix
 
 
@@ -195,111 +192,130 @@ def test_fp8_stats_end_is_after_start(options, found):
     if found == ["end"]:
         assert findings[0].rule == "FP8023" and "must be greater than start" in \
             findings[0].message
-        with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.end: must be greater "
-                                             r"than start \("):
-            check_options("fp8_stats", {"start": 0, **options})
+        with pytest.raises(OptionError, match=r"^callbacks\.fp8_stats\.end: must be greater "
+                                              r"than start \("):
+            build("fp8_stats", {"start": 0, **options})
 
 
-def test_a_literal_annotation_is_enforced():
+def test_a_literal_type_is_enforced():
     found = lint_config({"algorithms": {"te_swap": {"backend": "transformer_engine"}}})
     assert [(f.rule, f.message) for f in found] == [
         ("FP8020", "te_swap.backend must be one of 'te', 'emulate', got 'transformer_engine'")]
 
 
-def test_check_options_raises_one_line_naming_the_key_path():
+def test_every_wrong_item_of_a_list_is_its_own_problem():
+    """Issue 14: three wrong items, three findings, each at its item's key."""
+    found = lint_config({"callbacks": {"fp8_stats": {
+        "tensors": ["activations", "weight", "grad", 3], "dump_steps": [1, -2, "x", 4]}}})
+    assert sorted((f.rule, f.key.removeprefix("callbacks.fp8_stats.")) for f in found) == [
+        ("FP8020", "tensors.3"), ("FP8023", "dump_steps.1"), ("FP8023", "dump_steps.2"),
+        ("FP8023", "tensors.0"), ("FP8023", "tensors.2")], found
+    with pytest.raises(OptionError, match=r"^callbacks\.fp8_stats\.tensors\.0: must be one of"):
+        build("fp8_stats", {"tensors": ["activations", "weight", "grad"]})
+
+
+def test_unknown_options_name_the_closest_one():
+    found = lint_config({"callbacks": {"fp8_stats": {"intervall": 10}},
+                         "loggers": {"jsonl": {"paht": "m.jsonl"}}})
+    assert [(f.rule, f.key, f.message) for f in found] == [
+        ("FP8019", "callbacks.fp8_stats.intervall",
+         "fp8_stats.intervall is not an option (did you mean `interval`?)"),
+        ("FP8019", "loggers.jsonl.paht", "jsonl.paht is not an option (did you mean `path`?)")]
+
+
+def test_build_raises_one_line_naming_the_key_path():
     """The key path as the linter's findings have it (`callbacks.fp8_state.watch_batches`)."""
-    with pytest.raises(ValueError, match=r"^callbacks\.fp8_state\.watch_batches: must be a "
-                                         r"non-negative integer, got -1 \(fix: use a "
-                                         r"non-negative integer\)$"):
-        check_options("fp8_state", {"self": object(), "strict": True, "watch_batches": -1})
-    with pytest.raises(ValueError, match=r"^callbacks\.fp8_lint\.fail_on: must be one of"):
-        check_options("fp8_lint", {"train_config": {}, "fail_on": "warning"})
-    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe\.interval: "
-                                         "TransformerEngine no longer accepts"):
-        check_options("fp8_stats", {"recipe": {"interval": 1}})
-    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe: unknown scaling"):
-        check_options("fp8_stats", {"recipe": "delyaed"})
-    with pytest.raises(ValueError, match=r"^algorithms\.te_swap\.keep_lm_head: takes bool"):
-        check_options("te_swap", {"keep_lm_head": "true"})
-    with pytest.raises(ValueError, match=r"^loggers\.jsonl\.path: has unknown placeholder"):
-        check_options("jsonl", {"path": "{run}.jsonl"})
+    with pytest.raises(OptionError, match=r"^callbacks\.fp8_state\.watch_batches: must be a "
+                                          r"non-negative integer, got -1 \(fix: use a "
+                                          r"non-negative integer\)$"):
+        build("fp8_state", {"strict": True, "watch_batches": -1})
+    with pytest.raises(OptionError, match=r"^callbacks\.fp8_lint\.fail_on: must be one of"):
+        build("fp8_lint", {"fail_on": "warning"})
+    with pytest.raises(OptionError, match=r"^callbacks\.fp8_lint\.train_config: is passed by "):
+        build("fp8_lint", {"train_config": {}})
+    with pytest.raises(OptionError, match=r"^callbacks\.fp8_stats\.recipe\.interval: "
+                                          "TransformerEngine no longer accepts"):
+        build("fp8_stats", {"recipe": {"interval": 1}})
+    with pytest.raises(OptionError, match=r"^callbacks\.fp8_stats\.recipe: unknown scaling"):
+        build("fp8_stats", {"recipe": "delyaed"})
+    with pytest.raises(OptionError, match=r"^algorithms\.te_swap\.keep_lm_head: takes bool"):
+        build("te_swap", {"keep_lm_head": "true"})
+    with pytest.raises(OptionError, match=r"^loggers\.jsonl\.path: has unknown placeholder"):
+        build("jsonl", {"path": "{run}.jsonl"})
     # the path is the finding's key, the rest its message without the entry.option subject
     for section, name, option, value in [("callbacks", "fp8_stats", "interval", 0),
-                                         ("algorithms", "te_swap", "include", "(")]:
+                                         ("algorithms", "te_swap", "include", "("),
+                                         ("callbacks", "fp8_stats", "tensors", ["x"])]:
         [finding] = [f for f in lint_config({section: {name: {option: value}}})
                      if f.rule == "FP8023"]
-        with pytest.raises(ValueError) as error:
-            check_options(name, {option: value})
-        detail = finding.message.removeprefix(f"{name}.{option} ")
+        with pytest.raises(OptionError) as error:
+            build(name, {option: value})
+        detail = finding.message.removeprefix(f"{finding.key.removeprefix(section + '.')} ")
         assert str(error.value) == f"{finding.key}: {detail} (fix: {finding.fix})"
 
 
-def test_check_options_never_stops_a_run_for_a_bug_of_its_own(monkeypatch, caplog):
-    from foundry_fp8.lint import values
-
-    def broken(entry, options):
+def test_a_failure_inside_the_checks_is_not_swallowed(monkeypatch):
+    """Issue 15: a bug in a check must not silently switch checking off."""
+    def broken(self, value):
         raise KeyError("our bug")
 
-    monkeypatch.setattr(values, "option_problems", broken)
-    check_options("fp8_state", {"watch_batches": -1})  # not checked, not raised
-    assert "checking fp8_state's options failed" in caplog.text
+    monkeypatch.setattr(Integer, "problems", broken)
+    with pytest.raises(KeyError, match="our bug"):
+        build("fp8_state", {"watch_batches": -1})
+    with pytest.raises(KeyError, match="our bug"):
+        lint_config({"callbacks": {"fp8_state": {"watch_batches": -1}}})
 
 
-def test_check_options_accepts_what_constructors_hold_by_default():
-    """Tuples (defaults) for Sequence options, callables for Callable ones."""
-    check_options("fp8_stats", {"interval": "100ba", "tensors": ("activation", "weight"),
-                                "dump_steps": (), "recipe": "current", "te_debug": None})
-    check_options("te_swap", {"backend": "te", "module_filter_fn": lambda module, name: True,
-                              "fp8_recipe": None, "include": None})
-    check_options("jsonl", {"path": "runs/{run_name}/metrics.jsonl", "strict": False})
+def test_build_accepts_what_python_callers_hold():
+    """Tuples for list options, callables for Callable ones, a built FP8Recipe."""
     from foundry_fp8.recipe import FP8Recipe
 
-    check_options("fp8_stats", {"recipe": FP8Recipe(scaling="delayed"), "dump_steps": 1000})
+    options = build("fp8_stats", {"interval": "100ba", "tensors": ("activation", "weight"),
+                                  "dump_steps": (), "recipe": "current", "te_debug": None})
+    assert options.schedule.interval == 100 and options.monitor.tensors == ("activation", "weight")
+    assert build("te_swap", {"backend": "te", "module_filter_fn": lambda module, name: True,
+                             "fp8_recipe": None, "include": None}).fp8_recipe == FP8Recipe()
+    recipe = FP8Recipe(scaling="delayed")
+    assert build("fp8_stats", {"recipe": recipe, "dump_steps": 1000}).monitor.recipe is recipe
 
 
-def test_the_table_names_only_options_that_exist():
-    from foundry_fp8.lint.entries import our_entries
-
+def test_the_linter_sees_the_constructors_options():
+    """The linter's entries are the option dataclasses, defaults included."""
     entries = {entry.name: entry for entry in our_entries().values()}
-    assert set(OPTION_VALUES) <= set(entries)
-    for name, constraints in OPTION_VALUES.items():
-        assert set(constraints) <= set(entries[name].options), name
-    for name, relations in OPTION_RELATIONS.items():
-        for relation in relations:
-            assert {relation.option, relation.other} <= set(entries[name].options), name
-
-
-def test_choices_are_read_from_the_code_without_importing_it():
-    assert module_constant("foundry_fp8.composer.lint", "FAIL_ON") == ("error", "never")
-    assert "run_name" in module_constant("foundry_fp8.composer.jsonl_logger", "PLACEHOLDERS")
-    with pytest.raises(LookupError):
-        module_constant("foundry_fp8.monitor", "NO_SUCH_CONSTANT")
+    assert set(entries) == set(ENTRIES) == {"te_swap", "fp8_stats", "fp8_state", "fp8_lint",
+                                            "jsonl"}
+    assert entries["te_swap"].options["backend"].default == "te"
+    assert entries["fp8_stats"].options["interval"].default == 1
+    assert "schedule" not in entries["fp8_stats"].options  # parts are not YAML options
+    for name, spec in ENTRIES.items():
+        built = build(name, spec.defaults())  # every default passes its own check
+        assert type(built) is spec.options
 
 
 _any = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
-_options = st.sampled_from(sorted((n, o) for n, c in OPTION_VALUES.items() for o in c))
+_options = st.sampled_from(sorted((n, o) for n, e in ENTRIES.items() for o in e.option_names()))
 
 
 @settings(max_examples=300, deadline=None)
 @given(_options, _any)
 def test_option_checks_never_crash(option, value):
     name, key = option
-    section = {"te_swap": "algorithms", "jsonl": "loggers"}.get(name, "callbacks")
+    section = ENTRIES[name].section
     for finding in lint_config({section: {name: {key: value}}}):
         assert finding.message and finding.fix and "\n" not in finding.message
-    from foundry_fp8.lint.entries import our_entries
-
-    entry = next(e for e in our_entries().values() if e.name == name)
+    entry = our_entries()[(section, name)]
     for problem in option_problems(entry, {key: value}):  # raises on a bug of ours
         assert problem.detail and "\n" not in problem.message + problem.detail
     try:
-        check_options(name, {key: value})
-    except ValueError as e:
+        build(name, {key: value})
+    except OptionError as e:
         assert str(e).startswith(f"{section}.{name}.{key}") and "\n" not in str(e)
 
 
 def test_a_bare_value_is_a_list_of_one():
-    assert as_items(1000) == (1000,) and as_items([1, 2]) == (1, 2) and as_items(()) == ()
-    assert batches(7) == 7 and batches("1e2BA") == 100 and batches(" 5ba") == 5
+    steps = Items(Integer(0), bare=True)
+    assert steps.normal(1000) == (1000,) and steps.normal([1, 2]) == (1, 2) and \
+        steps.normal(()) == ()
+    assert [Batches(1).normal(v) for v in (7, "1e2BA", " 5ba")] == [7, 100, 5]

@@ -74,7 +74,7 @@ def _step(model: nn.Module, monitor: FP8Monitor) -> tuple[dict, dict]:
 def test_selects_linear_emulated_and_te_modules_by_class_name():
     model = _model()
     assert sorted(select_layers(model, MonitorConfig())) == ["0", "1", "2", "3", "4", "5"]
-    assert sorted(select_layers(model, MonitorConfig(include="[1-4]", exclude="3"))) == [
+    assert sorted(select_layers(model, MonitorConfig(layers="[1-4]", exclude="3"))) == [
         "1", "2", "4"]
 
 
@@ -166,7 +166,7 @@ def test_wrapped_layers_keep_their_plain_names():
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 8))
     model[0] = checkpoint_wrapper(model[0])
     assert "0._checkpoint_wrapped_module.0" in dict(model.named_modules())
-    assert list(select_layers(model, MonitorConfig(include=r"^0\.0$"))) == ["0.0"]
+    assert list(select_layers(model, MonitorConfig(layers=r"^0\.0$"))) == ["0.0"]
     monitor = FP8Monitor(model, MonitorConfig())
     x = torch.randn(4, 8)
     monitor.start_step()

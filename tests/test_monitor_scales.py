@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
-from foundry_fp8.monitor import FP8Monitor, MonitorConfig, Schedule, parse_recipe
+from foundry_fp8.monitor import FP8Monitor, MonitorConfig, Schedule
 from foundry_fp8.numerics import quantize_dequantize, tensor_stats
 from foundry_fp8.recipe import FP8Recipe
 
@@ -126,7 +126,7 @@ def _plain_model() -> nn.Sequential:
 def _run_whatif(recipe: dict, schedule: Schedule, steps: int, x_amax: list[float],
                 g_amax: list[float]) -> tuple[list[bool], dict[int, dict]]:
     model = _plain_model()
-    monitor = FP8Monitor(model, MonitorConfig(recipe=parse_recipe(recipe)), schedule=schedule)
+    monitor = FP8Monitor(model, MonitorConfig(recipe=recipe), schedule=schedule)
     base, gbase = _unit(16, 8, seed=0), _unit(16, 4, seed=1)
     armed, logged = [], {}
     for t in range(steps):
@@ -190,12 +190,13 @@ def test_current_recipe_never_records_and_has_ratio_one():
 
 def test_bad_recipe_names_the_key():
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe\.amax_history_len: "
-                                         "must be a positive integer"):
-        parse_recipe({"scaling": "delayed", "amax_history_len": 0})
+                                         "must be an integer from 1 to"):
+        MonitorConfig(recipe={"scaling": "delayed", "amax_history_len": 0})
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe: unknown scaling "
                                          "'sometimes'"):
-        parse_recipe("sometimes")
+        MonitorConfig(recipe="sometimes")
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.recipe: unknown scaling "
                                          r"\['delayed'\]"):
-        parse_recipe(["delayed"])
-    assert parse_recipe(None).scaling == "current"
+        MonitorConfig(recipe=["delayed"])
+    assert MonitorConfig(recipe=None).recipe.scaling == "current"
+    assert MonitorConfig(recipe="delayed").recipe.scaling == "delayed"  # issue 12.5

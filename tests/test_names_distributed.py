@@ -16,7 +16,7 @@ from foundry_fp8.fp8_meta import canonical_modules, canonical_name, fp8_modules
 from foundry_fp8.monitor import MonitorConfig, select_layers
 from tests.ranks import init_rank, run_ranks
 
-ANCHORED = MonitorConfig(include=r"^model\.blocks\.0$")
+ANCHORED = MonitorConfig(layers=r"^model\.blocks\.0$")
 
 
 class _Model(nn.Module):

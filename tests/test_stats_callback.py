@@ -108,8 +108,8 @@ BAD_OPTIONS = [
     ({"interval": 10.0}, "interval"), ({"interval": None}, "interval"),
     ({"interval": 0}, "interval"), ({"layers": 5}, "layers"), ({"exclude": 5}, "exclude"),
     ({"dump_layers": "("}, "dump_layers"), ({"tensors": "activation"}, "tensors"),
-    ({"tensors": ["activations"]}, "tensors"), ({"dump_steps": "1000"}, "dump_steps"),
-    ({"dump_steps": [-1]}, "dump_steps"), ({"dump_steps": [1.5]}, "dump_steps"),
+    ({"tensors": ["activations"]}, "tensors.0"), ({"dump_steps": "1000"}, "dump_steps"),
+    ({"dump_steps": [-1]}, "dump_steps.0"), ({"dump_steps": [1, 1.5]}, "dump_steps.1"),
     ({"dump_steps": -2}, "dump_steps"), ({"start": "10ba"}, "start"), ({"start": -1}, "start"),
     ({"start": 10, "end": 5}, "end"), ({"end": 0}, "end"),
     ({"max_underflow_pct": -1}, "max_underflow_pct"),
@@ -146,30 +146,29 @@ def test_near_misses_are_accepted():
                                       "1.0ba", "2.5ba", "0ba", "-1ba", "ba", "0x10ba", "infba",
                                       "nanba", "1h2m3s", "5ep", "10tok", "5ba "])
 def test_intervals_read_as_composer_reads_them(interval):
-    """Our reading of a batch interval (lint/values.py) is Composer's Time.from_timestring."""
+    """Our reading of a batch interval (options.Batches) is Composer's Time.from_timestring."""
     from composer.core import Time, TimeUnit
 
-    from foundry_fp8.lint.values import Batches, batches
+    from foundry_fp8.options import Batches
 
     try:
         time = Time.from_timestring(interval)
         composer = time.value if time.unit == TimeUnit.BATCH and time.value >= 1 else None
     except (ValueError, TypeError, OverflowError):
         composer = None
-    ours = None if Batches(1).problem(interval) else batches(interval)
+    ours = None if Batches(1).problems(interval) else Batches(1).normal(interval)
     assert ours == composer
 
 
 def test_python_callers_keep_working():
     """Tuples, an FP8Recipe, Schedule and MonitorConfig built directly are checked too."""
-    from foundry_fp8.monitor import parse_recipe
     from foundry_fp8.recipe import FP8Recipe
 
     recipe = FP8Recipe(scaling="delayed", amax_history_len=4)
     assert FP8Stats(recipe=recipe, tensors=("weight",)).config.recipe is recipe
-    assert parse_recipe(recipe) is recipe
+    assert MonitorConfig(recipe=recipe).recipe is recipe
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.layers: is not a valid"):
-        MonitorConfig(include="(")
+        MonitorConfig(layers="(")
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.min_cos_sim: "):
         MonitorConfig(min_cos_sim=1.5)
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.end: must be greater"):

@@ -22,7 +22,7 @@ from composer.devices import DeviceCPU
 from torch import nn
 
 from foundry_fp8.composer.stats import FP8Stats
-from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule, parse_recipe
+from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule
 from foundry_fp8.numerics import (
     STAT_KEYS,
     all_reduce_sufficient_stats,
@@ -73,7 +73,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         result["current"] = monitor.finish_step()
 
         # 3. a delayed what-if with reduce_amax: every rank casts with the same scale
-        recipe = parse_recipe({"scaling": "delayed", "amax_history_len": 2})
+        recipe = {"scaling": "delayed", "amax_history_len": 2}
         monitor = FP8Monitor(model, MonitorConfig(recipe=recipe), on_warning=lambda _: None,
                              schedule=Schedule(interval=3))
         for step in range(4):

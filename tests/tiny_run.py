@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import DictConfig
 from omegaconf import OmegaConf as om
 
-from foundry_fp8.data import TinyData
+from foundry_fp8.tools.tiny_data import TinyData
 
 TINY_YAML = Path(__file__).resolve().parents[1] / "yamls" / "mpt-tiny-cpu.yaml"
 

@@ -16,13 +16,10 @@ from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
 from foundry_fp8.jsonl import JsonlSink
-from foundry_fp8.lint.values import check_options
-from foundry_fp8.paths import check_path, in_run_folder, run_folder, safe_run_name
+from foundry_fp8.options import build
+from foundry_fp8.paths import in_run_folder, run_folder, safe_run_name
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PATH = "metrics.jsonl"
-PLACEHOLDERS = ("run_name",)
 
 
 class JSONLLogger(LoggerDestination):
@@ -41,11 +38,10 @@ class JSONLLogger(LoggerDestination):
     the logger stops writing while training goes on; `strict: true` raises instead.
     """
 
-    def __init__(self, path: str = DEFAULT_PATH, strict: bool = False):
-        check_options("jsonl", locals())  # path: a template with known placeholders
-        check_path(path, "loggers.jsonl.path")
-        self.path_template = path
-        self.strict = strict
+    def __init__(self, **options: Any):
+        self.options = build("jsonl", options)  # one line naming loggers.jsonl.<key>
+        self.path_template: str = self.options.path
+        self.strict: bool = self.options.strict
         self.sink: JsonlSink | None = None  # rank 0's file (set even once writing stopped)
         self.stopped = False  # a write failed: nothing more is written
         self._pending_hparams: dict[str, Any] = {}

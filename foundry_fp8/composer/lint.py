@@ -11,11 +11,9 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
 from foundry_fp8.lint.rules import Finding, LintContext, fsdp_version_from_env, lint_config
-from foundry_fp8.lint.values import check_options
+from foundry_fp8.options import build
 
 log = logging.getLogger(__name__)
-
-FAIL_ON = ("error", "never")
 
 
 def fp8_module_counts(model: Any) -> tuple[int, int]:
@@ -57,9 +55,9 @@ class FP8Lint(Callback):
     `amp_fp8` run whose model has no FP8 module fails too. `fail_on: never` only warns.
     """
 
-    def __init__(self, train_config: Any, fail_on: str = "error"):
-        check_options("fp8_lint", locals())  # fail_on among FAIL_ON, as the linter checks
-        self.fail_on = fail_on
+    def __init__(self, train_config: Any, **options: Any):
+        self.options = build("fp8_lint", options)  # one line naming callbacks.fp8_lint.<key>
+        self.fail_on: str = self.options.fail_on
         from omegaconf import DictConfig, OmegaConf
 
         if isinstance(train_config, DictConfig):

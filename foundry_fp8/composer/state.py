@@ -33,7 +33,7 @@ from foundry_fp8.fp8_meta import (
     read_fp8_meta,
     write_fp8_meta,
 )
-from foundry_fp8.lint.values import check_options
+from foundry_fp8.options import build
 from foundry_fp8.recipe import (
     COMPOSER_DEFAULT_HISTORY,
     TE_DELAYED_DEFAULTS,
@@ -215,10 +215,10 @@ class FP8State(Callback):
     first batches the symptom is watched for (0: never); it shows from the first batches on.
     """
 
-    def __init__(self, strict: bool = True, watch_batches: int = 8):
-        check_options("fp8_state", locals())  # one-line errors naming callbacks.fp8_state.<key>
-        self.strict = strict
-        self.watch_batches = watch_batches
+    def __init__(self, **options: Any):
+        self.options = build("fp8_state", options)  # one line naming callbacks.fp8_state.<key>
+        self.strict: bool = self.options.strict
+        self.watch_batches: int = self.options.watch_batches
         self._model: nn.Module | None = None
         self._recipe: FP8Recipe | None = None
         self._pending: dict[str, Any] | None = None

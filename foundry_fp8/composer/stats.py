@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from composer.core import Callback, State
@@ -14,16 +14,8 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from foundry_fp8.fp8_meta import canonical_modules
-from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
-from foundry_fp8.lint.values import as_items, batches, check_options
-from foundry_fp8.monitor import (
-    FP8Monitor,
-    FP8MonitorError,
-    MonitorConfig,
-    Schedule,
-    multi_rank,
-    parse_recipe,
-)
+from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, multi_rank
+from foundry_fp8.options import MonitorConfig, Schedule, build
 from foundry_fp8.paths import in_run_folder
 from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 
@@ -60,32 +52,19 @@ class FP8Stats(Callback):
     the failing rank instead: the job then dies, the other ranks being ended by the launcher.
     """
 
-    def __init__(self, interval: int | str = "100ba", start: int = 0, end: int | None = None,
-                 layers: str = ".*", exclude: str | None = None,
-                 tensors: Sequence[str] = ("activation", "weight", "gradient"),
-                 recipe: str | Mapping[str, Any] = "current",
-                 max_underflow_pct: float = DEFAULT_THRESHOLDS.max_underflow_pct,
-                 max_overflow_pct: float = DEFAULT_THRESHOLDS.max_overflow_pct,
-                 min_cos_sim: float = DEFAULT_THRESHOLDS.min_cos_sim,
-                 dump_steps: int | Sequence[int] = (), dump_layers: str | None = None,
-                 dump_max_mb: float = 64.0, dump_folder: str | None = None,
-                 te_debug: Literal["delayed", "current"] | None = None,
-                 te_debug_folder: str = "te_debug", strict: bool = False):
-        check_options("fp8_stats", locals())  # one-line errors naming callbacks.fp8_stats.<key>
-        self.schedule = Schedule(batches(interval), start, end, as_items(dump_steps))
-        self.config = MonitorConfig(include=layers, exclude=exclude, tensors=tuple(tensors),
-                                    recipe=parse_recipe(recipe),
-                                    max_underflow_pct=max_underflow_pct,
-                                    max_overflow_pct=max_overflow_pct, min_cos_sim=min_cos_sim,
-                                    dump_layers=dump_layers, dump_max_mb=dump_max_mb)
-        self.dump_folder = dump_folder
-        self.strict = strict
+    def __init__(self, **options: Any):
+        self.options = build("fp8_stats", options)  # one line naming callbacks.fp8_stats.<key>
+        self.schedule: Schedule = self.options.schedule
+        self.config: MonitorConfig = self.options.monitor
+        self.dump_folder: str | None = self.options.dump_folder
+        self.strict: bool = self.options.strict
         self.monitor: FP8Monitor | None = None
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
-        self.te_debug = _start_te_debug(te_debug, layers, exclude, self.config.tensors,
-                                        self.schedule, Path(te_debug_folder),
+        self.te_debug = _start_te_debug(self.options.te_debug, self.config.layers,
+                                        self.config.exclude, self.config.tensors, self.schedule,
+                                        Path(self.options.te_debug_folder),
                                         self._te_metrics.__setitem__)
 
     # Composer's named events; each runs under `_guarded` (our error never stops training).

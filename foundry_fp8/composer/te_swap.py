@@ -22,19 +22,17 @@ Eval forwards stay in high precision, as Composer runs them (`fp8_autocast_enabl
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any, Literal
+from typing import Any
 
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from torch import nn
 
 from foundry_fp8.fp8_meta import is_fp8_module
-from foundry_fp8.lint.values import check_options
+from foundry_fp8.options import SwapConfig, build
 from foundry_fp8.recipe import FP8Recipe, RecipeError, environment_problems, is_same_delayed_recipe
 from foundry_fp8.swap import (
-    SwapConfig,
     SwapPlan,
     apply_swap,
     coverage_table,
@@ -52,28 +50,18 @@ FOUNDRY_FP8_WARNING = "fp8 only supported for te.Linear layers"
 class TESwap(Algorithm):
     """`algorithms: {te_swap: {backend: emulate, keep_first_blocks: 1, fp8_recipe: {...}}}`.
 
-    Options are `SwapConfig`'s fields plus `fp8_recipe` (see `FP8Recipe`) and `strict`: with
-    `strict: false`, a failure of te_swap's own per-forward autocast is logged and te_swap stops
-    entering it instead of crashing the run (refusals and bad options always raise).
+    Options are `TESwapOptions`' fields (`foundry_fp8.options`: SwapConfig's, `fp8_recipe`, see
+    `FP8Recipe`, and `strict`): with `strict: false`, a failure of te_swap's own per-forward
+    autocast is logged and te_swap stops entering it instead of crashing the run (refusals and
+    bad options always raise).
     """
 
-    def __init__(self, backend: Literal["te", "emulate"] = "te", keep_first_blocks: int = 0, keep_last_blocks: int = 0,
-                 keep_lm_head: bool = True, convert_layernorm: bool = False,
-                 fuse_ln_mlp: bool = False, include: str | None = None,
-                 exclude: str | None = None, min_gemm_size: int = 0,
-                 tokens_per_microbatch: int | None = None,
-                 module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-                 fp8_recipe: dict[str, Any] | None = None, strict: bool = True):
-        check_options("te_swap", locals())  # one-line errors naming algorithms.te_swap.<key>
-        self.config = SwapConfig(
-            backend=backend, keep_first_blocks=keep_first_blocks,
-            keep_last_blocks=keep_last_blocks, keep_lm_head=keep_lm_head,
-            convert_layernorm=convert_layernorm, fuse_ln_mlp=fuse_ln_mlp, include=include,
-            exclude=exclude, min_gemm_size=min_gemm_size,
-            tokens_per_microbatch=tokens_per_microbatch, module_filter_fn=module_filter_fn)
-        self.recipe = FP8Recipe.from_options(fp8_recipe)
-        self.strict = strict
-        if backend == "te":
+    def __init__(self, **options: Any):
+        self.options = build("te_swap", options)  # one line naming algorithms.te_swap.<key>
+        self.config: SwapConfig = self.options
+        self.recipe: FP8Recipe = self.options.fp8_recipe
+        self.strict: bool = self.options.strict
+        if self.config.backend == "te":
             _check_te_environment(self.recipe)
         self.plan: SwapPlan | None = None
         self._autocast = ExitStack()

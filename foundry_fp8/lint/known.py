@@ -7,8 +7,7 @@ upgrade that changes them fails the tests instead of silently drifting.
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable
+from foundry_fp8.options import did_you_mean  # noqa: F401  (the rules' import)
 
 #: `fields(TrainConfig)` (llmfoundry/utils/config_utils.py). `make_dataclass_and_log_config`
 #: raises "Unused parameters [...] found in cfg" for any other top-level key.
@@ -99,11 +98,6 @@ TORCH_DTYPE_NAMES = {
 }
 FP8_DTYPE_NAMES = frozenset({"float8", "torch.float8", "fp8", "amp_fp8"})
 
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """' (did you mean `x`?)' for the closest choice, or '' when none is close."""
-    close = difflib.get_close_matches(word, sorted(choices), n=1)
-    return f" (did you mean `{close[0]}`?)" if close else ""
 
 #: MPTConfig's defaults for the dims the shape rules read (llmfoundry/models/mpt/
 #: configuration_mpt.py, MPTConfig.__init__).

@@ -3,9 +3,8 @@
 Each rule is a function `(config, context) -> findings`, registered in RULES with its id, the
 severity it reports at most, what it catches, why (with the source the fact was verified in)
 and the usual fix. `docs/rules.md` is generated from RULES (`python -m foundry_fp8.lint.docs`).
-Our entries' options are checked by `foundry_fp8.lint.values` (names and types from the
-classes' signatures, values from one table, recipes by `foundry_fp8.recipe.recipe_problems`),
-which the constructors can call too, so the linter and the run agree.
+Our entries' options are checked by `foundry_fp8.lint.values` with the option dataclasses the
+constructors build (`foundry_fp8.options`), so the linter and the run agree.
 """
 
 from __future__ import annotations
@@ -657,11 +656,13 @@ RULES = [
          "see the message", retired_keys),
     Rule("FP8008", "error", "FP8 recipe problems in te_swap's `fp8_recipe` or fp8_stats' "
          "`recipe` (pure E5M2, keys TE removed such as `interval`, unknown keys and values)",
-         "Shared with foundry_fp8.recipe, which te_swap (FP8Recipe.from_options) and fp8_stats "
-         "(parse_recipe: a scaling name, or a recipe mapping) use, so the linter and the run "
-         "agree.",
-         "foundry_fp8/recipe.py recipe_problems (TE's DelayedScaling); foundry_fp8/monitor.py "
-         "parse_recipe; foundry_fp8/lint/values.py OPTION_VALUES",
+         "Shared with foundry_fp8.recipe, which te_swap's and fp8_stats' option dataclasses "
+         "use (fp8_stats' `recipe` is a scaling name or a recipe mapping), so the linter and "
+         "the run agree. margin and amax_history_len have bounds (recipe.MAX_MARGIN, "
+         "MAX_HISTORY).",
+         "foundry_fp8/recipe.py recipe_problems (TE's DelayedScaling; TE 2.20 "
+         "transformer_engine/common/recipe/delayed_scaling.cu:300 for the margin); "
+         "foundry_fp8/options.py Recipe",
          "see the message", recipe_keys),
     Rule("FP8009", "error", "unknown top-level keys (did-you-mean)",
          "LLM-Foundry raises 'Unused parameters [...] found in cfg' for any top-level key that "
@@ -727,15 +728,15 @@ RULES = [
     Rule("FP8019", "error", "unknown options of our entries (te_swap, fp8_stats, fp8_state, "
          "fp8_lint, jsonl) (did-you-mean)",
          "LLM-Foundry passes an entry's mapping as keyword arguments, so an unknown option fails "
-         "at construction. The option lists are read from the classes' __init__ signatures.",
-         f"foundry_fp8/composer/*.py __init__ signatures; {FOUNDRY} "
+         "at construction. The option lists are the fields of our option dataclasses.",
+         f"foundry_fp8/options.py ENTRIES; {FOUNDRY} "
          "llmfoundry/utils/builders.py build_callback (reserved train_config)",
          "fix the spelling", entry_options_unknown),
     Rule("FP8020", "error", "options of our entries with the wrong type (a `Literal` value "
          "outside its choices, `\"true\"` for a bool, `true` for an int)",
-         "Checked against the annotations of the classes' __init__ signatures; a Literal admits "
-         "only its values, a bool only true/false, an int neither a bool nor a float.",
-         "foundry_fp8/composer/*.py __init__ signatures; foundry_fp8/lint/entries.py accepts",
+         "Checked by each option's declared check; a Literal admits only its values, a bool "
+         "only true/false, an int neither a bool nor a float.",
+         "foundry_fp8/options.py (the option dataclasses' fields)",
          "give a value of the annotated type", entry_option_types),
     Rule("FP8021", "error", "te_swap's `te` backend (its default) without amp_fp8",
          "TE layers compute in FP8 only inside Composer's amp_fp8 autocast; te_swap refuses the "
@@ -759,15 +760,12 @@ RULES = [
          "regexes that do not compile, unknown choices such as `fail_on: warning`, unknown "
          "`{placeholders}` in paths)",
          "LLM-Foundry builds algorithms, callbacks and loggers before training, so a value of "
-         "the right type that the constructor refuses still stops the run. One table "
-         "(foundry_fp8/lint/values.py OPTION_VALUES, OPTION_RELATIONS) holds these "
-         "constraints and every constructor checks its options with it (check_options), so "
-         "the linter and the run agree; choices the code keeps as constants are read from its "
-         "source.",
-         "foundry_fp8/lint/values.py OPTION_VALUES, check_options (called first by TESwap, "
-         "SwapConfig, FP8Stats, Schedule, MonitorConfig, parse_recipe, FP8State, FP8Lint, "
-         "JSONLLogger); foundry_fp8/composer/lint.py FAIL_ON; foundry_fp8/monitor.py "
-         "TENSOR_KINDS; foundry_fp8/composer/jsonl_logger.py PLACEHOLDERS; "
+         "the right type that the constructor refuses still stops the run. Each option's "
+         "check is declared once, on its field of a frozen options dataclass "
+         "(foundry_fp8/options.py), which every constructor builds first, so the linter and "
+         "the run agree; every wrong item of a list is reported at its own key.",
+         "foundry_fp8/options.py (TESwapOptions, SwapConfig, FP8StatsOptions, Schedule, "
+         "MonitorConfig, FP8StateOptions, FP8LintOptions, JSONLOptions); "
          f"{COMPOSER} composer/core/time.py Time.from_timestring (batch intervals read alike)",
          "see the message", entry_option_values),
 ]

@@ -5,7 +5,8 @@ ln(vocab)) in a few dozen batches. The tokenizer is a byte-level BPE trained on 
 saved as a `PreTrainedTokenizerFast`; the dataset is MDS shards of raw text that LLM-Foundry's
 `text` dataloader tokenizes itself. Both are cached: a second call with the same settings is free.
 
-Run as `python -m foundry_fp8.data DATA_ROOT` to build them (the Makefile does).
+Run as `foundry-fp8 tiny-data DATA_ROOT` (or `python -m foundry_fp8.tools.tiny_data`) to build
+them; `make run` and the tests do.
 """
 
 from __future__ import annotations
@@ -101,14 +102,34 @@ def prepare_tiny_data(root: str | Path, vocab_size: int = 512, num_samples: int 
     return data
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build the tiny local tokenizer and dataset.")
-    parser.add_argument("root", nargs="?", default="data")
-    args = parser.parse_args(argv)
-    data = prepare_tiny_data(args.root)
-    print(f"tokenizer: {data.tokenizer_dir}\ndataset:   {data.data_dir}")
+DESCRIPTION = """Build, under ROOT, what a CPU try of LLM-Foundry needs without any download:
+ROOT/tokenizer-v512/, a byte-level BPE tokenizer (512 tokens, saved as a Hugging Face
+PreTrainedTokenizerFast, for `tokenizer.name`), and ROOT/text-2048/{train,val}/, MDS shards of
+2048 generated sentence samples (for the `text` loader's `dataset.local`). The text follows a
+small grammar, so a tiny MPT learns it in a few dozen batches. A second run reuses them."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("root", nargs="?", default=Path("data"), type=Path, metavar="ROOT",
+                        help="folder to build into, created if missing (default: ./data)")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"building the tiny tokenizer and dataset in {args.root} ...", flush=True)
+    try:
+        data = prepare_tiny_data(args.root)
+    except OSError as err:
+        print(f"foundry-fp8 tiny-data: {args.root}: {err.strerror or err}")
+        return 2
+    print(f"tokenizer: {data.tokenizer_dir}  (tokenizer: {{name: {data.tokenizer_dir}}})\n"
+          f"dataset:   {data.data_dir}  (train_loader: {{name: text, dataset: {{local: "
+          f"{data.data_dir}, split: train}}}})")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli = argparse.ArgumentParser(prog="python -m foundry_fp8.tools.tiny_data")
+    add_arguments(cli)
+    raise SystemExit(run(cli.parse_args()))

@@ -1,23 +1,23 @@
 """`foundry-fp8 bench`: MPT-1B training throughput, FP8 variants against BF16, in one process.
 
-Every variant is built from our `yamls/mpt-1b-*.yaml` through LLM-Foundry's model builder and
+Every variant is built from our `tools/yamls/mpt-1b-*.yaml` (package data) through LLM-Foundry's model builder and
 trained by Composer's Trainer on synthetic batches with learnable structure (random n-grams
 repeated through each sequence), so the loss after the timed steps can be compared across
 variants. Timing: warm-up steps, then timed steps between CUDA events (perf_counter on CPU),
 then a few profiled steps that give attention's share of op time. `--tiny` runs the same path
-on CPU with a tiny MPT in fp32, te_swap on its `emulate` backend.
-
-The YAMLs are the repository's, not the package's: from a checkout (an editable install, or
-`python -m foundry_fp8.cli` in its root) the bench finds them and writes to its
-`benchmarks/results/`; an installed package needs `--yamls DIR` and writes to the current directory.
+on CPU with a tiny MPT in fp32, te_swap on its `emulate` backend, and its rows say so. Results
+go to the current directory unless `--out` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
+import io
 import json
+import logging
 import math
 import platform
 import re
@@ -29,22 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-
-def _checkout() -> Path | None:
-    """The foundry-fp8 repository this package was imported from; None for an installed package."""
-    root = Path(__file__).resolve().parents[1]
-    return root if (root / "yamls" / "mpt-1b-bf16.yaml").is_file() else None
-
-
-CHECKOUT = _checkout()
-
-
-def default_yamls() -> Path | None:
-    return CHECKOUT / "yamls" if CHECKOUT else None
-
-
-def default_out() -> Path:
-    return CHECKOUT / "benchmarks" / "results" if CHECKOUT else Path.cwd()
+#: The MPT-1B YAMLs, shipped inside the package so an installed bench needs no checkout.
+YAMLS = Path(__file__).resolve().parent / "yamls"
 
 
 # H100 SXM dense peaks, the numbers Composer's speed_monitor uses (1.979e15 / 2, 3.958e15 / 2).
@@ -73,6 +59,13 @@ class Variant:
         """Uses LLM-Foundry's own TE layers (no emulation exists for them)."""
         return bool(self.model)
 
+    def label(self, tiny: bool) -> str:
+        """The row's name: under --tiny the baseline trains in fp32, not bf16, and te_swap
+        emulates FP8, so the rows say what ran."""
+        if not tiny:
+            return self.name
+        return "fp32" if self.yaml == "bf16" else f"{self.name} (emulated)"
+
 
 VARIANTS = {v.name: v for v in (
     Variant("bf16", "bf16", "amp_bf16, torch layers"),
@@ -100,7 +93,7 @@ class BenchConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     seed: int = 17
-    yamls: Path | None = field(default_factory=default_yamls)  # holds mpt-1b-{bf16,fp8}.yaml
+    yamls: Path = YAMLS  # holds mpt-1b-{bf16,fp8}.yaml
 
 
 def synthetic_batches(n_batches: int, batch: int, seq_len: int, vocab: int, seed: int,
@@ -121,11 +114,6 @@ def synthetic_batches(n_batches: int, batch: int, seq_len: int, vocab: int, seed
 
 
 def yaml_path(variant: Variant, config: BenchConfig) -> Path:
-    if config.yamls is None:
-        raise ValueError(
-            "the MPT-1B YAMLs (mpt-1b-bf16.yaml, mpt-1b-fp8.yaml) are in the foundry-fp8 "
-            "repository's yamls/, and this foundry_fp8 is installed, not a checkout: "
-            "pass --yamls DIR (a checkout's yamls/)")
     return config.yamls / f"mpt-1b-{variant.yaml}.yaml"
 
 
@@ -160,10 +148,10 @@ class _Timer:
     """Composer callback: times steps [warmup, warmup+steps), keeps their losses, then profiles
     the following `profile_steps` steps for attention's share."""
 
-    def __init__(self, config: BenchConfig, cuda: bool, bar):
+    def __init__(self, config: BenchConfig, cuda: bool, bar, label: str):
         from composer.core import Callback
 
-        self.config, self.cuda, self.bar = config, cuda, bar
+        self.config, self.cuda, self.bar, self.label = config, cuda, bar, label
         self.start = self.end = None
         self.losses: list = []
         self.profiler = None
@@ -204,6 +192,9 @@ class _Timer:
 
     def on_batch_start(self, batch: int) -> None:
         c = self.config
+        phase = "warm-up" if batch < c.warmup else "timed" if batch < c.warmup + c.steps \
+            else "profiled"
+        self.bar.set_postfix_str(f"{self.label}: {phase} step {batch + 1}")
         if batch == c.warmup:
             self.start = self._stamp()
         elif batch == c.warmup + c.steps and c.profile_steps:
@@ -279,6 +270,7 @@ def run_variant(variant: Variant, config: BenchConfig, bar) -> dict[str, Any]:
 
     cfg = load_config(variant, config)
     cuda = not config.tiny
+    bar.set_postfix_str(f"{variant.label(config.tiny)}: building the model")
     model_cfg = dict(cfg["model"])
     name = model_cfg.pop("name")
     fsdp = cfg["fsdp_config"]
@@ -293,7 +285,7 @@ def run_variant(variant: Variant, config: BenchConfig, bar) -> dict[str, Any]:
         from foundry_fp8.composer.te_swap import TESwap
 
         algorithms.append(TESwap(**cfg["algorithms"]["te_swap"]))
-    timer = _Timer(config, cuda, bar)
+    timer = _Timer(config, cuda, bar, variant.label(config.tiny))
     callbacks = [timer.callback]
     if variant.stats_interval is not None:
         from foundry_fp8.composer.stats import FP8Stats
@@ -328,8 +320,10 @@ def run_variant(variant: Variant, config: BenchConfig, bar) -> dict[str, Any]:
     precision = "fp8" if variant.yaml == "fp8" else "bf16"
     mfu = fpt * tokens_per_s / PEAK_FLOPS[precision]
     losses = [float(x) for x in timer.losses]
+    ran = cfg["precision"] + (" + emulated FP8" if config.tiny and variant.te_swap else "")
     return {
-        "name": variant.name, "precision": cfg["precision"], "tokens_per_s": tokens_per_s,
+        "name": variant.name, "label": variant.label(config.tiny), "precision": ran,
+        "tokens_per_s": tokens_per_s,
         "mfu": mfu,
         # LLM-Foundry's collect_results.py: recompute adds a forward, 4 passes instead of 3
         "hfu": mfu * 4 / 3 if config.activation_checkpointing and not config.tiny else mfu,
@@ -394,7 +388,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
 
     per_variant = config.warmup + config.steps + config.profile_steps
     rows, skipped, failed = [], [], []
-    with tqdm(total=per_variant * len(config.variants), unit="step", desc="bench") as bar:
+    with tqdm(total=per_variant * len(config.variants), unit="step", desc="bench") as bar, \
+            _above_the_bar():
         for i, name in enumerate(config.variants):
             variant = VARIANTS[name]
             bar.set_postfix_str(name)
@@ -427,8 +422,54 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                       "attention": "sdpa", "tiny": config.tiny}}
 
 
+class _Lines(io.TextIOBase):
+    """A text stream that hands whole lines to `tqdm.write`, which prints them above the bar."""
+
+    def __init__(self, stream: Any):
+        super().__init__()
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        from tqdm import tqdm
+
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            tqdm.write(line, file=self.stream)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.write("\n")
+
+
+@contextlib.contextmanager
+def _above_the_bar():
+    """What the variants print, log or warn (our coverage tables, LLM-Foundry's and
+    Transformers' warnings) goes above the progress bar, not into its line."""
+    import sys
+
+    streams = {id(sys.stdout): _Lines(sys.stdout), id(sys.stderr): _Lines(sys.stderr)}
+    # Handlers made before now hold the real streams (Transformers' does): point them here too.
+    loggers = [logging.root, *(logger for logger in logging.Logger.manager.loggerDict.values()
+                               if isinstance(logger, logging.Logger))]
+    moved = [(h, h.stream) for logger in loggers for h in logger.handlers
+             if type(h) is logging.StreamHandler and id(h.stream) in streams]
+    for handler, stream in moved:
+        handler.setStream(streams[id(stream)])
+    out, err = streams[id(sys.stdout)], streams[id(sys.stderr)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield
+    finally:
+        out.flush()
+        err.flush()
+        for handler, stream in moved:
+            handler.setStream(stream)
+
+
 def markdown(result: dict[str, Any]) -> str:
     s, v = result["setup"], result["versions"]
+    base = "fp32" if s["tiny"] else "bf16"  # what the baseline row ran
     lines = [f"# {s['model']} training throughput", "",
              f"{result['gpu']}, driver {v['driver']}, CUDA {v['cuda']}, torch {v['torch']}, "
              f"TE {v['transformer_engine']}, Composer {v['composer']}, LLM-Foundry "
@@ -440,7 +481,7 @@ def markdown(result: dict[str, Any]) -> str:
              "MFU = LLM-Foundry's flops per token (3 x (2 x params + attention term)) x tokens/s "
              "over the H100 SXM dense peak: 989 TFLOP/s for bf16, 1979 TFLOP/s for fp8 variants. "
              "HFU adds the recomputed forward when activation checkpointing is on.", "",
-             "| variant | precision | tokens/s | x bf16 | MFU | HFU | peak mem GB | loss "
+             f"| variant | precision | tokens/s | x {base} | MFU | HFU | peak mem GB | loss "
              "(first timed -> last) | attention share | micro-batch |",
              "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     def fmt(value: float | None, spec: str) -> str:
@@ -448,7 +489,7 @@ def markdown(result: dict[str, Any]) -> str:
 
     for r in result["variants"]:
         lines.append(
-            f"| {r['name']} | {r['precision']} | {r['tokens_per_s']:,.0f} | "
+            f"| {r['label']} | {r['precision']} | {r['tokens_per_s']:,.0f} | "
             f"{fmt(r['ratio_to_bf16'], '.3f')} | {100 * r['mfu']:.1f}% | {100 * r['hfu']:.1f}% | "
             f"{r['peak_mem_gb']:.2f} | {r['loss_first_timed_step']:.3f} -> {r['loss']:.3f} | "
             f"{fmt(r['attention_share'], '.1%')} | {r['micro_batch']} |")
@@ -457,8 +498,10 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["failed"]:
         lines.append(f"| {r['name']} | FAILED: {r['reason']} | | | | | | | | |")
     if s["tiny"]:
-        lines += ["", "Tiny CPU run: exercises the code path only. Speeds, MFU (against H100 "
-                  "peaks) and memory (process peak RSS) say nothing about H100 performance."]
+        lines += ["", "Tiny CPU run: exercises the code path only, in fp32 with te_swap's "
+                  "emulated FP8 (the GPU variants' bf16 and amp_fp8 need CUDA). Speeds, MFU "
+                  "(against H100 peaks) and memory (process peak RSS) say nothing about H100 "
+                  "performance."]
     return "\n".join(lines) + "\n"
 
 
@@ -500,24 +543,33 @@ def _variants(value: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true",
-                        help="tiny MPT on CPU, fp32, te_swap emulated: the CI path")
+                        help="a tiny MPT on CPU in fp32, te_swap on its emulated backend (the CI "
+                        "path; the TE-native variants are listed as not run); default off: "
+                        "MPT-1B on a CUDA GPU")
     parser.add_argument("--variants", type=_variants, default=tuple(VARIANTS),
-                        help="comma-separated, from: " + ", ".join(VARIANTS))
-    parser.add_argument("--seq-len", type=int, default=None, help="default 2048 (tiny: 64)")
+                        help="comma-separated, from: " + ", ".join(VARIANTS) + "; default all")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence; default 2048 (tiny: 64)")
     parser.add_argument("--batch", type=int, default=None,
                         help="sequences per optimizer step; default 32 (tiny: 4)")
     parser.add_argument("--micro-batch", type=_micro_batch, default="auto",
                         help="sequences per forward; 'auto' (default) lets Composer fill the GPU")
-    parser.add_argument("--warmup", type=int, default=None, help="default 10 (tiny: 2)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps first; default 10 (tiny: 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps; default 30 (tiny: 6)")
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--yamls", type=Path, default=None, metavar="DIR",
-                        help="folder holding mpt-1b-bf16.yaml and mpt-1b-fp8.yaml; default the "
-                        f"checkout's yamls/ (here: {default_yamls() or 'none, not a checkout'})")
-    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
-                        help="results folder; default the checkout's benchmarks/results/, else "
-                        f"the current directory (here: {default_out()})")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="GPU runs: recompute activations in backward (FSDP activation "
+                        "checkpointing, non-reentrant; fp8 variants with te_checkpoint_wrapper) "
+                        "and report HFU with the recomputed forward; --tiny has no FSDP and "
+                        "ignores it; default off")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (Composer's compile_config); default off")
+    parser.add_argument("--yamls", type=Path, default=YAMLS, metavar="DIR",
+                        help="folder holding mpt-1b-bf16.yaml and mpt-1b-fp8.yaml, to bench your "
+                        "own edits of them; default the copies shipped in the package")
+    parser.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
+                        help="folder for the results (mpt-tiny-cpu.{json,md} with --tiny, else "
+                        "mpt-1b-<gpu>.{json,md}); default the current directory")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -536,13 +588,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                          batch=pick(args.batch, 32, 4), micro_batch=args.micro_batch,
                          warmup=pick(args.warmup, 10, 2), steps=pick(args.steps, 30, 6),
                          activation_checkpointing=args.activation_checkpointing,
-                         compile=args.compile,
-                         yamls=args.yamls if args.yamls is not None else default_yamls())
+                         compile=args.compile, yamls=args.yamls)
     for path in dict.fromkeys(yaml_path(VARIANTS[name], config) for name in config.variants):
         if not path.is_file():
             raise ValueError(f"--yamls {config.yamls}: no {path.name} there (the bench reads "
-                             "mpt-1b-bf16.yaml and mpt-1b-fp8.yaml from the foundry-fp8 "
-                             "repository's yamls/)")
+                             "mpt-1b-bf16.yaml and mpt-1b-fp8.yaml; the package ships both)")
     return config
 
 
@@ -558,7 +608,7 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("foundry-fp8 bench: no CUDA GPU; use --tiny for the CPU path")
             return 2
-    out = args.out if args.out is not None else default_out()
+    out = args.out
     try:  # a folder that cannot be written fails now, not after the benchmark has run
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -1,4 +1,5 @@
-"""The main job behind `make run`: train the tiny MPT with our callbacks, then report.
+"""The main job behind `make run` (this repository's own, not shipped): train the tiny MPT with
+our callbacks, then report.
 
 The training run goes through LLM-Foundry's own `llmfoundry train` command, exactly as a user
 would start it: `yamls/mpt-tiny-cpu.yaml` with `te_swap` (emulated FP8 backend), `fp8_lint` and

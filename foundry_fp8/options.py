@@ -1,0 +1,659 @@
+"""The options of our registry entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_lint`,
+`jsonl`) as frozen dataclasses that check themselves, in torchao's `Float8LinearConfig` style.
+
+Pure Python, no torch: the constructors build these (one check per value, raising one line that
+names the key path, `callbacks.fp8_stats.interval: must be ...`), and the linter asks the same
+classes for every problem of a YAML mapping (`ENTRIES[name].problems(mapping)`), so a YAML the
+linter passes is one the run accepts. Each field's check (type and range, with its source) is
+written once, in the field's declaration (`option(default, check)`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import string
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import regex
+
+from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
+from foundry_fp8.paths import path_problem
+from foundry_fp8.recipe import FP8Recipe, recipe_problems
+
+Kind = Literal["unknown", "reserved", "type", "value", "recipe"]
+
+#: fp8_stats' tensor kinds, fp8_lint's `fail_on` choices, the jsonl path's placeholders.
+TENSOR_KINDS = ("activation", "weight", "gradient")
+FAIL_ON = ("error", "never")
+PLACEHOLDERS = ("run_name",)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean `x`?)' for the closest choice, or '' when none is close."""
+    close = difflib.get_close_matches(word, sorted(choices), n=1)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with an entry's options. `key`: the option, dotted into it for a recipe
+    key or a list item (`fp8_recipe.margin`, `tensors.2`); `detail`: what is wrong, without
+    the subject (`must be a positive integer, got 0`)."""
+
+    key: str
+    kind: Kind
+    detail: str
+    fix: str
+
+
+class OptionError(ValueError):
+    """Options an entry refuses: one line naming the key path, what is wrong and the fix."""
+
+    def __init__(self, path: str, problem: Problem):
+        self.path = f"{path}.{problem.key}" if problem.key else path
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem.detail} (fix: {problem.fix})")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else repr(value)
+
+
+def _got(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def shown_key(name: Any) -> str:
+    """A mapping key as a message shows it: itself, or its repr when it would break the line
+    or hide in it (`'\\n'`, `' '`, `''`)."""
+    text = str(name)
+    return text if text and text.isprintable() and text.strip() == text else repr(text)
+
+
+# -- checks: each lists (key suffix, kind, detail, fix) for a value -----------------------
+
+Found = tuple[str, Kind, str, str]
+
+
+class Check:
+    """What one option admits. `type_text`: the type as messages name it."""
+
+    type_text = "any"
+
+    def problems(self, value: Any) -> list[Found]:
+        raise NotImplementedError
+
+    def normal(self, value: Any) -> Any:
+        """The value the dataclass keeps (a list as a tuple, `"10ba"` as 10)."""
+        return value
+
+    def _type(self, value: Any) -> list[Found]:
+        return [("", "type", f"takes {self.type_text}, got {_got(value)}",
+                 f"give a value of type {self.type_text}")]
+
+
+@dataclass(frozen=True)
+class Optional(Check):
+    """`inner`, or null."""
+
+    inner: Check
+
+    @property
+    def type_text(self) -> str:  # type: ignore[override]
+        return f"{self.inner.type_text} | None"
+
+    def problems(self, value: Any) -> list[Found]:
+        if value is None:
+            return []
+        return [(k, kind, f"takes {self.type_text}, got {_got(value)}", fix)
+                if kind == "type" and detail.startswith("takes ") else (k, kind, detail, fix)
+                for k, kind, detail, fix in self.inner.problems(value)]
+
+    def normal(self, value: Any) -> Any:
+        return None if value is None else self.inner.normal(value)
+
+
+@dataclass(frozen=True)
+class Integer(Check):
+    """An int (not a bool) in [minimum, maximum]."""
+
+    minimum: int
+    maximum: int | None = None
+    type_text = "int"
+
+    def problems(self, value: Any) -> list[Found]:
+        if not _is_int(value):
+            return self._type(value)
+        if self.minimum <= value and (self.maximum is None or value <= self.maximum):
+            return []
+        return [("", "value", f"must be {self.word()}, got {value!r}", f"use {self.word()}")]
+
+    def word(self) -> str:
+        if self.maximum is not None:
+            return f"an integer from {self.minimum} to {self.maximum}"
+        return {0: "a non-negative integer", 1: "a positive integer"}.get(
+            self.minimum, f"an integer >= {self.minimum}")
+
+
+@dataclass(frozen=True)
+class Number(Check):
+    """An int or float (not NaN) in [minimum, maximum]."""
+
+    minimum: float
+    maximum: float | None = None
+    type_text = "float"
+
+    def problems(self, value: Any) -> list[Found]:
+        if not (_is_int(value) or isinstance(value, float)):
+            return self._type(value)
+        if self.minimum <= value and (self.maximum is None or value <= self.maximum):
+            return []
+        word = (f"a number >= {self.minimum:g}" if self.maximum is None
+                else f"a number from {self.minimum:g} to {self.maximum:g}")
+        return [("", "value", f"must be {word}, got {value!r}", f"use {word}")]
+
+
+@dataclass(frozen=True)
+class Flag(Check):
+    type_text = "bool"
+
+    def problems(self, value: Any) -> list[Found]:
+        return [] if isinstance(value, bool) else self._type(value)
+
+
+@dataclass(frozen=True)
+class Text(Check):
+    type_text = "str"
+
+    def problems(self, value: Any) -> list[Found]:
+        return [] if isinstance(value, str) else self._type(value)
+
+
+@dataclass(frozen=True)
+class OneOf(Check):
+    """One of `choices` (strings, or None for null). `kind`: how another value is reported:
+    "type" for an option whose type is the choice (a `Literal`), "value" for a string option
+    with a list of valid strings (another type is then a type problem)."""
+
+    choices: tuple[str | None, ...]
+    kind: Kind = "value"
+    type_text = "str"
+
+    def problems(self, value: Any) -> list[Found]:
+        if any(value is c if c is None else value == c and isinstance(value, str)
+               for c in self.choices):
+            return []
+        if not isinstance(value, str) and self.kind == "value":
+            return self._type(value)
+        choices = ", ".join(map(_shown, self.choices))
+        return [("", self.kind, f"must be one of {choices}, got {_shown(value)}"
+                 + did_you_mean(str(value), [c for c in self.choices if c]),
+                 f"use one of {choices}")]
+
+
+@dataclass(frozen=True)
+class Pattern(Check):
+    """A regular expression on module names, as the `regex` module compiles it (the engine
+    `foundry_fp8.filters` matches with, bounded in time)."""
+
+    type_text = "str"
+
+    def problems(self, value: Any) -> list[Found]:
+        if not isinstance(value, str):
+            return self._type(value)
+        try:
+            regex.compile(value)
+        except regex.error as e:
+            return [("", "value", f"is not a valid regular expression ({e})",
+                     "fix the pattern; a backslash makes ( [ { . * + ? literal")]
+        return []
+
+
+@dataclass(frozen=True)
+class PathTemplate(Check):
+    """A path that `str.format` fills with PLACEHOLDERS; `required`: not empty."""
+
+    required: bool = False
+    type_text = "str"
+
+    def problems(self, value: Any) -> list[Found]:
+        if not isinstance(value, str):
+            return self._type(value)
+        allowed = ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
+        if self.required and not value.strip():
+            return [("", "value", "must be a file path, got an empty one",
+                     f"give a path (placeholders: {allowed})")]
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+        except ValueError as e:
+            return [("", "value", f"is not a valid path template ({e})",
+                     "write {{ and }} for literal braces")]
+        unknown = [n for n in names if n not in PLACEHOLDERS]
+        if unknown:
+            return [("", "value", f"has unknown placeholder {{{unknown[0]}}}"
+                     + did_you_mean(unknown[0], PLACEHOLDERS),
+                     f"use only {allowed} (or no placeholder)")]
+        outside = path_problem(value)
+        if outside:
+            return [("", "value", outside, "a path inside the run folder, or an absolute path")]
+        return []
+
+
+def _batch_count(value: Any) -> float | None:
+    """How many batches `value` says (100, "100ba", "1e2BA"); None when it names none."""
+    if _is_int(value):
+        return value
+    match = regex.fullmatch(r"(.+)ba", value, regex.IGNORECASE) if isinstance(value, str) \
+        else None
+    try:
+        return float(match[1]) if match else None
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Batches(Check):
+    """A number of batches of at least `minimum`: an int, or a Composer time string in batches
+    (`"100ba"`, read as Composer's Time.from_timestring reads it; a test checks)."""
+
+    minimum: int
+    type_text = "int | str"
+
+    def problems(self, value: Any) -> list[Found]:
+        if not (_is_int(value) or isinstance(value, str)):
+            return self._type(value)
+        fix = f"use batches such as '100ba' or 100 (at least {self.minimum})"
+        count = _batch_count(value)
+        if count is None:
+            return [("", "value", f"must be a number of batches, got {value!r}", fix)]
+        if isinstance(count, float) and not (math.isfinite(count) and count.is_integer()):
+            return [("", "value", f"must be a whole number of batches, got {value!r}", fix)]
+        if count < self.minimum:
+            return [("", "value", f"must be at least {self.minimum} batch"
+                     f"{'es' * (self.minimum != 1)}, got {value!r}", fix)]
+        return []
+
+    def normal(self, value: Any) -> int:
+        return int(_batch_count(value))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Items(Check):
+    """A list whose every item meets `item`, each wrong item its own problem (`tensors.2`);
+    `bare`: a single item counts as a list of one (`dump_steps: 1000`)."""
+
+    item: Check
+    bare: bool = False
+
+    @property
+    def type_text(self) -> str:  # type: ignore[override]
+        listed = f"Sequence[{self.item.type_text}]"
+        return f"{self.item.type_text} | {listed}" if self.bare else listed
+
+    def problems(self, value: Any) -> list[Found]:
+        if isinstance(value, (list, tuple)):
+            return [(f".{i}{k}", kind, detail, fix) for i, item in enumerate(value)
+                    for k, kind, detail, fix in self._item_problems(item)]
+        if self.bare and not isinstance(value, (str, Mapping)):
+            return self._item_problems(value)
+        return self._type(value)
+
+    def _item_problems(self, item: Any) -> list[Found]:
+        """An item's problems; an item of the wrong type is a wrong value (`must be ...`)."""
+        found = self.item.problems(item)
+        if found and found[0][1] == "type" and isinstance(self.item, Integer):
+            return [("", "value", f"must be {self.item.word()}, got {item!r}",
+                     f"use {self.item.word()}")]
+        return found
+
+    def normal(self, value: Any) -> tuple[Any, ...]:
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        return tuple(self.item.normal(v) for v in items)
+
+
+@dataclass(frozen=True)
+class Recipe(Check):
+    """An FP8 recipe: a mapping checked by `recipe_problems` (FP8008), or a built FP8Recipe.
+    `scaling_name`: a string (or null) is also accepted, as the scaling (null: current)."""
+
+    scaling_name: bool = False
+
+    @property
+    def type_text(self) -> str:  # type: ignore[override]
+        return "str | Mapping | None" if self.scaling_name else "Mapping | None"
+
+    def _mapping(self, value: Any) -> Any:
+        if self.scaling_name and not isinstance(value, Mapping):
+            return {"scaling": value or "current"}
+        return {} if value is None else value
+
+    def problems(self, value: Any) -> list[Found]:
+        if isinstance(value, FP8Recipe):
+            return []
+        recipe = self._mapping(value)
+        named = recipe is not value and value is not None  # the string is the scaling
+        return [("" if named and p.key == "scaling" or not p.key else f".{shown_key(p.key)}",
+                 "recipe", p.message, p.fix) for p in recipe_problems(recipe)]
+
+    def normal(self, value: Any) -> FP8Recipe:
+        if isinstance(value, FP8Recipe):
+            return value
+        return FP8Recipe.from_options(self._mapping(value))
+
+
+@dataclass(frozen=True)
+class Function(Check):
+    """A Python callable (never given in a YAML), or null."""
+
+    type_text = "Callable | None"
+
+    def problems(self, value: Any) -> list[Found]:
+        return [] if value is None or callable(value) else self._type(value)
+
+
+def option(default: Any, check: Check) -> Any:
+    """A dataclass field that is a YAML option, with its check."""
+    return field(default=default, metadata={"check": check})
+
+
+@dataclass(frozen=True)
+class Above:
+    """Option `option` is greater than option `other` when both hold an int (null: no bound)."""
+
+    option: str
+    other: str
+
+    def problem(self, values: Mapping[str, Any]) -> Found | None:
+        value, other = values.get(self.option), values.get(self.other)
+        if not (_is_int(value) and _is_int(other)) or value > other:
+            return None
+        return ("", "value", f"must be greater than {self.other} ({other}), got {value}",
+                f"give {self.option} above {self.other}, or null for no {self.option}")
+
+
+class Options:
+    """Base of the option dataclasses: `PATH` is where the YAML holds them; each field made with
+    `option()` is checked in `__post_init__` (the first problem raises OptionError) and kept in
+    its normal form; `RELATIONS` bound fields by each other."""
+
+    PATH: ClassVar[str] = ""
+    RELATIONS: ClassVar[tuple[Above, ...]] = ()
+
+    def __post_init__(self) -> None:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        found = next(iter(type(self).value_problems(values)), None)
+        if found is not None:
+            raise OptionError(self.PATH, found)
+        for name, check in checks(type(self)).items():
+            object.__setattr__(self, name, check.normal(values[name]))
+
+    @classmethod
+    def value_problems(cls, values: Mapping[str, Any]) -> Iterator[Problem]:
+        """The problems of the values given for this class's options (others are skipped);
+        relations read an option not given at its default."""
+        own = checks(cls)
+        wrong = set()
+        for name, value in values.items():
+            check = own.get(name)
+            for suffix, kind, detail, fix in check.problems(value) if check else ():
+                wrong.add(name)
+                yield Problem(name + suffix, kind, detail, fix)
+        for relation in cls.RELATIONS:
+            names = {relation.option, relation.other}
+            if wrong & names or not names & set(values):
+                continue
+            found = relation.problem({n: values.get(n, defaults(cls).get(n)) for n in names})
+            if found:
+                key = relation.option if relation.option in values else relation.other
+                yield Problem(key, found[1], found[2], found[3])
+
+
+def checks(cls: type) -> dict[str, Check]:
+    """A dataclass's YAML options and their checks."""
+    return {f.name: f.metadata["check"] for f in fields(cls) if "check" in f.metadata}
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """A dataclass's options' defaults."""
+    return {f.name: f.default for f in fields(cls) if "check" in f.metadata
+            and f.default is not MISSING}
+
+
+# -- the entries' options -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SwapConfig(Options):
+    """Which layers `te_swap` converts (the Python API of `foundry_fp8.swap.plan_swap`).
+
+    `min_gemm_size`: GEMMs whose smaller weight dim is below it stay high precision (too small
+    to gain from FP8). `tokens_per_microbatch`: when given, checked against TE's rule that a GEMM
+    input's leading dims multiply to a multiple of 8. `keep_lm_head: false` converts an untied
+    LM head; MPT ties it to the embedding by default (`F.linear` on `wte.weight`, no module), so
+    a tied head always stays. `convert_layernorm` and `fuse_ln_mlp` need the `te` backend.
+    `include`/`exclude`: regexes on module names (`foundry_fp8.filters`); `module_filter_fn`:
+    torchao's `(module, name) -> bool`, Python only.
+    """
+
+    PATH: ClassVar[str] = "algorithms.te_swap"
+
+    backend: Literal["te", "emulate"] = option("te", OneOf(("te", "emulate"), kind="type"))
+    # block counts: any non-negative number (more than the model has keeps every block)
+    keep_first_blocks: int = option(0, Integer(0))
+    keep_last_blocks: int = option(0, Integer(0))
+    keep_lm_head: bool = option(True, Flag())
+    convert_layernorm: bool = option(False, Flag())
+    fuse_ln_mlp: bool = option(False, Flag())
+    include: str | None = option(None, Optional(Pattern()))
+    exclude: str | None = option(None, Optional(Pattern()))
+    min_gemm_size: int = option(0, Integer(0))
+    # at least one token; TE's multiple-of-8 rule is a plan decision, not an error
+    tokens_per_microbatch: int | None = option(None, Optional(Integer(1)))
+    module_filter_fn: Callable[[Any, str], bool] | None = option(None, Function())
+
+
+@dataclass(frozen=True)
+class TESwapOptions(SwapConfig):
+    """`algorithms: {te_swap: {...}}`: SwapConfig's fields, the run's FP8 recipe (a mapping
+    as `FP8Recipe` takes it; kept as an FP8Recipe) and `strict` (te_swap's own autocast
+    failures stop the run)."""
+
+    fp8_recipe: FP8Recipe | Mapping[str, Any] | None = option(None, Recipe())
+    strict: bool = option(True, Flag())
+
+
+@dataclass(frozen=True)
+class Schedule(Options):
+    """Which steps fp8_stats logs (every `interval` batches in [start, end), plus the dump
+    steps) and dumps. `interval` takes Composer's `"10ba"` too; it is kept as an int."""
+
+    PATH: ClassVar[str] = "callbacks.fp8_stats"
+    RELATIONS: ClassVar[tuple[Above, ...]] = (Above("end", "start"),)
+
+    interval: int | str = option(1, Batches(1))
+    start: int = option(0, Integer(0))
+    end: int | None = option(None, Optional(Integer(0)))
+    dump_steps: int | Sequence[int] = option((), Items(Integer(0), bare=True))
+
+    def logs(self, step: int) -> bool:
+        in_window = step >= self.start and (self.end is None or step < self.end)
+        return (in_window and step % self.interval == 0) or step in self.dump_steps  # type: ignore[operator]
+
+    def dumps(self, step: int) -> bool:
+        return step in self.dump_steps  # type: ignore[operator]
+
+    def next_log(self, step: int) -> int | None:
+        """The first logging step after `step`."""
+        interval = int(self.interval)
+        first = max(step + 1, self.start)
+        candidates = [d for d in self.dump_steps if d > step]  # type: ignore[union-attr]
+        regular = -(-first // interval) * interval
+        if self.end is None or regular < self.end:
+            candidates.append(regular)
+        return min(candidates, default=None)
+
+    def records(self, step: int, window: int) -> bool:
+        """Whether `step` lies in the `window` batches before a logging step."""
+        following = self.next_log(step)
+        return following is not None and following - step <= window
+
+
+@dataclass(frozen=True)
+class MonitorConfig(Options):
+    """Which layers and tensors FP8Monitor watches (`layers`/`exclude`: regexes on module names),
+    the what-if recipe for layers not in FP8 (`"current"`, `"delayed"` or a recipe mapping;
+    kept as an FP8Recipe), warning thresholds and dumps. `dump_folder`: where dumps go (a
+    path, not checked; fp8_stats fills it from its own `dump_folder` template)."""
+
+    PATH: ClassVar[str] = "callbacks.fp8_stats"
+
+    layers: str = option(".*", Pattern())
+    exclude: str | None = option(None, Optional(Pattern()))
+    tensors: Sequence[str] = option(TENSOR_KINDS, Items(OneOf(TENSOR_KINDS)))
+    recipe: FP8Recipe | str | Mapping[str, Any] | None = option(
+        "current", Recipe(scaling_name=True))
+    # percentages and a cosine: their mathematical ranges
+    max_underflow_pct: float = option(DEFAULT_THRESHOLDS.max_underflow_pct, Number(0, 100))
+    max_overflow_pct: float = option(DEFAULT_THRESHOLDS.max_overflow_pct, Number(0, 100))
+    min_cos_sim: float = option(DEFAULT_THRESHOLDS.min_cos_sim, Number(-1, 1))
+    dump_layers: str | None = option(None, Optional(Pattern()))
+    # dumped tensors are copied on the device until written: 256 GiB is above any one GPU's
+    # memory (H200: 141 GB), so a larger cap is a typo, not a plan
+    dump_max_mb: float = option(64.0, Number(0, 262144))
+    dump_folder: str | Path | None = None
+
+
+@dataclass(frozen=True)
+class FP8StatsOptions(Options):
+    """`callbacks: {fp8_stats: {...}}`: the Schedule's and MonitorConfig's options plus these:
+    `dump_folder` (a template with `{run_name}`; default `<run folder>/fp8_dumps`), TE's own
+    statistics (`te_debug: delayed|current`, into `te_debug_folder`) and `strict`."""
+
+    PATH: ClassVar[str] = "callbacks.fp8_stats"
+
+    schedule: Schedule = field(default_factory=Schedule)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    dump_folder: str | None = option(None, Optional(PathTemplate()))
+    te_debug: Literal["delayed", "current"] | None = option(
+        None, OneOf(("delayed", "current", None), kind="type"))
+    te_debug_folder: str = option("te_debug", Text())
+    strict: bool = option(False, Flag())
+
+
+@dataclass(frozen=True)
+class FP8StateOptions(Options):
+    """`callbacks: {fp8_state: {...}}`."""
+
+    PATH: ClassVar[str] = "callbacks.fp8_state"
+
+    strict: bool = option(True, Flag())
+    # 0 switches the TE #1190 watch off; any count is affordable (one state copy per batch)
+    watch_batches: int = option(8, Integer(0))
+
+
+@dataclass(frozen=True)
+class FP8LintOptions(Options):
+    """`callbacks: {fp8_lint: {...}}`."""
+
+    PATH: ClassVar[str] = "callbacks.fp8_lint"
+
+    fail_on: str = option("error", OneOf(FAIL_ON))
+
+
+@dataclass(frozen=True)
+class JSONLOptions(Options):
+    """`loggers: {jsonl: {...}}`."""
+
+    PATH: ClassVar[str] = "loggers.jsonl"
+
+    path: str = option("metrics.jsonl", PathTemplate(required=True))  # in the run folder
+    strict: bool = option(False, Flag())
+
+
+#: LLM-Foundry's `build_callback` (llmfoundry/utils/builders.py) passes the train config as
+#: this keyword to callbacks_with_config and raises if the YAML gives it too.
+TRAIN_CONFIG_KWARG = "train_config"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registry entry of ours: its YAML section and name, its options' dataclass, the parts
+    (fields holding another options dataclass, built from the same flat mapping) and the keys
+    LLM-Foundry passes itself."""
+
+    section: str
+    name: str
+    options: type[Options]
+    reserved: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    def parts(self) -> dict[str, type[Options]]:
+        """Field name -> options class, for the fields that are parts (fp8_stats' schedule)."""
+        return {f.name: f.default_factory for f in fields(self.options)  # type: ignore[misc]
+                if f.default_factory is not MISSING and isinstance(f.default_factory, type)
+                and issubclass(f.default_factory, Options)}
+
+    def classes(self) -> list[type[Options]]:
+        return [*self.parts().values(), self.options]
+
+    def option_names(self) -> list[str]:
+        return [name for cls in self.classes() for name in checks(cls)]
+
+    def defaults(self) -> dict[str, Any]:
+        return {k: v for cls in self.classes() for k, v in defaults(cls).items()}
+
+    def problems(self, options: Mapping[Any, Any]) -> list[Problem]:
+        """Every problem with a mapping of options: unknown and reserved keys (did-you-mean),
+        then each class's values and relations, every wrong list item on its own."""
+        known = self.option_names()
+        found = []
+        for key in options:
+            name = shown_key(key)
+            if name in self.reserved:
+                found.append(Problem(name, "reserved", "is passed by LLM-Foundry itself and "
+                                     "refused in the YAML", f"remove {self.path}.{name}"))
+            elif name not in known:
+                found.append(Problem(name, "unknown", "is not an option"
+                                     + did_you_mean(name, known),
+                                     f"use one of: {', '.join(sorted(known))}"))
+        given = {k: v for k, v in options.items() if isinstance(k, str) and k in known}
+        for cls in self.classes():
+            own = checks(cls)
+            found += cls.value_problems({k: v for k, v in given.items() if k in own})
+        return found
+
+    def build(self, options: Mapping[str, Any]) -> Options:
+        """The options dataclass for `options` (keyword arguments or a YAML mapping), raising
+        OptionError for the first unknown or reserved key, else the first wrong value."""
+        known = self.option_names()
+        for key in options:
+            if key in self.reserved or key not in known:
+                raise OptionError(self.path, self.problems({key: None})[0])
+        parts = {name: cls(**{k: v for k, v in options.items() if k in checks(cls)})
+                 for name, cls in self.parts().items()}
+        own = checks(self.options)
+        return self.options(**parts, **{k: v for k, v in options.items() if k in own})
+
+
+ENTRIES: dict[str, Entry] = {e.name: e for e in (
+    Entry("algorithms", "te_swap", TESwapOptions),
+    Entry("callbacks", "fp8_stats", FP8StatsOptions),
+    Entry("callbacks", "fp8_state", FP8StateOptions),
+    Entry("callbacks", "fp8_lint", FP8LintOptions, reserved=(TRAIN_CONFIG_KWARG,)),
+    Entry("loggers", "jsonl", JSONLOptions),
+)}
+
+
+def build(name: str, options: Mapping[str, Any]) -> Any:
+    """Entry `name`'s options dataclass from its keyword arguments (the constructors' one call)."""
+    return ENTRIES[name].build(options)
