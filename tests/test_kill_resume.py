@@ -32,12 +32,12 @@ def _train(folder: Path, kill: str) -> None:
     from composer import Callback, Trainer
     from composer.models import ComposerClassifier
     from composer.utils import checkpoint
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from foundry_fp8.composer.jsonl_logger import JSONLLogger
     from foundry_fp8.composer.state import FP8State
     from foundry_fp8.composer.te_swap import TESwap
+    from tests.test_state_restore import TwoBlocks
 
     what, _, at = kill.partition(":")
 
@@ -61,18 +61,10 @@ def _train(folder: Path, kill: str) -> None:
 
     checkpoint._write_checkpoint_file = write_half_then_die
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(16, 32), nn.Linear(32, 16)])
-
-        def forward(self, x):
-            return self.blocks[1](torch.relu(self.blocks[0](x)))
-
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8 * BATCHES, 16) * 3, torch.randint(0, 16, (8 * BATCHES,)))
     trainer = Trainer(
-        model=ComposerClassifier(Net(), num_classes=16), seed=17, run_name="killed",
+        model=ComposerClassifier(TwoBlocks(), num_classes=16), seed=17, run_name="killed",
         train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{BATCHES}ba",
         algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
         callbacks=[FP8State(), KillAtBatch()],

@@ -30,6 +30,17 @@ RECIPE = FP8Recipe(amax_history_len=HISTORY)
 LOGGER = "foundry_fp8.composer.state"
 
 
+class TwoBlocks(nn.Module):
+    """Two linear blocks, named as te_swap converts them (`blocks.N`), for real Trainers."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+
+    def forward(self, x):
+        return self.blocks[1](torch.relu(self.blocks[0](x)))
+
+
 def _layers() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16))
@@ -223,16 +234,21 @@ def _payloads(draw) -> dict:
                     flat[draw(st.integers(0, flat.numel() - 1))] = draw(_VALUES)
         if draw(st.booleans()) and draw(st.booleans()):
             tensors["fwd_scale_inv"] = torch.ones(3)
+        if draw(st.integers(0, 9)) == 0:
+            tensors[draw(st.sampled_from(FIELDS))] = torch.tensor(1.0)  # 0-d
     return saved
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(payload=_payloads(), strict=st.booleans())
-def test_restore_gives_valid_state_or_one_line_never_poison(payload, strict):
+@given(payload=_payloads(), strict=st.booleans(),
+       recipe=st.sampled_from([RECIPE, FP8Recipe(scaling="current"), None]))
+def test_restore_gives_valid_state_or_one_line_never_poison(payload, strict, recipe):
+    """Under the checkpoint's recipe, a current-scaling one, and none known (a model with FP8
+    layers of its own, no te_swap)."""
     model = _layers()
     before = {n: read_fp8_meta(m) for n, m in model.named_children()}
     try:
-        _callback(model, strict=strict).load_state_dict(payload)
+        _callback(model, recipe, strict=strict).load_state_dict(payload)
     except FP8StateError as error:
         assert strict
         _one_line(error)
@@ -244,7 +260,7 @@ def test_restore_gives_valid_state_or_one_line_never_poison(payload, strict):
         if state["fwd_amax_history"].numel():
             assert _valid(state), (name, state)
     for seed in range(2):
-        assert torch.isfinite(_step(model, seed=seed)).all()
+        assert torch.isfinite(_step(model, recipe or RECIPE, seed=seed)).all()
     for module in model:
         state = read_fp8_meta(module)
         assert _valid(state)
@@ -311,19 +327,11 @@ def test_a_recipe_change_stops_a_real_composer_resume(tmp_path):
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
-
-        def forward(self, x):
-            return self.blocks[1](torch.relu(self.blocks[0](x)))
-
     def fit(history: int, duration: str, **kwargs) -> Trainer:
         torch.manual_seed(0)
         data = TensorDataset(torch.randn(32, 16), torch.randint(0, 16, (32,)))
         trainer = Trainer(
-            model=ComposerClassifier(Net(), num_classes=16),
+            model=ComposerClassifier(TwoBlocks(), num_classes=16),
             train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
             algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": history})],
             callbacks=[FP8State()], device="cpu", progress_bar=False, loggers=[],
@@ -402,19 +410,11 @@ def test_te_swap_without_fp8_state_warns_at_start_when_saving(tmp_path, caplog, 
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(16, 16)])
-
-        def forward(self, x):
-            return self.blocks[0](x)
-
     def trainer(duration: str, **kwargs) -> Trainer:
         torch.manual_seed(0)
         data = TensorDataset(torch.randn(32, 16), torch.randint(0, 16, (32,)))
         return Trainer(
-            model=ComposerClassifier(Net(), num_classes=16),
+            model=ComposerClassifier(TwoBlocks(), num_classes=16),
             train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
             algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
             callbacks=[FP8State()] if with_state else [], device="cpu", progress_bar=False,

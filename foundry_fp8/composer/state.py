@@ -388,8 +388,8 @@ class FP8State(Callback):
                            "FP8 scaling starts fresh")
             return
         saved = self._this_rank(state)
-        keeps_state = [n for n, t in saved.items() if t.get("fwd_amax_history", torch.empty(0))
-                       .shape[0] or t.get("bwd_amax_history", torch.empty(0)).shape[0]]
+        keeps_state = [n for n, t in saved.items()
+                       if any(v.numel() for k, v in t.items() if k.endswith("_amax_history"))]
         if run is not None and run.scaling != "delayed":
             if keeps_state:  # a delayed-scaling checkpoint: nothing of it applies
                 self._mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe "
