@@ -1,7 +1,8 @@
 """`fp8_state`: FP8 amax histories and scales kept right across checkpoints and activation recompute.
 
-The state lives in this callback's own entry of the checkpoint, keyed by module name (per rank
-where ranks differ), so resuming never depends on TE's pickled `_extra_state`: TE 2.16.1, 2.17.1
+The state lives in this callback's own entry of the checkpoint (tensors and plain types: the
+run's recipe, and per module name its scales and amax histories, per rank where ranks differ),
+checked before it is written back (`foundry_fp8.restore`), so resuming never depends on TE's pickled `_extra_state`: TE 2.16.1, 2.17.1
 and >= 2.18 refuse to unpickle a delayed-scaling one without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE,
 before any callback could help. Our checkpoints keep the `_extra_state` keys but store a pickled
 `None`, which every TE from 1.12 to 2.20 loads as "no state" (an empty tensor would be skipped
@@ -208,8 +209,11 @@ def stale_backward_modules(before: FP8ModuleState, after: FP8ModuleState,
 class FP8State(Callback):
     """`callbacks: {fp8_state: {strict: true, watch_batches: 8}}`.
 
-    With `strict`, a checkpoint whose FP8 modules do not match the model's, and the #1190
-    symptom, are errors naming the modules; otherwise warnings. Unsafe activation-checkpointing
+    With `strict`, a checkpoint whose FP8 modules do not match the model's, FP8 state that is
+    not valid by TE's rules or was saved under another recipe (`foundry_fp8.restore`), and the
+    #1190 symptom, are errors naming module and field; otherwise warnings, and the state is
+    repaired by TE's rules. Different per-rank state from another rank count is combined as
+    TE's amax reduction would, and said in the log. Logs no metrics. Unsafe activation-checkpointing
     setups are always refused. An error in fp8_state's own code while training or saving is
     logged (and switches the watch off); it never stops the run. `watch_batches`: how many
     first batches the symptom is watched for (0: never); it shows from the first batches on.
