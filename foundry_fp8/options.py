@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 import regex
 
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
+from foundry_fp8.paths import path_problem
 from foundry_fp8.recipe import FP8Recipe, recipe_problems
 
 Kind = Literal["unknown", "reserved", "type", "value", "recipe"]
@@ -240,6 +241,9 @@ class PathTemplate(Check):
             return [("", "value", f"has unknown placeholder {{{unknown[0]}}}"
                      + did_you_mean(unknown[0], PLACEHOLDERS),
                      f"use only {allowed} (or no placeholder)")]
+        outside = path_problem(value)
+        if outside:
+            return [("", "value", outside, "a path inside the run folder, or an absolute path")]
         return []
 
 
@@ -573,7 +577,7 @@ class JSONLOptions(Options):
 
     PATH: ClassVar[str] = "loggers.jsonl"
 
-    path: str = option("runs/{run_name}/metrics.jsonl", PathTemplate(required=True))
+    path: str = option("metrics.jsonl", PathTemplate(required=True))  # in the run folder
     strict: bool = option(False, Flag())
 
 

@@ -1,14 +1,17 @@
 """fp8_state under 2 CPU ranks (gloo): state that differs per rank is saved and restored per
-rank; state that is the same on every rank is saved once."""
+rank, and combined for another rank count; state that is the same on every rank is saved
+once."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from foundry_fp8.composer.state import FP8State, FP8StateError
+from foundry_fp8.composer.state import FP8State
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.recipe import FP8Recipe
@@ -75,14 +78,35 @@ def test_per_rank_state_saved_and_restored_per_rank(results):
         for own, restored in zip(result["own"], result["restored"], strict=True):
             assert _equal(own, restored)  # each rank got its own state back
         assert _equal(saved["ranks"][rank]["0"], result["own"][0])
-    # a single process restoring a 2-rank checkpoint: error, or rank 0's state with a warning
+
+
+
+def test_a_single_process_resumes_a_2_rank_checkpoint_combined(results, caplog):
+    """Under the default `strict`: the ranks' states combined as TE's amax reduction would, and
+    said so in the log."""
+    saved = results["differ"][0]["saved"]
     target = _model()
-    strict, lenient = FP8State(), FP8State(strict=False)
-    strict._model = lenient._model = target
-    with pytest.raises(FP8StateError, match="per-rank FP8 state for 2 ranks, this run has 1"):
-        strict.load_state_dict(saved)
-    lenient.load_state_dict(saved)
-    assert _equal(read_fp8_meta(target[1]), results[0]["own"][1])
+    callback = FP8State()
+    callback._model = target
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+        callback.load_state_dict(saved)
+    assert "on each of its 2 ranks, this run has 1: every rank gets them combined as TE's amax " \
+           "reduction would" in caplog.text
+    for i, module in enumerate(target):
+        own = [result["own"][i] for result in results["differ"]]
+        restored = read_fp8_meta(module)
+        for direction in ("fwd", "bwd"):
+            history = torch.maximum(own[0][f"{direction}_amax_history"],
+                                    own[1][f"{direction}_amax_history"])
+            assert torch.equal(restored[f"{direction}_amax_history"][1:], history[1:])
+            assert torch.equal(restored[f"{direction}_scale"],
+                               torch.minimum(own[0][f"{direction}_scale"],
+                                             own[1][f"{direction}_scale"]))
+        # the scale is the one TE computes from the combined history (E4M3 forward, E5M2
+        # backward), where an amax was recorded
+        amax = restored["fwd_amax_history"][1:].amax(0)
+        seen = amax > 0
+        assert torch.allclose(restored["fwd_scale"][seen], 448.0 / amax[seen], rtol=1e-6)
 
 
 def test_same_state_on_every_rank_is_saved_once(results):

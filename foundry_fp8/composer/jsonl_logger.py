@@ -1,4 +1,7 @@
-"""A Composer logger destination that mirrors every metric into `<run folder>/metrics.jsonl`."""
+"""A Composer logger destination that mirrors every metric into `<run folder>/metrics.jsonl`.
+
+The run folder (`foundry_fp8.paths`): the parent of a local checkpoint `save_folder`, else
+`runs/<run_name>`; a relative `path` is taken inside it."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from composer.utils import dist
 
 from foundry_fp8.jsonl import JsonlSink
 from foundry_fp8.options import build
+from foundry_fp8.paths import in_run_folder, run_folder, safe_run_name
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +25,9 @@ log = logging.getLogger(__name__)
 class JSONLLogger(LoggerDestination):
     """Registered as `jsonl` in LLM-Foundry's loggers: `loggers: {jsonl: {path: ...}}`.
 
-    `path` may contain `{run_name}`; it is checked here, when LLM-Foundry builds the logger.
+    `path` may contain `{run_name}`; it is checked here, when LLM-Foundry builds the logger. A
+    relative `path` is taken inside the run folder (`state_run_folder`) and may not lead out of
+    it; an absolute one is used as written.
     Hyperparameters go to `hparams.json` beside it. Only global rank 0 writes, as W&B and
     MLflow do: Composer sends every rank's metrics to every destination, and several ranks
     appending to one file would interleave copies.
@@ -44,7 +50,8 @@ class JSONLLogger(LoggerDestination):
         del logger
         if dist.get_global_rank() != 0:
             return
-        sink = self.sink = JsonlSink(self.path_template.format(run_name=state.run_name))
+        sink = self.sink = JsonlSink(in_run_folder(self.path_template, state_run_folder(state),
+                                                   state.run_name, "loggers.jsonl.path"))
 
         def can_write() -> None:  # now, not at the first metric: say so before training
             sink.path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,3 +86,17 @@ class JSONLLogger(LoggerDestination):
             log.warning("jsonl logger: cannot write %s (%s); it writes nothing more to %s, "
                         "training goes on (loggers.jsonl.strict: true makes this an error)",
                         path, reason, path.parent)
+
+
+def state_run_folder(state: State) -> Path:
+    """`paths.run_folder` of a Composer run: its checkpoint folder filled in as Composer does
+    (`format_name_with_dist`), with the run name made safe."""
+    from composer.callbacks import CheckpointSaver
+    from composer.utils.file_helpers import format_name_with_dist
+
+    for callback in getattr(state, "callbacks", ()):
+        if isinstance(callback, CheckpointSaver):
+            return run_folder(format_name_with_dist(str(callback.folder),
+                                                    safe_run_name(state.run_name)),
+                              state.run_name)
+    return run_folder(None, state.run_name)

@@ -1,7 +1,8 @@
 """`fp8_state`: FP8 amax histories and scales kept right across checkpoints and activation recompute.
 
-The state lives in this callback's own entry of the checkpoint, keyed by module name (per rank
-where ranks differ), so resuming never depends on TE's pickled `_extra_state`: TE 2.16.1, 2.17.1
+The state lives in this callback's own entry of the checkpoint (tensors and plain types: the
+run's recipe, and per module name its scales and amax histories, per rank where ranks differ),
+checked before it is written back (`foundry_fp8.restore`), so resuming never depends on TE's pickled `_extra_state`: TE 2.16.1, 2.17.1
 and >= 2.18 refuse to unpickle a delayed-scaling one without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE,
 before any callback could help. Our checkpoints keep the `_extra_state` keys but store a pickled
 `None`, which every TE from 1.12 to 2.20 loads as "no state" (an empty tensor would be skipped
@@ -13,6 +14,7 @@ checkpointing recompute under FP8 (TE #1190), and for the first batches it watch
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,21 @@ from foundry_fp8.fp8_meta import (
     write_fp8_meta,
 )
 from foundry_fp8.options import build
+from foundry_fp8.recipe import (
+    COMPOSER_DEFAULT_HISTORY,
+    TE_DELAYED_DEFAULTS,
+    FP8Recipe,
+    fp8_format_name,
+)
+from foundry_fp8.restore import (
+    FP8ModuleState,
+    StateProblems,
+    check_module,
+    combine_ranks,
+    payload_problem,
+    recipe_change,
+    saved_recipe,
+)
 from foundry_fp8.te.extra_state import inert_extra_state_hook
 from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
 from foundry_fp8.te.probe import is_te_module
@@ -39,17 +56,68 @@ from foundry_fp8.te.recompute import recompute_plan
 
 log = logging.getLogger(__name__)
 
-FP8ModuleState = dict[str, dict[str, torch.Tensor]]
 
 class FP8StateError(ValueError):
     """A checkpoint or configuration that fp8_state refuses; the message names what to fix."""
 
 
+def _composer_checkpoint_types() -> list[Any]:
+    """The types besides tensors that a Composer 0.32 checkpoint's pickle names (the torch
+    version, `timedelta`s of its timestamp, the numpy arrays of its RNG state): none runs code
+    when unpickled."""
+    import datetime
+
+    import numpy as np
+    from torch.torch_version import TorchVersion
+
+    dtypes = [t for t in vars(np.dtypes).values() if isinstance(t, type)]
+    return [TorchVersion, datetime.timedelta, np.ndarray, np.dtype,
+            np._core.multiarray._reconstruct, *dtypes]
+
+
 def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
-    """The FP8 state `fp8_state` stored in a Composer checkpoint file, rank 0's (empty if none)."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    return checkpoint["state"].get("callbacks", {}).get(FP8State.__qualname__, {}).get(
-        "modules", {})
+    """The FP8 state `fp8_state` stored in a Composer checkpoint file, rank 0's (empty if none).
+
+    Read with `weights_only=True`: a file whose pickle names anything but tensors, plain types
+    and `_composer_checkpoint_types` is refused (FP8StateError, one line) before it can run code.
+    """
+    try:
+        with torch.serialization.safe_globals(_composer_checkpoint_types()):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = next((line.removeprefix("WeightsUnpickler error: ") for line in lines
+                       if "GLOBAL" in line), lines[-1] if lines else "")
+        raise FP8StateError(f"fp8_state: {path}: not loaded, its pickle could run code ({reason})") from None
+    except (OSError, RuntimeError, EOFError) as error:  # cut short, not a torch file
+        raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint "
+                            f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+    entry = checkpoint.get("state", {}).get("callbacks", {}).get(FP8State.__qualname__, {})
+    problem = payload_problem(entry)
+    if problem:
+        raise FP8StateError(f"fp8_state: {path}: the fp8_state entry is not ours: {problem}")
+    return entry.get("modules", {})
+
+
+def run_recipe(state: State) -> FP8Recipe | None:
+    """The FP8 recipe this run's FP8 modules follow: te_swap's; else, under `amp_fp8`, the
+    `DelayedScaling` Composer builds (its `precision_config`, or Composer 0.32's default,
+    `core/precision.py`: HYBRID, 16 steps of history, max); None where neither is known."""
+    for algorithm in state.algorithms:
+        if isinstance(algorithm, TESwap):
+            return algorithm.recipe
+    if state.precision.value != "amp_fp8":
+        return None
+    config = state.precision_config
+    if config is None:
+        return FP8Recipe(amax_history_len=COMPOSER_DEFAULT_HISTORY, amax_compute_algo="max")
+    given = {**TE_DELAYED_DEFAULTS, **config}
+    try:
+        return FP8Recipe(fp8_format=fp8_format_name(given["fp8_format"]),
+                         **{k: given[k] for k in ("amax_history_len", "amax_compute_algo",
+                                                  "margin", "reduce_amax")})
+    except (TypeError, ValueError):  # a callable amax_compute_algo, ...: not one we can read
+        return None
 
 
 def recompute_settings(precision: str, fsdp: Mapping[str, Any] | None, fsdp_version: int,
@@ -91,8 +159,11 @@ def stale_backward_modules(before: FP8ModuleState, after: FP8ModuleState,
 class FP8State(Callback):
     """`callbacks: {fp8_state: {strict: true, watch_batches: 8}}`.
 
-    With `strict`, a checkpoint whose FP8 modules do not match the model's, and the #1190
-    symptom, are errors naming the modules; otherwise warnings. Unsafe activation-checkpointing
+    With `strict`, a checkpoint whose FP8 modules do not match the model's, FP8 state that is
+    not valid by TE's rules or was saved under another recipe (`foundry_fp8.restore`), and the
+    #1190 symptom, are errors naming module and field; otherwise warnings, and the state is
+    repaired by TE's rules. Different per-rank state from another rank count is combined as
+    TE's amax reduction would, and said in the log. Logs no metrics. Unsafe activation-checkpointing
     setups are always refused. An error in fp8_state's own code while training or saving is
     logged (and switches the watch off); it never stops the run. `watch_batches`: how many
     first batches the symptom is watched for (0: never); it shows from the first batches on.
@@ -103,6 +174,7 @@ class FP8State(Callback):
         self.strict: bool = self.options.strict
         self.watch_batches: int = self.options.watch_batches
         self._model: nn.Module | None = None
+        self._recipe: FP8Recipe | None = None
         self._pending: dict[str, Any] | None = None
         self._last: FP8ModuleState | None = None
         self._stale: dict[str, int] = {}
@@ -134,6 +206,7 @@ class FP8State(Callback):
         effect. Composer runs callbacks before algorithms at INIT: te_swap has not converted
         the model yet, so its plan is read from the run's algorithms."""
         self._model = state.model
+        self._recipe = run_recipe(state)
         fsdp = state.fsdp_config
         fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing", "te_checkpoint_wrapper",
                                                 "activation_checkpointing_reentrant")
@@ -212,14 +285,23 @@ class FP8State(Callback):
                           "checkpoint holds none")
             local = None
         ranks = dist.all_gather_object(local) if dist.get_world_size() > 1 else [local]
+        recipe = self._recipe.as_config() if self._recipe is not None else None
         if any(r is None for r in ranks):
-            return {"modules": {}, "unsaved": True}
-        saved: dict[str, Any] = {"modules": ranks[0]}
+            return {"modules": {}, "unsaved": True, "recipe": recipe}
+        saved: dict[str, Any] = {"modules": ranks[0], "recipe": recipe}
         if any(not _same_state(ranks[0], other) for other in ranks[1:]):
             saved["ranks"] = ranks
         return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Validates before anything is written: a refusal (`strict`) leaves the model's FP8
+        state as it was; otherwise what is wrong is repaired by TE's rules and named in one
+        warning (`foundry_fp8.restore`)."""
+        problem = payload_problem(state)
+        if problem:
+            self._mismatch(f"fp8_state: the checkpoint's fp8_state entry is not FP8 state as "
+                           f"fp8_state saves it ({problem}); FP8 scaling starts fresh")
+            return
         if state.get("unsaved"):
             self._pending = None
             log.warning("fp8_state: the checkpoint holds no FP8 state (reading it failed when "
@@ -229,7 +311,7 @@ class FP8State(Callback):
             self._pending = state
             return
         self._pending = None
-        self._restore(self._this_rank(state))
+        self._restore(state)
 
     def _this_rank(self, state: dict[str, Any]) -> FP8ModuleState:
         ranks = state.get("ranks")
@@ -238,17 +320,47 @@ class FP8State(Callback):
         world, rank = dist.get_world_size(), dist.get_global_rank()
         if len(ranks) == world:
             return ranks[rank]
-        self._mismatch(f"fp8_state: the checkpoint holds per-rank FP8 state for {len(ranks)} "
-                       f"ranks, this run has {world}; using rank 0's on every rank")
-        return state["modules"]
+        log.warning("fp8_state: the checkpoint holds different FP8 state on each of its %d "
+                    "ranks, this run has %d: every rank gets them combined as TE's amax "
+                    "reduction would (amax histories: elementwise max over ranks; scales: the "
+                    "smallest); with reduce_amax on, ranks hold the same state and nothing is "
+                    "combined", len(ranks), world)
+        return combine_ranks(ranks)
 
     def _mismatch(self, message: str) -> None:
         if self.strict:
             raise FP8StateError(message + " (set fp8_state: {strict: false} to continue)")
         log.warning(message)
 
-    def _restore(self, saved: FP8ModuleState) -> None:
+    def _restore(self, state: dict[str, Any]) -> None:
         assert self._model is not None
+        run = self._recipe
+        try:
+            saved_with = saved_recipe(state)
+        except StateProblems as error:
+            self._mismatch(f"fp8_state: the checkpoint's recipe is not readable ({error}); "
+                           "FP8 scaling starts fresh")
+            return
+        saved = self._this_rank(state)
+        keeps_state = [n for n, t in saved.items()
+                       if any(v.numel() for k, v in t.items() if k.endswith("_amax_history"))]
+        if run is not None and run.scaling != "delayed":
+            if keeps_state:  # a delayed-scaling checkpoint: nothing of it applies
+                self._mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe "
+                               f"changed?): it holds delayed-scaling amax histories "
+                               f"({keeps_state[0]}, ...), this run's recipe keeps none "
+                               f"({run.as_config()}); not restored, FP8 scaling starts fresh")
+            return
+        change = recipe_change(saved_with, run)
+        if change:
+            self._mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
+                           f"{change}" + ("; FP8 scaling starts fresh"
+                                          if saved_with is not None
+                                          and saved_with.scaling != "delayed"
+                                          else "; histories fitted to the new length as TE "
+                                          "does, scales recomputed at the next update"))
+            if saved_with is not None and saved_with.scaling != "delayed":
+                return
         modules = dict(fp8_modules(self._model))
         missing = sorted(modules.keys() - saved.keys())
         unexpected = sorted(saved.keys() - modules.keys())
@@ -256,23 +368,37 @@ class FP8State(Callback):
             self._mismatch(f"fp8_state: checkpoint FP8 modules do not match the model; in the "
                            f"model only: {missing or 'none'}; in the checkpoint only: "
                            f"{unexpected or 'none'}")
-        shapes = []
+        length = run.amax_history_len if run is not None else None
+        checked, problems = {}, []
         for name in sorted(modules.keys() & saved.keys()):
+            tensors, found = check_module(name, saved[name], saved_with or run, length)
+            problems += found
+            if tensors is not None:
+                checked[name] = tensors
+        if problems:
+            shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more"
+                                               if len(problems) > 3 else "")
+            if self.strict:
+                raise FP8StateError(f"fp8_state: checkpoint FP8 state refused: {shown} (set "
+                                    f"fp8_state: {{strict: false}} to repair it by TE's rules)")
+            log.warning("fp8_state: checkpoint FP8 state repaired by TE's rules: %s", shown)
+        shapes = []
+        for name, tensors in checked.items():
             module = modules[name]
             if not read_fp8_meta(module):  # TE before its first FP8 forward
-                _restore_at_first_forward(module, saved[name],
+                _restore_at_first_forward(module, tensors,
                                           lambda message, name=name: self._mismatch(
                                               f"{message} ({name})"))
                 continue
             try:
-                write_fp8_meta(module, saved[name])
+                write_fp8_meta(module, tensors)
             except ValueError as error:
                 shapes.append(f"{name} ({error})")
         if shapes:
             self._mismatch("fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
                            + "; ".join(shapes))
         log.info("fp8_state: restored amax history and scales of %d modules",
-                 len(modules.keys() & saved.keys()) - len(shapes))
+                 len(checked) - len(shapes))
 
 
 def _same_state(a: FP8ModuleState, b: FP8ModuleState) -> bool:

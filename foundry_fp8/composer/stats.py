@@ -21,6 +21,7 @@ from foundry_fp8.health.plots import draw_heatmap, to_rgb
 from foundry_fp8.health.specs import known_first
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
 from foundry_fp8.options import MonitorConfig, Schedule, build
+from foundry_fp8.paths import in_run_folder
 from foundry_fp8.te.debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 
 log = logging.getLogger(__name__)
@@ -40,21 +41,14 @@ def _is_rank_zero() -> bool:
 
 def run_folder(state: State, logger: Logger) -> Path:
     """Where this run writes: the `jsonl` logger's folder (what `foundry-fp8 report` reads),
-    else the parent of a local checkpoint `save_folder`, else `runs/<run_name>`."""
-    from composer.callbacks import CheckpointSaver
-    from composer.utils.file_helpers import format_name_with_dist
-
-    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+    else the run folder (`foundry_fp8.paths`: the parent of a local checkpoint `save_folder`,
+    else `runs/<run_name>`)."""
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger, state_run_folder
 
     for destination in logger.destinations:
         if isinstance(destination, JSONLLogger) and destination.sink is not None:
             return destination.sink.path.parent
-    for callback in state.callbacks:
-        if isinstance(callback, CheckpointSaver):
-            folder = format_name_with_dist(str(callback.folder), state.run_name)
-            if "://" not in folder:
-                return Path(folder).parent
-    return Path("runs") / state.run_name
+    return state_run_folder(state)
 
 
 class FP8Stats(Callback):
@@ -178,8 +172,8 @@ class FP8Stats(Callback):
         self.monitor = None  # until built: a rank that fails here cannot join collectives
         config = self.config
         if self.schedule.dump_steps:
-            folder = (self.dump_folder.format(run_name=state.run_name) if self.dump_folder
-                      else run_folder(state, logger) / "fp8_dumps")
+            folder = in_run_folder(self.dump_folder or "fp8_dumps", run_folder(state, logger),
+                                   state.run_name, "callbacks.fp8_stats.dump_folder")
             config = dataclasses.replace(config, dump_folder=folder)
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
                                   on_warning=log.warning if _is_rank_zero() else lambda _: None)

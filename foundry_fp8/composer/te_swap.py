@@ -74,6 +74,7 @@ class TESwap(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             self._convert(state, logger)
+            _warn_without_fp8_state(state)
         else:
             self._autocast.close()
 
@@ -140,6 +141,21 @@ class TESwap(Algorithm):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _warn_without_fp8_state(state: State) -> None:
+    """A run that saves checkpoints without `fp8_state` resumes with fresh FP8 scales and amax
+    histories: the emulated ones are not in the checkpoint, TE's pickled `_extra_state` is
+    refused by TE >= 2.16 (see `composer/state.py`). Said once, at INIT."""
+    from composer.callbacks import CheckpointSaver
+
+    from foundry_fp8.composer.state import FP8State  # it imports this module
+
+    if (any(isinstance(c, CheckpointSaver) for c in state.callbacks)
+            and not any(isinstance(c, FP8State) for c in state.callbacks)):
+        log.warning("te_swap: this run saves checkpoints but has no fp8_state callback: a "
+                    "resume from them starts FP8 scales and amax histories fresh; add "
+                    "callbacks: {fp8_state: {}} to keep them")
 
 
 def _check_te_environment(recipe: FP8Recipe) -> None:

@@ -1,0 +1,61 @@
+"""Where our files go: inside the run folder, whatever the run name or a relative path says.
+
+Torch-free, one rule for every path option we write to (the `jsonl` logger's `path`,
+`fp8_stats`' `dump_folder`): a relative path is taken inside the run folder, not the working
+directory; one that leads out of it (`..`) is refused; an absolute path is the user's choice and
+is used as written. `{run_name}` is filled in as one folder name: a run name with `/` or made of
+dots (`run_name: ../x`) cannot move a file elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path, PurePath
+
+
+class PathError(ValueError):
+    """A path option that would write outside the run folder; one line naming the key."""
+
+
+def safe_run_name(run_name: str) -> str:
+    """`run_name` as one folder name: path separators become `_`, and so do the dots of a name
+    made only of dots (`.`, `..`). Anything else is kept, so a usual name is the folder name
+    Composer gives a `{run_name}` in `save_folder`."""
+    name = re.sub(r"[/\\\x00]", "_", str(run_name))
+    return "_" * max(len(name), 1) if set(name) <= {"."} else name
+
+
+def run_folder(save_folder: str | None, run_name: str) -> Path:
+    """The run folder: the parent of a local checkpoint `save_folder` (its placeholders already
+    filled in), else `runs/<run name>` in the working directory."""
+    if save_folder and "://" not in save_folder:
+        return Path(save_folder).parent
+    return Path("runs") / safe_run_name(run_name)
+
+
+def path_problem(template: str) -> str | None:
+    """Why a path template would write outside the run folder (None: it would not)."""
+    relative = template.format_map({"run_name": "run"})
+    if PurePath(relative).is_absolute():
+        return None
+    normal = os.path.normpath(relative)
+    if normal == ".." or normal.startswith(".." + os.sep):
+        return f"{template!r} leads out of the run folder ('..')"
+    return None
+
+
+def check_path(template: str, key: str) -> None:
+    """PathError naming `key` where `path_problem` finds one."""
+    problem = path_problem(template)
+    if problem:
+        raise PathError(f"{key}: {problem} (fix: a path inside the run folder, or an absolute "
+                        "path)")
+
+
+def in_run_folder(template: str, folder: Path, run_name: str, key: str) -> Path:
+    """`template` with `{run_name}` filled in safely, inside `folder` when relative. Raises
+    PathError naming `key` for a relative path that leads out of `folder`."""
+    check_path(template, key)
+    path = Path(template.format_map({"run_name": safe_run_name(run_name)}))
+    return path if path.is_absolute() else folder / path

@@ -1,0 +1,237 @@
+"""Checking, repairing and combining the FP8 state a checkpoint holds, before `fp8_state` writes
+it into a model: a restore gives valid state or a one-line refusal, never poisoned state.
+
+Valid, by TE's delayed-scaling rules (`numerics.delayed_scale_update`, after TE's fused update
+kernel): a scale is finite and positive; a history holds amaxes, finite and non-negative, with
+the rows the recipe keeps (or none yet); and no amax the scale was computed from is larger than
+the scale allows (`amax * scale <= fp8_max * 2**-margin`): an absurd amax (1e30) planted in a
+history would otherwise set every scale it reaches near zero for `amax_history_len` steps. A NaN
+in a history counts as "nothing recorded", as TE's amax skips NaN and its update's max skips a
+NaN row; it is stored as 0, which the update treats the same way. Row 0, the amaxes recorded
+since the last update, is not restored: no scale was computed from it, so nothing can tell a
+planted 1e30 there from a real amax, and at a Composer checkpoint (batch end, after the step's
+updates) it holds nothing but the amaxes of no-grad FP8 forwards, which the next step records
+anew.
+
+Repair (`strict: false`), by the same rules: a non-amax history entry (inf, negative) is
+dropped (0); a bad scale is the one TE's update gives from the history (1, TE's initial scale,
+where the history holds nothing); a history the scale contradicts, where nothing tells which of
+the two is wrong, starts fresh as TE starts a module (scale 1, no amax); a history of another
+length is fitted as TE's `adjust_amax_history_length` does (first rows kept, zero rows added);
+anything malformed (type, shape, unknown field) leaves the module fresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from foundry_fp8.numerics import FP8_MAX, current_scale
+from foundry_fp8.recipe import FP8Recipe
+
+FP8ModuleState = dict[str, dict[str, torch.Tensor]]
+
+#: Per direction: the tensors TE keeps per GEMM (forward: input, weight, output; backward:
+#: grad output, grad input), `fp8_meta.read_fp8_meta`'s field prefix.
+DIRECTIONS = {"fwd": 3, "bwd": 2}
+FIELDS = tuple(f"{d}_{kind}" for d in DIRECTIONS for kind in ("scale", "amax_history"))
+
+#: Rounding slack of the consistency check: TE rounds `fp8_max / amax` once in float32.
+_SLACK = 1e-3
+
+
+class StateProblems(ValueError):
+    """What is wrong with one module's saved state; `str()` is one line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        super().__init__(problems[0] + more)
+
+
+def payload_problem(state: Any) -> str | None:
+    """The first thing in a saved `fp8_state` entry that is not tensors and plain types in our
+    layout, naming its key path; None when the layout is ours."""
+    if not isinstance(state, Mapping):
+        return f"the entry is a {type(state).__name__}, not a mapping"
+    for key, value in state.items():
+        if key == "unsaved" and not isinstance(value, bool):
+            return f"unsaved: expected true or false, got {type(value).__name__}"
+        if key == "recipe" and value is not None and not (
+                isinstance(value, Mapping) and all(isinstance(v, (str, int, float, bool))
+                                                   for v in value.values())):
+            return "recipe: expected a mapping of plain values"
+        if key == "modules" and (problem := _modules_problem(value, "modules")):
+            return problem
+        if key == "ranks":
+            if not isinstance(value, list) or not value:
+                return "ranks: expected a non-empty list"
+            for rank, modules in enumerate(value):
+                if problem := _modules_problem(modules, f"ranks[{rank}]"):
+                    return problem
+        if key not in ("unsaved", "recipe", "modules", "ranks"):
+            return f"unknown key {key!r}"
+    return None
+
+
+def _modules_problem(modules: Any, where: str) -> str | None:
+    if not isinstance(modules, Mapping):
+        return f"{where}: expected a mapping of module names, got {type(modules).__name__}"
+    for name, tensors in modules.items():
+        if not isinstance(name, str):
+            return f"{where}: module name {name!r} is not a string"
+        if not isinstance(tensors, Mapping):
+            return f"{where}.{name}: expected a mapping of tensors, got {type(tensors).__name__}"
+        for field, value in tensors.items():
+            if not isinstance(value, torch.Tensor):
+                return f"{where}.{name}.{field}: expected a tensor, got {type(value).__name__}"
+    return None
+
+
+def saved_recipe(state: Mapping[str, Any]) -> FP8Recipe | None:
+    """The recipe a checkpoint was saved under (None: not recorded, a checkpoint before this
+    was saved, or a run without a known recipe). Raises StateProblems on one we cannot read."""
+    options = state.get("recipe")
+    if options is None:
+        return None
+    try:
+        return FP8Recipe(**options)
+    except (TypeError, ValueError) as error:
+        raise StateProblems([f"recipe: {error}"]) from None
+
+
+def recipe_change(saved: FP8Recipe | None, run: FP8Recipe | None) -> str | None:
+    """`key old -> new, ...` where the run's recipe is not the checkpoint's; None when they are
+    the same or either is unknown."""
+    if saved is None or run is None:
+        return None
+    old, new = saved.as_config(), run.as_config()
+    changed = [f"{key} {old.get(key, '-')} -> {new.get(key, '-')}"
+               for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+    return ", ".join(changed) or None
+
+
+def fit_history(history: torch.Tensor, length: int) -> torch.Tensor:
+    """TE's `adjust_amax_history_length`: the first `length` rows, zero rows appended."""
+    kept = history[:length]
+    return torch.nn.functional.pad(kept, (0, 0, 0, length - kept.shape[0]))
+
+
+def check_module(name: str, tensors: Mapping[str, torch.Tensor], recipe: FP8Recipe | None,
+                 length: int | None) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
+    """`(tensors to write, problems)` for one module's saved state.
+
+    `recipe`: the one the scales were computed under (the checkpoint's, else the run's; None:
+    unknown, then the loosest bound, E5M2's max and no margin); `length`: the history length the
+    run's recipe keeps (None: unknown). The tensors to write are repaired by TE's rules (see the
+    module doc), and None where the module can only start fresh. Problems name module and
+    field; none means the state is valid as saved (a NaN amax, stored as 0, is no problem).
+    """
+    problems = [f"{name}.{field}: not a field of FP8 state (expected {', '.join(FIELDS)})"
+                for field in tensors if field not in FIELDS]
+    out: dict[str, torch.Tensor] = {}
+    gemms: dict[str, int] = {}
+    for direction, per_gemm in DIRECTIONS.items():
+        scale_key, history_key = f"{direction}_scale", f"{direction}_amax_history"
+        scale, history = tensors.get(scale_key), tensors.get(history_key)
+        shape = _shape_problem(scale, history, per_gemm)
+        if shape:
+            problems.append(f"{name}.{scale_key if 'scale' in shape else history_key}: {shape}")
+            return None, problems
+        assert scale is not None and history is not None
+        gemms[direction] = scale.shape[0] // per_gemm
+        out[scale_key], out[history_key] = _check_direction(
+            f"{name}.{direction}", scale.float(), history.float(), recipe,
+            "forward" if direction == "fwd" else "backward", length, problems)
+    if gemms["fwd"] != gemms["bwd"]:
+        problems.append(f"{name}: {gemms['fwd']} forward GEMMs but {gemms['bwd']} backward ones")
+        return None, problems
+    return out, problems
+
+
+def _shape_problem(scale: Any, history: Any, per_gemm: int) -> str | None:
+    for key, value, dims in (("scale", scale, 1), ("amax_history", history, 2)):
+        if not isinstance(value, torch.Tensor):
+            return f"{key} missing" if value is None else f"{key}: not a tensor"
+        if not value.is_floating_point() or value.dim() != dims:
+            return (f"{key}: a {value.dim()}-d {value.dtype} tensor, expected a {dims}-d "
+                    "floating one")
+    n = scale.shape[0]
+    if n == 0 or n % per_gemm:
+        return f"scale: {n} values, expected {per_gemm} per GEMM"
+    if history.shape[1] != n:
+        return f"amax_history: shape {tuple(history.shape)}, expected [rows, {n}] as the scale"
+    return None
+
+
+def _check_direction(where: str, scale: torch.Tensor, history: torch.Tensor,
+                     recipe: FP8Recipe | None, direction: str, length: int | None,
+                     problems: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One direction's (scale, history), repaired; problems appended."""
+    fmt = (recipe or FP8Recipe()).format_for(direction)  # type: ignore[arg-type]
+    margin = 2.0 ** -(recipe.margin if recipe else 0)
+    bound = (FP8_MAX[fmt] if recipe else max(FP8_MAX.values())) * margin
+    algo = recipe.amax_compute_algo if recipe else "max"
+    history = torch.nan_to_num(history, nan=0.0, posinf=torch.inf, neginf=-torch.inf)
+    if history.shape[0]:
+        history[0] = 0.0  # amaxes not used by any update yet: nothing checks them (module doc)
+    if length is not None and history.shape[0] not in (0, length):
+        problems.append(f"{where}_amax_history: {history.shape[0]} rows do not fit the "
+                        f"recipe's {length} (recipe changed?)")
+        history = fit_history(history, length)
+    bad = ~torch.isfinite(history) | (history < 0)
+    if bad.any():
+        problems.append(f"{where}_amax_history: {_example(history[bad])} is not an amax "
+                        "(finite, >= 0)")
+        history = torch.where(bad, torch.zeros_like(history), history)
+    bad_scale = ~torch.isfinite(scale) | (scale <= 0)
+    if bad_scale.any():
+        problems.append(f"{where}_scale: {_example(scale[bad_scale])} is not a scale "
+                        "(finite, > 0)")
+        scale = torch.where(bad_scale, current_scale(_amax(history, algo), fmt) * margin, scale)
+    contradicted = _amax(history, algo).double() * scale.double() > bound * (1 + _SLACK)
+    if contradicted.any():
+        i = int(contradicted.nonzero()[0])
+        problems.append(f"{where}_amax_history: amax {_amax(history, algo)[i].item():.4g} is "
+                        f"more than scale {scale[i].item():.4g} allows (at most "
+                        f"{bound / scale[i].item():.4g}: the scale was not computed from it)")
+        scale = torch.where(contradicted, torch.ones_like(scale), scale)
+        history = torch.where(contradicted, torch.zeros_like(history), history)
+    return scale, history
+
+
+def _amax(history: torch.Tensor, algo: str) -> torch.Tensor:
+    """The amax per column that the last scale update used, as far as the history still holds
+    it: the largest past row (`max`), or the last one (`most_recent`); row 0, the amax being
+    recorded for the next update, is not in it."""
+    past = history[1:]
+    if past.shape[0] == 0:
+        return torch.zeros(history.shape[1])
+    return past[-1] if algo == "most_recent" else past.amax(dim=0)
+
+
+def _example(values: torch.Tensor) -> str:
+    return f"{values.flatten()[0].item():g}"
+
+
+def combine_ranks(ranks: list[FP8ModuleState]) -> FP8ModuleState:
+    """One state from several ranks' different ones, as TE's amax reduction would have made it:
+    with `reduce_amax` every update sees the max over ranks of each amax, so the histories are
+    the elementwise max of the ranks' ones and the scale is the one the largest amax gives, the
+    smallest rank's scale. Modules or fields some ranks lack are taken from those that have
+    them; NaN and inf pass through, for `check_module` to find."""
+    combined: FP8ModuleState = {}
+    for modules in ranks:
+        for name, tensors in modules.items():
+            into = combined.setdefault(name, {})
+            for field, value in tensors.items():
+                have = into.get(field)
+                if have is None or have.shape != value.shape:
+                    into[field] = value.clone() if have is None else have
+                elif field.endswith("_scale"):
+                    into[field] = torch.minimum(have, value)
+                else:
+                    into[field] = torch.maximum(have, value)
+    return combined

@@ -1,0 +1,121 @@
+"""Our writes stay in the run folder: a relative `jsonl` path or `dump_folder` is taken inside it
+(not in the working directory), `..` out of it is refused in one line, an absolute path is used
+as written, and `{run_name}` cannot move a file (`run_name: ../x`). Real Composer Trainers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from composer import Trainer
+from composer.models import ComposerClassifier
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from foundry_fp8.composer.jsonl_logger import JSONLLogger
+from foundry_fp8.composer.stats import FP8Stats
+from foundry_fp8.jsonl import read_jsonl
+from foundry_fp8.paths import PathError, in_run_folder, run_folder, safe_run_name
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch) -> Path:
+    """The working directory: a folder that must stay empty."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return cwd
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def _train(run_name: str, loggers, callbacks=(), save_folder: str | None = None) -> Trainer:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(16, 8), torch.randint(0, 2, (16,)))
+    model = ComposerClassifier(nn.Sequential(nn.Linear(8, 2)), num_classes=2)
+    trainer = Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+                      train_dataloader=DataLoader(data, batch_size=4), max_duration="2ba",
+                      loggers=loggers, callbacks=list(callbacks), run_name=run_name,
+                      progress_bar=False, log_to_console=False, save_folder=save_folder,
+                      save_interval="2ba")
+    trainer.fit()
+    return trainer
+
+
+def test_relative_paths_go_into_the_run_folder_not_the_working_directory(tmp_path, elsewhere):
+    save_folder = str(tmp_path / "runs" / "{run_name}" / "checkpoints")
+    stats = FP8Stats(interval=10, dump_steps=[1], dump_folder="dumps/{run_name}")
+    _train("r", [JSONLLogger(path="logs/metrics.jsonl")], [stats], save_folder)
+    run = tmp_path / "runs" / "r"
+    assert [step for step, _ in read_jsonl(run / "logs" / "metrics.jsonl")]
+    assert (run / "logs" / "hparams.json").exists()
+    assert load_file(run / "logs" / "dumps" / "r" / "step0000001-rank0.safetensors")
+    assert _files(elsewhere) == []
+
+
+def test_without_a_local_save_folder_the_run_folder_is_runs_run_name(elsewhere):
+    _train("r", [JSONLLogger()])
+    assert _files(elsewhere) == ["runs/r/hparams.json", "runs/r/metrics.jsonl"]
+
+
+@pytest.mark.parametrize("run_name", ["../x", "..", "a/../../b", "/etc/x"])
+def test_run_name_cannot_move_a_file(tmp_path, elsewhere, run_name):
+    _train(run_name, [JSONLLogger(path="{run_name}/metrics.jsonl")])
+    [written] = [p for p in _files(tmp_path) if p.endswith("metrics.jsonl")]
+    folder = elsewhere / "runs" / safe_run_name(run_name)
+    assert Path(written) == (folder / safe_run_name(run_name) / "metrics.jsonl").relative_to(
+        tmp_path)
+    assert "/" not in safe_run_name(run_name) and set(safe_run_name(run_name)) != {"."}
+
+
+@pytest.mark.parametrize("path", ["../metrics.jsonl", "a/../../m.jsonl", "..", "{run_name}/../../m"])
+def test_a_relative_path_out_of_the_run_folder_is_refused_when_the_logger_is_built(path):
+    with pytest.raises(ValueError) as error:
+        JSONLLogger(path=path)
+    assert str(error.value).startswith("loggers.jsonl.path: ") and "\n" not in str(error.value)
+    assert "leads out of the run folder" in str(error.value)
+
+
+def test_a_dump_folder_out_of_the_run_folder_is_refused_when_built():
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.dump_folder: '\.\./d' leads "
+                                         r"out of the run folder"):
+        FP8Stats(interval=10, dump_steps=[1], dump_folder="../d")
+
+
+def test_the_linter_refuses_it_too():
+    from foundry_fp8.lint.rules import lint_config
+
+    findings = [f for f in lint_config({"loggers": {"jsonl": {"path": "../../m.jsonl"}}})
+                if "leads out of the run folder" in f.message]
+    assert len(findings) == 1 and findings[0].severity == "error"
+
+
+def test_in_run_folder_refuses_a_path_out_of_it():
+    with pytest.raises(PathError, match=r"^k: '\.\./x' leads out of the run folder"):
+        in_run_folder("../x", Path("/runs/r"), "r", "k")
+
+
+def test_an_absolute_path_is_used_as_written(tmp_path, elsewhere):
+    target = tmp_path / "anywhere" / "{run_name}.jsonl"
+    stats = FP8Stats(interval=10, dump_steps=[1], dump_folder=str(tmp_path / "abs-dumps"))
+    _train("r", [JSONLLogger(path=str(target))], [stats])
+    assert (tmp_path / "anywhere" / "r.jsonl").exists()
+    assert (tmp_path / "abs-dumps" / "step0000001-rank0.safetensors").exists()
+    assert _files(elsewhere) == []
+
+
+def test_the_rule():
+    folder = Path("/runs/r")
+    assert in_run_folder("a/{run_name}/m", folder, "x/y", "k") == folder / "a" / "x_y" / "m"
+    assert in_run_folder("a/../m", folder, "r", "k") == folder / "a/../m"  # stays inside
+    assert in_run_folder("/abs/../m", folder, "r", "k") == Path("/abs/../m")
+    assert run_folder("s3://bucket/ckpt", "r") == Path("runs/r")
+    assert run_folder("/x/{rank}/ckpt", "r") == Path("/x/{rank}")
+    assert run_folder(None, "..") == Path("runs/__")
+    assert safe_run_name("my run-1.2") == "my run-1.2"  # what Composer makes of it too
+    assert os.sep == "/"

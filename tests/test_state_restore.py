@@ -1,0 +1,429 @@
+"""fp8_state's restore: poisoned, malformed or mismatched FP8 state in a checkpoint is refused in
+one line naming module and field (`strict`), or repaired by TE's rules (`strict: false`); a
+restore never leaves state that trains into NaN or into scales near zero."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+from composer.core import Precision
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from foundry_fp8.composer.state import FP8State, FP8StateError, fp8_state_from_checkpoint
+from foundry_fp8.composer.te_swap import TESwap
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.fp8_meta import read_fp8_meta
+from foundry_fp8.numerics import FP8_MAX
+from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.restore import FIELDS, combine_ranks
+
+HISTORY = 4
+RECIPE = FP8Recipe(amax_history_len=HISTORY)
+LOGGER = "foundry_fp8.composer.state"
+
+
+class TwoBlocks(nn.Module):
+    """Two linear blocks, named as te_swap converts them (`blocks.N`), for real Trainers."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+
+    def forward(self, x):
+        return self.blocks[1](torch.relu(self.blocks[0](x)))
+
+
+def _layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16))
+
+
+def _step(model: nn.Module, recipe: FP8Recipe = RECIPE, seed: int = 1) -> torch.Tensor:
+    """One forward and backward under FP8 (scales update as in TE); the output."""
+    with fp8_autocast(recipe=recipe):
+        out = model(torch.randn(8, 16, generator=torch.Generator().manual_seed(seed)))
+    out.sum().backward()
+    return out.detach()
+
+
+def _saved(recipe: FP8Recipe = RECIPE, steps: int = 3) -> dict:
+    """What fp8_state saves for `_layers()` trained `steps` steps under `recipe`."""
+    model = _layers()
+    for seed in range(steps):
+        _step(model, recipe, seed)
+    saver = _callback(model, recipe)
+    return saver.state_dict()
+
+
+def _callback(model: nn.Module, recipe: FP8Recipe | None = RECIPE, strict: bool = True,
+              ) -> FP8State:
+    """An fp8_state that went through INIT of a run with te_swap's emulated `recipe`."""
+    callback = FP8State(strict=strict)
+    algorithms = [] if recipe is None else [
+        TESwap(backend="emulate", fp8_recipe={k: v for k, v in recipe.as_config().items()})]
+    state = SimpleNamespace(model=model, precision=Precision.FP32, algorithms=algorithms,
+                            fsdp_config=None, fsdp_config_version=0)
+    callback._init(state)
+    return callback
+
+
+def _valid(tensors: dict[str, torch.Tensor], recipe: FP8Recipe = RECIPE) -> bool:
+    """TE-valid state: finite positive scales, finite non-negative amaxes, no amax larger than
+    the scale allows."""
+    for direction in ("fwd", "bwd"):
+        scale, history = tensors[f"{direction}_scale"], tensors[f"{direction}_amax_history"]
+        if not (torch.isfinite(scale).all() and (scale > 0).all()):
+            return False
+        if not (torch.isfinite(history).all() and (history >= 0).all()):
+            return False
+        fp8_max = FP8_MAX[recipe.format_for("forward" if direction == "fwd" else "backward")]
+        if history.shape[0] > 1 and (history[1:].amax(0) * scale > fp8_max * 1.001).any():
+            return False
+    return True
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error)
+    assert "\n" not in text and text.startswith("fp8_state: ")
+    return text
+
+
+# -- poisoned values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [math.nan, 0.0, -1.0, math.inf])
+def test_a_bad_scale_is_refused_naming_module_and_field(value):
+    saved = _saved()
+    saved["modules"]["1"]["bwd_scale"][1] = value
+    model = _layers()
+    before = {n: read_fp8_meta(m) for n, m in model.named_children()}
+    with pytest.raises(FP8StateError) as error:
+        _callback(model).load_state_dict(saved)
+    assert "1.bwd_scale:" in _one_line(error.value) and "strict: false" in str(error.value)
+    after = {n: read_fp8_meta(m) for n, m in model.named_children()}
+    assert all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])
+
+
+@pytest.mark.parametrize("value", [math.nan, 0.0, -1.0, math.inf])
+def test_a_bad_scale_is_repaired_from_the_history_when_not_strict(value, caplog):
+    saved = _saved()
+    good = saved["modules"]["1"]["bwd_scale"].clone()
+    saved["modules"]["1"]["bwd_scale"][1] = value
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _callback(model, strict=False).load_state_dict(saved)
+    assert "repaired by TE's rules: 1.bwd_scale:" in caplog.text
+    restored = read_fp8_meta(model[1])
+    assert _valid(restored)
+    # TE's scale from the saved history: the bwd grad input slot (1) never records an amax in
+    # the emulation (no grad of the input is cast), so TE's initial 1 stays, as saved
+    assert torch.equal(restored["bwd_scale"], good)
+    assert torch.isfinite(_step(model)).all()
+
+
+def test_the_repaired_scale_is_the_one_te_computes_from_the_history():
+    saved = _saved()
+    good = saved["modules"]["0"]["fwd_scale"].clone()
+    assert (good[:2] != 1).all()  # input and weight; the output slot (2) records no amax
+    saved["modules"]["0"]["fwd_scale"][:] = math.nan
+    model = _layers()
+    _callback(model, strict=False).load_state_dict(saved)
+    amax = saved["modules"]["0"]["fwd_amax_history"][1:].amax(0)
+    expected = torch.where(amax > 0, 448.0 / amax, 1.0)
+    # TE computed the saved scale from the rows before its last roll: the row that rolled out
+    # was no larger here (amaxes grow with the seed), so recomputing gives the same scale
+    assert torch.allclose(read_fp8_meta(model[0])["fwd_scale"], expected, rtol=1e-6)
+    assert torch.allclose(expected, good, rtol=1e-6)
+
+
+def test_an_absurd_amax_is_refused_and_would_have_flushed_the_layer_to_zero(caplog):
+    """The issue's case: an amax of 1e30 planted in a history. Restored as it is (the old
+    behaviour, `write_fp8_meta` directly), the next update sets the scale to 448 / 1e30 and
+    every input of the layer flushes to zero in FP8."""
+    saved = _saved()
+    saved["modules"]["0"]["fwd_amax_history"][2, 0] = 1e30
+    poisoned = _layers()
+    from foundry_fp8.fp8_meta import write_fp8_meta
+
+    write_fp8_meta(poisoned[0], saved["modules"]["0"])
+    _step(poisoned)
+    assert read_fp8_meta(poisoned[0])["fwd_scale"][0] < 1e-27
+    with pytest.raises(FP8StateError) as error:
+        _callback(_layers()).load_state_dict(saved)
+    assert "0.fwd_amax_history: amax 1e+30 is more than scale" in _one_line(error.value)
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _callback(model, strict=False).load_state_dict(saved)
+    restored = read_fp8_meta(model[0])
+    assert _valid(restored) and restored["fwd_amax_history"].max() < 1e3
+    _step(model)
+    assert read_fp8_meta(model[0])["fwd_scale"][:2].min() > 1.0  # slot 2 records nothing
+
+
+def test_nan_amax_counts_as_nothing_recorded_as_in_te():
+    """The emulation records a NaN amax where a step saw NaN (TE's amax skips NaN); TE's update
+    skips NaN rows, so the checkpoint restores with the NaN as 0, strict or not."""
+    saved = _saved()
+    saved["modules"]["0"]["fwd_amax_history"][1, 0] = math.nan
+    model = _layers()
+    _callback(model).load_state_dict(saved)
+    restored = read_fp8_meta(model[0])
+    assert restored["fwd_amax_history"][1, 0] == 0 and _valid(restored)
+
+
+def test_a_state_saved_before_recipes_were_recorded_restores():
+    saved = _saved()
+    del saved["recipe"]
+    model = _layers()
+    _callback(model).load_state_dict(saved)
+    assert torch.equal(read_fp8_meta(model[0])["fwd_scale"], saved["modules"]["0"]["fwd_scale"])
+
+
+@pytest.mark.parametrize(("payload", "match"), [
+    ({"modules": {"0": {"fwd_scale": [1.0, 1.0, 1.0]}}}, r"modules\.0\.fwd_scale: expected a tensor"),
+    ({"modules": [1, 2]}, "modules: expected a mapping"),
+    ({"modules": {}, "extra": 1}, "unknown key 'extra'"),
+    ({"modules": {}, "recipe": {"amax_history_len": object()}}, "recipe: expected a mapping of"),
+])
+def test_a_payload_that_is_not_ours_is_refused_in_one_line(payload, match, caplog):
+    with pytest.raises(FP8StateError, match=match) as error:
+        _callback(_layers()).load_state_dict(payload)
+    _one_line(error.value)
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _callback(model, strict=False).load_state_dict(payload)
+    assert "starts fresh" in caplog.text and read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
+
+
+# -- the property: valid state or one line, never poison -----------------------------------------
+
+_VALUES = st.sampled_from([0.0, -1.0, math.nan, math.inf, -math.inf, 1e30, 1e-30, 0.5, 3.0])
+
+
+@st.composite
+def _payloads(draw) -> dict:
+    """A real saved state, then: modules dropped, added, renamed; fields dropped, added,
+    reshaped; values poisoned."""
+    saved = _saved()
+    modules = saved["modules"]
+    for name in list(modules):
+        if draw(st.booleans()) and draw(st.booleans()):
+            del modules[name]
+    if draw(st.booleans()) and draw(st.booleans()):
+        modules["2"] = {k: v.clone() for k, v in next(iter(_saved()["modules"].values())).items()}
+    for tensors in modules.values():
+        for field in FIELDS:
+            action = draw(st.sampled_from(["keep"] * 6 + ["poison", "poison", "drop", "shape"]))
+            if action == "drop":
+                del tensors[field]
+            elif action == "shape":
+                rows = draw(st.integers(0, 6))
+                tensors[field] = torch.rand(rows, draw(st.integers(1, 4))) if \
+                    field.endswith("history") else torch.rand(draw(st.integers(0, 7)))
+            elif action == "poison":
+                flat = tensors[field].view(-1)
+                if flat.numel():
+                    flat[draw(st.integers(0, flat.numel() - 1))] = draw(_VALUES)
+        if draw(st.booleans()) and draw(st.booleans()):
+            tensors["fwd_scale_inv"] = torch.ones(3)
+        if draw(st.integers(0, 9)) == 0:
+            tensors[draw(st.sampled_from(FIELDS))] = torch.tensor(1.0)  # 0-d
+    return saved
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payload=_payloads(), strict=st.booleans(),
+       recipe=st.sampled_from([RECIPE, FP8Recipe(scaling="current"), None]))
+def test_restore_gives_valid_state_or_one_line_never_poison(payload, strict, recipe):
+    """Under the checkpoint's recipe, a current-scaling one, and none known (a model with FP8
+    layers of its own, no te_swap)."""
+    model = _layers()
+    before = {n: read_fp8_meta(m) for n, m in model.named_children()}
+    try:
+        _callback(model, recipe, strict=strict).load_state_dict(payload)
+    except FP8StateError as error:
+        assert strict
+        _one_line(error)
+        after = {n: read_fp8_meta(m) for n, m in model.named_children()}
+        assert all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])
+        return
+    for name, module in model.named_children():
+        state = read_fp8_meta(module)
+        if state["fwd_amax_history"].numel():
+            assert _valid(state), (name, state)
+    for seed in range(2):
+        assert torch.isfinite(_step(model, recipe or RECIPE, seed=seed)).all()
+    for module in model:
+        state = read_fp8_meta(module)
+        assert _valid(state)
+        assert state["fwd_scale"][:2].min() > 1e-3  # not flushed to zero by a planted amax
+
+
+# -- a recipe change on resume --------------------------------------------------------------------
+
+
+def test_a_shorter_history_is_refused_as_a_recipe_change():
+    saved = _saved(FP8Recipe(amax_history_len=16))
+    with pytest.raises(FP8StateError) as error:
+        _callback(_layers(), FP8Recipe(amax_history_len=4)).load_state_dict(saved)
+    assert ("does not fit (recipe changed?): amax_history_len 16 -> 4"
+            in _one_line(error.value))
+
+
+def test_a_shorter_history_is_fitted_as_te_does_when_not_strict(caplog):
+    saved = _saved(FP8Recipe(amax_history_len=16), steps=6)
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _callback(model, FP8Recipe(amax_history_len=4), strict=False).load_state_dict(saved)
+    assert "amax_history_len 16 -> 4; histories fitted" in caplog.text
+    restored = read_fp8_meta(model[0])
+    assert torch.equal(restored["fwd_amax_history"], saved["modules"]["0"]["fwd_amax_history"][:4])
+    assert torch.equal(restored["fwd_scale"], saved["modules"]["0"]["fwd_scale"])
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_delayed_to_current_scaling_keeps_no_dead_state(strict, caplog):
+    saved = _saved()
+    model = _layers()
+    callback = _callback(model, FP8Recipe(scaling="current"), strict=strict)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        if strict:
+            with pytest.raises(FP8StateError, match=r"does not fit \(recipe changed\?\): it "
+                                                    r"holds delayed-scaling amax histories"):
+                callback.load_state_dict(saved)
+        else:
+            callback.load_state_dict(saved)
+            assert "this run's recipe keeps none" in caplog.text
+    assert read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0  # nothing restored
+
+
+def test_current_to_delayed_scaling_starts_fresh():
+    saved = _saved(FP8Recipe(scaling="current"))
+    assert saved["recipe"]["scaling"] == "current"
+    with pytest.raises(FP8StateError, match=r"scaling current -> delayed.*starts fresh"):
+        _callback(_layers()).load_state_dict(saved)
+    model = _layers()
+    _callback(model, strict=False).load_state_dict(saved)
+    assert read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
+
+
+def test_other_recipe_changes_are_named():
+    saved = _saved(FP8Recipe(amax_history_len=HISTORY, margin=1))
+    with pytest.raises(FP8StateError, match=r"recipe changed\?\): margin 1 -> 0"):
+        _callback(_layers()).load_state_dict(saved)
+
+
+def test_a_recipe_change_stops_a_real_composer_resume(tmp_path):
+    """Through Composer's own checkpoint save and load: history 4, resumed with history 2."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def fit(history: int, duration: str, **kwargs) -> Trainer:
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(32, 16), torch.randint(0, 16, (32,)))
+        trainer = Trainer(
+            model=ComposerClassifier(TwoBlocks(), num_classes=16),
+            train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
+            algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": history})],
+            callbacks=[FP8State()], device="cpu", progress_bar=False, loggers=[],
+            save_folder=str(tmp_path), save_interval="2ba", save_overwrite=True, **kwargs)
+        trainer.fit()
+        return trainer
+
+    fit(4, "2ba")
+    checkpoint = tmp_path / "ep0-ba2-rank0.pt"
+    saved = fp8_state_from_checkpoint(checkpoint)
+    assert saved["module.blocks.0"]["fwd_amax_history"].shape == (4, 3)
+    with pytest.raises(FP8StateError, match=r"amax_history_len 4 -> 2"):
+        fit(2, "3ba", load_path=str(checkpoint))
+    assert int(fit(4, "3ba", load_path=str(checkpoint)).state.timestamp.batch) == 3
+
+
+# -- another number of ranks ----------------------------------------------------------------------
+
+
+def test_ranks_combine_as_te_amax_reduction_would():
+    """Two ranks' histories and scales, each TE-computed from its own amaxes: combined, the
+    history is the elementwise max (what all-reduced amaxes would have recorded) and the scale
+    the one TE computes from it, the smaller one."""
+    a, b = _layers(), _layers()
+    for seed in range(3):
+        _step(a, seed=seed)
+        _step(b, seed=10 + seed)
+    ranks = [{"0": read_fp8_meta(a[0])}, {"0": read_fp8_meta(b[0])}]
+    combined = combine_ranks(ranks)["0"]
+    history = torch.maximum(ranks[0]["0"]["fwd_amax_history"], ranks[1]["0"]["fwd_amax_history"])
+    assert torch.equal(combined["fwd_amax_history"], history)
+    te_scale = 448.0 / history[1:].amax(0)
+    assert torch.allclose(combined["fwd_scale"][:2], te_scale[:2], rtol=1e-6)
+    assert _valid(combined)
+
+
+# -- no code runs from a crafted checkpoint -------------------------------------------------------
+
+
+class _RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_a_crafted_checkpoint_runs_no_code(tmp_path):
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "crafted.pt"
+    torch.save({"state": {"callbacks": {"FP8State": {"modules": {}, "x": _RunsCode(str(marker))}}}},
+               path)
+    with pytest.raises(FP8StateError) as error:
+        fp8_state_from_checkpoint(path)
+    assert "unsupported GLOBAL posix.mkdir" in _one_line(error.value)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # what the old reader did: the code runs
+    assert marker.exists()
+
+
+def test_a_pickled_object_in_the_state_itself_is_refused():
+    payload = {"modules": {"0": {"fwd_scale": pickle.loads(pickle.dumps(SimpleNamespace()))}}}
+    with pytest.raises(FP8StateError, match=r"modules\.0\.fwd_scale: expected a tensor, got "
+                                            r"SimpleNamespace"):
+        _callback(_layers()).load_state_dict(payload)
+
+
+# -- te_swap without fp8_state --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_te_swap_without_fp8_state_warns_at_start_when_saving(tmp_path, caplog, with_state):
+    """Without fp8_state a resume starts FP8 scaling fresh: a real resume shows it (history
+    back to empty), and te_swap says so at INIT."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def trainer(duration: str, **kwargs) -> Trainer:
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(32, 16), torch.randint(0, 16, (32,)))
+        return Trainer(
+            model=ComposerClassifier(TwoBlocks(), num_classes=16),
+            train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
+            algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
+            callbacks=[FP8State()] if with_state else [], device="cpu", progress_bar=False,
+            loggers=[], save_folder=str(tmp_path), save_interval="2ba", save_overwrite=True,
+            **kwargs)
+
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.te_swap"):
+        trainer("2ba").fit()
+    assert ("has no fp8_state callback" in caplog.text) != with_state
+    resumed = trainer("3ba", load_path=str(tmp_path / "ep0-ba2-rank0.pt"))
+    history = read_fp8_meta(resumed.state.model.module.blocks[0])["fwd_amax_history"]
+    assert (history.numel() > 0) == with_state  # fresh (empty) without fp8_state
