@@ -7,8 +7,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
+import subprocess
+import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -295,9 +299,11 @@ def test_dump_folder_is_formatted_with_the_jsonl_placeholders():
     FP8Stats fills it with at FIT_START (and checks when built)."""
     from foundry_fp8.composer import stats
     from foundry_fp8.options import PLACEHOLDERS
+    from foundry_fp8.paths import in_run_folder
 
-    source = inspect.getsource(stats)
-    assert "self.dump_folder.format(run_name=state.run_name)" in source
+    # what FP8Stats does with it at FIT_START: {run_name} filled in, inside the run folder
+    assert "in_run_folder(self.dump_folder" in inspect.getsource(stats)
+    assert in_run_folder("{run_name}/dumps", Path("/r"), "a", "k") == Path("/r/a/dumps")
     assert PLACEHOLDERS == ("run_name",)
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.dump_folder: has unknown "):
         stats.FP8Stats(dump_folder="{run}/dumps")
@@ -356,14 +362,15 @@ def test_the_mpt_attributes_read_are_those_mpts_code_reads():
 
 
 def test_registry_names_match_llmfoundrys_registries():
-    from llmfoundry import registry
-
+    """In a fresh interpreter: other tests register test-only callbacks in the same registry."""
     from foundry_fp8.lint.rules.ours import registered_names
 
-    live = {"callbacks": set(registry.callbacks.get_all())
-            | set(registry.callbacks_with_config.get_all()),
-            "algorithms": set(registry.algorithms.get_all()),
-            "loggers": set(registry.loggers.get_all())}
+    code = ("import json; from llmfoundry import registry as r; print(json.dumps({"
+            "'callbacks': sorted(set(r.callbacks.get_all()) | set(r.callbacks_with_config.get_all())),"
+            "'algorithms': sorted(r.algorithms.get_all()), 'loggers': sorted(r.loggers.get_all())}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    live = {section: set(names) for section, names in json.loads(out.splitlines()[-1]).items()}
     for section, names in live.items():
         assert registered_names(section) == names, section  # built-ins + entry points, ours too
         assert known.FOUNDRY_REGISTRY[section] <= names

@@ -169,6 +169,9 @@ class FP8State(Callback):
     first batches the symptom is watched for (0: never); it shows from the first batches on.
     """
 
+    #: what te_swap looks for (it cannot import this module, which imports te_swap)
+    keeps_fp8_state = True
+
     def __init__(self, **options: Any):
         self.options = build("fp8_state", options)  # one line naming callbacks.fp8_state.<key>
         self.strict: bool = self.options.strict
@@ -182,22 +185,28 @@ class FP8State(Callback):
 
     # -- events ---------------------------------------------------------------------------
 
-    def run_event(self, event: Event, state: State, logger: Logger) -> None:
-        del logger
+    def init(self, state: State, logger: Logger) -> None:
+        self._guarded(Event.INIT, self._init, state)
+
+    def before_load(self, state: State, logger: Logger) -> None:
+        self._guarded(Event.BEFORE_LOAD, self._inert_extra_state_on_save, state.model)
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if self._pending is not None:
+            self._guarded(Event.FIT_START, self.load_state_dict, self._pending)
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.watch_batches:
+            self._guarded(Event.BATCH_END, self._watch)
+
+    def _guarded(self, event: Event, work: Callable[..., None], *args: Any) -> None:
+        """Our own bug must not stop a run: `strict` is about the checkpoint and the symptoms
+        we find, not about fp8_state's own failures (FP8StateError is a finding, raised)."""
         try:
-            if event == Event.INIT:
-                self._init(state)
-            elif event == Event.BEFORE_LOAD:
-                self._inert_extra_state_on_save(state.model)
-            elif event == Event.FIT_START and self._pending is not None:
-                self.load_state_dict(self._pending)
-            elif event == Event.BATCH_END and self.watch_batches:
-                self._watch()
+            work(*args)
         except FP8StateError:
             raise
         except Exception:
-            # Our own bug must not stop a run: `strict` is about the checkpoint and the
-            # symptoms we find, not about fp8_state's own failures.
             log.exception("fp8_state: internal error at %s; FP8 symptom watch disabled", event)
             self.watch_batches = 0
 
