@@ -325,21 +325,6 @@ def table_rows(table: Table, flags: Mapping[tuple[str, str], Sequence[Flag]],
     return ["layer", "tensor", *stats, "flags"], rows
 
 
-def stats_table(metrics: Mapping[str, float]) -> dict[tuple[str, str], dict[str, float]]:
-    """`{(layer, tensor): {stat: value}}` from the monitor's per-layer metrics (the health key
-    layout, or the older `fp8/<layer>/<tensor>/<stat>`); other keys are left out."""
-    table: dict[tuple[str, str], dict[str, float]] = {}
-    for key, value in metrics.items():
-        parsed = parse_key(key)
-        if parsed is None and key.startswith("fp8/") and key.count("/") >= 3:
-            layer, tensor, stat = key.removeprefix("fp8/").rsplit("/", 2)
-            parsed = stat, tensor, layer
-        if parsed is not None:
-            stat, tensor, layer = parsed
-            table.setdefault((layer, tensor), {})[stat] = value
-    return table
-
-
 def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
                     tensors: Sequence[str], schedule: Schedule, folder: Path,
                     sink: Callable[[str, float], None]) -> TEDebugSession | None:
