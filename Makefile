@@ -41,7 +41,7 @@ $(OLDEST)/.installed-test: setup.cfg pyproject.toml constraints/oldest.txt
 	touch $@
 
 run: $(VENV)/.installed-run
-	$(BIN)/foundry-fp8 lint yamls/
+	$(BIN)/foundry-fp8 lint yamls/ foundry_fp8/tools/yamls/
 	$(BIN)/foundry-fp8 tiny-data $(DATA_ROOT)
 	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(BIN)/python scripts/demo.py --data-root $(DATA_ROOT) --run-root $(RUN_ROOT)
 

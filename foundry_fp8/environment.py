@@ -2,9 +2,10 @@
 
 `foundry-fp8 doctor` gathers the snapshot (foundry_fp8.doctor) and `fp8_lint` calls
 `run_environment_findings` with the run's config; both judge it here, so a rule is written once.
-Nothing here imports torch or TransformerEngine. Facts, with where they were read:
+Nothing here imports torch or TransformerEngine. The version facts live in
+`foundry_fp8.te.facts`; in short:
 
-- FP8 GEMMs need compute capability 8.9+ (`recipe.environment_problems`, shared with `te_swap`);
+- FP8 GEMMs need compute capability 8.9+ (`te.facts.environment_problems`, shared with `te_swap`);
   on Ada (8.9) TE also wants torch built for CUDA >= 12.1 (TE `_compute_fp8_support`,
   transformer_engine/pytorch/quantization.py; the same check since TE 1.0 in pytorch/fp8.py).
 - pip-installed TE asserts, on `import transformer_engine.pytorch`, that `transformer-engine`,
@@ -12,7 +13,7 @@ Nothing here imports torch or TransformerEngine. Facts, with where they were rea
   (TE `load_framework_extension`, transformer_engine/common/__init__.py).
 - TE activation recompute kept wrong backward scales before TE 1.12 (TE issue #1190, fixed by
   TE PR #1254, first released in v1.12).
-- Current scaling needs TE >= 2.2 (`recipe.environment_problems`).
+- Current scaling needs TE >= 2.2 (`te.facts.environment_problems`).
 """
 
 from __future__ import annotations
@@ -29,38 +30,17 @@ from foundry_fp8.lint.rules import (
     _section,
     _te_swap,
 )
-from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem, environment_problems
-
-#: TE releases whose activation recompute is correct under FP8 (TE #1190, fixed by TE #1254).
-MIN_TE_FOR_RECOMPUTE = (1, 12)
-#: Ada needs torch's CUDA >= 12.1 for TE's FP8 (TE `_compute_fp8_support`).
-ADA = (8, 9)
-MIN_CUDA_FOR_ADA_FP8 = (12, 1)
+from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
+from foundry_fp8.te.facts import (
+    ADA,
+    MIN_CUDA_FOR_ADA_FP8,
+    MIN_TE_FOR_RECOMPUTE,
+    dotted,
+    environment_problems,
+    parse_version,
+)
 
 NO_GPU = "no GPU: FP8 training needs an H100/Ada; the emulated backend works here"
-
-
-def parse_version(text: str | None) -> tuple[int, ...] | None:
-    """Leading numeric release of a version string ('2.7.0+cu126' -> (2, 7, 0)); None if none."""
-    if not text:
-        return None
-    numbers: list[int] = []
-    for part in str(text).split("+")[0].split("."):
-        digits = ""
-        for char in part:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) != len(part):  # '0rc1', '1a0': a pre-release tail ends the release
-            break
-    return tuple(numbers) or None
-
-
-def dotted(version: tuple[int, ...] | None) -> str:
-    return ".".join(map(str, version)) if version else "?"
 
 
 @dataclass(frozen=True)
@@ -133,9 +113,10 @@ def ada_cuda(env: Mapping[str, Any], _: LintContext) -> Iterator[Finding]:
     if snapshot.capability is not None and tuple(snapshot.capability) == ADA and cuda \
             and cuda[:2] < MIN_CUDA_FOR_ADA_FP8:
         yield Finding("FP8203", "warning", "torch_cuda",
-                      f"TransformerEngine refuses FP8 on Ada (8.9) when torch is built for CUDA "
-                      f"{snapshot.torch_cuda}; it needs CUDA 12.1 or newer",
-                      "install a torch build for CUDA 12.1 or newer")
+                      f"TransformerEngine refuses FP8 on Ada ({dotted(ADA)}) when torch is built "
+                      f"for CUDA {snapshot.torch_cuda}; it needs CUDA "
+                      f"{dotted(MIN_CUDA_FOR_ADA_FP8)} or newer",
+                      f"install a torch build for CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer")
 
 
 def te_missing(env: Mapping[str, Any], _: LintContext) -> Iterator[Finding]:
@@ -185,9 +166,10 @@ def recompute_te(env: Mapping[str, Any], _: LintContext) -> Iterator[Finding]:
             and te < MIN_TE_FOR_RECOMPUTE:
         yield Finding("FP8207", "error", "fsdp_config.activation_checkpointing",
                       f"TransformerEngine {snapshot.te} recomputes FP8 layers with wrong backward "
-                      "scales under activation checkpointing (TE issue #1190, fixed in TE 1.12)",
-                      "upgrade TransformerEngine to 1.12 or newer, or turn off "
-                      "fsdp_config.activation_checkpointing")
+                      "scales under activation checkpointing (TE issue #1190, fixed in TE "
+                      f"{dotted(MIN_TE_FOR_RECOMPUTE)})",
+                      f"upgrade TransformerEngine to {dotted(MIN_TE_FOR_RECOMPUTE)} or newer, or "
+                      "turn off fsdp_config.activation_checkpointing")
 
 
 def recipe_te(env: Mapping[str, Any], _: LintContext) -> Iterator[Finding]:
@@ -216,7 +198,7 @@ ENVIRONMENT_RULES = [
          "train FP8 on an H100/H200 or Ada GPU; here use te_swap: {backend: emulate}", no_gpu),
     Rule("FP8202", "warning", "GPU compute capability below 8.9",
          "TE refuses FP8 below compute capability 8.9 (Ada); shared with te_swap through "
-         "recipe.environment_problems. An error in `fp8_lint` for a run that asks for TE.",
+         "te.facts.environment_problems. An error in `fp8_lint` for a run that asks for TE.",
          f"{TE_SRC} transformer_engine/pytorch/quantization.py _compute_fp8_support "
          "(pytorch/fp8.py before 2.x)",
          "run on Ada/Hopper or newer, or use te_swap: {backend: emulate}", gpu_capability),
@@ -252,7 +234,7 @@ ENVIRONMENT_RULES = [
          recompute_te),
     Rule("FP8208", "error", "current scaling with TransformerEngine older than 2.2",
          "TE's Float8CurrentScaling exists from TE 2.2; checked by fp8_lint against the "
-         "installed TE (recipe.environment_problems, shared with te_swap).",
+         "installed TE (te.facts.environment_problems, shared with te_swap).",
          f"{TE_SRC} transformer_engine/common/recipe/__init__.py (v2.2)",
          "upgrade TransformerEngine or use scaling: delayed", recipe_te),
 ]

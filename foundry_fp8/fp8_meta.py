@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from foundry_fp8.te.probe import is_te_fp8_module
+
 _DIRECTIONS = (("fwd", "scaling_fwd"), ("bwd", "scaling_bwd"))
 
 # Name segments that FSDP, activation checkpointing and torch.compile insert into module names.
@@ -46,10 +48,7 @@ def is_fp8_module(module: nn.Module) -> bool:
     """A module that can run in FP8: TE's Linear/LayerNormLinear/LayerNormMLP (an `fp8_meta`
     dict and TE's `init_fp8_metadata`) or our EmulatedFP8Linear. TE modules count before their
     first FP8 forward too, when they hold no scaling state yet."""
-    meta = getattr(module, "fp8_meta", None)
-    if meta is None:
-        return False
-    return hasattr(module, "init_fp8_metadata") or bool(read_fp8_meta(module))
+    return is_te_fp8_module(module) or bool(read_fp8_meta(module))
 
 
 def read_fp8_meta(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -24,7 +24,6 @@ the pooling's all_reduce SUM; at that logging step every rank raises FP8MonitorE
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from foundry_fp8.numerics import (
     sufficient_stats,
 )
 from foundry_fp8.options import MonitorConfig, Schedule
+from foundry_fp8.te import probe
 
 
 class FP8MonitorError(RuntimeError):
@@ -81,36 +81,17 @@ LINEAR_WATCHES = (Watch("activation", "activation", "input", emulate.FWD_INPUT),
 TE_WATCHES = {
     "Linear": LINEAR_WATCHES,
     "LayerNormLinear": LINEAR_WATCHES[1:],
-    "LayerNormMLP": (Watch("fc1_weight", "weight", "fc1_weight", 1),
-                     Watch("fc2_weight", "weight", "fc2_weight", 4)),
+    "LayerNormMLP": (Watch("fc1_weight", "weight", "fc1_weight", probe.GEMM1_WEIGHT),
+                     Watch("fc2_weight", "weight", "fc2_weight", probe.GEMM2_WEIGHT)),
 }
-
-
-def te_class_name(module: nn.Module) -> str | None:
-    """`Linear`, `LayerNormLinear` or `LayerNormMLP` for TE's modules (or subclasses), by class
-    name and module prefix: no TE import."""
-    for cls in type(module).__mro__:
-        if cls.__module__.startswith("transformer_engine") and cls.__name__ in TE_WATCHES:
-            return cls.__name__
-    return None
-
-
-def _ln_mlp_grad_slot() -> int | None:
-    """fc2's grad-output scale slot in TE's LayerNormMLP: GRAD_OUTPUT1 (0) up to TE 2.3,
-    GRAD_OUTPUT2 (2) from TE 2.4 (layernorm_mlp.py); None when TE's version is unknown."""
-    from foundry_fp8.te_backend import te_version
-
-    version = te_version()
-    if version is None:
-        return None
-    return 2 if version >= (2, 4) else 0
 
 
 def watches_for(module: nn.Module) -> tuple[Watch, ...] | None:
     """The tensors module hooks can see on `module`; None when it is not a watched layer."""
-    name = te_class_name(module)
+    name = probe.te_class_name(module)
     if name == "LayerNormMLP":
-        return (*TE_WATCHES[name], Watch("gradient", "gradient", "grad_output", _ln_mlp_grad_slot()))
+        return (*TE_WATCHES[name],
+                Watch("gradient", "gradient", "grad_output", probe.ln_mlp_gradient_slot()))
     if name is not None:
         return TE_WATCHES[name]
     return LINEAR_WATCHES if isinstance(module, nn.Linear) else None
@@ -138,27 +119,9 @@ class CastMode:
         return self.backward_fmt if direction == "backward" else self.forward_fmt
 
 
-def _te_state_manager() -> Any:
-    """TE's FP8GlobalStateManager if TE is loaded (a TE module exists, so it is); no import."""
-    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
-        manager = getattr(sys.modules.get(name), "FP8GlobalStateManager", None)
-        if manager is not None:
-            return manager
-    return None
-
-
 def _te_cast_mode() -> CastMode | None:
-    manager = _te_state_manager()
-    if manager is None or not manager.is_fp8_enabled():
-        return None
-    recipe = manager.get_fp8_recipe()
-    kind = type(recipe).__name__
-    delayed = recipe.delayed() if hasattr(recipe, "delayed") else kind == "DelayedScaling"
-    if not delayed and kind != "Float8CurrentScaling":
-        return None  # block scaling (MXFP8, NVFP4): no per-tensor scale; report the what-if
-    fmt = getattr(getattr(recipe, "fp8_format", None), "name", "HYBRID")
-    return CastMode(delayed, "e5m2" if fmt == "E5M2" else "e4m3",
-                    "e4m3" if fmt == "E4M3" else "e5m2")
+    formats = probe.active_cast_formats()
+    return None if formats is None else CastMode(*formats)
 
 
 def cast_mode(module: nn.Module) -> CastMode | None:
@@ -169,7 +132,7 @@ def cast_mode(module: nn.Module) -> CastMode | None:
             return None
         return CastMode(recipe.scaling == "delayed", recipe.format_for("forward"),
                         recipe.format_for("backward"), recipe.use_power_2_scales)
-    return _te_cast_mode() if te_class_name(module) is not None else None
+    return _te_cast_mode() if probe.te_class_name(module) is not None else None
 
 
 def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, bool]:

@@ -187,12 +187,6 @@ def empty_sufficient_stats(n: int, device: torch.device | str | None = None) -> 
     return rows
 
 
-def pool_sufficient_stats(rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Pool sufficient statistics along `dim` (e.g. pieces of one tensor): sum or max per key."""
-    sums, maxes = rows.split([len(SUM_KEYS), len(MAX_KEYS)], dim=-1)
-    return torch.cat([sums.sum(dim), maxes.amax(dim)], dim=-1)
-
-
 def all_reduce_sufficient_stats(rows: torch.Tensor, group: object | None = None) -> torch.Tensor:
     """Pool rows [..., K] across the ranks of `group` (torch.distributed), in place: one
     all_reduce SUM and one all_reduce MAX, whatever the number of rows."""

@@ -577,6 +577,26 @@ class JSONLOptions(Options):
     strict: bool = option(False, Flag())
 
 
+@dataclass(frozen=True)
+class FP8GuardOptions(Options):
+    """`callbacks: {fp8_guard: {...}}` (see `foundry_fp8.guard`). `consecutive`: logging steps
+    in a row at which a health rule flags a layer before it falls back; `max_fallback_share`: of
+    the FLOPs that ran in FP8 at the start, the most that may fall back; `strict`: past it stop
+    the run (else warn, the layer staying in FP8), and raise the guard's own errors."""
+
+    PATH: ClassVar[str] = "callbacks.fp8_guard"
+
+    consecutive: int = option(DEFAULT_THRESHOLDS.persist_steps, Integer(1))
+    max_fallback_share: float = option(0.1, Number(0, 1))
+    max_underflow_pct: float = option(DEFAULT_THRESHOLDS.max_underflow_pct, Number(0, 100))
+    # The guard acts, so it asks for ten times the overflow fp8_stats warns about: under delayed
+    # scaling a weight that grows by its updates saturates its largest element at every step
+    # (one of 4096, 0.024 %, in the tiny MPT's healthy out_proj weights), which costs nothing.
+    max_overflow_pct: float = option(10 * DEFAULT_THRESHOLDS.max_overflow_pct, Number(0, 100))
+    min_cos_sim: float = option(DEFAULT_THRESHOLDS.min_cos_sim, Number(-1, 1))
+    strict: bool = option(False, Flag())
+
+
 #: LLM-Foundry's `build_callback` (llmfoundry/utils/builders.py) passes the train config as
 #: this keyword to callbacks_with_config and raises if the YAML gives it too.
 TRAIN_CONFIG_KWARG = "train_config"
@@ -649,6 +669,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
     Entry("algorithms", "te_swap", TESwapOptions),
     Entry("callbacks", "fp8_stats", FP8StatsOptions),
     Entry("callbacks", "fp8_state", FP8StateOptions),
+    Entry("callbacks", "fp8_guard", FP8GuardOptions),
     Entry("callbacks", "fp8_lint", FP8LintOptions, reserved=(TRAIN_CONFIG_KWARG,)),
     Entry("loggers", "jsonl", JSONLOptions),
 )}

@@ -19,9 +19,6 @@ FP8Format = Literal["HYBRID", "E4M3"]
 #: it, so adding `te_swap` never silently changes a run's numerics.
 COMPOSER_DEFAULT_HISTORY = 16
 
-#: FP8 GEMMs need Ada/Hopper (compute capability 8.9) or newer.
-MIN_FP8_CAPABILITY = (8, 9)
-
 #: The FP8 formats' largest finite values and smallest subnormals (OCP FP8 spec; torch's
 #: `finfo(float8_e4m3fn).max`, `finfo(float8_e5m2).max`; E4M3: 2**-9, E5M2: 2**-16).
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -214,21 +211,4 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
             if key in options:
                 problems.append(RecipeProblem(key, "only applies to current scaling",
                                               f"remove {key}, or use scaling: current"))
-    return problems
-
-
-def environment_problems(recipe: FP8Recipe, capability: tuple[int, int] | None,
-                         te_version: tuple[int, ...] | None) -> list[RecipeProblem]:
-    """Problems running `recipe` on a GPU of `capability` with TE `te_version` (None: absent)."""
-    problems = []
-    if capability is not None and tuple(capability) < MIN_FP8_CAPABILITY:
-        problems.append(RecipeProblem(
-            "scaling", f"FP8 needs compute capability 8.9+, this GPU has "
-                       f"{capability[0]}.{capability[1]}",
-            "run on Ada/Hopper or newer, or use te_swap: {backend: emulate} for FP8 numerics"))
-    if recipe.scaling == "current" and te_version is not None and tuple(te_version) < (2, 2):
-        problems.append(RecipeProblem(
-            "scaling", f"current scaling needs TransformerEngine >= 2.2, found "
-                       f"{'.'.join(map(str, te_version))}",
-            "upgrade TransformerEngine or use scaling: delayed"))
     return problems

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from foundry_fp8.jsonl import JsonlError, read_jsonl
 from foundry_fp8.health.thresholds import Thresholds
+from foundry_fp8.jsonl import JsonlError, read_jsonl
 
 NAN = float("nan")
 

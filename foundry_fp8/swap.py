@@ -233,10 +233,10 @@ def _converter(backend: str, kind: Kind) -> Callable[[nn.Module], nn.Module]:
         from foundry_fp8.emulate import EmulatedFP8Linear
 
         return EmulatedFP8Linear.from_linear
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import backend as te
 
-    te_backend.require_te()
-    return te_backend.make_te_linear if kind == "linear" else te_backend.make_te_layernorm
+    te.require_te()
+    return te.make_te_linear if kind == "linear" else te.make_te_layernorm
 
 
 def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
@@ -255,12 +255,12 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
     for decision in plan.converted:
         if decision.kind != "ln_mlp":
             continue
-        from foundry_fp8 import te_backend
+        from foundry_fp8.te import backend as te
 
-        te_backend.require_te()
+        te.require_te()
         block = modules[decision.name.removesuffix(".ffn")]
         old = [block.norm_2, block.ffn.up_proj, block.ffn.down_proj]
-        new = te_backend.make_te_layernorm_mlp(*old)  # LLM-Foundry's te init knows it
+        new = te.make_te_layernorm_mlp(*old)  # LLM-Foundry's te init knows it
         if optimizers is not None:
             update_params_in_optimizer([p for m in old for p in m.parameters()],
                                        list(new.parameters()), optimizers)

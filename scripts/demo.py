@@ -21,6 +21,7 @@ from foundry_fp8.jsonl import read_jsonl
 TINY_YAML = Path(__file__).resolve().parents[1] / "yamls" / "mpt-tiny-cpu.yaml"
 RUN_NAME = "mpt-tiny-cpu"
 RESUME_STEP = 20
+GUARD = "callbacks.fp8_guard={}"  # healthy, it never acts (step 3 shows it acting)
 
 
 def _train(data_root: Path, run_root: Path, run_name: str, *extra: str) -> None:
@@ -80,24 +81,30 @@ def main(argv: list[str] | None = None) -> int:
         (folder / "metrics.jsonl").unlink(missing_ok=True)
 
     print(f"== 1. train {RUN_NAME} on CPU with te_swap (emulated FP8), fp8_lint, fp8_stats and fp8_state through `llmfoundry train`", flush=True)
-    _train(data_root, run_root, RUN_NAME)
+    _train(data_root, run_root, RUN_NAME, GUARD)
     losses = _losses(full / "metrics.jsonl")
     print(f"   loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f} over {len(losses)} "
           f"batches (uniform guess: ln(512) = {math.log(512):.3f})")
 
     print(f"== 2. resume from the step-{RESUME_STEP} checkpoint", flush=True)
     checkpoint = full / "checkpoints" / f"ep0-ba{RESUME_STEP}-rank0.pt"
-    _train(data_root, run_root, resumed.name, f"load_path={checkpoint}")
+    _train(data_root, run_root, resumed.name, f"load_path={checkpoint}", GUARD)
     problems = compare_resume(full, resumed, final_step=len(losses))
     if problems:
         print("   RESUME MISMATCH:\n   " + "\n   ".join(problems))
         return 1
     print(f"   identical FP8 state at step {len(losses)} and identical losses after resuming")
 
-    print("== 3. FP8 statistics report", flush=True)
+    print("== 3. fp8_guard: the same run, one layer's input given an outlier channel (x1e5) from "
+          "step 10", flush=True)
+    from foundry_fp8.fault import demo as guard_demo
+
+    guard_demo(TINY_YAML, data_root, run_root, full)
+
+    print("== 4. FP8 statistics report", flush=True)
     subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "report", str(full)], check=True)
 
-    print("== 4. what reached the W&B offline history (read back with W&B's own reader)", flush=True)
+    print("== 5. what reached the W&B offline history (read back with W&B's own reader)", flush=True)
     print(wandb_history.describe(wandb_history.read_runs(full)))
     wandb_runs = sorted((full / "wandb").glob("offline-run-*"))
     print("\nOutputs:")

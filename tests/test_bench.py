@@ -183,7 +183,8 @@ def _fake_run_variant(variant, config, bar):
     """A bf16 row without training; te_swap variants crash as a broken GPU kernel would."""
     if variant.te_swap:
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
-    return {"name": variant.name, "precision": "fp32", "tokens_per_s": 1000.0, "mfu": 0.1,
+    return {"name": variant.name, "label": variant.label(config.tiny), "precision": "fp32",
+            "tokens_per_s": 1000.0, "mfu": 0.1,
             "hfu": 0.1, "mfu_peak_tflops": 989.0, "peak_mem_gb": 1.0, "loss": 1.0,
             "loss_first_timed_step": 2.0, "attention_share": None, "micro_batch": 4,
             "what": variant.what}

@@ -22,10 +22,10 @@ from foundry_fp8.environment import (
     NO_GPU,
     Snapshot,
     environment_findings,
-    parse_version,
 )
 from foundry_fp8.lint.accelerate import ACCELERATE_RULES
 from foundry_fp8.lint.rules import RULES, Finding
+from foundry_fp8.te.facts import parse_version
 
 H100 = Snapshot(python="3.11.7", torch="2.7.0", torch_cuda="12.6", gpu_name="NVIDIA H100",
                 capability=(9, 0), te="2.8.0", te_torch="2.8.0", te_core="2.8.0",

@@ -123,9 +123,9 @@ def _te_state(module: nn.Module, fwd: list[float], bwd: list[float]) -> None:
 
 @pytest.mark.parametrize("te", [None, (2, 3, 0), (2, 20, 2)], ids=["no-te", "te-2.3", "te-2.20"])
 def test_te_modules_under_delayed_fp8_report_their_own_scales(monkeypatch, te):
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import probe
 
-    monkeypatch.setattr(te_backend, "te_version", lambda: te)  # not whatever TE is installed
+    monkeypatch.setattr(probe, "te_version", lambda: te)  # not whatever TE is installed
     fake = types.ModuleType("transformer_engine.pytorch.quantization")
     fake.FP8GlobalStateManager = _FakeStateManager
     monkeypatch.setitem(__import__("sys").modules, fake.__name__, fake)

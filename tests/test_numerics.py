@@ -11,12 +11,12 @@ import torch
 from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
+    SUM_KEYS,
     current_scale,
     delayed_scale_update,
     empty_sufficient_stats,
     finalize_stats,
     finite_amax,
-    pool_sufficient_stats,
     quantize_dequantize,
     sufficient_stats,
     tensor_stats,
@@ -197,6 +197,12 @@ def test_finite_amax_skips_nan_and_inf():
     assert finite_amax(torch.zeros(0)).item() == 0.0
 
 
+def _pool(rows: torch.Tensor) -> torch.Tensor:
+    """What `all_reduce_sufficient_stats` does across ranks, over rows: SUM_KEYS summed,
+    MAX_KEYS maxed (tests/test_stats_distributed.py runs the real all_reduce on 2 ranks)."""
+    return torch.cat([rows[:, :len(SUM_KEYS)].sum(0), rows[:, len(SUM_KEYS):].amax(0)])
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_pooled_pieces_equal_the_stats_of_the_whole_tensor(fmt):
     gen = torch.Generator().manual_seed(5)
@@ -205,7 +211,7 @@ def test_pooled_pieces_equal_the_stats_of_the_whole_tensor(fmt):
     pieces = [whole[:1000], whole[1000:1001], whole[1001:2999], whole[2999:], whole[:0]]
     scale = FP8_MAX[fmt] / 64.0  # one scale for every piece: the pooled meaning is exact
     rows = torch.stack([sufficient_stats(p, fmt, scale) for p in pieces])
-    pooled = dict(zip(STAT_KEYS, finalize_stats(pool_sufficient_stats(rows)).tolist(), strict=True))
+    pooled = dict(zip(STAT_KEYS, finalize_stats(_pool(rows)).tolist(), strict=True))
     want = tensor_stats(whole, fmt, scale=scale)
     ref = ref_stats([float(v) for v in whole], fmt, scale)
     for key in STAT_KEYS:
@@ -215,4 +221,4 @@ def test_pooled_pieces_equal_the_stats_of_the_whole_tensor(fmt):
     assert pooled["nan_count"] == 1 and pooled["inf_count"] == 1
     # a piece nobody saw changes nothing
     padded = torch.cat([rows, empty_sufficient_stats(2)])
-    assert torch.equal(pool_sufficient_stats(padded), pool_sufficient_stats(rows))
+    assert torch.equal(_pool(padded), _pool(rows))

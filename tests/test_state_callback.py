@@ -21,12 +21,12 @@ from foundry_fp8.composer.state import (
     fp8_state_from_checkpoint,
     recompute_settings,
     stale_backward_modules,
-    without_pickled_extra_state,
 )
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
 from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.te.extra_state import without_pickled_extra_state
 from tests.tiny_run import run_folder, run_tiny
 
 SWAP = {"te_swap": {"backend": "emulate", "fp8_recipe": {"amax_history_len": 4}}}

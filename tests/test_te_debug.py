@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from foundry_fp8.te_debug import (
+from foundry_fp8.te.debug import (
     CURRENT_STATS,
     DELAYED_STATS,
     FEATURE,

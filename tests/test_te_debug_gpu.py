@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from foundry_fp8.numerics import FP8_MAX, tensor_stats
-from foundry_fp8.te_debug import TEDebugSession, log_fp8_tensor_stats_config
+from foundry_fp8.te.debug import TEDebugSession, log_fp8_tensor_stats_config
 
 pytestmark = pytest.mark.gpu
 

@@ -19,9 +19,9 @@ from foundry_fp8.composer.state import (
     FP8State,
     recompute_settings,
     stale_backward_modules,
-    without_pickled_extra_state,
 )
 from foundry_fp8.fp8_meta import is_fp8_module, read_fp8_meta
+from foundry_fp8.te.extra_state import without_pickled_extra_state
 
 pytestmark = pytest.mark.gpu
 
@@ -303,7 +303,7 @@ def test_te_recompute_unfused_shortens_history(te, update_calls, monkeypatch):
 
 
 def test_guard_settings_on_installed_te(te):
-    from foundry_fp8.te_backend import te_version
+    from foundry_fp8.te.probe import te_version
 
     fsdp = {"activation_checkpointing": True, "activation_checkpointing_reentrant": True}
     assert recompute_settings("amp_fp8", fsdp, 1, te_version(), emulated=False) == {

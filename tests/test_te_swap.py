@@ -16,9 +16,9 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 from foundry_fp8.emulate import EmulatedFP8Linear, is_fp8_enabled
-from foundry_fp8.environment import parse_version
 from foundry_fp8.numerics import FP8_MAX, delayed_scale_update
 from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.te.facts import parse_version
 from tests.tiny_run import run_tiny, tiny_config
 
 LAYER = "model.transformer.blocks.0.attn.Wqkv"
@@ -198,7 +198,7 @@ def test_python_callers_keep_working():
 
 def test_te_backend_without_te_names_emulate():
     from foundry_fp8.composer.te_swap import TESwap
-    from foundry_fp8.te_backend import te_available
+    from foundry_fp8.te.probe import te_available
 
     if te_available():
         pytest.skip("TransformerEngine is installed here")
@@ -360,10 +360,10 @@ def fake_te(monkeypatch):
     """Installs a stand-in TE of the version given to the returned function. The version the
     product code sees is the stand-in's, even where a real TE is installed (whose distribution
     metadata `te_version` would otherwise read)."""
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import probe
 
     def install(version: str = "2.20.2") -> None:
-        monkeypatch.setattr(te_backend, "te_version", lambda: parse_version(version))
+        monkeypatch.setattr(probe, "te_version", lambda: parse_version(version))
         root = types.ModuleType("transformer_engine")
         root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
         root.__version__ = version
@@ -388,7 +388,7 @@ def fake_te(monkeypatch):
 def test_meta_layers_stay_on_meta_for_fsdp_to_initialise(fake_te):
     """TE defers init only for `device == "meta"`, which a torch.device never equals: handed
     one, TE would materialise the layer (on CUDA) and the copy from meta would fail."""
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import backend as te_backend
 
     fake_te()
     with torch.device("meta"):
@@ -402,7 +402,7 @@ def test_meta_layers_stay_on_meta_for_fsdp_to_initialise(fake_te):
 
 @pytest.mark.parametrize("version", ["2.20.2", "1.12.0"])
 def test_layernorm_arguments_follow_the_te_version(fake_te, version):
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import backend as te_backend
 
     fake_te(version)
     src = torch.nn.LayerNorm(32, eps=1e-6)
@@ -416,7 +416,7 @@ def test_layernorm_arguments_follow_the_te_version(fake_te, version):
 def test_current_scaling_power_of_2_reaches_the_gemm_quantizers(fake_te, version, power_2):
     """te.Linear sets its input, weight and grad quantizers' power-of-2 flag from the recipe's
     QParams (module/linear.py, _customize_quantizers_float8_current_scaling)."""
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import backend as te_backend
 
     fake_te(version)
     recipe = te_backend.to_te_recipe(FP8Recipe(scaling="current", fp8_format="E4M3",
@@ -428,7 +428,7 @@ def test_current_scaling_power_of_2_reaches_the_gemm_quantizers(fake_te, version
 
 
 def test_te_older_than_checked_is_refused_by_name(fake_te):
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import backend as te_backend
 
     fake_te("1.11.0")
     with pytest.raises(RuntimeError, match=r"TransformerEngine >= 1\.12, found 1\.11\.0"):

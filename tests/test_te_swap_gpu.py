@@ -29,7 +29,7 @@ class _RecipeProbe(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         del logger
-        from foundry_fp8.te_backend import active_te_recipe
+        from foundry_fp8.te.probe import active_recipe as active_te_recipe
 
         def hook(module, args):
             if not module.training:

@@ -27,7 +27,6 @@ from torch import nn
 
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
-from foundry_fp8.environment import MIN_TE_FOR_RECOMPUTE
 from foundry_fp8.fp8_meta import (
     fp8_modules,
     is_fp8_module,
@@ -50,39 +49,16 @@ from foundry_fp8.restore import (
     recipe_change,
     saved_recipe,
 )
+from foundry_fp8.te.extra_state import inert_extra_state_hook
+from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
+from foundry_fp8.te.probe import is_te_module
+from foundry_fp8.te.recompute import recompute_plan
 
 log = logging.getLogger(__name__)
-
-EXTRA_STATE_SUFFIX = "_extra_state"
 
 
 class FP8StateError(ValueError):
     """A checkpoint or configuration that fp8_state refuses; the message names what to fix."""
-
-
-def inert_extra_state() -> torch.Tensor:
-    """A pickled `None` as TE's uint8 extra-state tensor: TE's `set_extra_state` returns on a
-    `None` state, and TE >= 2.16.1 classifies a pickle without globals as safe to ignore
-    (`pytorch/_extra_state.py`), so it loads without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE."""
-    return torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8)
-
-
-def without_pickled_extra_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a model state_dict whose `_extra_state` entries hold no pickled state.
-
-    The keys stay (a strict load expects them); TE then loads the checkpoint without
-    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE. The FP8 state they held is what `fp8_state` saves.
-    """
-    return {k: inert_extra_state() if k.split(".")[-1] == EXTRA_STATE_SUFFIX else v
-            for k, v in state_dict.items()}
-
-
-def _inert_extra_state_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                            local_metadata: Any) -> None:
-    del module, local_metadata
-    key = prefix + EXTRA_STATE_SUFFIX
-    if key in state_dict:
-        state_dict.update(without_pickled_extra_state({key: state_dict[key]}))
 
 
 def _composer_checkpoint_types() -> list[Any]:
@@ -146,38 +122,12 @@ def run_recipe(state: State) -> FP8Recipe | None:
 
 def recompute_settings(precision: str, fsdp: Mapping[str, Any] | None, fsdp_version: int,
                        te_version: tuple[int, ...] | None, emulated: bool) -> dict[str, Any]:
-    """The FSDP config fields to set so that activation recompute runs under FP8.
-
-    Composer 0.32 (`distributed/dist_strategy.py`) recomputes TE modules under FP8 only with
-    its `te_checkpoint_wrapper` (FSDP1, read only when precision is `amp_fp8`, asserted
-    non-reentrant), which wraps blocks in `te.distributed.checkpoint`; its default is reentrant
-    torch checkpointing, and FSDP2's is non-reentrant torch checkpointing, both recomputing
-    outside TE's autocast. `activation_cpu_offload` alone recomputes nothing (offload_wrapper
-    only moves saved tensors), so only `activation_checkpointing` matters. Raises
-    `FP8StateError` where no setting makes the recompute safe.
-    """
-    if not fsdp or not fsdp.get("activation_checkpointing"):
-        return {}
-    if emulated:
-        raise FP8StateError(
-            "fp8_state: fsdp_config.activation_checkpointing would recompute te_swap's emulated "
-            "FP8 layers outside FP8 (TE #1190 class); turn it off, or checkpoint with "
-            "foundry_fp8.emulate.fp8_checkpoint in your own model")
-    if precision != "amp_fp8" or te_version is None:
-        return {}
-    if tuple(te_version) < MIN_TE_FOR_RECOMPUTE:
-        raise FP8StateError(
-            f"fp8_state: TransformerEngine {'.'.join(map(str, te_version))} recomputes FP8 "
-            f"activations wrongly (TE #1190); use TransformerEngine >= "
-            f"{'.'.join(map(str, MIN_TE_FOR_RECOMPUTE))} or turn off "
-            "fsdp_config.activation_checkpointing")
-    if fsdp_version != 1:
-        raise FP8StateError(
-            "fp8_state: with amp_fp8, fsdp_config.activation_checkpointing needs Composer's "
-            "te_checkpoint_wrapper, which only FSDP1 has; use FSDP1 or turn activation "
-            "checkpointing off")
-    wanted = {"te_checkpoint_wrapper": True, "activation_checkpointing_reentrant": False}
-    return {k: v for k, v in wanted.items() if fsdp.get(k) != v}
+    """The FSDP config fields to set so that activation recompute runs under FP8
+    (`te.recompute.recompute_plan`); FP8StateError where no setting makes it safe."""
+    plan = recompute_plan(precision, fsdp, fsdp_version, te_version, emulated)
+    if plan.refusal is not None:
+        raise FP8StateError(plan.refusal)
+    return plan.settings
 
 
 def _rolled(before: torch.Tensor, after: torch.Tensor) -> bool:
@@ -264,7 +214,7 @@ class FP8State(Callback):
         precision = state.precision.value
         te_version = None
         if precision == "amp_fp8" and fields.get("activation_checkpointing"):
-            from foundry_fp8.te_backend import te_version as installed_te_version
+            from foundry_fp8.te.probe import te_version as installed_te_version
 
             te_version = installed_te_version()
         emulated = (any(isinstance(m, EmulatedFP8Linear) for m in state.model.modules())
@@ -282,8 +232,8 @@ class FP8State(Callback):
         """At BEFORE_LOAD: te_swap has converted the model (INIT) and the checkpoint is not
         loaded yet, so every FP8 module saves, and loads, an inert `_extra_state`."""
         for module in model.modules():  # FP8 modules, and TE's ops (te.LayerNorm)
-            if is_fp8_module(module) or type(module).__module__.startswith("transformer_engine"):
-                module.register_state_dict_post_hook(_inert_extra_state_hook)
+            if is_fp8_module(module) or is_te_module(module):
+                module.register_state_dict_post_hook(inert_extra_state_hook)
 
     def _watch(self) -> None:
         assert self._model is not None
@@ -307,7 +257,7 @@ class FP8State(Callback):
         message = (f"fp8_state: backward FP8 scales are not updating while forward ones are "
                    f"(TE #1190 symptom: activation recompute outside FP8?) in {shown}; "
                    f"recompute FP8 layers with te.distributed.checkpoint on TE >= "
-                   f"{'.'.join(map(str, MIN_TE_FOR_RECOMPUTE))} (Composer FSDP1: "
+                   f"{dotted(MIN_TE_FOR_RECOMPUTE)} (Composer FSDP1: "
                    f"te_checkpoint_wrapper: true, activation_checkpointing_reentrant: false) or "
                    f"foundry_fp8.emulate.fp8_checkpoint, not torch.utils.checkpoint")
         if self.strict:

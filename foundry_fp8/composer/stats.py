@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +14,11 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from foundry_fp8.fp8_meta import canonical_modules
+from foundry_fp8.health.keys import parse_key
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, multi_rank
 from foundry_fp8.options import MonitorConfig, Schedule, build
 from foundry_fp8.paths import in_run_folder
-from foundry_fp8.te_debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
+from foundry_fp8.te.debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class FP8Stats(Callback):
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
+        #: Called on every rank at each logging step with (step, table, flags): the pooled
+        #: `{(layer, tensor): {stat: value}}` and the health flags raised (fp8_guard's input).
+        self.listeners: list[Callable[[int, dict, dict], None]] = []
         self.te_debug = _start_te_debug(self.options.te_debug, self.config.layers,
                                         self.config.exclude, self.config.tensors, self.schedule,
                                         Path(self.options.te_debug_folder),
@@ -142,6 +146,10 @@ class FP8Stats(Callback):
         if self.monitor is None:
             return
         metrics = self.monitor.finish_step()  # raises only on every rank together
+        if metrics and self.listeners:
+            table = stats_table(metrics)
+            for listener in self.listeners:
+                listener(self._step, table, {})
         if self.te_debug is not None:
             self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
             metrics.update(self._te_metrics)
@@ -173,6 +181,21 @@ class FP8Stats(Callback):
             log.exception("fp8_stats: %s failed on rank 0; the statistics go on", what)
 
 
+def stats_table(metrics: Mapping[str, float]) -> dict[tuple[str, str], dict[str, float]]:
+    """`{(layer, tensor): {stat: value}}` from the monitor's per-layer metrics (the health key
+    layout, or the older `fp8/<layer>/<tensor>/<stat>`); other keys are left out."""
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    for key, value in metrics.items():
+        parsed = parse_key(key)
+        if parsed is None and key.startswith("fp8/") and key.count("/") >= 3:
+            layer, tensor, stat = key.removeprefix("fp8/").rsplit("/", 2)
+            parsed = stat, tensor, layer
+        if parsed is not None:
+            stat, tensor, layer = parsed
+            table.setdefault((layer, tensor), {})[stat] = value
+    return table
+
+
 def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
                     tensors: Sequence[str], schedule: Schedule, folder: Path,
                     sink: Callable[[str, float], None]) -> TEDebugSession | None:
@@ -182,9 +205,9 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
     before the model."""
     if scaling is None:
         return None
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te.probe import te_available
 
-    if not te_backend.te_available():
+    if not te_available():
         raise RuntimeError("fp8_stats.te_debug: needs TransformerEngine and nvdlfw-inspect "
                            "(pip install 'foundry-fp8[te]' on a GPU machine); without TE, "
                            "leave te_debug unset: the module-hook statistics work anywhere")

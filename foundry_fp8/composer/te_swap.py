@@ -31,7 +31,7 @@ from torch import nn
 
 from foundry_fp8.fp8_meta import is_fp8_module
 from foundry_fp8.options import SwapConfig, build
-from foundry_fp8.recipe import FP8Recipe, RecipeError, environment_problems, is_same_delayed_recipe
+from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
 from foundry_fp8.swap import (
     SwapPlan,
     apply_swap,
@@ -115,9 +115,9 @@ class TESwap(Algorithm):
             from foundry_fp8.emulate import fp8_autocast
 
             return fp8_autocast(recipe=self.recipe)
-        from foundry_fp8 import te_backend
+        from foundry_fp8.te import backend
 
-        return te_backend.te_fp8_autocast(self.recipe)
+        return backend.te_fp8_autocast(self.recipe)
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         del args
@@ -162,11 +162,12 @@ def _check_te_environment(recipe: FP8Recipe) -> None:
     """`backend: te` needs TE (error names `emulate`) and a GPU/TE that can run the recipe."""
     import torch
 
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import backend, probe
+    from foundry_fp8.te.facts import environment_problems
 
-    te_backend.require_te()
+    backend.require_te()
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    problems = environment_problems(recipe, capability, te_backend.te_version())
+    problems = environment_problems(recipe, capability, probe.te_version())
     if problems:
         raise RecipeError(problems[0])
 
@@ -195,10 +196,10 @@ def _set_precision_config(state: State, recipe: FP8Recipe) -> None:
     passes precision_config to TE unchanged, and TE 2.20.2's DelayedScaling, a pydantic
     dataclass, refuses a string `fp8_format`.
     """
-    from foundry_fp8 import te_backend
+    from foundry_fp8.te import backend
 
     current = state.precision_config
     if current is not None and not is_same_delayed_recipe(current, recipe):
         raise ValueError(f"te_swap.fp8_recipe: the Trainer already has precision_config "
                          f"{dict(current)}; give the recipe in one place only")
-    state._precision_config = te_backend.delayed_scaling_kwargs(recipe)
+    state._precision_config = backend.delayed_scaling_kwargs(recipe)

@@ -23,11 +23,11 @@ from typing import Any
 
 import yaml
 
-from foundry_fp8.environment import dotted, parse_version
 from foundry_fp8.lint.known import did_you_mean
 from foundry_fp8.lint.load import LintInputError, key_positions, position_of
 from foundry_fp8.lint.rules import Finding, LintContext, Rule, _section
 from foundry_fp8.recipe import recipe_problems
+from foundry_fp8.te.facts import dotted, parse_version
 
 ACC = "Accelerate (huggingface/accelerate, tags v0.34.2-v1.14.0)"
 TE = "TransformerEngine (NVIDIA/TransformerEngine, tags v1.0-v2.18)"

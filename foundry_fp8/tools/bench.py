@@ -345,7 +345,7 @@ def skip_reason(variant: Variant, config: BenchConfig) -> str | None:
     """Why a variant cannot run here, or None."""
     if config.tiny:
         return "needs TransformerEngine layers (no CPU emulation)" if variant.native_te else None
-    from foundry_fp8.te_backend import te_available
+    from foundry_fp8.te.probe import te_available
 
     if variant.yaml == "fp8" and not te_available():
         return "TransformerEngine is not installed"

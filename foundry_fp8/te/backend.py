@@ -1,4 +1,5 @@
-"""The one module that touches TransformerEngine, imported lazily inside functions.
+"""Building TE modules and recipes and entering TE's autocast; TE is imported lazily inside
+functions.
 
 Everything else (swap planning, the emulated backend, CI) runs without TE. Facts used below were
 read in TE's Python sources (2.20, and the tags back to 1.12 where noted):
@@ -20,56 +21,30 @@ read in TE's Python sources (2.20, and the tags back to 1.12 where noted):
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from contextlib import AbstractContextManager
-from importlib import metadata
 from typing import Any
 
 import torch
 from torch import nn
 
-from foundry_fp8.environment import parse_version
 from foundry_fp8.recipe import FP8Recipe
-
-#: Oldest TE whose module arguments, FP8 state layout and activation recompute (TE #1190, fixed
-#: by TE #1254 in 1.12) this module was checked against.
-MIN_TE_VERSION = (1, 12)
+from foundry_fp8.te import probe
+from foundry_fp8.te.facts import MIN_TE, MIN_TE_CURRENT_SCALING, TE_LAYERNORM_AS_OP, dotted
 
 #: TE's per-tensor current-scaling quantisation parameters that te.Linear and friends read.
 _CURRENT_SCALING_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 
 
-def te_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-def te_version() -> tuple[int, ...] | None:
-    """The installed TE's version as integers (e.g. (2, 20, 2)), None when TE is absent."""
-    if not te_available():
-        return None
-    try:
-        text = metadata.version("transformer_engine")
-    except metadata.PackageNotFoundError:
-        import transformer_engine
-
-        text = transformer_engine.__version__
-    return parse_version(text)
-
-
-def _dotted(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version))
-
-
 def require_te() -> None:
     """Fail clearly where TE cannot be imported or is older than checked: never fall back."""
-    if not te_available():
+    if not probe.te_available():
         raise RuntimeError("te_swap.backend: 'te' needs TransformerEngine (pip install "
                            "'foundry-fp8[te]' on a GPU machine); for FP8 numerics without TE "
                            "use te_swap: {backend: emulate}")
-    version = te_version()
-    if version is not None and version < MIN_TE_VERSION:
+    version = probe.te_version()
+    if version is not None and version < MIN_TE:
         raise RuntimeError(f"te_swap.backend: 'te' needs TransformerEngine >= "
-                           f"{_dotted(MIN_TE_VERSION)}, found {_dotted(version)}; upgrade it, "
+                           f"{dotted(MIN_TE)}, found {dotted(version)}; upgrade it, "
                            "or use te_swap: {backend: emulate}")
 
 
@@ -102,10 +77,10 @@ def make_te_layernorm(src: nn.LayerNorm) -> nn.Module:
     """A `te.LayerNorm` (same `weight`/`bias` names) with `src`'s eps; parameters copied."""
     import transformer_engine.pytorch as te
 
-    version = te_version()
-    if version is not None and version < (1, 13):  # before te.LayerNorm became an op
+    version = probe.te_version()
+    if version is not None and version < TE_LAYERNORM_AS_OP:
         if len(src.normalized_shape) != 1:
-            raise ValueError(f"TransformerEngine {_dotted(version)}'s LayerNorm normalises one "
+            raise ValueError(f"TransformerEngine {dotted(version)}'s LayerNorm normalises one "
                              f"dimension, not {tuple(src.normalized_shape)}")
         new = te.LayerNorm(src.normalized_shape[0], eps=src.eps, params_dtype=src.weight.dtype,
                            device=te_device(src.weight))
@@ -174,9 +149,9 @@ def to_te_recipe(recipe: FP8Recipe) -> Any:
     if recipe.scaling == "delayed":
         return te_recipe.DelayedScaling(**delayed_scaling_kwargs(recipe))
     if not hasattr(te_recipe, "Float8CurrentScaling"):
-        found = te_version()
-        raise RuntimeError(f"fp8_recipe.scaling: 'current' needs TransformerEngine >= 2.2, found "
-                           f"{_dotted(found) if found else 'unknown'}; use scaling: delayed")
+        raise RuntimeError(f"fp8_recipe.scaling: 'current' needs TransformerEngine >= "
+                           f"{dotted(MIN_TE_CURRENT_SCALING)}, found {dotted(probe.te_version())}"
+                           "; use scaling: delayed")
     return _current_scaling(te_recipe, recipe)
 
 
@@ -193,11 +168,21 @@ def te_fp8_autocast(recipe: FP8Recipe) -> AbstractContextManager:
     return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe)
 
 
-def active_te_recipe() -> Any:
-    """The recipe TE's FP8 global state holds right now (read inside a forward to verify)."""
-    try:
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-    except ImportError:  # TE before 2.9
-        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+def te_high_precision() -> AbstractContextManager:
+    """A region where TE's modules run in high precision, for fp8_guard's fallbacks.
 
-    return FP8GlobalStateManager.get_fp8_recipe()
+    TE 2.20.2 (`pytorch/quantization.py`): entering saves the global FP8 state and sets FP8 off
+    (`autocast.__enter__`, `autocast_enter`); a module then sees `fp8=False` in
+    `init_fp8_metadata` (`module/base.py`), so it neither casts nor adds its amaxes to the
+    reduction buffers, and its backward follows the forward (`ctx.fp8`). A nested region does not
+    reset `is_first_fp8_module` (only depth 0 does) and its exit restores the saved state, so the
+    backward amax reduction stays with the first module that does run in FP8; a disabled exit
+    updates no scales. The layer's own delayed state, registered in TE's buffers by its earlier
+    FP8 forwards, then sees zero amaxes, which the fused update leaves alone (no roll, scale kept:
+    `common/recipe/delayed_scaling.cu`, `kernel_bulk`). Not run on a GPU yet.
+    """
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=False)
+    return te.fp8_autocast(enabled=False)

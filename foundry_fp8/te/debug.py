@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from foundry_fp8.fp8_meta import canonical_name
+from foundry_fp8.te.probe import is_te_module
 
 #: Tensors TE's feature can watch, named as our `fp8_stats` names them.
 TE_TENSORS = ("activation", "weight", "gradient")
@@ -76,11 +76,6 @@ def metric_name(te_name: str, layers: Iterable[str]) -> str | None:
     return None
 
 
-def is_te_module(module: Any) -> bool:
-    """A TransformerEngine module (by where its class lives; no TE import)."""
-    return type(module).__module__.startswith("transformer_engine")
-
-
 class TEDebugSession:
     """One run's TE debug API: start before the model exists, name layers, step, close.
 
@@ -116,10 +111,10 @@ class TEDebugSession:
 
     def name_layers(self, named_modules: Iterable[tuple[str, Any]]) -> None:
         """Give TE modules our module names (TE would call them `Layer_<n>`), so the layer regex
-        and the metric names match what our hooks use."""
+        and the metric names match what our hooks use: pass `fp8_meta.canonical_modules`."""
         for name, module in named_modules:
             if is_te_module(module) and hasattr(module, "name"):
-                module.name = canonical_name(name)  # as fp8_stats' hooks name it
+                module.name = name
                 self.layer_names.add(module.name)
 
     def step(self) -> None:

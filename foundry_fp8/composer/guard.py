@@ -1,0 +1,270 @@
+"""`fp8_guard`: the Composer callback that moves an FP8 layer whose health fails to high precision
+mid-run (`callbacks: {fp8_stats: {...}, fp8_guard: {...}}`). Decisions: `foundry_fp8.guard`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import Any
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+from torch import nn
+
+from foundry_fp8 import emulate
+from foundry_fp8.composer.stats import FP8Stats
+from foundry_fp8.composer.te_swap import TESwap
+from foundry_fp8.fp8_meta import canonical_name, fp8_modules
+from foundry_fp8.guard import (
+    OPTION,
+    GuardBudgetError,
+    GuardConfig,
+    GuardCore,
+    fallback_message,
+    render_fallbacks,
+    static_yaml,
+)
+from foundry_fp8.health import short_layer
+from foundry_fp8.monitor import multi_rank
+from foundry_fp8.options import build
+
+log = logging.getLogger(__name__)
+
+FALLBACK_LAYERS = "fp8/guard/fallback_layers"
+FP8_FLOPS_SHARE = "fp8/guard/fp8_flops_share"
+
+
+class FP8Guard(Callback):
+    """Watches fp8_stats' pooled statistics at each of its logging steps; an FP8 layer that a
+    health rule flags (over `consecutive` logging steps) runs its GEMMs in high precision from the
+    next step on, weights, optimizer state and parameter names untouched. Every rank takes the
+    same decision at the same step (one MAX all_reduce of the candidates per logging step).
+
+    At most `max_fallback_share` of the FP8 FLOPs fall back; past it, `strict: true` stops the
+    run, else the guard warns and the layer stays in FP8. Decisions are in the checkpoint (this
+    callback's state) and apply again on resume. Each fallback is logged once (warning) with the
+    numbers that flagged it and the equivalent static `te_swap: {exclude: ...}`.
+
+    Logs, by rank 0 at fp8_stats' logging steps: `fp8/guard/fallback_layers` (layers in
+    fallback) and `fp8/guard/fp8_flops_share` (share of the linear-GEMM FLOPs still in FP8); at
+    fit end the hyperparameter `fp8/guard/fallbacks` (the table it prints).
+
+    The guard's own errors switch it off (every rank together; layers already in fallback stay
+    so) unless `strict: true`.
+    """
+
+    def __init__(self, **options: Any):
+        self.config: GuardConfig = build("fp8_guard", options)  # one line naming the key
+        self.core: GuardCore | None = None
+        self.disabled = False
+        self._restored: Mapping[str, Any] | None = None
+        self._modules: dict[str, nn.Module] = {}
+        self._handles: dict[str, list[Any]] = {}
+        self._exclude: str | None = None
+        self._state: State | None = None
+        self._logger: Logger | None = None
+        self._stop: BaseException | None = None  # raised at the next batch_end/batch_checkpoint
+
+    # events
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        stats = next((c for c in state.callbacks if isinstance(c, FP8Stats)), None)
+        if stats is None:
+            raise ValueError(f"{OPTION}: needs callbacks.fp8_stats, whose statistics it "
+                                   "acts on (add `fp8_stats: {interval: 100ba}`)")
+        self._state, self._logger = state, logger
+        failed = False
+        try:
+            self._start(state)
+        except Exception:
+            if self.config.strict:
+                raise
+            log.exception("fp8_guard failed to start; it is off for this run (strict: true "
+                          "to fail instead)")
+            failed = True
+        if multi_rank():  # one rank without a core cannot join the steps' all_reduce
+            flag = state.device.tensor_to_device(torch.tensor([float(failed)]))
+            dist.all_reduce(flag, reduce_operation="MAX")
+            failed = bool(flag.item())
+        if failed:
+            self.disabled = True
+        elif self._listen not in stats.listeners:
+            stats.listeners.append(self._listen)
+
+    def _start(self, state: State) -> None:
+        self._remove_all()
+        self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)}
+        swap = next((a for a in state.algorithms if isinstance(a, TESwap)), None)
+        self._exclude = swap.config.exclude if swap is not None else None
+        self.core = GuardCore(self.config, layer_flops(state.model, self._modules, swap))
+        if self._restored is not None:
+            self.core.load_state_dict(self._restored)
+        for layer in self.core.fallbacks:
+            self._apply(layer)
+        if self.core.fallbacks:
+            log.warning("fp8_guard: resumed with %s in high precision",
+                        ", ".join(self.core.fallbacks))
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        self._raise_stop()
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._raise_stop()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if self.core is None or not self.core.fallbacks or dist.get_global_rank() != 0:
+            return
+        table = render_fallbacks(self.core.fallbacks.values(), self.core.fp8_flops_share)
+        print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n"
+              f"Next time: {static_yaml(self.core.fallbacks, self._exclude)}", flush=True)
+        logger.log_hyperparameters({"fp8/guard/fallbacks": table})
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.core is not None:
+            return {"core": self.core.state_dict()}
+        return {"core": self._restored} if self._restored is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = state.get("core")
+        if self.core is not None and self._state is not None:  # loaded after fit_start
+            self._start(self._state)
+
+    # the listener fp8_stats calls at each logging step, on every rank
+
+    def _listen(self, step: int, table: Mapping[tuple[str, str], Mapping[str, float]],
+                flags: Mapping) -> None:
+        del flags  # the guard judges with its own thresholds (its tracker)
+        if self.disabled or self.core is None:
+            return
+        core = self.core
+        table = {(short_layer(layer), tensor): stats for (layer, tensor), stats in table.items()}
+        mine: list[str] = []
+        failed = False
+        try:
+            mine = core.candidates(step, table)
+        except Exception as e:
+            failed = self._own_error(e)
+        agreed, failed = self._agree(mine, failed)
+        if failed:
+            log.error("fp8_guard failed on this or another rank; it is off from now on, on every "
+                      "rank (layers already in fallback stay in high precision)")
+            self.disabled = True
+            return
+        try:
+            self._act(step, agreed, table)
+        except Exception as e:
+            if self._own_error(e):
+                self.disabled = True
+
+    def _act(self, step: int, layers: list[str], table: Mapping) -> None:
+        assert self.core is not None
+        verdict = self.core.decide(step, layers, table)
+        rank_zero = dist.get_global_rank() == 0
+        for fallback in verdict.fallbacks:
+            self._apply(fallback.layer)
+            if rank_zero:
+                log.warning(fallback_message(fallback, static_yaml([fallback.layer],
+                                                                   self._exclude)))
+        if verdict.budget_message:
+            if self.config.strict:
+                self._stop = GuardBudgetError(verdict.budget_message)
+            elif not set(verdict.refused) <= self.core.warned:
+                self.core.warned.update(verdict.refused)
+                if rank_zero:
+                    log.warning("%s; the layer stays in FP8 (strict: true stops the run)",
+                                verdict.budget_message)
+        if rank_zero and self._logger is not None:
+            self._logger.log_metrics({FALLBACK_LAYERS: float(len(self.core.fallbacks)),
+                                      FP8_FLOPS_SHARE: self.core.fp8_flops_share}, step=step)
+
+    def _own_error(self, error: Exception) -> bool:
+        """True: switch off (logged); strict: kept to raise after fp8_stats' BATCH_END."""
+        if self.config.strict:
+            self._stop = error
+            return False
+        log.error("fp8_guard failed: %r", error, exc_info=error)
+        return True
+
+    def _raise_stop(self) -> None:
+        if self._stop is not None:
+            error, self._stop = self._stop, None
+            raise error
+
+    def _agree(self, mine: Iterable[str], failed: bool) -> tuple[list[str], bool]:
+        """The union of the ranks' candidates and whether any rank failed (one all_reduce)."""
+        layers = self.core.layers if self.core is not None else []
+        chosen = set(mine)
+        if not multi_rank():
+            return sorted(chosen), failed
+        assert self._state is not None
+        votes = torch.tensor([float(name in chosen) for name in layers] + [float(failed)])
+        votes = self._state.device.tensor_to_device(votes)
+        dist.all_reduce(votes, reduce_operation="MAX")
+        values = votes.cpu().tolist()
+        return [name for name, v in zip(layers, values, strict=False) if v], bool(values[-1])
+
+    # the switch
+
+    def _apply(self, layer: str) -> None:
+        if layer not in self._handles and layer in self._modules:
+            self._handles[layer] = high_precision_hooks(self._modules[layer])
+
+    def _remove_all(self) -> None:
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles.clear()
+
+
+def high_precision_context(module: nn.Module) -> AbstractContextManager:
+    """The autocast region in which `module` runs in high precision: a nested disabled one."""
+    if isinstance(module, emulate.EmulatedFP8Linear):
+        return emulate.fp8_autocast(enabled=False)
+    if hasattr(module, "init_fp8_metadata"):  # a TE module
+        from foundry_fp8.te import backend as te_backend
+
+        return te_backend.te_high_precision()
+    return nullcontext()
+
+
+def high_precision_hooks(module: nn.Module) -> list[Any]:
+    """Run `module`'s forward (and so its backward) in high precision from now on, by hooks:
+    nothing of the module itself changes. The pre-hook runs first, so fp8_stats sees the layer
+    as not in FP8 (what-if statistics); the exit hook also runs when the forward raises."""
+    regions: list[ExitStack] = []
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        stack = ExitStack()
+        stack.enter_context(high_precision_context(mod))
+        regions.append(stack)
+
+    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        if regions:
+            regions.pop().close()
+
+    return [module.register_forward_pre_hook(enter, prepend=True),
+            module.register_forward_hook(leave, always_call=True)]
+
+
+def _gemm_flops(module: nn.Module) -> int:
+    """Forward GEMM multiply-adds per token of a linear-like module (both GEMMs of an LN-MLP)."""
+    if isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2:
+        return module.weight.numel()
+    return sum(getattr(module, name).numel() for name in ("fc1_weight", "fc2_weight")
+               if isinstance(getattr(module, name, None), torch.Tensor))
+
+
+def layer_flops(model: nn.Module, layers: Mapping[str, nn.Module],
+                swap: TESwap | None) -> dict[str, float]:
+    """Each FP8 layer's share of the model's linear-GEMM FLOPs: te_swap's plan where it has the
+    layer (its total counts a tied LM head), else the weight shapes of the model's linear
+    modules."""
+    planned: dict[str, float] = {}
+    if swap is not None and swap.plan is not None:
+        planned = {short_layer(canonical_name(d.name)): d.flops_share for d in swap.plan.decisions}
+    total = sum(_gemm_flops(m) for m in model.modules()
+                if isinstance(m, nn.Linear) or m in layers.values()) or 1
+    return {layer: planned.get(layer, _gemm_flops(m) / total) for layer, m in layers.items()}

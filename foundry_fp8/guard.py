@@ -1,0 +1,191 @@
+"""fp8_guard's decisions, plain Python: which FP8 layers fall back to high precision, at which
+logging step, within what budget, and what to write in the YAML next time.
+
+The judgement is the health package's (`HealthTracker`: the same rules as `fp8_stats`' advice
+and `foundry-fp8 report`), applied to each logging step on its own with the guard's thresholds;
+an FP8 layer falls back once some rule has flagged one of its tensors at `consecutive` logging
+steps in a row, so a single amax spike does not move a layer. A guard that resumes from a
+checkpoint replays the last judged tables into a fresh tracker, so its streaks, and so its
+decisions, are those of the run that did not stop.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from foundry_fp8.health import Flag, HealthTracker, Thresholds, short_layer
+from foundry_fp8.options import FP8GuardOptions as GuardConfig
+
+Table = Mapping[tuple[str, str], Mapping[str, float]]
+OPTION = GuardConfig.PATH
+
+
+class GuardBudgetError(RuntimeError):
+    """More of the FP8 FLOPs would fall back than `max_fallback_share` allows (`strict: true`)."""
+
+
+def thresholds(config: GuardConfig) -> Thresholds:
+    """The tracker's limits: each logging step judged on its own (the guard counts the steps)."""
+    return Thresholds(max_underflow_pct=config.max_underflow_pct,
+                      max_overflow_pct=config.max_overflow_pct, min_cos_sim=config.min_cos_sim,
+                      persist_steps=1, source="fp8_guard options")
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """One layer moved to high precision: from the step after `step` on."""
+
+    layer: str
+    step: int
+    flops_share: float  # of the model's linear-GEMM FLOPs
+    reasons: tuple[str, ...]  # the flags' messages
+    numbers: dict[str, float] = field(default_factory=dict)  # `<tensor>/<stat>` at `step`
+
+
+@dataclass
+class Verdict:
+    """What one logging step decided."""
+
+    fallbacks: list[Fallback]
+    refused: list[str]  # candidates the budget kept in FP8
+    budget_message: str | None  # set when a candidate was refused
+
+
+class GuardCore:
+    """Judges each logging step's table and records the fallbacks.
+
+    `flops` gives each FP8 layer (by the tables' layer names) its share of the model's linear
+    GEMM FLOPs; only those layers are judged. Two calls per logging step, so that ranks can
+    agree in between: `candidates` (this rank's view) then `decide` (with the union over ranks).
+    """
+
+    def __init__(self, config: GuardConfig, flops: Mapping[str, float]):
+        self.config = config
+        self.flops = dict(flops)
+        self.initial_share = sum(self.flops.values())
+        self.fallbacks: dict[str, Fallback] = {}
+        self.warned: set[str] = set()
+        self._tracker = HealthTracker(thresholds(config))
+        self._recent: list[tuple[int, dict[tuple[str, str], dict[str, float]]]] = []
+        self._flags: dict[str, list[Flag]] = {}
+        self._streaks: dict[str, int] = {}  # consecutive flagged logging steps per layer
+
+    @property
+    def layers(self) -> list[str]:
+        """The judged layers in a fixed order (the same on every rank)."""
+        return sorted(self.flops)
+
+    @property
+    def fp8_flops_share(self) -> float:
+        """Share of the model's linear-GEMM FLOPs that runs in FP8 now."""
+        return self.initial_share - sum(f.flops_share for f in self.fallbacks.values())
+
+    @property
+    def fallback_share(self) -> float:
+        """Share of the FLOPs that ran in FP8 at the start that now falls back."""
+        if not self.initial_share:
+            return 0.0
+        return sum(f.flops_share for f in self.fallbacks.values()) / self.initial_share
+
+    def candidates(self, step: int, table: Table) -> list[str]:
+        """The FP8 layers still in FP8 flagged at this and the `consecutive - 1` logging steps
+        before it."""
+        judged = {key: dict(stats) for key, stats in table.items()
+                  if key[0] in self.flops and key[0] not in self.fallbacks}
+        # the streaks need `consecutive` steps, the rising-underflow rule two
+        self._recent = [*self._recent, (step, judged)][-max(self.config.consecutive, 2):]
+        raised = self._tracker.update(step, judged)
+        self._flags = {}
+        for (layer, _), flags in raised.items():
+            self._flags.setdefault(layer, []).extend(flags)
+        for layer in {layer for layer, _ in judged}:
+            self._streaks[layer] = self._streaks.get(layer, 0) + 1 if layer in self._flags else 0
+        return sorted(layer for layer in self._flags
+                      if self._streaks[layer] >= self.config.consecutive)
+
+    def decide(self, step: int, layers: Iterable[str], table: Table) -> Verdict:
+        """Fall back `layers` (every rank's candidates) in order while the budget allows."""
+        verdict = Verdict([], [], None)
+        for layer in sorted(set(layers) - set(self.fallbacks)):
+            share = self.flops.get(layer, 0.0)
+            after = self.fallback_share + (share / self.initial_share if self.initial_share else 0)
+            if after > self.config.max_fallback_share + 1e-12:
+                verdict.refused.append(layer)
+                continue
+            reasons = tuple(f.message for f in self._flags.get(layer, ()))
+            numbers = {f"{tensor}/{stat}": float(value)
+                       for (name, tensor), stats in table.items() if name == layer
+                       for stat, value in stats.items()}
+            fallback = Fallback(layer, step, share, reasons or ("flagged on another rank",),
+                                numbers)
+            self.fallbacks[layer] = fallback
+            verdict.fallbacks.append(fallback)
+        if verdict.refused:
+            verdict.budget_message = self._over_budget(step, verdict.refused)
+        return verdict
+
+    def _over_budget(self, step: int, refused: list[str]) -> str:
+        wanted = sum(self.flops.get(layer, 0.0) for layer in refused) / (self.initial_share or 1)
+        kept = ", ".join(self.fallbacks) or "none"
+        return (f"fp8_guard: at step {step}, {', '.join(refused)} would also fall back, putting "
+                f"{100 * (self.fallback_share + wanted):.1f} % of the FP8 FLOPs in high precision,"
+                f" over {OPTION}.max_fallback_share = {100 * self.config.max_fallback_share:g} %"
+                f" (already in fallback: {kept}). FP8 is not working for this model: check the "
+                f"recipe and the learning rate, or raise {OPTION}.max_fallback_share")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the fallbacks and the tables the tracker's streaks depend on."""
+        return {
+            "fallbacks": [asdict(f) for f in self.fallbacks.values()],
+            "recent": [(step, [[layer, tensor, stats] for (layer, tensor), stats in t.items()])
+                       for step, t in self._recent],
+            "warned": sorted(self.warned),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the fallbacks, and the streaks by replaying the recent tables."""
+        self.fallbacks = {}
+        for item in state.get("fallbacks", ()):
+            fallback = Fallback(**{**item, "reasons": tuple(item["reasons"])})
+            self.fallbacks[fallback.layer] = fallback
+        self.warned = set(state.get("warned", ()))
+        self._tracker = HealthTracker(thresholds(self.config))
+        self._recent, self._streaks = [], {}
+        for step, rows in state.get("recent", ()):
+            self.candidates(step, {(layer, tensor): stats for layer, tensor, stats in rows})
+
+
+def exclude_regex(layers: Iterable[str], existing: str | None = None) -> str:
+    """te_swap's `exclude` that keeps `layers` (and what `existing` excluded) in high precision:
+    te_swap searches the regex in module names, so each layer matches at the end of its name."""
+    parts = [f"{re.escape(short_layer(layer))}$" for layer in sorted(layers)]
+    if existing:
+        parts.insert(0, f"(?:{existing})")
+    return "|".join(parts)
+
+
+def static_yaml(layers: Iterable[str], existing: str | None = None) -> str:
+    """The YAML that runs the same layers in high precision from the start."""
+    pattern = exclude_regex(layers, existing).replace("'", "''")
+    return f"algorithms: {{te_swap: {{exclude: '{pattern}'}}}}"
+
+
+def fallback_message(fallback: Fallback, yaml: str) -> str:
+    """The one log line of a fallback."""
+    return (f"fp8_guard: layer '{fallback.layer}' runs in high precision from step "
+            f"{fallback.step + 1} on ({100 * fallback.flops_share:.1f} % of the linear FLOPs), "
+            f"flagged at step {fallback.step}: {' | '.join(fallback.reasons)}. To run it so from "
+            f"the start next time: {yaml}")
+
+
+def render_fallbacks(fallbacks: Iterable[Fallback], fp8_share: float) -> str:
+    """Fit-end table of the fallbacks (markdown)."""
+    rows = ["| layer | from step | FLOPs share | flagged for |", "|---|---|---|---|"]
+    for f in fallbacks:
+        rules = "; ".join(r.split(": ", 1)[-1].split(" (")[0] for r in f.reasons)
+        rows.append(f"| {f.layer} | {f.step + 1} | {100 * f.flops_share:.1f} % | {rules} |")
+    rows.append(f"\nFP8 share of the linear FLOPs now: {100 * fp8_share:.1f} %")
+    return "\n".join(rows)

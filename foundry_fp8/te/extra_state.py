@@ -1,0 +1,46 @@
+"""TE's pickled `_extra_state` in checkpoints, kept loadable by every TE we support.
+
+TE stores a module's delayed-scaling state as a pickled `_extra_state` tensor. TE 2.16.1, 2.17.1
+and >= 2.18 refuse to unpickle a delayed-scaling one without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE
+(pytorch/_extra_state.py; `facts.refuses_pickled_extra_state`), before any callback could help;
+`fp8_state` keeps the state itself and saves a pickled `None` in its place, which TE's
+`set_extra_state` reads as "no state" on every TE from 1.12 to 2.20 (an empty tensor is skipped
+only from TE 2.4: older TE fails to unpickle it; see `facts`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+def inert_extra_state() -> torch.Tensor:
+    """A pickled `None` as TE's uint8 extra-state tensor: TE's `set_extra_state` returns on a
+    `None` state, and TE >= 2.16.1 classifies a pickle without globals as safe to ignore
+    (`pytorch/_extra_state.py`), so it loads without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE."""
+    return torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8)
+
+
+def without_pickled_extra_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a model state_dict whose `_extra_state` entries hold no pickled state.
+
+    The keys stay (a strict load expects them); TE then loads the checkpoint without
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE. The FP8 state they held is what `fp8_state` saves.
+    """
+    return {k: inert_extra_state() if k.split(".")[-1] == EXTRA_STATE_SUFFIX else v
+            for k, v in state_dict.items()}
+
+
+def inert_extra_state_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                           local_metadata: Any) -> None:
+    """A state_dict post-hook saving `module`'s `_extra_state` as a pickled `None`."""
+    del module, local_metadata
+    key = prefix + EXTRA_STATE_SUFFIX
+    if key in state_dict:
+        state_dict.update(without_pickled_extra_state({key: state_dict[key]}))

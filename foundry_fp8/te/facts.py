@@ -1,0 +1,100 @@
+"""Every TransformerEngine, CUDA and GPU version fact we rely on, with where it was read,
+and what they mean for a recipe (`environment_problems`). Pure Python: no torch, no TE. The backend, the linter's rules, the doctor and `fp8_state` read
+these names, so a fact is written once.
+"""
+
+from __future__ import annotations
+
+from foundry_fp8.recipe import FP8Recipe, RecipeProblem
+
+Version = tuple[int, ...]
+
+#: The oldest TE whose module arguments and FP8 state layout the backend was checked against;
+#: also the first TE whose activation recompute keeps FP8 scales right (TE issue #1190, fixed by
+#: TE PR #1254, first released in v1.12).
+MIN_TE = (1, 12)
+MIN_TE_FOR_RECOMPUTE = (1, 12)
+
+#: `Float8CurrentScaling` exists from TE 2.2 (transformer_engine/common/recipe/__init__.py).
+MIN_TE_CURRENT_SCALING = (2, 2)
+
+#: `te.LayerNorm` became a `te.ops` op in TE 1.13, taking `normalized_shape`/`dtype`; TE 1.12's
+#: takes `hidden_size`/`params_dtype`.
+TE_LAYERNORM_AS_OP = (1, 13)
+
+#: TE's LayerNormMLP casts fc2's output gradient with scale slot GRAD_OUTPUT1 (0) up to TE 2.3
+#: and GRAD_OUTPUT2 (2) from TE 2.4 (pytorch/module/layernorm_mlp.py).
+TE_LN_MLP_GRAD_OUTPUT2 = (2, 4)
+
+# TE's `set_extra_state` skips an empty `_extra_state` tensor from TE 2.4 on; older TE fails to
+# unpickle one, while a pickled `None` loads as "no state" on every TE from 1.12 to 2.20: so
+# `te.extra_state` saves a pickled `None` (a rule for our checkpoints, no version check).
+
+#: TE releases that refuse to unpickle a delayed-scaling `_extra_state` unless
+#: NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE is set (pytorch/_extra_state.py): 2.16.1, 2.17.1 and
+#: everything from 2.18.
+TE_PICKLE_GUARD_FIXES = ((2, 16, 1), (2, 17, 1))
+TE_PICKLE_GUARD_FROM = (2, 18)
+
+#: FP8 GEMMs need Ada/Hopper (compute capability 8.9) or newer; on Ada (8.9) TE also wants torch
+#: built for CUDA >= 12.1 (TE `_compute_fp8_support`, pytorch/quantization.py; the same check
+#: since TE 1.0 in pytorch/fp8.py).
+MIN_FP8_CAPABILITY = (8, 9)
+ADA = (8, 9)
+MIN_CUDA_FOR_ADA_FP8 = (12, 1)
+
+
+def parse_version(text: str | None) -> Version | None:
+    """Leading numeric release of a version string ('2.7.0+cu126' -> (2, 7, 0)); None if none."""
+    if not text:
+        return None
+    numbers: list[int] = []
+    for part in str(text).split("+")[0].split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) != len(part):  # '0rc1', '1a0': a pre-release tail ends the release
+            break
+    return tuple(numbers) or None
+
+
+def dotted(version: Version | None) -> str:
+    """(2, 20, 2) -> '2.20.2'; '?' when unknown. The one version formatter."""
+    return ".".join(map(str, version)) if version else "?"
+
+
+def refuses_pickled_extra_state(version: Version) -> bool:
+    """Whether this TE refuses its own pickled delayed-scaling `_extra_state` by default."""
+    version = tuple(version)
+    return version >= TE_PICKLE_GUARD_FROM or any(
+        version[:2] == fix[:2] and version >= fix for fix in TE_PICKLE_GUARD_FIXES)
+
+
+def ln_mlp_grad_slot(version: Version | None) -> int | None:
+    """fc2's grad-output scale slot in TE's LayerNormMLP for this TE (None: TE unknown)."""
+    if version is None:
+        return None
+    return 2 if tuple(version) >= TE_LN_MLP_GRAD_OUTPUT2 else 0
+
+
+def environment_problems(recipe: FP8Recipe, capability: tuple[int, int] | None,
+                         te_version: Version | None) -> list[RecipeProblem]:
+    """Problems running `recipe` on a GPU of `capability` with TE `te_version` (None: absent)."""
+    problems = []
+    if capability is not None and tuple(capability) < MIN_FP8_CAPABILITY:
+        problems.append(RecipeProblem(
+            "scaling", f"FP8 needs compute capability {dotted(MIN_FP8_CAPABILITY)}+, this GPU "
+                       f"has {dotted(tuple(capability))}",
+            "run on Ada/Hopper or newer, or use te_swap: {backend: emulate} for FP8 numerics"))
+    if recipe.scaling == "current" and te_version is not None \
+            and tuple(te_version) < MIN_TE_CURRENT_SCALING:
+        problems.append(RecipeProblem(
+            "scaling", f"current scaling needs TransformerEngine >= "
+                       f"{dotted(MIN_TE_CURRENT_SCALING)}, found {dotted(tuple(te_version))}",
+            "upgrade TransformerEngine or use scaling: delayed"))
+    return problems

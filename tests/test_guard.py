@@ -1,0 +1,284 @@
+"""fp8_guard: an FP8 layer that stays unhealthy moves to high precision mid-run, alone, at the
+same step on every rank and after a resume; its decisions, budget and messages."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf as om
+from torch import nn
+
+from foundry_fp8.composer.guard import FP8Guard, high_precision_hooks, layer_flops
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.fp8_meta import read_fp8_meta
+from foundry_fp8.guard import (
+    GuardConfig,
+    GuardCore,
+    exclude_regex,
+    render_fallbacks,
+    static_yaml,
+)
+from foundry_fp8.options import OptionError
+from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.swap import SwapConfig, plan_swap
+
+HEALTHY = {"underflow_pct": 0.0, "overflow_pct": 0.0, "cos_sim": 0.9996, "scale_ratio": 1.0}
+UNDERFLOWING = {"underflow_pct": 21.9, "overflow_pct": 0.0, "cos_sim": 0.9997, "scale_ratio": 0.9}
+
+
+@pytest.mark.parametrize(("options", "key"), [
+    ({"consecutive": 0}, "consecutive"), ({"consecutive": 2.5}, "consecutive"),
+    ({"max_fallback_share": 1.5}, "max_fallback_share"),
+    ({"max_fallback_share": True}, "max_fallback_share"),
+    ({"max_underflow_pct": -1}, "max_underflow_pct"), ({"min_cos_sim": 2}, "min_cos_sim"),
+    ({"strict": "yes"}, "strict")])
+def test_bad_options_name_their_key_path(options, key):
+    with pytest.raises(OptionError, match=rf"^callbacks\.fp8_guard\.{key}: (must be|takes) ") as e:
+        FP8Guard(**options)
+    assert "\n" not in str(e.value)
+
+
+def _table(bad: set[str], layers=("a", "b", "c")) -> dict:
+    return {(layer, tensor): dict(UNDERFLOWING if layer in bad and tensor == "activation"
+                                  else HEALTHY)
+            for layer in layers for tensor in ("activation", "weight", "gradient")}
+
+
+def test_a_layer_falls_back_after_consecutive_bad_logging_steps_within_budget():
+    core = GuardCore(GuardConfig(consecutive=3, max_fallback_share=0.25),
+                     {"a": 0.1, "b": 0.2, "c": 0.5})
+    seen = [core.candidates(step, _table({"a", "c"} if step >= 4 else set()))
+            for step in range(0, 10, 2)]
+    # bad from step 4: the third consecutive bad logging step is step 8
+    assert seen == [[], [], [], [], ["a", "c"]]
+    verdict = core.decide(8, seen[4], _table({"a", "c"}))
+    assert [f.layer for f in verdict.fallbacks] == ["a"]  # c: 0.5 / 0.8 of the FP8 FLOPs
+    assert verdict.refused == ["c"]
+    assert ("putting 75.0 % of the FP8 FLOPs" in verdict.budget_message
+            and "max_fallback_share = 25 %" in verdict.budget_message)
+    assert core.fp8_flops_share == pytest.approx(0.7)
+    assert core.fallback_share == pytest.approx(0.1 / 0.8)
+    fallback = core.fallbacks["a"]
+    assert fallback.numbers["activation/underflow_pct"] == 21.9 and fallback.step == 8
+    assert "underflow" in fallback.reasons[0] and "at step 8" in fallback.reasons[0]
+    # a layer in fallback is no longer judged; an unflagged layer never becomes a candidate
+    assert core.candidates(10, _table({"a", "c"})) == ["c"]
+
+
+def test_a_single_amax_spike_moves_no_layer_but_nonfinite_inputs_in_a_row_do():
+    spike = {**HEALTHY, "overflow_pct": 1.56, "cos_sim": 0.37, "scale_ratio": 2.8e4}
+    nonfinite = {**HEALTHY, "nan_count": 3.0}
+    core = GuardCore(GuardConfig(consecutive=2), {"a": 0.05, "b": 0.05})
+    rows = {0: {"a": spike}, 2: {}, 4: {"b": nonfinite}, 6: {"b": nonfinite}}
+    seen = [core.candidates(step, {(layer, "activation"): {**HEALTHY, **row.get(layer, {})}
+                                   for layer in ("a", "b")})
+            for step, row in rows.items()]
+    assert seen == [[], [], [], ["b"]]
+    assert core._flags["b"][0].rule == "nonfinite"
+
+
+def test_resume_mid_streak_decides_at_the_same_step():
+    config = GuardConfig(consecutive=3)
+    flops = {"a": 0.05, "b": 0.05}
+    tables = [_table({"a"} if step >= 2 else set(), ("a", "b")) for step in range(6)]
+    straight = GuardCore(config, flops)
+    decided = [straight.candidates(step, t) for step, t in enumerate(tables)]
+    assert decided == [[], [], [], [], ["a"], ["a"]]
+    first = GuardCore(config, flops)
+    for step in range(3):  # stop after two bad steps
+        first.candidates(step, tables[step])
+    saved = first.state_dict()
+    assert yaml.safe_load(yaml.safe_dump(saved)) is not None  # plain data
+    resumed = GuardCore(config, flops)
+    resumed.load_state_dict(saved)
+    assert [resumed.candidates(step, tables[step]) for step in range(3, 6)] == decided[3:]
+
+
+def test_fallbacks_survive_the_state_dict():
+    config = GuardConfig(consecutive=1, max_fallback_share=0.5)
+    core = GuardCore(config, {"a": 0.05, "b": 0.05})
+    core.decide(4, core.candidates(4, _table({"a"}, ("a", "b"))), _table({"a"}, ("a", "b")))
+    resumed = GuardCore(config, {"a": 0.05, "b": 0.05})
+    resumed.load_state_dict(core.state_dict())
+    assert resumed.fallbacks == core.fallbacks and resumed.fp8_flops_share == pytest.approx(0.05)
+    assert "| a | 5 | 5.0 % |" in render_fallbacks(resumed.fallbacks.values(), 0.05)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.Wqkv, self.attn.out_proj = nn.Linear(16, 48), nn.Linear(16, 16)
+
+
+class _Model(nn.Module):
+    """LLM-Foundry's module names: `model.transformer.blocks.<i>....`."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.transformer = nn.Module()
+        self.model.transformer.blocks = nn.ModuleList([_Block(), _Block()])
+
+
+def test_static_yaml_makes_te_swap_keep_exactly_those_layers():
+    layers = ["blocks.1.attn.out_proj"]
+    text = static_yaml(layers, existing=r"blocks\.0\.attn\.Wqkv")
+    options = om.to_container(om.create(yaml.safe_load(text)))["algorithms"]["te_swap"]
+    plan = plan_swap(_Model(), SwapConfig(backend="emulate", **options))
+    kept = {d.name for d in plan.decisions if not d.convert}
+    assert kept == {"model.transformer.blocks.1.attn.out_proj",
+                    "model.transformer.blocks.0.attn.Wqkv"}
+    assert re.search(exclude_regex(["blocks.1.attn.out_proj"]), "blocks.11.attn.out_proj") is None
+
+
+def test_flops_shares_come_from_te_swap_plan_or_weight_shapes():
+    model = _Model()
+    layers = {"blocks.1.attn.out_proj": model.model.transformer.blocks[1].attn.out_proj}
+    # 16x16 of (2 x (16x48 + 16x16)) multiply-adds
+    assert layer_flops(model, layers, None) == {"blocks.1.attn.out_proj": 256 / 2048}
+
+
+def _emulated_pair() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16))
+    with torch.no_grad():
+        model[0].weight[:, 0] *= 1e-3  # values FP8 cannot hold exactly
+    return model
+
+
+def test_a_fallen_back_layer_computes_exactly_in_high_precision_and_keeps_its_state():
+    model = _emulated_pair()
+    x = torch.randn(4, 16, requires_grad=True)
+    recipe = FP8Recipe(scaling="delayed", amax_history_len=4)
+    with fp8_autocast(recipe=recipe):  # the first FP8 forward sizes both layers' state
+        model(x).sum().backward()
+    before = [read_fp8_meta(m) for m in model]
+    handles = high_precision_hooks(model[0])
+    model.zero_grad()
+    with fp8_autocast(recipe=recipe):
+        hidden = model[0](x)
+        out = model[1](hidden)
+    hidden.retain_grad()
+    out.sum().backward()
+    reference = nn.functional.linear(x, model[0].weight, model[0].bias)
+    assert torch.equal(hidden, reference)  # no FP8 rounding in layer 0's forward
+    # nor in its backward: torch's own linear backward of the same output gradient
+    reference.backward(hidden.grad)
+    weight_grad = model[0].weight.grad.clone()
+    model[0].weight.grad = None
+    reference = nn.functional.linear(x, model[0].weight, model[0].bias)
+    reference.backward(hidden.grad)
+    assert torch.equal(weight_grad, 2 * model[0].weight.grad)
+    after = [read_fp8_meta(m) for m in model]
+    for key in before[0]:  # layer 0 recorded nothing and updated nothing
+        assert torch.equal(before[0][key], after[0][key]), key
+    assert not torch.equal(before[1]["fwd_amax_history"], after[1]["fwd_amax_history"])
+    assert not torch.equal(out, nn.functional.linear(hidden, model[1].weight, model[1].bias))
+    for handle in handles:
+        handle.remove()
+    with fp8_autocast(recipe=recipe):
+        assert not torch.equal(model[0](x), reference)  # FP8 again without the hooks
+
+
+def test_the_region_is_left_when_the_forward_raises():
+    model = _emulated_pair()
+    high_precision_hooks(model[0])
+    with fp8_autocast(recipe=FP8Recipe()), pytest.raises(RuntimeError):
+        model[0](torch.randn(4, 3))  # wrong shape
+    with fp8_autocast(recipe=FP8Recipe()):
+        x = torch.randn(4, 16)
+        assert not torch.equal(model[1](x), nn.functional.linear(x, model[1].weight,
+                                                                 model[1].bias))
+
+
+def _loop(guard: FP8Guard, steps: int = 10) -> list[str]:
+    """fp8_stats (every 2 batches) and `guard` over an emulated 2-layer model whose last layer
+    gets an outlier channel from batch 4 (a mean loss keeps the gradients, and so the first
+    layer, unaffected); returns the guard's warnings."""
+    import logging
+    import types
+
+    from composer.core import Event
+    from composer.devices import DeviceCPU
+
+    from foundry_fp8.composer.stats import FP8Stats
+    from foundry_fp8.fault import InjectOutlier
+
+    torch.manual_seed(0)
+    model = nn.Sequential(EmulatedFP8Linear(32, 32), nn.GELU(), EmulatedFP8Linear(32, 32))
+    callbacks = [FP8Stats(interval=2), guard, InjectOutlier("2", start=4)]
+    state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
+                                  algorithms=[], device=DeviceCPU(),
+                                  timestamp=types.SimpleNamespace(batch=0))
+    logger = types.SimpleNamespace(destinations=[], log_metrics=lambda *a, **k: None,
+                                   log_hyperparameters=lambda *a, **k: None)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("foundry_fp8.composer.guard").addHandler(handler)
+    try:
+        for callback in callbacks:
+            callback.run_event(Event.FIT_START, state, logger)
+        for batch in range(steps):
+            state.timestamp.batch = batch
+            for callback in callbacks:
+                callback.run_event(Event.BATCH_START, state, logger)
+            with fp8_autocast(recipe=FP8Recipe(scaling="delayed", amax_history_len=4)):
+                model(torch.randn(256, 32)).mean().backward()
+            state.timestamp.batch = batch + 1
+            for event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT):
+                for callback in callbacks:
+                    callback.run_event(event, state, logger)
+    finally:
+        logging.getLogger("foundry_fp8.composer.guard").removeHandler(handler)
+    return warnings
+
+
+def test_past_the_budget_strict_stops_the_run_and_otherwise_warns_once():
+    with pytest.raises(RuntimeError, match=r"^fp8_guard: at step 6, 2 would also fall back, "
+                                           r"putting 50\.0 % of the FP8 FLOPs"):
+        _loop(FP8Guard(consecutive=2, strict=True))
+    guard = FP8Guard(consecutive=2)
+    warnings = _loop(guard)
+    assert guard.core.fallbacks == {}
+    assert [w for w in warnings if "max_fallback_share" in w] == [warnings[0]]
+    assert "stays in FP8" in warnings[0]
+
+
+def test_the_guard_needs_fp8_stats():
+    import types
+
+    state = types.SimpleNamespace(callbacks=[FP8Guard()])
+    with pytest.raises(ValueError, match=r"^callbacks\.fp8_guard: needs callbacks\.fp8_stats"):
+        FP8Guard().fit_start(state, None)
+
+
+def test_the_injected_outlier_harms_fp8_only():
+    """The fault the run tests use: in high precision the layer and its gradients are as
+    without it up to float32 rounding of the 1e5-times channel (about 1 % of the output's
+    largest value); in FP8 its output is off by more than that value."""
+    import types
+
+    from foundry_fp8.fault import InjectOutlier
+
+    torch.manual_seed(0)
+    layer = EmulatedFP8Linear(64, 64, bias=False)
+    x = torch.randn(8, 16, 64, requires_grad=True)
+    healthy = layer(x)
+    (grad_x, grad_w) = torch.autograd.grad(healthy.square().sum(), (x, layer.weight))
+    fault = InjectOutlier("", start=0)
+    fault.fit_start(types.SimpleNamespace(model=layer), None)
+    faulty = layer(x)
+    (fault_x, fault_w) = torch.autograd.grad(faulty.square().sum(), (x, layer.weight))
+    scale = healthy.abs().max()
+    assert (faulty - healthy).abs().max() < 2e-2 * scale
+    assert (fault_x - grad_x).abs().max() < 2e-2 * grad_x.abs().max()
+    assert (fault_w - grad_w).abs().max() < 2e-2 * grad_w.abs().max()
+    with fp8_autocast(recipe=FP8Recipe(scaling="delayed", amax_history_len=4)):
+        layer(x)  # the first FP8 forward sizes the scale for the outlier
+        in_fp8 = layer(x)
+    assert (in_fp8 - healthy).abs().max() > scale

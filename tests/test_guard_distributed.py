@@ -1,0 +1,113 @@
+"""fp8_guard on 2 CPU ranks (gloo): only rank 1 sees the fault, both ranks move the same layer to
+high precision at the same step; a guard failure on one rank switches it off on both."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import types
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from composer.core import Event
+from composer.devices import DeviceCPU
+from torch import nn
+
+from foundry_fp8.composer.guard import FP8Guard
+from foundry_fp8.composer.stats import FP8Stats
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.fault import InjectOutlier
+from foundry_fp8.fp8_meta import read_fp8_meta
+from foundry_fp8.recipe import FP8Recipe
+from tests.ranks import init_rank, run_ranks
+
+STEPS, INTERVAL, START = 12, 2, 3
+RECIPE = FP8Recipe(scaling="delayed", amax_history_len=4)
+
+
+class _Logger:
+    destinations: list = []
+
+    def __init__(self):
+        self.metrics: dict[int, dict] = {}
+
+    def log_metrics(self, metrics, step):
+        self.metrics.setdefault(step, {}).update(metrics)
+
+    def log_hyperparameters(self, hparams):
+        pass
+
+
+def _train(rank: int, broken: bool) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(EmulatedFP8Linear(32, 32), nn.GELU(), EmulatedFP8Linear(32, 32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    stats = FP8Stats(interval=INTERVAL)
+    guard = FP8Guard(consecutive=2, max_fallback_share=0.5)
+    fault = InjectOutlier("2", start=START, ranks=[1])  # a mean loss: layer 0 stays healthy
+    callbacks = [stats, guard, fault]
+    state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
+                                  algorithms=[], device=DeviceCPU(),
+                                  timestamp=types.SimpleNamespace(batch=0))
+    logger = _Logger()
+    for callback in callbacks:
+        callback.run_event(Event.FIT_START, state, logger)
+    history, states = {}, {}
+    gen = torch.Generator().manual_seed(rank)
+    patch = (mock.patch.object(guard.core, "candidates", side_effect=TypeError("injected"))
+             if broken and rank == 1 else contextlib.nullcontext())
+    with patch:
+        for batch in range(STEPS):
+            state.timestamp.batch = batch
+            for callback in callbacks:
+                callback.run_event(Event.BATCH_START, state, logger)
+            optimizer.zero_grad()
+            with fp8_autocast(recipe=RECIPE):
+                loss = model(torch.randn(16, 32, generator=gen)).mean()
+            loss.backward()
+            optimizer.step()
+            state.timestamp.batch = batch + 1
+            for callback in callbacks:
+                callback.run_event(Event.BATCH_END, state, logger)
+            history[batch + 1] = sorted(guard.core.fallbacks) if guard.core else []
+            states[batch + 1] = read_fp8_meta(model[2])["fwd_amax_history"].tolist()
+    return {"history": history, "steps": {k: f.step for k, f in guard.core.fallbacks.items()},
+            "disabled": guard.disabled, "states": states, "stats_disabled": stats.disabled,
+            "logged": {s: m.get("fp8/guard/fallback_layers") for s, m in logger.metrics.items()}}
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    init_rank(rank, port)
+    results = {"clean": _train(rank, broken=False), "broken": _train(rank, broken=True)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("guard_ranks")
+    run_ranks(_worker, str(out), deadline_s=240)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_both_ranks_fall_back_the_same_layer_at_the_same_step(results):
+    rank0, rank1 = results[0]["clean"], results[1]["clean"]
+    assert rank0["steps"] == rank1["steps"] == {"2": rank0["steps"]["2"]}
+    assert rank0["history"] == rank1["history"]
+    step = rank0["steps"]["2"]
+    assert START < step < STEPS
+    # rank 0 never saw the fault, yet its layer 2 stops casting after the fallback: its delayed
+    # state stands still from the step after the decision on
+    states = rank0["states"]
+    assert states[str(step + 1)] == states[str(STEPS)]
+    assert states[str(step + 1)] != states[str(step)]  # the deciding step itself cast in FP8
+    assert {s: v for s, v in rank0["logged"].items() if v} == {
+        str(s): 1.0 for s in range(step, STEPS, INTERVAL)}
+
+
+def test_a_guard_failure_on_one_rank_switches_it_off_on_both(results):
+    rank0, rank1 = results[0]["broken"], results[1]["broken"]
+    assert rank0["disabled"] and rank1["disabled"]
+    assert rank0["steps"] == rank1["steps"] == {}
+    assert not rank0["stats_disabled"] and not rank1["stats_disabled"]  # fp8_stats goes on
