@@ -169,6 +169,9 @@ class FP8State(Callback):
     first batches the symptom is watched for (0: never); it shows from the first batches on.
     """
 
+    #: What te_swap looks for to know that the run keeps FP8 state in its checkpoints.
+    keeps_fp8_state = True
+
     def __init__(self, **options: Any):
         self.options = build("fp8_state", options)  # one line naming callbacks.fp8_state.<key>
         self.strict: bool = self.options.strict

@@ -146,13 +146,12 @@ class TESwap(Algorithm):
 def _warn_without_fp8_state(state: State) -> None:
     """A run that saves checkpoints without `fp8_state` resumes with fresh FP8 scales and amax
     histories: the emulated ones are not in the checkpoint, TE's pickled `_extra_state` is
-    refused by TE >= 2.16 (see `composer/state.py`). Said once, at INIT."""
+    refused by TE >= 2.16 (see `composer/state.py`). Said once, at INIT. fp8_state is known by
+    its `keeps_fp8_state` attribute: it imports this module, so this one does not import it."""
     from composer.callbacks import CheckpointSaver
 
-    from foundry_fp8.composer.state import FP8State  # it imports this module
-
     if (any(isinstance(c, CheckpointSaver) for c in state.callbacks)
-            and not any(isinstance(c, FP8State) for c in state.callbacks)):
+            and not any(getattr(c, "keeps_fp8_state", False) for c in state.callbacks)):
         log.warning("te_swap: this run saves checkpoints but has no fp8_state callback: a "
                     "resume from them starts FP8 scales and amax histories fresh; add "
                     "callbacks: {fp8_state: {}} to keep them")
