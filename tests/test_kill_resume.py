@@ -77,7 +77,7 @@ def _train(folder: Path, kill: str) -> None:
 def _run(folder: Path, kill: str = "none") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "tests.test_kill_resume", str(folder), kill],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _losses(folder: Path) -> dict[int, float]:

@@ -146,7 +146,8 @@ class TESwap(Algorithm):
 def _warn_without_fp8_state(state: State) -> None:
     """A run that saves checkpoints without `fp8_state` resumes with fresh FP8 scales and amax
     histories: the emulated ones are not in the checkpoint, TE's pickled `_extra_state` is
-    refused by TE >= 2.16 (see `composer/state.py`). Said once, at INIT."""
+    refused by TE >= 2.16 (see `composer/state.py`). Said once, at INIT. fp8_state is known by
+    its `keeps_fp8_state` attribute: it imports this module, so this one does not import it."""
     from composer.callbacks import CheckpointSaver
 
     if (any(isinstance(c, CheckpointSaver) for c in state.callbacks)
