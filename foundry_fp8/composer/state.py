@@ -71,8 +71,10 @@ def _composer_checkpoint_types() -> list[Any]:
     from torch.torch_version import TorchVersion
 
     dtypes = [t for t in vars(np.dtypes).values() if isinstance(t, type)]
-    return [TorchVersion, datetime.timedelta, np.ndarray, np.dtype,
-            np._core.multiarray._reconstruct, *dtypes]
+    # The array rebuilder under the name this numpy pickles it by (numpy.core in 1.x, numpy._core
+    # in 2.x): taken from the reduction itself so no private module path is spelled here.
+    reconstruct = np.zeros(0).__reduce__()[0]
+    return [TorchVersion, datetime.timedelta, np.ndarray, np.dtype, reconstruct, *dtypes]
 
 
 def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
