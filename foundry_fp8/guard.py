@@ -3,24 +3,32 @@ logging step, within what budget, and what to write in the YAML next time.
 
 The judgement is the health package's (`HealthTracker`: the same rules as `fp8_stats`' advice
 and `foundry-fp8 report`), applied to each logging step on its own with the guard's thresholds;
-an FP8 layer falls back once some rule has flagged one of its tensors at `consecutive` logging
-steps in a row, so a single amax spike does not move a layer. A guard that resumes from a
-checkpoint replays the last judged tables into a fresh tracker, so its streaks, and so its
-decisions, are those of the run that did not stop.
+an FP8 layer falls back once one of its tensors has been bad (the tracker's `streak`) at
+`consecutive` logging steps in a row, so a single amax spike does not move a layer. A guard that
+resumes from a checkpoint replays the last judged tables into a fresh tracker, so its streaks,
+and so its decisions, are those of the run that did not stop.
+
+What the callback logs, by these names (`foundry-fp8 report` reads them back): the series
+`FALLBACK_LAYERS` and `FP8_FLOPS_SHARE` at each logging step, and each fallback once as the
+hyperparameter `FALLBACK_PREFIX + layer` (the `Fallback` as plain data).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from foundry_fp8.health import Flag, HealthTracker, Thresholds, short_layer
+from foundry_fp8.health import Flag, HealthTracker, Thresholds, md_escape, short_layer
 from foundry_fp8.options import FP8GuardOptions as GuardConfig
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
 OPTION = GuardConfig.PATH
+FALLBACK_LAYERS = "fp8/guard/fallback_layers"  # layers in fallback
+FP8_FLOPS_SHARE = "fp8/guard/fp8_flops_share"  # share of the linear-GEMM FLOPs still in FP8
+FALLBACK_PREFIX = "fp8/guard/fallback/"  # + layer: one hyperparameter per fallback
 
 
 class GuardBudgetError(RuntimeError):
@@ -43,6 +51,21 @@ class Fallback:
     flops_share: float  # of the model's linear-GEMM FLOPs
     reasons: tuple[str, ...]  # the flags' messages
     numbers: dict[str, float] = field(default_factory=dict)  # `<tensor>/<stat>` at `step`
+    flagged: tuple[str, ...] = ()  # `<tensor> <stat> <value> (<rule>)` per flag at `step`
+
+    def record(self) -> dict[str, Any]:
+        """As JSON data that compares equal to itself read back: lists, and NaN/Inf as strings
+        (W&B and MLflow refuse a hyperparameter logged again with an unequal value)."""
+        numbers = {k: v if math.isfinite(v) else str(v) for k, v in self.numbers.items()}
+        return {**asdict(self), "reasons": list(self.reasons), "flagged": list(self.flagged),
+                "numbers": numbers}
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> Fallback:
+        """From `asdict` (a checkpoint) or `record` (a logged hyperparameter)."""
+        return cls(**{**item, "reasons": tuple(item["reasons"]),
+                      "flagged": tuple(item.get("flagged", ())),
+                      "numbers": {k: float(v) for k, v in item.get("numbers", {}).items()}})
 
 
 @dataclass
@@ -71,7 +94,6 @@ class GuardCore:
         self._tracker = HealthTracker(thresholds(config))
         self._recent: list[tuple[int, dict[tuple[str, str], dict[str, float]]]] = []
         self._flags: dict[str, list[Flag]] = {}
-        self._streaks: dict[str, int] = {}  # consecutive flagged logging steps per layer
 
     @property
     def layers(self) -> list[str]:
@@ -91,8 +113,8 @@ class GuardCore:
         return sum(f.flops_share for f in self.fallbacks.values()) / self.initial_share
 
     def candidates(self, step: int, table: Table) -> list[str]:
-        """The FP8 layers still in FP8 flagged at this and the `consecutive - 1` logging steps
-        before it."""
+        """The layers still in FP8 with a tensor flagged at this and the `consecutive - 1`
+        logging steps before it (with one-step rules, flagged = bad: the tracker's streak)."""
         judged = {key: dict(stats) for key, stats in table.items()
                   if key[0] in self.flops and key[0] not in self.fallbacks}
         # the streaks need `consecutive` steps, the rising-underflow rule two
@@ -101,10 +123,8 @@ class GuardCore:
         self._flags = {}
         for (layer, _), flags in raised.items():
             self._flags.setdefault(layer, []).extend(flags)
-        for layer in {layer for layer, _ in judged}:
-            self._streaks[layer] = self._streaks.get(layer, 0) + 1 if layer in self._flags else 0
-        return sorted(layer for layer in self._flags
-                      if self._streaks[layer] >= self.config.consecutive)
+        return sorted({layer for layer, tensor in raised
+                       if self._tracker.streak(layer, tensor) >= self.config.consecutive})
 
     def decide(self, step: int, layers: Iterable[str], table: Table) -> Verdict:
         """Fall back `layers` (every rank's candidates) in order while the budget allows."""
@@ -119,8 +139,9 @@ class GuardCore:
             numbers = {f"{tensor}/{stat}": float(value)
                        for (name, tensor), stats in table.items() if name == layer
                        for stat, value in stats.items()}
+            flagged = tuple(f"{f.tensor} {f.reading}" for f in self._flags.get(layer, ()))
             fallback = Fallback(layer, step, share, reasons or ("flagged on another rank",),
-                                numbers)
+                                numbers, flagged)
             self.fallbacks[layer] = fallback
             verdict.fallbacks.append(fallback)
         if verdict.refused:
@@ -149,11 +170,11 @@ class GuardCore:
         """Restore the fallbacks, and the streaks by replaying the recent tables."""
         self.fallbacks = {}
         for item in state.get("fallbacks", ()):
-            fallback = Fallback(**{**item, "reasons": tuple(item["reasons"])})
+            fallback = Fallback.from_dict(item)
             self.fallbacks[fallback.layer] = fallback
         self.warned = set(state.get("warned", ()))
         self._tracker = HealthTracker(thresholds(self.config))
-        self._recent, self._streaks = [], {}
+        self._recent = []
         for step, rows in state.get("recent", ()):
             self.candidates(step, {(layer, tensor): stats for layer, tensor, stats in rows})
 
@@ -181,11 +202,12 @@ def fallback_message(fallback: Fallback, yaml: str) -> str:
             f"the start next time: {yaml}")
 
 
-def render_fallbacks(fallbacks: Iterable[Fallback], fp8_share: float) -> str:
-    """Fit-end table of the fallbacks (markdown)."""
+def render_fallbacks(fallbacks: Iterable[Fallback], fp8_share: float | None) -> str:
+    """Table of the fallbacks (markdown): the fit-end print and `foundry-fp8 report`'s."""
     rows = ["| layer | from step | FLOPs share | flagged for |", "|---|---|---|---|"]
     for f in fallbacks:
-        rules = "; ".join(r.split(": ", 1)[-1].split(" (")[0] for r in f.reasons)
-        rows.append(f"| {f.layer} | {f.step + 1} | {100 * f.flops_share:.1f} % | {rules} |")
-    rows.append(f"\nFP8 share of the linear FLOPs now: {100 * fp8_share:.1f} %")
+        rows.append(f"| {md_escape(f.layer)} | {f.step + 1} | {100 * f.flops_share:.1f} % | "
+                    f"{md_escape('; '.join(f.flagged or f.reasons))} |")
+    if fp8_share is not None:
+        rows.append(f"\nFP8 share of the linear FLOPs now: {100 * fp8_share:.1f} %")
     return "\n".join(rows)

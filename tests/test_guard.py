@@ -80,6 +80,24 @@ def test_a_single_amax_spike_moves_no_layer_but_nonfinite_inputs_in_a_row_do():
     assert core._flags["b"][0].rule == "nonfinite"
 
 
+def test_the_streak_is_one_tensor_bad_in_a_row_rising_gradient_underflow_included():
+    """health's streak is the guard's count: a layer whose bad tensor alternates moves nothing;
+    a gradient whose underflow doubles below the limit, then crosses it, is bad twice."""
+    core = GuardCore(GuardConfig(consecutive=2), {"a": 0.05, "b": 0.05})
+    rows = [{("a", "activation"): UNDERFLOWING}, {("a", "weight"): UNDERFLOWING},
+            {("b", "gradient"): {**HEALTHY, "underflow_pct": 0.6}},
+            {("b", "gradient"): {**HEALTHY, "underflow_pct": 1.5}},
+            {("b", "gradient"): {**HEALTHY, "underflow_pct": 6.0}}]
+    seen = []
+    for step, bad in enumerate(rows):
+        table = {(layer, tensor): dict(HEALTHY) for layer in ("a", "b")
+                 for tensor in ("activation", "weight", "gradient")}
+        seen.append(core.candidates(step, {**table, **bad}))
+    assert seen == [[], [], [], [], ["b"]]
+    assert [f.rule for f in core._flags["b"]] == ["underflow"]
+    assert core._tracker.streak("b", "gradient") == 2
+
+
 def test_resume_mid_streak_decides_at_the_same_step():
     config = GuardConfig(consecutive=3)
     flops = {"a": 0.05, "b": 0.05}
@@ -105,6 +123,25 @@ def test_fallbacks_survive_the_state_dict():
     resumed.load_state_dict(core.state_dict())
     assert resumed.fallbacks == core.fallbacks and resumed.fp8_flops_share == pytest.approx(0.05)
     assert "| a | 5 | 5.0 % |" in render_fallbacks(resumed.fallbacks.values(), 0.05)
+
+
+def test_a_logged_fallback_record_equals_itself_read_back():
+    """W&B and MLflow refuse a hyperparameter logged again (on resume) with an unequal value:
+    the record survives JSON unchanged, NaN included, and reads back as the fallback."""
+    import json
+    import math
+
+    from foundry_fp8.guard import Fallback
+
+    fallback = Fallback("blocks.1.x", 8, 0.03, ("why",), {"activation/cos_sim": float("nan"),
+                                                          "activation/underflow_pct": 21.9},
+                        ("activation underflow_pct 21.9 % (> 5 %)",))
+    record = fallback.record()
+    assert json.loads(json.dumps(record)) == record
+    back = Fallback.from_dict(json.loads(json.dumps(record)))
+    assert math.isnan(back.numbers.pop("activation/cos_sim"))
+    assert back == Fallback("blocks.1.x", 8, 0.03, ("why",), {"activation/underflow_pct": 21.9},
+                            ("activation underflow_pct 21.9 % (> 5 %)",))
 
 
 class _Block(nn.Module):

@@ -1,39 +1,54 @@
 """fp8_guard in real tiny LLM-Foundry runs (te_swap's emulated backend): one layer driven into
 persistent FP8 trouble by an injected outlier channel falls back alone, at the step its health
-rule says, the loss moves toward the run without FP8, and resumes reproduce the same run."""
+rule says, the loss moves toward the run without FP8, resumes reproduce the same run, and
+`foundry-fp8 report` on the run shows the fallback.
+
+The runs are shared by every test here (one module fixture) and carry only what some test
+reads: fp8_stats without its pictures, no evaluation, checkpoints only in the guarded run."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from statistics import mean
 
 import pytest
 import torch
+import yaml
+from torch import nn
 
+from foundry_fp8.cli import main
 from foundry_fp8.composer.guard import FALLBACK_LAYERS, FP8_FLOPS_SHARE, FP8Guard
 from foundry_fp8.composer.state import fp8_state_from_checkpoint
 from foundry_fp8.fault import InjectOutlier, stats_table
+from foundry_fp8.fp8_meta import canonical_modules
+from foundry_fp8.health import layer_key
 from foundry_fp8.jsonl import read_jsonl
 from tests.tiny_run import run_folder, tiny_config
 
 LAYER = "blocks.1.attn.out_proj"
 START, INTERVAL, CONSECUTIVE, END = 6, 2, 2, 20
-STATS = {"fp8_stats": {"interval": INTERVAL}}
+STATS = {"fp8_stats": {"interval": INTERVAL, "image_interval": None}}
 FAULT = {"guard_inject_outlier": {"layer": LAYER, "start": START}}
 GUARD = {"fp8_guard": {"consecutive": CONSECUTIVE}}
+# the tiny MPT's linear-GEMM multiply-adds per token: 2 blocks x (64x192 + 64x64 + 64x256 +
+# 256x64) in FP8, and the tied 64x512 LM head in high precision
+BLOCKS, TOTAL = 2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64), 2 * 49152 + 64 * 512
 
 
 def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
-         load: str | None = None):
+         load: str | None = None, stats: bool = True, save: bool = False):
     from llmfoundry.command_utils import train
 
     overrides = {"variables": {"run_name": name}, "max_duration": f"{END}ba",
-                 "eval_interval": "100ba", "save_interval": "4ba",
-                 "callbacks": {**STATS, **callbacks}}
+                 "eval_interval": f"{END}ba",
+                 "save_interval": "4ba" if save else f"{END}ba",  # else only at the end
+                 "callbacks": {**(STATS if stats else {}), **callbacks}}
     if load:
         overrides["load_path"] = str(run_folder(tmp, load.split("/")[0]) / "checkpoints"
                                      / load.split("/")[1])
     cfg = tiny_config(tmp, tiny_data, overrides)
+    del cfg["eval_loader"]  # no test reads an evaluation
     if not fp8:
         del cfg.algorithms["te_swap"]
     (tmp / name).mkdir(parents=True, exist_ok=True)
@@ -42,7 +57,7 @@ def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
     metrics: dict[int, dict] = {}
     for step, values in read_jsonl(run_folder(tmp, name) / "metrics.jsonl"):
         metrics.setdefault(step, {}).update(values)
-    return guard, metrics
+    return guard, metrics, trainer
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +67,9 @@ def runs(tmp_path_factory, tiny_data):
     callbacks.register("guard_inject_outlier", func=InjectOutlier)
     tmp = tmp_path_factory.mktemp("guard")
     out = {
-        "no_fp8": _run(tmp, tiny_data, "no_fp8", FAULT, fp8=False),
+        "no_fp8": _run(tmp, tiny_data, "no_fp8", FAULT, fp8=False, stats=False),  # losses only
         "unguarded": _run(tmp, tiny_data, "unguarded", FAULT),
-        "guarded": _run(tmp, tiny_data, "guarded", {**FAULT, **GUARD}),
+        "guarded": _run(tmp, tiny_data, "guarded", {**FAULT, **GUARD}, save=True),
         "healthy": _run(tmp, tiny_data, "healthy", GUARD),
     }
     step = out["guarded"][0].core.fallbacks[LAYER].step
@@ -71,31 +86,32 @@ def _losses(metrics: dict[int, dict]) -> dict[int, float]:
     return {s: m["loss/train/total"] for s, m in metrics.items() if "loss/train/total" in m}
 
 
-def _bad_steps(metrics: dict[int, dict], layer: str, guard: FP8Guard) -> list[int]:
-    """Logging steps at which one of the layer's tensors crossed a limit of the guard's."""
+def _bad_steps(metrics: dict[int, dict], layer: str, guard: FP8Guard) -> dict[str, list[int]]:
+    """Per tensor of the layer, the logging steps at which it crossed a limit of the guard's."""
     c = guard.config
-    bad = []
+    bad: dict[str, list[int]] = {}
     for step, values in sorted(metrics.items()):
-        rows = [stats for (name, _), stats in stats_table(values).items()
-                if name.endswith(LAYER) and not stats.get("initial_scale")]
-        if any(r["underflow_pct"] > c.max_underflow_pct or r["overflow_pct"] > c.max_overflow_pct
-               or r["cos_sim"] < c.min_cos_sim or r["nan_count"] + r["inf_count"] > 0
-               for r in rows):
-            bad.append(step)
+        for (name, tensor), r in stats_table(values).items():
+            if name.endswith(layer) and not r.get("initial_scale") and (
+                    r["underflow_pct"] > c.max_underflow_pct
+                    or r["overflow_pct"] > c.max_overflow_pct or r["cos_sim"] < c.min_cos_sim
+                    or r["nan_count"] + r["inf_count"] > 0):
+                bad.setdefault(tensor, []).append(step)
     return bad
 
 
 @pytest.mark.slow
 def test_exactly_the_faulty_layer_falls_back_when_its_rule_says(runs):
-    guard, metrics = runs["guarded"]
+    guard, metrics, _ = runs["guarded"]
     assert list(guard.core.fallbacks) == [LAYER]
     fallback = guard.core.fallbacks[LAYER]
-    # from the unguarded run's numbers: the first logging step at which the layer has crossed a
-    # limit at CONSECUTIVE logging steps in a row (the fault's first step is one of them)
+    # from the unguarded run's numbers: the first logging step at which one of the layer's
+    # tensors has crossed a limit at CONSECUTIVE logging steps in a row (the fault's first step
+    # is one of them)
     bad = _bad_steps(runs["unguarded"][1], LAYER, guard)
-    assert bad[0] == START
-    expected = next(s for s in bad
-                    if all(s - INTERVAL * k in bad for k in range(CONSECUTIVE)))
+    assert min(steps[0] for steps in bad.values()) == START
+    expected = min(s for steps in bad.values() for s in steps
+                   if all(s - INTERVAL * k in steps for k in range(CONSECUTIVE)))
     assert fallback.step == expected
     unguarded = stats_table(runs["unguarded"][1][expected])
     assert fallback.numbers["activation/underflow_pct"] == next(
@@ -105,11 +121,10 @@ def test_exactly_the_faulty_layer_falls_back_when_its_rule_says(runs):
     # of the model's 2 x (64x192 + 64x64 + 64x256 + 256x64) + 64x512 (tied LM head)
     logged = {s: (m[FALLBACK_LAYERS], m[FP8_FLOPS_SHARE]) for s, m in metrics.items()
               if FALLBACK_LAYERS in m}
-    total = 2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64) + 64 * 512
     for step, (layers, share) in logged.items():
         fallen = step >= fallback.step
         assert layers == float(fallen)
-        assert share == pytest.approx((2 * 49152 - fallen * 64 * 64) / total)
+        assert share == pytest.approx((BLOCKS - fallen * 64 * 64) / TOTAL)
     assert sorted(logged) == list(range(0, END, INTERVAL))  # batch indices 0..END-1
 
 
@@ -117,7 +132,7 @@ def test_exactly_the_faulty_layer_falls_back_when_its_rule_says(runs):
 def test_every_other_layer_stays_in_fp8(runs):
     """From the checkpoint after the fallback to the end, only the fallen layer's delayed
     scaling state stands still: every other FP8 layer keeps casting."""
-    guard, _ = runs["guarded"]
+    guard = runs["guarded"][0]
     step = guard.core.fallbacks[LAYER].step
     folder = run_folder(runs["tmp"], "guarded") / "checkpoints"
     early = fp8_state_from_checkpoint(folder / f"ep0-ba{4 * (step // 4 + 1)}-rank0.pt")
@@ -143,8 +158,8 @@ def test_the_loss_after_the_fallback_is_closer_to_the_run_without_fp8(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("resumed", ["resumed_after", "resumed_before"])
 def test_a_resume_reproduces_the_decision_and_the_losses_bit_exact(runs, resumed):
-    guard, metrics = runs[resumed]
-    straight, straight_metrics = runs["guarded"]
+    guard, metrics, _ = runs[resumed]
+    straight, straight_metrics, _ = runs["guarded"]
     assert guard.core.fallbacks == straight.core.fallbacks
     losses, expected = _losses(metrics), _losses(straight_metrics)
     assert losses and max(losses) == END - 1  # Composer logs a batch's loss at its index
@@ -154,6 +169,59 @@ def test_a_resume_reproduces_the_decision_and_the_losses_bit_exact(runs, resumed
 
 @pytest.mark.slow
 def test_a_healthy_run_has_no_fallback(runs):
-    guard, metrics = runs["healthy"]
+    guard, metrics, _ = runs["healthy"]
     assert guard.core.fallbacks == {}
     assert {m[FALLBACK_LAYERS] for m in metrics.values() if FALLBACK_LAYERS in m} == {0.0}
+
+
+def _report(folder: Path, capsys) -> tuple[str, str]:
+    """`foundry-fp8 report` on a run folder: its terminal output and fp8_report.md."""
+    capsys.readouterr()
+    assert main(["report", str(folder)]) == 0
+    return capsys.readouterr().out, (folder / "fp8_report.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["guarded", "resumed_after"])
+def test_the_report_shows_the_fallback_and_the_yaml_for_next_time(runs, name, capsys):
+    """On the run's own metrics.jsonl and hparams.json (a resumed run logs its restored
+    fallbacks again): the fallback with its step, FLOPs share and triggering number, the FP8
+    share before and after, the YAML that keeps exactly that layer out of FP8, and the
+    flagged layer marked as already in high precision."""
+    guard, metrics, trainer = runs["guarded"]
+    step = guard.core.fallbacks[LAYER].step
+    out, md = _report(run_folder(runs["tmp"], name), capsys)
+    section = md.split("## fp8_guard\n", 1)[1].split("\n## ", 1)[0]
+    underflow = metrics[step][layer_key("underflow_pct", "activation", LAYER)]
+    assert underflow > guard.config.max_underflow_pct
+    row = (f"| {LAYER} | {step + 1} | {100 * 64 * 64 / TOTAL:.1f} % | activation underflow_pct "
+           f"{underflow:.3g} % (&gt; {guard.config.max_underflow_pct:g} %) |")
+    assert row in section.splitlines()
+    assert section.count(f"| {LAYER} |") == 1  # no other layer fell back
+    first, last = (100 * BLOCKS / TOTAL, 100 * (BLOCKS - 64 * 64) / TOTAL)
+    if name == "guarded":
+        assert f"{first:.1f} % at the first logging step, {last:.1f} % at the last" in section
+    else:  # the resumed run's series start after the fallback
+        assert f"{last:.1f} % at the first logging step, {last:.1f} % at the last" in section
+    # the YAML block, read as YAML: te_swap's exclude matches exactly the fallen layer
+    block = section.split("```yaml\n", 1)[1].split("\n```", 1)[0]
+    exclude = yaml.safe_load(block)["algorithms"]["te_swap"]["exclude"]
+    linear = [n for n, m in canonical_modules(trainer.state.model) if isinstance(m, nn.Linear)]
+    assert len(linear) == 8  # 2 blocks x 4 (the LM head is the tied embedding)
+    assert [n for n in linear if re.search(exclude, n)] == [f"model.transformer.{LAYER}"]
+    assert f"Next time: {block}" in out
+    # the findings: the layer is flagged, and said to run in high precision already
+    flagged = [line for line in md.split("## Flagged", 1)[1].split("\n## ", 1)[0].splitlines()
+               if line.startswith(f"| {LAYER} (high precision from step {step + 1}: fp8_guard)")]
+    assert flagged and all("fp8_guard ran it in high precision" in line for line in flagged)
+    assert f"fp8_guard ran it in high precision from step {step + 1}" in out
+
+
+@pytest.mark.slow
+def test_the_report_of_a_healthy_guarded_run_says_nothing_fell_back(runs, capsys):
+    out, md = _report(run_folder(runs["tmp"], "healthy"), capsys)
+    logging_steps = len(range(0, END, INTERVAL))
+    assert (f"fp8_guard watched {logging_steps} logging steps and moved no layer to high "
+            f"precision (FP8 share of the linear-GEMM FLOPs: {100 * BLOCKS / TOTAL:.1f} %)."
+            in md)
+    assert "high precision from step" not in md and "fp8_guard moved" not in out

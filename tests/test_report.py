@@ -331,3 +331,38 @@ def test_a_run_killed_mid_write_still_gets_its_report(tmp_path, capsys):
 
 def load_skipping(path: Path):
     return collect(read_jsonl(path, []))
+
+
+def test_the_guard_section_reads_its_series_and_fallback_records(tmp_path, capsys):
+    """fp8_guard's series in metrics.jsonl and its fallbacks in hparams.json (a record as the
+    callback logs it, NaN included, and one that is not a record): the fallback table, the FP8
+    share, the static YAML keeping te_swap's own exclude, the flagged layer marked; the bad
+    record is one warning."""
+    from foundry_fp8.guard import FALLBACK_LAYERS, FALLBACK_PREFIX, FP8_FLOPS_SHARE, Fallback
+
+    folder = write_run(tmp_path)
+    sink = JsonlSink(folder / "metrics.jsonl")
+    for step, layers, share in ((0, 0, 0.8), (10, 1, 0.55), (20, 1, 0.55)):
+        sink.write(step, {FALLBACK_LAYERS: float(layers), FP8_FLOPS_SHARE: share})
+    fallback = Fallback(L1, 10, 0.25, ("message",), {"gradient/cos_sim": float("nan")},
+                        ("gradient underflow_pct 4 % (> 3 %)",))
+    hparams = {"algorithms": {"te_swap": {"exclude": "head|x"}},
+               "callbacks": {"fp8_stats": {}, "fp8_guard": {}},
+               FALLBACK_PREFIX + L1: fallback.record(), FALLBACK_PREFIX + "bogus": "text"}
+    (folder / "hparams.json").write_text(json.dumps(hparams))
+    assert main(["report", str(folder)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"warning: {folder / 'hparams.json'}: key 'fp8/guard/fallback/bogus': not an fp8_guard "
+        "fallback record; left out"]
+    md = (folder / "fp8_report.md").read_text()
+    section = md.split("## fp8_guard\n", 1)[1].split("\n## ", 1)[0]
+    assert "80.0 % at the first logging step, 55.0 % at the last" in section
+    assert f"| {L1} | 11 | 25.0 % | gradient underflow_pct 4 % (&gt; 3 %) |" in section
+    assert "```yaml\nalgorithms: {te_swap: {exclude: '(?:head|x)|blocks\\.1\\.ffn\\.up$'}}\n```" \
+        in section
+    assert f"| {L1} (high precision from step 11: fp8_guard) | gradient | underflow_pct |" in md
+    assert f"| {L2} | activation | cos_sim |" in md  # not in fallback: unmarked
+    assert f"fp8_guard moved 1 layer(s) to high precision: {L1} from step 11." in captured.out
+    assert math.isnan(Fallback.from_dict(json.loads(json.dumps(fallback.record()))).numbers[
+        "gradient/cos_sim"])  # NaN read back as a float

@@ -19,7 +19,11 @@ from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.fp8_meta import canonical_name, fp8_modules
 from foundry_fp8.guard import (
+    FALLBACK_LAYERS,
+    FALLBACK_PREFIX,
+    FP8_FLOPS_SHARE,
     OPTION,
+    Fallback,
     GuardBudgetError,
     GuardConfig,
     GuardCore,
@@ -32,9 +36,6 @@ from foundry_fp8.monitor import multi_rank
 from foundry_fp8.options import build
 
 log = logging.getLogger(__name__)
-
-FALLBACK_LAYERS = "fp8/guard/fallback_layers"
-FP8_FLOPS_SHARE = "fp8/guard/fp8_flops_share"
 
 
 class FP8Guard(Callback):
@@ -50,7 +51,10 @@ class FP8Guard(Callback):
 
     Logs, by rank 0 at fp8_stats' logging steps: `fp8/guard/fallback_layers` (layers in
     fallback) and `fp8/guard/fp8_flops_share` (share of the linear-GEMM FLOPs still in FP8); at
-    fit end the hyperparameter `fp8/guard/fallbacks` (the table it prints).
+    each fallback, and again on resume, the hyperparameter `fp8/guard/fallback/<layer>` (layer,
+    step, FLOPs share, what flagged it and every statistic of the layer at that step, read back
+    by `foundry-fp8 report`); at fit end the hyperparameter `fp8/guard/fallbacks` (the table it
+    prints).
 
     The guard's own errors switch it off (every rank together; layers already in fallback stay
     so) unless `strict: true`.
@@ -107,6 +111,7 @@ class FP8Guard(Callback):
         if self.core.fallbacks:
             log.warning("fp8_guard: resumed with %s in high precision",
                         ", ".join(self.core.fallbacks))
+            self._log_fallbacks(self.core.fallbacks.values())
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self._raise_stop()
@@ -168,6 +173,7 @@ class FP8Guard(Callback):
             if rank_zero:
                 log.warning(fallback_message(fallback, static_yaml([fallback.layer],
                                                                    self._exclude)))
+        self._log_fallbacks(verdict.fallbacks)
         if verdict.budget_message:
             if self.config.strict:
                 self._stop = GuardBudgetError(verdict.budget_message)
@@ -179,6 +185,20 @@ class FP8Guard(Callback):
         if rank_zero and self._logger is not None:
             self._logger.log_metrics({FALLBACK_LAYERS: float(len(self.core.fallbacks)),
                                       FP8_FLOPS_SHARE: self.core.fp8_flops_share}, step=step)
+
+    def _log_fallbacks(self, fallbacks: Iterable[Fallback]) -> None:
+        """One hyperparameter per fallback (rank 0), never changed: W&B and MLflow refuse a
+        changed value. On resume the same values again, for a new W&B run or hparams.json. A
+        logger that fails is reported; the guard goes on (`strict: true` raises)."""
+        logged = {FALLBACK_PREFIX + f.layer: f.record() for f in fallbacks}
+        if dist.get_global_rank() != 0 or self._logger is None or not logged:
+            return
+        try:
+            self._logger.log_hyperparameters(logged)
+        except Exception:
+            if self.config.strict:
+                raise
+            log.exception("fp8_guard: logging the fallbacks failed; the guard goes on")
 
     def _own_error(self, error: Exception) -> bool:
         """True: switch off (logged); strict: kept to raise after fp8_stats' BATCH_END."""

@@ -39,10 +39,15 @@ class Flag:
     new: bool = True  # first time this rule flags this layer and tensor
 
     @property
-    def message(self) -> str:
+    def reading(self) -> str:
+        """The statistic, its value and the rule: `underflow_pct 21.9 % (> 5 %)`."""
         shown = f"{self.value:.3g} %" if self.stat.endswith("_pct") else f"{self.value:.4g}"
-        return (f"FP8 {self.tensor} of layer '{self.layer}' at step {self.step}: {self.stat} "
-                f"{shown} ({self.limit}). Likely cause: {self.cause}. Change: {self.yaml_key}")
+        return f"{self.stat} {shown} ({self.limit})"
+
+    @property
+    def message(self) -> str:
+        return (f"FP8 {self.tensor} of layer '{self.layer}' at step {self.step}: {self.reading}. "
+                f"Likely cause: {self.cause}. Change: {self.yaml_key}")
 
 
 def block_index(layer: str) -> int | None:
@@ -61,7 +66,7 @@ class _State:
     """What the tracker remembers of one (layer, tensor)."""
 
     over: int = 0  # consecutive judged logging steps with overflow that clips
-    bad: int = 0  # consecutive judged logging steps with any limit crossed
+    bad: int = 0  # consecutive judged logging steps with a limit crossed or underflow rising
     rising: list[float] = field(default_factory=list)  # last underflow values (gradients)
 
 
@@ -94,8 +99,9 @@ class HealthTracker:
         return raised
 
     def streak(self, layer: str, tensor: str) -> int:
-        """Consecutive judged logging steps (up to the last) on which this tensor crossed any
-        limit; what the guard acts on."""
+        """Consecutive judged logging steps (up to the last) on which this tensor crossed a
+        limit or (a gradient) its underflow rose: the one count of "bad for N logging steps".
+        With `persist_steps=1` (the guard's tracker) a bad step is exactly a flagged one."""
         state = self._state.get((layer, tensor))
         return state.bad if state else 0
 
@@ -115,10 +121,11 @@ class HealthTracker:
         nonfinite = _value(stats, "nan_count", 0.0) + _value(stats, "inf_count", 0.0)
         clips = overflow > t.max_overflow_pct and ratio > t.clip_ratio
         s.over = s.over + 1 if clips else 0
-        crossed = (clips or underflow > t.max_underflow_pct or cos < t.min_cos_sim
-                   or nonfinite > 0)
-        s.bad = s.bad + 1 if crossed else 0
         s.rising = [*s.rising, underflow][-(t.persist_steps + 1):]
+        rising = tensor == "gradient" and self._rising(s.rising)
+        bad = (clips or underflow > t.max_underflow_pct or cos < t.min_cos_sim or nonfinite > 0
+               or rising)
+        s.bad = s.bad + 1 if bad else 0
         n = t.persist_steps
         steps = f"for {n} logging steps" if n > 1 else "at a logging step"
         found: list[tuple[str, str, float, str, str, str]] = []  # rule, stat, value, limit, cause, key
@@ -152,7 +159,7 @@ class HealthTracker:
             found.append(("underflow", "underflow_pct", underflow, f"> {t.max_underflow_pct:g} %",
                           "the tensor's range is wider than FP8 holds at this layer",
                           self._keep_in_bf16(layer)))
-        elif tensor == "gradient" and self._rising(s.rising):
+        elif rising:
             found.append(("underflow_rising", "underflow_pct", underflow,
                           f"rising {n} logging steps in a row, to > {t.max_underflow_pct / 5:g} %",
                           "gradients shrink toward the bottom of E5M2's range",

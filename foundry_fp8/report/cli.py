@@ -9,13 +9,23 @@ import re
 import sys
 from pathlib import Path
 
+from foundry_fp8.guard import static_yaml
 from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table, worst_values
 from foundry_fp8.health.history import shown
 from foundry_fp8.health.plots import choose_layers, draw_heatmap, draw_series, save_png
 from foundry_fp8.health.specs import spec
-from foundry_fp8.report.markdown import findings, fmt, render_report
+from foundry_fp8.report.markdown import (
+    Finding,
+    fallback_steps,
+    findings,
+    fmt,
+    in_high_precision,
+    render_report,
+)
 from foundry_fp8.report.read import (
+    GuardRun,
     ReportError,
+    guard_run,
     load_run,
     read_hparams,
     thresholds_from_hparams,
@@ -58,12 +68,12 @@ def replay(run: RunMetrics, tracker: HealthTracker) -> list[Flag]:
     return tracker.flags
 
 
-def make_report(run_folder: Path, layers: str | None = None,
-                out: Path | None = None) -> tuple[RunMetrics, list[Flag], list[Path]]:
-    """Write the PNGs and fp8_report.md; returns the metrics, the flags and the written paths
-    (markdown last)."""
+def make_report(run_folder: Path, layers: str | None = None, out: Path | None = None
+                ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path]]:
+    """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did
+    and the written paths (markdown last)."""
     metrics_file = run_folder if run_folder.is_file() else run_folder / "metrics.jsonl"
-    run = load_run(metrics_file, warn)
+    run, series = load_run(metrics_file, warn)
     if layers is not None:
         try:
             re.compile(layers)
@@ -73,8 +83,10 @@ def make_report(run_folder: Path, layers: str | None = None,
     if not chosen:
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
                           f"(e.g. {run.layers[0]!r})")
-    thresholds = thresholds_from_hparams(read_hparams(metrics_file.with_name("hparams.json"))
-                                         or {})
+    hparams_file = metrics_file.with_name("hparams.json")
+    hparams = read_hparams(hparams_file)
+    thresholds = thresholds_from_hparams(hparams or {})
+    guard = guard_run(series, hparams, hparams_file, warn)
     flags = replay(run, HealthTracker(thresholds))
     out = out or metrics_file.parent
     _out_folder(out)
@@ -92,26 +104,37 @@ def make_report(run_folder: Path, layers: str | None = None,
             written.append(target)
         target = out / "fp8_report.md"
         target.write_text(render_report(run, flags, thresholds, chosen,
-                                        [p.name for p in written]))
+                                        [p.name for p in written], guard))
     except OSError as e:  # a read-only folder, a full disk, a folder in the file's place
         raise ReportError(f"{target}: cannot write ({e.strerror or e})") from None
-    return run, flags, [*written, target]
+    return run, flags, guard, [*written, target]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        metrics, flags, written = make_report(args.run_folder, args.layers, args.out)
+        metrics, flags, guard, written = make_report(args.run_folder, args.layers, args.out)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(render_table(worst_values(metrics)))
     found = findings(metrics, flags)
+    fallen = fallback_steps(guard)
+
+    def change(f: Finding) -> str:
+        if f.first.layer in fallen:
+            return f"{in_high_precision('it', fallen[f.first.layer])}: {f.first.yaml_key}"
+        return f"Change: {f.first.yaml_key}"
+
     print(f"{len(found)} flagged" + "".join(
         f"\n  {f.first.layer!r} {f.first.tensor}: {f.worst.stat} {fmt(f.worst.stat, f.worst.value)} "
         f"at step {f.worst.step} ({f.first.limit}; {f.steps} of {f.logged} steps). Likely cause: "
-        f"{f.first.cause}. Change: {f.first.yaml_key}" for f in found[:MAX_PRINTED]))
+        f"{f.first.cause}. {change(f)}" for f in found[:MAX_PRINTED]))
     if len(found) > MAX_PRINTED:
         print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")
+    if guard is not None and guard.fallbacks:
+        print(f"fp8_guard moved {len(guard.fallbacks)} layer(s) to high precision: " + ", ".join(
+            f"{f.layer} from step {f.step + 1}" for f in guard.fallbacks)
+            + f". Next time: {static_yaml([f.layer for f in guard.fallbacks], guard.exclude)}")
     print(f"plots ({len(written) - 1} PNGs) in {written[0].parent}:")
     for path in written[:-1]:
         print(f"  {path.name}")

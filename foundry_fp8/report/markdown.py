@@ -1,16 +1,19 @@
-"""fp8_report.md: what was flagged (with its cause and the YAML key to change), the worst
-layers, how to read the numbers, the plots, and the worst value per layer and tensor. Every
-name from the metrics is escaped (`health.table.md_escape`)."""
+"""fp8_report.md: what was flagged (with its cause and the YAML key to change), what fp8_guard
+did (its fallbacks and the static YAML that does the same), the worst layers, how to read the
+numbers, the plots, and the worst value per layer and tensor. Every name from the metrics is
+escaped (`health.table.md_escape`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from foundry_fp8.guard import render_fallbacks, static_yaml
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
 from foundry_fp8.health.history import worst_layers
 from foundry_fp8.health.plots import common_prefix
 from foundry_fp8.health.specs import badness, spec
 from foundry_fp8.health.table import md_code, number
+from foundry_fp8.report.read import GuardRun
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,47 @@ def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
 
 def fmt(stat: str, value: float) -> str:
     return f"{number(value)} %" if stat.endswith("_pct") else number(value)
+
+
+def fallback_steps(guard: GuardRun | None) -> dict[str, int]:
+    """Layer -> the first step it ran in high precision (fp8_guard's fallbacks)."""
+    return {f.layer: f.step + 1 for f in guard.fallbacks} if guard else {}
+
+
+def in_high_precision(layer: str, since: int) -> str:
+    """The note on a flagged layer that fp8_guard already runs in high precision: its FP8
+    advice only matters to bring it back to FP8."""
+    return (f"fp8_guard ran {layer} in high precision from step {since} (its statistics since "
+            "are what-if numbers); keep it so from the start with the fp8_guard section's "
+            "exclude, or, to bring it back to FP8")
+
+
+def guard_section(guard: GuardRun) -> list[str]:
+    """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time."""
+    lines = ["## fp8_guard", ""]
+    share = guard.fp8_share
+    if not guard.fallbacks:
+        lines.append(f"fp8_guard watched {len(guard.series)} logging steps and moved no layer to "
+                     "high precision" + (f" (FP8 share of the linear-GEMM FLOPs: "
+                                         f"{100 * share[-1]:.1f} %)." if share else "."))
+        return lines
+    lines += [f"fp8_guard moved {len(guard.fallbacks)} layer(s) to high precision during the run "
+              "(`fp8/guard/fallback/<layer>` in hparams.json); each ran in high precision from "
+              "the step after the one that decided it, and its statistics since are what-if "
+              "numbers (the cast it would do, under fp8_stats' `recipe`)."]
+    if share:
+        lines[-1] += (f" FP8 share of the linear-GEMM FLOPs (`fp8/guard/fp8_flops_share`): "
+                      f"{100 * share[0]:.1f} % at the first logging step, {100 * share[1]:.1f} % "
+                      "at the last.")
+    if guard.in_fallback != len(guard.fallbacks):
+        lines[-1] += (f" The series `fp8/guard/fallback_layers` ends at {guard.in_fallback} "
+                      f"layers, hparams.json records {len(guard.fallbacks)} fallbacks: part of "
+                      "the run's record is missing.")
+    lines += ["", render_fallbacks(guard.fallbacks, share[1] if share else None), "",
+              "The same layers in high precision from the start, next time (te_swap keeps them "
+              "in high precision; fp8_guard then has nothing to switch):", "", "```yaml",
+              static_yaml([f.layer for f in guard.fallbacks], guard.exclude), "```"]
+    return lines
 
 
 GUIDE = """\
@@ -72,8 +116,10 @@ GUIDE = """\
 
 
 def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
-                  chosen: list[tuple[str, str]], pngs: list[str]) -> str:
-    """fp8_report.md: what to look at first, how to read it, the plots, then the full table."""
+                  chosen: list[tuple[str, str]], pngs: list[str],
+                  guard: GuardRun | None = None) -> str:
+    """fp8_report.md: what to look at first, what fp8_guard did, how to read it, the plots,
+    then the full table."""
     prefix = common_prefix(run.layers)
     shape = (f"{len(run.layers)} layers x {len(run.tensors)} tensors "
              f"({md_escape(', '.join(run.tensors))}), {len(run.steps)} logging steps "
@@ -89,15 +135,23 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
              f"with scale_ratio >= {t.spike_ratio:g} at once; gradient underflow rising "
              f"{t.persist_steps} logging steps in a row. The same rules warn during the run.", ""]
     found = findings(run, flags)
+    fallen = fallback_steps(guard)
     if found:
         lines += ["| layer | tensor | statistic | worst | first flagged at step | steps flagged "
                   "| likely cause | change |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {md_escape(f.first.layer)} | {md_escape(f.first.tensor)} | "
-                  f"{f.worst.stat} | {fmt(f.worst.stat, f.worst.value)} | {f.first.step} | "
-                  f"{f.steps} of {f.logged} | {md_escape(f.first.cause)} | "
-                  f"{md_code(f.first.yaml_key)} |" for f in found]
+        for f in found:
+            layer, change = md_escape(f.first.layer), md_code(f.first.yaml_key)
+            if f.first.layer in fallen:
+                since = fallen[f.first.layer]
+                layer += f" (high precision from step {since}: fp8_guard)"
+                change = f"{md_escape(in_high_precision('it', since))}: {change}"
+            lines.append(f"| {layer} | {md_escape(f.first.tensor)} | {f.worst.stat} | "
+                         f"{fmt(f.worst.stat, f.worst.value)} | {f.first.step} | "
+                         f"{f.steps} of {f.logged} | {md_escape(f.first.cause)} | {change} |")
     else:
         lines.append("No layer crosses a threshold.")
+    if guard is not None:
+        lines += ["", *guard_section(guard)]
     lines += ["", "## Worst layers (by their mean over the judged logging steps)", ""]
     for stat in (s for s in run.stats if spec(s).worse and spec(s).listed):
         entries = "; ".join(

@@ -1,14 +1,17 @@
-"""Reading a run for the report: its `metrics.jsonl` (the `health.keys` layout) and the
-thresholds its `fp8_stats` ran with (hparams.json); bad input is one line (ReportError)."""
+"""Reading a run for the report: its `metrics.jsonl` (the `health.keys` layout and fp8_guard's
+series), the thresholds its `fp8_stats` ran with and fp8_guard's fallbacks (hparams.json); bad
+input is one line (ReportError)."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from foundry_fp8.guard import FALLBACK_LAYERS, FALLBACK_PREFIX, FP8_FLOPS_SHARE, Fallback
 from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.jsonl import JsonlError, read_jsonl
 
@@ -51,16 +54,32 @@ def read_hparams(path: Path) -> Mapping[str, Any] | None:
     return value if isinstance(value, Mapping) else None
 
 
-def load_run(metrics_file: Path, warn: Any) -> RunMetrics:
-    """The run's per-layer FP8 metrics; ReportError (one line) when there are none, saying why.
-    Undecodable lines (a run killed mid-write leaves one) are skipped with one warning."""
+GuardSeries = dict[int, dict[str, float]]  # step -> fp8_guard's series logged at it
+
+
+def _guard_series(records: Iterable[tuple[int, Mapping[str, Any]]],
+                  into: GuardSeries) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """`records` unchanged, fp8_guard's numbers copied `into` on the way (one pass)."""
+    for step, metrics in records:
+        for key in (FALLBACK_LAYERS, FP8_FLOPS_SHARE):
+            value = metrics.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                into.setdefault(step, {})[key] = float(value)
+        yield step, metrics
+
+
+def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetrics, GuardSeries]:
+    """The run's per-layer FP8 metrics and fp8_guard's series; ReportError (one line) when there
+    are no FP8 metrics, saying why. Undecodable lines (a run killed mid-write leaves one) are
+    skipped with one warning."""
     if not metrics_file.is_file():
         raise ReportError(f"{metrics_file}: not found (was the `jsonl` logger in the YAML?)")
     skipped: list[int] = []
+    guard: GuardSeries = {}
     try:
         if metrics_file.stat().st_size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        run = collect(read_jsonl(metrics_file, skipped))
+        run = collect(_guard_series(read_jsonl(metrics_file, skipped), guard))
     except JsonlError as e:
         raise ReportError(str(e)) from None
     except OSError as e:
@@ -75,7 +94,58 @@ def load_run(metrics_file: Path, warn: Any) -> RunMetrics:
     if (bad := next((s for s in run.steps if not 0 <= s <= MAX_STEP), None)) is not None:
         raise ReportError(f"{metrics_file}: step {bad} is not a training step (outside 0 to "
                           "2**53)")
-    return run
+    return run, guard
+
+
+@dataclass(frozen=True)
+class GuardRun:
+    """What fp8_guard logged in a run."""
+
+    series: GuardSeries
+    fallbacks: list[Fallback]  # in step order
+    exclude: str | None  # te_swap's own `exclude` (hparams.json), kept in the static YAML
+
+    @property
+    def fp8_share(self) -> tuple[float, float] | None:
+        """The FP8 share of the linear-GEMM FLOPs at the first and the last logging step."""
+        shares = [self.series[s][FP8_FLOPS_SHARE] for s in sorted(self.series)
+                  if FP8_FLOPS_SHARE in self.series[s]]
+        return (shares[0], shares[-1]) if shares else None
+
+    @property
+    def in_fallback(self) -> int:
+        """Layers in fallback at the last logging step (the series)."""
+        counts = [self.series[s][FALLBACK_LAYERS] for s in sorted(self.series)
+                  if FALLBACK_LAYERS in self.series[s]]
+        return int(counts[-1]) if counts else len(self.fallbacks)
+
+
+def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Path,
+              warn: Callable[[str], None]) -> GuardRun | None:
+    """fp8_guard's series and the fallbacks it logged as hyperparameters; None when the run
+    had no fp8_guard. A fallback record that does not read is left out with a warning."""
+    hparams = hparams or {}
+    fallbacks = []
+    for key, value in hparams.items():
+        if not key.startswith(FALLBACK_PREFIX):
+            continue
+        try:
+            fallback = Fallback.from_dict(value)
+            if not (isinstance(fallback.layer, str) and type(fallback.step) is int
+                    and type(fallback.flops_share) in (int, float)):
+                raise ValueError(value)
+            fallbacks.append(fallback)
+        except (TypeError, KeyError, ValueError):
+            warn(f"{where}: key {key!r}: not an fp8_guard fallback record; left out")
+    callbacks = hparams.get("callbacks")
+    configured = isinstance(callbacks, Mapping) and "fp8_guard" in callbacks
+    if not (series or fallbacks or configured):
+        return None
+    algorithms = hparams.get("algorithms")
+    swap = algorithms.get("te_swap") if isinstance(algorithms, Mapping) else None
+    exclude = swap.get("exclude") if isinstance(swap, Mapping) else None
+    return GuardRun(series, sorted(fallbacks, key=lambda f: (f.step, f.layer)),
+                    exclude if isinstance(exclude, str) and exclude else None)
 
 
 def why_empty(metrics_file: Path) -> str:
