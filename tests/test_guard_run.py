@@ -8,6 +8,7 @@ reads: fp8_stats without its pictures, no evaluation, checkpoints only in the gu
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from statistics import mean
@@ -182,15 +183,13 @@ def _report(folder: Path, capsys) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["guarded", "resumed_after"])
-def test_the_report_shows_the_fallback_and_the_yaml_for_next_time(runs, name, capsys):
-    """On the run's own metrics.jsonl and hparams.json (a resumed run logs its restored
-    fallbacks again): the fallback with its step, FLOPs share and triggering number, the FP8
-    share before and after, the YAML that keeps exactly that layer out of FP8, and the
-    flagged layer marked as already in high precision."""
+def test_the_report_shows_the_fallback_and_the_yaml_for_next_time(runs, capsys):
+    """On the run's own metrics.jsonl and hparams.json: the fallback with its step, FLOPs share
+    and triggering number, the FP8 share before and after, the YAML that keeps exactly that
+    layer out of FP8, and the flagged layer marked as already in high precision."""
     guard, metrics, trainer = runs["guarded"]
     step = guard.core.fallbacks[LAYER].step
-    out, md = _report(run_folder(runs["tmp"], name), capsys)
+    out, md = _report(run_folder(runs["tmp"], "guarded"), capsys)
     section = md.split("## fp8_guard\n", 1)[1].split("\n## ", 1)[0]
     underflow = metrics[step][layer_key("underflow_pct", "activation", LAYER)]
     assert underflow > guard.config.max_underflow_pct
@@ -199,10 +198,7 @@ def test_the_report_shows_the_fallback_and_the_yaml_for_next_time(runs, name, ca
     assert row in section.splitlines()
     assert section.count(f"| {LAYER} |") == 1  # no other layer fell back
     first, last = (100 * BLOCKS / TOTAL, 100 * (BLOCKS - 64 * 64) / TOTAL)
-    if name == "guarded":
-        assert f"{first:.1f} % at the first logging step, {last:.1f} % at the last" in section
-    else:  # the resumed run's series start after the fallback
-        assert f"{last:.1f} % at the first logging step, {last:.1f} % at the last" in section
+    assert f"{first:.1f} % at the first logging step, {last:.1f} % at the last" in section
     # the YAML block, read as YAML: te_swap's exclude matches exactly the fallen layer
     block = section.split("```yaml\n", 1)[1].split("\n```", 1)[0]
     exclude = yaml.safe_load(block)["algorithms"]["te_swap"]["exclude"]
@@ -215,6 +211,20 @@ def test_the_report_shows_the_fallback_and_the_yaml_for_next_time(runs, name, ca
                if line.startswith(f"| {LAYER} (high precision from step {step + 1}: fp8_guard)")]
     assert flagged and all("fp8_guard ran it in high precision" in line for line in flagged)
     assert f"fp8_guard ran it in high precision from step {step + 1}" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed", ["resumed_after", "resumed_before"])
+def test_a_resumed_run_logs_the_same_fallback_record_for_the_report(runs, resumed):
+    """The report reads the fallbacks from the run folder's hparams.json, which a resumed run
+    writes anew: the restored (or replayed) fallback is in it, as the run that did not stop
+    logged it."""
+    record = f"fp8/guard/fallback/{LAYER}"
+    straight = json.loads((run_folder(runs["tmp"], "guarded") / "hparams.json").read_text())
+    again = json.loads((run_folder(runs["tmp"], resumed) / "hparams.json").read_text())
+    assert [k for k in again if k.startswith("fp8/guard/fallback/")] == [record]
+    assert again[record] == straight[record]
+    assert again[record]["step"] == runs["guarded"][0].core.fallbacks[LAYER].step
 
 
 @pytest.mark.slow
