@@ -1,20 +1,29 @@
 """Cost of `fp8_guard` on top of `fp8_stats` at the same interval, tiny CPU MPT, one process.
 
-The guard does its work inside fp8_stats' logging steps (a listener on the pooled table) and
-adds no hooks while every layer is healthy, so its cost is timed directly: every call of the
-guard (its listener and its event methods) is wrapped in a timer, and so is fp8_stats'
-BATCH_END, in healthy runs with both callbacks. Whole-step timings could not resolve a cost this
-small on the shared 2-core machine (see stats_overhead.py). Reported: the guard's time per
-logging step and per other step, against fp8_stats' own logging-step work and a training step,
-median over rounds (min, max).
+Each round trains two healthy runs, one with `fp8_stats` alone and one with `fp8_stats` and
+`fp8_guard` (defaults), at the same interval, order alternating (stats/guard, then guard/stats).
+The guard works inside fp8_stats' logging steps (a listener on the pooled table) and adds no
+hooks while every layer is healthy, so its cost is measured two ways:
 
-    .venv/bin/python benchmarks/guard_overhead.py [--rounds 3] [--batches 100] [--interval 10]
+- in place: every call of the guard (its listener and its event methods) is timed, and so is
+  fp8_stats' AFTER_TRAIN_BATCH work (which calls the listener), in the guard run;
+- whole steps, as `stats_overhead.py` does: every batch is timed by BATCH_END timestamps, each
+  logging step and the step after it are compared with the three steps just before it in the
+  same run, and that excess is compared between the two runs; non-logging steps are compared
+  between the runs (noise on a shared machine, not a cost: the guard runs nothing there).
+
+Pictures are off in both runs (`image_interval: null`): they cost the same with and without
+the guard and would only add noise. Every figure is the median over rounds (min, max), with
+the load average of each round.
+
+    .venv/bin/python benchmarks/guard_overhead.py [--rounds 6] [--batches 160] [--interval 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib
 import json
 import os
@@ -30,9 +39,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.stats_overhead import machine, spread, step_durations, versions  # noqa: E402
+from benchmarks.stats_overhead import (  # noqa: E402
+    AMORTIZE_OVER,
+    logging_events,
+    machine,
+    spread,
+    step_durations,
+    versions,
+)
 from foundry_fp8.tools.tiny_data import prepare_tiny_data  # noqa: E402
 from tests.tiny_run import run_tiny  # noqa: E402
+
+HEADLINE = "guard_amortized_pct_interval100"
 
 
 def _timed(owner: type, name: str, sink: list[tuple[int, float]],
@@ -52,13 +70,14 @@ def _timed(owner: type, name: str, sink: list[tuple[int, float]],
     return lambda: setattr(owner, name, original)
 
 
-def time_round(batches: int, interval: int, data: Any, root: Path) -> dict[str, float]:
-    from composer.core import Callback, Event
+def time_run(guard: bool, batches: int, interval: int, data: Any, root: Path) -> dict[str, Any]:
+    """One healthy tiny run: per-batch seconds, and (with the guard) the timed calls."""
+    from composer.core import Callback
 
     from foundry_fp8.composer.guard import FP8Guard
     from foundry_fp8.composer.stats import FP8Stats
 
-    class Stamps(Callback):
+    class Stamps(Callback):  # appended last: its BATCH_END runs after every other callback's
         def __init__(self) -> None:
             self.stamps: list[float] = []
             self.batch = 0
@@ -70,19 +89,11 @@ def time_round(batches: int, interval: int, data: Any, root: Path) -> dict[str, 
             self.stamps.append(time.perf_counter())
 
     stamps = Stamps()
-    guard_calls: list[tuple[int, float]] = []
-    stats_calls: list[tuple[int, float]] = []
-    undo = [_timed(FP8Guard, name, guard_calls, lambda: stamps.batch)
-            for name in ("_listen", "batch_end", "batch_checkpoint")]
-    original_event = FP8Stats.run_event
-
-    def stats_event(self: FP8Stats, event: Event, state: Any, logger: Any) -> None:
-        start = time.perf_counter()
-        original_event(self, event, state, logger)
-        if event == Event.BATCH_END:
-            stats_calls.append((stamps.batch, time.perf_counter() - start))
-
-    FP8Stats.run_event = stats_event
+    calls: dict[str, list[tuple[int, float]]] = {"listen": [], "events": [], "stats": []}
+    undo = [_timed(FP8Guard, "_listen", calls["listen"], lambda: stamps.batch),
+            _timed(FP8Stats, "after_train_batch", calls["stats"], lambda: stamps.batch)]
+    undo += [_timed(FP8Guard, name, calls["events"], lambda: stamps.batch)
+             for name in ("batch_end", "batch_checkpoint")]
     train_module = importlib.import_module("llmfoundry.command_utils.train")
     trainer_class = train_module.Trainer
 
@@ -90,96 +101,180 @@ def time_round(batches: int, interval: int, data: Any, root: Path) -> dict[str, 
         kwargs["callbacks"] = [*kwargs.get("callbacks", []), stamps]
         return trainer_class(*args, **kwargs)
 
+    callbacks: dict[str, Any] = {"fp8_stats": {"interval": f"{interval}ba",
+                                               "image_interval": None}}
+    if guard:
+        callbacks["fp8_guard"] = {}
     train_module.Trainer = with_stamps
     try:
         trainer = run_tiny(root, data, {
             "max_duration": f"{batches}ba", "eval_interval": f"{batches}ba",
             "save_interval": f"{batches}ba", "console_log_interval": f"{batches}ba",
-            "callbacks": {"fp8_stats": {"interval": f"{interval}ba"}, "fp8_guard": {}}})
+            "callbacks": callbacks})
     finally:
         train_module.Trainer = trainer_class
-        FP8Stats.run_event = original_event
         for restore in undo:
             restore()
-    guard = next(c for c in trainer.state.callbacks if isinstance(c, FP8Guard))
-    assert guard.core is not None and not guard.core.fallbacks, "a healthy run fell back"
-    warmup = interval  # the first logging step builds fp8_stats' buffers
-    per_batch: dict[int, float] = {}
-    for batch, seconds in guard_calls:
-        per_batch[batch] = per_batch.get(batch, 0.0) + seconds
+    if guard:
+        found = next(c for c in trainer.state.callbacks if isinstance(c, FP8Guard))
+        assert found.core is not None and not found.disabled, "fp8_guard did not run"
+        assert not found.core.fallbacks, f"a healthy run fell back: {list(found.core.fallbacks)}"
+    return {"durations": step_durations(stamps.stamps), **calls}
+
+
+def round_figures(stats: dict[str, Any], guarded: dict[str, Any], interval: int,
+                  warmup: int) -> dict[str, float]:
+    """One round's numbers from the fp8_stats-only run and the run with the guard."""
+    if interval < 5:
+        raise ValueError("--interval must be at least 5: three non-logging steps before each "
+                         "logging step and one after")
+    batches = len(guarded["durations"]) + 1
     logging = [b for b in range(warmup, batches) if b % interval == 0]
     other = [b for b in range(warmup, batches) if b % interval]
-    stats_logging = [s for b, s in stats_calls if b in logging]
-    steps = step_durations(stamps.stamps)[warmup:]
+    def by_batch(calls: list[tuple[int, float]]) -> dict[int, float]:
+        summed: dict[int, float] = {}
+        for batch, seconds in calls:
+            summed[batch] = summed.get(batch, 0.0) + seconds
+        return summed
+
+    listen, per_batch = by_batch(guarded["listen"]), by_batch(guarded["listen"]
+                                                             + guarded["events"])
+    # fp8_stats' own work: its AFTER_TRAIN_BATCH less the guard's listener it calls
+    stats_work = {b: s - listen.get(b, 0.0) for b, s in by_batch(guarded["stats"]).items()}
+    guard = statistics.median(per_batch[b] for b in logging)
+
+    def excess_ms(durations: list[float]) -> float:
+        """Median extra time of a logging step and the step after it over the steps before."""
+        return 1000 * statistics.median(log + after - 2 * base for base, log, after
+                                        in logging_events(durations, interval, warmup))
+
+    def other_ms(durations: list[float]) -> float:
+        return 1000 * statistics.median(d for i, d in enumerate(durations)
+                                        if i + 1 >= warmup and (i + 1) % interval not in (0, 1))
+
+    train_step = other_ms(stats["durations"])
     return {
-        "guard_ms_per_logging_step": 1000 * statistics.median(per_batch[b] for b in logging),
+        "stats_other_ms": train_step, "guard_other_ms": other_ms(guarded["durations"]),
+        "non_logging_step_slowdown_pct": 100 * (other_ms(guarded["durations"]) / train_step - 1),
+        "stats_logging_excess_ms": excess_ms(stats["durations"]),
+        "guard_run_logging_excess_ms": excess_ms(guarded["durations"]),
+        "logging_excess_difference_ms": (excess_ms(guarded["durations"])
+                                         - excess_ms(stats["durations"])),
+        "guard_ms_per_logging_step": 1000 * guard,
         "guard_us_per_other_step": 1e6 * statistics.median(per_batch.get(b, 0.0) for b in other),
-        "stats_ms_per_logging_step": 1000 * statistics.median(stats_logging),
-        "train_step_ms": 1000 * statistics.median(steps),
+        "stats_work_ms_per_logging_step": 1000 * statistics.median(stats_work[b]
+                                                                   for b in logging),
+        "guard_vs_stats_logging_pct": 100 * statistics.median(per_batch[b] / stats_work[b]
+                                                              for b in logging),
+        HEADLINE: 100 * guard / (AMORTIZE_OVER * train_step / 1000),
         "logging_steps": len(logging),
     }
 
 
+KEYS = ("stats_other_ms", "non_logging_step_slowdown_pct", "stats_logging_excess_ms",
+        "guard_run_logging_excess_ms", "logging_excess_difference_ms",
+        "guard_ms_per_logging_step", "guard_us_per_other_step",
+        "stats_work_ms_per_logging_step", "guard_vs_stats_logging_pct", HEADLINE)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batches", type=int, default=100)
-    parser.add_argument("--interval", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batches", type=int, default=160)
+    parser.add_argument("--interval", type=int, default=10, help="fp8_stats interval (both runs)")
+    parser.add_argument("--warmup", type=int, default=10, help="batches dropped at the start of each run")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
+    if args.batches < args.warmup + 2 * args.interval:
+        parser.error("--batches must leave two logging steps after --warmup")
     data = prepare_tiny_data(REPO / "data")
-    rounds, start = [], time.time()
     load_before = os.getloadavg()
-    for _ in range(args.rounds):
-        with tempfile.TemporaryDirectory() as tmp:
-            rounds.append(time_round(args.batches, args.interval, data, Path(tmp)))
-    keys = [k for k in rounds[0] if k != "logging_steps"]
-    results = {k: spread([r[k] for r in rounds]) for k in keys}
-    results["guard_vs_stats_logging_pct"] = spread(
-        [100 * r["guard_ms_per_logging_step"] / r["stats_ms_per_logging_step"] for r in rounds])
-    results["guard_amortized_pct_interval100"] = spread(
-        [100 * r["guard_ms_per_logging_step"] / (100 * r["train_step_ms"]) for r in rounds])
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "versions": versions(),
-              "load_average": {"before": load_before, "after": os.getloadavg()},
-              "duration_s": round(time.time() - start),
-              "config": vars(args) | {"out": str(args.out)}, "rounds": rounds,
-              "results": results}
+    started = datetime.now(timezone.utc)
+    rounds = []
+    for i in range(args.rounds):
+        order = ("stats", "guard") if i % 2 == 0 else ("guard", "stats")
+        runs, load_start = {}, os.getloadavg()[0]
+        for variant in order:
+            gc.collect()
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[variant] = time_run(variant == "guard", args.batches, args.interval, data,
+                                         Path(tmp))
+        figures = round_figures(runs["stats"], runs["guard"], args.interval, args.warmup)
+        rounds.append({"order": "/".join(order), **figures, "load_1min_start": load_start,
+                       "load_1min_end": os.getloadavg()[0]})
+        print(json.dumps(rounds[-1]), flush=True)
+    result = {
+        "date": started.isoformat(timespec="seconds"),
+        "duration_s": round((datetime.now(timezone.utc) - started).total_seconds()),
+        "machine": machine(), "device": "cpu", "versions": versions(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "config": {"rounds": args.rounds, "batches": args.batches, "interval": args.interval,
+                   "warmup": args.warmup},
+        "results": {k: spread([r[k] for r in rounds]) for k in KEYS},
+        "rounds": rounds,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "guard_overhead_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "guard_overhead_cpu.md").write_text(render(result))
-    print(render(result))
+    (args.out / "guard_overhead_cpu.md").write_text(render_markdown(result))
+    print(render_markdown(result))
     return 0
 
 
-def render(result: dict[str, Any]) -> str:
+def render_markdown(result: dict[str, Any]) -> str:
     r, cfg = result["results"], result["config"]
 
-    def fmt(key: str, unit: str, digits: int = 2) -> str:
+    def fmt(key: str, unit: str = "", digits: int = 2) -> str:
         s = r[key]
         return f"{s['median']:.{digits}f}{unit} (min {s['min']:.{digits}f}, max {s['max']:.{digits}f})"
 
+    rows = "\n".join(
+        f"| {i} | {x['order']} | {x['stats_other_ms']:.1f} | {x['guard_other_ms']:.1f} | "
+        f"{x['stats_logging_excess_ms']:.1f} | {x['guard_run_logging_excess_ms']:.1f} | "
+        f"{x['guard_ms_per_logging_step']:.3f} | {x['stats_work_ms_per_logging_step']:.1f} | "
+        f"{x[HEADLINE]:.4f} | {x['logging_steps']} | "
+        f"{x['load_1min_start']:.2f} / {x['load_1min_end']:.2f} |"
+        for i, x in enumerate(result["rounds"]))
     load = result["load_average"]
     return f"""# fp8_guard overhead on top of fp8_stats, tiny MPT on CPU ({result["date"]})
 
-Machine: {result["machine"]["cpu"]}, {result["machine"]["cores"]} cores shared with other jobs;
-load average {"/".join(f"{v:.2f}" for v in load["before"])} before,
-{"/".join(f"{v:.2f}" for v in load["after"])} after ({result["duration_s"]} s).
+Machine: {result["machine"]["cpu"]}, {result["machine"]["cores"]} cores shared with other jobs.
+Load average (1/5/15 min): {"/".join(f"{v:.2f}" for v in load["before"])} before,
+{"/".join(f"{v:.2f}" for v in load["after"])} after ({result["duration_s"]} s); per round below. The
+benchmark itself keeps about 2 threads busy, so a load near 2 means little else ran; above
+it, other jobs competed for the 2 cores.
 Versions: {", ".join(f"{k} {v}" for k, v in result["versions"].items())}.
 
-Method: {cfg["rounds"]} healthy runs with `fp8_stats` (interval {cfg["interval"]}) and `fp8_guard`
-(defaults), {cfg["batches"]} batches each, the first {cfg["interval"]} dropped; every call of the
-guard and fp8_stats' BATCH_END timed in place. No layer fell back (checked), so the guard added
-no hooks. Median over rounds (min, max).
+Method: {cfg["rounds"]} rounds, each one healthy run with `fp8_stats` alone and one with
+`fp8_stats` and `fp8_guard` (defaults), both at interval {cfg["interval"]} without pictures
+(order alternating), {cfg["batches"]} batches per run, the first {cfg["warmup"]} dropped. No layer
+fell back (checked), so the guard added no hooks. In the guard run every call of the guard and
+fp8_stats' AFTER_TRAIN_BATCH work (which calls the guard's listener) are timed in place. Every
+batch of both runs is timed by Composer BATCH_END timestamps; each logging step and the step
+after it are compared with the median of the three steps just before it in the same run (its
+excess), so load changes on the shared machine cancel out. Figures: median over rounds (min,
+max).
 
 | result | value |
 |---|---|
-| training step | {fmt("train_step_ms", " ms", 1)} |
-| fp8_stats' BATCH_END work at a logging step | {fmt("stats_ms_per_logging_step", " ms")} |
-| **fp8_guard at a logging step** | {fmt("guard_ms_per_logging_step", " ms", 3)} |
-| fp8_guard at another step | {fmt("guard_us_per_other_step", " us", 1)} |
-| fp8_guard / fp8_stats' logging-step work | {fmt("guard_vs_stats_logging_pct", " %")} |
-| **fp8_guard amortized at interval 100** | {fmt("guard_amortized_pct_interval100", " %", 4)} |
+| training step (fp8_stats run, non-logging steps) | {fmt("stats_other_ms", " ms", 1)} |
+| fp8_stats' own logging-step work (timed in place) | {fmt("stats_work_ms_per_logging_step", " ms")} |
+| **fp8_guard at a logging step (timed in place)** | {fmt("guard_ms_per_logging_step", " ms", 3)} |
+| fp8_guard at another step (timed in place) | {fmt("guard_us_per_other_step", " us", 1)} |
+| fp8_guard / fp8_stats' own logging-step work | {fmt("guard_vs_stats_logging_pct", " %")} |
+| **fp8_guard amortized at interval {AMORTIZE_OVER}** (its logging-step time over {AMORTIZE_OVER} training steps) | {fmt(HEADLINE, " %", 4)} |
+| logging-step excess, fp8_stats alone (whole steps) | {fmt("stats_logging_excess_ms", " ms", 1)} |
+| logging-step excess, fp8_stats + fp8_guard (whole steps) | {fmt("guard_run_logging_excess_ms", " ms", 1)} |
+| difference of the two excesses | {fmt("logging_excess_difference_ms", " ms", 1)} |
+| non-logging step with the guard vs without (interleaved runs) | {fmt("non_logging_step_slowdown_pct", " %")} |
+
+The in-place timing is the guard's cost; the whole-step excesses check it from outside: their
+difference should be the guard's logging-step time within the noise their spread shows.
+Non-logging steps run nothing of the guard but two event methods that return at once; their
+difference between the runs is run-to-run noise on the shared machine, not a cost.
+
+| round | order | fp8_stats run: ms/step | guard run: ms/step | logging excess, stats (ms) | logging excess, stats + guard (ms) | guard at a logging step (ms) | fp8_stats' own logging work (ms) | guard amortized % @{AMORTIZE_OVER} | logging steps | load 1 min (start / end) |
+|---|---|---|---|---|---|---|---|---|---|---|
+{rows}
 """
 
 
