@@ -6,7 +6,8 @@ The guard works inside fp8_stats' logging steps (a listener on the pooled table)
 hooks while every layer is healthy, so its cost is measured two ways:
 
 - in place: every call of the guard (its listener and its event methods) is timed, and so is
-  fp8_stats' AFTER_TRAIN_BATCH work (which calls the listener), in the guard run;
+  fp8_stats' AFTER_TRAIN_BATCH work (pooling, judging, logging; it calls the listener), in the
+  guard run;
 - whole steps, as `stats_overhead.py` does: every batch is timed by BATCH_END timestamps, each
   logging step and the step after it are compared with the three steps just before it in the
   same run, and that excess is compared between the two runs; non-logging steps are compared
@@ -23,13 +24,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import importlib
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -41,11 +39,12 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.stats_overhead import (  # noqa: E402
     AMORTIZE_OVER,
+    interleave,
     logging_events,
-    machine,
+    result_header,
     spread,
     step_durations,
-    versions,
+    write_result,
 )
 from foundry_fp8.tools.tiny_data import prepare_tiny_data  # noqa: E402
 from tests.tiny_run import run_tiny  # noqa: E402
@@ -190,33 +189,19 @@ def main() -> int:
     data = prepare_tiny_data(REPO / "data")
     load_before = os.getloadavg()
     started = datetime.now(timezone.utc)
-    rounds = []
-    for i in range(args.rounds):
-        order = ("stats", "guard") if i % 2 == 0 else ("guard", "stats")
-        runs, load_start = {}, os.getloadavg()[0]
-        for variant in order:
-            gc.collect()
-            with tempfile.TemporaryDirectory() as tmp:
-                runs[variant] = time_run(variant == "guard", args.batches, args.interval, data,
-                                         Path(tmp))
-        figures = round_figures(runs["stats"], runs["guard"], args.interval, args.warmup)
-        rounds.append({"order": "/".join(order), **figures, "load_1min_start": load_start,
-                       "load_1min_end": os.getloadavg()[0]})
-        print(json.dumps(rounds[-1]), flush=True)
+    rounds = interleave(
+        args.rounds, ("stats", "guard"),
+        lambda variant, root: time_run(variant == "guard", args.batches, args.interval, data,
+                                       root),
+        lambda runs: round_figures(runs["stats"], runs["guard"], args.interval, args.warmup))
     result = {
-        "date": started.isoformat(timespec="seconds"),
-        "duration_s": round((datetime.now(timezone.utc) - started).total_seconds()),
-        "machine": machine(), "device": "cpu", "versions": versions(),
-        "load_average": {"before": load_before, "after": os.getloadavg()},
+        **result_header(started, load_before),
         "config": {"rounds": args.rounds, "batches": args.batches, "interval": args.interval,
                    "warmup": args.warmup},
         "results": {k: spread([r[k] for r in rounds]) for k in KEYS},
         "rounds": rounds,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "guard_overhead_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "guard_overhead_cpu.md").write_text(render_markdown(result))
-    print(render_markdown(result))
+    write_result(args.out, "guard_overhead_cpu", result, render_markdown(result))
     return 0
 
 
@@ -257,22 +242,24 @@ max).
 | result | value |
 |---|---|
 | training step (fp8_stats run, non-logging steps) | {fmt("stats_other_ms", " ms", 1)} |
-| fp8_stats' own logging-step work (timed in place) | {fmt("stats_work_ms_per_logging_step", " ms")} |
+| fp8_stats' AFTER_TRAIN_BATCH work at a logging step (pooling, judging, logging; timed in place, the guard's listener left out) | {fmt("stats_work_ms_per_logging_step", " ms")} |
 | **fp8_guard at a logging step (timed in place)** | {fmt("guard_ms_per_logging_step", " ms", 3)} |
 | fp8_guard at another step (timed in place) | {fmt("guard_us_per_other_step", " us", 1)} |
-| fp8_guard / fp8_stats' own logging-step work | {fmt("guard_vs_stats_logging_pct", " %")} |
+| fp8_guard / that work of fp8_stats | {fmt("guard_vs_stats_logging_pct", " %")} |
 | **fp8_guard amortized at interval {AMORTIZE_OVER}** (its logging-step time over {AMORTIZE_OVER} training steps) | {fmt(HEADLINE, " %", 4)} |
 | logging-step excess, fp8_stats alone (whole steps) | {fmt("stats_logging_excess_ms", " ms", 1)} |
 | logging-step excess, fp8_stats + fp8_guard (whole steps) | {fmt("guard_run_logging_excess_ms", " ms", 1)} |
 | difference of the two excesses | {fmt("logging_excess_difference_ms", " ms", 1)} |
 | non-logging step with the guard vs without (interleaved runs) | {fmt("non_logging_step_slowdown_pct", " %")} |
 
-The in-place timing is the guard's cost; the whole-step excesses check it from outside: their
+The in-place timing is the guard's cost. fp8_stats' in-place figure is only its work after the
+batch: its hooks compute the statistics inside the logging step's forward and backward, which
+the whole-step excess includes. The two excesses check the guard's cost from outside: their
 difference should be the guard's logging-step time within the noise their spread shows.
 Non-logging steps run nothing of the guard but two event methods that return at once; their
 difference between the runs is run-to-run noise on the shared machine, not a cost.
 
-| round | order | fp8_stats run: ms/step | guard run: ms/step | logging excess, stats (ms) | logging excess, stats + guard (ms) | guard at a logging step (ms) | fp8_stats' own logging work (ms) | guard amortized % @{AMORTIZE_OVER} | logging steps | load 1 min (start / end) |
+| round | order | fp8_stats run: ms/step | guard run: ms/step | logging excess, stats (ms) | logging excess, stats + guard (ms) | guard at a logging step (ms) | fp8_stats after the batch (ms) | guard amortized % @{AMORTIZE_OVER} | logging steps | load 1 min (start / end) |
 |---|---|---|---|---|---|---|---|---|---|---|
 {rows}
 """

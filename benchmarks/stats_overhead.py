@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,40 @@ def round_figures(off: Sequence[float], on: Sequence[float], interval: int,
         "amortized_overhead_pct_interval100_with_images": 100 * (
             logging / AMORTIZE_OVER + (images - logging) / IMAGE_INTERVAL),
     }
+
+
+def interleave(rounds: int, variants: tuple[str, str], run: Callable[[str, Path], Any],
+               figures: Callable[[dict[str, Any]], dict[str, float]]) -> list[dict[str, Any]]:
+    """`rounds` rounds of one run per variant, order alternating, each run in a fresh temporary
+    folder; per round its order, `figures(runs)` and the 1-minute load at its start and end."""
+    out: list[dict[str, Any]] = []
+    for i in range(rounds):
+        order = variants if i % 2 == 0 else variants[::-1]
+        runs, load_start = {}, os.getloadavg()[0]
+        for variant in order:
+            gc.collect()
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[variant] = run(variant, Path(tmp))
+        out.append({"order": "/".join(order), **figures(runs), "load_1min_start": load_start,
+                    "load_1min_end": os.getloadavg()[0]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def result_header(started: datetime, load_before: tuple[float, ...]) -> dict[str, Any]:
+    """What a CPU benchmark's result starts with: when, how long, where, with what, the load."""
+    return {"date": started.isoformat(timespec="seconds"),
+            "duration_s": round((datetime.now(timezone.utc) - started).total_seconds()),
+            "machine": machine(), "device": "cpu", "versions": versions(),
+            "load_average": {"before": load_before, "after": os.getloadavg()}}
+
+
+def write_result(out: Path, name: str, result: dict[str, Any], markdown: str) -> None:
+    """`<out>/<name>.json` and `.md`, and the markdown on the terminal."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -233,30 +267,24 @@ def main() -> int:
     data = prepare_tiny_data(REPO / "data")
     load_before = os.getloadavg()
     started = datetime.now(timezone.utc)
-    rounds, metrics_per_step = [], 0
-    for i in range(args.rounds):
-        order = ("off", "on") if i % 2 == 0 else ("on", "off")
-        durations, load_start = {}, os.getloadavg()[0]
-        for variant in order:
-            gc.collect()
-            with tempfile.TemporaryDirectory() as tmp:
-                durations[variant], count = time_run(args.interval if variant == "on" else None,
-                                                     args.batches, data, Path(tmp))
-            metrics_per_step = max(metrics_per_step, count)
-        figures = round_figures(durations["off"], durations["on"], args.interval, args.warmup)
-        rounds.append({"order": "/".join(order), **figures, "load_1min_start": load_start,
-                       "load_1min_end": os.getloadavg()[0]})
-        print(json.dumps(rounds[-1]), flush=True)
+    counts: list[int] = []  # FP8 metrics per logging step, per run
+
+    def run(variant: str, root: Path) -> list[float]:
+        durations, count = time_run(args.interval if variant == "on" else None, args.batches,
+                                    data, root)
+        counts.append(count)
+        return durations
+
+    rounds = interleave(args.rounds, ("off", "on"), run, lambda d: round_figures(
+        d["off"], d["on"], args.interval, args.warmup))
+    metrics_per_step = max(counts, default=0)
     keys = ["logging_step_vs_train_step", "after_logging_step_vs_train_step",
             "image_step_vs_train_step", "non_logging_step_slowdown_pct",
             "amortized_overhead_pct_interval100", "amortized_overhead_pct_interval100_with_images"]
     results = {"step_ms_off": spread([r["off_ms"] for r in rounds]),
                **{k: spread([r[k] for r in rounds]) for k in keys}}
     result = {
-        "date": started.isoformat(timespec="seconds"),
-        "duration_s": round((datetime.now(timezone.utc) - started).total_seconds()),
-        "machine": machine(), "device": "cpu", "versions": versions(),
-        "load_average": {"before": load_before, "after": os.getloadavg()},
+        **result_header(started, load_before),
         "config": {"rounds": args.rounds, "batches": args.batches, "interval": args.interval,
                    "warmup": args.warmup, "metrics_per_logging_step": metrics_per_step},
         "results": results, "target_pct": TARGET_PCT,
@@ -264,10 +292,7 @@ def main() -> int:
         "meets_target_every_round": results[HEADLINE]["max"] <= TARGET_PCT,
         "rounds": rounds,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stats_overhead_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "stats_overhead_cpu.md").write_text(render_markdown(result))
-    print(render_markdown(result))
+    write_result(args.out, "stats_overhead_cpu", result, render_markdown(result))
     return 0
 
 
