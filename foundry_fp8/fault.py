@@ -28,11 +28,13 @@ from foundry_fp8.fp8_meta import canonical_modules
 
 class InjectOutlier(Callback):
     """`callbacks: {inject_outlier: {layer: blocks.1.attn.out_proj, start: 6}}` (registered by the
-    tests and the demo, not an entry point). `ranks`: only these ranks see the fault."""
+    tests and the demo, not an entry point). `ranks`: only these ranks see the fault; `stop`:
+    the first batch without it (None: to the end)."""
 
     def __init__(self, layer: str, start: int, factor: float = 1e5, channel: int = 0,
-                 ranks: Sequence[int] | None = None):
+                 ranks: Sequence[int] | None = None, stop: int | None = None):
         self.layer, self.start, self.factor, self.channel = layer, start, factor, channel
+        self.stop = stop
         self.ranks = None if ranks is None else tuple(ranks)
         self._batch = 0
         self._extra: torch.Tensor | None = None  # this forward's added outlier
@@ -48,7 +50,8 @@ class InjectOutlier(Callback):
         self._batch = int(state.timestamp.batch)
 
     def _active(self, module: nn.Module) -> bool:
-        return module.training and self._batch >= self.start
+        return (module.training and self._batch >= self.start
+                and (self.stop is None or self._batch < self.stop))
 
     def _scale(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if not self._active(module):

@@ -8,9 +8,14 @@ an FP8 layer falls back once one of its tensors has been bad (the tracker's `str
 resumes from a checkpoint replays the last judged tables into a fresh tracker, so its streaks,
 and so its decisions, are those of the run that did not stop.
 
+With `repromote_after`, a layer in fallback runs in FP8 again once every what-if statistic
+that fp8_stats computes for it (the cast it would do, under fp8_stats' `recipe`) has been within
+the limits at `repromote_after` logging steps in a row (the tracker's streak of good steps).
+
 What the callback logs, by these names (`foundry-fp8 report` reads them back): the series
-`FALLBACK_LAYERS` and `FP8_FLOPS_SHARE` at each logging step, and each fallback once as the
-hyperparameter `FALLBACK_PREFIX + layer` (the `Fallback` as plain data).
+`FALLBACK_LAYERS` and `FP8_FLOPS_SHARE` at each logging step, and each fallback and
+re-promotion once as a hyperparameter (`FALLBACK_PREFIX` / `REPROMOTION_PREFIX` + layer, with
+`@<step>` after the first time of a layer; the record as plain data).
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ OPTION = GuardConfig.PATH
 FALLBACK_LAYERS = "fp8/guard/fallback_layers"  # layers in fallback
 FP8_FLOPS_SHARE = "fp8/guard/fp8_flops_share"  # share of the linear-GEMM FLOPs still in FP8
 FALLBACK_PREFIX = "fp8/guard/fallback/"  # + layer: one hyperparameter per fallback
+REPROMOTION_PREFIX = "fp8/guard/repromotion/"  # + layer: one per re-promotion
+
+
+def _plain(numbers: Mapping[str, float]) -> dict[str, float | str]:
+    """Numbers as JSON that equals itself read back: NaN/Inf as strings."""
+    return {k: v if math.isfinite(v) else str(v) for k, v in numbers.items()}
 
 
 class GuardBudgetError(RuntimeError):
@@ -56,9 +67,8 @@ class Fallback:
     def record(self) -> dict[str, Any]:
         """As JSON data that compares equal to itself read back: lists, and NaN/Inf as strings
         (W&B and MLflow refuse a hyperparameter logged again with an unequal value)."""
-        numbers = {k: v if math.isfinite(v) else str(v) for k, v in self.numbers.items()}
         return {**asdict(self), "reasons": list(self.reasons), "flagged": list(self.flagged),
-                "numbers": numbers}
+                "numbers": _plain(self.numbers)}
 
     @classmethod
     def from_dict(cls, item: Mapping[str, Any]) -> Fallback:
@@ -66,6 +76,26 @@ class Fallback:
         return cls(**{**item, "reasons": tuple(item["reasons"]),
                       "flagged": tuple(item.get("flagged", ())),
                       "numbers": {k: float(v) for k, v in item.get("numbers", {}).items()}})
+
+
+@dataclass(frozen=True)
+class Repromotion:
+    """One layer in fallback back in FP8: from the step after `step` on."""
+
+    layer: str
+    step: int
+    fallen_at: int  # the step of the fallback it ends
+    healthy_steps: int  # what-if logging steps in a row within the limits
+    numbers: dict[str, float] = field(default_factory=dict)  # what-if `<tensor>/<stat>` at `step`
+
+    def record(self) -> dict[str, Any]:
+        """As JSON data that compares equal to itself read back (see `Fallback.record`)."""
+        return {**asdict(self), "numbers": _plain(self.numbers)}
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> Repromotion:
+        return cls(**{**item, "numbers": {k: float(v)
+                                          for k, v in item.get("numbers", {}).items()}})
 
 
 @dataclass
@@ -90,9 +120,14 @@ class GuardCore:
         self.flops = dict(flops)
         self.initial_share = sum(self.flops.values())
         self.fallbacks: dict[str, Fallback] = {}
+        self.repromotions: list[Repromotion] = []
+        self.ended: list[Fallback] = []  # the fallbacks the re-promotions ended
         self.warned: set[str] = set()
         self._tracker = HealthTracker(thresholds(config))
-        self._recent: list[tuple[int, dict[tuple[str, str], dict[str, float]]]] = []
+        self._whatif = HealthTracker(thresholds(config))  # the layers in fallback
+        # the last judged tables: (step, layers in FP8, layers in fallback)
+        self._recent: list[tuple[int, dict[tuple[str, str], dict[str, float]],
+                                 dict[tuple[str, str], dict[str, float]]]] = []
         self._flags: dict[str, list[Flag]] = {}
 
     @property
@@ -117,14 +152,50 @@ class GuardCore:
         logging steps before it (with one-step rules, flagged = bad: the tracker's streak)."""
         judged = {key: dict(stats) for key, stats in table.items()
                   if key[0] in self.flops and key[0] not in self.fallbacks}
-        # the streaks need `consecutive` steps, the rising-underflow rule two
-        self._recent = [*self._recent, (step, judged)][-max(self.config.consecutive, 2):]
+        fallen = {key: dict(stats) for key, stats in table.items() if key[0] in self.fallbacks}
+        # the streaks need `consecutive` (or `repromote_after`) steps, the rising-underflow rule
+        # two
+        keep = max(self.config.consecutive, 2, self.config.repromote_after or 0)
+        self._recent = [*self._recent, (step, judged, fallen)][-keep:]
+        self._whatif.update(step, fallen)
         raised = self._tracker.update(step, judged)
         self._flags = {}
         for (layer, _), flags in raised.items():
             self._flags.setdefault(layer, []).extend(flags)
         return sorted({layer for layer, tensor in raised
                        if self._tracker.streak(layer, tensor) >= self.config.consecutive})
+
+    def ready(self, step: int, table: Table) -> list[str]:
+        """Layers in fallback whose every what-if tensor in `table` (this step's) has been
+        within the limits at `repromote_after` logging steps in a row; none when off."""
+        after = self.config.repromote_after
+        if after is None:
+            return []
+        tensors: dict[str, list[str]] = {}
+        for layer, tensor in table:
+            if layer in self.fallbacks and self.fallbacks[layer].step < step:
+                tensors.setdefault(layer, []).append(tensor)
+        return sorted(layer for layer, names in tensors.items()
+                      if all(self._whatif.streak(layer, t, bad=False) >= after for t in names))
+
+    def repromote(self, step: int, layers: Iterable[str], table: Table) -> list[Repromotion]:
+        """Put `layers` (ready on every rank) back in FP8; their streaks start afresh."""
+        done = []
+        for layer in sorted(set(layers) & set(self.fallbacks)):
+            fallback = self.fallbacks.pop(layer)
+            self.ended.append(fallback)
+            numbers = {f"{tensor}/{stat}": float(value)
+                       for (name, tensor), stats in table.items() if name == layer
+                       for stat, value in stats.items()}
+            done.append(Repromotion(layer, step, fallback.step,
+                                    self.config.repromote_after or 0, numbers))
+            self._forget(layer)
+        self.repromotions += done
+        return done
+
+    def _forget(self, layer: str) -> None:
+        self._tracker.forget(layer)
+        self._whatif.forget(layer)
 
     def decide(self, step: int, layers: Iterable[str], table: Table) -> Verdict:
         """Fall back `layers` (every rank's candidates) in order while the budget allows."""
@@ -148,6 +219,20 @@ class GuardCore:
             verdict.budget_message = self._over_budget(step, verdict.refused)
         return verdict
 
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Every fallback and re-promotion so far as hyperparameters, in step order: a layer's
+        first of each kind under `<prefix><layer>`, later ones under `<prefix><layer>@<step>`
+        (a logged value must never change)."""
+        events = sorted([(f.step, FALLBACK_PREFIX, f.layer, f.record())
+                         for f in [*self.ended, *self.fallbacks.values()]]
+                        + [(r.step, REPROMOTION_PREFIX, r.layer, r.record())
+                           for r in self.repromotions], key=lambda e: e[:3])
+        logged: dict[str, dict[str, Any]] = {}
+        for step, prefix, layer, record in events:
+            key = prefix + layer
+            logged[key if key not in logged else f"{key}@{step}"] = record
+        return logged
+
     def _over_budget(self, step: int, refused: list[str]) -> str:
         wanted = sum(self.flops.get(layer, 0.0) for layer in refused) / (self.initial_share or 1)
         kept = ", ".join(self.fallbacks) or "none"
@@ -159,24 +244,39 @@ class GuardCore:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: the fallbacks and the tables the tracker's streaks depend on."""
+        def rows(t: Mapping[tuple[str, str], Mapping[str, float]]) -> list[list[Any]]:
+            return [[layer, tensor, dict(stats)] for (layer, tensor), stats in t.items()]
+
         return {
             "fallbacks": [asdict(f) for f in self.fallbacks.values()],
-            "recent": [(step, [[layer, tensor, stats] for (layer, tensor), stats in t.items()])
-                       for step, t in self._recent],
+            "repromotions": [asdict(r) for r in self.repromotions],
+            "ended": [asdict(f) for f in self.ended],
+            "recent": [(step, rows(judged), rows(fallen)) for step, judged, fallen in self._recent],
             "warned": sorted(self.warned),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the fallbacks, and the streaks by replaying the recent tables."""
+        """Restore the fallbacks and re-promotions, and the streaks by replaying the recent
+        tables (a re-promotion's streaks start afresh at its step, as in the run)."""
         self.fallbacks = {}
         for item in state.get("fallbacks", ()):
             fallback = Fallback.from_dict(item)
             self.fallbacks[fallback.layer] = fallback
+        self.repromotions = [Repromotion.from_dict(r) for r in state.get("repromotions", ())]
+        self.ended = [Fallback.from_dict(f) for f in state.get("ended", ())]
         self.warned = set(state.get("warned", ()))
         self._tracker = HealthTracker(thresholds(self.config))
+        self._whatif = HealthTracker(thresholds(self.config))
         self._recent = []
-        for step, rows in state.get("recent", ()):
-            self.candidates(step, {(layer, tensor): stats for layer, tensor, stats in rows})
+        for step, judged, *fallen in state.get("recent", ()):
+            tables = [{(layer, tensor): dict(stats) for layer, tensor, stats in rows}
+                      for rows in (judged, *fallen[:1])]
+            self._recent.append((step, tables[0], tables[1] if len(tables) > 1 else {}))
+            self._whatif.update(step, self._recent[-1][2])
+            self._tracker.update(step, tables[0])
+            for repromoted in self.repromotions:
+                if repromoted.step == step:
+                    self._forget(repromoted.layer)
 
 
 def exclude_regex(layers: Iterable[str], existing: str | None = None) -> str:
@@ -192,6 +292,15 @@ def static_yaml(layers: Iterable[str], existing: str | None = None) -> str:
     """The YAML that runs the same layers in high precision from the start."""
     pattern = exclude_regex(layers, existing).replace("'", "''")
     return f"algorithms: {{te_swap: {{exclude: '{pattern}'}}}}"
+
+
+def repromotion_message(repromoted: Repromotion) -> str:
+    """The one log line of a re-promotion."""
+    return (f"fp8_guard: layer '{repromoted.layer}' runs in FP8 again from step "
+            f"{repromoted.step + 1} on, with a fresh delayed-scaling state: its what-if FP8 "
+            f"statistics were within the limits at {repromoted.healthy_steps} logging steps in a "
+            f"row up to step {repromoted.step} (in high precision since step "
+            f"{repromoted.fallen_at + 1})")
 
 
 def fallback_message(fallback: Fallback, yaml: str) -> str:

@@ -585,8 +585,10 @@ class JSONLOptions(Options):
 class FP8GuardOptions(Options):
     """`callbacks: {fp8_guard: {...}}` (see `foundry_fp8.guard`). `consecutive`: logging steps
     in a row at which a health rule flags a layer before it falls back; `max_fallback_share`: of
-    the FLOPs that ran in FP8 at the start, the most that may fall back; `strict`: past it stop
-    the run (else warn, the layer staying in FP8), and raise the guard's own errors."""
+    the FLOPs that ran in FP8 at the start, the most that may fall back; `repromote_after`:
+    healthy what-if logging steps before a layer in fallback runs in FP8 again (null: never);
+    `strict`: past the budget stop the run (else warn, the layer staying in FP8), and raise the
+    guard's own errors."""
 
     PATH: ClassVar[str] = "callbacks.fp8_guard"
 
@@ -598,6 +600,10 @@ class FP8GuardOptions(Options):
     # (one of 4096, 0.024 %, in the tiny MPT's healthy out_proj weights), which costs nothing.
     max_overflow_pct: float = option(10 * DEFAULT_THRESHOLDS.max_overflow_pct, Number(0, 100))
     min_cos_sim: float = option(DEFAULT_THRESHOLDS.min_cos_sim, Number(-1, 1))
+    # off (null) by default: logging steps in a row at which every what-if statistic of a layer
+    # in fallback (fp8_stats computes them under its `recipe`) is within the limits before the
+    # layer runs in FP8 again, with a fresh delayed-scaling state
+    repromote_after: int | None = option(None, Optional(Integer(1)))
     strict: bool = option(False, Flag())
 
 

@@ -32,18 +32,23 @@ START, INTERVAL, CONSECUTIVE, END = 6, 2, 2, 20
 STATS = {"fp8_stats": {"interval": INTERVAL, "image_interval": None}}
 FAULT = {"guard_inject_outlier": {"layer": LAYER, "start": START}}
 GUARD = {"fp8_guard": {"consecutive": CONSECUTIVE}}
+# the fault ends at batch STOP: the layer's what-if statistics turn healthy and, after
+# REPROMOTE_AFTER logging steps of them, it runs in FP8 again
+STOP, REPROMOTE_AFTER = 10, 3
+TRANSIENT = {"guard_inject_outlier": {"layer": LAYER, "start": START, "stop": STOP},
+             "fp8_guard": {"consecutive": CONSECUTIVE, "repromote_after": REPROMOTE_AFTER}}
 # the tiny MPT's linear-GEMM multiply-adds per token: 2 blocks x (64x192 + 64x64 + 64x256 +
 # 256x64) in FP8, and the tied 64x512 LM head in high precision
 BLOCKS, TOTAL = 2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64), 2 * 49152 + 64 * 512
 
 
 def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
-         load: str | None = None, stats: bool = True, save: bool = False):
+         load: str | None = None, stats: bool = True, save: int | None = None):
     from llmfoundry.command_utils import train
 
     overrides = {"variables": {"run_name": name}, "max_duration": f"{END}ba",
                  "eval_interval": f"{END}ba",
-                 "save_interval": "4ba" if save else f"{END}ba",  # else only at the end
+                 "save_interval": f"{save or END}ba",  # by default only at the end
                  "callbacks": {**(STATS if stats else {}), **callbacks}}
     if load:
         overrides["load_path"] = str(run_folder(tmp, load.split("/")[0]) / "checkpoints"
@@ -70,9 +75,12 @@ def runs(tmp_path_factory, tiny_data):
     out = {
         "no_fp8": _run(tmp, tiny_data, "no_fp8", FAULT, fp8=False, stats=False),  # losses only
         "unguarded": _run(tmp, tiny_data, "unguarded", FAULT),
-        "guarded": _run(tmp, tiny_data, "guarded", {**FAULT, **GUARD}, save=True),
+        "guarded": _run(tmp, tiny_data, "guarded", {**FAULT, **GUARD}, save=4),
         "healthy": _run(tmp, tiny_data, "healthy", GUARD),
+        "repromoted": _run(tmp, tiny_data, "repromoted", TRANSIENT, save=2),
     }
+    out["repromoted_resumed"] = _run(tmp, tiny_data, "repromoted_resumed", TRANSIENT,
+                                     load="repromoted/ep0-ba12-rank0.pt")
     step = out["guarded"][0].core.fallbacks[LAYER].step
     after, before = (4 * (step // 4 + 1), 4 * (step // 4))  # checkpoints around the fallback
     out["resumed_after"] = _run(tmp, tiny_data, "resumed_after", {**FAULT, **GUARD},
@@ -235,3 +243,76 @@ def test_the_report_of_a_healthy_guarded_run_says_nothing_fell_back(runs, capsys
             f"precision (FP8 share of the linear-GEMM FLOPs: {100 * BLOCKS / TOTAL:.1f} %)."
             in md)
     assert "high precision from step" not in md and "fp8_guard moved" not in out
+
+
+def _within_limits(metrics: dict[int, dict], layer: str, guard: FP8Guard) -> list[int]:
+    """Logging steps at which every tensor of the layer was within the guard's limits."""
+    bad = _bad_steps(metrics, layer, guard)
+    return [step for step, values in sorted(metrics.items())
+            if any(name.endswith(layer) for name, _ in stats_table(values))
+            and not any(step in steps for steps in bad.values())]
+
+
+@pytest.mark.slow
+def test_a_layer_whose_fault_ends_runs_in_fp8_again_with_a_fresh_state(runs):
+    """The fault ends at batch STOP: the layer's what-if statistics (fp8_stats keeps computing
+    them in high precision) are within the limits from then on, and after REPROMOTE_AFTER such
+    logging steps it runs in FP8 again, from a fresh delayed-scaling state, and stays so."""
+    guard, metrics, _ = runs["repromoted"]
+    fallback_step = runs["guarded"][0].core.fallbacks[LAYER].step  # the same fault until then
+    assert guard.core.fallbacks == {}
+    (fallback,) = guard.core.ended
+    assert (fallback.layer, fallback.step) == (LAYER, fallback_step)
+    healthy = [s for s in _within_limits(metrics, LAYER, guard) if s > fallback_step]
+    assert healthy[0] == STOP  # the first logging step without the fault
+    expected = next(s for s in healthy
+                    if all(s - INTERVAL * k in healthy for k in range(REPROMOTE_AFTER)))
+    (repromoted,) = guard.core.repromotions
+    assert (repromoted.layer, repromoted.step, repromoted.fallen_at) == (
+        LAYER, expected, fallback_step)
+    logged = {s: m[FALLBACK_LAYERS] for s, m in metrics.items() if FALLBACK_LAYERS in m}
+    assert logged == {s: float(fallback_step <= s < expected) for s in range(0, END, INTERVAL)}
+    # its delayed-scaling state: still in high precision, then one FP8 batch from a fresh state
+    folder = run_folder(runs["tmp"], "repromoted") / "checkpoints"
+    name = f"model.transformer.{LAYER}"
+
+    def state(batches: int) -> dict[str, torch.Tensor]:
+        return fp8_state_from_checkpoint(folder / f"ep0-ba{batches}-rank0.pt")[name]
+
+    frozen, back = state(fallback_step + 2), state(expected + 2)  # ran to batch expected + 1
+    before = state(expected)
+    assert all(torch.equal(frozen[k], before[k]) for k in frozen)
+    assert (before["fwd_amax_history"].abs().sum(dim=1) > 0).sum() > 1  # the old amaxes
+    assert (back["fwd_amax_history"].abs().sum(dim=1) > 0).sum() == 1  # one FP8 batch's
+    assert not torch.equal(back["fwd_scale"], torch.ones_like(back["fwd_scale"]))
+
+
+@pytest.mark.slow
+def test_a_resume_before_the_repromotion_takes_it_at_the_same_step_bit_exact(runs):
+    guard, metrics, _ = runs["repromoted_resumed"]
+    straight, straight_metrics, _ = runs["repromoted"]
+    assert guard.core.repromotions == straight.core.repromotions
+    assert guard.core.ended == straight.core.ended and guard.core.fallbacks == {}
+    losses, expected = _losses(metrics), _losses(straight_metrics)
+    assert losses and min(losses) == 12 and max(losses) == END - 1
+    assert all(loss == expected[step] for step, loss in losses.items())
+    again = json.loads((run_folder(runs["tmp"], "repromoted_resumed") / "hparams.json")
+                       .read_text())
+    first = json.loads((run_folder(runs["tmp"], "repromoted") / "hparams.json").read_text())
+    keys = [k for k in first if k.startswith("fp8/guard/")]
+    assert keys == [f"fp8/guard/fallback/{LAYER}", f"fp8/guard/repromotion/{LAYER}"]
+    assert {k: again[k] for k in keys} == {k: first[k] for k in keys}
+
+
+@pytest.mark.slow
+def test_the_report_shows_the_repromotion_and_no_yaml(runs, capsys):
+    guard = runs["repromoted"][0]
+    (repromoted,) = guard.core.repromotions
+    out, md = _report(run_folder(runs["tmp"], "repromoted"), capsys)
+    section = md.split("## fp8_guard\n", 1)[1].split("\n## ", 1)[0]
+    assert (f"{LAYER} from step {repromoted.step + 1} (its what-if statistics within the limits "
+            f"at {REPROMOTE_AFTER} logging steps in a row)") in section
+    assert "No layer is in fallback at the end of the run." in section and "```yaml" not in md
+    span = f"from step {repromoted.fallen_at + 1} to {repromoted.step}"
+    assert f"| {LAYER} (high precision {span}: fp8_guard) |" in md
+    assert f"fp8_guard moved 1 layer(s) to high precision: {LAYER} {span}." in out

@@ -17,18 +17,17 @@ from torch import nn
 from foundry_fp8 import emulate
 from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.composer.te_swap import TESwap
-from foundry_fp8.fp8_meta import canonical_name, fp8_modules
+from foundry_fp8.fp8_meta import canonical_name, fp8_modules, read_fp8_meta, write_fp8_meta
 from foundry_fp8.guard import (
     FALLBACK_LAYERS,
-    FALLBACK_PREFIX,
     FP8_FLOPS_SHARE,
     OPTION,
-    Fallback,
     GuardBudgetError,
     GuardConfig,
     GuardCore,
     fallback_message,
     render_fallbacks,
+    repromotion_message,
     static_yaml,
 )
 from foundry_fp8.health import short_layer
@@ -53,8 +52,14 @@ class FP8Guard(Callback):
     fallback) and `fp8/guard/fp8_flops_share` (share of the linear-GEMM FLOPs still in FP8); at
     each fallback, and again on resume, the hyperparameter `fp8/guard/fallback/<layer>` (layer,
     step, FLOPs share, what flagged it and every statistic of the layer at that step, read back
-    by `foundry-fp8 report`); at fit end the hyperparameter `fp8/guard/fallbacks` (the table it
-    prints).
+    by `foundry-fp8 report`), at each re-promotion (`repromote_after`)
+    `fp8/guard/repromotion/<layer>` (`@<step>` after a layer's first); at fit end the
+    hyperparameter `fp8/guard/fallbacks` (the table it prints).
+
+    With `repromote_after`, a layer in fallback whose what-if statistics (fp8_stats computes
+    them for a layer in high precision) stay within the limits that many logging steps in a row
+    runs in FP8 again from the next step, with a fresh delayed-scaling state (history 0, scale
+    1, as a new layer: the old history holds the amaxes that made it fall back).
 
     The guard's own errors switch it off (every rank together; layers already in fallback stay
     so) unless `strict: true`.
@@ -111,7 +116,7 @@ class FP8Guard(Callback):
         if self.core.fallbacks:
             log.warning("fp8_guard: resumed with %s in high precision",
                         ", ".join(self.core.fallbacks))
-            self._log_fallbacks(self.core.fallbacks.values())
+            self._log_records()
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self._raise_stop()
@@ -147,24 +152,26 @@ class FP8Guard(Callback):
         core = self.core
         table = {(short_layer(layer), tensor): stats for (layer, tensor), stats in table.items()}
         mine: list[str] = []
+        ready: list[str] = []
         failed = False
         try:
             mine = core.candidates(step, table)
+            ready = core.ready(step, table)
         except Exception as e:
             failed = self._own_error(e)
-        agreed, failed = self._agree(mine, failed)
+        agreed, ready, failed = self._agree(mine, ready, failed)
         if failed:
             log.error("fp8_guard failed on this or another rank; it is off from now on, on every "
                       "rank (layers already in fallback stay in high precision)")
             self.disabled = True
             return
         try:
-            self._act(step, agreed, table)
+            self._act(step, agreed, ready, table)
         except Exception as e:
             if self._own_error(e):
                 self.disabled = True
 
-    def _act(self, step: int, layers: list[str], table: Mapping) -> None:
+    def _act(self, step: int, layers: list[str], ready: list[str], table: Mapping) -> None:
         assert self.core is not None
         verdict = self.core.decide(step, layers, table)
         rank_zero = dist.get_global_rank() == 0
@@ -173,7 +180,11 @@ class FP8Guard(Callback):
             if rank_zero:
                 log.warning(fallback_message(fallback, static_yaml([fallback.layer],
                                                                    self._exclude)))
-        self._log_fallbacks(verdict.fallbacks)
+        for repromoted in self.core.repromote(step, ready, table):
+            self._release(repromoted.layer)
+            if rank_zero:
+                log.warning(repromotion_message(repromoted))
+        self._log_records()
         if verdict.budget_message:
             if self.config.strict:
                 self._stop = GuardBudgetError(verdict.budget_message)
@@ -186,11 +197,13 @@ class FP8Guard(Callback):
             self._logger.log_metrics({FALLBACK_LAYERS: float(len(self.core.fallbacks)),
                                       FP8_FLOPS_SHARE: self.core.fp8_flops_share}, step=step)
 
-    def _log_fallbacks(self, fallbacks: Iterable[Fallback]) -> None:
-        """One hyperparameter per fallback (rank 0), never changed: W&B and MLflow refuse a
-        changed value. On resume the same values again, for a new W&B run or hparams.json. A
-        logger that fails is reported; the guard goes on (`strict: true` raises)."""
-        logged = {FALLBACK_PREFIX + f.layer: f.record() for f in fallbacks}
+    def _log_records(self) -> None:
+        """One hyperparameter per fallback and re-promotion (rank 0), never changed: W&B and
+        MLflow refuse a changed value, so a layer's second one is `<layer>@<step>`. Logged
+        again with the same values at each decision and on resume (a new W&B run,
+        hparams.json). A logger that fails is reported; the guard goes on (`strict` raises)."""
+        assert self.core is not None
+        logged = self.core.records()
         if dist.get_global_rank() != 0 or self._logger is None or not logged:
             return
         try:
@@ -213,24 +226,41 @@ class FP8Guard(Callback):
             error, self._stop = self._stop, None
             raise error
 
-    def _agree(self, mine: Iterable[str], failed: bool) -> tuple[list[str], bool]:
-        """The union of the ranks' candidates and whether any rank failed (one all_reduce)."""
+    def _agree(self, mine: Iterable[str], ready: Iterable[str],
+               failed: bool) -> tuple[list[str], list[str], bool]:
+        """The union of the ranks' candidates, the layers ready on every rank, and whether any
+        rank failed (one all_reduce)."""
         layers = self.core.layers if self.core is not None else []
-        chosen = set(mine)
+        chosen, fine = set(mine), set(ready)
         if not multi_rank():
-            return sorted(chosen), failed
+            return sorted(chosen), sorted(fine), failed
         assert self._state is not None
-        votes = torch.tensor([float(name in chosen) for name in layers] + [float(failed)])
+        n = len(layers)
+        votes = torch.tensor([float(name in chosen) for name in layers]
+                             + [float(name not in fine) for name in layers] + [float(failed)])
         votes = self._state.device.tensor_to_device(votes)
         dist.all_reduce(votes, reduce_operation="MAX")
         values = votes.cpu().tolist()
-        return [name for name, v in zip(layers, values, strict=False) if v], bool(values[-1])
+        return ([name for name, v in zip(layers, values[:n], strict=True) if v],
+                [name for name, v in zip(layers, values[n:2 * n], strict=True) if not v],
+                bool(values[-1]))
 
     # the switch
 
     def _apply(self, layer: str) -> None:
         if layer not in self._handles and layer in self._modules:
             self._handles[layer] = high_precision_hooks(self._modules[layer])
+
+    def _release(self, layer: str) -> None:
+        """Back to FP8 from the next forward: no hooks, and a fresh delayed-scaling state,
+        written in place (TE's buffers reference the tensors)."""
+        for handle in self._handles.pop(layer, ()):
+            handle.remove()
+        module = self._modules.get(layer)
+        if module is not None:
+            write_fp8_meta(module, {k: torch.ones_like(v) if k.endswith("_scale")
+                                    else torch.zeros_like(v)
+                                    for k, v in read_fp8_meta(module).items()})
 
     def _remove_all(self) -> None:
         for handles in self._handles.values():

@@ -67,6 +67,7 @@ class _State:
 
     over: int = 0  # consecutive judged logging steps with overflow that clips
     bad: int = 0  # consecutive judged logging steps with a limit crossed or underflow rising
+    good: int = 0  # consecutive judged logging steps without
     rising: list[float] = field(default_factory=list)  # last underflow values (gradients)
 
 
@@ -98,12 +99,19 @@ class HealthTracker:
                 self.flags.extend(found)
         return raised
 
-    def streak(self, layer: str, tensor: str) -> int:
+    def streak(self, layer: str, tensor: str, bad: bool = True) -> int:
         """Consecutive judged logging steps (up to the last) on which this tensor crossed a
-        limit or (a gradient) its underflow rose: the one count of "bad for N logging steps".
-        With `persist_steps=1` (the guard's tracker) a bad step is exactly a flagged one."""
+        limit or (a gradient) its underflow rose: the one count of "bad for N logging steps"
+        (`bad=False`: on which it did neither). With `persist_steps=1` (the guard's tracker) a
+        bad step is exactly a flagged one."""
         state = self._state.get((layer, tensor))
-        return state.bad if state else 0
+        return (state.bad if bad else state.good) if state else 0
+
+    def forget(self, layer: str) -> None:
+        """Drop what the tracker remembers of `layer`'s tensors (streaks, underflow trend), as
+        for a layer never seen; its flags and worst values stay."""
+        for key in [k for k in self._state if k[0] == layer]:
+            del self._state[key]
 
     def _fold_worst(self, key: tuple[str, str], stats: Mapping[str, float]) -> None:
         row = self.worst.setdefault(key, {})
@@ -125,7 +133,7 @@ class HealthTracker:
         rising = tensor == "gradient" and self._rising(s.rising)
         bad = (clips or underflow > t.max_underflow_pct or cos < t.min_cos_sim or nonfinite > 0
                or rising)
-        s.bad = s.bad + 1 if bad else 0
+        s.bad, s.good = (s.bad + 1, 0) if bad else (0, s.good + 1)
         n = t.persist_steps
         steps = f"for {n} logging steps" if n > 1 else "at a logging step"
         found: list[tuple[str, str, float, str, str, str]] = []  # rule, stat, value, limit, cause, key

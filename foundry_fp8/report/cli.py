@@ -133,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:
         print(f"fp8_guard moved {len(guard.fallbacks)} layer(s) to high precision: " + ", ".join(
-            f"{f.layer} from step {f.step + 1}" for f in guard.fallbacks)
-            + f". Next time: {static_yaml([f.layer for f in guard.fallbacks], guard.exclude)}")
+            f"{layer} {span}" for layer, span in fallen.items()) + "." + (
+            f" Next time: {static_yaml(guard.kept, guard.exclude)}" if guard.kept else ""))
     print(f"plots ({len(written) - 1} PNGs) in {written[0].parent}:")
     for path in written[:-1]:
         print(f"  {path.name}")

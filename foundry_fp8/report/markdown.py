@@ -45,17 +45,25 @@ def fmt(stat: str, value: float) -> str:
     return f"{number(value)} %" if stat.endswith("_pct") else number(value)
 
 
-def fallback_steps(guard: GuardRun | None) -> dict[str, int]:
-    """Layer -> the first step it ran in high precision (fp8_guard's fallbacks)."""
-    return {f.layer: f.step + 1 for f in guard.fallbacks} if guard else {}
+def fallback_steps(guard: GuardRun | None) -> dict[str, str]:
+    """Layer -> when fp8_guard ran it in high precision (`from step 9`, `from step 9 to 14`)."""
+    if guard is None:
+        return {}
+    spans: dict[str, list[str]] = {}
+    for f in guard.fallbacks:
+        back = next((r.step + 1 for r in guard.repromotions
+                     if r.layer == f.layer and r.step > f.step), None)
+        spans.setdefault(f.layer, []).append(f"from step {f.step + 1}"
+                                             + (f" to {back - 1}" if back else ""))
+    return {layer: ", ".join(span) for layer, span in spans.items()}
 
 
-def in_high_precision(layer: str, since: int) -> str:
-    """The note on a flagged layer that fp8_guard already runs in high precision: its FP8
-    advice only matters to bring it back to FP8."""
-    return (f"fp8_guard ran {layer} in high precision from step {since} (its statistics since "
-            "are what-if numbers); keep it so from the start with the fp8_guard section's "
-            "exclude, or, to bring it back to FP8")
+def in_high_precision(layer: str, since: str) -> str:
+    """The note on a flagged layer that fp8_guard ran in high precision: its FP8 advice only
+    matters to bring it back to FP8."""
+    return (f"fp8_guard ran {layer} in high precision {since} (its statistics there are what-if "
+            "numbers); keep it so from the start with the fp8_guard section's exclude, or, to "
+            "run it in FP8")
 
 
 def guard_section(guard: GuardRun) -> list[str]:
@@ -75,15 +83,22 @@ def guard_section(guard: GuardRun) -> list[str]:
         lines[-1] += (f" FP8 share of the linear-GEMM FLOPs (`fp8/guard/fp8_flops_share`): "
                       f"{100 * share[0]:.1f} % at the first logging step, {100 * share[1]:.1f} % "
                       "at the last.")
-    if guard.in_fallback != len(guard.fallbacks):
+    if guard.in_fallback != len(guard.kept):
         lines[-1] += (f" The series `fp8/guard/fallback_layers` ends at {guard.in_fallback} "
-                      f"layers, hparams.json records {len(guard.fallbacks)} fallbacks: part of "
-                      "the run's record is missing.")
-    lines += ["", render_fallbacks(guard.fallbacks, share[1] if share else None), "",
-              "The same layers in high precision from the start, next time (te_swap keeps them "
-              "in high precision; fp8_guard then has nothing to switch):", "", "```yaml",
-              static_yaml([f.layer for f in guard.fallbacks], guard.exclude), "```"]
-    return lines
+                      f"layers, hparams.json records {len(guard.kept)} in fallback at the end: "
+                      "part of the run's record is missing.")
+    lines += ["", render_fallbacks(guard.fallbacks, share[1] if share else None)]
+    if guard.repromotions:
+        back = "; ".join(f"{md_escape(r.layer)} from step {r.step + 1} (its what-if statistics "
+                         f"within the limits at {r.healthy_steps} logging steps in a row)"
+                         for r in guard.repromotions)
+        lines += ["", f"Back in FP8 (`repromote_after`), with a fresh delayed-scaling state: "
+                  f"{back}."]
+    if not guard.kept:
+        return [*lines, "", "No layer is in fallback at the end of the run."]
+    return [*lines, "", "The layers in fallback at the end in high precision from the start, next "
+            "time (te_swap keeps them in high precision; fp8_guard then has nothing to switch):",
+            "", "```yaml", static_yaml(guard.kept, guard.exclude), "```"]
 
 
 GUIDE = """\
@@ -143,7 +158,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
             layer, change = md_escape(f.first.layer), md_code(f.first.yaml_key)
             if f.first.layer in fallen:
                 since = fallen[f.first.layer]
-                layer += f" (high precision from step {since}: fp8_guard)"
+                layer += f" (high precision {since}: fp8_guard)"
                 change = f"{md_escape(in_high_precision('it', since))}: {change}"
             lines.append(f"| {layer} | {md_escape(f.first.tensor)} | {f.worst.stat} | "
                          f"{fmt(f.worst.stat, f.worst.value)} | {f.first.step} | "

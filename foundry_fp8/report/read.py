@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundry_fp8.guard import FALLBACK_LAYERS, FALLBACK_PREFIX, FP8_FLOPS_SHARE, Fallback
+from foundry_fp8.guard import (
+    FALLBACK_LAYERS,
+    FALLBACK_PREFIX,
+    FP8_FLOPS_SHARE,
+    REPROMOTION_PREFIX,
+    Fallback,
+    Repromotion,
+)
 from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.jsonl import JsonlError, read_jsonl
 
@@ -104,6 +111,16 @@ class GuardRun:
     series: GuardSeries
     fallbacks: list[Fallback]  # in step order
     exclude: str | None  # te_swap's own `exclude` (hparams.json), kept in the static YAML
+    repromotions: tuple[Repromotion, ...] = ()  # in step order
+
+    @property
+    def kept(self) -> list[str]:
+        """The layers in fallback at the end: their last record is a fallback."""
+        last: dict[str, tuple[int, bool]] = {}
+        for event in sorted([(f.step, f.layer, True) for f in self.fallbacks]
+                            + [(r.step, r.layer, False) for r in self.repromotions]):
+            last[event[1]] = (event[0], event[2])
+        return sorted(layer for layer, (_, fallen) in last.items() if fallen)
 
     @property
     def fp8_share(self) -> tuple[float, float] | None:
@@ -117,7 +134,7 @@ class GuardRun:
         """Layers in fallback at the last logging step (the series)."""
         counts = [self.series[s][FALLBACK_LAYERS] for s in sorted(self.series)
                   if FALLBACK_LAYERS in self.series[s]]
-        return int(counts[-1]) if counts else len(self.fallbacks)
+        return int(counts[-1]) if counts else len(self.kept)
 
 
 def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Path,
@@ -125,18 +142,20 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
     """fp8_guard's series and the fallbacks it logged as hyperparameters; None when the run
     had no fp8_guard. A fallback record that does not read is left out with a warning."""
     hparams = hparams or {}
-    fallbacks = []
+    fallbacks, repromotions = [], []
     for key, value in hparams.items():
-        if not key.startswith(FALLBACK_PREFIX):
+        kind = ((Fallback, fallbacks) if key.startswith(FALLBACK_PREFIX) else
+                (Repromotion, repromotions) if key.startswith(REPROMOTION_PREFIX) else None)
+        if kind is None:
             continue
         try:
-            fallback = Fallback.from_dict(value)
-            if not (isinstance(fallback.layer, str) and type(fallback.step) is int
-                    and type(fallback.flops_share) in (int, float)):
+            record = kind[0].from_dict(value)
+            if not (isinstance(record.layer, str) and type(record.step) is int):
                 raise ValueError(value)
-            fallbacks.append(fallback)
+            kind[1].append(record)
         except (TypeError, KeyError, ValueError):
-            warn(f"{where}: key {key!r}: not an fp8_guard fallback record; left out")
+            what = "fallback" if kind[0] is Fallback else "re-promotion"
+            warn(f"{where}: key {key!r}: not an fp8_guard {what} record; left out")
     callbacks = hparams.get("callbacks")
     configured = isinstance(callbacks, Mapping) and "fp8_guard" in callbacks
     if not (series or fallbacks or configured):
@@ -145,7 +164,8 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
     swap = algorithms.get("te_swap") if isinstance(algorithms, Mapping) else None
     exclude = swap.get("exclude") if isinstance(swap, Mapping) else None
     return GuardRun(series, sorted(fallbacks, key=lambda f: (f.step, f.layer)),
-                    exclude if isinstance(exclude, str) and exclude else None)
+                    exclude if isinstance(exclude, str) and exclude else None,
+                    tuple(sorted(repromotions, key=lambda r: (r.step, r.layer))))
 
 
 def why_empty(metrics_file: Path) -> str:
