@@ -116,7 +116,7 @@ class FP8Guard(Callback):
         if self.core.fallbacks:
             log.warning("fp8_guard: resumed with %s in high precision",
                         ", ".join(self.core.fallbacks))
-            self._log_records()
+        self._log_records()  # a resumed run's records, for its own hparams.json or W&B run
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self._raise_stop()
@@ -180,11 +180,13 @@ class FP8Guard(Callback):
             if rank_zero:
                 log.warning(fallback_message(fallback, static_yaml([fallback.layer],
                                                                    self._exclude)))
-        for repromoted in self.core.repromote(step, ready, table):
-            self._release(repromoted.layer)
+        repromoted = self.core.repromote(step, ready, table)
+        for back in repromoted:
+            self._release(back.layer)
             if rank_zero:
-                log.warning(repromotion_message(repromoted))
-        self._log_records()
+                log.warning(repromotion_message(back))
+        if verdict.fallbacks or repromoted:
+            self._log_records()
         if verdict.budget_message:
             if self.config.strict:
                 self._stop = GuardBudgetError(verdict.budget_message)
