@@ -169,8 +169,8 @@ def test_table_escapes_hostile_names_and_prints_huge_numbers():
 
 
 def test_health_imports_neither_torch_nor_matplotlib():
-    code = ("import sys, foundry_fp8.health, foundry_fp8.health.plots; "
-            "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
+    code = ("import sys, foundry_fp8.health, foundry_fp8.health.plots, foundry_fp8.health.raster; "
+            "print(sorted(m for m in ('torch', 'matplotlib', 'PIL') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -178,12 +178,12 @@ def test_health_imports_neither_torch_nor_matplotlib():
 def test_a_tracked_history_draws_to_an_rgb_image():
     """What fp8_stats' log_images draws from: the logged tables, kept in a RunMetrics."""
     from foundry_fp8.health import RunMetrics
-    from foundry_fp8.health.plots import draw_heatmap, to_rgb
+    from foundry_fp8.health.raster import render_heatmap
 
     run = RunMetrics()
     run.add_table(0, table(b0_weight={"underflow_pct": 90.0, "initial_scale": 1.0}))
     run.add_table(10, table(b1_gradient={"underflow_pct": 7.0}))
     assert run.steps == [0, 10] and run.initial == {(LAYERS[0], "weight", 0)}
-    image = to_rgb(draw_heatmap(run, "underflow_pct", Thresholds()))
+    image = render_heatmap(run, "underflow_pct", Thresholds())
     assert image.dtype.name == "uint8" and image.ndim == 3 and image.shape[2] == 3
-    assert image.shape[0] > 200 and image.shape[1] > 200 and image.std() > 10
+    assert image.shape[0] > 150 and image.shape[1] > 400 and image.std() > 10
