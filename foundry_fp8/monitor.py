@@ -215,7 +215,8 @@ class FP8Monitor:
     """Collects FP8 statistics on the steps you choose: `start_step(step)` ... `finish_step()`.
 
     `start_step()` without a step logs that step; with a step number, `schedule` decides (log,
-    dump, or record amaxes for a delayed `recipe` what-if). `finish_step()` returns the
+    dump, or record amaxes for a delayed `recipe` what-if; default `Schedule()`: every 100
+    steps, as fp8_stats). `finish_step()` returns the
     per-layer series `fp8_<stat>/<tensor>/<layer>` and the summary series `fp8/<tensor>/<name>`
     (`health.keys`; pooled over ranks, the same on every rank), judged by `self.tracker`.
     """

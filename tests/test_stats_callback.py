@@ -49,7 +49,8 @@ def test_a_tensor_with_nan_or_inf_gets_one_warning_as_the_report_flags_it():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32))  # its weight and output gradient stay finite
     warned: list[str] = []
-    monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append)
+    monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append,
+                         schedule=Schedule(interval=1))
     records = []
     for step in range(3):
         x = torch.randn(8, 32)
@@ -75,7 +76,8 @@ def test_a_threshold_warning_does_not_hide_a_later_nan():
     with torch.no_grad():
         model.weight[0, 0] = 1e6  # underflow: a threshold warning at step 0
     warned: list[str] = []
-    monitor = FP8Monitor(model, MonitorConfig(tensors=("weight",)), on_warning=warned.append)
+    monitor = FP8Monitor(model, MonitorConfig(tensors=("weight",)), on_warning=warned.append,
+                         schedule=Schedule(interval=1))
     for step in range(3):
         if step == 1:
             with torch.no_grad():
@@ -308,3 +310,14 @@ def test_a_failing_logger_on_rank_zero_does_not_switch_the_callback_off(caplog):
     assert sorted(logger.metrics) == [-1, 2] and layer_key("amax", "activation", "0") in logger.metrics[2]
     with pytest.raises(OSError, match="disk full"):
         _fit(FP8Stats(interval=2, strict=True), 1, FlakyLogger())
+
+
+def test_the_interval_default_is_one_fact_for_the_callback_the_monitor_and_the_linter():
+    """The README's `interval: 100ba`, from `options.Schedule` alone: what fp8_stats runs, what
+    a plain-PyTorch FP8Monitor logs, and what the linter reads as the default."""
+    from foundry_fp8.lint.entries import our_entries
+
+    assert FP8Stats().schedule.interval == 100
+    monitor = FP8Monitor(nn.Linear(4, 4), MonitorConfig())
+    assert [step for step in range(250) if monitor.schedule.logs(step)] == [0, 100, 200]
+    assert our_entries()[("callbacks", "fp8_stats")].options["interval"].default == 100

@@ -30,7 +30,6 @@ Table = Mapping[tuple[str, str], Mapping[str, float]]
 #: W&B sections: one image per statistic under `fp8_heatmap/`, the table as `fp8_table`.
 IMAGE_PREFIX = "fp8_heatmap/"
 TABLE_NAME = "fp8_table"
-DEFAULT_INTERVAL = "100ba"
 #: Logging steps a heatmap shows (the latest ones): a readable width, bounded memory.
 IMAGE_STEPS = 64
 
@@ -88,8 +87,7 @@ class FP8Stats(Callback):
     """
 
     def __init__(self, **options: Any):
-        # fp8_stats logs every 100 batches unless told (FP8Monitor's Schedule: every step)
-        self.options = build("fp8_stats", {"interval": DEFAULT_INTERVAL, **options})  # one line naming callbacks.fp8_stats.<key>
+        self.options = build("fp8_stats", options)  # one line naming callbacks.fp8_stats.<key>
         self.schedule: Schedule = self.options.schedule
         self.config: MonitorConfig = self.options.monitor
         self.dump_folder: str | None = self.options.dump_folder
