@@ -21,6 +21,7 @@ from foundry_fp8.health import (
     summary_key,
     summary_metrics,
 )
+from foundry_fp8.health.keys import older_layout
 
 HEALTHY = {"amax": 1.0, "underflow_pct": 0.0, "overflow_pct": 0.0, "rel_mse": 1e-3,
            "cos_sim": 0.9995, "scale_ratio": 1.0, "nan_count": 0.0, "inf_count": 0.0}
@@ -47,6 +48,10 @@ def test_keys_round_trip_and_group_one_statistic_per_section():
                   "fp8_underflow_pct/gradient", "fp8_/gradient/x", "fp8_a b/weight/x"):
         assert parse_key(other) is None, other
     assert short_layer("model.transformer.blocks.3.ffn.down_proj") == "blocks.3.ffn.down_proj"
+    # the layout before this one, which the report names instead of reading
+    assert older_layout("fp8/model.transformer.blocks.0.attn.Wqkv/weight/amax")
+    for new in ("fp8/weight/worst_cos_sim", "fp8/flagged_layers", key, "fp8/a/b/c"):
+        assert not older_layout(new), new
 
 
 @given(stat=st.from_regex(r"[a-z0-9_%]{1,12}", fullmatch=True),
