@@ -117,8 +117,15 @@ def test_every_layer_of_an_mpt_1b_is_named_and_more_layers_are_thinned():
 
 def test_numbers_in_the_cells_of_a_small_run_read_as_the_report_prints_them():
     run = mpt_run(2, 4)
-    at = layout(heatmap(run, "cos_sim", Thresholds()))
+    hm = heatmap(run, "cos_sim", Thresholds())
+    at = layout(hm)
     value = run.values[(run.layers[3], "gradient", "cos_sim")][300]
     assert at.cells["gradient"][3][3] == f"{value:.5f}"
     assert at.cells["weight"][0][0] == ""  # grey cell, no number
+    image = raster(hm)
+    x, y = at.cell(2, 3, 3)
+    cell = image[y:y + at.cell_h, x:x + at.cell_w]
+    assert cell.min() < 60 and (cell.min(axis=2) < 60).sum() > 20  # black digits in it
+    x, y = at.cell(1, 0, 0)
+    assert (image[y:y + at.cell_h, x:x + at.cell_w] == GREY).all()  # nothing on grey
     assert not layout(heatmap(mpt_run(24, 20), "cos_sim", Thresholds())).cells  # too many
