@@ -1,0 +1,54 @@
+"""Every third-party package foundry_fp8 imports (lazy imports inside functions included) is
+declared in setup.cfg, so a user's environment resolver installs it: a package that arrives only
+as some other dependency's dependency can vanish when that one drops it."""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import re
+import sys
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def imported_top_level() -> set[str]:
+    names: set[str] = set()
+    for path in (REPO / "foundry_fp8").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.partition(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.partition(".")[0])
+    return names - set(sys.stdlib_module_names) - {"foundry_fp8"}
+
+
+def normalise(name: str) -> str:
+    """PEP 503 normalisation, extras and version specifiers dropped."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~;\s]", name.strip(), maxsplit=1)[0]).lower()
+
+
+def declared() -> set[str]:
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    lines = config["options"]["install_requires"].splitlines()
+    lines += config["options.extras_require"]["te"].splitlines()
+    return {normalise(line) for line in lines if line.strip() and not line.strip().startswith("#")}
+
+
+def test_every_imported_package_is_declared() -> None:
+    distributions = packages_distributions()
+    wanted = declared()
+    undeclared = []
+    for module in sorted(imported_top_level()):
+        names = {normalise(d) for d in distributions.get(module, [module.replace("_", "-")])}
+        if not names & wanted:
+            undeclared.append(f"{module} ({', '.join(sorted(names))})")
+    assert not undeclared, f"imported but not in setup.cfg install_requires / extras te: {undeclared}"
+
+
+def test_the_check_sees_lazy_imports() -> None:
+    """The scan must reach imports inside functions (bench's tqdm is one)."""
+    assert {"tqdm", "torch", "composer"} <= imported_top_level()
