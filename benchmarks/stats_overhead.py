@@ -9,7 +9,7 @@ amortized overhead at interval 100. Runs without the callback, interleaved with 
 have it (off/on, then on/off, ...), check that steps which do not log cost nothing. Every figure
 is the median over rounds with its min-max spread; the load average is recorded with each round.
 
-    .venv/bin/python benchmarks/stats_overhead.py [--rounds 8] [--batches 160] [--interval 10]
+    .venv/bin/python benchmarks/stats_overhead.py [--rounds 8] [--batches 160] [--interval 10] [--wandb]
 """
 
 from __future__ import annotations
@@ -138,8 +138,11 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def time_run(interval: int | None, batches: int, data: Any, root: Path) -> tuple[list[float], int]:
-    """Per-batch seconds of one tiny run, and how many FP8 metrics one logging step wrote."""
+def time_run(interval: int | None, batches: int, data: Any, root: Path,
+             wandb: bool = False) -> tuple[list[float], int]:
+    """Per-batch seconds of one tiny run, and how many FP8 metrics one logging step wrote.
+    `wandb`: with the tiny YAML's W&B logger (offline), which encodes the images and takes the
+    table; without it no logger of the run takes either (the JSONL logger ignores both)."""
     from composer.core import Callback
 
     class BatchEndStamps(Callback):  # appended last: runs after fp8_stats' BATCH_END work
@@ -165,7 +168,9 @@ def time_run(interval: int | None, batches: int, data: Any, root: Path) -> tuple
 
     train_module.Trainer = with_stamps
     try:
-        run_tiny(root, data, overrides)
+        trainer = run_tiny(root, data, overrides, wandb=wandb)
+        if wandb:
+            trainer.close()  # finishes the W&B run (train() leaves it open)
     finally:
         train_module.Trainer = original
     from foundry_fp8.jsonl import read_jsonl
@@ -223,6 +228,8 @@ benchmark itself keeps about 2 threads busy, so a load near 2 means little else 
 it, other jobs competed for the 2 cores.
 Versions: {", ".join(f"{k} {v}" for k, v in result["versions"].items())}.
 
+Loggers: {"the JSONL logger and W&B offline (which encodes the images and takes the table)" if cfg.get("wandb") else "the JSONL logger only (no logger takes the images or the table: `--wandb` adds W&B offline)"}.
+
 Method: {cfg["rounds"]} rounds, each one run without `fp8_stats` and one with it at interval
 {cfg["interval"]} (order alternating), {cfg["batches"]} batches per run, the first {cfg["warmup"]} dropped.
 Every batch is timed by Composer BATCH_END timestamps. Each logging step
@@ -263,6 +270,8 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=10, help="fp8_stats interval while timing")
     parser.add_argument("--warmup", type=int, default=10, help="batches dropped at the start of each run")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--wandb", action="store_true",
+                        help="log to W&B offline in both runs (its image encoding and table count)")
     args = parser.parse_args()
     data = prepare_tiny_data(REPO / "data")
     load_before = os.getloadavg()
@@ -271,7 +280,7 @@ def main() -> int:
 
     def run(variant: str, root: Path) -> list[float]:
         durations, count = time_run(args.interval if variant == "on" else None, args.batches,
-                                    data, root)
+                                    data, root, args.wandb)
         counts.append(count)
         return durations
 
@@ -286,13 +295,15 @@ def main() -> int:
     result = {
         **result_header(started, load_before),
         "config": {"rounds": args.rounds, "batches": args.batches, "interval": args.interval,
-                   "warmup": args.warmup, "metrics_per_logging_step": metrics_per_step},
+                   "warmup": args.warmup, "metrics_per_logging_step": metrics_per_step,
+                   "wandb": args.wandb},
         "results": results, "target_pct": TARGET_PCT,
         "meets_target_median": results[HEADLINE]["median"] <= TARGET_PCT,
         "meets_target_every_round": results[HEADLINE]["max"] <= TARGET_PCT,
         "rounds": rounds,
     }
-    write_result(args.out, "stats_overhead_cpu", result, render_markdown(result))
+    name = "stats_overhead_cpu_wandb" if args.wandb else "stats_overhead_cpu"
+    write_result(args.out, name, result, render_markdown(result))
     return 0
 
 

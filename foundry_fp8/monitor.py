@@ -127,15 +127,16 @@ class NoLayersError(ValueError):
 
 
 def no_layers_message(model: nn.Module, config: MonitorConfig) -> str:
-    """One line: the regexes, how many linear layers there are, a few of their names."""
+    """One line as an `OptionError` reads (`callbacks.fp8_stats.layers: ... (fix: ...)`): the
+    regexes, how many linear layers there are, a few of their names as the regex sees them."""
     names = [name for name, module in canonical_modules(model) if watches_for(module) is not None]
-    where = f"layers {config.layers!r}" + (f" minus exclude {config.exclude!r}"
-                                            if config.exclude else "")
+    what = f"{config.layers!r}" + (f" minus exclude {config.exclude!r}" if config.exclude else "")
+    key = f"{MonitorConfig.PATH}.layers"
     if not names:
-        return f"fp8_stats.{where}: the model has no linear layer to watch"
+        return f"{key}: {what}: the model has no linear layer to watch (fix: remove fp8_stats)"
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    return (f"fp8_stats.{where} matches none of the model's {len(names)} linear layers "
-            f"(names are searched with re.search, e.g. {shown})")
+    return (f"{key}: {what} matches none of the model's {len(names)} linear layers (fix: a "
+            f"regex that re.search finds in their names, e.g. {shown})")
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,8 @@ class FP8Monitor:
     """Collects FP8 statistics on the steps you choose: `start_step(step)` ... `finish_step()`.
 
     `start_step()` without a step logs that step; with a step number, `schedule` decides (log,
-    dump, or record amaxes for a delayed `recipe` what-if). `finish_step()` returns the
+    dump, or record amaxes for a delayed `recipe` what-if; default `Schedule()`: every 100
+    steps, as fp8_stats). `finish_step()` returns the
     per-layer series `fp8_<stat>/<tensor>/<layer>` and the summary series `fp8/<tensor>/<name>`
     (`health.keys`; pooled over ranks, the same on every rank), judged by `self.tracker`.
     """

@@ -477,7 +477,9 @@ class Schedule(Options):
     PATH: ClassVar[str] = "callbacks.fp8_stats"
     RELATIONS: ClassVar[tuple[Above, ...]] = (Above("end", "start"),)
 
-    interval: int | str = option(1, Batches(1))
+    # fp8_stats' and FP8Monitor's default: the README's `interval: 100ba` (a logging step costs
+    # about 1.7 training steps of the tiny CPU run, `benchmarks/stats_overhead.py`)
+    interval: int | str = option(100, Batches(1))
     start: int = option(0, Integer(0))
     end: int | None = option(None, Optional(Integer(0)))
     dump_steps: int | Sequence[int] = option((), Items(Integer(0), bare=True))

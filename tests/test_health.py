@@ -21,6 +21,7 @@ from foundry_fp8.health import (
     summary_key,
     summary_metrics,
 )
+from foundry_fp8.health.keys import older_layout
 
 HEALTHY = {"amax": 1.0, "underflow_pct": 0.0, "overflow_pct": 0.0, "rel_mse": 1e-3,
            "cos_sim": 0.9995, "scale_ratio": 1.0, "nan_count": 0.0, "inf_count": 0.0}
@@ -47,6 +48,10 @@ def test_keys_round_trip_and_group_one_statistic_per_section():
                   "fp8_underflow_pct/gradient", "fp8_/gradient/x", "fp8_a b/weight/x"):
         assert parse_key(other) is None, other
     assert short_layer("model.transformer.blocks.3.ffn.down_proj") == "blocks.3.ffn.down_proj"
+    # the layout before this one, which the report names instead of reading
+    assert older_layout("fp8/model.transformer.blocks.0.attn.Wqkv/weight/amax")
+    for new in ("fp8/weight/worst_cos_sim", "fp8/flagged_layers", key, "fp8/a/b/c"):
+        assert not older_layout(new), new
 
 
 @given(stat=st.from_regex(r"[a-z0-9_%]{1,12}", fullmatch=True),
@@ -169,8 +174,8 @@ def test_table_escapes_hostile_names_and_prints_huge_numbers():
 
 
 def test_health_imports_neither_torch_nor_matplotlib():
-    code = ("import sys, foundry_fp8.health, foundry_fp8.health.plots; "
-            "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
+    code = ("import sys, foundry_fp8.health, foundry_fp8.health.plots, foundry_fp8.health.raster; "
+            "print(sorted(m for m in ('torch', 'matplotlib', 'PIL') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -178,12 +183,12 @@ def test_health_imports_neither_torch_nor_matplotlib():
 def test_a_tracked_history_draws_to_an_rgb_image():
     """What fp8_stats' log_images draws from: the logged tables, kept in a RunMetrics."""
     from foundry_fp8.health import RunMetrics
-    from foundry_fp8.health.plots import draw_heatmap, to_rgb
+    from foundry_fp8.health.raster import render_heatmap
 
     run = RunMetrics()
     run.add_table(0, table(b0_weight={"underflow_pct": 90.0, "initial_scale": 1.0}))
     run.add_table(10, table(b1_gradient={"underflow_pct": 7.0}))
     assert run.steps == [0, 10] and run.initial == {(LAYERS[0], "weight", 0)}
-    image = to_rgb(draw_heatmap(run, "underflow_pct", Thresholds()))
+    image = render_heatmap(run, "underflow_pct", Thresholds())
     assert image.dtype.name == "uint8" and image.ndim == 3 and image.shape[2] == 3
-    assert image.shape[0] > 200 and image.shape[1] > 200 and image.std() > 10
+    assert image.shape[0] > 150 and image.shape[1] > 400 and image.std() > 10

@@ -182,9 +182,9 @@ def test_layers_that_match_nothing_fail_naming_the_key_and_real_names():
     model = _model()
     with pytest.raises(NoLayersError) as caught:
         FP8Monitor(model, MonitorConfig(layers="^transformer"))
-    assert str(caught.value) == ("fp8_stats.layers '^transformer' matches none of the model's 6 "
-                                 "linear layers (names are searched with re.search, e.g. 0, 1, "
-                                 "2, 3, ...)")
+    assert str(caught.value) == ("callbacks.fp8_stats.layers: '^transformer' matches none of the "
+                                 "model's 6 linear layers (fix: a regex that re.search finds in "
+                                 "their names, e.g. 0, 1, 2, 3, ...)")
     with pytest.raises(NoLayersError, match="minus exclude '.'"):
         FP8Monitor(model, MonitorConfig(exclude="."))
     with pytest.raises(NoLayersError, match="no linear layer"):

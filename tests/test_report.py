@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import foundry_fp8
 from foundry_fp8.cli import main
 from foundry_fp8.health import HealthTracker, Thresholds, collect, layer_key, worst_values
 from foundry_fp8.health.history import Ranked, heatmap_matrix, series, worst_layers
@@ -85,6 +86,24 @@ def test_report_keeps_worst_values(tmp_path):
                          capture_output=True, text=True, check=True)
     assert "| blocks.0.up | weight | 7.5 |" in out.stdout
     assert (tmp_path / "fp8_report.md").exists()
+
+
+def test_report_on_the_older_key_layout_says_so_in_one_line(tmp_path):
+    """A run logged before the per-statistic layout (`fp8/<layer>/<tensor>/<stat>`, with its
+    fp8_stats options in hparams.json): not "fp8_stats logged no layer"."""
+    JsonlSink(tmp_path / "metrics.jsonl").write(0, {
+        "loss/train/total": 1.0, "fp8/model.transformer.blocks.0.attn.Wqkv/weight/amax": 0.5,
+        "fp8/model.transformer.blocks.0.attn.Wqkv/weight/underflow_pct": 0.0})
+    (tmp_path / "hparams.json").write_text(json.dumps({"callbacks": {"fp8_stats": {}}}))
+    result = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "report", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and not result.stdout and result.stderr.count("\n") == 1
+    assert result.stderr == (
+        f"error: {tmp_path / 'metrics.jsonl'}: FP8 statistics in an older key layout "
+        "(fp8/<layer>/<tensor>/<stat>, e.g. `fp8/model.transformer.blocks.0.attn.Wqkv/weight/amax`"
+        ", from foundry-fp8 builds before 2026-11-23); this report (foundry-fp8 "
+        f"{foundry_fp8.__version__}) reads fp8_<stat>/<tensor>/<layer> series only: train again "
+        "with this fp8_stats\n")
 
 
 @pytest.mark.parametrize(("hparams", "why"), [

@@ -49,7 +49,8 @@ def test_a_tensor_with_nan_or_inf_gets_one_warning_as_the_report_flags_it():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32))  # its weight and output gradient stay finite
     warned: list[str] = []
-    monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append)
+    monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append,
+                         schedule=Schedule(interval=1))
     records = []
     for step in range(3):
         x = torch.randn(8, 32)
@@ -75,7 +76,8 @@ def test_a_threshold_warning_does_not_hide_a_later_nan():
     with torch.no_grad():
         model.weight[0, 0] = 1e6  # underflow: a threshold warning at step 0
     warned: list[str] = []
-    monitor = FP8Monitor(model, MonitorConfig(tensors=("weight",)), on_warning=warned.append)
+    monitor = FP8Monitor(model, MonitorConfig(tensors=("weight",)), on_warning=warned.append,
+                         schedule=Schedule(interval=1))
     for step in range(3):
         if step == 1:
             with torch.no_grad():
@@ -308,3 +310,62 @@ def test_a_failing_logger_on_rank_zero_does_not_switch_the_callback_off(caplog):
     assert sorted(logger.metrics) == [-1, 2] and layer_key("amax", "activation", "0") in logger.metrics[2]
     with pytest.raises(OSError, match="disk full"):
         _fit(FP8Stats(interval=2, strict=True), 1, FlakyLogger())
+
+
+def test_the_interval_default_is_one_fact_for_the_callback_the_monitor_and_the_linter():
+    """The README's `interval: 100ba`, from `options.Schedule` alone: what fp8_stats runs, what
+    a plain-PyTorch FP8Monitor logs, and what the linter reads as the default."""
+    from foundry_fp8.lint.entries import our_entries
+
+    assert FP8Stats().schedule.interval == 100
+    monitor = FP8Monitor(nn.Linear(4, 4), MonitorConfig())
+    assert [step for step in range(250) if monitor.schedule.logs(step)] == [0, 100, 200]
+    assert our_entries()[("callbacks", "fp8_stats")].options["interval"].default == 100
+
+
+def test_layers_matching_nothing_warn_in_one_line_and_training_goes_on(caplog):
+    callback = FP8Stats(interval=1, layers="^attn")
+    with caplog.at_level("WARNING", logger="foundry_fp8.composer.stats"):
+        _, logger = _fit(callback, 2)
+    assert callback.disabled and logger.metrics == {}
+    [record] = [r for r in caplog.records if "matches none" in r.getMessage()]
+    assert record.levelname == "WARNING" and record.exc_info is None
+    assert record.getMessage() == (
+        "callbacks.fp8_stats.layers: '^attn' matches none of the model's 2 linear layers (fix: a "
+        "regex that re.search finds in their names, e.g. 0, 1); fp8_stats is off for this run "
+        "(strict: true makes this an error)")
+
+
+@pytest.mark.slow
+def test_strict_layers_matching_nothing_end_the_run_on_the_one_line(tmp_path, tiny_data):
+    """Through LLM-Foundry's own `train_from_yaml` and Composer's Trainer, as `fp8_lint`'s and
+    `fp8_state`'s errors do: a raised ValueError, the run exits non-zero, and the traceback's
+    last line is the one line naming the key and real module names."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from tests.conftest import REPO_ROOT
+    from tests.tiny_run import tiny_config
+
+    cfg = tiny_config(tmp_path, tiny_data, {"max_duration": "2ba", "callbacks": {
+        "fp8_stats": {"strict": True, "layers": "^attn"}}})
+    yaml = tmp_path / "strict.yaml"
+    OmegaConf.save(cfg, yaml)
+    code = f"from llmfoundry.command_utils import train_from_yaml; train_from_yaml({str(yaml)!r}, [])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                          timeout=600)
+    assert done.returncode == 1
+    # torch's excepthook for distributed runs prefixes each line with the rank
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in done.stderr.splitlines()]
+    start = lines.index("Traceback (most recent call last):")
+    last = next(line for line in lines[start + 1:] if not line.startswith(" "))
+    assert last == (
+        "foundry_fp8.monitor.NoLayersError: callbacks.fp8_stats.layers: '^attn' matches none of "
+        "the model's 8 linear layers (fix: a regex that re.search finds in their names, e.g. "
+        "model.transformer.blocks.0.attn.Wqkv, model.transformer.blocks.0.attn.out_proj, "
+        "model.transformer.blocks.0.ffn.up_proj, model.transformer.blocks.0.ffn.down_proj, ...)")

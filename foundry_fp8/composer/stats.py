@@ -17,7 +17,7 @@ from composer.utils import dist
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
-from foundry_fp8.health.plots import draw_heatmap, to_rgb
+from foundry_fp8.health.raster import render_heatmap
 from foundry_fp8.health.specs import known_first
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
 from foundry_fp8.options import MonitorConfig, Schedule, build
@@ -30,7 +30,6 @@ Table = Mapping[tuple[str, str], Mapping[str, float]]
 #: W&B sections: one image per statistic under `fp8_heatmap/`, the table as `fp8_table`.
 IMAGE_PREFIX = "fp8_heatmap/"
 TABLE_NAME = "fp8_table"
-DEFAULT_INTERVAL = "100ba"
 #: Logging steps a heatmap shows (the latest ones): a readable width, bounded memory.
 IMAGE_STEPS = 64
 
@@ -88,8 +87,7 @@ class FP8Stats(Callback):
     """
 
     def __init__(self, **options: Any):
-        # fp8_stats logs every 100 batches unless told (FP8Monitor's Schedule: every step)
-        self.options = build("fp8_stats", {"interval": DEFAULT_INTERVAL, **options})  # one line naming callbacks.fp8_stats.<key>
+        self.options = build("fp8_stats", options)  # one line naming callbacks.fp8_stats.<key>
         self.schedule: Schedule = self.options.schedule
         self.config: MonitorConfig = self.options.monitor
         self.dump_folder: str | None = self.options.dump_folder
@@ -101,7 +99,9 @@ class FP8Stats(Callback):
         # images are due from this step on: none at the first logging steps, one column wide
         self._next_image = self.image_interval or 0
         self._imaged: int | None = None  # the logging step the last images showed
-        self._warned_table = False
+        # destinations a table would hang (below), asked once per fit: W&B's `run.settings`
+        # copies its settings at every read (about 15 ms)
+        self._no_table: list[LoggerDestination] | None = None
         self.monitor: FP8Monitor | None = None
         self.disabled = False
         self._step = 0
@@ -170,6 +170,7 @@ class FP8Stats(Callback):
 
     def _fit_start(self, state: State, logger: Logger) -> None:
         self.monitor = None  # until built: a rank that fails here cannot join collectives
+        self._no_table = None
         config = self.config
         if self.schedule.dump_steps:
             folder = in_run_folder(self.dump_folder or "fp8_dumps", run_folder(state, logger),
@@ -237,18 +238,18 @@ class FP8Stats(Callback):
         destinations = [d for d in logger.destinations if not _console(d)]
         for stat in run.stats:
             if spec(stat).plot == "heatmap" and shown(run, stat):
-                image = to_rgb(draw_heatmap(run, stat, self.monitor.tracker.thresholds))
+                image = render_heatmap(run, stat, self.monitor.tracker.thresholds)
                 for destination in destinations:
                     destination.log_images(image, f"{IMAGE_PREFIX}{stat}", True, step,
                                            use_table=False)
         columns, rows = table_rows(self.monitor.table, self.monitor.flags)
+        if self._no_table is None:
+            self._no_table = [d for d in destinations if _wandb_table_hangs(d)]
+            if self._no_table:
+                log.warning(WANDB_OFFLINE_TABLE)
         for destination in destinations:
-            if _wandb_table_hangs(destination):
-                if not self._warned_table:
-                    self._warned_table = True
-                    log.warning(WANDB_OFFLINE_TABLE)
-                continue
-            destination.log_table(columns, rows, TABLE_NAME, step)
+            if destination not in self._no_table:
+                destination.log_table(columns, rows, TABLE_NAME, step)
         self._imaged = self._recent[-1][0] if self._recent else None
 
     def _fit_end(self, state: State, logger: Logger) -> None:

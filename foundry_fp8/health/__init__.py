@@ -1,7 +1,8 @@
 """FP8 health: the metric key layout, thresholds, flagging rules (which side of a statistic is
 worse, the cause and YAML key of each warning), the tracker that applies them step by step, the
 worst-value table and the plots. Used by `fp8_stats`, the guard and `foundry-fp8 report`.
-Torch-free; matplotlib only inside `health.plots`' drawing functions."""
+Torch-free; matplotlib (and Pillow) only inside the drawing functions of `health.plots` (the report's
+figures) and `health.raster` (the images fp8_stats logs)."""
 
 from foundry_fp8.health.history import RunMetrics, collect, worst_values
 from foundry_fp8.health.keys import (

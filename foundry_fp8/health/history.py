@@ -32,12 +32,15 @@ class RunMetrics:
             if value:
                 self.initial.add((layer, tensor, step))
             return
-        self.values.setdefault((layer, tensor, stat), {})[step] = float(value)
-        for names, name in ((self.layers, layer), (self.tensors, tensor), (self.stats, stat)):
-            if name not in names:
-                names.append(name)
-        if step not in self.steps:
+        by_step = self.values.get((layer, tensor, stat))
+        if by_step is None:  # the names' lists are searched once per series, not per value
+            by_step = self.values[(layer, tensor, stat)] = {}
+            for names, name in ((self.layers, layer), (self.tensors, tensor), (self.stats, stat)):
+                if name not in names:
+                    names.append(name)
+        if step not in by_step and step not in self.steps:
             self.steps.append(step)
+        by_step[step] = float(value)
 
     def add_table(self, step: int, table: Mapping[tuple[str, str], Mapping[str, float]]) -> None:
         """One logging step's `{(layer, tensor): {stat: value}}`."""

@@ -12,6 +12,7 @@ import re
 
 TENSORS = ("activation", "weight", "gradient")
 LAYER_PREFIX = "fp8_"
+LAYOUT = "fp8_<stat>/<tensor>/<layer>"  # the per-layer series, as the messages name it
 SUMMARY_PREFIX = "fp8"
 #: Logged as 1 for a tensor cast with delayed scaling's initial scale 1 (no amax history yet).
 INITIAL_SCALE = "initial_scale"
@@ -47,6 +48,19 @@ def parse_key(key: str) -> tuple[str, str, str] | None:
     if not _STAT.fullmatch(stat) or not tensor or not layer:
         return None
     return stat, tensor, layer
+
+
+#: The per-layer layout fp8_stats wrote before this one (foundry-fp8 builds before 2026-11-23),
+#: full module names in the middle; no version reads it any more.
+OLDER_LAYOUT = "fp8/<layer>/<tensor>/<stat>"
+
+
+def older_layout(key: str) -> bool:
+    """Whether `key` is a per-layer series of OLDER_LAYOUT (`fp8/model.transformer.blocks.0.
+    attn.Wqkv/weight/amax`), which no summary series (`fp8/<tensor>/<name>`) looks like."""
+    parts = key.split("/")
+    return (len(parts) >= 4 and parts[0] == SUMMARY_PREFIX and parts[-2] in TENSORS
+            and bool(_STAT.fullmatch(parts[-1])))
 
 
 def short_layer(name: str) -> str:

@@ -1,5 +1,6 @@
-"""Pictures of a run's FP8 statistics: layers x steps heatmaps and amax/scale time series, for
-`foundry-fp8 report` (PNG files) and `fp8_stats` (images through Composer's Logger).
+"""Pictures of a run's FP8 statistics: layers x steps heatmaps and amax/scale time series, as
+matplotlib figures for `foundry-fp8 report` (PNG files). What a heatmap shows (`heatmap`) is
+also what `fp8_stats` draws for W&B, in pixels (`health.raster`).
 
 Everything before the drawing is plain data (tested exactly); matplotlib is imported only when
 drawing, with the Agg canvas (no pyplot state). No torch.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +84,13 @@ def tick_indices(n: int, max_ticks: int) -> list[int]:
 PLOT_MAX = 1e300
 
 
+def one_line(label: str) -> str:
+    return " ".join(label.splitlines())
+
+
 def text(label: str) -> str:
     """A name as matplotlib prints it literally (`$` would start mathtext, which can fail)."""
-    return " ".join(label.splitlines()).replace("$", r"\$")
+    return one_line(label).replace("$", r"\$")
 
 
 def drawable(values: Any) -> Any:
@@ -147,68 +153,132 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def _cell(stat: str, value: float) -> str:
-    """A number that fits a heatmap cell; cosines need their digits after the 0.99."""
-    return f"{value:.5f}" if stat == "cos_sim" else f"{value:.2g}"
+#: Cells not logged, or cast with delayed scaling's initial scale 1 (not coloured as data).
+NOT_LOGGED = "#d0d0d0"
+NOT_LOGGED_NOTE = "grey: not logged, or cast with the initial scale 1"
 
 
-def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
-    """One panel per tensor kind: layers down, logging steps across, grey where not logged."""
+@dataclass(frozen=True)
+class Panel:
+    """One tensor kind's layers x steps matrix (NaN: grey) and its colour scale."""
+
+    tensor: str
+    title: str
+    matrix: Any  # float64 [layers, steps]
+    norm: Any  # a matplotlib.colors.Normalize
+    limit: float | None  # the threshold, marked on the colour bar
+    ticks: list[float] | None  # the colour bar's ticks (None: the norm's own)
+
+
+@dataclass(frozen=True)
+class Heatmap:
+    """What a heatmap shows, before any drawing: the report's matplotlib figure and the raster
+    images `fp8_stats` logs (`health.raster`) both draw from it."""
+
+    stat: str
+    prefix: str  # the layers' common prefix, left off `names`
+    names: list[str]  # layer labels, one line each
+    steps: list[int]
+    panels: list[Panel]
+    cmap: Any  # NaN cells (masked) get NOT_LOGGED
+    annotate: bool  # the numbers fit into the cells
+    worse: str | None
+
+    @property
+    def shared_scale(self) -> bool:
+        return spec(self.stat).shared_scale
+
+    @property
+    def title(self) -> str:
+        return f"{self.stat}: {f'layers under {self.prefix}' if self.prefix else 'layers'} × logging steps"
+
+    @property
+    def label(self) -> str:
+        """What the colour scale shows, with units."""
+        return spec(self.stat).label
+
+    @property
+    def threshold_note(self) -> str:
+        """What the colour bar's black line marks ("" when there is no threshold)."""
+        limit = self.panels[-1].limit
+        return f"black line: flagged beyond {limit:g}" if limit else ""
+
+    def cell_text(self, value: float) -> str:
+        """A number that fits a cell; cosines need their digits after the 0.99."""
+        return f"{value:.5f}" if self.stat == "cos_sim" else f"{value:.2g}"
+
+    def dark(self, level: float) -> bool:
+        """Whether a cell at this colour level (0-1) is dark enough for white text."""
+        return level < 0.35 if self.worse == "low" else level > 0.65
+
+
+def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Heatmap:
+    """One panel per tensor kind that logged `stat`: layers down, logging steps across."""
     import matplotlib
     import numpy as np
 
     sp = spec(stat)
     tensors = [t for t in run.tensors if any((layer, t, stat) in run.values for layer in run.layers)]
     prefix = common_prefix(run.layers)
-    names = [text(layer.removeprefix(prefix)) for layer in run.layers]
-    n_layers, n_steps = len(names), len(run.steps)
-    height = min(max(2.6, 0.26 * n_layers + 1.5), 24.0)
-    panel = min(max(2.2, 0.17 * n_steps + 1.3), 4.8)
-    bars = 1 if sp.shared_scale else len(tensors)  # colour bars, about 0.9 inch each
-    width = 0.065 * max(map(len, names)) + 0.4 + panel * len(tensors) + 0.9 * bars
-    fig = _figure(width, height)
-    axes = fig.subplots(1, len(tensors), sharey=True, squeeze=False)[0]
     matrices = {t: drawable(np.array(heatmap_matrix(run, stat, t), dtype=float)) for t in tensors}
     shared = [v for m in matrices.values() for v in m.ravel().tolist()]
-    cmap = matplotlib.colormaps["YlOrRd_r" if sp.worse == "low" else "YlOrRd"].with_extremes(bad="#d0d0d0")
-    annotate = n_steps <= 12 and n_layers <= 40 and not sp.log  # numbers in cells when they fit
-    for ax, tensor in zip(axes, tensors, strict=True):
+    cmap = matplotlib.colormaps["YlOrRd_r" if sp.worse == "low" else "YlOrRd"].with_extremes(
+        bad=NOT_LOGGED)
+    panels = []
+    for tensor in tensors:
         matrix = matrices[tensor]
         norm, limit, ticks = _norm(stat, shared if sp.shared_scale else matrix.ravel().tolist(), thresholds)
         if sp.log:  # a zero error is the best colour, not a hole
             matrix = np.where(matrix <= 0, norm.vmin, matrix)
-        image = ax.imshow(np.ma.masked_invalid(matrix), aspect="auto", interpolation="nearest",
-                          cmap=cmap, norm=norm)
         finite = matrix[np.isfinite(matrix)]
         quiet = " - all 0" if finite.size and not finite.any() else ""
-        ax.set_title(text(f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')}){quiet}"), fontsize=9)
+        panels.append(Panel(tensor, f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')}){quiet}", matrix,
+                            norm, limit, ticks))
+    names = [one_line(layer.removeprefix(prefix)) for layer in run.layers]
+    annotate = len(run.steps) <= 12 and len(names) <= 40 and not sp.log
+    return Heatmap(stat, prefix, names, list(run.steps), panels, cmap, annotate, sp.worse)
+
+
+def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
+    """The report's heatmap (`heatmap`) as a matplotlib figure."""
+    import numpy as np
+
+    hm = heatmap(run, stat, thresholds)
+    names = [text(name) for name in hm.names]
+    n_layers, n_steps = len(names), len(hm.steps)
+    height = min(max(2.6, 0.26 * n_layers + 1.5), 24.0)
+    panel = min(max(2.2, 0.17 * n_steps + 1.3), 4.8)
+    bars = 1 if hm.shared_scale else len(hm.panels)  # colour bars, about 0.9 inch each
+    width = 0.065 * max(map(len, names)) + 0.4 + panel * len(hm.panels) + 0.9 * bars
+    fig = _figure(width, height)
+    axes = fig.subplots(1, len(hm.panels), sharey=True, squeeze=False)[0]
+    for ax, p in zip(axes, hm.panels, strict=True):
+        image = ax.imshow(np.ma.masked_invalid(p.matrix), aspect="auto", interpolation="nearest",
+                          cmap=hm.cmap, norm=p.norm)
+        ax.set_title(text(p.title), fontsize=9)
         xticks = tick_indices(n_steps, int(panel * 2.5))
-        ax.set_xticks(xticks, [str(run.steps[i]) for i in xticks], fontsize=7,
-                      rotation=90 if len(str(run.steps[-1])) > 3 else 0)
+        ax.set_xticks(xticks, [str(hm.steps[i]) for i in xticks], fontsize=7,
+                      rotation=90 if len(str(hm.steps[-1])) > 3 else 0)
         ax.set_xlabel("step", fontsize=8)
-        if annotate:
-            for (row, col), value in np.ndenumerate(matrix):
+        if hm.annotate:
+            for (row, col), value in np.ndenumerate(p.matrix):
                 if math.isfinite(value):
-                    level = float(norm(value))
-                    dark = level < 0.35 if sp.worse == "low" else level > 0.65
-                    ax.text(col, row, _cell(stat, value), ha="center", va="center", fontsize=6,
-                            color="white" if dark else "black")
-        if not sp.shared_scale or ax is axes[-1]:
-            bar = fig.colorbar(image, ax=ax if not sp.shared_scale else list(axes), shrink=0.95,
+                    ax.text(col, row, hm.cell_text(value), ha="center", va="center", fontsize=6,
+                            color="white" if hm.dark(float(p.norm(value))) else "black")
+        if not hm.shared_scale or ax is axes[-1]:
+            bar = fig.colorbar(image, ax=ax if not hm.shared_scale else list(axes), shrink=0.95,
                                aspect=30, pad=0.02)
             if ax is axes[-1]:
-                bar.set_label(sp.label + (f"\n(black line: flagged beyond {limit:g})" if limit else ""),
-                              fontsize=8)
-            if ticks is not None:
-                bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
-            _readable_log_ticks(bar.ax, norm.vmin, norm.vmax)
-            if limit is not None:
-                bar.ax.axhline(limit, color="black", lw=1.5)
+                note = hm.threshold_note
+                bar.set_label(hm.label + (f"\n({note})" if note else ""), fontsize=8)
+            if p.ticks is not None:
+                bar.set_ticks(p.ticks, labels=[f"{t:g}" for t in p.ticks])
+            _readable_log_ticks(bar.ax, p.norm.vmin, p.norm.vmax)
+            if p.limit is not None:
+                bar.ax.axhline(p.limit, color="black", lw=1.5)
     yticks = tick_indices(n_layers, int((height - 1.5) / 0.13))
     axes[0].set_yticks(yticks, [names[i] for i in yticks], fontsize=7)
-    where = f"layers under {prefix}" if prefix else "layers"
-    fig.suptitle(f"{text(stat)}: {text(where)} × logging steps (grey: not logged, or cast with the "
-                 "initial scale 1)", fontsize=10)
+    fig.suptitle(text(f"{hm.title} ({NOT_LOGGED_NOTE})"), fontsize=10)
     return fig
 
 
@@ -279,15 +349,5 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]]) -> Any:
     return fig
 
 
-
-
 def save_png(fig: Any, path: Path) -> None:
     fig.savefig(path)
-
-
-def to_rgb(fig: Any) -> Any:
-    """The figure as an RGB uint8 array [height, width, 3] (what Composer's log_images takes)."""
-    import numpy as np
-
-    fig.canvas.draw()
-    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()

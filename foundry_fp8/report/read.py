@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from foundry_fp8 import __version__
 from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
@@ -20,6 +21,7 @@ from foundry_fp8.guard import (
     Repromotion,
 )
 from foundry_fp8.health import RunMetrics, Thresholds, collect
+from foundry_fp8.health.keys import LAYOUT, OLDER_LAYOUT, older_layout
 from foundry_fp8.jsonl import JsonlError, read_jsonl
 
 #: Steps beyond this are not a training's (and not exact in float64, which plotting uses).
@@ -169,8 +171,14 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
 
 
 def why_empty(metrics_file: Path) -> str:
-    """Why a metrics file holds no per-layer FP8 series: no fp8_stats in the run, or it ran and
-    watched nothing (or logged in an older layout)."""
+    """Why a metrics file holds no per-layer FP8 series: they are in the older layout, no
+    fp8_stats in the run, or it ran and watched nothing."""
+    older = next((key for _, metrics in read_jsonl(metrics_file) for key in metrics
+                  if older_layout(key)), None)
+    if older is not None:
+        return (f"{metrics_file}: FP8 statistics in an older key layout ({OLDER_LAYOUT}, e.g. "
+                f"`{older}`, from foundry-fp8 builds before 2026-11-23); this report (foundry-fp8 "
+                f"{__version__}) reads {LAYOUT} series only: train again with this fp8_stats")
     hparams = read_hparams(metrics_file.with_name("hparams.json"))
     if hparams is not None and _fp8_stats_options(hparams) is None:
         return (f"{metrics_file}: no FP8 statistics: the run had no `fp8_stats` callback (add "
@@ -180,5 +188,4 @@ def why_empty(metrics_file: Path) -> str:
         return (f"{metrics_file}: no FP8 statistics: fp8_stats ran but logged no layer "
                 f"(callbacks.fp8_stats.layers: {layers!r} matched nothing, or the run ended "
                 "before its first logging step)")
-    return (f"{metrics_file}: no FP8 statistics (`fp8_<stat>/<tensor>/<layer>` series): was "
-            "`fp8_stats` in the YAML?")
+    return f"{metrics_file}: no FP8 statistics (`{LAYOUT}` series): was `fp8_stats` in the YAML?"
