@@ -4,6 +4,7 @@ same step on every rank and after a resume; its decisions, budget and messages."
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -272,10 +273,10 @@ def test_the_region_is_left_when_the_forward_raises():
                                                                  model[1].bias))
 
 
-def _loop(guard: FP8Guard, steps: int = 10) -> list[str]:
+def _loop(guard: FP8Guard, steps: int = 10, log_hyperparameters: Any = None) -> list[str]:
     """fp8_stats (every 2 batches) and `guard` over an emulated 2-layer model whose last layer
     gets an outlier channel from batch 4 (a mean loss keeps the gradients, and so the first
-    layer, unaffected); returns the guard's warnings."""
+    layer, unaffected), then FIT_END; returns the guard's warnings."""
     import logging
     import types
 
@@ -292,7 +293,7 @@ def _loop(guard: FP8Guard, steps: int = 10) -> list[str]:
                                   algorithms=[], device=DeviceCPU(),
                                   timestamp=types.SimpleNamespace(batch=0))
     logger = types.SimpleNamespace(destinations=[], log_metrics=lambda *a, **k: None,
-                                   log_hyperparameters=lambda *a, **k: None)
+                                   log_hyperparameters=log_hyperparameters or (lambda *a, **k: None))
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -310,6 +311,8 @@ def _loop(guard: FP8Guard, steps: int = 10) -> list[str]:
             for event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT):
                 for callback in callbacks:
                     callback.run_event(event, state, logger)
+        for callback in callbacks:
+            callback.run_event(Event.FIT_END, state, logger)
     finally:
         logging.getLogger("foundry_fp8.composer.guard").removeHandler(handler)
     return warnings
@@ -324,6 +327,23 @@ def test_past_the_budget_strict_stops_the_run_and_otherwise_warns_once():
     assert guard.core.fallbacks == {}
     assert [w for w in warnings if "max_fallback_share" in w] == [warnings[0]]
     assert "stays in FP8" in warnings[0]
+
+
+def test_a_logger_refusing_the_records_neither_stops_the_guard_nor_the_run():
+    """W&B refuses a changed config value on a resumed run; the fallback records and the fit-end
+    table are hyperparameters, so a refusal must be reported, not crash the run."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("Attempted to change value of key")
+
+    guard = FP8Guard(consecutive=2, max_fallback_share=0.6)
+    warnings = _loop(guard, log_hyperparameters=refuse)
+    assert list(guard.core.fallbacks) == ["2"]
+    assert not guard.disabled
+    assert sum("logging the fallbacks failed" in w for w in warnings) >= 1
+    assert sum("logging the fit-end table failed" in w for w in warnings) == 1
+    with pytest.raises(ValueError, match="change value"):
+        _loop(FP8Guard(consecutive=2, max_fallback_share=0.6, strict=True),
+              log_hyperparameters=refuse)
 
 
 def test_the_guard_needs_fp8_stats():

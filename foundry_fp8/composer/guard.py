@@ -130,7 +130,7 @@ class FP8Guard(Callback):
         table = render_fallbacks(self.core.fallbacks.values(), self.core.fp8_flops_share)
         print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n"
               f"Next time: {static_yaml(self.core.fallbacks, self._exclude)}", flush=True)
-        logger.log_hyperparameters({"fp8/guard/fallbacks": table})
+        self._log_hyperparameters(logger, {"fp8/guard/fallbacks": table}, "the fit-end table")
 
     def state_dict(self) -> dict[str, Any]:
         if self.core is not None:
@@ -208,12 +208,17 @@ class FP8Guard(Callback):
         logged = self.core.records()
         if dist.get_global_rank() != 0 or self._logger is None or not logged:
             return
+        self._log_hyperparameters(self._logger, logged, "the fallbacks")
+
+    def _log_hyperparameters(self, logger: Logger, values: dict[str, Any], what: str) -> None:
+        """A logger that refuses (e.g. W&B, a changed value on a resumed run) is reported; the
+        run goes on (`strict` raises)."""
         try:
-            self._logger.log_hyperparameters(logged)
+            logger.log_hyperparameters(values)
         except Exception:
             if self.config.strict:
                 raise
-            log.exception("fp8_guard: logging the fallbacks failed; the guard goes on")
+            log.exception("fp8_guard: logging %s failed; the run goes on", what)
 
     def _own_error(self, error: Exception) -> bool:
         """True: switch off (logged); strict: kept to raise after fp8_stats' BATCH_END."""
