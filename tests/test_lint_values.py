@@ -286,7 +286,10 @@ def test_the_linter_sees_the_constructors_options():
     assert set(entries) == set(ENTRIES) == {"te_swap", "fp8_stats", "fp8_state", "fp8_lint",
                                             "fp8_guard", "jsonl"}
     assert entries["te_swap"].options["backend"].default == "te"
-    assert entries["fp8_stats"].options["interval"].default == 1
+    # the default the linter states is the one a run gets (the README's 100 batches)
+    from foundry_fp8.composer.stats import FP8Stats
+
+    assert entries["fp8_stats"].options["interval"].default == FP8Stats().options.schedule.interval == 100
     assert "schedule" not in entries["fp8_stats"].options  # parts are not YAML options
     for name, spec in ENTRIES.items():
         built = build(name, spec.defaults())  # every default passes its own check
