@@ -43,6 +43,7 @@ from benchmarks.stats_overhead import (  # noqa: E402
     logging_events,
     result_header,
     spread,
+    spread_text,
     step_durations,
     write_result,
 )
@@ -209,8 +210,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     r, cfg = result["results"], result["config"]
 
     def fmt(key: str, unit: str = "", digits: int = 2) -> str:
-        s = r[key]
-        return f"{s['median']:.{digits}f}{unit} (min {s['min']:.{digits}f}, max {s['max']:.{digits}f})"
+        return spread_text(r[key], unit, digits)
 
     rows = "\n".join(
         f"| {i} | {x['order']} | {x['stats_other_ms']:.1f} | {x['guard_other_ms']:.1f} | "

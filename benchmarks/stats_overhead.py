@@ -201,12 +201,17 @@ def versions() -> dict[str, str]:
             "torch_threads": str(torch.get_num_threads())}
 
 
+def spread_text(spread_of: dict[str, float], unit: str = "", digits: int = 2) -> str:
+    """A `spread` as the result tables print it: median (min, max)."""
+    s = spread_of
+    return f"{s['median']:.{digits}f}{unit} (min {s['min']:.{digits}f}, max {s['max']:.{digits}f})"
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     r, cfg = result["results"], result["config"]
 
     def fmt(key: str, unit: str = "", digits: int = 2) -> str:
-        s = r[key]
-        return f"{s['median']:.{digits}f}{unit} (min {s['min']:.{digits}f}, max {s['max']:.{digits}f})"
+        return spread_text(r[key], unit, digits)
 
     rows = "\n".join(
         f"| {i} | {x['order']} | {x['off_ms']:.1f} | {x['on_other_ms']:.1f} | "
