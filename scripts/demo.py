@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data_root, run_root = args.data_root.resolve(), args.run_root.resolve()
     full, resumed = run_root / RUN_NAME, run_root / f"{RUN_NAME}-resumed"
+    # A reused run root keeps the last `make run`'s records; step 5 must read this run's alone.
     for folder in (full, resumed):
         (folder / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(folder / "wandb", ignore_errors=True)
 
     print(f"== 1. train {RUN_NAME} on CPU with te_swap (emulated FP8), fp8_lint, fp8_stats and fp8_state through `llmfoundry train`", flush=True)
     _train(data_root, run_root, RUN_NAME, GUARD)
