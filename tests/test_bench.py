@@ -268,3 +268,22 @@ def test_prints_and_logs_go_above_the_progress_bar(capsys):
     for message in ("a warning through an early handler",
                     "a warning through a handler made during the run"):
         assert message in err_lines, captured.err
+
+
+def test_results_are_on_disk_after_each_variant(tmp_path, monkeypatch):
+    """A bench killed by a time limit (a 10-minute device call) keeps the variants it finished:
+    when the second variant starts, the first one's row is already in the JSON and markdown."""
+    seen_on_disk = []
+
+    def run_variant(variant, config, bar):
+        path = tmp_path / "mpt-tiny-cpu.json"
+        seen_on_disk.append([r["name"] for r in json.loads(path.read_text())["variants"]]
+                            if path.exists() else None)
+        return _fake_run_variant(bench.VARIANTS["bf16"], config, bar) | {"name": variant.name}
+
+    monkeypatch.setattr(bench, "run_variant", run_variant)
+    assert main(["bench", "--tiny", "--variants", "bf16,fp8-te-swap,fp8-te-swap-stats1",
+                 "--out", str(tmp_path)]) == 0
+    assert seen_on_disk == [None, ["bf16"], ["bf16", "fp8-te-swap"]]
+    final = json.loads((tmp_path / "mpt-tiny-cpu.json").read_text())
+    assert [r["name"] for r in final["variants"]] == ["bf16", "fp8-te-swap", "fp8-te-swap-stats1"]

@@ -24,6 +24,7 @@ import re
 import subprocess
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -380,10 +381,12 @@ def environment(tiny: bool) -> dict[str, Any]:
     return {"gpu": gpu, "versions": versions}
 
 
-def run_bench(config: BenchConfig) -> dict[str, Any]:
+def run_bench(config: BenchConfig,
+              after_each: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """All chosen variants, in order, in this process. Variants that cannot run here are listed
     under `skipped` with the reason, variants that raised under `failed` with the error (and its
-    traceback); no number is ever filled in for either."""
+    traceback); no number is ever filled in for either. `after_each` gets the result so far after
+    every variant, so a run cut off by a time limit keeps the variants it finished."""
     from tqdm import tqdm
 
     per_variant = config.warmup + config.steps + config.profile_steps
@@ -406,6 +409,14 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 finally:
                     _release_memory(config.tiny)
             bar.update((i + 1) * per_variant - bar.n)
+            if after_each is not None and i + 1 < len(config.variants):
+                after_each(_result(config, rows, skipped, failed))
+    return _result(config, rows, skipped, failed)
+
+
+def _result(config: BenchConfig, rows: list[dict[str, Any]], skipped: list[dict[str, Any]],
+            failed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bench's result from the variants run so far, ratios to the bf16 row among them."""
     base = next((r["tokens_per_s"] for r in rows if r["name"] == "bf16"), None)
     for row in rows:
         row["ratio_to_bf16"] = row["tokens_per_s"] / base if base else None
@@ -614,7 +625,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"foundry-fp8 bench: --out {out}: cannot create the folder: {err.strerror}")
         return 2
-    result = run_bench(config)
+    result = run_bench(config, after_each=lambda partial: write_results(partial, out))
     try:
         json_path, md_path = write_results(result, out)
     except OSError as err:
