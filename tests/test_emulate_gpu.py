@@ -18,17 +18,18 @@ from foundry_fp8.recipe import FP8Recipe
 pytestmark = pytest.mark.gpu
 
 
-def _te_autocast(te, recipe: FP8Recipe):
-    """TE's autocast with the TE recipe that means `recipe`, built here from TE's own classes."""
+def _te_recipe(recipe: FP8Recipe):
+    """The TE recipe that means `recipe`, built here from TE's own classes."""
     from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
     if recipe.scaling == "delayed":
-        te_recipe = DelayedScaling(fp8_format=Format.HYBRID,
-                                   amax_history_len=recipe.amax_history_len,
-                                   amax_compute_algo=recipe.amax_compute_algo,
-                                   margin=recipe.margin)
-    else:
-        te_recipe = Float8CurrentScaling(fp8_format=Format.HYBRID)
+        return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=recipe.amax_history_len,
+                              amax_compute_algo=recipe.amax_compute_algo, margin=recipe.margin)
+    return Float8CurrentScaling(fp8_format=Format.HYBRID)
+
+
+def _te_autocast(te, te_recipe):
+    """TE's FP8 autocast: `te.autocast(recipe=)` from TE 2.9, `te.fp8_autocast` before."""
     if hasattr(te, "autocast"):
         return te.autocast(enabled=True, recipe=te_recipe)
     return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe)
@@ -59,7 +60,7 @@ def test_emulated_layer_matches_te_linear(scaling, dtype):
         x = torch.randn(64, 768, device="cuda", generator=generator).to(dtype) * (step % 3 + 1)
         grad = torch.randn(64, 768, device="cuda", generator=generator).to(dtype) * 10 ** -step
         inputs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-        with _te_autocast(te, recipe):
+        with _te_autocast(te, _te_recipe(recipe)):
             out_te = reference(inputs[0])
         with fp8_autocast(recipe=recipe):
             out_emulated = emulated(inputs[1])
