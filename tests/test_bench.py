@@ -45,7 +45,8 @@ def test_json_has_the_issue_shape(tiny_result):
     # the TE-native variants cannot run without TE: listed with a reason, no numbers invented
     assert {s["name"]: s["reason"] for s in result["skipped"]} == {
         "fp8-fc-te": "needs TransformerEngine layers (no CPU emulation)",
-        "fp8-te-ln-mlp": "needs TransformerEngine layers (no CPU emulation)"}
+        "fp8-te-ln-mlp": "needs TransformerEngine layers (no CPU emulation)",
+        "fp8-te-swap-fused": "needs TransformerEngine layers (no CPU emulation)"}
     assert result["failed"] == []
     assert not list(out.glob("mpt-1b-*"))  # a tiny run never writes GPU result names
 
@@ -96,7 +97,7 @@ def test_markdown_table_lists_every_variant(tiny_result):
         line = next(line for line in table
                     if line.startswith(f"| {row['label']} | {row['precision']} |"))
         assert f"{row['tokens_per_s']:,.0f}" in line and f"{row['loss']:.3f}" in line
-    assert sum("not run" in line for line in table) == 2
+    assert sum("not run" in line for line in table) == len(result["skipped"]) == 3
     assert "989 TFLOP/s for bf16, 1979 TFLOP/s for fp8" in md
 
 
@@ -287,3 +288,14 @@ def test_results_are_on_disk_after_each_variant(tmp_path, monkeypatch):
     assert seen_on_disk == [None, ["bf16"], ["bf16", "fp8-te-swap"]]
     final = json.loads((tmp_path / "mpt-tiny-cpu.json").read_text())
     assert [r["name"] for r in final["variants"]] == ["bf16", "fp8-te-swap", "fp8-te-swap-stats1"]
+
+
+def test_stats_cost_is_the_every_batch_rows_extra_time_over_the_interval():
+    """0.5 s a step without fp8_stats, 1.5 s with it logging every batch: 1 s extra each
+    logging step, 1 s per 100 steps of 0.5 s = 2 % at the default interval of 100."""
+    rows = [{"name": "fp8-te-swap", "label": "a", "tokens_per_s": 4096 / 0.5},
+            {"name": "fp8-te-swap-stats1", "label": "b", "tokens_per_s": 4096 / 1.5}]
+    text = "".join(bench.stats_cost_lines({"variants": rows,
+                                           "setup": {"batch": 2, "seq_len": 2048}}))
+    assert "1.500 s against 0.500 s" in text and "+1.000 s" in text and "2.00 %" in text
+    assert bench.stats_cost_lines({"variants": rows[:1], "setup": {}}) == []

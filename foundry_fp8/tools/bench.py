@@ -53,12 +53,14 @@ class Variant:
     what: str
     model: dict[str, Any] = field(default_factory=dict)
     te_swap: bool = False
+    swap: dict[str, Any] = field(default_factory=dict)  # te_swap options over the YAML's
     stats_interval: int | None = None
 
     @property
-    def native_te(self) -> bool:
-        """Uses LLM-Foundry's own TE layers (no emulation exists for them)."""
-        return bool(self.model)
+    def needs_te(self) -> bool:
+        """Builds TE modules that have no emulation: LLM-Foundry's own TE layers, or te_swap's
+        fused LayerNormMLP."""
+        return "fc_type" in self.model or bool(self.swap.get("fuse_ln_mlp"))
 
     def label(self, tiny: bool) -> str:
         """The row's name: under --tiny the baseline trains in fp32, not bf16, and te_swap
@@ -74,6 +76,11 @@ VARIANTS = {v.name: v for v in (
     Variant("fp8-te-ln-mlp", "fp8", "amp_fp8, fc_type: te + ffn_type: te_ln_mlp",
             model={"fc_type": "te", "ffn_config": {"ffn_type": "te_ln_mlp"}}),
     Variant("fp8-te-swap", "fp8", "amp_fp8 via our te_swap", te_swap=True),
+    # init_device cpu: under meta init LLM-Foundry's own init of te.LayerNormMLP runs, which
+    # raises NameError in 0.22.0 (param_init_fns.py te_layernorm_mlp_init, div_is_residual)
+    Variant("fp8-te-swap-fused", "fp8", "te_swap with fuse_ln_mlp (te.LayerNormMLP: norm_2 + "
+            "MLP in one TE module, tanh GELU), init_device cpu",
+            model={"init_device": "cpu"}, te_swap=True, swap={"fuse_ln_mlp": True}),
     Variant("fp8-te-swap-stats100", "fp8", "te_swap + fp8_stats every 100 batches",
             te_swap=True, stats_interval=100),
     Variant("fp8-te-swap-stats1", "fp8", "te_swap + fp8_stats every batch",
@@ -87,7 +94,10 @@ class BenchConfig:
     tiny: bool = False
     seq_len: int = 2048
     batch: int = 32  # sequences per optimizer step
-    micro_batch: int | str = "auto"  # Composer's auto microbatching fills the GPU per variant
+    # Sequences per forward. Not "auto": Composer 0.32.1's auto microbatching with FSDP raises
+    # NameError on torch >= 2.7.1 (seen on the H200 run). 8 fits MPT-1B at seq 2048 with room
+    # on an 80 GB H100 (peak 53 GB bf16, 58 GB fp8 on the H200).
+    micro_batch: int | str = 8
     warmup: int = 10
     steps: int = 30
     profile_steps: int = 2
@@ -128,6 +138,8 @@ def load_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
     algorithms = cfg.setdefault("algorithms", {}) or {}
     if not variant.te_swap:
         algorithms.pop("te_swap", None)
+    else:
+        algorithms["te_swap"] = {**algorithms["te_swap"], **variant.swap}
     fsdp = cfg.get("fsdp_config") or {}
     if config.activation_checkpointing:
         fsdp.update(activation_checkpointing=True, activation_checkpointing_reentrant=False)
@@ -345,7 +357,7 @@ def _peak_rss() -> int:
 def skip_reason(variant: Variant, config: BenchConfig) -> str | None:
     """Why a variant cannot run here, or None."""
     if config.tiny:
-        return "needs TransformerEngine layers (no CPU emulation)" if variant.native_te else None
+        return "needs TransformerEngine layers (no CPU emulation)" if variant.needs_te else None
     from foundry_fp8.te.probe import te_available
 
     if variant.yaml == "fp8" and not te_available():
@@ -508,12 +520,33 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | not run: {r['reason']} | | | | | | | | |")
     for r in result["failed"]:
         lines.append(f"| {r['name']} | FAILED: {r['reason']} | | | | | | | | |")
+    lines += stats_cost_lines(result)
     if s["tiny"]:
         lines += ["", "Tiny CPU run: exercises the code path only, in fp32 with te_swap's "
                   "emulated FP8 (the GPU variants' bf16 and amp_fp8 need CUDA). Speeds, MFU "
                   "(against H100 peaks) and memory (process peak RSS) say nothing about H100 "
                   "performance."]
     return "\n".join(lines) + "\n"
+
+
+def stats_cost_lines(result: dict[str, Any]) -> list[str]:
+    """fp8_stats' cost per logging step, from the every-batch row against plain te_swap (the
+    timed window is too short for interval 100 to log in it), amortized over its default
+    interval."""
+    from foundry_fp8.options import Schedule
+
+    interval = Schedule().interval
+    rows = {r["name"]: r for r in result["variants"]}
+    base, every = rows.get("fp8-te-swap"), rows.get("fp8-te-swap-stats1")
+    if base is None or every is None:
+        return []
+    tokens = result["setup"]["batch"] * result["setup"]["seq_len"]
+    step, logging = tokens / base["tokens_per_s"], tokens / every["tokens_per_s"]
+    extra = logging - step
+    return ["", f"fp8_stats: a logging step takes {logging:.3f} s against {step:.3f} s without "
+            f"it ({extra:+.3f} s, {every['label']} vs {base['label']}); amortized over "
+            f"{interval} batches (its default interval) that is "
+            f"{100 * extra / (interval * step):.2f} % of training time."]
 
 
 def write_results(result: dict[str, Any], out: Path) -> tuple[Path, Path]:
@@ -563,8 +596,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per sequence; default 2048 (tiny: 64)")
     parser.add_argument("--batch", type=int, default=None,
                         help="sequences per optimizer step; default 32 (tiny: 4)")
-    parser.add_argument("--micro-batch", type=_micro_batch, default="auto",
-                        help="sequences per forward; 'auto' (default) lets Composer fill the GPU")
+    parser.add_argument("--micro-batch", type=_micro_batch, default=BenchConfig.micro_batch,
+                        help="sequences per forward, or 'auto' to let Composer fill the GPU "
+                        "(Composer 0.32.1 with FSDP needs torch < 2.7.1 for it); default "
+                        f"{BenchConfig.micro_batch}")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps first; default 10 (tiny: 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps; default 30 (tiny: 6)")
