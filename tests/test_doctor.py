@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -102,10 +103,36 @@ def test_current_scaling_needs_te_2_2():
 
 def test_rule_ids_are_unique_and_documented():
     ids = [rule.id for rule in ENVIRONMENT_RULES]
-    assert ids == [f"FP82{n:02d}" for n in range(1, 9)]
+    assert ids == [f"FP82{n:02d}" for n in range(1, 10)]
     assert not set(ids) & {rule.id for rule in [*RULES, *ACCELERATE_RULES]}
     for rule in ENVIRONMENT_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix
+
+
+#: The H200 of the first GPU run: Composer 0.32.1 under torch 2.11, past Composer's torch pin.
+H200 = replace(H100, gpu_name="NVIDIA H200", torch="2.11.0+cu130", torch_cuda="13.0",
+               te="2.20.2", te_torch="2.20.2", te_core="2.20.2",
+               te_core_package="transformer-engine-cu13", composer="0.32.1", llmfoundry="0.22.0")
+
+
+def test_composer_and_torch_that_cannot_auto_microbatch_under_fsdp_are_an_info():
+    """The doctor says it (FP8209, info: FP8 itself is fine); a run's own config is judged by
+    the config rule FP8031 instead, so fp8_lint gets nothing from FP8209."""
+    assert rules(H200) == [("FP8209", "info")]
+    found, = environment_findings(H200)
+    assert found.key == "composer" and "torch 2.11.0+cu130" in found.message
+    assert "'unshard_with_sync'" in found.message and "torch>=2.6.0,<2.7.1" in found.message
+    assert rules(replace(H200, torch="2.7.0")) == []
+    assert rules(replace(H200, composer=None)) == []  # not judged without Composer
+    assert rules(H200, TE_RUN) == []
+
+
+def test_an_info_leaves_the_machine_ready(capsys, monkeypatch):
+    monkeypatch.setattr(doctor, "gather_snapshot", lambda probe_te_import: H200)
+    assert main(["doctor", "--strict"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("info FP8209 composer: Composer 0.32.1 with torch 2.11.0+cu130")
+    assert out[-1] == "ready for FP8 training with TransformerEngine"
 
 
 @pytest.mark.parametrize(("text", "version"), [

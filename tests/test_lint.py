@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,9 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8027": (_merge(EMULATE, {"save_folder": "ckpt"}), "algorithms.te_swap", 1),
     "FP8028": (_merge({"precision": "amp_fp8"}, EMULATE), "precision", 1),
     "FP8029": ({"model": {"loss_fn": "fused_crossentropy"}}, "model.loss_fn", 1),
+    "FP8030": ({"model": {"ffn_config": {"ffn_type": "te_ln_mlp"}}}, "model.ffn_config.ffn_type",
+               1),
+    "FP8031": ({"device_train_microbatch_size": "auto"}, "device_train_microbatch_size", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -133,9 +138,14 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8027": (_merge(EMULATE, {"save_folder": "ckpt", "callbacks": {"fp8_state": {}}}), 1),
     "FP8028": (EMULATE, 1),
     "FP8029": ({"model": {"loss_fn": "torch_crossentropy"}}, 1),
+    # the workaround: te_swap fuses initialised layers
+    "FP8030": ({"precision": "amp_fp8", "algorithms": {"te_swap": {"fuse_ln_mlp": True}},
+                "model": {"init_device": "cpu"}}, 1),
+    "FP8031": ({"device_train_microbatch_size": "auto", "fsdp_config": None}, 1),
 }
 
-#: A machine without flash-attn (FP8029 judges against what is installed).
+#: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,
+#: Composer or torch (FP8030 and FP8031 warn).
 NO_FLASH = Snapshot(python="3.11")
 
 
@@ -728,3 +738,119 @@ def test_the_environment_probe_does_not_import_the_linter():
                 if m.startswith(("foundry_fp8.lint", "foundry_fp8.doctor"))}
     assert "foundry_fp8.doctor" not in imports("foundry_fp8.composer.lint")
     assert "foundry_fp8.environment" in imports("foundry_fp8.composer.lint")
+
+
+# -- upstream crashes judged against the installed versions (FP8030, FP8031) -----------------
+
+#: The H200 of the first GPU run (benchmarks/results/mpt-1b-nvidia-h200-te-native.json).
+H200_SET = Snapshot(python="3.12.3", torch="2.11.0+cu130", composer="0.32.1",
+                    llmfoundry="0.22.0")
+TE_LN_MLP = {"precision": "amp_fp8", "model": {"ffn_config": {"ffn_type": "te_ln_mlp"}}}
+FUSED_ON_META = {"precision": "amp_fp8", "algorithms": {"te_swap": {"fuse_ln_mlp": True}},
+                 "model": {"init_device": "meta"}}
+
+
+def _installed(**versions: str | None) -> Snapshot:
+    return replace(H200_SET, **versions)
+
+
+def _found(edit: dict, snapshot: Snapshot, rule: str, fsdp_version: int = 1,
+           ) -> list[tuple[str, str]]:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(BASE), OmegaConf.create(edit)),
+                                 resolve=True)
+    context = LintContext(snapshot=snapshot, fsdp_version=fsdp_version)
+    return [(f.key, f.severity) for f in lint_config(cfg, context) if f.rule == rule]
+
+
+@pytest.mark.parametrize(("llmfoundry", "severity"), [
+    ("0.22.0", "error"), ("0.21.0", "error"), ("0.8.0", "error"),
+    ("0.23.0.dev0", "error"),  # no release fixes it: a newer one is judged affected
+    ("0.7.0", None),  # before the param-init registry (PR #1096)
+    (None, "warning"),  # not installed where the linter runs
+])
+def test_te_ln_mlp_init_follows_the_installed_llmfoundry(llmfoundry, severity):
+    expected = [] if severity is None else [("model.ffn_config.ffn_type", severity)]
+    assert _found(TE_LN_MLP, _installed(llmfoundry=llmfoundry), "FP8030") == expected
+
+
+@pytest.mark.parametrize(("edit", "key"), [
+    (TE_LN_MLP, "model.ffn_config.ffn_type"),
+    (_merge(TE_LN_MLP, {"model": {"init_device": "meta"}}), "model.ffn_config.ffn_type"),
+    (_merge(TE_LN_MLP, {"model": {"init_config": {"name": "xavier_uniform_"}}}),
+     "model.ffn_config.ffn_type"),
+    (FUSED_ON_META, "algorithms.te_swap.fuse_ln_mlp"),
+    (_merge(FUSED_ON_META, {"model": {"init_device": "mixed"}}), "algorithms.te_swap.fuse_ln_mlp"),
+    # quiet: the init scheme that skips LLM-Foundry's module inits
+    (_merge(TE_LN_MLP, {"model": {"init_config": {"name": "default_"}}}), None),
+    # quiet: te_swap fuses weights that are already initialised
+    (_merge(FUSED_ON_META, {"model": {"init_device": "cpu"}}), None),
+    (_merge(FUSED_ON_META, {"fsdp_config": None}), None),  # meta without FSDP becomes cpu
+    (_merge(FUSED_ON_META, {"algorithms": {"te_swap": {"backend": "emulate"}}}), None),
+    (_merge(FUSED_ON_META, {"algorithms": {"te_swap": {"fuse_ln_mlp": False}}}), None),
+    # MPT ignores ffn_config_defaults: FP8024 says so, FP8030 does not double-report
+    ({"precision": "amp_fp8", "model": {"ffn_config_defaults": {"ffn_type": "te_ln_mlp"}}},
+     None),
+])
+def test_te_layernorm_mlp_reaching_llmfoundrys_init(edit, key):
+    assert _found(edit, H200_SET, "FP8030") == ([] if key is None else [(key, "error")])
+
+
+@pytest.mark.parametrize(("composer", "torch", "severity"), [
+    ("0.32.1", "2.11.0+cu130", "error"),  # the H200 run
+    ("0.32.1", "2.7.0", None), ("0.31.0", "2.6.0", None), ("0.31.0", "2.7.0+cu126", None),
+    ("0.31.0", "2.7.1", "error"), ("0.32.0", "2.5.1", "error"),
+    ("0.33.0.dev0", "2.8.0", "error"),  # main: unchanged, no release fixes it
+    ("0.30.0", "2.11.0", "warning"),  # older than the releases checked
+    (None, "2.11.0", "warning"), ("0.32.1", None, "warning"),
+])
+def test_auto_microbatch_with_fsdp_follows_installed_composer_and_torch(composer, torch,
+                                                                        severity):
+    found = _found({"device_train_microbatch_size": "auto"},
+                   _installed(composer=composer, torch=torch), "FP8031")
+    assert found == ([] if severity is None else [("device_train_microbatch_size", severity)])
+
+
+@pytest.mark.parametrize(("edit", "fsdp_version", "fires"), [
+    ({"device_train_microbatch_size": "auto", "fsdp_config": {}}, 1, True),  # FSDP defaults
+    ({"device_train_microbatch_size": "auto", "fsdp_config": None}, 1, False),  # no FSDP
+    ({"device_train_microbatch_size": "auto"}, 2, False),  # FSDP2 refuses auto before this
+    ({"device_train_microbatch_size": 8}, 1, False),
+])
+def test_auto_microbatch_needs_fsdp1(edit, fsdp_version, fires):
+    assert bool(_found(edit, H200_SET, "FP8031", fsdp_version)) is fires
+
+
+def test_version_rules_stay_quiet_when_nothing_was_probed():
+    """LintContext without a snapshot: rules that judge what is installed say nothing."""
+    config = _merge(TE_LN_MLP, {"device_train_microbatch_size": "auto", "fsdp_config": {}})
+    assert not {"FP8030", "FP8031"} & {f.rule for f in lint_config(config)}
+
+
+def test_one_line_per_upstream_crash_with_file_line_key_source_and_fix(tmp_path, monkeypatch,
+                                                                        capsys):
+    """`foundry-fp8 lint` on the H200's versions: each crash is one row naming the line and key,
+    the upstream file and line that raises, and the fix below it."""
+    from foundry_fp8.cli import main
+    from foundry_fp8.lint import cli
+
+    monkeypatch.setattr(cli, "gather_snapshot", lambda **_: H200_SET)
+    path = _write(tmp_path, _merge(TE_LN_MLP, {"device_train_microbatch_size": "auto"}))
+    assert main(["lint", str(path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    lines = path.read_text().splitlines()
+    rows = {row.split()[2]: (row, fix) for row, fix in pairwise(out) if " FP803" in row}
+    assert set(rows) == {"FP8030", "FP8031"}
+    for rule, key, upstream, fix in (
+            ("FP8030", "model.ffn_config.ffn_type",
+             "llmfoundry/models/utils/param_init_fns.py:466", "fuse_ln_mlp: true"),
+            ("FP8031", "device_train_microbatch_size",
+             "composer/trainer/_patch_pytorch.py:30", "to an integer")):
+        row, fix_line = rows[rule]
+        where, severity, _, named = row.split()[:4]
+        line, column = map(int, where.split(":"))
+        assert (severity, named) == ("error", key)
+        assert lines[line - 1][column - 1:].startswith(key.split(".")[-1] + ":")
+        assert upstream in row and "NameError" in row
+        assert fix_line.strip().startswith("fix: ") and fix in fix_line

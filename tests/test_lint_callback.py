@@ -130,3 +130,35 @@ def test_our_own_bug_never_stops_the_run(monkeypatch, caplog):
     assert [r.getMessage() for r in failures] == [
         "fp8_lint: the linter failed on this config; the run is not linted",
         "fp8_lint: checking the model failed; skipped"]
+
+
+def test_te_ln_mlp_stops_the_run_before_llmfoundry_builds_the_model():
+    """This machine's LLM-Foundry (0.22.0; 0.21.0 in the oldest set) carries FP8030's bug, so
+    fp8_lint, built with the callbacks before the model, stops the run in one line naming the
+    key, the upstream line that would raise and the fix."""
+    run = {"model": {"name": "mpt_causal_lm", "loss_fn": "torch_crossentropy",
+                     "ffn_config": {"ffn_type": "te_ln_mlp"}}}
+    with pytest.raises(ValueError) as stopped:
+        FP8Lint(train_config=run)
+    line = str(stopped.value)
+    assert "\n" not in line
+    assert line.startswith("fp8_lint: FP8030 model.ffn_config.ffn_type: ffn_type te_ln_mlp ")
+    assert "param_init_fns.py:466" in line and "(fix: drop ffn_type: te_ln_mlp" in line
+
+
+def test_auto_microbatch_with_fsdp_judges_the_machines_composer_and_torch(monkeypatch):
+    """Composer 0.32.1 with torch 2.7.0 (our pinned set) builds the Trainer; with the H200's
+    torch 2.11 fp8_lint stops the run first."""
+    import foundry_fp8.composer.lint as lint_module
+
+    run = {"device_train_microbatch_size": "auto", "fsdp_config": {"sharding_strategy":
+                                                                   "FULL_SHARD"}}
+    pinned = Snapshot(python="3.11", torch="2.7.0", composer="0.32.1", llmfoundry="0.22.0")
+    monkeypatch.setattr(lint_module, "gather_snapshot", lambda probe_te_import: pinned)
+    assert FP8Lint(train_config=run).findings == []
+    h200 = Snapshot(python="3.12", torch="2.11.0+cu130", composer="0.32.1", llmfoundry="0.22.0")
+    monkeypatch.setattr(lint_module, "gather_snapshot", lambda probe_te_import: h200)
+    with pytest.raises(ValueError, match=r"^fp8_lint: FP8031 device_train_microbatch_size: "
+                                         r"Composer 0\.32\.1 defines unshard_with_sync"):
+        FP8Lint(train_config=run)
+    assert FP8Lint(train_config={**run, "fsdp_config": None}).findings == []  # one GPU

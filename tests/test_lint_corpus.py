@@ -71,6 +71,49 @@ def test_mpt_really_ignores_the_seed_configs_key():
     assert type(block.ffn).__name__ == "MPTMLP"
 
 
+#: The files whose configs build and train elsewhere but crash with the installed upstream
+#: versions (FP8030: LLM-Foundry's init of te.LayerNormMLP; FP8031: Composer's auto micro-batching
+#: under FSDP with torch past its range), each with what an affected and an unaffected machine get.
+UPSTREAM_CRASHES = {
+    "train/mpt-1b-te-ln-mlp.yaml": "FP8030",
+    "train/te-swap-fuse-ln-mlp-meta.yaml": "FP8030",
+    "mcli/mcli-auto-microbatch-fsdp.yaml": "FP8031",
+}
+#: The H200 of the first GPU run (benchmarks/results/mpt-1b-nvidia-h200-te-native.json).
+H200_SET = Snapshot(python="3.12.3", torch="2.11.0+cu130", composer="0.32.1",
+                    llmfoundry="0.22.0")
+
+
+@pytest.mark.parametrize(("snapshot", "severity"), [
+    (H200_SET, {"FP8030": "error", "FP8031": "error"}),
+    # our oldest supported set (constraints/oldest.txt): LLM-Foundry's bug, Composer's torch range
+    (Snapshot(python="3.11", torch="2.7.0", composer="0.31.0", llmfoundry="0.21.0"),
+     {"FP8030": "error", "FP8031": None}),
+    (Snapshot(python="3.11", torch="2.7.1", composer="0.31.0", llmfoundry="0.7.0"),
+     {"FP8030": None, "FP8031": "error"}),
+])
+@pytest.mark.parametrize("name", sorted(UPSTREAM_CRASHES))
+def test_upstream_crashes_follow_the_installed_versions(name, snapshot, severity):
+    rule = UPSTREAM_CRASHES[name]
+    (_, key, _), = EXPECTED[name]
+    found = [[f["rule"], f["key"], f["severity"]] for f in lint_file(CORPUS / name, 1,
+                                                                     snapshot)["findings"]]
+    assert found == ([] if severity[rule] is None else [[rule, key, severity[rule]]])
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM_CRASHES))
+def test_llmfoundrys_loader_accepts_what_then_crashes(name):
+    """LLM-Foundry's own loader passes these configs: the crash comes later, when the model is
+    initialised (FP8030) or the Trainer is built (FP8031), after data and tokenizer setup."""
+    _train_loader_accepts(_resolved(name))
+
+
+def test_the_seed_configs_ignored_key_is_not_double_reported():
+    """ffn_config_defaults asks for te_ln_mlp under a key MPT ignores: FP8024's, not FP8030's."""
+    entry = lint_file(CORPUS / "train" / "mpt-1b-seed-te-ln-mlp.yaml", 1, H200_SET)
+    assert [f["rule"] for f in entry["findings"]] == ["FP8024"]
+
+
 def test_fp8103_names_the_precision_the_deepspeed_file_sets():
     entry = lint_file(CORPUS / "accelerate" / "deepspeed-fp16-file.yaml", 1, BARE)
     message, = [f["message"] for f in entry["findings"] if f["rule"] == "FP8103"]

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -387,3 +388,81 @@ def test_accelerate_config_keys_match_the_installed_accelerate():
 
     assert known.ACCELERATE_CONFIG_KEYS == set(ClusterConfig.__dataclass_fields__) | {
         "fp16", "dynamo_backend"}  # converted by ClusterConfig.process_config
+
+
+def _source_line(where: str) -> tuple[str, int]:
+    """('path', line) from a known.*_SOURCE ('pkg/mod.py:466 in 0.21.0-0.22.0')."""
+    path, _, rest = where.partition(":")
+    return path, int(rest.split()[0])
+
+
+def _installed_line(path: str, line: int) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(path.removesuffix(".py").replace("/", "."))
+    return Path(spec.origin).read_text().splitlines()[line - 1]
+
+
+def test_llmfoundrys_param_init_raises_name_error_on_a_te_layernorm_mlp(monkeypatch):
+    """FP8030's reference: the installed LLM-Foundry's MPT param_init_fn, handed a
+    te.LayerNormMLP (a stand-in with its parameters: TE is not installed here), raises NameError
+    'div_is_residual' for every registered init scheme but the ones known to skip module inits;
+    and the versions the rule judges say this LLM-Foundry fails."""
+    from importlib import metadata
+
+    import torch
+    from llmfoundry.layers_registry import param_init_fns
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+    from llmfoundry.models.utils import config_defaults
+    from llmfoundry.models.utils import param_init_fns as module_inits
+
+    class LayerNormMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, shape in (("layer_norm_weight", (8,)), ("layer_norm_bias", (8,)),
+                                ("fc1_weight", (16, 8)), ("fc1_bias", (16,)),
+                                ("fc2_weight", (8, 16)), ("fc2_bias", (8,))):
+                self.register_parameter(name, torch.nn.Parameter(torch.empty(shape)))
+
+    monkeypatch.setattr(module_inits, "te", SimpleNamespace(LayerNormMLP=LayerNormMLP))
+    model = MPTForCausalLM(MPTConfig(d_model=64, n_heads=4, n_layers=1, max_seq_len=16,
+                                     vocab_size=64, attn_config={"attn_impl": "torch"}))
+    failing = set()
+    for scheme in param_init_fns.get_all():
+        model.config.init_config = {**model.config.init_config, "name": scheme, "init_std": 0.02}
+        try:
+            model.param_init_fn(LayerNormMLP())
+        except NameError as e:
+            assert "'div_is_residual' is not defined" in str(e)
+            failing.add(scheme)
+    skipping = set(param_init_fns.get_all()) - failing
+    assert failing and skipping == known.INIT_SCHEMES_WITHOUT_MODULE_INITS
+    assert known.MPT_DEFAULT_INIT_SCHEME == config_defaults.init_config_defaults["name"]
+    assert known.te_ln_mlp_init_fails(metadata.version("llm-foundry")) is True
+    assert "fc2_weight.div_(div_is_residual)" in _installed_line(
+        *_source_line(known.TE_LN_MLP_INIT_SOURCE))
+
+
+@pytest.mark.parametrize("torch_version", ["2.5.1", "2.6.0", "2.7.0+cu126", "2.7.1",
+                                           "2.11.0+cu130"])
+def test_composers_auto_microbatch_patch_needs_the_torch_range_we_know(monkeypatch,
+                                                                        torch_version):
+    """FP8031's reference: the installed Composer's _patch_pytorch, run as under
+    `torch_version`, defines unshard_with_sync exactly where the rule's range says; elsewhere
+    the patch auto micro-batching under FSDP applies raises NameError."""
+    import importlib.util
+    from importlib import metadata
+
+    import torch
+
+    spec = importlib.util.find_spec("composer.trainer._patch_pytorch")
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    namespace: dict = {"__name__": "composer_patch_pytorch_copy"}
+    exec(compile(Path(spec.origin).read_text(), spec.origin, "exec"), namespace)
+    fails = known.auto_microbatch_fsdp_fails(metadata.version("mosaicml"), torch_version)
+    assert fails is ("unshard_with_sync" not in namespace)
+    if fails:
+        with pytest.raises(NameError, match="name 'unshard_with_sync' is not defined"):
+            namespace["patch_unshard_for_automicrobatching"](auto_microbatch_size_found=False)
+    assert "FlatParamHandle.unshard = (unshard_with_sync)" in _installed_line(
+        *_source_line(known.AUTO_MICROBATCH_SOURCE))

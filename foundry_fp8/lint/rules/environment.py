@@ -11,8 +11,10 @@ run's config on the machine it runs on. Facts, with where they were read:
 - TE activation recompute kept wrong backward scales before TE 1.12 (TE issue #1190, fixed by
   TE PR #1254, first released in v1.12).
 - Current scaling needs TE >= 2.2 (`te.facts.environment_problems`).
+- Composer 0.31+ with a torch outside 2.6.0-2.7.0 cannot auto micro-batch under FSDP
+  (`foundry_fp8.lint.known`, shared with the config rule FP8031).
 
-The version facts themselves live in `foundry_fp8.te.facts`.
+The TE version facts themselves live in `foundry_fp8.te.facts`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 
 from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.config import uses_te
+from foundry_fp8.lint.known import AUTO_MICROBATCH_SOURCE, auto_microbatch_fsdp_fails
 from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules, section
+from foundry_fp8.lint.rules.fsdp import UNSHARD_TORCH_RANGE
 from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
 from foundry_fp8.te.facts import (
     ADA,
@@ -176,6 +180,23 @@ def recipe_te(env: Environment, _: LintContext) -> Iterator[Hit]:
     for problem in environment_problems(recipe, None, env.snapshot.te_version):
         yield Hit(f"algorithms.te_swap.fp8_recipe.{problem.key}", problem.message,
                   fix=problem.fix)
+
+
+@rule("FP8209", "info", "Composer and torch whose Trainer cannot auto micro-batch under FSDP",
+      why="The doctor's view of FP8031's fact: this Composer defines unshard_with_sync only for "
+      f"torch{UNSHARD_TORCH_RANGE} (its own torch pin), so with the installed torch any run with "
+      "device_train_microbatch_size: auto and FSDP raises NameError when the Trainer is built. "
+      "Info: FP8 training itself is not affected; `fp8_lint` and `foundry-fp8 lint` judge the "
+      "run's config (FP8031) instead.",
+      source=f"Composer {AUTO_MICROBATCH_SOURCE}: patch_unshard_for_automicrobatching",
+      fix="give device_train_microbatch_size an integer in FSDP runs, or install "
+      f"torch{UNSHARD_TORCH_RANGE}", family="environment")
+def auto_microbatch_torch(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    if env.config is None and auto_microbatch_fsdp_fails(snapshot.composer, snapshot.torch):
+        yield Hit("composer", f"Composer {snapshot.composer} with torch {snapshot.torch}: "
+                  "device_train_microbatch_size: auto under FSDP raises NameError "
+                  f"'unshard_with_sync' (defined for torch{UNSHARD_TORCH_RANGE} only)")
 
 
 def environment_findings(snapshot: Snapshot,

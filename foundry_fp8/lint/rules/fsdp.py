@@ -1,5 +1,5 @@
 """FSDP and activation recompute with FP8: which wrapper recomputes, whether reentrant, which
-FSDP version reads which key."""
+FSDP version reads which key; auto micro-batching under FSDP on this Composer and torch."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from foundry_fp8.lint.config import (
     te_swap,
 )
 from foundry_fp8.lint.known import (
+    AUTO_MICROBATCH_CHECKED_FROM,
+    AUTO_MICROBATCH_SOURCE,
     FP8_DTYPE_NAMES,
     FSDP2_CONFIG_KEYS,
     FSDP_CONFIG_KEYS,
@@ -23,10 +25,13 @@ from foundry_fp8.lint.known import (
     MIXED_PRECISION_MODES,
     REENTRANT_DEFAULT,
     TORCH_DTYPE_NAMES,
+    UNSHARD_WITH_SYNC_TORCH,
+    auto_microbatch_fsdp_fails,
     did_you_mean,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, RETIRED_FSDP
+from foundry_fp8.te.facts import dotted
 
 #: FSDPConfig flags Composer reads only under amp_fp8 and only in FSDP1 (dist_strategy.py).
 TE_FSDP_FLAGS = ("te_checkpoint_wrapper", "te_shard_fp8_weight")
@@ -227,3 +232,48 @@ def te_flags_need_fsdp1(config: Mapping[str, Any], ctx: LintContext) -> Iterator
         if settings.get(key):
             yield Hit(f"fsdp_config.{key}", f"FSDP_VERSION=2: Composer drops {key} (FSDP1 only)",
                       severity="warning")
+
+
+#: The torch range in which Composer defines `unshard_with_sync`, as pip writes it.
+UNSHARD_TORCH_RANGE = (f">={dotted(UNSHARD_WITH_SYNC_TORCH[0])},"
+                       f"<{dotted(UNSHARD_WITH_SYNC_TORCH[1])}")
+
+
+@rule("FP8031", "error", "`device_train_microbatch_size: auto` with FSDP on a Composer and torch "
+      "whose Trainer raises NameError `unshard_with_sync`",
+      why="For auto micro-batching with FSDP1 the Trainer calls "
+      "patch_unshard_for_automicrobatching, which installs `unshard_with_sync`; Composer "
+      f"defines that only for torch{UNSHARD_TORCH_RANGE} (its own torch pin), so with any other "
+      "torch building the Trainer raises NameError. In every Composer from "
+      f"{dotted(AUTO_MICROBATCH_CHECKED_FROM)} to 0.32.1 and on main (older ones, with other "
+      "torch ranges, are not judged). `llmfoundry train` on one GPU drops fsdp_config and never "
+      "meets it; on more it does. Judged against the Composer and torch installed where the "
+      "linter runs; a warning when either is unknown. FSDP2 refuses auto micro-batching "
+      "before this (another error).",
+      source=f"Composer {AUTO_MICROBATCH_SOURCE}: patch_unshard_for_automicrobatching, and "
+      f"line 41 (unshard_with_sync under the torch check); {COMPOSER} composer/trainer/"
+      "trainer.py Trainer.__init__; "
+      "the same at tag v0.31.0 and main 64051888; H200 run (torch 2.11): "
+      "benchmarks/results/gpu_tests_nvidia_h200.md (test_h100_bf16_and_te_variant)",
+      fix="set device_train_microbatch_size to an integer (the largest that fits; MPT-1B at seq "
+      f"2048 on an H200: 8), or install torch{UNSHARD_TORCH_RANGE}")
+def auto_microbatch_with_fsdp(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    snapshot = ctx.snapshot
+    if snapshot is None or ctx.fsdp_version != 1 \
+            or config.get("device_train_microbatch_size") != "auto" \
+            or not isinstance(config.get("fsdp_config"), Mapping):
+        return
+    fails = auto_microbatch_fsdp_fails(snapshot.composer, snapshot.torch)
+    if fails:
+        yield Hit("device_train_microbatch_size", f"Composer {snapshot.composer} defines "
+                  f"unshard_with_sync only for torch{UNSHARD_TORCH_RANGE} "
+                  f"({AUTO_MICROBATCH_SOURCE}): with torch {snapshot.torch}, auto "
+                  "micro-batching under FSDP raises NameError: name 'unshard_with_sync' is not "
+                  "defined when the Trainer is built")
+    elif fails is None:
+        yield Hit("device_train_microbatch_size", "auto micro-batching under FSDP raises "
+                  f"NameError 'unshard_with_sync' with Composer "
+                  f"{dotted(AUTO_MICROBATCH_CHECKED_FROM)}+ unless torch{UNSHARD_TORCH_RANGE} "
+                  f"({AUTO_MICROBATCH_SOURCE}); here Composer "
+                  f"{snapshot.composer or 'not installed'}, torch "
+                  f"{snapshot.torch or 'not installed'}", severity="warning")

@@ -1,4 +1,5 @@
-"""The model section: keys MPT silently ignores, TE layer choices, GEMM shapes, the loss."""
+"""The model section: keys MPT silently ignores, TE layer choices, GEMM shapes, the loss, and
+LLM-Foundry's init of te.LayerNormMLP."""
 
 from __future__ import annotations
 
@@ -9,15 +10,21 @@ from foundry_fp8.lint.config import as_int, get, native_te_layers, te_swap
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
     HF_CONFIG_KEYS,
+    INIT_SCHEMES_WITHOUT_MODULE_INITS,
     MPT_ATTRIBUTES_READ,
     MPT_CONFIG_KEYS,
+    MPT_DEFAULT_INIT_SCHEME,
     MPT_DEFAULTS,
     MPT_MODEL_NAMES,
+    TE_LN_MLP_INIT_FAILS_FROM,
+    TE_LN_MLP_INIT_SOURCE,
     did_you_mean,
+    te_ln_mlp_init_fails,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
-from foundry_fp8.lint.rules.train import FOUNDRY, TE28
+from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28
 from foundry_fp8.shapes import dim_fits_fp8
+from foundry_fp8.te.facts import dotted
 
 
 @rule("FP8004", "error", "`ffn_type: te_ln_mlp` with `ffn_act_fn`",
@@ -188,3 +195,64 @@ def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator
     yield Hit(key, f"{said} needs flash-attn's cross entropy, which is not installed here: "
               "LLM-Foundry raises when it builds the model",
               severity="error" if ctx.scope == "run" else "warning")
+
+
+def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str | None]]:
+    """(key, what builds it, fix) for each way this run gives LLM-Foundry's param init a
+    te.LayerNormMLP: `ffn_type: te_ln_mlp` always; te_swap's fusion only on meta weights (it
+    copies materialised ones), i.e. `init_device` meta or mixed under FSDP."""
+    model = section(config, "model")
+    if get(model, "ffn_config.ffn_type") == "te_ln_mlp":
+        yield "model.ffn_config.ffn_type", "ffn_type te_ln_mlp builds te.LayerNormMLP layers", None
+    swap = te_swap(config)
+    device = model.get("init_device", "cpu")
+    if swap is not None and swap.get("fuse_ln_mlp") is True and swap.get("backend") == "te" \
+            and device in ("meta", "mixed") and isinstance(config.get("fsdp_config"), Mapping):
+        yield ("algorithms.te_swap.fuse_ln_mlp", "te_swap's fuse_ln_mlp builds te.LayerNormMLP "
+               f"layers on the meta device (init_device {device}), which FSDP initialises "
+               "through LLM-Foundry's param_init_fn",
+               "set model.init_device: cpu (te_swap then fuses initialised layers)")
+
+
+@rule("FP8030", "error", "a te.LayerNormMLP for LLM-Foundry's param init (`ffn_type: "
+      "te_ln_mlp`; te_swap's `fuse_ln_mlp` on meta weights): NameError `div_is_residual`",
+      why="LLM-Foundry's te_layernorm_mlp_init divides fc2_weight by `div_is_residual`, a name "
+      "it never receives (it takes **kwargs and deletes them). Every init_config scheme but "
+      "`default_` reaches it through generic_param_init_fn_, when MPT initialises its blocks "
+      "and when FSDP materialises meta-device blocks (init_device meta or mixed), so building "
+      "the model raises NameError. `ffn_type: te_ln_mlp` always meets it; te_swap's "
+      "fuse_ln_mlp only when it fuses layers still on the meta device. In every release from "
+      f"{dotted(TE_LN_MLP_INIT_FAILS_FROM)} (PR #1096) to 0.22.0, and on main. Judged against "
+      "the LLM-Foundry installed where the linter runs; a warning when it is not installed. "
+      "ffn_config_defaults, which MPT ignores, is FP8024's.",
+      source=f"LLM-Foundry {TE_LN_MLP_INIT_SOURCE}: te_layernorm_mlp_init, reached from "
+      f"generic_param_init_fn_; {FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py "
+      "MPTModel.__init__ and param_init_fn; "
+      "https://github.com/mosaicml/llm-foundry/pull/1096 (commit 676ad7f9, first in v0.8.0; "
+      f"the same at v0.21.0 and main 8c8dd48f); {COMPOSER} composer/distributed/"
+      "dist_strategy.py prepare_fsdp_module (_param_init_fn); H200 run: "
+      "benchmarks/results/mpt-1b-nvidia-h200-te-native.json (fp8-te-ln-mlp)",
+      fix="drop ffn_type: te_ln_mlp (and fc_type: te, whose te.Linear layers te_swap does not "
+      "fuse) and let te_swap build the fused layers: algorithms: {te_swap: {fuse_ln_mlp: true}} "
+      "with model.init_device: cpu (docs/te_swap.md)")
+def te_layernorm_mlp_init(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    snapshot = ctx.snapshot
+    scheme = section(section(config, "model"), "init_config").get("name", MPT_DEFAULT_INIT_SCHEME)
+    if snapshot is None or (isinstance(scheme, str)
+                            and scheme in INIT_SCHEMES_WITHOUT_MODULE_INITS):
+        return
+    fails = te_ln_mlp_init_fails(snapshot.llmfoundry)
+    if fails is False:
+        return
+    for key, what, fix in _layernorm_mlps(config):
+        if fails:
+            yield Hit(key, f"{what}, and LLM-Foundry {snapshot.llmfoundry}'s "
+                      f"te_layernorm_mlp_init ({TE_LN_MLP_INIT_SOURCE}) divides fc2_weight by "
+                      "`div_is_residual`, a name it never receives: building the model raises "
+                      "NameError: name 'div_is_residual' is not defined", fix=fix)
+        else:
+            yield Hit(key, f"{what}, and every LLM-Foundry from "
+                      f"{dotted(TE_LN_MLP_INIT_FAILS_FROM)} (checked up to 0.22.0) raises "
+                      "NameError 'div_is_residual' initialising them in te_layernorm_mlp_init "
+                      f"({TE_LN_MLP_INIT_SOURCE}); LLM-Foundry here: "
+                      f"{snapshot.llmfoundry or 'not installed'}", severity="warning", fix=fix)
