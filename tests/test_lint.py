@@ -789,6 +789,16 @@ def test_te_ln_mlp_init_follows_the_installed_llmfoundry(llmfoundry, severity):
     (_merge(FUSED_ON_META, {"fsdp_config": None}), None),  # meta without FSDP becomes cpu
     (_merge(FUSED_ON_META, {"algorithms": {"te_swap": {"backend": "emulate"}}}), None),
     (_merge(FUSED_ON_META, {"algorithms": {"te_swap": {"fuse_ln_mlp": False}}}), None),
+    # quiet: blocks te_swap does not fuse (swap._fusable_mlp)
+    (_merge(FUSED_ON_META, {"model": {"fc_type": "te"}}), None),
+    (_merge(FUSED_ON_META, {"model": {"ffn_config": {"ffn_type": "mptglu"}}}), None),
+    (_merge(FUSED_ON_META, {"model": {"ffn_config": {"ffn_act_fn": {"name": "relu"}}}}), None),
+    (_merge(FUSED_ON_META, {"model": {"norm_type": "rmsnorm"}}), None),
+    (_merge(FUSED_ON_META, {"model": {"no_bias": True}}), None),
+    (_merge(FUSED_ON_META, {"model": {"name": "hf_causal_lm"}}), None),
+    (_merge(FUSED_ON_META, {"model": {"norm_type": "layernorm",
+                                      "ffn_config": {"ffn_act_fn": {"name": "gelu"}}}}),
+     "algorithms.te_swap.fuse_ln_mlp"),
     # MPT ignores ffn_config_defaults: FP8024 says so, FP8030 does not double-report
     ({"precision": "amp_fp8", "model": {"ffn_config_defaults": {"ffn_type": "te_ln_mlp"}}},
      None),

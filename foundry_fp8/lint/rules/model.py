@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from foundry_fp8.lint.config import as_int, get, native_te_layers, te_swap
+from foundry_fp8.lint.config import as_int, fc_type_name, get, native_te_layers, te_swap
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
     HF_CONFIG_KEYS,
@@ -197,6 +197,22 @@ def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator
               severity="error" if ctx.scope == "run" else "warning")
 
 
+#: MPT's norm types that are nn.LayerNorm subclasses (llmfoundry/models/layers/norm.py), the
+#: only norms te_swap fuses; MPT's default is low_precision_layernorm.
+_LAYERNORMS = ("layernorm", "low_precision_layernorm")
+
+
+def _te_swap_fuses(model: Mapping[str, Any]) -> bool:
+    """Whether te_swap's fuse_ln_mlp fuses this model's blocks, read from the config as
+    `swap._fusable_mlp` reads a built block: an MPT whose MLP (mptmlp, torch linears, GELU)
+    follows a LayerNorm with a bias."""
+    return (_is_mpt(model) and get(model, "ffn_config.ffn_type") in (None, "mptmlp")
+            and fc_type_name(model) in (None, "torch")
+            and get(model, "ffn_config.ffn_act_fn.name") in (None, "gelu")
+            and model.get("norm_type", _LAYERNORMS[1]) in _LAYERNORMS
+            and model.get("no_bias") is not True)
+
+
 def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str | None]]:
     """(key, what builds it, fix) for each way this run gives LLM-Foundry's param init a
     te.LayerNormMLP: `ffn_type: te_ln_mlp` always; te_swap's fusion only on meta weights (it
@@ -207,7 +223,8 @@ def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str |
     swap = te_swap(config)
     device = model.get("init_device", "cpu")
     if swap is not None and swap.get("fuse_ln_mlp") is True and swap.get("backend") == "te" \
-            and device in ("meta", "mixed") and isinstance(config.get("fsdp_config"), Mapping):
+            and device in ("meta", "mixed") and isinstance(config.get("fsdp_config"), Mapping) \
+            and _te_swap_fuses(model):
         yield ("algorithms.te_swap.fuse_ln_mlp", "te_swap's fuse_ln_mlp builds te.LayerNormMLP "
                f"layers on the meta device (init_device {device}), which FSDP initialises "
                "through LLM-Foundry's param_init_fn",
