@@ -226,8 +226,8 @@ def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str |
             and device in ("meta", "mixed") and isinstance(config.get("fsdp_config"), Mapping) \
             and _te_swap_fuses(model):
         yield ("algorithms.te_swap.fuse_ln_mlp", "te_swap's fuse_ln_mlp builds te.LayerNormMLP "
-               f"layers on the meta device (init_device {device}), which FSDP initialises "
-               "through LLM-Foundry's param_init_fn",
+               f"layers on the meta device (init_device {device} under FSDP, i.e. on more than "
+               "one GPU), which FSDP initialises through LLM-Foundry's param_init_fn",
                "set model.init_device: cpu (te_swap then fuses initialised layers)")
 
 
