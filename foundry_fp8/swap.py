@@ -11,6 +11,7 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Literal
 
 import torch
@@ -20,6 +21,12 @@ from torch.optim import Optimizer
 from foundry_fp8.filters import search
 from foundry_fp8.options import SwapConfig
 from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
+from foundry_fp8.te.facts import (
+    INIT_SCHEMES_WITHOUT_MODULE_INITS,
+    MPT_DEFAULT_INIT_SCHEME,
+    TE_LN_MLP_INIT_SOURCE,
+    te_ln_mlp_init_fails,
+)
 
 #: LLM-Foundry sets these on linear layers (attention.py, ffn.py) and its param_init_fns read
 #: them, which matters when `init_device: meta` defers init until after the swap.
@@ -142,6 +149,26 @@ def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
     return None, ffn
 
 
+def _meta_init_reason(model: nn.Module, up_proj: nn.Linear) -> str | None:
+    """Why a block on the meta device is not fused: its te.LayerNormMLP would be initialised
+    later by LLM-Foundry's param_init_fn, whose te_layernorm_mlp_init raises NameError in the
+    installed version (te.facts). On real weights the fused module copies them instead."""
+    if up_proj.weight.device.type != "meta":
+        return None
+    try:
+        installed = metadata.version("llm-foundry")
+    except metadata.PackageNotFoundError:
+        return None
+    init = next((m.config.init_config for m in model.modules()
+                 if isinstance(getattr(getattr(m, "config", None), "init_config", None), dict)),
+                {})
+    if init.get("name", MPT_DEFAULT_INIT_SCHEME) in INIT_SCHEMES_WITHOUT_MODULE_INITS \
+            or not te_ln_mlp_init_fails(installed):
+        return None
+    return (f"init_device meta: LLM-Foundry {installed}'s init of te.LayerNormMLP raises "
+            f"NameError ({TE_LN_MLP_INIT_SOURCE}); init_device: cpu fuses")
+
+
 def _backend_reason(config: SwapConfig, what: str) -> str | None:
     if config.backend != "te":
         return f"{what} needs backend te (the emulated backend converts linear layers only)"
@@ -166,7 +193,8 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
                 up = ffn.up_proj
                 why = (_backend_reason(config, "fuse_ln_mlp")
                        or _filter_reason(f"{name}.ffn", ffn, config, n_blocks)
-                       or _gemm_reason(up.in_features, up.out_features, config))
+                       or _gemm_reason(up.in_features, up.out_features, config)
+                       or _meta_init_reason(model, up))
             if why is not None:  # a note only: its linears are planned one by one below
                 decisions.append(Decision(f"{name}.ffn", "ln_mlp", False, f"not fused: {why}",
                                           0, 0, 0))

@@ -79,6 +79,9 @@ UPSTREAM_CRASHES = {
     "train/te-swap-fuse-ln-mlp-meta.yaml": "FP8030",
     "mcli/mcli-auto-microbatch-fsdp.yaml": "FP8031",
 }
+#: Of those, the one that does not crash: te_swap declines to fuse on meta weights where
+#: LLM-Foundry's init would raise (swap._meta_init_reason), so an affected machine gets a warning.
+DECLINED = {"train/te-swap-fuse-ln-mlp-meta.yaml"}
 #: The H200 of the first GPU run (benchmarks/results/mpt-1b-nvidia-h200-te-native.json).
 H200_SET = Snapshot(python="3.12.3", torch="2.11.0+cu130", composer="0.32.1",
                     llmfoundry="0.22.0")
@@ -98,7 +101,8 @@ def test_upstream_crashes_follow_the_installed_versions(name, snapshot, severity
     (_, key, _), = EXPECTED[name]
     found = [[f["rule"], f["key"], f["severity"]] for f in lint_file(CORPUS / name, 1,
                                                                      snapshot)["findings"]]
-    assert found == ([] if severity[rule] is None else [[rule, key, severity[rule]]])
+    want = "warning" if name in DECLINED and severity[rule] == "error" else severity[rule]
+    assert found == ([] if want is None else [[rule, key, want]])
 
 
 @pytest.mark.parametrize("name", sorted(UPSTREAM_CRASHES))

@@ -20,6 +20,7 @@ import pytest
 from foundry_fp8.lint import known
 from foundry_fp8.lint.entries import our_entries
 from foundry_fp8.lint.rules import lint_config
+from foundry_fp8.te import facts
 
 _MANDATORY = {"model": {}, "tokenizer": {}, "optimizer": {}, "scheduler": {}, "train_loader": {},
               "device_train_batch_size": 1, "device_eval_batch_size": 1, "max_duration": "1ba",
@@ -436,11 +437,11 @@ def test_llmfoundrys_param_init_raises_name_error_on_a_te_layernorm_mlp(monkeypa
             assert "'div_is_residual' is not defined" in str(e)
             failing.add(scheme)
     skipping = set(param_init_fns.get_all()) - failing
-    assert failing and skipping == known.INIT_SCHEMES_WITHOUT_MODULE_INITS
-    assert known.MPT_DEFAULT_INIT_SCHEME == config_defaults.init_config_defaults["name"]
-    assert known.te_ln_mlp_init_fails(metadata.version("llm-foundry")) is True
+    assert failing and skipping == facts.INIT_SCHEMES_WITHOUT_MODULE_INITS
+    assert facts.MPT_DEFAULT_INIT_SCHEME == config_defaults.init_config_defaults["name"]
+    assert facts.te_ln_mlp_init_fails(metadata.version("llm-foundry")) is True
     assert "fc2_weight.div_(div_is_residual)" in _installed_line(
-        *_source_line(known.TE_LN_MLP_INIT_SOURCE))
+        *_source_line(facts.TE_LN_MLP_INIT_SOURCE))
 
 
 @pytest.mark.parametrize("torch_version", ["2.5.1", "2.6.0", "2.7.0+cu126", "2.7.1",

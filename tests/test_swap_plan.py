@@ -224,3 +224,32 @@ def test_meta_init_after_swap_equals_meta_init_without_it():
     _materialize_like_fsdp(stripped, seed=3)
     out_proj = "transformer.blocks.0.attn.out_proj.weight"
     assert not torch.equal(stripped.state_dict()[out_proj], want[out_proj])
+
+
+@pytest.mark.parametrize("init_name", ["kaiming_normal_", "default_"])
+def test_fusion_on_meta_weights_only_where_llm_foundrys_init_survives_it(init_name, monkeypatch):
+    """On the meta device the fused te.LayerNormMLP would be initialised later by LLM-Foundry's
+    param_init_fn, which raises NameError in the installed LLM-Foundry (te.facts; reproduced in
+    test_lint_known) unless the scheme is `default_`; real weights are copied, so they fuse."""
+    from importlib import metadata
+
+    from foundry_fp8.te.facts import te_ln_mlp_init_fails
+
+    assert te_ln_mlp_init_fails(metadata.version("llm-foundry"))
+    config = SwapConfig(backend="te", fuse_ln_mlp=True)
+    init = {"name": init_name, "init_std": 0.02}
+    meta = _mpt(n_layers=2, init_config=init, init_device="meta")
+    assert meta.transformer.blocks[0].ffn.up_proj.weight.is_meta
+    fused = _by_name(plan_swap(meta, config))["transformer.blocks.0.ffn"]
+    if init_name == "default_":
+        assert fused.convert
+    else:
+        assert not fused.convert
+        assert "init_device meta" in fused.reason and "NameError" in fused.reason
+        assert "param_init_fns.py:466" in fused.reason
+        # the block's linears are still planned one by one
+        assert _by_name(plan_swap(meta, config))["transformer.blocks.0.ffn.up_proj"].convert
+    assert _by_name(plan_swap(_mpt(n_layers=2, init_config=init), config))[
+        "transformer.blocks.0.ffn"].convert
+    monkeypatch.setattr(metadata, "version", lambda name: "0.7.0")  # before the bug
+    assert _by_name(plan_swap(meta, config))["transformer.blocks.0.ffn"].convert

@@ -201,20 +201,6 @@ EVAL_CONFIG_KEYS = frozenset({
 })
 
 
-#: LLM-Foundry's `te_layernorm_mlp_init` runs `module.fc2_weight.div_(div_is_residual)` with no
-#: `div_is_residual` in scope (it takes `**kwargs` and deletes them), so initialising any
-#: te.LayerNormMLP raises NameError. Every init scheme but `default_` reaches it through
-#: `generic_param_init_fn_`. Introduced by the param-init registry (PR #1096, commit 676ad7f9,
-#: first released in 0.8.0); unchanged in every release up to 0.22.0 (0.21.0's and 0.22.0's
-#: wheels: line 466) and on main (8c8dd48f, 0.22.0.dev0): no release fixes it.
-TE_LN_MLP_INIT_FAILS_FROM: Version = (0, 8, 0)
-TE_LN_MLP_INIT_SOURCE = "llmfoundry/models/utils/param_init_fns.py:466 in 0.21.0-0.22.0"
-#: MPT's init schemes (`model.init_config.name`) that skip the module init functions: `default_`
-#: only calls each module's reset_parameters (param_init_fns.py torch_default_param_init_fn_).
-INIT_SCHEMES_WITHOUT_MODULE_INITS = frozenset({"default_"})
-#: `init_config_defaults['name']` (llmfoundry/models/utils/config_defaults.py).
-MPT_DEFAULT_INIT_SCHEME = "kaiming_normal_"
-
 #: Composer's `patch_unshard_for_automicrobatching` (composer/trainer/_patch_pytorch.py line 30),
 #: which the Trainer calls for `device_train_microbatch_size: auto` with FSDP1, installs
 #: `unshard_with_sync`, defined only inside `if 2.6.0 <= torch < 2.7.1` (line 41): with any other
@@ -226,12 +212,6 @@ MPT_DEFAULT_INIT_SCHEME = "kaiming_normal_"
 AUTO_MICROBATCH_CHECKED_FROM: Version = (0, 31, 0)
 UNSHARD_WITH_SYNC_TORCH: tuple[Version, Version] = ((2, 6, 0), (2, 7, 1))
 AUTO_MICROBATCH_SOURCE = "composer/trainer/_patch_pytorch.py:30 in 0.31.0-0.32.1"
-
-
-def te_ln_mlp_init_fails(llmfoundry: str | None) -> bool | None:
-    """Whether this LLM-Foundry raises NameError initialising a te.LayerNormMLP (None: unknown)."""
-    version = parse_version(llmfoundry)
-    return None if version is None else version >= TE_LN_MLP_INIT_FAILS_FROM
 
 
 def auto_microbatch_fsdp_fails(composer: str | None, torch: str | None) -> bool | None:

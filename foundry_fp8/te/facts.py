@@ -1,6 +1,7 @@
-"""Every TransformerEngine, CUDA and GPU version fact we rely on, with where it was read,
-and what they mean for a recipe (`environment_problems`). Pure Python: no torch, no TE. The backend, the linter's rules, the doctor and `fp8_state` read
-these names, so a fact is written once.
+"""Every TransformerEngine, CUDA and GPU version fact we rely on, LLM-Foundry's init of TE
+modules included, with where it was read, and what they mean for a recipe
+(`environment_problems`). Pure Python: no torch, no TE. The backend, te_swap's plan, the linter's
+rules, the doctor and `fp8_state` read these names, so a fact is written once.
 """
 
 from __future__ import annotations
@@ -98,3 +99,24 @@ def environment_problems(recipe: FP8Recipe, capability: tuple[int, int] | None,
                        f"{dotted(MIN_TE_CURRENT_SCALING)}, found {dotted(tuple(te_version))}",
             "upgrade TransformerEngine or use scaling: delayed"))
     return problems
+
+
+#: LLM-Foundry's `te_layernorm_mlp_init` runs `module.fc2_weight.div_(div_is_residual)` with no
+#: `div_is_residual` in scope (it takes `**kwargs` and deletes them), so initialising any
+#: te.LayerNormMLP raises NameError. Every init scheme but `default_` reaches it through
+#: `generic_param_init_fn_`. Introduced by the param-init registry (PR #1096, commit 676ad7f9,
+#: first released in 0.8.0); unchanged in every release up to 0.22.0 (0.21.0's and 0.22.0's
+#: wheels: line 466) and on main (8c8dd48f, 0.22.0.dev0): no release fixes it.
+TE_LN_MLP_INIT_FAILS_FROM: Version = (0, 8, 0)
+TE_LN_MLP_INIT_SOURCE = "llmfoundry/models/utils/param_init_fns.py:466 in 0.21.0-0.22.0"
+#: MPT's init schemes (`model.init_config.name`) that skip the module init functions: `default_`
+#: only calls each module's reset_parameters (param_init_fns.py torch_default_param_init_fn_).
+INIT_SCHEMES_WITHOUT_MODULE_INITS = frozenset({"default_"})
+#: `init_config_defaults['name']` (llmfoundry/models/utils/config_defaults.py).
+MPT_DEFAULT_INIT_SCHEME = "kaiming_normal_"
+
+
+def te_ln_mlp_init_fails(llmfoundry: str | None) -> bool | None:
+    """Whether this LLM-Foundry raises NameError initialising a te.LayerNormMLP (None: unknown)."""
+    version = parse_version(llmfoundry)
+    return None if version is None else version >= TE_LN_MLP_INIT_FAILS_FROM

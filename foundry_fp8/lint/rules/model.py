@@ -10,21 +10,23 @@ from foundry_fp8.lint.config import as_int, fc_type_name, get, native_te_layers,
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
     HF_CONFIG_KEYS,
-    INIT_SCHEMES_WITHOUT_MODULE_INITS,
     MPT_ATTRIBUTES_READ,
     MPT_CONFIG_KEYS,
-    MPT_DEFAULT_INIT_SCHEME,
     MPT_DEFAULTS,
     MPT_MODEL_NAMES,
-    TE_LN_MLP_INIT_FAILS_FROM,
-    TE_LN_MLP_INIT_SOURCE,
     did_you_mean,
-    te_ln_mlp_init_fails,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28
 from foundry_fp8.shapes import dim_fits_fp8
-from foundry_fp8.te.facts import dotted
+from foundry_fp8.te.facts import (
+    INIT_SCHEMES_WITHOUT_MODULE_INITS,
+    MPT_DEFAULT_INIT_SCHEME,
+    TE_LN_MLP_INIT_FAILS_FROM,
+    TE_LN_MLP_INIT_SOURCE,
+    dotted,
+    te_ln_mlp_init_fails,
+)
 
 
 @rule("FP8004", "error", "`ffn_type: te_ln_mlp` with `ffn_act_fn`",
@@ -213,22 +215,26 @@ def _te_swap_fuses(model: Mapping[str, Any]) -> bool:
             and model.get("no_bias") is not True)
 
 
-def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str | None]]:
-    """(key, what builds it, fix) for each way this run gives LLM-Foundry's param init a
-    te.LayerNormMLP: `ffn_type: te_ln_mlp` always; te_swap's fusion only on meta weights (it
-    copies materialised ones), i.e. `init_device` meta or mixed under FSDP."""
+def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str | None, bool]]:
+    """(key, what builds it, fix, whether the run crashes) for each way this run would give
+    LLM-Foundry's param init a te.LayerNormMLP: `ffn_type: te_ln_mlp` always (a crash);
+    te_swap's fusion only on meta weights (it copies materialised ones), i.e. `init_device` meta
+    or mixed under FSDP, where te_swap declines to fuse (swap._meta_init_reason) instead."""
     model = section(config, "model")
     if get(model, "ffn_config.ffn_type") == "te_ln_mlp":
-        yield "model.ffn_config.ffn_type", "ffn_type te_ln_mlp builds te.LayerNormMLP layers", None
+        yield ("model.ffn_config.ffn_type", "ffn_type te_ln_mlp builds te.LayerNormMLP layers",
+               None, True)
     swap = te_swap(config)
     device = model.get("init_device", "cpu")
     if swap is not None and swap.get("fuse_ln_mlp") is True and swap.get("backend") == "te" \
             and device in ("meta", "mixed") and isinstance(config.get("fsdp_config"), Mapping) \
             and _te_swap_fuses(model):
-        yield ("algorithms.te_swap.fuse_ln_mlp", "te_swap's fuse_ln_mlp builds te.LayerNormMLP "
-               f"layers on the meta device (init_device {device} under FSDP, i.e. on more than "
-               "one GPU), which FSDP initialises through LLM-Foundry's param_init_fn",
-               "set model.init_device: cpu (te_swap then fuses initialised layers)")
+        yield ("algorithms.te_swap.fuse_ln_mlp", "te_swap's fuse_ln_mlp would build "
+               f"te.LayerNormMLP layers on the meta device (init_device {device} under FSDP, "
+               "i.e. on more than one GPU), which FSDP initialises through LLM-Foundry's "
+               "param_init_fn; te_swap declines to fuse them there (its coverage table says "
+               "why), so the MLPs run as separate te.Linear layers",
+               "set model.init_device: cpu (te_swap then fuses initialised layers)", False)
 
 
 @rule("FP8030", "error", "a te.LayerNormMLP for LLM-Foundry's param init (`ffn_type: "
@@ -237,8 +243,9 @@ def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str |
       "it never receives (it takes **kwargs and deletes them). Every init_config scheme but "
       "`default_` reaches it through generic_param_init_fn_, when MPT initialises its blocks "
       "and when FSDP materialises meta-device blocks (init_device meta or mixed), so building "
-      "the model raises NameError. `ffn_type: te_ln_mlp` always meets it; te_swap's "
-      "fuse_ln_mlp only when it fuses layers still on the meta device. In every release from "
+      "the model raises NameError. `ffn_type: te_ln_mlp` always meets it (error); te_swap's "
+      "fuse_ln_mlp would only on layers still on the meta device, where te_swap does not fuse "
+      "(a warning: the fusion asked for does not happen). In every release from "
       f"{dotted(TE_LN_MLP_INIT_FAILS_FROM)} (PR #1096) to 0.22.0, and on main. Judged against "
       "the LLM-Foundry installed where the linter runs; a warning when it is not installed. "
       "ffn_config_defaults, which MPT ignores, is FP8024's.",
@@ -261,12 +268,14 @@ def te_layernorm_mlp_init(config: Mapping[str, Any], ctx: LintContext) -> Iterat
     fails = te_ln_mlp_init_fails(snapshot.llmfoundry)
     if fails is False:
         return
-    for key, what, fix in _layernorm_mlps(config):
+    for key, what, fix, crashes in _layernorm_mlps(config):
         if fails:
             yield Hit(key, f"{what}, and LLM-Foundry {snapshot.llmfoundry}'s "
                       f"te_layernorm_mlp_init ({TE_LN_MLP_INIT_SOURCE}) divides fc2_weight by "
-                      "`div_is_residual`, a name it never receives: building the model raises "
-                      "NameError: name 'div_is_residual' is not defined", fix=fix)
+                      "`div_is_residual`, a name it never receives: "
+                      + ("building the model raises NameError: name 'div_is_residual' is not "
+                         "defined" if crashes else "it would raise NameError"),
+                      severity="error" if crashes else "warning", fix=fix)
         else:
             yield Hit(key, f"{what}, and every LLM-Foundry from "
                       f"{dotted(TE_LN_MLP_INIT_FAILS_FROM)} (checked up to 0.22.0) raises "
