@@ -299,3 +299,25 @@ def test_stats_cost_is_the_every_batch_rows_extra_time_over_the_interval():
                                            "setup": {"batch": 2, "seq_len": 2048}}))
     assert "1.500 s against 0.500 s" in text and "+1.000 s" in text and "2.00 %" in text
     assert bench.stats_cost_lines({"variants": rows[:1], "setup": {}}) == []
+
+
+@pytest.mark.parametrize(("torch_version", "refused"), [("2.11.0+cu130", True), ("2.7.0", False)])
+def test_auto_micro_batch_is_refused_in_one_line_where_composer_would_raise(
+        monkeypatch, capsys, tmp_path, torch_version, refused):
+    """The H200 run: Composer 0.32.1 + torch 2.11 + FSDP raised NameError for every variant.
+    Now the bench says so before building anything (FP8031's fact); torch 2.7.0 is fine."""
+    from importlib import metadata
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    monkeypatch.setattr(metadata, "version",
+                        lambda name: {"mosaicml": "0.32.1"}.get(name, "0"))
+    monkeypatch.setattr(bench, "run_bench", lambda config, after_each: pytest.fail("ran"))
+    if refused:
+        assert main(["bench", "--micro-batch", "auto", "--out", str(tmp_path)]) == 2
+        out = capsys.readouterr().out
+        assert len(out.strip().splitlines()) == 1 and "unshard" not in out
+        assert "_patch_pytorch.py:30" in out and "--micro-batch 8" in out
+    else:
+        with pytest.raises(pytest.fail.Exception, match="ran"):
+            main(["bench", "--micro-batch", "auto", "--out", str(tmp_path)])

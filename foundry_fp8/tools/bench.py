@@ -642,6 +642,23 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return config
 
 
+def _auto_microbatch_refusal(config: BenchConfig) -> str | None:
+    """Why `--micro-batch auto` cannot run here: the YAMLs shard with FSDP, and this Composer's
+    auto micro-batching under FSDP raises NameError with this torch (lint rule FP8031)."""
+    from importlib.metadata import version
+
+    import torch
+
+    from foundry_fp8.lint.known import AUTO_MICROBATCH_SOURCE, auto_microbatch_fsdp_fails
+
+    if config.micro_batch != "auto" or not auto_microbatch_fsdp_fails(version("mosaicml"),
+                                                                     torch.__version__):
+        return None
+    return (f"--micro-batch auto: Composer {version('mosaicml')}'s auto micro-batching under "
+            f"FSDP raises NameError with torch {torch.__version__} ({AUTO_MICROBATCH_SOURCE}); "
+            "give a number, e.g. --micro-batch 8")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -653,6 +670,10 @@ def run(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             print("foundry-fp8 bench: no CUDA GPU; use --tiny for the CPU path")
+            return 2
+        refusal = _auto_microbatch_refusal(config)
+        if refusal is not None:
+            print(f"foundry-fp8 bench: {refusal}")
             return 2
     out = args.out
     try:  # a folder that cannot be written fails now, not after the benchmark has run
