@@ -4,9 +4,12 @@ Works on any device (FP8 readiness on CPU or A100). Scale rules follow Transform
 current scaling `scale = fp8_max / amax` (TE's compute_scale_from_amax), delayed scaling as
 TE's default fused update (`delayed_scale_update`).
 
-Statistics go through sufficient statistics (`sufficient_stats`): sums and maxima that pool
-exactly across pieces of a tensor (ranks), so cross-rank numbers are those of the whole tensor
-and cost one all_reduce per reduction op; `finalize_stats` turns them into the reported ones.
+Statistics go through sufficient statistics (`sufficient_stats`): counts, sums and maxima that
+pool by adding and maxing across pieces of a tensor (ranks), so cross-rank numbers are those of
+the whole tensor and cost one all_reduce per reduction op; `finalize_stats` turns them into the
+reported ones. Counts and maxima pool exactly; the sums of squares are float32 sums over rows of
+at most `ROW` elements, added in float64, so pieces and the whole agree to float32 rounding
+(about 1e-7 relative), not bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +34,17 @@ MAX_KEYS = ("amax", "neg_amin", "neg_scale", "fp8_max")
 SUFFICIENT_KEYS = SUM_KEYS + MAX_KEYS
 SUFFICIENT_INDEX = {key: i for i, key in enumerate(SUFFICIENT_KEYS)}
 
+#: Elements per piece `sufficient_stats` works on: its temporaries for a piece (magnitudes, two
+#: float32 buffers, the FP8 values: at most 13 bytes per element, 11 for bfloat16) stay under
+#: 208 MiB whatever the tensor's size (a contiguous x is read in place), in forward/backward
+#: hooks while activations are alive.
+CHUNK = 2 ** 24
+#: Elements per float32 partial sum (exact counts up to 2**24, squares far from overflow); the
+#: partial sums are added in float64.
+ROW = 2 ** 10
+#: Dtypes read as they are; any other is converted to float32 a piece at a time, as before.
+_READ_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _check_format(fmt: str) -> None:
     if fmt not in FP8_MAX:
@@ -45,11 +59,19 @@ def current_scale(amax: torch.Tensor, fmt: str, *, epsilon: float = 0.0,
     return _scale_from_amax(amax, FP8_MAX[fmt], epsilon=epsilon, power_2=power_2)
 
 
+def _on(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """value as float32 on device. A Python number is filled there: `torch.as_tensor(number,
+    device=cuda)` copies from the host and waits for the work queued on the device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32)
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
 def _divide(numerator: torch.Tensor | float, amax: torch.Tensor) -> torch.Tensor:
     """`numerator / amax` rounded once, as TE's kernels divide (`__fdiv_rn` in
     transformer_engine/common/recipe/recipe_common.cuh:31): torch computes `number / tensor`
     as a product with a rounded reciprocal, one ulp off for about a quarter of the amaxes."""
-    return torch.as_tensor(numerator, dtype=torch.float32, device=amax.device) / amax
+    return _on(numerator, amax.device) / amax
 
 
 def _scale_from_amax(amax: torch.Tensor, fp8_max: torch.Tensor | float, *, epsilon: float = 0.0,
@@ -131,53 +153,142 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(magnitude), 0, magnitude).max().float()
 
 
+def _pieces(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x flattened, in pieces of at most CHUNK elements (one empty piece for an empty x)."""
+    return x.detach().reshape(-1).split(CHUNK)
+
+
+def _count(t: torch.Tensor, dim: int | None = None, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Nonzero (and NaN) elements of t, float32, exact up to 2**24: a float reduction reading t
+    as it is, where `(t != 0).sum()` writes a bool tensor and sums an int64 copy of it."""
+    return torch.linalg.vector_norm(t, ord=0, dim=dim, dtype=torch.float32, out=out)
+
+
+def _magnitudes(piece: torch.Tensor, counts: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """|piece| with NaN and Inf as 0 (a zero changes no sum, maximum or underflow count), in
+    piece's dtype when float32/bfloat16/float16, else float32. `counts` gets the piece's
+    [NaN, Inf, finite nonzero] counts."""
+    magnitude = (piece if piece.dtype in _READ_AS_IS else piece.float()).abs()
+    if counts is None:
+        return magnitude.nan_to_num_(nan=0.0, posinf=0.0)
+    every = _count(magnitude)
+    no_nan = _count(magnitude.nan_to_num_(nan=0.0, posinf=torch.inf))
+    finite = _count(magnitude.nan_to_num_(posinf=0.0))
+    counts.append(torch.stack([every - no_nan, no_nan - finite, finite]))
+    return magnitude
+
+
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """Largest finite magnitude of x (float32, on x's device, 0 when there is none), without a
     host sync: what the monitor records on the batches before a logging step."""
     if x.numel() == 0:
         return torch.zeros((), device=x.device)
-    magnitude = x.detach().abs()
-    return torch.where(torch.isfinite(magnitude), magnitude, 0).max().float()
+    return torch.stack([_magnitudes(piece).max() for piece in _pieces(x)]).max().float()
+
+
+def _shift(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """The power of 2 that brings `amax * scale` near fp8_max: `scale * shift` is a working scale
+    under which no square of a piece's sums overflows or underflows float32, whatever the given
+    scale. Both `shift` and `scale * shift` stay normal float32 numbers (exact products)."""
+    def exponent(t: torch.Tensor) -> torch.Tensor:
+        return torch.frexp(t.double()).exponent
+
+    e_scale = exponent(scale)
+    shift = exponent(_on(fp8_max, amax.device)) - exponent(amax.double() * scale.double())
+    shift = shift.clamp(torch.clamp(-125 - e_scale, min=-126), torch.clamp(127 - e_scale, max=127))
+    return torch.ldexp(torch.ones((), device=amax.device), shift)
+
+
+def _scaled(mag: torch.Tensor, factor: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """float32 `mag * factor` as [rows, width], zeros after mag's end (they change no sum)."""
+    out = torch.empty(rows * width, device=mag.device)
+    out[mag.numel():].zero_()
+    torch.mul(mag, factor.reshape(1), out=out[:mag.numel()])  # one pass, bfloat16 read as is
+    return out.view(rows, width)
 
 
 def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
                      scale: torch.Tensor | float | None = None, margin: int = 0, *,
                      power_2: bool = False) -> torch.Tensor:
-    """The pooled-exact summary of x's FP8 round trip: float64 [len(SUFFICIENT_KEYS)] on x's
-    device, computed without a host sync. `scale=None`: current scaling (`/ 2**margin`,
-    optionally a power of 2). NaN/Inf elements are counted, then left out of every other number.
+    """The pooled summary of x's FP8 round trip: float64 [len(SUFFICIENT_KEYS)] on x's device,
+    computed without a host sync. `scale=None`: current scaling (`/ 2**margin`, optionally a
+    power of 2). NaN/Inf elements are counted, then left out of every other number.
+
+    Cheap enough for every watched tensor of a logging step: x is read in pieces of CHUNK
+    elements (bfloat16 stays bfloat16 until it is scaled), with no float64 copy and no bool sum.
+    The cast is `saturate(|x| * scale)` to FP8 as `quantize` rounds it (rounding is symmetric).
+    x_sq and sq_error are sums over `|x| * w` and the round trip `fp8 / scale * w`, where their
+    difference is exact in float32, w a working scale: the cast's own under current scaling
+    (`|x| * scale` never exceeds fp8_max), else the given scale times a power of 2 (`_shift`);
+    q_sq is summed over the FP8 values; all as float32 row sums, divided by the scales' squares
+    in float64. dot is `(x - q)·q + q_sq`, accurate wherever q is close to x or far below it
+    (saturation, underflow), where `(x_sq + q_sq - sq_error) / 2` would cancel to noise.
     """
     _check_format(fmt)
-    flat = x.detach().reshape(-1).float()
-    device = flat.device
-    finite = torch.isfinite(flat)
-    values = torch.where(finite, flat, 0.0)  # a zero changes no sum, max or underflow count
-    magnitude = values.abs()
-    zero = torch.zeros((), device=device)
-    amax = magnitude.max() if flat.numel() else zero
-    amin = torch.where(magnitude > 0, magnitude, torch.inf).amin() if flat.numel() else zero + torch.inf
+    fp8_max, fp8_dtype, device = FP8_MAX[fmt], FP8_DTYPE[fmt], x.device
+    pieces = _pieces(x)
+    counts: list[torch.Tensor] = []  # per piece: NaN, Inf, finite nonzero (float32, <= 2**24)
+    extremes = []  # per piece: largest magnitude, smallest nonzero one
+    for piece in pieces:
+        mag = _magnitudes(piece, counts)
+        extremes.append(torch.stack([mag.max().float(), torch.where(
+            mag > 0, mag, torch.inf).min().float()]) if mag.numel()
+            else torch.stack([_on(0.0, device), _on(torch.inf, device)]))
+    mags = [mag] if len(pieces) == 1 else []  # else each piece's again: bounded memory
+    del mag
+    amax, amin = torch.stack(extremes)[:, 0].amax(), torch.stack(extremes)[:, 1].amin()
     if scale is None:
         scale_t = current_scale(amax, fmt, power_2=power_2) / (2.0 ** margin)
     else:
-        scale_t = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(())
-    roundtrip = quantize_dequantize(values, scale_t, fmt)
-    underflow = ((values != 0) & (roundtrip == 0)).sum()
-    if scale is None:
-        # 0 by construction; amax * float32(fp8_max / amax) can land a rounding step above
-        # fp8_max, which saturates to the value it would round to anyway.
-        overflow = zero
+        scale_t = _on(scale, device).reshape(())
+    if scale is None and margin >= 0:  # |x| * scale <= fp8_max: the cast's domain is the work's
+        shift, work = None, scale_t
     else:
-        overflow = (magnitude * scale_t > FP8_MAX[fmt]).sum()
-    values64, roundtrip64 = values.double(), roundtrip.double()
+        shift = _shift(amax, scale_t, fp8_max)
+        work = scale_t * shift
+    shapes = [(-(-piece.numel() // ROW), ROW) if piece.numel() > ROW else (1, piece.numel())
+              for piece in pieces]
+    # per row: ‖x‖, the FP8 values' nonzero count and norm ‖q‖, ‖x - q‖, (x - q)·q, overflow
+    partial = torch.zeros(6, sum(rows for rows, _ in shapes), device=device)
+    start = 0
+    for piece, (rows, width) in zip(pieces, shapes, strict=True):
+        span = slice(start, start + rows)
+        start += rows
+        mag = mags.pop() if mags else _magnitudes(piece)
+        if shift is None:
+            w = _scaled(mag, work, rows, width)
+            q = w.to(fp8_dtype).float()
+        else:
+            q = _scaled(mag, scale_t, rows, width)  # |x| * scale, rounded as `quantize` does
+            _count(torch.nn.functional.threshold(q, fp8_max, 0.0), dim=1, out=partial[5, span])
+            q = q.clamp_(max=fp8_max).copy_(q.to(fp8_dtype))
+            w = _scaled(mag, work, rows, width)
+        del mag
+        torch.linalg.vector_norm(w, dim=1, out=partial[0, span])
+        _count(q, dim=1, out=partial[1, span])
+        # q holds the FP8 values (at most fp8_max): ‖q‖ stays representable however far the
+        # round trip is from x (a stale scale 2**100 times too large: q ~ 2**-100 |x|)
+        torch.linalg.vector_norm(q, dim=1, out=partial[2, span])
+        if shift is None:
+            w.sub_(q)
+        else:
+            w.addcmul_(q, shift.reshape(1), value=-1.0)  # the round trip in w's domain
+        torch.linalg.vector_norm(w, dim=1, out=partial[3, span])
+        torch.sum(q.mul_(w), dim=1, out=partial[4, span])
+    partial = partial.double()
+    work64, scale64 = work.double(), scale_t.double()
+    x_sq, sq_error = partial[[0, 3]].square().sum(dim=1) / work64.square()
+    q_sq = partial[2].square().sum() / scale64.square()
+    nan_count, inf_count, nonzero = torch.stack(counts).double().sum(dim=0).unbind()
     parts = {
-        "seen": 1.0, "count": finite.sum(), "nan_count": torch.isnan(flat).sum(),
-        "inf_count": torch.isinf(flat).sum(), "underflow": underflow, "overflow": overflow,
-        "sq_error": ((values64 - roundtrip64) ** 2).sum(), "dot": (values64 * roundtrip64).sum(),
-        "x_sq": (values64 ** 2).sum(), "q_sq": (roundtrip64 ** 2).sum(),
-        "amax": amax, "neg_amin": -amin, "neg_scale": -scale_t, "fp8_max": FP8_MAX[fmt],
+        "seen": _on(1.0, device), "count": x.numel() - nan_count - inf_count, "nan_count": nan_count,
+        "inf_count": inf_count, "underflow": nonzero - partial[1].sum(),
+        "overflow": partial[5].sum(), "sq_error": sq_error,
+        "dot": partial[4].sum() / (work64 * scale64) + q_sq, "x_sq": x_sq, "q_sq": q_sq,
+        "amax": amax, "neg_amin": -amin, "neg_scale": -scale_t, "fp8_max": _on(fp8_max, device),
     }
-    return torch.stack([torch.as_tensor(parts[k], device=device).double().reshape(())
-                        for k in SUFFICIENT_KEYS])
+    return torch.stack([parts[k].double().reshape(()) for k in SUFFICIENT_KEYS])
 
 
 def empty_sufficient_stats(n: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -32,7 +32,7 @@ from foundry_fp8.numerics import (
     tensor_stats,
 )
 from tests.ranks import init_rank, run_ranks
-from tests.test_numerics import ref_round
+from tests.test_numerics import pooled_rel, ref_round
 
 SCALE = 448.0 / 64.0
 
@@ -120,7 +120,7 @@ def test_pooled_stats_equal_the_stats_of_the_concatenation(results):
             whole = tensor_stats(both, fmt, scale=scale)
             keys = STAT_KEYS
         for key in keys:
-            assert pooled[key] == pytest.approx(whole[key], rel=1e-12), key
+            assert pooled[key] == pytest.approx(whole[key], rel=pooled_rel(key)), key
     assert results[0]["pooled"] == results[1]["pooled"]
 
 
@@ -166,7 +166,8 @@ def test_delayed_whatif_reduces_amax_across_ranks(results):
     assert metrics[layer_key("scale", "activation", "0")] == scale.item()
     both = torch.cat([_inputs(0, 3), _inputs(1, 3)])
     for key, value in tensor_stats(both, scale=scale).items():
-        assert metrics[layer_key(key, "activation", "0")] == pytest.approx(value, rel=1e-9), key
+        assert metrics[layer_key(key, "activation", "0")] == pytest.approx(
+            value, rel=max(pooled_rel(key), 1e-9)), key
 
 
 def test_a_failure_on_one_rank_stops_every_rank(results):

@@ -1,0 +1,52 @@
+"""`sufficient_stats` on a CUDA device, what the CPU tests cannot see: no host sync (the monitor
+calls it inside forward and backward hooks), temporaries bounded whatever the tensor's size (a
+logging step runs it while the activations are alive), and the CPU's numbers.
+
+Never run: written on a CPU-only machine (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foundry_fp8.numerics import STAT_KEYS, sufficient_stats, tensor_stats
+from tests.test_numerics import SUMMED, pooled_rel
+
+pytestmark = pytest.mark.gpu
+
+TEMPORARIES_BOUND = 256 * 2**20
+
+
+@pytest.mark.parametrize("scale", [None, 3.0])
+def test_no_host_sync_and_bounded_temporaries_on_an_mpt_1b_activation(scale):
+    """MPT-1B's down_proj input at micro-batch 8 x 2048 tokens: 134 M bfloat16 elements."""
+    x = torch.randn(8 * 2048, 8192, device="cuda", dtype=torch.bfloat16)
+    scale_t = None if scale is None else torch.tensor(scale, device="cuda")
+    sufficient_stats(x, "e4m3", scale_t)  # warm-up: the caching allocator's blocks
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        row = sufficient_stats(x, "e4m3", scale_t)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.max_memory_allocated() - base <= TEMPORARIES_BOUND
+    assert row.is_cuda and torch.isfinite(row[:-4]).all()
+
+
+@pytest.mark.parametrize(("fmt", "scale"), [("e4m3", None), ("e5m2", None), ("e4m3", 2.0 ** 10),
+                                            ("e5m2", 2.0 ** 100)])
+def test_the_device_gives_the_cpus_statistics(fmt, scale):
+    """Counts, maxima and scales identical; sums of squares to float32 rounding (the reductions
+    add in another order)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * 2**24 + 1001  # several pieces, the last one's rows padded
+    x = (torch.randn(n, generator=gen) * torch.logspace(-8, 2, n)).bfloat16()
+    x[7], x[11] = float("nan"), float("inf")
+    cpu = tensor_stats(x, fmt, scale=scale)
+    cuda = tensor_stats(x.cuda(), fmt, scale=scale)
+    for key in STAT_KEYS:
+        rel = 1e-5 if key in SUMMED else pooled_rel(key)
+        assert cuda[key] == pytest.approx(cpu[key], rel=rel, abs=1e-300), key
