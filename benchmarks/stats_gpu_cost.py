@@ -22,6 +22,7 @@ Without CUDA (or with `--tiny`) the shapes shrink to d_model 256, 2 blocks, 4096
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import platform
@@ -165,6 +166,9 @@ def environment(device: torch.device) -> dict[str, str]:
     dirty = " + uncommitted changes" if git("status", "--porcelain", "foundry_fp8") else ""
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "foundry-fp8 git": (git("rev-parse", "--short", "HEAD") or "unknown") + dirty,
+           # which sufficient_stats ran, where the copy has no .git
+           "numerics.py sha256": hashlib.sha256(
+               (REPO / "foundry_fp8" / "numerics.py").read_bytes()).hexdigest()[:12],
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
            "torch_threads": str(torch.get_num_threads())}
     if device.type == "cuda":
