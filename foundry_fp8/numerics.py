@@ -278,7 +278,8 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         torch.sum(q.mul_(w), dim=1, out=partial[4, span])
     partial = partial.double()
     work64, scale64 = work.double(), scale_t.double()
-    x_sq, sq_error = partial[[0, 3]].square().sum(dim=1) / work64.square()
+    # rows 0 and 3 by a slice: a Python list index is copied from the host (a sync on CUDA)
+    x_sq, sq_error = partial[0:4:3].square().sum(dim=1) / work64.square()
     q_sq = partial[2].square().sum() / scale64.square()
     nan_count, inf_count, nonzero = torch.stack(counts).double().sum(dim=0).unbind()
     parts = {

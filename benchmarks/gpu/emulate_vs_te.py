@@ -25,12 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import foundry_fp8.emulate as emulate  # noqa: E402
-from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast  # noqa: E402
 from foundry_fp8.fp8_meta import read_fp8_meta  # noqa: E402
-from foundry_fp8.numerics import dequantize  # noqa: E402
-from foundry_fp8.recipe import FP8Recipe  # noqa: E402
-from tests.test_emulate_gpu import _te_autocast, _te_recipe  # noqa: E402
+from tests.test_emulate_gpu import paired_steps  # noqa: E402
 
 
 def _split_fprop(te_linear_module: Any, recipe: Any, on: bool) -> None:
@@ -45,54 +41,20 @@ def _split_fprop(te_linear_module: Any, recipe: Any, on: bool) -> None:
 def run_case(te: Any, dtype: torch.dtype, scaling: str, split: bool) -> dict[str, Any]:
     import transformer_engine.pytorch.module.linear as te_linear
 
-    recipe = FP8Recipe(amax_history_len=4) if scaling == "delayed" else FP8Recipe(scaling="current")
-    torch.manual_seed(0)
-    reference = te.Linear(768, 768, params_dtype=dtype, device="cuda")
-    emulated = EmulatedFP8Linear(768, 768, dtype=dtype, device="cuda")
-    with torch.no_grad():
-        emulated.weight.copy_(reference.weight)
-        emulated.bias.copy_(reference.bias)
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    seen: list[tuple[torch.Tensor, torch.Tensor, str]] = []
-    quantize = emulate.quantize
-
-    def recording(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
-        q = quantize(x, scale, fmt)
-        seen.append((q, scale, fmt))
-        return q
+    def err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a.detach().double() - b.detach().double()).abs().max().item()
 
     steps = []
-    emulate.quantize = recording
     default_split = te_linear._2X_ACC_FPROP
     try:
-        for step in range(10):
-            x = torch.randn(64, 768, device="cuda", generator=generator).to(dtype) * (step % 3 + 1)
-            grad = torch.randn(64, 768, device="cuda", generator=generator).to(dtype) * 10 ** -step
-            inputs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-            te_recipe = _te_recipe(recipe)
-            _split_fprop(te_linear, te_recipe, split)
-            with _te_autocast(te, te_recipe):
-                out_te = reference(inputs[0])
-            seen.clear()
-            with fp8_autocast(recipe=recipe):
-                out_emulated = emulated(inputs[1])
-            (qx, sx, _), (qw, sw, _) = seen[:2]
-            exact = (dequantize(qx, sx).double() @ dequantize(qw, sw).double().t()
-                     + emulated.bias.to(torch.bfloat16 if dtype == torch.float32 else dtype)
-                     .double())
-            out_te.backward(grad)
-            out_emulated.backward(grad)
-            torch.cuda.synchronize()
-            scale = out_te.detach().abs().max().item()
-
-            def err(a: torch.Tensor, b: torch.Tensor) -> float:
-                return (a.detach().double() - b.detach().double()).abs().max().item()
-
-            row = {"step": step, "max_abs_out": scale,
-                   "out_te_vs_emulated": err(out_te, out_emulated),
-                   "out_te_vs_exact": err(out_te, exact),
-                   "out_emulated_vs_exact": err(out_emulated, exact),
-                   "dgrad": err(inputs[0].grad, inputs[1].grad),
+        for step in paired_steps(te, dtype, scaling,
+                                 lambda te_recipe: _split_fprop(te_linear, te_recipe, split)):
+            reference, emulated = step.reference, step.emulated
+            row = {"step": step.index, "max_abs_out": step.out_te.detach().abs().max().item(),
+                   "out_te_vs_emulated": err(step.out_te, step.out_emulated),
+                   "out_te_vs_exact": err(step.out_te, step.exact),
+                   "out_emulated_vs_exact": err(step.out_emulated, step.exact),
+                   "dgrad": err(step.dgrad_te, step.dgrad_emulated),
                    "wgrad": err(reference.weight.grad, emulated.weight.grad),
                    "bgrad": err(reference.bias.grad, emulated.bias.grad)}
             if scaling == "delayed":
@@ -100,15 +62,7 @@ def run_case(te: Any, dtype: torch.dtype, scaling: str, split: bool) -> dict[str
                 row["meta_bit_exact"] = all(torch.equal(got[k], want[k]) for k in (
                     "fwd_amax_history", "fwd_scale", "bwd_amax_history", "bwd_scale"))
             steps.append(row)
-            with torch.no_grad():
-                for p_te, p_emulated in ((reference.weight, emulated.weight),
-                                         (reference.bias, emulated.bias)):
-                    p_te -= 0.01 * p_te.grad
-                    p_emulated.copy_(p_te)
-            for p in (*reference.parameters(), *emulated.parameters()):
-                p.grad = None
     finally:
-        emulate.quantize = quantize
         te_linear._2X_ACC_FPROP = default_split
     return {"dtype": str(dtype).removeprefix("torch."), "scaling": scaling,
             "te_fprop_split_accumulator": split, "steps": steps}
