@@ -2,7 +2,9 @@
 calls it inside forward and backward hooks), temporaries bounded whatever the tensor's size (a
 logging step runs it while the activations are alive), and the CPU's numbers.
 
-Never run: written on a CPU-only machine (skipped without CUDA).
+Skipped without CUDA. On an H200 (2026-11-26) the device-vs-CPU tests passed and the sync test
+failed (log: benchmarks/results/gpu_logs/numerics-gpu-h200-run2.log, summary only); the list
+index then found in `sufficient_stats` is gone, not re-run since.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""te_swap's TransformerEngine backend on an H100 (skipped without CUDA; never run on the CPU
-machine this was written on): a real LLM-Foundry run converted to TE trains in FP8 and tracks
+"""te_swap's TransformerEngine backend on a Hopper GPU (skipped without CUDA; passed on an H200
+with TE 2.20.2, 2026-11-26): a real LLM-Foundry run converted to TE trains in FP8 and tracks
 BF16, and the recipe TE uses inside the forward is the one the YAML chose."""
 
 from __future__ import annotations
