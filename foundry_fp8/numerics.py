@@ -237,7 +237,8 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
             else torch.stack([_on(0.0, device), _on(torch.inf, device)]))
     mags = [mag] if len(pieces) == 1 else []  # else each piece's again: bounded memory
     del mag
-    amax, amin = torch.stack(extremes)[:, 0].amax(), torch.stack(extremes)[:, 1].amin()
+    stacked = torch.stack(extremes)
+    amax, amin = stacked[:, 0].amax(), stacked[:, 1].amin()
     if scale is None:
         scale_t = current_scale(amax, fmt, power_2=power_2) / (2.0 ** margin)
     else:

@@ -9,7 +9,7 @@ upgrade that changes them fails the tests instead of silently drifting.
 from __future__ import annotations
 
 from foundry_fp8.options import did_you_mean  # noqa: F401  (the rules' import)
-from foundry_fp8.te.facts import Version, parse_version
+from foundry_fp8.te.facts import Version, dotted, parse_version
 
 #: `fields(TrainConfig)` (llmfoundry/utils/config_utils.py). `make_dataclass_and_log_config`
 #: raises "Unused parameters [...] found in cfg" for any other top-level key.
@@ -212,6 +212,9 @@ EVAL_CONFIG_KEYS = frozenset({
 AUTO_MICROBATCH_CHECKED_FROM: Version = (0, 31, 0)
 UNSHARD_WITH_SYNC_TORCH: tuple[Version, Version] = ((2, 6, 0), (2, 7, 1))
 AUTO_MICROBATCH_SOURCE = "composer/trainer/_patch_pytorch.py:30 in 0.31.0-0.32.1"
+#: The same torch range as pip writes it, for messages.
+UNSHARD_TORCH_RANGE = (f">={dotted(UNSHARD_WITH_SYNC_TORCH[0])},"
+                       f"<{dotted(UNSHARD_WITH_SYNC_TORCH[1])}")
 
 
 def auto_microbatch_fsdp_fails(composer: str | None, torch: str | None) -> bool | None:

@@ -25,9 +25,12 @@ from typing import Any
 
 from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.config import uses_te
-from foundry_fp8.lint.known import AUTO_MICROBATCH_SOURCE, auto_microbatch_fsdp_fails
+from foundry_fp8.lint.known import (
+    AUTO_MICROBATCH_SOURCE,
+    UNSHARD_TORCH_RANGE,
+    auto_microbatch_fsdp_fails,
+)
 from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules, section
-from foundry_fp8.lint.rules.fsdp import UNSHARD_TORCH_RANGE
 from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
 from foundry_fp8.te.facts import (
     ADA,

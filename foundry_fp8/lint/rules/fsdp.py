@@ -25,7 +25,7 @@ from foundry_fp8.lint.known import (
     MIXED_PRECISION_MODES,
     REENTRANT_DEFAULT,
     TORCH_DTYPE_NAMES,
-    UNSHARD_WITH_SYNC_TORCH,
+    UNSHARD_TORCH_RANGE,
     auto_microbatch_fsdp_fails,
     did_you_mean,
 )
@@ -232,11 +232,6 @@ def te_flags_need_fsdp1(config: Mapping[str, Any], ctx: LintContext) -> Iterator
         if settings.get(key):
             yield Hit(f"fsdp_config.{key}", f"FSDP_VERSION=2: Composer drops {key} (FSDP1 only)",
                       severity="warning")
-
-
-#: The torch range in which Composer defines `unshard_with_sync`, as pip writes it.
-UNSHARD_TORCH_RANGE = (f">={dotted(UNSHARD_WITH_SYNC_TORCH[0])},"
-                       f"<{dotted(UNSHARD_WITH_SYNC_TORCH[1])}")
 
 
 @rule("FP8031", "error", "`device_train_microbatch_size: auto` with FSDP on a Composer and torch "
