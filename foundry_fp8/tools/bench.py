@@ -24,7 +24,7 @@ import re
 import subprocess
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -269,8 +269,10 @@ def _release_memory(tiny: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def run_variant(variant: Variant, config: BenchConfig, bar) -> dict[str, Any]:
-    """Train one variant; return its measured row (without ratio_to_bf16)."""
+def run_variant(variant: Variant, config: BenchConfig, bar,
+                extra_callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Train one variant; return its measured row (without ratio_to_bf16). `extra_callbacks`:
+    Composer callbacks added to the run (benchmarks/gpu/stats_memory.py's probes)."""
     import torch
     from composer import Trainer
     from composer.algorithms import GradientClipping
@@ -299,7 +301,7 @@ def run_variant(variant: Variant, config: BenchConfig, bar) -> dict[str, Any]:
 
         algorithms.append(TESwap(**cfg["algorithms"]["te_swap"]))
     timer = _Timer(config, cuda, bar, variant.label(config.tiny))
-    callbacks = [timer.callback]
+    callbacks = [timer.callback, *extra_callbacks]
     if variant.stats_interval is not None:
         from foundry_fp8.composer.stats import FP8Stats
 

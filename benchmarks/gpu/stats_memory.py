@@ -1,0 +1,283 @@
+"""Where an fp8_stats logging step's extra peak memory comes from (issue 16: on the H200, MPT-1B
+te_swap at micro-batch 8 peaked at 58.3 GB, 77.9 GB with fp8_stats every batch, the same before
+and after the statistics rewrite, whose own temporaries stay under 256 MiB).
+
+The bench's fp8-te-swap run, five ways that differ only in one callback:
+
+- `none`: no monitor;
+- `hooks`: no-op hooks where fp8_stats puts its own (a forward pre-hook and a full backward
+  pre-hook on each watched layer, for the whole batch): the hooks' cost without statistics;
+- `forward`: fp8_stats every batch, `tensors: [activation, weight]` (forward pre-hooks only);
+- `gradient`: fp8_stats every batch, `tensors: [gradient]`;
+- `all`: fp8_stats every batch, every tensor.
+
+Per case: the peak (`torch.cuda.max_memory_allocated` on CUDA) and the memory live at that peak,
+grouped by allocation site: the innermost Python frame outside torch's own files ("autograd
+engine" for allocations with no Python frame: the backward's C++ ops). On CUDA the allocator's
+own history is recorded (`torch.cuda.memory._record_memory_history`, Python stacks); without
+CUDA (`--tiny`: the bench's tiny MPT on CPU, te_swap emulated) a dispatch mode tracks every
+tensor storage an op creates until it is freed. The sites whose bytes grow from `none` name
+the cause.
+
+    PYTHONPATH=$PWD/.gpu-site python3 benchmarks/gpu/stats_memory.py --out $OUT
+    python benchmarks/stats_memory.py --tiny --out /tmp/mem   # CPU, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import traceback
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.stats_gpu_cost import device_slug  # noqa: E402
+from foundry_fp8.tools import bench  # noqa: E402
+
+CASES = ("none", "hooks", "forward", "gradient", "all")
+TORCH_DIR = str(Path(torch.__file__).parent)
+ENGINE = "autograd engine (no Python frame)"
+TOP = 15  # sites listed per case
+
+Frame = dict[str, Any]  # {"filename", "line", "name"}, innermost first as in torch's snapshots
+
+
+def site(frames: Sequence[Frame]) -> str:
+    """The innermost frame outside torch's own files, `package/file.py:line function`."""
+    for frame in frames:
+        filename = frame["filename"]
+        if filename.startswith(TORCH_DIR) or filename.startswith("<"):
+            continue
+        short = filename.split("site-packages/")[-1].replace(str(REPO) + "/", "")
+        return f"{short}:{frame['line']} {frame['name']}"
+    return ENGINE
+
+
+def live_at_peak(trace: Iterable[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """Replay an allocator trace (torch's TraceEntry dicts): the peak of the bytes its `alloc`s
+    hold, and the entries alive at that peak. A block counts as freed at its first
+    `free_requested` or `free_completed`; frees of blocks allocated before the trace began are
+    ignored (the trace did not count them)."""
+    entries = list(trace)
+    live: dict[int, int] = {}  # addr -> size
+    current = peak = peak_at = 0
+    for i, entry in enumerate(entries):
+        action = entry["action"]
+        if action == "alloc":
+            live[entry["addr"]] = entry["size"]
+            current += entry["size"]
+            if current > peak:
+                peak, peak_at = current, i + 1
+        elif action in ("free_requested", "free_completed"):
+            current -= live.pop(entry["addr"], 0)
+    alive: dict[int, dict[str, Any]] = {}
+    for entry in entries[:peak_at]:
+        if entry["action"] == "alloc":
+            alive[entry["addr"]] = entry
+        elif entry["action"] in ("free_requested", "free_completed"):
+            alive.pop(entry["addr"], None)
+    return peak, list(alive.values())
+
+
+def by_site(entries: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """Bytes per allocation site, largest first."""
+    sizes: Counter[str] = Counter()
+    for entry in entries:
+        sizes[site(entry.get("frames", []))] += entry["size"]
+    return dict(sizes.most_common())
+
+
+class StorageTrace(TorchDispatchMode):
+    """A CPU stand-in for the CUDA allocator's history: one `alloc` per storage an op returns
+    first (with the Python stack), one `free_completed` when that storage is collected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trace: list[dict[str, Any]] = []
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, _types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor) and not value.is_meta:
+                self._track(value.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        addr = storage.data_ptr()
+        if addr in self._seen or storage.nbytes() == 0:
+            return
+        self._seen.add(addr)
+        frames = [{"filename": f.filename, "line": f.lineno, "name": f.name}
+                  for f in reversed(traceback.extract_stack()[:-2])]
+        self.trace.append({"action": "alloc", "addr": addr, "size": storage.nbytes(),
+                           "frames": frames})
+        weakref.finalize(storage, self._free, addr)
+
+    def _free(self, addr: int) -> None:
+        self._seen.discard(addr)
+        self.trace.append({"action": "free_completed", "addr": addr})
+
+
+def _callback_base():
+    from composer.core import Callback
+
+    return Callback
+
+
+class Hooks(_callback_base()):
+    """No-op hooks where fp8_stats puts its own, on every batch."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+
+    def batch_start(self, state, logger) -> None:
+        from foundry_fp8.monitor import select_layers
+        from foundry_fp8.options import MonitorConfig
+
+        for module in select_layers(state.model, MonitorConfig()).values():
+            self.handles.append(module.register_forward_pre_hook(lambda *a, **k: None,
+                                                                 with_kwargs=True))
+            self.handles.append(module.register_full_backward_pre_hook(lambda *a: None))
+
+    def after_train_batch(self, state, logger) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+class Recorder(_callback_base()):
+    """The allocator's history from fit start to fit end (CUDA), or the storage trace (CPU)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.mode: StorageTrace | None = None
+        self.trace: list[dict[str, Any]] = []
+
+    def fit_start(self, state, logger) -> None:
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        else:
+            self.mode = StorageTrace()
+            self.mode.__enter__()
+
+    def fit_end(self, state, logger) -> None:
+        if self.cuda:
+            self.trace = torch.cuda.memory._snapshot()["device_traces"][0]
+            torch.cuda.memory._record_memory_history(enabled=None)
+        elif self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.trace = self.mode.trace
+
+
+def probes(case: str) -> list[Any]:
+    """The callback that makes `case` differ from `none`."""
+    from foundry_fp8.composer.stats import FP8Stats
+
+    if case == "hooks":
+        return [Hooks()]
+    tensors = {"forward": ["activation", "weight"], "gradient": ["gradient"], "all": None}
+    if case in tensors:
+        chosen = tensors[case]
+        return [FP8Stats(interval=1, **({"tensors": chosen} if chosen else {}))]
+    return []
+
+
+class _Quiet:
+    def set_postfix_str(self, text: str) -> None:
+        print(text, flush=True)
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def run_case(case: str, config: bench.BenchConfig) -> dict[str, Any]:
+    cuda = not config.tiny
+    recorder = Recorder(cuda)
+    variant = dataclasses.replace(bench.VARIANTS["fp8-te-swap"], name=f"fp8-te-swap-{case}")
+    row = bench.run_variant(variant, config, _Quiet(), [*probes(case), recorder])
+    traced_peak, alive = live_at_peak(recorder.trace)
+    recorder.trace.clear()
+    bench._release_memory(config.tiny)
+    return {"case": case, "peak_mib": row["peak_mem_gb"] * 1024 if cuda else None,
+            "traced_peak_mib": traced_peak / 2**20,
+            "sites_mib": {k: v / 2**20 for k, v in by_site(alive).items()},
+            "loss": row["loss"]}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The peaks, then each case's sites that differ most from `none` (MiB live at the peak)."""
+    base = next((r["sites_mib"] for r in result["cases"] if r["case"] == "none"), {})
+    lines = [f"# fp8_stats peak memory, by case ({result['gpu']}, {result['date']})", "",
+             f"Command: `{result['command']}`", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()), "",
+             "| case | peak MiB (allocator) | traced peak MiB |", "|---|---:|---:|"]
+    for r in result["cases"]:
+        peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+        lines.append(f"| {r['case']} | {peak} | {r['traced_peak_mib']:.1f} |")
+    lines += [f"| {f['case']} | failed: {f['error']} | |" for f in result.get("failed", [])]
+    for r in result["cases"]:
+        sites = r["sites_mib"]
+        if r["case"] == "none" or not base:
+            order = list(sites)[:TOP]
+            title = "largest"
+        else:
+            names = set(sites) | set(base)
+            order = sorted(names, key=lambda k: -abs(sites.get(k, 0.0) - base.get(k, 0.0)))[:TOP]
+            title = "most changed from `none`"
+        lines += ["", f"## {r['case']}: live at the traced peak, by site ({title})", "",
+                  "| site | MiB | vs none |", "|---|---:|---:|"]
+        for where in order:
+            mib = sites.get(where, 0.0)
+            lines.append(f"| `{where}` | {mib:.1f} | {mib - base.get(where, 0.0):+.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--tiny", action="store_true", help="CPU: the bench's tiny MPT")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=3)
+    args = parser.parse_args(argv)
+    cases = args.cases.split(",")
+    if unknown := sorted(set(cases) - set(CASES)):
+        parser.error(f"--cases: unknown {', '.join(unknown)} (choose from {', '.join(CASES)})")
+    tiny = args.tiny or not torch.cuda.is_available()
+    config = bench.BenchConfig(tiny=tiny, warmup=1, steps=args.batches, profile_steps=0,
+                               micro_batch=args.micro_batch,
+                               **({"seq_len": 128, "batch": 8} if tiny else {}))
+    result = {**bench.environment(tiny), "date": datetime.now(timezone.utc).isoformat(),
+              "command": " ".join(["python3", "benchmarks/gpu/stats_memory.py",
+                                   *(argv if argv is not None else sys.argv[1:])]),
+              "cases": []}
+    stem = "stats_memory_" + device_slug(torch.device("cpu" if tiny else "cuda"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    for case in cases:
+        try:
+            result["cases"].append(run_case(case, config))
+        except Exception as err:  # one broken case must not lose the others' numbers
+            result.setdefault("failed", []).append({"case": case, "error": repr(err)[:300],
+                                                    "traceback": traceback.format_exc()})
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 1 if result.get("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
