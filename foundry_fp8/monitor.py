@@ -168,7 +168,8 @@ def cast_mode(module: nn.Module) -> CastMode | None:
     return _te_cast_mode() if probe.te_class_name(module) is not None else None
 
 
-def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, torch.Tensor | bool]:
+def cast_scale(module: nn.Module, watch: Watch
+               ) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
     """The delayed scale `module` will cast `watch`'s tensor with (read before the cast), and
     whether it is still the initial one (on the device, no host sync): no state yet (TE creates
     it, with scale 1, in its first FP8 forward), an amax history not yet sized
@@ -179,7 +180,7 @@ def cast_scale(module: nn.Module, watch: Watch) -> tuple[torch.Tensor, torch.Ten
     state = meta[key] if meta is not None and key in meta else None
     scale = getattr(state, "scale", None)
     if scale is None or watch.slot is None or scale.numel() <= watch.slot:
-        return torch.ones(()), True
+        return 1.0, True  # a number, filled on the tensor's device: a host tensor's copy syncs
     history = getattr(state, "amax_history", None)
     current = scale.reshape(-1)[watch.slot]
     if history is None or history.dim() != 2 or history.shape[1] <= watch.slot:
