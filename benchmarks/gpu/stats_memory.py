@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from composer.core import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -132,13 +133,7 @@ class StorageTrace(TorchDispatchMode):
         self.trace.append({"action": "free_completed", "addr": addr})
 
 
-def _callback_base():
-    from composer.core import Callback
-
-    return Callback
-
-
-class Hooks(_callback_base()):
+class Hooks(Callback):
     """No-op hooks where fp8_stats puts its own, on every batch."""
 
     def __init__(self) -> None:
@@ -159,7 +154,7 @@ class Hooks(_callback_base()):
         self.handles.clear()
 
 
-class Recorder(_callback_base()):
+class Recorder(Callback):
     """The allocator's history from fit start to fit end (CUDA), or the storage trace (CPU)."""
 
     def __init__(self, cuda: bool) -> None:
@@ -177,23 +172,25 @@ class Recorder(_callback_base()):
     def fit_end(self, state, logger) -> None:
         if self.cuda:
             self.trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        self.close()
+
+    def close(self) -> None:
+        """Stop recording (also after a run that raised)."""
+        if self.cuda:
             torch.cuda.memory._record_memory_history(enabled=None)
         elif self.mode is not None:
             self.mode.__exit__(None, None, None)
-            self.trace = self.mode.trace
+            self.trace, self.mode = self.mode.trace, None
 
 
-def probes(case: str) -> list[Any]:
+def probes(case: str) -> list[Callback]:
     """The callback that makes `case` differ from `none`."""
     from foundry_fp8.composer.stats import FP8Stats
 
-    if case == "hooks":
-        return [Hooks()]
-    tensors = {"forward": ["activation", "weight"], "gradient": ["gradient"], "all": None}
-    if case in tensors:
-        chosen = tensors[case]
-        return [FP8Stats(interval=1, **({"tensors": chosen} if chosen else {}))]
-    return []
+    return {"none": lambda: [], "hooks": lambda: [Hooks()],
+            "forward": lambda: [FP8Stats(interval=1, tensors=["activation", "weight"])],
+            "gradient": lambda: [FP8Stats(interval=1, tensors=["gradient"])],
+            "all": lambda: [FP8Stats(interval=1)]}[case]()
 
 
 class _Quiet:
@@ -208,7 +205,10 @@ def run_case(case: str, config: bench.BenchConfig) -> dict[str, Any]:
     cuda = not config.tiny
     recorder = Recorder(cuda)
     variant = dataclasses.replace(bench.VARIANTS["fp8-te-swap"], name=f"fp8-te-swap-{case}")
-    row = bench.run_variant(variant, config, _Quiet(), [*probes(case), recorder])
+    try:
+        row = bench.run_variant(variant, config, _Quiet(), [*probes(case), recorder])
+    finally:
+        recorder.close()
     traced_peak, alive = live_at_peak(recorder.trace)
     recorder.trace.clear()
     bench._release_memory(config.tiny)
