@@ -50,7 +50,12 @@ def _billion_laughs() -> str:
     ("max_seq_len: " + "9" * 5000 + "\n", ":1:14: an integer of 5000 digits"),
     (_billion_laughs(), f"more than {MAX_EXPANDED_NODES} values"),
     ("distributed_type: 'NO'\n" + _billion_laughs(), "an alias bomb"),  # Accelerate-shaped
-], ids=["flow-1000", "block-1000", "flow-200000", "5000-digits", "laughs", "laughs-accelerate"])
+    ("a: &a [*a]\nmodel: *a\n", ":1:4: an alias refers to a value that contains it"),
+    ("model: &m\n  name: mpt_causal_lm\n  sub: *m\n", ":1:8: an alias refers to a value"),
+    ("a: &a\n  b: 1\n  <<: *a\n", "a recursive alias"),  # a merge key naming its own mapping
+    ("x: &x {k: [&y [1, *y]]}\n", ":1:12: an alias refers to a value"),  # the cycle deeper down
+], ids=["flow-1000", "block-1000", "flow-200000", "5000-digits", "laughs", "laughs-accelerate",
+        "self-sequence", "self-mapping", "self-merge", "inner-cycle"])
 def test_hostile_yaml_is_refused_in_one_line(tmp_path, text, snippet):
     path = tmp_path / "hostile.yaml"
     path.write_text(text)

@@ -172,6 +172,7 @@ def _check_expansion(path: Path, root: yaml.Node) -> None:
     once per distinct node, iteratively, so the count itself stays cheap), or that holds an
     integer too long for Python to read, at its line."""
     sizes: dict[int, int] = {}
+    expanding: set[int] = set()  # the nodes whose children are being counted: the ancestors
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
@@ -180,6 +181,7 @@ def _check_expansion(path: Path, root: yaml.Node) -> None:
         children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) \
             else list(node.value) if isinstance(node, yaml.SequenceNode) else []
         if done:
+            expanding.discard(id(node))
             sizes[id(node)] = 1 + sum(sizes.get(id(c), 0) for c in children)
             if sizes[id(node)] > MAX_EXPANDED_NODES:
                 raise LintInputError(f"{path}: its aliases expand to more than "
@@ -192,6 +194,12 @@ def _check_expansion(path: Path, root: yaml.Node) -> None:
             raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: an integer of "
                                  f"{len(str(node.value))} digits; Python reads at most "
                                  f"{_MAX_INT_DIGITS} (quote it if it is a string)")
+        if any(id(c) in expanding or c is node for c in children):
+            mark = node.start_mark  # the anchor: an alias inside it names it again
+            raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: an alias refers to "
+                                 "a value that contains it (a recursive alias, infinite when "
+                                 "expanded); refusing to load it")
+        expanding.add(id(node))
         stack.append((node, True))
         stack += [(c, False) for c in children if id(c) not in sizes]
 
