@@ -197,6 +197,17 @@ def test_deepspeed_file_missing_and_found_relative_to_the_config(tmp_path, monke
     assert found(path, "FP8109") == []
 
 
+def test_deepspeed_file_under_home_is_not_found_as_accelerate_does_not_expand_it(tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ds.json").write_text(json.dumps(GOOD_DS))
+    config = tmp_path / "configs"
+    config.mkdir()
+    path = write(config, "deepspeed_config:\n  deepspeed_config_file: ~/ds.json\n",
+                 dist="DEEPSPEED", mp="bf16")
+    assert found(path, "FP8109") == [("deepspeed_config.deepspeed_config_file", 5, "warning")]
+
+
 def test_train_yamls_are_not_taken_for_accelerate_configs(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_text("precision: amp_bf16\ndeepspeed_config: {}\nmodel: {d_model: 64}\n")

@@ -105,6 +105,7 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8030": ({"model": {"ffn_config": {"ffn_type": "te_ln_mlp"}}}, "model.ffn_config.ffn_type",
                1),
     "FP8031": ({"device_train_microbatch_size": "auto"}, "device_train_microbatch_size", 1),
+    "FP8032": ({"model": {"expansion_ratio": 2.67}}, "model.expansion_ratio", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -142,6 +143,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8030": ({"precision": "amp_fp8", "algorithms": {"te_swap": {"fuse_ln_mlp": True}},
                 "model": {"init_device": "cpu"}}, 1),
     "FP8031": ({"device_train_microbatch_size": "auto", "fsdp_config": None}, 1),
+    "FP8032": ({"model": {"expansion_ratio": 2.5}}, 1),  # 5120
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,
@@ -659,6 +661,17 @@ def test_keys_that_are_not_strings_are_named_at_their_line(tmp_path):
 
 # -- load messages -------------------------------------------------------------------------
 
+def _load_error(tmp_path: Path, text: str) -> str:
+    """The one line linting `text` prints (exit 2, no traceback), after `error: <path>`."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    result = _lint(str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    error, = result.stderr.strip().splitlines()
+    assert error.startswith(f"error: {path}"), error
+    return error.removeprefix(f"error: {path}")
+
+
 @pytest.mark.parametrize(("text", "where"), [
     ("model:\n\td_model: 64\n", ":2:1"),
     ("model:\n  d_model: 64\n\tn_heads: 4\n", ":3:1"),
@@ -667,13 +680,8 @@ def test_keys_that_are_not_strings_are_named_at_their_line(tmp_path):
     ("a: |\n\tx\n", ":2:1"),
 ])
 def test_a_tab_in_indentation_is_named(tmp_path, text, where):
-    path = tmp_path / "tab.yaml"
-    path.write_text(text)
-    result = _lint(str(path))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    error, = result.stderr.strip().splitlines()
-    assert error == f"error: {path}{where}: not valid YAML: a tab is not allowed in YAML " \
-                    "indentation (use spaces)"
+    assert _load_error(tmp_path, text) == f"{where}: not valid YAML: a tab is not allowed in " \
+                                          "YAML indentation (use spaces)"
 
 
 @pytest.mark.parametrize(("text", "where", "snippet"), [
@@ -682,13 +690,60 @@ def test_a_tab_in_indentation_is_named(tmp_path, text, where):
     ("model:\n  ? [1, 2]\n  : 3\n", ":2:5", "the key is a list or a mapping"),
 ])
 def test_keys_omegaconf_refuses_exit_2_at_their_line(tmp_path, text, where, snippet):
-    path = tmp_path / "key.yaml"
-    path.write_text(text)
-    result = _lint(str(path))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    error, = result.stderr.strip().splitlines()
-    assert error.startswith(f"error: {path}{where}: cannot load: {snippet}"), error
+    error = _load_error(tmp_path, text)
+    assert error.startswith(f"{where}: cannot load: {snippet}"), error
     assert "keys must be strings" in error
+
+
+@pytest.mark.parametrize(("text", "where", "snippet"), [
+    ("".join(f"k{i}: {i}\n" for i in range(8)) + 'foo: "${a.b.c"\n', ":9:",
+     "cannot load key foo: no viable alternative at input '${a.b.c'"),
+    ("variables:\n  x: 1\nfoo: ${\n", ":3:", "cannot load key foo: no viable alternative"),
+    ("variables:\n  x: 1\nseed: !!set {a, b}\n", ":3:",
+     "cannot load key seed: Value 'set' is not a supported primitive type"),
+    ("callbacks:\n  x:\n    - 1\n    - \"${a\"\n", ":4:", "cannot load key callbacks.x.1: "),
+    ("variables:\n  x: 1\nfoo: ${nope}\n", ":3:", "cannot resolve key foo: "),
+    ("name: run\nimage: img\nparameters:\n  seed: 1\n  foo: ${nope}\n", ":5:",
+     "cannot resolve key parameters.foo: "),
+    ("name: run\nimage: img\nparameters:\n  seed: 1\n  foo: ${\n", ":5:",
+     "cannot load key parameters.foo: "),
+])
+def test_values_omegaconf_refuses_are_named_with_their_key_and_line(tmp_path, text, where,
+                                                                   snippet):
+    error = _load_error(tmp_path, text)
+    assert error.startswith(f"{where} {snippet}"), error
+
+
+def test_an_oc_env_value_is_not_judged_as_the_text_it_holds(tmp_path):
+    path = _write(tmp_path, {"precision": "${oc.env:PREC,amp_fp8}",
+                             "fsdp_config": {"mixed_precision": "${oc.env:MP}"}})
+    result = _lint(str(path), "--format", "json")
+    findings = json.loads(result.stdout)["files"][0]["findings"]
+    assert sorted((f["rule"], f["key"]) for f in findings) == [
+        ("FP8017", "fsdp_config.mixed_precision"), ("FP8017", "precision")]
+    path = _write(tmp_path, {"precision": "amp-fp8", "run_name": "${oc.env:USER}"})
+    assert _rules(lint_file(path)) == {"FP8011", "FP8017"}  # other keys are still judged
+
+
+def test_omegaconfs_own_warnings_stay_out_of_the_output(tmp_path):
+    path = _write(tmp_path, {"variables": {"old": 1, "new": "${oc.deprecated:variables.old}"}})
+    result = _lint(str(path))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_omegaconfs_node_limit_is_named_as_such(tmp_path):
+    from omegaconf import OmegaConf
+
+    text = "variables:\n" + "".join(f"  k{i}: {i}\n" for i in range(10_001))
+    try:
+        OmegaConf.create(text)
+        pytest.skip("this omegaconf has no node limit")
+    except Exception as e:  # noqa: BLE001  (whichever error this omegaconf raises)
+        limit = str(e)
+    error = _load_error(tmp_path, text)
+    assert error.startswith(":1:1: omegaconf, which LLM-Foundry reads YAML with, refuses it: "
+                            "YAML node expansion exceeds"), error
+    assert "not valid YAML" not in error and "configured limit of 10000" in limit
 
 
 def test_a_folder_without_yaml_exits_2_naming_it(tmp_path):

@@ -4,6 +4,7 @@ limit, which is a guard, not a speed target (speed: benchmarks/lint_speed.py).""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,18 +55,101 @@ def _billion_laughs() -> str:
     ("model: &m\n  name: mpt_causal_lm\n  sub: *m\n", ":1:8: an alias refers to a value"),
     ("a: &a\n  b: 1\n  <<: *a\n", "a recursive alias"),  # a merge key naming its own mapping
     ("x: &x {k: [&y [1, *y]]}\n", ":1:12: an alias refers to a value"),  # the cycle deeper down
+    ("seed: 1\nfoo: " + "${" * 3000 + "seed" + "}" * 3000 + "\n",  # omegaconf: 4 s, then fails
+     f":2:6: interpolations nested more than {MAX_DEPTH} levels"),
 ], ids=["flow-1000", "block-1000", "flow-200000", "5000-digits", "laughs", "laughs-accelerate",
-        "self-sequence", "self-mapping", "self-merge", "inner-cycle"])
+        "self-sequence", "self-mapping", "self-merge", "inner-cycle", "interpolation-3000"])
 def test_hostile_yaml_is_refused_in_one_line(tmp_path, text, snippet):
     path = tmp_path / "hostile.yaml"
     path.write_text(text)
     _one_line_exit_2(_lint(path), path, snippet)
 
 
-def test_deep_json_is_refused_in_one_line(tmp_path):
-    path = tmp_path / "deep.json"
-    path.write_text("[" * 100_000 + "]" * 100_000)
-    _one_line_exit_2(_lint(path), path, "cannot load")
+@pytest.mark.parametrize(("text", "snippet"), [
+    ("[" * 100_000 + "]" * 100_000, f":1:{MAX_DEPTH + 1}: nested more than {MAX_DEPTH} levels"),
+    ('{"zero_optimization": {}, "train_batch_size":\n  ' + "9" * 5000 + "}",
+     ":2:3: an integer of 5000 digits"),
+], ids=["deep", "5000-digits"])
+def test_json_python_cannot_read_is_refused_at_its_line(tmp_path, text, snippet):
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    _one_line_exit_2(_lint(path), path, snippet)
+
+
+def test_a_name_too_long_is_one_line(tmp_path):
+    path = tmp_path / ("a" * 300 + ".yaml")
+    _one_line_exit_2(_lint(path), path, "cannot read: File name too long")
+
+
+def test_a_subfolder_that_cannot_be_listed_is_reported_not_skipped(tmp_path):
+    """Its configs would go unlinted. A folder whose path is longer than PATH_MAX cannot be
+    listed by that path, also by root (for whom a chmod 0 folder is readable)."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "ok.yaml").write_text("seed: 1\n")
+    fd = os.open(tree, os.O_RDONLY)
+    for _ in range(os.pathconf(tree, "PC_PATH_MAX") // 200 + 1):
+        os.mkdir("d" * 200, dir_fd=fd)
+        inner = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    done = _lint(tree)
+    _one_line_exit_2(done, tree / ("d" * 200), ": cannot read: File name too long")
+    assert "1 file(s) linted" in done.stdout
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may search any folder")
+def test_a_folder_we_may_not_search_is_one_line(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "x.yaml").write_text("seed: 1\n")
+    (tmp_path / "ok.yaml").write_text("seed: 1\n")
+    locked.chmod(0)
+    try:
+        _one_line_exit_2(_lint(locked / "x.yaml"), locked / "x.yaml", "Permission denied")
+        done = _lint(tmp_path)
+        _one_line_exit_2(done, locked, "cannot read: Permission denied")
+        assert "1 file(s) linted" in done.stdout
+    finally:
+        locked.chmod(0o700)
+
+
+ACCELERATE_DS = ("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+                 "deepspeed_config:\n  deepspeed_config_file: {}\n")
+
+
+def _fp8109(path: Path) -> list[tuple[str, int, str]]:
+    done = _lint(path, "--format", "json")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    return [(f["rule"], f["line"], f["message"])
+            for f in json.loads(done.stdout)["files"][0]["findings"]]
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("~nosuchuser/ds.json", "not found next to this file"),  # Accelerate does not expand `~`
+    ("a" * 300 + ".json", "could not be looked for (File name too long)"),
+])
+def test_a_deepspeed_config_file_we_cannot_look_for_is_fp8109(tmp_path, name, why):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(ACCELERATE_DS.format(name))
+    (rule, line, message), = _fp8109(path)
+    assert (rule, line) == ("FP8109", 4) and why in message, message
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may search any folder")
+def test_a_deepspeed_config_file_in_a_folder_we_may_not_search_is_fp8109(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "ds.json").write_text("{}")
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(ACCELERATE_DS.format("locked/ds.json"))
+    locked.chmod(0)
+    try:
+        (rule, line, message), = _fp8109(path)
+    finally:
+        locked.chmod(0o700)
+    assert (rule, line) == ("FP8109", 4) and "(Permission denied)" in message, message
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
@@ -117,7 +201,7 @@ def test_any_yaml_structure_lints_or_fails_in_one_line(tmp_path, document, depth
     path = tmp_path / f"doc{suffix}"
     try:
         path.write_text(yaml.safe_dump(document) if suffix == ".yaml" else
-                        __import__("json").dumps(document, default=str))
+                        json.dumps(document, default=str))
     except (ValueError, RecursionError):
         return  # a document the writers themselves cannot write
     entry = lint_file(path, 1, Snapshot(python="3"))

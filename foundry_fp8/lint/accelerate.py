@@ -5,6 +5,7 @@ version). `lint_accelerate_file` returns None for a file that is neither (a trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from importlib import metadata
@@ -14,7 +15,14 @@ from typing import Any
 import yaml
 
 from foundry_fp8.lint.known import ACCELERATE_CONFIG_KEYS, TRAIN_CONFIG_KEYS
-from foundry_fp8.lint.load import LintInputError, compose, key_positions, load_data, read_text
+from foundry_fp8.lint.load import (
+    LintInputError,
+    compose,
+    first_line,
+    key_positions,
+    load_data,
+    read_text,
+)
 from foundry_fp8.lint.registry import Finding, LintContext, run_rules, section
 from foundry_fp8.lint.rules.accelerate import AccelerateInput
 from foundry_fp8.te.facts import parse_version
@@ -34,10 +42,11 @@ DEEPSPEED_SHARED = frozenset({"optimizer", "scheduler"})
 def lint_input(accelerate: Mapping[str, Any] | None, deepspeed: Mapping[str, Any] | None = None,
                *, version: tuple[int, ...] | None = None, deepspeed_path: str | None = None,
                deepspeed_positions: Mapping[str, tuple[int, int]] | None = None,
-               deepspeed_missing: str | None = None) -> AccelerateInput:
+               deepspeed_missing: str | None = None,
+               deepspeed_lookup_error: str | None = None) -> AccelerateInput:
     """What the rules read (see AccelerateInput)."""
     return AccelerateInput(accelerate or {}, deepspeed, version, deepspeed_path,
-                           deepspeed_positions or {}, deepspeed_missing)
+                           deepspeed_positions or {}, deepspeed_missing, deepspeed_lookup_error)
 
 
 def lint_accelerate(inp: AccelerateInput) -> list[Finding]:
@@ -74,8 +83,10 @@ def read_json(path: Path, text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise LintInputError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
-    except (RecursionError, ValueError) as e:
-        raise LintInputError(f"{path}:1: cannot load: {type(e).__name__}") from None
+    except (RecursionError, ValueError) as e:  # too deep, or an integer too long for Python
+        with contextlib.suppress(yaml.YAMLError):
+            compose(path, text)  # YAML reads JSON too, and refuses either at its line
+        raise LintInputError(f"{path}:1: cannot load: {first_line(e)}") from None
 
 
 def _positions(path: Path, text: str) -> dict[str, tuple[int, int]]:
@@ -85,10 +96,19 @@ def _positions(path: Path, text: str) -> dict[str, tuple[int, int]]:
         return {}
 
 
-def _find_deepspeed(path: Path, name: str) -> Path | None:
-    candidate = Path(name).expanduser()
-    places = [candidate] if candidate.is_absolute() else [path.parent / candidate, candidate]
-    return next((p for p in places if p.is_file()), None)
+def _find_deepspeed(path: Path, name: str) -> tuple[Path | None, str | None]:
+    """The DeepSpeed JSON, looked for next to `path` then in the current directory, the name
+    as written (HfDeepSpeedConfig opens it so: no `~`); else None and why a place could not
+    be looked at (None: it is not there)."""
+    candidate, error = Path(name), None
+    for place in [candidate] if candidate.is_absolute() else [path.parent / candidate,
+                                                              candidate]:
+        try:
+            if place.is_file():
+                return place, None
+        except OSError as e:  # a name too long, a folder we may not search
+            error = e.strerror or str(e)
+    return None, error
 
 
 def lint_accelerate_file(path: Path, text: str | None = None, data: Any = None,
@@ -110,9 +130,9 @@ def lint_accelerate_file(path: Path, text: str | None = None, data: Any = None,
     if not is_accelerate(data):  # a DeepSpeed JSON on its own
         return lint_accelerate(lint_input({}, data)), positions
     ds_name = section(data, "deepspeed_config").get("deepspeed_config_file")
-    deepspeed, ds_positions, missing, ds_path = None, {}, None, None
+    deepspeed, ds_positions, missing, lookup_error, ds_path = None, {}, None, None, None
     if isinstance(ds_name, str) and ds_name:
-        found = _find_deepspeed(path, ds_name)
+        found, lookup_error = _find_deepspeed(path, ds_name)
         if found is None:
             missing = ds_name
         else:
@@ -123,5 +143,6 @@ def lint_accelerate_file(path: Path, text: str | None = None, data: Any = None,
                 raise LintInputError(f"{found}:1: a DeepSpeed config must be a JSON object")
     inp = lint_input(data, deepspeed, version=installed_accelerate(),
                      deepspeed_path=str(ds_path) if ds_path else None,
-                     deepspeed_positions=ds_positions, deepspeed_missing=missing)
+                     deepspeed_positions=ds_positions, deepspeed_missing=missing,
+                     deepspeed_lookup_error=lookup_error)
     return lint_accelerate(inp), positions

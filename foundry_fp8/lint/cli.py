@@ -26,7 +26,14 @@ from foundry_fp8.lint.accelerate import (
     read_json,
 )
 from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
-from foundry_fp8.lint.load import LintInputError, load_config, load_data, position_of, read_text
+from foundry_fp8.lint.load import (
+    LintInputError,
+    cannot_read,
+    load_config,
+    load_data,
+    position_of,
+    read_text,
+)
 from foundry_fp8.lint.output import render_json, render_sarif, render_text, use_colour
 from foundry_fp8.lint.registry import Finding, LintContext, run_rules
 from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config
@@ -47,6 +54,10 @@ def _is_mcli(data: Any) -> bool:
         return False
     keys = {str(k) for k in data}
     return bool(keys & (MCLI_KEYS - {"name"})) and not keys & (TRAIN_CONFIG_KEYS - MCLI_KEYS)
+
+
+def _error_entry(path: Path | str, error: str) -> dict[str, Any]:
+    return {"path": str(path), "error": error, "findings": []}
 
 
 def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[int, int]],
@@ -76,7 +87,7 @@ def lint_file(path: Path, fsdp_version: int = 1,
                 "train from a config MCLI writes): nothing to lint")}
         loaded = load_config(path, text, subtree)
     except LintInputError as e:
-        return {"path": str(path), "error": str(e), "findings": []}
+        return _error_entry(path, str(e))
     context = LintContext(scope="file", fsdp_version=fsdp_version, env_keys=loaded.env_keys,
                           snapshot=snapshot)
     findings = run_rules("eval", loaded.config, context) if is_eval_config(loaded.config) \
@@ -90,18 +101,34 @@ def _as_dict(finding: Finding, position: tuple[int, int] | None) -> dict[str, An
             "line": line, "column": column, "message": finding.message, "fix": finding.fix}
 
 
+def _folder(folder: Path) -> list[Path | dict[str, Any]]:
+    """Its .yaml then .yml files, each sorted, and an error entry for each folder in it that
+    cannot be listed (`Path.rglob` skips those silently: their configs would go unlinted)."""
+    found: dict[str, list[Path]] = {".yaml": [], ".yml": []}
+    errors: list[Path | dict[str, Any]] = []
+    for parent, _, names in os.walk(folder, onerror=lambda e: errors.append(
+            _error_entry(e.filename, str(cannot_read(e.filename, e))))):
+        for name in names:
+            suffix = os.path.splitext(name)[1]
+            if suffix in found:
+                found[suffix].append(Path(parent, name))
+    return [*sorted(found[".yaml"]), *sorted(found[".yml"]), *errors]
+
+
 def _expand(paths: list[str]) -> list[Path | dict[str, Any]]:
     """The files to lint; a folder without config files becomes an error entry (a wrong path in
     CI must not pass as "0 files linted")."""
     items: list[Path | dict[str, Any]] = []
     for name in paths:
         p = Path(name)
-        if not p.is_dir():
+        try:
+            is_folder = p.is_dir()
+        except OSError:  # a name too long, a folder we may not search: read_text says which
+            is_folder = False
+        if not is_folder:
             items.append(p)
             continue
-        found = sorted(p.rglob("*.yaml")) + sorted(p.rglob("*.yml"))
-        items += found or [{"path": str(p), "error": f"{p}: no .yaml or .yml file in this folder",
-                            "findings": []}]
+        items += _folder(p) or [_error_entry(p, f"{p}: no .yaml or .yml file in this folder")]
     return items
 
 

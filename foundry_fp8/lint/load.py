@@ -12,6 +12,7 @@ import os
 import re
 import stat
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,16 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 #: Bounds that keep one file's lint short whatever it holds: bytes read, nesting depth (YAML's
 #: C composer recurses and crashes the interpreter near 100,000 levels; omegaconf recurses in
-#: Python), and nodes after alias expansion (a "billion laughs" file is small but expands to
-#: 10^9 nodes). A real train config is a few KiB, under 10 levels and a few thousand nodes.
+#: Python, also into `${...}` nested in one value), and nodes after alias expansion (a "billion
+#: laughs" file is small but expands to 10^9 nodes). A real train config is a few KiB, under 10
+#: levels and a few thousand nodes.
 MAX_BYTES = 2 * 1024 * 1024
 MAX_DEPTH = 100
 MAX_EXPANDED_NODES = 200_000
 #: Python's limit on int() of a decimal string (sys.get_int_max_str_digits, 4300 by default).
 _MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
+#: An interpolation's opening and closing braces (an escaped `\${` is text).
+_INTERPOLATION_BRACES = re.compile(r"(?<!\\)\$\{|\}")
 
 
 class LintInputError(Exception):
@@ -115,7 +119,8 @@ def _key_problem(root: yaml.Node) -> tuple[yaml.Node, str] | None:
     return None
 
 
-def _yaml_error(path: Path, error: yaml.YAMLError, text: str) -> LintInputError:
+def _yaml_error(path: Path, error: yaml.YAMLError, text: str,
+                verdict: str = "not valid YAML") -> LintInputError:
     mark = getattr(error, "problem_mark", None)
     if mark is not None and 0 <= mark.index < len(text) and text[mark.index] == "\t" \
             and isinstance(error, yaml.scanner.ScannerError):
@@ -123,7 +128,12 @@ def _yaml_error(path: Path, error: yaml.YAMLError, text: str) -> LintInputError:
                               "is not allowed in YAML indentation (use spaces)")
     where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
     problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-    return LintInputError(f"{path}{where}: not valid YAML: {problem}")
+    return LintInputError(f"{path}{where}: {verdict}: {problem}")
+
+
+def cannot_read(path: Path | str, error: OSError) -> LintInputError:
+    """The one line for a path the OS will not let us read, or even look at."""
+    return LintInputError(f"{path}: cannot read: {error.strerror or error}")
 
 
 def read_text(path: Path) -> str:
@@ -143,7 +153,7 @@ def read_text(path: Path) -> str:
         with open(path, "rb") as f:
             data = f.read(MAX_BYTES + 1)
     except OSError as e:
-        raise LintInputError(f"{path}: cannot read: {e.strerror or e}") from None
+        raise cannot_read(path, e) from None
     if len(data) > MAX_BYTES:
         raise LintInputError(f"{path}: more than {MAX_BYTES} bytes; refusing to read it")
     try:
@@ -167,10 +177,31 @@ def _check_depth(path: Path, text: str) -> None:
             depth -= 1
 
 
+def _interpolation_depth(text: str) -> int:
+    depth = deepest = 0
+    for brace in _INTERPOLATION_BRACES.finditer(text):
+        depth = max(depth - 1, 0) if brace.group() == "}" else depth + 1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _check_scalar(path: Path, node: yaml.ScalarNode) -> None:
+    """Refuse, at its line, an integer too long for Python to read, or interpolations nested
+    deeper than MAX_DEPTH (omegaconf's parser recurses on them for seconds, then fails)."""
+    mark, value = node.start_mark, str(node.value)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}"
+    if node.tag.endswith(":int") and len(value) > _MAX_INT_DIGITS:
+        raise LintInputError(f"{where}: an integer of {len(value)} digits; Python reads at most "
+                             f"{_MAX_INT_DIGITS} (quote it if it is a string)")
+    if "${" in value and _interpolation_depth(value) > MAX_DEPTH:
+        raise LintInputError(f"{where}: interpolations nested more than {MAX_DEPTH} levels "
+                             "deep; refusing to load it")
+
+
 def _check_expansion(path: Path, root: yaml.Node) -> None:
     """Refuse a document whose aliases expand to more than MAX_EXPANDED_NODES nodes (counted
-    once per distinct node, iteratively, so the count itself stays cheap), or that holds an
-    integer too long for Python to read, at its line."""
+    once per distinct node, iteratively, so the count itself stays cheap), or that holds a
+    scalar `_check_scalar` refuses."""
     sizes: dict[int, int] = {}
     expanding: set[int] = set()  # the nodes whose children are being counted: the ancestors
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
@@ -188,12 +219,8 @@ def _check_expansion(path: Path, root: yaml.Node) -> None:
                                      f"{MAX_EXPANDED_NODES} values (an alias bomb?); refusing "
                                      "to load it")
             continue
-        if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":int") \
-                and len(str(node.value)) > _MAX_INT_DIGITS:
-            mark = node.start_mark
-            raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: an integer of "
-                                 f"{len(str(node.value))} digits; Python reads at most "
-                                 f"{_MAX_INT_DIGITS} (quote it if it is a string)")
+        if isinstance(node, yaml.ScalarNode):
+            _check_scalar(path, node)
         if any(id(c) in expanding or c is node for c in children):
             mark = node.start_mark  # the anchor: an alias inside it names it again
             raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: an alias refers to "
@@ -228,7 +255,7 @@ def load_data(path: Path, text: str) -> Any:
     except yaml.YAMLError as e:
         raise _yaml_error(path, e, text) from None
     except (ValueError, TypeError, RecursionError, MemoryError) as e:
-        raise LintInputError(f"{path}:1: cannot load: {_first_line(e)}") from None
+        raise LintInputError(f"{path}:1: cannot load: {first_line(e)}") from None
 
 
 def load_config(path: Path, text: str | None = None, subtree: str | None = None,
@@ -243,43 +270,61 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
     text = read_text(path) if text is None else text
     try:
         root = compose(path, text)
-        if root is None:  # LLM-Foundry's train_from_yaml cannot train from it either
-            raise LintInputError(f"{path}: a train config must be a mapping; the file has no "
-                                 "YAML content (empty, or only comments)")
-        if not isinstance(root, yaml.MappingNode):
-            raise LintInputError(f"{path}:{root.start_mark.line + 1}: a train config must be a "
-                                 "mapping")
-        positions, env_values = key_positions(root)
-        raw = OmegaConf.create(text)
-        if subtree is not None:
-            raw = OmegaConf.create(OmegaConf.to_container(raw[subtree], resolve=False))
     except yaml.YAMLError as e:
         raise _yaml_error(path, e, text) from None
-    except (OmegaConfBaseException, ValueError, TypeError, RecursionError, MemoryError) as e:
-        raise LintInputError(f"{path}:1: cannot load: {_first_line(e)}") from None
-    env_keys = []
+    if root is None:  # LLM-Foundry's train_from_yaml cannot train from it either
+        raise LintInputError(f"{path}: a train config must be a mapping; the file has no YAML "
+                             "content (empty, or only comments)")
+    if not isinstance(root, yaml.MappingNode):
+        raise LintInputError(f"{path}:{root.start_mark.line + 1}: a train config must be a "
+                             "mapping")
+    positions, env_values = key_positions(root)
     inside = f"{subtree}." if subtree is not None else ""
-    for key, value in env_values:
-        if not key.startswith(inside):
-            continue
-        key = key[len(inside):]
+    failures = (OmegaConfBaseException, ValueError, TypeError, RecursionError, MemoryError)
+    with warnings.catch_warnings():  # omegaconf's own (oc.deprecated's) are not our output
+        warnings.simplefilter("ignore")
         try:
-            OmegaConf.update(raw, key, value.replace("${", "\\${"), merge=False)
-            env_keys.append(key)
-        except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError):
-            pass  # a key omegaconf cannot address; resolution reports it if it matters
-    try:
-        config = OmegaConf.to_container(raw, resolve=True)
-    except (OmegaConfBaseException, ValueError, TypeError, RecursionError, MemoryError) as e:
-        key = str(getattr(e, "full_key", None) or "?")
-        key = f"{inside}{key}" if key != "?" else key
-        line = positions.get(key, ("?",))[0]
-        raise LintInputError(f"{path}:{line}: cannot resolve key {key}: {_first_line(e)}") \
-            from None
+            raw = OmegaConf.create(text)
+        except yaml.YAMLError as e:  # the YAML composed above: one of omegaconf's own limits
+            raise _yaml_error(path, e, text, "omegaconf, which LLM-Foundry reads YAML with, "
+                              "refuses it") from None
+        except failures as e:
+            raise _omegaconf_error(path, e, positions, "", "cannot load") from None
+        try:
+            if subtree is not None:
+                raw = OmegaConf.create(OmegaConf.to_container(raw[subtree], resolve=False))
+        except failures as e:
+            raise _omegaconf_error(path, e, positions, inside, "cannot load") from None
+        env_keys = []
+        for key, value in env_values:
+            if not key.startswith(inside):
+                continue
+            key = key[len(inside):]
+            try:
+                OmegaConf.update(raw, key, value.replace("${", "\\${"), merge=False)
+                env_keys.append(key)
+            except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError):
+                pass  # a key omegaconf cannot address; resolution reports it if it matters
+        try:
+            config = OmegaConf.to_container(raw, resolve=True)
+        except failures as e:
+            raise _omegaconf_error(path, e, positions, inside, "cannot resolve") from None
     return LoadedConfig(config, positions, tuple(env_keys))
 
 
-def _first_line(error: BaseException) -> str:
+def _omegaconf_error(path: Path, error: BaseException, positions: dict[str, tuple[int, int]],
+                     inside: str, doing: str) -> LintInputError:
+    """omegaconf's error at the line of the key it names (its `full_key`, `a[0].b` for our
+    `a.0.b`, under the subtree `inside`); line 1 when it names none."""
+    key = str(getattr(error, "full_key", None) or "")
+    if not key:
+        return LintInputError(f"{path}:1: {doing}: {first_line(error)}")
+    key = inside + re.sub(r"\[(\d+)\]", r".\1", key)
+    line = (position_of(key, positions) or (1,))[0]
+    return LintInputError(f"{path}:{line}: {doing} key {key}: {first_line(error)}")
+
+
+def first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0][:300] if lines else type(error).__name__
 

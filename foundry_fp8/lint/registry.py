@@ -4,7 +4,9 @@ per feature, registered where it is defined). docs/rules.md and SARIF's rule lis
 registry; nothing else holds a rule id or a fix. No torch here.
 
 A check yields `Hit`s: the key, the message, and only where they differ from the rule's, a
-milder severity or a fix for this occurrence; `Rule.findings` turns them into `Finding`s.
+milder severity or a fix for this occurrence; `Rule.findings` turns them into `Finding`s. A key
+whose value is `${oc.env:...}` holds that text, not a value the run would see: only a rule
+registered with `unresolved=True` (the one that reports such keys) speaks about it.
 """
 
 from __future__ import annotations
@@ -78,10 +80,16 @@ class Rule:
     family: str = "train"
     scope: Literal["any", "file"] = "any"
     also: tuple[str, ...] = ()  # other families whose inputs this check reads alike
+    unresolved: bool = False  # it judges `${oc.env:...}` values themselves
 
     def findings(self, data: Any, context: LintContext) -> list[Finding]:
         return [Finding(self.id, hit.severity or self.severity, hit.key, hit.message,
-                        hit.fix or self.fix) for hit in self.check(data, context)]
+                        hit.fix or self.fix) for hit in self.check(data, context)
+                if self.unresolved or not _under(hit.key, context.env_keys)]
+
+
+def _under(key: str, parents: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(f"{p}.") for p in parents)
 
 
 _REGISTRY: dict[str, Rule] = {}
@@ -89,16 +97,18 @@ _REGISTRY: dict[str, Rule] = {}
 
 def rule(id: str, severity: Severity, summary: str, *, why: str, source: str, fix: str,
          family: str = "train", scope: Literal["any", "file"] = "any",
-         also: tuple[str, ...] = ()) -> Callable[[Check], Check]:
+         also: tuple[str, ...] = (), unresolved: bool = False) -> Callable[[Check], Check]:
     """Register the decorated check as rule `id` (each id once); `also` names other families
-    (eval configs) whose input the check reads the same way."""
+    (eval configs) whose input the check reads the same way; `unresolved`: its hits at keys
+    holding `${oc.env:...}` are kept (see the module's docstring)."""
     if family not in FAMILIES or not set(also) <= set(FAMILIES):
         raise ValueError(f"unknown rule family {family!r}")
 
     def register(check: Check) -> Check:
         if id in _REGISTRY:
             raise ValueError(f"rule {id} registered twice")
-        _REGISTRY[id] = Rule(id, severity, summary, why, source, fix, check, family, scope, also)
+        _REGISTRY[id] = Rule(id, severity, summary, why, source, fix, check, family, scope, also,
+                             unresolved)
         return check
 
     return register

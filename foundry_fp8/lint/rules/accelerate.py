@@ -63,7 +63,8 @@ class AccelerateInput:
     """What the rules read. `accelerate`: the Accelerate config ({} when linting a DeepSpeed
     JSON alone); `deepspeed`: the DeepSpeed JSON; `version`: the installed Accelerate (None:
     unknown); `deepspeed_path`/`deepspeed_positions`: where DeepSpeed keys are, for messages;
-    `deepspeed_missing`: a `deepspeed_config_file` that could not be found."""
+    `deepspeed_missing`: a `deepspeed_config_file` that could not be found, and
+    `deepspeed_lookup_error` the OS's reason when looking for it failed (None: not there)."""
 
     accelerate: Mapping[str, Any] = field(default_factory=dict)
     deepspeed: Mapping[str, Any] | None = None
@@ -71,6 +72,7 @@ class AccelerateInput:
     deepspeed_path: str | None = None
     deepspeed_positions: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     deepspeed_missing: str | None = None
+    deepspeed_lookup_error: str | None = None
 
 
 def _text(value: Any) -> str:
@@ -313,15 +315,18 @@ def zero_stage_auto(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
 
 
 @rule("FP8109", "warning", "`deepspeed_config_file` not found",
-      why="HfDeepSpeedConfig opens the path from the launch directory; a file we cannot find "
-      "is not checked.",
+      why="HfDeepSpeedConfig opens the path as written (`~` is not expanded) from the launch "
+      "directory; a file we cannot find is not checked.",
       source=f"{ACC} src/accelerate/utils/deepspeed.py HfDeepSpeedConfig.__init__",
       fix="use an absolute path, or lint from the launch directory", family="accelerate")
 def deepspeed_file_missing(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     if inp.deepspeed_missing:
-        yield Hit(DS_FILE_KEY, f"DeepSpeed config {inp.deepspeed_missing} not found next to "
-                  "this file or in the current directory, so it was not checked; Accelerate "
-                  "opens a relative path from the directory `accelerate launch` runs in")
+        where = (f"could not be looked for ({inp.deepspeed_lookup_error})"
+                 if inp.deepspeed_lookup_error else
+                 "not found next to this file or in the current directory")
+        yield Hit(DS_FILE_KEY, f"DeepSpeed config {inp.deepspeed_missing} {where}, so it was "
+                  "not checked; Accelerate opens a relative path from the directory "
+                  "`accelerate launch` runs in")
 
 
 @rule("FP8110", "error", "`fp8_config.override_linear_precision` written as a string",

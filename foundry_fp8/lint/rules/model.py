@@ -46,18 +46,33 @@ def te_ln_mlp_with_act_fn(config: Mapping[str, Any], ctx: LintContext) -> Iterat
                   "activation functions')")
 
 
+def _ratio_hidden(model: Mapping[str, Any], d_model: int) -> int | float | None:
+    """d_model * expansion_ratio, which LLM-Foundry (ffn.py, resolve_ffn_hidden_size) makes the
+    FFN hidden size when ffn_config.ffn_hidden_size is not given; None when it is, or when the
+    ratio is no number."""
+    ratio = model.get("expansion_ratio", MPT_DEFAULTS["expansion_ratio"])
+    if get(model, "ffn_config.ffn_hidden_size") is not None \
+            or not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
+        return None
+    try:
+        return d_model * ratio
+    except OverflowError:  # a d_model too large for a float
+        return None
+
+
+def _whole(size: int | float) -> bool:
+    return isinstance(size, int) or size.is_integer()
+
+
 def _ffn_hidden(model: Mapping[str, Any], d_model: int) -> tuple[str, int] | None:
     """(key, size) of the FFN hidden size as LLM-Foundry resolves it (ffn.py,
     resolve_ffn_hidden_size): ffn_config.ffn_hidden_size, else d_model * expansion_ratio."""
     given = as_int(get(model, "ffn_config.ffn_hidden_size"))
     if given is not None:
         return "model.ffn_config.ffn_hidden_size", given
-    ratio = model.get("expansion_ratio", MPT_DEFAULTS["expansion_ratio"])
-    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
-        hidden = d_model * ratio
-        if float(hidden).is_integer():
-            return "model.expansion_ratio", int(hidden)
-    return None
+    hidden = _ratio_hidden(model, d_model)
+    return ("model.expansion_ratio", int(hidden)) if hidden is not None and _whole(hidden) \
+        else None
 
 
 @rule("FP8005", "error", "GEMM dims (d_model, FFN hidden size, vocab when te_swap converts "
@@ -98,6 +113,23 @@ def gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
         yield Hit("model.vocab_size", f"vocab_size {vocab} is not divisible by 16: te_swap keeps "
                   "the LM head in high precision although keep_lm_head is false",
                   severity="warning")
+
+
+@rule("FP8032", "error", "MPT's `d_model * expansion_ratio` not a whole number",
+      why="Every MPT FFN (MPTMLP, te_ln_mlp, the MoE FFNs) takes its hidden size from "
+      "resolve_ffn_hidden_size, which raises '`d_model * expansion_ratio` must be an integer' "
+      "unless ffn_config.ffn_hidden_size is given: the model is never built.",
+      source=f"{FOUNDRY} llmfoundry/models/layers/ffn.py resolve_ffn_hidden_size (from "
+      "MPTMLP.__init__, build_te_ln_mlp, build_torch_dmoe, mb_setup_args)",
+      fix="an expansion_ratio whose product with d_model is whole, or ffn_config.ffn_hidden_size")
+def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    model = section(config, "model")
+    d_model = as_int(model.get("d_model", MPT_DEFAULTS["d_model"]))
+    hidden = _ratio_hidden(model, d_model) if _is_mpt(model) and d_model is not None else None
+    if hidden is not None and not _whole(hidden):
+        yield Hit("model.expansion_ratio", f"d_model * expansion_ratio is {hidden}, not a whole "
+                  "number: LLM-Foundry raises '`d_model * expansion_ratio` must be an integer' "
+                  "building the model")
 
 
 @rule("FP8016", "warning", "`fc_type: {name: te}` (mapping form)",

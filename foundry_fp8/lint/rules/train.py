@@ -131,7 +131,7 @@ def precision_value(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
       "so `llmfoundry train` fails with 'Unsupported interpolation type oc.env'.",
       source=f"{FOUNDRY} llmfoundry/command_utils/train.py train_from_yaml",
       fix="put the value in the YAML or pass it as a command-line override "
-      "(`llmfoundry train x.yaml key=value`)", scope="file", also=("eval",))
+      "(`llmfoundry train x.yaml key=value`)", scope="file", also=("eval",), unresolved=True)
 def oc_env_interpolation(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     for key in ctx.env_keys:
         yield Hit(key, "`llmfoundry train` (train_from_yaml) clears omegaconf's oc.env resolver, "
