@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from foundry_fp8 import jsonl
 from foundry_fp8.health import Flag, HealthTracker, Thresholds, md_escape, short_layer
 from foundry_fp8.options import FP8GuardOptions as GuardConfig
 
@@ -40,6 +41,47 @@ REPROMOTION_PREFIX = "fp8/guard/repromotion/"  # + layer: one per re-promotion
 def _plain(numbers: Mapping[str, float]) -> dict[str, float | str]:
     """Numbers as JSON that equals itself read back: NaN/Inf as strings."""
     return {k: v if math.isfinite(v) else str(v) for k, v in numbers.items()}
+
+
+def _fields(item: Any, **read: Callable[[Any], Any]) -> dict[str, Any]:
+    """A record's fields, each that `read` names checked and converted by its reader, so that
+    a record of the wrong shape (hparams.json is anyone's file) is a ValueError, not any error
+    later; a field missing or unknown is the dataclass's TypeError."""
+    if not isinstance(item, Mapping):
+        raise ValueError(f"not a record: a {type(item).__name__}")
+    return {key: read[key](value) if key in read else value for key, value in item.items()}
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got a {type(value).__name__}")
+    return value
+
+
+def _texts(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected a list of strings, got a {type(value).__name__}")
+    return tuple(map(_text, value))
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got a {type(value).__name__}")
+    return value
+
+
+def _number(value: Any) -> float:
+    """A number, NaN/Inf also as their strings (`_plain`)."""
+    number = jsonl.number(float(value) if isinstance(value, str) else value)
+    if number is None:
+        raise ValueError(f"expected a number, got a {type(value).__name__}")
+    return number
+
+
+def _numbers(value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected an object of numbers, got a {type(value).__name__}")
+    return {_text(k): _number(v) for k, v in value.items()}
 
 
 class GuardBudgetError(RuntimeError):
@@ -72,10 +114,10 @@ class Fallback:
 
     @classmethod
     def from_dict(cls, item: Mapping[str, Any]) -> Fallback:
-        """From `asdict` (a checkpoint) or `record` (a logged hyperparameter)."""
-        return cls(**{**item, "reasons": tuple(item["reasons"]),
-                      "flagged": tuple(item.get("flagged", ())),
-                      "numbers": {k: float(v) for k, v in item.get("numbers", {}).items()}})
+        """From `asdict` (a checkpoint) or `record` (a logged hyperparameter); ValueError or
+        TypeError for anything else (`_fields`)."""
+        return cls(**_fields(item, layer=_text, step=_integer, flops_share=_number,
+                             reasons=_texts, flagged=_texts, numbers=_numbers))
 
 
 @dataclass(frozen=True)
@@ -94,8 +136,9 @@ class Repromotion:
 
     @classmethod
     def from_dict(cls, item: Mapping[str, Any]) -> Repromotion:
-        return cls(**{**item, "numbers": {k: float(v)
-                                          for k, v in item.get("numbers", {}).items()}})
+        """As `Fallback.from_dict`."""
+        return cls(**_fields(item, layer=_text, step=_integer, fallen_at=_integer,
+                             healthy_steps=_integer, numbers=_numbers))
 
 
 @dataclass

@@ -52,6 +52,22 @@ class JsonlSink:
             f.write(line)
 
 
+def number(value: Any) -> float | None:
+    """A logged value as a float; None where it is no number to plot or judge: another type, a
+    bool, or an integer too large for a float (JSON has no size limit)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+#: What `json.loads` raises for a line that does not decode: not JSON, not UTF-8 (ValueError),
+#: or nested deeper than the parser goes (RecursionError).
+UNDECODABLE = (ValueError, RecursionError)
+
+
 class JsonlError(ValueError):
     """A file that is not a metrics file: a line that is JSON but not a `{"step", "metrics"}`
     record, or no record at all; the message names file, line and key."""
@@ -85,8 +101,9 @@ def read_jsonl(path: str | os.PathLike[str],
 
     A line that does not decode (not JSON, not UTF-8) is what a run killed mid-write leaves:
     cut short at the end of the file, or, once a resumed run appended to it, glued to the next
-    record (whose line then still yields that record). Any number of such lines is skipped and
-    their numbers appended to `skipped` (the caller warns once); each crash leaves at most one.
+    record (whose line then still yields that record). Any number of such lines, and of lines
+    nested too deep to decode, is skipped and their numbers appended to `skipped` (the caller
+    warns once); each crash leaves at most one.
     A line that decodes but is not a `{"step": int, "metrics": {...}}` record raises JsonlError
     naming file, line and key (no writer of ours produces it: it is another file), and so does
     a file with no record at all but undecodable lines. Blank lines are ignored.
@@ -103,7 +120,7 @@ def read_jsonl(path: str | os.PathLike[str],
                 if not line.strip():
                     continue
                 value = json.loads(line)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            except UNDECODABLE as e:
                 error = error or f"line {lineno}: {type(e).__name__}: {e}"
                 skipped.append(lineno)
                 glued = _glued_record(raw, where)
@@ -126,5 +143,5 @@ def _glued_record(raw: bytes, where: str) -> tuple[int, dict[str, Any]] | None:
         return None
     try:
         return _record(json.loads(raw[start:].decode("utf-8")), where)
-    except ValueError:  # also JsonlError: the tail is not a record either
+    except UNDECODABLE:  # also JsonlError: the tail is not a record either
         return None

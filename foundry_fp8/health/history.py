@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from foundry_fp8 import jsonl
 from foundry_fp8.health.keys import INITIAL_SCALE, parse_key
 from foundry_fp8.health.specs import PERFECT, SPECS, TENSOR_ORDER, badness, known_first, spec
 
@@ -25,6 +26,8 @@ class RunMetrics:
     stats: list[str] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # every step with any fp8 metric, sorted
     initial: set[tuple[str, str, int]] = field(default_factory=set)
+    # `steps` as a set: a list search per value would make reading a run quadratic in its steps
+    _step_set: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def add(self, step: int, layer: str, tensor: str, stat: str, value: float) -> None:
         """One number; a step logged twice (a resumed run appending) keeps the later value."""
@@ -38,7 +41,8 @@ class RunMetrics:
             for names, name in ((self.layers, layer), (self.tensors, tensor), (self.stats, stat)):
                 if name not in names:
                     names.append(name)
-        if step not in by_step and step not in self.steps:
+        if step not in self._step_set:
+            self._step_set.add(step)
             self.steps.append(step)
         by_step[step] = float(value)
 
@@ -73,15 +77,16 @@ class RunMetrics:
 
 
 def collect(records: Iterable[tuple[int, Mapping[str, Any]]]) -> RunMetrics:
-    """The per-layer numbers (`health.keys` layout) of `(step, metrics)` records."""
+    """The per-layer numbers (`health.keys` layout) of `(step, metrics)` records; values that
+    are no number (`jsonl.number`) are left out."""
     run = RunMetrics()
     for step, metrics in records:
         for name, value in metrics.items():
-            parsed = parse_key(name)
-            if (parsed is None or isinstance(value, bool) or not isinstance(value, (int, float))):
+            parsed, number = parse_key(name), jsonl.number(value)
+            if parsed is None or number is None:
                 continue
             stat, tensor, layer = parsed
-            run.add(step, layer, tensor, stat, float(value))
+            run.add(step, layer, tensor, stat, number)
     run.tidy()
     return run
 

@@ -79,9 +79,11 @@ def tick_indices(n: int, max_ticks: int) -> list[int]:
     return list(range(0, n, stride))
 
 
-#: Magnitudes plotted within [1 / PLOT_MAX, PLOT_MAX]: matplotlib's colour bars and log axes
-#: multiply their limits and overflow near float64's max (1.8e308).
-PLOT_MAX = 1e300
+#: Magnitudes plotted within [1 / PLOT_MAX, PLOT_MAX] (FP8 statistics of float32 tensors lie
+#: well inside): a log axis or colour bar pads its limits and puts ticks up to about twice its
+#: span beyond them, which must stay inside float64 (1.8e308, and 2e-287, below which a colour
+#: bar takes its limits for equal and fails).
+PLOT_MAX = 1e80
 
 
 def one_line(label: str) -> str:
@@ -204,8 +206,8 @@ class Heatmap:
         return f"black line: flagged beyond {limit:g}" if limit else ""
 
     def cell_text(self, value: float) -> str:
-        """A number that fits a cell; cosines need their digits after the 0.99."""
-        return f"{value:.5f}" if self.stat == "cos_sim" else f"{value:.2g}"
+        """A number that fits a cell; cosines (within -1 to 1) need their digits after the 0.99."""
+        return f"{value:.5f}" if self.stat == "cos_sim" and abs(value) <= 1 else f"{value:.2g}"
 
     def dark(self, level: float) -> bool:
         """Whether a cell at this colour level (0-1) is dark enough for white text."""
@@ -322,8 +324,10 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]]) -> Any:
             for k, ((layer, why), (steps, values)) in enumerate(zip(chosen, lines, strict=True)):
                 ax.plot(steps, values, marker="o", ms=2.5, lw=1.2, color=f"C{k % 10}",
                         label=text(layer.removeprefix(prefix) + (f" ({why})" if why else "")))
-            limits = log_limits(lines) if spec(stat).log else None
-            if spec(stat).log:
+            # no log axis without a positive value to place on it (matplotlib warns)
+            log = spec(stat).log and any(v > 0 for _, values in lines for v in values)
+            limits = log_limits(lines) if log else None
+            if log:
                 ax.set_yscale("log")
             if limits is not None:
                 ax.set_ylim(limits[0], limits[1])

@@ -22,7 +22,7 @@ from foundry_fp8.guard import (
 )
 from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import LAYOUT, OLDER_LAYOUT, older_layout
-from foundry_fp8.jsonl import JsonlError, read_jsonl
+from foundry_fp8.jsonl import UNDECODABLE, JsonlError, number, read_jsonl
 
 #: Steps beyond this are not a training's (and not exact in float64, which plotting uses).
 MAX_STEP = 2**53
@@ -39,9 +39,7 @@ def thresholds_from_hparams(hparams: Mapping[str, Any]) -> Thresholds:
     if cfg is None:
         return Thresholds()
     keys = ("max_underflow_pct", "max_overflow_pct", "min_cos_sim")
-    given = {k: float(cfg[k]) for k in keys
-             if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)
-             and math.isfinite(cfg[k])}
+    given = {k: v for k in keys if (v := number(cfg.get(k))) is not None and math.isfinite(v)}
     try:
         return Thresholds(**given, source="the run's fp8_stats settings (hparams.json)")
     except ValueError:
@@ -58,7 +56,7 @@ def read_hparams(path: Path) -> Mapping[str, Any] | None:
     """hparams.json, or None when absent or unreadable."""
     try:
         value = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, *UNDECODABLE):
         return None
     return value if isinstance(value, Mapping) else None
 
@@ -71,9 +69,9 @@ def _guard_series(records: Iterable[tuple[int, Mapping[str, Any]]],
     """`records` unchanged, fp8_guard's numbers copied `into` on the way (one pass)."""
     for step, metrics in records:
         for key in (FALLBACK_LAYERS, FP8_FLOPS_SHARE):
-            value = metrics.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                into.setdefault(step, {})[key] = float(value)
+            value = number(metrics.get(key))
+            if value is not None and math.isfinite(value):  # a count, a share
+                into.setdefault(step, {})[key] = value
         yield step, metrics
 
 
@@ -151,11 +149,8 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
         if kind is None:
             continue
         try:
-            record = kind[0].from_dict(value)
-            if not (isinstance(record.layer, str) and type(record.step) is int):
-                raise ValueError(value)
-            kind[1].append(record)
-        except (TypeError, KeyError, ValueError):
+            kind[1].append(kind[0].from_dict(value))
+        except (TypeError, ValueError):
             what = "fallback" if kind[0] is Fallback else "re-promotion"
             warn(f"{where}: key {key!r}: not an fp8_guard {what} record; left out")
     callbacks = hparams.get("callbacks")

@@ -1,0 +1,146 @@
+"""`foundry-fp8 report` on hostile input QA found: integers no float holds, JSON nested beyond
+the parser's recursion, fp8_guard records of the wrong shape, and values at float64's edges in
+the plots. A bad value or record is left out (a bad line or record with one warning line), the
+rest is reported, exit 0; never a traceback, never a Python warning on stderr."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from foundry_fp8.cli import main
+from foundry_fp8.guard import FALLBACK_LAYERS, FALLBACK_PREFIX, REPROMOTION_PREFIX, Fallback
+from foundry_fp8.health import layer_key
+from foundry_fp8.jsonl import JsonlSink
+from tests.test_report import HEALTHY, L0, L1, L2, STEPS, assert_valid_png, write_run
+
+BIG = "1" + "0" * 400  # a JSON integer too large for a float
+DEEP = "[" * 100_000 + "]" * 100_000  # nested far beyond json's recursion limit
+UNDERFLOW_L1 = layer_key("underflow_pct", "gradient", L1)
+
+
+def report(folder: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, str, str]:
+    """stdout, stderr and fp8_report.md of a report that must succeed."""
+    assert main(["report", str(folder)]) == 0
+    out = capsys.readouterr()
+    return out.out, out.err, (folder / "fp8_report.md").read_text()
+
+
+@pytest.mark.parametrize(("line", "skipped"), [
+    (f'{{"step": 30, "metrics": {{"{UNDERFLOW_L1}": {BIG}}}}}', False),
+    (DEEP, True),
+    ('{"step": 30, "metrics": {"x": ' + DEEP + "}}", True),
+], ids=["huge-integer-value", "deep-line", "deep-value"])
+def test_an_unusable_value_or_line_is_left_out_and_the_rest_reported(tmp_path, capsys, line,
+                                                                     skipped):
+    """A value no float holds is left out as a wrong-typed one is (silently: another logger's
+    value may be anything); a line nested too deep to decode is skipped like a cut line."""
+    path = write_run(tmp_path) / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write(line + "\n")
+    JsonlSink(path).write(40, {UNDERFLOW_L1: 0.0})  # a good record after the bad line
+    stdout, stderr, md = report(tmp_path, capsys)
+    assert stderr == (f"warning: {path}:4: skipped 1 line that does not decode (line 4; a run "
+                      "killed mid-write leaves one); the report covers the rest\n" if skipped
+                      else "")
+    # step 30 gave no number; step 40's 0 % counts: L1's underflow logged at 4 steps
+    assert f"'{L1}' gradient: underflow_pct 9 % at step 20 (> 5 %; 1 of 4 steps)" in stdout
+    assert "4 logging steps (0 to 40)" in md
+
+
+@pytest.mark.parametrize("underflow", [BIG, '"x"', "NaN"], ids=["huge-integer", "string", "nan"])
+def test_a_threshold_no_float_holds_is_ignored_like_a_string_or_nan(tmp_path, capsys,
+                                                                      underflow):
+    """The default underflow threshold (5 %) stands in; the run's other thresholds still hold."""
+    write_run(tmp_path)
+    (tmp_path / "hparams.json").write_text(
+        '{"callbacks": {"fp8_stats": {"max_underflow_pct": ' + underflow + ', "min_cos_sim": 0.95}}}')
+    stdout, stderr, md = report(tmp_path, capsys)
+    assert not stderr
+    assert ("Thresholds from the run's fp8_stats settings (hparams.json): underflow > 5 %, "
+            "cos_sim < 0.95,") in md
+    assert "1 flagged" in stdout  # L2's cos_sim 0.98 is within 0.95
+
+
+def test_an_hparams_json_nested_too_deep_is_read_as_unreadable(tmp_path, capsys):
+    """As a hparams.json that is not JSON: the report runs on fp8_stats' defaults."""
+    write_run(tmp_path)
+    (tmp_path / "hparams.json").write_text(DEEP)
+    stdout, stderr, md = report(tmp_path, capsys)
+    assert not stderr and "2 flagged" in stdout
+    assert "Thresholds from fp8_stats defaults: underflow > 5 %, cos_sim < 0.99," in md
+
+
+GOOD = Fallback(L1, 10, 0.25, ("message",), {"gradient/cos_sim": 0.9}).record()
+REPROMOTED = {"layer": L1, "step": 20, "fallen_at": 10, "healthy_steps": 3, "numbers": {}}
+BAD_RECORDS = {  # hparams.json key: a record of the wrong shape
+    f"{FALLBACK_PREFIX}numbers-list": {**GOOD, "numbers": [1, 2]},
+    f"{FALLBACK_PREFIX}numbers-huge": {**GOOD, "numbers": {"a": BIG}},
+    f"{FALLBACK_PREFIX}share-text": {**GOOD, "flops_share": "abc"},
+    f"{FALLBACK_PREFIX}share-huge": {**GOOD, "flops_share": BIG},
+    f"{FALLBACK_PREFIX}reasons-numbers": {**GOOD, "reasons": [1]},
+    f"{FALLBACK_PREFIX}step-bool": {**GOOD, "step": True},
+    f"{FALLBACK_PREFIX}list": [GOOD],
+    f"{REPROMOTION_PREFIX}numbers-text": {**REPROMOTED, "numbers": "abc"},
+    f"{REPROMOTION_PREFIX}steps-float": {**REPROMOTED, "healthy_steps": 2.5},
+}
+
+
+def test_fp8_guard_records_of_the_wrong_shape_are_left_out_with_one_warning_each(tmp_path,
+                                                                                 capsys):
+    """The good fallback among them still makes the guard section."""
+    write_run(tmp_path)
+    hparams = tmp_path / "hparams.json"
+    text = json.dumps({"callbacks": {"fp8_stats": {}, "fp8_guard": {}},
+                       FALLBACK_PREFIX + L1: GOOD, **BAD_RECORDS})
+    hparams.write_text(text.replace(f'"{BIG}"', BIG))  # a bare integer
+    stdout, stderr, md = report(tmp_path, capsys)
+    assert stderr == "".join(
+        f"warning: {hparams}: key '{key}': not an fp8_guard "
+        f"{'fallback' if key.startswith(FALLBACK_PREFIX) else 're-promotion'} record; left out\n"
+        for key in BAD_RECORDS)
+    assert f"fp8_guard moved 1 layer(s) to high precision: {L1} from step 11." in stdout
+    assert f"| {L1} | 11 | 25.0 % | message |" in md
+
+
+def test_a_non_finite_fp8_guard_series_value_is_left_out(tmp_path, capsys):
+    """A NaN layer count is no count: the last finite one (1) agrees with hparams.json."""
+    path = write_run(tmp_path) / "metrics.jsonl"
+    for step, layers in ((10, 1.0), (20, float("nan"))):
+        JsonlSink(path).write(step, {FALLBACK_LAYERS: layers})
+    (tmp_path / "hparams.json").write_text(json.dumps({FALLBACK_PREFIX + L1: GOOD}))
+    stdout, stderr, md = report(tmp_path, capsys)
+    assert not stderr and "fp8_guard moved 1 layer(s)" in stdout
+    assert "fp8_guard moved 1 layer(s) to high precision during the run" in md
+    assert "part of the run's record is missing" not in md
+
+
+EVERY_CELL = [(layer, step) for layer in (L0, L1, L2) for step in STEPS]
+
+
+@pytest.mark.parametrize("cells", [
+    {(L1, 20): float("inf"), (L2, 10): 5e-324, (L0, 10): -1e308, (L0, 0): float("nan")},
+    dict.fromkeys(EVERY_CELL, 1e308), dict.fromkeys(EVERY_CELL, 5e-324),
+    dict.fromkeys(EVERY_CELL, 0.0),
+], ids=["one-cell-each", "every-cell-1e308", "every-cell-5e-324", "every-cell-0"])
+def test_values_at_float64_edges_draw_without_python_warnings(tmp_path, capsys, cells):
+    """Every statistic of a (layer, step) set to a value at float64's edges: no overflow in the
+    plots' arithmetic, no log axis without a positive value, no number too wide for its cell;
+    every PNG drawn."""
+    path = write_run(tmp_path) / "metrics.jsonl"
+    for (layer, step), value in cells.items():  # a step logged again keeps the later values
+        JsonlSink(path).write(step, {layer_key(stat, tensor, layer): value for stat in HEALTHY
+                                     for tensor in ("activation", "gradient")})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stdout, stderr, _ = report(tmp_path, capsys)
+    assert [f"{w.filename}:{w.lineno}: {w.message}" for w in caught] == []
+    assert not stderr
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == sorted(line.strip() for line in stdout.splitlines() if line.endswith(".png"))
+    assert "fp8_timeseries.png" in pngs
+    for png in pngs:
+        assert_valid_png(tmp_path / png, min_pixels=10_000)
