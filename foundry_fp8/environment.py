@@ -117,8 +117,8 @@ def _gpu_from_nvidia_smi() -> dict[str, Any]:
         return {}
     try:
         done = subprocess.run([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S,
-                              check=False)
+                              capture_output=True, text=True, errors="replace",
+                              timeout=NVIDIA_SMI_TIMEOUT_S, check=False)
     except (subprocess.TimeoutExpired, OSError) as e:
         return {"gpu_name": f"unknown (nvidia-smi: {type(e).__name__})"}
     line = next((ln for ln in done.stdout.splitlines() if ln.strip()), "")
@@ -147,7 +147,8 @@ def te_import_error(timeout_s: float = TE_IMPORT_TIMEOUT_S) -> str | None:
     through the libraries torch loads, so TE imported alone can fail on a healthy install."""
     try:
         done = subprocess.run([sys.executable, "-c", "import torch, transformer_engine.pytorch"],
-                              capture_output=True, text=True, timeout=timeout_s, check=False)
+                              capture_output=True, text=True, errors="replace", timeout=timeout_s,
+                              check=False)
     except subprocess.TimeoutExpired:
         return f"did not finish within {timeout_s:.0f} s"
     except OSError as e:

@@ -26,6 +26,8 @@ H100 = Snapshot(python="3.11.7", torch="2.7.0", torch_cuda="12.6", gpu_name="NVI
                 capability=(9, 0), te="2.8.0", te_torch="2.8.0", te_core="2.8.0",
                 te_core_package="transformer-engine-cu12", te_import_checked=True)
 CPU = Snapshot(python="3.11.7", torch="2.7.0")
+#: TE built from source: no transformer-engine-torch / -cu12 packages beside it
+SOURCE_BUILD = replace(H100, te_torch=None, te_core=None, te_core_package=None)
 A100 = Snapshot(python="3", capability=(8, 0), gpu_name="A100")
 TE_RUN = {"precision": "amp_fp8", "algorithms": {"te_swap": {"backend": "te"}}}
 EMULATED_RUN = {"precision": "amp_fp8", "algorithms": {"te_swap": {"backend": "emulate"}}}
@@ -51,6 +53,8 @@ def test_a_good_gpu_machine_has_nothing_to_report():
               te_core_package="transformer-engine-cu12"), [("FP8205", "error")]),
     (Snapshot(python="3", capability=(9, 0), te="2.8.0", te_import_checked=True,
               te_import_error="ImportError: undefined symbol"), [("FP8206", "error")]),
+    (replace(SOURCE_BUILD, te="unknown (no package metadata)"), [("FP8210", "warning")]),
+    (replace(SOURCE_BUILD, te="not-a-version!!"), [("FP8210", "warning")]),
 ])
 def test_each_environment_rule_triggers(snapshot, expected):
     assert rules(snapshot) == expected
@@ -65,6 +69,37 @@ def test_each_environment_rule_triggers(snapshot, expected):
 ])
 def test_environment_rules_stay_quiet(snapshot):
     assert rules(snapshot) == []
+
+
+def test_an_unreadable_te_version_does_not_stop_a_run():
+    """The doctor's warning only: a run's findings are errors, and this one is no reason to
+    stop a training whose TE imports."""
+    assert rules(replace(SOURCE_BUILD, te="unknown (no package metadata)"), TE_RUN) == []
+
+
+@pytest.mark.parametrize("where", ["nvidia-smi", "te-import"])
+def test_probes_that_print_bytes_not_utf8_are_reported_not_fatal(tmp_path, where):
+    """A driver tool or a broken TE that writes undecodable bytes: the doctor still reports."""
+    env = {**__import__("os").environ}
+    if where == "nvidia-smi":
+        fake = tmp_path / "nvidia-smi"
+        fake.write_bytes(b"#!/bin/sh\nprintf '\\377\\376 NVIDIA \\351, 9.0\\n'\n")
+        fake.chmod(0o755)
+        env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    else:
+        package = tmp_path / "transformer_engine"
+        (package / "pytorch").mkdir(parents=True)
+        (package / "pytorch" / "__init__.py").write_text("")
+        (package / "__init__.py").write_text(
+            'import sys; sys.stderr.buffer.write(b"\\xff\\xfe bad\\n"); raise SystemExit(3)\n')
+        env["PYTHONPATH"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "doctor"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "TransformerEngine" in done.stdout
+    if where == "te-import":
+        assert "FP8206" in done.stdout and "\ufffd" in done.stdout  # the bytes, replaced
+        assert done.returncode == 1
 
 
 def test_no_gpu_message_is_plain():
@@ -103,7 +138,7 @@ def test_current_scaling_needs_te_2_2():
 
 def test_rule_ids_are_unique_and_documented():
     ids = [rule.id for rule in ENVIRONMENT_RULES]
-    assert ids == [f"FP82{n:02d}" for n in range(1, 10)]
+    assert ids == [f"FP82{n:02d}" for n in range(1, 11)]
     assert not set(ids) & {rule.id for rule in [*RULES, *ACCELERATE_RULES]}
     for rule in ENVIRONMENT_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix

@@ -381,9 +381,10 @@ def environment(tiny: bool) -> dict[str, Any]:
     driver = None
     if torch.cuda.is_available() and not tiny:
         try:
-            driver = subprocess.run(
+            lines = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+                capture_output=True, text=True, errors="replace", check=True).stdout.split()
+            driver = lines[0] if lines else None
         except (OSError, subprocess.CalledProcessError):
             driver = None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not tiny else \

@@ -202,6 +202,20 @@ def auto_microbatch_torch(env: Environment, _: LintContext) -> Iterator[Hit]:
                   f"'unshard_with_sync' (defined for torch{UNSHARD_TORCH_RANGE} only)")
 
 
+@rule("FP8210", "warning", "TransformerEngine installed, its version unreadable",
+      why="The checks that depend on TE's version (FP8207: >= 1.12 for activation recompute, "
+      "FP8208: >= 2.2 for current scaling) cannot run, so a machine they would fail must not "
+      "pass `doctor --strict` as ready. The doctor's only: a run is not stopped for it.",
+      source="importlib.metadata version of the transformer-engine distribution",
+      fix="reinstall TransformerEngine from a release (pip install 'transformer-engine[pytorch]')"
+      " so that its package metadata carries a version", family="environment")
+def te_version_unknown(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    if env.config is None and snapshot.te is not None and snapshot.te_version is None:
+        yield Hit("transformer_engine", f"TransformerEngine's version {snapshot.te!r} is not "
+                  "a version: the TE version checks were skipped")
+
+
 def environment_findings(snapshot: Snapshot,
                          config: Mapping[str, Any] | None = None) -> list[Finding]:
     """Findings for this environment; with a run's `config`, for that run.
