@@ -288,10 +288,12 @@ class Batches(Check):
 @dataclass(frozen=True)
 class Items(Check):
     """A list whose every item meets `item`, each wrong item its own problem (`tensors.2`);
-    `bare`: a single item counts as a list of one (`dump_steps: 1000`)."""
+    `bare`: a single item counts as a list of one (`dump_steps: 1000`); `needed`: the fix for an
+    empty list, which is then refused (a watch of nothing looks like a healthy run)."""
 
     item: Check
     bare: bool = False
+    needed: str | None = None
 
     @property
     def type_text(self) -> str:  # type: ignore[override]
@@ -299,6 +301,9 @@ class Items(Check):
         return f"{self.item.type_text} | {listed}" if self.bare else listed
 
     def problems(self, value: Any) -> list[Found]:
+        if isinstance(value, (list, tuple)) and not value and self.needed:
+            return [("", "value", "must not be empty (nothing would be done, and nothing says so)",
+                     self.needed)]
         if isinstance(value, (list, tuple)):
             return [(f".{i}{k}", kind, detail, fix) for i, item in enumerate(value)
                     for k, kind, detail, fix in self._item_problems(item)]
@@ -518,7 +523,8 @@ class MonitorConfig(Options):
 
     layers: str = option(".*", Pattern())
     exclude: str | None = option(None, Optional(Pattern()))
-    tensors: Sequence[str] = option(TENSOR_KINDS, Items(OneOf(TENSOR_KINDS)))
+    tensors: Sequence[str] = option(TENSOR_KINDS, Items(OneOf(TENSOR_KINDS), needed=(
+        f"list some of {', '.join(TENSOR_KINDS)}, or leave tensors out for all of them")))
     recipe: FP8Recipe | str | Mapping[str, Any] | None = option(
         "current", Recipe(scaling_name=True))
     # percentages and a cosine: their mathematical ranges

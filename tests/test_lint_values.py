@@ -79,6 +79,7 @@ def test_a_file_whose_entries_all_fail_at_construction_does_not_lint_clean(tmp_p
     ("fp8_stats", "interval", "2.5ba", "whole number of batches"),
     ("fp8_stats", "interval", "10ep", "must be a number of batches"),
     ("fp8_stats", "tensors", ["grad"], "got 'grad' (did you mean `gradient`?)"),
+    ("fp8_stats", "tensors", [], "must not be empty"),  # a watch of nothing looks healthy
     ("fp8_stats", "dump_max_mb", -0.5, "must be a number from 0 to 262144"),
     ("fp8_stats", "dump_max_mb", 1e9, "must be a number from 0 to 262144"),
     ("fp8_stats", "dump_folder", "dumps/{run}", "unknown placeholder {run}"),
@@ -101,7 +102,7 @@ def test_values_the_constructors_refuse(entry, option, value, snippet):
     section = {"te_swap": "algorithms", "jsonl": "loggers"}.get(entry, "callbacks")
     options = {option: value, **({"backend": "emulate"} if entry == "te_swap" else {})}
     found = lint_config({section: {entry: options}})
-    item = ".0" if isinstance(value, list) else ""
+    item = ".0" if isinstance(value, list) and value else ""
     assert [(f.rule, f.key) for f in found] == [
         ("FP8023", f"{section}.{entry}.{option}{item}")], found
     assert snippet in found[0].message and found[0].fix
