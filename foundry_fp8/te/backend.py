@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from foundry_fp8.options import TESwapOptions
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.te import probe
 from foundry_fp8.te.facts import MIN_TE, MIN_TE_CURRENT_SCALING, TE_LAYERNORM_AS_OP, dotted
@@ -38,12 +39,12 @@ _CURRENT_SCALING_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_qu
 def require_te() -> None:
     """Fail clearly where TE cannot be imported or is older than checked: never fall back."""
     if not probe.te_available():
-        raise RuntimeError("te_swap.backend: 'te' needs TransformerEngine (pip install "
-                           "'foundry-fp8[te]' on a GPU machine); for FP8 numerics without TE "
-                           "use te_swap: {backend: emulate}")
+        raise RuntimeError(f"{TESwapOptions.PATH}.backend: 'te' needs TransformerEngine (pip "
+                           "install 'foundry-fp8[te]' on a GPU machine); for FP8 numerics "
+                           "without TE use te_swap: {backend: emulate}")
     version = probe.te_version()
     if version is not None and version < MIN_TE:
-        raise RuntimeError(f"te_swap.backend: 'te' needs TransformerEngine >= "
+        raise RuntimeError(f"{TESwapOptions.PATH}.backend: 'te' needs TransformerEngine >= "
                            f"{dotted(MIN_TE)}, found {dotted(version)}; upgrade it, "
                            "or use te_swap: {backend: emulate}")
 
