@@ -316,3 +316,14 @@ def test_the_report_shows_the_repromotion_and_no_yaml(runs, capsys):
     span = f"from step {repromoted.fallen_at + 1} to {repromoted.step}"
     assert f"| {LAYER} (high precision {span}: fp8_guard) |" in md
     assert f"fp8_guard moved 1 layer(s) to high precision: {LAYER} {span}." in out
+
+
+def test_a_guard_with_nothing_in_fp8_says_so(tmp_path, tiny_data, capfd):
+    """Without te_swap nothing runs in FP8: fp8/guard/fp8_flops_share is 0 from the start, which
+    alone would read like a run whose every layer fell back. (LLM-Foundry's train replaces the
+    logging handlers, so the warning is read where the user sees it, on stderr.)"""
+    guard, metrics, _ = _run(tmp_path, tiny_data, "nothing", GUARD, fp8=False)
+    err = capfd.readouterr().err
+    assert err.count("fp8_guard: no layer of this model runs in FP8") == 1, err[-2000:]
+    assert not guard.core.fallbacks
+    assert {m.get(FP8_FLOPS_SHARE) for m in metrics.values()} <= {0.0, None}

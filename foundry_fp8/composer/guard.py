@@ -100,8 +100,12 @@ class FP8Guard(Callback):
             failed = bool(flag.item())
         if failed:
             self.disabled = True
-        elif self._listen not in stats.listeners:
+            return
+        if self._listen not in stats.listeners:
             stats.listeners.append(self._listen)
+        if not self._modules:  # its share would read 0 all run, as if every layer had fallen
+            log.warning("fp8_guard: no layer of this model runs in FP8 (no te_swap, no TE "
+                        "layers), so it has nothing to guard")
 
     def _start(self, state: State) -> None:
         self._remove_all()
