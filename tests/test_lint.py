@@ -723,6 +723,11 @@ def test_an_oc_env_value_is_not_judged_as_the_text_it_holds(tmp_path):
         ("FP8017", "fsdp_config.mixed_precision"), ("FP8017", "precision")]
     path = _write(tmp_path, {"precision": "amp-fp8", "run_name": "${oc.env:USER}"})
     assert _rules(lint_file(path)) == {"FP8011", "FP8017"}  # other keys are still judged
+    # a key's name is judged whatever its value: a typo stays a typo once the value is fixed
+    path = _write(tmp_path, {"precison": "${oc.env:PREC}", "callbacks": {"fp8_stat": "${oc.env:X}"}})
+    found = {(f["rule"], f["key"]) for f in lint_file(path)["findings"]}
+    assert {("FP8009", "precison"), ("FP8026", "callbacks.fp8_stat"),
+            ("FP8017", "precison"), ("FP8017", "callbacks.fp8_stat")} <= found, found
 
 
 def test_omegaconfs_own_warnings_stay_out_of_the_output(tmp_path):

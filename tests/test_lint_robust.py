@@ -43,6 +43,15 @@ def _billion_laughs() -> str:
     return text
 
 
+def _deep_aliases(levels: int = 90, chain: int = 15) -> str:
+    """Each anchor nested `levels` deep around the previous one: within the text's depth bound,
+    yet nested levels x chain deep once the aliases are followed."""
+    text = f"v0: &a0 {'[' * levels}1{']' * levels}\n"
+    for i in range(1, chain):
+        text += f"v{i}: &a{i} {'[' * levels}*a{i - 1}{']' * levels}\n"
+    return text
+
+
 @pytest.mark.parametrize(("text", "snippet"), [
     ("a: " + "[" * 1000 + "]" * 1000 + "\n", f"nested more than {MAX_DEPTH} levels"),
     ("".join(" " * i + f"k{i}:\n" for i in range(1000)) + " " * 1000 + "x: 1\n",
@@ -57,8 +66,12 @@ def _billion_laughs() -> str:
     ("x: &x {k: [&y [1, *y]]}\n", ":1:12: an alias refers to a value"),  # the cycle deeper down
     ("seed: 1\nfoo: " + "${" * 3000 + "seed" + "}" * 3000 + "\n",  # omegaconf: 4 s, then fails
      f":2:6: interpolations nested more than {MAX_DEPTH} levels"),
+    (_deep_aliases() + "model: {name: mpt_causal_lm, x: *a14}\n", ":1: cannot load"),
+    ("model: &m\n  name: mpt_causal_lm\n  ffn_config:\n    inner:\n      again: *m\n",
+     ":1:8: an alias refers to a value"),  # named at the anchor, not where the alias is
 ], ids=["flow-1000", "block-1000", "flow-200000", "5000-digits", "laughs", "laughs-accelerate",
-        "self-sequence", "self-mapping", "self-merge", "inner-cycle", "interpolation-3000"])
+        "self-sequence", "self-mapping", "self-merge", "inner-cycle", "interpolation-3000",
+        "deep-aliases", "self-nested"])
 def test_hostile_yaml_is_refused_in_one_line(tmp_path, text, snippet):
     path = tmp_path / "hostile.yaml"
     path.write_text(text)
@@ -210,3 +223,11 @@ def test_any_yaml_structure_lints_or_fails_in_one_line(tmp_path, document, depth
         assert "\n" not in entry["error"] and entry["error"].startswith(str(path))
     for f in entry["findings"]:
         assert f["severity"] in ("error", "warning", "info") and f["message"] and f["fix"]
+
+
+def test_an_accelerate_config_with_deep_aliases_lints_without_a_traceback(tmp_path):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text("distributed_type: 'NO'\n" + _deep_aliases())
+    done = _lint(path)
+    assert "Traceback" not in done.stderr and done.returncode == 1, done.stderr
+    assert "FP8111" in done.stdout  # the unknown keys v0..., judged without their lines

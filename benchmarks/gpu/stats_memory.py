@@ -20,7 +20,7 @@ tensor storage an op creates until it is freed. The sites whose bytes grow from 
 the cause.
 
     PYTHONPATH=$PWD/.gpu-site python3 benchmarks/gpu/stats_memory.py --out $OUT
-    python benchmarks/stats_memory.py --tiny --out /tmp/mem   # CPU, about a minute
+    python benchmarks/gpu/stats_memory.py --tiny --out /tmp/mem   # CPU, about a minute
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ def read_json(path: Path, text: str) -> Any:
 def _positions(path: Path, text: str) -> dict[str, tuple[int, int]]:
     try:
         return key_positions(compose(path, text))[0]
-    except yaml.YAMLError:  # JSON that YAML cannot read (tabs): findings lose their lines
-        return {}
+    except (yaml.YAMLError, RecursionError):  # JSON that YAML cannot read (tabs), aliases
+        return {}  # nested deeper than Python recurses: findings lose their lines
 
 
 def _find_deepspeed(path: Path, name: str) -> tuple[Path | None, str | None]:

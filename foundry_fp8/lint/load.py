@@ -221,8 +221,9 @@ def _check_expansion(path: Path, root: yaml.Node) -> None:
             continue
         if isinstance(node, yaml.ScalarNode):
             _check_scalar(path, node)
-        if any(id(c) in expanding or c is node for c in children):
-            mark = node.start_mark  # the anchor: an alias inside it names it again
+        looped = next((c for c in children if id(c) in expanding or c is node), None)
+        if looped is not None:
+            mark = looped.start_mark  # the anchor: an alias inside its value names it again
             raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: an alias refers to "
                                  "a value that contains it (a recursive alias, infinite when "
                                  "expanded); refusing to load it")
@@ -278,9 +279,12 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
     if not isinstance(root, yaml.MappingNode):
         raise LintInputError(f"{path}:{root.start_mark.line + 1}: a train config must be a "
                              "mapping")
-    positions, env_values = key_positions(root)
-    inside = f"{subtree}." if subtree is not None else ""
     failures = (OmegaConfBaseException, ValueError, TypeError, RecursionError, MemoryError)
+    try:  # recursive: aliases can nest deeper than the text does
+        positions, env_values = key_positions(root)
+    except RecursionError as e:
+        raise LintInputError(f"{path}:1: cannot load: {first_line(e)}") from None
+    inside = f"{subtree}." if subtree is not None else ""
     with warnings.catch_warnings():  # omegaconf's own (oc.deprecated's) are not our output
         warnings.simplefilter("ignore")
         try:

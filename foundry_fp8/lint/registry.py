@@ -5,8 +5,9 @@ registry; nothing else holds a rule id or a fix. No torch here.
 
 A check yields `Hit`s: the key, the message, and only where they differ from the rule's, a
 milder severity or a fix for this occurrence; `Rule.findings` turns them into `Finding`s. A key
-whose value is `${oc.env:...}` holds that text, not a value the run would see: only a rule
-registered with `unresolved=True` (the one that reports such keys) speaks about it.
+whose value is `${oc.env:...}` holds that text, not a value the run would see: only rules
+registered with `unresolved=True` speak about it, those that report such keys and those that
+judge key names (an unknown key is wrong whatever its value).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Rule:
     family: str = "train"
     scope: Literal["any", "file"] = "any"
     also: tuple[str, ...] = ()  # other families whose inputs this check reads alike
-    unresolved: bool = False  # it judges `${oc.env:...}` values themselves
+    unresolved: bool = False  # it judges key names, or `${oc.env:...}` values themselves
 
     def findings(self, data: Any, context: LintContext) -> list[Finding]:
         return [Finding(self.id, hit.severity or self.severity, hit.key, hit.message,

@@ -25,7 +25,7 @@ def is_eval_config(config: Any) -> bool:
       source=f"{FOUNDRY} llmfoundry/command_utils/eval.py evaluate; "
       "llmfoundry/utils/config_utils.py EvalConfig, EVAL_CONFIG_KEYS",
       fix="fix the spelling, or move the value under `variables:`", family="eval",
-      scope="file")
+      scope="file", unresolved=True)
 def unknown_eval_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     for key in config:
         if not isinstance(key, str) or key in EVAL_CONFIG_KEYS:
@@ -43,7 +43,7 @@ def unknown_eval_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
       source=f"{FOUNDRY} llmfoundry/command_utils/eval.py evaluate_model (build_composer_model);"
       " llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__",
       fix="fix the spelling (the message names the closest MPT key) or remove the key",
-      family="eval")
+      family="eval", unresolved=True)
 def eval_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     models = config.get("models")
     for index, item in enumerate(models if isinstance(models, list) else []):

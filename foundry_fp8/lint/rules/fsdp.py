@@ -126,7 +126,7 @@ def reentrant_switched_off(config: Mapping[str, Any], ctx: LintContext) -> Itera
       "version reads are warnings.",
       source=f"{COMPOSER} composer/utils/parallelism.py FSDPConfig, "
       "FSDP2Config.from_compatible_attrs",
-      fix="fix the spelling or remove the key", also=("eval",))
+      fix="fix the spelling or remove the key", also=("eval",), unresolved=True)
 def unknown_fsdp_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     known = FSDP_CONFIG_KEYS if ctx.fsdp_version == 1 else FSDP2_CONFIG_KEYS
     other = FSDP2_CONFIG_KEYS if ctx.fsdp_version == 1 else FSDP_CONFIG_KEYS

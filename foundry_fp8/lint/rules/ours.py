@@ -56,7 +56,7 @@ def recipe_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
       "fails at construction. The option lists are the fields of our option dataclasses.",
       source=f"{OUR_OPTIONS}; {FOUNDRY} llmfoundry/utils/builders.py build_callback (reserved "
       "train_config)",
-      fix="fix the spelling", also=("eval",))
+      fix="fix the spelling", also=("eval",), unresolved=True)
 def entry_options_unknown(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     for key, entry, options in _entry_items(config):
         if options is not None and not isinstance(options, Mapping):
@@ -140,7 +140,7 @@ def registered_names(section_name: str) -> frozenset[str]:
       "build_algorithm, build_logger, llmfoundry/utils/registry_utils.py "
       "construct_from_registry; setup.cfg [options.entry_points]",
       fix="move the entry to the section the message names, or fix the spelling",
-      scope="file", also=("eval",))
+      scope="file", also=("eval",), unresolved=True)
 def unknown_entries(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     for section_name in REGISTRY_GROUPS:
         for name in section(config, section_name):

@@ -87,7 +87,7 @@ RETIRED_FSDP = {
       f"make_dataclass_and_log_config; {COMPOSER} composer/utils/parallelism.py "
       "FSDPConfig.__init__, composer/trainer/trainer.py (no deepspeed_config); "
       "https://github.com/mosaicml/composer/pull/3732 (DeepSpeed removed)",
-      fix="see the message")
+      fix="see the message", unresolved=True)
 def retired_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     for key, (message, fix) in RETIRED_TOP_LEVEL.items():
         if key in config:
@@ -104,7 +104,7 @@ def retired_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
       "is not a TrainConfig field.",
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py make_dataclass_and_log_config, "
       "TrainConfig",
-      fix="fix the spelling, or move the value under `variables:`", scope="file")
+      fix="fix the spelling, or move the value under `variables:`", scope="file", unresolved=True)
 def unknown_top_level_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     for key in config:
         if not isinstance(key, str):
