@@ -339,8 +339,9 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
 
     if not te_available():
         raise RuntimeError(f"{MonitorConfig.PATH}.te_debug: needs TransformerEngine and "
-                           "nvdlfw-inspect (pip install 'foundry-fp8[te]' on a GPU machine); without TE, "
-                           "leave te_debug unset: the module-hook statistics work anywhere")
+                           "nvdlfw-inspect (pip install 'foundry-fp8[te]' on a GPU machine); "
+                           "without TE, leave te_debug unset: the module-hook statistics work "
+                           "anywhere")
     config = log_fp8_tensor_stats_config(layer_pattern(layers, exclude), tensors, schedule.interval, scaling,
                                          start_step=schedule.start, end_step=schedule.end)
     session = TEDebugSession(config, folder, lambda name, value, step: sink(name, value))

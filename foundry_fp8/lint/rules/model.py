@@ -183,7 +183,8 @@ def _asks_for_te(value: Any, depth: int = 0) -> bool:
       "activation_checkpointing_fn, llmfoundry/models/layers/blocks.py MPTBlock.__init__, "
       "llmfoundry/command_utils/train.py train (name, master_weights_dtype); transformers 4.51 "
       "configuration_utils.py PretrainedConfig.__init__ (setattr for remaining kwargs)",
-      fix="fix the spelling (the message names the closest MPT key) or remove the key", unresolved=True)
+      fix="fix the spelling (the message names the closest MPT key) or remove the key",
+      unresolved=True)
 def unknown_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     yield from model_key_hits(section(config, "model"), "model")
 
