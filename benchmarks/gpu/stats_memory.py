@@ -138,12 +138,16 @@ class Hooks(Callback):
 
     def __init__(self) -> None:
         self.handles: list[Any] = []
+        self.layers: list[torch.nn.Module] = []
 
-    def batch_start(self, state, logger) -> None:
+    def fit_start(self, state, logger) -> None:
         from foundry_fp8.monitor import select_layers
         from foundry_fp8.options import MonitorConfig
 
-        for module in select_layers(state.model, MonitorConfig()).values():
+        self.layers = list(select_layers(state.model, MonitorConfig()).values())
+
+    def batch_start(self, state, logger) -> None:
+        for module in self.layers:
             self.handles.append(module.register_forward_pre_hook(lambda *a, **k: None,
                                                                  with_kwargs=True))
             self.handles.append(module.register_full_backward_pre_hook(lambda *a: None))

@@ -27,7 +27,7 @@ class RunMetrics:
     steps: list[int] = field(default_factory=list)  # every step with any fp8 metric, sorted
     initial: set[tuple[str, str, int]] = field(default_factory=set)
     # `steps` as a set: a list search per value would make reading a run quadratic in its steps
-    _step_set: set[int] = field(default_factory=set, repr=False, compare=False)
+    _step_set: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def add(self, step: int, layer: str, tensor: str, stat: str, value: float) -> None:
         """One number; a step logged twice (a resumed run appending) keeps the later value."""
