@@ -65,9 +65,13 @@ def _texts(value: Any) -> tuple[str, ...]:
 
 
 def _integer(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected an integer, got a {type(value).__name__}")
-    return value
+    """A step or a count of steps (`jsonl.step`)."""
+    integer = jsonl.step(value)
+    if integer is None:
+        an_int = isinstance(value, int) and not isinstance(value, bool)
+        got = "one out of that range" if an_int else f"a {type(value).__name__}"
+        raise ValueError(f"expected an integer from 0 to 2**53, got {got}")
+    return integer
 
 
 def _number(value: Any) -> float:

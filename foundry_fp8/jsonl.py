@@ -63,6 +63,18 @@ def number(value: Any) -> float | None:
         return None
 
 
+#: Steps beyond this are not a training's (and not exact in float64, which plotting uses).
+MAX_STEP = 2**53
+
+
+def step(value: Any) -> int | None:
+    """A logged step as an int; None where it is none: another type, a bool, or outside 0 to
+    MAX_STEP (JSON has no size limit)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+        return None
+    return value
+
+
 #: What `json.loads` raises for a line that does not decode: not JSON, not UTF-8 (ValueError),
 #: or nested deeper than the parser goes (RecursionError).
 UNDECODABLE = (ValueError, RecursionError)
@@ -73,6 +85,12 @@ class JsonlError(ValueError):
     record, or no record at all; the message names file, line and key."""
 
 
+def _shown(value: Any) -> str:
+    """A decoded value as JSON, cut to 40 characters for a one-line message."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _record(value: Any, where: str) -> tuple[int, dict[str, Any]]:
     """(step, metrics) of one decoded line, or JsonlError naming the key at fault."""
     if not isinstance(value, dict):
@@ -81,18 +99,19 @@ def _record(value: Any, where: str) -> tuple[int, dict[str, Any]]:
     for key in ("step", "metrics"):
         if key not in value:
             raise JsonlError(f"{where}: not a metrics record (no key {key!r})")
-    step, items = value["step"], value["metrics"]
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise JsonlError(f"{where}: key 'step': expected an integer, got {json.dumps(step)}")
+    step_, items = step(value["step"]), value["metrics"]
+    if step_ is None:
+        raise JsonlError(f"{where}: key 'step': expected a step (an integer from 0 to 2**53), got "
+                         f"{_shown(value['step'])}")
     if not isinstance(items, dict):
         raise JsonlError(f"{where}: key 'metrics': expected an object, got "
-                         f"{json.dumps(items)[:40]}")
+                         f"{_shown(items)}")
     metrics = {}
     for key, item in items.items():
         if isinstance(item, str) and item in ("nan", "inf", "-inf"):
             item = float(item)
         metrics[key] = item
-    return step, metrics
+    return step_, metrics
 
 
 def read_jsonl(path: str | os.PathLike[str],

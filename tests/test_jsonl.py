@@ -61,8 +61,13 @@ def test_a_record_glued_to_a_partial_line_is_recovered(tmp_path):
     ('{"step": 0}\n', "metrics.jsonl:1: not a metrics record (no key 'metrics')"),
     ('{"step": 0, "metrics": {}}\n[1, 2]\n', "metrics.jsonl:2: not a metrics record (a JSON list"),
     ('{"step": 0, "metrics": {}}\n{"step": null, "metrics": {}}\n',
-     "metrics.jsonl:2: key 'step': expected an integer, got null"),
-    ('{"step": "x", "metrics": {}}\n', "metrics.jsonl:1: key 'step': expected an integer, got \"x\""),
+     "metrics.jsonl:2: key 'step': expected a step (an integer from 0 to 2**53), got null"),
+    ('{"step": "x", "metrics": {}}\n', "metrics.jsonl:1: key 'step': expected a step (an integer "
+     'from 0 to 2**53), got "x"'),
+    ('{"step": -1, "metrics": {}}\n', "metrics.jsonl:1: key 'step': expected a step (an integer "
+     "from 0 to 2**53), got -1"),
+    (f'{{"step": {10**4000}, "metrics": {{}}}}\n', "metrics.jsonl:1: key 'step': expected a step "
+     "(an integer from 0 to 2**53), got 1000000000000000000000000000000000000..."),
     ('{"step": 1, "metrics": 5}\n', "metrics.jsonl:1: key 'metrics': expected an object, got 5"),
     ("step,loss\n0,3.0\n", "metrics.jsonl: no metrics record; 2 lines do not decode as JSON"),
     (b"\x89PNG\r\n\x1a\n\x00\x00", "metrics.jsonl: no metrics record; 3 lines"),

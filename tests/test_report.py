@@ -257,13 +257,14 @@ RUN = "run"  # a healthy run's metrics.jsonl, then the content appended
     (RUN, "", ["--out", "afile"], "afile: not a folder (--out names the folder"),
     (RUN, "", ["--out", "afile/sub"], "afile/sub: cannot create the output folder (Not a directory)"),
     (RUN, '{"step": null, "metrics": {}}\n', [],
-     "metrics.jsonl:4: key 'step': expected an integer, got null"),
+     "metrics.jsonl:4: key 'step': expected a step (an integer from 0 to 2**53), got null"),
     (RUN, '{"step": "x", "metrics": {}}\n', [],
-     "metrics.jsonl:4: key 'step': expected an integer, got \"x\""),
+     "metrics.jsonl:4: key 'step': expected a step (an integer from 0 to 2**53), got \"x\""),
     (RUN, json.dumps({"step": 10**16, "metrics": {layer_key("amax", "weight", L0): 1.0}}) + "\n",
-     [], "metrics.jsonl: step 10000000000000000 is not a training step (outside 0 to 2**53)"),
+     [], "metrics.jsonl:4: key 'step': expected a step (an integer from 0 to 2**53), got "
+     "10000000000000000"),
     (RUN, json.dumps({"step": -5, "metrics": {layer_key("amax", "weight", L0): 1.0}}) + "\n",
-     [], "metrics.jsonl: step -5 is not a training step"),
+     [], "metrics.jsonl:4: key 'step': expected a step (an integer from 0 to 2**53), got -5"),
 ])
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, setup, content, args, message):
     """On stderr, as `foundry-fp8 lint` prints them; never a traceback, never a hang."""

@@ -83,6 +83,8 @@ BAD_RECORDS = {  # hparams.json key: a record of the wrong shape
     f"{FALLBACK_PREFIX}share-huge": {**GOOD, "flops_share": BIG},
     f"{FALLBACK_PREFIX}reasons-numbers": {**GOOD, "reasons": [1]},
     f"{FALLBACK_PREFIX}step-bool": {**GOOD, "step": True},
+    f"{FALLBACK_PREFIX}step-huge": {**GOOD, "step": 10**4300 - 1},  # step + 1 has no str()
+    f"{FALLBACK_PREFIX}step-negative": {**GOOD, "step": -3},
     f"{FALLBACK_PREFIX}list": [GOOD],
     f"{REPROMOTION_PREFIX}numbers-text": {**REPROMOTED, "numbers": "abc"},
     f"{REPROMOTION_PREFIX}steps-float": {**REPROMOTED, "healthy_steps": 2.5},

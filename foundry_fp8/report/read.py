@@ -24,9 +24,6 @@ from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import LAYOUT, OLDER_LAYOUT, older_layout
 from foundry_fp8.jsonl import UNDECODABLE, JsonlError, number, read_jsonl
 
-#: Steps beyond this are not a training's (and not exact in float64, which plotting uses).
-MAX_STEP = 2**53
-
 
 class ReportError(Exception):
     """A one-line reason the report cannot be made (exit 2)."""
@@ -98,9 +95,6 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
              "killed mid-write leaves one); the report covers the rest")
     if not run.values:
         raise ReportError(why_empty(metrics_file))
-    if (bad := next((s for s in run.steps if not 0 <= s <= MAX_STEP), None)) is not None:
-        raise ReportError(f"{metrics_file}: step {bad} is not a training step (outside 0 to "
-                          "2**53)")
     return run, guard
 
 
