@@ -41,7 +41,7 @@ from foundry_fp8.numerics import (
     dequantize,
     quantize,
 )
-from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
+from foundry_fp8.recipe import TE_DEFAULT_RECIPE, FP8Recipe, RecipeError, RecipeProblem
 
 FWD_INPUT, FWD_WEIGHT = 0, 1
 BWD_GRAD_OUTPUT = 0
@@ -105,8 +105,8 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
     From TE 2.20's `pytorch/quantization.py`: entering saves the state and sets FP8 on or off
     with this region's recipe and amax reduction group (None: the world group), so a nested
     `enabled=False` region runs layers in high precision and records no amax, and a nested
-    recipe replaces the enclosing one (`recipe=None` means the default recipe, not the
-    enclosing one: `autocast_enter`, l. 730-756); exiting restores the saved state, the
+    recipe replaces the enclosing one (`recipe=None` means TE's default recipe, not the
+    enclosing one: `autocast_enter`, l. 730-756; `recipe.TE_DEFAULT_RECIPE`); exiting restores the saved state, the
     first-module flag included (`autocast.__exit__`, l. 1056-1059). Only an enabled autocast
     that leaves the last open region, with grad enabled, updates forward scales
     (`autocast_exit`, l. 772-782), so a nested region never does; amaxes recorded without an
@@ -117,7 +117,7 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
     saved = _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.first_module
     if _STATE.depth == 0:
         _STATE.first_module = True
-    _STATE.enabled, _STATE.recipe = enabled, recipe or FP8Recipe()
+    _STATE.enabled, _STATE.recipe = enabled, recipe or TE_DEFAULT_RECIPE
     _STATE.group = amax_reduction_group
     _STATE.depth += 1
     try:

@@ -132,13 +132,21 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Te
     return torch.clamp(scaled, -FP8_MAX[fmt], FP8_MAX[fmt]).to(FP8_DTYPE[fmt])
 
 
+def scale_inverse(scale: torch.Tensor | float) -> torch.Tensor:
+    """`1 / scale` in float32, rounded once: the `scale_inv` TE's cast kernels write next to the
+    FP8 data (`__frcp_rn`, transformer_engine/common/util/utils.cuh:949-951)."""
+    return _divide(1.0, torch.as_tensor(scale, dtype=torch.float32))
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """FP8 values back to float32: `q / scale`."""
-    return q.float() / scale
+    """FP8 values back to float32 as TE's dequantize kernel computes them: `q * scale_inv`
+    (common/cast/fp8/dequantize_fp8.cuh:31-32), which differs from `q / scale` by an ulp for
+    most scales that are no power of 2."""
+    return q.float() * scale_inverse(scale)
 
 
 def quantize_dequantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
-    """`x -> saturate(x * scale) -> fp8 -> / scale`, in x's dtype."""
+    """`x -> saturate(x * scale) -> fp8 -> * scale_inv`, in x's dtype."""
     return dequantize(quantize(x, scale, fmt), scale).to(x.dtype)
 
 

@@ -212,3 +212,8 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
                 problems.append(RecipeProblem(key, "only applies to current scaling",
                                               f"remove {key}, or use scaling: current"))
     return problems
+
+
+#: What TE's autocast runs under when given no recipe on Hopper: `DelayedScaling()`
+#: (pytorch/quantization.py:242-254 in TE 2.20), with its 1024-step history, not Composer's 16.
+TE_DEFAULT_RECIPE = FP8Recipe(**{k: v for k, v in TE_DELAYED_DEFAULTS.items() if k in _KNOWN_KEYS})

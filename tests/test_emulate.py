@@ -79,6 +79,20 @@ def test_delayed_scaling_follows_recipe_and_replay(algo):
     assert layer.fp8_meta["scaling_bwd"].scale[0].item() == pytest.approx(next_g_scale, rel=1e-6)
 
 
+def test_autocast_without_a_recipe_runs_te_default_delayed_scaling():
+    """TE's autocast with no recipe uses `DelayedScaling()` on Hopper (pytorch/quantization.py:
+    242-254): a 1024-step history (recipe/__init__.py:255), so after a 100x spike the scale
+    stays set by it for the next 20 steps, where Composer's 16 would have forgotten it."""
+    layer = EmulatedFP8Linear(16, 16)
+    x = torch.ones(4, 16)
+    for step in range(20):
+        with fp8_autocast():
+            layer(x * (100.0 if step == 0 else 1.0)).sum().backward()
+    meta = layer.fp8_meta["scaling_fwd"]  # slot 0: the input
+    assert meta.amax_history.shape[0] == 1024
+    assert meta.scale[0].item() == pytest.approx(4.48, rel=1e-6)
+
+
 def test_current_scaling_keeps_no_history_and_saturates_nothing():
     torch.manual_seed(0)
     layer = EmulatedFP8Linear(16, 8)
@@ -287,7 +301,7 @@ def test_nested_recipe_casts_inside_and_updates_its_layers_at_the_outermost_exit
             assert active_recipe() is inner
             out = b(h)
             with fp8_autocast():
-                assert active_recipe() == FP8Recipe()
+                assert active_recipe() == FP8Recipe(amax_history_len=1024)  # DelayedScaling()
         assert active_recipe() is outer
         assert torch.equal(b.fp8_meta["scaling_fwd"].scale, torch.ones(3))
     grad = torch.randn_like(out) * 7

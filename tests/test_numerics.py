@@ -202,6 +202,25 @@ def test_scales_are_quotients_rounded_once():
 
 
 
+def test_dequantize_multiplies_by_the_float32_reciprocal_as_te():
+    """TE dequantizes as `q * scale_inv` with `scale_inv = __frcp_rn(scale)`
+    (common/cast/fp8/dequantize_fp8.cuh:31-32, common/util/utils.cuh:949-951): the reference is
+    that product in numpy float32, one rounding each, which `q / scale` misses by an ulp."""
+    import numpy as np
+
+    scales = np.float32([5213.0908, 154.48, 3.3, 0.37, 1024.0])
+    q = np.float32([160.0, -0.013671875, 448.0, 3.25])  # E4M3 values
+    for scale in scales:
+        reference = q * (np.float32(1.0) / scale)
+        got = numerics.dequantize(torch.from_numpy(q).to(torch.float8_e4m3fn), float(scale))
+        assert np.array_equal(got.numpy(), reference), scale
+    quotient = np.float32(160.0) / scales[0]
+    assert quotient != np.float32(160.0) * (np.float32(1.0) / scales[0])  # the case tells them apart
+    assert numerics.dequantize(torch.tensor([160.0]).to(torch.float8_e4m3fn),
+                               torch.tensor(5213.0908)).item() == pytest.approx(
+        0.0306919664144516, rel=0, abs=1e-18)
+
+
 def test_delayed_update_follows_the_fused_kernel_column_by_column():
     """Hand-computed, newest amax in row 0. Columns: 0 recorded 4: rolled, max(4, 8, 2) = 8;
     1 recorded nothing (older rows 3, 5): left alone, where always rolling would give 448/2/5;
