@@ -219,10 +219,10 @@ def test_cli_writes_plots_and_markdown(tmp_path, capsys):
             r"algorithms.te_swap.exclude: 'blocks\.1\.ffn\.up$'") in stdout
 
     md = (out / "fp8_report.md").read_text()
-    assert (f"| {L1} | gradient | underflow_pct | 9 % | 20 | 1 of 3 | the tensor's range is "
+    assert (f"| {L1} | gradient | underflow_pct | 9 % (step 20) | 20 | 1 of 3 | the tensor's range is "
             r"wider than FP8 holds at this layer | `algorithms.te_swap.exclude: "
             r"'blocks\.1\.ffn\.up$'` |") in md
-    assert (f"| {L2} | activation | cos_sim | 0.98 | 10 | 1 of 2 | FP8 rounding loses too much "
+    assert (f"| {L2} | activation | cos_sim | 0.98 (step 10) | 10 | 1 of 2 | FP8 rounding loses too much "
             "of this tensor | `algorithms.te_swap.keep_last_blocks: 1` |") in md
     assert md.index(f"| {L2} | activation | cos_sim") < md.index(f"| {L1} | gradient |")
     assert "**Above 1** (overflow side)" in md and "**Below 1** (underflow side)" in md
@@ -239,7 +239,7 @@ def test_cli_layers_option_and_nonfinite_counts(tmp_path, capsys):
     assert_valid_png(tmp_path / "fp8_heatmap_nan_count.png")  # drawn once a NaN was seen
     md = (tmp_path / "fp8_report.md").read_text()
     assert "Time series show `blocks.0.attn.qkv`." in md
-    assert (f"| {L2} | gradient | nan_count | 3 | 20 | 1 of 3 | the run diverges") in md
+    assert (f"| {L2} | gradient | nan_count | 3 (step 20) | 20 | 1 of 3 | the run diverges") in md
     assert "`algorithms.gradient_clipping.clipping_threshold (lower it)`" in md
     capsys.readouterr()
 
@@ -386,3 +386,59 @@ def test_the_guard_section_reads_its_series_and_fallback_records(tmp_path, capsy
     assert f"fp8_guard moved 1 layer(s) to high precision: {L1} from step 11." in captured.out
     assert math.isnan(Fallback.from_dict(json.loads(json.dumps(fallback.record()))).numbers[
         "gradient/cos_sim"])  # NaN read back as a float
+
+
+@pytest.mark.parametrize(("counts", "hparams", "said"), [
+    ((0, 1, 2), {"callbacks": {"fp8_stats": {}, "fp8_guard": {}}},
+     "fp8_guard ran 2 layer(s) in high precision per its series `fp8/guard/fallback_layers`, the "
+     "first from step 11;"),
+    ((0, 1, 0), None,  # re-promoted by the end; no hparams.json at all
+     "fp8_guard ran up to 1 layer(s) in high precision per its series "
+     "`fp8/guard/fallback_layers`, the first from step 11 (0 at the last logging step);"),
+    ((0, 0, 3), '{"callbacks": {"fp8_stats": {}, "fp8_guard": {}}, "fp8/guard/fallb',  # cut
+     "fp8_guard ran 3 layer(s) in high precision per its series `fp8/guard/fallback_layers`, the "
+     "first from step 21;"),
+], ids=["records-not-written", "no-hparams-json", "hparams-json-cut"])
+def test_fallbacks_the_series_counts_without_records_are_said_missing(tmp_path, capsys, counts,
+                                                                     hparams, said):
+    """QA: with fp8_guard's records missing from hparams.json (a logger failed) but its series
+    counting layers in fallback and the FP8 share falling, the report said "moved no layer to
+    high precision". It says what the series shows (the decision at step 10 runs in high
+    precision from step 11) and that the records are missing."""
+    from foundry_fp8.guard import FALLBACK_LAYERS, FP8_FLOPS_SHARE
+
+    folder = write_run(tmp_path)
+    sink = JsonlSink(folder / "metrics.jsonl")
+    for step, layers, share in zip(STEPS, counts, (0.8, 0.55, 0.3), strict=True):
+        sink.write(step, {FALLBACK_LAYERS: float(layers), FP8_FLOPS_SHARE: share})
+    if hparams is not None:
+        (folder / "hparams.json").write_text(
+            hparams if isinstance(hparams, str) else json.dumps(hparams))
+    assert main(["report", str(folder)]) == 0
+    out = capsys.readouterr().out
+    md = (folder / "fp8_report.md").read_text()
+    section = md.split("## fp8_guard\n", 1)[1].split("\n## ", 1)[0]
+    missing = (" their records (`fp8/guard/fallback/<layer>`: which layers, and why) are "
+               "missing from hparams.json.")
+    assert f"\n{said}{missing} FP8 share of the linear-GEMM FLOPs (`fp8/guard/fp8_flops_share`):"\
+           " 80.0 % at the first logging step, 30.0 % at the last.\n" in section
+    assert f"\n{said}{missing}\n" in out
+    assert "moved no layer" not in md and "fp8_guard moved" not in out
+
+
+def test_a_flag_line_s_detail_is_of_the_step_of_its_value(tmp_path, capsys):
+    """QA: `nan_count 1.638e+04 at step 5 (1 NaN and 0 Inf elements...)`: the worst value and
+    step with the first flagged step's counts. L0's activation holds 1 NaN and 2 Inf at step 10,
+    16384 NaN at step 20: the line is all step 20's; the markdown gives the worst value's step
+    beside the first flagged one."""
+    path = write_run(tmp_path) / "metrics.jsonl"
+    nan, inf = (layer_key(s, "activation", L0) for s in ("nan_count", "inf_count"))
+    JsonlSink(path).write(10, {nan: 1.0, inf: 2.0})  # a step logged again keeps the later value
+    JsonlSink(path).write(20, {nan: 16384.0, inf: 0.0})
+    assert main(["report", str(tmp_path)]) == 0
+    assert (f"\n  '{L0}' activation: nan_count 1.638e+04 at step 20 (16384 NaN and 0 Inf "
+            "elements, before any FP8 cast; 2 of 3 steps). Likely cause: the run diverges: the "
+            "high-precision tensor already holds NaN/Inf. Change: optimizer.lr (lower it)\n"
+            ) in capsys.readouterr().out
+    md = (tmp_path / "fp8_report.md").read_text()
+    assert f"| {L0} | activation | nan_count | 1.638e+04 (step 20) | 10 | 2 of 3 | the run " in md

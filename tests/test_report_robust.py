@@ -5,7 +5,9 @@ rest is reported, exit 0; never a traceback, never a Python warning on stderr.""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -65,13 +67,79 @@ def test_a_threshold_no_float_holds_is_ignored_like_a_string_or_nan(tmp_path, ca
     assert "1 flagged" in stdout  # L2's cos_sim 0.98 is within 0.95
 
 
-def test_an_hparams_json_nested_too_deep_is_read_as_unreadable(tmp_path, capsys):
-    """As a hparams.json that is not JSON: the report runs on fp8_stats' defaults."""
+#: A run's hparams.json with an underflow limit of 0.4 % (json.dumps(indent=2), as the `jsonl`
+#: logger writes it): L1's and L2's gradient underflow (up to 9 % and 0.5 %) and L2's cos_sim
+#: (0.98) are flagged, 3 findings; under the defaults (5 %) L2's 0.5 % is not, 2 findings.
+OWN_LIMITS = ('{\n  "callbacks": {\n    "fp8_stats": {\n      "max_underflow_pct": 0.4\n'
+              '    }\n  },\n  "run_name": "thr-copy"\n}\n')
+WITHOUT = ("; the report goes on without it: fp8_stats' default thresholds, no fp8_guard fallback "
+           "record\n")
+
+
+def test_the_run_s_own_thresholds_flag_more_than_the_defaults(tmp_path, capsys):
+    """What a cut hparams.json loses: 3 findings under the run's 0.4 %, not 2."""
     write_run(tmp_path)
-    (tmp_path / "hparams.json").write_text(DEEP)
+    (tmp_path / "hparams.json").write_text(OWN_LIMITS)
     stdout, stderr, md = report(tmp_path, capsys)
-    assert not stderr and "2 flagged" in stdout
+    assert not stderr and "3 flagged" in stdout
+    assert "Thresholds from the run's fp8_stats settings (hparams.json): underflow > 0.4 %" in md
+
+
+def _denied(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unreadable file, also for root (whom chmod 000 does not stop)."""
+    path.write_text(OWN_LIMITS)
+    real = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+
+
+@pytest.mark.parametrize(("make", "why"), [
+    # cut 9 bytes short (`-copy"\n}\n`): line 7's string opens at column 15 (after `  "run_name": `)
+    (lambda p, _: p.write_text(OWN_LIMITS[:-9]),
+     ":7:15: not JSON (Unterminated string starting at; the file stops mid-document, cut short)"),
+    (lambda p, _: p.write_text(OWN_LIMITS.replace(",\n", ",,\n")),
+     ":6:5: not JSON (Expecting property name enclosed in double quotes)"),
+    (lambda p, _: p.write_text(""), ": empty (a run killed while writing it leaves one)"),
+    (lambda p, _: p.write_text("[1, 2]"), ": an array, not a JSON object of hyperparameters"),
+    (lambda p, _: p.write_text("null"), ": null, not a JSON object of hyperparameters"),
+    (lambda p, _: p.write_bytes(b'{"run_name": "\xe9"}'),  # Latin-1: the 15th byte
+     ": not JSON (not UTF-8 text at byte offset 14)"),
+    (lambda p, _: p.write_text(DEEP),
+     ": not JSON the report reads (nested deeper than Python's JSON parser goes)"),
+    (lambda p, _: p.write_text('{"a": 1' + "0" * 5000 + "}"),
+     ": not JSON the report reads (Exceeds the limit (4300 digits) for integer string "
+     "conversion)"),
+    (lambda p, _: p.mkdir(), ": a folder, not the run's hparams.json"),
+    (lambda p, _: os.mkfifo(p), ": not a regular file"),  # a read would block forever
+    (lambda p, _: (p.touch(), os.truncate(p, 100 * 2**20)),  # sparse: no disk, 0 bytes read
+     ": 100 MiB, more than a run's hparams.json holds (the report reads up to 64 MiB)"),
+    (_denied, ": cannot read (Permission denied)"),
+], ids=["cut", "bad-comma", "empty", "array", "null", "not-utf8", "deep", "huge-integer",
+        "folder", "fifo", "huge-file", "unreadable"])
+def test_an_hparams_json_that_does_not_read_is_one_warning_saying_what_the_report_drops(
+        tmp_path, capsys, monkeypatch, make, why):
+    """QA: a copy of a run with a cut hparams.json said "0 flagged, Thresholds from fp8_stats
+    defaults" and nothing else. One warning names the file (and line:column where JSON says)
+    and what the report goes on without; the report is the defaults' (2 findings, not 3)."""
+    write_run(tmp_path)
+    hparams = tmp_path / "hparams.json"
+    make(hparams, monkeypatch)
+    stdout, stderr, md = report(tmp_path, capsys)
+    assert stderr == f"warning: {hparams}{why}{WITHOUT}"
+    assert "2 flagged" in stdout
     assert "Thresholds from fp8_stats defaults: underflow > 5 %, cos_sim < 0.99," in md
+
+
+def test_no_hparams_json_is_no_warning(tmp_path, capsys):
+    """A run without the `jsonl` logger's hyperparameters: nothing is wrong with it."""
+    write_run(tmp_path)
+    stdout, stderr, _ = report(tmp_path, capsys)
+    assert not stderr and "2 flagged" in stdout
 
 
 GOOD = Fallback(L1, 10, 0.25, ("message",), {"gradient/cos_sim": 0.9}).record()

@@ -21,6 +21,7 @@ from foundry_fp8.report.markdown import (
     fmt,
     in_high_precision,
     render_report,
+    unrecorded_fallbacks,
 )
 from foundry_fp8.report.read import (
     GuardRun,
@@ -84,7 +85,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
                           f"(e.g. {run.layers[0]!r})")
     hparams_file = metrics_file.with_name("hparams.json")
-    hparams = read_hparams(hparams_file)
+    hparams = read_hparams(hparams_file, warn)
     thresholds = thresholds_from_hparams(hparams or {})
     guard = guard_run(series, hparams, hparams_file, warn)
     flags = replay(run, HealthTracker(thresholds))
@@ -120,21 +121,22 @@ def run(args: argparse.Namespace) -> int:
     found = findings(metrics, flags)
     fallen = fallback_steps(guard)
 
-    def change(f: Finding) -> str:
-        if f.first.layer in fallen:
-            return f"{in_high_precision('it', fallen[f.first.layer])}: {f.first.yaml_key}"
-        return f"Change: {f.first.yaml_key}"
+    def line(f: Finding) -> str:
+        w = f.worst
+        change = (f"{in_high_precision('it', fallen[w.layer])}: " if w.layer in fallen
+                  else "Change: ") + w.yaml_key
+        return (f"{w.layer!r} {w.tensor}: {w.stat} {fmt(w.stat, w.value)} at step {w.step} "
+                f"({w.limit}; {f.steps} of {f.logged} steps). Likely cause: {w.cause}. {change}")
 
-    print(f"{len(found)} flagged" + "".join(
-        f"\n  {f.first.layer!r} {f.first.tensor}: {f.worst.stat} {fmt(f.worst.stat, f.worst.value)} "
-        f"at step {f.worst.step} ({f.first.limit}; {f.steps} of {f.logged} steps). Likely cause: "
-        f"{f.first.cause}. {change(f)}" for f in found[:MAX_PRINTED]))
+    print(f"{len(found)} flagged" + "".join(f"\n  {line(f)}" for f in found[:MAX_PRINTED]))
     if len(found) > MAX_PRINTED:
         print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:
         print(f"fp8_guard moved {len(guard.fallbacks)} layer(s) to high precision: " + ", ".join(
             f"{layer} {span}" for layer, span in fallen.items()) + "." + (
             f" Next time: {static_yaml(guard.kept, guard.exclude)}" if guard.kept else ""))
+    elif unrecorded := unrecorded_fallbacks(guard):
+        print(unrecorded)
     print(f"plots ({len(written) - 1} PNGs) in {written[0].parent}:")
     for path in written[:-1]:
         print(f"  {path.name}")

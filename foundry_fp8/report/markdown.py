@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from foundry_fp8.guard import render_fallbacks, static_yaml
+from foundry_fp8.guard import (
+    FALLBACK_LAYERS,
+    FALLBACK_PREFIX,
+    FP8_FLOPS_SHARE,
+    render_fallbacks,
+    static_yaml,
+)
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
 from foundry_fp8.health.history import worst_layers
 from foundry_fp8.health.plots import common_prefix
@@ -18,10 +24,12 @@ from foundry_fp8.report.read import GuardRun
 
 @dataclass(frozen=True)
 class Finding:
-    """One rule's flags on one layer and tensor over the run."""
+    """One rule's flags on one layer and tensor over the run. What a line says of it (value,
+    step, rule in words, cause, YAML key) is the worst flag's alone: a rule's words carry the
+    numbers of their own step (NaN/Inf counts, a scale ratio)."""
 
-    first: Flag  # the first flag (its step, cause and YAML key)
     worst: Flag
+    first_step: int  # the logging step it was first flagged at
     steps: int  # logging steps flagged
     logged: int  # judged logging steps of this tensor
 
@@ -37,8 +45,8 @@ def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
                       if l_ == layer and t_ == tensor
                       for step in run.judged(layer, tensor, by_step)})
         worst = max(group, key=lambda f: badness(f.stat, f.value))
-        found.append(Finding(group[0], worst, len(group), max(logged, 1)))
-    return sorted(found, key=lambda f: (-f.steps / f.logged, f.first.step))
+        found.append(Finding(worst, group[0].step, len(group), max(logged, 1)))
+    return sorted(found, key=lambda f: (-f.steps / f.logged, f.first_step))
 
 
 def fmt(stat: str, value: float) -> str:
@@ -66,25 +74,41 @@ def in_high_precision(layer: str, since: str) -> str:
             "run it in FP8")
 
 
+def unrecorded_fallbacks(guard: GuardRun | None) -> str | None:
+    """What fp8_guard's series says of fallbacks that no record in hparams.json explains (its
+    logger failed, the file is cut): said so, rather than "moved no layer"."""
+    seen = guard.unrecorded if guard is not None else None
+    if seen is None:
+        return None
+    step, most, last = seen
+    count, end = ((f"{most:g} layer(s)", "") if most == last else
+                  (f"up to {most:g} layer(s)", f" ({last:g} at the last logging step)"))
+    return (f"fp8_guard ran {count} in high precision per its series `{FALLBACK_LAYERS}`, the "
+            f"first from step {step + 1}{end}; their records (`{FALLBACK_PREFIX}<layer>`: which "
+            "layers, and why) are missing from hparams.json.")
+
+
 def guard_section(guard: GuardRun) -> list[str]:
     """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time."""
     lines = ["## fp8_guard", ""]
     share = guard.fp8_share
+    shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
+              f"% at the first logging step, {100 * share[1]:.1f} % at the last."
+              if share else "")
+    unrecorded = unrecorded_fallbacks(guard)
+    if unrecorded:
+        return [*lines, unrecorded + shares]
     if not guard.fallbacks:
         lines.append(f"fp8_guard watched {len(guard.series)} logging steps and moved no layer to "
                      "high precision" + (f" (FP8 share of the linear-GEMM FLOPs: "
                                          f"{100 * share[-1]:.1f} %)." if share else "."))
         return lines
     lines += [f"fp8_guard moved {len(guard.fallbacks)} layer(s) to high precision during the run "
-              "(`fp8/guard/fallback/<layer>` in hparams.json); each ran in high precision from "
+              f"(`{FALLBACK_PREFIX}<layer>` in hparams.json); each ran in high precision from "
               "the step after the one that decided it, and its statistics since are what-if "
-              "numbers (the cast it would do, under fp8_stats' `recipe`)."]
-    if share:
-        lines[-1] += (f" FP8 share of the linear-GEMM FLOPs (`fp8/guard/fp8_flops_share`): "
-                      f"{100 * share[0]:.1f} % at the first logging step, {100 * share[1]:.1f} % "
-                      "at the last.")
+              "numbers (the cast it would do, under fp8_stats' `recipe`)." + shares]
     if guard.in_fallback != len(guard.kept):
-        lines[-1] += (f" The series `fp8/guard/fallback_layers` ends at {guard.in_fallback} "
+        lines[-1] += (f" The series `{FALLBACK_LAYERS}` ends at {guard.in_fallback} "
                       f"layers, hparams.json records {len(guard.kept)} in fallback at the end: "
                       "part of the run's record is missing.")
     lines += ["", render_fallbacks(guard.fallbacks, share[1] if share else None)]
@@ -155,14 +179,15 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         lines += ["| layer | tensor | statistic | worst | first flagged at step | steps flagged "
                   "| likely cause | change |", "|---|---|---|---|---|---|---|---|"]
         for f in found:
-            layer, change = md_escape(f.first.layer), md_code(f.first.yaml_key)
-            if f.first.layer in fallen:
-                since = fallen[f.first.layer]
+            w = f.worst
+            layer, change = md_escape(w.layer), md_code(w.yaml_key)
+            if w.layer in fallen:
+                since = fallen[w.layer]
                 layer += f" (high precision {since}: fp8_guard)"
                 change = f"{md_escape(in_high_precision('it', since))}: {change}"
-            lines.append(f"| {layer} | {md_escape(f.first.tensor)} | {f.worst.stat} | "
-                         f"{fmt(f.worst.stat, f.worst.value)} | {f.first.step} | "
-                         f"{f.steps} of {f.logged} | {md_escape(f.first.cause)} | {change} |")
+            lines.append(f"| {layer} | {md_escape(w.tensor)} | {w.stat} | "
+                         f"{fmt(w.stat, w.value)} (step {w.step}) | {f.first_step} | "
+                         f"{f.steps} of {f.logged} | {md_escape(w.cause)} | {change} |")
     else:
         lines.append("No layer crosses a threshold.")
     if guard is not None:

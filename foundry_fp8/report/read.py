@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from foundry_fp8.guard import (
 )
 from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import LAYOUT, OLDER_LAYOUT, older_layout
-from foundry_fp8.jsonl import UNDECODABLE, JsonlError, number, read_jsonl
+from foundry_fp8.jsonl import JsonlError, number, read_jsonl
 
 
 class ReportError(Exception):
@@ -49,13 +50,61 @@ def _fp8_stats_options(hparams: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return cfg if isinstance(cfg, Mapping) else None
 
 
-def read_hparams(path: Path) -> Mapping[str, Any] | None:
-    """hparams.json, or None when absent or unreadable."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, *UNDECODABLE):
+#: A run's hparams.json is its config and fp8_guard's records (kilobytes; a few MiB for
+#: thousands of fallbacks): a larger file is not a run's, and is not read whole into memory.
+MAX_HPARAMS_BYTES = 64 * 1024 * 1024
+#: What the report goes on with when the run's hparams.json does not read.
+WITHOUT_HPARAMS = ("the report goes on without it: fp8_stats' default thresholds, no fp8_guard "
+                   "fallback record")
+
+
+def read_hparams(path: Path, warn: Callable[[str], None] | None = None
+                 ) -> Mapping[str, Any] | None:
+    """hparams.json, or None when absent or unusable. A file there that does not read (a
+    writer killed mid-write leaves it cut short or empty) is one `warn` line naming file (and
+    line) and what the report goes on with: silently, its thresholds and fallbacks would just
+    vanish from the report."""
+    loaded = _load_hparams(path)
+    if isinstance(loaded, str):
+        if warn is not None:
+            warn(f"{loaded}; {WITHOUT_HPARAMS}")
         return None
-    return value if isinstance(value, Mapping) else None
+    return loaded
+
+
+def _load_hparams(path: Path) -> Mapping[str, Any] | str | None:
+    """hparams.json's object, why it is unusable (one line), or None when absent."""
+    try:
+        st = path.stat()
+        if stat.S_ISDIR(st.st_mode):
+            return f"{path}: a folder, not the run's hparams.json"
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read
+            return f"{path}: not a regular file"
+        if st.st_size > MAX_HPARAMS_BYTES:
+            return (f"{path}: {math.ceil(st.st_size / 2**20)} MiB, more than a run's hparams.json holds "
+                    f"(the report reads up to {MAX_HPARAMS_BYTES // 2**20} MiB)")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path}: cannot read ({e.strerror or e})"
+    if not data.strip():
+        return f"{path}: empty (a run killed while writing it leaves one)"
+    try:
+        value = json.loads(data)
+    except json.JSONDecodeError as e:
+        cut = "" if data.rstrip()[-1:] in (b"}", b"]") else "; the file stops mid-document, cut short"
+        return f"{path}:{e.lineno}:{e.colno}: not JSON ({e.msg}{cut})"
+    except UnicodeDecodeError as e:
+        return f"{path}: not JSON (not UTF-8 text at byte offset {e.start})"
+    except ValueError as e:  # an integer of more digits than Python converts
+        return f"{path}: not JSON the report reads ({str(e).partition(':')[0]})"
+    except RecursionError:
+        return f"{path}: not JSON the report reads (nested deeper than Python's JSON parser goes)"
+    if not isinstance(value, Mapping):
+        kind = {list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+        return f"{path}: {'null' if value is None else kind}, not a JSON object of hyperparameters"
+    return value
 
 
 GuardSeries = dict[int, dict[str, float]]  # step -> fp8_guard's series logged at it
@@ -116,19 +165,32 @@ class GuardRun:
             last[event[1]] = (event[0], event[2])
         return sorted(layer for layer, (_, fallen) in last.items() if fallen)
 
+    def _logged(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of one of fp8_guard's series, in step order."""
+        return [(s, self.series[s][key]) for s in sorted(self.series) if key in self.series[s]]
+
     @property
     def fp8_share(self) -> tuple[float, float] | None:
         """The FP8 share of the linear-GEMM FLOPs at the first and the last logging step."""
-        shares = [self.series[s][FP8_FLOPS_SHARE] for s in sorted(self.series)
-                  if FP8_FLOPS_SHARE in self.series[s]]
-        return (shares[0], shares[-1]) if shares else None
+        shares = self._logged(FP8_FLOPS_SHARE)
+        return (shares[0][1], shares[-1][1]) if shares else None
 
     @property
     def in_fallback(self) -> int:
         """Layers in fallback at the last logging step (the series)."""
-        counts = [self.series[s][FALLBACK_LAYERS] for s in sorted(self.series)
-                  if FALLBACK_LAYERS in self.series[s]]
-        return int(counts[-1]) if counts else len(self.kept)
+        counts = self._logged(FALLBACK_LAYERS)
+        return int(counts[-1][1]) if counts else len(self.kept)
+
+    @property
+    def unrecorded(self) -> tuple[int, float, float] | None:
+        """(first step, most, last) of the series `fp8/guard/fallback_layers` where it counts
+        layers in fallback but hparams.json holds no fallback record (a logger that failed, a
+        cut hparams.json): then the series is all the report knows. None otherwise."""
+        counts = self._logged(FALLBACK_LAYERS)
+        fallen = [(s, n) for s, n in counts if n >= 1]
+        if self.fallbacks or not fallen:
+            return None
+        return fallen[0][0], max(n for _, n in fallen), counts[-1][1]
 
 
 def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Path,
