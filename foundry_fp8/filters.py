@@ -1,5 +1,7 @@
 """Which modules a user's regexes select (te_swap's `include`/`exclude`, fp8_stats' `layers`/
-`exclude`/`dump_layers`), matched so that no pattern can hang a run.
+`exclude`/`dump_layers`), matched so that no pattern can hang a run; and te_swap's decision for
+one module (convert it, or why not), torch-free, so that `foundry_fp8.swap.plan_swap` (on the
+built model) and the linter (on the modules an MPT config describes) decide alike.
 
 Python's `re` backtracks without limit: `^([\\w.]+)+!` on a 40-character module name never
 returns. We match with the `regex` module (a dependency of transformers, so already installed
@@ -12,12 +14,14 @@ line naming the option, instead of hanging INIT. Torch-free; the style is torcha
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
 import regex
 
-from foundry_fp8.options import OptionError, Problem
+from foundry_fp8.options import OptionError, Problem, SwapConfig
+from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
 
 #: Seconds one search may take (regex checks its timeout coarsely: it returns within ~4x).
 MATCH_TIMEOUT_S = 0.05
@@ -51,3 +55,91 @@ def module_filter_fn(section: str, layers: str | None, exclude: str | None,
                 and not (exclude is not None and search(f"{section}.exclude", exclude, fqn)))
 
     return selected
+
+
+# -- te_swap's decision for one module -------------------------------------------------------
+
+#: A module inside a transformer block: `...blocks.<index>.` (LLM-Foundry's MPTModel.blocks).
+_BLOCK = re.compile(r"\bblocks\.(\d+)\.")
+
+
+def block_index(name: str) -> int | None:
+    """The index of the transformer block module `name` lies in; None outside the blocks."""
+    match = _BLOCK.search(name + ".")
+    return int(match.group(1)) if match is not None else None
+
+
+def filter_reason(name: str, config: SwapConfig, n_blocks: int,
+                  module: Any = None) -> str | None:
+    """Reasons shared by every kind: block position, regexes, the user's filter (`module` is
+    what it is given; the linter has none, and a YAML cannot give a filter function)."""
+    block = block_index(name)
+    if block is not None and (block < config.keep_first_blocks
+                              or block >= n_blocks - config.keep_last_blocks):
+        return f"block {block} kept in high precision (keep_first/last_blocks)"
+    if config.include and not search(f"{config.PATH}.include", config.include, name):
+        return "not matched by include"
+    if config.exclude and search(f"{config.PATH}.exclude", config.exclude, name):
+        return "matched by exclude"
+    if config.module_filter_fn is not None and not config.module_filter_fn(module, name):
+        return "rejected by module_filter_fn"
+    return None
+
+
+def shape_reason(in_features: int, out_features: int) -> str | None:
+    """TE's FP8 GEMM rule (`foundry_fp8.shapes`) on a weight [out, in]: in % 16, and out % 16
+    too, since out is the last dim of the output gradient the backward GEMMs read."""
+    if not (dim_fits_fp8(in_features) and dim_fits_fp8(out_features)):
+        return (f"shape {out_features}x{in_features} breaks TE's FP8 rule "
+                "(weight dims divisible by 16)")
+    return None
+
+
+def gemm_reason(in_features: int, out_features: int, config: SwapConfig) -> str | None:
+    """Why te_swap keeps a GEMM of these dims: its shape, the tokens per micro-batch, its
+    size."""
+    shape = shape_reason(in_features, out_features)
+    if shape is not None:
+        return shape
+    tokens = config.tokens_per_microbatch
+    if tokens is not None and not tokens_fit_fp8(tokens):
+        return f"{tokens} tokens per micro-batch breaks TE's FP8 rule (divisible by 8)"
+    if min(in_features, out_features) < config.min_gemm_size:
+        return f"smaller than min_gemm_size {config.min_gemm_size}"
+    return None
+
+
+def backend_reason(config: SwapConfig, what: str) -> str | None:
+    if config.backend != "te":
+        return f"{what} needs backend te (the emulated backend converts linear layers only)"
+    return None
+
+
+def linear_reason(name: str, in_features: int, out_features: int, config: SwapConfig,
+                  n_blocks: int, module: Any = None) -> str | None:
+    """Why te_swap keeps a linear layer in high precision; None: it converts it. Only the
+    blocks' linears and the LM head are candidates."""
+    if block_index(name) is None and not name.endswith("lm_head"):
+        return "outside the transformer blocks"
+    if name.endswith("lm_head") and config.keep_lm_head:
+        return "LM head kept in high precision (keep_lm_head)"
+    return (filter_reason(name, config, n_blocks, module)
+            or gemm_reason(in_features, out_features, config))
+
+
+def layernorm_reason(name: str, has_bias: bool, config: SwapConfig, n_blocks: int,
+                     module: Any = None) -> str | None:
+    """Why te_swap's `convert_layernorm` keeps a LayerNorm (te_swap also keeps those still on
+    the meta device); None: it converts it."""
+    return (backend_reason(config, "convert_layernorm")
+            or filter_reason(name, config, n_blocks, module)
+            or (None if has_bias else "no bias: te.LayerNorm always trains one"))
+
+
+def fuse_reason(name: str, in_features: int, out_features: int, config: SwapConfig,
+                n_blocks: int, module: Any = None) -> str | None:
+    """Why te_swap's `fuse_ln_mlp` does not fuse a block's norm_2 + MLP (`name`: the ffn; the
+    dims: its up_proj's) that it could fuse (te_swap also declines those on the meta device)."""
+    return (backend_reason(config, "fuse_ln_mlp")
+            or filter_reason(name, config, n_blocks, module)
+            or gemm_reason(in_features, out_features, config))

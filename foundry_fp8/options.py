@@ -630,10 +630,24 @@ class Entry:
     name: str
     options: type[Options]
     reserved: tuple[str, ...] = ()
+    #: (entry of the same section, what this one takes from it): it refuses to start without
+    #: them, and the linter says so from the YAML
+    needs: tuple[tuple[str, str], ...] = ()
 
     @property
     def path(self) -> str:
         return f"{self.section}.{self.name}"
+
+    def need_problem(self, name: str) -> Problem:
+        """What is wrong when entry `name` of this entry's section, which it needs, is missing
+        (`OptionError(self.path, ...)` is the constructors' one line)."""
+        return Problem("", "value", f"needs {self.section}.{name}, {dict(self.needs)[name]}",
+                       f"add `{name}: {{}}` to {self.section}")
+
+    def missing(self, present: Iterable[str]) -> list[Problem]:
+        """A problem for each entry this one needs that `present` (its section's names) lacks."""
+        names = set(present)
+        return [self.need_problem(name) for name, _ in self.needs if name not in names]
 
     def parts(self) -> dict[str, type[Options]]:
         """Field name -> options class, for the fields that are parts (fp8_stats' schedule)."""
@@ -687,7 +701,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
     Entry("algorithms", "te_swap", TESwapOptions),
     Entry("callbacks", "fp8_stats", FP8StatsOptions),
     Entry("callbacks", "fp8_state", FP8StateOptions),
-    Entry("callbacks", "fp8_guard", FP8GuardOptions),
+    Entry("callbacks", "fp8_guard", FP8GuardOptions,
+          needs=(("fp8_stats", "whose statistics it acts on"),)),
     Entry("callbacks", "fp8_lint", FP8LintOptions, reserved=(TRAIN_CONFIG_KWARG,)),
     Entry("loggers", "jsonl", JSONLOptions),
 )}

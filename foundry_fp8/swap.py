@@ -8,7 +8,6 @@ names (so parameter names, optimizers and checkpoints line up) and LLM-Foundry's
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -18,9 +17,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from foundry_fp8.filters import search
+from foundry_fp8.filters import block_index, fuse_reason, layernorm_reason, linear_reason
 from foundry_fp8.options import SwapConfig
-from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
     MPT_DEFAULT_INIT_SCHEME,
@@ -31,7 +29,6 @@ from foundry_fp8.te.facts import (
 #: LLM-Foundry sets these on linear layers (attention.py, ffn.py) and its param_init_fns read
 #: them, which matters when `init_device: meta` defers init until after the swap.
 KEPT_ATTRIBUTES = ("_fused", "_is_residual")
-_BLOCK = re.compile(r"\bblocks\.(\d+)\.")
 
 Kind = Literal["linear", "layernorm", "ln_mlp", "tied_lm_head"]
 
@@ -96,36 +93,6 @@ def _n_params(*modules: nn.Module) -> int:
     return sum(p.numel() for m in modules for p in m.parameters(recurse=False))
 
 
-def _filter_reason(name: str, module: nn.Module, config: SwapConfig, n_blocks: int) -> str | None:
-    """Reasons shared by every kind: block position, regexes, the user's filter."""
-    match = _BLOCK.search(name + ".")
-    if match is not None:
-        block = int(match.group(1))
-        if block < config.keep_first_blocks or block >= n_blocks - config.keep_last_blocks:
-            return f"block {block} kept in high precision (keep_first/last_blocks)"
-    if config.include and not search(f"{config.PATH}.include", config.include, name):
-        return "not matched by include"
-    if config.exclude and search(f"{config.PATH}.exclude", config.exclude, name):
-        return "matched by exclude"
-    if config.module_filter_fn is not None and not config.module_filter_fn(module, name):
-        return "rejected by module_filter_fn"
-    return None
-
-
-def _gemm_reason(in_features: int, out_features: int, config: SwapConfig) -> str | None:
-    """TE's FP8 GEMM rule (`foundry_fp8.shapes`). The weight [out, in] needs in % 16, and
-    out % 16 too, since out is the last dim of the output gradient the backward GEMMs read."""
-    if not (dim_fits_fp8(in_features) and dim_fits_fp8(out_features)):
-        return (f"shape {out_features}x{in_features} breaks TE's FP8 rule "
-                "(weight dims divisible by 16)")
-    tokens = config.tokens_per_microbatch
-    if tokens is not None and not tokens_fit_fp8(tokens):
-        return f"{tokens} tokens per micro-batch breaks TE's FP8 rule (divisible by 8)"
-    if min(in_features, out_features) < config.min_gemm_size:
-        return f"smaller than min_gemm_size {config.min_gemm_size}"
-    return None
-
-
 def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
     """(why not, ffn) for fusing an MPT block's `norm_2` + `ffn` into `te.LayerNormMLP`."""
     ffn, norm = getattr(block, "ffn", None), getattr(block, "norm_2", None)
@@ -169,16 +136,10 @@ def _meta_init_reason(model: nn.Module, up_proj: nn.Linear) -> str | None:
             f"NameError ({TE_LN_MLP_INIT_SOURCE}); init_device: cpu fuses")
 
 
-def _backend_reason(config: SwapConfig, what: str) -> str | None:
-    if config.backend != "te":
-        return f"{what} needs backend te (the emulated backend converts linear layers only)"
-    return None
-
-
 def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
     """Convert-or-keep, with the reason, for every candidate module of `model`."""
     modules = dict(model.named_modules())
-    blocks = {int(b.group(1)) for n in modules if (b := _BLOCK.search(n + "."))}
+    blocks = {b for n in modules if (b := block_index(n)) is not None}
     n_blocks = max(blocks) + 1 if blocks else 0
     decisions: list[Decision] = []
     fused: set[str] = set()
@@ -191,9 +152,8 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
             why, ffn = _fusable_mlp(block)
             if ffn is not None:
                 up = ffn.up_proj
-                why = (_backend_reason(config, "fuse_ln_mlp")
-                       or _filter_reason(f"{name}.ffn", ffn, config, n_blocks)
-                       or _gemm_reason(up.in_features, up.out_features, config)
+                why = (fuse_reason(f"{name}.ffn", up.in_features, up.out_features, config,
+                                   n_blocks, ffn)
                        or _meta_init_reason(model, up))
             if why is not None:  # a note only: its linears are planned one by one below
                 decisions.append(Decision(f"{name}.ffn", "ln_mlp", False, f"not fused: {why}",
@@ -210,20 +170,12 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
         if name in fused:
             continue
         if isinstance(module, nn.Linear):
-            if _BLOCK.search(name + ".") is None and not name.endswith("lm_head"):
-                reason = "outside the transformer blocks"
-            elif name.endswith("lm_head") and config.keep_lm_head:
-                reason = "LM head kept in high precision (keep_lm_head)"
-            else:
-                reason = (_filter_reason(name, module, config, n_blocks)
-                          or _gemm_reason(module.in_features, module.out_features, config))
+            reason = linear_reason(name, module.in_features, module.out_features, config,
+                                   n_blocks, module)
             decisions.append(Decision(name, "linear", reason is None, reason or "converted",
                                       module.in_features, module.out_features, _n_params(module)))
         elif config.convert_layernorm and isinstance(module, nn.LayerNorm):
-            reason = (_backend_reason(config, "convert_layernorm")
-                      or _filter_reason(name, module, config, n_blocks))
-            if reason is None and module.bias is None:
-                reason = "no bias: te.LayerNorm always trains one"
+            reason = layernorm_reason(name, module.bias is not None, config, n_blocks, module)
             if reason is None and module.weight.device.type == "meta":
                 reason = ("init_device meta: LLM-Foundry's param_init_fn would not initialise "
                           "te.LayerNorm (not in its norms registry)")

@@ -242,7 +242,188 @@ def test_broken_deepspeed_json_behind_an_accelerate_config_exits_2(tmp_path):
 
 def test_rules_are_registered_with_docs_fields():
     ids = [rule.id for rule in ACCELERATE_RULES]
-    assert ids == [f"FP81{n:02d}" for n in range(1, 15)]
+    assert ids == [f"FP81{n:02d}" for n in range(1, 16)]
     assert not set(ids) & {rule.id for rule in RULES}
     for rule in ACCELERATE_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix
+
+
+# -- FP8111 follows the config class Accelerate picks; FP8115 ------------------------------
+
+#: What `accelerate config` writes for SageMaker (commands/config/sagemaker.py, dumped sorted by
+#: SageMakerConfig.to_yaml_file): the shape of accelerate PR #494 and issue #3463.
+SAGEMAKER = """\
+base_job_name: accelerate-sagemaker-1
+compute_environment: AMAZON_SAGEMAKER
+debug: false
+distributed_type: DATA_PARALLEL
+ec2_instance_type: ml.p5.48xlarge
+enable_cpu_affinity: false
+gpu_ids: all
+iam_role_name: accelerate_sagemaker_execution_role
+mixed_precision: fp8
+num_machines: 1
+profile: default
+py_version: py310
+pytorch_version: 2.3.0
+region: us-east-1
+transformers_version: 4.41.1
+use_cpu: false
+"""
+#: A multi-GPU config as `accelerate config` writes it (commands/config/cluster.py).
+CLUSTER = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_GPU
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fp8_config:
+  backend: MSAMP
+  opt_level: O2
+gpu_ids: all
+machine_rank: 0
+main_training_function: main
+mixed_precision: fp8
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Set the Accelerate version the file path judges against (None: not installed)."""
+    from foundry_fp8.lint import accelerate
+
+    def set_version(version: tuple[int, ...] | None) -> None:
+        monkeypatch.setattr(accelerate, "installed_accelerate", lambda: version)
+    return set_version
+
+
+def _file(tmp_path: Path, text: str, name: str = "accelerate.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _accelerate_refuses(path: Path) -> bool | None:
+    """Does the installed Accelerate's `load_config_from_file` refuse the file (None: not
+    installed)? What `accelerate launch --config_file` runs first."""
+    try:
+        from accelerate.commands.config.config_args import load_config_from_file
+    except ImportError:
+        return None
+    try:
+        load_config_from_file(str(path))
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("version", [(1, 8, 1), (1, 14, 0), None])
+def test_a_sagemaker_config_is_judged_against_sagemakerconfig(tmp_path, installed, version):
+    """Before: 8 false FP8111 errors (region, profile, ec2_instance_type, ...), judged against
+    ClusterConfig's keys."""
+    installed(version)
+    path = _file(tmp_path, SAGEMAKER)
+    assert _accelerate_refuses(path) in (False, None)
+    assert found(path, "FP8111") == []
+
+
+def test_a_sagemaker_config_with_cluster_keys_or_distributed_type_no(tmp_path, installed):
+    installed((1, 8, 1))
+    path = _file(tmp_path, SAGEMAKER + "num_processes: 8\nfp8_config:\n  backend: TE\n")
+    assert found(path, "FP8111") == [("num_processes", 17, "error"), ("fp8_config", 18, "error")]
+    message = next(f["message"] for f in lint_file(path)["findings"] if f["rule"] == "FP8111")
+    assert "SageMaker config has no `num_processes`" in message
+    assert _accelerate_refuses(path) in (True, None)
+    # the file `accelerate config` writes for "No distributed training" (accelerate #3463)
+    path = _file(tmp_path, SAGEMAKER.replace("DATA_PARALLEL", "'NO'"))
+    assert found(path, "FP8111") == [("distributed_type", 4, "error")]
+    assert _accelerate_refuses(path) in (True, None)
+    assert found(path, "FP8113") == []  # it never launches
+
+
+def test_a_compute_environment_accelerate_does_not_know(tmp_path, installed):
+    installed((1, 8, 1))
+    path = _file(tmp_path, CLUSTER.replace("LOCAL_MACHINE", "local_machine"))
+    assert found(path, "FP8111") == [("compute_environment", 1, "error")]
+    message = next(f["message"] for f in lint_file(path)["findings"] if f["rule"] == "FP8111")
+    assert "did you mean `LOCAL_MACHINE`?" in message
+    assert _accelerate_refuses(path) in (True, None)
+
+
+@pytest.mark.parametrize(("key", "version", "expected"), [
+    ("parallelism_config", (1, 8, 1), "error"), ("parallelism_config", (1, 10, 0), None),
+    ("parallelism_config", None, "warning"),
+    ("ipex_config", (1, 12, 0), None), ("ipex_config", (1, 13, 0), "error"),
+    ("ipex_config", None, "warning"),
+    ("tp_config", (1, 3, 0), "error"), ("tp_config", (1, 6, 0), None),
+    ("tp_config", (1, 7, 0), "error"),
+    ("fsdp_config", None, None),
+])
+def test_keys_of_some_releases_are_judged_by_the_installed_version(tmp_path, installed, key,
+                                                                   version, expected):
+    installed(version)
+    path = _file(tmp_path, CLUSTER + f"{key}: {{}}\n")
+    assert found(path, "FP8111") == ([(key, 21, expected)] if expected else [])
+    if expected:
+        message = next(f["message"] for f in lint_file(path)["findings"]
+                       if f["rule"] == "FP8111")
+        assert {"parallelism_config": "from 1.10", "ipex_config": "removed in 1.13",
+                "tp_config": "from 1.4, removed in 1.7"}[key] in message
+
+
+def test_the_key_lists_are_the_installed_accelerates_fields():
+    """At the installed version, each class's keys are its dataclass fields plus the legacy
+    keys process_config converts."""
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    from foundry_fp8.lint.accelerate import installed_accelerate
+    from foundry_fp8.lint.rules.accelerate import LOCAL, SAGEMAKER, accelerate_keys
+
+    version, legacy = installed_accelerate(), {"fp16", "dynamo_backend"}
+    assert accelerate_keys(LOCAL, version) == \
+        set(config_args.ClusterConfig.__dataclass_fields__) | legacy
+    assert accelerate_keys(SAGEMAKER, version) == \
+        set(config_args.SageMakerConfig.__dataclass_fields__) | legacy
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    ((1, 8, 1), [("fp8_config.backend", 7, "warning")]),
+    ((1, 8, 0), [("fp8_config.backend", 7, "warning")]),
+    (None, [("fp8_config.backend", 7, "warning")]),
+    ((1, 9, 0), []), ((1, 14, 0), []),
+    ((1, 3, 0), []),  # FP8RecipeKwargs reads ACCELERATE_FP8_BACKEND
+    ((1, 5, 0), []),  # no FP8 from the config at all: FP8103
+])
+def test_a_backend_that_accelerate_1_8_ignores(tmp_path, installed, version, expected):
+    installed(version)
+    path = _file(tmp_path, CLUSTER)
+    assert found(path, "FP8115") == expected
+    if expected:
+        message = next(f["message"] for f in lint_file(path)["findings"]
+                       if f["rule"] == "FP8115")
+        assert "MSAMP" in message and "torchao" in message
+        assert ("accelerate 1.8" if version else "Accelerate < 1.9") in message
+
+
+def test_a_backend_under_deepspeed_or_without_fp8_is_not_fp8115(tmp_path, installed):
+    installed((1, 8, 1))
+    assert found(_file(tmp_path, CLUSTER.replace("MULTI_GPU", "DEEPSPEED")), "FP8115") == []
+    assert found(_file(tmp_path, CLUSTER.replace("mixed_precision: fp8",
+                                                 "mixed_precision: bf16")), "FP8115") == []
+    assert found(_file(tmp_path, CLUSTER.replace("  backend: MSAMP\n", "")), "FP8115") == []
+
+
+def test_fp8103_recommends_the_accelerate_that_reads_the_backend():
+    config = {"distributed_type": "MULTI_GPU", "mixed_precision": "fp8"}
+    finding, = [f for f in lint_accelerate(lint_input(config, version=(1, 5, 0)))
+                if f.rule == "FP8103"]
+    assert "accelerate>=1.9" in finding.fix
+    rule, = [r for r in ACCELERATE_RULES if r.id == "FP8103"]
+    assert "1.9+ otherwise" in rule.fix

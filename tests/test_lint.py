@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.cli import exit_code, lint_file
 from foundry_fp8.lint.docs import rules_markdown
+from foundry_fp8.lint.known import MPT_NUMBER_KEYS
 from foundry_fp8.lint.output import render_sarif, render_text, use_colour
 from foundry_fp8.lint.rules import RULES, LintContext, all_rules, lint_config
 
@@ -71,7 +72,7 @@ CASES: dict[str, tuple[dict, str, int]] = {
                "model.ffn_config.ffn_act_fn", 1),
     "FP8005": (_merge(FP8_TE, {"model": {"d_model": 2040}}), "model.d_model", 1),
     "FP8006": (_merge(FP8_TE, {"device_train_microbatch_size": 3, "variables": {"seq": 2045}}),
-               "device_train_microbatch_size", 1),
+               "max_seq_len", 1),
     "FP8007": ({"precision_config": {"amax_history_len": 1024}}, "precision_config", 1),
     "FP8008": (_merge(EMULATE, {"algorithms": {"te_swap": {"fp8_recipe": {"fp8_format": "E5M2"}}}}),
                "algorithms.te_swap.fp8_recipe.fp8_format", 1),
@@ -106,6 +107,11 @@ CASES: dict[str, tuple[dict, str, int]] = {
                1),
     "FP8031": ({"device_train_microbatch_size": "auto"}, "device_train_microbatch_size", 1),
     "FP8032": ({"model": {"expansion_ratio": 2.67}}, "model.expansion_ratio", 1),
+    "FP8033": ({"callbacks": {"fp8_guard": {}}}, "callbacks.fp8_guard", 1),
+    "FP8034": ({"precision": "amp_fp8", "algorithms": {"te_swap": {
+        "keep_first_blocks": 12, "keep_last_blocks": 12}}}, "algorithms.te_swap.keep_first_blocks",
+               1),
+    "FP8035": ({"model": {"d_model": "2048"}}, "model.d_model", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -144,6 +150,10 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
                 "model": {"init_device": "cpu"}}, 1),
     "FP8031": ({"device_train_microbatch_size": "auto", "fsdp_config": None}, 1),
     "FP8032": ({"model": {"expansion_ratio": 2.5}}, 1),  # 5120
+    "FP8033": ({"callbacks": {"fp8_stats": {}, "fp8_guard": {}}}, 1),
+    "FP8034": ({"precision": "amp_fp8", "algorithms": {"te_swap": {
+        "keep_first_blocks": 12, "keep_last_blocks": 11}}}, 1),  # block 12 converts
+    "FP8035": ({"model": {"logit_scale": "inv_sqrt_d_model"}}, 1),  # the one word it takes
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,
@@ -798,6 +808,202 @@ def test_the_environment_probe_does_not_import_the_linter():
                 if m.startswith(("foundry_fp8.lint", "foundry_fp8.doctor"))}
     assert "foundry_fp8.doctor" not in imports("foundry_fp8.composer.lint")
     assert "foundry_fp8.environment" in imports("foundry_fp8.composer.lint")
+
+
+# -- eval configs share the train rules' sections ------------------------------------------
+
+#: An MPT eval config in the layout of LLM-Foundry's scripts/eval/yamls/mpt_eval.yaml.
+EVAL_BASE = """\
+variables:
+  max_seq_len: 1024
+seed: 1
+precision: amp_bf16
+max_seq_len: ${variables.max_seq_len}
+models:
+- model_name: mpt_test
+  tokenizer:
+    name: EleutherAI/gpt-neox-20b
+  model:
+    name: mpt_causal_lm
+    d_model: 768
+    n_heads: 12
+    n_layers: 12
+    loss_fn: torch_crossentropy
+  load_path: ./ckpt/latest-rank0.pt
+device_eval_batch_size: 16
+fsdp_config:
+  sharding_strategy: FULL_SHARD
+  mixed_precision: FULL
+"""
+
+
+@pytest.mark.parametrize("rule", sorted(r.id for r in RULES if "eval" in r.also))
+def test_eval_configs_are_judged_by_the_train_rules_registered_for_them(tmp_path, rule):
+    """A train rule registered with `also=("eval",)` fires on an eval config as on a train one:
+    the `foundry-fp8 lint` of an eval config runs it."""
+    from omegaconf import OmegaConf
+
+    edit, key, fsdp_version = CASES[rule]
+    path = tmp_path / "eval.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.merge(OmegaConf.create(EVAL_BASE),
+                                                      OmegaConf.create(edit))))
+    entry = lint_file(path, fsdp_version, NO_FLASH)
+    assert entry["error"] is None, entry["error"]
+    assert [rule, key] in [[f["rule"], f["key"]] for f in entry["findings"]], entry["findings"]
+
+
+def test_eval_rules_list_their_own_and_the_shared_train_rules():
+    from foundry_fp8.lint.registry import rules_for, rules_of
+
+    shared = {r.id for r in RULES if "eval" in r.also}
+    assert shared and {r.id for r in rules_for("eval")} == shared | {r.id for r in rules_of("eval")}
+    assert not shared & {r.id for r in rules_of("eval")}  # docs list each rule once
+
+
+# -- what the run refuses later: fp8_guard (FP8033), te_swap converting nothing (FP8034) --------
+
+def test_fp8_guard_needs_fp8_stats_in_its_own_section():
+    found = lint_config({"callbacks": {"fp8_guard": {"consecutive": 2}}})
+    hit, = [f for f in found if f.rule == "FP8033"]
+    assert hit.key == "callbacks.fp8_guard"
+    assert "needs callbacks.fp8_stats, whose statistics it acts on" in hit.message
+    assert hit.fix == "add `fp8_stats: {}` to callbacks"
+    # fp8_stats misplaced under loggers does not count
+    misplaced = {"callbacks": {"fp8_guard": {}}, "loggers": {"fp8_stats": {}}}
+    assert "FP8033" in {f.rule for f in lint_config(misplaced)}
+
+
+@pytest.mark.parametrize(("te_swap", "key"), [
+    ({"keep_first_blocks": 24}, "keep_first_blocks"),
+    ({"keep_last_blocks": 30}, "keep_last_blocks"),
+    ({"keep_first_blocks": 12, "keep_last_blocks": 12}, "keep_first_blocks"),
+    ({"include": "^lm_head$"}, "include"),  # te_swap sees `model.lm_head`: and it is tied
+    ({"include": "^transformer\\."}, "include"),  # names start with `model.`
+    ({"exclude": "blocks"}, "exclude"),
+    ({"min_gemm_size": 100_000_000_000}, "min_gemm_size"),
+    ({"tokens_per_microbatch": 6}, "tokens_per_microbatch"),
+    ({"keep_lm_head": False, "include": "lm_head"}, "include"),  # MPT ties the head by default
+    ({"backend": "emulate", "exclude": "attn|ffn"}, "exclude"),  # refused at any precision
+])
+def test_te_swap_options_that_convert_nothing_name_their_key(te_swap, key):
+    edit = {"precision": "amp_fp8", "algorithms": {"te_swap": te_swap}}
+    assert _found(edit, None, "FP8034") == [(f"algorithms.te_swap.{key}", "error")]
+
+
+@pytest.mark.parametrize("edit", [
+    {"algorithms": {"te_swap": {"keep_first_blocks": 23}}},  # block 23 converts
+    {"algorithms": {"te_swap": {"include": r"blocks\.0\.attn"}}},
+    {"algorithms": {"te_swap": {"min_gemm_size": 2048}}},  # every block GEMM is 2048 or more
+    {"algorithms": {"te_swap": {"include": "lm_head", "keep_lm_head": False}},
+     "model": {"tie_word_embeddings": False}},  # an untied head converts
+    {"algorithms": {"te_swap": {"include": "norm_f", "convert_layernorm": True}}},
+    {"algorithms": {"te_swap": {"exclude": "."}}, "model": {"fc_type": "te"}},  # TE layers run
+    {"algorithms": {"te_swap": {"keep_first_blocks": 24}}, "precision": "amp_bf16"},  # FP8021's
+    {"algorithms": {"te_swap": {"keep_first_blocks": 24}},
+     "model": {"name": "hf_causal_lm"}},  # only MPT is modelled
+    {"algorithms": {"te_swap": {"keep_first_blocks": -1}}},  # refused at construction: FP8023
+])
+def test_te_swap_options_that_convert_something_are_quiet(edit):
+    assert _found(_merge({"precision": "amp_fp8"}, edit), None, "FP8034") == []
+
+
+def test_te_swap_converting_nothing_because_of_the_model_names_no_option():
+    edit = {"precision": "amp_fp8", "algorithms": {"te_swap": {}},
+            "model": {"d_model": 2040, "n_heads": 8}}
+    assert _found(edit, None, "FP8034") == [("algorithms.te_swap", "error")]
+    assert _found(edit, None, "FP8005") == [("model.d_model", "error")]
+
+
+# -- attention GEMM dims (FP8005) ------------------------------------------------------------
+
+GQA = {"attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 1}}
+
+
+@pytest.mark.parametrize(("model", "te_swap", "expected"), [
+    # head_dim 43: Wqkv (48 + 2) x 43 = 2150 wide, not a multiple of 8 for te.Linear's assert
+    ({"d_model": 2064, "n_heads": 48, **GQA}, None,
+     [("model.attn_config.kv_n_heads", "error")]),
+    # an explicit head_dim: out_proj reads n_heads x head_dim = 1080 features
+    # (and Wqkv 3 x 1080 = 3240 is divisible by 8, not 16)
+    ({"d_model": 1152, "n_heads": 12, "head_dim": 90}, None,
+     [("model.head_dim", "warning"), ("model.head_dim", "error")]),
+    # Wqkv 1800 wide: TE's forward check passes (1800 % 8), the backward GEMM's inner dim not
+    ({"head_dim": 100, **GQA}, None, [("model.head_dim", "warning")]),
+    # multi-query attention: one kv head of 43
+    ({"d_model": 2064, "n_heads": 48, "attn_config": {"attn_type": "multiquery_attention"}},
+     None, [("model.attn_config.attn_type", "error")]),
+    # te_swap keeps the attention linears it would convert in high precision
+    ({"d_model": 2064, "n_heads": 48, **GQA}, {}, [("model.attn_config.kv_n_heads", "warning")]),
+    ({"d_model": 2064, "n_heads": 48, **GQA}, {"exclude": "Wqkv"}, []),
+    ({"d_model": 2064, "n_heads": 48, **GQA}, {"include": "ffn"}, []),
+    # dims that follow from d_model: MHA, or GQA with a head_dim that fits
+    ({"d_model": 2064, "n_heads": 48}, None, []),
+    ({"n_heads": 16, "attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 4}},
+     None, []),
+])
+def test_attention_dims_follow_mpts_attention(model, te_swap, expected):
+    edit = {"precision": "amp_fp8", "model": {**model, "fc_type": "te" if te_swap is None
+                                              else "torch"}}
+    if te_swap is not None:
+        edit["algorithms"] = {"te_swap": te_swap}
+    assert _found(edit, None, "FP8005") == expected
+
+
+def test_attention_of_torch_layers_is_not_judged():
+    """te_ln_mlp makes only the FFN a TE layer: the attention stays in torch, out of FP8."""
+    edit = {"precision": "amp_fp8", "model": {"d_model": 2064, "n_heads": 48, **GQA,
+                                              "ffn_config": {"ffn_type": "te_ln_mlp"}}}
+    assert _found(edit, None, "FP8005") == []
+
+
+# -- the sequence length micro-batches are cut to (FP8006) -----------------------------------
+
+LOADER = {"train_loader": {"name": "text", "dataset": {"local": "./c4", "split": "train",
+                                                       "max_seq_len": "${variables.seq}"}}}
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    # the loader's length is the one trained on, interpolated or written
+    ({"variables": {"seq": 2044}}, [("train_loader.dataset.max_seq_len", 2044)]),
+    ({"train_loader": {"dataset": {"max_seq_len": 2050}}},
+     [("train_loader.dataset.max_seq_len", 2050)]),
+    # the top-level max_seq_len is only ICL's default length
+    ({"max_seq_len": 2044}, []),
+    ({"max_seq_len": 2044, "train_loader": {"dataset": {"max_seq_len": 2048}}}, []),
+])
+def test_tokens_per_microbatch_read_the_train_loaders_length(tmp_path, edit, expected):
+    path = _write(tmp_path, _merge(FP8_TE, LOADER, {"device_train_microbatch_size": 1}, edit))
+    entry = lint_file(path, 1, NO_FLASH)
+    lines = path.read_text().splitlines()
+    hits = [f for f in entry["findings"] if f["rule"] == "FP8006"]
+    assert [(f["key"], int(f["message"].split()[2])) for f in hits] == expected, hits
+    for f in hits:  # the line of the loader's key, under train_loader.dataset
+        assert lines[f["line"] - 1][f["column"] - 1:].startswith("max_seq_len:")
+        assert lines[f["line"] - 1].startswith("    ")
+
+
+# -- values MPT refuses (FP8035) -------------------------------------------------------------
+
+@pytest.mark.parametrize("path", MPT_NUMBER_KEYS)
+def test_numbers_written_as_strings_are_named(path):
+    section, _, leaf = path.rpartition(".")
+    value: dict = {leaf: "8/3"}
+    if section:
+        value = {section: {**value, **({"attn_type": "grouped_query_attention"}
+                                       if leaf == "kv_n_heads" else {})}}
+    found = _found({"model": value}, None, "FP8035")
+    assert found == [(f"model.{path}", "error")]
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ({"n_heads": 12}, [("model.n_heads", "error")]),  # 2048 / 12
+    ({"n_heads": 12, "head_dim": 90}, [("model.n_heads", "error")]),  # head_dim does not help
+    ({"n_heads": 16, "norm_eps": "1e-5"}, []),  # a string norm_eps builds
+    ({"attn_config": {"kv_n_heads": "2"}}, []),  # MHA takes no kv_n_heads at all
+    ({"name": "hf_causal_lm", "d_model": "2048"}, []),  # only MPT is judged
+])
+def test_values_mpt_refuses(model, expected):
+    assert _found({"model": model}, None, "FP8035") == expected
 
 
 # -- upstream crashes judged against the installed versions (FP8030, FP8031) -----------------

@@ -14,6 +14,7 @@ import textwrap
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -170,6 +171,64 @@ def test_mpt_and_text_loader_defaults_match_llmfoundry():
         known.TEXT_LOADER_DEFAULTS
 
 
+def test_mpt_attention_and_ffn_defaults_match_llmfoundry():
+    from llmfoundry.models.utils.config_defaults import attn_config_defaults, ffn_config_defaults
+
+    assert {k: attn_config_defaults[k] for k in known.MPT_ATTN_DEFAULTS} == \
+        known.MPT_ATTN_DEFAULTS
+    assert ffn_config_defaults == known.MPT_FFN_DEFAULTS
+
+
+def _build_mpt(**edits: Any) -> None:
+    """Build a tiny MPT as LLM-Foundry does from a model section (MPTConfig, then the model)."""
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    section: dict = {"d_model": 64, "n_heads": 4, "n_layers": 1, "max_seq_len": 16,
+                     "vocab_size": 64, "init_device": "meta", "attn_config": {"attn_impl": "torch"}}
+    for path, value in edits.items():
+        *parents, leaf = path.split("__")
+        node = section
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        MPTForCausalLM(MPTConfig(**section))
+
+
+@pytest.mark.parametrize("path", known.MPT_NUMBER_KEYS)
+def test_mpt_refuses_each_number_written_as_a_string(path):
+    """FP8035's keys: the number a YAML would quote (or a fraction, read as a string) stops
+    LLM-Foundry building the model; the same number unquoted builds."""
+    number = {"max_seq_len": 16, "n_layers": 1, "head_dim": 16, "kv_n_heads": 2,
+              "ffn_hidden_size": 256, "logit_scale": 0.5}.get(path.rpartition(".")[2], 64)
+    if path.endswith(("pdrop", "embedding_fraction")):
+        number = 0.5
+    extra = {"attn_config__attn_type": "grouped_query_attention"} \
+        if path.endswith("kv_n_heads") else {}
+    if path == "expansion_ratio":
+        number = 4
+    key = path.replace(".", "__")
+    _build_mpt(**{key: number}, **extra)
+    with pytest.raises((TypeError, ValueError)):
+        _build_mpt(**{key: str(number)}, **extra)
+
+
+def test_mpt_builds_the_strings_the_rule_lets_through():
+    _build_mpt(norm_eps="1e-5")  # torch reads it only in the forward
+    for path, words in known.MPT_NUMBER_WORDS.items():
+        for word in words:
+            _build_mpt(**{path.replace(".", "__"): word})
+    with pytest.raises(TypeError):  # only GroupedQueryAttention takes kv_n_heads
+        _build_mpt(attn_config__kv_n_heads=2)
+
+
+def test_mpt_needs_n_heads_to_divide_d_model_even_with_a_head_dim():
+    with pytest.raises(ValueError, match="d_model must be divisible by n_heads"):
+        _build_mpt(n_heads=3, head_dim=16)
+    _build_mpt(n_heads=2, head_dim=16)
+
+
 def test_torch_dataloader_refuses_the_text_loader_defaults_without_workers():
     from torch.utils.data import DataLoader
 
@@ -178,10 +237,12 @@ def test_torch_dataloader_refuses_the_text_loader_defaults_without_workers():
             DataLoader([1, 2], num_workers=0, **{option: default})
 
 
-def test_train_from_yaml_clears_oc_env():
+def test_train_and_eval_from_yaml_clear_oc_env():
+    from llmfoundry.command_utils.eval import eval_from_yaml
     from llmfoundry.command_utils.train import train_from_yaml
 
-    assert "om.clear_resolver('oc.env')" in inspect.getsource(train_from_yaml)
+    for read in (train_from_yaml, eval_from_yaml):
+        assert "om.clear_resolver('oc.env')" in inspect.getsource(read)
 
 
 def test_te_ln_mlp_refuses_ffn_act_fn():
@@ -382,13 +443,6 @@ def test_eval_config_keys_match_llmfoundry():
     from llmfoundry.utils.config_utils import EVAL_CONFIG_KEYS
 
     assert known.EVAL_CONFIG_KEYS == EVAL_CONFIG_KEYS
-
-
-def test_accelerate_config_keys_match_the_installed_accelerate():
-    from accelerate.commands.config.config_args import ClusterConfig
-
-    assert known.ACCELERATE_CONFIG_KEYS == set(ClusterConfig.__dataclass_fields__) | {
-        "fp16", "dynamo_backend"}  # converted by ClusterConfig.process_config
 
 
 def _source_line(where: str) -> tuple[str, int]:

@@ -43,9 +43,9 @@ def _billion_laughs() -> str:
     return text
 
 
-def _deep_aliases(levels: int = 90, chain: int = 15) -> str:
-    """Each anchor nested `levels` deep around the previous one: within the text's depth bound,
-    yet nested levels x chain deep once the aliases are followed."""
+def _deep_aliases(levels: int = 40, chain: int = 15) -> str:
+    """Each anchor nested `levels` deep around the previous one: within the text's depth bound
+    (MAX_DEPTH), yet nested levels x chain deep once the aliases are followed."""
     text = f"v0: &a0 {'[' * levels}1{']' * levels}\n"
     for i in range(1, chain):
         text += f"v{i}: &a{i} {'[' * levels}*a{i - 1}{']' * levels}\n"
@@ -66,7 +66,9 @@ def _deep_aliases(levels: int = 90, chain: int = 15) -> str:
     ("x: &x {k: [&y [1, *y]]}\n", ":1:12: an alias refers to a value"),  # the cycle deeper down
     ("seed: 1\nfoo: " + "${" * 3000 + "seed" + "}" * 3000 + "\n",  # omegaconf: 4 s, then fails
      f":2:6: interpolations nested more than {MAX_DEPTH} levels"),
-    (_deep_aliases() + "model: {name: mpt_causal_lm, x: *a14}\n", ":1: cannot load"),
+    (_deep_aliases() + "model: {name: mpt_causal_lm, x: *a14}\n",  # the 51st level: a13's
+     f":14:19: nested more than {MAX_DEPTH} levels deep at `model.x.0...0.0`, once its aliases "
+     "are followed"),
     ("model: &m\n  name: mpt_causal_lm\n  ffn_config:\n    inner:\n      again: *m\n",
      ":1:8: an alias refers to a value"),  # named at the anchor, not where the alias is
 ], ids=["flow-1000", "block-1000", "flow-200000", "5000-digits", "laughs", "laughs-accelerate",
@@ -225,9 +227,129 @@ def test_any_yaml_structure_lints_or_fails_in_one_line(tmp_path, document, depth
         assert f["severity"] in ("error", "warning", "info") and f["message"] and f["fix"]
 
 
-def test_an_accelerate_config_with_deep_aliases_lints_without_a_traceback(tmp_path):
+def test_an_accelerate_config_with_deep_aliases_is_refused_at_its_line(tmp_path):
+    """PyYAML would read it; LLM-Foundry's omegaconf would not: the bound is the same for every
+    kind of config, and named where the level past it opens (line 15: a13's 10th list)."""
     path = tmp_path / "accelerate.yaml"
     path.write_text("distributed_type: 'NO'\n" + _deep_aliases())
-    done = _lint(path)
-    assert "Traceback" not in done.stderr and done.returncode == 1, done.stderr
-    assert "FP8111" in done.stdout  # the unknown keys v0..., judged without their lines
+    _one_line_exit_2(_lint(path), path, f":15:20: nested more than {MAX_DEPTH} levels deep at "
+                     "`v14.0.0...0.0`, once its aliases are followed")
+
+
+# -- the bounds are real: within them a file loads, past them one line names where ------------
+
+def _maps(levels: int) -> str:
+    """A train config whose `model` holds mappings nested `levels` deep in all."""
+    return "precision: amp_bf16\nmodel:\n" + "".join(
+        "  " * (i - 1) + f"k{i}:\n" for i in range(2, levels)) + "  " * (levels - 1) + "x: 1\n"
+
+
+def _block_lists(levels: int) -> str:
+    return "precision: amp_bf16\nmodel:\n" + "".join(
+        "  " * (i - 1) + "-\n" for i in range(2, levels)) + "  " * (levels - 1) + "- 1\n"
+
+
+def _flow_lists(levels: int) -> str:
+    return "precision: amp_bf16\nmodel: " + "[" * (levels - 1) + "1" + "]" * (levels - 1) + "\n"
+
+
+def _deep_stack(frames: int, call):
+    """Call with `frames` more frames on the stack: a caller of `lint_file` deeper than ours."""
+    return _deep_stack(frames - 1, call) if frames else call()
+
+
+@pytest.mark.parametrize("make", [_maps, _block_lists, _flow_lists])
+def test_nesting_up_to_the_bound_loads_even_from_a_deep_caller(tmp_path, make):
+    """Before: 75 levels of maps (81 of lists) failed with 'maximum recursion depth exceeded',
+    under the documented bound, at line 1."""
+    path = tmp_path / "deep.yaml"
+    path.write_text(make(MAX_DEPTH))  # the top-level mapping is level 1
+    for frames in (0, 200):
+        entry = _deep_stack(frames, lambda: lint_file(path, 1, Snapshot(python="3")))
+        assert entry["error"] is None, entry["error"]
+
+
+@pytest.mark.parametrize(("make", "where", "keys"), [
+    (_maps, f"{MAX_DEPTH + 2}:{2 * MAX_DEPTH + 1}", "model.k2.k3...k49.k50"),
+    (_block_lists, f"{MAX_DEPTH + 2}:{2 * MAX_DEPTH + 1}", "model.0.0...0.0"),
+    (_flow_lists, f"2:{MAX_DEPTH + 7}", "model.0.0...0.0"),
+])
+@pytest.mark.parametrize("levels", [MAX_DEPTH + 1, 80, 98])
+def test_nesting_past_the_bound_is_named_where_it_starts(tmp_path, make, where, keys, levels):
+    path = tmp_path / "deep.yaml"
+    path.write_text(make(levels))
+    _one_line_exit_2(_lint(path), path, f"{path}:{where}: nested more than {MAX_DEPTH} levels "
+                     f"deep at `{keys}`; refusing to load it")
+
+
+def test_too_many_plain_values_are_not_called_an_alias_bomb(tmp_path):
+    """Before: 'its aliases expand to more than 200000 values (an alias bomb?)' for a file
+    without an alias. Each `kN: N` is two values, after the top-level mapping."""
+    path = tmp_path / "many.yaml"
+    path.write_text("".join(f"k{i}: {i}\n" for i in range(MAX_EXPANDED_NODES // 2 + 10)))
+    entry = lint_file(path, 1, Snapshot(python="3"))
+    assert entry["error"] == (f"{path}:{MAX_EXPANDED_NODES // 2}:9: more than "
+                              f"{MAX_EXPANDED_NODES} values by this line (a config holds a few "
+                              "thousand); refusing to load it")
+
+
+def test_a_train_config_past_omegaconfs_own_limit_says_so(tmp_path):
+    """Within our bound, but past omegaconf's (10,000 in 2.4 unless raised): its reason, as
+    LLM-Foundry would meet it."""
+    path = tmp_path / "many.yaml"
+    path.write_text("precision: amp_bf16\n" + "".join(f"k{i}: {i}\n" for i in range(30_000)))
+    entry = lint_file(path, 1, Snapshot(python="3"))
+    if entry["error"] is not None:  # omegaconf < 2.4 has no such limit
+        assert "omegaconf, which LLM-Foundry reads YAML with, refuses it" in entry["error"]
+        assert "alias bomb" not in entry["error"]
+
+
+# -- folders and SARIF ----------------------------------------------------------------------
+
+def test_a_folder_of_upper_case_suffixes_is_linted(tmp_path):
+    """Before: `.YAML` and `.Yml` were skipped, and a folder holding only them was 'empty'."""
+    for name in ("b.YAML", "a.Yml", "c.yaml", "notes.txt"):
+        (tmp_path / name).write_text("precision: amp_bf16\n")
+    done = _lint(tmp_path, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    linted = [Path(e["path"]).name for e in json.loads(done.stdout)["files"]]
+    assert linted == ["b.YAML", "c.yaml", "a.Yml"]  # .yaml then .yml, each sorted
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "TRAIN.YAML").write_text("precision: amp_bf16\n")
+    done = _lint(only)
+    assert done.returncode == 0 and "1 file(s) linted" in done.stdout, done.stderr
+
+
+def _sarif_notes(*paths: Path) -> list[dict]:
+    done = _lint(*paths, "--format", "sarif")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    invocation, = json.loads(done.stdout)["runs"][0]["invocations"]
+    return invocation["toolExecutionNotifications"]
+
+
+def test_sarif_load_errors_carry_the_line_their_message_names(tmp_path):
+    """Before: no region, though the message named the line."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text(_maps(MAX_DEPTH + 1))
+    tab = tmp_path / "tab.yaml"
+    tab.write_text("model:\n\tname: mpt\n")
+    folder = tmp_path / "folder.yaml"
+    folder.mkdir()
+    (folder / "x.yaml").write_text("seed: 1\n")
+    notes = _sarif_notes(deep, tab, tmp_path / "missing.yaml")
+    regions = [note["locations"][0]["physicalLocation"].get("region") for note in notes]
+    assert regions == [{"startLine": MAX_DEPTH + 2, "startColumn": 2 * MAX_DEPTH + 1},
+                       {"startLine": 2, "startColumn": 1}, None]
+    uris = [note["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for note in notes]
+    assert uris == [deep.as_uri(), tab.as_uri(), (tmp_path / "missing.yaml").as_uri()]
+
+
+def test_sarif_names_the_deepspeed_json_whose_line_is_wrong(tmp_path):
+    (tmp_path / "ds.json").write_text('{\n  "fp16": {"enabled": true},,\n}\n')
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(ACCELERATE_DS.format("ds.json"))
+    note, = _sarif_notes(path)
+    location = note["locations"][0]["physicalLocation"]
+    assert location["artifactLocation"]["uri"] == (tmp_path / "ds.json").as_uri()
+    assert location["region"] == {"startLine": 2, "startColumn": 29}

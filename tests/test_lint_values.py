@@ -324,3 +324,21 @@ def test_a_bare_value_is_a_list_of_one():
     assert steps.normal(1000) == (1000,) and steps.normal([1, 2]) == (1, 2) and \
         steps.normal(()) == ()
     assert [Batches(1).normal(v) for v in (7, "1e2BA", " 5ba")] == [7, 100, 5]
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("te_swap", {"keep_first_blocks": 2, "include": "attn"}), ("te_swap", None),
+    ("fp8_guard", {"consecutive": 3}), ("fp8_stats", {"interval": "10ba"}),
+])
+def test_built_options_are_what_the_constructor_builds(name, options):
+    from foundry_fp8.lint.values import built_options
+
+    assert built_options(name, options) == build(name, options or {})
+
+
+@pytest.mark.parametrize("options", [{"keep_first_blocks": -1}, {"keep_frist_blocks": 1},
+                                     {"include": "("}, ["keep_first_blocks"], "te"])
+def test_built_options_are_none_where_the_constructor_refuses(options):
+    from foundry_fp8.lint.values import built_options
+
+    assert built_options("te_swap", options) is None

@@ -253,3 +253,94 @@ def test_fusion_on_meta_weights_only_where_llm_foundrys_init_survives_it(init_na
         "transformer.blocks.0.ffn"].convert
     monkeypatch.setattr(metadata, "version", lambda name: "0.7.0")  # before the bug
     assert _by_name(plan_swap(meta, config))["transformer.blocks.0.ffn"].convert
+
+
+# -- the linter's static MPT (FP8005, FP8034) against LLM-Foundry's built one ----------------
+
+#: MPT sections as a train YAML gives them (tiny dims), each a way MPT builds its modules.
+MPT_SECTIONS = {
+    "defaults": {},
+    "untied head": {"tie_word_embeddings": False},
+    "mptglu": {"ffn_config": {"ffn_type": "mptglu"}},
+    "no bias": {"no_bias": True},
+    "gqa": {"attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 2}},
+    "mqa": {"attn_config": {"attn_type": "multiquery_attention"}},
+    "head_dim": {"head_dim": 18},  # attention 72 wide: off TE's rule
+    "split qkv": {"attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 2,
+                                  "fused_qkv": False, "kv_dim": 48}},
+    "qk_ln": {"attn_config": {"qk_ln": True}},
+    "rmsnorm": {"norm_type": "rmsnorm"},
+    "layernorm": {"norm_type": "layernorm"},
+    "ffn_hidden_size": {"ffn_config": {"ffn_hidden_size": 96}, "expansion_ratio": 3},
+}
+
+
+def _section(name: str) -> dict:
+    base = {"name": "mpt_causal_lm", "d_model": 64, "n_heads": 4, "n_layers": 3,
+            "max_seq_len": 16, "vocab_size": 128, "loss_fn": "torch_crossentropy"}
+    extra = MPT_SECTIONS[name]
+    attn = {"attn_impl": "torch", **extra.get("attn_config", {})}
+    return {**base, **extra, "attn_config": attn}
+
+
+def _composer_mpt(section: dict, device: str):
+    """Composer's model as LLM-Foundry's train builds it (build_composer_model)."""
+    from llmfoundry.models.mpt import ComposerMPTCausalLM
+
+    torch.manual_seed(0)
+    kwargs = {k: v for k, v in section.items() if k != "name"}
+    return ComposerMPTCausalLM(tokenizer=None, init_device=device, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(MPT_SECTIONS))
+def test_the_linters_mpt_modules_are_those_llmfoundry_builds(name):
+    """Names (as te_swap sees them), kinds, weight dims and LayerNorm biases."""
+    from foundry_fp8.lint.rules.model import mpt_modules
+
+    section = _section(name)
+    built = []
+    for module_name, module in _composer_mpt(section, "meta").named_modules():
+        if isinstance(module, torch.nn.Linear):
+            built.append((module_name, "linear", module.in_features, module.out_features, True))
+        elif isinstance(module, torch.nn.LayerNorm):
+            built.append((module_name, "layernorm", 0, 0, module.bias is not None))
+    static = [(m.name, m.kind, m.in_features, m.out_features, m.bias if m.kind == "layernorm"
+               else True) for m in mpt_modules(section) if m.kind != "ln_mlp"]
+    assert static == built
+
+
+#: te_swap options, each with a model it is tried on (the untied-head model where it matters).
+SWAP_CASES = [
+    ({}, "defaults"), ({"keep_first_blocks": 3}, "defaults"),
+    ({"keep_first_blocks": 1, "keep_last_blocks": 2}, "defaults"),
+    ({"keep_first_blocks": 2, "keep_last_blocks": 0}, "defaults"),
+    ({"include": "^lm_head$"}, "untied head"),
+    ({"include": "lm_head", "keep_lm_head": False}, "untied head"),
+    ({"include": "lm_head", "keep_lm_head": False}, "defaults"),
+    ({"exclude": "attn|ffn"}, "mptglu"), ({"exclude": "attn|up_proj|down_proj"}, "mptglu"),
+    ({"min_gemm_size": 65}, "defaults"), ({"min_gemm_size": 64}, "defaults"),
+    ({"min_gemm_size": 65, "keep_lm_head": False}, "untied head"),
+    ({"tokens_per_microbatch": 6}, "defaults"), ({"tokens_per_microbatch": 8}, "defaults"),
+    ({"include": "norm_f", "convert_layernorm": True}, "defaults"),
+    ({"include": "norm_f", "convert_layernorm": True, "backend": "emulate"}, "defaults"),
+    ({"include": "norm", "convert_layernorm": True}, "no bias"),
+    ({"include": "ffn$", "fuse_ln_mlp": True}, "defaults"),
+    ({"include": "ffn$", "fuse_ln_mlp": True}, "rmsnorm"),
+    ({"include": "ffn$", "fuse_ln_mlp": True, "backend": "emulate"}, "defaults"),
+    ({"include": "Wq$|Wk$"}, "split qkv"), ({"include": "Wqkv"}, "split qkv"),
+    ({}, "head_dim"), ({"include": "out_proj|Wqkv"}, "head_dim"),
+]
+
+
+@pytest.mark.parametrize(("options", "name"), SWAP_CASES)
+def test_the_linters_te_swap_prediction_is_plan_swaps(options, name):
+    """FP8034's prediction (from the YAML) equals te_swap's plan on the model LLM-Foundry
+    builds (initialised weights: te_swap declines LayerNorms and fusions on the meta device,
+    which the linter counts as converting)."""
+    from foundry_fp8.lint.rules.model import mpt_modules
+    from foundry_fp8.lint.rules.ours import converts_any
+
+    section = _section(name)
+    config = SwapConfig(**options)
+    planned = bool(plan_swap(_composer_mpt(section, "cpu"), config).converted)
+    assert converts_any(mpt_modules(section), config, section["n_layers"]) is planned

@@ -80,6 +80,18 @@ def test_metric_names_split_layers_that_contain_underscores():
     assert metric_name("Layer_7_activation_mse", layers) is None
 
 
+def test_layernorm_mlp_gemms_keep_the_module_name():
+    """TE names a LayerNormMLP's debug quantizers `<name>.fc1`/`<name>.fc2`
+    (pytorch/module/layernorm_mlp.py, TE 2.7+): fc1's input is the inner activation the
+    feature exists for, so it must not fall back to a raw `fp8/te_debug/...` name."""
+    layers = ["blocks.0.ffn", "blocks.0.ffn.fc1x"]
+    assert (metric_name("blocks.0.ffn.fc1_activation_underflows%", layers)
+            == "fp8_te_underflows%/fc1_activation/blocks.0.ffn")
+    assert (metric_name("blocks.0.ffn.fc2_gradient_mse", layers)
+            == "fp8_te_mse/fc2_gradient/blocks.0.ffn")
+    assert metric_name("blocks.0.ffn.fc3_activation_mse", layers) is None
+
+
 def test_one_pattern_selects_like_include_and_exclude():
     include, exclude = r"blocks\.(0|11)\.", r"out_proj"
     pattern = re.compile(layer_pattern(include, exclude))

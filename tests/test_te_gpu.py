@@ -302,6 +302,31 @@ def test_te_recompute_unfused_shortens_history(te, update_calls, monkeypatch):
         assert _rows(state["bwd_amax_history"]) == _rows_after(1), shown
 
 
+def test_a_fallback_region_keeps_the_runs_amax_compute_algo(te):
+    """fp8_guard runs a layer in high precision inside the run's autocast; TE keys recipes by a
+    text without `amax_compute_algo`, so a region given no recipe made the outermost exit update
+    a `most_recent`, history-1024 run with TE's default `max` (quantization.py:675, 740-745).
+    After a 100x input spike, `most_recent` must forget it at the next step."""
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    from foundry_fp8.te.backend import te_high_precision
+
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1024,
+                            amax_compute_algo="most_recent")
+    torch.manual_seed(0)
+    first, second = te.Linear(64, 64).cuda(), te.Linear(64, 64).cuda()
+    x = torch.randn(32, 64, device="cuda")
+    for spike in (100.0, 1.0):
+        with _autocast(te, recipe):
+            hidden = first(x * spike)
+            with te_high_precision():
+                out = second(hidden)
+        out.sum().backward()
+    scale = first.fp8_meta["scaling_fwd"].scale[0].item()
+    want = torch.tensor(448.0 / x.abs().max().item(), dtype=torch.float32).item()
+    assert scale == pytest.approx(want, rel=1e-6), (scale, want, want / 100)
+
+
 def test_guard_settings_on_installed_te(te):
     from foundry_fp8.te.probe import te_version
 

@@ -385,6 +385,30 @@ def fake_te(monkeypatch):
     return install
 
 
+@pytest.mark.parametrize("version", ["2.20.2", "2.8.0"])
+def test_a_fallback_region_carries_the_enclosing_recipe(fake_te, monkeypatch, version):
+    """TE stores a disabled region's recipe (its default when given none) under a key that
+    leaves out `amax_compute_algo`, and the outermost exit updates with the recipe stored last
+    (pytorch/quantization.py:675, 740-745 in TE 2.20): fp8_guard's region must hand TE the
+    run's recipe, through `te.autocast` from TE 2.9 and `te.fp8_autocast` before."""
+    from contextlib import nullcontext
+
+    from foundry_fp8.te import backend, probe
+
+    fake_te(version)
+    te, calls = sys.modules["transformer_engine.pytorch"], []
+    if parse_version(version) >= (2, 9):
+        te.autocast = lambda **kwargs: calls.append(("autocast", kwargs)) or nullcontext()
+    te.fp8_autocast = lambda **kwargs: calls.append(("fp8_autocast", kwargs)) or nullcontext()
+    run_recipe = object()
+    monkeypatch.setattr(probe, "active_recipe", lambda: run_recipe)
+    with backend.te_high_precision():
+        pass
+    assert calls == ([("autocast", {"enabled": False, "recipe": run_recipe})]
+                     if parse_version(version) >= (2, 9) else
+                     [("fp8_autocast", {"enabled": False, "fp8_recipe": run_recipe})])
+
+
 def test_meta_layers_stay_on_meta_for_fsdp_to_initialise(fake_te):
     """TE defers init only for `device == "meta"`, which a torch.device never equals: handed
     one, TE would materialise the layer (on CUDA) and the copy from meta would fail."""

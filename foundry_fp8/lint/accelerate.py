@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from foundry_fp8.lint.known import ACCELERATE_CONFIG_KEYS, TRAIN_CONFIG_KEYS
+from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
 from foundry_fp8.lint.load import (
     LintInputError,
     compose,
@@ -24,7 +24,7 @@ from foundry_fp8.lint.load import (
     read_text,
 )
 from foundry_fp8.lint.registry import Finding, LintContext, run_rules, section
-from foundry_fp8.lint.rules.accelerate import AccelerateInput
+from foundry_fp8.lint.rules.accelerate import LOCAL, AccelerateInput, accelerate_keys
 from foundry_fp8.te.facts import parse_version
 
 #: Top-level keys that mark an Accelerate config (`process_config` requires distributed_type;
@@ -32,7 +32,7 @@ from foundry_fp8.te.facts import parse_version
 ACCELERATE_MARKERS = ("compute_environment", "distributed_type")
 #: Keys only an Accelerate config has: a file holding one and no LLM-Foundry key is an
 #: Accelerate config even without its markers (a snippet from Accelerate's docs).
-ACCELERATE_ONLY = ACCELERATE_CONFIG_KEYS - TRAIN_CONFIG_KEYS - {
+ACCELERATE_ONLY = accelerate_keys(LOCAL) - TRAIN_CONFIG_KEYS - {
     "fsdp_config", "deepspeed_config", "fp16"}  # fp16: a DeepSpeed JSON key too
 #: Keys a DeepSpeed JSON shares with a train config; any other TrainConfig key makes a JSON file
 #: an LLM-Foundry train config.
@@ -92,8 +92,8 @@ def read_json(path: Path, text: str) -> Any:
 def _positions(path: Path, text: str) -> dict[str, tuple[int, int]]:
     try:
         return key_positions(compose(path, text))[0]
-    except (yaml.YAMLError, RecursionError):  # JSON that YAML cannot read (tabs), aliases
-        return {}  # nested deeper than Python recurses: findings lose their lines
+    except yaml.YAMLError:  # JSON that YAML cannot read (tabs): findings lose their lines
+        return {}
 
 
 def _find_deepspeed(path: Path, name: str) -> tuple[Path | None, str | None]:

@@ -102,14 +102,15 @@ def _as_dict(finding: Finding, position: tuple[int, int] | None) -> dict[str, An
 
 
 def _folder(folder: Path) -> list[Path | dict[str, Any]]:
-    """Its .yaml then .yml files, each sorted, and an error entry for each folder in it that
-    cannot be listed (`Path.rglob` skips those silently: their configs would go unlinted)."""
+    """Its .yaml then .yml files (in any case: `.YAML` too), each sorted, and an error entry for
+    each folder in it that cannot be listed (`Path.rglob` skips those silently: their configs
+    would go unlinted)."""
     found: dict[str, list[Path]] = {".yaml": [], ".yml": []}
     errors: list[Path | dict[str, Any]] = []
     for parent, _, names in os.walk(folder, onerror=lambda e: errors.append(
             _error_entry(e.filename, str(cannot_read(e.filename, e))))):
         for name in names:
-            suffix = os.path.splitext(name)[1]
+            suffix = os.path.splitext(name)[1].lower()
             if suffix in found:
                 found[suffix].append(Path(parent, name))
     return [*sorted(found[".yaml"]), *sorted(found[".yml"]), *errors]

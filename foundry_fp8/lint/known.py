@@ -101,9 +101,26 @@ TORCH_DTYPE_NAMES = {
 FP8_DTYPE_NAMES = frozenset({"float8", "torch.float8", "fp8", "amp_fp8"})
 
 
-#: MPTConfig's defaults for the dims the shape rules read (llmfoundry/models/mpt/
+#: MPTConfig's defaults for the keys the shape rules read (llmfoundry/models/mpt/
 #: configuration_mpt.py, MPTConfig.__init__).
-MPT_DEFAULTS = {"d_model": 2048, "expansion_ratio": 4, "vocab_size": 50368}
+MPT_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "head_dim": None,
+                "expansion_ratio": 4, "vocab_size": 50368, "norm_type": "low_precision_layernorm",
+                "no_bias": False, "tie_word_embeddings": True}
+#: The defaults MPTConfig fills into `attn_config` and `ffn_config` for the keys that decide
+#: which linears MPT builds (llmfoundry/models/utils/config_defaults.py).
+MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "fused_qkv": True, "kv_dim": None,
+                     "qk_ln": False, "qk_gn": False}
+MPT_FFN_DEFAULTS = {"ffn_type": "mptmlp"}
+#: MPT's model keys that must be numbers: given as a string (`d_model: "2048"`, `expansion_ratio:
+#: "8/3"`), MPTConfig or the model it builds raises (TypeError, ValueError) when LLM-Foundry
+#: builds the model. `norm_eps` is not among them: a string builds (torch reads it only in the
+#: forward). `attn_config.kv_n_heads` only for grouped_query_attention (the only class taking it).
+MPT_NUMBER_KEYS = ("d_model", "n_heads", "n_layers", "head_dim", "expansion_ratio",
+                   "max_seq_len", "vocab_size", "resid_pdrop", "emb_pdrop", "embedding_fraction",
+                   "logit_scale", "attn_config.attn_pdrop", "attn_config.kv_n_heads",
+                   "ffn_config.ffn_hidden_size")
+#: The words some of those keys take instead of a number (MPTConfig._validate_config).
+MPT_NUMBER_WORDS = {"logit_scale": ("inv_sqrt_d_model",)}
 
 #: build_text_dataloader's defaults that torch's DataLoader refuses with num_workers=0
 #: (llmfoundry/data/text_data.py; torch/utils/data/dataloader.py DataLoader.__init__).
@@ -176,19 +193,6 @@ FOUNDRY_REGISTRY = {
 REGISTRY_GROUPS = {"callbacks": ("llmfoundry_callbacks", "llmfoundry_callbacks_with_config"),
                    "algorithms": ("llmfoundry_algorithms",),
                    "loggers": ("llmfoundry_loggers",)}
-
-#: `ClusterConfig`'s fields (accelerate 1.8.1, commands/config/config_args.py), plus the two
-#: legacy keys `process_config` converts (`fp16`, `dynamo_backend`): `from_yaml_file` raises
-#: for any other top-level key.
-ACCELERATE_CONFIG_KEYS = frozenset({
-    "command_file", "commands", "compute_environment", "debug", "deepspeed_config",
-    "distributed_type", "downcast_bf16", "dynamo_config", "enable_cpu_affinity", "fp8_config",
-    "fsdp_config", "gpu_ids", "ipex_config", "machine_rank", "main_process_ip",
-    "main_process_port", "main_training_function", "megatron_lm_config", "mixed_precision",
-    "mpirun_config", "num_machines", "num_processes", "rdzv_backend", "same_network",
-    "tpu_env", "tpu_name", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_zone", "use_cpu",
-    "fp16", "dynamo_backend",
-})
 
 #: `fields(EvalConfig)` (llmfoundry/utils/config_utils.py): `eval_from_yaml` passes them to
 #: `make_dataclass_and_log_config`, which refuses any other top-level key.

@@ -24,14 +24,20 @@ OC_ENV = re.compile(r"\$\{\s*oc\.env\s*:")
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-#: Bounds that keep one file's lint short whatever it holds: bytes read, nesting depth (YAML's
-#: C composer recurses and crashes the interpreter near 100,000 levels; omegaconf recurses in
-#: Python, also into `${...}` nested in one value), and nodes after alias expansion (a "billion
-#: laughs" file is small but expands to 10^9 nodes). A real train config is a few KiB, under 10
+#: Bounds that keep one file's lint short whatever it holds: bytes read, nesting depth, and
+#: values (nodes) after alias expansion (a "billion laughs" file is small but expands to 10^9
+#: nodes). Depth: YAML's C composer recurses and crashes the interpreter near 100,000 levels,
+#: and omegaconf builds a DictConfig recursively at about 12 Python frames per level (also
+#: into `${...}` nested in one value): under Python's default limit of 1000 frames
+#: `OmegaConf.create` fails near 75 levels (measured with omegaconf 2.4.0), in LLM-Foundry as
+#: here; 50 levels take about 650 frames, leaving room for a caller of `lint_file` some 300
+#: frames deep. The bound counts aliases followed. A real train config is a few KiB, under 10
 #: levels and a few thousand nodes.
 MAX_BYTES = 2 * 1024 * 1024
-MAX_DEPTH = 100
+MAX_DEPTH = 50
 MAX_EXPANDED_NODES = 200_000
+#: Why MAX_DEPTH, in the one line that refuses a file.
+_DEPTH_WHY = "the linter's bound: omegaconf, which LLM-Foundry reads YAML with, fails near 75"
 #: Python's limit on int() of a decimal string (sys.get_int_max_str_digits, 4300 by default).
 _MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
 #: An interpolation's opening and closing braces (an escaped `\${` is text).
@@ -39,7 +45,26 @@ _INTERPOLATION_BRACES = re.compile(r"(?<!\\)\$\{|\}")
 
 
 class LintInputError(Exception):
-    """A file we cannot lint; the message is one line naming the file (and line when known)."""
+    """A file we cannot lint; the message is one line naming the file (and line when known):
+    `file[:line[:column]]: why` (`error_location` reads it back)."""
+
+
+#: A LintInputError message's `:line[:column]: ` after the file it names.
+_LINE_COLUMN = re.compile(r":(\d+)(?::(\d+))?: ")
+
+
+def error_location(message: str, path: str) -> tuple[str, int | None, int | None]:
+    """(file, line, column) a LintInputError message names: `path`'s, or another file's where
+    the message starts with another (the DeepSpeed JSON behind an Accelerate config); line and
+    column None when it names none."""
+    if message.startswith(f"{path}:"):
+        found = _LINE_COLUMN.match(message, len(path))
+    else:
+        found = _LINE_COLUMN.search(message)
+        path = message[:found.start()] if found else path
+    if found is None:
+        return path, None, None
+    return path, int(found.group(1)), int(found.group(2)) if found.group(2) else None
 
 
 @dataclass(frozen=True)
@@ -162,19 +187,37 @@ def read_text(path: Path) -> str:
         raise LintInputError(f"{path}: cannot read: not UTF-8 text (byte {e.start})") from None
 
 
+def _too_deep(path: Path, mark: yaml.Mark, keys: list[str], aliases: bool = False) -> str:
+    """The one line for nesting past MAX_DEPTH: where the level past it opens, and the key path
+    leading there (shortened in the middle)."""
+    shown = ".".join(keys) if len(keys) <= 6 else \
+        f"{'.'.join(keys[:3])}...{'.'.join(keys[-2:])}"
+    followed = ", once its aliases are followed" if aliases else ""
+    return (f"{path}:{mark.line + 1}:{mark.column + 1}: nested more than {MAX_DEPTH} levels deep "
+            f"at `{shown}`{followed}; refusing to load it ({_DEPTH_WHY})")
+
+
 def _check_depth(path: Path, text: str) -> None:
     """Refuse nesting deeper than MAX_DEPTH, found from YAML's parse events (a loop, no
     recursion) before anything composes the document recursively."""
-    depth = 0
+    # per open collection: [key (or index) of the child being read, is a mapping, next is a key]
+    open_: list[list[Any]] = []
     for event in yaml.parse(text, Loader=_Loader):
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_DEPTH:
-                mark = event.start_mark
-                raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: nested more "
-                                     f"than {MAX_DEPTH} levels deep; refusing to load it")
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
+        if isinstance(event, yaml.NodeEvent) and open_:
+            parent = open_[-1]
+            if not parent[1]:
+                parent[0] += 1
+            elif parent[2]:
+                parent[0] = event.value if isinstance(event, yaml.ScalarEvent) else "?"
+            parent[2] = parent[1] and not parent[2]
+        if isinstance(event, yaml.CollectionStartEvent):
+            if len(open_) >= MAX_DEPTH:
+                raise LintInputError(_too_deep(path, event.start_mark,
+                                               [str(p[0]) for p in open_]))
+            mapping = isinstance(event, yaml.MappingStartEvent)
+            open_.append([None if mapping else -1, mapping, mapping])
+        elif isinstance(event, yaml.CollectionEndEvent):
+            open_.pop()
 
 
 def _interpolation_depth(text: str) -> int:
@@ -198,27 +241,55 @@ def _check_scalar(path: Path, node: yaml.ScalarNode) -> None:
                              "deep; refusing to load it")
 
 
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _deepest(root: yaml.Node, heights: dict[int, int]) -> tuple[yaml.Node, list[str]]:
+    """The collection MAX_DEPTH + 1 levels down the tallest path (aliases followed), and the
+    keys leading to it."""
+    node, keys = root, []
+    for _ in range(MAX_DEPTH):
+        steps = ([(_key_text(k), v) for k, v in node.value] + [("?", k) for k, _ in node.value]
+                 if isinstance(node, yaml.MappingNode) else list(enumerate(node.value)))
+        key, node = max(steps, key=lambda step: heights[id(step[1])])
+        keys.append(str(key))
+    return node, keys
+
+
 def _check_expansion(path: Path, root: yaml.Node) -> None:
-    """Refuse a document whose aliases expand to more than MAX_EXPANDED_NODES nodes (counted
-    once per distinct node, iteratively, so the count itself stays cheap), or that holds a
-    scalar `_check_scalar` refuses."""
+    """Refuse a document of more than MAX_EXPANDED_NODES values, or whose aliases expand to
+    more, or nest it deeper than MAX_DEPTH (sizes and heights counted once per distinct node,
+    iteratively, so counting stays cheap), or that holds a scalar `_check_scalar` refuses."""
     sizes: dict[int, int] = {}
+    heights: dict[int, int] = {}  # collections nested in a node, aliases followed
+    seen: set[int] = set()
     expanding: set[int] = set()  # the nodes whose children are being counted: the ancestors
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
         if id(node) in sizes:
             continue
-        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) \
-            else list(node.value) if isinstance(node, yaml.SequenceNode) else []
+        children = _children(node)
+        mark = node.start_mark
         if done:
             expanding.discard(id(node))
             sizes[id(node)] = 1 + sum(sizes.get(id(c), 0) for c in children)
-            if sizes[id(node)] > MAX_EXPANDED_NODES:
-                raise LintInputError(f"{path}: its aliases expand to more than "
-                                     f"{MAX_EXPANDED_NODES} values (an alias bomb?); refusing "
-                                     "to load it")
+            heights[id(node)] = 0 if isinstance(node, yaml.ScalarNode) else 1 + max(
+                (heights.get(id(c), 0) for c in children), default=0)
+            if sizes[id(node)] > MAX_EXPANDED_NODES:  # past `seen`'s bound: aliases repeat
+                raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: the aliases in "
+                                     f"this value expand to more than {MAX_EXPANDED_NODES} "
+                                     "values (an alias bomb?); refusing to load it")
             continue
+        if id(node) not in seen:
+            seen.add(id(node))
+            if len(seen) > MAX_EXPANDED_NODES:
+                raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: more than "
+                                     f"{MAX_EXPANDED_NODES} values by this line (a config holds "
+                                     "a few thousand); refusing to load it")
         if isinstance(node, yaml.ScalarNode):
             _check_scalar(path, node)
         looped = next((c for c in children if id(c) in expanding or c is node), None)
@@ -229,7 +300,10 @@ def _check_expansion(path: Path, root: yaml.Node) -> None:
                                  "expanded); refusing to load it")
         expanding.add(id(node))
         stack.append((node, True))
-        stack += [(c, False) for c in children if id(c) not in sizes]
+        stack += [(c, False) for c in reversed(children) if id(c) not in sizes]  # in order
+    if heights[id(root)] > MAX_DEPTH:  # the text is within it (_check_depth): aliases nest
+        node, keys = _deepest(root, heights)
+        raise LintInputError(_too_deep(path, node.start_mark, keys, aliases=True))
 
 
 def compose(path: Path, text: str) -> yaml.Node | None:
@@ -280,10 +354,7 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
         raise LintInputError(f"{path}:{root.start_mark.line + 1}: a train config must be a "
                              "mapping")
     failures = (OmegaConfBaseException, ValueError, TypeError, RecursionError, MemoryError)
-    try:  # recursive: aliases can nest deeper than the text does
-        positions, env_values = key_positions(root)
-    except RecursionError as e:
-        raise LintInputError(f"{path}:1: cannot load: {first_line(e)}") from None
+    positions, env_values = key_positions(root)  # recursive: compose bounds its depth
     inside = f"{subtree}." if subtree is not None else ""
     with warnings.catch_warnings():  # omegaconf's own (oc.deprecated's) are not our output
         warnings.simplefilter("ignore")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8 import __version__
+from foundry_fp8.lint.load import error_location
 from foundry_fp8.lint.registry import SEVERITIES
 from foundry_fp8.lint.rules import all_rules
 
@@ -93,7 +94,8 @@ def _location(path: str, line: int | None, column: int | None) -> dict[str, Any]
 
 def render_sarif(report: Mapping[str, Any]) -> str:
     """A SARIF 2.1.0 log: one run, our rules as reportingDescriptors, one result per finding;
-    files that could not be linted become error notifications of the invocation."""
+    files that could not be linted become error notifications of the invocation, at the line
+    their message names."""
     known = all_rules()
     index = {rule.id: i for i, rule in enumerate(known)}
     rules = [{"id": rule.id, "name": rule.id,
@@ -107,7 +109,8 @@ def render_sarif(report: Mapping[str, Any]) -> str:
     for entry in report["files"]:
         if entry["error"]:
             notifications.append({"level": "error", "message": {"text": entry["error"]},
-                                  "locations": [_location(entry["path"], None, None)]})
+                                  "locations": [_location(*error_location(entry["error"],
+                                                                          entry["path"]))]})
         for f in entry["findings"]:
             result: dict[str, Any] = {
                 "ruleId": f["rule"], "level": SARIF_LEVELS[f["severity"]],

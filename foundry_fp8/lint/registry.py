@@ -121,10 +121,17 @@ def rules_of(family: str) -> list[Rule]:
     return sorted((r for r in _REGISTRY.values() if r.family == family), key=lambda r: r.id)
 
 
+def rules_for(family: str) -> list[Rule]:
+    """The rules that judge one family's input, in id order: its own and those of other families
+    registered with `also=(family,)` (the train rules an eval config shares sections with)."""
+    return sorted((r for r in _REGISTRY.values() if r.family == family or family in r.also),
+                  key=lambda r: r.id)
+
+
 def run_rules(family: str, data: Any, context: LintContext,
               only: Callable[[Rule], bool] | None = None) -> list[Finding]:
-    """Every finding of one family's rules on `data`."""
-    return [f for r in rules_of(family) if only is None or only(r)
+    """Every finding of the rules that judge one family's input (`rules_for`) on `data`."""
+    return [f for r in rules_for(family) if only is None or only(r)
             for f in r.findings(data, context)]
 
 

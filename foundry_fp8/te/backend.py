@@ -181,9 +181,17 @@ def te_high_precision() -> AbstractContextManager:
     updates no scales. The layer's own delayed state, registered in TE's buffers by its earlier
     FP8 forwards, then sees zero amaxes, which the fused update leaves alone (no roll, scale kept:
     `common/recipe/delayed_scaling.cu`, `kernel_bulk`). Not run on a GPU yet.
+
+    The region carries the enclosing autocast's recipe: TE stores even a disabled region's
+    recipe (its default when given none) under a key made from the recipe's text, which leaves
+    out `amax_compute_algo` (and `reduce_amax` before 2.9), and the outermost exit updates every
+    layer with the recipe stored last under that key (`autocast_enter`/`autocast_exit`,
+    pytorch/quantization.py:675, 740-745 in TE 2.20; fp8.py:409-411 in 1.12), so a run with
+    `most_recent` and history 1024 would be updated with `max` whenever a fallback ran.
     """
     import transformer_engine.pytorch as te
 
+    recipe = probe.active_recipe()
     if hasattr(te, "autocast"):
-        return te.autocast(enabled=False)
-    return te.fp8_autocast(enabled=False)
+        return te.autocast(enabled=False, recipe=recipe)
+    return te.fp8_autocast(enabled=False, fp8_recipe=recipe)

@@ -61,19 +61,30 @@ def log_fp8_tensor_stats_config(layers: str, tensors: Sequence[str], freq: int,
     }}
 
 
+#: TE's LayerNormMLP gives the debug API its two GEMMs as `<name>.fc1` and `<name>.fc2`
+#: (pytorch/module/layernorm_mlp.py, `_setup_...debug` quantizer names, TE 2.7 to 2.20).
+LN_MLP_GEMMS = ("fc1", "fc2")
+
+
 def metric_name(te_name: str, layers: Iterable[str]) -> str | None:
     """TE logs `<layer>_<tensor>_<stat>`; ours is `fp8_te_<stat>/<tensor>/<layer>` (health.keys).
+    A LayerNormMLP's GEMMs (`<layer>.fc1_<tensor>_<stat>`) keep the module's name, the GEMM
+    going into the tensor (`fc1_activation`), as fp8_stats' hooks name `fc1_weight`.
 
     Layer names hold underscores too, so the layer is the longest known name that prefixes
     `te_name`; None when no known layer and tensor fit.
     """
     for layer in sorted(layers, key=len, reverse=True):
-        rest = te_name.removeprefix(f"{layer}_")
-        if rest == te_name:
-            continue
-        for tensor in TE_TENSORS:
-            if rest.startswith(f"{tensor}_"):
-                return layer_key(f"te_{rest.removeprefix(f'{tensor}_')}", tensor, short_layer(layer))
+        for gemm in ("", *LN_MLP_GEMMS):
+            prefix = f"{layer}.{gemm}_" if gemm else f"{layer}_"
+            if not te_name.startswith(prefix):
+                continue
+            rest = te_name[len(prefix):]
+            for tensor in TE_TENSORS:
+                if rest.startswith(f"{tensor}_"):
+                    stat = f"te_{rest.removeprefix(f'{tensor}_')}"
+                    return layer_key(stat, f"{gemm}_{tensor}" if gemm else tensor,
+                                     short_layer(layer))
     return None
 
 

@@ -32,8 +32,8 @@ TE_LN_MLP_GRAD_OUTPUT2 = (2, 4)
 # `te.extra_state` saves a pickled `None` (a rule for our checkpoints, no version check).
 
 #: TE releases that refuse to unpickle a delayed-scaling `_extra_state` unless
-#: NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE is set (pytorch/_extra_state.py): 2.16.1, 2.17.1 and
-#: everything from 2.18.
+#: NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE is exactly "1" (pytorch/_extra_state.py): 2.16.1,
+#: 2.17.1 and everything from 2.18 (2.16.0 and 2.17.0 have no such guard).
 TE_PICKLE_GUARD_FIXES = ((2, 16, 1), (2, 17, 1))
 TE_PICKLE_GUARD_FROM = (2, 18)
 

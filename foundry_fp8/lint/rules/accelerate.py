@@ -18,11 +18,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from foundry_fp8.lint.known import ACCELERATE_CONFIG_KEYS, did_you_mean
+from foundry_fp8.lint.known import did_you_mean
 from foundry_fp8.lint.load import position_of
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.recipe import recipe_problems
-from foundry_fp8.te.facts import dotted
+from foundry_fp8.te.facts import Version, dotted
 
 ACC = "Accelerate (huggingface/accelerate, tags v0.34.2-v1.14.0)"
 TE = "TransformerEngine (NVIDIA/TransformerEngine, tags v1.0-v2.18)"
@@ -52,10 +52,66 @@ DS_FILE_EXCLUSIVE = ("gradient_accumulation_steps", "gradient_clipping", "zero_s
                      "zero3_save_16bit_model")
 DS_FILE_KEY = "deepspeed_config.deepspeed_config_file"
 
+#: The two values of compute_environment. `load_config_from_file` (config_args.py:43-72, the same
+#: in v0.34.2-v1.14.0) reads the file with ClusterConfig when compute_environment is
+#: LOCAL_MACHINE or absent, and with SageMakerConfig for any other value.
+LOCAL, SAGEMAKER = "LOCAL_MACHINE", "AMAZON_SAGEMAKER"
+#: (first release with the key, first release without it); None: before v0.34.2 / still there.
+Span = tuple[Version | None, Version | None]
+_EVERY: Span = (None, None)
+#: BaseConfig's fields (config_args.py:76-81), and the legacy keys `process_config` converts for
+#: either class (`fp16`, `dynamo_backend`: config_args.py:115-119).
+_BASE = ("compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug",
+         "fp16", "dynamo_backend")
+#: The one list of the top-level keys each config class accepts, with the releases that have
+#: them: `from_yaml_file`/`from_json_file` raise "had unknown keys" for any other key after
+#: `process_config` (config_args.py:134, :154). Checked at every tag v0.34.2-v1.14.0 with `ast`
+#: (a field's line in config_args.py given where it changed):
+#: tp_config v1.4.0:198 to v1.6.0 (gone in v1.7.0, PR #3457); parallelism_config from
+#: v1.10.0:198 (PR #3700); ipex_config v0.34.2:200 to v1.12.0:202 (gone in v1.13.0, PR #3883).
+ACCELERATE_KEYS: dict[str, dict[str, Span]] = {
+    LOCAL: {**dict.fromkeys(_BASE + (  # ClusterConfig, config_args.py:179-217 (v1.8.1)
+        "num_processes", "machine_rank", "num_machines", "gpu_ids", "main_process_ip",
+        "main_process_port", "rdzv_backend", "same_network", "main_training_function",
+        "enable_cpu_affinity", "fp8_config", "deepspeed_config", "fsdp_config",
+        "megatron_lm_config", "mpirun_config", "downcast_bf16", "tpu_name", "tpu_zone",
+        "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
+        "dynamo_config"), _EVERY),
+        "tp_config": ((1, 4), (1, 7)), "parallelism_config": ((1, 10), None),
+        "ipex_config": (None, (1, 13))},
+    SAGEMAKER: dict.fromkeys(_BASE + (  # SageMakerConfig, config_args.py:236-252 (v1.8.1)
+        "ec2_instance_type", "iam_role_name", "image_uri", "profile", "region", "num_machines",
+        "gpu_ids", "base_job_name", "pytorch_version", "transformers_version", "py_version",
+        "sagemaker_inputs_file", "sagemaker_metrics_file", "additional_args", "dynamo_config",
+        "enable_cpu_affinity"), _EVERY),
+}
+
+
+def _has(span: Span, version: Version | None) -> bool:
+    """Does this Accelerate release have a key of this span (None: any release)?"""
+    since, until = span
+    return version is None or ((since is None or version >= since)
+                               and (until is None or version < until))
+
+
+def accelerate_keys(environment: str, version: Version | None = None) -> frozenset[str]:
+    """The top-level keys Accelerate `version` (None: any release checked) accepts in a config
+    of this compute_environment."""
+    return frozenset(k for k, span in ACCELERATE_KEYS[environment].items() if _has(span, version))
+
+
+def _releases(span: Span) -> str:
+    """'from 1.10', 'removed in 1.13', 'from 1.4, removed in 1.7'."""
+    since, until = span
+    return ", ".join(([f"from {dotted(since)}"] if since else [])
+                     + ([f"removed in {dotted(until)}"] if until else []))
+
+
 FP8_FROM_CONFIG_UNDER_DEEPSPEED = (1, 11)  # AcceleratorState keeps "fp8" under DeepSpeed
 FP8_AUTO_BROKEN = ((1, 4), (1, 8))  # auto-created recipe never marked as an FP8 handler
 DS_RECIPE_FROM_FP8_RECIPE_KWARGS_ONLY = (1, 4)  # TERecipeKwargs exists; DS path ignores it
 STR_FP8_ENV = (1, 9)  # setup_fp8_env puts the override's bools in the env until 1.9.0
+BACKEND_READ = (1, 9)  # Accelerator.fp8_backend reads ACCELERATE_FP8_BACKEND outside DeepSpeed
 
 
 @dataclass(frozen=True)
@@ -89,6 +145,10 @@ def _fp8(acc: Mapping[str, Any]) -> bool:
 
 def _deepspeed(acc: Mapping[str, Any]) -> bool:
     return _text(acc.get("distributed_type")) == "deepspeed"
+
+
+def _sagemaker(acc: Mapping[str, Any]) -> bool:
+    return acc.get("compute_environment") == SAGEMAKER
 
 
 def _te_backend(acc: Mapping[str, Any]) -> bool:
@@ -163,7 +223,8 @@ def _deepspeed_precision(inp: AccelerateInput) -> str:
       "src/accelerate/accelerator.py Accelerator.__init__ and fp8_backend; "
       "https://github.com/huggingface/accelerate/issues/3360; "
       "https://github.com/huggingface/accelerate/pull/3714",
-      fix="upgrade Accelerate (1.11+ under DeepSpeed, 1.8+ otherwise)", family="accelerate")
+      fix="upgrade Accelerate (1.11+ under DeepSpeed, 1.9+ otherwise: 1.8 enables FP8 but "
+      "ignores fp8_config.backend, FP8115)", family="accelerate")
 def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     """FP8 asked for in the config but never reaching TE with this Accelerate version."""
     acc, version = inp.accelerate, inp.version
@@ -185,8 +246,8 @@ def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
         yield Hit("mixed_precision", f"{shown} creates the FP8 recipe from this config but "
                   "never marks it as an FP8 handler, so no layer is converted to TE and no FP8 "
                   "autocast runs: the run trains without FP8, with no error",
-                  fix="use accelerate>=1.8, or pass TERecipeKwargs(...) in "
-                  "Accelerator(kwargs_handlers=...)")
+                  fix="use accelerate>=1.9 (1.8 enables FP8 but ignores fp8_config.backend: "
+                  "FP8115), or pass TERecipeKwargs(...) in Accelerator(kwargs_handlers=...)")
 
 
 def _custom(key: str, value: Any) -> bool:
@@ -346,27 +407,65 @@ def override_as_string(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
                   "TERecipeKwargs cannot read")
 
 
-@rule("FP8111", "error", "top-level keys Accelerate's config does not have (`fp8_backend`, "
-      "misspellings) (did-you-mean)",
-      why="ClusterConfig.from_yaml_file raises 'The config file ... had unknown keys' for any "
-      "top-level key that is not a ClusterConfig field; the FP8 backend belongs under "
+@rule("FP8111", "error", "top-level keys the Accelerate config class does not have "
+      "(`fp8_backend`, misspellings, keys of other releases, a wrong `compute_environment`) "
+      "(did-you-mean)",
+      why="load_config_from_file reads the file as a ClusterConfig when compute_environment is "
+      "LOCAL_MACHINE or absent and as a SageMakerConfig otherwise (`accelerate config` writes "
+      "AMAZON_SAGEMAKER, ec2_instance_type, region, ...); from_yaml_file raises 'had unknown "
+      "keys' for any top-level key that is not a field of that class after process_config, "
+      "which adds num_processes when distributed_type is 'NO' (a field SageMakerConfig lacks: "
+      "accelerate #3463). Fields come and go: tp_config 1.4-1.6, parallelism_config from 1.10, "
+      "ipex_config until 1.12. Judged against the installed Accelerate; a key of other "
+      "releases is a warning when it is not installed. The FP8 backend belongs under "
       "fp8_config.",
-      source=f"{ACC} src/accelerate/commands/config/config_args.py BaseConfig.from_yaml_file, "
-      "ClusterConfig",
+      source=f"{ACC} src/accelerate/commands/config/config_args.py:43-72 "
+      "load_config_from_file, :103-126 BaseConfig.process_config, :134/:154 from_json_file/"
+      "from_yaml_file, :179 ClusterConfig, :236 SageMakerConfig; "
+      "https://github.com/huggingface/accelerate/issues/3463",
       fix="fix the spelling; write the FP8 backend as fp8_config: {backend: TE}",
       family="accelerate")
 def unknown_accelerate_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
-    for key in inp.accelerate:
-        key = str(key)
-        if key in ACCELERATE_CONFIG_KEYS:
-            continue
-        if key == "fp8_backend":
+    acc, version = inp.accelerate, inp.version
+    environment = acc.get("compute_environment", LOCAL)
+    if not (isinstance(environment, str) and environment in ACCELERATE_KEYS):
+        yield Hit("compute_environment", f"compute_environment {environment!r} is neither "
+                  f"{LOCAL} nor {SAGEMAKER} (in capitals): Accelerate reads the file as a "
+                  "SageMakerConfig and refuses it"
+                  + did_you_mean(str(environment).upper(), ACCELERATE_KEYS),
+                  fix=f"write compute_environment: {LOCAL} (or {SAGEMAKER})")
+        return
+    known = ACCELERATE_KEYS[environment]
+    config = "Accelerate's SageMaker config" if environment == SAGEMAKER else "Accelerate's config"
+    for key in map(str, acc):
+        span = known.get(key)
+        if span is None and key == "fp8_backend" and environment == LOCAL:
             yield Hit(key, "Accelerate's config has no fp8_backend (`accelerate launch` raises "
                       "on unknown keys); the backend is fp8_config.backend",
                       fix="write fp8_config: {backend: TE} (or MSAMP, AO)")
-        else:
-            yield Hit(key, f"Accelerate's config has no `{key}` (`accelerate launch` raises on "
-                      "unknown keys)" + did_you_mean(key, ACCELERATE_CONFIG_KEYS))
+        elif span is None:
+            yield Hit(key, f"{config} has no `{key}` (`accelerate launch` raises on unknown "
+                      "keys)" + did_you_mean(key, known))
+        elif not _has(span, version) or (version is None and span != _EVERY):
+            fix = f"use an Accelerate that has it ({_releases(span)}), or remove it"
+            if version is None:
+                yield Hit(key, f"`{key}` is a key of Accelerate's config only in some releases "
+                          f"({_releases(span)}); the others raise on it as an unknown key",
+                          severity="warning", fix=fix)
+            else:
+                yield Hit(key, f"accelerate {dotted(version)}'s config has no `{key}` "
+                          f"({_releases(span)}): `accelerate launch` raises on unknown keys",
+                          fix=fix)
+    if environment == SAGEMAKER and acc.get("distributed_type") == "NO" \
+            and "num_processes" not in acc:
+        yield Hit("distributed_type", "with compute_environment AMAZON_SAGEMAKER, "
+                  "distributed_type 'NO' makes Accelerate's process_config add num_processes, "
+                  "which SageMakerConfig has no field for: `accelerate launch` raises 'unknown "
+                  "keys ([\'num_processes\'])' on the file `accelerate config` itself writes "
+                  "(accelerate #3463)",
+                  fix="use DATA_PARALLEL on an instance type SageMaker data parallelism "
+                  "supports: Accelerate v0.34.2-v1.14.0 cannot load a single-process SageMaker "
+                  "config")
 
 
 @rule("FP8112", "warning", "`fp8_config` with `mixed_precision` other than fp8",
@@ -395,8 +494,8 @@ def fp8_config_unused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
       fix="use accelerate>=1.9", family="accelerate")
 def fp8_single_process_old_accelerate(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     acc, version = inp.accelerate, inp.version
-    if not (_fp8(acc) and _text(acc.get("distributed_type")) == "no"):
-        return
+    if not (_fp8(acc) and _text(acc.get("distributed_type")) == "no") or _sagemaker(acc):
+        return  # a SageMaker config with distributed_type NO does not load (FP8111)
     if version is None or version < STR_FP8_ENV:
         who = f"accelerate {dotted(version)}" if version else "an Accelerate older than 1.9"
         yield Hit("distributed_type", f"{who} exports FP8 flags as Python booleans into the "
@@ -414,3 +513,31 @@ def missing_distributed_type(inp: AccelerateInput, _: LintContext) -> Iterator[H
     if inp.accelerate and "distributed_type" not in inp.accelerate:
         yield Hit(next(iter(map(str, inp.accelerate))), "this Accelerate config has no "
                   "distributed_type: `accelerate launch --config_file` refuses it")
+
+
+@rule("FP8115", "warning", "`fp8_config.backend` that Accelerate 1.8 ignores outside DeepSpeed",
+      why="The launcher exports fp8_config.backend as ACCELERATE_FP8_BACKEND, but in 1.8.x "
+      "Accelerator() with no FP8 kwargs handler picks the backend by what is installed: torchao, "
+      "then TransformerEngine, then MS-AMP; outside DeepSpeed (whose plugin reads the variable "
+      "for MS-AMP) nothing reads it. 1.9.0 reads it (PR #3677), in capitals as "
+      "FP8BackendType. 1.0-1.3 read it through FP8RecipeKwargs; 1.4-1.7 run no FP8 from the "
+      "config at all (FP8103). Judged against the installed Accelerate; a warning for "
+      "Accelerate < 1.9 when it is not installed.",
+      source=f"{ACC} src/accelerate/accelerator.py:457-474 Accelerator.__init__ and :3958-3971 "
+      "fp8_backend (v1.8.1), :466-490 and :3998-4012 (v1.9.0); src/accelerate/utils/launch.py"
+      ":82-97 setup_fp8_env; src/accelerate/commands/launch.py:1044-1055 "
+      "_validate_launch_command; src/accelerate/utils/dataclasses.py:1190 DeepSpeedPlugin "
+      "(v1.8.1); https://github.com/huggingface/accelerate/pull/3677",
+      fix="use accelerate>=1.9, or pass the backend's handler (TERecipeKwargs(), "
+      "MSAMPRecipeKwargs() or AORecipeKwargs()) in Accelerator(kwargs_handlers=...)",
+      family="accelerate")
+def backend_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    backend = section(acc, "fp8_config").get("backend")
+    if not (_fp8(acc) and backend and not _deepspeed(acc) and not _sagemaker(acc)):
+        return
+    if version is None or FP8_AUTO_BROKEN[1] <= version < BACKEND_READ:
+        who = f"accelerate {dotted(version)}" if version else "Accelerate < 1.9 (1.8.x)"
+        yield Hit("fp8_config.backend", f"{who} ignores fp8_config.backend ({backend}) outside "
+                  "DeepSpeed: Accelerator() takes torchao if it is installed, then "
+                  "TransformerEngine, then MS-AMP, whatever the config says")

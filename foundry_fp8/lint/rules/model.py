@@ -4,21 +4,29 @@ LLM-Foundry's init of te.LayerNormMLP."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from foundry_fp8.filters import filter_reason, shape_reason
 from foundry_fp8.lint.config import as_int, fc_type_name, get, native_te_layers, te_swap
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
     HF_CONFIG_KEYS,
+    MPT_ATTN_DEFAULTS,
     MPT_ATTRIBUTES_READ,
     MPT_CONFIG_KEYS,
     MPT_DEFAULTS,
+    MPT_FFN_DEFAULTS,
     MPT_MODEL_NAMES,
+    MPT_NUMBER_KEYS,
+    MPT_NUMBER_WORDS,
     did_you_mean,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28
-from foundry_fp8.shapes import dim_fits_fp8
+from foundry_fp8.lint.values import built_options
+from foundry_fp8.options import SwapConfig
+from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
     MPT_DEFAULT_INIT_SCHEME,
@@ -75,16 +83,236 @@ def _ffn_hidden(model: Mapping[str, Any], d_model: int) -> tuple[str, int] | Non
         else None
 
 
-@rule("FP8005", "error", "GEMM dims (d_model, FFN hidden size, vocab when te_swap converts "
-      "the LM head) that break TE's FP8 shape rule",
-      why="TE asserts before an FP8 GEMM that the input's and weight's last dim is divisible "
-      "by 16 and the product of the other dims by 8. TE layers the model builds itself "
-      "(fc_type: te, te_ln_mlp) then fail at the first forward (error); te_swap keeps such "
-      "layers in high precision (warning), and with d_model off no block layer is left.",
-      source=f"{TE28} transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec (called by "
-      f"Linear, LayerNormLinear, LayerNormMLP); {FOUNDRY} llmfoundry/models/layers/ffn.py "
-      "resolve_ffn_hidden_size; foundry_fp8/shapes.py, foundry_fp8/swap.py _gemm_reason",
-      fix="use multiples of 16 (d_model, expansion_ratio / ffn_hidden_size, vocab_size)")
+#: Where Composer's model (ComposerMPTCausalLM: `model`, an MPTForCausalLM, whose `transformer`
+#: is an MPTModel) holds MPT's blocks and its untied LM head: the module names te_swap plans
+#: (llmfoundry/models/mpt/modeling_mpt.py).
+MPT_BLOCKS = "model.transformer.blocks"
+MPT_LM_HEAD = "model.lm_head"
+#: MPT's attention classes (llmfoundry/models/layers/attention.py): MultiheadAttention (kv heads:
+#: n_heads), MultiQueryAttention (one), GroupedQueryAttention (`attn_config.kv_n_heads`, which
+#: only it takes).
+_MQA, _GQA = "multiquery_attention", "grouped_query_attention"
+_ATTN_TYPES = ("multihead_attention", _MQA, _GQA)
+#: The FFN classes modelled (llmfoundry/models/layers/ffn.py): MPTMLP, MPTGLU, te.LayerNormMLP.
+_FFN_TYPES = ("mptmlp", "mptglu", "te_ln_mlp")
+#: The most blocks modelled (te_swap's names are listed one by one); more are not judged.
+_MAX_BLOCKS = 1024
+
+
+def mpt_value(model: Mapping[str, Any], key: str) -> Any:
+    """A model key's value, MPTConfig's default where the section does not give it."""
+    return model.get(key, MPT_DEFAULTS[key])
+
+
+@dataclass(frozen=True)
+class Attention:
+    """An MPT block's attention dims as GroupedQueryAttention.__init__ computes them
+    (attention.py): head_dim is MPT's `head_dim` when given, else d_model // n_heads."""
+
+    attn_type: str
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    fused_qkv: bool
+    kv_in: int  # Wk's and Wv's in_features: attn_config.kv_dim, else d_model
+
+    @property
+    def width(self) -> int:
+        """Wq's out_features and out_proj's in_features."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def mpt_attention(model: Mapping[str, Any], d_model: int) -> Attention | None:
+    """The attention an MPT section builds; None where it builds none this models, or raises
+    (d_model not divisible by n_heads, kv_n_heads missing or given to a class without it)."""
+    attn = section(model, "attn_config")
+    options = {k: attn.get(k, v) for k, v in MPT_ATTN_DEFAULTS.items()}
+    n_heads = as_int(mpt_value(model, "n_heads"))
+    head_dim = mpt_value(model, "head_dim")
+    attn_type = options["attn_type"]
+    if not (isinstance(attn_type, str) and attn_type in _ATTN_TYPES and n_heads and n_heads > 0
+            and d_model % n_heads == 0 and (head_dim is None or (as_int(head_dim) or 0) > 0)
+            and isinstance(options["fused_qkv"], bool)
+            and (options["kv_dim"] is None or (as_int(options["kv_dim"]) or 0) > 0)):
+        return None
+    if attn_type == _GQA:
+        kv_heads = as_int(attn.get("kv_n_heads"))
+    elif "kv_n_heads" in attn:  # the other classes take no kv_n_heads: TypeError
+        kv_heads = None
+    else:
+        kv_heads = 1 if attn_type == _MQA else n_heads
+    if kv_heads is None or not 0 < kv_heads <= n_heads or n_heads % kv_heads \
+            or (options["kv_dim"] is not None and options["fused_qkv"]):
+        return None
+    return Attention(attn_type, n_heads, kv_heads, head_dim or d_model // n_heads,
+                     options["fused_qkv"], options["kv_dim"] or d_model)
+
+
+@dataclass(frozen=True)
+class MPTModule:
+    """A module of an MPT that te_swap plans, named as te_swap sees it under Composer's model.
+    `kind`: a linear, a LayerNorm, or a block's norm_2 + MLP (`ln_mlp`, its dims the
+    up_proj's) that te_swap's fuse_ln_mlp could fuse; `te`: the model builds it as a TE module
+    itself (fc_type te, te_ln_mlp), which runs in FP8 under amp_fp8 and te_swap leaves alone."""
+
+    name: str
+    kind: Literal["linear", "layernorm", "ln_mlp"]
+    in_features: int
+    out_features: int
+    te: bool = False
+    bias: bool = True
+
+
+def _attention_modules(block: str, attn: Attention, d_model: int, te: bool, norm: bool,
+                       qk_norm: bool, bias: bool) -> Iterator[MPTModule]:
+    """An MPT block's attention (GroupedQueryAttention.__init__): fused Wqkv, or Wq, Wk, Wv;
+    q_ln and k_ln with qk_ln / qk_gn; out_proj."""
+    prefix = f"{block}.attn"
+    if attn.fused_qkv:
+        yield MPTModule(f"{prefix}.Wqkv", "linear", d_model, attn.width + 2 * attn.kv_width, te)
+    else:
+        yield MPTModule(f"{prefix}.Wq", "linear", d_model, attn.width, te)
+        yield MPTModule(f"{prefix}.Wk", "linear", attn.kv_in, attn.kv_width, te)
+        yield MPTModule(f"{prefix}.Wv", "linear", attn.kv_in, attn.kv_width, te)
+    if qk_norm and norm:
+        yield MPTModule(f"{prefix}.q_ln", "layernorm", 0, 0, bias=bias)
+        yield MPTModule(f"{prefix}.k_ln", "layernorm", 0, 0, bias=bias)
+    yield MPTModule(f"{prefix}.out_proj", "linear", attn.width, d_model, te)
+
+
+def mpt_modules(model: Mapping[str, Any]) -> list[MPTModule] | None:
+    """The linears, LayerNorms and fusable MLPs LLM-Foundry builds for an MPT model section, in
+    the order te_swap meets them (MPTBlock.__init__, MPTModel.__init__, MPTForCausalLM.__init__);
+    None where this does not model the section: not MPT, `block_overrides`,
+    `fuse_norm_attn_norm`, other FFN or fc classes (MoE among them), dims that are not integers
+    or that MPT refuses."""
+    d_model, n_layers = as_int(mpt_value(model, "d_model")), as_int(mpt_value(model, "n_layers"))
+    if not _is_mpt(model) or model.get("block_overrides") is not None \
+            or model.get("fuse_norm_attn_norm") or d_model is None or d_model <= 0 \
+            or n_layers is None or not 0 < n_layers <= _MAX_BLOCKS:
+        return None
+    attn, hidden = mpt_attention(model, d_model), _ffn_hidden(model, d_model)
+    ffn_type = section(model, "ffn_config").get("ffn_type", MPT_FFN_DEFAULTS["ffn_type"])
+    fc_type, norm_type = fc_type_name(model) or "torch", mpt_value(model, "norm_type")
+    tied = bool(mpt_value(model, "tie_word_embeddings"))  # MPTForCausalLM: `if not ...`
+    vocab = as_int(mpt_value(model, "vocab_size"))
+    if attn is None or hidden is None or hidden[1] <= 0 or ffn_type not in _FFN_TYPES \
+            or fc_type not in ("torch", "te") or not isinstance(norm_type, str) \
+            or not (tied or (vocab or 0) > 0):
+        return None
+    te, norm, bias = fc_type == "te", norm_type.lower() in _LAYERNORMS, not model.get("no_bias")
+    attn_config = section(model, "attn_config")
+    qk_norm = bool(attn_config.get("qk_ln") or attn_config.get("qk_gn"))
+    size, fusable = hidden[1], _te_swap_fuses(model)
+    modules: list[MPTModule] = []
+    for index in range(n_layers):
+        block = f"{MPT_BLOCKS}.{index}"
+        if norm:
+            modules.append(MPTModule(f"{block}.norm_1", "layernorm", 0, 0, bias=bias))
+        modules += _attention_modules(block, attn, d_model, te, norm, qk_norm, bias)
+        if ffn_type == "te_ln_mlp":  # te.LayerNormMLP, its own norm: no norm_2
+            modules.append(MPTModule(f"{block}.ffn", "ln_mlp", d_model, size, te=True))
+            continue
+        if norm:
+            modules.append(MPTModule(f"{block}.norm_2", "layernorm", 0, 0, bias=bias))
+        if fusable:
+            modules.append(MPTModule(f"{block}.ffn", "ln_mlp", d_model, size))
+        modules += [MPTModule(f"{block}.ffn.up_proj", "linear", d_model, size, te),
+                    MPTModule(f"{block}.ffn.down_proj", "linear", size, d_model, te)]
+        if ffn_type == "mptglu":
+            modules.append(MPTModule(f"{block}.ffn.gate_proj", "linear", d_model, size, te))
+    if norm:
+        modules.append(MPTModule("model.transformer.norm_f", "layernorm", 0, 0, bias=bias))
+    if not tied:
+        modules.append(MPTModule(MPT_LM_HEAD, "linear", d_model, vocab or 0))
+    return modules
+
+
+def te_swap_options(config: Mapping[str, Any]) -> SwapConfig | None:
+    """te_swap's options as TESwap builds them; None without te_swap or when it refuses them."""
+    algorithms = section(config, "algorithms")
+    built = built_options("te_swap", algorithms["te_swap"]) if "te_swap" in algorithms else None
+    return built if isinstance(built, SwapConfig) else None
+
+
+def _attention_key(model: Mapping[str, Any], attn: Attention, width_only: bool) -> str:
+    """The model key an attention dim off TE's rule comes from: head_dim when given, else (for
+    Wqkv) GQA's kv_n_heads or the attention type."""
+    if "head_dim" in model:
+        return "model.head_dim"
+    if width_only:
+        return "model.n_heads" if "n_heads" in model else "model"
+    attn_config = section(model, "attn_config")
+    key = "kv_n_heads" if attn.attn_type == _GQA else "attn_type"
+    return f"model.attn_config.{key}" if key in attn_config else "model"
+
+
+def _attention_dims(layer: str, attn: Attention) -> str:
+    """How an attention linear's dim that depends on the heads comes from the config."""
+    heads = {"Wqkv": f"(n_heads {attn.n_heads} + 2 x kv_n_heads {attn.kv_heads})",
+             "Wq": f"n_heads {attn.n_heads}", "out_proj": f"n_heads {attn.n_heads}"}
+    width = attn.width + 2 * attn.kv_width if layer == "Wqkv" else \
+        attn.width if layer in heads else attn.kv_width
+    return (f"{'in' if layer == 'out_proj' else 'out'}_features {width} = "
+            f"{heads.get(layer, f'kv_n_heads {attn.kv_heads}')} x head_dim {attn.head_dim}")
+
+
+def _attention_hits(model: Mapping[str, Any], swap: SwapConfig | None) -> Iterator[Hit]:
+    """FP8005 for the attention linears whose dims do not follow from d_model alone (an explicit
+    head_dim, GQA's or MQA's kv heads): TE's own assert for fc_type te; te_swap's shape rule for
+    those te_swap would convert (its block filters applied)."""
+    modules, d_model = mpt_modules(model), as_int(mpt_value(model, "d_model"))
+    attn = mpt_attention(model, d_model) if d_model else None
+    if modules is None or attn is None:
+        return
+    n_layers, seen = int(mpt_value(model, "n_layers")), set()
+    for m in modules:
+        layer = m.name.partition(".attn.")[2]
+        if m.kind != "linear" or not layer or layer in seen or (
+                not m.te and (swap is None
+                              or filter_reason(m.name, swap, n_layers) is not None)):
+            continue
+        seen.add(layer)
+        key = _attention_key(model, attn, layer in ("Wq", "out_proj"))
+        what = (f"attention {layer} weight {m.out_features}x{m.in_features} (its "
+                f"{_attention_dims(layer, attn)})")
+        if not m.te:
+            if shape_reason(m.in_features, m.out_features) is not None:
+                yield Hit(key, f"{what} is not divisible by 16: te_swap keeps the attention "
+                          f"{layer} layers in high precision", severity="warning")
+        elif not (dim_fits_fp8(m.in_features) and tokens_fit_fp8(m.out_features)):
+            # TE applies its leading-dims rule to the weight [out, in] too: out % 8
+            yield Hit(key, f"{what} breaks TE's FP8 check (weight out_features divisible by 8, "
+                      "in_features by 16), which fc_type te's te.Linear asserts in its forward")
+        elif not dim_fits_fp8(m.out_features):
+            yield Hit(key, f"{what}: out_features not divisible by 16, the inner dim of the "
+                      "backward GEMM that reads its output gradient, which te_swap's shape rule "
+                      "keeps out of FP8", severity="warning")
+
+
+@rule("FP8005", "error", "GEMM dims (d_model, FFN hidden size, attention Wqkv and out_proj, "
+      "vocab when te_swap converts the LM head) that break TE's FP8 shape rule",
+      why="TE asserts before an FP8 GEMM that the input's last dim is divisible by 16 and the "
+      "product of its other dims by 8, and the same of the weight [out, in] (out by 8, in by "
+      "16). TE layers the model builds itself (fc_type: te, te_ln_mlp) then fail at the first "
+      "forward (error); te_swap keeps such layers in high precision (warning), and with d_model "
+      "off no block layer is left. The attention linears' dims follow from d_model unless "
+      "head_dim is given or the kv heads are fewer (GQA, MQA): Wqkv's out_features is "
+      "(n_heads + 2 x kv_n_heads) x head_dim, out_proj's in_features n_heads x head_dim. A "
+      "Wqkv out_features divisible by 8 but not 16 passes TE's forward check but is the inner "
+      "dim of its backward GEMM (a warning, te_swap's rule keeps such layers out).",
+      source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec (called "
+      "with the input and the weight by module/linear.py:168, layernorm_linear.py:150, "
+      f"layernorm_mlp.py:217); {FOUNDRY} llmfoundry/models/layers/ffn.py "
+      "resolve_ffn_hidden_size, llmfoundry/models/layers/attention.py "
+      "GroupedQueryAttention.__init__ (head_dim, Wqkv, out_proj); foundry_fp8/shapes.py, "
+      "foundry_fp8/filters.py shape_reason, filter_reason",
+      fix="use multiples of 16 (d_model, head_dim and the kv heads, expansion_ratio / "
+      "ffn_hidden_size, vocab_size)")
 def gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     swap = te_swap(config)
     native = native_te_layers(config)
@@ -98,6 +326,8 @@ def gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
         yield Hit("model.d_model", f"d_model {d_model} is not divisible by 16, as TE's FP8 "
                   "GEMMs require" + ("" if native else " (te_swap would keep every block layer "
                                                        "out of FP8)"))
+    else:
+        yield from _attention_hits(model, te_swap_options(config))
     hidden = _ffn_hidden(model, d_model)
     if hidden and not dim_fits_fp8(hidden[1]):
         if native:
@@ -130,6 +360,43 @@ def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterat
         yield Hit("model.expansion_ratio", f"d_model * expansion_ratio is {hidden}, not a whole "
                   "number: LLM-Foundry raises '`d_model * expansion_ratio` must be an integer' "
                   "building the model")
+
+
+@rule("FP8035", "error", "MPT model values MPT refuses when LLM-Foundry builds the model: "
+      "numbers written as strings (`d_model: \"2048\"`, `expansion_ratio: 8/3`), d_model not "
+      "divisible by n_heads",
+      why="LLM-Foundry passes the model section to MPTConfig unconverted, and YAML reads a quoted "
+      "number or a fraction such as 8/3 as a string: MPTConfig's checks then raise (`d_model % "
+      "n_heads` formats the string, `max_seq_len != int(max_seq_len)`, the dropout bounds), or "
+      "the model it builds does (d_model * expansion_ratio repeats the string; nn.Linear and "
+      "nn.Embedding take no string size). Only a string `norm_eps` builds (torch reads it in the "
+      "forward); `logit_scale` takes the one word inv_sqrt_d_model. MPTConfig also raises 'd_model "
+      "must be divisible by n_heads', even when head_dim is given.",
+      source=f"{FOUNDRY} llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__ "
+      "(max_seq_len) and _validate_config (d_model % n_heads, the pdrop and embedding_fraction "
+      "bounds, logit_scale); llmfoundry/models/layers/ffn.py resolve_ffn_hidden_size; "
+      "llmfoundry/models/layers/attention.py GroupedQueryAttention.__init__ (kv_n_heads); "
+      "tests/test_lint_known.py builds each one",
+      fix="write the number without quotes (a decimal for expansion_ratio, or give "
+      "ffn_config.ffn_hidden_size); pick n_heads dividing d_model")
+def mpt_refuses_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    model = section(config, "model")
+    if not _is_mpt(model):
+        return
+    gqa = section(model, "attn_config").get("attn_type") == _GQA
+    for path in MPT_NUMBER_KEYS:
+        value = get(model, path)
+        if path == "attn_config.kv_n_heads" and not gqa:
+            continue  # only GroupedQueryAttention takes it
+        if isinstance(value, str) and value not in MPT_NUMBER_WORDS.get(path, ()):
+            yield Hit(f"model.{path}", f"model.{path} is the string {value!r}, not a number "
+                      "(YAML reads a quoted value or a fraction as a string): MPT raises building "
+                      "the model")
+    d_model, n_heads = as_int(mpt_value(model, "d_model")), as_int(mpt_value(model, "n_heads"))
+    if d_model is not None and n_heads is not None and n_heads > 0 and d_model % n_heads:
+        key = next((f"model.{k}" for k in ("n_heads", "d_model") if k in model), "model")
+        yield Hit(key, f"d_model {d_model} is not divisible by n_heads {n_heads}: MPTConfig "
+                  "raises 'd_model must be divisible by n_heads'")
 
 
 @rule("FP8016", "warning", "`fc_type: {name: te}` (mapping form)",

@@ -6,16 +6,20 @@ combine with precision."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from functools import cache
 from importlib import metadata
 from typing import Any
 
+from foundry_fp8.filters import fuse_reason, layernorm_reason, linear_reason
 from foundry_fp8.lint.config import has_fp8_state, is_fp8, native_te_layers, precision, te_swap
 from foundry_fp8.lint.entries import our_entries
 from foundry_fp8.lint.known import FOUNDRY_REGISTRY, PRECISIONS, REGISTRY_GROUPS, did_you_mean
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.lint.rules.model import MPTModule, mpt_modules, mpt_value, te_swap_options
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY
 from foundry_fp8.lint.values import option_problems
+from foundry_fp8.options import OptionError, SwapConfig, checks, defaults
 
 OUR_OPTIONS = "foundry_fp8/options.py ENTRIES"
 
@@ -89,6 +93,73 @@ def te_swap_without_amp_fp8(config: Mapping[str, Any], ctx: LintContext) -> Iter
                   "te_swap refuses the run at INIT")
 
 
+def _kept(module: MPTModule, swap: SwapConfig, n_blocks: int) -> str | None:
+    """Why te_swap keeps one of an MPT's modules (None: it converts it), by the decisions
+    `foundry_fp8.swap.plan_swap` takes (foundry_fp8/filters.py). A LayerNorm or a fusable MLP
+    passing them counts as converted although te_swap still declines those on the meta device:
+    the rule speaks only where nothing at all converts."""
+    if module.te:
+        return "a TE module the model builds itself"
+    if module.kind == "linear":
+        return linear_reason(module.name, module.in_features, module.out_features, swap,
+                             n_blocks)
+    if module.kind == "layernorm":
+        return layernorm_reason(module.name, module.bias, swap, n_blocks) \
+            if swap.convert_layernorm else "convert_layernorm is off"
+    return fuse_reason(module.name, module.in_features, module.out_features, swap, n_blocks) \
+        if swap.fuse_ln_mlp else "fuse_ln_mlp is off"
+
+
+def converts_any(modules: list[MPTModule], swap: SwapConfig, n_blocks: int) -> bool:
+    """Whether te_swap with these options converts any of an MPT's modules."""
+    return any(_kept(m, swap, n_blocks) is None for m in modules)
+
+
+@rule("FP8034", "error", "te_swap options under which it converts no layer of an MPT "
+      "(keep_first/last_blocks covering every block, an include matching no layer, a "
+      "min_gemm_size above every GEMM), so te_swap refuses the run",
+      why="te_swap plans its conversions at INIT, after the model is built, and refuses the "
+      "run ('no module would run in FP8') when it converts nothing and no TE layer of the "
+      "model's own runs under amp_fp8, whatever `strict` says. The linter lists the modules "
+      "LLM-Foundry builds for the MPT config (names as te_swap sees them: "
+      "model.transformer.blocks.N.attn.Wqkv, model.lm_head) and decides each one with "
+      "te_swap's own functions (foundry_fp8/filters.py). The key is the te_swap option that, "
+      "at its default, would let a layer convert. Only MPT (`mpt_causal_lm`) models are "
+      "judged; te_swap's backend te without amp_fp8 is FP8021's.",
+      source="foundry_fp8/composer/te_swap.py TESwap._convert, _refusal; foundry_fp8/swap.py "
+      "plan_swap, would_run_fp8; foundry_fp8/filters.py linear_reason, layernorm_reason, "
+      f"fuse_reason; {FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py, "
+      "llmfoundry/models/layers/blocks.py, attention.py, ffn.py (the modules and their names)",
+      fix="relax the option the message names (keep_first/last_blocks, include/exclude, "
+      "min_gemm_size), or drop te_swap")
+def te_swap_converts_nothing(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    swap = te_swap_options(config)
+    if swap is None or (swap.backend == "te" and not is_fp8(config)) \
+            or (is_fp8(config) and native_te_layers(config)):
+        return
+    model = section(config, "model")
+    modules = mpt_modules(model)
+    if modules is None:
+        return
+    n_blocks = int(mpt_value(model, "n_layers"))
+    given = section(section(config, "algorithms"), "te_swap")
+    options = [o for o in checks(SwapConfig) if o in given and o != "module_filter_fn"]
+    try:
+        if converts_any(modules, swap, n_blocks):
+            return
+        culprits = [o for o in options if converts_any(
+            modules, replace(swap, **{o: defaults(SwapConfig)[o]}), n_blocks)]
+    except OptionError:  # a regex that takes too long: te_swap stops with its own error
+        return
+    linears = sum(m.kind == "linear" for m in modules)
+    said = ", ".join(f"{o}: {given[o]!r}" for o in culprits) or "; ".join(sorted(
+        {str(_kept(m, swap, n_blocks)) for m in modules if m.kind == "linear"})[:3])
+    yield Hit(f"algorithms.te_swap.{culprits[0]}" if culprits else "algorithms.te_swap",
+              f"te_swap would convert none of this MPT's {linears} linears ({said}) and no "
+              "other layer runs in FP8: te_swap refuses the run at INIT ('no module would run "
+              "in FP8')")
+
+
 @rule("FP8023", "error", "option values of our entries that their constructors refuse "
       "(negative counts, thresholds out of range, fp8_stats' `end` not after its `start`, "
       "regexes that do not compile, unknown choices such as `fail_on: warning`, unknown "
@@ -104,6 +175,22 @@ def te_swap_without_amp_fp8(config: Mapping[str, Any], ctx: LintContext) -> Iter
       fix="see the message", also=("eval",))
 def entry_option_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     yield from _option_hits(config, ("value",))
+
+
+@rule("FP8033", "error", "an entry of ours without the entry it acts through (`fp8_guard` "
+      "without `fp8_stats`)",
+      why="fp8_guard acts on the statistics fp8_stats computes, and refuses the run at FIT_START "
+      "(after the model is built and converted) when callbacks has no fp8_stats. Which entry "
+      "needs which is declared once, on the entry (foundry_fp8/options.py ENTRIES, "
+      "Entry.needs), which the callback's own check reads too.",
+      source="foundry_fp8/options.py Entry.needs, Entry.need_problem; "
+      "foundry_fp8/composer/guard.py FP8Guard.fit_start",
+      fix="see the message")
+def entry_needs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for key, entry, _ in _entry_items(config):
+        for problem in entry.spec.missing(section(config, entry.section)):
+            yield Hit(key, f"{entry.name} {problem.detail}: it refuses the run when training "
+                      "starts, after the model is built", fix=problem.fix)
 
 
 @cache
@@ -165,8 +252,8 @@ CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
       "checkpoints: FP8 scales reset at every resume",
       why="te_swap's emulated layers keep their FP8 scales and amax histories in buffers that "
       "are not in Composer's checkpoint, and TE layers keep them in a pickled `_extra_state` "
-      "that TE >= 2.16 refuses to load without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE; fp8_state "
-      "saves and restores them. te_swap logs the same warning at INIT when the run has a "
+      "that TE 2.16.1, 2.17.1 and >= 2.18 refuse to load unless "
+      "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; fp8_state saves and restores them. te_swap logs the same warning at INIT when the run has a "
       "checkpoint saver and no fp8_state.",
       source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
       "warning, issue 19 item 5); TE transformer_engine/pytorch/_extra_state.py "

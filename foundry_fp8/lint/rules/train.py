@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from foundry_fp8.lint.config import as_int, has_fp8_layers, is_fp8, native_te_layers, precision
+from foundry_fp8.lint.config import (
+    as_int,
+    get,
+    has_fp8_layers,
+    is_fp8,
+    native_te_layers,
+    precision,
+)
 from foundry_fp8.lint.config import te_swap as te_swap_options
 from foundry_fp8.lint.known import (
     FILLED_KEYS,
@@ -21,7 +28,7 @@ from foundry_fp8.lint.known import (
     TRAIN_CONFIG_KEYS,
     did_you_mean,
 )
-from foundry_fp8.lint.registry import Hit, LintContext, rule
+from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.shapes import tokens_fit_fp8
 
 COMPOSER = "Composer 0.32.1"
@@ -43,21 +50,36 @@ def fp8_without_fp8_layers(config: Mapping[str, Any], ctx: LintContext) -> Itera
                   "no ffn_type: te_ln_mlp, no te_swap algorithm)")
 
 
+def train_seq_len(config: Mapping[str, Any]) -> tuple[str, int | None]:
+    """(key, value) of the length the train loader cuts samples to: its dataset's
+    `max_seq_len` (what LLM-Foundry's text and finetuning loaders read), else the top-level
+    one (which train() itself reads only for ICL evaluation); value None when not an int."""
+    dataset = section(section(config, "train_loader"), "dataset")
+    key = "train_loader.dataset.max_seq_len" if "max_seq_len" in dataset else "max_seq_len"
+    return key, as_int(get(config, key))
+
+
 @rule("FP8006", "error", "tokens per micro-batch not divisible by 8 with TE layers in FP8",
-      why="A GEMM input is (micro-batch x max_seq_len, features): TE asserts the leading dims' "
-      "product is divisible by 8.",
-      source=f"{TE28} transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec",
-      fix="pick device_train_microbatch_size and max_seq_len whose product is a multiple of 8")
+      why="A GEMM input is (micro-batch x sequence length, features): TE asserts the leading "
+      "dims' product is divisible by 8. The sequence length is the train loader's "
+      "`dataset.max_seq_len`; the top-level `max_seq_len` only where the loader gives none.",
+      source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec; "
+      f"{FOUNDRY} llmfoundry/data/text_data.py StreamingTextDataset (max_seq_len from the "
+      "loader's dataset), llmfoundry/data/finetuning/dataloader.py build_finetuning_dataloader "
+      "(dataset_cfg['max_seq_len']), llmfoundry/command_utils/train.py (the top-level "
+      "max_seq_len: icl_seq_len's default)",
+      fix="pick device_train_microbatch_size and a sequence length whose product is a multiple "
+      "of 8")
 def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     swap = te_swap_options(config)
     te_layers = native_te_layers(config) or (swap is not None and swap.get("backend") == "te")
     if not (is_fp8(config) and te_layers):
         return
     micro = as_int(config.get("device_train_microbatch_size"))
-    seq = as_int(config.get("max_seq_len"))
+    key, seq = train_seq_len(config)
     if micro is not None and seq is not None and not tokens_fit_fp8(micro * seq):
-        yield Hit("device_train_microbatch_size", f"{micro} x {seq} tokens per micro-batch is not "
-                  "divisible by 8, as TE's FP8 GEMMs require")
+        yield Hit(key, f"{micro} x {seq} tokens per micro-batch (device_train_microbatch_size x "
+                  f"{key}) is not divisible by 8, as TE's FP8 GEMMs require")
 
 
 #: Keys that configs written for older Composer / LLM-Foundry or for DeepSpeed carry, which
@@ -127,15 +149,17 @@ def precision_value(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
 
 
 @rule("FP8017", "error", "`${oc.env:...}` interpolations",
-      why="train_from_yaml calls omegaconf's clear_resolver('oc.env') before loading the YAML, "
-      "so `llmfoundry train` fails with 'Unsupported interpolation type oc.env'.",
-      source=f"{FOUNDRY} llmfoundry/command_utils/train.py train_from_yaml",
+      why="train_from_yaml and eval_from_yaml call omegaconf's clear_resolver('oc.env') before "
+      "loading the YAML, so `llmfoundry train` (and eval) fails with 'Unsupported "
+      "interpolation type oc.env'.",
+      source=f"{FOUNDRY} llmfoundry/command_utils/train.py train_from_yaml, "
+      "llmfoundry/command_utils/eval.py eval_from_yaml",
       fix="put the value in the YAML or pass it as a command-line override "
       "(`llmfoundry train x.yaml key=value`)", scope="file", also=("eval",), unresolved=True)
 def oc_env_interpolation(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     for key in ctx.env_keys:
-        yield Hit(key, "`llmfoundry train` (train_from_yaml) clears omegaconf's oc.env resolver, "
-                  "so ${oc.env:...} fails to resolve")
+        yield Hit(key, "LLM-Foundry (train_from_yaml, eval_from_yaml) clears omegaconf's oc.env "
+                  "resolver, so ${oc.env:...} fails to resolve")
 
 
 _LOADERS = ("train_loader", "eval_loader")
