@@ -242,7 +242,7 @@ def test_broken_deepspeed_json_behind_an_accelerate_config_exits_2(tmp_path):
 
 def test_rules_are_registered_with_docs_fields():
     ids = [rule.id for rule in ACCELERATE_RULES]
-    assert ids == [f"FP81{n:02d}" for n in range(1, 16)]
+    assert ids == [f"FP81{n:02d}" for n in range(1, 17)]
     assert not set(ids) & {rule.id for rule in RULES}
     for rule in ACCELERATE_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix
@@ -418,6 +418,37 @@ def test_a_backend_under_deepspeed_or_without_fp8_is_not_fp8115(tmp_path, instal
     assert found(_file(tmp_path, CLUSTER.replace("mixed_precision: fp8",
                                                  "mixed_precision: bf16")), "FP8115") == []
     assert found(_file(tmp_path, CLUSTER.replace("  backend: MSAMP\n", "")), "FP8115") == []
+
+
+@pytest.mark.parametrize(("backend", "version", "expected"), [
+    ("te", (1, 9, 0), [("fp8_config.backend", 7, "error")]),
+    ("msamp", (1, 14, 0), [("fp8_config.backend", 7, "error")]),
+    ("transformer_engine", (1, 10, 0), [("fp8_config.backend", 7, "error")]),
+    ("te", None, [("fp8_config.backend", 7, "warning")]),
+    ("te", (1, 8, 1), []),  # not read at all: FP8115
+    ("te", (1, 3, 0), []),  # FP8RecipeKwargs upper-cases it
+    ("TE", (1, 9, 0), []), ("AO", (1, 14, 0), []),
+])
+def test_a_backend_accelerate_1_9_cannot_read(tmp_path, installed, backend, version, expected):
+    """`accelerate launch --fp8_backend`'s choices are lower case, FP8BackendType's capitals."""
+    installed(version)
+    path = _file(tmp_path, CLUSTER.replace("backend: MSAMP", f"backend: {backend}"))
+    assert found(path, "FP8116") == expected
+    if expected and backend == "te":
+        message = next(f["message"] for f in lint_file(path)["findings"]
+                       if f["rule"] == "FP8116")
+        assert "FP8BackendType('te')" in message and message.endswith("; write TE")
+
+
+def test_the_backends_are_accelerates_fp8_backend_types():
+    """Against the installed Accelerate's enum where it has the release's values (1.8.1 has
+    no AO: FP8_BACKENDS is 1.9's, where the rule applies)."""
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    from foundry_fp8.lint.rules.accelerate import FP8_BACKENDS
+
+    assert {m.value for m in FP8BackendType} - {"NO"} <= set(FP8_BACKENDS)
+    assert "AO" in FP8_BACKENDS and all(b == b.upper() for b in FP8_BACKENDS)
 
 
 def test_fp8103_recommends_the_accelerate_that_reads_the_backend():

@@ -112,6 +112,9 @@ FP8_AUTO_BROKEN = ((1, 4), (1, 8))  # auto-created recipe never marked as an FP8
 DS_RECIPE_FROM_FP8_RECIPE_KWARGS_ONLY = (1, 4)  # TERecipeKwargs exists; DS path ignores it
 STR_FP8_ENV = (1, 9)  # setup_fp8_env puts the override's bools in the env until 1.9.0
 BACKEND_READ = (1, 9)  # Accelerator.fp8_backend reads ACCELERATE_FP8_BACKEND outside DeepSpeed
+#: FP8BackendType's values (src/accelerate/utils/dataclasses.py, v1.9.0 to main), which
+#: Accelerator.fp8_backend looks ACCELERATE_FP8_BACKEND up in as written.
+FP8_BACKENDS = ("TE", "MSAMP", "AO")
 
 
 @dataclass(frozen=True)
@@ -541,3 +544,30 @@ def backend_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
         yield Hit("fp8_config.backend", f"{who} ignores fp8_config.backend ({backend}) outside "
                   "DeepSpeed: Accelerator() takes torchao if it is installed, then "
                   "TransformerEngine, then MS-AMP, whatever the config says")
+
+
+@rule("FP8116", "error", "an `fp8_config.backend` Accelerate >= 1.9 cannot read (`te` for `TE`)",
+      why="The launcher exports fp8_config.backend as written (setup_fp8_env upper-cases the "
+      "variable's name, not its value), and from 1.9 Accelerator() reads it as "
+      "FP8BackendType(value), whose values are capitals: `backend: te` (the spelling of "
+      "`accelerate launch --fp8_backend`'s choices) raises ValueError before training. 1.0-1.3 "
+      "upper-cased it in FP8RecipeKwargs; 1.4-1.8 do not read it (FP8103, FP8115). Judged "
+      "against the installed Accelerate; a warning when it is not installed.",
+      source=f"{ACC} src/accelerate/utils/launch.py:82-97 setup_fp8_env; "
+      "src/accelerate/accelerator.py:466-490 Accelerator.__init__ and :3998-4012 fp8_backend "
+      "(v1.9.0); src/accelerate/utils/dataclasses.py FP8BackendType; "
+      "src/accelerate/commands/launch.py --fp8_backend (choices ao, te, msamp)",
+      fix="write the backend in capitals: TE, MSAMP or AO", family="accelerate")
+def backend_unreadable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    backend = section(acc, "fp8_config").get("backend")
+    if not _fp8(acc) or backend is None or _sagemaker(acc) or str(backend) in FP8_BACKENDS:
+        return
+    if version is not None and version < BACKEND_READ:
+        return
+    who = f"accelerate {dotted(version)}" if version else "Accelerate >= 1.9"
+    capitals = str(backend).upper()
+    hint = f"; write {capitals}" if capitals in FP8_BACKENDS else ""
+    yield Hit("fp8_config.backend", f"{who} reads fp8_config.backend as FP8BackendType("
+              f"{str(backend)!r}), which raises ValueError at Accelerator(){hint}",
+              severity=None if version else "warning")
