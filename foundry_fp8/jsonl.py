@@ -1,4 +1,5 @@
-"""Append-only JSONL metric files: the local copy of everything we log.
+"""Append-only JSONL metric files: the local copy of everything we log (and the `jsonl`
+logger's other file operations: hparams.json replaced in one step, an earlier run set aside).
 
 One line per logging call: `{"step": int, "metrics": {name: float}}`. Plain Python (no torch),
 so readers such as `foundry-fp8 report` stay light.
@@ -50,6 +51,49 @@ class JsonlSink:
                 if f.read(1) != b"\n":
                     line = b"\n" + line
             f.write(line)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step (a temporary file in the same folder, then
+    `os.replace`): a kill or a full disk mid-write leaves the old file whole, never a cut one."""
+    temporary = _temporary(path)
+    try:
+        with temporary.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _temporary(path: Path) -> Path:
+    """This process's temporary file beside `path` (a kill may leave it behind)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def numbered(path: Path, n: int) -> Path:
+    """`metrics.jsonl` -> `metrics.<n>.jsonl`: where an earlier run's file is kept."""
+    return path.with_name(f"{path.stem}.{n}{path.suffix}")
+
+
+def set_aside(path: Path, keep: int, aside: Path) -> None:
+    """Move the first `keep` bytes of `path` (an earlier run's records) to `aside`, which must
+    not exist, and leave what follows them (this run's) in `path`."""
+    if aside.exists():
+        raise FileExistsError(f"{aside} exists")
+    with path.open("rb") as f:
+        f.seek(keep)
+        ours = f.read()
+    if ours:  # ours first into a new file, so a kill on the way loses nothing
+        temporary = _temporary(path)
+        temporary.write_bytes(ours.removeprefix(b"\n"))  # a newline only after a cut line
+        os.rename(path, aside)
+        os.replace(temporary, path)
+        os.truncate(aside, keep)
+    else:
+        os.rename(path, aside)
 
 
 def number(value: Any) -> float | None:

@@ -37,7 +37,7 @@ def run_ranks(worker: Callable[..., None], *args: Any, deadline_s: float = 180.0
     try:
         while not context.join(timeout=1) and time.monotonic() < deadline:
             pass
-    except mp.ProcessException as e:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         print(e)
     finally:
         for process in context.processes:

@@ -292,12 +292,20 @@ def _loop(guard: FP8Guard, steps: int = 10, log_hyperparameters: Any = None) -> 
     state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
                                   algorithms=[], device=DeviceCPU(),
                                   timestamp=types.SimpleNamespace(batch=0))
-    logger = types.SimpleNamespace(destinations=[], log_metrics=lambda *a, **k: None,
-                                   log_hyperparameters=log_hyperparameters or (lambda *a, **k: None))
+    hyperparameters = log_hyperparameters or (lambda *a, **k: None)
+
+    class Destination:  # one logger destination: the callbacks log to each on its own
+        log_metrics = log_images = log_table = staticmethod(lambda *a, **k: None)
+        log_hyperparameters = staticmethod(hyperparameters)
+
+    logger = types.SimpleNamespace(destinations=[Destination()])
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("foundry_fp8.composer.guard").addHandler(handler)
+    watched = [logging.getLogger(f"foundry_fp8.composer.{name}")
+               for name in ("guard", "destinations")]
+    for watching in watched:
+        watching.addHandler(handler)
     try:
         for callback in callbacks:
             callback.run_event(Event.FIT_START, state, logger)
@@ -314,7 +322,8 @@ def _loop(guard: FP8Guard, steps: int = 10, log_hyperparameters: Any = None) -> 
         for callback in callbacks:
             callback.run_event(Event.FIT_END, state, logger)
     finally:
-        logging.getLogger("foundry_fp8.composer.guard").removeHandler(handler)
+        for watching in watched:
+            watching.removeHandler(handler)
     return warnings
 
 
@@ -339,8 +348,8 @@ def test_a_logger_refusing_the_records_neither_stops_the_guard_nor_the_run():
     warnings = _loop(guard, log_hyperparameters=refuse)
     assert list(guard.core.fallbacks) == ["2"]
     assert not guard.disabled
-    assert sum("logging the fallbacks failed" in w for w in warnings) >= 1
-    assert sum("logging the fit-end table failed" in w for w in warnings) == 1
+    assert sum("the logger Destination failed to log hyperparameters (ValueError: Attempted to "
+               "change value of key)" in w for w in warnings) == 1  # once per logger and kind
     with pytest.raises(ValueError, match="change value"):
         _loop(FP8Guard(consecutive=2, max_fallback_share=0.6, strict=True),
               log_hyperparameters=refuse)
@@ -352,6 +361,23 @@ def test_the_guard_needs_fp8_stats():
     state = types.SimpleNamespace(callbacks=[FP8Guard()])
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_guard: needs callbacks\.fp8_stats"):
         FP8Guard().fit_start(state, None)
+
+
+def test_the_linter_says_what_the_guard_raises_without_fp8_stats():
+    """One fact, two readers: the callback's refusal at FIT_START and lint rule FP8033 read the
+    entry's `needs` (foundry_fp8/options.py), so their words cannot drift apart."""
+    import types
+
+    from foundry_fp8.lint.rules import lint_config
+
+    with pytest.raises(ValueError) as raised:
+        FP8Guard().fit_start(types.SimpleNamespace(callbacks=[FP8Guard()]), None)
+    detail, _, fix = str(raised.value).removeprefix("callbacks.fp8_guard: ").partition(" (fix: ")
+    hit, = [f for f in lint_config({"callbacks": {"fp8_guard": {}}}) if f.rule == "FP8033"]
+    assert hit.key == "callbacks.fp8_guard"
+    assert hit.message.startswith(f"fp8_guard {detail}") and hit.fix == fix.removesuffix(")")
+    assert not [f for f in lint_config({"callbacks": {"fp8_guard": {}, "fp8_stats": {}}})
+                if f.rule == "FP8033"]
 
 
 def test_the_injected_outlier_harms_fp8_only():

@@ -29,10 +29,11 @@ RECIPE = FP8Recipe(scaling="delayed", amax_history_len=4)
 
 
 class _Logger:
-    destinations: list = []
+    """Composer's Logger and its one destination: the callbacks log to each destination."""
 
     def __init__(self):
         self.metrics: dict[int, dict] = {}
+        self.destinations = [self]
 
     def log_metrics(self, metrics, step):
         self.metrics.setdefault(step, {}).update(metrics)

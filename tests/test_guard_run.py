@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from statistics import mean
 
 import pytest
 import torch
 import yaml
+from composer.loggers import LoggerDestination
 from torch import nn
 
 from foundry_fp8.cli import main
@@ -25,6 +27,7 @@ from foundry_fp8.fault import InjectOutlier, stats_table
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import layer_key
 from foundry_fp8.jsonl import read_jsonl
+from tests.test_wandb_sink import RefusesFP8, added_to_trainer
 from tests.tiny_run import run_folder, tiny_config
 
 LAYER = "blocks.1.attn.out_proj"
@@ -43,7 +46,8 @@ BLOCKS, TOTAL = 2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64), 2 * 49152 + 64 *
 
 
 def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
-         load: str | None = None, stats: bool = True, save: int | None = None):
+         load: str | None = None, stats: bool = True, save: int | None = None,
+         loggers: Sequence[LoggerDestination] = ()):
     from llmfoundry.command_utils import train
 
     overrides = {"variables": {"run_name": name}, "max_duration": f"{END}ba",
@@ -58,7 +62,8 @@ def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
     if not fp8:
         del cfg.algorithms["te_swap"]
     (tmp / name).mkdir(parents=True, exist_ok=True)
-    trainer = train(cfg)
+    with added_to_trainer(loggers=loggers):  # before LLM-Foundry's own
+        trainer = train(cfg)
     guard = next((c for c in trainer.state.callbacks if isinstance(c, FP8Guard)), None)
     metrics: dict[int, dict] = {}
     for step, values in read_jsonl(run_folder(tmp, name) / "metrics.jsonl"):
@@ -77,6 +82,9 @@ def runs(tmp_path_factory, tiny_data):
         "unguarded": _run(tmp, tiny_data, "unguarded", FAULT),
         "guarded": _run(tmp, tiny_data, "guarded", {**FAULT, **GUARD}, save=4),
         "healthy": _run(tmp, tiny_data, "healthy", GUARD),
+        # a logger before the jsonl one raising at every FP8 series (W&B's service gone)
+        "refused": _run(tmp, tiny_data, "refused", {**FAULT, **GUARD},
+                        loggers=[RefusesFP8(["metrics"])]),
         "repromoted": _run(tmp, tiny_data, "repromoted", TRANSIENT, save=2),
     }
     out["repromoted_resumed"] = _run(tmp, tiny_data, "repromoted_resumed", TRANSIENT,
@@ -174,6 +182,23 @@ def test_a_resume_reproduces_the_decision_and_the_losses_bit_exact(runs, resumed
     assert losses and max(losses) == END - 1  # Composer logs a batch's loss at its index
     for step, loss in losses.items():
         assert loss == expected[step], step
+
+
+@pytest.mark.slow
+def test_a_logger_that_raises_does_not_switch_the_guard_off(runs):
+    """The layer falls back at the same step, the losses are the guarded run's bit for bit,
+    and the guard's series still reach the `jsonl` logger after the failing one."""
+    guard, metrics, _ = runs["refused"]
+    straight, straight_metrics, _ = runs["guarded"]
+    assert not guard.disabled and guard.core.fallbacks == straight.core.fallbacks
+    assert _losses(metrics) == _losses(straight_metrics)
+
+    def series(logged: dict[int, dict]) -> dict[int, tuple[float, float]]:
+        return {s: (m[FALLBACK_LAYERS], m[FP8_FLOPS_SHARE]) for s, m in logged.items()
+                if FALLBACK_LAYERS in m}
+
+    assert series(metrics) == series(straight_metrics)
+    assert sorted(series(metrics)) == list(range(0, END, INTERVAL))
 
 
 @pytest.mark.slow

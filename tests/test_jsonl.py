@@ -160,8 +160,9 @@ def test_hparams_logged_before_init_are_written_at_init(tmp_path):
     assert json.loads((tmp_path / "r" / "hparams.json").read_text()) == {"seed": 1}
 
 
-def _train(tmp_path, logger, callbacks=(), batches=4):
-    """A real Composer Trainer on a tiny classifier, CPU, a few batches."""
+def _train(tmp_path, logger, callbacks=(), batches=4, **options):
+    """A real Composer Trainer on a tiny classifier, CPU, a few batches (`options`: more of
+    the Trainer's)."""
     import torch
     from composer import Trainer
     from composer.models import ComposerClassifier
@@ -173,7 +174,8 @@ def _train(tmp_path, logger, callbacks=(), batches=4):
     trainer = Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
                       train_dataloader=DataLoader(data, batch_size=4), max_duration=f"{batches}ba",
                       loggers=[logger], callbacks=list(callbacks), run_name="r",
-                      progress_bar=False, log_to_console=False, save_folder=None)
+                      progress_bar=False, log_to_console=False,
+                      **{"save_folder": None, **options})
     trainer.fit()
     return trainer
 
@@ -205,3 +207,80 @@ def test_training_survives_an_unwritable_folder_in_a_real_trainer(tmp_path, capl
     trainer = _train(tmp_path, JSONLLogger(path=str(tmp_path / "afile" / "{run_name}.jsonl")))
     assert int(trainer.state.timestamp.batch) == 4
     assert sum("cannot write" in w for w in _warnings(caplog)) == 1
+
+
+def _logs_at_init(run: str):
+    """A callback logging a metric and a hyperparameter at INIT, before FIT_START, where the
+    `jsonl` logger learns whether the run is fresh."""
+    from composer.core import Callback
+
+    class LogsAtInit(Callback):
+        def init(self, state, logger):
+            logger.log_metrics({"early": 1.0}, step=0)
+            logger.log_hyperparameters({"run": run})
+
+    return LogsAtInit()
+
+
+def test_a_fresh_run_of_the_same_name_moves_the_earlier_records_aside(tmp_path, caplog):
+    """A new run (batch 0) of a run name used before starts a new metrics.jsonl: the earlier
+    run's records and hparams.json go to the next free number, nothing is overwritten, and
+    what this run logged before FIT_START stays with it."""
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    path, folder = str(tmp_path / "{run_name}" / "metrics.jsonl"), tmp_path / "r"
+    _train(tmp_path, JSONLLogger(path=path), [_logs_at_init("first")])
+    first = (folder / "metrics.jsonl").read_bytes()
+    (folder / "metrics.1.jsonl").write_text("someone else's\n")  # taken
+    caplog.clear()
+    _train(tmp_path, JSONLLogger(path=path), [_logs_at_init("second")])
+    assert (folder / "metrics.1.jsonl").read_text() == "someone else's\n"
+    assert (folder / "metrics.2.jsonl").read_bytes() == first
+    assert json.loads((folder / "hparams.2.json").read_text())["run"] == "first"
+    assert json.loads((folder / "hparams.json").read_text())["run"] == "second"
+    records = list(read_jsonl(folder / "metrics.jsonl"))
+    assert records[0] == (0, {"early": 1.0})
+    assert [step for step, m in records if "loss/train/total" in m] == [0, 1, 2, 3]
+    [warning] = _warnings(caplog)
+    assert f"{folder / 'metrics.jsonl'} held the records of an earlier run named 'r'" in warning
+    assert f"moved to {folder / 'metrics.2.jsonl'} (its hparams.json to hparams.2.json)" in warning
+
+
+def test_a_resumed_run_goes_on_appending(tmp_path, caplog):
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    path, folder = str(tmp_path / "{run_name}" / "metrics.jsonl"), tmp_path / "r"
+    _train(tmp_path, JSONLLogger(path=path), save_folder=str(folder / "checkpoints"),
+           save_interval="2ba")
+    caplog.clear()
+    _train(tmp_path, JSONLLogger(path=path),
+           load_path=str(folder / "checkpoints" / "ep0-ba2-rank0.pt"))
+    steps = [step for step, m in read_jsonl(folder / "metrics.jsonl") if "loss/train/total" in m]
+    assert steps == [0, 1, 2, 3, 2, 3]
+    assert sorted(p.name for p in folder.glob("*.json*")) == ["hparams.json", "metrics.jsonl"]
+    assert _warnings(caplog) == []
+
+
+def test_a_kill_mid_write_leaves_hparams_json_whole(tmp_path):
+    """The process dies while writing hparams.json (here: past its file size limit, SIGXFSZ,
+    as a full disk or a kill mid-write): the previous hparams.json is still whole."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = textwrap.dedent(f"""
+        import resource, signal, types
+        from foundry_fp8.composer.jsonl_logger import JSONLLogger
+        logger = JSONLLogger(path={str(tmp_path / "metrics.jsonl")!r})
+        logger.init(types.SimpleNamespace(run_name="r"), None)
+        logger.log_hyperparameters({{"seed": 1}})
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it: die, as killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        logger.log_hyperparameters({{"big": "x" * 100_000}})
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGXFSZ, done.stderr[-2000:]
+    assert json.loads((tmp_path / "hparams.json").read_text()) == {"seed": 1}

@@ -305,11 +305,18 @@ def test_a_failing_logger_on_rank_zero_does_not_switch_the_callback_off(caplog):
             super().log_metrics(metrics, step)
 
     callback = FP8Stats(interval=2)
-    _, logger = _fit(callback, 4, FlakyLogger())
+    after = _Logger()  # a destination after the failing one still gets everything
+    _, logger = _fit(callback, 4, FlakyLogger([after]))
     assert not callback.disabled and "disk full" in caplog.text
     assert sorted(logger.metrics) == [-1, 2] and layer_key("amax", "activation", "0") in logger.metrics[2]
-    with pytest.raises(OSError, match="disk full"):
-        _fit(FP8Stats(interval=2, strict=True), 1, FlakyLogger())
+    assert sorted(after.metrics) == [0, 2] and after.hparams.keys() == {"fp8/stats_summary"}
+    [warning] = [r.getMessage() for r in caplog.records if "failed to log" in r.getMessage()]
+    assert warning.startswith("fp8_stats: the logger FlakyLogger failed to log metrics "
+                              "(OSError: disk full)")
+    after = _Logger()
+    with pytest.raises(OSError, match="disk full"):  # strict: raised once all were tried
+        _fit(FP8Stats(interval=2, strict=True), 1, FlakyLogger([after]))
+    assert sorted(after.metrics) == [0]
 
 
 def test_the_interval_default_is_one_fact_for_the_callback_the_monitor_and_the_linter():

@@ -110,3 +110,21 @@ def test_fp8_stats_te_debug_needs_te_and_says_so(monkeypatch):
         FP8Stats(te_debug="yes")
     with pytest.raises(RuntimeError, match="fp8_stats.te_debug: needs TransformerEngine"):
         FP8Stats(te_debug="delayed")  # no TE importable
+
+
+@pytest.mark.parametrize(("available", "version", "expected"), [
+    (False, None, "needs TransformerEngine and nvdlfw-inspect"),
+    (True, (2, 6, 0), "needs TransformerEngine >= 2.7, found 2.6.0"),
+    (True, (2, 4), "needs TransformerEngine >= 2.7, found 2.4"),
+    (True, (2, 7, 0), None), (True, (2, 20, 2), None),
+])
+def test_te_debug_needs_the_te_whose_feature_logs_its_statistics(monkeypatch, available,
+                                                                 version, expected):
+    """TE 2.4-2.6's LogFp8TensorStats supports only `underflows%`
+    (debug/features/log_fp8_tensor_stats.py:86-88 at v2.6): the others fail in the forward."""
+    from foundry_fp8.te import debug
+
+    monkeypatch.setattr(debug, "te_available", lambda: available)
+    monkeypatch.setattr(debug, "te_version", lambda: version)
+    problem = debug.te_debug_problem()
+    assert problem is None if expected is None else expected in problem

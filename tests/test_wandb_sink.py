@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator
+import json
+import re
+from collections.abc import Iterable, Iterator, Sequence
 
 import pytest
 import torch
 from composer.core import Callback
+from composer.loggers import LoggerDestination
 
 from foundry_fp8 import wandb_history
+from foundry_fp8.composer.guard import FALLBACK_LAYERS, FP8_FLOPS_SHARE, FP8Guard
 from foundry_fp8.composer.stats import IMAGE_PREFIX, TABLE_NAME
+from foundry_fp8.fault import InjectOutlier
 from foundry_fp8.health import INITIAL_SCALE, SUMMARIES, TENSORS, layer_key, summary_key
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.numerics import STAT_KEYS
@@ -59,13 +64,16 @@ class _BreakWeight(Callback):
 
 
 @contextlib.contextmanager
-def _with_callback(callback: Callback) -> Iterator[None]:
-    """LLM-Foundry's train() builds the Trainer itself: add one more callback to it."""
+def added_to_trainer(callbacks: Sequence[Callback] = (),
+           loggers: Sequence[LoggerDestination] = ()) -> Iterator[None]:
+    """LLM-Foundry's train() builds the Trainer itself: add callbacks after its own, and
+    logger destinations before its own."""
     train_module = importlib.import_module("llmfoundry.command_utils.train")
     original = train_module.Trainer
 
     def trainer(*args, **kwargs):
-        kwargs["callbacks"] = [*kwargs.get("callbacks", []), callback]
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), *callbacks]
+        kwargs["loggers"] = [*loggers, *kwargs.get("loggers", [])]
         return original(*args, **kwargs)
 
     train_module.Trainer = trainer
@@ -117,7 +125,7 @@ def test_what_fp8_stats_logs_reaches_wandb_at_the_loss_steps_also_after_a_resume
     # resume from the step-8 checkpoint, with one weight broken at batch 10: W&B offline starts
     # a new run file, whose history goes on at the resumed steps; the JSONL sink has them too
     checkpoint = run_folder(tmp_path, "full") / "checkpoints" / f"ep0-ba{RESUME_AT}-rank0.pt"
-    with _with_callback(_BreakWeight()):
+    with added_to_trainer([_BreakWeight()]):
         run_tiny(tmp_path, tiny_data, _overrides("resumed", load_path=str(checkpoint)),
                  wandb=True).close()
     [resumed] = wandb_history.read_runs(run_folder(tmp_path, "resumed"), wait=120)
@@ -142,3 +150,73 @@ def test_what_fp8_stats_logs_reaches_wandb_at_the_loss_steps_also_after_a_resume
     columns, rows = resumed.table(TABLE_NAME, 12)
     flags = {(r[0], r[1]): r[-1] for r in rows}
     assert "algorithms.te_swap.fp8_recipe.scaling: current" in flags[(BROKEN, "weight")], flags
+
+
+KINDS = ("hyperparameters", "images", "metrics", "table")
+
+
+class RefusesFP8(LoggerDestination):
+    """A logger destination that raises at what foundry_fp8 sends it of `kinds` (as W&B does
+    when its service is gone), to be placed before the `jsonl` logger and W&B. It takes
+    Composer's own series: Composer calls its destinations unguarded, so a loss it refused
+    would end any run, ours or not."""
+
+    def __init__(self, kinds: Sequence[str] = KINDS):
+        self.kinds = set(kinds)
+
+    def _refuse(self, kind: str, keys: Iterable[str] = ("fp8",)) -> None:
+        if kind in self.kinds and any(key.startswith("fp8") for key in keys):
+            raise RuntimeError("refused")
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self._refuse("metrics", metrics)
+
+    def log_hyperparameters(self, hyperparameters) -> None:
+        self._refuse("hyperparameters", hyperparameters)
+
+    def log_images(self, *args, **kwargs) -> None:
+        self._refuse("images")
+
+    def log_table(self, *args, **kwargs) -> None:
+        self._refuse("table")
+
+
+FAULTY = "blocks.1.attn.out_proj"
+
+
+@pytest.mark.slow
+def test_a_failing_logger_before_jsonl_and_wandb_takes_nothing_from_them(tmp_path, tiny_data,
+                                                                        capfd):
+    """fp8_stats' series, images, table and summary, fp8_guard's series and records, te_swap's
+    and fp8_lint's hyperparameters all reach the `jsonl` logger and W&B after it; the guard
+    still moves the faulty layer to high precision; one warning per kind names the logger."""
+    overrides = _overrides("refused")
+    overrides["callbacks"]["fp8_guard"] = {"consecutive": 2}
+    with added_to_trainer([InjectOutlier(FAULTY, start=4)], [RefusesFP8()]):
+        trainer = run_tiny(tmp_path, tiny_data, overrides, wandb=True)
+    guard = next(c for c in trainer.state.callbacks if isinstance(c, FP8Guard))
+    trainer.close()
+    assert not guard.disabled and list(guard.core.fallbacks) == [FAULTY]
+    steps = [0, 2, 4, 6, 8, 10]
+    series = LAYER_KEYS | SUMMARY_KEYS | {FALLBACK_LAYERS, FP8_FLOPS_SHARE}
+    folder = run_folder(tmp_path, "refused")
+    jsonl: dict[int, dict] = {}
+    for step, metrics in read_jsonl(folder / "metrics.jsonl"):
+        jsonl.setdefault(step, {}).update(metrics)
+    for key in sorted(series):
+        assert [s for s in sorted(jsonl) if key in jsonl[s]] == steps, key
+    assert jsonl[10][FALLBACK_LAYERS] == 1
+    [run] = wandb_history.read_runs(folder, wait=120)
+    assert run.complete
+    for key in sorted(series):
+        assert run.steps(key) == steps, key
+    assert any(r.get(FALLBACK_LAYERS) == 1 for r in run.rows)
+    assert all(at == [4, 8, 12] for at in run.media("images/separated").values())
+    assert run.media("table-file") == {TABLE_NAME: [4, 8, 12]}
+    hyperparameters = {"fp8/stats_summary", f"fp8/guard/fallback/{FAULTY}", "fp8/guard/fallbacks",
+                       "fp8/backend", "fp8/coverage", "fp8_lint/findings"}
+    assert hyperparameters <= json.loads((folder / "hparams.json").read_text()).keys()
+    assert hyperparameters <= run.config.keys()
+    warned = re.findall(r"WARNING: .*the logger RefusesFP8 failed to log (\w+) \(RuntimeError: "
+                        r"refused\)", capfd.readouterr().err)
+    assert sorted(warned) == list(KINDS)

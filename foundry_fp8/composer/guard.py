@@ -15,6 +15,7 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8 import emulate
+from foundry_fp8.composer.destinations import deliver
 from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.fp8_meta import canonical_name, fp8_modules, read_fp8_meta, write_fp8_meta
@@ -32,7 +33,7 @@ from foundry_fp8.guard import (
 )
 from foundry_fp8.health import short_layer
 from foundry_fp8.monitor import multi_rank
-from foundry_fp8.options import build
+from foundry_fp8.options import ENTRIES, OptionError, build
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,10 @@ class FP8Guard(Callback):
     1, as a new layer: the old history holds the amaxes that made it fall back).
 
     The guard's own errors switch it off (every rank together; layers already in fallback stay
-    so) unless `strict: true`.
+    so) unless `strict: true`. A logger destination that raises is not the guard's error: it is
+    warned once per destination and kind, the other destinations still get the values
+    (`composer.destinations.deliver`) and the guard goes on acting; `strict: true` stops the
+    run instead.
     """
 
     def __init__(self, **options: Any):
@@ -82,8 +86,7 @@ class FP8Guard(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         stats = next((c for c in state.callbacks if isinstance(c, FP8Stats)), None)
         if stats is None:
-            raise ValueError(f"{OPTION}: needs callbacks.fp8_stats, whose statistics it acts "
-                             "on (add `fp8_stats: {interval: 100ba}`)")
+            raise OptionError(OPTION, ENTRIES["fp8_guard"].need_problem("fp8_stats"))
         self._state, self._logger = state, logger
         failed = False
         try:
@@ -134,7 +137,7 @@ class FP8Guard(Callback):
         table = render_fallbacks(self.core.fallbacks.values(), self.core.fp8_flops_share)
         print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n"
               f"Next time: {static_yaml(self.core.fallbacks, self._exclude)}", flush=True)
-        self._log_hyperparameters(logger, {"fp8/guard/fallbacks": table}, "the fit-end table")
+        self._log_hyperparameters(logger, {"fp8/guard/fallbacks": table})
 
     def state_dict(self) -> dict[str, Any]:
         if self.core is not None:
@@ -200,8 +203,10 @@ class FP8Guard(Callback):
                     log.warning("%s; the layer stays in FP8 (strict: true stops the run)",
                                 verdict.budget_message)
         if rank_zero and self._logger is not None:
-            self._logger.log_metrics({FALLBACK_LAYERS: float(len(self.core.fallbacks)),
-                                      FP8_FLOPS_SHARE: self.core.fp8_flops_share}, step=step)
+            series = {FALLBACK_LAYERS: float(len(self.core.fallbacks)),
+                      FP8_FLOPS_SHARE: self.core.fp8_flops_share}
+            deliver(self._logger.destinations, "metrics",
+                    lambda d: d.log_metrics(series, step), "fp8_guard", self.config.strict)
 
     def _log_records(self) -> None:
         """One hyperparameter per fallback and re-promotion (rank 0), never changed: W&B and
@@ -212,17 +217,13 @@ class FP8Guard(Callback):
         logged = self.core.records()
         if dist.get_global_rank() != 0 or self._logger is None or not logged:
             return
-        self._log_hyperparameters(self._logger, logged, "the fallbacks")
+        self._log_hyperparameters(self._logger, logged)
 
-    def _log_hyperparameters(self, logger: Logger, values: dict[str, Any], what: str) -> None:
-        """A logger that refuses (e.g. W&B, a changed value on a resumed run) is reported; the
-        run goes on (`strict` raises)."""
-        try:
-            logger.log_hyperparameters(values)
-        except Exception:
-            if self.config.strict:
-                raise
-            log.exception("fp8_guard: logging %s failed; the run goes on", what)
+    def _log_hyperparameters(self, logger: Logger, values: dict[str, Any]) -> None:
+        """A logger that refuses (e.g. W&B, a changed value on a resumed run) is warned; the
+        others still get the values and the run goes on (`strict` raises)."""
+        deliver(logger.destinations, "hyperparameters",
+                lambda d: d.log_hyperparameters(values), "fp8_guard", self.config.strict)
 
     def _own_error(self, error: Exception) -> bool:
         """True: switch off (logged); strict: kept to raise after fp8_stats' BATCH_END."""

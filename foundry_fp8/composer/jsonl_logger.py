@@ -5,6 +5,7 @@ The run folder (`foundry_fp8.paths`): the parent of a local checkpoint `save_fol
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from composer.core import State
 from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
-from foundry_fp8.jsonl import JsonlSink
+from foundry_fp8.jsonl import JsonlSink, numbered, set_aside, write_atomically
 from foundry_fp8.options import build
 from foundry_fp8.paths import in_run_folder, run_folder, safe_run_name
 
@@ -32,6 +33,15 @@ class JSONLLogger(LoggerDestination):
     MLflow do: Composer sends every rank's metrics to every destination, and several ranks
     appending to one file would interleave copies.
 
+    A fresh run (at batch 0 when it starts fitting) starts a new file: the records an earlier
+    run of the same name left in it (and its `hparams.json`) are moved to the next free
+    `metrics.<n>.jsonl` (`hparams.<n>.json`), with one warning naming both paths, so the report
+    never mixes two runs. A resumed run (autoresume, `load_path`) goes on appending: readers
+    take the last record per step. Composer loads a checkpoint after INIT, so which one it is
+    is only known at FIT_START; what this run logged before is kept in the new file.
+    `hparams.json` is replaced in one step (`jsonl.write_atomically`), so a kill mid-write
+    leaves the previous one whole.
+
     Composer does not guard its logger destinations, so a failure here would end the run. A
     folder that cannot be created or a file that cannot be written (at INIT or mid-run: full
     disk, a folder in the file's place) is logged once, naming the path and the OS error, and
@@ -45,6 +55,9 @@ class JSONLLogger(LoggerDestination):
         self.sink: JsonlSink | None = None  # rank 0's file (set even once writing stopped)
         self.stopped = False  # a write failed: nothing more is written
         self._pending_hparams: dict[str, Any] = {}
+        # what an earlier run left: the bytes of the metrics file and hparams.json's text, set
+        # aside at FIT_START where this run turns out to be fresh (None: decided)
+        self._earlier: tuple[int, str | None] | None = None
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
@@ -52,6 +65,7 @@ class JSONLLogger(LoggerDestination):
             return
         sink = self.sink = JsonlSink(in_run_folder(self.path_template, state_run_folder(state),
                                                    state.run_name, "loggers.jsonl.path"))
+        self._earlier = _earlier_run(sink.path, self._hparams_path)
 
         def can_write() -> None:  # now, not at the first metric: say so before training
             sink.path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,6 +75,41 @@ class JSONLLogger(LoggerDestination):
         if self._pending_hparams:
             self.log_hyperparameters({})
 
+    def fit_start(self, state: State, logger: Logger) -> None:
+        """A fresh run moves an earlier run's records aside (class doc); once per `init`."""
+        del logger
+        earlier, self._earlier = self._earlier, None
+        if (earlier is None or not earlier[0] or self.sink is None or self.stopped
+                or int(state.timestamp.batch) != 0):
+            return
+        path = self.sink.path
+        hparams = self._hparams_path
+        n = next(n for n in itertools.count(1)
+                 if not numbered(path, n).exists() and not numbered(hparams, n).exists())
+        aside, hparams_aside = numbered(path, n), numbered(hparams, n)
+
+        try:
+            set_aside(path, earlier[0], aside)
+            if earlier[1] is not None:
+                write_atomically(hparams_aside, earlier[1])
+        except Exception as e:
+            if self.strict:
+                raise
+            log.warning("jsonl logger: cannot move an earlier run's records from %s to %s (%s); "
+                        "this run appends to them (loggers.jsonl.strict: true makes this an "
+                        "error)", path, aside, _reason(e))
+            return
+        log.warning("jsonl logger: %s held the records of an earlier run named %r; this run "
+                    "starts at batch 0, so they were moved to %s%s and %s holds this run's "
+                    "records only", path, state.run_name, aside,
+                    f" (its hparams.json to {hparams_aside.name})" if earlier[1] is not None
+                    else "", path.name)
+
+    @property
+    def _hparams_path(self) -> Path:
+        assert self.sink is not None
+        return self.sink.path.with_name("hparams.json")
+
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.sink is not None and not self.stopped:
             sink = self.sink
@@ -69,10 +118,10 @@ class JSONLLogger(LoggerDestination):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self._pending_hparams.update(hyperparameters)
         if self.sink is not None and not self.stopped:
-            path = self.sink.path.with_name("hparams.json")
+            path = self._hparams_path
             hparams = self._pending_hparams
-            self._guard(lambda: path.write_text(json.dumps(hparams, indent=2, default=str,
-                                                           skipkeys=True)), path)
+            self._guard(lambda: write_atomically(path, json.dumps(hparams, indent=2, default=str,
+                                                                  skipkeys=True)), path)
 
     def _guard(self, call: Callable[[], object], path: Path) -> None:
         """Run a write; on failure warn once and stop writing (`strict`: raise)."""
@@ -82,10 +131,27 @@ class JSONLLogger(LoggerDestination):
             if self.strict:
                 raise
             self.stopped = True
-            reason = f"{type(e).__name__}: {e.strerror or e}" if isinstance(e, OSError) else repr(e)
             log.warning("jsonl logger: cannot write %s (%s); it writes nothing more to %s, "
                         "training goes on (loggers.jsonl.strict: true makes this an error)",
-                        path, reason, path.parent)
+                        path, _reason(e), path.parent)
+
+
+def _reason(error: Exception) -> str:
+    """An error in a few words: an OSError's own text, else its repr."""
+    if isinstance(error, OSError):
+        return f"{type(error).__name__}: {error.strerror or error}"
+    return repr(error)
+
+
+def _earlier_run(path: Path, hparams: Path) -> tuple[int, str | None]:
+    """What is already in the run's files before this run writes: the metrics file's size and
+    hparams.json's text (None where absent or unreadable: the write that follows says why)."""
+    try:
+        size = path.stat().st_size if path.is_file() else 0
+        text = hparams.read_text(encoding="utf-8") if size and hparams.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        return 0, None
+    return size, text
 
 
 def state_run_folder(state: State) -> Path:

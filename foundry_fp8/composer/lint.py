@@ -10,6 +10,7 @@ from typing import Any
 from composer.core import Callback, State
 from composer.loggers import Logger
 
+from foundry_fp8.composer.destinations import deliver
 from foundry_fp8.environment import gather_snapshot
 from foundry_fp8.lint.registry import Finding, LintContext
 from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config
@@ -89,7 +90,9 @@ class FP8Lint(Callback):
             self._fail(problem)
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        logger.log_hyperparameters({"fp8_lint/findings": len(self.findings)})
+        findings = {"fp8_lint/findings": len(self.findings)}
+        deliver(logger.destinations, "hyperparameters",  # a logger's failure: warned
+                lambda d: d.log_hyperparameters(findings), "fp8_lint")
 
 
 def _run_findings(config: Any) -> list[Finding]:

@@ -14,6 +14,7 @@ from composer.core import Callback, State
 from composer.loggers import ConsoleLogger, Logger, LoggerDestination
 from composer.utils import dist
 
+from foundry_fp8.composer.destinations import deliver
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
@@ -22,7 +23,12 @@ from foundry_fp8.health.specs import known_first
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
 from foundry_fp8.options import MonitorConfig, Schedule, build
 from foundry_fp8.paths import in_run_folder
-from foundry_fp8.te.debug import TEDebugSession, layer_pattern, log_fp8_tensor_stats_config
+from foundry_fp8.te.debug import (
+    TEDebugSession,
+    layer_pattern,
+    log_fp8_tensor_stats_config,
+    te_debug_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,9 @@ class FP8Stats(Callback):
     carries its failure flag and switches fp8_stats off on every rank (see FP8Monitor.fail); a
     failure to start at FIT_START is agreed on by one all_reduce there. `strict: true` raises on
     the failing rank instead: the job then dies, the other ranks being ended by the launcher.
+    A logger destination that raises is not our error: it is warned once per destination and
+    kind, every other destination still gets the values (`composer.destinations.deliver`), and
+    fp8_stats goes on; `strict: true` raises once every destination has been tried.
     """
 
     def __init__(self, **options: Any):
@@ -221,11 +230,15 @@ class FP8Stats(Callback):
         `console_layers`: thousands of lines at MPT-1B scale."""
         summary = {k: v for k, v in metrics.items() if parse_key(k) is None}
         layers = {**{k: v for k, v in metrics.items() if parse_key(k) is not None}, **te_metrics}
-        for destination in logger.destinations:
+        step = self._step
+
+        def send(destination: LoggerDestination) -> None:
             shown = summary if _console(destination) and not self.console_layers else {
                 **summary, **layers}
             if shown:
-                destination.log_metrics(shown, self._step)
+                destination.log_metrics(shown, step)
+
+        deliver(logger.destinations, "metrics", send, "fp8_stats", self.strict)
 
     def _log_pictures(self, logger: Logger, step: int) -> None:
         """The heatmaps of the last logging steps and the last logging step's per-layer table,
@@ -239,17 +252,17 @@ class FP8Stats(Callback):
         for stat in run.stats:
             if spec(stat).plot == "heatmap" and shown(run, stat):
                 image = render_heatmap(run, stat, self.monitor.tracker.thresholds)
-                for destination in destinations:
-                    destination.log_images(image, f"{IMAGE_PREFIX}{stat}", True, step,
-                                           use_table=False)
+                deliver(destinations, "images",
+                        lambda d, image=image, stat=stat: d.log_images(
+                            image, f"{IMAGE_PREFIX}{stat}", True, step, use_table=False),
+                        "fp8_stats", self.strict)
         columns, rows = table_rows(self.monitor.table, self.monitor.flags)
         if self._no_table is None:
             self._no_table = [d for d in destinations if _wandb_table_hangs(d)]
             if self._no_table:
                 log.warning(WANDB_OFFLINE_TABLE)
-        for destination in destinations:
-            if destination not in self._no_table:
-                destination.log_table(columns, rows, TABLE_NAME, step)
+        deliver([d for d in destinations if d not in self._no_table], "table",
+                lambda d: d.log_table(columns, rows, TABLE_NAME, step), "fp8_stats", self.strict)
         self._imaged = self._recent[-1][0] if self._recent else None
 
     def _fit_end(self, state: State, logger: Logger) -> None:
@@ -268,12 +281,14 @@ class FP8Stats(Callback):
         if summary:
             print(f"foundry_fp8 fp8_stats: worst value per layer and tensor\n{summary}",
                   flush=True)
-            self._rank_zero(lambda: logger.log_hyperparameters(
-                {"fp8/stats_summary": summary}), "logging the summary")
+            deliver(logger.destinations, "hyperparameters",
+                    lambda d: d.log_hyperparameters({"fp8/stats_summary": summary}), "fp8_stats",
+                    self.strict)
 
     def _rank_zero(self, call: Callable[[], None], what: str) -> None:
-        """What rank 0 alone does (logging): a failure of the logger is logged and the
-        statistics go on; `strict: true` raises."""
+        """What rank 0 alone does (logging): a failure there (a logger's is warned by `deliver`,
+        which goes on with the other loggers) is logged and the statistics go on, so that the
+        other ranks are not left in the next all_reduce; `strict: true` raises."""
         try:
             call()
         except Exception:
@@ -335,15 +350,12 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
     before the model."""
     if scaling is None:
         return None
-    from foundry_fp8.te.probe import te_available
-
-    if not te_available():
-        raise RuntimeError(f"{MonitorConfig.PATH}.te_debug: needs TransformerEngine and "
-                           "nvdlfw-inspect (pip install 'foundry-fp8[te]' on a GPU machine); "
-                           "without TE, leave te_debug unset: the module-hook statistics work "
-                           "anywhere")
-    config = log_fp8_tensor_stats_config(layer_pattern(layers, exclude), tensors, schedule.interval, scaling,
-                                         start_step=schedule.start, end_step=schedule.end)
+    problem = te_debug_problem()
+    if problem is not None:
+        raise RuntimeError(f"{MonitorConfig.PATH}.te_debug: {problem}")
+    config = log_fp8_tensor_stats_config(layer_pattern(layers, exclude), tensors,
+                                         schedule.interval, scaling, start_step=schedule.start,
+                                         end_step=schedule.end)
     session = TEDebugSession(config, folder, lambda name, value, step: sink(name, value))
     session.start()
     return session

@@ -29,6 +29,7 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from torch import nn
 
+from foundry_fp8.composer.destinations import deliver
 from foundry_fp8.fp8_meta import is_fp8_module
 from foundry_fp8.options import SwapConfig, build
 from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
@@ -104,11 +105,13 @@ class TESwap(Algorithm):
         if precision == "amp_fp8":
             print(f"foundry_fp8 te_swap: ignore LLM-Foundry's warning '{FOUNDRY_FP8_WARNING}' "
                   f"above: te_swap converted {converted} modules, which run in FP8", flush=True)
-        logger.log_hyperparameters({
-            "fp8/backend": self.config.backend, "fp8/recipe": recipe,
-            "fp8/modules_converted": converted,
-            "fp8/linear_flops_share": plan.fp8_flops_share,
-            "fp8/linear_param_share": plan.fp8_param_share, "fp8/coverage": table})
+        coverage = {"fp8/backend": self.config.backend, "fp8/recipe": recipe,
+                    "fp8/modules_converted": converted,
+                    "fp8/linear_flops_share": plan.fp8_flops_share,
+                    "fp8/linear_param_share": plan.fp8_param_share, "fp8/coverage": table}
+        # a logger's failure is not te_swap's (its `strict` is about the autocast): warned
+        deliver(logger.destinations, "hyperparameters",
+                lambda d: d.log_hyperparameters(coverage), "te_swap")
 
     def _recipe_context(self) -> AbstractContextManager:
         if self.config.backend == "emulate":

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8.health.keys import layer_key, short_layer
-from foundry_fp8.te.probe import is_te_module
+from foundry_fp8.te.facts import MIN_TE_DEBUG_STATS, dotted
+from foundry_fp8.te.probe import is_te_module, te_available, te_version
 
 #: Tensors TE's feature can watch, named as our `fp8_stats` names them.
 TE_TENSORS = ("activation", "weight", "gradient")
@@ -28,6 +29,21 @@ CURRENT_STATS = ("underflows%", "scale_inv_min", "scale_inv_max", "mse")
 
 FEATURE = "LogFp8TensorStats"
 NAMESPACE = "transformer_engine"
+
+
+def te_debug_problem() -> str | None:
+    """Why TE's debug statistics cannot run here (no TE, or a TE before MIN_TE_DEBUG_STATS,
+    which would fail at the first logged step); None when they can."""
+    if not te_available():
+        return ("needs TransformerEngine and nvdlfw-inspect (pip install 'foundry-fp8[te]' on a "
+                "GPU machine); without TE, leave te_debug unset: the module-hook statistics work "
+                "anywhere")
+    version = te_version()
+    if version is not None and version < MIN_TE_DEBUG_STATS:
+        return (f"needs TransformerEngine >= {dotted(MIN_TE_DEBUG_STATS)}, found "
+                f"{dotted(version)} (its LogFp8TensorStats logs only underflows% before 2.7); "
+                "leave te_debug unset: the module-hook statistics work with any TE")
+    return None
 
 
 def layer_pattern(include: str, exclude: str | None = None) -> str:

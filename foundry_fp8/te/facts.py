@@ -19,6 +19,13 @@ MIN_TE_FOR_RECOMPUTE = (1, 12)
 #: `Float8CurrentScaling` exists from TE 2.2 (transformer_engine/common/recipe/__init__.py).
 MIN_TE_CURRENT_SCALING = (2, 2)
 
+#: TE's debug features (`transformer_engine/debug/`) exist from TE 2.4, but up to 2.6
+#: `LogFp8TensorStats` supports only `underflows%` (its `_get_supported_stats_list`, v2.6
+#: debug/features/log_fp8_tensor_stats.py:86-88; any other stat fails an assert in the forward);
+#: the statistics `te_debug` asks for (`overflows%`, `scale_inv_*`, `mse`, recipe-prefixed
+#: what-ifs) from TE 2.7.
+MIN_TE_DEBUG_STATS = (2, 7)
+
 #: `te.LayerNorm` became a `te.ops` op in TE 1.13, taking `normalized_shape`/`dtype`; TE 1.12's
 #: takes `hidden_size`/`params_dtype`.
 TE_LAYERNORM_AS_OP = (1, 13)
