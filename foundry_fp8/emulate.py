@@ -106,8 +106,9 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
     with this region's recipe and amax reduction group (None: the world group), so a nested
     `enabled=False` region runs layers in high precision and records no amax, and a nested
     recipe replaces the enclosing one (`recipe=None` means TE's default recipe, not the
-    enclosing one: `autocast_enter`, l. 730-756; `recipe.TE_DEFAULT_RECIPE`); exiting restores the saved state, the
-    first-module flag included (`autocast.__exit__`, l. 1056-1059). Only an enabled autocast
+    enclosing one: `autocast_enter`, l. 730-756; `recipe.TE_DEFAULT_RECIPE`); exiting
+    restores the saved state, the first-module flag included (`autocast.__exit__`,
+    l. 1056-1059). Only an enabled autocast
     that leaves the last open region, with grad enabled, updates forward scales
     (`autocast_exit`, l. 772-782), so a nested region never does; amaxes recorded without an
     update (no_grad, a disabled outermost region) wait for the next one. The update covers

@@ -78,6 +78,16 @@ def numbered(path: Path, n: int) -> Path:
     return path.with_name(f"{path.stem}.{n}{path.suffix}")
 
 
+def hparams_of(metrics_file: Path) -> Path:
+    """The hparams.json written with a metrics file: for an earlier run's records set aside as
+    `<name>.<n>.jsonl`, its `hparams.<n>.json` where that exists; else `hparams.json` beside."""
+    hparams = metrics_file.with_name("hparams.json")
+    n = metrics_file.stem.rpartition(".")[2]
+    if n.isdigit() and (aside := numbered(hparams, int(n))).is_file():
+        return aside
+    return hparams
+
+
 def set_aside(path: Path, keep: int, aside: Path) -> None:
     """Move the first `keep` bytes of `path` (an earlier run's records) to `aside`, which must
     not exist, and leave what follows them (this run's) in `path`."""

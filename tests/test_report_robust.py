@@ -85,6 +85,21 @@ def test_the_run_s_own_thresholds_flag_more_than_the_defaults(tmp_path, capsys):
     assert "Thresholds from the run's fp8_stats settings (hparams.json): underflow > 0.4 %" in md
 
 
+def test_an_earlier_run_set_aside_is_read_with_its_own_hparams(tmp_path, capsys):
+    """The `jsonl` logger moves an earlier run's files to `metrics.<n>.jsonl` and
+    `hparams.<n>.json`: its report takes that run's 0.4 %, not the new run's defaults."""
+    write_run(tmp_path)
+    (tmp_path / "metrics.jsonl").rename(tmp_path / "metrics.2.jsonl")
+    (tmp_path / "hparams.2.json").write_text(OWN_LIMITS)
+    (tmp_path / "hparams.json").write_text('{"callbacks": {"fp8_stats": {}}}')
+    assert main(["report", str(tmp_path / "metrics.2.jsonl")]) == 0
+    stdout = capsys.readouterr().out
+    assert "3 flagged" in stdout
+    (tmp_path / "hparams.2.json").unlink()  # none kept: the one beside it, the defaults here
+    assert main(["report", str(tmp_path / "metrics.2.jsonl")]) == 0
+    assert "2 flagged" in capsys.readouterr().out
+
+
 def _denied(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An unreadable file, also for root (whom chmod 000 does not stop)."""
     path.write_text(OWN_LIMITS)

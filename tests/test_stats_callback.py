@@ -319,6 +319,31 @@ def test_a_failing_logger_on_rank_zero_does_not_switch_the_callback_off(caplog):
     assert sorted(after.metrics) == [0]
 
 
+def test_an_unhashable_failing_destination_is_warned_once(caplog):
+    """A destination written as an `eq=True` dataclass has no hash: still one warning per
+    kind, not one per logging step."""
+    from dataclasses import dataclass
+
+    from composer.loggers import LoggerDestination
+
+    from foundry_fp8.composer.destinations import deliver
+
+    @dataclass
+    class Refusing(LoggerDestination):
+        calls: int = 0
+
+        def log_metrics(self, metrics, step=None):
+            self.calls += 1
+            raise RuntimeError("refused")
+
+    refusing, after = Refusing(), _Logger()
+    for step in range(5):
+        deliver([refusing, after], "metrics", lambda d, s=step: d.log_metrics({"x": 1.0}, s),
+                "fp8_stats")
+    assert refusing.calls == 5 and sorted(after.metrics) == [0, 1, 2, 3, 4]
+    assert sum("failed to log metrics" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_the_interval_default_is_one_fact_for_the_callback_the_monitor_and_the_linter():
     """The README's `interval: 100ba`, from `options.Schedule` alone: what fp8_stats runs, what
     a plain-PyTorch FP8Monitor logs, and what the linter reads as the default."""

@@ -319,7 +319,7 @@ def test_a_fallback_region_keeps_the_runs_amax_compute_algo(te):
     for spike in (100.0, 1.0):
         with _autocast(te, recipe):
             hidden = first(x * spike)
-            with te_high_precision():
+            with te_high_precision(second):
                 out = second(hidden)
         out.sum().backward()
     scale = first.fp8_meta["scaling_fwd"].scale[0].item()

@@ -390,7 +390,8 @@ def test_a_fallback_region_carries_the_enclosing_recipe(fake_te, monkeypatch, ve
     """TE stores a disabled region's recipe (its default when given none) under a key that
     leaves out `amax_compute_algo`, and the outermost exit updates with the recipe stored last
     (pytorch/quantization.py:675, 740-745 in TE 2.20): fp8_guard's region must hand TE the
-    run's recipe, through `te.autocast` from TE 2.9 and `te.fp8_autocast` before."""
+    run's recipe (outside an enabled autocast: the layer's own), through `te.autocast` from
+    TE 2.9 and `te.fp8_autocast` before."""
     from contextlib import nullcontext
 
     from foundry_fp8.te import backend, probe
@@ -400,13 +401,17 @@ def test_a_fallback_region_carries_the_enclosing_recipe(fake_te, monkeypatch, ve
     if parse_version(version) >= (2, 9):
         te.autocast = lambda **kwargs: calls.append(("autocast", kwargs)) or nullcontext()
     te.fp8_autocast = lambda **kwargs: calls.append(("fp8_autocast", kwargs)) or nullcontext()
-    run_recipe = object()
-    monkeypatch.setattr(probe, "active_recipe", lambda: run_recipe)
-    with backend.te_high_precision():
-        pass
-    assert calls == ([("autocast", {"enabled": False, "recipe": run_recipe})]
-                     if parse_version(version) >= (2, 9) else
-                     [("fp8_autocast", {"enabled": False, "fp8_recipe": run_recipe})])
+    run_recipe, layer_recipe, active = object(), object(), []
+    monkeypatch.setattr(probe, "active_recipe", lambda: active[0] if active else None)
+    layer = torch.nn.Linear(4, 4)
+    layer.fp8_meta = {"recipe": layer_recipe}  # what TE keeps of the layer's last FP8 forward
+    for now, want in ((run_recipe, run_recipe), (None, layer_recipe)):
+        active[:], calls[:] = [now], []
+        with backend.te_high_precision(layer):  # in the run's autocast; in a recompute outside
+            pass
+        assert calls == ([("autocast", {"enabled": False, "recipe": want})]
+                         if parse_version(version) >= (2, 9) else
+                         [("fp8_autocast", {"enabled": False, "fp8_recipe": want})])
 
 
 def test_meta_layers_stay_on_meta_for_fsdp_to_initialise(fake_te):

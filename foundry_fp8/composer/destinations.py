@@ -15,15 +15,15 @@ fp8_guard) raises the first error, once every destination has been tried.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Iterable
 
 from composer.loggers import LoggerDestination
 
 log = logging.getLogger(__name__)
 
-#: The kinds already warned about, per destination (for as long as the destination lives).
-_warned: weakref.WeakKeyDictionary[LoggerDestination, set[str]] = weakref.WeakKeyDictionary()
+#: The kinds already warned about, per failing destination, by identity (a destination defined
+#: as an `eq=True` dataclass is unhashable); holding the destination keeps its id unique.
+_warned: dict[int, tuple[LoggerDestination, set[str]]] = {}
 
 
 def deliver(destinations: Iterable[LoggerDestination], kind: str,
@@ -43,10 +43,7 @@ def deliver(destinations: Iterable[LoggerDestination], kind: str,
 
 def _warn(destination: LoggerDestination, kind: str, who: str, error: Exception) -> None:
     name = type(destination).__name__
-    try:
-        kinds = _warned.setdefault(destination, set())
-    except TypeError:  # a destination that takes no weak reference: warned every time
-        kinds = set()
+    kinds = _warned.setdefault(id(destination), (destination, set()))[1]
     if kind in kinds:
         log.debug("%s: %s failed to log %s again: %r", who, name, kind, error)
         return

@@ -288,7 +288,7 @@ def high_precision_context(module: nn.Module) -> AbstractContextManager:
     if hasattr(module, "init_fp8_metadata"):  # a TE module
         from foundry_fp8.te import backend as te_backend
 
-        return te_backend.te_high_precision()
+        return te_backend.te_high_precision(module)
     return nullcontext()
 
 

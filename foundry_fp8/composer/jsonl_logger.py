@@ -36,7 +36,8 @@ class JSONLLogger(LoggerDestination):
     A fresh run (at batch 0 when it starts fitting) starts a new file: the records an earlier
     run of the same name left in it (and its `hparams.json`) are moved to the next free
     `metrics.<n>.jsonl` (`hparams.<n>.json`), with one warning naming both paths, so the report
-    never mixes two runs. A resumed run (autoresume, `load_path`) goes on appending: readers
+    never mixes two runs. A resumed run (autoresume, a `load_path` with its timestamp) goes on
+    appending (a weights-only load starts at batch 0: a fresh run): readers
     take the last record per step. Composer loads a checkpoint after INIT, so which one it is
     is only known at FIT_START; what this run logged before is kept in the new file.
     `hparams.json` is replaced in one step (`jsonl.write_atomically`), so a kill mid-write
@@ -84,14 +85,12 @@ class JSONLLogger(LoggerDestination):
             return
         path = self.sink.path
         hparams = self._hparams_path
-        n = next(n for n in itertools.count(1)
-                 if not numbered(path, n).exists() and not numbered(hparams, n).exists())
-        aside, hparams_aside = numbered(path, n), numbered(hparams, n)
-
+        aside = path
         try:
+            n = next(n for n in itertools.count(1)
+                     if not numbered(path, n).exists() and not numbered(hparams, n).exists())
+            aside, hparams_aside = numbered(path, n), numbered(hparams, n)
             set_aside(path, earlier[0], aside)
-            if earlier[1] is not None:
-                write_atomically(hparams_aside, earlier[1])
         except Exception as e:
             if self.strict:
                 raise
@@ -99,6 +98,8 @@ class JSONLLogger(LoggerDestination):
                         "this run appends to them (loggers.jsonl.strict: true makes this an "
                         "error)", path, aside, _reason(e))
             return
+        if earlier[1] is not None:
+            self._guard(lambda: write_atomically(hparams_aside, earlier[1]), hparams_aside)
         log.warning("jsonl logger: %s held the records of an earlier run named %r; this run "
                     "starts at batch 0, so they were moved to %s%s and %s holds this run's "
                     "records only", path, state.run_name, aside,

@@ -14,6 +14,7 @@ from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table, wo
 from foundry_fp8.health.history import shown
 from foundry_fp8.health.plots import choose_layers, draw_heatmap, draw_series, save_png
 from foundry_fp8.health.specs import spec
+from foundry_fp8.jsonl import hparams_of
 from foundry_fp8.report.markdown import (
     Finding,
     fallback_steps,
@@ -84,7 +85,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     if not chosen:
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
                           f"(e.g. {run.layers[0]!r})")
-    hparams_file = metrics_file.with_name("hparams.json")
+    hparams_file = hparams_of(metrics_file)
     hparams = read_hparams(hparams_file, warn)
     thresholds = thresholds_from_hparams(hparams or {})
     guard = guard_run(series, hparams, hparams_file, warn)

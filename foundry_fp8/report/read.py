@@ -81,8 +81,8 @@ def _load_hparams(path: Path) -> Mapping[str, Any] | str | None:
         if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read
             return f"{path}: not a regular file"
         if st.st_size > MAX_HPARAMS_BYTES:
-            return (f"{path}: {math.ceil(st.st_size / 2**20)} MiB, more than a run's hparams.json holds "
-                    f"(the report reads up to {MAX_HPARAMS_BYTES // 2**20} MiB)")
+            return (f"{path}: {math.ceil(st.st_size / 2**20)} MiB, more than a run's "
+                    f"hparams.json holds (the report reads up to {MAX_HPARAMS_BYTES // 2**20} MiB)")
         data = path.read_bytes()
     except FileNotFoundError:
         return None
@@ -93,7 +93,8 @@ def _load_hparams(path: Path) -> Mapping[str, Any] | str | None:
     try:
         value = json.loads(data)
     except json.JSONDecodeError as e:
-        cut = "" if data.rstrip()[-1:] in (b"}", b"]") else "; the file stops mid-document, cut short"
+        whole = data.rstrip()[-1:] in (b"}", b"]")
+        cut = "" if whole else "; the file stops mid-document, cut short"
         return f"{path}:{e.lineno}:{e.colno}: not JSON ({e.msg}{cut})"
     except UnicodeDecodeError as e:
         return f"{path}: not JSON (not UTF-8 text at byte offset {e.start})"

@@ -169,7 +169,7 @@ def te_fp8_autocast(recipe: FP8Recipe) -> AbstractContextManager:
     return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe)
 
 
-def te_high_precision() -> AbstractContextManager:
+def te_high_precision(module: nn.Module) -> AbstractContextManager:
     """A region where TE's modules run in high precision, for fp8_guard's fallbacks.
 
     TE 2.20.2 (`pytorch/quantization.py`): entering saves the global FP8 state and sets FP8 off
@@ -182,7 +182,9 @@ def te_high_precision() -> AbstractContextManager:
     FP8 forwards, then sees zero amaxes, which the fused update leaves alone (no roll, scale kept:
     `common/recipe/delayed_scaling.cu`, `kernel_bulk`). Not run on a GPU yet.
 
-    The region carries the enclosing autocast's recipe: TE stores even a disabled region's
+    The region carries the enclosing autocast's recipe, or outside an enabled one (a recompute
+    in the backward, a nested disabled region) the one `module` last ran FP8 under (TE keeps it
+    in `fp8_meta["recipe"]`): TE stores even a disabled region's
     recipe (its default when given none) under a key made from the recipe's text, which leaves
     out `amax_compute_algo` (and `reduce_amax` before 2.9), and the outermost exit updates every
     layer with the recipe stored last under that key (`autocast_enter`/`autocast_exit`,
@@ -191,7 +193,7 @@ def te_high_precision() -> AbstractContextManager:
     """
     import transformer_engine.pytorch as te
 
-    recipe = probe.active_recipe()
+    recipe = probe.active_recipe() or getattr(module, "fp8_meta", {}).get("recipe")
     if hasattr(te, "autocast"):
         return te.autocast(enabled=False, recipe=recipe)
     return te.fp8_autocast(enabled=False, fp8_recipe=recipe)

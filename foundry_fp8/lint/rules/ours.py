@@ -253,8 +253,8 @@ CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
       why="te_swap's emulated layers keep their FP8 scales and amax histories in buffers that "
       "are not in Composer's checkpoint, and TE layers keep them in a pickled `_extra_state` "
       "that TE 2.16.1, 2.17.1 and >= 2.18 refuse to load unless "
-      "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; fp8_state saves and restores them. te_swap logs the same warning at INIT when the run has a "
-      "checkpoint saver and no fp8_state.",
+      "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; fp8_state saves and restores them. te_swap "
+      "logs the same warning at INIT when the run has a checkpoint saver and no fp8_state.",
       source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
       "warning, issue 19 item 5); TE transformer_engine/pytorch/_extra_state.py "
       "should_load_extra_state_pickle (TE 2.16.1, 2.17.1, >= 2.18: foundry_fp8/te/facts.py "
