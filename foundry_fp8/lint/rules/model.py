@@ -58,7 +58,7 @@ def _ratio_hidden(model: Mapping[str, Any], d_model: int) -> int | float | None:
     """d_model * expansion_ratio, which LLM-Foundry (ffn.py, resolve_ffn_hidden_size) makes the
     FFN hidden size when ffn_config.ffn_hidden_size is not given; None when it is, or when the
     ratio is no number."""
-    ratio = model.get("expansion_ratio", MPT_DEFAULTS["expansion_ratio"])
+    ratio = mpt_value(model, "expansion_ratio")
     if get(model, "ffn_config.ffn_hidden_size") is not None \
             or not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
         return None
@@ -319,7 +319,7 @@ def gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     if not (native or swap is not None):
         return
     model = section(config, "model")
-    d_model = as_int(model.get("d_model", MPT_DEFAULTS["d_model"]))
+    d_model = as_int(mpt_value(model, "d_model"))
     if d_model is None:
         return
     if not dim_fits_fp8(d_model):
@@ -336,7 +336,7 @@ def gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
         else:
             yield Hit(hidden[0], f"FFN hidden size {hidden[1]} is not divisible by 16: te_swap "
                       "keeps the FFN layers in high precision", severity="warning")
-    vocab = as_int(model.get("vocab_size", MPT_DEFAULTS["vocab_size"]))
+    vocab = as_int(mpt_value(model, "vocab_size"))
     converts_head = (swap is not None and swap.get("keep_lm_head") is False
                      and model.get("tie_word_embeddings") is False)
     if converts_head and vocab is not None and not dim_fits_fp8(vocab):
@@ -354,7 +354,7 @@ def gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
       fix="an expansion_ratio whose product with d_model is whole, or ffn_config.ffn_hidden_size")
 def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
-    d_model = as_int(model.get("d_model", MPT_DEFAULTS["d_model"]))
+    d_model = as_int(mpt_value(model, "d_model"))
     hidden = _ratio_hidden(model, d_model) if _is_mpt(model) and d_model is not None else None
     if hidden is not None and not _whole(hidden):
         yield Hit("model.expansion_ratio", f"d_model * expansion_ratio is {hidden}, not a whole "
