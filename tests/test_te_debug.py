@@ -82,7 +82,7 @@ def test_metric_names_split_layers_that_contain_underscores():
 
 def test_layernorm_mlp_gemms_keep_the_module_name():
     """TE names a LayerNormMLP's debug quantizers `<name>.fc1`/`<name>.fc2`
-    (pytorch/module/layernorm_mlp.py, TE 2.7+): fc1's input is the inner activation the
+    (pytorch/module/layernorm_mlp.py, TE 2.7+): fc2's input is the inner activation the
     feature exists for, so it must not fall back to a raw `fp8/te_debug/...` name."""
     layers = ["blocks.0.ffn", "blocks.0.ffn.fc1x"]
     assert (metric_name("blocks.0.ffn.fc1_activation_underflows%", layers)
@@ -128,3 +128,22 @@ def test_te_debug_needs_the_te_whose_feature_logs_its_statistics(monkeypatch, av
     monkeypatch.setattr(debug, "te_version", lambda: version)
     problem = debug.te_debug_problem()
     assert problem is None if expected is None else expected in problem
+
+
+@pytest.mark.parametrize("include, exclude", [
+    (r"ffn$", None), (r"blocks\.0\.(ffn|attn\.Wqkv)$", None), (r"ffn\Z", None),
+    (r"blocks\.[0$]\.ffn$", None), (r"ffn\$", None), (r"[]$]ffn$", None),
+    (r"blocks\.", r"1\.ffn$"),
+])
+def test_an_end_anchor_also_selects_a_layernorm_mlps_gemms(include, exclude):
+    """`layers: ffn$` selects the LayerNormMLP `ffn` for our hooks; TE's debug API sees its
+    GEMMs as `ffn.fc1`/`ffn.fc2`, which the same choice must select, and nothing else."""
+    names = [f"blocks.{b}.{p}" for b in range(2) for p in ("attn.Wqkv", "ffn", "ffn.fc1",
+                                                          "ffn.fc2", "ffn.fc3", "ffn$")]
+    pattern = re.compile(layer_pattern(include, exclude))
+
+    def ours(name: str) -> bool:
+        layer = re.sub(r"\.fc[12]$", "", name)
+        return bool(re.search(include, layer)) and not (exclude and re.search(exclude, layer))
+
+    assert [n for n in names if pattern.search(n)] == [n for n in names if ours(n)]

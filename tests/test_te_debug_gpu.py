@@ -46,3 +46,34 @@ def test_te_underflow_stat_matches_ours_at_the_scale_te_used(tmp_path):
     scale = FP8_MAX["e4m3"] / x.detach().float().abs().max().item()
     ours = tensor_stats(x.detach(), "e4m3", scale=scale)["underflow_pct"]
     assert step1["fp8_te_underflows%/activation/lin"] == pytest.approx(ours, abs=0.05)
+
+
+def test_an_anchored_layer_choice_reaches_a_layernorm_mlps_gemms(tmp_path):
+    """`layers: ffn$` selects the LayerNormMLP; TE names its GEMMs `ffn.fc1`/`ffn.fc2` for the
+    debug API, logged under the module as `fc1_<tensor>` (written after a TE source review)."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    pytest.importorskip("nvdlfw_inspect")
+    from transformer_engine.common.recipe import DelayedScaling
+    from transformer_engine.debug.pytorch.debug_state import TEDebugState
+
+    from foundry_fp8.te.debug import layer_pattern
+
+    got: dict[str, float] = {}
+    config = log_fp8_tensor_stats_config(layer_pattern(r"blocks\.0\.ffn$"), ["activation"],
+                                         freq=1)
+    session = TEDebugSession(config, tmp_path, lambda n, v, s: got.__setitem__(n, v))
+    session.start()
+    try:
+        mlp = te.LayerNormMLP(256, 1024, params_dtype=torch.bfloat16, device="cuda")
+        session.name_layers([("blocks.0.ffn", mlp)])
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with te.autocast(enabled=True, recipe=DelayedScaling()):
+            out = mlp(x)
+        out.float().sum().backward()
+        session.step()
+    finally:
+        session.close()
+        TEDebugState._reset()
+
+    assert {"fp8_te_underflows%/fc1_activation/blocks.0.ffn",
+            "fp8_te_underflows%/fc2_activation/blocks.0.ffn"} <= set(got), sorted(got)

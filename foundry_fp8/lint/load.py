@@ -37,7 +37,8 @@ MAX_BYTES = 2 * 1024 * 1024
 MAX_DEPTH = 50
 MAX_EXPANDED_NODES = 200_000
 #: Why MAX_DEPTH, in the one line that refuses a file.
-_DEPTH_WHY = "the linter's bound: omegaconf, which LLM-Foundry reads YAML with, fails near 75"
+_DEPTH_WHY = ("the linter's bound: real configs nest under 10 levels, and omegaconf (LLM-Foundry's "
+              "reader) fails near 75")
 #: Python's limit on int() of a decimal string (sys.get_int_max_str_digits, 4300 by default).
 _MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
 #: An interpolation's opening and closing braces (an escaped `\${` is text).

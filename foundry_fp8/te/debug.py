@@ -31,6 +31,11 @@ FEATURE = "LogFp8TensorStats"
 NAMESPACE = "transformer_engine"
 
 
+#: TE's LayerNormMLP gives the debug API its two GEMMs as `<name>.fc1` and `<name>.fc2`
+#: (pytorch/module/layernorm_mlp.py, `_setup_...debug` quantizer names, TE 2.7 to 2.20).
+LN_MLP_GEMMS = ("fc1", "fc2")
+
+
 def te_debug_problem() -> str | None:
     """Why TE's debug statistics cannot run here (no TE, or a TE before MIN_TE_DEBUG_STATS,
     which would fail at the first logged step); None when they can."""
@@ -48,10 +53,38 @@ def te_debug_problem() -> str | None:
 
 def layer_pattern(include: str, exclude: str | None = None) -> str:
     """One regex (nvdlfw-inspect takes one, and searches it) for names that match `include`
-    and not `exclude`, as fp8_stats' own `layers`/`exclude` select them."""
+    and not `exclude`, as fp8_stats' own `layers`/`exclude` select them: a LayerNormMLP's GEMMs
+    reach TE's debug API as `<layer>.fc1`/`.fc2`, so an end anchor also ends there."""
+    include = _end_also_at_gemm(include)
     if not exclude:
         return include
-    return f"^(?!.*(?:{exclude}))(?=.*(?:{include}))"
+    return f"^(?!.*(?:{_end_also_at_gemm(exclude)}))(?=.*(?:{include}))"
+
+
+def _end_also_at_gemm(pattern: str) -> str:
+    """`pattern` with each end anchor (`$`, `\\Z`) outside a character class also matching
+    before a LayerNormMLP GEMM suffix: `ffn$` selects `ffn.fc1` and `ffn.fc2`."""
+    gemm = "(?:\\.(?:" + "|".join(LN_MLP_GEMMS) + "))?"
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            escaped = pattern[i:i + 2]
+            out.append(gemm + escaped if escaped == "\\Z" and not in_class else escaped)
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]" or out[-1] in ("[", "[^")
+            out.append(char)
+        elif char == "[":
+            opening = "[^" if pattern.startswith("[^", i) else "["
+            out.append(opening)
+            in_class, i = True, i + len(opening)
+            continue
+        else:
+            out.append(gemm + char if char == "$" else char)
+        i += 1
+    return "".join(out)
 
 
 def log_fp8_tensor_stats_config(layers: str, tensors: Sequence[str], freq: int,
@@ -75,11 +108,6 @@ def log_fp8_tensor_stats_config(layers: str, tensors: Sequence[str], freq: int,
                                for t in tensors],
         }},
     }}
-
-
-#: TE's LayerNormMLP gives the debug API its two GEMMs as `<name>.fc1` and `<name>.fc2`
-#: (pytorch/module/layernorm_mlp.py, `_setup_...debug` quantizer names, TE 2.7 to 2.20).
-LN_MLP_GEMMS = ("fc1", "fc2")
 
 
 def metric_name(te_name: str, layers: Iterable[str]) -> str | None:

@@ -500,7 +500,7 @@ def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator
 
 
 #: MPT's norm types that are nn.LayerNorm subclasses (llmfoundry/models/layers/norm.py), the
-#: only norms te_swap fuses; MPT's default is low_precision_layernorm.
+#: only norms te_swap fuses.
 _LAYERNORMS = ("layernorm", "low_precision_layernorm")
 
 
@@ -511,8 +511,8 @@ def _te_swap_fuses(model: Mapping[str, Any]) -> bool:
     return (_is_mpt(model) and get(model, "ffn_config.ffn_type") in (None, "mptmlp")
             and fc_type_name(model) in (None, "torch")
             and get(model, "ffn_config.ffn_act_fn.name") in (None, "gelu")
-            and model.get("norm_type", _LAYERNORMS[1]) in _LAYERNORMS
-            and model.get("no_bias") is not True)
+            and str(mpt_value(model, "norm_type")).lower() in _LAYERNORMS
+            and mpt_value(model, "no_bias") is not True)
 
 
 def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str | None, bool]]:

@@ -13,8 +13,8 @@ from foundry_fp8.lint.config import (
     is_fp8,
     native_te_layers,
     precision,
+    te_swap,
 )
-from foundry_fp8.lint.config import te_swap as te_swap_options
 from foundry_fp8.lint.known import (
     FILLED_KEYS,
     MAPPING,
@@ -71,7 +71,7 @@ def train_seq_len(config: Mapping[str, Any]) -> tuple[str, int | None]:
       fix="pick device_train_microbatch_size and a sequence length whose product is a multiple "
       "of 8")
 def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    swap = te_swap_options(config)
+    swap = te_swap(config)
     te_layers = native_te_layers(config) or (swap is not None and swap.get("backend") == "te")
     if not (is_fp8(config) and te_layers):
         return
