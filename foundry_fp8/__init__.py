@@ -16,6 +16,7 @@ _LAZY = {
     "FP8Stats": "foundry_fp8.composer.stats",
     "FP8State": "foundry_fp8.composer.state",
     "FP8Lint": "foundry_fp8.composer.lint",
+    "FP8Guard": "foundry_fp8.composer.guard",
     "FP8Recipe": "foundry_fp8.recipe",
     "tensor_stats": "foundry_fp8.numerics",
     # the emulated FP8 backend: stable names, whatever the file layout

@@ -21,7 +21,12 @@ from typing import Any
 import regex
 
 from foundry_fp8.options import OptionError, Problem, SwapConfig
-from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
+from foundry_fp8.shapes import (
+    FP8_DIM_MULTIPLE,
+    FP8_TOKEN_MULTIPLE,
+    dim_fits_fp8,
+    tokens_fit_fp8,
+)
 
 #: Seconds one search may take (regex checks its timeout coarsely: it returns within ~4x).
 MATCH_TIMEOUT_S = 0.05
@@ -91,7 +96,7 @@ def shape_reason(in_features: int, out_features: int) -> str | None:
     too, since out is the last dim of the output gradient the backward GEMMs read."""
     if not (dim_fits_fp8(in_features) and dim_fits_fp8(out_features)):
         return (f"shape {out_features}x{in_features} breaks TE's FP8 rule "
-                "(weight dims divisible by 16)")
+                f"(weight dims divisible by {FP8_DIM_MULTIPLE})")
     return None
 
 
@@ -103,7 +108,8 @@ def gemm_reason(in_features: int, out_features: int, config: SwapConfig) -> str 
         return shape
     tokens = config.tokens_per_microbatch
     if tokens is not None and not tokens_fit_fp8(tokens):
-        return f"{tokens} tokens per micro-batch breaks TE's FP8 rule (divisible by 8)"
+        return (f"{tokens} tokens per micro-batch breaks TE's FP8 rule (divisible by "
+                f"{FP8_TOKEN_MULTIPLE})")
     if min(in_features, out_features) < config.min_gemm_size:
         return f"smaller than min_gemm_size {config.min_gemm_size}"
     return None

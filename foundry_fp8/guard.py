@@ -70,7 +70,7 @@ def _integer(value: Any) -> int:
     if integer is None:
         an_int = isinstance(value, int) and not isinstance(value, bool)
         got = "one out of that range" if an_int else f"a {type(value).__name__}"
-        raise ValueError(f"expected an integer from 0 to 2**53, got {got}")
+        raise ValueError(f"expected {jsonl.STEP_RANGE}, got {got}")
     return integer
 
 

@@ -119,6 +119,8 @@ def number(value: Any) -> float | None:
 
 #: Steps beyond this are not a training's (and not exact in float64, which plotting uses).
 MAX_STEP = 2**53
+#: What a step is, as messages say it (`2**53` for MAX_STEP).
+STEP_RANGE = f"an integer from 0 to 2**{MAX_STEP.bit_length() - 1}"
 
 
 def step(value: Any) -> int | None:
@@ -155,7 +157,7 @@ def _record(value: Any, where: str) -> tuple[int, dict[str, Any]]:
             raise JsonlError(f"{where}: not a metrics record (no key {key!r})")
     step_, items = step(value["step"]), value["metrics"]
     if step_ is None:
-        raise JsonlError(f"{where}: key 'step': expected a step (an integer from 0 to 2**53), got "
+        raise JsonlError(f"{where}: key 'step': expected a step ({STEP_RANGE}), got "
                          f"{_shown(value['step'])}")
     if not isinstance(items, dict):
         raise JsonlError(f"{where}: key 'metrics': expected an object, got "

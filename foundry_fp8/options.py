@@ -1,5 +1,6 @@
-"""The options of our registry entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_lint`,
-`jsonl`) as frozen dataclasses that check themselves, in torchao's `Float8LinearConfig` style.
+"""The options of our registry entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_guard`,
+`fp8_lint`, `jsonl`) as frozen dataclasses that check themselves, in torchao's
+`Float8LinearConfig` style.
 
 Pure Python, no torch: the constructors build these (one check per value, raising one line that
 names the key path, `callbacks.fp8_stats.interval: must be ...`), and the linter asks the same
@@ -20,14 +21,15 @@ from typing import Any, ClassVar, Literal
 
 import regex
 
+from foundry_fp8.health.keys import TENSORS
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
 from foundry_fp8.paths import path_problem
 from foundry_fp8.recipe import FP8Recipe, recipe_problems
 
 Kind = Literal["unknown", "reserved", "type", "value", "recipe"]
 
-#: fp8_stats' tensor kinds, fp8_lint's `fail_on` choices, the jsonl path's placeholders.
-TENSOR_KINDS = ("activation", "weight", "gradient")
+#: fp8_lint's `fail_on` choices, the jsonl path's placeholders (fp8_stats' tensor kinds are
+#: health.keys.TENSORS).
 FAIL_ON = ("error", "never")
 PLACEHOLDERS = ("run_name",)
 
@@ -523,8 +525,8 @@ class MonitorConfig(Options):
 
     layers: str = option(".*", Pattern())
     exclude: str | None = option(None, Optional(Pattern()))
-    tensors: Sequence[str] = option(TENSOR_KINDS, Items(OneOf(TENSOR_KINDS), needed=(
-        f"list some of {', '.join(TENSOR_KINDS)}, or leave tensors out for all of them")))
+    tensors: Sequence[str] = option(TENSORS, Items(OneOf(TENSORS), needed=(
+        f"list some of {', '.join(TENSORS)}, or leave tensors out for all of them")))
     recipe: FP8Recipe | str | Mapping[str, Any] | None = option(
         "current", Recipe(scaling_name=True))
     # percentages and a cosine: their mathematical ranges

@@ -11,6 +11,9 @@ import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
+from foundry_fp8.lint.known import AUTO_MICROBATCH_CHECKED_FROM
+from foundry_fp8.te.facts import MIN_TE, Version, parse_version
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -30,12 +33,26 @@ def normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~;\s]", name.strip(), maxsplit=1)[0]).lower()
 
 
-def declared() -> set[str]:
+def requirements() -> list[str]:
+    """setup.cfg's install_requires and extra `te`, comments left out."""
     config = configparser.ConfigParser()
     config.read(REPO / "setup.cfg")
     lines = config["options"]["install_requires"].splitlines()
     lines += config["options.extras_require"]["te"].splitlines()
-    return {normalise(line) for line in lines if line.strip() and not line.strip().startswith("#")}
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def declared() -> set[str]:
+    return {normalise(line) for line in requirements()}
+
+
+def floor(name: str) -> Version | None:
+    """The `>=` lower bound setup.cfg gives distribution `name`."""
+    for line in requirements():
+        if normalise(line) == name:
+            found = re.search(r">=\s*([\w.]+)", line)
+            return parse_version(found.group(1)) if found else None
+    raise AssertionError(f"{name} is not in setup.cfg")
 
 
 def test_every_imported_package_is_declared() -> None:
@@ -52,3 +69,11 @@ def test_every_imported_package_is_declared() -> None:
 def test_the_check_sees_lazy_imports() -> None:
     """The scan must reach imports inside functions (bench's tqdm is one)."""
     assert {"tqdm", "torch", "composer"} <= imported_top_level()
+
+
+def test_setup_cfg_floors_are_the_codes() -> None:
+    """setup.cfg cannot import the version facts, so its bounds are checked against them."""
+    assert floor("transformer-engine") == MIN_TE  # te.facts: the oldest TE the backend knows
+    # lint.known judges auto micro-batching from this Composer on, as the floor we need
+    composer = floor("mosaicml")
+    assert composer is not None and composer >= AUTO_MICROBATCH_CHECKED_FROM

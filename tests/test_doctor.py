@@ -288,3 +288,24 @@ def test_the_probe_reads_the_gpu_from_nvidia_smi(tmp_path, script, gpu_name, cap
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env).stdout
     assert json.loads(out) == [gpu_name, capability]
+
+
+def test_a_te_without_package_metadata_has_no_version_and_is_not_imported(tmp_path,
+                                                                            monkeypatch):
+    """A source tree on PYTHONPATH: TE's own `__version__` reads the metadata that is missing,
+    so the probe says "unknown" and never imports TE (which would pull in torch and CUDA)."""
+    import sys
+
+    from foundry_fp8.te import probe
+
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise SystemExit('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+
+    def no_metadata(name: str) -> str:
+        raise probe.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(probe.metadata, "version", no_metadata)  # even where TE is installed
+    assert probe.te_available() and probe.te_version() is None

@@ -19,6 +19,7 @@ ENTRIES = [
     ("algorithms", "te_swap", "TESwap"),
     ("callbacks", "fp8_stats", "FP8Stats"),
     ("callbacks", "fp8_state", "FP8State"),
+    ("callbacks", "fp8_guard", "FP8Guard"),
     ("callbacks_with_config", "fp8_lint", "FP8Lint"),
     ("loggers", "jsonl", "JSONLLogger"),
 ]

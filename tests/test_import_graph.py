@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "foundry_fp8"
 #: The training runtime: what a run imports (the fp8_lint callback, `composer.lint`, is the
 #: linter's own entry and may import it).
 RUNTIME = ("swap", "emulate", "monitor", "numerics", "recipe", "options", "filters", "fp8_meta", "guard",
-           "shapes", "jsonl", "attention", "health", "te", "composer")
+           "shapes", "jsonl", "attention", "paths", "restore", "health", "te", "composer")
 RUNTIME_EXCEPT = ("composer.lint",)
 #: What the runtime must never import.
 TOOLS = ("lint", "report", "doctor", "cli", "environment", "tools")

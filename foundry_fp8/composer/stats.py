@@ -65,18 +65,26 @@ class FP8Stats(Callback):
 
     - summary series, on every destination, console included: `fp8/<tensor>/worst_underflow_pct`,
       `fp8/<tensor>/worst_overflow_pct`, `fp8/<tensor>/worst_cos_sim`,
-      `fp8/<tensor>/flagged_layers`, `fp8/<tensor>/nonfinite` (tensor: activation, weight,
-      gradient) and `fp8/flagged_layers`;
+      `fp8/<tensor>/flagged_layers`, `fp8/<tensor>/nonfinite` and `fp8/flagged_layers`;
     - per-layer series `fp8_<stat>/<tensor>/<layer>` (W&B makes one section per statistic;
       `<layer>` without the `model.transformer.` prefix or wrapper segments), and
       `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast: on every
       destination except the console unless `console_layers: true`;
+    - with `te_debug`, TE's own statistics `fp8_te_<stat>/<tensor>/<layer>` (`<stat>` is TE's
+      name: `underflows%`, `scale_inv_min`, ...), where the per-layer series go;
     - every `image_interval` batches (at the first logging step from each multiple on) and at
       fit end: one layers x logging steps heatmap per statistic, `fp8_heatmap/<stat>`
       (`Logger.log_images`, the last `IMAGE_STEPS` logging steps), and the per-layer table of
       the logging step, `fp8_table` (`Logger.log_table`), off the console; `null` turns them off;
     - at fit end the hyperparameter `fp8/stats_summary`, the worst value per layer and tensor
       (also printed).
+
+    `<tensor>` is the watched tensor's name: `activation` (the GEMM input), `weight`,
+    `gradient` (the output gradient), and for TE's LayerNormMLP `fc1_weight` and `fc2_weight`
+    (`monitor.watches_for`); TE's debug statistics name a LayerNormMLP's GEMMs' tensors
+    `fc1_activation`, `fc2_weight`, ... (`te.debug.metric_name`; a name it cannot place is logged
+    as `fp8/te_debug/<TE's name>`). The summary series cover every tensor name of the hooks'
+    statistics (`fp8/fc1_weight/worst_underflow_pct`, ...); TE's debug statistics get none.
 
     Defaults: `layers: .*`, `tensors: [activation, weight, gradient]`, `interval: 100ba`,
     `image_interval: 1000ba`, `console_layers: false`. An MPT-1B (24 blocks x 4 linears x 3

@@ -55,6 +55,11 @@ class TESwap(Algorithm):
     `FP8Recipe`, and `strict`): with `strict: false`, a failure of te_swap's own per-forward
     autocast is logged and te_swap stops entering it instead of crashing the run (refusals and
     bad options always raise).
+
+    Logs once at INIT, as hyperparameters: `fp8/backend` (`te` or `emulate`), `fp8/recipe`
+    (the recipe as a mapping), `fp8/modules_converted`, `fp8/linear_flops_share` and
+    `fp8/linear_param_share` (the share, 0 to 1, of the linear layers' FLOPs and parameters
+    that run in FP8) and `fp8/coverage` (the coverage table it prints).
     """
 
     def __init__(self, **options: Any):

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foundry_fp8 import jsonl
-from foundry_fp8.health.keys import INITIAL_SCALE, parse_key
-from foundry_fp8.health.specs import PERFECT, SPECS, TENSOR_ORDER, badness, known_first, spec
+from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, parse_key
+from foundry_fp8.health.specs import PERFECT, SPECS, badness, known_first, spec
 
 NAN = float("nan")
 
@@ -55,7 +55,7 @@ class RunMetrics:
 
     def tidy(self) -> None:
         """Known tensors and statistics first, steps sorted."""
-        self.tensors = known_first(self.tensors, TENSOR_ORDER)
+        self.tensors = known_first(self.tensors, TENSORS)
         self.stats = known_first(self.stats, SPECS)
         self.steps.sort()
 

@@ -1,6 +1,6 @@
-"""Our registry entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_lint`, `jsonl`) as the lint
-rules see them, from their option dataclasses (`foundry_fp8.options`, torch-free): the same
-classes the constructors build, so the linter reads no source and imports no torch.
+"""Our registry entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_guard`, `fp8_lint`, `jsonl`)
+as the lint rules see them, from their option dataclasses (`foundry_fp8.options`, torch-free):
+the same classes the constructors build, so the linter reads no source and imports no torch.
 """
 
 from __future__ import annotations

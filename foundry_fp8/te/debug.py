@@ -14,12 +14,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from foundry_fp8.health.keys import layer_key, short_layer
+from foundry_fp8.health.keys import TENSORS, layer_key, short_layer
 from foundry_fp8.te.facts import MIN_TE_DEBUG_STATS, dotted
 from foundry_fp8.te.probe import is_te_module, te_available, te_version
-
-#: Tensors TE's feature can watch, named as our `fp8_stats` names them.
-TE_TENSORS = ("activation", "weight", "gradient")
 
 #: Statistics under the training recipe, plus the current-scaling what-if of delayed scaling
 #: (TE: `overflows%` exists only for delayed scaling; `<recipe>_<stat>` names a what-if).
@@ -46,7 +43,8 @@ def te_debug_problem() -> str | None:
     version = te_version()
     if version is not None and version < MIN_TE_DEBUG_STATS:
         return (f"needs TransformerEngine >= {dotted(MIN_TE_DEBUG_STATS)}, found "
-                f"{dotted(version)} (its LogFp8TensorStats logs only underflows% before 2.7); "
+                f"{dotted(version)} (its LogFp8TensorStats logs only underflows% before "
+                f"{dotted(MIN_TE_DEBUG_STATS)}); "
                 "leave te_debug unset: the module-hook statistics work with any TE")
     return None
 
@@ -92,9 +90,9 @@ def log_fp8_tensor_stats_config(layers: str, tensors: Sequence[str], freq: int,
                                 end_step: int | None = None) -> dict[str, Any]:
     """The nvdlfw-inspect config enabling TE's `LogFp8TensorStats` on layers whose names match
     the regex `layers` (searched, as our hooks do), every `freq` steps."""
-    unknown = set(tensors) - set(TE_TENSORS)
+    unknown = set(tensors) - set(TENSORS)
     if unknown:
-        raise ValueError(f"fp8_stats.tensors: unknown {sorted(unknown)}; use {list(TE_TENSORS)}")
+        raise ValueError(f"fp8_stats.tensors: unknown {sorted(unknown)}; use {list(TENSORS)}")
     re.compile(layers)
     stats = list(DELAYED_STATS if scaling == "delayed" else CURRENT_STATS)
     window = {k: v for k, v in (("start_step", start_step), ("end_step", end_step))
@@ -124,7 +122,7 @@ def metric_name(te_name: str, layers: Iterable[str]) -> str | None:
             if not te_name.startswith(prefix):
                 continue
             rest = te_name[len(prefix):]
-            for tensor in TE_TENSORS:
+            for tensor in TENSORS:
                 if rest.startswith(f"{tensor}_"):
                     stat = f"te_{rest.removeprefix(f'{tensor}_')}"
                     return layer_key(stat, f"{gemm}_{tensor}" if gemm else tensor,

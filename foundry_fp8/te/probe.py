@@ -30,16 +30,14 @@ def te_available() -> bool:
 
 
 def te_version() -> Version | None:
-    """The installed TE's version as integers (e.g. (2, 20, 2)), None when TE is absent."""
+    """The installed TE's version as integers (e.g. (2, 20, 2)); None when TE is absent or has
+    no package metadata (TE's own `__version__` reads the same metadata)."""
     if not te_available():
         return None
     try:
-        text = metadata.version("transformer_engine")
+        return parse_version(metadata.version("transformer_engine"))
     except metadata.PackageNotFoundError:
-        import transformer_engine
-
-        text = transformer_engine.__version__
-    return parse_version(text)
+        return None
 
 
 def te_class_name(module: Any) -> str | None:

@@ -107,6 +107,10 @@ class BenchConfig:
     yamls: Path = YAMLS  # holds mpt-1b-{bf16,fp8}.yaml
 
 
+#: --tiny's defaults where they differ from the GPU run's.
+TINY_CONFIG = BenchConfig(tiny=True, seq_len=64, batch=4, warmup=2, steps=6)
+
+
 def synthetic_batches(n_batches: int, batch: int, seq_len: int, vocab: int, seed: int,
                       ngram: int = 8, bank: int = 256) -> list[dict[str, Any]]:
     """Sequences of n-grams drawn from a fixed random bank: after an n-gram's first token the
@@ -505,8 +509,9 @@ def markdown(result: dict[str, Any]) -> str:
              f"activation checkpointing {s['activation_checkpointing']}, "
              f"torch.compile {s['compile']}.", "",
              "MFU = LLM-Foundry's flops per token (3 x (2 x params + attention term)) x tokens/s "
-             "over the H100 SXM dense peak: 989 TFLOP/s for bf16, 1979 TFLOP/s for fp8 variants. "
-             "HFU adds the recomputed forward when activation checkpointing is on.", "",
+             f"over the H100 SXM dense peak: {PEAK_FLOPS['bf16'] / 1e12:g} TFLOP/s for bf16, "
+             f"{PEAK_FLOPS['fp8'] / 1e12:g} TFLOP/s for fp8 variants. HFU adds the recomputed "
+             "forward when activation checkpointing is on.", "",
              f"| variant | precision | tokens/s | x {base} | MFU | HFU | peak mem GB | loss "
              "(first timed -> last) | attention share | micro-batch |",
              "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
@@ -588,24 +593,30 @@ def _variants(value: str) -> tuple[str, ...]:
     return names
 
 
+def _default(name: str) -> str:
+    """An option's defaults as its help says them: `default 2048 (tiny: 64)`."""
+    return f"default {getattr(BenchConfig, name)} (tiny: {getattr(TINY_CONFIG, name)})"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="a tiny MPT on CPU in fp32, te_swap on its emulated backend (the CI "
                         "path; the TE-native variants are listed as not run); default off: "
                         "MPT-1B on a CUDA GPU")
-    parser.add_argument("--variants", type=_variants, default=tuple(VARIANTS),
+    parser.add_argument("--variants", type=_variants, default=BenchConfig.variants,
                         help="comma-separated, from: " + ", ".join(VARIANTS) + "; default all")
     parser.add_argument("--seq-len", type=int, default=None,
-                        help="tokens per sequence; default 2048 (tiny: 64)")
+                        help=f"tokens per sequence; {_default('seq_len')}")
     parser.add_argument("--batch", type=int, default=None,
-                        help="sequences per optimizer step; default 32 (tiny: 4)")
+                        help=f"sequences per optimizer step; {_default('batch')}")
     parser.add_argument("--micro-batch", type=_micro_batch, default=BenchConfig.micro_batch,
                         help="sequences per forward, or 'auto' to let Composer fill the GPU "
                         "(Composer 0.32.1 with FSDP needs torch < 2.7.1 for it); default "
                         f"{BenchConfig.micro_batch}")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed steps first; default 10 (tiny: 2)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps; default 30 (tiny: 6)")
+                        help=f"untimed steps first; {_default('warmup')}")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"timed steps; {_default('steps')}")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="GPU runs: recompute activations in backward (FSDP activation "
                         "checkpointing, non-reentrant; fp8 variants with te_checkpoint_wrapper) "
@@ -613,7 +624,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "ignores it; default off")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model (Composer's compile_config); default off")
-    parser.add_argument("--yamls", type=Path, default=YAMLS, metavar="DIR",
+    parser.add_argument("--yamls", type=Path, default=BenchConfig.yamls, metavar="DIR",
                         help="folder holding mpt-1b-bf16.yaml and mpt-1b-fp8.yaml, to bench your "
                         "own edits of them; default the copies shipped in the package")
     parser.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
@@ -630,12 +641,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
 
-    def pick(value, default, tiny_default):
-        return value if value is not None else (tiny_default if tiny else default)
+    def pick(value, name):
+        return value if value is not None else getattr(TINY_CONFIG if tiny else BenchConfig, name)
 
-    config = BenchConfig(variants=args.variants, tiny=tiny, seq_len=pick(args.seq_len, 2048, 64),
-                         batch=pick(args.batch, 32, 4), micro_batch=args.micro_batch,
-                         warmup=pick(args.warmup, 10, 2), steps=pick(args.steps, 30, 6),
+    config = BenchConfig(variants=args.variants, tiny=tiny, seq_len=pick(args.seq_len, "seq_len"),
+                         batch=pick(args.batch, "batch"), micro_batch=args.micro_batch,
+                         warmup=pick(args.warmup, "warmup"), steps=pick(args.steps, "steps"),
                          activation_checkpointing=args.activation_checkpointing,
                          compile=args.compile, yamls=args.yamls)
     for path in dict.fromkeys(yaml_path(VARIANTS[name], config) for name in config.variants):

@@ -5,8 +5,8 @@
   section shapes, `${oc.env:...}`, loaders, the loss function);
 - `model`: the model section (MPTConfig's keys, TE layer choices, GEMM shapes);
 - `fsdp`: FSDP and activation recompute;
-- `ours`: our entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_lint`, `jsonl`) and where the
-  registries look for them;
+- `ours`: our entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_guard`, `fp8_lint`, `jsonl`)
+  and where the registries look for them;
 - `eval`: LLM-Foundry eval configs;
 - `accelerate`: Accelerate configs and the DeepSpeed JSON they point to;
 - `environment`: what is installed and what the GPU is (`foundry-fp8 doctor`, `fp8_lint`).

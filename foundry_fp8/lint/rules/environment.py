@@ -35,6 +35,9 @@ from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
 from foundry_fp8.te.facts import (
     ADA,
     MIN_CUDA_FOR_ADA_FP8,
+    MIN_FP8_CAPABILITY,
+    MIN_TE,
+    MIN_TE_CURRENT_SCALING,
     MIN_TE_FOR_RECOMPUTE,
     dotted,
     environment_problems,
@@ -68,8 +71,9 @@ def no_gpu(env: Environment, _: LintContext) -> Iterator[Hit]:
         yield Hit("gpu", NO_GPU)
 
 
-@rule("FP8202", "warning", "GPU compute capability below 8.9",
-      why="TE refuses FP8 below compute capability 8.9 (Ada); shared with te_swap through "
+@rule("FP8202", "warning", f"GPU compute capability below {dotted(MIN_FP8_CAPABILITY)}",
+      why=f"TE refuses FP8 below compute capability {dotted(MIN_FP8_CAPABILITY)} (Ada); shared "
+      "with te_swap through "
       "te.facts.environment_problems. An error in `fp8_lint` for a run that asks for TE.",
       source=f"{TE_SRC} transformer_engine/pytorch/quantization.py _compute_fp8_support "
       "(pytorch/fp8.py before 2.x)",
@@ -80,11 +84,13 @@ def gpu_capability(env: Environment, _: LintContext) -> Iterator[Hit]:
                   fix=problem.fix)
 
 
-@rule("FP8203", "warning", "Ada GPU with torch built for CUDA older than 12.1",
-      why="On compute capability 8.9 TE also needs CUDA 12.1+ (and cuBLASLt 12.1.3+) for FP8; "
-      "the same check since TE 1.0.",
+@rule("FP8203", "warning", "Ada GPU with torch built for CUDA older than "
+      f"{dotted(MIN_CUDA_FOR_ADA_FP8)}",
+      why=f"On compute capability {dotted(ADA)} TE also needs CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)}+ "
+      "(and cuBLASLt 12.1.3+) for FP8; the same check since TE 1.0.",
       source=f"{TE_SRC} transformer_engine/pytorch/quantization.py _compute_fp8_support",
-      fix="install a torch build for CUDA 12.1 or newer", family="environment")
+      fix=f"install a torch build for CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer",
+      family="environment")
 def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
     cuda = parse_version(snapshot.torch_cuda)
@@ -99,7 +105,7 @@ def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
 @rule("FP8204", "warning", "TransformerEngine missing where it is needed",
       why="A GPU that can run FP8, or a run with TE layers, without TE: only the emulated "
       "backend works. An error in `fp8_lint` for a run that asks for TE.",
-      source="setup.cfg extra `te` (transformer-engine[pytorch]>=1.12)",
+      source=f"setup.cfg extra `te` (transformer-engine[pytorch]>={dotted(MIN_TE)})",
       fix="pip install 'foundry-fp8[te]', or use te_swap: {backend: emulate}",
       family="environment")
 def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
@@ -148,12 +154,15 @@ def te_import(env: Environment, _: LintContext) -> Iterator[Hit]:
                   f"{snapshot.te_import_error} (installed torch: {snapshot.torch or '?'})")
 
 
-@rule("FP8207", "error", "TransformerEngine older than 1.12 with activation checkpointing",
+@rule("FP8207", "error", f"TransformerEngine older than {dotted(MIN_TE_FOR_RECOMPUTE)} with "
+      "activation checkpointing",
       why="FP8 activation recompute kept wrong backward scales (TE issue #1190); fixed by TE PR "
-      "#1254, first released in TE v1.12. Checked by fp8_lint against the installed TE.",
+      f"#1254, first released in TE v{dotted(MIN_TE_FOR_RECOMPUTE)}. Checked by fp8_lint "
+      "against the installed TE.",
       source="https://github.com/NVIDIA/TransformerEngine/issues/1190; "
-      "https://github.com/NVIDIA/TransformerEngine/pull/1254 (git tag --contains: v1.12)",
-      fix="upgrade TransformerEngine to 1.12 or newer, or turn off "
+      "https://github.com/NVIDIA/TransformerEngine/pull/1254 (git tag --contains: "
+      f"v{dotted(MIN_TE_FOR_RECOMPUTE)})",
+      fix=f"upgrade TransformerEngine to {dotted(MIN_TE_FOR_RECOMPUTE)} or newer, or turn off "
       "fsdp_config.activation_checkpointing", family="environment")
 def recompute_te(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
@@ -167,10 +176,13 @@ def recompute_te(env: Environment, _: LintContext) -> Iterator[Hit]:
                   "turn off fsdp_config.activation_checkpointing")
 
 
-@rule("FP8208", "error", "current scaling with TransformerEngine older than 2.2",
-      why="TE's Float8CurrentScaling exists from TE 2.2; checked by fp8_lint against the "
-      "installed TE (te.facts.environment_problems, shared with te_swap).",
-      source=f"{TE_SRC} transformer_engine/common/recipe/__init__.py (v2.2)",
+@rule("FP8208", "error", "current scaling with TransformerEngine older than "
+      f"{dotted(MIN_TE_CURRENT_SCALING)}",
+      why=f"TE's Float8CurrentScaling exists from TE {dotted(MIN_TE_CURRENT_SCALING)}; checked "
+      "by fp8_lint against the installed TE (te.facts.environment_problems, shared with "
+      "te_swap).",
+      source=f"{TE_SRC} transformer_engine/common/recipe/__init__.py "
+      f"(v{dotted(MIN_TE_CURRENT_SCALING)})",
       fix="upgrade TransformerEngine or use scaling: delayed", family="environment")
 def recipe_te(env: Environment, _: LintContext) -> Iterator[Hit]:
     options = section(section(env.config, "algorithms"), "te_swap").get("fp8_recipe")
@@ -203,8 +215,10 @@ def auto_microbatch_torch(env: Environment, _: LintContext) -> Iterator[Hit]:
 
 
 @rule("FP8210", "warning", "TransformerEngine installed, its version unreadable",
-      why="The checks that depend on TE's version (FP8207: >= 1.12 for activation recompute, "
-      "FP8208: >= 2.2 for current scaling) cannot run, so a machine they would fail must not "
+      why="The checks that depend on TE's version (FP8207: >= "
+      f"{dotted(MIN_TE_FOR_RECOMPUTE)} for activation recompute, FP8208: >= "
+      f"{dotted(MIN_TE_CURRENT_SCALING)} for current scaling) cannot run, so a machine they "
+      "would fail must not "
       "pass `doctor --strict` as ready. The doctor's only: a run is not stopped for it.",
       source="importlib.metadata version of the transformer-engine distribution",
       fix="reinstall TransformerEngine from a release (pip install 'transformer-engine[pytorch]')"

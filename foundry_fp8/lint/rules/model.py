@@ -26,7 +26,12 @@ from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28
 from foundry_fp8.lint.values import built_options
 from foundry_fp8.options import SwapConfig
-from foundry_fp8.shapes import dim_fits_fp8, tokens_fit_fp8
+from foundry_fp8.shapes import (
+    FP8_DIM_MULTIPLE,
+    FP8_TOKEN_MULTIPLE,
+    dim_fits_fp8,
+    tokens_fit_fp8,
+)
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
     MPT_DEFAULT_INIT_SCHEME,
@@ -282,37 +287,40 @@ def _attention_hits(model: Mapping[str, Any], swap: SwapConfig | None) -> Iterat
                 f"{_attention_dims(layer, attn)})")
         if not m.te:
             if shape_reason(m.in_features, m.out_features) is not None:
-                yield Hit(key, f"{what} is not divisible by 16: te_swap keeps the attention "
-                          f"{layer} layers in high precision", severity="warning")
+                yield Hit(key, f"{what} is not divisible by {FP8_DIM_MULTIPLE}: te_swap keeps "
+                          f"the attention {layer} layers in high precision", severity="warning")
         elif not (dim_fits_fp8(m.in_features) and tokens_fit_fp8(m.out_features)):
-            # TE applies its leading-dims rule to the weight [out, in] too: out % 8
-            yield Hit(key, f"{what} breaks TE's FP8 check (weight out_features divisible by 8, "
-                      "in_features by 16), which fc_type te's te.Linear asserts in its forward")
+            # TE applies its leading-dims rule to the weight [out, in] too (out_features)
+            yield Hit(key, f"{what} breaks TE's FP8 check (weight out_features divisible by "
+                      f"{FP8_TOKEN_MULTIPLE}, in_features by {FP8_DIM_MULTIPLE}), which fc_type "
+                      "te's te.Linear asserts in its forward")
         elif not dim_fits_fp8(m.out_features):
-            yield Hit(key, f"{what}: out_features not divisible by 16, the inner dim of the "
-                      "backward GEMM that reads its output gradient, which te_swap's shape rule "
-                      "keeps out of FP8", severity="warning")
+            yield Hit(key, f"{what}: out_features not divisible by {FP8_DIM_MULTIPLE}, the inner "
+                      "dim of the backward GEMM that reads its output gradient, which te_swap's "
+                      "shape rule keeps out of FP8", severity="warning")
 
 
 @rule("FP8005", "error", "GEMM dims (d_model, FFN hidden size, attention Wqkv and out_proj, "
       "vocab when te_swap converts the LM head) that break TE's FP8 shape rule",
-      why="TE asserts before an FP8 GEMM that the input's last dim is divisible by 16 and the "
-      "product of its other dims by 8, and the same of the weight [out, in] (out by 8, in by "
-      "16). TE layers the model builds itself (fc_type: te, te_ln_mlp) then fail at the first "
+      why="TE asserts before an FP8 GEMM that the input's last dim is divisible by "
+      f"{FP8_DIM_MULTIPLE} and the product of its other dims by {FP8_TOKEN_MULTIPLE}, and the "
+      f"same of the weight [out, in] (out by {FP8_TOKEN_MULTIPLE}, in by {FP8_DIM_MULTIPLE}). "
+      "TE layers the model builds itself (fc_type: te, te_ln_mlp) then fail at the first "
       "forward (error); te_swap keeps such layers in high precision (warning), and with d_model "
       "off no block layer is left. The attention linears' dims follow from d_model unless "
       "head_dim is given or the kv heads are fewer (GQA, MQA): Wqkv's out_features is "
       "(n_heads + 2 x kv_n_heads) x head_dim, out_proj's in_features n_heads x head_dim. A "
-      "Wqkv out_features divisible by 8 but not 16 passes TE's forward check but is the inner "
-      "dim of its backward GEMM (a warning, te_swap's rule keeps such layers out).",
+      f"Wqkv out_features divisible by {FP8_TOKEN_MULTIPLE} but not {FP8_DIM_MULTIPLE} passes "
+      "TE's forward check but is the inner dim of its backward GEMM (a warning, te_swap's rule "
+      "keeps such layers out).",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec (called "
       "with the input and the weight by module/linear.py:168, layernorm_linear.py:150, "
       f"layernorm_mlp.py:217); {FOUNDRY} llmfoundry/models/layers/ffn.py "
       "resolve_ffn_hidden_size, llmfoundry/models/layers/attention.py "
       "GroupedQueryAttention.__init__ (head_dim, Wqkv, out_proj); foundry_fp8/shapes.py, "
       "foundry_fp8/filters.py shape_reason, filter_reason",
-      fix="use multiples of 16 (d_model, head_dim and the kv heads, expansion_ratio / "
-      "ffn_hidden_size, vocab_size)")
+      fix=f"use multiples of {FP8_DIM_MULTIPLE} (d_model, head_dim and the kv heads, "
+      "expansion_ratio / ffn_hidden_size, vocab_size)")
 def gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     swap = te_swap(config)
     native = native_te_layers(config)
@@ -323,26 +331,27 @@ def gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     if d_model is None:
         return
     if not dim_fits_fp8(d_model):
-        yield Hit("model.d_model", f"d_model {d_model} is not divisible by 16, as TE's FP8 "
-                  "GEMMs require" + ("" if native else " (te_swap would keep every block layer "
-                                                       "out of FP8)"))
+        yield Hit("model.d_model", f"d_model {d_model} is not divisible by {FP8_DIM_MULTIPLE}, "
+                  "as TE's FP8 GEMMs require" + ("" if native else " (te_swap would keep every "
+                                                 "block layer out of FP8)"))
     else:
         yield from _attention_hits(model, te_swap_options(config))
     hidden = _ffn_hidden(model, d_model)
     if hidden and not dim_fits_fp8(hidden[1]):
         if native:
-            yield Hit(hidden[0], f"FFN hidden size {hidden[1]} is not divisible by 16, as TE's "
-                      "FP8 GEMMs require")
+            yield Hit(hidden[0], f"FFN hidden size {hidden[1]} is not divisible by "
+                      f"{FP8_DIM_MULTIPLE}, as TE's FP8 GEMMs require")
         else:
-            yield Hit(hidden[0], f"FFN hidden size {hidden[1]} is not divisible by 16: te_swap "
-                      "keeps the FFN layers in high precision", severity="warning")
+            yield Hit(hidden[0], f"FFN hidden size {hidden[1]} is not divisible by "
+                      f"{FP8_DIM_MULTIPLE}: te_swap keeps the FFN layers in high precision",
+                      severity="warning")
     vocab = as_int(mpt_value(model, "vocab_size"))
     converts_head = (swap is not None and swap.get("keep_lm_head") is False
                      and model.get("tie_word_embeddings") is False)
     if converts_head and vocab is not None and not dim_fits_fp8(vocab):
-        yield Hit("model.vocab_size", f"vocab_size {vocab} is not divisible by 16: te_swap keeps "
-                  "the LM head in high precision although keep_lm_head is false",
-                  severity="warning")
+        yield Hit("model.vocab_size", f"vocab_size {vocab} is not divisible by "
+                  f"{FP8_DIM_MULTIPLE}: te_swap keeps the LM head in high precision although "
+                  "keep_lm_head is false", severity="warning")
 
 
 @rule("FP8032", "error", "MPT's `d_model * expansion_ratio` not a whole number",

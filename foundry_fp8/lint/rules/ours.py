@@ -1,7 +1,7 @@
-"""Our entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_lint`, `jsonl`): where LLM-Foundry's
-registries look for them, their options (foundry_fp8.lint.values, with the option dataclasses
-the constructors build, `foundry_fp8.options`, so the linter and the run agree), and how they
-combine with precision."""
+"""Our entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_guard`, `fp8_lint`, `jsonl`): where
+LLM-Foundry's registries look for them, their options (foundry_fp8.lint.values, with the option
+dataclasses the constructors build, `foundry_fp8.options`, so the linter and the run agree), and
+how they combine with precision."""
 
 from __future__ import annotations
 
@@ -19,7 +19,13 @@ from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.lint.rules.model import MPTModule, mpt_modules, mpt_value, te_swap_options
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY
 from foundry_fp8.lint.values import option_problems
-from foundry_fp8.options import OptionError, SwapConfig, checks, defaults
+from foundry_fp8.options import ENTRIES, OptionError, SwapConfig, checks, defaults
+from foundry_fp8.te.facts import (
+    MIN_FP8_CAPABILITY,
+    TE_PICKLE_GUARD_FIXES,
+    TE_PICKLE_GUARD_FROM,
+    dotted,
+)
 
 OUR_OPTIONS = "foundry_fp8/options.py ENTRIES"
 
@@ -54,8 +60,7 @@ def recipe_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     yield from _option_hits(config, ("recipe",))
 
 
-@rule("FP8019", "error", "unknown options of our entries (te_swap, fp8_stats, fp8_state, "
-      "fp8_lint, jsonl) (did-you-mean)",
+@rule("FP8019", "error", f"unknown options of our entries ({', '.join(ENTRIES)}) (did-you-mean)",
       why="LLM-Foundry passes an entry's mapping as keyword arguments, so an unknown option "
       "fails at construction. The option lists are the fields of our option dataclasses.",
       source=f"{OUR_OPTIONS}; {FOUNDRY} llmfoundry/utils/builders.py build_callback (reserved "
@@ -252,7 +257,8 @@ CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
       "checkpoints: FP8 scales reset at every resume",
       why="te_swap's emulated layers keep their FP8 scales and amax histories in buffers that "
       "are not in Composer's checkpoint, and TE layers keep them in a pickled `_extra_state` "
-      "that TE 2.16.1, 2.17.1 and >= 2.18 refuse to load unless "
+      f"that TE {', '.join(map(dotted, TE_PICKLE_GUARD_FIXES))} and >= "
+      f"{dotted(TE_PICKLE_GUARD_FROM)} refuse to load unless "
       "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; fp8_state saves and restores them. te_swap "
       "logs the same warning at INIT when the run has a checkpoint saver and no fp8_state.",
       source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
@@ -271,8 +277,9 @@ def te_swap_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) -> It
 
 @rule("FP8028", "error", "`precision: amp_fp8` with te_swap's emulated backend and no TE layer",
       why="Emulated FP8 layers run FP8 numerics at any precision; amp_fp8 only enters TE's "
-      "autocast, which Composer refuses without TE or a GPU of compute capability 8.9+ (and "
-      "Composer refuses every precision but fp32 on CPU when the Trainer is built). The "
+      "autocast, which Composer refuses without TE or a GPU of compute capability "
+      f"{dotted(MIN_FP8_CAPABILITY)}+ (and Composer refuses every precision but fp32 on CPU "
+      "when the Trainer is built). The "
       "emulated backend names a machine without FP8 hardware. A warning when this machine "
       "has TE and such a GPU (amp_fp8 then does nothing for emulated layers).",
       source=f"{COMPOSER} composer/core/precision.py _validate_precision, "
@@ -285,7 +292,7 @@ def amp_fp8_with_emulation(config: Mapping[str, Any], ctx: LintContext) -> Itera
         return
     snapshot = ctx.snapshot
     capable = snapshot is not None and snapshot.te is not None and snapshot.capability is not None \
-        and tuple(snapshot.capability) >= (8, 9)
+        and tuple(snapshot.capability) >= MIN_FP8_CAPABILITY
     yield Hit("precision", "precision amp_fp8 with te_swap's emulated backend: amp_fp8 needs "
               "TransformerEngine and an FP8 GPU (Composer raises without them, and refuses any "
               "precision but fp32 on CPU), and emulated layers do not need it",

@@ -29,7 +29,7 @@ from foundry_fp8.lint.known import (
     did_you_mean,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
-from foundry_fp8.shapes import tokens_fit_fp8
+from foundry_fp8.shapes import FP8_TOKEN_MULTIPLE, tokens_fit_fp8
 
 COMPOSER = "Composer 0.32.1"
 FOUNDRY = "LLM-Foundry 0.22.0"
@@ -59,17 +59,19 @@ def train_seq_len(config: Mapping[str, Any]) -> tuple[str, int | None]:
     return key, as_int(get(config, key))
 
 
-@rule("FP8006", "error", "tokens per micro-batch not divisible by 8 with TE layers in FP8",
+@rule("FP8006", "error", f"tokens per micro-batch not divisible by {FP8_TOKEN_MULTIPLE} with TE "
+      "layers in FP8",
       why="A GEMM input is (micro-batch x sequence length, features): TE asserts the leading "
-      "dims' product is divisible by 8. The sequence length is the train loader's "
-      "`dataset.max_seq_len`; the top-level `max_seq_len` only where the loader gives none.",
+      f"dims' product is divisible by {FP8_TOKEN_MULTIPLE}. The sequence length is the train "
+      "loader's `dataset.max_seq_len`; the top-level `max_seq_len` only where the loader gives "
+      "none.",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec; "
       f"{FOUNDRY} llmfoundry/data/text_data.py StreamingTextDataset (max_seq_len from the "
       "loader's dataset), llmfoundry/data/finetuning/dataloader.py build_finetuning_dataloader "
       "(dataset_cfg['max_seq_len']), llmfoundry/command_utils/train.py (the top-level "
       "max_seq_len: icl_seq_len's default)",
       fix="pick device_train_microbatch_size and a sequence length whose product is a multiple "
-      "of 8")
+      f"of {FP8_TOKEN_MULTIPLE}")
 def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     swap = te_swap(config)
     te_layers = native_te_layers(config) or (swap is not None and swap.get("backend") == "te")
@@ -79,7 +81,7 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
     key, seq = train_seq_len(config)
     if micro is not None and seq is not None and not tokens_fit_fp8(micro * seq):
         yield Hit(key, f"{micro} x {seq} tokens per micro-batch (device_train_microbatch_size x "
-                  f"{key}) is not divisible by 8, as TE's FP8 GEMMs require")
+                  f"{key}) is not divisible by {FP8_TOKEN_MULTIPLE}, as TE's FP8 GEMMs require")
 
 
 #: Keys that configs written for older Composer / LLM-Foundry or for DeepSpeed carry, which
