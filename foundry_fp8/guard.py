@@ -358,11 +358,17 @@ def fallback_message(fallback: Fallback, yaml: str) -> str:
             f"the start next time: {yaml}")
 
 
-def render_fallbacks(fallbacks: Iterable[Fallback], fp8_share: float | None) -> str:
-    """Table of the fallbacks (markdown): the fit-end print and `foundry-fp8 report`'s."""
-    rows = ["| layer | from step | FLOPs share | flagged for |", "|---|---|---|---|"]
-    for f in fallbacks:
-        rows.append(f"| {md_escape(f.layer)} | {f.step + 1} | {100 * f.flops_share:.1f} % | "
+def render_fallbacks(fallbacks: Iterable[Fallback], fp8_share: float | None,
+                     repromotions: Iterable[Repromotion] = ()) -> str:
+    """Table of the fallbacks (markdown), those a re-promotion ended included, in step order:
+    the fit-end print and `foundry-fp8 report`'s."""
+    back = {(r.layer, r.fallen_at): r.step + 1 for r in repromotions}
+    rows = ["| layer | from step | until | FLOPs share | flagged for |", "|---|---|---|---|---|"]
+    for f in sorted(fallbacks, key=lambda f: (f.step, f.layer)):
+        until = back.get((f.layer, f.step))
+        rows.append(f"| {md_escape(f.layer)} | {f.step + 1} | "
+                    f"{'the end' if until is None else f'step {until} (back in FP8)'} | "
+                    f"{100 * f.flops_share:.1f} % | "
                     f"{md_escape('; '.join(f.flagged or f.reasons))} |")
     if fp8_share is not None:
         rows.append(f"\nFP8 share of the linear FLOPs now: {100 * fp8_share:.1f} %")

@@ -163,7 +163,7 @@ def test_fallbacks_survive_the_state_dict():
     resumed = GuardCore(config, {"a": 0.05, "b": 0.05})
     resumed.load_state_dict(core.state_dict())
     assert resumed.fallbacks == core.fallbacks and resumed.fp8_flops_share == pytest.approx(0.05)
-    assert "| a | 5 | 5.0 % |" in render_fallbacks(resumed.fallbacks.values(), 0.05)
+    assert "| a | 5 | the end | 5.0 % |" in render_fallbacks(resumed.fallbacks.values(), 0.05)
 
 
 def test_a_logged_fallback_record_equals_itself_read_back():

@@ -226,8 +226,8 @@ def test_the_report_shows_the_fallback_and_the_yaml_for_next_time(runs, capsys):
     section = md.split("## fp8_guard\n", 1)[1].split("\n## ", 1)[0]
     underflow = metrics[step][layer_key("underflow_pct", "activation", LAYER)]
     assert underflow > guard.config.max_underflow_pct
-    row = (f"| {LAYER} | {step + 1} | {100 * 64 * 64 / TOTAL:.1f} % | activation underflow_pct "
-           f"{underflow:.3g} % (&gt; {guard.config.max_underflow_pct:g} %) |")
+    row = (f"| {LAYER} | {step + 1} | the end | {100 * 64 * 64 / TOTAL:.1f} % | activation "
+           f"underflow_pct {underflow:.3g} % (&gt; {guard.config.max_underflow_pct:g} %) |")
     assert row in section.splitlines()
     assert section.count(f"| {LAYER} |") == 1  # no other layer fell back
     first, last = (100 * BLOCKS / TOTAL, 100 * (BLOCKS - 64 * 64) / TOTAL)
@@ -325,8 +325,21 @@ def test_a_resume_before_the_repromotion_takes_it_at_the_same_step_bit_exact(run
                        .read_text())
     first = json.loads((run_folder(runs["tmp"], "repromoted") / "hparams.json").read_text())
     keys = [k for k in first if k.startswith("fp8/guard/")]
-    assert keys == [f"fp8/guard/fallback/{LAYER}", f"fp8/guard/repromotion/{LAYER}"]
+    assert keys == [f"fp8/guard/fallback/{LAYER}", f"fp8/guard/repromotion/{LAYER}",
+                    "fp8/guard/fallbacks"]
     assert {k: again[k] for k in keys} == {k: first[k] for k in keys}
+
+
+@pytest.mark.slow
+def test_the_fit_end_table_keeps_a_fallback_that_ended(runs):
+    """A layer back in FP8 by the end still was in high precision for part of the run: the
+    fit-end table (hparams `fp8/guard/fallbacks`) says from when to when."""
+    guard = runs["repromoted"][0]
+    (repromoted,) = guard.core.repromotions
+    table = json.loads((run_folder(runs["tmp"], "repromoted") / "hparams.json")
+                       .read_text())["fp8/guard/fallbacks"]
+    assert (f"| {LAYER} | {repromoted.fallen_at + 1} | step {repromoted.step + 1} (back in FP8) |"
+            in table)
 
 
 @pytest.mark.slow

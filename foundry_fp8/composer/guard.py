@@ -132,11 +132,15 @@ class FP8Guard(Callback):
         self._raise_stop()
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        if self.core is None or not self.core.fallbacks or dist.get_global_rank() != 0:
+        core = self.core
+        if core is None or not (core.fallbacks or core.ended) or dist.get_global_rank() != 0:
             return
-        table = render_fallbacks(self.core.fallbacks.values(), self.core.fp8_flops_share)
-        print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n"
-              f"Next time: {static_yaml(self.core.fallbacks, self._exclude)}", flush=True)
+        table = render_fallbacks([*core.ended, *core.fallbacks.values()], core.fp8_flops_share,
+                                 core.repromotions)
+        next_time = (f"Next time: {static_yaml(core.fallbacks, self._exclude)}"
+                     if core.fallbacks else "No layer is in fallback at the end of the run.")
+        print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n{next_time}",
+              flush=True)
         self._log_hyperparameters(logger, {"fp8/guard/fallbacks": table})
 
     def state_dict(self) -> dict[str, Any]:
