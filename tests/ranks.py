@@ -1,10 +1,13 @@
 """Two CPU processes over gloo for the multi-rank tests, under a deadline: a rank that hangs or
-dies leaves its results missing, so its test fails instead of blocking the suite."""
+dies leaves its results missing, so its test fails instead of blocking the suite. The ranks meet
+through a file of their own, not a TCP port: a free port picked and released can be taken by
+another process group (tests run side by side) and mix two groups' collectives."""
 
 from __future__ import annotations
 
 import os
-import socket
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -16,23 +19,23 @@ import torch.multiprocessing as mp
 WORLD_SIZE = 2
 
 
-def init_rank(rank: int, port: int) -> None:
+def init_rank(rank: int, rendezvous: str) -> None:
     """Join the 2-rank gloo group; collectives give up after a minute rather than wait for ever."""
     # Composer's dist reads these too (a Trainer earlier in the session may have set them to 1)
     os.environ.update(WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(WORLD_SIZE), NODE_RANK="0")
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    torch_dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                                   world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
 
 
 def run_ranks(worker: Callable[..., None], *args: Any, deadline_s: float = 180.0) -> None:
-    """`worker(rank, port, *args)` on both ranks; whatever is still running at the deadline is
-    killed. A rank that raised is reported on stdout; its test then finds no result."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(worker, args=(port, *args), nprocs=WORLD_SIZE, join=False,
-                                 start_method="spawn")
+    """`worker(rank, rendezvous, *args)` on both ranks; whatever is still running at the
+    deadline is killed. A rank that raised is reported on stdout; its test then finds no
+    result."""
+    folder = tempfile.mkdtemp(prefix="ranks-")
+    rendezvous = os.path.join(folder, "store")
+    context = mp.start_processes(worker, args=(rendezvous, *args), nprocs=WORLD_SIZE,
+                                 join=False, start_method="spawn")
     deadline = time.monotonic() + deadline_s
     try:
         while not context.join(timeout=1) and time.monotonic() < deadline:
@@ -43,3 +46,4 @@ def run_ranks(worker: Callable[..., None], *args: Any, deadline_s: float = 180.0
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -201,8 +201,8 @@ def _rank_input(rank: int) -> torch.Tensor:
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(10 + rank)) * 10 ** rank
 
 
-def _reduce_worker(rank: int, port: int, out_dir: str) -> None:
-    init_rank(rank, port)
+def _reduce_worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    init_rank(rank, rendezvous)
     try:
         own = [torch_dist.new_group([r]) for r in range(2)]  # every rank creates every group
         results = {}

@@ -84,8 +84,8 @@ def _train(rank: int, broken: bool, stop: int | None = None) -> dict:
             "logged": {s: m.get("fp8/guard/fallback_layers") for s, m in logger.metrics.items()}}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    init_rank(rank, port)
+def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    init_rank(rank, rendezvous)
     results = {"clean": _train(rank, broken=False), "broken": _train(rank, broken=True),
                "transient": _train(rank, broken=False, stop=STOP)}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))

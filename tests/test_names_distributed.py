@@ -40,8 +40,8 @@ def _names(model: nn.Module) -> dict[str, list[str]]:
             "all": [name for name, _ in canonical_modules(model)]}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    init_rank(rank, port)
+def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    init_rank(rank, rendezvous)
     try:
         ddp = nn.parallel.DistributedDataParallel(_Model())
         ddp(torch.randn(2, 8)).sum().backward()  # a real DDP step: the wrapper in use

@@ -33,8 +33,8 @@ def _train(model: nn.Module, data_seed: int) -> None:
         out.sum().backward()
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    init_rank(rank, port)
+def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    init_rank(rank, rendezvous)
     try:
         for mode, data_seed in (("differ", rank), ("same", 0)):
             model = _model()
