@@ -3,7 +3,8 @@
 The machine is read by the torch-free probe `foundry_fp8.environment.gather_snapshot` (package
 metadata, torch's version file, nvidia-smi, TE's import in a time-limited subprocess) and judged
 by the FP82xx rules (`foundry_fp8.lint.rules.environment`). No probe can make the doctor fail;
-an unknown value is shown as such.
+an unknown value is shown as such. On a terminal, one line on stderr says which programs it
+runs and for how long at most before it runs them (stdout, the JSON included, stays the report).
 
 Exit codes: 0 nothing is broken (missing GPU or TE is reported, not failed: the emulated backend
 runs anywhere); 1 an error finding (a broken TE install), or with `--strict` a warning too, i.e.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
 from foundry_fp8.environment import Snapshot, gather_snapshot
@@ -31,8 +33,8 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
         torch += f" (CUDA {s.torch_cuda or 'none: CPU build'}, cuDNN {s.cudnn or 'none'})"
     gpu = "none" if not s.has_gpu else f"{s.gpu_name} (compute capability " \
         f"{s.capability[0]}.{s.capability[1]})"
-    if s.gpu_name and not s.has_gpu:
-        gpu = s.gpu_name
+    if not s.has_gpu and (s.gpu_error or s.gpu_name):
+        gpu = f"unknown ({s.gpu_error})" if s.gpu_error else s.gpu_name
     te = shown(s.te)
     if s.te is not None:
         parts = [f"torch extension {shown(s.te_torch, 'no pip package')}",
@@ -82,8 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "off: a TE build that does not import is found")
 
 
+def _progress(what: str) -> None:
+    """Tell a person at a terminal what the doctor waits for; nothing otherwise (a script reads
+    stdout, and stderr stays quiet)."""
+    try:
+        if sys.stderr is not None and sys.stderr.isatty():
+            print(f"foundry-fp8 doctor: {what}...", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a closed or failing stderr must not stop the doctor
+        pass
+
+
 def run(args: argparse.Namespace) -> int:
-    snapshot = gather_snapshot(probe_te_import=not args.no_te_import)
+    snapshot = gather_snapshot(probe_te_import=not args.no_te_import, progress=_progress)
     findings = environment_findings(snapshot)
     code, reason = exit_code(findings, args.strict), exit_reason(findings, args.strict)
     if args.format == "json":

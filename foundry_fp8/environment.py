@@ -2,7 +2,9 @@
 the GPU is). Read from package metadata and files, never by importing torch or TE into this
 process: the GPU comes from torch when the process already imported it (a training run), else
 from `nvidia-smi`; TE's import is tried in a subprocess with a time limit (a TE extension built
-for another torch can crash the interpreter). No probe can fail: an unknown value is None.
+for another torch can crash the interpreter). No probe can fail: an unknown value is None. A
+program the probe runs (`run_probe`) is stopped, with everything it started, past its time limit
+or past `PROBE_OUTPUT_LIMIT` bytes of output, and the snapshot says which.
 
 The rules that judge a snapshot (FP82xx) live in `foundry_fp8.lint.rules.environment`; the
 doctor CLI and the `fp8_lint` callback both call them. Nothing here imports the linter; the
@@ -11,15 +13,20 @@ version facts the rules compare with live in `foundry_fp8.te.facts`.
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import metadata, util
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from foundry_fp8.te.facts import parse_version
 
@@ -27,6 +34,15 @@ from foundry_fp8.te.facts import parse_version
 TE_IMPORT_TIMEOUT_S = 120
 #: Seconds allowed for `nvidia-smi` (a hung driver must not hang the doctor).
 NVIDIA_SMI_TIMEOUT_S = 20
+#: Bytes of output (stdout and stderr together) read from a probe's program before it is stopped:
+#: nvidia-smi's query prints a line per GPU, a failing TE import a traceback; one printing
+#: endlessly must not fill the memory.
+PROBE_OUTPUT_LIMIT = 1 << 20
+#: Seconds a killed probe gets to exit, and its output pipes to close, before the probe gives up
+#: on it (a process stuck in the GPU driver does not die even of SIGKILL).
+_KILL_GRACE_S = 5
+#: The most characters of a program's line a message quotes (a C++ symbol can be long).
+_QUOTED_CHARS = 500
 TE_CORE_PACKAGES = ("transformer-engine-cu12", "transformer-engine-cu13")
 CUDNN_PACKAGES = ("nvidia-cudnn-cu12", "nvidia-cudnn-cu13")
 
@@ -38,7 +54,9 @@ class Snapshot:
     `te_import_error` is only meaningful when `te_import_checked` (the doctor imports TE in a
     subprocess; the `fp8_lint` callback does not spend that time). `flash_attn_cross_entropy`:
     flash-attn's `flash_attn/losses/cross_entropy.py` is installed (what MPT's default loss
-    imports).
+    imports). `gpu_error`: why the GPU could not be read although a probe ran (nvidia-smi timed
+    out, failed or printed no GPU; torch.cuda raised), a driver problem rather than no GPU; None
+    when it was read, or when there is nothing to ask (no nvidia-smi: no driver, so no GPU).
     """
 
     python: str
@@ -47,6 +65,7 @@ class Snapshot:
     cudnn: str | None = None
     gpu_name: str | None = None
     capability: tuple[int, int] | None = None
+    gpu_error: str | None = None
     te: str | None = None
     te_torch: str | None = None
     te_core: str | None = None
@@ -107,26 +126,137 @@ def _gpu_from_torch() -> dict[str, Any]:
         return {"gpu_name": torch.cuda.get_device_name(0),
                 "capability": tuple(torch.cuda.get_device_capability(0))}
     except Exception as e:  # a driver problem is worth showing, not dying of
-        return {"gpu_name": f"unknown ({type(e).__name__}: {e})"}
+        return {"gpu_error": f"torch.cuda raised {type(e).__name__}: {_quoted(str(e))}"}
 
 
-def _gpu_from_nvidia_smi() -> dict[str, Any]:
-    """The first GPU `nvidia-smi` lists (name, compute capability); {} without one."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return {}
+@dataclass(frozen=True)
+class ProbeRun:
+    """What a probe's program did: its exit status (None when the probe stopped it), its output
+    (at most PROBE_OUTPUT_LIMIT bytes in all, undecodable bytes replaced), and `stopped`: why the
+    probe stopped it ("did not finish within 20 s", "printed more than 1 MiB of output"), or
+    None."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    stopped: str | None = None
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """Kill `process` and what it started (its own session, so its process group), and reap it
+    unless it does not die within _KILL_GRACE_S (stuck in the kernel): then it is left."""
     try:
-        done = subprocess.run([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
-                              capture_output=True, text=True, errors="replace",
-                              timeout=NVIDIA_SMI_TIMEOUT_S, check=False)
-    except (subprocess.TimeoutExpired, OSError) as e:
-        return {"gpu_name": f"unknown (nvidia-smi: {type(e).__name__})"}
-    line = next((ln for ln in done.stdout.splitlines() if ln.strip()), "")
+        os.killpg(process.pid, signal.SIGKILL)  # after its exit too: a child may hold its pipes
+    except (AttributeError, OSError):  # no process groups here, or none left
+        if process.poll() is None:
+            try:
+                process.kill()
+            except OSError:
+                pass
+    try:
+        process.wait(timeout=_KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_probe(argv: list[str], timeout_s: float, limit: int | None = None) -> ProbeRun:
+    """Run `argv` (stdin empty), keeping at most `limit` bytes of its output (default
+    PROBE_OUTPUT_LIMIT); stop it, with everything it started, past `timeout_s` or past `limit`,
+    and once it exits (a child left behind must not hold the probe). Raises OSError when it
+    cannot start. Never waits much longer than `timeout_s` + 2 * _KILL_GRACE_S."""
+    limit = PROBE_OUTPUT_LIMIT if limit is None else limit
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, start_new_session=True)
+    kept = {"stdout": bytearray(), "stderr": bytearray()}
+    lock, over = threading.Lock(), threading.Event()
+
+    def read(name: str, stream: IO[bytes]) -> None:
+        try:
+            while not over.is_set():
+                chunk = os.read(stream.fileno(), 1 << 16)
+                if not chunk:
+                    return
+                with lock:
+                    room = limit - len(kept["stdout"]) - len(kept["stderr"])
+                    kept[name] += chunk[:max(room, 0)]
+                    if len(chunk) > room:
+                        over.set()
+        except (OSError, ValueError):
+            return
+
+    readers = {name: threading.Thread(target=read, args=(name, stream), daemon=True)
+               for name, stream in (("stdout", process.stdout), ("stderr", process.stderr))}
+    for reader in readers.values():
+        reader.start()
+    deadline, stopped = time.monotonic() + timeout_s, None
+    try:
+        while not over.is_set() and process.poll() is None:
+            if time.monotonic() >= deadline:
+                stopped = f"did not finish within {timeout_s:g} s"
+                break
+            over.wait(0.02)
+    finally:  # KeyboardInterrupt too: nothing the probe started outlives it
+        _kill(process)
+    until = time.monotonic() + _KILL_GRACE_S
+    for name, reader in readers.items():
+        reader.join(timeout=max(0.0, until - time.monotonic()))
+        if not reader.is_alive():  # one still reading (a process that escaped) keeps its pipe
+            getattr(process, name).close()
+    if over.is_set():
+        stopped = f"printed more than {_size(limit)} of output"
+    with lock:
+        out, err = (kept[name].decode("utf-8", errors="replace") for name in ("stdout", "stderr"))
+    return ProbeRun(None if stopped else process.returncode, out, err, stopped)
+
+
+def _quoted(text: str) -> str:
+    """`text` as one short printable line (a message quotes a program's words with it)."""
+    line = "".join(c if c.isprintable() else "\ufffd" for c in " ".join(text.split()))
+    return line if len(line) <= _QUOTED_CHARS else line[:_QUOTED_CHARS - 3] + "..."
+
+
+def _first_line(text: str) -> str:
+    return _quoted(next((line for line in text.splitlines() if line.strip()), ""))
+
+
+def _exit_status(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"failed with exit status {returncode}"
+
+
+def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
+    """The first GPU `nvidia-smi` (at `exe`) lists (name, compute capability); {} when it lists
+    none; `gpu_error` when it cannot be read (a driver problem, not an absent GPU)."""
+    try:
+        done = run_probe([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                         NVIDIA_SMI_TIMEOUT_S)
+    except OSError as e:
+        return {"gpu_error": f"nvidia-smi could not be started: {_quoted(str(e))}"}
+    if done.stopped:
+        return {"gpu_error": f"nvidia-smi {done.stopped}, so it was stopped"}
+    if done.returncode != 0:
+        said = _first_line(done.stderr) or _first_line(done.stdout)  # the real one: stdout
+        return {"gpu_error": f"nvidia-smi {_exit_status(done.returncode)}"
+                             + (f": {said}" if said else "")}
+    line = _first_line(done.stdout)
+    if not line:
+        return {}  # a driver that lists no GPU
     name, _, cap = line.rpartition(",")
     version = parse_version(cap.strip())
-    if done.returncode != 0 or not version or len(version) < 2:
-        return {"gpu_name": f"unknown (nvidia-smi: {line or done.stderr.strip()[:80]})"} \
-            if done.returncode != 0 else {}
+    if not name.strip() or not version or len(version) < 2:
+        return {"gpu_error": f"nvidia-smi printed no GPU name and compute capability but "
+                             f"{line!r}"}
     return {"gpu_name": name.strip(), "capability": (version[0], version[1])}
 
 
@@ -141,34 +271,45 @@ def _cudnn() -> str | None:
     return next((v for p in CUDNN_PACKAGES if (v := _version(p))), None)
 
 
-def te_import_error(timeout_s: float = TE_IMPORT_TIMEOUT_S) -> str | None:
-    """Why `import transformer_engine.pytorch` fails in a fresh interpreter (None: it imports).
+def te_import_error(timeout_s: float | None = None) -> str | None:
+    """Why `import transformer_engine.pytorch` fails in a fresh interpreter (None: it imports),
+    within `timeout_s` (default TE_IMPORT_TIMEOUT_S) and PROBE_OUTPUT_LIMIT bytes of output.
     torch is imported first, as in every training script: TE's core library finds NCCL only
     through the libraries torch loads, so TE imported alone can fail on a healthy install."""
+    timeout_s = TE_IMPORT_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        done = subprocess.run([sys.executable, "-c", "import torch, transformer_engine.pytorch"],
-                              capture_output=True, text=True, errors="replace", timeout=timeout_s,
-                              check=False)
-    except subprocess.TimeoutExpired:
-        return f"did not finish within {timeout_s:.0f} s"
+        done = run_probe([sys.executable, "-c", "import torch, transformer_engine.pytorch"],
+                         timeout_s)
     except OSError as e:
-        return f"could not start Python: {e}"
+        return f"could not start Python: {_quoted(str(e))}"
+    if done.stopped:
+        return f"{done.stopped} (the doctor's limit), so it was stopped"
     if done.returncode == 0:
         return None
     lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-    return lines[-1] if lines else f"exit status {done.returncode}"
+    return _quoted(lines[-1]) if lines else f"Python {_exit_status(done.returncode)}"
 
 
-def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True) -> Snapshot:
+def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
+                    progress: Callable[[str], None] | None = None) -> Snapshot:
     """This machine's snapshot. `probe_te_import` spends a subprocess importing TE;
-    `probe_gpu` asks torch (when already imported) or nvidia-smi for the GPU."""
+    `probe_gpu` asks torch (when already imported) or nvidia-smi for the GPU. `progress` is
+    told once, before them, which programs will run and for how long at most (the doctor shows
+    it on a terminal)."""
     core_package = next((p for p in TE_CORE_PACKAGES if _version(p)), None)
     te = _version("transformer-engine")
     if te is None and _package_dir("transformer_engine") is not None:
         te = "unknown (no package metadata)"
     flash = _package_dir("flash_attn")
+    smi = shutil.which("nvidia-smi") if probe_gpu and "torch" not in sys.modules else None
+    probe_te_import = probe_te_import and te is not None
+    slow = ([f"nvidia-smi (up to {NVIDIA_SMI_TIMEOUT_S:g} s)"] if smi else []) + \
+        ([f"the TransformerEngine import (up to {TE_IMPORT_TIMEOUT_S:g} s)"]
+         if probe_te_import else [])
+    if slow and progress is not None:
+        progress(f"checking {' and '.join(slow)}")
     gpu = {} if not probe_gpu else \
-        _gpu_from_torch() if "torch" in sys.modules else _gpu_from_nvidia_smi()
+        _gpu_from_torch() if "torch" in sys.modules else _gpu_from_nvidia_smi(smi) if smi else {}
     snapshot = Snapshot(
         python=platform.python_version(), torch=_version("torch"), torch_cuda=_torch_cuda(),
         cudnn=_cudnn(), te=te, te_torch=_version("transformer-engine-torch"),
@@ -177,6 +318,6 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True) -> Sna
         flash_attn=_version("flash-attn"),
         flash_attn_cross_entropy=bool(flash and (flash / "losses" / "cross_entropy.py").is_file()),
         accelerate=_version("accelerate"), deepspeed=_version("deepspeed"), **gpu)
-    if probe_te_import and te is not None:
+    if probe_te_import:
         snapshot = replace(snapshot, te_import_checked=True, te_import_error=te_import_error())
     return snapshot

@@ -3,17 +3,20 @@ machine (which may have no GPU and no TransformerEngine)."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
 
-from foundry_fp8 import doctor
+from foundry_fp8 import doctor, environment
 from foundry_fp8.cli import main
 from foundry_fp8.doctor import exit_code, exit_reason
-from foundry_fp8.environment import Snapshot, gather_snapshot
+from foundry_fp8.environment import PROBE_OUTPUT_LIMIT, Snapshot, gather_snapshot, run_probe
 from foundry_fp8.lint.registry import Finding, rules_of
 from foundry_fp8.lint.rules import RULES
 from foundry_fp8.lint.rules.environment import NO_GPU, environment_findings
@@ -163,7 +166,7 @@ def test_composer_and_torch_that_cannot_auto_microbatch_under_fsdp_are_an_info()
 
 
 def test_an_info_leaves_the_machine_ready(capsys, monkeypatch):
-    monkeypatch.setattr(doctor, "gather_snapshot", lambda probe_te_import: H200)
+    monkeypatch.setattr(doctor, "gather_snapshot", lambda **_: H200)
     assert main(["doctor", "--strict"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-2].startswith("info FP8209 composer: Composer 0.32.1 with torch 2.11.0+cu130")
@@ -216,14 +219,14 @@ def test_exit_reason_is_one_line_naming_the_failing_findings():
 ])
 def test_doctor_output_ends_with_why_it_fails(capsys, monkeypatch, snapshot, args, code,
                                               last_line):
-    monkeypatch.setattr(doctor, "gather_snapshot", lambda probe_te_import: snapshot)
+    monkeypatch.setattr(doctor, "gather_snapshot", lambda **_: snapshot)
     assert main(["doctor", *args]) == code
     assert capsys.readouterr().out.splitlines()[-1].startswith(last_line)
 
 
 def test_an_info_alone_never_fails_even_strict(capsys, monkeypatch):
     monkeypatch.setattr(doctor, "environment_findings", lambda snapshot: [INFO])
-    monkeypatch.setattr(doctor, "gather_snapshot", lambda probe_te_import: H100)
+    monkeypatch.setattr(doctor, "gather_snapshot", lambda **_: H100)
     assert main(["doctor", "--strict"]) == 0
     assert "exit 1" not in capsys.readouterr().out
     assert main(["doctor", "--strict", "--format", "json"]) == 0
@@ -268,14 +271,15 @@ def test_real_doctor_on_this_machine():
                                                        else set())
 
 
-@pytest.mark.parametrize(("script", "gpu_name", "capability"), [
-    ('echo "NVIDIA H100 80GB HBM3, 9.0"', "NVIDIA H100 80GB HBM3", [9, 0]),
-    ('echo "NVIDIA L4, 8.9"; echo "NVIDIA L4, 8.9"', "NVIDIA L4", [8, 9]),  # the first GPU
-    ("exit 0", None, None),  # a driver with no GPU listed
-    ('echo "NVIDIA-SMI has failed" >&2; exit 9', "unknown (nvidia-smi: NVIDIA-SMI has failed)",
-     None),
+@pytest.mark.parametrize(("script", "gpu_name", "capability", "gpu_error"), [
+    ('echo "NVIDIA H100 80GB HBM3, 9.0"', "NVIDIA H100 80GB HBM3", [9, 0], None),
+    ('echo "NVIDIA L4, 8.9"; echo "NVIDIA L4, 8.9"', "NVIDIA L4", [8, 9], None),  # the first GPU
+    ("exit 0", None, None, None),  # a driver with no GPU listed
+    ('echo "NVIDIA-SMI has failed" >&2; exit 9', None, None,
+     "nvidia-smi failed with exit status 9: NVIDIA-SMI has failed"),
 ])
-def test_the_probe_reads_the_gpu_from_nvidia_smi(tmp_path, script, gpu_name, capability):
+def test_the_probe_reads_the_gpu_from_nvidia_smi(tmp_path, script, gpu_name, capability,
+                                                 gpu_error):
     """Without torch in the process, the GPU comes from `nvidia-smi --query-gpu=name,compute_cap
     --format=csv,noheader` (faked here: this machine has no GPU; never run on a real one)."""
     fake = tmp_path / "nvidia-smi"
@@ -283,11 +287,11 @@ def test_the_probe_reads_the_gpu_from_nvidia_smi(tmp_path, script, gpu_name, cap
     fake.chmod(0o755)
     code = ("import json; from foundry_fp8.environment import gather_snapshot; "
             "s = gather_snapshot(probe_te_import=False); print(json.dumps([s.gpu_name, "
-            "s.capability]))")
+            "s.capability, s.gpu_error]))")
     env = {**__import__("os").environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env).stdout
-    assert json.loads(out) == [gpu_name, capability]
+    assert json.loads(out) == [gpu_name, capability, gpu_error]
 
 
 def test_a_te_without_package_metadata_has_no_version_and_is_not_imported(tmp_path,
@@ -309,3 +313,154 @@ def test_a_te_without_package_metadata_has_no_version_and_is_not_imported(tmp_pa
 
     monkeypatch.setattr(probe.metadata, "version", no_metadata)  # even where TE is installed
     assert probe.te_available() and probe.te_version() is None
+
+
+# -- the probes' own limits: output read, time, what a failure is called -------------------------
+
+
+def _fake_nvidia_smi(folder, script: str) -> None:
+    fake = folder / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+
+
+def _fake_te(folder, init: str) -> None:
+    """A transformer_engine with package metadata (so the probe imports it) on sys.path."""
+    (folder / "transformer_engine" / "pytorch").mkdir(parents=True)
+    (folder / "transformer_engine" / "pytorch" / "__init__.py").write_text("")
+    (folder / "transformer_engine" / "__init__.py").write_text(init)
+    info = folder / "transformer_engine-2.8.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformer_engine\n"
+                                   "Version: 2.8.0\n")
+
+
+def _gpu_finding(tmp_path, monkeypatch, script: str | None):
+    """FP8201's message, with `script` as nvidia-smi (None: there is none on PATH)."""
+    if script is not None:
+        _fake_nvidia_smi(tmp_path, script)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # else the GPU comes from torch
+    snapshot = gather_snapshot(probe_te_import=False)
+    return snapshot, {f.rule: f for f in environment_findings(snapshot)}.get("FP8201")
+
+
+def test_a_probe_printing_endlessly_is_stopped_at_the_byte_limit(tmp_path):
+    """An nvidia-smi printing 50 MB (QA: one printing forever took 46 s and 22 GB): the doctor
+    reads at most PROBE_OUTPUT_LIMIT bytes, stops it, and says so in one line."""
+    _fake_nvidia_smi(tmp_path, 'yes "NVIDIA H100 80GB HBM3, 9.0" | head -c 50000000')
+    code = ("import json, resource, time; from foundry_fp8.environment import gather_snapshot; "
+            "from foundry_fp8.lint.rules.environment import environment_findings; "
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; t = time.monotonic(); "
+            "s = gather_snapshot(probe_te_import=False); "
+            "print(json.dumps([time.monotonic() - t, "
+            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, "
+            "[f.message for f in environment_findings(s) if f.rule == 'FP8201']]))")
+    env = {**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env, timeout=120).stdout
+    seconds, grown_kib, messages = json.loads(out)
+    assert seconds < 10 and grown_kib < 20_000, (seconds, grown_kib)
+    message, = messages
+    assert f"nvidia-smi printed more than {PROBE_OUTPUT_LIMIT >> 20} MiB" in message
+    assert "\n" not in message
+
+
+def test_the_reader_keeps_at_most_the_limit_and_stops_the_process():
+    started = time.monotonic()
+    done = run_probe([sys.executable, "-c", "print('x' * 50_000_000)"], timeout_s=60,
+                     limit=10_000)
+    assert time.monotonic() - started < 10
+    assert done.stopped == "printed more than 10000 bytes of output"
+    assert len(done.stdout) + len(done.stderr) <= 10_000 and done.returncode is None
+
+
+def test_a_te_import_printing_endlessly_is_stopped(tmp_path, monkeypatch):
+    _fake_te(tmp_path, "import sys\nfor _ in range(12_000): sys.stderr.write('warning ' * 512)\n"
+             "raise SystemExit(3)\n")  # 50 MB: bounded, so that a broken reader cannot eat the memory
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    started = time.monotonic()
+    error = environment.te_import_error(timeout_s=60)
+    assert time.monotonic() - started < 10
+    assert error == (f"printed more than {PROBE_OUTPUT_LIMIT >> 20} MiB of output (the doctor's "
+                     "limit), so it was stopped")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_hanging_te_import_is_announced_on_a_terminal_and_named_on_timeout(
+        tmp_path, monkeypatch, capsys, terminal):
+    """QA: a TE import that hangs left the doctor silent for its 120 s limit. On a terminal
+    one line on stderr says what is running and for how long at most; stdout (JSON) stays clean,
+    and the finding names the limit."""
+    _fake_te(tmp_path, "import time\ntime.sleep(60)\n")
+    _fake_nvidia_smi(tmp_path, 'echo "NVIDIA H100 80GB HBM3, 9.0"')
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(environment, "TE_IMPORT_TIMEOUT_S", 1)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # else the GPU comes from torch
+    stderr = _Terminal()
+    if terminal:
+        monkeypatch.setattr(sys, "stderr", stderr)
+    started = time.monotonic()
+    assert main(["doctor", "--format", "json"]) == 1
+    assert time.monotonic() - started < 10
+    report = json.loads(capsys.readouterr().out)
+    fp8206, = (f for f in report["findings"] if f["rule"] == "FP8206")
+    assert "did not finish within 1 s (the doctor's limit), so it was stopped" in \
+        fp8206["message"]
+    expected = ("foundry-fp8 doctor: checking nvidia-smi (up to 20 s) and the TransformerEngine "
+                "import (up to 1 s)...\n")
+    assert stderr.getvalue() == (expected if terminal else "")
+
+
+@pytest.mark.parametrize(("script", "message"), [
+    (None, NO_GPU),  # no nvidia-smi: no driver, no GPU
+    ("exit 0", NO_GPU),  # a driver that lists no GPU
+    ("sleep 30", "no GPU found: nvidia-smi did not finish within 1 s, so it was stopped; "),
+    ('echo "NVIDIA-SMI has failed because it couldnt communicate with the NVIDIA driver" >&2;'
+     " exit 9", "no GPU found: nvidia-smi failed with exit status 9: NVIDIA-SMI has failed "
+     "because it couldnt communicate with the NVIDIA driver; "),
+    ('echo "NVIDIA-SMI has failed (on stdout, as the real one)"; exit 9',
+     "no GPU found: nvidia-smi failed with exit status 9: NVIDIA-SMI has failed (on stdout, as "
+     "the real one); "),
+    ("kill -SEGV $$", "no GPU found: nvidia-smi was killed by signal SIGSEGV; "),
+    ('echo "NVIDIA H100, nan"', "no GPU found: nvidia-smi printed no GPU name and compute "
+     "capability but 'NVIDIA H100, nan'; "),
+])
+def test_a_failing_nvidia_smi_is_not_called_no_gpu(tmp_path, monkeypatch, script, message):
+    """QA: a hung or failing nvidia-smi was reported as "no GPU ... the emulated backend works
+    here": it is a driver problem to fix, and FP8201 says what nvidia-smi did."""
+    monkeypatch.setattr(environment, "NVIDIA_SMI_TIMEOUT_S", 1)
+    started = time.monotonic()
+    snapshot, finding = _gpu_finding(tmp_path, monkeypatch, script)
+    assert time.monotonic() - started < 8
+    assert finding.message.startswith(message), finding.message
+    if message != NO_GPU:
+        assert "driver" in finding.message and "driver" in finding.fix
+        assert snapshot.gpu_error and snapshot.gpu_name is None
+
+
+def test_an_nvidia_smi_leaving_a_child_behind_is_read_at_once(tmp_path, monkeypatch):
+    """Its child holds the output pipe open: the doctor reads what nvidia-smi printed when it
+    exits, instead of waiting for the child until the time limit."""
+    started = time.monotonic()
+    snapshot, finding = _gpu_finding(tmp_path, monkeypatch,
+                                     'echo "NVIDIA H100, 9.0"; (sleep 30) &')
+    assert time.monotonic() - started < 5
+    assert (snapshot.gpu_name, snapshot.capability, finding) == ("NVIDIA H100", (9, 0), None)
+
+
+def test_the_gpu_row_says_why_the_gpu_is_unknown(capsys, monkeypatch):
+    broken = replace(CPU, gpu_error="nvidia-smi failed with exit status 9: NVIDIA-SMI has failed")
+    monkeypatch.setattr(doctor, "gather_snapshot", lambda **_: broken)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU                  unknown (nvidia-smi failed with exit status 9: NVIDIA-SMI has " \
+        "failed)\n" in out
+    assert NO_GPU not in out

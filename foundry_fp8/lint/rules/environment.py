@@ -45,6 +45,8 @@ from foundry_fp8.te.facts import (
 )
 
 NO_GPU = "no GPU: FP8 training needs an H100/Ada; the emulated backend works here"
+DRIVER_FIX = ("fix the NVIDIA driver until `nvidia-smi` lists the GPU (the message says what it "
+              "did); meanwhile use te_swap: {backend: emulate}")
 TE_SRC = "TransformerEngine (NVIDIA/TransformerEngine main, also read at v1.0-v2.18 tags)"
 
 
@@ -60,14 +62,23 @@ def _capability_problems(snapshot: Snapshot) -> list[RecipeProblem]:
     return environment_problems(FP8Recipe(), snapshot.capability, None)
 
 
-@rule("FP8201", "warning", "no GPU (FP8 training needs one; the emulated backend works)",
+@rule("FP8201", "warning", "no GPU found (FP8 training needs one; the emulated backend works)",
       why="FP8 GEMMs run only on GPUs; te_swap's `backend: emulate` gives FP8 numerics "
-      "anywhere. An error in `fp8_lint` for a run that asks for TE layers.",
-      source="foundry_fp8/composer/te_swap.py (_check_te_environment); foundry_fp8/emulate.py",
+      "anywhere. No nvidia-smi, or one that lists no GPU, means no GPU; an nvidia-smi that timed "
+      "out, failed or printed no GPU (or a torch.cuda that raised) is named in the message, as "
+      "a driver problem to fix. An error in `fp8_lint` for a run that asks for TE layers.",
+      source="foundry_fp8/composer/te_swap.py (_check_te_environment); foundry_fp8/emulate.py; "
+      "foundry_fp8/environment.py (_gpu_from_nvidia_smi)",
       fix="train FP8 on an H100/H200 or Ada GPU; here use te_swap: {backend: emulate}",
       family="environment")
 def no_gpu(env: Environment, _: LintContext) -> Iterator[Hit]:
-    if not env.snapshot.has_gpu:
+    snapshot = env.snapshot
+    if snapshot.has_gpu:
+        return
+    if snapshot.gpu_error:
+        yield Hit("gpu", f"no GPU found: {snapshot.gpu_error}; if this machine has a GPU, its "
+                  "driver needs fixing (the emulated backend works meanwhile)", fix=DRIVER_FIX)
+    else:
         yield Hit("gpu", NO_GPU)
 
 
