@@ -2,13 +2,22 @@
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Those modules import torch only inside `run`, so `foundry-fp8 lint` stays fast and GPU-free.
+
+`main` makes the output side of every subcommand safe, so none prints a traceback for it:
+text the terminal's encoding cannot show is written as backslash escapes (`\\xe9`); a closed
+stdout or stderr (`>&-`) discards what would go there; an output that stops reading
+(`| head -1`) ends the command quietly with exit 141, as a tool killed by SIGPIPE reports in a
+shell; an output that cannot be written (`> /dev/full`) is one line on stderr naming it, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
+from typing import Any, NoReturn
 
 from foundry_fp8 import __version__
 
@@ -19,6 +28,10 @@ SUBCOMMANDS = {
     "doctor": ("foundry_fp8.doctor", "the environment FP8 training needs (GPU, torch, TE), and what is wrong"),
     "tiny-data": ("foundry_fp8.tools.tiny_data", "build a tiny local tokenizer and text dataset for a CPU try (nothing downloaded)"),
 }
+
+#: The exit status of an output that stopped reading: 128 + SIGPIPE, what a shell reports for a
+#: command that SIGPIPE ended (`set -o pipefail`), so it is not mistaken for lint's exit 1.
+EXIT_BROKEN_PIPE = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +46,94 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+class OutputError(Exception):
+    """stdout or stderr could not be written. Not an OSError: a subcommand's `except OSError`
+    around its own files must not take it for theirs."""
+
+    def __init__(self, name: str, stream: Any, error: OSError):
+        super().__init__(f"{name}: {error.strerror or error}")
+        self.name, self.stream, self.error = name, stream, error
+
+
+class _Guarded:
+    """A text stream whose write errors become `OutputError`; everything else is the stream's."""
+
+    def __init__(self, stream: Any, name: str):
+        self._stream, self._name = stream, name
+
+    def _failed(self, error: OSError) -> NoReturn:
+        raise OutputError(self._name, self._stream, error) from error
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as error:
+            self._failed(error)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            self._failed(error)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _usable(stream: Any, fd: int, name: str) -> _Guarded:
+    """`stream` made safe to print to: None (the descriptor was closed at start) becomes
+    /dev/null, also on `fd` so no file opened later takes its number; an encoding error writes
+    the character escaped."""
+    if stream is None:
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        stream = open(os.devnull, "w", encoding="utf-8")
+    try:
+        stream.reconfigure(errors="backslashreplace")
+    except (AttributeError, ValueError, OSError):  # not a TextIOWrapper, or already closed
+        pass
+    return _Guarded(stream, name)
+
+
+def _where(stream: Any) -> str:
+    """The file behind `stream` (`/dev/full`), or '' when it cannot be told."""
+    try:
+        return os.readlink(f"/proc/self/fd/{stream.fileno()}")
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def _output_failed(failure: OutputError) -> int:
+    """Say once, on stderr (when stdout is what failed), which output could not be written;
+    then point the failed one at /dev/null, so what is still buffered goes there at exit
+    rather than into a second error."""
+    if failure.error.errno != errno.EPIPE and failure.name == "stdout":
+        from foundry_fp8.lint.output import one_line
+
+        target = _where(failure.stream)
+        where = f" ({one_line(target)})" if target else ""
+        try:
+            sys.stderr.write(f"foundry-fp8: cannot write to stdout{where}: "
+                             f"{failure.error.strerror or failure.error}\n")
+            sys.stderr.flush()
+        except OutputError:  # stderr is the same full file: nothing left to say it on
+            pass
+    try:
+        fd, null = failure.stream.fileno(), os.open(os.devnull, os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+    except (OSError, ValueError):  # no descriptor (a test's capture): nothing buffered at exit
+        pass
+    return EXIT_BROKEN_PIPE if failure.error.errno == errno.EPIPE else 2
+
+
+def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -41,6 +141,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     return int(module.run(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    saved = sys.stdout, sys.stderr
+    sys.stdout = _usable(sys.stdout, 1, "stdout")
+    sys.stderr = _usable(sys.stderr, 2, "stderr")
+    try:
+        try:
+            code = _dispatch(argv)
+        finally:  # argparse's --help and usage errors exit; their text is flushed here too
+            sys.stdout.flush()
+            sys.stderr.flush()
+    except OutputError as failure:
+        code = _output_failed(failure)
+    finally:
+        sys.stdout, sys.stderr = saved
+    return code
 
 
 if __name__ == "__main__":

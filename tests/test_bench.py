@@ -116,7 +116,7 @@ def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
         main(["bench", "--tiny", "--variants", "bf16,nope"])
     assert "unknown nope; choose from bf16" in capsys.readouterr().err
     assert main(["bench", "--tiny", "--steps", "0", "--out", str(tmp_path)]) == 2
-    assert "--steps must be >= 1, got 0" in capsys.readouterr().out
+    assert "--steps must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
@@ -175,7 +175,7 @@ def test_an_unwritable_out_folder_is_a_one_line_error_before_the_run(capsys, tmp
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert main(["bench", "--tiny", "--variants", "bf16", "--out", str(blocker / "out")]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.startswith(f"foundry-fp8 bench: --out {blocker / 'out'}: cannot create")
     assert len(out.strip().splitlines()) == 1 and "Traceback" not in out
 
@@ -209,7 +209,7 @@ def test_a_failed_variant_fails_the_run_after_the_others_are_written(capsys, tmp
     md = (tmp_path / "mpt-tiny-cpu.md").read_text()
     assert f"| fp8-te-swap | FAILED: {failed['reason']} |" in md
     assert "| fp8-fc-te | not run: needs TransformerEngine layers" in md
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.strip().splitlines()[-1] == (
         "foundry-fp8 bench: fp8-te-swap failed: RuntimeError: CUDA error: an illegal memory "
         "access was encountered")
@@ -220,7 +220,7 @@ def test_skipped_variants_alone_do_not_fail_the_run(capsys, tmp_path, monkeypatc
     monkeypatch.setattr(bench, "run_variant", _fake_run_variant)
     assert main(["bench", "--tiny", "--variants", "bf16,fp8-fc-te", "--out", str(tmp_path)]) == 0
     assert main(["bench", "--tiny", "--variants", "fp8-fc-te", "--out", str(tmp_path)]) == 1
-    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "foundry-fp8 bench: no variant ran (see 'not run' above)")
 
 
@@ -228,7 +228,7 @@ def test_yamls_folder_without_the_yamls_is_a_one_line_error(capsys, tmp_path):
     (tmp_path / "mpt-1b-bf16.yaml").write_text((bench.YAMLS / "mpt-1b-bf16.yaml").read_text())
     assert main(["bench", "--tiny", "--variants", "bf16,fp8-te-swap", "--yamls", str(tmp_path),
                  "--out", str(tmp_path)]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out == (f"foundry-fp8 bench: --yamls {tmp_path}: no mpt-1b-fp8.yaml there (the bench "
                    "reads mpt-1b-bf16.yaml and mpt-1b-fp8.yaml; the package ships both)\n")
 
@@ -315,7 +315,7 @@ def test_auto_micro_batch_is_refused_in_one_line_where_composer_would_raise(
     monkeypatch.setattr(bench, "run_bench", lambda config, after_each: pytest.fail("ran"))
     if refused:
         assert main(["bench", "--micro-batch", "auto", "--out", str(tmp_path)]) == 2
-        out = capsys.readouterr().out
+        out = capsys.readouterr().err
         assert len(out.strip().splitlines()) == 1 and "unshard" not in out
         assert "_patch_pytorch.py:30" in out and "--micro-batch 8" in out
     else:

@@ -673,39 +673,48 @@ def _auto_microbatch_refusal(config: BenchConfig) -> str | None:
             "give a number, e.g. --micro-batch 8")
 
 
+def _error(message: str) -> None:
+    """One line on stderr, as every subcommand's errors: paths and reasons escaped onto it."""
+    import sys
+
+    from foundry_fp8.lint.output import one_line
+
+    print(f"foundry-fp8 bench: {one_line(message)}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as err:
-        print(f"foundry-fp8 bench: {err}")
+        _error(str(err))
         return 2
     if not config.tiny:
         import torch
 
         if not torch.cuda.is_available():
-            print("foundry-fp8 bench: no CUDA GPU; use --tiny for the CPU path")
+            _error("no CUDA GPU; use --tiny for the CPU path")
             return 2
         refusal = _auto_microbatch_refusal(config)
         if refusal is not None:
-            print(f"foundry-fp8 bench: {refusal}")
+            _error(refusal)
             return 2
     out = args.out
     try:  # a folder that cannot be written fails now, not after the benchmark has run
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        print(f"foundry-fp8 bench: --out {out}: cannot create the folder: {err.strerror}")
+        _error(f"--out {out}: cannot create the folder: {err.strerror or err}")
         return 2
     result = run_bench(config, after_each=lambda partial: write_results(partial, out))
     try:
         json_path, md_path = write_results(result, out)
     except OSError as err:
         print(markdown(result))
-        print(f"foundry-fp8 bench: --out {out}: results not written: {err}")
+        _error(f"--out {out}: results not written: {err}")
         return 2
     print(markdown(result))
     print(f"wrote {json_path} and {md_path}")
     for r in result["failed"]:
-        print(f"foundry-fp8 bench: {r['name']} failed: {r['reason']}")
+        _error(f"{r['name']} failed: {r['reason']}")
     if not result["variants"] and not result["failed"]:
-        print("foundry-fp8 bench: no variant ran (see 'not run' above)")
+        _error("no variant ran (see 'not run' above)")
     return 1 if result["failed"] or not result["variants"] else 0

@@ -3,7 +3,8 @@
 The text is generated from a small grammar, so a tiny MPT can learn it (loss falls well below
 ln(vocab)) in a few dozen batches. The tokenizer is a byte-level BPE trained on that text and
 saved as a `PreTrainedTokenizerFast`; the dataset is MDS shards of raw text that LLM-Foundry's
-`text` dataloader tokenizes itself. Both are cached: a second call with the same settings is free.
+`text` dataloader tokenizes itself. Both are cached: a second call with the same settings reuses
+them while they are whole (the tokenizer loads, both splits have their index), else rebuilds.
 
 Run as `foundry-fp8 tiny-data DATA_ROOT` (or `python -m foundry_fp8.tools.tiny_data`) to build
 them; `make run` and the tests do.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -83,21 +85,61 @@ def _build_dataset(path: Path, corpus: list[str]) -> None:
                 out.write({"text": text})
 
 
+class TinyDataError(Exception):
+    """What is in the way of a usable build, naming the path: one line for the CLI."""
+
+
+def _folders_in_the_way(data: TinyData) -> None:
+    """A file where a folder of the build goes (ROOT, or one of its parents, the tokenizer or
+    dataset folder, a split) fails here, naming it: Hugging Face only logs that it saved
+    nothing, and the OS's "Not a directory" names whichever path was being opened."""
+    for folder in (data.tokenizer_dir, data.data_dir / "train", data.data_dir / "val"):
+        for path in (*reversed(folder.parents), folder):
+            if path.exists() and not path.is_dir():
+                raise TinyDataError(f"{path}: is a file, where tiny-data needs a folder "
+                                    "(move it away, or build in another ROOT)")
+
+
+def _unusable(data: TinyData) -> str | None:
+    """What is missing or broken in a build, or None: the tokenizer loads and both splits have
+    their MDS index."""
+    from tokenizers import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not (data.tokenizer_dir / name).is_file():
+            return f"{data.tokenizer_dir / name}: not written"
+    try:
+        Tokenizer.from_file(str(data.tokenizer_dir / "tokenizer.json"))
+    except Exception as err:  # tokenizers raises a bare Exception for a corrupt file
+        return f"{data.tokenizer_dir / 'tokenizer.json'}: does not load ({err})"
+    for split in ("train", "val"):
+        if not (data.data_dir / split / "index.json").is_file():
+            return f"{data.data_dir / split / 'index.json'}: not written"
+    return None
+
+
 def prepare_tiny_data(root: str | Path, vocab_size: int = 512, num_samples: int = 2048,
                       seed: int = 0) -> TinyData:
-    """Build (or reuse) the tiny tokenizer and dataset under `root`."""
+    """Build (or reuse) the tiny tokenizer and dataset under `root`. A build is reused only
+    while it is whole (an earlier one that broke is rebuilt); the marker file is written only
+    after the build was checked. Raises TinyDataError (or OSError) when it cannot be made."""
     data = TinyData(Path(root).resolve(), vocab_size, num_samples)
     from filelock import FileLock
 
+    _folders_in_the_way(data)
     marker = data.root / f"ready-v{vocab_size}-{num_samples}-{seed}.json"
     data.root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(data.root / ".build.lock")):  # parallel test workers build it once
-        if marker.exists():
+        if marker.exists() and _unusable(data) is None:
             return data
+        marker.unlink(missing_ok=True)
         rng = random.Random(seed)
         corpus = [generate_text(rng, sentences=12) for _ in range(num_samples)]
         _build_tokenizer(data.tokenizer_dir, vocab_size, corpus)
         _build_dataset(data.data_dir, corpus)
+        problem = _unusable(data)
+        if problem is not None:
+            raise TinyDataError(f"the build failed: {problem}")
         marker.write_text(json.dumps({**asdict(data), "root": str(data.root), "seed": seed}))
     return data
 
@@ -106,7 +148,8 @@ DESCRIPTION = """Build, under ROOT, what a CPU try of LLM-Foundry needs without 
 ROOT/tokenizer-v512/, a byte-level BPE tokenizer (512 tokens, saved as a Hugging Face
 PreTrainedTokenizerFast, for `tokenizer.name`), and ROOT/text-2048/{train,val}/, MDS shards of
 2048 generated sentence samples (for the `text` loader's `dataset.local`). The text follows a
-small grammar, so a tiny MPT learns it in a few dozen batches. A second run reuses them."""
+small grammar, so a tiny MPT learns it in a few dozen batches. A second run reuses them (if they
+are whole). A file where one of these folders goes is an error naming it, exit 2."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,11 +160,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(f"building the tiny tokenizer and dataset in {args.root} ...", flush=True)
+    from foundry_fp8.lint.output import one_line
+
+    print(f"building the tiny tokenizer and dataset in {one_line(str(args.root))} ...", flush=True)
     try:
         data = prepare_tiny_data(args.root)
+    except TinyDataError as err:
+        print(f"foundry-fp8 tiny-data: {one_line(str(err))}", file=sys.stderr)
+        return 2
     except OSError as err:
-        print(f"foundry-fp8 tiny-data: {args.root}: {err.strerror or err}")
+        where = err.filename if err.filename is not None else args.root
+        print(f"foundry-fp8 tiny-data: {one_line(str(where))}: {err.strerror or err}",
+              file=sys.stderr)
         return 2
     print(f"tokenizer: {data.tokenizer_dir}  (tokenizer: {{name: {data.tokenizer_dir}}})\n"
           f"dataset:   {data.data_dir}  (train_loader: {{name: text, dataset: {{local: "

@@ -1,0 +1,136 @@
+"""The CLI's output side, for every subcommand (`foundry_fp8/cli.py`, `main`): a terminal that is
+not UTF-8, a pipe closed early, a full disk, a closed stdout or stderr; and one-line errors:
+control characters in paths and keys escaped (`lint/output.py`, `one_line`), errors on stderr
+(bench, tiny-data), tiny-data's build checked before it is called ready.
+
+Process behaviour is tested on a real `foundry-fp8` process; each run takes about a second."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from foundry_fp8.cli import EXIT_BROKEN_PIPE, main
+from foundry_fp8.lint.output import one_line, render_text
+from foundry_fp8.tools import tiny_data as td
+
+CLI = [sys.executable, "-m", "foundry_fp8.cli"]
+
+
+def _cli(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
+    return subprocess.run([*CLI, *map(str, args)], text=True, timeout=120, **streams)
+
+
+def _bash(script: str, *args: str | Path) -> subprocess.CompletedProcess:
+    """`script` with "$@" the CLI and `args`: for redirections Python cannot spell."""
+    return subprocess.run(["bash", "-c", script, "bash", *CLI, *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _typo_yaml(tmp_path: Path, name: str = "typo.yaml", key: str = "precisoin") -> Path:
+    path = tmp_path / name
+    path.write_text(f"{key}: amp_bf16\n", encoding="utf-8")
+    return path
+
+
+def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback(tmp_path):
+    path = _typo_yaml(tmp_path, "unicode.yaml", "précisiön")
+    done = _cli("lint", path, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "pr\\xe9cisi\\xf6n" in done.stdout  # FP8009's unknown key, escaped
+    # stderr too: a tiny-data error naming a non-ASCII path
+    blocker = tmp_path / "fïle"
+    blocker.write_text("")
+    done = _cli("tiny-data", blocker / "data", env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "f\\xefle: is a file" in done.stderr
+
+
+def test_a_pipe_closed_early_ends_quietly_with_141(tmp_path):
+    paths = [_typo_yaml(tmp_path, f"typo{i}.yaml") for i in range(400)]  # > 64 KiB of JSON
+    process = subprocess.Popen([*CLI, "lint", "--format", "json", *map(str, paths)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.read(1) == b"{"
+    process.stdout.close()  # as `| head -c 1` does
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == EXIT_BROKEN_PIPE and stderr == ""
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_full_disk_is_one_line_naming_the_output(tmp_path):
+    with open("/dev/full", "w") as full:
+        done = _cli("lint", _typo_yaml(tmp_path), stdout=full)
+    assert done.returncode == 2
+    assert done.stderr == ("foundry-fp8: cannot write to stdout (/dev/full): "
+                           "No space left on device\n")
+
+
+@pytest.mark.parametrize("closed", [">&-", "2>&-", ">&- 2>&-"])
+def test_a_closed_stdout_or_stderr_changes_nothing_but_where_text_goes(tmp_path, closed):
+    clean = tmp_path / "bf16.yaml"  # the bench's own YAML: no error findings
+    clean.write_text((Path(td.__file__).parent / "yamls" / "mpt-1b-bf16.yaml").read_text())
+    for path, code in ((clean, 0), (_typo_yaml(tmp_path), 1), (tmp_path / "missing.yaml", 2)):
+        done = _bash(f'"$@" {closed}; echo "exit $?"', "lint", path)
+        assert done.stdout.splitlines()[-1] == f"exit {code}", (path, done.stdout[-300:])
+        assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_one_line_escapes_what_would_break_the_line_or_drive_the_terminal():
+    assert one_line("new\nline\r\t\x1b[2J\x7f\x85\u2028.yaml") == (
+        "new\\nline\\r\\t\\x1b[2J\\x7f\\x85\\u2028.yaml")
+    assert one_line("précisiön: блок.0 – ok") == "précisiön: блок.0 – ok"
+
+
+def test_lint_text_output_keeps_each_finding_on_its_lines():
+    finding = {"rule": "FP8009", "severity": "error", "key": "a\nb", "line": 1, "column": 1,
+               "message": "unknown key `a\nb`", "fix": "fix\rit"}
+    text = render_text({"files": [{"path": "new\nline.yaml", "error": None,
+                                   "findings": [finding]}]})
+    lines = text.splitlines()
+    assert lines[0] == "new\\nline.yaml" and len(lines) == 5, text  # path, finding, fix, "", sum
+    assert "a\\nb  unknown key `a\\nb`" in lines[1] and lines[2].strip() == "fix: fix\\rit"
+
+
+def test_bench_errors_go_to_stderr():
+    done = _cli("bench", "--tiny", "--steps", "0")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "foundry-fp8 bench: --steps must be >= 1, got 0\n"
+
+
+@pytest.mark.parametrize(("in_the_way", "root"), [
+    ("data/tokenizer-v512", "data"), ("data/text-2048", "data"), ("data/text-2048/val", "data"),
+    ("new\nfile", "new\nfile/data")])
+def test_tiny_data_names_the_file_in_the_way_on_one_stderr_line(tmp_path, in_the_way, root):
+    blocker = tmp_path / in_the_way
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("")
+    done = _cli("tiny-data", tmp_path / root)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == (f"foundry-fp8 tiny-data: {one_line(str(blocker))}: is a file, where "
+                           "tiny-data needs a folder (move it away, or build in another ROOT)\n")
+    assert not list(tmp_path.rglob("ready-*.json"))
+
+
+def test_tiny_data_checks_its_build_before_calling_it_ready(tmp_path, monkeypatch, capsys):
+    """A build that saved nothing (as Hugging Face does into a file, with a logged error only)
+    fails in one line, without the ready marker; a marker over a broken build is not trusted."""
+    monkeypatch.setattr(td, "_build_tokenizer", lambda path, vocab_size, corpus: None)
+    monkeypatch.setattr(td, "_build_dataset", lambda path, corpus: None)
+    assert main(["tiny-data", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"foundry-fp8 tiny-data: the build failed: "
+                   f"{tmp_path / 'tokenizer-v512' / 'tokenizer.json'}: not written\n")
+    assert not list(tmp_path.glob("ready-*.json"))
+    marker = tmp_path / "ready-v512-2048-0.json"
+    marker.write_text(json.dumps({"root": str(tmp_path)}))  # an earlier, broken build's
+    assert main(["tiny-data", str(tmp_path)]) == 2 and not marker.exists()
+
+
+def test_a_whole_build_passes_the_check(tiny_data):
+    assert td._unusable(tiny_data) is None
