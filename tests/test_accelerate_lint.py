@@ -4,6 +4,7 @@ that should not trigger it does not; unreadable files are one-line errors with e
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -242,7 +243,7 @@ def test_broken_deepspeed_json_behind_an_accelerate_config_exits_2(tmp_path):
 
 def test_rules_are_registered_with_docs_fields():
     ids = [rule.id for rule in ACCELERATE_RULES]
-    assert ids == [f"FP81{n:02d}" for n in range(1, 17)]
+    assert ids == [f"FP81{n:02d}" for n in range(1, 19)]
     assert not set(ids) & {rule.id for rule in RULES}
     for rule in ACCELERATE_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix
@@ -458,3 +459,72 @@ def test_fp8103_recommends_the_accelerate_that_reads_the_backend():
     assert "accelerate>=1.9" in finding.fix
     rule, = [r for r in ACCELERATE_RULES if r.id == "FP8103"]
     assert "1.9+ otherwise" in rule.fix
+
+
+def _ds_file(tmp_path: Path, value: str) -> list[tuple[str, int, str, str]]:
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(HEAD.format(dist="DEEPSPEED", mp="bf16")
+                    + f"deepspeed_config:\n  deepspeed_config_file: {value}\n")
+    entry = lint_file(path)
+    assert entry["error"] is None, entry["error"]
+    return [(f["key"], f["line"], f["severity"], f["message"]) for f in entry["findings"]
+            if f["rule"] == "FP8109"]
+
+
+@pytest.mark.parametrize(("make", "value", "what"), [
+    (lambda p: None, "/dev/zero", "is a device"),
+    (lambda p: os.mkfifo(p / "ds.json"), "ds.json", "is a FIFO"),
+    (lambda p: (p / "ds.json").mkdir(), "ds.json", "is a folder, not a JSON file: "
+     "HfDeepSpeedConfig opens it with json.load, which raises IsADirectoryError"),
+])
+def test_a_deepspeed_config_file_that_is_not_a_file_says_what_it_is(tmp_path, make, value,
+                                                                     what):
+    """Before: 'not found next to this file or in the current directory' (a warning)."""
+    if value == "/dev/zero" and not Path(value).exists():
+        pytest.skip("no /dev/zero")
+    if what == "is a FIFO" and not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs here")
+    make(tmp_path)
+    (key, line, severity, message), = _ds_file(tmp_path, value)
+    assert (key, line, severity) == ("deepspeed_config.deepspeed_config_file", 5, "error")
+    assert f"DeepSpeed config {value} {what}" in message, message
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    ("[ds.json, other.json]", "got list ['ds.json', 'other.json']"),
+    ("''", "got an empty string"), ("5", "got int 5"),
+])
+def test_a_deepspeed_config_file_that_is_not_a_path_is_fp8109(tmp_path, value, shown):
+    """Before: no finding (`accelerate launch` exports str() of it, which Accelerate's
+    HfDeepSpeedConfig cannot open)."""
+    (key, line, severity, message), = _ds_file(tmp_path, value)
+    assert (line, severity) == (5, "error") and shown in message, message
+
+
+def test_deepspeed_config_file_none_is_no_file_as_accelerate_reads_it(tmp_path):
+    assert _ds_file(tmp_path, "none") == []  # DeepSpeedPlugin: "none" means no file
+
+
+def test_a_deepspeed_json_with_a_key_twice_is_fp8117(tmp_path):
+    """Before: no finding (json.load keeps the last; DeepSpeed refuses the file)."""
+    text = '{\n  "bf16": {"enabled": true},\n  "zero_optimization": {"stage": 2, "stage": 3}\n}\n'
+    alone = tmp_path / "ds.json"
+    alone.write_text(text)
+    assert found(alone, "FP8117") == [("zero_optimization.stage", 3, "error")]
+    path = write(tmp_path, DS_FILE, dist="DEEPSPEED", mp="bf16", deepspeed=text)
+    assert found(path, "FP8117") == [("deepspeed_config.deepspeed_config_file", 5, "warning")]
+    alone.write_text(json.dumps(GOOD_DS, indent=2))
+    assert found(alone, "FP8117") == []
+
+
+@pytest.mark.parametrize(("stage", "flagged"), [
+    ("NaN", True), ("4", True), ("-1", True), ("2.5", True), ('"two"', True), ("true", True),
+    ("Infinity", True), ("0", False), ("3", False), ("2.0", False), ('"auto"', False),
+    ('"2"', False),
+])
+def test_a_zero_stage_deepspeed_refuses_is_fp8118(tmp_path, stage, flagged):
+    """Before: `"stage": NaN` (Python's json reads it) gave no finding."""
+    alone = tmp_path / "ds.json"
+    alone.write_text('{\n  "zero_optimization": {\n    "stage": ' + stage + "\n  }\n}\n")
+    assert found(alone, "FP8118") == ([("zero_optimization.stage", 3, "error")] if flagged
+                                      else [])

@@ -112,6 +112,9 @@ CASES: dict[str, tuple[dict, str, int]] = {
         "keep_first_blocks": 12, "keep_last_blocks": 12}}}, "algorithms.te_swap.keep_first_blocks",
                1),
     "FP8035": ({"model": {"d_model": "2048"}}, "model.d_model", 1),
+    "FP8036": ({"run_name": "???"}, "run_name", 1),
+    "FP8037": ({"autoresume": True, "loggers": {"wandb": {"init_kwargs": {"mode": "offline"}}}},
+               "autoresume", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -154,6 +157,8 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8034": ({"precision": "amp_fp8", "algorithms": {"te_swap": {
         "keep_first_blocks": 12, "keep_last_blocks": 11}}}, 1),  # block 12 converts
     "FP8035": ({"model": {"logit_scale": "inv_sqrt_d_model"}}, 1),  # the one word it takes
+    "FP8036": ({"variables": {"unused": "???"}}, 1),  # read only through an interpolation
+    "FP8037": ({"autoresume": True, "loggers": {"wandb": {"init_kwargs": {"mode": "online"}}}}, 1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,
@@ -756,9 +761,30 @@ def test_omegaconfs_node_limit_is_named_as_such(tmp_path):
     except Exception as e:  # noqa: BLE001  (whichever error this omegaconf raises)
         limit = str(e)
     error = _load_error(tmp_path, text)
-    assert error.startswith(":1:1: omegaconf, which LLM-Foundry reads YAML with, refuses it: "
-                            "YAML node expansion exceeds"), error
+    # Before: always at :1:1 (omegaconf marks the document's start). The 10,001st value counted
+    # as omegaconf counts (the mappings, then each key and value): line 5000's value, `4998`.
+    assert error.startswith(":5000:10: omegaconf, which LLM-Foundry reads YAML with, refuses it "
+                            "(value 10001, counting aliases expanded, is here): YAML node "
+                            "expansion exceeds"), error
     assert "not valid YAML" not in error and "configured limit of 10000" in limit
+
+
+def test_omegaconfs_alias_ratio_refusal_names_the_file_not_line_1(tmp_path):
+    """omegaconf refuses aliases expanding a document more than 100-fold, marking its first
+    line whatever causes it: the refusal names the file alone (before: `:1:1`)."""
+    from omegaconf import OmegaConf
+
+    text = ("a: &a [1]\nb: &b [" + ", ".join(["*a"] * 10) + "]\nc: &c ["
+            + ", ".join(["*b"] * 10) + "]\nd: &d [" + ", ".join(["*c"] * 10) + "]\ne: [*d, *d, *d]\n")
+    try:
+        OmegaConf.create(text)
+        pytest.skip("this omegaconf has no alias expansion ratio")
+    except Exception as e:  # noqa: BLE001  (whichever error this omegaconf raises)
+        if "ratio" not in str(e):
+            pytest.skip("this omegaconf refuses it otherwise")
+    error = _load_error(tmp_path, text)
+    assert error.startswith(": omegaconf, which LLM-Foundry reads YAML with, refuses it: YAML "
+                            "aliases expand the document"), error
 
 
 def test_a_folder_without_yaml_exits_2_naming_it(tmp_path):
@@ -1132,3 +1158,186 @@ def test_one_line_per_upstream_crash_with_file_line_key_source_and_fix(tmp_path,
         assert lines[line - 1][column - 1:].startswith(key.split(".")[-1] + ":")
         assert upstream in row and "NameError" in row
         assert fix_line.strip().startswith("fix: ") and fix in fix_line
+
+
+# -- omegaconf's `???`, MPT sizes, MCLI shapes, folder walks, autoresume with W&B offline -----
+
+def _entry_of(tmp_path: Path, text: str, name: str = "train.yaml", **kwargs: Any) -> dict:
+    path = tmp_path / name
+    path.write_text(text)
+    entry = lint_file(path, 1, NO_FLASH, **kwargs)
+    assert entry["error"] is None, entry["error"]
+    return entry
+
+
+def _hits(entry: dict) -> list[tuple[str, str, int | None, str]]:
+    return [(f["rule"], f["key"], f["line"], f["severity"]) for f in entry["findings"]
+            if f["rule"] != "FP8029"]  # flash-attn's absence is this machine's
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # before: exit 0 (LLM-Foundry raises MissingMandatoryValue for each)
+    ("precision: fp32\nmax_duration: ???\nseed: ???\n",
+     [("FP8036", "max_duration", 2, "error"), ("FP8036", "seed", 3, "error")]),
+    ("run_name: '???'\n", [("FP8036", "run_name", 1, "error")]),  # quoted: omegaconf's too
+    # before: FP8011 "no precision '???'": one finding, the mandatory one
+    ("precision: ???\n", [("FP8036", "precision", 1, "error")]),
+    # before: FP8035 "the string '???'"; MPT gets the text and raises
+    ("model:\n  name: mpt_causal_lm\n  loss_fn: torch_crossentropy\n  d_model: ???\n",
+     [("FP8036", "model.d_model", 4, "error")]),
+    # LLM-Foundry hands the logger the text: a warning
+    ("loggers:\n  wandb:\n    project: ???\n",
+     [("FP8036", "loggers.wandb.project", 3, "warning")]),
+    ("code_paths:\n- ???\n", [("FP8036", "code_paths.0", 2, "warning")]),
+    ("variables:\n  later: ???\nprecision: fp32\n", []),  # never read: fine
+])
+def test_omegaconfs_mandatory_value_is_one_finding_at_its_key(tmp_path, text, expected):
+    assert _hits(_entry_of(tmp_path, text)) == expected
+
+
+def test_a_mandatory_value_in_eval_and_mcli_configs(tmp_path):
+    eval_text = "models:\n- model_name: m\n  model: {name: hf_causal_lm}\nmax_seq_len: ???\n"
+    assert _hits(_entry_of(tmp_path, eval_text)) == [("FP8036", "max_seq_len", 4, "error")]
+    mcli = ("name: x\nimage: y\ncommand: composer train.py /mnt/config/parameters.yaml\n"
+            "parameters:\n  max_duration: ???\n")
+    assert _hits(_entry_of(tmp_path, mcli)) == [
+        ("FP8036", "parameters.max_duration", 5, "error")]
+
+
+@pytest.mark.parametrize(("model", "key", "snippet"), [
+    # before: no finding (QA: MPTConfig raises ZeroDivisionError / ValueError for each)
+    ("d_model: 64\n  n_heads: 0", "model.n_heads", "n_heads is 0"),
+    ("d_model: .nan\n  n_heads: 4", "model.d_model", "d_model is nan"),
+    ("d_model: 1e400\n  n_heads: 4", "model.d_model", "d_model is inf"),
+    ("d_model: 64\n  n_heads: .nan", "model.n_heads", "n_heads is nan"),
+    ("d_model: 64\n  n_heads: 4.0", "model.n_heads", "written without a decimal point"),
+    ("d_model: 64\n  n_layers: 2.5", "model.n_layers", "n_layers is 2.5"),
+    ("d_model: 64\n  vocab_size: -1", "model.vocab_size", "of at least 0"),
+    ("d_model: 64\n  max_seq_len: 2.5", "model.max_seq_len", "max_seq_len is 2.5"),
+    ("d_model: 64\n  expansion_ratio: .nan", "model.expansion_ratio", "a finite number"),
+    ("d_model: 64\n  head_dim: 16.0", "model.head_dim", "(or null)"),
+    ("d_model: 64\n  ffn_config:\n    ffn_hidden_size: -256", "model.ffn_config.ffn_hidden_size",
+     "of at least 0"),
+    ("d_model: 64\n  attn_config:\n    attn_type: grouped_query_attention\n    kv_n_heads: 0",
+     "model.attn_config.kv_n_heads", "of at least 1"),
+    ("d_model: null", "model.d_model", "d_model is null"),
+])
+def test_mpt_sizes_mpt_refuses_are_fp8035(tmp_path, model, key, snippet):
+    text = f"model:\n  name: mpt_causal_lm\n  loss_fn: torch_crossentropy\n  {model}\n"
+    entry = _entry_of(tmp_path, text)
+    hits = [f for f in entry["findings"] if f["rule"] == "FP8035"]
+    assert [f["key"] for f in hits] == [key], entry["findings"]
+    assert snippet in hits[0]["message"] and "FP8032" not in _rules(entry)
+
+
+@pytest.mark.parametrize("model", [
+    "max_seq_len: 64.0",  # MPTConfig converts an integral float
+    "n_layers: 0",  # builds (no block)
+    "head_dim: null\n  vocab_size: 0",
+    "expansion_ratio: 2.5",
+    "ffn_config:\n    ffn_hidden_size: 256\n  expansion_ratio: .nan",  # ignored then
+])
+def test_mpt_sizes_mpt_builds_are_not_fp8035(tmp_path, model):
+    text = ("model:\n  name: mpt_causal_lm\n  loss_fn: torch_crossentropy\n  d_model: 64\n"
+            f"  {model}\n")
+    entry = _entry_of(tmp_path, text)
+    assert "FP8035" not in _rules(entry), entry["findings"]
+
+
+MCLI_HEAD = "name: x\nimage: y\ncommand: composer train.py /mnt/config/parameters.yaml\n"
+
+
+@pytest.mark.parametrize(("parameters", "line"), [
+    ("parameters: 5\n", 4), ("parameters: [1, 2]\n", 4), ("parameters: null\n", 4),
+    ("", 3),  # none at all: the command reads a file MCLI never writes
+])
+def test_an_mcli_config_training_from_parameters_it_does_not_give_is_fp8401(tmp_path,
+                                                                          parameters, line):
+    """Before: skipped, exit 0 ('without a `parameters:` mapping: nothing to lint')."""
+    entry = _entry_of(tmp_path, MCLI_HEAD + parameters, "run.yaml")
+    assert _hits(entry) == [("FP8401", "parameters" if parameters else "command", line, "error")]
+    assert "skipped" not in entry and exit_code({"files": [entry]}) == 1
+
+
+def test_an_mcli_config_whose_command_takes_no_config_is_still_skipped(tmp_path):
+    entry = _entry_of(tmp_path, "name: x\nimage: y\ncommand: python convert.py\n", "run.yaml")
+    assert entry["findings"] == [] and "nothing to lint" in entry["skipped"]
+
+
+@pytest.mark.parametrize("text", [
+    "run_name: foo\nprecison: amp_fp8\n",  # before: taken for MCLI (run_name), skipped
+    "run_name: foo\nmetadata: {a: 1}\nprecison: amp_fp8\n",
+])
+def test_a_train_config_with_run_name_is_not_taken_for_mcli(tmp_path, text):
+    entry = _entry_of(tmp_path, text)
+    assert "skipped" not in entry
+    assert ("FP8009", "precison", text.count("\n"), "error") in _hits(entry)
+
+
+def _yaml_at(folder: Path, name: str = "bad.yaml") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("precison: amp_fp8\n")
+    return path
+
+
+def test_a_folder_walk_skips_hidden_virtualenv_and_cache_folders(tmp_path):
+    """Before: `foundry-fp8 lint .` linted .venv's and .github's YAML (exit 2 on third-party
+    files). A folder or file named on the command line is still linted."""
+    root = tmp_path / "repo"
+    mine = _yaml_at(root / "yamls", "train.yaml")
+    for skipped in (".github/workflows", ".venv/lib", "env/lib", "__pycache__", "node_modules/x"):
+        _yaml_at(root / skipped)
+    (root / "env" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (root / ".pre-commit-hooks.yaml").write_text("- id: x\n")
+    result = _lint(str(root), "--format", "json")
+    assert [e["path"] for e in json.loads(result.stdout)["files"]] == [str(mine)], result.stdout
+    named = _lint(str(root / ".venv"), str(root / ".pre-commit-hooks.yaml"), "--format", "json")
+    assert len(json.loads(named.stdout)["files"]) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symlinks here")
+def test_a_folder_walk_follows_symlinked_folders_once(tmp_path):
+    """Before: a folder holding only a link to a folder of configs was 'no .yaml or .yml
+    file'. Links are followed; a link back up (a loop) or to a folder walked already ends
+    there, so each config is linted once."""
+    shared = tmp_path / "shared"
+    config = _yaml_at(shared)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "configs").symlink_to(shared, target_is_directory=True)
+    (root / "again").symlink_to(shared, target_is_directory=True)
+    (shared / "loop").symlink_to(tmp_path, target_is_directory=True)
+    result = _lint(str(root), "--format", "json")
+    paths = [e["path"] for e in json.loads(result.stdout)["files"]]
+    assert len(paths) == 1 and Path(paths[0]).resolve() == config.resolve(), paths
+    assert result.returncode == 1
+
+
+WANDB_OFFLINE = ("run_name: r\nsave_folder: ckpt\nautoresume: true\nloggers:\n  wandb:\n"
+                 "    project: p\n    init_kwargs:\n      mode: {mode}\n")
+
+
+@pytest.mark.parametrize(("mode", "context", "expected"), [
+    ("offline", None, [("FP8037", "autoresume", 3, "error")]),  # QA's s4b_ar.yaml
+    ("disabled", None, [("FP8037", "autoresume", 3, "error")]),
+    ("online", None, []),
+    ("online", "offline", []),  # wandb.init's own mode wins over WANDB_MODE
+    ("null", "offline", [("FP8037", "autoresume", 3, "error")]),
+    ("null", None, []),
+])
+def test_autoresume_with_wandb_not_online_is_fp8037(tmp_path, mode, context, expected):
+    entry = _entry_of(tmp_path, WANDB_OFFLINE.format(mode=mode), wandb_mode=context)
+    assert _hits(entry) == expected
+
+
+def test_autoresume_with_wandb_offline_and_sharded_checkpoints_is_a_warning(tmp_path):
+    text = WANDB_OFFLINE.format(mode="offline") + "fsdp_config:\n  state_dict_type: sharded\n"
+    assert _hits(_entry_of(tmp_path, text)) == [("FP8037", "autoresume", 3, "warning")]
+
+
+def test_the_cli_reads_wandb_mode_from_the_environment(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("run_name: r\nsave_folder: ckpt\nautoresume: true\nloggers:\n  wandb: {}\n")
+    assert _lint(str(path), env={"WANDB_MODE": "offline"}).returncode == 1
+    assert _lint(str(path), env={"WANDB_MODE": "online"}).returncode == 0

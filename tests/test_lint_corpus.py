@@ -48,7 +48,7 @@ def test_corpus_file_gives_exactly_its_expected_findings(name):
 
 def test_an_mcli_run_without_parameters_is_skipped_with_a_note():
     entry = lint_file(CORPUS / "mcli" / "mcli-convert-checkpoint.yaml", 1, BARE)
-    assert entry["findings"] == [] and "without a `parameters:` mapping" in entry["skipped"]
+    assert entry["findings"] == [] and "without `parameters:` whose command" in entry["skipped"]
 
 
 def test_the_seed_config_names_the_key_mpt_reads():

@@ -214,6 +214,101 @@ def test_mpt_refuses_each_number_written_as_a_string(path):
         _build_mpt(**{key: str(number)}, **extra)
 
 
+#: Companions a least value needs to build (d_model 1 needs one head).
+_LEAST_WITH = {"d_model": {"n_heads": 1},
+               "attn_config.kv_n_heads": {"attn_config__attn_type": "grouped_query_attention"}}
+_GOOD = {"d_model": 64, "n_heads": 4, "n_layers": 1, "max_seq_len": 16, "vocab_size": 64,
+         "head_dim": 16, "expansion_ratio": 4, "attn_config.kv_n_heads": 2,
+         "ffn_config.ffn_hidden_size": 256}
+_REFUSED = (TypeError, ValueError, ZeroDivisionError, RuntimeError, OverflowError)
+
+
+def _refused_values(path: str) -> list[Any]:
+    kind, least, nullable = known.MPT_WHOLE_NUMBERS[path]
+    values: list[Any] = [float("nan"), float("inf")]
+    values += {"int": [float(_GOOD[path])], "integral": [_GOOD[path] + 0.5]}.get(kind, [])
+    values += [least - 1] if least is not None else []
+    return values + ([] if nullable else [None])
+
+
+@pytest.mark.parametrize("path", sorted(known.MPT_WHOLE_NUMBERS))
+def test_mpt_refuses_each_size_fp8035_flags_and_builds_its_least(path):
+    """MPT_WHOLE_NUMBERS, FP8035's table: each value it calls refused stops LLM-Foundry building
+    the model, and FP8035 flags it; the least value it allows builds, unflagged."""
+    key = path.replace(".", "__")
+    extra = _LEAST_WITH.get(path, {}) if path != "d_model" else {}
+    gqa = {"attn_config__attn_type": "grouped_query_attention"} if "kv_n_heads" in path else {}
+
+    def flagged(value: Any, **more: Any) -> bool:
+        model: dict[str, Any] = {"name": "mpt_causal_lm", "loss_fn": "torch_crossentropy"}
+        for dotted_key, v in {key: value, **gqa, **more}.items():
+            *parents, leaf = dotted_key.split("__")
+            node = model
+            for parent in parents:
+                node = node.setdefault(parent, {})
+            node[leaf] = v
+        return any(f.rule == "FP8035" and f.key == f"model.{path}"
+                   for f in lint_config({"model": model}))
+
+    for value in _refused_values(path):
+        with pytest.raises(_REFUSED):
+            _build_mpt(**{key: value}, **extra, **gqa)
+        assert flagged(value), (path, value)
+    least = known.MPT_WHOLE_NUMBERS[path][1]
+    if least is not None:
+        companions = _LEAST_WITH.get(path, {})
+        _build_mpt(**{key: least}, **companions)
+        assert not flagged(least, **{k: v for k, v in companions.items() if k not in gqa})
+    if known.MPT_WHOLE_NUMBERS[path][0] == "integral":
+        _build_mpt(**{key: float(_GOOD[path])})
+        assert not flagged(float(_GOOD[path]))
+
+
+def test_llmfoundry_refuses_a_top_level_mandatory_value_and_passes_a_nested_one_on():
+    """FP8036's two severities: make_dataclass_and_log_config raises MissingMandatoryValue for a
+    `???` TrainConfig field, and hands a `???` below the top level on as the text '???'."""
+    from llmfoundry.utils.config_utils import (
+        TRAIN_CONFIG_KEYS,
+        TrainConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
+    base = ("model:\n  name: mpt_causal_lm\n  d_model: ???\ntokenizer: {name: gpt2}\n"
+            "optimizer: {name: adamw}\nscheduler: {name: cosine}\ntrain_loader: {name: text}\n"
+            "device_train_batch_size: 1\nglobal_train_batch_size: 1\n"
+            "device_train_microbatch_size: 1\nmax_seq_len: 64\nvariables:\n  unused: ???\n"
+            "loggers:\n  wandb:\n    project: ???\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, config = make_dataclass_and_log_config(OmegaConf.create(base + "max_duration: 1ba\n"),
+                                                  TrainConfig, TRAIN_CONFIG_KEYS, "all")
+        assert config.model["d_model"] == "???" and config.loggers["wandb"]["project"] == "???"
+        with pytest.raises(MissingMandatoryValue, match="max_duration"):
+            make_dataclass_and_log_config(OmegaConf.create(base + "max_duration: ???\n"),
+                                          TrainConfig, TRAIN_CONFIG_KEYS, "all")
+
+
+def test_composers_autoresume_download_crashes_on_an_offline_wandb_logger():
+    """FP8037's facts in the installed Composer: WandBLogger.download_file raises RuntimeError
+    without an entity or project (offline wandb.run.entity is ''), and the Trainer's autoresume
+    download catches only NotImplementedError and FileNotFoundError (Composer #2680)."""
+    from composer.loggers.wandb_logger import WandBLogger
+    from composer.trainer.trainer import Trainer
+
+    download = inspect.getsource(WandBLogger.download_file)
+    assert "if not self.entity or not self.project:" in download
+    assert "raise RuntimeError('get_file_artifact can only be called after running init()')" \
+        in download
+    assert "entity_and_project = [str(wandb.run.entity), str(wandb.run.project)]" in \
+        inspect.getsource(WandBLogger.init)
+    attempt = inspect.getsource(Trainer._try_checkpoint_download)
+    assert "except (NotImplementedError, FileNotFoundError):" in attempt
+    assert "self._try_checkpoint_download(" in inspect.getsource(
+        Trainer._get_autoresume_checkpoint)
+
+
 def test_mpt_builds_the_strings_the_rule_lets_through():
     _build_mpt(norm_eps="1e-5")  # torch reads it only in the forward
     for path, words in known.MPT_NUMBER_WORDS.items():

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -16,8 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from foundry_fp8.environment import Snapshot
+from foundry_fp8.lint import load
 from foundry_fp8.lint.cli import exit_code, lint_file
-from foundry_fp8.lint.load import MAX_BYTES, MAX_DEPTH, MAX_EXPANDED_NODES
+from foundry_fp8.lint.load import (
+    MAX_BYTES,
+    MAX_DEPTH,
+    MAX_EXPANDED_NODES,
+    LintInputError,
+    read_text,
+)
 
 HANG_GUARD_S = 60
 
@@ -176,6 +186,45 @@ def test_a_fifo_alone_or_in_a_folder_is_refused_without_reading_it(tmp_path):
     folder.mkdir()
     os.mkfifo(folder / "x.yaml")
     _one_line_exit_2(_lint(folder), folder / "x.yaml", "not a regular file")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_regular_file_whose_read_would_block_is_refused_not_waited_on(tmp_path, monkeypatch):
+    """/proc/kmsg is a regular file of size 0 whose read waits for the kernel's next message
+    (before: `foundry-fp8 lint /proc/kmsg` hung). Here a FIFO held open by a writer, which the
+    stat checks are told is regular, stands in for it: its read waits for data that never
+    comes. Reading /proc/kmsg itself in a test would consume the kernel's log."""
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer: a read waits, never ends
+    monkeypatch.setattr(load, "stat", SimpleNamespace(S_ISDIR=stat.S_ISDIR,
+                                                      S_ISREG=lambda mode: True))
+    outcome: dict[str, str] = {}
+
+    def read() -> None:
+        try:
+            outcome["text"] = read_text(fifo)
+        except LintInputError as e:
+            outcome["error"] = str(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(HANG_GUARD_S / 6)
+    try:
+        assert not reader.is_alive(), "read_text waited on a read that blocks"
+        assert outcome == {"error": f"{fifo}: cannot read without blocking (a special file such "
+                           "as /proc/kmsg, not a config); refusing to wait for it"}
+    finally:
+        os.write(writer, b"x")  # lets a waiting read (before the fix) end
+        os.close(writer)
+        reader.join(5)
+
+
+def test_text_that_is_not_utf8_is_named_at_its_line_and_column(tmp_path):
+    """Before: 'not UTF-8 text (byte 30)', an offset in the file."""
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("precision: fp32\nrun_name: café\n".encode("latin-1"))
+    _one_line_exit_2(_lint(path), path, f"{path}:2:14: cannot read: not UTF-8 text (byte 0xe9)")
 
 
 @pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero")

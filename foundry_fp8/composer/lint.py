@@ -13,7 +13,7 @@ from composer.loggers import Logger
 from foundry_fp8.composer.destinations import deliver
 from foundry_fp8.environment import gather_snapshot
 from foundry_fp8.lint.registry import Finding, LintContext
-from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config
+from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config, wandb_mode_from_env
 from foundry_fp8.lint.rules.environment import environment_findings
 from foundry_fp8.options import build
 
@@ -102,7 +102,7 @@ def _run_findings(config: Any) -> list[Finding]:
     try:
         snapshot = gather_snapshot(probe_te_import=False)
         context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ),
-                              snapshot=snapshot)
+                              snapshot=snapshot, wandb_mode=wandb_mode_from_env(os.environ))
         return lint_config(config, context) + environment_findings(snapshot, config)
     except Exception:
         log.exception("fp8_lint: the linter failed on this config; the run is not linted")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import stat
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -43,10 +45,13 @@ def lint_input(accelerate: Mapping[str, Any] | None, deepspeed: Mapping[str, Any
                *, version: tuple[int, ...] | None = None, deepspeed_path: str | None = None,
                deepspeed_positions: Mapping[str, tuple[int, int]] | None = None,
                deepspeed_missing: str | None = None,
-               deepspeed_lookup_error: str | None = None) -> AccelerateInput:
+               deepspeed_lookup_error: str | None = None,
+               deepspeed_kind: str | None = None,
+               deepspeed_duplicates: tuple[str, ...] = ()) -> AccelerateInput:
     """What the rules read (see AccelerateInput)."""
     return AccelerateInput(accelerate or {}, deepspeed, version, deepspeed_path,
-                           deepspeed_positions or {}, deepspeed_missing, deepspeed_lookup_error)
+                           deepspeed_positions or {}, deepspeed_missing, deepspeed_lookup_error,
+                           deepspeed_kind, deepspeed_duplicates)
 
 
 def lint_accelerate(inp: AccelerateInput) -> list[Finding]:
@@ -89,6 +94,36 @@ def read_json(path: Path, text: str) -> Any:
         raise LintInputError(f"{path}:1: cannot load: {first_line(e)}") from None
 
 
+def duplicate_keys(text: str) -> tuple[str, ...]:
+    """The dotted keys a JSON text gives twice in one object (json.load keeps the last; DeepSpeed
+    refuses them when it reads the file); () when it does not parse."""
+    found: list[tuple[dict[str, Any], str]] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in items:
+            if key in result:
+                found.append((result, key))
+            result[key] = value
+        return result
+
+    try:
+        data = json.loads(text, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return ()
+    paths: dict[int, str] = {id(data): ""}
+    stack = [data]
+    while stack:  # each object's dotted path (list items by index)
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else \
+            enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            if isinstance(value, (dict, list)) and id(value) not in paths:
+                paths[id(value)] = f"{paths[id(node)]}{key}."
+                stack.append(value)
+    return tuple(dict.fromkeys(f"{paths.get(id(obj), '')}{key}" for obj, key in found))
+
+
 def _positions(path: Path, text: str) -> dict[str, tuple[int, int]]:
     try:
         return key_positions(compose(path, text))[0]
@@ -96,19 +131,32 @@ def _positions(path: Path, text: str) -> dict[str, tuple[int, int]]:
         return {}
 
 
-def _find_deepspeed(path: Path, name: str) -> tuple[Path | None, str | None]:
+def _kind(mode: int) -> str | None:
+    """What a path that is not a regular file names (None: a regular file)."""
+    if stat.S_ISREG(mode):
+        return None
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+
+
+def _find_deepspeed(path: Path, name: str) -> tuple[Path | None, str | None, str | None]:
     """The DeepSpeed JSON, looked for next to `path` then in the current directory, the name
-    as written (HfDeepSpeedConfig opens it so: no `~`); else None and why a place could not
-    be looked at (None: it is not there)."""
+    as written (HfDeepSpeedConfig opens it so: no `~`); else None, why a place could not be
+    looked at (None: it is not there), and what the first place that exists is when it is not
+    a regular file (`a folder`, `a FIFO`, `a device`: never opened)."""
     candidate, error = Path(name), None
     for place in [candidate] if candidate.is_absolute() else [path.parent / candidate,
                                                               candidate]:
         try:
-            if place.is_file():
-                return place, None
-        except OSError as e:  # a name too long, a folder we may not search
-            error = e.strerror or str(e)
-    return None, error
+            kind = _kind(os.stat(place).st_mode)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:  # a name too long, a folder we may not search
+            error = getattr(e, "strerror", None) or str(e)
+            continue
+        return (place, None, None) if kind is None else (None, None, kind)
+    return None, error, None
 
 
 def lint_accelerate_file(path: Path, text: str | None = None, data: Any = None,
@@ -128,21 +176,26 @@ def lint_accelerate_file(path: Path, text: str | None = None, data: Any = None,
         return None
     positions = _positions(path, text)
     if not is_accelerate(data):  # a DeepSpeed JSON on its own
-        return lint_accelerate(lint_input({}, data)), positions
+        return lint_accelerate(lint_input({}, data, deepspeed_duplicates=duplicate_keys(text))), \
+            positions
     ds_name = section(data, "deepspeed_config").get("deepspeed_config_file")
     deepspeed, ds_positions, missing, lookup_error, ds_path = None, {}, None, None, None
-    if isinstance(ds_name, str) and ds_name:
-        found, lookup_error = _find_deepspeed(path, ds_name)
+    duplicates: tuple[str, ...] = ()
+    kind = None
+    if isinstance(ds_name, str) and ds_name and ds_name != "none":  # "none": no file (Accelerate)
+        found, lookup_error, kind = _find_deepspeed(path, ds_name)
         if found is None:
             missing = ds_name
         else:
             ds_text = read_text(found)
             deepspeed = read_json(found, ds_text)
             ds_positions, ds_path = _positions(found, ds_text), found
+            duplicates = duplicate_keys(ds_text)
             if not isinstance(deepspeed, Mapping):
                 raise LintInputError(f"{found}:1: a DeepSpeed config must be a JSON object")
     inp = lint_input(data, deepspeed, version=installed_accelerate(),
                      deepspeed_path=str(ds_path) if ds_path else None,
                      deepspeed_positions=ds_positions, deepspeed_missing=missing,
-                     deepspeed_lookup_error=lookup_error)
+                     deepspeed_lookup_error=lookup_error, deepspeed_kind=kind,
+                     deepspeed_duplicates=duplicates)
     return lint_accelerate(inp), positions

@@ -25,36 +25,23 @@ from foundry_fp8.lint.accelerate import (
     lint_accelerate_file,
     read_json,
 )
-from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
 from foundry_fp8.lint.load import (
     LintInputError,
     cannot_read,
+    compose,
+    key_positions,
     load_config,
     load_data,
     position_of,
     read_text,
 )
-from foundry_fp8.lint.output import render_json, render_sarif, render_text, use_colour
+from foundry_fp8.lint.output import one_line, render_json, render_sarif, render_text, use_colour
 from foundry_fp8.lint.registry import Finding, LintContext, run_rules
-from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config
+from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config, wandb_mode_from_env
 from foundry_fp8.lint.rules.eval import is_eval_config
+from foundry_fp8.lint.rules.mcli import is_mcli
 
 __all__ = ["LintInputError", "add_arguments", "lint_file", "run"]
-
-#: Keys of an MCLI run config (mcli's RunConfig) besides `parameters`, as LLM-Foundry's mcli/
-#: folder uses them.
-MCLI_KEYS = frozenset({"name", "image", "command", "compute", "integrations", "scheduling",
-                       "env_variables", "gpu_num", "gpu_type", "cluster", "entrypoint",
-                       "run_name", "metadata"})
-
-
-def _is_mcli(data: Any) -> bool:
-    """An MCLI run config: MCLI's keys and none of a train config's (`parameters` aside)."""
-    if not isinstance(data, Mapping):
-        return False
-    keys = {str(k) for k in data}
-    return bool(keys & (MCLI_KEYS - {"name"})) and not keys & (TRAIN_CONFIG_KEYS - MCLI_KEYS)
-
 
 def _error_entry(path: Path | str, error: str) -> dict[str, Any]:
     return {"path": str(path), "error": error, "findings": []}
@@ -67,11 +54,12 @@ def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[in
         for f in findings]}
 
 
-def lint_file(path: Path, fsdp_version: int = 1,
-              snapshot: Snapshot | None = None) -> dict[str, Any]:
+def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = None,
+              wandb_mode: str | None = None) -> dict[str, Any]:
     """One entry of the JSON contract: {path, error, findings}, plus `skipped` (why) for a file
     with nothing to lint. `snapshot`: what is installed where the linter runs, for the rules
-    that depend on it (None: they stay quiet)."""
+    that depend on it (None: they stay quiet); `wandb_mode`: W&B's mode from the environment
+    (`wandb_mode_from_env`; None: not set)."""
     try:
         text = read_text(path)
         data = read_json(path, text) if path.suffix.lower() == ".json" else load_data(path, text)
@@ -80,19 +68,25 @@ def lint_file(path: Path, fsdp_version: int = 1,
         if is_accelerate(data) or (path.suffix.lower() == ".json" and not is_train_json(data)):
             findings, positions = lint_accelerate_file(path, text, data)
             return _entry(path, findings, positions)
-        subtree = "parameters" if _is_mcli(data) else None
-        if subtree and not isinstance(data.get(subtree), Mapping):
-            return {"path": str(path), "error": None, "findings": [], "skipped": (
-                "an MCLI run config without a `parameters:` mapping (its command does not "
-                "train from a config MCLI writes): nothing to lint")}
+        mcli = is_mcli(data)
+        outer = run_rules("mcli", data, LintContext(scope="file")) if mcli else []
+        if mcli and not isinstance(data.get("parameters"), Mapping):
+            entry = _entry(path, outer, key_positions(compose(path, text))[0])
+            if not outer:
+                entry["skipped"] = ("an MCLI run config without `parameters:` whose command does "
+                                    "not train from the config MCLI writes: nothing to lint")
+            return entry
+        subtree = "parameters" if mcli else None
         loaded = load_config(path, text, subtree)
     except LintInputError as e:
         return _error_entry(path, str(e))
     context = LintContext(scope="file", fsdp_version=fsdp_version, env_keys=loaded.env_keys,
-                          snapshot=snapshot)
+                          snapshot=snapshot, wandb_mode=wandb_mode)
     findings = run_rules("eval", loaded.config, context) if is_eval_config(loaded.config) \
         else lint_config(loaded.config, context)
-    return _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "")
+    entry = _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "")
+    entry["findings"][:0] = _entry(path, outer, loaded.positions)["findings"]
+    return entry
 
 
 def _as_dict(finding: Finding, position: tuple[int, int] | None) -> dict[str, Any]:
@@ -101,17 +95,41 @@ def _as_dict(finding: Finding, position: tuple[int, int] | None) -> dict[str, An
             "line": line, "column": column, "message": finding.message, "fix": finding.fix}
 
 
+#: Folders a walk does not enter (a folder named on the command line is still linted): hidden
+#: ones (`.git`, `.venv`, `.github`), caches, and virtualenvs by their `pyvenv.cfg`; they hold
+#: third-party YAML, not the configs being linted.
+SKIPPED_FOLDERS = frozenset({"__pycache__", "node_modules", "site-packages"})
+
+
+def _walked(name: str, parent: str) -> bool:
+    """Whether a walk enters the subfolder `name` of `parent`."""
+    return not (name.startswith(".") or name in SKIPPED_FOLDERS
+                or os.path.isfile(os.path.join(parent, name, "pyvenv.cfg")))
+
+
 def _folder(folder: Path) -> list[Path | dict[str, Any]]:
     """Its .yaml then .yml files (in any case: `.YAML` too), each sorted, and an error entry for
     each folder in it that cannot be listed (`Path.rglob` skips those silently: their configs
-    would go unlinted)."""
+    would go unlinted). Hidden files and the folders `_walked` refuses are left out; symlinked
+    folders are followed, each real folder entered once (a link loop ends there)."""
     found: dict[str, list[Path]] = {".yaml": [], ".yml": []}
     errors: list[Path | dict[str, Any]] = []
-    for parent, _, names in os.walk(folder, onerror=lambda e: errors.append(
+    seen: set[tuple[int, int]] = set()
+    for parent, folders, names in os.walk(folder, followlinks=True, onerror=lambda e: errors.append(
             _error_entry(e.filename, str(cannot_read(e.filename, e))))):
+        try:
+            info = os.stat(parent)
+        except OSError:
+            folders[:] = []
+            continue
+        if (info.st_dev, info.st_ino) in seen:  # a link back to a folder walked already
+            folders[:] = []
+            continue
+        seen.add((info.st_dev, info.st_ino))
+        folders[:] = [name for name in folders if _walked(name, parent)]
         for name in names:
             suffix = os.path.splitext(name)[1].lower()
-            if suffix in found:
+            if suffix in found and not name.startswith("."):
                 found[suffix].append(Path(parent, name))
     return [*sorted(found[".yaml"]), *sorted(found[".yml"]), *errors]
 
@@ -151,9 +169,10 @@ def exit_code(report: dict[str, Any]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     fsdp_version = fsdp_version_from_env(os.environ)
+    wandb_mode = wandb_mode_from_env(os.environ)
     snapshot = gather_snapshot(probe_te_import=False, probe_gpu=False)
-    report = {"files": [lint_file(p, fsdp_version, snapshot) if isinstance(p, Path) else p
-                        for p in _expand(args.paths)]}
+    report = {"files": [lint_file(p, fsdp_version, snapshot, wandb_mode) if isinstance(p, Path)
+                        else p for p in _expand(args.paths)]}
     if args.format == "json":
         print(render_json(report))
     elif args.format == "sarif":
@@ -161,6 +180,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         for entry in report["files"]:
             if entry["error"]:
-                print(f"error: {entry['error']}", file=sys.stderr)
+                print(f"error: {one_line(entry['error'])}", file=sys.stderr)
         print(render_text(report, use_colour(sys.stdout.isatty(), os.environ)))
     return exit_code(report)

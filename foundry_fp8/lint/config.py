@@ -15,6 +15,16 @@ def fsdp_version_from_env(environ: Mapping[str, str]) -> int:
     return 2 if environ.get("FSDP_VERSION", "1") == "2" else 1
 
 
+def wandb_mode_from_env(environ: Mapping[str, str]) -> str | None:
+    """W&B's mode as `wandb.init` reads it from the environment (wandb 0.18 sdk/wandb_settings.py
+    `_apply_env_vars`): WANDB_MODE, else `disabled` for a true WANDB_DISABLED; None: not set."""
+    mode = environ.get("WANDB_MODE", "").strip().lower()
+    if mode:
+        return mode
+    disabled = environ.get("WANDB_DISABLED", "").strip().lower()
+    return "disabled" if disabled in ("true", "1", "yes") else None
+
+
 def get(config: Any, path: str) -> Any:
     node: Any = config
     for part in path.split("."):

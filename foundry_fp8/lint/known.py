@@ -121,6 +121,26 @@ MPT_NUMBER_KEYS = ("d_model", "n_heads", "n_layers", "head_dim", "expansion_rati
                    "ffn_config.ffn_hidden_size")
 #: The words some of those keys take instead of a number (MPTConfig._validate_config).
 MPT_NUMBER_WORDS = {"logit_scale": ("inv_sqrt_d_model",)}
+#: What MPT needs of its size keys, as building it (MPTConfig, then MPTForCausalLM) shows:
+#: key -> (kind, least value, null allowed). `int`: a Python int (a float, even 64.0, fails in
+#: torch's tensor sizes or range()); `integral`: an int or a float equal to one (MPTConfig
+#: converts max_seq_len with int() after checking it); `number`: a finite int or float. Less
+#: than the least value fails (0 heads: ZeroDivisionError; negative sizes: torch refuses
+#: negative dimensions); None: any integer builds (n_layers <= 0 builds no block). NaN and
+#: infinity fail everywhere. `attn_config.kv_n_heads` only for grouped_query_attention;
+#: `expansion_ratio` only without `ffn_config.ffn_hidden_size`. tests/test_lint_known.py
+#: builds each refusal and each least value.
+MPT_WHOLE_NUMBERS: dict[str, tuple[str, int | None, bool]] = {
+    "d_model": ("int", 1, False),
+    "n_heads": ("int", 1, False),
+    "n_layers": ("int", None, False),
+    "max_seq_len": ("integral", 0, False),
+    "vocab_size": ("int", 0, False),
+    "head_dim": ("int", 0, True),
+    "expansion_ratio": ("number", 0, False),
+    "attn_config.kv_n_heads": ("int", 1, False),
+    "ffn_config.ffn_hidden_size": ("int", 0, True),
+}
 
 #: build_text_dataloader's defaults that torch's DataLoader refuses with num_workers=0
 #: (llmfoundry/data/text_data.py; torch/utils/data/dataloader.py DataLoader.__init__).

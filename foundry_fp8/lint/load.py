@@ -165,7 +165,8 @@ def cannot_read(path: Path | str, error: OSError) -> LintInputError:
 def read_text(path: Path) -> str:
     """The text of a regular file of at most MAX_BYTES; LintInputError (one line) otherwise. A
     FIFO, a device (/dev/zero) or a socket is refused before it is opened: reading one could
-    block forever or never end."""
+    block forever or never end. The file is opened and read without blocking (`O_NONBLOCK`): a
+    "regular" file whose read would wait (/proc/kmsg, size 0) is refused, not waited on."""
     try:
         info = os.stat(path)
         if stat.S_ISDIR(info.st_mode):
@@ -176,8 +177,7 @@ def read_text(path: Path) -> str:
         if info.st_size > MAX_BYTES:
             raise LintInputError(f"{path}: {info.st_size} bytes, more than the {MAX_BYTES} a "
                                  "config can sensibly be; refusing to read it")
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        data = _read_bounded(path)
     except OSError as e:
         raise cannot_read(path, e) from None
     if len(data) > MAX_BYTES:
@@ -185,7 +185,45 @@ def read_text(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise LintInputError(f"{path}: cannot read: not UTF-8 text (byte {e.start})") from None
+        line, column = _line_column(data, e.start)
+        raise LintInputError(f"{path}:{line}:{column}: cannot read: not UTF-8 text (byte "
+                             f"0x{data[e.start]:02x})") from None
+
+
+def _read_bounded(path: Path) -> bytes:
+    """At most MAX_BYTES + 1 bytes of a regular file, never waiting for data: opened with
+    O_NONBLOCK (a FIFO swapped in after the stat neither blocks the open nor is read: it is
+    refused by its fstat), read until end of file; a read that would block is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LintInputError(f"{path}: not a regular file (a FIFO, device or socket); "
+                                 "refusing to read it")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_BYTES:
+            try:
+                chunk = os.read(fd, MAX_BYTES + 1 - size)
+            except BlockingIOError:
+                raise LintInputError(f"{path}: cannot read without blocking (a special file "
+                                     "such as /proc/kmsg, not a config); refusing to wait for "
+                                     "it") from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _line_column(data: bytes, index: int) -> tuple[int, int]:
+    """1-based (line, column) of byte `index`, the column in characters of the line's text
+    before it (bytes that do not decode count one each)."""
+    start = data.rfind(b"\n", 0, index) + 1
+    return (data.count(b"\n", 0, index) + 1,
+            len(data[start:index].decode("utf-8", errors="replace")) + 1)
 
 
 def _too_deep(path: Path, mark: yaml.Mark, keys: list[str], aliases: bool = False) -> str:
@@ -362,8 +400,7 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
         try:
             raw = OmegaConf.create(text)
         except yaml.YAMLError as e:  # the YAML composed above: one of omegaconf's own limits
-            raise _yaml_error(path, e, text, "omegaconf, which LLM-Foundry reads YAML with, "
-                              "refuses it") from None
+            raise _omegaconf_yaml_error(path, e, text, root) from None
         except failures as e:
             raise _omegaconf_error(path, e, positions, "", "cannot load") from None
         try:
@@ -386,6 +423,61 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
         except failures as e:
             raise _omegaconf_error(path, e, positions, inside, "cannot resolve") from None
     return LoadedConfig(config, positions, tuple(env_keys))
+
+
+#: omegaconf's (2.4) refusal of a document past its node limit, which it marks at the document's
+#: start whatever line the limit is passed on.
+_OMEGACONF_NODE_LIMIT = re.compile(r"node expansion exceeds the configured limit of (\d+)")
+
+
+def _omegaconf_yaml_error(path: Path, error: yaml.YAMLError, text: str,
+                          root: yaml.Node) -> LintInputError:
+    """omegaconf's refusal of YAML we composed: at the value past its node limit (counted as
+    omegaconf counts, aliases expanded), or at the file alone for another refusal of the whole
+    document (the alias expansion ratio), which omegaconf marks at its first line whatever
+    causes it; else where omegaconf marks it (a duplicate key)."""
+    verdict = "omegaconf, which LLM-Foundry reads YAML with, refuses it"
+    problem = getattr(error, "problem", None) or first_line(error)
+    limit = _OMEGACONF_NODE_LIMIT.search(problem)
+    if limit is not None:
+        mark = _node_past(root, int(limit.group(1))).start_mark
+        return LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: {verdict} (value "
+                              f"{int(limit.group(1)) + 1}, counting aliases expanded, is "
+                              f"here): {problem}")
+    mark = getattr(error, "problem_mark", None)
+    if mark is not None and mark.index == root.start_mark.index \
+            and isinstance(error, yaml.constructor.ConstructorError) and error.context is None:
+        return LintInputError(f"{path}: {verdict}: {problem}")
+    return _yaml_error(path, error, text, verdict)
+
+
+def _node_past(root: yaml.Node, limit: int) -> yaml.Node:
+    """The node at which omegaconf's count of a document's nodes (each node once per path to
+    it, a mapping's key before its value: omegaconf/_yaml.py `_expanded_node_count`) passes
+    `limit`; the root when it never does."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:  # each distinct node's expanded size, iteratively (the bounds above hold)
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if done:
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in _children(node))
+            continue
+        stack.append((node, True))
+        stack += [(c, False) for c in _children(node) if id(c) not in sizes]
+    node, counted = root, 0
+    while True:
+        counted += 1
+        if counted > limit:
+            return node
+        for child in _children(node):
+            if counted + sizes[id(child)] > limit:
+                node = child
+                break
+            counted += sizes[id(child)]
+        else:
+            return root
 
 
 def _omegaconf_error(path: Path, error: BaseException, positions: dict[str, tuple[int, int]],

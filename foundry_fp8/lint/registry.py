@@ -12,8 +12,8 @@ judge key names (an unknown key is wrong whatever its value).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 Severity = Literal["error", "warning", "info"]
@@ -23,6 +23,7 @@ SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
 FAMILIES = {
     "train": "LLM-Foundry train YAMLs",
     "eval": "LLM-Foundry eval YAMLs",
+    "mcli": "MCLI run configs",
     "accelerate": "Accelerate and DeepSpeed configs",
     "environment": "The environment (`foundry-fp8 doctor`, `fp8_lint`)",
 }
@@ -57,13 +58,19 @@ class LintContext:
     FSDP Composer will use (Composer picks 2 only when the environment has FSDP_VERSION=2).
     `env_keys`: keys whose value uses `${oc.env:...}` in the file. `snapshot`: this machine's
     `foundry_fp8.environment.Snapshot` for rules that depend on what is installed (None: not
-    probed, such rules stay quiet).
+    probed, such rules stay quiet). `wandb_mode`: W&B's mode from the environment (WANDB_MODE,
+    WANDB_DISABLED), which the config's `init_kwargs.mode` overrides; None: not set.
+    `missing_keys`: keys whose value is omegaconf's `???` (`mandatory_keys`, filled by `run_rules`
+    for train and eval configs): only FP8036 and rules registered with `unresolved=True` speak
+    about them, so a `???` gets one finding, not one per rule that reads it as text.
     """
 
     scope: Literal["file", "run"] = "file"
     fsdp_version: int = 1
     env_keys: tuple[str, ...] = ()
     snapshot: Any = None
+    wandb_mode: str | None = None
+    missing_keys: tuple[str, ...] | None = None
 
 
 Check = Callable[[Any, LintContext], Iterable[Hit]]
@@ -84,9 +91,10 @@ class Rule:
     unresolved: bool = False  # it judges key names, or `${oc.env:...}` values themselves
 
     def findings(self, data: Any, context: LintContext) -> list[Finding]:
+        hidden = context.env_keys + (context.missing_keys or ())
         return [Finding(self.id, hit.severity or self.severity, hit.key, hit.message,
                         hit.fix or self.fix) for hit in self.check(data, context)
-                if self.unresolved or not _under(hit.key, context.env_keys)]
+                if self.unresolved or not _under(hit.key, hidden)]
 
 
 def _under(key: str, parents: tuple[str, ...]) -> bool:
@@ -131,8 +139,39 @@ def rules_for(family: str) -> list[Rule]:
 def run_rules(family: str, data: Any, context: LintContext,
               only: Callable[[Rule], bool] | None = None) -> list[Finding]:
     """Every finding of the rules that judge one family's input (`rules_for`) on `data`."""
+    if family in ("train", "eval") and context.missing_keys is None:
+        context = replace(context, missing_keys=tuple(mandatory_keys(data)))
     return [f for r in rules_for(family) if only is None or only(r)
             for f in r.findings(data, context)]
+
+
+#: omegaconf's value for "not given yet" (omegaconf.MISSING): a config keeps it as this string.
+MISSING = "???"
+
+
+def mandatory_keys(config: Any) -> list[str]:
+    """Dotted keys (list items by index) whose value is omegaconf's `???`, in file order; none
+    below `variables` (LLM-Foundry reads a variable only through an interpolation, which fails
+    to resolve on a `???`)."""
+    found: list[str] = []
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", _items(config))]
+    while stack:  # depth first, in file order, without recursion
+        prefix, items = stack[-1]
+        step = next(items, None)
+        if step is None:
+            stack.pop()
+            continue
+        path = f"{prefix}{step[0]}"
+        if isinstance(step[1], str) and step[1] == MISSING:
+            found.append(path)
+        elif isinstance(step[1], (Mapping, list)) and path != "variables":
+            stack.append((f"{path}.", _items(step[1])))
+    return found
+
+
+def _items(node: Any) -> Iterator[tuple[Any, Any]]:
+    return iter(node.items()) if isinstance(node, Mapping) else \
+        iter(enumerate(node)) if isinstance(node, list) else iter(())
 
 
 def section(config: Any, key: str) -> Mapping[str, Any]:

@@ -8,6 +8,7 @@
 - `ours`: our entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_guard`, `fp8_lint`, `jsonl`)
   and where the registries look for them;
 - `eval`: LLM-Foundry eval configs;
+- `mcli`: MCLI run configs around them (their `parameters`, linted as a train or eval config);
 - `accelerate`: Accelerate configs and the DeepSpeed JSON they point to;
 - `environment`: what is installed and what the GPU is (`foundry-fp8 doctor`, `fp8_lint`).
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from foundry_fp8.lint.config import fsdp_version_from_env
+from foundry_fp8.lint.config import fsdp_version_from_env, wandb_mode_from_env
 from foundry_fp8.lint.registry import (
     FAMILIES,
     SEVERITIES,
@@ -34,13 +35,14 @@ from foundry_fp8.lint.rules import (  # noqa: F401  (registration happens at imp
     environment,
     eval,
     fsdp,
+    mcli,
     model,
     ours,
     train,
 )
 
 __all__ = ["RULES", "SEVERITIES", "Finding", "LintContext", "Rule", "all_rules",
-           "fsdp_version_from_env", "lint_config", "rule_sets"]
+           "fsdp_version_from_env", "lint_config", "rule_sets", "wandb_mode_from_env"]
 
 #: The train-config rules, in id order.
 RULES = rules_of("train")

@@ -14,6 +14,7 @@ Checks read an `AccelerateInput` (`foundry_fp8.lint.accelerate` reads the files)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,8 +123,10 @@ class AccelerateInput:
     """What the rules read. `accelerate`: the Accelerate config ({} when linting a DeepSpeed
     JSON alone); `deepspeed`: the DeepSpeed JSON; `version`: the installed Accelerate (None:
     unknown); `deepspeed_path`/`deepspeed_positions`: where DeepSpeed keys are, for messages;
-    `deepspeed_missing`: a `deepspeed_config_file` that could not be found, and
-    `deepspeed_lookup_error` the OS's reason when looking for it failed (None: not there)."""
+    `deepspeed_missing`: a `deepspeed_config_file` that could not be found, or names no regular
+    file; `deepspeed_lookup_error` the OS's reason when looking for it failed (None: not there);
+    `deepspeed_kind` what it names when that is not a regular file (`a folder`, `a FIFO`);
+    `deepspeed_duplicates` the dotted keys the DeepSpeed JSON gives twice in one object."""
 
     accelerate: Mapping[str, Any] = field(default_factory=dict)
     deepspeed: Mapping[str, Any] | None = None
@@ -132,6 +135,8 @@ class AccelerateInput:
     deepspeed_positions: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     deepspeed_missing: str | None = None
     deepspeed_lookup_error: str | None = None
+    deepspeed_kind: str | None = None
+    deepspeed_duplicates: tuple[str, ...] = ()
 
 
 def _text(value: Any) -> str:
@@ -378,19 +383,40 @@ def zero_stage_auto(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
                   "zero_stage next to a DeepSpeed file)")
 
 
-@rule("FP8109", "warning", "`deepspeed_config_file` not found",
-      why="HfDeepSpeedConfig opens the path as written (`~` is not expanded) from the launch "
-      "directory; a file we cannot find is not checked.",
-      source=f"{ACC} src/accelerate/utils/deepspeed.py HfDeepSpeedConfig.__init__",
+@rule("FP8109", "error", "`deepspeed_config_file` not found, not a regular file, or not a "
+      "path",
+      why="`accelerate launch` exports str(deepspeed_config_file) as "
+      "ACCELERATE_DEEPSPEED_CONFIG_FILE, and HfDeepSpeedConfig opens that path as written (`~` "
+      "is not expanded) from the launch directory with json.load, or else reads the text itself "
+      "as JSON or base64 JSON and raises 'Expected a string path to an existing deepspeed "
+      "config'. A path we cannot find from here is a warning (it may exist where the run "
+      "launches); a folder (IsADirectoryError), a FIFO or device (json.load waits, or reads "
+      "without end) or a value that is not a string (a list exports its Python repr) is an "
+      "error.",
+      source=f"{ACC} src/accelerate/utils/deepspeed.py HfDeepSpeedConfig.__init__, "
+      "src/accelerate/utils/launch.py prepare_deepspeed_cmd_env",
       fix="use an absolute path, or lint from the launch directory", family="accelerate")
 def deepspeed_file_missing(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
-    if inp.deepspeed_missing:
+    name = section(inp.accelerate, "deepspeed_config").get("deepspeed_config_file")
+    if name is not None and not (isinstance(name, str) and name):
+        shown = "an empty string" if name == "" else f"{type(name).__name__} {name!r:.60}"
+        yield Hit(DS_FILE_KEY, f"deepspeed_config_file must be the path of the DeepSpeed JSON, "
+                  f"got {shown}: `accelerate launch` exports str() of it, which "
+                  "HfDeepSpeedConfig cannot open as a DeepSpeed JSON",
+                  fix="write deepspeed_config_file as one path, e.g. ds_config.json")
+    elif inp.deepspeed_kind:
+        yield Hit(DS_FILE_KEY, f"DeepSpeed config {inp.deepspeed_missing} is {inp.deepspeed_kind}"
+                  ", not a JSON file: HfDeepSpeedConfig opens it with json.load, which "
+                  + ("raises IsADirectoryError" if inp.deepspeed_kind == "a folder" else
+                     "waits for data or reads without end"),
+                  fix="point deepspeed_config_file at the DeepSpeed JSON file")
+    elif inp.deepspeed_missing:
         where = (f"could not be looked for ({inp.deepspeed_lookup_error})"
                  if inp.deepspeed_lookup_error else
                  "not found next to this file or in the current directory")
         yield Hit(DS_FILE_KEY, f"DeepSpeed config {inp.deepspeed_missing} {where}, so it was "
                   "not checked; Accelerate opens a relative path from the directory "
-                  "`accelerate launch` runs in")
+                  "`accelerate launch` runs in", severity="warning")
 
 
 @rule("FP8110", "error", "`fp8_config.override_linear_precision` written as a string",
@@ -571,3 +597,54 @@ def backend_unreadable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     yield Hit("fp8_config.backend", f"{who} reads fp8_config.backend as FP8BackendType("
               f"{str(backend)!r}), which raises ValueError at Accelerator(){hint}",
               severity=None if version else "warning")
+
+
+@rule("FP8117", "error", "a key given twice in one object of a DeepSpeed JSON",
+      why="DeepSpeed reads a config file with `object_pairs_hook=dict_raise_error_on_duplicate_"
+      "keys` and raises 'Duplicate keys in DeepSpeed config'; Accelerate's HfDeepSpeedConfig "
+      "reads the file with plain json.load, which silently keeps the last value, and hands "
+      "DeepSpeed the dict. An error for a DeepSpeed JSON on its own, a warning behind an "
+      "Accelerate config (a setting silently dropped).",
+      source="DeepSpeed (microsoft/DeepSpeed, master) deepspeed/runtime/config_utils.py "
+      "dict_raise_error_on_duplicate_keys, deepspeed/runtime/config.py DeepSpeedConfig.__init__; "
+      f"{ACC} src/accelerate/utils/deepspeed.py HfDeepSpeedConfig.__init__",
+      fix="keep one of the two values", family="accelerate")
+def deepspeed_duplicate_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    for ds_key in inp.deepspeed_duplicates:
+        key, prefix = _ds_where(inp, ds_key)
+        if inp.accelerate:
+            yield Hit(key, f"{prefix}is given twice: Accelerate reads the file with json.load, "
+                      "which keeps the last value without a word (DeepSpeed itself refuses such a "
+                      "file)", severity="warning")
+        else:
+            yield Hit(key, f"{prefix}is given twice: DeepSpeed raises 'Duplicate keys in "
+                      "DeepSpeed config' reading the file (json.load, as Accelerate reads it, "
+                      "keeps the last)")
+
+
+def _zero_stage_refused(stage: Any) -> bool:
+    """A ZeRO stage DeepSpeed's ZeroStageEnum (0-3) refuses: NaN, 4, 2.5, `two` (`auto`: FP8108;
+    a string of digits is left to DeepSpeed's lax reading)."""
+    if isinstance(stage, bool):
+        return True
+    if isinstance(stage, str):
+        return stage.strip().lower() != "auto" and not stage.strip().isdigit()
+    if isinstance(stage, float):
+        return not (math.isfinite(stage) and stage.is_integer() and 0 <= stage <= 3)
+    return isinstance(stage, int) and not 0 <= stage <= 3
+
+
+@rule("FP8118", "error", "a DeepSpeed `zero_optimization.stage` that is not 0-3 (`NaN`, `4`)",
+      why="DeepSpeedZeroConfig types `stage` as ZeroStageEnum (0, 1, 2, 3) and refuses any other "
+      "value when the engine is built; Python's json (Accelerate's reader) accepts `NaN` and "
+      "`Infinity`, which are not JSON, so such a file gets that far.",
+      source="DeepSpeed (microsoft/DeepSpeed, master) deepspeed/runtime/zero/config.py "
+      f"ZeroStageEnum, DeepSpeedZeroConfig.stage; {ACC} src/accelerate/utils/deepspeed.py "
+      "HfDeepSpeedConfig.set_stage_and_offload",
+      fix="write the ZeRO stage you want (0, 1, 2 or 3)", family="accelerate")
+def zero_stage_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    zero = section(inp.deepspeed, "zero_optimization") if inp.deepspeed is not None else {}
+    if "stage" in zero and _zero_stage_refused(zero["stage"]):
+        key, prefix = _ds_where(inp, "zero_optimization.stage")
+        yield Hit(key, f"{prefix}is {zero['stage']!r:.40}: DeepSpeed's ZeRO stage is 0, 1, 2 or 3 "
+                  "(ZeroStageEnum), and building the engine refuses anything else")

@@ -3,6 +3,7 @@ LLM-Foundry's init of te.LayerNormMLP."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from foundry_fp8.lint.known import (
     MPT_MODEL_NAMES,
     MPT_NUMBER_KEYS,
     MPT_NUMBER_WORDS,
+    MPT_WHOLE_NUMBERS,
     did_you_mean,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
@@ -65,7 +67,8 @@ def _ratio_hidden(model: Mapping[str, Any], d_model: int) -> int | float | None:
     ratio is no number."""
     ratio = mpt_value(model, "expansion_ratio")
     if get(model, "ffn_config.ffn_hidden_size") is not None \
-            or not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
+            or not isinstance(ratio, (int, float)) or isinstance(ratio, bool) \
+            or not math.isfinite(ratio):  # NaN and infinity: FP8035
         return None
     try:
         return d_model * ratio
@@ -372,22 +375,30 @@ def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterat
 
 
 @rule("FP8035", "error", "MPT model values MPT refuses when LLM-Foundry builds the model: "
-      "numbers written as strings (`d_model: \"2048\"`, `expansion_ratio: 8/3`), d_model not "
-      "divisible by n_heads",
+      "numbers written as strings (`d_model: \"2048\"`, `expansion_ratio: 8/3`), sizes that are "
+      "not whole numbers or too small (`n_heads: 0`, `d_model: .nan`, `1e400`, `n_layers: 2.0`), "
+      "d_model not divisible by n_heads",
       why="LLM-Foundry passes the model section to MPTConfig unconverted, and YAML reads a quoted "
       "number or a fraction such as 8/3 as a string: MPTConfig's checks then raise (`d_model % "
       "n_heads` formats the string, `max_seq_len != int(max_seq_len)`, the dropout bounds), or "
       "the model it builds does (d_model * expansion_ratio repeats the string; nn.Linear and "
       "nn.Embedding take no string size). Only a string `norm_eps` builds (torch reads it in the "
-      "forward); `logit_scale` takes the one word inv_sqrt_d_model. MPTConfig also raises 'd_model "
-      "must be divisible by n_heads', even when head_dim is given.",
+      "forward); `logit_scale` takes the one word inv_sqrt_d_model. The sizes fail the same way "
+      "as numbers that are not whole (a float, even 64.0, in a tensor size or range(); NaN and "
+      "infinity, which omegaconf reads from `.nan` and `1e400`, fail MPTConfig's checks), that "
+      "are zero where MPT divides by them (n_heads, kv_n_heads: ZeroDivisionError, 'kv_n_heads "
+      "should be greater than zero') or negative (torch refuses negative dimensions); "
+      "max_seq_len may be a float equal to a whole number, expansion_ratio any finite number "
+      "from 0 (FP8032 judges its product). MPTConfig also raises 'd_model must be divisible by "
+      "n_heads', even when head_dim is given.",
       source=f"{FOUNDRY} llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__ "
       "(max_seq_len) and _validate_config (d_model % n_heads, the pdrop and embedding_fraction "
       "bounds, logit_scale); llmfoundry/models/layers/ffn.py resolve_ffn_hidden_size; "
       "llmfoundry/models/layers/attention.py GroupedQueryAttention.__init__ (kv_n_heads); "
-      "tests/test_lint_known.py builds each one",
+      "tests/test_lint_known.py builds each one (MPT_WHOLE_NUMBERS)",
       fix="write the number without quotes (a decimal for expansion_ratio, or give "
-      "ffn_config.ffn_hidden_size); pick n_heads dividing d_model")
+      "ffn_config.ffn_hidden_size), sizes as whole numbers from 1 (n_heads, d_model); pick "
+      "n_heads dividing d_model")
 def mpt_refuses_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     if not _is_mpt(model):
@@ -401,11 +412,46 @@ def mpt_refuses_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
             yield Hit(f"model.{path}", f"model.{path} is the string {value!r}, not a number "
                       "(YAML reads a quoted value or a fraction as a string): MPT raises building "
                       "the model")
+        elif _given(model, path) and (need := _number_refused(model, path, value)):
+            yield Hit(f"model.{path}", f"model.{path} is {_number_text(value)}: MPT needs "
+                      f"{need} there and raises building the model")
     d_model, n_heads = as_int(mpt_value(model, "d_model")), as_int(mpt_value(model, "n_heads"))
     if d_model is not None and n_heads is not None and n_heads > 0 and d_model % n_heads:
         key = next((f"model.{k}" for k in ("n_heads", "d_model") if k in model), "model")
         yield Hit(key, f"d_model {d_model} is not divisible by n_heads {n_heads}: MPTConfig "
                   "raises 'd_model must be divisible by n_heads'")
+
+
+def _given(model: Mapping[str, Any], path: str) -> bool:
+    parent, _, leaf = path.rpartition(".")
+    return leaf in (section(model, parent) if parent else model)
+
+
+def _number_text(value: Any) -> str:
+    return "null" if value is None else repr(value)
+
+
+def _number_refused(model: Mapping[str, Any], path: str, value: Any) -> str | None:
+    """What MPT needs at `path` when `value` (not a string: those are refused above) is not it,
+    per MPT_WHOLE_NUMBERS; None when it builds."""
+    if path not in MPT_WHOLE_NUMBERS or isinstance(value, bool):
+        return None
+    kind, least, nullable = MPT_WHOLE_NUMBERS[path]
+    if path == "expansion_ratio" and get(model, "ffn_config.ffn_hidden_size") is not None:
+        return None  # resolve_ffn_hidden_size ignores it
+    need = {"int": "a whole number", "integral": "a whole number",
+            "number": "a finite number"}[kind] + (f" of at least {least}" if least is not None
+                                                  else "") + (" (or null)" if nullable else "")
+    if value is None:
+        return None if nullable else need
+    if not isinstance(value, (int, float)):
+        return None  # a list or a mapping: not modelled
+    if isinstance(value, float) and (not math.isfinite(value)
+                                     or kind == "int"
+                                     or (kind == "integral" and not value.is_integer())):
+        return need + (" (written without a decimal point)" if kind == "int"
+                       and math.isfinite(value) and value.is_integer() else "")
+    return need if least is not None and value < least else None
 
 
 @rule("FP8016", "warning", "`fc_type: {name: te}` (mapping form)",

@@ -1,5 +1,6 @@
 """The train config's own keys and sections: precision, retired and unknown top-level keys,
-section shapes, `${oc.env:...}`, micro-batch tokens, text loaders."""
+section shapes, `${oc.env:...}`, micro-batch tokens, text loaders, omegaconf's `???`, and
+autoresume with an offline W&B logger."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from foundry_fp8.lint.known import (
     FILLED_KEYS,
     MAPPING,
     MAPPINGS,
+    MPT_MODEL_NAMES,
+    MPT_NUMBER_KEYS,
     NULL,
     PRECISIONS,
     SCALARS,
@@ -28,7 +31,7 @@ from foundry_fp8.lint.known import (
     TRAIN_CONFIG_KEYS,
     did_you_mean,
 )
-from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.lint.registry import Hit, LintContext, mandatory_keys, rule, section
 from foundry_fp8.shapes import FP8_TOKEN_MULTIPLE, tokens_fit_fp8
 
 COMPOSER = "Composer 0.32.1"
@@ -267,3 +270,98 @@ def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]
         if key in config and source in config and (even_null or config[source] is not None):
             yield Hit(key, f"LLM-Foundry fills `{key}` from `{source}` itself and refuses both in "
                       "one config ('should not be set')", fix=f"remove {key}; give it as {source}")
+
+
+@rule("FP8036", "error", "omegaconf's `???` (a value still to be given) left in the config",
+      why="omegaconf reads `???` (quoted or not) as a missing value. make_dataclass_and_log_config "
+      "reads every TrainConfig (or EvalConfig) field, so a top-level `???` raises "
+      "MissingMandatoryValue before anything is built. Below the top level LLM-Foundry checks "
+      "nothing: it hands the text '???' to whatever reads the key (MPTConfig, a logger, a "
+      "callback), an error where that is an MPT number (MPT raises, as for FP8035's strings), "
+      "else a warning. Under `variables` a `???` is only an error once an interpolation uses "
+      "it, which fails to resolve (exit 2). One finding per `???`: other rules do not judge "
+      "the text.",
+      source=f"{FOUNDRY} llmfoundry/utils/config_utils.py make_dataclass_and_log_config "
+      "(`dataclass_dict_config[key]` for each field); omegaconf 2.4 MISSING; checked with "
+      "make_dataclass_and_log_config on `???` at the top level, under model, loggers, "
+      "callbacks, code_paths and eval_loader",
+      fix="write the value, or give it on the command line (`llmfoundry train x.yaml "
+      "key=value` replaces a `???`)", also=("eval",), unresolved=True)
+def mandatory_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    mpt = isinstance(section(config, "model").get("name"), str) \
+        and section(config, "model")["name"] in MPT_MODEL_NAMES
+    for key in mandatory_keys(config):
+        if "." not in key:
+            yield Hit(key, f"`{key}` is `???`, omegaconf's mark for a value still to be given: "
+                      "LLM-Foundry raises MissingMandatoryValue ('Missing mandatory value: "
+                      f"{key}') before building anything")
+        elif mpt and key.removeprefix("model.") in MPT_NUMBER_KEYS:
+            yield Hit(key, f"`{key}` is `???`, omegaconf's mark for a value still to be given: "
+                      "LLM-Foundry hands MPT the text '???' and MPT raises building the model")
+        else:
+            yield Hit(key, f"`{key}` is `???`, omegaconf's mark for a value still to be given: "
+                      "LLM-Foundry does not check values below the top level and hands the text "
+                      f"'???' to what reads `{key.rpartition('.')[2]}`", severity="warning")
+
+
+#: W&B modes in which a run has no server-side entity or project (wandb.init: offline and
+#: dryrun give run.entity '', disabled gives run.project ''), read from `init_kwargs.mode`,
+#: `init_kwargs.settings.mode`, then WANDB_MODE / WANDB_DISABLED (wandb 0.18 wandb_init.py).
+WANDB_NOT_ONLINE = ("offline", "dryrun", "disabled")
+
+
+def _wandb_mode(logger: Any, ctx: LintContext) -> tuple[str | None, str]:
+    """(mode, where it comes from) of a `loggers.wandb` section, as wandb.init settles it: its
+    own `init_kwargs.mode`, then `init_kwargs.settings.mode`, then the environment."""
+    init = section(logger, "init_kwargs")
+    for key, value in (("init_kwargs.mode", init.get("mode")),
+                       ("init_kwargs.settings.mode", section(init, "settings").get("mode"))):
+        if isinstance(value, str) and value:
+            return value.strip().lower(), f"loggers.wandb.{key}"
+    return ctx.wandb_mode, "the environment (WANDB_MODE / WANDB_DISABLED)"
+
+
+@rule("FP8037", "error", "`autoresume: true` with a W&B logger that is not online (offline, "
+      "dryrun, disabled): the first run crashes in Composer's Trainer (Composer #2680)",
+      why="With autoresume and no latest checkpoint in save_folder yet (the first run), "
+      "Trainer.__init__ asks every logger to download it (trainer.py:1888, "
+      "_try_checkpoint_download), after Event.INIT set the W&B logger's entity and project from "
+      "wandb.run (wandb_logger.py:202-213): an offline run has entity '', a disabled one "
+      "project '', and WandBLogger.download_file raises RuntimeError('get_file_artifact can only "
+      "be called after running init()') (wandb_logger.py:276-277), which "
+      "_try_checkpoint_download does not catch (only NotImplementedError and "
+      "FileNotFoundError, trainer.py:1846): the run dies before training. Giving "
+      "loggers.wandb.entity and project does not avoid it: offline, download_file then asks the "
+      "W&B server (wandb.Api(), api.artifact), which fails without an API key (UsageError, not "
+      "caught) or waits on the network. A warning with `fsdp_config.state_dict_type: sharded`, "
+      "where Composer looks for a local symlink instead, except on one GPU (LLM-Foundry drops "
+      "FSDP there). Judged from the config's W&B mode, else WANDB_MODE where the linter runs.",
+      source=f"{COMPOSER} composer/trainer/trainer.py:1437 (Event.INIT), :1618-1687 "
+      "(autoresume), :1821-1849 (_try_checkpoint_download), :1888; "
+      "composer/loggers/wandb_logger.py:185-215 (init) and :261-277 (download_file); wandb 0.18.7 "
+      "(offline run.entity '', disabled run.project ''); "
+      "https://github.com/mosaicml/composer/issues/2680; "
+      f"{FOUNDRY} llmfoundry/command_utils/train.py:594 (autoresume=train_cfg.autoresume), "
+      ":320-330 (FSDP dropped on one GPU)",
+      fix="for an offline or disabled W&B run drop `autoresume` and resume with `load_path: "
+      "<save_folder>/latest-rank0.pt` (runs after the first); or log to W&B online")
+def autoresume_offline_wandb(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    autoresume = config.get("autoresume")
+    loggers = section(config, "loggers")
+    if not (autoresume is True or (isinstance(autoresume, str)
+                                   and autoresume.strip().lower() == "true")) \
+            or "wandb" not in loggers:
+        return
+    mode, where = _wandb_mode(loggers["wandb"], ctx)
+    if mode not in WANDB_NOT_ONLINE:
+        return
+    sharded = str(section(config, "fsdp_config").get("state_dict_type", "")).lower() == "sharded"
+    yield Hit("autoresume", f"autoresume with the W&B logger in {mode} mode ({where}): a run "
+              "that finds no latest checkpoint in a local save_folder (the first run; every run "
+              "when save_folder is remote) asks W&B for one, and "
+              "WandBLogger.download_file raises RuntimeError('get_file_artifact can only be "
+              "called after running init()'), which Composer's Trainer does not catch (Composer "
+              "#2680)" + ("; with sharded FSDP checkpoints Composer skips that download on more "
+                          "than one GPU, but not on one, where LLM-Foundry drops FSDP"
+                          if sharded else ""),
+              severity="warning" if sharded else None)
