@@ -113,7 +113,7 @@ def _output_failed(failure: OutputError) -> int:
     then point the failed one at /dev/null, so what is still buffered goes there at exit
     rather than into a second error."""
     if failure.error.errno != errno.EPIPE and failure.name == "stdout":
-        from foundry_fp8.lint.output import one_line
+        from foundry_fp8.health.table import one_line
 
         target = _where(failure.stream)
         where = f" ({one_line(target)})" if target else ""

@@ -25,7 +25,7 @@ the pooling's all_reduce SUM; at that logging step every rank raises FP8MonitorE
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -535,3 +535,91 @@ class FP8Monitor:
     def summary(self) -> str:
         """The worst value per layer and tensor over every judged step (markdown)."""
         return render_table(self.tracker.worst)
+
+    # -- checkpoint state: a resumed run logs what the uninterrupted one logs -------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What later steps' series and the summary depend on: the health tracker's state and
+        the delayed what-if's (amax history, scale, updates so far; on the CPU), by row name.
+        Only the what-if differs between ranks, and only with `reduce_amax: false`."""
+        return {"rows": [list(row) for row in self.rows], "tracker": self.tracker.state_dict(),
+                "whatif": self.whatif_state()}
+
+    def whatif_state(self) -> dict[str, Any] | None:
+        """The delayed what-if's state (None before its first recorded batch, or none kept)."""
+        if self._history is None or self._scale is None:
+            return None
+        return {"recipe": _whatif_recipe(self.config), "folds": self._folds,
+                "history": self._history.detach().cpu().clone(),
+                "scale": self._scale.detach().cpu().clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:
+        """Go on from `state_dict()`'s state, row by row where the rows (layers, tensors) and
+        the what-if's recipe still match; returns what was left out, in words (empty: all
+        restored). Raises ValueError on a malformed state, changing nothing."""
+        try:
+            saved_rows = [(layer, tensor) for layer, tensor in state["rows"]]
+            if not all(isinstance(name, str) for row in saved_rows for name in row):
+                raise TypeError("row names are not text")
+            tracker, whatif = state["tracker"], state["whatif"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not fp8_stats' monitor state ({type(e).__name__}: {e})") from e
+        notes: list[str] = []
+        columns = self._whatif_columns(whatif, saved_rows, notes)  # validates before any write
+        gone = {(short_layer(layer), tensor) for layer, tensor in saved_rows
+                if (layer, tensor) not in self._row}
+        gone.update(self.tracker.load_state_dict(
+            tracker, {(self.short[layer], tensor) for layer, tensor in self.rows}))
+        if gone:
+            names = [f"{layer}/{tensor}" for layer, tensor in sorted(gone)]
+            more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+            notes.insert(0, f"{', '.join(names[:8])}{more} (not watched now)")
+        if columns is not None:
+            self._restore_whatif(*columns)
+        return notes
+
+    def _whatif_columns(self, whatif: Any, saved_rows: list[tuple[str, str]], notes: list[str],
+                        ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The saved what-if state, laid out on this monitor's rows (a row not in the
+        checkpoint starts fresh), or None when there is none to restore (noted in `notes`)."""
+        if whatif is None:
+            return None
+        try:
+            recipe, folds = dict(whatif["recipe"]), int(whatif["folds"])
+            history, scale = whatif["history"], whatif["scale"]
+            n = len(saved_rows)
+            if not (isinstance(history, torch.Tensor) and isinstance(scale, torch.Tensor)
+                    and history.dim() == 2 and history.shape[1] == n and scale.shape == (n,)
+                    and history.shape[0] == recipe.get("amax_history_len")):
+                raise ValueError(f"what-if history/scale shapes do not fit {n} rows")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not fp8_stats' what-if state ({type(e).__name__}: {e})") from e
+        now = _whatif_recipe(self.config)
+        if now != recipe:
+            changed = (["scaling"] if now.get("scaling") != recipe.get("scaling") else
+                       sorted(k for k in {*now, *recipe} if now.get(k) != recipe.get(k)))
+            notes.append("the what-if's delayed scales (recipe " + ", ".join(
+                f"{k} {recipe.get(k)} -> {now.get(k)}" for k in changed) + "), which start afresh")
+            return None
+        where = {row: j for j, row in enumerate(saved_rows)}
+        new_history = torch.zeros(history.shape[0], len(self.rows))
+        new_scale = torch.ones(len(self.rows))
+        for i, row in enumerate(self.rows):
+            if (j := where.get(row)) is not None:
+                new_history[:, i], new_scale[i] = history[:, j], scale[j]
+        return new_history, new_scale, folds
+
+    def _restore_whatif(self, history: torch.Tensor, scale: torch.Tensor, folds: int) -> None:
+        device = self._device()
+        self._history, self._scale = history.to(device), scale.to(device)
+        self._whatif_fp8_max = self._whatif_fp8_max.to(device)
+        self._folds = folds
+
+
+def _whatif_recipe(config: MonitorConfig) -> dict[str, Any]:
+    """The recipe fields the what-if's state depends on (`reduce_amax` only says whether ranks
+    share it)."""
+    if config.recipe.scaling != "delayed":
+        return {"scaling": config.recipe.scaling}
+    return {k: v for k, v in config.recipe.as_config().items() if k != "reduce_amax"}
+

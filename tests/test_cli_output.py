@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from foundry_fp8.cli import EXIT_BROKEN_PIPE, main
-from foundry_fp8.lint.output import one_line, render_text
+from foundry_fp8.health.table import one_line
+from foundry_fp8.lint.output import render_text
 from foundry_fp8.tools import tiny_data as td
 
 CLI = [sys.executable, "-m", "foundry_fp8.cli"]

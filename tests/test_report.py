@@ -150,7 +150,7 @@ def test_data_preparation_is_exact(tmp_path):
     assert choose_layers(run) == [
         (L0, "first block"), (L1, "most underflow: 4.67 % of gradient on average"),
         (L2, "last block")]
-    assert choose_layers(run, r"ffn\.") == [(L1, ""), (L2, "")]
+    assert choose_layers(run, lambda layer: "ffn." in layer) == [(L1, ""), (L2, "")]
 
 
 def test_collect_keeps_the_later_value_of_a_step_logged_twice():
@@ -308,7 +308,7 @@ def test_hostile_names_and_huge_values_render_safely(tmp_path, capsys):
     for row in md.split("## Worst value per layer and tensor")[1].splitlines():
         if row.startswith("| ") and "---" not in row and "layer |" not in row:
             assert len(re.split(r"(?<!\\)\|", row)) == 2 + 2 + 6, row  # no cell split
-    assert "a\\|b" in md and "two lines" in md and "x/y/z" in md and "tick\\`s" in md
+    assert "a\\|b" in md and "two\\\\nlines" in md and "x/y/z" in md and "tick\\`s" in md
     assert load(tmp_path / "metrics.jsonl").layers == list(HOSTILE)  # `/` kept
     for png in tmp_path.glob("*.png"):
         assert_valid_png(png, min_pixels=10_000)
@@ -378,7 +378,7 @@ def test_the_guard_section_reads_its_series_and_fallback_records(tmp_path, capsy
     md = (folder / "fp8_report.md").read_text()
     section = md.split("## fp8_guard\n", 1)[1].split("\n## ", 1)[0]
     assert "80.0 % at the first logging step, 55.0 % at the last" in section
-    assert f"| {L1} | 11 | 25.0 % | gradient underflow_pct 4 % (&gt; 3 %) |" in section
+    assert f"| {L1} | 11 | the end | 25.0 % | gradient underflow_pct 4 % (&gt; 3 %) |" in section
     assert "```yaml\nalgorithms: {te_swap: {exclude: '(?:head|x)|blocks\\.1\\.ffn\\.up$'}}\n```" \
         in section
     assert f"| {L1} (high precision from step 11: fp8_guard) | gradient | underflow_pct |" in md

@@ -188,7 +188,7 @@ def test_fp8_guard_records_of_the_wrong_shape_are_left_out_with_one_warning_each
         f"{'fallback' if key.startswith(FALLBACK_PREFIX) else 're-promotion'} record; left out\n"
         for key in BAD_RECORDS)
     assert f"fp8_guard moved 1 layer(s) to high precision: {L1} from step 11." in stdout
-    assert f"| {L1} | 11 | 25.0 % | message |" in md
+    assert f"| {L1} | 11 | the end | 25.0 % | message |" in md
 
 
 def test_a_non_finite_fp8_guard_series_value_is_left_out(tmp_path, capsys):

@@ -38,6 +38,8 @@ IMAGE_PREFIX = "fp8_heatmap/"
 TABLE_NAME = "fp8_table"
 #: Logging steps a heatmap shows (the latest ones): a readable width, bounded memory.
 IMAGE_STEPS = 64
+#: The layout of `FP8Stats.state_dict()` in checkpoints (an earlier version saved `{}`).
+STATE_VERSION = 1
 
 
 def _is_rank_zero() -> bool:
@@ -101,6 +103,11 @@ class FP8Stats(Callback):
     A logger destination that raises is not our error: it is warned once per destination and
     kind, every other destination still gets the values (`composer.destinations.deliver`), and
     fp8_stats goes on; `strict: true` raises once every destination has been tried.
+
+    Resume is exact: the checkpoint carries this callback's state (`state_dict`; the health
+    rules' streaks, warned rules and worst values, the what-if's delayed scales), so a resumed
+    run logs the series, table and summary of the uninterrupted run. A checkpoint without it,
+    or of other layers, tensors or recipe, resumes with what fits and one warning.
     """
 
     def __init__(self, **options: Any):
@@ -120,6 +127,7 @@ class FP8Stats(Callback):
         # copies its settings at every read (about 15 ms)
         self._no_table: list[LoggerDestination] | None = None
         self.monitor: FP8Monitor | None = None
+        self._restored: Mapping[str, Any] | None = None  # loaded before the monitor exists
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
@@ -196,6 +204,7 @@ class FP8Stats(Callback):
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
                                   on_warning=log.warning if _is_rank_zero() else lambda _: None)
         log.info("fp8_stats watches %d layers", len(self.monitor.layers))
+        self._restore()  # Composer loads a checkpoint in the Trainer's constructor, before this
         if self.te_debug is not None:
             self.te_debug.name_layers(canonical_modules(state.model))
 
@@ -292,6 +301,98 @@ class FP8Stats(Callback):
             deliver(logger.destinations, "hyperparameters",
                     lambda d: d.log_hyperparameters({"fp8/stats_summary": summary}), "fp8_stats",
                     self.strict)
+
+    # checkpoint state: Composer saves `state_dict()` in every checkpoint (every rank calls it)
+    # and calls `load_state_dict` when it loads one, after INIT and before FIT_START
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's state (tracker and what-if, `FP8Monitor.state_dict`; the same on every
+        rank: both follow the pooled statistics and the all_reduced amaxes) and when images
+        are next due. Under `reduce_amax: false` each rank's what-if is gathered too. A failure
+        of ours saves `unsaved` instead of stopping the save (`strict`: raises)."""
+        saved: dict[str, Any] = {"version": STATE_VERSION}
+        try:
+            if self.monitor is not None:
+                saved["monitor"] = self.monitor.state_dict()
+                saved["images"] = [self.image_interval, self._next_image]
+            elif self._restored is not None:  # saved before FIT_START: what was loaded
+                saved = dict(self._restored)
+        except Exception:
+            if self.strict:
+                raise
+            log.exception("fp8_stats: reading its state to save failed; this checkpoint holds "
+                          "none (a resume from it starts the summary and streaks afresh)")
+            saved = {"version": STATE_VERSION, "unsaved": True}
+        recipe = self.config.recipe
+        if multi_rank() and recipe.scaling == "delayed" and not recipe.reduce_amax:
+            # every rank joins the gather, whatever its own state
+            ranks = dist.all_gather_object(self._local_whatif())
+            if any(r is not None for r in ranks):
+                saved["whatif_ranks"] = ranks
+        return saved
+
+    def _local_whatif(self) -> dict[str, Any] | None:
+        if self.monitor is None or self.disabled:
+            return None
+        try:
+            return self.monitor.whatif_state()
+        except Exception:
+            log.exception("fp8_stats: reading this rank's what-if state failed; not saved")
+            return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Kept until the monitor exists (FIT_START), applied then; at once if it does."""
+        self._restored = state
+        if self.monitor is not None:
+            self._restore()
+
+    def _restore(self) -> None:
+        """Apply the loaded state; what does not fit is said in one line and left out, and a
+        state we cannot read leaves the statistics fresh (`strict`: raises)."""
+        state, self._restored = self._restored, None
+        if state is None or self.monitor is None:
+            return
+        say = log.warning if _is_rank_zero() else (lambda *_: None)
+        try:
+            notes = self._apply(state, self.monitor)
+        except Exception as e:
+            if self.strict:
+                raise
+            say("fp8_stats: the checkpoint's fp8_stats state is not usable (%s); the summary, "
+                "health streaks and what-if scales start afresh at this resume", e)
+            return
+        if notes is None:
+            say("fp8_stats: the checkpoint holds no fp8_stats state (saved by an earlier "
+                "version); the summary, health streaks and what-if scales start afresh at this "
+                "resume")
+        elif notes:
+            say("fp8_stats: resumed from the checkpoint without %s", "; ".join(notes))
+
+    def _apply(self, state: Mapping[str, Any], monitor: FP8Monitor) -> list[str] | None:
+        """What was left out, in words; None: the checkpoint holds no state of ours."""
+        if not state or "version" not in state:
+            return None
+        if state["version"] != STATE_VERSION:
+            raise ValueError(f"version {state['version']!r}; this one reads {STATE_VERSION}")
+        if state.get("unsaved"):
+            raise ValueError("it could not be read when the checkpoint was saved")
+        saved = state.get("monitor")
+        if saved is None:  # fp8_stats was off in that run: nothing to go on from
+            return []
+        notes: list[str] = []
+        ranks = state.get("whatif_ranks")
+        if ranks is not None:  # reduce_amax: false, each rank its own what-if
+            if len(ranks) == dist.get_world_size():
+                saved = {**saved, "whatif": ranks[dist.get_global_rank()]}
+            else:
+                saved = {**saved, "whatif": None}
+                notes.append(f"the what-if's delayed scales (saved per rank by {len(ranks)} "
+                             f"ranks, this run has {dist.get_world_size()}), which start afresh")
+        notes[:0] = monitor.load_state_dict(saved)
+        images = state.get("images")
+        if isinstance(images, list) and len(images) == 2 and images[0] == self.image_interval:
+            self._next_image = int(images[1])
+        return notes
 
     def _rank_zero(self, call: Callable[[], None], what: str) -> None:
         """What rank 0 alone does (logging): a failure there (a logger's is warned by `deliver`,

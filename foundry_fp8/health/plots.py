@@ -9,7 +9,7 @@ drawing, with the Agg canvas (no pyplot state). No torch.
 from __future__ import annotations
 
 import math
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,15 +17,22 @@ from typing import Any
 from foundry_fp8.health.history import RunMetrics, heatmap_matrix, series, worst_layers
 from foundry_fp8.health.rules import block_index
 from foundry_fp8.health.specs import TENSOR_FORMAT, spec
+from foundry_fp8.health.table import bounded, one_line, short_names
 from foundry_fp8.health.thresholds import Thresholds
 
+#: Tensor kinds drawn side by side (fp8_stats logs 3; more come only from another file's keys).
+MAX_PANELS = 6
+#: Layers in the time-series plot (its legend has a line for each).
+MAX_SERIES_LAYERS = 20
 
-def choose_layers(run: RunMetrics, pattern: str | None = None) -> list[tuple[str, str]]:
-    """(layer, why) for the time-series plot, in model order: the layers matching `pattern`
-    (why: ""), or else the first layer of the first block, the last layer of the last block and
-    the layer with the worst underflow."""
-    if pattern is not None:
-        return [(layer, "") for layer in run.layers if re.search(pattern, layer)]
+
+def choose_layers(run: RunMetrics, match: Callable[[str], bool] | None = None
+                  ) -> list[tuple[str, str]]:
+    """(layer, why) for the time-series plot, in model order: the layers `match` takes (why:
+    ""), or else the first layer of the first block, the last layer of the last block and the
+    layer with the worst underflow."""
+    if match is not None:
+        return [(layer, "") for layer in run.layers if match(layer)]
     numbered = [layer for layer in run.layers if block_index(layer) is not None]
     if numbered:
         first_block = min(block_index(layer) for layer in numbered)
@@ -84,10 +91,6 @@ def tick_indices(n: int, max_ticks: int) -> list[int]:
 #: span beyond them, which must stay inside float64 (1.8e308, and 2e-287, below which a colour
 #: bar takes its limits for equal and fails).
 PLOT_MAX = 1e80
-
-
-def one_line(label: str) -> str:
-    return " ".join(label.splitlines())
 
 
 def text(label: str) -> str:
@@ -179,12 +182,13 @@ class Heatmap:
 
     stat: str
     prefix: str  # the layers' common prefix, left off `names`
-    names: list[str]  # layer labels, one line each
+    names: list[str]  # layer labels, one line each, bounded and distinct (`short_names`)
     steps: list[int]
     panels: list[Panel]
     cmap: Any  # NaN cells (masked) get NOT_LOGGED
     annotate: bool  # the numbers fit into the cells
     worse: str | None
+    left_out: int = 0  # tensor kinds beyond MAX_PANELS, not drawn
 
     @property
     def shared_scale(self) -> bool:
@@ -192,12 +196,15 @@ class Heatmap:
 
     @property
     def title(self) -> str:
-        return f"{self.stat}: {f'layers under {self.prefix}' if self.prefix else 'layers'} × logging steps"
+        layers = f"layers under {bounded(self.prefix)}" if self.prefix else "layers"
+        more = (f" (the first {len(self.panels)} of {len(self.panels) + self.left_out} tensor "
+                "kinds)" if self.left_out else "")
+        return f"{bounded(self.stat)}: {layers} × logging steps{more}"
 
     @property
     def label(self) -> str:
         """What the colour scale shows, with units."""
-        return spec(self.stat).label
+        return bounded(spec(self.stat).label)
 
     @property
     def threshold_note(self) -> str:
@@ -220,7 +227,9 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Heatmap:
     import numpy as np
 
     sp = spec(stat)
-    tensors = [t for t in run.tensors if any((layer, t, stat) in run.values for layer in run.layers)]
+    logged = [t for t in run.tensors if any((layer, t, stat) in run.values for layer in run.layers)]
+    tensors = logged[:MAX_PANELS]
+    kinds = short_names(tensors)
     prefix = common_prefix(run.layers)
     matrices = {t: drawable(np.array(heatmap_matrix(run, stat, t), dtype=float)) for t in tensors}
     shared = [v for m in matrices.values() for v in m.ravel().tolist()]
@@ -234,11 +243,13 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Heatmap:
             matrix = np.where(matrix <= 0, norm.vmin, matrix)
         finite = matrix[np.isfinite(matrix)]
         quiet = " - all 0" if finite.size and not finite.any() else ""
-        panels.append(Panel(tensor, f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')}){quiet}", matrix,
-                            norm, limit, ticks))
-    names = [one_line(layer.removeprefix(prefix)) for layer in run.layers]
+        panels.append(Panel(tensor, f"{kinds[tensor]} ({TENSOR_FORMAT.get(tensor, '?')}){quiet}",
+                            matrix, norm, limit, ticks))
+    labels = short_names(run.layers, prefix)
+    names = [labels[layer] for layer in run.layers]
     annotate = len(run.steps) <= 12 and len(names) <= 40 and not sp.log
-    return Heatmap(stat, prefix, names, list(run.steps), panels, cmap, annotate, sp.worse)
+    return Heatmap(stat, prefix, names, list(run.steps), panels, cmap, annotate, sp.worse,
+                   len(logged) - len(tensors))
 
 
 def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
@@ -313,17 +324,20 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]]) -> Any:
     from matplotlib.ticker import MaxNLocator
 
     stats = [s for s in run.stats if spec(s).plot == "series"]
-    prefix = common_prefix(run.layers)
-    fig = _figure(3.6 * len(run.tensors) + 0.6, 2.1 * len(stats) + 1.0 + 0.22 * len(chosen))
-    axes = fig.subplots(len(stats), len(run.tensors), sharex=True, squeeze=False)
+    tensors = run.tensors[:MAX_PANELS]
+    kinds = short_names(tensors)
+    chosen = chosen[:MAX_SERIES_LAYERS]
+    labels = short_names(run.layers, common_prefix(run.layers))
+    fig = _figure(3.6 * len(tensors) + 0.6, 2.1 * len(stats) + 1.0 + 0.22 * len(chosen))
+    axes = fig.subplots(len(stats), len(tensors), sharex=True, squeeze=False)
     for row, stat in enumerate(stats):
-        for col, tensor in enumerate(run.tensors):
+        for col, tensor in enumerate(tensors):
             ax = axes[row][col]
             lines = [(steps, drawable(values).tolist()) for steps, values in
                      (series(run, layer, tensor, stat) for layer, _ in chosen)]
             for k, ((layer, why), (steps, values)) in enumerate(zip(chosen, lines, strict=True)):
                 ax.plot(steps, values, marker="o", ms=2.5, lw=1.2, color=f"C{k % 10}",
-                        label=text(layer.removeprefix(prefix) + (f" ({why})" if why else "")))
+                        label=text(labels[layer] + (f" ({why})" if why else "")))
             # no log axis without a positive value to place on it (matplotlib warns)
             log = spec(stat).log and any(v > 0 for _, values in lines for v in values)
             limits = log_limits(lines) if log else None
@@ -342,7 +356,8 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]]) -> Any:
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3, which="both", lw=0.5)
             if row == 0:
-                ax.set_title(text(f"{tensor} ({TENSOR_FORMAT.get(tensor, '?')})"), fontsize=9)
+                ax.set_title(text(f"{kinds[tensor]} ({TENSOR_FORMAT.get(tensor, '?')})"),
+                             fontsize=9)
             if col == 0:
                 label = spec(stat).label
                 ax.set_ylabel(label if label.startswith(stat) else f"{stat}\n{label}", fontsize=8)

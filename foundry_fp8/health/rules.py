@@ -11,8 +11,9 @@ Each flag names one likely cause and the one YAML key that changes it. Plain Pyt
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, summary_key
 from foundry_fp8.health.specs import worse_of
@@ -54,6 +55,12 @@ def block_index(layer: str) -> int | None:
     """The first numeric component of a module name (`blocks.7.attn` -> 7), if any."""
     match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", layer)
     return int(match.group(1)) if match else None
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a name")
+    return value
 
 
 def _value(stats: Mapping[str, float], stat: str, default: float) -> float:
@@ -112,6 +119,50 @@ class HealthTracker:
         for a layer never seen; its flags and worst values stay."""
         for key in [k for k in self._state if k[0] == layer]:
             del self._state[key]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What judging later steps and the worst-value table need, as plain lists (a
+        checkpoint's): streaks, underflow trends, the rules already warned about, worst values
+        and block numbers. Not `flags`, the log of every flag (unbounded; nothing a run logs
+        reads it: the report replays its own)."""
+        return {
+            "worst": [[layer, tensor, dict(stats)]
+                      for (layer, tensor), stats in self.worst.items()],
+            "streaks": [[layer, tensor, s.over, s.bad, s.good, list(s.rising)]
+                        for (layer, tensor), s in self._state.items()],
+            "raised": [list(key) for key in sorted(self._raised)],
+            "blocks": sorted(self.blocks),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any],
+                        keys: Collection[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+        """Go on from `state_dict()`'s state (a resume), kept only for `keys` (None: all);
+        returns the (layer, tensor) pairs left out. A malformed state raises ValueError and
+        changes nothing."""
+        def kept(layer: Any, tensor: Any) -> bool:
+            key = (_text(layer), _text(tensor))
+            if keys is None or key in keys:
+                return True
+            dropped.add(key)
+            return False
+
+        dropped: set[tuple[str, str]] = set()
+        try:
+            worst = {(layer, tensor): {_text(k): float(v) for k, v in stats.items()}
+                     for layer, tensor, stats in state["worst"] if kept(layer, tensor)}
+            streaks = {(layer, tensor): _State(int(over), int(bad), int(good),
+                                               [float(v) for v in rising])
+                       for layer, tensor, over, bad, good, rising in state["streaks"]
+                       if kept(layer, tensor)}
+            raised = {(layer, tensor, _text(rule)) for layer, tensor, rule in state["raised"]
+                      if kept(layer, tensor)}
+            blocks = {int(b) for b in state["blocks"]}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"not a health tracker's state ({type(e).__name__}: {e})") from e
+        if keys is not None:  # the blocks of layers no longer watched would move YAML keys
+            blocks &= {b for layer, _ in keys if (b := block_index(layer)) is not None}
+        self.worst, self._state, self._raised, self.blocks = worst, streaks, raised, blocks
+        return sorted(dropped)
 
     def _fold_worst(self, key: tuple[str, str], stats: Mapping[str, float]) -> None:
         row = self.worst.setdefault(key, {})

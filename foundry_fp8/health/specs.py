@@ -48,7 +48,8 @@ PERFECT = {"high": 0.0, "low": 1.0, "far_from_1": 1.0}
 
 def spec(stat: str) -> StatSpec:
     """A statistic this version does not know still gets a heatmap, larger taken as worse."""
-    return SPECS.get(stat, StatSpec(stat, "high", "heatmap"))
+    known = SPECS.get(stat)
+    return known if known is not None else StatSpec(stat, "high", "heatmap")
 
 
 def badness(stat: str, value: float) -> float:

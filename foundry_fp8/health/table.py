@@ -1,10 +1,15 @@
 """The table of worst values per layer and tensor (markdown), printed by `fp8_stats` at fit end
-and by `foundry-fp8 report`, and the escaping any layer name needs in markdown. Plain Python."""
+and by `foundry-fp8 report`, the escaping any layer name needs in markdown, and the bounded,
+distinct labels a table, list or plot shows for names of any length. Plain Python."""
 
 from __future__ import annotations
 
+import hashlib
 import html
-from collections.abc import Mapping
+import itertools
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 
 from foundry_fp8.health.specs import SPECS, known_first, spec
 
@@ -15,8 +20,7 @@ COLUMNS = ("underflow_pct", "overflow_pct", "rel_mse", "cos_sim", "scale_ratio",
 def md_escape(text: str) -> str:
     """Text safe in a markdown table cell or line (not inside a code span): one line, no HTML,
     `|`, `\\` and backticks escaped."""
-    one_line = " ".join(text.splitlines()) if text else text
-    escaped = html.escape(one_line.replace("\\", "\\\\"), quote=False)
+    escaped = html.escape(one_line(text).replace("\\", "\\\\"), quote=False)
     return escaped.replace("|", "\\|").replace("`", "\\`")
 
 
@@ -26,6 +30,76 @@ def md_code(text: str) -> str:
     if "`" in text or "\n" in text or "\r" in text or "|" in text:
         return md_escape(text)
     return f"`{text}`"
+
+
+#: The most characters of a name (layer, tensor kind, statistic) a table, list or plot shows: a
+#: layer's name is about 40 (`blocks.11.ffn.down_proj` without its prefix); a longer one (a
+#: 1 MB name in a hostile metrics.jsonl) keeps its start and its distinctive end around `...`.
+LABEL_CHARS = 80
+ELISION = "..."
+
+
+#: What would break a one-line message or label, or drive a terminal: C0 and C1 control
+#: characters (newline, carriage return, tab, ESC, DEL, NEL) and Unicode's line and paragraph
+#: separators (no font has a glyph for them either).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """`text` for one line of output or a label: its control characters escaped as Python
+    writes them (`new\\nline.yaml`, `\\x1b`), the rest as is. Every name or path a user chose
+    goes through it in a one-line message (JSON and SARIF escape them themselves)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def elide(text: str, limit: int = LABEL_CHARS, mark: str = ELISION) -> str:
+    """`text` whole when it has at most `limit` characters, else its first quarter and its end
+    around `mark`, `limit` characters in all: the end is what tells layers apart."""
+    if len(text) <= limit:
+        return text
+    room = max(limit - len(mark), 2)
+    head = room // 4
+    return text[:head] + mark + text[len(text) - (room - head):]
+
+
+def bounded(text: str, limit: int = LABEL_CHARS) -> str:
+    """A name (or a text holding one) as shown: one printable line, elided to `limit`."""
+    return elide(one_line(text), limit)
+
+
+def distinct_labels(names: Iterable[str], show: Callable[[str], str], limit: int = LABEL_CHARS,
+                    sep: str = " #") -> dict[str, str]:
+    """name -> `elide(show(name))`, each name's label its own: where two names would share one
+    (the same start and end around an elided middle, or `show` joining what differed), each
+    gets its name's short hash (and a count, were two hashes alike) after `sep`, inside the
+    elision mark when elided (`blocks...#5b7049...ffn.down_proj`): never a label another name
+    has, and still its name's end."""
+    names = list(dict.fromkeys(names))
+    shown = {name: show(name) for name in names}
+    first = {name: elide(text, limit) for name, text in shown.items()}
+    counts = Counter(first.values())
+    taken = {label for label in first.values() if counts[label] == 1}
+    labels = {}
+    for name in names:
+        label, text = first[name], shown[name]
+        if counts[label] > 1:
+            digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:6]
+            for k in itertools.count(1):
+                tag = digest if k == 1 else f"{digest}-{k}"
+                label = (elide(text, limit, f"{ELISION}{sep.strip()}{tag}{ELISION}")
+                         if len(text) > limit else f"{text}{sep}{tag}")
+                if label not in taken:
+                    break
+            taken.add(label)
+        labels[name] = label
+    return labels
+
+
+def short_names(names: Iterable[str], prefix: str = "", limit: int = LABEL_CHARS
+                ) -> dict[str, str]:
+    """name -> its label: one line, without `prefix`, at most about `limit` characters, and
+    distinct for distinct names (`distinct_labels`)."""
+    return distinct_labels(names, lambda name: one_line(name.removeprefix(prefix)), limit)
 
 
 def number(value: float) -> str:
@@ -44,11 +118,15 @@ def render_table(table: Mapping[tuple[str, str], Mapping[str, float]]) -> str:
              if spec(s).worse and s != "mse"
              and not (spec(s).quiet_when_zero and all(row.get(s, 0) == 0 for row in table.values()))]
     columns = [*(c for c in COLUMNS if c in present), *extra]
-    lines = ["| layer | tensor | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
+    layers = short_names(layer for layer, _ in table)
+    tensors = short_names(tensor for _, tensor in table)
+    heads = short_names(columns)
+    lines = ["| layer | tensor | " + " | ".join(md_escape(heads[c]) for c in columns) + " |",
+             "|" + "---|" * (len(columns) + 2)]
     for (layer, tensor), row in sorted(table.items(),
                                        key=lambda kv: -_sortable(kv[1].get("underflow_pct", 0.0))):
         values = " | ".join(number(row.get(c, float("nan"))) for c in columns)
-        lines.append(f"| {md_escape(layer)} | {md_escape(tensor)} | {values} |")
+        lines.append(f"| {md_escape(layers[layer])} | {md_escape(tensors[tensor])} | {values} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8.environment import Snapshot, gather_snapshot
+from foundry_fp8.health.table import one_line
 from foundry_fp8.lint.accelerate import (
     is_accelerate,
     is_train_json,
@@ -35,7 +36,7 @@ from foundry_fp8.lint.load import (
     position_of,
     read_text,
 )
-from foundry_fp8.lint.output import one_line, render_json, render_sarif, render_text, use_colour
+from foundry_fp8.lint.output import render_json, render_sarif, render_text, use_colour
 from foundry_fp8.lint.registry import Finding, LintContext, run_rules
 from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config, wandb_mode_from_env
 from foundry_fp8.lint.rules.eval import is_eval_config

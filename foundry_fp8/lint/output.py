@@ -8,12 +8,12 @@ lint); SARIF 2.1.0 feeds code-scanning UIs.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from foundry_fp8 import __version__
+from foundry_fp8.health.table import one_line
 from foundry_fp8.lint.load import error_location
 from foundry_fp8.lint.registry import SEVERITIES
 from foundry_fp8.lint.rules import all_rules
@@ -21,16 +21,6 @@ from foundry_fp8.lint.rules import all_rules
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_LEVELS = {"error": "error", "warning": "warning", "info": "note"}
 _COLOURS = {"error": "31", "warning": "33", "info": "36", "dim": "2", "bold": "1"}
-#: What would break a message's one line or drive the terminal: C0 and C1 control characters
-#: (newline, carriage return, tab, ESC, DEL, NEL) and Unicode's line and paragraph separators.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-def one_line(text: str) -> str:
-    """`text` for one line of text output: its control characters escaped as Python writes them
-    (`new\\nline.yaml`, `\\x1b`), the rest as is. A path or key the user chose goes through it
-    in every one-line message; JSON and SARIF escape them themselves."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def use_colour(is_tty: bool, environ: Mapping[str, str]) -> bool:

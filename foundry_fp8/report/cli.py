@@ -7,20 +7,35 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from pathlib import Path
 
+import regex
+
+from foundry_fp8.filters import MATCH_TIMEOUT_S, search
 from foundry_fp8.guard import static_yaml
 from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table, worst_values
 from foundry_fp8.health.history import shown
-from foundry_fp8.health.plots import choose_layers, draw_heatmap, draw_series, save_png
+from foundry_fp8.health.plots import (
+    MAX_SERIES_LAYERS,
+    choose_layers,
+    draw_heatmap,
+    draw_series,
+    save_png,
+)
 from foundry_fp8.health.specs import spec
+from foundry_fp8.health.table import bounded, distinct_labels, elide, one_line, short_names
 from foundry_fp8.jsonl import hparams_of
+from foundry_fp8.options import OptionError
 from foundry_fp8.report.markdown import (
     Finding,
+    change_key,
     fallback_steps,
     findings,
     fmt,
     in_high_precision,
+    layer_names,
+    moved,
     render_report,
     unrecorded_fallbacks,
 )
@@ -29,6 +44,7 @@ from foundry_fp8.report.read import (
     ReportError,
     guard_run,
     load_run,
+    metrics_file_of,
     read_hparams,
     thresholds_from_hparams,
 )
@@ -41,15 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_folder", type=Path,
                         help="folder holding the run's metrics.jsonl (or the .jsonl file itself)")
     parser.add_argument("--layers", metavar="REGEX",
-                        help="layers for the amax/scale time series (re.search on layer names); "
-                             "default: first and last block and the layer with the most "
-                             "underflow (mean over steps)")
+                        help="layers for the amax/scale time series (searched in layer names, "
+                             f"the first {MAX_SERIES_LAYERS} drawn); default: first and last "
+                             "block and the layer with the most underflow (mean over steps)")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="where the PNGs and fp8_report.md go (default: the run folder)")
 
 
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    print(f"warning: {one_line(message)}", file=sys.stderr)
 
 
 def _out_folder(out: Path) -> None:
@@ -63,6 +79,41 @@ def _out_folder(out: Path) -> None:
         raise ReportError(f"{out}: cannot create the output folder ({e.strerror or e})") from None
 
 
+#: Seconds `--layers` may take over all layer names (each search is cut at MATCH_TIMEOUT_S).
+MATCH_BUDGET_S = 2.0
+
+
+def layers_matching(run: RunMetrics, pattern: str) -> list[str]:
+    """The layers `--layers` finds, searched as te_swap's and fp8_stats' regexes are (the `regex`
+    engine, each search time-bounded: `filters.search`); ReportError (one line) for a bad regex
+    or one that runs out of time, never a hang."""
+    try:
+        regex.compile(pattern)
+    except regex.error as e:
+        raise ReportError(f"--layers {pattern!r}: bad regex ({e})") from None
+    fix = "simplify it: no nested repetition such as (a*)*"
+    started, found = time.monotonic(), []
+    for n, layer in enumerate(run.layers, 1):
+        try:
+            if search("--layers", pattern, layer):
+                found.append(layer)
+        except OptionError:
+            raise ReportError(f"--layers {pattern!r}: takes more than {MATCH_TIMEOUT_S:g} s on "
+                              f"layer {elide(layer)!r} (catastrophic backtracking; {fix})"
+                              ) from None
+        if time.monotonic() - started > MATCH_BUDGET_S:
+            raise ReportError(f"--layers {pattern!r}: takes more than {MATCH_BUDGET_S:g} s on "
+                              f"{n} of the {len(run.layers)} layer names ({fix})")
+    return found
+
+
+def heatmap_files(stats: list[str]) -> dict[str, str]:
+    """stat -> its heatmap's file name: `fp8_heatmap_<stat>.png`, a statistic no file name
+    holds (too long, a character such as NUL) made one, each distinct."""
+    safe = distinct_labels(stats, lambda stat: re.sub(r"[^\w.+-]", "_", stat), sep="_")
+    return {stat: f"fp8_heatmap_{name}.png" for stat, name in safe.items()}
+
+
 def replay(run: RunMetrics, tracker: HealthTracker) -> list[Flag]:
     """The run's logging steps through the health rules, in step order."""
     for step, table in run.tables():
@@ -74,17 +125,15 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
                 ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path]]:
     """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did
     and the written paths (markdown last)."""
-    metrics_file = run_folder if run_folder.is_file() else run_folder / "metrics.jsonl"
+    metrics_file = metrics_file_of(run_folder)
     run, series = load_run(metrics_file, warn)
-    if layers is not None:
-        try:
-            re.compile(layers)
-        except re.error as e:
-            raise ReportError(f"--layers {layers!r}: bad regex ({e})") from None
-    chosen = choose_layers(run, layers)
+    if layers is None:
+        chosen = choose_layers(run)
+    else:
+        chosen = choose_layers(run, set(layers_matching(run, layers)).__contains__)
     if not chosen:
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
-                          f"(e.g. {run.layers[0]!r})")
+                          f"(e.g. {elide(run.layers[0])!r})")
     hparams_file = hparams_of(metrics_file)
     hparams = read_hparams(hparams_file, warn)
     thresholds = thresholds_from_hparams(hparams or {})
@@ -94,10 +143,11 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     _out_folder(out)
     written: list[Path] = []
     target = out
+    files = heatmap_files(run.stats)
     try:
         for stat in run.stats:
             if spec(stat).plot == "heatmap" and shown(run, stat):
-                target = out / f"fp8_heatmap_{stat}.png"
+                target = out / files[stat]
                 save_png(draw_heatmap(run, stat, thresholds), target)
                 written.append(target)
         if any(spec(s).plot == "series" for s in run.stats):
@@ -105,8 +155,8 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
             save_png(draw_series(run, chosen), target)
             written.append(target)
         target = out / "fp8_report.md"
-        target.write_text(render_report(run, flags, thresholds, chosen,
-                                        [p.name for p in written], guard))
+        target.write_text(render_report(run, flags, thresholds, chosen[:MAX_SERIES_LAYERS],
+                                        [p.name for p in written], guard, matched=len(chosen)))
     except OSError as e:  # a read-only folder, a full disk, a folder in the file's place
         raise ReportError(f"{target}: cannot write ({e.strerror or e})") from None
     return run, flags, guard, [*written, target]
@@ -116,25 +166,28 @@ def run(args: argparse.Namespace) -> int:
     try:
         metrics, flags, guard, written = make_report(args.run_folder, args.layers, args.out)
     except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
     print(render_table(worst_values(metrics)))
     found = findings(metrics, flags)
     fallen = fallback_steps(guard)
+    names = layer_names(metrics, guard)
+    kinds = short_names(metrics.tensors)
 
     def line(f: Finding) -> str:
         w = f.worst
         change = (f"{in_high_precision('it', fallen[w.layer])}: " if w.layer in fallen
-                  else "Change: ") + w.yaml_key
-        return (f"{w.layer!r} {w.tensor}: {w.stat} {fmt(w.stat, w.value)} at step {w.step} "
-                f"({w.limit}; {f.steps} of {f.logged} steps). Likely cause: {w.cause}. {change}")
+                  else "Change: ") + change_key(w.yaml_key)
+        return (f"{names[w.layer]!r} {kinds[w.tensor]}: {bounded(w.stat)} {fmt(w.stat, w.value)} "
+                f"at step {w.step} ({w.limit}; {f.steps} of {f.logged} steps). Likely cause: "
+                f"{w.cause}. {change}")
 
     print(f"{len(found)} flagged" + "".join(f"\n  {line(f)}" for f in found[:MAX_PRINTED]))
     if len(found) > MAX_PRINTED:
         print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:
-        print(f"fp8_guard moved {len(guard.fallbacks)} layer(s) to high precision: " + ", ".join(
-            f"{layer} {span}" for layer, span in fallen.items()) + "." + (
+        print(f"{moved(guard)}: " + ", ".join(
+            f"{names[layer]} {span}" for layer, span in fallen.items()) + "." + (
             f" Next time: {static_yaml(guard.kept, guard.exclude)}" if guard.kept else ""))
     elif unrecorded := unrecorded_fallbacks(guard):
         print(unrecorded)

@@ -1,11 +1,12 @@
 """fp8_report.md: what was flagged (with its cause and the YAML key to change), what fp8_guard
 did (its fallbacks and the static YAML that does the same), the worst layers, how to read the
 numbers, the plots, and the worst value per layer and tensor. Every name from the metrics is
-escaped (`health.table.md_escape`)."""
+escaped (`health.table.md_escape`) and shown by a bounded label (`health.table.short_names`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from urllib.parse import quote
 
 from foundry_fp8.guard import (
     FALLBACK_LAYERS,
@@ -18,7 +19,7 @@ from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_t
 from foundry_fp8.health.history import worst_layers
 from foundry_fp8.health.plots import common_prefix
 from foundry_fp8.health.specs import badness, spec
-from foundry_fp8.health.table import md_code, number
+from foundry_fp8.health.table import LABEL_CHARS, bounded, md_code, number, short_names
 from foundry_fp8.report.read import GuardRun
 
 
@@ -51,6 +52,32 @@ def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
 
 def fmt(stat: str, value: float) -> str:
     return f"{number(value)} %" if stat.endswith("_pct") else number(value)
+
+
+def layer_names(run: RunMetrics, guard: GuardRun | None) -> dict[str, str]:
+    """Each layer's label (`short_names`: whole names, bounded, distinct), fp8_guard's too: the
+    same in the markdown and on the terminal."""
+    guarded = ([*(f.layer for f in guard.fallbacks), *(r.layer for r in guard.repromotions)]
+               if guard is not None else [])
+    return short_names([*run.layers, *guarded])
+
+
+def change_key(key: str) -> str:
+    """A flag's YAML key as shown: whole unless a layer name of hundreds of characters made it
+    (`exclude: '<the layer>$'`)."""
+    return bounded(key, 3 * LABEL_CHARS)
+
+
+def moved(guard: GuardRun, during: str = "") -> str:
+    """`fp8_guard moved N layer(s) to high precision`: distinct layers, with the fallbacks
+    counted apart where a layer fell back again after going back to FP8."""
+    times: dict[str, int] = {}
+    for f in guard.fallbacks:
+        times[f.layer] = times.get(f.layer, 0) + 1
+    again = sum(n > 1 for n in times.values())
+    return (f"fp8_guard moved {len(times)} layer(s) to high precision{during}" + (
+        f" in {len(guard.fallbacks)} fallbacks ({again} layer(s) fell back again after going "
+        "back to FP8)" if again else ""))
 
 
 def fallback_steps(guard: GuardRun | None) -> dict[str, str]:
@@ -88,8 +115,9 @@ def unrecorded_fallbacks(guard: GuardRun | None) -> str | None:
             "layers, and why) are missing from hparams.json.")
 
 
-def guard_section(guard: GuardRun) -> list[str]:
-    """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time."""
+def guard_section(guard: GuardRun, names: dict[str, str]) -> list[str]:
+    """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time;
+    `names`: each layer's label."""
     lines = ["## fp8_guard", ""]
     share = guard.fp8_share
     shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
@@ -103,17 +131,19 @@ def guard_section(guard: GuardRun) -> list[str]:
                      "high precision" + (f" (FP8 share of the linear-GEMM FLOPs: "
                                          f"{100 * share[-1]:.1f} %)." if share else "."))
         return lines
-    lines += [f"fp8_guard moved {len(guard.fallbacks)} layer(s) to high precision during the run "
-              f"(`{FALLBACK_PREFIX}<layer>` in hparams.json); each ran in high precision from "
-              "the step after the one that decided it, and its statistics since are what-if "
-              "numbers (the cast it would do, under fp8_stats' `recipe`)." + shares]
+    lines += [f"{moved(guard, ' during the run')}; the records are `{FALLBACK_PREFIX}<layer>` "
+              "in hparams.json. Each ran in high precision from the step after the one that "
+              "decided it, and its statistics since are what-if numbers (the cast it would do, "
+              "under fp8_stats' `recipe`)." + shares]
     if guard.in_fallback != len(guard.kept):
         lines[-1] += (f" The series `{FALLBACK_LAYERS}` ends at {guard.in_fallback} "
                       f"layers, hparams.json records {len(guard.kept)} in fallback at the end: "
                       "part of the run's record is missing.")
-    lines += ["", render_fallbacks(guard.fallbacks, share[1] if share else None)]
+    fallbacks = [replace(f, layer=names[f.layer]) for f in guard.fallbacks]
+    ended = [replace(r, layer=names[r.layer]) for r in guard.repromotions]
+    lines += ["", render_fallbacks(fallbacks, share[1] if share else None, ended)]
     if guard.repromotions:
-        back = "; ".join(f"{md_escape(r.layer)} from step {r.step + 1} (its what-if statistics "
+        back = "; ".join(f"{md_escape(names[r.layer])} from step {r.step + 1} (its what-if statistics "
                          f"within the limits at {r.healthy_steps} logging steps in a row)"
                          for r in guard.repromotions)
         lines += ["", f"Back in FP8 (`repromote_after`), with a fresh delayed-scaling state: "
@@ -156,16 +186,20 @@ GUIDE = """\
 
 def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                   chosen: list[tuple[str, str]], pngs: list[str],
-                  guard: GuardRun | None = None) -> str:
+                  guard: GuardRun | None = None, matched: int | None = None) -> str:
     """fp8_report.md: what to look at first, what fp8_guard did, how to read it, the plots,
-    then the full table."""
+    then the full table. `matched`: how many layers `--layers` matched, of which `chosen` are
+    the ones drawn."""
     prefix = common_prefix(run.layers)
+    names = layer_names(run, guard)
+    short = short_names(run.layers, prefix)  # without the common prefix
+    kinds = short_names(run.tensors)
     shape = (f"{len(run.layers)} layers x {len(run.tensors)} tensors "
-             f"({md_escape(', '.join(run.tensors))}), {len(run.steps)} logging steps "
+             f"({md_escape(', '.join(kinds.values()))}), {len(run.steps)} logging steps "
              f"({run.steps[0]} to {run.steps[-1]}); statistics: "
-             f"{md_escape(', '.join(run.stats))}.")
+             f"{md_escape(', '.join(short_names(run.stats).values()))}.")
     if prefix:
-        shape += f" Plots and lists drop the common prefix {md_code(prefix)}."
+        shape += f" Plots and lists drop the common prefix {md_code(bounded(prefix))}."
     t = thresholds
     lines = ["# FP8 health report", "", shape, "", "## Flagged", "",
              f"Thresholds from {t.source}: underflow > {t.max_underflow_pct:g} %, cos_sim < "
@@ -180,34 +214,36 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                   "| likely cause | change |", "|---|---|---|---|---|---|---|---|"]
         for f in found:
             w = f.worst
-            layer, change = md_escape(w.layer), md_code(w.yaml_key)
+            layer, change = md_escape(names[w.layer]), md_code(change_key(w.yaml_key))
             if w.layer in fallen:
                 since = fallen[w.layer]
                 layer += f" (high precision {since}: fp8_guard)"
                 change = f"{md_escape(in_high_precision('it', since))}: {change}"
-            lines.append(f"| {layer} | {md_escape(w.tensor)} | {w.stat} | "
+            lines.append(f"| {layer} | {md_escape(kinds[w.tensor])} | {md_escape(bounded(w.stat))} | "
                          f"{fmt(w.stat, w.value)} (step {w.step}) | {f.first_step} | "
                          f"{f.steps} of {f.logged} | {md_escape(w.cause)} | {change} |")
     else:
         lines.append("No layer crosses a threshold.")
     if guard is not None:
-        lines += ["", *guard_section(guard)]
+        lines += ["", *guard_section(guard, names)]
     lines += ["", "## Worst layers (by their mean over the judged logging steps)", ""]
     for stat in (s for s in run.stats if spec(s).worse and spec(s).listed):
         entries = "; ".join(
-            f"{md_code(w.layer.removeprefix(prefix))} {md_escape(w.tensor)} mean "
+            f"{md_code(short[w.layer])} {md_escape(kinds[w.tensor])} mean "
             f"{fmt(stat, w.mean)}, worst {fmt(stat, w.worst)} (step {w.step})"
             for w in worst_layers(run, stat))
-        lines.append(f"- **{md_escape(stat)}**: {entries or 'perfect everywhere'}")
+        lines.append(f"- **{md_escape(bounded(stat))}**: {entries or 'perfect everywhere'}")
     lines += ["", "## How to read this", "",
               GUIDE.format(underflow=t.max_underflow_pct, overflow=t.max_overflow_pct,
                            clip=t.clip_ratio, persist=t.persist_steps, spike=t.spike_ratio,
                            stale=t.stale_ratio, cos=t.min_cos_sim),
               "## Plots", ""]
-    lines += [f"![{png}]({png})" for png in pngs]
+    lines += [f"![{md_escape(png)}]({quote(png)})" for png in pngs]
+    more = (f" (the first {len(chosen)} of the {matched} layers `--layers` matches)"
+            if matched is not None and matched > len(chosen) else "")
     lines += ["", "Time series show " + ", ".join(
-        md_code(layer) + (f" ({md_escape(why)})" if why else "") for layer, why in chosen)
-        + ".", "", "## Worst value per layer and tensor", "",
+        md_code(names[layer]) + (f" ({md_escape(why)})" if why else "") for layer, why in chosen)
+        + more + ".", "", "## Worst value per layer and tensor", "",
         "scale_ratio shows the value farthest from 1 (above 1: overflow side; below 1: "
         "underflow side).", "", render_table(worst_values(run))]
     return "\n".join(lines)

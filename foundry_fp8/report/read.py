@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -122,12 +123,48 @@ def _guard_series(records: Iterable[tuple[int, Mapping[str, Any]]],
         yield step, metrics
 
 
+def _kind(mode: int) -> str:
+    """What a file that is no regular file is, for a message."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "a special file")
+
+
+def _mode(path: Path, absent: str) -> int:
+    """`path`'s file type and mode (symbolic links followed); ReportError (one line) where it
+    has none: `not found (<absent>)`, a link to nothing, a folder we may not search."""
+    try:
+        return path.stat().st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise ReportError(f"{path}: a symbolic link to {os.readlink(path)!r}, which does not "
+                              "exist") from None
+        raise ReportError(f"{path}: not found ({absent})") from None
+    except OSError as e:  # a folder we may not search, a loop of links, a name too long
+        raise ReportError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def metrics_file_of(run_folder: Path) -> Path:
+    """The metrics file `foundry-fp8 report RUN` reads: RUN itself when a regular file, else
+    RUN/metrics.jsonl; ReportError (one line) saying what stands there instead. Nothing is
+    opened here: a FIFO would block the read forever."""
+    mode = _mode(run_folder, "no run folder or metrics file there")
+    if stat.S_ISREG(mode):
+        return run_folder
+    if not stat.S_ISDIR(mode):
+        raise ReportError(f"{run_folder}: {_kind(mode)}, not a run folder or a metrics file")
+    metrics_file = run_folder / "metrics.jsonl"
+    mode = _mode(metrics_file, "was the `jsonl` logger in the YAML?")
+    if not stat.S_ISREG(mode):
+        raise ReportError(f"{metrics_file}: {_kind(mode)}, not the run's metrics file")
+    return metrics_file
+
+
 def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetrics, GuardSeries]:
-    """The run's per-layer FP8 metrics and fp8_guard's series; ReportError (one line) when there
-    are no FP8 metrics, saying why. Undecodable lines (a run killed mid-write leaves one) are
-    skipped with one warning."""
-    if not metrics_file.is_file():
-        raise ReportError(f"{metrics_file}: not found (was the `jsonl` logger in the YAML?)")
+    """The run's per-layer FP8 metrics and fp8_guard's series from `metrics_file` (a regular
+    file: `metrics_file_of`); ReportError (one line) when there are no FP8 metrics, saying why.
+    Undecodable lines (a run killed mid-write leaves one) are skipped with one warning."""
     skipped: list[int] = []
     guard: GuardSeries = {}
     try:

@@ -677,7 +677,7 @@ def _error(message: str) -> None:
     """One line on stderr, as every subcommand's errors: paths and reasons escaped onto it."""
     import sys
 
-    from foundry_fp8.lint.output import one_line
+    from foundry_fp8.health.table import one_line
 
     print(f"foundry-fp8 bench: {one_line(message)}", file=sys.stderr)
 

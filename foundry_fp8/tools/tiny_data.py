@@ -160,7 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from foundry_fp8.lint.output import one_line
+    from foundry_fp8.health.table import one_line
 
     print(f"building the tiny tokenizer and dataset in {one_line(str(args.root))} ...", flush=True)
     try:

@@ -1,0 +1,283 @@
+"""fp8_stats across a resume, at the sink: a tiny Composer run (te_swap's emulated blocks, a
+plain head under the delayed what-if) stopped at a checkpoint and resumed with `load_path` logs
+every fp8 key at every step after the resume, the per-layer table and the fit-end summary
+exactly as the uninterrupted run (read back from the `jsonl` logger's files); a checkpoint
+without fp8_stats' state, or one whose layers, tensors or recipe differ, resumes with one line.
+
+The inputs grow 1.5x per batch, so the delayed scales trail them and every tensor clips at
+every judged logging step: `overflow_persistent` (3 logging steps in a row) first flags at the
+step the run resumes from, which only a carried streak reproduces."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from composer.loggers import LoggerDestination
+from torch import nn
+
+from foundry_fp8 import wandb_history
+from foundry_fp8.composer.jsonl_logger import JSONLLogger
+from foundry_fp8.composer.state import FP8State
+from foundry_fp8.composer.stats import TABLE_NAME, FP8Stats
+from foundry_fp8.composer.te_swap import TESwap
+from foundry_fp8.health import INITIAL_SCALE, SUMMARIES, layer_key, parse_key
+from foundry_fp8.jsonl import read_jsonl
+
+BATCHES, RESUME_AT, INTERVAL = 12, 6, 2
+STATS = {"interval": INTERVAL, "image_interval": 2 * INTERVAL,
+         "recipe": {"scaling": "delayed", "amax_history_len": 4}}
+HEAD = "module.head"  # a plain nn.Linear: the what-if's delayed state
+SUMMARY = "fp8/stats_summary"
+
+
+class Net(nn.Module):
+    """Two blocks te_swap converts (their own delayed scaling) and a head it leaves alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.blocks[1](torch.relu(self.blocks[0](x)))))
+
+
+class Tables(LoggerDestination):
+    """The per-layer tables fp8_stats logs, by step."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables: dict[int, list[list[Any]]] = {}  # [columns, *rows] by step
+
+    def log_table(self, columns, rows, name="Table", step=None) -> None:
+        if name == TABLE_NAME:
+            self.tables[step] = [columns, *rows]
+
+
+class Run(NamedTuple):
+    metrics: dict[int, dict[str, float]]  # fp8_stats' keys by step, from metrics.jsonl
+    hparams: dict[str, Any]  # hparams.json
+    tables: dict[int, list[list[Any]]]  # the per-layer tables by step
+    stats: FP8Stats
+
+
+def _fit(folder: Path, stats: dict[str, Any] | None = None, load: Path | None = None,
+         wandb: bool = False) -> Run:
+    """Train (or resume from `load`) into `folder`; `wandb`: W&B offline there too."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    growth = 1.5 ** torch.arange(BATCHES).repeat_interleave(8)[:, None]
+    data = TensorDataset(torch.randn(8 * BATCHES, 16) * growth,
+                         torch.randint(0, 16, (8 * BATCHES,)))
+    tables, callback = Tables(), FP8Stats(**(stats or STATS))
+    loggers: list[LoggerDestination] = [JSONLLogger(path=str(folder / "metrics.jsonl")), tables]
+    if wandb:
+        from composer.loggers import WandBLogger
+
+        folder.mkdir(parents=True, exist_ok=True)  # W&B writes into `dir` only if it exists
+        loggers.append(WandBLogger(project="fp8-resume", init_kwargs={
+            "mode": "offline", "dir": str(folder),
+            "settings": {"allow_offline_artifacts": False}}))
+    trainer = Trainer(
+        model=ComposerClassifier(Net(), num_classes=16), seed=17, run_name="run",
+        train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{BATCHES}ba",
+        algorithms=[TESwap(backend="emulate", exclude="head",
+                           fp8_recipe={"amax_history_len": 4})],
+        callbacks=[FP8State(), callback],
+        loggers=loggers, device="cpu",
+        progress_bar=False, save_folder=str(folder / "checkpoints"),
+        save_interval=f"{RESUME_AT}ba", load_path=str(load) if load else None)
+    trainer.fit()
+    trainer.close()
+    metrics: dict[int, dict[str, float]] = {}
+    for step, values in read_jsonl(folder / "metrics.jsonl"):
+        if ours := {k: v for k, v in values.items() if _ours(k)}:
+            metrics.setdefault(step, {}).update(ours)
+    return Run(metrics, json.loads((folder / "hparams.json").read_text()), tables.tables,
+               callback)
+
+
+def _ours(key: str) -> bool:
+    """fp8_stats' keys: the per-layer series and the summary series (not te_swap's `fp8/...`)."""
+    return parse_key(key) is not None or (key.startswith("fp8/")
+                                          and key.rpartition("/")[2] in SUMMARIES)
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> tuple[Path, Run]:
+    folder = tmp_path_factory.mktemp("full")
+    return folder, _fit(folder)
+
+
+def _checkpoint(folder: Path) -> Path:
+    return folder / "checkpoints" / f"ep0-ba{RESUME_AT}-rank0.pt"
+
+
+def _after_resume(metrics: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    return {step: values for step, values in metrics.items() if step >= RESUME_AT}
+
+
+def test_a_resumed_run_logs_every_fp8_key_and_the_summary_of_the_uninterrupted_run(
+        full, tmp_path):
+    folder, run = full
+    # the run this test needs: a streak that flags at the resume step, worst values before it
+    persistent = {f.step for f in run.stats.monitor.tracker.flags
+                  if f.rule == "overflow_persistent"}
+    assert min(persistent) == RESUME_AT
+    assert layer_key(INITIAL_SCALE, "activation", HEAD) in run.metrics[0]
+    assert sorted(run.tables) == [4, 8, 12]  # every 4 batches and at fit end
+
+    resumed = _fit(tmp_path, load=_checkpoint(folder))
+    after = _after_resume(resumed.metrics)
+    assert sorted(after) == list(range(RESUME_AT, BATCHES, INTERVAL))
+    assert after == _after_resume(run.metrics)  # every key, every value, bit for bit
+    assert resumed.tables == {s: t for s, t in run.tables.items() if s >= RESUME_AT}
+    assert resumed.hparams[SUMMARY] == run.hparams[SUMMARY]
+    # the health rules judged the same: every flag, with whether it was new (warned)
+    assert resumed.stats.monitor.tracker.flags == [
+        f for f in run.stats.monitor.tracker.flags if f.step >= RESUME_AT]
+
+
+def _wandb_series(folder: Path) -> tuple[dict[int, dict[str, Any]], wandb_history.WandbRun]:
+    """fp8_stats' keys by step from or after the resume, read back with W&B's reader."""
+    [run] = wandb_history.read_runs(folder, wait=120)
+    assert run.complete
+    series: dict[int, dict[str, Any]] = {}
+    for row in run.rows:
+        if row["_step"] >= RESUME_AT and (ours := {k: v for k, v in row.items() if _ours(k)}):
+            series.setdefault(row["_step"], {}).update(ours)
+    return series, run
+
+
+@pytest.mark.slow
+def test_wandb_holds_the_uninterrupted_runs_fp8_series_and_summary_after_a_resume(tmp_path):
+    _fit(tmp_path / "full", wandb=True)
+    _fit(tmp_path / "resumed", load=_checkpoint(tmp_path / "full"), wandb=True)
+    (full, full_run), (resumed, resumed_run) = (_wandb_series(tmp_path / name)
+                                                for name in ("full", "resumed"))
+    assert sorted(resumed) == list(range(RESUME_AT, BATCHES, INTERVAL))
+    assert resumed == full
+    assert resumed_run.config[SUMMARY] == full_run.config[SUMMARY]
+    assert resumed_run.media("table-file") == {TABLE_NAME: [8, 12]}
+
+
+def _resume_with(full, tmp_path: Path, checkpoint: Path | None = None, **stats: Any):
+    folder, _ = full
+    return _fit(tmp_path, {**STATS, **stats}, load=checkpoint or _checkpoint(folder))
+
+
+def _fp8_stats_lines(caplog) -> list[str]:
+    """fp8_stats' warnings other than the health rules' (`FP8 <tensor> of layer ...`)."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "foundry_fp8.composer.stats" and r.levelno >= logging.WARNING
+            and not r.getMessage().startswith("FP8 ")]
+
+
+@pytest.mark.parametrize(("entry", "said"), [
+    ({}, "no fp8_stats state"),  # what Composer saved of an earlier version (no state_dict)
+    ({"version": 1, "monitor": {"tracker": 3}}, "not usable"),  # corrupt
+])
+def test_a_checkpoint_without_usable_fp8_stats_state_resumes_afresh_with_one_line(
+        full, tmp_path, caplog, entry, said):
+    folder, _ = full
+    saved = torch.load(_checkpoint(folder), weights_only=False)
+    assert saved["state"]["callbacks"]["FP8Stats"]  # this version saves some
+    saved["state"]["callbacks"]["FP8Stats"] = entry
+    torch.save(saved, tmp_path / "edited.pt")
+    with caplog.at_level(logging.WARNING):
+        resumed = _resume_with(full, tmp_path / "run", tmp_path / "edited.pt")
+    [line] = _fp8_stats_lines(caplog)
+    assert said in line and "\n" not in line
+    assert sorted(_after_resume(resumed.metrics)) == list(range(RESUME_AT, BATCHES, INTERVAL))
+    assert layer_key(INITIAL_SCALE, "activation", HEAD) in resumed.metrics[RESUME_AT]  # afresh
+    assert resumed.hparams[SUMMARY]
+
+
+@pytest.mark.parametrize(("stats", "dropped"), [
+    ({"layers": r"blocks\.1|head"}, "module.blocks.0"),
+    ({"tensors": ["activation", "weight"]}, "gradient"),
+    ({"recipe": {"scaling": "delayed", "amax_history_len": 8}}, "amax_history_len"),
+])
+def test_a_checkpoint_of_other_layers_or_recipe_restores_what_matches(
+        full, tmp_path, caplog, stats, dropped):
+    _, run = full
+    with caplog.at_level(logging.WARNING):
+        resumed = _resume_with(full, tmp_path, **stats)
+    [line] = _fp8_stats_lines(caplog)
+    assert dropped in line and "\n" not in line
+    after, before = _after_resume(resumed.metrics), _after_resume(run.metrics)
+    assert sorted(after) == list(range(RESUME_AT, BATCHES, INTERVAL))
+    other_recipe = "recipe" in stats  # the head's what-if starts afresh, the blocks' go on
+    kept = {k for k in after[RESUME_AT]
+            if not k.startswith("fp8/") and not (other_recipe and k.endswith(HEAD))}
+    assert any(k.endswith(HEAD) for k in kept) != other_recipe
+    for step in after:  # the rows still watched go on exactly as in the uninterrupted run
+        assert {k: after[step][k] for k in kept} == {k: before[step][k] for k in kept}
+    fresh = layer_key(INITIAL_SCALE, "activation", HEAD) in after[RESUME_AT]
+    assert fresh == other_recipe
+    assert resumed.hparams[SUMMARY]
+
+
+def _ranks_worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    """Train 5 steps on 2 ranks (different data per rank), save as Composer does (every rank
+    calls `state_dict`), resume every rank from rank 0's state (a monolithic checkpoint)."""
+    from tests.ranks import init_rank
+    from tests.test_stats_distributed import _train
+
+    init_rank(rank, rendezvous)
+    try:
+        out = {}
+        for reduce_amax in (True, False):
+            options = {"interval": 2, "recipe": {"scaling": "delayed", "amax_history_len": 2,
+                                                 "reduce_amax": reduce_amax}}
+            trained = FP8Stats(**options)
+            _train(rank, trained, 5)
+            saved = trained.state_dict()
+            box = [saved if rank == 0 else None]  # every rank loads rank 0's file
+            torch.distributed.broadcast_object_list(box, src=0)
+            resumed = FP8Stats(**options)
+            resumed.load_state_dict(box[0])
+            _train(rank, resumed, 0)  # FIT_START builds the monitor and restores
+            assert trained.monitor is not None and resumed.monitor is not None
+            out[reduce_amax] = {"saved": saved, "restored": resumed.monitor.state_dict(),
+                                "own": trained.monitor.state_dict()}
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, tensors by value."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same(a[k], b[k]) for k in a))
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.slow
+def test_every_rank_resumes_its_own_state_from_rank_zeros_checkpoint(tmp_path):
+    from tests.ranks import run_ranks
+
+    run_ranks(_ranks_worker, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    # reduce_amax on: the pooled tracker and the all_reduced what-if are the same on both ranks
+    assert _same(ranks[0][True]["saved"], ranks[1][True]["saved"])
+    assert "whatif_ranks" not in ranks[0][True]["saved"]
+    # off: each rank's what-if is its own, saved from every rank in the one file
+    assert not _same(ranks[0][False]["own"]["whatif"], ranks[1][False]["own"]["whatif"])
+    assert len(ranks[0][False]["saved"]["whatif_ranks"]) == 2
+    for rank in ranks:
+        for reduce_amax in (True, False):
+            assert _same(rank[reduce_amax]["restored"], rank[reduce_amax]["own"])
