@@ -145,6 +145,7 @@ def _dispatch(argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     saved = sys.stdout, sys.stderr
+    errors = [getattr(stream, "errors", None) for stream in saved]  # given back at the end
     sys.stdout = _usable(sys.stdout, 1, "stdout")
     sys.stderr = _usable(sys.stderr, 2, "stderr")
     try:
@@ -157,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         code = _output_failed(failure)
     finally:
         sys.stdout, sys.stderr = saved
+        for stream, error in zip(saved, errors, strict=True):
+            if error is not None:
+                try:
+                    stream.reconfigure(errors=error)
+                except (AttributeError, ValueError, OSError):
+                    pass
     return code
 
 

@@ -566,10 +566,9 @@ class FP8Monitor:
             raise ValueError(f"not fp8_stats' monitor state ({type(e).__name__}: {e})") from e
         notes: list[str] = []
         columns = self._whatif_columns(whatif, saved_rows, notes)  # validates before any write
-        gone = {(short_layer(layer), tensor) for layer, tensor in saved_rows
-                if (layer, tensor) not in self._row}
-        gone.update(self.tracker.load_state_dict(
-            tracker, {(self.short[layer], tensor) for layer, tensor in self.rows}))
+        watched = {(self.short[layer], tensor) for layer, tensor in self.rows}
+        gone = {(short_layer(layer), tensor) for layer, tensor in saved_rows} - watched
+        gone.update(self.tracker.load_state_dict(tracker, watched))
         if gone:
             names = [f"{layer}/{tensor}" for layer, tensor in sorted(gone)]
             more = f" and {len(names) - 8} more" if len(names) > 8 else ""
@@ -601,11 +600,13 @@ class FP8Monitor:
             notes.append("the what-if's delayed scales (recipe " + ", ".join(
                 f"{k} {recipe.get(k)} -> {now.get(k)}" for k in changed) + "), which start afresh")
             return None
-        where = {row: j for j, row in enumerate(saved_rows)}
+        # matched by the names in the metric keys, as the tracker is: wrappers that differ
+        # between the runs (activation checkpointing, FSDP) do not lose the scales
+        where = {(short_layer(layer), tensor): j for j, (layer, tensor) in enumerate(saved_rows)}
         new_history = torch.zeros(history.shape[0], len(self.rows))
         new_scale = torch.ones(len(self.rows))
-        for i, row in enumerate(self.rows):
-            if (j := where.get(row)) is not None:
+        for i, (layer, tensor) in enumerate(self.rows):
+            if (j := where.get((self.short[layer], tensor))) is not None:
                 new_history[:, i], new_scale[i] = history[:, j], scale[j]
         return new_history, new_scale, folds
 

@@ -201,6 +201,17 @@ def test_a_checkpoint_without_usable_fp8_stats_state_resumes_afresh_with_one_lin
     assert resumed.hparams[SUMMARY]
 
 
+def test_before_fit_start_the_state_is_what_was_loaded_or_nothing():
+    """Composer builds a sharded checkpoint's load template from `state_dict()` in the Trainer's
+    constructor, and a template key the checkpoint lacks fails the load: nothing of ours may be
+    in it then (a checkpoint of an earlier version, or of a run without fp8_stats, must load)."""
+    stats = FP8Stats(interval=INTERVAL)
+    assert stats.state_dict() == {}
+    loaded = {"version": 1, "monitor": None}
+    stats.load_state_dict(loaded)
+    assert stats.state_dict() == loaded
+
+
 @pytest.mark.parametrize(("stats", "dropped"), [
     ({"layers": r"blocks\.1|head"}, "module.blocks.0"),
     ({"tensors": ["activation", "weight"]}, "gradient"),

@@ -133,7 +133,8 @@ def test_te_debug_needs_the_te_whose_feature_logs_its_statistics(monkeypatch, av
 @pytest.mark.parametrize("include, exclude", [
     (r"ffn$", None), (r"blocks\.0\.(ffn|attn\.Wqkv)$", None), (r"ffn\Z", None),
     (r"blocks\.[0$]\.ffn$", None), (r"ffn\$", None), (r"[]$]ffn$", None),
-    (r"blocks\.", r"1\.ffn$"),
+    (r"blocks\.", r"1\.ffn$"), (r"ffn(?!$)", None), (r"(?=.*ffn$)blocks", None),
+    (r"(?<=ffn)$", None),
 ])
 def test_an_end_anchor_also_selects_a_layernorm_mlps_gemms(include, exclude):
     """`layers: ffn$` selects the LayerNormMLP `ffn` for our hooks; TE's debug API sees its

@@ -40,6 +40,9 @@ TABLE_NAME = "fp8_table"
 IMAGE_STEPS = 64
 #: The layout of `FP8Stats.state_dict()` in checkpoints (an earlier version saved `{}`).
 STATE_VERSION = 1
+#: The most bytes of per-rank what-if state (`reduce_amax: false`, every rank's own amax
+#: history) a checkpoint carries: world size x history length x watched tensors x 4 bytes.
+WHATIF_RANKS_LIMIT = 64 << 20
 
 
 def _is_rank_zero() -> bool:
@@ -128,6 +131,8 @@ class FP8Stats(Callback):
         self._no_table: list[LoggerDestination] | None = None
         self.monitor: FP8Monitor | None = None
         self._restored: Mapping[str, Any] | None = None  # loaded before the monitor exists
+        self._fit_started = False  # the same on every rank: FIT_START has run
+        self._whatif_too_big_said = False
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
@@ -142,6 +147,7 @@ class FP8Stats(Callback):
     # Composer's named events; each runs under `_guarded` (our error never stops training).
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        self._fit_started = True
         if self.disabled:
             return
         self._guarded(self._fit_start, state, logger)
@@ -204,6 +210,13 @@ class FP8Stats(Callback):
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
                                   on_warning=log.warning if _is_rank_zero() else lambda _: None)
         log.info("fp8_stats watches %d layers", len(self.monitor.layers))
+        if (not self._restored and int(state.timestamp.batch) > 0
+                and getattr(state, "fsdp_sharded_state_dict_enabled", False)):
+            self._restored = None
+            if _is_rank_zero():
+                log.warning("fp8_stats: a sharded checkpoint (state_dict_type: sharded) brings "
+                            "no fp8_stats state back through Composer's load; the summary, "
+                            "health streaks and what-if scales start afresh at this resume")
         self._restore()  # Composer loads a checkpoint in the Trainer's constructor, before this
         if self.te_debug is not None:
             self.te_debug.name_layers(canonical_modules(state.model))
@@ -310,13 +323,16 @@ class FP8Stats(Callback):
         rank: both follow the pooled statistics and the all_reduced amaxes) and when images
         are next due. Under `reduce_amax: false` each rank's what-if is gathered too. A failure
         of ours saves `unsaved` instead of stopping the save (`strict`: raises)."""
+        if not self._fit_started:
+            # Composer asks for it in the Trainer's constructor too, as the template a sharded
+            # checkpoint is loaded into: there a key the checkpoint lacks is an error, so the
+            # template holds nothing of ours (that load then restores nothing: `_fit_start`)
+            return dict(self._restored) if self._restored is not None else {}
         saved: dict[str, Any] = {"version": STATE_VERSION}
         try:
             if self.monitor is not None:
                 saved["monitor"] = self.monitor.state_dict()
                 saved["images"] = [self.image_interval, self._next_image]
-            elif self._restored is not None:  # saved before FIT_START: what was loaded
-                saved = dict(self._restored)
         except Exception:
             if self.strict:
                 raise
@@ -325,10 +341,20 @@ class FP8Stats(Callback):
             saved = {"version": STATE_VERSION, "unsaved": True}
         recipe = self.config.recipe
         if multi_rank() and recipe.scaling == "delayed" and not recipe.reduce_amax:
-            # every rank joins the gather, whatever its own state
-            ranks = dist.all_gather_object(self._local_whatif())
-            if any(r is not None for r in ranks):
-                saved["whatif_ranks"] = ranks
+            # every rank joins the gather, whatever its own state; each rank's what-if goes
+            # into every checkpoint, so only while all of them stay small
+            mine = self._local_whatif()
+            size = dist.get_world_size() * _whatif_bytes(mine)
+            if size <= WHATIF_RANKS_LIMIT:
+                ranks = dist.all_gather_object(mine)
+                if any(r is not None for r in ranks):
+                    saved["whatif_ranks"] = ranks
+            elif not self._whatif_too_big_said and _is_rank_zero():
+                self._whatif_too_big_said = True
+                log.warning("fp8_stats: the per-rank what-if scales (reduce_amax: false) take "
+                            "%d MiB over %d ranks, over %d MiB: checkpoints leave them out, "
+                            "and a resume starts them afresh", size >> 20,
+                            dist.get_world_size(), WHATIF_RANKS_LIMIT >> 20)
         return saved
 
     def _local_whatif(self) -> dict[str, Any] | None:
@@ -468,3 +494,10 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
     session = TEDebugSession(config, folder, lambda name, value, step: sink(name, value))
     session.start()
     return session
+
+
+def _whatif_bytes(whatif: Mapping[str, Any] | None) -> int:
+    """The size of one rank's what-if tensors (0 when it has none)."""
+    if whatif is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (whatif["history"], whatif["scale"]))

@@ -194,7 +194,7 @@ def _read_bounded(path: Path) -> bytes:
     """At most MAX_BYTES + 1 bytes of a regular file, never waiting for data: opened with
     O_NONBLOCK (a FIFO swapped in after the stat neither blocks the open nor is read: it is
     refused by its fstat), read until end of file; a read that would block is refused."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
                  | getattr(os, "O_CLOEXEC", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -60,29 +60,40 @@ def layer_pattern(include: str, exclude: str | None = None) -> str:
 
 
 def _end_also_at_gemm(pattern: str) -> str:
-    """`pattern` with each end anchor (`$`, `\\Z`) outside a character class also matching
-    before a LayerNormMLP GEMM suffix: `ffn$` selects `ffn.fc1` and `ffn.fc2`."""
+    """`pattern` with each end anchor (`$`, `\\Z`) outside character classes and lookbehinds
+    also matching before a LayerNormMLP GEMM suffix: `ffn$` selects `ffn.fc1` and `ffn.fc2`.
+    A rewrite that would not compile keeps `pattern`."""
     gemm = "(?:\\.(?:" + "|".join(LN_MLP_GEMMS) + "))?"
-    out, i, in_class = [], 0, False
+    out: list[str] = []
+    groups: list[bool] = []  # per open group: is it a lookbehind (fixed width: no rewrite)
+    i, in_class = 0, False
     while i < len(pattern):
         char = pattern[i]
+        anchor = not in_class and not any(groups)
         if char == "\\":
             escaped = pattern[i:i + 2]
-            out.append(gemm + escaped if escaped == "\\Z" and not in_class else escaped)
+            out.append(gemm + escaped if escaped == "\\Z" and anchor else escaped)
             i += 2
             continue
         if in_class:
             in_class = char != "]" or out[-1] in ("[", "[^")
-            out.append(char)
         elif char == "[":
             opening = "[^" if pattern.startswith("[^", i) else "["
             out.append(opening)
             in_class, i = True, i + len(opening)
             continue
-        else:
-            out.append(gemm + char if char == "$" else char)
+        elif char == "(":
+            groups.append(pattern.startswith(("(?<=", "(?<!"), i))
+        elif char == ")" and groups:
+            groups.pop()
+        out.append(gemm + char if char == "$" and anchor else char)
         i += 1
-    return "".join(out)
+    rewritten = "".join(out)
+    try:
+        re.compile(rewritten)
+    except re.error:
+        return pattern
+    return rewritten
 
 
 def log_fp8_tensor_stats_config(layers: str, tensors: Sequence[str], freq: int,

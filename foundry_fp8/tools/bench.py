@@ -30,6 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from foundry_fp8.cli import OutputError
+
 #: The MPT-1B YAMLs, shipped inside the package so an installed bench needs no checkout.
 YAMLS = Path(__file__).resolve().parent / "yamls"
 
@@ -421,6 +423,8 @@ def run_bench(config: BenchConfig,
             else:
                 try:
                     rows.append(run_variant(variant, config, bar))
+                except OutputError:  # the terminal or pipe is gone, not the variant
+                    raise
                 except Exception as err:  # a broken variant must not lose the others' numbers
                     failed.append({"name": name,
                                    "reason": f"{type(err).__name__}: {err}".splitlines()[0][:300],
