@@ -344,7 +344,9 @@ class FP8Stats(Callback):
             # every rank joins the gather, whatever its own state; each rank's what-if goes
             # into every checkpoint, so only while all of them stay small
             mine = self._local_whatif()
-            size = dist.get_world_size() * _whatif_bytes(mine)
+            # decided from every rank's size (one small gather): a rank that skipped the
+            # gather below while another joined it would hang them both
+            size = sum(dist.all_gather_object(_whatif_bytes(mine)))
             if size <= WHATIF_RANKS_LIMIT:
                 ranks = dist.all_gather_object(mine)
                 if any(r is not None for r in ranks):
