@@ -19,7 +19,7 @@ DATA_ROOT ?= data
 OLDEST_TESTS ?= tests/test_te_swap.py tests/test_state_callback.py tests/test_stats_callback.py \
 	tests/test_readme.py tests/test_cli_help.py \
 	tests/test_lint_callback.py tests/test_attention.py tests/test_jsonl.py tests/test_bench.py \
-	tests/test_packaging.py tests/test_docs_try.py
+	tests/test_packaging.py tests/test_docs_try.py tests/test_stats_resume.py
 
 .PHONY: run test test-oldest lock
 
