@@ -4,7 +4,8 @@ Torch-free, one rule for every path option we write to (the `jsonl` logger's `pa
 `fp8_stats`' `dump_folder`): a relative path is taken inside the run folder, not the working
 directory; one that leads out of it (`..`) is refused; an absolute path is the user's choice and
 is used as written. `{run_name}` is filled in as one folder name: a run name with `/` or made of
-dots (`run_name: ../x`) cannot move a file elsewhere.
+dots (`run_name: ../x`) cannot move a file elsewhere. The one exception, `fp8_stats`'
+`te_debug_folder`, is opened in the callback's constructor, before any run folder is known.
 """
 
 from __future__ import annotations
