@@ -80,6 +80,15 @@ class _Guarded:
         return getattr(self._stream, name)
 
 
+def _devnull_onto(fd: int) -> None:
+    """Descriptor `fd` writes to /dev/null from now on (when it was closed, the open takes its
+    number itself)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    if null != fd:
+        os.dup2(null, fd)
+        os.close(null)
+
+
 def _usable(stream: Any, fd: int, name: str) -> _Guarded:
     """`stream` made safe to print to: None (the descriptor was closed at start) becomes
     /dev/null, also on `fd` so no file opened later takes its number; an encoding error writes
@@ -88,10 +97,7 @@ def _usable(stream: Any, fd: int, name: str) -> _Guarded:
         try:
             os.fstat(fd)
         except OSError:
-            null = os.open(os.devnull, os.O_WRONLY)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
+            _devnull_onto(fd)
         stream = open(os.devnull, "w", encoding="utf-8")
     try:
         stream.reconfigure(errors="backslashreplace")
@@ -124,10 +130,7 @@ def _output_failed(failure: OutputError) -> int:
         except OutputError:  # stderr is the same full file: nothing left to say it on
             pass
     try:
-        fd, null = failure.stream.fileno(), os.open(os.devnull, os.O_WRONLY)
-        if null != fd:
-            os.dup2(null, fd)
-            os.close(null)
+        _devnull_onto(failure.stream.fileno())
     except (OSError, ValueError):  # no descriptor (a test's capture): nothing buffered at exit
         pass
     return EXIT_BROKEN_PIPE if failure.error.errno == errno.EPIPE else 2
