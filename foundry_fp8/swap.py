@@ -11,14 +11,16 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from foundry_fp8.filters import block_index, fuse_reason, layernorm_reason, linear_reason
+from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.options import SwapConfig
+from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
     MPT_DEFAULT_INIT_SCHEME,
@@ -31,6 +33,10 @@ from foundry_fp8.te.facts import (
 KEPT_ATTRIBUTES = ("_fused", "_is_residual")
 
 Kind = Literal["linear", "layernorm", "ln_mlp", "tied_lm_head"]
+
+#: Set by `apply_swap` on a module whose state_dict keys differ from the unconverted model's:
+#: {key under the module: the unconverted model's key under it, or None where it has none}.
+PLAIN_KEYS = "_foundry_fp8_plain_keys"
 
 
 def gelu_tanh_error(lo: float = -8.0, hi: float = 8.0, n: int = 16001) -> tuple[float, float]:
@@ -225,7 +231,9 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
 
     Linear and LayerNorm swaps keep every parameter name. A fused LN-MLP replaces the block's
     `ffn` (and sets `norm_2` to None, as LLM-Foundry's `te_ln_mlp` blocks have it), so its
-    parameters get TE's names (`ffn.layer_norm_weight`, `ffn.fc1_weight`, ...).
+    parameters get TE's names (`ffn.layer_norm_weight`, `ffn.fc1_weight`, ...). Modules whose
+    keys differ from the unconverted model's (those and TE's `_extra_state`) carry them under
+    `PLAIN_KEYS`, for `plain_state_dict`.
     """
     from composer.utils.module_surgery import replace_module_classes, update_params_in_optimizer
 
@@ -240,11 +248,15 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
         te.require_te()
         block = modules[decision.name.removesuffix(".ffn")]
         old = [block.norm_2, block.ffn.up_proj, block.ffn.down_proj]
-        new = te.make_te_layernorm_mlp(*old)  # LLM-Foundry's te init knows it
+        new = te.make_te_layernorm_mlp(block)  # LLM-Foundry's te init knows it
         if optimizers is not None:
             update_params_in_optimizer([p for m in old for p in m.parameters()],
                                        list(new.parameters()), optimizers)
         block.ffn, block.norm_2 = new, None
+        plain = {f"ffn.{fused}": name for fused, name in te.LN_MLP_SOURCES.items()}
+        if _has_extra_state(new):
+            plain[f"ffn.{EXTRA_STATE_SUFFIX}"] = None
+        setattr(block, PLAIN_KEYS, plain)
         count += 1
 
     targets = {id(modules[d.name]): d.kind for d in plan.converted if d.kind != "ln_mlp"}
@@ -258,6 +270,8 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
         for attr in KEPT_ATTRIBUTES:
             if hasattr(module, attr):
                 setattr(new, attr, getattr(module, attr))
+        if _has_extra_state(new):
+            setattr(new, PLAIN_KEYS, {EXTRA_STATE_SUFFIX: None})
         return new
 
     policies = {nn.Linear: policy, nn.LayerNorm: policy}
@@ -268,6 +282,27 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
         if any(b.is_meta for b in new.buffers()) and hasattr(new, "reset_scaling_state"):
             new.reset_scaling_state()
     return count + len(replaced)
+
+
+def _has_extra_state(module: nn.Module) -> bool:
+    """Whether `module.state_dict()` holds an `_extra_state` key (TE's modules do): torch adds
+    one where the class overrides `get_extra_state`."""
+    return type(module).get_extra_state is not nn.Module.get_extra_state
+
+
+def plain_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """`model`'s state_dict as the model would have it without te_swap: TE's `_extra_state`
+    entries dropped, a fused te.LayerNormMLP's parameters under MPT's `norm_2`/`ffn.up_proj`/
+    `ffn.down_proj` names. Keys are `model`'s canonical ones (what torch's
+    `get_model_state_dict(model)` gives, FSDP's and checkpointing's wrappers left out); keys
+    that are absent (another rank's share) are skipped."""
+    renames: dict[str, str | None] = {}
+    for name, module in canonical_modules(model):
+        prefix = f"{name}." if name else ""
+        for key, plain in getattr(module, PLAIN_KEYS, {}).items():
+            renames[prefix + key] = None if plain is None else prefix + plain
+    return {renames.get(key, key): value for key, value in state_dict.items()
+            if renames.get(key, key) is not None}
 
 
 def coverage_table(plan: SwapPlan) -> str:

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# The `fake_te` fixture (a stand-in transformer_engine), for every test module.
+pytest_plugins = ["tests.fake_te"]
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Nothing in the test suite may reach the network: W&B stays offline, HF hub lookups are off.

@@ -3,11 +3,7 @@ emulated backend whose FP8 state follows the YAML's recipe."""
 
 from __future__ import annotations
 
-import importlib.machinery
 import sys
-import types
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import pytest
@@ -19,6 +15,7 @@ from foundry_fp8.emulate import EmulatedFP8Linear, is_fp8_enabled
 from foundry_fp8.numerics import FP8_MAX, delayed_scale_update
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.te.facts import parse_version
+from tests.fake_te import _CurrentScaling220, _DelayedScaling, _Format
 from tests.tiny_run import run_tiny, tiny_config
 
 LAYER = "model.transformer.blocks.0.attn.Wqkv"
@@ -249,140 +246,7 @@ def test_a_forward_that_raises_leaves_the_recipe_autocast():
     assert not is_fp8_enabled()
 
 
-# -- TE facts, against a stand-in `transformer_engine` that keeps TE's contracts ---------------
-
-
-@dataclass(frozen=True)
-class _QParams:  # transformer_engine/common/recipe/__init__.py, QParams
-    power_2_scale: bool = False
-    amax_epsilon: float = 0.0
-
-
-class _Format(Enum):  # names as TE's Format
-    E4M3 = "e4m3"
-    E5M2 = "e5m2"
-    HYBRID = "hybrid"
-
-
-@dataclass
-class _DelayedScaling:
-    margin: int = 0
-    fp8_format: _Format = _Format.HYBRID
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    scaling_factor_compute_algo: Any = None
-    reduce_amax: bool = True
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-
-    def __post_init__(self) -> None:  # TE's is a pydantic dataclass: it refuses a string format
-        if not isinstance(self.fp8_format, _Format):
-            raise ValueError(f"fp8_format: input should be a Format member, got "
-                             f"{self.fp8_format!r}")
-
-
-@dataclass
-class _CurrentScaling220:
-    """TE 2.8-2.20: a `use_power_2_scales` field, but the QParams te.Linear reads are class
-    attributes built from the field's default (NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES)."""
-
-    use_power_2_scales: bool = False
-    fp8_format: _Format = _Format.HYBRID
-    fp8_quant_fwd_inp = _QParams(power_2_scale=use_power_2_scales)
-    fp8_quant_fwd_weight = _QParams(power_2_scale=use_power_2_scales)
-    fp8_quant_bwd_grad = _QParams(power_2_scale=use_power_2_scales)
-
-
-@dataclass
-class _CurrentScaling22:
-    """TE 2.2-2.7: no `use_power_2_scales` field at all."""
-
-    fp8_format: _Format = _Format.HYBRID
-    fp8_quant_fwd_inp = _QParams()
-    fp8_quant_fwd_weight = _QParams()
-    fp8_quant_bwd_grad = _QParams()
-
-
-def _param(shape: tuple[int, ...], device: Any, dtype: torch.dtype | None) -> torch.nn.Parameter:
-    """TE's parameter contract (module/base.py, reset_parameters): allocated on `device`, and
-    initialised unless `device == "meta"`, materialising a meta tensor (on CUDA in TE)."""
-    tensor = torch.empty(shape, device=device, dtype=dtype or torch.get_default_dtype())
-    if not device == "meta" and tensor.is_meta:
-        tensor = torch.empty_like(tensor, device="cpu")
-    return torch.nn.Parameter(tensor.normal_() if not tensor.is_meta else tensor)
-
-
-class _Linear(torch.nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: torch.dtype | None = None, device: Any = "cuda") -> None:
-        super().__init__()
-        self.weight = _param((out_features, in_features), device, params_dtype)
-        self.bias = _param((out_features,), device, params_dtype) if bias else None
-
-
-class _LayerNormMLP(torch.nn.Module):
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
-                 bias: bool = True, activation: str = "gelu",
-                 params_dtype: torch.dtype | None = None, device: Any = "cuda") -> None:
-        super().__init__()
-        self.layer_norm_weight = _param((hidden_size,), device, params_dtype)
-        self.layer_norm_bias = _param((hidden_size,), device, params_dtype)
-        self.fc1_weight = _param((ffn_hidden_size, hidden_size), device, params_dtype)
-        self.fc2_weight = _param((hidden_size, ffn_hidden_size), device, params_dtype)
-        self.fc1_bias = _param((ffn_hidden_size,), device, params_dtype) if bias else None
-        self.fc2_bias = _param((hidden_size,), device, params_dtype) if bias else None
-
-
-class _LayerNormOp(torch.nn.Module):
-    """TE >= 1.13 (te.ops.LayerNorm): keyword-only eps/device/dtype."""
-
-    def __init__(self, normalized_shape: Any, *, eps: float = 1e-5, device: Any = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
-        self.weight, self.bias = _param(shape, device, dtype), _param(shape, device, dtype)
-
-
-class _LayerNorm112(torch.nn.Module):
-    """TE 1.12: `hidden_size` (an int) and `params_dtype`."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False,
-                 device: Any = "cuda") -> None:
-        super().__init__()
-        assert isinstance(hidden_size, int)
-        self.weight = _param((hidden_size,), device, params_dtype)
-        self.bias = _param((hidden_size,), device, params_dtype)
-
-
-@pytest.fixture
-def fake_te(monkeypatch):
-    """Installs a stand-in TE of the version given to the returned function. The version the
-    product code sees is the stand-in's, even where a real TE is installed (whose distribution
-    metadata `te_version` would otherwise read)."""
-    from foundry_fp8.te import probe
-
-    def install(version: str = "2.20.2") -> None:
-        monkeypatch.setattr(probe, "te_version", lambda: parse_version(version))
-        root = types.ModuleType("transformer_engine")
-        root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
-        root.__version__ = version
-        pytorch, common, recipe = (types.ModuleType(f"transformer_engine.{n}")
-                                   for n in ("pytorch", "common", "common.recipe"))
-        new = parse_version(version) >= (1, 13)
-        for cls in (_Linear, _LayerNormMLP, _LayerNormOp, _LayerNorm112):
-            cls.__module__ = "transformer_engine.pytorch.module"
-        pytorch.Linear, pytorch.LayerNormMLP = _Linear, _LayerNormMLP
-        pytorch.LayerNorm = _LayerNormOp if new else _LayerNorm112
-        recipe.Format, recipe.DelayedScaling, recipe.QParams = _Format, _DelayedScaling, _QParams
-        if parse_version(version) >= (2, 2):
-            recipe.Float8CurrentScaling = (_CurrentScaling220 if parse_version(version) >= (2, 8)
-                                           else _CurrentScaling22)
-        root.pytorch, root.common, common.recipe = pytorch, common, recipe
-        for module in (root, pytorch, common, recipe):
-            monkeypatch.setitem(sys.modules, module.__name__, module)
-
-    return install
+# -- TE facts, against the stand-in `transformer_engine` of tests/fake_te.py ------------
 
 
 @pytest.mark.parametrize("version", ["2.20.2", "2.8.0"])
@@ -421,10 +285,12 @@ def test_meta_layers_stay_on_meta_for_fsdp_to_initialise(fake_te):
 
     fake_te()
     with torch.device("meta"):
-        norm, up, down = torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
-    linear = te_backend.make_te_linear(up)
+        block = torch.nn.Module()
+        block.norm_2, block.ffn = torch.nn.LayerNorm(64), torch.nn.Module()
+        block.ffn.up_proj, block.ffn.down_proj = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+    linear = te_backend.make_te_linear(block.ffn.up_proj)
     assert linear.weight.is_meta and linear.bias.is_meta
-    fused = te_backend.make_te_layernorm_mlp(norm, up, down)
+    fused = te_backend.make_te_layernorm_mlp(block)
     assert all(p.is_meta for p in fused.parameters())
     assert te_backend.te_device(torch.empty(1)) == torch.device("cpu")
 

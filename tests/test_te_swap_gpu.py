@@ -131,3 +131,26 @@ def test_fused_ln_mlp_and_layernorm_swap_keep_the_function_up_to_tanh_gelu():
         swapped = model(batch).logits  # no FP8 autocast: only GELU's tanh form differs
     error = ((swapped - reference).norm() / reference.norm()).item()
     assert 0 < error < 1e-2
+
+
+def test_the_plain_state_dict_of_real_te_modules_loads_strictly_into_the_unconverted_mpt():
+    """What LLM-Foundry's hf_checkpointer loads (tests/test_hf_export.py runs it with the
+    stand-in TE): real TE's names and `_extra_state` keys, made plain, fit the config's model."""
+    pytest.importorskip("transformer_engine.pytorch")
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    from foundry_fp8.swap import SwapConfig, apply_swap, plain_state_dict, plan_swap
+
+    config = MPTConfig(d_model=128, n_heads=4, n_layers=2, expansion_ratio=4, max_seq_len=64,
+                       vocab_size=VOCAB, attn_config={"attn_impl": "torch"})
+    model = MPTForCausalLM(config).cuda()
+    apply_swap(model, plan_swap(model, SwapConfig(backend="te", fuse_ln_mlp=True,
+                                                  convert_layernorm=True)))
+    state_dict = model.state_dict()
+    assert any(k.endswith("._extra_state") for k in state_dict)
+    plain = MPTForCausalLM(config).cuda()
+    plain.load_state_dict(plain_state_dict(state_dict, model))  # strict
+    assert torch.equal(plain.transformer.blocks[1].norm_2.weight,
+                       model.transformer.blocks[1].ffn.layer_norm_weight)
+    assert torch.equal(plain.transformer.blocks[1].ffn.down_proj.weight,
+                       model.transformer.blocks[1].ffn.fc2_weight)

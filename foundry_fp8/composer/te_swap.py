@@ -30,10 +30,12 @@ from composer.loggers import Logger
 from torch import nn
 
 from foundry_fp8.composer.destinations import deliver
+from foundry_fp8.composer.hf_export import export_plain
 from foundry_fp8.fp8_meta import is_fp8_module
 from foundry_fp8.options import SwapConfig, build
 from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
 from foundry_fp8.swap import (
+    PLAIN_KEYS,
     SwapPlan,
     apply_swap,
     coverage_table,
@@ -96,6 +98,8 @@ class TESwap(Algorithm):
             raise ValueError(_refusal(precision, self.config.backend, plan))
         converted = apply_swap(model, plan, self.config.backend, state.optimizers)
         self.plan = plan
+        exporters = (export_plain(state.callbacks)
+                     if any(hasattr(m, PLAIN_KEYS) for m in model.modules()) else 0)
         if self.config.backend == "te" and self.recipe.scaling == "delayed":
             _set_precision_config(state, self.recipe)
         else:
@@ -110,6 +114,10 @@ class TESwap(Algorithm):
         if precision == "amp_fp8":
             print(f"foundry_fp8 te_swap: ignore LLM-Foundry's warning '{FOUNDRY_FP8_WARNING}' "
                   f"above: te_swap converted {converted} modules, which run in FP8", flush=True)
+        if exporters:
+            print(f"foundry_fp8 te_swap: {exporters} hf_checkpointer(s) export the plain model "
+                  "its config names (TE's _extra_state left out, fused MLPs under MPT's names)",
+                  flush=True)
         coverage = {"fp8/backend": self.config.backend, "fp8/recipe": recipe,
                     "fp8/modules_converted": converted,
                     "fp8/linear_flops_share": plan.fp8_flops_share,

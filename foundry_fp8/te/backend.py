@@ -93,24 +93,36 @@ def make_te_layernorm(src: nn.LayerNorm) -> nn.Module:
     return new
 
 
-def make_te_layernorm_mlp(norm: nn.LayerNorm, up: nn.Linear, down: nn.Linear) -> nn.Module:
-    """`te.LayerNormMLP` computing `down(gelu(up(norm(x))))`, parameters copied exactly.
+#: te.LayerNormMLP's parameters and the MPT block parameters each is made from (the block's
+#: names; TE 1.12-2.20 register these in pytorch/module/layernorm_mlp.py, `register_parameter`).
+LN_MLP_SOURCES = {"layer_norm_weight": "norm_2.weight", "layer_norm_bias": "norm_2.bias",
+                  "fc1_weight": "ffn.up_proj.weight", "fc1_bias": "ffn.up_proj.bias",
+                  "fc2_weight": "ffn.down_proj.weight", "fc2_bias": "ffn.down_proj.bias"}
+
+
+def make_te_layernorm_mlp(block: nn.Module) -> nn.Module:
+    """`te.LayerNormMLP` computing the MPT block's `ffn.down(gelu(ffn.up(norm_2(x))))`,
+    parameters copied exactly.
 
     TE's `gelu` is the tanh approximation, so this is not the same function as MPT's exact GELU
     (swap.plan_swap reports the size of the difference).
     """
     import transformer_engine.pytorch as te
 
+    norm, up = block.norm_2, block.ffn.up_proj
     new = te.LayerNormMLP(hidden_size=up.in_features, ffn_hidden_size=up.out_features,
                           eps=norm.eps, bias=up.bias is not None, activation="gelu",
                           params_dtype=up.weight.dtype, device=te_device(up.weight))
-    for dst, src in ((new.layer_norm_weight, norm.weight), (new.layer_norm_bias, norm.bias),
-                     (new.fc1_weight, up.weight), (new.fc2_weight, down.weight)):
-        _copy(dst, src)
-    if up.bias is not None:
-        _copy(new.fc1_bias, up.bias)
-        _copy(new.fc2_bias, down.bias)
+    for dst, src in LN_MLP_SOURCES.items():
+        _copy(getattr(new, dst, None), _dotted_attr(block, src))
     return new
+
+
+def _dotted_attr(root: Any, dotted: str) -> Any:
+    """`root.a.b.c` for "a.b.c", None where any part is missing or None (a bias-free layer)."""
+    for part in dotted.split("."):
+        root = getattr(root, part, None)
+    return root
 
 
 def delayed_scaling_kwargs(recipe: FP8Recipe) -> dict[str, Any]:
