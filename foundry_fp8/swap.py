@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from foundry_fp8.filters import block_index, fuse_reason, layernorm_reason, linear_reason
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.options import SwapConfig
-from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX
+from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX, inert_extra_state
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
     MPT_DEFAULT_INIT_SCHEME,
@@ -233,7 +233,8 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
     `ffn` (and sets `norm_2` to None, as LLM-Foundry's `te_ln_mlp` blocks have it), so its
     parameters get TE's names (`ffn.layer_norm_weight`, `ffn.fc1_weight`, ...). Modules whose
     keys differ from the unconverted model's (those and TE's `_extra_state`) carry them under
-    `PLAIN_KEYS`, for `plain_state_dict`.
+    `PLAIN_KEYS`, for `plain_state_dict`, and load the unconverted model's state_dict too (a
+    plain checkpoint, `load_path`, into a te_swap run; see `_load_plain`).
     """
     from composer.utils.module_surgery import replace_module_classes, update_params_in_optimizer
 
@@ -256,7 +257,7 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
         plain = {f"ffn.{fused}": name for fused, name in te.LN_MLP_SOURCES.items()}
         if _has_extra_state(new):
             plain[f"ffn.{EXTRA_STATE_SUFFIX}"] = None
-        setattr(block, PLAIN_KEYS, plain)
+        _mark_plain(block, plain)
         count += 1
 
     targets = {id(modules[d.name]): d.kind for d in plan.converted if d.kind != "ln_mlp"}
@@ -271,7 +272,7 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
             if hasattr(module, attr):
                 setattr(new, attr, getattr(module, attr))
         if _has_extra_state(new):
-            setattr(new, PLAIN_KEYS, {EXTRA_STATE_SUFFIX: None})
+            _mark_plain(new, {EXTRA_STATE_SUFFIX: None})
         return new
 
     policies = {nn.Linear: policy, nn.LayerNorm: policy}
@@ -288,6 +289,26 @@ def _has_extra_state(module: nn.Module) -> bool:
     """Whether `module.state_dict()` holds an `_extra_state` key (TE's modules do): torch adds
     one where the class overrides `get_extra_state`."""
     return type(module).get_extra_state is not nn.Module.get_extra_state
+
+
+def _mark_plain(module: nn.Module, plain: dict[str, str | None]) -> None:
+    setattr(module, PLAIN_KEYS, plain)
+    module.register_load_state_dict_pre_hook(_load_plain)
+
+
+def _load_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """A load_state_dict pre-hook taking the unconverted model's keys where the converted
+    module's are absent: a fused block's parameters from `norm_2`/`ffn.up_proj`/`ffn.down_proj`
+    (else a non-strict load, Composer's default, would leave them at their init and only log
+    the keys) and, for `_extra_state`, a pickled None, which TE reads as "no FP8 state yet"."""
+    del args
+    for own, plain in getattr(module, PLAIN_KEYS).items():
+        if prefix + own in state_dict:
+            continue
+        if plain is None:
+            state_dict[prefix + own] = inert_extra_state()
+        elif prefix + plain in state_dict:
+            state_dict[prefix + own] = state_dict.pop(prefix + plain)
 
 
 def plain_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:

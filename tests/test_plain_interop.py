@@ -1,5 +1,7 @@
-"""LLM-Foundry's `hf_checkpointer` beside te_swap: the HF folder it writes, read back with
-transformers' own loader, is the plain MPT the YAML describes, holding the trained weights.
+"""A te_swap model and the plain MPT its config describes, both ways: LLM-Foundry's
+`hf_checkpointer` beside te_swap writes an HF folder that, read back with transformers' own
+loader, is the plain MPT holding the trained weights; and a plain Composer checkpoint loaded into
+a te_swap run (`load_path`) reaches the converted and fused layers.
 
 The `te` backend runs on CPU here with the stand-in TE of tests/fake_te.py (TE's parameter names
 and `_extra_state`); only the two gates a CPU cannot pass are opened (TE's GPU check and Composer's
@@ -10,12 +12,14 @@ its real checkpointer and transformers' `from_pretrained`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from composer.utils import dist
+from omegaconf import OmegaConf as om
 
-from tests.tiny_run import run_tiny
+from tests.tiny_run import run_tiny, tiny_config
 
 #: te.LayerNormMLP's parameter names (TE 1.12-2.20 pytorch/module/layernorm_mlp.py,
 #: `register_parameter`) and the MPT block parameters they hold (llmfoundry/models/layers/
@@ -25,19 +29,23 @@ TE_TO_MPT = {"ffn.layer_norm_weight": "norm_2.weight", "ffn.layer_norm_bias": "n
              "ffn.fc2_weight": "ffn.down_proj.weight", "ffn.fc2_bias": "ffn.down_proj.bias"}
 
 
-def _te_run(tmp_path: Path, tiny_data, monkeypatch, fake_te):
+def _te_run(tmp_path: Path, tiny_data, monkeypatch, fake_te, overrides: dict[str, Any]):
     from foundry_fp8.composer import te_swap
 
     fake_te("2.20.2")
     monkeypatch.setattr(te_swap, "_check_te_environment", lambda recipe: None)
     monkeypatch.setattr(te_swap, "would_run_fp8", lambda *args: True)
-    return run_tiny(tmp_path, tiny_data, {
+    return run_tiny(tmp_path, tiny_data, om.to_container(om.merge({
         "max_duration": "2ba", "eval_interval": "2ba", "save_interval": "2ba",
         "algorithms": {"te_swap": {"backend": "te", "fuse_ln_mlp": True,
                                    "convert_layernorm": True}},
         # fp8_lint rightly says a CPU fp32 run cannot use the te backend: warned, not failed
-        "callbacks": {"fp8_lint": {"fail_on": "never"}, "hf_checkpointer": {"save_folder": str(tmp_path / "hf"),
-                                          "save_interval": "2ba", "precision": "float32"}}})
+        "callbacks": {"fp8_lint": {"fail_on": "never"}}}, overrides)))
+
+
+def _hf_run(tmp_path: Path, tiny_data, monkeypatch, fake_te):
+    return _te_run(tmp_path, tiny_data, monkeypatch, fake_te, {"callbacks": {"hf_checkpointer": {
+        "save_folder": str(tmp_path / "hf"), "save_interval": "2ba", "precision": "float32"}}})
 
 
 def _plain_name(name: str) -> str:
@@ -53,12 +61,11 @@ def test_hf_checkpointer_exports_the_plain_mpt_with_the_trained_weights(
         tmp_path, tiny_data, monkeypatch, fake_te):
     from transformers import AutoModelForCausalLM
 
-    trainer = _te_run(tmp_path, tiny_data, monkeypatch, fake_te)
+    trainer = _hf_run(tmp_path, tiny_data, monkeypatch, fake_te)
     trained = {name.removeprefix("model."): p.detach().clone()
                for name, p in trainer.state.model.named_parameters()}
     assert any(name.endswith(".ffn.fc1_weight") for name in trained)  # really fused
     assert any(name.endswith("._extra_state") for name in trainer.state.model.state_dict())
-    trainer.close()
 
     folder = tmp_path / "hf" / "huggingface" / "ba2"
     exported, info = AutoModelForCausalLM.from_pretrained(
@@ -87,4 +94,41 @@ def test_without_the_plain_export_the_checkpointer_fails_on_te_keys(
 
     monkeypatch.setattr(te_swap, "export_plain", lambda callbacks: 0)
     with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict.*_extra_state"):
-        _te_run(tmp_path, tiny_data, monkeypatch, fake_te)
+        _hf_run(tmp_path, tiny_data, monkeypatch, fake_te)
+
+
+def _plain_checkpoint(tmp_path: Path, tiny_data) -> tuple[Path, dict[str, torch.Tensor]]:
+    """One batch of the tiny YAML without te_swap, seeded unlike the te_swap run: its Composer
+    checkpoint and weights."""
+    from llmfoundry.command_utils import train
+
+    cfg = tiny_config(tmp_path / "plain", tiny_data, {  # another seed: another init
+        "seed": 5, "max_duration": "1ba", "eval_interval": "1ba", "save_interval": "1ba"})
+    for section, key in (("algorithms", "te_swap"), ("callbacks", "fp8_stats"),
+                         ("callbacks", "fp8_state")):
+        del cfg[section][key]
+    (tmp_path / "plain" / cfg.variables.run_name).mkdir(parents=True)
+    trainer = train(cfg)
+    weights = {n.removeprefix("model."): p.detach().clone()
+               for n, p in trainer.state.model.named_parameters()}
+    return tmp_path / "plain" / cfg.variables.run_name / "checkpoints" / "ep0-ba1-rank0.pt", weights
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_plain_checkpoint_loads_into_the_converted_and_fused_layers(
+        tmp_path, tiny_data, monkeypatch, fake_te, strict):
+    """Composer loads non-strictly by default: a fused block's MLP used to keep its fresh init,
+    with only a log line; strictly, the load failed on the keys. At lr 0, the weights after a
+    batch are the loaded ones."""
+    checkpoint, plain = _plain_checkpoint(tmp_path, tiny_data)
+    trainer = _te_run(tmp_path, tiny_data, monkeypatch, fake_te, {
+        "load_path": str(checkpoint), "load_weights_only": True,
+        "load_strict_model_weights": strict, "optimizer": {"lr": 0.0},
+        "max_duration": "1ba", "save_interval": "1ba", "eval_interval": "1ba"})
+    loaded = {name.removeprefix("model."): p.detach()
+              for name, p in trainer.state.model.named_parameters()}
+    assert any(name.endswith(".ffn.fc1_weight") for name in loaded)  # really fused
+    assert sorted(_plain_name(n) for n in loaded) == sorted(plain)
+    for name, value in loaded.items():
+        assert torch.equal(value, plain[_plain_name(name)]), name
