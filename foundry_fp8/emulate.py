@@ -22,6 +22,7 @@ fast.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -52,15 +53,25 @@ _META_KEY: dict[Direction, str] = {"forward": "scaling_fwd", "backward": "scalin
 
 
 @dataclass
+class _Member:
+    """A registered layer, weakly, with the size of its amax row per direction and its device:
+    a layer freed since the last prune still takes its place in the reduction, as zeros."""
+
+    ref: weakref.ref[EmulatedFP8Linear]
+    slots: dict[Direction, int]
+    device: torch.device
+
+
+@dataclass
 class _AmaxBuffer:
     """One of TE's global amax buffers: the layers registered under one recipe and amax
     reduction group, in registration order, updated together with that recipe
-    (`add_fp8_tensors_to_global_buffer`, quantization.py:501-566). Weak references: a freed
-    layer drops out."""
+    (`add_fp8_tensors_to_global_buffer`, quantization.py:501-566). TE holds them for good;
+    here a freed layer drops out at the next prune (`_prune`)."""
 
     recipe: FP8Recipe
     group: Any
-    layers: list[weakref.ref[EmulatedFP8Linear]] = field(default_factory=list)
+    layers: list[_Member] = field(default_factory=list)
 
 
 @dataclass
@@ -72,6 +83,7 @@ class _AutocastState:
     # TE's is_first_fp8_module: set when the outermost region opens, taken by the first layer
     # that casts with grad; that layer's backward updates the backward scales.
     first_module: bool = False
+    pruned: bool = False  # whether this outermost region has pruned the buffers (`_prune`)
     buffers: dict[tuple[FP8Recipe, int | None], _AmaxBuffer] = field(default_factory=dict)
     # fp8_checkpoint: scales in force at the original forward, stashed per module, in call order;
     # `replay` is set while the recompute consumes them.
@@ -117,7 +129,7 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
     """
     saved = _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.first_module
     if _STATE.depth == 0:
-        _STATE.first_module = True
+        _STATE.first_module, _STATE.pruned = True, False
     _STATE.enabled, _STATE.recipe = enabled, recipe or TE_DEFAULT_RECIPE
     _STATE.group = amax_reduction_group
     _STATE.depth += 1
@@ -135,13 +147,17 @@ def _reduce_and_update(direction: Direction) -> None:
     every registered layer's history all-reduced (MAX) across the buffer's group when its
     recipe says `reduce_amax`, then one fused scale update per layer with that recipe."""
     for buffer in _STATE.buffers.values():
-        buffer.layers = [ref for ref in buffer.layers if ref() is not None]
-        metas = [layer.fp8_meta[_META_KEY[direction]] for ref in buffer.layers
-                 if (layer := ref()) is not None]
-        if not metas:
+        if not buffer.layers:
             continue
+        layers = [member.ref() for member in buffer.layers]
+        metas = [layer.fp8_meta[_META_KEY[direction]] for layer in layers if layer is not None]
         if buffer.recipe.reduce_amax:
-            _all_reduce_max([meta.amax_history[0] for meta in metas], buffer.group)
+            device = metas[0].amax_history.device if metas else buffer.layers[0].device
+            _all_reduce_max([layer.fp8_meta[_META_KEY[direction]].amax_history[0]
+                             if layer is not None
+                             else torch.zeros(member.slots[direction], device=device)
+                             for layer, member in zip(layers, buffer.layers, strict=True)],
+                            buffer.group)
         recipe = buffer.recipe
         fp8_max = FP8_MAX[recipe.format_for(direction)]
         for meta in metas:
@@ -161,6 +177,18 @@ def _all_reduce_max(rows: list[torch.Tensor], group: Any) -> None:
     torch_dist.all_reduce(flat, op=torch_dist.ReduceOp.MAX, group=group)
     for row, reduced in zip(rows, flat.split([row.numel() for row in rows]), strict=True):
         row.copy_(reduced)
+
+
+def _prune() -> None:
+    """Drop freed layers from every buffer, after a full garbage collection. Python frees a
+    layer in a reference cycle whenever its collector runs, at different moments on different
+    ranks; dropping it then would give the ranks' all-reduces different sizes (gloo fails, NCCL
+    hangs). So freed layers leave only here, when a layer first joins a buffer (its first FP8
+    cast: the same step on every rank), once per outermost region."""
+    gc.collect()
+    for buffer in _STATE.buffers.values():
+        buffer.layers = [member for member in buffer.layers if member.ref() is not None]
+    _STATE.pruned = True
 
 
 def _take_first_module() -> bool:
@@ -313,7 +341,7 @@ class EmulatedFP8Linear(nn.Linear):
         _FIRST_RECIPE.pop(self, None)
         buffer = _REGISTERED.pop(self, None)
         if buffer is not None:
-            buffer.layers = [ref for ref in buffer.layers if ref() is not self]
+            buffer.layers = [member for member in buffer.layers if member.ref() is not self]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> EmulatedFP8Linear:
@@ -359,10 +387,14 @@ class EmulatedFP8Linear(nn.Linear):
         (`add_fp8_tensors_to_global_buffer`, quantization.py:519-524)."""
         if self in _REGISTERED:
             return
+        if not _STATE.pruned:
+            _prune()
         group = _STATE.group
         key = (recipe, None if group is None else id(group))
         buffer = _STATE.buffers.setdefault(key, _AmaxBuffer(recipe, group))
-        buffer.layers.append(weakref.ref(self))
+        slots: dict[Direction, int] = {d: self.fp8_meta[k].scale.numel()
+                                       for d, k in _META_KEY.items()}
+        buffer.layers.append(_Member(weakref.ref(self), slots, self.weight.device))
         _REGISTERED[self] = buffer
 
     def _cast_scales(self, meta: ScalingMeta, tensors: tuple[torch.Tensor, ...], fmt: str,

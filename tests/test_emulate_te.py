@@ -5,6 +5,7 @@ a reference written here from TE's sources (file and line in each docstring; TE 
 from __future__ import annotations
 
 import ast
+import gc
 import subprocess
 import sys
 
@@ -247,6 +248,45 @@ def test_reduce_amax_all_reduces_row_0_across_the_group(tmp_path):
             assert result[name]["fwd"][0].item() == te_scale(E4M3, amaxes[rank])
             assert result[name]["bwd"][0].item() == te_scale(E5M2, grad_amaxes[rank])
     assert te_scale(E4M3, amaxes[0]) != te_scale(E4M3, amaxes[1])
+
+
+def _freed_worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    """Rank 1 leaves its first layer in a reference cycle the collector has not reached (as an
+    exception's traceback can); rank 0 frees it at once. The second layer's steps all-reduce
+    on both ranks alike."""
+    init_rank(rank, rendezvous)
+    gc.disable()
+    try:
+        recipe = FP8Recipe(amax_history_len=4)
+        old = EmulatedFP8Linear(16, 16)
+        with fp8_autocast(recipe=recipe):
+            old(_rank_input(rank)).sum().backward()
+        if rank == 1:
+            cycle: list = [old]
+            cycle.append(cycle)
+            del cycle
+        del old
+        layer = EmulatedFP8Linear(16, 16)
+        for _ in range(2):
+            with fp8_autocast(recipe=recipe):
+                out = layer(_rank_input(rank))
+            out.sum().backward()
+        torch.save(layer.fp8_meta["scaling_fwd"].amax_history.clone(), f"{out_dir}/rank{rank}.pt")
+    finally:
+        gc.enable()
+        torch_dist.destroy_process_group()
+
+
+def test_a_layer_freed_at_different_moments_on_each_rank_leaves_the_reduction_alike(tmp_path):
+    """The emulation holds its layers weakly; a freed layer used to leave the all-reduce as soon
+    as the garbage collector reached it, at different moments per rank, and the ranks then
+    all-reduced different sizes (gloo: `op.preamble.length <= op.nbytes`). Both ranks now get
+    the MAX over ranks of the live layer's amaxes in their history."""
+    run_ranks(_freed_worker, str(tmp_path))
+    histories = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    amax = max(te_amax(_rank_input(r)) for r in range(2))
+    for history in histories:
+        assert history[:, 0].tolist() == [0.0, 0.0, amax, amax]  # TE rolls row 0 to the end
 
 
 # -- 4. backward update timing ------------------------------------------------------------------
