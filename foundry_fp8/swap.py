@@ -236,11 +236,12 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
     `PLAIN_KEYS`, for `plain_state_dict`, and load the unconverted model's state_dict too (a
     plain checkpoint, `load_path`, into a te_swap run; see `_load_plain`).
     """
-    from composer.utils.module_surgery import replace_module_classes, update_params_in_optimizer
+    from composer.utils.module_surgery import replace_module_classes
 
     backend = backend or plan.backend
     modules = dict(model.named_modules())
     count = 0
+    moved: list[tuple[nn.Parameter, nn.Parameter]] = []  # (old, new)
     for decision in plan.converted:
         if decision.kind != "ln_mlp":
             continue
@@ -248,11 +249,8 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
 
         te.require_te()
         block = modules[decision.name.removesuffix(".ffn")]
-        old = [block.norm_2, block.ffn.up_proj, block.ffn.down_proj]
         new = te.make_te_layernorm_mlp(block)  # LLM-Foundry's te init knows it
-        if optimizers is not None:
-            update_params_in_optimizer([p for m in old for p in m.parameters()],
-                                       list(new.parameters()), optimizers)
+        moved += te.ln_mlp_sources(block, new)
         block.ffn, block.norm_2 = new, None
         plain = {f"ffn.{fused}": name for fused, name in te.LN_MLP_SOURCES.items()}
         if _has_extra_state(new):
@@ -276,13 +274,37 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
         return new
 
     policies = {nn.Linear: policy, nn.LayerNorm: policy}
-    replaced = replace_module_classes(model, policies, optimizers=optimizers)
+    replaced = replace_module_classes(model, policies)
+    moved += [(p, getattr(new, name)) for old, new in replaced.items()
+              for name, p in old.named_parameters(recurse=False)]
+    _take_places(moved, optimizers)
     for new in replaced.values():
         # Composer's surgery moved each new module to its predecessor's device, on
         # `init_device: meta` taking the emulated scaling buffers there too.
         if any(b.is_meta for b in new.buffers()) and hasattr(new, "reset_scaling_state"):
             new.reset_scaling_state()
     return count + len(replaced)
+
+
+def _take_places(moved: list[tuple[nn.Parameter, nn.Parameter]],
+                 optimizers: Optimizer | Sequence[Optimizer] | None) -> None:
+    """Each new parameter takes its old one's place: `requires_grad` (LLM-Foundry's
+    `optimizer.disable_grad` freezes by name before te_swap runs) and its slot in whichever
+    param group holds it, with any optimizer state. Parameter by parameter: LLM-Foundry's
+    `param_groups` may put a layer's weight and bias in different groups (`param_str_match:
+    bias`), which Composer's module surgery refuses (`Not all removed parameters are in the
+    same parameter group`)."""
+    for old, new in moved:
+        new.requires_grad_(old.requires_grad)
+    if optimizers is None:
+        return
+    new_of = {id(old): new for old, new in moved}
+    for optimizer in [optimizers] if isinstance(optimizers, Optimizer) else optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [new_of.get(id(p), p) for p in group["params"]]
+        for old, new in moved:
+            if old in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(old)
 
 
 def _has_extra_state(module: nn.Module) -> bool:

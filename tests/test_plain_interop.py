@@ -19,7 +19,7 @@ import torch
 from composer.utils import dist
 from omegaconf import OmegaConf as om
 
-from tests.tiny_run import run_tiny, tiny_config
+from tests.tiny_run import run_folder, run_plain, run_tiny
 
 #: te.LayerNormMLP's parameter names (TE 1.12-2.20 pytorch/module/layernorm_mlp.py,
 #: `register_parameter`) and the MPT block parameters they hold (llmfoundry/models/layers/
@@ -100,18 +100,11 @@ def test_without_the_plain_export_the_checkpointer_fails_on_te_keys(
 def _plain_checkpoint(tmp_path: Path, tiny_data) -> tuple[Path, dict[str, torch.Tensor]]:
     """One batch of the tiny YAML without te_swap, seeded unlike the te_swap run: its Composer
     checkpoint and weights."""
-    from llmfoundry.command_utils import train
-
-    cfg = tiny_config(tmp_path / "plain", tiny_data, {  # another seed: another init
+    trainer = run_plain(tmp_path / "plain", tiny_data, {  # another seed: another init
         "seed": 5, "max_duration": "1ba", "eval_interval": "1ba", "save_interval": "1ba"})
-    for section, key in (("algorithms", "te_swap"), ("callbacks", "fp8_stats"),
-                         ("callbacks", "fp8_state")):
-        del cfg[section][key]
-    (tmp_path / "plain" / cfg.variables.run_name).mkdir(parents=True)
-    trainer = train(cfg)
     weights = {n.removeprefix("model."): p.detach().clone()
                for n, p in trainer.state.model.named_parameters()}
-    return tmp_path / "plain" / cfg.variables.run_name / "checkpoints" / "ep0-ba1-rank0.pt", weights
+    return run_folder(tmp_path / "plain") / "checkpoints" / "ep0-ba1-rank0.pt", weights
 
 
 @pytest.mark.filterwarnings("ignore")

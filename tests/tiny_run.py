@@ -41,6 +41,18 @@ def run_tiny(tmp_path: Path, tiny_data: TinyData, overrides: dict[str, Any] | No
     return train(cfg)
 
 
+def run_plain(tmp_path: Path, tiny_data: TinyData, overrides: dict[str, Any] | None = None):
+    """`run_tiny` without te_swap and the callbacks that need FP8 layers: the plain MPT run."""
+    from llmfoundry.command_utils import train
+
+    cfg = tiny_config(tmp_path, tiny_data, overrides)
+    for section, key in (("algorithms", "te_swap"), ("callbacks", "fp8_stats"),
+                         ("callbacks", "fp8_state")):
+        del cfg[section][key]
+    (tmp_path / cfg.variables.run_name).mkdir(parents=True, exist_ok=True)
+    return train(cfg)
+
+
 def run_folder(tmp_path: Path, cfg_or_name: DictConfig | str = "mpt-tiny-cpu") -> Path:
     name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.variables.run_name
     return tmp_path / name

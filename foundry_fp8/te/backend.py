@@ -113,9 +113,18 @@ def make_te_layernorm_mlp(block: nn.Module) -> nn.Module:
     new = te.LayerNormMLP(hidden_size=up.in_features, ffn_hidden_size=up.out_features,
                           eps=norm.eps, bias=up.bias is not None, activation="gelu",
                           params_dtype=up.weight.dtype, device=te_device(up.weight))
-    for dst, src in LN_MLP_SOURCES.items():
-        _copy(getattr(new, dst, None), _dotted_attr(block, src))
+    for src, dst in ln_mlp_sources(block, new):
+        _copy(dst, src)
     return new
+
+
+def ln_mlp_sources(block: nn.Module, fused: nn.Module) -> list[tuple[nn.Parameter,
+                                                                     nn.Parameter]]:
+    """(MPT block parameter, the te.LayerNormMLP parameter made from it), by LN_MLP_SOURCES;
+    a bias-free MLP has fewer."""
+    pairs = [(_dotted_attr(block, src), getattr(fused, dst, None))
+             for dst, src in LN_MLP_SOURCES.items()]
+    return [(src, dst) for src, dst in pairs if src is not None and dst is not None]
 
 
 def _dotted_attr(root: Any, dotted: str) -> Any:
