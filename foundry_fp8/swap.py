@@ -315,7 +315,21 @@ def _has_extra_state(module: nn.Module) -> bool:
 
 def _mark_plain(module: nn.Module, plain: dict[str, str | None]) -> None:
     setattr(module, PLAIN_KEYS, plain)
+    module.register_state_dict_post_hook(_save_plain)
     module.register_load_state_dict_pre_hook(_load_plain)
+
+
+def _save_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                local_metadata: Any) -> None:
+    """A state_dict post-hook leaving out the keys the unconverted model lacks and no load
+    needs (TE's `_extra_state`: `fp8_state` keeps the FP8 state, and TE >= 2.16 refuses the
+    pickled one anyway), so a te_swap checkpoint loads strictly into a run without te_swap, as
+    LLM-Foundry's `evaluate` loads. A fused block's names stay TE's: torch's
+    `get_model_state_dict` looks every key up as a module path."""
+    del local_metadata
+    for own, plain in getattr(module, PLAIN_KEYS).items():
+        if plain is None:
+            state_dict.pop(prefix + own, None)
 
 
 def _load_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

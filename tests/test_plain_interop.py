@@ -65,7 +65,8 @@ def test_hf_checkpointer_exports_the_plain_mpt_with_the_trained_weights(
     trained = {name.removeprefix("model."): p.detach().clone()
                for name, p in trainer.state.model.named_parameters()}
     assert any(name.endswith(".ffn.fc1_weight") for name in trained)  # really fused
-    assert any(name.endswith("._extra_state") for name in trainer.state.model.state_dict())
+    assert any(hasattr(m, "get_extra_state") and type(m).__module__.startswith("transformer_")
+               for m in trainer.state.model.modules())
 
     folder = tmp_path / "hf" / "huggingface" / "ba2"
     exported, info = AutoModelForCausalLM.from_pretrained(
@@ -77,11 +78,12 @@ def test_hf_checkpointer_exports_the_plain_mpt_with_the_trained_weights(
     for name, value in trained.items():
         assert torch.equal(params[_plain_name(name)], value), name
 
-    # Composer's own checkpoint keeps te_swap's modules (fp8_state and resume need them)
+    # Composer's own checkpoint keeps the fused names (a resume needs them; torch's
+    # get_model_state_dict looks each key up as a module path) and leaves TE's _extra_state out
     saved = torch.load(tmp_path / "mpt-tiny-cpu" / "checkpoints" / "ep0-ba2-rank0.pt",
                        map_location="cpu", weights_only=False)["state"]["model"]
     assert any(k.endswith(".ffn.fc1_weight") for k in saved)
-    assert any(k.endswith("._extra_state") for k in saved)
+    assert not any(k.endswith("._extra_state") for k in saved)
     assert dist.get_world_size() == 1
 
 
@@ -93,7 +95,7 @@ def test_without_the_plain_export_the_checkpointer_fails_on_te_keys(
     from foundry_fp8.composer import te_swap
 
     monkeypatch.setattr(te_swap, "export_plain", lambda callbacks: 0)
-    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict.*_extra_state"):
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict.*ffn\.fc1_weight"):
         _hf_run(tmp_path, tiny_data, monkeypatch, fake_te)
 
 
@@ -125,3 +127,25 @@ def test_a_plain_checkpoint_loads_into_the_converted_and_fused_layers(
     assert sorted(_plain_name(n) for n in loaded) == sorted(plain)
     for name, value in loaded.items():
         assert torch.equal(value, plain[_plain_name(name)]), name
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_te_swap_checkpoint_loads_strictly_into_a_run_without_te_swap(
+        tmp_path, tiny_data, monkeypatch, fake_te):
+    """TE's `_extra_state` keys made a `te` backend checkpoint unloadable by a plain run with a
+    strict load (LLM-Foundry's `evaluate` always loads strictly): they are left out now."""
+    trainer = _te_run(tmp_path, tiny_data, monkeypatch, fake_te, {"algorithms": {"te_swap": {
+        "fuse_ln_mlp": False}}})
+    trained = {n.removeprefix("model."): p.detach().clone()
+               for n, p in trainer.state.model.named_parameters()}
+    assert sum(type(m).__name__ == "_Linear" for m in trainer.state.model.modules()) == 8
+    plain = run_plain(tmp_path / "plain", tiny_data, {
+        "load_path": str(run_folder(tmp_path) / "checkpoints" / "ep0-ba2-rank0.pt"),
+        "load_weights_only": True, "load_strict_model_weights": True,
+        "optimizer": {"lr": 0.0}, "max_duration": "1ba", "eval_interval": "1ba",
+        "save_interval": "1ba"})
+    loaded = {n.removeprefix("model."): p.detach()
+              for n, p in plain.state.model.named_parameters()}
+    assert loaded.keys() == trained.keys()
+    for name, value in loaded.items():
+        assert torch.equal(value, trained[name]), name

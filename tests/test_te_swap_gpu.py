@@ -133,9 +133,11 @@ def test_fused_ln_mlp_and_layernorm_swap_keep_the_function_up_to_tanh_gelu():
     assert 0 < error < 1e-2
 
 
-def test_the_plain_state_dict_of_real_te_modules_loads_strictly_into_the_unconverted_mpt():
-    """What LLM-Foundry's hf_checkpointer loads (tests/test_hf_export.py runs it with the
-    stand-in TE): real TE's names and `_extra_state` keys, made plain, fit the config's model."""
+def test_real_te_modules_save_and_load_the_plain_mpt_keys():
+    """tests/test_plain_interop.py runs LLM-Foundry's checkpointer and loads with the stand-in
+    TE; here real TE's modules: their state_dict leaves `_extra_state` out, made plain it loads
+    strictly into the unconverted MPT, and the unconverted MPT's loads strictly back into them
+    (TE's set_extra_state taking the pickled None put in for the missing key)."""
     pytest.importorskip("transformer_engine.pytorch")
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
@@ -147,10 +149,16 @@ def test_the_plain_state_dict_of_real_te_modules_loads_strictly_into_the_unconve
     apply_swap(model, plan_swap(model, SwapConfig(backend="te", fuse_ln_mlp=True,
                                                   convert_layernorm=True)))
     state_dict = model.state_dict()
-    assert any(k.endswith("._extra_state") for k in state_dict)
+    assert not any(k.endswith("._extra_state") for k in state_dict)
+    assert "transformer.blocks.1.ffn.fc2_weight" in state_dict
     plain = MPTForCausalLM(config).cuda()
     plain.load_state_dict(plain_state_dict(state_dict, model))  # strict
     assert torch.equal(plain.transformer.blocks[1].norm_2.weight,
                        model.transformer.blocks[1].ffn.layer_norm_weight)
     assert torch.equal(plain.transformer.blocks[1].ffn.down_proj.weight,
                        model.transformer.blocks[1].ffn.fc2_weight)
+    with torch.no_grad():
+        plain.transformer.blocks[0].ffn.up_proj.weight.mul_(2)
+    model.load_state_dict(plain.state_dict())  # strict
+    assert torch.equal(model.transformer.blocks[0].ffn.fc1_weight,
+                       plain.transformer.blocks[0].ffn.up_proj.weight)

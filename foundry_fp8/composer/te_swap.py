@@ -161,8 +161,8 @@ class TESwap(Algorithm):
 
 def _warn_without_fp8_state(state: State) -> None:
     """A run that saves checkpoints without `fp8_state` resumes with fresh FP8 scales and amax
-    histories: the emulated ones are not in the checkpoint, TE's pickled `_extra_state` is
-    refused by TE >= 2.16 (see `composer/state.py`). Said once, at INIT. fp8_state is known by
+    histories: the emulated ones are not in the model's state, and te_swap leaves TE's
+    `_extra_state` out of it (`swap._save_plain`). Said once, at INIT. fp8_state is known by
     its `keeps_fp8_state` attribute: it imports this module, so this one does not import it."""
     from composer.callbacks import CheckpointSaver
 

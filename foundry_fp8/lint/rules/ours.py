@@ -256,10 +256,11 @@ CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
 @rule("FP8027", "warning", "te_swap without fp8_state in a run that saves or resumes "
       "checkpoints: FP8 scales reset at every resume",
       why="te_swap's emulated layers keep their FP8 scales and amax histories in buffers that "
-      "are not in Composer's checkpoint, and TE layers keep them in a pickled `_extra_state` "
-      f"that TE {', '.join(map(dotted, TE_PICKLE_GUARD_FIXES))} and >= "
+      "are not in Composer's checkpoint, and te_swap leaves its TE layers' `_extra_state` out "
+      "of it (a pickled state that a model without te_swap has no key for, and that TE "
+      f"{', '.join(map(dotted, TE_PICKLE_GUARD_FIXES))} and >= "
       f"{dotted(TE_PICKLE_GUARD_FROM)} refuse to load unless "
-      "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; fp8_state saves and restores them. te_swap "
+      "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1); fp8_state saves and restores them. te_swap "
       "logs the same warning at INIT when the run has a checkpoint saver and no fp8_state.",
       source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
       "warning, issue 19 item 5); TE transformer_engine/pytorch/_extra_state.py "
