@@ -64,8 +64,11 @@ def module_filter_fn(section: str, layers: str | None, exclude: str | None,
 
 # -- te_swap's decision for one module -------------------------------------------------------
 
-#: A module inside a transformer block: `...blocks.<index>.` (LLM-Foundry's MPTModel.blocks).
-_BLOCK = re.compile(r"\bblocks\.(\d+)\.")
+#: A module inside a transformer block: `...blocks.<index>.` (LLM-Foundry's MPTModel.blocks),
+#: `...layers.<index>.` (Hugging Face's Llama, Mistral, Qwen2, Gemma, GPT-NeoX, OPT decoders, as
+#: LLM-Foundry's `hf_causal_lm` builds them) or `...h.<index>.` (GPT-2, Falcon, BLOOM).
+BLOCK_CONTAINERS = ("blocks", "layers", "h")
+_BLOCK = re.compile(rf"\b(?:{'|'.join(BLOCK_CONTAINERS)})\.(\d+)\.")
 
 
 def block_index(name: str) -> int | None:
@@ -126,7 +129,8 @@ def linear_reason(name: str, in_features: int, out_features: int, config: SwapCo
     """Why te_swap keeps a linear layer in high precision; None: it converts it. Only the
     blocks' linears and the LM head are candidates."""
     if block_index(name) is None and not name.endswith("lm_head"):
-        return "outside the transformer blocks"
+        return ("outside the transformer blocks ("
+                + ", ".join(f"{c}.<n>" for c in BLOCK_CONTAINERS) + " in module names)")
     if name.endswith("lm_head") and config.keep_lm_head:
         return "LM head kept in high precision (keep_lm_head)"
     return (filter_reason(name, config, n_blocks, module)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_run import run_plain, run_tiny
+from tests.tiny_run import run_folder, run_plain, run_tiny, tiny_config
 
 FROZEN = "ffn"
 SHORT = {"max_duration": "3ba", "eval_interval": "3ba", "save_interval": "3ba"}
@@ -49,3 +49,35 @@ def test_biases_keep_their_own_param_group(tmp_path, tiny_data):
     converted = dict(trainer.state.model.named_modules())["model.transformer.blocks.0.attn.Wqkv"]
     assert type(converted).__name__ == "EmulatedFP8Linear"
     assert any(p is converted.bias for p in groups[1]["params"])
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_hugging_face_llama_converts_its_decoder_layers(tmp_path, tiny_data):
+    """LLM-Foundry's `hf_causal_lm` builds Hugging Face decoders whose blocks are
+    `model.layers.<n>`; te_swap refused them ("outside the transformer blocks") and, told to
+    keep nothing, converted only the LM head. Now every decoder linear converts, keep_first_blocks
+    counts those layers, the LM head stays (keep_lm_head), and the run trains in FP8."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                tie_word_embeddings=False).save_pretrained(tmp_path / "llama")
+    from llmfoundry.command_utils import train
+
+    cfg = tiny_config(tmp_path, tiny_data, {**SHORT,
+                                            "algorithms": {"te_swap": {"keep_first_blocks": 1}}})
+    cfg.model = {"name": "hf_causal_lm", "pretrained": False, "use_flash_attention_2": False,
+                 "pretrained_model_name_or_path": str(tmp_path / "llama")}
+    run_folder(tmp_path).mkdir(parents=True)
+    trainer = train(cfg)
+    kinds = {n.removeprefix("model.model."): type(m).__name__
+             for n, m in trainer.state.model.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    for layer in range(3):
+        for projection in projections:
+            want = "Linear" if layer == 0 else "EmulatedFP8Linear"
+            assert kinds[f"layers.{layer}.{projection}"] == want, (layer, projection)
+    assert kinds["model.lm_head"] == "Linear"
+    assert torch.isfinite(trainer.state.loss)
