@@ -241,6 +241,20 @@ def _lint_dict(edit: dict, **context: Any) -> dict[str, str]:
     return found
 
 
+def test_emulated_recompute_names_fp8_state_only_where_the_run_has_it():
+    """FP8013 said "fp8_state refuses this run" in runs without fp8_state."""
+    from omegaconf import OmegaConf
+
+    for callbacks, said in (({"fp8_state": {}}, "fp8_state refuses"),
+                            ({}, "the recompute runs them without FP8")):
+        cfg = OmegaConf.to_container(OmegaConf.merge(*(OmegaConf.create(e) for e in (
+            BASE, EMULATE, CKPT))), resolve=True)
+        cfg["callbacks"] = callbacks
+        [message] = [f.message for f in lint_config(cfg, LintContext()) if f.rule == "FP8013"]
+        assert said in message
+        assert ("fp8_state" in message) == bool(callbacks)
+
+
 def test_fp8_state_turns_recompute_errors_into_info():
     with_state = _merge(FP8_TE, CKPT, {"callbacks": {"fp8_state": {}}})
     assert _lint_dict(with_state)["FP8002"] == "info"

@@ -196,8 +196,10 @@ def emulated_recompute(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
     if swap is not None and swap.get("backend") == "emulate" and recomputes(settings):
         key = "fsdp_config.activation_checkpointing" if settings.get("activation_checkpointing") \
             else "fsdp_config.activation_cpu_offload"
+        refusal = ("fp8_state refuses this run" if has_fp8_state(config)
+                   else "the recompute runs them without FP8, unlike their forward")
         yield Hit(key, "FSDP activation checkpointing recomputes te_swap's emulated FP8 layers "
-                  "outside te_swap's FP8 autocast (fp8_state refuses this run)")
+                  f"outside te_swap's FP8 autocast ({refusal})")
 
 
 @rule("FP8014", "warning", "`te_checkpoint_wrapper` / `te_shard_fp8_weight` without amp_fp8",
