@@ -412,7 +412,11 @@ class EmulatedFP8Linear(nn.Linear):
             _STATE.stash.setdefault(self, deque()).append(meta.scale[:n].clone())
         return meta.scale[:n]
 
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Eager under torch.compile: the emulation is bookkeeping in Python (histories sized
+        at the first cast, module-level autocast state) that Dynamo would recompile for at
+        every change, and software FP8 gains nothing from a compiled graph."""
         if not is_fp8_enabled():
             return super().forward(x)
         recipe = _STATE.recipe

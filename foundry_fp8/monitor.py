@@ -293,9 +293,10 @@ class FP8Monitor:
         for name, module in self.layers.items():
             if not self._watches[name]:
                 continue
-            self._handles.append(module.register_forward_pre_hook(
+            # eager under torch.compile: Dynamo would recompile the hook for every layer shape
+            self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(
                 lambda mod, args, kwargs, name=name: self._guard(self._forward, name, mod, args,
-                                                                 kwargs), with_kwargs=True))
+                                                                 kwargs)), with_kwargs=True))
             if any(w.kind == "gradient" for w in self._watches[name]):
                 self._handles.append(module.register_full_backward_pre_hook(
                     lambda mod, grad_output, name=name: self._guard(self._backward, name, mod,

@@ -443,3 +443,31 @@ def test_checkpointed_function_with_its_own_autocast_is_bit_identical(outer):
                                                      strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(plain[n_grads:], reference[0][n_grads:],
                                                      strict=True))
+
+
+def test_torch_compile_runs_the_emulated_layers_eagerly_without_recompiling():
+    """Under torch.compile the emulated layers are left to eager (their histories are sized at
+    the first cast and the autocast state is module-level: Dynamo recompiled for each change and
+    hit its recompile limit, a 214 s first batch on the tiny MPT); after the first step nothing
+    recompiles, and outputs and FP8 state equal an eager copy's."""
+    import copy
+
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = nn.Sequential(EmulatedFP8Linear(32, 64), nn.GELU(), EmulatedFP8Linear(64, 32))
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="eager")
+    recipe = FP8Recipe(amax_history_len=4)
+    torch._dynamo.reset()
+    for step in range(3):
+        x = torch.randn(8, 32) * (step + 1)
+        with torch._dynamo.config.patch(error_on_recompile=step > 0), fp8_autocast(recipe=recipe):
+            out = compiled(x)
+        with fp8_autocast(recipe=recipe):
+            want = eager(x)
+        assert torch.equal(out, want)
+    for mine, theirs in zip(model, eager, strict=True):
+        if isinstance(mine, EmulatedFP8Linear):
+            assert torch.equal(mine.fp8_meta["scaling_fwd"].amax_history,
+                               theirs.fp8_meta["scaling_fwd"].amax_history)
