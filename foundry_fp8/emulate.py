@@ -184,8 +184,13 @@ def _prune() -> None:
     layer in a reference cycle whenever its collector runs, at different moments on different
     ranks; dropping it then would give the ranks' all-reduces different sizes (gloo fails, NCCL
     hangs). So freed layers leave only here, when a layer first joins a buffer (its first FP8
-    cast: the same step on every rank), once per outermost region."""
-    gc.collect()
+    cast: the same step on every rank), once per outermost region; the full collection only
+    where several ranks reduce (it costs tens of milliseconds in a large process)."""
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_available() and torch_dist.is_initialized() and (
+            torch_dist.get_world_size() > 1):
+        gc.collect()
     for buffer in _STATE.buffers.values():
         buffer.layers = [member for member in buffer.layers if member.ref() is not None]
     _STATE.pruned = True
@@ -394,7 +399,8 @@ class EmulatedFP8Linear(nn.Linear):
         buffer = _STATE.buffers.setdefault(key, _AmaxBuffer(recipe, group))
         slots: dict[Direction, int] = {d: self.fp8_meta[k].scale.numel()
                                        for d, k in _META_KEY.items()}
-        buffer.layers.append(_Member(weakref.ref(self), slots, self.weight.device))
+        buffer.layers.append(_Member(weakref.ref(self), slots,
+                                     self.fp8_meta["scaling_fwd"].amax_history.device))
         _REGISTERED[self] = buffer
 
     def _cast_scales(self, meta: ScalingMeta, tensors: tuple[torch.Tensor, ...], fmt: str,
@@ -412,13 +418,16 @@ class EmulatedFP8Linear(nn.Linear):
             _STATE.stash.setdefault(self, deque()).append(meta.scale[:n].clone())
         return meta.scale[:n]
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_fp8_enabled():
+            return super().forward(x)
+        return self._fp8_forward(x)
+
+    @torch.compiler.disable
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Eager under torch.compile: the emulation is bookkeeping in Python (histories sized
         at the first cast, module-level autocast state) that Dynamo would recompile for at
         every change, and software FP8 gains nothing from a compiled graph."""
-        if not is_fp8_enabled():
-            return super().forward(x)
         recipe = _STATE.recipe
         self._check_recipe(recipe)
         replaying = _STATE.replay is not None

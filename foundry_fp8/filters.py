@@ -66,7 +66,9 @@ def module_filter_fn(section: str, layers: str | None, exclude: str | None,
 
 #: A module inside a transformer block: `...blocks.<index>.` (LLM-Foundry's MPTModel.blocks),
 #: `...layers.<index>.` (Hugging Face's Llama, Mistral, Qwen2, Gemma, GPT-NeoX, OPT decoders, as
-#: LLM-Foundry's `hf_causal_lm` builds them) or `...h.<index>.` (GPT-2, Falcon, BLOOM).
+#: LLM-Foundry's `hf_causal_lm` builds them) or `...h.<index>.` (Falcon, BLOOM; GPT-2's are
+#: Conv1D, not Linear). A model with several stacks (a vision tower's `encoder.layers`) has
+#: them all matched, and their indices share keep_first/last_blocks: use include/exclude.
 BLOCK_CONTAINERS = ("blocks", "layers", "h")
 _BLOCK = re.compile(rf"\b(?:{'|'.join(BLOCK_CONTAINERS)})\.(\d+)\.")
 

@@ -172,12 +172,20 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
                 f"rel {max_rel:.1e} vs MPT's exact erf GELU)",
                 up.in_features, up.out_features, _n_params(block.norm_2, up, ffn.down_proj)))
 
+    owners: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    tied_linear = False
     for name, module in modules.items():
         if name in fused:
             continue
         if isinstance(module, nn.Linear):
-            reason = linear_reason(name, module.in_features, module.out_features, config,
-                                   n_blocks, module)
+            others = [o for o in owners[id(module.weight)] if o != name]
+            reason = (f"weight tied to {others[0]}: a converted copy would untie them"
+                      if others else linear_reason(name, module.in_features,
+                                                   module.out_features, config, n_blocks, module))
+            tied_linear = tied_linear or bool(others)
             decisions.append(Decision(name, "linear", reason is None, reason or "converted",
                                       module.in_features, module.out_features, _n_params(module)))
         elif config.convert_layernorm and isinstance(module, nn.LayerNorm):
@@ -190,7 +198,7 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
                                       module.normalized_shape[-1], module.normalized_shape[-1],
                                       _n_params(module)))
 
-    tied = _tied_lm_head(model)
+    tied = None if tied_linear else _tied_lm_head(model)
     if tied is not None:
         vocab, d_model = tied
         decisions.append(Decision("lm_head (tied to wte)", "tied_lm_head", False,
@@ -333,18 +341,33 @@ def _save_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str,
 
 
 def _load_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """A load_state_dict pre-hook taking the unconverted model's keys where the converted
-    module's are absent: a fused block's parameters from `norm_2`/`ffn.up_proj`/`ffn.down_proj`
-    (else a non-strict load, Composer's default, would leave them at their init and only log
-    the keys) and, for `_extra_state`, a pickled None, which TE reads as "no FP8 state yet"."""
+    """A load_state_dict pre-hook: `_from_plain`, and for a missing `_extra_state` a pickled
+    None, which TE reads as "no FP8 state yet" (a strict load expects the key)."""
     del args
+    _from_plain(module, state_dict, prefix)
     for own, plain in getattr(module, PLAIN_KEYS).items():
-        if prefix + own in state_dict:
-            continue
-        if plain is None:
+        if plain is None and prefix + own not in state_dict:
             state_dict[prefix + own] = inert_extra_state()
-        elif prefix + plain in state_dict:
+
+
+def _from_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+    """Take the unconverted model's keys where the converted module's are absent: a fused
+    block's parameters from `norm_2`/`ffn.up_proj`/`ffn.down_proj` (else a non-strict load,
+    Composer's default, leaves them at their init and only logs the keys)."""
+    for own, plain in getattr(module, PLAIN_KEYS).items():
+        if plain is not None and prefix + own not in state_dict and prefix + plain in state_dict:
             state_dict[prefix + own] = state_dict.pop(prefix + plain)
+
+
+def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """An unconverted model's state_dict (canonical keys, as `plain_state_dict` gives) under the
+    converted `model`'s names, in place. For loaders that drop the keys a model lacks before
+    any load hook runs: torch's `set_model_state_dict` with a full state dict (Composer's FSDP
+    default) keeps only the model's own keys (`_distribute_state_dict`)."""
+    for name, module in canonical_modules(model):
+        if hasattr(module, PLAIN_KEYS):
+            _from_plain(module, state_dict, f"{name}." if name else "")
+    return state_dict
 
 
 def plain_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import pickle
 import sys
@@ -145,31 +146,33 @@ class _LayerNorm112(_TEModule):
         self.bias = _param((hidden_size,), device, params_dtype)
 
 
-@pytest.fixture
-def fake_te(monkeypatch):
-    """Installs a stand-in TE of the version given to the returned function. The version the
-    product code sees is the stand-in's, even where a real TE is installed (whose distribution
-    metadata `te_version` would otherwise read)."""
+def install_fake_te(monkeypatch: pytest.MonkeyPatch, version: str = "2.20.2") -> None:
+    """Install a stand-in TE of `version`. The version the product code sees is the
+    stand-in's, even where a real TE is installed (whose distribution metadata `te_version`
+    would otherwise read)."""
     from foundry_fp8.te import probe
 
-    def install(version: str = "2.20.2") -> None:
-        monkeypatch.setattr(probe, "te_version", lambda: parse_version(version))
-        root = types.ModuleType("transformer_engine")
-        root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
-        root.__version__ = version
-        pytorch, common, recipe = (types.ModuleType(f"transformer_engine.{n}")
-                                   for n in ("pytorch", "common", "common.recipe"))
-        new = parse_version(version) >= (1, 13)
-        for cls in (_Linear, _LayerNormMLP, _LayerNormOp, _LayerNorm112):
-            cls.__module__ = "transformer_engine.pytorch.module"
-        pytorch.Linear, pytorch.LayerNormMLP = _Linear, _LayerNormMLP
-        pytorch.LayerNorm = _LayerNormOp if new else _LayerNorm112
-        recipe.Format, recipe.DelayedScaling, recipe.QParams = _Format, _DelayedScaling, _QParams
-        if parse_version(version) >= (2, 2):
-            recipe.Float8CurrentScaling = (_CurrentScaling220 if parse_version(version) >= (2, 8)
-                                           else _CurrentScaling22)
-        root.pytorch, root.common, common.recipe = pytorch, common, recipe
-        for module in (root, pytorch, common, recipe):
-            monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(probe, "te_version", lambda: parse_version(version))
+    root = types.ModuleType("transformer_engine")
+    root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
+    root.__version__ = version
+    pytorch, common, recipe = (types.ModuleType(f"transformer_engine.{n}")
+                               for n in ("pytorch", "common", "common.recipe"))
+    new = parse_version(version) >= (1, 13)
+    for cls in (_Linear, _LayerNormMLP, _LayerNormOp, _LayerNorm112):
+        cls.__module__ = "transformer_engine.pytorch.module"
+    pytorch.Linear, pytorch.LayerNormMLP = _Linear, _LayerNormMLP
+    pytorch.LayerNorm = _LayerNormOp if new else _LayerNorm112
+    recipe.Format, recipe.DelayedScaling, recipe.QParams = _Format, _DelayedScaling, _QParams
+    if parse_version(version) >= (2, 2):
+        recipe.Float8CurrentScaling = (_CurrentScaling220 if parse_version(version) >= (2, 8)
+                                       else _CurrentScaling22)
+    root.pytorch, root.common, common.recipe = pytorch, common, recipe
+    for module in (root, pytorch, common, recipe):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
 
-    return install
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """`install_fake_te(version)` for this test (undone after it)."""
+    return functools.partial(install_fake_te, monkeypatch)

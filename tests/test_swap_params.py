@@ -81,3 +81,26 @@ def test_a_hugging_face_llama_converts_its_decoder_layers(tmp_path, tiny_data):
             assert kinds[f"layers.{layer}.{projection}"] == want, (layer, projection)
     assert kinds["model.lm_head"] == "Linear"
     assert torch.isfinite(trainer.state.loss)
+
+
+def test_a_tied_lm_head_stays_tied_and_trained():
+    """A Hugging Face LM head tied to the input embedding is a Linear sharing the embedding's
+    weight: converting it (keep_lm_head: false) made an untied copy and took the embedding's
+    weight out of the optimizer. It is kept, with the reason."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap
+
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True))
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = plan_swap(model, SwapConfig(backend="emulate", keep_lm_head=False))
+    [head] = [d for d in plan.decisions if d.name == "lm_head"]
+    assert not head.convert and "tied to model.embed_tokens" in head.reason
+    assert not any("tied to wte" in d.name for d in plan.decisions)
+    apply_swap(model, plan, optimizers=optimizer)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(p) for p in model.parameters()}
+    assert type(model.model.layers[1].mlp.up_proj).__name__ == "EmulatedFP8Linear"

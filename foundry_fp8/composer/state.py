@@ -4,9 +4,10 @@ The state lives in this callback's own entry of the checkpoint (tensors and plai
 run's recipe, and per module name its scales and amax histories, per rank where ranks differ),
 checked before it is written back (`foundry_fp8.restore`), so resuming never depends on TE's pickled `_extra_state`: TE 2.16.1, 2.17.1
 and >= 2.18 refuse to unpickle a delayed-scaling one without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE,
-before any callback could help. Our checkpoints keep the `_extra_state` keys but store a pickled
-`None`, which every TE from 1.12 to 2.20 loads as "no state" (an empty tensor would be skipped
-too from TE 2.4 on, but older TE fails to unpickle it). At INIT it also makes FSDP activation
+before any callback could help. te_swap's modules save no `_extra_state` key at all
+(`swap._save_plain`); other TE modules (`fc_type: te`) keep the key but store a pickled `None`,
+which every TE from 1.12 to 2.20 loads as "no state" (an empty tensor would be skipped too from
+TE 2.4 on, but older TE fails to unpickle it). At INIT it also makes FSDP activation
 checkpointing recompute under FP8 (TE #1190), and for the first batches it watches for the
 #1190 symptom: forward amax histories rolling while the backward ones never do.
 """
@@ -241,7 +242,8 @@ class FP8State(Callback):
     @staticmethod
     def _inert_extra_state_on_save(model: nn.Module) -> None:
         """At BEFORE_LOAD: te_swap has converted the model (INIT) and the checkpoint is not
-        loaded yet, so every FP8 module saves, and loads, an inert `_extra_state`."""
+        loaded yet, so every FP8 module saves, and loads, an inert `_extra_state` (te_swap's own
+        modules save none: their hook finds no key)."""
         for module in model.modules():  # FP8 modules, and TE's ops (te.LayerNorm)
             if is_fp8_module(module) or is_te_module(module):
                 module.register_state_dict_post_hook(inert_extra_state_hook)

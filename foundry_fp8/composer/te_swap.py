@@ -30,7 +30,7 @@ from composer.loggers import Logger
 from torch import nn
 
 from foundry_fp8.composer.destinations import deliver
-from foundry_fp8.composer.hf_export import export_plain
+from foundry_fp8.composer.plain import export_plain, load_plain
 from foundry_fp8.fp8_meta import is_fp8_module
 from foundry_fp8.options import SwapConfig, build
 from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
@@ -98,8 +98,10 @@ class TESwap(Algorithm):
             raise ValueError(_refusal(precision, self.config.backend, plan))
         converted = apply_swap(model, plan, self.config.backend, state.optimizers)
         self.plan = plan
-        exporters = (export_plain(state.callbacks)
-                     if any(hasattr(m, PLAIN_KEYS) for m in model.modules()) else 0)
+        exporters = 0
+        if any(hasattr(m, PLAIN_KEYS) for m in model.modules()):
+            exporters = export_plain(state.callbacks)
+            load_plain(state)
         if self.config.backend == "te" and self.recipe.scaling == "delayed":
             _set_precision_config(state, self.recipe)
         else:

@@ -185,7 +185,8 @@ def fsdp_mixed_precision(config: Mapping[str, Any], ctx: LintContext) -> Iterato
 
 @rule("FP8013", "error", "FSDP activation checkpointing with te_swap's emulated backend",
       why="The emulated FP8 autocast is entered around the model's forward, so a recompute in "
-      "backward runs outside it; fp8_state refuses such runs.",
+      "backward runs outside it, without FP8, unlike the forward it replays; fp8_state, when "
+      "in the run, refuses such runs.",
       source="foundry_fp8/composer/te_swap.py (_enter/_exit hooks), "
       "foundry_fp8/composer/state.py recompute_settings",
       fix="turn FSDP activation checkpointing off, or checkpoint blocks with "

@@ -260,7 +260,8 @@ CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
       "of it (a pickled state that a model without te_swap has no key for, and that TE "
       f"{', '.join(map(dotted, TE_PICKLE_GUARD_FIXES))} and >= "
       f"{dotted(TE_PICKLE_GUARD_FROM)} refuse to load unless "
-      "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1); fp8_state saves and restores them. te_swap "
+      "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; so older TE, which would load it, resumes fresh "
+      "too); fp8_state saves and restores them. te_swap "
       "logs the same warning at INIT when the run has a checkpoint saver and no fp8_state.",
       source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
       "warning, issue 19 item 5); TE transformer_engine/pytorch/_extra_state.py "

@@ -1,13 +1,20 @@
-"""LLM-Foundry's `hf_checkpointer` exporting a te_swap model as the plain MPT its config names.
+"""The plain model's view of a te_swap model, where LLM-Foundry and Composer expect it.
 
-The checkpointer gathers the model's state dict with torch's `get_model_state_dict` and loads it
-with a strict `load_state_dict` into a fresh model built from the model's config
-(llmfoundry/callbacks/hf_checkpointer.py, `_get_hf_model`, LLM-Foundry 0.21-0.22). The config
-still says `fc_type: torch`, so TE's `_extra_state` keys and a fused te.LayerNormMLP's names fail
+HF export: LLM-Foundry's `hf_checkpointer` gathers the model's state dict with torch's
+`get_model_state_dict` and loads it with a strict `load_state_dict` into a fresh model built from
+the model's config (llmfoundry/callbacks/hf_checkpointer.py, `_get_hf_model`, LLM-Foundry
+0.21-0.22). The config still describes the plain MPT, so a fused te.LayerNormMLP's names fail
 that load (`RuntimeError: Unexpected key(s) in state_dict`) at the first HF save, possibly hours
-into a run. Composer's own checkpoints need those keys, so the plain view (`swap.plain_state_dict`)
-applies only while a checkpointer handles an event: its `run_event` is wrapped to gather through
-it, the module's `get_model_state_dict` being swapped for the call and put back after.
+into a run. Composer's own checkpoints need those names, so the plain view
+(`swap.plain_state_dict`) applies only while a checkpointer handles an event: its `run_event` is
+wrapped to gather through it, the module's `get_model_state_dict` being swapped for the call and
+put back after.
+
+Loads: Composer loads `load_path` through `State.load_model_state`, whose torch loader drops the
+keys the model lacks before any load hook runs when it loads a full state dict (FSDP's
+default), so a plain checkpoint's `norm_2`/`ffn.up_proj` keys are renamed first
+(`swap.swapped_state_dict`). A sharded (DCP) checkpoint is read by the model's own keys: a plain
+one cannot fill fused layers, and DCP says which keys it lacks.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from torch import nn
 
-from foundry_fp8.swap import plain_state_dict
+from foundry_fp8.swap import plain_state_dict, swapped_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -71,3 +78,16 @@ def _plain_run_event(run_event: Callable[[Event, State, Logger], None], module: 
             setattr(module, _GATHER, gather)
 
     return run
+
+
+def load_plain(state: State) -> None:
+    """Make Composer's loads into `state.model` take a plain checkpoint's names (above)."""
+    load = state.load_model_state
+
+    @functools.wraps(load)
+    def load_model_state(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if isinstance(state_dict.get("model"), dict):
+            swapped_state_dict(state_dict["model"], state.model)
+        return load(state_dict, *args, **kwargs)
+
+    state.load_model_state = load_model_state  # type: ignore[method-assign]
