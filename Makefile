@@ -15,11 +15,13 @@ OLDEST := .venv-oldest
 RUN_ROOT ?= runs
 DATA_ROOT ?= data
 # What the oldest set runs: our Composer/LLM-Foundry entries in real runs, the attention
-# registry, the bench's tiny path, the wheel install and the docs' CPU try.
+# registry, the bench's tiny path, the wheel install, the docs' CPU try, and te_swap beside
+# LLM-Foundry's hf_checkpointer, load_path, optimizer options and hf_causal_lm.
 OLDEST_TESTS ?= tests/test_te_swap.py tests/test_state_callback.py tests/test_stats_callback.py \
 	tests/test_readme.py tests/test_cli_help.py \
 	tests/test_lint_callback.py tests/test_attention.py tests/test_jsonl.py tests/test_bench.py \
-	tests/test_packaging.py tests/test_docs_try.py tests/test_stats_resume.py
+	tests/test_packaging.py tests/test_docs_try.py tests/test_stats_resume.py \
+	tests/test_plain_interop.py tests/test_swap_params.py
 
 .PHONY: run test test-oldest lock
 
