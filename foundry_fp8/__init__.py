@@ -18,6 +18,9 @@ _LAZY = {
     "FP8Lint": "foundry_fp8.composer.lint",
     "FP8Guard": "foundry_fp8.composer.guard",
     "FP8Recipe": "foundry_fp8.recipe",
+    # layers in FP8 for any PyTorch model (te_swap's core, torchao's convert style)
+    "convert_to_fp8": "foundry_fp8.swap",
+    "SwapConfig": "foundry_fp8.options",
     "tensor_stats": "foundry_fp8.numerics",
     # the emulated FP8 backend: stable names, whatever the file layout
     "EmulatedFP8Linear": "foundry_fp8.emulate",

@@ -1,5 +1,7 @@
 """Plan which layers run in FP8, then convert them (torchao's convert style).
 
+`convert_to_fp8` is the one entry point (te_swap's too; torchao's `convert_to_float8_training`
+shape): it plans, refuses a model in which nothing would compute in FP8, and converts.
 `plan_swap` is pure: it decides, for every candidate module, convert or keep and why.
 `apply_swap` replaces the chosen modules in place, copying parameters exactly, keeping attribute
 names (so parameter names, optimizers and checkpoints line up) and LLM-Foundry's init attributes.
@@ -7,6 +9,7 @@ names (so parameter names, optimizers and checkpoints line up) and LLM-Foundry's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,9 +20,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.filters import block_index, fuse_reason, layernorm_reason, linear_reason
-from foundry_fp8.fp8_meta import canonical_modules
-from foundry_fp8.options import SwapConfig
+from foundry_fp8.fp8_meta import canonical_modules, is_fp8_module
+from foundry_fp8.options import OptionError, Problem, SwapConfig
 from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX, inert_extra_state
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
@@ -182,9 +186,13 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
             continue
         if isinstance(module, nn.Linear):
             others = [o for o in owners[id(module.weight)] if o != name]
-            reason = (f"weight tied to {others[0]}: a converted copy would untie them"
-                      if others else linear_reason(name, module.in_features,
-                                                   module.out_features, config, n_blocks, module))
+            if is_fp8_module(module):  # an EmulatedFP8Linear: converting it again resets its state
+                reason: str | None = f"already in FP8 ({type(module).__name__})"
+            elif others:
+                reason = f"weight tied to {others[0]}: a converted copy would untie them"
+            else:
+                reason = linear_reason(name, module.in_features, module.out_features, config,
+                                       n_blocks, module)
             tied_linear = tied_linear or bool(others)
             decisions.append(Decision(name, "linear", reason is None, reason or "converted",
                                       module.in_features, module.out_features, _n_params(module)))
@@ -224,8 +232,6 @@ def _tied_lm_head(model: nn.Module) -> tuple[int, int] | None:
 
 def _converter(backend: str, kind: Kind) -> Callable[[nn.Module], nn.Module]:
     if backend == "emulate":
-        from foundry_fp8.emulate import EmulatedFP8Linear
-
         return EmulatedFP8Linear.from_linear
     from foundry_fp8.te import backend as te
 
@@ -233,9 +239,10 @@ def _converter(backend: str, kind: Kind) -> Callable[[nn.Module], nn.Module]:
     return te.make_te_linear if kind == "linear" else te.make_te_layernorm
 
 
-def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
+def apply_swap(model: nn.Module, plan: SwapPlan, *,
                optimizers: Optimizer | Sequence[Optimizer] | None = None) -> int:
-    """Convert the planned modules in place; the optimizers follow the new parameters.
+    """Convert the planned modules in place, with the plan's backend (the one its decisions
+    were checked for); the optimizers follow the new parameters.
 
     Linear and LayerNorm swaps keep every parameter name. A fused LN-MLP replaces the block's
     `ffn` (and sets `norm_2` to None, as LLM-Foundry's `te_ln_mlp` blocks have it), so its
@@ -246,7 +253,6 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
     """
     from composer.utils.module_surgery import replace_module_classes
 
-    backend = backend or plan.backend
     modules = dict(model.named_modules())
     count = 0
     moved: list[tuple[nn.Parameter, nn.Parameter]] = []  # (old, new)
@@ -273,7 +279,7 @@ def apply_swap(model: nn.Module, plan: SwapPlan, backend: str | None = None,
         kind = targets.get(id(module))
         if kind is None:
             return None
-        new = _converter(backend, kind)(module)
+        new = _converter(plan.backend, kind)(module)
         for attr in KEPT_ATTRIBUTES:
             if hasattr(module, attr):
                 setattr(new, attr, getattr(module, attr))
@@ -404,6 +410,13 @@ def coverage_table(plan: SwapPlan) -> str:
     return "\n".join(lines)
 
 
+def fp8_module_counts(model: nn.Module) -> tuple[int, int]:
+    """(TE modules, emulated FP8 modules) in `model`, as `would_run_fp8` takes them."""
+    fp8 = [m for m in model.modules() if is_fp8_module(m)]
+    emulated = sum(isinstance(m, EmulatedFP8Linear) for m in fp8)
+    return len(fp8) - emulated, emulated
+
+
 def would_run_fp8(precision: str, te_modules: int, emulated_modules: int = 0) -> bool:
     """Whether a run computes anything in FP8.
 
@@ -413,3 +426,50 @@ def would_run_fp8(precision: str, te_modules: int, emulated_modules: int = 0) ->
     """
     return emulated_modules > 0 or (precision == "amp_fp8" and te_modules > 0)
 
+
+def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
+                   module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+                   optimizers: Optimizer | Sequence[Optimizer] | None = None,
+                   precision: str = "amp_fp8") -> SwapPlan:
+    """Put `model`'s layers in FP8, in place, and return the plan: what converted, and why each
+    other layer did not (`coverage_table(plan)` prints it).
+
+    `config`: which layers, and the backend (default `SwapConfig()`: TE). `module_filter_fn`:
+    torchao's `(module, fqn) -> bool`, the config's own field given here (both at once is an
+    error). It only narrows: it is asked about the layers the block and include/exclude rules
+    leave, and one it refuses stays in high precision with the reason "rejected by
+    module_filter_fn". `optimizers` follow the new parameters. `precision`: what the model
+    trains under, in Composer's names; `amp_fp8` (the default) is TE's FP8 autocast around the
+    forward, as a plain loop enters it with `te.autocast`; emulated layers run in FP8 at any
+    precision, under `foundry_fp8.fp8_autocast`.
+
+    Raises ValueError, converting nothing, when no module would compute in FP8.
+    """
+    config = SwapConfig() if config is None else config
+    if module_filter_fn is not None:
+        if config.module_filter_fn not in (None, module_filter_fn):
+            raise OptionError(config.PATH, Problem(
+                "module_filter_fn", "value", "given both in the config and to convert_to_fp8",
+                "give it in one place"))
+        config = dataclasses.replace(config, module_filter_fn=module_filter_fn)
+    plan = plan_swap(model, config)
+    te_modules, emulated = fp8_module_counts(model)
+    planned = sum(d.kind != "layernorm" for d in plan.converted)  # te.LayerNorm is not FP8
+    if plan.backend == "emulate":
+        emulated += planned
+    else:
+        te_modules += planned
+    if not would_run_fp8(precision, te_modules, emulated):
+        raise ValueError(_refusal(precision, plan))
+    apply_swap(model, plan, optimizers=optimizers)
+    return plan
+
+
+def _refusal(precision: str, plan: SwapPlan) -> str:
+    if precision == "amp_fp8" or plan.backend == "emulate":
+        reasons = "; ".join(sorted({d.reason for d in plan.decisions})) or "no linear layers"
+        return (f"te_swap: precision {precision} but no module would run in FP8 (every layer "
+                f"kept: {reasons}); relax keep_first/last_blocks, include/exclude, "
+                "min_gemm_size or module_filter_fn, or do not ask for FP8")
+    return (f"te_swap: backend te converts layers to TransformerEngine, but precision is "
+            f"{precision}, so none of them would run in FP8; set precision: amp_fp8")

@@ -4,7 +4,8 @@ statement counts, lazy ones inside functions too.
 - No cycle between modules, nor between our subpackages (`lint/`, `te/`, ...) and modules.
 - The training runtime never reaches the linter, the report, the doctor, the CLI or the
   benchmark tool, directly or through another module.
-- TransformerEngine is imported only under `foundry_fp8/te/`.
+- TransformerEngine is imported only under `foundry_fp8/te/`, and only there are TE's module
+  internals read (`TE_ONLY_ATTRIBUTES`: as `x.name` or `getattr`/`hasattr`/`setattr(x, "name")`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,23 @@ RUNTIME_EXCEPT = ("composer.lint",)
 #: What the runtime must never import.
 TOOLS = ("lint", "report", "doctor", "cli", "environment", "tools")
 
+#: TE modules' own attributes and methods (TE 1.12-2.20 pytorch/module/base.py,
+#: `TransformerEngineBaseModule`; pytorch/fp8.py, quantization.py): read or called only under
+#: `te/`. Not here: the names our EmulatedFP8Linear shares on purpose, the delayed-scaling state
+#: layout (`fp8_meta` with `scaling_fwd`/`scaling_bwd`, `scale`, `amax_history`) that
+#: `fp8_meta.py` reads for both backends; `test_te_only_attributes_spare_the_emulated_backend`.
+TE_ONLY_ATTRIBUTES = frozenset({
+    "init_fp8_metadata", "fp8", "fp8_initialized", "fp8_calibration", "fp8_parameters",
+    "fp8_meta_tensors_initialized", "init_fp8_meta_tensors", "set_meta_tensor",
+    "get_fp8_meta_tensors", "reset_fp8_meta_tensors", "adjust_amax_history_length",
+    "prepare_forward", "primary_weights_in_fp8", "FP8GlobalStateManager", "get_fp8_recipe",
+})
+
 #: Violations another engineer is removing this session, each with who and why; the lead
 #: shrinks this at the end (an entry no longer violated fails, so it cannot go stale).
 ALLOWED: dict[tuple[str, str], str] = {
+    ("te-attr", "foundry_fp8.composer.guard reads init_fp8_metadata"):
+        "composer/guard.py's owner: tell a TE module by te.probe.is_te_fp8_module",
 }
 
 
@@ -55,6 +70,21 @@ def _imports(module: str) -> Iterator[str]:
 
 
 GRAPH = {m: sorted({t for t in _imports(m) if t in MODULES and t != m}) for m in MODULES}
+
+_ATTRIBUTE_CALLS = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def te_attributes_read(source: str) -> set[str]:
+    """The `TE_ONLY_ATTRIBUTES` that `source` reads, calls or sets on an object."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in _ATTRIBUTE_CALLS and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            found.add(node.args[1].value)
+    return found & TE_ONLY_ATTRIBUTES
 
 
 def _unit(module: str) -> str:
@@ -134,6 +164,8 @@ def violations() -> dict[tuple[str, str], str]:
             for target in _imports(module):
                 if target.split(".")[0] == "transformer_engine":
                     found[("te", f"{module} -> {target}")] = target
+            for name in te_attributes_read(MODULES[module].read_text()):
+                found[("te-attr", f"{module} reads {name}")] = f"{module} reads TE's .{name}"
     for module in RUNTIME_EXCEPT:
         for target in GRAPH[f"foundry_fp8.{module}"]:
             if _within(target, ("doctor", "cli", "report", "tools")):
@@ -159,3 +191,27 @@ def test_the_checker_sees_lazy_imports_and_chains():
     assert "foundry_fp8.te.backend" in GRAPH["foundry_fp8.swap"]  # imported inside a function
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
     assert _path_to_tools("foundry_fp8.composer.lint") is not None  # the linter's callback
+
+
+def test_the_checker_sees_te_internals_read_outside_te():
+    """`mod.init_fp8_metadata(...)` and `getattr(mod, "fp8", False)` (what fp8_state once did),
+    not our own names."""
+    source = ("def hook(mod):\n    mod.init_fp8_metadata(num_gemms=1)\n"
+              "    return getattr(mod, 'fp8', False), mod.fp8_meta['scaling_fwd'].scale, mod.fp8s\n")
+    assert te_attributes_read(source) == {"init_fp8_metadata", "fp8"}
+    assert te_attributes_read(MODULES["foundry_fp8.te.backend"].read_text())  # te/ may
+
+
+def test_te_only_attributes_spare_the_emulated_backend():
+    """Our emulated backend names its FP8 state as TE does (`fp8_meta`, `scaling_fwd`, `scale`,
+    `amax_history`): none of those, nor anything else it defines or reads, is TE-only."""
+    emulated = set()
+    for module in ("foundry_fp8.emulate", "foundry_fp8.fp8_meta"):
+        tree = ast.parse(MODULES[module].read_text())
+        emulated |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        emulated |= {n.name for n in ast.walk(tree)
+                     if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        emulated |= {n.value for n in ast.walk(tree)
+                     if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert {"fp8_meta", "scale", "amax_history"} <= emulated
+    assert not emulated & TE_ONLY_ATTRIBUTES

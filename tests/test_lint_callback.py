@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 from composer.core import Event, Precision
 
-from foundry_fp8.composer.lint import FP8Lint, fp8_module_counts
+from foundry_fp8.composer.lint import FP8Lint
 from foundry_fp8.environment import Snapshot
-from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap
+from foundry_fp8.swap import SwapConfig, apply_swap, fp8_module_counts, plan_swap
 
 
 def _tiny_mpt():
@@ -67,7 +67,7 @@ def test_amp_fp8_model_without_fp8_modules_fails_after_te_swap_had_its_chance(ca
     assert "no FP8 module" in caplog.text
     lenient.run_event(Event.BEFORE_LOAD, _state(Precision.AMP_BF16, model), logger=None)  # not amp_fp8: nothing to say
 
-    converted = apply_swap(model, plan_swap(model, SwapConfig(backend="emulate")), "emulate")
+    converted = apply_swap(model, plan_swap(model, SwapConfig(backend="emulate")))
     assert converted > 0 and fp8_module_counts(model) == (0, converted)
     lint.run_event(Event.BEFORE_LOAD, _state(Precision.AMP_FP8, model), logger=None)  # now it would run FP8: no error
 

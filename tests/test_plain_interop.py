@@ -32,11 +32,12 @@ TE_TO_MPT = {"ffn.layer_norm_weight": "norm_2.weight", "ffn.layer_norm_bias": "n
 
 
 def _te_run(tmp_path: Path, tiny_data, monkeypatch, fake_te, overrides: dict[str, Any]):
+    from foundry_fp8 import swap
     from foundry_fp8.composer import te_swap
 
     fake_te("2.20.2")
     monkeypatch.setattr(te_swap, "_check_te_environment", lambda recipe: None)
-    monkeypatch.setattr(te_swap, "would_run_fp8", lambda *args: True)
+    monkeypatch.setattr(swap, "would_run_fp8", lambda *args: True)
     return run_tiny(tmp_path, tiny_data, om.to_container(om.merge({
         "max_duration": "2ba", "eval_interval": "2ba", "save_interval": "2ba",
         "algorithms": {"te_swap": {"backend": "te", "fuse_ln_mlp": True,

@@ -214,6 +214,70 @@ def test_refuses_when_nothing_would_run_in_fp8():
         Trainer(model=model, algorithms=[TESwap(backend="emulate")], device="cpu")
 
 
+class _TELinear(torch.nn.Module):
+    """What te.probe reads of a TE GEMM module (`fp8_meta` and TE's `init_fp8_metadata`), as
+    `fc_type: te` builds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 16))
+        self.fp8_meta: dict = {}
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        del num_gemms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+def _blocks_net(*layers: torch.nn.Module) -> torch.nn.Module:
+    net = torch.nn.Module()
+    net.blocks = torch.nn.ModuleList(layers)
+    net.forward = lambda x: net.blocks[-1](net.blocks[0](x))
+    return net
+
+
+def _trainer_with(net: torch.nn.Module, **options: Any) -> Any:
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+
+    from foundry_fp8.composer.te_swap import TESwap
+
+    model = ComposerClassifier(net, num_classes=16)
+    return Trainer(model=model, algorithms=[TESwap(backend="emulate", **options)], device="cpu",
+                   optimizers=torch.optim.SGD(model.parameters(), lr=0.1), loggers=[],
+                   progress_bar=False)
+
+
+def test_a_model_already_holding_emulated_fp8_layers_is_not_refused(capsys):
+    """Emulated layers run in FP8 at any precision (fp32 here): te_swap counts them as such, not
+    as TE layers that only Composer's amp_fp8 would run in FP8, and leaves them as they are."""
+    from foundry_fp8.swap import SwapConfig, convert_to_fp8, fp8_module_counts
+
+    net = _blocks_net(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    convert_to_fp8(net, SwapConfig(backend="emulate"))
+    layers = list(net.blocks)
+    assert fp8_module_counts(net) == (0, 2)
+    _trainer_with(net, include="nothing matches this")
+    assert "0 modules converted (emulate)" in capsys.readouterr().out
+    assert list(net.blocks) == layers
+    trainer = _trainer_with(net)
+    assert {d.reason for d in trainer.state.algorithms[0].plan.decisions} == {
+        "already in FP8 (EmulatedFP8Linear)"}
+    assert list(net.blocks) == layers
+
+
+def test_a_model_holding_te_layers_at_fp32_is_refused():
+    """TE layers run in FP8 only under amp_fp8: at fp32, with every linear kept, nothing does."""
+    from foundry_fp8.swap import fp8_module_counts
+
+    net = _blocks_net(_TELinear(), torch.nn.Linear(16, 16))
+    assert fp8_module_counts(net) == (1, 0)
+    with pytest.raises(ValueError, match=r"^te_swap: precision fp32 but no module would run in "
+                                         r"FP8 \(every layer kept: not matched by include\)"):
+        _trainer_with(net, include="nothing matches this")
+
+
 def test_a_forward_that_raises_leaves_the_recipe_autocast():
     """Composer's auto micro-batching retries a forward that ran out of memory: te_swap's
     autocast must be left before Composer's, not at the next forward."""

@@ -20,19 +20,9 @@ from foundry_fp8.options import build
 log = logging.getLogger(__name__)
 
 
-def fp8_module_counts(model: Any) -> tuple[int, int]:
-    """(TE modules, emulated FP8 modules) in a model, as `would_run_fp8` counts them."""
-    from foundry_fp8.emulate import EmulatedFP8Linear
-    from foundry_fp8.fp8_meta import is_fp8_module
-
-    fp8 = [m for m in model.modules() if is_fp8_module(m)]
-    emulated = sum(isinstance(m, EmulatedFP8Linear) for m in fp8)
-    return len(fp8) - emulated, emulated
-
-
 def model_problem(precision: str, model: Any) -> str | None:
     """Why an `amp_fp8` run's model would compute nothing in FP8; None when it would."""
-    from foundry_fp8.swap import would_run_fp8
+    from foundry_fp8.swap import fp8_module_counts, would_run_fp8
 
     if precision != "amp_fp8":
         return None

@@ -50,6 +50,7 @@ from foundry_fp8.restore import (
     recipe_change,
     saved_recipe,
 )
+from foundry_fp8.te import backend as te_backend
 from foundry_fp8.te.extra_state import inert_extra_state_hook
 from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
 from foundry_fp8.te.probe import is_te_module
@@ -425,10 +426,10 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
     """TE creates a module's scaling state in its first FP8 forward; create it a moment earlier
     and write the saved values.
 
-    The pre-hook runs inside the model forward, so inside Composer's FP8 autocast, where TE's
-    `init_fp8_metadata(num_gemms)` (the call TE's own `prepare_forward` makes, 3 forward
-    tensors per GEMM) builds the state for the active recipe; TE's forward then finds it
-    initialised for the same recipe and keeps it. Forwards outside FP8 (eval) leave the hook
+    The pre-hook runs inside the model forward, so inside Composer's FP8 autocast, where
+    `te.backend.init_fp8_state` (the call TE's own forward makes first, 3 forward tensors per
+    GEMM) builds the state for the active recipe; TE's forward then finds it initialised for
+    the same recipe and keeps it. Forwards outside FP8 (eval) leave the hook
     waiting; a run whose recipe keeps no such state (current scaling) or does not fit the
     checkpoint is reported through `on_mismatch`, once.
     """
@@ -436,9 +437,9 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
     def pre_hook(mod: nn.Module, args: Any) -> None:
         del args
         if not read_fp8_meta(mod):
-            mod.init_fp8_metadata(num_gemms=len(tensors["fwd_scale"]) // 3)
-        if not read_fp8_meta(mod) and not getattr(mod, "fp8", False):
-            return  # FP8 is off in this forward: wait for one with FP8
+            fp8_on = te_backend.init_fp8_state(mod, num_gemms=len(tensors["fwd_scale"]) // 3)
+            if not read_fp8_meta(mod) and not fp8_on:
+                return  # FP8 is off in this forward: wait for one with FP8
         handle.remove()
         if not read_fp8_meta(mod):
             on_mismatch("fp8_state: the checkpoint holds delayed-scaling FP8 state, but this "

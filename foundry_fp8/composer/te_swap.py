@@ -1,8 +1,9 @@
 """`te_swap`: the Composer algorithm that puts a model's layers in FP8, with the chosen recipe.
 
 At INIT (Composer runs it before FSDP wraps the model; LLM-Foundry has already built the
-optimizer) it plans, refuses runs where nothing would compute in FP8, converts (moving the
-optimizer to the new parameters) and prints and logs the coverage table with the recipe.
+optimizer) it converts with `swap.convert_to_fp8` (which plans, refuses runs where nothing would
+compute in FP8 and moves the optimizer to the new parameters) and prints and logs the coverage
+table with the recipe.
 
 The recipe reaches the layers one way per path, so exactly one recipe is ever active:
 - `te` + `delayed`: Composer's own `amp_fp8` autocast builds `DelayedScaling(**precision_config)`
@@ -31,16 +32,14 @@ from torch import nn
 
 from foundry_fp8.composer.destinations import deliver
 from foundry_fp8.composer.plain import export_plain, load_plain
-from foundry_fp8.fp8_meta import is_fp8_module
 from foundry_fp8.options import SwapConfig, build
 from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
 from foundry_fp8.swap import (
     PLAIN_KEYS,
     SwapPlan,
-    apply_swap,
+    convert_to_fp8,
     coverage_table,
-    plan_swap,
-    would_run_fp8,
+    fp8_module_counts,
 )
 
 log = logging.getLogger(__name__)
@@ -88,15 +87,10 @@ class TESwap(Algorithm):
 
     def _convert(self, state: State, logger: Logger) -> None:
         model = state.model
-        plan = plan_swap(model, self.config)
         precision = state.precision.value
-        planned = len(plan.converted)
-        existing = sum(1 for m in model.modules() if is_fp8_module(m))
-        te_modules = existing + (planned if self.config.backend == "te" else 0)
-        emulated = planned if self.config.backend == "emulate" else 0
-        if not would_run_fp8(precision, te_modules, emulated):
-            raise ValueError(_refusal(precision, self.config.backend, plan))
-        converted = apply_swap(model, plan, self.config.backend, state.optimizers)
+        plan = convert_to_fp8(model, self.config, optimizers=state.optimizers,
+                              precision=precision)
+        converted = len(plan.converted)
         self.plan = plan
         exporters = 0
         if any(hasattr(m, PLAIN_KEYS) for m in model.modules()):
@@ -115,7 +109,7 @@ class TESwap(Algorithm):
               f"FP8 recipe {recipe}\n{table}", flush=True)
         if precision == "amp_fp8":
             print(f"foundry_fp8 te_swap: ignore LLM-Foundry's warning '{FOUNDRY_FP8_WARNING}' "
-                  f"above: te_swap converted {converted} modules, which run in FP8", flush=True)
+                  f"above: {sum(fp8_module_counts(model))} modules run in FP8", flush=True)
         if exporters:
             print(f"foundry_fp8 te_swap: {exporters} hf_checkpointer(s) export the plain model "
                   "its config names (TE's _extra_state left out, fused MLPs under MPT's names)",
@@ -187,16 +181,6 @@ def _check_te_environment(recipe: FP8Recipe) -> None:
     problems = environment_problems(recipe, capability, probe.te_version())
     if problems:
         raise RecipeError(problems[0])
-
-
-def _refusal(precision: str, backend: str, plan: SwapPlan) -> str:
-    if precision == "amp_fp8" or backend == "emulate":
-        reasons = "; ".join(sorted({d.reason for d in plan.decisions})) or "no linear layers"
-        return (f"te_swap: precision {precision} but no module would run in FP8 (every layer "
-                f"kept: {reasons}); relax keep_first/last_blocks, include/exclude or "
-                "min_gemm_size, or do not ask for FP8")
-    return (f"te_swap: backend te converts layers to TransformerEngine, but precision is "
-            f"{precision}, so none of them would run in FP8; set precision: amp_fp8")
 
 
 def _set_precision_config(state: State, recipe: FP8Recipe) -> None:

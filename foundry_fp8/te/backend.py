@@ -190,6 +190,18 @@ def te_fp8_autocast(recipe: FP8Recipe) -> AbstractContextManager:
     return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe)
 
 
+def init_fp8_state(module: nn.Module, num_gemms: int) -> bool:
+    """Create a TE module's FP8 scaling state for the autocast in force, as its first FP8
+    forward would; whether this forward runs in FP8.
+
+    TE 1.12-2.20 (`module/base.py`): `prepare_forward` calls `init_fp8_metadata(num_gemms)`,
+    which sets the module's `fp8` flag from the global FP8 state and, when it is on, builds the
+    recipe's state (3 forward tensors per GEMM for delayed scaling; current scaling's holds no
+    scale). Outside an enabled autocast it builds nothing."""
+    module.init_fp8_metadata(num_gemms=num_gemms)
+    return bool(getattr(module, "fp8", False))
+
+
 def te_high_precision(module: nn.Module) -> AbstractContextManager:
     """A region where TE's modules run in high precision, for fp8_guard's fallbacks.
 
