@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import string
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -234,15 +235,23 @@ class PathTemplate(Check):
             return [("", "value", "must be a file path, got an empty one",
                      f"give a path (placeholders: {allowed})")]
         try:
-            names = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+            found = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(value)
+                     if f is not None]
         except ValueError as e:
             return [("", "value", f"is not a valid path template ({e})",
                      "write {{ and }} for literal braces")]
-        unknown = [n for n in names if n not in PLACEHOLDERS]
+        unknown = [n for n, _, _ in found if n not in PLACEHOLDERS]
         if unknown:
             return [("", "value", f"has unknown placeholder {{{unknown[0]}}}"
                      + did_you_mean(unknown[0], PLACEHOLDERS),
                      f"use only {allowed} (or no placeholder)")]
+        # the name is filled as one folder name (paths.safe_run_name): a conversion (`!r` adds
+        # quotes) or a format spec (`:d` raises on a string) would change or refuse it
+        for name, spec, conv in found:
+            if spec or conv:
+                written = f"{{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}"
+                return [("", "value", f"has {written}: a placeholder takes no conversion or "
+                         "format spec", f"use {{{name}}} as is")]
         outside = path_problem(value)
         if outside:
             return [("", "value", outside, "a path inside the run folder, or an absolute path")]
@@ -371,31 +380,102 @@ def option(default: Any, check: Check) -> Any:
     return field(default=default, metadata={"check": check})
 
 
+class Relation:
+    """A bound between options, of one class or of it and its parts (`names`: the options it
+    reads), checked once each option it reads is right on its own."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def problems(self, values: Mapping[str, Any], given: Set[str]) -> Iterator[Problem]:
+        """Its problems for `values` (every name, at its default where not `given`)."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class Above:
+class Above(Relation):
     """Option `option` is greater than option `other` when both hold an int (null: no bound)."""
 
     option: str
     other: str
 
-    def problem(self, values: Mapping[str, Any]) -> Found | None:
-        value, other = values.get(self.option), values.get(self.other)
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.option, self.other)
+
+    def problems(self, values: Mapping[str, Any], given: Set[str]) -> Iterator[Problem]:
+        value, other = values[self.option], values[self.other]
         if not (_is_int(value) and _is_int(other)) or value > other:
-            return None
-        return ("", "value", f"must be greater than {self.other} ({other}), got {value}",
-                f"give {self.option} above {self.other}, or null for no {self.option}")
+            return
+        yield Problem(self.option if self.option in given else self.other, "value",
+                      f"must be greater than {self.other} ({other}), got {value}",
+                      f"give {self.option} above {self.other}, or null for no {self.option}")
+
+
+def one_pattern(include: str, exclude: str | None) -> str:
+    """One regex, searched, for the names `include` matches and `exclude` does not: for an
+    engine that takes one (TE's debug API: `te.debug.layer_pattern`)."""
+    return f"^(?!.*(?:{exclude}))(?=.*(?:{include}))" if exclude else include
+
+
+def _re_error(pattern: str) -> str | None:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        return str(e)
+    return None
+
+
+@dataclass(frozen=True)
+class PythonRe(Relation):
+    """With option `when` set, the regexes `include` and `exclude` (valid for `regex`, the
+    engine of `foundry_fp8.filters`) compile with Python's `re` too, and so does `one_pattern`
+    of them (TE's debug API gets it with end anchors widened, which adds no group or flag):
+    nvdlfw-inspect matches TE's layer names with `re`, which lacks some of `regex`'s syntax (a
+    variable-width lookbehind, `\\p{...}`)."""
+
+    when: str
+    include: str
+    exclude: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.when, self.include, self.exclude)
+
+    def problems(self, values: Mapping[str, Any], given: Set[str]) -> Iterator[Problem]:
+        if values[self.when] is None:
+            return
+        include, exclude = values[self.include], values[self.exclude]
+        needs = f"{self.when} needs one: nvdlfw-inspect matches TE's layer names with `re`"
+        for name, pattern in ((self.include, include), (self.exclude, exclude)):
+            error = _re_error(pattern) if pattern else None
+            if error:
+                yield Problem(name, "value", f"is not a pattern Python's `re` compiles ({error});"
+                              f" {needs}", "write it for `re` too (a fixed-width lookbehind, no "
+                              f"\\p{{...}}), or leave {self.when} unset")
+                return
+        error = _re_error(one_pattern(include, exclude))
+        if error:
+            yield Problem(self.exclude, "value", f"does not combine with {self.include} into "
+                          f"one pattern Python's `re` compiles ({error}); {needs}, in one pattern",
+                          "scope inline flags ((?i:attn), not (?i)attn), name each group once, "
+                          f"or leave {self.when} unset")
 
 
 class Options:
     """Base of the option dataclasses: `PATH` is where the YAML holds them; each field made with
     `option()` is checked in `__post_init__` (the first problem raises OptionError) and kept in
-    its normal form; `RELATIONS` bound fields by each other."""
+    its normal form; `RELATIONS` bound fields by each other and by the parts' options."""
 
     PATH: ClassVar[str] = ""
-    RELATIONS: ClassVar[tuple[Above, ...]] = ()
+    RELATIONS: ClassVar[tuple[Relation, ...]] = ()
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        for name, cls in parts(type(self)).items():  # what relations read of the parts
+            if isinstance(values[name], cls):
+                values = {**{n: getattr(values[name], n) for n in checks(cls)}, **values}
         found = next(iter(type(self).value_problems(values)), None)
         if found is not None:
             raise OptionError(self.PATH, found)
@@ -404,23 +484,27 @@ class Options:
 
     @classmethod
     def value_problems(cls, values: Mapping[str, Any]) -> Iterator[Problem]:
-        """The problems of the values given for this class's options (others are skipped);
-        relations read an option not given at its default."""
+        """The problems of the values given for this class's options (others are skipped, but
+        for the relations, which read its parts' options too, and an option not given at its
+        default)."""
         own = checks(cls)
+        every = {n: c for k in option_classes(cls) for n, c in checks(k).items()}
         wrong = set()
         for name, value in values.items():
             check = own.get(name)
             for suffix, kind, detail, fix in check.problems(value) if check else ():
                 wrong.add(name)
                 yield Problem(name + suffix, kind, detail, fix)
+        # a part's wrong value is its own class's problem: no relation reads it
+        wrong |= {n for n, v in values.items() if n not in own and n in every
+                  and every[n].problems(v)}
+        base = {n: v for k in option_classes(cls) for n, v in defaults(k).items()}
         for relation in cls.RELATIONS:
-            names = {relation.option, relation.other}
+            names = set(relation.names)
             if wrong & names or not names & set(values):
                 continue
-            found = relation.problem({n: values.get(n, defaults(cls).get(n)) for n in names})
-            if found:
-                key = relation.option if relation.option in values else relation.other
-                yield Problem(key, found[1], found[2], found[3])
+            yield from relation.problems({n: values.get(n, base.get(n)) for n in names},
+                                         set(values))
 
 
 def checks(cls: type) -> dict[str, Check]:
@@ -432,6 +516,19 @@ def defaults(cls: type) -> dict[str, Any]:
     """A dataclass's options' defaults."""
     return {f.name: f.default for f in fields(cls) if "check" in f.metadata
             and f.default is not MISSING}
+
+
+def parts(cls: type) -> dict[str, type[Options]]:
+    """Field name -> options class, for the fields of `cls` that are parts (fp8_stats'
+    schedule), built from the same flat mapping."""
+    return {f.name: f.default_factory for f in fields(cls)  # type: ignore[misc]
+            if f.default_factory is not MISSING and isinstance(f.default_factory, type)
+            and issubclass(f.default_factory, Options)}
+
+
+def option_classes(cls: type) -> list[type]:
+    """`cls`'s parts' classes and `cls`: every class holding one of its flat options."""
+    return [*parts(cls).values(), cls]
 
 
 # -- the entries' options -----------------------------------------------------------------
@@ -482,7 +579,7 @@ class Schedule(Options):
     steps) and dumps. `interval` takes Composer's `"10ba"` too; it is kept as an int."""
 
     PATH: ClassVar[str] = "callbacks.fp8_stats"
-    RELATIONS: ClassVar[tuple[Above, ...]] = (Above("end", "start"),)
+    RELATIONS: ClassVar[tuple[Relation, ...]] = (Above("end", "start"),)
 
     # fp8_stats' and FP8Monitor's default: the README's `interval: 100ba` (a logging step costs
     # about 1.7 training steps of the tiny CPU run, `benchmarks/stats_overhead.py`)
@@ -548,6 +645,7 @@ class FP8StatsOptions(Options):
     `image_interval`, `console_layers` and `strict`."""
 
     PATH: ClassVar[str] = "callbacks.fp8_stats"
+    RELATIONS: ClassVar[tuple[Relation, ...]] = (PythonRe("te_debug", "layers", "exclude"),)
 
     schedule: Schedule = field(default_factory=Schedule)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -651,14 +749,8 @@ class Entry:
         names = set(present)
         return [self.need_problem(name) for name, _ in self.needs if name not in names]
 
-    def parts(self) -> dict[str, type[Options]]:
-        """Field name -> options class, for the fields that are parts (fp8_stats' schedule)."""
-        return {f.name: f.default_factory for f in fields(self.options)  # type: ignore[misc]
-                if f.default_factory is not MISSING and isinstance(f.default_factory, type)
-                and issubclass(f.default_factory, Options)}
-
-    def classes(self) -> list[type[Options]]:
-        return [*self.parts().values(), self.options]
+    def classes(self) -> list[type]:
+        return option_classes(self.options)
 
     def option_names(self) -> list[str]:
         return [name for cls in self.classes() for name in checks(cls)]
@@ -682,8 +774,7 @@ class Entry:
                                      f"use one of: {', '.join(sorted(known))}"))
         given = {k: v for k, v in options.items() if isinstance(k, str) and k in known}
         for cls in self.classes():
-            own = checks(cls)
-            found += cls.value_problems({k: v for k, v in given.items() if k in own})
+            found += cls.value_problems(given)  # its own options; relations read any
         return found
 
     def build(self, options: Mapping[str, Any]) -> Options:
@@ -693,10 +784,10 @@ class Entry:
         for key in options:
             if key in self.reserved or key not in known:
                 raise OptionError(self.path, self.problems({key: None})[0])
-        parts = {name: cls(**{k: v for k, v in options.items() if k in checks(cls)})
-                 for name, cls in self.parts().items()}
+        built = {name: cls(**{k: v for k, v in options.items() if k in checks(cls)})
+                 for name, cls in parts(self.options).items()}
         own = checks(self.options)
-        return self.options(**parts, **{k: v for k, v in options.items() if k in own})
+        return self.options(**built, **{k: v for k, v in options.items() if k in own})
 
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (

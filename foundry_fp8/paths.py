@@ -36,7 +36,8 @@ def run_folder(save_folder: str | None, run_name: str) -> Path:
 
 
 def path_problem(template: str) -> str | None:
-    """Why a path template would write outside the run folder (None: it would not)."""
+    """Why a path template would write outside the run folder (None: it would not). Its
+    placeholders are bare `{run_name}`s: `options.PathTemplate` refuses anything else first."""
     relative = template.format_map({"run_name": "run"})
     if PurePath(relative).is_absolute():
         return None

@@ -19,6 +19,13 @@ FP8Format = Literal["HYBRID", "E4M3"]
 #: it, so adding `te_swap` never silently changes a run's numerics.
 COMPOSER_DEFAULT_HISTORY = 16
 
+#: `Float8CurrentScaling` exists from TE 2.2 (transformer_engine/common/recipe/__init__.py).
+#: Its home is here, not in `te.facts` (which builds on this module), so recipe messages can
+#: name it; `te.facts` re-exports it with the other TE facts.
+MIN_TE_CURRENT_SCALING = (2, 2)
+#: How messages write it (`te.facts.dotted`'s form, which this module cannot import).
+CURRENT_SCALING_TE = "TE >= " + ".".join(map(str, MIN_TE_CURRENT_SCALING))
+
 #: The FP8 formats' largest finite values and smallest subnormals (OCP FP8 spec; torch's
 #: `finfo(float8_e4m3fn).max`, `finfo(float8_e5m2).max`; E4M3: 2**-9, E5M2: 2**-16).
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -81,7 +88,7 @@ class FP8Recipe:
 
     `delayed`: scale from the max (or most recent) amax of the last `amax_history_len` steps,
     as TE's `DelayedScaling`. `current`: scale from this tensor's own amax, as TE's
-    `Float8CurrentScaling` (TE >= 2.2); keeps no history.
+    `Float8CurrentScaling` (from TE MIN_TE_CURRENT_SCALING); keeps no history.
     HYBRID means E4M3 for forward tensors (activations, weights) and E5M2 for gradients.
     """
 
@@ -169,7 +176,8 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
     if scaling not in ("delayed", "current"):
         problems.append(RecipeProblem(
             "scaling", f"unknown scaling {scaling!r}",
-            "use 'delayed' (TE DelayedScaling) or 'current' (TE Float8CurrentScaling, TE >= 2.2)"))
+            "use 'delayed' (TE DelayedScaling) or 'current' (TE Float8CurrentScaling, "
+            f"{CURRENT_SCALING_TE})"))
 
     fmt = fp8_format_name(options.get("fp8_format", "HYBRID"))
     if fmt == "E5M2":

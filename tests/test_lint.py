@@ -828,6 +828,30 @@ def test_te_swap_without_fp8_state_is_said_only_where_checkpoints_are_saved_or_r
     assert "FP8027" not in _lint_dict(_merge(EMULATE, {"autoresume": False}))
 
 
+@pytest.mark.parametrize(("te", "severity"), [
+    ("2.20.2", "warning"), ("2.18.0", "warning"), ("2.16.1", "warning"), ("2.17.1", "warning"),
+    ("2.16.0", None), ("2.17.0", None), ("2.15.2", None),  # these load TE's pickled state
+    (None, "info"),  # no TE where the linter runs: said, as what a refusing TE would do
+])
+def test_native_te_layers_without_fp8_state_follow_the_installed_tes_pickle_guard(te, severity):
+    """TE 2.16.1, 2.17.1 and >= 2.18 refuse their own pickled delayed-scaling `_extra_state`
+    (facts.refuses_pickled_extra_state): a resume of `fc_type: te` without fp8_state fails."""
+    snapshot = replace(NO_FLASH, te=te)
+    expected = [] if severity is None else [("model.fc_type", severity)]
+    assert _found(_merge(FP8_TE, {"autoresume": True}), snapshot, "FP8027") == expected
+    assert _found(_merge({"precision": "amp_fp8", "model": {"ffn_config": {
+        "ffn_type": "te_ln_mlp"}}, "save_folder": "ckpt"}), snapshot, "FP8027") == [
+        (k.replace("fc_type", "ffn_config.ffn_type"), s) for k, s in expected]
+    # not said: fp8_state (a pickled None in its place), nothing to resume, no FP8 autocast,
+    # current scaling (the guard is on delayed scaling's state)
+    for quiet in (_merge(FP8_TE, {"autoresume": True, "callbacks": {"fp8_state": {}}}), FP8_TE,
+                  _merge(FP8_TE, {"autoresume": True, "precision": "amp_bf16"}),
+                  _merge(FP8_TE, {"autoresume": True, "algorithms": {"te_swap": {
+                      "fp8_recipe": {"scaling": "current"}}}})):
+        assert [k for k, _ in _found(quiet, snapshot, "FP8027")
+                if k.startswith("model.")] == [], quiet
+
+
 def test_fp8002_does_not_fire_where_fp8001_applies():
     found = _lint_dict(_merge({"precision": "amp_fp8"}, CKPT))
     assert "FP8001" in found and "FP8002" not in found

@@ -616,3 +616,44 @@ def test_composers_auto_microbatch_patch_needs_the_torch_range_we_know(monkeypat
             namespace["patch_unshard_for_automicrobatching"](auto_microbatch_size_found=False)
     assert "FlatParamHandle.unshard = (unshard_with_sync)" in _installed_line(
         *_source_line(known.AUTO_MICROBATCH_SOURCE))
+
+
+# -- version facts: messages say them from their one home, never as literals ------------------
+
+
+def test_fp8002_says_fp8_states_te_floor_from_the_recompute_constant(monkeypatch):
+    """FP8002's info wrote "TE >= 1.12" by hand: facts.MIN_TE_FOR_RECOMPUTE is what fp8_state
+    (te.recompute) checks."""
+    from foundry_fp8.lint.rules import fsdp
+
+    config = {"precision": "amp_fp8", "model": {"fc_type": "te"}, "callbacks": {"fp8_state": {}},
+              "fsdp_config": {"activation_checkpointing": True}}
+    monkeypatch.setattr(fsdp, "MIN_TE_FOR_RECOMPUTE", (9, 7))
+    [message] = [f.message for f in lint_config(config) if f.rule == "FP8002"]
+    assert "TE >= 9.7" in message and "1.12" not in message
+
+
+def test_bench_help_says_the_torch_range_from_lint_known(monkeypatch):
+    """`--micro-batch`'s help wrote "torch < 2.7.1" by hand: FP8031's range (known.py)."""
+    import argparse
+
+    from foundry_fp8.tools import bench
+
+    monkeypatch.setattr(bench, "UNSHARD_TORCH_RANGE", ">=9.1,<9.2")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    [action] = [a for a in parser._actions if "--micro-batch" in a.option_strings]
+    assert "torch>=9.1,<9.2" in action.help and "2.7.1" not in action.help
+    assert known.UNSHARD_TORCH_RANGE == (f">={facts.dotted(known.UNSHARD_WITH_SYNC_TORCH[0])},"
+                                         f"<{facts.dotted(known.UNSHARD_WITH_SYNC_TORCH[1])}")
+
+
+def test_current_scalings_te_floor_has_one_home():
+    """recipe.py wrote "TE >= 2.2" by hand; te.facts (which builds on recipe.py) re-uses the
+    constant recipe.py's messages say."""
+    from foundry_fp8 import recipe
+
+    assert facts.MIN_TE_CURRENT_SCALING is recipe.MIN_TE_CURRENT_SCALING
+    assert recipe.CURRENT_SCALING_TE == f"TE >= {facts.dotted(facts.MIN_TE_CURRENT_SCALING)}"
+    [problem] = recipe.recipe_problems({"scaling": "curent"})
+    assert recipe.CURRENT_SCALING_TE in problem.fix

@@ -96,6 +96,11 @@ def test_a_file_whose_entries_all_fail_at_construction_does_not_lint_clean(tmp_p
     ("fp8_stats", "min_cos_sim", -1.5, "must be a number from -1 to 1"),
     ("jsonl", "path", "{runname}/m.jsonl", "unknown placeholder {runname} (did you mean"),
     ("jsonl", "path", "runs/{run_name/m.jsonl", "is not a valid path template"),
+    ("jsonl", "path", "a}b.jsonl", "is not a valid path template"),
+    # filled as one folder name: `:d` raised a bare ValueError, `!r` put quotes in the name
+    ("jsonl", "path", "{run_name:d}", "has {run_name:d}: a placeholder takes no conversion"),
+    ("jsonl", "path", "r/{run_name!r}.jsonl", "has {run_name!r}: a placeholder takes no"),
+    ("fp8_stats", "dump_folder", "{run_name!s:>9}", "has {run_name!s:>9}: a placeholder"),
     ("jsonl", "path", "  ", "must be a file path"),
 ])
 def test_values_the_constructors_refuse(entry, option, value, snippet):

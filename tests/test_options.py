@@ -112,6 +112,28 @@ def test_a_regex_that_runs_out_of_time_stops_with_the_key():
         select_layers(model, MonitorConfig(layers=r"^(a|aa)+(?<!a)b"))
 
 
+@pytest.mark.parametrize(("options", "key", "words"), [
+    ({"layers": r"(?<=blocks\.\d+)\.ffn"}, "layers", "look-behind requires fixed-width"),
+    ({"exclude": r"\p{Lu}"}, "exclude", "bad escape \\p"),
+    # each compiles alone; TE's debug API gets them as one pattern, where (?i) is not first
+    ({"layers": "ffn", "exclude": "(?i)attn"}, "exclude", "does not combine with layers"),
+])
+def test_te_debug_needs_layer_regexes_pythons_re_compiles(options, key, words):
+    """`regex` (our hooks' engine) takes these, nvdlfw-inspect's `re` does not: with te_debug
+    the callback raised re.error from te.debug with a traceback naming no key."""
+    from foundry_fp8.composer.stats import FP8Stats
+
+    assert build("fp8_stats", options).monitor.layers  # the hooks alone take them
+    [finding] = lint_config({"callbacks": {"fp8_stats": {**options, "te_debug": "delayed"}}})
+    assert (finding.rule, finding.key) == ("FP8023", f"callbacks.fp8_stats.{key}")
+    with pytest.raises(OptionError) as error:  # before TE is looked for: on any machine
+        FP8Stats(**options, te_debug="delayed")
+    message = str(error.value)
+    assert message.startswith(f"callbacks.fp8_stats.{key}: ") and words in message
+    assert "\n" not in message and "leave te_debug unset" in message
+    assert finding.message.endswith(message.split(": ", 1)[1].split(" (fix")[0])
+
+
 def test_the_framework_neutral_api_matches_the_callback():
     """Issue 12.5: a recipe name, an interval in Composer's batches, the option named `layers`."""
     assert MonitorConfig(recipe="delayed").recipe.scaling == "delayed"
@@ -148,6 +170,7 @@ def test_the_plain_pytorch_example_runs(capsys):
         exec(compile(code, str(doc), "exec"), {})
     out = capsys.readouterr().out
     assert re.findall(r"^step (\d+): \d+ values$", out, flags=re.MULTILINE) == ["0", "10", "20"]
-    rows = re.findall(r"^\| (\d) \| (\w+) \|", out, flags=re.MULTILINE)
+    # plain nn.Linear layers: every row holds fp8_stats' what-if numbers, and says so
+    rows = re.findall(r"^\| (\d) \| (\w+) \(what-if\) \|", out, flags=re.MULTILINE)
     assert sorted(rows) == sorted((layer, tensor) for layer in "02"
                                   for tensor in ("activation", "weight", "gradient"))

@@ -4,7 +4,10 @@ as written, and `{run_name}` cannot move a file (`run_name: ../x`). Real Compose
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +88,34 @@ def test_a_dump_folder_out_of_the_run_folder_is_refused_when_built():
     with pytest.raises(ValueError, match=r"^callbacks\.fp8_stats\.dump_folder: '\.\./d' leads "
                                          r"out of the run folder"):
         FP8Stats(interval=10, dump_steps=[1], dump_folder="../d")
+
+
+@pytest.mark.parametrize("template", ["{run_name:d}", "{run_name!r}", "x/{run_name:>20}",
+                                      "a}b", "{run_name"])
+def test_a_placeholder_not_written_as_is_is_refused_in_one_line_naming_the_key(template):
+    """`{run_name}` is filled as one folder name: a format spec raised a ValueError naming no
+    key (`:d` on a string), a conversion put quotes into the folder name (`!r`)."""
+    for build, key in ((lambda: JSONLLogger(path=template), "loggers.jsonl.path"),
+                       (lambda: FP8Stats(dump_folder=template), "callbacks.fp8_stats.dump_folder")):
+        with pytest.raises(ValueError) as error:
+            build()
+        message = str(error.value)
+        assert message.startswith(f"{key}: ") and "\n" not in message, message
+        assert "a placeholder takes no conversion or format spec (fix: use {run_name} as is)" \
+            in message or "is not a valid path template" in message
+
+
+def test_the_linter_says_it_in_one_line_with_file_line_and_key(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text('loggers:\n  jsonl: {path: "{run_name:d}"}\n'
+                    'callbacks:\n  fp8_stats: {dump_folder: "d/{run_name!r}"}\n')
+    result = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", str(path),
+                             "--format", "json"], capture_output=True, text=True)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    found = sorted((f["rule"], f["line"], f["key"]) for f in json.loads(result.stdout)["files"][0][
+        "findings"])
+    assert found == [("FP8023", 2, "loggers.jsonl.path"),
+                     ("FP8023", 4, "callbacks.fp8_stats.dump_folder")]
 
 
 def test_the_linter_refuses_it_too():

@@ -122,6 +122,20 @@ def test_report_without_fp8_metrics_says_why_and_exits_2(tmp_path, hparams, why)
     assert result.stderr.count("\n") == 1
 
 
+def test_an_earlier_runs_emptiness_is_explained_with_its_own_hparams(tmp_path):
+    """metrics.1.jsonl (a set-aside earlier run) is read with hparams.1.json, not with the newer
+    run's hparams.json (docs/reliability.md), for why it is empty too."""
+    earlier = tmp_path / "metrics.1.jsonl"
+    JsonlSink(earlier).write(0, {"loss/train/total": 1.0})
+    (tmp_path / "hparams.1.json").write_text(json.dumps({"callbacks": {}}))
+    (tmp_path / "hparams.json").write_text(json.dumps({"callbacks": {"fp8_stats": {}}}))
+    result = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "report", str(earlier)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and not result.stdout
+    assert result.stderr == (f"error: {earlier}: no FP8 statistics: the run had no `fp8_stats` "
+                             "callback (add `callbacks: {fp8_stats: {}}` to the YAML)\n")
+
+
 def test_data_preparation_is_exact(tmp_path):
     run = load(write_run(tmp_path) / "metrics.jsonl")
     assert run.layers == [L0, L1, L2] and run.tensors == ["activation", "gradient"]

@@ -24,7 +24,7 @@ from foundry_fp8.guard import (
 )
 from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import LAYOUT, OLDER_LAYOUT, older_layout
-from foundry_fp8.jsonl import JsonlError, number, read_jsonl
+from foundry_fp8.jsonl import JsonlError, hparams_of, number, read_jsonl
 
 
 class ReportError(Exception):
@@ -268,7 +268,7 @@ def why_empty(metrics_file: Path) -> str:
         return (f"{metrics_file}: FP8 statistics in an older key layout ({OLDER_LAYOUT}, e.g. "
                 f"`{older}`, from foundry-fp8 builds before 2026-11-23); this report (foundry-fp8 "
                 f"{__version__}) reads {LAYOUT} series only: train again with this fp8_stats")
-    hparams = read_hparams(metrics_file.with_name("hparams.json"))
+    hparams = read_hparams(hparams_of(metrics_file))  # metrics.1.jsonl: hparams.1.json
     if hparams is not None and _fp8_stats_options(hparams) is None:
         return (f"{metrics_file}: no FP8 statistics: the run had no `fp8_stats` callback (add "
                 "`callbacks: {fp8_stats: {}}` to the YAML)")

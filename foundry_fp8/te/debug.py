@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8.health.keys import TENSORS, layer_key, short_layer
+from foundry_fp8.options import one_pattern
 from foundry_fp8.te.facts import MIN_TE_DEBUG_STATS, dotted
 from foundry_fp8.te.probe import is_te_module, te_available, te_version
 
@@ -53,10 +54,7 @@ def layer_pattern(include: str, exclude: str | None = None) -> str:
     """One regex (nvdlfw-inspect takes one, and searches it) for names that match `include`
     and not `exclude`, as fp8_stats' own `layers`/`exclude` select them: a LayerNormMLP's GEMMs
     reach TE's debug API as `<layer>.fc1`/`.fc2`, so an end anchor also ends there."""
-    include = _end_also_at_gemm(include)
-    if not exclude:
-        return include
-    return f"^(?!.*(?:{_end_also_at_gemm(exclude)}))(?=.*(?:{include}))"
+    return one_pattern(_end_also_at_gemm(include), exclude and _end_also_at_gemm(exclude))
 
 
 def _end_also_at_gemm(pattern: str) -> str:

@@ -6,7 +6,7 @@ rules, the doctor and `fp8_state` read these names, so a fact is written once.
 
 from __future__ import annotations
 
-from foundry_fp8.recipe import FP8Recipe, RecipeProblem
+from foundry_fp8.recipe import MIN_TE_CURRENT_SCALING, FP8Recipe, RecipeProblem
 
 Version = tuple[int, ...]
 
@@ -16,8 +16,8 @@ Version = tuple[int, ...]
 MIN_TE = (1, 12)
 MIN_TE_FOR_RECOMPUTE = (1, 12)
 
-#: `Float8CurrentScaling` exists from TE 2.2 (transformer_engine/common/recipe/__init__.py).
-MIN_TE_CURRENT_SCALING = (2, 2)
+#: `Float8CurrentScaling`'s first TE: `recipe.MIN_TE_CURRENT_SCALING` (imported above), whose
+#: own messages name it.
 
 #: TE's debug features (`transformer_engine/debug/`) exist from TE 2.4, but up to 2.6
 #: `LogFp8TensorStats` supports only `underflows%` (its `_get_supported_stats_list`, v2.6

@@ -31,6 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8.cli import OutputError
+from foundry_fp8.lint.known import (
+    AUTO_MICROBATCH_CHECKED_FROM,
+    AUTO_MICROBATCH_SOURCE,
+    UNSHARD_TORCH_RANGE,
+    auto_microbatch_fsdp_fails,
+)
+from foundry_fp8.te.facts import dotted
 
 #: The MPT-1B YAMLs, shipped inside the package so an installed bench needs no checkout.
 YAMLS = Path(__file__).resolve().parent / "yamls"
@@ -96,8 +103,9 @@ class BenchConfig:
     tiny: bool = False
     seq_len: int = 2048
     batch: int = 32  # sequences per optimizer step
-    # Sequences per forward. Not "auto": Composer 0.32.1's auto microbatching with FSDP raises
-    # NameError on torch >= 2.7.1 (seen on the H200 run). 8 fits MPT-1B at seq 2048 with room
+    # Sequences per forward. Not "auto": Composer's auto microbatching with FSDP raises
+    # NameError outside UNSHARD_TORCH_RANGE (FP8031; seen on the H200 run, torch 2.11). 8 fits
+    # MPT-1B at seq 2048 with room
     # on an 80 GB H100 (peak 53 GB bf16, 58 GB fp8 on the H200).
     micro_batch: int | str = 8
     warmup: int = 10
@@ -615,7 +623,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sequences per optimizer step; {_default('batch')}")
     parser.add_argument("--micro-batch", type=_micro_batch, default=BenchConfig.micro_batch,
                         help="sequences per forward, or 'auto' to let Composer fill the GPU "
-                        "(Composer 0.32.1 with FSDP needs torch < 2.7.1 for it); default "
+                        f"(Composer >= {dotted(AUTO_MICROBATCH_CHECKED_FROM)} with FSDP needs "
+                        f"torch{UNSHARD_TORCH_RANGE} for it); default "
                         f"{BenchConfig.micro_batch}")
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed steps first; {_default('warmup')}")
@@ -666,8 +675,6 @@ def _auto_microbatch_refusal(config: BenchConfig) -> str | None:
     from importlib.metadata import version
 
     import torch
-
-    from foundry_fp8.lint.known import AUTO_MICROBATCH_SOURCE, auto_microbatch_fsdp_fails
 
     if config.micro_batch != "auto" or not auto_microbatch_fsdp_fails(version("mosaicml"),
                                                                      torch.__version__):

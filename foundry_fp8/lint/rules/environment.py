@@ -8,11 +8,12 @@ run's config on the machine it runs on. Facts, with where they were read:
 - pip-installed TE asserts, on `import transformer_engine.pytorch`, that `transformer-engine`,
   `transformer-engine-torch` and `transformer-engine-cu12/cu13` have one version
   (TE `load_framework_extension`, transformer_engine/common/__init__.py).
-- TE activation recompute kept wrong backward scales before TE 1.12 (TE issue #1190, fixed by
-  TE PR #1254, first released in v1.12).
-- Current scaling needs TE >= 2.2 (`te.facts.environment_problems`).
-- Composer 0.31+ with a torch outside 2.6.0-2.7.0 cannot auto micro-batch under FSDP
-  (`foundry_fp8.lint.known`, shared with the config rule FP8031).
+- TE activation recompute kept wrong backward scales before `MIN_TE_FOR_RECOMPUTE` (TE issue
+  #1190, fixed by TE PR #1254).
+- Current scaling needs TE >= `MIN_TE_CURRENT_SCALING` (`te.facts.environment_problems`).
+- Composer from `AUTO_MICROBATCH_CHECKED_FROM` with a torch outside `UNSHARD_WITH_SYNC_TORCH`
+  cannot auto micro-batch under FSDP (`foundry_fp8.lint.known`, shared with the config rule
+  FP8031).
 
 The TE version facts themselves live in `foundry_fp8.te.facts`.
 """

@@ -31,7 +31,7 @@ from foundry_fp8.lint.known import (
 )
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, RETIRED_FSDP
-from foundry_fp8.te.facts import dotted
+from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
 
 #: FSDPConfig flags Composer reads only under amp_fp8 and only in FSDP1 (dist_strategy.py).
 TE_FSDP_FLAGS = ("te_checkpoint_wrapper", "te_shard_fp8_weight")
@@ -57,7 +57,8 @@ def recompute_without_te_checkpoint(config: Mapping[str, Any], ctx: LintContext,
     if has_fp8_state(config):
         yield Hit("fsdp_config.activation_checkpointing", "fp8_state switches on "
                   "te_checkpoint_wrapper with non-reentrant recompute at INIT (FSDP1 and TE >= "
-                  "1.12; otherwise it refuses the run)", severity="info")
+                  f"{dotted(MIN_TE_FOR_RECOMPUTE)}; otherwise it refuses the run)",
+                  severity="info")
     else:
         yield Hit("fsdp_config.activation_checkpointing", "activation checkpointing with FP8 "
                   "recomputes TE layers outside the FP8 autocast (the recompute differs from "

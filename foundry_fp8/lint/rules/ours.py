@@ -12,19 +12,28 @@ from importlib import metadata
 from typing import Any
 
 from foundry_fp8.filters import fuse_reason, layernorm_reason, linear_reason
-from foundry_fp8.lint.config import has_fp8_state, is_fp8, native_te_layers, precision, te_swap
+from foundry_fp8.lint.config import (
+    fc_type_name,
+    has_fp8_state,
+    is_fp8,
+    native_te_layers,
+    precision,
+    te_swap,
+)
 from foundry_fp8.lint.entries import our_entries
 from foundry_fp8.lint.known import FOUNDRY_REGISTRY, PRECISIONS, REGISTRY_GROUPS, did_you_mean
 from foundry_fp8.lint.registry import Hit, LintContext, rule, section
 from foundry_fp8.lint.rules.model import MPTModule, mpt_modules, mpt_value, te_swap_options
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY
 from foundry_fp8.lint.values import option_problems
-from foundry_fp8.options import ENTRIES, OptionError, SwapConfig, checks, defaults
+from foundry_fp8.options import ENTRIES, OptionError, SwapConfig, TESwapOptions, checks, defaults
+from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.te.facts import (
     MIN_FP8_CAPABILITY,
     TE_PICKLE_GUARD_FIXES,
     TE_PICKLE_GUARD_FROM,
     dotted,
+    refuses_pickled_extra_state,
 )
 
 OUR_OPTIONS = "foundry_fp8/options.py ENTRIES"
@@ -253,28 +262,67 @@ def unknown_entries(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
 CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
 
 
-@rule("FP8027", "warning", "te_swap without fp8_state in a run that saves or resumes "
-      "checkpoints: FP8 scales reset at every resume",
+#: The TE releases that refuse their own pickled delayed-scaling `_extra_state`, as messages say.
+GUARDED_TE = (f"{', '.join(map(dotted, TE_PICKLE_GUARD_FIXES))} and >= "
+              f"{dotted(TE_PICKLE_GUARD_FROM)}")
+
+
+def _native_te_key(config: Mapping[str, Any]) -> str:
+    """The model key that makes the model build TE layers itself."""
+    model = section(config, "model")
+    return "model.fc_type" if fc_type_name(model) == "te" else "model.ffn_config.ffn_type"
+
+
+def _delayed(config: Mapping[str, Any]) -> bool:
+    """Whether TE layers run delayed scaling: Composer's amp_fp8 recipe, unless te_swap sets
+    another."""
+    swap = te_swap_options(config)
+    recipe = swap.fp8_recipe if isinstance(swap, TESwapOptions) else None
+    return not isinstance(recipe, FP8Recipe) or recipe.scaling == "delayed"
+
+
+@rule("FP8027", "warning", "FP8 layers without fp8_state in a run that saves or resumes "
+      "checkpoints (te_swap: FP8 scales reset at every resume; `fc_type: te` on a TE that "
+      "refuses its own pickled state: the resume fails)",
       why="te_swap's emulated layers keep their FP8 scales and amax histories in buffers that "
       "are not in Composer's checkpoint, and te_swap leaves its TE layers' `_extra_state` out "
       "of it (a pickled state that a model without te_swap has no key for, and that TE "
-      f"{', '.join(map(dotted, TE_PICKLE_GUARD_FIXES))} and >= "
-      f"{dotted(TE_PICKLE_GUARD_FROM)} refuse to load unless "
-      "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; so older TE, which would load it, resumes fresh "
-      "too); fp8_state saves and restores them. te_swap "
-      "logs the same warning at INIT when the run has a checkpoint saver and no fp8_state.",
+      f"{GUARDED_TE} refuse to load unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; so older "
+      "TE, which would load it, resumes fresh too); fp8_state saves and restores them. te_swap "
+      "logs the same warning at INIT when the run has a checkpoint saver and no fp8_state. "
+      "The model's own TE layers (`fc_type: te`, `ffn_type: te_ln_mlp`) under amp_fp8's "
+      f"delayed scaling save TE's pickled `_extra_state`, which TE {GUARDED_TE} refuse at load: "
+      "with such a TE installed a resume fails (a warning; info where the linter finds no TE; "
+      "nothing on older TE, which loads it). fp8_state stores a pickled `None` there and keeps "
+      "the state itself.",
       source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
       "warning, issue 19 item 5); TE transformer_engine/pytorch/_extra_state.py "
-      "should_load_extra_state_pickle (TE 2.16.1, 2.17.1, >= 2.18: foundry_fp8/te/facts.py "
-      "TE_PICKLE_GUARD_FIXES, TE_PICKLE_GUARD_FROM); "
+      f"should_load_extra_state_pickle (TE {GUARDED_TE}: foundry_fp8/te/facts.py "
+      "refuses_pickled_extra_state); "
       f"{FOUNDRY} llmfoundry/command_utils/train.py (save_folder, load_path, autoresume)",
       fix="add `callbacks: {fp8_state: {}}`")
-def te_swap_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+def fp8_layers_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     saves = [k for k in CHECKPOINT_KEYS if config.get(k)]
-    if te_swap(config) is not None and not has_fp8_state(config) and saves:
+    if has_fp8_state(config) or not saves:
+        return
+    if te_swap(config) is not None:
         yield Hit("algorithms.te_swap", f"te_swap without fp8_state ({saves[0]} is set): a "
                   "resume from this run's checkpoints starts FP8 scales and amax histories "
                   "fresh (they are not in the checkpoint)")
+    if not (is_fp8(config) and native_te_layers(config) and _delayed(config)):
+        return
+    te = ctx.snapshot.te_version if ctx.snapshot is not None else None
+    if te is None:
+        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({saves[0]} is set): "
+                  f"TransformerEngine {GUARDED_TE} refuse to load the pickled FP8 state they "
+                  "save, so a resume from this run's checkpoints would fail there (no TE where "
+                  "the linter runs to tell)", severity="info")
+    elif refuses_pickled_extra_state(te):
+        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({saves[0]} is set): "
+                  f"TransformerEngine {ctx.snapshot.te} refuses to load the pickled FP8 state "
+                  "(`_extra_state`) they save, so a resume from this run's checkpoints fails "
+                  "unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (which unpickles whatever the "
+                  "checkpoint holds)")
 
 
 @rule("FP8028", "error", "`precision: amp_fp8` with te_swap's emulated backend and no TE layer",
