@@ -25,7 +25,7 @@ the pooling's all_reduce SUM; at that logging step every rank raises FP8MonitorE
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -207,6 +207,7 @@ class _Step:
     # rows that may be cast with the initial delayed scale: whether they are (bool or 0-d device
     # tensor, read in the step's one host transfer)
     initial: dict[int, torch.Tensor | bool] = field(default_factory=dict)
+    whatif: set[int] = field(default_factory=set)  # rows measured under the `recipe` what-if
     amax: torch.Tensor | None = None  # what-if amaxes of this step, one per row
     dump: dict[str, torch.Tensor] = field(default_factory=dict)
     dump_bytes: int = 0
@@ -255,6 +256,12 @@ class FP8Monitor:
         # the last logging step's statistics and flags, for listeners (the guard)
         self.table: dict[tuple[str, str], dict[str, float]] = {}
         self.flags: dict[tuple[str, str], list[Flag]] = {}
+        # the rows of `table` with what-if numbers (the layer did not cast in FP8), and those
+        # of them that `finish_step`'s `fallbacks` left out of the summary series
+        self.whatif_rows: set[tuple[str, str]] = set()
+        self.fallback_rows: set[tuple[str, str]] = set()
+        # rows judged with what-if numbers at some logging step: `summary()` marks them
+        self.whatif_judged: set[tuple[str, str]] = set()
 
     @property
     def record_window(self) -> int:
@@ -377,6 +384,8 @@ class FP8Monitor:
             return
         row = sufficient_stats(value, fmt, scale, power_2=power_2)
         step.pending[idx] = row
+        if whatif:
+            step.whatif.add(idx)
         if initial is not False:
             step.initial[idx] = initial
         if whatif and step.recording:
@@ -423,9 +432,11 @@ class FP8Monitor:
             handle.remove()
         self._handles.clear()
 
-    def finish_step(self) -> dict[str, float]:
+    def finish_step(self, fallbacks: Collection[str] = ()) -> dict[str, float]:
         """Remove hooks; on a logging step, pool the statistics over ranks and return the
         step's series (`health.keys` layout), warning once per layer, tensor and rule flagged.
+        `fallbacks`: layers (names as in the keys) a guard ran in high precision in this step;
+        their what-if rows stay out of the summary series (`summary_metrics`' `left_out`).
         Raises FP8MonitorError when the monitor failed on any rank: in a single
         process at once, under several ranks on every rank at the first logging step since."""
         step = self._step
@@ -441,7 +452,7 @@ class FP8Monitor:
             if self.error is not None and not distributed:
                 self._raise_failure(1)
             return {}  # under several ranks, the next logging step's reduce reports it
-        return self._pool(step, distributed)
+        return self._pool(step, distributed, fallbacks)
 
     def _raise_failure(self, ranks: int) -> NoReturn:
         raise FP8MonitorError(f"fp8 monitor failed on {ranks} rank(s)"
@@ -467,7 +478,8 @@ class FP8Monitor:
             recipe.margin)
         self._folds += 1
 
-    def _pool(self, step: _Step, distributed: bool) -> dict[str, float]:
+    def _pool(self, step: _Step, distributed: bool, fallbacks: Collection[str],
+              ) -> dict[str, float]:
         n = len(self.rows)
         device = next(iter(step.pending.values())).device if step.pending else self._device()
         table = empty_sufficient_stats(n + 1, device)  # the last row carries the error flag
@@ -483,9 +495,10 @@ class FP8Monitor:
         host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen, marks]).cpu().tolist()
         if host[-n - 1] > 0:  # the error flag; the one host transfer of this step is above
             self._raise_failure(int(host[-n - 1]))
-        return self._attempt(self._metrics, step, host) or {}
+        return self._attempt(self._metrics, step, host, fallbacks) or {}
 
-    def _metrics(self, step: _Step, host: list[float]) -> dict[str, float]:
+    def _metrics(self, step: _Step, host: list[float], fallbacks: Collection[str],
+                 ) -> dict[str, float]:
         """Per-layer and summary series (`health.keys` layout); warns once per layer, tensor
         and rule that the health rules flag."""
         n, width = len(self.rows), len(STAT_KEYS)
@@ -499,13 +512,18 @@ class FP8Monitor:
             table[(self.short[layer], tensor)] = stats
         flags = self.tracker.update(step.step or 0, table)
         self.table, self.flags = table, flags
+        # this rank's view, as `initial`: every rank runs the same layers in FP8
+        self.whatif_rows = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif}
+        self.whatif_rows &= table.keys()
+        self.fallback_rows = {key for key in self.whatif_rows if key[0] in fallbacks}
+        self.whatif_judged |= {key for key in self.whatif_rows if not table[key].get(INITIAL_SCALE)}
         for found in flags.values():
             for flag in found:
                 if flag.new:
                     self.on_warning(flag.message)
         metrics = {layer_key(stat, tensor, layer): value
                    for (layer, tensor), stats in table.items() for stat, value in stats.items()}
-        metrics.update(summary_metrics(table, flags))
+        metrics.update(summary_metrics(table, flags, self.fallback_rows))
         return metrics
 
     def _write_dump(self, step: _Step) -> None:
@@ -534,17 +552,20 @@ class FP8Monitor:
                             "dump_layers)")
 
     def summary(self) -> str:
-        """The worst value per layer and tensor over every judged step (markdown)."""
-        return render_table(self.tracker.worst)
+        """The worst value per layer and tensor over every judged step (markdown), rows with
+        what-if numbers marked."""
+        return render_table(self.tracker.worst, self.whatif_judged)
 
     # -- checkpoint state: a resumed run logs what the uninterrupted one logs -------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What later steps' series and the summary depend on: the health tracker's state and
-        the delayed what-if's (amax history, scale, updates so far; on the CPU), by row name.
-        Only the what-if differs between ranks, and only with `reduce_amax: false`."""
+        """What later steps' series and the summary depend on: the health tracker's state, the
+        delayed what-if's (amax history, scale, updates so far; on the CPU), by row name, and
+        the rows the summary marks as what-if. Only the what-if differs between ranks, and only
+        with `reduce_amax: false`."""
         return {"rows": [list(row) for row in self.rows], "tracker": self.tracker.state_dict(),
-                "whatif": self.whatif_state()}
+                "whatif": self.whatif_state(),
+                "whatif_judged": [list(row) for row in sorted(self.whatif_judged)]}
 
     def whatif_state(self) -> dict[str, Any] | None:
         """The delayed what-if's state (None before its first recorded batch, or none kept)."""
@@ -563,6 +584,11 @@ class FP8Monitor:
             if not all(isinstance(name, str) for row in saved_rows for name in row):
                 raise TypeError("row names are not text")
             tracker, whatif = state["tracker"], state["whatif"]
+            saved_judged = state.get("whatif_judged")  # None: saved by an earlier version
+            judged = None if saved_judged is None else {
+                (layer, tensor) for layer, tensor in saved_judged}
+            if judged and not all(isinstance(name, str) for row in judged for name in row):
+                raise TypeError("what-if row names are not text")
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not fp8_stats' monitor state ({type(e).__name__}: {e})") from e
         notes: list[str] = []
@@ -576,6 +602,11 @@ class FP8Monitor:
             notes.insert(0, f"{', '.join(names[:8])}{more} (not watched now)")
         if columns is not None:
             self._restore_whatif(*columns)
+        if judged is None:
+            notes.append("which rows had what-if numbers before it (the fit-end summary marks "
+                         "those seen since)")
+        else:
+            self.whatif_judged = judged & watched
         return notes
 
     def _whatif_columns(self, whatif: Any, saved_rows: list[tuple[str, str]], notes: list[str],

@@ -1,16 +1,18 @@
 """fp8_guard in real tiny LLM-Foundry runs (te_swap's emulated backend): one layer driven into
 persistent FP8 trouble by an injected outlier channel falls back alone, at the step its health
-rule says, the loss moves toward the run without FP8, resumes reproduce the same run, and
-`foundry-fp8 report` on the run shows the fallback.
+rule says, the loss moves toward the run without FP8, resumes reproduce the same run, fp8_stats'
+summary stops counting the layer once it runs in high precision and its table marks the layer's
+what-if rows, and `foundry-fp8 report` on the run shows the fallback.
 
 The runs are shared by every test here (one module fixture) and carry only what some test
-reads: fp8_stats without its pictures, no evaluation, checkpoints only in the guarded run."""
+reads: fp8_stats' pictures and W&B (offline) only in the guarded run, no evaluation,
+checkpoints only in the guarded and re-promoted runs."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import mean
 
@@ -20,12 +22,14 @@ import yaml
 from composer.loggers import LoggerDestination
 from torch import nn
 
+from foundry_fp8 import wandb_history
 from foundry_fp8.cli import main
 from foundry_fp8.composer.guard import FALLBACK_LAYERS, FP8_FLOPS_SHARE, FP8Guard
 from foundry_fp8.composer.state import fp8_state_from_checkpoint
+from foundry_fp8.composer.stats import TABLE_NAME, FP8Stats
 from foundry_fp8.fault import InjectOutlier, stats_table
 from foundry_fp8.fp8_meta import canonical_modules
-from foundry_fp8.health import layer_key
+from foundry_fp8.health import TENSORS, layer_key, summary_key
 from foundry_fp8.jsonl import read_jsonl
 from tests.test_wandb_sink import RefusesFP8, added_to_trainer
 from tests.tiny_run import run_folder, tiny_config
@@ -33,6 +37,9 @@ from tests.tiny_run import run_folder, tiny_config
 LAYER = "blocks.1.attn.out_proj"
 START, INTERVAL, CONSECUTIVE, END = 6, 2, 2, 20
 STATS = {"fp8_stats": {"interval": INTERVAL, "image_interval": None}}
+# heatmaps and the per-layer table every IMAGE_INTERVAL batches (and at fit end)
+IMAGE_INTERVAL = 4
+PICTURES = {"fp8_stats": {"interval": INTERVAL, "image_interval": IMAGE_INTERVAL}}
 FAULT = {"guard_inject_outlier": {"layer": LAYER, "start": START}}
 GUARD = {"fp8_guard": {"consecutive": CONSECUTIVE}}
 # the fault ends at batch STOP: the layer's what-if statistics turn healthy and, after
@@ -47,7 +54,7 @@ BLOCKS, TOTAL = 2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64), 2 * 49152 + 64 *
 
 def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
          load: str | None = None, stats: bool = True, save: int | None = None,
-         loggers: Sequence[LoggerDestination] = ()):
+         loggers: Sequence[LoggerDestination] = (), wandb: bool = False):
     from llmfoundry.command_utils import train
 
     overrides = {"variables": {"run_name": name}, "max_duration": f"{END}ba",
@@ -57,13 +64,15 @@ def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
     if load:
         overrides["load_path"] = str(run_folder(tmp, load.split("/")[0]) / "checkpoints"
                                      / load.split("/")[1])
-    cfg = tiny_config(tmp, tiny_data, overrides)
+    cfg = tiny_config(tmp, tiny_data, overrides, wandb=wandb)
     del cfg["eval_loader"]  # no test reads an evaluation
     if not fp8:
         del cfg.algorithms["te_swap"]
     (tmp / name).mkdir(parents=True, exist_ok=True)
     with added_to_trainer(loggers=loggers):  # before LLM-Foundry's own
         trainer = train(cfg)
+    if wandb:
+        trainer.close()  # finishes the W&B run, whose service writes the last rows
     guard = next((c for c in trainer.state.callbacks if isinstance(c, FP8Guard)), None)
     metrics: dict[int, dict] = {}
     for step, values in read_jsonl(run_folder(tmp, name) / "metrics.jsonl"):
@@ -80,7 +89,8 @@ def runs(tmp_path_factory, tiny_data):
     out = {
         "no_fp8": _run(tmp, tiny_data, "no_fp8", FAULT, fp8=False, stats=False),  # losses only
         "unguarded": _run(tmp, tiny_data, "unguarded", FAULT),
-        "guarded": _run(tmp, tiny_data, "guarded", {**FAULT, **GUARD}, save=4),
+        "guarded": _run(tmp, tiny_data, "guarded", {**PICTURES, **FAULT, **GUARD}, save=4,
+                        wandb=True),
         "healthy": _run(tmp, tiny_data, "healthy", GUARD),
         # a logger before the jsonl one raising at every FP8 series (W&B's service gone)
         "refused": _run(tmp, tiny_data, "refused", {**FAULT, **GUARD},
@@ -206,6 +216,71 @@ def test_a_healthy_run_has_no_fallback(runs):
     guard, metrics, _ = runs["healthy"]
     assert guard.core.fallbacks == {}
     assert {m[FALLBACK_LAYERS] for m in metrics.values() if FALLBACK_LAYERS in m} == {0.0}
+
+
+def _flagged(trainer) -> dict[int, set[tuple[str, str]]]:
+    """fp8_stats' own judgement, by logging step: the (layer, tensor) pairs its health rules
+    flagged there, from the what-if numbers of a layer in high precision too."""
+    stats = next(c for c in trainer.state.callbacks if isinstance(c, FP8Stats))
+    flagged: dict[int, set[tuple[str, str]]] = {}
+    for flag in stats.monitor.tracker.flags:
+        flagged.setdefault(flag.step, set()).add((flag.layer, flag.tensor))
+    return flagged
+
+
+def _check_summary(metrics: dict[int, dict], flagged: dict[int, set[tuple[str, str]]],
+                   left_out: Callable[[int, str], bool]) -> None:
+    """At every logging step, the summary series count the flagged layers and take the worst
+    underflow over the layers that `left_out(step, layer)` does not name."""
+    for step in range(0, END, INTERVAL):
+        logged = metrics[step]
+        counted = {(layer, t) for layer, t in flagged.get(step, ()) if not left_out(step, layer)}
+        assert logged[summary_key(None, "flagged_layers")] == len({k[0] for k in counted}), step
+        table = stats_table(logged)
+        for tensor in TENSORS:
+            assert logged[summary_key(tensor, "flagged_layers")] == len(
+                {layer for layer, t in counted if t == tensor}), (step, tensor)
+            underflow = [r["underflow_pct"] for (layer, t), r in table.items()
+                         if t == tensor and not left_out(step, layer)
+                         and not r.get("initial_scale")]
+            assert logged[summary_key(tensor, "worst_underflow_pct")] == max(
+                underflow, default=0.0), (step, tensor)
+
+
+@pytest.mark.slow
+def test_the_summary_stops_counting_the_layer_the_guard_moved(runs):
+    """fp8_stats goes on judging the fallen layer's what-if numbers (its per-layer series and
+    warnings), and they still fail; `fp8/flagged_layers`, the per-tensor counts and worst values
+    leave the layer out from the first logging step it runs in high precision: an alert on
+    them stops once the guard has acted (its `fp8/guard/...` series report the layer)."""
+    guard, metrics, trainer = runs["guarded"]
+    step = guard.core.fallbacks[LAYER].step
+    flagged = _flagged(trainer)
+    after = range(step + INTERVAL, END, INTERVAL)
+    assert all(any(layer == LAYER for layer, _ in flagged[s]) for s in after)
+    assert all(layer_key("underflow_pct", "activation", LAYER) in metrics[s] for s in after)
+    assert metrics[step][summary_key(None, "flagged_layers")] >= 1  # the step that decided
+    _check_summary(metrics, flagged, lambda at, layer: layer == LAYER and at > step)
+
+
+@pytest.mark.slow
+def test_the_table_marks_the_what_if_rows_of_the_layer_in_fallback(runs):
+    """In W&B's copy of each per-layer table: every row of the FP8 run is the layer's own FP8
+    numbers, except the fallen layer's after the logging step that moved it."""
+    guard = runs["guarded"][0]
+    step = guard.core.fallbacks[LAYER].step
+    [run] = wandb_history.read_runs(run_folder(runs["tmp"], "guarded"), wait=120)
+    assert run.complete
+    at = run.media("table-file")[TABLE_NAME]
+    assert at == [*range(IMAGE_INTERVAL, END, IMAGE_INTERVAL), END]  # and at fit end
+    assert at[0] <= step < at[-1]
+    for table_step in at:
+        columns, rows = run.table(TABLE_NAME, table_step)
+        numbers = {(row[0], row[1]): row[columns.index("numbers")] for row in rows}
+        assert len(numbers) == 8 * len(TENSORS)  # 2 blocks x 4 linear layers
+        assert numbers == {(layer, tensor): "what-if (fp8_guard fallback)"
+                           if layer == LAYER and table_step > step else "FP8"
+                           for layer, tensor in numbers}, table_step
 
 
 def _report(folder: Path, capsys) -> tuple[str, str]:
@@ -365,3 +440,23 @@ def test_a_guard_with_nothing_in_fp8_says_so(tmp_path, tiny_data, capfd):
     assert err.count("fp8_guard: no layer of this model runs in FP8") == 1, err[-2000:]
     assert not guard.core.fallbacks
     assert {m.get(FP8_FLOPS_SHARE) for m in metrics.values()} <= {0.0, None}
+
+
+@pytest.mark.slow
+def test_without_fp8_layers_the_summary_counts_the_layers_that_would_fail(tmp_path, tiny_data):
+    """Without te_swap every number is fp8_stats' what-if: `fp8/flagged_layers` says which
+    layers would fail in FP8 (the fault's, from its first batch), with the guard beside it
+    (nothing to guard, nothing in fallback), and the table marks every row a what-if."""
+    guard, metrics, trainer = _run(tmp_path, tiny_data, "what_if",
+                                   {**PICTURES, **FAULT, **GUARD}, fp8=False, wandb=True)
+    assert not guard.core.fallbacks
+    flagged = _flagged(trainer)
+    assert all(any(layer == LAYER for layer, _ in flagged[s]) for s in range(START, END, INTERVAL))
+    _check_summary(metrics, flagged, lambda at, layer: False)
+    assert metrics[START][summary_key(None, "flagged_layers")] >= 1
+    [run] = wandb_history.read_runs(run_folder(tmp_path, "what_if"), wait=120)
+    assert run.complete and run.media("table-file")[TABLE_NAME]
+    for at in run.media("table-file")[TABLE_NAME]:
+        columns, rows = run.table(TABLE_NAME, at)
+        assert len(rows) == 8 * len(TENSORS)
+        assert {row[columns.index("numbers")] for row in rows} == {"what-if"}, at

@@ -87,7 +87,7 @@ def test_monitor_summary_covers_every_logged_step():
         model(x).sum().backward()
         cos.append(monitor.finish_step()[layer_key("cos_sim", "activation", "0")])
     assert monitor.tracker.worst[("0", "activation")]["cos_sim"] == min(cos) < max(cos)
-    assert "| 0 | activation |" in monitor.summary()
+    assert "| 0 | activation (what-if) |" in monitor.summary()  # a plain nn.Linear
 
 
 def test_dump_steps_need_a_folder():

@@ -48,12 +48,13 @@ def test_images_and_table_at_the_image_interval_and_at_fit_end():
         assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
         assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0
     columns, rows = logger.tables[11][TABLE_NAME]
-    assert columns[:2] == ["layer", "tensor"] and columns[-1] == "flags"
+    assert columns[:3] == ["layer", "tensor", "numbers"] and columns[-1] == "flags"
     assert len(rows) == 2 * 3
     logged = logger.metrics[10]  # the table shows the last logging step's numbers
     for row in rows:
         layer, tensor = row[0], row[1]
-        for stat, value in zip(columns[2:-1], row[2:-1], strict=True):
+        assert row[2] == "what-if"  # plain nn.Linear layers: fp8_stats' recipe what-if
+        for stat, value in zip(columns[3:-1], row[3:-1], strict=True):
             assert value == logged[layer_key(stat, tensor, layer)]
     _, logger = _fit(FP8Stats(interval="2ba", image_interval=None), 11)
     assert logger.images == logger.tables == {}

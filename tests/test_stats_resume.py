@@ -1,8 +1,10 @@
 """fp8_stats across a resume, at the sink: a tiny Composer run (te_swap's emulated blocks, a
 plain head under the delayed what-if) stopped at a checkpoint and resumed with `load_path` logs
-every fp8 key at every step after the resume, the per-layer table and the fit-end summary
-exactly as the uninterrupted run (read back from the `jsonl` logger's files); a checkpoint
-without fp8_stats' state, or one whose layers, tensors or recipe differ, resumes with one line.
+every fp8 key at every step after the resume, the heatmaps, the per-layer table and the fit-end
+summary exactly as the uninterrupted run (read back from the `jsonl` logger's files and what
+Composer hands the logger destinations); a checkpoint without fp8_stats' state, or one whose
+layers, tensors or recipe differ, or one of an earlier version without the heatmaps' history,
+resumes with one line.
 
 The inputs grow 1.5x per batch, so the delayed scales trail them and every tensor clips at
 every judged logging step: `overflow_persistent` (3 logging steps in a row) first flags at the
@@ -15,6 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from composer.loggers import LoggerDestination
@@ -23,9 +26,11 @@ from torch import nn
 from foundry_fp8 import wandb_history
 from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.state import FP8State
-from foundry_fp8.composer.stats import TABLE_NAME, FP8Stats
+from foundry_fp8.composer.stats import IMAGE_PREFIX, TABLE_NAME, FP8Stats
 from foundry_fp8.composer.te_swap import TESwap
-from foundry_fp8.health import INITIAL_SCALE, SUMMARIES, layer_key, parse_key
+from foundry_fp8.health import INITIAL_SCALE, SUMMARIES, collect, layer_key, parse_key
+from foundry_fp8.health.plots import heatmap
+from foundry_fp8.health.raster import render_heatmap
 from foundry_fp8.jsonl import read_jsonl
 
 BATCHES, RESUME_AT, INTERVAL = 12, 6, 2
@@ -48,21 +53,27 @@ class Net(nn.Module):
 
 
 class Tables(LoggerDestination):
-    """The per-layer tables fp8_stats logs, by step."""
+    """The per-layer tables and the heatmaps fp8_stats logs, by step."""
 
     def __init__(self):
         super().__init__()
         self.tables: dict[int, list[list[Any]]] = {}  # [columns, *rows] by step
+        self.images: dict[tuple[str, int], np.ndarray] = {}  # (statistic, step): RGB pixels
 
     def log_table(self, columns, rows, name="Table", step=None) -> None:
         if name == TABLE_NAME:
             self.tables[step] = [columns, *rows]
+
+    def log_images(self, images, name="Images", channels_last=False, step=None, **kwargs) -> None:
+        if name.startswith(IMAGE_PREFIX):
+            self.images[(name.removeprefix(IMAGE_PREFIX), step)] = np.array(images)
 
 
 class Run(NamedTuple):
     metrics: dict[int, dict[str, float]]  # fp8_stats' keys by step, from metrics.jsonl
     hparams: dict[str, Any]  # hparams.json
     tables: dict[int, list[list[Any]]]  # the per-layer tables by step
+    images: dict[tuple[str, int], np.ndarray]  # the heatmaps by statistic and step
     stats: FP8Stats
 
 
@@ -102,7 +113,7 @@ def _fit(folder: Path, stats: dict[str, Any] | None = None, load: Path | None = 
         if ours := {k: v for k, v in values.items() if _ours(k)}:
             metrics.setdefault(step, {}).update(ours)
     return Run(metrics, json.loads((folder / "hparams.json").read_text()), tables.tables,
-               callback)
+               tables.images, callback)
 
 
 def _ours(key: str) -> bool:
@@ -146,6 +157,68 @@ def test_a_resumed_run_logs_every_fp8_key_and_the_summary_of_the_uninterrupted_r
         f for f in run.stats.monitor.tracker.flags if f.step >= RESUME_AT]
 
 
+def _drawn(folder: Path, stat: str, step: int, stats: FP8Stats) -> tuple[list[int], np.ndarray]:
+    """The logging steps up to `step` of the run whose metrics.jsonl is in `folder`, and its
+    heatmap of `stat` over them, drawn from what that file holds."""
+    shown = collect((s, m) for s, m in read_jsonl(folder / "metrics.jsonl") if s <= step)
+    thresholds = stats.monitor.tracker.thresholds
+    return heatmap(shown, stat, thresholds).steps, render_heatmap(shown, stat, thresholds)
+
+
+def test_a_resumed_runs_heatmaps_are_the_uninterrupted_runs(full, tmp_path):
+    """The heatmaps' history is in the checkpoint: each heatmap the resumed run logs shows the
+    logging steps before the resume too, pixel for pixel the uninterrupted run's image, which is
+    that run's own metrics.jsonl drawn."""
+    folder, run = full
+    stats = sorted({stat for stat, _ in run.images})
+    assert {"underflow_pct", "overflow_pct", "cos_sim"} <= set(stats)
+    assert sorted(run.images) == [(stat, step) for stat in stats for step in (4, 8, 12)]
+    resumed = _fit(tmp_path, load=_checkpoint(folder))
+    assert sorted(resumed.images) == [(stat, step) for stat in stats for step in (8, 12)]
+    for (stat, step), image in resumed.images.items():
+        steps, drawn = _drawn(folder, stat, step, run.stats)
+        assert steps == [s for s in range(0, BATCHES, INTERVAL) if s <= step]
+        assert np.array_equal(image, drawn), (stat, step)
+        assert np.array_equal(image, run.images[(stat, step)]), (stat, step)
+
+
+def test_a_checkpoint_of_an_earlier_version_without_the_heatmaps_resumes_with_one_line(
+        full, tmp_path, caplog):
+    """Without the heatmaps' history (and the rows the summary marks as what-if): the series go
+    on exactly, the heatmaps start at the resume, and one line says so."""
+    folder, run = full
+    saved = torch.load(_checkpoint(folder), weights_only=False)
+    state = saved["state"]["callbacks"]["FP8Stats"]
+    del state["heatmaps"], state["monitor"]["whatif_judged"]  # what this version added
+    torch.save(saved, tmp_path / "earlier.pt")
+    with caplog.at_level(logging.WARNING):
+        resumed = _resume_with(full, tmp_path / "run", tmp_path / "earlier.pt")
+    [line] = _fp8_stats_lines(caplog)
+    assert "heatmaps' logging steps before it" in line and "\n" not in line
+    assert _after_resume(resumed.metrics) == _after_resume(run.metrics)
+    assert resumed.hparams[SUMMARY] == run.hparams[SUMMARY]  # the head is a what-if after it too
+    assert resumed.images
+    for (stat, step), image in resumed.images.items():
+        steps, drawn = _drawn(tmp_path / "run", stat, step, run.stats)
+        assert steps == [s for s in range(RESUME_AT, BATCHES, INTERVAL) if s <= step]
+        assert np.array_equal(image, drawn), (stat, step)
+
+
+def test_the_table_and_the_summary_mark_the_what_if_rows(full):
+    """te_swap converts the blocks, not the head: the head's numbers are fp8_stats' `recipe`
+    what-if, the blocks' their own FP8 casts; the table and the fit-end summary say which."""
+    _, run = full
+    expected = {(layer, tensor): "what-if" if layer == HEAD else "FP8"
+                for layer in ("module.blocks.0", "module.blocks.1", HEAD)
+                for tensor in ("activation", "weight", "gradient")}
+    for step, (columns, *rows) in run.tables.items():
+        assert {(r[0], r[1]): r[columns.index("numbers")] for r in rows} == expected, step
+    lines = [line.split(" | ")[:2] for line in run.hparams[SUMMARY].splitlines()[2:]]
+    assert {(layer.removeprefix("| "), tensor) for layer, tensor in lines} == {
+        (layer, tensor + (" (what-if)" if numbers == "what-if" else ""))
+        for (layer, tensor), numbers in expected.items()}
+
+
 def _wandb_series(folder: Path) -> tuple[dict[int, dict[str, Any]], wandb_history.WandbRun]:
     """fp8_stats' keys by step from or after the resume, read back with W&B's reader."""
     [run] = wandb_history.read_runs(folder, wait=120)
@@ -167,6 +240,22 @@ def test_wandb_holds_the_uninterrupted_runs_fp8_series_and_summary_after_a_resum
     assert resumed == full
     assert resumed_run.config[SUMMARY] == full_run.config[SUMMARY]
     assert resumed_run.media("table-file") == {TABLE_NAME: [8, 12]}
+    # the heatmaps W&B holds after the resume: the uninterrupted run's PNGs, pixel for pixel
+    images = resumed_run.media("images/separated")
+    assert f"{IMAGE_PREFIX}underflow_pct" in images and full_run.media("images/separated")
+    for key, steps in images.items():
+        assert steps == [8, 12], key
+        for step in steps:
+            assert np.array_equal(_pixels(resumed_run, key, step), _pixels(full_run, key, step))
+
+
+def _pixels(run: wandb_history.WandbRun, key: str, step: int) -> np.ndarray:
+    """The image W&B stored for `key` at `step`, decoded."""
+    from PIL import Image
+
+    value = next(row[key] for row in run.rows if row["_step"] == step and key in row)
+    [name] = value["filenames"]
+    return np.array(Image.open(run.path.parent / "files" / name))
 
 
 def _resume_with(full, tmp_path: Path, checkpoint: Path | None = None, **stats: Any):

@@ -55,7 +55,10 @@ class FP8Guard(Callback):
     step, FLOPs share, what flagged it and every statistic of the layer at that step, read back
     by `foundry-fp8 report`), at each re-promotion (`repromote_after`)
     `fp8/guard/repromotion/<layer>` (`@<step>` after a layer's first); at fit end the
-    hyperparameter `fp8/guard/fallbacks` (the table it prints).
+    hyperparameter `fp8/guard/fallbacks` (the table it prints). It tells fp8_stats which layers
+    it runs in high precision (`FP8Stats.fallbacks`): their what-if rows leave fp8_stats'
+    summary series (`fp8/flagged_layers` stops counting a layer once the guard has acted), and
+    its table marks them; the guard's own judgement of the what-if rows is unchanged.
 
     With `repromote_after`, a layer in fallback whose what-if statistics (fp8_stats computes
     them for a layer in high precision) stay within the limits that many logging steps in a row
@@ -79,6 +82,7 @@ class FP8Guard(Callback):
         self._exclude: str | None = None
         self._state: State | None = None
         self._logger: Logger | None = None
+        self._stats: FP8Stats | None = None  # told which layers run in high precision
         self._stop: BaseException | None = None  # raised at the next batch_end/batch_checkpoint
 
     # events
@@ -87,7 +91,7 @@ class FP8Guard(Callback):
         stats = next((c for c in state.callbacks if isinstance(c, FP8Stats)), None)
         if stats is None:
             raise OptionError(OPTION, ENTRIES["fp8_guard"].need_problem("fp8_stats"))
-        self._state, self._logger = state, logger
+        self._state, self._logger, self._stats = state, logger, stats
         failed = False
         try:
             self._start(state)
@@ -266,12 +270,14 @@ class FP8Guard(Callback):
     def _apply(self, layer: str) -> None:
         if layer not in self._handles and layer in self._modules:
             self._handles[layer] = high_precision_hooks(self._modules[layer])
+            self._tell_stats()
 
     def _release(self, layer: str) -> None:
         """Back to FP8 from the next forward: no hooks, and a fresh delayed-scaling state,
         written in place (TE's buffers reference the tensors)."""
         for handle in self._handles.pop(layer, ()):
             handle.remove()
+        self._tell_stats()
         module = self._modules.get(layer)
         if module is not None:
             write_fp8_meta(module, {k: torch.ones_like(v) if k.endswith("_scale")
@@ -283,6 +289,13 @@ class FP8Guard(Callback):
             for handle in handles:
                 handle.remove()
         self._handles.clear()
+        self._tell_stats()
+
+    def _tell_stats(self) -> None:
+        """fp8_stats leaves the what-if rows of the layers hooked into high precision out of its
+        summary series (this guard's series report them) and marks them in its table."""
+        if self._stats is not None:
+            self._stats.fallbacks = frozenset(self._handles)
 
 
 def high_precision_context(module: nn.Module) -> AbstractContextManager:

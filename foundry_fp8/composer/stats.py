@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from foundry_fp8.health.history import shown
 from foundry_fp8.health.raster import render_heatmap
 from foundry_fp8.health.specs import known_first
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
+from foundry_fp8.numerics import STAT_KEYS
 from foundry_fp8.options import MonitorConfig, Schedule, build
 from foundry_fp8.paths import in_run_folder
 from foundry_fp8.te.debug import (
@@ -38,7 +39,9 @@ IMAGE_PREFIX = "fp8_heatmap/"
 TABLE_NAME = "fp8_table"
 #: Logging steps a heatmap shows (the latest ones): a readable width, bounded memory.
 IMAGE_STEPS = 64
-#: The layout of `FP8Stats.state_dict()` in checkpoints (an earlier version saved `{}`).
+#: The layout of `FP8Stats.state_dict()` in checkpoints (an earlier version saved `{}`). Fields
+#: added since (`heatmaps`, the monitor's `whatif_judged`) are optional: a checkpoint without
+#: them resumes, its warning naming what they would have restored.
 STATE_VERSION = 1
 #: The most bytes of per-rank what-if state (`reduce_amax: false`, every rank's own amax
 #: history) a checkpoint carries: world size x history length x watched tensors x 4 bytes.
@@ -70,7 +73,10 @@ class FP8Stats(Callback):
 
     - summary series, on every destination, console included: `fp8/<tensor>/worst_underflow_pct`,
       `fp8/<tensor>/worst_overflow_pct`, `fp8/<tensor>/worst_cos_sim`,
-      `fp8/<tensor>/flagged_layers`, `fp8/<tensor>/nonfinite` and `fp8/flagged_layers`;
+      `fp8/<tensor>/flagged_layers`, `fp8/<tensor>/nonfinite` and `fp8/flagged_layers`; the
+      worst values and flag counts leave out the layers fp8_guard runs in high precision
+      (`fallbacks`; its `fp8/guard/...` series report them), not the layers never converted,
+      whose what-if numbers say what FP8 would do to them;
     - per-layer series `fp8_<stat>/<tensor>/<layer>` (W&B makes one section per statistic;
       `<layer>` without the `model.transformer.` prefix or wrapper segments), and
       `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast: on every
@@ -80,9 +86,10 @@ class FP8Stats(Callback):
     - every `image_interval` batches (at the first logging step from each multiple on) and at
       fit end: one layers x logging steps heatmap per statistic, `fp8_heatmap/<stat>`
       (`Logger.log_images`, the last `IMAGE_STEPS` logging steps), and the per-layer table of
-      the logging step, `fp8_table` (`Logger.log_table`), off the console; `null` turns them off;
+      the logging step, `fp8_table` (`Logger.log_table`; its `numbers` column says `FP8`,
+      `what-if` or `what-if (fp8_guard fallback)`), off the console; `null` turns them off;
     - at fit end the hyperparameter `fp8/stats_summary`, the worst value per layer and tensor
-      (also printed).
+      (also printed; a tensor with what-if numbers at some judged step is marked `(what-if)`).
 
     `<tensor>` is the watched tensor's name: `activation` (the GEMM input), `weight`,
     `gradient` (the output gradient), and for TE's LayerNormMLP `fc1_weight` and `fc2_weight`
@@ -108,9 +115,10 @@ class FP8Stats(Callback):
     fp8_stats goes on; `strict: true` raises once every destination has been tried.
 
     Resume is exact: the checkpoint carries this callback's state (`state_dict`; the health
-    rules' streaks, warned rules and worst values, the what-if's delayed scales), so a resumed
-    run logs the series, table and summary of the uninterrupted run. A checkpoint without it,
-    or of other layers, tensors or recipe, resumes with what fits and one warning.
+    rules' streaks, warned rules and worst values, the what-if's delayed scales, the heatmaps'
+    last `IMAGE_STEPS` logging steps), so a resumed run logs the series, heatmaps, table and
+    summary of the uninterrupted run. A checkpoint without it, or of other layers, tensors or
+    recipe, resumes with what fits and one warning.
     """
 
     def __init__(self, **options: Any):
@@ -136,6 +144,9 @@ class FP8Stats(Callback):
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
+        #: Layers fp8_guard runs in high precision now (names as in the keys), kept current by
+        #: the guard: their what-if rows stay out of the summary series, and the table says so.
+        self.fallbacks: frozenset[str] = frozenset()
         #: Called on every rank at each logging step with (step, table, flags): the pooled
         #: `{(layer, tensor): {stat: value}}` and the health flags raised (fp8_guard's input).
         self.listeners: list[Callable[[int, dict, dict], None]] = []
@@ -233,7 +244,7 @@ class FP8Stats(Callback):
         at the next step, and W&B drops a step lower than one it has seen."""
         if self.monitor is None:
             return
-        metrics = self.monitor.finish_step()  # raises only on every rank together
+        metrics = self.monitor.finish_step(self.fallbacks)  # raises only on every rank together
         if metrics:
             for listener in self.listeners:  # the pooled table and flags, on every rank
                 listener(self._step, self.monitor.table, self.monitor.flags)
@@ -286,7 +297,8 @@ class FP8Stats(Callback):
                         lambda d, image=image, stat=stat: d.log_images(
                             image, f"{IMAGE_PREFIX}{stat}", True, step, use_table=False),
                         "fp8_stats", self.strict)
-        columns, rows = table_rows(self.monitor.table, self.monitor.flags)
+        columns, rows = table_rows(self.monitor.table, self.monitor.flags,
+                                   self.monitor.whatif_rows, self.monitor.fallback_rows)
         if self._no_table is None:
             self._no_table = [d for d in destinations if _wandb_table_hangs(d)]
             if self._no_table:
@@ -320,9 +332,11 @@ class FP8Stats(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """The monitor's state (tracker and what-if, `FP8Monitor.state_dict`; the same on every
-        rank: both follow the pooled statistics and the all_reduced amaxes) and when images
-        are next due. Under `reduce_amax: false` each rank's what-if is gathered too. A failure
-        of ours saves `unsaved` instead of stopping the save (`strict`: raises)."""
+        rank: both follow the pooled statistics and the all_reduced amaxes), when images are
+        next due and the heatmaps' history (`_recent`, at most `IMAGE_STEPS` logging steps of
+        the pooled tables: the same on every rank, saved by each without a collective). Under
+        `reduce_amax: false` each rank's what-if is gathered too. A failure of ours saves
+        `unsaved` instead of stopping the save (`strict`: raises)."""
         if not self._fit_started:
             # Composer asks for it in the Trainer's constructor too, as the template a sharded
             # checkpoint is loaded into: there a key the checkpoint lacks is an error, so the
@@ -333,6 +347,9 @@ class FP8Stats(Callback):
             if self.monitor is not None:
                 saved["monitor"] = self.monitor.state_dict()
                 saved["images"] = [self.image_interval, self._next_image]
+                saved["heatmaps"] = [[step, [[layer, tensor, dict(stats)]
+                                             for (layer, tensor), stats in rows.items()]]
+                                     for step, rows in self._recent]
         except Exception:
             if self.strict:
                 raise
@@ -407,6 +424,9 @@ class FP8Stats(Callback):
         saved = state.get("monitor")
         if saved is None:  # fp8_stats was off in that run: nothing to go on from
             return []
+        # checked before anything changes; the rows watched now, as the monitor's state
+        heatmaps = _heatmap_history(state.get("heatmaps"), {
+            (monitor.short[layer], tensor) for layer, tensor in monitor.rows})
         notes: list[str] = []
         ranks = state.get("whatif_ranks")
         if ranks is not None:  # reduce_amax: false, each rank its own what-if
@@ -420,6 +440,12 @@ class FP8Stats(Callback):
         images = state.get("images")
         if isinstance(images, list) and len(images) == 2 and images[0] == self.image_interval:
             self._next_image = int(images[1])
+        if heatmaps is None:
+            notes.append("the heatmaps' logging steps before it (the heatmaps start at this "
+                         "resume)")
+        else:
+            self._recent.clear()
+            self._recent.extend(heatmaps)
         return notes
 
     def _rank_zero(self, call: Callable[[], None], what: str) -> None:
@@ -467,15 +493,28 @@ def heatmap_rows(table: Table) -> dict[tuple[str, str], dict[str, float]]:
             for key, stats in table.items()}
 
 
+#: The table's `numbers` column: the layer's own FP8 casts, or the `recipe` what-if of a layer
+#: not in FP8 (never converted, or in fp8_guard's fallback: then out of the summary series).
+FP8_NUMBERS, WHATIF_NUMBERS, FALLBACK_NUMBERS = "FP8", "what-if", "what-if (fp8_guard fallback)"
+
+
 def table_rows(table: Table, flags: Mapping[tuple[str, str], Sequence[Flag]],
+               whatif: Collection[tuple[str, str]], fallback: Collection[tuple[str, str]],
                ) -> tuple[list[str], list[list[Any]]]:
-    """The per-layer table of one logging step: layer, tensor, each statistic, and the rules
+    """The per-layer table of one logging step: layer, tensor, whose numbers they are (`whatif`
+    rows, of which `fallback` ones are in the guard's fallback), each statistic, and the rules
     it broke there with the YAML key to change (`rule: key; ...`)."""
     stats = known_first({stat for row in table.values() for stat in row}, SPECS)
-    rows = [[layer, tensor, *(row.get(stat, float("nan")) for stat in stats),
+
+    def numbers(key: tuple[str, str]) -> str:
+        return (FALLBACK_NUMBERS if key in fallback else WHATIF_NUMBERS if key in whatif
+                else FP8_NUMBERS)
+
+    rows = [[layer, tensor, numbers((layer, tensor)),
+             *(row.get(stat, float("nan")) for stat in stats),
              "; ".join(f"{flag.rule}: {flag.yaml_key}" for flag in flags.get((layer, tensor), ()))]
             for (layer, tensor), row in table.items()]
-    return ["layer", "tensor", *stats, "flags"], rows
+    return ["layer", "tensor", "numbers", *stats, "flags"], rows
 
 
 def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
@@ -496,6 +535,25 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
     session = TEDebugSession(config, folder, lambda name, value, step: sink(name, value))
     session.start()
     return session
+
+
+def _heatmap_history(saved: Any, watched: Collection[tuple[str, str]],
+                     ) -> list[tuple[int, dict[tuple[str, str], dict[str, float]]]] | None:
+    """`state_dict()`'s `heatmaps` read back, as `heatmap_rows` of the rows in `watched` (the
+    rest are not drawn now); None when the checkpoint has none (an earlier version).
+    ValueError when malformed."""
+    if saved is None:
+        return None
+    known = {*STAT_KEYS, INITIAL_SCALE}
+    try:
+        return [(int(step), heatmap_rows({(layer, tensor): {stat: float(value)
+                                                            for stat, value in stats.items()
+                                                            if stat in known}
+                                          for layer, tensor, stats in rows
+                                          if (layer, tensor) in watched}))
+                for step, rows in saved][-IMAGE_STEPS:]
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"not fp8_stats' heatmap history ({type(e).__name__}: {e})") from e
 
 
 def _whatif_bytes(whatif: Mapping[str, Any] | None) -> int:

@@ -254,14 +254,22 @@ class HealthTracker:
         return f"{SWAP}.exclude: '{re.escape(layer)}$'"
 
 
-def summary_metrics(table: Table, raised: Mapping[tuple[str, str], list[Flag]]) -> dict[str, float]:
+def summary_metrics(table: Table, raised: Mapping[tuple[str, str], list[Flag]],
+                    left_out: Collection[tuple[str, str]] = ()) -> dict[str, float]:
     """This step's summary series (`health.keys.SUMMARIES`), per tensor kind and overall:
-    worst values over the judged layers, layers flagged at this step, NaN/Inf elements."""
+    worst values over the judged layers, layers flagged at this step, NaN/Inf elements.
+
+    `left_out`: rows whose worst values and flags the summary does not count, the what-if rows
+    of layers fp8_guard already runs in high precision (its `fp8/guard/...` series report them),
+    so an alert on `fp8/flagged_layers` stops once the guard has acted. NaN/Inf still count: they
+    are in the high-precision tensor, whatever it is cast to."""
     metrics: dict[str, float] = {}
     tensors = [t for t in TENSORS if any(k[1] == t for k in table)]
     tensors += sorted({k[1] for k in table} - set(tensors))
+    counted = {key: stats for key, stats in table.items() if key not in left_out}
+    flagged = [key for key in raised if key not in left_out]
     for tensor in tensors:
-        rows = [stats for (_, t), stats in table.items()
+        rows = [stats for (_, t), stats in counted.items()
                 if t == tensor and not stats.get(INITIAL_SCALE)]
         for name, stat, default in (("worst_underflow_pct", "underflow_pct", 0.0),
                                     ("worst_overflow_pct", "overflow_pct", 0.0),
@@ -272,9 +280,9 @@ def summary_metrics(table: Table, raised: Mapping[tuple[str, str], list[Flag]]) 
                 worst = worse_of(stat, worst, v)
             metrics[summary_key(tensor, name)] = worst
         metrics[summary_key(tensor, "flagged_layers")] = float(
-            len({layer for (layer, t) in raised if t == tensor}))
+            len({layer for (layer, t) in flagged if t == tensor}))
         metrics[summary_key(tensor, "nonfinite")] = sum(
             _value(stats, "nan_count", 0.0) + _value(stats, "inf_count", 0.0)
             for (_, t), stats in table.items() if t == tensor)
-    metrics[summary_key(None, "flagged_layers")] = float(len({layer for layer, _ in raised}))
+    metrics[summary_key(None, "flagged_layers")] = float(len({layer for layer, _ in flagged}))
     return metrics

@@ -9,7 +9,7 @@ import html
 import itertools
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from foundry_fp8.health.specs import SPECS, known_first, spec
 
@@ -107,10 +107,17 @@ def number(value: float) -> str:
     return f"{value:.4g}"
 
 
-def render_table(table: Mapping[tuple[str, str], Mapping[str, float]]) -> str:
+#: How the table marks a row whose numbers are what-if ones (`render_table`'s `whatif`).
+WHATIF_MARK = "(what-if)"
+
+
+def render_table(table: Mapping[tuple[str, str], Mapping[str, float]],
+                 whatif: Collection[tuple[str, str]] = ()) -> str:
     """The worst value of each statistic per layer and tensor, worst underflow first; empty
     when nothing was judged. `scale_ratio` is the one farthest from 1 (> 1: tensor outgrew its
-    scale, overflow side; < 1: scale too small, underflow side)."""
+    scale, overflow side; < 1: scale too small, underflow side). Rows in `whatif` hold what-if
+    numbers (a layer not in FP8 at some judged step: never converted, or in fp8_guard's
+    fallback), not what the layer's FP8 casts did: their tensor is marked `(what-if)`."""
     if not table:
         return ""
     present = {s for row in table.values() for s in row}
@@ -126,7 +133,8 @@ def render_table(table: Mapping[tuple[str, str], Mapping[str, float]]) -> str:
     for (layer, tensor), row in sorted(table.items(),
                                        key=lambda kv: -_sortable(kv[1].get("underflow_pct", 0.0))):
         values = " | ".join(number(row.get(c, float("nan"))) for c in columns)
-        lines.append(f"| {md_escape(layers[layer])} | {md_escape(tensors[tensor])} | {values} |")
+        kind = md_escape(tensors[tensor]) + (f" {WHATIF_MARK}" if (layer, tensor) in whatif else "")
+        lines.append(f"| {md_escape(layers[layer])} | {kind} | {values} |")
     return "\n".join(lines) + "\n"
 
 
