@@ -535,7 +535,7 @@ def option_classes(cls: type) -> list[type]:
 
 @dataclass(frozen=True)
 class SwapConfig(Options):
-    """Which layers `te_swap` converts (the Python API of `foundry_fp8.swap.plan_swap`).
+    """Which layers `te_swap` converts (the config of `foundry_fp8.convert_to_fp8`).
 
     `min_gemm_size`: GEMMs whose smaller weight dim is below it stay high precision (too small
     to gain from FP8). `tokens_per_microbatch`: when given, checked against TE's rule that a GEMM

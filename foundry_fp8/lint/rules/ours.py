@@ -96,7 +96,8 @@ def entry_option_types(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
 @rule("FP8021", "error", "te_swap's `te` backend (its default) without amp_fp8",
       why="TE layers compute in FP8 only inside Composer's amp_fp8 autocast; te_swap refuses "
       "the run at INIT when nothing would run in FP8.",
-      source="foundry_fp8/composer/te_swap.py TESwap._convert, foundry_fp8/swap.py would_run_fp8",
+      source="foundry_fp8/swap.py convert_to_fp8, would_run_fp8 (called by "
+      "foundry_fp8/composer/te_swap.py TESwap._convert)",
       fix="precision: amp_fp8, or te_swap backend: emulate")
 def te_swap_without_amp_fp8(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     swap = te_swap(config)
@@ -140,8 +141,8 @@ def converts_any(modules: list[MPTModule], swap: SwapConfig, n_blocks: int) -> b
       "te_swap's own functions (foundry_fp8/filters.py). The key is the te_swap option that, "
       "at its default, would let a layer convert. Only MPT (`mpt_causal_lm`) models are "
       "judged; te_swap's backend te without amp_fp8 is FP8021's.",
-      source="foundry_fp8/composer/te_swap.py TESwap._convert, _refusal; foundry_fp8/swap.py "
-      "plan_swap, would_run_fp8; foundry_fp8/filters.py linear_reason, layernorm_reason, "
+      source="foundry_fp8/swap.py convert_to_fp8, _refusal, plan_swap, would_run_fp8 "
+      "(called by foundry_fp8/composer/te_swap.py TESwap._convert); foundry_fp8/filters.py linear_reason, layernorm_reason, "
       f"fuse_reason; {FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py, "
       "llmfoundry/models/layers/blocks.py, attention.py, ffn.py (the modules and their names)",
       fix="relax the option the message names (keep_first/last_blocks, include/exclude, "
