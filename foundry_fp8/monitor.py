@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 from torch import nn
@@ -41,6 +41,8 @@ from foundry_fp8.health import (
     Flag,
     HealthTracker,
     Thresholds,
+    WhatIf,
+    direction,
     layer_key,
     render_table,
     short_layer,
@@ -78,8 +80,8 @@ class Watch:
     slot: int | None
 
     @property
-    def direction(self) -> str:
-        return "backward" if self.kind == "gradient" else "forward"
+    def direction(self) -> Literal["forward", "backward"]:
+        return direction(self.kind)
 
 
 LINEAR_WATCHES = (Watch("activation", "activation", "input", emulate.FWD_INPUT),
@@ -208,6 +210,7 @@ class _Step:
     # tensor, read in the step's one host transfer)
     initial: dict[int, torch.Tensor | bool] = field(default_factory=dict)
     whatif: set[int] = field(default_factory=set)  # rows measured under the `recipe` what-if
+    formats: dict[int, str] = field(default_factory=dict)  # the FP8 format each row is cast in
     amax: torch.Tensor | None = None  # what-if amaxes of this step, one per row
     dump: dict[str, torch.Tensor] = field(default_factory=dict)
     dump_bytes: int = 0
@@ -262,6 +265,8 @@ class FP8Monitor:
         self.fallback_rows: set[tuple[str, str]] = set()
         # rows judged with what-if numbers at some logging step: `summary()` marks them
         self.whatif_judged: set[tuple[str, str]] = set()
+        # the FP8 format (`E4M3`, `E5M2`) each row of `table` was cast in, or its what-if was
+        self.formats: dict[tuple[str, str], str] = {}
 
     @property
     def record_window(self) -> int:
@@ -384,6 +389,7 @@ class FP8Monitor:
             return
         row = sufficient_stats(value, fmt, scale, power_2=power_2)
         step.pending[idx] = row
+        step.formats[idx] = fmt
         if whatif:
             step.whatif.add(idx)
         if initial is not False:
@@ -515,12 +521,21 @@ class FP8Monitor:
         # this rank's view, as `initial`: every rank runs the same layers in FP8
         self.whatif_rows = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif}
         self.whatif_rows &= table.keys()
+        self.formats = {key: fmt.upper() for i, fmt in step.formats.items()
+                        if (key := (self.short[self.rows[i][0]], self.rows[i][1])) in table}
         self.fallback_rows = {key for key in self.whatif_rows if key[0] in fallbacks}
         self.whatif_judged |= {key for key in self.whatif_rows if not table[key].get(INITIAL_SCALE)}
-        for found in flags.values():
+        # what-if rows of layers that do cast in FP8, whose scale slot is not known here
+        in_fp8 = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif
+                  if step.modes.get(self.rows[i][0]) is not None}
+        recipe = f"fp8_stats' recipe ({self.config.recipe.scaling} scaling)"
+        for key, found in flags.items():
+            runs: WhatIf = ("fallback" if key in self.fallback_rows else
+                            "fp8" if key in in_fp8 else "high")
             for flag in found:
                 if flag.new:
-                    self.on_warning(flag.message)
+                    self.on_warning(flag.whatif_message(recipe, runs)
+                                    if key in self.whatif_rows else flag.message)
         metrics = {layer_key(stat, tensor, layer): value
                    for (layer, tensor), stats in table.items() for stat, value in stats.items()}
         metrics.update(summary_metrics(table, flags, self.fallback_rows))

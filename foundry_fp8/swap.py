@@ -31,6 +31,7 @@ from foundry_fp8.te.facts import (
     TE_LN_MLP_INIT_SOURCE,
     te_ln_mlp_init_fails,
 )
+from foundry_fp8.te.probe import te_class_name
 
 #: LLM-Foundry sets these on linear layers (attention.py, ffn.py) and its param_init_fns read
 #: them, which matters when `init_device: meta` defers init until after the swap.
@@ -71,16 +72,20 @@ class Decision:
 
     @property
     def flops(self) -> int:
-        """Forward GEMM FLOPs per token (2 per multiply-add); LN-MLP counts its two GEMMs."""
+        """Forward GEMM FLOPs per token (`gemm_flops`); LN-MLP counts its two GEMMs."""
         if self.kind == "layernorm":
             return 0
-        return 2 * self.in_features * self.out_features * (2 if self.kind == "ln_mlp" else 1)
+        return gemm_flops(self.in_features, self.out_features) * (2 if self.kind == "ln_mlp"
+                                                                  else 1)
 
 
 @dataclass(frozen=True)
 class SwapPlan:
     decisions: tuple[Decision, ...]
     backend: str
+    #: The model's linear-GEMM FLOPs per token (`linear_flops`), of which each decision's
+    #: `flops_share` is; counted before a wrapper (FSDP) shards the weights.
+    total_flops: int = 0
 
     @property
     def converted(self) -> list[Decision]:
@@ -97,6 +102,35 @@ class SwapPlan:
         gemms = [d for d in self.decisions if d.kind != "layernorm"]
         total = sum(d.params for d in gemms)
         return sum(d.params for d in gemms if d.convert) / total if total else 0.0
+
+
+def gemm_flops(in_features: int, out_features: int) -> int:
+    """Forward FLOPs per token of one GEMM, 2 per multiply-add: the one count behind every
+    linear-GEMM FLOPs share (te_swap's plan and coverage table, fp8_guard's budget and
+    series)."""
+    return 2 * in_features * out_features
+
+
+def module_flops(module: nn.Module) -> int:
+    """Forward GEMM FLOPs per token of a GEMM module: an `nn.Linear` (our EmulatedFP8Linear
+    too) by its features, one of TE's GEMM modules by its 2-D weights (`weight`; a
+    LayerNormMLP's `fc1_weight` and `fc2_weight`); 0 for any other module."""
+    if isinstance(module, nn.Linear):
+        return gemm_flops(module.in_features, module.out_features)
+    if te_class_name(module) is None:
+        return 0
+    weights = (getattr(module, name, None) for name in ("weight", "fc1_weight", "fc2_weight"))
+    return sum(gemm_flops(w.shape[1], w.shape[0]) for w in weights
+               if isinstance(w, torch.Tensor) and w.dim() == 2)
+
+
+def linear_flops(model: nn.Module) -> int:
+    """The model's linear-GEMM FLOPs per token, the total every FLOPs share is of: its GEMM
+    modules' (`module_flops`, TE modules it was built with included) and a tied LM head's
+    (`F.linear` on the input embedding, no module of its own)."""
+    tied = _tied_lm_head(model)
+    head = gemm_flops(tied[1], tied[0]) if tied is not None else 0
+    return sum(module_flops(m) for m in model.modules()) + head
 
 
 def _n_params(*modules: nn.Module) -> int:
@@ -180,7 +214,6 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
     for name, module in modules.items():
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(name)
-    tied_linear = False
     for name, module in modules.items():
         if name in fused:
             continue
@@ -193,7 +226,6 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
             else:
                 reason = linear_reason(name, module.in_features, module.out_features, config,
                                        n_blocks, module)
-            tied_linear = tied_linear or bool(others)
             decisions.append(Decision(name, "linear", reason is None, reason or "converted",
                                       module.in_features, module.out_features, _n_params(module)))
         elif config.convert_layernorm and isinstance(module, nn.LayerNorm):
@@ -206,26 +238,37 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
                                       module.normalized_shape[-1], module.normalized_shape[-1],
                                       _n_params(module)))
 
-    tied = None if tied_linear else _tied_lm_head(model)
+    tied = _tied_lm_head(model)
     if tied is not None:
         vocab, d_model = tied
         decisions.append(Decision("lm_head (tied to wte)", "tied_lm_head", False,
                                   "tied to the embedding (F.linear on wte.weight): no module to "
                                   "convert", d_model, vocab, vocab * d_model))
-    total = sum(d.flops for d in decisions) or 1
-    decisions = [Decision(**{**d.__dict__, "flops_share": d.flops / total}) for d in decisions]
-    return SwapPlan(tuple(decisions), config.backend)
+    # the same total as `linear_flops` (a fused LN-MLP's two GEMMs are its up/down_proj's),
+    # and beyond the decisions the TE modules the model was built with
+    total = linear_flops(model)
+    decisions = [Decision(**{**d.__dict__, "flops_share": d.flops / (total or 1)})
+                 for d in decisions]
+    return SwapPlan(tuple(decisions), config.backend, total)
 
 
 def _tied_lm_head(model: nn.Module) -> tuple[int, int] | None:
-    """(vocab, d_model) when the model computes logits from its input embedding (MPT's
-    `tie_word_embeddings`, default true), else None. Looks through wrappers (Composer's)."""
+    """(vocab, d_model) when the model computes logits from its input embedding with no
+    module of its own (MPT's `tie_word_embeddings`, default true), else None: untied, or an
+    `nn.Linear` holding the embedding's weight (a module, counted as one). Looks through
+    wrappers (Composer's); an `nn.Embedding`'s sizes are read from its attributes, which
+    FSDP's sharding leaves alone."""
     for module in model.modules():
         config = getattr(module, "config", None)
         if hasattr(module, "get_input_embeddings") and hasattr(config, "tie_word_embeddings"):
             if not config.tie_word_embeddings:
                 return None
-            weight = module.get_input_embeddings().weight
+            embedding = module.get_input_embeddings()
+            weight = embedding.weight
+            if any(isinstance(m, nn.Linear) and m.weight is weight for m in model.modules()):
+                return None
+            if isinstance(embedding, nn.Embedding):
+                return embedding.num_embeddings, embedding.embedding_dim
             return weight.shape[0], weight.shape[1]
     return None
 

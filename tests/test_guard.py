@@ -213,7 +213,9 @@ def test_static_yaml_makes_te_swap_keep_exactly_those_layers():
     assert re.search(exclude_regex(["blocks.1.attn.out_proj"]), "blocks.11.attn.out_proj") is None
 
 
-def test_flops_shares_come_from_te_swap_plan_or_weight_shapes():
+def test_without_te_swap_flops_shares_are_of_the_models_linear_gemms():
+    """The count te_swap's plan uses (`swap.linear_flops`); a real run with te_swap, a TE module
+    and a tied head: tests/test_guard_flops.py."""
     model = _Model()
     layers = {"blocks.1.attn.out_proj": model.model.transformer.blocks[1].attn.out_proj}
     # 16x16 of (2 x (16x48 + 16x16)) multiply-adds

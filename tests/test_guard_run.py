@@ -443,12 +443,20 @@ def test_a_guard_with_nothing_in_fp8_says_so(tmp_path, tiny_data, capfd):
 
 
 @pytest.mark.slow
-def test_without_fp8_layers_the_summary_counts_the_layers_that_would_fail(tmp_path, tiny_data):
+def test_without_fp8_layers_the_summary_counts_the_layers_that_would_fail(tmp_path, tiny_data,
+                                                                          capfd):
     """Without te_swap every number is fp8_stats' what-if: `fp8/flagged_layers` says which
     layers would fail in FP8 (the fault's, from its first batch), with the guard beside it
-    (nothing to guard, nothing in fallback), and the table marks every row a what-if."""
+    (nothing to guard, nothing in fallback), the table marks every row a what-if, and the
+    warnings say so, advising no change to a layer that runs in high precision."""
     guard, metrics, trainer = _run(tmp_path, tiny_data, "what_if",
                                    {**PICTURES, **FAULT, **GUARD}, fp8=False, wandb=True)
+    warned = [line for line in capfd.readouterr().err.splitlines()
+              if f"layer '{LAYER}' at step {START}" in line]
+    assert warned and all(
+        f"FP8 what-if for the activation of layer '{LAYER}' at step {START} (it does not run in "
+        "FP8; these numbers are what fp8_stats' recipe (current scaling) would do to it): "
+        in line and "Change:" not in line for line in warned), warned
     assert not guard.core.fallbacks
     flagged = _flagged(trainer)
     assert all(any(layer == LAYER for layer, _ in flagged[s]) for s in range(START, END, INTERVAL))

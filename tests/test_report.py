@@ -3,6 +3,7 @@ metrics.jsonl written by hand with known numbers; bad and hostile input is one l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import foundry_fp8
@@ -245,6 +247,54 @@ def test_cli_writes_plots_and_markdown(tmp_path, capsys):
             "`blocks.2.ffn.down` gradient mean 0.5 %, worst 0.5 % (step 0)\n") in md
     assert all(f"![{name}]({name})" in md for name in pngs)
     assert f"| {L1} | gradient | 9 |" in md  # the full table, worst underflow first
+
+
+E4M3 = {"scaling": "delayed", "fp8_format": "E4M3", "amax_history_len": 16,
+        "amax_compute_algo": "max", "margin": 0, "reduce_amax": True}  # as te_swap logs it
+
+
+@pytest.mark.parametrize(("hparams", "gradient"), [
+    # te_swap's layers and fp8_stats' what-if both cast in E4M3: so does every gradient
+    ({"fp8/recipe": E4M3, "callbacks": {"fp8_stats": {"recipe": {"fp8_format": "E4M3"}}}},
+     "gradient (E4M3)"),
+    # the what-if is fp8_stats' default (current scaling, HYBRID): its rows' gradients are E5M2
+    ({"fp8/recipe": E4M3, "callbacks": {"fp8_stats": {"interval": 10}}},
+     "gradient (E4M3 or E5M2)"),
+    ({"fp8/recipe": E4M3}, None),  # fp8_stats' recipe not known (not LLM-Foundry's config)
+    ({"callbacks": {"fp8_stats": {}}}, None),  # no te_swap: the FP8 layers' recipe not known
+    ({"fp8/recipe": {"fp8_format": "E5M2"}, "callbacks": {"fp8_stats": {}}}, None),  # no recipe
+])
+def test_the_pictures_name_the_formats_of_the_runs_recipes(tmp_path, monkeypatch, hparams,
+                                                            gradient):
+    """The heatmaps' panel titles say the formats the run's recipes (hparams.json) cast each
+    tensor in, or none where a recipe is not known: the PNG the report writes is, pixel for
+    pixel, the heatmap drawn with those titles."""
+    from matplotlib.image import imread
+
+    from foundry_fp8.health import plots
+
+    folder = write_run(tmp_path / "run")
+    (folder / "hparams.json").write_text(json.dumps(hparams))
+    assert main(["report", str(folder), "--out", str(tmp_path / "report")]) == 0
+    written = imread(tmp_path / "report" / "fp8_heatmap_cos_sim.png")
+    run, thresholds = load(folder / "metrics.jsonl"), thresholds_from_hparams(hparams)
+    titles = ({"activation": "activation (E4M3)", "gradient": gradient} if gradient
+              else {"activation": "activation", "gradient": "gradient"})
+
+    def titled(path: Path, titles: dict[str, str]) -> np.ndarray:
+        """The report's figure of the cos_sim heatmap, its panels titled `titles`."""
+        drawn = plots.heatmap(run, "cos_sim", thresholds)
+        panels = [dataclasses.replace(p, title=titles[p.tensor]) for p in drawn.panels]
+        with monkeypatch.context() as patched:
+            patched.setattr(plots, "heatmap",
+                            lambda *_, **__: dataclasses.replace(drawn, panels=panels))
+            plots.save_png(plots.draw_heatmap(run, "cos_sim", thresholds), path)
+        return imread(path)
+
+    assert np.array_equal(written, titled(tmp_path / "expected.png", titles))
+    if gradient:  # the title is in the pixels
+        old = {"activation": "activation (E4M3)", "gradient": "gradient (E5M2)"}
+        assert not np.array_equal(written, titled(tmp_path / "old.png", old))
 
 
 def test_cli_layers_option_and_nonfinite_counts(tmp_path, capsys):

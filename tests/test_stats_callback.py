@@ -13,10 +13,12 @@ from torch import nn
 
 from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.stats import FP8Stats
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.health import SUMMARIES, HealthTracker, collect, layer_key, parse_key, summary_key
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule
 from foundry_fp8.numerics import STAT_KEYS, tensor_stats
+from foundry_fp8.recipe import FP8Recipe
 from tests.tiny_run import run_folder, run_tiny
 
 
@@ -69,6 +71,43 @@ def test_a_tensor_with_nan_or_inf_gets_one_warning_as_the_report_flags_it():
     for step, table in collect(records).tables():
         tracker.update(step, table)
     assert {(f.layer, f.tensor) for f in tracker.flags} == {("0", "activation")}
+
+
+def test_a_warning_on_what_if_numbers_says_so_and_advises_accordingly():
+    """Three layers with one huge weight each: one runs in FP8 (emulated, current scaling), one
+    is a plain nn.Linear (fp8_stats' what-if), one is a plain nn.Linear fp8_guard has moved to
+    high precision. Only the first one's warning reads as its own FP8 numbers; the what-if
+    ones say so, and the fallback's advises no change."""
+    torch.manual_seed(0)
+    model = nn.Sequential(EmulatedFP8Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    with torch.no_grad():
+        for layer in model:
+            layer.weight[0, 0] = 1e6  # current scaling flushes the rest of the weight to 0
+    warned: list[str] = []
+    monitor = FP8Monitor(model, MonitorConfig(tensors=("weight",)), on_warning=warned.append)
+    monitor.start_step()
+    with fp8_autocast(recipe=FP8Recipe(scaling="current")):
+        model(torch.randn(4, 16)).sum().backward()
+    metrics = monitor.finish_step(fallbacks={"2"})
+    assert monitor.whatif_rows == {("1", "weight"), ("2", "weight")}
+    underflow = {layer: metrics[layer_key("underflow_pct", "weight", layer)] for layer in "012"}
+    assert all(value > 90 for value in underflow.values())
+    own, whatif, fallback = warned
+    assert own == (f"FP8 weight of layer '0' at step 0: underflow_pct {underflow['0']:.3g} % "
+                   "(> 5 %). Likely cause: the tensor's range is wider than FP8 holds at this "
+                   "layer. Change: algorithms.te_swap.keep_first_blocks: 1")
+    assert whatif == (
+        f"FP8 what-if for the weight of layer '1' at step 0 (it does not run in FP8; these "
+        f"numbers are what fp8_stats' recipe (current scaling) would do to it): underflow_pct "
+        f"{underflow['1']:.3g} % (> 5 %). Likely cause: the tensor's range is wider than FP8 "
+        f"holds at this layer. Keep it out of FP8 (where te_swap would convert it: "
+        f"algorithms.te_swap.exclude: '1$')")
+    assert fallback.startswith("FP8 what-if for the weight of layer '2' at step 0 (fp8_guard "
+                               "runs it in high precision; these numbers are what fp8_stats' "
+                               "recipe (current scaling) would do to it)")
+    assert fallback.endswith("No change: it stays in high precision while fp8_guard keeps it "
+                             "there")
+    assert "Change:" not in whatif + fallback
 
 
 def test_a_threshold_warning_does_not_hide_a_later_nan():

@@ -9,9 +9,11 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import pkgutil
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -21,6 +23,7 @@ from composer.core import Event
 from composer.devices import DeviceCPU
 from torch import nn
 
+from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.health import layer_key
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule
@@ -200,12 +203,16 @@ class _Logger:
         pass
 
 
-def _train(rank: int, callback: FP8Stats | None, steps: int) -> tuple[nn.Module, _Logger]:
+def _train(rank: int, callback: FP8Stats | None, steps: int,
+           destinations: Sequence[JSONLLogger] = ()) -> tuple[nn.Module, _Logger]:
     model = _weights()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = types.SimpleNamespace(model=model, run_name="run", callbacks=[], device=DeviceCPU(),
                                   timestamp=types.SimpleNamespace(batch=0))
     logger = _Logger()
+    logger.destinations += destinations
+    for destination in destinations:  # Composer's Logger calls it at INIT
+        destination.init(state, logger)
     events = callback.run_event if callback else lambda *_: None
     events(Event.FIT_START, state, logger)
     for batch in range(steps):
@@ -285,11 +292,33 @@ def _scenario(rank: int, name: str, out_dir: str) -> dict:
             "hooks_left": any(m._forward_pre_hooks or m._backward_pre_hooks for m in model)}
 
 
+JSONL_DUMPS = "jsonl_dumps"
+
+
+def _jsonl_dumps(rank: int, out_dir: str) -> list[str]:
+    """fp8_stats dumping with a `jsonl` logger whose path is absolute: every rank's dump file
+    goes beside the metrics file that only rank 0 writes. Returns the dump files under this
+    scenario's folder, the working directory too (where `runs/<run_name>` would be)."""
+    root = Path(out_dir) / JSONL_DUMPS
+    (root / "cwd").mkdir(parents=True, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(root / "cwd")
+    try:
+        jsonl = JSONLLogger(path=f"{root}/{{run_name}}/metrics.jsonl")
+        _train(rank, FP8Stats(interval=2, dump_steps=[1]), 3, [jsonl])
+    finally:
+        os.chdir(cwd)
+    torch_dist.barrier()  # both ranks have written
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*.safetensors"))
+
+
 def _callback_worker(rank: int, port: int, out_dir: str, names: list[str]) -> None:
     init_rank(rank, port)
     try:
         for name in names:
-            torch.save(_scenario(rank, name, out_dir), f"{out_dir}/{name}-rank{rank}.pt")
+            result = (_jsonl_dumps(rank, out_dir) if name == JSONL_DUMPS
+                      else _scenario(rank, name, out_dir))
+            torch.save(result, f"{out_dir}/{name}-rank{rank}.pt")
             torch_dist.barrier()
     finally:
         torch_dist.destroy_process_group()
@@ -299,7 +328,7 @@ def _callback_worker(rank: int, port: int, out_dir: str, names: list[str]) -> No
 def callback_results(tmp_path_factory) -> Callable[[str], list[dict]]:
     """Every scenario in one 2-process run."""
     out = tmp_path_factory.mktemp("callback")
-    run_ranks(_callback_worker, str(out), list(SCENARIOS))
+    run_ranks(_callback_worker, str(out), [*SCENARIOS, JSONL_DUMPS])
 
     def results(name: str) -> list[dict]:
         paths = [out / f"{name}-rank{r}.pt" for r in range(2)]
@@ -341,3 +370,10 @@ def test_strict_raises_on_every_rank_at_the_pooling(callback_results):
     ranks = callback_results("strict_dump")
     assert all("failed on 1 rank(s)" in r["raised"] for r in ranks)
     assert "injected failure on rank 1" in ranks[1]["raised"]
+
+
+def test_every_ranks_dumps_land_in_the_jsonl_loggers_folder(callback_results):
+    """Only rank 0 writes the `jsonl` logger's file, but every rank resolves its path: rank 1's
+    dump goes beside rank 0's, not into `runs/<run_name>` of its working directory."""
+    for files in callback_results(JSONL_DUMPS):
+        assert files == [f"run/fp8_dumps/step0000001-rank{rank}.safetensors" for rank in (0, 1)]

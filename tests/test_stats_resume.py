@@ -29,9 +29,10 @@ from foundry_fp8.composer.state import FP8State
 from foundry_fp8.composer.stats import IMAGE_PREFIX, TABLE_NAME, FP8Stats
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.health import INITIAL_SCALE, SUMMARIES, collect, layer_key, parse_key
-from foundry_fp8.health.plots import heatmap
+from foundry_fp8.health.plots import heatmap, recipe_formats
 from foundry_fp8.health.raster import render_heatmap
 from foundry_fp8.jsonl import read_jsonl
+from foundry_fp8.recipe import FP8Recipe
 
 BATCHES, RESUME_AT, INTERVAL = 12, 6, 2
 STATS = {"interval": INTERVAL, "image_interval": 2 * INTERVAL,
@@ -157,12 +158,18 @@ def test_a_resumed_run_logs_every_fp8_key_and_the_summary_of_the_uninterrupted_r
         f for f in run.stats.monitor.tracker.flags if f.step >= RESUME_AT]
 
 
-def _drawn(folder: Path, stat: str, step: int, stats: FP8Stats) -> tuple[list[int], np.ndarray]:
+def _drawn(folder: Path, stat: str, step: int, stats: FP8Stats, formats: bool = True
+           ) -> tuple[list[int], np.ndarray]:
     """The logging steps up to `step` of the run whose metrics.jsonl is in `folder`, and its
-    heatmap of `stat` over them, drawn from what that file holds."""
+    heatmap of `stat` over them, drawn from what that file holds, its panels titled with the
+    formats of te_swap's recipe (the blocks; hparams.json) and fp8_stats' (the head), or with
+    none (`formats=False`)."""
     shown = collect((s, m) for s, m in read_jsonl(folder / "metrics.jsonl") if s <= step)
     thresholds = stats.monitor.tracker.thresholds
-    return heatmap(shown, stat, thresholds).steps, render_heatmap(shown, stat, thresholds)
+    swap = FP8Recipe.from_options(json.loads((folder / "hparams.json").read_text())["fp8/recipe"])
+    titled = recipe_formats([swap, stats.config.recipe], shown.tensors) if formats else None
+    return (heatmap(shown, stat, thresholds).steps,
+            render_heatmap(shown, stat, thresholds, titled))
 
 
 def test_a_resumed_runs_heatmaps_are_the_uninterrupted_runs(full, tmp_path):
@@ -202,6 +209,24 @@ def test_a_checkpoint_of_an_earlier_version_without_the_heatmaps_resumes_with_on
         steps, drawn = _drawn(tmp_path / "run", stat, step, run.stats)
         assert steps == [s for s in range(RESUME_AT, BATCHES, INTERVAL) if s <= step]
         assert np.array_equal(image, drawn), (stat, step)
+
+
+def test_a_checkpoint_whose_heatmaps_have_no_formats_resumes_without_them(full, tmp_path):
+    """Heatmaps saved without each step's formats (the version before them): the resumed run
+    draws the steps before the resume as saved, and titles no format while one of them is in
+    the picture (no format rather than a wrong one)."""
+    folder, run = full
+    saved = torch.load(_checkpoint(folder), weights_only=False)
+    state = saved["state"]["callbacks"]["FP8Stats"]
+    assert all(len(step) == 3 for step in state["heatmaps"])
+    state["heatmaps"] = [step[:2] for step in state["heatmaps"]]
+    torch.save(saved, tmp_path / "earlier.pt")
+    resumed = _resume_with(full, tmp_path / "run", tmp_path / "earlier.pt")
+    assert _after_resume(resumed.metrics) == _after_resume(run.metrics)
+    for (stat, step), image in resumed.images.items():
+        _, drawn = _drawn(folder, stat, step, run.stats, formats=False)
+        assert np.array_equal(image, drawn), (stat, step)
+        assert not np.array_equal(image, run.images[(stat, step)]), (stat, step)
 
 
 def test_the_table_and_the_summary_mark_the_what_if_rows(full):

@@ -34,6 +34,8 @@ from foundry_fp8.guard import (
 from foundry_fp8.health import short_layer
 from foundry_fp8.monitor import multi_rank
 from foundry_fp8.options import ENTRIES, OptionError, build
+from foundry_fp8.swap import SwapPlan, linear_flops, module_flops
+from foundry_fp8.te import probe
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,8 @@ class FP8Guard(Callback):
         self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)}
         swap = next((a for a in state.algorithms if isinstance(a, TESwap)), None)
         self._exclude = swap.config.exclude if swap is not None else None
-        self.core = GuardCore(self.config, layer_flops(state.model, self._modules, swap))
+        self.core = GuardCore(self.config, layer_flops(state.model, self._modules,
+                                                       swap.plan if swap is not None else None))
         if self._restored is not None:
             self.core.load_state_dict(self._restored)
         for layer in self.core.fallbacks:
@@ -302,7 +305,7 @@ def high_precision_context(module: nn.Module) -> AbstractContextManager:
     """The autocast region in which `module` runs in high precision: a nested disabled one."""
     if isinstance(module, emulate.EmulatedFP8Linear):
         return emulate.fp8_autocast(enabled=False)
-    if hasattr(module, "init_fp8_metadata"):  # a TE module
+    if probe.is_te_fp8_module(module):
         from foundry_fp8.te import backend as te_backend
 
         return te_backend.te_high_precision(module)
@@ -328,22 +331,18 @@ def high_precision_hooks(module: nn.Module) -> list[Any]:
             module.register_forward_hook(leave, always_call=True)]
 
 
-def _gemm_flops(module: nn.Module) -> int:
-    """Forward GEMM multiply-adds per token of a linear-like module (both GEMMs of an LN-MLP)."""
-    if isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2:
-        return module.weight.numel()
-    return sum(getattr(module, name).numel() for name in ("fc1_weight", "fc2_weight")
-               if isinstance(getattr(module, name, None), torch.Tensor))
-
-
 def layer_flops(model: nn.Module, layers: Mapping[str, nn.Module],
-                swap: TESwap | None) -> dict[str, float]:
-    """Each FP8 layer's share of the model's linear-GEMM FLOPs: te_swap's plan where it has the
-    layer (its total counts a tied LM head), else the weight shapes of the model's linear
-    modules."""
+                plan: SwapPlan | None) -> dict[str, float]:
+    """Each FP8 layer's share of the model's linear-GEMM FLOPs, one count for every layer
+    (`swap.module_flops` of `swap.linear_flops`, a tied LM head included): te_swap's `plan`
+    share where it planned the layer (counted before FSDP shards the weights), else the layer's
+    own FLOPs (a TE module the model was built with) of the same total, the plan's, or without
+    te_swap the model's."""
     planned: dict[str, float] = {}
-    if swap is not None and swap.plan is not None:
-        planned = {short_layer(canonical_name(d.name)): d.flops_share for d in swap.plan.decisions}
-    total = sum(_gemm_flops(m) for m in model.modules()
-                if isinstance(m, nn.Linear) or m in layers.values()) or 1
-    return {layer: planned.get(layer, _gemm_flops(m) / total) for layer, m in layers.items()}
+    total = linear_flops(model)
+    if plan is not None:  # its notes (an LN-MLP not fused) weigh nothing: not layers
+        planned = {short_layer(canonical_name(d.name)): d.flops_share for d in plan.decisions
+                   if d.flops}
+        total = plan.total_flops
+    return {layer: planned.get(layer, module_flops(m) / (total or 1))
+            for layer, m in layers.items()}

@@ -53,6 +53,9 @@ class JSONLLogger(LoggerDestination):
         self.options = build("jsonl", options)  # one line naming loggers.jsonl.<key>
         self.path_template: str = self.options.path
         self.strict: bool = self.options.strict
+        # the metrics file, resolved at INIT on every rank (only rank 0 writes it): its folder
+        # is where every rank's other files go (fp8_stats' dumps, one file per rank)
+        self.path: Path | None = None
         self.sink: JsonlSink | None = None  # rank 0's file (set even once writing stopped)
         self.stopped = False  # a write failed: nothing more is written
         self._pending_hparams: dict[str, Any] = {}
@@ -62,10 +65,11 @@ class JSONLLogger(LoggerDestination):
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
+        self.path = in_run_folder(self.path_template, state_run_folder(state), state.run_name,
+                                  "loggers.jsonl.path")
         if dist.get_global_rank() != 0:
             return
-        sink = self.sink = JsonlSink(in_run_folder(self.path_template, state_run_folder(state),
-                                                   state.run_name, "loggers.jsonl.path"))
+        sink = self.sink = JsonlSink(self.path)
         self._earlier = _earlier_run(sink.path, self._hparams_path)
 
         def can_write() -> None:  # now, not at the first metric: say so before training

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,11 @@ from foundry_fp8.te.debug import (
 log = logging.getLogger(__name__)
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
+#: Per tensor name, the FP8 formats its rows were cast in at one logging step (None: not known,
+#: a checkpoint of an earlier version).
+StepFormats = dict[str, frozenset[str]] | None
+#: One logging step as the heatmaps keep it: step, `heatmap_rows` and `StepFormats`.
+Recent = tuple[int, dict[tuple[str, str], dict[str, float]], StepFormats]
 #: W&B sections: one image per statistic under `fp8_heatmap/`, the table as `fp8_table`.
 IMAGE_PREFIX = "fp8_heatmap/"
 TABLE_NAME = "fp8_table"
@@ -53,14 +58,15 @@ def _is_rank_zero() -> bool:
 
 
 def run_folder(state: State, logger: Logger) -> Path:
-    """Where this run writes: the `jsonl` logger's folder (what `foundry-fp8 report` reads),
-    else the run folder (`foundry_fp8.paths`: the parent of a local checkpoint `save_folder`,
-    else `runs/<run_name>`)."""
+    """Where this run writes: the `jsonl` logger's folder (what `foundry-fp8 report` reads; its
+    `path` is resolved on every rank, so every rank's files land there), else the run folder
+    (`foundry_fp8.paths`: the parent of a local checkpoint `save_folder`, else
+    `runs/<run_name>`)."""
     from foundry_fp8.composer.jsonl_logger import JSONLLogger, state_run_folder
 
     for destination in logger.destinations:
-        if isinstance(destination, JSONLLogger) and destination.sink is not None:
-            return destination.sink.path.parent
+        if isinstance(destination, JSONLLogger) and destination.path is not None:
+            return destination.path.parent
     return state_run_folder(state)
 
 
@@ -129,8 +135,7 @@ class FP8Stats(Callback):
         self.strict: bool = self.options.strict
         self.image_interval: int | None = self.options.image_interval
         self.console_layers: bool = self.options.console_layers
-        self._recent: deque[tuple[int, dict[tuple[str, str], dict[str, float]]]] = deque(
-            maxlen=IMAGE_STEPS)  # the last logging steps' tables, for the heatmaps
+        self._recent: deque[Recent] = deque(maxlen=IMAGE_STEPS)  # for the heatmaps
         # images are due from this step on: none at the first logging steps, one column wide
         self._next_image = self.image_interval or 0
         self._imaged: int | None = None  # the logging step the last images showed
@@ -254,7 +259,8 @@ class FP8Stats(Callback):
             te_metrics = dict(self._te_metrics)
             self._te_metrics.clear()
         if metrics:
-            self._recent.append((self._step, heatmap_rows(self.monitor.table)))
+            self._recent.append((self._step, heatmap_rows(self.monitor.table),
+                                 step_formats(self.monitor.formats)))
         if not _is_rank_zero():
             return
         if metrics or te_metrics:
@@ -287,12 +293,13 @@ class FP8Stats(Callback):
         console (which would print the table as JSON at every line after)."""
         assert self.monitor is not None
         run = RunMetrics()
-        for logged, table in self._recent:
+        for logged, table, _ in self._recent:
             run.add_table(logged, table)
+        formats = shown_formats(formats for _, _, formats in self._recent)
         destinations = [d for d in logger.destinations if not _console(d)]
         for stat in run.stats:
             if spec(stat).plot == "heatmap" and shown(run, stat):
-                image = render_heatmap(run, stat, self.monitor.tracker.thresholds)
+                image = render_heatmap(run, stat, self.monitor.tracker.thresholds, formats)
                 deliver(destinations, "images",
                         lambda d, image=image, stat=stat: d.log_images(
                             image, f"{IMAGE_PREFIX}{stat}", True, step, use_table=False),
@@ -334,7 +341,8 @@ class FP8Stats(Callback):
         """The monitor's state (tracker and what-if, `FP8Monitor.state_dict`; the same on every
         rank: both follow the pooled statistics and the all_reduced amaxes), when images are
         next due and the heatmaps' history (`_recent`, at most `IMAGE_STEPS` logging steps of
-        the pooled tables: the same on every rank, saved by each without a collective). Under
+        the pooled tables, with the formats of their rows for the titles: saved by each rank
+        without a collective). Under
         `reduce_amax: false` each rank's what-if is gathered too. A failure of ours saves
         `unsaved` instead of stopping the save (`strict`: raises)."""
         if not self._fit_started:
@@ -347,9 +355,11 @@ class FP8Stats(Callback):
             if self.monitor is not None:
                 saved["monitor"] = self.monitor.state_dict()
                 saved["images"] = [self.image_interval, self._next_image]
-                saved["heatmaps"] = [[step, [[layer, tensor, dict(stats)]
-                                             for (layer, tensor), stats in rows.items()]]
-                                     for step, rows in self._recent]
+                saved["heatmaps"] = [
+                    [step, [[layer, tensor, dict(stats)]
+                            for (layer, tensor), stats in rows.items()],
+                     None if formats is None else {t: sorted(f) for t, f in formats.items()}]
+                    for step, rows, formats in self._recent]
         except Exception:
             if self.strict:
                 raise
@@ -498,6 +508,27 @@ def heatmap_rows(table: Table) -> dict[tuple[str, str], dict[str, float]]:
 FP8_NUMBERS, WHATIF_NUMBERS, FALLBACK_NUMBERS = "FP8", "what-if", "what-if (fp8_guard fallback)"
 
 
+def step_formats(formats: Mapping[tuple[str, str], str]) -> dict[str, frozenset[str]]:
+    """Per tensor name, the FP8 formats of its rows at one logging step (the monitor's
+    `formats`)."""
+    by_tensor: dict[str, set[str]] = {}
+    for (_, tensor), name in formats.items():
+        by_tensor.setdefault(tensor, set()).add(name)
+    return {tensor: frozenset(names) for tensor, names in by_tensor.items()}
+
+
+def shown_formats(steps: Iterable[StepFormats]) -> dict[str, frozenset[str]]:
+    """Per tensor name, the formats over the logging steps a heatmap shows; none at all where
+    one step's are not known (no format rather than a wrong one)."""
+    shown: dict[str, frozenset[str]] = {}
+    for formats in steps:
+        if formats is None:
+            return {}
+        for tensor, names in formats.items():
+            shown[tensor] = shown.get(tensor, frozenset()) | names
+    return shown
+
+
 def table_rows(table: Table, flags: Mapping[tuple[str, str], Sequence[Flag]],
                whatif: Collection[tuple[str, str]], fallback: Collection[tuple[str, str]],
                ) -> tuple[list[str], list[list[Any]]]:
@@ -537,22 +568,28 @@ def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
     return session
 
 
-def _heatmap_history(saved: Any, watched: Collection[tuple[str, str]],
-                     ) -> list[tuple[int, dict[tuple[str, str], dict[str, float]]]] | None:
+def _heatmap_history(saved: Any, watched: Collection[tuple[str, str]]) -> list[Recent] | None:
     """`state_dict()`'s `heatmaps` read back, as `heatmap_rows` of the rows in `watched` (the
-    rest are not drawn now); None when the checkpoint has none (an earlier version).
-    ValueError when malformed."""
+    rest are not drawn now) with each step's formats (not known from a checkpoint that has
+    none); None when the checkpoint has no heatmaps (an earlier version). ValueError when
+    malformed."""
     if saved is None:
         return None
     known = {*STAT_KEYS, INITIAL_SCALE}
+
+    def formats(step: Sequence[Any]) -> StepFormats:
+        if len(step) == 2 or step[2] is None:
+            return None
+        return {str(tensor): frozenset(map(str, names)) for tensor, names in step[2].items()}
+
     try:
-        return [(int(step), heatmap_rows({(layer, tensor): {stat: float(value)
-                                                            for stat, value in stats.items()
-                                                            if stat in known}
-                                          for layer, tensor, stats in rows
-                                          if (layer, tensor) in watched}))
-                for step, rows in saved][-IMAGE_STEPS:]
-    except (TypeError, ValueError, AttributeError) as e:
+        return [(int(step[0]), heatmap_rows({(layer, tensor): {stat: float(value)
+                                                               for stat, value in stats.items()
+                                                               if stat in known}
+                                             for layer, tensor, stats in step[1]
+                                             if (layer, tensor) in watched}), formats(step))
+                for step in saved][-IMAGE_STEPS:]
+    except (TypeError, ValueError, AttributeError, IndexError) as e:
         raise ValueError(f"not fp8_stats' heatmap history ({type(e).__name__}: {e})") from e
 
 

@@ -9,6 +9,7 @@ alertable, printed on the console. Plain Python.
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 TENSORS = ("activation", "weight", "gradient")
 LAYER_PREFIX = "fp8_"
@@ -23,6 +24,14 @@ _STAT = re.compile(r"[^/\s]+")  # any name without a `/` or space (TE has `under
 # Module-name segments that are not layers: the Composer/HF wrappers' attribute names at the
 # front (`model.transformer.blocks.0...` -> `blocks.0...`).
 _FRONT = ("model.", "transformer.")
+
+
+def direction(tensor: str) -> Literal["forward", "backward"]:
+    """Which pass casts a watched tensor, the half of a recipe's format it takes
+    (`FP8Recipe.format_for`): the output gradient (`gradient`, TE's debug names for a
+    LayerNormMLP's GEMMs `fc1_gradient`, `fc2_gradient`) the backward's, every GEMM input of the
+    forward (`activation`, `weight`, `fc1_weight`, ...) the forward's."""
+    return "backward" if tensor.rpartition("_")[2] == "gradient" else "forward"
 
 
 def layer_key(stat: str, tensor: str, layer: str) -> str:

@@ -9,21 +9,40 @@ drawing, with the Agg canvas (no pyplot state). No torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from foundry_fp8.health.history import RunMetrics, heatmap_matrix, series, worst_layers
+from foundry_fp8.health.keys import direction
 from foundry_fp8.health.rules import block_index
-from foundry_fp8.health.specs import TENSOR_FORMAT, spec
+from foundry_fp8.health.specs import spec
 from foundry_fp8.health.table import bounded, one_line, short_names
 from foundry_fp8.health.thresholds import Thresholds
+from foundry_fp8.recipe import FP8Recipe
 
 #: Tensor kinds drawn side by side (fp8_stats logs 3; more come only from another file's keys).
 MAX_PANELS = 6
 #: Layers in the time-series plot (its legend has a line for each).
 MAX_SERIES_LAYERS = 20
+#: Per tensor name, the FP8 formats its rows were cast in (`E4M3`, `E5M2`); a tensor left out
+#: gets no format in its panel's title.
+Formats = Mapping[str, Collection[str]]
+
+
+def recipe_formats(recipes: Iterable[FP8Recipe], tensors: Iterable[str]) -> dict[str, set[str]]:
+    """The formats `recipes` (every recipe that cast some of the rows) give each tensor name:
+    `FP8Recipe.format_for` its pass (`keys.direction`)."""
+    recipes = list(recipes)
+    return {tensor: {r.format_for(direction(tensor)).upper() for r in recipes}
+            for tensor in tensors}
+
+
+def panel_title(kind: str, formats: Collection[str] | None) -> str:
+    """A panel's tensor kind with the formats its rows were cast in (`gradient (E5M2)`,
+    `gradient (E4M3 or E5M2)`), or alone where they are not known."""
+    return f"{kind} ({' or '.join(sorted(formats))})" if formats else kind
 
 
 def choose_layers(run: RunMetrics, match: Callable[[str], bool] | None = None
@@ -221,8 +240,10 @@ class Heatmap:
         return level < 0.35 if self.worse == "low" else level > 0.65
 
 
-def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Heatmap:
-    """One panel per tensor kind that logged `stat`: layers down, logging steps across."""
+def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
+            formats: Formats | None = None) -> Heatmap:
+    """One panel per tensor kind that logged `stat`: layers down, logging steps across, titled
+    with the formats its rows were cast in (`formats`; none where not given)."""
     import matplotlib
     import numpy as np
 
@@ -243,7 +264,8 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Heatmap:
             matrix = np.where(matrix <= 0, norm.vmin, matrix)
         finite = matrix[np.isfinite(matrix)]
         quiet = " - all 0" if finite.size and not finite.any() else ""
-        panels.append(Panel(tensor, f"{kinds[tensor]} ({TENSOR_FORMAT.get(tensor, '?')}){quiet}",
+        title = panel_title(kinds[tensor], (formats or {}).get(tensor))
+        panels.append(Panel(tensor, f"{title}{quiet}",
                             matrix, norm, limit, ticks))
     labels = short_names(run.layers, prefix)
     names = [labels[layer] for layer in run.layers]
@@ -252,11 +274,12 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Heatmap:
                    len(logged) - len(tensors))
 
 
-def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
+def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
+                 formats: Formats | None = None) -> Any:
     """The report's heatmap (`heatmap`) as a matplotlib figure."""
     import numpy as np
 
-    hm = heatmap(run, stat, thresholds)
+    hm = heatmap(run, stat, thresholds, formats)
     names = [text(name) for name in hm.names]
     n_layers, n_steps = len(names), len(hm.steps)
     height = min(max(2.6, 0.26 * n_layers + 1.5), 24.0)
@@ -319,8 +342,10 @@ def _readable_log_ticks(ax: Any, low: float | None = None, high: float | None = 
         ax.yaxis.set_minor_formatter(FuncFormatter(plain if high / low < 10 else two_and_five))
 
 
-def draw_series(run: RunMetrics, chosen: list[tuple[str, str]]) -> Any:
-    """Rows: amax, scale (current_scale, scale_ratio when logged); columns: tensor kinds."""
+def draw_series(run: RunMetrics, chosen: list[tuple[str, str]],
+                formats: Formats | None = None) -> Any:
+    """Rows: amax, scale (current_scale, scale_ratio when logged); columns: tensor kinds, titled
+    as the heatmaps' panels (`formats`)."""
     from matplotlib.ticker import MaxNLocator
 
     stats = [s for s in run.stats if spec(s).plot == "series"]
@@ -356,7 +381,7 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]]) -> Any:
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3, which="both", lw=0.5)
             if row == 0:
-                ax.set_title(text(f"{kinds[tensor]} ({TENSOR_FORMAT.get(tensor, '?')})"),
+                ax.set_title(text(panel_title(kinds[tensor], (formats or {}).get(tensor))),
                              fontsize=9)
             if col == 0:
                 label = spec(stat).label

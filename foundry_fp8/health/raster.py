@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8.health.history import RunMetrics
-from foundry_fp8.health.plots import NOT_LOGGED_NOTE, Heatmap, Panel, heatmap, tick_indices
+from foundry_fp8.health.plots import (
+    NOT_LOGGED_NOTE,
+    Formats,
+    Heatmap,
+    Panel,
+    heatmap,
+    tick_indices,
+)
 from foundry_fp8.health.thresholds import Thresholds
 
 PAD = 8  # around the picture and between its parts, pixels
@@ -44,11 +51,13 @@ def _font(size: int) -> Any:
         layout_engine=ImageFont.Layout.BASIC)
 
 
-def render_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds) -> Any:
+def render_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
+                   formats: Formats | None = None) -> Any:
     """`plots.heatmap` as an RGB uint8 array [height, width, 3] (what Composer's log_images
     takes): a title, one panel per tensor kind (layers down, logging steps across, thinned
-    labels), the colour bar with its numbers and the threshold's black line, and a caption."""
-    return raster(heatmap(run, stat, thresholds))
+    labels; titled with `formats`), the colour bar with its numbers and the threshold's black
+    line, and a caption."""
+    return raster(heatmap(run, stat, thresholds, formats))
 
 
 def bar_ticks(panel: Panel) -> list[tuple[float, str]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, summary_key
 from foundry_fp8.health.specs import worse_of
@@ -22,6 +22,10 @@ from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
 Table = Mapping[tuple[str, str], Mapping[str, float]]
 SWAP = "algorithms.te_swap"
 RECIPE = f"{SWAP}.fp8_recipe"
+#: Where a layer with what-if numbers runs (`Flag.whatif_message`).
+WhatIf = Literal["fp8", "high", "fallback"]
+#: The keys `HealthTracker._keep_in_bf16` advises: they keep a layer out of FP8.
+KEEP_OUT = (f"{SWAP}.keep_last_blocks", f"{SWAP}.keep_first_blocks", f"{SWAP}.exclude")
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,33 @@ class Flag:
 
     @property
     def message(self) -> str:
+        """The warning for numbers of the layer's own FP8 casts."""
         return (f"FP8 {self.tensor} of layer '{self.layer}' at step {self.step}: {self.reading}. "
                 f"Likely cause: {self.cause}. Change: {self.yaml_key}")
+
+    def whatif_message(self, recipe: str, runs: WhatIf) -> str:
+        """The warning for what-if numbers, what `recipe` (in words) would do to the tensor:
+        `runs` says where the layer's GEMMs run. In high precision (`high`, never converted;
+        `fallback`, moved there by fp8_guard) nothing failed in this run: a fallback gets no
+        change (the guard's own warning gave the static YAML), a layer never in FP8 what it
+        would take in FP8. `fp8`: it casts in FP8 with a scale not read here, so the change
+        stands. NaN/Inf are counted in the high-precision tensor, before any cast: no what-if,
+        `message`."""
+        if self.rule == "nonfinite":
+            return self.message
+        where = {"fp8": "it runs in FP8 with a scale not read here",
+                 "high": "it does not run in FP8",
+                 "fallback": "fp8_guard runs it in high precision"}[runs]
+        head = (f"FP8 what-if for the {self.tensor} of layer '{self.layer}' at step {self.step} "
+                f"({where}; these numbers are what {recipe} would do to it): {self.reading}. "
+                f"Likely cause: {self.cause}.")
+        if runs == "fp8":
+            return f"{head} Change: {self.yaml_key}"
+        if runs == "fallback":
+            return f"{head} No change: it stays in high precision while fp8_guard keeps it there"
+        if self.yaml_key.startswith(KEEP_OUT):
+            return f"{head} Keep it out of FP8 (where te_swap would convert it: {self.yaml_key})"
+        return f"{head} Before putting it in FP8, change: {self.yaml_key}"
 
 
 def block_index(layer: str) -> int | None:

@@ -41,7 +41,6 @@ SPECS: dict[str, StatSpec] = {
                             "(> 1: overflow side, < 1: underflow side)", "far_from_1", "series",
                             log=True),
 }
-TENSOR_FORMAT = {"activation": "E4M3", "weight": "E4M3", "gradient": "E5M2"}
 #: The value of a statistic that cannot be better (a "worst layers" list leaves such layers out).
 PERFECT = {"high": 0.0, "low": 1.0, "far_from_1": 1.0}
 

@@ -42,6 +42,7 @@ from foundry_fp8.report.markdown import (
 from foundry_fp8.report.read import (
     GuardRun,
     ReportError,
+    formats_from_hparams,
     guard_run,
     load_run,
     metrics_file_of,
@@ -137,6 +138,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     hparams_file = hparams_of(metrics_file)
     hparams = read_hparams(hparams_file, warn)
     thresholds = thresholds_from_hparams(hparams or {})
+    formats = formats_from_hparams(hparams or {}, run.tensors)
     guard = guard_run(series, hparams, hparams_file, warn)
     flags = replay(run, HealthTracker(thresholds))
     out = out or metrics_file.parent
@@ -148,11 +150,11 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
         for stat in run.stats:
             if spec(stat).plot == "heatmap" and shown(run, stat):
                 target = out / files[stat]
-                save_png(draw_heatmap(run, stat, thresholds), target)
+                save_png(draw_heatmap(run, stat, thresholds, formats), target)
                 written.append(target)
         if any(spec(s).plot == "series" for s in run.stats):
             target = out / SERIES_FILE
-            save_png(draw_series(run, chosen), target)
+            save_png(draw_series(run, chosen, formats), target)
             written.append(target)
         target = out / "fp8_report.md"
         target.write_text(render_report(run, flags, thresholds, chosen[:MAX_SERIES_LAYERS],

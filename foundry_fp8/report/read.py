@@ -1,6 +1,6 @@
 """Reading a run for the report: its `metrics.jsonl` (the `health.keys` layout and fp8_guard's
-series), the thresholds its `fp8_stats` ran with and fp8_guard's fallbacks (hparams.json); bad
-input is one line (ReportError)."""
+series), the thresholds its `fp8_stats` ran with, the FP8 formats of its recipes and
+fp8_guard's fallbacks (hparams.json); bad input is one line (ReportError)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ from foundry_fp8.guard import (
 )
 from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import LAYOUT, OLDER_LAYOUT, older_layout
+from foundry_fp8.health.plots import recipe_formats
 from foundry_fp8.jsonl import JsonlError, hparams_of, number, read_jsonl
+from foundry_fp8.options import build
+from foundry_fp8.recipe import FP8Recipe
 
 
 class ReportError(Exception):
@@ -43,6 +46,24 @@ def thresholds_from_hparams(hparams: Mapping[str, Any]) -> Thresholds:
         return Thresholds(**given, source="the run's fp8_stats settings (hparams.json)")
     except ValueError:
         return Thresholds()
+
+
+def formats_from_hparams(hparams: Mapping[str, Any], tensors: Iterable[str]) -> dict[str, set[str]]:
+    """Per tensor name, the FP8 formats the run cast its rows in, for the pictures' titles:
+    those of te_swap's recipe (`fp8/recipe`, its layers in FP8) and of fp8_stats' what-if
+    `recipe` (the run's `callbacks.fp8_stats`, every other layer). Empty where either is not
+    known (no te_swap: the recipe of TE modules the model was built with is not logged; a run
+    whose config holds no fp8_stats options): no format rather than a wrong one."""
+    swap, stats = hparams.get("fp8/recipe"), _fp8_stats_options(hparams)
+    if not isinstance(swap, Mapping) or stats is None:
+        return {}
+    try:
+        recipes = [FP8Recipe.from_options(swap),
+                   build("fp8_stats", {k: stats[k] for k in ("recipe",) if k in stats}
+                         ).monitor.recipe]
+    except (TypeError, ValueError):  # not a recipe this version reads
+        return {}
+    return recipe_formats(recipes, tensors)
 
 
 def _fp8_stats_options(hparams: Mapping[str, Any]) -> Mapping[str, Any] | None:
