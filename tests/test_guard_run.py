@@ -81,10 +81,15 @@ def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_data):
+def fault_registered() -> None:
+    """LLM-Foundry finds the injected fault by name, as a user's YAML would name a callback."""
     from llmfoundry.registry import callbacks
 
     callbacks.register("guard_inject_outlier", func=InjectOutlier)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_data, fault_registered):
     tmp = tmp_path_factory.mktemp("guard")
     out = {
         "no_fp8": _run(tmp, tiny_data, "no_fp8", FAULT, fp8=False, stats=False),  # losses only
@@ -443,8 +448,8 @@ def test_a_guard_with_nothing_in_fp8_says_so(tmp_path, tiny_data, capfd):
 
 
 @pytest.mark.slow
-def test_without_fp8_layers_the_summary_counts_the_layers_that_would_fail(tmp_path, tiny_data,
-                                                                          capfd):
+def test_without_fp8_layers_the_summary_counts_the_layers_that_would_fail(
+        tmp_path, tiny_data, capfd, fault_registered):
     """Without te_swap every number is fp8_stats' what-if: `fp8/flagged_layers` says which
     layers would fail in FP8 (the fault's, from its first batch), with the guard beside it
     (nothing to guard, nothing in fallback), the table marks every row a what-if, and the
