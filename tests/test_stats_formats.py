@@ -12,71 +12,27 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from composer.loggers import LoggerDestination
-from torch import nn
 
 from foundry_fp8 import wandb_history
-from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.stats import IMAGE_PREFIX, FP8Stats
-from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.health import collect
 from foundry_fp8.health.plots import heatmap
 from foundry_fp8.health.raster import raster
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.recipe import FP8Recipe
+from tests.test_stats_resume import BATCHES
+from tests.test_stats_resume import _fit as fit
 
-BATCHES, INTERVAL = 8, 2
+INTERVAL = 2
+IMAGE_STEPS = list(range(2 * INTERVAL, BATCHES + 1, 2 * INTERVAL))  # image_interval
 E4M3 = FP8Recipe(fp8_format="E4M3", amax_history_len=4)  # te_swap's
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
-        self.head = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.blocks[1](torch.relu(self.blocks[0](x)))))
-
-
-class Images(LoggerDestination):
-    """The heatmaps fp8_stats logs, by statistic and step."""
-
-    def __init__(self):
-        super().__init__()
-        self.images: dict[tuple[str, int], np.ndarray] = {}
-
-    def log_images(self, images, name="Images", channels_last=False, step=None, **kwargs) -> None:
-        if name.startswith(IMAGE_PREFIX):
-            self.images[(name.removeprefix(IMAGE_PREFIX), step)] = np.array(images)
 
 
 def _fit(folder: Path, wandb: bool, **stats: Any) -> tuple[FP8Stats, dict]:
     """Train with te_swap's E4M3 recipe on the blocks; returns fp8_stats and its images."""
-    from composer import Trainer
-    from composer.models import ComposerClassifier
-    from torch.utils.data import DataLoader, TensorDataset
-
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(8 * BATCHES, 16), torch.randint(0, 16, (8 * BATCHES,)))
-    images, callback = Images(), FP8Stats(interval=INTERVAL, image_interval=2 * INTERVAL, **stats)
-    loggers: list[LoggerDestination] = [JSONLLogger(path=str(folder / "metrics.jsonl")), images]
-    if wandb:
-        from composer.loggers import WandBLogger
-
-        folder.mkdir(parents=True, exist_ok=True)  # W&B writes into `dir` only if it exists
-        loggers.append(WandBLogger(project="fp8-formats", init_kwargs={
-            "mode": "offline", "dir": str(folder),
-            "settings": {"allow_offline_artifacts": False}}))
-    trainer = Trainer(
-        model=ComposerClassifier(Net(), num_classes=16), seed=17, run_name="run",
-        train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{BATCHES}ba",
-        algorithms=[TESwap(backend="emulate", exclude="head", fp8_recipe=E4M3.as_config())],
-        callbacks=[callback], loggers=loggers, device="cpu", progress_bar=False)
-    trainer.fit()
-    trainer.close()
-    return callback, images.images
+    run = fit(folder, {"interval": INTERVAL, "image_interval": 2 * INTERVAL, **stats},
+              wandb=wandb, fp8_recipe=E4M3.as_config())
+    return run.stats, run.images
 
 
 def _drawn(folder: Path, stat: str, step: int, stats: FP8Stats, titles: Mapping[str, str]
@@ -99,7 +55,7 @@ def test_wandb_holds_heatmaps_titled_with_the_runs_own_formats(tmp_path):
     stored = run.media("images/separated")
     assert f"{IMAGE_PREFIX}underflow_pct" in stored
     for key, steps in stored.items():
-        assert steps == [4, 8], key  # every image_interval, and at fit end
+        assert steps == IMAGE_STEPS, key
         stat = key.removeprefix(IMAGE_PREFIX)
         for step in steps:
             pixels = _pixels(run, key, step)
@@ -115,7 +71,7 @@ def test_a_what_if_layer_adds_its_recipes_format_to_the_panel(tmp_path):
     stats, images = _fit(tmp_path, wandb=False)
     titles = {"activation": "activation (E4M3)", "weight": "weight (E4M3)",
               "gradient": "gradient (E4M3 or E5M2)"}
-    assert sorted({step for _, step in images}) == [4, 8]
+    assert sorted({step for _, step in images}) == IMAGE_STEPS
     for (stat, step), pixels in images.items():
         assert np.array_equal(pixels, _drawn(tmp_path, stat, step, stats, titles)), (stat, step)
 

@@ -79,8 +79,9 @@ class Run(NamedTuple):
 
 
 def _fit(folder: Path, stats: dict[str, Any] | None = None, load: Path | None = None,
-         wandb: bool = False) -> Run:
-    """Train (or resume from `load`) into `folder`; `wandb`: W&B offline there too."""
+         wandb: bool = False, fp8_recipe: dict[str, Any] | None = None) -> Run:
+    """Train (or resume from `load`) into `folder`; `wandb`: W&B offline there too;
+    `fp8_recipe`: te_swap's (default: delayed scaling, a history of 4)."""
     from composer import Trainer
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
@@ -102,7 +103,7 @@ def _fit(folder: Path, stats: dict[str, Any] | None = None, load: Path | None = 
         model=ComposerClassifier(Net(), num_classes=16), seed=17, run_name="run",
         train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{BATCHES}ba",
         algorithms=[TESwap(backend="emulate", exclude="head",
-                           fp8_recipe={"amax_history_len": 4})],
+                           fp8_recipe=fp8_recipe or {"amax_history_len": 4})],
         callbacks=[FP8State(), callback],
         loggers=loggers, device="cpu",
         progress_bar=False, save_folder=str(folder / "checkpoints"),
