@@ -68,15 +68,16 @@ class Decision:
     in_features: int
     out_features: int
     params: int
+    flops: int = 0  # forward GEMM FLOPs per token (`module_flops`; a fused LN-MLP's two GEMMs)
     flops_share: float = 0.0  # of all linear-GEMM FLOPs of the model, per token
+    #: An FP8 module before the swap (one of TE's the model was built with, run in FP8 under
+    #: `amp_fp8`; or ours from an earlier conversion): kept as it is, counted in the FP8 share.
+    already_fp8: bool = False
 
     @property
-    def flops(self) -> int:
-        """Forward GEMM FLOPs per token (`gemm_flops`); LN-MLP counts its two GEMMs."""
-        if self.kind == "layernorm":
-            return 0
-        return gemm_flops(self.in_features, self.out_features) * (2 if self.kind == "ln_mlp"
-                                                                  else 1)
+    def in_fp8(self) -> bool:
+        """Whether this module's GEMMs run in FP8 once the plan is applied."""
+        return self.convert or self.already_fp8
 
 
 @dataclass(frozen=True)
@@ -93,15 +94,15 @@ class SwapPlan:
 
     @property
     def fp8_flops_share(self) -> float:
-        """Share of the model's linear-GEMM FLOPs that will run in FP8."""
-        return sum(d.flops_share for d in self.converted)
+        """Share of the model's linear-GEMM FLOPs that will run in FP8 (converted or already)."""
+        return sum(d.flops_share for d in self.decisions if d.in_fp8)
 
     @property
     def fp8_param_share(self) -> float:
         """Share of the parameters of GEMM modules (tied LM head included) that run in FP8."""
         gemms = [d for d in self.decisions if d.kind != "layernorm"]
         total = sum(d.params for d in gemms)
-        return sum(d.params for d in gemms if d.convert) / total if total else 0.0
+        return sum(d.params for d in gemms if d.in_fp8) / total if total else 0.0
 
 
 def gemm_flops(in_features: int, out_features: int) -> int:
@@ -180,8 +181,9 @@ def _meta_init_reason(model: nn.Module, up_proj: nn.Linear) -> str | None:
             f"NameError ({TE_LN_MLP_INIT_SOURCE}); init_device: cpu fuses")
 
 
-def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
-    """Convert-or-keep, with the reason, for every candidate module of `model`."""
+def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8") -> SwapPlan:
+    """Convert-or-keep, with the reason, for every candidate module of `model`, and its FP8
+    modules from before (TE's run in FP8 only under `precision: amp_fp8`)."""
     modules = dict(model.named_modules())
     blocks = {b for n in modules if (b := block_index(n)) is not None}
     n_blocks = max(blocks) + 1 if blocks else 0
@@ -201,14 +203,15 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
                        or _meta_init_reason(model, up))
             if why is not None:  # a note only: its linears are planned one by one below
                 decisions.append(Decision(f"{name}.ffn", "ln_mlp", False, f"not fused: {why}",
-                                          0, 0, 0))
+                                          0, 0, 0))  # 0 FLOPs: its linears are counted
                 continue
             fused.update(f"{name}.{part}" for part in ("norm_2", "ffn.up_proj", "ffn.down_proj"))
             decisions.append(Decision(
                 f"{name}.ffn", "ln_mlp", True,
                 f"fused norm_2+MLP; TE gelu is tanh-approx (max abs diff {max_abs:.1e}, "
                 f"rel {max_rel:.1e} vs MPT's exact erf GELU)",
-                up.in_features, up.out_features, _n_params(block.norm_2, up, ffn.down_proj)))
+                up.in_features, up.out_features, _n_params(block.norm_2, up, ffn.down_proj),
+                module_flops(up) + module_flops(ffn.down_proj)))
 
     owners: dict[int, list[str]] = {}
     for name, module in modules.items():
@@ -219,7 +222,8 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
             continue
         if isinstance(module, nn.Linear):
             others = [o for o in owners[id(module.weight)] if o != name]
-            if is_fp8_module(module):  # an EmulatedFP8Linear: converting it again resets its state
+            already = is_fp8_module(module)  # an EmulatedFP8Linear: converting resets its state
+            if already:
                 reason: str | None = f"already in FP8 ({type(module).__name__})"
             elif others:
                 reason = f"weight tied to {others[0]}: a converted copy would untie them"
@@ -227,7 +231,10 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
                 reason = linear_reason(name, module.in_features, module.out_features, config,
                                        n_blocks, module)
             decisions.append(Decision(name, "linear", reason is None, reason or "converted",
-                                      module.in_features, module.out_features, _n_params(module)))
+                                      module.in_features, module.out_features, _n_params(module),
+                                      module_flops(module), already_fp8=already))
+        elif (te_class := te_class_name(module)) is not None:
+            decisions.append(_te_decision(name, module, te_class, precision))
         elif config.convert_layernorm and isinstance(module, nn.LayerNorm):
             reason = layernorm_reason(name, module.bias is not None, config, n_blocks, module)
             if reason is None and module.weight.device.type == "meta":
@@ -243,13 +250,26 @@ def plan_swap(model: nn.Module, config: SwapConfig) -> SwapPlan:
         vocab, d_model = tied
         decisions.append(Decision("lm_head (tied to wte)", "tied_lm_head", False,
                                   "tied to the embedding (F.linear on wte.weight): no module to "
-                                  "convert", d_model, vocab, vocab * d_model))
-    # the same total as `linear_flops` (a fused LN-MLP's two GEMMs are its up/down_proj's),
-    # and beyond the decisions the TE modules the model was built with
+                                  "convert", d_model, vocab, vocab * d_model,
+                                  gemm_flops(d_model, vocab)))
+    # the same total as `linear_flops` (a fused LN-MLP's two GEMMs are its up/down_proj's)
     total = linear_flops(model)
     decisions = [Decision(**{**d.__dict__, "flops_share": d.flops / (total or 1)})
                  for d in decisions]
     return SwapPlan(tuple(decisions), config.backend, total)
+
+
+def _te_decision(name: str, module: nn.Module, te_class: str, precision: str) -> Decision:
+    """A TE GEMM module the model was built with (`fc_type: te`, `ffn_type: te_ln_mlp`): kept,
+    and in FP8 only under TE's autocast, which Composer enters for `amp_fp8` alone."""
+    weight = next((w for w in (getattr(module, n, None) for n in ("weight", "fc1_weight"))
+                   if isinstance(w, torch.Tensor) and w.dim() == 2), torch.empty(0, 0))
+    fp8 = precision == "amp_fp8"
+    reason = (f"already in FP8 (te.{te_class})" if fp8 else
+              f"te.{te_class} built by the model: FP8 only under amp_fp8, not {precision}")
+    return Decision(name, "ln_mlp" if te_class == "LayerNormMLP" else "linear", False, reason,
+                    weight.shape[-1], weight.shape[0], _n_params(module), module_flops(module),
+                    already_fp8=fp8)
 
 
 def _tied_lm_head(model: nn.Module) -> tuple[int, int] | None:
@@ -438,7 +458,7 @@ def coverage_table(plan: SwapPlan) -> str:
     """Converted vs kept modules by reason, with their share of linear FLOPs and params."""
     rows: dict[tuple[bool, str, str], list[float]] = {}
     for d in plan.decisions:
-        row = rows.setdefault((d.convert, d.kind, d.reason), [0, 0, 0.0])
+        row = rows.setdefault((d.in_fp8, d.kind, d.reason), [0, 0, 0.0])
         row[0] += 1
         row[1] += d.params
         row[2] += d.flops_share
@@ -446,9 +466,9 @@ def coverage_table(plan: SwapPlan) -> str:
              f"FLOPs and {100 * plan.fp8_param_share:.1f}% of linear params in FP8",
              "| FP8 | kind | modules | params | FLOPs share | reason |",
              "|---|---|---|---|---|---|"]
-    for (convert, kind, reason), (count, params, share) in sorted(
+    for (fp8, kind, reason), (count, params, share) in sorted(
             rows.items(), key=lambda kv: (not kv[0][0], kv[0][1], -kv[1][2])):
-        lines.append(f"| {'yes' if convert else 'no'} | {kind} | {count} | {params} | "
+        lines.append(f"| {'yes' if fp8 else 'no'} | {kind} | {count} | {params} | "
                      f"{100 * share:.1f}% | {reason} |")
     return "\n".join(lines)
 
@@ -495,7 +515,7 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
                 "module_filter_fn", "value", "given both in the config and to convert_to_fp8",
                 "give it in one place"))
         config = dataclasses.replace(config, module_filter_fn=module_filter_fn)
-    plan = plan_swap(model, config)
+    plan = plan_swap(model, config, precision=precision)
     te_modules, emulated = fp8_module_counts(model)
     planned = sum(d.kind != "layernorm" for d in plan.converted)  # te.LayerNorm is not FP8
     if plan.backend == "emulate":

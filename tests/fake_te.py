@@ -161,6 +161,7 @@ def install_fake_te(monkeypatch: pytest.MonkeyPatch, version: str = "2.20.2") ->
     new = parse_version(version) >= (1, 13)
     for cls in (_Linear, _LayerNormMLP, _LayerNormOp, _LayerNorm112):
         cls.__module__ = "transformer_engine.pytorch.module"
+    _Linear.__name__, _LayerNormMLP.__name__ = "Linear", "LayerNormMLP"  # as TE's GEMM modules
     pytorch.Linear, pytorch.LayerNormMLP = _Linear, _LayerNormMLP
     pytorch.LayerNorm = _LayerNormOp if new else _LayerNorm112
     recipe.Format, recipe.DelayedScaling, recipe.QParams = _Format, _DelayedScaling, _QParams

@@ -115,7 +115,7 @@ def test_a_filter_given_twice_is_refused():
 
 def test_converting_again_keeps_the_fp8_layers_and_their_state():
     model = Net()
-    convert_to_fp8(model, SwapConfig(backend="emulate"))
+    first = convert_to_fp8(model, SwapConfig(backend="emulate"))
     layer = model.blocks[0].up
     with fp8_autocast():
         model(torch.randn(4, 32))
@@ -125,6 +125,34 @@ def test_converting_again_keeps_the_fp8_layers_and_their_state():
     assert _reasons(plan)["blocks.0.up"] == "already in FP8 (EmulatedFP8Linear)"
     assert model.blocks[0].up is layer
     assert torch.equal(layer.fp8_meta["scaling_fwd"].amax_history, state)
+    # still in FP8, and counted so: 4 block GEMMs of 2*32*64 FLOPs, the head's 2*32*16 kept
+    assert plan.fp8_flops_share == first.fp8_flops_share == pytest.approx(4 / 4.25)
+    assert "| yes | linear | 4 | 8384 | 94.1% | already in FP8 (EmulatedFP8Linear) |" \
+        in coverage_table(plan)
+
+
+@pytest.mark.parametrize(("precision", "share"), [("amp_fp8", 16 / 17), ("bf16", 4 / 17)])
+def test_the_models_own_te_modules_count_in_fp8_under_amp_fp8_only(fake_te, precision, share):
+    """A model built with TE layers (LLM-Foundry's `fc_type: te`, `ffn_type: te_ln_mlp`): they
+    are in the plan with their FLOPs; TE runs them in FP8 under Composer's amp_fp8 alone."""
+    fake_te()
+    import transformer_engine.pytorch as te
+
+    model = Net()
+    model.blocks[0].up = te.Linear(32, 64, device="cpu")
+    model.blocks[1] = te.LayerNormMLP(32, 64, device="cpu")  # fc1 + fc2: 2 GEMMs
+    plan = convert_to_fp8(model, SwapConfig(backend="emulate"), precision=precision)
+    assert [d.name for d in plan.converted] == ["blocks.0.down"]
+    by_name = {d.name: d for d in plan.decisions}
+    mlp = by_name["blocks.1"]
+    assert (mlp.kind, mlp.in_fp8, mlp.flops) == ("ln_mlp", precision == "amp_fp8", 2 * 4096)
+    assert (by_name["blocks.0.up"].in_features, by_name["blocks.0.up"].out_features) == (32, 64)
+    # 4 GEMMs of 2*32*64 FLOPs and the head's 2*32*16 in all; in FP8: the emulated down_proj,
+    # and under amp_fp8 TE's three
+    assert plan.fp8_flops_share == pytest.approx(share)
+    expected = ("already in FP8 (te.Linear)" if precision == "amp_fp8" else
+                "te.Linear built by the model: FP8 only under amp_fp8, not bf16")
+    assert by_name["blocks.0.up"].reason == expected
 
 
 def test_apply_swap_converts_with_the_plans_backend_only():

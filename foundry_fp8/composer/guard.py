@@ -335,9 +335,9 @@ def layer_flops(model: nn.Module, layers: Mapping[str, nn.Module],
                 plan: SwapPlan | None) -> dict[str, float]:
     """Each FP8 layer's share of the model's linear-GEMM FLOPs, one count for every layer
     (`swap.module_flops` of `swap.linear_flops`, a tied LM head included): te_swap's `plan`
-    share where it planned the layer (counted before FSDP shards the weights), else the layer's
-    own FLOPs (a TE module the model was built with) of the same total, the plan's, or without
-    te_swap the model's."""
+    share (counted before FSDP shards the weights; the plan holds every GEMM module, the TE
+    modules the model was built with too), else (no te_swap, or a layer it did not see) the
+    layer's own FLOPs of the same total."""
     planned: dict[str, float] = {}
     total = linear_flops(model)
     if plan is not None:  # its notes (an LN-MLP not fused) weigh nothing: not layers
