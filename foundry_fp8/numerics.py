@@ -134,7 +134,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Te
 
 def scale_inverse(scale: torch.Tensor | float) -> torch.Tensor:
     """`1 / scale` in float32, rounded once: the `scale_inv` TE's cast kernels write next to the
-    FP8 data (`__frcp_rn`, transformer_engine/common/util/utils.cuh:949-951)."""
+    FP8 data (`__frcp_rn`, transformer_engine/common/utils.cuh:949-951)."""
     return _divide(1.0, torch.as_tensor(scale, dtype=torch.float32))
 
 
@@ -221,14 +221,16 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
                      power_2: bool = False) -> torch.Tensor:
     """The pooled summary of x's FP8 round trip: float64 [len(SUFFICIENT_KEYS)] on x's device,
     computed without a host sync. `scale=None`: current scaling (`/ 2**margin`, optionally a
-    power of 2). NaN/Inf elements are counted, then left out of every other number.
+    power of 2, from the amax TE takes: an Inf makes it 1). NaN/Inf elements are counted, then
+    left out of every other number.
 
     Cheap enough for every watched tensor of a logging step: x is read in pieces of CHUNK
     elements (bfloat16 stays bfloat16 until it is scaled), with no float64 copy and no bool sum.
     The cast is `saturate(|x| * scale)` to FP8 as `quantize` rounds it (rounding is symmetric).
     x_sq and sq_error are sums over `|x| * w` and the round trip `fp8 / scale * w`, where their
     difference is exact in float32, w a working scale: the cast's own under current scaling
-    (`|x| * scale` never exceeds fp8_max), else the given scale times a power of 2 (`_shift`);
+    (`|x| * scale` exceeds fp8_max only by the division's rounding, or with an Inf in x), else
+    the given scale times a power of 2 (`_shift`);
     q_sq is summed over the FP8 values; all as float32 row sums, divided by the scales' squares
     in float64. dot is `(x - q)·q + q_sq`, accurate wherever q is close to x or far below it
     (saturation, underflow), where `(x_sq + q_sq - sq_error) / 2` would cancel to noise.
@@ -247,11 +249,16 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
     del mag
     stacked = torch.stack(extremes)
     amax, amin = stacked[:, 0].amax(), stacked[:, 1].amin()
+    nan_count, inf_count, nonzero = torch.stack(counts).double().sum(dim=0).unbind()
     if scale is None:
-        scale_t = current_scale(amax, fmt, power_2=power_2) / (2.0 ** margin)
+        # TE's amax takes an Inf in (fmaxf), and an infinite amax casts at scale 1
+        # (transformer_engine/common/recipe/recipe_common.cuh:24-26): the finite rest may then
+        # saturate, which no other current-scaled cast does
+        cast_amax = torch.where(inf_count > 0, torch.inf, amax.double()).float()
+        scale_t = current_scale(cast_amax, fmt, power_2=power_2) / (2.0 ** margin)
     else:
         scale_t = _on(scale, device).reshape(())
-    if scale is None and margin >= 0:  # |x| * scale <= fp8_max: the cast's domain is the work's
+    if scale is None and margin >= 0:  # the cast's own domain (below)
         shift, work = None, scale_t
     else:
         shift = _shift(amax, scale_t, fp8_max)
@@ -267,7 +274,9 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         mag = mags.pop() if mags else _magnitudes(piece)
         if shift is None:
             w = _scaled(mag, work, rows, width)
-            q = w.to(fp8_dtype).float()
+            _count(torch.nn.functional.threshold(w, fp8_max, 0.0), dim=1, out=partial[5, span])
+            # beyond fp8_max (an Inf made the scale 1) torch's cast gives NaN/Inf: saturated
+            q = w.to(fp8_dtype).float().nan_to_num_(nan=fp8_max, posinf=fp8_max)
         else:
             q = _scaled(mag, scale_t, rows, width)  # |x| * scale, rounded as `quantize` does
             _count(torch.nn.functional.threshold(q, fp8_max, 0.0), dim=1, out=partial[5, span])
@@ -290,11 +299,13 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
     # rows 0 and 3 by a slice: a Python list index is copied from the host (a sync on CUDA)
     x_sq, sq_error = partial[0:4:3].square().sum(dim=1) / work64.square()
     q_sq = partial[2].square().sum() / scale64.square()
-    nan_count, inf_count, nonzero = torch.stack(counts).double().sum(dim=0).unbind()
+    overflow = partial[5].sum()
+    if shift is None:  # without an Inf, `|x| * scale` above fp8_max is the division's rounding
+        overflow = torch.where(inf_count > 0, overflow, 0.0)
     parts = {
         "seen": _on(1.0, device), "count": x.numel() - nan_count - inf_count, "nan_count": nan_count,
         "inf_count": inf_count, "underflow": nonzero - partial[1].sum(),
-        "overflow": partial[5].sum(), "sq_error": sq_error,
+        "overflow": overflow, "sq_error": sq_error,
         "dot": partial[4].sum() / (work64 * scale64) + q_sq, "x_sq": x_sq, "q_sq": q_sq,
         "amax": amax, "neg_amin": -amin, "neg_scale": -scale_t, "fp8_max": _on(fp8_max, device),
     }
@@ -333,7 +344,9 @@ def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     scale = -s["neg_scale"]
     current = _scale_from_amax(s["amax"], s["fp8_max"].float()).double()
     norms = s["x_sq"].sqrt() * s["q_sq"].sqrt()
-    cos = torch.where(norms > 0, s["dot"] / norms.clamp_min(1e-300), torch.ones_like(norms))
+    # a zero tensor's round trip is exact (1); a nonzero one cast to all zeros kept nothing (0)
+    cos = torch.where(norms > 0, s["dot"] / norms.clamp_min(1e-300),
+                      (s["x_sq"] == 0).to(norms.dtype))
     stats = {
         "amax": s["amax"], "amin": amin, "underflow_pct": s["underflow"] * 100.0 / count,
         "overflow_pct": s["overflow"] * 100.0 / count, "mse": s["sq_error"] / count,

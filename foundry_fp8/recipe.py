@@ -35,7 +35,8 @@ FP8_MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
 #: format of every recipe): TE scales by `fp8_max * 2**-margin / amax` in FP32
 #: (transformer_engine/common/recipe/delayed_scaling.cu:300 in TE 2.20; TE checks no bound,
 #: recipe/__init__.py:253), so once 2**margin > 448 / 2**-9 (margin 18) even the amax is scaled
-#: below E4M3's smallest subnormal and the tensor underflows; `margin: 100000` makes the FP32
+#: below E4M3's smallest subnormal: all but the largest elements flush to 0 (from margin 19 those
+#: too, below half of it); `margin: 100000` makes the FP32
 #: scale 0 and the loss NaN from step 1 (issue 19.3).
 MAX_MARGIN = int(math.log2(FP8_MAX["e4m3"] / FP8_MIN_SUBNORMAL["e4m3"]))
 
@@ -201,7 +202,7 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
     if not _is_int(margin) or not 0 <= margin <= MAX_MARGIN:
         problems.append(RecipeProblem(
             "margin", f"must be an integer from 0 to {MAX_MARGIN}, got {margin!r} (a larger "
-            "margin scales even the amax below E4M3's smallest subnormal: the tensor underflows)",
+            "margin scales even the amax below E4M3's smallest subnormal: the tensor flushes to 0)",
             "use 0 unless you see overflows"))
     for flag in ("reduce_amax", "use_power_2_scales"):
         if flag in options and not isinstance(options[flag], bool):

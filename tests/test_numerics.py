@@ -21,6 +21,7 @@ from foundry_fp8.numerics import (
     quantize_dequantize,
     sufficient_stats,
     tensor_stats,
+    tensor_stats_tensor,
 )
 
 # (mantissa bits, smallest normal exponent) of each format
@@ -141,6 +142,7 @@ def test_a_tensor_below_the_fp8_range_underflows_whole(fmt, pieces):
     assert got["underflow_pct"] == 100.0
     assert got["mse"] == pytest.approx(float(x64.square().mean()), rel=1e-5)
     assert got["rel_mse"] == pytest.approx(1.0, rel=1e-6)
+    assert got["cos_sim"] == 0.0  # nothing of x is left (it read 1.0, as for a zero tensor)
 
 
 def test_current_scaling_fills_the_range_and_never_overflows(pieces):
@@ -169,6 +171,24 @@ def test_all_zero_tensor(pieces):
     stats = tensor_stats(torch.zeros(16), "e4m3")
     assert stats["amax"] == 0.0 and stats["scale"] == 1.0  # TE keeps scale 1 for amax 0
     assert stats["underflow_pct"] == 0.0 and stats["mse"] == 0.0
+    assert stats["cos_sim"] == 1.0  # its round trip is exact
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_an_inf_makes_current_scaling_cast_at_scale_1_as_te(fmt, pieces):
+    """TE's amax reduction takes an Inf in (fmaxf) and an infinite amax gives scale 1
+    (transformer_engine/common/recipe/recipe_common.cuh:24-26): the finite rest is cast at scale
+    1, saturating above fp8_max and flushing what is below half the smallest subnormal (the
+    stats described a cast at fp8_max / finite amax, which never happened)."""
+    values = [1e-3, -2e-3, 0.5, 2.0, 1e5, 3e-6, -7.25]
+    got = tensor_stats(torch.tensor([*values, INF]), fmt)
+    assert got["scale"] == 1.0 and got["inf_count"] == 1.0
+    want = ref_stats(values, fmt, 1.0)
+    assert want["overflow_pct"] > 0 and want["underflow_pct"] > 0  # both rules can see it
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5), key
+    margin = tensor_stats_tensor(torch.tensor([*values, -INF]), fmt, None, margin=2)
+    assert margin[STAT_KEYS.index("scale")].item() == 0.25
 
 
 def test_subnormal_underflow_hand_computed(pieces):
@@ -204,7 +224,7 @@ def test_scales_are_quotients_rounded_once():
 
 def test_dequantize_multiplies_by_the_float32_reciprocal_as_te():
     """TE dequantizes as `q * scale_inv` with `scale_inv = __frcp_rn(scale)`
-    (common/cast/fp8/dequantize_fp8.cuh:31-32, common/util/utils.cuh:949-951): the reference is
+    (common/cast/fp8/dequantize_fp8.cuh:31-32, common/utils.cuh:949-951): the reference is
     that product in numpy float32, one rounding each, which `q / scale` misses by an ulp."""
     import numpy as np
 

@@ -25,7 +25,7 @@ class StatSpec:
 
 
 SPECS: dict[str, StatSpec] = {
-    "underflow_pct": StatSpec("% of elements flushed to 0", "high", "heatmap"),
+    "underflow_pct": StatSpec("% of finite nonzero elements flushed to 0", "high", "heatmap"),
     "overflow_pct": StatSpec("% of elements above the FP8 max", "high", "heatmap"),
     "rel_mse": StatSpec("relative MSE = ‖x - fp8(x)‖² / ‖x‖² (log)", "high", "heatmap", log=True),
     "mse": StatSpec("MSE of the FP8 round trip (tensor units², log)", "high", None, log=True,
