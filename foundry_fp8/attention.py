@@ -10,7 +10,8 @@ MPTConfig._validate_config accepts only 'torch' and 'flash', and MPTModel's atte
 helpers raise for other names. `enable_sdpa_for_mpt()` registers the function and teaches them
 that 'sdpa' builds its bias like 'torch'. It runs when this module is imported; LLM-Foundry loads
 the entry point only after it has built the model, so code that builds MPT with sdpa must import
-this module first (`foundry-fp8 bench` does).
+this module first (`foundry-fp8 bench` does; so does `foundry_fp8.composer`, which LLM-Foundry
+imports when `train()` builds any of our entries, before the model).
 """
 
 from __future__ import annotations

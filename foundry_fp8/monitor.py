@@ -56,9 +56,9 @@ from foundry_fp8.numerics import (
     delayed_scale_update,
     empty_sufficient_stats,
     finalize_stats,
-    finite_amax,
     sufficient_stats,
 )
+from foundry_fp8.numerics import amax as te_amax
 from foundry_fp8.options import MonitorConfig, Schedule
 from foundry_fp8.te import probe
 
@@ -385,7 +385,7 @@ class FP8Monitor:
             scale, initial = cast_scale(module, watch) if mode.delayed else (None, False)
         if not step.logging:
             if whatif:
-                self._note_amax(idx, finite_amax(value))
+                self._note_amax(idx, te_amax(value))
             return
         row = sufficient_stats(value, fmt, scale, power_2=power_2)
         step.pending[idx] = row
@@ -394,8 +394,9 @@ class FP8Monitor:
             step.whatif.add(idx)
         if initial is not False:
             step.initial[idx] = initial
-        if whatif and step.recording:
-            self._note_amax(idx, row[SUFFICIENT_INDEX["amax"]].float())
+        if whatif and step.recording:  # the amax TE records: an Inf in, as `amax` keeps it
+            self._note_amax(idx, torch.where(row[SUFFICIENT_INDEX["inf_count"]] > 0, torch.inf,
+                                             row[SUFFICIENT_INDEX["amax"]]).float())
         dump_layers = self.config.dump_layers
         if step.dumping and (dump_layers is None or search(f"{self.config.PATH}.dump_layers",
                                                            dump_layers, name)):

@@ -154,11 +154,12 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """The amax TE records when it casts x: the largest magnitude, NaN skipped and inf kept, as
     its kernels reduce with `fmaxf` (transformer_engine/common/util/vectorized_pointwise.h:202,
     common/recipe/current_scaling.cu:55-60); 0 for an empty x, which TE does not cast
-    (pytorch/csrc/quantizer.cpp:634, 990). float32 on x's device, no host sync."""
+    (pytorch/csrc/quantizer.cpp:634, 990). float32 on x's device, no host sync; read in pieces
+    of CHUNK elements."""
     if x.numel() == 0:
         return torch.zeros((), device=x.device)
-    magnitude = x.detach().abs()
-    return torch.where(torch.isnan(magnitude), 0, magnitude).max().float()
+    return torch.stack([piece.abs().nan_to_num_(nan=0.0, posinf=torch.inf).max()
+                        for piece in _pieces(x)]).max().float()
 
 
 def _pieces(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -185,14 +186,6 @@ def _magnitudes(piece: torch.Tensor, counts: list[torch.Tensor] | None = None) -
     finite = _count(magnitude.nan_to_num_(posinf=0.0))
     counts.append(torch.stack([every - no_nan, no_nan - finite, finite]))
     return magnitude
-
-
-def finite_amax(x: torch.Tensor) -> torch.Tensor:
-    """Largest finite magnitude of x (float32, on x's device, 0 when there is none), without a
-    host sync: what the monitor records on the batches before a logging step."""
-    if x.numel() == 0:
-        return torch.zeros((), device=x.device)
-    return torch.stack([_magnitudes(piece).max() for piece in _pieces(x)]).max().float()
 
 
 def _shift(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float) -> torch.Tensor:

@@ -155,6 +155,33 @@ def test_llm_foundry_train_runs_with_attn_impl_sdpa(tmp_path, tiny_data):
     assert math.isfinite(float(trainer.state.loss))
 
 
+def test_any_of_our_entries_built_by_name_makes_mpt_accept_sdpa():
+    """In a fresh interpreter (no foundry_fp8 imported), LLM-Foundry's `train()` builds the
+    callbacks it names before the model: building one of ours by name is what lets MPTConfig
+    accept `attn_impl: sdpa` (without it, LLM-Foundry refuses: `Unknown attn_impl=sdpa`)."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from llmfoundry.models.mpt import MPTConfig
+config = dict(d_model=64, n_heads=4, n_layers=1, max_seq_len=32, vocab_size=64,
+              attn_config={"attn_impl": "sdpa"})
+try:
+    MPTConfig(**config)
+except ValueError as error:
+    print("before:", error)
+assert "foundry_fp8" not in sys.modules
+from llmfoundry.utils.builders import build_callback
+build_callback("fp8_state", {})
+print("after:", MPTConfig(**config).attn_config["attn_impl"])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["before: Unknown attn_impl=sdpa", "after: sdpa"]
+
+
 def test_unpadded_batch_keeps_the_mask_free_kernel_path():
     """An all-ones attention_mask is dropped for sdpa, so the blocks get neither a bias nor a
     padding mask (sdpa's flash path); a real padding mask still reaches them."""

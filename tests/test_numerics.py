@@ -13,11 +13,11 @@ from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
     SUM_KEYS,
+    amax,
     current_scale,
     delayed_scale_update,
     empty_sufficient_stats,
     finalize_stats,
-    finite_amax,
     quantize_dequantize,
     sufficient_stats,
     tensor_stats,
@@ -293,10 +293,13 @@ def test_scale_ratio_and_current_scale_hand_computed(pieces):
     assert tensor_stats(x, "e4m3", margin=1)["scale_ratio"] == 0.5
 
 
-def test_finite_amax_skips_nan_and_inf(pieces):
-    assert finite_amax(torch.tensor([1.0, float("nan"), -3.0, float("inf")])).item() == 3.0
-    assert finite_amax(torch.tensor([float("nan")])).item() == 0.0
-    assert finite_amax(torch.zeros(0)).item() == 0.0
+def test_amax_is_what_te_records_skipping_nan_keeping_inf(pieces):
+    """TE's amax kernels reduce with fmaxf (vectorized_pointwise.h:202): NaN skipped, Inf kept."""
+    assert amax(torch.tensor([1.0, float("nan"), -3.0])).item() == 3.0
+    assert amax(torch.tensor([1.0, float("nan"), -3.0, float("-inf")])).item() == INF
+    assert amax(torch.tensor([float("nan")])).item() == 0.0
+    assert amax(torch.zeros(0)).item() == 0.0
+    assert amax(torch.tensor([0.5, -7.0], dtype=torch.bfloat16)).item() == 7.0
 
 
 def _pool(rows: torch.Tensor) -> torch.Tensor:
