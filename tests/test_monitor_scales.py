@@ -14,7 +14,7 @@ from foundry_fp8.monitor import FP8Monitor, MonitorConfig, Schedule
 from foundry_fp8.numerics import quantize_dequantize, tensor_stats
 from foundry_fp8.recipe import FP8Recipe
 
-E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+E4M3_MAX, E5M2_MAX, INF = 448.0, 57344.0, float("inf")
 X_AMAX = [1.0, 8.0, 0.25, 2.0, 0.5, 4.0]  # powers of 2: every hand-computed scale is exact
 G_AMAX = [4.0, 0.5, 64.0, 1.0, 2.0, 0.125]
 W_AMAX = 0.5
@@ -181,6 +181,31 @@ def test_whatif_delayed_is_continuous_when_the_window_covers_the_interval():
     recent, _ = _run_whatif({"scaling": "delayed", "amax_compute_algo": "most_recent"},
                             Schedule(interval=4), 5, x_amax, g_amax)
     assert [t for t, a in enumerate(recent) if a] == [0, 3, 4]  # most_recent needs one batch
+
+
+def test_whatif_delayed_keeps_an_inf_amax_as_te_does():
+    """TE's amax keeps an Inf (fmaxf), and its delayed update keeps the scale while the Inf is in
+    the window: the what-if of a plain layer follows the emulated layer's real scales (bit-exact
+    to TE's kernel, test_emulate_te) on the same inputs. It recorded the finite amax before, so
+    after an Inf it reported scales TE would not have used."""
+    recipe = {"scaling": "delayed", "amax_history_len": 2}
+    plain, emulated = _plain_model(), _emulated_model()
+    monitor = FP8Monitor(plain, MonitorConfig(recipe=recipe), schedule=Schedule(interval=1))
+    base, gbase = _unit(16, 8, seed=0), _unit(16, 4, seed=1)
+    logged, real = [], []
+    for t, a in enumerate([1.0, 2.0, INF, 0.25, 0.5, 4.0]):
+        x = base * (1.0 if a == INF else a)
+        if a == INF:
+            x[0, 0] = INF
+        real.append(emulated[0].fp8_meta["scaling_fwd"].scale[0].item())  # in force at step t
+        with fp8_autocast(recipe=FP8Recipe(**recipe)):
+            out = emulated(x)
+        (out * gbase).sum().backward()
+        monitor.start_step(t)
+        (plain(x) * gbase).sum().backward()
+        logged.append(monitor.finish_step()[layer_key("scale", "activation", "0")])
+    assert logged == real
+    assert real[3] == real[4] == E4M3_MAX / 2.0  # kept while the Inf is in the window
 
 
 def test_current_recipe_never_records_and_has_ratio_one():
