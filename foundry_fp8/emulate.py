@@ -418,10 +418,10 @@ class EmulatedFP8Linear(nn.Linear):
             _STATE.stash.setdefault(self, deque()).append(meta.scale[:n].clone())
         return meta.scale[:n]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear's name)
         if not is_fp8_enabled():
-            return super().forward(x)
-        return self._fp8_forward(x)
+            return super().forward(input)
+        return self._fp8_forward(input)
 
     @torch.compiler.disable
     def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,10 @@ def test_copy_is_exact_and_plain_outside_autocast():
     assert set(emulated.state_dict()) == {"weight", "bias"}  # FP8 state is fp8_state's job
     x = torch.randn(4, 16)
     assert torch.equal(emulated(x), linear(x))
+    # called as nn.Linear can be, by keyword, in and out of the FP8 autocast
+    assert torch.equal(emulated(input=x), linear(input=x))
+    with fp8_autocast():
+        assert torch.equal(emulated(input=x), emulated(x))
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
