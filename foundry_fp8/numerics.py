@@ -188,6 +188,15 @@ def _magnitudes(piece: torch.Tensor, counts: list[torch.Tensor] | None = None) -
     return magnitude
 
 
+def nonfinite_counts(x: torch.Tensor) -> torch.Tensor:
+    """[NaN, Inf] element counts of x (float64, on x's device, no host sync), in the order of
+    `SUFFICIENT_KEYS`: the counts `sufficient_stats` takes, without the rest of its work."""
+    counts: list[torch.Tensor] = []
+    for piece in _pieces(x):
+        _magnitudes(piece, counts)
+    return torch.stack(counts).double().sum(dim=0)[:2]
+
+
 def _shift(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float) -> torch.Tensor:
     """The power of 2 that brings `amax * scale` near fp8_max: `scale * shift` is a working scale
     under which no square of a piece's sums overflows or underflows float32, whatever the given
@@ -327,9 +336,9 @@ def all_reduce_sufficient_stats(rows: torch.Tensor, group: object | None = None)
 
 def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     """Sufficient statistics [..., K] -> the statistics [..., len(STAT_KEYS)] (float64, same
-    device). Percentages and mse are over the finite elements, rel_mse = ‖x - fp8(x)‖² / ‖x‖²; `scale` is the smallest pooled
-    scale; `current_scale` is `fp8_max / amax` of the pooled amax (no margin);
-    `scale_ratio = scale / current_scale`."""
+    device). Percentages and mse are over the finite elements (NaN where there is none),
+    rel_mse = ‖x - fp8(x)‖² / ‖x‖²; `scale` is the smallest pooled scale; `current_scale` is
+    `fp8_max / amax` of the pooled amax (no margin); `scale_ratio = scale / current_scale`."""
     s = {key: rows[..., i] for i, key in enumerate(SUFFICIENT_KEYS)}
     count = s["count"].clamp_min(1.0)
     amin = -s["neg_amin"]
@@ -349,6 +358,12 @@ def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
         "cos_sim": cos, "scale": scale, "current_scale": current, "scale_ratio": scale / current,
         "nan_count": s["nan_count"], "inf_count": s["inf_count"],
     }
+    # a tensor seen with no finite element (all NaN/Inf) has no round trip to judge: NaN, which
+    # the summaries and rules skip, rather than a perfect 1.0 and 0 % (`nan_count` says it)
+    none = (s["count"] == 0) & (s["nan_count"] + s["inf_count"] > 0)
+    for key in ("amin", "underflow_pct", "overflow_pct", "mse", "rel_mse", "cos_sim",
+                "current_scale", "scale_ratio"):
+        stats[key] = torch.where(none, torch.nan, stats[key])
     return torch.stack([stats[k] for k in STAT_KEYS], dim=-1)
 
 

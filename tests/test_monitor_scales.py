@@ -208,6 +208,31 @@ def test_whatif_delayed_keeps_an_inf_amax_as_te_does():
     assert real[3] == real[4] == E4M3_MAX / 2.0  # kept while the Inf is in the window
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_nan_in_a_later_micro_batch_reaches_the_counts(checkpointed):
+    """Gradient accumulation: the first micro-batch's tensors give the statistics, but a NaN in
+    micro-batch 3 of 4 must reach `nan_count` (it read 0 on the step whose loss was NaN); an
+    activation recompute repeats a sighting and is not counted twice."""
+    model = _emulated_model()
+    monitor = FP8Monitor(model, MonitorConfig())
+    base, gbase = _unit(16, 8, seed=0), _unit(16, 4, seed=1)
+    monitor.start_step()
+    for micro in range(4):
+        x = base.clone()
+        if micro == 2:
+            x[:3, 0] = float("nan")
+        with fp8_autocast():
+            out = fp8_checkpoint(model, x) if checkpointed else model(x)
+        (out * gbase).sum().backward()
+    metrics = monitor.finish_step()
+    assert metrics[layer_key("nan_count", "activation", "0")] == 3.0
+    assert metrics[layer_key("nan_count", "gradient", "0")] == 0.0
+    assert metrics[layer_key("nan_count", "weight", "0")] == 0.0
+    first = tensor_stats(base, "e4m3", scale=1.0)  # the statistics: the first micro-batch's
+    for key in ("amax", "mse", "cos_sim", "underflow_pct"):
+        assert metrics[layer_key(key, "activation", "0")] == pytest.approx(first[key], rel=1e-9)
+
+
 def test_current_recipe_never_records_and_has_ratio_one():
     armed, logged = _run_whatif({"scaling": "current"}, Schedule(interval=3), 4,
                                 [1.0, 2.0, 4.0, 8.0], [1.0] * 4)

@@ -174,6 +174,22 @@ def test_all_zero_tensor(pieces):
     assert stats["cos_sim"] == 1.0  # its round trip is exact
 
 
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_a_tensor_with_no_finite_element_has_no_round_trip_stats(value, pieces):
+    """All NaN (a diverged layer): no finite element to cast, so the round-trip statistics are
+    NaN (skipped by the summaries and rules), not the perfect cos_sim 1.0 / 0 % they read; pooled
+    with a rank that has finite elements, that rank's numbers stand."""
+    got = tensor_stats(torch.full((6,), value), "e4m3", scale=2.0)
+    assert got["nan_count" if value != INF else "inf_count"] == 6.0 and got["scale"] == 2.0
+    for key in ("underflow_pct", "overflow_pct", "mse", "rel_mse", "cos_sim", "scale_ratio"):
+        assert math.isnan(got[key]), key
+    rows = torch.stack([sufficient_stats(torch.full((6,), value), "e4m3", 2.0),
+                        sufficient_stats(torch.tensor([0.5, -1.0]), "e4m3", 2.0)])
+    pooled = dict(zip(STAT_KEYS, finalize_stats(rows.sum(0).where(
+        torch.arange(rows.shape[1]) < len(SUM_KEYS), rows.amax(0))).tolist(), strict=True))
+    assert pooled["cos_sim"] == 1.0 and pooled["underflow_pct"] == 0.0  # 0.5, 1.0 exact
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_an_inf_makes_current_scaling_cast_at_scale_1_as_te(fmt, pieces):
     """TE's amax reduction takes an Inf in (fmaxf) and an infinite amax gives scale 1
