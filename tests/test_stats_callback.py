@@ -3,6 +3,7 @@ and FP8Monitor on a hand-built model."""
 
 from __future__ import annotations
 
+import logging
 import types
 
 import pytest
@@ -245,6 +246,32 @@ def _fit(callback: FP8Stats, steps: int, logger: _Logger | None = None,
         callback.run_event(Event.BATCH_END, state, logger)
     callback.run_event(Event.FIT_END, state, logger)
     return model, logger
+
+
+@pytest.mark.parametrize(("options", "duration", "silent"), [
+    ({"interval": "100ba", "start": 5}, "12ba", False), ({"interval": 2, "start": 12}, "12ba", False),
+    ({"interval": 5, "end": 1}, "1ep", True), ({"interval": 5, "start": 1}, "2ep", True),
+    ({"interval": 8, "start": 1}, "1ep", False), ({"interval": 100, "start": 5}, "48sp", True)])
+def test_a_schedule_that_never_logs_in_the_run_says_so_at_the_start(options, duration, silent,
+                                                                    caplog):
+    """`interval: 100ba, start: 5` in a 12-batch run (a smoke test of a real config) logged
+    nothing and said nothing; a real Composer run of 6 batches an epoch. Durations Composer does
+    not count in batches (samples here) are not judged."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(48, 8), torch.randint(0, 2, (48,)))
+    model = ComposerClassifier(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), num_classes=2)
+    with caplog.at_level(logging.WARNING):
+        Trainer(model=model, train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
+                callbacks=[FP8Stats(image_interval=None, **options)], device="cpu",
+                progress_bar=False).fit()
+    said = [r.getMessage() for r in caplog.records if "no logging step" in r.getMessage()]
+    assert said == ([] if silent else [said[0]])
+    if not silent:
+        assert said[0].startswith("fp8_stats: no logging step in this run (it ends after batch ")
 
 
 def test_callback_logs_on_schedule_and_prints_the_summary(capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from composer.core import Callback, State
+from composer.core import Callback, State, TimeUnit
 from composer.loggers import ConsoleLogger, Logger, LoggerDestination
 from composer.utils import dist
 
@@ -236,6 +236,13 @@ class FP8Stats(Callback):
         self._restore()  # Composer loads a checkpoint in the Trainer's constructor, before this
         if self.te_debug is not None:
             self.te_debug.name_layers(canonical_modules(state.model))
+        last = last_batch(state)
+        first = self.schedule.next_log(int(state.timestamp.batch) - 1)
+        if last is not None and (first is None or first > last) and _is_rank_zero():
+            log.warning("fp8_stats: no logging step in this run (it ends after batch %d; "
+                        "interval %s, start %d, end %s): lower callbacks.fp8_stats.interval or "
+                        "start to see FP8 statistics", last, self.schedule.interval,
+                        self.schedule.start, self.schedule.end)
 
     def _batch_start(self, state: State, logger: Logger) -> None:
         if self.monitor is not None:
@@ -468,6 +475,19 @@ class FP8Stats(Callback):
             if self.strict:
                 raise
             log.exception("fp8_stats: %s failed on rank 0; the statistics go on", what)
+
+
+def last_batch(state: State) -> int | None:
+    """The batch count at which this fit's last batch starts (`max_duration` in batches, or in
+    epochs of a sized dataloader), None where Composer's duration is counted otherwise."""
+    duration, batches = (getattr(state, key, None) for key in ("max_duration", "dataloader_len"))
+    if duration is None:
+        return None
+    if duration.unit == TimeUnit.BATCH:
+        return duration.value - 1
+    if duration.unit == TimeUnit.EPOCH and batches is not None:
+        return duration.value * batches.value - 1
+    return None
 
 
 def _console(destination: LoggerDestination) -> bool:
