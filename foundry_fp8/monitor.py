@@ -271,6 +271,9 @@ class FP8Monitor:
         self.fallback_rows: set[tuple[str, str]] = set()
         # rows judged with what-if numbers at some logging step: `summary()` marks them
         self.whatif_judged: set[tuple[str, str]] = set()
+        # rows seen at logging steps only with delayed scaling's initial scale (no nonzero amax
+        # recorded yet: a gradient that is always 0), so never judged: `summary()` names them
+        self.initial_only: set[tuple[str, str]] = set()
         # the FP8 format (`E4M3`, `E5M2`) each row of `table` was cast in, or its what-if was
         self.formats: dict[tuple[str, str], str] = {}
 
@@ -535,6 +538,8 @@ class FP8Monitor:
                         if (key := (self.short[self.rows[i][0]], self.rows[i][1])) in table}
         self.fallback_rows = {key for key in self.whatif_rows if key[0] in fallbacks}
         self.whatif_judged |= {key for key in self.whatif_rows if not table[key].get(INITIAL_SCALE)}
+        self.initial_only |= {key for key, stats in table.items() if stats.get(INITIAL_SCALE)}
+        self.initial_only -= self.tracker.worst.keys()
         # what-if rows of layers that do cast in FP8, whose scale slot is not known here
         in_fp8 = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif
                   if step.modes.get(self.rows[i][0]) is not None}
@@ -578,8 +583,15 @@ class FP8Monitor:
 
     def summary(self) -> str:
         """The worst value per layer and tensor over every judged step (markdown), rows with
-        what-if numbers marked."""
-        return render_table(self.tracker.worst, self.whatif_judged)
+        what-if numbers marked, and the rows never judged."""
+        table = render_table(self.tracker.worst, self.whatif_judged)
+        if not self.initial_only:
+            return table
+        rows = ", ".join(f"{layer} {tensor}" for layer, tensor in sorted(self.initial_only))
+        return (f"{table}\nNever judged (cast with delayed scaling's initial scale 1 at every "
+                f"logging step: no nonzero amax recorded before it, at a run's first step or for "
+                f"a tensor always 0, such as the gradient of a layer that does not reach the "
+                f"loss): {rows}\n")
 
     # -- checkpoint state: a resumed run logs what the uninterrupted one logs -------------------
 

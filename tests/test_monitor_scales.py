@@ -233,6 +233,37 @@ def test_a_nan_in_a_later_micro_batch_reaches_the_counts(checkpointed):
         assert metrics[layer_key(key, "activation", "0")] == pytest.approx(first[key], rel=1e-9)
 
 
+def test_a_gradient_that_is_always_zero_is_named_in_the_summary_as_never_judged():
+    """A layer whose output does not reach the loss gets gradient 0: its delayed scale stays at
+    the initial 1 (no amax recorded), so its row is never judged; it was missing from the
+    summary with no word."""
+
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = _emulated_model()[0], _emulated_model()[0]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x) + 0.0 * self.unused(x)
+
+    model = TwoHeads()
+    monitor = FP8Monitor(model, MonitorConfig(), schedule=Schedule(interval=1))
+    base, gbase = _unit(16, 8, seed=0), _unit(16, 4, seed=1)
+    for t in range(3):
+        monitor.start_step(t)
+        with fp8_autocast():
+            out = model(base)
+        (out * gbase).sum().backward()
+        monitor.finish_step()
+    summary = monitor.summary()
+    judged = {line.split(" | ")[0].strip("| ") + " " + line.split(" | ")[1]
+              for line in summary.splitlines() if line.startswith("| ") and "---" not in line}
+    assert {"used gradient", "unused activation", "unused weight"} <= judged
+    assert "unused gradient" not in judged
+    assert summary.rstrip().endswith("the gradient of a layer that does not reach the loss): "
+                                     "unused gradient")
+
+
 def test_current_recipe_never_records_and_has_ratio_one():
     armed, logged = _run_whatif({"scaling": "current"}, Schedule(interval=3), 4,
                                 [1.0, 2.0, 4.0, 8.0], [1.0] * 4)
