@@ -139,7 +139,7 @@ def _after_resume(metrics: dict[int, dict[str, float]]) -> dict[int, dict[str, f
 
 
 def test_a_resumed_run_logs_every_fp8_key_and_the_summary_of_the_uninterrupted_run(
-        full, tmp_path):
+        full, tmp_path, caplog):
     folder, run = full
     # the run this test needs: a streak that flags at the resume step, worst values before it
     persistent = {f.step for f in run.stats.monitor.tracker.flags
@@ -148,9 +148,17 @@ def test_a_resumed_run_logs_every_fp8_key_and_the_summary_of_the_uninterrupted_r
     assert layer_key(INITIAL_SCALE, "activation", HEAD) in run.metrics[0]
     assert sorted(run.tables) == [4, 8, 12]  # every 4 batches and at fit end
 
-    resumed = _fit(tmp_path, load=_checkpoint(folder))
+    with caplog.at_level(logging.WARNING):
+        resumed = _fit(tmp_path, load=_checkpoint(folder))
     after = _after_resume(resumed.metrics)
     assert sorted(after) == list(range(RESUME_AT, BATCHES, INTERVAL))
+    # what the earlier run warned about is named in this run's log, once, not warned again
+    before = sorted({(f.layer, f.tensor, f.rule) for f in run.stats.monitor.tracker.flags
+                     if f.step < RESUME_AT})
+    assert before
+    recalled = [r.getMessage() for r in caplog.records if "not repeated" in r.getMessage()]
+    assert recalled == ["fp8_stats: resumed; warned before the checkpoint, not repeated: "
+                        + ", ".join(" ".join(key) for key in before)]
     assert after == _after_resume(run.metrics)  # every key, every value, bit for bit
     assert resumed.tables == {s: t for s, t in run.tables.items() if s >= RESUME_AT}
     assert resumed.hparams[SUMMARY] == run.hparams[SUMMARY]

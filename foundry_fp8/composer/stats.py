@@ -48,6 +48,8 @@ IMAGE_STEPS = 64
 #: added since (`heatmaps`, the monitor's `whatif_judged`) are optional: a checkpoint without
 #: them resumes, its warning naming what they would have restored.
 STATE_VERSION = 1
+#: The earlier run's warnings a resumed run names again, at most.
+RECALLED = 10
 #: The most bytes of per-rank what-if state (`reduce_amax: false`, every rank's own amax
 #: history) a checkpoint carries: world size x history length x watched tensors x 4 bytes.
 WHATIF_RANKS_LIMIT = 64 << 20
@@ -429,6 +431,12 @@ class FP8Stats(Callback):
                 "resume")
         elif notes:
             say("fp8_stats: resumed from the checkpoint without %s", "; ".join(notes))
+        warned = self.monitor.tracker.warned
+        if warned:  # this log (or W&B run) may be new: name what the earlier run warned about
+            shown = [f"{layer} {tensor} {rule}" for layer, tensor, rule in warned[:RECALLED]]
+            more = f", and {len(warned) - RECALLED} more" if len(warned) > RECALLED else ""
+            say("fp8_stats: resumed; warned before the checkpoint, not repeated: %s%s",
+                ", ".join(shown), more)
 
     def _apply(self, state: Mapping[str, Any], monitor: FP8Monitor) -> list[str] | None:
         """What was left out, in words; None: the checkpoint holds no state of ours."""

@@ -119,6 +119,12 @@ class HealthTracker:
     _state: dict[tuple[str, str], _State] = field(default_factory=dict)
     _raised: set[tuple[str, str, str]] = field(default_factory=set)
 
+    @property
+    def warned(self) -> list[tuple[str, str, str]]:
+        """(layer, tensor, rule) warned about so far, once each (a checkpoint carries them, so a
+        resumed run does not warn them again)."""
+        return sorted(self._raised)
+
     def update(self, step: int, table: Table) -> dict[tuple[str, str], list[Flag]]:
         """Judge one logging step; returns the flags raised at this step per (layer, tensor)."""
         for layer, _ in table:
