@@ -243,7 +243,7 @@ def test_broken_deepspeed_json_behind_an_accelerate_config_exits_2(tmp_path):
 
 def test_rules_are_registered_with_docs_fields():
     ids = [rule.id for rule in ACCELERATE_RULES]
-    assert ids == [f"FP81{n:02d}" for n in range(1, 19)]
+    assert ids == [f"FP81{n:02d}" for n in range(1, 20)]
     assert not set(ids) & {rule.id for rule in RULES}
     for rule in ACCELERATE_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix
@@ -528,3 +528,97 @@ def test_a_zero_stage_deepspeed_refuses_is_fp8118(tmp_path, stage, flagged):
     alone.write_text('{\n  "zero_optimization": {\n    "stage": ' + stage + "\n  }\n}\n")
     assert found(alone, "FP8118") == ([("zero_optimization.stage", 3, "error")] if flagged
                                       else [])
+
+
+# -- FP8119: FSDP activation checkpointing recomputes outside Accelerate's FP8 autocast ---------
+
+FSDP_AC = """\
+fsdp_config:
+  fsdp_activation_checkpointing: {ac}
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_version: {version}
+fp8_config:
+  backend: {backend}
+  fp8_format: HYBRID
+num_processes: 8
+"""
+
+
+def test_accelerates_te_autocast_wraps_the_forward_and_not_its_recompute(monkeypatch):
+    """FP8119's mechanism with the installed Accelerate's own functions: its TE autocast is a
+    wrapper around the model's forward (contextual_fp8_autocast, TE stood in by a flag), and a
+    block under torch's non-reentrant checkpoint_wrapper, as Accelerate's FSDP activation
+    checkpointing wraps it, runs its recompute in backward with the flag off."""
+    import contextlib
+    import inspect
+    import types
+    from types import MethodType
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import transformer_engine as accelerate_te
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    active: list[bool] = [False]
+
+    @contextlib.contextmanager
+    def fp8_autocast(enabled: bool = True, fp8_recipe: object = None):
+        before, active[0] = active[0], enabled
+        try:
+            yield
+        finally:
+            active[0] = before
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.fp8_autocast = fp8_autocast
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+    monkeypatch.setattr(accelerate_te, "is_transformer_engine_available", lambda: True)
+
+    seen: list[bool] = []
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(active[0])
+            return self.linear(x).relu()
+
+    model = torch.nn.Sequential(checkpoint_wrapper(Block(),
+                                                   checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    # as apply_fp8_autowrap does, without building TE's recipe
+    model.forward = MethodType(accelerate_te.contextual_fp8_autocast(model.forward, None), model)
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert seen == [True, False]  # the forward in FP8, its recompute not
+    source = inspect.getsource(Accelerator.prepare_model)
+    assert "checkpoint_impl=CheckpointImpl.NO_REENTRANT" in source
+    assert "apply_fp8_autowrap(" in source
+    config = {"distributed_type": "FSDP", "mixed_precision": "fp8", "fp8_config": {"backend": "TE"},
+              "fsdp_config": {"fsdp_activation_checkpointing": True}}
+    assert [f.rule for f in lint_accelerate(lint_input(config, version=(1, 14, 0)))
+            if f.rule == "FP8119"] == ["FP8119"]
+
+
+@pytest.mark.parametrize(("ac", "fsdp_version", "backend", "version", "expected"), [
+    # before: no finding (QA)
+    ("true", 1, "TE", (1, 14, 0), [("fsdp_config.fsdp_activation_checkpointing", 5, "error")]),
+    ("true", 2, "TE", (1, 9, 0), [("fsdp_config.fsdp_activation_checkpointing", 5, "error")]),
+    ("true", 1, "TE", None, [("fsdp_config.fsdp_activation_checkpointing", 5, "error")]),
+    ("false", 1, "TE", (1, 14, 0), []),
+    ("true", 1, "MSAMP", (1, 14, 0), []),  # not TE
+    ("true", 1, "TE", (1, 5, 0), []),  # no FP8 from the config at all: FP8103
+])
+def test_fsdp_activation_checkpointing_with_te_fp8_is_fp8119(tmp_path, installed, ac,
+                                                              fsdp_version, backend, version,
+                                                              expected):
+    installed(version)
+    path = write(tmp_path, FSDP_AC.format(ac=ac, version=fsdp_version, backend=backend),
+                 dist="FSDP")
+    assert found(path, "FP8119") == expected

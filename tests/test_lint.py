@@ -22,6 +22,7 @@ from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.cli import exit_code, lint_file
 from foundry_fp8.lint.docs import rules_markdown
 from foundry_fp8.lint.known import MPT_NUMBER_KEYS
+from foundry_fp8.lint.load import load_config
 from foundry_fp8.lint.output import render_sarif, render_text, use_colour
 from foundry_fp8.lint.rules import RULES, LintContext, all_rules, lint_config
 
@@ -41,10 +42,35 @@ model:
   expansion_ratio: 4
   max_seq_len: ${variables.seq}
   loss_fn: torch_crossentropy
+tokenizer:
+  name: EleutherAI/gpt-neox-20b
+  kwargs:
+    model_max_length: ${variables.seq}
+train_loader:
+  name: text
+  dataset:
+    local: ./my-copy-c4
+    split: train
+    shuffle: true
+    max_seq_len: ${variables.seq}
+  drop_last: true
+  num_workers: 8
+optimizer:
+  name: decoupled_adamw
+  lr: 6.0e-4
+scheduler:
+  name: cosine_with_warmup
+  t_warmup: 100ba
+max_duration: 100ba
+global_train_batch_size: 256
 fsdp_config:
   sharding_strategy: FULL_SHARD
   activation_checkpointing: false
 """
+
+BASE_LINES = len(BASE.splitlines())
+#: A top-level key `_write` leaves out of BASE.
+ABSENT = "<absent>"
 
 FP8_TE = {"precision": "amp_fp8", "model": {"fc_type": "te"}}
 CKPT = {"fsdp_config": {"activation_checkpointing": True}}
@@ -52,6 +78,8 @@ TE_CKPT = {**FP8_TE, "fsdp_config": {"activation_checkpointing": True,
                                      "te_checkpoint_wrapper": True,
                                      "activation_checkpointing_reentrant": False}}
 EMULATE = {"algorithms": {"te_swap": {"backend": "emulate"}}}
+GENERATE = {"prompts": ["The capital of France is", "Here is a quick story:"],
+            "interval": "500ba", "max_new_tokens": 32, "do_sample": False}
 TEXT = {"name": "text", "num_workers": 0}
 
 
@@ -72,7 +100,7 @@ CASES: dict[str, tuple[dict, str, int]] = {
                "model.ffn_config.ffn_act_fn", 1),
     "FP8005": (_merge(FP8_TE, {"model": {"d_model": 2040}}), "model.d_model", 1),
     "FP8006": (_merge(FP8_TE, {"device_train_microbatch_size": 3, "variables": {"seq": 2045}}),
-               "max_seq_len", 1),
+               "train_loader.dataset.max_seq_len", 1),
     "FP8007": ({"precision_config": {"amax_history_len": 1024}}, "precision_config", 1),
     "FP8008": (_merge(EMULATE, {"algorithms": {"te_swap": {"fp8_recipe": {"fp8_format": "E5M2"}}}}),
                "algorithms.te_swap.fp8_recipe.fp8_format", 1),
@@ -115,6 +143,15 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8036": ({"run_name": "???"}, "run_name", 1),
     "FP8037": ({"autoresume": True, "loggers": {"wandb": {"init_kwargs": {"mode": "offline"}}}},
                "autoresume", 1),
+    "FP8038": ({"global_train_batch_size": ABSENT}, "global_train_batch_size", 1),
+    "FP8039": (_merge(FP8_TE, {"callbacks": {"generate_callback": GENERATE}}),
+               "callbacks.generate_callback.prompts", 1),
+    "FP8040": (_merge(FP8_TE, {"model": {"use_pad_tok_in_ffn": False},
+                               "train_loader": {"name": "finetuning"}}),
+               "model.use_pad_tok_in_ffn", 1),
+    "FP8041": ({"model": {"attn_config": {"attn_impl": "sdpa"}}}, "model.attn_config.attn_impl",
+               1),
+    "FP8042": ({"model": {"ffn_config": {"ffn_typ": "mptglu"}}}, "model.ffn_config.ffn_typ", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -159,6 +196,16 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8035": ({"model": {"logit_scale": "inv_sqrt_d_model"}}, 1),  # the one word it takes
     "FP8036": ({"variables": {"unused": "???"}}, 1),  # read only through an interpolation
     "FP8037": ({"autoresume": True, "loggers": {"wandb": {"init_kwargs": {"mode": "online"}}}}, 1),
+    # device_train_batch_size and device_eval_batch_size are MISSING in TrainConfig too, but
+    # update_batch_size_info fills them: BASE gives neither
+    "FP8038": ({}, 1),
+    "FP8039": (_merge(FP8_TE, {"callbacks": {"generate_callback": {
+        **GENERATE, "prompts": GENERATE["prompts"] * 4}}}), 1),  # 8 prompts at a time
+    "FP8040": (_merge(EMULATE, {"precision": "amp_fp8", "model": {"use_pad_tok_in_ffn": False},
+                                "train_loader": {"name": "finetuning"}}), 1),  # not TE
+    "FP8041": ({"model": {"attn_config": {"attn_impl": "sdpa"}},
+                "callbacks": {"fp8_lint": {}}}, 1),
+    "FP8042": ({"model": {"ffn_config": {"ffn_type": "mptglu", "ffn_hidden_size": 5632}}}, 1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,
@@ -169,9 +216,9 @@ NO_FLASH = Snapshot(python="3.11")
 def _write(tmp_path: Path, edit: dict, name: str = "train.yaml") -> Path:
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.merge(OmegaConf.create(BASE), OmegaConf.create(edit))
+    cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(BASE), OmegaConf.create(edit)))
     path = tmp_path / name
-    path.write_text(OmegaConf.to_yaml(cfg))
+    path.write_text(OmegaConf.to_yaml({k: v for k, v in cfg.items() if v != ABSENT}))
     return path
 
 
@@ -205,6 +252,9 @@ def test_rule_fires_with_its_key_line_and_column(tmp_path, rule):
     hit = [f for f in entry["findings"] if f["rule"] == rule]
     assert hit, entry["findings"]
     assert hit[0]["key"] == key and hit[0]["fix"] and hit[0]["message"]
+    if edit.get(key) == ABSENT:  # the file does not have the key: the finding is the file's
+        assert hit[0]["line"] is None
+        return
     leaf = key.split(".")[-1]
     text = path.read_text().splitlines()[hit[0]["line"] - 1]
     assert text[hit[0]["column"] - 1:].startswith(f"{leaf}:"), (text, hit[0])
@@ -310,7 +360,7 @@ def test_fsdp2_keys_are_warnings_under_fsdp1_and_te_flags_under_fsdp2():
     config = {"fsdp_config": {"te_shard_fp8_weight": True, "sharding_strategy": "FULL_SHARD"},
               "precision": "amp_fp8", "model": {"fc_type": "te"}}
     found = lint_config(config, LintContext(fsdp_version=2))
-    assert {(f.rule, f.key, f.severity) for f in found} == {
+    assert {(f.rule, f.key, f.severity) for f in found if f.rule != "FP8038"} == {
         ("FP8015", "fsdp_config.te_shard_fp8_weight", "warning"),
         ("FP8010", "fsdp_config.sharding_strategy", "warning")}  # FSDP2 drops it
 
@@ -349,7 +399,7 @@ def test_oc_env_is_reported_even_when_the_variable_is_unset(tmp_path):
     path.write_text(BASE + "run_name: ${oc.env:FOUNDRY_FP8_SURELY_UNSET}\n")
     entry = lint_file(path)
     assert entry["error"] is None
-    assert [(f["rule"], f["line"]) for f in entry["findings"]] == [("FP8017", 17)]
+    assert [(f["rule"], f["line"]) for f in entry["findings"]] == [("FP8017", BASE_LINES + 1)]
 
 
 def test_run_scope_skips_file_only_rules():
@@ -682,10 +732,11 @@ def test_keys_that_are_not_strings_are_named_at_their_line(tmp_path):
     entry = lint_file(path)
     assert entry["error"] is None
     found = [(f["rule"], f["key"], f["line"]) for f in entry["findings"]]
-    assert found == [("FP8022", "1", 17), ("FP8022", "callbacks.True", 19)]
+    assert found == [("FP8022", "1", BASE_LINES + 1), ("FP8022", "callbacks.True", BASE_LINES + 3)]
     assert "keys must be strings" in entry["findings"][0]["message"]
     # deeper down LLM-Foundry does not check, so neither do we
-    assert lint_config({"model": {"config_overrides": {"id2label": {0: "neg"}}}}) == []
+    deeper = lint_config({"model": {"config_overrides": {"id2label": {0: "neg"}}}})
+    assert {f.rule for f in deeper} == {"FP8038"}  # only the keys this fragment leaves out
 
 
 # -- load messages -------------------------------------------------------------------------
@@ -1210,7 +1261,8 @@ def _entry_of(tmp_path: Path, text: str, name: str = "train.yaml", **kwargs: Any
 
 def _hits(entry: dict) -> list[tuple[str, str, int | None, str]]:
     return [(f["rule"], f["key"], f["line"], f["severity"]) for f in entry["findings"]
-            if f["rule"] != "FP8029"]  # flash-attn's absence is this machine's
+            if f["rule"] not in ("FP8029", "FP8038")]  # flash-attn's absence is this machine's;
+    # the snippets are fragments, which FP8038 tells to give every key `llmfoundry train` needs
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -1379,3 +1431,158 @@ def test_the_cli_reads_wandb_mode_from_the_environment(tmp_path):
     path.write_text("run_name: r\nsave_folder: ckpt\nautoresume: true\nloggers:\n  wandb: {}\n")
     assert _lint(str(path), env={"WANDB_MODE": "offline"}).returncode == 1
     assert _lint(str(path), env={"WANDB_MODE": "online"}).returncode == 0
+
+
+# -- QA round: offload, reentrant wording, eval's FSDP, FP8028 in the CLI, key positions ----------
+
+def test_offload_alone_recomputes_nothing_so_fp8013_is_quiet_and_fp8003_still_asserts():
+    """Composer wraps blocks in torch's offload_wrapper for activation_cpu_offload alone: it
+    runs each forward once (checkpoint_wrapper twice), so te_swap's emulated layers are never
+    recomputed outside FP8 (FP8013, an error for it before); Composer still asserts
+    te_checkpoint_wrapper's non-reentrant setting in that branch (FP8003)."""
+    import inspect
+
+    import torch
+    from composer.distributed import dist_strategy
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+        offload_wrapper,
+    )
+
+    class Counted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.calls = torch.nn.Linear(4, 4), 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.linear(x).relu()
+
+    calls = []
+    for wrap in (offload_wrapper, lambda m: checkpoint_wrapper(
+            m, checkpoint_impl=CheckpointImpl.NO_REENTRANT)):
+        module = Counted()
+        wrap(module)(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        calls.append(module.calls)
+    assert calls == [1, 2] and dist_strategy.offload_wrapper is offload_wrapper
+    source = inspect.getsource(dist_strategy.prepare_fsdp_module)
+    branch = source.index("if activation_checkpointing or activation_cpu_offload:")
+    assert branch < source.index("TE checkpoint only works with non-reentrant") < \
+        source.index("offload_wrapper(")
+    offload = {"fsdp_config": {"activation_cpu_offload": True, "activation_checkpointing": False}}
+    assert "FP8013" not in _lint_dict(_merge(EMULATE, offload))
+    assert "FP8013" in _lint_dict(_merge(EMULATE, CKPT))
+    wrapper = _merge(FP8_TE, offload, {"fsdp_config": {"te_checkpoint_wrapper": True}})
+    assert _lint_dict(wrapper)["FP8003"] == "error"
+
+
+def test_fp8003_says_whether_the_config_set_reentrant():
+    """Before: 'Composer defaults activation_checkpointing_reentrant to true' also where the
+    config wrote true itself (fc_type in mapping form: LLM-Foundry does not flip it)."""
+    from omegaconf import OmegaConf
+
+    def message(*edits: dict) -> str:
+        cfg = OmegaConf.to_container(OmegaConf.merge(*(OmegaConf.create(e) for e in (
+            BASE, FP8_TE, CKPT, {"fsdp_config": {"te_checkpoint_wrapper": True}}, *edits))),
+            resolve=True)
+        [found] = [f.message for f in lint_config(cfg) if f.rule == "FP8003"]
+        return found
+
+    assert "Composer defaults activation_checkpointing_reentrant to true" in message()
+    explicit = message({"model": {"fc_type": {"name": "te"}},
+                        "fsdp_config": {"activation_checkpointing_reentrant": True}})
+    assert "this config sets activation_checkpointing_reentrant: true" in explicit
+    assert "defaults" not in explicit
+
+
+EVAL_FSDP = """\
+max_seq_len: 1024
+device_eval_batch_size: 4
+precision: amp_fp8
+models:
+- model_name: mpt-125m-fp8
+  model:
+    name: mpt_causal_lm
+    d_model: 768
+    n_heads: 12
+    n_layers: 12
+    fc_type: te
+    loss_fn: torch_crossentropy
+  tokenizer:
+    name: EleutherAI/gpt-neox-20b
+  load_path: ./checkpoints/latest-rank0.pt
+fsdp_config:
+  sharding_strategy: FULL_SHARD
+  activation_checkpointing: true
+  te_checkpoint_wrapper: true
+icl_tasks: eval/yamls/tasks_v0.3.yaml
+"""
+
+
+def test_fp8003_judges_eval_configs(tmp_path):
+    """eval builds Composer's Trainer with the config's fsdp_config and precision
+    (test_lint_known: test_llmfoundry_eval_hands_fsdp_config_and_precision_to_composers_trainer)
+    and flips nothing: before, no finding."""
+    path = tmp_path / "eval.yaml"
+    path.write_text(EVAL_FSDP)
+    entry = lint_file(path, 1, NO_FLASH)
+    [hit] = [f for f in entry["findings"] if f["rule"] == "FP8003"]
+    assert (hit["key"], hit["severity"], hit["line"]) == (
+        "fsdp_config.te_checkpoint_wrapper", "error",
+        EVAL_FSDP.splitlines().index("  te_checkpoint_wrapper: true") + 1)
+    path.write_text(EVAL_FSDP + "  activation_checkpointing_reentrant: false\n")
+    assert "FP8003" not in _rules(lint_file(path, 1, NO_FLASH))
+
+
+def test_fp8028_says_what_it_knows_of_the_machine(tmp_path):
+    """The CLI never probes the GPU, and before said amp_fp8 'needs TransformerEngine and an FP8
+    GPU' as an error whatever the machine; now it says both outcomes. fp8_lint (run scope)
+    judges its own machine."""
+    config = _merge({"precision": "amp_fp8"}, EMULATE)
+    h100 = Snapshot(python="3", capability=(9, 0), te="2.8.0")
+    cpu = Snapshot(python="3")
+    file_hit, = [f for f in lint_file(_write(tmp_path, config), 1, h100)["findings"]
+                 if f["rule"] == "FP8028"]
+    assert file_hit["severity"] == "error"
+    assert "Composer raises on a machine without TransformerEngine" in file_hit["message"]
+    assert "on one with them amp_fp8 does nothing for emulated layers" in file_hit["message"]
+    for snapshot, severity, said in ((h100, "warning", "this machine has TransformerEngine"),
+                                     (cpu, "error", "this machine lacks TransformerEngine")):
+        [hit] = [f for f in lint_config(config, LintContext(scope="run", snapshot=snapshot))
+                 if f.rule == "FP8028"]
+        assert hit.severity == severity and said in hit.message
+
+
+def test_a_top_level_key_with_a_dot_is_its_own_key(tmp_path):
+    """Before: `"model.d_model"` (a top-level key) and model's d_model shared the path
+    model.d_model, so FP8009 pointed at model's d_model line."""
+    path = tmp_path / "dots.yaml"
+    path.write_text(BASE.replace("  d_model: 2048\n", "  d_model: '2048'\n")
+                    + '"model.d_model": 1024\n')
+    found = {(f["rule"], f["key"], f["line"]) for f in lint_file(path, 1, NO_FLASH)["findings"]}
+    model_line = BASE.splitlines().index("  d_model: 2048") + 1
+    assert found == {("FP8009", '"model.d_model"', BASE_LINES + 1),
+                     ("FP8035", "model.d_model", model_line)}
+
+
+def test_merged_keys_sit_where_their_anchor_writes_them(tmp_path):
+    """Before: a finding on a key a merge key (`<<: *anchor`) brings in pointed at the mapping's
+    own line (`fsdp_config:`); the mapping's own keys still win over merged ones."""
+    path = tmp_path / "merge.yaml"
+    text = BASE.replace("fsdp_config:\n  sharding_strategy: FULL_SHARD\n  activation_checkpointing: "
+                        "false\n", "")
+    text = text.replace("variables:\n", "variables:\n  fsdp: &fsdp\n    te_checkpoint_wrapper: "
+                        "true\n    activation_checkpointing: false\n    mixed_precison: PURE\n")
+    text = text.replace("precision: amp_bf16", "precision: amp_fp8").replace(
+        "  loss_fn: torch_crossentropy\n", "  loss_fn: torch_crossentropy\n  fc_type: te\n")
+    text += "fsdp_config:\n  <<: *fsdp\n  activation_checkpointing: true\n"
+    path.write_text(text)
+    lines = text.splitlines()
+    found = {f["rule"]: (f["key"], f["line"]) for f in lint_file(path, 1, NO_FLASH)["findings"]}
+    assert found["FP8003"] == ("fsdp_config.te_checkpoint_wrapper",
+                               lines.index("    te_checkpoint_wrapper: true") + 1)
+    assert found["FP8010"] == ("fsdp_config.mixed_precison",
+                               lines.index("    mixed_precison: PURE") + 1)
+    positions = load_config(path).positions  # the explicit key, not the merged one
+    assert positions["fsdp_config.activation_checkpointing"] == (len(lines), 3)

@@ -20,6 +20,7 @@ import pytest
 
 from foundry_fp8.lint import known
 from foundry_fp8.lint.entries import our_entries
+from foundry_fp8.lint.registry import LintContext, run_rules
 from foundry_fp8.lint.rules import lint_config
 from foundry_fp8.te import facts
 
@@ -657,3 +658,217 @@ def test_current_scalings_te_floor_has_one_home():
     assert recipe.CURRENT_SCALING_TE == f"TE >= {facts.dotted(facts.MIN_TE_CURRENT_SCALING)}"
     [problem] = recipe.recipe_problems({"scaling": "curent"})
     assert recipe.CURRENT_SCALING_TE in problem.fix
+
+
+# -- QA round: mandatory keys, MPT's sub-configs, sdpa, eval's FSDP Trainer ---------------------
+
+def _train_config_refused(config: dict) -> bool:
+    from llmfoundry.utils.config_utils import (
+        TRAIN_CONFIG_KEYS,
+        TrainConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_dataclass_and_log_config(OmegaConf.create(config), TrainConfig,
+                                          TRAIN_CONFIG_KEYS, transforms="all")
+    except Exception:  # MissingMandatoryValue, update_batch_size_info's KeyError
+        return True
+    return False
+
+
+#: A train config with every key `llmfoundry train` needs, and no other.
+_WHOLE = {"model": {"name": "mpt_causal_lm"}, "tokenizer": {"name": "gpt2"},
+          "optimizer": {"name": "decoupled_adamw"}, "scheduler": {"name": "constant_with_warmup"},
+          "train_loader": {"name": "text"}, "max_duration": "10ba", "max_seq_len": 64,
+          "global_train_batch_size": 8, "device_train_microbatch_size": 4}
+
+
+@pytest.mark.parametrize("key", sorted(set(_WHOLE) | {"device_train_batch_size",
+                                                      "device_eval_batch_size"}))
+def test_fp8038_names_exactly_the_keys_llmfoundry_cannot_do_without(key):
+    """Each key dropped from a whole train config: LLM-Foundry refuses it iff FP8038 names it
+    (device_train_batch_size and device_eval_batch_size are MISSING in TrainConfig too, but
+    update_batch_size_info fills them)."""
+    config = {**_WHOLE, "device_train_batch_size": 8, "device_eval_batch_size": 4}
+    assert not _train_config_refused(config)
+    dropped = {k: v for k, v in config.items() if k != key}
+    flagged = [f.key for f in lint_config(dropped) if f.rule == "FP8038"]
+    assert _train_config_refused(dropped) == (flagged == [key]) == (key in known.TRAIN_REQUIRED_KEYS)
+
+
+def test_train_required_keys_are_trainconfigs_missing_fields_less_the_filled_ones():
+    from llmfoundry.utils.config_utils import TrainConfig, update_batch_size_info
+    from omegaconf import MISSING
+
+    missing = {f.name for f in dataclasses.fields(TrainConfig) if f.default is MISSING}
+    filled = set(update_batch_size_info({"global_train_batch_size": 8,
+                                         "device_train_microbatch_size": 4})) - {
+        "global_train_batch_size", "device_train_microbatch_size"}
+    assert filled == {"n_gpus", "device_train_batch_size", "device_train_grad_accum",
+                      "device_eval_batch_size"}
+    assert set(known.TRAIN_REQUIRED_KEYS) == (missing - filled) | {
+        "global_train_batch_size", "device_train_microbatch_size"}
+
+
+def test_mpt_sub_config_keys_match_llmfoundrys_classes_and_builders():
+    from llmfoundry.layers_registry import attention_classes, fcs, ffns
+    from llmfoundry.models.layers.blocks import MPTBlock
+    from llmfoundry.models.layers.ffn import build_mptglu, build_mptmlp
+    from llmfoundry.models.utils.config_defaults import attn_config_defaults
+
+    from foundry_fp8.lint.rules import model
+
+    def keywords(fn: Any) -> set[str]:
+        params = inspect.signature(fn).parameters
+        assert all(p.kind != p.VAR_KEYWORD for p in params.values())  # TypeError for others
+        return set(params) - {"self"}
+
+    classes = {name: attention_classes.get(name) for name in model._ATTN_TYPES}
+    assert set(attention_classes.get_all()) == set(classes)  # the built-ins, all judged
+    taken = {name: keywords(cls.__init__) for name, cls in classes.items()}
+    assert known.MPT_ATTN_CONFIG_KEYS == set(attn_config_defaults) | {
+        "seq_parallel_world_size"} | set.union(*taken.values())
+    assert {name for name, keys in taken.items() if known.MPT_GQA_ONLY_KEY in keys} == {
+        "grouped_query_attention"}
+    # MPTBlock keeps back only these (position encoding), all MPTConfig defaults; it passes
+    # every other attn_config key to the class
+    assert MPTBlock.args_to_exclude_in_attn_class.fget(None) <= set(attn_config_defaults)
+    assert known.MPT_FFN_CONFIG_KEYS == {"ffn_type"} | keywords(build_mptmlp) == \
+        {"ffn_type"} | keywords(build_mptglu)
+    assert {"mptmlp", "mptglu"} <= set(ffns.get_all())
+    assert set(fcs.get_all()) <= set(known.MPT_FC_TYPES)  # te too where TE imports
+
+
+@pytest.mark.parametrize(("edits", "error"), [
+    # before: no finding for any of these (QA); each fails building the model
+    ({"attn_config__attn_tpye": "grouped_query_attention"}, TypeError),
+    ({"attn_config__kv_n_heads": 2}, TypeError),  # multihead_attention takes no kv_n_heads
+    ({"ffn_config__ffn_typ": "mptglu"}, TypeError),
+    ({"ffn_config__ffn_type": "mptglu", "ffn_config__act_fn": {"name": "silu"}}, TypeError),
+    ({"fc_type": "TE"}, Exception),  # catalogue's RegistryError
+    ({"fc_type": {"name": "Torch"}}, Exception),
+    # near misses, which build
+    ({"attn_config__attn_type": "grouped_query_attention", "attn_config__kv_n_heads": 2}, None),
+    ({"attn_config__clip_qkv": 6.0, "attn_config__qk_ln": True}, None),
+    ({"ffn_config__ffn_type": "mptglu", "ffn_config__ffn_act_fn": {"name": "silu"},
+      "ffn_config__ffn_hidden_size": 128}, None),
+    ({"fc_type": "torch"}, None),
+])
+def test_fp8042_errors_are_what_mpt_refuses_to_build(edits, error):
+    section: dict = {"name": "mpt_causal_lm"}
+    for path, value in edits.items():
+        *parents, leaf = path.split("__")
+        node = section
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    flagged = any(f.rule == "FP8042" and f.severity == "error"
+                  for f in lint_config({"model": section}))
+    assert flagged == (error is not None)
+    if error is None:
+        _build_mpt(**edits)
+    else:
+        with pytest.raises(error):
+            _build_mpt(**edits)
+
+
+def test_mpt_replaces_ffn_config_fc_type_by_the_models():
+    """FP8042's warning: `ffn_config: {fc_type: ...}` never reaches the FFN."""
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = MPTConfig(d_model=64, n_heads=4, n_layers=1, max_seq_len=16, vocab_size=64,
+                           attn_config={"attn_impl": "torch"},
+                           ffn_config={"fc_type": {"name": "torch", "bias": False}})
+        ffn = MPTForCausalLM(config).transformer.blocks[0].ffn
+    assert config.ffn_config["fc_type"] == {"name": "torch"} and ffn.up_proj.bias is not None
+    found = lint_config({"model": {"name": "mpt_causal_lm",
+                                   "ffn_config": {"fc_type": {"name": "torch", "bias": False}}}})
+    assert not [f for f in found if f.rule == "FP8042"]  # the same class: nothing to say
+    found = lint_config({"model": {"name": "mpt_causal_lm", "ffn_config": {"fc_type": "te"}}})
+    assert [(f.key, f.severity) for f in found if f.rule == "FP8042"] == [
+        ("model.ffn_config.fc_type", "warning")]
+
+
+def test_sdpa_builds_only_after_one_of_our_entries_is_imported():
+    """FP8041's facts, in a fresh interpreter (foundry_fp8.attention patches MPT once
+    imported): MPTConfig refuses attn_impl sdpa; importing the module LLM-Foundry's registry
+    loads for any entry of ours makes it build; every such entry lives in foundry_fp8.composer;
+    and train() builds loggers, callbacks and algorithms before the model."""
+    import importlib
+    from importlib import metadata
+
+    train = importlib.import_module("llmfoundry.command_utils.train")
+
+    code = ("import importlib, sys, warnings; warnings.simplefilter('ignore')\n"
+            "from llmfoundry.models.mpt import MPTConfig\n"
+            "def build():\n"
+            "    try:\n"
+            "        MPTConfig(d_model=64, n_heads=4, n_layers=1, attn_config={'attn_impl': 'sdpa'})\n"
+            "        return 'built'\n"
+            "    except ValueError as e:\n"
+            "        return str(e)\n"
+            "print(build()); importlib.import_module(sys.argv[1]); print(build())\n")
+    ours = [ep for group in known.REGISTRY_GROUPS.values() for g in group
+            for ep in metadata.entry_points(group=g) if ep.value.startswith("foundry_fp8.")]
+    assert {ep.name for ep in ours} == {name for _, name in our_entries()}
+    assert all(ep.module.startswith("foundry_fp8.composer.") for ep in ours)
+    out = subprocess.run([sys.executable, "-c", code, ours[0].module], capture_output=True,
+                         text=True, timeout=300, check=True).stdout.splitlines()[-2:]
+    assert out == ["Unknown attn_impl=sdpa", "built"]
+    source = inspect.getsource(train.train)
+    model_built = source.index("build_composer_model(")
+    assert all(source.index(f"{what}(") < model_built
+               for what in ("build_logger", "build_callback", "build_algorithm"))
+    assert source.index("import_file(") < model_built  # code_paths, FP8041's warning
+    sdpa = {"model": {"name": "mpt_causal_lm", "attn_config": {"attn_impl": "sdpa"}}}
+    assert [f.severity for f in lint_config(sdpa) if f.rule == "FP8041"] == ["error"]
+    for (where, name) in our_entries():
+        assert not [f for f in lint_config({**sdpa, where: {name: {}}}) if f.rule == "FP8041"]
+    assert [f.severity for f in lint_config({**sdpa, "code_paths": ["my_imports.py"]})
+            if f.rule == "FP8041"] == ["warning"]
+
+
+def test_llmfoundry_eval_hands_fsdp_config_and_precision_to_composers_trainer(monkeypatch):
+    """FP8003 applies to eval configs: evaluate_model builds Composer's Trainer with the eval
+    config's fsdp_config and precision, which is where Composer wraps blocks and asserts
+    non-reentrant checkpointing for te_checkpoint_wrapper (prepare_fsdp_module); LLM-Foundry's
+    eval, unlike train's validate_config, flips no reentrant setting."""
+    from composer.distributed import dist_strategy
+    from llmfoundry.command_utils import eval as foundry_eval
+
+    class Built(Exception):
+        pass
+
+    def trainer(**kwargs: Any) -> None:
+        raise Built(kwargs)
+
+    monkeypatch.setattr(foundry_eval, "build_tokenizer", lambda *a, **k: None)
+    monkeypatch.setattr(foundry_eval, "build_evaluators", lambda *a, **k: ([], [], None))
+    monkeypatch.setattr(foundry_eval, "build_composer_model", lambda **k: object())
+    monkeypatch.setattr(foundry_eval, "Trainer", trainer)
+    fsdp = {"activation_checkpointing": True, "te_checkpoint_wrapper": True}
+    with pytest.raises(Built) as built:
+        foundry_eval.evaluate_model(
+            tokenizer={"name": "gpt2"}, model_name="m", model={"name": "mpt_causal_lm"},
+            dist_timeout=60, run_name="r", seed=1, icl_tasks=[], max_seq_len=64,
+            device_eval_batch_size=1, eval_gauntlet_config=None, eval_loader_config=None,
+            loggers=[], python_log_level=None, precision="amp_fp8", eval_gauntlet_df=None,
+            eval_subset_num_batches=1, icl_subset_num_batches=None, callback_configs=None,
+            metadata=None, logged_config={}, parallelism_config={"fsdp": fsdp}, load_path="x")
+    kwargs = built.value.args[0]
+    assert kwargs["parallelism_config"] == {"fsdp": fsdp} and kwargs["precision"] == "amp_fp8"
+    assert "parallelism_config={'fsdp': eval_config.fsdp_config}" in \
+        inspect.getsource(foundry_eval.evaluate)
+    assert "validate_config" not in inspect.getsource(foundry_eval)
+    assert "TE checkpoint only works with non-reentrant checkpointing" in \
+        inspect.getsource(dist_strategy.prepare_fsdp_module)
+    eval_config = {"models": [{"model_name": "m", "model": {"name": "mpt_causal_lm"}}],
+                   "precision": "amp_fp8", "fsdp_config": fsdp}
+    assert [f.key for f in run_rules("eval", eval_config, LintContext())
+            if f.rule == "FP8003"] == ["fsdp_config.te_checkpoint_wrapper"]

@@ -84,8 +84,11 @@ def fsdp(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return section(config, "fsdp_config")
 
 
-def recomputes(fsdp_config: Mapping[str, Any]) -> bool:
-    """Composer wraps blocks for recompute with either setting (dist_strategy.py)."""
+def wraps_blocks(fsdp_config: Mapping[str, Any]) -> bool:
+    """Composer wraps blocks with either setting, and then asserts te_checkpoint_wrapper's
+    non-reentrant checkpointing (dist_strategy.py); only `activation_checkpointing` recomputes
+    (`activation_cpu_offload` alone wraps them in offload_wrapper, which only moves saved
+    activations to the CPU)."""
     return bool(fsdp_config.get("activation_checkpointing")
                 or fsdp_config.get("activation_cpu_offload"))
 

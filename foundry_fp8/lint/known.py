@@ -30,6 +30,16 @@ TRAIN_CONFIG_KEYS = frozenset({
     "run_name", "autoresume", "profiler", "variables", "n_gpus", "device_train_grad_accum",
 })
 
+#: The top-level keys `llmfoundry train` cannot do without (llmfoundry/utils/config_utils.py):
+#: TrainConfig's fields whose default is omegaconf's MISSING, each of which
+#: `make_dataclass_and_log_config` reads (MissingMandatoryValue when absent), less the four the
+#: `update_batch_size_info` transform fills first (device_train_batch_size, device_eval_batch_size,
+#: n_gpus, device_train_grad_accum), plus the two that transform reads itself with `cfg[key]`
+#: (KeyError when absent). tests/test_lint_known.py drops each from a full config and builds it.
+TRAIN_REQUIRED_KEYS = ("model", "tokenizer", "optimizer", "scheduler", "train_loader",
+                       "max_duration", "max_seq_len", "global_train_batch_size",
+                       "device_train_microbatch_size")
+
 #: The YAML shapes of TrainConfig's container fields, as `make_dataclass_and_log_config`
 #: (llmfoundry/utils/config_utils.py) lets them through: omegaconf's structured config checks
 #: the field's type (`dict[str, Any]`: a mapping with string keys; `list[dict[str, Any]]`: a
@@ -111,6 +121,30 @@ MPT_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "head_dim": None
 MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "fused_qkv": True, "kv_dim": None,
                      "qk_ln": False, "qk_gn": False}
 MPT_FFN_DEFAULTS = {"ffn_type": "mptmlp"}
+#: The keys an MPT `attn_config` may hold with LLM-Foundry's own attention classes: those
+#: MPTConfig fills in (`attn_config_defaults`, llmfoundry/models/utils/config_defaults.py), which
+#: MPTBlock reads or passes on, `seq_parallel_world_size` (MPTConfig.validate_attention_config),
+#: and the keywords of the classes' `__init__` (llmfoundry/models/layers/attention.py). MPTBlock
+#: passes any other key to the class, which takes no **kwargs: TypeError building the model.
+MPT_ATTN_CONFIG_KEYS = frozenset({
+    "alibi", "alibi_bias_max", "attn_impl", "attn_logit_softcapping", "attn_pdrop",
+    "attn_temperature_tuning", "attn_type", "attn_uses_sequence_id", "clip_qkv", "fused_qkv",
+    "kv_dim", "nope", "qk_gn", "qk_ln", "rope", "rope_dail_config", "rope_hf_config",
+    "rope_impl", "rope_theta", "sliding_window_size", "softmax_scale", "seq_parallel_world_size",
+    "attention_bias", "bias", "d_model", "device", "fc_type", "head_dim", "n_heads", "norm_eps",
+    "norm_type", "reuse_kv_layer_idx", "reuse_kv_x_layer_idx", "kv_n_heads",
+})
+#: The one of those only GroupedQueryAttention takes (MultiheadAttention and MultiQueryAttention
+#: raise TypeError on it).
+MPT_GQA_ONLY_KEY = "kv_n_heads"
+#: The keys an MPT `ffn_config` may hold with `ffn_type` mptmlp or mptglu: ffn_type and the
+#: keywords of build_mptmlp and build_mptglu (llmfoundry/models/layers/ffn.py), to which
+#: build_ffn (llmfoundry/models/layers/layer_builders.py) passes every other key: TypeError.
+MPT_FFN_CONFIG_KEYS = frozenset({"ffn_type", "bias", "d_model", "device", "expansion_ratio",
+                                 "fc_type", "ffn_act_fn", "ffn_hidden_size"})
+#: The names of LLM-Foundry's `fcs` registry (llmfoundry/models/layers/fc.py: te only where TE
+#: imports), which `fc_type` looks up as written (RegistryError for any other).
+MPT_FC_TYPES = ("torch", "te")
 #: MPT's model keys that must be numbers: given as a string (`d_model: "2048"`, `expansion_ratio:
 #: "8/3"`), MPTConfig or the model it builds raises (TypeError, ValueError) when LLM-Foundry
 #: builds the model. `norm_eps` is not among them: a string builds (torch reads it only in the

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from foundry_fp8.lint.registry import join_key, parent_key
+
 #: An interpolation that `train_from_yaml` cannot resolve (it clears the `oc.env` resolver).
 OC_ENV = re.compile(r"\$\{\s*oc\.env\s*:")
 
@@ -89,10 +91,23 @@ def _key_text(node: yaml.Node) -> str:
         return str(node.value)
 
 
+def _merged(node: yaml.MappingNode) -> list[yaml.MappingNode]:
+    """The mappings a mapping's merge keys (`<<: *anchor`, `<<: [*a, *b]`) bring in, the
+    first one first: YAML gives the mapping's own keys precedence, then the merged ones in
+    order."""
+    found: list[yaml.MappingNode] = []
+    for key_node, value in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            values = value.value if isinstance(value, yaml.SequenceNode) else [value]
+            found += [v for v in values if isinstance(v, yaml.MappingNode)]
+    return found
+
+
 def key_positions(root: yaml.Node | None,
                   ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
-    """Dotted key path (list items by index) -> (line, column) of the key in a composed YAML
-    document, and the (path, text) of every string value using `${oc.env:...}`."""
+    """Dotted key path (`join_key`; list items by index) -> (line, column) of the key in a
+    composed YAML document, and the (path, text) of every string value using `${oc.env:...}`.
+    A key a merge key brings in sits where its anchor's mapping writes it."""
     positions: dict[str, tuple[int, int]] = {}
     env_values: list[tuple[str, str]] = []
     active: set[int] = set()  # nodes on the current path: a recursive alias must not loop
@@ -103,14 +118,17 @@ def key_positions(root: yaml.Node | None,
         active.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for key_node, value in node.value:
-                key = _key_text(key_node)
-                path = f"{prefix}.{key}" if prefix else key
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                path = join_key(prefix, _key_text(key_node))
                 positions.setdefault(path, (key_node.start_mark.line + 1,
                                             key_node.start_mark.column + 1))
                 walk(value, path)
+            for merged in _merged(node):  # after the mapping's own keys, which win
+                walk(merged, prefix)
         elif isinstance(node, yaml.SequenceNode):
             for index, item in enumerate(node.value):
-                path = f"{prefix}.{index}"
+                path = join_key(prefix, index)
                 positions.setdefault(path, (item.start_mark.line + 1, item.start_mark.column + 1))
                 walk(item, path)
         elif isinstance(node, yaml.ScalarNode) and OC_ENV.search(str(node.value)):
@@ -502,5 +520,5 @@ def position_of(key: str, positions: dict[str, tuple[int, int]]) -> tuple[int, i
     while key:
         if key in positions:
             return positions[key]
-        key = key.rpartition(".")[0]
+        key = parent_key(key)
     return None

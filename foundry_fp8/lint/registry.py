@@ -12,6 +12,7 @@ judge key names (an unknown key is wrong whatever its value).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -33,7 +34,7 @@ FAMILIES = {
 class Finding:
     rule: str
     severity: Severity
-    key: str  # dotted key path
+    key: str  # dotted key path (`join_key`)
     message: str
     fix: str
 
@@ -161,11 +162,11 @@ def mandatory_keys(config: Any) -> list[str]:
         if step is None:
             stack.pop()
             continue
-        path = f"{prefix}{step[0]}"
+        path = join_key(prefix, step[0])
         if isinstance(step[1], str) and step[1] == MISSING:
             found.append(path)
         elif isinstance(step[1], (Mapping, list)) and path != "variables":
-            stack.append((f"{path}.", _items(step[1])))
+            stack.append((path, _items(step[1])))
     return found
 
 
@@ -178,3 +179,29 @@ def section(config: Any, key: str) -> Mapping[str, Any]:
     """A sub-mapping, or an empty one when absent or of the wrong type (never crash on input)."""
     value = config.get(key) if isinstance(config, Mapping) else None
     return value if isinstance(value, Mapping) else {}
+
+
+def join_key(prefix: str, key: Any) -> str:
+    """The dotted path of `key` under `prefix` ('' at the top level). A key holding a dot (or
+    starting with a quote) is written quoted, as JSON writes a string: the top-level key
+    `"model.d_model"` and `model`'s `d_model` are different keys and must not share a path."""
+    text = str(key)
+    part = json.dumps(text, ensure_ascii=False) if "." in text or text.startswith('"') else text
+    return f"{prefix}.{part}" if prefix else part
+
+
+def parent_key(key: str) -> str:
+    """A dotted path without its last part ('' for a top-level key), reading quoted parts
+    (`join_key`) whole; a path that is not `join_key`'s still gives a shorter one."""
+    parts, start = [], 0
+    while start < len(key):
+        end = key.find(".", start)
+        if key.startswith('"', start):
+            try:
+                end = json.JSONDecoder().raw_decode(key, start)[1]
+            except ValueError:  # an unclosed quote: the rest is one part
+                end = len(key)
+        end = len(key) if end < 0 else end
+        parts.append(key[start:end])
+        start = end + 1
+    return ".".join(parts[:-1])

@@ -5,6 +5,8 @@
   section shapes, `${oc.env:...}`, loaders, the loss function);
 - `model`: the model section (MPTConfig's keys, TE layer choices, GEMM shapes);
 - `fsdp`: FSDP and activation recompute;
+- `tokens`: tokens reaching TE's FP8 GEMMs outside the train micro-batch (generate callback,
+  padding dropped before MPT's FFN);
 - `ours`: our entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_guard`, `fp8_lint`, `jsonl`)
   and where the registries look for them;
 - `eval`: LLM-Foundry eval configs;
@@ -38,6 +40,7 @@ from foundry_fp8.lint.rules import (  # noqa: F401  (registration happens at imp
     mcli,
     model,
     ours,
+    tokens,
     train,
 )
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from foundry_fp8.lint.known import did_you_mean
 from foundry_fp8.lint.load import position_of
-from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
+from foundry_fp8.lint.rules.fsdp import TE_1190
 from foundry_fp8.recipe import recipe_problems
 from foundry_fp8.te.facts import Version, dotted
 
@@ -320,11 +321,11 @@ def fp8_config_unknown_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hi
         if name in FP8_CONFIG_KEYS:
             continue
         if name in QUESTIONNAIRE_NAMES:
-            yield Hit(f"fp8_config.{name}", f"fp8_config.{name} is silently dropped: "
+            yield Hit(join_key("fp8_config", name), f"fp8_config.{name} is silently dropped: "
                       f"`accelerate config` writes {name}, but `accelerate launch` reads "
                       f"{QUESTIONNAIRE_NAMES[name]}", fix=f"rename it to {QUESTIONNAIRE_NAMES[name]}")
         else:
-            yield Hit(f"fp8_config.{name}", f"fp8_config.{name} is silently dropped: no part of "
+            yield Hit(join_key("fp8_config", name), f"fp8_config.{name} is silently dropped: no part of "
                       "Accelerate reads it",
                       fix="fix the spelling" + did_you_mean(name, FP8_CONFIG_KEYS))
 
@@ -473,7 +474,7 @@ def unknown_accelerate_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hi
                       "on unknown keys); the backend is fp8_config.backend",
                       fix="write fp8_config: {backend: TE} (or MSAMP, AO)")
         elif span is None:
-            yield Hit(key, f"{config} has no `{key}` (`accelerate launch` raises on unknown "
+            yield Hit(join_key("", key), f"{config} has no `{key}` (`accelerate launch` raises on unknown "
                       "keys)" + did_you_mean(key, known))
         elif not _has(span, version) or (version is None and span != _EVERY):
             fix = f"use an Accelerate that has it ({_releases(span)}), or remove it"
@@ -648,3 +649,32 @@ def zero_stage_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
         key, prefix = _ds_where(inp, "zero_optimization.stage")
         yield Hit(key, f"{prefix}is {zero['stage']!r:.40}: DeepSpeed's ZeRO stage is 0, 1, 2 or 3 "
                   "(ZeroStageEnum), and building the engine refuses anything else")
+
+
+@rule("FP8119", "error", "Accelerate FSDP activation checkpointing with FP8 on TransformerEngine",
+      why="With fsdp_activation_checkpointing Accelerate wraps the auto-wrapped blocks in "
+      "torch's checkpoint_wrapper (non-reentrant, under FSDP1 and FSDP2 alike), while its TE "
+      "FP8 autocast wraps only the model's forward (apply_fp8_autowrap, "
+      "contextual_fp8_autocast): the recompute in backward runs TE's layers outside "
+      "fp8_autocast, without FP8, unlike the forward it replays (the TE #1190 class; Composer's "
+      "analogue is FP8002). Accelerate has no TE-aware checkpoint. Not reported for Accelerate "
+      "1.4-1.7, which runs no FP8 from the config (FP8103).",
+      source=f"{ACC} src/accelerate/accelerator.py Accelerator.prepare_model "
+      "(apply_activation_checkpointing with CheckpointImpl.NO_REENTRANT, apply_fp8_autowrap), "
+      "src/accelerate/utils/fsdp_utils.py fsdp2_prepare_model / fsdp2_apply_ac, "
+      "src/accelerate/utils/transformer_engine.py contextual_fp8_autocast, "
+      "src/accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin "
+      f"(FSDP_ACTIVATION_CHECKPOINTING); {TE_1190}",
+      fix="set fsdp_config.fsdp_activation_checkpointing: false, or checkpoint inside your "
+      "model with te.distributed.checkpoint (TE's recompute under FP8)", family="accelerate")
+def fsdp_recompute_outside_fp8(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    if not (_fp8(acc) and _text(acc.get("distributed_type")) == "fsdp" and _te_backend(acc)
+            and _is_true(section(acc, "fsdp_config").get("fsdp_activation_checkpointing"))):
+        return
+    if version is not None and FP8_AUTO_BROKEN[0] <= version < FP8_AUTO_BROKEN[1]:
+        return
+    yield Hit("fsdp_config.fsdp_activation_checkpointing", "Accelerate recomputes the "
+              "checkpointed blocks with torch's checkpoint_wrapper in backward, outside the TE "
+              "fp8_autocast it wraps around the model's forward: TE's layers recompute without "
+              "FP8, unlike their forward")

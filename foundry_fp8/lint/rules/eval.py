@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from foundry_fp8.lint.known import EVAL_CONFIG_KEYS, TRAIN_CONFIG_KEYS, did_you_mean
-from foundry_fp8.lint.registry import Hit, LintContext, rule
+from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule
 from foundry_fp8.lint.rules.model import model_key_hits
 from foundry_fp8.lint.rules.train import FOUNDRY
 
@@ -32,7 +32,7 @@ def unknown_eval_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
             continue
         train_only = " (a train config key; eval configs do not take it)" \
             if key in TRAIN_CONFIG_KEYS else did_you_mean(key, EVAL_CONFIG_KEYS)
-        yield Hit(key, f"LLM-Foundry's eval config refuses unknown top-level key `{key}`"
+        yield Hit(join_key("", key), f"LLM-Foundry's eval config refuses unknown top-level key `{key}`"
                   + train_only)
 
 

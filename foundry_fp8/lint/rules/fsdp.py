@@ -12,8 +12,8 @@ from foundry_fp8.lint.config import (
     has_fp8_layers,
     has_fp8_state,
     is_fp8,
-    recomputes,
     te_swap,
+    wraps_blocks,
 )
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_CHECKED_FROM,
@@ -29,7 +29,7 @@ from foundry_fp8.lint.known import (
     auto_microbatch_fsdp_fails,
     did_you_mean,
 )
-from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, RETIRED_FSDP
 from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
 
@@ -87,25 +87,33 @@ def _reentrant(config: Mapping[str, Any]) -> bool:
 @rule("FP8003", "error", "`te_checkpoint_wrapper` with reentrant checkpointing "
       "(Composer's default)",
       why="Composer asserts 'TE checkpoint only works with non-reentrant checkpointing' when "
-      "it wraps blocks under amp_fp8, and FSDPConfig defaults activation_checkpointing_reentrant "
-      "to true. LLM-Foundry flips an explicit true to false only for `fc_type: te` (string) "
-      "or a te ffn_type (FP8025). Info when fp8_state is in the callbacks (it sets it at INIT).",
+      "it wraps blocks under amp_fp8 (for activation_checkpointing or activation_cpu_offload), "
+      "and FSDPConfig defaults activation_checkpointing_reentrant to true. LLM-Foundry's train "
+      "flips an explicit true to false only for `fc_type: te` (string) or a te ffn_type "
+      "(FP8025); its eval builds the same FSDP Trainer and flips nothing. Info when fp8_state "
+      "is in the callbacks (it sets it at INIT).",
       source=f"{COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module and "
       f"composer/utils/parallelism.py FSDPConfig; {FOUNDRY} llmfoundry/command_utils/train.py "
-      "validate_config",
-      fix="fsdp_config.activation_checkpointing_reentrant: false")
+      "validate_config, llmfoundry/command_utils/eval.py evaluate_model (Trainer with "
+      "parallelism_config {'fsdp': fsdp_config})",
+      fix="fsdp_config.activation_checkpointing_reentrant: false", also=("eval",))
 def te_wrapper_reentrant(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     settings = fsdp(config)
     if not (is_fp8(config) and ctx.fsdp_version == 1 and settings.get("te_checkpoint_wrapper")
-            and recomputes(settings) and _reentrant(config)):
+            and wraps_blocks(settings) and _reentrant(config)):
         return
     if has_fp8_state(config):
         yield Hit("fsdp_config.te_checkpoint_wrapper", "fp8_state sets "
                   "activation_checkpointing_reentrant: false at INIT", severity="info")
-    else:
-        yield Hit("fsdp_config.te_checkpoint_wrapper", "te_checkpoint_wrapper needs "
-                  "non-reentrant checkpointing, and Composer defaults "
-                  "activation_checkpointing_reentrant to true (it asserts at FSDP wrapping)")
+        return
+    given = settings.get("activation_checkpointing_reentrant", REENTRANT_DEFAULT)
+    said = ("Composer defaults activation_checkpointing_reentrant to true"
+            if "activation_checkpointing_reentrant" not in settings else
+            "this config sets activation_checkpointing_reentrant: true" if given is True else
+            f"this config sets activation_checkpointing_reentrant to {given!r}, which Composer "
+            "takes as true")
+    yield Hit("fsdp_config.te_checkpoint_wrapper", "te_checkpoint_wrapper needs non-reentrant "
+              f"checkpointing, and {said} (Composer asserts at FSDP wrapping)")
 
 
 @rule("FP8025", "info", "`activation_checkpointing_reentrant: true` that LLM-Foundry turns off",
@@ -137,11 +145,11 @@ def unknown_fsdp_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
         if key in known or key in retired or (ctx.fsdp_version == 2 and key in TE_FSDP_FLAGS):
             continue  # FP8015 reports te_* flags under FSDP2
         if key in other:
-            yield Hit(f"fsdp_config.{key}", f"only FSDP{3 - ctx.fsdp_version} reads `{key}`; "
+            yield Hit(join_key("fsdp_config", key), f"only FSDP{3 - ctx.fsdp_version} reads `{key}`; "
                       f"Composer ignores it under FSDP{ctx.fsdp_version}", severity="warning",
                       fix="remove it, or run the FSDP version that reads it (FSDP_VERSION)")
         else:
-            yield Hit(f"fsdp_config.{key}", f"Composer's FSDP{ctx.fsdp_version} config has no "
+            yield Hit(join_key("fsdp_config", key), f"Composer's FSDP{ctx.fsdp_version} config has no "
                       f"`{key}`; it would be silently ignored" + did_you_mean(key, known))
 
 
@@ -170,7 +178,7 @@ def fsdp_mixed_precision(config: Mapping[str, Any], ctx: LintContext) -> Iterato
         yield Hit(key, f"Composer cannot interpret mixed_precision {value!r}", fix=_DTYPE_MAPPING)
         return
     for name, dtype in value.items():
-        sub = f"{key}.{name}"
+        sub = join_key(key, name)
         if name not in MIXED_PRECISION_DTYPE_KEYS:
             yield Hit(sub, f"Composer reads only {', '.join(MIXED_PRECISION_DTYPE_KEYS)}; "
                       f"`{name}` is ignored" + did_you_mean(str(name), MIXED_PRECISION_DTYPE_KEYS),
@@ -187,21 +195,24 @@ def fsdp_mixed_precision(config: Mapping[str, Any], ctx: LintContext) -> Iterato
 @rule("FP8013", "error", "FSDP activation checkpointing with te_swap's emulated backend",
       why="The emulated FP8 autocast is entered around the model's forward, so a recompute in "
       "backward runs outside it, without FP8, unlike the forward it replays; fp8_state, when "
-      "in the run, refuses such runs.",
+      "in the run, refuses such runs. activation_cpu_offload alone recomputes nothing "
+      "(Composer wraps blocks in offload_wrapper only, which moves saved activations to the "
+      "CPU).",
       source="foundry_fp8/composer/te_swap.py (_enter/_exit hooks), "
-      "foundry_fp8/composer/state.py recompute_settings",
+      "foundry_fp8/composer/state.py recompute_settings, foundry_fp8/te/recompute.py "
+      f"recompute_plan; {COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module",
       fix="turn FSDP activation checkpointing off, or checkpoint blocks with "
       "foundry_fp8.emulate.fp8_checkpoint")
 def emulated_recompute(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     swap = te_swap(config)
     settings = fsdp(config)
-    if swap is not None and swap.get("backend") == "emulate" and recomputes(settings):
-        key = "fsdp_config.activation_checkpointing" if settings.get("activation_checkpointing") \
-            else "fsdp_config.activation_cpu_offload"
+    if swap is not None and swap.get("backend") == "emulate" \
+            and settings.get("activation_checkpointing"):
         refusal = ("fp8_state refuses this run" if has_fp8_state(config)
                    else "the recompute runs them without FP8, unlike their forward")
-        yield Hit(key, "FSDP activation checkpointing recomputes te_swap's emulated FP8 layers "
-                  f"outside te_swap's FP8 autocast ({refusal})")
+        yield Hit("fsdp_config.activation_checkpointing", "FSDP activation checkpointing "
+                  "recomputes te_swap's emulated FP8 layers outside te_swap's FP8 autocast "
+                  f"({refusal})")
 
 
 @rule("FP8014", "warning", "`te_checkpoint_wrapper` / `te_shard_fp8_weight` without amp_fp8",

@@ -13,18 +13,22 @@ from foundry_fp8.lint.config import as_int, fc_type_name, get, native_te_layers,
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
     HF_CONFIG_KEYS,
+    MPT_ATTN_CONFIG_KEYS,
     MPT_ATTN_DEFAULTS,
     MPT_ATTRIBUTES_READ,
     MPT_CONFIG_KEYS,
     MPT_DEFAULTS,
+    MPT_FC_TYPES,
+    MPT_FFN_CONFIG_KEYS,
     MPT_FFN_DEFAULTS,
+    MPT_GQA_ONLY_KEY,
     MPT_MODEL_NAMES,
     MPT_NUMBER_KEYS,
     MPT_NUMBER_WORDS,
     MPT_WHOLE_NUMBERS,
     did_you_mean,
 )
-from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28
 from foundry_fp8.lint.values import built_options
 from foundry_fp8.options import SwapConfig
@@ -523,11 +527,79 @@ def model_key_hits(model: Mapping[str, Any], prefix: str) -> Iterator[Hit]:
             continue
         hint = did_you_mean(key, known)
         if _asks_for_te(value):
-            yield Hit(f"{prefix}.{key}", f"MPT ignores `{key}`, so the TE layers it asks for are "
+            yield Hit(join_key(prefix, key), f"MPT ignores `{key}`, so the TE layers it asks for are "
                       "never built and FP8 does not run as written" + hint)
         else:
-            yield Hit(f"{prefix}.{key}", f"MPT ignores `{key}` (kept as an unused attribute)"
+            yield Hit(join_key(prefix, key), f"MPT ignores `{key}` (kept as an unused attribute)"
                       + hint, severity="warning")
+
+
+def _attn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
+    """attn_config keys the built-in attention class of its attn_type refuses."""
+    attn = section(model, "attn_config")
+    attn_type = attn.get("attn_type", MPT_ATTN_DEFAULTS["attn_type"])
+    if not (isinstance(attn_type, str) and attn_type in _ATTN_TYPES):
+        return  # another registered class: its keywords are its own
+    for key in attn:
+        if key == MPT_GQA_ONLY_KEY and attn_type != _GQA:
+            yield Hit(join_key("model.attn_config", key), f"only grouped_query_attention takes "
+                      f"{key}: {attn_type} raises TypeError building the model")
+        elif isinstance(key, str) and key not in MPT_ATTN_CONFIG_KEYS:
+            yield Hit(join_key("model.attn_config", key), f"{attn_type} takes no `{key}` (MPTBlock "
+                      "passes it on): building the model raises TypeError"
+                      + did_you_mean(key, MPT_ATTN_CONFIG_KEYS))
+
+
+def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
+    """ffn_config keys mptmlp's and mptglu's builders refuse, and an ffn_config.fc_type that
+    MPTConfig replaces by the model's."""
+    ffn = section(model, "ffn_config")
+    if ffn.get("ffn_type", MPT_FFN_DEFAULTS["ffn_type"]) in ("mptmlp", "mptglu"):
+        for key in ffn:
+            if isinstance(key, str) and key not in MPT_FFN_CONFIG_KEYS:
+                yield Hit(join_key("model.ffn_config", key), f"{ffn.get('ffn_type', 'mptmlp')}'s "
+                          f"builder takes no `{key}` (build_ffn passes it on): building the "
+                          "model raises TypeError" + did_you_mean(key, MPT_FFN_CONFIG_KEYS))
+    given, used = fc_type_name(ffn), fc_type_name(model) or "torch"
+    if "fc_type" in ffn and given != used:
+        yield Hit("model.ffn_config.fc_type", f"MPTConfig replaces ffn_config.fc_type "
+                  f"({given!r:.40}) with the model's fc_type ({used!r:.40}): the FFN is built "
+                  f"with {used!r:.40}",
+                  severity="warning", fix="give fc_type once, at the top of the model section")
+
+
+@rule("FP8042", "error", "MPT `attn_config` / `ffn_config` keys its attention class or FFN "
+      "builder refuses (`attn_tpye`, `ffn_typ`), an `ffn_config.fc_type` MPT replaces, an "
+      "`fc_type` in the wrong case (`TE`) (did-you-mean)",
+      why="MPTBlock passes every attn_config key but the position-encoding ones to the "
+      "attention class (multihead_attention, multiquery_attention, grouped_query_attention; "
+      "kv_n_heads only the last takes), and build_ffn every ffn_config key but ffn_type to "
+      "mptmlp's or mptglu's builder; none takes **kwargs, so a misspelled key raises TypeError "
+      "building the model. te_ln_mlp hands its extra keys to te.LayerNormMLP and the MoE FFNs "
+      "to megablocks, and other registered classes take their own: not judged. MPTConfig "
+      "replaces ffn_config.fc_type by the model's fc_type (a warning where they differ). "
+      "fc_type is looked up as written in LLM-Foundry's fcs registry, whose names are lower "
+      "case: `TE` raises RegistryError (other names may be a plugin's: not judged).",
+      source=f"{FOUNDRY} llmfoundry/models/layers/blocks.py MPTBlock.__init__ "
+      "(args_to_exclude_in_attn_class), llmfoundry/models/layers/attention.py, "
+      "llmfoundry/models/layers/layer_builders.py build_ffn, llmfoundry/models/layers/ffn.py "
+      "build_mptmlp, build_mptglu, llmfoundry/models/layers/fc.py, "
+      "llmfoundry/models/mpt/configuration_mpt.py _validate_config (ffn_config['fc_type']), "
+      "llmfoundry/models/utils/config_defaults.py; tests/test_lint_known.py builds each",
+      fix="fix the spelling (the message names the closest key or name)", unresolved=True)
+def mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    model = section(config, "model")
+    if not _is_mpt(model):
+        return
+    yield from _attn_config_hits(model)
+    yield from _ffn_config_hits(model)
+    fc_type = fc_type_name(model)
+    if isinstance(fc_type, str) and fc_type not in MPT_FC_TYPES \
+            and fc_type.lower() in MPT_FC_TYPES:
+        key = "model.fc_type.name" if isinstance(model.get("fc_type"), Mapping) else "model.fc_type"
+        yield Hit(key, f"fc_type {fc_type!r} is no name of LLM-Foundry's fcs registry, which looks "
+                  "it up as written: building the model raises RegistryError (did you mean "
+                  f"`{fc_type.lower()}`?)")
 
 
 @rule("FP8029", "error", "`loss_fn: fused_crossentropy` (MPT's default) without flash-attn's "

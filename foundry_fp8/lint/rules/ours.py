@@ -14,6 +14,7 @@ from typing import Any
 from foundry_fp8.filters import fuse_reason, layernorm_reason, linear_reason
 from foundry_fp8.lint.config import (
     fc_type_name,
+    get,
     has_fp8_state,
     is_fp8,
     native_te_layers,
@@ -21,8 +22,14 @@ from foundry_fp8.lint.config import (
     te_swap,
 )
 from foundry_fp8.lint.entries import our_entries
-from foundry_fp8.lint.known import FOUNDRY_REGISTRY, PRECISIONS, REGISTRY_GROUPS, did_you_mean
-from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.lint.known import (
+    FOUNDRY_REGISTRY,
+    MPT_MODEL_NAMES,
+    PRECISIONS,
+    REGISTRY_GROUPS,
+    did_you_mean,
+)
+from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.model import MPTModule, mpt_modules, mpt_value, te_swap_options
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY
 from foundry_fp8.lint.values import option_problems
@@ -250,11 +257,11 @@ def unknown_entries(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
                 continue
             home = next((s for s in REGISTRY_GROUPS if name in registered_names(s)), None)
             if home:
-                yield Hit(f"{section_name}.{name}", f"`{name}` is not a {section_name[:-1]}: "
+                yield Hit(join_key(section_name, name), f"`{name}` is not a {section_name[:-1]}: "
                           f"LLM-Foundry's {section_name} registry does not hold it, its "
                           f"{home} registry does", fix=f"move it to `{home}:`")
             else:
-                yield Hit(f"{section_name}.{name}", f"LLM-Foundry has no {section_name[:-1]} "
+                yield Hit(join_key(section_name, name), f"LLM-Foundry has no {section_name[:-1]} "
                           f"named `{name}`" + did_you_mean(name, registered_names(section_name)))
 
 
@@ -330,9 +337,11 @@ def fp8_layers_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) ->
       why="Emulated FP8 layers run FP8 numerics at any precision; amp_fp8 only enters TE's "
       "autocast, which Composer refuses without TE or a GPU of compute capability "
       f"{dotted(MIN_FP8_CAPABILITY)}+ (and Composer refuses every precision but fp32 on CPU "
-      "when the Trainer is built). The "
-      "emulated backend names a machine without FP8 hardware. A warning when this machine "
-      "has TE and such a GPU (amp_fp8 then does nothing for emulated layers).",
+      "when the Trainer is built). The emulated backend names a machine without FP8 hardware, "
+      "so the linter (`foundry-fp8 lint`, which does not probe the GPU and may run elsewhere) "
+      "reports an error saying both outcomes; `fp8_lint`, on the training machine, reports a "
+      "warning when that machine has TE and such a GPU (amp_fp8 then does nothing for emulated "
+      "layers).",
       source=f"{COMPOSER} composer/core/precision.py _validate_precision, "
       "get_precision_context; foundry_fp8/swap.py would_run_fp8",
       fix="precision: amp_bf16 on a GPU (fp32 on CPU), keeping te_swap: {backend: emulate}")
@@ -342,9 +351,51 @@ def amp_fp8_with_emulation(config: Mapping[str, Any], ctx: LintContext) -> Itera
             and not native_te_layers(config)):
         return
     snapshot = ctx.snapshot
-    capable = snapshot is not None and snapshot.te is not None and snapshot.capability is not None \
+    if ctx.scope == "file" or snapshot is None:  # not the training machine's GPU
+        yield Hit("precision", "precision amp_fp8 with te_swap's emulated backend: Composer "
+                  "raises on a machine without TransformerEngine and an FP8 GPU (the machine "
+                  "that backend is for; on CPU it refuses any precision but fp32), and on one "
+                  "with them amp_fp8 does nothing for emulated layers")
+        return
+    capable = snapshot.te is not None and snapshot.capability is not None \
         and tuple(snapshot.capability) >= MIN_FP8_CAPABILITY
-    yield Hit("precision", "precision amp_fp8 with te_swap's emulated backend: amp_fp8 needs "
-              "TransformerEngine and an FP8 GPU (Composer raises without them, and refuses any "
-              "precision but fp32 on CPU), and emulated layers do not need it",
+    yield Hit("precision", "precision amp_fp8 with te_swap's emulated backend: "
+              + ("this machine has TransformerEngine and an FP8 GPU, but amp_fp8 does nothing "
+                 "for emulated layers" if capable else "this machine lacks TransformerEngine "
+                 "or an FP8 GPU, so Composer raises (on CPU it refuses any precision but fp32), "
+                 "and emulated layers do not need amp_fp8"),
               severity="warning" if capable else None)
+
+
+#: The attention implementation our `foundry_fp8.attention` teaches MPT (its SDPA).
+SDPA = "sdpa"
+
+
+@rule("FP8041", "error", "`model.attn_config.attn_impl: sdpa` in a config with none of our "
+      "entries (nothing imports foundry_fp8.attention before LLM-Foundry builds the model)",
+      why="MPTConfig accepts attn_impl torch and flash only, and raises 'Unknown "
+      "attn_impl=sdpa' unless foundry_fp8.attention was imported before the model is built. "
+      "LLM-Foundry's train() builds loggers, callbacks and algorithms by name before the model, "
+      "and building any of ours imports foundry_fp8.composer, which imports "
+      "foundry_fp8.attention; our `sdpa` attention entry point alone loads only after MPTConfig "
+      "has refused it. A warning when the config has `code_paths`, whose files LLM-Foundry "
+      "imports first and may import foundry_fp8.attention (the linter does not read them).",
+      source=f"{FOUNDRY} llmfoundry/models/mpt/configuration_mpt.py _validate_config, "
+      "llmfoundry/command_utils/train.py train (code_paths, then build_logger, build_callback, "
+      "build_algorithm before build_composer_model); foundry_fp8/composer/__init__.py, "
+      "foundry_fp8/attention.py enable_sdpa_for_mpt; setup.cfg [options.entry_points]",
+      fix="add one of our entries, such as `callbacks: {fp8_lint: {}}`, or import "
+      "foundry_fp8.attention from a `code_paths` file; or use attn_impl flash or torch")
+def sdpa_without_our_entries(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    model = section(config, "model")
+    name = model.get("name")
+    if not (isinstance(name, str) and name in MPT_MODEL_NAMES
+            and get(model, "attn_config.attn_impl") == SDPA) \
+            or next(_entry_items(config), None) is not None:
+        return
+    code_paths = config.get("code_paths")
+    yield Hit("model.attn_config.attn_impl", "attn_impl sdpa needs foundry_fp8.attention "
+              "imported before LLM-Foundry builds the model, which building one of our entries "
+              "does, and this config has none: MPTConfig raises 'Unknown attn_impl=sdpa'"
+              + (" (unless a code_paths file imports foundry_fp8.attention)" if code_paths
+                 else ""), severity="warning" if code_paths else None)

@@ -29,9 +29,10 @@ from foundry_fp8.lint.known import (
     STRING,
     TEXT_LOADER_DEFAULTS,
     TRAIN_CONFIG_KEYS,
+    TRAIN_REQUIRED_KEYS,
     did_you_mean,
 )
-from foundry_fp8.lint.registry import Hit, LintContext, mandatory_keys, rule, section
+from foundry_fp8.lint.registry import Hit, LintContext, join_key, mandatory_keys, rule, section
 from foundry_fp8.shapes import FP8_TOKEN_MULTIPLE, tokens_fit_fp8
 
 COMPOSER = "Composer 0.32.1"
@@ -137,7 +138,7 @@ def unknown_top_level_keys(config: Mapping[str, Any], ctx: LintContext) -> Itera
         if not isinstance(key, str):
             continue  # FP8022: keys must be strings
         if key not in TRAIN_CONFIG_KEYS and key not in RETIRED_TOP_LEVEL:
-            yield Hit(key, f"LLM-Foundry 0.22 refuses unknown top-level key `{key}`"
+            yield Hit(join_key("", key), f"LLM-Foundry 0.22 refuses unknown top-level key `{key}`"
                       + did_you_mean(key, TRAIN_CONFIG_KEYS))
 
 
@@ -235,7 +236,7 @@ def _wrong_shape(key: str, value: Any, shapes: tuple[str, ...]) -> Hit:
 def _non_string_keys(prefix: str, mapping: Mapping[Any, Any]) -> Iterator[Hit]:
     for key in mapping:
         if not isinstance(key, str):
-            yield Hit(f"{prefix}{key}", f"key `{key}` is read as {type(key).__name__}, not a "
+            yield Hit(join_key(prefix, key), f"key `{key}` is read as {type(key).__name__}, not a "
                       "string (YAML reads unquoted numbers, true/false, yes/no and on/off so); "
                       "LLM-Foundry's config keys must be strings", fix="quote the key")
 
@@ -262,7 +263,7 @@ def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]
             mappings = [value] if isinstance(value, Mapping) else \
                 value if _shape_fits(value, MAPPINGS) else []
             for index, mapping in enumerate(mappings):
-                prefix = f"{key}." if isinstance(value, Mapping) else f"{key}.{index}."
+                prefix = key if isinstance(value, Mapping) else f"{key}.{index}"
                 yield from _non_string_keys(prefix, mapping)
         else:
             yield _wrong_shape(key, value, shapes)
@@ -302,6 +303,33 @@ def mandatory_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hi
             yield Hit(key, f"`{key}` is `???`, omegaconf's mark for a value still to be given: "
                       "LLM-Foundry does not check values below the top level and hands the text "
                       f"'???' to what reads `{key.rpartition('.')[2]}`", severity="warning")
+
+
+@rule("FP8038", "error", "a top-level key `llmfoundry train` needs is absent (`max_seq_len`, "
+      "`tokenizer`, `global_train_batch_size`, ...)",
+      why="make_dataclass_and_log_config reads every TrainConfig field, and those whose default "
+      "is omegaconf's MISSING (model, tokenizer, optimizer, scheduler, train_loader, "
+      "max_duration, max_seq_len) raise MissingMandatoryValue when the file does not give "
+      "them; before that its update_batch_size_info transform reads global_train_batch_size "
+      "and device_train_microbatch_size with `cfg[key]` (KeyError) and fills "
+      "device_train_batch_size and device_eval_batch_size itself. Files only, and only those "
+      "giving at least one of these keys (one giving none is a fragment, not a train config); "
+      "a `???` is FP8036's.",
+      source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig, "
+      "make_dataclass_and_log_config, update_batch_size_info (a config_transforms entry, "
+      "llmfoundry/utils/__init__.py; train() applies transforms='all')",
+      fix="add the key (or give it on the command line: `llmfoundry train x.yaml key=value`)",
+      scope="file")
+def required_keys_absent(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if not any(key in config for key in TRAIN_REQUIRED_KEYS):
+        return
+    for key in TRAIN_REQUIRED_KEYS:
+        if key not in config:
+            yield Hit(key, f"`{key}` is absent: `llmfoundry train` refuses the config before "
+                      "building anything ("
+                      + ("KeyError in update_batch_size_info"
+                         if key in ("global_train_batch_size", "device_train_microbatch_size")
+                         else f"MissingMandatoryValue: Missing mandatory value: {key}") + ")")
 
 
 #: W&B modes in which a run has no server-side entity or project (wandb.init: offline and
