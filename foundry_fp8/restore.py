@@ -1,24 +1,29 @@
 """Checking, repairing and combining the FP8 state a checkpoint holds, before `fp8_state` writes
 it into a model: a restore gives valid state or a one-line refusal, never poisoned state.
 
-Valid, by TE's delayed-scaling rules (`numerics.delayed_scale_update`, after TE's fused update
-kernel): a scale is finite and positive; a history holds amaxes, finite and non-negative, with
-the rows the recipe keeps (or none yet); and no amax the scale was computed from is larger than
-the scale allows (`amax * scale <= fp8_max * 2**-margin`): an absurd amax (1e30) planted in a
-history would otherwise set every scale it reaches near zero for `amax_history_len` steps. A NaN
-in a history counts as "nothing recorded", as TE's amax skips NaN and its update's max skips a
-NaN row; it is stored as 0, which the update treats the same way. Row 0, the amaxes recorded
-since the last update, is not restored: no scale was computed from it, so nothing can tell a
-planted 1e30 there from a real amax, and at a Composer checkpoint (batch end, after the step's
-updates) it holds nothing but the amaxes of no-grad FP8 forwards, which the next step records
-anew.
+Valid is what TE's delayed scaling can write (`numerics.delayed_scale_update`, after TE's fused
+update kernel): a scale is finite and positive (TE keeps the old scale for a non-finite amax and
+writes float32 max where the division overflows); a history holds amaxes, non-negative, +inf
+included (TE's amax reduction keeps inf, so a step that overflowed leaves one in the window and
+the update keeps the scale meanwhile), with the rows the
+recipe keeps (or none yet); and no finite amax the scale was computed from is larger than the
+scale allows (`amax * scale <= fp8_max * 2**-margin`): an absurd amax (1e30) planted in a
+history would otherwise set every scale it reaches near zero for `amax_history_len` steps. A
+column whose window holds +inf is not checked against its scale: TE kept that scale through the
+inf, so nothing ties them. A NaN counts as "nothing recorded", as TE's amax skips NaN and its
+update's max skips a NaN row (an earlier emulation recorded some): it is stored as 0, which the
+update treats the same way. Row 0, the amaxes recorded since the last update, is not restored: no
+scale was computed from it, so nothing can tell a planted 1e30 there from a real amax, and at a
+Composer checkpoint (batch end, after the step's updates) it holds nothing but the amaxes of
+no-grad FP8 forwards, which the next step records anew.
 
-Repair (`strict: false`), by the same rules: a non-amax history entry (inf, negative) is
-dropped (0); a bad scale is the one TE's update gives from the history (1, TE's initial scale,
-where the history holds nothing); a history the scale contradicts, where nothing tells which of
-the two is wrong, starts fresh as TE starts a module (scale 1, no amax); a history of another
-length is fitted as TE's `adjust_amax_history_length` does (first rows kept, zero rows added);
-anything malformed (type, shape, unknown field) leaves the module fresh.
+Repair (`strict: false`), by the same rules: a non-amax history entry (negative) is
+dropped (0, "nothing recorded" to TE's update); a bad scale is the one TE's update gives from
+the history (1, TE's initial scale, where the history holds nothing or inf); a history the
+scale contradicts, where nothing tells which of the two is wrong, starts fresh as TE starts a
+module (scale 1, no amax); a history of another length is fitted as TE's
+`adjust_amax_history_length` does (first rows kept, zero rows added); anything malformed (type,
+shape, unknown field) leaves the module fresh.
 """
 
 from __future__ import annotations
@@ -127,7 +132,7 @@ def check_module(name: str, tensors: Mapping[str, torch.Tensor], recipe: FP8Reci
     unknown, then the loosest bound, E5M2's max and no margin); `length`: the history length the
     run's recipe keeps (None: unknown). The tensors to write are repaired by TE's rules (see the
     module doc), and None where the module can only start fresh. Problems name module and
-    field; none means the state is valid as saved (a NaN amax, stored as 0, is no problem).
+    field; none means the state is valid as saved: what TE can write, +inf amaxes included.
     """
     problems = [f"{name}.{field}: not a field of FP8 state (expected {', '.join(FIELDS)})"
                 for field in tensors if field not in FIELDS]
@@ -181,22 +186,29 @@ def _check_direction(where: str, scale: torch.Tensor, history: torch.Tensor,
         problems.append(f"{where}_amax_history: {history.shape[0]} rows do not fit the "
                         f"recipe's {length} (recipe changed?)")
         history = fit_history(history, length)
-    bad = ~torch.isfinite(history) | (history < 0)
+    # TE's amaxes are reduced with fmaxf, which skips NaN and keeps +inf
+    # (transformer_engine/common/util/vectorized_pointwise.h:202, recipe/delayed_scaling.cu:192,
+    # 213), so a history holds inf after a step that overflowed, never a negative value.
+    bad = history < 0
     if bad.any():
-        problems.append(f"{where}_amax_history: {_example(history[bad])} is not an amax "
-                        "(finite, >= 0)")
+        problems.append(f"{where}_amax_history: {_example(history[bad])} is not an amax TE "
+                        "records (>= 0 or inf)")
         history = torch.where(bad, torch.zeros_like(history), history)
+    # TE never writes a non-finite scale: it keeps the old one where the amax is not finite and
+    # writes float32 max where the division overflows (delayed_scaling.cu:238-249).
     bad_scale = ~torch.isfinite(scale) | (scale <= 0)
     if bad_scale.any():
         problems.append(f"{where}_scale: {_example(scale[bad_scale])} is not a scale "
                         "(finite, > 0)")
         scale = torch.where(bad_scale, current_scale(_amax(history, algo), fmt) * margin, scale)
-    contradicted = _amax(history, algo).double() * scale.double() > bound * (1 + _SLACK)
+    amax = _amax(history, algo)
+    # an inf amax: TE kept the scale from before it (delayed_scaling.cu:238-242), nothing to check
+    contradicted = torch.isfinite(amax) & (amax.double() * scale.double() > bound * (1 + _SLACK))
     if contradicted.any():
         i = int(contradicted.nonzero()[0])
-        problems.append(f"{where}_amax_history: amax {_amax(history, algo)[i].item():.4g} is "
-                        f"more than scale {scale[i].item():.4g} allows (at most "
-                        f"{bound / scale[i].item():.4g}: the scale was not computed from it)")
+        problems.append(f"{where}_amax_history: amax {amax[i].item():.4g} is more than scale "
+                        f"{scale[i].item():.4g} allows (at most {bound / scale[i].item():.4g}: "
+                        "the scale was not computed from it)")
         scale = torch.where(contradicted, torch.ones_like(scale), scale)
         history = torch.where(contradicted, torch.zeros_like(history), history)
     return scale, history
@@ -221,7 +233,8 @@ def combine_ranks(ranks: list[FP8ModuleState]) -> FP8ModuleState:
     with `reduce_amax` every update sees the max over ranks of each amax, so the histories are
     the elementwise max of the ranks' ones and the scale is the one the largest amax gives, the
     smallest rank's scale. Modules or fields some ranks lack are taken from those that have
-    them; NaN and inf pass through, for `check_module` to find."""
+    them; NaN and negative values pass through, for `check_module` to find, and +inf as TE's
+    reduction keeps it."""
     combined: FP8ModuleState = {}
     for modules in ranks:
         for name, tensors in modules.items():

@@ -1,6 +1,7 @@
 """fp8_state's restore: poisoned, malformed or mismatched FP8 state in a checkpoint is refused in
 one line naming module and field (`strict`), or repaired by TE's rules (`strict: false`); a
-restore never leaves state that trains into NaN or into scales near zero."""
+restore never leaves state that trains into NaN or into scales near zero, and what TE itself
+writes (an inf amax after an overflowing step) restores as it was."""
 
 from __future__ import annotations
 
@@ -8,22 +9,31 @@ import logging
 import math
 import os
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
-from composer.core import Precision
+from composer import Trainer
+from composer.core import Callback, Precision, State
+from composer.loggers import Logger
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from foundry_fp8.composer.guard import FP8Guard
+from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.state import FP8State, FP8StateError, fp8_state_from_checkpoint
+from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.fault import InjectOutlier, find_layer
 from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.numerics import FP8_MAX
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.restore import FIELDS, combine_ranks
+from tests.test_kill_resume import BATCHES, SAVE_EVERY, _assert_same_run
 
 HISTORY = 4
 RECIPE = FP8Recipe(amax_history_len=HISTORY)
@@ -76,16 +86,17 @@ def _callback(model: nn.Module, recipe: FP8Recipe | None = RECIPE, strict: bool 
 
 
 def _valid(tensors: dict[str, torch.Tensor], recipe: FP8Recipe = RECIPE) -> bool:
-    """TE-valid state: finite positive scales, finite non-negative amaxes, no amax larger than
-    the scale allows."""
+    """TE-valid state: finite positive scales, non-negative amaxes (inf, which TE records, but
+    no NaN, which it skips), no finite amax larger than the scale allows."""
     for direction in ("fwd", "bwd"):
         scale, history = tensors[f"{direction}_scale"], tensors[f"{direction}_amax_history"]
         if not (torch.isfinite(scale).all() and (scale > 0).all()):
             return False
-        if not (torch.isfinite(history).all() and (history >= 0).all()):
+        if not (history >= 0).all():  # NaN fails too
             return False
         fp8_max = FP8_MAX[recipe.format_for("forward" if direction == "fwd" else "backward")]
-        if history.shape[0] > 1 and (history[1:].amax(0) * scale > fp8_max * 1.001).any():
+        amax = history[1:].amax(0) if history.shape[0] > 1 else torch.zeros_like(scale)
+        if (torch.isfinite(amax) & (amax * scale > fp8_max * 1.001)).any():
             return False
     return True
 
@@ -168,13 +179,43 @@ def test_an_absurd_amax_is_refused_and_would_have_flushed_the_layer_to_zero(capl
     assert read_fp8_meta(model[0])["fwd_scale"][:2].min() > 1.0  # slot 2 records nothing
 
 
-def test_nan_amax_counts_as_nothing_recorded_as_in_te():
-    """The emulation records a NaN amax where a step saw NaN (TE's amax skips NaN); TE's update
-    skips NaN rows, so the checkpoint restores with the NaN as 0, strict or not."""
+def test_an_inf_amax_restores_as_saved_and_te_keeps_the_scale_through_it():
+    """TE's amax keeps inf (fmaxf), so a step that overflowed leaves inf in the history and
+    TE's update keeps the scale while it is in the window: state TE writes, restored as saved
+    (it was refused, and a checkpoint after one skipped Inf step could not be resumed)."""
+    saved = _saved()
+    saved["modules"]["0"]["fwd_amax_history"][2, 0] = math.inf
+    model = _layers()
+    _callback(model).load_state_dict(saved)
+    restored = read_fp8_meta(model[0])
+    assert restored["fwd_amax_history"][2, 0] == math.inf and _valid(restored)
+    assert torch.equal(restored["fwd_scale"], saved["modules"]["0"]["fwd_scale"])
+    _step(model)  # the inf is still in the window: TE keeps the input's scale
+    assert read_fp8_meta(model[0])["fwd_scale"][0] == saved["modules"]["0"]["fwd_scale"][0]
+
+
+def test_a_nan_amax_restores_as_nothing_recorded():
+    """TE's amax skips NaN and its update's max skips a NaN row: a NaN (an earlier emulation
+    recorded some) is 0 to the update, so it restores as 0, without a problem."""
     saved = _saved()
     saved["modules"]["0"]["fwd_amax_history"][1, 0] = math.nan
     model = _layers()
     _callback(model).load_state_dict(saved)
+    restored = read_fp8_meta(model[0])
+    assert restored["fwd_amax_history"][1, 0] == 0 and _valid(restored)
+
+
+@pytest.mark.parametrize("value", [-1.5, -math.inf])
+def test_an_amax_te_never_records_is_refused_or_dropped(value, caplog):
+    """TE's amax is never negative: such an entry is not TE's state."""
+    saved = _saved()
+    saved["modules"]["0"]["fwd_amax_history"][1, 0] = value
+    with pytest.raises(FP8StateError) as error:
+        _callback(_layers()).load_state_dict(saved)
+    assert f"0.fwd_amax_history: {value} is not an amax TE records" in _one_line(error.value)
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _callback(model, strict=False).load_state_dict(saved)
     restored = read_fp8_meta(model[0])
     assert restored["fwd_amax_history"][1, 0] == 0 and _valid(restored)
 
@@ -200,7 +241,7 @@ def test_a_payload_that_is_not_ours_is_refused_in_one_line(payload, match, caplo
     model = _layers()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         _callback(model, strict=False).load_state_dict(payload)
-    assert "starts fresh" in caplog.text and read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
+    assert "started fresh" in caplog.text and read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
 
 
 # -- the property: valid state or one line, never poison -----------------------------------------
@@ -271,11 +312,15 @@ def test_restore_gives_valid_state_or_one_line_never_poison(payload, strict, rec
 
 
 def test_a_shorter_history_is_refused_as_a_recipe_change():
+    """The refusal says what `strict: false` would do, not as if it had been done."""
     saved = _saved(FP8Recipe(amax_history_len=16))
     with pytest.raises(FP8StateError) as error:
         _callback(_layers(), FP8Recipe(amax_history_len=4)).load_state_dict(saved)
-    assert ("does not fit (recipe changed?): amax_history_len 16 -> 4"
-            in _one_line(error.value))
+    assert _one_line(error.value) == (
+        "fp8_state: checkpoint FP8 state does not fit (recipe changed?): amax_history_len "
+        "16 -> 4 (set fp8_state: {strict: false} to continue with the saved state, histories "
+        "fitted to the new length as TE does, scales recomputed under this recipe at the next "
+        "update)")
 
 
 def test_a_shorter_history_is_fitted_as_te_does_when_not_strict(caplog):
@@ -283,7 +328,8 @@ def test_a_shorter_history_is_fitted_as_te_does_when_not_strict(caplog):
     model = _layers()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         _callback(model, FP8Recipe(amax_history_len=4), strict=False).load_state_dict(saved)
-    assert "amax_history_len 16 -> 4; histories fitted" in caplog.text
+    assert "amax_history_len 16 -> 4; continuing with the saved state, histories fitted" in \
+        caplog.text
     restored = read_fp8_meta(model[0])
     assert torch.equal(restored["fwd_amax_history"], saved["modules"]["0"]["fwd_amax_history"][:4])
     assert torch.equal(restored["fwd_scale"], saved["modules"]["0"]["fwd_scale"])
@@ -308,7 +354,7 @@ def test_delayed_to_current_scaling_keeps_no_dead_state(strict, caplog):
 def test_current_to_delayed_scaling_starts_fresh():
     saved = _saved(FP8Recipe(scaling="current"))
     assert saved["recipe"]["scaling"] == "current"
-    with pytest.raises(FP8StateError, match=r"scaling current -> delayed.*starts fresh"):
+    with pytest.raises(FP8StateError, match=r"scaling current -> delayed.*started fresh"):
         _callback(_layers()).load_state_dict(saved)
     model = _layers()
     _callback(model, strict=False).load_state_dict(saved)
@@ -317,35 +363,136 @@ def test_current_to_delayed_scaling_starts_fresh():
 
 def test_other_recipe_changes_are_named():
     saved = _saved(FP8Recipe(amax_history_len=HISTORY, margin=1))
-    with pytest.raises(FP8StateError, match=r"recipe changed\?\): margin 1 -> 0"):
+    with pytest.raises(FP8StateError, match=r"recipe changed\?\): margin 1 -> 0") as error:
         _callback(_layers()).load_state_dict(saved)
+    assert "fitted" not in str(error.value)  # same length: no history is fitted
+
+
+# -- real Composer runs: save, resume -------------------------------------------------------------
+
+
+def _trainer(folder: Path, duration: str, callbacks: list[Callback], history: int | None = HISTORY,
+             **kwargs: Any) -> Trainer:
+    """`test_kill_resume`'s run in this process: `TwoBlocks` under te_swap's emulated FP8 with a
+    history of `history` (None: no te_swap, a plain high-precision run), its losses in
+    `folder/metrics.jsonl`, a checkpoint every SAVE_EVERY batches in `folder/checkpoints`."""
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(8 * BATCHES, 16) * 3, torch.randint(0, 16, (8 * BATCHES,)))
+    algorithms = [] if history is None else [
+        TESwap(backend="emulate", fp8_recipe={"amax_history_len": history})]
+    return Trainer(
+        model=ComposerClassifier(TwoBlocks(), num_classes=16), seed=17,
+        train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
+        algorithms=algorithms, callbacks=callbacks, device="cpu", progress_bar=False,
+        loggers=[JSONLLogger(path=str(folder / "metrics.jsonl"))],
+        save_folder=str(folder / "checkpoints"), save_interval=f"{SAVE_EVERY}ba",
+        save_overwrite=True, **kwargs)
+
+
+def _checkpoint(folder: Path, batch: int) -> Path:
+    return folder / "checkpoints" / f"ep0-ba{batch}-rank0.pt"
+
+
+def _ours(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """fp8_state's warnings."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == LOGGER and r.levelno >= logging.WARNING]
 
 
 def test_a_recipe_change_stops_a_real_composer_resume(tmp_path):
     """Through Composer's own checkpoint save and load: history 4, resumed with history 2."""
-    from composer import Trainer
-    from composer.models import ComposerClassifier
-    from torch.utils.data import DataLoader, TensorDataset
-
-    def fit(history: int, duration: str, **kwargs) -> Trainer:
-        torch.manual_seed(0)
-        data = TensorDataset(torch.randn(32, 16), torch.randint(0, 16, (32,)))
-        trainer = Trainer(
-            model=ComposerClassifier(TwoBlocks(), num_classes=16),
-            train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
-            algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": history})],
-            callbacks=[FP8State()], device="cpu", progress_bar=False, loggers=[],
-            save_folder=str(tmp_path), save_interval="2ba", save_overwrite=True, **kwargs)
-        trainer.fit()
-        return trainer
-
-    fit(4, "2ba")
-    checkpoint = tmp_path / "ep0-ba2-rank0.pt"
+    _trainer(tmp_path, "2ba", [FP8State()]).fit()
+    checkpoint = str(_checkpoint(tmp_path, 2))
     saved = fp8_state_from_checkpoint(checkpoint)
     assert saved["module.blocks.0"]["fwd_amax_history"].shape == (4, 3)
     with pytest.raises(FP8StateError, match=r"amax_history_len 4 -> 2"):
-        fit(2, "3ba", load_path=str(checkpoint))
-    assert int(fit(4, "3ba", load_path=str(checkpoint)).state.timestamp.batch) == 3
+        _trainer(tmp_path, "3ba", [FP8State()], history=2, load_path=checkpoint).fit()
+    resumed = _trainer(tmp_path, "3ba", [FP8State()], load_path=checkpoint)
+    resumed.fit()
+    assert int(resumed.state.timestamp.batch) == 3
+
+
+class _InfGradientSkipped(Callback):
+    """At batch `at`, one element of `blocks.1`'s output gradient is inf (an overflowing
+    backward, whose amax TE records as inf), and the step is skipped as a loss scaler skips one:
+    every gradient zeroed."""
+
+    def __init__(self, at: int):
+        self.at, self._batch = at, -1
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        find_layer(state.model, "blocks.1").register_full_backward_pre_hook(self._overflow)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._batch = int(state.timestamp.batch)
+
+    def _overflow(self, module: nn.Module, grad_output: tuple[torch.Tensor, ...]) -> Any:
+        if self._batch != self.at:
+            return None
+        grad = grad_output[0].clone()
+        grad.view(-1)[0] = math.inf
+        return (grad, *grad_output[1:])
+
+    def after_backward(self, state: State, logger: Logger) -> None:
+        grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+        if not all(torch.isfinite(g).all() for g in grads):
+            for grad in grads:
+                grad.zero_()
+
+
+def test_a_run_that_skipped_an_inf_step_resumes_exactly_with_default_fp8_state(
+        tmp_path_factory):
+    """The QA case: one step's gradient overflows (inf amax recorded, the step skipped), the
+    checkpoint two batches later still holds the inf in a history; the default (strict)
+    fp8_state refused it, so autoresume failed for `amax_history_len` steps. Resumed, the run
+    continues bit for bit as the uninterrupted one (losses, FP8 state)."""
+    full, resumed = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("resumed")
+    _trainer(full, f"{BATCHES}ba", [FP8State(), _InfGradientSkipped(at=2)]).fit()
+    _trainer(resumed, "4ba", [FP8State(), _InfGradientSkipped(at=2)]).fit()
+    saved = fp8_state_from_checkpoint(_checkpoint(resumed, 4))["module.blocks.1"]
+    assert torch.isposinf(saved["bwd_amax_history"]).any()
+    _trainer(resumed, f"{BATCHES}ba", [FP8State(), _InfGradientSkipped(at=2)],
+             load_path=str(_checkpoint(resumed, 4))).fit()
+    _assert_same_run(resumed, full)
+
+
+def test_a_checkpoint_without_fp8_state_says_fp8_scaling_starts_fresh(tmp_path, caplog):
+    """A bf16 (plain) run's checkpoint loaded into an FP8 run: one line naming it."""
+    _trainer(tmp_path, "2ba", [], history=None).fit()
+    checkpoint = str(_checkpoint(tmp_path, 2))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        trainer = _trainer(tmp_path, "3ba", [FP8State()], load_path=checkpoint)
+    assert _ours(caplog) == [f"fp8_state: {checkpoint} holds no FP8 state (saved without fp8_state); "
+                     "FP8 scales and amax histories start fresh, as expected when converting "
+                     "a bf16 checkpoint"]
+    trainer.fit()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _trainer(tmp_path, "4ba", [FP8State()], load_path=str(_checkpoint(tmp_path, 3)))
+    assert _ours(caplog) == []  # the FP8 run's checkpoint holds FP8 state
+
+
+def test_fp8_guard_fallbacks_left_behind_in_a_checkpoint_are_named(tmp_path, caplog):
+    """A checkpoint of a run whose fp8_guard moved layers to high precision, resumed without
+    fp8_guard: the layers run in FP8 again, said once; with fp8_guard, nothing to say."""
+    def guarded() -> list[Callback]:
+        return [FP8State(), FP8Stats(interval="1ba"),
+                FP8Guard(consecutive=1, max_fallback_share=1.0)]
+
+    _trainer(tmp_path, "2ba", [*guarded(), InjectOutlier(layer="blocks.1", start=0)]).fit()
+    checkpoint = str(_checkpoint(tmp_path, 2))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _trainer(tmp_path, "3ba", [FP8State()], load_path=checkpoint)
+    assert _ours(caplog) == [f"fp8_state: {checkpoint}: fp8_guard held 2 layers in high precision "
+                     "(module.blocks.0, module.blocks.1); this run has no fp8_guard, so they "
+                     "run in FP8 again"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _trainer(tmp_path, "3ba", guarded(), load_path=checkpoint)
+    assert _ours(caplog) == []
 
 
 # -- another number of ranks ----------------------------------------------------------------------
@@ -406,24 +553,12 @@ def test_a_pickled_object_in_the_state_itself_is_refused():
 def test_te_swap_without_fp8_state_warns_at_start_when_saving(tmp_path, caplog, with_state):
     """Without fp8_state a resume starts FP8 scaling fresh: a real resume shows it (history
     back to empty), and te_swap says so at INIT."""
-    from composer import Trainer
-    from composer.models import ComposerClassifier
-    from torch.utils.data import DataLoader, TensorDataset
-
-    def trainer(duration: str, **kwargs) -> Trainer:
-        torch.manual_seed(0)
-        data = TensorDataset(torch.randn(32, 16), torch.randint(0, 16, (32,)))
-        return Trainer(
-            model=ComposerClassifier(TwoBlocks(), num_classes=16),
-            train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
-            algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
-            callbacks=[FP8State()] if with_state else [], device="cpu", progress_bar=False,
-            loggers=[], save_folder=str(tmp_path), save_interval="2ba", save_overwrite=True,
-            **kwargs)
+    def callbacks() -> list[Callback]:
+        return [FP8State()] if with_state else []
 
     with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.te_swap"):
-        trainer("2ba").fit()
+        _trainer(tmp_path, "2ba", callbacks()).fit()
     assert ("has no fp8_state callback" in caplog.text) != with_state
-    resumed = trainer("3ba", load_path=str(tmp_path / "ep0-ba2-rank0.pt"))
+    resumed = _trainer(tmp_path, "3ba", callbacks(), load_path=str(_checkpoint(tmp_path, 2)))
     history = read_fp8_meta(resumed.state.model.module.blocks[0])["fwd_amax_history"]
     assert (history.numel() > 0) == with_state  # fresh (empty) without fp8_state

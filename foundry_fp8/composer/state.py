@@ -14,6 +14,7 @@ checkpointing recompute under FP8 (TE #1190), and for the first batches it watch
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
+from foundry_fp8.composer.guard import FP8Guard
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.fp8_meta import (
@@ -34,6 +36,7 @@ from foundry_fp8.fp8_meta import (
     read_fp8_meta,
     write_fp8_meta,
 )
+from foundry_fp8.guard import Fallback
 from foundry_fp8.options import build
 from foundry_fp8.recipe import (
     COMPOSER_DEFAULT_HISTORY,
@@ -61,6 +64,10 @@ log = logging.getLogger(__name__)
 
 class FP8StateError(ValueError):
     """A checkpoint or configuration that fp8_state refuses; the message names what to fix."""
+
+
+#: What `strict: false` continues with where nothing of the checkpoint's FP8 state applies.
+_FRESH = "FP8 scaling started fresh"
 
 
 def _composer_checkpoint_types() -> list[Any]:
@@ -167,10 +174,12 @@ class FP8State(Callback):
     not valid by TE's rules or was saved under another recipe (`foundry_fp8.restore`), and the
     #1190 symptom, are errors naming module and field; otherwise warnings, and the state is
     repaired by TE's rules. Different per-rank state from another rank count is combined as
-    TE's amax reduction would, and said in the log. Logs no metrics. Unsafe activation-checkpointing
-    setups are always refused. An error in fp8_state's own code while training or saving is
-    logged (and switches the watch off); it never stops the run. `watch_batches`: how many
-    first batches the symptom is watched for (0: never); it shows from the first batches on.
+    TE's amax reduction would, and said in the log. A checkpoint without FP8 state (a bf16
+    run's), or with fp8_guard fallbacks this run has no fp8_guard to keep, is one warning. Logs
+    no metrics. Unsafe activation-checkpointing setups are always refused. An error in
+    fp8_state's own code while training or saving is logged (and switches the watch off); it
+    never stops the run. `watch_batches`: how many first batches the symptom is watched for (0:
+    never); it shows from the first batches on.
     """
 
     #: what te_swap looks for (it cannot import this module, which imports te_swap)
@@ -186,6 +195,7 @@ class FP8State(Callback):
         self._last: FP8ModuleState | None = None
         self._stale: dict[str, int] = {}
         self._watched = 0
+        self._loaded_entries: Mapping[str, Any] | None = None
 
     # -- events ---------------------------------------------------------------------------
 
@@ -194,6 +204,10 @@ class FP8State(Callback):
 
     def before_load(self, state: State, logger: Logger) -> None:
         self._guarded(Event.BEFORE_LOAD, self._inert_extra_state_on_save, state.model)
+        self._guarded(Event.BEFORE_LOAD, self._see_loaded_entries, state)
+
+    def after_load(self, state: State, logger: Logger) -> None:
+        self._guarded(Event.AFTER_LOAD, self._report_loaded_entries, state)
 
     def fit_start(self, state: State, logger: Logger) -> None:
         if self._pending is not None:
@@ -248,6 +262,38 @@ class FP8State(Callback):
         for module in model.modules():  # FP8 modules, and TE's ops (te.LayerNorm)
             if is_fp8_module(module) or is_te_module(module):
                 module.register_state_dict_post_hook(inert_extra_state_hook)
+
+    def _see_loaded_entries(self, state: State) -> None:
+        """Composer hands each callback only its own checkpoint entry, and none to a callback
+        the checkpoint lacks: note the callback entries a full load passes to `state` (a
+        weights-only load passes none), for `_report_loaded_entries`."""
+        load = state.load_state_dict
+
+        @functools.wraps(load)
+        def load_state_dict(serialized: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            entries = serialized.get("callbacks") if isinstance(serialized, Mapping) else None
+            self._loaded_entries = entries if isinstance(entries, Mapping) else {}
+            return load(serialized, *args, **kwargs)
+
+        state.load_state_dict = load_state_dict  # type: ignore[method-assign]
+
+    def _report_loaded_entries(self, state: State) -> None:
+        """One line each for what a full load leaves out silently: a checkpoint without FP8
+        state (a bf16 run's), and fp8_guard's fallbacks where this run has no fp8_guard."""
+        entries, self._loaded_entries = self._loaded_entries, None
+        if entries is None or self._model is None:
+            return
+        if FP8State.__qualname__ not in entries and next(fp8_modules(self._model), None):
+            log.warning("fp8_state: %s holds no FP8 state (saved without fp8_state); FP8 scales "
+                        "and amax histories start fresh, as expected when converting a bf16 "
+                        "checkpoint", state.load_path)
+        guard = entries.get(FP8Guard.__qualname__) or {}
+        fallbacks = [Fallback.from_dict(item).layer
+                     for item in (guard.get("core") or {}).get("fallbacks", ())]
+        if fallbacks and not any(isinstance(c, FP8Guard) for c in state.callbacks):
+            log.warning("fp8_state: %s: fp8_guard held %d layers in high precision (%s); this "
+                        "run has no fp8_guard, so they run in FP8 again", state.load_path,
+                        len(fallbacks), ", ".join(fallbacks))
 
     def _watch(self) -> None:
         assert self._model is not None
@@ -314,7 +360,7 @@ class FP8State(Callback):
         problem = payload_problem(state)
         if problem:
             self._mismatch(f"fp8_state: the checkpoint's fp8_state entry is not FP8 state as "
-                           f"fp8_state saves it ({problem}); FP8 scaling starts fresh")
+                           f"fp8_state saves it ({problem})", _FRESH)
             return
         if state.get("unsaved"):
             self._pending = None
@@ -341,10 +387,12 @@ class FP8State(Callback):
                     "combined", len(ranks), world)
         return combine_ranks(ranks)
 
-    def _mismatch(self, message: str) -> None:
+    def _mismatch(self, message: str, outcome: str) -> None:
+        """`message`: what does not fit; `outcome`: what `strict: false` continues with."""
         if self.strict:
-            raise FP8StateError(message + " (set fp8_state: {strict: false} to continue)")
-        log.warning(message)
+            raise FP8StateError(f"{message} (set fp8_state: {{strict: false}} to continue with "
+                                f"{outcome})")
+        log.warning("%s; continuing with %s", message, outcome)
 
     def _restore(self, state: dict[str, Any]) -> None:
         assert self._model is not None
@@ -352,8 +400,8 @@ class FP8State(Callback):
         try:
             saved_with = saved_recipe(state)
         except StateProblems as error:
-            self._mismatch(f"fp8_state: the checkpoint's recipe is not readable ({error}); "
-                           "FP8 scaling starts fresh")
+            self._mismatch(f"fp8_state: the checkpoint's recipe is not readable ({error})",
+                           _FRESH)
             return
         saved = self._this_rank(state)
         keeps_state = [n for n, t in saved.items()
@@ -363,17 +411,18 @@ class FP8State(Callback):
                 self._mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe "
                                f"changed?): it holds delayed-scaling amax histories "
                                f"({keeps_state[0]}, ...), this run's recipe keeps none "
-                               f"({run.as_config()}); not restored, FP8 scaling starts fresh")
+                               f"({run.as_config()})", "nothing restored")
             return
         change = recipe_change(saved_with, run)
         if change:
+            assert saved_with is not None and run is not None  # a change needs both
+            fitted = (", histories fitted to the new length as TE does"
+                      if saved_with.amax_history_len != run.amax_history_len else "")
+            fresh = saved_with.scaling != "delayed"
             self._mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
-                           f"{change}" + ("; FP8 scaling starts fresh"
-                                          if saved_with is not None
-                                          and saved_with.scaling != "delayed"
-                                          else "; histories fitted to the new length as TE "
-                                          "does, scales recomputed at the next update"))
-            if saved_with is not None and saved_with.scaling != "delayed":
+                           f"{change}", _FRESH if fresh else f"the saved state{fitted}, scales "
+                           "recomputed under this recipe at the next update")
+            if fresh:
                 return
         modules = dict(fp8_modules(self._model))
         missing = sorted(modules.keys() - saved.keys())
@@ -381,7 +430,7 @@ class FP8State(Callback):
         if missing or unexpected:
             self._mismatch(f"fp8_state: checkpoint FP8 modules do not match the model; in the "
                            f"model only: {missing or 'none'}; in the checkpoint only: "
-                           f"{unexpected or 'none'}")
+                           f"{unexpected or 'none'}", "the modules in both restored")
         length = run.amax_history_len if run is not None else None
         checked, problems = {}, []
         for name in sorted(modules.keys() & saved.keys()):
@@ -402,7 +451,7 @@ class FP8State(Callback):
             if not read_fp8_meta(module):  # TE before its first FP8 forward
                 _restore_at_first_forward(module, tensors,
                                           lambda message, name=name: self._mismatch(
-                                              f"{message} ({name})"))
+                                              f"{message} ({name})", "that module not restored"))
                 continue
             try:
                 write_fp8_meta(module, tensors)
@@ -410,7 +459,7 @@ class FP8State(Callback):
                 shapes.append(f"{name} ({error})")
         if shapes:
             self._mismatch("fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
-                           + "; ".join(shapes))
+                           + "; ".join(shapes), "those modules not restored")
         log.info("fp8_state: restored amax history and scales of %d modules",
                  len(checked) - len(shapes))
 
@@ -443,7 +492,7 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
         handle.remove()
         if not read_fp8_meta(mod):
             on_mismatch("fp8_state: the checkpoint holds delayed-scaling FP8 state, but this "
-                        "run's recipe keeps none (current scaling?); it was not restored")
+                        "run's recipe keeps none (current scaling?)")
             return
         try:
             write_fp8_meta(mod, tensors)
