@@ -4,9 +4,11 @@ logging step, within what budget, and what to write in the YAML next time.
 The judgement is the health package's (`HealthTracker`: the same rules as `fp8_stats`' advice
 and `foundry-fp8 report`), applied to each logging step on its own with the guard's thresholds;
 an FP8 layer falls back once one of its tensors has been bad (the tracker's `streak`) at
-`consecutive` logging steps in a row, so a single amax spike does not move a layer. A guard that
-resumes from a checkpoint replays the last judged tables into a fresh tracker, so its streaks,
-and so its decisions, are those of the run that did not stop.
+`consecutive` logging steps in a row, so a single amax spike does not move a layer. A logging
+step with NaN/Inf in any high-precision tensor is not judged (`nonfinite_rows`): no FP8 cast made
+them, so no fallback fixes them. A guard that resumes from a checkpoint replays the last judged
+tables into a fresh tracker, so its streaks, and so its decisions, are those of the run that did
+not stop.
 
 With `repromote_after`, a layer in fallback runs in FP8 again once every what-if statistic
 that fp8_stats computes for it (the cast it would do, under fp8_stats' `recipe`) has been within
@@ -22,12 +24,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from foundry_fp8 import jsonl
-from foundry_fp8.health import Flag, HealthTracker, Thresholds, md_escape, short_layer
+from foundry_fp8.health import Flag, HealthTracker, Thresholds, md_escape, nonfinite, short_layer
 from foundry_fp8.options import FP8GuardOptions as GuardConfig
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
@@ -86,6 +88,26 @@ def _numbers(value: Any) -> dict[str, float]:
     if not isinstance(value, Mapping):
         raise ValueError(f"expected an object of numbers, got a {type(value).__name__}")
     return {_text(k): _number(v) for k, v in value.items()}
+
+
+def nonfinite_rows(table: Table) -> list[tuple[str, str]]:
+    """The (layer, tensor) rows whose high-precision tensor holds NaN/Inf: counted before any
+    FP8 cast, so no FP8 failure, and a sign that the step's other statistics are not to be
+    trusted either (a NaN in one activation reaches every later layer and every gradient; the
+    rows without one can be cut short, e.g. amax 0)."""
+    return [key for key, stats in table.items() if nonfinite(stats)]
+
+
+def nonfinite_message(step: int, rows: Collection[tuple[str, str]]) -> str:
+    """The one line (said once) about the logging steps the guard does not judge."""
+    tensors = ", ".join(sorted({tensor for _, tensor in rows}))
+    return (f"fp8_guard: at step {step}, {len({layer for layer, _ in rows})} layer(s) hold NaN/Inf"
+            f" in their high-precision {tensors}, before any FP8 cast: no FP8 failure, and running "
+            f"a layer in high precision cannot fix it, so fp8_guard judges no logging step with "
+            f"NaN/Inf (this one or later ones) and moves no layer for them. Look at where they "
+            f"first appear (fp8/<tensor>/nonfinite; fp8_stats' warnings name the layers) and at "
+            f"the loss: a diverging run needs a lower optimizer.lr or "
+            f"algorithms.gradient_clipping.clipping_threshold")
 
 
 class GuardBudgetError(RuntimeError):
@@ -157,9 +179,10 @@ class Verdict:
 class GuardCore:
     """Judges each logging step's table and records the fallbacks.
 
-    `flops` gives each FP8 layer (by the tables' layer names) its share of the model's linear
-    GEMM FLOPs; only those layers are judged. Two calls per logging step, so that ranks can
-    agree in between: `candidates` (this rank's view) then `decide` (with the union over ranks).
+    `flops` gives each FP8 layer (by the tables' layer names), in model order, its share of the
+    model's linear GEMM FLOPs; only those layers are judged. Two calls per logging step, so that
+    ranks can agree in between: `candidates` (this rank's view) then `decide` (with the union
+    over ranks).
     """
 
     def __init__(self, config: GuardConfig, flops: Mapping[str, float]):
@@ -176,6 +199,7 @@ class GuardCore:
         self._recent: list[tuple[int, dict[tuple[str, str], dict[str, float]],
                                  dict[tuple[str, str], dict[str, float]]]] = []
         self._flags: dict[str, list[Flag]] = {}
+        self.nonfinite: list[tuple[str, str]] = []  # the rows with NaN/Inf at the last step
 
     @property
     def layers(self) -> list[str]:
@@ -196,7 +220,13 @@ class GuardCore:
 
     def candidates(self, step: int, table: Table) -> list[str]:
         """The layers still in FP8 with a tensor flagged at this and the `consecutive - 1`
-        logging steps before it (with one-step rules, flagged = bad: the tracker's streak)."""
+        judged logging steps before it (with one-step rules, flagged = bad: the tracker's
+        streak). A step with NaN/Inf in any row (`nonfinite`) is not judged: its streaks neither
+        grow nor reset, as at delayed scaling's first cast, and the rule that flags NaN/Inf never
+        moves a layer."""
+        self.nonfinite = nonfinite_rows(table)
+        if self.nonfinite:
+            return []
         judged = {key: dict(stats) for key, stats in table.items()
                   if key[0] in self.flops and key[0] not in self.fallbacks}
         fallen = {key: dict(stats) for key, stats in table.items() if key[0] in self.fallbacks}
@@ -245,10 +275,15 @@ class GuardCore:
         self._whatif.forget(layer)
 
     def decide(self, step: int, layers: Iterable[str], table: Table) -> Verdict:
-        """Fall back `layers` (every rank's candidates) in order while the budget allows."""
+        """Fall back `layers` (every rank's candidates) while the budget allows, the smallest
+        FLOPs share first, ties in model order: each has been bad at `consecutive` logging steps
+        in a row, the guard's one measure of trouble, so the budget moves as many of them as it
+        holds (and, like the order, the shares are the same on every rank)."""
         verdict = Verdict([], [], None)
-        for layer in sorted(set(layers) - set(self.fallbacks)):
-            share = self.flops.get(layer, 0.0)
+        wanted = set(layers) - set(self.fallbacks)
+        for layer in sorted((name for name in self.flops if name in wanted),
+                            key=self.flops.__getitem__):
+            share = self.flops[layer]
             after = self.fallback_share + (share / self.initial_share if self.initial_share else 0)
             if after > self.config.max_fallback_share + 1e-12:
                 verdict.refused.append(layer)
@@ -281,7 +316,7 @@ class GuardCore:
         return logged
 
     def _over_budget(self, step: int, refused: list[str]) -> str:
-        wanted = sum(self.flops.get(layer, 0.0) for layer in refused) / (self.initial_share or 1)
+        wanted = sum(self.flops[layer] for layer in refused) / (self.initial_share or 1)
         kept = ", ".join(self.fallbacks) or "none"
         return (f"fp8_guard: at step {step}, {', '.join(refused)} would also fall back, putting "
                 f"{100 * (self.fallback_share + wanted):.1f} % of the FP8 FLOPs in high precision,"

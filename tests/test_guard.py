@@ -69,16 +69,50 @@ def test_a_layer_falls_back_after_consecutive_bad_logging_steps_within_budget():
     assert core.candidates(10, _table({"a", "c"})) == ["c"]
 
 
-def test_a_single_amax_spike_moves_no_layer_but_nonfinite_inputs_in_a_row_do():
+def test_a_single_amax_spike_moves_no_layer():
     spike = {**HEALTHY, "overflow_pct": 1.56, "cos_sim": 0.37, "scale_ratio": 2.8e4}
-    nonfinite = {**HEALTHY, "nan_count": 3.0}
     core = GuardCore(GuardConfig(consecutive=2), {"a": 0.05, "b": 0.05})
-    rows = {0: {"a": spike}, 2: {}, 4: {"b": nonfinite}, 6: {"b": nonfinite}}
-    seen = [core.candidates(step, {(layer, "activation"): {**HEALTHY, **row.get(layer, {})}
+    seen = [core.candidates(step, {(layer, "activation"): dict(spike if step == 0 and layer == "a"
+                                                               else HEALTHY)
                                    for layer in ("a", "b")})
-            for step, row in rows.items()]
-    assert seen == [[], [], [], ["b"]]
-    assert core._flags["b"][0].rule == "nonfinite"
+            for step in (0, 2, 4)]
+    assert seen == [[], [], []]
+
+
+def test_a_step_with_nan_or_inf_anywhere_is_not_judged():
+    """NaN/Inf are counted in the high-precision tensor, before any FP8 cast: `b`'s never make
+    it a candidate, and the step that holds them is not judged at all, so `c`'s statistics cut
+    short by them there (all underflow) do not count; `a`'s streak goes on across it, and a
+    resume replays the same."""
+    garbage = {**HEALTHY, "underflow_pct": 100.0, "amax": 0.0}
+    rows = {0: {"a": UNDERFLOWING},
+            2: {"a": UNDERFLOWING, "b": {**HEALTHY, "nan_count": 3.0}, "c": garbage},
+            4: {"a": UNDERFLOWING, "b": {**HEALTHY, "inf_count": 1.0}, "c": garbage},
+            6: {"a": UNDERFLOWING, "c": garbage}}
+    tables = {step: {(layer, "activation"): dict(row.get(layer, HEALTHY))
+                     for layer in ("a", "b", "c")} for step, row in rows.items()}
+    config = GuardConfig(consecutive=2, max_fallback_share=1.0)
+    core = GuardCore(config, {"a": 0.05, "b": 0.05, "c": 0.05})
+    seen = {}
+    for step, table in tables.items():
+        seen[step] = (core.candidates(step, table), core.nonfinite)
+        if step == 2:
+            saved = core.state_dict()
+    assert seen == {0: ([], []), 2: ([], [("b", "activation")]), 4: ([], [("b", "activation")]),
+                    6: (["a"], [])}
+    resumed = GuardCore(config, {"a": 0.05, "b": 0.05, "c": 0.05})
+    resumed.load_state_dict(saved)
+    assert [resumed.candidates(step, tables[step]) for step in (4, 6)] == [[], ["a"]]
+
+
+def test_past_the_budget_the_smallest_candidates_fall_back_first_ties_in_model_order():
+    """`flops` comes in model order (the model's FP8 modules): the two small layers take half
+    the FP8 FLOPs, within the budget; the large one alone would too, but not with either."""
+    core = GuardCore(GuardConfig(consecutive=1, max_fallback_share=0.5),
+                     {"blocks.2.small": 0.05, "blocks.10.small": 0.05, "blocks.1.large": 0.1})
+    verdict = core.decide(4, ["blocks.1.large", "blocks.10.small", "blocks.2.small"], {})
+    assert [f.layer for f in verdict.fallbacks] == ["blocks.2.small", "blocks.10.small"]
+    assert verdict.refused == ["blocks.1.large"]
 
 
 def test_the_streak_is_one_tensor_bad_in_a_row_rising_gradient_underflow_included():

@@ -74,9 +74,11 @@ class TiedLM(nn.Module):
         return F.linear(h, self.wte.weight)
 
 
-def _fit(folder: Path, max_fallback_share: float, caplog) -> tuple[FP8Guard, dict, dict]:
-    """Train (learning rate 0: every statistic but the faulty weight's stays healthy); returns
-    the guard, fp8_guard's series by step (metrics.jsonl) and hparams.json."""
+def _fit(folder: Path, max_fallback_share: float, caplog,
+         **stats: Any) -> tuple[FP8Guard, dict, dict]:
+    """Train (learning rate 0: every statistic but the faulty weight's stays healthy), with
+    fp8_stats' options `stats` over its defaults here; returns the guard, fp8_guard's series by
+    step (metrics.jsonl) and hparams.json."""
     from composer import Trainer
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
@@ -91,7 +93,8 @@ def _fit(folder: Path, max_fallback_share: float, caplog) -> tuple[FP8Guard, dic
             model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0), seed=17,
             run_name="run", train_dataloader=DataLoader(data, batch_size=8),
             max_duration=f"{BATCHES}ba", algorithms=[TESwap(backend="emulate")],
-            callbacks=[FP8Stats(interval=INTERVAL, image_interval=None), guard],
+            callbacks=[FP8Stats(**{"interval": INTERVAL, "image_interval": None, **stats}),
+                       guard],
             loggers=[JSONLLogger(path=str(folder / "metrics.jsonl"))], device="cpu",
             progress_bar=False)
         trainer.fit()

@@ -19,7 +19,8 @@ from statistics import mean
 import pytest
 import torch
 import yaml
-from composer.loggers import LoggerDestination
+from composer.core import Callback, State
+from composer.loggers import Logger, LoggerDestination
 from torch import nn
 
 from foundry_fp8 import wandb_history
@@ -47,6 +48,12 @@ GUARD = {"fp8_guard": {"consecutive": CONSECUTIVE}}
 STOP, REPROMOTE_AFTER = 10, 3
 TRANSIENT = {"guard_inject_outlier": {"layer": LAYER, "start": START, "stop": STOP},
              "fp8_guard": {"consecutive": CONSECUTIVE, "repromote_after": REPROMOTE_AFTER}}
+# NaN in one input channel of another layer at two logging steps before the fault (batches
+# NAN_START..START-1); those steps are skipped (their gradients zeroed) and training goes on
+NAN_LAYER, NAN_START = "blocks.0.attn.Wqkv", 2
+NAN = {"guard_inject_nan": {"layer": NAN_LAYER, "start": NAN_START, "stop": START,
+                            "factor": float("nan")},
+       "guard_skip_nonfinite": {}}
 # the tiny MPT's linear-GEMM multiply-adds per token: 2 blocks x (64x192 + 64x64 + 64x256 +
 # 256x64) in FP8, and the tied 64x512 LM head in high precision
 BLOCKS, TOTAL = 2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64), 2 * 49152 + 64 * 512
@@ -80,12 +87,25 @@ def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
     return guard, metrics, trainer
 
 
+class SkipNonFinite(Callback):
+    """A step with a non-finite gradient changes no weight (as a GradScaler skips it): its
+    gradients are zeroed."""
+
+    def after_backward(self, state: State, logger: Logger) -> None:
+        grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+        if not all(torch.isfinite(g).all() for g in grads):
+            for g in grads:
+                g.zero_()
+
+
 @pytest.fixture(scope="module")
 def fault_registered() -> None:
-    """LLM-Foundry finds the injected fault by name, as a user's YAML would name a callback."""
+    """LLM-Foundry finds the injected faults by name, as a user's YAML would name a callback."""
     from llmfoundry.registry import callbacks
 
     callbacks.register("guard_inject_outlier", func=InjectOutlier)
+    callbacks.register("guard_inject_nan", func=InjectOutlier)
+    callbacks.register("guard_skip_nonfinite", func=SkipNonFinite)
 
 
 @pytest.fixture(scope="module")
@@ -473,3 +493,36 @@ def test_without_fp8_layers_the_summary_counts_the_layers_that_would_fail(
         columns, rows = run.table(TABLE_NAME, at)
         assert len(rows) == 8 * len(TENSORS)
         assert {row[columns.index("numbers")] for row in rows} == {"what-if"}, at
+
+
+@pytest.mark.slow
+def test_nan_before_any_cast_moves_no_layer_and_is_said_once(runs, tmp_path, tiny_data, capfd):
+    """NaN in the high-precision input of NAN_LAYER at two logging steps (their updates skipped,
+    training goes on) reaches every layer's statistics there. No FP8 cast made it and no
+    fallback fixes it: the guard judges neither step, says so once, and moves exactly the
+    guarded run's faulty layer, at the same step; the records and the report name it alone."""
+    capfd.readouterr()
+    guard, metrics, _ = _run(tmp_path, tiny_data, "nan", {**NAN, **FAULT, **GUARD})
+    err = capfd.readouterr().err
+    nonfinite = {step: [t for t in TENSORS if logged[summary_key(t, "nonfinite")]]
+                 for step, logged in metrics.items() if summary_key(None, "flagged_layers") in logged}
+    assert {step: t for step, t in nonfinite.items() if t} == {
+        NAN_START: ["activation", "gradient"], NAN_START + INTERVAL: ["activation", "gradient"]}
+    said = [line for line in err.splitlines() if "hold NaN/Inf" in line]
+    assert len(said) == 1, said
+    assert (f"fp8_guard: at step {NAN_START}, 8 layer(s) hold NaN/Inf in their high-precision "
+            "activation, gradient, before any FP8 cast: no FP8 failure" in said[0])
+    step = runs["guarded"][0].core.fallbacks[LAYER].step
+    assert list(guard.core.fallbacks) == [LAYER] and guard.core.fallbacks[LAYER].step == step
+    assert {s: m[FALLBACK_LAYERS] for s, m in metrics.items() if FALLBACK_LAYERS in m} == {
+        s: float(s >= step) for s in range(0, END, INTERVAL)}
+    assert torch.isfinite(torch.tensor(_losses(metrics)[END - 1]))
+    folder = run_folder(tmp_path, "nan")
+    hparams = json.loads((folder / "hparams.json").read_text())
+    assert [k for k in hparams if k.startswith("fp8/guard/fallback/")] == [
+        f"fp8/guard/fallback/{LAYER}"]
+    out, md = _report(folder, capfd)
+    section = md.split("## fp8_guard\n", 1)[1].split("\n## ", 1)[0]
+    assert [line for line in section.splitlines() if line.startswith("| blocks.")] == [
+        line for line in section.splitlines() if line.startswith(f"| {LAYER} |")]
+    assert f"Next time: algorithms: {{te_swap: {{exclude: '{re.escape(LAYER)}$'}}}}" in out

@@ -16,7 +16,7 @@ from torch import nn
 
 from foundry_fp8 import emulate
 from foundry_fp8.composer.destinations import deliver
-from foundry_fp8.composer.stats import FP8Stats
+from foundry_fp8.composer.stats import FP8Stats, last_batch
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.fp8_meta import canonical_name, fp8_modules, read_fp8_meta, write_fp8_meta
 from foundry_fp8.guard import (
@@ -27,13 +27,14 @@ from foundry_fp8.guard import (
     GuardConfig,
     GuardCore,
     fallback_message,
+    nonfinite_message,
     render_fallbacks,
     repromotion_message,
     static_yaml,
 )
 from foundry_fp8.health import short_layer
-from foundry_fp8.monitor import multi_rank
-from foundry_fp8.options import ENTRIES, OptionError, build
+from foundry_fp8.monitor import multi_rank, select_layers
+from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, build
 from foundry_fp8.swap import SwapPlan, linear_flops, module_flops
 from foundry_fp8.te import probe
 
@@ -50,6 +51,11 @@ class FP8Guard(Callback):
     run, else the guard warns and the layer stays in FP8. Decisions are in the checkpoint (this
     callback's state) and apply again on resume. Each fallback is logged once (warning) with the
     numbers that flagged it and the equivalent static `te_swap: {exclude: ...}`.
+
+    NaN/Inf in a high-precision tensor is no FP8 failure and a fallback cannot fix it: a logging
+    step with any is not judged, and the guard says so once. It also says once when fp8_stats
+    gives it nothing (more) to judge: off (its `layers` select no layer, or an error of its own)
+    or no logging step left in the run.
 
     Logs, by rank 0 at fp8_stats' logging steps: `fp8/guard/fallback_layers` (layers in
     fallback) and `fp8/guard/fp8_flops_share` (share of the linear-GEMM FLOPs still in FP8); at
@@ -86,6 +92,8 @@ class FP8Guard(Callback):
         self._logger: Logger | None = None
         self._stats: FP8Stats | None = None  # told which layers run in high precision
         self._stop: BaseException | None = None  # raised at the next batch_end/batch_checkpoint
+        self._heard = False  # fp8_stats called the guard at a logging step of this fit
+        self._said: set[str] = set()  # the one-time warnings given: "nonfinite", "inert"
 
     # events
 
@@ -94,6 +102,8 @@ class FP8Guard(Callback):
         if stats is None:
             raise OptionError(OPTION, ENTRIES["fp8_guard"].need_problem("fp8_stats"))
         self._state, self._logger, self._stats = state, logger, stats
+        self._heard = False
+        self._said.discard("inert")
         failed = False
         try:
             self._start(state)
@@ -134,6 +144,40 @@ class FP8Guard(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self._raise_stop()
+        if "inert" in self._said or self.disabled or dist.get_global_rank() != 0:
+            return
+        try:
+            why = self._inert(state)
+        except Exception as e:  # a warning's check: logged (strict: raised), the guard goes on
+            self._said.add("inert")
+            self._own_error(e)
+            return
+        if why is not None:
+            self._said.add("inert")
+            held = (f"; the {len(self.core.fallbacks)} layer(s) in fallback stay in high precision"
+                    if self.core is not None and self.core.fallbacks else "")
+            log.warning("fp8_guard: %s, so fp8_guard judges nothing from now on in this run "
+                        "and moves no layer%s", why, held)
+
+    def _inert(self, state: State) -> str | None:
+        """Why fp8_stats will call this guard at no logging step from now on in this fit (it
+        switched itself off, or its schedule has no step left), None while it may."""
+        assert self._stats is not None
+        stats = self._stats
+        if stats.disabled:
+            if not select_layers(state.model, stats.config):
+                return (f"fp8_stats is off: {MonitorConfig.PATH}.layers selects no layer (its "
+                        f"warning above)")
+            return "fp8_stats switched itself off after an error (its message above)"
+        if self._heard:
+            return None
+        schedule, last = stats.schedule, last_batch(state)
+        following = schedule.next_log(int(state.timestamp.batch) - 1)
+        if last is None or (following is not None and following <= last):
+            return None
+        return (f"fp8_stats has no logging step in this run, which ends after batch {last} "
+                f"({MonitorConfig.PATH}.interval {schedule.interval}, start {schedule.start}, "
+                f"end {schedule.end})")
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         self._raise_stop()
@@ -167,6 +211,7 @@ class FP8Guard(Callback):
         del flags  # the guard judges with its own thresholds (its tracker)
         if self.disabled or self.core is None:
             return
+        self._heard = True
         core = self.core
         table = {(short_layer(layer), tensor): stats for (layer, tensor), stats in table.items()}
         mine: list[str] = []
@@ -193,6 +238,10 @@ class FP8Guard(Callback):
         assert self.core is not None
         verdict = self.core.decide(step, layers, table)
         rank_zero = dist.get_global_rank() == 0
+        if self.core.nonfinite and "nonfinite" not in self._said:
+            self._said.add("nonfinite")
+            if rank_zero:
+                log.warning(nonfinite_message(step, self.core.nonfinite))
         for fallback in verdict.fallbacks:
             self._apply(fallback.layer)
             if rank_zero:

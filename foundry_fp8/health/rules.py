@@ -97,6 +97,12 @@ def _value(stats: Mapping[str, float], stat: str, default: float) -> float:
     return default if value != value else float(value)
 
 
+def nonfinite(stats: Mapping[str, float]) -> float:
+    """A row's NaN and Inf elements, in the high-precision tensor (0 where not counted): the one
+    count the `nonfinite` rule, the summary series and fp8_guard read."""
+    return _value(stats, "nan_count", 0.0) + _value(stats, "inf_count", 0.0)
+
+
 @dataclass
 class _State:
     """What the tracker remembers of one (layer, tensor)."""
@@ -212,18 +218,18 @@ class HealthTracker:
         overflow = _value(stats, "overflow_pct", 0.0)
         cos = _value(stats, "cos_sim", 1.0)
         ratio = _value(stats, "scale_ratio", 1.0)
-        nonfinite = _value(stats, "nan_count", 0.0) + _value(stats, "inf_count", 0.0)
+        bad_values = nonfinite(stats)
         clips = overflow > t.max_overflow_pct and ratio > t.clip_ratio
         s.over = s.over + 1 if clips else 0
         s.rising = [*s.rising, underflow][-(t.persist_steps + 1):]
         rising = tensor == "gradient" and self._rising(s.rising)
-        bad = (clips or underflow > t.max_underflow_pct or cos < t.min_cos_sim or nonfinite > 0
+        bad = (clips or underflow > t.max_underflow_pct or cos < t.min_cos_sim or bad_values > 0
                or rising)
         s.bad, s.good = (s.bad + 1, 0) if bad else (0, s.good + 1)
         n = t.persist_steps
         steps = f"for {n} logging steps" if n > 1 else "at a logging step"
         found: list[tuple[str, str, float, str, str, str]] = []  # rule, stat, value, limit, cause, key
-        if nonfinite:
+        if bad_values:
             nan, inf = _value(stats, "nan_count", 0.0), _value(stats, "inf_count", 0.0)
             key = ("algorithms.gradient_clipping.clipping_threshold" if tensor == "gradient"
                    else "optimizer.lr")
@@ -317,7 +323,6 @@ def summary_metrics(table: Table, raised: Mapping[tuple[str, str], list[Flag]],
         metrics[summary_key(tensor, "flagged_layers")] = float(
             len({layer for (layer, t) in flagged if t == tensor}))
         metrics[summary_key(tensor, "nonfinite")] = sum(
-            _value(stats, "nan_count", 0.0) + _value(stats, "inf_count", 0.0)
-            for (_, t), stats in table.items() if t == tensor)
+            nonfinite(stats) for (_, t), stats in table.items() if t == tensor)
     metrics[summary_key(None, "flagged_layers")] = float(len({layer for layer, _ in flagged}))
     return metrics
