@@ -56,16 +56,16 @@ from foundry_fp8.numerics import (
     delayed_scale_update,
     empty_sufficient_stats,
     finalize_stats,
-    nonfinite_counts,
+    nonfinite_seen,
     sufficient_stats,
 )
 from foundry_fp8.numerics import amax as te_amax
 from foundry_fp8.options import MonitorConfig, Schedule
 from foundry_fp8.te import probe
 
-#: A row's NaN and Inf counts: the most seen in one sighting of the tensor at a logging step
-#: (its first casts the statistics; a later micro-batch's NaN still shows; a recompute, which
-#: repeats a sighting, is not counted twice).
+#: A row's NaN and Inf counts: those of the tensor's first sighting at a logging step (which
+#: gives the statistics), at least 1 where a later micro-batch's held any (`nonfinite_seen`: one
+#: cheap read, not a count).
 _NONFINITE = slice(SUFFICIENT_INDEX["nan_count"], SUFFICIENT_INDEX["inf_count"] + 1)
 
 
@@ -379,9 +379,11 @@ class FP8Monitor:
         assert step is not None
         idx = self._row[(name, watch.name)]
         if idx in step.seen:  # first sighting wins: recompute and later micro-batches repeat
-            if idx in step.pending:  # ... but a NaN/Inf in any of them is counted
+            # ... but a NaN/Inf in a later micro-batch's input or gradient shows (a weight is
+            # the same in every one)
+            if idx in step.pending and watch.source in ("input", "grad_output"):
                 row = step.pending[idx]
-                torch.maximum(row[_NONFINITE], nonfinite_counts(value), out=row[_NONFINITE])
+                torch.maximum(row[_NONFINITE], nonfinite_seen(value), out=row[_NONFINITE])
             return
         step.seen.add(idx)
         mode = step.modes.get(name)

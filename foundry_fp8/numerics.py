@@ -188,13 +188,15 @@ def _magnitudes(piece: torch.Tensor, counts: list[torch.Tensor] | None = None) -
     return magnitude
 
 
-def nonfinite_counts(x: torch.Tensor) -> torch.Tensor:
-    """[NaN, Inf] element counts of x (float64, on x's device, no host sync), in the order of
-    `SUFFICIENT_KEYS`: the counts `sufficient_stats` takes, without the rest of its work."""
-    counts: list[torch.Tensor] = []
-    for piece in _pieces(x):
-        _magnitudes(piece, counts)
-    return torch.stack(counts).double().sum(dim=0)[:2]
+def nonfinite_seen(x: torch.Tensor) -> torch.Tensor:
+    """[NaN in x, Inf in x] as 0 or 1 (float64, on x's device, no host sync), in the order of
+    `SUFFICIENT_KEYS`' counts: one read of x, its largest magnitude, which a NaN or an Inf
+    decides (NaN where both are), for the sightings after a tensor's first."""
+    if x.numel() == 0:
+        return torch.zeros(2, dtype=torch.float64, device=x.device)
+    top = torch.stack([torch.linalg.vector_norm(piece, ord=torch.inf).float()
+                       for piece in _pieces(x)]).amax()
+    return torch.stack([torch.isnan(top), torch.isinf(top)]).double()
 
 
 def _shift(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float) -> torch.Tensor:
@@ -230,9 +232,9 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
     elements (bfloat16 stays bfloat16 until it is scaled), with no float64 copy and no bool sum.
     The cast is `saturate(|x| * scale)` to FP8 as `quantize` rounds it (rounding is symmetric).
     x_sq and sq_error are sums over `|x| * w` and the round trip `fp8 / scale * w`, where their
-    difference is exact in float32, w a working scale: the cast's own under current scaling
-    (`|x| * scale` exceeds fp8_max only by the division's rounding, or with an Inf in x), else
-    the given scale times a power of 2 (`_shift`);
+    difference is exact in float32, w a working scale: the cast's scale times a power of 2
+    (`_shift`; 1 under current scaling, where `|x| * scale` exceeds fp8_max only by the
+    division's rounding, unless an Inf in x made the scale 1);
     q_sq is summed over the FP8 values; all as float32 row sums, divided by the scales' squares
     in float64. dot is `(x - q)·q + q_sq`, accurate wherever q is close to x or far below it
     (saturation, underflow), where `(x_sq + q_sq - sq_error) / 2` would cancel to noise.
@@ -260,11 +262,8 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         scale_t = current_scale(cast_amax, fmt, power_2=power_2) / (2.0 ** margin)
     else:
         scale_t = _on(scale, device).reshape(())
-    if scale is None and margin >= 0:  # the cast's own domain (below)
-        shift, work = None, scale_t
-    else:
-        shift = _shift(amax, scale_t, fp8_max)
-        work = scale_t * shift
+    shift = _shift(amax, scale_t, fp8_max)  # 1 under current scaling but with an Inf in x
+    work = scale_t * shift
     shapes = [(-(-piece.numel() // ROW), ROW) if piece.numel() > ROW else (1, piece.numel())
               for piece in pieces]
     # per row: ‖x‖, the FP8 values' nonzero count and norm ‖q‖, ‖x - q‖, (x - q)·q, overflow
@@ -274,26 +273,17 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         span = slice(start, start + rows)
         start += rows
         mag = mags.pop() if mags else _magnitudes(piece)
-        if shift is None:
-            w = _scaled(mag, work, rows, width)
-            _count(torch.nn.functional.threshold(w, fp8_max, 0.0), dim=1, out=partial[5, span])
-            # beyond fp8_max (an Inf made the scale 1) torch's cast gives NaN/Inf: saturated
-            q = w.to(fp8_dtype).float().nan_to_num_(nan=fp8_max, posinf=fp8_max)
-        else:
-            q = _scaled(mag, scale_t, rows, width)  # |x| * scale, rounded as `quantize` does
-            _count(torch.nn.functional.threshold(q, fp8_max, 0.0), dim=1, out=partial[5, span])
-            q = q.clamp_(max=fp8_max).copy_(q.to(fp8_dtype))
-            w = _scaled(mag, work, rows, width)
+        q = _scaled(mag, scale_t, rows, width)  # |x| * scale, rounded as `quantize` does
+        _count(torch.nn.functional.threshold(q, fp8_max, 0.0), dim=1, out=partial[5, span])
+        q = q.clamp_(max=fp8_max).copy_(q.to(fp8_dtype))
+        w = _scaled(mag, work, rows, width)
         del mag
         torch.linalg.vector_norm(w, dim=1, out=partial[0, span])
         _count(q, dim=1, out=partial[1, span])
         # q holds the FP8 values (at most fp8_max): ‖q‖ stays representable however far the
         # round trip is from x (a stale scale 2**100 times too large: q ~ 2**-100 |x|)
         torch.linalg.vector_norm(q, dim=1, out=partial[2, span])
-        if shift is None:
-            w.sub_(q)
-        else:
-            w.addcmul_(q, shift.reshape(1), value=-1.0)  # the round trip in w's domain
+        w.addcmul_(q, shift.reshape(1), value=-1.0)  # the round trip in w's domain
         torch.linalg.vector_norm(w, dim=1, out=partial[3, span])
         torch.sum(q.mul_(w), dim=1, out=partial[4, span])
     partial = partial.double()
@@ -302,7 +292,7 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
     x_sq, sq_error = partial[0:4:3].square().sum(dim=1) / work64.square()
     q_sq = partial[2].square().sum() / scale64.square()
     overflow = partial[5].sum()
-    if shift is None:  # without an Inf, `|x| * scale` above fp8_max is the division's rounding
+    if scale is None:  # without an Inf, `|x| * scale` above fp8_max is the division's rounding
         overflow = torch.where(inf_count > 0, overflow, 0.0)
     parts = {
         "seen": _on(1.0, device), "count": x.numel() - nan_count - inf_count, "nan_count": nan_count,

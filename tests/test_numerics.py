@@ -205,6 +205,15 @@ def test_an_inf_makes_current_scaling_cast_at_scale_1_as_te(fmt, pieces):
         assert got[key] == pytest.approx(value, rel=1e-5), key
     margin = tensor_stats_tensor(torch.tensor([*values, -INF]), fmt, None, margin=2)
     assert margin[STAT_KEYS.index("scale")].item() == 0.25
+    # magnitudes whose float32 squares overflow or underflow at scale 1 (no working scale made
+    # them read rel_mse 0 and cos_sim 1 for a tensor flushed whole)
+    flushed = tensor_stats(torch.tensor([1e-25, -2e-25, 3e-26, INF]), fmt)
+    assert flushed["underflow_pct"] == 100.0 and flushed["cos_sim"] == 0.0
+    assert flushed["rel_mse"] == pytest.approx(1.0, rel=1e-6)
+    big = [1e20, -5e19, 1.0]
+    got, want = tensor_stats(torch.tensor([*big, INF]), fmt), ref_stats(big, fmt, 1.0)
+    for key in ("rel_mse", "cos_sim", "overflow_pct", "underflow_pct"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
 
 
 def test_subnormal_underflow_hand_computed(pieces):
