@@ -730,8 +730,8 @@ def test_mpt_sub_config_keys_match_llmfoundrys_classes_and_builders():
     classes = {name: attention_classes.get(name) for name in model._ATTN_TYPES}
     assert set(attention_classes.get_all()) == set(classes)  # the built-ins, all judged
     taken = {name: keywords(cls.__init__) for name, cls in classes.items()}
-    assert known.MPT_ATTN_CONFIG_KEYS == set(attn_config_defaults) | {
-        "seq_parallel_world_size"} | set.union(*taken.values())
+    assert known.MPT_ATTN_CONFIG_KEYS == set(attn_config_defaults) | set.union(*taken.values())
+    assert known.MPT_ATTN_NULL_ONLY_KEY not in known.MPT_ATTN_CONFIG_KEYS
     assert {name for name, keys in taken.items() if known.MPT_GQA_ONLY_KEY in keys} == {
         "grouped_query_attention"}
     # MPTBlock keeps back only these (position encoding), all MPTConfig defaults; it passes
@@ -751,7 +751,10 @@ def test_mpt_sub_config_keys_match_llmfoundrys_classes_and_builders():
     ({"ffn_config__ffn_type": "mptglu", "ffn_config__act_fn": {"name": "silu"}}, TypeError),
     ({"fc_type": "TE"}, Exception),  # catalogue's RegistryError
     ({"fc_type": {"name": "Torch"}}, Exception),
+    ({"attn_config__seq_parallel_world_size": 1}, TypeError),  # only null is deleted
+    ({"attn_config__seq_parallel_world_size": 2}, NotImplementedError),
     # near misses, which build
+    ({"attn_config__seq_parallel_world_size": None}, None),
     ({"attn_config__attn_type": "grouped_query_attention", "attn_config__kv_n_heads": 2}, None),
     ({"attn_config__clip_qkv": 6.0, "attn_config__qk_ln": True}, None),
     ({"ffn_config__ffn_type": "mptglu", "ffn_config__ffn_act_fn": {"name": "silu"},

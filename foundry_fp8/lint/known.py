@@ -123,17 +123,20 @@ MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "fused_qkv": True, "kv_
 MPT_FFN_DEFAULTS = {"ffn_type": "mptmlp"}
 #: The keys an MPT `attn_config` may hold with LLM-Foundry's own attention classes: those
 #: MPTConfig fills in (`attn_config_defaults`, llmfoundry/models/utils/config_defaults.py), which
-#: MPTBlock reads or passes on, `seq_parallel_world_size` (MPTConfig.validate_attention_config),
-#: and the keywords of the classes' `__init__` (llmfoundry/models/layers/attention.py). MPTBlock
-#: passes any other key to the class, which takes no **kwargs: TypeError building the model.
+#: MPTBlock reads or passes on, and the keywords of the classes' `__init__`
+#: (llmfoundry/models/layers/attention.py). MPTBlock passes any other key to the class, which
+#: takes no **kwargs: TypeError building the model. `seq_parallel_world_size` is one only while
+#: it is null, which MPTConfig.validate_attention_config deletes (above 1 it raises; 1 reaches the
+#: class): `MPT_ATTN_NULL_ONLY_KEY`.
 MPT_ATTN_CONFIG_KEYS = frozenset({
     "alibi", "alibi_bias_max", "attn_impl", "attn_logit_softcapping", "attn_pdrop",
     "attn_temperature_tuning", "attn_type", "attn_uses_sequence_id", "clip_qkv", "fused_qkv",
     "kv_dim", "nope", "qk_gn", "qk_ln", "rope", "rope_dail_config", "rope_hf_config",
-    "rope_impl", "rope_theta", "sliding_window_size", "softmax_scale", "seq_parallel_world_size",
+    "rope_impl", "rope_theta", "sliding_window_size", "softmax_scale",
     "attention_bias", "bias", "d_model", "device", "fc_type", "head_dim", "n_heads", "norm_eps",
     "norm_type", "reuse_kv_layer_idx", "reuse_kv_x_layer_idx", "kv_n_heads",
 })
+MPT_ATTN_NULL_ONLY_KEY = "seq_parallel_world_size"
 #: The one of those only GroupedQueryAttention takes (MultiheadAttention and MultiQueryAttention
 #: raise TypeError on it).
 MPT_GQA_ONLY_KEY = "kv_n_heads"

@@ -15,6 +15,7 @@ from foundry_fp8.lint.known import (
     HF_CONFIG_KEYS,
     MPT_ATTN_CONFIG_KEYS,
     MPT_ATTN_DEFAULTS,
+    MPT_ATTN_NULL_ONLY_KEY,
     MPT_ATTRIBUTES_READ,
     MPT_CONFIG_KEYS,
     MPT_DEFAULTS,
@@ -541,7 +542,12 @@ def _attn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
     if not (isinstance(attn_type, str) and attn_type in _ATTN_TYPES):
         return  # another registered class: its keywords are its own
     for key in attn:
-        if key == MPT_GQA_ONLY_KEY and attn_type != _GQA:
+        if key == MPT_ATTN_NULL_ONLY_KEY:
+            if attn[key] is not None:
+                yield Hit(join_key("model.attn_config", key), f"MPT deletes `{key}` only when it "
+                          f"is null (above 1 it raises NotImplementedError; else {attn_type} "
+                          "gets it and raises TypeError building the model)")
+        elif key == MPT_GQA_ONLY_KEY and attn_type != _GQA:
             yield Hit(join_key("model.attn_config", key), f"only grouped_query_attention takes "
                       f"{key}: {attn_type} raises TypeError building the model")
         elif isinstance(key, str) and key not in MPT_ATTN_CONFIG_KEYS:

@@ -305,6 +305,11 @@ def mandatory_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hi
                       f"'???' to what reads `{key.rpartition('.')[2]}`", severity="warning")
 
 
+#: The required keys that make a file a train config rather than a fragment (a `model:`
+#: section alone): what only a training run's config holds.
+TRAIN_ONLY_KEYS = ("train_loader", "max_duration")
+
+
 @rule("FP8038", "error", "a top-level key `llmfoundry train` needs is absent (`max_seq_len`, "
       "`tokenizer`, `global_train_batch_size`, ...)",
       why="make_dataclass_and_log_config reads every TrainConfig field, and those whose default "
@@ -313,15 +318,15 @@ def mandatory_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hi
       "them; before that its update_batch_size_info transform reads global_train_batch_size "
       "and device_train_microbatch_size with `cfg[key]` (KeyError) and fills "
       "device_train_batch_size and device_eval_batch_size itself. Files only, and only those "
-      "giving at least one of these keys (one giving none is a fragment, not a train config); "
-      "a `???` is FP8036's.",
+      "giving `train_loader` or `max_duration`, which only a train config has (a file of a "
+      "`model:` section alone is a fragment); a `???` is FP8036's.",
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig, "
       "make_dataclass_and_log_config, update_batch_size_info (a config_transforms entry, "
       "llmfoundry/utils/__init__.py; train() applies transforms='all')",
       fix="add the key (or give it on the command line: `llmfoundry train x.yaml key=value`)",
       scope="file")
 def required_keys_absent(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    if not any(key in config for key in TRAIN_REQUIRED_KEYS):
+    if not any(key in config for key in TRAIN_ONLY_KEYS):
         return
     for key in TRAIN_REQUIRED_KEYS:
         if key not in config:
