@@ -73,31 +73,38 @@ def _sync_warnings(step: Callable[[], None]) -> int:
 
 
 def test_the_monitors_hooks_on_te_linear_add_no_host_sync():
-    """Two logging steps' forward and backward on TE's Linear under delayed scaling, the first
-    one before TE has any state (the monitor's initial scale): the monitor's hooks add no host
-    sync to what TE itself does (the monitor's one transfer is in finish_step, outside)."""
+    """Logging steps' forward and backward on TE's Linear under delayed scaling, the first one
+    before TE has any state (the monitor's initial scale), two micro-batches each (the second
+    one's NaN/Inf read), beside a plain Linear under a delayed what-if, with a recording step
+    between them (its amaxes noted): the monitor's hooks add no host sync to what TE itself does
+    (the monitor's one transfer is in finish_step, outside)."""
     te = pytest.importorskip("transformer_engine.pytorch")
-    from foundry_fp8.monitor import FP8Monitor
+    from foundry_fp8.monitor import FP8Monitor, MonitorConfig
+    from foundry_fp8.options import Schedule
     from tests.test_te_gpu import _autocast
 
     def syncs(watched: bool) -> list[int]:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(te.Linear(256, 256, params_dtype=torch.bfloat16))
-        monitor = FP8Monitor(model) if watched else None
+        model = torch.nn.Sequential(
+            te.Linear(256, 256, params_dtype=torch.bfloat16),
+            torch.nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16))
+        monitor = (FP8Monitor(model, MonitorConfig(recipe="delayed"), schedule=Schedule(interval=2))
+                   if watched else None)
         x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
         def step() -> None:
-            with _autocast(te):
-                y = model(x)
-            y.float().square().mean().backward()
+            for _ in range(2):  # micro-batches
+                with _autocast(te):
+                    y = model(x)
+                y.float().square().mean().backward()
 
         counts = []
-        for _ in range(2):
+        for t in range(3):  # logging, recording only, logging
             if monitor is not None:
-                monitor.start_step()
+                assert monitor.start_step(t)
             counts.append(_sync_warnings(step))
             if monitor is not None:
-                assert len(monitor.finish_step()) > 0  # measured: the hooks ran
+                assert (len(monitor.finish_step()) > 0) == (t != 1)  # measured: the hooks ran
         return counts
 
     assert syncs(watched=True) == syncs(watched=False)
