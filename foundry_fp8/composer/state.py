@@ -266,8 +266,11 @@ class FP8State(Callback):
     def _see_loaded_entries(self, state: State) -> None:
         """Composer hands each callback only its own checkpoint entry, and none to a callback
         the checkpoint lacks: note the callback entries a full load passes to `state` (a
-        weights-only load passes none), for `_report_loaded_entries`."""
+        weights-only load passes none), for `_report_loaded_entries`. Wrapped once: a later
+        load goes through the same wrapper."""
         load = state.load_state_dict
+        if getattr(load, "_fp8_state_notes", False):
+            return
 
         @functools.wraps(load)
         def load_state_dict(serialized: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -275,6 +278,7 @@ class FP8State(Callback):
             self._loaded_entries = entries if isinstance(entries, Mapping) else {}
             return load(serialized, *args, **kwargs)
 
+        load_state_dict._fp8_state_notes = True  # type: ignore[attr-defined]
         state.load_state_dict = load_state_dict  # type: ignore[method-assign]
 
     def _report_loaded_entries(self, state: State) -> None:
