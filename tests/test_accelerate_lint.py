@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -622,3 +623,55 @@ def test_fsdp_activation_checkpointing_with_te_fp8_is_fp8119(tmp_path, installed
     path = write(tmp_path, FSDP_AC.format(ac=ac, version=fsdp_version, backend=backend),
                  dist="FSDP")
     assert found(path, "FP8119") == expected
+
+
+# -- `accelerate launch` reads fsdp_config and fp8_config keys with or without their prefix ----
+
+def _launched(path: Path) -> tuple[Any, dict[str, str]]:
+    """The installed Accelerate's own reading of a config file: the launcher's arguments after
+    `_validate_launch_command` copies the file's sections into them (adding `fsdp_`/`fp8_`
+    where a key lacks it), and the ACCELERATE_FP8_* variables `setup_fp8_env` exports."""
+    launch = pytest.importorskip("accelerate.commands.launch")
+    from accelerate.utils.launch import setup_fp8_env
+
+    args = launch.launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _defaults, _mp = launch._validate_launch_command(args)
+    return args, setup_fp8_env(args, {})
+
+
+FSDP_UNPREFIXED = """\
+fsdp_config:
+  {ac_key}: true
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  version: 1
+fp8_config:
+  backend: TE
+num_processes: 8
+"""
+
+
+@pytest.mark.parametrize("ac_key", ["activation_checkpointing", "fsdp_activation_checkpointing"])
+def test_fsdp_config_keys_are_read_with_or_without_the_fsdp_prefix(tmp_path, installed, ac_key):
+    """Before: `activation_checkpointing: true` (no fsdp_ prefix) gave no FP8119, though the
+    launcher reads it as fsdp_activation_checkpointing (commands/launch.py:1051)."""
+    installed((1, 14, 0))
+    path = write(tmp_path, FSDP_UNPREFIXED.format(ac_key=ac_key), dist="FSDP")
+    assert found(path, "FP8119") == [(f"fsdp_config.{ac_key}", 5, "error")]
+    args, _env = _launched(path)
+    assert args.fsdp_activation_checkpointing is True and args.fsdp_version == 1
+
+
+def test_a_fsdp_config_key_written_both_ways_is_read_as_the_later_one(tmp_path, installed):
+    """The launcher copies the section's keys in order into one argument: the later wins."""
+    installed((1, 14, 0))
+    both = FSDP_UNPREFIXED.format(ac_key="activation_checkpointing").replace(
+        "  version: 1\n", "  version: 1\n  fsdp_activation_checkpointing: false\n")
+    path = write(tmp_path, both, dist="FSDP")
+    assert found(path, "FP8119") == []
+    args, _env = _launched(path)
+    assert args.fsdp_activation_checkpointing is False
+    flipped = both.replace("true", "@").replace("false", "true").replace("@", "false")
+    path = write(tmp_path, flipped, dist="FSDP")
+    assert found(path, "FP8119") == [("fsdp_config.fsdp_activation_checkpointing", 8, "error")]
+    args, _env = _launched(path)
+    assert args.fsdp_activation_checkpointing is True

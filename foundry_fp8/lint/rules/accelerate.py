@@ -140,6 +140,46 @@ class AccelerateInput:
     deepspeed_duplicates: tuple[str, ...] = ()
 
 
+#: The prefix `accelerate launch` gives each key of these sections that does not start with it,
+#: before it reads the key as its own argument: `fsdp_config.activation_checkpointing` is
+#: --fsdp_activation_checkpointing, `fp8_config.fp8_backend` and `fp8_config.backend` are both
+#: --fp8_backend (commands/launch.py:1051-1054 `_validate_launch_command`, v1.8.1; the same test
+#: from v1.5.0 to v1.14.0, which v1.4 wrote as `"fsdp" not in key`). A key written both ways sets
+#: one argument twice, in file order: the later wins.
+LAUNCH_PREFIXES = {"fsdp_config": "fsdp", "fp8_config": "fp8"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One key of `fsdp_config` or `fp8_config` as the launcher reads it: `name` without the
+    section's prefix (`activation_checkpointing`, `backend`; for fp8_config the <NAME> of the
+    ACCELERATE_FP8_<NAME> variable setup_fp8_env exports), `key` the dotted key as written (where
+    findings point), `value` its value."""
+
+    name: str
+    key: str
+    value: Any
+
+
+def launch_settings(acc: Mapping[str, Any], name: str) -> list[Setting]:
+    """Every key of section `name` (a key of LAUNCH_PREFIXES), in file order, named as the
+    launcher reads it."""
+    prefix = LAUNCH_PREFIXES[name]
+    settings = []
+    for key, value in section(acc, name).items():
+        written = str(key)
+        argument = written if written.startswith(prefix) else f"{prefix}_{written}"
+        settings.append(Setting(argument.removeprefix(f"{prefix}_"), join_key(name, written),
+                                value))
+    return settings
+
+
+def setting(acc: Mapping[str, Any], name: str, option: str) -> Setting | None:
+    """`option` of section `name` as the launcher reads it, written with or without the prefix
+    (the later one when both); None when the section does not set it."""
+    return next((s for s in reversed(launch_settings(acc, name)) if s.name == option), None)
+
+
 def _text(value: Any) -> str:
     return str(value).strip().lower() if value is not None else ""
 
@@ -652,7 +692,8 @@ def zero_stage_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
 
 
 @rule("FP8119", "error", "Accelerate FSDP activation checkpointing with FP8 on TransformerEngine",
-      why="With fsdp_activation_checkpointing Accelerate wraps the auto-wrapped blocks in "
+      why="With fsdp_config's activation_checkpointing (written with or without the fsdp_ "
+      "prefix, which the launcher adds) Accelerate wraps the auto-wrapped blocks in "
       "torch's checkpoint_wrapper (non-reentrant, under FSDP1 and FSDP2 alike), while its TE "
       "FP8 autocast wraps only the model's forward (apply_fp8_autowrap, "
       "contextual_fp8_autocast): the recompute in backward runs TE's layers outside "
@@ -664,17 +705,19 @@ def zero_stage_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
       "src/accelerate/utils/fsdp_utils.py fsdp2_prepare_model / fsdp2_apply_ac, "
       "src/accelerate/utils/transformer_engine.py contextual_fp8_autocast, "
       "src/accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin "
-      f"(FSDP_ACTIVATION_CHECKPOINTING); {TE_1190}",
+      "(FSDP_ACTIVATION_CHECKPOINTING), src/accelerate/commands/launch.py:1051-1052 "
+      f"_validate_launch_command (the fsdp_ prefix, v1.8.1); {TE_1190}",
       fix="set fsdp_config.fsdp_activation_checkpointing: false, or checkpoint inside your "
       "model with te.distributed.checkpoint (TE's recompute under FP8)", family="accelerate")
 def fsdp_recompute_outside_fp8(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     acc, version = inp.accelerate, inp.version
+    checkpointing = setting(acc, "fsdp_config", "activation_checkpointing")
     if not (_fp8(acc) and _text(acc.get("distributed_type")) == "fsdp" and _te_backend(acc)
-            and _is_true(section(acc, "fsdp_config").get("fsdp_activation_checkpointing"))):
+            and checkpointing and _is_true(checkpointing.value)):
         return
     if version is not None and FP8_AUTO_BROKEN[0] <= version < FP8_AUTO_BROKEN[1]:
         return
-    yield Hit("fsdp_config.fsdp_activation_checkpointing", "Accelerate recomputes the "
+    yield Hit(checkpointing.key, "Accelerate recomputes the "
               "checkpointed blocks with torch's checkpoint_wrapper in backward, outside the TE "
               "fp8_autocast it wraps around the model's forward: TE's layers recompute without "
               "FP8, unlike their forward")
