@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from foundry_fp8.lint.accelerate import (
     lint_accelerate,
@@ -675,3 +676,47 @@ def test_a_fsdp_config_key_written_both_ways_is_read_as_the_later_one(tmp_path, 
     assert found(path, "FP8119") == [("fsdp_config.fsdp_activation_checkpointing", 8, "error")]
     args, _env = _launched(path)
     assert args.fsdp_activation_checkpointing is True
+
+
+PREFIXED_FP8 = """\
+fp8_config:
+  fp8_backend: te
+  fp8_format: HYBRID
+  fp8_amax_history_len: 16
+  fp8_override_linear_precision: (false, false, false)
+num_processes: 2
+"""
+
+
+def test_fp8_config_keys_are_read_with_or_without_the_fp8_prefix(tmp_path, installed):
+    """Before: every key here was FP8105 "silently dropped", and judged as Accelerate 1.10.1 the
+    file got nothing else, though the launcher reads `fp8_backend: te` as --fp8_backend
+    (FP8116: FP8BackendType('te') raises) and exports the string's characters as the override
+    flags (FP8110)."""
+    installed((1, 10, 1))
+    path = write(tmp_path, PREFIXED_FP8)
+    assert found(path, "FP8105") == []
+    assert found(path, "FP8116") == [("fp8_config.fp8_backend", 5, "error")]
+    assert found(path, "FP8110") == [("fp8_config.fp8_override_linear_precision", 8, "error")]
+    _args, env = _launched(path)
+    assert env["ACCELERATE_FP8_BACKEND"] == "te"
+    assert env["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == "16"
+    assert env["ACCELERATE_FP8_FORMAT"] == "HYBRID"
+    assert env["ACCELERATE_FP8_OVERRIDE_FPROP"] == "("
+
+
+def test_the_fp8_config_names_are_the_variables_the_launcher_exports(tmp_path):
+    """Each fp8_config key, prefixed or not, under the name of the ACCELERATE_FP8_<NAME> variable
+    the installed launcher exports for it (a misspelled one is exported too, and read by
+    nothing: FP8105)."""
+    from foundry_fp8.lint.rules.accelerate import launch_settings
+
+    body = ("fp8_config:\n  backend: TE\n  fp8_margin: 1\n  amax_compute_algo: max\n"
+            "  fp8_use_autocast_during_eval: true\n  fp8_interval: 2\n  amax_histroy_len: 8\n"
+            "num_processes: 2\n")
+    path = write(tmp_path, body)
+    _args, env = _launched(path)
+    config = {"fp8_config": yaml.safe_load(body)["fp8_config"]}
+    for s in launch_settings(config, "fp8_config"):
+        assert env[f"ACCELERATE_FP8_{s.name.upper()}"] == str(s.value)
+    assert found(path, "FP8105") == [("fp8_config.amax_histroy_len", 10, "warning")]

@@ -4,8 +4,9 @@ Accelerate refuses, drops or overrides without a word.
 Every fact below was read in Accelerate's sources (tags v0.34.2 to v1.14.0; 1.8.1 installed
 here) and TE's; the rules' sources say where. How a config reaches TE: `accelerate launch`
 turns `mixed_precision` into ACCELERATE_MIXED_PRECISION and each `fp8_config` key `k` into
-ACCELERATE_FP8_<K> (commands/launch.py `_validate_launch_command`, utils/launch.py
-`setup_fp8_env`); the training process's `Accelerator()` builds a `TERecipeKwargs` from those
+ACCELERATE_FP8_<K>, and reads each `fsdp_config` key as its own `fsdp_` argument, adding the
+prefix where a key lacks it (commands/launch.py `_validate_launch_command`, utils/launch.py
+`setup_fp8_env`: `launch_settings` reads both sections so); the training process's `Accelerator()` builds a `TERecipeKwargs` from those
 variables, and `apply_fp8_autowrap` (utils/transformer_engine.py) gives TE's `DelayedScaling`
 only the values that differ from TERecipeKwargs' own defaults (`KwargsHandler.to_kwargs`).
 
@@ -29,10 +30,12 @@ from foundry_fp8.te.facts import Version, dotted
 ACC = "Accelerate (huggingface/accelerate, tags v0.34.2-v1.14.0)"
 TE = "TransformerEngine (NVIDIA/TransformerEngine, tags v1.0-v2.18)"
 
-#: `fp8_config` keys whose ACCELERATE_FP8_* variable something reads (TERecipeKwargs,
-#: MSAMPRecipeKwargs, AORecipeKwargs, Accelerator.fp8_backend). Any other key is dropped.
+#: `fp8_config` names (`Setting.name`: the key without the fp8_ prefix the launcher adds) whose
+#: ACCELERATE_FP8_<NAME> variable something reads (TERecipeKwargs, MSAMPRecipeKwargs,
+#: AORecipeKwargs, Accelerator.fp8_backend). Any other key is dropped. `fp8_format`, which
+#: `accelerate config` writes, is read as `format` (ACCELERATE_FP8_FORMAT).
 FP8_CONFIG_KEYS = frozenset({
-    "backend", "use_autocast_during_eval", "margin", "interval", "fp8_format", "format",
+    "backend", "use_autocast_during_eval", "margin", "interval", "format",
     "amax_history_len", "amax_compute_algo", "override_linear_precision",
     "use_mxfp8_block_scaling", "opt_level", "enable_fsdp_float8_all_gather", "pad_inner_dim",
 })
@@ -200,8 +203,14 @@ def _sagemaker(acc: Mapping[str, Any]) -> bool:
     return acc.get("compute_environment") == SAGEMAKER
 
 
+def _backend(acc: Mapping[str, Any]) -> Setting | None:
+    """fp8_config's backend, written `backend` or `fp8_backend`."""
+    return setting(acc, "fp8_config", "backend")
+
+
 def _te_backend(acc: Mapping[str, Any]) -> bool:
-    return _text(section(acc, "fp8_config").get("backend")) in ("", "te")
+    backend = _backend(acc)
+    return backend is None or _text(backend.value) in ("", "te")
 
 
 def _ds_where(inp: AccelerateInput, ds_key: str) -> tuple[str, str]:
@@ -312,14 +321,15 @@ def _custom(key: str, value: Any) -> bool:
     return value != default and str(value) != str(default)
 
 
-def _recipe_items(fp8_config: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
-    """TE recipe key -> (fp8_config key, value) for the values Accelerate forwards to TE."""
+def _recipe_items(acc: Mapping[str, Any]) -> dict[str, Setting]:
+    """TE recipe key -> the fp8_config setting, for the values Accelerate forwards to TE (a key
+    written twice: the later, as the launcher reads it)."""
     items = {}
-    for name, value in fp8_config.items():
-        key = "fp8_format" if name == "format" else str(name)
-        if key in TE_RECIPE_DEFAULTS and _custom(key, value):
-            items[key] = (str(name), value)
-    return items
+    for item in launch_settings(acc, "fp8_config"):
+        key = "fp8_format" if item.name == "format" else item.name
+        if key in TE_RECIPE_DEFAULTS:
+            items[key] = item
+    return {key: item for key, item in items.items() if _custom(key, item.value)}
 
 
 @rule("FP8104", "warning", "FP8 recipe in `fp8_config` under DeepSpeed (ignored)",
@@ -337,36 +347,38 @@ def deepspeed_recipe_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[H
         return
     if version is not None and version < DS_RECIPE_FROM_FP8_RECIPE_KWARGS_ONLY:
         return  # FP8 does not run under DeepSpeed there at all (FP8103)
-    custom = _recipe_items(section(acc, "fp8_config"))
+    custom = _recipe_items(acc)
     custom.pop("use_autocast_during_eval", None)
     if custom:
-        names = ", ".join(name for name, _value in custom.values())
+        names = ", ".join(item.key.removeprefix("fp8_config.") for item in custom.values())
         yield Hit("fp8_config", f"under DeepSpeed Accelerate builds TE's recipe only from the "
                   f"deprecated FP8RecipeKwargs, so this config's {names} never reach TE: it "
                   "runs TE's default DelayedScaling (HYBRID, amax_history_len 1024, max)")
 
 
 @rule("FP8105", "warning", "`fp8_config` keys Accelerate never reads (did-you-mean)",
-      why="The launcher turns each fp8_config key k into ACCELERATE_FP8_<K>; only the names the "
-      "recipe classes read have an effect. `accelerate config` itself writes "
+      why="The launcher turns each fp8_config key k into ACCELERATE_FP8_<K>, adding the fp8_ "
+      "prefix only where k lacks it (fp8_amax_history_len and amax_history_len are one key, "
+      "ACCELERATE_FP8_AMAX_HISTORY_LEN; every fp8_config rule reads keys so); only the names "
+      "the recipe classes read have an effect. `accelerate config` itself writes "
       "amax_history_length, amax_compute_algorithm and optimization_level, which are dropped: "
       "the run uses the defaults (1024, most_recent, O2).",
       source=f"{ACC} src/accelerate/commands/config/cluster.py; src/accelerate/commands/launch.py"
-      " _validate_launch_command; src/accelerate/utils/launch.py setup_fp8_env; "
+      ":1053-1054 _validate_launch_command (v1.8.1); src/accelerate/utils/launch.py:82-97 "
+      "setup_fp8_env; "
       "src/accelerate/utils/dataclasses.py TERecipeKwargs/MSAMPRecipeKwargs.__post_init__",
       fix="use amax_history_len, amax_compute_algo, opt_level", family="accelerate")
 def fp8_config_unknown_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
-    for name in section(inp.accelerate, "fp8_config"):
-        name = str(name)
+    for item in launch_settings(inp.accelerate, "fp8_config"):
+        name = item.name
         if name in FP8_CONFIG_KEYS:
             continue
         if name in QUESTIONNAIRE_NAMES:
-            yield Hit(join_key("fp8_config", name), f"fp8_config.{name} is silently dropped: "
-                      f"`accelerate config` writes {name}, but `accelerate launch` reads "
-                      f"{QUESTIONNAIRE_NAMES[name]}", fix=f"rename it to {QUESTIONNAIRE_NAMES[name]}")
+            yield Hit(item.key, f"{item.key} is silently dropped: `accelerate config` writes "
+                      f"{name}, but `accelerate launch` reads {QUESTIONNAIRE_NAMES[name]}",
+                      fix=f"rename it to {QUESTIONNAIRE_NAMES[name]}")
         else:
-            yield Hit(join_key("fp8_config", name), f"fp8_config.{name} is silently dropped: no part of "
-                      "Accelerate reads it",
+            yield Hit(item.key, f"{item.key} is silently dropped: no part of Accelerate reads it",
                       fix="fix the spelling" + did_you_mean(name, FP8_CONFIG_KEYS))
 
 
@@ -379,9 +391,9 @@ def fp8_config_unknown_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hi
       fix="write max (what runs); most_recent cannot be set through Accelerate",
       family="accelerate")
 def most_recent_dropped(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
-    algo = section(inp.accelerate, "fp8_config").get("amax_compute_algo")
-    if _te_backend(inp.accelerate) and _text(algo) == "most_recent":
-        yield Hit("fp8_config.amax_compute_algo", "most_recent is Accelerate's default, and "
+    algo = setting(inp.accelerate, "fp8_config", "amax_compute_algo")
+    if _te_backend(inp.accelerate) and algo and _text(algo.value) == "most_recent":
+        yield Hit(algo.key, "most_recent is Accelerate's default, and "
                   "Accelerate forwards to TE only values that differ from its defaults: TE uses "
                   "its own default, max")
 
@@ -398,14 +410,15 @@ def most_recent_dropped(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
 def recipe_values(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     if not _te_backend(inp.accelerate):
         return
-    items = _recipe_items(section(inp.accelerate, "fp8_config"))
+    items = _recipe_items(inp.accelerate)
     for key in ("use_autocast_during_eval", "use_mxfp8_block_scaling"):
         items.pop(key, None)  # Accelerate's own switches, not TE recipe fields
-    if isinstance(items.get("override_linear_precision", (None, ()))[1], str):
+    override = items.get("override_linear_precision")
+    if override and isinstance(override.value, str):
         items.pop("override_linear_precision")  # FP8110: the launcher fails first
-    for problem in recipe_problems({key: value for key, (_name, value) in items.items()}):
-        name = items[problem.key][0] if problem.key in items else problem.key
-        yield Hit(f"fp8_config.{name}", problem.message, fix=problem.fix)
+    for problem in recipe_problems({key: item.value for key, item in items.items()}):
+        where = items[problem.key].key if problem.key in items else f"fp8_config.{problem.key}"
+        yield Hit(where, problem.message, fix=problem.fix)
 
 
 @rule("FP8108", "warning", "DeepSpeed `zero_optimization.stage: auto`",
@@ -469,10 +482,11 @@ def deepspeed_file_missing(inp: AccelerateInput, _: LintContext) -> Iterator[Hit
       fix="write a YAML list: override_linear_precision: [false, false, false] (or remove it: "
       "that is the default)", family="accelerate")
 def override_as_string(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
-    value = section(inp.accelerate, "fp8_config").get("override_linear_precision")
-    if isinstance(value, str):
+    override = setting(inp.accelerate, "fp8_config", "override_linear_precision")
+    if override and isinstance(override.value, str):
+        value = override.value
         shown = [value[i] if i < len(value) else "" for i in range(3)]
-        yield Hit("fp8_config.override_linear_precision", f"a string: the launcher exports its "
+        yield Hit(override.key, f"a string: the launcher exports its "
                   f"first three characters {shown} as the FPROP/DGRAD/WGRAD flags, which "
                   "TERecipeKwargs cannot read")
 
@@ -603,12 +617,13 @@ def missing_distributed_type(inp: AccelerateInput, _: LintContext) -> Iterator[H
       family="accelerate")
 def backend_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     acc, version = inp.accelerate, inp.version
-    backend = section(acc, "fp8_config").get("backend")
-    if not (_fp8(acc) and backend and not _deepspeed(acc) and not _sagemaker(acc)):
+    backend = _backend(acc)
+    if not (_fp8(acc) and backend and backend.value and not _deepspeed(acc)
+            and not _sagemaker(acc)):
         return
     if version is None or FP8_AUTO_BROKEN[1] <= version < BACKEND_READ:
         who = f"accelerate {dotted(version)}" if version else "Accelerate < 1.9 (1.8.x)"
-        yield Hit("fp8_config.backend", f"{who} ignores fp8_config.backend ({backend}) outside "
+        yield Hit(backend.key, f"{who} ignores {backend.key} ({backend.value}) outside "
                   "DeepSpeed: Accelerator() takes torchao if it is installed, then "
                   "TransformerEngine, then MS-AMP, whatever the config says")
 
@@ -627,16 +642,17 @@ def backend_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
       fix="write the backend in capitals: TE, MSAMP or AO", family="accelerate")
 def backend_unreadable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     acc, version = inp.accelerate, inp.version
-    backend = section(acc, "fp8_config").get("backend")
-    if not _fp8(acc) or backend is None or _sagemaker(acc) or str(backend) in FP8_BACKENDS:
+    backend = _backend(acc)
+    if not _fp8(acc) or backend is None or backend.value is None or _sagemaker(acc) \
+            or str(backend.value) in FP8_BACKENDS:
         return
     if version is not None and version < BACKEND_READ:
         return
     who = f"accelerate {dotted(version)}" if version else "Accelerate >= 1.9"
-    capitals = str(backend).upper()
+    capitals = str(backend.value).upper()
     hint = f"; write {capitals}" if capitals in FP8_BACKENDS else ""
-    yield Hit("fp8_config.backend", f"{who} reads fp8_config.backend as FP8BackendType("
-              f"{str(backend)!r}), which raises ValueError at Accelerator(){hint}",
+    yield Hit(backend.key, f"{who} reads {backend.key} as FP8BackendType("
+              f"{str(backend.value)!r}), which raises ValueError at Accelerator(){hint}",
               severity=None if version else "warning")
 
 
