@@ -1097,6 +1097,25 @@ def test_tokens_per_microbatch_read_the_train_loaders_length(tmp_path, edit, exp
         assert lines[f["line"] - 1].startswith("    ")
 
 
+@pytest.mark.parametrize(("micro", "seq", "severity"), [
+    (1, 1000, "warning"),  # QA: 1000 tokens, a multiple of 8 and not of 16
+    (1, 2040, "warning"), (3, 2040, "warning"), (2, 1004, "warning"),
+    (1, 2044, "error"),  # TE's forward assert (8)
+    (2, 2040, None), (1, 2048, None), (3, 2048, None),
+])
+def test_tokens_per_microbatch_by_8_but_not_16_is_a_warning(tmp_path, micro, seq, severity):
+    """Before: a multiple of 8 passed silently, though TE's own tests run FP8 only for
+    batch x seqlen divisible by 16 and the token count is the inner dim of the wgrad GEMM."""
+    path = _write(tmp_path, _merge(FP8_TE, LOADER, {"device_train_microbatch_size": micro,
+                                                    "variables": {"seq": seq}}))
+    hits = [f for f in lint_file(path, 1, NO_FLASH)["findings"] if f["rule"] == "FP8006"]
+    assert [f["severity"] for f in hits] == ([severity] if severity else [])
+    if severity == "warning":
+        message = hits[0]["message"]
+        assert f"{micro * seq} tokens" in message and "multiple of 16" in message
+        assert "TE's own tests" in message and "not been run on a GPU" in message
+
+
 # -- values MPT refuses (FP8035) -------------------------------------------------------------
 
 @pytest.mark.parametrize("path", MPT_NUMBER_KEYS)

@@ -33,7 +33,7 @@ from foundry_fp8.lint.known import (
     did_you_mean,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, mandatory_keys, rule, section
-from foundry_fp8.shapes import FP8_TOKEN_MULTIPLE, tokens_fit_fp8
+from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE, dim_fits_fp8, tokens_fit_fp8
 
 COMPOSER = "Composer 0.32.1"
 FOUNDRY = "LLM-Foundry 0.22.0"
@@ -63,19 +63,37 @@ def train_seq_len(config: Mapping[str, Any]) -> tuple[str, int | None]:
     return key, as_int(get(config, key))
 
 
-@rule("FP8006", "error", f"tokens per micro-batch not divisible by {FP8_TOKEN_MULTIPLE} with TE "
-      "layers in FP8",
+#: Where TE asks the token count for a multiple of 16, not of 8 (FP8006's warning).
+TE_TOKENS_BY_16 = (
+    "TE 2.8 tests/pytorch/test_sanity.py:72-80 is_fp8_supported (v2.18: :69-77); TE v2.9 "
+    "transformer_engine/common/gemm/cublaslt_gemm.cu:146-148 and :227-229 CanonicalizeGemmInput "
+    "(v2.18: :160-162, :251-253; https://github.com/NVIDIA/TransformerEngine/pull/2261), "
+    "transformer_engine/pytorch/module/linear.py (the wgrad GEMM's layout NT, v2.18:1196); "
+    f"{COMPOSER} composer/trainer/trainer.py:2599 and :3438")
+
+
+@rule("FP8006", "error", f"tokens per micro-batch not divisible by {FP8_TOKEN_MULTIPLE} (a "
+      f"warning: by {FP8_DIM_MULTIPLE}) with TE layers in FP8",
       why="A GEMM input is (micro-batch x sequence length, features): TE asserts the leading "
-      f"dims' product is divisible by {FP8_TOKEN_MULTIPLE}. The sequence length is the train "
-      "loader's `dataset.max_seq_len`; the top-level `max_seq_len` only where the loader gives "
-      "none.",
+      f"dims' product is divisible by {FP8_TOKEN_MULTIPLE} (an error). A multiple of "
+      f"{FP8_TOKEN_MULTIPLE} that is not one of {FP8_DIM_MULTIPLE} passes that assert, but TE's "
+      "own tests treat FP8 as supported only when batch x seqlen is divisible by "
+      f"{FP8_DIM_MULTIPLE}, Composer's Trainer says 'FP8 in TE requires all eval data sizes to "
+      f"be divisible by {FP8_DIM_MULTIPLE}', and the token count is the inner dim of the "
+      "weight-gradient GEMM, whose FP8 operands' leading dim TE's GEMM checks from v2.9 ('Leading "
+      "dimension requirement on A for FP8 GEMM. Caller must pad.', citing cuBLAS's tensor-core "
+      "requirements; on Hopper, whose FP8 GEMMs are TN only, that leading dim is the inner "
+      "one): a warning, since that backward failure is read in TE's sources and has "
+      "not been run on a GPU. The sequence length is the train loader's `dataset.max_seq_len`; "
+      "the top-level `max_seq_len` only where the loader gives none.",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec; "
+      f"{TE_TOKENS_BY_16}; "
       f"{FOUNDRY} llmfoundry/data/text_data.py StreamingTextDataset (max_seq_len from the "
       "loader's dataset), llmfoundry/data/finetuning/dataloader.py build_finetuning_dataloader "
       "(dataset_cfg['max_seq_len']), llmfoundry/command_utils/train.py (the top-level "
       "max_seq_len: icl_seq_len's default)",
       fix="pick device_train_microbatch_size and a sequence length whose product is a multiple "
-      f"of {FP8_TOKEN_MULTIPLE}")
+      f"of {FP8_DIM_MULTIPLE}")
 def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     swap = te_swap(config)
     te_layers = native_te_layers(config) or (swap is not None and swap.get("backend") == "te")
@@ -83,9 +101,21 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
         return
     micro = as_int(config.get("device_train_microbatch_size"))
     key, seq = train_seq_len(config)
-    if micro is not None and seq is not None and not tokens_fit_fp8(micro * seq):
-        yield Hit(key, f"{micro} x {seq} tokens per micro-batch (device_train_microbatch_size x "
-                  f"{key}) is not divisible by {FP8_TOKEN_MULTIPLE}, as TE's FP8 GEMMs require")
+    if micro is None or seq is None:
+        return
+    shown = f"{micro} x {seq} = {micro * seq} tokens per micro-batch (device_train_microbatch_size" \
+        f" x {key})"
+    if not tokens_fit_fp8(micro * seq):
+        yield Hit(key, f"{shown} is not divisible by {FP8_TOKEN_MULTIPLE}, as TE's FP8 GEMMs "
+                  "require")
+    elif not dim_fits_fp8(micro * seq):  # the inner dim of the weight-gradient GEMM
+        yield Hit(key, f"{shown} is a multiple of {FP8_TOKEN_MULTIPLE}, which TE's forward "
+                  f"assert asks, but not of {FP8_DIM_MULTIPLE}: TE's own tests run FP8 only "
+                  f"when batch x sequence length is a multiple of {FP8_DIM_MULTIPLE}, and the "
+                  "token count is the inner dim of the weight-gradient GEMM, whose FP8 operands "
+                  f"TE >= 2.9 checks for a leading dim divisible by {FP8_DIM_MULTIPLE} ('Caller "
+                  "must pad'); that the backward fails so is read in TE's sources and has not "
+                  "been run on a GPU", severity="warning")
 
 
 #: Keys that configs written for older Composer / LLM-Foundry or for DeepSpeed carry, which
