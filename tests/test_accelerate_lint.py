@@ -245,7 +245,7 @@ def test_broken_deepspeed_json_behind_an_accelerate_config_exits_2(tmp_path):
 
 def test_rules_are_registered_with_docs_fields():
     ids = [rule.id for rule in ACCELERATE_RULES]
-    assert ids == [f"FP81{n:02d}" for n in range(1, 20)]
+    assert ids == [f"FP81{n:02d}" for n in range(1, 21)]
     assert not set(ids) & {rule.id for rule in RULES}
     for rule in ACCELERATE_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix
@@ -720,3 +720,91 @@ def test_the_fp8_config_names_are_the_variables_the_launcher_exports(tmp_path):
     for s in launch_settings(config, "fp8_config"):
         assert env[f"ACCELERATE_FP8_{s.name.upper()}"] == str(s.value)
     assert found(path, "FP8105") == [("fp8_config.amax_histroy_len", 10, "warning")]
+
+
+# -- FP8120: torchao FP8 that Accelerator() refuses ---------------------------------------------
+
+AO_FSDP = """\
+fp8_config:
+  backend: {backend}
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+{loading}  fsdp_state_dict_type: SHARDED_STATE_DICT
+num_processes: 2
+"""
+LOADING = "  fsdp_cpu_ram_efficient_loading: {value}\n"
+
+
+@pytest.mark.parametrize(("backend", "loading", "version", "torchao", "expected"), [
+    # before: no finding (QA: Accelerator() raises)
+    ("AO", "true", (1, 9, 0), False, [("fsdp_config.fsdp_cpu_ram_efficient_loading", 9, "error")]),
+    ("AO", "true", (1, 14, 0), False, [("fsdp_config.fsdp_cpu_ram_efficient_loading", 9, "error")]),
+    ("AO", "true", (1, 8, 1), False, [("fsdp_config.fsdp_cpu_ram_efficient_loading", 9, "error")]),
+    ("AO", "true", None, False, [("fsdp_config.fsdp_cpu_ram_efficient_loading", 9, "warning")]),
+    # not written: `accelerate launch` sets it true
+    ("AO", None, (1, 10, 1), False, [("fsdp_config", 6, "error")]),
+    ("AO", "false", (1, 14, 0), False, []),
+    ("AO", "true", (1, 7, 0), False, []),  # no such check before 1.8 (and no FP8: FP8103)
+    ("TE", "true", (1, 14, 0), True, []),  # 1.9+ reads the backend
+    ("'NO'", "true", (1, 14, 0), True,  # auto-detect: torchao before TE
+     [("fsdp_config.fsdp_cpu_ram_efficient_loading", 9, "warning")]),
+    ("'NO'", "true", (1, 14, 0), False, []),
+    ("TE", "true", (1, 8, 1), True,  # 1.8 takes torchao whatever the backend
+     [("fsdp_config.fsdp_cpu_ram_efficient_loading", 9, "warning")]),
+    ("TE", "true", (1, 8, 1), False, []),
+])
+def test_torchao_with_fsdp_cpu_ram_efficient_loading_is_fp8120(tmp_path, installed, monkeypatch,
+                                                               backend, loading, version,
+                                                               torchao, expected):
+    from foundry_fp8.lint import accelerate
+
+    installed(version)
+    monkeypatch.setattr(accelerate, "installed_torchao", lambda: torchao)
+    body = AO_FSDP.format(backend=backend,
+                          loading=LOADING.format(value=loading) if loading else "")
+    path = write(tmp_path, body, dist="FSDP")
+    assert found(path, "FP8120") == expected
+    if expected and expected[0][2] == "error":
+        message = next(f["message"] for f in lint_file(path)["findings"] if f["rule"] == "FP8120")
+        assert "torchao with FSDP2 and cpu_ram_efficient_loading is not supported" in message
+
+
+def test_accelerate_1_8_with_torchao_refuses_fp8_outside_fsdp_too(installed):
+    """1.8 reads state.fsdp_plugin for AO whatever the distributed type: AttributeError."""
+    config = {"distributed_type": "MULTI_GPU", "mixed_precision": "fp8",
+              "fp8_config": {"backend": "AO"}}
+    hits = [(f.key, f.severity) for f in lint_accelerate(lint_input(config, version=(1, 8, 1)))
+            if f.rule == "FP8120"]
+    assert hits == [("distributed_type", "error")]
+    for version in ((1, 9, 0), (1, 14, 0)):  # 1.9 tests for FSDP first
+        assert not [f for f in lint_accelerate(lint_input(config, version=version))
+                    if f.rule == "FP8120"]
+
+
+def test_the_installed_accelerate_refuses_torchao_as_fp8120_says(tmp_path):
+    """The installed Accelerate (1.8.1), torchao stood in by its availability check: Accelerator()
+    raises outside FSDP (AttributeError), and its FSDP check reads cpu_ram_efficient_loading,
+    which `accelerate launch` sets true unless fsdp_config says false."""
+    accelerator = pytest.importorskip("accelerate.accelerator")
+    import inspect
+
+    from foundry_fp8.lint.accelerate import installed_accelerate
+
+    if installed_accelerate() is None or installed_accelerate()[:2] != (1, 8):
+        pytest.skip("written against Accelerate 1.8")
+    source = inspect.getsource(accelerator.Accelerator.__init__)
+    assert 'self.fp8_backend == "AO" and self.state.fsdp_plugin.cpu_ram_efficient_loading' \
+        in source
+    script = ("from unittest import mock\nimport accelerate.accelerator as a\n"
+              "import accelerate.state as s\n"
+              "with mock.patch.object(a, 'is_torchao_available', lambda: True), "
+              "mock.patch.object(s, 'is_fp8_available', lambda: True):\n"
+              "    try:\n        a.Accelerator(mixed_precision='fp8')\n"
+              "    except AttributeError as e:\n        print('AttributeError', e)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=False)
+    assert "AttributeError" in done.stdout and "fsdp_plugin" in done.stdout, done.stderr[-2000:]
+    path = write(tmp_path, AO_FSDP.format(backend="AO", loading=""), dist="FSDP")
+    args, _env = _launched(path)
+    assert args.fsdp_cpu_ram_efficient_loading == "true"

@@ -26,7 +26,12 @@ from foundry_fp8.lint.load import (
     read_text,
 )
 from foundry_fp8.lint.registry import Finding, LintContext, run_rules, section
-from foundry_fp8.lint.rules.accelerate import LOCAL, AccelerateInput, accelerate_keys
+from foundry_fp8.lint.rules.accelerate import (
+    LOCAL,
+    TORCHAO_MIN,
+    AccelerateInput,
+    accelerate_keys,
+)
 from foundry_fp8.te.facts import parse_version
 
 #: Top-level keys that mark an Accelerate config (`process_config` requires distributed_type;
@@ -47,11 +52,12 @@ def lint_input(accelerate: Mapping[str, Any] | None, deepspeed: Mapping[str, Any
                deepspeed_missing: str | None = None,
                deepspeed_lookup_error: str | None = None,
                deepspeed_kind: str | None = None,
-               deepspeed_duplicates: tuple[str, ...] = ()) -> AccelerateInput:
+               deepspeed_duplicates: tuple[str, ...] = (),
+               torchao: bool = False) -> AccelerateInput:
     """What the rules read (see AccelerateInput)."""
     return AccelerateInput(accelerate or {}, deepspeed, version, deepspeed_path,
                            deepspeed_positions or {}, deepspeed_missing, deepspeed_lookup_error,
-                           deepspeed_kind, deepspeed_duplicates)
+                           deepspeed_kind, deepspeed_duplicates, torchao)
 
 
 def lint_accelerate(inp: AccelerateInput) -> list[Finding]:
@@ -81,6 +87,15 @@ def installed_accelerate() -> tuple[int, ...] | None:
         return parse_version(metadata.version("accelerate"))
     except Exception:
         return None
+
+
+def installed_torchao() -> bool:
+    """Is a torchao that Accelerate would use (>= 0.6.1) installed here?"""
+    try:
+        version = parse_version(metadata.version("torchao"))
+    except Exception:
+        return False
+    return version is not None and version >= TORCHAO_MIN
 
 
 def read_json(path: Path, text: str) -> Any:
@@ -197,5 +212,5 @@ def lint_accelerate_file(path: Path, text: str | None = None, data: Any = None,
                      deepspeed_path=str(ds_path) if ds_path else None,
                      deepspeed_positions=ds_positions, deepspeed_missing=missing,
                      deepspeed_lookup_error=lookup_error, deepspeed_kind=kind,
-                     deepspeed_duplicates=duplicates)
+                     deepspeed_duplicates=duplicates, torchao=installed_torchao())
     return lint_accelerate(inp), positions

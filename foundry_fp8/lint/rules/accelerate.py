@@ -22,7 +22,7 @@ from typing import Any
 
 from foundry_fp8.lint.known import did_you_mean
 from foundry_fp8.lint.load import position_of
-from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
+from foundry_fp8.lint.registry import Hit, LintContext, Severity, join_key, rule, section
 from foundry_fp8.lint.rules.fsdp import TE_1190
 from foundry_fp8.recipe import recipe_problems
 from foundry_fp8.te.facts import Version, dotted
@@ -117,6 +117,13 @@ FP8_AUTO_BROKEN = ((1, 4), (1, 8))  # auto-created recipe never marked as an FP8
 DS_RECIPE_FROM_FP8_RECIPE_KWARGS_ONLY = (1, 4)  # TERecipeKwargs exists; DS path ignores it
 STR_FP8_ENV = (1, 9)  # setup_fp8_env puts the override's bools in the env until 1.9.0
 BACKEND_READ = (1, 9)  # Accelerator.fp8_backend reads ACCELERATE_FP8_BACKEND outside DeepSpeed
+AO_REFUSED = (1, 8)  # Accelerator() refuses torchao with FSDP's cpu_ram_efficient_loading
+#: `accelerate launch`'s --fsdp_cpu_ram_efficient_loading default ("true", commands/launch.py:
+#: 593-595 in v1.8.1, the same to v1.14.0), which it exports as FSDP_CPU_RAM_EFFICIENT_LOADING
+#: (utils/launch.py:328) when fsdp_config does not set the key.
+CPU_RAM_EFFICIENT_LOADING_DEFAULT = True
+#: The least torchao `is_torchao_available` (utils/imports.py:149-154, v1.8.1) accepts.
+TORCHAO_MIN: Version = (0, 6, 1)
 #: FP8BackendType's values (src/accelerate/utils/dataclasses.py, v1.9.0 to main), which
 #: Accelerator.fp8_backend looks ACCELERATE_FP8_BACKEND up in as written.
 FP8_BACKENDS = ("TE", "MSAMP", "AO")
@@ -130,7 +137,8 @@ class AccelerateInput:
     `deepspeed_missing`: a `deepspeed_config_file` that could not be found, or names no regular
     file; `deepspeed_lookup_error` the OS's reason when looking for it failed (None: not there);
     `deepspeed_kind` what it names when that is not a regular file (`a folder`, `a FIFO`);
-    `deepspeed_duplicates` the dotted keys the DeepSpeed JSON gives twice in one object."""
+    `deepspeed_duplicates` the dotted keys the DeepSpeed JSON gives twice in one object;
+    `torchao`: a torchao Accelerate would use is installed where the linter runs."""
 
     accelerate: Mapping[str, Any] = field(default_factory=dict)
     deepspeed: Mapping[str, Any] | None = None
@@ -141,6 +149,7 @@ class AccelerateInput:
     deepspeed_lookup_error: str | None = None
     deepspeed_kind: str | None = None
     deepspeed_duplicates: tuple[str, ...] = ()
+    torchao: bool = False
 
 
 #: The prefix `accelerate launch` gives each key of these sections that does not start with it,
@@ -737,3 +746,79 @@ def fsdp_recompute_outside_fp8(inp: AccelerateInput, _: LintContext) -> Iterator
               "checkpointed blocks with torch's checkpoint_wrapper in backward, outside the TE "
               "fp8_autocast it wraps around the model's forward: TE's layers recompute without "
               "FP8, unlike their forward")
+
+
+def _takes_torchao(inp: AccelerateInput) -> tuple[str, Severity | None] | None:
+    """Why Accelerator() makes torchao (AO) its FP8 backend for this config, and the severity
+    (None: the rule's; a warning where only a torchao installed here, or an Accelerate not
+    installed here, says so); None where it does not, or this Accelerate checks nothing."""
+    version = inp.version
+    backend = _backend(inp.accelerate)
+    written = None if backend is None else backend.value
+    if version is None:
+        return (f"{backend.key} is AO", "warning") if backend and written == "AO" else None
+    shown = f"accelerate {dotted(version)}"
+    if version < AO_REFUSED:
+        return None
+    if version < BACKEND_READ:  # 1.8 ignores the backend: torchao whenever installed
+        if written == "AO":
+            return (f"backend AO needs torchao installed, and {shown} takes torchao whenever it "
+                    "is installed"), None
+        return (f"torchao is installed here, and {shown} takes it whatever fp8_config.backend "
+                "says", "warning") if inp.torchao else None
+    if backend and written == "AO":
+        return f"{backend.key} is AO", None
+    if written in (None, "NO") and inp.torchao:
+        return (f"with no fp8_config.backend {shown} picks torchao, installed here, before "
+                "TransformerEngine", "warning")
+    return None
+
+
+@rule("FP8120", "error", "torchao FP8 (`fp8_config.backend: AO`) that Accelerator() refuses: "
+      "FSDP with `cpu_ram_efficient_loading`, and in 1.8 any setup but FSDP",
+      why="From 1.8.0 Accelerator() raises ValueError 'torchao with FSDP2 and "
+      "cpu_ram_efficient_loading is not supported' when its FP8 backend is AO and the FSDP "
+      "plugin's cpu_ram_efficient_loading is on; 1.9+ tests distributed_type FSDP, not "
+      "fsdp_version, so FSDP1 raises too. `accelerate launch` sets cpu_ram_efficient_loading "
+      "true unless fsdp_config says false (with or without the fsdp_ prefix). The backend is AO "
+      "from 1.9 for fp8_config.backend AO, or with no backend (or NO) when torchao is installed "
+      "(picked before TransformerEngine); 1.8 ignores the backend and takes torchao whenever it "
+      "is installed, and reads state.fsdp_plugin without testing for FSDP, so every other "
+      "distributed type raises AttributeError (`AcceleratorState` object has no attribute "
+      "`fsdp_plugin`). 1.4-1.7 run no FP8 from the config (FP8103) and have no such check. "
+      "Judged against the installed Accelerate, a warning when it is not installed; where only "
+      "an installed torchao makes the backend AO, a warning when torchao is installed where the "
+      "linter runs (the run may launch elsewhere), nothing when it is not.",
+      source=f"{ACC} src/accelerate/accelerator.py:457-474 and :488-492 Accelerator.__init__, "
+      ":3958-3971 fp8_backend (v1.8.1); :466-490 and :504-512, :3998-4012 (v1.9.0); :517-525 "
+      "(v1.14.0); src/accelerate/commands/launch.py:593-595 (--fsdp_cpu_ram_efficient_loading, "
+      "default 'true') and :1051-1052; src/accelerate/utils/launch.py:328; "
+      "src/accelerate/state.py:977-981 (fsdp_plugin set under FSDP only, v1.8.1); "
+      "src/accelerate/utils/imports.py:149-154 is_torchao_available",
+      fix="set fsdp_config.fsdp_cpu_ram_efficient_loading: false (what Accelerate's message "
+      "says), or use fp8_config.backend: TE", family="accelerate")
+def torchao_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    distributed = _text(acc.get("distributed_type"))
+    if not _fp8(acc) or _deepspeed(acc) or _sagemaker(acc) or distributed == "no":
+        return  # DeepSpeed: no FP8 handler from the config before 1.11 (FP8103); NO: FP8113
+    takes = _takes_torchao(inp)
+    if takes is None:
+        return
+    why, severity = takes
+    if distributed == "fsdp":
+        loading = setting(acc, "fsdp_config", "cpu_ram_efficient_loading")
+        if not _is_true(loading.value if loading else CPU_RAM_EFFICIENT_LOADING_DEFAULT):
+            return
+        key = loading.key if loading else "fsdp_config" if "fsdp_config" in acc \
+            else "distributed_type"
+        said = "on" if loading else "not set, which `accelerate launch` turns on"
+        yield Hit(key, f"{why}; with FSDP and cpu_ram_efficient_loading {said}, Accelerator() "
+                  "raises ValueError 'torchao with FSDP2 and cpu_ram_efficient_loading is not "
+                  "supported' (whatever fsdp_version)", severity=severity)
+    elif version is not None and version < BACKEND_READ:
+        yield Hit("distributed_type", f"{why}; then it reads the FSDP plugin, which only FSDP "
+                  f"sets: under distributed_type {acc.get('distributed_type')} Accelerator() "
+                  "raises AttributeError ('AcceleratorState' object has no attribute "
+                  "'fsdp_plugin')", severity=severity,
+                  fix="use accelerate>=1.9 with fp8_config.backend: TE, or uninstall torchao")
