@@ -2,8 +2,8 @@
 
 `EmulatedFP8Linear` keeps TE's delayed-scaling state layout in `module.fp8_meta`
 (`scaling_fwd`: input, weight, output; `scaling_bwd`: grad_output, grad_input; each with
-`scale` and `amax_history`), casts its GEMM operands to FP8 with the scale in force, records
-their amaxes into history slot 0 (NaN skipped, as TE's kernels) and multiplies the FP8 values in
+`scale` and `amax_history`, float32 in any model dtype), casts its GEMM operands to FP8 with
+the scale in force, records their amaxes into history slot 0 (NaN skipped, as TE's kernels) and multiplies the FP8 values in
 float32, rounding each GEMM's result once to the activation dtype, as TE's FP8 GEMMs do.
 Scale updates follow TE 2.20 (`pytorch/quantization.py`, `pytorch/module/linear.py`): a layer
 registers at its first delayed-scaling cast under that recipe and amax reduction group; the
@@ -260,18 +260,50 @@ def _bias_dtype(activation_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if activation_dtype == torch.float32 else activation_dtype
 
 
+class _Float32State:
+    """A float32 tensor attribute kept in the int32 buffer `<name>_bits` (the same bits) and
+    read and written through float32 views, so in-place writes reach the buffer. Casts pass
+    integer buffers by: `Module.to(dtype)`, `.half()`, `.bfloat16()` and FSDP1's
+    `MixedPrecision(buffer_dtype=...)` convert floating-point buffers only, FSDP1 by
+    `buffer.data = buffer.to(dtype)` (torch 2.7 fsdp/_runtime_utils.py:1625-1660), which no
+    module hook sees; device moves still apply."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.bits = f"{name}_bits"
+
+    def __get__(self, meta: nn.Module | None, owner: type | None = None) -> Any:
+        return self if meta is None else getattr(meta, self.bits).view(torch.float32)
+
+    def __set__(self, meta: nn.Module, value: torch.Tensor) -> None:
+        setattr(meta, self.bits, value.to(torch.float32).view(torch.int32))
+
+
 class ScalingMeta(nn.Module):
-    """`scale` [n] and `amax_history` [history_len, n], as TE's FP8TensorMeta holds them.
+    """`scale` [n] and `amax_history` [history_len, n], as TE's FP8TensorMeta holds them: in
+    float32 whatever the module's dtype (TE's are plain float32 tensors, quantization.py:
+    1436-1442); a bfloat16 scale cannot hold float32 max, which the update writes on overflow.
 
     The history is empty until the first delayed-scaling forward sizes it by the recipe (or
-    `fp8_state` restores a checkpoint's). Non-persistent buffers: they follow `.to(device)` but
-    stay out of the model state_dict.
+    `fp8_state` restores a checkpoint's). Non-persistent buffers (`_Float32State`): they follow
+    `.to(device)` but no dtype cast, and stay out of the model state_dict.
     """
+
+    scale = _Float32State()
+    amax_history = _Float32State()
 
     def __init__(self, n: int):
         super().__init__()
-        self.register_buffer("scale", torch.ones(n), persistent=False)
-        self.register_buffer("amax_history", torch.zeros(0, n), persistent=False)
+        self.register_buffer("scale_bits", torch.ones(n).view(torch.int32), persistent=False)
+        self.register_buffer("amax_history_bits", torch.zeros(0, n, dtype=torch.int32),
+                             persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> ScalingMeta:
+        """Device moves only: `Module.type(dtype)` converts integer buffers too, as numbers."""
+        for name, bits in self._buffers.items():
+            moved = fn(bits)
+            self._buffers[name] = moved if moved.dtype == bits.dtype else bits.to(moved.device)
+        return self
 
 
 class _FP8LinearFunction(torch.autograd.Function):
