@@ -3,8 +3,9 @@
 `EmulatedFP8Linear` keeps TE's delayed-scaling state layout in `module.fp8_meta`
 (`scaling_fwd`: input, weight, output; `scaling_bwd`: grad_output, grad_input; each with
 `scale` and `amax_history`, float32 in any model dtype), casts its GEMM operands to FP8 with
-the scale in force, records their amaxes into history slot 0 (NaN skipped, as TE's kernels) and multiplies the FP8 values in
-float32, rounding each GEMM's result once to the activation dtype, as TE's FP8 GEMMs do.
+the scale in force, records their amaxes into history slot 0 (NaN skipped, as TE's kernels)
+and multiplies the FP8 values in float32, rounding each GEMM's result once to the activation
+dtype, as TE's FP8 GEMMs do.
 Scale updates follow TE 2.20 (`pytorch/quantization.py`, `pytorch/module/linear.py`): a layer
 registers at its first delayed-scaling cast under that recipe and amax reduction group; the
 forward scales of every registered layer are updated when the outermost `fp8_autocast` exits,
