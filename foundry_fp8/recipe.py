@@ -91,6 +91,8 @@ class FP8Recipe:
     as TE's `DelayedScaling`. `current`: scale from this tensor's own amax, as TE's
     `Float8CurrentScaling` (from TE MIN_TE_CURRENT_SCALING); keeps no history.
     HYBRID means E4M3 for forward tensors (activations, weights) and E5M2 for gradients.
+    Checks itself as `from_options` checks a YAML mapping (`recipe_problems`): an option of
+    the other mode, which neither TE nor the emulation would read, is refused.
     """
 
     scaling: Scaling = "delayed"
@@ -103,9 +105,23 @@ class FP8Recipe:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", fp8_format_name(self.fp8_format))
-        problems = recipe_problems(self.as_config())
+        problems = recipe_problems(self._given())
         if problems:
             raise RecipeError(problems[0])
+
+    def _given(self) -> dict[str, Any]:
+        """The options as the constructor got them, for `recipe_problems` to judge as it judges
+        a YAML mapping: the other scaling mode's keys only where they differ from their
+        defaults (value or type), since a default passed cannot be told from one filled in.
+        `as_config()` leaves those keys out: judging it let `use_power_2_scales=True` pass
+        under delayed scaling, ignored."""
+        other = _DELAYED_ONLY if self.scaling == "current" else _CURRENT_ONLY
+        given = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name not in other or type(value) is not type(f.default) or value != f.default:
+                given[f.name] = value
+        return given
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> FP8Recipe:
@@ -123,7 +139,8 @@ class FP8Recipe:
         return "e4m3"
 
     def as_config(self) -> dict[str, Any]:
-        """The keys that matter for this scaling mode, for run configs and coverage tables."""
+        """The keys that matter for this scaling mode, for run configs and coverage tables (the
+        others hold their defaults)."""
         skip = _CURRENT_ONLY if self.scaling == "delayed" else _DELAYED_ONLY
         return {k: v for k, v in asdict(self).items() if k not in skip}
 

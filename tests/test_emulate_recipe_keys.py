@@ -1,0 +1,63 @@
+"""`FP8Recipe(...)` judges the options it was given, as `FP8Recipe.from_options` judges a YAML
+mapping: an option of the other scaling mode, which the emulation and TE would ignore, is
+refused with the same one line, naming the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from foundry_fp8.recipe import FP8Recipe, RecipeError
+
+DELAYED_ONLY = ("fix: remove {key}, or use scaling: delayed", "only applies to delayed scaling; "
+                "current scaling keeps no amax history")
+CURRENT_ONLY = ("fix: remove {key}, or use scaling: current", "only applies to current scaling")
+
+OTHER_MODE: list[tuple[dict[str, Any], str, tuple[str, str]]] = [
+    ({"use_power_2_scales": True}, "use_power_2_scales", CURRENT_ONLY),
+    ({"scaling": "delayed", "use_power_2_scales": True, "margin": 1}, "use_power_2_scales",
+     CURRENT_ONLY),
+    ({"scaling": "current", "margin": 3}, "margin", DELAYED_ONLY),
+    ({"scaling": "current", "amax_history_len": 4, "amax_compute_algo": "most_recent"},
+     "amax_history_len", DELAYED_ONLY),
+    ({"scaling": "current", "amax_compute_algo": "most_recent"}, "amax_compute_algo",
+     DELAYED_ONLY),
+    ({"scaling": "current", "reduce_amax": False}, "reduce_amax", DELAYED_ONLY),
+]
+
+
+@pytest.mark.parametrize(("options", "key", "says"), OTHER_MODE,
+                         ids=[str(case[0]) for case in OTHER_MODE])
+def test_an_option_of_the_other_scaling_mode_is_refused_as_from_yaml(options, key, says):
+    """These were accepted and ignored: `use_power_2_scales=True` under delayed scaling gave
+    scales that are no power of 2 and `as_config()` left the key out, and a layer first run
+    under it refused a later `FP8Recipe()` over a key with no effect."""
+    fix, message = says
+    want = f"fp8_recipe.{key}: {message} ({fix.format(key=key)})"
+    with pytest.raises(RecipeError) as from_python:
+        FP8Recipe(**options)
+    with pytest.raises(RecipeError) as from_yaml:
+        FP8Recipe.from_options(options)
+    assert str(from_python.value) == str(from_yaml.value) == want
+    assert "\n" not in want
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"scaling": "current", "use_power_2_scales": True}, {"margin": 2, "reduce_amax": False},
+    {"scaling": "current", "fp8_format": "E4M3"},
+    # the other mode's keys at their defaults: a constructor cannot tell them from left out
+    {"scaling": "current", "margin": 0, "amax_history_len": 16},
+    {"use_power_2_scales": False},
+])
+def test_the_options_of_the_recipes_own_mode_are_accepted(options):
+    recipe = FP8Recipe(**options)
+    assert FP8Recipe(**recipe.as_config()) == recipe
+
+
+def test_a_value_of_the_wrong_type_is_refused_even_when_it_equals_the_default():
+    for options, key in (({"amax_history_len": 16.0}, "amax_history_len"),
+                         ({"scaling": "current", "margin": 0.0}, "margin"),
+                         ({"scaling": "current", "use_power_2_scales": 0}, "use_power_2_scales")):
+        with pytest.raises(RecipeError, match=f"^fp8_recipe.{key}: must be"):
+            FP8Recipe(**options)
