@@ -1605,3 +1605,61 @@ def test_merged_keys_sit_where_their_anchor_writes_them(tmp_path):
                                lines.index("    mixed_precison: PURE") + 1)
     positions = load_config(path).positions  # the explicit key, not the merged one
     assert positions["fsdp_config.activation_checkpointing"] == (len(lines), 3)
+
+
+# -- keys written in the wrong section: where they belong, not a spelling guess ---------------
+
+def _messages(edit: dict, rule: str) -> dict[str, str]:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(BASE), OmegaConf.create(edit)),
+                                 resolve=True)
+    return {f.key: f.message for f in lint_config(cfg, LintContext()) if f.rule == rule}
+
+
+@pytest.mark.parametrize(("edit", "rule", "key", "home", "not_said"), [
+    # before: "did you mean `tp_config`?", "`fsdp_config`?", "`activation_checkpointing`?"
+    ({"attn_config": {"attn_impl": "flash"}}, "FP8009", "attn_config", "`model:`", "tp_config"),
+    ({"fp8_config": {"fp8_format": "HYBRID"}}, "FP8009", "fp8_config",
+     "`algorithms.te_swap.fp8_recipe`", "did you mean"),
+    ({"fsdp_config": {"activation_checkpointing_target": ["mptblock"]}}, "FP8010",
+     "fsdp_config.activation_checkpointing_target", "`model:`", "did you mean"),
+    ({"fc_type": "te"}, "FP8009", "fc_type", "`model:`", "did you mean"),
+    ({"fp8_recipe": {"margin": 1}}, "FP8009", "fp8_recipe", "`algorithms.te_swap:`",
+     "did you mean"),
+    ({"model": {"attn_impl": "flash"}}, "FP8024", "model.attn_impl", "`model.attn_config:`",
+     "did you mean"),
+    ({"model": {"attn_config": {"ffn_type": "mptglu"}}}, "FP8042", "model.attn_config.ffn_type",
+     "`model.ffn_config:`", "did you mean"),
+    ({"fsdp_config": {"precision": "amp_bf16"}}, "FP8010", "fsdp_config.precision",
+     "top level", "did you mean"),
+])
+def test_a_key_in_the_wrong_section_is_told_where_it_belongs(edit, rule, key, home, not_said):
+    message = _messages(edit, rule)[key]
+    assert "belong" in message and home in message and not_said not in message, message
+
+
+def test_misspellings_still_get_a_spelling_guess():
+    assert "did you mean `precision`?" in _messages({"precison": "amp_fp8"}, "FP8009")["precison"]
+    message = _messages({"fsdp_config": {"activation_checkpointing_reentrnt": False}}, "FP8010")
+    assert "did you mean `activation_checkpointing_reentrant`?" in message[
+        "fsdp_config.activation_checkpointing_reentrnt"]
+
+
+def test_fp8001_names_a_top_level_fc_type_instead_of_saying_there_is_none():
+    """Before: 'no fc_type: te' for a file that writes `fc_type: te`, at the top level."""
+    message = _messages({"precision": "amp_fp8", "fc_type": "te"}, "FP8001")["precision"]
+    assert "top-level `fc_type`" in message and "`model:`" in message
+    assert "no fc_type: te" not in message
+    plain = _messages({"precision": "amp_fp8"}, "FP8001")["precision"]
+    assert "no fc_type: te" in plain
+
+
+def test_an_eval_models_key_is_told_its_home_from_where_it_is_written():
+    from foundry_fp8.lint.rules.model import model_key_hits
+
+    model = {"name": "mpt_causal_lm", "attn_impl": "flash", "precision": "amp_bf16"}
+    hits = {h.key: h for h in model_key_hits(model, "models.0.model")}
+    assert "belongs under `models.0.model.attn_config:`" in hits["models.0.model.attn_impl"].message
+    assert hits["models.0.model.attn_impl"].fix == "move `attn_impl` under `models.0.model.attn_config:`"
+    assert "belongs" not in hits["models.0.model.precision"].message  # a train config's top level

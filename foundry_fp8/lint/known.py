@@ -8,7 +8,11 @@ upgrade that changes them fails the tests instead of silently drifting.
 
 from __future__ import annotations
 
+from dataclasses import fields
+from functools import cache
+
 from foundry_fp8.options import did_you_mean  # noqa: F401  (the rules' import)
+from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.te.facts import Version, dotted, parse_version
 
 #: `fields(TrainConfig)` (llmfoundry/utils/config_utils.py). `make_dataclass_and_log_config`
@@ -226,6 +230,70 @@ HF_CONFIG_KEYS = frozenset({
 })
 #: The model names whose keys FP8024 checks: LLM-Foundry's MPT classes.
 MPT_MODEL_NAMES = frozenset({"mpt_causal_lm"})
+
+#: Where te_swap takes the FP8 recipe (its `fp8_recipe` option, `foundry_fp8.recipe.FP8Recipe`).
+FP8_RECIPE_HOME = "algorithms.te_swap.fp8_recipe"
+FP8_RECIPE_FIX = "give the FP8 recipe as `algorithms: {te_swap: {fp8_recipe: {...}}}`"
+#: Keys whose meaning depends on their section: no home is claimed for them.
+_HOMELESS = frozenset({"name", "mixed_precision"})
+
+
+@cache
+def _homes() -> dict[str, str]:
+    """key -> the one section ('' the top level) the tables above put it in. MPT fills
+    attn_config's and ffn_config's d_model, fc_type, ... from the model's keys, so those are the
+    model's; a key of two sections (`max_seq_len`: the top level and the model) has none."""
+    model = MPT_CONFIG_KEYS | FOUNDRY_MODEL_KEYS | MPT_ATTRIBUTES_READ
+    sections = {
+        "": TRAIN_CONFIG_KEYS, "model": model,
+        "model.attn_config": (MPT_ATTN_CONFIG_KEYS | {MPT_ATTN_NULL_ONLY_KEY}) - model,
+        "model.ffn_config": MPT_FFN_CONFIG_KEYS - model,
+        "fsdp_config": FSDP_CONFIG_KEYS | FSDP2_CONFIG_KEYS,
+        "algorithms.te_swap": frozenset({"fp8_recipe"}),
+        FP8_RECIPE_HOME: frozenset(f.name for f in fields(FP8Recipe)),
+    }
+    homes: dict[str, str | None] = {}
+    for home, keys in sections.items():
+        for key in keys - _HOMELESS:
+            homes[key] = None if key in homes else home
+    return {key: home for key, home in homes.items() if home is not None}
+
+
+def home_of(key: str, here: str, written: str | None = None) -> str | None:
+    """The section ('' the top level) that LLM-Foundry, Composer or our te_swap read `key` in,
+    when that is another than `here` (`model`, `fsdp_config`, ...); None when it has no known
+    home or this is it. `written`: where `here` is in this file when elsewhere (an eval config's
+    `models.0.model`): only a home inside `here` is named then, from there."""
+    home = FP8_RECIPE_HOME if key == "fp8_config" and here == "" and written is None else \
+        _homes().get(key)
+    if home is None or home == here:
+        return None
+    if written is not None and written != here:
+        return written + home[len(here):] if home.startswith(f"{here}.") else None
+    return home
+
+
+def belongs_under(key: str, here: str, written: str | None = None) -> str:
+    """' (`key` belongs under `home:`)' for a key read in another section (`home_of`), which the
+    unknown-key rules say instead of a spelling guess; '' when it has no known home."""
+    home = home_of(key, here, written)
+    if home is None:
+        return ""
+    if key == "fp8_config" and home == FP8_RECIPE_HOME:
+        return f" (`{key}` is Accelerate's key; for LLM-Foundry the FP8 recipe belongs under `{home}`)"
+    return f" (`{key}` belongs at the top level)" if home == "" else \
+        f" (`{key}` belongs under `{home}:`)"
+
+
+def move_fix(key: str, here: str, written: str | None = None) -> str | None:
+    """The fix for a key read in another section (`home_of`); None when it has no known home."""
+    home = home_of(key, here, written)
+    if home is None:
+        return None
+    if key == "fp8_config" and home == FP8_RECIPE_HOME:
+        return FP8_RECIPE_FIX
+    return f"move `{key}` to the top level" if home == "" else f"move `{key}` under `{home}:`"
+
 
 #: LLM-Foundry 0.22's built-in registry entries (llmfoundry/registry.py, filled by
 #: llmfoundry/callbacks/__init__.py, algorithms/__init__.py, loggers/__init__.py), by train

@@ -27,7 +27,9 @@ from foundry_fp8.lint.known import (
     TORCH_DTYPE_NAMES,
     UNSHARD_TORCH_RANGE,
     auto_microbatch_fsdp_fails,
+    belongs_under,
     did_you_mean,
+    move_fix,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, RETIRED_FSDP
@@ -129,10 +131,12 @@ def reentrant_switched_off(config: Mapping[str, Any], ctx: LintContext) -> Itera
                   "the run recomputes non-reentrant although this says true")
 
 
-@rule("FP8010", "error", "unknown `fsdp_config` keys (did-you-mean)",
+@rule("FP8010", "error", "unknown `fsdp_config` keys (did-you-mean, or where the key belongs)",
       why="FSDPConfig.__init__ sets every keyword as an attribute, so a misspelled key (say "
       "`activation_checkpointing_reentrnt`) is silently ignored. Keys only the other FSDP "
-      "version reads are warnings.",
+      "version reads are warnings. A key read in another section is told where it belongs "
+      "(activation_checkpointing_target, which MPT reads under model:) instead of a spelling "
+      "guess (foundry_fp8/lint/known.py home_of).",
       source=f"{COMPOSER} composer/utils/parallelism.py FSDPConfig, "
       "FSDP2Config.from_compatible_attrs",
       fix="fix the spelling or remove the key", also=("eval",), unresolved=True)
@@ -150,7 +154,9 @@ def unknown_fsdp_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
                       fix="remove it, or run the FSDP version that reads it (FSDP_VERSION)")
         else:
             yield Hit(join_key("fsdp_config", key), f"Composer's FSDP{ctx.fsdp_version} config has no "
-                      f"`{key}`; it would be silently ignored" + did_you_mean(key, known))
+                      f"`{key}`; it would be silently ignored"
+                      + (belongs_under(key, "fsdp_config") or did_you_mean(key, known)),
+                      fix=move_fix(key, "fsdp_config"))
 
 
 _DTYPE_MAPPING = "use DEFAULT, PURE, FULL or a {param_dtype, reduce_dtype, buffer_dtype} mapping"

@@ -27,7 +27,9 @@ from foundry_fp8.lint.known import (
     MPT_NUMBER_KEYS,
     MPT_NUMBER_WORDS,
     MPT_WHOLE_NUMBERS,
+    belongs_under,
     did_you_mean,
+    move_fix,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28
@@ -496,7 +498,8 @@ def _asks_for_te(value: Any, depth: int = 0) -> bool:
     return False
 
 
-@rule("FP8024", "error", "model keys MPT silently ignores (did-you-mean)",
+@rule("FP8024", "error", "model keys MPT silently ignores (did-you-mean, or where the key "
+      "belongs: `attn_impl` under `attn_config`)",
       why="LLM-Foundry passes the model section to ComposerMPTCausalLM, which gives every key it "
       "does not name to MPTConfig, which gives every key it does not name to transformers' "
       "PretrainedConfig, which stores it as an attribute nothing reads: "
@@ -526,13 +529,14 @@ def model_key_hits(model: Mapping[str, Any], prefix: str) -> Iterator[Hit]:
         if not isinstance(key, str) or key in known or key in HF_CONFIG_KEYS \
                 or key in MPT_ATTRIBUTES_READ:
             continue
-        hint = did_you_mean(key, known)
+        hint = belongs_under(key, "model", prefix) or did_you_mean(key, known)
+        fix = move_fix(key, "model", prefix)
         if _asks_for_te(value):
             yield Hit(join_key(prefix, key), f"MPT ignores `{key}`, so the TE layers it asks for are "
-                      "never built and FP8 does not run as written" + hint)
+                      "never built and FP8 does not run as written" + hint, fix=fix)
         else:
             yield Hit(join_key(prefix, key), f"MPT ignores `{key}` (kept as an unused attribute)"
-                      + hint, severity="warning")
+                      + hint, severity="warning", fix=fix)
 
 
 def _attn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
@@ -553,7 +557,9 @@ def _attn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
         elif isinstance(key, str) and key not in MPT_ATTN_CONFIG_KEYS:
             yield Hit(join_key("model.attn_config", key), f"{attn_type} takes no `{key}` (MPTBlock "
                       "passes it on): building the model raises TypeError"
-                      + did_you_mean(key, MPT_ATTN_CONFIG_KEYS))
+                      + (belongs_under(key, "model.attn_config")
+                         or did_you_mean(key, MPT_ATTN_CONFIG_KEYS)),
+                      fix=move_fix(key, "model.attn_config"))
 
 
 def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
@@ -565,7 +571,9 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
             if isinstance(key, str) and key not in MPT_FFN_CONFIG_KEYS:
                 yield Hit(join_key("model.ffn_config", key), f"{ffn.get('ffn_type', 'mptmlp')}'s "
                           f"builder takes no `{key}` (build_ffn passes it on): building the "
-                          "model raises TypeError" + did_you_mean(key, MPT_FFN_CONFIG_KEYS))
+                          "model raises TypeError" + (belongs_under(key, "model.ffn_config")
+                                                      or did_you_mean(key, MPT_FFN_CONFIG_KEYS)),
+                          fix=move_fix(key, "model.ffn_config"))
     given, used = fc_type_name(ffn), fc_type_name(model) or "torch"
     if "fc_type" in ffn and given != used:
         yield Hit("model.ffn_config.fc_type", f"MPTConfig replaces ffn_config.fc_type "
@@ -576,7 +584,7 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
 
 @rule("FP8042", "error", "MPT `attn_config` / `ffn_config` keys its attention class or FFN "
       "builder refuses (`attn_tpye`, `ffn_typ`), an `ffn_config.fc_type` MPT replaces, an "
-      "`fc_type` in the wrong case (`TE`) (did-you-mean)",
+      "`fc_type` in the wrong case (`TE`) (did-you-mean, or where the key belongs)",
       why="MPTBlock passes every attn_config key but the position-encoding ones to the "
       "attention class (multihead_attention, multiquery_attention, grouped_query_attention; "
       "kv_n_heads only the last takes), and build_ffn every ffn_config key but ffn_type to "

@@ -18,6 +18,7 @@ from foundry_fp8.lint.config import (
 )
 from foundry_fp8.lint.known import (
     FILLED_KEYS,
+    FP8_RECIPE_FIX,
     MAPPING,
     MAPPINGS,
     MPT_MODEL_NAMES,
@@ -30,7 +31,9 @@ from foundry_fp8.lint.known import (
     TEXT_LOADER_DEFAULTS,
     TRAIN_CONFIG_KEYS,
     TRAIN_REQUIRED_KEYS,
+    belongs_under,
     did_you_mean,
+    move_fix,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, mandatory_keys, rule, section
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE, dim_fits_fp8, tokens_fit_fp8
@@ -49,9 +52,19 @@ TE28 = "TE 2.8"
       "layers'); foundry_fp8/swap.py would_run_fp8",
       fix="add `algorithms: {te_swap: {}}` or `model.fc_type: te`")
 def fp8_without_fp8_layers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    if is_fp8(config) and not has_fp8_layers(config):
-        yield Hit("precision", "precision amp_fp8, but no layer would run in FP8 (no fc_type: te, "
-                  "no ffn_type: te_ln_mlp, no te_swap algorithm)")
+    if not is_fp8(config) or has_fp8_layers(config):
+        return
+    # model keys asking for TE layers written at the top level, where MPT never reads them
+    stray = [f"`{k}`" for k in config if isinstance(k, str) and k not in TRAIN_CONFIG_KEYS
+             and native_te_layers({"model": {k: config[k]}})]
+    if stray:
+        yield Hit("precision", f"precision amp_fp8, but no layer would run in FP8: the top-level "
+                  f"{', '.join(stray)} asking for TE layers is not read (MPT reads it under "
+                  "`model:`), and there is no te_swap algorithm",
+                  fix=f"move {', '.join(stray)} under `model:`")
+    else:
+        yield Hit("precision", "precision amp_fp8, but no layer would run in FP8 (no fc_type: "
+                  "te, no ffn_type: te_ln_mlp, no te_swap algorithm)")
 
 
 def train_seq_len(config: Mapping[str, Any]) -> tuple[str, int | None]:
@@ -124,7 +137,7 @@ RETIRED_TOP_LEVEL = {
     "precision_config": (
         "LLM-Foundry 0.22's train config has no precision_config (Composer's Trainer argument "
         "is not reachable from the YAML)",
-        "give the FP8 recipe as `algorithms: {te_swap: {fp8_recipe: {...}}}`"),
+        FP8_RECIPE_FIX),
     "deepspeed_config": (
         "Composer 0.32 has no DeepSpeed support left and LLM-Foundry 0.22's train config has no "
         "deepspeed_config", "shard with `fsdp_config` instead"),
@@ -157,9 +170,11 @@ def retired_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
                 yield Hit(f"fsdp_config.{key}", message, fix=fix)
 
 
-@rule("FP8009", "error", "unknown top-level keys (did-you-mean)",
+@rule("FP8009", "error", "unknown top-level keys (did-you-mean, or where the key belongs)",
       why="LLM-Foundry raises 'Unused parameters [...] found in cfg' for any top-level key that "
-      "is not a TrainConfig field.",
+      "is not a TrainConfig field. A key read in another section is told where it belongs (a "
+      "top-level attn_config or fc_type under model:, Accelerate's fp8_config as te_swap's "
+      "fp8_recipe) instead of a spelling guess (foundry_fp8/lint/known.py home_of).",
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py make_dataclass_and_log_config, "
       "TrainConfig",
       fix="fix the spelling, or move the value under `variables:`", scope="file", unresolved=True)
@@ -169,7 +184,8 @@ def unknown_top_level_keys(config: Mapping[str, Any], ctx: LintContext) -> Itera
             continue  # FP8022: keys must be strings
         if key not in TRAIN_CONFIG_KEYS and key not in RETIRED_TOP_LEVEL:
             yield Hit(join_key("", key), f"LLM-Foundry 0.22 refuses unknown top-level key `{key}`"
-                      + did_you_mean(key, TRAIN_CONFIG_KEYS))
+                      + (belongs_under(key, "") or did_you_mean(key, TRAIN_CONFIG_KEYS)),
+                      fix=move_fix(key, ""))
 
 
 @rule("FP8011", "error", "`precision` that Composer does not know (did-you-mean)",
