@@ -1064,6 +1064,22 @@ def test_attention_dims_follow_mpts_attention(model, te_swap, expected):
     assert _found(edit, None, "FP8005") == expected
 
 
+@pytest.mark.parametrize("with_te_swap", [False, True])
+def test_a_te_wqkv_off_by_16_is_worded_by_whether_te_swap_is_there(with_te_swap):
+    """Before: 'which te_swap's shape rule keeps out of FP8' in a config without te_swap (QA:
+    MQA, d_model 1152, 32 heads: Wqkv 1224 wide)."""
+    edit: dict = {"precision": "amp_fp8", "model": {
+        "d_model": 1152, "n_heads": 32, "fc_type": "te",
+        "attn_config": {"attn_type": "multiquery_attention"}}}
+    if with_te_swap:
+        edit["algorithms"] = {"te_swap": {}}
+    message = _messages(edit, "FP8005")["model.attn_config.attn_type"]
+    assert "out_features not divisible by 16" in message and "not been run on a GPU" in message
+    assert ("te_swap" in message) == with_te_swap, message
+    if with_te_swap:
+        assert "leaves" in message  # te_swap does not convert a layer that is TE already
+
+
 def test_attention_of_torch_layers_is_not_judged():
     """te_ln_mlp makes only the FFN a TE layer: the attention stays in torch, out of FP8."""
     edit = {"precision": "amp_fp8", "model": {"d_model": 2064, "n_heads": 48, **GQA,

@@ -32,7 +32,7 @@ from foundry_fp8.lint.known import (
     move_fix,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
-from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28
+from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28, TE_GEMM_LEADING_DIM
 from foundry_fp8.lint.values import built_options
 from foundry_fp8.options import SwapConfig
 from foundry_fp8.shapes import (
@@ -305,9 +305,12 @@ def _attention_hits(model: Mapping[str, Any], swap: SwapConfig | None) -> Iterat
                       f"{FP8_TOKEN_MULTIPLE}, in_features by {FP8_DIM_MULTIPLE}), which fc_type "
                       "te's te.Linear asserts in its forward")
         elif not dim_fits_fp8(m.out_features):
-            yield Hit(key, f"{what}: out_features not divisible by {FP8_DIM_MULTIPLE}, the inner "
-                      "dim of the backward GEMM that reads its output gradient, which te_swap's "
-                      "shape rule keeps out of FP8", severity="warning")
+            also = ("; te_swap's shape rule keeps such layers out of FP8, but it leaves this one, "
+                    "which the model builds as a TE layer itself, alone") if swap else ""
+            yield Hit(key, f"{what}: out_features not divisible by {FP8_DIM_MULTIPLE}: TE's forward "
+                      "check passes, but it is the inner dim of the backward GEMM that reads the "
+                      f"output gradient, which TE >= 2.9 checks for {FP8_DIM_MULTIPLE} (read in "
+                      f"TE's sources; it has not been run on a GPU){also}", severity="warning")
 
 
 @rule("FP8005", "error", "GEMM dims (d_model, FFN hidden size, attention Wqkv and out_proj, "
@@ -321,11 +324,14 @@ def _attention_hits(model: Mapping[str, Any], swap: SwapConfig | None) -> Iterat
       "head_dim is given or the kv heads are fewer (GQA, MQA): Wqkv's out_features is "
       "(n_heads + 2 x kv_n_heads) x head_dim, out_proj's in_features n_heads x head_dim. A "
       f"Wqkv out_features divisible by {FP8_TOKEN_MULTIPLE} but not {FP8_DIM_MULTIPLE} passes "
-      "TE's forward check but is the inner dim of its backward GEMM (a warning, te_swap's rule "
-      "keeps such layers out).",
+      "TE's forward check but is the inner dim of its backward GEMM, whose FP8 operands' "
+      f"leading dim TE's GEMM checks for {FP8_DIM_MULTIPLE} from v2.9 (a warning: read in TE's "
+      "sources, not run "
+      "on a GPU; te_swap's rule keeps such layers out, and leaves layers the model builds in TE "
+      "alone).",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec (called "
       "with the input and the weight by module/linear.py:168, layernorm_linear.py:150, "
-      f"layernorm_mlp.py:217); {FOUNDRY} llmfoundry/models/layers/ffn.py "
+      f"layernorm_mlp.py:217); {TE_GEMM_LEADING_DIM}; {FOUNDRY} llmfoundry/models/layers/ffn.py "
       "resolve_ffn_hidden_size, llmfoundry/models/layers/attention.py "
       "GroupedQueryAttention.__init__ (head_dim, Wqkv, out_proj); foundry_fp8/shapes.py, "
       "foundry_fp8/filters.py shape_reason, filter_reason",

@@ -76,13 +76,16 @@ def train_seq_len(config: Mapping[str, Any]) -> tuple[str, int | None]:
     return key, as_int(get(config, key))
 
 
+#: Where TE's GEMM checks an FP8 operand's leading dim (the inner dim of a TN GEMM) for 16.
+TE_GEMM_LEADING_DIM = (
+    "TE v2.9 transformer_engine/common/gemm/cublaslt_gemm.cu:146-148 and :227-229 "
+    "CanonicalizeGemmInput (v2.18: :160-162, :251-253; "
+    "https://github.com/NVIDIA/TransformerEngine/pull/2261)")
 #: Where TE asks the token count for a multiple of 16, not of 8 (FP8006's warning).
 TE_TOKENS_BY_16 = (
-    "TE 2.8 tests/pytorch/test_sanity.py:72-80 is_fp8_supported (v2.18: :69-77); TE v2.9 "
-    "transformer_engine/common/gemm/cublaslt_gemm.cu:146-148 and :227-229 CanonicalizeGemmInput "
-    "(v2.18: :160-162, :251-253; https://github.com/NVIDIA/TransformerEngine/pull/2261), "
-    "transformer_engine/pytorch/module/linear.py (the wgrad GEMM's layout NT, v2.18:1196); "
-    f"{COMPOSER} composer/trainer/trainer.py:2599 and :3438")
+    "TE 2.8 tests/pytorch/test_sanity.py:72-80 is_fp8_supported (v2.18: :69-77); "
+    f"{TE_GEMM_LEADING_DIM}, transformer_engine/pytorch/module/linear.py (the wgrad GEMM's "
+    f"layout NT, v2.18:1196); {COMPOSER} composer/trainer/trainer.py:2599 and :3438")
 
 
 @rule("FP8006", "error", f"tokens per micro-batch not divisible by {FP8_TOKEN_MULTIPLE} (a "
