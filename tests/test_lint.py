@@ -1679,3 +1679,12 @@ def test_an_eval_models_key_is_told_its_home_from_where_it_is_written():
     assert "belongs under `models.0.model.attn_config:`" in hits["models.0.model.attn_impl"].message
     assert hits["models.0.model.attn_impl"].fix == "move `attn_impl` under `models.0.model.attn_config:`"
     assert "belongs" not in hits["models.0.model.precision"].message  # a train config's top level
+
+
+@pytest.mark.parametrize(("edit", "key", "said"), [
+    ({"algorithms": {"fp8_lint": {}}}, "algorithms.fp8_lint", "`fp8_lint` is not an algorithm"),
+    ({"callbacks": {"te_swap": {}}}, "callbacks.te_swap", "`te_swap` is not a callback"),
+])
+def test_an_entry_in_the_wrong_section_is_named_with_its_article(edit, key, said):
+    """Before: '`fp8_lint` is not a algorithm'."""
+    assert _messages(edit, "FP8026")[key].startswith(said)

@@ -257,7 +257,9 @@ def unknown_entries(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
                 continue
             home = next((s for s in REGISTRY_GROUPS if name in registered_names(s)), None)
             if home:
-                yield Hit(join_key(section_name, name), f"`{name}` is not a {section_name[:-1]}: "
+                kind = section_name[:-1]  # callback, algorithm, logger
+                article = "an" if kind[0] in "aeiou" else "a"
+                yield Hit(join_key(section_name, name), f"`{name}` is not {article} {kind}: "
                           f"LLM-Foundry's {section_name} registry does not hold it, its "
                           f"{home} registry does", fix=f"move it to `{home}:`")
             else:
