@@ -214,17 +214,19 @@ def _stashing(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]]) -> Iterator[
 @contextmanager
 def _replaying(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]], enabled: bool,
                recipe: FP8Recipe | None) -> Iterator[None]:
-    """FP8 on or off with the recipe as at checkpoint time (autocasts inside the function decide
-    for their region), stashed scales, no amax recorded, no layer registered and the
-    first-module flag untouched (TE's recompute phase, linear.py:258-265); one region deeper,
-    so no exit inside updates scales (TE's recompute autocast, distributed.py:797-803)."""
-    saved = _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay
-    _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay = (saved[0] + 1, enabled, recipe,
-                                                                  scales)
-    try:
-        yield
-    finally:
-        _STATE.depth, _STATE.enabled, _STATE.recipe, _STATE.replay = saved
+    """TE's recompute: stashed scales, no amax recorded, no layer registered and the
+    first-module flag untouched (linear.py:258-265, module/base.py:1601-1603, 1649-1650), under
+    an autocast of FP8 on or off and the recipe as at checkpoint time (distributed.py:797-803;
+    autocasts inside the function decide for their region). That autocast is an ordinary one:
+    leaving the last open region (a backward outside any) with FP8 on, it updates the forward
+    scales (quantization.py:772-782): a no-op unless amaxes were recorded since the last update,
+    e.g. by an FP8 forward under no_grad between the training forward and the backward."""
+    with fp8_autocast(enabled, recipe):
+        previous, _STATE.replay = _STATE.replay, scales
+        try:
+            yield
+        finally:
+            _STATE.replay = previous
 
 
 def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -236,7 +238,8 @@ def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     scales). Here the recompute runs under the original recipe with the scales in force at the
     original forward and records no amax. That holds too when `function` opens its own
     `fp8_autocast` and is checkpointed outside FP8, as in TE 2.20 (distributed.py:257-271):
-    the inner region's exit in the recompute is not the outermost one, so it updates nothing.
+    the inner region's exit in the recompute is not the outermost one, so it updates nothing;
+    the recompute's own region updates as TE's does (`_replaying`).
     Non-reentrant; `kwargs` go to torch's checkpoint.
     """
     scales: dict[EmulatedFP8Linear, deque[torch.Tensor]] = {}

@@ -433,9 +433,10 @@ def _plain_checkpoint(function, x):
 @pytest.mark.parametrize("outer", [nullcontext, lambda: fp8_autocast(recipe=FP8Recipe(fp8_format="E4M3"))],
                          ids=["outside-fp8", "inside-another-recipe"])
 def test_checkpointed_function_with_its_own_autocast_is_bit_identical(outer):
-    """As TE 2.20.2 stashes inside the function's own autocast and recomputes one region deep,
-    the recompute casts with the original scales and updates nothing: gradients, histories and
-    scales equal a run without checkpointing. Plain torch checkpoint (what fp8_checkpoint did
+    """As TE 2.20.2 stashes inside the function's own autocast, the recompute casts with the
+    original scales; the inner region's exit in it is nested, and the recompute's own region
+    finds nothing recorded since the forward's update: gradients, histories and scales equal a
+    run without checkpointing. Plain torch checkpoint (what fp8_checkpoint did
     outside FP8) recomputes with the updated scales and updates once more, so it differs."""
     reference = _train_own_autocast(None, outer)
     for got, want in zip(_train_own_autocast(fp8_checkpoint, outer), reference, strict=True):
