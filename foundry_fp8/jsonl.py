@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 #: How every record written by JsonlSink starts (json.dumps escapes `"` inside strings, so these
 #: bytes appear nowhere else): where a killed run's partial line got glued to the next record,
@@ -170,14 +170,38 @@ def _record(value: Any, where: str) -> tuple[int, dict[str, Any]]:
     return step_, metrics
 
 
-def read_jsonl(path: str | os.PathLike[str],
-               skipped: list[int] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+#: The longest line the reader takes, in bytes. A logging step of MPT-1B's fp8_stats (3,456
+#: per-layer series, 96 layers x 3 tensors x 12 statistics) is a 233 KiB line (measured with
+#: JsonlSink); a line 280 times that is no record of ours (a run of NULs a power loss left in
+#: the file, another file), and is read through in chunks, never held whole: the reader's memory
+#: stays bounded by this whatever the file holds.
+MAX_LINE_BYTES = 64 * 2**20
+#: How much of a line over MAX_LINE_BYTES is read at a time while it is skipped.
+_SKIP_CHUNK = 2**20
+
+
+def _lines(f: BinaryIO) -> Iterator[bytes | None]:
+    """Each line of `f` (its newline kept), or None for a line longer than MAX_LINE_BYTES, which
+    is read through in chunks and dropped."""
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) <= MAX_LINE_BYTES or raw.endswith(b"\n"):
+            yield raw
+            continue
+        raw = b""  # not kept while the rest of the line is read through
+        while (rest := f.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
+            pass
+        yield None
+
+
+def read_jsonl(path: str | os.PathLike[str], skipped: list[int] | None = None,
+               too_long: list[int] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield `(step, metrics)` per line; string NaN/Inf come back as floats.
 
     A line that does not decode (not JSON, not UTF-8) is what a run killed mid-write leaves:
     cut short at the end of the file, or, once a resumed run appended to it, glued to the next
-    record (whose line then still yields that record). Any number of such lines, and of lines
-    nested too deep to decode, is skipped and their numbers appended to `skipped` (the caller
+    record (whose line then still yields that record). Any number of such lines, of lines
+    nested too deep to decode and of lines longer than MAX_LINE_BYTES (also appended to
+    `too_long`: left unread) is skipped and their numbers appended to `skipped` (the caller
     warns once); each crash leaves at most one.
     A line that decodes but is not a `{"step": int, "metrics": {...}}` record raises JsonlError
     naming file, line and key (no writer of ours produces it: it is another file), and so does
@@ -188,8 +212,14 @@ def read_jsonl(path: str | os.PathLike[str],
     records = 0
     error = ""
     with Path(path).open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(_lines(f), 1):
             where = f"{path}:{lineno}"
+            if raw is None:
+                error = error or f"line {lineno}: longer than {MAX_LINE_BYTES:,} bytes"
+                skipped.append(lineno)
+                if too_long is not None:
+                    too_long.append(lineno)
+                continue
             try:
                 line = raw.decode("utf-8")
                 if not line.strip():

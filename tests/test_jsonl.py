@@ -284,3 +284,52 @@ def test_a_kill_mid_write_leaves_hparams_json_whole(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGXFSZ, done.stderr[-2000:]
     assert json.loads((tmp_path / "hparams.json").read_text()) == {"seed": 1}
+
+
+# ---- a line with no end (QA finding 4) ---------------------------------------------------
+
+_BOUNDED_READ = """
+import resource, sys
+from foundry_fp8.jsonl import read_jsonl
+_, hard = resource.getrlimit(resource.RLIMIT_AS)
+with open("/proc/self/status") as f:
+    size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + 400 * 2**20, hard))  # 400 MiB more, no more
+skipped: list[int] = []
+print([step for step, _ in read_jsonl(sys.argv[1], skipped)], skipped)
+"""
+
+
+def test_a_gigabyte_line_of_nuls_is_skipped_in_bounded_memory(tmp_path):
+    """What a power loss can leave in a file (a run of NULs with no newline) is read through in
+    bounded chunks and skipped, not read whole into memory (1 GiB here, under a 400 MiB limit)."""
+    import subprocess
+    import sys
+
+    path = _write(tmp_path / "metrics.jsonl", RECORDS[:1])
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size + 2**30)  # a sparse gigabyte of NULs
+    _write(path, RECORDS[1:])  # a resumed run appends after it, on a fresh line
+    done = subprocess.run([sys.executable, "-c", _BOUNDED_READ, str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "[0, 10, 20] [2]\n"
+
+
+def test_a_line_over_the_cap_is_skipped_and_named(tmp_path, monkeypatch):
+    """Over MAX_LINE_BYTES a line is no record of ours: skipped as a line that does not decode,
+    and named as too long; a line just at the cap still reads."""
+    import foundry_fp8.jsonl as jsonl
+
+    line = (json.dumps({"step": 0, "metrics": {"loss": 3.0}}) + "\n").encode()
+    monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", len(line) - 1, raising=False)
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(line + b"\0" * 5000 + b"\n" + line.replace(b"0,", b"1,"))
+    skipped: list[int] = []
+    too_long: list[int] = []
+    assert [s for s, _ in read_jsonl(path, skipped, too_long)] == [0, 1]
+    assert skipped == [2] and too_long == [2]
+    path.write_bytes(b"\0" * 5000)
+    with pytest.raises(JsonlError, match=r"no metrics record; 1 line does not decode as JSON "
+                                         rf"\(line 1: longer than {len(line) - 1:,} bytes\)"):
+        list(read_jsonl(path))

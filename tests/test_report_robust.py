@@ -53,6 +53,25 @@ def test_an_unusable_value_or_line_is_left_out_and_the_rest_reported(tmp_path, c
     assert "4 logging steps (0 to 40)" in md
 
 
+def test_a_line_of_nuls_past_the_cap_is_skipped_with_one_warning_saying_so(tmp_path, capsys,
+                                                                        monkeypatch):
+    """A power loss can leave a long run of NULs with no newline: skipped unread (its size is
+    the reader's cap on a line, MAX_LINE_BYTES), named in the one warning, the rest reported."""
+    import foundry_fp8.jsonl as jsonl
+
+    monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", 4096)
+    path = write_run(tmp_path) / "metrics.jsonl"
+    with path.open("ab") as f:
+        f.write(b"\0" * 10_000)
+    JsonlSink(path).write(40, {UNDERFLOW_L1: 0.0})  # the resumed run's, on a fresh line
+    stdout, stderr, md = report(tmp_path, capsys)
+    assert stderr == (f"warning: {path}:4: skipped 1 line that does not decode (line 4; a run "
+                      "killed mid-write leaves one; line 4 is longer than 4,096 bytes, left "
+                      "unread: a power loss can leave a run of NUL bytes); the report covers the "
+                      "rest\n")
+    assert "4 logging steps (0 to 40)" in md
+
+
 @pytest.mark.parametrize("underflow", [BIG, '"x"', "NaN"], ids=["huge-integer", "string", "nan"])
 def test_a_threshold_no_float_holds_is_ignored_like_a_string_or_nan(tmp_path, capsys,
                                                                       underflow):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundry_fp8 import __version__
+from foundry_fp8 import __version__, jsonl
 from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
@@ -187,11 +187,12 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
     file: `metrics_file_of`); ReportError (one line) when there are no FP8 metrics, saying why.
     Undecodable lines (a run killed mid-write leaves one) are skipped with one warning."""
     skipped: list[int] = []
+    too_long: list[int] = []
     guard: GuardSeries = {}
     try:
         if metrics_file.stat().st_size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        run = collect(_guard_series(read_jsonl(metrics_file, skipped), guard))
+        run = collect(_guard_series(read_jsonl(metrics_file, skipped, too_long), guard))
     except JsonlError as e:
         raise ReportError(str(e)) from None
     except OSError as e:
@@ -199,8 +200,14 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
     if skipped:
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         lines = "1 line that does" if len(skipped) == 1 else f"{len(skipped)} lines that do"
-        warn(f"{metrics_file}:{skipped[0]}: skipped {lines} not decode (line {shown}; a run "
-             "killed mid-write leaves one); the report covers the rest")
+        why = "a run killed mid-write leaves one"
+        if too_long:
+            which = (f"line {too_long[0]} is" if len(too_long) == 1 else
+                     f"{len(too_long)} of them (from line {too_long[0]}) are")
+            why += (f"; {which} longer than {jsonl.MAX_LINE_BYTES:,} bytes, left unread: a power "
+                    "loss can leave a run of NUL bytes")
+        warn(f"{metrics_file}:{skipped[0]}: skipped {lines} not decode (line {shown}; {why}); "
+             "the report covers the rest")
     if not run.values:
         raise ReportError(why_empty(metrics_file))
     return run, guard
