@@ -29,7 +29,7 @@ STAT_KEYS = ("amax", "amin", "underflow_pct", "overflow_pct", "mse", "rel_mse", 
 #: summing, the MAX_KEYS by taking the maximum (minima are stored negated), so pieces of a tensor
 #: seen on several ranks or micro-batches pool exactly, with one all_reduce per reduction op.
 SUM_KEYS = ("seen", "count", "nan_count", "inf_count", "underflow", "overflow", "sq_error",
-            "dot", "x_sq", "q_sq")
+            "dot", "x_sq", "rt_sq")
 MAX_KEYS = ("amax", "neg_amin", "neg_scale", "fp8_max")
 SUFFICIENT_KEYS = SUM_KEYS + MAX_KEYS
 SUFFICIENT_INDEX = {key: i for i, key in enumerate(SUFFICIENT_KEYS)}
@@ -199,17 +199,15 @@ def nonfinite_seen(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.isnan(top), torch.isinf(top)]).double()
 
 
-def _shift(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float) -> torch.Tensor:
-    """The power of 2 that brings `amax * scale` near fp8_max: `scale * shift` is a working scale
-    under which no square of a piece's sums overflows or underflows float32, whatever the given
-    scale. Both `shift` and `scale * shift` stay normal float32 numbers (exact products)."""
-    def exponent(t: torch.Tensor) -> torch.Tensor:
-        return torch.frexp(t.double()).exponent
+def _exponent(t: torch.Tensor) -> torch.Tensor:
+    """e with t = m * 2**e, m in [0.5, 1) (0 for t = 0)."""
+    return torch.frexp(t.double()).exponent
 
-    e_scale = exponent(scale)
-    shift = exponent(_on(fp8_max, amax.device)) - exponent(amax.double() * scale.double())
-    shift = shift.clamp(torch.clamp(-125 - e_scale, min=-126), torch.clamp(127 - e_scale, max=127))
-    return torch.ldexp(torch.ones((), device=amax.device), shift)
+
+def _power_of_2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as a normal float32 number (exponent clamped to [-126, 127]): a factor that
+    rescales float32 numbers exactly, short of overflow and underflow."""
+    return torch.ldexp(torch.ones((), device=exponent.device), exponent.clamp(-126, 127))
 
 
 def _scaled(mag: torch.Tensor, factor: torch.Tensor, rows: int, width: int) -> torch.Tensor:
@@ -230,14 +228,17 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
 
     Cheap enough for every watched tensor of a logging step: x is read in pieces of CHUNK
     elements (bfloat16 stays bfloat16 until it is scaled), with no float64 copy and no bool sum.
-    The cast is `saturate(|x| * scale)` to FP8 as `quantize` rounds it (rounding is symmetric).
-    x_sq and sq_error are sums over `|x| * w` and the round trip `fp8 / scale * w`, where their
-    difference is exact in float32, w a working scale: the cast's scale times a power of 2
-    (`_shift`; 1 under current scaling, where `|x| * scale` exceeds fp8_max only by the
-    division's rounding, unless an Inf in x made the scale 1);
-    q_sq is summed over the FP8 values; all as float32 row sums, divided by the scales' squares
-    in float64. dot is `(x - q)·q + q_sq`, accurate wherever q is close to x or far below it
-    (saturation, underflow), where `(x_sq + q_sq - sq_error) / 2` would cancel to noise.
+    The cast is `saturate(|x| * scale)` to FP8 as `quantize` rounds it (rounding is symmetric);
+    the round trip is `r = fp8 * scale_inv` in float32, as TE's GEMMs and dequantize see it
+    (`dequantize`). Every sum is taken where its float32 squares neither overflow nor
+    underflow, whatever x's magnitude or the scale, by exact power-of-2 rescaling: x and the
+    error `x - r` at `|x| * 2**m`, amax near fp8_max; r at `fp8 * mant`, where
+    `scale_inv = mant * 2**e`, mant in [0.5, 1) (so the product rounds as `fp8 * scale_inv`
+    does), within the FP8 range however far the scale is from x's. The error is one float32
+    subtraction of the two, exact where r is near x (Sterbenz), so mse is the round trip's to
+    float32 rounding, also where x * scale falls on the FP8 grid. All as float32 row sums,
+    rescaled in float64. dot is `(x - r)·r + r_sq`, accurate wherever r is close to x or far
+    below it (saturation, underflow), where `(x_sq + r_sq - sq_error) / 2` would cancel to noise.
     """
     _check_format(fmt)
     fp8_max, fp8_dtype, device = FP8_MAX[fmt], FP8_DTYPE[fmt], x.device
@@ -262,11 +263,14 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         scale_t = current_scale(cast_amax, fmt, power_2=power_2) / (2.0 ** margin)
     else:
         scale_t = _on(scale, device).reshape(())
-    shift = _shift(amax, scale_t, fp8_max)  # 1 under current scaling but with an Inf in x
-    work = scale_t * shift
+    # |x| * 2**m near fp8_max; m clamped here, so that x and r move by the same power of 2
+    e_work = (_exponent(_on(fp8_max, device)) - _exponent(amax)).clamp(-126, 127)
+    x_to_work = _power_of_2(e_work)
+    mant, e_inv = torch.frexp(scale_inverse(scale_t))
+    r_to_work = _power_of_2(e_work + e_inv)  # r at fp8 * mant -> r at 2**m
     shapes = [(-(-piece.numel() // ROW), ROW) if piece.numel() > ROW else (1, piece.numel())
               for piece in pieces]
-    # per row: ‖x‖, the FP8 values' nonzero count and norm ‖q‖, ‖x - q‖, (x - q)·q, overflow
+    # per row: ‖x‖, the FP8 values' nonzero count, ‖r‖, ‖x - r‖, (x - r)·r, overflow
     partial = torch.zeros(6, sum(rows for rows, _ in shapes), device=device)
     start = 0
     for piece, (rows, width) in zip(pieces, shapes, strict=True):
@@ -276,21 +280,21 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         q = _scaled(mag, scale_t, rows, width)  # |x| * scale, rounded as `quantize` does
         _count(torch.nn.functional.threshold(q, fp8_max, 0.0), dim=1, out=partial[5, span])
         q = q.clamp_(max=fp8_max).copy_(q.to(fp8_dtype))
-        w = _scaled(mag, work, rows, width)
+        w = _scaled(mag, x_to_work, rows, width)  # |x| * 2**m, exact
         del mag
         torch.linalg.vector_norm(w, dim=1, out=partial[0, span])
         _count(q, dim=1, out=partial[1, span])
-        # q holds the FP8 values (at most fp8_max): ‖q‖ stays representable however far the
-        # round trip is from x (a stale scale 2**100 times too large: q ~ 2**-100 |x|)
-        torch.linalg.vector_norm(q, dim=1, out=partial[2, span])
-        w.addcmul_(q, shift.reshape(1), value=-1.0)  # the round trip in w's domain
+        r = q.mul_(mant)  # the round trip * 2**-e, rounded as fp8 * scale_inv is
+        torch.linalg.vector_norm(r, dim=1, out=partial[2, span])
+        w.addcmul_(r, r_to_work.reshape(1), value=-1.0)  # (|x| - r) * 2**m: r's part is exact
         torch.linalg.vector_norm(w, dim=1, out=partial[3, span])
-        torch.sum(q.mul_(w), dim=1, out=partial[4, span])
+        torch.sum(r.mul_(w), dim=1, out=partial[4, span])
     partial = partial.double()
-    work64, scale64 = work.double(), scale_t.double()
+    x_work = x_to_work.double()
+    r_scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=device), e_inv.double())
     # rows 0 and 3 by a slice: a Python list index is copied from the host (a sync on CUDA)
-    x_sq, sq_error = partial[0:4:3].square().sum(dim=1) / work64.square()
-    q_sq = partial[2].square().sum() / scale64.square()
+    x_sq, sq_error = partial[0:4:3].square().sum(dim=1) / x_work.square()
+    rt_sq = partial[2].square().sum() * r_scale.square()
     overflow = partial[5].sum()
     if scale is None:  # without an Inf, `|x| * scale` above fp8_max is the division's rounding
         overflow = torch.where(inf_count > 0, overflow, 0.0)
@@ -298,7 +302,7 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         "seen": _on(1.0, device), "count": x.numel() - nan_count - inf_count, "nan_count": nan_count,
         "inf_count": inf_count, "underflow": nonzero - partial[1].sum(),
         "overflow": overflow, "sq_error": sq_error,
-        "dot": partial[4].sum() / (work64 * scale64) + q_sq, "x_sq": x_sq, "q_sq": q_sq,
+        "dot": partial[4].sum() * r_scale / x_work + rt_sq, "x_sq": x_sq, "rt_sq": rt_sq,
         "amax": amax, "neg_amin": -amin, "neg_scale": -scale_t, "fp8_max": _on(fp8_max, device),
     }
     return torch.stack([parts[k].double().reshape(()) for k in SUFFICIENT_KEYS])
@@ -335,7 +339,7 @@ def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     amin = torch.where(torch.isinf(amin), torch.zeros_like(amin), amin)
     scale = -s["neg_scale"]
     current = _scale_from_amax(s["amax"], s["fp8_max"].float()).double()
-    norms = s["x_sq"].sqrt() * s["q_sq"].sqrt()
+    norms = s["x_sq"].sqrt() * s["rt_sq"].sqrt()
     # a zero tensor's round trip is exact (1); a nonzero one cast to all zeros kept nothing (0)
     cos = torch.where(norms > 0, s["dot"] / norms.clamp_min(1e-300),
                       (s["x_sq"] == 0).to(norms.dtype))
@@ -367,7 +371,7 @@ def tensor_stats(x: torch.Tensor, fmt: str = "e4m3", scale: torch.Tensor | float
                  margin: int = 0) -> dict[str, float]:
     """FP8 health of a tensor: amax, amin (smallest non-zero magnitude), underflow_pct (non-zero
     elements that round to 0), overflow_pct (scaled magnitude above the format max), mse and
-    cos_sim against its FP8 round trip, the scale used (`None`: current scaling), the current
+    cos_sim against its FP8 round trip `fp8 * scale_inv` (float32, as TE dequantizes), the scale used (`None`: current scaling), the current
     scale `fp8_max / amax` and `scale_ratio` (used / current: < 1 wastes range, > 1 overflows),
     NaN/Inf counts. Percentages are of the finite elements."""
     return dict(zip(STAT_KEYS, tensor_stats_tensor(x, fmt, scale, margin).tolist(), strict=True))

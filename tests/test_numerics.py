@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 
 import pytest
 import torch
@@ -48,20 +49,39 @@ def pieces(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setattr(numerics, "ROW", 2)
 
 
+def f32(v: float) -> float:
+    """v rounded to float32, to nearest even (beyond float32's range: inf), as C's cast."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
 def ref_round(v: float, fmt: str) -> float:
     """Round-to-nearest-even onto the FP8 grid, saturating at the format max (pure Python)."""
     mbits, emin = FORMAT_BITS[fmt]
     if v == 0:
         return 0.0
+    if math.isinf(v):
+        return math.copysign(FP8_MAX[fmt], v)
     e = max(math.floor(math.log2(abs(v))), emin)
     step = 2.0 ** (e - mbits)
     q = round(v / step) * step  # Python's round is half-to-even
     return max(-FP8_MAX[fmt], min(FP8_MAX[fmt], q))
 
 
+def ref_round_trip(v: float, fmt: str, scale: float) -> float:
+    """The float32 value TE's round trip gives: `x * scale` in float32, cast to FP8, times
+    `scale_inv = float32(1 / scale)` in float32 (TE's cast, dequantize_fp8.cuh:31-32 and
+    utils.cuh:949-951). The float64 products of float32 numbers are exact and so is the
+    reciprocal rounded twice (53 >= 2 * 24 + 2 bits), so each f32 is one rounding."""
+    scale = f32(scale)
+    return f32(ref_round(f32(v * scale), fmt) * f32(1.0 / scale))
+
+
 def ref_stats(values: list[float], fmt: str, scale: float) -> dict[str, float]:
     finite = [v for v in values if math.isfinite(v)]
-    rt = [ref_round(v * scale, fmt) / scale for v in finite]
+    rt = [ref_round_trip(v, fmt, scale) for v in finite]
     n = len(finite)
     dot = sum(a * b for a, b in zip(finite, rt, strict=True))
     na, nb = math.sqrt(sum(a * a for a in finite)), math.sqrt(sum(b * b for b in rt))
@@ -214,6 +234,60 @@ def test_an_inf_makes_current_scaling_cast_at_scale_1_as_te(fmt, pieces):
     got, want = tensor_stats(torch.tensor([*big, INF]), fmt), ref_stats(big, fmt, 1.0)
     for key in ("rel_mse", "cos_sim", "overflow_pct", "underflow_pct"):
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
+
+
+def test_mse_is_the_error_of_the_round_trip_te_produces(pieces):
+    """mse is `(x - q * float32(1 / scale))**2`, the round trip TE's GEMMs see (they multiply
+    by scale_inv), not `(x * scale - q) / scale`, which leaves out scale_inv's rounding and the
+    product's: an ulp of the round trip, all of the error where x * scale falls on the FP8 grid.
+    By hand: 1e-3 * 1e4 rounds to 10, exact in E4M3, and 10 * float32(1e-4) is 2**-33 below
+    float32(1e-3) (mse 2**-66, read 0 before); 0.3161 * 0.37 rounds to 15 * 2**-7, and
+    15 * 2**-7 * float32(1 / 0.37) = float32 0.316722989..., an error of 3.881137e-07 squared
+    (read 3.880906e-07)."""
+    got = tensor_stats(torch.tensor([1e-3]), "e4m3", scale=1e4)
+    assert got["mse"] == 2.0 ** -66
+    got = tensor_stats(torch.tensor([0.3161]), "e4m3", scale=0.37)
+    assert f32(15 * 2.0 ** -7 * f32(1 / f32(0.37))) == 0.3167229890823364
+    assert got["mse"] == pytest.approx((f32(0.3161) - 0.3167229890823364) ** 2, rel=1e-7)
+    assert got["mse"] == pytest.approx(3.881137e-07, rel=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("magnitude", [1.0, 1e20, 1e-25])
+@pytest.mark.parametrize("scale", ["current", "stale"])
+def test_round_trip_stats_near_the_fp8_grid_match_te_to_float32_rounding(fmt, magnitude, scale,
+                                                                           pieces):
+    """Values whose x * scale lands next to an FP8 grid point, where the round trip's own
+    rounding is most of the error: mse, rel_mse and cos_sim against the float64 sums of TE's
+    float32 round trip, to float32 rounding, at magnitudes whose float32 squares would
+    overflow (1e20) or underflow (1e-25), under current scaling and a stale scale 2**8 too
+    large (the largest elements saturate). The scaled domain's `x * scale` rounding put mse
+    0.7-3 % off here."""
+    rng = random.Random(11)
+    amax = f32(magnitude * 3.7)
+    cast = FP8_MAX[fmt] / amax if scale == "current" else FP8_MAX[fmt] / amax * 2.0 ** 8
+    grid = [ref_round(rng.uniform(-1, 1) * FP8_MAX[fmt], fmt) for _ in range(1500)]
+    values = [f32(g / f32(cast) * (1 + rng.uniform(-1, 1) * 2.0 ** -22)) for g in grid]
+    values = [v for v in values if 0 < abs(v) < amax] + [amax, -amax / 2]
+    got = tensor_stats(torch.tensor(values), fmt, scale=None if scale == "current" else cast)
+    want = ref_stats(values, fmt, f32(FP8_MAX[fmt] / amax) if scale == "current" else cast)
+    assert got["scale"] == f32(FP8_MAX[fmt] / amax if scale == "current" else cast)
+    for key in SUMMED:
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=0), key
+    assert 0 < want["mse"] and math.isfinite(want["mse"])
+
+
+@pytest.mark.parametrize("values", [[1e-40, -3e-41, 1e-41, 7e-42], [3e38, -1e38, 2e37, 1.0]],
+                         ids=["subnormal", "near-float32-max"])
+def test_round_trip_stats_at_the_ends_of_float32(values, pieces):
+    """Current scaling of float32 subnormals (the scale clamps to float32 max, its scale_inv is
+    subnormal) and of values near float32 max: the round trip's statistics stay TE's. With the
+    working power of 2 clamped for x but not for the round trip, the subnormal tensor read
+    rel_mse 2.8e8 and cos_sim -16830."""
+    got = tensor_stats(torch.tensor(values), "e4m3")
+    want = ref_stats([f32(v) for v in values], "e4m3", got["scale"])
+    for key in SUMMED:
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=0), key
 
 
 def test_subnormal_underflow_hand_computed(pieces):
