@@ -402,3 +402,62 @@ def test_sarif_names_the_deepspeed_json_whose_line_is_wrong(tmp_path):
     location = note["locations"][0]["physicalLocation"]
     assert location["artifactLocation"]["uri"] == (tmp_path / "ds.json").as_uri()
     assert location["region"] == {"startLine": 2, "startColumn": 29}
+
+
+# -- values PyYAML's constructor refuses: at their own line, column and key ---------------------
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("x: !!bool maybe\n", ":1:4: cannot load key x: "),  # before: KeyError, a traceback
+    ("x: !!bool ''\n", ":1:4: cannot load key x: "),
+    ("x: !!int ''\n", ":1:4: cannot load key x: "),  # before: IndexError
+    ("x: !!float ''\n", ":1:4: cannot load key x: "),
+    ("x: !!int '-'\n", ":1:4: cannot load key x: "),
+    ("x: !!timestamp zz\n", ":1:4: cannot load key x: "),  # before: AttributeError
+    ("!!bool maybe: 1\n", ":1:1: cannot load key maybe: "),  # a key
+    ("max_seq_len: 128\nmodel:\n  name: mpt_causal_lm\n  d_model: 64\n  n_heads: !!int abc\n",
+     ":5:12: cannot load key model.n_heads: "),  # before: ':1: cannot load'
+    ("model:\n  layers: [1, !!float x]\n", ":2:15: cannot load key model.layers.1: "),
+    ("seed: 1\nx: {<<: 3}\n", ":2:9: cannot load key x: "),  # the mapping's own check
+])
+def test_a_value_yaml_cannot_construct_is_named_at_its_line_and_key(tmp_path, text, where):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    entry = lint_file(path, 1, Snapshot(python="3"))
+    assert entry["error"] is not None and entry["error"].startswith(f"{path}{where}"), entry
+    assert "\n" not in entry["error"]
+
+
+def test_a_folder_with_a_value_yaml_cannot_construct_still_lints_the_others(tmp_path):
+    """Before: the traceback of the first such file ended the run; no file got a report."""
+    (tmp_path / "a.yaml").write_text("x: !!bool maybe\n")
+    (tmp_path / "b.yaml").write_text("precision: amp_bf16\n")
+    done = _lint(tmp_path)
+    _one_line_exit_2(done, tmp_path / "a.yaml", "a.yaml:1:4: cannot load key x: ")
+    assert "1 file(s) linted" in done.stdout, done.stdout
+
+
+def test_a_date_that_is_no_date_is_text_to_omegaconf_and_refused_by_safe_load(tmp_path):
+    """omegaconf's loader, which LLM-Foundry reads train configs with, resolves no implicit
+    timestamp: `2001-13-45` is text there, and the train config lints. yaml.safe_load, which
+    Accelerate and MCLI read their configs with, raises on it: refused at its line and key.
+    Before: 'ts.yaml:1: cannot load: month must be in 1..12' for both."""
+    from omegaconf import OmegaConf
+
+    train = "max_seq_len: 128\nmodel:\n  name: mpt_causal_lm\n  d_model: 64\n  started: 2001-13-45\n"
+    assert OmegaConf.create(train)["model"]["started"] == "2001-13-45"
+    with pytest.raises(ValueError, match="month must be in 1..12"):
+        yaml.safe_load(train)
+    path = tmp_path / "ts.yaml"
+    path.write_text(train)
+    assert lint_file(path, 1, Snapshot(python="3"))["error"] is None
+    accelerate = tmp_path / "accelerate.yaml"
+    accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\n"
+                          "started: 2001-13-45\n")
+    assert lint_file(accelerate, 1, Snapshot(python="3"))["error"] == (
+        f"{accelerate}:3:10: cannot load key started: PyYAML cannot read '2001-13-45' as "
+        "!!timestamp (ValueError: month must be in 1..12)")
+    mcli = tmp_path / "mcli.yaml"
+    mcli.write_text("name: run\nimage: img\ncommand: echo\nparameters:\n  day: 2001-13-45\n")
+    assert lint_file(mcli, 1, Snapshot(python="3"))["error"].startswith(
+        f"{mcli}:5:8: cannot load key parameters.day: ")
+

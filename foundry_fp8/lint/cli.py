@@ -63,10 +63,13 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
     (`wandb_mode_from_env`; None: not set)."""
     try:
         text = read_text(path)
-        data = read_json(path, text) if path.suffix.lower() == ".json" else load_data(path, text)
-        if path.suffix.lower() == ".json" and not isinstance(data, Mapping):
+        is_json = path.suffix.lower() == ".json"
+        data = read_json(path, text) if is_json else load_data(path, text, dates=False)
+        if is_json and not isinstance(data, Mapping):
             raise LintInputError(f"{path}:1: a config must be a JSON object")
-        if is_accelerate(data) or (path.suffix.lower() == ".json" and not is_train_json(data)):
+        if not is_json and (is_accelerate(data) or is_mcli(data)):
+            data = load_data(path, text)  # as their reader, yaml.safe_load, has dates
+        if is_accelerate(data) or (is_json and not is_train_json(data)):
             findings, positions = lint_accelerate_file(path, text, data)
             return _entry(path, findings, positions)
         mcli = is_mcli(data)

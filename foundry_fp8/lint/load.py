@@ -13,6 +13,7 @@ import re
 import stat
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,41 @@ from foundry_fp8.lint.registry import join_key, parent_key
 OC_ENV = re.compile(r"\$\{\s*oc\.env\s*:")
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_TIMESTAMP = "tag:yaml.org,2002:timestamp"
+
+
+class _DatesAsText(_Loader):
+    """YAML resolved as omegaconf resolves it, and so LLM-Foundry's train and eval configs: no
+    implicit timestamp (`2001-13-45` stays text; omegaconf 2.4 `_yaml.py` get_yaml_loader drops
+    the resolver, as 2.1-2.3 did), where yaml.safe_load (Accelerate's and MCLI's reader) makes
+    a date of it, or raises."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != _TIMESTAMP]
+        for first, resolvers in _Loader.yaml_implicit_resolvers.items()}
+
+
+class _Unconstructed(Exception):
+    """A node PyYAML's safe constructor refused, and its error."""
+
+    def __init__(self, node: yaml.Node, error: Exception):
+        super().__init__(node, error)
+        self.node, self.error = node, error
+
+
+class _Constructor(yaml.constructor.SafeConstructor):
+    """PyYAML's safe constructor (yaml.safe_load's, omegaconf's), naming the node it cannot
+    construct: for some values of explicit tags (`!!bool maybe`, `!!int ''`, `!!timestamp zz`)
+    it raises KeyError, IndexError or AttributeError without a mark. Every node is built deep,
+    inside its own call, so the innermost one that fails is the one named."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=True)
+        except (_Unconstructed, RecursionError, MemoryError):
+            raise
+        except Exception as e:  # whatever PyYAML raises for this node's value
+            raise _Unconstructed(node, e) from None
 
 #: Bounds that keep one file's lint short whatever it holds: bytes read, nesting depth, and
 #: values (nodes) after alias expansion (a "billion laughs" file is small but expands to 10^9
@@ -86,8 +122,8 @@ def _key_text(node: yaml.Node) -> str:
     if not isinstance(node, yaml.ScalarNode) or node.tag.endswith(":str"):
         return str(node.value)
     try:
-        return str(yaml.SafeLoader("").construct_object(node, deep=True))
-    except (yaml.YAMLError, ValueError, TypeError, OverflowError):
+        return str(_Constructor().construct_object(node))
+    except _Unconstructed:  # `!!bool maybe`: load_data names it
         return str(node.value)
 
 
@@ -103,41 +139,52 @@ def _merged(node: yaml.MappingNode) -> list[yaml.MappingNode]:
     return found
 
 
-def key_positions(root: yaml.Node | None,
-                  ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
-    """Dotted key path (`join_key`; list items by index) -> (line, column) of the key in a
-    composed YAML document, and the (path, text) of every string value using `${oc.env:...}`.
-    A key a merge key brings in sits where its anchor's mapping writes it."""
-    positions: dict[str, tuple[int, int]] = {}
-    env_values: list[tuple[str, str]] = []
+def _entries(root: yaml.Node) -> Iterator[tuple[str, yaml.Node | None, yaml.Node]]:
+    """(dotted key path (`join_key`; list items by index), key node (None for a list item),
+    value node) of every value under `root`, in document order; a mapping's own keys before
+    those its merge keys bring in, which sit where their anchor's mapping writes them."""
     active: set[int] = set()  # nodes on the current path: a recursive alias must not loop
 
-    def walk(node: yaml.Node, prefix: str) -> None:
+    def walk(node: yaml.Node, prefix: str) -> Iterator[tuple[str, yaml.Node | None, yaml.Node]]:
         if id(node) in active:
             return
         active.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for key_node, value in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                path = join_key(prefix, _key_text(key_node))
-                positions.setdefault(path, (key_node.start_mark.line + 1,
-                                            key_node.start_mark.column + 1))
-                walk(value, path)
+                if key_node.tag != "tag:yaml.org,2002:merge":
+                    path = join_key(prefix, _key_text(key_node))
+                    yield path, key_node, value
+                    yield from walk(value, path)
             for merged in _merged(node):  # after the mapping's own keys, which win
-                walk(merged, prefix)
+                yield from walk(merged, prefix)
         elif isinstance(node, yaml.SequenceNode):
             for index, item in enumerate(node.value):
                 path = join_key(prefix, index)
-                positions.setdefault(path, (item.start_mark.line + 1, item.start_mark.column + 1))
-                walk(item, path)
-        elif isinstance(node, yaml.ScalarNode) and OC_ENV.search(str(node.value)):
-            env_values.append((prefix, str(node.value)))
+                yield path, None, item
+                yield from walk(item, path)
         active.discard(id(node))
 
-    if root is not None:
-        walk(root, "")
+    return walk(root, "")
+
+
+def key_positions(root: yaml.Node | None,
+                  ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
+    """Dotted key path -> (line, column) of the key (a list item's own) in a composed YAML
+    document, and the (path, text) of every string value using `${oc.env:...}`."""
+    positions: dict[str, tuple[int, int]] = {}
+    env_values: list[tuple[str, str]] = []
+    for path, key_node, value in _entries(root) if root is not None else ():
+        mark = (key_node or value).start_mark
+        positions.setdefault(path, (mark.line + 1, mark.column + 1))
+        if isinstance(value, yaml.ScalarNode) and OC_ENV.search(str(value.value)):
+            env_values.append((path, str(value.value)))
     return positions, env_values
+
+
+def _path_of(root: yaml.Node, node: yaml.Node) -> str:
+    """The dotted key path of a key or value node in the document ('' for the root)."""
+    return next((path for path, key_node, value in _entries(root)
+                 if node is key_node or node is value), "")
 
 
 def _key_problem(root: yaml.Node) -> tuple[yaml.Node, str] | None:
@@ -363,11 +410,12 @@ def _check_expansion(path: Path, root: yaml.Node) -> None:
         raise LintInputError(_too_deep(path, node.start_mark, keys, aliases=True))
 
 
-def compose(path: Path, text: str) -> yaml.Node | None:
+def compose(path: Path, text: str, dates: bool = True) -> yaml.Node | None:
     """The YAML document's node graph within the bounds above, with keys omegaconf can load;
-    yaml.YAMLError as PyYAML raises it, LintInputError past a bound or for such a key."""
+    yaml.YAMLError as PyYAML raises it, LintInputError past a bound or for such a key. `dates`:
+    implicit timestamps resolved as yaml.safe_load does; False: as omegaconf does (text)."""
     _check_depth(path, text)
-    root = yaml.compose(text, Loader=_Loader)
+    root = yaml.compose(text, Loader=_Loader if dates else _DatesAsText)
     if root is not None:
         _check_expansion(path, root)
         bad_key = _key_problem(root)
@@ -378,16 +426,37 @@ def compose(path: Path, text: str) -> yaml.Node | None:
     return root
 
 
-def load_data(path: Path, text: str) -> Any:
+def load_data(path: Path, text: str, dates: bool = True) -> Any:
     """The YAML document as plain Python values, within the bounds above (to tell what kind of
-    config a file is); LintInputError (one line) when it cannot be read so."""
+    config a file is), as yaml.safe_load reads it (Accelerate's and MCLI's reader); `dates`
+    False: implicit timestamps stay text, as omegaconf (LLM-Foundry's reader) has them.
+    LintInputError (one line) when it cannot be read so: a value the constructor refuses at its
+    own line, column and key."""
     try:
-        compose(path, text)
-        return yaml.load(text, Loader=_Loader)
+        root = compose(path, text, dates)
+        return None if root is None else _Constructor().construct_document(root)
+    except _Unconstructed as e:
+        raise _unconstructed(path, root, e.node, e.error) from None
     except yaml.YAMLError as e:
         raise _yaml_error(path, e, text) from None
     except (ValueError, TypeError, RecursionError, MemoryError) as e:
-        raise LintInputError(f"{path}:1: cannot load: {first_line(e)}") from None
+        raise LintInputError(f"{path}: cannot load: {first_line(e)}") from None
+
+
+def _unconstructed(path: Path, root: yaml.Node, node: yaml.Node,
+                   error: Exception) -> LintInputError:
+    """The one line for a node PyYAML's constructor refuses: where its error marks it (a
+    mapping's merge value), else where the node starts, with the node's key path."""
+    mark = getattr(error, "problem_mark", None) or node.start_mark
+    key = _path_of(root, node)
+    if isinstance(error, yaml.MarkedYAMLError):
+        why = error.problem or first_line(error)
+    else:
+        kind = str(node.tag).rpartition(":")[2]
+        why = (f"PyYAML cannot read {str(node.value)[:60]!r} as !!{kind} "
+               f"({type(error).__name__}: {first_line(error)})")
+    return LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: cannot load"
+                          f"{f' key {key}' if key else ''}: {why}")
 
 
 def load_config(path: Path, text: str | None = None, subtree: str | None = None,
@@ -401,7 +470,7 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
 
     text = read_text(path) if text is None else text
     try:
-        root = compose(path, text)
+        root = compose(path, text, dates=False)
     except yaml.YAMLError as e:
         raise _yaml_error(path, e, text) from None
     if root is None:  # LLM-Foundry's train_from_yaml cannot train from it either
