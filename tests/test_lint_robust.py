@@ -461,3 +461,23 @@ def test_a_date_that_is_no_date_is_text_to_omegaconf_and_refused_by_safe_load(tm
     assert lint_file(mcli, 1, Snapshot(python="3"))["error"].startswith(
         f"{mcli}:5:8: cannot load key parameters.day: ")
 
+
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(tmp_path):
+    """`foundry-fp8 lint "$CONFIGS"` with CONFIGS unset: before, Path('') is '.', and the job
+    linted whatever folder it ran in (exit 0 here)."""
+    (tmp_path / "ok.yaml").write_text("precision: amp_bf16\n")
+
+    def lint(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", "", *options],
+                              cwd=tmp_path, capture_output=True, text=True, check=False,
+                              timeout=HANG_GUARD_S,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+
+    done = lint()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, (done.stdout, done.stderr)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: an empty path: name a config file or a folder (an unset "
+                      "variable?)"], done.stderr
+    note, = json.loads(lint("--format", "sarif").stdout)["runs"][0]["invocations"][0][
+        "toolExecutionNotifications"]
+    assert note["locations"] == []  # not the current folder

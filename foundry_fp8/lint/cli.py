@@ -140,9 +140,14 @@ def _folder(folder: Path) -> list[Path | dict[str, Any]]:
 
 def _expand(paths: list[str]) -> list[Path | dict[str, Any]]:
     """The files to lint; a folder without config files becomes an error entry (a wrong path in
-    CI must not pass as "0 files linted")."""
+    CI must not pass as "0 files linted"), and so does an empty path, which Path reads as the
+    current folder (an unset variable in CI would lint whatever folder the job is in)."""
     items: list[Path | dict[str, Any]] = []
     for name in paths:
+        if not name:
+            items.append(_error_entry(name, "an empty path: name a config file or a folder (an "
+                                      "unset variable?)"))
+            continue
         p = Path(name)
         try:
             is_folder = p.is_dir()

@@ -112,8 +112,8 @@ def render_sarif(report: Mapping[str, Any]) -> str:
     for entry in report["files"]:
         if entry["error"]:
             notifications.append({"level": "error", "message": {"text": entry["error"]},
-                                  "locations": [_location(*error_location(entry["error"],
-                                                                          entry["path"]))]})
+                                  "locations": [_location(*error_location(
+                                      entry["error"], entry["path"]))] if entry["path"] else []})
         for f in entry["findings"]:
             result: dict[str, Any] = {
                 "ruleId": f["rule"], "level": SARIF_LEVELS[f["severity"]],
