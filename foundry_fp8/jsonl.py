@@ -7,9 +7,11 @@ so readers such as `foundry-fp8 report` stay light.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -53,19 +55,52 @@ class JsonlSink:
             f.write(line)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace `path` with `text` in one step (a temporary file in the same folder, then
-    `os.replace`): a kill or a full disk mid-write leaves the old file whole, never a cut one."""
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data` (text as UTF-8) in one step (a temporary file in the same
+    folder, then `os.replace`): a kill or a full disk mid-write leaves the old file whole, never
+    a cut one. The temporary file is created new (`x`), so even a FIFO left under its name
+    cannot make the write wait."""
     temporary = _temporary(path)
+    temporary.unlink(missing_ok=True)  # a killed run's leftover of this pid
     try:
-        with temporary.open("w", encoding="utf-8") as f:
-            f.write(text)
+        with temporary.open("xb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is no regular file is, for a message (`a FIFO (named pipe)`)."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "a special file")
+
+
+def check_output(path: Path) -> None:
+    """OSError (its strerror says what stands there) where `path` is neither absent nor a
+    regular file (or a link to one): opening a FIFO to write waits for a reader forever, and a
+    device or folder is not ours to replace."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EEXIST, f"{file_kind(mode)}, not a regular file: remove it, or "
+                      "write elsewhere", str(path))
+
+
+def write_output(path: Path, data: str | bytes) -> None:
+    """Write one of our output files (the report and its PNGs, the bench's results): refused
+    (`check_output`) where something else than a regular file stands, else replaced whole in
+    one step (`write_atomically`; through a symbolic link, its target), so no write can wait on
+    a FIFO nor leave a cut file."""
+    check_output(path)
+    write_atomically(path.resolve() if path.is_symlink() else path, data)
 
 
 def _temporary(path: Path) -> Path:

@@ -321,3 +321,20 @@ def test_auto_micro_batch_is_refused_in_one_line_where_composer_would_raise(
     else:
         with pytest.raises(pytest.fail.Exception, match="ran"):
             main(["bench", "--micro-batch", "auto", "--out", str(tmp_path)])
+
+
+def test_a_fifo_where_a_result_goes_is_one_line_before_the_run(tmp_path):
+    """Opening a FIFO to write waits for a reader forever: refused in one line before anything
+    runs (a subprocess with a timeout, so a hang fails instead of hanging the suite)."""
+    import os
+    import subprocess
+
+    os.mkfifo(tmp_path / "mpt-tiny-cpu.json")
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "bench", "--tiny",
+                           "--variants", "fp8-fc-te", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == (f"foundry-fp8 bench: --out {tmp_path}: "
+                           f"{tmp_path / 'mpt-tiny-cpu.json'}: a FIFO (named pipe), not a regular "
+                           "file: remove it, or write elsewhere\n")
+    assert not (tmp_path / "mpt-tiny-cpu.md").exists()

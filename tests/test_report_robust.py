@@ -248,3 +248,32 @@ def test_values_at_float64_edges_draw_without_python_warnings(tmp_path, capsys, 
     assert "fp8_timeseries.png" in pngs
     for png in pngs:
         assert_valid_png(tmp_path / png, min_pixels=10_000)
+
+
+@pytest.mark.parametrize("name", ["fp8_report.md", "fp8_timeseries.png"])
+def test_a_fifo_where_an_output_goes_is_one_line_not_a_hang(tmp_path, name):
+    """Opening a FIFO to write waits for a reader forever: every output (the markdown, the
+    PNGs) is written through one helper that refuses what is not a regular file, and replaces a
+    regular one in one step. A subprocess with a timeout, so a hang fails instead of hanging."""
+    import subprocess
+    import sys
+
+    write_run(tmp_path / "run")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / name)
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "report",
+                           str(tmp_path / "run"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"error: {out / name}: cannot write (a FIFO (named pipe), not a "
+                           "regular file: remove it, or write elsewhere)\n")
+
+
+def test_outputs_replace_a_regular_file_whole(tmp_path, capsys):
+    """A report written again replaces the old files in one step: no temporary file left."""
+    write_run(tmp_path)
+    (tmp_path / "fp8_report.md").write_text("old")
+    report(tmp_path, capsys)
+    assert (tmp_path / "fp8_report.md").read_text().startswith("#")
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -5,10 +5,12 @@ line and exit 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import io
 import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import regex
 
@@ -25,7 +27,7 @@ from foundry_fp8.health.plots import (
 )
 from foundry_fp8.health.specs import spec
 from foundry_fp8.health.table import bounded, distinct_labels, elide, one_line, short_names
-from foundry_fp8.jsonl import hparams_of
+from foundry_fp8.jsonl import hparams_of, write_output
 from foundry_fp8.options import OptionError
 from foundry_fp8.report.markdown import (
     Finding,
@@ -115,6 +117,16 @@ def heatmap_files(stats: list[str]) -> dict[str, str]:
     return {stat: f"fp8_heatmap_{name}.png" for stat, name in safe.items()}
 
 
+def _png(figure: Any) -> bytes:
+    """A drawn figure as PNG bytes, for `write_output` (which never opens the file in place)."""
+    import matplotlib
+
+    buffer = io.BytesIO()
+    with matplotlib.rc_context({"savefig.format": "png"}):  # a buffer has no suffix to go by
+        save_png(figure, buffer)
+    return buffer.getvalue()
+
+
 def replay(run: RunMetrics, tracker: HealthTracker) -> list[Flag]:
     """The run's logging steps through the health rules, in step order."""
     for step, table in run.tables():
@@ -150,16 +162,17 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
         for stat in run.stats:
             if spec(stat).plot == "heatmap" and shown(run, stat):
                 target = out / files[stat]
-                save_png(draw_heatmap(run, stat, thresholds, formats), target)
+                write_output(target, _png(draw_heatmap(run, stat, thresholds, formats)))
                 written.append(target)
         if any(spec(s).plot == "series" for s in run.stats):
             target = out / SERIES_FILE
-            save_png(draw_series(run, chosen, formats), target)
+            write_output(target, _png(draw_series(run, chosen, formats)))
             written.append(target)
         target = out / "fp8_report.md"
-        target.write_text(render_report(run, flags, thresholds, chosen[:MAX_SERIES_LAYERS],
-                                        [p.name for p in written], guard, matched=len(chosen)))
-    except OSError as e:  # a read-only folder, a full disk, a folder in the file's place
+        write_output(target, render_report(run, flags, thresholds, chosen[:MAX_SERIES_LAYERS],
+                                           [p.name for p in written], guard,
+                                           matched=len(chosen)))
+    except OSError as e:  # read-only, a full disk, a folder or FIFO in the file's place
         raise ReportError(f"{target}: cannot write ({e.strerror or e})") from None
     return run, flags, guard, [*written, target]
 

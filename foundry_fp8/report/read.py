@@ -25,7 +25,7 @@ from foundry_fp8.guard import (
 from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import LAYOUT, OLDER_LAYOUT, older_layout
 from foundry_fp8.health.plots import recipe_formats
-from foundry_fp8.jsonl import JsonlError, hparams_of, number, read_jsonl
+from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
 from foundry_fp8.options import build
 from foundry_fp8.recipe import FP8Recipe
 
@@ -144,14 +144,6 @@ def _guard_series(records: Iterable[tuple[int, Mapping[str, Any]]],
         yield step, metrics
 
 
-def _kind(mode: int) -> str:
-    """What a file that is no regular file is, for a message."""
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISSOCK, "a socket"))
-    return next((kind for test, kind in kinds if test(mode)), "a special file")
-
-
 def _mode(path: Path, absent: str) -> int:
     """`path`'s file type and mode (symbolic links followed); ReportError (one line) where it
     has none: `not found (<absent>)`, a link to nothing, a folder we may not search."""
@@ -174,11 +166,11 @@ def metrics_file_of(run_folder: Path) -> Path:
     if stat.S_ISREG(mode):
         return run_folder
     if not stat.S_ISDIR(mode):
-        raise ReportError(f"{run_folder}: {_kind(mode)}, not a run folder or a metrics file")
+        raise ReportError(f"{run_folder}: {file_kind(mode)}, not a run folder or a metrics file")
     metrics_file = run_folder / "metrics.jsonl"
     mode = _mode(metrics_file, "was the `jsonl` logger in the YAML?")
     if not stat.S_ISREG(mode):
-        raise ReportError(f"{metrics_file}: {_kind(mode)}, not the run's metrics file")
+        raise ReportError(f"{metrics_file}: {file_kind(mode)}, not the run's metrics file")
     return metrics_file
 
 

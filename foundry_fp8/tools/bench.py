@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8.cli import OutputError
+from foundry_fp8.jsonl import check_output, write_output
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_CHECKED_FROM,
     AUTO_MICROBATCH_SOURCE,
@@ -569,17 +570,19 @@ def stats_cost_lines(result: dict[str, Any]) -> list[str]:
             f"{100 * extra / (interval * step):.2f} % of training time."]
 
 
+def result_paths(out: Path, tiny: bool, gpu: str) -> tuple[Path, Path]:
+    """`mpt-tiny-cpu.{json,md}` for --tiny, `mpt-1b-<gpu>.*` otherwise: a CI run never
+    overwrites published GPU results."""
+    stem = "mpt-tiny-cpu" if tiny else "mpt-1b-" + re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    return out / f"{stem}.json", out / f"{stem}.md"
+
+
 def write_results(result: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    """`mpt-tiny-cpu.*` for --tiny, `mpt-1b-<gpu>.*` otherwise: a CI run never overwrites
-    published GPU results."""
+    """The results as JSON and markdown in `out` (`result_paths`), each file replaced whole."""
     out.mkdir(parents=True, exist_ok=True)
-    if result["setup"]["tiny"]:
-        stem = "mpt-tiny-cpu"
-    else:
-        stem = "mpt-1b-" + re.sub(r"[^a-z0-9]+", "-", result["gpu"].lower()).strip("-")
-    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    md_path.write_text(markdown(result))
+    json_path, md_path = result_paths(out, result["setup"]["tiny"], result["gpu"])
+    write_output(json_path, json.dumps(result, indent=2) + "\n")
+    write_output(md_path, markdown(result))
     return json_path, md_path
 
 
@@ -714,6 +717,12 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         _error(f"--out {out}: cannot create the folder: {err.strerror or err}")
+        return 2
+    try:  # and so does a FIFO or folder where a result goes
+        for path in result_paths(out, config.tiny, environment(config.tiny)["gpu"]):
+            check_output(path)
+    except OSError as err:
+        _error(f"--out {out}: {err.filename}: {err.strerror}")
         return 2
     result = run_bench(config, after_each=lambda partial: write_results(partial, out))
     try:
