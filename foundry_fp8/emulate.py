@@ -304,6 +304,7 @@ class ScalingMeta(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> ScalingMeta:
         """Device moves only: `Module.type(dtype)` converts integer buffers too, as numbers."""
+        del recurse  # no submodules
         for name, bits in self._buffers.items():
             moved = fn(bits)
             self._buffers[name] = moved if moved.dtype == bits.dtype else bits.to(moved.device)
