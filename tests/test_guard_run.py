@@ -301,7 +301,7 @@ def test_the_table_marks_the_what_if_rows_of_the_layer_in_fallback(runs):
     assert at[0] <= step < at[-1]
     for table_step in at:
         columns, rows = run.table(TABLE_NAME, table_step)
-        numbers = {(row[0], row[1]): row[columns.index("numbers")] for row in rows}
+        numbers = {(row[1], row[2]): row[columns.index("numbers")] for row in rows}
         assert len(numbers) == 8 * len(TENSORS)  # 2 blocks x 4 linear layers
         assert numbers == {(layer, tensor): "what-if (fp8_guard fallback)"
                            if layer == LAYER and table_step > step else "FP8"

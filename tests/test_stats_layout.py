@@ -48,13 +48,14 @@ def test_images_and_table_at_the_image_interval_and_at_fit_end():
         assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
         assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0
     columns, rows = logger.tables[11][TABLE_NAME]
-    assert columns[:3] == ["layer", "tensor", "numbers"] and columns[-1] == "flags"
+    assert columns[:4] == ["step", "layer", "tensor", "numbers"] and columns[-1] == "flags"
     assert len(rows) == 2 * 3
     logged = logger.metrics[10]  # the table shows the last logging step's numbers
     for row in rows:
-        layer, tensor = row[0], row[1]
-        assert row[2] == "what-if"  # plain nn.Linear layers: fp8_stats' recipe what-if
-        for stat, value in zip(columns[3:-1], row[3:-1], strict=True):
+        assert row[0] == 10  # the logging step whose numbers these are, not W&B's step 11
+        layer, tensor = row[1], row[2]
+        assert row[3] == "what-if"  # plain nn.Linear layers: fp8_stats' recipe what-if
+        for stat, value in zip(columns[4:-1], row[4:-1], strict=True):
             assert value == logged[layer_key(stat, tensor, layer)]
     _, logger = _fit(FP8Stats(interval="2ba", image_interval=None), 11)
     assert logger.images == logger.tables == {}
@@ -72,7 +73,7 @@ def test_the_table_names_a_broken_layer_and_the_yaml_key_to_change():
     _, logger = _fit(FP8Stats(interval="2ba", image_interval="2ba", recipe="delayed"), 5,
                      before_batch=break_layer)
     columns, rows = logger.tables[4][TABLE_NAME]
-    flags = {(row[0], row[1]): row[-1] for row in rows}
+    flags = {(row[1], row[2]): row[-1] for row in rows}
     assert "algorithms.te_swap.fp8_recipe.scaling: current" in flags[("1", "weight")], flags
     # layer 0's output gradient passes through layer 1's weight: it jumps x1e4 too
     assert {key for key, flag in flags.items() if flag} == {("1", "weight"), ("0", "gradient")}

@@ -246,7 +246,7 @@ def test_the_table_and_the_summary_mark_the_what_if_rows(full):
                 for layer in ("module.blocks.0", "module.blocks.1", HEAD)
                 for tensor in ("activation", "weight", "gradient")}
     for step, (columns, *rows) in run.tables.items():
-        assert {(r[0], r[1]): r[columns.index("numbers")] for r in rows} == expected, step
+        assert {(r[1], r[2]): r[columns.index("numbers")] for r in rows} == expected, step
     lines = [line.split(" | ")[:2] for line in run.hparams[SUMMARY].splitlines()[2:]]
     assert {(layer.removeprefix("| "), tensor) for layer, tensor in lines} == {
         (layer, tensor + (" (what-if)" if numbers == "what-if" else ""))

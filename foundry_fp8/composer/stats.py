@@ -313,7 +313,8 @@ class FP8Stats(Callback):
                         lambda d, image=image, stat=stat: d.log_images(
                             image, f"{IMAGE_PREFIX}{stat}", True, step, use_table=False),
                         "fp8_stats", self.strict)
-        columns, rows = table_rows(self.monitor.table, self.monitor.flags,
+        columns, rows = table_rows(self._recent[-1][0] if self._recent else step,
+                                   self.monitor.table, self.monitor.flags,
                                    self.monitor.whatif_rows, self.monitor.fallback_rows)
         if self._no_table is None:
             self._no_table = [d for d in destinations if _wandb_table_hangs(d)]
@@ -557,23 +558,25 @@ def shown_formats(steps: Iterable[StepFormats]) -> dict[str, frozenset[str]]:
     return shown
 
 
-def table_rows(table: Table, flags: Mapping[tuple[str, str], Sequence[Flag]],
+def table_rows(step: int, table: Table, flags: Mapping[tuple[str, str], Sequence[Flag]],
                whatif: Collection[tuple[str, str]], fallback: Collection[tuple[str, str]],
                ) -> tuple[list[str], list[list[Any]]]:
-    """The per-layer table of one logging step: layer, tensor, whose numbers they are (`whatif`
-    rows, of which `fallback` ones are in the guard's fallback), each statistic, and the rules
-    it broke there with the YAML key to change (`rule: key; ...`)."""
+    """The per-layer table of the logging step `step`: the step (the table is logged at later
+    steps too: at fit end, W&B's step is already past the last logging step), layer, tensor,
+    whose numbers they are (`whatif` rows, of which `fallback` ones are in the guard's
+    fallback), each statistic, and the rules it broke there with the YAML key to change
+    (`rule: key; ...`)."""
     stats = known_first({stat for row in table.values() for stat in row}, SPECS)
 
     def numbers(key: tuple[str, str]) -> str:
         return (FALLBACK_NUMBERS if key in fallback else WHATIF_NUMBERS if key in whatif
                 else FP8_NUMBERS)
 
-    rows = [[layer, tensor, numbers((layer, tensor)),
+    rows = [[step, layer, tensor, numbers((layer, tensor)),
              *(row.get(stat, float("nan")) for stat in stats),
              "; ".join(f"{flag.rule}: {flag.yaml_key}" for flag in flags.get((layer, tensor), ()))]
             for (layer, tensor), row in table.items()]
-    return ["layer", "tensor", "numbers", *stats, "flags"], rows
+    return ["step", "layer", "tensor", "numbers", *stats, "flags"], rows
 
 
 def _start_te_debug(scaling: str | None, layers: str, exclude: str | None,
