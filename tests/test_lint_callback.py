@@ -162,3 +162,31 @@ def test_auto_microbatch_with_fsdp_judges_the_machines_composer_and_torch(monkey
                                          r"Composer 0\.32\.1 defines unshard_with_sync"):
         FP8Lint(train_config=run)
     assert FP8Lint(train_config={**run, "fsdp_config": None}).findings == []  # one GPU
+
+
+def test_a_rule_that_raises_is_logged_and_the_others_still_stop_the_run(monkeypatch, caplog):
+    """Before: an integer expansion_ratio past any float raised OverflowError in one rule, the
+    callback logged 'the linter failed ... not linted' and dropped every finding: FP8001's
+    error here let the run go on."""
+    config = {"precision": "amp_fp8", "model": {"name": "mpt_causal_lm", "d_model": 64,
+                                                "n_heads": 4, "expansion_ratio": 10 ** 309,
+                                                "loss_fn": "torch_crossentropy"}}
+    with pytest.raises(ValueError, match="FP8001 precision"):
+        FP8Lint(train_config=config)
+    from dataclasses import replace
+
+    from foundry_fp8.lint import registry
+
+    def broken(config, ctx):
+        raise OverflowError("injected rule bug")
+
+    monkeypatch.setitem(registry._REGISTRY, "FP8005",
+                        replace(registry._REGISTRY["FP8005"], check=broken))
+    with caplog.at_level(logging.ERROR, logger="foundry_fp8.composer.lint"):
+        with pytest.raises(ValueError, match="FP8001 precision.*; 1 error"):
+            FP8Lint(train_config=config)
+        lint = FP8Lint(train_config=config, fail_on="never")
+    assert [f.rule for f in lint.findings] == ["FP8001"]  # the failure is not a finding of the run
+    failures = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert failures and all(m.startswith("fp8_lint: FP8005's check failed on this config "
+                                         "(OverflowError at ") for m in failures), failures

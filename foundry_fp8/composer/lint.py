@@ -88,12 +88,17 @@ class FP8Lint(Callback):
 def _run_findings(config: Any) -> list[Finding]:
     """The file rules and this machine's version rules for a run's config (the environment
     probe, without the TE import subprocess: the run imports TE itself moments later). A
-    failure inside them is our bug, not the run's: it is logged and the run goes on unlinted."""
+    failure inside them is our bug, not the run's: a rule whose check raised is logged and the
+    others' findings stand; a failure around the rules is logged and the run goes on unlinted."""
     try:
         snapshot = gather_snapshot(probe_te_import=False)
         context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ),
                               snapshot=snapshot, wandb_mode=wandb_mode_from_env(os.environ))
-        return lint_config(config, context) + environment_findings(snapshot, config)
+        findings = lint_config(config, context) + environment_findings(snapshot, config)
     except Exception:
         log.exception("fp8_lint: the linter failed on this config; the run is not linted")
         return []
+    for f in findings:
+        if f.crashed:
+            log.error("fp8_lint: %s (fix: %s)", f.message, f.fix)
+    return [f for f in findings if not f.crashed]

@@ -20,12 +20,11 @@ from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
 from foundry_fp8.lint.load import (
     LintInputError,
     compose,
-    first_line,
     key_positions,
     load_data,
     read_text,
 )
-from foundry_fp8.lint.registry import Finding, LintContext, run_rules, section
+from foundry_fp8.lint.registry import Finding, LintContext, first_line, run_rules, section
 from foundry_fp8.lint.rules.accelerate import (
     LOCAL,
     TORCHAO_MIN,

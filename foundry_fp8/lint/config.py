@@ -3,6 +3,7 @@ rule files ask (is this run FP8, which layers run in FP8, what does te_swap get)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,15 @@ def get(config: Any, path: str) -> Any:
 
 def as_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def as_number(value: Any) -> int | float | None:
+    """A number the rules may do arithmetic with: an int of any size (exact; math.isfinite or a
+    float() of one past 1.8e308 raises OverflowError) or a finite float; None for NaN, the
+    infinities, booleans and what is no number."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return as_int(value)
 
 
 def precision(config: Mapping[str, Any]) -> str:

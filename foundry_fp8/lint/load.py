@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from foundry_fp8.lint.registry import join_key, parent_key
+from foundry_fp8.lint.registry import first_line, join_key, parent_key
 
 #: An interpolation that `train_from_yaml` cannot resolve (it clears the `oc.env` resolver).
 OC_ENV = re.compile(r"\$\{\s*oc\.env\s*:")
@@ -51,12 +51,12 @@ class _Unconstructed(Exception):
 class _Constructor(yaml.constructor.SafeConstructor):
     """PyYAML's safe constructor (yaml.safe_load's, omegaconf's), naming the node it cannot
     construct: for some values of explicit tags (`!!bool maybe`, `!!int ''`, `!!timestamp zz`)
-    it raises KeyError, IndexError or AttributeError without a mark. Every node is built deep,
-    inside its own call, so the innermost one that fails is the one named."""
+    it raises KeyError, IndexError or AttributeError without a mark. Called with `deep=True`,
+    every node is built inside its own call, so the innermost one that fails is the one named."""
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
-            return super().construct_object(node, deep=True)
+            return super().construct_object(node, deep)
         except (_Unconstructed, RecursionError, MemoryError):
             raise
         except Exception as e:  # whatever PyYAML raises for this node's value
@@ -122,7 +122,7 @@ def _key_text(node: yaml.Node) -> str:
     if not isinstance(node, yaml.ScalarNode) or node.tag.endswith(":str"):
         return str(node.value)
     try:
-        return str(_Constructor().construct_object(node))
+        return str(_Constructor().construct_object(node, deep=True))
     except _Unconstructed:  # `!!bool maybe`: load_data names it
         return str(node.value)
 
@@ -434,7 +434,7 @@ def load_data(path: Path, text: str, dates: bool = True) -> Any:
     own line, column and key."""
     try:
         root = compose(path, text, dates)
-        return None if root is None else _Constructor().construct_document(root)
+        return None if root is None else _Constructor().construct_object(root, deep=True)
     except _Unconstructed as e:
         raise _unconstructed(path, root, e.node, e.error) from None
     except yaml.YAMLError as e:
@@ -577,11 +577,6 @@ def _omegaconf_error(path: Path, error: BaseException, positions: dict[str, tupl
     key = inside + re.sub(r"\[(\d+)\]", r".\1", key)
     line = (position_of(key, positions) or (1,))[0]
     return LintInputError(f"{path}:{line}: {doing} key {key}: {first_line(error)}")
-
-
-def first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0][:300] if lines else type(error).__name__
 
 
 def position_of(key: str, positions: dict[str, tuple[int, int]]) -> tuple[int, int] | None:

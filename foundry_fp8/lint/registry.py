@@ -13,8 +13,10 @@ judge key names (an unknown key is wrong whatever its value).
 from __future__ import annotations
 
 import json
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
 Severity = Literal["error", "warning", "info"]
@@ -37,6 +39,9 @@ class Finding:
     key: str  # dotted key path (`join_key`)
     message: str
     fix: str
+    #: The rule's own check raised (our bug): this finding says so, at no key, in place of the
+    #: rest of its hits; `fp8_lint` logs it rather than stopping the run on it.
+    crashed: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,28 @@ class Rule:
     unresolved: bool = False  # it judges key names, or `${oc.env:...}` values themselves
 
     def findings(self, data: Any, context: LintContext) -> list[Finding]:
+        """Its hits as findings; a check that raises (our bug, on input it did not expect) keeps
+        the hits it made before and adds one error finding naming the rule and the error, so
+        the other rules' findings are not lost with it."""
         hidden = context.env_keys + (context.missing_keys or ())
+        hits: list[Hit] = []
+        failure: list[Finding] = []
+        try:
+            hits.extend(self.check(data, context))
+        except Exception as e:
+            failure.append(self._crashed(e))
         return [Finding(self.id, hit.severity or self.severity, hit.key, hit.message,
-                        hit.fix or self.fix) for hit in self.check(data, context)
-                if self.unresolved or not _under(hit.key, hidden)]
+                        hit.fix or self.fix) for hit in hits
+                if self.unresolved or not _under(hit.key, hidden)] + failure
+
+    def _crashed(self, error: Exception) -> Finding:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        return Finding(self.id, "error", "", f"{self.id}'s check failed on this config "
+                       f"({type(error).__name__} at {Path(frame.filename).name}:{frame.lineno}: "
+                       f"{first_line(error)}); this is a foundry-fp8 bug, and the other rules' "
+                       "findings stand", "report it with this config to foundry-fp8; "
+                       f"meanwhile {self.id} ({self.summary.replace('`', '')}) is not checked",
+                       crashed=True)
 
 
 def _under(key: str, parents: tuple[str, ...]) -> bool:
@@ -179,6 +202,11 @@ def section(config: Any, key: str) -> Mapping[str, Any]:
     """A sub-mapping, or an empty one when absent or of the wrong type (never crash on input)."""
     value = config.get(key) if isinstance(config, Mapping) else None
     return value if isinstance(value, Mapping) else {}
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__
 
 
 def join_key(prefix: str, key: Any) -> str:

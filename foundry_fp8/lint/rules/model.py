@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from foundry_fp8.filters import filter_reason, shape_reason
-from foundry_fp8.lint.config import as_int, fc_type_name, get, native_te_layers, te_swap
+from foundry_fp8.lint.config import (
+    as_int,
+    as_number,
+    fc_type_name,
+    get,
+    native_te_layers,
+    te_swap,
+)
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
     HF_CONFIG_KEYS,
@@ -71,11 +78,9 @@ def te_ln_mlp_with_act_fn(config: Mapping[str, Any], ctx: LintContext) -> Iterat
 def _ratio_hidden(model: Mapping[str, Any], d_model: int) -> int | float | None:
     """d_model * expansion_ratio, which LLM-Foundry (ffn.py, resolve_ffn_hidden_size) makes the
     FFN hidden size when ffn_config.ffn_hidden_size is not given; None when it is, or when the
-    ratio is no number."""
-    ratio = mpt_value(model, "expansion_ratio")
-    if get(model, "ffn_config.ffn_hidden_size") is not None \
-            or not isinstance(ratio, (int, float)) or isinstance(ratio, bool) \
-            or not math.isfinite(ratio):  # NaN and infinity: FP8035
+    ratio is no finite number (NaN and infinity: FP8035)."""
+    ratio = as_number(mpt_value(model, "expansion_ratio"))
+    if get(model, "ffn_config.ffn_hidden_size") is not None or ratio is None:
         return None
     try:
         return d_model * ratio
