@@ -481,3 +481,29 @@ def test_an_empty_path_is_refused_not_read_as_the_current_folder(tmp_path):
     note, = json.loads(lint("--format", "sarif").stdout)["runs"][0]["invocations"][0][
         "toolExecutionNotifications"]
     assert note["locations"] == []  # not the current folder
+
+
+def test_a_linter_bug_on_one_file_is_one_line_and_the_others_are_linted(tmp_path, monkeypatch,
+                                                                       capsys):
+    """Whatever escapes lint_file on one file (our bug: the `!!bool maybe` KeyError was one)
+    must not end a folder's lint with a traceback and no report for the good files."""
+    import argparse
+
+    from foundry_fp8.lint import cli
+
+    real = cli.load_data
+
+    def buggy(path, text, dates=True):
+        if path.name == "a.yaml":
+            raise KeyError("maybe")
+        return real(path, text, dates)
+
+    monkeypatch.setattr(cli, "load_data", buggy)
+    (tmp_path / "a.yaml").write_text("precision: amp_bf16\n")
+    (tmp_path / "b.yaml").write_text("precision: amp_bf16\n")
+    code = cli.run(argparse.Namespace(paths=[str(tmp_path)], format="text"))
+    out, err = capsys.readouterr()
+    assert code == 2 and "1 file(s) linted" in out, (out, err)
+    assert err.splitlines() == [f"error: {tmp_path / 'a.yaml'}: the linter failed on this file "
+                                "(KeyError: 'maybe'); this is a foundry-fp8 bug: please report "
+                                "it with the file"], err

@@ -37,7 +37,7 @@ from foundry_fp8.lint.load import (
     read_text,
 )
 from foundry_fp8.lint.output import render_json, render_sarif, render_text, use_colour
-from foundry_fp8.lint.registry import Finding, LintContext, run_rules
+from foundry_fp8.lint.registry import Finding, LintContext, first_line, run_rules
 from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config, wandb_mode_from_env
 from foundry_fp8.lint.rules.eval import is_eval_config
 from foundry_fp8.lint.rules.mcli import is_mcli
@@ -176,12 +176,24 @@ def exit_code(report: dict[str, Any]) -> int:
     return int(any(f["severity"] == "error" for e in report["files"] for f in e["findings"]))
 
 
+def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
+                    wandb_mode: str | None) -> dict[str, Any]:
+    """lint_file, and for what escapes it (our bug) the file's one line, so that the other
+    files of a folder are still linted and no traceback is printed."""
+    try:
+        return lint_file(path, fsdp_version, snapshot, wandb_mode)
+    except Exception as e:
+        return _error_entry(path, f"{path}: the linter failed on this file ({type(e).__name__}: "
+                            f"{first_line(e)}); this is a foundry-fp8 bug: please report it "
+                            "with the file")
+
+
 def run(args: argparse.Namespace) -> int:
     fsdp_version = fsdp_version_from_env(os.environ)
     wandb_mode = wandb_mode_from_env(os.environ)
     snapshot = gather_snapshot(probe_te_import=False, probe_gpu=False)
-    report = {"files": [lint_file(p, fsdp_version, snapshot, wandb_mode) if isinstance(p, Path)
-                        else p for p in _expand(args.paths)]}
+    report = {"files": [_lint_or_report(p, fsdp_version, snapshot, wandb_mode)
+                        if isinstance(p, Path) else p for p in _expand(args.paths)]}
     if args.format == "json":
         print(render_json(report))
     elif args.format == "sarif":
