@@ -74,11 +74,12 @@ class TiedLM(nn.Module):
         return F.linear(h, self.wte.weight)
 
 
-def _fit(folder: Path, max_fallback_share: float, caplog,
+def _fit(folder: Path, max_fallback_share: float, caplog, refit: dict[str, Any] | None = None,
          **stats: Any) -> tuple[FP8Guard, dict, dict]:
     """Train (learning rate 0: every statistic but the faulty weight's stays healthy), with
-    fp8_stats' options `stats` over its defaults here; returns the guard, fp8_guard's series by
-    step (metrics.jsonl) and hparams.json."""
+    fp8_stats' options `stats` over its defaults here, then `trainer.fit(**refit)` if given;
+    returns the guard, fp8_guard's series by step (metrics.jsonl, the last record of a step)
+    and hparams.json."""
     from composer import Trainer
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
@@ -98,6 +99,8 @@ def _fit(folder: Path, max_fallback_share: float, caplog,
             loggers=[JSONLLogger(path=str(folder / "metrics.jsonl"))], device="cpu",
             progress_bar=False)
         trainer.fit()
+        if refit is not None:
+            trainer.fit(**refit)
         trainer.close()
     series = {step: {k: m[k] for k in (FALLBACK_LAYERS, FP8_FLOPS_SHARE)}
               for step, m in read_jsonl(folder / "metrics.jsonl") if FP8_FLOPS_SHARE in m}

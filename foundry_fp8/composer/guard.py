@@ -106,7 +106,9 @@ class FP8Guard(Callback):
         self._said.discard("inert")
         failed = False
         try:
-            self._start(state)
+            # a second fit() in this process keeps this one's decisions, as a resume does
+            self._start(state, self.core.state_dict() if self.core is not None else self._restored,
+                        "a new fit() keeps" if self.core is not None else "resumed with")
         except Exception:
             if self.config.strict:
                 raise
@@ -126,20 +128,21 @@ class FP8Guard(Callback):
             log.warning("fp8_guard: no layer of this model runs in FP8 (no te_swap, no TE "
                         "layers), so it has nothing to guard")
 
-    def _start(self, state: State) -> None:
+    def _start(self, state: State, restored: Mapping[str, Any] | None, how: str) -> None:
+        """Hook `restored`'s fallbacks (a checkpoint's, or an earlier fit()'s) into a fresh core:
+        without them a layer would run FP8 again with the amax history that made it fall back."""
         self._remove_all()
         self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)}
         swap = next((a for a in state.algorithms if isinstance(a, TESwap)), None)
         self._exclude = swap.config.exclude if swap is not None else None
         self.core = GuardCore(self.config, layer_flops(state.model, self._modules,
                                                        swap.plan if swap is not None else None))
-        if self._restored is not None:
-            self.core.load_state_dict(self._restored)
+        if restored is not None:
+            self.core.load_state_dict(restored)
         for layer in self.core.fallbacks:
             self._apply(layer)
         if self.core.fallbacks:
-            log.warning("fp8_guard: resumed with %s in high precision",
-                        ", ".join(self.core.fallbacks))
+            log.warning("fp8_guard: %s %s in high precision", how, ", ".join(self.core.fallbacks))
         self._log_records()  # a resumed run's records, for its own hparams.json or W&B run
 
     def batch_end(self, state: State, logger: Logger) -> None:
@@ -202,7 +205,7 @@ class FP8Guard(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._restored = state.get("core")
         if self.core is not None and self._state is not None:  # loaded after fit_start
-            self._start(self._state)
+            self._start(self._state, self._restored, "resumed with")
 
     # the listener fp8_stats calls at each logging step, on every rank
 
