@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedParameter
 from torch.optim import Optimizer
 
 from foundry_fp8.emulate import EmulatedFP8Linear
@@ -135,7 +137,18 @@ def linear_flops(model: nn.Module) -> int:
 
 
 def _n_params(*modules: nn.Module) -> int:
-    return sum(p.numel() for m in modules for p in m.parameters(recurse=False))
+    """Parameters that exist: a lazy module's not yet materialized ones have no size."""
+    return sum(p.numel() for m in modules for p in m.parameters(recurse=False)
+               if not isinstance(p, UninitializedParameter))
+
+
+def _lazy_reason(module: nn.Module) -> str | None:
+    """Why a lazy layer (`nn.LazyLinear`) stays as it is: its weight has no shape until its
+    first forward, after te_swap's INIT, so there is nothing to convert or copy."""
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        return (f"not materialized when te_swap ran: nn.{type(module).__name__} (no size yet, "
+                f"so not in the shares)")
+    return None
 
 
 def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
@@ -225,6 +238,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
             already = is_fp8_module(module)  # an EmulatedFP8Linear: converting resets its state
             if already:
                 reason: str | None = f"already in FP8 ({type(module).__name__})"
+            elif (lazy := _lazy_reason(module)) is not None:
+                reason = lazy
             elif others:
                 reason = f"weight tied to {others[0]}: a converted copy would untie them"
             else:

@@ -249,6 +249,48 @@ def _trainer_with(net: torch.nn.Module, **options: Any) -> Any:
                    progress_bar=False)
 
 
+def test_a_lazy_layer_is_kept_with_its_reason_and_the_run_trains(tmp_path):
+    """An `nn.LazyLinear` has no weight shape at INIT: te_swap keeps it, says why in the coverage
+    table (hparams.json), and the run trains with fp8_stats and fp8_guard (it crashed counting
+    the uninitialized parameter)."""
+    import json
+
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from foundry_fp8.composer.guard import FP8Guard
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+    from foundry_fp8.composer.stats import FP8Stats
+    from foundry_fp8.composer.te_swap import TESwap
+    from foundry_fp8.jsonl import read_jsonl
+
+    net = _blocks_net(torch.nn.LazyLinear(16), torch.nn.Linear(16, 16))
+    model = ComposerClassifier(net, num_classes=16)
+    data = TensorDataset(torch.randn(24, 16), torch.randint(0, 16, (24,)))
+    trainer = Trainer(model=model, algorithms=[TESwap(backend="emulate")], device="cpu",
+                      callbacks=[FP8Stats(interval=1, image_interval=None), FP8Guard()],
+                      train_dataloader=DataLoader(data, batch_size=8), max_duration="3ba",
+                      loggers=[JSONLLogger(path=str(tmp_path / "metrics.jsonl"))],
+                      progress_bar=False)
+    trainer.fit()
+    trainer.close()
+    coverage = json.loads((tmp_path / "hparams.json").read_text())["fp8/coverage"]
+    assert ("| no | linear | 1 | 0 | 0.0% | not materialized when te_swap ran: nn.LazyLinear "
+            "(no size yet, so not in the shares) |") in coverage.splitlines()
+    assert "| yes | linear | 1 | 272 | 100.0% | converted |" in coverage.splitlines()
+    assert [step for step, m in read_jsonl(tmp_path / "metrics.jsonl")
+            if "loss/train/total" in m] == [0, 1, 2]
+
+
+def test_a_model_of_lazy_layers_only_is_refused_in_one_line():
+    net = _blocks_net(torch.nn.LazyLinear(16), torch.nn.LazyLinear(16))
+    with pytest.raises(ValueError, match=r"^te_swap: precision fp32 but no module would run in "
+                                         r"FP8 \(every layer kept: not materialized when te_swap "
+                                         r"ran: nn\.LazyLinear"):
+        _trainer_with(net)
+
+
 def test_a_model_already_holding_emulated_fp8_layers_is_not_refused(capsys):
     """Emulated layers run in FP8 at any precision (fp32 here): te_swap counts them as such, not
     as TE layers that only Composer's amp_fp8 would run in FP8, and leaves them as they are."""
