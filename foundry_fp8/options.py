@@ -222,9 +222,11 @@ class Pattern(Check):
 
 @dataclass(frozen=True)
 class PathTemplate(Check):
-    """A path that `str.format` fills with PLACEHOLDERS; `required`: not empty."""
+    """A path that `str.format` fills with PLACEHOLDERS; `required`: not empty; `file`: it
+    names a file (not the run folder or another folder: `paths.path_problem`)."""
 
     required: bool = False
+    file: bool = False
     type_text = "str"
 
     def problems(self, value: Any) -> list[Found]:
@@ -252,9 +254,10 @@ class PathTemplate(Check):
                 written = f"{{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}"
                 return [("", "value", f"has {written}: a placeholder takes no conversion or "
                          "format spec", f"use {{{name}}} as is")]
-        outside = path_problem(value)
+        outside = path_problem(value, self.file)
         if outside:
-            return [("", "value", outside, "a path inside the run folder, or an absolute path")]
+            return [("", "value", outside, "a file inside the run folder, or an absolute file "
+                     "path" if self.file else "a path inside the run folder, or an absolute path")]
         return []
 
 
@@ -685,7 +688,7 @@ class JSONLOptions(Options):
 
     PATH: ClassVar[str] = "loggers.jsonl"
 
-    path: str = option("metrics.jsonl", PathTemplate(required=True))  # in the run folder
+    path: str = option("metrics.jsonl", PathTemplate(required=True, file=True))  # in the run folder
     strict: bool = option(False, Flag())
 
 

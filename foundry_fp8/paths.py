@@ -3,7 +3,8 @@
 Torch-free, one rule for every path option we write to (the `jsonl` logger's `path`,
 `fp8_stats`' `dump_folder`): a relative path is taken inside the run folder, not the working
 directory; one that leads out of it (`..`) is refused; an absolute path is the user's choice and
-is used as written. `{run_name}` is filled in as one folder name: a run name with `/` or made of
+is used as written; a file option (the `jsonl` path) must name a file, not the run folder or
+another folder. `{run_name}` is filled in as one folder name: a run name with `/` or made of
 dots (`run_name: ../x`) cannot move a file elsewhere. The one exception, `fp8_stats`'
 `te_debug_folder`, is opened in the callback's constructor, before any run folder is known.
 """
@@ -35,29 +36,37 @@ def run_folder(save_folder: str | None, run_name: str) -> Path:
     return Path("runs") / safe_run_name(run_name)
 
 
-def path_problem(template: str) -> str | None:
-    """Why a path template would write outside the run folder (None: it would not). Its
-    placeholders are bare `{run_name}`s: `options.PathTemplate` refuses anything else first."""
+def path_problem(template: str, file: bool = False) -> str | None:
+    """Why a path template would write outside the run folder (None: it would not); with `file`,
+    also why it names no file (a folder: `.`, `x/..`, `/`, a trailing `/`), where the run folder
+    itself would become the metrics file. Its placeholders are bare `{run_name}`s:
+    `options.PathTemplate` refuses anything else first."""
     relative = template.format_map({"run_name": "run"})
-    if PurePath(relative).is_absolute():
-        return None
+    absolute = PurePath(relative).is_absolute()
     normal = os.path.normpath(relative)
-    if normal == ".." or normal.startswith(".." + os.sep):
+    if not absolute and (normal == ".." or normal.startswith(".." + os.sep)):
         return f"{template!r} leads out of the run folder ('..')"
+    if file and not absolute and normal == ".":
+        return f"{template!r} is the run folder itself, not a file in it"
+    if file and (relative.endswith(os.sep) or os.path.basename(relative) in ("", ".", "..")):
+        return f"{template!r} names a folder, not a file"
     return None
 
 
-def check_path(template: str, key: str) -> None:
+def check_path(template: str, key: str, file: bool = False) -> None:
     """PathError naming `key` where `path_problem` finds one."""
-    problem = path_problem(template)
+    problem = path_problem(template, file)
     if problem:
-        raise PathError(f"{key}: {problem} (fix: a path inside the run folder, or an absolute "
-                        "path)")
+        what = "a file" if file else "a path"
+        raise PathError(f"{key}: {problem} (fix: {what} inside the run folder, or an absolute "
+                        f"{'file ' if file else ''}path)")
 
 
-def in_run_folder(template: str, folder: Path, run_name: str, key: str) -> Path:
+def in_run_folder(template: str, folder: Path, run_name: str, key: str,
+                  file: bool = False) -> Path:
     """`template` with `{run_name}` filled in safely, inside `folder` when relative. Raises
-    PathError naming `key` for a relative path that leads out of `folder`."""
-    check_path(template, key)
+    PathError naming `key` for a relative path that leads out of `folder` (`file`: or one that
+    names no file)."""
+    check_path(template, key, file)
     path = Path(template.format_map({"run_name": safe_run_name(run_name)}))
     return path if path.is_absolute() else folder / path

@@ -126,6 +126,38 @@ def test_the_linter_refuses_it_too():
     assert len(findings) == 1 and findings[0].severity == "error"
 
 
+@pytest.mark.parametrize(("path", "problem"), [
+    (".", "is the run folder itself, not a file in it"),
+    ("./", "is the run folder itself, not a file in it"),
+    ("x/..", "is the run folder itself, not a file in it"),
+    ("{run_name}/..", "is the run folder itself, not a file in it"),
+    ("logs/", "names a folder, not a file"),
+    ("logs/.", "names a folder, not a file"),
+    ("/", "names a folder, not a file"),
+    ("/tmp/x/..", "names a folder, not a file")])
+def test_a_jsonl_path_that_names_no_file_is_refused_in_one_line(path, problem, elsewhere):
+    """`path: .` wrote the metrics into a file named like the run folder and hparams.json into
+    `runs/`, shared by every such run; `/` crashed the Trainer's constructor with a traceback."""
+    from foundry_fp8.lint.rules import lint_config
+
+    with pytest.raises(ValueError) as error:
+        JSONLLogger(path=path)
+    assert str(error.value) == (f"loggers.jsonl.path: {path!r} {problem} (fix: a file inside the "
+                                "run folder, or an absolute file path)")
+    [finding] = [f for f in lint_config({"loggers": {"jsonl": {"path": path}}})
+                 if f.key == "loggers.jsonl.path"]
+    assert finding.severity == "error" and problem in finding.message
+    assert _files(elsewhere) == []
+
+
+def test_a_dump_folder_may_be_the_run_folder_itself(tmp_path, elsewhere):
+    """A folder option may name the run folder (`.`); only the jsonl path must name a file."""
+    save_folder = str(tmp_path / "runs" / "{run_name}" / "checkpoints")
+    stats = FP8Stats(interval=10, dump_steps=[1], dump_folder=".")
+    _train("r", [JSONLLogger()], [stats], save_folder)
+    assert (tmp_path / "runs" / "r" / "step0000001-rank0.safetensors").exists()
+
+
 def test_in_run_folder_refuses_a_path_out_of_it():
     with pytest.raises(PathError, match=r"^k: '\.\./x' leads out of the run folder"):
         in_run_folder("../x", Path("/runs/r"), "r", "k")

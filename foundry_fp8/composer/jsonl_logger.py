@@ -66,7 +66,7 @@ class JSONLLogger(LoggerDestination):
     def init(self, state: State, logger: Logger) -> None:
         del logger
         self.path = in_run_folder(self.path_template, state_run_folder(state), state.run_name,
-                                  "loggers.jsonl.path")
+                                  "loggers.jsonl.path", file=True)
         if dist.get_global_rank() != 0:
             return
         sink = self.sink = JsonlSink(self.path)
