@@ -106,3 +106,44 @@ def test_a_rule_that_raises_is_one_error_line_in_the_cli(monkeypatch, tmp_path):
     assert "FP8001" in {f["rule"] for f in entry["findings"]}
     crash, = [f for f in entry["findings"] if "check failed" in f["message"]]
     assert (crash["rule"], crash["severity"], crash["line"]) == ("FP8005", "error", None)
+
+
+# -- FP8043: the sizes make_dataclass_and_log_config refuses -------------------------------------
+
+_SIZE_SAMPLES = [float("nan"), float("inf"), float("-inf"), 0, 0.0, -1, 2.5, 8.0, 10 ** 20, "8",
+                 " 8", "auto", "AUTO", "1e3", True, False, None, [], {}, 3, 16]
+
+
+@pytest.mark.parametrize("key", ["max_seq_len", "global_train_batch_size",
+                                 "device_train_microbatch_size"])
+def test_fp8043_flags_exactly_the_sizes_llmfoundry_refuses(key):
+    """Each sample in a whole train config: LLM-Foundry's make_dataclass_and_log_config (with
+    its update_batch_size_info transform, as `llmfoundry train` runs it) refuses it iff FP8043
+    names the key. Before: `max_seq_len: .nan`, `global_train_batch_size: .inf`,
+    `device_train_microbatch_size: .nan` linted with no error."""
+    from tests.test_lint_known import _WHOLE, _train_config_refused
+
+    for value in _SIZE_SAMPLES:
+        config = {**_WHOLE, key: value}
+        flagged = [f.key for f in lint_config(config) if f.rule == "FP8043"]
+        assert _train_config_refused(config) == (flagged == [key]), (key, value, flagged)
+
+
+@pytest.mark.parametrize(("global_size", "micro"), [(0, 4), (0, 2.5), (8, 0), (8, 0.0), (0, 0),
+                                                    (0, "auto"), (-8, 0), (8, float("nan"))])
+def test_fp8043_zero_sizes_as_llmfoundry_divides_by_them(global_size, micro):
+    from tests.test_lint_known import _WHOLE, _train_config_refused
+
+    config = {**_WHOLE, "global_train_batch_size": global_size,
+              "device_train_microbatch_size": micro}
+    flagged = {f.key for f in lint_config(config) if f.rule == "FP8043"}
+    assert _train_config_refused(config) == bool(flagged), (global_size, micro, flagged)
+
+
+def test_fp8043_is_named_at_its_key_and_line(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("max_seq_len: .nan\nglobal_train_batch_size: .inf\n"
+                    "device_train_microbatch_size: -.inf\n")
+    found = [(f["rule"], f["key"], f["line"]) for f in lint_file(path)["findings"]
+             if f["rule"] == "FP8043"]
+    assert found == [("FP8043", "max_seq_len", 1), ("FP8043", "global_train_batch_size", 2)]

@@ -4,11 +4,13 @@ autoresume with an offline W&B logger."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from foundry_fp8.lint.config import (
     as_int,
+    as_number,
     get,
     has_fp8_layers,
     is_fp8,
@@ -384,6 +386,98 @@ def required_keys_absent(config: Mapping[str, Any], ctx: LintContext) -> Iterato
                       + ("KeyError in update_batch_size_info"
                          if key in ("global_train_batch_size", "device_train_microbatch_size")
                          else f"MissingMandatoryValue: Missing mandatory value: {key}") + ")")
+
+
+def _omegaconf_int(value: Any) -> bool:
+    """Whether omegaconf's IntegerNode takes `value` for a field typed int: int() of an int or
+    a string, exactly those types (omegaconf 2.4 nodes.py IntegerNode)."""
+    if type(value) not in (int, str):
+        return False
+    try:
+        int(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _global_batch_refused(size: Any, micro: Any) -> str | None:
+    """Why calculate_batch_size_info, then TrainConfig, refuse a global_train_batch_size
+    whatever the world size; None when they take it."""
+    if isinstance(size, float):
+        if size.is_integer():  # divisible by the world size or not, the float is refused
+            return ("a float: calculate_batch_size_info raises 'Global batchsize "
+                    f"{size} is not divisible by' the GPU count, or where it is, TrainConfig's "
+                    "Optional[int] field refuses the float (ValidationError)")
+        return (f"not a whole number: calculate_batch_size_info raises 'Global batchsize {size} "
+                "is not divisible by' the GPU count (ValueError)")
+    if isinstance(size, bool):
+        return ("a boolean, which TrainConfig's Optional[int] field refuses (ValidationError), "
+                "if calculate_batch_size_info has not raised on it already")
+    if not isinstance(size, int):
+        return "not a number: `global_train_batch_size % world_size` raises TypeError"
+    if size == 0 and as_number(micro) is not None and micro > 0:
+        return ("with a micro-batch size: calculate_batch_size_info cuts the micro-batch to "
+                "the device batch size, 0, and divides by it (ZeroDivisionError)")
+    return None
+
+
+def _micro_batch_refused(micro: Any, size: Any) -> str | None:
+    """Why calculate_batch_size_info, then TrainConfig, refuse a device_train_microbatch_size
+    whatever the world size; None when they take it."""
+    if isinstance(micro, bool):
+        return ("a boolean, which TrainConfig's field (an int, a float or 'auto') refuses "
+                "(ValidationError; false divides by zero before that)")
+    if isinstance(micro, float) and math.isnan(micro):
+        return ("calculate_batch_size_info raises 'cannot convert float NaN to integer' "
+                "(ValueError) in math.ceil(device batch size / micro-batch size)")
+    if isinstance(micro, (int, float)):
+        if micro == 0 and as_int(size) is not None and size >= 0:
+            return ("calculate_batch_size_info divides the device batch size by it "
+                    "(ZeroDivisionError)")
+        return None
+    if micro == "auto":
+        return None
+    return ("neither a number nor 'auto': calculate_batch_size_info raises 'Not sure how to "
+            "parse device_microbatch_size' (ValueError)")
+
+
+@rule("FP8043", "error", "`max_seq_len`, `global_train_batch_size` or "
+      "`device_train_microbatch_size` that `llmfoundry train` refuses before building anything "
+      "(`.nan`, `.inf`, a float where an integer goes, a string, 0 where it divides)",
+      why="make_dataclass_and_log_config first runs its update_batch_size_info transform, whose "
+      "calculate_batch_size_info takes `global_train_batch_size % world_size` (a float that is "
+      "not a whole number, NaN or infinity is 'not divisible'; a string or null raises "
+      "TypeError), divides the device batch size by the micro-batch size (0, or a micro-batch "
+      "cut to a device batch size of 0: ZeroDivisionError) and rounds it up with math.ceil "
+      "(NaN: ValueError), and takes only numbers and 'auto' as micro-batch sizes; then "
+      "omegaconf types TrainConfig's fields: `max_seq_len` is an int (omegaconf converts an int "
+      "or a string of one, and refuses any float, even 64.0, a boolean or null), "
+      "`global_train_batch_size` an Optional[int]. Each refusal holds whatever the GPU count; "
+      "negative sizes and infinite micro-batches pass this step and are not judged here.",
+      source=f"{FOUNDRY} llmfoundry/utils/config_utils.py:437-443 (not divisible), :444, "
+      ":450-458 (the micro-batch cut to the device batch, math.ceil), :460 (not sure how to "
+      "parse), calculate_batch_size_info called by update_batch_size_info :496, a transform "
+      "make_dataclass_and_log_config applies (:342) before om.structured(TrainConfig(...)) "
+      "(:361; max_seq_len: int :111, global_train_batch_size: Optional[int] :176); omegaconf "
+      "2.4 nodes.py IntegerNode; tests/test_lint_numbers.py runs make_dataclass_and_log_config "
+      "on each",
+      fix="write max_seq_len and global_train_batch_size as integers (the global batch a "
+      "multiple of the GPU count), device_train_microbatch_size as a positive integer or auto",
+      scope="file")
+def train_sizes_refused(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    size, micro = config.get("global_train_batch_size"), config.get("device_train_microbatch_size")
+    if "max_seq_len" in config and not _omegaconf_int(config["max_seq_len"]):
+        value = config["max_seq_len"]
+        yield Hit("max_seq_len", f"max_seq_len is {value!r:.40}: TrainConfig types it int, and "
+                  f"omegaconf raises 'Value {value!s:.40} of type {type(value).__name__} could "
+                  "not be converted to Integer' (ValidationError)")
+    why = _global_batch_refused(size, micro) if "global_train_batch_size" in config else None
+    if why:
+        yield Hit("global_train_batch_size", f"global_train_batch_size is {size!r:.40}: {why}")
+    why = _micro_batch_refused(micro, size) if "device_train_microbatch_size" in config else None
+    if why:
+        yield Hit("device_train_microbatch_size",
+                  f"device_train_microbatch_size is {micro!r:.40}: {why}")
 
 
 #: W&B modes in which a run has no server-side entity or project (wandb.init: offline and
