@@ -24,7 +24,7 @@ import regex
 
 from foundry_fp8.health.keys import TENSORS
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS
-from foundry_fp8.paths import path_problem
+from foundry_fp8.paths import path_fix, path_problem
 from foundry_fp8.recipe import FP8Recipe, recipe_problems
 
 Kind = Literal["unknown", "reserved", "type", "value", "recipe"]
@@ -256,8 +256,7 @@ class PathTemplate(Check):
                          "format spec", f"use {{{name}}} as is")]
         outside = path_problem(value, self.file)
         if outside:
-            return [("", "value", outside, "a file inside the run folder, or an absolute file "
-                     "path" if self.file else "a path inside the run folder, or an absolute path")]
+            return [("", "value", outside, path_fix(self.file))]
         return []
 
 

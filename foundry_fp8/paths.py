@@ -57,9 +57,13 @@ def check_path(template: str, key: str, file: bool = False) -> None:
     """PathError naming `key` where `path_problem` finds one."""
     problem = path_problem(template, file)
     if problem:
-        what = "a file" if file else "a path"
-        raise PathError(f"{key}: {problem} (fix: {what} inside the run folder, or an absolute "
-                        f"{'file ' if file else ''}path)")
+        raise PathError(f"{key}: {problem} (fix: {path_fix(file)})")
+
+
+def path_fix(file: bool = False) -> str:
+    """The fix for a `path_problem`, here and in `options.PathTemplate`'s finding."""
+    return ("a file inside the run folder, or an absolute file path" if file
+            else "a path inside the run folder, or an absolute path")
 
 
 def in_run_folder(template: str, folder: Path, run_name: str, key: str,
