@@ -25,6 +25,7 @@ the pooling's all_reduce SUM; at that logging step every rank raises FP8MonitorE
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,12 +317,27 @@ class FP8Monitor:
                 continue
             # eager under torch.compile: Dynamo would recompile the hook for every layer shape
             self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(
-                lambda mod, args, kwargs, name=name: self._guard(self._forward, name, mod, args,
-                                                                 kwargs)), with_kwargs=True))
+                self._weak_hook("_forward", name)), with_kwargs=True))
             if any(w.kind == "gradient" for w in self._watches[name]):
                 self._handles.append(module.register_full_backward_pre_hook(
-                    lambda mod, grad_output, name=name: self._guard(self._backward, name, mod,
-                                                                    grad_output)))
+                    self._weak_hook("_backward", name)))
+
+    def _weak_hook(self, method: str, name: str) -> Callable[..., None]:
+        """A hook calling `self.<method>(name, module, *hook args)` through a weak reference.
+
+        A forward's autograd graph keeps its backward hooks (torch's BackwardHook, reachable only
+        from C++, where the garbage collector cannot follow), and a run's last graph lives on in
+        Composer's `state.loss`/`state.outputs`; a strong hook would close the cycle graph ->
+        monitor -> model -> `model.logger` -> State -> graph and keep the whole run alive.
+        Once the monitor is gone the hook does nothing."""
+        ref = weakref.ref(self)
+
+        def hook(module: nn.Module, *args: Any) -> None:
+            monitor = ref()
+            if monitor is not None:
+                monitor._guard(getattr(monitor, method), name, module, *args)
+
+        return hook
 
     def _init_whatif(self) -> None:
         """Fresh delayed state (history of zeros, scale 1), as TE starts. Never reset: the
