@@ -8,6 +8,7 @@ text the terminal's encoding cannot show is written as backslash escapes (`\\xe9
 stdout or stderr (`>&-`) discards what would go there; an output that stops reading
 (`| head -1`) ends the command quietly with exit 141, as a tool killed by SIGPIPE reports in a
 shell; an output that cannot be written (`> /dev/full`) is one line on stderr naming it, exit 2.
+Ctrl-C is one line on stderr and exit 130, not a KeyboardInterrupt traceback.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ SUBCOMMANDS = {
 #: The exit status of an output that stopped reading: 128 + SIGPIPE, what a shell reports for a
 #: command that SIGPIPE ended (`set -o pipefail`), so it is not mistaken for lint's exit 1.
 EXIT_BROKEN_PIPE = 141
+#: The exit status of a command Ctrl-C stopped: 128 + SIGINT, as a shell reports it.
+EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +139,16 @@ def _output_failed(failure: OutputError) -> int:
     return EXIT_BROKEN_PIPE if failure.error.errno == errno.EPIPE else 2
 
 
+def _interrupted() -> int:
+    """Ctrl-C: one line where a traceback would go (a user who pressed it needs no stack)."""
+    try:
+        sys.stderr.write("foundry-fp8: interrupted\n")
+        sys.stderr.flush()
+    except OutputError:  # stderr is gone: nothing left to say it on
+        pass
+    return EXIT_INTERRUPTED
+
+
 def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -159,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
     except OutputError as failure:
         code = _output_failed(failure)
+    except KeyboardInterrupt:
+        code = _interrupted()
+    except SystemExit as stop:  # Composer, once imported, turns SIGINT into sys.exit(130)
+        if stop.code != EXIT_INTERRUPTED:
+            raise
+        code = _interrupted()
     finally:
         sys.stdout, sys.stderr = saved
         for stream, error in zip(saved, errors, strict=True):

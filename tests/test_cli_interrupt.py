@@ -1,0 +1,57 @@
+"""Ctrl-C in any `foundry-fp8` subcommand (QA 8): one line on stderr and exit 130 (128 + SIGINT,
+what a shell reports for a command SIGINT ended), never a KeyboardInterrupt traceback."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import subprocess
+
+import pytest
+
+from foundry_fp8.cli import EXIT_INTERRUPTED, SUBCOMMANDS, main
+from tests.test_tiny_data_build import CLI, _held, _stderr_line, whole  # noqa: F401 (fixture)
+
+ARGS = {"lint": ["x.yaml"], "report": ["run"], "bench": ["--tiny"], "doctor": [],
+        "tiny-data": ["data"]}
+
+
+def _composer_s_handler(args):
+    """What Composer's SIGINT handler (composer/core/engine.py, installed on import) does."""
+    raise SystemExit(128 + signal.SIGINT)
+
+
+def _python_s_handler(args):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("interrupt", [_python_s_handler, _composer_s_handler],
+                         ids=["python", "composer"])
+@pytest.mark.parametrize("command", list(SUBCOMMANDS))
+def test_an_interrupt_in_any_subcommand_is_one_line_and_exit_130(command, interrupt,
+                                                                 monkeypatch, capsys):
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    monkeypatch.setattr(module, "run", interrupt)
+    try:
+        code = main([command, *ARGS[command]])
+    except (KeyboardInterrupt, SystemExit):  # must fail this test, not stop the whole session
+        pytest.fail("the interrupt escaped main")
+    assert code == EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "foundry-fp8: interrupted\n"
+
+
+def test_a_real_ctrl_c_while_tiny_data_waits_is_one_line(whole):  # noqa: F811 (the fixture)
+    """SIGINT to a real process, sent once it is inside the subcommand (waiting for a lock)."""
+    next(whole.root.glob("ready-*.json")).unlink()
+    with _held(whole.root):
+        process = subprocess.Popen([*CLI, "tiny-data", str(whole.root)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            assert "waiting for another tiny-data build" in _stderr_line(process, 90)
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    assert process.returncode == 130 and stderr == "foundry-fp8: interrupted\n", stderr
