@@ -338,3 +338,46 @@ def test_a_fifo_where_a_result_goes_is_one_line_before_the_run(tmp_path):
                            f"{tmp_path / 'mpt-tiny-cpu.json'}: a FIFO (named pipe), not a regular "
                            "file: remove it, or write elsewhere\n")
     assert not (tmp_path / "mpt-tiny-cpu.md").exists()
+
+
+_BAD_YAML_RUN = """
+import sys
+from foundry_fp8.cli import main
+code = main(["bench", "--variants", "bf16,fp8-te-swap", "--yamls", sys.argv[1], "--out",
+             sys.argv[1]])
+print(code, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(("bf16", "fp8", "says"), [
+    ("model: [\n", None, "mpt-1b-bf16.yaml:2:1: "),
+    ("optimizer: {name: decoupled_adamw}\n", None,
+     "mpt-1b-bf16.yaml:1: model: missing (the bench builds the model from it)"),
+    (None, "model: {name: mpt_causal_lm, vocab_size: 8}\noptimizer: {name: adamw}\n"
+           "precision: amp_fp8\nalgorithms:\n  gradient_clipping: 3\n",
+     "mpt-1b-fp8.yaml:5: algorithms.gradient_clipping: expected a mapping, got 3"),
+    (None, "model: {name: mpt_causal_lm, vocab_size: 8}\noptimizer: {name: adamw}\n"
+           "precision: amp_fp8\nalgorithms:\n  gradient_clipping: {}\n",
+     "mpt-1b-fp8.yaml:4: algorithms.te_swap: missing (the fp8-te-swap variant reads it)"),
+], ids=["not-yaml", "no-model", "clipping-not-a-mapping", "no-te-swap"])
+def test_a_bad_yaml_is_one_line_naming_file_and_line_before_any_heavy_import(tmp_path, bf16,
+                                                                              fp8, says):
+    """Checked up front, as the bench will read it: not after torch, Composer and LLM-Foundry
+    have loaded (half a minute) inside the first variant, and not as a bare KeyError."""
+    import subprocess
+
+    for name, text in (("bf16", bf16), ("fp8", fp8)):
+        (tmp_path / f"mpt-1b-{name}.yaml").write_text(
+            text if text is not None else (bench.YAMLS / f"mpt-1b-{name}.yaml").read_text())
+    done = subprocess.run([sys.executable, "-c", _BAD_YAML_RUN, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout == "2 False\n", done.stdout + done.stderr[-2000:]
+    assert done.stderr.startswith(f"foundry-fp8 bench: {tmp_path}/{says}"), done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_the_shipped_yamls_pass_the_up_front_check(tiny):
+    for yaml in ("bf16", "fp8"):
+        variants = [v for v in bench.VARIANTS.values() if v.yaml == yaml]
+        bench.check_yaml(bench.YAMLS / f"mpt-1b-{yaml}.yaml", variants, tiny)

@@ -669,7 +669,51 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if not path.is_file():
             raise ValueError(f"--yamls {config.yamls}: no {path.name} there (the bench reads "
                              "mpt-1b-bf16.yaml and mpt-1b-fp8.yaml; the package ships both)")
+        check_yaml(path, [VARIANTS[n] for n in config.variants
+                          if yaml_path(VARIANTS[n], config) == path], tiny)
     return config
+
+
+#: How a message names the type a key needs.
+_A = {dict: "a mapping", str: "a string", int: "an integer"}
+
+
+def _needed(variants: Sequence[Variant], tiny: bool) -> dict[str, tuple[type, str]]:
+    """The keys `load_config` and `run_variant` read from a variant's YAML: key -> (type, why)."""
+    needed = {"model": (dict, "the bench builds the model from it"),
+              "model.name": (str, "LLM-Foundry's model registry name"),
+              "optimizer": (dict, "the bench builds the optimizer from it"),
+              "optimizer.name": (str, "LLM-Foundry's optimizer registry name"),
+              "algorithms.gradient_clipping": (dict, "every variant clips gradients with it")}
+    if not tiny:  # --tiny sets these itself
+        needed.update({"model.vocab_size": (int, "the synthetic batches' token range"),
+                       "precision": (str, "the variant's Composer precision")})
+    swapping = [v.name for v in variants if v.te_swap]
+    if swapping:
+        needed["algorithms.te_swap"] = (dict, f"the {swapping[0]} variant reads it")
+    return needed
+
+
+def check_yaml(path: Path, variants: Sequence[Variant], tiny: bool) -> None:
+    """Load a bench YAML as `load_config` will and check the keys the bench reads, before any
+    heavy import: ValueError, one line naming file and line (the linter's loader gives them),
+    rather than a parser error or a bare KeyError from inside the first variant."""
+    from foundry_fp8.lint.config import get
+    from foundry_fp8.lint.load import LintInputError, load_config, position_of
+
+    try:
+        loaded = load_config(path)
+    except LintInputError as err:
+        raise ValueError(str(err)) from None
+    for key, (kind, why) in _needed(variants, tiny).items():
+        line = (position_of(key, loaded.positions) or (1,))[0]
+        value = get(loaded.config, key)
+        if value is None:
+            raise ValueError(f"{path}:{line}: {key}: "
+                             f"{'null' if key in loaded.positions else 'missing'} ({why})")
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"{path}:{line}: {key}: expected {_A[kind]}, got {value!r:.40}")
+
 
 
 def _auto_microbatch_refusal(config: BenchConfig) -> str | None:
