@@ -5,6 +5,7 @@ as written, and `{run_name}` cannot move a file (`run_name: ../x`). Real Compose
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -156,6 +157,20 @@ def test_a_dump_folder_may_be_the_run_folder_itself(tmp_path, elsewhere):
     stats = FP8Stats(interval=10, dump_steps=[1], dump_folder=".")
     _train("r", [JSONLLogger()], [stats], save_folder)
     assert (tmp_path / "runs" / "r" / "step0000001-rank0.safetensors").exists()
+
+
+def test_a_run_folder_under_a_file_is_named_in_the_warning(tmp_path, elsewhere, caplog):
+    """A save_folder under a regular file: the warning names that file (the OS says only "File
+    exists" about the metrics file's own path). Composer's checkpoint saver then fails on the
+    same file, after this warning."""
+    (tmp_path / "afile").write_text("")
+    with caplog.at_level(logging.WARNING), pytest.raises(NotADirectoryError):
+        Trainer(model=ComposerClassifier(nn.Sequential(nn.Linear(8, 2)), num_classes=2),
+                loggers=[JSONLLogger()], run_name="r", progress_bar=False,
+                save_folder=str(tmp_path / "afile" / "checkpoints"))
+    [warning] = [r.getMessage() for r in caplog.records if "jsonl logger" in r.getMessage()]
+    assert warning.startswith(f"jsonl logger: cannot write {tmp_path / 'afile' / 'metrics.jsonl'}"
+                              f" (a parent of it, {tmp_path / 'afile'}, is a file; "), warning
 
 
 def test_in_run_folder_refuses_a_path_out_of_it():

@@ -138,13 +138,17 @@ class JSONLLogger(LoggerDestination):
             self.stopped = True
             log.warning("jsonl logger: cannot write %s (%s); it writes nothing more to %s, "
                         "training goes on (loggers.jsonl.strict: true makes this an error)",
-                        path, _reason(e), path.parent)
+                        path, _reason(e, path), path.parent)
 
 
-def _reason(error: Exception) -> str:
-    """An error in a few words: an OSError's own text, else its repr."""
+def _reason(error: Exception, path: Path | None = None) -> str:
+    """An error in a few words: an OSError's own text, else its repr; first, the regular file in
+    the place of a folder of `path`, which the OS calls only "File exists" or "Not a directory"."""
     if isinstance(error, OSError):
-        return f"{type(error).__name__}: {error.strerror or error}"
+        said = f"{type(error).__name__}: {error.strerror or error}"
+        blocking = next((p for p in (path.parents if path is not None else ())
+                         if p.is_file()), None)
+        return f"a parent of it, {blocking}, is a file; {said}" if blocking else said
     return repr(error)
 
 
