@@ -39,6 +39,8 @@ STATS = {"interval": INTERVAL, "image_interval": 2 * INTERVAL,
          "recipe": {"scaling": "delayed", "amax_history_len": 4}}
 HEAD = "module.head"  # a plain nn.Linear: the what-if's delayed state
 SUMMARY = "fp8/stats_summary"
+#: a resumed run's summary: its own key, as loggers refuse a changed value (`fit_end_key`)
+RESUMED_SUMMARY = f"{SUMMARY}.ba{BATCHES}"
 
 
 class Net(nn.Module):
@@ -161,7 +163,7 @@ def test_a_resumed_run_logs_every_fp8_key_and_the_summary_of_the_uninterrupted_r
                         + ", ".join(" ".join(key) for key in before)]
     assert after == _after_resume(run.metrics)  # every key, every value, bit for bit
     assert resumed.tables == {s: t for s, t in run.tables.items() if s >= RESUME_AT}
-    assert resumed.hparams[SUMMARY] == run.hparams[SUMMARY]
+    assert resumed.hparams[RESUMED_SUMMARY] == run.hparams[SUMMARY]
     # the health rules judged the same: every flag, with whether it was new (warned)
     assert resumed.stats.monitor.tracker.flags == [
         f for f in run.stats.monitor.tracker.flags if f.step >= RESUME_AT]
@@ -212,7 +214,7 @@ def test_a_checkpoint_of_an_earlier_version_without_the_heatmaps_resumes_with_on
     [line] = _fp8_stats_lines(caplog)
     assert "heatmaps' logging steps before it" in line and "\n" not in line
     assert _after_resume(resumed.metrics) == _after_resume(run.metrics)
-    assert resumed.hparams[SUMMARY] == run.hparams[SUMMARY]  # the head is a what-if after it too
+    assert resumed.hparams[RESUMED_SUMMARY] == run.hparams[SUMMARY]  # the head is a what-if after it too
     assert resumed.images
     for (stat, step), image in resumed.images.items():
         steps, drawn = _drawn(tmp_path / "run", stat, step, run.stats)
@@ -272,7 +274,7 @@ def test_wandb_holds_the_uninterrupted_runs_fp8_series_and_summary_after_a_resum
                                                 for name in ("full", "resumed"))
     assert sorted(resumed) == list(range(RESUME_AT, BATCHES, INTERVAL))
     assert resumed == full
-    assert resumed_run.config[SUMMARY] == full_run.config[SUMMARY]
+    assert resumed_run.config[RESUMED_SUMMARY] == full_run.config[SUMMARY]
     assert resumed_run.media("table-file") == {TABLE_NAME: [8, 12]}
     # the heatmaps W&B holds after the resume: the uninterrupted run's PNGs, pixel for pixel
     images = resumed_run.media("images/separated")
@@ -322,7 +324,7 @@ def test_a_checkpoint_without_usable_fp8_stats_state_resumes_afresh_with_one_lin
     assert said in line and "\n" not in line
     assert sorted(_after_resume(resumed.metrics)) == list(range(RESUME_AT, BATCHES, INTERVAL))
     assert layer_key(INITIAL_SCALE, "activation", HEAD) in resumed.metrics[RESUME_AT]  # afresh
-    assert resumed.hparams[SUMMARY]
+    assert resumed.hparams[RESUMED_SUMMARY]
 
 
 def test_before_fit_start_the_state_is_what_was_loaded_or_nothing():
@@ -358,7 +360,7 @@ def test_a_checkpoint_of_other_layers_or_recipe_restores_what_matches(
         assert {k: after[step][k] for k in kept} == {k: before[step][k] for k in kept}
     fresh = layer_key(INITIAL_SCALE, "activation", HEAD) in after[RESUME_AT]
     assert fresh == other_recipe
-    assert resumed.hparams[SUMMARY]
+    assert resumed.hparams[RESUMED_SUMMARY]
 
 
 def _ranks_worker(rank: int, rendezvous: str, out_dir: str) -> None:

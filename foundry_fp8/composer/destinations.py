@@ -51,3 +51,42 @@ def _warn(destination: LoggerDestination, kind: str, who: str, error: Exception)
     log.warning("%s: the logger %s failed to log %s (%s: %s); the other loggers are not "
                 "affected and training goes on (warned once per logger and kind)", who, name,
                 kind, type(error).__name__, error, exc_info=error)
+
+
+#: The longest hyperparameter value every logger keeps whole: MLflow cuts a param's value at
+#: 6000 characters (mlflow/utils/validation.py, MAX_PARAM_VAL_LENGTH) with only its own warning.
+HPARAM_MAX_CHARS = 6000
+
+
+def fit_end_key(name: str, step: int, logged: set[str], first_fit: bool) -> str:
+    """The hyperparameter key of a text logged at a fit's end: `name` at the first fit of a run
+    that started at batch 0, else `name.ba<step>` (`.ba<step>.<n>` if this process used that one
+    already: fit() again with reset_time). W&B and MLflow refuse a changed value under a key,
+    and a resumed or second fit ends with other values; MLflow's asynchronous logger then drops
+    the whole queued batch, the run's other params and metrics included. The suffix uses only
+    characters MLflow accepts in a key (no `@`), and no `/` (its file store keeps `name` as a file). `logged` holds the keys used so far and gets
+    the new one."""
+    key = name if first_fit and name not in logged else f"{name}.ba{step}"
+    n = 1
+    while key in logged:
+        n += 1
+        key = f"{name}.ba{step}.{n}"
+    logged.add(key)
+    return key
+
+
+def capped(text: str, whole: str, limit: int = HPARAM_MAX_CHARS) -> str:
+    """`text` cut at a line end to fit `limit` characters, its last line saying how many lines
+    were left out and where `whole` (the full text) is."""
+    if len(text) <= limit:
+        return text
+    lines = text.splitlines()
+    kept: list[str] = []
+    size = 0
+    for line in lines:
+        note = f"... {len(lines) - len(kept)} more lines: {whole}"
+        if size + len(line) + 1 + len(note) > limit:
+            return "\n".join([*kept, note])
+        kept.append(line)
+        size += len(line) + 1
+    return text

@@ -1,0 +1,68 @@
+"""fp8_stats' fit-end summary at MLflow, read back with MLflow's own client: MLflow refuses a
+changed param and its asynchronous logger then drops the whole queued batch (the run's other
+params and metrics too), and it cuts a param's value at 6000 characters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from foundry_fp8.composer.stats import SUMMARY_KEY, FP8Stats
+
+mlflow = pytest.importorskip("mlflow")
+
+
+def _trainer(tmp_path, width: int, name: str):
+    from composer import Trainer
+    from composer.loggers import MLFlowLogger
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+    layers = [nn.Linear(8, 8) for _ in range(width)]
+    model = ComposerClassifier(nn.Sequential(*layers, nn.Linear(8, 2)), num_classes=2)
+    logger = MLFlowLogger(tracking_uri=f"file://{tmp_path}/mlruns", experiment_name="fp8",
+                          run_name=name)
+    trainer = Trainer(model=model, train_dataloader=DataLoader(data, batch_size=8),
+                      max_duration="4ba", callbacks=[FP8Stats(interval=2, image_interval=None)],
+                      loggers=[logger], device="cpu", progress_bar=False, log_to_console=False)
+    return trainer, logger
+
+
+def _read(tmp_path, logger):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file://{tmp_path}/mlruns")
+    run = client.get_run(logger._run_id)
+    return run.data.params, client.get_metric_history(run.info.run_id, "loss/train/total")
+
+
+def test_a_second_fit_keeps_the_runs_params_and_metrics(tmp_path):
+    """fit() twice: the second summary differs from the first; under one key MLflow refused it
+    and dropped the batch holding it (QA: 0 params, 0 metrics in the run)."""
+    trainer, logger = _trainer(tmp_path, 1, "twice")
+    trainer.fit()
+    trainer.fit(duration="2ba")
+    trainer.close()
+    params, losses = _read(tmp_path, logger)
+    assert [m.step for m in losses] == list(range(6))
+    assert SUMMARY_KEY in params and f"{SUMMARY_KEY}.ba6" in params
+    assert params[SUMMARY_KEY] != params[f"{SUMMARY_KEY}.ba6"]  # each fit's own worst values
+
+
+def test_a_long_summary_is_cut_at_a_row_and_says_so(tmp_path, capsys):
+    """30 layers x 3 tensors: a summary over MLflow's 6000 characters reaches it cut at a row's
+    end, with a line saying what was left out, not cut mid-row by MLflow."""
+    trainer, logger = _trainer(tmp_path, 30, "long")
+    trainer.fit()
+    trainer.close()
+    printed = capsys.readouterr().out.split("worst value per layer and tensor\n", 1)[1]
+    params, _ = _read(tmp_path, logger)
+    value = params[SUMMARY_KEY]
+    assert len(printed) > 6000 >= len(value)
+    head, note = value.rsplit("\n", 1)
+    assert printed.startswith(head + "\n")
+    left = len(printed.rstrip("\n").splitlines()) - len(head.splitlines())
+    assert note.startswith(f"... {left} more lines: ")
