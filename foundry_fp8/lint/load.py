@@ -32,8 +32,8 @@ _TIMESTAMP = "tag:yaml.org,2002:timestamp"
 class _DatesAsText(_Loader):
     """YAML resolved as omegaconf resolves it, and so LLM-Foundry's train and eval configs: no
     implicit timestamp (`2001-13-45` stays text; omegaconf 2.4 `_yaml.py` get_yaml_loader drops
-    the resolver, as 2.1-2.3 did), where yaml.safe_load (Accelerate's and MCLI's reader) makes
-    a date of it, or raises."""
+    the resolver, as 2.1's `_utils.py` one did), where yaml.safe_load (Accelerate's and MCLI's
+    reader) makes a date of it, or raises."""
 
     yaml_implicit_resolvers = {
         first: [(tag, regexp) for tag, regexp in resolvers if tag != _TIMESTAMP]
