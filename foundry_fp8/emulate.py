@@ -264,51 +264,35 @@ def _bias_dtype(activation_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if activation_dtype == torch.float32 else activation_dtype
 
 
-class _Float32State:
-    """A float32 tensor attribute kept in the int32 buffer `<name>_bits` (the same bits) and
-    read and written through float32 views, so in-place writes reach the buffer. Casts pass
-    integer buffers by: `Module.to(dtype)`, `.half()`, `.bfloat16()` and FSDP1's
-    `MixedPrecision(buffer_dtype=...)` convert floating-point buffers only, FSDP1 by
-    `buffer.data = buffer.to(dtype)` (torch 2.7 fsdp/_runtime_utils.py:1625-1660), which no
-    module hook sees; device moves still apply."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.bits = f"{name}_bits"
-
-    def __get__(self, meta: nn.Module | None, owner: type | None = None) -> Any:
-        return self if meta is None else getattr(meta, self.bits).view(torch.float32)
-
-    def __set__(self, meta: nn.Module, value: torch.Tensor) -> None:
-        setattr(meta, self.bits, value.to(torch.float32).view(torch.int32))
-
-
 class ScalingMeta(nn.Module):
     """`scale` [n] and `amax_history` [history_len, n], as TE's FP8TensorMeta holds them: in
     float32 whatever the module's dtype (TE's are plain float32 tensors, quantization.py:
     1436-1442); a bfloat16 scale cannot hold float32 max, which the update writes on overflow.
 
     The history is empty until the first delayed-scaling forward sizes it by the recipe (or
-    `fp8_state` restores a checkpoint's). Non-persistent buffers (`_Float32State`): they follow
-    `.to(device)` but no dtype cast, and stay out of the model state_dict.
+    `fp8_state` restores a checkpoint's). Plain tensor attributes, not buffers, as TE's
+    `fp8_meta` dict: whatever walks a model's buffers leaves them alone (Composer's EMA
+    averaged and swapped them, `buffer_dtype` casts, state_dict); they follow the module's
+    device moves (`_apply`), and a forward on another device (FSDP moves only parameters and
+    buffers) takes them there (`follow`).
     """
-
-    scale = _Float32State()
-    amax_history = _Float32State()
 
     def __init__(self, n: int):
         super().__init__()
-        self.register_buffer("scale_bits", torch.ones(n).view(torch.int32), persistent=False)
-        self.register_buffer("amax_history_bits", torch.zeros(0, n, dtype=torch.int32),
-                             persistent=False)
+        self.scale = torch.ones(n)
+        self.amax_history = torch.zeros(0, n)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> ScalingMeta:
-        """Device moves only: `Module.type(dtype)` converts integer buffers too, as numbers."""
+        """Take only the device from `fn`, never to `meta`: a dtype cast (`.to(bfloat16)`,
+        `.half()`, `.type()`) or `to_empty` must not change the values."""
         del recurse  # no submodules
-        for name, bits in self._buffers.items():
-            moved = fn(bits)
-            self._buffers[name] = moved if moved.dtype == bits.dtype else bits.to(moved.device)
+        self.follow(fn(self.scale).device)
         return self
+
+    def follow(self, device: torch.device) -> None:
+        if device.type != "meta" and self.scale.device != device:
+            self.scale, self.amax_history = self.scale.to(device), self.amax_history.to(device)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -467,6 +451,8 @@ class EmulatedFP8Linear(nn.Linear):
         every change, and software FP8 gains nothing from a compiled graph."""
         recipe = _STATE.recipe
         self._check_recipe(recipe)
+        for meta in self.fp8_meta.values():
+            meta.follow(x.device)
         replaying = _STATE.replay is not None
         if recipe.scaling == "delayed" and not replaying:
             for meta in self.fp8_meta.values():
