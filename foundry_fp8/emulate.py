@@ -84,6 +84,8 @@ class _AutocastState:
     # TE's is_first_fp8_module: set when the outermost region opens, taken by the first layer
     # that casts with grad; that layer's backward updates the backward scales.
     first_module: bool = False
+    # the layer that last took the flag, weakly: `first_fp8_module`
+    first_layer: weakref.ref[EmulatedFP8Linear] | None = None
     pruned: bool = False  # whether this outermost region has pruned the buffers (`_prune`)
     buffers: dict[tuple[FP8Recipe, int | None], _AmaxBuffer] = field(default_factory=dict)
     # fp8_checkpoint: scales in force at the original forward, stashed per module, in call order;
@@ -103,6 +105,13 @@ _REGISTERED: weakref.WeakKeyDictionary[EmulatedFP8Linear, _AmaxBuffer] = (
 
 def is_fp8_enabled() -> bool:
     return _STATE.enabled
+
+
+def first_fp8_module() -> EmulatedFP8Linear | None:
+    """The layer that took the latest outermost autocast's first-module flag: only its backward
+    updates the backward scales, so if it never gets a gradient (detached, frozen or unused
+    output) they never update. None: no layer took it yet, or it was freed."""
+    return None if _STATE.first_layer is None else _STATE.first_layer()
 
 
 def active_recipe() -> FP8Recipe | None:
@@ -463,4 +472,6 @@ class EmulatedFP8Linear(nn.Linear):
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, self.weight, self.bias))
         update_backward = needs_grad and not replaying and _take_first_module()
+        if update_backward:
+            _STATE.first_layer = weakref.ref(self)
         return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe, update_backward)

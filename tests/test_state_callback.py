@@ -338,7 +338,21 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _fit(checkpoint, callback: FP8State, **kwargs):
+class _DetachedFirst(_Net):
+    """The first FP8 layer of the forward feeds only a detached diagnostic: it holds the
+    autocast's first-module flag (TE's, and the emulation's), so the backward scale update that
+    its backward would run never runs; no activation recompute anywhere."""
+
+    def __init__(self, checkpoint):
+        super().__init__(checkpoint)
+        self.blocks[0].aux = nn.Linear(16, 16)
+
+    def forward(self, x):
+        self.diagnostic = self.blocks[0].aux(x).detach().norm()
+        return super().forward(x)
+
+
+def _fit(checkpoint, callback: FP8State, net: type[_Net] = _Net, **kwargs):
     """6 batches of 8 under te_swap's emulated FP8; `kwargs` go to the Trainer."""
     from composer import Trainer
     from composer.models import ComposerClassifier
@@ -348,7 +362,7 @@ def _fit(checkpoint, callback: FP8State, **kwargs):
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 16) * 4, torch.randint(0, 4, (64,)))
-    trainer = Trainer(model=ComposerClassifier(_Net(checkpoint), num_classes=4),
+    trainer = Trainer(model=ComposerClassifier(net(checkpoint), num_classes=4),
                       train_dataloader=DataLoader(data, batch_size=8), max_duration="6ba",
                       algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
                       callbacks=[callback], device="cpu", progress_bar=False, loggers=[],
@@ -380,6 +394,16 @@ def test_watch_quiet_with_fp8_checkpoint(caplog):
     layer = trainer.state.model.module.blocks[1].up
     assert isinstance(layer, EmulatedFP8Linear)
     assert layer.fp8_meta["scaling_bwd"].amax_history.abs().sum() > 0
+
+
+def test_watch_names_a_first_fp8_module_without_gradient():
+    """The symptom of #1190 without any recompute: the message names the module that holds the
+    flag and gives both causes."""
+    with pytest.raises(FP8StateError) as error:
+        _fit(lambda block, x: block(x), FP8State(), net=_DetachedFirst)
+    message = str(error.value)
+    assert "module.blocks.0.aux" in message
+    assert "gradient" in message and "recompute" in message
 
 
 def _never_update_backward(monkeypatch) -> None:
@@ -501,7 +525,7 @@ def test_watch_catches_row0_accumulating_which_the_old_check_missed(monkeypatch)
         model = _layers()
         _train_watched(model, 8, _watching(model), grow=4.0)
     model = _layers()
-    with pytest.raises(FP8StateError, match=r"not updating .* in 0, 1; recompute FP8 layers"):
+    with pytest.raises(FP8StateError, match=r"not updating .* in 0, 1 .*: recompute FP8 layers"):
         _train_watched(model, 8, _watching(model), grow=4.0)
 
 
@@ -516,7 +540,7 @@ def test_watch_catches_backward_history_unchanged_after_resume(monkeypatch):
     callback.load_state_dict(saved)
     before = read_fp8_meta(model[1])["bwd_amax_history"]
     assert before[1:].any()
-    with pytest.raises(FP8StateError, match=r"in 0, 1;"):
+    with pytest.raises(FP8StateError, match=r"in 0, 1 "):
         _train_watched(model, 8, callback, grow=4.0)
     assert torch.equal(read_fp8_meta(model[1])["bwd_amax_history"][1:], before[1:])
 

@@ -27,6 +27,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
+from foundry_fp8 import emulate
 from foundry_fp8.composer.guard import FP8Guard
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
@@ -310,19 +311,39 @@ class FP8State(Callback):
             stale = set(stale_backward_modules(self._last, current, grads_nonzero))
             self._stale = {n: self._stale.get(n, 0) + 1 for n in stale}
             if any(count >= 2 for count in self._stale.values()):
-                self._report_stale(sorted(self._stale))
+                casting = {n for n in self._last.keys() & current.keys() if _rolled(
+                    self._last[n]["fwd_amax_history"], current[n]["fwd_amax_history"])}
+                self._report_stale(sorted(self._stale), self._first_module_names(
+                    sorted(casting - grads_nonzero)))
         self._last = current
         self._watched += 1
         if self._watched >= self.watch_batches:
             self.watch_batches, self._last = 0, None
 
-    def _report_stale(self, names: list[str]) -> None:
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        message = (f"fp8_state: backward FP8 scales are not updating while forward ones are "
-                   f"(TE #1190 symptom: activation recompute outside FP8?) in {shown}; "
-                   f"recompute FP8 layers with te.distributed.checkpoint on TE >= "
-                   f"{dotted(MIN_TE_FOR_RECOMPUTE)} (Composer FSDP1: "
-                   f"te_checkpoint_wrapper: true, activation_checkpointing_reentrant: false) or "
+    def _first_module_names(self, without_gradient: list[str]) -> str:
+        """What the message can say of the first FP8 module in the forward: its name where the
+        emulation knows it (TE keeps only a flag), else the FP8 modules that cast in the
+        forward without getting a gradient, one of which may be it."""
+        assert self._model is not None
+        first = emulate.first_fp8_module()
+        name = next((n for n, m in fp8_modules(self._model) if m is first), None)
+        if name is not None:
+            return f"here {name}" + (", which got no gradient" if name in without_gradient
+                                     else ", which got a gradient: not this")
+        if without_gradient:
+            return "FP8 modules that cast without a gradient: " + _shown(without_gradient)
+        return "every FP8 module that cast got a gradient: not this"
+
+    def _report_stale(self, names: list[str], first: str) -> None:
+        message = (f"fp8_state: backward FP8 scales are not updating while forward ones are in "
+                   f"{_shown(names)} (TE #1190 symptom). Either the first FP8 module in the "
+                   f"forward ({first}) never gets a gradient (output detached, frozen or "
+                   f"unused), and only its backward runs the backward scale update: run it "
+                   f"outside FP8 (te_swap's exclude) or after a module that gets one; or "
+                   f"activations are recomputed outside FP8: recompute FP8 layers with "
+                   f"te.distributed.checkpoint on TE >= {dotted(MIN_TE_FOR_RECOMPUTE)} "
+                   f"(Composer FSDP1: te_checkpoint_wrapper: true, "
+                   f"activation_checkpointing_reentrant: false) or "
                    f"foundry_fp8.emulate.fp8_checkpoint, not torch.utils.checkpoint")
         if self.strict:
             raise FP8StateError(message + " (fp8_state: {strict: false} only warns)")
@@ -466,6 +487,10 @@ class FP8State(Callback):
                            + "; ".join(shapes), "those modules not restored")
         log.info("fp8_state: restored amax history and scales of %d modules",
                  len(checked) - len(shapes))
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _same_state(a: FP8ModuleState, b: FP8ModuleState) -> bool:
