@@ -309,6 +309,7 @@ def test_auto_micro_batch_is_refused_in_one_line_where_composer_would_raise(
     from importlib import metadata
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(torch, "__version__", torch_version)
     monkeypatch.setattr(metadata, "version",
                         lambda name: {"mosaicml": "0.32.1"}.get(name, "0"))
@@ -381,3 +382,21 @@ def test_the_shipped_yamls_pass_the_up_front_check(tiny):
     for yaml in ("bf16", "fp8"):
         variants = [v for v in bench.VARIANTS.values() if v.yaml == yaml]
         bench.check_yaml(bench.YAMLS / f"mpt-1b-{yaml}.yaml", variants, tiny)
+
+
+def test_results_that_cannot_be_saved_mid_run_are_one_line_at_the_end(capsys, tmp_path,
+                                                                      monkeypatch):
+    """A full disk while the results are saved after a variant: the bench goes on, and the
+    final save says why in one line (it raised out of the bench as a traceback)."""
+    import errno
+
+    def full(result, out):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "mpt-tiny-cpu.json"))
+
+    monkeypatch.setattr(bench, "run_variant", _fake_run_variant)
+    monkeypatch.setattr(bench, "write_results", full)
+    assert main(["bench", "--tiny", "--variants", "bf16,fp8-fc-te", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"foundry-fp8 bench: --out {tmp_path}: results not written: [Errno 28] "
+                        f"No space left on device: '{tmp_path / 'mpt-tiny-cpu.json'}'\n"), err
+    assert "Traceback" not in err

@@ -382,6 +382,15 @@ def skip_reason(variant: Variant, config: BenchConfig) -> str | None:
     return None
 
 
+def gpu_name(tiny: bool) -> str:
+    """The device the variants run on, as the results and their file name say it."""
+    import torch
+
+    if torch.cuda.is_available() and not tiny:
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
 def environment(tiny: bool) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -402,8 +411,7 @@ def environment(tiny: bool) -> dict[str, Any]:
             driver = lines[0] if lines else None
         except (OSError, subprocess.CalledProcessError):
             driver = None
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not tiny else \
-        f"cpu ({platform.processor() or platform.machine()})"
+    gpu = gpu_name(tiny)
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
                 "transformer_engine": dist("transformer_engine") or dist("transformer-engine"),
                 "composer": dist("mosaicml"), "llmfoundry": dist("llm-foundry"),
@@ -763,12 +771,16 @@ def run(args: argparse.Namespace) -> int:
         _error(f"--out {out}: cannot create the folder: {err.strerror or err}")
         return 2
     try:  # and so does a FIFO or folder where a result goes
-        for path in result_paths(out, config.tiny, environment(config.tiny)["gpu"]):
+        for path in result_paths(out, config.tiny, gpu_name(config.tiny)):
             check_output(path)
     except OSError as err:
         _error(f"--out {out}: {err.filename}: {err.strerror}")
         return 2
-    result = run_bench(config, after_each=lambda partial: write_results(partial, out))
+    def keep(partial: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):  # the final write says why, in one line
+            write_results(partial, out)
+
+    result = run_bench(config, after_each=keep)
     try:
         json_path, md_path = write_results(result, out)
     except OSError as err:
