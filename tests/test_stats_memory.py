@@ -1,6 +1,7 @@
 """benchmarks/gpu/stats_memory.py, the diagnostic of fp8_stats' peak memory: its trace replay on
-hand-made traces, its CPU storage trace on tensors of known sizes, and a tiny run, where
-fp8_stats every batch must not raise the peak (the hooks hold no activation)."""
+hand-made traces, its CPU storage trace on tensors of known sizes, a tiny run, where
+fp8_stats every batch must not raise the peak (the hooks hold no activation), and the bench's
+variants in one process, where a finished run must leave nothing to the next."""
 
 from __future__ import annotations
 
@@ -49,3 +50,17 @@ def test_tiny_run_fp8_stats_every_batch_keeps_the_peak(tmp_path):
     assert peaks["none"] > 1  # the tiny MPT's activations and optimizer state
     assert peaks["all"] <= peaks["none"] * 1.1
     assert "| all |" in (tmp_path / "stats_memory_cpu.md").read_text()
+    baselines = {r["case"]: r["baseline_mib"] for r in result["cases"]}
+    assert baselines["none"] > 0.1  # the model about to train
+    assert abs(baselines["all"] - baselines["none"]) < 0.05 * baselines["none"]
+
+
+def test_a_variant_after_fp8_stats_every_batch_inherits_nothing(tmp_path):
+    """fp8-te-swap-stats1's last batch logs; its hooks used to keep its whole State (model,
+    Adam state, gradients, logits) alive into the next variant run in the process."""
+    assert main(["--tiny", "--variants", "fp8-te-swap-stats1,fp8-te-swap", "--in-process",
+                 "--batches", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "stats_memory_cpu.json").read_text())["carry_over"][0]["rows"]
+    first, second = (r["baseline_mib"] for r in rows)
+    assert first > 0.1  # the model about to train
+    assert abs(second - first) < 0.05 * first

@@ -19,7 +19,15 @@ CUDA (`--tiny`: the bench's tiny MPT on CPU, te_swap emulated) a dispatch mode t
 tensor storage an op creates until it is freed. The sites whose bytes grow from `none` name
 the cause.
 
-    PYTHONPATH=$PWD/.gpu-site python3 benchmarks/gpu/stats_memory.py --out $OUT
+Each case runs in a fresh process (this script with `--in-process --cases <case>`): in one
+process a case's leftovers (a run kept alive, as fp8_stats' hooks once kept the whole State)
+were still allocated when the next case began, and `reset_peak_memory_stats` resets the peak to
+what is allocated, so they counted in its peak. Each case records the memory live at fit start
+(`baseline_mib`: the CUDA allocator's, on CPU the tensor storages Python reaches) beside its
+peak. `--carry-over` checks that hypothesis for the 58.3 -> 77.9 GB above, the bench's variants
+in one process each: `fp8-te-swap-stats1` alone, then `fp8-te-swap` followed by it.
+
+    PYTHONPATH=$PWD/.gpu-site python3 benchmarks/gpu/stats_memory.py --out $OUT [--carry-over]
     python benchmarks/gpu/stats_memory.py --tiny --out /tmp/mem   # CPU, about a minute
 """
 
@@ -27,8 +35,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
+import subprocess
 import sys
+import tempfile
 import traceback
 import weakref
 from collections import Counter
@@ -49,6 +60,8 @@ from benchmarks.stats_gpu_cost import device_slug  # noqa: E402
 from foundry_fp8.tools import bench  # noqa: E402
 
 CASES = ("none", "hooks", "forward", "gradient", "all")
+# the bench's variants, each sequence in one process: the 77.9 GB was stats1 after others
+CARRY_OVER = (("fp8-te-swap-stats1",), ("fp8-te-swap", "fp8-te-swap-stats1"))
 TORCH_DIR = str(Path(torch.__file__).parent)
 ENGINE = "autograd engine (no Python frame)"
 TOP = 15  # sites listed per case
@@ -158,15 +171,42 @@ class Hooks(Callback):
         self.handles.clear()
 
 
-class Recorder(Callback):
-    """The allocator's history from fit start to fit end (CUDA), or the storage trace (CPU)."""
+def live_bytes(cuda: bool) -> int:
+    """Bytes held now: the CUDA allocator's, or on CPU those of every tensor storage the garbage
+    collector reaches (a tensor only C++ holds, such as one the autograd graph saved, is
+    missed)."""
+    if cuda:
+        return torch.cuda.memory_allocated()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class Baseline(Callback):
+    """The memory live at fit start: what the run inherits (its model, and any leftovers)."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
+        self.bytes = 0
+
+    def fit_start(self, state, logger) -> None:
+        self.bytes = live_bytes(self.cuda)
+
+
+class Recorder(Baseline):
+    """The baseline, then the allocator's history from fit start to fit end (CUDA), or the
+    storage trace (CPU)."""
+
+    def __init__(self, cuda: bool) -> None:
+        super().__init__(cuda)
         self.mode: StorageTrace | None = None
         self.trace: list[dict[str, Any]] = []
 
     def fit_start(self, state, logger) -> None:
+        super().fit_start(state, logger)
         if self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         else:
@@ -217,9 +257,37 @@ def run_case(case: str, config: bench.BenchConfig) -> dict[str, Any]:
     recorder.trace.clear()
     bench._release_memory(config.tiny)
     return {"case": case, "peak_mib": row["peak_mem_gb"] * 1024 if cuda else None,
-            "traced_peak_mib": traced_peak / 2**20,
+            "baseline_mib": recorder.bytes / 2**20, "traced_peak_mib": traced_peak / 2**20,
             "sites_mib": {k: v / 2**20 for k, v in by_site(alive).items()},
             "loss": row["loss"]}
+
+
+def run_sequence(names: Sequence[str], config: bench.BenchConfig) -> list[dict[str, Any]]:
+    """The bench's variants one after another in this process, as the bench runs them: per
+    variant the memory live at its fit start and its peak (CUDA: since that start)."""
+    cuda = not config.tiny
+    rows = []
+    for name in names:
+        baseline = Baseline(cuda)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()  # to what is allocated now: the baseline
+        row = bench.run_variant(bench.VARIANTS[name], config, _Quiet(), [baseline])
+        bench._release_memory(config.tiny)
+        rows.append({"variant": name, "baseline_mib": baseline.bytes / 2**20,
+                     "peak_mib": row["peak_mem_gb"] * 1024 if cuda else None})
+    return rows
+
+
+def in_subprocess(args: Sequence[str]) -> dict[str, Any]:
+    """This script with `args --in-process` in a fresh Python: its result, or its failure."""
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run([sys.executable, __file__, *args, "--in-process", "--out", out],
+                              capture_output=True, text=True)
+        results = list(Path(out).glob("stats_memory_*.json"))
+        if results:
+            return json.loads(results[0].read_text())
+    return {"failed": [{"case": " ".join(args), "error": f"exit {done.returncode}",
+                        "traceback": done.stderr[-3000:]}]}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -228,11 +296,22 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# fp8_stats peak memory, by case ({result['gpu']}, {result['date']})", "",
              f"Command: `{result['command']}`", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()), "",
-             "| case | peak MiB (allocator) | traced peak MiB |", "|---|---:|---:|"]
+             "| case | MiB live at fit start | peak MiB (allocator) | traced peak MiB |",
+             "|---|---:|---:|---:|"]
     for r in result["cases"]:
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(f"| {r['case']} | {peak} | {r['traced_peak_mib']:.1f} |")
-    lines += [f"| {f['case']} | failed: {f['error']} | |" for f in result.get("failed", [])]
+        lines.append(f"| {r['case']} | {r['baseline_mib']:.1f} | {peak} | "
+                     f"{r['traced_peak_mib']:.1f} |")
+    lines += [f"| {f['case']} | failed: {f['error']} | | |" for f in result.get("failed", [])]
+    if result.get("carry_over"):
+        lines += ["", "## The bench's variants in one process (`--carry-over`)", "",
+                  "| process runs | variant | MiB live at fit start | peak MiB |",
+                  "|---|---|---:|---:|"]
+        for run in result["carry_over"]:
+            for r in run["rows"]:
+                peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+                lines.append(f"| {' then '.join(run['variants'])} | {r['variant']} | "
+                             f"{r['baseline_mib']:.1f} | {peak} |")
     for r in result["cases"]:
         sites = r["sites_mib"]
         if r["case"] == "none" or not base:
@@ -257,28 +336,65 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--carry-over", action="store_true",
+                        help="also: " + "; ".join(" then ".join(v) for v in CARRY_OVER)
+                        + " (the bench's variants, each line in one process)")
+    parser.add_argument("--variants", default="",
+                        help="the bench's variants to run in one process instead of cases")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run everything in this process (default: each case, and each "
+                             "--carry-over line, in a fresh one)")
     args = parser.parse_args(argv)
-    cases = args.cases.split(",")
+    cases = [c for c in args.cases.split(",") if c]
     if unknown := sorted(set(cases) - set(CASES)):
         parser.error(f"--cases: unknown {', '.join(unknown)} (choose from {', '.join(CASES)})")
+    variants = [v for v in args.variants.split(",") if v]
+    if unknown := sorted(set(variants) - set(bench.VARIANTS)):
+        parser.error(f"--variants: unknown {', '.join(unknown)}")
     tiny = args.tiny or not torch.cuda.is_available()
     config = bench.BenchConfig(tiny=tiny, warmup=1, steps=args.batches, profile_steps=0,
                                micro_batch=args.micro_batch,
                                **({"seq_len": 128, "batch": 8} if tiny else {}))
+    passed = [*(["--tiny"] if args.tiny else []), "--micro-batch", str(args.micro_batch),
+              "--batches", str(args.batches)]
     result = {**bench.environment(tiny), "date": datetime.now(timezone.utc).isoformat(),
               "command": " ".join(["python3", "benchmarks/gpu/stats_memory.py",
                                    *(argv if argv is not None else sys.argv[1:])]),
-              "cases": []}
+              "cases": [], "carry_over": []}
     stem = "stats_memory_" + device_slug(torch.device("cpu" if tiny else "cuda"))
     args.out.mkdir(parents=True, exist_ok=True)
-    for case in cases:
-        try:
-            result["cases"].append(run_case(case, config))
-        except Exception as err:  # one broken case must not lose the others' numbers
-            result.setdefault("failed", []).append({"case": case, "error": repr(err)[:300],
-                                                    "traceback": traceback.format_exc()})
+
+    def save() -> None:
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
         (args.out / f"{stem}.md").write_text(markdown(result))
+
+    def failed(what: str, err: Exception) -> None:
+        result.setdefault("failed", []).append({"case": what, "error": repr(err)[:300],
+                                                "traceback": traceback.format_exc()})
+
+    if variants:  # one --carry-over line, in this process
+        cases = []
+        try:
+            result["carry_over"].append({"variants": variants,
+                                         "rows": run_sequence(variants, config)})
+        except Exception as err:
+            failed(" then ".join(variants), err)
+    for case in cases:
+        if not args.in_process:
+            child = in_subprocess([*passed, "--cases", case])
+            result["cases"] += child.get("cases", [])
+            result.setdefault("failed", []).extend(child.get("failed", []))
+        else:
+            try:  # one broken case must not lose the others' numbers
+                result["cases"].append(run_case(case, config))
+            except Exception as err:
+                failed(case, err)
+        save()
+    for line in CARRY_OVER if args.carry_over else ():
+        child = in_subprocess([*passed, "--variants", ",".join(line)])
+        result["carry_over"] += child.get("carry_over", [])
+        result.setdefault("failed", []).extend(child.get("failed", []))
+    save()
     print(markdown(result))
     return 1 if result.get("failed") else 0
 
