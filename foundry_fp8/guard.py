@@ -17,7 +17,7 @@ the limits at `repromote_after` logging steps in a row (the tracker's streak of 
 What the callback logs, by these names (`foundry-fp8 report` reads them back): the series
 `FALLBACK_LAYERS` and `FP8_FLOPS_SHARE` at each logging step, and each fallback and
 re-promotion once as a hyperparameter (`FALLBACK_PREFIX` / `REPROMOTION_PREFIX` + layer, with
-`@<step>` after the first time of a layer; the record as plain data).
+`.ba<step>` after the first time of a layer; the record as plain data).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ FALLBACK_LAYERS = "fp8/guard/fallback_layers"  # layers in fallback
 FP8_FLOPS_SHARE = "fp8/guard/fp8_flops_share"  # share of the linear-GEMM FLOPs still in FP8
 FALLBACK_PREFIX = "fp8/guard/fallback/"  # + layer: one hyperparameter per fallback
 REPROMOTION_PREFIX = "fp8/guard/repromotion/"  # + layer: one per re-promotion
+FALLBACKS_KEY = "fp8/guard/fallbacks"  # the fit-end table (`destinations.fit_end_key`)
 
 
 def _plain(numbers: Mapping[str, float]) -> dict[str, float | str]:
@@ -303,8 +304,9 @@ class GuardCore:
 
     def records(self) -> dict[str, dict[str, Any]]:
         """Every fallback and re-promotion so far as hyperparameters, in step order: a layer's
-        first of each kind under `<prefix><layer>`, later ones under `<prefix><layer>@<step>`
-        (a logged value must never change)."""
+        first of each kind under `<prefix><layer>`, later ones under `<prefix><layer>.ba<step>`
+        (a logged value must never change; MLflow refuses `@` in a key and `/` below a key
+        it holds, dropping the whole queued batch with it)."""
         events = sorted([(f.step, FALLBACK_PREFIX, f.layer, f.record())
                          for f in [*self.ended, *self.fallbacks.values()]]
                         + [(r.step, REPROMOTION_PREFIX, r.layer, r.record())
@@ -312,7 +314,7 @@ class GuardCore:
         logged: dict[str, dict[str, Any]] = {}
         for step, prefix, layer, record in events:
             key = prefix + layer
-            logged[key if key not in logged else f"{key}@{step}"] = record
+            logged[key if key not in logged else f"{key}.ba{step}"] = record
         return logged
 
     def _over_budget(self, step: int, refused: list[str]) -> str:

@@ -150,25 +150,30 @@ def test_resume_mid_streak_decides_at_the_same_step():
     assert [resumed.candidates(step, tables[step]) for step in range(3, 6)] == decided[3:]
 
 
+#: `a` is bad at steps 0-2 and 6-7 of 8, `b` never
+REPROMOTION_TABLES = [_table({"a"} if step in (0, 1, 2, 6, 7) else set(), ("a", "b"))
+                      for step in range(8)]
+REPROMOTION_FLOPS = {"a": 0.05, "b": 0.05}
+
+
+def repromotion_run(core: GuardCore, steps: range) -> list[tuple[list[str], list[str]]]:
+    """`core`'s fallbacks and re-promotions at `steps` of REPROMOTION_TABLES."""
+    out = []
+    for step in steps:
+        table = REPROMOTION_TABLES[step]
+        fallen = [f.layer for f in core.decide(step, core.candidates(step, table),
+                                               table).fallbacks]
+        back = [r.layer for r in core.repromote(step, core.ready(step, table), table)]
+        out.append((fallen, back))
+    return out
+
+
 def test_repromotion_after_healthy_what_if_steps_and_any_resume_decides_the_same():
     """`a` is bad at steps 0-2 and 6-7: it falls back at 1 (2 bad steps), its what-if rows are
     healthy at 3-5 so it is back in FP8 from 6 (repromote_after 3) with fresh streaks, and falls
     back again at 7. A resume after any step takes the same decisions."""
     config = GuardConfig(consecutive=2, repromote_after=3, max_fallback_share=0.5)
-    flops = {"a": 0.05, "b": 0.05}
-    tables = [_table({"a"} if step in (0, 1, 2, 6, 7) else set(), ("a", "b"))
-              for step in range(8)]
-
-    def run(core: GuardCore, steps: range) -> list[tuple[list[str], list[str]]]:
-        out = []
-        for step in steps:
-            fallen = [f.layer for f in core.decide(step, core.candidates(step, tables[step]),
-                                                   tables[step]).fallbacks]
-            back = [r.layer for r in core.repromote(step, core.ready(step, tables[step]),
-                                                    tables[step])]
-            out.append((fallen, back))
-        return out
-
+    flops, run = REPROMOTION_FLOPS, repromotion_run
     straight = GuardCore(config, flops)
     decided = run(straight, range(8))
     assert decided == [([], []), (["a"], []), ([], []), ([], []), ([], []), ([], ["a"]),
@@ -176,7 +181,7 @@ def test_repromotion_after_healthy_what_if_steps_and_any_resume_decides_the_same
     (repromoted,) = straight.repromotions
     assert (repromoted.step, repromoted.fallen_at, repromoted.healthy_steps) == (5, 1, 3)
     assert repromoted.numbers["activation/underflow_pct"] == 0.0  # the what-if row at step 5
-    assert sorted(straight.records()) == ["fp8/guard/fallback/a", "fp8/guard/fallback/a@7",
+    assert sorted(straight.records()) == ["fp8/guard/fallback/a", "fp8/guard/fallback/a.ba7",
                                           "fp8/guard/repromotion/a"]
     assert straight.records()["fp8/guard/fallback/a"]["step"] == 1
     for cut in range(1, 8):

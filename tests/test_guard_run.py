@@ -427,7 +427,10 @@ def test_a_resume_before_the_repromotion_takes_it_at_the_same_step_bit_exact(run
     keys = [k for k in first if k.startswith("fp8/guard/")]
     assert keys == [f"fp8/guard/fallback/{LAYER}", f"fp8/guard/repromotion/{LAYER}",
                     "fp8/guard/fallbacks"]
-    assert {k: again[k] for k in keys} == {k: first[k] for k in keys}
+    # the resumed run's fit-end table under its own key: loggers refuse a changed value
+    assert again.keys() >= {*keys[:2], f"fp8/guard/fallbacks.ba{END}"}
+    assert {k: again[k] for k in keys[:2]} == {k: first[k] for k in keys[:2]}
+    assert again[f"fp8/guard/fallbacks.ba{END}"] == first["fp8/guard/fallbacks"]
 
 
 @pytest.mark.slow

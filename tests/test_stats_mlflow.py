@@ -66,3 +66,24 @@ def test_a_long_summary_is_cut_at_a_row_and_says_so(tmp_path, capsys):
     assert printed.startswith(head + "\n")
     left = len(printed.rstrip("\n").splitlines()) - len(head.splitlines())
     assert note.startswith(f"... {left} more lines: ")
+
+
+def test_fp8_guards_records_are_keys_mlflow_keeps(tmp_path):
+    """A layer's second fallback was logged under `<layer>@<step>`: MLflow refuses `@` in a key
+    and, logging asynchronously as Composer's MLflow logger does, drops the whole batch with it
+    (the first fallback's record and the re-promotion's too)."""
+    from mlflow.tracking import MlflowClient
+
+    from foundry_fp8.guard import GuardConfig, GuardCore
+    from tests.test_guard import REPROMOTION_FLOPS, repromotion_run
+
+    core = GuardCore(GuardConfig(consecutive=2, repromote_after=3, max_fallback_share=0.5),
+                     REPROMOTION_FLOPS)
+    repromotion_run(core, range(8))  # a falls back at 1, is back at 5, falls back at 7
+    records = core.records()
+    assert len(records) == 3
+    mlflow.set_tracking_uri(f"file://{tmp_path}/mlruns")
+    with mlflow.start_run() as run:
+        mlflow.log_params(records, synchronous=False)
+    params = MlflowClient().get_run(run.info.run_id).data.params
+    assert params == {key: str(value) for key, value in records.items()}

@@ -15,12 +15,13 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8 import emulate
-from foundry_fp8.composer.destinations import deliver
+from foundry_fp8.composer.destinations import deliver, fit_end_key
 from foundry_fp8.composer.stats import FP8Stats, last_batch
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.fp8_meta import canonical_name, fp8_modules, read_fp8_meta, write_fp8_meta
 from foundry_fp8.guard import (
     FALLBACK_LAYERS,
+    FALLBACKS_KEY,
     FP8_FLOPS_SHARE,
     OPTION,
     GuardBudgetError,
@@ -62,9 +63,10 @@ class FP8Guard(Callback):
     each fallback, and again on resume, the hyperparameter `fp8/guard/fallback/<layer>` (layer,
     step, FLOPs share, what flagged it and every statistic of the layer at that step, read back
     by `foundry-fp8 report`), at each re-promotion (`repromote_after`)
-    `fp8/guard/repromotion/<layer>` (`@<step>` after a layer's first); at fit end the
-    hyperparameter `fp8/guard/fallbacks` (the table it prints). It tells fp8_stats which layers
-    it runs in high precision (`FP8Stats.fallbacks`): their what-if rows leave fp8_stats'
+    `fp8/guard/repromotion/<layer>` (`.ba<step>` after a layer's first); at fit end the
+    hyperparameter `fp8/guard/fallbacks` (the table it prints; `fp8/guard/fallbacks.ba<step>`
+    after a resume or at a second fit's end, as fp8_stats' summary). It tells fp8_stats which
+    layers it runs in high precision (`FP8Stats.fallbacks`): their what-if rows leave fp8_stats'
     summary series (`fp8/flagged_layers` stops counting a layer once the guard has acted), and
     its table marks them; the guard's own judgement of the what-if rows is unchanged.
 
@@ -94,6 +96,8 @@ class FP8Guard(Callback):
         self._stop: BaseException | None = None  # raised at the next batch_end/batch_checkpoint
         self._heard = False  # fp8_stats called the guard at a logging step of this fit
         self._said: set[str] = set()  # the one-time warnings given: "nonfinite", "inert"
+        self._first_fit = True  # no fit before in this process, and this one began at batch 0
+        self._table_keys: set[str] = set()  # the fit-end table's keys this process logged
 
     # events
 
@@ -102,6 +106,7 @@ class FP8Guard(Callback):
         if stats is None:
             raise OptionError(OPTION, ENTRIES["fp8_guard"].need_problem("fp8_stats"))
         self._state, self._logger, self._stats = state, logger, stats
+        self._first_fit = self._first_fit and int(state.timestamp.batch) == 0
         self._heard = False
         self._said.discard("inert")
         failed = False
@@ -186,7 +191,7 @@ class FP8Guard(Callback):
         self._raise_stop()
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        core = self.core
+        core, first_fit, self._first_fit = self.core, self._first_fit, False
         if core is None or not (core.fallbacks or core.ended) or dist.get_global_rank() != 0:
             return
         table = render_fallbacks([*core.ended, *core.fallbacks.values()], core.fp8_flops_share,
@@ -195,7 +200,8 @@ class FP8Guard(Callback):
                      if core.fallbacks else "No layer is in fallback at the end of the run.")
         print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n{next_time}",
               flush=True)
-        self._log_hyperparameters(logger, {"fp8/guard/fallbacks": table})
+        key = fit_end_key(FALLBACKS_KEY, int(state.timestamp.batch), self._table_keys, first_fit)
+        self._log_hyperparameters(logger, {key: table})
 
     def state_dict(self) -> dict[str, Any]:
         if self.core is not None:
