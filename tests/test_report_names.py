@@ -222,3 +222,18 @@ def test_a_layer_that_fell_back_twice_is_one_layer_in_two_fallbacks(tmp_path, ca
     assert moved.format(" during the run") in md and "moved 2 layer(s)" not in md + out
     assert f"| {L1} | 5 | step 8 (back in FP8) | 25.0 % | message |" in md
     assert f"| {L1} | 12 | the end | 25.0 % | message |" in md
+
+
+def test_bidi_and_other_format_characters_in_a_layer_name_are_escaped(tmp_path, capsys):
+    """U+202E (right-to-left override) would make the rest of a line read backwards, on the
+    terminal, in the markdown and in the suggested `exclude` regex: Unicode's format characters
+    (category Cf) are shown escaped, as control characters are."""
+    layer = "blocks.0.attn.\u202eWqkv\u200b"
+    run_with_layers(tmp_path, [layer])
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    md = (tmp_path / "fp8_report.md").read_text()
+    for text in (out, md):
+        assert "\u202e" not in text and "\u200b" not in text
+    # the suggested regex shows them escaped, and still matches the name (`\\u202e` is U+202E)
+    assert r"exclude: 'blocks\.0\.attn\.\u202eWqkv\u200b$'" in out

@@ -7,9 +7,10 @@ from __future__ import annotations
 import hashlib
 import html
 import itertools
-import re
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
+
+import regex
 
 from foundry_fp8.health.specs import SPECS, known_first, spec
 
@@ -40,9 +41,11 @@ ELISION = "..."
 
 
 #: What would break a one-line message or label, or drive a terminal: C0 and C1 control
-#: characters (newline, carriage return, tab, ESC, DEL, NEL) and Unicode's line and paragraph
-#: separators (no font has a glyph for them either).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+#: characters (newline, carriage return, tab, ESC, DEL, NEL), Unicode's line and paragraph
+#: separators (no font has a glyph for them either), and its format characters (category Cf:
+#: the bidi overrides and isolates such as U+202E, which reorder the rest of a line, zero-width
+#: spaces and joiners), which would make a name read as another.
+_CONTROL = regex.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\p{Cf}]")
 
 
 def one_line(text: str) -> str:
