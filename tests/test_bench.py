@@ -133,6 +133,8 @@ def test_h100_bf16_and_te_variant(tmp_path):
                                                                 result["failed"])
     for row in rows.values():
         assert 0 < row["mfu"] < 1 and row["peak_mem_gb"] > 1 and math.isfinite(row["loss"])
+        # what earlier variants left allocated counts in a variant's peak: at most the data
+        assert 0 <= row["start_mem_gb"] < 1, row
     assert rows["fp8-fc-te"]["precision"] == rows["fp8-te-swap"]["precision"] == "amp_fp8"
 
 

@@ -184,6 +184,9 @@ class _Timer:
         self.losses: list = []
         self.profiler = None
         self.attention_share: float | None = None
+        # memory still allocated when this variant's fit starts: the peak below is reset to
+        # it, so what an earlier variant in this process left behind counts in this one's peak
+        self.start_bytes: int | None = None
         timer = self
 
         class Hook(Callback):
@@ -192,6 +195,7 @@ class _Timer:
                     import torch
 
                     torch.cuda.reset_peak_memory_stats()
+                    timer.start_bytes = torch.cuda.memory_allocated()
 
             def batch_start(self, state, logger):
                 timer.on_batch_start(int(state.timestamp.batch))
@@ -358,6 +362,7 @@ def run_variant(variant: Variant, config: BenchConfig, bar,
         # LLM-Foundry's collect_results.py: recompute adds a forward, 4 passes instead of 3
         "hfu": mfu * 4 / 3 if config.activation_checkpointing and not config.tiny else mfu,
         "mfu_peak_tflops": PEAK_FLOPS[precision] / 1e12, "peak_mem_gb": peak_gb,
+        "start_mem_gb": None if timer.start_bytes is None else timer.start_bytes / 2**30,
         "loss": losses[-1], "loss_first_timed_step": losses[0],
         "attention_share": timer.attention_share, "micro_batch": micro_used,
         "what": variant.what,
@@ -533,9 +538,12 @@ def markdown(result: dict[str, Any]) -> str:
              f"over the H100 SXM dense peak: {PEAK_FLOPS['bf16'] / 1e12:g} TFLOP/s for bf16, "
              f"{PEAK_FLOPS['fp8'] / 1e12:g} TFLOP/s for fp8 variants. HFU adds the recomputed "
              "forward when activation checkpointing is on.", "",
-             f"| variant | precision | tokens/s | x {base} | MFU | HFU | peak mem GB | loss "
-             "(first timed -> last) | attention share | micro-batch |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "Memory: the peak of each variant's fit, and what was still allocated when it "
+             "started (on a GPU: what earlier variants in this process left, counted in the "
+             "peak too).", "",
+             f"| variant | precision | tokens/s | x {base} | MFU | HFU | peak mem GB | at start GB "
+             "| loss (first timed -> last) | attention share | micro-batch |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     def fmt(value: float | None, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
@@ -543,12 +551,13 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['label']} | {r['precision']} | {r['tokens_per_s']:,.0f} | "
             f"{fmt(r['ratio_to_bf16'], '.3f')} | {100 * r['mfu']:.1f}% | {100 * r['hfu']:.1f}% | "
-            f"{r['peak_mem_gb']:.2f} | {r['loss_first_timed_step']:.3f} -> {r['loss']:.3f} | "
+            f"{r['peak_mem_gb']:.2f} | {fmt(r.get('start_mem_gb'), '.2f')} | "
+            f"{r['loss_first_timed_step']:.3f} -> {r['loss']:.3f} | "
             f"{fmt(r['attention_share'], '.1%')} | {r['micro_batch']} |")
     for r in result["skipped"]:
-        lines.append(f"| {r['name']} | not run: {r['reason']} | | | | | | | | |")
+        lines.append(f"| {r['name']} | not run: {r['reason']} | | | | | | | | | |")
     for r in result["failed"]:
-        lines.append(f"| {r['name']} | FAILED: {r['reason']} | | | | | | | | |")
+        lines.append(f"| {r['name']} | FAILED: {r['reason']} | | | | | | | | | |")
     lines += stats_cost_lines(result)
     if s["tiny"]:
         lines += ["", "Tiny CPU run: exercises the code path only, in fp32 with te_swap's "
