@@ -5,8 +5,8 @@
 # the kit (~30 s), later ones only reinstall foundry-fp8 (a few seconds); what it writes goes to
 # $OUT, what it prints is the short part to read at once.
 #   bash benchmarks/gpu/lease.sh check    the GPU tests, emulate_vs_te.py, stats_gpu_cost.py (~4 min)
-#   bash benchmarks/gpu/lease.sh memory   stats_memory.py: where fp8_stats' extra peak comes from (~3 min)
-#   bash benchmarks/gpu/lease.sh bench    the variants the issue's goals need (~6 min)
+#   bash benchmarks/gpu/lease.sh memory   stats_memory.py, a process per case (~3 min; CASES=, CARRY_OVER=1)
+#   bash benchmarks/gpu/lease.sh bench    the variants the issue's goals need (~5 min; VARIANTS=)
 # No -e: a failing step must not keep the later ones (and their logs) from running.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,13 +28,17 @@ case $step in
     timeout 120 python3 benchmarks/stats_gpu_cost.py --out "$out" 2>&1 | tail -5
     ;;
   memory)
-    timeout 400 python3 benchmarks/gpu/stats_memory.py --out "$out" 2>&1 | tail -30
+    # each case in its own process (~1 min each); the bench step's 'at start GB' shows the
+    # carry-over between variants, --carry-over (three more processes) when time is left
+    timeout 400 python3 benchmarks/gpu/stats_memory.py --out "$out" \
+      --cases "${CASES:-none,gradient,all}" ${CARRY_OVER:+--carry-over} 2>&1 | tail -30
     ;;
   bench)
     # bf16 (the ratio's base and the MFU goal), the best FP8 variant so far, and the cost of
-    # fp8_stats at interval 100: the issue's three goals; the others when time is left
+    # fp8_stats at interval 100 against it: the issue's three goals; 'at start GB' in the
+    # result shows what each variant inherits from the ones before it
     bash benchmarks/gpu/verify.sh bench \
-      --variants "${VARIANTS:-bf16,fp8-te-swap-fused,fp8-te-swap,fp8-te-swap-stats100}" \
+      --variants "${VARIANTS:-bf16,fp8-te-swap-fused,fp8-te-swap-stats100}" \
       > "$out/verify-bench.out" 2>&1
     tail -30 "$out/verify-bench.out"
     ;;
