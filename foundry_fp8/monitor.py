@@ -224,6 +224,25 @@ class _Step:
     left_out: list[str] = field(default_factory=list)
 
 
+def _weak_hook(method: Callable[..., None], name: str) -> Callable[..., None]:
+    """A hook calling the monitor's `method(name, module, *hook args)` (through its `_guard`)
+    by a weak reference.
+
+    A forward's autograd graph keeps its backward hooks (torch's BackwardHook, reachable only
+    from C++, where the garbage collector cannot follow), and a run's last graph lives on in
+    Composer's `state.loss`/`state.outputs`; a strong hook closed the cycle graph -> monitor ->
+    model -> `model.logger` -> State -> graph and kept the whole run alive. Once the monitor is
+    gone the hook does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(module: nn.Module, *args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound.__self__._guard(bound, name, module, *args)
+
+    return hook
+
+
 class FP8Monitor:
     """Collects FP8 statistics on the steps you choose: `start_step(step)` ... `finish_step()`.
 
@@ -317,27 +336,10 @@ class FP8Monitor:
                 continue
             # eager under torch.compile: Dynamo would recompile the hook for every layer shape
             self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(
-                self._weak_hook("_forward", name)), with_kwargs=True))
+                _weak_hook(self._forward, name)), with_kwargs=True))
             if any(w.kind == "gradient" for w in self._watches[name]):
                 self._handles.append(module.register_full_backward_pre_hook(
-                    self._weak_hook("_backward", name)))
-
-    def _weak_hook(self, method: str, name: str) -> Callable[..., None]:
-        """A hook calling `self.<method>(name, module, *hook args)` through a weak reference.
-
-        A forward's autograd graph keeps its backward hooks (torch's BackwardHook, reachable only
-        from C++, where the garbage collector cannot follow), and a run's last graph lives on in
-        Composer's `state.loss`/`state.outputs`; a strong hook would close the cycle graph ->
-        monitor -> model -> `model.logger` -> State -> graph and keep the whole run alive.
-        Once the monitor is gone the hook does nothing."""
-        ref = weakref.ref(self)
-
-        def hook(module: nn.Module, *args: Any) -> None:
-            monitor = ref()
-            if monitor is not None:
-                monitor._guard(getattr(monitor, method), name, module, *args)
-
-        return hook
+                    _weak_hook(self._backward, name)))
 
     def _init_whatif(self) -> None:
         """Fresh delayed state (history of zeros, scale 1), as TE starts. Never reset: the

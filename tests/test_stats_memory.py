@@ -9,7 +9,14 @@ import json
 
 import torch
 
-from benchmarks.gpu.stats_memory import ENGINE, StorageTrace, by_site, live_at_peak, main
+from benchmarks.gpu.stats_memory import (
+    ENGINE,
+    StorageTrace,
+    by_site,
+    in_subprocess,
+    live_at_peak,
+    main,
+)
 
 
 def _alloc(addr: int, size: int, filename: str = "/x/site-packages/pkg/a.py") -> dict:
@@ -55,12 +62,14 @@ def test_tiny_run_fp8_stats_every_batch_keeps_the_peak(tmp_path):
     assert abs(baselines["all"] - baselines["none"]) < 0.05 * baselines["none"]
 
 
-def test_a_variant_after_fp8_stats_every_batch_inherits_nothing(tmp_path):
+def test_a_variant_after_fp8_stats_every_batch_inherits_nothing():
     """fp8-te-swap-stats1's last batch logs; its hooks used to keep its whole State (model,
     Adam state, gradients, logits) alive into the next variant run in the process."""
-    assert main(["--tiny", "--variants", "fp8-te-swap-stats1,fp8-te-swap", "--in-process",
-                 "--batches", "1", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "stats_memory_cpu.json").read_text())["carry_over"][0]["rows"]
+    # a fresh process: this one holds other tests' leftovers, which can go in between
+    result = in_subprocess(["--tiny", "--variants", "fp8-te-swap-stats1,fp8-te-swap",
+                            "--batches", "1"])
+    assert not result.get("failed"), result["failed"]
+    rows = result["carry_over"][0]["rows"]
     first, second = (r["baseline_mib"] for r in rows)
     assert first > 0.1  # the model about to train
     assert abs(second - first) < 0.05 * first

@@ -180,8 +180,11 @@ def live_bytes(cuda: bool) -> int:
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and not obj.is_meta:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # no memory: a fake or traced tensor
+                continue
     return sum(storages.values())
 
 
