@@ -368,7 +368,7 @@ class EmulatedFP8Linear(nn.Linear):
         Never on `meta`: FSDP materialises a module with meta buffers by `to_empty` plus
         LLM-Foundry's param_init_fn, which knows nothing of these, so the scales would be
         uninitialised memory. LLM-Foundry keeps its own buffers on CPU for the same reason;
-        FSDP moves them to the GPU with the rest of the module.
+        the first forward on the GPU takes the state there (`ScalingMeta.follow`).
         """
         device = self.weight.device if self.weight.device.type != "meta" else "cpu"
         self.fp8_meta = nn.ModuleDict({"scaling_fwd": ScalingMeta(3), "scaling_bwd": ScalingMeta(2)})
