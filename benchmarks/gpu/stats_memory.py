@@ -270,10 +270,8 @@ def run_sequence(names: Sequence[str], config: bench.BenchConfig) -> list[dict[s
     variant the memory live at its fit start and its peak (CUDA: since that start)."""
     cuda = not config.tiny
     rows = []
-    for name in names:
+    for name in names:  # the bench resets the CUDA peak at fit start, to the baseline
         baseline = Baseline(cuda)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()  # to what is allocated now: the baseline
         row = bench.run_variant(bench.VARIANTS[name], config, _Quiet(), [baseline])
         bench._release_memory(config.tiny)
         rows.append({"variant": name, "baseline_mib": baseline.bytes / 2**20,
