@@ -294,7 +294,7 @@ def _delayed(config: Mapping[str, Any]) -> bool:
 @rule("FP8027", "warning", "FP8 layers without fp8_state in a run that saves or resumes "
       "checkpoints (te_swap: FP8 scales reset at every resume; `fc_type: te` on a TE that "
       "refuses its own pickled state: the resume fails)",
-      why="te_swap's emulated layers keep their FP8 scales and amax histories in buffers that "
+      why="te_swap's emulated layers keep their FP8 scales and amax histories in tensors that "
       "are not in Composer's checkpoint, and te_swap leaves its TE layers' `_extra_state` out "
       "of it (a pickled state that a model without te_swap has no key for, and that TE "
       f"{GUARDED_TE} refuse to load unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; so older "
