@@ -370,11 +370,6 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
     moved += [(p, getattr(new, name)) for old, new in replaced.items()
               for name, p in old.named_parameters(recurse=False)]
     _take_places(moved, optimizers)
-    for new in replaced.values():
-        # Composer's surgery moved each new module to its predecessor's device, on
-        # `init_device: meta` taking the emulated scaling buffers there too.
-        if any(b.is_meta for b in new.buffers()) and hasattr(new, "reset_scaling_state"):
-            new.reset_scaling_state()
     return count + len(replaced)
 
 
