@@ -179,3 +179,28 @@ def test_the_docs_python_api_example_runs(capsys):
     assert REFUSED in out
     losses = [float(line.split()[1]) for line in out.splitlines() if re.match(r"^\d \S+$", line)]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_model_built_on_meta_converts_and_trains_once_materialized():
+    """LLM-Foundry's `init_device: meta`: te_swap converts before the weights exist; the
+    emulated FP8 state stays off `meta` (a real device's tensors), and after `to_empty` and an
+    init the layers cast with the scales TE's delayed update gives the recorded amaxes."""
+    with torch.device("meta"):
+        net = Net()
+    convert_to_fp8(net, SwapConfig(backend="emulate", keep_first_blocks=0, keep_last_blocks=0))
+    layer = net.blocks[0].up
+    assert isinstance(layer, EmulatedFP8Linear) and layer.weight.is_meta
+    net.to_empty(device="cpu")
+    torch.manual_seed(1)
+    for module in net.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.1)
+            nn.init.zeros_(module.bias)
+    x = torch.randn(8, 32)
+    with fp8_autocast():
+        net(x).sum().backward()
+    meta = layer.fp8_meta["scaling_fwd"]
+    assert meta.scale.device.type == "cpu"
+    # TE's delayed update: scale = fp8_max / amax of the one recorded step (E4M3: 448)
+    assert meta.scale[0].item() == pytest.approx(448 / x.abs().max().item(), rel=1e-6)
+    assert meta.scale[1].item() == pytest.approx(448 / layer.weight.abs().max().item(), rel=1e-6)
