@@ -38,7 +38,7 @@ FALLBACK_LAYERS = "fp8/guard/fallback_layers"  # layers in fallback
 FP8_FLOPS_SHARE = "fp8/guard/fp8_flops_share"  # share of the linear-GEMM FLOPs still in FP8
 FALLBACK_PREFIX = "fp8/guard/fallback/"  # + layer: one hyperparameter per fallback
 REPROMOTION_PREFIX = "fp8/guard/repromotion/"  # + layer: one per re-promotion
-FALLBACKS_KEY = "fp8/guard/fallbacks"  # the fit-end table (`destinations.fit_end_key`)
+FALLBACKS_KEY = "fp8/guard/fallbacks"  # the fit-end table (`destinations.FitEndKeys`)
 
 
 def _plain(numbers: Mapping[str, float]) -> dict[str, float | str]:

@@ -39,7 +39,7 @@ STATS = {"interval": INTERVAL, "image_interval": 2 * INTERVAL,
          "recipe": {"scaling": "delayed", "amax_history_len": 4}}
 HEAD = "module.head"  # a plain nn.Linear: the what-if's delayed state
 SUMMARY = "fp8/stats_summary"
-#: a resumed run's summary: its own key, as loggers refuse a changed value (`fit_end_key`)
+#: a resumed run's summary: its own key, as loggers refuse a changed value (`FitEndKeys`)
 RESUMED_SUMMARY = f"{SUMMARY}.ba{BATCHES}"
 
 

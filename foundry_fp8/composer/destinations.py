@@ -58,21 +58,36 @@ def _warn(destination: LoggerDestination, kind: str, who: str, error: Exception)
 HPARAM_MAX_CHARS = 6000
 
 
-def fit_end_key(name: str, step: int, logged: set[str], first_fit: bool) -> str:
-    """The hyperparameter key of a text logged at a fit's end: `name` at the first fit of a run
-    that started at batch 0, else `name.ba<step>` (`.ba<step>.<n>` if this process used that one
-    already: fit() again with reset_time). W&B and MLflow refuse a changed value under a key,
-    and a resumed or second fit ends with other values; MLflow's asynchronous logger then drops
-    the whole queued batch, the run's other params and metrics included. The suffix uses only
-    characters MLflow accepts in a key (no `@`), and no `/` (its file store keeps `name` as a file). `logged` holds the keys used so far and gets
-    the new one."""
-    key = name if first_fit and name not in logged else f"{name}.ba{step}"
-    n = 1
-    while key in logged:
-        n += 1
-        key = f"{name}.ba{step}.{n}"
-    logged.add(key)
-    return key
+class FitEndKeys:
+    """The hyperparameter keys of a text a callback logs at each fit's end (one per callback).
+
+    `name` at the first fit of a run that started at batch 0, else `name.ba<step>`
+    (`.ba<step>.<n>` if this process used that one already: fit() again with reset_time). W&B
+    and MLflow refuse a changed value under a key, and a resumed or second fit ends with other
+    values; MLflow's asynchronous logger then drops the whole queued batch, the run's other
+    params and metrics included. The suffix uses only characters MLflow accepts in a key (no
+    `@`), and no `/` (its file store keeps `name` as a file)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._first = True  # this fit is the process's first, and began at batch 0
+        self._started = False
+        self._used: set[str] = set()
+
+    def fit_start(self, batch: int) -> None:
+        self._first = not self._started and batch == 0
+        self._started = True
+
+    def key(self, step: int) -> str:
+        """This fit's key, for a fit ending at batch count `step`."""
+        key = self.name if self._first and self.name not in self._used else \
+            f"{self.name}.ba{step}"
+        n = 1
+        while key in self._used:
+            n += 1
+            key = f"{self.name}.ba{step}.{n}"
+        self._used.add(key)
+        return key
 
 
 def capped(text: str, whole: str, limit: int = HPARAM_MAX_CHARS) -> str:

@@ -15,7 +15,7 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8 import emulate
-from foundry_fp8.composer.destinations import deliver, fit_end_key
+from foundry_fp8.composer.destinations import FitEndKeys, deliver
 from foundry_fp8.composer.stats import FP8Stats, last_batch
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.fp8_meta import canonical_name, fp8_modules, read_fp8_meta, write_fp8_meta
@@ -96,8 +96,7 @@ class FP8Guard(Callback):
         self._stop: BaseException | None = None  # raised at the next batch_end/batch_checkpoint
         self._heard = False  # fp8_stats called the guard at a logging step of this fit
         self._said: set[str] = set()  # the one-time warnings given: "nonfinite", "inert"
-        self._first_fit = True  # no fit before in this process, and this one began at batch 0
-        self._table_keys: set[str] = set()  # the fit-end table's keys this process logged
+        self._table_keys = FitEndKeys(FALLBACKS_KEY)
 
     # events
 
@@ -106,7 +105,7 @@ class FP8Guard(Callback):
         if stats is None:
             raise OptionError(OPTION, ENTRIES["fp8_guard"].need_problem("fp8_stats"))
         self._state, self._logger, self._stats = state, logger, stats
-        self._first_fit = self._first_fit and int(state.timestamp.batch) == 0
+        self._table_keys.fit_start(int(state.timestamp.batch))
         self._heard = False
         self._said.discard("inert")
         failed = False
@@ -191,7 +190,7 @@ class FP8Guard(Callback):
         self._raise_stop()
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        core, first_fit, self._first_fit = self.core, self._first_fit, False
+        core = self.core
         if core is None or not (core.fallbacks or core.ended) or dist.get_global_rank() != 0:
             return
         table = render_fallbacks([*core.ended, *core.fallbacks.values()], core.fp8_flops_share,
@@ -200,8 +199,7 @@ class FP8Guard(Callback):
                      if core.fallbacks else "No layer is in fallback at the end of the run.")
         print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n{next_time}",
               flush=True)
-        key = fit_end_key(FALLBACKS_KEY, int(state.timestamp.batch), self._table_keys, first_fit)
-        self._log_hyperparameters(logger, {key: table})
+        self._log_hyperparameters(logger, {self._table_keys.key(int(state.timestamp.batch)): table})
 
     def state_dict(self) -> dict[str, Any]:
         if self.core is not None:

@@ -14,7 +14,7 @@ from composer.core import Callback, State, TimeUnit
 from composer.loggers import ConsoleLogger, Logger, LoggerDestination
 from composer.utils import dist
 
-from foundry_fp8.composer.destinations import capped, deliver, fit_end_key
+from foundry_fp8.composer.destinations import FitEndKeys, capped, deliver
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
@@ -42,7 +42,7 @@ Recent = tuple[int, dict[tuple[str, str], dict[str, float]], StepFormats]
 #: W&B sections: one image per statistic under `fp8_heatmap/`, the table as `fp8_table`.
 IMAGE_PREFIX = "fp8_heatmap/"
 TABLE_NAME = "fp8_table"
-#: The fit-end hyperparameter: the worst value per layer and tensor (`fit_end_key`'s name).
+#: The fit-end hyperparameter: the worst value per layer and tensor (`FitEndKeys`' name).
 SUMMARY_KEY = "fp8/stats_summary"
 #: Logging steps a heatmap shows (the latest ones): a readable width, bounded memory.
 IMAGE_STEPS = 64
@@ -101,7 +101,7 @@ class FP8Stats(Callback):
     - at fit end the hyperparameter `fp8/stats_summary`, the worst value per layer and tensor
       (also printed whole; a tensor with what-if numbers at some judged step is marked
       `(what-if)`), cut to MLflow's 6000 characters; `fp8/stats_summary.ba<step>` after a
-      resume or at a second fit's end (`destinations.fit_end_key`: loggers refuse a changed
+      resume or at a second fit's end (`destinations.FitEndKeys`: loggers refuse a changed
       value).
 
     `<tensor>` is the watched tensor's name: `activation` (the GEMM input), `weight`,
@@ -152,8 +152,7 @@ class FP8Stats(Callback):
         self.monitor: FP8Monitor | None = None
         self._restored: Mapping[str, Any] | None = None  # loaded before the monitor exists
         self._fit_started = False  # the same on every rank: FIT_START has run
-        self._first_fit = True  # no fit before in this process, and this one began at batch 0
-        self._summary_keys: set[str] = set()  # the fit-end keys this process logged
+        self._summary_keys = FitEndKeys(SUMMARY_KEY)
         self._whatif_too_big_said = False
         self.disabled = False
         self._step = 0
@@ -225,7 +224,7 @@ class FP8Stats(Callback):
         self.disabled = True
 
     def _fit_start(self, state: State, logger: Logger) -> None:
-        self._first_fit = self._first_fit and int(state.timestamp.batch) == 0
+        self._summary_keys.fit_start(int(state.timestamp.batch))
         self.monitor = None  # until built: a rank that fails here cannot join collectives
         self._no_table = None
         config = self.config
@@ -348,13 +347,11 @@ class FP8Stats(Callback):
         if summary:
             print(f"foundry_fp8 fp8_stats: worst value per layer and tensor\n{summary}",
                   flush=True)
-            key = fit_end_key(SUMMARY_KEY, int(state.timestamp.batch), self._summary_keys,
-                              self._first_fit)
+            key = self._summary_keys.key(int(state.timestamp.batch))
             value = capped(summary, "the whole table is printed at fit end; `foundry-fp8 "
                                     "report` shows every layer")
             deliver(logger.destinations, "hyperparameters",
                     lambda d: d.log_hyperparameters({key: value}), "fp8_stats", self.strict)
-        self._first_fit = False
 
     # checkpoint state: Composer saves `state_dict()` in every checkpoint (every rank calls it)
     # and calls `load_state_dict` when it loads one, after INIT and before FIT_START
