@@ -33,7 +33,9 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
         torch += f" (CUDA {s.torch_cuda or 'none: CPU build'}, cuDNN {s.cudnn or 'none'})"
     gpu = "none" if not s.has_gpu else f"{s.gpu_name} (compute capability " \
         f"{s.capability[0]}.{s.capability[1]})"
-    if not s.has_gpu and (s.gpu_error or s.gpu_name):
+    if s.gpu_hidden:
+        gpu = f"{s.gpu_name}, hidden from CUDA by CUDA_VISIBLE_DEVICES={s.cuda_visible_devices!r}"
+    elif not s.has_gpu and (s.gpu_error or s.gpu_name):
         gpu = f"unknown ({s.gpu_error})" if s.gpu_error else s.gpu_name
     te = shown(s.te)
     if s.te is not None:

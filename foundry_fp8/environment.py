@@ -57,6 +57,9 @@ class Snapshot:
     imports). `gpu_error`: why the GPU could not be read although a probe ran (nvidia-smi timed
     out, failed or printed no GPU; torch.cuda raised), a driver problem rather than no GPU; None
     when it was read, or when there is nothing to ask (no nvidia-smi: no driver, so no GPU).
+    `cuda_visible_devices`: that variable as the probe found it (None: unset). `gpu_hidden`:
+    nvidia-smi lists a GPU (`gpu_name`), but CUDA_VISIBLE_DEVICES leaves CUDA none of them, so
+    torch and TE see no GPU (`capability` is then None): nvidia-smi ignores the variable.
     """
 
     python: str
@@ -78,6 +81,8 @@ class Snapshot:
     flash_attn_cross_entropy: bool = False
     accelerate: str | None = None
     deepspeed: str | None = None
+    cuda_visible_devices: str | None = None
+    gpu_hidden: bool = False
 
     @property
     def has_gpu(self) -> bool:
@@ -235,6 +240,27 @@ def _exit_status(returncode: int) -> str:
     return f"failed with exit status {returncode}"
 
 
+def visible_gpus(value: str | None, listed: int) -> int:
+    """How many of the `listed` GPUs CUDA sees under CUDA_VISIBLE_DEVICES=`value`, by torch's
+    reading of the variable (torch/cuda/__init__.py `_parse_visible_devices` and
+    `_device_count_nvml`, torch 2.7): each entry read as a leading integer (`1gpu` is 1); the
+    list ends at the first entry that is none or negative (`""` and `-1` hide every GPU); a
+    repeated ordinal hides them all; an ordinal past the last GPU ends it. UUID entries (`GPU-`,
+    `MIG-`) cannot be told apart here and count as all visible."""
+    if value is None or value.startswith(("GPU-", "MIG-")):
+        return listed
+    seen: list[int] = []
+    for entry in value.split(","):
+        found = re.match(r"[+-]?\d+", entry.strip())
+        ordinal = int(found.group()) if found else -1
+        if ordinal in seen:
+            return 0
+        if ordinal < 0 or ordinal >= listed:
+            break
+        seen.append(ordinal)
+    return len(seen)
+
+
 def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
     """The first GPU `nvidia-smi` (at `exe`) lists (name, compute capability); {} when it lists
     none; `gpu_error` when it cannot be read (a driver problem, not an absent GPU)."""
@@ -257,6 +283,12 @@ def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
     if not name.strip() or not version or len(version) < 2:
         return {"gpu_error": f"nvidia-smi printed no GPU name and compute capability but "
                              f"{line!r}"}
+    listed = sum(1 for text in done.stdout.splitlines() if text.strip())
+    hiding = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible_gpus(hiding, listed) == 0:  # nvidia-smi lists what CUDA will not see
+        return {"gpu_name": name.strip(), "gpu_hidden": True,
+                "gpu_error": f"nvidia-smi lists {listed} GPU(s), but CUDA_VISIBLE_DEVICES="
+                             f"{_quoted(hiding or '')!r} hides every one from CUDA"}
     return {"gpu_name": name.strip(), "capability": (version[0], version[1])}
 
 
@@ -317,7 +349,8 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         composer=_version("mosaicml"), llmfoundry=_version("llm-foundry"),
         flash_attn=_version("flash-attn"),
         flash_attn_cross_entropy=bool(flash and (flash / "losses" / "cross_entropy.py").is_file()),
-        accelerate=_version("accelerate"), deepspeed=_version("deepspeed"), **gpu)
+        accelerate=_version("accelerate"), deepspeed=_version("deepspeed"),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), **gpu)
     if probe_te_import:
         snapshot = replace(snapshot, te_import_checked=True, te_import_error=te_import_error())
     return snapshot

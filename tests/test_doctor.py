@@ -464,3 +464,75 @@ def test_the_gpu_row_says_why_the_gpu_is_unknown(capsys, monkeypatch):
     assert "GPU                  unknown (nvidia-smi failed with exit status 9: NVIDIA-SMI has " \
         "failed)\n" in out
     assert NO_GPU not in out
+
+
+@pytest.mark.parametrize("te", ["1.5.0", "1.11.0", "1.12.0rc1", "1.12.0", "2.8.0"])
+def test_a_te_older_than_te_swap_takes_is_not_ready(te, monkeypatch):
+    """QA: TE 1.5 on an H100 passed `doctor --strict` ("ready for FP8 training") although
+    te_swap's `backend: te` stops the run at its start for it. The doctor warns exactly where
+    te_swap's own check (te.backend.require_te) refuses the installed TE."""
+    from foundry_fp8.te import backend, probe
+
+    monkeypatch.setattr(probe, "te_available", lambda: True)
+    monkeypatch.setattr(probe, "te_version", lambda: parse_version(te))
+    try:
+        backend.require_te()
+        refused = False
+    except RuntimeError:
+        refused = True
+    machine = replace(H100, te=te, te_torch=te, te_core=te)
+    assert rules(machine) == ([("FP8204", "warning")] if refused else [])
+    assert refused == (te in ("1.5.0", "1.11.0"))
+    assert rules(machine, TE_RUN) == []  # a run's te_swap says it itself, at its start
+
+
+@pytest.mark.parametrize(("te", "core", "expected"), [
+    ("2.9.0", "2.8.0", [("FP8205", "error")]),  # TE >= 2.9 checks at `import transformer_engine`
+    ("2.18.0", "2.17.1", [("FP8205", "error")]),
+    ("2.8.0", "2.7.0", []),  # before 2.9 only with the torch extension installed
+    ("2.9.0", "2.9.0", []),
+])
+def test_te_core_and_metapackage_versions_differ_without_the_torch_extension(te, core,
+                                                                              expected):
+    """QA: `pip install transformer-engine[core]` at two versions passed the doctor (FP8205
+    looked only where transformer-engine-torch is installed); TE 2.9's
+    sanity_checks_for_pypi_installation (transformer_engine/common/__init__.py:195-212) fails
+    `import transformer_engine` for it."""
+    core_only = replace(H100, te=te, te_torch=None, te_core=core)
+    assert rules(core_only) == expected
+
+
+@pytest.mark.parametrize("value", ["", "-1", "0", "1", "0,1", "1,0", "0,0", "2", "abc", "0gpu",
+                                   " 1", "+0", "0,-1,1", "0,5"])
+@pytest.mark.parametrize("listed", [1, 2])
+def test_visible_gpus_reads_cuda_visible_devices_as_torch_does(value, listed, monkeypatch):
+    """The count of GPUs CUDA sees, against torch's own reading of the variable
+    (`torch.cuda._parse_visible_devices`, trimmed at the first ordinal past the GPUs as its
+    `_device_count_nvml` does)."""
+    import torch.cuda
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    parsed = torch.cuda._parse_visible_devices()
+    torch_count = next((i for i, ordinal in enumerate(parsed) if ordinal >= listed), len(parsed))
+    assert environment.visible_gpus(value, listed) == torch_count
+
+
+@pytest.mark.parametrize(("value", "hidden"), [("", True), ("-1", True), ("1", True),
+                                               ("0,0", True), ("0", False), (None, False)])
+def test_a_gpu_cuda_visible_devices_hides_is_not_ready(tmp_path, monkeypatch, value, hidden):
+    """QA: with CUDA_VISIBLE_DEVICES='' on an H100 the doctor said "ready for FP8 training"
+    (nvidia-smi ignores the variable) while torch and TE see no GPU."""
+    if value is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    snapshot, finding = _gpu_finding(tmp_path, monkeypatch, 'echo "NVIDIA H100 80GB HBM3, 9.0"')
+    assert snapshot.has_gpu is not hidden and snapshot.gpu_hidden is hidden
+    assert snapshot.gpu_name == "NVIDIA H100 80GB HBM3"
+    if hidden:
+        assert finding.message == (
+            f"no GPU visible to CUDA: nvidia-smi lists 1 GPU(s), but CUDA_VISIBLE_DEVICES="
+            f"{value!r} hides every one from CUDA, so torch and TE see none")
+        assert "CUDA_VISIBLE_DEVICES" in finding.fix and "driver" not in finding.fix
+    else:
+        assert finding is None

@@ -45,6 +45,9 @@ from foundry_fp8.te.facts import (
     parse_version,
 )
 
+#: The first TE whose `import transformer_engine` compares the metapackage's version with the
+#: core package's (see te_packages); only this rule reads it.
+TE_CORE_CHECK = (2, 9)
 NO_GPU = "no GPU: FP8 training needs an H100/Ada; the emulated backend works here"
 DRIVER_FIX = ("fix the NVIDIA driver until `nvidia-smi` lists the GPU (the message says what it "
               "did); meanwhile use te_swap: {backend: emulate}")
@@ -76,7 +79,11 @@ def no_gpu(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
     if snapshot.has_gpu:
         return
-    if snapshot.gpu_error:
+    if snapshot.gpu_hidden:
+        yield Hit("gpu", f"no GPU visible to CUDA: {snapshot.gpu_error}, so torch and TE see "
+                  "none", fix="unset CUDA_VISIBLE_DEVICES, or list the GPUs to train on in it "
+                  "(CUDA_VISIBLE_DEVICES=0)")
+    elif snapshot.gpu_error:
         yield Hit("gpu", f"no GPU found: {snapshot.gpu_error}; if this machine has a GPU, its "
                   "driver needs fixing (the emulated backend works meanwhile)", fix=DRIVER_FIX)
     else:
@@ -123,6 +130,13 @@ def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
 def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
     """TE absent where it matters: a run that needs it, or a GPU that could run FP8."""
     snapshot = env.snapshot
+    te = snapshot.te_version
+    if env.config is None and te is not None and te < MIN_TE:  # the doctor: te_swap's TE floor
+        yield Hit("transformer_engine", f"TransformerEngine {snapshot.te} is older than "
+                  f"{dotted(MIN_TE)}, the oldest te_swap's `backend: te` takes (it stops the run "
+                  "at its start): only the emulated backend works",
+                  fix=f"pip install 'transformer-engine[pytorch]>={dotted(MIN_TE)}', or use "
+                  "te_swap: {backend: emulate}")
     if snapshot.te is not None:
         return
     if env.config is not None:
@@ -145,7 +159,12 @@ def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
                                      ("transformer-engine-torch", snapshot.te_torch),
                                      (snapshot.te_core_package, snapshot.te_core))
              if name and v is not None}
-    if snapshot.te_torch is not None and len(set(found.values())) > 1:
+    # From TE 2.9 `import transformer_engine` itself asserts that the metapackage and the core
+    # package have one version, with no torch extension installed too
+    # (sanity_checks_for_pypi_installation, transformer_engine/common/__init__.py:195-212 at
+    # v2.9-v2.18 and main d0067d0); before, only load_framework_extension compared them.
+    core_checked = snapshot.te_core is not None and (snapshot.te_version or ()) >= TE_CORE_CHECK
+    if (snapshot.te_torch is not None or core_checked) and len(set(found.values())) > 1:
         listed = ", ".join(f"{name} {v}" for name, v in found.items())
         yield Hit("transformer_engine", f"TransformerEngine packages differ in version ({listed}):"
                   " `import transformer_engine.pytorch` fails TE's version check")
