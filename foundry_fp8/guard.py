@@ -201,6 +201,9 @@ class GuardCore:
                                  dict[tuple[str, str], dict[str, float]]]] = []
         self._flags: dict[str, list[Flag]] = {}
         self.nonfinite: list[tuple[str, str]] = []  # the rows with NaN/Inf at the last step
+        # fallbacks decided before the run's steps restarted (`fit(reset_time=True)`): every
+        # step now is after them, whatever its number
+        self._before_reset: set[str] = set()
 
     @property
     def layers(self) -> list[str]:
@@ -234,6 +237,8 @@ class GuardCore:
         # the streaks need `consecutive` (or `repromote_after`) steps, the rising-underflow rule
         # two
         keep = max(self.config.consecutive, 2, self.config.repromote_after or 0)
+        if self._recent and step < self._recent[-1][0]:  # the steps restarted
+            self._before_reset.update(self.fallbacks)
         self._recent = [*self._recent, (step, judged, fallen)][-keep:]
         self._whatif.update(step, fallen)
         raised = self._tracker.update(step, judged)
@@ -251,7 +256,8 @@ class GuardCore:
             return []
         tensors: dict[str, list[str]] = {}
         for layer, tensor in table:
-            if layer in self.fallbacks and self.fallbacks[layer].step < step:
+            if layer in self.fallbacks and (layer in self._before_reset
+                                            or self.fallbacks[layer].step < step):
                 tensors.setdefault(layer, []).append(tensor)
         return sorted(layer for layer, names in tensors.items()
                       if all(self._whatif.streak(layer, t, bad=False) >= after for t in names))
@@ -272,6 +278,7 @@ class GuardCore:
         return done
 
     def _forget(self, layer: str) -> None:
+        self._before_reset.discard(layer)
         self._tracker.forget(layer)
         self._whatif.forget(layer)
 
@@ -337,6 +344,7 @@ class GuardCore:
             "ended": [asdict(f) for f in self.ended],
             "recent": [(step, rows(judged), rows(fallen)) for step, judged, fallen in self._recent],
             "warned": sorted(self.warned),
+            "before_reset": sorted(self._before_reset),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -361,6 +369,7 @@ class GuardCore:
             for repromoted in self.repromotions:
                 if repromoted.step == step:
                     self._forget(repromoted.layer)
+        self._before_reset = set(_texts(state.get("before_reset", ()))) & self.fallbacks.keys()
 
 
 def exclude_regex(layers: Iterable[str], existing: str | None = None) -> str:
