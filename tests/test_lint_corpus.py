@@ -6,6 +6,7 @@ LLM-Foundry's own loaders; a train config with an unknown top-level key is refus
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,17 @@ def test_every_corpus_file_has_expectations():
 def test_corpus_file_gives_exactly_its_expected_findings(name):
     entry = lint_file(CORPUS / name, 1, BARE)
     assert entry["error"] is None, entry["error"]
-    found = sorted([f["rule"], f["key"], f["severity"]] for f in entry["findings"])
+    found = sorted([f["rule"], f["key"], f["severity"], f["line"]][:len(want)]
+                   for f, want in zip(sorted(entry["findings"], key=_rule_and_key),
+                                      sorted(EXPECTED[name]), strict=False))
+    assert len(entry["findings"]) == len(EXPECTED[name]), entry["findings"]
     assert found == sorted(EXPECTED[name]), entry["findings"]
     for f in entry["findings"]:
         assert f["line"] is not None and f["message"] and f["fix"]
+
+
+def _rule_and_key(finding: dict[str, Any]) -> tuple[str, str]:
+    return finding["rule"], finding["key"]
 
 
 def test_an_mcli_run_without_parameters_is_skipped_with_a_note():
@@ -102,7 +110,26 @@ def test_upstream_crashes_follow_the_installed_versions(name, snapshot, severity
     found = [[f["rule"], f["key"], f["severity"]] for f in lint_file(CORPUS / name, 1,
                                                                      snapshot)["findings"]]
     want = "warning" if name in DECLINED and severity[rule] == "error" else severity[rule]
+    if name in IMAGE_TORCH:  # the run's torch is its image's (2.7.0), in Composer's range
+        want = None
     assert found == ([] if want is None else [[rule, key, want]])
+
+
+#: MCLI files whose image names the torch the run gets (mosaicml/llm-foundry:<torch>_...).
+IMAGE_TORCH = {"mcli/mcli-auto-microbatch-fsdp.yaml": "2.7.0"}
+
+
+@pytest.mark.parametrize("name", sorted(IMAGE_TORCH))
+def test_the_same_parameters_as_a_train_config_judge_the_local_torch(name, tmp_path):
+    """Without the MCLI wrapper (no image), FP8031 judges the torch where the linter runs."""
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(_resolved(name)))
+    (rule, key, _), = EXPECTED[name]
+    key = key.removeprefix("parameters.")
+    found = [[f["rule"], f["key"], f["severity"]] for f in lint_file(path, 1, H200_SET)["findings"]]
+    assert found == [[rule, key, "error"]]
+    pinned = replace(H200_SET, torch=IMAGE_TORCH[name])
+    assert lint_file(path, 1, pinned)["findings"] == []
 
 
 @pytest.mark.parametrize("name", sorted(UPSTREAM_CRASHES))
@@ -158,6 +185,7 @@ def test_clean_train_configs_pass_llmfoundrys_loader(name):
 @pytest.mark.parametrize("name", sorted(n for n, found in EXPECTED.items() if not found
                                         and n.startswith("eval/")))
 def test_clean_eval_configs_pass_llmfoundrys_eval_loader(name):
+    from llmfoundry.command_utils.eval import allow_toplevel_keys
     from llmfoundry.utils.config_utils import (
         EVAL_CONFIG_KEYS,
         EvalConfig,
@@ -165,8 +193,11 @@ def test_clean_eval_configs_pass_llmfoundrys_eval_loader(name):
     )
     from omegaconf import OmegaConf
 
-    make_dataclass_and_log_config(OmegaConf.create(_resolved(name)), EvalConfig,
-                                  EVAL_CONFIG_KEYS, icl_tasks_required=False)
+    # as evaluate() calls it (llmfoundry/command_utils/eval.py)
+    _, config = make_dataclass_and_log_config(
+        OmegaConf.create(_resolved(name)), EvalConfig, EVAL_CONFIG_KEYS,
+        transforms=[allow_toplevel_keys], icl_tasks_required=False)
+    assert config.models and all(isinstance(m, dict) for m in config.models)
 
 
 @pytest.mark.parametrize(("name", "key"), [("train/unknown-top-level.yaml", "precison"),

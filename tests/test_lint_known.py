@@ -541,6 +541,24 @@ def test_eval_config_keys_match_llmfoundry():
     assert known.EVAL_CONFIG_KEYS == EVAL_CONFIG_KEYS
 
 
+def test_eval_model_keys_are_what_evaluate_model_takes_from_an_entry():
+    """evaluate() calls evaluate_model(<keywords>, **model_cfg): an entry may hold the
+    parameters it does not pass itself, and must hold those without a default."""
+    import ast
+    import inspect
+
+    from llmfoundry.command_utils import eval as foundry_eval
+
+    tree = ast.parse(inspect.getsource(foundry_eval.evaluate))
+    call, = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "evaluate_model"]
+    passed = {k.arg for k in call.keywords if k.arg is not None}
+    params = inspect.signature(foundry_eval.evaluate_model).parameters
+    assert known.EVAL_MODEL_KEYS == set(params) - passed
+    assert set(known.EVAL_MODEL_REQUIRED_KEYS) == {
+        n for n in known.EVAL_MODEL_KEYS if params[n].default is inspect.Parameter.empty}
+
+
 def _source_line(where: str) -> tuple[str, int]:
     """('path', line) from a known.*_SOURCE ('pkg/mod.py:466 in 0.21.0-0.22.0')."""
     path, _, rest = where.partition(":")

@@ -40,7 +40,14 @@ from foundry_fp8.lint.output import render_json, render_sarif, render_text, use_
 from foundry_fp8.lint.registry import Finding, LintContext, first_line, run_rules
 from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config, wandb_mode_from_env
 from foundry_fp8.lint.rules.eval import is_eval_config
-from foundry_fp8.lint.rules.mcli import is_mcli
+from foundry_fp8.lint.rules.mcli import (
+    PIN_RULES,
+    is_mcli,
+    pinned_note,
+    pinned_snapshot,
+    pinned_te_findings,
+    pins,
+)
 
 __all__ = ["LintInputError", "add_arguments", "lint_file", "run"]
 
@@ -84,11 +91,16 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
         loaded = load_config(path, text, subtree)
     except LintInputError as e:
         return _error_entry(path, str(e))
+    pinned = {p.field: p for p in pins(data)} if mcli else {}
     context = LintContext(scope="file", fsdp_version=fsdp_version, env_keys=loaded.env_keys,
-                          snapshot=snapshot, wandb_mode=wandb_mode)
+                          snapshot=pinned_snapshot(snapshot, pinned), wandb_mode=wandb_mode)
     findings = run_rules("eval", loaded.config, context) if is_eval_config(loaded.config) \
         else lint_config(loaded.config, context)
+    findings = [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
+                if f.rule in PIN_RULES else f for f in findings]
     entry = _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "")
+    outer += [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
+              for f in pinned_te_findings(loaded.config, pinned, context)]
     entry["findings"][:0] = _entry(path, outer, loaded.positions)["findings"]
     return entry
 

@@ -329,6 +329,13 @@ EVAL_CONFIG_KEYS = frozenset({
     "dist_timeout", "fsdp_config", "callbacks", "variables",
 })
 
+#: The keys of one `models:` entry of an eval config: the parameters of `evaluate_model`
+#: (llmfoundry/command_utils/eval.py) that `evaluate` does not pass itself, since it calls
+#: `evaluate_model(..., **model_cfg)`; the train.py shape (`allow_toplevel_keys`) writes them at
+#: the top level. Those without a default: EVAL_MODEL_REQUIRED_KEYS.
+EVAL_MODEL_KEYS = frozenset({"model_name", "model", "tokenizer", "load_path"})
+EVAL_MODEL_REQUIRED_KEYS = ("model_name", "model", "tokenizer")
+
 
 #: Composer's `patch_unshard_for_automicrobatching` (composer/trainer/_patch_pytorch.py line 30),
 #: which the Trainer calls for `device_train_microbatch_size: auto` with FSDP1, installs

@@ -1,34 +1,97 @@
 """LLM-Foundry eval configs (`scripts/eval/yamls`: a `models:` list, no train loader), read by
 `eval_from_yaml`. The train rules that read sections eval configs share (precision, fsdp_config,
-callbacks, loggers) register `also=("eval",)`; these are the eval config's own."""
+callbacks, loggers) register `also=("eval",)`; these are the eval config's own, and the twins of
+the train rules about the model section, run on each model an eval config builds."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from foundry_fp8.lint.known import EVAL_CONFIG_KEYS, TRAIN_CONFIG_KEYS, did_you_mean
+from foundry_fp8.lint.config import is_fp8, native_te_layers
+from foundry_fp8.lint.known import (
+    EVAL_CONFIG_KEYS,
+    EVAL_MODEL_KEYS,
+    EVAL_MODEL_REQUIRED_KEYS,
+    TRAIN_CONFIG_KEYS,
+    did_you_mean,
+)
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule
-from foundry_fp8.lint.rules.model import model_key_hits
+from foundry_fp8.lint.rules.model import model_key_hits, mpt_sub_configs
+from foundry_fp8.lint.rules.ours import sdpa_without_our_entries
 from foundry_fp8.lint.rules.train import FOUNDRY
+
+EVAL_SOURCE = f"{FOUNDRY} llmfoundry/command_utils/eval.py"
+#: Keys an eval config reads at the top level before any model is built: the sections a train
+#: rule about the model section also reads (our entries' sections, `code_paths`, `precision`).
+_SHARED = ("precision", "callbacks", "loggers", "code_paths")
+#: Eval-only keys that, next to a top-level `model:`, mark the train.py shape of an eval config.
+_EVAL_MARKERS = frozenset({"model_name", "icl_tasks", "icl_tasks_str", "eval_gauntlet",
+                           "eval_gauntlet_str"})
 
 
 def is_eval_config(config: Any) -> bool:
-    """An eval config: a `models:` list, which no train config has."""
-    return isinstance(config, Mapping) and isinstance(config.get("models"), list)
+    """An eval config: a `models:` list, which no train config has; or the train.py shape
+    `allow_toplevel_keys` turns into one (a top-level `model:` with eval keys and no key only
+    a train config takes)."""
+    if not isinstance(config, Mapping):
+        return False
+    if isinstance(config.get("models"), list):
+        return True
+    keys = {k for k in config if isinstance(k, str)}
+    return "model" in keys and bool(keys & _EVAL_MARKERS) \
+        and not keys & (TRAIN_CONFIG_KEYS - EVAL_CONFIG_KEYS - EVAL_MODEL_KEYS)
+
+
+def eval_models(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(key, entry) for each model the eval builds: `models.N` and its entry, or, in the
+    train.py shape, "" and the config itself (whose `model`, `tokenizer`, `model_name` and
+    `load_path` `allow_toplevel_keys` moves into `models: [...]`)."""
+    models = config.get("models")
+    if isinstance(models, list):
+        for index, item in enumerate(models):
+            if isinstance(item, Mapping):
+                yield join_key("models", index), item
+    elif "model" in config:
+        yield "", {k: config[k] for k in EVAL_MODEL_KEYS if k in config}
+
+
+def _twin(check: Callable[[Mapping[str, Any], LintContext], Iterable[Hit]],
+          config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    """A train rule's check on each eval model, as the train config it is built like: its
+    `model` with the top-level sections eval_from_yaml shares (`_SHARED`); the hits' `model.`
+    keys are the entry's."""
+    for where, entry in eval_models(config):
+        view = {k: config[k] for k in _SHARED if k in config}
+        view["model"] = entry.get("model")
+        for hit in check(view, ctx):
+            key = f"{where}.{hit.key}" if where and hit.key.split(".")[0] == "model" \
+                else hit.key
+            yield Hit(key, hit.message, hit.severity, hit.fix)
 
 
 @rule("FP8301", "error", "unknown top-level keys of an eval config (did-you-mean)",
       why="eval_from_yaml builds EvalConfig with make_dataclass_and_log_config, which raises "
       "'Unused parameters [...] found in cfg' for any top-level key that is not an EvalConfig "
-      "field (train-only keys such as `algorithms` or `train_loader` included).",
-      source=f"{FOUNDRY} llmfoundry/command_utils/eval.py evaluate; "
+      "field (train-only keys such as `algorithms` or `train_loader` included). Without "
+      "`models:`, the model entry's keys (`model`, `tokenizer`, `model_name`, `load_path`) may "
+      "stand at the top level (allow_toplevel_keys moves them into `models`); next to "
+      "`models:`, a top-level `model` raises 'Please specify either model or models'.",
+      source=f"{EVAL_SOURCE} evaluate, allow_toplevel_keys; "
       "llmfoundry/utils/config_utils.py EvalConfig, EVAL_CONFIG_KEYS",
       fix="fix the spelling, or move the value under `variables:`", family="eval",
       scope="file", unresolved=True)
 def unknown_eval_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    listed, single = "models" in config, "model" in config
     for key in config:
-        if not isinstance(key, str) or key in EVAL_CONFIG_KEYS:
+        # next to both `model` and `models`, the ValueError about `model` comes first
+        if not isinstance(key, str) or key in EVAL_CONFIG_KEYS or (
+                key in EVAL_MODEL_KEYS and (not listed or (single and key != "model"))):
+            continue
+        if key == "model":
+            yield Hit("model", "an eval config with both `model` and `models` is refused "
+                      "('Please specify either model or models in the config, not both')",
+                      fix="move this model into the `models:` list")
             continue
         train_only = " (a train config key; eval configs do not take it)" \
             if key in TRAIN_CONFIG_KEYS else did_you_mean(key, EVAL_CONFIG_KEYS)
@@ -40,13 +103,89 @@ def unknown_eval_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
       why="Each `models.N.model` is built like a train config's model section (FP8024): a key "
       "MPTConfig does not name is kept as an unused attribute. A warning, an error when the "
       "ignored value asks for TE layers.",
-      source=f"{FOUNDRY} llmfoundry/command_utils/eval.py evaluate_model (build_composer_model);"
+      source=f"{EVAL_SOURCE} evaluate_model (build_composer_model);"
       " llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__",
       fix="fix the spelling (the message names the closest MPT key) or remove the key",
       family="eval", unresolved=True)
 def eval_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    models = config.get("models")
-    for index, item in enumerate(models if isinstance(models, list) else []):
-        model = item.get("model") if isinstance(item, Mapping) else None
+    for where, entry in eval_models(config):
+        model = entry.get("model")
         if isinstance(model, Mapping):
-            yield from model_key_hits(model, f"models.{index}.model")
+            yield from model_key_hits(model, join_key(where, "model") if where else "model")
+
+
+@rule("FP8303", "error", "an eval config with `precision: amp_fp8` and a model without TE "
+      "layers (FP8001 for eval configs)",
+      why="eval_from_yaml hands the top-level precision to each model's Trainer, and Composer's "
+      "amp_fp8 only enters TE's fp8_autocast, which changes TE modules alone: a model without "
+      "TE layers (no `fc_type: te`, no `ffn_type: te_ln_mlp`; an eval config takes no "
+      "algorithms, so no te_swap) evaluates without FP8, and the scores are not FP8's.",
+      source=f"{EVAL_SOURCE} evaluate (precision=eval_config.precision), evaluate_model; "
+      "Composer 0.32.1 composer/core/precision.py get_precision_context",
+      fix="give the model TE layers (`model.fc_type: te`), or evaluate with amp_bf16",
+      family="eval")
+def eval_fp8_without_te_layers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if not is_fp8(config):
+        return
+    for where, entry in eval_models(config):
+        model = entry.get("model")
+        if isinstance(model, Mapping) and not native_te_layers({"model": model}):
+            name = entry.get("model_name", model.get("name"))
+            yield Hit(join_key(where, "model") if where else "model",
+                      f"precision amp_fp8, but model {name!r:.60} has no TE layer (no fc_type: "
+                      "te, no ffn_type: te_ln_mlp; eval configs take no te_swap): it is "
+                      "evaluated without FP8")
+
+
+@rule("FP8304", "error", "`attn_impl: sdpa` in an eval model with none of our entries in the "
+      "config (FP8041 for eval configs)",
+      why="As FP8041: MPTConfig raises 'Unknown attn_impl=sdpa' unless foundry_fp8.attention "
+      "was imported before the model is built. evaluate() builds the loggers, and "
+      "evaluate_model the callbacks, before build_composer_model, so one of our entries under "
+      "`loggers:` or `callbacks:` imports it in time; a warning with `code_paths`.",
+      source=f"{EVAL_SOURCE} evaluate (code_paths, build_logger), evaluate_model "
+      "(build_callback before build_composer_model)",
+      fix="add one of our entries, such as `callbacks: {fp8_lint: {}}`, or import "
+      "foundry_fp8.attention from a `code_paths` file; or use attn_impl flash or torch",
+      family="eval")
+def eval_sdpa_without_our_entries(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    yield from _twin(sdpa_without_our_entries, config, ctx)
+
+
+@rule("FP8305", "error", "MPT `attn_config` / `ffn_config` keys MPT refuses, an "
+      "`ffn_config.fc_type` it replaces, `fc_type: TE`, in an eval model (FP8042 for eval "
+      "configs)",
+      why="Each eval model is built with build_composer_model like a train config's model "
+      "section, so FP8042's TypeError and RegistryError happen there too, after the tokenizer "
+      "and the ICL data are built.",
+      source=f"{EVAL_SOURCE} evaluate_model (build_composer_model); FP8042's sources",
+      fix="fix the spelling (the message names the closest key or name)", family="eval",
+      unresolved=True)
+def eval_mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    yield from _twin(mpt_sub_configs, config, ctx)
+
+
+@rule("FP8306", "error", "a `models:` entry with a key evaluate_model does not take "
+      "(`precision` included), or without `model`, `tokenizer` or `model_name`",
+      why="evaluate() calls evaluate_model(..., precision=..., **model_cfg) for each entry of "
+      "`models:`: a key that is not one of its parameters raises TypeError (unexpected "
+      "keyword), one it already passes, such as `precision`, raises TypeError (multiple "
+      "values: precision is the config's, per model it cannot be set), and a missing "
+      "`model`, `tokenizer` or `model_name` raises TypeError (missing argument), after the "
+      "models listed before it have been evaluated.",
+      source=f"{EVAL_SOURCE} evaluate, evaluate_model's signature",
+      fix="keep `model_name`, `model`, `tokenizer` and `load_path` in each entry; set "
+      "`precision` once at the top level", family="eval", unresolved=True)
+def eval_model_entry_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    models = config.get("models")
+    for where, entry in eval_models(config) if isinstance(models, list) else ():
+        for key in entry:
+            if isinstance(key, str) and key not in EVAL_MODEL_KEYS:
+                hint = " (set it once at the top level: it applies to every model)" \
+                    if key in EVAL_CONFIG_KEYS else did_you_mean(key, EVAL_MODEL_KEYS)
+                yield Hit(join_key(where, key), f"evaluate_model does not take `{key}` from a "
+                          f"`models:` entry: TypeError when this model is evaluated" + hint)
+        missing = [k for k in EVAL_MODEL_REQUIRED_KEYS if k not in entry]
+        if missing:
+            yield Hit(where, f"this `models:` entry has no {', '.join(f'`{k}`' for k in missing)}"
+                      ": evaluate_model raises TypeError (missing argument)")

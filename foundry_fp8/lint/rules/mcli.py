@@ -4,11 +4,15 @@ The `parameters` mapping itself is linted as the train or eval config it is."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
+from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
-from foundry_fp8.lint.registry import Hit, LintContext, rule
+from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules
+from foundry_fp8.lint.rules.environment import Environment
 
 #: Keys of an MCLI run config (mcli's RunConfig: `name`, `image`, `command`, `compute`,
 #: `parameters`, `integrations`, `scheduling`, `env_variables`, `metadata`, `entrypoint`, and the
@@ -68,3 +72,152 @@ def parameters_not_a_config(data: Mapping[str, Any], ctx: LintContext) -> Iterat
                   f"{PARAMETERS_FILE}, but this run config gives "
                   + ("`parameters: null`" if key == "parameters" else "no `parameters`")
                   + ": the script finds no train config there")
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A version the run config installs: `field` of `foundry_fp8.environment.Snapshot` it sets,
+    the version text, and the key of the file that pins it."""
+
+    field: str
+    version: str
+    key: str
+    package: str = ""
+
+
+#: pip names (normalized: lower case, `-` for `_` and `.`) of what version-dependent rules read,
+#: with the Snapshot fields a pin sets. `transformer-engine[pytorch]==X` installs
+#: transformer-engine-torch and the core package at X too (TE's setup.py pins its extras to its
+#: own version).
+PINNED_PACKAGES: dict[str, tuple[str, ...]] = {
+    "transformer-engine": ("te", "te_torch", "te_core"),
+    "transformer-engine-torch": ("te_torch",),
+    "transformer-engine-cu12": ("te_core",),
+    "transformer-engine-cu13": ("te_core",),
+    "llm-foundry": ("llmfoundry",),
+    "mosaicml": ("composer",),
+    "torch": ("torch",),
+}
+#: GitHub repositories whose ref (`git_branch`, `git_commit`, `@ref`) names a release.
+PINNED_REPOS = {"nvidia/transformerengine": "transformer-engine",
+                "mosaicml/llm-foundry": "llm-foundry", "mosaicml/composer": "mosaicml"}
+#: The rules that judge the versions installed where the linter runs, with the Snapshot fields
+#: each reads: for an MCLI run config that pins them, they judge the pinned versions, and say so.
+PIN_RULES: dict[str, tuple[str, ...]] = {
+    "FP8027": ("te",), "FP8030": ("llmfoundry",), "FP8031": ("composer", "torch"),
+    "FP8205": ("te", "te_torch", "te_core"), "FP8207": ("te",), "FP8208": ("te",),
+}
+_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*==\s*(\d[^\s;,'\"]*)$")
+_GIT_URL = re.compile(r"github\.com[/:]([\w.-]+/[\w.-]+?)(?:\.git)?@([\w.+-]+)")
+#: MosaicML's images name the torch they ship first (`mosaicml/pytorch:2.1.0_cu121-...`,
+#: `mosaicml/llm-foundry:2.6.0_cu124-latest`).
+_MOSAIC_IMAGE = re.compile(r"^mosaicml/(?:pytorch|llm-foundry)[\w-]*:(\d+\.\d+\.\d+)")
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _release(ref: Any) -> str | None:
+    """The release a git ref names (`v2.8`, `release_v2.8`, `v0.22.0`), None for others."""
+    match = re.fullmatch(r"(?:release_)?v?(\d+\.\d+(?:\.\d+)?)", str(ref)) if ref else None
+    return match.group(1) if match else None
+
+
+def _requirement_pins(text: str, key: str) -> Iterator[Pin]:
+    for token in text.split():
+        token = token.strip("'\"")
+        found = _REQUIREMENT.match(token)
+        if found:
+            name = _normalized(found.group(1))
+            for field in PINNED_PACKAGES.get(name, ()):
+                yield Pin(field, found.group(3), key, name)
+            continue
+        url = _GIT_URL.search(token)
+        package = PINNED_REPOS.get(url.group(1).lower()) if url else None
+        version = _release(url.group(2)) if url else None
+        if package and version:
+            for field in PINNED_PACKAGES[package]:
+                yield Pin(field, version, key)
+
+
+def pins(data: Mapping[str, Any]) -> list[Pin]:
+    """The versions an MCLI run config installs: `pip_packages` integrations, `git_repo`
+    integrations at a release ref, `pip install` lines of its command, and the torch of a
+    MosaicML image; a later pin of a field wins, as the later install does."""
+    found: list[Pin] = []
+    image = data.get("image")
+    match = _MOSAIC_IMAGE.match(image) if isinstance(image, str) else None
+    if match:
+        found.append(Pin("torch", match.group(1), "image"))
+    integrations = data.get("integrations")
+    for index, item in enumerate(integrations if isinstance(integrations, list) else []):
+        if not isinstance(item, Mapping):
+            continue
+        kind = item.get("integration_type")
+        if kind == "pip_packages" and isinstance(item.get("packages"), list):
+            for n, package in enumerate(item["packages"]):
+                if isinstance(package, str):
+                    found += _requirement_pins(package, f"integrations.{index}.packages.{n}")
+        elif kind == "git_repo" and isinstance(item.get("git_repo"), str):
+            package = PINNED_REPOS.get(item["git_repo"].lower().removesuffix(".git"))
+            ref = next((k for k in ("git_commit", "git_branch") if item.get(k)), None)
+            version = _release(item.get(ref)) if ref else None
+            if package and ref and version:
+                found += [Pin(field, version, f"integrations.{index}.{ref}")
+                          for field in PINNED_PACKAGES[package]]
+    for key in ("command", "entrypoint"):
+        text = data.get(key)
+        if isinstance(text, str) and "pip" in text:
+            found += [pin for line in text.splitlines() if "pip" in line and "install" in line
+                      for pin in _requirement_pins(line, key)]
+    return list({pin.field: pin for pin in found}.values())
+
+
+def pinned_note(fields: tuple[str, ...], pinned: Mapping[str, Pin]) -> str:
+    """What a version-dependent finding judged: the versions this run config pins."""
+    used: dict[tuple[str, str], Pin] = {}
+    for field in fields:
+        if field in pinned:  # one mention per pin (transformer-engine[pytorch] sets three)
+            used.setdefault((pinned[field].key, pinned[field].version), pinned[field])
+    return "; judged against " + ", ".join(
+        f"{_LABELS[p.field]} {p.version} as this run config pins it (`{p.key}`)"
+        for p in used.values()) if used else ""
+
+
+_LABELS = {"te": "TransformerEngine", "te_torch": "transformer-engine-torch",
+           "te_core": "TransformerEngine's core package", "llmfoundry": "LLM-Foundry",
+           "composer": "Composer", "torch": "torch"}
+
+
+#: The environment rules that judge TE's version alone (not the machine's GPU or imports): run
+#: on the TE an MCLI run config pins.
+PINNED_ENVIRONMENT_RULES = frozenset({"FP8205", "FP8207", "FP8208"})
+
+
+def pinned_snapshot(snapshot: Snapshot | None, pinned: Mapping[str, Pin]) -> Snapshot | None:
+    """The machine the run gets: `snapshot` (where the linter runs) with the pinned versions."""
+    if snapshot is None or not pinned:
+        return snapshot
+    core = pinned.get("te_core")
+    return replace(snapshot, **{f: p.version for f, p in pinned.items()},
+                   **({"te_core_package": core.package} if core and core.package
+                      != "transformer-engine" else {}))
+
+
+def pinned_te_findings(config: Mapping[str, Any], pinned: Mapping[str, Pin],
+                       context: LintContext) -> list[Finding]:
+    """FP8205, FP8207 and FP8208 on the TE packages the run config pins (none pinned: nothing;
+    `foundry-fp8 lint` does not judge its own machine's TE), keyed at the pin for FP8205 and
+    at `parameters.<key>` for the others."""
+    te = {f: p for f, p in pinned.items() if f.startswith("te")}
+    if not te:
+        return []
+    core = te.get("te_core")
+    snapshot = Snapshot(python="", **{f: p.version for f, p in te.items()},
+                        te_core_package=core.package if core and core.package
+                        != "transformer-engine" else None)
+    where = (te.get("te_torch") or next(iter(te.values()))).key
+    return [replace(f, key=where if f.key == "transformer_engine" else f"parameters.{f.key}")
+            for f in run_rules("environment", Environment(snapshot, config), context,
+                               only=lambda r: r.id in PINNED_ENVIRONMENT_RULES)]
