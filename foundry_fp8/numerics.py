@@ -210,12 +210,26 @@ def _power_of_2(exponent: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones((), device=exponent.device), exponent.clamp(-126, 127))
 
 
-def _scaled(mag: torch.Tensor, factor: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """float32 `mag * factor` as [rows, width], zeros after mag's end (they change no sum)."""
-    out = torch.empty(rows * width, device=mag.device)
-    out[mag.numel():].zero_()
-    torch.mul(mag, factor.reshape(1), out=out[:mag.numel()])  # one pass, bfloat16 read as is
-    return out.view(rows, width)
+def _scaled(mag: torch.Tensor, factor: torch.Tensor, rows: int, width: int,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `mag * factor` as [rows, width], zeros after mag's end (they change no sum);
+    written into `out` (float32 [rows, width]) when given."""
+    flat = torch.empty(rows * width, device=mag.device) if out is None else out.view(-1)
+    flat[mag.numel():].zero_()
+    torch.mul(mag, factor.reshape(1), out=flat[:mag.numel()])  # one pass, bfloat16 read as is
+    return flat.view(rows, width)
+
+
+def _overflows(mag: torch.Tensor, limit: torch.Tensor, rows: int, width: int,
+               out: torch.Tensor) -> torch.Tensor:
+    """Per row of [rows, width], how many of mag exceed `limit`: TE's overflow test
+    (`tensor > fp8_max * scale_inv`, transformer_engine/debug/features/utils/
+    stats_computation.py:157), as `mag - limit` in float32 (bfloat16 widens exactly and the
+    difference's sign is exact) clamped at 0 and counted, in `out` (float32 [rows, width])."""
+    flat = out.view(-1)
+    flat[mag.numel():].zero_()
+    torch.sub(mag, limit.reshape(1), out=flat[:mag.numel()]).clamp_(min=0.0)
+    return _count(out, dim=1)
 
 
 def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
@@ -261,12 +275,18 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         # saturate, which no other current-scaled cast does
         cast_amax = torch.where(inf_count > 0, torch.inf, amax.double()).float()
         scale_t = current_scale(cast_amax, fmt, power_2=power_2) / (2.0 ** margin)
+        # a piece with nothing to scale (empty, all zero or NaN: amax 0, scale 1 by TE's rule)
+        # casts every element the same at any scale: it leaves the pooled scale to the others
+        # (an empty rank made a rank's 448 / amax read as 1, scale_ratio 1 / 448)
+        pooled_scale = torch.where(cast_amax > 0, scale_t, torch.inf)
     else:
-        scale_t = _on(scale, device).reshape(())
+        scale_t = pooled_scale = _on(scale, device).reshape(())
     # |x| * 2**m near fp8_max; m clamped here, so that x and r move by the same power of 2
     e_work = (_exponent(_on(fp8_max, device)) - _exponent(amax)).clamp(-126, 127)
     x_to_work = _power_of_2(e_work)
-    mant, e_inv = torch.frexp(scale_inverse(scale_t))
+    inverse = scale_inverse(scale_t)
+    mant, e_inv = torch.frexp(inverse)
+    limit = fp8_max * inverse  # float32, rounded once: TE's overflow bound (`_overflows`)
     r_to_work = _power_of_2(e_work + e_inv)  # r at fp8 * mant -> r at 2**m
     shapes = [(-(-piece.numel() // ROW), ROW) if piece.numel() > ROW else (1, piece.numel())
               for piece in pieces]
@@ -277,8 +297,9 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         span = slice(start, start + rows)
         start += rows
         mag = mags.pop() if mags else _magnitudes(piece)
-        q = _scaled(mag, scale_t, rows, width)  # |x| * scale, rounded as `quantize` does
-        _count(torch.nn.functional.threshold(q, fp8_max, 0.0), dim=1, out=partial[5, span])
+        q = torch.empty(rows, width, device=device)
+        partial[5, span] = _overflows(mag, limit, rows, width, out=q)
+        q = _scaled(mag, scale_t, rows, width, out=q)  # |x| * scale, rounded as `quantize` does
         q = q.clamp_(max=fp8_max).copy_(q.to(fp8_dtype))
         w = _scaled(mag, x_to_work, rows, width)  # |x| * 2**m, exact
         del mag
@@ -303,7 +324,7 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         "inf_count": inf_count, "underflow": nonzero - partial[1].sum(),
         "overflow": overflow, "sq_error": sq_error,
         "dot": partial[4].sum() * r_scale / x_work + rt_sq, "x_sq": x_sq, "rt_sq": rt_sq,
-        "amax": amax, "neg_amin": -amin, "neg_scale": -scale_t, "fp8_max": _on(fp8_max, device),
+        "amax": amax, "neg_amin": -amin, "neg_scale": -pooled_scale, "fp8_max": _on(fp8_max, device),
     }
     return torch.stack([parts[k].double().reshape(()) for k in SUFFICIENT_KEYS])
 
@@ -331,14 +352,16 @@ def all_reduce_sufficient_stats(rows: torch.Tensor, group: object | None = None)
 def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     """Sufficient statistics [..., K] -> the statistics [..., len(STAT_KEYS)] (float64, same
     device). Percentages and mse are over the finite elements (NaN where there is none),
-    rel_mse = ‖x - fp8(x)‖² / ‖x‖²; `scale` is the smallest pooled scale; `current_scale` is
-    `fp8_max / amax` of the pooled amax (no margin); `scale_ratio = scale / current_scale`."""
+    rel_mse = ‖x - fp8(x)‖² / ‖x‖²; `scale` is the smallest pooled scale (current scaling of
+    nothing to scale: the current scale); `current_scale` is `fp8_max / amax` of the pooled
+    amax (no margin); `scale_ratio = scale / current_scale`."""
     s = {key: rows[..., i] for i, key in enumerate(SUFFICIENT_KEYS)}
     count = s["count"].clamp_min(1.0)
     amin = -s["neg_amin"]
     amin = torch.where(torch.isinf(amin), torch.zeros_like(amin), amin)
-    scale = -s["neg_scale"]
     current = _scale_from_amax(s["amax"], s["fp8_max"].float()).double()
+    scale = -s["neg_scale"]
+    scale = torch.where(torch.isinf(scale), current, scale)  # no piece had anything to scale
     norms = s["x_sq"].sqrt() * s["rt_sq"].sqrt()
     # a zero tensor's round trip is exact (1); a nonzero one cast to all zeros kept nothing (0)
     cos = torch.where(norms > 0, s["dot"] / norms.clamp_min(1e-300),
@@ -370,7 +393,8 @@ def tensor_stats_tensor(x: torch.Tensor, fmt: str = "e4m3",
 def tensor_stats(x: torch.Tensor, fmt: str = "e4m3", scale: torch.Tensor | float | None = None,
                  margin: int = 0) -> dict[str, float]:
     """FP8 health of a tensor: amax, amin (smallest non-zero magnitude), underflow_pct (non-zero
-    elements that round to 0), overflow_pct (scaled magnitude above the format max), mse and
+    elements that round to 0), overflow_pct (magnitude above `fp8_max * scale_inv`, TE's
+    overflows%; under current scaling only where an Inf makes the scale 1), mse and
     cos_sim against its FP8 round trip `fp8 * scale_inv` (float32, as TE dequantizes), the scale used (`None`: current scaling), the current
     scale `fp8_max / amax` and `scale_ratio` (used / current: < 1 wastes range, > 1 overflows),
     NaN/Inf counts. Percentages are of the finite elements."""

@@ -89,7 +89,10 @@ def ref_stats(values: list[float], fmt: str, scale: float) -> dict[str, float]:
         "amax": max(abs(v) for v in finite),
         "amin": min(abs(v) for v in finite if v != 0),
         "underflow_pct": 100.0 * sum(1 for v, r in zip(finite, rt, strict=True) if v != 0 and r == 0) / n,
-        "overflow_pct": 100.0 * sum(1 for v in finite if abs(v) * scale > FP8_MAX[fmt]) / n,
+        # TE's overflow test, `|x| > fp8_max * scale_inv` in float32
+        # (transformer_engine/debug/features/utils/stats_computation.py:157)
+        "overflow_pct": 100.0 * sum(1 for v in finite
+                                    if abs(v) > f32(FP8_MAX[fmt] * f32(1.0 / f32(scale)))) / n,
         "mse": sum((a - b) ** 2 for a, b in zip(finite, rt, strict=True)) / n,
         "rel_mse": sum((a - b) ** 2 for a, b in zip(finite, rt, strict=True)) / (na * na),
         "cos_sim": dot / (na * nb),
