@@ -174,6 +174,26 @@ def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
     return None, ffn
 
 
+def _peft_adapters(model: nn.Module) -> dict[str, str]:
+    """{name: why kept} for the modules of PEFT adapters (LoRA's `lora_A`/`lora_B`, ...), which
+    stay in high precision: they are the few trainable weights of a fine-tune (a rank-16 LoRA's
+    pass TE's shape rule, and its `lora_B`, zero at init, has no amax history to scale by),
+    while the frozen `base_layer` they wrap converts. PEFT's tuner layers name their adapter
+    containers in `adapter_layer_names` (peft 0.16 tuners/tuners_utils.py:692,
+    BaseTunerLayer), read here without importing PEFT."""
+    kept: dict[str, str] = {}
+    for name, layer in model.named_modules():
+        for attr in getattr(layer, "adapter_layer_names", ()):
+            container = getattr(layer, attr, None)
+            if not isinstance(container, nn.Module):
+                continue
+            prefix = f"{name}.{attr}" if name else attr
+            for sub, _ in container.named_modules(prefix=prefix):
+                kept[sub] = (f"PEFT adapter ({attr}): trainable, kept in high precision; "
+                             "its frozen base_layer runs in FP8")
+    return kept
+
+
 def _meta_init_reason(model: nn.Module, up_proj: nn.Linear) -> str | None:
     """Why a block on the meta device is not fused: its te.LayerNormMLP would be initialised
     later by LLM-Foundry's param_init_fn, whose te_layernorm_mlp_init raises NameError in the
@@ -226,6 +246,7 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                 up.in_features, up.out_features, _n_params(block.norm_2, up, ffn.down_proj),
                 module_flops(up) + module_flops(ffn.down_proj)))
 
+    adapters = _peft_adapters(model)
     owners: dict[int, list[str]] = {}
     for name, module in modules.items():
         for param in module.parameters(recurse=False):
@@ -238,6 +259,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
             already = is_fp8_module(module)  # an EmulatedFP8Linear: converting resets its state
             if already:
                 reason: str | None = f"already in FP8 ({type(module).__name__})"
+            elif name in adapters:
+                reason = adapters[name]
             elif (lazy := _lazy_reason(module)) is not None:
                 reason = lazy
             elif others:
@@ -251,7 +274,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
         elif (te_class := te_class_name(module)) is not None:
             decisions.append(_te_decision(name, module, te_class, precision))
         elif config.convert_layernorm and isinstance(module, nn.LayerNorm):
-            reason = layernorm_reason(name, module.bias is not None, config, n_blocks, module)
+            reason = adapters.get(name) or layernorm_reason(name, module.bias is not None,
+                                                            config, n_blocks, module)
             if reason is None and module.weight.device.type == "meta":
                 reason = ("init_device meta: LLM-Foundry's param_init_fn would not initialise "
                           "te.LayerNorm (not in its norms registry)")
