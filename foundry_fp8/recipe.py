@@ -146,6 +146,10 @@ class FP8Recipe:
 
 
 _KNOWN_KEYS = frozenset(f.name for f in fields(FP8Recipe))
+#: Options TE 2.20's `DelayedScaling`/`Float8CurrentScaling` take that FP8Recipe does not model
+#: (transformer_engine/common/recipe/__init__.py:253-261, 302-312): named as TE's, not unknown.
+_TE_ONLY_KEYS = (frozenset(TE_DELAYED_DEFAULTS) - _KNOWN_KEYS) | {
+    "backward_override", "fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"}
 
 
 def fp8_format_name(value: Any) -> str:
@@ -186,6 +190,11 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
         if key in REMOVED_TE_KEYS:
             problems.append(RecipeProblem(key, "TransformerEngine no longer accepts this key",
                                           REMOVED_TE_KEYS[key]))
+        elif key in _TE_ONLY_KEYS:
+            problems.append(RecipeProblem(
+                key, "a TransformerEngine recipe option that foundry-fp8 does not support (it "
+                "models TE's linear-layer FP8 casts and scales only)",
+                f"remove it; the supported keys are: {', '.join(sorted(_KNOWN_KEYS))}"))
         elif key not in _KNOWN_KEYS:
             problems.append(RecipeProblem(
                 key, "unknown recipe key", f"use one of: {', '.join(sorted(_KNOWN_KEYS))}"))

@@ -61,3 +61,17 @@ def test_a_value_of_the_wrong_type_is_refused_even_when_it_equals_the_default():
                          ({"scaling": "current", "use_power_2_scales": 0}, "use_power_2_scales")):
         with pytest.raises(RecipeError, match=f"^fp8_recipe.{key}: must be"):
             FP8Recipe(**options)
+
+
+@pytest.mark.parametrize("key", ["fp8_dpa", "fp8_mha", "scaling_factor_compute_algo",
+                                 "backward_override", "fp8_gemm_fprop"])
+def test_a_te_option_we_do_not_model_is_named_as_tes_not_unknown(key):
+    """TE 2.20's DelayedScaling/Float8CurrentScaling take these
+    (transformer_engine/common/recipe/__init__.py:253-261, 302-312); "unknown recipe key" sent
+    a user who copied a TE recipe looking for a typo."""
+    with pytest.raises(RecipeError) as raised:
+        FP8Recipe.from_options({key: True})
+    message = str(raised.value)
+    assert message.startswith(f"fp8_recipe.{key}: a TransformerEngine recipe option that "
+                              "foundry-fp8 does not support")
+    assert "\n" not in message and "use_power_2_scales" in message
