@@ -16,6 +16,37 @@ from pathlib import Path
 import pytest
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cpu_try.md"
+STATS_DOC = DOC.with_name("fp8_stats.md")
+TENSORS = ("activation", "weight", "gradient")  # fp8_stats' default `tensors`, as the try runs
+
+
+def _without_parentheses(text: str) -> str:
+    while (shorter := re.sub(r"\([^()]*\)", "", text)) != text:
+        text = shorter
+    return text
+
+
+def documented_keys(doc: str) -> tuple[set[str], set[tuple[str, str]]]:
+    """(summary keys, per-layer (`fp8_<stat>`, tensor) families) that docs/fp8_stats.md says
+    fp8_stats logs under delayed scaling with the default tensors: the statistics listed in its
+    first paragraph, the summary series and `fp8_initial_scale` of its "What reaches W&B" table."""
+    first = doc.split("\n\n")[1]
+    stats = re.findall(r"`(\w+)`", _without_parentheses(first.split("gradients):", 1)[1]))
+    [summary] = [r for r in doc.splitlines() if r.startswith("| summary series |")]
+    names = re.findall(r"`(?:fp8/<tensor>|\.\.\.)/(\w+)`", summary)
+    [per_layer] = [r for r in doc.splitlines() if r.startswith("| per-layer series |")]
+    stats += re.findall(r"`fp8_(\w+)/<tensor>/<layer>`", per_layer)
+    summaries = {f"fp8/{t}/{n}" for t in TENSORS for n in names}
+    summaries |= set(re.findall(r"`(fp8/\w+)`", summary))
+    return summaries, {(f"fp8_{s}", t) for s in stats for t in TENSORS}
+
+
+def test_the_documented_key_lists_are_read_whole() -> None:
+    """The parser above reads what the doc lists (a rewording must be read here, not skipped)."""
+    summaries, families = documented_keys(STATS_DOC.read_text())
+    assert len(summaries) == 16 and len(families) == 13 * 3  # 12 statistics + initial_scale
+    shorter = STATS_DOC.read_text().replace("`nan_count`, ", "", 1)
+    assert len(documented_keys(shorter)[1]) == 12 * 3
 
 
 def _block(info: str) -> str:
@@ -76,9 +107,20 @@ def test_cpu_try_from_the_docs_alone(tmp_path: Path) -> None:
     assert first > math.log(512)  # untrained: no better than a uniform guess over 512 tokens
     assert last < 3.5  # the docs' "falls below 3.5": the generated text is learnable
     keys = {k for r in records for k in r["metrics"]}
-    assert "fp8/activation/worst_underflow_pct" in keys  # fp8_stats' summary series
+    summaries, families = documented_keys(STATS_DOC.read_text())
+    # what docs/fp8_stats.md says fp8_stats logs, against what reached metrics.jsonl
+    assert {k for k in keys if k.startswith("fp8/")} == summaries
+    assert {tuple(k.split("/")[:2]) for k in keys if k.startswith("fp8_")} == families
     assert any(k.startswith("fp8_underflow_pct/activation/blocks.0.") for k in keys)  # per layer
     assert "te_swap coverage (emulate)" in train_log  # te_swap ran, emulated
     assert (run / "fp8_report.md").is_file() and list(run.glob("fp8_*.png"))
-    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    # W&B, read back with its own reader: the same series, the heatmaps and the per-layer
+    # table, which the YAML's allow_offline_artifacts: false lets in (fp8_stats warned before)
+    from foundry_fp8.wandb_history import read_runs
+
+    [wandb_run] = read_runs(tmp_path / "wandb")
+    assert {k for k in keys if k.startswith("fp8")} <= wandb_run.keys()
+    assert "fp8_table" in wandb_run.media("table-file")
+    assert len(wandb_run.media("images/separated")) == 4  # fp8_heatmap/<stat>
+    assert "per-layer table is not sent to W&B" not in train_log
     assert not (tmp_path / "runs" / "{run_name}").exists()
