@@ -119,9 +119,14 @@ def eval_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
       why="eval_from_yaml hands the top-level precision to each model's Trainer, and Composer's "
       "amp_fp8 only enters TE's fp8_autocast, which changes TE modules alone: a model without "
       "TE layers (no `fc_type: te`, no `ffn_type: te_ln_mlp`; an eval config takes no "
-      "algorithms, so no te_swap) evaluates without FP8, and the scores are not FP8's.",
+      "algorithms, so no te_swap) evaluates without FP8, and the scores are not FP8's. Not "
+      "reported for models with TE layers, though Composer's eval loop turns FP8 autocast off "
+      "for every eval forward (trainer.py, fp8_autocast_enabled=False: TE layers evaluate in "
+      "their activation dtype), so amp_fp8 there only requires TE and an FP8 GPU.",
       source=f"{EVAL_SOURCE} evaluate (precision=eval_config.precision), evaluate_model; "
-      "Composer 0.32.1 composer/core/precision.py get_precision_context",
+      "Composer 0.32.1 composer/core/precision.py get_precision_context, "
+      "composer/trainer/trainer.py _eval_loop (get_precision_context(..., "
+      "fp8_autocast_enabled=False))",
       fix="give the model TE layers (`model.fc_type: te`), or evaluate with amp_bf16",
       family="eval")
 def eval_fp8_without_te_layers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
