@@ -4,6 +4,7 @@ LLM-Foundry's flops formula, never against expected speeds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -402,3 +403,46 @@ def test_results_that_cannot_be_saved_mid_run_are_one_line_at_the_end(capsys, tm
     assert err.endswith(f"foundry-fp8 bench: --out {tmp_path}: results not written: [Errno 28] "
                         f"No space left on device: '{tmp_path / 'mpt-tiny-cpu.json'}'\n"), err
     assert "Traceback" not in err
+
+
+def _config(argv: list[str]) -> bench.BenchConfig:
+    from foundry_fp8.cli import build_parser
+
+    return bench.config_from_args(build_parser().parse_args(["bench", *argv]))
+
+
+@pytest.mark.parametrize(("argv", "ran"), [
+    (["--tiny"], 4),  # the default micro-batch 8 over --tiny's batch of 4
+    (["--tiny", "--micro-batch", "100000000000000000000"], 4),
+    (["--tiny", "--batch", "16", "--micro-batch", "6"], 6),
+    (["--batch", "2"], 2),
+])
+def test_the_micro_batch_recorded_is_the_one_composer_runs(argv, ran):
+    """QA: `--tiny` recorded micro-batch 8 (JSON `setup` and each row, the markdown) for steps
+    of 4 sequences, which Composer runs unsplit; the record is now the size of Composer's own
+    split of such a batch (`_default_split_batch`, with the size asked for)."""
+    from composer.core.data_spec import _default_split_batch
+
+    config = _config(argv)
+    batch = bench.synthetic_batches(1, config.batch, config.seq_len, 512, 17)[0]
+    asked = int(argv[argv.index("--micro-batch") + 1]) if "--micro-batch" in argv else 8
+    with pytest.warns(UserWarning) if asked > config.batch else contextlib.nullcontext():
+        first = _default_split_batch(batch, asked)[0]
+    assert config.micro_batch == len(first["input_ids"]) == ran
+
+
+def test_variants_listed_twice_and_an_out_file_are_one_line_errors(capsys, tmp_path):
+    """QA: `--variants bf16,bf16` ran bf16 twice (the second row "2.757 x fp32", against the
+    first); `--out` naming a file said "cannot create the folder: File exists"."""
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--tiny", "--variants", "bf16,fp8-te-swap,bf16"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "foundry-fp8 bench: error: argument --variants: bf16 listed more than once")
+    (tmp_path / "afile").write_text("")
+    assert main(["bench", "--tiny", "--out", str(tmp_path / "afile")]) == 2
+    assert capsys.readouterr().err == (f"foundry-fp8 bench: --out {tmp_path / 'afile'}: a file, "
+                                       "not a folder (--out names the folder the results go "
+                                       "to)\n")
+    assert main(["bench", "--tiny", "--out", "/dev/null"]) == 2
+    assert "--out /dev/null: a character device, not a folder" in capsys.readouterr().err

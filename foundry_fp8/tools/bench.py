@@ -21,6 +21,7 @@ import logging
 import math
 import platform
 import re
+import stat
 import subprocess
 import time
 import traceback
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8.cli import OutputError
-from foundry_fp8.jsonl import check_output, write_output
+from foundry_fp8.jsonl import check_output, file_kind, write_output
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_CHECKED_FROM,
     AUTO_MICROBATCH_SOURCE,
@@ -622,6 +623,9 @@ def _variants(value: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(
             f"unknown {', '.join(unknown) or '(none given)'}; choose from "
             + ", ".join(VARIANTS))
+    twice = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+    if twice:  # two rows of one name: the ratio column would take the first as baseline
+        raise argparse.ArgumentTypeError(f"{', '.join(twice)} listed more than once")
     return names
 
 
@@ -644,7 +648,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=_micro_batch, default=BenchConfig.micro_batch,
                         help="sequences per forward, or 'auto' to let Composer fill the GPU "
                         f"(Composer >= {dotted(AUTO_MICROBATCH_CHECKED_FROM)} with FSDP needs "
-                        f"torch{UNSHARD_TORCH_RANGE} for it); default "
+                        f"torch{UNSHARD_TORCH_RANGE} for it); at most --batch; default "
                         f"{BenchConfig.micro_batch}")
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed steps first; {_default('warmup')}")
@@ -677,8 +681,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     def pick(value, name):
         return value if value is not None else getattr(TINY_CONFIG if tiny else BenchConfig, name)
 
+    batch = pick(args.batch, "batch")
+    # Composer runs a micro-batch larger than the batch as the whole batch (data_spec.py
+    # _split_tensor: "no splitting will be done"): record the size that ran
+    micro = args.micro_batch if args.micro_batch == "auto" else min(args.micro_batch, batch)
     config = BenchConfig(variants=args.variants, tiny=tiny, seq_len=pick(args.seq_len, "seq_len"),
-                         batch=pick(args.batch, "batch"), micro_batch=args.micro_batch,
+                         batch=batch, micro_batch=micro,
                          warmup=pick(args.warmup, "warmup"), steps=pick(args.steps, "steps"),
                          activation_checkpointing=args.activation_checkpointing,
                          compile=args.compile, yamls=args.yamls)
@@ -774,6 +782,11 @@ def run(args: argparse.Namespace) -> int:
             _error(refusal)
             return 2
     out = args.out
+    if out.exists() and not out.is_dir():
+        mode = out.stat().st_mode
+        what = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+        _error(f"--out {out}: {what}, not a folder (--out names the folder the results go to)")
+        return 2
     try:  # a folder that cannot be written fails now, not after the benchmark has run
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
