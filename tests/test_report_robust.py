@@ -277,3 +277,85 @@ def test_outputs_replace_a_regular_file_whole(tmp_path, capsys):
     report(tmp_path, capsys)
     assert (tmp_path / "fp8_report.md").read_text().startswith("#")
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["report", *argv]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith("error: ") and out.err.count("\n") == 1 and not out.out
+    return out.err.removeprefix("error: ").rstrip("\n")
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-pickle"])
+def test_a_checkpoint_given_as_the_run_is_named_so_without_reading_its_lines(
+        tmp_path, capsys, monkeypatch, zipped):
+    """QA: `foundry-fp8 report <run>/checkpoints/ep0-ba20-rank0.pt` said `...pt:2786: not a
+    metrics record (a JSON int ...)` after scanning the file line by line (gigabytes for a real
+    model): its first bytes (torch.save's zip archive, or the legacy pickle) say what it is."""
+    import torch
+
+    from foundry_fp8.report import read
+
+    path = tmp_path / "ep0-ba20-rank0.pt"
+    torch.save({"state": {"model": torch.arange(5000)}}, path,
+               _use_new_zipfile_serialization=zipped)
+    monkeypatch.setattr(read, "read_jsonl", lambda *_: pytest.fail("read line by line"))
+    kind = "zip archive" if zipped else "pickle"
+    assert _one_line_error([str(path)], capsys) == (
+        f"{path}: a {kind} (a checkpoint?), not a metrics file: the report reads the `jsonl` "
+        "logger's metrics.jsonl in the run folder")
+
+
+def test_a_json_document_given_as_the_run_is_named_so(tmp_path, capsys):
+    """QA: `foundry-fp8 report runs/x/hparams.json` said `hparams.json:87: not a metrics record
+    (a JSON float ...)`, the first of its lines that decodes alone."""
+    path = tmp_path / "hparams.json"
+    path.write_text(json.dumps({"run_name": "x", "callbacks": {"fp8_stats": {"interval": 10}},
+                                "lr": 0.003}, indent=2))
+    assert _one_line_error([str(path)], capsys) == (
+        f"{path}: one JSON document over 9 lines, not the JSON Lines metrics file (a "
+        '{"step": ..., "metrics": {...}} record a line) the `jsonl` logger writes as '
+        "metrics.jsonl")
+
+
+def test_a_folder_below_the_run_names_the_run_folder(tmp_path, capsys, monkeypatch):
+    """QA: the report pointed at the W&B run folder inside the run (`<run>/wandb/latest-run`,
+    where `mpt-tiny-cpu.yaml` puts it) or at `<run>/checkpoints` said only `metrics.jsonl: not
+    found (was the jsonl logger in the YAML?)`: it now names the run folder above that holds
+    it, as the user typed the path."""
+    run = write_run(tmp_path / "runs" / "tiny")
+    offline = run / "wandb" / "offline-run-20261129_001959-8ksigzo3"
+    (offline / "files").mkdir(parents=True)
+    (offline / "run-8ksigzo3.wandb").write_bytes(b":W&B\x00")
+    (run / "wandb" / "latest-run").symlink_to(offline.name)
+    (run / "checkpoints").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert _one_line_error(["runs/tiny/wandb/latest-run"], capsys) == (
+        "runs/tiny/wandb/latest-run/metrics.jsonl: not found (a W&B run folder: the report "
+        "reads the `jsonl` logger's metrics.jsonl); the run's is in runs/tiny: foundry-fp8 "
+        "report runs/tiny")
+    assert _one_line_error([str(run / "checkpoints")], capsys) == (
+        f"{run / 'checkpoints' / 'metrics.jsonl'}: not found; the run's is in {run}: "
+        f"foundry-fp8 report {run}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _one_line_error([str(empty)], capsys) == (
+        f"{empty / 'metrics.jsonl'}: not found (was the `jsonl` logger in the YAML?)")
+
+
+def test_an_mlflow_file_store_is_named_so(tmp_path, capsys):
+    """An MLflow file store, written by MLflow's own client, has no metrics.jsonl: the report
+    says what it is and which logger it reads."""
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "mlruns"
+    client = MlflowClient(tracking_uri=f"file://{store}")
+    experiment = client.create_experiment("fp8")
+    run_id = client.create_run(experiment).info.run_id
+    client.log_metric(run_id, "fp8/underflow_pct", 1.0, step=0)
+    assert mlflow is not None
+    for folder in (store, store / experiment, store / experiment / run_id):
+        assert _one_line_error([str(folder)], capsys) == (
+            f"{folder / 'metrics.jsonl'}: not found (an MLflow store: the report reads the "
+            "`jsonl` logger's metrics.jsonl); add `loggers: {jsonl: {}}` to the YAML")

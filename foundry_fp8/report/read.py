@@ -158,16 +158,62 @@ def _mode(path: Path, absent: str) -> int:
         raise ReportError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
+#: How a file's first bytes tell a PyTorch checkpoint: a zip archive (torch.save since torch
+#: 1.6) or a pickle (protocol 2+ starts with PROTO, 0x80; the legacy format's magic number).
+CHECKPOINT_MAGIC = (b"PK\x03\x04", b"\x80")
+#: How many folders up from a folder without metrics.jsonl the report looks for the run's (a W&B
+#: run folder is `<run>/wandb/offline-run-.../files`).
+PARENTS_SEARCHED = 3
+
+
+def _not_metrics(path: Path) -> str | None:
+    """What the regular file `path` plainly is instead of a metrics file, from its first bytes
+    (read before any line is: a checkpoint of gigabytes has no line to read)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError:
+        return None  # the read itself says why
+    if head.startswith(CHECKPOINT_MAGIC):
+        return (f"{path}: a {'zip archive' if head.startswith(b'PK') else 'pickle'} (a "
+                "checkpoint?), not a metrics file: the report reads the `jsonl` logger's "
+                "metrics.jsonl in the run folder")
+    return None
+
+
+def _no_metrics_here(folder: Path) -> str:
+    """Why a folder without metrics.jsonl is not a run folder, and where the run's is when a
+    folder above holds it (a W&B run folder, checkpoints/)."""
+    wandb = next(folder.glob("run-*.wandb"), None) or (folder / "files" / "wandb-metadata.json")
+    kind = ("a W&B run folder" if wandb.exists() else
+            "an MLflow store" if (folder / "meta.yaml").exists() or folder.name == "mlruns"
+            or (folder / "0" / "meta.yaml").exists() else None)
+    absolute = Path(os.path.normpath(folder.absolute()))  # the user's path, links kept
+    above = next((parent for parent in list(absolute.parents)[:PARENTS_SEARCHED]
+                  if (parent / "metrics.jsonl").is_file()), None)
+    if above is not None and not folder.is_absolute():
+        above = Path(os.path.relpath(above))
+    where = (f"; the run's is in {above}: foundry-fp8 report {above}" if above is not None
+             else "; add `loggers: {jsonl: {}}` to the YAML" if kind else
+             " (was the `jsonl` logger in the YAML?)")
+    what = f" ({kind}: the report reads the `jsonl` logger's metrics.jsonl)" if kind else ""
+    return f"{folder / 'metrics.jsonl'}: not found{what}{where}"
+
+
 def metrics_file_of(run_folder: Path) -> Path:
     """The metrics file `foundry-fp8 report RUN` reads: RUN itself when a regular file, else
     RUN/metrics.jsonl; ReportError (one line) saying what stands there instead. Nothing is
-    opened here: a FIFO would block the read forever."""
+    opened here but a regular file's first bytes: a FIFO would block the read forever."""
     mode = _mode(run_folder, "no run folder or metrics file there")
     if stat.S_ISREG(mode):
+        if (instead := _not_metrics(run_folder)) is not None:
+            raise ReportError(instead)
         return run_folder
     if not stat.S_ISDIR(mode):
         raise ReportError(f"{run_folder}: {file_kind(mode)}, not a run folder or a metrics file")
     metrics_file = run_folder / "metrics.jsonl"
+    if not (metrics_file.exists() or metrics_file.is_symlink()):
+        raise ReportError(_no_metrics_here(run_folder))
     mode = _mode(metrics_file, "was the `jsonl` logger in the YAML?")
     if not stat.S_ISREG(mode):
         raise ReportError(f"{metrics_file}: {file_kind(mode)}, not the run's metrics file")
@@ -186,7 +232,7 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
         run = collect(_guard_series(read_jsonl(metrics_file, skipped, too_long), guard))
     except JsonlError as e:
-        raise ReportError(str(e)) from None
+        raise ReportError(_json_document(metrics_file) or str(e)) from None
     except OSError as e:
         raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
     if skipped:
@@ -203,6 +249,25 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
     if not run.values:
         raise ReportError(why_empty(metrics_file))
     return run, guard
+
+
+def _json_document(path: Path) -> str | None:
+    """Why `path`, which read_jsonl refused, is one JSON document over several lines (a
+    hparams.json, W&B's or MLflow's JSON), when it is one: its lines read one by one are no
+    records, which says less."""
+    try:
+        if path.stat().st_size > MAX_HPARAMS_BYTES:
+            return None
+        data = path.read_bytes()
+        json.loads(data)
+    except (OSError, ValueError, RecursionError):  # not JSON as a whole either
+        return None
+    lines = len(data.strip().splitlines())
+    if lines < 2:
+        return None  # one line: read_jsonl's message names what it holds
+    return (f"{path}: one JSON document over {lines} lines, not the JSON Lines metrics file "
+            '(a {"step": ..., "metrics": {...}} record a line) the `jsonl` logger writes as '
+            "metrics.jsonl")
 
 
 @dataclass(frozen=True)
