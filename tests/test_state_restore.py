@@ -465,8 +465,8 @@ def test_a_checkpoint_without_fp8_state_says_fp8_scaling_starts_fresh(tmp_path, 
     checkpoint = str(_checkpoint(tmp_path, 2))
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         trainer = _trainer(tmp_path, "3ba", [FP8State()], load_path=checkpoint)
-    assert _ours(caplog) == [f"fp8_state: {checkpoint} holds no FP8 state (saved without fp8_state); "
-                     "FP8 scales and amax histories start fresh, as expected when converting "
+    assert _ours(caplog) == [f"fp8_state: {checkpoint} holds no FP8 state (saved without fp8_state, "
+                     "or left out by load_ignore_keys); FP8 scales and amax histories start fresh, as expected when converting "
                      "a bf16 checkpoint"]
     trainer.fit()
     caplog.clear()

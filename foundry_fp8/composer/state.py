@@ -289,9 +289,10 @@ class FP8State(Callback):
         if entries is None or self._model is None:
             return
         if FP8State.__qualname__ not in entries and next(fp8_modules(self._model), None):
-            log.warning("fp8_state: %s holds no FP8 state (saved without fp8_state); FP8 scales "
-                        "and amax histories start fresh, as expected when converting a bf16 "
-                        "checkpoint", state.load_path)
+            # Composer drops `load_ignore_keys` before any callback sees the checkpoint
+            log.warning("fp8_state: %s holds no FP8 state (saved without fp8_state, or left "
+                        "out by load_ignore_keys); FP8 scales and amax histories start fresh, "
+                        "as expected when converting a bf16 checkpoint", state.load_path)
         guard = entries.get(FP8Guard.__qualname__) or {}
         fallbacks = [Fallback.from_dict(item).layer
                      for item in (guard.get("core") or {}).get("fallbacks", ())]
@@ -453,9 +454,8 @@ class FP8State(Callback):
         missing = sorted(modules.keys() - saved.keys())
         unexpected = sorted(saved.keys() - modules.keys())
         if missing or unexpected:
-            self._mismatch(f"fp8_state: checkpoint FP8 modules do not match the model; in the "
-                           f"model only: {missing or 'none'}; in the checkpoint only: "
-                           f"{unexpected or 'none'}", "the modules in both restored")
+            self._mismatch(_layers_changed(missing, unexpected),
+                           "the modules in both restored, the others' FP8 state fresh")
         length = run.amax_history_len if run is not None else None
         checked, problems = {}, []
         for name in sorted(modules.keys() & saved.keys()):
@@ -487,6 +487,17 @@ class FP8State(Callback):
                            + "; ".join(shapes), "those modules not restored")
         log.info("fp8_state: restored amax history and scales of %d modules",
                  len(checked) - len(shapes))
+
+
+def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
+    """One line for a checkpoint whose FP8 modules are not the model's: mostly te_swap's layer
+    selection changed between the runs (a resume with a new include/exclude), so that is named;
+    each side counted and shown up to 5 names (a real model has hundreds)."""
+    return (f"fp8_state: the checkpoint's FP8 modules differ from this run's (te_swap's "
+            f"include/exclude/keep_first_blocks/keep_last_blocks changed, or another model?): "
+            f"{len(missing)} in FP8 now without saved state"
+            f"{': ' + _shown(missing) if missing else ''}; {len(unexpected)} saved, not in FP8 "
+            f"now{': ' + _shown(unexpected) if unexpected else ''}")
 
 
 def _shown(names: list[str]) -> str:

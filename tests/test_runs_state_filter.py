@@ -1,0 +1,95 @@
+"""An LLM-Foundry `autoresume` into a run whose te_swap selects other layers than the run that
+saved the checkpoint (a new `exclude`, as fp8_guard's "next time" YAML suggests): fp8_state's
+one line names the change, counts each side and shows at most 5 names (a real model has hundreds
+of FP8 layers; before, every name was listed, under "do not match the model")."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from foundry_fp8.composer.state import FP8StateError, fp8_state_from_checkpoint
+from tests.tiny_run import run_folder, run_tiny
+
+EXCLUDE = r"ffn|attn\.out_proj"  # 6 of the tiny MPT's 8 linear layers
+
+
+def _autoresume(tmp_path, tiny_data, name: str, batches: int, swap: dict, state: dict):
+    return run_tiny(tmp_path, tiny_data, {
+        "variables": {"run_name": name}, "autoresume": True, "save_overwrite": False,
+        "max_duration": f"{batches}ba", "save_interval": "2ba", "eval_interval": f"{batches}ba",
+        "algorithms": {"te_swap": swap}, "callbacks": {"fp8_state": state}})
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def test_resuming_with_fewer_fp8_layers_is_one_line_naming_the_change(tmp_path, tiny_data):
+    _autoresume(tmp_path, tiny_data, "fewer", 2, {}, {})
+    saved = sorted(fp8_state_from_checkpoint(
+        run_folder(tmp_path, "fewer") / "checkpoints" / "ep0-ba2-rank0.pt"))
+    gone = [n for n in saved if re.search(EXCLUDE, n)]
+    assert len(saved) == 8 and len(gone) == 6
+    with pytest.raises(FP8StateError) as raised:
+        _autoresume(tmp_path, tiny_data, "fewer", 4, {"exclude": EXCLUDE}, {})
+    assert str(raised.value) == (
+        "fp8_state: the checkpoint's FP8 modules differ from this run's (te_swap's "
+        "include/exclude/keep_first_blocks/keep_last_blocks changed, or another model?): 0 in "
+        f"FP8 now without saved state; 6 saved, not in FP8 now: {_shown(gone)} (set "
+        "fp8_state: {strict: false} to continue with the modules in both restored, the "
+        "others' FP8 state fresh)")
+
+
+class _Lines(logging.Handler):
+    """fp8_state's records, read on its logger (LLM-Foundry's train sets up logging so that
+    pytest's caplog does not see them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_resuming_with_more_fp8_layers_warns_and_trains_on(tmp_path, tiny_data):
+    _autoresume(tmp_path, tiny_data, "more", 2, {"exclude": EXCLUDE}, {})
+    saved = sorted(fp8_state_from_checkpoint(
+        run_folder(tmp_path, "more") / "checkpoints" / "ep0-ba2-rank0.pt"))
+    assert len(saved) == 2
+    handler, logger = _Lines(), logging.getLogger("foundry_fp8.composer.state")
+    logger.addHandler(handler)
+    try:
+        trainer = _autoresume(tmp_path, tiny_data, "more", 4, {}, {"strict": False})
+    finally:
+        logger.removeHandler(handler)
+    assert int(trainer.state.timestamp.batch) == 4
+    [line] = [m for m in handler.lines if "differ from this run's" in m]
+    new = sorted(n for n in fp8_state_from_checkpoint(
+        run_folder(tmp_path, "more") / "checkpoints" / "ep0-ba4-rank0.pt") if n not in saved)
+    assert len(new) == 6
+    assert f": 6 in FP8 now without saved state: {_shown(new)}; 0 saved, not in FP8 now;" in line
+    assert "\n" not in line
+
+
+def test_load_ignore_keys_of_the_fp8_state_entry_is_named(tmp_path, tiny_data):
+    """`load_ignore_keys: [state/callbacks/FP8State*]`: Composer drops the entry before
+    fp8_state sees the checkpoint, which then reads as one saved without fp8_state."""
+    run_tiny(tmp_path, tiny_data, {"variables": {"run_name": "saved"}, "max_duration": "2ba",
+                                   "save_interval": "2ba", "eval_interval": "2ba"})
+    checkpoint = str(run_folder(tmp_path, "saved") / "checkpoints" / "ep0-ba2-rank0.pt")
+    handler, logger = _Lines(), logging.getLogger("foundry_fp8.composer.state")
+    logger.addHandler(handler)
+    try:
+        run_tiny(tmp_path, tiny_data, {
+            "variables": {"run_name": "ignored"}, "max_duration": "3ba", "eval_interval": "3ba",
+            "load_path": checkpoint, "load_ignore_keys": ["state/callbacks/FP8State*"]})
+    finally:
+        logger.removeHandler(handler)
+    assert handler.lines == [
+        f"fp8_state: {checkpoint} holds no FP8 state (saved without fp8_state, or left out by "
+        "load_ignore_keys); FP8 scales and amax histories start fresh, as expected when "
+        "converting a bf16 checkpoint"]
