@@ -319,7 +319,25 @@ def te_import_error(timeout_s: float | None = None) -> str | None:
     if done.returncode == 0:
         return None
     lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-    return _quoted(lines[-1]) if lines else f"Python {_exit_status(done.returncode)}"
+    if not lines:
+        return f"Python {_exit_status(done.returncode)}"
+    return _quoted(lines[-1] + _nvte_not_integer(lines[-1]))
+
+
+#: The end of Python's error for int() of a string that is no integer: its repr follows.
+_NOT_INT = "invalid literal for int() with base 10: "
+
+
+def _nvte_not_integer(error: str) -> str:
+    """Which NVTE_* variable a failed TE import read as an integer, when its error is int()'s
+    on that variable's value: TE reads several with int() as it imports (NVTE_DEBUG,
+    NVTE_DEBUG_LEVEL, NVTE_FLASH_ATTN: pytorch/attention/dot_product_attention/utils.py:65-68;
+    NVTE_TORCH_COMPILE: pytorch/jit.py:41; TE main d0067d0), so `NVTE_DEBUG=true` fails it."""
+    literal = error.rpartition(_NOT_INT)[2] if _NOT_INT in error else None
+    names = sorted(name for name, value in os.environ.items()
+                   if name.startswith("NVTE_") and repr(value) == literal)
+    return f" ({', '.join(names)}: TE reads {'it' if len(names) == 1 else 'them'} as an " \
+        "integer)" if names else ""
 
 
 def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,

@@ -536,3 +536,34 @@ def test_a_gpu_cuda_visible_devices_hides_is_not_ready(tmp_path, monkeypatch, va
         assert "CUDA_VISIBLE_DEVICES" in finding.fix and "driver" not in finding.fix
     else:
         assert finding is None
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"NVTE_DEBUG": "true"}, " (NVTE_DEBUG: TE reads it as an integer)"),
+    ({"NVTE_DEBUG": "", "NVTE_FLASH_ATTN": ""}, " (NVTE_DEBUG, NVTE_FLASH_ATTN: TE reads them as "
+                                                "an integer)"),
+    ({"NVTE_DEBUG": "1", "NVTE_FLASH_ATTN": "x"}, " (NVTE_FLASH_ATTN: TE reads it as an integer)"),
+    ({"NVTE_DEBUG": "1"}, None),
+])
+def test_an_nvte_variable_te_cannot_read_as_an_integer_is_named(tmp_path, monkeypatch, env,
+                                                                named):
+    """QA: `NVTE_DEBUG=true` makes `import transformer_engine.pytorch` raise int()'s ValueError
+    (TE reads NVTE_DEBUG and NVTE_FLASH_ATTN with int() at import:
+    pytorch/attention/dot_product_attention/utils.py:65-68, here in a stand-in TE doing the
+    same); the doctor said so with the fix "rebuild TE against the installed torch"."""
+    _fake_te(tmp_path, "import os\nint(os.getenv('NVTE_DEBUG', '0'))\n"
+             "int(os.getenv('NVTE_FLASH_ATTN', '1'))\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    for name in [n for n in os.environ if n.startswith("NVTE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    error = environment.te_import_error(timeout_s=60)
+    if named is None:
+        assert error is None
+        return
+    bad = next(v for v in env.values() if not v.strip().isdigit())
+    assert error == f"ValueError: invalid literal for int() with base 10: {bad!r}{named}"
+    finding = environment_findings(replace(H100, te_import_error=error))[0]
+    assert (finding.rule, finding.fix) == (
+        "FP8206", "set the NVTE_ variable(s) named to an integer (0 or 1), or unset them")

@@ -181,8 +181,11 @@ def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
 def te_import(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
     if snapshot.te is not None and snapshot.te_import_checked and snapshot.te_import_error:
+        setting = "NVTE_" in snapshot.te_import_error and "as an integer)" in snapshot.te_import_error
         yield Hit("transformer_engine", f"`import transformer_engine.pytorch` fails: "
-                  f"{snapshot.te_import_error} (installed torch: {snapshot.torch or '?'})")
+                  f"{snapshot.te_import_error} (installed torch: {snapshot.torch or '?'})",
+                  fix="set the NVTE_ variable(s) named to an integer (0 or 1), or unset them"
+                  if setting else None)
 
 
 @rule("FP8207", "error", f"TransformerEngine older than {dotted(MIN_TE_FOR_RECOMPUTE)} with "
