@@ -371,7 +371,9 @@ def high_precision_context(module: nn.Module) -> AbstractContextManager:
 def high_precision_hooks(module: nn.Module) -> list[Any]:
     """Run `module`'s forward (and so its backward) in high precision from now on, by hooks:
     nothing of the module itself changes. The pre-hook runs first, so fp8_stats sees the layer
-    as not in FP8 (what-if statistics); the exit hook also runs when the forward raises."""
+    as not in FP8 (what-if statistics); the exit hook also runs when the forward raises. Both
+    run eagerly under torch.compile (`compile_config`): Dynamo traces a hook added after the
+    model compiled and cannot return the context manager object the pre-hook opens."""
     regions: list[ExitStack] = []
 
     def enter(mod: nn.Module, args: Any) -> None:
@@ -383,8 +385,8 @@ def high_precision_hooks(module: nn.Module) -> list[Any]:
         if regions:
             regions.pop().close()
 
-    return [module.register_forward_pre_hook(enter, prepend=True),
-            module.register_forward_hook(leave, always_call=True)]
+    return [module.register_forward_pre_hook(torch.compiler.disable(enter), prepend=True),
+            module.register_forward_hook(torch.compiler.disable(leave), always_call=True)]
 
 
 def layer_flops(model: nn.Module, layers: Mapping[str, nn.Module],
