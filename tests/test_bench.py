@@ -446,3 +446,30 @@ def test_variants_listed_twice_and_an_out_file_are_one_line_errors(capsys, tmp_p
                                        "to)\n")
     assert main(["bench", "--tiny", "--out", "/dev/null"]) == 2
     assert "--out /dev/null: a character device, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--tiny"],
+    ["--tiny", "--variants", "bf16,fp8-te-swap", "--steps", "3", "--compile"],
+    ["--variants", "fp8-te-swap-fused", "--micro-batch", "auto", "--activation-checkpointing",
+     "--yamls", "my yamls"],
+])
+def test_the_results_record_the_command_that_runs_them_again(argv, tmp_path, monkeypatch):
+    """QA: the JSON kept the options but not the command (record.py and stats_memory.py keep
+    theirs), and nothing said which `--yamls` a run benched. The recorded command, read back by
+    the bench's own parser, gives the same configuration."""
+    import shlex
+
+    from foundry_fp8.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    if "--yamls" in argv:
+        (tmp_path / "my yamls").mkdir()
+        for name in ("mpt-1b-bf16.yaml", "mpt-1b-fp8.yaml"):
+            (tmp_path / "my yamls" / name).write_text((bench.YAMLS / name).read_text())
+    config = _config(argv)
+    command = bench._result(config, [], [], [])["command"]
+    assert command.startswith("foundry-fp8 bench ")
+    again = bench.config_from_args(build_parser().parse_args(shlex.split(command)[1:]))
+    assert again == config
+    assert ("--yamls 'my yamls'" in command) == ("--yamls" in argv)

@@ -21,6 +21,7 @@ import logging
 import math
 import platform
 import re
+import shlex
 import stat
 import subprocess
 import time
@@ -460,6 +461,19 @@ def run_bench(config: BenchConfig,
     return _result(config, rows, skipped, failed)
 
 
+def command_of(config: BenchConfig) -> str:
+    """The `foundry-fp8 bench` command that runs `config` again (every option spelled out, so a
+    later change of a default does not change what it runs)."""
+    argv = ["foundry-fp8", "bench", *(["--tiny"] if config.tiny else []),
+            "--variants", ",".join(config.variants), "--seq-len", str(config.seq_len),
+            "--batch", str(config.batch), "--micro-batch", str(config.micro_batch),
+            "--warmup", str(config.warmup), "--steps", str(config.steps),
+            *(["--activation-checkpointing"] if config.activation_checkpointing else []),
+            *(["--compile"] if config.compile else []),
+            *(["--yamls", str(config.yamls)] if config.yamls != YAMLS else [])]
+    return shlex.join(argv)
+
+
 def _result(config: BenchConfig, rows: list[dict[str, Any]], skipped: list[dict[str, Any]],
             failed: list[dict[str, Any]]) -> dict[str, Any]:
     """The bench's result from the variants run so far, ratios to the bf16 row among them."""
@@ -476,7 +490,8 @@ def _result(config: BenchConfig, rows: list[dict[str, Any]], skipped: list[dict[
                       "steps": config.steps,
                       "activation_checkpointing": config.activation_checkpointing,
                       "compile": config.compile,
-                      "attention": "sdpa", "tiny": config.tiny}}
+                      "attention": "sdpa", "tiny": config.tiny},
+            "command": command_of(config)}
 
 
 class _Lines(io.TextIOBase):
@@ -535,6 +550,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{s['warmup']} warm-up + {s['steps']} timed steps, attention `{s['attention']}`, "
              f"activation checkpointing {s['activation_checkpointing']}, "
              f"torch.compile {s['compile']}.", "",
+             f"Command: `{result['command']}`", "",
              "MFU = LLM-Foundry's flops per token (3 x (2 x params + attention term)) x tokens/s "
              f"over the H100 SXM dense peak: {PEAK_FLOPS['bf16'] / 1e12:g} TFLOP/s for bf16, "
              f"{PEAK_FLOPS['fp8'] / 1e12:g} TFLOP/s for fp8 variants. HFU adds the recomputed "
