@@ -153,6 +153,8 @@ CASES: dict[str, tuple[dict, str, int]] = {
                1),
     "FP8042": ({"model": {"ffn_config": {"ffn_typ": "mptglu"}}}, "model.ffn_config.ffn_typ", 1),
     "FP8043": ({"global_train_batch_size": float("inf")}, "global_train_batch_size", 1),
+    "FP8044": (_merge(FP8_TE, {"fsdp_config": {"mixed_precision": "FULL"}}),
+               "fsdp_config.mixed_precision", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -209,6 +211,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8042": ({"model": {"ffn_config": {"ffn_type": "mptglu", "ffn_hidden_size": 5632}}}, 1),
     # infinity passes as a micro-batch size: cut to the device batch size, with a warning
     "FP8043": ({"device_train_microbatch_size": float("inf")}, 1),
+    "FP8044": (_merge(FP8_TE, {"fsdp_config": {"mixed_precision": "DEFAULT"}}), 1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

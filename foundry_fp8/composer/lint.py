@@ -15,6 +15,11 @@ from foundry_fp8.environment import gather_snapshot
 from foundry_fp8.lint.registry import Finding, LintContext
 from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config, wandb_mode_from_env
 from foundry_fp8.lint.rules.environment import environment_findings
+from foundry_fp8.lint.rules.fsdp import (
+    FLOAT32_OUTSIDE_TE,
+    FLOAT32_OUTSIDE_TE_FIX,
+    float32_outside_te,
+)
 from foundry_fp8.options import build
 
 log = logging.getLogger(__name__)
@@ -34,6 +39,47 @@ def model_problem(precision: str, model: Any) -> str | None:
             "{}}` or `model.fc_type: te`, or do not ask for amp_fp8")
 
 
+def precision_problem(state: Any) -> str | None:
+    """FP8044 at run time: why an amp_fp8 run computes outside TE's layers in float32 (amp_fp8
+    adds no torch autocast), None when FSDP's mixed precision or the parameters themselves are
+    bf16/fp16. `state`: Composer's State after the Trainer's FSDP wrapping (LLM-Foundry has
+    already dropped fsdp_config on one GPU); FSDP's param_dtype comes from Composer's own
+    get_mixed_precision, as its FSDP1 and FSDP2 wrapping read it."""
+    import torch
+    from composer.core import Precision
+    from composer.distributed.mosaic_parallelism import get_mixed_precision
+    from composer.utils import dist
+
+    if Precision(state.precision) != Precision.AMP_FP8:
+        return None
+    low = (torch.bfloat16, torch.float16)
+    config = state.fsdp_config
+    if config is not None and state.fsdp_enabled:
+        mixed = getattr(config, "mixed_precision", None)
+        if mixed is None:  # Composer 0.31's FSDP2 has none: fully_shard casts to bf16 (fsdp2.py)
+            return None
+        param_dtype = get_mixed_precision(state.precision, mixed)[1]
+        if param_dtype in low:
+            return None
+        kept = param_dtype or "the parameters' own"
+        cause = ("fsdp_config.mixed_precision FULL, which keeps FSDP's param_dtype float32"
+                 if isinstance(mixed, str) else f"fsdp_config.mixed_precision {dict(mixed)!r}, "
+                 f"whose FSDP param_dtype is {kept}")
+    elif dist.get_world_size() == 1:
+        cause = ("no FSDP on one GPU (LLM-Foundry drops fsdp_config there: 'FSDP is not "
+                 "applicable for single-GPU training. Reverting to DDP.')")
+    else:
+        cause = "no FSDP (no fsdp_config)"
+    sizes: dict[torch.dtype, int] = {}
+    for p in state.model.parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if not sizes or max(sizes, key=sizes.__getitem__) != torch.float32:
+        return None  # the parameters themselves are low precision
+    return (f"fp8_lint {FLOAT32_OUTSIDE_TE}: {float32_outside_te(cause)} (fix: "
+            f"{FLOAT32_OUTSIDE_TE_FIX})")
+
+
 def _describe(f: Finding) -> str:
     return f"{f.rule} {f.key}: {f.message} (fix: {f.fix})"
 
@@ -46,9 +92,12 @@ class FP8Lint(Callback):
     activation checkpointing, a GPU without FP8), stop the run at construction; findings name
     key paths (the config has no lines). Then, once the model exists (BEFORE_LOAD: Composer runs
     callbacks before algorithms at INIT, so te_swap has converted only after INIT), an
-    `amp_fp8` run whose model has no FP8 module fails too. `fail_on: never` only warns.
+    `amp_fp8` run whose model has no FP8 module fails too. `fail_on: never` only warns. At
+    FIT_START (after FSDP wrapping) an `amp_fp8` run that computes outside TE's layers in
+    float32 gets one warning (FP8044's twin, `precision_problem`).
 
-    Logs (as a hyperparameter, at FIT_START): `fp8_lint/findings`, the number of findings.
+    Logs (as a hyperparameter, at FIT_START): `fp8_lint/findings`, the number of findings (that
+    warning included).
     """
 
     def __init__(self, train_config: Any, **options: Any):
@@ -80,7 +129,14 @@ class FP8Lint(Callback):
             self._fail(problem)
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        findings = {"fp8_lint/findings": len(self.findings)}
+        try:
+            problem = precision_problem(state)
+        except Exception:  # our bug: the run goes on, with the error in its log
+            log.warning("fp8_lint: checking the compute dtype failed; skipped", exc_info=True)
+            problem = None
+        if problem:
+            log.warning(problem)
+        findings = {"fp8_lint/findings": len(self.findings) + bool(problem)}
         deliver(logger.destinations, "hyperparameters",  # a logger's failure: warned
                 lambda d: d.log_hyperparameters(findings), "fp8_lint")
 

@@ -43,6 +43,7 @@ from foundry_fp8.lint.rules.eval import is_eval_config
 from foundry_fp8.lint.rules.mcli import (
     PIN_RULES,
     is_mcli,
+    mcli_gpus,
     pinned_note,
     pinned_snapshot,
     pinned_te_findings,
@@ -93,7 +94,8 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
         return _error_entry(path, str(e))
     pinned = {p.field: p for p in pins(data)} if mcli else {}
     context = LintContext(scope="file", fsdp_version=fsdp_version, env_keys=loaded.env_keys,
-                          snapshot=pinned_snapshot(snapshot, pinned), wandb_mode=wandb_mode)
+                          snapshot=pinned_snapshot(snapshot, pinned), wandb_mode=wandb_mode,
+                          gpus=mcli_gpus(data) if mcli else None)
     findings = run_rules("eval", loaded.config, context) if is_eval_config(loaded.config) \
         else lint_config(loaded.config, context)
     findings = [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))

@@ -125,6 +125,8 @@ MPT_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "head_dim": None
 MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "fused_qkv": True, "kv_dim": None,
                      "qk_ln": False, "qk_gn": False}
 MPT_FFN_DEFAULTS = {"ffn_type": "mptmlp"}
+#: MPT's attention implementation when `attn_config.attn_impl` is not given (config_defaults.py).
+MPT_ATTN_IMPL_DEFAULT = "flash"
 #: The keys an MPT `attn_config` may hold with LLM-Foundry's own attention classes: those
 #: MPTConfig fills in (`attn_config_defaults`, llmfoundry/models/utils/config_defaults.py), which
 #: MPTBlock reads or passes on, and the keywords of the classes' `__init__`

@@ -66,6 +66,8 @@ class LintContext:
     `foundry_fp8.environment.Snapshot` for rules that depend on what is installed (None: not
     probed, such rules stay quiet). `wandb_mode`: W&B's mode from the environment (WANDB_MODE,
     WANDB_DISABLED), which the config's `init_kwargs.mode` overrides; None: not set.
+    `gpus`: how many GPUs the run trains on where the file says so (an MCLI run config's
+    `compute.gpus`); None: not known.
     `missing_keys`: keys whose value is omegaconf's `???` (`mandatory_keys`, filled by `run_rules`
     for train and eval configs): only FP8036 and rules registered with `unresolved=True` speak
     about them, so a `???` gets one finding, not one per rule that reads it as text.
@@ -77,6 +79,7 @@ class LintContext:
     snapshot: Any = None
     wandb_mode: str | None = None
     missing_keys: tuple[str, ...] | None = None
+    gpus: int | None = None
 
 
 Check = Callable[[Any, LintContext], Iterable[Hit]]

@@ -17,6 +17,12 @@ from foundry_fp8.lint.known import (
     did_you_mean,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule
+from foundry_fp8.lint.rules.fsdp import (
+    AMP_FP8_DTYPE_SOURCE,
+    LOW_PARAM_DTYPES,
+    flash_note,
+    fsdp_param_dtype,
+)
 from foundry_fp8.lint.rules.model import model_key_hits, mpt_sub_configs
 from foundry_fp8.lint.rules.ours import sdpa_without_our_entries
 from foundry_fp8.lint.rules.train import FOUNDRY
@@ -119,10 +125,8 @@ def eval_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
       why="eval_from_yaml hands the top-level precision to each model's Trainer, and Composer's "
       "amp_fp8 only enters TE's fp8_autocast, which changes TE modules alone: a model without "
       "TE layers (no `fc_type: te`, no `ffn_type: te_ln_mlp`; an eval config takes no "
-      "algorithms, so no te_swap) evaluates without FP8, and the scores are not FP8's. Not "
-      "reported for models with TE layers, though Composer's eval loop turns FP8 autocast off "
-      "for every eval forward (trainer.py, fp8_autocast_enabled=False: TE layers evaluate in "
-      "their activation dtype), so amp_fp8 there only requires TE and an FP8 GPU.",
+      "algorithms, so no te_swap) evaluates without FP8, and the scores are not FP8's. Models "
+      "with TE layers: FP8307.",
       source=f"{EVAL_SOURCE} evaluate (precision=eval_config.precision), evaluate_model; "
       "Composer 0.32.1 composer/core/precision.py get_precision_context, "
       "composer/trainer/trainer.py _eval_loop (get_precision_context(..., "
@@ -140,6 +144,49 @@ def eval_fp8_without_te_layers(config: Mapping[str, Any], ctx: LintContext) -> I
                       f"precision amp_fp8, but model {name!r:.60} has no TE layer (no fc_type: "
                       "te, no ffn_type: te_ln_mlp; eval configs take no te_swap): it is "
                       "evaluated without FP8")
+
+
+def _eval_dtype(config: Mapping[str, Any]) -> tuple[str | None, str]:
+    """(dtype, why) every eval forward computes in under amp_fp8, TE layers included: FSDP's
+    param_dtype (eval_from_yaml keeps fsdp_config on any GPU count), else the float32 LLM-Foundry
+    builds models in; dtype None where Composer cannot read the mixed precision (FP8012)."""
+    given = config.get("fsdp_config")
+    if not isinstance(given, Mapping):
+        return "float32", "the dtype LLM-Foundry builds models in: no fsdp_config lowers it"
+    dtype = fsdp_param_dtype(given.get("mixed_precision", "DEFAULT"))
+    return dtype, ("FSDP's param_dtype from fsdp_config.mixed_precision" if dtype in
+                   LOW_PARAM_DTYPES else "fsdp_config.mixed_precision keeps float32")
+
+
+@rule("FP8307", "warning", "an eval config with `precision: amp_fp8` and a model with TE layers "
+      "(evaluated with FP8 off, in the activation dtype)",
+      why="Composer's eval loop runs every eval forward with fp8_autocast_enabled=False (TE's "
+      "FP8 needs batch sizes eval data does not keep), and amp_fp8 adds no torch autocast: TE "
+      "layers and the rest compute in the parameters' dtype, float32 as LLM-Foundry builds "
+      "models unless the eval config's fsdp_config lowers it (DEFAULT or PURE: bfloat16). The "
+      "scores are that dtype's, not FP8's; amp_fp8 still needs TE and an FP8 GPU. amp_bf16 "
+      "runs the forward in torch.autocast bf16, which TE layers follow: bf16 numerics.",
+      source=f"{EVAL_SOURCE} evaluate (precision=eval_config.precision, parallelism_config "
+      "{'fsdp': eval_config.fsdp_config}); Composer 0.32.1 composer/trainer/trainer.py "
+      f"_eval_loop:3443-3447 (fp8_autocast_enabled=False, and its comment on the activation "
+      f"dtype); {AMP_FP8_DTYPE_SOURCE}",
+      fix="evaluate with precision amp_bf16 (bf16 numerics, TE layers included); keep amp_fp8 "
+      "only to reproduce what a train run's evaluation reports", family="eval")
+def eval_fp8_with_te_layers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if not is_fp8(config):
+        return
+    dtype, why = _eval_dtype(config)
+    if dtype is None:
+        return
+    for where, entry in eval_models(config):
+        model = entry.get("model")
+        if isinstance(model, Mapping) and native_te_layers({"model": model}):
+            name = entry.get("model_name", model.get("name"))
+            yield Hit(join_key(where, "model") if where else "model",
+                      f"precision amp_fp8, but Composer evaluates with FP8 autocast off and "
+                      f"amp_fp8 adds no torch autocast: model {name!r:.60} computes in {dtype} "
+                      f"({why}), TE layers included, so its scores are {dtype}'s, not FP8's"
+                      + (flash_note({"model": model}) if dtype == "float32" else ""))
 
 
 @rule("FP8304", "error", "`attn_impl: sdpa` in an eval model with none of our entries in the "

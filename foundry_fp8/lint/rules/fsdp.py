@@ -13,6 +13,7 @@ from foundry_fp8.lint.config import (
     has_fp8_state,
     is_fp8,
     te_swap,
+    uses_te,
     wraps_blocks,
 )
 from foundry_fp8.lint.known import (
@@ -23,6 +24,8 @@ from foundry_fp8.lint.known import (
     FSDP_CONFIG_KEYS,
     MIXED_PRECISION_DTYPE_KEYS,
     MIXED_PRECISION_MODES,
+    MPT_ATTN_IMPL_DEFAULT,
+    MPT_MODEL_NAMES,
     REENTRANT_DEFAULT,
     TORCH_DTYPE_NAMES,
     UNSHARD_TORCH_RANGE,
@@ -293,3 +296,99 @@ def auto_microbatch_with_fsdp(config: Mapping[str, Any], ctx: LintContext) -> It
                   f"({AUTO_MICROBATCH_SOURCE}); here Composer "
                   f"{snapshot.composer or 'not installed'}, torch "
                   f"{snapshot.torch or 'not installed'}", severity="warning")
+
+
+#: FP8044's id: `fp8_lint` (composer/lint.py) names it in its run-time twin of the rule.
+FLOAT32_OUTSIDE_TE = "FP8044"
+#: FSDP param dtypes (TORCH_DTYPE_NAMES' names) that lower what runs outside TE's layers.
+LOW_PARAM_DTYPES = frozenset({"bfloat16", "float16"})
+#: Where amp_fp8 is seen to add no torch autocast and FSDP to set the compute dtype.
+AMP_FP8_DTYPE_SOURCE = (
+    f"{COMPOSER} composer/core/precision.py get_precision_context:87-99 (amp_fp8: te.fp8_autocast "
+    "only; amp_bf16 above it: torch.autocast bf16), composer/distributed/mosaic_parallelism.py "
+    "get_mixed_precision:59-98 and _get_torch_dtype:49-54, composer/distributed/fsdp2.py:181-183; "
+    f"{FOUNDRY} llmfoundry/models/consts.py _MASTER_WEIGHTS_PRECISION (float32)")
+#: FP8044's fix, and fp8_lint's.
+FLOAT32_OUTSIDE_TE_FIX = (
+    "on 2+ GPUs, fsdp_config with mixed_precision DEFAULT or PURE (FSDP param_dtype bfloat16 "
+    "under amp_fp8); on one GPU LLM-Foundry drops fsdp_config, so train with amp_bf16 there, or "
+    "build Composer's Trainer with parallelism_config {'fsdp': ...} yourself")
+
+
+def float32_outside_te(cause: str) -> str:
+    """What runs in float32 under amp_fp8, and why: FP8044's message and fp8_lint's."""
+    return (f"precision amp_fp8 with {cause}: amp_fp8 enters only TE's fp8_autocast and no torch "
+            "autocast, so everything outside TE's FP8 layers (attention, norms, embeddings, the "
+            "LM head, layers te_swap keeps) computes in float32, the dtype LLM-Foundry builds "
+            "models in, and TE's layers get float32 activations: slower than amp_bf16 for those "
+            "parts, with no error or warning from Composer")
+
+
+def fsdp_param_dtype(mixed_precision: Any) -> str | None:
+    """The dtype FSDP computes in under amp_fp8 for `fsdp_config.mixed_precision` (a
+    TORCH_DTYPE_NAMES name; float32: the parameters' own), None where Composer cannot
+    interpret it (FP8012 reports that)."""
+    if isinstance(mixed_precision, str):
+        mode = mixed_precision.upper()
+        if mode not in MIXED_PRECISION_MODES:
+            return None
+        return "float32" if mode == "FULL" else TORCH_DTYPE_NAMES["amp_fp8"]
+    if isinstance(mixed_precision, Mapping):
+        dtype = mixed_precision.get("param_dtype")
+        if dtype is None:  # get_mixed_precision leaves param_dtype None: the parameters' own
+            return "float32"
+        return TORCH_DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else None
+    return None
+
+
+def flash_note(config: Mapping[str, Any]) -> str:
+    """What MPT's flash attention does with float32 q, k and v, for an MPT model using it."""
+    model = section(config, "model")
+    impl = get(model, "attn_config.attn_impl") or MPT_ATTN_IMPL_DEFAULT
+    if model.get("name") not in MPT_MODEL_NAMES or impl != MPT_ATTN_IMPL_DEFAULT:
+        return ""
+    return ("; with MPT's attn_impl flash (its default) q, k and v reach flash-attn in float32, "
+            "which LLM-Foundry's check_valid_inputs accepts and flash-attn's forward refuses "
+            "('FlashAttention only support fp16 and bf16 data type'): read in both sources, "
+            "not run on a GPU")
+
+
+@rule(FLOAT32_OUTSIDE_TE, "warning", "`precision: amp_fp8` where nothing lowers the parameters: "
+      "no fsdp_config, `mixed_precision: FULL` or a float32 param_dtype, or one GPU",
+      why="Composer's amp_fp8 enters TE's fp8_autocast and no torch autocast (amp_bf16 enters "
+      "torch.autocast bf16), so everything outside TE's FP8 layers computes in the parameters' "
+      "dtype and TE's layers get activations in it. LLM-Foundry builds models in float32; only "
+      "FSDP's mixed precision lowers them: DEFAULT and PURE give param_dtype bfloat16 under "
+      "amp_fp8, FULL float32, a mapping its param_dtype (none: float32). LLM-Foundry's train "
+      "drops fsdp_config on one GPU ('FSDP is not applicable for single-GPU training. Reverting "
+      "to DDP.'): an MCLI run config with `compute.gpus: 1` is reported whatever its "
+      "fsdp_config. With MPT's default attn_impl flash, flash-attn refuses the float32 q, k "
+      "and v (read in its csrc/flash_attn/flash_api.cpp mha_fwd and mha_varlen_fwd, not run). "
+      "Files only: `fp8_lint` judges the run itself at FIT_START, after FSDP wrapping.",
+      source=f"{AMP_FP8_DTYPE_SOURCE}; {FOUNDRY} llmfoundry/command_utils/train.py:319-331 "
+      "(single GPU: fsdp_config = None), llmfoundry/models/layers/attention.py "
+      "check_valid_inputs (float32 accepted), flash_attn_fn; flash-attn "
+      "csrc/flash_attn/flash_api.cpp (TORCH_CHECK q_dtype fp16 or bf16); "
+      "foundry_fp8/composer/lint.py precision_problem",
+      fix=FLOAT32_OUTSIDE_TE_FIX, scope="file")
+def float32_outside_te_layers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if not (is_fp8(config) and uses_te(config)):
+        return  # FP8001 / FP8028 speak when nothing runs in TE's FP8
+    given = config.get("fsdp_config")
+    if ctx.gpus == 1 and isinstance(given, Mapping):
+        yield Hit("precision", float32_outside_te(
+            "`compute.gpus: 1`, where LLM-Foundry drops this fsdp_config ('FSDP is not "
+            "applicable for single-GPU training. Reverting to DDP.')") + flash_note(config))
+    elif given is None:
+        yield Hit("precision", float32_outside_te("no fsdp_config") + flash_note(config))
+    elif isinstance(given, Mapping):
+        mixed = given.get("mixed_precision", "DEFAULT")  # FSDPConfig's default
+        dtype = fsdp_param_dtype(mixed)
+        if dtype is None or dtype in LOW_PARAM_DTYPES:
+            return
+        cause = "`fsdp_config.mixed_precision: FULL`, which keeps FSDP's param_dtype float32" \
+            if isinstance(mixed, str) else \
+            f"fsdp_config.mixed_precision's param_dtype {mixed.get('param_dtype')!r}" \
+            if mixed.get("param_dtype") is not None else \
+            "an fsdp_config.mixed_precision mapping without param_dtype (FSDP keeps float32)"
+        yield Hit("fsdp_config.mixed_precision", float32_outside_te(cause) + flash_note(config))

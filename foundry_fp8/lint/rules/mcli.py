@@ -43,6 +43,13 @@ def trains_from_parameters(data: Mapping[str, Any]) -> bool:
                for key in ("command", "entrypoint"))
 
 
+def mcli_gpus(data: Mapping[str, Any]) -> int | None:
+    """How many GPUs an MCLI run config asks for: `compute.gpus`, or the older `gpu_num`."""
+    compute = data.get("compute")
+    value = compute.get("gpus") if isinstance(compute, Mapping) else data.get("gpu_num")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _shown(value: Any) -> str:
     return "null" if value is None else f"{type(value).__name__} {value!r:.60}"
 
