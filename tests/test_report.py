@@ -506,3 +506,26 @@ def test_a_flag_line_s_detail_is_of_the_step_of_its_value(tmp_path, capsys):
             ) in capsys.readouterr().out
     md = (tmp_path / "fp8_report.md").read_text()
     assert f"| {L0} | activation | nan_count | 1.638e+04 (step 20) | 10 | 2 of 3 | the run " in md
+
+
+@pytest.mark.parametrize("with_current", [False, True])
+def test_series_row_labels_stay_inside_the_figure_and_apart(tmp_path, with_current):
+    """QA: `fp8_timeseries.png` of a real run showed its row labels overrunning each other, the
+    scale_ratio one cut at the figure's edge (one line of 85 characters for a 2.1-inch row).
+    Measured with matplotlib's own text extents after drawing."""
+    from foundry_fp8.health.plots import choose_layers, draw_series
+
+    extra = {layer_key("current_scale", t, layer): 448.0 for layer in (L0, L1, L2)
+             for t in ("activation", "gradient")} if with_current else None
+    run = load(write_run(tmp_path, extra) / "metrics.jsonl")
+    fig = draw_series(run, choose_layers(run))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.yaxis.label.get_window_extent(renderer) for ax in fig.axes
+             if ax.yaxis.label.get_text()]
+    assert len(boxes) == len([s for s in run.stats if s in ("amax", "scale", "current_scale",
+                                                            "scale_ratio")])
+    for box in boxes:
+        assert 0 <= box.x0 and 0 <= box.y0 and box.y1 <= fig.bbox.height, box
+    for upper, lower in zip(boxes, boxes[1:], strict=False):
+        assert not upper.overlaps(lower), (upper, lower)

@@ -9,6 +9,7 @@ drawing, with the Agg canvas (no pyplot state). No torch.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,6 +343,11 @@ def _readable_log_ticks(ax: Any, low: float | None = None, high: float | None = 
         ax.yaxis.set_minor_formatter(FuncFormatter(plain if high / low < 10 else two_and_five))
 
 
+#: Characters a line of a series row's y label holds: a row is 2.1 inches high (`draw_series`),
+#: about 34 characters of the labels' 8-point type.
+YLABEL_CHARS = 30
+
+
 def draw_series(run: RunMetrics, chosen: list[tuple[str, str]],
                 formats: Formats | None = None) -> Any:
     """Rows: amax, scale (current_scale, scale_ratio when logged); columns: tensor kinds, titled
@@ -383,9 +389,10 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]],
             if row == 0:
                 ax.set_title(text(panel_title(kinds[tensor], (formats or {}).get(tensor))),
                              fontsize=9)
-            if col == 0:
+            if col == 0:  # wrapped to the row's height: one line overran its neighbours
                 label = spec(stat).label
-                ax.set_ylabel(label if label.startswith(stat) else f"{stat}\n{label}", fontsize=8)
+                label = label if label.startswith(stat) else f"{stat}: {label}"
+                ax.set_ylabel(textwrap.fill(label, YLABEL_CHARS), fontsize=8)
             if row == len(stats) - 1:
                 ax.set_xlabel("step", fontsize=8)
     handles, labels = axes[0][0].get_legend_handles_labels()
