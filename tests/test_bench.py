@@ -411,6 +411,16 @@ def _config(argv: list[str]) -> bench.BenchConfig:
     return bench.config_from_args(build_parser().parse_args(["bench", *argv]))
 
 
+def test_tiny_records_no_activation_checkpointing_since_it_runs_none():
+    """QA: `--tiny --activation-checkpointing` (ignored: no FSDP on CPU, as --help says) was
+    recorded as `activation checkpointing True` in the JSON and the markdown."""
+    tiny = _config(["--tiny", "--activation-checkpointing"])
+    assert bench.load_config(bench.VARIANTS["fp8-te-swap"], tiny)["fsdp_config"] is None
+    assert tiny.activation_checkpointing is False
+    assert bench._result(tiny, [], [], [])["setup"]["activation_checkpointing"] is False
+    assert _config(["--activation-checkpointing"]).activation_checkpointing is True
+
+
 @pytest.mark.parametrize(("argv", "ran"), [
     (["--tiny"], 4),  # the default micro-batch 8 over --tiny's batch of 4
     (["--tiny", "--micro-batch", "100000000000000000000"], 4),

@@ -704,7 +704,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config = BenchConfig(variants=args.variants, tiny=tiny, seq_len=pick(args.seq_len, "seq_len"),
                          batch=batch, micro_batch=micro,
                          warmup=pick(args.warmup, "warmup"), steps=pick(args.steps, "steps"),
-                         activation_checkpointing=args.activation_checkpointing,
+                         # --tiny has no FSDP to checkpoint with: recorded as what ran
+                         activation_checkpointing=args.activation_checkpointing and not tiny,
                          compile=args.compile, yamls=args.yamls)
     for path in dict.fromkeys(yaml_path(VARIANTS[name], config) for name in config.variants):
         if not path.is_file():
