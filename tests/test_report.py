@@ -529,3 +529,57 @@ def test_series_row_labels_stay_inside_the_figure_and_apart(tmp_path, with_curre
         assert 0 <= box.x0 and 0 <= box.y0 and box.y1 <= fig.bbox.height, box
     for upper, lower in zip(boxes, boxes[1:], strict=False):
         assert not upper.overlaps(lower), (upper, lower)
+
+
+def test_a_fallen_layers_change_to_run_it_in_fp8_would_run_it_in_fp8(tmp_path, capsys):
+    """QA: for `make run`'s fault (the last block's out_proj, fallen back by fp8_guard) the report
+    said "... or, to run it in FP8: algorithms.te_swap.keep_last_blocks: 1", which keeps that
+    layer out of FP8. Checked with te_swap's own planner (`plan_swap`): a change offered "to run
+    it in FP8" converts the layer; the flag whose change keeps it out offers none."""
+    import torch.nn as nn
+
+    from foundry_fp8.guard import FALLBACK_PREFIX, Fallback
+    from foundry_fp8.options import build
+    from foundry_fp8.swap import plan_swap
+
+    layers = [f"blocks.{i}.proj" for i in range(3)]
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for step in (0, 10, 20):
+        metrics = {}
+        for layer in layers:
+            bad = layer == layers[-1] and step > 0
+            stats = {**HEALTHY, "underflow_pct": 20.0 if bad else 0.0,
+                     "overflow_pct": 1.5 if bad and step == 10 else 0.0,
+                     "scale_ratio": 3.0 if bad and step == 10 else 1.0}
+            metrics.update({layer_key(s, "activation", layer): v for s, v in stats.items()})
+        sink.write(step, metrics)
+    fallback = Fallback(layers[-1], 10, 0.33, ("message",), {}, ("activation underflow",))
+    (tmp_path / "hparams.json").write_text(json.dumps({
+        "callbacks": {"fp8_stats": {}, "fp8_guard": {}},
+        FALLBACK_PREFIX + layers[-1]: fallback.record()}))
+    assert main(["report", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith(f"  '{layers[-1]}'")]
+    assert len(lines) == 2
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.ModuleDict({"proj": nn.Linear(64, 64)}) for _ in layers)
+
+    def converts(change: str) -> bool:
+        key, _, value = change.removeprefix("algorithms.te_swap.").partition(": ")
+        options = {"backend": "emulate", "min_gemm_size": 0}
+        if key.startswith("fp8_recipe."):
+            options["fp8_recipe"] = {key.removeprefix("fp8_recipe."): value}
+        else:
+            options[key] = int(value)
+        plan = plan_swap(model, build("te_swap", options))
+        return {d.name: d.convert for d in plan.decisions}[layers[-1]]
+
+    offered = [line.split(", or, to run it in FP8: ")[1] for line in lines
+               if ", or, to run it in FP8: " in line]
+    assert offered == ["algorithms.te_swap.fp8_recipe.scaling: current"]
+    assert all(converts(change) for change in offered)
+    assert not converts("algorithms.te_swap.keep_last_blocks: 1")  # the one no longer offered
+    md = (tmp_path / "fp8_report.md").read_text()
+    assert "to run it in FP8: `algorithms.te_swap.keep_last_blocks" not in md
+    assert "to run it in FP8: `algorithms.te_swap.fp8_recipe.scaling: current`" in md

@@ -30,6 +30,7 @@ from foundry_fp8.health.table import bounded, distinct_labels, elide, one_line, 
 from foundry_fp8.jsonl import hparams_of, write_output
 from foundry_fp8.options import OptionError
 from foundry_fp8.report.markdown import (
+    TO_FP8,
     Finding,
     change_key,
     fallback_steps,
@@ -39,6 +40,7 @@ from foundry_fp8.report.markdown import (
     layer_names,
     moved,
     render_report,
+    runs_in_fp8,
     unrecorded_fallbacks,
 )
 from foundry_fp8.report.read import (
@@ -191,8 +193,9 @@ def run(args: argparse.Namespace) -> int:
 
     def line(f: Finding) -> str:
         w = f.worst
-        change = (f"{in_high_precision('it', fallen[w.layer])}: " if w.layer in fallen
-                  else "Change: ") + change_key(w.yaml_key)
+        key = change_key(w.yaml_key)
+        change = f"Change: {key}" if w.layer not in fallen else in_high_precision(
+            "it", fallen[w.layer]) + (f"{TO_FP8}{key}" if runs_in_fp8(w.yaml_key) else "")
         return (f"{names[w.layer]!r} {kinds[w.tensor]}: {bounded(w.stat)} {fmt(w.stat, w.value)} "
                 f"at step {w.step} ({w.limit}; {f.steps} of {f.logged} steps). Likely cause: "
                 f"{w.cause}. {change}")

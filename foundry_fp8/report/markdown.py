@@ -18,6 +18,7 @@ from foundry_fp8.guard import (
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
 from foundry_fp8.health.history import worst_layers
 from foundry_fp8.health.plots import common_prefix
+from foundry_fp8.health.rules import KEEP_OUT
 from foundry_fp8.health.specs import badness, spec
 from foundry_fp8.health.table import LABEL_CHARS, bounded, md_code, number, short_names
 from foundry_fp8.report.read import GuardRun
@@ -93,12 +94,22 @@ def fallback_steps(guard: GuardRun | None) -> dict[str, str]:
     return {layer: ", ".join(span) for layer, span in spans.items()}
 
 
+#: Joins a fallen-back layer's note (`in_high_precision`) to the change that would run it in FP8.
+TO_FP8 = ", or, to run it in FP8: "
+
+
 def in_high_precision(layer: str, since: str) -> str:
     """The note on a flagged layer that fp8_guard ran in high precision: its FP8 advice only
-    matters to bring it back to FP8."""
+    matters to bring it back to FP8 (`TO_FP8` then the change, where `runs_in_fp8`)."""
     return (f"fp8_guard ran {layer} in high precision {since} (its statistics there are what-if "
-            "numbers); keep it so from the start with the fp8_guard section's exclude, or, to "
-            "run it in FP8")
+            "numbers); keep it so from the start with the fp8_guard section's exclude")
+
+
+def runs_in_fp8(key: str) -> bool:
+    """Whether a flag's change would run its layer in FP8: not one of the keys that keep a layer
+    out of FP8 (`keep_last_blocks: 1` for a fallen layer in the last block said "to run it in
+    FP8: keep_last_blocks: 1", which does the opposite)."""
+    return not key.startswith(KEEP_OUT)
 
 
 def unrecorded_fallbacks(guard: GuardRun | None) -> str | None:
@@ -218,7 +229,8 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
             if w.layer in fallen:
                 since = fallen[w.layer]
                 layer += f" (high precision {since}: fp8_guard)"
-                change = f"{md_escape(in_high_precision('it', since))}: {change}"
+                change = md_escape(in_high_precision("it", since)) + (
+                    f"{TO_FP8}{change}" if runs_in_fp8(w.yaml_key) else "")
             lines.append(f"| {layer} | {md_escape(kinds[w.tensor])} | {md_escape(bounded(w.stat))} | "
                          f"{fmt(w.stat, w.value)} (step {w.step}) | {f.first_step} | "
                          f"{f.steps} of {f.logged} | {md_escape(w.cause)} | {change} |")
