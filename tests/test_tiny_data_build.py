@@ -160,3 +160,20 @@ def test_a_waiting_build_says_what_it_waits_for_and_then_reuses_the_other_s(whol
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 0 and stderr == "", stderr
     assert _shard(whole).stat().st_ino == shard  # not built again
+
+
+def test_an_empty_root_or_a_device_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """QA: `foundry-fp8 tiny-data ""` (a `$DATA` left unset) built into the current folder, and
+    `tiny-data /dev/null` called the device "a file"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["tiny-data", ""])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "foundry-fp8 tiny-data: error: argument ROOT: empty; give the folder to build into "
+        "(default: ./data)")
+    assert list(tmp_path.iterdir()) == []
+    assert main(["tiny-data", os.devnull]) == 2
+    assert capsys.readouterr().err == (
+        f"foundry-fp8 tiny-data: {os.devnull}: is a character device, where tiny-data needs a "
+        "folder (move it away, or build in another ROOT)\n")

@@ -19,10 +19,13 @@ import argparse
 import json
 import random
 import re
+import stat
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from foundry_fp8.jsonl import file_kind
 
 _ADJECTIVES = ["red", "quick", "lazy", "small", "bright", "quiet", "heavy", "cold", "old", "new"]
 _NOUNS = ["fox", "dog", "cat", "bird", "tree", "river", "stone", "house", "road", "cloud"]
@@ -104,7 +107,9 @@ def _folders_in_the_way(data: TinyData) -> None:
     for folder in (data.tokenizer_dir, *(data.data_dir / split for split in SPLITS)):
         for path in (*reversed(folder.parents), folder):
             if path.exists() and not path.is_dir():
-                raise TinyDataError(f"{path}: is a file, where tiny-data needs a folder "
+                mode = path.stat().st_mode
+                what = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+                raise TinyDataError(f"{path}: is {what}, where tiny-data needs a folder "
                                     "(move it away, or build in another ROOT)")
 
 
@@ -238,8 +243,16 @@ exit 2."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("root", nargs="?", default=Path("data"), type=Path, metavar="ROOT",
+    parser.add_argument("root", nargs="?", default=Path("data"), type=_root, metavar="ROOT",
                         help="folder to build into, created if missing (default: ./data)")
+
+
+def _root(value: str) -> Path:
+    """ROOT as given; an empty one (`tiny-data "$DATA"` with DATA unset) is refused: it would
+    build into the current folder."""
+    if not value:
+        raise argparse.ArgumentTypeError("empty; give the folder to build into (default: ./data)")
+    return Path(value)
 
 
 def run(args: argparse.Namespace) -> int:
