@@ -133,8 +133,8 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
     te = snapshot.te_version
     if env.config is None and te is not None and te < MIN_TE:  # the doctor: te_swap's TE floor
         yield Hit("transformer_engine", f"TransformerEngine {snapshot.te} is older than "
-                  f"{dotted(MIN_TE)}, the oldest te_swap's `backend: te` takes (it stops the run "
-                  "at its start): only the emulated backend works",
+                  f"{dotted(MIN_TE)}, the oldest te_swap's `backend: te` takes: te_swap stops "
+                  "such a run at its start (its `backend: emulate` works)",
                   fix=f"pip install 'transformer-engine[pytorch]>={dotted(MIN_TE)}', or use "
                   "te_swap: {backend: emulate}")
     if snapshot.te is not None:
