@@ -60,6 +60,9 @@ class Snapshot:
     `cuda_visible_devices`: that variable as the probe found it (None: unset). `gpu_hidden`:
     nvidia-smi lists a GPU (`gpu_name`), but CUDA_VISIBLE_DEVICES leaves CUDA none of them, so
     torch and TE see no GPU (`capability` is then None): nvidia-smi ignores the variable.
+    `te_pure_wheel`: the transformer-engine distribution is a pure-Python wheel (its WHEEL file
+    says `Root-Is-Purelib: true`), TE's own test for its PyPI metapackage
+    (`_is_package_installed_from_wheel`, transformer_engine/common/__init__.py:37-56).
     """
 
     python: str
@@ -83,6 +86,7 @@ class Snapshot:
     deepspeed: str | None = None
     cuda_visible_devices: str | None = None
     gpu_hidden: bool = False
+    te_pure_wheel: bool = False
 
     @property
     def has_gpu(self) -> bool:
@@ -98,6 +102,17 @@ def _version(name: str) -> str | None:
         return metadata.version(name)
     except Exception:  # not installed, or a broken dist-info: neither may stop the probe
         return None
+
+
+def _pure_wheel(name: str) -> bool:
+    """Whether distribution `name` was installed from a pure-Python wheel, read as TE reads its
+    own: the `Root-Is-Purelib` line of its WHEEL file."""
+    try:
+        wheel = metadata.distribution(name).read_text("WHEEL") or ""
+    except Exception:  # not installed, or a broken dist-info: neither may stop the probe
+        return False
+    return any(line.partition(":")[2].strip().lower() == "true" for line in wheel.splitlines()
+               if line.startswith("Root-Is-Purelib:"))
 
 
 def _package_dir(name: str) -> Path | None:
@@ -368,7 +383,8 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         flash_attn=_version("flash-attn"),
         flash_attn_cross_entropy=bool(flash and (flash / "losses" / "cross_entropy.py").is_file()),
         accelerate=_version("accelerate"), deepspeed=_version("deepspeed"),
-        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), **gpu)
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        te_pure_wheel=te is not None and _pure_wheel("transformer-engine"), **gpu)
     if probe_te_import:
         snapshot = replace(snapshot, te_import_checked=True, te_import_error=te_import_error())
     return snapshot

@@ -567,3 +567,44 @@ def test_an_nvte_variable_te_cannot_read_as_an_integer_is_named(tmp_path, monkey
     finding = environment_findings(replace(H100, te_import_error=error))[0]
     assert (finding.rule, finding.fix) == (
         "FP8206", "set the NVTE_ variable(s) named to an integer (0 or 1), or unset them")
+
+
+def _dist(site, name: str, version: str, purelib: bool) -> None:
+    """A dist-info as pip leaves it: METADATA and the wheel's WHEEL file."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "WHEEL").write_text("Wheel-Version: 1.0\nGenerator: bdist_wheel (0.45.1)\n"
+                                f"Root-Is-Purelib: {'true' if purelib else 'false'}\nTag: x\n")
+
+
+@pytest.mark.parametrize(("packages", "purelib", "flagged"), [
+    (["transformer-engine"], True, True),  # `pip install transformer-engine`: the metapackage
+    (["transformer-engine"], False, False),  # a source build: one platform wheel, all inside
+    (["transformer-engine", "transformer-engine-cu12", "transformer-engine-torch"], True, False),
+])
+def test_te_s_metapackage_alone_is_found_without_importing_it(tmp_path, packages, purelib,
+                                                             flagged):
+    """QA: `pip install transformer-engine` without `[pytorch]` installs TE's empty metapackage
+    (TE setup.py: NVTE_BUILD_METAPACKAGE, install_requires=[]); `import transformer_engine`
+    raises for it from TE 2.9 (common/__init__.py:214-221), and `doctor --no-te-import` said
+    "ready for FP8 training". The WHEEL file tells it, as TE's own check reads it."""
+    for name in packages:
+        _dist(tmp_path, name, "2.9.0", purelib and name == "transformer-engine")
+    code = ("import json; from foundry_fp8.environment import gather_snapshot; "
+            "from foundry_fp8.lint.rules.environment import environment_findings; "
+            "s = gather_snapshot(probe_te_import=False, probe_gpu=False); "
+            "print(json.dumps([s.te, s.te_pure_wheel, [[f.rule, f.message, f.fix] "
+            "for f in environment_findings(s)]]))")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env=env, timeout=120)
+    te, pure, findings = json.loads(done.stdout)
+    assert (te, pure) == ("2.9.0", purelib)
+    fp8204 = [f for f in findings if f[0] == "FP8204"]
+    assert fp8204 == ([["FP8204", "TransformerEngine 2.9.0 is its metapackage alone (`pip install "
+                        "transformer-engine` without `[pytorch]`): no core library and no torch "
+                        "extension, so `import transformer_engine.pytorch` fails (from TE 2.9: "
+                        "'Found empty `transformer-engine` meta package installed')",
+                        "pip install --no-build-isolation 'transformer-engine[pytorch]==2.9.0'"]]
+                      if flagged else [])

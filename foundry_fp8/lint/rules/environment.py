@@ -137,6 +137,14 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
                   "such a run at its start (its `backend: emulate` works)",
                   fix=f"pip install 'transformer-engine[pytorch]>={dotted(MIN_TE)}', or use "
                   "te_swap: {backend: emulate}")
+    if snapshot.te is not None and snapshot.te_pure_wheel and snapshot.te_core is None \
+            and snapshot.te_torch is None:  # `pip install transformer-engine`, no extra
+        yield Hit("transformer_engine", f"TransformerEngine {snapshot.te} is its metapackage "
+                  "alone (`pip install transformer-engine` without `[pytorch]`): no core library "
+                  "and no torch extension, so `import transformer_engine.pytorch` fails (from TE "
+                  "2.9: 'Found empty `transformer-engine` meta package installed')",
+                  fix="pip install --no-build-isolation "
+                  f"'transformer-engine[pytorch]=={snapshot.te}'")
     if snapshot.te is not None:
         return
     if env.config is not None:
