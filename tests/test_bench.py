@@ -445,7 +445,7 @@ def test_variants_listed_twice_and_an_out_file_are_one_line_errors(capsys, tmp_p
     """QA: `--variants bf16,bf16` ran bf16 twice (the second row "2.757 x fp32", against the
     first); `--out` naming a file said "cannot create the folder: File exists"."""
     with pytest.raises(SystemExit) as stop:
-        main(["bench", "--tiny", "--variants", "bf16,fp8-te-swap,bf16"])
+        main(["bench", "--tiny", "--variants", "bf16,fp8-te-swap,bf16", "--out", str(tmp_path)])
     assert stop.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         "foundry-fp8 bench: error: argument --variants: bf16 listed more than once")
