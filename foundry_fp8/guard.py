@@ -313,16 +313,24 @@ class GuardCore:
         """Every fallback and re-promotion so far as hyperparameters, in step order: a layer's
         first of each kind under `<prefix><layer>`, later ones under `<prefix><layer>.ba<step>`
         (a logged value must never change; MLflow refuses `@` in a key and `/` below a key
-        it holds, dropping the whole queued batch with it)."""
-        events = sorted([(f.step, FALLBACK_PREFIX, f.layer, f.record())
-                         for f in [*self.ended, *self.fallbacks.values()]]
-                        + [(r.step, REPROMOTION_PREFIX, r.layer, r.record())
-                           for r in self.repromotions], key=lambda e: e[:3])
-        logged: dict[str, dict[str, Any]] = {}
-        for step, prefix, layer, record in events:
-            key = prefix + layer
-            logged[key if key not in logged else f"{key}.ba{step}"] = record
-        return logged
+        it holds, dropping the whole queued batch with it). Keys go in the order the events
+        happened, which is not step order once a fit restarted the steps (`reset_time`)."""
+        events = ([(f.step, FALLBACK_PREFIX, f.layer, f.record())
+                   for f in [*self.ended, *self.fallbacks.values()]]
+                  + [(r.step, REPROMOTION_PREFIX, r.layer, r.record())
+                     for r in self.repromotions])
+        keyed: list[tuple[int, str, dict[str, Any]]] = []
+        taken: set[str] = set()
+        for step, prefix, layer, record in events:  # a layer's events in the order they came
+            key = base = prefix + layer if prefix + layer not in taken else (
+                f"{prefix}{layer}.ba{step}")
+            again = 1
+            while key in taken:  # the same step in two fits
+                again += 1
+                key = f"{base}.{again}"
+            taken.add(key)
+            keyed.append((step, key, record))
+        return {key: record for _, key, record in sorted(keyed, key=lambda e: e[0])}
 
     def _over_budget(self, step: int, refused: list[str]) -> str:
         wanted = sum(self.flops[layer] for layer in refused) / (self.initial_share or 1)

@@ -48,3 +48,35 @@ def test_after_reset_time_a_fallback_repromotes_after_repromote_after_healthy_st
     assert (repromoted.layer, repromoted.fallen_at) == (FAULTY, fallen_at)
     assert repromoted.step == (REPROMOTE_AFTER - 1) * INTERVAL
     assert f"runs in FP8 again from step {repromoted.step + 1}" in caplog.text
+
+
+def test_after_reset_time_a_logged_record_keeps_its_key():
+    """A layer falls back at step 4 of the first fit (logged as fp8/guard/fallback/a), is back
+    in FP8 after step 7, and falls back again at step 1 of a fit with reset_time. Loggers refuse
+    a changed value under a key (W&B, MLflow: the whole queued batch dropped), so the first
+    record keeps its key and the later one takes a new key. Before, the records were keyed in
+    step order, and the step-1 fallback took the step-4 one's key."""
+    from foundry_fp8.guard import GuardConfig, GuardCore
+    from tests.test_guard import HEALTHY, UNDERFLOWING
+
+    def table(bad: bool) -> dict:
+        return {("a", t): dict(UNDERFLOWING if bad else HEALTHY) for t in ("activation",)}
+
+    core = GuardCore(GuardConfig(consecutive=2, repromote_after=3, max_fallback_share=0.5),
+                     {"a": 0.05, "b": 0.05})
+
+    def step(number: int, bad: bool) -> None:
+        t = table(bad)
+        core.decide(number, core.candidates(number, t), t)
+        core.repromote(number, core.ready(number, t), t)
+
+    for number, bad in enumerate([False, False, False, True, True, False, False, False]):
+        step(number, bad)
+    assert [(r.step, r.fallen_at) for r in core.repromotions] == [(7, 4)]
+    logged = core.records()
+    for number, bad in enumerate([True, True]):  # the second fit, reset_time
+        step(number, bad)
+    assert [f.step for f in core.fallbacks.values()] == [1]
+    now = core.records()
+    assert {k: now[k] for k in logged} == logged
+    assert len(now) == 3 and now[next(k for k in now if k not in logged)]["step"] == 1
