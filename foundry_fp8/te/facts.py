@@ -26,6 +26,12 @@ MIN_TE_FOR_RECOMPUTE = (1, 12)
 #: what-ifs) from TE 2.7.
 MIN_TE_DEBUG_STATS = (2, 7)
 
+#: The first TE whose `import transformer_engine` itself compares the metapackage's version with
+#: the core package's, with or without the torch extension (sanity_checks_for_pypi_installation,
+#: transformer_engine/common/__init__.py:195-212 at v2.9-v2.18 and main d0067d0); before, only
+#: load_framework_extension compared them.
+TE_CORE_CHECK = (2, 9)
+
 #: `te.LayerNorm` became a `te.ops` op in TE 1.13, taking `normalized_shape`/`dtype`; TE 1.12's
 #: takes `hidden_size`/`params_dtype`.
 TE_LAYERNORM_AS_OP = (1, 13)

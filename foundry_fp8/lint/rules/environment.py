@@ -40,14 +40,12 @@ from foundry_fp8.te.facts import (
     MIN_TE,
     MIN_TE_CURRENT_SCALING,
     MIN_TE_FOR_RECOMPUTE,
+    TE_CORE_CHECK,
     dotted,
     environment_problems,
     parse_version,
 )
 
-#: The first TE whose `import transformer_engine` compares the metapackage's version with the
-#: core package's (see te_packages); only this rule reads it.
-TE_CORE_CHECK = (2, 9)
 NO_GPU = "no GPU: FP8 training needs an H100/Ada; the emulated backend works here"
 DRIVER_FIX = ("fix the NVIDIA driver until `nvidia-smi` lists the GPU (the message says what it "
               "did); meanwhile use te_swap: {backend: emulate}")
@@ -121,9 +119,13 @@ def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
                   fix=f"install a torch build for CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer")
 
 
-@rule("FP8204", "warning", "TransformerEngine missing where it is needed",
-      why="A GPU that can run FP8, or a run with TE layers, without TE: only the emulated "
-      "backend works. An error in `fp8_lint` for a run that asks for TE.",
+@rule("FP8204", "warning", "TransformerEngine missing or unusable where it is needed (absent, "
+      "its metapackage alone, older than te_swap's floor)",
+      why="A GPU that can run FP8, or a run with TE layers, without a TE that imports: only the "
+      "emulated backend works. `pip install transformer-engine` without `[pytorch]` installs a "
+      "metapackage with no core library and no torch extension; a TE older than te_swap's "
+      "floor stops te_swap's `backend: te` at the run's start (the doctor's check). An error "
+      "in `fp8_lint` for a run that asks for TE.",
       source=f"setup.cfg extra `te` (transformer-engine[pytorch]>={dotted(MIN_TE)})",
       fix="pip install 'foundry-fp8[te]', or use te_swap: {backend: emulate}",
       family="environment")
@@ -167,10 +169,6 @@ def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
                                      ("transformer-engine-torch", snapshot.te_torch),
                                      (snapshot.te_core_package, snapshot.te_core))
              if name and v is not None}
-    # From TE 2.9 `import transformer_engine` itself asserts that the metapackage and the core
-    # package have one version, with no torch extension installed too
-    # (sanity_checks_for_pypi_installation, transformer_engine/common/__init__.py:195-212 at
-    # v2.9-v2.18 and main d0067d0); before, only load_framework_extension compared them.
     core_checked = snapshot.te_core is not None and (snapshot.te_version or ()) >= TE_CORE_CHECK
     if (snapshot.te_torch is not None or core_checked) and len(set(found.values())) > 1:
         listed = ", ".join(f"{name} {v}" for name, v in found.items())
