@@ -177,3 +177,13 @@ def test_an_empty_root_or_a_device_is_a_one_line_error(tmp_path, capsys, monkeyp
     assert capsys.readouterr().err == (
         f"foundry-fp8 tiny-data: {os.devnull}: is a character device, where tiny-data needs a "
         "folder (move it away, or build in another ROOT)\n")
+
+
+def test_a_fresh_build_prints_its_lines_and_nothing_else(tmp_path):
+    """The tokenizer trainer's progress bars (written by its Rust core to the process's stdout,
+    blank lines when that is no terminal) stay out of what tiny-data prints."""
+    done = subprocess.run([*CLI, "tiny-data", str(tmp_path / "data")], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["building", "tokenizer:", "dataset:"], lines

@@ -72,6 +72,7 @@ def _build_tokenizer(path: Path, vocab_size: int, corpus: list[str]) -> None:
         vocab_size=vocab_size,
         special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bars print blank lines where stdout is no terminal
     )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
