@@ -327,7 +327,7 @@ def test_the_report_shows_the_fallback_and_the_yaml_for_next_time(runs, capsys):
     underflow = metrics[step][layer_key("underflow_pct", "activation", LAYER)]
     assert underflow > guard.config.max_underflow_pct
     row = (f"| {LAYER} | {step + 1} | the end | {100 * 64 * 64 / TOTAL:.1f} % | activation "
-           f"underflow_pct {underflow:.3g} % (&gt; {guard.config.max_underflow_pct:g} %) |")
+           f"underflow_pct {underflow:.3g} % (> {guard.config.max_underflow_pct:g} %) |")
     assert row in section.splitlines()
     assert section.count(f"| {LAYER} |") == 1  # no other layer fell back
     first, last = (100 * BLOCKS / TOTAL, 100 * (BLOCKS - 64 * 64) / TOTAL)

@@ -5,7 +5,6 @@ distinct labels a table, list or plot shows for names of any length. Plain Pytho
 from __future__ import annotations
 
 import hashlib
-import html
 import itertools
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -19,9 +18,10 @@ COLUMNS = ("underflow_pct", "overflow_pct", "rel_mse", "cos_sim", "scale_ratio",
 
 
 def md_escape(text: str) -> str:
-    """Text safe in a markdown table cell or line (not inside a code span): one line, no HTML,
-    `|`, `\\` and backticks escaped."""
-    escaped = html.escape(one_line(text).replace("\\", "\\\\"), quote=False)
+    """Text safe in a markdown table cell or line (not inside a code span): one line, no HTML
+    (`<` and `&` escaped; a `>` opens no tag and stays, since the same table is printed to the
+    console, where `&gt;` would show), `|`, `\\` and backticks escaped."""
+    escaped = one_line(text).replace("\\", "\\\\").replace("&", "&amp;").replace("<", "&lt;")
     return escaped.replace("|", "\\|").replace("`", "\\`")
 
 
