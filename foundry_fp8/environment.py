@@ -260,20 +260,21 @@ def visible_gpus(value: str | None, listed: int) -> int:
     reading of the variable (torch/cuda/__init__.py `_parse_visible_devices` and
     `_device_count_nvml`, torch 2.7): each entry read as a leading integer (`1gpu` is 1); the
     list ends at the first entry that is none or negative (`""` and `-1` hide every GPU); a
-    repeated ordinal hides them all; an ordinal past the last GPU ends it. UUID entries (`GPU-`,
-    `MIG-`) cannot be told apart here and count as all visible."""
+    repeated ordinal in it hides them all, even after an ordinal past the last GPU, which ends
+    the count only then (`0,5,0` on one GPU: none). UUID entries (`GPU-`, `MIG-`) cannot be
+    told apart here and count as all visible."""
     if value is None or value.startswith(("GPU-", "MIG-")):
         return listed
-    seen: list[int] = []
+    ordinals: list[int] = []
     for entry in value.split(","):
         found = re.match(r"[+-]?\d+", entry.strip())
         ordinal = int(found.group()) if found else -1
-        if ordinal in seen:
+        if ordinal in ordinals:
             return 0
-        if ordinal < 0 or ordinal >= listed:
+        if ordinal < 0:
             break
-        seen.append(ordinal)
-    return len(seen)
+        ordinals.append(ordinal)
+    return next((i for i, ordinal in enumerate(ordinals) if ordinal >= listed), len(ordinals))
 
 
 def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:

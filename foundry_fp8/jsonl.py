@@ -74,8 +74,9 @@ def write_atomically(path: Path, data: str | bytes) -> None:
 
 
 def file_kind(mode: int) -> str:
-    """What a file that is no regular file is, for a message (`a FIFO (named pipe)`)."""
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    """What a file is, for a message (`a file`, `a FIFO (named pipe)`)."""
+    kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"),
              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
              (stat.S_ISSOCK, "a socket"))
     return next((kind for test, kind in kinds if test(mode)), "a special file")

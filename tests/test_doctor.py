@@ -503,7 +503,7 @@ def test_te_core_and_metapackage_versions_differ_without_the_torch_extension(te,
 
 
 @pytest.mark.parametrize("value", ["", "-1", "0", "1", "0,1", "1,0", "0,0", "2", "abc", "0gpu",
-                                   " 1", "+0", "0,-1,1", "0,5"])
+                                   " 1", "+0", "0,-1,1", "0,5", "0,5,0", "1,0,1"])
 @pytest.mark.parametrize("listed", [1, 2])
 def test_visible_gpus_reads_cuda_visible_devices_as_torch_does(value, listed, monkeypatch):
     """The count of GPUs CUDA sees, against torch's own reading of the variable

@@ -22,7 +22,6 @@ import math
 import platform
 import re
 import shlex
-import stat
 import subprocess
 import time
 import traceback
@@ -800,9 +799,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     out = args.out
     if out.exists() and not out.is_dir():
-        mode = out.stat().st_mode
-        what = "a file" if stat.S_ISREG(mode) else file_kind(mode)
-        _error(f"--out {out}: {what}, not a folder (--out names the folder the results go to)")
+        _error(f"--out {out}: {file_kind(out.stat().st_mode)}, not a folder (--out names the "
+               "folder the results go to)")
         return 2
     try:  # a folder that cannot be written fails now, not after the benchmark has run
         out.mkdir(parents=True, exist_ok=True)

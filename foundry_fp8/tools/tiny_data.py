@@ -19,7 +19,6 @@ import argparse
 import json
 import random
 import re
-import stat
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -108,10 +107,9 @@ def _folders_in_the_way(data: TinyData) -> None:
     for folder in (data.tokenizer_dir, *(data.data_dir / split for split in SPLITS)):
         for path in (*reversed(folder.parents), folder):
             if path.exists() and not path.is_dir():
-                mode = path.stat().st_mode
-                what = "a file" if stat.S_ISREG(mode) else file_kind(mode)
-                raise TinyDataError(f"{path}: is {what}, where tiny-data needs a folder "
-                                    "(move it away, or build in another ROOT)")
+                raise TinyDataError(f"{path}: is {file_kind(path.stat().st_mode)}, where "
+                                    "tiny-data needs a folder (move it away, or build in "
+                                    "another ROOT)")
 
 
 def _split_problem(folder: Path) -> str | None:
