@@ -275,3 +275,80 @@ def test_our_bug_in_the_judge_is_a_warning_not_a_crash(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.lint"):
         lint.fit_start(SimpleNamespace(), logger)
     assert "checking the compute dtype failed" in caplog.text
+
+
+# model.master_weights_dtype: LLM-Foundry's train builds the model in it. The references are
+# LLM-Foundry's own build_composer_model and process_init_device, run on every dtype name.
+
+_DTYPE_NAMES = sorted({"f16", "fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16",
+                       "amp_fp16", "amp_bf16", "amp_fp8", "fp8", "int8"})
+
+
+def _foundry_master_dtype(name: str) -> torch.dtype | None:
+    """The dtype of the parameters LLM-Foundry's build_composer_model gives for
+    master_weights_dtype `name` (None: it refuses the name)."""
+    from composer.models import ComposerClassifier
+    from llmfoundry import registry
+    from llmfoundry.utils.builders import build_composer_model
+
+    class Tiny(ComposerClassifier):
+        def __init__(self, tokenizer: Any = None) -> None:
+            super().__init__(_model(), num_classes=8)
+
+    registry.models.register("lintfix_tiny", func=Tiny)
+    try:
+        model = build_composer_model("lintfix_tiny", {}, None, master_weights_dtype=name)
+    except ValueError as error:
+        assert "Invalid master_weights_dtype" in str(error)
+        return None
+    return next(model.parameters()).dtype
+
+
+def _foundry_keeps_own_dtype(name: str) -> bool:
+    """Does LLM-Foundry's process_init_device make FSDP keep the parameters' own dtype?"""
+    from llmfoundry.utils.config_utils import process_init_device
+
+    fsdp_config: dict[str, Any] = {"mixed_precision": "FULL"}
+    process_init_device({"master_weights_dtype": name}, fsdp_config)
+    mixed = fsdp_config["mixed_precision"]
+    return isinstance(mixed, dict) and mixed["param_dtype"] is None
+
+
+def test_the_master_weights_dtype_tables_are_llm_foundrys():
+    from foundry_fp8.lint.known import (
+        FOUNDRY_FSDP_KEEPS_MASTER_DTYPES,
+        FOUNDRY_MASTER_WEIGHTS_DTYPES,
+    )
+
+    built = {name: _foundry_master_dtype(name) for name in _DTYPE_NAMES}
+    assert {n for n, d in built.items() if d is not None} == FOUNDRY_MASTER_WEIGHTS_DTYPES
+    assert {d for d in built.values() if d is not None} == {torch.float16, torch.bfloat16}
+    kept = {name for name in _DTYPE_NAMES if _foundry_keeps_own_dtype(name)}
+    assert kept == FOUNDRY_FSDP_KEEPS_MASTER_DTYPES & set(_DTYPE_NAMES)
+    assert len(FOUNDRY_FSDP_KEEPS_MASTER_DTYPES - set(_DTYPE_NAMES)) == 0
+
+
+@pytest.mark.parametrize("master", _DTYPE_NAMES)
+@pytest.mark.parametrize("fsdp", ["", "fsdp_config:\n  mixed_precision: FULL\n",
+                                  "fsdp_config:\n  mixed_precision: PURE\n",
+                                  "fsdp_config:\n  mixed_precision: {reduce_dtype: bf16}\n",
+                                  "fsdp_config:\n  mixed_precision: {param_dtype: fp32}\n"])
+def test_master_weights_in_16_bits_need_no_fsdp(tmp_path, master, fsdp):
+    text = PRETRAIN[:PRETRAIN.index("fsdp_config:")].replace(
+        "  fc_type: te\n", f"  fc_type: te\n  master_weights_dtype: {master}\n") + fsdp
+    built = _foundry_master_dtype(master)
+    if built is None:
+        return  # LLM-Foundry refuses the name: the run stops before any dtype matters
+    mixed = yaml.safe_load(text).get("fsdp_config", {}).get("mixed_precision")
+    if mixed is None:
+        compute = built  # no FSDP: the parameters' own dtype
+    else:
+        fsdp_config = {"mixed_precision": mixed}
+        from llmfoundry.utils.config_utils import process_init_device
+        process_init_device({"master_weights_dtype": master}, fsdp_config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compute = get_mixed_precision(Precision.AMP_FP8,
+                                          fsdp_config["mixed_precision"])[1] or built
+    found = _only(_lint(tmp_path, text), "FP8044")
+    assert (found != []) == (compute == torch.float32), (compute, found)

@@ -114,6 +114,16 @@ TORCH_DTYPE_NAMES = {
 }
 FP8_DTYPE_NAMES = frozenset({"float8", "torch.float8", "fp8", "amp_fp8"})
 
+#: `model.master_weights_dtype` values LLM-Foundry's build_composer_model accepts (its
+#: str_dtype_to_torch_dtype, llmfoundry/utils/builders.py:262-276 in 0.21 and 0.22; any other
+#: raises ValueError): train builds the model and `model.to(dtype)`s it in that 16-bit dtype.
+FOUNDRY_MASTER_WEIGHTS_DTYPES = frozenset({"f16", "float16", "bf16", "bfloat16"})
+#: `master_weights_dtype` values for which process_init_device rewrites fsdp_config's
+#: mixed_precision to a mapping with param_dtype None, FSDP keeping the parameters' own dtype
+#: (its small_dtypes, llmfoundry/utils/config_utils.py:601-622 in 0.21 and 0.22; no 'f16').
+FOUNDRY_FSDP_KEEPS_MASTER_DTYPES = frozenset({"bf16", "fp16", "float16", "bfloat16", "amp_fp16",
+                                              "amp_bf16"})
+
 
 #: MPTConfig's defaults for the keys the shape rules read (llmfoundry/models/mpt/
 #: configuration_mpt.py, MPTConfig.__init__).

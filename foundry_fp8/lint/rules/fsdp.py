@@ -19,6 +19,8 @@ from foundry_fp8.lint.config import (
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_CHECKED_FROM,
     AUTO_MICROBATCH_SOURCE,
+    FOUNDRY_FSDP_KEEPS_MASTER_DTYPES,
+    FOUNDRY_MASTER_WEIGHTS_DTYPES,
     FP8_DTYPE_NAMES,
     FSDP2_CONFIG_KEYS,
     FSDP_CONFIG_KEYS,
@@ -362,11 +364,16 @@ def flash_note(config: Mapping[str, Any]) -> str:
       "amp_fp8, FULL float32, a mapping its param_dtype (none: float32). LLM-Foundry's train "
       "drops fsdp_config on one GPU ('FSDP is not applicable for single-GPU training. Reverting "
       "to DDP.'): an MCLI run config with `compute.gpus: 1` is reported whatever its "
-      "fsdp_config. With MPT's default attn_impl flash, flash-attn refuses the float32 q, k "
+      "fsdp_config. Not reported with `model.master_weights_dtype` bf16, bfloat16, float16 "
+      "or f16: train builds the model in it, and for all but f16 rewrites mixed_precision to "
+      "keep the parameters' dtype (f16 with an explicit float32 param_dtype is still reported: "
+      "FSDP casts back up). With MPT's default attn_impl flash, flash-attn refuses the float32 q, k "
       "and v (read in its csrc/flash_attn/flash_api.cpp mha_fwd and mha_varlen_fwd, not run). "
       "Files only: `fp8_lint` judges the run itself at FIT_START, after FSDP wrapping.",
       source=f"{AMP_FP8_DTYPE_SOURCE}; {FOUNDRY} llmfoundry/command_utils/train.py:319-331 "
-      "(single GPU: fsdp_config = None), llmfoundry/models/layers/attention.py "
+      "(single GPU: fsdp_config = None), llmfoundry/utils/builders.py:262-276 "
+      "(master_weights_dtype: model.to), llmfoundry/utils/config_utils.py:601-622 "
+      "(process_init_device: param_dtype None), llmfoundry/models/layers/attention.py "
       "check_valid_inputs (float32 accepted), flash_attn_fn; flash-attn "
       "csrc/flash_attn/flash_api.cpp (TORCH_CHECK q_dtype fp16 or bf16); "
       "foundry_fp8/composer/lint.py precision_problem",
@@ -375,6 +382,11 @@ def float32_outside_te_layers(config: Mapping[str, Any], ctx: LintContext) -> It
     if not (is_fp8(config) and uses_te(config)):
         return  # FP8001 / FP8028 speak when nothing runs in TE's FP8
     given = config.get("fsdp_config")
+    master = section(config, "model").get("master_weights_dtype")
+    built_low = isinstance(master, str) and master in FOUNDRY_MASTER_WEIGHTS_DTYPES
+    if built_low and (not isinstance(given, Mapping) or ctx.gpus == 1
+                      or master in FOUNDRY_FSDP_KEEPS_MASTER_DTYPES):
+        return  # train builds the model in 16 bits and no FSDP param_dtype raises it again
     if ctx.gpus == 1 and isinstance(given, Mapping):
         yield Hit("precision", float32_outside_te(
             "`compute.gpus: 1`, where LLM-Foundry drops this fsdp_config ('FSDP is not "
@@ -386,6 +398,8 @@ def float32_outside_te_layers(config: Mapping[str, Any], ctx: LintContext) -> It
         dtype = fsdp_param_dtype(mixed)
         if dtype is None or dtype in LOW_PARAM_DTYPES:
             return
+        if built_low and not (isinstance(mixed, Mapping) and mixed.get("param_dtype") is not None):
+            return  # FULL or no param_dtype: FSDP keeps the 16-bit master weights' dtype
         cause = "`fsdp_config.mixed_precision: FULL`, which keeps FSDP's param_dtype float32" \
             if isinstance(mixed, str) else \
             f"fsdp_config.mixed_precision's param_dtype {mixed.get('param_dtype')!r}" \
