@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from foundry_fp8.environment import Snapshot
-from foundry_fp8.lint.config import uses_te
+from foundry_fp8.lint.config import te_swap, uses_te
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_SOURCE,
     UNSHARD_TORCH_RANGE,
@@ -54,10 +54,13 @@ TE_SRC = "TransformerEngine (NVIDIA/TransformerEngine main, also read at v1.0-v2
 
 @dataclass(frozen=True)
 class Environment:
-    """What environment rules read: the snapshot, and the run's resolved config (or None)."""
+    """What environment rules read: the snapshot, and the run's resolved config (or None).
+    `pinned`: the snapshot holds only the TE an MCLI run config pins (`foundry-fp8 lint`), not
+    a machine's."""
 
     snapshot: Snapshot
     config: Mapping[str, Any] | None = None
+    pinned: bool = False
 
 
 def _capability_problems(snapshot: Snapshot) -> list[RecipeProblem]:
@@ -124,16 +127,22 @@ def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
       why="A GPU that can run FP8, or a run with TE layers, without a TE that imports: only the "
       "emulated backend works. `pip install transformer-engine` without `[pytorch]` installs a "
       "metapackage with no core library and no torch extension; a TE older than te_swap's "
-      "floor stops te_swap's `backend: te` at the run's start (the doctor's check). An error "
-      "in `fp8_lint` for a run that asks for TE.",
+      "floor stops te_swap's `backend: te` at the run's start (the doctor's check, and "
+      "`foundry-fp8 lint`'s on the TE an MCLI run config pins). An error in `fp8_lint` for a "
+      "run that asks for TE.",
       source=f"setup.cfg extra `te` (transformer-engine[pytorch]>={dotted(MIN_TE)})",
       fix="pip install 'foundry-fp8[te]', or use te_swap: {backend: emulate}",
       family="environment")
 def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
-    """TE absent where it matters: a run that needs it, or a GPU that could run FP8."""
+    """TE absent where it matters: a run that needs it, or a GPU that could run FP8; on a
+    pinned TE, only what a run that uses TE would meet."""
     snapshot = env.snapshot
+    if env.pinned and not uses_te(env.config or {}):
+        return
     te = snapshot.te_version
-    if env.config is None and te is not None and te < MIN_TE:  # the doctor: te_swap's TE floor
+    swap = te_swap(env.config or {})
+    swaps_to_te = swap is not None and swap.get("backend") == "te"
+    if (env.config is None or (env.pinned and swaps_to_te)) and te is not None and te < MIN_TE:
         yield Hit("transformer_engine", f"TransformerEngine {snapshot.te} is older than "
                   f"{dotted(MIN_TE)}, the oldest te_swap's `backend: te` takes: te_swap stops "
                   "such a run at its start (its `backend: emulate` works)",
@@ -147,7 +156,7 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
                   "2.9: 'Found empty `transformer-engine` meta package installed')",
                   fix="pip install --no-build-isolation "
                   f"'transformer-engine[pytorch]=={snapshot.te}'")
-    if snapshot.te is not None:
+    if snapshot.te is not None or env.pinned:  # a pin of TE's parts alone: TE may be elsewhere
         return
     if env.config is not None:
         yield Hit("transformer_engine", "this run uses TransformerEngine layers, but TE is not "

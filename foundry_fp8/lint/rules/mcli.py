@@ -93,11 +93,11 @@ class Pin:
 
 
 #: pip names (normalized: lower case, `-` for `_` and `.`) of what version-dependent rules read,
-#: with the Snapshot fields a pin sets. `transformer-engine[pytorch]==X` installs
-#: transformer-engine-torch and the core package at X too (TE's setup.py pins its extras to its
-#: own version).
+#: with the Snapshot fields a pin sets. `transformer-engine==X` alone is TE's metapackage alone;
+#: a `git_repo`/`git+` install of TE's repository builds TE from source into that one
+#: distribution, with no separate torch extension or core package.
 PINNED_PACKAGES: dict[str, tuple[str, ...]] = {
-    "transformer-engine": ("te", "te_torch", "te_core"),
+    "transformer-engine": ("te",),
     "transformer-engine-torch": ("te_torch",),
     "transformer-engine-cu12": ("te_core",),
     "transformer-engine-cu13": ("te_core",),
@@ -105,6 +105,9 @@ PINNED_PACKAGES: dict[str, tuple[str, ...]] = {
     "mosaicml": ("composer",),
     "torch": ("torch",),
 }
+#: What `transformer-engine[pytorch]==X` installs besides the metapackage: the torch extension
+#: and the core package at X (TE's setup.py pins its extras to its own version).
+TE_PYTORCH_EXTRA = ("te_torch", "te_core")
 #: GitHub repositories whose ref (`git_branch`, `git_commit`, `@ref`) names a release.
 PINNED_REPOS = {"nvidia/transformerengine": "transformer-engine",
                 "mosaicml/llm-foundry": "llm-foundry", "mosaicml/composer": "mosaicml"}
@@ -112,7 +115,8 @@ PINNED_REPOS = {"nvidia/transformerengine": "transformer-engine",
 #: each reads: for an MCLI run config that pins them, they judge the pinned versions, and say so.
 PIN_RULES: dict[str, tuple[str, ...]] = {
     "FP8027": ("te",), "FP8030": ("llmfoundry",), "FP8031": ("composer", "torch"),
-    "FP8205": ("te", "te_torch", "te_core"), "FP8207": ("te",), "FP8208": ("te",),
+    "FP8204": ("te",), "FP8205": ("te", "te_torch", "te_core"), "FP8207": ("te",),
+    "FP8208": ("te",),
 }
 _REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*==\s*(\d[^\s;,'\"]*)$")
 _GIT_URL = re.compile(r"github\.com[/:]([\w.-]+/[\w.-]+?)(?:\.git)?@([\w.+-]+)")
@@ -137,7 +141,10 @@ def _requirement_pins(text: str, key: str) -> Iterator[Pin]:
         found = _REQUIREMENT.match(token)
         if found:
             name = _normalized(found.group(1))
-            for field in PINNED_PACKAGES.get(name, ()):
+            extras = {_normalized(e) for e in (found.group(2) or "").strip("[]").split(",")}
+            fields = PINNED_PACKAGES.get(name, ()) + (
+                TE_PYTORCH_EXTRA if name == "transformer-engine" and "pytorch" in extras else ())
+            for field in fields:
                 yield Pin(field, found.group(3), key, name)
             continue
         url = _GIT_URL.search(token)
@@ -197,34 +204,48 @@ _LABELS = {"te": "TransformerEngine", "te_torch": "transformer-engine-torch",
            "composer": "Composer", "torch": "torch"}
 
 
-#: The environment rules that judge TE's version alone (not the machine's GPU or imports): run
-#: on the TE an MCLI run config pins.
-PINNED_ENVIRONMENT_RULES = frozenset({"FP8205", "FP8207", "FP8208"})
+#: The environment rules that judge TE's packages and version alone (not the machine's GPU or
+#: imports): run on the TE an MCLI run config pins.
+PINNED_ENVIRONMENT_RULES = frozenset({"FP8204", "FP8205", "FP8207", "FP8208"})
+
+
+def _pinned_te(pinned: Mapping[str, Pin]) -> dict[str, Any]:
+    """Every TE field of Snapshot for the TE a run config pins (none pinned: nothing): the
+    linting machine's TE packages are not the run's. `te_pure_wheel`: the metapackage comes
+    from PyPI (a pip requirement), not from a source build."""
+    te = {f: p for f, p in pinned.items() if f.startswith("te")}
+    if not te:
+        return {}
+    core, meta = te.get("te_core"), te.get("te")
+    return {"te": meta.version if meta else None,
+            "te_torch": te["te_torch"].version if "te_torch" in te else None,
+            "te_core": core.version if core else None,
+            "te_core_package": core.package if core and core.package
+            != "transformer-engine" else None,
+            "te_pure_wheel": meta is not None and meta.package == "transformer-engine"}
 
 
 def pinned_snapshot(snapshot: Snapshot | None, pinned: Mapping[str, Pin]) -> Snapshot | None:
     """The machine the run gets: `snapshot` (where the linter runs) with the pinned versions."""
     if snapshot is None or not pinned:
         return snapshot
-    core = pinned.get("te_core")
-    return replace(snapshot, **{f: p.version for f, p in pinned.items()},
-                   **({"te_core_package": core.package} if core and core.package
-                      != "transformer-engine" else {}))
+    return replace(snapshot, **{f: p.version for f, p in pinned.items()
+                                if not f.startswith("te")}, **_pinned_te(pinned))
 
 
 def pinned_te_findings(config: Mapping[str, Any], pinned: Mapping[str, Pin],
                        context: LintContext) -> list[Finding]:
-    """FP8205, FP8207 and FP8208 on the TE packages the run config pins (none pinned: nothing;
-    `foundry-fp8 lint` does not judge its own machine's TE), keyed at the pin for FP8205 and
-    at `parameters.<key>` for the others."""
-    te = {f: p for f, p in pinned.items() if f.startswith("te")}
+    """PINNED_ENVIRONMENT_RULES on the TE packages the run config pins (none pinned: nothing;
+    `foundry-fp8 lint` does not judge its own machine's TE), keyed at the pin for FP8204 and
+    FP8205 and at `parameters.<key>` for the others. FP8204 is an error here: it reports only
+    for a run that uses TE, which cannot start."""
+    te = _pinned_te(pinned)
     if not te:
         return []
-    core = te.get("te_core")
-    snapshot = Snapshot(python="", **{f: p.version for f, p in te.items()},
-                        te_core_package=core.package if core and core.package
-                        != "transformer-engine" else None)
-    where = (te.get("te_torch") or next(iter(te.values()))).key
-    return [replace(f, key=where if f.key == "transformer_engine" else f"parameters.{f.key}")
-            for f in run_rules("environment", Environment(snapshot, config), context,
+    where = next(p for f, p in sorted(pinned.items(), key=lambda i: i[0] != "te_torch")
+                 if f.startswith("te")).key
+    return [replace(f, key=where if f.key == "transformer_engine" else f"parameters.{f.key}",
+                    severity="error")
+            for f in run_rules("environment", Environment(Snapshot(python="", **te), config,
+                                                          pinned=True), context,
                                only=lambda r: r.id in PINNED_ENVIRONMENT_RULES)]
