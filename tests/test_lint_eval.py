@@ -118,3 +118,25 @@ def test_an_mpt_without_te_layers_builds_no_te_module():
     assert not [n for n, m in model.named_modules()
                 if type(m).__module__.startswith("transformer_engine")]
     assert any(type(m).__name__ == "Linear" for m in model.modules())
+
+
+@pytest.mark.parametrize("edit", [
+    {}, {"tokenizer": None}, {"model_name": None}, {"tokenizer": None, "model_name": None},
+    {"load_path": None},
+])
+def test_fp8306_on_train_py_s_shape_is_allow_toplevel_keys_own_error(tmp_path, edit):
+    """The reference: LLM-Foundry's allow_toplevel_keys, which eval.py runs on the config first;
+    `None` in `edit` drops the key."""
+    from llmfoundry.command_utils.eval import allow_toplevel_keys
+
+    config = {**BASE, **ENTRY}
+    for key, value in edit.items():
+        config.pop(key) if value is None else config.update({key: value})
+    try:
+        allow_toplevel_keys(yaml.safe_load(yaml.safe_dump(config)))
+        refused = False
+    except ValueError as error:
+        assert "tokenizer" in str(error)
+        refused = True
+    found = [(r, k) for r, k, _ in _findings(tmp_path, config) if r == "FP8306"]
+    assert found == ([("FP8306", "model")] if refused else [])

@@ -218,18 +218,26 @@ def eval_mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterato
 
 
 @rule("FP8306", "error", "a `models:` entry with a key evaluate_model does not take "
-      "(`precision` included), or without `model`, `tokenizer` or `model_name`",
+      "(`precision` included), or without `model`, `tokenizer` or `model_name`; a top-level "
+      "`model:` without `tokenizer`",
       why="evaluate() calls evaluate_model(..., precision=..., **model_cfg) for each entry of "
       "`models:`: a key that is not one of its parameters raises TypeError (unexpected "
       "keyword), one it already passes, such as `precision`, raises TypeError (multiple "
       "values: precision is the config's, per model it cannot be set), and a missing "
       "`model`, `tokenizer` or `model_name` raises TypeError (missing argument), after the "
-      "models listed before it have been evaluated.",
-      source=f"{EVAL_SOURCE} evaluate, evaluate_model's signature",
+      "models listed before it have been evaluated. In train.py's shape (a top-level "
+      "`model:`), allow_toplevel_keys raises ValueError without a `tokenizer` (or with null); "
+      "`model_name` defaults to `model.name` there.",
+      source=f"{EVAL_SOURCE} evaluate, evaluate_model's signature, allow_toplevel_keys:208-223",
       fix="keep `model_name`, `model`, `tokenizer` and `load_path` in each entry; set "
       "`precision` once at the top level", family="eval", unresolved=True)
 def eval_model_entry_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     models = config.get("models")
+    if "model" in config and models is None and config.get("tokenizer") is None:
+        yield Hit("model", "a top-level `model:` without `tokenizer`: LLM-Foundry's "
+                  "allow_toplevel_keys raises ValueError 'When specifying model, \"tokenizer\" "
+                  "must be provided in the config'", fix="add a top-level `tokenizer:` "
+                  "(`name:` and `kwargs:`, as in a train config)")
     for where, entry in eval_models(config) if isinstance(models, list) else ():
         for key in entry:
             if isinstance(key, str) and key not in EVAL_MODEL_KEYS:
