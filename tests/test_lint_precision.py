@@ -6,7 +6,6 @@ reference for what FSDP lowers is Composer's own get_mixed_precision, never our 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -217,12 +216,17 @@ def test_without_fsdp_the_parameters_own_dtype_decides():
 
 
 @pytest.fixture
-def one_rank_group():
+def one_rank_group(tmp_path):
+    """A one-rank gloo group for FSDP: the one an earlier test's Composer Trainer left in this
+    process (Composer initialises it and never destroys it), else our own, destroyed after."""
     import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
     yield
     dist.destroy_process_group()
 
