@@ -75,7 +75,8 @@ class FP8Guard(Callback):
     runs in FP8 again from the next step, with a fresh delayed-scaling state (history 0, scale
     1, as a new layer: the old history holds the amaxes that made it fall back).
 
-    The guard's own errors switch it off (every rank together; layers already in fallback stay
+    The guard's own errors switch it off (every rank together, at the logging step of the error
+    or, for one while acting on an agreed decision, at the next; layers already in fallback stay
     so) unless `strict: true`. A logger destination that raises is not the guard's error: it is
     warned once per destination and kind, the other destinations still get the values
     (`composer.destinations.deliver`) and the guard goes on acting; `strict: true` stops the
@@ -94,6 +95,9 @@ class FP8Guard(Callback):
         self._logger: Logger | None = None
         self._stats: FP8Stats | None = None  # told which layers run in high precision
         self._stop: BaseException | None = None  # raised at the next batch_end/batch_checkpoint
+        # acting failed here after the ranks agreed: told to the others at the next vote, so no
+        # rank leaves the votes' all_reduce alone (its partner would be another collective)
+        self._act_failed = False
         self._heard = False  # fp8_stats called the guard at a logging step of this fit
         self._said: set[str] = set()  # the one-time warnings given: "nonfinite", "inert"
         self._table_keys = FitEndKeys(FALLBACKS_KEY)
@@ -223,12 +227,13 @@ class FP8Guard(Callback):
         table = {(short_layer(layer), tensor): stats for (layer, tensor), stats in table.items()}
         mine: list[str] = []
         ready: list[str] = []
-        failed = False
-        try:
-            mine = core.candidates(step, table)
-            ready = core.ready(step, table)
-        except Exception as e:
-            failed = self._own_error(e)
+        failed = self._act_failed
+        if not failed:
+            try:
+                mine = core.candidates(step, table)
+                ready = core.ready(step, table)
+            except Exception as e:
+                failed = self._own_error(e)
         agreed, ready, failed = self._agree(mine, ready, failed)
         if failed:
             log.error("fp8_guard failed on this or another rank; it is off from now on, on every "
@@ -239,7 +244,11 @@ class FP8Guard(Callback):
             self._act(step, agreed, ready, table)
         except Exception as e:
             if self._own_error(e):
-                self.disabled = True
+                # alone: the other ranks would wait in the next vote, paired by the backend
+                # with this rank's next collective (gloo aborts the process on the mismatch)
+                self._act_failed = True
+                if not multi_rank():
+                    self.disabled = True
 
     def _act(self, step: int, layers: list[str], ready: list[str], table: Mapping) -> None:
         assert self.core is not None

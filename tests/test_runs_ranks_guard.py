@@ -1,0 +1,105 @@
+"""fp8_guard on 2 CPU ranks (gloo) when acting on an agreed decision fails on one rank only: the
+failing rank may not leave the next logging step's vote, whose all_reduce the backend would
+pair with that rank's next collective (a gradient all_reduce of another size; gloo aborts the
+process: `op.preamble.length <= op.nbytes. 20 vs 4`, seen in a 2-rank `composer -n 2` run of
+the tiny MPT). Both ranks must finish and switch the guard off at the same logging step."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import types
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from composer.core import Event
+from composer.devices import DeviceCPU
+from torch import nn
+
+from foundry_fp8.composer import guard as guard_module
+from foundry_fp8.composer.guard import FP8Guard
+from foundry_fp8.composer.stats import FP8Stats
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.fault import InjectOutlier
+from foundry_fp8.recipe import FP8Recipe
+from tests.ranks import init_rank, run_ranks
+
+STEPS, INTERVAL, START = 12, 2, 3
+RECIPE = FP8Recipe(scaling="delayed", amax_history_len=4)
+
+
+class _Logger:
+    def __init__(self):
+        self.destinations = [self]
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def log_hyperparameters(self, hparams):
+        pass
+
+
+def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    init_rank(rank, rendezvous)
+    torch.manual_seed(0)
+    model = nn.Sequential(EmulatedFP8Linear(32, 32), nn.GELU(), EmulatedFP8Linear(32, 32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    stats = FP8Stats(interval=INTERVAL)
+    guard = FP8Guard(consecutive=2, max_fallback_share=0.5)
+    callbacks = [stats, guard, InjectOutlier("2", start=START, ranks=[1])]
+    state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
+                                  algorithms=[], device=DeviceCPU(),
+                                  timestamp=types.SimpleNamespace(batch=0))
+    logger = _Logger()
+    for callback in callbacks:
+        callback.run_event(Event.FIT_START, state, logger)
+    # hooking the agreed layer into high precision fails on rank 1 only
+    broken = mock.patch.object(guard_module, "high_precision_hooks",
+                               side_effect=RuntimeError("injected")) if rank == 1 else None
+    gen = torch.Generator().manual_seed(rank)
+    disabled_at = None
+    with broken if broken is not None else contextlib.nullcontext():
+        for batch in range(STEPS):
+            state.timestamp.batch = batch
+            for callback in callbacks:
+                callback.run_event(Event.BATCH_START, state, logger)
+            optimizer.zero_grad()
+            with fp8_autocast(recipe=RECIPE):
+                loss = model(torch.randn(16, 32, generator=gen)).mean()
+            loss.backward()
+            # the gradient all_reduce DDP would run: a collective of another size between votes
+            for p in model.parameters():
+                torch.distributed.all_reduce(p.grad)
+            optimizer.step()
+            state.timestamp.batch = batch + 1
+            for event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT):
+                for callback in callbacks:
+                    callback.run_event(event, state, logger)
+            if guard.disabled and disabled_at is None:
+                disabled_at = batch
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+        "disabled_at": disabled_at, "fallbacks": sorted(guard.core.fallbacks),
+        "stats_disabled": stats.disabled, "weight": model[2].weight.sum().item()}))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict | None]:
+    out = tmp_path_factory.mktemp("guard_act_ranks")
+    run_ranks(_worker, str(out), deadline_s=120)
+    return [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else None
+            for r in range(2)]
+
+
+def test_a_failure_acting_on_one_rank_switches_the_guard_off_on_both_at_one_step(results):
+    rank0, rank1 = results
+    assert rank0 is not None and rank1 is not None, "a rank did not finish (crashed or hung)"
+    # the decision came at a logging step after the fault began; the next vote switched it off
+    decided = rank0["disabled_at"] - INTERVAL
+    assert START <= decided < STEPS - INTERVAL
+    assert rank0["disabled_at"] == rank1["disabled_at"]
+    # rank 0 hooked the layer (its decision stands, as documented); rank 1 failed to
+    assert rank0["fallbacks"] == rank1["fallbacks"] == ["2"]
+    assert not rank0["stats_disabled"] and not rank1["stats_disabled"]
+    assert rank0["weight"] == rank1["weight"]  # the ranks' updates stayed in step
