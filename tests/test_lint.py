@@ -155,6 +155,7 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8043": ({"global_train_batch_size": float("inf")}, "global_train_batch_size", 1),
     "FP8044": (_merge(FP8_TE, {"fsdp_config": {"mixed_precision": "FULL"}}),
                "fsdp_config.mixed_precision", 1),
+    "FP8045": ({"model": {"master_weights_dtype": "fp16"}}, "model.master_weights_dtype", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -212,6 +213,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     # infinity passes as a micro-batch size: cut to the device batch size, with a warning
     "FP8043": ({"device_train_microbatch_size": float("inf")}, 1),
     "FP8044": (_merge(FP8_TE, {"fsdp_config": {"mixed_precision": "DEFAULT"}}), 1),
+    "FP8045": ({"model": {"master_weights_dtype": "f16"}}, 1),  # process_init_device's list lacks it
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

@@ -341,8 +341,13 @@ def test_master_weights_in_16_bits_need_no_fsdp(tmp_path, master, fsdp):
     text = PRETRAIN[:PRETRAIN.index("fsdp_config:")].replace(
         "  fc_type: te\n", f"  fc_type: te\n  master_weights_dtype: {master}\n") + fsdp
     built = _foundry_master_dtype(master)
-    if built is None:
-        return  # LLM-Foundry refuses the name: the run stops before any dtype matters
+    findings = _lint(tmp_path, text)
+    refused = _only(findings, "FP8045")
+    if built is None:  # LLM-Foundry refuses the name: the run stops before any dtype matters
+        assert refused == [("model.master_weights_dtype", _line_of(text, "  master_weights_dtype"))]
+        assert _only(findings, "FP8044") == []
+        return
+    assert refused == []
     mixed = yaml.safe_load(text).get("fsdp_config", {}).get("mixed_precision")
     if mixed is None:
         compute = built  # no FSDP: the parameters' own dtype
@@ -354,5 +359,76 @@ def test_master_weights_in_16_bits_need_no_fsdp(tmp_path, master, fsdp):
             warnings.simplefilter("ignore")
             compute = get_mixed_precision(Precision.AMP_FP8,
                                           fsdp_config["mixed_precision"])[1] or built
-    found = _only(_lint(tmp_path, text), "FP8044")
+    found = _only(findings, "FP8044")
     assert (found != []) == (compute == torch.float32), (compute, found)
+
+
+@pytest.mark.parametrize("master", ["fp16", "amp_bf16", "bfloat", "float"])
+def test_a_refused_master_weights_dtype_suggests_one_llm_foundry_builds(tmp_path, master):
+    text = PRETRAIN.replace("  fc_type: te\n", f"  fc_type: te\n  master_weights_dtype: {master}\n")
+    [finding] = [f for f in _lint(tmp_path, text) if f["rule"] == "FP8045"]
+    assert finding["severity"] == "error"
+    suggested = finding["message"].rsplit("(did you mean `", 1)[1].split("`")[0]
+    assert _foundry_master_dtype(master) is None
+    assert _foundry_master_dtype(suggested) is not None
+
+
+def test_full_says_composer_leaves_fsdps_param_dtype_none(tmp_path):
+    text = PRETRAIN.replace("mixed_precision: PURE", "mixed_precision: FULL")
+    [message] = [f["message"] for f in _lint(tmp_path, text) if f["rule"] == "FP8044"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        param_dtype = get_mixed_precision(Precision.AMP_FP8, "FULL")[1]
+    assert f"param_dtype {param_dtype}:" in message
+    assert "param_dtype float32" not in message
+
+
+# Eval: evaluate_model builds the model without master_weights_dtype (it stays in the model's
+# cfg), but process_init_device still rewrites the eval's one fsdp_config for it. The
+# references are LLM-Foundry's build_composer_model called as evaluate_model calls it,
+# process_init_device on one fsdp_config dict for every model, and Composer's get_mixed_precision.
+
+def _eval_built_dtype(master: str) -> torch.dtype:
+    """The parameters' dtype when LLM-Foundry's eval builds a model whose cfg holds
+    master_weights_dtype `master` (llmfoundry/command_utils/eval.py evaluate_model)."""
+    from composer.models import ComposerClassifier
+    from llmfoundry import registry
+    from llmfoundry.utils.builders import build_composer_model
+
+    class TinyTakingAll(ComposerClassifier):
+        def __init__(self, tokenizer: Any = None, **kwargs: Any) -> None:
+            super().__init__(_model(), num_classes=8)
+
+    registry.models.register("lintfix_tiny_any", func=TinyTakingAll)
+    model = build_composer_model(name="lintfix_tiny_any", tokenizer=None,
+                                 cfg={"master_weights_dtype": master})
+    return next(model.parameters()).dtype
+
+
+@pytest.mark.parametrize("master", ["bf16", "amp_bf16", "f16", "fp32"])
+@pytest.mark.parametrize("fsdp", ["", "fsdp_config:\n  mixed_precision: FULL\n",
+                                  "fsdp_config:\n  mixed_precision: PURE\n",
+                                  "fsdp_config:\n  mixed_precision: {param_dtype: bf16}\n"])
+def test_eval_names_the_dtype_llm_foundrys_eval_computes_in(tmp_path, master, fsdp):
+    from llmfoundry.utils.config_utils import process_init_device
+
+    one = _eval(fsdp)
+    entry = one[one.index("- model_name"):one.index("device_eval_batch_size")]
+    # the first model asks for master weights, the second does not; both share fsdp_config
+    text = one.replace("    fc_type: te\n", f"    fc_type: te\n    master_weights_dtype: {master}\n",
+                       1).replace(entry, entry + entry.replace("mpt-te", "mpt-te-2"), 1)
+    config = yaml.safe_load(text)
+    fsdp_config = config.get("fsdp_config")
+    expected = []
+    for item in config["models"]:
+        model = dict(item["model"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            process_init_device(model, fsdp_config)
+            built = _eval_built_dtype(model["master_weights_dtype"]) \
+                if "master_weights_dtype" in model else torch.float32
+            compute = built if fsdp_config is None else \
+                get_mixed_precision(Precision.AMP_FP8, fsdp_config["mixed_precision"])[1] or built
+        expected.append(str(compute).removeprefix("torch."))
+    messages = [f["message"] for f in _lint(tmp_path, text, "eval.yaml") if f["rule"] == "FP8307"]
+    assert [m.split("computes in ", 1)[1].split(" ", 1)[0] for m in messages] == expected

@@ -13,6 +13,7 @@ from foundry_fp8.lint.known import (
     EVAL_CONFIG_KEYS,
     EVAL_MODEL_KEYS,
     EVAL_MODEL_REQUIRED_KEYS,
+    FOUNDRY_FSDP_KEEPS_MASTER_DTYPES,
     TRAIN_CONFIG_KEYS,
     did_you_mean,
 )
@@ -146,16 +147,28 @@ def eval_fp8_without_te_layers(config: Mapping[str, Any], ctx: LintContext) -> I
                       "evaluated without FP8")
 
 
-def _eval_dtype(config: Mapping[str, Any]) -> tuple[str | None, str]:
-    """(dtype, why) every eval forward computes in under amp_fp8, TE layers included: FSDP's
-    param_dtype (eval_from_yaml keeps fsdp_config on any GPU count), else the float32 LLM-Foundry
-    builds models in; dtype None where Composer cannot read the mixed precision (FP8012)."""
+def _eval_dtype(config: Mapping[str, Any], master: str | None,
+                keeps: tuple[str, Any] | None) -> tuple[str | None, str]:
+    """(dtype, why) every eval forward of one model computes in under amp_fp8, TE layers
+    included: FSDP's param_dtype (eval_from_yaml keeps fsdp_config on any GPU count), else the
+    float32 LLM-Foundry's eval builds models in, whatever their `master_weights_dtype` (`master`);
+    `keeps`: the first model, up to this one, whose master_weights_dtype made process_init_device
+    rewrite the shared fsdp_config to param_dtype None (key, value); dtype None where Composer
+    cannot read the mixed precision (FP8012)."""
+    ignored = "" if master is None else (
+        f"; eval ignores its master_weights_dtype {master!r:.20}: evaluate_model hands it to the "
+        "model class, not to build_composer_model")
     given = config.get("fsdp_config")
     if not isinstance(given, Mapping):
-        return "float32", "the dtype LLM-Foundry builds models in: no fsdp_config lowers it"
+        return "float32", ("the dtype LLM-Foundry builds models in: no fsdp_config lowers it"
+                           + ignored)
+    if keeps is not None:
+        return "float32", (f"process_init_device sets the eval's one fsdp_config param_dtype to None "
+                           f"for {keeps[0]}: {keeps[1]!r:.20}, so FSDP keeps the parameters' "
+                           "float32" + ignored)
     dtype = fsdp_param_dtype(given.get("mixed_precision", "DEFAULT"))
     return dtype, ("FSDP's param_dtype from fsdp_config.mixed_precision" if dtype in
-                   LOW_PARAM_DTYPES else "fsdp_config.mixed_precision keeps float32")
+                   LOW_PARAM_DTYPES else "fsdp_config.mixed_precision keeps float32") + ignored
 
 
 @rule("FP8307", "warning", "an eval config with `precision: amp_fp8` and a model with TE layers "
@@ -163,11 +176,18 @@ def _eval_dtype(config: Mapping[str, Any]) -> tuple[str | None, str]:
       why="Composer's eval loop runs every eval forward with fp8_autocast_enabled=False (TE's "
       "FP8 needs batch sizes eval data does not keep), and amp_fp8 adds no torch autocast: TE "
       "layers and the rest compute in the parameters' dtype, float32 as LLM-Foundry builds "
-      "models unless the eval config's fsdp_config lowers it (DEFAULT or PURE: bfloat16). The "
+      "models unless the eval config's fsdp_config lowers it (DEFAULT or PURE: bfloat16). Eval "
+      "ignores `model.master_weights_dtype` (evaluate_model builds the model without it, float32), "
+      "yet process_init_device still sets the fsdp_config's param_dtype to None for "
+      f"{', '.join(sorted(FOUNDRY_FSDP_KEEPS_MASTER_DTYPES))}, for that model and, the eval's one fsdp_config "
+      "being shared, every later one: float32 then, whatever mixed_precision says. The "
       "scores are that dtype's, not FP8's; amp_fp8 still needs TE and an FP8 GPU. amp_bf16 "
       "runs the forward in torch.autocast bf16, which TE layers follow: bf16 numerics.",
-      source=f"{EVAL_SOURCE} evaluate (precision=eval_config.precision, parallelism_config "
-      "{'fsdp': eval_config.fsdp_config}); Composer 0.32.1 composer/trainer/trainer.py "
+      source=f"{EVAL_SOURCE} evaluate:299-324 (precision=eval_config.precision, "
+      "parallelism_config {'fsdp': eval_config.fsdp_config}, the same dict for every model), "
+      "evaluate_model:102-120 (process_init_device(model, fsdp_config); build_composer_model "
+      "without master_weights_dtype, which stays in cfg), llmfoundry/utils/config_utils.py "
+      "process_init_device:601-622 (small_dtypes: param_dtype None); Composer 0.32.1 composer/trainer/trainer.py "
       f"_eval_loop:3443-3447 (fp8_autocast_enabled=False, and its comment on the activation "
       f"dtype); {AMP_FP8_DTYPE_SOURCE}",
       fix="evaluate with precision amp_bf16 (bf16 numerics, TE layers included); keep amp_fp8 "
@@ -175,12 +195,17 @@ def _eval_dtype(config: Mapping[str, Any]) -> tuple[str | None, str]:
 def eval_fp8_with_te_layers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     if not is_fp8(config):
         return
-    dtype, why = _eval_dtype(config)
-    if dtype is None:
-        return
+    keeps: tuple[str, Any] | None = None
     for where, entry in eval_models(config):
         model = entry.get("model")
-        if isinstance(model, Mapping) and native_te_layers({"model": model}):
+        master = model.get("master_weights_dtype") if isinstance(model, Mapping) else None
+        fsdp_config = config.get("fsdp_config")
+        if keeps is None and isinstance(fsdp_config, Mapping) and fsdp_config \
+                and isinstance(master, str) and master in FOUNDRY_FSDP_KEEPS_MASTER_DTYPES:
+            keeps = (join_key(join_key(where, "model"), "master_weights_dtype"), master)
+        dtype, why = _eval_dtype(config, master, keeps)
+        if dtype is not None and isinstance(model, Mapping) \
+                and native_te_layers({"model": model}):
             name = entry.get("model_name", model.get("name"))
             yield Hit(join_key(where, "model") if where else "model",
                       f"precision amp_fp8, but Composer evaluates with FP8 autocast off and "

@@ -343,6 +343,12 @@ def fsdp_param_dtype(mixed_precision: Any) -> str | None:
     return None
 
 
+def built_low_precision(master: Any) -> bool:
+    """Does LLM-Foundry's train build the model in `model.master_weights_dtype` `master` (a
+    16-bit dtype)? Any other non-null value makes build_composer_model raise."""
+    return isinstance(master, str) and master in FOUNDRY_MASTER_WEIGHTS_DTYPES
+
+
 def flash_note(config: Mapping[str, Any]) -> str:
     """What MPT's flash attention does with float32 q, k and v, for an MPT model using it."""
     model = section(config, "model")
@@ -361,13 +367,13 @@ def flash_note(config: Mapping[str, Any]) -> str:
       "torch.autocast bf16), so everything outside TE's FP8 layers computes in the parameters' "
       "dtype and TE's layers get activations in it. LLM-Foundry builds models in float32; only "
       "FSDP's mixed precision lowers them: DEFAULT and PURE give param_dtype bfloat16 under "
-      "amp_fp8, FULL float32, a mapping its param_dtype (none: float32). LLM-Foundry's train "
+      "amp_fp8; FULL and a mapping without param_dtype leave it None, the parameters' own dtype (float32 as LLM-Foundry builds them), a mapping's param_dtype its own. LLM-Foundry's train "
       "drops fsdp_config on one GPU ('FSDP is not applicable for single-GPU training. Reverting "
       "to DDP.'): an MCLI run config with `compute.gpus: 1` is reported whatever its "
       "fsdp_config. Not reported with `model.master_weights_dtype` bf16, bfloat16, float16 "
       "or f16: train builds the model in it, and for all but f16 rewrites mixed_precision to "
       "keep the parameters' dtype (f16 with an explicit float32 param_dtype is still reported: "
-      "FSDP casts back up). With MPT's default attn_impl flash, flash-attn refuses the float32 q, k "
+      "FSDP casts back up). Any other master_weights_dtype is FP8045's: the run stops before any dtype matters. With MPT's default attn_impl flash, flash-attn refuses the float32 q, k "
       "and v (read in its csrc/flash_attn/flash_api.cpp mha_fwd and mha_varlen_fwd, not run). "
       "Files only: `fp8_lint` judges the run itself at FIT_START, after FSDP wrapping.",
       source=f"{AMP_FP8_DTYPE_SOURCE}; {FOUNDRY} llmfoundry/command_utils/train.py:319-331 "
@@ -383,7 +389,9 @@ def float32_outside_te_layers(config: Mapping[str, Any], ctx: LintContext) -> It
         return  # FP8001 / FP8028 speak when nothing runs in TE's FP8
     given = config.get("fsdp_config")
     master = section(config, "model").get("master_weights_dtype")
-    built_low = isinstance(master, str) and master in FOUNDRY_MASTER_WEIGHTS_DTYPES
+    if master is not None and not built_low_precision(master):
+        return  # FP8045: build_composer_model raises before any dtype matters
+    built_low = master is not None
     if built_low and (not isinstance(given, Mapping) or ctx.gpus == 1
                       or master in FOUNDRY_FSDP_KEEPS_MASTER_DTYPES):
         return  # train builds the model in 16 bits and no FSDP param_dtype raises it again
@@ -400,9 +408,32 @@ def float32_outside_te_layers(config: Mapping[str, Any], ctx: LintContext) -> It
             return
         if built_low and not (isinstance(mixed, Mapping) and mixed.get("param_dtype") is not None):
             return  # FULL or no param_dtype: FSDP keeps the 16-bit master weights' dtype
-        cause = "`fsdp_config.mixed_precision: FULL`, which keeps FSDP's param_dtype float32" \
-            if isinstance(mixed, str) else \
+        cause = "`fsdp_config.mixed_precision: FULL`, which leaves FSDP's param_dtype None: the " \
+            "parameters' own dtype, float32 as LLM-Foundry builds the model without a 16-bit " \
+            "`model.master_weights_dtype`" if isinstance(mixed, str) else \
             f"fsdp_config.mixed_precision's param_dtype {mixed.get('param_dtype')!r}" \
             if mixed.get("param_dtype") is not None else \
             "an fsdp_config.mixed_precision mapping without param_dtype (FSDP keeps float32)"
         yield Hit("fsdp_config.mixed_precision", float32_outside_te(cause) + flash_note(config))
+
+
+@rule("FP8045", "error", "a `model.master_weights_dtype` LLM-Foundry's train refuses "
+      "(did-you-mean)",
+      why="train pops `model.master_weights_dtype` and hands it to build_composer_model, which "
+      "takes only f16, float16, bf16 and bfloat16 and raises ValueError 'Invalid "
+      "master_weights_dtype' for anything else once the tokenizer and data loaders are built. "
+      "fp16, amp_fp16 and amp_bf16 pass process_init_device (which lowers FSDP's mixed "
+      "precision for them) and fail there. FP8044 stays quiet on such a value.",
+      source=f"{FOUNDRY} llmfoundry/command_utils/train.py train (master_weights_dtype="
+      "model_config.pop), llmfoundry/utils/builders.py build_composer_model:262-276 "
+      "(str_dtype_to_torch_dtype, ValueError), llmfoundry/utils/config_utils.py "
+      "process_init_device:601-622 (small_dtypes)",
+      fix="use one of the values the message names, or remove the key for float32 master weights")
+def invalid_master_weights_dtype(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    master = section(config, "model").get("master_weights_dtype")
+    if master is None or built_low_precision(master):
+        return
+    hint = did_you_mean(master, FOUNDRY_MASTER_WEIGHTS_DTYPES) if isinstance(master, str) else ""
+    yield Hit("model.master_weights_dtype", f"LLM-Foundry's build_composer_model refuses "
+              f"master_weights_dtype {master!r:.40} (ValueError 'Invalid master_weights_dtype'; "
+              f"it takes {', '.join(sorted(FOUNDRY_MASTER_WEIGHTS_DTYPES))})" + hint)
