@@ -203,6 +203,9 @@ def test_the_run_judge_follows_composers_param_dtype(mixed):
     assert (problem is None) == lowered, problem
     if not lowered:
         assert problem.startswith("fp8_lint FP8044: precision amp_fp8 with fsdp_config.")
+        # the param_dtype the message names is Composer's own (None: the parameters' dtype)
+        named = get_mixed_precision(Precision.AMP_FP8, mixed)[1]
+        assert f"param_dtype {named}" in problem or f"param_dtype is {named}" in problem, problem
 
 
 def test_without_fsdp_the_parameters_own_dtype_decides():

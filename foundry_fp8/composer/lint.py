@@ -61,8 +61,8 @@ def precision_problem(state: Any) -> str | None:
         param_dtype = get_mixed_precision(state.precision, mixed)[1]
         if param_dtype in low:
             return None
-        kept = param_dtype or "the parameters' own"
-        cause = ("fsdp_config.mixed_precision FULL, which keeps FSDP's param_dtype float32"
+        kept = param_dtype or "None (the parameters' own dtype, float32 here)"
+        cause = (f"fsdp_config.mixed_precision FULL, which leaves FSDP's param_dtype {kept}"
                  if isinstance(mixed, str) else f"fsdp_config.mixed_precision {dict(mixed)!r}, "
                  f"whose FSDP param_dtype is {kept}")
     elif dist.get_world_size() == 1:
