@@ -282,9 +282,13 @@ class FP8Monitor:
         self._dump_failed = False  # warned once about a dump that could not be written
         self.tracker = HealthTracker(thresholds_of(self.config))
         self.short = {name: short_layer(name) for name in self.layers}  # names in keys
-        # the last logging step's statistics and flags, for listeners (the guard)
+        # the last logging step's statistics and flags, for listeners (the guard); empty on a
+        # rank whose own work on them failed
         self.table: dict[tuple[str, str], dict[str, float]] = {}
         self.flags: dict[tuple[str, str], list[Flag]] = {}
+        # the last `finish_step` pooled over every rank: the same on all ranks, so listeners
+        # that run collectives (the guard's vote) are called on every rank or on none
+        self.pooled = False
         # the rows of `table` with what-if numbers (the layer did not cast in FP8), and those
         # of them that `finish_step`'s `fallbacks` left out of the summary series
         self.whatif_rows: set[tuple[str, str]] = set()
@@ -480,6 +484,7 @@ class FP8Monitor:
         process at once, under several ranks on every rank at the first logging step since."""
         step = self._step
         self.abort()
+        self.pooled = False
         if step is None:
             return {}
         distributed = multi_rank()
@@ -534,6 +539,8 @@ class FP8Monitor:
         host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen, marks]).cpu().tolist()
         if host[-n - 1] > 0:  # the error flag; the one host transfer of this step is above
             self._raise_failure(int(host[-n - 1]))
+        self.pooled = True
+        self.table, self.flags = {}, {}  # not the last step's, should `_metrics` fail here
         return self._attempt(self._metrics, step, host, fallbacks) or {}
 
     def _metrics(self, step: _Step, host: list[float], fallbacks: Collection[str],

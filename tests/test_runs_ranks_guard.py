@@ -1,8 +1,10 @@
-"""fp8_guard on 2 CPU ranks (gloo) when acting on an agreed decision fails on one rank only: the
-failing rank may not leave the next logging step's vote, whose all_reduce the backend would
-pair with that rank's next collective (a gradient all_reduce of another size; gloo aborts the
-process: `op.preamble.length <= op.nbytes. 20 vs 4`, seen in a 2-rank `composer -n 2` run of
-the tiny MPT). Both ranks must finish and switch the guard off at the same logging step."""
+"""fp8_guard and fp8_stats on 2 CPU ranks (gloo) when our own work fails on one rank only: no
+rank may leave the guard's vote at a logging step, whose all_reduce the backend would pair with
+that rank's next collective (a gradient all_reduce of another size; gloo aborts the process:
+`op.preamble.length <= op.nbytes. 20 vs 4`, seen in 2-rank `composer -n 2` runs of the tiny
+MPT). Failing: the guard hooking an agreed layer into high precision, and fp8_stats' host-side
+statistics after the pooling. Both ranks must finish, switching the failed callback off at the
+same logging step."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import types
 from pathlib import Path
 from unittest import mock
 
-import pytest
 import torch
 from composer.core import Event
 from composer.devices import DeviceCPU
@@ -41,7 +42,7 @@ class _Logger:
         pass
 
 
-def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
+def _worker(rank: int, rendezvous: str, out_dir: str, failing: str) -> None:
     init_rank(rank, rendezvous)
     torch.manual_seed(0)
     model = nn.Sequential(EmulatedFP8Linear(32, 32), nn.GELU(), EmulatedFP8Linear(32, 32))
@@ -55,11 +56,23 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
     logger = _Logger()
     for callback in callbacks:
         callback.run_event(Event.FIT_START, state, logger)
-    # hooking the agreed layer into high precision fails on rank 1 only
-    broken = mock.patch.object(guard_module, "high_precision_hooks",
-                               side_effect=RuntimeError("injected")) if rank == 1 else None
+    broken = None
+    if rank == 1 and failing == "guard":  # hooking the agreed layer into high precision
+        broken = mock.patch.object(guard_module, "high_precision_hooks",
+                                   side_effect=RuntimeError("injected"))
+    elif rank == 1:  # fp8_stats' statistics after the pooling, at the second logging step on
+        calls = []
+        original = stats.monitor._metrics
+
+        def metrics(*args):
+            calls.append(args)
+            if len(calls) == 2:
+                raise RuntimeError("injected")
+            return original(*args)
+
+        broken = mock.patch.object(stats.monitor, "_metrics", side_effect=metrics)
     gen = torch.Generator().manual_seed(rank)
-    disabled_at = None
+    disabled_at = stats_off_at = None
     with broken if broken is not None else contextlib.nullcontext():
         for batch in range(STEPS):
             state.timestamp.batch = batch
@@ -79,21 +92,21 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
                     callback.run_event(event, state, logger)
             if guard.disabled and disabled_at is None:
                 disabled_at = batch
+            if stats.disabled and stats_off_at is None:
+                stats_off_at = batch
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-        "disabled_at": disabled_at, "fallbacks": sorted(guard.core.fallbacks),
+        "disabled_at": disabled_at, "stats_off_at": stats_off_at, "fallbacks": sorted(guard.core.fallbacks),
         "stats_disabled": stats.disabled, "weight": model[2].weight.sum().item()}))
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict | None]:
-    out = tmp_path_factory.mktemp("guard_act_ranks")
-    run_ranks(_worker, str(out), deadline_s=120)
+def _run(out: Path, failing: str) -> list[dict | None]:
+    run_ranks(_worker, str(out), failing, deadline_s=120)
     return [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else None
             for r in range(2)]
 
 
-def test_a_failure_acting_on_one_rank_switches_the_guard_off_on_both_at_one_step(results):
-    rank0, rank1 = results
+def test_a_failure_acting_on_one_rank_switches_the_guard_off_on_both_at_one_step(tmp_path):
+    rank0, rank1 = _run(tmp_path, "guard")
     assert rank0 is not None and rank1 is not None, "a rank did not finish (crashed or hung)"
     # the decision came at a logging step after the fault began; the next vote switched it off
     decided = rank0["disabled_at"] - INTERVAL
@@ -103,3 +116,12 @@ def test_a_failure_acting_on_one_rank_switches_the_guard_off_on_both_at_one_step
     assert rank0["fallbacks"] == rank1["fallbacks"] == ["2"]
     assert not rank0["stats_disabled"] and not rank1["stats_disabled"]
     assert rank0["weight"] == rank1["weight"]  # the ranks' updates stayed in step
+
+
+def test_a_stats_failure_after_pooling_on_one_rank_keeps_the_ranks_in_step(tmp_path):
+    rank0, rank1 = _run(tmp_path, "stats")
+    assert rank0 is not None and rank1 is not None, "a rank did not finish (crashed or hung)"
+    # failed at the second logging step (batch INTERVAL); off on both at the third
+    assert rank0["stats_off_at"] == rank1["stats_off_at"] == 2 * INTERVAL
+    assert rank0["fallbacks"] == rank1["fallbacks"]
+    assert rank0["weight"] == rank1["weight"]

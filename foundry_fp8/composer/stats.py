@@ -266,7 +266,9 @@ class FP8Stats(Callback):
         if self.monitor is None:
             return
         metrics = self.monitor.finish_step(self.fallbacks)  # raises only on every rank together
-        if metrics:
+        # not `if metrics`: a rank whose own work failed after the pooling has none, and a
+        # listener's collective (the guard's vote) left out there pairs with another one
+        if self.monitor.pooled:
             for listener in self.listeners:  # the pooled table and flags, on every rank
                 listener(self._step, self.monitor.table, self.monitor.flags)
         te_metrics: dict[str, float] = {}
