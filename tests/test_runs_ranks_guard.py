@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import types
 from pathlib import Path
 from unittest import mock
@@ -54,6 +55,10 @@ def _worker(rank: int, rendezvous: str, out_dir: str, failing: str) -> None:
                                   algorithms=[], device=DeviceCPU(),
                                   timestamp=types.SimpleNamespace(batch=0))
     logger = _Logger()
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    guard_module.log.addHandler(handler)
     for callback in callbacks:
         callback.run_event(Event.FIT_START, state, logger)
     broken = None
@@ -96,7 +101,7 @@ def _worker(rank: int, rendezvous: str, out_dir: str, failing: str) -> None:
                 stats_off_at = batch
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
         "disabled_at": disabled_at, "stats_off_at": stats_off_at, "fallbacks": sorted(guard.core.fallbacks),
-        "stats_disabled": stats.disabled, "weight": model[2].weight.sum().item()}))
+        "stats_disabled": stats.disabled, "said": said, "weight": model[2].weight.sum().item()}))
 
 
 def _run(out: Path, failing: str) -> list[dict | None]:
@@ -116,6 +121,9 @@ def test_a_failure_acting_on_one_rank_switches_the_guard_off_on_both_at_one_step
     assert rank0["fallbacks"] == rank1["fallbacks"] == ["2"]
     assert not rank0["stats_disabled"] and not rank1["stats_disabled"]
     assert rank0["weight"] == rank1["weight"]  # the ranks' updates stayed in step
+    # rank 0's console, the one the launcher shows, names the rank whose log holds the error
+    [off] = [line for line in rank0["said"] if "it is off from now on" in line]
+    assert off.startswith("fp8_guard failed on rank 1 (its error is in that rank's log)")
 
 
 def test_a_stats_failure_after_pooling_on_one_rank_keeps_the_ranks_in_step(tmp_path):

@@ -234,10 +234,14 @@ class FP8Guard(Callback):
                 ready = core.ready(step, table)
             except Exception as e:
                 failed = self._own_error(e)
-        agreed, ready, failed = self._agree(mine, ready, failed)
-        if failed:
-            log.error("fp8_guard failed on this or another rank; it is off from now on, on every "
-                      "rank (layers already in fallback stay in high precision)")
+        agreed, ready, failed_on = self._agree(mine, ready, failed)
+        if failed_on is not None:
+            # only rank 0's output reaches the console by default (composer's launcher drops
+            # the others' unless --stdout/--stderr), so name the rank whose log holds the error
+            where = ("on this rank (its error above)" if failed else
+                     f"on rank {failed_on} (its error is in that rank's log)")
+            log.error("fp8_guard failed %s; it is off from now on, on every rank (layers already "
+                      "in fallback stay in high precision)", where)
             self.disabled = True
             return
         try:
@@ -315,23 +319,24 @@ class FP8Guard(Callback):
             raise error
 
     def _agree(self, mine: Iterable[str], ready: Iterable[str],
-               failed: bool) -> tuple[list[str], list[str], bool]:
-        """The union of the ranks' candidates, the layers ready on every rank, and whether any
-        rank failed (one all_reduce)."""
+               failed: bool) -> tuple[list[str], list[str], int | None]:
+        """The union of the ranks' candidates, the layers ready on every rank, and the highest
+        rank that failed, None if none did (one all_reduce)."""
         layers = self.core.layers if self.core is not None else []
         chosen, fine = set(mine), set(ready)
         if not multi_rank():
-            return sorted(chosen), sorted(fine), failed
+            return sorted(chosen), sorted(fine), dist.get_global_rank() if failed else None
         assert self._state is not None
         n = len(layers)
         votes = torch.tensor([float(name in chosen) for name in layers]
-                             + [float(name not in fine) for name in layers] + [float(failed)])
+                             + [float(name not in fine) for name in layers]
+                             + [float(dist.get_global_rank() + 1) if failed else 0.0])
         votes = self._state.device.tensor_to_device(votes)
         dist.all_reduce(votes, reduce_operation="MAX")
         values = votes.cpu().tolist()
         return ([name for name, v in zip(layers, values[:n], strict=True) if v],
                 [name for name, v in zip(layers, values[n:2 * n], strict=True) if not v],
-                bool(values[-1]))
+                int(values[-1]) - 1 if values[-1] else None)
 
     # the switch
 
