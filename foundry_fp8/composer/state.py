@@ -354,9 +354,21 @@ class FP8State(Callback):
     # -- checkpoint state -----------------------------------------------------------------
 
     def _local_state(self) -> FP8ModuleState:
+        """Histories not yet sized by a first FP8 forward are given the recipe's rows, all
+        "no amax recorded": Composer's sharded load (FSDP `state_dict_type: sharded`, FSDP2's
+        default) fills this state in place as its template (torch.distributed.checkpoint),
+        which refuses a saved `[len, n]` history into a `[0, n]` one."""
         assert self._model is not None
-        return {name: tensors for name, module in fp8_modules(self._model)
-                if (tensors := read_fp8_meta(module))}
+        rows = self._recipe.amax_history_len if self._recipe is not None else 0
+        state: FP8ModuleState = {}
+        for name, module in fp8_modules(self._model):
+            tensors = read_fp8_meta(module)
+            for key, value in tensors.items():
+                if key.endswith("_amax_history") and value.shape[0] == 0 and rows:
+                    tensors[key] = value.new_zeros(rows, *value.shape[1:])
+            if tensors:
+                state[name] = tensors
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's state as `modules`; every rank's as `ranks` when they differ. The same on
