@@ -3,6 +3,7 @@ mid-run (`callbacks: {fp8_stats: {...}, fp8_guard: {...}}`). Decisions: `foundry
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -40,6 +41,15 @@ from foundry_fp8.swap import SwapPlan, linear_flops, module_flops
 from foundry_fp8.te import probe
 
 log = logging.getLogger(__name__)
+
+#: the one key of fp8_guard's checkpoint state: its core's state as a JSON string
+DECISIONS = "decisions"
+
+
+def checkpointed_core(entry: Mapping[str, Any]) -> Any:
+    """fp8_guard's `GuardCore.state_dict` in its checkpoint entry (None: none): DECISIONS' JSON,
+    or the `core` dict of checkpoints saved before DECISIONS."""
+    return json.loads(entry[DECISIONS]) if DECISIONS in entry else entry.get("core")
 
 
 class FP8Guard(Callback):
@@ -87,7 +97,7 @@ class FP8Guard(Callback):
         self.config: GuardConfig = build("fp8_guard", options)  # one line naming the key
         self.core: GuardCore | None = None
         self.disabled = False
-        self._restored: Mapping[str, Any] | None = None
+        self._restored: Mapping[str, Any] = {}  # the checkpoint's entry, decoded at fit_start
         self._modules: dict[str, nn.Module] = {}
         self._handles: dict[str, list[Any]] = {}
         self._exclude: str | None = None
@@ -115,7 +125,8 @@ class FP8Guard(Callback):
         failed = False
         try:
             # a second fit() in this process keeps this one's decisions, as a resume does
-            self._start(state, self.core.state_dict() if self.core is not None else self._restored,
+            self._start(state, self.core.state_dict() if self.core is not None
+                        else checkpointed_core(self._restored),
                         "a new fit() keeps" if self.core is not None else "resumed with")
         except Exception:
             if self.config.strict:
@@ -206,14 +217,20 @@ class FP8Guard(Callback):
         self._log_hyperparameters(logger, {self._table_keys.key(int(state.timestamp.batch)): table})
 
     def state_dict(self) -> dict[str, Any]:
+        """Always the one key DECISIONS, a string. Composer's sharded load (FSDP
+        `state_dict_type: sharded`, FSDP2's default) asks for this state before fit as the
+        template torch.distributed.checkpoint fills in place, by key: an earlier `{}` loaded
+        nothing, and the resumed run put its fallen layers back in FP8. DCP saves a string whole,
+        as one bytes item (torch/distributed/checkpoint/_traverse.py, `_is_terminal`), and its
+        load replaces the template's value by key (default_planner.py, `load_bytes`)."""
         if self.core is not None:
-            return {"core": self.core.state_dict()}
-        return {"core": self._restored} if self._restored is not None else {}
+            return {DECISIONS: json.dumps(self.core.state_dict())}
+        return {DECISIONS: json.dumps(checkpointed_core(self._restored))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._restored = state.get("core")
+        self._restored = state
         if self.core is not None and self._state is not None:  # loaded after fit_start
-            self._start(self._state, self._restored, "resumed with")
+            self._start(self._state, checkpointed_core(state), "resumed with")
 
     # the listener fp8_stats calls at each logging step, on every rank
 
