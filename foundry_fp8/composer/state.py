@@ -28,7 +28,7 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8 import emulate
-from foundry_fp8.composer.guard import FP8Guard
+from foundry_fp8.composer.guard import FP8Guard, checkpointed_core
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.fp8_meta import (
@@ -293,9 +293,11 @@ class FP8State(Callback):
             log.warning("fp8_state: %s holds no FP8 state (saved without fp8_state, or left "
                         "out by load_ignore_keys); FP8 scales and amax histories start fresh, "
                         "as expected when converting a bf16 checkpoint", state.load_path)
-        guard = entries.get(FP8Guard.__qualname__) or {}
-        fallbacks = [Fallback.from_dict(item).layer
-                     for item in (guard.get("core") or {}).get("fallbacks", ())]
+        try:  # a broken guard entry is the guard's to report (its fit_start does)
+            core = checkpointed_core(entries.get(FP8Guard.__qualname__) or {}) or {}
+        except (TypeError, ValueError):
+            core = {}
+        fallbacks = [Fallback.from_dict(item).layer for item in core.get("fallbacks", ())]
         if fallbacks and not any(isinstance(c, FP8Guard) for c in state.callbacks):
             log.warning("fp8_state: %s: fp8_guard held %d layers in high precision (%s); this "
                         "run has no fp8_guard, so they run in FP8 again", state.load_path,
