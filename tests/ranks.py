@@ -9,12 +9,16 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
+from composer.core import Event
+
+from foundry_fp8.emulate import fp8_autocast
 
 WORLD_SIZE = 2
 
@@ -47,3 +51,29 @@ def run_ranks(worker: Callable[..., None], *args: Any, deadline_s: float = 180.0
             if process.is_alive():
                 process.kill()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def train_batches(model: torch.nn.Module, optimizer: torch.optim.Optimizer, callbacks: list,
+                  state: Any, logger: Any, recipe: Any, steps: int, rank: int, *,
+                  sync_grads: bool = False) -> Iterator[int]:
+    """The batches of a Composer fit as our callbacks see them, on this rank's own data: yields
+    each batch once its events ran. `sync_grads`: the gradient all_reduce DDP runs, a collective
+    of another size between the callbacks' own."""
+    gen = torch.Generator().manual_seed(rank)
+    for batch in range(steps):
+        state.timestamp.batch = batch
+        for callback in callbacks:
+            callback.run_event(Event.BATCH_START, state, logger)
+        optimizer.zero_grad()
+        with fp8_autocast(recipe=recipe):
+            loss = model(torch.randn(16, 32, generator=gen)).mean()
+        loss.backward()
+        if sync_grads:
+            for p in model.parameters():
+                torch_dist.all_reduce(p.grad)
+        optimizer.step()
+        state.timestamp.batch = batch + 1
+        for event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT):
+            for callback in callbacks:
+                callback.run_event(event, state, logger)
+        yield batch

@@ -18,11 +18,11 @@ from torch import nn
 
 from foundry_fp8.composer.guard import FP8Guard
 from foundry_fp8.composer.stats import FP8Stats
-from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.fault import InjectOutlier
 from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.recipe import FP8Recipe
-from tests.ranks import init_rank, run_ranks
+from tests.ranks import init_rank, run_ranks, train_batches
 
 STEPS, INTERVAL, START, STOP = 12, 2, 3, 7
 RECIPE = FP8Recipe(scaling="delayed", amax_history_len=4)
@@ -59,23 +59,11 @@ def _train(rank: int, broken: bool, stop: int | None = None) -> dict:
     for callback in callbacks:
         callback.run_event(Event.FIT_START, state, logger)
     history, states = {}, {}
-    gen = torch.Generator().manual_seed(rank)
     patch = (mock.patch.object(guard.core, "candidates", side_effect=TypeError("injected"))
              if broken and rank == 1 else contextlib.nullcontext())
     with patch:
-        for batch in range(STEPS):
-            state.timestamp.batch = batch
-            for callback in callbacks:
-                callback.run_event(Event.BATCH_START, state, logger)
-            optimizer.zero_grad()
-            with fp8_autocast(recipe=RECIPE):
-                loss = model(torch.randn(16, 32, generator=gen)).mean()
-            loss.backward()
-            optimizer.step()
-            state.timestamp.batch = batch + 1
-            for event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT):
-                for callback in callbacks:
-                    callback.run_event(event, state, logger)
+        for batch in train_batches(model, optimizer, callbacks, state, logger, RECIPE, STEPS,
+                                   rank):
             history[batch + 1] = sorted(guard.core.fallbacks) if guard.core else []
             states[batch + 1] = read_fp8_meta(model[2])["fwd_amax_history"].tolist()
     return {"history": history, "steps": {k: f.step for k, f in guard.core.fallbacks.items()},

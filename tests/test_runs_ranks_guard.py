@@ -23,10 +23,10 @@ from torch import nn
 from foundry_fp8.composer import guard as guard_module
 from foundry_fp8.composer.guard import FP8Guard
 from foundry_fp8.composer.stats import FP8Stats
-from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.fault import InjectOutlier
 from foundry_fp8.recipe import FP8Recipe
-from tests.ranks import init_rank, run_ranks
+from tests.ranks import init_rank, run_ranks, train_batches
 
 STEPS, INTERVAL, START = 12, 2, 3
 RECIPE = FP8Recipe(scaling="delayed", amax_history_len=4)
@@ -76,25 +76,10 @@ def _worker(rank: int, rendezvous: str, out_dir: str, failing: str) -> None:
             return original(*args)
 
         broken = mock.patch.object(stats.monitor, "_metrics", side_effect=metrics)
-    gen = torch.Generator().manual_seed(rank)
     disabled_at = stats_off_at = None
     with broken if broken is not None else contextlib.nullcontext():
-        for batch in range(STEPS):
-            state.timestamp.batch = batch
-            for callback in callbacks:
-                callback.run_event(Event.BATCH_START, state, logger)
-            optimizer.zero_grad()
-            with fp8_autocast(recipe=RECIPE):
-                loss = model(torch.randn(16, 32, generator=gen)).mean()
-            loss.backward()
-            # the gradient all_reduce DDP would run: a collective of another size between votes
-            for p in model.parameters():
-                torch.distributed.all_reduce(p.grad)
-            optimizer.step()
-            state.timestamp.batch = batch + 1
-            for event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT):
-                for callback in callbacks:
-                    callback.run_event(event, state, logger)
+        for batch in train_batches(model, optimizer, callbacks, state, logger, RECIPE, STEPS,
+                                   rank, sync_grads=True):
             if guard.disabled and disabled_at is None:
                 disabled_at = batch
             if stats.disabled and stats_off_at is None:
