@@ -322,8 +322,9 @@ class GuardCore:
         keyed: list[tuple[int, str, dict[str, Any]]] = []
         taken: set[str] = set()
         for step, prefix, layer, record in events:  # a layer's events in the order they came
-            key = base = prefix + layer if prefix + layer not in taken else (
-                f"{prefix}{layer}.ba{step}")
+            key = base = prefix + layer
+            if key in taken:
+                key = base = f"{base}.ba{step}"
             again = 1
             while key in taken:  # the same step in two fits
                 again += 1
