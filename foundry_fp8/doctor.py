@@ -31,7 +31,7 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
     torch = shown(s.torch)
     if s.torch is not None:
         torch += f" (CUDA {s.torch_cuda or 'none: CPU build'}, cuDNN {s.cudnn or 'none'})"
-    gpu = "none" if not s.has_gpu else f"{s.gpu_name} (compute capability " \
+    gpu = "none" if not s.has_gpu else s.gpu_seen or f"{s.gpu_name} (compute capability " \
         f"{s.capability[0]}.{s.capability[1]})"
     if s.gpu_hidden:
         gpu = f"{s.gpu_name}, hidden from CUDA by CUDA_VISIBLE_DEVICES={s.cuda_visible_devices!r}"

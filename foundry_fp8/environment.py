@@ -60,6 +60,9 @@ class Snapshot:
     `cuda_visible_devices`: that variable as the probe found it (None: unset). `gpu_hidden`:
     nvidia-smi lists a GPU (`gpu_name`), but CUDA_VISIBLE_DEVICES leaves CUDA none of them, so
     torch and TE see no GPU (`capability` is then None): nvidia-smi ignores the variable.
+    With several GPUs, or CUDA_VISIBLE_DEVICES set, `gpu_name` and `capability` are those of the
+    least capable GPU CUDA sees (FP8 needs every GPU a run uses), and `gpu_seen` says which GPUs
+    CUDA sees (None: the one GPU nvidia-smi lists).
     `te_pure_wheel`: the transformer-engine distribution is a pure-Python wheel (its WHEEL file
     says `Root-Is-Purelib: true`), TE's own test for its PyPI metapackage
     (`_is_package_installed_from_wheel`, transformer_engine/common/__init__.py:37-56).
@@ -86,6 +89,7 @@ class Snapshot:
     deepspeed: str | None = None
     cuda_visible_devices: str | None = None
     gpu_hidden: bool = False
+    gpu_seen: str | None = None
     te_pure_wheel: bool = False
 
     @property
@@ -255,31 +259,116 @@ def _exit_status(returncode: int) -> str:
     return f"failed with exit status {returncode}"
 
 
-def visible_gpus(value: str | None, listed: int) -> int:
-    """How many of the `listed` GPUs CUDA sees under CUDA_VISIBLE_DEVICES=`value`, by torch's
-    reading of the variable (torch/cuda/__init__.py `_parse_visible_devices` and
-    `_device_count_nvml`, torch 2.7): each entry read as a leading integer (`1gpu` is 1); the
-    list ends at the first entry that is none or negative (`""` and `-1` hide every GPU); a
-    repeated ordinal in it hides them all, even after an ordinal past the last GPU, which ends
-    the count only then (`0,5,0` on one GPU: none). UUID entries (`GPU-`, `MIG-`) cannot be
-    told apart here and count as all visible."""
-    if value is None or value.startswith(("GPU-", "MIG-")):
-        return listed
+def _cuda_ordinals(value: str) -> list[int]:
+    """CUDA_VISIBLE_DEVICES's ordinals as torch reads them (torch/cuda/__init__.py
+    `_parse_visible_devices`, torch 2.7): each entry read as a leading integer (`1gpu` is 1);
+    the list ends at the first entry that is none or negative (`""` and `-1` hide every GPU);
+    a repeated ordinal hides them all."""
     ordinals: list[int] = []
     for entry in value.split(","):
         found = re.match(r"[+-]?\d+", entry.strip())
         ordinal = int(found.group()) if found else -1
         if ordinal in ordinals:
-            return 0
+            return []
         if ordinal < 0:
             break
         ordinals.append(ordinal)
+    return ordinals
+
+
+def _uuid_indices(value: str, uuids: list[str]) -> list[int]:
+    """nvidia-smi's indices of CUDA_VISIBLE_DEVICES's `GPU-` entries, as torch maps them
+    (`parse_list_with_prefix` and `_transform_uuid_to_ordinals`, torch 2.7): an entry names the
+    one GPU whose UUID it begins; the list ends at an entry without the prefix or naming none
+    or several; a repeated entry or GPU hides them all."""
+    entries: list[str] = []
+    for entry in value.split(","):
+        if entry in entries:
+            return []
+        if not entry.startswith("GPU-"):
+            break
+        entries.append(entry)
+    indices: list[int] = []
+    for entry in entries:
+        named = [i for i, uuid in enumerate(uuids) if uuid.startswith(entry)]
+        if len(named) != 1:
+            break
+        if named[0] in indices:
+            return []
+        indices.append(named[0])
+    return indices
+
+
+def visible_gpus(value: str | None, listed: int) -> int:
+    """How many of the `listed` GPUs CUDA sees under CUDA_VISIBLE_DEVICES=`value`, by torch's
+    reading (`_cuda_ordinals`, trimmed at the first ordinal past the last GPU as torch's
+    `_device_count_nvml` does: `0,5,0` on one GPU is none, `0,5` one). UUID entries (`GPU-`,
+    `MIG-`) count as all visible: `_gpu_from_nvidia_smi` maps them."""
+    if value is None or value.startswith(("GPU-", "MIG-")):
+        return listed
+    ordinals = _cuda_ordinals(value)
     return next((i for i, ordinal in enumerate(ordinals) if ordinal >= listed), len(ordinals))
 
 
+def _described(gpus: list[tuple[str, tuple[int, int]]]) -> str:
+    """'2 x NVIDIA H100 (compute capability 9.0), NVIDIA A100 (...)', in the order given."""
+    counts: dict[tuple[str, tuple[int, int]], int] = {}
+    for gpu in gpus:
+        counts[gpu] = counts.get(gpu, 0) + 1
+    return ", ".join(f"{f'{n} x ' if n > 1 else ''}{name} (compute capability {cap[0]}.{cap[1]})"
+                     for (name, cap), n in counts.items())
+
+
+def _uuids(exe: str) -> list[str] | None:
+    """nvidia-smi's GPU UUIDs in its index order; None when they cannot be read."""
+    try:
+        done = run_probe([exe, "--query-gpu=uuid", "--format=csv,noheader"], NVIDIA_SMI_TIMEOUT_S)
+    except OSError:
+        return None
+    uuids = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    return uuids if done.returncode == 0 and all(u.startswith("GPU-") for u in uuids) else None
+
+
+def _seen(exe: str, gpus: list[tuple[str, tuple[int, int]]], hiding: str | None
+          ) -> tuple[list[tuple[str, tuple[int, int]]], str | None]:
+    """The GPUs CUDA sees of nvidia-smi's `gpus` (its index order, PCI bus order) under
+    CUDA_VISIBLE_DEVICES=`hiding`, in CUDA's order, and how the selection was read (None: every
+    GPU, in an order that does not matter). Ordinals count in CUDA_DEVICE_ORDER's order: CUDA's
+    default FASTEST_FIRST differs from nvidia-smi's PCI order unless the GPUs are all alike, so
+    on a mixed machine an ordinal names one of them, unknown which (every one is returned)."""
+    if hiding is None:
+        return gpus, None
+    told = f"CUDA_VISIBLE_DEVICES={_quoted(hiding)!r}"
+    if hiding.startswith("MIG-"):
+        return gpus, f"a MIG instance ({told}) of {'' if len(set(gpus)) == 1 else 'one of '}" \
+            f"{_described(sorted(set(gpus)))}"
+    if hiding.startswith("GPU-"):
+        uuids = _uuids(exe)
+        if uuids is None or len(uuids) != len(gpus):
+            return gpus, f"{told}, not matched: nvidia-smi printed no UUID per GPU"
+        indices = _uuid_indices(hiding, uuids)
+    else:
+        ordinals = _cuda_ordinals(hiding)
+        indices = ordinals[:visible_gpus(hiding, len(gpus))]
+        pci = os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+        if not pci and len(set(gpus)) > 1 and indices:
+            if len(indices) == len(gpus):  # every GPU, in an order nvidia-smi does not tell
+                return gpus, f"{_described(gpus)}: every GPU, by {told}"
+            return gpus, (f"{'one' if len(indices) == 1 else len(indices)} of "
+                          f"{_described(sorted(set(gpus)))}, unknown which: {told} counts in "
+                          "CUDA's default FASTEST_FIRST order, not nvidia-smi's (set "
+                          "CUDA_DEVICE_ORDER=PCI_BUS_ID to count as nvidia-smi does)")
+    seen = [gpus[i] for i in indices]
+    which = ", ".join(map(str, indices))
+    return seen, f"{_described(seen)}: nvidia-smi's GPU{'s' * (len(indices) > 1)} {which} " \
+        f"of {len(gpus)}, by {told}"
+
+
 def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
-    """The first GPU `nvidia-smi` (at `exe`) lists (name, compute capability); {} when it lists
-    none; `gpu_error` when it cannot be read (a driver problem, not an absent GPU)."""
+    """The GPUs `nvidia-smi` (at `exe`) lists that CUDA sees (`_seen`): the name and compute
+    capability of the least capable (what FP8 needs of every GPU a run uses) and, in
+    `gpu_seen`, which they are; {} when it lists none; `gpu_error` when it cannot be read (a
+    driver problem, not an absent GPU)."""
     try:
         done = run_probe([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
                          NVIDIA_SMI_TIMEOUT_S)
@@ -291,21 +380,28 @@ def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
         said = _first_line(done.stderr) or _first_line(done.stdout)  # the real one: stdout
         return {"gpu_error": f"nvidia-smi {_exit_status(done.returncode)}"
                              + (f": {said}" if said else "")}
-    line = _first_line(done.stdout)
-    if not line:
+    gpus: list[tuple[str, tuple[int, int]]] = []
+    for line in (text.strip() for text in done.stdout.splitlines()):
+        if not line:
+            continue
+        name, _, cap = line.rpartition(",")
+        version = parse_version(cap.strip())
+        if not name.strip() or not version or len(version) < 2:
+            return {"gpu_error": f"nvidia-smi printed no GPU name and compute capability but "
+                                 f"{_quoted(line)!r}"}
+        gpus.append((name.strip(), (version[0], version[1])))
+    if not gpus:
         return {}  # a driver that lists no GPU
-    name, _, cap = line.rpartition(",")
-    version = parse_version(cap.strip())
-    if not name.strip() or not version or len(version) < 2:
-        return {"gpu_error": f"nvidia-smi printed no GPU name and compute capability but "
-                             f"{line!r}"}
-    listed = sum(1 for text in done.stdout.splitlines() if text.strip())
     hiding = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible_gpus(hiding, listed) == 0:  # nvidia-smi lists what CUDA will not see
-        return {"gpu_name": name.strip(), "gpu_hidden": True,
-                "gpu_error": f"nvidia-smi lists {listed} GPU(s), but CUDA_VISIBLE_DEVICES="
+    seen, how = _seen(exe, gpus, hiding)
+    if not seen:  # nvidia-smi lists what CUDA will not see
+        return {"gpu_name": gpus[0][0], "gpu_hidden": True,
+                "gpu_error": f"nvidia-smi lists {len(gpus)} GPU(s), but CUDA_VISIBLE_DEVICES="
                              f"{_quoted(hiding or '')!r} hides every one from CUDA"}
-    return {"gpu_name": name.strip(), "capability": (version[0], version[1])}
+    name, capability = min(seen, key=lambda gpu: gpu[1])
+    if how is None and len(seen) > 1:
+        how = _described(seen)
+    return {"gpu_name": name, "capability": capability, "gpu_seen": how}
 
 
 def _cudnn() -> str | None:
