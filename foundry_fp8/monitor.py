@@ -53,6 +53,7 @@ from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
     SUFFICIENT_INDEX,
+    SUM_KEYS,
     all_reduce_sufficient_stats,
     delayed_scale_update,
     empty_sufficient_stats,
@@ -64,10 +65,17 @@ from foundry_fp8.numerics import amax as te_amax
 from foundry_fp8.options import MonitorConfig, Schedule
 from foundry_fp8.te import probe
 
-#: A row's NaN and Inf counts: those of the tensor's first sighting at a logging step (which
-#: gives the statistics), at least 1 where a later micro-batch's held any (`nonfinite_seen`: one
-#: cheap read, not a count).
+#: A row's NaN and Inf counts: without micro-batch boundaries (`next_microbatch`), those of the
+#: tensor's first sighting in the step, at least 1 where a later sighting held any
+#: (`nonfinite_seen`: one cheap read, not a count).
 _NONFINITE = slice(SUFFICIENT_INDEX["nan_count"], SUFFICIENT_INDEX["inf_count"] + 1)
+
+
+def _pooled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two sufficient-statistics rows of one tensor's pieces pooled, as the ranks' are
+    (`numerics.all_reduce_sufficient_stats`: SUM_KEYS summed, MAX_KEYS maxed)."""
+    n = len(SUM_KEYS)
+    return torch.cat([a[:n] + b[:n], torch.maximum(a[n:], b[n:])])
 
 
 class FP8MonitorError(RuntimeError):
@@ -210,7 +218,7 @@ class _Step:
     logging: bool
     recording: bool
     dumping: bool
-    seen: set[int] = field(default_factory=set)
+    seen: set[int] = field(default_factory=set)  # rows seen in this micro-batch
     modes: dict[str, CastMode | None] = field(default_factory=dict)
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
     # rows that may be cast with the initial delayed scale: whether they are (bool or 0-d device
@@ -332,6 +340,22 @@ class FP8Monitor:
             self._attempt(self._arm, recording)
         return True
 
+    def next_microbatch(self) -> None:
+        """A new micro-batch of the armed step starts (Composer's BEFORE_FORWARD): its tensors
+        are pooled into the step's statistics, as another rank's would be. A sighting repeated
+        within a micro-batch (activation recompute) is not counted again. Without these calls
+        every sighting after a tensor's first in the step counts as a recompute."""
+        if self._step is not None:
+            self._step.seen.clear()
+
+    def restart_batch(self) -> None:
+        """The armed step's batch starts over (Composer's BEFORE_TRAIN_BATCH, again after an
+        out-of-memory retry of `device_train_microbatch_size: auto`): what its failed attempt
+        collected is dropped, the hooks stay."""
+        step = self._step
+        if step is not None:
+            self._step = _Step(step.step, step.logging, step.recording, step.dumping)
+
     def _arm(self, recording: bool) -> None:
         if recording and self._history is None:
             self._init_whatif()
@@ -400,9 +424,9 @@ class FP8Monitor:
         step = self._step
         assert step is not None
         idx = self._row[(name, watch.name)]
-        if idx in step.seen:  # first sighting wins: recompute and later micro-batches repeat
-            # ... but a NaN/Inf in a later micro-batch's input or gradient shows (a weight is
-            # the same in every one)
+        if idx in step.seen:  # a recompute repeats the micro-batch: first sighting wins
+            # ... but without micro-batch boundaries it may be a later micro-batch: its NaN/Inf
+            # in an input or gradient still shows (a weight is the same in every one)
             if idx in step.pending and watch.source in ("input", "grad_output"):
                 row = step.pending[idx]
                 torch.maximum(row[_NONFINITE], nonfinite_seen(value), out=row[_NONFINITE])
@@ -424,18 +448,20 @@ class FP8Monitor:
                 self._note_amax(idx, te_amax(value))
             return
         row = sufficient_stats(value, fmt, scale, power_2=power_2)
-        step.pending[idx] = row
-        step.formats[idx] = fmt
-        if whatif:
-            step.whatif.add(idx)
-        if initial is not False:
-            step.initial[idx] = initial
         if whatif and step.recording:  # the amax TE records: an Inf in, as `amax` keeps it
             self._note_amax(idx, torch.where(row[SUFFICIENT_INDEX["inf_count"]] > 0, torch.inf,
                                              row[SUFFICIENT_INDEX["amax"]]).float())
+        earlier = step.pending.get(idx)  # the step's earlier micro-batches
+        step.pending[idx] = row if earlier is None else _pooled(earlier, row)
+        step.formats[idx] = fmt
+        if whatif:
+            step.whatif.add(idx)
+        if initial is not False and idx not in step.initial:  # the step's first cast decides
+            step.initial[idx] = initial
         dump_layers = self.config.dump_layers
-        if step.dumping and (dump_layers is None or search(f"{self.config.PATH}.dump_layers",
-                                                           dump_layers, name)):
+        if step.dumping and earlier is None and (  # the first micro-batch's tensors
+                dump_layers is None or search(f"{self.config.PATH}.dump_layers", dump_layers,
+                                              name)):
             self._add_dump(f"{name}/{watch.name}", value, -row[SUFFICIENT_INDEX["neg_scale"]])
 
     def _note_amax(self, idx: int, amax: torch.Tensor) -> None:
@@ -443,7 +469,9 @@ class FP8Monitor:
         assert step is not None
         if step.amax is None:
             step.amax = torch.zeros(len(self.rows), device=amax.device)
-        step.amax[idx] = amax
+        # the largest over the step's micro-batches: one history entry per step (TE rolls one
+        # per micro-batch, so its history spans fewer steps)
+        step.amax[idx] = torch.maximum(step.amax[idx], amax)
 
     def _add_dump(self, key: str, value: torch.Tensor, scale: torch.Tensor) -> None:
         """Keep a copy of the high-precision tensor and its scale, until the size cap."""

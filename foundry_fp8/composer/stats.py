@@ -187,6 +187,16 @@ class FP8Stats(Callback):
     def batch_start(self, state: State, logger: Logger) -> None:
         self._guarded(self._batch_start, state, logger)
 
+    def before_train_batch(self, state: State, logger: Logger) -> None:
+        if self.monitor is not None and not self.disabled:  # an OOM retry starts over
+            self.monitor.restart_batch()
+
+    def before_forward(self, state: State, logger: Logger) -> None:
+        # once per micro-batch, before its precision context (composer trainer.py:2921-2923):
+        # every micro-batch's tensors count, as every rank's do
+        if self.monitor is not None and not self.disabled:
+            self.monitor.next_microbatch()
+
     def after_train_batch(self, state: State, logger: Logger) -> None:
         self._guarded(self._after_train_batch, state, logger)
 

@@ -1,0 +1,81 @@
+"""fp8_stats under gradient accumulation, in Composer's own Trainer: a logging step's statistics
+are those of every micro-batch of the batch (as of every rank's), not of its first one only.
+
+Reference: the watched layers' inputs and output gradients captured by hooks of the test's own,
+one list entry per micro-batch, reduced with plain torch (max of |x|, counts of NaN)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from composer import Trainer
+from composer.core import Callback
+from composer.loggers import InMemoryLogger
+from composer.models import ComposerClassifier
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from foundry_fp8.composer.stats import FP8Stats
+from foundry_fp8.health import layer_key
+
+BATCH, MICROBATCH, FEATURES = 8, 2, 16
+NAN_STEP, NAN_SAMPLE = 2, BATCH - 1  # in the batch's last micro-batch
+
+
+class _Captured(Callback):
+    """Per batch, the |max| of layer 0's input and of layer 1's output gradient, and the NaNs of
+    layer 0's input, one entry per micro-batch (the optimizer's forward only: grad enabled)."""
+
+    def __init__(self) -> None:
+        self.by_batch: dict[int, dict[str, list[float]]] = {}
+        self._now: dict[str, list[float]] = {}
+
+    def fit_start(self, state, logger) -> None:
+        layers = state.model.module
+
+        def forward(module, args) -> None:
+            if torch.is_grad_enabled():
+                x = args[0].detach()
+                self._now.setdefault("x_amax", []).append(x.nan_to_num(0.0).abs().max().item())
+                self._now.setdefault("x_nan", []).append(float(x.isnan().sum()))
+
+        def backward(module, grad_output) -> None:
+            self._now.setdefault("dy_amax", []).append(grad_output[0].abs().max().item())
+
+        layers[0].register_forward_pre_hook(forward)
+        layers[2].register_full_backward_pre_hook(backward)
+
+    def batch_start(self, state, logger) -> None:
+        self._now = {}
+        self.by_batch[int(state.timestamp.batch)] = self._now
+
+
+@pytest.mark.parametrize("microbatch", [MICROBATCH, BATCH])
+def test_a_logging_steps_statistics_cover_every_micro_batch(microbatch):
+    torch.manual_seed(0)
+    x = torch.randn(4 * BATCH, FEATURES)
+    x[::BATCH] *= 0.1  # each batch's first micro-batch smaller than the rest
+    x[NAN_STEP * BATCH + NAN_SAMPLE, :3] = float("nan")
+    data = TensorDataset(x, torch.randint(0, 2, (4 * BATCH,)))
+    net = nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, 2))
+    captured, memory = _Captured(), InMemoryLogger()
+    Trainer(model=ComposerClassifier(net, num_classes=2),
+            train_dataloader=DataLoader(data, batch_size=BATCH), max_duration="3ba",
+            device_train_microbatch_size=microbatch, device="cpu", progress_bar=False,
+            optimizers=torch.optim.SGD(net.parameters(), lr=0.0),  # NaN grads change nothing
+            callbacks=[FP8Stats(interval=1, image_interval=None), captured],
+            loggers=[memory]).fit()
+
+    def logged(stat: str, tensor: str, layer: str) -> dict[int, float]:
+        return {int(t.batch): v for t, v in memory.data[layer_key(stat, tensor, layer)]}
+
+    assert all(len(c["x_amax"]) == BATCH // microbatch for c in captured.by_batch.values())
+    x_amax = {b: max(c["x_amax"]) for b, c in captured.by_batch.items()}
+    dy_amax = {b: max(c["dy_amax"]) for b, c in captured.by_batch.items()
+               if all(v == v for v in c["dy_amax"])}  # NaN-free gradients
+    assert logged("amax", "activation", "module.0") == pytest.approx(x_amax, rel=1e-6)
+    assert {b: v for b, v in logged("amax", "gradient", "module.2").items() if b in dy_amax} == \
+        pytest.approx(dy_amax, rel=1e-6)
+    # every NaN of the step, counted: the 3 of one sample of the last micro-batch
+    assert logged("nan_count", "activation", "module.0") == {
+        b: sum(c["x_nan"]) for b, c in captured.by_batch.items()} == {0: 0, 1: 0, 2: 3}
