@@ -212,11 +212,14 @@ MPT_CONFIG_KEYS = frozenset({
     "norm_type", "norm_eps", "use_cache", "init_config", "fc_type", "tie_word_embeddings",
     "use_pad_tok_in_ffn", "block_overrides", "final_logit_softcapping",
 })
-#: Model keys LLM-Foundry itself takes before MPTConfig sees the rest: `name` and
-#: `master_weights_dtype` (llmfoundry/command_utils/train.py train), and
+#: Model keys train pops before the model class sees the rest (llmfoundry/command_utils/
+#: train.py train); eval (evaluate_model) pops `name` alone and passes `master_weights_dtype` on.
+TRAIN_POPPED_MODEL_KEYS = frozenset({"name", "master_weights_dtype"})
+EVAL_POPPED_MODEL_KEYS = frozenset({"name"})
+#: Model keys LLM-Foundry itself takes before MPTConfig sees the rest: train's popped keys and
 #: `ComposerMPTCausalLM.__init__`'s own parameters (llmfoundry/models/mpt/modeling_mpt.py).
-FOUNDRY_MODEL_KEYS = frozenset({"name", "master_weights_dtype", "use_train_metrics",
-                                "additional_train_metrics", "loss_fn"})
+FOUNDRY_MODEL_KEYS = TRAIN_POPPED_MODEL_KEYS | {"use_train_metrics", "additional_train_metrics",
+                                                "loss_fn"}
 #: Keys MPTConfig keeps as attributes that MPT's code then reads: `fuse_norm_attn_norm`
 #: (llmfoundry/models/layers/blocks.py MPTBlock, `kwargs.get`, from `config.to_dict()`) and
 #: `activation_checkpointing_target` (modeling_mpt.py activation_checkpointing_fn, `getattr`).
@@ -242,6 +245,18 @@ HF_CONFIG_KEYS = frozenset({
 })
 #: The model names whose keys FP8024 checks: LLM-Foundry's MPT classes.
 MPT_MODEL_NAMES = frozenset({"mpt_causal_lm"})
+#: `ComposerHFCausalLM.__init__`'s keywords but `tokenizer` (llmfoundry/models/hf/
+#: hf_causal_lm.py:71-90 in 0.21 and 0.22), which build_composer_model passes the model section
+#: to as it is, less `name` (and, in train alone, `master_weights_dtype`): any other key raises
+#: TypeError 'unexpected keyword argument' building the model.
+HF_CAUSAL_LM_KEYS = frozenset({
+    "pretrained_model_name_or_path", "pretrained", "pretrained_lora_id_or_path",
+    "trust_remote_code", "use_auth_token", "use_flash_attention_2", "load_in_8bit",
+    "init_device", "config_overrides", "peft_config", "use_train_metrics",
+    "allow_embedding_resizing", "additional_train_metrics", "additional_eval_metrics",
+    "should_save_peft_only", "attn_implementation",
+})
+HF_CAUSAL_LM_NAME = "hf_causal_lm"
 
 #: Where te_swap takes the FP8 recipe (its `fp8_recipe` option, `foundry_fp8.recipe.FP8Recipe`).
 FP8_RECIPE_HOME = "algorithms.te_swap.fp8_recipe"

@@ -13,7 +13,9 @@ from foundry_fp8.lint.known import (
     EVAL_CONFIG_KEYS,
     EVAL_MODEL_KEYS,
     EVAL_MODEL_REQUIRED_KEYS,
+    EVAL_POPPED_MODEL_KEYS,
     FOUNDRY_FSDP_KEEPS_MASTER_DTYPES,
+    MPT_MODEL_NAMES,
     TRAIN_CONFIG_KEYS,
     did_you_mean,
 )
@@ -24,7 +26,12 @@ from foundry_fp8.lint.rules.fsdp import (
     flash_note,
     fsdp_param_dtype,
 )
-from foundry_fp8.lint.rules.model import model_key_hits, mpt_sub_configs
+from foundry_fp8.lint.rules.model import (
+    HF_CAUSAL_LM_SOURCE,
+    hf_model_key_hits,
+    model_key_hits,
+    mpt_sub_configs,
+)
 from foundry_fp8.lint.rules.ours import sdpa_without_our_entries
 from foundry_fp8.lint.rules.train import FOUNDRY
 
@@ -106,19 +113,49 @@ def unknown_eval_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
                   + train_only)
 
 
-@rule("FP8302", "error", "model keys MPT silently ignores, in an eval config's `models:`",
+@rule("FP8302", "error", "model keys MPT silently ignores, in an eval config's `models:` "
+      "(`master_weights_dtype` included)",
       why="Each `models.N.model` is built like a train config's model section (FP8024): a key "
       "MPTConfig does not name is kept as an unused attribute. A warning, an error when the "
-      "ignored value asks for TE layers.",
-      source=f"{EVAL_SOURCE} evaluate_model (build_composer_model);"
-      " llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__",
+      "ignored value asks for TE layers. `master_weights_dtype` too: evaluate_model pops only "
+      "`name` and calls build_composer_model without master_weights_dtype, so MPTConfig keeps it "
+      "and the model is evaluated with float32 parameters (with an fsdp_config, "
+      "process_init_device still reads it: FP8307).",
+      source=f"{EVAL_SOURCE} evaluate_model:114-120 (model.pop('name'), build_composer_model "
+      "without master_weights_dtype); llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__",
       fix="fix the spelling (the message names the closest MPT key) or remove the key",
       family="eval", unresolved=True)
 def eval_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     for where, entry in eval_models(config):
         model = entry.get("model")
+        if not isinstance(model, Mapping):
+            continue
+        prefix = join_key(where, "model") if where else "model"
+        yield from model_key_hits(model, prefix)
+        master = model.get("master_weights_dtype")
+        if model.get("name") in MPT_MODEL_NAMES and master is not None:
+            yield Hit(join_key(prefix, "master_weights_dtype"), f"eval does not build the model in "
+                      f"master_weights_dtype {master!r:.20}: evaluate_model hands it to MPTConfig, "
+                      "which keeps it as an unused attribute, so the parameters stay float32",
+                      severity="warning", fix="remove it (evaluate in 16 bits with precision "
+                      "amp_bf16, or fsdp_config.mixed_precision DEFAULT or PURE without it)")
+
+
+@rule("FP8308", "error", "an `hf_causal_lm` model key ComposerHFCausalLM does not take, in an "
+      "eval config's `models:` (`master_weights_dtype` included; FP8046 for eval configs)",
+      why="evaluate_model pops only `name` from each model section and build_composer_model hands "
+      "the rest to ComposerHFCausalLM as keywords: `master_weights_dtype`, which train pops, "
+      "raises TypeError 'unexpected keyword argument' here, as do MPT's keys (`fc_type: te`), "
+      "once the tokenizer and the ICL data are built and after the models listed before it "
+      "have been evaluated.",
+      source=f"{EVAL_SOURCE} evaluate_model:114-120 (model.pop('name')); {HF_CAUSAL_LM_SOURCE}",
+      fix="remove the key", family="eval", unresolved=True)
+def eval_hf_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for where, entry in eval_models(config):
+        model = entry.get("model")
         if isinstance(model, Mapping):
-            yield from model_key_hits(model, join_key(where, "model") if where else "model")
+            yield from hf_model_key_hits(model, join_key(where, "model") if where else "model",
+                                         EVAL_POPPED_MODEL_KEYS)
 
 
 @rule("FP8303", "error", "an eval config with `precision: amp_fp8` and a model without TE "

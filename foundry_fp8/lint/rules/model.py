@@ -19,6 +19,8 @@ from foundry_fp8.lint.config import (
 )
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
+    HF_CAUSAL_LM_KEYS,
+    HF_CAUSAL_LM_NAME,
     HF_CONFIG_KEYS,
     MPT_ATTN_CONFIG_KEYS,
     MPT_ATTN_DEFAULTS,
@@ -34,6 +36,7 @@ from foundry_fp8.lint.known import (
     MPT_NUMBER_KEYS,
     MPT_NUMBER_WORDS,
     MPT_WHOLE_NUMBERS,
+    TRAIN_POPPED_MODEL_KEYS,
     belongs_under,
     did_you_mean,
     move_fix,
@@ -548,6 +551,43 @@ def model_key_hits(model: Mapping[str, Any], prefix: str) -> Iterator[Hit]:
         else:
             yield Hit(join_key(prefix, key), f"MPT ignores `{key}` (kept as an unused attribute)"
                       + hint, severity="warning", fix=fix)
+
+
+HF_CAUSAL_LM_SOURCE = ("llmfoundry/models/hf/hf_causal_lm.py ComposerHFCausalLM."
+                       "__init__:71-90, llmfoundry/utils/builders.py build_composer_model "
+                       "(construct_from_registry with the section as keywords)")
+
+
+@rule("FP8046", "error", "an `hf_causal_lm` model key ComposerHFCausalLM does not take "
+      "(`fc_type: te` and other MPT keys included)",
+      why="train pops `name` and `master_weights_dtype` from the model section and "
+      "build_composer_model hands every other key to ComposerHFCausalLM as a keyword: one it "
+      "does not name raises TypeError 'unexpected keyword argument' after the tokenizer and the "
+      "data loaders are built. MPT's TE keys (`fc_type: te`, `ffn_config: {ffn_type: "
+      "te_ln_mlp}`) are among them: a Hugging Face model gets FP8 from te_swap.",
+      source=f"{FOUNDRY} {HF_CAUSAL_LM_SOURCE}; llmfoundry/command_utils/train.py train (name, "
+      "master_weights_dtype popped)",
+      fix="remove the key (for FP8, `algorithms: {te_swap: {}}`), or fix its spelling",
+      unresolved=True)
+def hf_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    yield from hf_model_key_hits(section(config, "model"), "model", TRAIN_POPPED_MODEL_KEYS)
+
+
+def hf_model_key_hits(model: Mapping[str, Any], prefix: str,
+                      taken: frozenset[str]) -> Iterator[Hit]:
+    """FP8046's findings for one `hf_causal_lm` model section; `taken`: the keys the caller pops
+    before building (train: `name`, `master_weights_dtype`; eval: `name` alone)."""
+    if model.get("name") != HF_CAUSAL_LM_NAME:
+        return
+    for key in model:
+        if isinstance(key, str) and key not in HF_CAUSAL_LM_KEYS and key not in taken:
+            hint = " (MPT's key; a Hugging Face model gets FP8 from `algorithms: {te_swap: {}}`)" \
+                if key in MPT_CONFIG_KEYS else " (only train takes it from the model section; " \
+                "eval's evaluate_model passes it on)" if key in TRAIN_POPPED_MODEL_KEYS \
+                else belongs_under(key, "model", prefix) or did_you_mean(key, HF_CAUSAL_LM_KEYS)
+            yield Hit(join_key(prefix, key), f"ComposerHFCausalLM takes no `{key}`: building the "
+                      "model raises TypeError (unexpected keyword argument)" + hint,
+                      fix=move_fix(key, "model", prefix))
 
 
 def _attn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
