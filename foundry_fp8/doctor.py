@@ -22,6 +22,7 @@ from dataclasses import asdict
 from foundry_fp8.environment import Snapshot, gather_snapshot
 from foundry_fp8.lint.registry import Finding
 from foundry_fp8.lint.rules.environment import environment_findings
+from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_effect
 
 
 def _rows(s: Snapshot) -> list[tuple[str, str]]:
@@ -44,10 +45,14 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
         if s.te_import_checked:
             parts.append("imports" if not s.te_import_error else "import FAILS")
         te += f" ({', '.join(parts)})"
-    return [("python", s.python), ("torch", torch), ("GPU", gpu), ("TransformerEngine", te),
+    rows = [("python", s.python), ("torch", torch), ("GPU", gpu), ("TransformerEngine", te),
             ("Composer (mosaicml)", shown(s.composer)), ("LLM-Foundry", shown(s.llmfoundry)),
             ("flash-attn", shown(s.flash_attn)), ("accelerate", shown(s.accelerate)),
             ("deepspeed", shown(s.deepspeed))]
+    if s.nvte_backward_override is not None:  # TE's, so it shows only where it is set
+        rows.append((BACKWARD_OVERRIDE_ENV, f"{s.nvte_backward_override!r}: "
+                     + backward_override_effect(s.nvte_backward_override, s.te_version)))
+    return rows
 
 
 def failing(findings: list[Finding], strict: bool) -> list[Finding]:

@@ -24,6 +24,7 @@ fast.
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ from foundry_fp8.numerics import (
     quantize,
 )
 from foundry_fp8.recipe import TE_DEFAULT_RECIPE, FP8Recipe, RecipeError, RecipeProblem
+from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_problems
 
 FWD_INPUT, FWD_WEIGHT = 0, 1
 BWD_GRAD_OUTPUT = 0
@@ -304,20 +306,41 @@ class ScalingMeta(nn.Module):
             self.scale, self.amax_history = self.scale.to(device), self.amax_history.to(device)
 
 
+def backward_override(recipe: FP8Recipe) -> str | None:
+    """TE's NVTE_BACKWARD_OVERRIDE for a cast under `recipe` (`te.facts`, TE >= 2.15): None
+    (unset), "high_precision" or "dequantized"; `RecipeError` where TE would refuse to build the
+    recipe (a value it does not take; any value with delayed scaling). TE reads the variable
+    once, when it is imported; the emulation at each FP8 forward, as TE's Linear reads the
+    recipe's (linear.py:1605-1608 at v2.15)."""
+    value = os.environ.get(BACKWARD_OVERRIDE_ENV)
+    problems = backward_override_problems(value, None, recipe.scaling)
+    if problems:
+        raise RecipeError(problems[0])
+    return value
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """y = x W^T + b with FP8 operands: each GEMM multiplies the FP8 values in float32 and
     rounds its result once to the activation dtype (forward, dgrad and wgrad, as TE's
-    general_gemm with out_dtype=activation_dtype, linear.py:536-545, 1086-1095, 1249-1265)."""
+    general_gemm with out_dtype=activation_dtype, linear.py:536-545, 1086-1095, 1249-1265).
+    Under NVTE_BACKWARD_OVERRIDE (current scaling, `backward_override`) dgrad and wgrad take the
+    gradient as it comes, with the weight and input as stored (`high_precision`) or their FP8
+    copies dequantized to the activation dtype (`dequantized`), as `te.facts` says TE does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, module, recipe, update_backward):
         meta = module.fp8_meta["scaling_fwd"]
         fmt = recipe.format_for("forward")
         dtype = _activation_dtype(x)
+        override = backward_override(recipe)
         scales = module._cast_scales(meta, (x, weight), fmt, recipe)
         sx, sw = scales[FWD_INPUT].clone(), scales[FWD_WEIGHT].clone()
         qx, qw = quantize(x, sx, fmt), quantize(weight, sw, fmt)
-        ctx.save_for_backward(qx, qw, sx, sw)
+        if override == "high_precision":  # TE saves the original input and weight
+            ctx.save_for_backward(x, weight, None, None)
+        else:
+            ctx.save_for_backward(qx, qw, sx, sw)
+        ctx.override = override
         ctx.module, ctx.recipe, ctx.update_backward = module, recipe, update_backward
         ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype, dtype
         with torch.autocast(x.device.type, enabled=False):
@@ -332,22 +355,31 @@ class _FP8LinearFunction(torch.autograd.Function):
         module, recipe = ctx.module, ctx.recipe
         x_dtype, w_dtype, b_dtype, dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        meta = module.fp8_meta["scaling_bwd"]
-        fmt = recipe.format_for("backward")
-        sg = module._cast_scales(meta, (grad_out,), fmt, recipe)[BWD_GRAD_OUTPUT]
-        g = dequantize(quantize(grad_out, sg, fmt), sg)
+        if ctx.override is None:
+            meta = module.fp8_meta["scaling_bwd"]
+            fmt = recipe.format_for("backward")
+            sg = module._cast_scales(meta, (grad_out,), fmt, recipe)[BWD_GRAD_OUTPUT]
+            g = dequantize(quantize(grad_out, sg, fmt), sg)
+            w, x = dequantize(qw, sw), dequantize(qx, sx)
+        elif ctx.override == "high_precision":  # weight as stored, input in activation dtype
+            g, w, x = grad_out.float(), qw.float(), qx.to(dtype).float()
+        else:  # dequantized: the forward's FP8 operands, dequantized to the activation dtype
+            g = grad_out.float()
+            w, x = dequantize(qw, sw).to(dtype).float(), dequantize(qx, sx).to(dtype).float()
         grad_x = grad_w = grad_b = None
         if need_x:
-            grad_x = (g @ dequantize(qw, sw)).to(dtype).to(x_dtype)
+            grad_x = (g @ w).to(dtype).to(x_dtype)
         if need_w:
-            g2d, x2d = g.reshape(-1, g.shape[-1]), dequantize(qx, sx).reshape(-1, qx.shape[-1])
+            g2d, x2d = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
             grad_w = (g2d.t() @ x2d).to(dtype).to(w_dtype)
         if need_b:
             # TE's fused bgrad + cast reduces the high-precision gradient (module/base.py,
             # grad_output_preprocess: tex.bgrad_quantize), accumulating in float32
             grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
             grad_b = grad_2d.float().sum(0).to(grad_out.dtype).to(b_dtype)
-        if ctx.update_backward:  # the end of this layer's backward (linear.py:1462-1470)
+        # the end of this layer's backward (linear.py:1462-1470); not under an override
+        # (`reduce_and_update_bwd_fp8_tensors = False`, linear.py:1128-1129 at v2.15)
+        if ctx.update_backward and ctx.override is None:
             _reduce_and_update("backward")
         return grad_x, grad_w, grad_b, None, None, None
 

@@ -28,7 +28,7 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import IO, Any
 
-from foundry_fp8.te.facts import parse_version
+from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, parse_version
 
 #: Seconds allowed for `import transformer_engine.pytorch` in the subprocess (it loads CUDA).
 TE_IMPORT_TIMEOUT_S = 120
@@ -62,7 +62,8 @@ class Snapshot:
     torch and TE see no GPU (`capability` is then None): nvidia-smi ignores the variable.
     With several GPUs, or CUDA_VISIBLE_DEVICES set, `gpu_name` and `capability` are those of the
     least capable GPU CUDA sees (FP8 needs every GPU a run uses), and `gpu_seen` says which GPUs
-    CUDA sees (None: the one GPU nvidia-smi lists).
+    CUDA sees (None: the one GPU nvidia-smi lists). `nvte_backward_override`: TE's
+    NVTE_BACKWARD_OVERRIDE as found (None: unset; `te.facts.backward_override_problems`).
     `te_pure_wheel`: the transformer-engine distribution is a pure-Python wheel (its WHEEL file
     says `Root-Is-Purelib: true`), TE's own test for its PyPI metapackage
     (`_is_package_installed_from_wheel`, transformer_engine/common/__init__.py:37-56).
@@ -91,6 +92,7 @@ class Snapshot:
     gpu_hidden: bool = False
     gpu_seen: str | None = None
     te_pure_wheel: bool = False
+    nvte_backward_override: str | None = None
 
     @property
     def has_gpu(self) -> bool:
@@ -481,6 +483,7 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         flash_attn_cross_entropy=bool(flash and (flash / "losses" / "cross_entropy.py").is_file()),
         accelerate=_version("accelerate"), deepspeed=_version("deepspeed"),
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        nvte_backward_override=os.environ.get(BACKWARD_OVERRIDE_ENV),
         te_pure_wheel=te is not None and _pure_wheel("transformer-engine"), **gpu)
     if probe_te_import:
         snapshot = replace(snapshot, te_import_checked=True, te_import_error=te_import_error())

@@ -28,9 +28,15 @@ import torch
 from torch import nn
 
 from foundry_fp8.options import TESwapOptions
-from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.recipe import FP8Recipe, RecipeError
 from foundry_fp8.te import probe
-from foundry_fp8.te.facts import MIN_TE, MIN_TE_CURRENT_SCALING, TE_LAYERNORM_AS_OP, dotted
+from foundry_fp8.te.facts import (
+    MIN_TE,
+    MIN_TE_CURRENT_SCALING,
+    TE_LAYERNORM_AS_OP,
+    backward_override_problems,
+    dotted,
+)
 
 #: TE's per-tensor current-scaling quantisation parameters that te.Linear and friends read.
 _CURRENT_SCALING_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
@@ -134,14 +140,27 @@ def _dotted_attr(root: Any, dotted: str) -> Any:
     return root
 
 
+def _check_backward_override(te_class: Any, recipe: FP8Recipe) -> None:
+    """Raise `RecipeError` (one line naming NVTE_BACKWARD_OVERRIDE) where TE would fail to build
+    `recipe` on the variable, rather than TE's bare AssertionError (Composer's on every batch).
+    TE read the variable once, when it was imported, into the recipe classes' `backward_override`
+    default (`te.facts`), so that default is what is judged; a TE without the field ignores it."""
+    field = next((f for f in dataclasses.fields(te_class) if f.name == "backward_override"), None)
+    value = None if field is None else field.default
+    problems = backward_override_problems(value, probe.te_version(), recipe.scaling)
+    if problems:
+        raise RecipeError(problems[0])
+
+
 def delayed_scaling_kwargs(recipe: FP8Recipe) -> dict[str, Any]:
     """`DelayedScaling(**kwargs)` for a delayed recipe: the dict Composer's `precision_config`
     takes (Composer builds `DelayedScaling(**precision_config)` on every batch, so `fp8_format`
     must be TE's `Format` member: TE compares it with `Format.HYBRID`, a string never matches)."""
-    from transformer_engine.common.recipe import Format
+    from transformer_engine.common.recipe import DelayedScaling, Format
 
     if recipe.scaling != "delayed":
         raise ValueError(f"fp8_recipe.scaling: {recipe.scaling!r} has no DelayedScaling form")
+    _check_backward_override(DelayedScaling, recipe)
     return {"fp8_format": Format[recipe.fp8_format], "amax_history_len": recipe.amax_history_len,
             "amax_compute_algo": recipe.amax_compute_algo, "margin": recipe.margin,
             "reduce_amax": recipe.reduce_amax}
@@ -154,6 +173,7 @@ def _current_scaling(te_recipe: Any, recipe: FP8Recipe) -> Any:
     QParams class attributes, so this instance gets its own copies with `power_2_scale` set.
     """
     cls = te_recipe.Float8CurrentScaling
+    _check_backward_override(cls, recipe)
     kwargs: dict[str, Any] = {"fp8_format": te_recipe.Format[recipe.fp8_format]}
     if "use_power_2_scales" in {f.name for f in dataclasses.fields(cls)}:
         kwargs["use_power_2_scales"] = recipe.use_power_2_scales

@@ -50,6 +50,23 @@ TE_LN_MLP_GRAD_OUTPUT2 = (2, 4)
 TE_PICKLE_GUARD_FIXES = ((2, 16, 1), (2, 17, 1))
 TE_PICKLE_GUARD_FROM = (2, 18)
 
+#: NVTE_BACKWARD_OVERRIDE, read from TE 2.15 (PR #2644, commit fdf9fb16; first tag v2.15; older
+#: TE ignores it): the default of every recipe class's `backward_override` field, read once when
+#: TE is imported (`os.getenv` in the class body, transformer_engine/common/recipe/__init__.py:219
+#: and 270 at v2.15, 261 and 312 at release_v2.19 and main d0067d0). Unset (None) or one of
+#: BACKWARD_OVERRIDE_VALUES, else every recipe's `__post_init__` raises AssertionError (an empty
+#: value too); `DelayedScaling` asserts it is None (l. 226-228 at v2.15, 268-270 at main), so
+#: with it set a delayed-scaling recipe, TE's default one included, cannot be built. Under
+#: current scaling a te.Linear's backward runs unquantized (`ctx.fp8 = False`, no gradient cast,
+#: pytorch/module/linear.py:554-564 at v2.15): dgrad multiplies the gradient by the weight as
+#: stored (`high_precision`) or by its FP8 copy dequantized to the activation dtype
+#: (`dequantized`, l. 804-812), wgrad by the input cast to the activation dtype
+#: (`high_precision` saves the original input, l. 141-142) or its FP8 copy dequantized (l. 722-
+#: 727). te.LayerNormMLP refuses it (an assert in its forward, module/layernorm_mlp.py:246-250).
+TE_BACKWARD_OVERRIDE_FROM = (2, 15)
+BACKWARD_OVERRIDE_ENV = "NVTE_BACKWARD_OVERRIDE"
+BACKWARD_OVERRIDE_VALUES = ("high_precision", "dequantized")
+
 #: FP8 GEMMs need Ada/Hopper (compute capability 8.9) or newer; on Ada (8.9) TE also wants torch
 #: built for CUDA >= 12.1 (TE `_compute_fp8_support`, pytorch/quantization.py; the same check
 #: since TE 1.0 in pytorch/fp8.py).
@@ -133,3 +150,44 @@ def te_ln_mlp_init_fails(llmfoundry: str | None) -> bool | None:
     """Whether this LLM-Foundry raises NameError initialising a te.LayerNormMLP (None: unknown)."""
     version = parse_version(llmfoundry)
     return None if version is None else version >= TE_LN_MLP_INIT_FAILS_FROM
+
+
+def backward_override_problems(value: str | None, te_version: Version | None,
+                               scaling: str | None = None) -> list[RecipeProblem]:
+    """What NVTE_BACKWARD_OVERRIDE=`value` breaks with TE `te_version` (None: unknown or absent,
+    judged as TE from TE_BACKWARD_OVERRIDE_FROM, which the emulation models) for a recipe of
+    `scaling` (None: any recipe, as the doctor judges a machine)."""
+    if value is None or (te_version is not None
+                         and tuple(te_version) < TE_BACKWARD_OVERRIDE_FROM):
+        return []
+    if value not in BACKWARD_OVERRIDE_VALUES:
+        return [RecipeProblem(
+            "backward_override", f"{BACKWARD_OVERRIDE_ENV}={value!r} is refused by "
+            f"TransformerEngine >= {dotted(TE_BACKWARD_OVERRIDE_FROM)}: building any FP8 recipe "
+            "raises AssertionError", f"unset {BACKWARD_OVERRIDE_ENV} or set it to "
+            f"{' or '.join(BACKWARD_OVERRIDE_VALUES)}")]
+    if scaling == "current":
+        return []
+    return [RecipeProblem(
+        "backward_override", f"{BACKWARD_OVERRIDE_ENV}={value!r} applies to current scaling only:"
+        f" TransformerEngine >= {dotted(TE_BACKWARD_OVERRIDE_FROM)} refuses to build a "
+        "DelayedScaling recipe (AssertionError), te_swap's default and TE's own default recipe"
+        " included", f"use fp8_recipe: {{scaling: current}}, or unset {BACKWARD_OVERRIDE_ENV}")]
+
+
+def backward_override_effect(value: str, te_version: Version | None) -> str:
+    """What NVTE_BACKWARD_OVERRIDE=`value` does with TE `te_version` (None: TE absent or its
+    version unknown), in words for the doctor."""
+    since = dotted(TE_BACKWARD_OVERRIDE_FROM)
+    te = "TransformerEngine " + (f">= {since}" if te_version is None
+                                 else dotted(tuple(te_version)))
+    if te_version is not None and tuple(te_version) < TE_BACKWARD_OVERRIDE_FROM:
+        return f"ignored by {te} (read from {since}); the emulated backend reads it"
+    if value not in BACKWARD_OVERRIDE_VALUES:
+        return f"refused by {te} and the emulated backend: any FP8 recipe raises (it takes " \
+            f"{' or '.join(BACKWARD_OVERRIDE_VALUES)})"
+    operands = ("the weight and input as stored" if value == "high_precision"
+                else "the weight and input's FP8 copies, dequantized")
+    return (f"read by {te} and the emulated backend: current scaling's backward without FP8 "
+            f"(gradients not cast; dgrad and wgrad from {operands}); delayed scaling and "
+            "te.LayerNormMLP refuse it")
