@@ -321,21 +321,22 @@ def _described(gpus: list[tuple[str, tuple[int, int]]]) -> str:
                      for (name, cap), n in counts.items())
 
 
-def _uuids(exe: str) -> list[str] | None:
+def _uuids(exe: str, timeout_s: float) -> list[str] | None:
     """nvidia-smi's GPU UUIDs in its index order; None when they cannot be read."""
     try:
-        done = run_probe([exe, "--query-gpu=uuid", "--format=csv,noheader"], NVIDIA_SMI_TIMEOUT_S)
+        done = run_probe([exe, "--query-gpu=uuid", "--format=csv,noheader"], timeout_s)
     except OSError:
         return None
-    uuids = [line.strip() for line in done.stdout.splitlines() if line.strip()]
-    return uuids if done.returncode == 0 and all(u.startswith("GPU-") for u in uuids) else None
+    uuids = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("GPU-")]
+    return uuids if done.returncode == 0 else None
 
 
-def _seen(exe: str, gpus: list[tuple[str, tuple[int, int]]], hiding: str | None
-          ) -> tuple[list[tuple[str, tuple[int, int]]], str | None]:
+def _seen(exe: str, gpus: list[tuple[str, tuple[int, int]]], hiding: str | None,
+          timeout_s: float) -> tuple[list[tuple[str, tuple[int, int]]], str | None]:
     """The GPUs CUDA sees of nvidia-smi's `gpus` (its index order, PCI bus order) under
     CUDA_VISIBLE_DEVICES=`hiding`, in CUDA's order, and how the selection was read (None: every
-    GPU, in an order that does not matter). Ordinals count in CUDA_DEVICE_ORDER's order: CUDA's
+    GPU, in an order that does not matter); `GPU-` entries need nvidia-smi's UUIDs, asked
+    within `timeout_s`. Ordinals count in CUDA_DEVICE_ORDER's order: CUDA's
     default FASTEST_FIRST differs from nvidia-smi's PCI order unless the GPUs are all alike, so
     on a mixed machine an ordinal names one of them, unknown which (every one is returned)."""
     if hiding is None:
@@ -345,9 +346,10 @@ def _seen(exe: str, gpus: list[tuple[str, tuple[int, int]]], hiding: str | None
         return gpus, f"a MIG instance ({told}) of {'' if len(set(gpus)) == 1 else 'one of '}" \
             f"{_described(sorted(set(gpus)))}"
     if hiding.startswith("GPU-"):
-        uuids = _uuids(exe)
+        uuids = _uuids(exe, timeout_s)
         if uuids is None or len(uuids) != len(gpus):
-            return gpus, f"{told}, not matched: nvidia-smi printed no UUID per GPU"
+            return gpus, (f"{_described(sorted(set(gpus)))}, unknown which: {told} not matched "
+                          "(nvidia-smi --query-gpu=uuid printed no UUID per GPU)")
         indices = _uuid_indices(hiding, uuids)
     else:
         ordinals = _cuda_ordinals(hiding)
@@ -371,6 +373,7 @@ def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
     capability of the least capable (what FP8 needs of every GPU a run uses) and, in
     `gpu_seen`, which they are; {} when it lists none; `gpu_error` when it cannot be read (a
     driver problem, not an absent GPU)."""
+    started = time.monotonic()
     try:
         done = run_probe([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
                          NVIDIA_SMI_TIMEOUT_S)
@@ -383,9 +386,9 @@ def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
         return {"gpu_error": f"nvidia-smi {_exit_status(done.returncode)}"
                              + (f": {said}" if said else "")}
     gpus: list[tuple[str, tuple[int, int]]] = []
-    for line in (text.strip() for text in done.stdout.splitlines()):
-        if not line:
-            continue
+    lines = [text.strip() for text in done.stdout.splitlines() if text.strip()]
+    rows = [line for line in lines if "," in line]  # not nvidia-smi's own WARNING lines
+    for line in rows or lines[:1]:
         name, _, cap = line.rpartition(",")
         version = parse_version(cap.strip())
         if not name.strip() or not version or len(version) < 2:
@@ -395,7 +398,8 @@ def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
     if not gpus:
         return {}  # a driver that lists no GPU
     hiding = os.environ.get("CUDA_VISIBLE_DEVICES")
-    seen, how = _seen(exe, gpus, hiding)
+    left = NVIDIA_SMI_TIMEOUT_S - (time.monotonic() - started)  # both queries within the limit
+    seen, how = _seen(exe, gpus, hiding, max(left, 1.0))
     if not seen:  # nvidia-smi lists what CUDA will not see
         return {"gpu_name": gpus[0][0], "gpu_hidden": True,
                 "gpu_error": f"nvidia-smi lists {len(gpus)} GPU(s), but CUDA_VISIBLE_DEVICES="

@@ -129,3 +129,44 @@ def test_one_gpu_and_no_variable_keeps_the_plain_row(tmp_path, monkeypatch):
     plain = gather_snapshot(probe_te_import=False)
     assert (plain.gpu_name, plain.capability, plain.gpu_seen) == (*H100, None)
     assert snapshot.gpu_seen.endswith("nvidia-smi's GPU 0 of 1, by CUDA_VISIBLE_DEVICES='0'")
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_nvidia_smi_s_own_warning_lines_are_not_gpus(tmp_path, monkeypatch, where):
+    """nvidia-smi can print a line of its own beside the CSV rows ("WARNING: infoROM is
+    corrupted at gpu 0000:01:00.0"): the GPU rows are still read (before: a warning first made
+    the GPU unknown)."""
+    warning = "WARNING: infoROM is corrupted at gpu 0000:01:00.0"
+    rows = ["NVIDIA H100 80GB HBM3, 9.0", "NVIDIA H100 80GB HBM3, 9.0"]
+    lines = [warning, *rows] if where == "before" else [*rows, warning]
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n" + "".join(f"echo '{line}'\n" for line in lines))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    snapshot = gather_snapshot(probe_te_import=False)
+    assert (snapshot.gpu_name, snapshot.capability, snapshot.gpu_error) == (*H100, None)
+    assert snapshot.gpu_seen.endswith("nvidia-smi's GPU 1 of 2, by CUDA_VISIBLE_DEVICES='1'")
+
+
+def test_uuids_nvidia_smi_cannot_give_leave_the_gpu_unknown_among_the_listed(tmp_path,
+                                                                             monkeypatch):
+    """The UUID query shares nvidia-smi's time limit; one that fails names the listed models."""
+    from foundry_fp8 import environment
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\ncase "$1" in --query-gpu=uuid) sleep 30;; '
+                    '*) echo "NVIDIA H100 80GB HBM3, 9.0"; echo "NVIDIA A100-SXM4-80GB, 8.0";; '
+                    "esac\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(environment, "NVIDIA_SMI_TIMEOUT_S", 1)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    snapshot = gather_snapshot(probe_te_import=False)
+    assert snapshot.gpu_seen == (
+        "NVIDIA A100-SXM4-80GB (compute capability 8.0), NVIDIA H100 80GB HBM3 (compute "
+        "capability 9.0), unknown which: CUDA_VISIBLE_DEVICES='GPU-abc' not matched (nvidia-smi "
+        "--query-gpu=uuid printed no UUID per GPU)")
+    assert snapshot.capability == (8, 0)
