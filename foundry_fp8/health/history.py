@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foundry_fp8 import jsonl
-from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, parse_key
+from foundry_fp8.health.keys import HIGH_PRECISION, INITIAL_SCALE, TENSORS, parse_key
 from foundry_fp8.health.specs import PERFECT, SPECS, badness, known_first, spec
 
 NAN = float("nan")
@@ -18,7 +18,8 @@ NAN = float("nan")
 @dataclass
 class RunMetrics:
     """The per-layer FP8 statistics of one run; steps cast with delayed scaling's initial
-    scale are in `initial` (drawn, but neither ranked nor flagged)."""
+    scale are in `initial` (drawn, but neither ranked nor flagged), those of a layer fp8_guard
+    ran in high precision in `high_precision` (what-if numbers: drawn hatched, tables say so)."""
 
     values: dict[tuple[str, str, str], dict[int, float]] = field(default_factory=dict)
     layers: list[str] = field(default_factory=list)  # first-logged order = forward order
@@ -26,14 +27,16 @@ class RunMetrics:
     stats: list[str] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # every step with any fp8 metric, sorted
     initial: set[tuple[str, str, int]] = field(default_factory=set)
+    high_precision: set[tuple[str, str, int]] = field(default_factory=set)
     # `steps` as a set: a list search per value would make reading a run quadratic in its steps
     _step_set: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def add(self, step: int, layer: str, tensor: str, stat: str, value: float) -> None:
         """One number; a step logged twice (a resumed run appending) keeps the later value."""
-        if stat == INITIAL_SCALE:
+        if stat in (INITIAL_SCALE, HIGH_PRECISION):
             if value:
-                self.initial.add((layer, tensor, step))
+                (self.initial if stat == INITIAL_SCALE else self.high_precision).add(
+                    (layer, tensor, step))
             return
         by_step = self.values.get((layer, tensor, stat))
         if by_step is None:  # the names' lists are searched once per series, not per value
@@ -89,6 +92,15 @@ def collect(records: Iterable[tuple[int, Mapping[str, Any]]]) -> RunMetrics:
             run.add(step, layer, tensor, stat, number)
     run.tidy()
     return run
+
+
+def whatif_rows(run: RunMetrics) -> set[tuple[str, str]]:
+    """The (layer, tensor) rows judged at some logging step with what-if numbers (fp8_guard ran
+    the layer in high precision): their worst values may be what-if ones."""
+    marked = run.high_precision - run.initial
+    rows = {(layer, tensor) for layer, tensor, _ in marked}
+    return {(layer, tensor) for (layer, tensor, _), by_step in run.values.items()
+            if (layer, tensor) in rows and any((layer, tensor, s) in marked for s in by_step)}
 
 
 def heatmap_matrix(run: RunMetrics, stat: str, tensor: str) -> list[list[float]]:

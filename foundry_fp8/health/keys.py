@@ -8,6 +8,7 @@ alertable, printed on the console. Plain Python.
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Literal
 
@@ -17,6 +18,10 @@ LAYOUT = "fp8_<stat>/<tensor>/<layer>"  # the per-layer series, as the messages 
 SUMMARY_PREFIX = "fp8"
 #: Logged as 1 for a tensor cast with delayed scaling's initial scale 1 (no amax history yet).
 INITIAL_SCALE = "initial_scale"
+#: A marker as INITIAL_SCALE is: 1 for a row logged while fp8_guard ran its layer in high
+#: precision (its numbers are fp8_stats' what-if casts, not the layer's own). The report sets it
+#: from fp8_guard's records; the heatmaps hatch such cells.
+HIGH_PRECISION = "high_precision"
 #: Summary names per tensor kind (`summary_key(tensor, name)`); `flagged_layers` also over all.
 SUMMARIES = ("worst_underflow_pct", "worst_overflow_pct", "worst_cos_sim", "flagged_layers",
              "nonfinite")
@@ -70,6 +75,17 @@ def older_layout(key: str) -> bool:
     parts = key.split("/")
     return (len(parts) >= 4 and parts[0] == SUMMARY_PREFIX and parts[-2] in TENSORS
             and bool(_STAT.fullmatch(parts[-1])))
+
+
+def full_forms(layer: str) -> list[str]:
+    """The module names a layer of the keys may have had before `short_layer` (te_swap's and
+    fp8_stats' regexes, and their logs, see those): `blocks.0.attn.Wqkv` may be
+    `model.transformer.blocks.0.attn.Wqkv`, `model.blocks.0...`, ... The key's own form first."""
+    forms = [layer]
+    for k in range(1, len(_FRONT) + 1):
+        for fronts in itertools.combinations(_FRONT, k):
+            forms.append("".join(fronts) + layer)
+    return forms
 
 
 def short_layer(name: str) -> str:

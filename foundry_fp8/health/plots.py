@@ -181,6 +181,9 @@ def _figure(width: float, height: float) -> Any:
 #: Cells not logged, or cast with delayed scaling's initial scale 1 (not coloured as data).
 NOT_LOGGED = "#d0d0d0"
 NOT_LOGGED_NOTE = "grey: not logged, or cast with the initial scale 1"
+#: Cells of a layer fp8_guard ran in high precision (`RunMetrics.high_precision`): what-if
+#: numbers, coloured as such but hatched, so they never read as the layer's FP8 casts.
+HIGH_PRECISION_NOTE = "hatched: fp8_guard ran the layer in high precision (what-if numbers)"
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,23 @@ class Panel:
     norm: Any  # a matplotlib.colors.Normalize
     limit: float | None  # the threshold, marked on the colour bar
     ticks: list[float] | None  # the colour bar's ticks (None: the norm's own)
+    high_precision: Any  # bool [layers, steps]: fp8_guard ran the layer in high precision
+
+    def hatched_runs(self) -> list[tuple[int, int, int]]:
+        """(row, first column, columns) of each run of hatched cells along a row."""
+        runs = []
+        for row, cells in enumerate(self.high_precision.tolist()):
+            col = 0
+            while col < len(cells):
+                if cells[col]:
+                    end = col
+                    while end < len(cells) and cells[end]:
+                        end += 1
+                    runs.append((row, col, end - col))
+                    col = end
+                else:
+                    col += 1
+        return runs
 
 
 @dataclass(frozen=True)
@@ -225,6 +245,12 @@ class Heatmap:
     def label(self) -> str:
         """What the colour scale shows, with units."""
         return bounded(spec(self.stat).label)
+
+    @property
+    def notes(self) -> str:
+        """What the grey and (where any) the hatched cells are."""
+        hatched = any(p.high_precision.any() for p in self.panels)
+        return NOT_LOGGED_NOTE + (f"; {HIGH_PRECISION_NOTE}" if hatched else "")
 
     @property
     def threshold_note(self) -> str:
@@ -266,8 +292,9 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
         finite = matrix[np.isfinite(matrix)]
         quiet = " - all 0" if finite.size and not finite.any() else ""
         title = panel_title(kinds[tensor], (formats or {}).get(tensor))
-        panels.append(Panel(tensor, f"{title}{quiet}",
-                            matrix, norm, limit, ticks))
+        hatched = np.array([[(layer, tensor, step) in run.high_precision for step in run.steps]
+                            for layer in run.layers], dtype=bool).reshape(matrix.shape)
+        panels.append(Panel(tensor, f"{title}{quiet}", matrix, norm, limit, ticks, hatched))
     labels = short_names(run.layers, prefix)
     names = [labels[layer] for layer in run.layers]
     annotate = len(run.steps) <= 12 and len(names) <= 40 and not sp.log
@@ -279,6 +306,7 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
                  formats: Formats | None = None) -> Any:
     """The report's heatmap (`heatmap`) as a matplotlib figure."""
     import numpy as np
+    from matplotlib.patches import Rectangle
 
     hm = heatmap(run, stat, thresholds, formats)
     names = [text(name) for name in hm.names]
@@ -293,6 +321,9 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
         image = ax.imshow(np.ma.masked_invalid(p.matrix), aspect="auto", interpolation="nearest",
                           cmap=hm.cmap, norm=p.norm)
         ax.set_title(text(p.title), fontsize=9)
+        for row, col, n in p.hatched_runs():
+            ax.add_patch(Rectangle((col - 0.5, row - 0.5), n, 1, fill=False, hatch="//",
+                                   edgecolor="0.3", lw=0.8))
         xticks = tick_indices(n_steps, int(panel * 2.5))
         ax.set_xticks(xticks, [str(hm.steps[i]) for i in xticks], fontsize=7,
                       rotation=90 if len(str(hm.steps[-1])) > 3 else 0)
@@ -315,7 +346,7 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
                 bar.ax.axhline(p.limit, color="black", lw=1.5)
     yticks = tick_indices(n_layers, int((height - 1.5) / 0.13))
     axes[0].set_yticks(yticks, [names[i] for i in yticks], fontsize=7)
-    fig.suptitle(text(f"{hm.title} ({NOT_LOGGED_NOTE})"), fontsize=10)
+    fig.suptitle(text(hm.title) + "\n" + text(f"({hm.notes})"), fontsize=10)
     return fig
 
 

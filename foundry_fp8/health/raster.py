@@ -19,7 +19,6 @@ from typing import Any
 
 from foundry_fp8.health.history import RunMetrics
 from foundry_fp8.health.plots import (
-    NOT_LOGGED_NOTE,
     Formats,
     Heatmap,
     Panel,
@@ -37,6 +36,7 @@ ROWS_PX = 1200
 STEPS_PX = 240  # a panel's width without numbers in the cells (each column 3-40 px)
 BAR_PX = 14  # the colour bar's width
 INK = (0, 0, 0)
+HATCH_PX = 6  # the hatching of fp8_guard's high-precision cells: a 1-pixel "/" every 6 pixels
 FRAME = (110, 110, 110)
 
 
@@ -142,7 +142,7 @@ def layout(hm: Heatmap) -> Layout:
         else:
             bar_x.append(None)
     top = PAD + TITLE + 8 + TEXT + 6
-    captions = ["x: logging step, y: layer; " + NOT_LOGGED_NOTE,
+    captions = ["x: logging step, y: layer; " + hm.notes,
                 "colour: " + hm.label + (f"; {hm.threshold_note}" if hm.threshold_note else "")]
     width = max(x + PAD - GAP, *(math.ceil(text.getlength(c)) + 2 * PAD for c in captions),
                 math.ceil(title.getlength(hm.title)) + 2 * PAD)
@@ -166,6 +166,9 @@ def raster(hm: Heatmap) -> Any:
         rgb = hm.cmap(levels[-1], bytes=True)[..., :3]
         canvas[top:top + panel_h, x0:x0 + panel_w] = np.repeat(np.repeat(rgb, at.cell_h, 0),
                                                                at.cell_w, 1)
+        hatched = np.repeat(np.repeat(p.high_precision, at.cell_h, 0), at.cell_w, 1)
+        ys, xs = np.indices(hatched.shape)
+        canvas[top:top + panel_h, x0:x0 + panel_w][hatched & ((xs + ys) % HATCH_PX == 0)] = FRAME
         _frame(canvas, x0, top, panel_w, panel_h)
         if bx is not None:
             ramp = hm.cmap(np.linspace(1.0, 0.0, panel_h), bytes=True)[:, :3]

@@ -17,7 +17,8 @@ import regex
 from foundry_fp8.filters import MATCH_TIMEOUT_S, search
 from foundry_fp8.guard import static_yaml
 from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table, worst_values
-from foundry_fp8.health.history import shown
+from foundry_fp8.health.history import shown, whatif_rows
+from foundry_fp8.health.keys import full_forms
 from foundry_fp8.health.plots import (
     MAX_SERIES_LAYERS,
     choose_layers,
@@ -49,6 +50,7 @@ from foundry_fp8.report.read import (
     formats_from_hparams,
     guard_run,
     load_run,
+    mark_high_precision,
     metrics_file_of,
     read_hparams,
     thresholds_from_hparams,
@@ -99,8 +101,8 @@ def layers_matching(run: RunMetrics, pattern: str) -> list[str]:
     fix = "simplify it: no nested repetition such as (a*)*"
     started, found = time.monotonic(), []
     for n, layer in enumerate(run.layers, 1):
-        try:
-            if search("--layers", pattern, layer):
+        try:  # the layer as the keys name it, or as te_swap's and fp8_stats' regexes see it
+            if any(search("--layers", pattern, form) for form in full_forms(layer)):
                 found.append(layer)
         except OptionError:
             raise ReportError(f"--layers {pattern!r}: takes more than {MATCH_TIMEOUT_S:g} s on "
@@ -154,6 +156,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     thresholds = thresholds_from_hparams(hparams or {})
     formats = formats_from_hparams(hparams or {}, run.tensors)
     guard = guard_run(series, hparams, hparams_file, warn)
+    mark_high_precision(run, guard)
     flags = replay(run, HealthTracker(thresholds))
     out = out or metrics_file.parent
     _out_folder(out)
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
-    print(render_table(worst_values(metrics)))
+    print(render_table(worst_values(metrics), whatif_rows(metrics)))
     found = findings(metrics, flags)
     fallen = fallback_steps(guard)
     names = layer_names(metrics, guard)

@@ -16,11 +16,18 @@ from foundry_fp8.guard import (
     static_yaml,
 )
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
-from foundry_fp8.health.history import worst_layers
+from foundry_fp8.health.history import whatif_rows, worst_layers
 from foundry_fp8.health.plots import common_prefix
 from foundry_fp8.health.rules import KEEP_OUT
 from foundry_fp8.health.specs import badness, spec
-from foundry_fp8.health.table import LABEL_CHARS, bounded, md_code, number, short_names
+from foundry_fp8.health.table import (
+    LABEL_CHARS,
+    WHATIF_MARK,
+    bounded,
+    md_code,
+    number,
+    short_names,
+)
 from foundry_fp8.report.read import GuardRun
 
 
@@ -86,11 +93,9 @@ def fallback_steps(guard: GuardRun | None) -> dict[str, str]:
     if guard is None:
         return {}
     spans: dict[str, list[str]] = {}
-    for f in guard.fallbacks:
-        back = next((r.step + 1 for r in guard.repromotions
-                     if r.layer == f.layer and r.step > f.step), None)
-        spans.setdefault(f.layer, []).append(f"from step {f.step + 1}"
-                                             + (f" to {back - 1}" if back else ""))
+    for layer, decided, ended in guard.spans():
+        spans.setdefault(layer, []).append(f"from step {decided + 1}"
+                                           + (f" to {ended}" if ended is not None else ""))
     return {layer: ", ".join(span) for layer, span in spans.items()}
 
 
@@ -203,14 +208,14 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     the ones drawn."""
     prefix = common_prefix(run.layers)
     names = layer_names(run, guard)
-    short = short_names(run.layers, prefix)  # without the common prefix
     kinds = short_names(run.tensors)
     shape = (f"{len(run.layers)} layers x {len(run.tensors)} tensors "
              f"({md_escape(', '.join(kinds.values()))}), {len(run.steps)} logging steps "
              f"({run.steps[0]} to {run.steps[-1]}); statistics: "
              f"{md_escape(', '.join(short_names(run.stats).values()))}.")
     if prefix:
-        shape += f" Plots and lists drop the common prefix {md_code(bounded(prefix))}."
+        shape += (f" The plots drop the common prefix {md_code(bounded(prefix))} (their titles"
+                  " name it); the text names each layer in full, as the metric keys do.")
     t = thresholds
     lines = ["# FP8 health report", "", shape, "", "## Flagged", "",
              f"Thresholds from {t.source}: underflow > {t.max_underflow_pct:g} %, cos_sim < "
@@ -239,9 +244,11 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     if guard is not None:
         lines += ["", *guard_section(guard, names)]
     lines += ["", "## Worst layers (by their mean over the judged logging steps)", ""]
+    whatif = whatif_rows(run)
     for stat in (s for s in run.stats if spec(s).worse and spec(s).listed):
         entries = "; ".join(
-            f"{md_code(short[w.layer])} {md_escape(kinds[w.tensor])} mean "
+            f"{md_code(names[w.layer])} {md_escape(kinds[w.tensor])}"
+            + (f" {WHATIF_MARK}" if (w.layer, w.tensor) in whatif else "") + " mean "
             f"{fmt(stat, w.mean)}, worst {fmt(stat, w.worst)} (step {w.step})"
             for w in worst_layers(run, stat))
         lines.append(f"- **{md_escape(bounded(stat))}**: {entries or 'perfect everywhere'}")
@@ -257,5 +264,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         md_code(names[layer]) + (f" ({md_escape(why)})" if why else "") for layer, why in chosen)
         + more + ".", "", "## Worst value per layer and tensor", "",
         "scale_ratio shows the value farthest from 1 (above 1: overflow side; below 1: "
-        "underflow side).", "", render_table(worst_values(run))]
+        "underflow side)." + (f" {WHATIF_MARK}: a layer fp8_guard ran in high precision at some"
+                              " of the logging steps, whose numbers there are what-if ones."
+                              if whatif else ""), "", render_table(worst_values(run), whatif)]
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from foundry_fp8.guard import (
     Repromotion,
 )
 from foundry_fp8.health import RunMetrics, Thresholds, collect
-from foundry_fp8.health.keys import LAYOUT, OLDER_LAYOUT, older_layout
+from foundry_fp8.health.keys import HIGH_PRECISION, LAYOUT, OLDER_LAYOUT, older_layout
 from foundry_fp8.health.plots import recipe_formats
 from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
 from foundry_fp8.options import build
@@ -279,6 +279,14 @@ class GuardRun:
     exclude: str | None  # te_swap's own `exclude` (hparams.json), kept in the static YAML
     repromotions: tuple[Repromotion, ...] = ()  # in step order
 
+    def spans(self) -> list[tuple[str, int, int | None]]:
+        """(layer, the step that decided a fallback, the step of the re-promotion that ended it
+        or None) per fallback, in step order: the layer ran in high precision at the steps after
+        the first, up to and including the second."""
+        return [(f.layer, f.step, next((r.step for r in self.repromotions
+                                        if r.layer == f.layer and r.step > f.step), None))
+                for f in self.fallbacks]
+
     @property
     def kept(self) -> list[str]:
         """The layers in fallback at the end: their last record is a fallback."""
@@ -342,6 +350,21 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
     return GuardRun(series, sorted(fallbacks, key=lambda f: (f.step, f.layer)),
                     exclude if isinstance(exclude, str) and exclude else None,
                     tuple(sorted(repromotions, key=lambda r: (r.step, r.layer))))
+
+
+def mark_high_precision(run: RunMetrics, guard: GuardRun | None) -> None:
+    """Mark (`HIGH_PRECISION`) each row logged while fp8_guard ran its layer in high precision:
+    its numbers are fp8_stats' what-if casts, which the heatmaps hatch and the tables name."""
+    if guard is None:
+        return
+    tensors: dict[str, set[str]] = {}
+    for layer, tensor, _ in run.values:
+        tensors.setdefault(layer, set()).add(tensor)
+    for layer, decided, ended in guard.spans():
+        for step in run.steps:
+            if decided < step and (ended is None or step <= ended):
+                for tensor in tensors.get(layer, ()):
+                    run.add(step, layer, tensor, HIGH_PRECISION, 1.0)
 
 
 def why_empty(metrics_file: Path) -> str:
