@@ -45,13 +45,34 @@ class _Captured(Callback):
         layers[0].register_forward_pre_hook(forward)
         layers[2].register_full_backward_pre_hook(backward)
 
-    def batch_start(self, state, logger) -> None:
+    def before_train_batch(self, state, logger) -> None:  # again after an OOM retry
         self._now = {}
         self.by_batch[int(state.timestamp.batch)] = self._now
 
 
-@pytest.mark.parametrize("microbatch", [MICROBATCH, BATCH])
-def test_a_logging_steps_statistics_cover_every_micro_batch(microbatch):
+class _OutOfMemoryOnce(Callback):
+    """CUDA's out-of-memory error after the first forward of batch NAN_STEP, as
+    `device_train_microbatch_size: auto` catches it: Composer halves the micro-batch and runs
+    the batch again."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def after_forward(self, state, logger) -> None:
+        if int(state.timestamp.batch) == NAN_STEP and not self.raised:
+            self.raised = True
+            raise RuntimeError("CUDA out of memory. Tried to allocate (test)")
+
+
+@pytest.mark.parametrize("microbatch", [MICROBATCH, BATCH, "auto"])
+def test_a_logging_steps_statistics_cover_every_micro_batch(microbatch, monkeypatch):
+    """`auto`: Composer's out-of-memory retry (GPU only; its check is patched to let the CPU
+    run it) runs the batch again in 2 micro-batches: the failed attempt is not counted."""
+    callbacks: list[Callback] = []
+    if microbatch == "auto":
+        monkeypatch.setattr("composer.trainer.trainer._is_auto_microbatching",
+                            lambda size, device: size == "auto")
+        callbacks.append(_OutOfMemoryOnce())
     torch.manual_seed(0)
     x = torch.randn(4 * BATCH, FEATURES)
     x[::BATCH] *= 0.1  # each batch's first micro-batch smaller than the rest
@@ -63,13 +84,16 @@ def test_a_logging_steps_statistics_cover_every_micro_batch(microbatch):
             train_dataloader=DataLoader(data, batch_size=BATCH), max_duration="3ba",
             device_train_microbatch_size=microbatch, device="cpu", progress_bar=False,
             optimizers=torch.optim.SGD(net.parameters(), lr=0.0),  # NaN grads change nothing
-            callbacks=[FP8Stats(interval=1, image_interval=None), captured],
+            callbacks=[FP8Stats(interval=1, image_interval=None), captured, *callbacks],
             loggers=[memory]).fit()
 
     def logged(stat: str, tensor: str, layer: str) -> dict[int, float]:
         return {int(t.batch): v for t, v in memory.data[layer_key(stat, tensor, layer)]}
 
-    assert all(len(c["x_amax"]) == BATCH // microbatch for c in captured.by_batch.values())
+    sizes = {0: BATCH, 1: BATCH, 2: BATCH // 2} if microbatch == "auto" else {
+        b: microbatch for b in range(3)}
+    assert {b: len(c["x_amax"]) for b, c in captured.by_batch.items()} == {
+        b: BATCH // size for b, size in sizes.items()}
     x_amax = {b: max(c["x_amax"]) for b, c in captured.by_batch.items()}
     dy_amax = {b: max(c["dy_amax"]) for b, c in captured.by_batch.items()
                if all(v == v for v in c["dy_amax"])}  # NaN-free gradients
