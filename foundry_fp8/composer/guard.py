@@ -3,6 +3,7 @@ mid-run (`callbacks: {fp8_stats: {...}, fp8_guard: {...}}`). Decisions: `foundry
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 
 #: the one key of fp8_guard's checkpoint state: its core's state as a JSON string
 DECISIONS = "decisions"
+#: a sharded checkpoint without fp8_guard's state (`accept_absent_state`), %s: where
+_NO_DECISIONS = ("fp8_guard: %s holds no fp8_guard state (saved without fp8_guard, or before "
+                 "foundry-fp8 kept it in sharded checkpoints); fp8_guard starts with every layer "
+                 "in FP8 and no decision")
 
 
 def checkpointed_core(entry: Mapping[str, Any]) -> Any:
@@ -113,6 +118,12 @@ class FP8Guard(Callback):
         self._table_keys = FitEndKeys(FALLBACKS_KEY)
 
     # events
+
+    def before_load(self, state: State, logger: Logger) -> None:
+        try:
+            accept_absent_state(type(self).__qualname__, _NO_DECISIONS)
+        except Exception:  # our bug: Composer's strict sharded load stays as it was
+            log.exception("fp8_guard: internal error preparing the checkpoint load")
 
     def fit_start(self, state: State, logger: Logger) -> None:
         stats = next((c for c in state.callbacks if isinstance(c, FP8Stats)), None)
@@ -435,3 +446,73 @@ def layer_flops(model: nn.Module, layers: Mapping[str, nn.Module],
         total = plan.total_flops
     return {layer: planned.get(layer, module_flops(m) / (total or 1))
             for layer, m in layers.items()}
+
+
+#: our callbacks whose entry a sharded checkpoint may lack: qualname -> the line that says so
+#: (None: the callback says it itself)
+_ABSENT_OK: dict[str, str | None] = {}
+
+
+def accept_absent_state(qualname: str, message: str | None) -> None:
+    """A sharded checkpoint saved without this callback (fp8_guard added after a divergence)
+    resumes with it starting empty. Composer's sharded load has torch.distributed.checkpoint fill
+    the state every callback reports before fit (composer/utils/checkpoint.py,
+    `load_sharded_checkpoint`: `state.state_dict()`), and DCP's default planner refuses a key
+    the checkpoint lacks (torch/distributed/checkpoint/default_planner.py,
+    `create_default_local_load_plan`); FSDP2Config has no load planner to set (its
+    `load_planner` is a read-only None, composer/utils/parallelism.py). So Composer's
+    `dist_cp_load`, which retries its own missing Adam key the same way, is wrapped once per
+    process: the template leaves out what the checkpoint lacks of our callbacks' entries only;
+    every other key stays as strict as before."""
+    _ABSENT_OK[qualname] = message
+    from composer.utils import checkpoint
+
+    load = getattr(checkpoint, "dist_cp_load", None)
+    if load is None or getattr(load, "_foundry_fp8", False):
+        return
+
+    @functools.wraps(load)
+    def dist_cp_load(state_dict: dict[str, Any], storage_reader: Any, *args: Any,
+                     **kwargs: Any) -> Any:
+        entries = state_dict.get("state", {}).get("callbacks")
+        if isinstance(entries, dict) and entries.keys() & _ABSENT_OK.keys():
+            saved = storage_reader.read_metadata().state_dict_metadata
+            where = getattr(storage_reader, "path", "the checkpoint")
+            for name in sorted(n for n in entries.keys() & _ABSENT_OK.keys() if entries[n]):
+                said = _ABSENT_OK[name]
+                if _drop_unsaved(entries, name, saved) and said is not None:
+                    log.warning(said, where)
+        return load(state_dict, storage_reader, *args, **kwargs)
+
+    dist_cp_load._foundry_fp8 = True  # type: ignore[attr-defined]
+    checkpoint.dist_cp_load = dist_cp_load
+
+
+def _drop_unsaved(entries: dict[str, Any], name: str, saved: Iterable[str]) -> bool:
+    """Leave out of `entries[name]` the values the checkpoint lacks (DCP's keys join dict keys
+    with '.'), and dicts emptied so; True when the checkpoint holds nothing of the entry (then
+    it is left out whole, and Composer does not call the callback's `load_state_dict`)."""
+    prefix = f"state.callbacks.{name}"
+    held = set()
+    for key in saved:
+        if key.startswith(prefix + "."):
+            parts = key.split(".")
+            held.update(".".join(parts[:i]) for i in range(4, len(parts) + 1))
+
+    def prune(node: dict[str, Any], path: str) -> None:
+        for key in list(node):
+            here, value = f"{path}.{key}", node[key]
+            if isinstance(value, dict) and value and here in held:
+                prune(value, here)
+                if not value:
+                    del node[key]
+            elif here not in held and value != {}:  # DCP loads nothing into an empty dict
+                del node[key]
+
+    entry = entries[name]
+    if not held:
+        del entries[name]
+        return True
+    if isinstance(entry, dict):
+        prune(entry, prefix)
+    return False

@@ -28,7 +28,7 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8 import emulate
-from foundry_fp8.composer.guard import FP8Guard, checkpointed_core
+from foundry_fp8.composer.guard import FP8Guard, accept_absent_state, checkpointed_core
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.fp8_meta import (
@@ -206,6 +206,8 @@ class FP8State(Callback):
     def before_load(self, state: State, logger: Logger) -> None:
         self._guarded(Event.BEFORE_LOAD, self._inert_extra_state_on_save, state.model)
         self._guarded(Event.BEFORE_LOAD, self._see_loaded_entries, state)
+        # a sharded checkpoint without fp8_state: said at AFTER_LOAD, as for any other
+        self._guarded(Event.BEFORE_LOAD, accept_absent_state, FP8State.__qualname__, None)
 
     def after_load(self, state: State, logger: Logger) -> None:
         self._guarded(Event.AFTER_LOAD, self._report_loaded_entries, state)
