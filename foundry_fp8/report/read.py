@@ -161,24 +161,44 @@ def _mode(path: Path, absent: str) -> int:
 #: How a file's first bytes tell a PyTorch checkpoint: a zip archive (torch.save since torch
 #: 1.6) or a pickle (protocol 2+ starts with PROTO, 0x80; the legacy format's magic number).
 CHECKPOINT_MAGIC = (b"PK\x03\x04", b"\x80")
+#: The first bytes of W&B's binary run file (`run-<id>.wandb`): wandb/sdk/internal/datastore.py
+#: LEVELDBLOG_HEADER_IDENT.
+WANDB_MAGIC = b":W&B"
 #: How many folders up from a folder without metrics.jsonl the report looks for the run's (a W&B
 #: run folder is `<run>/wandb/offline-run-.../files`).
 PARENTS_SEARCHED = 3
 
 
+def _run_above(folder: Path) -> Path | None:
+    """The nearest of `folder` and the folders above it (PARENTS_SEARCHED in all) holding
+    metrics.jsonl, as the user would type it (relative where `folder` was)."""
+    absolute = Path(os.path.normpath(folder.absolute()))  # the user's path, links kept
+    above = next((parent for parent in [absolute, *absolute.parents][:PARENTS_SEARCHED]
+                  if (parent / "metrics.jsonl").is_file()), None)
+    if above is not None and not folder.is_absolute():
+        above = Path(os.path.relpath(above))
+    return above
+
+
 def _not_metrics(path: Path) -> str | None:
     """What the regular file `path` plainly is instead of a metrics file, from its first bytes
-    (read before any line is: a checkpoint of gigabytes has no line to read)."""
+    (read before any line is: a checkpoint of gigabytes has no line to read), and where the
+    run's metrics file is when a folder above holds it."""
     try:
         with path.open("rb") as f:
             head = f.read(4)
     except OSError:
         return None  # the read itself says why
     if head.startswith(CHECKPOINT_MAGIC):
-        return (f"{path}: a {'zip archive' if head.startswith(b'PK') else 'pickle'} (a "
-                "checkpoint?), not a metrics file: the report reads the `jsonl` logger's "
-                "metrics.jsonl in the run folder")
-    return None
+        what = f"a {'zip archive' if head.startswith(b'PK') else 'pickle'} (a checkpoint?)"
+    elif head == WANDB_MAGIC:
+        what = "W&B's binary run file"
+    else:
+        return None
+    above = _run_above(path.parent)
+    where = (f"; the run's is in {above}: foundry-fp8 report {above}" if above is not None
+             else " in the run folder")
+    return f"{path}: {what}, not a metrics file: the report reads the `jsonl` logger's metrics.jsonl{where}"
 
 
 def _no_metrics_here(folder: Path) -> str:
@@ -188,11 +208,7 @@ def _no_metrics_here(folder: Path) -> str:
     kind = ("a W&B run folder" if wandb.exists() else
             "an MLflow store" if (folder / "meta.yaml").exists() or folder.name == "mlruns"
             or (folder / "0" / "meta.yaml").exists() else None)
-    absolute = Path(os.path.normpath(folder.absolute()))  # the user's path, links kept
-    above = next((parent for parent in list(absolute.parents)[:PARENTS_SEARCHED]
-                  if (parent / "metrics.jsonl").is_file()), None)
-    if above is not None and not folder.is_absolute():
-        above = Path(os.path.relpath(above))
+    above = _run_above(folder.parent)
     where = (f"; the run's is in {above}: foundry-fp8 report {above}" if above is not None
              else "; add `loggers: {jsonl: {}}` to the YAML" if kind else
              " (was the `jsonl` logger in the YAML?)")
