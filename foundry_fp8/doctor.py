@@ -24,6 +24,9 @@ from foundry_fp8.lint.registry import Finding
 from foundry_fp8.lint.rules.environment import environment_findings
 from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_effect
 
+#: The most characters of a variable's value a row shows (the finding quotes more).
+_ROW_VALUE_CHARS = 80
+
 
 def _rows(s: Snapshot) -> list[tuple[str, str]]:
     def shown(value: str | None, absent: str = "not installed") -> str:
@@ -35,7 +38,10 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
     gpu = "none" if not s.has_gpu else s.gpu_seen or f"{s.gpu_name} (compute capability " \
         f"{s.capability[0]}.{s.capability[1]})"
     if s.gpu_hidden:
-        gpu = f"{s.gpu_name}, hidden from CUDA by CUDA_VISIBLE_DEVICES={s.cuda_visible_devices!r}"
+        hiding = repr(s.cuda_visible_devices)
+        hiding = hiding if len(hiding) <= _ROW_VALUE_CHARS else \
+            hiding[:_ROW_VALUE_CHARS - 3] + "..."
+        gpu = f"{s.gpu_name}, hidden from CUDA by CUDA_VISIBLE_DEVICES={hiding}"
     elif not s.has_gpu and (s.gpu_error or s.gpu_name):
         gpu = f"unknown ({s.gpu_error})" if s.gpu_error else s.gpu_name
     te = shown(s.te)

@@ -170,3 +170,20 @@ def test_uuids_nvidia_smi_cannot_give_leave_the_gpu_unknown_among_the_listed(tmp
         "capability 9.0), unknown which: CUDA_VISIBLE_DEVICES='GPU-abc' not matched (nvidia-smi "
         "--query-gpu=uuid printed no UUID per GPU)")
     assert snapshot.capability == (8, 0)
+
+
+def test_a_long_cuda_visible_devices_keeps_the_gpu_row_one_short_line(tmp_path, monkeypatch,
+                                                                      capsys):
+    """QA: CUDA_VISIBLE_DEVICES='0,0,...' (6,000 characters, a repeated ordinal: every GPU
+    hidden) was printed whole in the GPU row."""
+    value = ",".join(["0"] * 3000)
+    snapshot = _snapshot(tmp_path, monkeypatch, [H100], value)
+    assert snapshot.gpu_hidden
+    from foundry_fp8 import doctor
+    from foundry_fp8.cli import main
+
+    monkeypatch.setattr(doctor, "gather_snapshot", lambda **_: snapshot)
+    main(["doctor"])
+    row, = (line for line in capsys.readouterr().out.splitlines() if line.startswith("GPU "))
+    assert row == ("GPU                  NVIDIA H100 80GB HBM3, hidden from CUDA by "
+                   "CUDA_VISIBLE_DEVICES=" + repr(value)[:77] + "...")
