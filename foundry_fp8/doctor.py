@@ -28,6 +28,12 @@ from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_effect
 _ROW_VALUE_CHARS = 80
 
 
+def _short(value: str | None) -> str:
+    """`value`'s repr, cut to _ROW_VALUE_CHARS."""
+    shown = repr(value)
+    return shown if len(shown) <= _ROW_VALUE_CHARS else shown[:_ROW_VALUE_CHARS - 3] + "..."
+
+
 def _rows(s: Snapshot) -> list[tuple[str, str]]:
     def shown(value: str | None, absent: str = "not installed") -> str:
         return value if value is not None else absent
@@ -38,10 +44,8 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
     gpu = "none" if not s.has_gpu else s.gpu_seen or f"{s.gpu_name} (compute capability " \
         f"{s.capability[0]}.{s.capability[1]})"
     if s.gpu_hidden:
-        hiding = repr(s.cuda_visible_devices)
-        hiding = hiding if len(hiding) <= _ROW_VALUE_CHARS else \
-            hiding[:_ROW_VALUE_CHARS - 3] + "..."
-        gpu = f"{s.gpu_name}, hidden from CUDA by CUDA_VISIBLE_DEVICES={hiding}"
+        gpu = f"{s.gpu_name}, hidden from CUDA by CUDA_VISIBLE_DEVICES=" \
+            f"{_short(s.cuda_visible_devices)}"
     elif not s.has_gpu and (s.gpu_error or s.gpu_name):
         gpu = f"unknown ({s.gpu_error})" if s.gpu_error else s.gpu_name
     te = shown(s.te)
@@ -56,7 +60,7 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
             ("flash-attn", shown(s.flash_attn)), ("accelerate", shown(s.accelerate)),
             ("deepspeed", shown(s.deepspeed))]
     if s.nvte_backward_override is not None:  # TE's, so it shows only where it is set
-        rows.append((BACKWARD_OVERRIDE_ENV, f"{s.nvte_backward_override!r}: "
+        rows.append((BACKWARD_OVERRIDE_ENV, f"{_short(s.nvte_backward_override)}: "
                      + backward_override_effect(s.nvte_backward_override, s.te_version)))
     return rows
 

@@ -65,3 +65,9 @@ def test_the_json_environment_holds_the_value(monkeypatch):
                            "--format", "json"], capture_output=True, text=True, timeout=300,
                           check=False)
     assert json.loads(done.stdout)["environment"]["nvte_backward_override"] == "dequantized"
+
+
+def test_a_long_value_is_cut_in_its_row(tmp_path):
+    row = _doctor_rows(tmp_path, "x" * 500, None)["NVTE_BACKWARD_OVERRIDE"].strip()
+    assert row == "'" + "x" * 76 + "...: refused by TransformerEngine >= 2.15 and the emulated " \
+        "backend: any FP8 recipe raises (it takes high_precision or dequantized)"
