@@ -198,6 +198,16 @@ MPT_WHOLE_NUMBERS: dict[str, tuple[str, int | None, bool]] = {
 #: build_text_dataloader's defaults that torch's DataLoader refuses with num_workers=0
 #: (llmfoundry/data/text_data.py; torch/utils/data/dataloader.py DataLoader.__init__).
 TEXT_LOADER_DEFAULTS = {"prefetch_factor": 2, "persistent_workers": True}
+#: The keys a `text` or `finetuning` loader section may hold: build_dataloader pops `name` and
+#: hands the rest to build_text_dataloader or build_finetuning_dataloader as keywords (both take
+#: these, llmfoundry/data/text_data.py, finetuning/dataloader.py, 0.21 and 0.22; `tokenizer` and
+#: `device_batch_size` are given by build_dataloader itself), any other raises TypeError.
+#: `label` names one of several eval loaders and is popped from a list's items alone
+#: (llmfoundry/utils/builders.py build_eval_loaders).
+LOADER_BUILDER_KEYS = frozenset({"name", "dataset", "drop_last", "num_workers", "pin_memory",
+                                 "prefetch_factor", "persistent_workers", "timeout"})
+LOADER_BUILDERS = ("text", "finetuning")
+EVAL_LOADER_LABEL = "label"
 
 #: FSDPConfig.activation_checkpointing_reentrant's default (composer/utils/parallelism.py).
 REENTRANT_DEFAULT = True

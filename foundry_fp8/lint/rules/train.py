@@ -19,8 +19,11 @@ from foundry_fp8.lint.config import (
     te_swap,
 )
 from foundry_fp8.lint.known import (
+    EVAL_LOADER_LABEL,
     FILLED_KEYS,
     FP8_RECIPE_FIX,
+    LOADER_BUILDER_KEYS,
+    LOADER_BUILDERS,
     MAPPING,
     MAPPINGS,
     MPT_MODEL_NAMES,
@@ -222,14 +225,22 @@ def oc_env_interpolation(config: Mapping[str, Any], ctx: LintContext) -> Iterato
 _LOADERS = ("train_loader", "eval_loader")
 
 
-def _text_loaders(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+def _loaders(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any], bool]]:
+    """(key, loader, listed) for each loader section; `listed`: one of several eval loaders."""
     for name in (*_LOADERS, "eval_loaders"):
         value = config.get(name)
-        items = [(name, value)] if isinstance(value, Mapping) else \
-            [(f"{name}.{i}", v) for i, v in enumerate(value)] if isinstance(value, list) else []
-        for key, loader in items:
-            if isinstance(loader, Mapping) and loader.get("name") == "text":
-                yield key, loader
+        items = [(name, value, False)] if isinstance(value, Mapping) else \
+            [(f"{name}.{i}", v, name != "train_loader") for i, v in enumerate(value)] \
+            if isinstance(value, list) else []
+        for key, loader, listed in items:
+            if isinstance(loader, Mapping):
+                yield key, loader, listed
+
+
+def _text_loaders(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    for key, loader, _ in _loaders(config):
+        if loader.get("name") == "text":
+            yield key, loader
 
 
 @rule("FP8018", "error", "text loader with `num_workers: 0` but prefetch/persistent workers",
@@ -237,7 +248,7 @@ def _text_loaders(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str,
       "and torch's DataLoader raises for either with num_workers 0.",
       source=f"{FOUNDRY} llmfoundry/data/text_data.py build_text_dataloader; torch 2.7.0 "
       "torch/utils/data/dataloader.py DataLoader.__init__",
-      fix="prefetch_factor: null and persistent_workers: false")
+      fix="prefetch_factor: null and persistent_workers: false", also=("eval",))
 def text_loader_without_workers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     wanted = {"prefetch_factor": "null", "persistent_workers": "false"}
     for key, loader in _text_loaders(config):
@@ -251,6 +262,40 @@ def text_loader_without_workers(config: Mapping[str, Any], ctx: LintContext) -> 
                 yield Hit(where, f"text loader with num_workers: 0 needs {option}: "
                           f"{wanted[option]} (LLM-Foundry's default is {default}; torch's "
                           "DataLoader raises)", fix=f"set {key}.{option}: {wanted[option]}")
+
+
+@rule("FP8047", "error", "a `text` or `finetuning` loader key its builder does not take "
+      "(`label` on a single `eval_loader` included), or one of several eval loaders without "
+      "`label`",
+      why="build_dataloader pops `name` and hands every other key of a loader section to "
+      "build_text_dataloader or build_finetuning_dataloader, which raise TypeError 'unexpected "
+      "keyword argument' for a key they do not take, once the tokenizer is built. `label` is "
+      "popped from the items of an `eval_loader` list alone; each of them needs one: train's "
+      "validate_config raises ValueError without it, eval's build_eval_loaders KeyError.",
+      source=f"{FOUNDRY} llmfoundry/data/dataloader.py build_dataloader, llmfoundry/data/"
+      "text_data.py build_text_dataloader, llmfoundry/data/finetuning/dataloader.py "
+      "build_finetuning_dataloader, llmfoundry/utils/builders.py build_eval_loaders "
+      "(label popped when is_multi_eval), llmfoundry/command_utils/train.py validate_config",
+      fix="fix the spelling or move the key under `dataset:`; give `label` to each item of an "
+      "eval_loader list, and to no single eval_loader", also=("eval",))
+def loader_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for key, loader, listed in _loaders(config):
+        if loader.get("name") not in LOADER_BUILDERS:
+            continue  # another registered builder: its keywords are its own
+        if listed and loader.get(EVAL_LOADER_LABEL) is None:
+            yield Hit(key, f"one of several eval loaders without `{EVAL_LOADER_LABEL}`: LLM-Foundry "
+                      "refuses it (train: ValueError 'each one must include the `label` "
+                      "attribute'; eval: KeyError)", fix=f"add `{EVAL_LOADER_LABEL}: <name>`")
+        for option in loader:
+            if not isinstance(option, str) or option in LOADER_BUILDER_KEYS or (
+                    listed and option == EVAL_LOADER_LABEL):
+                continue
+            hint = " (only the items of an `eval_loader` list take a label)" \
+                if option == EVAL_LOADER_LABEL else belongs_under(option, key) \
+                or did_you_mean(option, LOADER_BUILDER_KEYS)
+            yield Hit(join_key(key, option), f"the {loader['name']} loader's builder takes no "
+                      f"`{option}`: building it raises TypeError (unexpected keyword argument)"
+                      + hint, fix=move_fix(option, key) or f"remove `{option}`")
 
 
 def _item_fits(item: Any, shape: str) -> bool:
