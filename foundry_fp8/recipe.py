@@ -26,6 +26,12 @@ MIN_TE_CURRENT_SCALING = (2, 2)
 #: How messages write it (`te.facts.dotted`'s form, which this module cannot import).
 CURRENT_SCALING_TE = "TE >= " + ".".join(map(str, MIN_TE_CURRENT_SCALING))
 
+#: TE's environment variable for the backward's precision, and the values TE takes (from TE
+#: 2.15: `te.facts.TE_BACKWARD_OVERRIDE_FROM`, where what it does is written). Here because a
+#: recipe's own `backward_override` key is refused with a message naming it.
+BACKWARD_OVERRIDE_ENV = "NVTE_BACKWARD_OVERRIDE"
+BACKWARD_OVERRIDE_VALUES = ("high_precision", "dequantized")
+
 #: The FP8 formats' largest finite values and smallest subnormals (OCP FP8 spec; torch's
 #: `finfo(float8_e4m3fn).max`, `finfo(float8_e5m2).max`; E4M3: 2**-9, E5M2: 2**-16).
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -190,6 +196,12 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
         if key in REMOVED_TE_KEYS:
             problems.append(RecipeProblem(key, "TransformerEngine no longer accepts this key",
                                           REMOVED_TE_KEYS[key]))
+        elif key == "backward_override":
+            problems.append(RecipeProblem(
+                key, f"TransformerEngine takes it from {BACKWARD_OVERRIDE_ENV} (te_swap builds "
+                "TE's recipe without it, and the emulated backend reads the variable too)",
+                f"remove it and set {BACKWARD_OVERRIDE_ENV}="
+                f"{'|'.join(BACKWARD_OVERRIDE_VALUES)} in the environment, with scaling: current"))
         elif key in _TE_ONLY_KEYS:
             problems.append(RecipeProblem(
                 key, "a TransformerEngine recipe option that foundry-fp8 does not support (it "

@@ -64,7 +64,7 @@ def test_a_value_of_the_wrong_type_is_refused_even_when_it_equals_the_default():
 
 
 @pytest.mark.parametrize("key", ["fp8_dpa", "fp8_mha", "scaling_factor_compute_algo",
-                                 "backward_override", "fp8_gemm_fprop"])
+                                 "fp8_gemm_fprop"])
 def test_a_te_option_we_do_not_model_is_named_as_tes_not_unknown(key):
     """TE 2.20's DelayedScaling/Float8CurrentScaling take these
     (transformer_engine/common/recipe/__init__.py:253-261, 302-312); "unknown recipe key" sent
@@ -75,3 +75,16 @@ def test_a_te_option_we_do_not_model_is_named_as_tes_not_unknown(key):
     assert message.startswith(f"fp8_recipe.{key}: a TransformerEngine recipe option that "
                               "foundry-fp8 does not support")
     assert "\n" not in message and "use_power_2_scales" in message
+
+
+def test_backward_override_as_a_key_points_to_te_s_variable():
+    """TE's recipes take `backward_override` as a field whose default is NVTE_BACKWARD_OVERRIDE
+    (common/recipe/__init__.py:312 at release_v2.19); te_swap builds TE's recipe without the
+    key, so the variable is where it takes effect, and the emulation reads it too."""
+    with pytest.raises(RecipeError) as raised:
+        FP8Recipe.from_options({"scaling": "current", "backward_override": "high_precision"})
+    assert str(raised.value) == (
+        "fp8_recipe.backward_override: TransformerEngine takes it from NVTE_BACKWARD_OVERRIDE "
+        "(te_swap builds TE's recipe without it, and the emulated backend reads the variable "
+        "too) (fix: remove it and set NVTE_BACKWARD_OVERRIDE=high_precision|dequantized in the "
+        "environment, with scaling: current)")

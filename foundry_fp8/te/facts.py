@@ -6,7 +6,13 @@ rules, the doctor and `fp8_state` read these names, so a fact is written once.
 
 from __future__ import annotations
 
-from foundry_fp8.recipe import MIN_TE_CURRENT_SCALING, FP8Recipe, RecipeProblem
+from foundry_fp8.recipe import (
+    BACKWARD_OVERRIDE_ENV,
+    BACKWARD_OVERRIDE_VALUES,
+    MIN_TE_CURRENT_SCALING,
+    FP8Recipe,
+    RecipeProblem,
+)
 
 Version = tuple[int, ...]
 
@@ -63,9 +69,9 @@ TE_PICKLE_GUARD_FROM = (2, 18)
 #: (`dequantized`, l. 804-812), wgrad by the input cast to the activation dtype
 #: (`high_precision` saves the original input, l. 141-142) or its FP8 copy dequantized (l. 722-
 #: 727). te.LayerNormMLP refuses it (an assert in its forward, module/layernorm_mlp.py:246-250).
+#: The variable's name and values are `recipe.BACKWARD_OVERRIDE_ENV`/`BACKWARD_OVERRIDE_VALUES`
+#: (imported above), whose recipe messages name them.
 TE_BACKWARD_OVERRIDE_FROM = (2, 15)
-BACKWARD_OVERRIDE_ENV = "NVTE_BACKWARD_OVERRIDE"
-BACKWARD_OVERRIDE_VALUES = ("high_precision", "dequantized")
 
 #: FP8 GEMMs need Ada/Hopper (compute capability 8.9) or newer; on Ada (8.9) TE also wants torch
 #: built for CUDA >= 12.1 (TE `_compute_fp8_support`, pytorch/quantization.py; the same check
