@@ -285,3 +285,28 @@ def test_bad_recipe_names_the_key():
         MonitorConfig(recipe=["delayed"])
     assert MonitorConfig(recipe=None).recipe.scaling == "current"
     assert MonitorConfig(recipe="delayed").recipe.scaling == "delayed"  # issue 12.5
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_with_micro_batch_boundaries_every_micro_batch_counts_and_a_recompute_once(checkpointed):
+    """`next_microbatch` before each micro-batch's forward (fp8_stats calls it at Composer's
+    BEFORE_FORWARD): the step's amax is the largest over the 4 micro-batches and the NaNs of
+    micro-batch 3 are counted exactly, a recompute's second sighting not again. Reference: the
+    micro-batches' own tensors, reduced with plain torch."""
+    model = _emulated_model()
+    monitor = FP8Monitor(model, MonitorConfig())
+    base, gbase = _unit(16, 8, seed=0), _unit(16, 4, seed=1)
+    inputs = [base * (1.0 + micro) for micro in range(4)]
+    inputs[2][:3, 0] = float("nan")
+    monitor.start_step()
+    for x in inputs:
+        monitor.next_microbatch()
+        with fp8_autocast():
+            out = fp8_checkpoint(model, x) if checkpointed else model(x)
+        (out * gbase).sum().backward()
+    metrics = monitor.finish_step()
+    assert metrics[layer_key("amax", "activation", "0")] == \
+        max(float(x.nan_to_num(0.0).abs().max()) for x in inputs) == 4.0
+    assert metrics[layer_key("nan_count", "activation", "0")] == \
+        sum(int(x.isnan().sum()) for x in inputs) == 3
+    assert metrics[layer_key("amax", "weight", "0")] == float(model[0].weight.abs().max())
