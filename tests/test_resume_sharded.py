@@ -23,9 +23,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from foundry_fp8.composer.guard import DECISIONS, FP8Guard, accept_absent_state
 from foundry_fp8.composer.state import FP8State, FP8StateError
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
-from foundry_fp8.fp8_meta import read_fp8_meta
+from foundry_fp8.fp8_meta import read_fp8_meta, write_fp8_meta
 from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.te.extra_state import unstarted_delayed_state
 from tests.ranks import init_rank, run_ranks
+from tests.test_state_callback import SAVED, _LazyStateLinear
 
 RECIPE = FP8Recipe(scaling="delayed", amax_history_len=4)
 
@@ -134,3 +136,47 @@ def test_two_gloo_ranks_load_a_checkpoint_saved_without_fp8_guard(tmp_path):
     # DCP keeps rank 0's copy of a tensor both ranks saved under one key
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [
         {"w": [1.0, 1.0], "callbacks": []}] * 2
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_te_module_before_its_first_forward_takes_its_saved_state(tmp_path, strict, caplog):
+    """TE creates a module's scaling state in its first FP8 forward (TE 2.20
+    pytorch/module/base.py `init_fp8_metadata`), after Composer's sharded load: fp8_state's
+    template held no entry for it, its saved state stayed behind, and fp8_state took the module
+    for one added to FP8 (strict: the resume stopped; else: fresh scales, silently wrong)."""
+    saved_module = _LazyStateLinear(history_len=4)
+    saved_module.fp8_on = True
+    saved_module(torch.randn(2, 4))
+    write_fp8_meta(saved_module, SAVED)
+    saving = FP8State()
+    saving._model, saving._recipe = nn.Sequential(saved_module), RECIPE
+    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}},
+             checkpoint_id=tmp_path, no_dist=True)
+
+    module = _LazyStateLinear(history_len=4)  # a resumed run: no forward yet
+    loading = FP8State(strict=strict)
+    loading._model, loading._recipe = nn.Sequential(module), RECIPE
+    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
+    _load(template, str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        loading.load_state_dict(template["state"]["callbacks"]["FP8State"])
+    assert "differ" not in caplog.text
+    assert read_fp8_meta(module) == {}  # TE's state comes with its first FP8 forward
+    module.fp8_on = True
+    module(torch.randn(2, 4))
+    restored = read_fp8_meta(module)
+    assert restored.keys() == SAVED.keys()
+    for key, value in SAVED.items():
+        assert torch.equal(restored[key], value), key
+
+
+def test_the_fresh_te_state_has_tes_shapes_per_gemm():
+    """TE 2.20: LayerNormMLP runs 2 GEMMs (module/layernorm_mlp.py `prepare_forward(...,
+    num_gemms=2)`), 3 forward and 2 backward tensors each (module/base.py `set_meta_tensor`)."""
+    mlp = type("LayerNormMLP", (_LazyStateLinear,), {})(history_len=4)
+    shapes = {k: tuple(v.shape) for k, v in unstarted_delayed_state(mlp, 16).items()}
+    assert shapes == {"fwd_scale": (6,), "fwd_amax_history": (16, 6), "bwd_scale": (4,),
+                      "bwd_amax_history": (16, 4)}
+    linear = unstarted_delayed_state(_LazyStateLinear(), 16)
+    assert torch.equal(linear["fwd_scale"], torch.ones(3))
+    assert torch.equal(linear["bwd_amax_history"], torch.zeros(16, 2))

@@ -164,6 +164,31 @@ def test_deferred_restore_reports_a_recipe_that_does_not_fit(history_len, match,
     assert caplog.text.count(match) == 1 and not module._forward_pre_hooks
 
 
+def test_the_deferred_restore_runs_eagerly_under_torch_compile():
+    """LLM-Foundry's `compile_config` compiles the model: traced by Dynamo, the restore hook
+    went into TE's state creation (`init_fp8_metadata`, 4 graph breaks on CPU); it now runs
+    eagerly, as fp8_guard's and fp8_stats' hooks do, and still restores the saved state."""
+    compiling: list[bool] = []
+
+    class Recording(_LazyStateLinear):
+        def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+            compiling.append(torch.compiler.is_compiling())
+            super().init_fp8_metadata(num_gemms)
+
+    module = Recording(history_len=4)
+    model = nn.Sequential(module)
+    loader = FP8State()
+    loader._model = model
+    loader.load_state_dict({"modules": {"0": SAVED}})
+    compiled = torch.compile(model, backend="eager")
+    module.fp8_on = True
+    compiled(torch.randn(2, 4))
+    assert compiling and not compiling[0]  # the hook's call, before the forward's own
+    got = read_fp8_meta(module)
+    assert got.keys() == SAVED.keys() and all(torch.equal(got[k], v) for k, v in SAVED.items())
+    assert not module._forward_pre_hooks
+
+
 # -- TE's pickled _extra_state ---------------------------------------------------------------
 
 

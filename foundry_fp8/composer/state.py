@@ -55,9 +55,9 @@ from foundry_fp8.restore import (
     saved_recipe,
 )
 from foundry_fp8.te import backend as te_backend
-from foundry_fp8.te.extra_state import inert_extra_state_hook
+from foundry_fp8.te.extra_state import inert_extra_state_hook, unstarted_delayed_state
 from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
-from foundry_fp8.te.probe import is_te_module
+from foundry_fp8.te.probe import is_te_fp8_module, is_te_module
 from foundry_fp8.te.recompute import recompute_plan
 
 log = logging.getLogger(__name__)
@@ -361,12 +361,17 @@ class FP8State(Callback):
         """Histories not yet sized by a first FP8 forward are given the recipe's rows, all
         "no amax recorded": Composer's sharded load (FSDP `state_dict_type: sharded`, FSDP2's
         default) fills this state in place as its template (torch.distributed.checkpoint),
-        which refuses a saved `[len, n]` history into a `[0, n]` one."""
+        which refuses a saved `[len, n]` history into a `[0, n]` one. A TE module, which holds
+        no state before its first FP8 forward, is given the one that forward creates: left out,
+        its saved state stayed behind and fp8_state took it for a module added to FP8."""
         assert self._model is not None
         rows = self._recipe.amax_history_len if self._recipe is not None else 0
+        delayed = self._recipe is not None and self._recipe.scaling == "delayed"
         state: FP8ModuleState = {}
         for name, module in fp8_modules(self._model):
             tensors = read_fp8_meta(module)
+            if not tensors and delayed and rows and is_te_fp8_module(module):
+                tensors = unstarted_delayed_state(module, rows)  # TE before its first forward
             for key, value in tensors.items():
                 if key.endswith("_amax_history") and value.shape[0] == 0 and rows:
                     tensors[key] = value.new_zeros(rows, *value.shape[1:])
@@ -556,4 +561,6 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
             on_mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
                         f"{error}")
 
-    handle = module.register_forward_pre_hook(pre_hook)
+    # eager under torch.compile (`compile_config`), as fp8_guard's and fp8_stats' hooks: traced,
+    # Dynamo went into TE's state creation and broke the graph there (4 breaks on CPU)
+    handle = module.register_forward_pre_hook(torch.compiler.disable(pre_hook))
