@@ -17,12 +17,13 @@ from importlib import metadata
 from typing import Any, Literal
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedParameter
 from torch.optim import Optimizer
 
-from foundry_fp8.emulate import EmulatedFP8Linear
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_checkpoint
 from foundry_fp8.filters import block_index, fuse_reason, layernorm_reason, linear_reason
 from foundry_fp8.fp8_meta import canonical_modules, is_fp8_module
 from foundry_fp8.options import OptionError, Problem, SwapConfig
@@ -38,6 +39,12 @@ from foundry_fp8.te.probe import te_class_name
 #: LLM-Foundry sets these on linear layers (attention.py, ffn.py) and its param_init_fns read
 #: them, which matters when `init_device: meta` defers init until after the swap.
 KEPT_ATTRIBUTES = ("_fused", "_is_residual")
+
+#: transformers' gradient checkpointing (modeling_utils.py `_set_gradient_checkpointing`, 4.35
+#: to 4.51): every module with a true `gradient_checkpointing` flag recomputes its blocks through
+#: this attribute, `functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)`
+#: unless `gradient_checkpointing_kwargs` say otherwise.
+HF_CHECKPOINT_FUNC = "_gradient_checkpointing_func"
 
 Kind = Literal["linear", "layernorm", "ln_mlp", "tied_lm_head"]
 
@@ -89,6 +96,8 @@ class SwapPlan:
     #: The model's linear-GEMM FLOPs per token (`linear_flops`), of which each decision's
     #: `flops_share` is; counted before a wrapper (FSDP) shards the weights.
     total_flops: int = 0
+    #: Modules whose transformers gradient checkpointing recomputes with `fp8_checkpoint`.
+    recompute: tuple[str, ...] = ()
 
     @property
     def converted(self) -> list[Decision]:
@@ -558,8 +567,38 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
         te_modules += planned
     if not would_run_fp8(precision, te_modules, emulated):
         raise ValueError(_refusal(precision, plan))
+    checkpointed = _torch_checkpointed(model)
+    if checkpointed and plan.backend != "emulate":
+        raise ValueError(
+            f"te_swap: {checkpointed[0][0] or type(model).__name__} recomputes with "
+            "torch.utils.checkpoint (transformers' gradient_checkpointing_enable), outside TE's "
+            "FP8 autocast (TE #1190): give it TE's checkpoint instead, "
+            "model._set_gradient_checkpointing(True, transformer_engine.pytorch.checkpoint)")
     apply_swap(model, plan, optimizers=optimizers)
-    return plan
+    for _, module, function in checkpointed:
+        kwargs = {k: v for k, v in function.keywords.items() if k != "use_reentrant"}
+        setattr(module, HF_CHECKPOINT_FUNC, functools.partial(fp8_checkpoint, **kwargs))
+    return dataclasses.replace(plan, recompute=tuple(name for name, _, _ in checkpointed))
+
+
+def _torch_checkpointed(model: nn.Module) -> list[tuple[str, nn.Module, functools.partial]]:
+    """(name, module, its checkpoint function) for every module whose transformers gradient
+    checkpointing is on with torch's own checkpoint. That recomputes in the backward, outside
+    the FP8 autocast and after the forward scales moved: reentrant (transformers' default)
+    back-propagates through a high-precision recompute and never updates the backward scales,
+    non-reentrant fails with torch's "A different number of tensors was saved". A function of
+    the user's own (TE's checkpoint, ours) is left alone."""
+    found = []
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is not True:
+            continue
+        function = getattr(module, HF_CHECKPOINT_FUNC, None)
+        if function is torch.utils.checkpoint.checkpoint:
+            function = functools.partial(function)
+        if (isinstance(function, functools.partial) and not function.args
+                and function.func is torch.utils.checkpoint.checkpoint):
+            found.append((name, module, function))
+    return found
 
 
 def _refusal(precision: str, plan: SwapPlan) -> str:

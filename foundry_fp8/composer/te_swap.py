@@ -110,6 +110,10 @@ class TESwap(Algorithm):
         if precision == "amp_fp8":
             print(f"foundry_fp8 te_swap: ignore LLM-Foundry's warning '{FOUNDRY_FP8_WARNING}' "
                   f"above: {sum(fp8_module_counts(model))} modules run in FP8", flush=True)
+        if plan.recompute:
+            print(f"foundry_fp8 te_swap: transformers gradient checkpointing in "
+                  f"{', '.join(plan.recompute)} recomputes with foundry_fp8.emulate."
+                  "fp8_checkpoint (the forward's FP8 scales, TE #1190)", flush=True)
         if exporters:
             print(f"foundry_fp8 te_swap: {exporters} hf_checkpointer(s) export the plain model "
                   "its config names (TE's _extra_state left out, fused MLPs under MPT's names)",
