@@ -374,6 +374,9 @@ def _readable_log_ticks(ax: Any, low: float | None = None, high: float | None = 
         ax.yaxis.set_minor_formatter(FuncFormatter(plain if high / low < 10 else two_and_five))
 
 
+#: Points a series line marks one by one; past it the line alone (a marker per logging step of
+#: a long run is most of the picture's drawing time, and they merge into a thick line anyway).
+MARKED_POINTS = 200
 #: Characters a line of a series row's y label holds: a row is 2.1 inches high (`draw_series`),
 #: about 34 characters of the labels' 8-point type.
 YLABEL_CHARS = 30
@@ -398,7 +401,8 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]],
             lines = [(steps, drawable(values).tolist()) for steps, values in
                      (series(run, layer, tensor, stat) for layer, _ in chosen)]
             for k, ((layer, why), (steps, values)) in enumerate(zip(chosen, lines, strict=True)):
-                ax.plot(steps, values, marker="o", ms=2.5, lw=1.2, color=f"C{k % 10}",
+                ax.plot(steps, values, marker="o" if len(steps) <= MARKED_POINTS else None,
+                        ms=2.5, lw=1.2, color=f"C{k % 10}",
                         label=text(labels[layer] + (f" ({why})" if why else "")))
             # no log axis without a positive value to place on it (matplotlib warns)
             log = spec(stat).log and any(v > 0 for _, values in lines for v in values)
