@@ -125,15 +125,26 @@ def gemm_flops(in_features: int, out_features: int) -> int:
 
 def module_flops(module: nn.Module) -> int:
     """Forward GEMM FLOPs per token of a GEMM module: an `nn.Linear` (our EmulatedFP8Linear
-    too) by its features, one of TE's GEMM modules by its 2-D weights (`weight`; a
+    too) or transformers' `Conv1D` by its features, one of TE's GEMM modules by its 2-D weights (`weight`; a
     LayerNormMLP's `fc1_weight` and `fc2_weight`); 0 for any other module."""
     if isinstance(module, nn.Linear):
         return gemm_flops(module.in_features, module.out_features)
+    if (features := conv1d_features(module)) is not None:
+        return gemm_flops(*features)
     if te_class_name(module) is None:
         return 0
     weights = (getattr(module, name, None) for name in ("weight", "fc1_weight", "fc2_weight"))
     return sum(gemm_flops(w.shape[1], w.shape[0]) for w in weights
                if isinstance(w, torch.Tensor) and w.dim() == 2)
+
+
+def conv1d_features(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of transformers' `Conv1D` (GPT-2's and GPT's linear layers:
+    `x @ weight + bias` with weight [in, out], transformers/pytorch_utils.py), else None. Read
+    by name, without importing transformers."""
+    if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers."):
+        return module.nx, module.nf
+    return None
 
 
 def linear_flops(model: nn.Module) -> int:
@@ -187,8 +198,8 @@ def _peft_adapters(model: nn.Module) -> dict[str, str]:
     """{name: why kept} for the modules of PEFT adapters (LoRA's `lora_A`/`lora_B`, ...), which
     stay in high precision: they are the few trainable weights of a fine-tune (a rank-16 LoRA's
     pass TE's shape rule, and its `lora_B`, zero at init, has no amax history to scale by),
-    while the frozen `base_layer` they wrap converts. PEFT's tuner layers name their adapter
-    containers in `adapter_layer_names` (peft 0.16 tuners/tuners_utils.py:692,
+    while the frozen `base_layer` they wrap is planned as any layer. PEFT's tuner layers name
+    their adapter containers in `adapter_layer_names` (peft 0.16 tuners/tuners_utils.py:692,
     BaseTunerLayer), read here without importing PEFT."""
     kept: dict[str, str] = {}
     for name, layer in model.named_modules():
@@ -198,8 +209,8 @@ def _peft_adapters(model: nn.Module) -> dict[str, str]:
                 continue
             prefix = f"{name}.{attr}" if name else attr
             for sub, _ in container.named_modules(prefix=prefix):
-                kept[sub] = (f"PEFT adapter ({attr}): trainable, kept in high precision; "
-                             "its frozen base_layer runs in FP8")
+                kept[sub] = (f"PEFT adapter ({attr}): trainable, kept in high precision "
+                             "(its frozen base_layer is planned as any layer)")
     return kept
 
 
@@ -280,6 +291,11 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
             decisions.append(Decision(name, "linear", reason is None, reason or "converted",
                                       module.in_features, module.out_features, _n_params(module),
                                       module_flops(module), already_fp8=already))
+        elif (features := conv1d_features(module)) is not None:
+            decisions.append(Decision(
+                name, "linear", False, "transformers Conv1D (GPT-2's linear, weight stored "
+                "[in, out]): te_swap converts nn.Linear only", *features, _n_params(module),
+                module_flops(module)))
         elif (te_class := te_class_name(module)) is not None:
             decisions.append(_te_decision(name, module, te_class, precision))
         elif config.convert_layernorm and isinstance(module, nn.LayerNorm):
