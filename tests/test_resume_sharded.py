@@ -20,7 +20,7 @@ from composer.utils import checkpoint
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from foundry_fp8.composer.guard import DECISIONS, FP8Guard, accept_absent_state
+from foundry_fp8.composer.guard import DECISIONS, FP8Guard
 from foundry_fp8.composer.state import FP8State, FP8StateError
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.fp8_meta import read_fp8_meta, write_fp8_meta
@@ -35,8 +35,8 @@ RECIPE = FP8Recipe(scaling="delayed", amax_history_len=4)
 @pytest.fixture(autouse=True)
 def _installed():
     """What the callbacks do at BEFORE_LOAD (each run's Trainer constructor)."""
-    accept_absent_state(FP8Guard.__qualname__, "fp8_guard: %s holds no fp8_guard state")
-    accept_absent_state(FP8State.__qualname__, None)
+    FP8Guard().before_load(None, None)  # type: ignore[arg-type]  # reads neither
+    FP8State.accept_sharded_checkpoints()
 
 
 def _fp8_state(layers: int, trained: bool) -> tuple[nn.Module, FP8State]:
@@ -70,8 +70,8 @@ def test_a_checkpoint_saved_without_fp8_guard_and_fp8_state_loads_into_a_run_wit
     assert torch.equal(template["state"]["callbacks"]["Other"]["n"], torch.ones(1))
     # no entry: Composer calls neither callback's load_state_dict (composer/core/state.py)
     assert set(template["state"]["callbacks"]) == {"Other"}
-    assert [r.getMessage() for r in caplog.records if r.name.startswith("foundry_fp8")] == [
-        f"fp8_guard: {tmp_path} holds no fp8_guard state"]
+    [said] = [r.getMessage() for r in caplog.records if r.name.startswith("foundry_fp8")]
+    assert said.startswith(f"fp8_guard: {tmp_path} holds no fp8_guard state (saved without")
 
 
 def test_another_key_the_checkpoint_lacks_is_still_refused(tmp_path):
@@ -120,7 +120,7 @@ def test_an_fp8_module_the_checkpoint_lacks_is_fp8_states_own_one_line_error(tmp
 
 def _two_rank_worker(rank: int, rendezvous: str, folder: str, out: str) -> None:
     init_rank(rank, rendezvous)
-    accept_absent_state(FP8Guard.__qualname__, "fp8_guard: %s holds no fp8_guard state")
+    FP8Guard().before_load(None, None)  # type: ignore[arg-type]
     dcp.save({"state": {"model": {"w": torch.full((2,), rank + 1.0)}}}, checkpoint_id=folder)
     template = {"state": {"model": {"w": torch.zeros(2)},
                           "callbacks": {"FP8Guard": FP8Guard().state_dict()}}}
@@ -180,3 +180,28 @@ def test_the_fresh_te_state_has_tes_shapes_per_gemm():
     linear = unstarted_delayed_state(_LazyStateLinear(), 16)
     assert torch.equal(linear["fwd_scale"], torch.ones(3))
     assert torch.equal(linear["bwd_amax_history"], torch.zeros(16, 2))
+
+
+def test_per_rank_states_in_a_sharded_checkpoint_are_read(tmp_path, caplog):
+    """`reduce_amax: false`: each rank's state differs and is saved under `ranks`. Before fit
+    every rank's state is the same, so the template had no `ranks` and DCP restored rank 0's
+    state everywhere; on another number of ranks nothing was combined. Here 2 saved ranks
+    resume on 1: histories combined as TE's amax reduction would (elementwise max)."""
+    _, saving = _fp8_state(1, trained=True)
+    full = saving.state_dict()["modules"]
+    half = {n: {k: v / 2 if k.endswith("_amax_history") else v for k, v in t.items()}
+            for n, t in full.items()}
+    dcp.save({"state": {"callbacks": {"FP8State": {
+        "modules": half, "ranks": [half, full], "recipe": RECIPE.as_config()}}}},
+        checkpoint_id=tmp_path, no_dist=True)
+    model, loading = _fp8_state(1, trained=False)
+    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
+    _load(template, str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        loading.load_state_dict(template["state"]["callbacks"]["FP8State"])
+    assert "combined" in caplog.text
+    restored = read_fp8_meta(model[0])
+    for key in ("fwd_amax_history", "bwd_amax_history"):
+        want = torch.maximum(half["0"][key], full["0"][key])[1:]  # row 0 is not restored
+        assert torch.equal(restored[key][1:], want), key
+        assert not torch.equal(want, half["0"][key][1:])  # rank 0's alone would differ

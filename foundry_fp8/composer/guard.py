@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
@@ -448,12 +448,13 @@ def layer_flops(model: nn.Module, layers: Mapping[str, nn.Module],
             for layer, m in layers.items()}
 
 
-#: our callbacks whose entry a sharded checkpoint may lack: qualname -> the line that says so
-#: (None: the callback says it itself)
-_ABSENT_OK: dict[str, str | None] = {}
+#: our callbacks whose entry a sharded checkpoint may lack: qualname -> (the line that says so,
+#: None: the callback says it itself; what completes its template, `accept_absent_state`)
+_ABSENT_OK: dict[str, tuple[str | None, Callable[[dict, list[str]], None] | None]] = {}
 
 
-def accept_absent_state(qualname: str, message: str | None) -> None:
+def accept_absent_state(qualname: str, message: str | None,
+                        complete: Callable[[dict, list[str]], None] | None = None) -> None:
     """A sharded checkpoint saved without this callback (fp8_guard added after a divergence)
     resumes with it starting empty. Composer's sharded load has torch.distributed.checkpoint fill
     the state every callback reports before fit (composer/utils/checkpoint.py,
@@ -463,8 +464,10 @@ def accept_absent_state(qualname: str, message: str | None) -> None:
     `load_planner` is a read-only None, composer/utils/parallelism.py). So Composer's
     `dist_cp_load`, which retries its own missing Adam key the same way, is wrapped once per
     process: the template leaves out what the checkpoint lacks of our callbacks' entries only;
-    every other key stays as strict as before."""
-    _ABSENT_OK[qualname] = message
+    every other key stays as strict as before. `complete(entry, keys)`, given the checkpoint's
+    keys of the entry (below its name), adds to the template what the state before fit cannot
+    know the checkpoint holds."""
+    _ABSENT_OK[qualname] = (message, complete)
     from composer.utils import checkpoint
 
     load = getattr(checkpoint, "dist_cp_load", None)
@@ -479,7 +482,11 @@ def accept_absent_state(qualname: str, message: str | None) -> None:
             saved = storage_reader.read_metadata().state_dict_metadata
             where = getattr(storage_reader, "path", "the checkpoint")
             for name in sorted(n for n in entries.keys() & _ABSENT_OK.keys() if entries[n]):
-                said = _ABSENT_OK[name]
+                said, complete = _ABSENT_OK[name]
+                if complete is not None and isinstance(entries[name], dict):
+                    prefix = f"state.callbacks.{name}."
+                    complete(entries[name], [k[len(prefix):] for k in saved
+                                             if k.startswith(prefix)])
                 if _drop_unsaved(entries, name, saved) and said is not None:
                     log.warning(said, where)
         return load(state_dict, storage_reader, *args, **kwargs)

@@ -206,8 +206,13 @@ class FP8State(Callback):
     def before_load(self, state: State, logger: Logger) -> None:
         self._guarded(Event.BEFORE_LOAD, self._inert_extra_state_on_save, state.model)
         self._guarded(Event.BEFORE_LOAD, self._see_loaded_entries, state)
-        # a sharded checkpoint without fp8_state: said at AFTER_LOAD, as for any other
-        self._guarded(Event.BEFORE_LOAD, accept_absent_state, FP8State.__qualname__, None)
+        self._guarded(Event.BEFORE_LOAD, self.accept_sharded_checkpoints)
+
+    @staticmethod
+    def accept_sharded_checkpoints() -> None:
+        """A sharded checkpoint without fp8_state loads (said at AFTER_LOAD, as for any other),
+        and its per-rank states are read."""
+        accept_absent_state(FP8State.__qualname__, None, per_rank_template)
 
     def after_load(self, state: State, logger: Logger) -> None:
         self._guarded(Event.AFTER_LOAD, self._report_loaded_entries, state)
@@ -508,6 +513,21 @@ class FP8State(Callback):
                            + "; ".join(shapes), "those modules not restored")
         log.info("fp8_state: restored amax history and scales of %d modules",
                  len(checked) - len(shapes))
+
+
+def per_rank_template(entry: dict[str, Any], saved: list[str]) -> None:
+    """The per-rank states (`ranks`) a sharded checkpoint holds, added to fp8_state's load
+    template: before fit every rank's state is the same, so `state_dict` has no `ranks`, and
+    DCP, which reads only what the template asks for, restored rank 0's state on every rank
+    (and combined nothing on another number of ranks). Each rank's saved state has the modules
+    and shapes of `modules` (one model, one recipe)."""
+    indexes = {int(k.split(".")[1]) for k in saved
+               if k.startswith("ranks.") and k.split(".")[1].isdigit()}
+    modules = entry.get("modules")
+    if indexes and "ranks" not in entry and isinstance(modules, dict):
+        entry["ranks"] = [{name: {k: v.clone() for k, v in tensors.items()}
+                           for name, tensors in modules.items()}
+                          for _ in range(max(indexes) + 1)]
 
 
 def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
