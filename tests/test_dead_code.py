@@ -26,7 +26,6 @@ ALLOWED = {
     ("foundry_fp8/fault.py", "inject_outlier"): "a train config llmfoundry reads",
     ("foundry_fp8/fault.py", "save_interval"): "a train config llmfoundry reads",
     # public API for users' own training loops (README)
-    ("foundry_fp8/emulate.py", "fp8_checkpoint"): "public API",
     ("foundry_fp8/numerics.py", "tensor_stats"): "public API (foundry_fp8.tensor_stats)",
     ("foundry_fp8/numerics.py", "quantize_dequantize"): "public API (foundry_fp8.quantize_dequantize)",
 }
