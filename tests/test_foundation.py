@@ -4,9 +4,11 @@ tiny MPT really trains through LLM-Foundry's `train` on CPU, logging to W&B (off
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import catalogue
 import pytest
@@ -98,3 +100,68 @@ def test_jsonl_logger_writes_on_rank_zero_only(tmp_path, monkeypatch):
         logger.init(SimpleNamespace(run_name="r"), None)
         logger.log_metrics({"loss": 1.5 + rank}, step=3)
     assert list(read_jsonl(tmp_path / "r" / "metrics.jsonl")) == [(3, {"loss": 1.5})]
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _demo_module():
+    """scripts/demo.py (`make run`'s job), loaded from its file: scripts/ is no package."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", REPO_ROOT / "scripts" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _streaming_s_race_line(monkeypatch) -> str:
+    """The last line of a traceback from streaming's own get_shm_prefix when another process
+    created the prefix it picked between its check and its create (what broke a `make run`)."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    from streaming.base.shared import prefix
+    from streaming.base.world import World
+
+    taken = 900000 + os.getpid() % 90000
+    other = SharedMemory(prefix._get_path(taken, "locals"), create=True, size=8)
+    monkeypatch.setattr(prefix, "_check_and_find_retrying", lambda *args, **kwargs: taken)
+    try:
+        with pytest.raises(FileExistsError) as raised:
+            prefix.get_shm_prefix(["/tmp/qa-local"], [None], World.detect())
+    finally:
+        other.close()
+        other.unlink()
+    return f"[rank0]: {type(raised.value).__name__}: {raised.value}"
+
+
+def test_make_run_trains_again_once_after_losing_streaming_s_shared_memory_race(
+        monkeypatch, tmp_path):
+    demo = _demo_module()
+    race = _streaming_s_race_line(monkeypatch)
+    calls = []
+
+    def fake_run(cmd, stdout, stderr):
+        calls.append(cmd)
+        stdout.write("Building train loader...\n" + (race if len(calls) == 1 else "done") + "\n")
+        return subprocess.CompletedProcess(cmd, 1 if len(calls) == 1 else 0)
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    demo._train(tmp_path, tmp_path, "tiny")
+    assert len(calls) == 2
+
+
+def test_make_run_stops_at_any_other_failure(monkeypatch, tmp_path):
+    demo = _demo_module()
+    calls = []
+
+    def fake_run(cmd, stdout, stderr):
+        calls.append(cmd)
+        # jsonl's own FileExistsError (foundry_fp8/jsonl.py): not the race, not retried
+        stdout.write("[rank0]: FileExistsError: /tmp/x/metrics.jsonl.aside exists\n")
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit, match="training failed"):
+        demo._train(tmp_path, tmp_path, "tiny")
+    assert len(calls) == 1
