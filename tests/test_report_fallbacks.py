@@ -30,6 +30,8 @@ def write_run(folder: Path, layers: tuple[str, ...] = (L0, L1, L2)) -> Path:
         metrics = {layer_key(stat, tensor, layer): value + (stat == "underflow_pct") * (
                        0.01 * step + ((layer, tensor) == (L1, "activation")))
                    for layer in layers for tensor in TENSORS for stat, value in HEALTHY.items()}
+        if L1 in layers:  # over 5 % at every step, worst at step 20 (in high precision)
+            metrics[layer_key("underflow_pct", "activation", L1)] = 9.0 if step == 20 else 6.0
         sink.write(step, {"loss/train/total": 3.0, **metrics})
     return folder
 
@@ -88,6 +90,22 @@ def test_heatmaps_and_tables_mark_what_fp8_guard_ran_in_high_precision(tmp_path,
                 mark = " (what-if)" if (layer, tensor) in marked_rows else ""
                 assert re.search(rf"^\| {re.escape(layer)} \| {tensor}{re.escape(mark)} \|",
                                  text, re.M), (layer, tensor, mark)
+    # the flagged row: how many of its flagged steps were what-if numbers, and its worst's step
+    series = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        value = record["metrics"].get(layer_key("underflow_pct", "activation", L1))
+        if value is not None:
+            series[record["step"]] = value
+    over = [step for step, value in series.items() if value > 5]
+    whatif = [step for step in over if (L1, "activation", step) in cells]
+    worst_step = max(series, key=series.get)
+    assert (len(over), len(whatif), worst_step) == (6, 2, 20)
+    assert (f"| {L1} (high precision from step 11 to 30: fp8_guard) | activation | underflow_pct "
+            f"| 9 % (what-if step {worst_step}) | 0 | {len(over)} of {len(series)}, "
+            f"{len(whatif)} of them what-if |") in md
+    assert (f"'{L1}' activation: underflow_pct 9 % at what-if step {worst_step} (> 5 %; "
+            f"{len(over)} of {len(series)} steps, {len(whatif)} of them what-if)") in out
     worst = md.split("## Worst layers", 1)[1].split("\n## ", 1)[0]
     assert f"`{L1}` activation (what-if) mean" in worst and f"`{L0}` activation mean" in worst
 

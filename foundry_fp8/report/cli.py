@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         change = f"Change: {key}" if w.layer not in fallen else in_high_precision(
             "it", fallen[w.layer]) + (f"{TO_FP8}{key}" if runs_in_fp8(w.yaml_key) else "")
         return (f"{names[w.layer]!r} {kinds[w.tensor]}: {bounded(w.stat)} {fmt(w.stat, w.value)} "
-                f"at step {w.step} ({w.limit}; {f.steps} of {f.logged} steps). Likely cause: "
+                f"at {f.worst_at()} ({w.limit}; {f.counted(' steps')}). Likely cause: "
                 f"{w.cause}. {change}")
 
     print(f"{len(found)} flagged" + "".join(f"\n  {line(f)}" for f in found[:MAX_PRINTED]))

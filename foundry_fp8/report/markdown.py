@@ -41,6 +41,17 @@ class Finding:
     first_step: int  # the logging step it was first flagged at
     steps: int  # logging steps flagged
     logged: int  # judged logging steps of this tensor
+    whatif: int = 0  # of the flagged steps, those fp8_guard ran the layer in high precision
+    worst_whatif: bool = False  # the worst value is a what-if one
+
+    def counted(self, unit: str = "") -> str:
+        """`5 of 7`, and how many of them were what-if numbers (`, 4 of them what-if`)."""
+        return f"{self.steps} of {self.logged}{unit}" + (
+            f", {self.whatif} of them what-if" if self.whatif else "")
+
+    def worst_at(self) -> str:
+        """`step 25`, `what-if step 25` where fp8_guard ran the layer in high precision."""
+        return ("what-if " if self.worst_whatif else "") + f"step {self.worst.step}"
 
 
 def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
@@ -54,7 +65,9 @@ def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
                       if l_ == layer and t_ == tensor
                       for step in run.judged(layer, tensor, by_step)})
         worst = max(group, key=lambda f: badness(f.stat, f.value))
-        found.append(Finding(worst, group[0].step, len(group), max(logged, 1)))
+        whatif = [(layer, tensor, f.step) in run.high_precision for f in group]
+        found.append(Finding(worst, group[0].step, len(group), max(logged, 1), sum(whatif),
+                             (layer, tensor, worst.step) in run.high_precision))
     return sorted(found, key=lambda f: (-f.steps / f.logged, f.first_step))
 
 
@@ -237,8 +250,8 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                 change = md_escape(in_high_precision("it", since)) + (
                     f"{TO_FP8}{change}" if runs_in_fp8(w.yaml_key) else "")
             lines.append(f"| {layer} | {md_escape(kinds[w.tensor])} | {md_escape(bounded(w.stat))} | "
-                         f"{fmt(w.stat, w.value)} (step {w.step}) | {f.first_step} | "
-                         f"{f.steps} of {f.logged} | {md_escape(w.cause)} | {change} |")
+                         f"{fmt(w.stat, w.value)} ({f.worst_at()}) | {f.first_step} | "
+                         f"{f.counted()} | {md_escape(w.cause)} | {change} |")
     else:
         lines.append("No layer crosses a threshold.")
     if guard is not None:
