@@ -87,3 +87,53 @@ def test_fp8_guards_records_are_keys_mlflow_keeps(tmp_path):
         mlflow.log_params(records, synchronous=False)
     params = MlflowClient().get_run(run.info.run_id).data.params
     assert params == {key: str(value) for key, value in records.items()}
+
+
+class _TEDebugStub:
+    """fp8_stats' TE debug session (TE is not installed here) as far as the callback sees it:
+    at each logging step's `step()` it hands over one statistic under the name
+    `te.debug.metric_name` gives TE's `underflows%`."""
+
+    NAME = "fp8_te_underflows%/activation/module.0"
+
+    def __init__(self, sink) -> None:
+        self.sink = sink
+
+    def name_layers(self, modules) -> None:
+        pass
+
+    def step(self) -> None:
+        self.sink(self.NAME, 0.5)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_metric_name_mlflow_refuses_costs_mlflow_nothing_else(tmp_path, caplog):
+    """A `%` in a name (TE's `underflows%` under `te_debug`): MLflow's asynchronous queue
+    dropped the whole batch with it, every FP8 series and Composer's loss of those steps (the
+    run held no metric at all). Now that name alone stays out of MLflow, with one warning;
+    read back with MLflow's client."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    trainer, logger = _trainer(tmp_path, 1, "percent")
+    stats = next(c for c in trainer.state.callbacks if isinstance(c, FP8Stats))
+    stats.te_debug = _TEDebugStub(stats._te_metrics.__setitem__)
+    with caplog.at_level(logging.WARNING):
+        trainer.fit()
+        trainer.close()
+    client = MlflowClient(tracking_uri=f"file://{tmp_path}/mlruns")
+    run_id = client.get_run(logger._run_id).info.run_id
+
+    def steps(key: str) -> list[int]:
+        return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+    assert steps("loss/train/total") == [0, 1, 2, 3]
+    assert steps("fp8_amax/activation/module.0") == [0, 2]
+    assert steps("fp8_amax/gradient/module.1") == [0, 2]
+    warned = [r.getMessage() for r in caplog.records if "MLflow refuses" in r.getMessage()]
+    assert warned == [f"fp8_stats: MLflow refuses the metric names {_TEDebugStub.NAME}; they "
+                      "are left out of MLflow only (every other logger gets them), so that "
+                      "MLflow does not drop the step's other metrics with them"]

@@ -53,6 +53,48 @@ def _warn(destination: LoggerDestination, kind: str, who: str, error: Exception)
                 kind, type(error).__name__, error, exc_info=error)
 
 
+#: Per metric name MLflow would be sent, whether it accepts it (checked once per name).
+_mlflow_names: dict[str, bool] = {}
+
+
+def mlflow_accepted(destination: LoggerDestination, metrics: dict[str, float],
+                    who: str) -> dict[str, float]:
+    """`metrics` without the names an MLflow destination refuses (MLflow's own check,
+    mlflow/utils/validation.py `_validate_metric_name`: a `%` in TE's `underflows%`, ...), warned
+    once per destination. Composer's MLflow logger logs asynchronously by default, and MLflow's
+    queue drops the whole batch holding a refused name: every metric of the step, Composer's
+    loss queued with them included ("Failed to log run data", a log line of MLflow's thread)."""
+    from composer.loggers import MLFlowLogger
+
+    if not isinstance(destination, MLFlowLogger):
+        return metrics
+    try:
+        from mlflow.utils.validation import _validate_metric_name
+    except ImportError:  # another MLflow: its own check decides
+        return metrics
+
+    def accepted(name: str) -> bool:
+        if name not in _mlflow_names:
+            try:
+                _validate_metric_name(name)
+                _mlflow_names[name] = True
+            except Exception:
+                _mlflow_names[name] = False
+        return _mlflow_names[name]
+
+    refused = [key for key in metrics if not accepted(destination.rename(key))]
+    if not refused:
+        return metrics
+    kinds = _warned.setdefault(id(destination), (destination, set()))[1]
+    if "names" not in kinds:
+        kinds.add("names")
+        log.warning("%s: MLflow refuses the metric names %s%s; they are left out of MLflow only "
+                    "(every other logger gets them), so that MLflow does not drop the step's "
+                    "other metrics with them", who, ", ".join(refused[:3]),
+                    f" and {len(refused) - 3} more" if len(refused) > 3 else "")
+    return {key: value for key, value in metrics.items() if key not in refused}
+
+
 #: The longest hyperparameter value every logger keeps whole: MLflow cuts a param's value at
 #: 6000 characters (mlflow/utils/validation.py, MAX_PARAM_VAL_LENGTH) with only its own warning.
 HPARAM_MAX_CHARS = 6000

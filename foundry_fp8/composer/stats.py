@@ -14,7 +14,7 @@ from composer.core import Callback, State, TimeUnit
 from composer.loggers import ConsoleLogger, Logger, LoggerDestination
 from composer.utils import dist
 
-from foundry_fp8.composer.destinations import FitEndKeys, capped, deliver
+from foundry_fp8.composer.destinations import FitEndKeys, capped, deliver, mlflow_accepted
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
@@ -310,6 +310,7 @@ class FP8Stats(Callback):
         def send(destination: LoggerDestination) -> None:
             shown = summary if _console(destination) and not self.console_layers else {
                 **summary, **layers}
+            shown = mlflow_accepted(destination, shown, "fp8_stats")
             if shown:
                 destination.log_metrics(shown, step)
 
