@@ -78,6 +78,7 @@ class FP8Stats(Callback):
     """FP8 health of every selected linear layer, every `interval` batches between `start` and
     `end` (and at `dump_steps`, where it also saves the tensors), pooled over ranks and logged by
     rank 0 at the batch's own step (the step of Composer's `loss/train/total` for that batch).
+    Under gradient accumulation a step's statistics are those of all its micro-batches.
 
     Keys it logs (`health.keys`), per logging step:
 
@@ -92,7 +93,8 @@ class FP8Stats(Callback):
       `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast: on every
       destination except the console unless `console_layers: true`;
     - with `te_debug`, TE's own statistics `fp8_te_<stat>/<tensor>/<layer>` (`<stat>` is TE's
-      name: `underflows%`, `scale_inv_min`, ...), where the per-layer series go;
+      name: `underflows%`, `scale_inv_min`, ...), where the per-layer series go (not to
+      MLflow, which refuses the `%`: `destinations.mlflow_accepted`);
     - every `image_interval` batches (at the first logging step from each multiple on) and at
       fit end: one layers x logging steps heatmap per statistic, `fp8_heatmap/<stat>`
       (`Logger.log_images`, the last `IMAGE_STEPS` logging steps), and the per-layer table of
