@@ -129,3 +129,28 @@ def test_numbers_in_the_cells_of_a_small_run_read_as_the_report_prints_them():
     x, y = at.cell(1, 0, 0)
     assert (image[y:y + at.cell_h, x:x + at.cell_w] == GREY).all()  # nothing on grey
     assert not layout(heatmap(mpt_run(24, 20), "cos_sim", Thresholds())).cells  # too many
+
+
+def test_rows_marked_high_precision_in_a_step_s_table_are_hatched_there_only():
+    """What fp8_stats keeps per logging step (`add_table` of `{(layer, tensor): {stat: value}}`)
+    can mark a row `high_precision` = 1, as `initial_scale` marks delayed scaling's first cast:
+    those cells, and no other, get the hatching's 1-pixel lines (QA s15: a layer fp8_guard ran
+    in high precision looked like an FP8 layer in the W&B images)."""
+    from foundry_fp8.health.keys import HIGH_PRECISION
+    from foundry_fp8.health.raster import FRAME
+
+    run = RunMetrics()
+    layers = ("blocks.0.attn.Wqkv", "blocks.1.ffn.down_proj")
+    for s in range(4):
+        run.add_table(10 * s, {(layer, "activation"): {
+            "underflow_pct": 0.5, HIGH_PRECISION: float(layer == layers[1] and s >= 2)}
+            for layer in layers})
+    hm = heatmap(run, "underflow_pct", Thresholds())
+    image, at = raster(hm), layout(hm)
+    for i, layer in enumerate(layers):
+        for j, step in enumerate(hm.steps):
+            x, y = at.cell(0, i, j)
+            inside = image[y + 1:y + at.cell_h - 1, x + 1:x + at.cell_w - 1]
+            lines = int((inside == FRAME).all(axis=-1).sum())
+            assert (lines > 0) == (layer == layers[1] and step >= 20), (layer, step, lines)
+    assert "hatched: fp8_guard ran the layer in high precision" in " ".join(at.captions)
