@@ -302,6 +302,11 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
                    len(logged) - len(tensors))
 
 
+#: Inches a character of a cell's number takes at its 6-point size (DejaVu Sans digits are
+#: 0.64 em wide: 3.8 points).
+CELL_DIGIT_IN = 0.055
+
+
 def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
                  formats: Formats | None = None) -> Any:
     """The report's heatmap (`heatmap`) as a matplotlib figure."""
@@ -313,6 +318,10 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
     n_layers, n_steps = len(names), len(hm.steps)
     height = min(max(2.6, 0.26 * n_layers + 1.5), 24.0)
     panel = min(max(2.2, 0.17 * n_steps + 1.3), 4.8)
+    if hm.annotate:  # the numbers written in the cells fit side by side (cosines: 0.99965)
+        widest = max((len(hm.cell_text(v)) for p in hm.panels for v in p.matrix.ravel().tolist()
+                      if math.isfinite(v)), default=0)
+        panel = max(panel, n_steps * (CELL_DIGIT_IN * widest + 0.08) + 0.3)
     bars = 1 if hm.shared_scale else len(hm.panels)  # colour bars, about 0.9 inch each
     width = 0.065 * max(map(len, names)) + 0.4 + panel * len(hm.panels) + 0.9 * bars
     fig = _figure(width, height)
