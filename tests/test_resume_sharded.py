@@ -205,3 +205,20 @@ def test_per_rank_states_in_a_sharded_checkpoint_are_read(tmp_path, caplog):
         want = torch.maximum(half["0"][key], full["0"][key])[1:]  # row 0 is not restored
         assert torch.equal(restored[key][1:], want), key
         assert not torch.equal(want, half["0"][key][1:])  # rank 0's alone would differ
+
+
+def test_a_saved_module_not_in_fp8_now_is_named_as_in_a_whole_file_load(tmp_path):
+    """te_swap excludes a layer on resume (fp8_guard's "next time" YAML): DCP read only the
+    modules the template asked for, so the saved one went unseen; a whole-file load names it."""
+    _, saving = _fp8_state(2, trained=True)
+    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}}, checkpoint_id=tmp_path,
+             no_dist=True)
+    model, loading = _fp8_state(1, trained=False)
+    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
+    _load(template, str(tmp_path))
+    entry = template["state"]["callbacks"]["FP8State"]
+    assert torch.equal(entry["modules"]["1"]["fwd_amax_history"],
+                       saving.state_dict()["modules"]["1"]["fwd_amax_history"])
+    with pytest.raises(FP8StateError, match=r"0 in FP8 now without saved state; 1 saved, not in "
+                                            r"FP8 now: 1 \(set"):
+        loading.load_state_dict(entry)

@@ -450,11 +450,11 @@ def layer_flops(model: nn.Module, layers: Mapping[str, nn.Module],
 
 #: our callbacks whose entry a sharded checkpoint may lack: qualname -> (the line that says so,
 #: None: the callback says it itself; what completes its template, `accept_absent_state`)
-_ABSENT_OK: dict[str, tuple[str | None, Callable[[dict, list[str]], None] | None]] = {}
+_ABSENT_OK: dict[str, tuple[str | None, Callable[[dict, dict], None] | None]] = {}
 
 
 def accept_absent_state(qualname: str, message: str | None,
-                        complete: Callable[[dict, list[str]], None] | None = None) -> None:
+                        complete: Callable[[dict, dict], None] | None = None) -> None:
     """A sharded checkpoint saved without this callback (fp8_guard added after a divergence)
     resumes with it starting empty. Composer's sharded load has torch.distributed.checkpoint fill
     the state every callback reports before fit (composer/utils/checkpoint.py,
@@ -464,8 +464,8 @@ def accept_absent_state(qualname: str, message: str | None,
     `load_planner` is a read-only None, composer/utils/parallelism.py). So Composer's
     `dist_cp_load`, which retries its own missing Adam key the same way, is wrapped once per
     process: the template leaves out what the checkpoint lacks of our callbacks' entries only;
-    every other key stays as strict as before. `complete(entry, keys)`, given the checkpoint's
-    keys of the entry (below its name), adds to the template what the state before fit cannot
+    every other key stays as strict as before. `complete(entry, saved)`, given the checkpoint's
+    keys of the entry (below its name) with DCP's metadata of each, adds to the template what the state before fit cannot
     know the checkpoint holds."""
     _ABSENT_OK[qualname] = (message, complete)
     from composer.utils import checkpoint
@@ -485,8 +485,8 @@ def accept_absent_state(qualname: str, message: str | None,
                 said, complete = _ABSENT_OK[name]
                 if complete is not None and isinstance(entries[name], dict):
                     prefix = f"state.callbacks.{name}."
-                    complete(entries[name], [k[len(prefix):] for k in saved
-                                             if k.startswith(prefix)])
+                    complete(entries[name], {k[len(prefix):]: v for k, v in saved.items()
+                                             if k.startswith(prefix)})
                 if _drop_unsaved(entries, name, saved) and said is not None:
                     log.warning(said, where)
         return load(state_dict, storage_reader, *args, **kwargs)

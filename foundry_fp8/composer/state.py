@@ -211,8 +211,8 @@ class FP8State(Callback):
     @staticmethod
     def accept_sharded_checkpoints() -> None:
         """A sharded checkpoint without fp8_state loads (said at AFTER_LOAD, as for any other),
-        and its per-rank states are read."""
-        accept_absent_state(FP8State.__qualname__, None, per_rank_template)
+        and all the FP8 state it holds is read (`saved_state_template`)."""
+        accept_absent_state(FP8State.__qualname__, None, saved_state_template)
 
     def after_load(self, state: State, logger: Logger) -> None:
         self._guarded(Event.AFTER_LOAD, self._report_loaded_entries, state)
@@ -515,16 +515,26 @@ class FP8State(Callback):
                  len(checked) - len(shapes))
 
 
-def per_rank_template(entry: dict[str, Any], saved: list[str]) -> None:
-    """The per-rank states (`ranks`) a sharded checkpoint holds, added to fp8_state's load
-    template: before fit every rank's state is the same, so `state_dict` has no `ranks`, and
-    DCP, which reads only what the template asks for, restored rank 0's state on every rank
-    (and combined nothing on another number of ranks). Each rank's saved state has the modules
-    and shapes of `modules` (one model, one recipe)."""
+def saved_state_template(entry: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """What a sharded checkpoint holds of fp8_state beyond the state before fit, added to the
+    load template (DCP reads only what the template asks for): the FP8 modules it saved that
+    this run does not run in FP8 (te_swap's selection changed; fp8_state then names them as in
+    a whole-file load, where they went unseen), and the per-rank states (`ranks`, each with the
+    modules and shapes of `modules`: one model, one recipe), which every rank's equal state
+    before fit lacks (DCP restored rank 0's state on every rank, combined nothing on another
+    number of ranks). `saved`: DCP's metadata by key below the entry."""
+    modules = entry.get("modules")
+    if not isinstance(modules, dict):
+        return
+    known = set(modules)
+    for key, meta in saved.items():
+        name, _, field = key.removeprefix("modules.").rpartition(".")
+        size = getattr(meta, "size", None)  # a tensor's (TensorStorageMetadata)
+        if key.startswith("modules.") and name not in known and size is not None:
+            modules.setdefault(name, {})[field] = torch.zeros(size, dtype=meta.properties.dtype)
     indexes = {int(k.split(".")[1]) for k in saved
                if k.startswith("ranks.") and k.split(".")[1].isdigit()}
-    modules = entry.get("modules")
-    if indexes and "ranks" not in entry and isinstance(modules, dict):
+    if indexes and "ranks" not in entry:
         entry["ranks"] = [{name: {k: v.clone() for k, v in tensors.items()}
                            for name, tensors in modules.items()}
                           for _ in range(max(indexes) + 1)]
