@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from foundry_fp8 import wandb_history
+from foundry_fp8.cli import EXIT_INTERRUPTED
 from foundry_fp8.jsonl import read_jsonl
 
 TINY_YAML = Path(__file__).resolve().parents[1] / "yamls" / "mpt-tiny-cpu.yaml"
@@ -135,5 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry(argv: list[str] | None = None) -> int:
+    """Ctrl-C is one line and exit 130, as in the `foundry-fp8` CLI: no stack for a user who
+    pressed it (subprocess.run has already killed the training run it waited for)."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print("make run: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry())

@@ -165,3 +165,23 @@ def test_make_run_stops_at_any_other_failure(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="training failed"):
         demo._train(tmp_path, tmp_path, "tiny")
     assert len(calls) == 1
+
+
+def test_ctrl_c_during_make_run_is_one_line_and_exit_130(tmp_path):
+    """A real SIGINT to scripts/demo.py while it waits for its `llmfoundry train`."""
+    import signal
+
+    process = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "scripts" / "demo.py"), "--data-root",
+         str(tmp_path / "data"), "--run-root", str(tmp_path / "runs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not process.stdout.readline().startswith("$ "):  # the training command, started
+            assert process.poll() is None, process.stderr.read()
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert (process.returncode, stderr) == (130, "make run: interrupted\n")
