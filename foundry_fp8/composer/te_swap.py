@@ -112,7 +112,7 @@ class TESwap(Algorithm):
                   f"above: {sum(fp8_module_counts(model))} modules run in FP8", flush=True)
         if plan.recompute:
             print(f"foundry_fp8 te_swap: transformers gradient checkpointing in "
-                  f"{', '.join(plan.recompute)} recomputes with foundry_fp8.emulate."
+                  f"{', '.join(n or 'the model' for n in plan.recompute)} recomputes with foundry_fp8.emulate."
                   "fp8_checkpoint (the forward's FP8 scales, TE #1190)", flush=True)
         if exporters:
             print(f"foundry_fp8 te_swap: {exporters} hf_checkpointer(s) export the plain model "
