@@ -91,8 +91,8 @@ def test_fp8_guards_records_are_keys_mlflow_keeps(tmp_path):
 
 class _TEDebugStub:
     """fp8_stats' TE debug session (TE is not installed here) as far as the callback sees it:
-    at each logging step's `step()` it hands over one statistic under the name
-    `te.debug.metric_name` gives TE's `underflows%`."""
+    at each logging step's `step()` it hands over one statistic under a name MLflow refuses,
+    the one `te.debug.metric_name` gave TE's `underflows%` before it read `_pct`."""
 
     NAME = "fp8_te_underflows%/activation/module.0"
 
@@ -110,10 +110,10 @@ class _TEDebugStub:
 
 
 def test_a_metric_name_mlflow_refuses_costs_mlflow_nothing_else(tmp_path, caplog):
-    """A `%` in a name (TE's `underflows%` under `te_debug`): MLflow's asynchronous queue
-    dropped the whole batch with it, every FP8 series and Composer's loss of those steps (the
-    run held no metric at all). Now that name alone stays out of MLflow, with one warning;
-    read back with MLflow's client."""
+    """A `%` in a name (TE's `underflows%` under `te_debug`, before `te.debug.our_stat`):
+    MLflow's asynchronous queue dropped the whole batch with it, every FP8 series and
+    Composer's loss of those steps (the run held no metric at all). Now that name alone stays
+    out of MLflow, with one warning; read back with MLflow's client."""
     import logging
 
     from mlflow.tracking import MlflowClient

@@ -72,7 +72,7 @@ def test_bad_tensor_name_is_refused():
 def test_metric_names_split_layers_that_contain_underscores():
     layers = ["blocks.0.attn.out_proj", "blocks.0.attn.out", "blocks.1.ffn"]
     assert (metric_name("blocks.0.attn.out_proj_activation_underflows%", layers)
-            == "fp8_te_underflows%/activation/blocks.0.attn.out_proj")
+            == "fp8_te_underflow_pct/activation/blocks.0.attn.out_proj")
     assert (metric_name("blocks.0.attn.out_gradient_fp8_current_scaling_mse", layers)
             == "fp8_te_fp8_current_scaling_mse/gradient/blocks.0.attn.out")
     assert metric_name("blocks.1.ffn_weight_scale_inv_max", layers) == \
@@ -86,7 +86,7 @@ def test_layernorm_mlp_gemms_keep_the_module_name():
     feature exists for, so it must not fall back to a raw `fp8/te_debug/...` name."""
     layers = ["blocks.0.ffn", "blocks.0.ffn.fc1x"]
     assert (metric_name("blocks.0.ffn.fc1_activation_underflows%", layers)
-            == "fp8_te_underflows%/fc1_activation/blocks.0.ffn")
+            == "fp8_te_underflow_pct/fc1_activation/blocks.0.ffn")
     assert (metric_name("blocks.0.ffn.fc2_gradient_mse", layers)
             == "fp8_te_mse/fc2_gradient/blocks.0.ffn")
     assert metric_name("blocks.0.ffn.fc3_activation_mse", layers) is None
@@ -148,3 +148,24 @@ def test_an_end_anchor_also_selects_a_layernorm_mlps_gemms(include, exclude):
         return bool(re.search(include, layer)) and not (exclude and re.search(exclude, layer))
 
     assert [n for n in names if pattern.search(n)] == [n for n in names if ours(n)]
+
+
+@pytest.mark.parametrize("te_stat, ours", [
+    ("underflows%", "te_underflow_pct"), ("overflows%", "te_overflow_pct"),
+    ("fp8_current_scaling_underflows%", "te_fp8_current_scaling_underflow_pct"),
+    ("underflows%_columnwise", "te_underflow_pct_columnwise"),  # stats_computation.py:303
+    ("scale_inv_min", "te_scale_inv_min"), ("mse", "te_mse")])
+def test_te_statistics_get_names_mlflow_takes(te_stat, ours):
+    """TE's `%` names were refused by MLflow (its own check, `_validate_metric_name`): left out
+    of MLflow whole. Now `%` reads `_pct`, as fp8_stats' own `underflow_pct`."""
+    validation = pytest.importorskip("mlflow.utils.validation")
+    layers = ["blocks.0.attn.out_proj"]
+    for tensor in ("activation", "gradient"):
+        name = metric_name(f"blocks.0.attn.out_proj_{tensor}_{te_stat}", layers)
+        assert name == f"fp8_{ours}/{tensor}/blocks.0.attn.out_proj"
+        validation._validate_metric_name(name)  # raises on a refused name
+    if "%" in te_stat:  # TE's own name, as it was logged before
+        with pytest.raises(Exception, match="Names may only contain"):
+            validation._validate_metric_name(f"fp8_te_{te_stat}/activation/blocks.0")
+    assert all(metric_name(f"b_weight_{s}", ["b"]) is not None for s in (*DELAYED_STATS,
+                                                                       *CURRENT_STATS))

@@ -117,10 +117,22 @@ def log_fp8_tensor_stats_config(layers: str, tensors: Sequence[str], freq: int,
     }}
 
 
+#: TE's percentages (`underflows%`, `overflows%`, `<recipe>_underflows%`, `underflows%_columnwise`:
+#: debug/features/utils/stats_computation.py:183-206, 303 at main d0067d0) as our keys name
+#: theirs, `underflow_pct` (health.keys): MLflow refuses a `%` in a metric name.
+_PERCENT = re.compile(r"s?%")
+
+
+def our_stat(te_stat: str) -> str:
+    """TE's statistic (or logged name) with `_pct` for its `%`: `underflows%` -> `underflow_pct`."""
+    return _PERCENT.sub("_pct", te_stat)
+
+
 def metric_name(te_name: str, layers: Iterable[str]) -> str | None:
-    """TE logs `<layer>_<tensor>_<stat>`; ours is `fp8_te_<stat>/<tensor>/<layer>` (health.keys).
-    A LayerNormMLP's GEMMs (`<layer>.fc1_<tensor>_<stat>`) keep the module's name, the GEMM
-    going into the tensor (`fc1_activation`), as fp8_stats' hooks name `fc1_weight`.
+    """TE logs `<layer>_<tensor>_<stat>`; ours is `fp8_te_<stat>/<tensor>/<layer>` (health.keys),
+    `<stat>` with `_pct` for TE's `%` (`our_stat`). A LayerNormMLP's GEMMs
+    (`<layer>.fc1_<tensor>_<stat>`) keep the module's name, the GEMM going into the tensor
+    (`fc1_activation`), as fp8_stats' hooks name `fc1_weight`.
 
     Layer names hold underscores too, so the layer is the longest known name that prefixes
     `te_name`; None when no known layer and tensor fit.
@@ -133,7 +145,7 @@ def metric_name(te_name: str, layers: Iterable[str]) -> str | None:
             rest = te_name[len(prefix):]
             for tensor in TENSORS:
                 if rest.startswith(f"{tensor}_"):
-                    stat = f"te_{rest.removeprefix(f'{tensor}_')}"
+                    stat = f"te_{our_stat(rest.removeprefix(f'{tensor}_'))}"
                     return layer_key(stat, f"{gemm}_{tensor}" if gemm else tensor,
                                      short_layer(layer))
     return None
@@ -163,7 +175,8 @@ class TEDebugSession:
                            **kwargs: Any) -> None:
                 del kwargs
                 ours = metric_name(name, session.layer_names)
-                session.sink(ours or f"fp8/te_debug/{name}", float(value), int(iteration))
+                session.sink(ours or f"fp8/te_debug/{our_stat(name)}", float(value),
+                             int(iteration))
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         config_file = self.log_dir / "te_debug.yaml"
