@@ -10,7 +10,9 @@ Watches the GEMM input (activation), weight and output gradient of selected line
   (forward) or the backward pass ends, so a scale read afterwards is the next step's;
 - a module under current scaling: `fp8_max / amax` of the tensor itself;
 - anything else (plain `nn.Linear`): the `recipe` what-if, current by default; `delayed` keeps
-  an amax history recorded, amax only, on the batches before each logging step.
+  an amax history recorded, amax only, on the batches before each logging step. So is the
+  output gradient of a layer whose backward casts nothing (NVTE_BACKWARD_OVERRIDE), which is
+  logged and never judged on its cast (`UNCAST_JUDGED`).
 
 Hooks exist only on logging steps (and, for a delayed what-if, on the recording batches before
 them); a logging step pools its statistics across ranks with one all_reduce per reduction op and
@@ -45,6 +47,7 @@ from foundry_fp8.health import (
     WhatIf,
     direction,
     layer_key,
+    nonfinite,
     render_table,
     short_layer,
     summary_metrics,
@@ -63,6 +66,7 @@ from foundry_fp8.numerics import (
 )
 from foundry_fp8.numerics import amax as te_amax
 from foundry_fp8.options import MonitorConfig, Schedule
+from foundry_fp8.recipe import RecipeError
 from foundry_fp8.te import probe
 
 #: A row's NaN and Inf counts: without micro-batch boundaries (`next_microbatch`), those of the
@@ -164,14 +168,27 @@ class CastMode:
     forward_fmt: str
     backward_fmt: str
     power_2: bool = False
+    # NVTE_BACKWARD_OVERRIDE's value (`te.facts`): the backward casts nothing, dY stays as it is
+    backward_override: str | None = None
 
     def fmt(self, direction: str) -> str:
         return self.backward_fmt if direction == "backward" else self.forward_fmt
 
+    def casts(self, direction: str) -> bool:
+        """Whether the pass `direction` casts its GEMM inputs to FP8."""
+        return direction != "backward" or self.backward_override is None
+
 
 def _te_cast_mode() -> CastMode | None:
     formats = probe.active_cast_formats()
-    return None if formats is None else CastMode(*formats)
+    if formats is None:
+        return None
+    # TE >= 2.15 reads the recipe's `backward_override` in each FP8 forward of a Linear or
+    # LayerNormLinear (pytorch/module/linear.py:1606, layernorm_linear.py:147 at v2.15;
+    # linear.py:1967 at main d0067d0) and then runs its backward with `fp8 = False`: no dY cast
+    # (module/base.py:1313 at v2.15, `use_fp8_bwd`); an older TE's recipe has no such field
+    override = getattr(probe.active_recipe(), "backward_override", None)
+    return CastMode(*formats, backward_override=override)
 
 
 def cast_mode(module: nn.Module) -> CastMode | None:
@@ -180,9 +197,20 @@ def cast_mode(module: nn.Module) -> CastMode | None:
         recipe = emulate.active_recipe()
         if recipe is None:
             return None
+        try:
+            override = emulate.backward_override(recipe)
+        except RecipeError:  # the layer's own forward stops the run with this one line
+            override = None
         return CastMode(recipe.scaling == "delayed", recipe.format_for("forward"),
-                        recipe.format_for("backward"), recipe.use_power_2_scales)
+                        recipe.format_for("backward"), recipe.use_power_2_scales, override)
     return _te_cast_mode() if probe.te_class_name(module) is not None else None
+
+
+#: What a row of a tensor its layer does not cast (`CastMode.casts`) is judged on, by the
+#: monitor's rules, its summary series and fp8_guard, when it holds NaN/Inf (else it is not
+#: judged): the high-precision tensor's own numbers. Its cast statistics are a what-if of a
+#: cast that does not happen: logged per layer, never acted on.
+UNCAST_JUDGED = ("amax", "amin", "nan_count", "inf_count")
 
 
 def cast_scale(module: nn.Module, watch: Watch
@@ -225,6 +253,7 @@ class _Step:
     # tensor, read in the step's one host transfer)
     initial: dict[int, torch.Tensor | bool] = field(default_factory=dict)
     whatif: set[int] = field(default_factory=set)  # rows measured under the `recipe` what-if
+    uncast: set[int] = field(default_factory=set)  # what-if rows of a layer in FP8 (no cast)
     formats: dict[int, str] = field(default_factory=dict)  # the FP8 format each row is cast in
     amax: torch.Tensor | None = None  # what-if amaxes of this step, one per row
     dump: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -294,6 +323,11 @@ class FP8Monitor:
         # rank whose own work on them failed
         self.table: dict[tuple[str, str], dict[str, float]] = {}
         self.flags: dict[tuple[str, str], list[Flag]] = {}
+        # `table` as the rules judged it, what listeners act on: the `uncast_rows` (tensors their
+        # layer's FP8 run does not cast: its backward under NVTE_BACKWARD_OVERRIDE, and a
+        # fallback layer's then) left out, or with NaN/Inf only their UNCAST_JUDGED
+        self.judged: dict[tuple[str, str], dict[str, float]] = {}
+        self.uncast_rows: set[tuple[str, str]] = set()
         # the last `finish_step` pooled over every rank: the same on all ranks, so listeners
         # that run collectives (the guard's vote) are called on every rank or on none
         self.pooled = False
@@ -433,7 +467,8 @@ class FP8Monitor:
             return
         step.seen.add(idx)
         mode = step.modes.get(name)
-        whatif = mode is None or (mode.delayed and watch.slot is None)
+        uncast = mode is not None and not mode.casts(watch.direction)
+        whatif = mode is None or uncast or (mode.delayed and watch.slot is None)
         if whatif:
             recipe = self.config.recipe
             fmt, power_2 = recipe.format_for(watch.direction), recipe.use_power_2_scales
@@ -456,6 +491,8 @@ class FP8Monitor:
         step.formats[idx] = fmt
         if whatif:
             step.whatif.add(idx)
+        if uncast:
+            step.uncast.add(idx)
         if initial is not False and idx not in step.initial:  # the step's first cast decides
             step.initial[idx] = initial
         dump_layers = self.config.dump_layers
@@ -568,7 +605,8 @@ class FP8Monitor:
         if host[-n - 1] > 0:  # the error flag; the one host transfer of this step is above
             self._raise_failure(int(host[-n - 1]))
         self.pooled = True
-        self.table, self.flags = {}, {}  # not the last step's, should `_metrics` fail here
+        self.table, self.judged, self.flags = {}, {}, {}  # not the last step's, should
+        # `_metrics` fail here
         return self._attempt(self._metrics, step, host, fallbacks) or {}
 
     def _metrics(self, step: _Step, host: list[float], fallbacks: Collection[str],
@@ -584,16 +622,26 @@ class FP8Monitor:
             if host[n * width + n + 1 + i] > 0:  # delayed scaling's first cast (scale 1): so
                 stats[INITIAL_SCALE] = 1.0  # marked, and neither flagged nor the run's worst
             table[(self.short[layer], tensor)] = stats
-        flags = self.tracker.update(step.step or 0, table)
-        self.table, self.flags = table, flags
         # this rank's view, as `initial`: every rank runs the same layers in FP8
+        self.uncast_rows = {(self.short[self.rows[i][0]], self.rows[i][1])
+                            for i in step.uncast} & table.keys()
+        if self.uncast_rows:  # the override holds: a fallback layer back in FP8 casts no dY either
+            self.uncast_rows |= {key for key in table
+                                 if key[0] in fallbacks and direction(key[1]) == "backward"}
+        uncast = {key: {s: table[key][s] for s in UNCAST_JUDGED if s in table[key]}
+                  for key in self.uncast_rows}
+        judged = {key: stats for key, stats in table.items() if key not in uncast}
+        judged.update({key: kept for key, kept in uncast.items() if nonfinite(kept)})
+        flags = self.tracker.update(step.step or 0, judged)
+        self.table, self.judged, self.flags = table, judged, flags
         self.whatif_rows = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif}
         self.whatif_rows &= table.keys()
         self.formats = {key: fmt.upper() for i, fmt in step.formats.items()
                         if (key := (self.short[self.rows[i][0]], self.rows[i][1])) in table}
         self.fallback_rows = {key for key in self.whatif_rows if key[0] in fallbacks}
-        self.whatif_judged |= {key for key in self.whatif_rows if not table[key].get(INITIAL_SCALE)}
-        self.initial_only |= {key for key, stats in table.items() if stats.get(INITIAL_SCALE)}
+        self.whatif_judged |= {key for key in self.whatif_rows - self.uncast_rows
+                               if not table[key].get(INITIAL_SCALE)}
+        self.initial_only |= {key for key, stats in judged.items() if stats.get(INITIAL_SCALE)}
         self.initial_only -= self.tracker.worst.keys()
         # what-if rows of layers that do cast in FP8, whose scale slot is not known here
         in_fp8 = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif
@@ -608,7 +656,8 @@ class FP8Monitor:
                                     if key in self.whatif_rows else flag.message)
         metrics = {layer_key(stat, tensor, layer): value
                    for (layer, tensor), stats in table.items() for stat, value in stats.items()}
-        metrics.update(summary_metrics(table, flags, self.fallback_rows))
+        # the uncast rows' tensors keep their summary series (worst values of the cast rows)
+        metrics.update(summary_metrics({**uncast, **judged}, flags, self.fallback_rows))
         return metrics
 
     def _write_dump(self, step: _Step) -> None:

@@ -86,15 +86,17 @@ class FP8Stats(Callback):
       `fp8/<tensor>/worst_overflow_pct`, `fp8/<tensor>/worst_cos_sim`,
       `fp8/<tensor>/flagged_layers`, `fp8/<tensor>/nonfinite` and `fp8/flagged_layers`; the
       worst values and flag counts leave out the layers fp8_guard runs in high precision
-      (`fallbacks`; its `fp8/guard/...` series report them), not the layers never converted,
-      whose what-if numbers say what FP8 would do to them;
+      (`fallbacks`; its `fp8/guard/...` series report them) and the tensors no cast touches
+      (dY under NVTE_BACKWARD_OVERRIDE: a per-layer what-if only), not the layers never
+      converted, whose what-if numbers say what FP8 would do to them;
     - per-layer series `fp8_<stat>/<tensor>/<layer>` (W&B makes one section per statistic;
       `<layer>` without the `model.transformer.` prefix or wrapper segments), and
       `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast: on every
       destination except the console unless `console_layers: true`;
     - with `te_debug`, TE's own statistics `fp8_te_<stat>/<tensor>/<layer>` (`<stat>` is TE's
-      name: `underflows%`, `scale_inv_min`, ...), where the per-layer series go (not to
-      MLflow, which refuses the `%`: `destinations.mlflow_accepted`);
+      name, `_pct` for its `%`: `underflow_pct` for `underflows%`, `scale_inv_min`, ...;
+      `te.debug.our_stat`), where the per-layer series go (a name MLflow still refuses stays
+      out of MLflow alone: `destinations.mlflow_accepted`);
     - every `image_interval` batches (at the first logging step from each multiple on) and at
       fit end: one layers x logging steps heatmap per statistic, `fp8_heatmap/<stat>`
       (`Logger.log_images`, the last `IMAGE_STEPS` logging steps), and the per-layer table of
@@ -281,8 +283,9 @@ class FP8Stats(Callback):
         # not `if metrics`: a rank whose own work failed after the pooling has none, and a
         # listener's collective (the guard's vote) left out there pairs with another one
         if self.monitor.pooled:
-            for listener in self.listeners:  # the pooled table and flags, on every rank
-                listener(self._step, self.monitor.table, self.monitor.flags)
+            for listener in self.listeners:  # the pooled table as judged, and flags, on every
+                # rank: a tensor no FP8 cast touches (NVTE_BACKWARD_OVERRIDE's dY) moves no layer
+                listener(self._step, self.monitor.judged, self.monitor.flags)
         te_metrics: dict[str, float] = {}
         if self.te_debug is not None:
             self.te_debug.step()  # TE logs the finished step's stats into _te_metrics
