@@ -159,6 +159,8 @@ CASES: dict[str, tuple[dict, str, int]] = {
     # BASE's MPT keys under hf_causal_lm: ComposerHFCausalLM takes none of them
     "FP8046": ({"model": {"name": "hf_causal_lm"}}, "model.d_model", 1),
     "FP8047": ({"eval_loader": {"name": "text", "label": "c4"}}, "eval_loader.label", 1),
+    "FP8048": ({"callbacks": {"fp8_stats": {"layers": "^blocks"}}}, "callbacks.fp8_stats.layers",
+               1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -219,6 +221,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8045": ({"model": {"master_weights_dtype": "f16"}}, 1),  # process_init_device's list lacks it
     "FP8046": ({"model": {"pretrained": True}}, 1),  # an MPT model: FP8024's (a warning)
     "FP8047": ({"train_loader": {"timeout": 5, "pin_memory": False}}, 1),
+    "FP8048": ({"callbacks": {"fp8_stats": {"layers": "blocks"}}}, 1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

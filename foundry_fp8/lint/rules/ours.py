@@ -11,7 +11,7 @@ from functools import cache
 from importlib import metadata
 from typing import Any
 
-from foundry_fp8.filters import fuse_reason, layernorm_reason, linear_reason
+from foundry_fp8.filters import fuse_reason, layernorm_reason, linear_reason, module_filter_fn
 from foundry_fp8.lint.config import (
     fc_type_name,
     get,
@@ -32,8 +32,16 @@ from foundry_fp8.lint.known import (
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.model import MPTModule, mpt_modules, mpt_value, te_swap_options
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY
-from foundry_fp8.lint.values import option_problems
-from foundry_fp8.options import ENTRIES, OptionError, SwapConfig, TESwapOptions, checks, defaults
+from foundry_fp8.lint.values import built_options, option_problems
+from foundry_fp8.options import (
+    ENTRIES,
+    FP8StatsOptions,
+    OptionError,
+    SwapConfig,
+    TESwapOptions,
+    checks,
+    defaults,
+)
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.te.facts import (
     MIN_FP8_CAPABILITY,
@@ -180,6 +188,48 @@ def te_swap_converts_nothing(config: Mapping[str, Any], ctx: LintContext) -> Ite
               f"te_swap would convert none of this MPT's {linears} linears ({said}) and no "
               "other layer runs in FP8: te_swap refuses the run at INIT ('no module would run "
               "in FP8')")
+
+
+@rule("FP8048", "warning", "`fp8_stats` `layers`/`exclude` that select none of an MPT's "
+      "linear layers (an error with `strict: true`)",
+      why="fp8_stats watches the linear layers (torch's, te_swap's, TE's) whose names `layers` "
+      "finds (re.search) and `exclude` does not; when none is left it warns once at the start "
+      "and logs nothing for the whole run (strict: true stops the run instead). The linter "
+      "lists the linears LLM-Foundry builds for the MPT config, under the names fp8_stats "
+      "sees (model.transformer.blocks.N.attn.Wqkv, ...). MPT models whose TE layers or "
+      "te_swap fusions rename or merge layers (fc_type te, te_ln_mlp, fuse_ln_mlp, "
+      "convert_layernorm) are not judged.",
+      source="foundry_fp8/monitor.py select_layers, no_layers_message; foundry_fp8/composer/"
+      "stats.py _failed (NoLayersError); foundry_fp8/filters.py module_filter_fn; "
+      f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py, llmfoundry/models/layers/blocks.py",
+      fix="a regex that re.search finds in the layer names the message shows")
+def fp8_stats_selects_nothing(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    callbacks = section(config, "callbacks")
+    built = built_options("fp8_stats", callbacks["fp8_stats"]) if "fp8_stats" in callbacks \
+        else None
+    model = section(config, "model")
+    modules = mpt_modules(model) if isinstance(built, FP8StatsOptions) else None
+    swap = te_swap_options(config)
+    if modules is None or any(m.te for m in modules) or (
+            swap is not None and (swap.fuse_ln_mlp or swap.convert_layernorm)):
+        return
+    monitor = built.monitor
+    names = [m.name for m in modules if m.kind == "linear"]
+    selected = module_filter_fn(type(monitor).PATH, monitor.layers, monitor.exclude)
+    try:
+        if any(selected(None, name) for name in names):
+            return
+    except OptionError:  # a regex that takes too long: fp8_stats stops with its own error
+        return
+    layers_alone = module_filter_fn(type(monitor).PATH, monitor.layers, None)
+    key = "exclude" if monitor.exclude is not None and any(layers_alone(None, n) for n in names) \
+        else "layers"
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    yield Hit(f"callbacks.fp8_stats.{key}", f"fp8_stats' {key} {getattr(monitor, key)!r:.60} "
+              f"leaves none of this MPT's {len(names)} linear layers ({shown}): fp8_stats "
+              + ("stops the run (strict: true)" if built.strict else
+                 "warns once and logs nothing for the whole run"),
+              severity="error" if built.strict else "warning")
 
 
 @rule("FP8023", "error", "option values of our entries that their constructors refuse "
