@@ -11,6 +11,8 @@ the outlier itself no longer cancels: persistent FP8 trouble that only FP8 has.
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -24,6 +26,31 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8.fp8_meta import canonical_modules
+
+#: The last log line of a run that lost streaming's shared-memory race: StreamingDataset looks
+#: for a free `/NNNNNN_locals` prefix, then creates it, so two processes building a dataset at
+#: once on one machine can pick the same one (streaming/base/shared/prefix.py, get_shm_prefix;
+#: mosaicml/streaming issues 884 and 901). Nothing was trained yet: training again is safe.
+SHM_RACE = re.compile(r"FileExistsError: \[Errno 17\] File exists: '/\d+_\w+'$")
+
+
+def run_logged(cmd: Sequence[str], log: Path, folder: Path) -> int:
+    """`make run`'s training subprocesses: `cmd` with its output in `log` and its run in
+    `folder`, once more from a fresh folder when it lost streaming's shared-memory race (another
+    process on this machine, not this run). Returns the exit code."""
+    for attempt in (1, 2):
+        # W&B writes into `init_kwargs.dir` only when that folder already exists.
+        folder.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as f:
+            result = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        last = (log.read_text().splitlines() or [""])[-1].strip()
+        if result.returncode == 0 or attempt == 2 or not SHM_RACE.search(last):
+            return result.returncode
+        print(f"  lost streaming's shared-memory race with another process ({last}):"
+              " training again", flush=True)
+        (folder / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(folder / "wandb", ignore_errors=True)
+    raise AssertionError("unreachable")
 
 
 class InjectOutlier(Callback):
@@ -166,13 +193,12 @@ def demo(yaml_path: Path, data_root: Path, run_root: Path, healthy: Path) -> Non
     cmd = [sys.executable, "-m", "foundry_fp8.fault", str(yaml_path), str(data_root),
            str(run_root), name]
     print("$", " ".join(cmd), flush=True)
-    with log.open("w") as f:
-        result = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    returncode = run_logged(cmd, log, run_root / name)
     for line in log.read_text().splitlines():
         if "fp8_guard" in line or line.startswith("|"):
             print("  " + line)
-    if result.returncode != 0:
-        raise SystemExit(f"the fault run failed (exit {result.returncode}); full log: {log}")
+    if returncode != 0:
+        raise SystemExit(f"the fault run failed (exit {returncode}); full log: {log}")
     print("   " + "\n   ".join(before_after(healthy, run_root / name, DEMO_LAYER)), flush=True)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import shutil
 import subprocess
 import sys
@@ -25,11 +24,6 @@ TINY_YAML = Path(__file__).resolve().parents[1] / "yamls" / "mpt-tiny-cpu.yaml"
 RUN_NAME = "mpt-tiny-cpu"
 RESUME_STEP = 20
 GUARD = "callbacks.fp8_guard={}"  # healthy, it never acts (step 3 shows it acting)
-#: The last log line of a run that lost streaming's shared-memory race: StreamingDataset looks
-#: for a free `/NNNNNN_locals` prefix, then creates it, so two processes building a dataset at
-#: once on one machine can pick the same one (streaming/base/shared/prefix.py, get_shm_prefix;
-#: mosaicml/streaming issues 884 and 901). Nothing was trained yet: training again is safe.
-SHM_RACE = re.compile(r"FileExistsError: \[Errno 17\] File exists: '/\d+_\w+'$")
 
 
 def _train(data_root: Path, run_root: Path, run_name: str, *extra: str) -> None:
@@ -37,25 +31,16 @@ def _train(data_root: Path, run_root: Path, run_name: str, *extra: str) -> None:
     cmd = [str(llmfoundry), "train", str(TINY_YAML), f"variables.data_root={data_root}",
            f"variables.run_root={run_root}", f"variables.run_name={run_name}", *extra]
     print("$", " ".join(cmd), flush=True)
+    from foundry_fp8.fault import run_logged  # torch and Composer: not before the first line
+
     log = run_root / f"{run_name}.log"
-    for attempt in (1, 2):
-        # W&B writes into `init_kwargs.dir` only when that folder already exists.
-        (run_root / run_name).mkdir(parents=True, exist_ok=True)
-        with log.open("w") as f:
-            result = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-        lines = log.read_text().splitlines() or [""]
-        if result.returncode == 0 or attempt == 2 or not SHM_RACE.search(lines[-1].strip()):
-            break
-        print(f"  lost streaming's shared-memory race with another process ({lines[-1].strip()}):"
-              " training again", flush=True)
-        (run_root / run_name / "metrics.jsonl").unlink(missing_ok=True)
-        shutil.rmtree(run_root / run_name / "wandb", ignore_errors=True)
+    returncode = run_logged(cmd, log, run_root / run_name)
     # Our warnings and the loss are what a user looks for in the log.
     for line in log.read_text().splitlines():
         if "foundry_fp8" in line or line.startswith(("|", "+")) or "Train loss/train/total" in line:
             print("  " + line)
-    if result.returncode != 0:
-        raise SystemExit(f"training failed (exit {result.returncode}); full log: {log}")
+    if returncode != 0:
+        raise SystemExit(f"training failed (exit {returncode}); full log: {log}")
 
 
 def _losses(metrics_file: Path) -> dict[int, float]:

@@ -137,6 +137,8 @@ def _streaming_s_race_line(monkeypatch) -> str:
 
 def test_make_run_trains_again_once_after_losing_streaming_s_shared_memory_race(
         monkeypatch, tmp_path):
+    from foundry_fp8 import fault
+
     demo = _demo_module()
     race = _streaming_s_race_line(monkeypatch)
     calls = []
@@ -146,12 +148,14 @@ def test_make_run_trains_again_once_after_losing_streaming_s_shared_memory_race(
         stdout.write("Building train loader...\n" + (race if len(calls) == 1 else "done") + "\n")
         return subprocess.CompletedProcess(cmd, 1 if len(calls) == 1 else 0)
 
-    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    monkeypatch.setattr(fault.subprocess, "run", fake_run)  # imported: torch runs its own
     demo._train(tmp_path, tmp_path, "tiny")
     assert len(calls) == 2
 
 
 def test_make_run_stops_at_any_other_failure(monkeypatch, tmp_path):
+    from foundry_fp8 import fault
+
     demo = _demo_module()
     calls = []
 
@@ -161,7 +165,7 @@ def test_make_run_stops_at_any_other_failure(monkeypatch, tmp_path):
         stdout.write("[rank0]: FileExistsError: /tmp/x/metrics.jsonl.aside exists\n")
         return subprocess.CompletedProcess(cmd, 1)
 
-    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    monkeypatch.setattr(fault.subprocess, "run", fake_run)  # imported: torch runs its own
     with pytest.raises(SystemExit, match="training failed"):
         demo._train(tmp_path, tmp_path, "tiny")
     assert len(calls) == 1
