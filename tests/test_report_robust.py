@@ -337,6 +337,9 @@ def test_a_folder_below_the_run_names_the_run_folder(tmp_path, capsys, monkeypat
     assert _one_line_error([str(run / "checkpoints")], capsys) == (
         f"{run / 'checkpoints' / 'metrics.jsonl'}: not found; the run's is in {run}: "
         f"foundry-fp8 report {run}")
+    monkeypatch.chdir(offline / "files")  # `report .` where W&B keeps the run's files
+    assert _one_line_error(["."], capsys) == (
+        "metrics.jsonl: not found; the run's is in ../../..: foundry-fp8 report ../../..")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _one_line_error([str(empty)], capsys) == (

@@ -169,13 +169,13 @@ WANDB_MAGIC = b":W&B"
 PARENTS_SEARCHED = 3
 
 
-def _run_above(folder: Path) -> Path | None:
-    """The nearest of `folder` and the folders above it (PARENTS_SEARCHED in all) holding
-    metrics.jsonl, as the user would type it (relative where `folder` was)."""
-    absolute = Path(os.path.normpath(folder.absolute()))  # the user's path, links kept
-    above = next((parent for parent in [absolute, *absolute.parents][:PARENTS_SEARCHED]
+def _run_above(path: Path) -> Path | None:
+    """The nearest of the folders above `path` (PARENTS_SEARCHED of them) holding metrics.jsonl,
+    as the user would type it (relative where `path` was). Absolute first: `.` has no parent."""
+    absolute = Path(os.path.normpath(path.absolute()))  # the user's path, links kept
+    above = next((parent for parent in absolute.parents[:PARENTS_SEARCHED]
                   if (parent / "metrics.jsonl").is_file()), None)
-    if above is not None and not folder.is_absolute():
+    if above is not None and not path.is_absolute():
         above = Path(os.path.relpath(above))
     return above
 
@@ -195,7 +195,7 @@ def _not_metrics(path: Path) -> str | None:
         what = "W&B's binary run file"
     else:
         return None
-    above = _run_above(path.parent)
+    above = _run_above(path)
     where = (f"; the run's is in {above}: foundry-fp8 report {above}" if above is not None
              else " in the run folder")
     return f"{path}: {what}, not a metrics file: the report reads the `jsonl` logger's metrics.jsonl{where}"
@@ -208,7 +208,7 @@ def _no_metrics_here(folder: Path) -> str:
     kind = ("a W&B run folder" if wandb.exists() else
             "an MLflow store" if (folder / "meta.yaml").exists() or folder.name == "mlruns"
             or (folder / "0" / "meta.yaml").exists() else None)
-    above = _run_above(folder.parent)
+    above = _run_above(folder)
     where = (f"; the run's is in {above}: foundry-fp8 report {above}" if above is not None
              else "; add `loggers: {jsonl: {}}` to the YAML" if kind else
              " (was the `jsonl` logger in the YAML?)")
