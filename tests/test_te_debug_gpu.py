@@ -40,12 +40,12 @@ def test_te_underflow_stat_matches_ours_at_the_scale_te_used(tmp_path):
 
     names = {name for name, _ in got}
     for tensor in ("activation", "weight", "gradient"):
-        assert f"fp8_te_underflows%/{tensor}/lin" in names, sorted(names)
+        assert f"fp8_te_underflow_pct/{tensor}/lin" in names, sorted(names)
     # step 1 casts x with the delayed scale from step 0's amax: fp8_max / amax(x)
     step1 = {name: value for (name, step), value in got.items() if step == 1}
     scale = FP8_MAX["e4m3"] / x.detach().float().abs().max().item()
     ours = tensor_stats(x.detach(), "e4m3", scale=scale)["underflow_pct"]
-    assert step1["fp8_te_underflows%/activation/lin"] == pytest.approx(ours, abs=0.05)
+    assert step1["fp8_te_underflow_pct/activation/lin"] == pytest.approx(ours, abs=0.05)
 
 
 def test_an_anchored_layer_choice_reaches_a_layernorm_mlps_gemms(tmp_path):
@@ -75,5 +75,5 @@ def test_an_anchored_layer_choice_reaches_a_layernorm_mlps_gemms(tmp_path):
         session.close()
         TEDebugState._reset()
 
-    assert {"fp8_te_underflows%/fc1_activation/blocks.0.ffn",
-            "fp8_te_underflows%/fc2_activation/blocks.0.ffn"} <= set(got), sorted(got)
+    assert {"fp8_te_underflow_pct/fc1_activation/blocks.0.ffn",
+            "fp8_te_underflow_pct/fc2_activation/blocks.0.ffn"} <= set(got), sorted(got)
