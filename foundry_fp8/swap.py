@@ -590,6 +590,12 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
             "torch.utils.checkpoint (transformers' gradient_checkpointing_enable), outside TE's "
             "FP8 autocast (TE #1190): give it TE's checkpoint instead, "
             "model._set_gradient_checkpointing(True, transformer_engine.pytorch.checkpoint)")
+    if selective := [name for name, _, function in checkpointed
+                     if "context_fn" in function.keywords]:
+        raise ValueError(
+            f"te_swap: {selective[0] or type(model).__name__} checkpoints with a context_fn "
+            "(gradient_checkpointing_kwargs, torch's selective checkpointing): the FP8 recompute "
+            "needs its own; drop context_fn or checkpoint these layers yourself in fp8_checkpoint")
     apply_swap(model, plan, optimizers=optimizers)
     for _, module, function in checkpointed:
         kwargs = {k: v for k, v in function.keywords.items() if k != "use_reentrant"}

@@ -87,6 +87,23 @@ def test_te_backend_refuses_torch_checkpointing_naming_the_fix(fake_te):
     assert not any(type(m).__module__.startswith("transformer_engine") for m in model.modules())
 
 
+def test_a_user_s_context_fn_is_refused_in_one_line_before_any_change():
+    """Review s15: fp8_checkpoint passes its own context_fn to torch's checkpoint, so a user's
+    (selective activation checkpointing) crashed the first forward with torch's TypeError
+    'got multiple values for keyword argument context_fn'."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    model = _llama({"use_reentrant": False,
+                    "context_fn": lambda: create_selective_checkpoint_contexts(policy)})
+    with pytest.raises(ValueError, match=r"^te_swap: model checkpoints with a context_fn") as err:
+        convert_to_fp8(model, SwapConfig(backend="emulate"), precision="fp32")
+    assert "\n" not in str(err.value)
+    assert not any(type(m).__name__ == "EmulatedFP8Linear" for m in model.modules())
+
+
 def test_a_composer_run_with_fp8_state_trains_and_says_so(reference, capsys):
     """The user's path: te_swap and fp8_state in a Composer Trainer. Before, fp8_state's watch
     stopped this run after its window (backward scales not updating, TE #1190 symptom)."""
