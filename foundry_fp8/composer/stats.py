@@ -18,6 +18,7 @@ from foundry_fp8.composer.destinations import FitEndKeys, capped, deliver, mlflo
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
+from foundry_fp8.health.keys import HIGH_PRECISION
 from foundry_fp8.health.raster import render_heatmap
 from foundry_fp8.health.specs import known_first
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
@@ -292,7 +293,8 @@ class FP8Stats(Callback):
             te_metrics = dict(self._te_metrics)
             self._te_metrics.clear()
         if metrics:
-            self._recent.append((self._step, heatmap_rows(self.monitor.table),
+            self._recent.append((self._step, high_precision(heatmap_rows(self.monitor.table),
+                                                            self.monitor.fallback_rows),
                                  step_formats(self.monitor.formats)))
         if not _is_rank_zero():
             return
@@ -551,12 +553,27 @@ def _wandb_table_hangs(destination: LoggerDestination) -> bool:
                 and getattr(settings, "allow_offline_artifacts", False))
 
 
+#: The per-row markers the heatmaps draw (delayed scaling's first cast: grey; fp8_guard's
+#: high precision: hatched), kept with their statistics and in checkpoints.
+MARKERS = (INITIAL_SCALE, HIGH_PRECISION)
+
+
 def heatmap_rows(table: Table) -> dict[tuple[str, str], dict[str, float]]:
-    """What the heatmaps need of one logging step's table: their statistics and the marker of
-    delayed scaling's first cast (kept for `IMAGE_STEPS` steps, so only these)."""
+    """What the heatmaps need of one logging step's table: their statistics and the markers
+    (`MARKERS`; kept for `IMAGE_STEPS` steps, so only these)."""
     return {key: {stat: value for stat, value in stats.items()
-                  if stat == INITIAL_SCALE or spec(stat).plot == "heatmap"}
+                  if stat in MARKERS or spec(stat).plot == "heatmap"}
             for key, stats in table.items()}
+
+
+def high_precision(rows: dict[tuple[str, str], dict[str, float]],
+                   fallback: Collection[tuple[str, str]]) -> dict[tuple[str, str], dict[str, float]]:
+    """`rows` with the `fallback` ones (fp8_guard ran their layer in high precision: what-if
+    numbers) marked `HIGH_PRECISION`, which the heatmaps hatch as the report's do."""
+    for key in fallback:
+        if key in rows:
+            rows[key][HIGH_PRECISION] = 1.0
+    return rows
 
 
 #: The table's `numbers` column: the layer's own FP8 casts, or the `recipe` what-if of a layer
@@ -633,7 +650,7 @@ def _heatmap_history(saved: Any, watched: Collection[tuple[str, str]]) -> list[R
     malformed."""
     if saved is None:
         return None
-    known = {*STAT_KEYS, INITIAL_SCALE}
+    known = {*STAT_KEYS, *MARKERS}
 
     def formats(step: Sequence[Any]) -> StepFormats:
         if len(step) == 2 or step[2] is None:
