@@ -2,8 +2,8 @@
 tensor FP8Monitor watches in MPT-1B, timed alone, without a model, TE or Composer.
 
 Per block (24), for Wqkv, out_proj, up_proj and down_proj: the GEMM input X (e4m3), the weight
-(e4m3) and the output gradient dY (e5m2), at micro-batch 8 x seq 2048 (the monitor sees the
-first micro-batch only): about 14 G elements per logging step. X, dY and the weights are bf16
+(e4m3) and the output gradient dY (e5m2), at micro-batch 8 x seq 2048: about 14 G elements per
+micro-batch (a logging step reads every micro-batch's: multiply by the micro-batches per device). X, dY and the weights are bf16
 (LLM-Foundry's MPT-1B YAML trains with FSDP `mixed_precision: PURE`). Two cases: `delayed`, the
 scale given as a device tensor (TE's delayed scaling, the H200 bench's case), and `current`,
 the scale computed from each tensor's amax (the default `recipe: current` what-if). The rows stay
@@ -196,7 +196,7 @@ Environment: {env}.
 
 `sufficient_stats` over every tensor the monitor watches on a logging step: {s['layers']} blocks
 x (Wqkv, out_proj, up_proj, down_proj) x (X e4m3, weight e4m3, dY e5m2), d_model
-{s['d_model']}, {s['tokens']} tokens (the first micro-batch), bf16: {report['elements'] / 1e9:.2f} G
+{s['d_model']}, {s['tokens']} tokens (one micro-batch; a logging step reads each of its micro-batches), bf16: {report['elements'] / 1e9:.2f} G
 elements, {report['bytes_read'] / 1e9:.2f} GB read. Then the rows are finalized and moved to the
 host once. Median of {report['repeats']} logging steps after a warm-up (min-max).
 `delayed`: scales given (TE's delayed scaling); `current`: each tensor's own amax.
