@@ -20,12 +20,12 @@ from composer.utils import checkpoint
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from foundry_fp8.composer import guard
 from foundry_fp8.composer.guard import DECISIONS, FP8Guard
 from foundry_fp8.composer.state import FP8State, FP8StateError
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.fp8_meta import read_fp8_meta, write_fp8_meta
 from foundry_fp8.recipe import FP8Recipe
-from foundry_fp8.te.extra_state import unstarted_delayed_state
 from tests.ranks import init_rank, run_ranks
 from tests.test_state_callback import SAVED, _LazyStateLinear
 
@@ -170,18 +170,6 @@ def test_a_te_module_before_its_first_forward_takes_its_saved_state(tmp_path, st
         assert torch.equal(restored[key], value), key
 
 
-def test_the_fresh_te_state_has_tes_shapes_per_gemm():
-    """TE 2.20: LayerNormMLP runs 2 GEMMs (module/layernorm_mlp.py `prepare_forward(...,
-    num_gemms=2)`), 3 forward and 2 backward tensors each (module/base.py `set_meta_tensor`)."""
-    mlp = type("LayerNormMLP", (_LazyStateLinear,), {})(history_len=4)
-    shapes = {k: tuple(v.shape) for k, v in unstarted_delayed_state(mlp, 16).items()}
-    assert shapes == {"fwd_scale": (6,), "fwd_amax_history": (16, 6), "bwd_scale": (4,),
-                      "bwd_amax_history": (16, 4)}
-    linear = unstarted_delayed_state(_LazyStateLinear(), 16)
-    assert torch.equal(linear["fwd_scale"], torch.ones(3))
-    assert torch.equal(linear["bwd_amax_history"], torch.zeros(16, 2))
-
-
 def test_per_rank_states_in_a_sharded_checkpoint_are_read(tmp_path, caplog):
     """`reduce_amax: false`: each rank's state differs and is saved under `ranks`. Before fit
     every rank's state is the same, so the template had no `ranks` and DCP restored rank 0's
@@ -222,3 +210,134 @@ def test_a_saved_module_not_in_fp8_now_is_named_as_in_a_whole_file_load(tmp_path
     with pytest.raises(FP8StateError, match=r"0 in FP8 now without saved state; 1 saved, not in "
                                             r"FP8 now: 1 \(set"):
         loading.load_state_dict(entry)
+
+
+class _DotProductAttention(_LazyStateLinear):
+    """TE 2.20's DotProductAttention: a TE module without `num_gemms` whose forward prepares 3
+    GEMMs (attention/dot_product_attention/dot_product_attention.py, `prepare_forward_ctx(...,
+    num_gemms=3)`): 9 forward and 6 backward scaling tensors."""
+
+    def forward(self, x):
+        self.init_fp8_metadata(num_gemms=3)
+        return nn.Linear.forward(self, x)
+
+
+def test_a_te_module_of_three_gemms_before_its_first_forward_takes_its_saved_state(tmp_path):
+    """The template guessed 1 GEMM for DotProductAttention (3/2 tensors): DCP stopped the resume
+    with `Size mismatch between saved torch.Size([9]) and current: torch.Size([3])`."""
+    saved_module = _DotProductAttention(history_len=4)
+    saved_module.fp8_on = True
+    saved_module(torch.randn(2, 4))
+    saved = {"fwd_scale": torch.arange(1.0, 10.0), "bwd_scale": torch.arange(1.0, 7.0),
+             "fwd_amax_history": torch.zeros(4, 9), "bwd_amax_history": torch.zeros(4, 6)}
+    saved["fwd_amax_history"][1:] = 0.5  # amax * scale (<= 4.5) well inside E4M3's 448
+    write_fp8_meta(saved_module, saved)
+    saving = FP8State()
+    saving._model, saving._recipe = nn.Sequential(saved_module), RECIPE
+    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}},
+             checkpoint_id=tmp_path, no_dist=True)
+
+    module = _DotProductAttention(history_len=4)  # a resumed run: no forward yet
+    loading = FP8State()
+    loading._model, loading._recipe = nn.Sequential(module), RECIPE
+    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
+    _load(template, str(tmp_path))
+    loading.load_state_dict(template["state"]["callbacks"]["FP8State"])
+    module.fp8_on = True
+    module(torch.randn(2, 4))
+    restored = read_fp8_meta(module)
+    assert {k: tuple(v.shape) for k, v in restored.items()} == {
+        "fwd_scale": (9,), "fwd_amax_history": (4, 9), "bwd_scale": (6,),
+        "bwd_amax_history": (4, 6)}
+    for key, value in saved.items():
+        assert torch.equal(restored[key], value), key
+
+
+def test_a_changed_history_length_is_judged_as_in_a_whole_file_load(tmp_path, caplog):
+    """amax_history_len 4 -> 8 on resume: DCP stopped with `Size mismatch ... [4, 3] ...
+    [8, 3]`; a whole-file load refuses in one line (strict) or fits the history as TE's
+    `adjust_amax_history_length` does: the first rows kept, zero rows appended."""
+    _, saving = _fp8_state(1, trained=True)
+    saved = saving.state_dict()
+    dcp.save({"state": {"callbacks": {"FP8State": saved}}}, checkpoint_id=tmp_path, no_dist=True)
+    model, loading = _fp8_state(1, trained=False)
+    loading._recipe = FP8Recipe(scaling="delayed", amax_history_len=8)
+    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
+    _load(template, str(tmp_path))
+    entry = template["state"]["callbacks"]["FP8State"]
+    with pytest.raises(FP8StateError, match=r"recipe changed\?\): amax_history_len 4 -> 8"):
+        loading.load_state_dict(entry)
+    loading.strict = False
+    with caplog.at_level(logging.WARNING):
+        loading.load_state_dict(entry)
+    assert "histories fitted to the new length" in caplog.text
+    for key in ("fwd_amax_history", "bwd_amax_history"):
+        want = saved["modules"]["0"][key]
+        got = read_fp8_meta(model[0])[key]
+        assert want[1:].abs().sum() > 0
+        assert got.shape == (8, want.shape[1])
+        assert torch.equal(got[1:4], want[1:4]), key
+        assert not got[4:].any(), key
+
+
+def test_per_rank_states_and_a_module_added_to_fp8_is_fp8_states_own_error(tmp_path):
+    """`ranks` was cloned from the template's `modules`, so it asked for the added module too:
+    DCP's `Missing key ... FP8State.ranks.0.1.fwd_scale` traceback."""
+    _, saving = _fp8_state(1, trained=True)
+    full = saving.state_dict()["modules"]
+    half = {n: {k: v / 2 if k.endswith("_amax_history") else v for k, v in t.items()}
+            for n, t in full.items()}
+    dcp.save({"state": {"callbacks": {"FP8State": {
+        "modules": half, "ranks": [half, full], "recipe": RECIPE.as_config()}}}},
+        checkpoint_id=tmp_path, no_dist=True)
+    model, loading = _fp8_state(2, trained=False)
+    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
+    _load(template, str(tmp_path))
+    entry = template["state"]["callbacks"]["FP8State"]
+    assert [sorted(r) for r in entry["ranks"]] == [["0"], ["0"]]
+    with pytest.raises(FP8StateError, match=r"1 in FP8 now without saved state: 1; 0 saved"):
+        loading.load_state_dict(entry)
+    loading.strict = False
+    loading.load_state_dict(entry)
+    want = torch.maximum(half["0"]["fwd_amax_history"], full["0"]["fwd_amax_history"])[1:]
+    assert torch.equal(read_fp8_meta(model[0])["fwd_amax_history"][1:], want)
+
+
+def test_a_failure_preparing_the_load_leaves_composers_load_as_it_was(tmp_path, monkeypatch,
+                                                                     caplog):
+    """Our own bug in the template's preparation must not stop the resume: one warning, and
+    DCP loads the template untouched."""
+    def broken(entry: dict, saved: dict) -> None:
+        entry["n"] = "half done"
+        raise KeyError("ours")
+
+    monkeypatch.setattr(guard, "_ABSENT_OK", {**guard._ABSENT_OK, "Other": (None, broken)})
+    dcp.save({"state": {"callbacks": {"Other": {"n": torch.ones(2)}}}}, checkpoint_id=tmp_path,
+             no_dist=True)
+    template = {"state": {"callbacks": {"Other": {"n": torch.zeros(2)}}}}
+    with caplog.at_level(logging.WARNING):
+        _load(template, str(tmp_path))
+    assert torch.equal(template["state"]["callbacks"]["Other"]["n"], torch.ones(2))
+    [said] = [r.getMessage() for r in caplog.records if r.name.startswith("foundry_fp8")]
+    assert said.startswith("foundry-fp8: internal error preparing the sharded checkpoint load "
+                           "(KeyError: 'ours')")
+
+
+def test_a_subclass_of_fp8_state_is_accepted_under_its_own_name(tmp_path, monkeypatch):
+    """Composer keeps a callback's entry under `type(callback).__qualname__`
+    (composer/core/state.py): fp8_state registered `FP8State` whatever its class."""
+    monkeypatch.setattr(guard, "_ABSENT_OK", dict(guard._ABSENT_OK))
+
+    class MyState(FP8State):
+        pass
+
+    dcp.save({"state": {"model": {"w": torch.ones(2)}}}, checkpoint_id=tmp_path, no_dist=True)
+    _, loading = _fp8_state(1, trained=False)
+    mine = MyState()
+    mine._model, mine._recipe = loading._model, RECIPE
+    mine.accept_sharded_checkpoints()  # what its before_load does
+    template = {"state": {"model": {"w": torch.zeros(2)},
+                          "callbacks": {type(mine).__qualname__: mine.state_dict()}}}
+    _load(template, str(tmp_path))
+    assert template["state"]["callbacks"] == {}
+    assert torch.equal(template["state"]["model"]["w"], torch.ones(2))

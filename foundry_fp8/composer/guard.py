@@ -479,20 +479,50 @@ def accept_absent_state(qualname: str, message: str | None,
                      **kwargs: Any) -> Any:
         entries = state_dict.get("state", {}).get("callbacks")
         if isinstance(entries, dict) and entries.keys() & _ABSENT_OK.keys():
-            saved = storage_reader.read_metadata().state_dict_metadata
-            where = getattr(storage_reader, "path", "the checkpoint")
-            for name in sorted(n for n in entries.keys() & _ABSENT_OK.keys() if entries[n]):
-                said, complete = _ABSENT_OK[name]
-                if complete is not None and isinstance(entries[name], dict):
-                    prefix = f"state.callbacks.{name}."
-                    complete(entries[name], {k[len(prefix):]: v for k, v in saved.items()
-                                             if k.startswith(prefix)})
-                if _drop_unsaved(entries, name, saved) and said is not None:
-                    log.warning(said, where)
+            try:
+                _prepare(entries, storage_reader)
+            except Exception as error:  # our bug: Composer's load goes on as without us
+                log.warning("foundry-fp8: internal error preparing the sharded checkpoint load "
+                            "(%s: %s); loading it as Composer does", type(error).__name__,
+                            str(error).splitlines()[0][:200] if str(error) else "")
         return load(state_dict, storage_reader, *args, **kwargs)
 
     dist_cp_load._foundry_fp8 = True  # type: ignore[attr-defined]
     checkpoint.dist_cp_load = dist_cp_load
+
+
+def _prepare(entries: dict[str, Any], storage_reader: Any) -> None:
+    """Our callbacks' entries of the load template, completed and pruned to what the checkpoint
+    holds; prepared on a copy, so a failure leaves the template untouched."""
+    saved = storage_reader.read_metadata().state_dict_metadata
+    where = getattr(storage_reader, "path", "the checkpoint")
+    ours = sorted(n for n in entries.keys() & _ABSENT_OK.keys() if entries[n])
+    prepared = {name: _containers_copy(entries[name]) for name in ours}
+    said = []
+    for name in ours:
+        message, complete = _ABSENT_OK[name]
+        if complete is not None and isinstance(prepared[name], dict):
+            prefix = f"state.callbacks.{name}."
+            complete(prepared[name], {k[len(prefix):]: v for k, v in saved.items()
+                                      if k.startswith(prefix)})
+        if _drop_unsaved(prepared, name, saved) and message is not None:
+            said.append(message)
+    for name in ours:
+        if name in prepared:
+            entries[name] = prepared[name]
+        else:
+            del entries[name]
+    for message in said:
+        log.warning(message, where)
+
+
+def _containers_copy(value: Any) -> Any:
+    """`value` with its dicts and lists copied, their leaves (tensors) shared."""
+    if isinstance(value, dict):
+        return {k: _containers_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_containers_copy(v) for v in value]
+    return value
 
 
 def _drop_unsaved(entries: dict[str, Any], name: str, saved: Iterable[str]) -> bool:

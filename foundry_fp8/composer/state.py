@@ -55,9 +55,9 @@ from foundry_fp8.restore import (
     saved_recipe,
 )
 from foundry_fp8.te import backend as te_backend
-from foundry_fp8.te.extra_state import inert_extra_state_hook, unstarted_delayed_state
+from foundry_fp8.te.extra_state import inert_extra_state_hook
 from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
-from foundry_fp8.te.probe import is_te_fp8_module, is_te_module
+from foundry_fp8.te.probe import is_te_module
 from foundry_fp8.te.recompute import recompute_plan
 
 log = logging.getLogger(__name__)
@@ -208,11 +208,12 @@ class FP8State(Callback):
         self._guarded(Event.BEFORE_LOAD, self._see_loaded_entries, state)
         self._guarded(Event.BEFORE_LOAD, self.accept_sharded_checkpoints)
 
-    @staticmethod
-    def accept_sharded_checkpoints() -> None:
+    @classmethod
+    def accept_sharded_checkpoints(cls) -> None:
         """A sharded checkpoint without fp8_state loads (said at AFTER_LOAD, as for any other),
-        and all the FP8 state it holds is read (`saved_state_template`)."""
-        accept_absent_state(FP8State.__qualname__, None, saved_state_template)
+        and all the FP8 state it holds is read (`saved_state_template`). Under the name
+        Composer keeps the entry by, the class's own (a subclass's too)."""
+        accept_absent_state(cls.__qualname__, None, saved_state_template)
 
     def after_load(self, state: State, logger: Logger) -> None:
         self._guarded(Event.AFTER_LOAD, self._report_loaded_entries, state)
@@ -295,7 +296,7 @@ class FP8State(Callback):
         entries, self._loaded_entries = self._loaded_entries, None
         if entries is None or self._model is None:
             return
-        if FP8State.__qualname__ not in entries and next(fp8_modules(self._model), None):
+        if type(self).__qualname__ not in entries and next(fp8_modules(self._model), None):
             # Composer drops `load_ignore_keys` before any callback sees the checkpoint
             log.warning("fp8_state: %s holds no FP8 state (saved without fp8_state, or left "
                         "out by load_ignore_keys); FP8 scales and amax histories start fresh, "
@@ -364,19 +365,12 @@ class FP8State(Callback):
 
     def _local_state(self) -> FP8ModuleState:
         """Histories not yet sized by a first FP8 forward are given the recipe's rows, all
-        "no amax recorded": Composer's sharded load (FSDP `state_dict_type: sharded`, FSDP2's
-        default) fills this state in place as its template (torch.distributed.checkpoint),
-        which refuses a saved `[len, n]` history into a `[0, n]` one. A TE module, which holds
-        no state before its first FP8 forward, is given the one that forward creates: left out,
-        its saved state stayed behind and fp8_state took it for a module added to FP8."""
+        "no amax recorded", so a checkpoint holds the recipe's history length."""
         assert self._model is not None
         rows = self._recipe.amax_history_len if self._recipe is not None else 0
-        delayed = self._recipe is not None and self._recipe.scaling == "delayed"
         state: FP8ModuleState = {}
         for name, module in fp8_modules(self._model):
             tensors = read_fp8_meta(module)
-            if not tensors and delayed and rows and is_te_fp8_module(module):
-                tensors = unstarted_delayed_state(module, rows)  # TE before its first forward
             for key, value in tensors.items():
                 if key.endswith("_amax_history") and value.shape[0] == 0 and rows:
                     tensors[key] = value.new_zeros(rows, *value.shape[1:])
@@ -516,28 +510,32 @@ class FP8State(Callback):
 
 
 def saved_state_template(entry: dict[str, Any], saved: Mapping[str, Any]) -> None:
-    """What a sharded checkpoint holds of fp8_state beyond the state before fit, added to the
-    load template (DCP reads only what the template asks for): the FP8 modules it saved that
-    this run does not run in FP8 (te_swap's selection changed; fp8_state then names them as in
-    a whole-file load, where they went unseen), and the per-rank states (`ranks`, each with the
-    modules and shapes of `modules`: one model, one recipe), which every rank's equal state
-    before fit lacks (DCP restored rank 0's state on every rank, combined nothing on another
-    number of ranks). `saved`: DCP's metadata by key below the entry."""
-    modules = entry.get("modules")
-    if not isinstance(modules, dict):
-        return
-    known = set(modules)
+    """fp8_state's FP8 state in a sharded checkpoint, asked for as saved: DCP reads only what
+    the load template asks for, into tensors of the template's sizes, so the state before fit
+    is replaced by zeros of each saved tensor's size and dtype, `modules` and the per-rank
+    `ranks` alike. DCP then loads the checkpoint's state whole, and `load_state_dict` judges it
+    as in a whole-file load: modules added to or left out of FP8, another history length,
+    another number of ranks, TE modules whose state shape no template could guess before their
+    first forward (DotProductAttention's 3 GEMMs). `saved`: DCP's metadata by key below the
+    entry (module names hold dots; fields do not)."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    ranks: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
     for key, meta in saved.items():
-        name, _, field = key.removeprefix("modules.").rpartition(".")
         size = getattr(meta, "size", None)  # a tensor's (TensorStorageMetadata)
-        if key.startswith("modules.") and name not in known and size is not None:
-            modules.setdefault(name, {})[field] = torch.zeros(size, dtype=meta.properties.dtype)
-    indexes = {int(k.split(".")[1]) for k in saved
-               if k.startswith("ranks.") and k.split(".")[1].isdigit()}
-    if indexes and "ranks" not in entry:
-        entry["ranks"] = [{name: {k: v.clone() for k, v in tensors.items()}
-                           for name, tensors in modules.items()}
-                          for _ in range(max(indexes) + 1)]
+        head, _, rest = key.partition(".")
+        if size is None or not rest:
+            continue
+        into = modules if head == "modules" else None
+        if head == "ranks":
+            index, _, rest = rest.partition(".")
+            into = ranks.setdefault(int(index), {}) if index.isdigit() else None
+        name, _, field = rest.rpartition(".")
+        if into is not None and name:
+            into.setdefault(name, {})[field] = torch.zeros(size, dtype=meta.properties.dtype)
+    if modules:
+        entry["modules"] = modules
+    if ranks:
+        entry["ranks"] = [ranks.get(i, {}) for i in range(max(ranks) + 1)]
 
 
 def _layers_changed(missing: list[str], unexpected: list[str]) -> str:

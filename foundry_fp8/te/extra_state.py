@@ -5,8 +5,7 @@ and >= 2.18 refuse to unpickle a delayed-scaling one without NVTE_ALLOW_UNSAFE_P
 (pytorch/_extra_state.py; `facts.refuses_pickled_extra_state`), before any callback could help;
 `fp8_state` keeps the state itself and saves a pickled `None` in its place, which TE's
 `set_extra_state` reads as "no state" on every TE from 1.12 to 2.20 (an empty tensor is skipped
-only from TE 2.4: older TE fails to unpickle it; see `facts`). A TE module holds no scaling
-state before its first FP8 forward; `unstarted_delayed_state` is the one that forward creates.
+only from TE 2.4: older TE fails to unpickle it; see `facts`).
 """
 
 from __future__ import annotations
@@ -45,22 +44,3 @@ def inert_extra_state_hook(module: nn.Module, state_dict: dict[str, Any], prefix
     key = prefix + EXTRA_STATE_SUFFIX
     if key in state_dict:
         state_dict.update(without_pickled_extra_state({key: state_dict[key]}))
-
-
-def unstarted_delayed_state(module: nn.Module, history_len: int) -> dict[str, torch.Tensor]:
-    """The delayed-scaling state a TE module's first FP8 forward creates (scale 1, no amax),
-    in `read_fp8_meta`'s layout: what a checkpoint's state is loaded into before that forward
-    (Composer's sharded load fills the state callbacks report, by shape). TE 2.20
-    (pytorch/module/base.py `set_meta_tensor`, pytorch/quantization.py
-    `DelayedScalingRecipeState`): 3 forward and 2 backward tensors per GEMM, scales
-    `torch.ones`, histories `torch.zeros(amax_history_len, n)`, float32. GEMMs: the `num_gemms`
-    TE records in `fp8_meta` once it has run or loaded, else LayerNormMLP's 2
-    (module/layernorm_mlp.py, `prepare_forward(inp, num_gemms=2)`), GroupedLinear's
-    `num_gemms`, and 1 for Linear and LayerNormLinear (`prepare_forward`'s default)."""
-    gemms = getattr(module, "fp8_meta", {}).get("num_gemms") or (
-        2 if type(module).__name__ == "LayerNormMLP" else getattr(module, "num_gemms", 1))
-    state = {}
-    for direction, per_gemm in (("fwd", 3), ("bwd", 2)):
-        state[f"{direction}_scale"] = torch.ones(per_gemm * gemms)
-        state[f"{direction}_amax_history"] = torch.zeros(history_len, per_gemm * gemms)
-    return state
