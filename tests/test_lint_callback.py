@@ -9,6 +9,7 @@ a real tiny LLM-Foundry MPT, before and after te_swap's emulated conversion.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -132,10 +133,18 @@ def test_our_own_bug_never_stops_the_run(monkeypatch, caplog):
         "fp8_lint: checking the model failed; skipped"]
 
 
-def test_te_ln_mlp_stops_the_run_before_llmfoundry_builds_the_model():
+def test_te_ln_mlp_stops_the_run_before_llmfoundry_builds_the_model(monkeypatch):
     """This machine's LLM-Foundry (0.22.0; 0.21.0 in the oldest set) carries FP8030's bug, so
     fp8_lint, built with the callbacks before the model, stops the run in one line naming the
-    key, the upstream line that would raise and the fix."""
+    key, the upstream line that would raise and the fix. On an H100 with TE (on this CPU
+    machine the machine's errors, no GPU and no TE, come first)."""
+    import foundry_fp8.composer.lint as lint_module
+    from foundry_fp8.environment import gather_snapshot
+
+    here = gather_snapshot(probe_te_import=False, probe_gpu=False)
+    h100 = replace(here, gpu_name="NVIDIA H100", capability=(9, 0), torch_cuda="12.6",
+                   te="2.8.0", te_torch="2.8.0", te_core=None, te_core_package=None)
+    monkeypatch.setattr(lint_module, "gather_snapshot", lambda probe_te_import: h100)
     run = {"model": {"name": "mpt_causal_lm", "loss_fn": "torch_crossentropy",
                      "ffn_config": {"ffn_type": "te_ln_mlp"}}}
     with pytest.raises(ValueError) as stopped:

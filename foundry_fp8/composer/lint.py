@@ -150,7 +150,9 @@ def _run_findings(config: Any) -> list[Finding]:
         snapshot = gather_snapshot(probe_te_import=False)
         context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ),
                               snapshot=snapshot, wandb_mode=wandb_mode_from_env(os.environ))
-        findings = lint_config(config, context) + environment_findings(snapshot, config)
+        # the machine's first: where it cannot run the config (no TE), that is the
+        # cause, and the first error is the one that stops the run
+        findings = environment_findings(snapshot, config) + lint_config(config, context)
     except Exception:
         log.exception("fp8_lint: the linter failed on this config; the run is not linted")
         return []

@@ -11,6 +11,8 @@ run's config on the machine it runs on. Facts, with where they were read:
 - TE activation recompute kept wrong backward scales before `MIN_TE_FOR_RECOMPUTE` (TE issue
   #1190, fixed by TE PR #1254).
 - Current scaling needs TE >= `MIN_TE_CURRENT_SCALING` (`te.facts.environment_problems`).
+- NVTE_BACKWARD_OVERRIDE: from TE `TE_BACKWARD_OVERRIDE_FROM` a value TE does not take, or any
+  value with delayed scaling, fails building the recipe (`te.facts.backward_override_problems`).
 - Composer from `AUTO_MICROBATCH_CHECKED_FROM` with a torch outside `UNSHARD_WITH_SYNC_TORCH`
   cannot auto micro-batch under FSDP (`foundry_fp8.lint.known`, shared with the config rule
   FP8031).
@@ -25,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from foundry_fp8.environment import Snapshot
-from foundry_fp8.lint.config import te_swap, uses_te
+from foundry_fp8.lint.config import has_fp8_layers, native_te_layers, te_swap, uses_te
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_SOURCE,
     UNSHARD_TORCH_RANGE,
@@ -35,12 +37,16 @@ from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules
 from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
 from foundry_fp8.te.facts import (
     ADA,
+    BACKWARD_OVERRIDE_ENV,
+    BACKWARD_OVERRIDE_VALUES,
     MIN_CUDA_FOR_ADA_FP8,
     MIN_FP8_CAPABILITY,
     MIN_TE,
     MIN_TE_CURRENT_SCALING,
     MIN_TE_FOR_RECOMPUTE,
+    TE_BACKWARD_OVERRIDE_FROM,
     TE_CORE_CHECK,
+    backward_override_problems,
     dotted,
     environment_problems,
     parse_version,
@@ -61,6 +67,17 @@ class Environment:
     snapshot: Snapshot
     config: Mapping[str, Any] | None = None
     pinned: bool = False
+
+
+#: The emulated backend's fix for a run whose model builds TE layers itself (fc_type te,
+#: te_ln_mlp): those need TE whatever te_swap's backend, so te_swap alone cannot emulate them.
+NATIVE_TE_FIX = ("here set model.fc_type: torch (ffn_type: mptmlp for te_ln_mlp) and use "
+                 "te_swap: {backend: emulate}, which emulates FP8 in the linears it converts")
+
+
+def _run_fix(env: Environment, fix: str) -> str | None:
+    """`fix` for a run whose model builds its own TE layers; None (the rule's) otherwise."""
+    return fix if env.config is not None and native_te_layers(env.config) else None
 
 
 def _capability_problems(snapshot: Snapshot) -> list[RecipeProblem]:
@@ -88,7 +105,8 @@ def no_gpu(env: Environment, _: LintContext) -> Iterator[Hit]:
         yield Hit("gpu", f"no GPU found: {snapshot.gpu_error}; if this machine has a GPU, its "
                   "driver needs fixing (the emulated backend works meanwhile)", fix=DRIVER_FIX)
     else:
-        yield Hit("gpu", NO_GPU)
+        yield Hit("gpu", NO_GPU, fix=_run_fix(env, "train FP8 on an H100/H200 or Ada GPU; "
+                                              + NATIVE_TE_FIX))
 
 
 @rule("FP8202", "warning", f"GPU compute capability below {dotted(MIN_FP8_CAPABILITY)}",
@@ -160,7 +178,8 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
         return
     if env.config is not None:
         yield Hit("transformer_engine", "this run uses TransformerEngine layers, but TE is not "
-                  "installed")
+                  "installed", fix=_run_fix(env, "pip install 'foundry-fp8[te]', or "
+                                            + NATIVE_TE_FIX))
     elif snapshot.has_gpu and not _capability_problems(snapshot):
         yield Hit("transformer_engine", "this GPU can run FP8, but TransformerEngine is not "
                   "installed: only the emulated backend works")
@@ -279,17 +298,71 @@ def te_version_unknown(env: Environment, _: LintContext) -> Iterator[Hit]:
                   "a version: the TE version checks were skipped")
 
 
+#: Rules that set each hit's severity for a run themselves (`environment_findings` does not make
+#: them errors) and that judge runs on the emulated backend too, which reads the same variable.
+_RUN_SEVERITY_OWN = frozenset({"FP8211"})
+
+
+def _run_scaling(config: Mapping[str, Any]) -> str | None:
+    """The scaling a run's FP8 layers use: te_swap's recipe, else delayed (LLM-Foundry's own TE
+    layers run under Composer's fp8_autocast, whose default recipe is DelayedScaling:
+    composer/core/precision.py get_precision_context); None where the recipe does not parse."""
+    options = section(section(config, "algorithms"), "te_swap").get("fp8_recipe")
+    try:
+        return FP8Recipe.from_options(options if isinstance(options, Mapping) else {}).scaling
+    except (RecipeError, TypeError):
+        return None  # a broken recipe is the linter's FP8008
+
+
+@rule("FP8211", "error", f"{BACKWARD_OVERRIDE_ENV} set to a value TransformerEngine refuses, "
+      "or with delayed scaling",
+      why=f"From TE {dotted(TE_BACKWARD_OVERRIDE_FROM)} every recipe class reads "
+      f"{BACKWARD_OVERRIDE_ENV} when TE is imported and asserts it is unset or one of "
+      f"{', '.join(BACKWARD_OVERRIDE_VALUES)} (an empty value too is refused), and DelayedScaling"
+      " asserts it unset: such a run fails building its recipe. The emulated backend judges it "
+      "as that TE does; an older TE ignores it (info). The doctor, which does not know the "
+      "recipe, warns about an accepted value (delayed scaling refuses it); `fp8_lint` errs "
+      "where the run's recipe is delayed.",
+      source=f"{TE_SRC} transformer_engine/common/recipe/__init__.py (v2.15: l. 14, 219-228, "
+      "270; te.facts.TE_BACKWARD_OVERRIDE_FROM)",
+      fix=f"unset {BACKWARD_OVERRIDE_ENV}, or set it to {' or '.join(BACKWARD_OVERRIDE_VALUES)} "
+      "with fp8_recipe: {scaling: current}", family="environment")
+def backward_override(env: Environment, _: LintContext) -> Iterator[Hit]:
+    value = env.snapshot.nvte_backward_override
+    config = env.config
+    if value is None or (config is not None and not has_fp8_layers(config)):
+        return
+    te = env.snapshot.te_version
+    emulated = config is not None and not uses_te(config)  # judged as TE >= 2.15 (`emulate`)
+    old_te = not emulated and te is not None and te < TE_BACKWARD_OVERRIDE_FROM
+    if old_te:
+        emulates = "" if value in BACKWARD_OVERRIDE_VALUES else \
+            " (the emulated backend reads it and refuses this value)"
+        yield Hit(BACKWARD_OVERRIDE_ENV, f"{BACKWARD_OVERRIDE_ENV}={value!r} is ignored by "
+                  f"TransformerEngine {env.snapshot.te} (read from "
+                  f"{dotted(TE_BACKWARD_OVERRIDE_FROM)}){emulates}", severity="info",
+                  fix=f"unset {BACKWARD_OVERRIDE_ENV}, or upgrade TransformerEngine to "
+                  f"{dotted(TE_BACKWARD_OVERRIDE_FROM)} or newer for it to apply")
+        return
+    scaling = None if config is None else _run_scaling(config)
+    for problem in backward_override_problems(value, None if emulated else te, scaling):
+        accepted = value in BACKWARD_OVERRIDE_VALUES
+        yield Hit(BACKWARD_OVERRIDE_ENV, problem.message, fix=problem.fix,
+                  severity="warning" if accepted and scaling is None else "error")
+
+
 def environment_findings(snapshot: Snapshot,
                          config: Mapping[str, Any] | None = None) -> list[Finding]:
     """Findings for this environment; with a run's `config`, for that run.
 
     Without a config (the doctor) hardware limits are warnings: the emulated backend runs
-    anywhere. With a config, a run that uses only the emulated backend gets nothing, and a run
-    that needs real TE gets every finding as an error, since it cannot do what it asks.
+    anywhere. With a config, a run that uses only the emulated backend gets only FP8211 (which
+    the emulation reads as TE does), and a run that needs real TE gets every finding as an
+    error, since it cannot do what it asks, except FP8211's, whose severity is its own.
     """
     findings = run_rules("environment", Environment(snapshot, config), LintContext(scope="run"))
     if config is None:
         return findings
-    if not uses_te(config):
-        return []
-    return [replace(f, severity="error") for f in findings]
+    te = uses_te(config)
+    return [f if f.rule in _RUN_SEVERITY_OWN else replace(f, severity="error")
+            for f in findings if te or f.rule in _RUN_SEVERITY_OWN]

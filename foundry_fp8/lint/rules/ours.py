@@ -145,6 +145,12 @@ def converts_any(modules: list[MPTModule], swap: SwapConfig, n_blocks: int) -> b
     return any(_kept(m, swap, n_blocks) is None for m in modules)
 
 
+#: FP8034's fix where every linear is one of the model's own TE modules (`fc_type: te`).
+TE_LAYERS_FIX = ("set model.fc_type: torch so that te_swap converts the linears itself, or "
+                 "drop te_swap and train the model's own TE layers with precision: amp_fp8 on "
+                 "a GPU with TransformerEngine")
+
+
 @rule("FP8034", "error", "te_swap options under which it converts no layer of an MPT "
       "(keep_first/last_blocks covering every block, an include matching no layer, a "
       "min_gemm_size above every GEMM), so te_swap refuses the run",
@@ -184,10 +190,18 @@ def te_swap_converts_nothing(config: Mapping[str, Any], ctx: LintContext) -> Ite
     linears = sum(m.kind == "linear" for m in modules)
     said = ", ".join(f"{o}: {given[o]!r}" for o in culprits) or "; ".join(sorted(
         {str(_kept(m, swap, n_blocks)) for m in modules if m.kind == "linear"})[:3])
+    message = (f"te_swap would convert none of this MPT's {linears} linears ({said}) and no "
+               "other layer runs in FP8: te_swap refuses the run at INIT ('no module would run "
+               "in FP8')")
+    if not culprits and all(m.te for m in modules if m.kind == "linear"):
+        # no option of te_swap's to relax: the model's own TE layers (fc_type te), which run
+        # in FP8 only under amp_fp8, are what te_swap leaves alone
+        yield Hit("model.fc_type", message, fix=TE_LAYERS_FIX)
+        return
     yield Hit(f"algorithms.te_swap.{culprits[0]}" if culprits else "algorithms.te_swap",
-              f"te_swap would convert none of this MPT's {linears} linears ({said}) and no "
-              "other layer runs in FP8: te_swap refuses the run at INIT ('no module would run "
-              "in FP8')")
+              message)
+
+
 
 
 @rule("FP8048", "warning", "`fp8_stats` `layers`/`exclude` that select none of an MPT's "
