@@ -133,7 +133,7 @@ def eval_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
         prefix = join_key(where, "model") if where else "model"
         yield from model_key_hits(model, prefix)
         master = model.get("master_weights_dtype")
-        if model.get("name") in MPT_MODEL_NAMES and master is not None:
+        if master is not None and str(model.get("name")) in MPT_MODEL_NAMES:
             yield Hit(join_key(prefix, "master_weights_dtype"), f"eval does not build the model in "
                       f"master_weights_dtype {master!r:.20}: evaluate_model hands it to MPTConfig, "
                       "which keeps it as an unused attribute, so the parameters stay float32",

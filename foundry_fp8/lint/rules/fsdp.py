@@ -208,10 +208,16 @@ def fsdp_mixed_precision(config: Mapping[str, Any], ctx: LintContext) -> Iterato
       "backward runs outside it, without FP8, unlike the forward it replays; fp8_state, when "
       "in the run, refuses such runs. activation_cpu_offload alone recomputes nothing "
       "(Composer wraps blocks in offload_wrapper only, which moves saved activations to the "
-      "CPU).",
+      "CPU). `llmfoundry train` in one process drops fsdp_config ('FSDP is not applicable for "
+      "single-GPU training. Reverting to DDP.'), so nothing is recomputed there: an info for "
+      "an MCLI run config with `compute.gpus: 1`; an error where FSDP runs (more GPUs, or a "
+      "file whose world size is unknown: its message says so). `fp8_lint` sees the config "
+      "after train dropped it.",
       source="foundry_fp8/composer/te_swap.py (_enter/_exit hooks), "
       "foundry_fp8/composer/state.py recompute_settings, foundry_fp8/te/recompute.py "
-      f"recompute_plan; {COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module",
+      f"recompute_plan; {COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module; "
+      f"{FOUNDRY} llmfoundry/command_utils/train.py:319-336 (one process: fsdp_config = None, "
+      "also in the logged config the callbacks get)",
       fix="turn FSDP activation checkpointing off, or checkpoint blocks with "
       "foundry_fp8.emulate.fp8_checkpoint")
 def emulated_recompute(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
@@ -219,11 +225,21 @@ def emulated_recompute(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
     settings = fsdp(config)
     if swap is not None and swap.get("backend") == "emulate" \
             and settings.get("activation_checkpointing"):
-        refusal = ("fp8_state refuses this run" if has_fp8_state(config)
+        if ctx.gpus == 1:
+            yield Hit("fsdp_config.activation_checkpointing", "`compute.gpus: 1`: LLM-Foundry "
+                      "drops fsdp_config in one process ('FSDP is not applicable for single-GPU "
+                      "training. Reverting to DDP.'), so nothing is recomputed and te_swap's "
+                      "emulated FP8 layers run as they are; on more GPUs FSDP would recompute "
+                      "them without FP8", severity="info")
+            return
+        refusal = ("fp8_state refuses such a run" if has_fp8_state(config)
                    else "the recompute runs them without FP8, unlike their forward")
+        where = "" if ctx.scope == "run" or ctx.gpus is not None else \
+            "; in one process (one GPU, or CPU) LLM-Foundry drops fsdp_config and nothing is " \
+            "recomputed"
         yield Hit("fsdp_config.activation_checkpointing", "FSDP activation checkpointing "
                   "recomputes te_swap's emulated FP8 layers outside te_swap's FP8 autocast "
-                  f"({refusal})")
+                  f"on 2+ GPUs ({refusal}){where}")
 
 
 @rule("FP8014", "warning", "`te_checkpoint_wrapper` / `te_shard_fp8_weight` without amp_fp8",
@@ -353,7 +369,7 @@ def flash_note(config: Mapping[str, Any]) -> str:
     """What MPT's flash attention does with float32 q, k and v, for an MPT model using it."""
     model = section(config, "model")
     impl = get(model, "attn_config.attn_impl") or MPT_ATTN_IMPL_DEFAULT
-    if model.get("name") not in MPT_MODEL_NAMES or impl != MPT_ATTN_IMPL_DEFAULT:
+    if str(model.get("name")) not in MPT_MODEL_NAMES or impl != MPT_ATTN_IMPL_DEFAULT:
         return ""
     return ("; with MPT's attn_impl flash (its default) q, k and v reach flash-attn in float32, "
             "which LLM-Foundry's check_valid_inputs accepts and flash-attn's forward refuses "
