@@ -96,7 +96,8 @@ class SwapPlan:
     #: The model's linear-GEMM FLOPs per token (`linear_flops`), of which each decision's
     #: `flops_share` is; counted before a wrapper (FSDP) shards the weights.
     total_flops: int = 0
-    #: Modules whose transformers gradient checkpointing recomputes with `fp8_checkpoint`.
+    #: Modules whose transformers gradient checkpointing recomputes with `fp8_checkpoint`
+    #: (emulate) or TE's checkpoint (te).
     recompute: tuple[str, ...] = ()
 
     @property
@@ -584,23 +585,30 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
     if not would_run_fp8(precision, te_modules, emulated):
         raise ValueError(_refusal(precision, plan))
     checkpointed = _torch_checkpointed(model)
-    if checkpointed and plan.backend != "emulate":
-        raise ValueError(
-            f"te_swap: {checkpointed[0][0] or type(model).__name__} recomputes with "
-            "torch.utils.checkpoint (transformers' gradient_checkpointing_enable), outside TE's "
-            "FP8 autocast (TE #1190): give it TE's checkpoint instead, "
-            "model._set_gradient_checkpointing(True, transformer_engine.pytorch.checkpoint)")
-    if selective := [name for name, _, function in checkpointed
-                     if "context_fn" in function.keywords]:
+    if plan.backend == "emulate" and (selective := [
+            name for name, _, function in checkpointed if "context_fn" in function.keywords]):
         raise ValueError(
             f"te_swap: {selective[0] or type(model).__name__} checkpoints with a context_fn "
             "(gradient_checkpointing_kwargs, torch's selective checkpointing): the FP8 recompute "
             "needs its own; drop context_fn or checkpoint these layers yourself in fp8_checkpoint")
+    recompute = [(module, _fp8_recompute(plan.backend, function.keywords))
+                 for _, module, function in checkpointed]
     apply_swap(model, plan, optimizers=optimizers)
-    for _, module, function in checkpointed:
-        kwargs = {k: v for k, v in function.keywords.items() if k != "use_reentrant"}
-        setattr(module, HF_CHECKPOINT_FUNC, functools.partial(fp8_checkpoint, **kwargs))
+    for module, function in recompute:
+        setattr(module, HF_CHECKPOINT_FUNC, function)
     return dataclasses.replace(plan, recompute=tuple(name for name, _, _ in checkpointed))
+
+
+def _fp8_recompute(backend: str, kwargs: dict[str, Any]) -> functools.partial:
+    """The checkpoint that recomputes under the forward's FP8 scales, with the user's torch
+    checkpoint keywords: ours (always non-reentrant) for emulated layers, TE's (reentrant or
+    not, as asked; it takes torch's context_fn) for TE's."""
+    if backend == "emulate":
+        return functools.partial(
+            fp8_checkpoint, **{k: v for k, v in kwargs.items() if k != "use_reentrant"})
+    from foundry_fp8.te import backend as te
+
+    return te.te_checkpoint(kwargs)
 
 
 def _torch_checkpointed(model: nn.Module) -> list[tuple[str, nn.Module, functools.partial]]:

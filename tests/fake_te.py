@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from foundry_fp8.te.facts import parse_version
 
@@ -146,6 +147,39 @@ class _LayerNorm112(_TEModule):
         self.bias = _param((hidden_size,), device, params_dtype)
 
 
+#: The keywords TE's checkpoint takes for itself (pytorch/distributed.py:609-637 at v1.12,
+#: 700-728 at v2.18); it passes every other keyword to the checkpointed function.
+_TE_CHECKPOINT_KWARGS = ("use_reentrant", "distribute_saved_activations", "tp_group",
+                         "get_rng_state_tracker", "context_fn", "determinism_check", "debug")
+
+
+@dataclass
+class CheckpointCall:
+    """One call of the stand-in's `te.checkpoint`: TE's own keywords and the function's."""
+
+    function: Any
+    args: tuple
+    te_kwargs: dict[str, Any]
+    function_kwargs: dict[str, Any]
+
+
+def _checkpoint_function(calls: list[CheckpointCall]) -> Any:
+    """`te.checkpoint(function, *args, **kwargs)` (TE >= 1.12's signature) that records each
+    call in `calls` and recomputes with torch's non-reentrant checkpoint (the stand-in's modules
+    have no FP8 state to recompute under); the function's keywords reach the function, as in
+    TE."""
+
+    def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+        te_kwargs = {k: kwargs.pop(k) for k in _TE_CHECKPOINT_KWARGS if k in kwargs}
+        calls.append(CheckpointCall(function, args, te_kwargs, dict(kwargs)))
+        extra = {"context_fn": te_kwargs["context_fn"]} if "context_fn" in te_kwargs else {}
+        return torch.utils.checkpoint.checkpoint(functools.partial(function, **kwargs), *args,
+                                                 use_reentrant=False, **extra)
+
+    checkpoint.calls = calls
+    return checkpoint
+
+
 def install_fake_te(monkeypatch: pytest.MonkeyPatch, version: str = "2.20.2") -> None:
     """Install a stand-in TE of `version`. The version the product code sees is the
     stand-in's, even where a real TE is installed (whose distribution metadata `te_version`
@@ -164,6 +198,7 @@ def install_fake_te(monkeypatch: pytest.MonkeyPatch, version: str = "2.20.2") ->
     _Linear.__name__, _LayerNormMLP.__name__ = "Linear", "LayerNormMLP"  # as TE's GEMM modules
     pytorch.Linear, pytorch.LayerNormMLP = _Linear, _LayerNormMLP
     pytorch.LayerNorm = _LayerNormOp if new else _LayerNorm112
+    pytorch.checkpoint = _checkpoint_function([])  # `.calls`: what it was called with
     recipe.Format, recipe.DelayedScaling, recipe.QParams = _Format, _DelayedScaling, _QParams
     if parse_version(version) >= (2, 2):
         recipe.Float8CurrentScaling = (_CurrentScaling220 if parse_version(version) >= (2, 8)

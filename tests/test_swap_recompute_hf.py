@@ -79,14 +79,6 @@ def test_checkpointed_training_is_the_unchecked_run_bit_for_bit(reference, check
     assert all(torch.equal(weights[k], v) for k, v in want_weights.items())
 
 
-def test_te_backend_refuses_torch_checkpointing_naming_the_fix(fake_te):
-    fake_te()
-    model = _llama({})
-    with pytest.raises(ValueError, match=r"transformer_engine\.pytorch\.checkpoint"):
-        convert_to_fp8(model, SwapConfig(backend="te"))
-    assert not any(type(m).__module__.startswith("transformer_engine") for m in model.modules())
-
-
 def test_a_user_s_context_fn_is_refused_in_one_line_before_any_change():
     """Review s15: fp8_checkpoint passes its own context_fn to torch's checkpoint, so a user's
     (selective activation checkpointing) crashed the first forward with torch's TypeError
