@@ -12,7 +12,7 @@ Watches the GEMM input (activation), weight and output gradient of selected line
 - anything else (plain `nn.Linear`): the `recipe` what-if, current by default; `delayed` keeps
   an amax history recorded, amax only, on the batches before each logging step. So is the
   output gradient of a layer whose backward casts nothing (NVTE_BACKWARD_OVERRIDE), which is
-  logged and never judged on its cast (`UNCAST_JUDGED`).
+  logged, marked `health.keys.UNCAST`, and never judged on its cast (`health.rules.UNCAST_JUDGED`).
 
 Hooks exist only on logging steps (and, for a delayed what-if, on the recording batches before
 them); a logging step pools its statistics across ranks with one all_reduce per reduction op and
@@ -47,11 +47,12 @@ from foundry_fp8.health import (
     WhatIf,
     direction,
     layer_key,
-    nonfinite,
     render_table,
     short_layer,
     summary_metrics,
 )
+from foundry_fp8.health.keys import UNCAST
+from foundry_fp8.health.rules import judged_table, uncast_stats
 from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
@@ -206,13 +207,6 @@ def cast_mode(module: nn.Module) -> CastMode | None:
     return _te_cast_mode() if probe.te_class_name(module) is not None else None
 
 
-#: What a row of a tensor its layer does not cast (`CastMode.casts`) is judged on, by the
-#: monitor's rules, its summary series and fp8_guard, when it holds NaN/Inf (else it is not
-#: judged): the high-precision tensor's own numbers. Its cast statistics are a what-if of a
-#: cast that does not happen: logged per layer, never acted on.
-UNCAST_JUDGED = ("amax", "amin", "nan_count", "inf_count")
-
-
 def cast_scale(module: nn.Module, watch: Watch
                ) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
     """The delayed scale `module` will cast `watch`'s tensor with (read before the cast), and
@@ -325,7 +319,7 @@ class FP8Monitor:
         self.flags: dict[tuple[str, str], list[Flag]] = {}
         # `table` as the rules judged it, what listeners act on: the `uncast_rows` (tensors their
         # layer's FP8 run does not cast: its backward under NVTE_BACKWARD_OVERRIDE, and a
-        # fallback layer's then) left out, or with NaN/Inf only their UNCAST_JUDGED
+        # fallback layer's then) left out, or with NaN/Inf only their `uncast_stats`
         self.judged: dict[tuple[str, str], dict[str, float]] = {}
         self.uncast_rows: set[tuple[str, str]] = set()
         # the last `finish_step` pooled over every rank: the same on all ranks, so listeners
@@ -628,10 +622,7 @@ class FP8Monitor:
         if self.uncast_rows:  # the override holds: a fallback layer back in FP8 casts no dY either
             self.uncast_rows |= {key for key in table
                                  if key[0] in fallbacks and direction(key[1]) == "backward"}
-        uncast = {key: {s: table[key][s] for s in UNCAST_JUDGED if s in table[key]}
-                  for key in self.uncast_rows}
-        judged = {key: stats for key, stats in table.items() if key not in uncast}
-        judged.update({key: kept for key, kept in uncast.items() if nonfinite(kept)})
+        judged = judged_table(table, self.uncast_rows)
         flags = self.tracker.update(step.step or 0, judged)
         self.table, self.judged, self.flags = table, judged, flags
         self.whatif_rows = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif}
@@ -657,7 +648,9 @@ class FP8Monitor:
         metrics = {layer_key(stat, tensor, layer): value
                    for (layer, tensor), stats in table.items() for stat, value in stats.items()}
         # the uncast rows' tensors keep their summary series (worst values of the cast rows)
-        metrics.update(summary_metrics({**uncast, **judged}, flags, self.fallback_rows))
+        metrics.update({layer_key(UNCAST, tensor, layer): 1.0 for layer, tensor in self.uncast_rows})
+        metrics.update(summary_metrics({**{key: uncast_stats(table[key]) for key in self.uncast_rows},
+                                        **judged}, flags, self.fallback_rows))
         return metrics
 
     def _write_dump(self, step: _Step) -> None:

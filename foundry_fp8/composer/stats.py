@@ -18,7 +18,7 @@ from foundry_fp8.composer.destinations import FitEndKeys, capped, deliver, mlflo
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
-from foundry_fp8.health.keys import HIGH_PRECISION
+from foundry_fp8.health.keys import HIGH_PRECISION, UNCAST
 from foundry_fp8.health.raster import render_heatmap
 from foundry_fp8.health.specs import known_first
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
@@ -92,8 +92,10 @@ class FP8Stats(Callback):
       converted, whose what-if numbers say what FP8 would do to them;
     - per-layer series `fp8_<stat>/<tensor>/<layer>` (W&B makes one section per statistic;
       `<layer>` without the `model.transformer.` prefix or wrapper segments), and
-      `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast: on every
-      destination except the console unless `console_layers: true`;
+      `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast and
+      `fp8_uncast/<tensor>/<layer>` = 1 on a tensor its layer's FP8 run does not cast (dY
+      under NVTE_BACKWARD_OVERRIDE): on every destination except the console unless
+      `console_layers: true`;
     - with `te_debug`, TE's own statistics `fp8_te_<stat>/<tensor>/<layer>` (`<stat>` is TE's
       name, `_pct` for its `%`: `underflow_pct` for `underflows%`, `scale_inv_min`, ...;
       `te.debug.our_stat`), where the per-layer series go (a name MLflow still refuses stays
@@ -293,8 +295,8 @@ class FP8Stats(Callback):
             te_metrics = dict(self._te_metrics)
             self._te_metrics.clear()
         if metrics:
-            self._recent.append((self._step, high_precision(heatmap_rows(self.monitor.table),
-                                                            self.monitor.fallback_rows),
+            self._recent.append((self._step, marked(heatmap_rows(self.monitor.table), {
+                HIGH_PRECISION: self.monitor.fallback_rows, UNCAST: self.monitor.uncast_rows}),
                                  step_formats(self.monitor.formats)))
         if not _is_rank_zero():
             return
@@ -554,8 +556,9 @@ def _wandb_table_hangs(destination: LoggerDestination) -> bool:
 
 
 #: The per-row markers the heatmaps draw (delayed scaling's first cast: grey; fp8_guard's
-#: high precision: hatched), kept with their statistics and in checkpoints.
-MARKERS = (INITIAL_SCALE, HIGH_PRECISION)
+#: high precision and a tensor not cast: hatched), kept with their statistics and in
+#: checkpoints.
+MARKERS = (INITIAL_SCALE, HIGH_PRECISION, UNCAST)
 
 
 def heatmap_rows(table: Table) -> dict[tuple[str, str], dict[str, float]]:
@@ -566,13 +569,14 @@ def heatmap_rows(table: Table) -> dict[tuple[str, str], dict[str, float]]:
             for key, stats in table.items()}
 
 
-def high_precision(rows: dict[tuple[str, str], dict[str, float]],
-                   fallback: Collection[tuple[str, str]]) -> dict[tuple[str, str], dict[str, float]]:
-    """`rows` with the `fallback` ones (fp8_guard ran their layer in high precision: what-if
-    numbers) marked `HIGH_PRECISION`, which the heatmaps hatch as the report's do."""
-    for key in fallback:
-        if key in rows:
-            rows[key][HIGH_PRECISION] = 1.0
+def marked(rows: dict[tuple[str, str], dict[str, float]],
+           marks: Mapping[str, Collection[tuple[str, str]]]) -> dict[tuple[str, str], dict[str, float]]:
+    """`rows` with each marker's rows marked 1 (`HIGH_PRECISION`: the monitor's `fallback_rows`,
+    `UNCAST`: its `uncast_rows`; what-if numbers), which the heatmaps hatch as the report's do."""
+    for marker, keys in marks.items():
+        for key in keys:
+            if key in rows:
+                rows[key][marker] = 1.0
     return rows
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foundry_fp8 import jsonl
-from foundry_fp8.health.keys import HIGH_PRECISION, INITIAL_SCALE, TENSORS, parse_key
+from foundry_fp8.health.keys import HIGH_PRECISION, INITIAL_SCALE, TENSORS, UNCAST, parse_key
+from foundry_fp8.health.rules import judged_table
 from foundry_fp8.health.specs import PERFECT, SPECS, badness, known_first, spec
 
 NAN = float("nan")
@@ -19,7 +20,9 @@ NAN = float("nan")
 class RunMetrics:
     """The per-layer FP8 statistics of one run; steps cast with delayed scaling's initial
     scale are in `initial` (drawn, but neither ranked nor flagged), those of a layer fp8_guard
-    ran in high precision in `high_precision` (what-if numbers: drawn hatched, tables say so)."""
+    ran in high precision in `high_precision` (what-if numbers: drawn hatched, tables say so),
+    those of a tensor its layer's FP8 run does not cast (`keys.UNCAST`) in `uncast` (what-if
+    numbers: drawn hatched, judged only on NaN/Inf as fp8_stats does)."""
 
     values: dict[tuple[str, str, str], dict[int, float]] = field(default_factory=dict)
     layers: list[str] = field(default_factory=list)  # first-logged order = forward order
@@ -28,20 +31,17 @@ class RunMetrics:
     steps: list[int] = field(default_factory=list)  # every step with any fp8 metric, sorted
     initial: set[tuple[str, str, int]] = field(default_factory=set)
     high_precision: set[tuple[str, str, int]] = field(default_factory=set)
+    uncast: set[tuple[str, str, int]] = field(default_factory=set)
     # `steps` as a set: a list search per value would make reading a run quadratic in its steps
     _step_set: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
-    # `initial` by row: `judged` runs per series, over every step (a 100k-line run: 11 s)
-    _initial_steps: dict[tuple[str, str], set[int]] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
 
     def add(self, step: int, layer: str, tensor: str, stat: str, value: float) -> None:
         """One number; a step logged twice (a resumed run appending) keeps the later value."""
-        if stat in (INITIAL_SCALE, HIGH_PRECISION):
-            if value and stat == INITIAL_SCALE:
-                self.initial.add((layer, tensor, step))
-                self._initial_steps.setdefault((layer, tensor), set()).add(step)
-            elif value:
-                self.high_precision.add((layer, tensor, step))
+        marked = {INITIAL_SCALE: self.initial, HIGH_PRECISION: self.high_precision,
+                  UNCAST: self.uncast}.get(stat)
+        if marked is not None:
+            if value:
+                marked.add((layer, tensor, step))
             return
         by_step = self.values.get((layer, tensor, stat))
         if by_step is None:  # the names' lists are searched once per series, not per value
@@ -68,12 +68,14 @@ class RunMetrics:
         self.steps.sort()
 
     def judged(self, layer: str, tensor: str, by_step: dict[int, float]) -> dict[int, float]:
-        """`by_step` without the steps cast with the initial scale."""
-        initial = self._initial_steps.get((layer, tensor), ())
-        return {step: v for step, v in by_step.items() if step not in initial}
+        """`by_step` without the steps cast with the initial scale or not cast at all."""
+        return {step: v for step, v in by_step.items()
+                if (layer, tensor, step) not in self.initial
+                and (layer, tensor, step) not in self.uncast}
 
-    def tables(self) -> Iterator[tuple[int, dict[tuple[str, str], dict[str, float]]]]:
-        """(step, table) in step order, as `fp8_stats` saw them (initial casts marked)."""
+    def tables(self) -> Iterator[tuple[int, dict[tuple[str, str], Mapping[str, float]]]]:
+        """(step, table) in step order, as `fp8_stats` judged them (initial casts marked, uncast
+        rows as `rules.judged_table` keeps them)."""
         by_step: dict[int, dict[tuple[str, str], dict[str, float]]] = {}
         for (layer, tensor, stat), logged in self.values.items():
             for step, value in logged.items():
@@ -82,7 +84,9 @@ class RunMetrics:
             if (layer, tensor) in by_step.get(step, {}):
                 by_step[step][(layer, tensor)][INITIAL_SCALE] = 1.0
         for step in sorted(by_step):
-            yield step, by_step[step]
+            table = by_step[step]
+            yield step, judged_table(table, {(layer, tensor) for layer, tensor in table
+                                             if (layer, tensor, step) in self.uncast})
 
 
 def collect(records: Iterable[tuple[int, Mapping[str, Any]]]) -> RunMetrics:

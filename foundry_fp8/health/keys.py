@@ -22,6 +22,10 @@ INITIAL_SCALE = "initial_scale"
 #: precision (its numbers are fp8_stats' what-if casts, not the layer's own). The report sets it
 #: from fp8_guard's records; the heatmaps hatch such cells.
 HIGH_PRECISION = "high_precision"
+#: A marker as INITIAL_SCALE is, logged by fp8_stats: 1 for a row whose tensor its layer's FP8
+#: run does not cast (dY under NVTE_BACKWARD_OVERRIDE): what-if numbers, judged only on the
+#: high-precision tensor's NaN/Inf (`rules.uncast_judged`).
+UNCAST = "uncast"
 #: Summary names per tensor kind (`summary_key(tensor, name)`); `flagged_layers` also over all.
 SUMMARIES = ("worst_underflow_pct", "worst_overflow_pct", "worst_cos_sim", "flagged_layers",
              "nonfinite")

@@ -184,6 +184,8 @@ NOT_LOGGED_NOTE = "grey: not logged, or cast with the initial scale 1"
 #: Cells of a layer fp8_guard ran in high precision (`RunMetrics.high_precision`): what-if
 #: numbers, coloured as such but hatched, so they never read as the layer's FP8 casts.
 HIGH_PRECISION_NOTE = "hatched: fp8_guard ran the layer in high precision (what-if numbers)"
+#: Cells of a tensor its layer's FP8 run does not cast (`RunMetrics.uncast`), hatched alike.
+UNCAST_NOTE = "hatched: not cast to FP8 (NVTE_BACKWARD_OVERRIDE's dY; what-if numbers)"
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ class Panel:
     norm: Any  # a matplotlib.colors.Normalize
     limit: float | None  # the threshold, marked on the colour bar
     ticks: list[float] | None  # the colour bar's ticks (None: the norm's own)
-    high_precision: Any  # bool [layers, steps]: fp8_guard ran the layer in high precision
+    high_precision: Any  # bool [layers, steps]: what-if numbers (fp8_guard's, or no cast)
 
     def hatched_runs(self) -> list[tuple[int, int, int]]:
         """(row, first column, columns) of each run of hatched cells along a row."""
@@ -229,6 +231,7 @@ class Heatmap:
     annotate: bool  # the numbers fit into the cells
     worse: str | None
     left_out: int = 0  # tensor kinds beyond MAX_PANELS, not drawn
+    hatch_notes: tuple[str, ...] = ()  # what the hatched cells are (none: no cell hatched)
 
     @property
     def shared_scale(self) -> bool:
@@ -249,8 +252,7 @@ class Heatmap:
     @property
     def notes(self) -> str:
         """What the grey and (where any) the hatched cells are."""
-        hatched = any(p.high_precision.any() for p in self.panels)
-        return NOT_LOGGED_NOTE + (f"; {HIGH_PRECISION_NOTE}" if hatched else "")
+        return "; ".join((NOT_LOGGED_NOTE, *self.hatch_notes))
 
     @property
     def threshold_note(self) -> str:
@@ -284,6 +286,7 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
     cmap = matplotlib.colormaps["YlOrRd_r" if sp.worse == "low" else "YlOrRd"].with_extremes(
         bad=NOT_LOGGED)
     panels = []
+    notes = {HIGH_PRECISION_NOTE: False, UNCAST_NOTE: False}
     for tensor in tensors:
         matrix = matrices[tensor]
         norm, limit, ticks = _norm(stat, shared if sp.shared_scale else matrix.ravel().tolist(), thresholds)
@@ -292,14 +295,18 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
         finite = matrix[np.isfinite(matrix)]
         quiet = " - all 0" if finite.size and not finite.any() else ""
         title = panel_title(kinds[tensor], (formats or {}).get(tensor))
-        hatched = np.array([[(layer, tensor, step) in run.high_precision for step in run.steps]
-                            for layer in run.layers], dtype=bool).reshape(matrix.shape)
+        fallen, uncast = (np.array([[(layer, tensor, step) in cells for step in run.steps]
+                                    for layer in run.layers], dtype=bool).reshape(matrix.shape)
+                          for cells in (run.high_precision, run.uncast))
+        notes[HIGH_PRECISION_NOTE] |= bool(fallen.any())
+        notes[UNCAST_NOTE] |= bool(uncast.any())
+        hatched = fallen | uncast
         panels.append(Panel(tensor, f"{title}{quiet}", matrix, norm, limit, ticks, hatched))
     labels = short_names(run.layers, prefix)
     names = [labels[layer] for layer in run.layers]
     annotate = len(run.steps) <= 12 and len(names) <= 40 and not sp.log
     return Heatmap(stat, prefix, names, list(run.steps), panels, cmap, annotate, sp.worse,
-                   len(logged) - len(tensors))
+                   len(logged) - len(tensors), tuple(note for note, on in notes.items() if on))
 
 
 #: Inches a character of a cell's number takes at its 6-point size (DejaVu Sans digits are

@@ -97,6 +97,28 @@ def _value(stats: Mapping[str, float], stat: str, default: float) -> float:
     return default if value != value else float(value)
 
 
+#: What a row of a tensor its layer does not cast (`keys.UNCAST`) is judged on, by the rules,
+#: the summary series, fp8_guard and the report, when it holds NaN/Inf (else it is not judged):
+#: the high-precision tensor's own numbers. Its cast statistics are a what-if of a cast that
+#: does not happen: logged per layer, never acted on.
+UNCAST_JUDGED = ("amax", "amin", "nan_count", "inf_count")
+
+
+def uncast_stats(stats: Mapping[str, float]) -> dict[str, float]:
+    """An uncast row's `UNCAST_JUDGED` statistics."""
+    return {s: stats[s] for s in UNCAST_JUDGED if s in stats}
+
+
+def judged_table(table: Mapping[tuple[str, str], Mapping[str, float]],
+                 uncast: Collection[tuple[str, str]]) -> dict[tuple[str, str], Mapping[str, float]]:
+    """`table` as the rules judge it: the `uncast` rows left out, or where they hold NaN/Inf
+    with their `uncast_stats` only."""
+    judged = {key: stats for key, stats in table.items() if key not in uncast}
+    judged.update({key: kept for key in uncast if key in table
+                   and nonfinite(kept := uncast_stats(table[key]))})
+    return judged
+
+
 def nonfinite(stats: Mapping[str, float]) -> float:
     """A row's NaN and Inf elements, in the high-precision tensor (0 where not counted): the one
     count the `nonfinite` rule, the summary series and fp8_guard read."""

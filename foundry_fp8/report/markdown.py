@@ -61,9 +61,10 @@ def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
         groups.setdefault((flag.layer, flag.tensor, flag.rule), []).append(flag)
     found = []
     for (layer, tensor, _), group in groups.items():
+        # an uncast row (`RunMetrics.uncast`) is judged only at the steps its NaN/Inf flag
         logged = len({step for (l_, t_, _), by_step in run.values.items()
                       if l_ == layer and t_ == tensor
-                      for step in run.judged(layer, tensor, by_step)})
+                      for step in run.judged(layer, tensor, by_step)} | {f.step for f in group})
         worst = max(group, key=lambda f: badness(f.stat, f.value))
         whatif = [(layer, tensor, f.step) in run.high_precision for f in group]
         found.append(Finding(worst, group[0].step, len(group), max(logged, 1), sum(whatif),
