@@ -174,3 +174,37 @@ def test_a_te_older_than_the_variable_ignores_it(monkeypatch):
     install_fake_te(monkeypatch, "2.14.0")
     monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "high_precision")
     assert to_te_recipe(FP8Recipe()).margin == 0
+
+
+@pytest.mark.parametrize(("value", "given"), [
+    ("high_precision", None), ("dequantized", {"amax_history_len": 8}), (None, None)])
+def test_composer_s_own_recipe_builds_around_te_swap_s_current_scaling(monkeypatch, value,
+                                                                        given):
+    """Review s15: `backend: te` with current scaling under amp_fp8 and the variable set. te_swap
+    enters TE's current-scaling autocast, but Composer's amp_fp8 still builds
+    `DelayedScaling(**precision_config)` every batch (composer/core/precision.py:91-97), which
+    TE >= 2.15 refuses under the variable: the run's first batch raised TE's bare
+    AssertionError. te_swap now gives Composer's recipe `backward_override=None`."""
+    import sys
+    from types import SimpleNamespace
+
+    from composer.core import precision
+
+    from foundry_fp8.composer.te_swap import _keep_composer_recipe_buildable
+
+    _te_with_override(monkeypatch, "2.20.2", value)
+    delayed = sys.modules["transformer_engine.common.recipe"].DelayedScaling
+    state = SimpleNamespace(precision_config=given, _precision_config=given)
+    _keep_composer_recipe_buildable(state)
+    if value is None:  # nothing to keep buildable: Composer's precision_config untouched
+        assert state._precision_config is given
+        return
+    with pytest.raises(AssertionError):  # what Composer built before, on every batch
+        delayed(**(given or {}))
+    built = delayed(**state._precision_config)  # what Composer builds now
+    assert built.backward_override is None
+    assert {k: v for k, v in state._precision_config.items() if k != "backward_override"} == (
+        given or {"fp8_format": sys.modules["transformer_engine.common.recipe"].Format.HYBRID,
+                  "amax_history_len": 16, "amax_compute_algo": "max"})
+    assert "DelayedScaling(**precision_config)" in precision.__loader__.get_source(
+        precision.__name__)  # the call this keeps buildable is still Composer's

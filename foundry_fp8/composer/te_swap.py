@@ -99,6 +99,8 @@ class TESwap(Algorithm):
         if self.config.backend == "te" and self.recipe.scaling == "delayed":
             _set_precision_config(state, self.recipe)
         else:
+            if self.config.backend == "te" and precision == "amp_fp8":
+                _keep_composer_recipe_buildable(state)
             # always_call: a forward that raises (Composer's auto micro-batching retries after
             # an OOM) still leaves te_swap's autocast before Composer's, innermost first.
             self._hooks = [model.register_forward_pre_hook(self._enter),
@@ -111,9 +113,11 @@ class TESwap(Algorithm):
             print(f"foundry_fp8 te_swap: ignore LLM-Foundry's warning '{FOUNDRY_FP8_WARNING}' "
                   f"above: {sum(fp8_module_counts(model))} modules run in FP8", flush=True)
         if plan.recompute:
+            function = ("transformer_engine.pytorch.checkpoint" if self.config.backend == "te"
+                        else "foundry_fp8.emulate.fp8_checkpoint")
             print(f"foundry_fp8 te_swap: transformers gradient checkpointing in "
-                  f"{', '.join(n or 'the model' for n in plan.recompute)} recomputes with foundry_fp8.emulate."
-                  "fp8_checkpoint (the forward's FP8 scales, TE #1190)", flush=True)
+                  f"{', '.join(n or 'the model' for n in plan.recompute)} recomputes with "
+                  f"{function} (the forward's FP8 scales, TE #1190)", flush=True)
         if exporters:
             print(f"foundry_fp8 te_swap: {exporters} hf_checkpointer(s) export the plain model "
                   "its config names (TE's _extra_state left out, fused MLPs under MPT's names)",
@@ -185,6 +189,17 @@ def _check_te_environment(recipe: FP8Recipe) -> None:
     problems = environment_problems(recipe, capability, probe.te_version())
     if problems:
         raise RecipeError(problems[0])
+
+
+def _keep_composer_recipe_buildable(state: State) -> None:
+    """Under te_swap's current scaling, Composer's amp_fp8 still builds its own delayed recipe
+    around it on every batch; where TE would refuse that one (te.backend
+    `composer_delayed_kwargs`), its precision_config is set as `_set_precision_config` says."""
+    from foundry_fp8.te import backend
+
+    kwargs = backend.composer_delayed_kwargs(state.precision_config)
+    if kwargs is not None:
+        state._precision_config = kwargs
 
 
 def _set_precision_config(state: State, recipe: FP8Recipe) -> None:

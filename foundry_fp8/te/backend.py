@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -186,6 +187,28 @@ def delayed_scaling_kwargs(recipe: FP8Recipe) -> dict[str, Any]:
     return {"fp8_format": Format[recipe.fp8_format], "amax_history_len": recipe.amax_history_len,
             "amax_compute_algo": recipe.amax_compute_algo, "margin": recipe.margin,
             "reduce_amax": recipe.reduce_amax}
+
+
+def composer_delayed_kwargs(current: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The precision_config that keeps Composer's own amp_fp8 recipe buildable around te_swap's
+    current-scaling autocast, or None where Composer's needs nothing.
+
+    Composer builds `DelayedScaling(**precision_config)` on every batch, its defaults when the
+    Trainer has none (composer/core/precision.py:91-97, Composer 0.31 and 0.32). With
+    NVTE_BACKWARD_OVERRIDE set, TE >= 2.15's DelayedScaling takes the variable as its
+    `backward_override` default and asserts it is None (common/recipe/__init__.py:226-228 at
+    v2.15), so every batch would raise. That outer recipe scales nothing of ours (te_swap's
+    autocast, the innermost, gives TE's modules their recipe): it gets `backward_override=None`.
+    """
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    field = next((f for f in dataclasses.fields(DelayedScaling)
+                  if f.name == "backward_override"), None)
+    if field is None or field.default is None:
+        return None
+    kwargs = dict(current) if current is not None else {
+        "fp8_format": Format.HYBRID, "amax_history_len": 16, "amax_compute_algo": "max"}
+    return {**kwargs, "backward_override": None}
 
 
 def _current_scaling(te_recipe: Any, recipe: FP8Recipe) -> Any:
