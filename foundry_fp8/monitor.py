@@ -57,12 +57,12 @@ from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
     SUFFICIENT_INDEX,
-    SUM_KEYS,
     all_reduce_sufficient_stats,
     delayed_scale_update,
     empty_sufficient_stats,
     finalize_stats,
     nonfinite_seen,
+    pool_sufficient_stats,
     sufficient_stats,
 )
 from foundry_fp8.numerics import amax as te_amax
@@ -74,13 +74,6 @@ from foundry_fp8.te import probe
 #: tensor's first sighting in the step, at least 1 where a later sighting held any
 #: (`nonfinite_seen`: one cheap read, not a count).
 _NONFINITE = slice(SUFFICIENT_INDEX["nan_count"], SUFFICIENT_INDEX["inf_count"] + 1)
-
-
-def _pooled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two sufficient-statistics rows of one tensor's pieces pooled, as the ranks' are
-    (`numerics.all_reduce_sufficient_stats`: SUM_KEYS summed, MAX_KEYS maxed)."""
-    n = len(SUM_KEYS)
-    return torch.cat([a[:n] + b[:n], torch.maximum(a[n:], b[n:])])
 
 
 class FP8MonitorError(RuntimeError):
@@ -481,7 +474,7 @@ class FP8Monitor:
             self._note_amax(idx, torch.where(row[SUFFICIENT_INDEX["inf_count"]] > 0, torch.inf,
                                              row[SUFFICIENT_INDEX["amax"]]).float())
         earlier = step.pending.get(idx)  # the step's earlier micro-batches
-        step.pending[idx] = row if earlier is None else _pooled(earlier, row)
+        step.pending[idx] = row if earlier is None else pool_sufficient_stats(earlier, row)
         step.formats[idx] = fmt
         if whatif:
             step.whatif.add(idx)

@@ -336,13 +336,25 @@ def empty_sufficient_stats(n: int, device: torch.device | str | None = None) -> 
     return rows
 
 
+#: How sufficient statistics pool, over ranks or over one tensor's pieces: SUM_KEYS summed,
+#: MAX_KEYS maxed (the layout puts the sums first).
+SUMMED, MAXED = slice(None, len(SUM_KEYS)), slice(len(SUM_KEYS), None)
+
+
+def pool_sufficient_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows [..., K] of two pieces of the same tensors pooled as the ranks' are
+    (`all_reduce_sufficient_stats`)."""
+    return torch.cat([a[..., SUMMED] + b[..., SUMMED],
+                      torch.maximum(a[..., MAXED], b[..., MAXED])], dim=-1)
+
+
 def all_reduce_sufficient_stats(rows: torch.Tensor, group: object | None = None) -> torch.Tensor:
     """Pool rows [..., K] across the ranks of `group` (torch.distributed), in place: one
     all_reduce SUM and one all_reduce MAX, whatever the number of rows."""
     import torch.distributed as torch_dist
 
-    sums = rows[..., :len(SUM_KEYS)].contiguous()
-    maxes = rows[..., len(SUM_KEYS):].contiguous()
+    sums = rows[..., SUMMED].contiguous()
+    maxes = rows[..., MAXED].contiguous()
     torch_dist.all_reduce(sums, op=torch_dist.ReduceOp.SUM, group=group)
     torch_dist.all_reduce(maxes, op=torch_dist.ReduceOp.MAX, group=group)
     rows.copy_(torch.cat([sums, maxes], dim=-1))
