@@ -391,8 +391,17 @@ def _readable_log_ticks(ax: Any, low: float | None = None, high: float | None = 
 
 
 #: Points a series line marks one by one; past it the line alone (a marker per logging step of
-#: a long run is most of the picture's drawing time, and they merge into a thick line anyway).
+#: a long run is most of the picture's drawing time, and they merge into a thick line anyway)
+#: but for its `isolated` points, which no line segment shows.
 MARKED_POINTS = 200
+
+
+def isolated(values: list[float], log: bool) -> list[int]:
+    """The indices of the points a line joins to no neighbour: each neighbour NaN/Inf (or, on a
+    log axis, not positive) or absent."""
+    shown = [math.isfinite(v) and (v > 0 or not log) for v in values]
+    return [i for i, on in enumerate(shown)
+            if on and (i == 0 or not shown[i - 1]) and (i + 1 == len(shown) or not shown[i + 1])]
 #: Characters a line of a series row's y label holds: a row is 2.1 inches high (`draw_series`),
 #: about 34 characters of the labels' 8-point type.
 YLABEL_CHARS = 30
@@ -416,12 +425,13 @@ def draw_series(run: RunMetrics, chosen: list[tuple[str, str]],
             ax = axes[row][col]
             lines = [(steps, drawable(values).tolist()) for steps, values in
                      (series(run, layer, tensor, stat) for layer, _ in chosen)]
-            for k, ((layer, why), (steps, values)) in enumerate(zip(chosen, lines, strict=True)):
-                ax.plot(steps, values, marker="o" if len(steps) <= MARKED_POINTS else None,
-                        ms=2.5, lw=1.2, color=f"C{k % 10}",
-                        label=text(labels[layer] + (f" ({why})" if why else "")))
             # no log axis without a positive value to place on it (matplotlib warns)
             log = spec(stat).log and any(v > 0 for _, values in lines for v in values)
+            for k, ((layer, why), (steps, values)) in enumerate(zip(chosen, lines, strict=True)):
+                alone = isolated(values, log) if len(steps) > MARKED_POINTS else None
+                ax.plot(steps, values, marker="o" if alone is None or alone else None,
+                        markevery=alone or None, ms=2.5, lw=1.2, color=f"C{k % 10}",
+                        label=text(labels[layer] + (f" ({why})" if why else "")))
             limits = log_limits(lines) if log else None
             if log:
                 ax.set_yscale("log")
