@@ -55,6 +55,18 @@ def _load(template: dict, folder: str) -> None:
     checkpoint.dist_cp_load(template, checkpoint.FileSystemReaderWithValidation(folder))
 
 
+def _save_two_ranks(folder) -> tuple[dict, dict]:
+    """`reduce_amax: false` on 2 ranks, saved: rank 0 holds half rank 1's amax histories."""
+    _, saving = _fp8_state(1, trained=True)
+    full = saving.state_dict()["modules"]
+    half = {n: {k: v / 2 if k.endswith("_amax_history") else v for k, v in t.items()}
+            for n, t in full.items()}
+    dcp.save({"state": {"callbacks": {"FP8State": {
+        "modules": half, "ranks": [half, full], "recipe": RECIPE.as_config()}}}},
+        checkpoint_id=folder, no_dist=True)
+    return half, full
+
+
 def test_a_checkpoint_saved_without_fp8_guard_and_fp8_state_loads_into_a_run_with_both(
         tmp_path, caplog):
     weight = torch.arange(4.0)
@@ -175,13 +187,7 @@ def test_per_rank_states_in_a_sharded_checkpoint_are_read(tmp_path, caplog):
     every rank's state is the same, so the template had no `ranks` and DCP restored rank 0's
     state everywhere; on another number of ranks nothing was combined. Here 2 saved ranks
     resume on 1: histories combined as TE's amax reduction would (elementwise max)."""
-    _, saving = _fp8_state(1, trained=True)
-    full = saving.state_dict()["modules"]
-    half = {n: {k: v / 2 if k.endswith("_amax_history") else v for k, v in t.items()}
-            for n, t in full.items()}
-    dcp.save({"state": {"callbacks": {"FP8State": {
-        "modules": half, "ranks": [half, full], "recipe": RECIPE.as_config()}}}},
-        checkpoint_id=tmp_path, no_dist=True)
+    half, full = _save_two_ranks(tmp_path)
     model, loading = _fp8_state(1, trained=False)
     template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
     _load(template, str(tmp_path))
@@ -209,6 +215,47 @@ def test_a_saved_module_not_in_fp8_now_is_named_as_in_a_whole_file_load(tmp_path
                        saving.state_dict()["modules"]["1"]["fwd_amax_history"])
     with pytest.raises(FP8StateError, match=r"0 in FP8 now without saved state; 1 saved, not in "
                                             r"FP8 now: 1 \(set"):
+        loading.load_state_dict(entry)
+
+
+def test_a_checkpoint_saved_unsaved_says_it_holds_no_fp8_state(tmp_path, caplog):
+    """fp8_state's save-time failure saves `unsaved: true` and no modules: the template never
+    asked for `unsaved`, so the resume stopped blaming te_swap's selection ("2 in FP8 now
+    without saved state: 0, 1") instead of the one line a whole-file load gives."""
+    dcp.save({"state": {"callbacks": {"FP8State": {
+        "modules": {}, "unsaved": True, "recipe": RECIPE.as_config()}}}},
+        checkpoint_id=tmp_path, no_dist=True)
+    model, loading = _fp8_state(2, trained=False)
+    before = {n: read_fp8_meta(m) for n, m in model.named_children()}
+    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
+    _load(template, str(tmp_path))
+    entry = template["state"]["callbacks"]["FP8State"]
+    assert entry["unsaved"] is True
+    with caplog.at_level(logging.WARNING):
+        loading.load_state_dict(entry)
+    assert "holds no FP8 state" in caplog.text and "differ" not in caplog.text
+    for name, module in model.named_children():
+        after = read_fp8_meta(module)
+        assert all(torch.equal(after[k], v) for k, v in before[name].items()), name
+
+
+def test_a_run_without_fp8_reads_an_fp8_runs_sharded_checkpoint(tmp_path):
+    """fp8_state kept, FP8 off (recipe None): the template's `recipe: None` against the saved
+    recipe's fields was DCP's `Missing key ... FP8State.recipe` traceback; now the saved
+    recipe is read and the saved module not in FP8 now is named, as in a whole-file load."""
+    _, saving = _fp8_state(1, trained=True)
+    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}}, checkpoint_id=tmp_path,
+             no_dist=True)
+    loading = FP8State()
+    loading._model, loading._recipe = nn.Sequential(nn.Linear(8, 8)), None
+    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
+    _load(template, str(tmp_path))
+    entry = template["state"]["callbacks"]["FP8State"]
+    assert entry["recipe"] == {"scaling": "delayed", "fp8_format": "HYBRID",
+                               "amax_history_len": 4, "amax_compute_algo": "max", "margin": 0,
+                               "reduce_amax": True}
+    with pytest.raises(FP8StateError, match=r"0 in FP8 now without saved state; 1 saved, not in "
+                                            r"FP8 now: 0 \(set"):
         loading.load_state_dict(entry)
 
 
@@ -283,13 +330,7 @@ def test_a_changed_history_length_is_judged_as_in_a_whole_file_load(tmp_path, ca
 def test_per_rank_states_and_a_module_added_to_fp8_is_fp8_states_own_error(tmp_path):
     """`ranks` was cloned from the template's `modules`, so it asked for the added module too:
     DCP's `Missing key ... FP8State.ranks.0.1.fwd_scale` traceback."""
-    _, saving = _fp8_state(1, trained=True)
-    full = saving.state_dict()["modules"]
-    half = {n: {k: v / 2 if k.endswith("_amax_history") else v for k, v in t.items()}
-            for n, t in full.items()}
-    dcp.save({"state": {"callbacks": {"FP8State": {
-        "modules": half, "ranks": [half, full], "recipe": RECIPE.as_config()}}}},
-        checkpoint_id=tmp_path, no_dist=True)
+    half, full = _save_two_ranks(tmp_path)
     model, loading = _fp8_state(2, trained=False)
     template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
     _load(template, str(tmp_path))

@@ -516,13 +516,19 @@ def saved_state_template(entry: dict[str, Any], saved: Mapping[str, Any]) -> Non
     `ranks` alike. DCP then loads the checkpoint's state whole, and `load_state_dict` judges it
     as in a whole-file load: modules added to or left out of FP8, another history length,
     another number of ranks, TE modules whose state shape no template could guess before their
-    first forward (DotProductAttention's 3 GEMMs). `saved`: DCP's metadata by key below the
-    entry (module names hold dots; fields do not)."""
+    first forward (DotProductAttention's 3 GEMMs). The saved values (`unsaved`, `recipe`) are
+    asked for as saved too, by a placeholder DCP replaces: the template's own were left out
+    where the checkpoint lacks them (a checkpoint saved `unsaved` then read as an empty FP8
+    state) or refused where their layout differs (a run without FP8, `recipe: None`, resuming
+    an FP8 run's). `saved`: DCP's metadata by key below the entry (module names hold dots;
+    fields do not)."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     ranks: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
     for key, meta in saved.items():
         size = getattr(meta, "size", None)  # a tensor's (TensorStorageMetadata)
         head, _, rest = key.partition(".")
+        if size is None and head not in ("modules", "ranks"):
+            _placeholder(entry, key.split("."))
         if size is None or not rest:
             continue
         into = modules if head == "modules" else None
@@ -536,6 +542,15 @@ def saved_state_template(entry: dict[str, Any], saved: Mapping[str, Any]) -> Non
         entry["modules"] = modules
     if ranks:
         entry["ranks"] = [ranks.get(i, {}) for i in range(max(ranks) + 1)]
+
+
+def _placeholder(entry: dict[str, Any], path: list[str]) -> None:
+    """A value at `path` for DCP to load the saved one into; what was there is replaced."""
+    for part in path[:-1]:
+        if not isinstance(entry.get(part), dict):
+            entry[part] = {}
+        entry = entry[part]
+    entry[path[-1]] = None
 
 
 def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
