@@ -73,3 +73,23 @@ def test_nan_in_the_uncast_dy_is_still_flagged(tmp_path, monkeypatch, capsys):
     assert (f"'{LAYER}' gradient: nan_count {int(torch.isnan(weights).sum()) * 8} at step 0 "
             "(8 NaN and 0 Inf elements, before any FP8 cast; 6 of 6 steps)") in flagged
     assert "underflow_pct" not in flagged
+
+
+def test_the_logged_heatmaps_hatch_the_uncast_dy(tmp_path, monkeypatch):
+    """fp8_stats' own W&B heatmaps mark the uncast rows as the report does."""
+    import foundry_fp8.composer.stats as stats_module
+
+    drawn = []
+    render, stats = stats_module.render_heatmap, stats_module.FP8Stats
+    monkeypatch.setattr(stats_module, "render_heatmap", lambda run, *a: drawn.append(run) or render(
+        run, *a))
+
+    class Imaging(stats):  # tests.test_override_monitor._fit logs no images
+        def __init__(self, **kw):
+            super().__init__(**{**kw, "image_interval": 1})
+
+    monkeypatch.setattr(stats_module, "FP8Stats", Imaging)
+    _fit(tmp_path, monkeypatch, "high_precision")
+    run = drawn[-1]
+    assert run.uncast == {(LAYER, "gradient", s) for s in run.steps} and len(run.steps) == 6
+    assert not run.high_precision
