@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from foundry_fp8.composer.guard import DECISIONS, FP8Guard
 from foundry_fp8.composer.state import FP8State, FP8StateError
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.fp8_meta import read_fp8_meta, write_fp8_meta
+from foundry_fp8.guard import Fallback
 from foundry_fp8.recipe import FP8Recipe
 from tests.ranks import init_rank, run_ranks
 from tests.test_state_callback import SAVED, _LazyStateLinear
@@ -382,3 +384,21 @@ def test_a_subclass_of_fp8_state_is_accepted_under_its_own_name(tmp_path, monkey
     _load(template, str(tmp_path))
     assert template["state"]["callbacks"] == {}
     assert torch.equal(template["state"]["model"]["w"], torch.ones(2))
+
+
+def test_fallbacks_of_a_subclass_of_fp8_guard_left_behind_are_named(caplog):
+    """A checkpoint of a run with a subclass of fp8_guard, resumed without one: its entry is
+    under the subclass's name, and fp8_state looked only under `FP8Guard`, saying nothing."""
+    class MyGuard(FP8Guard):
+        pass
+
+    model, loading = _fp8_state(1, trained=False)
+    fallen = Fallback(layer="blocks.0", step=3, flops_share=0.5, reasons=("underflow",))
+    loading._loaded_entries = {
+        "FP8State": loading.state_dict(),
+        MyGuard.__qualname__: {DECISIONS: json.dumps({"fallbacks": [fallen.record()]})}}
+    with caplog.at_level(logging.WARNING):
+        loading._report_loaded_entries(SimpleNamespace(callbacks=[loading], load_path="ckpt"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "fp8_state: ckpt: fp8_guard held 1 layers in high precision (blocks.0); this run has no "
+        "fp8_guard, so they run in FP8 again"]

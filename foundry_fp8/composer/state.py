@@ -302,7 +302,8 @@ class FP8State(Callback):
                         "out by load_ignore_keys); FP8 scales and amax histories start fresh, "
                         "as expected when converting a bf16 checkpoint", state.load_path)
         try:  # a broken guard entry is the guard's to report (its fit_start does)
-            core = checkpointed_core(entries.get(FP8Guard.__qualname__) or {}) or {}
+            guard = next((entries[n] for n in _qualnames(FP8Guard) if n in entries), None)
+            core = checkpointed_core(guard or {}) or {}
         except (TypeError, ValueError):
             core = {}
         fallbacks = [Fallback.from_dict(item).layer for item in core.get("fallbacks", ())]
@@ -542,6 +543,12 @@ def saved_state_template(entry: dict[str, Any], saved: Mapping[str, Any]) -> Non
         entry["modules"] = modules
     if ranks:
         entry["ranks"] = [ranks.get(i, {}) for i in range(max(ranks) + 1)]
+
+
+def _qualnames(cls: type) -> list[str]:
+    """The names Composer may keep `cls`'s entry under (`type(callback).__qualname__`,
+    composer/core/state.py): its own and its subclasses' known to this process."""
+    return [cls.__qualname__, *(n for sub in cls.__subclasses__() for n in _qualnames(sub))]
 
 
 def _placeholder(entry: dict[str, Any], path: list[str]) -> None:
