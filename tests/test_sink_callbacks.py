@@ -33,8 +33,12 @@ def _same(a: float, b: float) -> bool:
 
 @pytest.mark.slow
 def test_every_fp8_value_of_the_jsonl_is_in_wandb_and_mlflow_at_its_step(tmp_path, tiny_data,
-                                                                          capfd):
+                                                                          capfd, monkeypatch):
     from mlflow.tracking import MlflowClient
+
+    # MLflow's file store races creating a metric's folder from its async threads and drops
+    # that batch now and then ('[Errno 17] File exists', docs/fp8_stats.md): one thread here
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE", "1")
 
     name = "callbacks"
     tracking = f"file://{tmp_path}/mlruns"
