@@ -22,7 +22,7 @@ OLDEST_TESTS ?= tests/test_te_swap.py tests/test_state_callback.py tests/test_st
 	tests/test_lint_callback.py tests/test_attention.py tests/test_jsonl.py tests/test_bench.py \
 	tests/test_packaging.py tests/test_docs_try.py tests/test_stats_resume.py \
 	tests/test_plain_interop.py tests/test_swap_params.py tests/test_swap_convert.py \
-	tests/test_stats_formats.py
+	tests/test_stats_formats.py tests/test_resume_sharded.py tests/test_stats_microbatches.py
 
 .PHONY: run test test-oldest lock
 

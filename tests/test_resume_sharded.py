@@ -57,6 +57,16 @@ def _load(template: dict, folder: str) -> None:
     checkpoint.dist_cp_load(template, checkpoint.FileSystemReaderWithValidation(folder))
 
 
+def _saved_and_loaded(saving: FP8State, loading: FP8State, folder) -> dict:
+    """`saving`'s entry in a sharded checkpoint, read back into `loading`'s load template (what
+    Composer hands fp8_state's load_state_dict)."""
+    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}}, checkpoint_id=folder,
+             no_dist=True)
+    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
+    _load(template, str(folder))
+    return template["state"]["callbacks"]["FP8State"]
+
+
 def _save_two_ranks(folder) -> tuple[dict, dict]:
     """`reduce_amax: false` on 2 ranks, saved: rank 0 holds half rank 1's amax histories."""
     _, saving = _fp8_state(1, trained=True)
@@ -112,12 +122,8 @@ def test_an_fp8_module_the_checkpoint_lacks_is_fp8_states_own_one_line_error(tmp
     DCP refused its keys with a traceback; now fp8_state names it (a whole-file load's error),
     and the saved module's state is the one restored."""
     saved_model, saving = _fp8_state(1, trained=True)
-    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}}, checkpoint_id=tmp_path,
-             no_dist=True)
     model, loading = _fp8_state(2, trained=False)
-    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
-    _load(template, str(tmp_path))
-    entry = template["state"]["callbacks"]["FP8State"]
+    entry = _saved_and_loaded(saving, loading, tmp_path)
     assert set(entry["modules"]) == {"0"}
     with pytest.raises(FP8StateError, match=r"1 in FP8 now without saved state: 1; 0 saved"):
         loading.load_state_dict(entry)
@@ -207,12 +213,8 @@ def test_a_saved_module_not_in_fp8_now_is_named_as_in_a_whole_file_load(tmp_path
     """te_swap excludes a layer on resume (fp8_guard's "next time" YAML): DCP read only the
     modules the template asked for, so the saved one went unseen; a whole-file load names it."""
     _, saving = _fp8_state(2, trained=True)
-    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}}, checkpoint_id=tmp_path,
-             no_dist=True)
     model, loading = _fp8_state(1, trained=False)
-    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
-    _load(template, str(tmp_path))
-    entry = template["state"]["callbacks"]["FP8State"]
+    entry = _saved_and_loaded(saving, loading, tmp_path)
     assert torch.equal(entry["modules"]["1"]["fwd_amax_history"],
                        saving.state_dict()["modules"]["1"]["fwd_amax_history"])
     with pytest.raises(FP8StateError, match=r"0 in FP8 now without saved state; 1 saved, not in "
@@ -246,13 +248,9 @@ def test_a_run_without_fp8_reads_an_fp8_runs_sharded_checkpoint(tmp_path):
     recipe's fields was DCP's `Missing key ... FP8State.recipe` traceback; now the saved
     recipe is read and the saved module not in FP8 now is named, as in a whole-file load."""
     _, saving = _fp8_state(1, trained=True)
-    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}}, checkpoint_id=tmp_path,
-             no_dist=True)
     loading = FP8State()
     loading._model, loading._recipe = nn.Sequential(nn.Linear(8, 8)), None
-    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
-    _load(template, str(tmp_path))
-    entry = template["state"]["callbacks"]["FP8State"]
+    entry = _saved_and_loaded(saving, loading, tmp_path)
     assert entry["recipe"] == {"scaling": "delayed", "fp8_format": "HYBRID",
                                "amax_history_len": 4, "amax_compute_algo": "max", "margin": 0,
                                "reduce_amax": True}
