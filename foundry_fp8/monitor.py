@@ -315,6 +315,10 @@ class FP8Monitor:
         # fallback layer's then) left out, or with NaN/Inf only their `uncast_stats`
         self.judged: dict[tuple[str, str], dict[str, float]] = {}
         self.uncast_rows: set[tuple[str, str]] = set()
+        # NVTE_BACKWARD_OVERRIDE of the recipe the FP8 layers last ran under (`CastMode`), kept
+        # while every layer is in fallback; `_seen_override`: some layer has run in FP8 since
+        self._override: str | None = None
+        self._seen_override = False
         # the last `finish_step` pooled over every rank: the same on all ranks, so listeners
         # that run collectives (the guard's vote) are called on every rank or on none
         self.pooled = False
@@ -612,7 +616,8 @@ class FP8Monitor:
         # this rank's view, as `initial`: every rank runs the same layers in FP8
         self.uncast_rows = {(self.short[self.rows[i][0]], self.rows[i][1])
                             for i in step.uncast} & table.keys()
-        if self.uncast_rows:  # the override holds: a fallback layer back in FP8 casts no dY either
+        if self._override_in_force(step) is not None:  # a fallback layer back in FP8 casts no
+            # dY either
             self.uncast_rows |= {key for key in table
                                  if key[0] in fallbacks and direction(key[1]) == "backward"}
         judged = judged_table(table, self.uncast_rows)
@@ -645,6 +650,21 @@ class FP8Monitor:
         metrics.update(summary_metrics({**{key: uncast_stats(table[key]) for key in self.uncast_rows},
                                         **judged}, flags, self.fallback_rows))
         return metrics
+
+    def _override_in_force(self, step: _Step) -> str | None:
+        """The NVTE_BACKWARD_OVERRIDE a layer back in FP8 would run under: the recipe's of this
+        step's FP8 layers, else of the last step with one (every layer in fallback now), else,
+        before any FP8 forward (every layer in fallback since a resume), the variable as
+        fp8_stats' recipe would take it (TE's recipe reads it by default)."""
+        modes = [mode for mode in step.modes.values() if mode is not None]
+        if modes:
+            self._override, self._seen_override = modes[0].backward_override, True
+        if self._seen_override:
+            return self._override
+        try:
+            return emulate.backward_override(self.config.recipe)
+        except RecipeError:  # delayed scaling: TE refuses the override with it
+            return None
 
     def _write_dump(self, step: _Step) -> None:
         """One safetensors file per step and rank: `<layer>/<tensor>` and its `/scale`."""

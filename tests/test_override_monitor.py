@@ -124,14 +124,68 @@ def test_a_fallback_layers_gradient_holds_back_no_repromotion_under_the_override
     assert (fallen in monitor.judged) is (override is None)
 
 
+@pytest.mark.parametrize("override", [None, "high_precision"])
+def test_a_fallen_layers_gradient_is_not_judged_when_every_layer_is_in_fallback(monkeypatch,
+                                                                               override):
+    """No layer in FP8 this step (a one-layer model in fallback since a resume): the override
+    is still in force for the layer once back in FP8, so its dY's what-if holds nothing back."""
+    if override is None:
+        monkeypatch.delenv("NVTE_BACKWARD_OVERRIDE", raising=False)
+    else:
+        monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", override)
+    torch.manual_seed(0)
+    model = nn.Sequential(EmulatedFP8Linear(D, D, bias=False))
+    warned: list[str] = []
+    monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append)
+    monitor.start_step()
+    with fp8_autocast(recipe=CURRENT), fp8_autocast(enabled=False):
+        y = model(torch.randn(8, D))
+    y.backward(WEIGHTS.expand(8, D))
+    metrics = monitor.finish_step(fallbacks={"0"})
+    fallen = ("0", "gradient")
+    assert metrics[layer_key("underflow_pct", "gradient", "0")] == pytest.approx(
+        _underflow_pct(WEIGHTS.expand(8, D)))
+    assert (fallen in monitor.judged) is (override is None)
+    assert (fallen in monitor.uncast_rows) is (override is not None)
+    assert sum("underflow_pct" in w for w in warned) == int(override is None)
+
+
+@pytest.mark.parametrize("override", [None, "high_precision"])
+def test_the_override_of_the_recipe_the_layers_ran_under_holds_once_all_fell_back(monkeypatch,
+                                                                                 override):
+    """TE reads NVTE_BACKWARD_OVERRIDE into its recipe when imported: the recipe's field, seen
+    while a layer ran in FP8, decides for the steps where every layer is in fallback."""
+    monkeypatch.delenv("NVTE_BACKWARD_OVERRIDE", raising=False)
+    fake = types.ModuleType("transformer_engine.pytorch.quantization")
+    fake.FP8GlobalStateManager = _StateManager
+    monkeypatch.setitem(__import__("sys").modules, fake.__name__, fake)
+    recipe = type("Float8CurrentScaling", (), {"fp8_format": types.SimpleNamespace(name="HYBRID"),
+                                               "backward_override": override})()
+    monkeypatch.setattr(_StateManager, "recipe", recipe)
+    torch.manual_seed(0)
+    model = nn.Sequential(_TELinear(D, D, bias=False))
+    monitor = FP8Monitor(model, MonitorConfig(), on_warning=lambda _: None)
+    fallen = ("0", "gradient")
+    for enabled in (True, False):  # in FP8, then in fallback
+        monkeypatch.setattr(_StateManager, "enabled", enabled)
+        monitor.start_step()
+        model(torch.randn(8, D)).backward(WEIGHTS.expand(8, D))
+        monitor.finish_step(fallbacks=set() if enabled else {"0"})
+        assert (fallen in monitor.uncast_rows) is (override is not None)
+    assert fallen in monitor.fallback_rows
+    assert monitor.judged.get(fallen, {}).get("underflow_pct") == (
+        pytest.approx(_underflow_pct(WEIGHTS.expand(8, D))) if override is None else None)
+
+
 class _StateManager:
-    """TE's FP8GlobalStateManager as the monitor reads it: enabled, with `recipe`."""
+    """TE's FP8GlobalStateManager as the monitor reads it: `enabled`, with `recipe`."""
 
     recipe: object = None
+    enabled = True
 
     @classmethod
     def is_fp8_enabled(cls) -> bool:
-        return True
+        return cls.enabled
 
     @classmethod
     def get_fp8_recipe(cls):
