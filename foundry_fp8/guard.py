@@ -17,7 +17,9 @@ the limits at `repromote_after` logging steps in a row (the tracker's streak of 
 What the callback logs, by these names (`foundry-fp8 report` reads them back): the series
 `FALLBACK_LAYERS` and `FP8_FLOPS_SHARE` at each logging step, and each fallback and
 re-promotion once as a hyperparameter (`FALLBACK_PREFIX` / `REPROMOTION_PREFIX` + layer, with
-`.ba<step>` after the first time of a layer; the record as plain data).
+`.ba<step>` after the first time of a layer; the record as plain data), and the first time the
+budget keeps a candidate in FP8 (`REFUSED_PREFIX` + layer): a warning alone left the report
+saying the guard moved nothing, as if no layer had failed.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ FALLBACK_LAYERS = "fp8/guard/fallback_layers"  # layers in fallback
 FP8_FLOPS_SHARE = "fp8/guard/fp8_flops_share"  # share of the linear-GEMM FLOPs still in FP8
 FALLBACK_PREFIX = "fp8/guard/fallback/"  # + layer: one hyperparameter per fallback
 REPROMOTION_PREFIX = "fp8/guard/repromotion/"  # + layer: one per re-promotion
+REFUSED_PREFIX = "fp8/guard/refused/"  # + layer: its first refusal by the budget
 FALLBACKS_KEY = "fp8/guard/fallbacks"  # the fit-end table (`destinations.FitEndKeys`)
 
 
@@ -168,6 +171,27 @@ class Repromotion:
                              healthy_steps=_integer, numbers=_numbers))
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A layer that would have fallen back at `step` but `max_fallback_share` kept in FP8."""
+
+    layer: str
+    step: int
+    flops_share: float  # of the model's linear-GEMM FLOPs
+    fallback_share: float  # of the FP8 FLOPs at the start, in high precision had it fallen back
+    max_fallback_share: float  # the budget then
+
+    def record(self) -> dict[str, Any]:
+        """As JSON data (every field plain and finite)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> Refusal:
+        """As `Fallback.from_dict`."""
+        return cls(**_fields(item, layer=_text, step=_integer, flops_share=_number,
+                             fallback_share=_number, max_fallback_share=_number))
+
+
 @dataclass
 class Verdict:
     """What one logging step decided."""
@@ -193,6 +217,7 @@ class GuardCore:
         self.fallbacks: dict[str, Fallback] = {}
         self.repromotions: list[Repromotion] = []
         self.ended: list[Fallback] = []  # the fallbacks the re-promotions ended
+        self.refusals: dict[str, Refusal] = {}  # each layer's first refusal by the budget
         self.warned: set[str] = set()
         self._tracker = HealthTracker(thresholds(config))
         self._whatif = HealthTracker(thresholds(config))  # the layers in fallback
@@ -295,6 +320,8 @@ class GuardCore:
             after = self.fallback_share + (share / self.initial_share if self.initial_share else 0)
             if after > self.config.max_fallback_share + 1e-12:
                 verdict.refused.append(layer)
+                self.refusals.setdefault(layer, Refusal(layer, step, share, after,
+                                                        self.config.max_fallback_share))
                 continue
             reasons = tuple(f.message for f in self._flags.get(layer, ()))
             numbers = {f"{tensor}/{stat}": float(value)
@@ -310,15 +337,18 @@ class GuardCore:
         return verdict
 
     def records(self) -> dict[str, dict[str, Any]]:
-        """Every fallback and re-promotion so far as hyperparameters, in step order: a layer's
-        first of each kind under `<prefix><layer>`, later ones under `<prefix><layer>.ba<step>`
-        (a logged value must never change; MLflow refuses `@` in a key and `/` below a key
-        it holds, dropping the whole queued batch with it). Keys go in the order the events
+        """Every fallback, re-promotion and refusal so far as hyperparameters, in step order: a
+        layer's first of each kind under `<prefix><layer>`, later ones under
+        `<prefix><layer>.ba<step>`, a refusal only its first (a logged value must never change;
+        MLflow refuses `@` in a key and `/` below a key it holds, dropping the whole queued batch
+        with it). Keys go in the order the events
         happened, which is not step order once a fit restarted the steps (`reset_time`)."""
         events = ([(f.step, FALLBACK_PREFIX, f.layer, f.record())
                    for f in [*self.ended, *self.fallbacks.values()]]
                   + [(r.step, REPROMOTION_PREFIX, r.layer, r.record())
-                     for r in self.repromotions])
+                     for r in self.repromotions]
+                  + [(r.step, REFUSED_PREFIX, r.layer, r.record())
+                     for r in self.refusals.values()])
         keyed: list[tuple[int, str, dict[str, Any]]] = []
         taken: set[str] = set()
         for step, prefix, layer, record in events:  # a layer's events in the order they came
@@ -351,6 +381,7 @@ class GuardCore:
             "fallbacks": [asdict(f) for f in self.fallbacks.values()],
             "repromotions": [asdict(r) for r in self.repromotions],
             "ended": [asdict(f) for f in self.ended],
+            "refusals": [asdict(r) for r in self.refusals.values()],
             "recent": [(step, rows(judged), rows(fallen)) for step, judged, fallen in self._recent],
             "warned": sorted(self.warned),
             "before_reset": sorted(self._before_reset),
@@ -365,6 +396,7 @@ class GuardCore:
             self.fallbacks[fallback.layer] = fallback
         self.repromotions = [Repromotion.from_dict(r) for r in state.get("repromotions", ())]
         self.ended = [Fallback.from_dict(f) for f in state.get("ended", ())]
+        self.refusals = {r.layer: r for r in map(Refusal.from_dict, state.get("refusals", ()))}
         self.warned = set(state.get("warned", ()))
         self._tracker = HealthTracker(thresholds(self.config))
         self._whatif = HealthTracker(thresholds(self.config))

@@ -78,7 +78,9 @@ class FP8Guard(Callback):
     each fallback, and again on resume, the hyperparameter `fp8/guard/fallback/<layer>` (layer,
     step, FLOPs share, what flagged it and every statistic of the layer at that step, read back
     by `foundry-fp8 report`), at each re-promotion (`repromote_after`)
-    `fp8/guard/repromotion/<layer>` (`.ba<step>` after a layer's first); at fit end the
+    `fp8/guard/repromotion/<layer>` (`.ba<step>` after a layer's first), at a layer's first
+    refusal by the budget `fp8/guard/refused/<layer>` (layer, step, its FLOPs share, the share of
+    the FP8 FLOPs that would then be in high precision, `max_fallback_share`); at fit end the
     hyperparameter `fp8/guard/fallbacks` (the table it prints; `fp8/guard/fallbacks.ba<step>`
     after a resume or at a second fit's end, as fp8_stats' summary). It tells fp8_stats which
     layers it runs in high precision (`FP8Stats.fallbacks`): their what-if rows leave fp8_stats'
@@ -284,6 +286,7 @@ class FP8Guard(Callback):
 
     def _act(self, step: int, layers: list[str], ready: list[str], table: Mapping) -> None:
         assert self.core is not None
+        refusals = len(self.core.refusals)
         verdict = self.core.decide(step, layers, table)
         rank_zero = dist.get_global_rank() == 0
         if self.core.nonfinite and "nonfinite" not in self._said:
@@ -300,7 +303,7 @@ class FP8Guard(Callback):
             self._release(back.layer)
             if rank_zero:
                 log.warning(repromotion_message(back))
-        if verdict.fallbacks or repromoted:
+        if verdict.fallbacks or repromoted or len(self.core.refusals) > refusals:
             self._log_records()
         if verdict.budget_message:
             if self.config.strict:
@@ -317,7 +320,7 @@ class FP8Guard(Callback):
                     lambda d: d.log_metrics(series, step), "fp8_guard", self.config.strict)
 
     def _log_records(self) -> None:
-        """One hyperparameter per fallback and re-promotion (rank 0), never changed: W&B and
+        """One hyperparameter per fallback, re-promotion and refusal (rank 0), never changed: W&B and
         MLflow refuse a changed value, so a layer's second one is `<layer>@<step>`. Logged
         again with the same values at each decision and on resume (a new W&B run,
         hparams.json). A logger that fails is reported; the guard goes on (`strict` raises)."""

@@ -40,6 +40,7 @@ from foundry_fp8.report.markdown import (
     in_high_precision,
     layer_names,
     moved,
+    refused,
     render_report,
     runs_in_fp8,
     unrecorded_fallbacks,
@@ -212,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
             f" Next time: {static_yaml(guard.kept, guard.exclude)}" if guard.kept else ""))
     elif unrecorded := unrecorded_fallbacks(guard):
         print(unrecorded)
+    for line in refused(guard, names):
+        print(line)
     print(f"plots ({len(written) - 1} PNGs) in {written[0].parent}:")
     for path in written[:-1]:
         print(f"  {path.name}")

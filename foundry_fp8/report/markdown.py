@@ -12,6 +12,7 @@ from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
     FP8_FLOPS_SHARE,
+    OPTION,
     render_fallbacks,
     static_yaml,
 )
@@ -79,8 +80,8 @@ def fmt(stat: str, value: float) -> str:
 def layer_names(run: RunMetrics, guard: GuardRun | None) -> dict[str, str]:
     """Each layer's label (`short_names`: whole names, bounded, distinct), fp8_guard's too: the
     same in the markdown and on the terminal."""
-    guarded = ([*(f.layer for f in guard.fallbacks), *(r.layer for r in guard.repromotions)]
-               if guard is not None else [])
+    guarded = ([*(f.layer for f in guard.fallbacks), *(r.layer for r in guard.repromotions),
+                *(r.layer for r in guard.refusals)] if guard is not None else [])
     return short_names([*run.layers, *guarded])
 
 
@@ -145,6 +146,21 @@ def unrecorded_fallbacks(guard: GuardRun | None) -> str | None:
             "layers, and why) are missing from hparams.json.")
 
 
+def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = False) -> list[str]:
+    """One line per layer fp8_guard wanted to move but its budget kept in FP8 (its record
+    `guard.REFUSED_PREFIX` + layer): the run's warning alone left the report saying nothing
+    failed. `names`: each layer's label."""
+    if guard is None:
+        return []
+    return [f"fp8_guard wanted to move {md_escape(label) if markdown else label} at step {r.step} "
+            f"but the budget refused it (share {100 * r.fallback_share:.1f} % > "
+            f"max_fallback_share {100 * r.max_fallback_share:g} %): raise "
+            f"{OPTION}.max_fallback_share or exclude it in te_swap: "
+            f"{md_code(yaml) if markdown else yaml}"
+            for r in guard.refusals
+            for label, yaml in [(names.get(r.layer, r.layer), static_yaml([r.layer], guard.exclude))]]
+
+
 def guard_section(guard: GuardRun, names: dict[str, str]) -> list[str]:
     """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time;
     `names`: each layer's label."""
@@ -153,14 +169,15 @@ def guard_section(guard: GuardRun, names: dict[str, str]) -> list[str]:
     shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
               f"% at the first logging step, {100 * share[1]:.1f} % at the last."
               if share else "")
+    refusals = [line for r in refused(guard, names, markdown=True) for line in ("", r)]
     unrecorded = unrecorded_fallbacks(guard)
     if unrecorded:
-        return [*lines, unrecorded + shares]
+        return [*lines, unrecorded + shares, *refusals]
     if not guard.fallbacks:
         lines.append(f"fp8_guard watched {len(guard.series)} logging steps and moved no layer to "
                      "high precision" + (f" (FP8 share of the linear-GEMM FLOPs: "
                                          f"{100 * share[-1]:.1f} %)." if share else "."))
-        return lines
+        return [*lines, *refusals]
     lines += [f"{moved(guard, ' during the run')}; the records are `{FALLBACK_PREFIX}<layer>` "
               "in hparams.json. Each ran in high precision from the step after the one that "
               "decided it, and its statistics since are what-if numbers (the cast it would do, "
@@ -179,8 +196,8 @@ def guard_section(guard: GuardRun, names: dict[str, str]) -> list[str]:
         lines += ["", f"Back in FP8 (`repromote_after`), with a fresh delayed-scaling state: "
                   f"{back}."]
     if not guard.kept:
-        return [*lines, "", "No layer is in fallback at the end of the run."]
-    return [*lines, "", "The layers in fallback at the end in high precision from the start, next "
+        return [*lines, "", "No layer is in fallback at the end of the run.", *refusals]
+    return [*lines, *refusals, "", "The layers in fallback at the end in high precision from the start, next "
             "time (te_swap keeps them in high precision; fp8_guard then has nothing to switch):",
             "", "```yaml", static_yaml(guard.kept, guard.exclude), "```"]
 

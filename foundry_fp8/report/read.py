@@ -18,8 +18,10 @@ from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
     FP8_FLOPS_SHARE,
+    REFUSED_PREFIX,
     REPROMOTION_PREFIX,
     Fallback,
+    Refusal,
     Repromotion,
 )
 from foundry_fp8.health import RunMetrics, Thresholds, collect
@@ -294,6 +296,7 @@ class GuardRun:
     fallbacks: list[Fallback]  # in step order
     exclude: str | None  # te_swap's own `exclude` (hparams.json), kept in the static YAML
     repromotions: tuple[Repromotion, ...] = ()  # in step order
+    refusals: tuple[Refusal, ...] = ()  # the budget's, in step order
 
     def spans(self) -> list[tuple[str, int, int | None]]:
         """(layer, the step that decided a fallback, the step of the re-promotion that ended it
@@ -345,17 +348,21 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
     """fp8_guard's series and the fallbacks it logged as hyperparameters; None when the run
     had no fp8_guard. A fallback record that does not read is left out with a warning."""
     hparams = hparams or {}
-    fallbacks, repromotions = [], []
+    fallbacks: list[Fallback] = []
+    repromotions: list[Repromotion] = []
+    refusals: list[Refusal] = []
+    kinds: list[tuple[str, Any, list, str]] = [
+        (FALLBACK_PREFIX, Fallback, fallbacks, "fallback"),
+        (REPROMOTION_PREFIX, Repromotion, repromotions, "re-promotion"),
+        (REFUSED_PREFIX, Refusal, refusals, "refusal")]
     for key, value in hparams.items():
-        kind = ((Fallback, fallbacks) if key.startswith(FALLBACK_PREFIX) else
-                (Repromotion, repromotions) if key.startswith(REPROMOTION_PREFIX) else None)
+        kind = next((k for k in kinds if key.startswith(k[0])), None)
         if kind is None:
             continue
         try:
-            kind[1].append(kind[0].from_dict(value))
+            kind[2].append(kind[1].from_dict(value))
         except (TypeError, ValueError):
-            what = "fallback" if kind[0] is Fallback else "re-promotion"
-            warn(f"{where}: key {key!r}: not an fp8_guard {what} record; left out")
+            warn(f"{where}: key {key!r}: not an fp8_guard {kind[3]} record; left out")
     callbacks = hparams.get("callbacks")
     configured = isinstance(callbacks, Mapping) and "fp8_guard" in callbacks
     if not (series or fallbacks or configured):
@@ -365,7 +372,8 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
     exclude = swap.get("exclude") if isinstance(swap, Mapping) else None
     return GuardRun(series, sorted(fallbacks, key=lambda f: (f.step, f.layer)),
                     exclude if isinstance(exclude, str) and exclude else None,
-                    tuple(sorted(repromotions, key=lambda r: (r.step, r.layer))))
+                    tuple(sorted(repromotions, key=lambda r: (r.step, r.layer))),
+                    tuple(sorted(refusals, key=lambda r: (r.step, r.layer))))
 
 
 def mark_high_precision(run: RunMetrics, guard: GuardRun | None) -> None:
