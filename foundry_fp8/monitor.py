@@ -51,7 +51,7 @@ from foundry_fp8.health import (
     short_layer,
     summary_metrics,
 )
-from foundry_fp8.health.keys import UNCAST
+from foundry_fp8.health.keys import SUMMARIES, UNCAST, summary_key
 from foundry_fp8.health.rules import judged_table, uncast_stats
 from foundry_fp8.numerics import (
     FP8_MAX,
@@ -218,6 +218,21 @@ def cast_scale(module: nn.Module, watch: Watch
     if history is None or history.dim() != 2 or history.shape[1] <= watch.slot:
         return current, history is not None and history.numel() == 0
     return current, (current == 1) & (history[:, watch.slot] == 0).all()
+
+
+def _uncounted_worst(table: Mapping[tuple[str, str], Mapping[str, float]],
+                     left_out: Collection[tuple[str, str]]) -> list[str]:
+    """The `fp8/<tensor>/worst_<stat>` keys `summary_metrics` fills with its neutral default
+    (1.0, 0.0) because no row of `table` counts for them at this step: each left out (a
+    fallback), on delayed scaling's initial scale (step 0), uncast, or NaN there. Not logged: a
+    missing point is the same on every sink, where 1.0 would read as a perfect cast."""
+    counted: dict[str, set[str]] = {}
+    for (layer, tensor), stats in table.items():
+        seen = counted.setdefault(tensor, set())
+        if (layer, tensor) not in left_out and not stats.get(INITIAL_SCALE):
+            seen.update(stat for stat, value in stats.items() if value == value)
+    return [summary_key(tensor, name) for tensor, stats in counted.items() for name in SUMMARIES
+            if name.startswith("worst_") and name.removeprefix("worst_") not in stats]
 
 
 def multi_rank() -> bool:
@@ -647,8 +662,10 @@ class FP8Monitor:
                    for (layer, tensor), stats in table.items() for stat, value in stats.items()}
         # the uncast rows' tensors keep their summary series (worst values of the cast rows)
         metrics.update({layer_key(UNCAST, tensor, layer): 1.0 for layer, tensor in self.uncast_rows})
-        metrics.update(summary_metrics({**{key: uncast_stats(table[key]) for key in self.uncast_rows},
-                                        **judged}, flags, self.fallback_rows))
+        summarised = {**{key: uncast_stats(table[key]) for key in self.uncast_rows}, **judged}
+        metrics.update(summary_metrics(summarised, flags, self.fallback_rows))
+        for key in _uncounted_worst(summarised, self.fallback_rows):
+            del metrics[key]
         return metrics
 
     def _override_in_force(self, step: _Step) -> str | None:

@@ -89,7 +89,9 @@ class FP8Stats(Callback):
       worst values and flag counts leave out the layers fp8_guard runs in high precision
       (`fallbacks`; its `fp8/guard/...` series report them) and the tensors no cast touches
       (dY under NVTE_BACKWARD_OVERRIDE: a per-layer what-if only), not the layers never
-      converted, whose what-if numbers say what FP8 would do to them;
+      converted, whose what-if numbers say what FP8 would do to them. A tensor's `worst_*` keys
+      are left out at a step where no layer counts (delayed scaling's first cast at step 0,
+      every layer in fallback): a missing point on every sink, not a perfect-looking 1.0/0;
     - per-layer series `fp8_<stat>/<tensor>/<layer>` (W&B makes one section per statistic;
       `<layer>` without the `model.transformer.` prefix or wrapper segments), and
       `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast and
