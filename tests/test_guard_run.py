@@ -268,8 +268,9 @@ def _check_summary(metrics: dict[int, dict], flagged: dict[int, set[tuple[str, s
             underflow = [r["underflow_pct"] for (layer, t), r in table.items()
                          if t == tensor and not left_out(step, layer)
                          and not r.get("initial_scale")]
-            assert logged[summary_key(tensor, "worst_underflow_pct")] == max(
-                underflow, default=0.0), (step, tensor)
+            # no layer counted (delayed scaling's first cast, all fallen): no worst value logged
+            assert logged.get(summary_key(tensor, "worst_underflow_pct")) == max(
+                underflow, default=None), (step, tensor)
 
 
 @pytest.mark.slow
