@@ -38,7 +38,8 @@ def _underflow_pct(t: torch.Tensor) -> float:
     return 100.0 * float(((q == 0) & nonzero).sum()) / float(nonzero.sum())
 
 
-def _step(monkeypatch, override: str | None, nan: bool = False):
+def _monitored(monkeypatch, override: str | None):
+    """A one-layer emulated model under the variable (unset: None), its monitor and warnings."""
     if override is None:
         monkeypatch.delenv("NVTE_BACKWARD_OVERRIDE", raising=False)
     else:
@@ -46,7 +47,11 @@ def _step(monkeypatch, override: str | None, nan: bool = False):
     torch.manual_seed(0)
     model = nn.Sequential(EmulatedFP8Linear(D, D, bias=False))
     warned: list[str] = []
-    monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append)
+    return model, FP8Monitor(model, MonitorConfig(), on_warning=warned.append), warned
+
+
+def _step(monkeypatch, override: str | None, nan: bool = False):
+    model, monitor, warned = _monitored(monkeypatch, override)
     x = torch.randn(8, D)
     grad = WEIGHTS.expand(8, D).clone()
     if nan:
@@ -129,14 +134,7 @@ def test_a_fallen_layers_gradient_is_not_judged_when_every_layer_is_in_fallback(
                                                                                override):
     """No layer in FP8 this step (a one-layer model in fallback since a resume): the override
     is still in force for the layer once back in FP8, so its dY's what-if holds nothing back."""
-    if override is None:
-        monkeypatch.delenv("NVTE_BACKWARD_OVERRIDE", raising=False)
-    else:
-        monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", override)
-    torch.manual_seed(0)
-    model = nn.Sequential(EmulatedFP8Linear(D, D, bias=False))
-    warned: list[str] = []
-    monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append)
+    model, monitor, warned = _monitored(monkeypatch, override)
     monitor.start_step()
     with fp8_autocast(recipe=CURRENT), fp8_autocast(enabled=False):
         y = model(torch.randn(8, D))
