@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -25,6 +26,15 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish() -> None:
+    """Close the Composer engines a test left open now, not whenever the collector next runs:
+    an engine closes in its `__del__`, and one collected inside a `compile()` (pytest rewriting
+    hypothesis as it loads at the session's end) made CPython 3.11.7 raise "AST constructor
+    recursion depth mismatch" after every test had passed (cpython gh-106905, fixed in 3.11.8)."""
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
