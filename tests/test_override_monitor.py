@@ -21,6 +21,7 @@ from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.health import layer_key, summary_key
 from foundry_fp8.monitor import FP8Monitor, MonitorConfig
 from foundry_fp8.recipe import FP8Recipe
+from tests.test_monitor_modules import _FakeStateManager
 
 CURRENT = FP8Recipe(scaling="current")
 D = 16
@@ -175,19 +176,10 @@ def test_the_override_of_the_recipe_the_layers_ran_under_holds_once_all_fell_bac
         pytest.approx(_underflow_pct(WEIGHTS.expand(8, D))) if override is None else None)
 
 
-class _StateManager:
-    """TE's FP8GlobalStateManager as the monitor reads it: `enabled`, with `recipe`."""
+class _StateManager(_FakeStateManager):
+    """test_monitor_modules' stand-in for TE's FP8GlobalStateManager, its recipe set per test."""
 
     recipe: object = None
-    enabled = True
-
-    @classmethod
-    def is_fp8_enabled(cls) -> bool:
-        return cls.enabled
-
-    @classmethod
-    def get_fp8_recipe(cls):
-        return cls.recipe
 
 
 class _TELinear(nn.Linear):

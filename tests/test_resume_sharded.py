@@ -170,16 +170,12 @@ def test_a_te_module_before_its_first_forward_takes_its_saved_state(tmp_path, st
     write_fp8_meta(saved_module, SAVED)
     saving = FP8State()
     saving._model, saving._recipe = nn.Sequential(saved_module), RECIPE
-    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}},
-             checkpoint_id=tmp_path, no_dist=True)
-
     module = _LazyStateLinear(history_len=4)  # a resumed run: no forward yet
     loading = FP8State(strict=strict)
     loading._model, loading._recipe = nn.Sequential(module), RECIPE
-    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
-    _load(template, str(tmp_path))
+    entry = _saved_and_loaded(saving, loading, tmp_path)
     with caplog.at_level(logging.WARNING):
-        loading.load_state_dict(template["state"]["callbacks"]["FP8State"])
+        loading.load_state_dict(entry)
     assert "differ" not in caplog.text
     assert read_fp8_meta(module) == {}  # TE's state comes with its first FP8 forward
     module.fp8_on = True
@@ -281,15 +277,10 @@ def test_a_te_module_of_three_gemms_before_its_first_forward_takes_its_saved_sta
     write_fp8_meta(saved_module, saved)
     saving = FP8State()
     saving._model, saving._recipe = nn.Sequential(saved_module), RECIPE
-    dcp.save({"state": {"callbacks": {"FP8State": saving.state_dict()}}},
-             checkpoint_id=tmp_path, no_dist=True)
-
     module = _DotProductAttention(history_len=4)  # a resumed run: no forward yet
     loading = FP8State()
     loading._model, loading._recipe = nn.Sequential(module), RECIPE
-    template = {"state": {"callbacks": {"FP8State": loading.state_dict()}}}
-    _load(template, str(tmp_path))
-    loading.load_state_dict(template["state"]["callbacks"]["FP8State"])
+    loading.load_state_dict(_saved_and_loaded(saving, loading, tmp_path))
     module.fp8_on = True
     module(torch.randn(2, 4))
     restored = read_fp8_meta(module)
