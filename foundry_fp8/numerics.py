@@ -123,13 +123,16 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor,
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
-    """`saturate(x * scale)` cast to the FP8 dtype: the FP8 values a GEMM reads.
+    """`saturate(x * scale)` cast to the FP8 dtype: the FP8 values a GEMM reads, byte for byte
+    those of TE's cast (`OType(in * scale)` in float32, cuda_fp8.hpp's `__NV_SATFINITE`
+    conversion; tests/test_numerics_te_cast.py).
 
-    Saturation first: a plain cast to float8_e4m3fn turns overflow into NaN.
+    Saturation first: a plain cast to float8_e4m3fn turns overflow into NaN. Every NaN becomes
+    the canonical 0x7F, as CUDA's conversion makes it: torch keeps a NaN's sign (0xFF).
     """
     _check_format(fmt)
-    scaled = x.float() * scale
-    return torch.clamp(scaled, -FP8_MAX[fmt], FP8_MAX[fmt]).to(FP8_DTYPE[fmt])
+    scaled = (x.float() * scale).clamp_(-FP8_MAX[fmt], FP8_MAX[fmt])
+    return scaled.masked_fill_(torch.isnan(scaled), torch.nan).to(FP8_DTYPE[fmt])
 
 
 def scale_inverse(scale: torch.Tensor | float) -> torch.Tensor:
