@@ -165,7 +165,8 @@ def _dotted_attr(root: Any, dotted: str) -> Any:
 
 def _check_backward_override(te_class: Any, recipe: FP8Recipe) -> None:
     """Raise `RecipeError` (one line naming NVTE_BACKWARD_OVERRIDE) where TE would fail to build
-    `recipe` on the variable, rather than TE's bare AssertionError (Composer's on every batch).
+    `recipe` on the variable, rather than TE's bare 'Assertion failed' (a pydantic
+    ValidationError; Composer's on every batch).
     TE read the variable once, when it was imported, into the recipe classes' `backward_override`
     default (`te.facts`), so that default is what is judged; a TE without the field ignores it."""
     field = next((f for f in dataclasses.fields(te_class) if f.name == "backward_override"), None)

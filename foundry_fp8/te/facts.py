@@ -60,9 +60,12 @@ TE_PICKLE_GUARD_FROM = (2, 18)
 #: TE ignores it): the default of every recipe class's `backward_override` field, read once when
 #: TE is imported (`os.getenv` in the class body, transformer_engine/common/recipe/__init__.py:219
 #: and 270 at v2.15, 261 and 312 at release_v2.19 and main d0067d0). Unset (None) or one of
-#: BACKWARD_OVERRIDE_VALUES, else every recipe's `__post_init__` raises AssertionError (an empty
-#: value too); `DelayedScaling` asserts it is None (l. 226-228 at v2.15, 268-270 at main), so
-#: with it set a delayed-scaling recipe, TE's default one included, cannot be built. Under
+#: BACKWARD_OVERRIDE_VALUES, else every recipe's `__post_init__` assertion fails (an empty value
+#: too); `DelayedScaling` asserts it is None (l. 226-228 at v2.15, 268-270 at main, 264-270 in
+#: the 2.20.2 wheel), so with it set a delayed-scaling recipe, TE's default one included, cannot
+#: be built. TE's recipes are pydantic dataclasses, which report a failed `__post_init__` assert
+#: as pydantic's ValidationError (a ValueError: "Assertion failed, Delayed scaling only supports
+#: backward_override=None."; pydantic 2.11.7, the GPU kit's, and 2.14), not AssertionError. Under
 #: current scaling a te.Linear's backward runs unquantized (`ctx.fp8 = False`, no gradient cast,
 #: pytorch/module/linear.py:554-564 at v2.15): dgrad multiplies the gradient by the weight as
 #: stored (`high_precision`) or by its FP8 copy dequantized to the activation dtype
@@ -170,15 +173,16 @@ def backward_override_problems(value: str | None, te_version: Version | None,
         return [RecipeProblem(
             "backward_override", f"{BACKWARD_OVERRIDE_ENV}={value!r} is refused by "
             f"TransformerEngine >= {dotted(TE_BACKWARD_OVERRIDE_FROM)}: building any FP8 recipe "
-            "raises AssertionError", f"unset {BACKWARD_OVERRIDE_ENV} or set it to "
-            f"{' or '.join(BACKWARD_OVERRIDE_VALUES)}")]
+            "fails ('Assertion failed' in a pydantic ValidationError)",
+            f"unset {BACKWARD_OVERRIDE_ENV} or set it to {' or '.join(BACKWARD_OVERRIDE_VALUES)}")]
     if scaling == "current":
         return []
     return [RecipeProblem(
         "backward_override", f"{BACKWARD_OVERRIDE_ENV}={value!r} applies to current scaling only:"
         f" TransformerEngine >= {dotted(TE_BACKWARD_OVERRIDE_FROM)} refuses to build a "
-        "DelayedScaling recipe (AssertionError), te_swap's default and TE's own default recipe"
-        " included", f"use fp8_recipe: {{scaling: current}}, or unset {BACKWARD_OVERRIDE_ENV}")]
+        "DelayedScaling recipe ('Assertion failed' in a pydantic ValidationError), te_swap's "
+        "default and TE's own default recipe included",
+        f"use fp8_recipe: {{scaling: current}}, or unset {BACKWARD_OVERRIDE_ENV}")]
 
 
 def backward_override_effect(value: str, te_version: Version | None) -> str:
