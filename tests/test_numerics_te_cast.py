@@ -42,13 +42,15 @@ def decode(code: int, fmt: str) -> float:
 def reference_cast(scaled: np.ndarray, fmt: str) -> np.ndarray:
     """float32 `scaled` (the product `in * scale`) -> FP8 bytes, as `__NV_SATFINITE` RNE."""
     bias, mbits, max_code = FORMATS[fmt]
+    scaled = np.asarray(scaled, dtype=np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        return _reference_cast(scaled, bias, mbits, max_code, fmt)
+        return _reference_cast(scaled.reshape(-1), bias, mbits, max_code, fmt).reshape(
+            scaled.shape)
 
 
 def _reference_cast(scaled: np.ndarray, bias: int, mbits: int, max_code: int, fmt: str
                     ) -> np.ndarray:
-    bits = np.asarray(scaled, dtype=np.float32).view(np.uint32).astype(np.int64)
+    bits = scaled.view(np.uint32).astype(np.int64)
     sign = (bits >> 31) << 7
     exp_field, frac = (bits >> 23) & 0xFF, bits & 0x7FFFFF
     # |x| = m * 2**e exactly
