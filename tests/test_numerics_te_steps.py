@@ -29,6 +29,8 @@ sources (TE 2.20.0.dev0, d0067d0), sharing no code with foundry_fp8:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -132,8 +134,9 @@ def _cast_bytes(t: torch.Tensor, scale: float, fmt: str) -> np.ndarray:
         return reference_cast(t.detach().float().numpy() * F32(scale), fmt)
 
 
-def _run(recipe: FP8Recipe, dtype: torch.dtype, rank: int, world: int) -> list[str]:
-    """The emulated layer's 12 steps against the TE model; returns the mismatches found."""
+@contextmanager
+def _recorded_casts() -> Iterator[list[tuple[str, float, np.ndarray]]]:
+    """Every `quantize` the emulated layer calls, as (format, scale, bytes), while inside."""
     casts: list[tuple[str, float, np.ndarray]] = []
     original = emulate.quantize
 
@@ -144,9 +147,15 @@ def _run(recipe: FP8Recipe, dtype: torch.dtype, rank: int, world: int) -> list[s
 
     emulate.quantize = recording
     try:
-        return _steps(recipe, dtype, rank, world, casts)
+        yield casts
     finally:
         emulate.quantize = original
+
+
+def _run(recipe: FP8Recipe, dtype: torch.dtype, rank: int, world: int) -> list[str]:
+    """The emulated layer's 12 steps against the TE model; returns the mismatches found."""
+    with _recorded_casts() as casts:
+        return _steps(recipe, dtype, rank, world, casts)
 
 
 def _steps(recipe: FP8Recipe, dtype: torch.dtype, rank: int, world: int,
@@ -244,3 +253,51 @@ def test_two_ranks_with_different_amaxes_reduce_row_0_as_te(tmp_path):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results == {f"{r}-{d}": [] for r in (True, False)
                            for d in (torch.float32, torch.bfloat16)}, rank
+
+
+def te_current_scale(amax: float, fp8_max: float, power_2: bool) -> float:
+    """`compute_scale_from_amax` (common/recipe/recipe_common.cuh:14-49) as TE's per-tensor
+    current scaling calls it (common/recipe/current_scaling.cu:274-275: epsilon 0, float32 max
+    for an overflowing quotient): 1 for an Inf, 0 or NaN amax; else `fp8_max / amax` in float32,
+    float32 max where it overflows, then with `power_2` only its sign and exponent bits kept
+    (`& 0xFF800000`, l. 39-46)."""
+    if math.isinf(amax) or amax == 0 or math.isnan(amax):
+        return 1.0
+    with np.errstate(over="ignore"):
+        scale = F32(fp8_max) / F32(amax)
+    if np.isinf(scale):
+        scale = F32(FLOAT32_MAX)
+    if power_2:
+        scale = (np.array([scale], dtype=np.float32).view(np.uint32) & 0xFF800000).view(
+            np.float32)[0]
+    return float(scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8_format", ["HYBRID", "E4M3"])
+@pytest.mark.parametrize("power_2", [False, True])
+def test_twelve_current_scaling_steps_are_tes_byte_for_byte(dtype, fp8_format, power_2):
+    """Float8CurrentScaling: each cast's scale from its own tensor's amax (fmaxf: NaN skipped,
+    Inf kept), no history; the same adversarial steps."""
+    recipe = FP8Recipe(scaling="current", fp8_format=fp8_format, use_power_2_scales=power_2)
+    bwd_fmt = "e5m2" if fp8_format == "HYBRID" else "e4m3"
+    torch.manual_seed(0)
+    layer = EmulatedFP8Linear(IN_FEATURES, OUT_FEATURES, bias=False, dtype=dtype)
+    problems = []
+    with _recorded_casts() as casts:
+        for step, (x_kind, g_kind) in enumerate(STEPS[0]):
+            x = _tensor(step, 0, x_kind, dtype, (ROWS, IN_FEATURES))
+            grad = _tensor(step, 0, g_kind, dtype, (ROWS, OUT_FEATURES))
+            casts.clear()
+            with fp8_autocast(recipe=recipe):
+                out = layer(x.requires_grad_(True))
+            (out * grad).sum().backward()
+            want = []
+            for t, fmt in ((x, "e4m3"), (layer.weight, "e4m3"), (grad, bwd_fmt)):
+                scale = te_current_scale(te_amax(t), MAXES[fmt], power_2)
+                want.append((fmt, scale, _cast_bytes(t, scale, fmt)))
+            for name, got, ref in zip("xwg", casts, want, strict=True):
+                if got[:2] != ref[:2] or not np.array_equal(got[2].reshape(-1),
+                                                            ref[2].reshape(-1)):
+                    problems.append(f"step {step} {name}: {got[:2]} TE {ref[:2]}")
+    assert problems == []
