@@ -104,8 +104,52 @@ def test_another_key_the_checkpoint_lacks_is_still_refused(tmp_path):
     template = {"state": {"model": {"w": torch.zeros(2), "v": torch.zeros(2)}, "callbacks": {
         "FP8Guard": FP8Guard().state_dict(), "SpeedMonitor": {"n": torch.zeros(1)}}}}
     with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: state\.(model\.v"
-                                        r"|callbacks\.SpeedMonitor\.n)"):
+                                        r"|callbacks\.SpeedMonitor\.n)") as refused:
         _load(template, str(tmp_path))
+    assert not getattr(refused.value, "__notes__", None)  # the tokenizer's line is not added
+
+
+def _tokenizer_json(called: bool) -> dict:
+    """LLM-Foundry's tokenizer's tokenizer.json as Composer keeps it in state.integrations
+    (HuggingFaceModel.get_metadata), before or after a call like its text datasets' own
+    (llmfoundry/data/text_data.py: truncation=True, padding='max_length')."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "..",
+                                                           "data", "tokenizer-v512"))
+    if called:
+        tokenizer("some text", truncation=True, padding="max_length", max_length=8)
+    return json.loads(tokenizer.backend_tokenizer.to_str())
+
+
+def test_a_resume_refused_for_the_tokenizer_says_it_is_composer_s_and_how_to_resume(tmp_path):
+    """Seen with no foundry-fp8 callback too: a sharded resume of an LLM-Foundry run on raw text
+    stopped on 'Missing key ... state.integrations.huggingface.tokenizer...truncation' (the
+    tokenizer saved after its calls, the template built from a fresh one), a DCP traceback blaming
+    nothing. The error stays; one line under it says it is not FP8's and how to resume, and that
+    way (state/integrations ignored) loads the FP8 state."""
+    saved = _tokenizer_json(called=True)
+    assert saved["truncation"] is not None and _tokenizer_json(called=False)["truncation"] is None
+    _, saving = _fp8_state(1, trained=True)
+    dcp.save({"state": {"integrations": {"huggingface": {"tokenizer": {"tokenizer.json": {
+        "content": saved}}}}, "callbacks": {"FP8State": saving.state_dict()}}},
+        checkpoint_id=tmp_path, no_dist=True)
+    _, loading = _fp8_state(1, trained=False)
+    template = {"state": {"integrations": {"huggingface": {"tokenizer": {"tokenizer.json": {
+        "content": _tokenizer_json(called=False)}}}}, "callbacks": {
+        "FP8State": loading.state_dict()}}}
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: "
+                       r"state\.integrations\.huggingface\.tokenizer\.tokenizer\.json\.content"
+                       r"\.truncation\.") as refused:
+        _load(template, str(tmp_path))
+    [note] = refused.value.__notes__
+    assert note.startswith("foundry-fp8: not an FP8 problem: ")
+    assert f"load_path: {tmp_path} and load_ignore_keys: [state/integrations]" in note
+    del template["state"]["integrations"]  # what load_ignore_keys: [state/integrations] does
+    _load(template, str(tmp_path))
+    for name, saved_tensor in saving.state_dict()["modules"]["0"].items():
+        assert torch.equal(template["state"]["callbacks"]["FP8State"]["modules"]["0"][name],
+                           saved_tensor), name
 
 
 def test_fp8_guards_saved_decisions_still_load(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
@@ -488,10 +489,41 @@ def accept_absent_state(qualname: str, message: str | None,
                 log.warning("foundry-fp8: internal error preparing the sharded checkpoint load "
                             "(%s: %s); loading it as Composer does", type(error).__name__,
                             str(error).splitlines()[0][:200] if str(error) else "")
-        return load(state_dict, storage_reader, *args, **kwargs)
+        try:
+            return load(state_dict, storage_reader, *args, **kwargs)
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            _explain_integrations(error, getattr(storage_reader, "path", "<this checkpoint>"))
+            raise
 
     dist_cp_load._foundry_fp8 = True  # type: ignore[attr-defined]
     checkpoint.dist_cp_load = dist_cp_load
+
+
+#: DCP's refusal of a tokenizer key the sharded checkpoint lacks (default_planner.py,
+#: `create_default_local_load_plan`)
+_INTEGRATIONS_MISSING = re.compile(r"Missing key in checkpoint state_dict: state\.integrations\.")
+#: what that refusal is, where the user reads it: not foundry-fp8's, nor the FP8 state's. Composer
+#: skips 'integrations' in State.load_state_dict (composer/core/state.py:1457-1459, 0.32.1) and
+#: its autoresume drops load_ignore_keys (composer/trainer/trainer.py:1697); %s: the checkpoint
+INTEGRATIONS_NOTE = (
+    "foundry-fp8: not an FP8 problem: the run's tokenizer, before its first call, is saved "
+    "differently from the one in this sharded checkpoint (a fast tokenizer keeps the "
+    "truncation/padding of its last call in its tokenizer.json, as LLM-Foundry's text datasets "
+    "call it; Composer puts that file in state.integrations and has DCP load it, though it never "
+    "reads it back: composer/core/state.py, load_state_dict). Workaround: resume with "
+    "autoresume: false, load_path: %s and load_ignore_keys: [state/integrations] "
+    "(autoresume sets load_ignore_keys to None: composer/trainer/trainer.py, __init__)")
+
+
+def _explain_integrations(error: BaseException, where: Any) -> None:
+    """A sharded load refused for Composer's tokenizer metadata (seen with no foundry-fp8
+    callback too) gets one line saying so and how to resume; the error itself is unchanged."""
+    if not _INTEGRATIONS_MISSING.search(str(error)):
+        return
+    if hasattr(error, "add_note"):  # Python >= 3.11: printed under the error
+        error.add_note(INTEGRATIONS_NOTE % where)
+    else:
+        log.error(INTEGRATIONS_NOTE, where)
 
 
 def _prepare(entries: dict[str, Any], storage_reader: Any) -> None:
