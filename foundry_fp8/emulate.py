@@ -44,7 +44,14 @@ from foundry_fp8.numerics import (
     dequantize,
     quantize,
 )
-from foundry_fp8.recipe import TE_DEFAULT_RECIPE, FP8Recipe, RecipeError, RecipeProblem
+from foundry_fp8.recipe import (
+    TE_DEFAULT_RECIPE,
+    UNSUPPORTED_TE_RECIPES,
+    FP8Recipe,
+    RecipeError,
+    RecipeProblem,
+    unsupported_recipe_problem,
+)
 from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_problems
 
 FWD_INPUT, FWD_WEIGHT = 0, 1
@@ -139,6 +146,7 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
     every registered layer, each with the recipe it registered under; the fused update leaves
     a slot with nothing recorded alone (`numerics.delayed_scale_update`).
     """
+    _check_recipe_type(recipe)
     saved = _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.first_module
     if _STATE.depth == 0:
         _STATE.first_module, _STATE.pruned = True, False
@@ -152,6 +160,21 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
         _STATE.depth -= 1
         if enabled and _STATE.depth == 0 and torch.is_grad_enabled():
             _reduce_and_update("forward")
+
+
+def _check_recipe_type(recipe: object) -> None:
+    """One line for a recipe the emulation cannot run, before any state changes: TE's own
+    recipe objects (its block-scaling ones named as unsupported) or anything else. Without it a
+    TE recipe failed inside the first layer's forward with an AttributeError."""
+    if recipe is None or isinstance(recipe, FP8Recipe):
+        return
+    name = type(recipe).__name__
+    if name.lower() in UNSUPPORTED_TE_RECIPES:
+        raise RecipeError(unsupported_recipe_problem(UNSUPPORTED_TE_RECIPES[name.lower()]))
+    raise RecipeError(RecipeProblem(
+        "scaling", f"fp8_autocast got a {name}, not an FP8Recipe: the emulation runs "
+        "foundry_fp8's FP8Recipe only",
+        "pass FP8Recipe(scaling='delayed' or 'current', ...) with the same options"))
 
 
 def _reduce_and_update(direction: Direction) -> None:

@@ -68,6 +68,28 @@ TE_DELAYED_DEFAULTS: dict[str, Any] = {
     "scaling_factor_compute_algo": None, "reduce_amax": True, "fp8_dpa": False, "fp8_mha": False,
 }
 
+#: TE 2.20's recipes that are not per-tensor FP8 scaling (transformer_engine/common/recipe/
+#: __init__.py:337, 392, 489, 630), by the names a user may write for `scaling`: foundry-fp8
+#: models neither their numerics nor their state, so naming one is refused, never replaced.
+UNSUPPORTED_TE_RECIPES: dict[str, str] = {
+    **dict.fromkeys(("mxfp8", "mxfp8blockscaling", "mxfp8_block_scaling"), "MXFP8BlockScaling"),
+    **dict.fromkeys(("block", "blockwise", "float8blockscaling", "fp8_block_scaling"),
+                    "Float8BlockScaling"),
+    **dict.fromkeys(("nvfp4", "fp4", "nvfp4blockscaling", "nvfp4_block_scaling"),
+                    "NVFP4BlockScaling"),
+    **dict.fromkeys(("custom", "customrecipe"), "CustomRecipe"),
+}
+
+
+def unsupported_recipe_problem(name: str) -> RecipeProblem:
+    """The one line for a TE recipe foundry-fp8 does not model (`UNSUPPORTED_TE_RECIPES`)."""
+    return RecipeProblem(
+        "scaling", f"TransformerEngine's {name} is not supported: foundry-fp8 models per-tensor "
+        "FP8 scaling only (TE's DelayedScaling and Float8CurrentScaling), and would not run "
+        "another recipe in its place",
+        "use scaling: delayed or scaling: current, or run TE's own recipe without te_swap")
+
+
 _DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
 _CURRENT_ONLY = ("use_power_2_scales",)
 
@@ -212,7 +234,10 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
                 key, "unknown recipe key", f"use one of: {', '.join(sorted(_KNOWN_KEYS))}"))
 
     scaling = options.get("scaling", "delayed")
-    if scaling not in ("delayed", "current"):
+    block = UNSUPPORTED_TE_RECIPES.get(str(scaling).lower())
+    if block is not None:
+        problems.append(unsupported_recipe_problem(block))
+    elif scaling not in ("delayed", "current"):
         problems.append(RecipeProblem(
             "scaling", f"unknown scaling {scaling!r}",
             "use 'delayed' (TE DelayedScaling) or 'current' (TE Float8CurrentScaling, "

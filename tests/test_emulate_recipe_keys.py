@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
+from foundry_fp8.emulate import EmulatedFP8Linear, active_recipe, fp8_autocast
 from foundry_fp8.recipe import FP8Recipe, RecipeError
 
 DELAYED_ONLY = ("fix: remove {key}, or use scaling: delayed", "only applies to delayed scaling; "
@@ -88,3 +90,53 @@ def test_backward_override_as_a_key_points_to_te_s_variable():
         "(te_swap builds TE's recipe without it, and the emulated backend reads the variable "
         "too) (fix: remove it and set NVTE_BACKWARD_OVERRIDE=high_precision|dequantized in the "
         "environment, with scaling: current)")
+
+
+BLOCK_RECIPES = [("mxfp8", "MXFP8BlockScaling"), ("MXFP8BlockScaling", "MXFP8BlockScaling"),
+                 ("block", "Float8BlockScaling"), ("nvfp4", "NVFP4BlockScaling"),
+                 ("custom", "CustomRecipe")]
+
+
+def _block_line(name: str) -> str:
+    return (f"fp8_recipe.scaling: TransformerEngine's {name} is not supported: foundry-fp8 "
+            "models per-tensor FP8 scaling only (TE's DelayedScaling and Float8CurrentScaling), "
+            "and would not run another recipe in its place (fix: use scaling: delayed or "
+            "scaling: current, or run TE's own recipe without te_swap)")
+
+
+@pytest.mark.parametrize(("scaling", "name"), BLOCK_RECIPES)
+def test_a_te_recipe_we_do_not_model_is_named_not_unknown(scaling, name):
+    """TE 2.20's MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling and CustomRecipe
+    (transformer_engine/common/recipe/__init__.py:337, 392, 489, 630) were refused as an
+    "unknown scaling", which reads as a typo; the line now says foundry-fp8 does not run them."""
+    for build in (lambda: FP8Recipe(scaling=scaling),
+                  lambda: FP8Recipe.from_options({"scaling": scaling})):
+        with pytest.raises(RecipeError) as raised:
+            build()
+        assert str(raised.value) == _block_line(name)
+
+
+def _te_like(name: str) -> object:
+    """An object of a class named as one of TE's recipe classes (TE is not installed here)."""
+    return type(name, (), {"fp8_format": "E4M3", "margin": 0})()
+
+
+@pytest.mark.parametrize(("name", "line"), [
+    ("MXFP8BlockScaling", _block_line("MXFP8BlockScaling")),
+    ("NVFP4BlockScaling", _block_line("NVFP4BlockScaling")),
+    ("DelayedScaling", "fp8_recipe.scaling: fp8_autocast got a DelayedScaling, not an FP8Recipe: "
+     "the emulation runs foundry_fp8's FP8Recipe only (fix: pass FP8Recipe(scaling='delayed' "
+     "or 'current', ...) with the same options)"),
+])
+def test_emulated_autocast_refuses_a_te_recipe_object_with_one_line(name, line):
+    """A TE recipe given to the emulation's autocast failed inside the layer's forward with
+    `AttributeError: ... has no attribute 'scaling'`; now the autocast refuses it on entry,
+    leaving the layer and the autocast state as they were."""
+    layer = EmulatedFP8Linear(4, 4)
+    with pytest.raises(RecipeError) as raised, fp8_autocast(recipe=_te_like(name)):
+        layer(torch.randn(2, 4))
+    assert str(raised.value) == line
+    assert active_recipe() is None and layer.fp8_meta["scaling_fwd"].amax_history.numel() == 0
+    with fp8_autocast(recipe=FP8Recipe()):  # the state is usable afterwards
+        layer(torch.randn(2, 4))
+    assert layer.fp8_meta["scaling_fwd"].amax_history.shape == (16, 3)
