@@ -75,13 +75,15 @@ def _tensor(step: int, rank: int, kind: str, dtype: torch.dtype, shape: tuple[in
         t = t.sign() * _tiny(dtype)
     elif kind == "huge":
         t[0, 0] = _huge(dtype)
-    elif kind == "ties":  # values on E4M3 ties at scale 1 (midpoints of the grid)
-        t = torch.tensor([[1.0625, -1.1875, 17.0, 0.0029296875] * (shape[1] // 4)] * shape[0])
+    elif kind == "ties":  # at scale 1 (a first step's), midpoints of E4M3's grid (1.0625,
+        # 1.1875, 17, 3 * 2**-10: subnormal) and of E5M2's (1.125, 1.375, 3 * 2**-17)
+        ties = [1.0625, -1.1875, 1.125, -1.375, 17.0, 3 * 2.0 ** -10, -3 * 2.0 ** -17, 0.5]
+        t = torch.tensor([ties * (shape[1] // len(ties))] * shape[0])
     return t.to(dtype)
 
 
 #: (input kind, gradient kind) per step, per rank
-STEPS = {0: [("plain", "plain"), ("nan", "plain"), ("zero", "nan"), ("inf", "plain"),
+STEPS = {0: [("ties", "ties"), ("nan", "plain"), ("zero", "nan"), ("inf", "plain"),
              ("plain", "inf"), ("tiny", "tiny"), ("plain", "zero"), ("huge", "huge"),
              ("negzero", "negzero"), ("ties", "plain"), ("plain", "ties"), ("plain", "plain")],
          1: [("plain", "zero"), ("zero", "plain"), ("plain", "plain"), ("plain", "nan"),
