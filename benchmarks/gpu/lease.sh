@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu/lease.sh bench    the variants the issue's goals need (~5 min; VARIANTS=)
 # No -e: a failing step must not keep the later ones (and their logs) from running.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 out=${OUT:-/tmp/foundry-fp8-out}
 mkdir -p "$out"
 step=${1:?usage: lease.sh check|memory|bench}

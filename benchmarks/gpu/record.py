@@ -40,8 +40,8 @@ def tests(xml_path: Path) -> list[dict[str, Any]]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed"}.get(child.tag, child.tag)
-                message = (child.get("message") or child.text or "").strip().splitlines()[0][:300] \
-                    if (child.get("message") or child.text) else ""
+                text = (child.get("message") or child.text or "").strip()  # may be blank
+                message = text.splitlines()[0][:300] if text else ""
         rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                      "seconds": float(case.get("time") or 0), "message": message})
     return rows

@@ -6,7 +6,7 @@
 # Each part fits one 10-min call; a bench that does not is split with --variants over two calls.
 # No -e: a failing step must not keep the later ones (and their logs) from running.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH=$PWD/.gpu-site PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1
 out=${OUT:-/tmp/foundry-fp8-out}
 mkdir -p "$out"

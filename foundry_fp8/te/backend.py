@@ -101,17 +101,18 @@ def make_te_layernorm(src: nn.LayerNorm) -> nn.Module:
     return new
 
 
-#: torch checkpoint's keyword that TE's checkpoint does not take: TE 1.12-2.18 (and main
+#: torch checkpoint's keyword that TE's checkpoint does not take: TE 1.12-2.20.2 (and main
 #: d0067d0) pop use_reentrant, distribute_saved_activations, tp_group, get_rng_state_tracker,
 #: context_fn, determinism_check and debug (pytorch/distributed.py:609-637 at v1.12, 700-728 at
-#: v2.18) and pass every other keyword to the checkpointed function, which would receive this
+#: v2.18, 710-738 in the 2.20.2 wheel) and pass every other keyword to the checkpointed
+#: function, which would receive this
 #: one; TE always restores the CPU and CUDA RNG states, as this keyword's default asks.
 TORCH_ONLY_CHECKPOINT_KWARG = "preserve_rng_state"
 
 
 def te_checkpoint(kwargs: dict[str, Any]) -> functools.partial:
     """TE's activation checkpoint (`te.checkpoint`, exported from pytorch/__init__.py at v1.12
-    l. 82 to v2.18 l. 62) with the keywords a torch checkpoint was given. It recomputes under the
+    l. 82, v2.18 l. 62, 2.20.2 l. 66) with the keywords a torch checkpoint was given. It recomputes under the
     forward's FP8 recipe (TE #1190, fixed from `facts.MIN_TE_FOR_RECOMPUTE`); like torch's,
     `use_reentrant` defaults to True, and a callable that is not a module counts as holding TE
     modules, as transformers' `partial(layer.__call__)` is."""
