@@ -24,7 +24,9 @@ fast.
 from __future__ import annotations
 
 import gc
+import math
 import os
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -52,6 +54,7 @@ from foundry_fp8.recipe import (
     RecipeProblem,
     unsupported_recipe_problem,
 )
+from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE
 from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_problems
 
 FWD_INPUT, FWD_WEIGHT = 0, 1
@@ -407,6 +410,23 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+def _warn_unless_te_runs(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Warn (once per shape, Python's default filter) where te.Linear's FP8 forward would stop
+    with ValueError: each of input and weight needs its leading dims' product divisible by 8
+    and its last dim by 16 (`assert_dim_for_fp8_exec`, transformer_engine/pytorch/utils.py:
+    614-623, called at module/linear.py:376 under any FP8 recipe). te_swap's plan keeps layers
+    of other weight shapes in high precision, but the tokens of a batch (a short last batch, an
+    odd sequence length) are only known here; the emulation runs the GEMM all the same."""
+    for name, t in (("input", x), ("weight", weight)):
+        if (math.prod(t.shape[:-1]) % FP8_TOKEN_MULTIPLE
+                or t.shape[-1] % FP8_DIM_MULTIPLE):
+            warnings.warn(
+                f"EmulatedFP8Linear: FP8 {name} of shape {list(t.shape)}: TransformerEngine "
+                f"refuses it (ValueError: the product of the leading dims must be divisible by "
+                f"{FP8_TOKEN_MULTIPLE} and the last dim by {FP8_DIM_MULTIPLE}); the emulation "
+                "runs it, TE would not", stacklevel=1)
+
+
 class EmulatedFP8Linear(nn.Linear):
     """`nn.Linear` whose GEMMs read FP8 operands inside `fp8_autocast` (a plain Linear outside
     it). Parameter names are unchanged, so optimizers and checkpoints line up."""
@@ -515,6 +535,7 @@ class EmulatedFP8Linear(nn.Linear):
         every change, and software FP8 gains nothing from a compiled graph."""
         recipe = _STATE.recipe
         self._check_recipe(recipe)
+        _warn_unless_te_runs(x, self.weight)
         for meta in self.fp8_meta.values():
             meta.follow(x.device)
         replaying = _STATE.replay is not None

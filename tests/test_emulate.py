@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -476,3 +477,35 @@ def test_torch_compile_runs_the_emulated_layers_eagerly_without_recompiling():
         if isinstance(mine, EmulatedFP8Linear):
             assert torch.equal(mine.fp8_meta["scaling_fwd"].amax_history,
                                theirs.fp8_meta["scaling_fwd"].amax_history)
+
+
+def _te_refuses(shape: tuple[int, ...]) -> bool:
+    """TE 2.20's `assert_dim_for_fp8_exec` (transformer_engine/pytorch/utils.py:614-623), which
+    te.Linear's FP8 forward calls on its input and weight (module/linear.py:376)."""
+    leading = 1
+    for n in shape[:-1]:
+        leading *= n
+    return leading % 8 != 0 or shape[-1] % 16 != 0
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape"), [
+    ((3, 5, 64), (32, 64)), ((2, 4, 64), (32, 64)), ((8, 24), (16, 24)), ((16, 64), (12, 64)),
+    ((64,), (32, 64)),
+])
+def test_a_gemm_te_would_refuse_warns_once_per_shape(x_shape, w_shape):
+    """te.Linear stops an FP8 forward with ValueError for these shapes; the emulation ran them
+    silently, so a run ready on the CPU (an odd sequence length, a short last batch) crashed
+    on the GPU. Now it runs them and says, once per shape, that TE would not."""
+    layer = EmulatedFP8Linear(w_shape[1], w_shape[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own: once per message and place
+        for _ in range(2):
+            with fp8_autocast(recipe=FP8Recipe()):
+                layer(torch.randn(x_shape))
+    ours = [str(w.message) for w in caught if "TransformerEngine refuses" in str(w.message)]
+    want = [f"EmulatedFP8Linear: FP8 {name} of shape {list(shape)}: TransformerEngine refuses it "
+            "(ValueError: the product of the leading dims must be divisible by 8 and the last "
+            "dim by 16); the emulation runs it, TE would not"
+            for name, shape in (("input", x_shape), ("weight", w_shape)) if _te_refuses(shape)]
+    assert sorted(set(ours)) == sorted(want)
+    assert len(ours) == len(want)  # not again at the second forward
