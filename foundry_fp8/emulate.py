@@ -180,6 +180,23 @@ def _check_recipe_type(recipe: object) -> None:
         "pass FP8Recipe(scaling='delayed' or 'current', ...) with the same options"))
 
 
+#: TE's switch to its unfused Python update (read at every update: quantization.py:687-691).
+UNFUSED_UPDATE_ENV = "NVTE_UNFUSED_FP8_UPDATE"
+
+
+def _warn_if_unfused() -> None:
+    """TE's unfused update rolls every history column, those that recorded nothing too, and
+    divides with torch.compile's arithmetic (quantization.py:1067-1166); the emulation models
+    the fused kernel, so with the variable set its state would differ from TE's in silence."""
+    value = os.environ.get(UNFUSED_UPDATE_ENV)
+    if value is not None and value != "0":
+        warnings.warn(
+            f"{UNFUSED_UPDATE_ENV}={value}: TransformerEngine would update delayed scales with "
+            "its unfused Python path (which also rolls histories that recorded nothing); the "
+            "emulation models the fused kernel only, so its histories and scales can differ "
+            f"from TE's (unset {UNFUSED_UPDATE_ENV} to compare them)", stacklevel=1)
+
+
 def _reduce_and_update(direction: Direction) -> None:
     """TE's `reduce_and_update_fp8_tensors` (quantization.py:655-711): per buffer, row 0 of
     every registered layer's history all-reduced (MAX) across the buffer's group when its
@@ -187,6 +204,7 @@ def _reduce_and_update(direction: Direction) -> None:
     for buffer in _STATE.buffers.values():
         if not buffer.layers:
             continue
+        _warn_if_unfused()
         layers = [member.ref() for member in buffer.layers]
         metas = [layer.fp8_meta[_META_KEY[direction]] for layer in layers if layer is not None]
         if buffer.recipe.reduce_amax:

@@ -509,3 +509,28 @@ def test_a_gemm_te_would_refuse_warns_once_per_shape(x_shape, w_shape):
             for name, shape in (("input", x_shape), ("weight", w_shape)) if _te_refuses(shape)]
     assert sorted(set(ours)) == sorted(want)
     assert len(ours) == len(want)  # not again at the second forward
+
+
+@pytest.mark.parametrize("value", ["1", None, "0"])
+def test_te_s_unfused_update_switch_is_named_not_ignored(monkeypatch, value):
+    """NVTE_UNFUSED_FP8_UPDATE=1 makes TE update delayed scales with its Python path
+    (transformer_engine/pytorch/quantization.py:687-711, 1067-1166), which rolls a history that
+    recorded nothing, unlike the fused kernel the emulation models: the emulation used to
+    ignore the variable in silence. Unset or 0: TE's fused kernel, no warning."""
+    if value is None:
+        monkeypatch.delenv("NVTE_UNFUSED_FP8_UPDATE", raising=False)
+    else:
+        monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", value)
+    layer = EmulatedFP8Linear(16, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fp8_autocast(recipe=FP8Recipe()):
+            out = layer(torch.randn(8, 16))
+        out.sum().backward()
+    ours = [str(w.message) for w in caught if "NVTE_UNFUSED_FP8_UPDATE" in str(w.message)]
+    if value == "1":
+        assert ours and all(m.startswith("NVTE_UNFUSED_FP8_UPDATE=1: TransformerEngine would "
+                                         "update delayed scales with its unfused") for m in ours)
+        assert "\n" not in ours[0]
+    else:
+        assert ours == []
