@@ -42,17 +42,29 @@ class JsonlSink:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
+        #: (device, inode, size) of the file after the last record; None before the first (or
+        #: after the writer replaced the file itself)
+        self.last_file: tuple[int, int, int] | None = None
 
-    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def write(self, step: int, metrics: Mapping[str, Any]) -> bool:
+        """Append one record; False where the file at `path` is not the one the previous
+        record went to, or is shorter (removed, moved, replaced or cut since: the records before
+        are not in it; the size tells a new file whose inode number the OS reused)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {"step": int(step), "metrics": {str(k): _jsonable(v) for k, v in metrics.items()}}
         line = (json.dumps(record) + "\n").encode("utf-8")
         with self.path.open("a+b") as f:  # appends wherever we seek
-            if f.seek(0, os.SEEK_END) > 0:
+            found = os.fstat(f.fileno())
+            size = f.seek(0, os.SEEK_END)
+            last = self.last_file
+            same = last is None or (last[:2] == (found.st_dev, found.st_ino) and size >= last[2])
+            if size > 0:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     line = b"\n" + line
             f.write(line)
+            self.last_file = (found.st_dev, found.st_ino, f.tell())
+        return same
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:

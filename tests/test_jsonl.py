@@ -151,6 +151,38 @@ def test_logger_write_failure_mid_run_warns_once_and_stops_writing(tmp_path, cap
         strict.log_metrics({"loss": 1.0}, step=3)
 
 
+def test_a_file_deleted_or_taken_over_mid_run_is_warned_once(tmp_path, caplog):
+    """The metrics file removed mid-run (by hand), or moved aside by a second run of the same
+    name starting fresh while this one still writes: the records written before are not in the
+    file at the path any more, and the report would read a run starting late, or two runs
+    mixed. Writing goes on (into the new file), with one warning naming the last step lost."""
+    template = str(tmp_path / "{run_name}" / "metrics.jsonl")
+    file = tmp_path / "r" / "metrics.jsonl"
+    logger = _logger(tmp_path, path=template)
+    for step in (0, 1):
+        logger.log_metrics({"loss": 1.0}, step=step)
+    file.unlink()
+    for step in (2, 3):
+        logger.log_metrics({"loss": 1.0}, step=step)
+    [warning] = _warnings(caplog)
+    assert f"{file} was removed, moved or replaced after this run wrote its record of step 1" \
+        in warning
+    assert [step for step, _ in read_jsonl(file)] == [2, 3]
+
+    caplog.clear()
+    second = _logger(tmp_path, path=template)  # the same run name, started fresh
+    second.fit_start(types.SimpleNamespace(run_name="r", timestamp=types.SimpleNamespace(
+        batch=0)), None)
+    second.log_metrics({"loss": 2.0}, step=0)
+    logger.log_metrics({"loss": 1.0}, step=4)
+    assert [step for step, _ in read_jsonl(tmp_path / "r" / "metrics.1.jsonl")] == [2, 3]
+    assert [step for step, _ in read_jsonl(file)] == [0, 4]  # two runs mixed: said once more
+    assert sum("was removed, moved or replaced after this run wrote its record of step 3" in w
+               for w in _warnings(caplog)) == 1
+    second.log_metrics({"loss": 2.0}, step=1)  # its own file all along: nothing to say
+    assert sum("was removed" in w for w in _warnings(caplog)) == 1
+
+
 def test_hparams_logged_before_init_are_written_at_init(tmp_path):
     from foundry_fp8.composer.jsonl_logger import JSONLLogger
 

@@ -62,6 +62,7 @@ class JSONLLogger(LoggerDestination):
         # what an earlier run left: the bytes of the metrics file and hparams.json's text, set
         # aside at FIT_START where this run turns out to be fresh (None: decided)
         self._earlier: tuple[int, str | None] | None = None
+        self._last_step: int | None = None  # the step of the last record written
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
@@ -95,6 +96,7 @@ class JSONLLogger(LoggerDestination):
                      if not numbered(path, n).exists() and not numbered(hparams, n).exists())
             aside, hparams_aside = numbered(path, n), numbered(hparams, n)
             set_aside(path, earlier[0], aside)
+            self.sink.last_file = None  # our own new file, not one taken from us
         except Exception as e:
             if self.strict:
                 raise
@@ -118,7 +120,19 @@ class JSONLLogger(LoggerDestination):
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.sink is not None and not self.stopped:
             sink = self.sink
-            self._guard(lambda: sink.write(step if step is not None else -1, metrics), sink.path)
+            self._guard(lambda: self._write(sink, step if step is not None else -1, metrics),
+                        sink.path)
+
+    def _write(self, sink: JsonlSink, step: int, metrics: dict[str, Any]) -> None:
+        """One record; a file removed or taken over since the last one (by hand, or moved aside
+        by another run of this name starting fresh) is warned about, once per time it happens,
+        and written on."""
+        if not sink.write(step, metrics):
+            log.warning("jsonl logger: %s was removed, moved or replaced after this run wrote its "
+                        "record of step %s (by hand, or by another run of this name starting "
+                        "fresh while this one runs); the records up to there are not in it, and "
+                        "this run goes on writing to it", sink.path, self._last_step)
+        self._last_step = step
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self._pending_hparams.update(hyperparameters)
