@@ -384,6 +384,33 @@ def test_a_fallback_region_carries_the_enclosing_recipe(fake_te, monkeypatch, ve
                          [("fp8_autocast", {"enabled": False, "fp8_recipe": want})])
 
 
+def test_a_fallback_region_with_no_recipe_known_enters_no_te_autocast(fake_te, monkeypatch):
+    """Outside an enabled autocast, for a layer that never ran in FP8 (an eval forward of a
+    layer resumed in fallback): handed no recipe, TE 2.20.2's autocast builds its default one,
+    DelayedScaling() on Hopper (pytorch/quantization.py:740, 249-254), which fails its assert
+    under NVTE_BACKWARD_OVERRIDE (common/recipe/__init__.py:268-270). The stand-in autocast
+    refuses a None recipe as that TE does; FP8 is off there already, so no region is needed."""
+    from foundry_fp8.te import backend, probe
+
+    fake_te("2.20.2")
+    te = sys.modules["transformer_engine.pytorch"]
+
+    def autocast(enabled: bool, recipe: object):
+        if recipe is None:
+            raise ValueError("Assertion failed, Delayed scaling only supports "
+                             "backward_override=None.")
+        raise AssertionError("not reached: FP8 is off and no recipe is known")
+
+    te.autocast = autocast
+    monkeypatch.setattr(probe, "active_recipe", lambda: None)
+    layer = torch.nn.Linear(4, 4)
+    layer.fp8_meta = {}  # TE's before the layer's first FP8 forward
+    x = torch.randn(2, 4)
+    with backend.te_high_precision(layer):
+        out = layer(x)
+    assert torch.equal(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
 def test_meta_layers_stay_on_meta_for_fsdp_to_initialise(fake_te):
     """TE defers init only for `device == "meta"`, which a torch.device never equals: handed
     one, TE would materialise the layer (on CUDA) and the copy from meta would fail."""

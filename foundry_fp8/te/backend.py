@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -290,10 +290,18 @@ def te_high_precision(module: nn.Module) -> AbstractContextManager:
     layer with the recipe stored last under that key (`autocast_enter`/`autocast_exit`,
     pytorch/quantization.py:675, 740-745 in TE 2.20; fp8.py:409-411 in 1.12), so a run with
     `most_recent` and history 1024 would be updated with `max` whenever a fallback ran.
+
+    With neither (FP8 is off here and `module` never ran in FP8: an eval forward of a layer
+    resumed in fallback) no region is entered: the layer already runs in high precision, and
+    handed no recipe TE would build its default one (`DelayedScaling()` on Hopper,
+    quantization.py:740, 249-254 in 2.20.2), which fails its assert under
+    NVTE_BACKWARD_OVERRIDE (common/recipe/__init__.py:268-270).
     """
     import transformer_engine.pytorch as te
 
     recipe = probe.active_recipe() or getattr(module, "fp8_meta", {}).get("recipe")
+    if recipe is None:
+        return nullcontext()
     if hasattr(te, "autocast"):
         return te.autocast(enabled=False, recipe=recipe)
     return te.fp8_autocast(enabled=False, fp8_recipe=recipe)
