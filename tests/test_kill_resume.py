@@ -109,7 +109,7 @@ def _assert_same_run(folder: Path, reference: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 3, 4, 5])
 def test_a_kill_between_checkpoints_resumes_bit_identical(tmp_path, uninterrupted, batch):
     killed = _run(tmp_path, f"batch:{batch}")
     assert killed.returncode == -signal.SIGKILL
