@@ -46,7 +46,9 @@ class JSONLLogger(LoggerDestination):
     Composer does not guard its logger destinations, so a failure here would end the run. A
     folder that cannot be created or a file that cannot be written (at INIT or mid-run: full
     disk, a folder in the file's place) is logged once, naming the path and the OS error, and
-    the logger stops writing while training goes on; `strict: true` raises instead.
+    the logger stops writing while training goes on; `strict: true` raises instead. A file
+    removed, moved or cut while the run writes it (by hand, or moved aside by another run of
+    the same name starting fresh) is warned about, naming the last step it lost, and written on.
     """
 
     def __init__(self, **options: Any):

@@ -91,7 +91,8 @@ class FP8Stats(Callback):
       (dY under NVTE_BACKWARD_OVERRIDE: a per-layer what-if only), not the layers never
       converted, whose what-if numbers say what FP8 would do to them. A tensor's `worst_*` keys
       are left out at a step where no layer counts (delayed scaling's first cast at step 0,
-      every layer in fallback): a missing point on every sink, not a perfect-looking 1.0/0;
+      every layer in fallback, every layer's tensor NaN/Inf only: its `nonfinite` says so): a
+      missing point on every sink, not a perfect-looking 1.0/0;
     - per-layer series `fp8_<stat>/<tensor>/<layer>` (W&B makes one section per statistic;
       `<layer>` without the `model.transformer.` prefix or wrapper segments), and
       `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast and
