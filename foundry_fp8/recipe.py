@@ -158,7 +158,7 @@ class FP8Recipe:
         problems = recipe_problems(options)
         if problems:
             raise RecipeError(problems[0])
-        return cls(**options)
+        return cls(**{k: v for k, v in options.items() if k in _KNOWN_KEYS})
 
     def format_for(self, direction: Literal["forward", "backward"]) -> Literal["e4m3", "e5m2"]:
         """The FP8 format of forward tensors or of gradients under this recipe."""
@@ -178,6 +178,30 @@ _KNOWN_KEYS = frozenset(f.name for f in fields(FP8Recipe))
 #: (transformer_engine/common/recipe/__init__.py:253-261, 302-312): named as TE's, not unknown.
 _TE_ONLY_KEYS = (frozenset(TE_DELAYED_DEFAULTS) - _KNOWN_KEYS) | {
     "backward_override", "fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"}
+#: Of those, the ones a recipe may still write at TE's own default, per scaling mode (a recipe
+#: copied from TE often spells its defaults out): `fp8_dpa`/`fp8_mha` are False in both
+#: recipes, `scaling_factor_compute_algo` None in DelayedScaling only (TE 2.20,
+#: transformer_engine/common/recipe/__init__.py:257-260, 310-311). They change nothing TE does.
+_TE_DEFAULTS_ACCEPTED: dict[str, tuple[str, ...]] = {
+    "delayed": ("fp8_dpa", "fp8_mha", "scaling_factor_compute_algo"),
+    "current": ("fp8_dpa", "fp8_mha"),
+}
+
+
+def _te_defaults_accepted(scaling: Any) -> tuple[str, ...]:
+    return _TE_DEFAULTS_ACCEPTED.get(scaling, ()) if isinstance(scaling, str) else ()
+
+
+def _is_te_default(key: str, value: Any, scaling: Any) -> bool:
+    """Whether `key: value` is one of TE's options we do not model, left at TE's default."""
+    default = TE_DELAYED_DEFAULTS.get(key)
+    return (key in _te_defaults_accepted(scaling) and type(value) is type(default)
+            and value == default)
+
+
+def _yaml(value: Any) -> str:
+    """A default as a YAML user writes it."""
+    return "null" if value is None else str(value).lower()
 
 
 def fp8_format_name(value: Any) -> str:
@@ -213,6 +237,7 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
         return [RecipeProblem("", f"must be a mapping, got {type(options).__name__}",
                               "write fp8_recipe as a mapping, e.g. {scaling: delayed}")]
     problems: list[RecipeProblem] = []
+    scaling = options.get("scaling", "delayed")
     for key in options:
         key = str(key)
         if key in REMOVED_TE_KEYS:
@@ -225,15 +250,18 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
                 f"remove it and set {BACKWARD_OVERRIDE_ENV}="
                 f"{'|'.join(BACKWARD_OVERRIDE_VALUES)} in the environment, with scaling: current"))
         elif key in _TE_ONLY_KEYS:
+            if _is_te_default(key, options[key], scaling):
+                continue
+            default = (f" (TE's default, {_yaml(TE_DELAYED_DEFAULTS[key])}, is accepted)"
+                       if key in _te_defaults_accepted(scaling) else "")
             problems.append(RecipeProblem(
                 key, "a TransformerEngine recipe option that foundry-fp8 does not support (it "
                 "models TE's linear-layer FP8 casts and scales only)",
-                f"remove it; the supported keys are: {', '.join(sorted(_KNOWN_KEYS))}"))
+                f"remove it{default}; the supported keys are: {', '.join(sorted(_KNOWN_KEYS))}"))
         elif key not in _KNOWN_KEYS:
             problems.append(RecipeProblem(
                 key, "unknown recipe key", f"use one of: {', '.join(sorted(_KNOWN_KEYS))}"))
 
-    scaling = options.get("scaling", "delayed")
     block = UNSUPPORTED_TE_RECIPES.get(str(scaling).lower())
     if block is not None:
         problems.append(unsupported_recipe_problem(block))

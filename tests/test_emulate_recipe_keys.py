@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from foundry_fp8.emulate import EmulatedFP8Linear, active_recipe, fp8_autocast
-from foundry_fp8.recipe import FP8Recipe, RecipeError
+from foundry_fp8.recipe import FP8Recipe, RecipeError, recipe_problems
 
 DELAYED_ONLY = ("fix: remove {key}, or use scaling: delayed", "only applies to delayed scaling; "
                 "current scaling keeps no amax history")
@@ -140,3 +140,48 @@ def test_emulated_autocast_refuses_a_te_recipe_object_with_one_line(name, line):
     with fp8_autocast(recipe=FP8Recipe()):  # the state is usable afterwards
         layer(torch.randn(2, 4))
     assert layer.fp8_meta["scaling_fwd"].amax_history.shape == (16, 3)
+
+
+#: TE 2.20's defaults for the options it takes and foundry-fp8 does not model
+#: (transformer_engine/common/recipe/__init__.py:257-260 DelayedScaling, 310-311
+#: Float8CurrentScaling), written here from TE's source, not from recipe.py.
+TE_DEFAULTS_WRITTEN_OUT: list[dict[str, Any]] = [
+    {"fp8_dpa": False, "fp8_mha": False},
+    {"scaling": "delayed", "fp8_dpa": False, "fp8_mha": False,
+     "scaling_factor_compute_algo": None, "amax_history_len": 1024, "amax_compute_algo": "max"},
+    {"scaling": "current", "fp8_dpa": False, "fp8_mha": False, "fp8_format": "E4M3"},
+]
+
+
+@pytest.mark.parametrize("options", TE_DEFAULTS_WRITTEN_OUT, ids=str)
+def test_te_s_defaults_written_out_are_accepted_and_change_nothing(options):
+    """A recipe copied from TE spells out `fp8_dpa: false`/`fp8_mha: false`: these are TE's
+    defaults and change nothing, yet were refused with 'does not support'."""
+    ours = {k: v for k, v in options.items() if k not in TE_ONLY}
+    assert recipe_problems(options) == []
+    assert FP8Recipe.from_options(options) == FP8Recipe(**ours)
+
+
+TE_ONLY = ("fp8_dpa", "fp8_mha", "scaling_factor_compute_algo")
+
+
+@pytest.mark.parametrize(("options", "key", "accepted"), [
+    ({"fp8_dpa": True}, "fp8_dpa", " (TE's default, false, is accepted)"),
+    ({"scaling": "current", "fp8_mha": True}, "fp8_mha", " (TE's default, false, is accepted)"),
+    ({"fp8_dpa": 0}, "fp8_dpa", " (TE's default, false, is accepted)"),
+    ({"scaling_factor_compute_algo": "max"}, "scaling_factor_compute_algo",
+     " (TE's default, null, is accepted)"),
+    # Float8CurrentScaling has no scaling_factor_compute_algo at all (TE: TypeError)
+    ({"scaling": "current", "scaling_factor_compute_algo": None}, "scaling_factor_compute_algo",
+     ""),
+])
+def test_te_options_away_from_te_s_default_are_still_refused_with_one_line(options, key, accepted):
+    with pytest.raises(RecipeError) as raised:
+        FP8Recipe.from_options(options)
+    assert str(raised.value) == (
+        f"fp8_recipe.{key}: a TransformerEngine recipe option that foundry-fp8 does not support "
+        f"(it models TE's linear-layer FP8 casts and scales only) (fix: remove it{accepted}; the "
+        "supported keys are: amax_compute_algo, amax_history_len, fp8_format, margin, "
+        "reduce_amax, scaling, use_power_2_scales)")
+    with pytest.raises(RecipeError, match="^fp8_recipe.amax_compute_algo: unknown algorithm"):
+        FP8Recipe(amax_compute_algo=max)  # a callable: TE's, not modelled
