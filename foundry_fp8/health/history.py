@@ -54,6 +54,22 @@ class RunMetrics:
             self.steps.append(step)
         by_step[step] = float(value)
 
+    def drop_from(self, step: int) -> None:
+        """Forget every number and mark at `step` and after: a later attempt of the run (a resume
+        from a checkpoint) logs those steps again, and its numbers alone stand there."""
+        for name, by_step in list(self.values.items()):
+            for s in [s for s in by_step if s >= step]:
+                del by_step[s]
+            if not by_step:  # a series only the earlier attempt logged there: no row, no column
+                del self.values[name]
+        for i, names in enumerate((self.layers, self.tensors, self.stats)):
+            kept = {name[i] for name in self.values}
+            names[:] = [name for name in names if name in kept]
+        for marked in (self.initial, self.high_precision, self.uncast):
+            marked -= {m for m in marked if m[2] >= step}
+        self.steps = [s for s in self.steps if s < step]
+        self._step_set = set(self.steps)
+
     def add_table(self, step: int, table: Mapping[tuple[str, str], Mapping[str, float]]) -> None:
         """One logging step's `{(layer, tensor): {stat: value}}`."""
         for (layer, tensor), stats in table.items():
@@ -89,10 +105,11 @@ class RunMetrics:
                                              if (layer, tensor, step) in self.uncast})
 
 
-def collect(records: Iterable[tuple[int, Mapping[str, Any]]]) -> RunMetrics:
-    """The per-layer numbers (`health.keys` layout) of `(step, metrics)` records; values that
-    are no number (`jsonl.number`) are left out."""
-    run = RunMetrics()
+def collect(records: Iterable[tuple[int, Mapping[str, Any]]], run: RunMetrics | None = None
+            ) -> RunMetrics:
+    """The per-layer numbers (`health.keys` layout) of `(step, metrics)` records, added to `run`
+    (a new one by default); values that are no number (`jsonl.number`) are left out."""
+    run = RunMetrics() if run is None else run
     keys: dict[str, tuple[str, str, str] | None] = {}  # each key parsed once, not per step
     for step, metrics in records:
         for name, value in metrics.items():

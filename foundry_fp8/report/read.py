@@ -248,7 +248,17 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
     try:
         if metrics_file.stat().st_size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        run = collect(_guard_series(read_jsonl(metrics_file, skipped, too_long), guard))
+        restarts: list[tuple[int, int]] = []
+        run = RunMetrics()
+
+        def restarted(before: int, step: int) -> None:
+            restarts.append((before, step))
+            run.drop_from(step)
+            for logged in [s for s in guard if s >= step]:
+                del guard[logged]
+
+        collect(_guard_series(_attempts(read_jsonl(metrics_file, skipped, too_long), restarted),
+                              guard), run)
     except JsonlError as e:
         raise ReportError(_json_document(metrics_file) or str(e)) from None
     except OSError as e:
@@ -264,9 +274,40 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
                     "loss can leave a run of NUL bytes")
         warn(f"{metrics_file}:{skipped[0]}: skipped {lines} not decode (line {shown}; {why}); "
              "the report covers the rest")
+    if restarts:
+        warn(_restarts_said(metrics_file, restarts))
     if not run.values:
         raise ReportError(why_empty(metrics_file))
     return run, guard
+
+
+def _attempts(records: Iterable[tuple[int, Mapping[str, Any]]],
+              restarted: Callable[[int, int], None]) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """`records`, `restarted(before, step)` called ahead of each whose step is below the one
+    before it: a later attempt of the run begins there (a resume from a checkpoint logs the
+    steps after it again, `fit()` again with `reset_time` logs from 0). The jsonl logger appends
+    every attempt to one file; the report, as W&B's history does, keeps for each step what the
+    latest attempt that reached it logged, and nothing of a dead attempt after it."""
+    last = -1
+    for step, metrics in records:
+        if step < last:
+            restarted(last, step)
+        last = step
+        yield step, metrics
+
+
+#: Step changes a warning lists (the rest are counted).
+RESTARTS_SHOWN = 5
+
+
+def _restarts_said(metrics_file: Path, restarts: list[tuple[int, int]]) -> str:
+    """One line on where the steps went back (each a later attempt of the run)."""
+    shown = ", ".join(f"{a} -> {b}" for a, b in restarts[:RESTARTS_SHOWN]) + (
+        f", ... ({len(restarts) - RESTARTS_SHOWN} more)" if len(restarts) > RESTARTS_SHOWN else "")
+    times = "once" if len(restarts) == 1 else f"{len(restarts)} times"
+    return (f"{metrics_file}: the steps go back {times} (step {shown}): a resumed run logs the "
+            "steps after its checkpoint again, fit() again with reset_time logs from step 0; from "
+            "each such step on, the report keeps the later attempt's numbers only")
 
 
 def _json_document(path: Path) -> str | None:

@@ -1,0 +1,187 @@
+"""`foundry-fp8 report` on runs that were interrupted and resumed, from the files real runs
+wrote: Composer Trainers (te_swap's emulated FP8, fp8_stats, the jsonl logger) killed with
+SIGKILL from inside and restarted with `autoresume`, and a Trainer fitted twice with
+`reset_time`. The jsonl logger appends every attempt to one metrics.jsonl; the report must keep,
+for each step, the numbers of the latest attempt that logged it, and nothing a dead attempt
+logged after the checkpoint the next one resumed from. Run as `python -m
+tests.test_report_resume FOLDER OPTIONS_JSON` for one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from foundry_fp8.cli import main
+from foundry_fp8.health.keys import parse_key
+from foundry_fp8.report.read import load_run
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCHES, SAVE_EVERY = 8, 4
+SPIKED = "blocks.1"  # the layer whose weight the dead attempt multiplies by 1e4
+
+
+def _train(folder: Path, options: dict[str, Any]) -> None:
+    """One process of the run in `folder`. `options`: `stats` (fp8_stats' options), `kill`
+    (SIGKILL as batch N starts), `spike` (the SPIKED weight times 1e4 as batch N starts),
+    `refit` (after the fit, fit again for that many batches with `reset_time=True`)."""
+    from composer import Callback, Trainer
+    from composer.loggers import LoggerDestination
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+    from foundry_fp8.composer.state import FP8State
+    from foundry_fp8.composer.stats import FP8Stats
+    from foundry_fp8.composer.te_swap import TESwap
+    from tests.test_state_restore import TwoBlocks
+
+    class Faults(Callback):
+        def batch_start(self, state, logger):
+            batch = int(state.timestamp.batch)
+            if batch == options.get("kill"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if batch == options.get("spike"):
+                with torch.no_grad():
+                    state.model.module.blocks[1].weight.mul_(1e4)
+
+    class Refit(LoggerDestination):
+        """What fp8_stats logs during the second fit, step by step (the test's reference)."""
+
+        def __init__(self):
+            self.on = False
+            self.logged: dict[int, dict[str, float]] = {}
+
+        def log_metrics(self, metrics, step=None):
+            if self.on:
+                self.logged.setdefault(int(step), {}).update(
+                    {k: float(v) for k, v in metrics.items() if parse_key(k)})
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(8 * BATCHES, 16) * 3, torch.randint(0, 16, (8 * BATCHES,)))
+    refit = Refit()
+    trainer = Trainer(
+        model=ComposerClassifier(TwoBlocks(), num_classes=16), seed=17, run_name="resumed",
+        train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{BATCHES}ba",
+        algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
+        callbacks=[FP8State(), FP8Stats(**options.get("stats", {"interval": 1})), Faults()],
+        loggers=[JSONLLogger(path=str(folder / "metrics.jsonl")), refit], device="cpu",
+        progress_bar=False, save_folder=str(folder / "checkpoints"),
+        save_interval=f"{SAVE_EVERY}ba", autoresume="refit" not in options,
+        save_overwrite="refit" in options)  # the second fit saves its batch 4 again
+    trainer.fit()
+    if "refit" in options:
+        refit.on = True
+        trainer.fit(duration=f"{options['refit']}ba", reset_time=True)
+        (folder / "refit.json").write_text(json.dumps(refit.logged))
+    trainer.close()
+
+
+def _attempt(folder: Path, **options: Any) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "tests.test_report_resume", str(folder),
+                           json.dumps(options)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _per_layer(lines: list[bytes]) -> dict[int, dict[str, float]]:
+    """step -> {per-layer key: value} of JSONL lines, parsed with plain `json` (the last value
+    per step and key)."""
+    found: dict[int, dict[str, float]] = {}
+    for line in lines:
+        record = json.loads(line)
+        if ours := {k: float(v) for k, v in record["metrics"].items() if parse_key(k)}:
+            found.setdefault(record["step"], {}).update(ours)
+    return found
+
+
+def _reported(metrics_file: Path) -> dict[int, dict[str, float]]:
+    """step -> {per-layer key: value} as the report reads the file (markers left out)."""
+    run, _ = load_run(metrics_file, lambda message: None)
+    found: dict[int, dict[str, float]] = {}
+    for (layer, tensor, stat), by_step in run.values.items():
+        for step, value in by_step.items():
+            found.setdefault(step, {})[f"fp8_{stat}/{tensor}/{layer}"] = value
+    return found
+
+
+def _markers_left_out(logged: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    marks = ("fp8_initial_scale/", "fp8_high_precision/", "fp8_uncast/")
+    return {step: kept for step, values in logged.items()
+            if (kept := {k: v for k, v in values.items() if not k.startswith(marks)})}
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_other_fp8_stats_settings_is_reported_as_the_resumed_attempt_ran(
+        tmp_path, capsys):
+    """QA s16: the dead attempt (every batch, both layers, a weight spiked after the checkpoint)
+    kept its steps the resumed attempt (every 2nd batch, one layer) did not log again: the
+    report flagged the rolled-back spike (overflow_spike at step 5) and drew blocks.0's dead
+    steps between its live ones."""
+    folder = tmp_path / "run"
+    dead = _attempt(folder, kill=7, spike=5)
+    assert dead.returncode == -signal.SIGKILL, dead.stderr[-2000:]
+    assert "overflow_pct" in dead.stderr  # the dead attempt did warn about its spike
+    metrics_file = folder / "metrics.jsonl"
+    dead_lines = metrics_file.read_bytes().splitlines()
+    resumed = _attempt(folder, stats={"interval": 2, "layers": SPIKED})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "overflow_pct" not in resumed.stderr  # the resumed attempt ran healthy
+    live = _per_layer(metrics_file.read_bytes().splitlines()[len(dead_lines):])
+    assert min(live) == SAVE_EVERY  # it resumed from the checkpoint of batch 4
+    expected = {step: values for step, values in _per_layer(dead_lines).items()
+                if step < SAVE_EVERY}
+    expected.update(live)
+    assert _reported(metrics_file) == _markers_left_out(expected)
+    assert sorted(expected) == [0, 1, 2, 3, 4, 6]  # step 5: only the dead attempt logged it
+    assert main(["report", str(folder)]) == 0
+    out, err = capsys.readouterr()
+    assert "\n0 flagged\n" in out, out
+    assert err.strip() == (f"warning: {metrics_file}: the steps go back once (step 6 -> 4): a "
+                           "resumed run logs the steps after its checkpoint again, fit() again "
+                           "with reset_time logs from step 0; from each such step on, the report "
+                           "keeps the later attempt's numbers only"), err
+
+
+@pytest.mark.slow
+def test_a_run_resumed_twice_counts_each_step_once_with_its_last_attempts_numbers(tmp_path):
+    folder = tmp_path / "run"
+    metrics_file = folder / "metrics.jsonl"
+    attempts = []
+    for kill in (6, 7, None):
+        done = _attempt(folder, **({"kill": kill} if kill else {}))
+        assert done.returncode == (0 if kill is None else -signal.SIGKILL), done.stderr[-2000:]
+        attempts.append(metrics_file.read_bytes().splitlines())
+    first, second, third = (_per_layer(attempts[0]),
+                            _per_layer(attempts[1][len(attempts[0]):]),
+                            _per_layer(attempts[2][len(attempts[1]):]))
+    assert (min(second), min(third)) == (SAVE_EVERY, SAVE_EVERY)  # both from batch 4's checkpoint
+    expected = {s: v for s, v in first.items() if s < SAVE_EVERY} | third
+    assert sorted(expected) == list(range(BATCHES))
+    assert _reported(metrics_file) == _markers_left_out(expected)
+
+
+@pytest.mark.slow
+def test_a_second_fit_with_reset_time_is_what_the_report_shows(tmp_path, capsys):
+    """`fit()` again with `reset_time=True` logs from step 0 into the same file: the report is
+    the second fit's (fp8_stats' numbers as a logger saw them during it), with one warning."""
+    folder = tmp_path / "run"
+    done = _attempt(folder, refit=3)
+    assert done.returncode == 0, done.stderr[-2000:]
+    refit = {int(s): v for s, v in json.loads((folder / "refit.json").read_text()).items()}
+    assert sorted(refit) == [0, 1, 2, 3]  # and its fit end's summary at step 3
+    assert _reported(folder / "metrics.jsonl") == _markers_left_out(refit)
+    assert main(["report", str(folder)]) == 0
+    assert f"(step {BATCHES} -> 0)" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    _train(Path(sys.argv[1]), json.loads(sys.argv[2]))
