@@ -4,21 +4,27 @@ Each subcommand lives in its own module exposing `add_arguments(parser)` and `ru
 Those modules import torch only inside `run`, so `foundry-fp8 lint` stays fast and GPU-free.
 
 `main` makes the output side of every subcommand safe, so none prints a traceback for it:
-text the terminal's encoding cannot show is written as backslash escapes (`\\xe9`); a closed
-stdout or stderr (`>&-`) discards what would go there; an output that stops reading
-(`| head -1`) ends the command quietly with exit 141, as a tool killed by SIGPIPE reports in a
-shell; an output that cannot be written (`> /dev/full`) is one line on stderr naming it, exit 2.
+text the terminal's encoding cannot show is written as backslash escapes (`\\xe9`, and a file
+name's undecodable byte as `\\xff`); an output that stops reading (`| head -1`) ends the command
+quietly with exit 141, as a tool killed by SIGPIPE reports in a shell; a stdout that cannot be
+written (`> /dev/full`, or closed: `>&-`) stops the command with one line on stderr naming it,
+exit 2, as GNU tools report a write error (a closed output nothing is written to is no error, as
+for them); a stderr that cannot be written does not stop it: the rest of it is discarded, and a
+command that would exit 0 exits 2 (141 for a pipe that stopped reading).
 Ctrl-C is one line on stderr and exit 130, not a KeyboardInterrupt traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import contextlib
 import errno
 import importlib
+import io
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from foundry_fp8 import __version__
 
@@ -64,7 +70,7 @@ class _Guarded:
     def __init__(self, stream: Any, name: str):
         self._stream, self._name = stream, name
 
-    def _failed(self, error: OSError) -> NoReturn:
+    def _failed(self, error: OSError) -> None:
         raise OutputError(self._name, self._stream, error) from error
 
     def write(self, text: str) -> int:
@@ -72,6 +78,7 @@ class _Guarded:
             return self._stream.write(text)
         except OSError as error:
             self._failed(error)
+        return len(text)
 
     def flush(self) -> None:
         try:
@@ -83,6 +90,21 @@ class _Guarded:
         return getattr(self._stream, name)
 
 
+class _Diagnostics(_Guarded):
+    """stderr: a write error does not stop the command (a benchmark whose progress bar cannot
+    be shown still runs and saves its results); what follows is discarded, and `lost` keeps
+    the error for the exit status, as GNU tools check stderr at exit (gnulib close_stdout)."""
+
+    lost: OSError | None = None
+
+    def _failed(self, error: OSError) -> None:
+        if self.lost is None:
+            self.lost = error
+            with contextlib.suppress(OSError, ValueError):  # no descriptor: nothing buffered
+                _devnull_onto(self._stream.fileno())
+        self._stream = open(os.devnull, "w", encoding="utf-8")  # what follows goes nowhere
+
+
 def _devnull_onto(fd: int) -> None:
     """Descriptor `fd` writes to /dev/null from now on (when it was closed, the open takes its
     number itself)."""
@@ -92,21 +114,46 @@ def _devnull_onto(fd: int) -> None:
         os.close(null)
 
 
-def _usable(stream: Any, fd: int, name: str) -> _Guarded:
-    """`stream` made safe to print to: None (the descriptor was closed at start) becomes
-    /dev/null, also on `fd` so no file opened later takes its number; an encoding error writes
-    the character escaped."""
+class _Closed(io.TextIOBase):
+    """The stream of a descriptor closed at start: writing text to it fails as writing to a
+    closed descriptor does (EBADF), so the command says so instead of exiting 0 having printed
+    nothing."""
+
+    def write(self, text: str) -> int:
+        if text:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return 0
+
+
+def _escaped(error: UnicodeError) -> tuple[str, int]:
+    """Encoding error handler: a file name's undecodable byte (held as a lone surrogate,
+    PEP 383) as `\\xff`, the byte it was; any other character as backslashreplace writes it."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    chunk = error.object[error.start:error.end]
+    if all(0xDC80 <= ord(c) <= 0xDCFF for c in chunk):
+        return "".join(f"\\x{ord(c) - 0xDC00:02x}" for c in chunk), error.end
+    return codecs.backslashreplace_errors(error)
+
+
+codecs.register_error("foundry_fp8.escaped", _escaped)
+
+
+def _usable(stream: Any, fd: int, name: str) -> Any:
+    """`stream` made safe to print to: None (the descriptor was closed at start) becomes a
+    stream whose writes fail (`_Closed`), with /dev/null on `fd` so no file opened later takes
+    its number; an encoding error writes the character escaped."""
     if stream is None:
         try:
             os.fstat(fd)
         except OSError:
             _devnull_onto(fd)
-        stream = open(os.devnull, "w", encoding="utf-8")
+        stream = _Closed()
     try:
-        stream.reconfigure(errors="backslashreplace")
+        stream.reconfigure(errors="foundry_fp8.escaped")
     except (AttributeError, ValueError, OSError):  # not a TextIOWrapper, or already closed
         pass
-    return _Guarded(stream, name)
+    return _Diagnostics(stream, name) if name == "stderr" else _Guarded(stream, name)
 
 
 def _where(stream: Any) -> str:
@@ -117,35 +164,32 @@ def _where(stream: Any) -> str:
         return ""
 
 
+def _exit_status(error: OSError) -> int:
+    return EXIT_BROKEN_PIPE if error.errno == errno.EPIPE else 2
+
+
 def _output_failed(failure: OutputError) -> int:
-    """Say once, on stderr (when stdout is what failed), which output could not be written;
-    then point the failed one at /dev/null, so what is still buffered goes there at exit
-    rather than into a second error."""
-    if failure.error.errno != errno.EPIPE and failure.name == "stdout":
+    """Say once, on stderr, that stdout could not be written; then point it at /dev/null, so
+    what is still buffered goes there at exit rather than into a second error."""
+    if failure.error.errno != errno.EPIPE:
         from foundry_fp8.health.table import one_line
 
         target = _where(failure.stream)
         where = f" ({one_line(target)})" if target else ""
-        try:
-            sys.stderr.write(f"foundry-fp8: cannot write to stdout{where}: "
-                             f"{failure.error.strerror or failure.error}\n")
-            sys.stderr.flush()
-        except OutputError:  # stderr is the same full file: nothing left to say it on
-            pass
+        sys.stderr.write(f"foundry-fp8: cannot write to stdout{where}: "
+                         f"{failure.error.strerror or failure.error}\n")
+        sys.stderr.flush()  # a full or closed stderr too: `_Diagnostics` keeps it quiet
     try:
         _devnull_onto(failure.stream.fileno())
     except (OSError, ValueError):  # no descriptor (a test's capture): nothing buffered at exit
         pass
-    return EXIT_BROKEN_PIPE if failure.error.errno == errno.EPIPE else 2
+    return _exit_status(failure.error)
 
 
 def _interrupted() -> int:
     """Ctrl-C: one line where a traceback would go (a user who pressed it needs no stack)."""
-    try:
-        sys.stderr.write("foundry-fp8: interrupted\n")
-        sys.stderr.flush()
-    except OutputError:  # stderr is gone: nothing left to say it on
-        pass
+    sys.stderr.write("foundry-fp8: interrupted\n")
+    sys.stderr.flush()
     return EXIT_INTERRUPTED
 
 
@@ -163,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = sys.stdout, sys.stderr
     errors = [getattr(stream, "errors", None) for stream in saved]  # given back at the end
     sys.stdout = _usable(sys.stdout, 1, "stdout")
-    sys.stderr = _usable(sys.stderr, 2, "stderr")
+    sys.stderr = diagnostics = _usable(sys.stderr, 2, "stderr")
     try:
         try:
             code = _dispatch(argv)
@@ -186,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                     stream.reconfigure(errors=error)
                 except (AttributeError, ValueError, OSError):
                     pass
+    if code == 0 and diagnostics.lost is not None:  # the command's own failure says more
+        code = _exit_status(diagnostics.lost)
     return code
 
 

@@ -423,7 +423,6 @@ def test_tiny_records_no_activation_checkpointing_since_it_runs_none():
 
 @pytest.mark.parametrize(("argv", "ran"), [
     (["--tiny"], 4),  # the default micro-batch 8 over --tiny's batch of 4
-    (["--tiny", "--micro-batch", "100000000000000000000"], 4),
     (["--tiny", "--batch", "16", "--micro-batch", "6"], 6),
     (["--batch", "2"], 2),
 ])
@@ -483,3 +482,79 @@ def test_the_results_record_the_command_that_runs_them_again(argv, tmp_path, mon
     again = bench.config_from_args(build_parser().parse_args(shlex.split(command)[1:]))
     assert again == config
     assert ("--yamls 'my yamls'" in command) == ("--yamls" in argv)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--micro-batch", "9", "--batch", "4"],
+     "--micro-batch 9 is larger than --batch 4: Composer would run each batch of 4 whole; give "
+     "at most 4"),
+    (["--micro-batch", "100000000000000000000"],
+     "--micro-batch 100000000000000000000 is larger than --batch 4: Composer would run each "
+     "batch of 4 whole; give at most 4"),
+    (["--micro-batch", "auto"],
+     "--micro-batch auto: Composer's auto micro-batching runs on a GPU only, and --tiny runs on "
+     "CPU; give a number"),
+])
+def test_a_micro_batch_that_would_not_run_as_asked_is_one_line(argv, says, capsys, tmp_path,
+                                                                 monkeypatch):
+    """QA: `--tiny --micro-batch 9 --batch 4` ran micro-batch 4 with exit 0, and `--tiny
+    --micro-batch auto` ran the whole batch while the results' setup said `auto`. Composer's
+    own code is the reference: it runs a micro-batch over the batch unsplit, and refuses auto
+    micro-batching on a CPU device."""
+    from composer.core.data_spec import _default_split_batch
+    from composer.devices import DeviceCPU
+    from composer.trainer.trainer import _is_auto_microbatching
+
+    batch = bench.synthetic_batches(1, 4, 16, 512, 17)[0]
+    with pytest.warns(UserWarning):
+        assert len(_default_split_batch(batch, 9)) == 1  # one micro-batch of 4, not of 9
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="only use adaptive"):
+        _is_auto_microbatching("auto", DeviceCPU())
+    monkeypatch.setattr(bench, "run_bench", lambda config, after_each: pytest.fail("ran"))
+    assert main(["bench", "--tiny", *argv, "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"foundry-fp8 bench: {says}\n"
+
+
+def test_auto_micro_batching_gets_the_batch_size_composer_starts_from():
+    """`--micro-batch auto` on a GPU: Composer starts from the dataloader's `batch_size`
+    (trainer.py _get_initial_device_train_microbatch_size) and raised AttributeError for the
+    bench's plain list of batches, so every variant would have failed."""
+    from composer.trainer.trainer import _get_initial_device_train_microbatch_size
+
+    batches = bench.synthetic_batches(3, 6, 16, 512, 17)
+    assert _get_initial_device_train_microbatch_size("auto", True, batches) == 6
+    assert len(batches) == 3 and len(batches[0]["input_ids"]) == 6
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--seq-len", "7", "--micro-batch", "1"],
+     "--seq-len 7: 1 x 7 = 7 tokens per micro-batch is not a multiple of 8"),
+    (["--seq-len", "4", "--batch", "5", "--micro-batch", "2"],  # split 2, 2, 1: 4 tokens last
+     "--seq-len 4: 1 x 4 = 4 tokens per micro-batch (the last micro-batch of each step: --batch 5 "
+     "leaves 1) is not a multiple of 8"),
+])
+def test_fp8_tokens_per_micro_batch_that_te_refuses_are_one_line_before_the_run(
+        argv, says, capsys, tmp_path, monkeypatch):
+    """TE's assert_dim_for_fp8_exec: an FP8 GEMM input's leading dims (micro-batch x sequence)
+    multiply to a multiple of 8. The FP8 variants would have failed after building MPT-1B;
+    `--tiny`'s emulated rows ran what TE refuses. A bf16-only run has no such rule."""
+    monkeypatch.setattr(bench, "run_bench", lambda config, after_each: pytest.fail("ran"))
+    for tiny in (["--tiny"], []):
+        assert main(["bench", *tiny, *argv, "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"foundry-fp8 bench: {says}") and err.count("\n") == 1, err
+    assert _config(["--tiny", "--variants", "bf16", *argv]).seq_len == int(argv[1])
+
+
+def test_what_runs_other_than_asked_is_said_before_the_run(capsys, tmp_path, monkeypatch):
+    """--tiny ignores --activation-checkpointing (no FSDP on CPU), and 24 tokens per micro-batch
+    pass TE's forward assert but are no multiple of 16 (FP8006's warning): each one line."""
+    monkeypatch.setattr(bench, "run_bench", lambda config, after_each: pytest.fail("ran"))
+    with pytest.raises(pytest.fail.Exception, match="ran"):
+        main(["bench", "--tiny", "--activation-checkpointing", "--seq-len", "12",
+              "--micro-batch", "2", "--out", str(tmp_path)])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == ("foundry-fp8 bench: --activation-checkpointing: not applied under "
+                        "--tiny (no FSDP on CPU); the results record it off")
+    assert lines[1].startswith("foundry-fp8 bench: --seq-len 12: 24 tokens per micro-batch is a "
+                               "multiple of 8 but not of 16") and len(lines) == 2

@@ -72,14 +72,52 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path):
                            "No space left on device\n")
 
 
-@pytest.mark.parametrize("closed", [">&-", "2>&-", ">&- 2>&-"])
-def test_a_closed_stdout_or_stderr_changes_nothing_but_where_text_goes(tmp_path, closed):
+def test_a_closed_stderr_changes_nothing_when_nothing_goes_there(tmp_path):
     clean = tmp_path / "bf16.yaml"  # the bench's own YAML: no error findings
     clean.write_text((Path(td.__file__).parent / "yamls" / "mpt-1b-bf16.yaml").read_text())
     for path, code in ((clean, 0), (_typo_yaml(tmp_path), 1), (tmp_path / "missing.yaml", 2)):
-        done = _bash(f'"$@" {closed}; echo "exit $?"', "lint", path)
+        done = _bash('"$@" 2>&-; echo "exit $?"', "lint", path)
         assert done.stdout.splitlines()[-1] == f"exit {code}", (path, done.stdout[-300:])
         assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"], ["doctor"],
+                                  ["lint", "{clean}"], ["lint", "{typo}"]])
+def test_a_closed_stdout_is_a_write_error_not_a_silent_exit_0(tmp_path, argv):
+    """QA: `foundry-fp8 doctor >&-` printed nothing and exited 0. A closed stdout is an output
+    that cannot be written, as for the shell's own echo and GNU cat (both exit 1 with 'Bad
+    file descriptor'): one line on stderr, exit 2, as for `> /dev/full`."""
+    clean = tmp_path / "bf16.yaml"
+    clean.write_text((Path(td.__file__).parent / "yamls" / "mpt-1b-bf16.yaml").read_text())
+    for reference in ('echo hi >&-; echo "exit $?"', 'cat "$0" >&-; echo "exit $?"'):
+        done = subprocess.run(["bash", "-c", reference, str(clean)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.stdout == "exit 1\n" and "Bad file descriptor" in done.stderr, done
+    args = [a.format(clean=clean, typo=_typo_yaml(tmp_path)) for a in argv]
+    done = _bash('"$@" >&-; echo "exit $?" >&2', *args)
+    assert done.stderr == ("foundry-fp8: cannot write to stdout: Bad file descriptor\n"
+                           "exit 2\n"), done.stderr[-2000:]
+    done = _bash('"$@" >&- 2>&-; echo "exit $?"', *args)  # nothing left to say it on
+    assert done.stdout == "exit 2\n", done.stdout
+
+
+def test_an_undecodable_byte_in_a_file_name_is_shown_as_that_byte(tmp_path):
+    """A name's byte the file-system encoding cannot decode is held as a lone surrogate
+    (PEP 383) and was shown as `\\udcff`, which names no byte; now `\\xff`, the byte
+    os.fsencode gives back. Under an ASCII file-system encoding (LC_ALL=C, no UTF-8 mode)
+    `é` is two such bytes."""
+    name = os.fsdecode(b"typo\xff.yaml")
+    _typo_yaml(tmp_path, name)
+    assert os.fsencode(name)[4:5] == b"\xff"
+    done = _cli("lint", tmp_path / name)
+    assert done.returncode == 1 and f"{tmp_path}/typo\\xff.yaml" in done.stdout, done.stdout
+    ascii_env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    ascii_env.pop("PYTHONIOENCODING", None)
+    _typo_yaml(tmp_path, "caf\u00e9.yaml")
+    done = subprocess.run([*CLI, "lint", "caf\u00e9.yaml"], capture_output=True, timeout=120,
+                          env=ascii_env, cwd=tmp_path)
+    assert done.returncode == 1 and b"caf\\xc3\\xa9.yaml" in done.stdout, done.stdout
+    assert "caf\u00e9".encode()[3:] == b"\xc3\xa9" and b"Traceback" not in done.stderr
 
 
 def test_one_line_escapes_what_would_break_the_line_or_drive_the_terminal():
@@ -135,3 +173,28 @@ def test_tiny_data_checks_its_build_before_calling_it_ready(tmp_path, monkeypatc
 
 def test_a_whole_build_passes_the_check(tiny_data):
     assert td._unusable(tiny_data) is None
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_full_stderr_does_not_stop_a_command_but_fails_its_exit(tmp_path, monkeypatch, capsys):
+    """QA: `foundry-fp8 bench 2>/dev/full` (or `2>&-`) stopped at the progress bar's first write
+    with exit 2 and saved nothing. stderr holds diagnostics: the bench now runs and saves its
+    results, and the exit status says the diagnostics were lost (2, not 0), as GNU tools check
+    stderr at exit."""
+    from foundry_fp8.tools import bench
+
+    def one_row(variant, config, bar):
+        return {"name": variant.name, "label": variant.label(config.tiny), "precision": "fp32",
+                "tokens_per_s": 1000.0, "mfu": 0.1, "hfu": 0.1, "mfu_peak_tflops": 989.0,
+                "peak_mem_gb": 1.0, "loss": 1.0, "loss_first_timed_step": 2.0,
+                "attention_share": None, "micro_batch": 4, "what": variant.what}
+
+    monkeypatch.setattr(bench, "run_variant", one_row)
+    with open("/dev/full", "w", buffering=1) as full:
+        with pytest.raises(OSError):
+            full.write("a diagnostic\n")  # the reference: /dev/full refuses every write
+        monkeypatch.setattr(sys, "stderr", full)
+        assert main(["bench", "--tiny", "--variants", "bf16", "--out", str(tmp_path)]) == 2
+    saved = json.loads((tmp_path / "mpt-tiny-cpu.json").read_text())
+    assert [row["name"] for row in saved["variants"]] == ["bf16"]
+    assert capsys.readouterr().out.endswith("mpt-tiny-cpu.md\n")

@@ -39,6 +39,7 @@ from foundry_fp8.lint.known import (
     UNSHARD_TORCH_RANGE,
     auto_microbatch_fsdp_fails,
 )
+from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE, dim_fits_fp8, tokens_fit_fp8
 from foundry_fp8.te.facts import dotted
 
 #: The MPT-1B YAMLs, shipped inside the package so an installed bench needs no checkout.
@@ -123,8 +124,18 @@ class BenchConfig:
 TINY_CONFIG = BenchConfig(tiny=True, seq_len=64, batch=4, warmup=2, steps=6)
 
 
+class _Batches(list):
+    """The bench's train dataloader: a list of batches with the `batch_size` that Composer's
+    auto micro-batching starts from (trainer.py, _get_initial_device_train_microbatch_size,
+    raises AttributeError for a dataloader without one)."""
+
+    def __init__(self, batches: list[dict[str, Any]], batch_size: int):
+        super().__init__(batches)
+        self.batch_size = batch_size
+
+
 def synthetic_batches(n_batches: int, batch: int, seq_len: int, vocab: int, seed: int,
-                      ngram: int = 8, bank: int = 256) -> list[dict[str, Any]]:
+                      ngram: int = 8, bank: int = 256) -> _Batches:
     """Sequences of n-grams drawn from a fixed random bank: after an n-gram's first token the
     rest is predictable, so a model that learns drives the loss well below log(vocab)."""
     import torch
@@ -137,7 +148,7 @@ def synthetic_batches(n_batches: int, batch: int, seq_len: int, vocab: int, seed
         ids = grams[torch.randint(0, bank, (batch, per_seq), generator=g)].view(batch, -1)
         ids = ids[:, :seq_len].contiguous()
         out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+    return _Batches(out, batch)
 
 
 def yaml_path(variant: Variant, config: BenchConfig) -> Path:
@@ -329,14 +340,13 @@ def run_variant(variant: Variant, config: BenchConfig, bar,
     n_batches = config.warmup + config.steps + config.profile_steps
     batches = synthetic_batches(n_batches, config.batch, config.seq_len,
                                 model_cfg["vocab_size"], config.seed)
-    micro = config.batch if config.micro_batch == "auto" and not cuda else config.micro_batch
     trainer = None
     try:
         trainer = Trainer(
             model=model, train_dataloader=batches, max_duration=f"{n_batches}ba",
             optimizers=optimizer, algorithms=algorithms, callbacks=callbacks, loggers=[],
             precision=cfg["precision"], device="gpu" if cuda else "cpu",
-            device_train_microbatch_size=micro,
+            device_train_microbatch_size=config.micro_batch,
             parallelism_config={"fsdp": fsdp} if fsdp else None,
             compile_config={} if config.compile else None,
             progress_bar=False, log_to_console=False, seed=config.seed)
@@ -627,7 +637,7 @@ def _micro_batch(value: str) -> int | str:
     except ValueError:
         number = 0
     if number < 1:
-        raise argparse.ArgumentTypeError("--micro-batch must be a positive integer or 'auto'")
+        raise argparse.ArgumentTypeError(f"a positive integer or 'auto', got {value!r}")
     return number
 
 
@@ -660,11 +670,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per sequence; {_default('seq_len')}")
     parser.add_argument("--batch", type=int, default=None,
                         help=f"sequences per optimizer step; {_default('batch')}")
-    parser.add_argument("--micro-batch", type=_micro_batch, default=BenchConfig.micro_batch,
+    parser.add_argument("--micro-batch", type=_micro_batch, default=None,
                         help="sequences per forward, or 'auto' to let Composer fill the GPU "
                         f"(Composer >= {dotted(AUTO_MICROBATCH_CHECKED_FROM)} with FSDP needs "
-                        f"torch{UNSHARD_TORCH_RANGE} for it); at most --batch; default "
-                        f"{BenchConfig.micro_batch}")
+                        f"torch{UNSHARD_TORCH_RANGE} for it; GPU only); at most --batch; "
+                        f"default {BenchConfig.micro_batch}, or --batch where that is smaller")
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed steps first; {_default('warmup')}")
     parser.add_argument("--steps", type=int, default=None,
@@ -697,9 +707,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         return value if value is not None else getattr(TINY_CONFIG if tiny else BenchConfig, name)
 
     batch = pick(args.batch, "batch")
-    # Composer runs a micro-batch larger than the batch as the whole batch (data_spec.py
-    # _split_tensor: "no splitting will be done"): record the size that ran
-    micro = args.micro_batch if args.micro_batch == "auto" else min(args.micro_batch, batch)
+    micro = _micro_batch_for(args.micro_batch, batch, tiny)
     config = BenchConfig(variants=args.variants, tiny=tiny, seq_len=pick(args.seq_len, "seq_len"),
                          batch=batch, micro_batch=micro,
                          warmup=pick(args.warmup, "warmup"), steps=pick(args.steps, "steps"),
@@ -712,7 +720,70 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                              "mpt-1b-bf16.yaml and mpt-1b-fp8.yaml; the package ships both)")
         check_yaml(path, [VARIANTS[n] for n in config.variants
                           if yaml_path(VARIANTS[n], config) == path], tiny)
+    _check_fp8_tokens(config)
     return config
+
+
+def _micro_batch_for(asked: int | str | None, batch: int, tiny: bool) -> int | str:
+    """The micro-batch to run. Composer runs one larger than the batch as the whole batch
+    (data_spec.py _split_tensor: "no splitting will be done"), so an explicit one is refused
+    rather than recorded as a size that did not run; the default is cut to the batch (bench.md
+    says so, and the results record the size that ran)."""
+    if asked is None:
+        return min(BenchConfig.micro_batch, batch)
+    if asked == "auto":
+        if tiny:  # composer/trainer/trainer.py _is_auto_microbatching: GPU only
+            raise ValueError("--micro-batch auto: Composer's auto micro-batching runs on a GPU "
+                             "only, and --tiny runs on CPU; give a number")
+        return asked
+    if asked > batch:
+        raise ValueError(f"--micro-batch {asked} is larger than --batch {batch}: Composer would "
+                         f"run each batch of {batch} whole; give at most {batch}")
+    return asked
+
+
+def _micro_batch_sizes(config: BenchConfig) -> list[int]:
+    """The sizes Composer splits each batch into: the micro-batch, and the rest when it does
+    not divide the batch (torch.split, data_spec.py _split_tensor)."""
+    if not isinstance(config.micro_batch, int):
+        return []
+    rest = config.batch % config.micro_batch
+    return [config.micro_batch] + ([rest] if rest else [])
+
+
+def _check_fp8_tokens(config: BenchConfig) -> None:
+    """TE asserts that an FP8 GEMM's tokens (micro-batch x sequence length) are a multiple of
+    FP8_TOKEN_MULTIPLE (lint rule FP8006): an FP8 variant would fail only after building its
+    model, so the options are refused first. The emulated backend follows TE's rule too."""
+    if not any(VARIANTS[n].yaml == "fp8" for n in config.variants):
+        return
+    for size in _micro_batch_sizes(config):
+        tokens = size * config.seq_len
+        if not tokens_fit_fp8(tokens):
+            part = "" if size == config.micro_batch else \
+                f" (the last micro-batch of each step: --batch {config.batch} leaves {size})"
+            raise ValueError(f"--seq-len {config.seq_len}: {size} x {config.seq_len} = {tokens} "
+                             f"tokens per micro-batch{part} is not a multiple of "
+                             f"{FP8_TOKEN_MULTIPLE}, as TE's FP8 GEMMs require (FP8006); pick "
+                             f"--seq-len and --micro-batch whose product is a multiple of "
+                             f"{FP8_DIM_MULTIPLE}")
+
+
+def notes(config: BenchConfig, args: argparse.Namespace) -> list[str]:
+    """What runs other than the options say, in one line each (printed before the run)."""
+    said = []
+    if args.activation_checkpointing and config.tiny:
+        said.append("--activation-checkpointing: not applied under --tiny (no FSDP on CPU); "
+                    "the results record it off")
+    fp8 = [n for n in config.variants if VARIANTS[n].yaml == "fp8"]
+    odd = [size * config.seq_len for size in _micro_batch_sizes(config)
+           if not dim_fits_fp8(size * config.seq_len)]
+    if fp8 and odd:
+        said.append(f"--seq-len {config.seq_len}: {odd[0]} tokens per micro-batch is a multiple "
+                    f"of {FP8_TOKEN_MULTIPLE} but not of {FP8_DIM_MULTIPLE}: TE's own tests run "
+                    f"FP8 only on multiples of {FP8_DIM_MULTIPLE}, and its weight-gradient GEMM may refuse it "
+                    "(FP8006, a warning: not run on a GPU)")
+    return said
 
 
 #: How a message names the type a key needs.
@@ -787,6 +858,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         _error(str(err))
         return 2
+    for note in notes(config, args):
+        _error(note)
     if not config.tiny:
         import torch
 
