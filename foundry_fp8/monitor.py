@@ -74,6 +74,12 @@ from foundry_fp8.te import probe
 #: tensor's first sighting in the step, at least 1 where a later sighting held any
 #: (`nonfinite_seen`: one cheap read, not a count).
 _NONFINITE = slice(SUFFICIENT_INDEX["nan_count"], SUFFICIENT_INDEX["inf_count"] + 1)
+#: New NaN/Inf flags at one logging step up to which each gets its own warning; beyond, one
+#: warning names them all (a diverging run holds NaN in every layer at once: an MPT-1B's 288
+#: layer tensors would be 288 warnings).
+NONFINITE_EACH = 3
+#: The layer tensors that one warning names, at most (the per-layer series hold the rest).
+NONFINITE_NAMED = 12
 
 
 class FP8MonitorError(RuntimeError):
@@ -233,6 +239,22 @@ def _uncounted_worst(table: Mapping[tuple[str, str], Mapping[str, float]],
             seen.update(stat for stat, value in stats.items() if value == value)
     return [summary_key(tensor, name) for tensor, stats in counted.items() for name in SUMMARIES
             if name.startswith("worst_") and name.removeprefix("worst_") not in stats]
+
+
+def nonfinite_message(flags: Collection[Flag]) -> str:
+    """One warning for the NaN/Inf flags of one logging step (`NONFINITE_EACH`): each layer
+    tensor with its count (the first `NONFINITE_NAMED`), and the changes their own warnings
+    would name."""
+    step = min(flag.step for flag in flags)
+    named = ", ".join(f"'{flag.layer}' {flag.tensor} ({flag.stat} {flag.value:.0f})"
+                      for flag in list(flags)[:NONFINITE_NAMED])
+    if len(flags) > NONFINITE_NAMED:
+        named += (f", and {len(flags) - NONFINITE_NAMED} more (their fp8_nan_count/ and "
+                  "fp8_inf_count/ series)")
+    changes = "; ".join(dict.fromkeys(flag.yaml_key for flag in flags))
+    cause = next(iter(flags)).cause
+    return (f"FP8 NaN/Inf at step {step} in {len(flags)} layer tensors, before any FP8 cast: "
+            f"{named}. Likely cause: {cause}. Change: {changes}")
 
 
 def multi_rank() -> bool:
@@ -651,13 +673,17 @@ class FP8Monitor:
         in_fp8 = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif
                   if step.modes.get(self.rows[i][0]) is not None}
         recipe = f"fp8_stats' recipe ({self.config.recipe.scaling} scaling)"
-        for key, found in flags.items():
+        new = [(key, flag) for key, found in flags.items() for flag in found if flag.new]
+        nonfinite = [flag for _, flag in new if flag.rule == "nonfinite"]
+        if len(nonfinite) > NONFINITE_EACH:
+            self.on_warning(nonfinite_message(nonfinite))
+        for key, flag in new:
+            if len(nonfinite) > NONFINITE_EACH and flag.rule == "nonfinite":
+                continue
             runs: WhatIf = ("fallback" if key in self.fallback_rows else
                             "fp8" if key in in_fp8 else "high")
-            for flag in found:
-                if flag.new:
-                    self.on_warning(flag.whatif_message(recipe, runs)
-                                    if key in self.whatif_rows else flag.message)
+            self.on_warning(flag.whatif_message(recipe, runs)
+                            if key in self.whatif_rows else flag.message)
         metrics = {layer_key(stat, tensor, layer): value
                    for (layer, tensor), stats in table.items() for stat, value in stats.items()}
         # the uncast rows' tensors keep their summary series (worst values of the cast rows)
