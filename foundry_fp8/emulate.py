@@ -428,21 +428,43 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def _warn_unless_te_runs(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """Warn (once per shape, Python's default filter) where te.Linear's FP8 forward would stop
-    with ValueError: each of input and weight needs its leading dims' product divisible by 8
-    and its last dim by 16 (`assert_dim_for_fp8_exec`, transformer_engine/pytorch/utils.py:
-    614-623, called at module/linear.py:376 under any FP8 recipe). te_swap's plan keeps layers
-    of other weight shapes in high precision, but the tokens of a batch (a short last batch, an
-    odd sequence length) are only known here; the emulation runs the GEMM all the same."""
-    for name, t in (("input", x), ("weight", weight)):
-        if (math.prod(t.shape[:-1]) % FP8_TOKEN_MULTIPLE
-                or t.shape[-1] % FP8_DIM_MULTIPLE):
-            warnings.warn(
-                f"EmulatedFP8Linear: FP8 {name} of shape {list(t.shape)}: TransformerEngine "
-                f"refuses it (ValueError: the product of the leading dims must be divisible by "
-                f"{FP8_TOKEN_MULTIPLE} and the last dim by {FP8_DIM_MULTIPLE}); the emulation "
-                "runs it, TE would not", stacklevel=1)
+#: The shape warnings already given (`_warn_unless_te_runs`): each once per process. Python's
+#: own once-per-message record is reset by any `warnings.catch_warnings()` or filter change
+#: (library code may do one every step), which made the warning repeat step after step.
+_WARNED_SHAPES: set[str] = set()
+
+
+def _warn_unless_te_runs(x: torch.Tensor, weight: torch.Tensor, fp8_backward: bool) -> None:
+    """Warn, once per shape, where TE 2.20 would stop a GEMM the emulation runs. Forward:
+    te.Linear, LayerNormLinear and LayerNormMLP, under any recipe, raise ValueError unless each
+    of input and weight [out, in] has its leading dims' product divisible by 8 and its last dim
+    by 16 (`assert_dim_for_fp8_exec`, pytorch/utils.py:614-623, called at module/linear.py:376,
+    layernorm_linear.py:184, layernorm_mlp.py:356; forward only). Backward in FP8, on Hopper
+    (TN-only FP8 GEMMs): the weight-gradient GEMM's inner dim is the tokens and the
+    input-gradient GEMM's is out_features, each checked for 16 (common/gemm/cublaslt_gemm.cu:
+    160-163, 251-254; read in the sources, not run on a GPU). te_swap's plan keeps layers of
+    other weight shapes in high precision, but a batch's tokens (a short last batch, an odd
+    sequence length) are only known here."""
+    tokens, (out_features, _) = math.prod(x.shape[:-1]), weight.shape
+    found = [f"FP8 {name} of shape {list(t.shape)}: TransformerEngine stops the forward with "
+             f"ValueError under any recipe (assert_dim_for_fp8_exec: the product of the leading "
+             f"dims must be divisible by {FP8_TOKEN_MULTIPLE} and the last dim by "
+             f"{FP8_DIM_MULTIPLE})"
+             for name, t in (("input", x), ("weight", weight))
+             if math.prod(t.shape[:-1]) % FP8_TOKEN_MULTIPLE or t.shape[-1] % FP8_DIM_MULTIPLE]
+    if fp8_backward and not found:
+        found = [f"FP8 {name} of shape {list(t.shape)}: TransformerEngine's forward accepts it, "
+                 f"but its FP8 {gemm} GEMM on Hopper needs {what} ({n}) divisible by "
+                 f"{FP8_DIM_MULTIPLE} and stops with 'Leading dimension requirement on A for "
+                 "FP8 GEMM. Caller must pad.' (read in TE's cublaslt_gemm.cu, not run on a GPU)"
+                 for name, t, gemm, what, n in (
+                     ("input", x, "weight-gradient", "the tokens", tokens),
+                     ("weight", weight, "input-gradient", "out_features", out_features))
+                 if n % FP8_DIM_MULTIPLE]
+    for problem in found:
+        if problem not in _WARNED_SHAPES:
+            _WARNED_SHAPES.add(problem)
+            warnings.warn(f"EmulatedFP8Linear: {problem}; the emulation runs it", stacklevel=1)
 
 
 class EmulatedFP8Linear(nn.Linear):
@@ -553,7 +575,6 @@ class EmulatedFP8Linear(nn.Linear):
         every change, and software FP8 gains nothing from a compiled graph."""
         recipe = _STATE.recipe
         self._check_recipe(recipe)
-        _warn_unless_te_runs(x, self.weight)
         for meta in self.fp8_meta.values():
             meta.follow(x.device)
         replaying = _STATE.replay is not None
@@ -565,6 +586,7 @@ class EmulatedFP8Linear(nn.Linear):
         # (linear.py:1436-1444); the recompute leaves the flag alone
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, self.weight, self.bias))
+        _warn_unless_te_runs(x, self.weight, needs_grad and backward_override(recipe) is None)
         update_backward = needs_grad and not replaying and _take_first_module()
         if update_backward:
             _STATE.first_layer = weakref.ref(self)

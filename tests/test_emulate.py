@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from foundry_fp8 import emulate
 from foundry_fp8.emulate import (
     EmulatedFP8Linear,
     active_recipe,
@@ -488,27 +490,85 @@ def _te_refuses(shape: tuple[int, ...]) -> bool:
     return leading % 8 != 0 or shape[-1] % 16 != 0
 
 
+def _forward_line(name: str, shape: tuple[int, ...]) -> str:
+    return (f"EmulatedFP8Linear: FP8 {name} of shape {list(shape)}: TransformerEngine stops the "
+            "forward with ValueError under any recipe (assert_dim_for_fp8_exec: the product of "
+            "the leading dims must be divisible by 8 and the last dim by 16); the emulation "
+            "runs it")
+
+
+def _backward_line(name: str, shape: tuple[int, ...], gemm: str, what: str, n: int) -> str:
+    return (f"EmulatedFP8Linear: FP8 {name} of shape {list(shape)}: TransformerEngine's forward "
+            f"accepts it, but its FP8 {gemm} GEMM on Hopper needs {what} ({n}) divisible by 16 "
+            "and stops with 'Leading dimension requirement on A for FP8 GEMM. Caller must pad.' "
+            "(read in TE's cublaslt_gemm.cu, not run on a GPU); the emulation runs it")
+
+
+def _shape_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "TransformerEngine stops" in str(w.message)
+            or "Caller must pad" in str(w.message)]
+
+
+@pytest.fixture
+def fresh_shape_warnings(monkeypatch):
+    """Shape warnings are given once per process; each test starts with none given."""
+    monkeypatch.setattr(emulate, "_WARNED_SHAPES", set())
+
+
 @pytest.mark.parametrize(("x_shape", "w_shape"), [
     ((3, 5, 64), (32, 64)), ((2, 4, 64), (32, 64)), ((8, 24), (16, 24)), ((16, 64), (12, 64)),
-    ((64,), (32, 64)),
+    ((64,), (32, 64)), ((16, 64), (24, 64)), ((4, 4, 64), (48, 64)),
 ])
-def test_a_gemm_te_would_refuse_warns_once_per_shape(x_shape, w_shape):
+def test_a_gemm_te_would_refuse_warns_once_per_shape(fresh_shape_warnings, x_shape, w_shape):
     """te.Linear stops an FP8 forward with ValueError for these shapes; the emulation ran them
     silently, so a run ready on the CPU (an odd sequence length, a short last batch) crashed
-    on the GPU. Now it runs them and says, once per shape, that TE would not."""
+    on the GPU. Shapes the forward accepts but whose tokens or out_features are no multiple of
+    16 stop TE's FP8 backward GEMMs on Hopper (TN only: the inner dim is the leading one,
+    common/gemm/cublaslt_gemm.cu:160-163); eval forwards (no grad) warn of the forward only."""
+    tokens = math.prod(x_shape[:-1])
+    forward = [_forward_line(name, shape) for name, shape in (("input", x_shape),
+                                                              ("weight", w_shape))
+               if _te_refuses(shape)]
+    backward = [] if forward else [
+        _backward_line(name, shape, gemm, what, n) for name, shape, gemm, what, n in (
+            ("input", x_shape, "weight-gradient", "the tokens", tokens),
+            ("weight", w_shape, "input-gradient", "out_features", w_shape[0])) if n % 16]
     layer = EmulatedFP8Linear(w_shape[1], w_shape[0])
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")  # Python's own: once per message and place
-        for _ in range(2):
+        warnings.simplefilter("default")
+        with torch.no_grad(), fp8_autocast(recipe=FP8Recipe()):
+            layer(torch.randn(x_shape))
+        assert _shape_warnings(caught) == forward
+        for _ in range(3):
             with fp8_autocast(recipe=FP8Recipe()):
-                layer(torch.randn(x_shape))
-    ours = [str(w.message) for w in caught if "TransformerEngine refuses" in str(w.message)]
-    want = [f"EmulatedFP8Linear: FP8 {name} of shape {list(shape)}: TransformerEngine refuses it "
-            "(ValueError: the product of the leading dims must be divisible by 8 and the last "
-            "dim by 16); the emulation runs it, TE would not"
-            for name, shape in (("input", x_shape), ("weight", w_shape)) if _te_refuses(shape)]
-    assert sorted(set(ours)) == sorted(want)
-    assert len(ours) == len(want)  # not again at the second forward
+                layer(torch.randn(x_shape)).sum().backward()
+            with warnings.catch_warnings():  # resets Python's once-per-message record
+                pass
+    assert _shape_warnings(caught) == forward + backward  # not again at a later step
+
+
+def test_shape_warnings_come_once_under_fp8_checkpoint_and_not_under_backward_override(
+        fresh_shape_warnings, monkeypatch):
+    """The recompute of `fp8_checkpoint` runs the forward again: no second warning. With
+    NVTE_BACKWARD_OVERRIDE set, TE's backward GEMMs run in high precision: no backward one."""
+    layer = EmulatedFP8Linear(64, 24)
+    x_shape = (3, 8, 64)  # 24 tokens: forward fine, backward's 16 not; out_features 24 too
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(x_shape, requires_grad=True)
+            with fp8_autocast(recipe=FP8Recipe()):
+                fp8_checkpoint(layer, x).sum().backward()
+    assert _shape_warnings(caught) == [
+        _backward_line("input", x_shape, "weight-gradient", "the tokens", 24),
+        _backward_line("weight", (24, 64), "input-gradient", "out_features", 24)]
+    monkeypatch.setattr(emulate, "_WARNED_SHAPES", set())
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "high_precision")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fp8_autocast(recipe=FP8Recipe(scaling="current")):
+            EmulatedFP8Linear(64, 24)(torch.randn(x_shape)).sum().backward()
+    assert _shape_warnings(caught) == []
 
 
 @pytest.mark.parametrize("value", ["1", None, "0"])
