@@ -4,21 +4,35 @@ foundry_fp8, writing to this repository's benchmarks/results/ unless --out says 
     python benchmarks/mpt_throughput.py                       # all variants, results/mpt-1b-<gpu>.*
     python benchmarks/mpt_throughput.py --variants bf16,fp8-te-swap --seq-len 2048 --steps 30
     python benchmarks/mpt_throughput.py --tiny --out /tmp/bench   # CPU code path, for CI
+
+Run through the CLI's `main`, so a closed, full or early-closed output and Ctrl-C end it as they
+end `foundry-fp8 bench` (one line and an exit status, no traceback).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import io
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from foundry_fp8.tools import bench  # noqa: E402  (this checkout's package, found through sys.path)
+from foundry_fp8.cli import build_parser, main  # noqa: E402  (this checkout's package)
+
+
+def argv_for(args: list[str]) -> list[str]:
+    """`foundry-fp8 bench` with these options, --out this repository's results unless given
+    (as the parser reads it, abbreviations included)."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            given = build_parser().parse_known_args(["bench", *args])[0]
+    except SystemExit:  # --help or a bad option: `main` prints it, through its guarded output
+        return ["bench", *args]
+    out = [] if given.out != Path(".") else ["--out", str(ROOT / "benchmarks" / "results")]
+    return ["bench", *args, *out]
+
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench.add_arguments(parser)
-    parser.set_defaults(out=ROOT / "benchmarks" / "results")
-    sys.exit(bench.run(parser.parse_args()))
+    sys.exit(main(argv_for(sys.argv[1:])))

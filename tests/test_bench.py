@@ -558,3 +558,30 @@ def test_what_runs_other_than_asked_is_said_before_the_run(capsys, tmp_path, mon
                         "--tiny (no FSDP on CPU); the results record it off")
     assert lines[1].startswith("foundry-fp8 bench: --seq-len 12: 24 tokens per micro-batch is a "
                                "multiple of 8 but not of 16") and len(lines) == 2
+
+
+def test_the_checkout_script_runs_the_cli_with_its_guarded_output(tmp_path):
+    """QA: `python benchmarks/mpt_throughput.py --help >&-` exited 0 having printed nothing
+    (it called `bench.run` without the CLI's `main`). Reference for a closed stdout: the
+    shell's own echo, which fails on it."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(bench.__file__).resolve().parents[2] / "benchmarks" / "mpt_throughput.py"
+    echo = subprocess.run(["bash", "-c", 'echo hi >&-; echo "exit $?"'], capture_output=True,
+                          text=True, timeout=60)
+    assert echo.stdout == "exit 1\n"
+    done = subprocess.run(["bash", "-c", '"$@" --help >&-; echo "exit $?"', "bash",
+                           sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout == "exit 2\n", done
+    assert done.stderr == "foundry-fp8: cannot write to stdout: Bad file descriptor\n"
+    sys.path.insert(0, str(script.parent))
+    try:
+        import mpt_throughput
+    finally:
+        sys.path.remove(str(script.parent))
+    results = str(script.parents[1] / "benchmarks" / "results")
+    assert mpt_throughput.argv_for(["--tiny"]) == ["bench", "--tiny", "--out", results]
+    assert mpt_throughput.argv_for(["--ou", "x"]) == ["bench", "--ou", "x"]
+    assert mpt_throughput.argv_for(["--help"]) == ["bench", "--help"]
