@@ -116,7 +116,9 @@ def test_outside_fp8_the_variable_changes_nothing(monkeypatch):
 def _te_with_override(monkeypatch, version: str, value: str | None):
     """The stand-in TE whose recipe classes carry `backward_override` defaulting to `value`, as
     TE >= 2.15's do after reading NVTE_BACKWARD_OVERRIDE at import, with TE's asserts
-    (common/recipe/__init__.py:224-228, 275-276 at v2.15)."""
+    (common/recipe/__init__.py:224-228, 275-276 at v2.15) as they reach a caller: TE's recipes
+    are pydantic dataclasses, so a failed assert is pydantic's ValidationError, a ValueError
+    reading "Assertion failed, ..." (TE 2.20.2 wheel, pydantic 2.11.7)."""
     import dataclasses
     import sys
 
@@ -126,9 +128,10 @@ def _te_with_override(monkeypatch, version: str, value: str | None):
     recipe = sys.modules["transformer_engine.common.recipe"]
 
     def checked(cls, delayed: bool):
-        def post_init(self) -> None:
-            assert self.backward_override in (None, "high_precision", "dequantized")
-            assert not delayed or self.backward_override is None
+        def post_init(self) -> None:  # pydantic turns TE's asserts into a ValueError subclass
+            if self.backward_override not in (None, "high_precision", "dequantized") or (
+                    delayed and self.backward_override is not None):
+                raise ValueError("Assertion failed, ")
         return dataclasses.make_dataclass(cls.__name__, [("backward_override", str | None,
                                                            dataclasses.field(default=value))],
                                           bases=(cls,), namespace={"__post_init__": post_init})
@@ -144,7 +147,7 @@ def _te_with_override(monkeypatch, version: str, value: str | None):
 ])
 def test_the_te_backend_names_the_variable_before_te_s_assert(monkeypatch, value, scaling,
                                                                 refused):
-    """te_swap's TE recipe: where TE's own constructor would raise a bare AssertionError (what
+    """te_swap's TE recipe: where TE's own constructor would raise its bare 'Assertion failed' (what
     a GPU run saw, from Composer's DelayedScaling on every batch), one line naming the
     variable; where TE takes it, TE's recipe carries it."""
     import sys
@@ -158,7 +161,7 @@ def test_the_te_backend_names_the_variable_before_te_s_assert(monkeypatch, value
     if not refused:
         assert to_te_recipe(recipe).backward_override == value
         return
-    with pytest.raises(AssertionError):  # TE's own constructor
+    with pytest.raises(ValueError, match="Assertion failed"):  # TE's own constructor
         te_class()
     for build in (to_te_recipe,) + ((delayed_scaling_kwargs,) if scaling == "delayed" else ()):
         with pytest.raises(RecipeError) as raised:
@@ -184,7 +187,7 @@ def test_composer_s_own_recipe_builds_around_te_swap_s_current_scaling(monkeypat
     enters TE's current-scaling autocast, but Composer's amp_fp8 still builds
     `DelayedScaling(**precision_config)` every batch (composer/core/precision.py:91-97), which
     TE >= 2.15 refuses under the variable: the run's first batch raised TE's bare
-    AssertionError. te_swap now gives Composer's recipe `backward_override=None`."""
+    'Assertion failed' (pydantic's ValidationError). te_swap now gives Composer's recipe `backward_override=None`."""
     import sys
     from types import SimpleNamespace
 
@@ -199,7 +202,7 @@ def test_composer_s_own_recipe_builds_around_te_swap_s_current_scaling(monkeypat
     if value is None:  # nothing to keep buildable: Composer's precision_config untouched
         assert state._precision_config is given
         return
-    with pytest.raises(AssertionError):  # what Composer built before, on every batch
+    with pytest.raises(ValueError, match="Assertion failed"):  # what Composer built before, on every batch
         delayed(**(given or {}))
     built = delayed(**state._precision_config)  # what Composer builds now
     assert built.backward_override is None
