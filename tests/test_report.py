@@ -417,7 +417,7 @@ def load_skipping(path: Path):
     return collect(read_jsonl(path, []))
 
 
-def _in_step_order(metrics_file: Path) -> None:
+def in_step_order(metrics_file: Path) -> None:
     """The records sorted by step, as a run writes them (a step going back is a resume)."""
     lines = metrics_file.read_bytes().splitlines(keepends=True)
     metrics_file.write_bytes(b"".join(sorted(lines, key=lambda line: json.loads(line)["step"])))
@@ -434,7 +434,7 @@ def test_the_guard_section_reads_its_series_and_fallback_records(tmp_path, capsy
     sink = JsonlSink(folder / "metrics.jsonl")
     for step, layers, share in ((0, 0, 0.8), (10, 1, 0.55), (20, 1, 0.55)):
         sink.write(step, {FALLBACK_LAYERS: float(layers), FP8_FLOPS_SHARE: share})
-    _in_step_order(folder / "metrics.jsonl")
+    in_step_order(folder / "metrics.jsonl")
     fallback = Fallback(L1, 10, 0.25, ("message",), {"gradient/cos_sim": float("nan")},
                         ("gradient underflow_pct 4 % (> 3 %)",))
     hparams = {"algorithms": {"te_swap": {"exclude": "head|x"}},
@@ -482,7 +482,7 @@ def test_fallbacks_the_series_counts_without_records_are_said_missing(tmp_path, 
     sink = JsonlSink(folder / "metrics.jsonl")
     for step, layers, share in zip(STEPS, counts, (0.8, 0.55, 0.3), strict=True):
         sink.write(step, {FALLBACK_LAYERS: float(layers), FP8_FLOPS_SHARE: share})
-    _in_step_order(folder / "metrics.jsonl")
+    in_step_order(folder / "metrics.jsonl")
     if hparams is not None:
         (folder / "hparams.json").write_text(
             hparams if isinstance(hparams, str) else json.dumps(hparams))

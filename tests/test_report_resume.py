@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import torch
 
+from foundry_fp8 import wandb_history
 from foundry_fp8.cli import main
 from foundry_fp8.health.keys import parse_key
-from foundry_fp8.report.read import load_run
+from foundry_fp8.report.read import load_run, load_wandb, wandb_files
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES, SAVE_EVERY = 8, 4
@@ -32,7 +33,8 @@ SPIKED = "blocks.1"  # the layer whose weight the dead attempt multiplies by 1e4
 def _train(folder: Path, options: dict[str, Any]) -> None:
     """One process of the run in `folder`. `options`: `stats` (fp8_stats' options), `kill`
     (SIGKILL as batch N starts), `spike` (the SPIKED weight times 1e4 as batch N starts),
-    `refit` (after the fit, fit again for that many batches with `reset_time=True`)."""
+    `refit` (after the fit, fit again for that many batches with `reset_time=True`), `wandb`
+    (a W&B offline logger too, this run id), `load` (the checkpoint to resume from)."""
     from composer import Callback, Trainer
     from composer.loggers import LoggerDestination
     from composer.models import ComposerClassifier
@@ -65,6 +67,14 @@ def _train(folder: Path, options: dict[str, Any]) -> None:
                 self.logged.setdefault(int(step), {}).update(
                     {k: float(v) for k, v in metrics.items() if parse_key(k)})
 
+    loggers: list[LoggerDestination] = [JSONLLogger(path=str(folder / "metrics.jsonl"))]
+    if "wandb" in options:  # W&B offline, every attempt the same run (`resume: allow`)
+        from composer.loggers import WandBLogger
+
+        folder.mkdir(parents=True, exist_ok=True)  # W&B writes into `dir` only if it exists
+        loggers.append(WandBLogger(project="fp8-report", init_kwargs={
+            "mode": "offline", "dir": str(folder), "id": options["wandb"], "resume": "allow",
+            "settings": {"allow_offline_artifacts": False}}))
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8 * BATCHES, 16) * 3, torch.randint(0, 16, (8 * BATCHES,)))
     refit = Refit()
@@ -73,10 +83,11 @@ def _train(folder: Path, options: dict[str, Any]) -> None:
         train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{BATCHES}ba",
         algorithms=[TESwap(backend="emulate", fp8_recipe={"amax_history_len": 4})],
         callbacks=[FP8State(), FP8Stats(**options.get("stats", {"interval": 1})), Faults()],
-        loggers=[JSONLLogger(path=str(folder / "metrics.jsonl")), refit], device="cpu",
+        loggers=[*loggers, refit], device="cpu",
         progress_bar=False, save_folder=str(folder / "checkpoints"),
-        save_interval=f"{SAVE_EVERY}ba", autoresume="refit" not in options,
-        save_overwrite="refit" in options)  # the second fit saves its batch 4 again
+        save_interval=f"{SAVE_EVERY}ba", save_overwrite="refit" in options,  # saved again
+        # Composer's autoresume asks a WandBLogger for the checkpoint: with W&B, `load` it
+        autoresume=not {"refit", "wandb"} & options.keys(), load_path=options.get("load"))
     trainer.fit()
     if "refit" in options:
         refit.on = True
@@ -181,6 +192,32 @@ def test_a_second_fit_with_reset_time_is_what_the_report_shows(tmp_path, capsys)
     assert _reported(folder / "metrics.jsonl") == _markers_left_out(refit)
     assert main(["report", str(folder)]) == 0
     assert f"(step {BATCHES} -> 0)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_resumed_wandb_offline_run_is_reported_from_w_and_bs_own_files(tmp_path, capsys):
+    """QA s16: `report` refused the `.wandb` files ("W&B's binary run file, not a metrics
+    file"). Each attempt of the resumed run (`resume: allow`, one id) writes its own offline
+    folder; the report reads them all with W&B's reader, the later attempt's rows winning."""
+    folder = tmp_path / "run"
+    dead = _attempt(folder, kill=7, spike=5, wandb="resumed")
+    assert dead.returncode == -signal.SIGKILL, dead.stderr[-2000:]
+    checkpoint = folder / "checkpoints" / f"ep0-ba{SAVE_EVERY}-rank0.pt"
+    resumed = _attempt(folder, wandb="resumed", load=str(checkpoint),
+                       stats={"interval": 2, "layers": SPIKED})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    first, second = (
+        {row["_step"]: values for row in run.rows
+         if (values := {k: float(v) for k, v in row.items() if parse_key(k)})}
+        for run in wandb_history.read_runs(folder / "wandb", wait=60))
+    assert min(second) == SAVE_EVERY
+    expected = {step: values for step, values in first.items() if step < SAVE_EVERY} | second
+    assert main(["report", str(folder / "wandb"), "--out", str(tmp_path / "out")]) == 0
+    assert "\n0 flagged\n" in capsys.readouterr().out
+    run, _, _ = load_wandb(folder, wandb_files(folder / "wandb"), lambda message: None)
+    assert {step: {f"fp8_{stat}/{tensor}/{layer}": by_step[step]
+                   for (layer, tensor, stat), by_step in run.values.items() if step in by_step}
+            for step in run.steps} == _markers_left_out(expected)
 
 
 if __name__ == "__main__":

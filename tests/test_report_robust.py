@@ -17,7 +17,16 @@ from foundry_fp8.cli import main
 from foundry_fp8.guard import FALLBACK_LAYERS, FALLBACK_PREFIX, REPROMOTION_PREFIX, Fallback
 from foundry_fp8.health import layer_key
 from foundry_fp8.jsonl import JsonlSink
-from tests.test_report import HEALTHY, L0, L1, L2, STEPS, assert_valid_png, write_run
+from tests.test_report import (
+    HEALTHY,
+    L0,
+    L1,
+    L2,
+    STEPS,
+    assert_valid_png,
+    in_step_order,
+    write_run,
+)
 
 BIG = "1" + "0" * 400  # a JSON integer too large for a float
 DEEP = "[" * 100_000 + "]" * 100_000  # nested far beyond json's recursion limit
@@ -215,6 +224,7 @@ def test_a_non_finite_fp8_guard_series_value_is_left_out(tmp_path, capsys):
     path = write_run(tmp_path) / "metrics.jsonl"
     for step, layers in ((10, 1.0), (20, float("nan"))):
         JsonlSink(path).write(step, {FALLBACK_LAYERS: layers})
+    in_step_order(path)
     (tmp_path / "hparams.json").write_text(json.dumps({FALLBACK_PREFIX + L1: GOOD}))
     stdout, stderr, md = report(tmp_path, capsys)
     assert not stderr and "fp8_guard moved 1 layer(s)" in stdout
@@ -238,6 +248,7 @@ def test_values_at_float64_edges_draw_without_python_warnings(tmp_path, capsys, 
     for (layer, step), value in cells.items():  # a step logged again keeps the later values
         JsonlSink(path).write(step, {layer_key(stat, tensor, layer): value for stat in HEALTHY
                                      for tensor in ("activation", "gradient")})
+    in_step_order(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stdout, stderr, _ = report(tmp_path, capsys)

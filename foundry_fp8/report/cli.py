@@ -51,10 +51,12 @@ from foundry_fp8.report.read import (
     formats_from_hparams,
     guard_run,
     load_run,
+    load_wandb,
     mark_high_precision,
     metrics_file_of,
     read_hparams,
     thresholds_from_hparams,
+    wandb_files,
 )
 
 SERIES_FILE = "fp8_timeseries.png"
@@ -143,8 +145,14 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
                 ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path]]:
     """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did
     and the written paths (markdown last)."""
-    metrics_file = metrics_file_of(run_folder)
-    run, series = load_run(metrics_file, warn)
+    if (files := wandb_files(run_folder)) is not None:  # a W&B offline run, read with W&B's reader
+        run, series, hparams = load_wandb(run_folder, files, warn)
+        hparams_file, folder = files[-1], run_folder if run_folder.is_dir() else run_folder.parent
+    else:
+        metrics_file = metrics_file_of(run_folder)
+        run, series = load_run(metrics_file, warn)
+        hparams_file, folder = hparams_of(metrics_file), metrics_file.parent
+        hparams = read_hparams(hparams_file, warn)
     if layers is None:
         chosen = choose_layers(run)
     else:
@@ -152,14 +160,12 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     if not chosen:
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
                           f"(e.g. {elide(run.layers[0])!r})")
-    hparams_file = hparams_of(metrics_file)
-    hparams = read_hparams(hparams_file, warn)
     thresholds = thresholds_from_hparams(hparams or {})
     formats = formats_from_hparams(hparams or {}, run.tensors)
     guard = guard_run(series, hparams, hparams_file, warn)
     mark_high_precision(run, guard)
     flags = replay(run, HealthTracker(thresholds))
-    out = out or metrics_file.parent
+    out = out or folder
     _out_folder(out)
     written: list[Path] = []
     target = out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundry_fp8 import __version__, jsonl
+from foundry_fp8 import __version__, jsonl, wandb_history
 from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
@@ -182,14 +182,21 @@ def _run_above(path: Path) -> Path | None:
     return above
 
 
+def _head(path: Path) -> bytes | None:
+    """The first 4 bytes of a regular file (None where it does not read)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4)
+    except OSError:
+        return None
+
+
 def _not_metrics(path: Path) -> str | None:
     """What the regular file `path` plainly is instead of a metrics file, from its first bytes
     (read before any line is: a checkpoint of gigabytes has no line to read), and where the
     run's metrics file is when a folder above holds it."""
-    try:
-        with path.open("rb") as f:
-            head = f.read(4)
-    except OSError:
+    head = _head(path)
+    if head is None:
         return None  # the read itself says why
     if head.startswith(CHECKPOINT_MAGIC):
         what = f"a {'zip archive' if head.startswith(b'PK') else 'pickle'} (a checkpoint?)"
@@ -238,6 +245,58 @@ def metrics_file_of(run_folder: Path) -> Path:
     return metrics_file
 
 
+def wandb_files(given: Path) -> list[Path] | None:
+    """The `.wandb` files of the W&B offline run `foundry-fp8 report GIVEN` names, oldest
+    attempt first: GIVEN's run (a `run-<id>.wandb` file) or the one run under the folder GIVEN
+    that holds no metrics.jsonl. Every attempt of a resumed offline run (`resume: allow`, the
+    same id) writes its own `offline-run-<time>-<id>` folder, so all of them are the run. None
+    where GIVEN names no W&B run; ReportError (one line) for a folder holding several."""
+    if given.is_dir():
+        if (given / "metrics.jsonl").exists() or given.is_symlink():
+            return None  # the jsonl logger's file, or what metrics_file_of says about the link
+        files = wandb_history.run_files(given)
+    elif given.is_file() and given.name.endswith(".wandb") and _head(given) == WANDB_MAGIC:
+        files = [given]
+    else:
+        return None
+    ids = sorted({path.name.removeprefix("run-").removesuffix(".wandb") for path in files})
+    if len(ids) > 1:
+        raise ReportError(f"{given}: {len(ids)} W&B runs ({', '.join(ids[:5])}"
+                          f"{', ...' if len(ids) > 5 else ''}): name one run's .wandb file")
+    if not ids:
+        return None
+    wandb_dir = files[-1].parent.parent  # `wandb/`, which holds every attempt's folder
+    return sorted(wandb_dir.glob(f"*-{ids[0]}/run-{ids[0]}.wandb"), key=lambda p: p.parent.name)
+
+
+def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None]
+               ) -> tuple[RunMetrics, GuardSeries, dict[str, Any]]:
+    """The run's per-layer FP8 metrics, fp8_guard's series and the hyperparameters (its config)
+    as W&B's own reader reads them from the attempts' `.wandb` files (`wandb_files(given)`), in
+    order: what `wandb sync` uploads. Where they hold no FP8 statistics (W&B was not logging
+    them, a file W&B's reader does not read), ReportError (one line) saying where the run's
+    metrics.jsonl is, when a folder above holds it."""
+    runs = []
+    try:
+        runs = [wandb_history.read_run(path) for path in files]
+    except Exception:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
+        runs = []
+    guard: GuardSeries = {}
+    records = ((row["_step"], {k: v for k, v in row.items() if not k.startswith("_")})
+               for wandb_run in runs for row in wandb_run.rows
+               if jsonl.step(row.get("_step")) is not None)
+    run, restarts = _read(records, guard)
+    if restarts:
+        warn(_restarts_said(files[-1], restarts))
+    if not run.values:
+        raise ReportError(_no_metrics_here(given) if given.is_dir() else
+                          _not_metrics(given) or f"{given}: no FP8 statistics")
+    config: dict[str, Any] = {}
+    for wandb_run in runs:  # the latest attempt's value of each key
+        config.update(wandb_run.config)
+    return run, guard, config
+
+
 def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetrics, GuardSeries]:
     """The run's per-layer FP8 metrics and fp8_guard's series from `metrics_file` (a regular
     file: `metrics_file_of`); ReportError (one line) when there are no FP8 metrics, saying why.
@@ -248,17 +307,7 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
     try:
         if metrics_file.stat().st_size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        restarts: list[tuple[int, int]] = []
-        run = RunMetrics()
-
-        def restarted(before: int, step: int) -> None:
-            restarts.append((before, step))
-            run.drop_from(step)
-            for logged in [s for s in guard if s >= step]:
-                del guard[logged]
-
-        collect(_guard_series(_attempts(read_jsonl(metrics_file, skipped, too_long), restarted),
-                              guard), run)
+        run, restarts = _read(read_jsonl(metrics_file, skipped, too_long), guard)
     except JsonlError as e:
         raise ReportError(_json_document(metrics_file) or str(e)) from None
     except OSError as e:
@@ -279,6 +328,24 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
     if not run.values:
         raise ReportError(why_empty(metrics_file))
     return run, guard
+
+
+def _read(records: Iterable[tuple[int, Mapping[str, Any]]], guard: GuardSeries
+          ) -> tuple[RunMetrics, list[tuple[int, int]]]:
+    """The per-layer metrics of `records` (fp8_guard's series copied into `guard`), each later
+    attempt of the run replacing what earlier ones logged from its first step on (`_attempts`);
+    also where the steps went back, (before, after)."""
+    restarts: list[tuple[int, int]] = []
+    run = RunMetrics()
+
+    def restarted(before: int, step: int) -> None:
+        restarts.append((before, step))
+        run.drop_from(step)
+        for logged in [s for s in guard if s >= step]:
+            del guard[logged]
+
+    collect(_guard_series(_attempts(records, restarted), guard), run)
+    return run, restarts
 
 
 def _attempts(records: Iterable[tuple[int, Mapping[str, Any]]],
