@@ -3,6 +3,11 @@ user or a pre-commit hook waits for: Python's start, our imports, reading and li
 whether torch got imported. Target: under 1 s per file, torch never imported. Also the time of
 `lint_file` alone, in one process, for the seed config and each config of tests/lint_corpus.
 
+Also the time of `lint_file` on a generated hostile input, one flow mapping of 60,000 keys
+(some 900 KB, under the size bound), with omegaconf's own node limit on and lifted: before
+session 16 this took 30 s to 3 min (a DictConfig of 120,000 nodes, 60,000 did-you-means, a copy
+of the positions per finding); the linter now refuses it at the value past its bound.
+
 A timed test would fail on a loaded machine; this records the load average next to each figure.
 
     .venv/bin/python benchmarks/lint_speed.py [--rounds 10]
@@ -71,6 +76,35 @@ def in_process(paths: list[Path], rounds: int) -> dict[str, float]:
     return out
 
 
+def large_input(rounds: int) -> dict[str, float]:
+    """Median seconds of `lint_file` on a flow mapping of 60,000 keys, with omegaconf's node
+    limit as installed and lifted (OMEGACONF_MAX_YAML_EXPANDED_NODES=none)."""
+    import tempfile
+
+    from foundry_fp8.lint.cli import lint_file
+
+    out = {}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "flow-60000.yaml"
+        path.write_text("{" + ", ".join(f"key_{i:05d}: {i}" for i in range(60_000)) + "}\n")
+        for name, limit in (("omegaconf_limit_on", None), ("omegaconf_limit_none", "none")):
+            saved = os.environ.pop("OMEGACONF_MAX_YAML_EXPANDED_NODES", None)
+            if limit is not None:
+                os.environ["OMEGACONF_MAX_YAML_EXPANDED_NODES"] = limit
+            try:
+                times = []
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    lint_file(path)
+                    times.append(time.perf_counter() - start)
+            finally:
+                os.environ.pop("OMEGACONF_MAX_YAML_EXPANDED_NODES", None)
+                if saved is not None:
+                    os.environ["OMEGACONF_MAX_YAML_EXPANDED_NODES"] = saved
+            out[name] = statistics.median(times)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
@@ -96,6 +130,7 @@ def main() -> None:
                           "max": max(bare)},
         "torch_imported": any(torch),
         "lint_file_s": in_process([SEED, *corpus], rounds=5),
+        "flow_mapping_60000_keys_s": large_input(rounds=3),
         "target_s": TARGET_S,
         "meets_target": statistics.median(walls) < TARGET_S and not any(torch),
     }
@@ -114,7 +149,10 @@ def main() -> None:
         f"{'met' if result['meets_target'] else 'NOT met'}.\n"
         f"- `lint_file` alone (imports paid), median of 5: seed "
         f"{result['lint_file_s'][result['file']] * 1000:.1f} ms; slowest of "
-        f"{len(result['lint_file_s'])} files {slowest[0]} {slowest[1] * 1000:.1f} ms.\n")
+        f"{len(result['lint_file_s'])} files {slowest[0]} {slowest[1] * 1000:.1f} ms.\n"
+        f"- `lint_file` on one flow mapping of 60,000 keys, median of 3: "
+        + ", ".join(f"{name} {seconds:.2f} s"
+                    for name, seconds in result["flow_mapping_60000_keys_s"].items()) + ".\n")
     print(json.dumps(result, indent=2))
 
 

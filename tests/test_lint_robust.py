@@ -28,6 +28,7 @@ from foundry_fp8.lint.load import (
     LintInputError,
     read_text,
 )
+from foundry_fp8.lint.registry import MAX_HITS
 
 HANG_GUARD_S = 60
 
@@ -333,20 +334,62 @@ def test_nesting_past_the_bound_is_named_where_it_starts(tmp_path, make, where, 
 
 def test_too_many_plain_values_are_not_called_an_alias_bomb(tmp_path):
     """Before: 'its aliases expand to more than 200000 values (an alias bomb?)' for a file
-    without an alias. Each `kN: N` is two values, after the top-level mapping."""
+    without an alias. Each `kN: N` is two values, after the top-level mapping: the value past
+    the bound is line N's value, N = MAX_EXPANDED_NODES / 2, whose key is k{N - 1}."""
     path = tmp_path / "many.yaml"
     path.write_text("".join(f"k{i}: {i}\n" for i in range(MAX_EXPANDED_NODES // 2 + 10)))
+    last = f"k{MAX_EXPANDED_NODES // 2 - 1}"
     entry = lint_file(path, 1, Snapshot(python="3"))
-    assert entry["error"] == (f"{path}:{MAX_EXPANDED_NODES // 2}:9: more than "
-                              f"{MAX_EXPANDED_NODES} values by this line (a config holds a few "
-                              "thousand); refusing to load it")
+    assert entry["error"] == (f"{path}:{MAX_EXPANDED_NODES // 2}:{len(last) + 3}: more than "
+                              f"{MAX_EXPANDED_NODES} values by this line, at `{last}` (a config "
+                              "holds a few hundred); refusing to load it")
+
+
+def _flow_mapping(keys: int) -> str:
+    """One flow mapping of `keys` keys, `key_00000: 0` on: 60,000 make some 900 KB."""
+    return "{" + ", ".join(f"key_{i:05d}: {i}" for i in range(keys)) + "}\n"
+
+
+@pytest.mark.parametrize("limit", [None, "none"])
+def test_a_flow_mapping_of_60000_keys_is_refused_at_the_value_past_the_bound(tmp_path, limit):
+    """Before: 30 s to 3 min (omegaconf < 2.4, or 2.4 with OMEGACONF_MAX_YAML_EXPANDED_NODES=none,
+    built a DictConfig of 120,000 nodes, then did-you-means for 60,000 unknown keys and a copy
+    of the positions per finding). The value past the bound, counted from the text: the
+    mapping, then two per key."""
+    path = tmp_path / "flow.yaml"
+    text = _flow_mapping(60_000)
+    path.write_text(text)
+    key = f"key_{(MAX_EXPANDED_NODES - 1) // 2:05d}"
+    column = text.index(f"{key}: ") + len(f"{key}: ") + 1
+    env = {k: v for k, v in os.environ.items() if k != "OMEGACONF_MAX_YAML_EXPANDED_NODES"}
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", str(path)],
+                          capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
+                          env=env if limit is None else {**env,
+                                                         "OMEGACONF_MAX_YAML_EXPANDED_NODES": limit})
+    _one_line_exit_2(done, path, f"{path}:1:{column}: more than {MAX_EXPANDED_NODES} values by "
+                     f"this line, at `{key}`")
+
+
+def test_a_rule_stops_after_max_hits_and_says_where(tmp_path):
+    """Before: one FP8009 per unknown key, 60,000 rows for a generated file. 150 unknown
+    top-level keys, one a line: MAX_HITS findings at lines 1..MAX_HITS, then one more at the
+    next key's line saying the rule stopped there."""
+    path = tmp_path / "many.yaml"
+    path.write_text("".join(f"unknown_{i:03d}: {i}\n" for i in range(150)))
+    entry = lint_file(path, 1, Snapshot(python="3"))
+    found = [f for f in entry["findings"] if f["rule"] == "FP8009"]
+    assert [(f["key"], f["line"]) for f in found] == \
+        [(f"unknown_{i:03d}", i + 1) for i in range(MAX_HITS + 1)]
+    assert "unknown_099" in found[MAX_HITS - 1]["message"]
+    assert found[MAX_HITS]["message"].startswith(f"FP8009 has {MAX_HITS} findings in this input "
+                                                 "and stops here")
 
 
 def test_a_train_config_past_omegaconfs_own_limit_says_so(tmp_path):
     """Within our bound, but past omegaconf's (10,000 in 2.4 unless raised): its reason, as
     LLM-Foundry would meet it."""
     path = tmp_path / "many.yaml"
-    path.write_text("precision: amp_bf16\n" + "".join(f"k{i}: {i}\n" for i in range(30_000)))
+    path.write_text("precision: amp_bf16\n" + "".join(f"k{i}: {i}\n" for i in range(7_000)))
     entry = lint_file(path, 1, Snapshot(python="3"))
     if entry["error"] is not None:  # omegaconf < 2.4 has no such limit
         assert "omegaconf, which LLM-Foundry reads YAML with, refuses it" in entry["error"]
@@ -491,14 +534,14 @@ def test_a_linter_bug_on_one_file_is_one_line_and_the_others_are_linted(tmp_path
 
     from foundry_fp8.lint import cli
 
-    real = cli.load_data
+    real = cli.read_yaml
 
     def buggy(path, text, dates=True):
         if path.name == "a.yaml":
             raise KeyError("maybe")
         return real(path, text, dates)
 
-    monkeypatch.setattr(cli, "load_data", buggy)
+    monkeypatch.setattr(cli, "read_yaml", buggy)
     (tmp_path / "a.yaml").write_text("precision: amp_bf16\n")
     (tmp_path / "b.yaml").write_text("precision: amp_bf16\n")
     code = cli.run(argparse.Namespace(paths=[str(tmp_path)], format="text"))

@@ -35,6 +35,7 @@ from foundry_fp8.lint.load import (
     load_data,
     position_of,
     read_text,
+    read_yaml,
 )
 from foundry_fp8.lint.output import render_json, render_sarif, render_text, use_colour
 from foundry_fp8.lint.registry import Finding, LintContext, first_line, run_rules
@@ -59,7 +60,7 @@ def _error_entry(path: Path | str, error: str) -> dict[str, Any]:
 def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[int, int]],
            prefix: str = "") -> dict[str, Any]:
     return {"path": str(path), "error": None, "findings": [
-        _as_dict(replace(f, key=prefix + f.key), position_of(prefix + f.key, dict(positions)))
+        _as_dict(replace(f, key=prefix + f.key), position_of(prefix + f.key, positions))
         for f in findings]}
 
 
@@ -72,7 +73,8 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
     try:
         text = read_text(path)
         is_json = path.suffix.lower() == ".json"
-        data = read_json(path, text) if is_json else load_data(path, text, dates=False)
+        document = None if is_json else read_yaml(path, text, dates=False)
+        data = read_json(path, text) if document is None else document.data
         if is_json and not isinstance(data, Mapping):
             raise LintInputError(f"{path}:1: a config must be a JSON object")
         if not is_json and (is_accelerate(data) or is_mcli(data)):
@@ -83,13 +85,14 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
         mcli = is_mcli(data)
         outer = run_rules("mcli", data, LintContext(scope="file")) if mcli else []
         if mcli and not isinstance(data.get("parameters"), Mapping):
-            entry = _entry(path, outer, key_positions(compose(path, text))[0])
+            entry = _entry(path, outer, key_positions(
+                document.root if document else compose(path, text))[0])
             if not outer:
                 entry["skipped"] = ("an MCLI run config without `parameters:` whose command does "
                                     "not train from the config MCLI writes: nothing to lint")
             return entry
         subtree = "parameters" if mcli else None
-        loaded = load_config(path, text, subtree)
+        loaded = load_config(path, text, subtree, document)
     except LintInputError as e:
         return _error_entry(path, str(e))
     pinned = {p.field: p for p in pins(data)} if mcli else {}

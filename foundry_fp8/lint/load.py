@@ -8,12 +8,13 @@ text, so the file still lints and the `oc.env` rule can name every such key.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import stat
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,17 +64,21 @@ class _Constructor(yaml.constructor.SafeConstructor):
             raise _Unconstructed(node, e) from None
 
 #: Bounds that keep one file's lint short whatever it holds: bytes read, nesting depth, and
-#: values (nodes) after alias expansion (a "billion laughs" file is small but expands to 10^9
-#: nodes). Depth: YAML's C composer recurses and crashes the interpreter near 100,000 levels,
-#: and omegaconf builds a DictConfig recursively at about 12 Python frames per level (also
-#: into `${...}` nested in one value): under Python's default limit of 1000 frames
-#: `OmegaConf.create` fails near 75 levels (measured with omegaconf 2.4.0), in LLM-Foundry as
-#: here; 50 levels take about 650 frames, leaving room for a caller of `lint_file` some 300
-#: frames deep. The bound counts aliases followed. A real train config is a few KiB, under 10
-#: levels and a few thousand nodes.
+#: values (nodes, keys counted), as written and after alias expansion (a "billion laughs" file
+#: is small but expands to 10^9 nodes). Values: omegaconf 2.4 refuses more than 10,000 unless
+#: told otherwise (omegaconf/_yaml.py _DEFAULT_MAX_YAML_EXPANDED_NODES_VALUE); omegaconf < 2.4,
+#: or 2.4 with its limit lifted, took 11 s to build a DictConfig of 120,000 (a flow mapping of
+#: 60,000 keys, on a busy 2-core machine); LLM-Foundry's largest YAML
+#: (scripts/eval/yamls/long_context_tasks.yaml) has under 800. Depth: YAML's C composer
+#: recurses and crashes the interpreter near 100,000 levels, and omegaconf builds a DictConfig
+#: recursively at about 12 Python frames per level (also into `${...}` nested in one value):
+#: under Python's default limit of 1000 frames `OmegaConf.create` fails near 75 levels
+#: (measured with omegaconf 2.4.0), in LLM-Foundry as here; 50 levels take about 650 frames,
+#: leaving room for a caller of `lint_file` some 300 frames deep. The bound counts aliases
+#: followed. A real train config is a few KiB, under 10 levels and a few hundred values.
 MAX_BYTES = 2 * 1024 * 1024
 MAX_DEPTH = 50
-MAX_EXPANDED_NODES = 200_000
+MAX_EXPANDED_NODES = 20_000
 #: Why MAX_DEPTH, in the one line that refuses a file.
 _DEPTH_WHY = ("the linter's bound: real configs nest under 10 levels, and omegaconf (LLM-Foundry's "
               "reader) fails near 75")
@@ -294,18 +299,23 @@ def _line_column(data: bytes, index: int) -> tuple[int, int]:
 def _too_deep(path: Path, mark: yaml.Mark, keys: list[str], aliases: bool = False) -> str:
     """The one line for nesting past MAX_DEPTH: where the level past it opens, and the key path
     leading there (shortened in the middle)."""
-    shown = ".".join(keys) if len(keys) <= 6 else \
-        f"{'.'.join(keys[:3])}...{'.'.join(keys[-2:])}"
     followed = ", once its aliases are followed" if aliases else ""
     return (f"{path}:{mark.line + 1}:{mark.column + 1}: nested more than {MAX_DEPTH} levels deep "
-            f"at `{shown}`{followed}; refusing to load it ({_DEPTH_WHY})")
+            f"at `{_shown(keys)}`{followed}; refusing to load it ({_DEPTH_WHY})")
+
+
+def _shown(keys: list[str]) -> str:
+    """A key path as a message shows it: dotted, shortened in the middle past six parts."""
+    return ".".join(keys) if len(keys) <= 6 else f"{'.'.join(keys[:3])}...{'.'.join(keys[-2:])}"
 
 
 def _check_depth(path: Path, text: str) -> None:
-    """Refuse nesting deeper than MAX_DEPTH, found from YAML's parse events (a loop, no
-    recursion) before anything composes the document recursively."""
+    """Refuse nesting deeper than MAX_DEPTH, or more than MAX_EXPANDED_NODES values as written,
+    found from YAML's parse events (a loop, no recursion) before anything composes the
+    document recursively: a file past the bound is read only up to the value past it."""
     # per open collection: [key (or index) of the child being read, is a mapping, next is a key]
     open_: list[list[Any]] = []
+    values = 0
     for event in yaml.parse(text, Loader=_Loader):
         if isinstance(event, yaml.NodeEvent) and open_:
             parent = open_[-1]
@@ -314,6 +324,14 @@ def _check_depth(path: Path, text: str) -> None:
             elif parent[2]:
                 parent[0] = event.value if isinstance(event, yaml.ScalarEvent) else "?"
             parent[2] = parent[1] and not parent[2]
+        if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+            values += 1
+            if values > MAX_EXPANDED_NODES:
+                mark = event.start_mark
+                raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: more than "
+                                     f"{MAX_EXPANDED_NODES} values by this line, at "
+                                     f"`{_shown([str(p[0]) for p in open_])}` (a config holds "
+                                     "a few hundred); refusing to load it")
         if isinstance(event, yaml.CollectionStartEvent):
             if len(open_) >= MAX_DEPTH:
                 raise LintInputError(_too_deep(path, event.start_mark,
@@ -364,47 +382,49 @@ def _deepest(root: yaml.Node, heights: dict[int, int]) -> tuple[yaml.Node, list[
 
 
 def _check_expansion(path: Path, root: yaml.Node) -> None:
-    """Refuse a document of more than MAX_EXPANDED_NODES values, or whose aliases expand to
-    more, or nest it deeper than MAX_DEPTH (sizes and heights counted once per distinct node,
-    iteratively, so counting stays cheap), or that holds a scalar `_check_scalar` refuses."""
+    """Refuse a document whose aliases expand it to more than MAX_EXPANDED_NODES values, or
+    nest it deeper than MAX_DEPTH (sizes and heights counted once per distinct node, in one
+    iterative walk, so counting stays linear), or that holds a scalar `_check_scalar`
+    refuses."""
     sizes: dict[int, int] = {}
     heights: dict[int, int] = {}  # collections nested in a node, aliases followed
-    seen: set[int] = set()
-    expanding: set[int] = set()  # the nodes whose children are being counted: the ancestors
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        if id(node) in sizes:
-            continue
-        children = _children(node)
-        mark = node.start_mark
-        if done:
-            expanding.discard(id(node))
-            sizes[id(node)] = 1 + sum(sizes.get(id(c), 0) for c in children)
-            heights[id(node)] = 0 if isinstance(node, yaml.ScalarNode) else 1 + max(
-                (heights.get(id(c), 0) for c in children), default=0)
-            if sizes[id(node)] > MAX_EXPANDED_NODES:  # past `seen`'s bound: aliases repeat
-                raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: the aliases in "
-                                     f"this value expand to more than {MAX_EXPANDED_NODES} "
-                                     "values (an alias bomb?); refusing to load it")
-            continue
-        if id(node) not in seen:
-            seen.add(id(node))
-            if len(seen) > MAX_EXPANDED_NODES:
-                raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: more than "
-                                     f"{MAX_EXPANDED_NODES} values by this line (a config holds "
-                                     "a few thousand); refusing to load it")
+    expanding: set[int] = set()  # the collections whose children are being counted: ancestors
+    # per open collection: [node, its children, index of the next child]
+    open_: list[list[Any]] = []
+
+    def enter(node: yaml.Node) -> None:
         if isinstance(node, yaml.ScalarNode):
             _check_scalar(path, node)
-        looped = next((c for c in children if id(c) in expanding or c is node), None)
+            sizes[id(node)], heights[id(node)] = 1, 0
+            return
+        children = _children(node)
+        expanding.add(id(node))
+        looped = next((c for c in children if id(c) in expanding), None)
         if looped is not None:
             mark = looped.start_mark  # the anchor: an alias inside its value names it again
             raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: an alias refers to "
                                  "a value that contains it (a recursive alias, infinite when "
                                  "expanded); refusing to load it")
-        expanding.add(id(node))
-        stack.append((node, True))
-        stack += [(c, False) for c in reversed(children) if id(c) not in sizes]  # in order
+        open_.append([node, children, 0])
+
+    enter(root)
+    while open_:
+        top = open_[-1]
+        node, children, index = top
+        if index < len(children):
+            top[2] = index + 1
+            if id(children[index]) not in sizes:  # an alias to a value counted already
+                enter(children[index])
+            continue
+        open_.pop()
+        expanding.discard(id(node))
+        size = sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
+        heights[id(node)] = 1 + max((heights[id(c)] for c in children), default=0)
+        if size > MAX_EXPANDED_NODES:  # the text is within it (_check_depth): aliases repeat
+            mark = node.start_mark
+            raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: the aliases in "
+                                 f"this value expand to more than {MAX_EXPANDED_NODES} "
+                                 "values (an alias bomb?); refusing to load it")
     if heights[id(root)] > MAX_DEPTH:  # the text is within it (_check_depth): aliases nest
         node, keys = _deepest(root, heights)
         raise LintInputError(_too_deep(path, node.start_mark, keys, aliases=True))
@@ -426,21 +446,40 @@ def compose(path: Path, text: str, dates: bool = True) -> yaml.Node | None:
     return root
 
 
-def load_data(path: Path, text: str, dates: bool = True) -> Any:
+@dataclass(frozen=True)
+class Document:
+    """A YAML file composed once within the bounds above: its node graph as composed (key
+    positions are read from it) and its values (`load_data`)."""
+
+    root: yaml.Node | None
+    data: Any
+
+
+def read_yaml(path: Path, text: str, dates: bool = True) -> Document:
     """The YAML document as plain Python values, within the bounds above (to tell what kind of
     config a file is), as yaml.safe_load reads it (Accelerate's and MCLI's reader); `dates`
-    False: implicit timestamps stay text, as omegaconf (LLM-Foundry's reader) has them.
+    False: implicit timestamps stay text, as omegaconf (LLM-Foundry's reader) has them; and its
+    node graph, for `load_config` and `key_positions` without composing the text again.
     LintInputError (one line) when it cannot be read so: a value the constructor refuses at its
     own line, column and key."""
     try:
         root = compose(path, text, dates)
-        return None if root is None else _Constructor().construct_object(root, deep=True)
+        # PyYAML's constructor rewrites the mappings that hold merge keys (flatten_mapping): it
+        # works on a copy, so `root` keeps each key where the file writes it
+        built = root if root is None or "<<" not in text else copy.deepcopy(root)
+        data = None if built is None else _Constructor().construct_object(built, deep=True)
     except _Unconstructed as e:
-        raise _unconstructed(path, root, e.node, e.error) from None
+        raise _unconstructed(path, built, e.node, e.error) from None
     except yaml.YAMLError as e:
         raise _yaml_error(path, e, text) from None
     except (ValueError, TypeError, RecursionError, MemoryError) as e:
         raise LintInputError(f"{path}: cannot load: {first_line(e)}") from None
+    return Document(root, data)
+
+
+def load_data(path: Path, text: str, dates: bool = True) -> Any:
+    """`read_yaml`'s values alone."""
+    return read_yaml(path, text, dates).data
 
 
 def _unconstructed(path: Path, root: yaml.Node, node: yaml.Node,
@@ -460,17 +499,18 @@ def _unconstructed(path: Path, root: yaml.Node, node: yaml.Node,
 
 
 def load_config(path: Path, text: str | None = None, subtree: str | None = None,
-                ) -> LoadedConfig:
+                document: Document | None = None) -> LoadedConfig:
     """The resolved config with key positions; LintInputError (one line) when we cannot.
     `subtree`: resolve only this top-level section, as its own document (an MCLI run config's
     `parameters`, which MCLI hands to the train script as the whole config); positions and
-    `${oc.env:...}` keys stay relative to the file."""
+    `${oc.env:...}` keys stay relative to the file. `document`: `text` as `read_yaml` read it
+    already, with `dates` False."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     text = read_text(path) if text is None else text
     try:
-        root = compose(path, text, dates=False)
+        root = compose(path, text, dates=False) if document is None else document.root
     except yaml.YAMLError as e:
         raise _yaml_error(path, e, text) from None
     if root is None:  # LLM-Foundry's train_from_yaml cannot train from it either
@@ -579,7 +619,7 @@ def _omegaconf_error(path: Path, error: BaseException, positions: dict[str, tupl
     return LintInputError(f"{path}:{line}: {doing} key {key}: {first_line(error)}")
 
 
-def position_of(key: str, positions: dict[str, tuple[int, int]]) -> tuple[int, int] | None:
+def position_of(key: str, positions: Mapping[str, tuple[int, int]]) -> tuple[int, int] | None:
     """(line, column) of `key`, or of its nearest parent present in the file."""
     while key:
         if key in positions:

@@ -226,7 +226,7 @@ def _ds_where(inp: AccelerateInput, ds_key: str) -> tuple[str, str]:
     """(finding key, message prefix) for a key of the DeepSpeed JSON: its own key when the JSON
     is the linted file, else the Accelerate file's `deepspeed_config_file` and the JSON's line."""
     if inp.accelerate:
-        line = position_of(ds_key, dict(inp.deepspeed_positions))
+        line = position_of(ds_key, inp.deepspeed_positions)
         where = f"{inp.deepspeed_path}:{line[0]}" if line else str(inp.deepspeed_path)
         return DS_FILE_KEY, f"{where}: `{ds_key}` "
     return ds_key, f"`{ds_key}` "
