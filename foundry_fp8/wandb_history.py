@@ -140,7 +140,8 @@ def describe(runs: Iterable[WandbRun]) -> str:
         keys = run.keys()
         layers = sorted(k for k in keys if parse_key(k))
         summary = sorted(k for k in keys if k.startswith(f"{SUMMARY_PREFIX}/"))
-        lines.append(f"{run.path}: {len(run.rows)} history rows")
+        lines.append(f"{run.path}: {len(run.rows)} history rows" + (
+            "" if run.complete else " (no exit record: the run was killed, or is still writing)"))
         for label, found in (("summary", summary), ("per-layer", layers)):
             steps = sorted({s for k in found for s in run.steps(k)})
             lines.append(f"  {len(found)} FP8 {label} series at steps {steps or 'none'}"

@@ -227,3 +227,113 @@ def test_a_failing_logger_before_jsonl_and_wandb_takes_nothing_from_them(tmp_pat
     warned = re.findall(r"WARNING: .*the logger RefusesFP8 failed to log (\w+) \(RuntimeError: "
                         r"refused\)", capfd.readouterr().err)
     assert sorted(warned) == list(KINDS)
+
+
+KILLED_AT = 11  # the batch the first attempt is killed at: after its checkpoint at RESUME_AT
+RUN_ID = "fp8-killed-and-resumed"
+
+#: The first attempt, in its own process (SIGKILL ends it as a crash would, W&B's and MLflow's
+#: queues included): argv is tmp_path, the tiny data's root, vocab size and samples.
+_KILLED_ATTEMPT = f"""
+import os, signal, sys
+from pathlib import Path
+from composer.core import Callback
+from foundry_fp8.tools.tiny_data import TinyData
+from tests.test_wandb_sink import _resumed_overrides, added_to_trainer
+from tests.tiny_run import run_tiny
+
+class Kill(Callback):
+    def batch_start(self, state, logger):
+        if int(state.timestamp.batch) == {KILLED_AT}:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+tmp, root, vocab, samples = sys.argv[1:]
+with added_to_trainer([Kill()]):
+    run_tiny(Path(tmp), TinyData(Path(root), int(vocab), int(samples)),
+             _resumed_overrides(Path(tmp)), wandb=True)
+"""
+
+
+def _resumed_overrides(tmp_path, **extra) -> dict:
+    """Both attempts: one W&B run id (`resume: allow`, offline), one MLflow experiment, and
+    Composer's usual callbacks beside ours."""
+    overrides = _overrides("killed", **extra)
+    overrides["callbacks"].update({
+        "speed_monitor": {"window_size": 2}, "lr_monitor": {}, "memory_monitor": {},
+        "runtime_estimator": {},
+        "optimizer_monitor": {"log_optimizer_metrics": True, "batch_log_interval": 1}})
+    overrides["loggers"] = {
+        "wandb": {"init_kwargs": {"id": RUN_ID, "resume": "allow"}},
+        "mlflow": {"tracking_uri": f"file://{tmp_path}/mlruns", "experiment_name": "killed",
+                   "log_duplicated_metric_every_n_steps": 0}}
+    return overrides
+
+
+@pytest.mark.slow
+def test_a_run_killed_and_resumed_into_the_same_wandb_and_mlflow_run_keeps_every_fp8_value(
+        tmp_path, tiny_data, monkeypatch):
+    """W&B offline ignores `resume` and writes each attempt to its own file under the one id:
+    the killed attempt's holds every FP8 key at each of its logging steps up to the last row
+    written before the kill, the resumed one's from the checkpoint on; the steps both hold
+    have the same values in both, so whichever copy W&B keeps (online, it drops the resumed
+    run's steps below those it holds: wandb/sdk/internal/handler.py, `step < self._step`) the
+    user sees the uninterrupted run's numbers, every logging step in one file or the other.
+    MLflow resumed into the same run id keeps both copies of those steps, equal."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.tiny_run import TINY_YAML
+
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE", "1")  # its file store's race
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_ATTEMPT, str(tmp_path), str(tiny_data.root),
+         str(tiny_data.vocab_size), str(tiny_data.num_samples)],
+        cwd=TINY_YAML.parents[1], capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"file://{tmp_path}/mlruns")
+    [experiment] = [e for e in client.search_experiments() if e.name == "killed"]
+    [first_run] = client.search_runs([experiment.experiment_id])
+    monkeypatch.setenv("MLFLOW_RUN_ID", first_run.info.run_id)  # Composer resumes that run
+    checkpoint = run_folder(tmp_path, "killed") / "checkpoints" / f"ep0-ba{RESUME_AT}-rank0.pt"
+    run_tiny(tmp_path, tiny_data, _resumed_overrides(tmp_path, load_path=str(checkpoint)),
+             wandb=True).close()
+
+    killed_file, resumed_file = wandb_history.run_files(run_folder(tmp_path, "killed"))
+    first = wandb_history.read_run(killed_file)  # never complete: no waiting for it
+    [second] = wandb_history.read_runs(resumed_file.parent, wait=120)
+    assert killed_file.name == resumed_file.name == f"run-{RUN_ID}.wandb"
+    assert not first.complete and second.complete
+    assert "no exit record: the run was killed" in wandb_history.describe([first])
+    # the kill loses what W&B had not written yet: the killed attempt's file holds its rows up
+    # to some step after the checkpoint (in a run here, 9 of 10: the last logging step's row
+    # went with the process), each row whole; the resumed attempt logs them again
+    held = first.steps("loss/train/total")
+    assert RESUME_AT < len(held) <= KILLED_AT and held == list(range(len(held)))
+    assert second.steps("loss/train/total") == list(range(RESUME_AT, BATCHES))
+    logging_steps = [0, 2, 4, 6, 8, 10]
+    for run, steps in ((first, [s for s in logging_steps if s < len(held)]), (second, [8, 10])):
+        for key in sorted(LAYER_KEYS | SUMMARY_KEYS):
+            assert run.steps(key) == _steps_of(key, steps), (run.path, key)
+
+    def values(run: wandb_history.WandbRun) -> dict[tuple[str, int], float]:
+        return {(key, row["_step"]): value for row in run.rows for key, value in row.items()
+                if key in LAYER_KEYS | SUMMARY_KEYS}
+
+    before, after = values(first), values(second)
+    repeated = after.keys() & before.keys()
+    assert {step for _, step in repeated} == {s for s in (8, 10) if s < len(held)}
+    assert {key: before[key] for key in repeated} == {key: after[key] for key in repeated}
+
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == first_run.info.run_id
+    for key in sorted(LAYER_KEYS | SUMMARY_KEYS):
+        held: dict[int, list[float]] = {}
+        for metric in client.get_metric_history(run.info.run_id, key):
+            held.setdefault(metric.step, []).append(metric.value)
+        # the resumed attempt's steps are all there; the killed one's queue may have lost its
+        # last steps (MLflow logs asynchronously), but every value held is the run's own
+        assert {8, 10} <= held.keys(), key
+        for step, copies in held.items():
+            assert copies == [{**before, **after}[key, step]] * len(copies), (key, step)
