@@ -161,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's; 1 is steadier on a loaded machine)")
     args = parser.parse_args(argv)
+    for option, value in (("--rounds", args.rounds), ("--steps", args.steps)):
+        if value < 1:  # no round or step to take a median of: refused before the runs
+            parser.error(f"{option} must be at least 1, got {value}")
+    if args.threads is not None and args.threads < 1:  # torch raises on it, after the imports
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     started, load_before = time.monotonic(), os.getloadavg()

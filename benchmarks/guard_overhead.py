@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.stats_overhead import (  # noqa: E402
     AMORTIZE_OVER,
+    check_counts,
     interleave,
     logging_events,
     result_header,
@@ -125,9 +126,6 @@ def time_run(guard: bool, batches: int, interval: int, data: Any, root: Path) ->
 def round_figures(stats: dict[str, Any], guarded: dict[str, Any], interval: int,
                   warmup: int) -> dict[str, float]:
     """One round's numbers from the fp8_stats-only run and the run with the guard."""
-    if interval < 5:
-        raise ValueError("--interval must be at least 5: three non-logging steps before each "
-                         "logging step and one after")
     batches = len(guarded["durations"]) + 1
     logging = [b for b in range(warmup, batches) if b % interval == 0]
     other = [b for b in range(warmup, batches) if b % interval]
@@ -185,8 +183,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10, help="batches dropped at the start of each run")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
-    if args.batches < args.warmup + 2 * args.interval:
-        parser.error("--batches must leave two logging steps after --warmup")
+    check_counts(parser, args)
     data = prepare_tiny_data(REPO / "data")
     load_before = os.getloadavg()
     started = datetime.now(timezone.utc)

@@ -70,12 +70,29 @@ def logging_events(durations: Sequence[float], interval: int, warmup: int,
     return events
 
 
+#: Three non-logging steps before each logging step (its baseline) and one after it.
+MIN_INTERVAL = 5
+
+
+def check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Counts that would fail only after the timed runs (no round to take a median of, an
+    interval too short for a baseline, no logging step after the warm-up), refused first as
+    argparse's one-line error, exit 2."""
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    if args.interval < MIN_INTERVAL:
+        parser.error(f"--interval must be at least {MIN_INTERVAL}: three non-logging steps "
+                     f"before each logging step and one after, got {args.interval}")
+    if args.batches < args.warmup + 2 * args.interval:
+        parser.error(f"--batches {args.batches} must leave two logging steps after --warmup "
+                     f"{args.warmup} (at least {args.warmup + 2 * args.interval})")
+
+
 def round_figures(off: Sequence[float], on: Sequence[float], interval: int,
                   warmup: int) -> dict[str, float]:
     """One round's numbers from the per-batch durations of an off run and an on run."""
-    if interval < 5:
-        raise ValueError("--interval must be at least 5: three non-logging steps before each "
-                         "logging step and one after")
     events = logging_events(on, interval, warmup, images=False)
     pictures = logging_events(on, interval, warmup, images=True)
     other = [d for i, d in enumerate(on) if i + 1 >= warmup and (i + 1) % interval not in (0, 1)]
@@ -278,6 +295,7 @@ def main() -> int:
     parser.add_argument("--wandb", action="store_true",
                         help="log to W&B offline in both runs (its image encoding and table count)")
     args = parser.parse_args()
+    check_counts(parser, args)
     data = prepare_tiny_data(REPO / "data")
     load_before = os.getloadavg()
     started = datetime.now(timezone.utc)

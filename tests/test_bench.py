@@ -585,3 +585,25 @@ def test_the_checkout_script_runs_the_cli_with_its_guarded_output(tmp_path):
     assert mpt_throughput.argv_for(["--tiny"]) == ["bench", "--tiny", "--out", results]
     assert mpt_throughput.argv_for(["--ou", "x"]) == ["bench", "--ou", "x"]
     assert mpt_throughput.argv_for(["--help"]) == ["bench", "--help"]
+
+
+@pytest.mark.parametrize(("script", "argv", "says"), [
+    ("stats_overhead.py", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("guard_overhead.py", ["--interval", "3"], "--interval must be at least 5: three "
+     "non-logging steps before each logging step and one after, got 3"),
+    ("emulation_cost.py", ["--steps", "0"], "--steps must be at least 1, got 0"),
+])
+def test_the_cost_benchmarks_refuse_counts_before_their_runs(script, argv, says):
+    """QA: `stats_overhead.py --rounds 0` built the tiny data and then raised StatisticsError
+    (a median of no rounds); `guard_overhead.py --interval 3` ran a whole round before its
+    ValueError; `emulation_cost.py --steps 0` timed nothing. Now argparse's one-line error,
+    exit 2, before any run."""
+    import subprocess
+    from pathlib import Path
+
+    path = Path(bench.__file__).resolve().parents[2] / "benchmarks" / script
+    done = subprocess.run([sys.executable, str(path), *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == f"{script}: error: {says}"
+    assert "Traceback" not in done.stderr and done.stdout == ""
