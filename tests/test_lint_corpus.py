@@ -208,6 +208,25 @@ def test_unknown_top_level_keys_are_refused_by_llmfoundry_too(name, key):
         _train_loader_accepts({**clean, key: _resolved(name)[key]})
 
 
+@pytest.mark.parametrize("name", sorted(n for n, found in EXPECTED.items() if _trains(n)
+                                        and any(f[0] == "FP8009" for f in found)))
+def test_llmfoundry_refuses_exactly_the_unknown_top_level_keys(name, tmp_path):
+    """The file as train_from_yaml reads it (omegaconf, interpolations resolved), completed
+    with a clean config's keys where it lacks them (LLM-Foundry's transforms read some before
+    its check): the keys in its 'Unused parameters [...]' are our FP8009 keys, no more."""
+    from omegaconf import OmegaConf
+
+    text = (CORPUS / name).read_text()
+    if name.startswith("mcli/"):
+        text = yaml.safe_dump(yaml.safe_load(text)["parameters"])
+    own = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+    ours = sorted(f[1].removeprefix("parameters.") for f in EXPECTED[name] if f[0] == "FP8009")
+    with pytest.raises(ValueError, match="Unused parameters") as refused:
+        _train_loader_accepts({**_resolved("train/mpt-125m-te-swap.yaml"), **own})
+    listed = str(refused.value).split("[", 1)[1].split("]", 1)[0]
+    assert sorted(k.strip(" '") for k in listed.split(",")) == ours
+
+
 def test_eval_config_with_a_train_key_is_refused_by_llmfoundry_too():
     from llmfoundry.utils.config_utils import (
         EVAL_CONFIG_KEYS,

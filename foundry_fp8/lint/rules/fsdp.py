@@ -208,11 +208,13 @@ def fsdp_mixed_precision(config: Mapping[str, Any], ctx: LintContext) -> Iterato
       "backward runs outside it, without FP8, unlike the forward it replays; fp8_state, when "
       "in the run, refuses such runs. activation_cpu_offload alone recomputes nothing "
       "(Composer wraps blocks in offload_wrapper only, which moves saved activations to the "
-      "CPU). `llmfoundry train` in one process drops fsdp_config ('FSDP is not applicable for "
-      "single-GPU training. Reverting to DDP.'), so nothing is recomputed there: an info for "
-      "an MCLI run config with `compute.gpus: 1`; an error where FSDP runs (more GPUs, or a "
-      "file whose world size is unknown: its message says so). `fp8_lint` sees the config "
-      "after train dropped it.",
+      "CPU). `llmfoundry train` in one process drops fsdp_config with a warning ('FSDP is not "
+      "applicable for single-GPU training. Reverting to DDP.') and trains, so nothing is "
+      "recomputed there: an info for an MCLI run config with `compute.gpus: 1`; an error where "
+      "FSDP is known to run (`compute.gpus` of 2 or more; `fp8_lint`, which sees the config "
+      "after train dropped it); a warning naming both cases for a file whose world size is "
+      "unknown, since the emulated backend mostly runs in one process (on CPU), where the file "
+      "trains as written.",
       source="foundry_fp8/composer/te_swap.py (_enter/_exit hooks), "
       "foundry_fp8/composer/state.py recompute_settings, foundry_fp8/te/recompute.py "
       f"recompute_plan; {COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module; "
@@ -234,12 +236,13 @@ def emulated_recompute(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
             return
         refusal = ("fp8_state refuses such a run" if has_fp8_state(config)
                    else "the recompute runs them without FP8, unlike their forward")
-        where = "" if ctx.scope == "run" or ctx.gpus is not None else \
+        known = ctx.scope == "run" or ctx.gpus is not None
+        where = "" if known else \
             "; in one process (one GPU, or CPU) LLM-Foundry drops fsdp_config and nothing is " \
-            "recomputed"
+            "recomputed: an error if this config trains on 2+ GPUs"
         yield Hit("fsdp_config.activation_checkpointing", "FSDP activation checkpointing "
                   "recomputes te_swap's emulated FP8 layers outside te_swap's FP8 autocast "
-                  f"on 2+ GPUs ({refusal}){where}")
+                  f"on 2+ GPUs ({refusal}){where}", severity=None if known else "warning")
 
 
 @rule("FP8014", "warning", "`te_checkpoint_wrapper` / `te_shard_fp8_weight` without amp_fp8",
