@@ -212,12 +212,14 @@ def test_a_resumed_wandb_offline_run_is_reported_from_w_and_bs_own_files(tmp_pat
         for run in wandb_history.read_runs(folder / "wandb", wait=60))
     assert min(second) == SAVE_EVERY
     expected = {step: values for step, values in first.items() if step < SAVE_EVERY} | second
-    assert main(["report", str(folder / "wandb"), "--out", str(tmp_path / "out")]) == 0
-    assert "\n0 flagged\n" in capsys.readouterr().out
-    run, _, _ = load_wandb(folder, wandb_files(folder / "wandb"), lambda message: None)
-    assert {step: {f"fp8_{stat}/{tensor}/{layer}": by_step[step]
-                   for (layer, tensor, stat), by_step in run.values.items() if step in by_step}
-            for step in run.steps} == _markers_left_out(expected)
+    # W&B's folder, or the link to the last attempt's folder in it: every attempt either way
+    for given in (folder / "wandb", folder / "wandb" / "latest-run"):
+        assert main(["report", str(given), "--out", str(tmp_path / "out")]) == 0
+        assert "\n0 flagged\n" in capsys.readouterr().out
+        run, _, _ = load_wandb(given, wandb_files(given), lambda message: None)
+        assert {step: {f"fp8_{stat}/{tensor}/{layer}": by_step[step]
+                       for (layer, tensor, stat), by_step in run.values.items() if step in by_step}
+                for step in run.steps} == _markers_left_out(expected)
 
 
 if __name__ == "__main__":

@@ -252,7 +252,7 @@ def wandb_files(given: Path) -> list[Path] | None:
     same id) writes its own `offline-run-<time>-<id>` folder, so all of them are the run. None
     where GIVEN names no W&B run; ReportError (one line) for a folder holding several."""
     if given.is_dir():
-        if (given / "metrics.jsonl").exists() or given.is_symlink():
+        if (given / "metrics.jsonl").exists() or (given / "metrics.jsonl").is_symlink():
             return None  # the jsonl logger's file, or what metrics_file_of says about the link
         files = wandb_history.run_files(given)
     elif given.is_file() and given.name.endswith(".wandb") and _head(given) == WANDB_MAGIC:
