@@ -1398,6 +1398,10 @@ MCLI_HEAD = "name: x\nimage: y\ncommand: composer train.py /mnt/config/parameter
 @pytest.mark.parametrize(("parameters", "line"), [
     ("parameters: 5\n", 4), ("parameters: [1, 2]\n", 4), ("parameters: null\n", 4),
     ("", 3),  # none at all: the command reads a file MCLI never writes
+    # before: linted as an empty train config, exit 0; LLM-Foundry's train raises KeyError
+    # 'global_train_batch_size' (LLM-Foundry's own mcli/mcli-1b.yaml has `parameters: {}`, but
+    # its command trains from another file)
+    ("parameters: {}\n", 4),
 ])
 def test_an_mcli_config_training_from_parameters_it_does_not_give_is_fp8401(tmp_path,
                                                                           parameters, line):
@@ -1407,9 +1411,20 @@ def test_an_mcli_config_training_from_parameters_it_does_not_give_is_fp8401(tmp_
     assert "skipped" not in entry and exit_code({"files": [entry]}) == 1
 
 
-def test_an_mcli_config_whose_command_takes_no_config_is_still_skipped(tmp_path):
-    entry = _entry_of(tmp_path, "name: x\nimage: y\ncommand: python convert.py\n", "run.yaml")
+@pytest.mark.parametrize("parameters", ["", "parameters: {}\n"])
+def test_an_mcli_config_whose_command_takes_no_config_is_still_skipped(tmp_path, parameters):
+    entry = _entry_of(tmp_path, "name: x\nimage: y\ncommand: python convert.py\n" + parameters,
+                      "run.yaml")
     assert entry["findings"] == [] and "nothing to lint" in entry["skipped"]
+
+
+def test_an_empty_parameters_mapping_is_refused_by_llmfoundrys_train_too():
+    """FP8401's reference for `parameters: {}`: what MCLI writes, as LLM-Foundry's train reads."""
+    from llmfoundry.command_utils.train import train
+    from omegaconf import OmegaConf
+
+    with pytest.raises(KeyError, match="global_train_batch_size"):
+        train(OmegaConf.create({}))
 
 
 @pytest.mark.parametrize("text", [

@@ -84,12 +84,13 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
             return _entry(path, findings, positions)
         mcli = is_mcli(data)
         outer = run_rules("mcli", data, LintContext(scope="file")) if mcli else []
-        if mcli and not isinstance(data.get("parameters"), Mapping):
+        if mcli and not (isinstance(data.get("parameters"), Mapping) and data["parameters"]):
             entry = _entry(path, outer, key_positions(
                 document.root if document else compose(path, text))[0])
             if not outer:
                 entry["skipped"] = ("an MCLI run config without `parameters:` whose command does "
-                                    "not train from the config MCLI writes: nothing to lint")
+                                    "not train from the config MCLI writes (or with an empty "
+                                    "one): nothing to lint")
             return entry
         subtree = "parameters" if mcli else None
         loaded = load_config(path, text, subtree, document)

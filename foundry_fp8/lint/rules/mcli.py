@@ -59,7 +59,8 @@ def _shown(value: Any) -> str:
       why="MCLI writes `parameters` as given to /mnt/config/parameters.yaml, the file the "
       "command hands LLM-Foundry's train script (LLM-Foundry's mcli/*.yaml); train_from_yaml "
       "asserts the loaded config is a mapping (a number or a list fails; null or no "
-      "`parameters` leaves the file empty or missing). An MCLI config without `parameters` "
+      "`parameters` leaves the file empty or missing; `{}` fails at the first key train reads, "
+      "global_train_batch_size). An MCLI config without `parameters` "
       "whose command does not read that file has nothing to lint (skipped).",
       source="LLM-Foundry 0.22.0 llmfoundry/command_utils/train.py train_from_yaml (`assert "
       "isinstance(yaml_cfg, DictConfig)`); LLM-Foundry mcli/mcli-hf-eval.yaml ('injected as a "
@@ -68,16 +69,17 @@ def _shown(value: Any) -> str:
       fix="write `parameters:` as the train config mapping (its keys indented under it)",
       family="mcli")
 def parameters_not_a_config(data: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    if "parameters" in data and data["parameters"] is not None:
-        if not isinstance(data["parameters"], Mapping):
-            yield Hit("parameters", f"`parameters` must be a mapping (the train config MCLI "
-                      f"writes to {PARAMETERS_FILE}), got {_shown(data['parameters'])}")
-    elif trains_from_parameters(data):
+    params = data.get("parameters")
+    if params is not None and not isinstance(params, Mapping):
+        yield Hit("parameters", f"`parameters` must be a mapping (the train config MCLI "
+                  f"writes to {PARAMETERS_FILE}), got {_shown(params)}")
+    elif not params and trains_from_parameters(data):
         key = "parameters" if "parameters" in data else \
             next(k for k in ("command", "entrypoint") if PARAMETERS_FILE in str(data.get(k)))
         yield Hit(key, f"the {key if key != 'parameters' else 'command'} trains from "
                   f"{PARAMETERS_FILE}, but this run config gives "
-                  + ("`parameters: null`" if key == "parameters" else "no `parameters`")
+                  + ("no `parameters`" if key != "parameters" else "`parameters: null`"
+                     if params is None else "an empty `parameters`")
                   + ": the script finds no train config there")
 
 
