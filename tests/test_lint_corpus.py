@@ -227,6 +227,20 @@ def test_llmfoundry_refuses_exactly_the_unknown_top_level_keys(name, tmp_path):
     assert sorted(k.strip(" '") for k in listed.split(",")) == ours
 
 
+def test_a_top_level_value_read_by_interpolation_is_told_to_move_under_variables():
+    """Before: 'did you mean `max_seq_len`?' for `seq_len`, which the file reads as `${seq_len}`
+    (renaming it would break those reads); LLM-Foundry's own refusal says to use `variables`."""
+    entry = lint_file(CORPUS / "mcli" / "mcli-legacy-top-level-variables.yaml", 1, BARE)
+    found = {f["key"]: f for f in entry["findings"] if f["rule"] == "FP8009"}
+    seq = found["parameters.seq_len"]
+    assert "did you mean" not in seq["message"] and "reads as `${seq_len}`" in seq["message"]
+    assert seq["fix"] == "move `seq_len` under `variables:` and read it as `${variables.seq_len}`"
+    # a key the file does not read still gets its spelling hint
+    entry = lint_file(CORPUS / "train" / "unknown-top-level.yaml", 1, BARE)
+    [typo] = [f["message"] for f in entry["findings"] if f["rule"] == "FP8009"]
+    assert "did you mean `precision`?" in typo
+
+
 def test_eval_config_with_a_train_key_is_refused_by_llmfoundry_too():
     from llmfoundry.utils.config_utils import (
         EVAL_CONFIG_KEYS,

@@ -99,7 +99,8 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
     pinned = {p.field: p for p in pins(data)} if mcli else {}
     context = LintContext(scope="file", fsdp_version=fsdp_version, env_keys=loaded.env_keys,
                           snapshot=pinned_snapshot(snapshot, pinned), wandb_mode=wandb_mode,
-                          gpus=mcli_gpus(data) if mcli else None)
+                          gpus=mcli_gpus(data) if mcli else None,
+                          interpolated=loaded.interpolated)
     findings = run_rules("eval", loaded.config, context) if is_eval_config(loaded.config) \
         else lint_config(loaded.config, context)
     findings = [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))

@@ -25,6 +25,8 @@ from foundry_fp8.lint.registry import first_line, join_key, parent_key
 
 #: An interpolation that `train_from_yaml` cannot resolve (it clears the `oc.env` resolver).
 OC_ENV = re.compile(r"\$\{\s*oc\.env\s*:")
+#: The top-level name an absolute interpolation reads (`${name}`, `${name.key}`, `${name[0]}`).
+_READ_NAME = re.compile(r"(?<!\\)\$\{\s*([A-Za-z_][\w-]*)\s*[.}\[]")
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _TIMESTAMP = "tag:yaml.org,2002:timestamp"
@@ -113,12 +115,14 @@ def error_location(message: str, path: str) -> tuple[str, int | None, int | None
 
 @dataclass(frozen=True)
 class LoadedConfig:
-    """The resolved config, each dotted key's (line, column) (1-based), and the keys whose
-    value uses `${oc.env:...}`."""
+    """The resolved config, each dotted key's (line, column) (1-based), the keys whose
+    value uses `${oc.env:...}`, and the top-level names interpolations read (`seq` for
+    `${seq}` and `${seq.x}`)."""
 
     config: dict[str, Any]
     positions: dict[str, tuple[int, int]] = field(default_factory=dict)
     env_keys: tuple[str, ...] = ()
+    interpolated: frozenset[str] = frozenset()
 
 
 def _key_text(node: yaml.Node) -> str:
@@ -549,7 +553,8 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
             config = OmegaConf.to_container(raw, resolve=True)
         except failures as e:
             raise _omegaconf_error(path, e, positions, inside, "cannot resolve") from None
-    return LoadedConfig(config, positions, tuple(env_keys))
+    names = frozenset(_READ_NAME.findall(text))
+    return LoadedConfig(config, positions, tuple(env_keys), names)
 
 
 #: omegaconf's (2.4) refusal of a document past its node limit, which it marks at the document's

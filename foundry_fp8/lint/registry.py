@@ -67,7 +67,8 @@ class LintContext:
     probed, such rules stay quiet). `wandb_mode`: W&B's mode from the environment (WANDB_MODE,
     WANDB_DISABLED), which the config's `init_kwargs.mode` overrides; None: not set.
     `gpus`: how many GPUs the run trains on where the file says so (an MCLI run config's
-    `compute.gpus`); None: not known.
+    `compute.gpus`); None: not known. `interpolated`: the top-level names the file's
+    `${...}` read (a value kept at the top level for interpolation, older LLM-Foundry's way).
     `missing_keys`: keys whose value is omegaconf's `???` (`mandatory_keys`, filled by `run_rules`
     for train and eval configs): only FP8036 and rules registered with `unresolved=True` speak
     about them, so a `???` gets one finding, not one per rule that reads it as text.
@@ -80,6 +81,7 @@ class LintContext:
     wandb_mode: str | None = None
     missing_keys: tuple[str, ...] | None = None
     gpus: int | None = None
+    interpolated: frozenset[str] = frozenset()
 
 
 Check = Callable[[Any, LintContext], Iterable[Hit]]

@@ -190,7 +190,14 @@ def unknown_top_level_keys(config: Mapping[str, Any], ctx: LintContext) -> Itera
     for key in config:
         if not isinstance(key, str):
             continue  # FP8022: keys must be strings
-        if key not in TRAIN_CONFIG_KEYS and key not in RETIRED_TOP_LEVEL:
+        if key in TRAIN_CONFIG_KEYS or key in RETIRED_TOP_LEVEL:
+            continue
+        if key in ctx.interpolated:  # a value kept for `${key}`, as older LLM-Foundry allowed
+            yield Hit(join_key("", key), f"LLM-Foundry 0.22 refuses unknown top-level key `{key}`, "
+                      f"which this file reads as `${{{key}}}`: such values belong under "
+                      "`variables:`", fix=f"move `{key}` under `variables:` and read it as "
+                      f"`${{variables.{key}}}`")
+        else:
             yield Hit(join_key("", key), f"LLM-Foundry 0.22 refuses unknown top-level key `{key}`"
                       + (belongs_under(key, "") or did_you_mean(key, TRAIN_CONFIG_KEYS)),
                       fix=move_fix(key, ""))
