@@ -4,9 +4,12 @@ logging step, within what budget, and what to write in the YAML next time.
 The judgement is the health package's (`HealthTracker`: the same rules as `fp8_stats`' advice
 and `foundry-fp8 report`), applied to each logging step on its own with the guard's thresholds;
 an FP8 layer falls back once one of its tensors has been bad (the tracker's `streak`) at
-`consecutive` logging steps in a row, so a single amax spike does not move a layer. A logging
-step with NaN/Inf in any high-precision tensor is not judged (`nonfinite_rows`): no FP8 cast made
-them, so no fallback fixes them. A guard that resumes from a checkpoint replays the last judged
+`consecutive` logging steps in a row, so a single amax spike does not move a layer. A layer with
+NaN/Inf in any of its high-precision tensors is not judged at that logging step
+(`nonfinite_rows`): no FP8 cast made them, so no fallback fixes them; the other layers are judged
+as usual (one inf weight that FP8's saturating cast lets training run with would otherwise blind
+the guard for the rest of the run). A NaN in an activation reaches every later layer and every
+gradient, so there no layer is judged. A guard that resumes from a checkpoint replays the last judged
 tables into a fresh tracker, so its streaks, and so its decisions, are those of the run that did
 not stop.
 
@@ -96,21 +99,27 @@ def _numbers(value: Any) -> dict[str, float]:
 
 def nonfinite_rows(table: Table) -> list[tuple[str, str]]:
     """The (layer, tensor) rows whose high-precision tensor holds NaN/Inf: counted before any
-    FP8 cast, so no FP8 failure, and a sign that the step's other statistics are not to be
-    trusted either (a NaN in one activation reaches every later layer and every gradient; the
-    rows without one can be cut short, e.g. amax 0)."""
+    FP8 cast, so no FP8 failure, and a sign that the layer's other statistics at that step are
+    not to be trusted either (its output, so its gradient, is computed from the same numbers)."""
     return [key for key, stats in table.items() if nonfinite(stats)]
 
 
+NAMED_LAYERS = 4  # layers named in the NaN/Inf line, the others counted
+
+
 def nonfinite_message(step: int, rows: Collection[tuple[str, str]]) -> str:
-    """The one line (said once) about the logging steps the guard does not judge."""
+    """The one line (said once) about the layers the guard does not judge."""
     tensors = ", ".join(sorted({tensor for _, tensor in rows}))
-    return (f"fp8_guard: at step {step}, {len({layer for layer, _ in rows})} layer(s) hold NaN/Inf"
-            f" in their high-precision {tensors}, before any FP8 cast: no FP8 failure, and running "
-            f"a layer in high precision cannot fix it, so fp8_guard judges no logging step with "
-            f"NaN/Inf (this one or later ones) and moves no layer for them. Look at where they "
-            f"first appear (fp8/<tensor>/nonfinite; fp8_stats' warnings name the layers) and at "
-            f"the loss: a diverging run needs a lower optimizer.lr or "
+    layers = sorted({layer for layer, _ in rows})
+    named = ", ".join(layers[:NAMED_LAYERS]) + (
+        f" and {len(layers) - NAMED_LAYERS} more" if len(layers) > NAMED_LAYERS else "")
+    return (f"fp8_guard: at step {step}, {len(layers)} layer(s) hold NaN/Inf in their "
+            f"high-precision {tensors}, before any FP8 cast: no FP8 failure, and running a layer "
+            f"in high precision cannot fix it, so fp8_guard does not judge a layer at a logging "
+            f"step where it holds NaN/Inf (here {named}; said once) and moves no layer for them; "
+            f"the layers without NaN/Inf are judged as usual. Look at where they first appear "
+            f"(fp8/<tensor>/nonfinite; fp8_stats' warnings name the layers) and at the loss: a "
+            f"diverging run needs a lower optimizer.lr or "
             f"algorithms.gradient_clipping.clipping_threshold")
 
 
@@ -250,15 +259,15 @@ class GuardCore:
     def candidates(self, step: int, table: Table) -> list[str]:
         """The layers still in FP8 with a tensor flagged at this and the `consecutive - 1`
         judged logging steps before it (with one-step rules, flagged = bad: the tracker's
-        streak). A step with NaN/Inf in any row (`nonfinite`) is not judged: its streaks neither
-        grow nor reset, as at delayed scaling's first cast, and the rule that flags NaN/Inf never
-        moves a layer."""
+        streak). A layer with NaN/Inf in any row (`nonfinite`) is not judged at this step: its
+        streaks neither grow nor reset, as at delayed scaling's first cast, and the rule that
+        flags NaN/Inf never moves a layer; the other layers are judged."""
         self.nonfinite = nonfinite_rows(table)
-        if self.nonfinite:
-            return []
+        blind = {layer for layer, _ in self.nonfinite}
         judged = {key: dict(stats) for key, stats in table.items()
-                  if key[0] in self.flops and key[0] not in self.fallbacks}
-        fallen = {key: dict(stats) for key, stats in table.items() if key[0] in self.fallbacks}
+                  if key[0] in self.flops and key[0] not in blind | self.fallbacks.keys()}
+        fallen = {key: dict(stats) for key, stats in table.items()
+                  if key[0] in self.fallbacks and key[0] not in blind}
         # the streaks need `consecutive` (or `repromote_after`) steps, the rising-underflow rule
         # two
         keep = max(self.config.consecutive, 2, self.config.repromote_after or 0)
@@ -275,13 +284,15 @@ class GuardCore:
 
     def ready(self, step: int, table: Table) -> list[str]:
         """Layers in fallback whose every what-if tensor in `table` (this step's) has been
-        within the limits at `repromote_after` logging steps in a row; none when off."""
+        within the limits at `repromote_after` logging steps in a row; none when off, and not
+        one holding NaN/Inf at this step (`candidates` left it unjudged)."""
         after = self.config.repromote_after
         if after is None:
             return []
+        blind = {layer for layer, _ in self.nonfinite}
         tensors: dict[str, list[str]] = {}
         for layer, tensor in table:
-            if layer in self.fallbacks and (layer in self._before_reset
+            if layer in self.fallbacks and layer not in blind and (layer in self._before_reset
                                             or self.fallbacks[layer].step < step):
                 tensors.setdefault(layer, []).append(tensor)
         return sorted(layer for layer, names in tensors.items()

@@ -79,30 +79,51 @@ def test_a_single_amax_spike_moves_no_layer():
     assert seen == [[], [], []]
 
 
-def test_a_step_with_nan_or_inf_anywhere_is_not_judged():
-    """NaN/Inf are counted in the high-precision tensor, before any FP8 cast: `b`'s never make
-    it a candidate, and the step that holds them is not judged at all, so `c`'s statistics cut
-    short by them there (all underflow) do not count; `a`'s streak goes on across it, and a
-    resume replays the same."""
-    garbage = {**HEALTHY, "underflow_pct": 100.0, "amax": 0.0}
+def test_a_layer_with_nan_or_inf_is_not_judged_the_other_layers_are():
+    """NaN/Inf are counted in the high-precision tensor, before any FP8 cast: `b`'s inf weight
+    (FP8's saturating cast lets training run on with it) never makes `b` a candidate, and its
+    underflow there does not count; `a` and `c` are judged at the same steps, `a`'s streak
+    growing across them (the old guard judged no layer at all from `b`'s first inf on). A step
+    where every layer holds NaN (a NaN loss) is not judged: `a`'s streak neither grows nor
+    resets. A resume replays the same."""
+    inf_weight = {**UNDERFLOWING, "inf_count": 1.0}
+    nan = {**HEALTHY, "nan_count": 4.0}
     rows = {0: {"a": UNDERFLOWING},
-            2: {"a": UNDERFLOWING, "b": {**HEALTHY, "nan_count": 3.0}, "c": garbage},
-            4: {"a": UNDERFLOWING, "b": {**HEALTHY, "inf_count": 1.0}, "c": garbage},
-            6: {"a": UNDERFLOWING, "c": garbage}}
-    tables = {step: {(layer, "activation"): dict(row.get(layer, HEALTHY))
-                     for layer in ("a", "b", "c")} for step, row in rows.items()}
-    config = GuardConfig(consecutive=2, max_fallback_share=1.0)
+            2: {"a": UNDERFLOWING, "b": inf_weight},
+            4: {"a": UNDERFLOWING, "b": inf_weight, "c": UNDERFLOWING},
+            6: {"a": nan, "b": nan, "c": nan},
+            8: {"a": UNDERFLOWING, "b": UNDERFLOWING, "c": UNDERFLOWING}}
+    tables = {step: {(layer, "weight"): dict(row.get(layer, HEALTHY)) for layer in "abc"}
+              for step, row in rows.items()}
+    config = GuardConfig(consecutive=3, max_fallback_share=1.0)
     core = GuardCore(config, {"a": 0.05, "b": 0.05, "c": 0.05})
     seen = {}
     for step, table in tables.items():
-        seen[step] = (core.candidates(step, table), core.nonfinite)
+        seen[step] = (core.candidates(step, table), sorted({layer for layer, _ in core.nonfinite}))
         if step == 2:
             saved = core.state_dict()
-    assert seen == {0: ([], []), 2: ([], [("b", "activation")]), 4: ([], [("b", "activation")]),
-                    6: (["a"], [])}
+    assert seen == {0: ([], []), 2: ([], ["b"]), 4: (["a"], ["b"]), 6: ([], ["a", "b", "c"]),
+                    8: (["a"], [])}
+    # streaks over the judged steps: a at 0, 2, 4, 8; b at 8 alone; c at 4 and 8
+    assert [core._tracker.streak(layer, "weight") for layer in "abc"] == [4, 1, 2]
     resumed = GuardCore(config, {"a": 0.05, "b": 0.05, "c": 0.05})
     resumed.load_state_dict(saved)
-    assert [resumed.candidates(step, tables[step]) for step in (4, 6)] == [[], ["a"]]
+    assert [resumed.candidates(step, tables[step]) for step in (4, 6, 8)] == [["a"], [], ["a"]]
+
+
+def test_a_layer_in_fallback_holding_nan_or_inf_is_not_repromoted_then():
+    """Its what-if statistics at that step are not evidence of health either."""
+    config = GuardConfig(consecutive=1, repromote_after=2, max_fallback_share=1.0)
+    core = GuardCore(config, {"a": 0.05, "b": 0.05})
+    table = {("a", "weight"): dict(UNDERFLOWING), ("b", "weight"): dict(HEALTHY)}
+    core.decide(0, core.candidates(0, table), table)
+    assert list(core.fallbacks) == ["a"]
+    healthy = {("a", "weight"): dict(HEALTHY), ("b", "weight"): dict(HEALTHY)}
+    core.candidates(2, healthy)
+    core.candidates(4, healthy)
+    nan = {("a", "weight"): {**HEALTHY, "nan_count": 1.0}, ("b", "weight"): dict(HEALTHY)}
+    assert core.candidates(6, nan) == [] and core.ready(6, nan) == []
+    assert core.candidates(8, healthy) == [] and core.ready(8, healthy) == ["a"]
 
 
 def test_past_the_budget_the_smallest_candidates_fall_back_first_ties_in_model_order():
