@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from composer.utils import checkpoint
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 
 from foundry_fp8.composer import guard
@@ -122,34 +123,93 @@ def _tokenizer_json(called: bool) -> dict:
     return json.loads(tokenizer.backend_tokenizer.to_str())
 
 
-def test_a_resume_refused_for_the_tokenizer_says_it_is_composer_s_and_how_to_resume(tmp_path):
-    """Seen with no foundry-fp8 callback too: a sharded resume of an LLM-Foundry run on raw text
-    stopped on 'Missing key ... state.integrations.huggingface.tokenizer...truncation' (the
-    tokenizer saved after its calls, the template built from a fresh one), a DCP traceback blaming
-    nothing. The error stays; one line under it says it is not FP8's and how to resume, and that
-    way (state/integrations ignored) loads the FP8 state."""
+def _integrations(called: bool) -> dict:
+    """state.integrations as Composer saves it (HuggingFaceModel.get_metadata)."""
+    return {"huggingface": {"tokenizer": {"tokenizer.json": {"content": _tokenizer_json(called)}}}}
+
+
+def _lacking(template: dict, folder) -> set[str]:
+    """The template's keys under state.integrations the checkpoint lacks, as DCP flattens them."""
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return {k for k in flatten_state_dict(template)[0]
+            if k.startswith("state.integrations.") and k not in saved}
+
+
+@pytest.mark.parametrize("saved_called", [True, False])
+def test_an_autoresume_with_the_tokenizer_saved_otherwise_loads_without_its_metadata(
+        tmp_path, caplog, saved_called):
+    """Seen with no foundry-fp8 callback too: a sharded autoresume of an LLM-Foundry run on raw
+    text stopped on DCP's 'Missing key ... state.integrations.huggingface.tokenizer...truncation'
+    (the tokenizer saved after its calls, the template built from a fresh one), and autoresume
+    drops load_ignore_keys. With fp8_state in the run the load goes on without that entry, which
+    Composer never reads back; the FP8 state and the model load bit for bit."""
     saved = _tokenizer_json(called=True)
     assert saved["truncation"] is not None and _tokenizer_json(called=False)["truncation"] is None
     _, saving = _fp8_state(1, trained=True)
-    dcp.save({"state": {"integrations": {"huggingface": {"tokenizer": {"tokenizer.json": {
-        "content": saved}}}}, "callbacks": {"FP8State": saving.state_dict()}}},
-        checkpoint_id=tmp_path, no_dist=True)
+    weight = torch.randn(4)
+    dcp.save({"state": {"model": {"w": weight}, "integrations": _integrations(saved_called),
+                        "callbacks": {"FP8State": saving.state_dict()}}},
+             checkpoint_id=tmp_path, no_dist=True)
     _, loading = _fp8_state(1, trained=False)
-    template = {"state": {"integrations": {"huggingface": {"tokenizer": {"tokenizer.json": {
-        "content": _tokenizer_json(called=False)}}}}, "callbacks": {
-        "FP8State": loading.state_dict()}}}
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: "
-                       r"state\.integrations\.huggingface\.tokenizer\.tokenizer\.json\.content"
-                       r"\.truncation\.") as refused:
-        _load(template, str(tmp_path))
-    [note] = refused.value.__notes__
-    assert note.startswith("foundry-fp8: not an FP8 problem: ")
-    assert f"load_path: {tmp_path} and load_ignore_keys: [state/integrations]" in note
-    del template["state"]["integrations"]  # what load_ignore_keys: [state/integrations] does
-    _load(template, str(tmp_path))
+    template = {"state": {"model": {"w": torch.zeros(4)},
+                          "integrations": _integrations(not saved_called),
+                          "callbacks": {"FP8State": loading.state_dict()}}}
+    lacking = _lacking(template, tmp_path)
+    assert lacking  # what DCP refuses
+    with caplog.at_level(logging.WARNING):
+        _load(template, str(tmp_path))  # no load_ignore_keys: what autoresume passes
+    assert "integrations" not in template["state"]
+    assert torch.equal(template["state"]["model"]["w"], weight)
     for name, saved_tensor in saving.state_dict()["modules"]["0"].items():
         assert torch.equal(template["state"]["callbacks"]["FP8State"]["modules"]["0"][name],
                            saved_tensor), name
+    [said] = [r.getMessage() for r in caplog.records if r.name.startswith("foundry_fp8")]
+    assert said.startswith(f"foundry-fp8: {tmp_path} holds Composer's tokenizer metadata saved "
+                           f"differently from this run's (it lacks state.integrations.")
+    named = said.split("(it lacks ")[1].split(":")[0]
+    assert named in lacking and ".content.truncation" in named
+    assert "loading it without state.integrations" in said
+
+
+def test_a_key_the_checkpoint_lacks_besides_the_tokenizers_is_still_refused(tmp_path):
+    dcp.save({"state": {"model": {"w": torch.ones(2)}, "integrations": _integrations(True)}},
+             checkpoint_id=tmp_path, no_dist=True)
+    template = {"state": {"model": {"w": torch.zeros(2), "v": torch.zeros(2)},
+                          "integrations": _integrations(False)}}
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: "
+                       r"state\.model\.v\.") as refused:
+        _load(template, str(tmp_path))
+    assert not getattr(refused.value, "__notes__", None)
+
+
+def _mixed_worker(rank: int, rendezvous: str, folder: str, out: str) -> None:
+    init_rank(rank, rendezvous)
+    FP8State.accept_sharded_checkpoints()
+    dcp.save({"state": {"model": {"w": torch.ones(2)}, "integrations": _integrations(True)}},
+             checkpoint_id=folder)
+    model = {"w": torch.zeros(2)} if rank == 0 else {"w": torch.zeros(2), "v": torch.zeros(2)}
+    template = {"state": {"model": model, "integrations": _integrations(False)}}
+    try:
+        _load(template, folder)
+        result = {"loaded": True}
+    except CheckpointException as error:
+        result = {"notes": getattr(error, "__notes__", []),
+                  "integrations": "integrations" in template["state"]}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_a_tokenizer_key_refused_with_another_rank_s_own_key_keeps_the_note(tmp_path):
+    """Refused on one rank for the tokenizer, on the other for a key of its own: no rank drops
+    the entry (both see the same gathered error), and the note says how to resume."""
+    folder = tempfile.mkdtemp(dir=tmp_path)
+    run_ranks(_mixed_worker, folder, str(tmp_path), deadline_s=120)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for result in results:
+        [note] = result["notes"]
+        assert note.startswith("foundry-fp8: not an FP8 problem: ")
+        assert f"load_path: {folder} and load_ignore_keys: [state/integrations]" in note
+        assert result["integrations"]
 
 
 def test_fp8_guards_saved_decisions_still_load(tmp_path):

@@ -470,7 +470,8 @@ def accept_absent_state(qualname: str, message: str | None,
     process: the template leaves out what the checkpoint lacks of our callbacks' entries only;
     every other key stays as strict as before. `complete(entry, saved)`, given the checkpoint's
     keys of the entry (below its name) with DCP's metadata of each, adds to the template what the state before fit cannot
-    know the checkpoint holds."""
+    know the checkpoint holds. A load refused only for Composer's tokenizer metadata is retried
+    without it (`_without_integrations`)."""
     _ABSENT_OK[qualname] = (message, complete)
     from composer.utils import checkpoint
 
@@ -489,11 +490,14 @@ def accept_absent_state(qualname: str, message: str | None,
                 log.warning("foundry-fp8: internal error preparing the sharded checkpoint load "
                             "(%s: %s); loading it as Composer does", type(error).__name__,
                             str(error).splitlines()[0][:200] if str(error) else "")
+        where = getattr(storage_reader, "path", "<this checkpoint>")
         try:
             return load(state_dict, storage_reader, *args, **kwargs)
         except BaseException as error:  # DCP's CheckpointException is a BaseException
-            _explain_integrations(error, getattr(storage_reader, "path", "<this checkpoint>"))
-            raise
+            if not _without_integrations(error, state_dict, where):
+                _explain_integrations(error, where)
+                raise
+        return load(state_dict, storage_reader, *args, **kwargs)
 
     dist_cp_load._foundry_fp8 = True  # type: ignore[attr-defined]
     checkpoint.dist_cp_load = dist_cp_load
@@ -501,7 +505,8 @@ def accept_absent_state(qualname: str, message: str | None,
 
 #: DCP's refusal of a tokenizer key the sharded checkpoint lacks (default_planner.py,
 #: `create_default_local_load_plan`)
-_INTEGRATIONS_MISSING = re.compile(r"Missing key in checkpoint state_dict: state\.integrations\.")
+_INTEGRATIONS_MISSING = re.compile(
+    r"Missing key in checkpoint state_dict: (state\.integrations\..*)\.")
 #: what that refusal is, where the user reads it: not foundry-fp8's, nor the FP8 state's. Composer
 #: skips 'integrations' in State.load_state_dict (composer/core/state.py:1457-1459, 0.32.1) and
 #: its autoresume drops load_ignore_keys (composer/trainer/trainer.py:1697); %s: the checkpoint
@@ -513,6 +518,35 @@ INTEGRATIONS_NOTE = (
     "reads it back: composer/core/state.py, load_state_dict). Workaround: resume with "
     "autoresume: false, load_path: %s and load_ignore_keys: [state/integrations] "
     "(autoresume sets load_ignore_keys to None: composer/trainer/trainer.py, __init__)")
+
+
+def _without_integrations(error: BaseException, state_dict: dict[str, Any], where: Any) -> bool:
+    """A sharded load refused only for keys under state.integrations (Composer's tokenizer
+    metadata, which it never reads back: composer/core/state.py:1457-1459 in 0.32.1, 1456 in
+    0.31) drops them from the template, says so once, and is to be retried, as
+    load_ignore_keys: [state/integrations] would, which autoresume cannot set. DCP refuses only
+    the template's keys the checkpoint lacks (default_planner.py,
+    `create_default_local_load_plan`, which iterates the template; the checkpoint's keys the
+    template lacks are left unread), whichever tokenizer was called; a template that grew or
+    lost keys elsewhere is still refused. Every rank gets the same gathered CheckpointException
+    (checkpoint/utils.py, `_DistWrapper.reduce_scatter`), so all of them retry or none does."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = state_dict.get("state")
+    if not isinstance(error, CheckpointException) or not isinstance(state, dict) \
+            or "integrations" not in state or not error.failures:
+        return False
+    refused = [_INTEGRATIONS_MISSING.match(str(failure)) for failure, _ in error.failures.values()]
+    if not all(refused):
+        return False
+    del state["integrations"]
+    log.warning("foundry-fp8: %s holds Composer's tokenizer metadata saved differently from this "
+                "run's (it lacks %s: a fast tokenizer keeps its last call's truncation/padding "
+                "in its tokenizer.json); loading it without state.integrations, as load_ignore_keys: "
+                "[state/integrations] would: Composer never reads that entry back "
+                "(composer/core/state.py, load_state_dict), so nothing of the model, optimizer or "
+                "FP8 state is skipped", where, ", ".join(sorted({m.group(1) for m in refused if m})))
+    return True
 
 
 def _explain_integrations(error: BaseException, where: Any) -> None:
