@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ class WandbRun:
     config: dict[str, Any] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)  # media files the run uploads
     complete: bool = False  # the run's exit record is written: nothing more will come
+    killed: bool = False  # no exit record, and none will come (`read_runs`' `dead`)
 
     def steps(self, key: str) -> list[int]:
         """The steps of the rows that hold `key`, in order."""
@@ -119,13 +121,38 @@ def read_run(path: str | Path) -> WandbRun:
     return run
 
 
+#: Seconds without a write after which a run file with no exit record is a dead attempt:
+#: W&B's service writes a run's last records within seconds of `wandb.finish()`.
+QUIET_S = 30.0
+
+
+def dead(path: Path, files: list[Path], now: float) -> bool:
+    """A run file with no exit record that will never get one: a later attempt of the same run
+    id (`resume`) started after it, or nothing has written to it for `QUIET_S` seconds (the
+    process was killed)."""
+    later = files[files.index(path) + 1:] if path in files else []
+    return (any(other.name == path.name for other in later)
+            or now - path.stat().st_mtime >= QUIET_S)
+
+
 def read_runs(folder: str | Path, wait: float = 0.0) -> list[WandbRun]:
     """Every offline run under `folder`; with `wait`, up to that many seconds for W&B's
-    service to finish writing them (`wandb.finish()` can return before the file is complete)."""
+    service to finish writing them (`wandb.finish()` can return before the file is complete),
+    but not for a killed attempt's file (`dead`: read as it stands, `killed`). Past `wait` with
+    a file still unfinished, one warning names it and the runs are returned as they stand."""
     deadline = time.monotonic() + wait
     while True:
-        runs = [read_run(path) for path in run_files(folder)]
-        if all(run.complete for run in runs) or time.monotonic() > deadline:
+        files = run_files(folder)
+        runs = [read_run(path) for path in files]
+        for run in runs:
+            run.killed = not run.complete and dead(run.path, files, time.time())
+        pending = [run.path for run in runs if not (run.complete or run.killed)]
+        if not pending or time.monotonic() > deadline:
+            if pending and wait:
+                warnings.warn(f"{pending[0]}: no exit record after waiting {wait:g} s, and "
+                              f"written to within {QUIET_S:g} s: read as it stands (W&B's "
+                              f"service still writing, or a process killed just now)",
+                              stacklevel=2)
             return runs
         time.sleep(0.5)
 
@@ -141,7 +168,8 @@ def describe(runs: Iterable[WandbRun]) -> str:
         layers = sorted(k for k in keys if parse_key(k))
         summary = sorted(k for k in keys if k.startswith(f"{SUMMARY_PREFIX}/"))
         lines.append(f"{run.path}: {len(run.rows)} history rows" + (
-            "" if run.complete else " (no exit record: the run was killed, or is still writing)"))
+            "" if run.complete else " (no exit record: the run was killed)" if run.killed
+            else " (no exit record: the run was killed, or is still writing)"))
         for label, found in (("summary", summary), ("per-layer", layers)):
             steps = sorted({s for k in found for s in run.steps(k)})
             lines.append(f"  {len(found)} FP8 {label} series at steps {steps or 'none'}"

@@ -337,3 +337,89 @@ def test_a_run_killed_and_resumed_into_the_same_wandb_and_mlflow_run_keeps_every
         assert {8, 10} <= held.keys(), key
         for step, copies in held.items():
             assert copies == [{**before, **after}[key, step]] * len(copies), (key, step)
+
+
+#: One attempt of a W&B offline run in its own process, W&B's own writer: argv is the folder and
+#: `kill` (SIGKILL once the file holds 10 rows, as a crash would) or `finish` (a resume that
+#: ends well). Row `s` holds `x<k>` = s * k; the killed attempt logs steps 0..39, the resumed one
+#: 3..42.
+_ATTEMPT = """
+import os, signal, sys, time
+from pathlib import Path
+import wandb
+from foundry_fp8 import wandb_history
+
+folder, kill = Path(sys.argv[1]), sys.argv[2] == "kill"
+run = wandb.init(mode="offline", id="fp8-attempts", resume="allow", dir=str(folder), project="p")
+for step in range(0 if kill else 3, 40 if kill else 43):
+    run.log({f"x{k}": float(step * k) for k in range(100)}, step=step)
+deadline = time.monotonic() + 60
+while kill and time.monotonic() < deadline:
+    files = wandb_history.run_files(folder)
+    if files and len(wandb_history.read_run(files[-1]).rows) >= 10:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+run.finish()
+"""
+
+
+def _attempt(folder, how: str):
+    import subprocess
+    import sys
+
+    from tests.tiny_run import TINY_YAML
+
+    folder.mkdir(exist_ok=True)  # W&B writes elsewhere when `dir` does not exist
+    return subprocess.run([sys.executable, "-c", _ATTEMPT, str(folder), how],
+                          cwd=TINY_YAML.parents[1], capture_output=True, text=True, timeout=300)
+
+
+def test_read_runs_reads_a_killed_attempt_without_waiting_for_it(tmp_path, monkeypatch):
+    """A killed attempt's file never gets its exit record: `read_runs(wait=...)` waited its whole
+    timeout for it (120 s in the tests, 60 s in `make run`'s demo and the resumed-report test).
+    Dead (a later attempt of the run id, or no write for QUIET_S s), it is read as it stands,
+    marked killed; only a file still being written is waited for, and not past `wait`."""
+    import os
+    import shutil
+    import signal
+
+    killed = _attempt(tmp_path / "run", "kill")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = _attempt(tmp_path / "run", "finish")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    def no_sleep(seconds: float) -> None:
+        raise AssertionError(f"read_runs waited ({seconds} s) for a run that will not finish")
+
+    with monkeypatch.context() as m:
+        m.setattr(wandb_history.time, "sleep", no_sleep)
+        first, second = wandb_history.read_runs(tmp_path / "run", wait=120)
+    assert first.path.name == second.path.name == "run-fp8-attempts.wandb"
+    assert (first.complete, first.killed, second.complete, second.killed) == (
+        False, True, True, False)
+    held = first.steps("x5")
+    assert 10 <= len(held) < 40 and held == list(range(len(held)))
+    assert second.steps("x5") == list(range(3, 43))
+    assert all(row["x5"] == 5.0 * row["_step"] for run in (first, second) for row in run.rows)
+    assert f"{first.path}: {len(held)} history rows (no exit record: the run was killed)\n" in (
+        wandb_history.describe([first, second]))
+
+    # the killed attempt alone: written to just now, it may be a run still writing; waited for
+    # up to `wait`, then read with one warning. Quiet for QUIET_S s, it is dead at once.
+    alone = tmp_path / "alone" / first.path.parent.name
+    shutil.copytree(first.path.parent, alone)
+    copy = alone / first.path.name
+    os.utime(copy)
+    [run] = wandb_history.read_runs(tmp_path / "alone")  # no wait asked: none, no warning
+    assert not run.complete and not run.killed and run.steps("x5") == held
+    with pytest.warns(UserWarning, match=rf"^{re.escape(str(copy))}: no exit record after "
+                                         r"waiting 0\.1 s, and written to within 30 s: read as "
+                                         r"it stands"):
+        [run] = wandb_history.read_runs(tmp_path / "alone", wait=0.1)
+    assert not run.killed
+    quiet = copy.stat().st_mtime - wandb_history.QUIET_S
+    os.utime(copy, (quiet, quiet))
+    with monkeypatch.context() as m:
+        m.setattr(wandb_history.time, "sleep", no_sleep)
+        [run] = wandb_history.read_runs(tmp_path / "alone", wait=120)
+    assert run.killed and run.steps("x5") == held
