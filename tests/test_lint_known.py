@@ -718,6 +718,57 @@ def test_fp8038_names_exactly_the_keys_llmfoundry_cannot_do_without(key):
     assert _train_config_refused(dropped) == (flagged == [key]) == (key in known.TRAIN_REQUIRED_KEYS)
 
 
+def _first_refusal(config: dict) -> str:
+    """What `llmfoundry train` raises first on `config`, as FP8038 quotes it."""
+    from llmfoundry.utils.config_utils import (
+        TRAIN_CONFIG_KEYS,
+        TrainConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_dataclass_and_log_config(OmegaConf.create(config), TrainConfig,
+                                          TRAIN_CONFIG_KEYS, transforms="all")
+    except KeyError as e:
+        return f"KeyError {e} in update_batch_size_info"
+    except MissingMandatoryValue as e:
+        return f"MissingMandatoryValue: {str(e).splitlines()[0]}"
+    return ""
+
+
+@pytest.mark.parametrize(("config", "severity"), [
+    # before: 0 findings, exit 0 (a file of one setting, or of every key but the two markers)
+    ({"precision": "amp_bf16"}, "warning"),
+    ({"precision": "amp_fp8", "seed": 1, "algorithms": {"te_swap": {}}}, "warning"),
+    ({**{k: v for k, v in _WHOLE.items() if k not in ("train_loader", "max_duration")},
+      "precision": "amp_bf16"}, "error"),
+    ({"optimizer": {"name": "decoupled_adamw"}, "global_train_batch_size": 8}, "error"),
+    # fragments of sections alone: LLM-Foundry refuses them too, but they are meant to be parts
+    ({"model": {"name": "mpt_causal_lm"}, "tokenizer": {"name": "gpt2"}}, None),
+    ({"icl_tasks": [{"label": "copa"}]}, None),
+    ({"eval_gauntlet": {"weighting": "EQUAL"}}, None),
+])
+def test_fp8038_on_a_file_without_a_train_only_key_quotes_llmfoundrys_refusal(config, severity):
+    found = [f for f in lint_config(config) if f.rule == "FP8038"]
+    refusal = _first_refusal(config)
+    assert refusal  # LLM-Foundry refuses every one of these as a train config
+    absent = [k for k in _WHOLE if k not in config]
+    if severity is None:
+        assert found == []
+    elif severity == "warning":  # one finding naming every absent key and the first refusal
+        finding, = found
+        assert finding.severity == "warning" and refusal in finding.message
+        assert all(f"`{k}`" in finding.message for k in absent)
+    else:  # one error per absent key, the first of them the one LLM-Foundry names
+        assert {f.severity for f in found} == {"error"}
+        assert sorted(f.key for f in found) == sorted(absent)
+        assert any(f.key in refusal for f in found)
+
+
 def test_train_required_keys_are_trainconfigs_missing_fields_less_the_filled_ones():
     from llmfoundry.utils.config_utils import TrainConfig, update_batch_size_info
     from omegaconf import MISSING

@@ -19,7 +19,9 @@ from foundry_fp8.lint.config import (
     te_swap,
 )
 from foundry_fp8.lint.known import (
+    EVAL_CONFIG_KEYS,
     EVAL_LOADER_LABEL,
+    EVAL_MODEL_KEYS,
     FILLED_KEYS,
     FP8_RECIPE_FIX,
     LOADER_BUILDER_KEYS,
@@ -408,9 +410,19 @@ def mandatory_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hi
                       f"'???' to what reads `{key.rpartition('.')[2]}`", severity="warning")
 
 
-#: The required keys that make a file a train config rather than a fragment (a `model:`
-#: section alone): what only a training run's config holds.
-TRAIN_ONLY_KEYS = ("train_loader", "max_duration")
+#: The required keys that make a file a train config rather than a fragment: those only a
+#: training run reads (not an eval config's keys, not a `model:`/`tokenizer:` section).
+TRAIN_ONLY_KEYS = tuple(k for k in TRAIN_REQUIRED_KEYS
+                        if k not in EVAL_CONFIG_KEYS and k not in EVAL_MODEL_KEYS)
+
+
+#: What update_batch_size_info reads with `cfg[key]`, in its order (config_utils.py:498-500).
+BATCH_KEYS = ("global_train_batch_size", "device_train_microbatch_size")
+
+
+def _refusal(key: str) -> str:
+    return (f"KeyError '{key}' in update_batch_size_info" if key in BATCH_KEYS
+            else f"MissingMandatoryValue: Missing mandatory value: {key}")
 
 
 @rule("FP8038", "error", "a top-level key `llmfoundry train` needs is absent (`max_seq_len`, "
@@ -420,24 +432,35 @@ TRAIN_ONLY_KEYS = ("train_loader", "max_duration")
       "max_duration, max_seq_len) raise MissingMandatoryValue when the file does not give "
       "them; before that its update_batch_size_info transform reads global_train_batch_size "
       "and device_train_microbatch_size with `cfg[key]` (KeyError) and fills "
-      "device_train_batch_size and device_eval_batch_size itself. Files only, and only those "
-      "giving `train_loader` or `max_duration`, which only a train config has (a file of a "
-      "`model:` section alone is a fragment); a `???` is FP8036's.",
+      "device_train_batch_size and device_eval_batch_size itself. Files only. An error in a "
+      f"file giving any of {', '.join(f'`{k}`' for k in TRAIN_ONLY_KEYS)}, which only a train "
+      "config has; one warning naming every absent key in a file giving none of them but a "
+      "top-level setting (`precision: amp_bf16` alone), which `llmfoundry train` refuses as "
+      "is and which may be a fragment merged into a whole config; nothing for a file of "
+      "sections alone (a `model:` fragment, LLM-Foundry's icl_tasks and eval_gauntlet files). "
+      "A `???` is FP8036's.",
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig, "
       "make_dataclass_and_log_config, update_batch_size_info (a config_transforms entry, "
       "llmfoundry/utils/__init__.py; train() applies transforms='all')",
       fix="add the key (or give it on the command line: `llmfoundry train x.yaml key=value`)",
       scope="file")
 def required_keys_absent(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    if not any(key in config for key in TRAIN_ONLY_KEYS):
-        return
-    for key in TRAIN_REQUIRED_KEYS:
-        if key not in config:
+    absent = [key for key in TRAIN_REQUIRED_KEYS if key not in config]
+    if any(key in config for key in TRAIN_ONLY_KEYS):
+        for key in absent:
             yield Hit(key, f"`{key}` is absent: `llmfoundry train` refuses the config before "
-                      "building anything ("
-                      + ("KeyError in update_batch_size_info"
-                         if key in ("global_train_batch_size", "device_train_microbatch_size")
-                         else f"MissingMandatoryValue: Missing mandatory value: {key}") + ")")
+                      f"building anything ({_refusal(key)})")
+        return
+    # a setting (not a section) TrainConfig reads: the file is meant to run, not to be a part
+    setting = next((k for k, v in config.items() if k in TRAIN_CONFIG_KEYS and k != "variables"
+                    and not isinstance(v, (Mapping, list))), None)
+    if setting is not None and absent:
+        named = ", ".join(f"`{k}`" for k in absent)
+        # update_batch_size_info's reads come before the dataclass's
+        first = next((k for k in BATCH_KEYS if k in absent), absent[0])
+        yield Hit(setting, f"a train config without {named}: `llmfoundry train` refuses this file "
+                  f"as is ({_refusal(first)}); fine only if it is a fragment merged into a "
+                  "whole config", severity="warning")
 
 
 def _omegaconf_int(value: Any) -> bool:
