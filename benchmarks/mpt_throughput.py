@@ -11,28 +11,20 @@ end `foundry-fp8 bench` (one line and an exit status, no traceback).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from foundry_fp8.cli import build_parser, main  # noqa: E402  (this checkout's package)
+from foundry_fp8.cli import main  # noqa: E402  (this checkout's package)
 
 
 def argv_for(args: list[str]) -> list[str]:
-    """`foundry-fp8 bench` with these options, --out this repository's results unless given
-    (as the parser reads it, abbreviations included)."""
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            given = build_parser().parse_known_args(["bench", *args])[0]
-    except SystemExit:  # --help or a bad option: `main` prints it, through its guarded output
-        return ["bench", *args]
-    out = [] if given.out != Path(".") else ["--out", str(ROOT / "benchmarks" / "results")]
-    return ["bench", *args, *out]
-
+    """`foundry-fp8 bench` with these options, --out this repository's results unless given:
+    ours goes first, so argparse's last-one-wins lets any --out of the user's (abbreviated, or
+    `.`, the CLI's own default) replace it."""
+    return ["bench", "--out", str(ROOT / "benchmarks" / "results"), *args]
 
 if __name__ == "__main__":
     sys.exit(main(argv_for(sys.argv[1:])))
