@@ -523,9 +523,51 @@ def test_text_is_a_table_without_colour_when_piped(tmp_path):
     assert result.stdout.rstrip().endswith("1 error(s), 0 warning(s), 0 info")
 
 
+def _on_a_terminal(argv: list[str], term: str) -> bytes:
+    """What `argv` writes with a pseudo-terminal as its stdout, TERM=`term`."""
+    import pty
+
+    main, side = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=side, stderr=side,
+                               env={**env, "TERM": term})
+    os.close(side)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # EIO: the terminal's other end closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(main)
+    process.wait(timeout=60)
+    return out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a pseudo-terminal")
+@pytest.mark.parametrize("term", ["dumb", "xterm-256color"])
+def test_colour_on_a_terminal_follows_grep_on_term_dumb(tmp_path, term):
+    """GNU grep's --color=auto (should_colorize: TERM set and not "dumb") is the reference:
+    before, TERM=dumb still got ANSI colour from us."""
+    import shutil
+
+    grep = shutil.which("grep")
+    if grep is None or b"GNU" not in subprocess.run([grep, "--version"],
+                                                    capture_output=True).stdout:
+        pytest.skip("needs GNU grep as the reference")
+    path = _write(tmp_path, CASES["FP8001"][0])
+    ours = _on_a_terminal([sys.executable, "-m", "foundry_fp8.cli", "lint", str(path)], term)
+    theirs = _on_a_terminal([grep, "--color=auto", "precision", str(path)], term)
+    assert b"FP8001" in ours and b"precision" in theirs
+    assert (b"\033[" in ours) == (b"\033[" in theirs) == (term != "dumb")
+
+
 def test_colour_only_on_a_terminal_without_no_color():
     assert use_colour(True, {}) and not use_colour(False, {})
     assert not use_colour(True, {"NO_COLOR": "1"}) and use_colour(True, {"NO_COLOR": ""})
+    assert not use_colour(True, {"TERM": "dumb"}) and use_colour(True, {"TERM": "xterm"})
     report = {"files": [{"path": "a.yaml", "error": None, "findings": [
         {"rule": "FP8001", "severity": "error", "key": "precision", "line": 1, "column": 1,
          "message": "m", "fix": "f"}]}]}

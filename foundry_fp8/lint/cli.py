@@ -183,8 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", help="config files (train, eval, MCLI, Accelerate, "
                         "DeepSpeed; YAML or JSON) or folders of YAML files")
     parser.add_argument("--format", choices=("text", "json", "sarif"), default="text",
-                        help="text: a table per file (colour on a terminal unless NO_COLOR); "
-                             "json: {files: [{path, error, findings}]}; sarif: SARIF 2.1.0; "
+                        help="text: a table per file (colour on a terminal unless NO_COLOR or "
+                             "TERM=dumb); json: {files: [{path, error, findings}]}; sarif: SARIF 2.1.0; "
                              "default text")
 
 

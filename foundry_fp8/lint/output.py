@@ -24,8 +24,10 @@ _COLOURS = {"error": "31", "warning": "33", "info": "36", "dim": "2", "bold": "1
 
 
 def use_colour(is_tty: bool, environ: Mapping[str, str]) -> bool:
-    """Colour on a terminal unless NO_COLOR is set to anything non-empty (no-color.org)."""
-    return is_tty and not environ.get("NO_COLOR")
+    """Colour on a terminal unless NO_COLOR is set to anything non-empty (no-color.org) or
+    TERM is `dumb` (a terminal without escape codes: Emacs' shell; git and grep turn theirs
+    off there too). An unset TERM keeps colour (Windows terminals set none)."""
+    return is_tty and not environ.get("NO_COLOR") and environ.get("TERM") != "dumb"
 
 
 def _paint(text: str, style: str, colour: bool) -> str:
