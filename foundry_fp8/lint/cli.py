@@ -184,8 +184,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "DeepSpeed; YAML or JSON) or folders of YAML files")
     parser.add_argument("--format", choices=("text", "json", "sarif"), default="text",
                         help="text: a table per file (colour on a terminal unless NO_COLOR or "
-                             "TERM=dumb); json: {files: [{path, error, findings}]}; sarif: SARIF 2.1.0; "
-                             "default text")
+                             "TERM=dumb); json: {files: [{path, error, findings}]}; "
+                             "sarif: SARIF 2.1.0; default text")
 
 
 def exit_code(report: dict[str, Any]) -> int:
