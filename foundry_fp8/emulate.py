@@ -54,7 +54,12 @@ from foundry_fp8.recipe import (
     RecipeProblem,
     unsupported_recipe_problem,
 )
-from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE
+from foundry_fp8.shapes import (
+    FP8_DIM_MULTIPLE,
+    FP8_TOKEN_MULTIPLE,
+    dim_fits_fp8,
+    operand_fits_fp8,
+)
 from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_problems
 
 FWD_INPUT, FWD_WEIGHT = 0, 1
@@ -183,18 +188,32 @@ def _check_recipe_type(recipe: object) -> None:
 #: TE's switch to its unfused Python update (read at every update: quantization.py:687-691).
 UNFUSED_UPDATE_ENV = "NVTE_UNFUSED_FP8_UPDATE"
 
+#: The kinds of warning already given ("unfused", "forward", "backward"): each once per
+#: process. Python's own once-per-message record is reset by any `warnings.catch_warnings()`
+#: or filter change (library code may do one every step), after which a warning repeated
+#: step after step.
+_WARNED: set[str] = set()
+
+
+def _warn_once(kind: str, message: str) -> None:
+    """Warn `message` the first time a warning of `kind` comes in this process, never again."""
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        warnings.warn(message, stacklevel=3)
+
 
 def _warn_if_unfused() -> None:
     """TE's unfused update rolls every history column, those that recorded nothing too, and
     divides with torch.compile's arithmetic (quantization.py:1067-1166); the emulation models
-    the fused kernel, so with the variable set its state would differ from TE's in silence."""
+    the fused kernel, so with the variable set its state would differ from TE's in silence.
+    Once per process: the update runs for every buffer at every step."""
     value = os.environ.get(UNFUSED_UPDATE_ENV)
     if value is not None and value != "0":
-        warnings.warn(
+        _warn_once("unfused",
             f"{UNFUSED_UPDATE_ENV}={value}: TransformerEngine would update delayed scales with "
             "its unfused Python path (which also rolls histories that recorded nothing); the "
             "emulation models the fused kernel only, so its histories and scales can differ "
-            f"from TE's (unset {UNFUSED_UPDATE_ENV} to compare them)", stacklevel=1)
+            f"from TE's (unset {UNFUSED_UPDATE_ENV} to compare them)")
 
 
 def _reduce_and_update(direction: Direction) -> None:
@@ -428,43 +447,44 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-#: The shape warnings already given (`_warn_unless_te_runs`): each once per process. Python's
-#: own once-per-message record is reset by any `warnings.catch_warnings()` or filter change
-#: (library code may do one every step), which made the warning repeat step after step.
-_WARNED_SHAPES: set[str] = set()
+#: Ends each shape warning: one per kind per process (`_warn_unless_te_runs`).
+_FURTHER_NOT_WARNED = "; the emulation runs it (only the first such shape is warned of)"
 
 
 def _warn_unless_te_runs(x: torch.Tensor, weight: torch.Tensor, fp8_backward: bool) -> None:
-    """Warn, once per shape, where TE 2.20 would stop a GEMM the emulation runs. Forward:
-    te.Linear, LayerNormLinear and LayerNormMLP, under any recipe, raise ValueError unless each
-    of input and weight [out, in] has its leading dims' product divisible by 8 and its last dim
-    by 16 (`assert_dim_for_fp8_exec`, pytorch/utils.py:614-623, called at module/linear.py:376,
-    layernorm_linear.py:184, layernorm_mlp.py:356; forward only). Backward in FP8, on Hopper
-    (TN-only FP8 GEMMs): the weight-gradient GEMM's inner dim is the tokens and the
-    input-gradient GEMM's is out_features, each checked for 16 (common/gemm/cublaslt_gemm.cu:
-    160-163, 251-254; read in the sources, not run on a GPU). te_swap's plan keeps layers of
-    other weight shapes in high precision, but a batch's tokens (a short last batch, an odd
-    sequence length) are only known here."""
-    tokens, (out_features, _) = math.prod(x.shape[:-1]), weight.shape
-    found = [f"FP8 {name} of shape {list(t.shape)}: TransformerEngine stops the forward with "
-             f"ValueError under any recipe (assert_dim_for_fp8_exec: the product of the leading "
-             f"dims must be divisible by {FP8_TOKEN_MULTIPLE} and the last dim by "
-             f"{FP8_DIM_MULTIPLE})"
-             for name, t in (("input", x), ("weight", weight))
-             if math.prod(t.shape[:-1]) % FP8_TOKEN_MULTIPLE or t.shape[-1] % FP8_DIM_MULTIPLE]
-    if fp8_backward and not found:
-        found = [f"FP8 {name} of shape {list(t.shape)}: TransformerEngine's forward accepts it, "
-                 f"but its FP8 {gemm} GEMM on Hopper needs {what} ({n}) divisible by "
-                 f"{FP8_DIM_MULTIPLE} and stops with 'Leading dimension requirement on A for "
-                 "FP8 GEMM. Caller must pad.' (read in TE's cublaslt_gemm.cu, not run on a GPU)"
-                 for name, t, gemm, what, n in (
-                     ("input", x, "weight-gradient", "the tokens", tokens),
-                     ("weight", weight, "input-gradient", "out_features", out_features))
-                 if n % FP8_DIM_MULTIPLE]
-    for problem in found:
-        if problem not in _WARNED_SHAPES:
-            _WARNED_SHAPES.add(problem)
-            warnings.warn(f"EmulatedFP8Linear: {problem}; the emulation runs it", stacklevel=1)
+    """Warn where TE 2.20 would stop a GEMM the emulation runs. Forward: te.Linear,
+    LayerNormLinear and LayerNormMLP, under any recipe, raise ValueError unless each of input
+    and weight [out, in] passes `shapes.operand_fits_fp8` (`assert_dim_for_fp8_exec`,
+    pytorch/utils.py:614-623, called at module/linear.py:376, layernorm_linear.py:184,
+    layernorm_mlp.py:356; forward only). Backward in FP8, on Hopper (TN-only FP8 GEMMs): the
+    weight-gradient GEMM's inner dim is the tokens and the input-gradient GEMM's is
+    out_features, each checked for 16 (common/gemm/cublaslt_gemm.cu: 160-163, 251-254; read in
+    the sources, not run on a GPU). te_swap's plan keeps layers of other weight shapes in high
+    precision, but a batch's tokens (a short last batch, an odd sequence length) are only known
+    here. One warning per kind (forward, backward) per process, naming the first shapes: with
+    variable lengths every new length would warn again, thousands of lines in a long run's log
+    where the first already says the batches need padding."""
+    refused = [f"{name} of shape {list(t.shape)}" for name, t in (("input", x), ("weight", weight))
+               if not operand_fits_fp8(t.shape)]
+    if refused:
+        _warn_once("forward",
+            f"EmulatedFP8Linear: FP8 {' and '.join(refused)}: TransformerEngine stops the "
+            f"forward with ValueError under any recipe (assert_dim_for_fp8_exec: the product of "
+            f"the leading dims must be divisible by {FP8_TOKEN_MULTIPLE} and the last dim by "
+            f"{FP8_DIM_MULTIPLE}){_FURTHER_NOT_WARNED}")
+        return
+    if not fp8_backward:
+        return
+    needs = [f"{what} ({n}) for the {gemm} GEMM" for what, n, gemm in (
+                 ("the tokens", math.prod(x.shape[:-1]), "weight-gradient"),
+                 ("out_features", weight.shape[0], "input-gradient")) if not dim_fits_fp8(n)]
+    if needs:
+        _warn_once("backward",
+            f"EmulatedFP8Linear: FP8 input of shape {list(x.shape)} and weight of shape "
+            f"{list(weight.shape)}: TransformerEngine's forward accepts them, but its FP8 "
+            f"backward on Hopper needs {' and '.join(needs)} divisible by {FP8_DIM_MULTIPLE} "
+            "and stops with 'Leading dimension requirement on A for FP8 GEMM. Caller must pad.' "
+            f"(read in TE's cublaslt_gemm.cu, not run on a GPU){_FURTHER_NOT_WARNED}")
 
 
 class EmulatedFP8Linear(nn.Linear):

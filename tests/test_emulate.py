@@ -490,18 +490,29 @@ def _te_refuses(shape: tuple[int, ...]) -> bool:
     return leading % 8 != 0 or shape[-1] % 16 != 0
 
 
-def _forward_line(name: str, shape: tuple[int, ...]) -> str:
-    return (f"EmulatedFP8Linear: FP8 {name} of shape {list(shape)}: TransformerEngine stops the "
-            "forward with ValueError under any recipe (assert_dim_for_fp8_exec: the product of "
-            "the leading dims must be divisible by 8 and the last dim by 16); the emulation "
-            "runs it")
+def _forward_line(refused: list[tuple[str, tuple[int, ...]]]) -> str:
+    named = " and ".join(f"{name} of shape {list(shape)}" for name, shape in refused)
+    return (f"EmulatedFP8Linear: FP8 {named}: TransformerEngine stops the forward with ValueError "
+            "under any recipe (assert_dim_for_fp8_exec: the product of the leading dims must be "
+            "divisible by 8 and the last dim by 16); the emulation runs it (only the first such "
+            "shape is warned of)")
 
 
-def _backward_line(name: str, shape: tuple[int, ...], gemm: str, what: str, n: int) -> str:
-    return (f"EmulatedFP8Linear: FP8 {name} of shape {list(shape)}: TransformerEngine's forward "
-            f"accepts it, but its FP8 {gemm} GEMM on Hopper needs {what} ({n}) divisible by 16 "
-            "and stops with 'Leading dimension requirement on A for FP8 GEMM. Caller must pad.' "
-            "(read in TE's cublaslt_gemm.cu, not run on a GPU); the emulation runs it")
+def _backward_line(x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> str | None:
+    """TE's Hopper FP8 backward GEMMs (TN only, cublaslt_gemm.cu:160-163): the inner dim of the
+    weight-gradient GEMM is the tokens, the input-gradient GEMM's is out_features; each by 16."""
+    tokens = math.prod(x_shape[:-1])
+    needs = [f"{what} ({n}) for the {gemm} GEMM" for what, n, gemm in (
+        ("the tokens", tokens, "weight-gradient"), ("out_features", w_shape[0], "input-gradient"))
+        if n % 16]
+    if not needs:
+        return None
+    return (f"EmulatedFP8Linear: FP8 input of shape {list(x_shape)} and weight of shape "
+            f"{list(w_shape)}: TransformerEngine's forward accepts them, but its FP8 backward on "
+            f"Hopper needs {' and '.join(needs)} divisible by 16 and stops with 'Leading "
+            "dimension requirement on A for FP8 GEMM. Caller must pad.' (read in TE's "
+            "cublaslt_gemm.cu, not run on a GPU); the emulation runs it (only the first such "
+            "shape is warned of)")
 
 
 def _shape_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -510,29 +521,26 @@ def _shape_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 @pytest.fixture
-def fresh_shape_warnings(monkeypatch):
-    """Shape warnings are given once per process; each test starts with none given."""
-    monkeypatch.setattr(emulate, "_WARNED_SHAPES", set())
+def fresh_warnings(monkeypatch):
+    """The emulation's warnings are given once per kind per process; each test starts with
+    none given."""
+    monkeypatch.setattr(emulate, "_WARNED", set())
 
 
 @pytest.mark.parametrize(("x_shape", "w_shape"), [
     ((3, 5, 64), (32, 64)), ((2, 4, 64), (32, 64)), ((8, 24), (16, 24)), ((16, 64), (12, 64)),
-    ((64,), (32, 64)), ((16, 64), (24, 64)), ((4, 4, 64), (48, 64)),
+    ((64,), (32, 64)), ((16, 64), (24, 64)), ((4, 4, 64), (48, 64)), ((3, 64), (12, 64)),
 ])
-def test_a_gemm_te_would_refuse_warns_once_per_shape(fresh_shape_warnings, x_shape, w_shape):
+def test_a_gemm_te_would_refuse_warns_once(fresh_warnings, x_shape, w_shape):
     """te.Linear stops an FP8 forward with ValueError for these shapes; the emulation ran them
     silently, so a run ready on the CPU (an odd sequence length, a short last batch) crashed
     on the GPU. Shapes the forward accepts but whose tokens or out_features are no multiple of
-    16 stop TE's FP8 backward GEMMs on Hopper (TN only: the inner dim is the leading one,
-    common/gemm/cublaslt_gemm.cu:160-163); eval forwards (no grad) warn of the forward only."""
-    tokens = math.prod(x_shape[:-1])
-    forward = [_forward_line(name, shape) for name, shape in (("input", x_shape),
-                                                              ("weight", w_shape))
+    16 stop TE's FP8 backward GEMMs on Hopper; eval forwards (no grad) warn of the forward
+    only. Input and weight refused at once: one line naming both."""
+    refused = [(name, shape) for name, shape in (("input", x_shape), ("weight", w_shape))
                if _te_refuses(shape)]
-    backward = [] if forward else [
-        _backward_line(name, shape, gemm, what, n) for name, shape, gemm, what, n in (
-            ("input", x_shape, "weight-gradient", "the tokens", tokens),
-            ("weight", w_shape, "input-gradient", "out_features", w_shape[0])) if n % 16]
+    forward = [_forward_line(refused)] if refused else []
+    backward = [] if refused else [line for line in [_backward_line(x_shape, w_shape)] if line]
     layer = EmulatedFP8Linear(w_shape[1], w_shape[0])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
@@ -547,8 +555,29 @@ def test_a_gemm_te_would_refuse_warns_once_per_shape(fresh_shape_warnings, x_sha
     assert _shape_warnings(caught) == forward + backward  # not again at a later step
 
 
+def test_variable_lengths_warn_once_per_kind_naming_the_first_shape(fresh_warnings):
+    """With dynamic padding every batch can have a new length: the warning was given once per
+    shape, so a long run's log got one line per new length (7 lines for these 8 batches). Now
+    one forward line and one backward line, each naming the first shape of its kind, however
+    the warnings filter is reset between steps."""
+    layer = EmulatedFP8Linear(64, 32)
+    lengths = [(2, 7), (2, 9), (1, 24), (3, 5), (1, 40), (1, 16), (2, 13), (2, 12)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for batch, length in lengths:
+            with fp8_autocast(recipe=FP8Recipe()):
+                layer(torch.randn(batch, length, 64)).sum().backward()
+            with warnings.catch_warnings():
+                pass
+    first_forward = next(s for s in lengths if _te_refuses((*s, 64)))
+    first_backward = next(s for s in lengths if not _te_refuses((*s, 64))
+                          and math.prod(s) % 16)
+    assert _shape_warnings(caught) == [_forward_line([("input", (*first_forward, 64))]),
+                                       _backward_line((*first_backward, 64), (32, 64))]
+
+
 def test_shape_warnings_come_once_under_fp8_checkpoint_and_not_under_backward_override(
-        fresh_shape_warnings, monkeypatch):
+        fresh_warnings, monkeypatch):
     """The recompute of `fp8_checkpoint` runs the forward again: no second warning. With
     NVTE_BACKWARD_OVERRIDE set, TE's backward GEMMs run in high precision: no backward one."""
     layer = EmulatedFP8Linear(64, 24)
@@ -559,10 +588,10 @@ def test_shape_warnings_come_once_under_fp8_checkpoint_and_not_under_backward_ov
             x = torch.randn(x_shape, requires_grad=True)
             with fp8_autocast(recipe=FP8Recipe()):
                 fp8_checkpoint(layer, x).sum().backward()
-    assert _shape_warnings(caught) == [
-        _backward_line("input", x_shape, "weight-gradient", "the tokens", 24),
-        _backward_line("weight", (24, 64), "input-gradient", "out_features", 24)]
-    monkeypatch.setattr(emulate, "_WARNED_SHAPES", set())
+    assert _shape_warnings(caught) == [_backward_line(x_shape, (24, 64))]
+    assert "the tokens (24) for the weight-gradient GEMM and out_features (24) for the " \
+        "input-gradient GEMM" in _shape_warnings(caught)[0]
+    monkeypatch.setattr(emulate, "_WARNED", set())
     monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "high_precision")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -571,8 +600,12 @@ def test_shape_warnings_come_once_under_fp8_checkpoint_and_not_under_backward_ov
     assert _shape_warnings(caught) == []
 
 
+def _unfused_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "NVTE_UNFUSED_FP8_UPDATE" in str(w.message)]
+
+
 @pytest.mark.parametrize("value", ["1", None, "0"])
-def test_te_s_unfused_update_switch_is_named_not_ignored(monkeypatch, value):
+def test_te_s_unfused_update_switch_is_named_not_ignored(fresh_warnings, monkeypatch, value):
     """NVTE_UNFUSED_FP8_UPDATE=1 makes TE update delayed scales with its Python path
     (transformer_engine/pytorch/quantization.py:687-711, 1067-1166), which rolls a history that
     recorded nothing, unlike the fused kernel the emulation models: the emulation used to
@@ -585,12 +618,31 @@ def test_te_s_unfused_update_switch_is_named_not_ignored(monkeypatch, value):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with fp8_autocast(recipe=FP8Recipe()):
-            out = layer(torch.randn(8, 16))
+            out = layer(torch.randn(16, 16))
         out.sum().backward()
-    ours = [str(w.message) for w in caught if "NVTE_UNFUSED_FP8_UPDATE" in str(w.message)]
-    if value == "1":
-        assert ours and all(m.startswith("NVTE_UNFUSED_FP8_UPDATE=1: TransformerEngine would "
-                                         "update delayed scales with its unfused") for m in ours)
-        assert "\n" not in ours[0]
+    if value == "1":  # one, though the forward and the backward update both ran
+        assert _unfused_warnings(caught) == [
+            "NVTE_UNFUSED_FP8_UPDATE=1: TransformerEngine would update delayed scales with its "
+            "unfused Python path (which also rolls histories that recorded nothing); the "
+            "emulation models the fused kernel only, so its histories and scales can differ "
+            "from TE's (unset NVTE_UNFUSED_FP8_UPDATE to compare them)"]
     else:
-        assert ours == []
+        assert _unfused_warnings(caught) == []
+
+
+def test_the_unfused_update_warning_comes_once_whatever_resets_the_filter(fresh_warnings,
+                                                                          monkeypatch):
+    """The warning ran at every update of every buffer and relied on Python's once-per-message
+    record, which any `warnings.catch_warnings()` resets (trainers and pytest open one around
+    steps): two layers, 4 steps, a reset after each gave 4 warnings. Now 1 per process."""
+    monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "1")
+    layers = nn.Sequential(EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(4):
+            with fp8_autocast(recipe=FP8Recipe()):
+                out = layers(torch.randn(16, 16))
+            out.sum().backward()
+            with warnings.catch_warnings():
+                pass
+    assert len(_unfused_warnings(caught)) == 1
