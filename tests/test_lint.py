@@ -161,6 +161,7 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8047": ({"eval_loader": {"name": "text", "label": "c4"}}, "eval_loader.label", 1),
     "FP8048": ({"callbacks": {"fp8_stats": {"layers": "^blocks"}}}, "callbacks.fp8_stats.layers",
                1),
+    "FP8049": ({"load_path": "ckpt/latest-sharded-rank0"}, "load_path", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -222,6 +223,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8046": ({"model": {"pretrained": True}}, 1),  # an MPT model: FP8024's (a warning)
     "FP8047": ({"train_loader": {"timeout": 5, "pin_memory": False}}, 1),
     "FP8048": ({"callbacks": {"fp8_stats": {"layers": "blocks"}}}, 1),
+    "FP8049": ({"load_path": "ckpt/latest-rank0.pt"}, 1),  # a monolithic checkpoint: a file
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

@@ -3,6 +3,8 @@ FSDP version reads which key; auto micro-batching under FSDP on this Composer an
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -456,3 +458,63 @@ def invalid_master_weights_dtype(config: Mapping[str, Any], ctx: LintContext) ->
     yield Hit("model.master_weights_dtype", f"LLM-Foundry's build_composer_model refuses "
               f"master_weights_dtype {master!r:.40} (ValueError 'Invalid master_weights_dtype'; "
               f"it takes {', '.join(sorted(FOUNDRY_MASTER_WEIGHTS_DTYPES))})" + hint)
+
+
+#: The name LLM-Foundry gives the symlink to a sharded checkpoint's folder
+#: (llmfoundry/command_utils/train.py:299 'latest-sharded-rank{rank}').
+SHARDED_LINK = re.compile(r"latest-sharded-rank(\d+|\{rank\})")
+#: Composer's FSDP / FSDP2 defaults for `state_dict_type` (composer/utils/parallelism.py:39, :92).
+STATE_DICT_DEFAULT = {1: "full", 2: "sharded"}
+
+
+def _sharded_folder(path: str) -> str | None:
+    """Why `path` is a sharded checkpoint's folder: LLM-Foundry's symlink name, or a local
+    folder (Composer loads any other checkpoint from a file); None when neither shows."""
+    if "://" in path:  # an object store: nothing to see from here
+        return None
+    name = os.path.basename(path.rstrip("/"))
+    if SHARDED_LINK.fullmatch(name):
+        return f"`{name}` is LLM-Foundry's link to a sharded checkpoint's folder"
+    if os.path.isdir(path):
+        return "it is a folder here (a sharded checkpoint; any other one is a file)"
+    return None
+
+
+@rule("FP8049", "error", "`load_path` names a sharded checkpoint's folder in a run that does not "
+      "load sharded",
+      why="Composer loads a folder only with FSDP's sharded state dict (fsdp_config "
+      "state_dict_type: sharded, FSDP2's default); otherwise it reads load_path as one file and "
+      "raises IsADirectoryError. `llmfoundry train` in one process drops fsdp_config ('FSDP is "
+      "not applicable for single-GPU training. Reverting to DDP.'), so a sharded checkpoint "
+      "saved on 2+ GPUs does not load on one. An error where the run cannot load it (no "
+      "sharded fsdp_config; MCLI `compute.gpus: 1`), a warning for a plain YAML with a sharded "
+      "fsdp_config, whose world size is unknown, nothing for `compute.gpus` of 2 or more. The "
+      "path is judged by its name (LLM-Foundry's `latest-sharded-rank{rank}`) or as a folder "
+      "where the linter runs; object-store paths are not judged.",
+      source=f"{COMPOSER} composer/utils/checkpoint.py load_checkpoint "
+      "(fsdp_sharded_state_dict_enabled, composer/core/state.py), composer/utils/parallelism.py "
+      f"FSDPConfig/FSDP2Config state_dict_type; {FOUNDRY} llmfoundry/command_utils/train.py:299 "
+      "(save_latest_filename), :319-331 (one process: fsdp_config = None)",
+      fix="load a monolithic checkpoint (saved with state_dict_type: full) in one process, or "
+      "train on 2+ GPUs with fsdp_config state_dict_type: sharded", scope="file")
+def sharded_load_path(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    path = config.get("load_path")
+    why = _sharded_folder(path) if isinstance(path, str) and path else None
+    if why is None:
+        return
+    settings = config.get("fsdp_config")
+    sharded = isinstance(settings, Mapping) and settings.get(
+        "state_dict_type", STATE_DICT_DEFAULT.get(ctx.fsdp_version)) == "sharded"
+    if not sharded:
+        yield Hit("load_path", f"load_path `{path}`: {why}, and this run has no fsdp_config "
+                  "with state_dict_type: sharded, so Composer reads it as one file "
+                  "(IsADirectoryError)")
+    elif ctx.gpus == 1:
+        yield Hit("load_path", f"load_path `{path}`: {why}; with `compute.gpus: 1` LLM-Foundry "
+                  "drops fsdp_config ('Reverting to DDP') and Composer reads it as one file "
+                  "(IsADirectoryError)")
+    elif ctx.gpus is None:
+        yield Hit("load_path", f"load_path `{path}`: {why}; it loads on 2+ GPUs, but in one "
+                  "process (one GPU, or CPU) LLM-Foundry drops fsdp_config and Composer reads "
+                  "it as one file (IsADirectoryError): an error if this config trains in one "
+                  "process", severity="warning")
