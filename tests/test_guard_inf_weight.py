@@ -1,8 +1,9 @@
 """fp8_guard in a real tiny LLM-Foundry run where one weight element of another layer is inf in
 high precision (FP8's saturating cast lets training go on with it): the guard still moves the
-faulty layer at the step its rule says, says once which layer it cannot judge, and never moves
-the inf layer. Before, the first inf stopped the guard judging any layer for the rest of the run
-and the faulty layer stayed in FP8."""
+faulty layer at the step its rule says, names once each layer it cannot judge (a second layer
+going inf later too), and never moves the inf layers. Before, the first inf stopped the guard
+judging any layer for the rest of the run and the faulty layer stayed in FP8; the guard's one
+NaN/Inf line never named a layer going inf after the first."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from tests.test_guard_run import (
 )
 
 INF_LAYER, INF_AT = "blocks.0.ffn.up_proj", 2  # before the fault's START
+LATER_LAYER, LATER_AT = "blocks.1.ffn.up_proj", 12  # after the fault's fallback
 
 
 class InfWeight(Callback):
@@ -52,18 +54,21 @@ def test_an_inf_weight_in_one_layer_leaves_the_guard_judging_the_others(tmp_path
     from llmfoundry.registry import callbacks
 
     callbacks.register("guard_inf_weight", func=InfWeight)
+    callbacks.register("guard_inf_weight_later", func=InfWeight)
     capfd.readouterr()
     guard, metrics, _ = _run(tmp_path, tiny_data, "inf_weight",
                              {**FAULT, **GUARD,
-                              "guard_inf_weight": {"layer": INF_LAYER, "at": INF_AT}})
+                              "guard_inf_weight": {"layer": INF_LAYER, "at": INF_AT},
+                              "guard_inf_weight_later": {"layer": LATER_LAYER, "at": LATER_AT}})
     err = capfd.readouterr().err
     # fp8_stats' numbers: the inf stays in INF_LAYER's high-precision weight from INF_AT to the
-    # end, alone; the loss stays finite
+    # end, in LATER_LAYER's from LATER_AT, in no other tensor; the loss stays finite
     held = {step: sorted((name, tensor) for (name, tensor), r in stats_table(m).items()
                          if r.get("nan_count", 0) + r.get("inf_count", 0))
             for step, m in metrics.items() if summary_key(None, "flagged_layers") in m}
     assert {s: rows for s, rows in held.items() if rows} == {
-        s: [(INF_LAYER, "weight")] for s in range(INF_AT, END, INTERVAL)}
+        s: sorted([(INF_LAYER, "weight")] + [(LATER_LAYER, "weight")] * (s >= LATER_AT))
+        for s in range(INF_AT, END, INTERVAL)}
     assert all(math.isfinite(loss) for loss in _losses(metrics).values())
     # the reference: the first logging step at which one of LAYER's tensors has crossed a limit
     # at CONSECUTIVE logging steps in a row, from the run's own fp8_stats rows
@@ -74,9 +79,16 @@ def test_an_inf_weight_in_one_layer_leaves_the_guard_judging_the_others(tmp_path
     assert list(guard.core.fallbacks) == [LAYER] and guard.core.fallbacks[LAYER].step == expected
     assert {s: m[FALLBACK_LAYERS] for s, m in metrics.items() if FALLBACK_LAYERS in m} == {
         s: float(s >= expected) for s in range(0, END, INTERVAL)}
+    # one line per layer, at the first logging step fp8_stats' rows show its inf
+    first = {}
+    for step, rows in sorted(held.items()):
+        for name, _ in rows:
+            first.setdefault(name, step)
+    assert first == {INF_LAYER: INF_AT, LATER_LAYER: LATER_AT}
     said = [line for line in err.splitlines() if "hold NaN/Inf" in line]
-    assert len(said) == 1, said
-    assert (f"fp8_guard: at step {INF_AT}, 1 layer(s) hold NaN/Inf in their high-precision "
-            f"weight" in said[0])
-    assert f"here {INF_LAYER}; said once" in said[0]
-    assert "the layers without NaN/Inf are judged as usual" in said[0]
+    assert len(said) == len(first), said
+    for line, (name, step) in zip(said, sorted(first.items(), key=lambda kv: kv[1]), strict=True):
+        assert (f"fp8_guard: at step {step}, 1 layer(s) hold NaN/Inf in their high-precision "
+                f"weight" in line)
+        assert f"here {name}; said once" in line
+        assert "the layers without NaN/Inf are judged as usual" in line

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from composer.utils import checkpoint
+from composer.utils import ObjectStore, checkpoint
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
@@ -210,6 +212,42 @@ def test_a_tokenizer_key_refused_with_another_rank_s_own_key_keeps_the_note(tmp_
         assert note.startswith("foundry-fp8: not an FP8 problem: ")
         assert f"load_path: {folder} and load_ignore_keys: [state/integrations]" in note
         assert result["integrations"]
+
+
+class _Bucket(ObjectStore):
+    """An S3 bucket kept in a local folder: what Composer's sharded load of a remote checkpoint
+    (an autoresume from a remote save_folder) reads through DistCPObjectStoreReader."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def get_uri(self, object_name: str) -> str:
+        return f"s3://bucket/{object_name}"
+
+    def download_object(self, object_name: str, filename: str | os.PathLike, overwrite: bool = False,
+                        callback: Any = None) -> None:
+        shutil.copyfile(os.path.join(self.root, object_name), filename)
+
+
+def test_a_remote_checkpoint_is_named_by_its_uri_not_composer_s_download_folder(tmp_path, caplog):
+    """The reader's `path` is the download folder `<tempdir>/checkpoints` Composer deletes when
+    the load ends (composer/utils/checkpoint.py, load_sharded_checkpoint): a load_path to it
+    resumes nothing. Our lines (this warning, the note, fp8_guard's 'holds no state') name the
+    checkpoint's URI, what autoresume loaded (trainer.py: ar_object_store.get_uri)."""
+    name = "run/checkpoints/ep0-ba4"
+    dcp.save({"state": {"model": {"w": torch.ones(2)}, "integrations": _integrations(True)}},
+             checkpoint_id=tmp_path / "bucket" / name, no_dist=True)
+    template = {"state": {"model": {"w": torch.zeros(2)}, "integrations": _integrations(False)}}
+    with tempfile.TemporaryDirectory(dir=tmp_path) as download:
+        reader = checkpoint.DistCPObjectStoreReader(
+            source_path=name, destination_path=os.path.join(download, "checkpoints"),
+            object_store=_Bucket(str(tmp_path / "bucket")))
+        assert str(reader.path) == os.path.join(download, "checkpoints")  # named before
+        with caplog.at_level(logging.WARNING):
+            checkpoint.dist_cp_load(template, reader)
+    assert torch.equal(template["state"]["model"]["w"], torch.ones(2))
+    [said] = [r.getMessage() for r in caplog.records if r.name.startswith("foundry_fp8")]
+    assert said.startswith(f"foundry-fp8: s3://bucket/{name} holds Composer's tokenizer metadata")
 
 
 def test_fp8_guards_saved_decisions_still_load(tmp_path):

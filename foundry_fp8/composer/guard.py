@@ -69,8 +69,9 @@ class FP8Guard(Callback):
     callback's state) and apply again on resume. Each fallback is logged once (warning) with the
     numbers that flagged it and the equivalent static `te_swap: {exclude: ...}`.
 
-    NaN/Inf in a high-precision tensor is no FP8 failure and a fallback cannot fix it: a logging
-    step with any is not judged, and the guard says so once. It also says once when fp8_stats
+    NaN/Inf in a high-precision tensor is no FP8 failure and a fallback cannot fix it: a layer
+    holding any is not judged at that logging step (the others are), and the guard names each
+    such layer once, at the first logging step it holds NaN/Inf. It also says once when fp8_stats
     gives it nothing (more) to judge: off (its `layers` select no layer, or an error of its own)
     or no logging step left in the run.
 
@@ -117,7 +118,8 @@ class FP8Guard(Callback):
         # rank leaves the votes' all_reduce alone (its partner would be another collective)
         self._act_failed = False
         self._heard = False  # fp8_stats called the guard at a logging step of this fit
-        self._said: set[str] = set()  # the one-time warnings given: "nonfinite", "inert"
+        self._said: set[str] = set()  # the one-time warnings given: "inert"
+        self._named: set[str] = set()  # the layers a NaN/Inf line has named
         self._table_keys = FitEndKeys(FALLBACKS_KEY)
 
     # events
@@ -290,10 +292,13 @@ class FP8Guard(Callback):
         refusals = len(self.core.refusals)
         verdict = self.core.decide(step, layers, table)
         rank_zero = dist.get_global_rank() == 0
-        if self.core.nonfinite and "nonfinite" not in self._said:
-            self._said.add("nonfinite")
+        # each layer named once, when it first holds NaN/Inf: a layer going non-finite after
+        # another is as unjudged as the first
+        fresh = [row for row in self.core.nonfinite if row[0] not in self._named]
+        if fresh:
+            self._named.update(layer for layer, _ in fresh)
             if rank_zero:
-                log.warning(nonfinite_message(step, self.core.nonfinite))
+                log.warning(nonfinite_message(step, fresh))
         for fallback in verdict.fallbacks:
             self._apply(fallback.layer)
             if rank_zero:
@@ -490,7 +495,7 @@ def accept_absent_state(qualname: str, message: str | None,
                 log.warning("foundry-fp8: internal error preparing the sharded checkpoint load "
                             "(%s: %s); loading it as Composer does", type(error).__name__,
                             str(error).splitlines()[0][:200] if str(error) else "")
-        where = getattr(storage_reader, "path", "<this checkpoint>")
+        where = _checkpoint_location(storage_reader)
         try:
             return load(state_dict, storage_reader, *args, **kwargs)
         except BaseException as error:  # DCP's CheckpointException is a BaseException
@@ -501,6 +506,22 @@ def accept_absent_state(qualname: str, message: str | None,
 
     dist_cp_load._foundry_fp8 = True  # type: ignore[attr-defined]
     checkpoint.dist_cp_load = dist_cp_load
+
+
+def _checkpoint_location(storage_reader: Any) -> str:
+    """Where the user's sharded checkpoint is, as a load_path would name it. An object-store one
+    is read through Composer's DistCPObjectStoreReader, whose `path` is only the download folder
+    `<tempdir>/checkpoints`, deleted when the load ends (composer/utils/checkpoint.py,
+    `load_sharded_checkpoint`, 0.31 and 0.32.1); its `source_path` is the object name in its
+    `object_store`, whose `get_uri` gives the URI (what autoresume loads: composer/trainer/
+    trainer.py, `ar_object_store.get_uri`)."""
+    source = getattr(storage_reader, "source_path", None)
+    if source is None:
+        return str(getattr(storage_reader, "path", "the checkpoint"))
+    try:
+        return str(storage_reader.object_store.get_uri(source))
+    except Exception:  # a LoggerDestination as the store has no get_uri
+        return f"the remote checkpoint folder {source}"
 
 
 #: DCP's refusal of a tokenizer key the sharded checkpoint lacks (default_planner.py,
@@ -564,7 +585,7 @@ def _prepare(entries: dict[str, Any], storage_reader: Any) -> None:
     """Our callbacks' entries of the load template, completed and pruned to what the checkpoint
     holds; prepared on a copy, so a failure leaves the template untouched."""
     saved = storage_reader.read_metadata().state_dict_metadata
-    where = getattr(storage_reader, "path", "the checkpoint")
+    where = _checkpoint_location(storage_reader)
     ours = sorted(n for n in entries.keys() & _ABSENT_OK.keys() if entries[n])
     prepared = {name: _containers_copy(entries[name]) for name in ours}
     said = []
