@@ -1,5 +1,6 @@
 """Append-only JSONL metric files: the local copy of everything we log (and the `jsonl`
-logger's other file operations: hparams.json replaced in one step, an earlier run set aside).
+logger's other file operations: hparams.json replaced in one step, an earlier run set aside, the
+lock that keeps a second process from writing the same file).
 
 One line per logging call: `{"step": int, "metrics": {name: float}}`. Plain Python (no torch),
 so readers such as `foundry-fp8 report` stay light.
@@ -8,11 +9,13 @@ so readers such as `foundry-fp8 report` stay light.
 from __future__ import annotations
 
 import errno
+import fcntl
+import itertools
 import json
 import math
 import os
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -136,22 +139,87 @@ def hparams_of(metrics_file: Path) -> Path:
     return hparams
 
 
-def set_aside(path: Path, keep: int, aside: Path) -> None:
-    """Move the first `keep` bytes of `path` (an earlier run's records) to `aside`, which must
-    not exist, and leave what follows them (this run's) in `path`."""
-    if aside.exists():
-        raise FileExistsError(f"{aside} exists")
+def claim_numbered(path: Path, hparams: Path) -> int:
+    """The first n from 1 where neither `metrics.<n>.jsonl` nor `hparams.<n>.json` stands;
+    `metrics.<n>.jsonl` is created empty and exclusively, so a concurrent claim gets another n."""
+    return next(n for n in itertools.count(1)
+                if not numbered(hparams, n).exists() and _created(numbered(path, n)))
+
+
+def _created(path: Path) -> bool:
+    """Create `path` empty; False where something stands there already."""
+    try:
+        path.open("xb").close()
+    except FileExistsError:
+        return False
+    return True
+
+
+def set_aside(path: Path, keep: int, aside: Path,
+              before_replace: Callable[[Path], object]) -> None:
+    """Move the first `keep` bytes of `path` (an earlier run's records) to `aside` (claimed:
+    `claim_numbered`) and leave what follows them (this run's) in a new file at `path`;
+    `before_replace` gets that new file before it takes `path`'s place (the writer moves its
+    lock to it, so no other writer can take the path in between)."""
     with path.open("rb") as f:
         f.seek(keep)
         ours = f.read()
-    if ours:  # ours first into a new file, so a kill on the way loses nothing
-        temporary = _temporary(path)
-        temporary.write_bytes(ours.removeprefix(b"\n"))  # a newline only after a cut line
-        os.rename(path, aside)
-        os.replace(temporary, path)
-        os.truncate(aside, keep)
-    else:
-        os.rename(path, aside)
+    temporary = _temporary(path)  # ours first into a new file, so a kill on the way loses nothing
+    temporary.write_bytes(ours.removeprefix(b"\n"))  # a newline only after a cut line
+    before_replace(temporary)
+    os.rename(path, aside)
+    os.replace(temporary, path)
+    os.truncate(aside, keep)
+
+
+#: The writer locks this process holds: (device, inode) of a metrics file -> [fd, holders].
+#: flock locks belong to an open file, so a second logger of this process on the same file (a
+#: second Trainer of the run, in a notebook or a test) shares the first one's.
+_LOCKS: dict[tuple[int, int], list[int]] = {}
+
+
+def lock_writer(path: Path) -> tuple[int, int] | str | None:
+    """Take the advisory writer lock of `path` (created if absent) for this process (flock,
+    non-blocking; the OS drops it when the process dies, so a killed run leaves none): its key
+    for `unlock_writer`; or, where another process holds it, who (`pid N`, else `another
+    process`); None where the file system takes no locks (nothing is checked then)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    found = os.fstat(fd)
+    key = (found.st_dev, found.st_ino)
+    if key in _LOCKS:
+        os.close(fd)
+        _LOCKS[key][1] += 1
+        return key
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        return _holder(key) if isinstance(e, BlockingIOError) else None
+    _LOCKS[key] = [fd, 1]
+    return key
+
+
+def unlock_writer(key: tuple[int, int]) -> None:
+    """Give back one hold of `lock_writer`'s lock; the last one releases it."""
+    held = _LOCKS[key]
+    held[1] -= 1
+    if not held[1]:
+        del _LOCKS[key]
+        os.close(held[0])
+
+
+def _holder(key: tuple[int, int]) -> str:
+    """Who holds the flock of the file `key`, from Linux's /proc/locks (`N: FLOCK ADVISORY
+    WRITE <pid> <major>:<minor>:<inode> ...`, major and minor in hex: fs/locks.c,
+    lock_get_status); `another process` where it does not say (another OS, another host)."""
+    device = f"{os.major(key[0]):02x}:{os.minor(key[0]):02x}:{key[1]}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        lines = []
+    pids = {fields[4] for fields in map(str.split, lines)
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == device}
+    return f"pid {pids.pop()}" if len(pids) == 1 and pids != {"0"} else "another process"
 
 
 def number(value: Any) -> float | None:

@@ -365,3 +365,101 @@ def test_a_line_over_the_cap_is_skipped_and_named(tmp_path, monkeypatch):
     with pytest.raises(JsonlError, match=r"no metrics record; 1 line does not decode as JSON "
                                          rf"\(line 1: longer than {len(line) - 1:,} bytes\)"):
         list(read_jsonl(path))
+
+
+# ---- two processes writing one run's file at once (QA session 16) ------------------------
+
+_WRITER = """
+import logging, sys, types
+from foundry_fp8.composer.jsonl_logger import JSONLLogger
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+path, name, batch, strict = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "strict"
+logger = JSONLLogger(path=path, strict=strict)
+logger.log_hyperparameters({"run": name})
+logger.init(types.SimpleNamespace(run_name="r"), None)
+logger.fit_start(types.SimpleNamespace(run_name="r", timestamp=types.SimpleNamespace(
+    batch=batch)), None)
+for step in range(batch, batch + 2):
+    logger.log_metrics({"writer": name}, step=step)
+print("ready", flush=True)
+if sys.stdin.readline():  # the test says go on; at end of input (killed or told to stop): no
+    for step in range(batch + 2, batch + 4):
+        logger.log_metrics({"writer": name}, step=step)
+"""
+
+
+def _writer(path, name: str, batch: int = 0, strict: bool = False):
+    """A real second process running the `jsonl` logger on `path`: starts (batch `batch`),
+    logs two steps, says "ready" and waits; a line on its stdin makes it log two more."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    return subprocess.Popen([sys.executable, "-c", _WRITER, str(path), name, str(batch),
+                             "strict" if strict else "lax"], cwd=Path(__file__).parents[1],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _ready(process) -> None:
+    line = process.stdout.readline()
+    if line != "ready\n":
+        process.kill()
+        raise AssertionError(process.communicate()[1][-2000:])
+
+
+def test_a_second_process_writing_the_same_file_at_once_writes_its_own(tmp_path):
+    """Two runs of one name at once (a relaunch while the old job still runs): before, the
+    second moved the first one's records aside and both appended to metrics.jsonl, which the
+    report read as one run whose steps go back many times. Now the second finds the file locked,
+    says so in one line naming the first's pid, and writes metrics.1.jsonl; `strict` raises."""
+    path = tmp_path / "metrics.jsonl"
+    first = _writer(path, "first")
+    try:
+        _ready(first)
+        second = _writer(path, "second")
+        _ready(second)
+        _, second_err = second.communicate("go\n", timeout=300)
+        strict = _writer(path, "strict", strict=True)
+        _, strict_err = strict.communicate("", timeout=300)
+        first.communicate("go\n", timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0 and second.returncode == 0, second_err[-2000:]
+    writers = {name: [(s, m["writer"]) for s, m in read_jsonl(tmp_path / name)]
+               for name in ("metrics.jsonl", "metrics.1.jsonl")}
+    assert writers == {"metrics.jsonl": [(s, "first") for s in range(4)],
+                       "metrics.1.jsonl": [(s, "second") for s in range(4)]}
+    assert json.loads((tmp_path / "hparams.json").read_text()) == {"run": "first"}
+    assert json.loads((tmp_path / "hparams.1.json").read_text()) == {"run": "second"}
+    [warning] = second_err.splitlines()
+    assert warning.startswith(f"WARNING jsonl logger: {path} is being written by pid "
+                              f"{first.pid} ")
+    assert f"this run writes {tmp_path / 'metrics.1.jsonl'} instead" in warning
+    assert strict.returncode == 1
+    assert (f"RuntimeError: jsonl logger: {path} is being written by pid {first.pid} "
+            in strict_err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hparams.1.json", "hparams.json", "metrics.1.jsonl", "metrics.jsonl"]
+
+
+def test_a_run_resumed_after_its_killed_attempt_appends_without_a_warning(tmp_path, caplog):
+    """The OS drops a killed process's lock: the resumed run takes the file again."""
+    import signal
+
+    path = tmp_path / "metrics.jsonl"
+    killed = _writer(path, "killed")
+    _ready(killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate()
+    assert killed.returncode == -signal.SIGKILL
+    resumed = _logger(tmp_path, path=str(path))
+    resumed.fit_start(types.SimpleNamespace(run_name="r", timestamp=types.SimpleNamespace(
+        batch=1)), None)
+    for step in (1, 2):
+        resumed.log_metrics({"writer": "resumed"}, step=step)
+    resumed.close(None, None)
+    assert [(s, m["writer"]) for s, m in read_jsonl(path)] == [
+        (0, "killed"), (1, "killed"), (1, "resumed"), (2, "resumed")]
+    assert _warnings(caplog) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hparams.json", "metrics.jsonl"]

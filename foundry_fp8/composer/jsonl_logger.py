@@ -5,7 +5,6 @@ The run folder (`foundry_fp8.paths`): the parent of a local checkpoint `save_fol
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from collections.abc import Callable
@@ -16,7 +15,15 @@ from composer.core import State
 from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
-from foundry_fp8.jsonl import JsonlSink, numbered, set_aside, write_atomically
+from foundry_fp8.jsonl import (
+    JsonlSink,
+    claim_numbered,
+    lock_writer,
+    numbered,
+    set_aside,
+    unlock_writer,
+    write_atomically,
+)
 from foundry_fp8.options import build
 from foundry_fp8.paths import in_run_folder, run_folder, safe_run_name
 
@@ -37,9 +44,17 @@ class JSONLLogger(LoggerDestination):
     run of the same name left in it (and its `hparams.json`) are moved to the next free
     `metrics.<n>.jsonl` (`hparams.<n>.json`), with one warning naming both paths, so the report
     never mixes two runs. A resumed run (autoresume, a `load_path` with its timestamp) goes on
-    appending (a weights-only load starts at batch 0: a fresh run): readers
-    take the last record per step. Composer loads a checkpoint after INIT, so which one it is
-    is only known at FIT_START; what this run logged before is kept in the new file.
+    appending (a weights-only load starts at batch 0: a fresh run); the report reads a step
+    going back in the file as a later attempt, whose records replace what earlier attempts
+    logged from that step on. Composer loads a checkpoint after INIT, so which one it is is
+    only known at FIT_START; what this run logged before is kept in the new file.
+
+    Rank 0 holds an advisory lock (flock) on the file from INIT to `close`; the OS drops it when
+    the process dies, so a resumed run after a killed one takes it again. A second process
+    writing the same file at once (the same run name started twice, a relaunch while the old
+    job still runs) would interleave two runs' records: it finds the lock taken, warns once
+    naming the path and the other writer, and writes the next free `metrics.<n>.jsonl` (and
+    `hparams.<n>.json`) instead; `strict: true` raises.
     `hparams.json` is replaced in one step (`jsonl.write_atomically`), so a kill mid-write
     leaves the previous one whole.
 
@@ -65,6 +80,8 @@ class JSONLLogger(LoggerDestination):
         # aside at FIT_START where this run turns out to be fresh (None: decided)
         self._earlier: tuple[int, str | None] | None = None
         self._last_step: int | None = None  # the step of the last record written
+        self._hparams: Path | None = None  # hparams.json, or hparams.<n>.json beside metrics.<n>
+        self._lock: tuple[int, int] | None = None  # `jsonl.lock_writer`'s key while held
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
@@ -73,15 +90,52 @@ class JSONLLogger(LoggerDestination):
         if dist.get_global_rank() != 0:
             return
         sink = self.sink = JsonlSink(self.path)
-        self._earlier = _earlier_run(sink.path, self._hparams_path)
-
-        def can_write() -> None:  # now, not at the first metric: say so before training
-            sink.path.parent.mkdir(parents=True, exist_ok=True)
-            sink.path.open("ab").close()
-
-        self._guard(can_write, sink.path)
+        self._hparams = self.path.with_name("hparams.json")
+        # now, not at the first metric: say so before training
+        self._guard(lambda: self._take(sink, state.run_name), sink.path)
+        self._earlier = _earlier_run(sink.path, self._hparams)
         if self._pending_hparams:
             self.log_hyperparameters({})
+
+    def _take(self, sink: JsonlSink, run_name: str) -> None:
+        """Create the file and take its lock; where another process holds it, warn and move
+        to the next free `metrics.<n>.jsonl` (`strict`: raise)."""
+        self._release()
+        path = sink.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        held = lock_writer(path)
+        if isinstance(held, str):
+            said = (f"jsonl logger: {path} is being written by {held} (a run named {run_name!r} "
+                    "started twice at once, or relaunched while it still runs)")
+            if self.strict:
+                raise RuntimeError(said)
+            assert self._hparams is not None
+            n = claim_numbered(path, self._hparams)
+            sink.path, self._hparams = numbered(path, n), numbered(self._hparams, n)
+            held = lock_writer(sink.path)
+            log.warning("%s; this run writes %s instead, so neither run's records mix with the "
+                        "other's (loggers.jsonl.strict: true makes this an error)", said,
+                        sink.path)
+        elif held is None:
+            log.info("jsonl logger: %s's file system takes no locks: a second run writing it at "
+                     "once would not be noticed", path)
+        self._lock = held if isinstance(held, tuple) else None
+
+    def _relock(self, path: Path) -> None:
+        """Hold the lock of `path` (the new file taking the metrics file's place) instead."""
+        held = lock_writer(path)
+        self._release()
+        self._lock = held if isinstance(held, tuple) else None
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            unlock_writer(self._lock)
+            self._lock = None
+
+    def close(self, state: State, logger: Logger) -> None:
+        """The file's lock is given back (Composer's `Trainer.close`, or at exit)."""
+        del state, logger
+        self._release()
 
     def fit_start(self, state: State, logger: Logger) -> None:
         """A fresh run moves an earlier run's records aside (class doc); once per `init`."""
@@ -91,13 +145,13 @@ class JSONLLogger(LoggerDestination):
                 or int(state.timestamp.batch) != 0):
             return
         path = self.sink.path
-        hparams = self._hparams_path
+        hparams = self._hparams
+        assert hparams is not None
         aside = path
         try:
-            n = next(n for n in itertools.count(1)
-                     if not numbered(path, n).exists() and not numbered(hparams, n).exists())
+            n = claim_numbered(path, hparams)
             aside, hparams_aside = numbered(path, n), numbered(hparams, n)
-            set_aside(path, earlier[0], aside)
+            set_aside(path, earlier[0], aside, self._relock)
             self.sink.last_file = None  # our own new file, not one taken from us
         except Exception as e:
             if self.strict:
@@ -113,11 +167,6 @@ class JSONLLogger(LoggerDestination):
                     "records only", path, state.run_name, aside,
                     f" (its hparams.json to {hparams_aside.name})" if earlier[1] is not None
                     else "", path.name)
-
-    @property
-    def _hparams_path(self) -> Path:
-        assert self.sink is not None
-        return self.sink.path.with_name("hparams.json")
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.sink is not None and not self.stopped:
@@ -138,8 +187,8 @@ class JSONLLogger(LoggerDestination):
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self._pending_hparams.update(hyperparameters)
-        if self.sink is not None and not self.stopped:
-            path = self._hparams_path
+        if self._hparams is not None and not self.stopped:
+            path = self._hparams
             hparams = self._pending_hparams
             self._guard(lambda: write_atomically(path, json.dumps(hparams, indent=2, default=str,
                                                                   skipkeys=True)), path)
