@@ -178,6 +178,17 @@ def set_aside(path: Path, keep: int, aside: Path,
 _LOCKS: dict[tuple[int, int], list[int]] = {}
 
 
+def _forget_locks() -> None:
+    """In a forked child (a DataLoader worker): drop its copies of the locked files, which would
+    keep the lock alive after a killed parent, until the worker noticed and exited."""
+    for fd, _ in _LOCKS.values():
+        os.close(fd)
+    _LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
+
+
 def lock_writer(path: Path) -> tuple[int, int] | str | None:
     """Take the advisory writer lock of `path` (created if absent) for this process (flock,
     non-blocking; the OS drops it when the process dies, so a killed run leaves none): its key

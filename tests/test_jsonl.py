@@ -370,10 +370,11 @@ def test_a_line_over_the_cap_is_skipped_and_named(tmp_path, monkeypatch):
 # ---- two processes writing one run's file at once (QA session 16) ------------------------
 
 _WRITER = """
-import logging, sys, types
+import logging, os, sys, types
 from foundry_fp8.composer.jsonl_logger import JSONLLogger
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-path, name, batch, strict = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "strict"
+path, name, batch, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+strict = how == "strict"
 logger = JSONLLogger(path=path, strict=strict)
 logger.log_hyperparameters({"run": name})
 logger.init(types.SimpleNamespace(run_name="r"), None)
@@ -381,6 +382,9 @@ logger.fit_start(types.SimpleNamespace(run_name="r", timestamp=types.SimpleNames
     batch=batch)), None)
 for step in range(batch, batch + 2):
     logger.log_metrics({"writer": name}, step=step)
+if how == "fork" and os.fork() == 0:  # a child (a DataLoader worker) outliving its parent
+    sys.stdin.read()
+    os._exit(0)
 print("ready", flush=True)
 if sys.stdin.readline():  # the test says go on; at end of input (killed or told to stop): no
     for step in range(batch + 2, batch + 4):
@@ -388,15 +392,16 @@ if sys.stdin.readline():  # the test says go on; at end of input (killed or told
 """
 
 
-def _writer(path, name: str, batch: int = 0, strict: bool = False):
+def _writer(path, name: str, batch: int = 0, how: str = "lax"):
     """A real second process running the `jsonl` logger on `path`: starts (batch `batch`),
-    logs two steps, says "ready" and waits; a line on its stdin makes it log two more."""
+    logs two steps, says "ready" and waits; a line on its stdin makes it log two more. `how`:
+    `strict` (loggers.jsonl.strict: true), `fork` (it forks a child waiting for stdin's end)."""
     import subprocess
     import sys
     from pathlib import Path
 
     return subprocess.Popen([sys.executable, "-c", _WRITER, str(path), name, str(batch),
-                             "strict" if strict else "lax"], cwd=Path(__file__).parents[1],
+                             how], cwd=Path(__file__).parents[1],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -420,7 +425,7 @@ def test_a_second_process_writing_the_same_file_at_once_writes_its_own(tmp_path)
         second = _writer(path, "second")
         _ready(second)
         _, second_err = second.communicate("go\n", timeout=300)
-        strict = _writer(path, "strict", strict=True)
+        strict = _writer(path, "strict", how="strict")
         _, strict_err = strict.communicate("", timeout=300)
         first.communicate("go\n", timeout=300)
     finally:
@@ -443,22 +448,27 @@ def test_a_second_process_writing_the_same_file_at_once_writes_its_own(tmp_path)
         "hparams.1.json", "hparams.json", "metrics.1.jsonl", "metrics.jsonl"]
 
 
-def test_a_run_resumed_after_its_killed_attempt_appends_without_a_warning(tmp_path, caplog):
-    """The OS drops a killed process's lock: the resumed run takes the file again."""
+@pytest.mark.parametrize("how", ["lax", "fork"])
+def test_a_run_resumed_after_its_killed_attempt_appends_without_a_warning(tmp_path, caplog,
+                                                                            how):
+    """The OS drops a killed process's lock: the resumed run takes the file again, also while
+    a child it forked (a DataLoader worker) still lives."""
     import signal
 
     path = tmp_path / "metrics.jsonl"
-    killed = _writer(path, "killed")
+    killed = _writer(path, "killed", how=how)
     _ready(killed)
     killed.send_signal(signal.SIGKILL)
-    killed.communicate()
-    assert killed.returncode == -signal.SIGKILL
+    assert killed.wait(timeout=300) == -signal.SIGKILL
     resumed = _logger(tmp_path, path=str(path))
     resumed.fit_start(types.SimpleNamespace(run_name="r", timestamp=types.SimpleNamespace(
         batch=1)), None)
     for step in (1, 2):
         resumed.log_metrics({"writer": "resumed"}, step=step)
     resumed.close(None, None)
+    killed.stdin.close()  # the child, if any, ends
+    killed.stdout.close()
+    killed.stderr.close()
     assert [(s, m["writer"]) for s, m in read_jsonl(path)] == [
         (0, "killed"), (1, "killed"), (1, "resumed"), (2, "resumed")]
     assert _warnings(caplog) == []
