@@ -108,15 +108,17 @@ NAMED_LAYERS = 4  # layers named in the NaN/Inf line, the others counted
 
 
 def nonfinite_message(step: int, rows: Collection[tuple[str, str]]) -> str:
-    """The one line (said once) about the layers the guard does not judge."""
+    """The line about the layers the guard does not judge, said once per layer: `rows` are the
+    layers not named before (the callback remembers them)."""
     tensors = ", ".join(sorted({tensor for _, tensor in rows}))
     layers = sorted({layer for layer, _ in rows})
     named = ", ".join(layers[:NAMED_LAYERS]) + (
         f" and {len(layers) - NAMED_LAYERS} more" if len(layers) > NAMED_LAYERS else "")
-    return (f"fp8_guard: at step {step}, {len(layers)} layer(s) hold NaN/Inf in their "
+    return (f"fp8_guard: at step {step}, {len(layers)} layer(s) newly hold NaN/Inf in their "
             f"high-precision {tensors}, before any FP8 cast: no FP8 failure, and running a layer "
             f"in high precision cannot fix it, so fp8_guard does not judge a layer at a logging "
-            f"step where it holds NaN/Inf (here {named}; said once) and moves no layer for them; "
+            f"step where it holds NaN/Inf (here {named}; each layer is named once) and moves no "
+            f"layer for them; "
             f"the layers without NaN/Inf are judged as usual. Look at where they first appear "
             f"(fp8/<tensor>/nonfinite; fp8_stats' warnings name the layers) and at the loss: a "
             f"diverging run needs a lower optimizer.lr or "

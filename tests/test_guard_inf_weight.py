@@ -85,10 +85,10 @@ def test_an_inf_weight_in_one_layer_leaves_the_guard_judging_the_others(tmp_path
         for name, _ in rows:
             first.setdefault(name, step)
     assert first == {INF_LAYER: INF_AT, LATER_LAYER: LATER_AT}
-    said = [line for line in err.splitlines() if "hold NaN/Inf" in line]
+    said = [line for line in err.splitlines() if "newly hold NaN/Inf" in line]
     assert len(said) == len(first), said
     for line, (name, step) in zip(said, sorted(first.items(), key=lambda kv: kv[1]), strict=True):
-        assert (f"fp8_guard: at step {step}, 1 layer(s) hold NaN/Inf in their high-precision "
+        assert (f"fp8_guard: at step {step}, 1 layer(s) newly hold NaN/Inf in their high-precision "
                 f"weight" in line)
-        assert f"here {name}; said once" in line
+        assert f"here {name}; each layer is named once" in line
         assert "the layers without NaN/Inf are judged as usual" in line

@@ -512,9 +512,9 @@ def test_nan_before_any_cast_moves_no_layer_and_is_said_once(runs, tmp_path, tin
                  for step, logged in metrics.items() if summary_key(None, "flagged_layers") in logged}
     assert {step: t for step, t in nonfinite.items() if t} == {
         NAN_START: ["activation", "gradient"], NAN_START + INTERVAL: ["activation", "gradient"]}
-    said = [line for line in err.splitlines() if "hold NaN/Inf" in line]
+    said = [line for line in err.splitlines() if "newly hold NaN/Inf" in line]
     assert len(said) == 1, said
-    assert (f"fp8_guard: at step {NAN_START}, 8 layer(s) hold NaN/Inf in their high-precision "
+    assert (f"fp8_guard: at step {NAN_START}, 8 layer(s) newly hold NaN/Inf in their high-precision "
             "activation, gradient, before any FP8 cast: no FP8 failure" in said[0])
     step = runs["guarded"][0].core.fallbacks[LAYER].step
     assert list(guard.core.fallbacks) == [LAYER] and guard.core.fallbacks[LAYER].step == step
