@@ -45,3 +45,41 @@ def test_a_long_series_is_drawn_as_lines_without_a_marker_per_step():
         figure = draw_series(run, [(LAYERS[0], "")])
         lines = [line for ax in figure.axes for line in ax.get_lines() if len(line.get_xdata()) > 1]
         assert lines and {line.get_marker() for line in lines} == {marker}
+
+
+def test_a_series_kept_compactly_reads_as_the_dict_of_its_last_values():
+    """QA s16: the numbers were dicts (a 1 GB metrics.jsonl peaked at 2.09 GB); kept in arrays
+    now, they must read as before: the last value per step, steps in order whatever order they
+    came in (fp8_stats' own images after a fit with reset_time), a step dropped with the ones after."""
+    import random
+
+    rng = random.Random(3)
+    run, reference = RunMetrics(), {}
+    for _ in range(400):
+        step, value = rng.randrange(60), rng.uniform(-1, 1)
+        run.add(step, LAYERS[0], "weight", "amax", value)
+        reference[step] = value
+    by_step = run.values[(LAYERS[0], "weight", "amax")]
+    assert list(by_step.items()) == sorted(reference.items())
+    assert by_step == reference and len(by_step) == len(reference)
+    assert [s in by_step for s in (-1, 60, *reference)] == [False, False] + [True] * len(reference)
+    assert history.series(run, LAYERS[0], "weight", "amax") == (
+        sorted(reference), [reference[s] for s in sorted(reference)])
+    run.drop_from(30)
+    assert by_step == {s: v for s, v in reference.items() if s < 30}
+
+
+def test_the_replayed_tables_hold_every_number_once_at_its_step():
+    """`tables()` reads the series one step at a time (no copy of every number grouped by step):
+    the same tables as grouping the records by step."""
+    logged = list(records(7))
+    run = collect(logged)
+    run.add(3, LAYERS[1], "activation", "amax", 9.0)  # a row logged at one step only
+    run.initial.add((LAYERS[0], "weight", 0))
+    expected = {step: {(layer, "weight"): {stat: STATS[stat] + step for stat in STATS}
+                       for layer in LAYERS} for step, _ in logged}
+    expected[3][(LAYERS[1], "activation")] = {"amax": 9.0}
+    expected[0][(LAYERS[0], "weight")]["initial_scale"] = 1.0
+    assert {step: {row: dict(stats) for row, stats in table.items()}
+            for step, table in run.tables()} == expected
+    assert [step for step, _ in run.tables()] == list(range(7))

@@ -4,6 +4,8 @@ the report reads from metrics.jsonl and `fp8_stats` keeps for its images. Plain 
 from __future__ import annotations
 
 import math
+from array import array
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +18,67 @@ from foundry_fp8.health.specs import PERFECT, SPECS, badness, known_first, spec
 NAN = float("nan")
 
 
+class Series(Mapping[int, float]):
+    """One statistic of one layer's tensor, step -> value in step order, kept as two arrays (16
+    bytes a logging step): as a dict, a 1 GB metrics.jsonl's 16.6 million numbers took 2 GB."""
+
+    __slots__ = ("_steps", "_values")
+
+    def __init__(self) -> None:
+        self._steps = array("q")
+        self._values = array("d")
+
+    def _at(self, step: int) -> int:
+        return bisect_left(self._steps, step)
+
+    def __setitem__(self, step: int, value: float) -> None:
+        steps = self._steps
+        if not steps or step > steps[-1]:  # a run logs its steps in order
+            steps.append(step)
+            self._values.append(value)
+            return
+        i = self._at(step)
+        if steps[i] == step:
+            self._values[i] = value
+        else:
+            steps.insert(i, step)
+            self._values.insert(i, value)
+
+    def __getitem__(self, step: int) -> float:
+        i = self._at(step)
+        if i < len(self._steps) and self._steps[i] == step:
+            return self._values[i]
+        raise KeyError(step)
+
+    def __contains__(self, step: object) -> bool:
+        try:
+            self[step]  # type: ignore[index]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._steps)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __repr__(self) -> str:
+        return f"Series({dict(self.items())!r})"
+
+    def items(self) -> Iterator[tuple[int, float]]:  # type: ignore[override]
+        return zip(self._steps, self._values, strict=True)
+
+    def values(self) -> Iterator[float]:  # type: ignore[override]
+        return iter(self._values)
+
+    def drop_from(self, step: int) -> None:
+        """Forget `step` and every later one."""
+        i = self._at(step)
+        del self._steps[i:]
+        del self._values[i:]
+
+
 @dataclass
 class RunMetrics:
     """The per-layer FP8 statistics of one run; steps cast with delayed scaling's initial
@@ -24,7 +87,7 @@ class RunMetrics:
     those of a tensor its layer's FP8 run does not cast (`keys.UNCAST`) in `uncast` (what-if
     numbers: drawn hatched, judged only on NaN/Inf as fp8_stats does)."""
 
-    values: dict[tuple[str, str, str], dict[int, float]] = field(default_factory=dict)
+    values: dict[tuple[str, str, str], Series] = field(default_factory=dict)
     layers: list[str] = field(default_factory=list)  # first-logged order = forward order
     tensors: list[str] = field(default_factory=list)
     stats: list[str] = field(default_factory=list)
@@ -45,7 +108,7 @@ class RunMetrics:
             return
         by_step = self.values.get((layer, tensor, stat))
         if by_step is None:  # the names' lists are searched once per series, not per value
-            by_step = self.values[(layer, tensor, stat)] = {}
+            by_step = self.values[(layer, tensor, stat)] = Series()
             for names, name in ((self.layers, layer), (self.tensors, tensor), (self.stats, stat)):
                 if name not in names:
                     names.append(name)
@@ -58,8 +121,7 @@ class RunMetrics:
         """Forget every number and mark at `step` and after: a later attempt of the run (a resume
         from a checkpoint) logs those steps again, and its numbers alone stand there."""
         for name, by_step in list(self.values.items()):
-            for s in [s for s in by_step if s >= step]:
-                del by_step[s]
+            by_step.drop_from(step)
             if not by_step:  # a series only the earlier attempt logged there: no row, no column
                 del self.values[name]
         for i, names in enumerate((self.layers, self.tensors, self.stats)):
@@ -83,7 +145,7 @@ class RunMetrics:
         self.stats = known_first(self.stats, SPECS)
         self.steps.sort()
 
-    def judged(self, layer: str, tensor: str, by_step: dict[int, float]) -> dict[int, float]:
+    def judged(self, layer: str, tensor: str, by_step: Mapping[int, float]) -> dict[int, float]:
         """`by_step` without the steps cast with the initial scale or not cast at all."""
         return {step: v for step, v in by_step.items()
                 if (layer, tensor, step) not in self.initial
@@ -92,15 +154,24 @@ class RunMetrics:
     def tables(self) -> Iterator[tuple[int, dict[tuple[str, str], Mapping[str, float]]]]:
         """(step, table) in step order, as `fp8_stats` judged them (initial casts marked, uncast
         rows as `rules.judged_table` keeps them)."""
-        by_step: dict[int, dict[tuple[str, str], dict[str, float]]] = {}
-        for (layer, tensor, stat), logged in self.values.items():
-            for step, value in logged.items():
-                by_step.setdefault(step, {}).setdefault((layer, tensor), {})[stat] = value
+        initial: dict[int, list[tuple[str, str]]] = {}
         for layer, tensor, step in self.initial:
-            if (layer, tensor) in by_step.get(step, {}):
-                by_step[step][(layer, tensor)][INITIAL_SCALE] = 1.0
-        for step in sorted(by_step):
-            table = by_step[step]
+            initial.setdefault(step, []).append((layer, tensor))
+        # one step's table at a time, each series read once through (a copy of every number
+        # grouped by step would double what the run holds)
+        read = [(layer, tensor, stat, iter(logged.items()))
+                for (layer, tensor, stat), logged in self.values.items()]
+        ahead: list[tuple[int, float] | None] = [next(it, None) for *_, it in read]
+        for step in sorted(self._step_set):
+            table: dict[tuple[str, str], dict[str, float]] = {}
+            for n, (layer, tensor, stat, it) in enumerate(read):
+                point = ahead[n]
+                if point is not None and point[0] == step:
+                    table.setdefault((layer, tensor), {})[stat] = point[1]
+                    ahead[n] = next(it, None)
+            for row in initial.get(step, ()):
+                if row in table:
+                    table[row][INITIAL_SCALE] = 1.0
             yield step, judged_table(table, {(layer, tensor) for layer, tensor in table
                                              if (layer, tensor, step) in self.uncast})
 
@@ -134,16 +205,22 @@ def whatif_rows(run: RunMetrics) -> set[tuple[str, str]]:
 def heatmap_matrix(run: RunMetrics, stat: str, tensor: str) -> list[list[float]]:
     """Rows `run.layers`, columns `run.steps`; NaN where not logged or cast with the initial
     scale (marked, not coloured as the worst cells)."""
-    return [[NAN if (layer, tensor, step) in run.initial
-             else run.values.get((layer, tensor, stat), {}).get(step, NAN) for step in run.steps]
-            for layer in run.layers]
+    column = {step: i for i, step in enumerate(run.steps)}
+    rows = {layer: [NAN] * len(run.steps) for layer in run.layers}
+    for layer, row in rows.items():
+        for step, value in run.values.get((layer, tensor, stat), {}).items():
+            if step in column:
+                row[column[step]] = value
+    for layer, t, step in run.initial:
+        if t == tensor and layer in rows and step in column:
+            rows[layer][column[step]] = NAN
+    return list(rows.values())
 
 
 def series(run: RunMetrics, layer: str, tensor: str, stat: str) -> tuple[list[int], list[float]]:
     """(steps, values) of one layer's statistic, in step order."""
-    by_step = run.values.get((layer, tensor, stat), {})
-    steps = sorted(by_step)
-    return steps, [by_step[s] for s in steps]
+    by_step = run.values.get((layer, tensor, stat))
+    return (list(by_step), list(by_step.values())) if by_step is not None else ([], [])
 
 
 def worst_point(stat: str, by_step: Mapping[int, float]) -> tuple[int, float] | None:
