@@ -224,3 +224,47 @@ def test_a_resumed_wandb_offline_run_is_reported_from_w_and_bs_own_files(tmp_pat
 
 if __name__ == "__main__":
     _train(Path(sys.argv[1]), json.loads(sys.argv[2]))
+
+
+def _wandb_attempt(path: Path, steps: range, config: dict[str, Any]) -> None:
+    """An offline attempt's `.wandb` file as W&B's writer leaves it: its config, then one history
+    row per step (an underflow series and fp8_guard's count)."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal.datastore import DataStore
+
+    path.parent.mkdir(parents=True)
+    store = DataStore()
+    store.open_for_write(str(path))
+    record = wandb_internal_pb2.Record()
+    for key, value in config.items():
+        record.config.update.add(key=key, value_json=json.dumps(value))
+    store.write(record)
+    for step in steps:
+        record = wandb_internal_pb2.Record()
+        record.history.step.num = step
+        for key, value in {"fp8_underflow_pct/weight/blocks.0.fc": 0.1,
+                           "fp8/guard/fallback_layers": 1.0, "_step": step}.items():
+            record.history.item.add(key=key, value_json=json.dumps(value))
+        store.write(record)
+    store.close()
+
+
+def test_a_dead_attempts_fallback_after_the_checkpoint_is_not_the_resumed_wandb_runs(tmp_path):
+    """The attempts' W&B configs were merged whole: a fallback only the killed attempt decided,
+    after the checkpoint the run resumed from, was reported as the run's (a layer the live run
+    kept in FP8 named in high precision, its cells hatched). A restored fallback stays."""
+    from foundry_fp8.guard import FALLBACK_PREFIX, Fallback
+    from foundry_fp8.report.cli import make_report
+
+    restored, dead = (Fallback(layer, step, 0.25, ("underflow",)).record()
+                      for layer, step in (("blocks.0.fc", 2), ("blocks.1.fc", 6)))
+    callbacks = {"callbacks": {"fp8_stats": {}, "fp8_guard": {}}}
+    wandb_dir = tmp_path / "wandb"
+    _wandb_attempt(wandb_dir / "offline-run-20261129_010000-abc" / "run-abc.wandb", range(8),
+                   {**callbacks, FALLBACK_PREFIX + "blocks.0.fc": restored,
+                    FALLBACK_PREFIX + "blocks.1.fc": dead})
+    _wandb_attempt(wandb_dir / "offline-run-20261129_020000-abc" / "run-abc.wandb", range(4, 10),
+                   {**callbacks, FALLBACK_PREFIX + "blocks.0.fc": restored})
+    *_, guard, _ = make_report(wandb_dir, out=tmp_path / "out")
+    assert guard is not None
+    assert [(f.layer, f.step) for f in guard.fallbacks] == [("blocks.0.fc", 2)]

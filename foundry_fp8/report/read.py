@@ -291,10 +291,30 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None]
     if not run.values:
         raise ReportError(_no_metrics_here(given) if given.is_dir() else
                           _not_metrics(given) or f"{given}: no FP8 statistics")
+    return run, guard, _attempts_config(runs)
+
+
+#: fp8_guard's records among the hyperparameters: each decided at its `step`.
+GUARD_RECORDS = (FALLBACK_PREFIX, REPROMOTION_PREFIX, REFUSED_PREFIX)
+
+
+def _attempts_config(runs: list[wandb_history.WandbRun]) -> dict[str, Any]:
+    """The attempts' configs merged, the latest attempt's value of each key winning, less
+    fp8_guard's records an earlier attempt decided at or after the step a later one logs from
+    again (`_attempts`): that attempt died and the run went on from its checkpoint without them
+    (a restored fallback the later attempt logs again)."""
     config: dict[str, Any] = {}
-    for wandb_run in runs:  # the latest attempt's value of each key
+    last = -1
+    for wandb_run in runs:
+        steps = [s for row in wandb_run.rows if (s := jsonl.step(row.get("_step"))) is not None]
+        if steps and steps[0] < last:
+            config = {key: value for key, value in config.items()
+                      if not (key.startswith(GUARD_RECORDS) and isinstance(value, Mapping)
+                              and (step := number(value.get("step"))) is not None
+                              and step >= steps[0])}
         config.update(wandb_run.config)
-    return run, guard, config
+        last = steps[-1] if steps else last
+    return config
 
 
 def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetrics, GuardSeries]:
