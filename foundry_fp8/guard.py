@@ -354,8 +354,8 @@ class GuardCore:
         layer's first of each kind under `<prefix><layer>`, later ones under
         `<prefix><layer>.ba<step>`, a refusal only its first (a logged value must never change;
         MLflow refuses `@` in a key and `/` below a key it holds, dropping the whole queued batch
-        with it). Keys go in the order the events
-        happened, which is not step order once a fit restarted the steps (`reset_time`)."""
+        with it). The sort is stable: one step's events keep the order they came in; after a fit
+        restarted the steps (`reset_time`) both fits' events interleave by step number."""
         events = ([(f.step, FALLBACK_PREFIX, f.layer, f.record())
                    for f in [*self.ended, *self.fallbacks.values()]]
                   + [(r.step, REPROMOTION_PREFIX, r.layer, r.record())
