@@ -9,9 +9,9 @@ NaN/Inf in any of its high-precision tensors is not judged at that logging step
 (`nonfinite_rows`): no FP8 cast made them, so no fallback fixes them; the other layers are judged
 as usual (one inf weight that FP8's saturating cast lets training run with would otherwise blind
 the guard for the rest of the run). A NaN in an activation reaches every later layer and every
-gradient, so there no layer is judged. A guard that resumes from a checkpoint replays the last judged
-tables into a fresh tracker, so its streaks, and so its decisions, are those of the run that did
-not stop.
+gradient, so there no layer is judged. A guard that resumes from a checkpoint replays each
+tensor's last judged rows (a layer unjudged at the last steps keeps its older ones) into a fresh
+tracker, so its streaks, and so its decisions, are those of the run that did not stop.
 
 With `repromote_after`, a layer in fallback runs in FP8 again once every what-if statistic
 that fp8_stats computes for it (the cast it would do, under fp8_stats' `recipe`) has been within
@@ -212,6 +212,26 @@ class Verdict:
     budget_message: str | None  # set when a candidate was refused
 
 
+Rows = dict[tuple[str, str], dict[str, float]]
+
+
+def _last_rows(recent: list[tuple[int, Rows, Rows]], keep: int) -> list[tuple[int, Rows, Rows]]:
+    """`recent` (oldest first) less all but each (layer, tensor)'s last `keep` rows per table,
+    and less the steps left without a row: a layer unjudged at the last steps (NaN/Inf) keeps
+    the rows its streaks rest on, so a resume replays them exactly."""
+    later: tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]] = ({}, {})
+    kept = []
+    for step, *tables in reversed(recent):
+        judged, fallen = ({key: stats for key, stats in table.items() if seen.get(key, 0) < keep}
+                          for table, seen in zip(tables, later, strict=True))
+        for table, seen in zip(tables, later, strict=True):
+            for key in table:
+                seen[key] = seen.get(key, 0) + 1
+        if judged or fallen:
+            kept.append((step, judged, fallen))
+    return kept[::-1]
+
+
 class GuardCore:
     """Judges each logging step's table and records the fallbacks.
 
@@ -232,9 +252,9 @@ class GuardCore:
         self.warned: set[str] = set()
         self._tracker = HealthTracker(thresholds(config))
         self._whatif = HealthTracker(thresholds(config))  # the layers in fallback
-        # the last judged tables: (step, layers in FP8, layers in fallback)
-        self._recent: list[tuple[int, dict[tuple[str, str], dict[str, float]],
-                                 dict[tuple[str, str], dict[str, float]]]] = []
+        # the last judged rows, each (layer, tensor)'s last few per tracker (`_last_rows`):
+        # (step, layers in FP8, layers in fallback)
+        self._recent: list[tuple[int, Rows, Rows]] = []
         self._flags: dict[str, list[Flag]] = {}
         self.nonfinite: list[tuple[str, str]] = []  # the rows with NaN/Inf at the last step
         # fallbacks decided before the run's steps restarted (`fit(reset_time=True)`): every
@@ -275,7 +295,8 @@ class GuardCore:
         keep = max(self.config.consecutive, 2, self.config.repromote_after or 0)
         if self._recent and step < self._recent[-1][0]:  # the steps restarted
             self._before_reset.update(self.fallbacks)
-        self._recent = [*self._recent, (step, judged, fallen)][-keep:]
+        if judged or fallen:
+            self._recent = _last_rows([*self._recent, (step, judged, fallen)], keep)
         self._whatif.update(step, fallen)
         raised = self._tracker.update(step, judged)
         self._flags = {}
@@ -312,6 +333,9 @@ class GuardCore:
             done.append(Repromotion(layer, step, fallback.step,
                                     self.config.repromote_after or 0, numbers))
             self._forget(layer)
+            self._recent = [(s, {k: v for k, v in judged.items() if k[0] != layer},
+                             {k: v for k, v in fallen.items() if k[0] != layer})
+                            for s, judged, fallen in self._recent]
         self.repromotions += done
         return done
 

@@ -126,6 +126,67 @@ def test_a_layer_in_fallback_holding_nan_or_inf_is_not_repromoted_then():
     assert core.candidates(8, healthy) == [] and core.ready(8, healthy) == ["a"]
 
 
+def _decisions(core: GuardCore, tables: dict[int, dict], steps: list[int]) -> list[tuple]:
+    """Per step: candidates, fallbacks, layers ready, re-promotions."""
+    out = []
+    for step in steps:
+        table = tables[step]
+        wanted = core.candidates(step, table)
+        fallen = [f.layer for f in core.decide(step, wanted, table).fallbacks]
+        ready = core.ready(step, table)
+        back = [r.layer for r in core.repromote(step, ready, table)]
+        out.append((step, wanted, fallen, ready, back))
+    return out
+
+
+def _resumed_after_each_step(config: GuardConfig, tables: dict[int, dict]) -> list[tuple]:
+    """Reference (a run that never stops) and, after each step, a checkpointed-and-resumed
+    run's decisions at the steps left."""
+    flops, steps = {"a": 0.05, "b": 0.05}, sorted(tables)
+    reference = _decisions(GuardCore(config, flops), tables, steps)
+    for cut in range(1, len(steps)):
+        first = GuardCore(config, flops)
+        _decisions(first, tables, steps[:cut])
+        resumed = GuardCore(config, flops)
+        resumed.load_state_dict(yaml.safe_load(yaml.safe_dump(first.state_dict())))
+        assert _decisions(resumed, tables, steps[cut:]) == reference[cut:], steps[cut - 1]
+    return reference
+
+
+@pytest.mark.parametrize("b_too", [False, True], ids=["a_alone", "every_layer"])
+def test_a_resume_keeps_the_bad_streak_of_a_layer_unjudged_at_the_last_steps(b_too):
+    """`a` is flagged at 0 and 2, holds NaN at 4 and 6 (not judged: its streak neither grows
+    nor resets), flagged at 8: its third bad judged step in a row, so it falls back at 8
+    (consecutive 3). A checkpoint after 6 kept only the last 3 steps (2, 4, 6), in which `a`
+    had one row: the resumed run's streak was 2 at 8 and `a` stayed in FP8. Also where every
+    layer holds NaN at 4 and 6 (nothing judged there)."""
+    nan = {**HEALTHY, "nan_count": 4.0}
+    rows = {0: UNDERFLOWING, 2: UNDERFLOWING, 4: nan, 6: nan, 8: UNDERFLOWING}
+    tables = {step: {("a", "weight"): dict(row),
+                     ("b", "weight"): dict(nan if b_too and row is nan else HEALTHY)}
+              for step, row in rows.items()}
+    reference = _resumed_after_each_step(GuardConfig(consecutive=3, max_fallback_share=1.0),
+                                         tables)
+    assert [(step, fallen) for step, _, fallen, _, _ in reference if fallen] == [(8, ["a"])]
+
+
+@pytest.mark.parametrize("b_too", [False, True], ids=["a_alone", "every_layer"])
+def test_a_resume_keeps_the_healthy_streak_of_a_layer_unjudged_at_the_last_steps(b_too):
+    """`a` falls back at 0; its what-if rows are healthy at 2 and 4, hold NaN at 6 and 8 (not
+    judged), healthy at 10: the third healthy judged step in a row, so it is re-promoted at 10
+    (repromote_after 3). A checkpoint after 8 kept only steps 4, 6, 8: the resumed good streak
+    was 2 at 10 and `a` stayed in high precision."""
+    nan = {**HEALTHY, "nan_count": 4.0}
+    rows = {0: UNDERFLOWING, 2: HEALTHY, 4: HEALTHY, 6: nan, 8: nan, 10: HEALTHY, 12: HEALTHY}
+    tables = {step: {("a", "weight"): dict(row),
+                     ("b", "weight"): dict(nan if b_too and row is nan else HEALTHY)}
+              for step, row in rows.items()}
+    config = GuardConfig(consecutive=1, repromote_after=3, max_fallback_share=1.0)
+    reference = _resumed_after_each_step(config, tables)
+    assert [(step, fallen, back) for step, _, fallen, _, back in reference
+            if fallen or back] == [(0, ["a"], []), (10, [], ["a"])]
+
+
 def test_past_the_budget_the_smallest_candidates_fall_back_first_ties_in_model_order():
     """`flops` comes in model order (the model's FP8 modules): the two small layers take half
     the FP8 FLOPs, within the budget; the large one alone would too, but not with either."""
