@@ -751,6 +751,13 @@ def _first_refusal(config: dict) -> str:
     ({"model": {"name": "mpt_causal_lm"}, "tokenizer": {"name": "gpt2"}}, None),
     ({"icl_tasks": [{"label": "copa"}]}, None),
     ({"eval_gauntlet": {"weighting": "EQUAL"}}, None),
+    # before: 7 errors, exit 1: `optimizer:`/`scheduler:`/`train_loader:` are sections too
+    ({"optimizer": {"name": "decoupled_adamw", "lr": 6.0e-4},
+      "scheduler": {"name": "cosine_with_warmup", "t_warmup": "100ba"}}, None),
+    ({"optimizer": {"name": "decoupled_adamw"}, "scheduler": None}, None),
+    ({"train_loader": {"name": "text"}}, None),
+    # a train-only section next to a setting is a config meant to run
+    ({"train_loader": {"name": "text"}, "precision": "amp_bf16"}, "error"),
 ])
 def test_fp8038_on_a_file_without_a_train_only_key_quotes_llmfoundrys_refusal(config, severity):
     found = [f for f in lint_config(config) if f.rule == "FP8038"]

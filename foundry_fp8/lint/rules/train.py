@@ -410,8 +410,9 @@ def mandatory_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hi
                       f"'???' to what reads `{key.rpartition('.')[2]}`", severity="warning")
 
 
-#: The required keys that make a file a train config rather than a fragment: those only a
-#: training run reads (not an eval config's keys, not a `model:`/`tokenizer:` section).
+#: The required keys that, next to a top-level setting, make a file a train config rather than
+#: a fragment: those only a training run reads (not an eval config's keys, not a `model:`/
+#: `tokenizer:` section).
 TRAIN_ONLY_KEYS = tuple(k for k in TRAIN_REQUIRED_KEYS
                         if k not in EVAL_CONFIG_KEYS and k not in EVAL_MODEL_KEYS)
 
@@ -432,13 +433,14 @@ def _refusal(key: str) -> str:
       "max_duration, max_seq_len) raise MissingMandatoryValue when the file does not give "
       "them; before that its update_batch_size_info transform reads global_train_batch_size "
       "and device_train_microbatch_size with `cfg[key]` (KeyError) and fills "
-      "device_train_batch_size and device_eval_batch_size itself. Files only. An error in a "
-      f"file giving any of {', '.join(f'`{k}`' for k in TRAIN_ONLY_KEYS)}, which only a train "
-      "config has; one warning naming every absent key in a file giving none of them but a "
-      "top-level setting (`precision: amp_bf16` alone), which `llmfoundry train` refuses as "
-      "is and which may be a fragment merged into a whole config; nothing for a file of "
-      "sections alone (a `model:` fragment, LLM-Foundry's icl_tasks and eval_gauntlet files). "
-      "A `???` is FP8036's.",
+      "device_train_batch_size and device_eval_batch_size itself. Files only, and only those "
+      "giving a top-level setting (a value that is not a section): nothing for a file of "
+      "sections alone (a `model:` or `optimizer:`/`scheduler:` fragment, LLM-Foundry's "
+      "icl_tasks and eval_gauntlet files). An error in a file giving a setting and any of "
+      f"{', '.join(f'`{k}`' for k in TRAIN_ONLY_KEYS)}, which only a train config has; one "
+      "warning naming every absent key in a file giving a setting and none of them "
+      "(`precision: amp_bf16` alone), which `llmfoundry train` refuses as is and which may "
+      "be a fragment merged into a whole config. A `???` is FP8036's.",
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig, "
       "make_dataclass_and_log_config, update_batch_size_info (a config_transforms entry, "
       "llmfoundry/utils/__init__.py; train() applies transforms='all')",
@@ -446,15 +448,18 @@ def _refusal(key: str) -> str:
       scope="file")
 def required_keys_absent(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     absent = [key for key in TRAIN_REQUIRED_KEYS if key not in config]
+    # a setting (not a section, even an empty one) TrainConfig reads: the file is meant to run,
+    # not to be a part; `optimizer:`, `scheduler:`, `train_loader:` are sections like `model:`
+    setting = next((k for k, v in config.items() if k in TRAIN_CONFIG_KEYS
+                    and k not in SECTION_SHAPES and not isinstance(v, (Mapping, list))), None)
+    if setting is None:
+        return
     if any(key in config for key in TRAIN_ONLY_KEYS):
         for key in absent:
             yield Hit(key, f"`{key}` is absent: `llmfoundry train` refuses the config before "
                       f"building anything ({_refusal(key)})")
         return
-    # a setting (not a section) TrainConfig reads: the file is meant to run, not to be a part
-    setting = next((k for k, v in config.items() if k in TRAIN_CONFIG_KEYS and k != "variables"
-                    and not isinstance(v, (Mapping, list))), None)
-    if setting is not None and absent:
+    if absent:
         named = ", ".join(f"`{k}`" for k in absent)
         # update_batch_size_info's reads come before the dataclass's
         first = next((k for k in BATCH_KEYS if k in absent), absent[0])
