@@ -9,7 +9,6 @@ so readers such as `foundry-fp8 report` stay light.
 from __future__ import annotations
 
 import errno
-import fcntl
 import itertools
 import json
 import math
@@ -18,6 +17,11 @@ import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the logger writes without a lock (lock_writer: None)
+    fcntl = None  # type: ignore[assignment]
 
 #: How every record written by JsonlSink starts (json.dumps escapes `"` inside strings, so these
 #: bytes appear nowhere else): where a killed run's partial line got glued to the next record,
@@ -186,15 +190,21 @@ def _forget_locks() -> None:
     _LOCKS.clear()
 
 
-os.register_at_fork(after_in_child=_forget_locks)
+if hasattr(os, "register_at_fork"):  # POSIX only; no fork and no lock elsewhere
+    os.register_at_fork(after_in_child=_forget_locks)
 
 
 def lock_writer(path: Path) -> tuple[int, int] | str | None:
     """Take the advisory writer lock of `path` (created if absent) for this process (flock,
     non-blocking; the OS drops it when the process dies, so a killed run leaves none): its key
     for `unlock_writer`; or, where another process holds it, who (`pid N`, else `another
-    process`); None where the file system takes no locks (nothing is checked then)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    process`); None where the file system or the OS takes no locks (nothing is checked then).
+    OSError where `path` is no regular file (`check_output`): a FIFO in its place would make
+    the open for writing wait for a reader forever (one put there after the check fails with
+    ENXIO instead: O_NONBLOCK)."""
+    check_output(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0), 0o666)
     found = os.fstat(fd)
     key = (found.st_dev, found.st_ino)
     if key in _LOCKS:
@@ -202,6 +212,8 @@ def lock_writer(path: Path) -> tuple[int, int] | str | None:
         _LOCKS[key][1] += 1
         return key
     try:
+        if fcntl is None:
+            raise OSError(errno.ENOSYS, "no flock")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)

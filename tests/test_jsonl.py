@@ -473,3 +473,101 @@ def test_a_run_resumed_after_its_killed_attempt_appends_without_a_warning(tmp_pa
         (0, "killed"), (1, "killed"), (1, "resumed"), (2, "resumed")]
     assert _warnings(caplog) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hparams.json", "metrics.jsonl"]
+
+
+def test_a_kept_trainer_gives_the_lock_back_at_fit_end(tmp_path, caplog):
+    """LLM-Foundry's `train()` returns its Trainer unclosed: kept in a notebook, it held the
+    lock, and a resume of the run from another process went to metrics.1.jsonl with a warning.
+    Now FIT_END gives the lock back; a second fit() here takes it again and appends, and finds
+    another process holding it as the first INIT would."""
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    path = tmp_path / "metrics.jsonl"
+    trainer = _train(tmp_path, JSONLLogger(path=str(path)))  # fit, kept, not closed
+    resumed = _writer(path, "resumed", batch=4)
+    _, resumed_err = resumed.communicate("go\n", timeout=300)
+    assert resumed.returncode == 0 and resumed_err == ""
+    trainer.fit(duration="2ba")  # a second fit of the kept Trainer, here
+    holder = _writer(path, "holder", batch=10)
+    try:
+        _ready(holder)
+        caplog.clear()
+        trainer.fit(duration="1ba")
+    finally:
+        holder.communicate("", timeout=300)
+    trainer.close()
+    losses = [(s, m.get("writer")) for s, m in read_jsonl(path)
+              if "loss/train/total" in m or "writer" in m]
+    assert losses == [(0, None), (1, None), (2, None), (3, None), (4, "resumed"), (5, "resumed"),
+                      (6, "resumed"), (7, "resumed"), (4, None), (5, None), (10, "holder"),
+                      (11, "holder")]
+    [warning] = _warnings(caplog)
+    assert warning.startswith(f"jsonl logger: {path} is being written by pid {holder.pid} ")
+    assert [s for s, m in read_jsonl(tmp_path / "metrics.1.jsonl")
+            if "loss/train/total" in m] == [6]
+
+
+_WITHOUT_POSIX = """
+import importlib.metadata, logging, os, random, subprocess, sys, types
+import composer.core  # it, torch and these need a POSIX os or check for Windows themselves
+sys.modules["fcntl"] = None  # as on Windows: `import fcntl` fails
+for name in ("register_at_fork", "major", "minor", "O_CLOEXEC", "O_NONBLOCK"):
+    delattr(os, name)
+logging.basicConfig(format="%(levelname)s %(message)s")
+logging.getLogger("foundry_fp8").setLevel(logging.INFO)
+import foundry_fp8.lint.cli, foundry_fp8.report.cli
+from foundry_fp8.composer.jsonl_logger import JSONLLogger
+from foundry_fp8.jsonl import read_jsonl
+logger = JSONLLogger(path=sys.argv[1])
+logger.init(types.SimpleNamespace(run_name="r"), None)
+logger.fit_start(types.SimpleNamespace(run_name="r", timestamp=types.SimpleNamespace(batch=0)),
+                 None)
+logger.log_metrics({"loss": 2.5}, step=0)
+logger.fit_end(None, None)
+logger.log_metrics({"loss": 1.5}, step=1)
+logger.close(None, None)
+print(list(read_jsonl(sys.argv[1])))
+"""
+
+
+def test_the_cli_and_the_logger_work_without_fcntl(tmp_path):
+    """Windows has no fcntl, os.register_at_fork nor os.major: `import fcntl` at the top of
+    jsonl.py stopped `foundry-fp8 lint` and `report` from starting there. Now the logger writes
+    without a lock, saying so once."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "metrics.jsonl"
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_POSIX, str(path)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "[(0, {'loss': 2.5}), (1, {'loss': 1.5})]\n"
+    ours = [line for line in done.stderr.splitlines() if "jsonl logger" in line]
+    assert ours == [f"INFO jsonl logger: {path}'s file system takes no locks: a second run "
+                    "writing it at once would not be noticed"]
+
+
+def test_a_fifo_in_place_of_the_file_is_refused_not_waited_on(tmp_path):
+    """Opening a FIFO to write waits for a reader forever: the run hung at INIT. Now one warning
+    names it and the logger writes nothing more while the run goes on; `strict` raises."""
+    import os
+
+    path = tmp_path / "metrics.jsonl"
+    os.mkfifo(path)
+    said = (f"jsonl logger: cannot write {path} (FileExistsError: a FIFO (named pipe), not a "
+            "regular file: remove it, or write elsewhere)")
+    for how in ("lax", "strict"):
+        run = _writer(path, how, how=how)
+        try:
+            out, err = run.communicate("go\n", timeout=120)  # a hang guard, no timing assert
+        finally:
+            run.kill()
+        if how == "lax":
+            assert (run.returncode, out) == (0, "ready\n")
+            assert err.splitlines() == [f"WARNING {said}; it writes nothing more to {tmp_path}, "
+                                        "training goes on (loggers.jsonl.strict: true makes this "
+                                        "an error)"]
+        else:
+            assert run.returncode == 1 and "a FIFO (named pipe), not a regular file" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

@@ -49,8 +49,11 @@ class JSONLLogger(LoggerDestination):
     logged from that step on. Composer loads a checkpoint after INIT, so which one it is is
     only known at FIT_START; what this run logged before is kept in the new file.
 
-    Rank 0 holds an advisory lock (flock) on the file from INIT to `close`; the OS drops it when
-    the process dies, so a resumed run after a killed one takes it again. A second process
+    Rank 0 holds an advisory lock (flock) on the file from INIT to FIT_END (and from each later
+    FIT_START to its FIT_END; a record logged between two fits takes it for that write only),
+    and gives it back at `close`; the OS drops it when the process dies. So a resumed run takes
+    it again after a killed one, and after a finished one whose Trainer was kept unclosed
+    (LLM-Foundry's `train()` returns it so, in a notebook). A second process
     writing the same file at once (the same run name started twice, a relaunch while the old
     job still runs) would interleave two runs' records: it finds the lock taken, warns once
     naming the path and the other writer, and writes the next free `metrics.<n>.jsonl` (and
@@ -82,6 +85,9 @@ class JSONLLogger(LoggerDestination):
         self._last_step: int | None = None  # the step of the last record written
         self._hparams: Path | None = None  # hparams.json, or hparams.<n>.json beside metrics.<n>
         self._lock: tuple[int, int] | None = None  # `jsonl.lock_writer`'s key while held
+        self._run_name = ""
+        self._between_fits = False  # FIT_END gave the lock back: take it again to write
+        self._said_no_locks = False  # the "takes no locks" line is said once
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
@@ -90,6 +96,8 @@ class JSONLLogger(LoggerDestination):
         if dist.get_global_rank() != 0:
             return
         sink = self.sink = JsonlSink(self.path)
+        self._run_name = state.run_name
+        self._between_fits = False  # a logger used again in a new Trainer: held from here
         self._hparams = self.path.with_name("hparams.json")
         # now, not at the first metric: say so before training
         self._guard(lambda: self._take(sink, state.run_name), sink.path)
@@ -112,11 +120,13 @@ class JSONLLogger(LoggerDestination):
             assert self._hparams is not None
             n = claim_numbered(path, self._hparams)
             sink.path, self._hparams = numbered(path, n), numbered(self._hparams, n)
+            sink.last_file = None  # a new file of ours (mid-run: after a fit), none taken from us
             held = lock_writer(sink.path)
             log.warning("%s; this run writes %s instead, so neither run's records mix with the "
                         "other's (loggers.jsonl.strict: true makes this an error)", said,
                         sink.path)
-        elif held is None:
+        elif held is None and not self._said_no_locks:
+            self._said_no_locks = True
             log.info("jsonl logger: %s's file system takes no locks: a second run writing it at "
                      "once would not be noticed", path)
         self._lock = held if isinstance(held, tuple) else None
@@ -132,14 +142,40 @@ class JSONLLogger(LoggerDestination):
             unlock_writer(self._lock)
             self._lock = None
 
+    def fit_end(self, state: State, logger: Logger) -> None:
+        """The file's lock is given back: LLM-Foundry's `train()` returns its Trainer
+        unclosed (llmfoundry/command_utils/train.py:647-650, `trainer.fit()` then `return
+        trainer`), and a resume of the run in another process must not find the file taken."""
+        del state, logger
+        self._release()
+        self._between_fits = True
+
     def close(self, state: State, logger: Logger) -> None:
         """The file's lock is given back (Composer's `Trainer.close`, or at exit)."""
         del state, logger
         self._release()
+        self._between_fits = False
+
+    def _locked(self, call: Callable[[], object]) -> None:
+        """`call` with the lock held: between two fits, taken again for it (with `_take`'s
+        check for another writer) and given back after."""
+        if not self._between_fits:
+            call()
+            return
+        assert self.sink is not None
+        self._take(self.sink, self._run_name)
+        try:
+            call()
+        finally:
+            self._release()
 
     def fit_start(self, state: State, logger: Logger) -> None:
         """A fresh run moves an earlier run's records aside (class doc); once per `init`."""
         del logger
+        if self._between_fits and self.sink is not None and not self.stopped:
+            sink = self.sink
+            self._guard(lambda: self._take(sink, state.run_name), sink.path)
+        self._between_fits = False
         earlier, self._earlier = self._earlier, None
         if (earlier is None or not earlier[0] or self.sink is None or self.stopped
                 or int(state.timestamp.batch) != 0):
@@ -171,8 +207,8 @@ class JSONLLogger(LoggerDestination):
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.sink is not None and not self.stopped:
             sink = self.sink
-            self._guard(lambda: self._write(sink, step if step is not None else -1, metrics),
-                        sink.path)
+            self._guard(lambda: self._locked(
+                lambda: self._write(sink, step if step is not None else -1, metrics)), sink.path)
 
     def _write(self, sink: JsonlSink, step: int, metrics: dict[str, Any]) -> None:
         """One record; a file removed or taken over since the last one (by hand, or moved aside
@@ -188,10 +224,12 @@ class JSONLLogger(LoggerDestination):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self._pending_hparams.update(hyperparameters)
         if self._hparams is not None and not self.stopped:
-            path = self._hparams
-            hparams = self._pending_hparams
-            self._guard(lambda: write_atomically(path, json.dumps(hparams, indent=2, default=str,
-                                                                  skipkeys=True)), path)
+            self._guard(lambda: self._locked(self._write_hparams), self._hparams)
+
+    def _write_hparams(self) -> None:
+        assert self._hparams is not None  # where `_take` has put it (hparams.<n>.json)
+        write_atomically(self._hparams, json.dumps(self._pending_hparams, indent=2, default=str,
+                                                   skipkeys=True))
 
     def _guard(self, call: Callable[[], object], path: Path) -> None:
         """Run a write; on failure warn once and stop writing (`strict`: raise)."""
