@@ -121,18 +121,13 @@ def read_run(path: str | Path) -> WandbRun:
     return run
 
 
-#: Seconds without a write after which a run file with no exit record is a dead attempt:
-#: W&B's service writes a run's last records within seconds of `wandb.finish()`.
-QUIET_S = 30.0
-
-
-def dead(path: Path, files: list[Path], now: float) -> bool:
+def dead(path: Path, files: list[Path]) -> bool:
     """A run file with no exit record that will never get one: a later attempt of the same run
-    id (`resume`) started after it, or nothing has written to it for `QUIET_S` seconds (the
-    process was killed)."""
+    id (`resume`) started after it. Not a file merely quiet for a while: W&B's service can write
+    a finished run's last records well after `wandb.finish()` on a loaded machine (seen: a
+    30 s rule read finished runs as killed, without their history)."""
     later = files[files.index(path) + 1:] if path in files else []
-    return (any(other.name == path.name for other in later)
-            or now - path.stat().st_mtime >= QUIET_S)
+    return any(other.name == path.name for other in later)
 
 
 def read_runs(folder: str | Path, wait: float = 0.0) -> list[WandbRun]:
@@ -145,13 +140,12 @@ def read_runs(folder: str | Path, wait: float = 0.0) -> list[WandbRun]:
         files = run_files(folder)
         runs = [read_run(path) for path in files]
         for run in runs:
-            run.killed = not run.complete and dead(run.path, files, time.time())
+            run.killed = not run.complete and dead(run.path, files)
         pending = [run.path for run in runs if not (run.complete or run.killed)]
         if not pending or time.monotonic() > deadline:
             if pending and wait:
-                warnings.warn(f"{pending[0]}: no exit record after waiting {wait:g} s, and "
-                              f"written to within {QUIET_S:g} s: read as it stands (W&B's "
-                              f"service still writing, or a process killed just now)",
+                warnings.warn(f"{pending[0]}: no exit record after waiting {wait:g} s: read as "
+                              f"it stands (a process killed, or W&B's service still writing)",
                               stacklevel=2)
             return runs
         time.sleep(0.5)
