@@ -97,7 +97,9 @@ def _train(folder: Path, options: dict[str, Any]) -> None:
 
 
 def _attempt(folder: Path, **options: Any) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    from tests.tiny_run import own_wandb_env
+
+    env = own_wandb_env(PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "tests.test_report_resume", str(folder),
                            json.dumps(options)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -285,13 +285,14 @@ def test_a_run_killed_and_resumed_into_the_same_wandb_and_mlflow_run_keeps_every
 
     from mlflow.tracking import MlflowClient
 
-    from tests.tiny_run import TINY_YAML
+    from tests.tiny_run import TINY_YAML, own_wandb_env
 
     monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE", "1")  # its file store's race
     killed = subprocess.run(
         [sys.executable, "-c", _KILLED_ATTEMPT, str(tmp_path), str(tiny_data.root),
          str(tiny_data.vocab_size), str(tiny_data.num_samples)],
-        cwd=TINY_YAML.parents[1], capture_output=True, text=True, timeout=600)
+        cwd=TINY_YAML.parents[1], capture_output=True, text=True, timeout=600,
+        env=own_wandb_env())
     assert killed.returncode == -9, killed.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"file://{tmp_path}/mlruns")
     [experiment] = [e for e in client.search_experiments() if e.name == "killed"]
@@ -368,11 +369,12 @@ def _attempt(folder, how: str):
     import subprocess
     import sys
 
-    from tests.tiny_run import TINY_YAML
+    from tests.tiny_run import TINY_YAML, own_wandb_env
 
     folder.mkdir(exist_ok=True)  # W&B writes elsewhere when `dir` does not exist
     return subprocess.run([sys.executable, "-c", _ATTEMPT, str(folder), how],
-                          cwd=TINY_YAML.parents[1], capture_output=True, text=True, timeout=300)
+                          cwd=TINY_YAML.parents[1], capture_output=True, text=True, timeout=300,
+                          env=own_wandb_env())
 
 
 def test_read_runs_reads_a_killed_attempt_without_waiting_for_it(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,15 @@ from omegaconf import OmegaConf as om
 from foundry_fp8.tools.tiny_data import TinyData
 
 TINY_YAML = Path(__file__).resolve().parents[1] / "yamls" / "mpt-tiny-cpu.yaml"
+
+
+def own_wandb_env(**extra: str) -> dict[str, str]:
+    """This environment for an attempt run in a child process, less W&B's service token: a
+    process that started W&B exports it (wandb/sdk/lib/service_token.py), and a child that
+    inherits it logs through the parent's service, which outlives a killed child and left the
+    resumed attempt's run file unfinished for minutes (the W&B resume tests failed only after an
+    in-process W&B test had run in the same pytest). A user's attempts are separate launches."""
+    return {**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}, **extra}
 
 
 def tiny_config(tmp_path: Path, tiny_data: TinyData, overrides: dict[str, Any] | None = None,
