@@ -681,21 +681,7 @@ def test_current_scalings_te_floor_has_one_home():
 # -- QA round: mandatory keys, MPT's sub-configs, sdpa, eval's FSDP Trainer ---------------------
 
 def _train_config_refused(config: dict) -> bool:
-    from llmfoundry.utils.config_utils import (
-        TRAIN_CONFIG_KEYS,
-        TrainConfig,
-        make_dataclass_and_log_config,
-    )
-    from omegaconf import OmegaConf
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            make_dataclass_and_log_config(OmegaConf.create(config), TrainConfig,
-                                          TRAIN_CONFIG_KEYS, transforms="all")
-    except Exception:  # MissingMandatoryValue, update_batch_size_info's KeyError
-        return True
-    return False
+    return bool(_first_refusal(config))
 
 
 #: A train config with every key `llmfoundry train` needs, and no other.
@@ -737,6 +723,8 @@ def _first_refusal(config: dict) -> str:
         return f"KeyError {e} in update_batch_size_info"
     except MissingMandatoryValue as e:
         return f"MissingMandatoryValue: {str(e).splitlines()[0]}"
+    except Exception as e:  # any other refusal of the config
+        return f"{type(e).__name__}: {e}"
     return ""
 
 
