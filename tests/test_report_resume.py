@@ -270,3 +270,12 @@ def test_a_dead_attempts_fallback_after_the_checkpoint_is_not_the_resumed_wandb_
     *_, guard, _ = make_report(wandb_dir, out=tmp_path / "out")
     assert guard is not None
     assert [(f.layer, f.step) for f in guard.fallbacks] == [("blocks.0.fc", 2)]
+
+
+def test_a_copied_wandb_file_outside_w_and_bs_folders_is_reported_from_itself(tmp_path):
+    """Review s16: `report copy/run-abc.wandb` said "W&B's binary run file, not a metrics file"
+    (the attempts' glob found none outside `wandb/offline-run-*`)."""
+    copy = tmp_path / "copy" / "run-abc.wandb"
+    _wandb_attempt(copy, range(4), {"callbacks": {"fp8_stats": {}}})
+    assert wandb_files(copy) == [copy]
+    assert main(["report", str(copy), "--out", str(tmp_path / "out")]) == 0

@@ -266,7 +266,8 @@ def wandb_files(given: Path) -> list[Path] | None:
     if not ids:
         return None
     wandb_dir = files[-1].parent.parent  # `wandb/`, which holds every attempt's folder
-    return sorted(wandb_dir.glob(f"*-{ids[0]}/run-{ids[0]}.wandb"), key=lambda p: p.parent.name)
+    attempts = sorted(wandb_dir.glob(f"*-{ids[0]}/run-{ids[0]}.wandb"), key=lambda p: p.parent.name)
+    return attempts or files  # a run file outside W&B's layout (copied): itself
 
 
 def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None]
