@@ -34,6 +34,7 @@ from foundry_fp8.lint.load import (
     load_config,
     load_data,
     position_of,
+    read_stdin,
     read_text,
     read_yaml,
 )
@@ -64,14 +65,20 @@ def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[in
         for f in findings]}
 
 
+#: The name standard input (`-` on the command line) has in messages and entries: a YAML file
+#: (JSON is read as YAML); the Accelerate rules look for its DeepSpeed file in the current folder.
+STDIN = Path("<stdin>")
+
+
 def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = None,
-              wandb_mode: str | None = None) -> dict[str, Any]:
+              wandb_mode: str | None = None, text: str | None = None) -> dict[str, Any]:
     """One entry of the JSON contract: {path, error, findings}, plus `skipped` (why) for a file
     with nothing to lint. `snapshot`: what is installed where the linter runs, for the rules
     that depend on it (None: they stay quiet); `wandb_mode`: W&B's mode from the environment
-    (`wandb_mode_from_env`; None: not set)."""
+    (`wandb_mode_from_env`; None: not set); `text`: the file's text when the caller has read it
+    (standard input), else it is read from `path`."""
     try:
-        text = read_text(path)
+        text = read_text(path) if text is None else text
         is_json = path.suffix.lower() == ".json"
         document = None if is_json else read_yaml(path, text, dates=False)
         data = read_json(path, text) if document is None else document.data
@@ -163,6 +170,10 @@ def _expand(paths: list[str]) -> list[Path | dict[str, Any]]:
     current folder (an unset variable in CI would lint whatever folder the job is in)."""
     items: list[Path | dict[str, Any]] = []
     for name in paths:
+        if name == "-":  # standard input, read once (a second `-` would read nothing)
+            items.append(_error_entry(STDIN, f"{STDIN}: `-` named more than once: standard "
+                                      "input is read once") if STDIN in items else STDIN)
+            continue
         if not name:
             items.append(_error_entry(name, "an empty path: name a config file or a folder (an "
                                       "unset variable?)"))
@@ -181,7 +192,8 @@ def _expand(paths: list[str]) -> list[Path | dict[str, Any]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", help="config files (train, eval, MCLI, Accelerate, "
-                        "DeepSpeed; YAML or JSON) or folders of YAML files")
+                        "DeepSpeed; YAML or JSON), folders of YAML files, or - for a YAML "
+                        "config on standard input (named <stdin>)")
     parser.add_argument("--format", choices=("text", "json", "sarif"), default="text",
                         help="text: a table per file (colour on a terminal unless NO_COLOR or "
                              "TERM=dumb); json: {files: [{path, error, findings}]}; "
@@ -197,9 +209,16 @@ def exit_code(report: dict[str, Any]) -> int:
 
 def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
                     wandb_mode: str | None) -> dict[str, Any]:
-    """lint_file, and for what escapes it (our bug) the file's one line, so that the other
-    files of a folder are still linted and no traceback is printed."""
+    """lint_file (on standard input's text for STDIN itself: a file named `<stdin>` is read
+    from disk), and for what escapes it (our bug) the file's one line, so that the other files
+    of a folder are still linted and no traceback is printed."""
     try:
+        if path is STDIN:
+            try:
+                text = read_stdin(STDIN)
+            except LintInputError as e:
+                return _error_entry(STDIN, str(e))
+            return lint_file(STDIN, fsdp_version, snapshot, wandb_mode, text)
         return lint_file(path, fsdp_version, snapshot, wandb_mode)
     except Exception as e:
         return _error_entry(path, f"{path}: the linter failed on this file ({type(e).__name__}: "

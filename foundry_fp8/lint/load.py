@@ -254,6 +254,27 @@ def read_text(path: Path) -> str:
         data = _read_bounded(path)
     except OSError as e:
         raise cannot_read(path, e) from None
+    return _decoded(path, data)
+
+
+def read_stdin(name: Path) -> str:
+    """The text piped to standard input (`foundry-fp8 lint -`), named `name` in messages, within
+    read_text's bounds. A terminal is refused: the linter would sit waiting for typed input."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:
+        raise LintInputError(f"{name}: standard input is closed; pipe a config in")
+    try:
+        if stream.isatty():
+            raise LintInputError(f"{name}: standard input is a terminal; pipe a config in "
+                                 "(`cat train.yaml | foundry-fp8 lint -`) or name the file")
+        data = stream.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise cannot_read(name, e) from None
+    return _decoded(name, data)
+
+
+def _decoded(path: Path, data: bytes) -> str:
+    """`data` (at most MAX_BYTES + 1 bytes read) as UTF-8 text; LintInputError otherwise."""
     if len(data) > MAX_BYTES:
         raise LintInputError(f"{path}: more than {MAX_BYTES} bytes; refusing to read it")
     try:
