@@ -27,6 +27,7 @@ from foundry_fp8.emulate import EmulatedFP8Linear, fp8_checkpoint
 from foundry_fp8.filters import block_index, fuse_reason, layernorm_reason, linear_reason
 from foundry_fp8.fp8_meta import canonical_modules, is_fp8_module
 from foundry_fp8.options import OptionError, Problem, SwapConfig
+from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE
 from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX, inert_extra_state
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
@@ -154,7 +155,14 @@ def linear_flops(model: nn.Module) -> int:
     (`F.linear` on the input embedding, no module of its own)."""
     tied = _tied_lm_head(model)
     head = gemm_flops(tied[1], tied[0]) if tied is not None else 0
-    return sum(module_flops(m) for m in model.modules()) + head
+    moe = _moe_layers(model)
+    return sum(_routed_flops(m, moe.get(n)) for n, m in model.named_modules()) + head
+
+
+def _routed_flops(module: nn.Module, moe: tuple[str, float] | None) -> int:
+    """`module_flops` per token of the model: an MoE expert's times the share of the tokens
+    routed to it (`_moe_layers`)."""
+    return round(module_flops(module) * (1.0 if moe is None else moe[1]))
 
 
 def _n_params(*modules: nn.Module) -> int:
@@ -215,6 +223,44 @@ def _peft_adapters(model: nn.Module) -> dict[str, str]:
     return kept
 
 
+def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
+    """{name: (why kept, share of the tokens it sees)} for the `nn.Linear` layers of mixture-of-
+    experts blocks: a module holding an `experts` ModuleList (transformers' Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3 blocks).
+
+    An expert's GEMM gets the tokens routed to it, a count that changes with every batch
+    (Mixtral's `hidden_states[None, top_x]`, modeling_mixtral.py:146), while TE's FP8 GEMM needs
+    it divisible by 8 in the forward and 16 in the backward (`foundry_fp8.shapes`): a te.Linear
+    expert stops the first batch that breaks it. Each sees `top_k / len(experts)` of the tokens
+    on average, its per-token FLOPs share. The router (the block's linear with one output per
+    expert) picks the top-k experts from its logits: Megatron-LM computes it as a plain torch
+    GEMM, never TE's FP8 (megatron/core/transformer/moe/router.py, Router.gating)."""
+    found: dict[str, tuple[str, float]] = {}
+    for name, block in model.named_modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.ModuleList) or len(experts) == 0:
+            continue
+        prefix = f"{name}." if name else ""
+        top_k = getattr(block, "top_k", getattr(getattr(block, "config", None),
+                                                "num_experts_per_tok", None))
+        share = top_k / len(experts) if isinstance(top_k, int) else 1.0
+        for sub, module in experts.named_modules(prefix=f"{prefix}experts"):
+            if isinstance(module, nn.Linear):
+                found[sub] = (f"MoE expert: the tokens routed to it change every batch, and TE's "
+                              f"FP8 GEMM needs them divisible by {FP8_TOKEN_MULTIPLE} (forward) "
+                              f"and {FP8_DIM_MULTIPLE} (backward); FLOPs counted for the "
+                              f"{top_k if isinstance(top_k, int) else 'all'} of "
+                              f"{len(experts)} experts a token uses", share)
+        for child, sub_module in block.named_children():
+            if sub_module is experts:
+                continue
+            for sub, module in sub_module.named_modules(prefix=f"{prefix}{child}"):
+                if isinstance(module, nn.Linear) and module.out_features == len(experts):
+                    found[sub] = ("MoE router: its logits choose the experts, kept in high "
+                                  "precision (as Megatron-LM's router)", 1.0)
+    return found
+
+
 def _meta_init_reason(model: nn.Module, up_proj: nn.Linear) -> str | None:
     """Why a block on the meta device is not fused: its te.LayerNormMLP would be initialised
     later by LLM-Foundry's param_init_fn, whose te_layernorm_mlp_init raises NameError in the
@@ -268,6 +314,7 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                 module_flops(up) + module_flops(ffn.down_proj)))
 
     adapters = _peft_adapters(model)
+    moe = _moe_layers(model)
     owners: dict[int, list[str]] = {}
     for name, module in modules.items():
         for param in module.parameters(recurse=False):
@@ -287,11 +334,13 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
             elif others:
                 reason = f"weight tied to {others[0]}: a converted copy would untie them"
             else:
-                reason = linear_reason(name, module.in_features, module.out_features, config,
-                                       n_blocks, module)
+                reason = (linear_reason(name, module.in_features, module.out_features, config,
+                                        n_blocks, module)
+                          or moe.get(name, (None, 1.0))[0])
             decisions.append(Decision(name, "linear", reason is None, reason or "converted",
                                       module.in_features, module.out_features, _n_params(module),
-                                      module_flops(module), already_fp8=already))
+                                      _routed_flops(module, moe.get(name)),
+                                      already_fp8=already))
         elif (features := conv1d_features(module)) is not None:
             decisions.append(Decision(
                 name, "linear", False, "transformers Conv1D (GPT-2's linear, weight stored "
