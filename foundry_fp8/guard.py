@@ -45,6 +45,8 @@ FALLBACK_PREFIX = "fp8/guard/fallback/"  # + layer: one hyperparameter per fallb
 REPROMOTION_PREFIX = "fp8/guard/repromotion/"  # + layer: one per re-promotion
 REFUSED_PREFIX = "fp8/guard/refused/"  # + layer: its first refusal by the budget
 FALLBACKS_KEY = "fp8/guard/fallbacks"  # the fit-end table (`destinations.FitEndKeys`)
+#: GuardCore's state: its recent rows hold no re-promoted layer's rows up to its re-promotion
+REPROMOTED_ROWS_DROPPED = "repromoted_rows_dropped"
 
 
 def _plain(numbers: Mapping[str, float]) -> dict[str, float | str]:
@@ -422,11 +424,16 @@ class GuardCore:
             "recent": [(step, rows(judged), rows(fallen)) for step, judged, fallen in self._recent],
             "warned": sorted(self.warned),
             "before_reset": sorted(self._before_reset),
+            # `repromote` drops a layer's rows up to its re-promotion: nothing to forget on load
+            REPROMOTED_ROWS_DROPPED: True,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the fallbacks and re-promotions, and the streaks by replaying the recent
-        tables (a re-promotion's streaks start afresh at its step, as in the run)."""
+        tables. A re-promoted layer's rows up to its re-promotion are not in them (`repromote`
+        drops them), so its streaks start afresh there, as in the run; a checkpoint saved before
+        that (without REPROMOTED_ROWS_DROPPED) forgets the layer at the row of its re-promotion's
+        step number instead, which after `reset_time` can be a later fit's row."""
         self.fallbacks = {}
         for item in state.get("fallbacks", ()):
             fallback = Fallback.from_dict(item)
@@ -438,13 +445,14 @@ class GuardCore:
         self._tracker = HealthTracker(thresholds(self.config))
         self._whatif = HealthTracker(thresholds(self.config))
         self._recent = []
+        dropped = bool(state.get(REPROMOTED_ROWS_DROPPED))
         for step, judged, *fallen in state.get("recent", ()):
             tables = [{(layer, tensor): dict(stats) for layer, tensor, stats in rows}
                       for rows in (judged, *fallen[:1])]
             self._recent.append((step, tables[0], tables[1] if len(tables) > 1 else {}))
             self._whatif.update(step, self._recent[-1][2])
             self._tracker.update(step, tables[0])
-            for repromoted in self.repromotions:
+            for repromoted in () if dropped else self.repromotions:
                 if repromoted.step == step:
                     self._forget(repromoted.layer)
         self._before_reset = set(_texts(state.get("before_reset", ()))) & self.fallbacks.keys()

@@ -80,3 +80,37 @@ def test_after_reset_time_a_logged_record_keeps_its_key():
     now = core.records()
     assert {k: now[k] for k in logged} == logged
     assert len(now) == 3 and now[next(k for k in now if k not in logged)]["step"] == 1
+
+
+def test_a_resume_after_reset_time_keeps_the_streak_of_a_layer_repromoted_before_the_reset():
+    """A layer re-promoted at step 3 of the first fit is bad again at step 3 of a second fit
+    (reset_time); a checkpoint there resumes the streak of the run that did not stop: the
+    layer falls back at step 4, as uninterrupted. Before, the resume replayed the step-3
+    re-promotion at the second fit's step 3 too (matched by step number) and forgot the bad
+    streak, so the layer stayed in FP8."""
+    from foundry_fp8.guard import GuardConfig, GuardCore
+    from tests.test_guard import HEALTHY, UNDERFLOWING
+
+    config = GuardConfig(consecutive=2, repromote_after=2, max_fallback_share=0.5)
+
+    def table(bad: bool) -> dict:
+        return {(layer, "activation"): dict(UNDERFLOWING if bad and layer == "a" else HEALTHY)
+                for layer in ("a", "b")}
+
+    def step(core: GuardCore, number: int, bad: bool) -> None:
+        t = table(bad)
+        core.decide(number, core.candidates(number, t), t)
+        core.repromote(number, core.ready(number, t), t)
+
+    straight = GuardCore(config, {"a": 0.05, "b": 0.05})
+    for number, bad in enumerate([True, True, False, False]):  # fallback at 1, back after 3
+        step(straight, number, bad)
+    assert [(r.step, r.fallen_at) for r in straight.repromotions] == [(3, 1)]
+    for number, bad in enumerate([False, False, False, True]):  # the second fit, reset_time
+        step(straight, number, bad)
+    resumed = GuardCore(config, {"a": 0.05, "b": 0.05})
+    resumed.load_state_dict(straight.state_dict())  # the checkpoint after the second fit's 3
+    for core in (straight, resumed):
+        step(core, 4, True)
+    assert [f.step for f in straight.fallbacks.values()] == [4]
+    assert [f.step for f in resumed.fallbacks.values()] == [4]
