@@ -36,6 +36,7 @@ from foundry_fp8.report.markdown import (
     change_key,
     fallback_steps,
     findings,
+    first_flagged,
     fmt,
     in_high_precision,
     layer_names,
@@ -210,7 +211,10 @@ def run(args: argparse.Namespace) -> int:
                 f"at {f.worst_at()} ({w.limit}; {f.counted(' steps')}). Likely cause: "
                 f"{w.cause}. {change}")
 
-    print(f"{len(found)} flagged" + "".join(f"\n  {line(f)}" for f in found[:MAX_PRINTED]))
+    print(f"{len(found)} flagged")
+    if found:
+        print(f"  {first_flagged(metrics, flags, names)}")
+    print("".join(f"  {line(f)}\n" for f in found[:MAX_PRINTED]), end="")
     if len(found) > MAX_PRINTED:
         print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:

@@ -77,6 +77,39 @@ def fmt(stat: str, value: float) -> str:
     return f"{number(value)} %" if stat.endswith("_pct") else number(value)
 
 
+#: Flags of the first flagged step the headline names (the rest are counted).
+FIRST_SHOWN = 3
+
+
+def first_flagged(run: RunMetrics, flags: list[Flag], names: dict[str, str],
+                  markdown: bool = False) -> str | None:
+    """`First flagged at step S: <layer> <tensor> <stat> <value> (<rule>), ...`: where a
+    divergence began. The tables rank flags by how many steps they held, so in a run that went
+    NaN the one spike that started it (1 flagged step) came after every layer's NaN rows and
+    past the terminal's first MAX_PRINTED; it is the line to read first."""
+    if not flags:
+        return None
+    step = min(f.step for f in flags)
+    first = [f for f in flags if f.step == step]
+    kinds = short_names(run.tensors)
+
+    def said(f: Flag) -> str:
+        label, kind = names.get(f.layer, f.layer), kinds.get(f.tensor, f.tensor)
+        label = md_code(label) if markdown else repr(label)
+        whatif = " what-if" if (f.layer, f.tensor, f.step) in run.high_precision else ""
+        return (f"{label} {md_escape(kind) if markdown else kind}{whatif} "
+                f"{md_escape(bounded(f.stat)) if markdown else bounded(f.stat)} "
+                f"{fmt(f.stat, f.value)} ({md_escape(f.limit) if markdown else f.limit}; likely cause: "
+                f"{md_escape(f.cause) if markdown else f.cause})")
+
+    more = len(first) - FIRST_SHOWN
+    later = len({(f.layer, f.tensor) for f in flags if f.step > step}
+                - {(f.layer, f.tensor) for f in first})
+    return (f"First flagged at step {step}: " + "; ".join(map(said, first[:FIRST_SHOWN]))
+            + (f"; and {more} more at that step" if more > 0 else "")
+            + (f". {later} other layer tensor(s) flagged later" if later else "") + ".")
+
+
 def layer_names(run: RunMetrics, guard: GuardRun | None) -> dict[str, str]:
     """Each layer's label (`short_names`: whole names, bounded, distinct), fp8_guard's too: the
     same in the markdown and on the terminal."""
@@ -257,6 +290,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     found = findings(run, flags)
     fallen = fallback_steps(guard)
     if found:
+        lines += [first_flagged(run, flags, names, markdown=True) or "", ""]
         lines += ["| layer | tensor | statistic | worst | first flagged at step | steps flagged "
                   "| likely cause | change |", "|---|---|---|---|---|---|---|---|"]
         for f in found:

@@ -1,0 +1,73 @@
+"""`foundry-fp8 report` names where a divergence began: the first flagged step and what was
+flagged there, ahead of the table that ranks flags by how many steps they held."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from foundry_fp8.cli import main
+from foundry_fp8.health import layer_key
+from foundry_fp8.jsonl import JsonlSink
+
+LAYERS = ("blocks.0.attn.Wqkv", "blocks.0.ffn.down_proj", "blocks.1.attn.Wqkv",
+          "blocks.1.ffn.down_proj")
+TENSORS = ("activation", "weight", "gradient")
+HEALTHY = {"amax": 1.0, "underflow_pct": 0.0, "overflow_pct": 0.0, "rel_mse": 1e-3,
+           "cos_sim": 0.9995, "scale_ratio": 1.0, "nan_count": 0.0, "inf_count": 0.0}
+SPIKED = ("blocks.1.ffn.down_proj", "weight")
+
+
+def diverging_run(folder: Path, spike_at: int | None, nan_from: int = 6, steps: int = 13) -> Path:
+    """A run as the tiny MPT's went when one weight was multiplied by 1e36 (QA session 17): that
+    weight overflows with a scale 1e4 too small at `spike_at`, then every layer's tensors hold
+    NaN from `nan_from` to the end."""
+    sink = JsonlSink(folder / "metrics.jsonl")
+    for step in range(steps):
+        metrics: dict[str, float] = {"loss/train/total": 3.0}
+        for layer in LAYERS:
+            for tensor in TENSORS:
+                stats = dict(HEALTHY)
+                if (layer, tensor) == SPIKED and step == spike_at:
+                    stats.update(overflow_pct=100.0, scale_ratio=1e4, amax=1e4)
+                if step >= nan_from:
+                    stats["nan_count"] = 4096.0
+                metrics.update({layer_key(s, tensor, layer): v for s, v in stats.items()})
+        sink.write(step, metrics)
+    return folder
+
+
+def flagged_section(out: str) -> list[str]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.endswith(" flagged"))
+    return lines[start:start + 12]
+
+
+def test_the_spike_that_started_a_divergence_is_named_first(tmp_path, capsys):
+    """The spike is flagged at 1 of 12 judged steps, each NaN row at 7: ranked by share of steps
+    flagged, the spike came last, past the terminal's 10 lines and under 12 NaN rows."""
+    folder = diverging_run(tmp_path, spike_at=5)
+    assert main(["report", str(folder)]) == 0
+    section = flagged_section(capsys.readouterr().out)
+    assert section[0] == "13 flagged"  # 12 NaN rows and the spike
+    assert section[1].startswith(
+        "  First flagged at step 5: 'blocks.1.ffn.down_proj' weight overflow_pct 100 % "
+        "(> 0.01 % with scale_ratio 1e+04 >= 2; likely cause: an amax spike"), section[1]
+    # the other 11 layer tensors went bad at step 6, after it
+    assert section[1].endswith(". 11 other layer tensor(s) flagged later."), section[1]
+    markdown = (folder / "fp8_report.md").read_text()
+    table = markdown.index("| layer | tensor |")
+    first = markdown.index("First flagged at step 5: `blocks.1.ffn.down_proj` weight "
+                           "overflow_pct 100 %")
+    assert first < table
+
+
+@pytest.mark.parametrize("nan_from", [0, 6])
+def test_several_tensors_flagged_first_at_one_step_are_counted(tmp_path, capsys, nan_from):
+    folder = diverging_run(tmp_path, spike_at=None, nan_from=nan_from)
+    assert main(["report", str(folder)]) == 0
+    head = flagged_section(capsys.readouterr().out)[1]
+    assert head.startswith(f"  First flagged at step {nan_from}: 'blocks.0.attn.Wqkv' "
+                           "activation nan_count 4096 ("), head
+    assert head.endswith("; and 9 more at that step."), head  # 12 at once, 3 named
