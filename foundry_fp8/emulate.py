@@ -366,7 +366,19 @@ class ScalingMeta(nn.Module):
 
     def follow(self, device: torch.device) -> None:
         if device.type != "meta" and self.scale.device != device:
-            self.scale, self.amax_history = self.scale.to(device), self.amax_history.to(device)
+            with _state_tensors():
+                self.scale = self.scale.to(device)
+                self.amax_history = self.amax_history.to(device)
+
+
+def _state_tensors() -> torch.inference_mode:
+    """Where the scaling state's tensors are made, also inside a forward under
+    `torch.inference_mode()`: an inference tensor made there refuses the in-place amax record
+    of every later training forward ('Inplace update to inference tensor outside
+    InferenceMode'). TE's kernels write its state through raw pointers (the amax in the cast
+    kernels, the update in pytorch/csrc/extensions/recipe.cpp:44-53), which no such check
+    sees: a te.Linear whose first FP8 forward ran under inference_mode trains on."""
+    return torch.inference_mode(False)
 
 
 def backward_override(recipe: FP8Recipe) -> str | None:
@@ -547,10 +559,12 @@ class EmulatedFP8Linear(nn.Linear):
         `adjust_amax_history_length` does when a delayed recipe's length changes: the first
         rows are kept when it shrinks, zero rows appended when it grows."""
         history, length = meta.amax_history, recipe.amax_history_len
-        if history.shape[0] > length:
-            meta.amax_history = history[:length].clone()
-        elif history.shape[0] < length:
-            meta.amax_history = nn.functional.pad(history, (0, 0, 0, length - history.shape[0]))
+        with _state_tensors():
+            if history.shape[0] > length:
+                meta.amax_history = history[:length].clone()
+            elif history.shape[0] < length:
+                meta.amax_history = nn.functional.pad(history,
+                                                      (0, 0, 0, length - history.shape[0]))
 
     def _register(self, recipe: FP8Recipe) -> None:
         """Join the amax buffer of (recipe, group) at the first delayed-scaling cast, once
