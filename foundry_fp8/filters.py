@@ -127,13 +127,16 @@ def backend_reason(config: SwapConfig, what: str) -> str | None:
 
 
 def linear_reason(name: str, in_features: int, out_features: int, config: SwapConfig,
-                  n_blocks: int, module: Any = None) -> str | None:
+                  n_blocks: int, module: Any = None, *, lm_head: bool | None = None
+                  ) -> str | None:
     """Why te_swap keeps a linear layer in high precision; None: it converts it. Only the
-    blocks' linears and the LM head are candidates."""
-    if block_index(name) is None and not name.endswith("lm_head"):
+    blocks' linears and the LM head are candidates. `lm_head`: whether this is the model's LM
+    head (the plan asks the model: GPT-NeoX's is `embed_out`); None: named `...lm_head`."""
+    head = name.endswith("lm_head") if lm_head is None else lm_head
+    if block_index(name) is None and not head:
         return ("outside the transformer blocks ("
                 + ", ".join(f"{c}.<n>" for c in BLOCK_CONTAINERS) + " in module names)")
-    if name.endswith("lm_head") and config.keep_lm_head:
+    if head and config.keep_lm_head:
         return "LM head kept in high precision (keep_lm_head)"
     return (filter_reason(name, config, n_blocks, module)
             or gemm_reason(in_features, out_features, config))

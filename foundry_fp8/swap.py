@@ -261,6 +261,16 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
     return found
 
 
+def _lm_heads(model: nn.Module) -> set[str]:
+    """Names of the linear LM heads the model's own `get_output_embeddings()` returns
+    (transformers' and LLM-Foundry's): GPT-NeoX's (Pythia's) `embed_out` is one, which the name
+    rule `...lm_head` missed."""
+    heads = [m.get_output_embeddings() for m in model.modules()
+             if callable(getattr(m, "get_output_embeddings", None))]
+    return {name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and any(m is h for h in heads)}
+
+
 def _meta_init_reason(model: nn.Module, up_proj: nn.Linear) -> str | None:
     """Why a block on the meta device is not fused: its te.LayerNormMLP would be initialised
     later by LLM-Foundry's param_init_fn, whose te_layernorm_mlp_init raises NameError in the
@@ -315,6 +325,7 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
 
     adapters = _peft_adapters(model)
     moe = _moe_layers(model)
+    heads = _lm_heads(model)
     owners: dict[int, list[str]] = {}
     for name, module in modules.items():
         for param in module.parameters(recurse=False):
@@ -335,7 +346,7 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                 reason = f"weight tied to {others[0]}: a converted copy would untie them"
             else:
                 reason = (linear_reason(name, module.in_features, module.out_features, config,
-                                        n_blocks, module)
+                                        n_blocks, module, lm_head=name in heads or None)
                           or moe.get(name, (None, 1.0))[0])
             decisions.append(Decision(name, "linear", reason is None, reason or "converted",
                                       module.in_features, module.out_features, _n_params(module),
