@@ -291,6 +291,28 @@ def test_results_are_on_disk_after_each_variant(tmp_path, monkeypatch):
     assert seen_on_disk == [None, ["bf16"], ["bf16", "fp8-te-swap"]]
     final = json.loads((tmp_path / "mpt-tiny-cpu.json").read_text())
     assert [r["name"] for r in final["variants"]] == ["bf16", "fp8-te-swap", "fp8-te-swap-stats1"]
+    assert final["pending"] == [] and "not reached" not in (tmp_path / "mpt-tiny-cpu.md").read_text()
+
+
+def test_results_left_by_an_interrupted_bench_name_the_variants_not_reached(tmp_path,
+                                                                          monkeypatch, capsys):
+    """Ctrl-C in the second variant: the files on disk hold the first variant's row and say
+    that the other two asked for were not reached, rather than passing for a one-variant run."""
+    def run_variant(variant, config, bar):
+        if variant.name != "bf16":
+            raise KeyboardInterrupt
+        return _fake_run_variant(variant, config, bar)
+
+    monkeypatch.setattr(bench, "run_variant", run_variant)
+    assert main(["bench", "--tiny", "--variants", "bf16,fp8-te-swap,fp8-te-swap-stats1",
+                 "--out", str(tmp_path)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "foundry-fp8: interrupted"
+    result = json.loads((tmp_path / "mpt-tiny-cpu.json").read_text())
+    assert [r["name"] for r in result["variants"]] == ["bf16"]
+    assert result["pending"] == ["fp8-te-swap", "fp8-te-swap-stats1"]
+    md = (tmp_path / "mpt-tiny-cpu.md").read_text()
+    for name in ("fp8-te-swap", "fp8-te-swap-stats1"):
+        assert f"| {name} | not reached: " in md
 
 
 def test_stats_cost_is_the_every_batch_rows_extra_time_over_the_interval():

@@ -466,7 +466,7 @@ def run_bench(config: BenchConfig,
                     _release_memory(config.tiny)
             bar.update((i + 1) * per_variant - bar.n)
             if after_each is not None and i + 1 < len(config.variants):
-                after_each(_result(config, rows, skipped, failed))
+                after_each(_result(config, rows, skipped, failed, config.variants[i + 1:]))
     return _result(config, rows, skipped, failed)
 
 
@@ -484,15 +484,17 @@ def command_of(config: BenchConfig) -> str:
 
 
 def _result(config: BenchConfig, rows: list[dict[str, Any]], skipped: list[dict[str, Any]],
-            failed: list[dict[str, Any]]) -> dict[str, Any]:
-    """The bench's result from the variants run so far, ratios to the bf16 row among them."""
+            failed: list[dict[str, Any]], pending: Sequence[str] = ()) -> dict[str, Any]:
+    """The bench's result from the variants run so far, ratios to the bf16 row among them.
+    `pending`: the variants not reached yet, so a file left by a bench cut off (Ctrl-C, a time
+    limit) says it is partial instead of passing for a run of fewer variants."""
     base = next((r["tokens_per_s"] for r in rows if r["name"] == "bf16"), None)
     for row in rows:
         row["ratio_to_bf16"] = row["tokens_per_s"] / base if base else None
     env = environment(config.tiny)
     return {"gpu": env["gpu"], "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "versions": env["versions"], "variants": rows, "skipped": skipped,
-            "failed": failed,
+            "failed": failed, "pending": list(pending),
             "setup": {"model": "tiny MPT (CPU, fp32)" if config.tiny else "MPT-1B",
                       "seq_len": config.seq_len, "batch": config.batch,
                       "micro_batch": config.micro_batch, "warmup": config.warmup,
@@ -584,6 +586,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | not run: {r['reason']} | | | | | | | | | |")
     for r in result["failed"]:
         lines.append(f"| {r['name']} | FAILED: {r['reason']} | | | | | | | | | |")
+    for name in result.get("pending", ()):
+        lines.append(f"| {name} | not reached: the bench stopped (or was still running) before "
+                     "this variant; these results are partial | | | | | | | | | |")
     lines += stats_cost_lines(result)
     if s["tiny"]:
         lines += ["", "Tiny CPU run: exercises the code path only, in fp32 with te_swap's "
