@@ -137,3 +137,56 @@ def test_a_metric_name_mlflow_refuses_costs_mlflow_nothing_else(tmp_path, caplog
     assert warned == [f"fp8_stats: MLflow refuses the metric names {_TEDebugStub.NAME}; they "
                       "are left out of MLflow only (every other logger gets them), so that "
                       "MLflow does not drop the step's other metrics with them"]
+
+
+def test_fp8_guards_long_fallback_table_is_cut_at_a_row_and_says_so(tmp_path, capsys):
+    """fp8_guard's fit-end table, `fp8/guard/fallbacks`, of 60 fallbacks (a 70B model's 10 %
+    budget holds about that many layers): over MLflow's 6000 characters it reached MLflow cut
+    mid-row by MLflow, with nothing saying so; now cut at a row's end with a line saying what
+    was left out, as fp8_stats' summary."""
+    from composer import Trainer
+    from composer.loggers import MLFlowLogger
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from foundry_fp8.composer.guard import FP8Guard
+    from foundry_fp8.composer.te_swap import TESwap
+    from foundry_fp8.guard import FALLBACKS_KEY, Fallback
+
+    class Blocks(nn.Module):  # te_swap converts the linear layers of `blocks.<n>`
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(16, 16)])
+            self.head = nn.Linear(16, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.blocks[0](x))
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(16, 16), torch.randint(0, 2, (16,)))
+    model = ComposerClassifier(Blocks(), num_classes=2)
+    logger = MLFlowLogger(tracking_uri=f"file://{tmp_path}/mlruns", experiment_name="fp8",
+                          run_name="guard")
+    guard = FP8Guard()
+    trainer = Trainer(model=model, train_dataloader=DataLoader(data, batch_size=8),
+                      max_duration="2ba", algorithms=[TESwap(backend="emulate")],
+                      callbacks=[FP8Stats(interval=1, image_interval=None), guard],
+                      loggers=[logger], device="cpu", progress_bar=False, log_to_console=False)
+    trainer.fit()
+    assert guard.core is not None and not guard.core.fallbacks
+    flagged = ("activation underflow_pct 21.9 % (> 1 %)",
+               "gradient overflow_pct 0.406 % (> 0.1 % with scale_ratio > 1.04)")
+    for n in range(60):  # what a long run's decisions leave, rendered at fit end
+        layer = f"model.layers.{n}.mlp.down_proj"
+        guard.core.fallbacks[layer] = Fallback(layer, n, 0.0015, ("flagged",), {}, flagged)
+    guard.fit_end(trainer.state, trainer.logger)
+    trainer.close()
+    printed = capsys.readouterr().out.split("layers moved to high precision\n", 1)[1]
+    table = printed.split("\nNext time:", 1)[0]
+    params, _ = _read(tmp_path, logger)
+    value = params[FALLBACKS_KEY]
+    assert len(table) > 6000 >= len(value)
+    head, note = value.rsplit("\n", 1)
+    assert table.startswith(head + "\n")
+    left = len(table.splitlines()) - len(head.splitlines())
+    assert note.startswith(f"... {left} more lines: ")

@@ -18,7 +18,7 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8 import emulate
-from foundry_fp8.composer.destinations import FitEndKeys, deliver
+from foundry_fp8.composer.destinations import FitEndKeys, capped, deliver
 from foundry_fp8.composer.stats import FP8Stats, last_batch
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.fp8_meta import canonical_name, fp8_modules, read_fp8_meta, write_fp8_meta
@@ -83,8 +83,9 @@ class FP8Guard(Callback):
     `fp8/guard/repromotion/<layer>` (`.ba<step>` after a layer's first), at a layer's first
     refusal by the budget `fp8/guard/refused/<layer>` (layer, step, its FLOPs share, the share of
     the FP8 FLOPs that would then be in high precision, `max_fallback_share`); at fit end the
-    hyperparameter `fp8/guard/fallbacks` (the table it prints; `fp8/guard/fallbacks.ba<step>`
-    after a resume or at a second fit's end, as fp8_stats' summary). It tells fp8_stats which
+    hyperparameter `fp8/guard/fallbacks` (the table it prints, cut at a row to MLflow's 6000
+    characters; `fp8/guard/fallbacks.ba<step>` after a resume or at a second fit's end, as
+    fp8_stats' summary). It tells fp8_stats which
     layers it runs in high precision (`FP8Stats.fallbacks`): their what-if rows leave fp8_stats'
     summary series (`fp8/flagged_layers` stops counting a layer once the guard has acted), and
     its table marks them; the guard's own judgement of the what-if rows is unchanged.
@@ -230,7 +231,10 @@ class FP8Guard(Callback):
                      if core.fallbacks else "No layer is in fallback at the end of the run.")
         print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n{next_time}",
               flush=True)
-        self._log_hyperparameters(logger, {self._table_keys.key(int(state.timestamp.batch)): table})
+        # cut at a row to MLflow's limit, as fp8_stats' summary: MLflow cuts mid-row, silently
+        value = capped(table, "the whole table is printed at fit end; `foundry-fp8 report` "
+                              "shows every fallback")
+        self._log_hyperparameters(logger, {self._table_keys.key(int(state.timestamp.batch)): value})
 
     def state_dict(self) -> dict[str, Any]:
         """Always the one key DECISIONS, a string. Composer's sharded load (FSDP
