@@ -98,6 +98,7 @@ class _AutocastState:
     enabled: bool = False
     recipe: FP8Recipe | None = None
     group: Any = None  # the amax reduction group in force (None: the world group)
+    calibrating: bool = False  # TE's fp8_calibration (`fp8_autocast(calibrating=True)`)
     # TE's is_first_fp8_module: set when the outermost region opens, taken by the first layer
     # that casts with grad; that layer's backward updates the backward scales.
     first_module: bool = False
@@ -138,7 +139,8 @@ def active_recipe() -> FP8Recipe | None:
 
 @contextmanager
 def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
-                 amax_reduction_group: Any = None) -> Iterator[None]:
+                 amax_reduction_group: Any = None, *, calibrating: bool = False
+                 ) -> Iterator[None]:
     """Run `EmulatedFP8Linear` layers in FP8 (`enabled`) or in high precision, as TE's autocast.
 
     From TE 2.20's `pytorch/quantization.py`: entering saves the state and sets FP8 on or off
@@ -153,18 +155,23 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
     update (no_grad, a disabled outermost region) wait for the next one. The update covers
     every registered layer, each with the recipe it registered under; the fused update leaves
     a slot with nothing recorded alone (`numerics.delayed_scale_update`).
+    `calibrating` (TE's calibration mode, which only acts with `enabled=False`): layers run in
+    high precision and take this region's recipe and state, but record no amax, as te.Linear
+    (`EmulatedFP8Linear._calibrate`).
     """
     _check_recipe_type(recipe)
-    saved = _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.first_module
+    saved = (_STATE.enabled, _STATE.recipe, _STATE.group, _STATE.first_module,
+             _STATE.calibrating)
     if _STATE.depth == 0:
         _STATE.first_module, _STATE.pruned = True, False
     _STATE.enabled, _STATE.recipe = enabled, recipe or TE_DEFAULT_RECIPE
-    _STATE.group = amax_reduction_group
+    _STATE.group, _STATE.calibrating = amax_reduction_group, calibrating
     _STATE.depth += 1
     try:
         yield
     finally:
-        _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.first_module = saved
+        (_STATE.enabled, _STATE.recipe, _STATE.group, _STATE.first_module,
+         _STATE.calibrating) = saved
         _STATE.depth -= 1
         if enabled and _STATE.depth == 0 and torch.is_grad_enabled():
             _reduce_and_update("forward")
@@ -598,9 +605,26 @@ class EmulatedFP8Linear(nn.Linear):
         return meta.scale[:n]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear's name)
-        if not is_fp8_enabled():
-            return super().forward(input)
-        return self._fp8_forward(input)
+        if is_fp8_enabled():
+            return self._fp8_forward(input)
+        if _STATE.calibrating:
+            self._calibrate(input)
+        return super().forward(input)
+
+    @torch.compiler.disable
+    def _calibrate(self, x: torch.Tensor) -> None:
+        """A forward in TE's calibration mode: te.Linear takes the recipe and sizes its state
+        (`init_fp8_metadata` runs for calibration too, module/base.py:1534-1566) but hands its
+        calibrate calls no quantizer outside FP8 (linear.py:506-510 read `_get_quantizers`,
+        which returns None for each unless FP8 is on, l. 2082-2084, as since TE 2.1), so it
+        records no amax and registers for no update. A later FP8 region with another recipe
+        is then refused, as after an FP8 forward (`_check_recipe`)."""
+        recipe = _STATE.recipe
+        self._check_recipe(recipe)
+        for meta in self.fp8_meta.values():
+            meta.follow(x.device)
+            if recipe.scaling == "delayed":
+                self._fit_history(meta, recipe)
 
     @torch.compiler.disable
     def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:

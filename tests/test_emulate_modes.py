@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
-from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.recipe import FP8Recipe, RecipeError
 from tests.test_emulate_te import E4M3, E5M2, te_amax, te_scale
 
 
@@ -48,3 +48,35 @@ def test_a_first_fp8_forward_under_inference_mode_then_training(around):
     history, scales = _after_one_update([te_amax(grad), 0.0], 4, E5M2)
     assert bwd.amax_history.tolist() == history and bwd.scale.tolist() == scales
     assert not fwd.amax_history.is_inference() and not bwd.amax_history.is_inference()
+
+
+def test_calibration_runs_in_high_precision_and_records_nothing_as_te_linear():
+    """TE's calibration mode (`autocast(enabled=False, calibrating=True)`): te.Linear's forward
+    runs in high precision and its `calibrate` calls get no quantizer outside FP8 (linear.py:
+    506-510, `_get_quantizers` returning None for each, l. 2082-2084), so nothing is recorded
+    and no update follows (the exit updates only enabled regions, quantization.py:779), while
+    `init_fp8_metadata` gives the layer the recipe and its sized state (module/base.py:
+    1534-1566). The emulation refused the keyword (TypeError)."""
+    torch.manual_seed(12)
+    recipe = FP8Recipe(amax_history_len=4)
+    layer = EmulatedFP8Linear(16, 16)
+    x_cal = (torch.randn(16, 16) * 50).requires_grad_()
+    with fp8_autocast(enabled=False, recipe=recipe, calibrating=True):
+        out = layer(x_cal)
+    assert torch.equal(out, x_cal @ layer.weight.t() + layer.bias)  # no FP8 cast
+    out.sum().backward()
+    assert torch.equal(x_cal.grad, torch.ones(16, 16) @ layer.weight.detach())
+    for meta, n in ((layer.fp8_meta["scaling_fwd"], 3), (layer.fp8_meta["scaling_bwd"], 2)):
+        assert meta.amax_history.tolist() == [[0.0] * n] * 4 and meta.scale.tolist() == [1.0] * n
+    x = torch.randn(16, 16)
+    with fp8_autocast(recipe=recipe):  # the first FP8 step: no calibration amax in row 0
+        layer(x)
+    history, scales = _after_one_update([te_amax(x), te_amax(layer.weight), 0.0], 4, E4M3)
+    fwd = layer.fp8_meta["scaling_fwd"]
+    assert fwd.amax_history.tolist() == history and fwd.scale.tolist() == scales
+    fresh = EmulatedFP8Linear(16, 16)  # calibration gave it its recipe, as TE's metadata
+    with fp8_autocast(enabled=False, recipe=recipe, calibrating=True):
+        fresh(x)
+    with pytest.raises(RecipeError, match=r"^fp8_recipe\.margin: "):
+        with fp8_autocast(recipe=FP8Recipe(amax_history_len=4, margin=1)):
+            fresh(x)
