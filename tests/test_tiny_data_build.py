@@ -187,3 +187,20 @@ def test_a_fresh_build_prints_its_lines_and_nothing_else(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert [line.split()[0] for line in lines] == ["building", "tokenizer:", "dataset:"], lines
+
+
+def test_the_yaml_it_prints_loads_as_the_folders_it_built(whole, tmp_path, capsys):
+    """QA 17: under a ROOT with `: ` and ` #` in its name, the printed `{name: ...}` snippets
+    loaded as another path (YAML cut the value at ` #`); YAML's own loader must give back the
+    folders that were built."""
+    import yaml
+
+    root = tmp_path / "runs: #1"
+    whole.root.rename(root)
+    assert main(["tiny-data", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tokenizer = yaml.safe_load(lines[-2].split("(tokenizer: ", 1)[1][:-1])
+    loader = yaml.safe_load(lines[-1].split("(train_loader: ", 1)[1][:-1])
+    assert Path(tokenizer["name"]) == (root / whole.tokenizer_dir.name).resolve()
+    assert Path(loader["dataset"]["local"]) == (root / whole.data_dir.name).resolve()
+    assert loader["dataset"]["split"] == "train" and loader["name"] == "text"

@@ -271,10 +271,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"foundry-fp8 tiny-data: {one_line(str(where))}: {err.strerror or err}",
               file=sys.stderr)
         return 2
-    print(f"tokenizer: {data.tokenizer_dir}  (tokenizer: {{name: {data.tokenizer_dir}}})\n"
-          f"dataset:   {data.data_dir}  (train_loader: {{name: text, dataset: {{local: "
-          f"{data.data_dir}, split: train}}}})")
+    tokenizer = _flow({"name": str(data.tokenizer_dir)})
+    loader = _flow({"name": "text", "dataset": {"local": str(data.data_dir), "split": "train"}})
+    print(f"tokenizer: {one_line(str(data.tokenizer_dir))}  (tokenizer: {tokenizer})\n"
+          f"dataset:   {one_line(str(data.data_dir))}  (train_loader: {loader})")
     return 0
+
+
+def _flow(value: dict[str, object]) -> str:
+    """`value` as one line of YAML to paste: a path with `: `, ` #` or a quote is quoted, where
+    writing it as is would give another value (or none) when the YAML loads."""
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False,
+                          width=float("inf")).strip()
 
 
 if __name__ == "__main__":
