@@ -65,16 +65,20 @@ def test_cells_have_the_colormaps_colour_and_initial_casts_are_grey(blocks, step
         assert first == (GREY if tensor == "weight" else expected_underflow_colour(value))
 
 
-def test_not_logged_and_nan_cells_are_grey():
+def test_not_logged_cells_are_grey_and_nan_ones_blue():
+    """A statistic logged as NaN (its tensor held NaN/Inf) is not a missing cell: grey for both
+    made a diverged run's heatmaps read as if fp8_stats had stopped logging there."""
     run = RunMetrics()
     run.add_table(0, {("blocks.0.ffn", "gradient"): {"underflow_pct": 2.0},
                       ("blocks.1.ffn", "gradient"): {"underflow_pct": math.nan}})
     run.add_table(10, {("blocks.0.ffn", "gradient"): {"underflow_pct": 4.0}})
-    at = layout(heatmap(run, "underflow_pct", Thresholds()))
+    hm = heatmap(run, "underflow_pct", Thresholds())
+    at = layout(hm)
     image = render_heatmap(run, "underflow_pct", Thresholds())
     assert pixel(image, at.cell(0, 0, 1)) == expected_underflow_colour(4.0)
-    assert pixel(image, at.cell(0, 1, 0)) == GREY  # NaN
+    assert pixel(image, at.cell(0, 1, 0)) == (0x1F, 0x4E, 0x9C)  # NaN
     assert pixel(image, at.cell(0, 1, 1)) == GREY  # not logged
+    assert "blue: logged as NaN" in at.captions[0]
 
 
 def test_colour_bar_runs_the_colormap_and_marks_the_threshold():

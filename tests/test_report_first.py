@@ -71,3 +71,36 @@ def test_several_tensors_flagged_first_at_one_step_are_counted(tmp_path, capsys,
     assert head.startswith(f"  First flagged at step {nan_from}: 'blocks.0.attn.Wqkv' "
                            "activation nan_count 4096 ("), head
     assert head.endswith("; and 9 more at that step."), head  # 12 at once, 3 named
+
+
+def test_the_report_heatmap_draws_nan_cells_blue_not_grey_as_not_logged(tmp_path):
+    """Pixels of the report's figure (matplotlib's own transform from data to pixels): a cell
+    logged as NaN is `#1f4e9c` and the caption says so; a cell cast with the initial scale
+    stays grey (#d0d0d0)."""
+    import numpy as np
+
+    from foundry_fp8.health import Thresholds
+    from foundry_fp8.health.plots import draw_heatmap
+    from foundry_fp8.report.read import load_run
+
+    folder = diverging_run(tmp_path, spike_at=5)
+    with (folder / "metrics.jsonl").open("a") as f:  # a weight's first cast, on the initial scale
+        f.write('{"step": 13, "metrics": {"fp8_initial_scale/weight/blocks.0.attn.Wqkv": 1, '
+                '"fp8_overflow_pct/weight/blocks.0.attn.Wqkv": 0.0}}\n')
+    run, _ = load_run(folder / "metrics.jsonl", print)
+    for tensor in TENSORS:  # NaN statistics in every row from step 6 on
+        run.add(8, "blocks.0.attn.Wqkv", tensor, "overflow_pct", float("nan"))
+    figure = draw_heatmap(run, "overflow_pct", Thresholds())
+    figure.canvas.draw()
+    image = np.asarray(figure.canvas.buffer_rgba())[..., :3]
+    weight = figure.axes[1]
+    assert weight.get_title().startswith("weight")
+
+    def colour(row: int, step: int) -> tuple[int, ...]:
+        x, y = weight.transData.transform((run.steps.index(step), row))
+        return tuple(int(c) for c in image[image.shape[0] - int(round(y)), int(round(x))])
+
+    assert colour(0, 8) == (0x1F, 0x4E, 0x9C)  # NaN
+    assert colour(0, 13) == (0xD0, 0xD0, 0xD0)  # the initial scale's cast
+    assert colour(0, 2) != (0x1F, 0x4E, 0x9C)  # a healthy cell, coloured by its value
+    assert "blue: logged as NaN" in figure._suptitle.get_text()

@@ -181,6 +181,10 @@ def _figure(width: float, height: float) -> Any:
 #: Cells not logged, or cast with delayed scaling's initial scale 1 (not coloured as data).
 NOT_LOGGED = "#d0d0d0"
 NOT_LOGGED_NOTE = "grey: not logged, or cast with the initial scale 1"
+#: Cells logged as NaN: the statistic of a tensor that held NaN/Inf. Grey, as not logged, made a
+#: diverged run's heatmaps read as if fp8_stats had stopped logging at the divergence.
+NAN_CELL = "#1f4e9c"
+NAN_NOTE = "blue: logged as NaN (the tensor held NaN/Inf: see nan_count)"
 #: Cells of a layer fp8_guard ran in high precision (`RunMetrics.high_precision`): what-if
 #: numbers, coloured as such but hatched, so they never read as the layer's FP8 casts.
 HIGH_PRECISION_NOTE = "hatched: fp8_guard ran the layer in high precision (what-if numbers)"
@@ -199,22 +203,32 @@ class Panel:
     limit: float | None  # the threshold, marked on the colour bar
     ticks: list[float] | None  # the colour bar's ticks (None: the norm's own)
     high_precision: Any  # bool [layers, steps]: what-if numbers (fp8_guard's, or no cast)
+    nan: Any  # bool [layers, steps]: logged as NaN (`NAN_CELL`), not a missing cell
 
     def hatched_runs(self) -> list[tuple[int, int, int]]:
         """(row, first column, columns) of each run of hatched cells along a row."""
-        runs = []
-        for row, cells in enumerate(self.high_precision.tolist()):
-            col = 0
-            while col < len(cells):
-                if cells[col]:
-                    end = col
-                    while end < len(cells) and cells[end]:
-                        end += 1
-                    runs.append((row, col, end - col))
-                    col = end
-                else:
-                    col += 1
-        return runs
+        return cell_runs(self.high_precision)
+
+    def nan_runs(self) -> list[tuple[int, int, int]]:
+        """(row, first column, columns) of each run of cells logged as NaN along a row."""
+        return cell_runs(self.nan)
+
+
+def cell_runs(mask: Any) -> list[tuple[int, int, int]]:
+    """(row, first column, columns) of each run of True cells along a row of `mask`."""
+    runs = []
+    for row, cells in enumerate(mask.tolist()):
+        col = 0
+        while col < len(cells):
+            if cells[col]:
+                end = col
+                while end < len(cells) and cells[end]:
+                    end += 1
+                runs.append((row, col, end - col))
+                col = end
+            else:
+                col += 1
+    return runs
 
 
 @dataclass(frozen=True)
@@ -232,6 +246,7 @@ class Heatmap:
     worse: str | None
     left_out: int = 0  # tensor kinds beyond MAX_PANELS, not drawn
     hatch_notes: tuple[str, ...] = ()  # what the hatched cells are (none: no cell hatched)
+    nan_cells: bool = False  # some cell was logged as NaN (NAN_NOTE)
 
     @property
     def shared_scale(self) -> bool:
@@ -251,8 +266,9 @@ class Heatmap:
 
     @property
     def notes(self) -> str:
-        """What the grey and (where any) the hatched cells are."""
-        return "; ".join((NOT_LOGGED_NOTE, *self.hatch_notes))
+        """What the grey and (where any) the NaN and hatched cells are."""
+        return "; ".join((NOT_LOGGED_NOTE, *((NAN_NOTE,) if self.nan_cells else ()),
+                          *self.hatch_notes))
 
     @property
     def threshold_note(self) -> str:
@@ -301,12 +317,18 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
         notes[HIGH_PRECISION_NOTE] |= bool(fallen.any())
         notes[UNCAST_NOTE] |= bool(uncast.any())
         hatched = fallen | uncast
-        panels.append(Panel(tensor, f"{title}{quiet}", matrix, norm, limit, ticks, hatched))
+        nan = np.array([[(layer, tensor, step) not in run.initial
+                         and math.isnan(logged.get(step, 0.0))
+                         for logged in [run.values.get((layer, tensor, stat), {})]
+                         for step in run.steps]
+                        for layer in run.layers], dtype=bool).reshape(matrix.shape)
+        panels.append(Panel(tensor, f"{title}{quiet}", matrix, norm, limit, ticks, hatched, nan))
     labels = short_names(run.layers, prefix)
     names = [labels[layer] for layer in run.layers]
     annotate = len(run.steps) <= 12 and len(names) <= 40 and not sp.log
     return Heatmap(stat, prefix, names, list(run.steps), panels, cmap, annotate, sp.worse,
-                   len(logged) - len(tensors), tuple(note for note, on in notes.items() if on))
+                   len(logged) - len(tensors), tuple(note for note, on in notes.items() if on),
+                   any(bool(p.nan.any()) for p in panels))
 
 
 #: Inches a character of a cell's number takes at its 6-point size (DejaVu Sans digits are
@@ -337,6 +359,8 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
         image = ax.imshow(np.ma.masked_invalid(p.matrix), aspect="auto", interpolation="nearest",
                           cmap=hm.cmap, norm=p.norm)
         ax.set_title(text(p.title), fontsize=9)
+        for row, col, n in p.nan_runs():
+            ax.add_patch(Rectangle((col - 0.5, row - 0.5), n, 1, color=NAN_CELL, lw=0))
         for row, col, n in p.hatched_runs():
             ax.add_patch(Rectangle((col - 0.5, row - 0.5), n, 1, fill=False, hatch="//",
                                    edgecolor="0.3", lw=0.8))

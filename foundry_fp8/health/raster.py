@@ -19,6 +19,7 @@ from typing import Any
 
 from foundry_fp8.health.history import RunMetrics
 from foundry_fp8.health.plots import (
+    NAN_CELL,
     Formats,
     Heatmap,
     Panel,
@@ -38,6 +39,7 @@ BAR_PX = 14  # the colour bar's width
 INK = (0, 0, 0)
 HATCH_PX = 6  # the hatching of fp8_guard's high-precision cells: a 1-pixel "/" every 6 pixels
 FRAME = (110, 110, 110)
+NAN_RGB = tuple(int(NAN_CELL[i:i + 2], 16) for i in (1, 3, 5))
 
 
 @functools.cache
@@ -166,6 +168,8 @@ def raster(hm: Heatmap) -> Any:
         rgb = hm.cmap(levels[-1], bytes=True)[..., :3]
         canvas[top:top + panel_h, x0:x0 + panel_w] = np.repeat(np.repeat(rgb, at.cell_h, 0),
                                                                at.cell_w, 1)
+        nan = np.repeat(np.repeat(p.nan, at.cell_h, 0), at.cell_w, 1)
+        canvas[top:top + panel_h, x0:x0 + panel_w][nan] = NAN_RGB
         hatched = np.repeat(np.repeat(p.high_precision, at.cell_h, 0), at.cell_w, 1)
         ys, xs = np.indices(hatched.shape)
         canvas[top:top + panel_h, x0:x0 + panel_w][hatched & ((xs + ys) % HATCH_PX == 0)] = FRAME
