@@ -93,3 +93,36 @@ def test_load_ignore_keys_of_the_fp8_state_entry_is_named(tmp_path, tiny_data):
         f"fp8_state: {checkpoint} holds no FP8 state (saved without fp8_state, or left out by "
         "load_ignore_keys); FP8 scales and amax histories start fresh, as expected when "
         "converting a bf16 checkpoint"]
+
+
+def test_a_weights_only_fine_tune_says_its_fp8_scaling_starts_fresh(tmp_path, tiny_data):
+    """`load_weights_only: true` (fine-tuning from another run's checkpoint): Composer loads the
+    model alone (`state.load_model_state`), and fp8_state keeps the FP8 state out of the
+    model's weights, so the fine-tune starts FP8 scaling fresh. Before, silently."""
+    swap = {"te_swap": {"fp8_recipe": {"amax_history_len": 4}}}
+    run_tiny(tmp_path, tiny_data, {"variables": {"run_name": "pretrain"}, "max_duration": "3ba",
+                                   "save_interval": "3ba", "eval_interval": "3ba",
+                                   "algorithms": swap})
+    checkpoint = str(run_folder(tmp_path, "pretrain") / "checkpoints" / "ep0-ba3-rank0.pt")
+    handler, logger = _Lines(), logging.getLogger("foundry_fp8.composer.state")
+    logger.addHandler(handler)
+    try:
+        run_tiny(tmp_path, tiny_data, {
+            "variables": {"run_name": "tuned"}, "max_duration": "1ba", "save_interval": "1ba",
+            "eval_interval": "1ba", "algorithms": swap, "load_path": checkpoint,
+            "load_weights_only": True})
+    finally:
+        logger.removeHandler(handler)
+    assert handler.lines == [
+        f"fp8_state: {checkpoint} loaded with load_weights_only: FP8 scales and amax histories "
+        "are not part of the model's weights and start fresh (a full load restores them)"]
+    # what the line says: the pretrain's input amax histories hold its 3 updates' amaxes (rows
+    # 1-3), the fine-tune's after one batch only that batch's (row 3; rows 1-2 as TE starts: 0)
+    pretrain = fp8_state_from_checkpoint(checkpoint)
+    tuned = fp8_state_from_checkpoint(
+        run_folder(tmp_path, "tuned") / "checkpoints" / "ep0-ba1-rank0.pt")
+    assert pretrain.keys() == tuned.keys() and len(tuned) == 8
+    for name in tuned:
+        assert (pretrain[name]["fwd_amax_history"][1:, 0] > 0).all(), name
+        history = tuned[name]["fwd_amax_history"][:, 0]
+        assert (history[1:3] == 0).all() and history[3] > 0, name

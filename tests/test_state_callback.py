@@ -673,3 +673,34 @@ def test_own_error_while_saving_is_logged_and_the_resume_starts_fresh(caplog, mo
         loader.load_state_dict(saved)
     assert "holds no FP8 state" in caplog.text
     assert loader._model[0].fp8_meta["scaling_fwd"].amax_history.shape[0] == 0  # fresh
+
+
+def test_a_weights_only_load_is_named_as_such_whole_file_or_sharded(caplog):
+    """What Composer's loads call (composer/utils/checkpoint.py): a weights-only whole-file load
+    `state.load_model_state` alone (`_restore_checkpoint`), a weights-only sharded load
+    `state.load_state_dict({'model': ...})` (`load_sharded_checkpoint`), a full load
+    `load_state_dict`, which calls `load_model_state` (composer/core/state.py). The sharded
+    weights-only load was said to be a checkpoint "saved without fp8_state", and the whole-file
+    one was silent."""
+    calls: list[str] = []
+    state = SimpleNamespace(model=_trained_model(), callbacks=[], load_path="ckpt")
+    state.load_model_state = lambda serialized, *a, **k: calls.append("model")
+    state.load_state_dict = lambda serialized, *a, **k: state.load_model_state(serialized)
+    callback = FP8State()
+    callback._model = state.model
+    callback._see_loaded_entries(state)
+    full = {"model": {}, "timestamp": {}, "callbacks": {"FP8State": {}}}
+    lines = []
+    for load, serialized in ((state.load_model_state, {"model": {}, "callbacks": {}}),
+                             (state.load_state_dict, {"model": {}}),
+                             (state.load_state_dict, full)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+            load(serialized)
+            callback._report_loaded_entries(state)
+        lines.append([r.getMessage() for r in caplog.records])
+    weights_only = ("fp8_state: ckpt loaded with load_weights_only: FP8 scales and amax "
+                    "histories are not part of the model's weights and start fresh (a full "
+                    "load restores them)")
+    assert lines == [[weights_only], [weights_only], []]
+    assert calls == ["model"] * 3

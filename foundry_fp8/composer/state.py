@@ -197,6 +197,7 @@ class FP8State(Callback):
         self._stale: dict[str, int] = {}
         self._watched = 0
         self._loaded_entries: Mapping[str, Any] | None = None
+        self._weights_only = False
 
     # -- events ---------------------------------------------------------------------------
 
@@ -274,10 +275,14 @@ class FP8State(Callback):
 
     def _see_loaded_entries(self, state: State) -> None:
         """Composer hands each callback only its own checkpoint entry, and none to a callback
-        the checkpoint lacks: note the callback entries a full load passes to `state` (a
-        weights-only load passes none), for `_report_loaded_entries`. Wrapped once: a later
-        load goes through the same wrapper."""
-        load = state.load_state_dict
+        the checkpoint lacks: note the callback entries a full load passes to `state`, and
+        whether the load was weights-only, for `_report_loaded_entries`. Composer's
+        `load_weights_only` calls `state.load_model_state` alone on a whole-file checkpoint
+        (composer/utils/checkpoint.py, `_restore_checkpoint`) and `state.load_state_dict` with
+        only the `model` key on a sharded one (`load_sharded_checkpoint`); a full load calls
+        `load_state_dict`, which calls `load_model_state`. Wrapped once: a later load goes
+        through the same wrappers."""
+        load, load_model = state.load_state_dict, state.load_model_state
         if getattr(load, "_fp8_state_notes", False):
             return
 
@@ -285,16 +290,34 @@ class FP8State(Callback):
         def load_state_dict(serialized: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             entries = serialized.get("callbacks") if isinstance(serialized, Mapping) else None
             self._loaded_entries = entries if isinstance(entries, Mapping) else {}
+            self._weights_only = isinstance(serialized, Mapping) and serialized.keys() <= {"model"}
             return load(serialized, *args, **kwargs)
+
+        @functools.wraps(load_model)
+        def load_model_state(serialized: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            if self._loaded_entries is None:  # not inside load_state_dict: weights only
+                self._loaded_entries, self._weights_only = {}, True
+            return load_model(serialized, *args, **kwargs)
 
         load_state_dict._fp8_state_notes = True  # type: ignore[attr-defined]
         state.load_state_dict = load_state_dict  # type: ignore[method-assign]
+        state.load_model_state = load_model_state  # type: ignore[method-assign]
 
     def _report_loaded_entries(self, state: State) -> None:
-        """One line each for what a full load leaves out silently: a checkpoint without FP8
-        state (a bf16 run's), and fp8_guard's fallbacks where this run has no fp8_guard."""
+        """One line each for what a load leaves out silently: the FP8 state a weights-only load
+        does not restore, a checkpoint without FP8 state (a bf16 run's), and fp8_guard's
+        fallbacks where this run has no fp8_guard."""
         entries, self._loaded_entries = self._loaded_entries, None
+        weights_only, self._weights_only = self._weights_only, False
         if entries is None or self._model is None:
+            return
+        if weights_only:
+            if next(fp8_modules(self._model), None):
+                # fp8_state keeps the FP8 state out of the model's weights (TE's
+                # `_extra_state` is saved as "no state"), so a weights-only load carries none
+                log.warning("fp8_state: %s loaded with load_weights_only: FP8 scales and amax "
+                            "histories are not part of the model's weights and start fresh "
+                            "(a full load restores them)", state.load_path)
             return
         if type(self).__qualname__ not in entries and next(fp8_modules(self._model), None):
             # Composer drops `load_ignore_keys` before any callback sees the checkpoint
