@@ -12,14 +12,28 @@ from foundry_fp8.recipe import FP8Recipe, RecipeError
 from tests.test_emulate_te import E4M3, E5M2, te_amax, te_scale
 
 
-def _after_one_update(amaxes: list[float], length: int, fp8_max: float) -> tuple[list, list]:
-    """A fresh state (scales 1, zero history of `length` rows) after TE's fused update with
-    `amaxes` recorded in row 0 (delayed_scaling.cu:182-253): a column that recorded something
-    moves its amax to the last row and takes `fp8_max / amax`; one that recorded 0 stays."""
-    history = [[0.0] * len(amaxes) for _ in range(length)]
-    history[-1] = list(amaxes)
-    scales = [te_scale(fp8_max, a) if a > 0 else 1.0 for a in amaxes]
+def _te_update(history: list[list[float]], scales: list[float], fp8_max: float
+               ) -> tuple[list[list[float]], list[float]]:
+    """TE's fused delayed-scaling update of one state, column by column (delayed_scaling.cu:
+    182-253): a column whose row 0 is 0 recorded nothing and stays; any other takes
+    `fp8_max / max(column)` and rolls up by one, row 0 becoming the last row and the new row
+    0 zero."""
+    history, scales = [row[:] for row in history], scales[:]
+    for j in range(len(scales)):
+        column = [row[j] for row in history]
+        if column[0] == 0:
+            continue
+        scales[j] = te_scale(fp8_max, max(column))
+        for i, value in enumerate([0.0, *column[2:], column[0]]):
+            history[i][j] = value
     return history, scales
+
+
+def _after_one_update(amaxes: list[float], length: int, fp8_max: float) -> tuple[list, list]:
+    """A fresh state (scales 1, zero history of `length` rows) after one update with `amaxes`
+    recorded in row 0."""
+    history = [list(amaxes)] + [[0.0] * len(amaxes) for _ in range(length - 1)]
+    return _te_update(history, [1.0] * len(amaxes), fp8_max)
 
 
 @pytest.mark.parametrize("around", [torch.inference_mode, torch.no_grad],
@@ -80,3 +94,41 @@ def test_calibration_runs_in_high_precision_and_records_nothing_as_te_linear():
     with pytest.raises(RecipeError, match=r"^fp8_recipe\.margin: "):
         with fp8_autocast(recipe=FP8Recipe(amax_history_len=4, margin=1)):
             fresh(x)
+
+
+def test_a_layer_called_twice_and_two_micro_batches_in_one_autocast():
+    """Weight sharing and gradient accumulation inside one autocast. TE's cast kernels take the
+    max into the amax slot (`atomicMaxFloat`, common/cast/fp8/quantize_fp8.cuh:223; nothing
+    zeroes it before a cast, pytorch/csrc/quantizer.cpp:632-644), so every call of the layer in
+    the region counts; the forward update comes once, at the exit (quantization.py:779). The
+    first call that casts with grad takes the first-module flag (linear.py:258-265,
+    1436-1442): the backward update comes at the end of its backward (l. 1467-1470), so a
+    second micro-batch's gradient, recorded after it, waits in row 0 for the next step's."""
+    torch.manual_seed(13)
+    recipe = FP8Recipe(amax_history_len=4)
+    layer = EmulatedFP8Linear(16, 16)
+    x1, x2, x3, x4 = (torch.randn(16, 16) * s for s in (1.0, 6.0, 2.0, 0.5))
+    g1, g2, g4 = (torch.randn(16, 16) * s for s in (5.0, 40.0, 1.0))
+    with fp8_autocast(recipe=recipe):
+        y1 = layer(x1) + layer(x2)  # the same weight twice
+        y2 = layer(x3)  # a second micro-batch
+    y1.backward(g1)  # its last node is the first call's: the backward update
+    y2.backward(g2)
+    fwd, bwd = layer.fp8_meta["scaling_fwd"], layer.fp8_meta["scaling_bwd"]
+    weight = te_amax(layer.weight)
+    want_fwd = _after_one_update(
+        [max(te_amax(x1), te_amax(x2), te_amax(x3)), weight, 0.0], 4, E4M3)
+    assert fwd.amax_history.tolist() == want_fwd[0] and fwd.scale.tolist() == want_fwd[1]
+    history, scales = _after_one_update([te_amax(g1), 0.0], 4, E5M2)
+    history[0][0] = te_amax(g2)  # recorded after the update: waits
+    assert bwd.amax_history.tolist() == history and bwd.scale.tolist() == scales
+    with fp8_autocast(recipe=recipe):
+        y4 = layer(x4)
+    y4.backward(g4)
+    history[0][0] = max(history[0][0], te_amax(g4))
+    want_bwd = _te_update(history, scales, E5M2)
+    assert bwd.amax_history.tolist() == want_bwd[0] and bwd.scale.tolist() == want_bwd[1]
+    history = [row[:] for row in want_fwd[0]]
+    history[0][:2] = [te_amax(x4), weight]
+    want_fwd = _te_update(history, want_fwd[1], E4M3)
+    assert fwd.amax_history.tolist() == want_fwd[0] and fwd.scale.tolist() == want_fwd[1]
