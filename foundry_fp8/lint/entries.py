@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
+from importlib import metadata
 from typing import Any
 
 from foundry_fp8.options import ENTRIES
@@ -42,3 +44,23 @@ def our_entries() -> dict[tuple[str, str], Entry]:
         options = {n: Option(n, defaults.get(n, NO_DEFAULT)) for n in spec.option_names()}
         entries[(spec.section, spec.name)] = Entry(spec.section, spec.name, options, spec)
     return entries
+
+
+@cache
+def _entry_points() -> metadata.EntryPoints | None:
+    """Every installed package's entry points, read once (one `entry_points(group=...)` call per
+    group would scan every package again); None when the metadata cannot be read."""
+    try:
+        return metadata.entry_points()
+    except Exception:  # broken metadata: judge by the built-ins and our own entries
+        return None
+
+
+def entry_point_names(group: str) -> frozenset[str]:
+    """The names installed packages register in an entry-point group (LLM-Foundry's registries
+    read `llmfoundry_<registry>`), from package metadata, importing nothing."""
+    found = _entry_points()
+    try:
+        return frozenset(ep.name for ep in found.select(group=group)) if found else frozenset()
+    except Exception:  # a broken entry in the metadata
+        return frozenset()

@@ -164,6 +164,19 @@ MPT_FFN_CONFIG_KEYS = frozenset({"ffn_type", "bias", "d_model", "device", "expan
 #: The names of LLM-Foundry's `fcs` registry (llmfoundry/models/layers/fc.py: te only where TE
 #: imports), which `fc_type` looks up as written (RegistryError for any other).
 MPT_FC_TYPES = ("torch", "te")
+#: The MPT model keys that name a layer registry entry -> (the names LLM-Foundry registers
+#: itself, the entry-point groups catalogue also reads: llmfoundry/layers_registry.py fcs, ffns,
+#: ffns_with_norm, ffns_with_megablocks, all `entry_points=True`). Built-ins:
+#: llmfoundry/models/layers/fc.py (te where TE imports), ffn.py:588-597 (te_ln_mlp where TE
+#: imports, mb_moe and mb_dmoe where megablocks does). build_fc and build_ffn look the name up as
+#: written and raise RegistryError for any other, building the model.
+MPT_LAYER_REGISTRIES = {
+    "fc_type": (frozenset(MPT_FC_TYPES), ("llmfoundry_fcs",)),
+    "ffn_config.ffn_type": (frozenset({"mptglu", "mptmlp", "torch_dmoe", "te_ln_mlp", "mb_moe",
+                                       "mb_dmoe"}),
+                            ("llmfoundry_ffns", "llmfoundry_ffns_with_norm",
+                             "llmfoundry_ffns_with_megablocks")),
+}
 #: MPT's model keys that must be numbers: given as a string (`d_model: "2048"`, `expansion_ratio:
 #: "8/3"`), MPTConfig or the model it builds raises (TypeError, ValueError) when LLM-Foundry
 #: builds the model. `norm_eps` is not among them: a string builds (torch reads it only in the

@@ -17,6 +17,7 @@ from foundry_fp8.lint.config import (
     native_te_layers,
     te_swap,
 )
+from foundry_fp8.lint.entries import entry_point_names
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
     HF_CAUSAL_LM_KEYS,
@@ -32,6 +33,7 @@ from foundry_fp8.lint.known import (
     MPT_FFN_CONFIG_KEYS,
     MPT_FFN_DEFAULTS,
     MPT_GQA_ONLY_KEY,
+    MPT_LAYER_REGISTRIES,
     MPT_MODEL_NAMES,
     MPT_NUMBER_KEYS,
     MPT_NUMBER_WORDS,
@@ -635,7 +637,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
 
 @rule("FP8042", "error", "MPT `attn_config` / `ffn_config` keys its attention class or FFN "
       "builder refuses (`attn_tpye`, `ffn_typ`), an `ffn_config.fc_type` MPT replaces, an "
-      "`fc_type` in the wrong case (`TE`) (did-you-mean, or where the key belongs)",
+      "`fc_type` or `ffn_type` no registry holds (`TE`, `tee`, `te_ln_mpl`) (did-you-mean, or "
+      "where the key belongs)",
       why="MPTBlock passes every attn_config key but the position-encoding ones to the "
       "attention class (multihead_attention, multiquery_attention, grouped_query_attention; "
       "kv_n_heads only the last takes), and build_ffn every ffn_config key but ffn_type to "
@@ -644,13 +647,18 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "to megablocks, and other registered classes take their own: not judged. MPTConfig "
       "replaces ffn_config.fc_type by the model's fc_type (a warning where they differ). "
       "fc_type is looked up as written in LLM-Foundry's fcs registry, whose names are lower "
-      "case: `TE` raises RegistryError (other names may be a plugin's: not judged).",
+      "case: `TE` raises RegistryError. In files, an fc_type or ffn_type that is neither "
+      "LLM-Foundry's nor registered by an installed package's entry points (read from package "
+      "metadata) raises RegistryError too: an error, a warning where the config's `code_paths` "
+      "may register it.",
       source=f"{FOUNDRY} llmfoundry/models/layers/blocks.py MPTBlock.__init__ "
       "(args_to_exclude_in_attn_class), llmfoundry/models/layers/attention.py, "
       "llmfoundry/models/layers/layer_builders.py build_ffn, llmfoundry/models/layers/ffn.py "
       "build_mptmlp, build_mptglu, llmfoundry/models/layers/fc.py, "
       "llmfoundry/models/mpt/configuration_mpt.py _validate_config (ffn_config['fc_type']), "
-      "llmfoundry/models/utils/config_defaults.py; tests/test_lint_known.py builds each",
+      "llmfoundry/models/utils/config_defaults.py, llmfoundry/layers_registry.py (fcs, ffns, "
+      "ffns_with_norm, ffns_with_megablocks: entry_points=True); tests/test_lint_known.py "
+      "builds each",
       fix="fix the spelling (the message names the closest key or name)", unresolved=True)
 def mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
@@ -665,6 +673,28 @@ def mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
         yield Hit(key, f"fc_type {fc_type!r} is no name of LLM-Foundry's fcs registry, which looks "
                   "it up as written: building the model raises RegistryError (did you mean "
                   f"`{fc_type.lower()}`?)")
+    if ctx.scope == "file":  # in a run the model is built: its registries answered already
+        yield from _unregistered_layers(config, model)
+
+
+def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) -> Iterator[Hit]:
+    """An fc_type or ffn_type that neither LLM-Foundry nor an installed package registers
+    (`tee`, `transformer_engine`, `te_ln_mpl`); a warning where `code_paths` may register it."""
+    for key, (builtins, groups) in MPT_LAYER_REGISTRIES.items():
+        name = fc_type_name(model) if key == "fc_type" else get(model, key)
+        if not isinstance(name, str):
+            continue
+        names = builtins.union(*map(entry_point_names, groups))
+        if name in names or (key == "fc_type" and name.lower() in MPT_FC_TYPES):
+            continue  # `TE`: named above, in files and runs
+        where = f"model.{key}" + (".name" if isinstance(model.get(key), Mapping) else "")
+        registry = "fcs registry" if key == "fc_type" else "ffns registries"
+        maybe = " (unless a module of `code_paths` registers it)" if "code_paths" in config \
+            else ""
+        yield Hit(where, f"{key.rpartition('.')[2]} {name!r:.60} is no name of LLM-Foundry's "
+                  f"{registry} ({', '.join(sorted(names))}) nor of an installed "
+                  f"plugin's: building the model raises RegistryError{maybe}"
+                  + did_you_mean(name, names), severity="warning" if maybe else "error")
 
 
 @rule("FP8029", "error", "`loss_fn: fused_crossentropy` (MPT's default) without flash-attn's "

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from functools import cache
-from importlib import metadata
 from typing import Any
 
 from foundry_fp8.filters import fuse_reason, layernorm_reason, linear_reason, module_filter_fn
@@ -21,7 +19,7 @@ from foundry_fp8.lint.config import (
     precision,
     te_swap,
 )
-from foundry_fp8.lint.entries import our_entries
+from foundry_fp8.lint.entries import entry_point_names, our_entries
 from foundry_fp8.lint.known import (
     FOUNDRY_REGISTRY,
     MPT_MODEL_NAMES,
@@ -279,18 +277,6 @@ def entry_needs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
                       "starts, after the model is built", fix=problem.fix)
 
 
-@cache
-def _entry_point_names() -> dict[str, frozenset[str]]:
-    """Entry-point names per group of every installed package, read in one pass over package
-    metadata (one `entry_points(group=...)` call per group would scan every package again)."""
-    try:
-        found = metadata.entry_points()
-        groups = {g for gs in REGISTRY_GROUPS.values() for g in gs}
-        return {g: frozenset(ep.name for ep in found.select(group=g)) for g in groups}
-    except Exception:  # broken metadata: judge by the built-ins and our own entries
-        return {}
-
-
 def registered_names(section_name: str) -> frozenset[str]:
     """The names LLM-Foundry's registry for a section holds: its built-ins, and every entry
     point of the matching groups (ours and other plugins'), read from package metadata
@@ -298,7 +284,7 @@ def registered_names(section_name: str) -> frozenset[str]:
     names = set(FOUNDRY_REGISTRY[section_name])
     names |= {name for (where, name) in our_entries() if where == section_name}
     for group in REGISTRY_GROUPS[section_name]:
-        names |= _entry_point_names().get(group, frozenset())
+        names |= entry_point_names(group)
     return frozenset(names)
 
 
