@@ -26,6 +26,7 @@ import logging
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
+import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from torch import nn
@@ -105,6 +106,8 @@ class TESwap(Algorithm):
             # an OOM) still leaves te_swap's autocast before Composer's, innermost first.
             self._hooks = [model.register_forward_pre_hook(self._enter),
                            model.register_forward_hook(self._exit, always_call=True)]
+        if self.config.backend == "te" and precision == "amp_fp8":
+            _eval_in_high_precision(model, plan)
         table = coverage_table(plan)
         recipe = self.recipe.as_config()
         print(f"foundry_fp8 te_swap: {converted} modules converted ({self.config.backend}), "
@@ -161,6 +164,43 @@ class TESwap(Algorithm):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> None:
+    """Backend te under amp_fp8: an eval-mode forward of the model's TE FP8 modules runs in
+    high precision, as Composer's own eval (`fp8_autocast_enabled=False`) and te_swap's
+    emulated layers do. Composer's Generate callback (LLM-Foundry's `generate_callback`) calls
+    `model.generate` in eval mode inside `get_precision_context(state.precision)`
+    (composer/callbacks/generate.py:106, 0.32), an enabled TE autocast with Composer's default
+    recipe: each decode step's GEMMs would run in FP8 on batch x 1 tokens, which TE's FP8 GEMM
+    refuses (`foundry_fp8.shapes`), and add inference amaxes to the training scales. Around
+    such a forward, TE's disabled region (`te.backend.te_high_precision`); a training forward
+    is left alone. The hooks run eagerly under torch.compile (TE's forwards do too)."""
+    from foundry_fp8.te import backend, probe
+
+    for decision in plan.decisions:
+        if not decision.in_fp8 or decision.kind == "layernorm":  # te.LayerNorm: not FP8
+            continue
+        module = model.get_submodule(decision.name)
+        if probe.te_class_name(module) is None:
+            continue
+        regions: list[ExitStack] = []
+
+        def enter(mod: nn.Module, args: Any, regions: list[ExitStack] = regions) -> None:
+            del args
+            stack = ExitStack()
+            if not mod.training:
+                stack.enter_context(backend.te_high_precision(mod))
+            regions.append(stack)
+
+        def leave(mod: nn.Module, args: Any, output: Any,
+                  regions: list[ExitStack] = regions) -> None:
+            del mod, args, output
+            if regions:
+                regions.pop().close()
+
+        module.register_forward_pre_hook(torch.compiler.disable(enter))
+        module.register_forward_hook(torch.compiler.disable(leave), always_call=True)
 
 
 def _warn_without_fp8_state(state: State) -> None:
