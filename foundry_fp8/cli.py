@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import difflib
 import errno
 import importlib
 import io
@@ -193,9 +194,27 @@ def _interrupted() -> int:
     return EXIT_INTERRUPTED
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None,
+                    unknown: list[str]) -> None:
+    """argparse's own `unrecognized arguments` error, but from the subcommand's parser, so its
+    usage line shows that subcommand's options (the top-level one shows none of them), with
+    the nearest option named for a misspelt one (`--fromat`: did you mean --format?)."""
+    if command is not None:
+        [group] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = group.choices[command]
+    options = [o for action in parser._actions for o in action.option_strings]
+    guesses = [close[0] for word in unknown if word.startswith("-")
+               for close in [difflib.get_close_matches(word.split("=", 1)[0], options, n=1)]
+               if close]
+    hint = f" (did you mean {', '.join(dict.fromkeys(guesses))}?)" if guesses else ""
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
 def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     if args.command is None:
         parser.print_help()
         return 2

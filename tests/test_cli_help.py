@@ -42,3 +42,22 @@ def test_tiny_data_module_help_says_what_it_builds() -> None:
     done = subprocess.run([sys.executable, "-m", "foundry_fp8.tools.tiny_data", "--help"],
                           capture_output=True, text=True, check=True)
     assert "tokenizer" in done.stdout and "MDS" in done.stdout and "without any download" in done.stdout
+
+
+@pytest.mark.parametrize(("argv", "usage", "error"), [
+    (["lint", "--fromat", "json", "x.yaml"], "usage: foundry-fp8 lint ",
+     "foundry-fp8 lint: error: unrecognized arguments: --fromat (did you mean --format?)"),
+    (["doctor", "--strct"], "usage: foundry-fp8 doctor ",
+     "foundry-fp8 doctor: error: unrecognized arguments: --strct (did you mean --strict?)"),
+    (["doctor", "extra"], "usage: foundry-fp8 doctor ",
+     "foundry-fp8 doctor: error: unrecognized arguments: extra"),
+    (["--frob"], "usage: foundry-fp8 ", "foundry-fp8: error: unrecognized arguments: --frob"),
+], ids=["lint-typo", "doctor-typo", "doctor-positional", "top-level"])
+def test_an_unknown_option_is_refused_by_its_subcommand(argv, usage, error) -> None:
+    """QA 17: `foundry-fp8 lint --fromat json x.yaml` printed the top-level usage, which shows
+    none of lint's options, and named no near option."""
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith(usage) and lines[-1] == error, lines
