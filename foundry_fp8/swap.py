@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -24,7 +25,13 @@ from torch.nn.parameter import UninitializedParameter
 from torch.optim import Optimizer
 
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_checkpoint
-from foundry_fp8.filters import block_index, fuse_reason, layernorm_reason, linear_reason
+from foundry_fp8.filters import (
+    block_index,
+    fuse_reason,
+    layernorm_reason,
+    linear_reason,
+    search,
+)
 from foundry_fp8.fp8_meta import canonical_modules, is_fp8_module
 from foundry_fp8.options import OptionError, Problem, SwapConfig
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE
@@ -636,6 +643,10 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
                 "give it in one place"))
         config = dataclasses.replace(config, module_filter_fn=module_filter_fn)
     plan = plan_swap(model, config, precision=precision)
+    if config.exclude and not any(search(f"{config.PATH}.exclude", config.exclude, name)
+                                  for name, _ in model.named_modules()):
+        warnings.warn(f"{config.PATH}.exclude: {config.exclude!r} matches no module name of "
+                      "the model, so it keeps nothing in high precision (a typo?)", stacklevel=2)
     te_modules, emulated = fp8_module_counts(model)
     planned = sum(d.kind != "layernorm" for d in plan.converted)  # te.LayerNorm is not FP8
     if plan.backend == "emulate":
