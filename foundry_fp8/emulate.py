@@ -14,7 +14,9 @@ autocast; with `reduce_amax`, row 0 of the histories is all-reduced (MAX) across
 first. A layer keeps the recipe it first cast under: TE goes on updating it with that recipe
 whatever the later autocasts say (TE's open TODO #3157), so a layer cast under another recipe
 raises `RecipeError` naming the key rather than predict numbers TE would not produce
-(`amax_history_len` excepted, which TE follows).
+(`amax_history_len` excepted, which TE follows, and `amax_compute_algo`: TE tells recipes
+apart by their text, which leaves it out, and updates each buffer with the recipe last
+entered under its text, `_buffer_key`).
 `fp8_checkpoint` recomputes activations the way TE's `distributed.checkpoint` does (same recipe
 and scales as the original forward, no amax recorded), so checkpointing does not change the
 numerics (TE issue #1190). It gives FP8 numerics on hardware without FP8 (CPU, A100); it is not
@@ -82,10 +84,12 @@ class _Member:
 
 @dataclass
 class _AmaxBuffer:
-    """One of TE's global amax buffers: the layers registered under one recipe and amax
-    reduction group, in registration order, updated together with that recipe
-    (`add_fp8_tensors_to_global_buffer`, quantization.py:501-566). TE holds them for good;
-    here a freed layer drops out at the next prune (`_prune`)."""
+    """One of TE's global amax buffers (`add_fp8_tensors_to_global_buffer`, quantization.py:
+    501-566): the layers registered under one recipe and amax reduction group (`_buffer_key`),
+    in registration order, updated together with `recipe`, the last one an autocast entered
+    under that key, enabled or not (TE's `autocast_arguments`, set at every entry, l. 743-746,
+    read by the update, l. 675). TE holds the layers for good; here a freed layer drops out at
+    the next prune (`_prune`)."""
 
     recipe: FP8Recipe
     group: Any
@@ -105,7 +109,7 @@ class _AutocastState:
     # the layer that last took the flag, weakly: `first_fp8_module`
     first_layer: weakref.ref[EmulatedFP8Linear] | None = None
     pruned: bool = False  # whether this outermost region has pruned the buffers (`_prune`)
-    buffers: dict[tuple[FP8Recipe, int | None], _AmaxBuffer] = field(default_factory=dict)
+    buffers: dict[tuple[Any, ...], _AmaxBuffer] = field(default_factory=dict)
     # fp8_checkpoint: scales in force at the original forward, stashed per module, in call order;
     # `replay` is set while the recompute consumes them.
     stash: dict[EmulatedFP8Linear, deque[torch.Tensor]] | None = None
@@ -166,6 +170,9 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
         _STATE.first_module, _STATE.pruned = True, False
     _STATE.enabled, _STATE.recipe = enabled, recipe or TE_DEFAULT_RECIPE
     _STATE.group, _STATE.calibrating = amax_reduction_group, calibrating
+    buffer = _STATE.buffers.get(_buffer_key(_STATE.recipe, amax_reduction_group))
+    if buffer is not None:
+        buffer.recipe = _STATE.recipe
     _STATE.depth += 1
     try:
         yield
@@ -175,6 +182,19 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
         _STATE.depth -= 1
         if enabled and _STATE.depth == 0 and torch.is_grad_enabled():
             _reduce_and_update("forward")
+
+
+#: The recipe keys TE's buffer key leaves out: `get_unique_autocast_key` names a recipe by its
+#: text (quantization.py:714-727), and DelayedScaling's omits the algorithm (common/recipe/
+#: __init__.py:272-282).
+_UNNAMED_KEYS = ("amax_compute_algo",)
+
+
+def _buffer_key(recipe: FP8Recipe, group: Any) -> tuple[Any, ...]:
+    """TE's key of the amax buffer a layer registers in, and of the recipe that updates it:
+    the recipe's text, which leaves out `_UNNAMED_KEYS`, and the group's identity."""
+    return (*(getattr(recipe, f.name) for f in fields(FP8Recipe) if f.name not in _UNNAMED_KEYS),
+            None if group is None else id(group))
 
 
 def _check_recipe_type(recipe: object) -> None:
@@ -545,13 +565,15 @@ class EmulatedFP8Linear(nn.Linear):
 
     def _check_recipe(self, recipe: FP8Recipe) -> None:
         """Refuse a recipe other than this layer's first (the history length aside, which TE
-        follows): TE keeps the first recipe's format, margin, algorithm and reduction for a
-        layer (module/base.py:1106-1117 reuses its state, quantization.py:522-524 registers
-        it once), and going back to delayed after current scaling leaves it never updated."""
+        follows, and the algorithm, which the buffer's last-entered recipe decides): TE keeps
+        the first recipe's format, margin and reduction for a layer (module/base.py:1106-1117
+        reuses its state, quantization.py:522-524 registers it once), and going back to
+        delayed after current scaling leaves it never updated."""
         first = _FIRST_RECIPE.setdefault(self, recipe)
         if first == recipe:
             return
-        key = next((f.name for f in fields(FP8Recipe) if f.name != "amax_history_len"
+        key = next((f.name for f in fields(FP8Recipe)
+                    if f.name not in ("amax_history_len", *_UNNAMED_KEYS)
                     and getattr(first, f.name) != getattr(recipe, f.name)), None)
         if key is None:
             return
@@ -581,8 +603,7 @@ class EmulatedFP8Linear(nn.Linear):
         if not _STATE.pruned:
             _prune()
         group = _STATE.group
-        key = (recipe, None if group is None else id(group))
-        buffer = _STATE.buffers.setdefault(key, _AmaxBuffer(recipe, group))
+        buffer = _STATE.buffers.setdefault(_buffer_key(recipe, group), _AmaxBuffer(recipe, group))
         slots: dict[Direction, int] = {d: self.fp8_meta[k].scale.numel()
                                        for d, k in _META_KEY.items()}
         buffer.layers.append(_Member(weakref.ref(self), slots,

@@ -12,18 +12,18 @@ from foundry_fp8.recipe import FP8Recipe, RecipeError
 from tests.test_emulate_te import E4M3, E5M2, te_amax, te_scale
 
 
-def _te_update(history: list[list[float]], scales: list[float], fp8_max: float
-               ) -> tuple[list[list[float]], list[float]]:
+def _te_update(history: list[list[float]], scales: list[float], fp8_max: float,
+               algo: str = "max") -> tuple[list[list[float]], list[float]]:
     """TE's fused delayed-scaling update of one state, column by column (delayed_scaling.cu:
     182-253): a column whose row 0 is 0 recorded nothing and stays; any other takes
-    `fp8_max / max(column)` and rolls up by one, row 0 becoming the last row and the new row
-    0 zero."""
+    `fp8_max / amax`, amax the column's max (or row 0 for `most_recent`), and rolls up by one,
+    row 0 becoming the last row and the new row 0 zero."""
     history, scales = [row[:] for row in history], scales[:]
     for j in range(len(scales)):
         column = [row[j] for row in history]
         if column[0] == 0:
             continue
-        scales[j] = te_scale(fp8_max, max(column))
+        scales[j] = te_scale(fp8_max, column[0] if algo == "most_recent" else max(column))
         for i, value in enumerate([0.0, *column[2:], column[0]]):
             history[i][j] = value
     return history, scales
@@ -132,3 +132,43 @@ def test_a_layer_called_twice_and_two_micro_batches_in_one_autocast():
     history[0][:2] = [te_amax(x4), weight]
     want_fwd = _te_update(history, want_fwd[1], E4M3)
     assert fwd.amax_history.tolist() == want_fwd[0] and fwd.scale.tolist() == want_fwd[1]
+
+
+def test_the_algorithm_is_the_last_one_entered_under_the_recipe_s_text():
+    """TE names an amax buffer by the recipe's text (`get_unique_autocast_key`,
+    quantization.py:714-727), which for DelayedScaling leaves out `amax_compute_algo`
+    (common/recipe/__init__.py:272-282), and updates the buffer with the recipe that the last
+    autocast entered under that text, enabled or not (`autocast_arguments`, l. 743-746, read at
+    l. 675). So a layer switched from max to most_recent mid-run follows the switch (the
+    emulation refused it), and the last region entered decides for every layer in the buffer
+    (the emulation kept each layer's own)."""
+    torch.manual_seed(14)
+    by_max = FP8Recipe(amax_history_len=4)
+    recent = FP8Recipe(amax_history_len=4, amax_compute_algo="most_recent")
+    a, b = EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16)
+    big, small, tiny = torch.randn(16, 16) * 20, torch.randn(16, 16) * 0.1, torch.randn(16, 16)
+    with fp8_autocast(recipe=by_max):
+        a(big), b(big)
+    want = {layer: _after_one_update([te_amax(big), te_amax(layer.weight), 0.0], 4, E4M3)
+            for layer in (a, b)}
+
+    def step(inputs: dict, algo: str) -> None:
+        for layer, x in inputs.items():
+            history = [row[:] for row in want[layer][0]]
+            history[0][:2] = [te_amax(x), te_amax(layer.weight)]
+            want[layer] = _te_update(history, want[layer][1], E4M3, algo)
+        for layer in (a, b):
+            meta = layer.fp8_meta["scaling_fwd"]
+            assert meta.amax_history.tolist() == want[layer][0]
+            assert meta.scale.tolist() == want[layer][1]
+
+    with fp8_autocast(recipe=by_max):
+        b(small)
+        with fp8_autocast(recipe=recent):
+            a(small)
+    step({a: small, b: small}, "most_recent")  # b too: `recent` was entered last
+    with fp8_autocast(recipe=recent):
+        with fp8_autocast(enabled=False, recipe=by_max):
+            pass
+        a(tiny)
+    step({a: tiny}, "max")  # a disabled region's recipe counts as well
