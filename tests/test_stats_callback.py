@@ -469,3 +469,16 @@ def test_strict_layers_matching_nothing_end_the_run_on_the_one_line(tmp_path, ti
         "the model's 8 linear layers (fix: a regex that re.search finds in their names, e.g. "
         "model.transformer.blocks.0.attn.Wqkv, model.transformer.blocks.0.attn.out_proj, "
         "model.transformer.blocks.0.ffn.up_proj, model.transformer.blocks.0.ffn.down_proj, ...)")
+
+
+def test_a_second_fit_with_reset_time_logs_its_images_from_its_own_first_steps():
+    """`fit(reset_time=True)` starts the steps at 0 again: the second fit's heatmaps and table
+    are due at its steps 2 and 4 (image_interval 2) and at its end, as the first fit's. Before,
+    the images waited for the step after the first fit's last image (no image until fit end)."""
+    callback = FP8Stats(interval=1, image_interval=2)
+    _, first = _fit(callback, 6)
+    _, second = _fit(callback, 6)  # the same callback, its steps from 0 again
+    assert sorted(first.tables) == sorted(first.images) == [2, 4, 6]
+    assert sorted(second.tables) == sorted(second.images) == [2, 4, 6]
+    # the fit-end table is the second fit's last logging step's, none of the first fit's
+    assert {row[0] for row in second.tables[6]["fp8_table"][1]} == {5}

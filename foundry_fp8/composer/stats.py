@@ -245,6 +245,12 @@ class FP8Stats(Callback):
 
     def _fit_start(self, state: State, logger: Logger) -> None:
         self._summary_keys.fit_start(int(state.timestamp.batch))
+        if self._recent and int(state.timestamp.batch) <= self._recent[-1][0]:
+            # fit(reset_time=True): the steps start again, so do the heatmaps and their due
+            # steps (the earlier fit's steps would share their numbers, and its last image
+            # step, compared by number, left this fit without images)
+            self._recent.clear()
+            self._next_image, self._imaged = self.image_interval or 0, None
         self.monitor = None  # until built: a rank that fails here cannot join collectives
         self._no_table = None
         config = self.config
