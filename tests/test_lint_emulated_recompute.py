@@ -57,7 +57,8 @@ def test_a_file_of_unknown_world_size_is_a_warning_that_says_where_it_applies(tm
     [(severity, message)] = _fp8013(tmp_path, _train())
     assert severity == "warning" and "on 2+ GPUs" in message
     assert "in one process (one GPU, or CPU) LLM-Foundry drops fsdp_config" in message
-    assert message.endswith("an error if this config trains on 2+ GPUs")
+    assert message.endswith("an error if this config trains on 2+ GPUs (`foundry-fp8 lint --gpus "
+                            "N` says how many GPUs it trains on)")
 
 
 def test_a_file_of_unknown_world_size_exits_0_from_the_cli(tmp_path):

@@ -4,6 +4,9 @@ file. The reference is Composer's own Trainer loading that folder without FSDP, 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,45 @@ def test_a_monolithic_checkpoint_file_is_not_named(tmp_path):
     # not judged: a remote path, a name that does not say, a path not there
     for other in ("s3://bucket/run/latest-sharded-rank0", str(tmp_path / "ep0-ba4"), ""):
         assert _fp8049({"load_path": other}) == []
+
+
+def _cli(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", "--format", "json",
+                           *map(str, args)], capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def _cli_fp8049(*args: str | Path) -> tuple[int, list[tuple[str, str]]]:
+    done = _cli(*args)
+    [entry] = json.loads(done.stdout)["files"]
+    return done.returncode, [(f["severity"], f["message"]) for f in entry["findings"]
+                             if f["rule"] == "FP8049"]
+
+
+def test_gpus_on_the_command_line_makes_a_plain_yaml_precise(tmp_path):
+    """`--gpus N` gives a plain YAML the world size an MCLI run config's compute.gpus gives:
+    one process loads the sharded folder as one file (Composer's IsADirectoryError, as
+    above), 2+ GPUs load it sharded; without it the warning says how to tell."""
+    link = _sharded_checkpoint(tmp_path)
+    assert _composer_loads(str(link)) == "IsADirectoryError"
+    plain = tmp_path / "train.yaml"
+    plain.write_text(f"load_path: {link}\nfsdp_config:\n  state_dict_type: sharded\n")
+    code, found = _cli_fp8049(plain)  # before: the only verdict, whatever the world size
+    assert code == 0 and [s for s, _ in found] == ["warning"] and "--gpus N" in found[0][1]
+    code, found = _cli_fp8049("--gpus", "1", plain)
+    assert code == 1 and [s for s, _ in found] == ["error"] and "`--gpus 1`" in found[0][1]
+    assert _cli_fp8049("--gpus", "8", plain) == (0, [])
+    mcli = tmp_path / "run.yaml"  # the file's own compute.gpus wins over the flag
+    mcli.write_text(f"name: r\nimage: i\ncompute:\n  gpus: 1\ncommand: composer train.py "
+                    f"/mnt/config/parameters.yaml\nparameters:\n  load_path: {link}\n"
+                    "  fsdp_config:\n    state_dict_type: sharded\n")
+    code, found = _cli_fp8049("--gpus", "8", mcli)
+    assert code == 1 and "`compute.gpus: 1`" in found[0][1]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_gpus_must_be_a_whole_number_of_at_least_one(value):
+    done = _cli("--gpus", value, "x.yaml")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1].endswith(
+        f"argument --gpus: must be a whole number of GPUs, at least 1, got '{value}'")

@@ -71,12 +71,14 @@ STDIN = Path("<stdin>")
 
 
 def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = None,
-              wandb_mode: str | None = None, text: str | None = None) -> dict[str, Any]:
+              wandb_mode: str | None = None, text: str | None = None,
+              gpus: int | None = None) -> dict[str, Any]:
     """One entry of the JSON contract: {path, error, findings}, plus `skipped` (why) for a file
     with nothing to lint. `snapshot`: what is installed where the linter runs, for the rules
     that depend on it (None: they stay quiet); `wandb_mode`: W&B's mode from the environment
     (`wandb_mode_from_env`; None: not set); `text`: the file's text when the caller has read it
-    (standard input), else it is read from `path`."""
+    (standard input), else it is read from `path`; `gpus`: how many GPUs the config trains on
+    (`--gpus`), unless an MCLI run config's `compute.gpus` says."""
     try:
         text = read_text(path) if text is None else text
         is_json = path.suffix.lower() == ".json"
@@ -104,10 +106,12 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
     except LintInputError as e:
         return _error_entry(path, str(e))
     pinned = {p.field: p for p in pins(data)} if mcli else {}
+    mcli_count = mcli_gpus(data) if mcli else None
     context = LintContext(scope="file", fsdp_version=fsdp_version, env_keys=loaded.env_keys,
                           snapshot=pinned_snapshot(snapshot, pinned), wandb_mode=wandb_mode,
-                          gpus=mcli_gpus(data) if mcli else None,
-                          interpolated=loaded.interpolated)
+                          gpus=gpus if mcli_count is None else mcli_count,
+                          gpus_said="" if mcli_count is not None or gpus is None
+                          else f"`--gpus {gpus}`", interpolated=loaded.interpolated)
     findings = run_rules("eval", loaded.config, context) if is_eval_config(loaded.config) \
         else lint_config(loaded.config, context)
     findings = [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
@@ -190,10 +194,26 @@ def _expand(paths: list[str]) -> list[Path | dict[str, Any]]:
     return items
 
 
+def _gpu_count(text: str) -> int:
+    """`--gpus`' value: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of GPUs, at least 1, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", help="config files (train, eval, MCLI, Accelerate, "
                         "DeepSpeed; YAML or JSON), folders of YAML files, or - for a YAML "
                         "config on standard input (named <stdin>)")
+    parser.add_argument("--gpus", type=_gpu_count, metavar="N",
+                        help="how many GPUs the train configs train on (one process each), "
+                             "for the rules that depend on it (LLM-Foundry drops fsdp_config "
+                             "in one process); an MCLI run config's compute.gpus wins; default "
+                             "unknown: those rules warn")
     parser.add_argument("--format", choices=("text", "json", "sarif"), default="text",
                         help="text: a table per file (colour on a terminal unless NO_COLOR or "
                              "TERM=dumb); json: {files: [{path, error, findings}]}; "
@@ -208,7 +228,7 @@ def exit_code(report: dict[str, Any]) -> int:
 
 
 def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
-                    wandb_mode: str | None) -> dict[str, Any]:
+                    wandb_mode: str | None, gpus: int | None) -> dict[str, Any]:
     """lint_file (on standard input's text for STDIN itself: a file named `<stdin>` is read
     from disk), and for what escapes it (our bug) the file's one line, so that the other files
     of a folder are still linted and no traceback is printed."""
@@ -218,8 +238,8 @@ def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
                 text = read_stdin(STDIN)
             except LintInputError as e:
                 return _error_entry(STDIN, str(e))
-            return lint_file(STDIN, fsdp_version, snapshot, wandb_mode, text)
-        return lint_file(path, fsdp_version, snapshot, wandb_mode)
+            return lint_file(STDIN, fsdp_version, snapshot, wandb_mode, text, gpus)
+        return lint_file(path, fsdp_version, snapshot, wandb_mode, gpus=gpus)
     except Exception as e:
         return _error_entry(path, f"{path}: the linter failed on this file ({type(e).__name__}: "
                             f"{first_line(e)}); this is a foundry-fp8 bug: please report it "
@@ -230,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
     fsdp_version = fsdp_version_from_env(os.environ)
     wandb_mode = wandb_mode_from_env(os.environ)
     snapshot = gather_snapshot(probe_te_import=False, probe_gpu=False)
-    report = {"files": [_lint_or_report(p, fsdp_version, snapshot, wandb_mode)
+    gpus = getattr(args, "gpus", None)
+    report = {"files": [_lint_or_report(p, fsdp_version, snapshot, wandb_mode, gpus)
                         if isinstance(p, Path) else p for p in _expand(args.paths)]}
     if args.format == "json":
         print(render_json(report))

@@ -67,7 +67,8 @@ class LintContext:
     probed, such rules stay quiet). `wandb_mode`: W&B's mode from the environment (WANDB_MODE,
     WANDB_DISABLED), which the config's `init_kwargs.mode` overrides; None: not set.
     `gpus`: how many GPUs the run trains on where the file says so (an MCLI run config's
-    `compute.gpus`); None: not known. `interpolated`: the top-level names the file's
+    `compute.gpus`) or the command line does (`foundry-fp8 lint --gpus N`); None: not known;
+    `gpus_said`: where, as messages quote it. `interpolated`: the top-level names the file's
     `${...}` read (a value kept at the top level for interpolation, older LLM-Foundry's way).
     `missing_keys`: keys whose value is omegaconf's `???` (`mandatory_keys`, filled by `run_rules`
     for train and eval configs): only FP8036 and rules registered with `unresolved=True` speak
@@ -81,7 +82,12 @@ class LintContext:
     wandb_mode: str | None = None
     missing_keys: tuple[str, ...] | None = None
     gpus: int | None = None
+    gpus_said: str = ""
     interpolated: frozenset[str] = frozenset()
+
+    def gpus_text(self) -> str:
+        """Where `gpus` comes from, as a message quotes it (`compute.gpus: 1`, `--gpus 1`)."""
+        return self.gpus_said or f"`compute.gpus: {self.gpus}`"
 
 
 Check = Callable[[Any, LintContext], Iterable[Hit]]

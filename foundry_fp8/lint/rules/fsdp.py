@@ -47,6 +47,10 @@ TE_FSDP_FLAGS = ("te_checkpoint_wrapper", "te_shard_fp8_weight")
 TE_1190 = "TE issue https://github.com/NVIDIA/TransformerEngine/issues/1190"
 
 
+#: How a warning about a file of unknown world size says how to make it known.
+GPUS_HINT = "`foundry-fp8 lint --gpus N` says how many GPUs it trains on"
+
+
 @rule("FP8002", "error", "FSDP activation checkpointing with FP8 but no `te_checkpoint_wrapper`",
       why="Without te_checkpoint_wrapper Composer recomputes blocks with torch's checkpoint, "
       "which runs TE modules outside fp8_autocast: the recompute differs from the forward. "
@@ -230,7 +234,7 @@ def emulated_recompute(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
     if swap is not None and swap.get("backend") == "emulate" \
             and settings.get("activation_checkpointing"):
         if ctx.gpus == 1:
-            yield Hit("fsdp_config.activation_checkpointing", "`compute.gpus: 1`: LLM-Foundry "
+            yield Hit("fsdp_config.activation_checkpointing", f"{ctx.gpus_text()}: LLM-Foundry "
                       "drops fsdp_config in one process ('FSDP is not applicable for single-GPU "
                       "training. Reverting to DDP.'), so nothing is recomputed and te_swap's "
                       "emulated FP8 layers run as they are; on more GPUs FSDP would recompute "
@@ -241,7 +245,7 @@ def emulated_recompute(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
         known = ctx.scope == "run" or ctx.gpus is not None
         where = "" if known else \
             "; in one process (one GPU, or CPU) LLM-Foundry drops fsdp_config and nothing is " \
-            "recomputed: an error if this config trains on 2+ GPUs"
+            f"recomputed: an error if this config trains on 2+ GPUs ({GPUS_HINT})"
         yield Hit("fsdp_config.activation_checkpointing", "FSDP activation checkpointing "
                   "recomputes te_swap's emulated FP8 layers outside te_swap's FP8 autocast "
                   f"on 2+ GPUs ({refusal}){where}", severity=None if known else "warning")
@@ -418,7 +422,7 @@ def float32_outside_te_layers(config: Mapping[str, Any], ctx: LintContext) -> It
         return  # train builds the model in 16 bits and no FSDP param_dtype raises it again
     if ctx.gpus == 1 and isinstance(given, Mapping):
         yield Hit("precision", float32_outside_te(
-            "`compute.gpus: 1`, where LLM-Foundry drops this fsdp_config ('FSDP is not "
+            f"{ctx.gpus_text()}, where LLM-Foundry drops this fsdp_config ('FSDP is not "
             "applicable for single-GPU training. Reverting to DDP.')") + flash_note(config))
     elif given is None:
         yield Hit("precision", float32_outside_te("no fsdp_config") + flash_note(config))
@@ -510,11 +514,11 @@ def sharded_load_path(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
                   "with state_dict_type: sharded, so Composer reads it as one file "
                   "(IsADirectoryError)")
     elif ctx.gpus == 1:
-        yield Hit("load_path", f"load_path `{path}`: {why}; with `compute.gpus: 1` LLM-Foundry "
+        yield Hit("load_path", f"load_path `{path}`: {why}; with {ctx.gpus_text()} LLM-Foundry "
                   "drops fsdp_config ('Reverting to DDP') and Composer reads it as one file "
                   "(IsADirectoryError)")
     elif ctx.gpus is None:
         yield Hit("load_path", f"load_path `{path}`: {why}; it loads on 2+ GPUs, but in one "
                   "process (one GPU, or CPU) LLM-Foundry drops fsdp_config and Composer reads "
                   "it as one file (IsADirectoryError): an error if this config trains in one "
-                  "process", severity="warning")
+                  f"process ({GPUS_HINT})", severity="warning")
