@@ -11,7 +11,8 @@ written (`> /dev/full`, or closed: `>&-`) stops the command with one line on std
 exit 2, as GNU tools report a write error (a closed output nothing is written to is no error, as
 for them); a stderr that cannot be written does not stop it: the rest of it is discarded, and a
 command that would exit 0 exits 2 (141 for a pipe that stopped reading).
-Ctrl-C is one line on stderr and exit 130, not a KeyboardInterrupt traceback.
+Ctrl-C is one line on stderr and exit 130, not a KeyboardInterrupt traceback; a dependency
+the running Python lacks (a checkout script run outside the venv) is one line and exit 2.
 """
 
 from __future__ import annotations
@@ -210,6 +211,17 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None,
     parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
+def _not_installed(name: str) -> int:
+    """A dependency this Python lacks: the checkout's scripts (`python benchmarks/...`), or
+    `python -m foundry_fp8.cli`, run with a Python other than the environment foundry-fp8 is
+    installed in. One line naming the module and that Python, not a traceback."""
+    sys.stderr.write(f"foundry-fp8: no module {name!r} in {sys.executable}: run it with the "
+                     "Python of the environment foundry-fp8 is installed in (activate its venv), "
+                     "or install it into this one (pip install -e <checkout>)\n")
+    sys.stderr.flush()
+    return 2
+
+
 def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -237,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         code = _output_failed(failure)
     except KeyboardInterrupt:
         code = _interrupted()
+    except ModuleNotFoundError as missing:
+        if missing.name is None or missing.name.split(".")[0] == "foundry_fp8":
+            raise  # our own import is broken: the traceback is the report
+        code = _not_installed(missing.name)
     except SystemExit as stop:  # Composer, once imported, turns SIGINT into sys.exit(130)
         if stop.code != EXIT_INTERRUPTED:
             raise

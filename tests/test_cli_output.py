@@ -198,3 +198,23 @@ def test_a_full_stderr_does_not_stop_a_command_but_fails_its_exit(tmp_path, monk
     saved = json.loads((tmp_path / "mpt-tiny-cpu.json").read_text())
     assert [row["name"] for row in saved["variants"]] == ["bf16"]
     assert capsys.readouterr().out.endswith("mpt-tiny-cpu.md\n")
+
+
+@pytest.mark.parametrize(("blocked", "argv", "one_line_error"), [
+    ("omegaconf", ["bench", "--tiny", "--steps", "1"], True),
+    ("foundry_fp8.report", ["report", "x"], False),
+], ids=["a-dependency", "our-own-module"])
+def test_a_python_without_a_dependency_is_one_line_naming_it(blocked, argv, one_line_error):
+    """QA 17: `python benchmarks/mpt_throughput.py --tiny` with a Python that is not the venv's
+    ended in a ModuleNotFoundError traceback. A missing dependency is one line naming the module
+    and the interpreter, exit 2; a module of ours that does not import stays a traceback (a bug)."""
+    code = (f"import sys; sys.modules[{blocked!r}] = None\n"  # import raises ModuleNotFoundError
+            f"from foundry_fp8.cli import main; sys.exit(main({argv!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    if one_line_error:
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+        assert done.stderr.startswith(f"foundry-fp8: no module {blocked!r} in {sys.executable}: ")
+    else:
+        assert done.returncode == 1 and "Traceback" in done.stderr and blocked in done.stderr
