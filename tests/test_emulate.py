@@ -457,7 +457,8 @@ def test_torch_compile_runs_the_emulated_layers_eagerly_without_recompiling():
     """Under torch.compile the emulated layers are left to eager (their histories are sized at
     the first cast and the autocast state is module-level: Dynamo recompiled for each change and
     hit its recompile limit, a 214 s first batch on the tiny MPT); after the first step nothing
-    recompiles, and outputs and FP8 state equal an eager copy's."""
+    recompiles, and outputs, gradients and FP8 state (forward and backward) equal an eager
+    copy's."""
     import copy
 
     import torch._dynamo
@@ -475,10 +476,16 @@ def test_torch_compile_runs_the_emulated_layers_eagerly_without_recompiling():
         with fp8_autocast(recipe=recipe):
             want = eager(x)
         assert torch.equal(out, want)
+        out.square().sum().backward()  # the backward scales too (the first module's update)
+        want.square().sum().backward()
     for mine, theirs in zip(model, eager, strict=True):
         if isinstance(mine, EmulatedFP8Linear):
-            assert torch.equal(mine.fp8_meta["scaling_fwd"].amax_history,
-                               theirs.fp8_meta["scaling_fwd"].amax_history)
+            assert torch.equal(mine.weight.grad, theirs.weight.grad)
+            for key in ("scaling_fwd", "scaling_bwd"):
+                assert torch.equal(mine.fp8_meta[key].amax_history,
+                                   theirs.fp8_meta[key].amax_history)
+                assert torch.equal(mine.fp8_meta[key].scale, theirs.fp8_meta[key].scale)
+            assert mine.fp8_meta["scaling_bwd"].scale[0] != 1  # updated state is compared
 
 
 def _te_refuses(shape: tuple[int, ...]) -> bool:
