@@ -702,11 +702,22 @@ def _torch_checkpointed(model: nn.Module) -> list[tuple[str, nn.Module, functool
     return found
 
 
+#: A keep reason's words (filters.py) and the te_swap option that would convert those layers.
+_RELAXED_BY = (("keep_first/last_blocks", "keep_first/last_blocks"),
+               ("by include", "include"), ("by exclude", "exclude"),
+               ("min_gemm_size", "min_gemm_size"), ("module_filter_fn", "module_filter_fn"),
+               ("(keep_lm_head)", "keep_lm_head"), ("tokens per micro-batch", "tokens_per_microbatch"))
+
+
 def _refusal(precision: str, plan: SwapPlan) -> str:
     if precision == "amp_fp8" or plan.backend == "emulate":
-        reasons = "; ".join(sorted({d.reason for d in plan.decisions})) or "no linear layers"
+        reasons = sorted({d.reason for d in plan.decisions})
+        options = [option for words, option in _RELAXED_BY
+                   if any(words in reason for reason in reasons)]
+        fix = (f"relax {', '.join(options)}" if options else
+               "no te_swap option converts these layers")
         return (f"te_swap: precision {precision} but no module would run in FP8 (every layer "
-                f"kept: {reasons}); relax keep_first/last_blocks, include/exclude, "
-                "min_gemm_size or module_filter_fn, or do not ask for FP8")
+                f"kept: {'; '.join(reasons) or 'no linear layers'}); {fix}, or do not ask "
+                "for FP8")
     return (f"te_swap: backend te converts layers to TransformerEngine, but precision is "
             f"{precision}, so none of them would run in FP8; set precision: amp_fp8")

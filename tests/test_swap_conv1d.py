@@ -43,8 +43,29 @@ def test_gpt2s_conv1d_layers_are_planned_kept_with_their_reason():
 
 
 def test_a_gpt2_is_refused_naming_conv1d():
-    with pytest.raises(ValueError, match="Conv1D"):
+    """No option of te_swap's converts a Conv1D or a tied head: the refusal says so, where it
+    advised relaxing keep_first/last_blocks, include/exclude, min_gemm_size or module_filter_fn,
+    none of which the plan used."""
+    with pytest.raises(ValueError, match="Conv1D") as refusal:
         convert_to_fp8(_gpt2(), SwapConfig(backend="emulate"), precision="fp32")
+    assert str(refusal.value).endswith(
+        "; no te_swap option converts these layers, or do not ask for FP8")
+    assert "relax" not in str(refusal.value)
+
+
+def test_a_refusal_names_only_the_options_that_kept_layers():
+    from torch import nn
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Linear(64, 64), nn.Linear(64, 64)])
+    model.lm_head = nn.Linear(64, 128)
+    with pytest.raises(ValueError) as refusal:
+        convert_to_fp8(model, SwapConfig(backend="emulate", include="blocks\\.0", exclude="0"))
+    message = str(refusal.value)
+    assert message.endswith("; relax include, exclude, keep_lm_head, or do not ask for FP8")
+    for reason in ("not matched by include", "matched by exclude",
+                   "LM head kept in high precision (keep_lm_head)"):
+        assert reason in message
 
 
 def test_a_lora_on_gpt2_does_not_claim_its_base_layer_runs_in_fp8():
