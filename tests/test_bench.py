@@ -5,6 +5,7 @@ LLM-Foundry's flops formula, never against expected speeds."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -501,9 +502,11 @@ def test_the_results_record_the_command_that_runs_them_again(argv, tmp_path, mon
     config = _config(argv)
     command = bench._result(config, [], [], [])["command"]
     assert command.startswith("foundry-fp8 bench ")
+    monkeypatch.chdir(tmp_path.parent)  # QA 17: a relative --yamls ran again from elsewhere
     again = bench.config_from_args(build_parser().parse_args(shlex.split(command)[1:]))
-    assert again == config
-    assert ("--yamls 'my yamls'" in command) == ("--yamls" in argv)
+    assert again.yamls.resolve() == (tmp_path / config.yamls).resolve()
+    assert dataclasses.replace(again, yamls=config.yamls) == config
+    assert (f"--yamls '{tmp_path / 'my yamls'}'" in command) == ("--yamls" in argv)
 
 
 @pytest.mark.parametrize(("argv", "says"), [

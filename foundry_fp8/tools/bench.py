@@ -471,15 +471,16 @@ def run_bench(config: BenchConfig,
 
 
 def command_of(config: BenchConfig) -> str:
-    """The `foundry-fp8 bench` command that runs `config` again (every option spelled out, so a
-    later change of a default does not change what it runs)."""
+    """The `foundry-fp8 bench` command that runs `config` again, from any folder (every option
+    spelled out, so a later change of a default does not change what it runs)."""
     argv = ["foundry-fp8", "bench", *(["--tiny"] if config.tiny else []),
             "--variants", ",".join(config.variants), "--seq-len", str(config.seq_len),
             "--batch", str(config.batch), "--micro-batch", str(config.micro_batch),
             "--warmup", str(config.warmup), "--steps", str(config.steps),
             *(["--activation-checkpointing"] if config.activation_checkpointing else []),
             *(["--compile"] if config.compile else []),
-            *(["--yamls", str(config.yamls)] if config.yamls != YAMLS else [])]
+            # absolute: the results (and their command) are read from anywhere, `--out` elsewhere
+            *(["--yamls", str(config.yamls.resolve())] if config.yamls != YAMLS else [])]
     return shlex.join(argv)
 
 
