@@ -344,7 +344,11 @@ def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     Non-reentrant; `kwargs` go to torch's checkpoint.
     """
     scales: dict[EmulatedFP8Linear, deque[torch.Tensor]] = {}
-    enabled, recipe = _STATE.enabled, _STATE.recipe
+    # outside FP8, TE's recompute region gets no recipe (its default), whatever the disabled
+    # region around the checkpoint was given (distributed.py:795): entering it would make that
+    # recipe its buffer's (`_AmaxBuffer`)
+    enabled = _STATE.enabled
+    recipe = _STATE.recipe if enabled else None
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False,
         context_fn=lambda: (_stashing(scales), _replaying(scales, enabled, recipe)), **kwargs)

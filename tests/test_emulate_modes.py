@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
 from foundry_fp8.recipe import FP8Recipe, RecipeError
 from tests.test_emulate_te import E4M3, E5M2, te_amax, te_scale
 
@@ -172,3 +172,37 @@ def test_the_algorithm_is_the_last_one_entered_under_the_recipe_s_text():
             pass
         a(tiny)
     step({a: tiny}, "max")  # a disabled region's recipe counts as well
+
+
+def test_a_recompute_outside_fp8_enters_no_recipe_of_its_own():
+    """TE's checkpoint taken outside FP8 recomputes under `autocast(enabled=False, recipe=None)`
+    (distributed.py:795), whatever recipe the disabled region around it had: the recompute
+    enters TE's default, not that recipe, so it does not become its buffer's for the backward
+    update that follows (`autocast_arguments`, quantization.py:743-746). The emulation's
+    recompute entered the disabled region's `most_recent` and the first module's backward
+    update then took row 0 for the history's max."""
+    torch.manual_seed(15)
+    by_max = FP8Recipe(amax_history_len=4)
+    recent = FP8Recipe(amax_history_len=4, amax_compute_algo="most_recent")
+    a, b = EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16)
+    x = torch.randn(16, 16)
+    with fp8_autocast(recipe=by_max):
+        out = a(x)
+    out.backward(torch.randn(16, 16) * 1000)  # a large gradient amax in a's history
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        with fp8_autocast(recipe=FP8Recipe(amax_history_len=8)):  # another buffer
+            return b(h)
+
+    with fp8_autocast(recipe=by_max):
+        h = a(x)  # the first module
+        with fp8_autocast(enabled=False, recipe=recent):
+            y = fp8_checkpoint(block, h)
+        with fp8_autocast(recipe=by_max):  # the last recipe entered under a's text
+            pass
+    y.backward(torch.randn(16, 16))  # the recompute, then a's backward and the update
+    meta = a.fp8_meta["scaling_bwd"]
+    column = meta.amax_history[:, 0].tolist()
+    assert sorted(v > 0 for v in column) == [False, False, True, True]
+    assert meta.scale[0].item() == te_scale(E5M2, max(column))  # by max, not the last row
+    assert max(column) > column[-1]
