@@ -18,6 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from foundry_fp8.environment import Snapshot, gather_snapshot
 from foundry_fp8.health.table import one_line
 from foundry_fp8.lint.accelerate import (
@@ -30,6 +32,7 @@ from foundry_fp8.lint.load import (
     LintInputError,
     cannot_read,
     compose,
+    drop_duplicate_keys,
     key_positions,
     load_config,
     load_data,
@@ -92,7 +95,12 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
             findings, positions = lint_accelerate_file(path, text, data)
             return _entry(path, findings, positions)
         mcli = is_mcli(data)
-        outer = run_rules("mcli", data, LintContext(scope="file")) if mcli else []
+        # MCLI keeps the last of a key given twice (yaml.safe_load), which omegaconf refuses
+        dropped = drop_duplicate_keys(document.root) if mcli and document else []
+        if dropped:
+            text = yaml.serialize(document.root)
+        outer = run_rules("mcli", data, LintContext(scope="file", duplicates=tuple(dropped))) \
+            if mcli else []
         if mcli and not (isinstance(data.get("parameters"), Mapping) and data["parameters"]):
             entry = _entry(path, outer, key_positions(
                 document.root if document else compose(path, text))[0])

@@ -190,6 +190,39 @@ def key_positions(root: yaml.Node | None,
     return positions, env_values
 
 
+def drop_duplicate_keys(root: yaml.Node | None) -> list[tuple[str, int, int]]:
+    """Keep only the last of a key given twice in one mapping, in the node graph, as
+    yaml.safe_load (MCLI's reader, mcli/utils/utils_yaml.py load_yaml) does without a word where
+    omegaconf refuses the file. (dotted key path, line dropped, line kept) for each copy dropped;
+    merge keys (`<<`) are left alone."""
+    dropped: list[tuple[str, int, int]] = []
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")] if root is not None else []
+    while stack:
+        node, prefix = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            last = {_key_text(k): k for k, _ in node.value
+                    if k.tag != "tag:yaml.org,2002:merge"}
+            kept = []
+            for key_node, value in node.value:
+                keep = last.get(_key_text(key_node), key_node)
+                if keep is not key_node and key_node.tag != "tag:yaml.org,2002:merge":
+                    dropped.append((join_key(prefix, _key_text(key_node)),
+                                    key_node.start_mark.line + 1, keep.start_mark.line + 1))
+                    continue
+                kept.append((key_node, value))
+            node.value = kept
+            # in document order (a stack), so an anchored mapping is named where it is written
+            stack += [(v, join_key(prefix, _key_text(k))) for k, v in reversed(kept)]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(item, join_key(prefix, i)) for i, item in reversed(list(enumerate(
+                node.value)))]
+    return sorted(dropped, key=lambda d: d[1])
+
+
 def _path_of(root: yaml.Node, node: yaml.Node) -> str:
     """The dotted key path of a key or value node in the document ('' for the root)."""
     return next((path for path, key_node, value in _entries(root)

@@ -68,7 +68,8 @@ class LintContext:
     WANDB_DISABLED), which the config's `init_kwargs.mode` overrides; None: not set.
     `gpus`: how many GPUs the run trains on where the file says so (an MCLI run config's
     `compute.gpus`) or the command line does (`foundry-fp8 lint --gpus N`); None: not known;
-    `gpus_said`: where, as messages quote it. `interpolated`: the top-level names the file's
+    `gpus_said`: where, as messages quote it. `duplicates`: (dotted key, line dropped, line
+    kept) of each key an MCLI run config gives twice in one mapping (`drop_duplicate_keys`). `interpolated`: the top-level names the file's
     `${...}` read (a value kept at the top level for interpolation, older LLM-Foundry's way).
     `missing_keys`: keys whose value is omegaconf's `???` (`mandatory_keys`, filled by `run_rules`
     for train and eval configs): only FP8036 and rules registered with `unresolved=True` speak
@@ -83,6 +84,7 @@ class LintContext:
     missing_keys: tuple[str, ...] | None = None
     gpus: int | None = None
     gpus_said: str = ""
+    duplicates: tuple[tuple[str, int, int], ...] = ()
     interpolated: frozenset[str] = frozenset()
 
     def gpus_text(self) -> str:

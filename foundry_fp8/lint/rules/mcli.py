@@ -83,6 +83,23 @@ def parameters_not_a_config(data: Mapping[str, Any], ctx: LintContext) -> Iterat
                   + ": the script finds no train config there")
 
 
+@rule("FP8402", "warning", "a key an MCLI run config gives twice in one mapping (MCLI keeps the "
+      "last)",
+      why="MCLI reads a run config with yaml.safe_load, which keeps the last of a key given "
+      "twice in one mapping and drops the others without a word; MCLI then writes `parameters` "
+      "with that value alone, so the run trains with the last one, while LLM-Foundry's own "
+      "reader (omegaconf) refuses the same file. The linter judges the value MCLI keeps.",
+      source="mosaicml-cli 0.7.5 mcli/utils/utils_yaml.py load_yaml (yaml.safe_load), "
+      "mcli/utils/utils_config.py from_file; PyYAML constructor.py construct_mapping (a later "
+      "key overwrites)",
+      fix="delete the copy you did not mean (the message names both lines)", family="mcli")
+def duplicate_keys(data: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for key, dropped, kept in ctx.duplicates:
+        yield Hit(key, f"`{key.rpartition('.')[2]}` is given twice in this mapping (lines "
+                  f"{dropped} and {kept}): MCLI's reader keeps line {kept} and silently drops "
+                  f"line {dropped}, and the linter judges line {kept}")
+
+
 @dataclass(frozen=True)
 class Pin:
     """A version the run config installs: `field` of `foundry_fp8.environment.Snapshot` it sets,
