@@ -26,3 +26,54 @@ def test_a_second_fit_keeps_the_fallbacks_of_the_first(tmp_path, caplog, refit):
     assert f"fp8_guard: a new fit() keeps {FAULTY} in high precision" in [
         r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert list(guard.core.fallbacks) == [FAULTY]
+
+
+
+def test_a_closed_trainers_fallbacks_do_not_follow_the_model_into_a_new_trainer():
+    """A notebook trains its model in a second Trainer (another stage) after closing the first:
+    the first Trainer's fp8_guard kept its high-precision hooks on the model, so the faulty
+    block ran in high precision in the new Trainer too, where no guard knew it (fp8_stats' table
+    said `what-if` for a layer nothing had moved). Its close now takes them off: the new run's
+    table says `FP8` for that layer, as for the other te_swap layer."""
+    import torch
+    from composer import Trainer
+    from composer.loggers import LoggerDestination
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from foundry_fp8.composer.guard import FP8Guard
+    from foundry_fp8.composer.stats import FP8_NUMBERS, TABLE_NAME, FP8Stats
+    from foundry_fp8.composer.te_swap import TESwap
+    from tests.test_guard_flops import VOCAB, TiedLM
+
+    class Tables(LoggerDestination):
+        def __init__(self) -> None:
+            self.tables: list[tuple[list[str], list[list]]] = []
+
+        def log_table(self, columns, rows, name=TABLE_NAME, step=None) -> None:
+            self.tables.append((columns, rows))
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randint(0, VOCAB, (8 * BATCHES,)),
+                         torch.randint(0, VOCAB, (8 * BATCHES,)))
+    model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
+
+    def trainer(callbacks: list, algorithms: list, loggers: list) -> Trainer:
+        return Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0),
+                       seed=17, train_dataloader=DataLoader(data, batch_size=8),
+                       max_duration=f"{BATCHES}ba", algorithms=algorithms, callbacks=callbacks,
+                       loggers=loggers, device="cpu", progress_bar=False)
+
+    guard = FP8Guard(consecutive=2, max_fallback_share=0.34)
+    first = trainer([FP8Stats(interval=INTERVAL, image_interval=None), guard],
+                    [TESwap(backend="emulate")], [])
+    first.fit()
+    first.close()
+    assert list(guard.core.fallbacks) == [FAULTY]
+    tables = Tables()
+    second = trainer([FP8Stats(interval=INTERVAL, image_interval=1)], [], [tables])
+    second.fit(duration="1ba")
+    second.close()
+    [(columns, rows)] = tables.tables
+    numbers = {row[1]: row[columns.index("numbers")] for row in rows}
+    assert (numbers[FAULTY], numbers["module.blocks.1"]) == (FP8_NUMBERS, FP8_NUMBERS)

@@ -61,8 +61,8 @@ def checkpointed_core(entry: Mapping[str, Any]) -> Any:
 class FP8Guard(Callback):
     """Watches fp8_stats' pooled statistics at each of its logging steps; an FP8 layer that a
     health rule flags (over `consecutive` logging steps) runs its GEMMs in high precision from the
-    next step on, weights, optimizer state and parameter names untouched. Every rank takes the
-    same decision at the same step (one MAX all_reduce of the candidates per logging step).
+    next step on, weights, optimizer state and parameter names untouched (until the Trainer
+    closes: `close`). Every rank takes the same decision at the same step (one MAX all_reduce of the candidates per logging step).
 
     At most `max_fallback_share` of the FP8 FLOPs fall back; past it, `strict: true` stops the
     run, else the guard warns and the layer stays in FP8. Decisions are in the checkpoint (this
@@ -235,6 +235,14 @@ class FP8Guard(Callback):
         value = capped(table, "the whole table is printed at fit end; `foundry-fp8 report` "
                               "shows every fallback")
         self._log_hyperparameters(logger, {self._table_keys.key(int(state.timestamp.batch)): value})
+
+    def close(self, state: State, logger: Logger) -> None:
+        """The Trainer is done (Composer's `Trainer.close`, or at exit): the high-precision hooks
+        come off the model, which a new Trainer (a notebook's next stage) may train, where no
+        guard would know of them. A second fit() of this Trainer keeps them (fit_end leaves
+        them)."""
+        del state, logger
+        self._remove_all()
 
     def state_dict(self) -> dict[str, Any]:
         """Always the one key DECISIONS, a string. Composer's sharded load (FSDP
