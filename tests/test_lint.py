@@ -625,6 +625,22 @@ def test_sarif_uses_relative_uris_for_relative_paths():
     assert result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "yamls/a.yaml"
 
 
+@pytest.mark.parametrize("path", ["my yamls/a#1.yaml", "<stdin>", "run%20.yaml"])
+def test_sarif_uris_are_uris_that_name_the_path(path):
+    """RFC 3986: no space, `<` or `>` in a URI, and `#` starts a fragment (before: the path as
+    written, so `a#1.yaml` named `a`). The reference: urllib's reading of the URI back."""
+    from urllib.parse import unquote, urlsplit
+
+    report = {"files": [{"path": path, "error": None, "findings": [
+        {"rule": "FP8001", "severity": "error", "key": "precision", "line": 1, "column": 1,
+         "message": "m", "fix": "f"}]}]}
+    result, = json.loads(render_sarif(report))["runs"][0]["results"]
+    uri = result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+    parts = urlsplit(uri)
+    assert (parts.fragment, parts.query, unquote(parts.path)) == ("", "", path)
+    assert not set(uri) & set(' <>"{}|\\^`')
+
+
 def test_docs_rules_md_is_generated_from_the_registry():
     committed = (REPO / "docs" / "rules.md").read_text()
     assert committed == rules_markdown(), \

@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from foundry_fp8 import __version__
 from foundry_fp8.health.table import one_line
@@ -85,9 +86,10 @@ def render_json(report: Mapping[str, Any]) -> str:
 
 def _uri(path: str) -> str:
     """A SARIF artifact URI: relative paths stay relative (resolved against the repo root by
-    code-scanning UIs), absolute ones become file:// URIs."""
+    code-scanning UIs), absolute ones become file:// URIs; both percent-encoded as a URI must be
+    (`a#1.yaml` would otherwise name `a` with a fragment; `<stdin>` has characters no URI has)."""
     p = Path(path)
-    return p.as_uri() if p.is_absolute() else p.as_posix()
+    return p.as_uri() if p.is_absolute() else quote(p.as_posix())
 
 
 def _location(path: str, line: int | None, column: int | None) -> dict[str, Any]:
