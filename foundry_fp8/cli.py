@@ -195,6 +195,12 @@ def _interrupted() -> int:
     return EXIT_INTERRUPTED
 
 
+#: How alike a misspelt option must be to one the subcommand has to be named as its likely
+#: meaning (difflib's ratio): `--fromat`/`--format` 0.88, `--otu`/`--out` 0.8; `--bogus` is
+#: 0.67 like `--out` and names nothing.
+_NEAR = 0.75
+
+
 def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None,
                     unknown: list[str]) -> None:
     """argparse's own `unrecognized arguments` error, but from the subcommand's parser, so its
@@ -205,7 +211,8 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None,
         parser = group.choices[command]
     options = [o for action in parser._actions for o in action.option_strings]
     guesses = [close[0] for word in unknown if word.startswith("-")
-               for close in [difflib.get_close_matches(word.split("=", 1)[0], options, n=1)]
+               for close in [difflib.get_close_matches(word.split("=", 1)[0], options, n=1,
+                                                         cutoff=_NEAR)]
                if close]
     hint = f" (did you mean {', '.join(dict.fromkeys(guesses))}?)" if guesses else ""
     parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")

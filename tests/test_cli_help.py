@@ -52,7 +52,9 @@ def test_tiny_data_module_help_says_what_it_builds() -> None:
     (["doctor", "extra"], "usage: foundry-fp8 doctor ",
      "foundry-fp8 doctor: error: unrecognized arguments: extra"),
     (["--frob"], "usage: foundry-fp8 ", "foundry-fp8: error: unrecognized arguments: --frob"),
-], ids=["lint-typo", "doctor-typo", "doctor-positional", "top-level"])
+    (["bench", "--bogus"], "usage: foundry-fp8 bench ",
+     "foundry-fp8 bench: error: unrecognized arguments: --bogus"),
+], ids=["lint-typo", "doctor-typo", "doctor-positional", "top-level", "nothing-near"])
 def test_an_unknown_option_is_refused_by_its_subcommand(argv, usage, error) -> None:
     """QA 17: `foundry-fp8 lint --fromat json x.yaml` printed the top-level usage, which shows
     none of lint's options, and named no near option."""
