@@ -62,3 +62,16 @@ def test_a_terminal_on_stdin_is_refused_not_waited_on() -> None:
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.decode().splitlines()
     assert line.startswith("error: <stdin>: standard input is a terminal"), line
+
+
+def test_piped_json_is_read_as_the_json_file_it_is() -> None:
+    """A DeepSpeed JSON read as YAML was a train config with four unknown top-level keys
+    (FP8009, exit 1); the corpus' hand-checked verdict for the file is one FP8108 warning."""
+    import yaml
+
+    expected = yaml.safe_load((CORPUS / "expected.yaml").read_text())["deepspeed/zero3-auto.json"]
+    done = _lint("-", "--format", "json",
+                 input=(CORPUS / "deepspeed" / "zero3-auto.json").read_bytes())
+    [entry] = json.loads(done.stdout)["files"]
+    assert [[f["rule"], f["key"], f["severity"]] for f in entry["findings"]] == expected
+    assert done.returncode == 0

@@ -174,11 +174,13 @@ def _find_deepspeed(path: Path, name: str) -> tuple[Path | None, str | None, str
 
 
 def lint_accelerate_file(path: Path, text: str | None = None, data: Any = None,
+                         is_json: bool | None = None,
                          ) -> tuple[list[Finding], dict[str, tuple[int, int]]] | None:
     """(findings, key positions) for an Accelerate config or a DeepSpeed JSON (`text` and its
     parsed `data` when the caller has read them); None for any other file (a train config).
-    LintInputError (one line, naming file and line) when a file cannot be read or parsed."""
-    is_json = path.suffix.lower() == ".json"
+    LintInputError (one line, naming file and line) when a file cannot be read or parsed.
+    `is_json`: the text is JSON (None: as its name ends)."""
+    is_json = path.suffix.lower() == ".json" if is_json is None else is_json
     if text is None:
         text = read_text(path)
         data = read_json(path, text) if is_json else load_data(path, text)

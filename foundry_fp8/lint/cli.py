@@ -11,6 +11,7 @@ Exit codes: 0 no errors, 1 at least one error finding, 2 a file could not be rea
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -68,8 +69,9 @@ def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[in
         for f in findings]}
 
 
-#: The name standard input (`-` on the command line) has in messages and entries: a YAML file
-#: (JSON is read as YAML); the Accelerate rules look for its DeepSpeed file in the current folder.
+#: The name standard input (`-` on the command line) has in messages and entries: read as JSON
+#: when it is a JSON object, else as YAML; the Accelerate rules look for its DeepSpeed file in the
+#: current folder.
 STDIN = Path("<stdin>")
 
 
@@ -84,7 +86,7 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
     (`--gpus`), unless an MCLI run config's `compute.gpus` says."""
     try:
         text = read_text(path) if text is None else text
-        is_json = path.suffix.lower() == ".json"
+        is_json = path.suffix.lower() == ".json" or (path is STDIN and _json_object(text))
         document = None if is_json else read_yaml(path, text, dates=False)
         data = read_json(path, text) if document is None else document.data
         if is_json and not isinstance(data, Mapping):
@@ -92,7 +94,7 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
         if not is_json and (is_accelerate(data) or is_mcli(data)):
             data = load_data(path, text)  # as their reader, yaml.safe_load, has dates
         if is_accelerate(data) or (is_json and not is_train_json(data)):
-            findings, positions = lint_accelerate_file(path, text, data)
+            findings, positions = lint_accelerate_file(path, text, data, is_json)
             return _entry(path, findings, positions)
         mcli = is_mcli(data)
         # MCLI keeps the last of a key given twice (yaml.safe_load), which omegaconf refuses
@@ -129,6 +131,17 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
               for f in pinned_te_findings(loaded.config, pinned, context)]
     entry["findings"][:0] = _entry(path, outer, loaded.positions)["findings"]
     return entry
+
+
+def _json_object(text: str) -> bool:
+    """Standard input's text is a JSON object (a DeepSpeed or train config JSON), which is read
+    as JSON, as a `.json` file is; anything else is read as YAML."""
+    if not text.lstrip().startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):  # YAML's flow mapping, or what read_yaml refuses
+        return False
 
 
 def _as_dict(finding: Finding, position: tuple[int, int] | None) -> dict[str, Any]:
