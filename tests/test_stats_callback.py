@@ -482,3 +482,34 @@ def test_a_second_fit_with_reset_time_logs_its_images_from_its_own_first_steps()
     assert sorted(second.tables) == sorted(second.images) == [2, 4, 6]
     # the fit-end table is the second fit's last logging step's, none of the first fit's
     assert {row[0] for row in second.tables[6]["fp8_table"][1]} == {5}
+
+
+def test_a_fit_that_raised_in_a_logging_step_leaves_no_hooks_once_the_trainer_closes():
+    """fit() raised mid-step (here in the backward of a logging step): Composer runs no event
+    after it, so fp8_stats' hooks stayed armed on the model and, the Trainer closed, went on
+    computing statistics at every forward of whatever trained the model next (a notebook's new
+    Trainer). `Trainer.close` now takes them off."""
+    from composer import Trainer
+    from composer.core import Callback
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Raises(Callback):
+        def before_backward(self, state, logger) -> None:
+            if int(state.timestamp.batch) == 2:
+                raise RuntimeError("the user's bug")
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(48, 8), torch.randint(0, 2, (48,)))
+    model = ComposerClassifier(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), num_classes=2)
+    trainer = Trainer(model=model, train_dataloader=DataLoader(data, batch_size=8),
+                      max_duration="6ba", callbacks=[FP8Stats(interval=2, image_interval=None),
+                                                     Raises()],
+                      device="cpu", progress_bar=False)
+    with pytest.raises(RuntimeError, match="the user's bug"):
+        trainer.fit()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(m._forward_pre_hooks for m in linears)  # armed for the logging step 2
+    trainer.close()
+    assert [(len(m._forward_pre_hooks), len(m._backward_pre_hooks)) for m in linears] == [
+        (0, 0), (0, 0)]

@@ -213,6 +213,13 @@ class FP8Stats(Callback):
     def fit_end(self, state: State, logger: Logger) -> None:
         self._guarded(self._fit_end, state, logger)
 
+    def close(self, state: State, logger: Logger) -> None:
+        """The Trainer is done: hooks a fit left armed (it raised mid-step, and Composer runs
+        no event after that) come off the model, which something else may train next."""
+        del state, logger
+        if self.monitor is not None:
+            self.monitor.abort()
+
     def _guarded(self, work: Callable[[State, Logger], None], state: State,
                  logger: Logger) -> None:
         if self.disabled:
