@@ -85,7 +85,7 @@ class Decision:
     in_features: int
     out_features: int
     params: int
-    flops: int = 0  # forward GEMM FLOPs per token (`module_flops`; a fused LN-MLP's two GEMMs)
+    flops: int = 0  # forward GEMM FLOPs per token (`_routed_flops`; a fused LN-MLP's two GEMMs)
     flops_share: float = 0.0  # of all linear-GEMM FLOPs of the model, per token
     #: An FP8 module before the swap (one of TE's the model was built with, run in FP8 under
     #: `amp_fp8`; or ours from an earlier conversion): kept as it is, counted in the FP8 share.
