@@ -3,6 +3,8 @@ flagged there, ahead of the table that ranks flags by how many steps they held."
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ HEALTHY = {"amax": 1.0, "underflow_pct": 0.0, "overflow_pct": 0.0, "rel_mse": 1e
 SPIKED = ("blocks.1.ffn.down_proj", "weight")
 
 
-def diverging_run(folder: Path, spike_at: int | None, nan_from: int = 6, steps: int = 13) -> Path:
+def diverging_run(folder: Path, spike_at: int | None, nan_from: int = 6, steps: int = 13,
+                  spiked: tuple[str, str] = SPIKED) -> Path:
     """A run as the tiny MPT's went when one weight was multiplied by 1e36 (QA session 17): that
     weight overflows with a scale 1e4 too small at `spike_at`, then every layer's tensors hold
     NaN from `nan_from` to the end."""
@@ -29,7 +32,7 @@ def diverging_run(folder: Path, spike_at: int | None, nan_from: int = 6, steps: 
         for layer in LAYERS:
             for tensor in TENSORS:
                 stats = dict(HEALTHY)
-                if (layer, tensor) == SPIKED and step == spike_at:
+                if (layer, tensor) == spiked and step == spike_at:
                     stats.update(overflow_pct=100.0, scale_ratio=1e4, amax=1e4)
                 if step >= nan_from:
                     stats["nan_count"] = 4096.0
@@ -104,3 +107,51 @@ def test_the_report_heatmap_draws_nan_cells_blue_not_grey_as_not_logged(tmp_path
     assert colour(0, 13) == (0xD0, 0xD0, 0xD0)  # the initial scale's cast
     assert colour(0, 2) != (0x1F, 0x4E, 0x9C)  # a healthy cell, coloured by its value
     assert "blue: logged as NaN" in figure._suptitle.get_text()
+
+
+def test_a_file_of_summary_series_only_names_the_step_they_first_count_a_flagged_layer(
+        tmp_path, capsys):
+    """The per-layer keys left out, fp8_stats' summaries still say when trouble began; the
+    report said "fp8_stats ran but logged no layer ('.*' matched nothing)" of such a file."""
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for step in range(8):
+        sink.write(step, {"loss/train/total": 3.0, "fp8/weight/worst_overflow_pct": 0.0,
+                          "fp8/weight/flagged_layers": float(step >= 5),
+                          "fp8/gradient/nonfinite": float(step >= 6),
+                          "fp8/flagged_layers": float(step >= 5)})
+    (tmp_path / "hparams.json").write_text('{"callbacks": {"fp8_stats": {}}}')
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "only fp8_stats' summary series" in err, err
+    assert "first count a flagged layer at step 5 (fp8/weight/flagged_layers 1)" in err, err
+
+
+def test_the_time_series_draw_the_first_flagged_layer_by_default(tmp_path, capsys):
+    """A middle layer spiked: neither the first block's first layer, the last block's last nor
+    the most underflowing; its amax is the one to see jump."""
+    folder = diverging_run(tmp_path, spike_at=5, spiked=("blocks.0.ffn.down_proj", "weight"))
+    assert main(["report", str(folder)]) == 0
+    markdown = (folder / "fp8_report.md").read_text()
+    assert ("Time series show `blocks.0.attn.Wqkv` (first block), `blocks.0.ffn.down_proj` "
+            "(first flagged, at step 5), `blocks.1.ffn.down_proj` (last block).") in markdown
+
+
+@pytest.mark.parametrize(("code", "out", "hint"), [
+    (errno.EACCES, False, True), (errno.EROFS, False, True), (errno.EACCES, True, False),
+    (errno.ENOSPC, False, False)])
+def test_a_run_folder_the_report_may_not_write_says_out_writes_elsewhere(
+        tmp_path, capsys, monkeypatch, code, out, hint):
+    """Root ignores chmod, so the write itself is refused here, as a read-only mount or another
+    user's run folder refuses it."""
+    import foundry_fp8.report.cli as report_cli
+
+    def refused(path: Path, data: bytes) -> None:
+        raise OSError(code, os.strerror(code), str(path))
+
+    folder = diverging_run(tmp_path / "run", spike_at=5)
+    monkeypatch.setattr(report_cli, "write_output", refused)
+    args = ["report", str(folder)] + (["--out", str(tmp_path / "out")] if out else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write ({os.strerror(code)})" in err, err
+    assert ("; --out DIR writes the report elsewhere" in err) == hint, err

@@ -95,6 +95,7 @@ class RunMetrics:
     initial: set[tuple[str, str, int]] = field(default_factory=set)
     high_precision: set[tuple[str, str, int]] = field(default_factory=set)
     uncast: set[tuple[str, str, int]] = field(default_factory=set)
+    later_attempt: int | None = None  # the step the last later attempt logged from (drop_from)
     # `steps` as a set: a list search per value would make reading a run quadratic in its steps
     _step_set: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
@@ -120,6 +121,7 @@ class RunMetrics:
     def drop_from(self, step: int) -> None:
         """Forget every number and mark at `step` and after: a later attempt of the run (a resume
         from a checkpoint) logs those steps again, and its numbers alone stand there."""
+        self.later_attempt = step
         for name, by_step in list(self.values.items()):
             by_step.drop_from(step)
             if not by_step:  # a series only the earlier attempt logged there: no row, no column

@@ -46,11 +46,12 @@ def panel_title(kind: str, formats: Collection[str] | None) -> str:
     return f"{kind} ({' or '.join(sorted(formats))})" if formats else kind
 
 
-def choose_layers(run: RunMetrics, match: Callable[[str], bool] | None = None
-                  ) -> list[tuple[str, str]]:
+def choose_layers(run: RunMetrics, match: Callable[[str], bool] | None = None,
+                  first_flagged: tuple[str, int] | None = None) -> list[tuple[str, str]]:
     """(layer, why) for the time-series plot, in model order: the layers `match` takes (why:
-    ""), or else the first layer of the first block, the last layer of the last block and the
-    layer with the worst underflow."""
+    ""), or else the first layer of the first block, the last layer of the last block, the
+    layer with the worst underflow and `first_flagged`'s (layer, step): where a divergence
+    began, whose amax is the one to see move first."""
     if match is not None:
         return [(layer, "") for layer in run.layers if match(layer)]
     numbered = [layer for layer in run.layers if block_index(layer) is not None]
@@ -65,6 +66,8 @@ def choose_layers(run: RunMetrics, match: Callable[[str], bool] | None = None
     reasons.setdefault(last, []).append("last block")
     for w in worst_layers(run, "underflow_pct", n=1):
         reasons.setdefault(w.layer, []).append(f"most underflow: {w.mean:.3g} % of {w.tensor} on average")
+    if first_flagged is not None:
+        reasons.setdefault(first_flagged[0], []).append(f"first flagged, at step {first_flagged[1]}")
     return [(layer, "; ".join(reasons[layer])) for layer in run.layers if layer in reasons]
 
 

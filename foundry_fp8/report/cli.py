@@ -5,6 +5,7 @@ line and exit 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import re
 import sys
@@ -154,19 +155,18 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
         run, series = load_run(metrics_file, warn)
         hparams_file, folder = hparams_of(metrics_file), metrics_file.parent
         hparams = read_hparams(hparams_file, warn)
-    if layers is None:
-        chosen = choose_layers(run)
-    else:
-        chosen = choose_layers(run, set(layers_matching(run, layers)).__contains__)
+    matching = None if layers is None else set(layers_matching(run, layers)).__contains__
+    thresholds = thresholds_from_hparams(hparams or {})
+    formats = formats_from_hparams(hparams or {}, run.tensors)
+    guard = guard_run(series, hparams, hparams_file, warn, run.later_attempt)
+    mark_high_precision(run, guard)
+    flags = replay(run, HealthTracker(thresholds))
+    first = min(flags, key=lambda f: f.step, default=None)
+    chosen = choose_layers(run, matching, (first.layer, first.step) if first else None)
     if not chosen:
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
                           f"(e.g. {elide(run.layers[0])!r})")
-    thresholds = thresholds_from_hparams(hparams or {})
-    formats = formats_from_hparams(hparams or {}, run.tensors)
-    guard = guard_run(series, hparams, hparams_file, warn)
-    mark_high_precision(run, guard)
-    flags = replay(run, HealthTracker(thresholds))
-    out = out or folder
+    given, out = out, out or folder
     _out_folder(out)
     written: list[Path] = []
     target = out
@@ -186,7 +186,11 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
                                            [p.name for p in written], guard,
                                            matched=len(chosen)))
     except OSError as e:  # read-only, a full disk, a folder or FIFO in the file's place
-        raise ReportError(f"{target}: cannot write ({e.strerror or e})") from None
+        # a run folder someone else's run wrote (a shared store, a read-only mount): say how
+        elsewhere = ("; --out DIR writes the report elsewhere"
+                     if given is None and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+                     else "")
+        raise ReportError(f"{target}: cannot write ({e.strerror or e}){elsewhere}") from None
     return run, flags, guard, [*written, target]
 
 

@@ -222,6 +222,14 @@ def guard_section(guard: GuardRun, names: dict[str, str]) -> list[str]:
     fallbacks = [replace(f, layer=names[f.layer]) for f in guard.fallbacks]
     ended = [replace(r, layer=names[r.layer]) for r in guard.repromotions]
     lines += ["", render_fallbacks(fallbacks, share[1] if share else None, ended)]
+    if guard.carried is not None:
+        first, layers = guard.carried
+        lines += ["", f"When the steps went back ({md_code(FALLBACK_LAYERS)} "
+                  f"{guard.series[first][FALLBACK_LAYERS]:g} at step {first}), "
+                  f"{', '.join(md_escape(names[layer]) for layer in layers)} was already in "
+                  "fallback: an earlier attempt moved it (`fit()` again with `reset_time` keeps "
+                  "its fallbacks), so the table's step is that attempt's; in the steps this report"
+                  f" shows it ran in high precision from step {first}."]
     if guard.repromotions:
         back = "; ".join(f"{md_escape(names[r.layer])} from step {r.step + 1} (its what-if statistics "
                          f"within the limits at {r.healthy_steps} logging steps in a row)"

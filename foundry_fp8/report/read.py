@@ -25,7 +25,16 @@ from foundry_fp8.guard import (
     Repromotion,
 )
 from foundry_fp8.health import RunMetrics, Thresholds, collect
-from foundry_fp8.health.keys import HIGH_PRECISION, LAYOUT, OLDER_LAYOUT, older_layout
+from foundry_fp8.health.keys import (
+    HIGH_PRECISION,
+    LAYOUT,
+    OLDER_LAYOUT,
+    SUMMARIES,
+    SUMMARY_PREFIX,
+    TENSORS,
+    older_layout,
+    summary_key,
+)
 from foundry_fp8.health.plots import recipe_formats
 from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
 from foundry_fp8.options import build
@@ -426,14 +435,24 @@ class GuardRun:
     exclude: str | None  # te_swap's own `exclude` (hparams.json), kept in the static YAML
     repromotions: tuple[Repromotion, ...] = ()  # in step order
     refusals: tuple[Refusal, ...] = ()  # the budget's, in step order
+    # layers an earlier attempt moved that were in fallback when the later attempt the report
+    # shows began, at step `carried[0]` (`carried_fallbacks`)
+    carried: tuple[int, tuple[str, ...]] | None = None
+
+    def decided(self, f: Fallback) -> int:
+        """The step a fallback took effect after, in the attempt the report shows: a carried
+        one's (its record's step is an earlier attempt's) the one before that attempt's first."""
+        if self.carried is not None and f.layer in self.carried[1]:
+            return self.carried[0] - 1
+        return f.step
 
     def spans(self) -> list[tuple[str, int, int | None]]:
         """(layer, the step that decided a fallback, the step of the re-promotion that ended it
         or None) per fallback, in step order: the layer ran in high precision at the steps after
         the first, up to and including the second."""
-        return [(f.layer, f.step, next((r.step for r in self.repromotions
-                                        if r.layer == f.layer and r.step > f.step), None))
-                for f in self.fallbacks]
+        return [(f.layer, start, next((r.step for r in self.repromotions
+                                       if r.layer == f.layer and r.step > start), None))
+                for f in self.fallbacks for start in [self.decided(f)]]
 
     @property
     def kept(self) -> list[str]:
@@ -472,10 +491,40 @@ class GuardRun:
         return fallen[0][0], max(n for _, n in fallen), counts[-1][1]
 
 
+def carried_fallbacks(series: GuardSeries, fallbacks: list[Fallback], since: int | None,
+                      where: Path, warn: Callable[[str], None]
+                      ) -> tuple[int, tuple[str, ...]] | None:
+    """(first logging step, layers) of the fallbacks an earlier attempt decided that the later
+    attempt from step `since` (`RunMetrics.later_attempt`) began with: `fit()` again with
+    `reset_time` keeps them but their records keep the first fit's steps, which the later fit
+    logs again, so the report marked the layer FP8 until that step number came round. The
+    records carry no attempt; the series `fp8/guard/fallback_layers` at the later attempt's
+    first logging step counts the layers in fallback then: where that count exceeds the records
+    decided by that step by as many as there are records of later steps, those are the ones.
+    Otherwise (a later attempt moved more layers too) which they are is unknown: one warning."""
+    first = next((s for s in sorted(series) if since is not None and s >= since
+                  and FALLBACK_LAYERS in series[s]), None)
+    if first is None:
+        return None
+    before = {f.layer for f in fallbacks if f.step <= first}
+    later = sorted({f.layer for f in fallbacks if f.step > first} - before)
+    extra = round(series[first][FALLBACK_LAYERS]) - len(before)
+    if extra <= 0 or not later:
+        return None
+    if extra != len(later):
+        warn(f"{where}: the steps went back to {since} with {extra} layer(s) in fallback "
+             f"(`{FALLBACK_LAYERS}` at step {first}) whose records' steps are later: "
+             f"{extra} of {', '.join(later)}, which ones the records do not say; the report "
+             "marks each from its record's step")
+        return None
+    return first, tuple(later)
+
+
 def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Path,
-              warn: Callable[[str], None]) -> GuardRun | None:
+              warn: Callable[[str], None], since: int | None = None) -> GuardRun | None:
     """fp8_guard's series and the fallbacks it logged as hyperparameters; None when the run
-    had no fp8_guard. A fallback record that does not read is left out with a warning."""
+    had no fp8_guard. A fallback record that does not read is left out with a warning.
+    `since`: the step a later attempt logged from (`carried_fallbacks`)."""
     hparams = hparams or {}
     fallbacks: list[Fallback] = []
     repromotions: list[Repromotion] = []
@@ -502,7 +551,8 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
     return GuardRun(series, sorted(fallbacks, key=lambda f: (f.step, f.layer)),
                     exclude if isinstance(exclude, str) and exclude else None,
                     tuple(sorted(repromotions, key=lambda r: (r.step, r.layer))),
-                    tuple(sorted(refusals, key=lambda r: (r.step, r.layer))))
+                    tuple(sorted(refusals, key=lambda r: (r.step, r.layer))),
+                    carried_fallbacks(series, fallbacks, since, where, warn))
 
 
 def mark_high_precision(run: RunMetrics, guard: GuardRun | None) -> None:
@@ -520,6 +570,33 @@ def mark_high_precision(run: RunMetrics, guard: GuardRun | None) -> None:
                     run.add(step, layer, tensor, HIGH_PRECISION, 1.0)
 
 
+#: The summary series that count flagged layers (`fp8/flagged_layers`, `fp8/<tensor>/...`).
+COUNTED = ("flagged_layers", "nonfinite")
+
+
+def _summaries_only(metrics_file: Path) -> str | None:
+    """Why a metrics file holding fp8_stats' summary series but no per-layer one has no report,
+    and where the summaries first count a flagged layer: "fp8_stats logged no layer" said of a
+    run whose `fp8/flagged_layers` counted them was wrong, and the step is what the on-call
+    reader of such a file is after."""
+    counted = {summary_key(tensor, name) for tensor in (None, *TENSORS) for name in COUNTED}
+    seen, first = False, None
+    for step, metrics in read_jsonl(metrics_file):
+        for key, value in metrics.items():
+            if key.startswith(f"{SUMMARY_PREFIX}/") and key.rpartition("/")[2] in SUMMARIES:
+                seen = True
+                if key in counted and (v := number(value)) is not None and v > 0 and (
+                        first is None or step < first[0]):
+                    first = (step, key, v)
+    if not seen:
+        return None
+    said = (f"; they first count a flagged layer at step {first[0]} ({first[1]} {first[2]:g})"
+            if first is not None else "; they count no flagged layer")
+    return (f"{metrics_file}: only fp8_stats' summary series (`{summary_key('<tensor>', '...')}`"
+            f"{said}), no per-layer series ({LAYOUT}) to say which layer: the report needs those "
+            "(were they left out of what was logged or copied?)")
+
+
 def why_empty(metrics_file: Path) -> str:
     """Why a metrics file holds no per-layer FP8 series: they are in the older layout, no
     fp8_stats in the run, or it ran and watched nothing."""
@@ -529,6 +606,8 @@ def why_empty(metrics_file: Path) -> str:
         return (f"{metrics_file}: FP8 statistics in an older key layout ({OLDER_LAYOUT}, e.g. "
                 f"`{older}`, from foundry-fp8 builds before 2026-11-23); this report (foundry-fp8 "
                 f"{__version__}) reads {LAYOUT} series only: train again with this fp8_stats")
+    if (summaries := _summaries_only(metrics_file)) is not None:
+        return summaries
     hparams = read_hparams(hparams_of(metrics_file))  # metrics.1.jsonl: hparams.1.json
     if hparams is not None and _fp8_stats_options(hparams) is None:
         return (f"{metrics_file}: no FP8 statistics: the run had no `fp8_stats` callback (add "
