@@ -11,7 +11,7 @@ import re
 import pytest
 
 from foundry_fp8.composer.state import FP8StateError, fp8_state_from_checkpoint
-from tests.tiny_run import run_folder, run_tiny
+from tests.tiny_run import run_folder, run_tiny, tiny_config
 
 EXCLUDE = r"ffn|attn\.out_proj"  # 6 of the tiny MPT's 8 linear layers
 
@@ -125,4 +125,61 @@ def test_a_weights_only_fine_tune_says_its_fp8_scaling_starts_fresh(tmp_path, ti
     for name in tuned:
         assert (pretrain[name]["fwd_amax_history"][1:, 0] > 0).all(), name
         history = tuned[name]["fwd_amax_history"][:, 0]
+        assert (history[1:3] == 0).all() and history[3] > 0, name
+
+
+def test_resuming_an_fp8_checkpoint_with_fp8_off_says_so(tmp_path, tiny_data):
+    """A resume with te_swap left out (an FP8 run continued in high precision after a
+    divergence) and fp8_state kept: the line said te_swap's include/exclude changed."""
+    from llmfoundry.command_utils import train
+
+    run_tiny(tmp_path, tiny_data, {"variables": {"run_name": "fp8"}, "max_duration": "2ba",
+                                   "save_interval": "2ba", "eval_interval": "2ba"})
+    checkpoint = run_folder(tmp_path, "fp8") / "checkpoints" / "ep0-ba2-rank0.pt"
+    saved = fp8_state_from_checkpoint(checkpoint)
+    cfg = tiny_config(tmp_path, tiny_data, {
+        "variables": {"run_name": "high"}, "max_duration": "3ba", "eval_interval": "3ba",
+        "load_path": str(checkpoint)})
+    del cfg.algorithms["te_swap"], cfg.callbacks["fp8_stats"]
+    with pytest.raises(FP8StateError) as raised:
+        train(cfg)
+    assert str(raised.value) == (
+        f"fp8_state: the checkpoint holds the FP8 state of {len(saved)} modules, this run has no "
+        "FP8 module (te_swap left out, or FP8 turned off?) (set fp8_state: {strict: false} to "
+        "continue with nothing restored)")
+    assert len(saved) == 8
+
+
+def test_a_bf16_checkpoint_saved_with_fp8_state_in_the_yaml_resumes_fresh_with_a_warning(
+        tmp_path, tiny_data):
+    """A bf16 run whose YAML keeps fp8_state (a shared template) saves an empty entry; its
+    resume in FP8 stopped, naming te_swap's selection, where a bf16 checkpoint without the
+    entry gives one warning and starts FP8 scaling fresh. Now both give the warning."""
+    from llmfoundry.command_utils import train
+
+    cfg = tiny_config(tmp_path, tiny_data, {"variables": {"run_name": "bf16"},
+                                            "max_duration": "2ba", "save_interval": "2ba",
+                                            "eval_interval": "2ba"})
+    del cfg.algorithms["te_swap"], cfg.callbacks["fp8_stats"]
+    train(cfg)
+    checkpoint = run_folder(tmp_path, "bf16") / "checkpoints" / "ep0-ba2-rank0.pt"
+    assert fp8_state_from_checkpoint(checkpoint) == {}
+    handler, logger = _Lines(), logging.getLogger("foundry_fp8.composer.state")
+    logger.addHandler(handler)
+    try:
+        trainer = run_tiny(tmp_path, tiny_data, {
+            "variables": {"run_name": "fp8"}, "max_duration": "3ba", "save_interval": "3ba",
+            "eval_interval": "3ba", "load_path": str(checkpoint),
+            "algorithms": {"te_swap": {"fp8_recipe": {"amax_history_len": 4}}}})
+    finally:
+        logger.removeHandler(handler)
+    assert int(trainer.state.timestamp.batch) == 3
+    assert handler.lines == [
+        "fp8_state: the checkpoint holds no FP8 state (saved by a run without FP8 modules); FP8 "
+        "scales and amax histories start fresh, as expected when converting a bf16 checkpoint"]
+    resumed = fp8_state_from_checkpoint(
+        run_folder(tmp_path, "fp8") / "checkpoints" / "ep0-ba3-rank0.pt")
+    assert len(resumed) == 8
+    for name, tensors in resumed.items():  # one update since the fresh start: the last row
+        history = tensors["fwd_amax_history"][:, 0]
         assert (history[1:3] == 0).all() and history[3] > 0, name

@@ -679,9 +679,11 @@ def test_a_weights_only_load_is_named_as_such_whole_file_or_sharded(caplog):
     """What Composer's loads call (composer/utils/checkpoint.py): a weights-only whole-file load
     `state.load_model_state` alone (`_restore_checkpoint`), a weights-only sharded load
     `state.load_state_dict({'model': ...})` (`load_sharded_checkpoint`), a full load
-    `load_state_dict`, which calls `load_model_state` (composer/core/state.py). The sharded
-    weights-only load was said to be a checkpoint "saved without fp8_state", and the whole-file
-    one was silent."""
+    `load_state_dict`, which calls `load_model_state` (composer/core/state.py); a checkpoint
+    saved with `save_weights_only` holds model, integrations and metadata (`save_checkpoint`).
+    The sharded weights-only load and the full load of a weights-only checkpoint were said to
+    be of a checkpoint "saved without fp8_state", and the whole-file weights-only load was
+    silent."""
     calls: list[str] = []
     state = SimpleNamespace(model=_trained_model(), callbacks=[], load_path="ckpt")
     state.load_model_state = lambda serialized, *a, **k: calls.append("model")
@@ -693,7 +695,9 @@ def test_a_weights_only_load_is_named_as_such_whole_file_or_sharded(caplog):
     lines = []
     for load, serialized in ((state.load_model_state, {"model": {}, "callbacks": {}}),
                              (state.load_state_dict, {"model": {}}),
-                             (state.load_state_dict, full)):
+                             (state.load_state_dict, full),
+                             (state.load_state_dict, {"model": {}, "integrations": {},
+                                                      "metadata": {}})):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
             load(serialized)
@@ -702,5 +706,8 @@ def test_a_weights_only_load_is_named_as_such_whole_file_or_sharded(caplog):
     weights_only = ("fp8_state: ckpt loaded with load_weights_only: FP8 scales and amax "
                     "histories are not part of the model's weights and start fresh (a full "
                     "load restores them)")
-    assert lines == [[weights_only], [weights_only], []]
-    assert calls == ["model"] * 3
+    saved_so = ("fp8_state: ckpt was saved with save_weights_only: FP8 scales and amax "
+                "histories are not part of the model's weights and start fresh (checkpoints "
+                "saved in full hold them)")
+    assert lines == [[weights_only], [weights_only], [], [saved_so]]
+    assert calls == ["model"] * 4

@@ -67,6 +67,13 @@ class FP8StateError(ValueError):
     """A checkpoint or configuration that fp8_state refuses; the message names what to fix."""
 
 
+#: Per weights-only setting, what the line on a load says of it and how to keep the FP8 state.
+_WEIGHTS_ONLY = {
+    "load_weights_only": ("loaded with load_weights_only", "a full load restores them"),
+    "save_weights_only": ("was saved with save_weights_only",
+                          "checkpoints saved in full hold them"),
+}
+
 #: What `strict: false` continues with where nothing of the checkpoint's FP8 state applies.
 _FRESH = "FP8 scaling started fresh"
 
@@ -197,7 +204,7 @@ class FP8State(Callback):
         self._stale: dict[str, int] = {}
         self._watched = 0
         self._loaded_entries: Mapping[str, Any] | None = None
-        self._weights_only = False
+        self._weights_only: str | None = None  # which weights-only setting, if any
 
     # -- events ---------------------------------------------------------------------------
 
@@ -290,13 +297,18 @@ class FP8State(Callback):
         def load_state_dict(serialized: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             entries = serialized.get("callbacks") if isinstance(serialized, Mapping) else None
             self._loaded_entries = entries if isinstance(entries, Mapping) else {}
-            self._weights_only = isinstance(serialized, Mapping) and serialized.keys() <= {"model"}
+            self._weights_only = None
+            if isinstance(serialized, Mapping) and "timestamp" not in serialized:
+                # only the model asked for (a sharded weights-only load), or only it saved
+                # (`save_weights_only`: model, integrations, metadata; `save_checkpoint`)
+                self._weights_only = ("load_weights_only" if serialized.keys() <= {"model"}
+                                      else "save_weights_only")
             return load(serialized, *args, **kwargs)
 
         @functools.wraps(load_model)
         def load_model_state(serialized: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             if self._loaded_entries is None:  # not inside load_state_dict: weights only
-                self._loaded_entries, self._weights_only = {}, True
+                self._loaded_entries, self._weights_only = {}, "load_weights_only"
             return load_model(serialized, *args, **kwargs)
 
         load_state_dict._fp8_state_notes = True  # type: ignore[attr-defined]
@@ -308,16 +320,16 @@ class FP8State(Callback):
         does not restore, a checkpoint without FP8 state (a bf16 run's), and fp8_guard's
         fallbacks where this run has no fp8_guard."""
         entries, self._loaded_entries = self._loaded_entries, None
-        weights_only, self._weights_only = self._weights_only, False
+        weights_only, self._weights_only = self._weights_only, None
         if entries is None or self._model is None:
             return
         if weights_only:
             if next(fp8_modules(self._model), None):
                 # fp8_state keeps the FP8 state out of the model's weights (TE's
                 # `_extra_state` is saved as "no state"), so a weights-only load carries none
-                log.warning("fp8_state: %s loaded with load_weights_only: FP8 scales and amax "
-                            "histories are not part of the model's weights and start fresh "
-                            "(a full load restores them)", state.load_path)
+                log.warning("fp8_state: %s %s: FP8 scales and amax histories are not part "
+                            "of the model's weights and start fresh (%s)", state.load_path,
+                            *_WEIGHTS_ONLY[weights_only])
             return
         if type(self).__qualname__ not in entries and next(fp8_modules(self._model), None):
             # Composer drops `load_ignore_keys` before any callback sees the checkpoint
@@ -497,6 +509,16 @@ class FP8State(Callback):
         modules = dict(fp8_modules(self._model))
         missing = sorted(modules.keys() - saved.keys())
         unexpected = sorted(saved.keys() - modules.keys())
+        if modules and not saved:  # a run without FP8 modules saved it (fp8_state in its YAML)
+            log.warning("fp8_state: the checkpoint holds no FP8 state (saved by a run without "
+                        "FP8 modules); FP8 scales and amax histories start fresh, as expected "
+                        "when converting a bf16 checkpoint")
+            return
+        if not modules and unexpected:
+            self._mismatch(f"fp8_state: the checkpoint holds the FP8 state of {len(unexpected)} "
+                           "modules, this run has no FP8 module (te_swap left out, or FP8 "
+                           "turned off?)", "nothing restored")
+            return
         if missing or unexpected:
             self._mismatch(_layers_changed(missing, unexpected),
                            "the modules in both restored, the others' FP8 state fresh")
