@@ -123,10 +123,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry(argv: list[str] | None = None) -> int:
     """Ctrl-C is one line and exit 130, as in the `foundry-fp8` CLI: no stack for a user who
-    pressed it (subprocess.run has already killed the training run it waited for)."""
+    pressed it (subprocess.run has already killed the training run it waited for). Once
+    `_train` has imported Composer, its SIGINT handler raises SystemExit(130) instead of
+    KeyboardInterrupt (composer/core/engine.py, `sigterm_handler`), which said nothing."""
     try:
         return main(argv)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as stop:
+        if isinstance(stop, SystemExit) and stop.code != EXIT_INTERRUPTED:
+            raise
         print("make run: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
 

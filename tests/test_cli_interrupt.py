@@ -55,3 +55,36 @@ def test_a_real_ctrl_c_while_tiny_data_waits_is_one_line(whole):  # noqa: F811 (
                 process.kill()
                 process.communicate()
     assert process.returncode == 130 and stderr == "foundry-fp8: interrupted\n", stderr
+
+
+@pytest.mark.parametrize("interrupt", [_python_s_handler, _composer_s_handler],
+                         ids=["python", "composer"])
+def test_an_interrupt_in_make_run_is_one_line_and_exit_130(interrupt, monkeypatch, capsys):
+    """QA 17: Ctrl-C once `make run`'s demo had imported Composer (to train) ended it with exit
+    130 and nothing said: Composer's handler raises SystemExit, which `entry` let through."""
+    import runpy
+    from pathlib import Path
+
+    demo = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "demo.py"))
+    monkeypatch.setitem(demo["entry"].__globals__, "main", interrupt)
+    try:
+        code = demo["entry"]([])
+    except (KeyboardInterrupt, SystemExit):
+        pytest.fail("the interrupt escaped entry")
+    assert code == 130
+    assert capsys.readouterr().err == "make run: interrupted\n"
+
+
+def test_make_run_s_own_failure_is_not_called_an_interrupt(monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    demo = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "demo.py"))
+
+    def failed(argv):
+        raise SystemExit("training failed (exit 1); full log: x.log")
+
+    monkeypatch.setitem(demo["entry"].__globals__, "main", failed)
+    with pytest.raises(SystemExit, match="training failed"):
+        demo["entry"]([])
+    assert capsys.readouterr().err == ""
