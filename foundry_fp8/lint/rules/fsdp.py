@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from foundry_fp8.lint.config import (
@@ -54,8 +55,9 @@ GPUS_HINT = "`foundry-fp8 lint --gpus N` says how many GPUs it trains on"
 @rule("FP8002", "error", "FSDP activation checkpointing with FP8 but no `te_checkpoint_wrapper`",
       why="Without te_checkpoint_wrapper Composer recomputes blocks with torch's checkpoint, "
       "which runs TE modules outside fp8_autocast: the recompute differs from the forward. "
-      "Reported as info when fp8_state is in the callbacks, which sets it at INIT; not "
-      "reported when nothing runs in FP8 (FP8001).",
+      "Reported as info when fp8_state is in the callbacks, which sets it at INIT, or when the "
+      "run is known to have one process (MCLI `compute.gpus: 1`, `--gpus 1`), where "
+      "LLM-Foundry drops fsdp_config; not reported when nothing runs in FP8 (FP8001).",
       source=f"{COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module; TE PR "
       f"https://github.com/NVIDIA/TransformerEngine/pull/24 (recompute outside fp8_autocast); "
       f"{TE_1190}; foundry_fp8/composer/state.py recompute_settings",
@@ -73,9 +75,21 @@ def recompute_without_te_checkpoint(config: Mapping[str, Any], ctx: LintContext,
                   f"{dotted(MIN_TE_FOR_RECOMPUTE)}; otherwise it refuses the run)",
                   severity="info")
     else:
-        yield Hit("fsdp_config.activation_checkpointing", "activation checkpointing with FP8 "
-                  "recomputes TE layers outside the FP8 autocast (the recompute differs from "
-                  "the forward)")
+        yield _in_one_process(ctx, Hit("fsdp_config.activation_checkpointing", "activation "
+                              "checkpointing with FP8 recomputes TE layers outside the FP8 "
+                              "autocast (the recompute differs from the forward)"))
+
+
+def _in_one_process(ctx: LintContext, hit: Hit) -> Hit:
+    """`hit` about FSDP's wrapping, an info where the run is known to have one process:
+    LLM-Foundry's train drops fsdp_config there (llmfoundry/command_utils/train.py:319-331,
+    'FSDP is not applicable for single-GPU training. Reverting to DDP.'), so nothing is
+    wrapped."""
+    if ctx.gpus != 1:
+        return hit
+    return replace(hit, severity="info", message=f"{ctx.gpus_text()}: LLM-Foundry drops "
+                   "fsdp_config in one process, so FSDP wraps nothing; on 2+ GPUs: "
+                   + hit.message)
 
 
 def _foundry_flips_reentrant(config: Mapping[str, Any]) -> bool:
