@@ -339,6 +339,13 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
 CELL_DIGIT_IN = 0.055
 
 
+#: Inches an 8-point character of the colour bar's label takes along the bar (DejaVu Sans
+#: averages about 0.6 em), and the inches of the figure's height the bar does not span (titles,
+#: step ticks and label).
+BAR_CHAR_IN = 0.068
+BAR_MARGIN_IN = 1.3
+
+
 def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
                  formats: Formats | None = None) -> Any:
     """The report's heatmap (`heatmap`) as a matplotlib figure."""
@@ -381,7 +388,11 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
                                aspect=30, pad=0.02)
             if ax is axes[-1]:
                 note = hm.threshold_note
-                bar.set_label(hm.label + (f"\n({note})" if note else ""), fontsize=8)
+                # wrapped to the bar's height: a figure of 1-2 layers is 2.6 inches tall, and
+                # the underflow label with its note ran past the top, cut off
+                fit = max(16, int((height - BAR_MARGIN_IN) / BAR_CHAR_IN))
+                bar.set_label("\n".join(textwrap.wrap(hm.label, fit) + (
+                    textwrap.wrap(f"({note})", fit) if note else [])), fontsize=8)
             if p.ticks is not None:
                 bar.set_ticks(p.ticks, labels=[f"{t:g}" for t in p.ticks])
             _readable_log_ticks(bar.ax, p.norm.vmin, p.norm.vmax)
