@@ -17,7 +17,9 @@ The recipe reaches the layers one way per path, so exactly one recipe is ever ac
   finds nothing to do (current-scaling modules register no amax buffers). A module sees one
   recipe type throughout, so TE's "Recipe type changed" warning does not fire.
 - `emulate`: `emulate.fp8_autocast(recipe)` around the model's training forward, the same way.
-Eval forwards stay in high precision, as Composer runs them (`fp8_autocast_enabled=False`).
+Eval forwards stay in high precision, as Composer runs them (`fp8_autocast_enabled=False`);
+with `te`, also those Composer's Generate callback runs inside an enabled TE autocast
+(`_eval_in_high_precision`).
 """
 
 from __future__ import annotations
