@@ -32,8 +32,9 @@ def _autocast(enabled: bool = True, recipe: Any = None) -> Iterator[None]:
 
 
 @pytest.fixture
-def te_run(fake_te, monkeypatch) -> tuple[torch.nn.Module, list[bool]]:
-    """A tiny Llama after te_swap's INIT (backend te, amp_fp8), and what its TE layers saw."""
+def te_run(fake_te, monkeypatch) -> tuple[torch.nn.Module, list[bool], Any]:
+    """A tiny Llama after te_swap's INIT (backend te, amp_fp8), what its TE layers saw, and
+    te_swap."""
     from composer.core import Event, Precision, State
     from composer.devices import DeviceCPU
     from composer.loggers import Logger
@@ -60,13 +61,14 @@ def te_run(fake_te, monkeypatch) -> tuple[torch.nn.Module, list[bool]]:
         num_attention_heads=4, num_key_value_heads=2))
     state = State(model=model, rank_zero_seed=0, run_name="gen", device=DeviceCPU(),
                   precision=Precision.AMP_FP8)
-    te_swap.TESwap(backend="te").apply(Event.INIT, state, Logger(state))
+    swap = te_swap.TESwap(backend="te")
+    swap.apply(Event.INIT, state, Logger(state))
     assert type(model.model.layers[0].mlp.up_proj) is te.Linear
-    return model, seen
+    return model, seen, swap
 
 
 def test_generation_inside_composer_s_fp8_autocast_runs_in_high_precision(te_run):
-    model, seen = te_run
+    model, seen, _ = te_run
     reference = transformers.AutoModelForCausalLM.from_config(model.config)
     reference.load_state_dict(model.state_dict())  # the same weights, plain torch layers
     ids = torch.randint(0, 256, (1, 5))
@@ -81,9 +83,50 @@ def test_generation_inside_composer_s_fp8_autocast_runs_in_high_precision(te_run
 
 
 def test_a_training_forward_still_runs_in_fp8(te_run):
-    model, seen = te_run
+    model, seen, _ = te_run
     ids = torch.randint(0, 256, (2, 8))
     model.train()
     with _autocast(enabled=True, recipe="te_swap's"):
         model(ids, labels=ids).loss.backward()
     assert len(seen) == 14 and all(seen)
+
+
+def test_a_forward_with_grad_in_eval_mode_trains_in_fp8(te_run):
+    """A user's loop (RL, distillation) that trains the model in eval mode, dropout off, inside
+    an enabled autocast: TE runs it in FP8, so te_swap must too (it ran 0 of 14 in FP8)."""
+    model, seen, _ = te_run
+    ids = torch.randint(0, 256, (2, 8))
+    model.eval()
+    with _autocast(enabled=True, recipe="te_swap's"):
+        model(ids, labels=ids).loss.backward()
+    assert len(seen) == 14 and all(seen)
+
+
+def _state_of(model: torch.nn.Module) -> Any:
+    from composer.core import Precision, State
+    from composer.devices import DeviceCPU
+
+    return State(model=model, rank_zero_seed=0, run_name="gen", device=DeviceCPU(),
+                 precision=Precision.AMP_FP8)
+
+
+def test_fp8_inference_after_the_run_is_the_user_s_and_a_new_fit_holds_it_again(te_run):
+    """After FIT_END, a user's own FP8 inference (eval, no grad, an enabled TE autocast) runs in
+    FP8 as TE would: te_swap's eval hooks came off (they stayed on for good and made it BF16).
+    A later fit() (FIT_START) puts them back, for its Generate callback."""
+    from composer.core import Event
+    from composer.loggers import Logger
+
+    model, seen, swap = te_run
+    state = _state_of(model)
+    ids = torch.randint(0, 256, (8, 16))
+    model.eval()
+    swap.apply(Event.FIT_END, state, Logger(state))
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
+    with torch.no_grad(), _autocast(enabled=True, recipe="user's"):
+        model(ids)
+    assert len(seen) == 14 and all(seen)
+    swap.apply(Event.FIT_START, state, Logger(state))
+    with torch.no_grad(), _autocast(enabled=True, recipe="the Generate callback's"):
+        model(ids)
+    assert len(seen) == 28 and not any(seen[14:])

@@ -18,8 +18,8 @@ The recipe reaches the layers one way per path, so exactly one recipe is ever ac
   recipe type throughout, so TE's "Recipe type changed" warning does not fire.
 - `emulate`: `emulate.fp8_autocast(recipe)` around the model's training forward, the same way.
 Eval forwards stay in high precision, as Composer runs them (`fp8_autocast_enabled=False`);
-with `te`, also those Composer's Generate callback runs inside an enabled TE autocast
-(`_eval_in_high_precision`).
+with `te`, also those without grad that Composer's Generate callback runs inside an enabled TE
+autocast, while a fit() runs (`_eval_in_high_precision`).
 """
 
 from __future__ import annotations
@@ -76,17 +76,24 @@ class TESwap(Algorithm):
         self.plan: SwapPlan | None = None
         self._autocast = ExitStack()
         self._hooks: list[Any] = []
+        self._eval_hooks: list[Any] = []  # `_eval_in_high_precision`'s, from FIT_START to FIT_END
 
     def match(self, event: Event, state: State) -> bool:
         del state
-        return event in (Event.INIT, Event.FIT_END)
+        return event in (Event.INIT, Event.FIT_START, Event.FIT_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             self._convert(state, logger)
             _warn_without_fp8_state(state)
+        elif event == Event.FIT_START:
+            self._hold_eval_in_high_precision(state)
         else:
             self._autocast.close()
+            # a user's own FP8 inference after the run (an enabled TE autocast) is left to TE
+            for handle in self._eval_hooks:
+                handle.remove()
+            self._eval_hooks = []
 
     def _convert(self, state: State, logger: Logger) -> None:
         model = state.model
@@ -108,8 +115,7 @@ class TESwap(Algorithm):
             # an OOM) still leaves te_swap's autocast before Composer's, innermost first.
             self._hooks = [model.register_forward_pre_hook(self._enter),
                            model.register_forward_hook(self._exit, always_call=True)]
-        if self.config.backend == "te" and precision == "amp_fp8":
-            _eval_in_high_precision(model, plan)
+        self._hold_eval_in_high_precision(state)
         table = coverage_table(plan)
         recipe = self.recipe.as_config()
         print(f"foundry_fp8 te_swap: {converted} modules converted ({self.config.backend}), "
@@ -134,6 +140,12 @@ class TESwap(Algorithm):
         # a logger's failure is not te_swap's (its `strict` is about the autocast): warned
         deliver(logger.destinations, "hyperparameters",
                 lambda d: d.log_hyperparameters(coverage), "te_swap")
+
+    def _hold_eval_in_high_precision(self, state: State) -> None:
+        """At INIT and again at each later fit()'s FIT_START (FIT_END took them off)."""
+        if (self.plan is not None and not self._eval_hooks and self.config.backend == "te"
+                and state.precision.value == "amp_fp8"):
+            self._eval_hooks = _eval_in_high_precision(state.model, self.plan)
 
     def _recipe_context(self) -> AbstractContextManager:
         if self.config.backend == "emulate":
@@ -168,18 +180,21 @@ class TESwap(Algorithm):
         self._hooks = []
 
 
-def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> None:
-    """Backend te under amp_fp8: an eval-mode forward of the model's TE FP8 modules runs in
-    high precision, as Composer's own eval (`fp8_autocast_enabled=False`) and te_swap's
+def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> list[Any]:
+    """Backend te under amp_fp8: an eval-mode forward without grad of the model's TE FP8 modules
+    runs in high precision, as Composer's own eval (`fp8_autocast_enabled=False`) and te_swap's
     emulated layers do. Composer's Generate callback (LLM-Foundry's `generate_callback`) calls
     `model.generate` in eval mode inside `get_precision_context(state.precision)`
     (composer/callbacks/generate.py:106, 0.32), an enabled TE autocast with Composer's default
     recipe: each decode step's GEMMs would run in FP8 on batch x 1 tokens, which TE's FP8 GEMM
     refuses (`foundry_fp8.shapes`), and add inference amaxes to the training scales. Around
-    such a forward, TE's disabled region (`te.backend.te_high_precision`); a training forward
-    is left alone. The hooks run eagerly under torch.compile (TE's forwards do too)."""
+    such a forward, TE's disabled region (`te.backend.te_high_precision`); a forward with grad
+    on trains (a user's loop may train in eval mode, dropout off) and is left alone, as TE
+    would. The hooks run eagerly under torch.compile (TE's forwards do too); their handles are
+    returned, for te_swap to take them off at FIT_END."""
     from foundry_fp8.te import backend, probe
 
+    handles: list[Any] = []
     for decision in plan.decisions:
         if not decision.in_fp8 or decision.kind == "layernorm":  # te.LayerNorm: not FP8
             continue
@@ -191,7 +206,7 @@ def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> None:
         def enter(mod: nn.Module, args: Any, regions: list[ExitStack] = regions) -> None:
             del args
             stack = ExitStack()
-            if not mod.training:
+            if not mod.training and not torch.is_grad_enabled():
                 stack.enter_context(backend.te_high_precision(mod))
             regions.append(stack)
 
@@ -201,8 +216,9 @@ def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> None:
             if regions:
                 regions.pop().close()
 
-        module.register_forward_pre_hook(torch.compiler.disable(enter))
-        module.register_forward_hook(torch.compiler.disable(leave), always_call=True)
+        handles += [module.register_forward_pre_hook(torch.compiler.disable(enter)),
+                    module.register_forward_hook(torch.compiler.disable(leave), always_call=True)]
+    return handles
 
 
 def _warn_without_fp8_state(state: State) -> None:
