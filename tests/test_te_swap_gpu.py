@@ -162,3 +162,42 @@ def test_real_te_modules_save_and_load_the_plain_mpt_keys():
     model.load_state_dict(plain.state_dict())  # strict
     assert torch.equal(model.transformer.blocks[0].ffn.fc1_weight,
                        plain.transformer.blocks[0].ffn.up_proj.weight)
+
+
+def test_generation_inside_composer_s_fp8_autocast_runs_and_training_stays_fp8():
+    """Composer's Generate callback: eval mode, torch.no_grad (HF generate), an enabled TE
+    autocast (composer/callbacks/generate.py:80, 106). Batch 1 x 1 token per decode step is one
+    TE refuses in FP8 (`assert_dim_for_fp8_exec`); te_swap's eval hooks run it in high
+    precision, while a training forward (2 x 16 tokens) still runs in FP8."""
+    pytest.importorskip("transformer_engine.pytorch")
+    import transformers
+    from composer.core import Event, Precision
+    from composer.core.precision import get_precision_context
+    from composer.devices import DeviceGPU
+
+    from foundry_fp8.composer.te_swap import TESwap
+    from foundry_fp8.te.probe import active_recipe, is_te_fp8_module
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).cuda()
+    state = State(model=model, rank_zero_seed=0, run_name="gen", device=DeviceGPU(),
+                  precision=Precision.AMP_FP8)
+    TESwap(backend="te").apply(Event.INIT, state, Logger(state))
+    fp8: list[bool] = []
+    layers = [m for m in model.modules() if is_te_fp8_module(m)]
+    assert layers
+    for layer in layers:  # after te_swap's hooks: what the layer's own forward sees
+        layer.register_forward_pre_hook(lambda m, a: fp8.append(active_recipe() is not None))
+    ids = torch.randint(0, VOCAB, (2, 16), device="cuda")
+    with get_precision_context(Precision.AMP_FP8, state.precision_config):
+        model(ids, labels=ids).loss.backward()
+    assert len(fp8) == len(layers) and all(fp8)
+    model.eval()
+    one = torch.randint(0, VOCAB, (1, 1), device="cuda")
+    with torch.no_grad(), get_precision_context(Precision.AMP_FP8, state.precision_config):
+        model(one)
+        out = model.generate(one, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 4)
+    assert len(fp8) > 2 * len(layers) and not any(fp8[len(layers):])
