@@ -286,7 +286,8 @@ def te_high_precision(module: nn.Module) -> AbstractContextManager:
     in the backward, a nested disabled region) the one `module` last ran FP8 under (TE keeps it
     in `fp8_meta["recipe"]`): TE stores even a disabled region's
     recipe (its default when given none) under a key made from the recipe's text, which leaves
-    out `amax_compute_algo` (and `reduce_amax` before 2.9), and the outermost exit updates every
+    out `amax_compute_algo` (and `reduce_amax` before 2.8: `DelayedScaling.__repr__`,
+    common/recipe/__init__.py, v2.7 vs v2.8), and the outermost exit updates every
     layer with the recipe stored last under that key (`autocast_enter`/`autocast_exit`,
     pytorch/quantization.py:675, 740-745 in TE 2.20; fp8.py:409-411 in 1.12), so a run with
     `most_recent` and history 1024 would be updated with `max` whenever a fallback ran.
