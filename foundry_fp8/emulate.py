@@ -11,12 +11,12 @@ registers at its first delayed-scaling cast under that recipe and amax reduction
 forward scales of every registered layer are updated when the outermost `fp8_autocast` exits,
 the backward scales at the end of the backward of the first layer that cast in each outermost
 autocast; with `reduce_amax`, row 0 of the histories is all-reduced (MAX) across the group
-first. A layer keeps the recipe it first cast under: TE goes on updating it with that recipe
-whatever the later autocasts say (TE's open TODO #3157), so a layer cast under another recipe
-raises `RecipeError` naming the key rather than predict numbers TE would not produce
-(`amax_history_len` excepted, which TE follows, and `amax_compute_algo`: TE tells recipes
-apart by their text, which leaves it out, and updates each buffer with the recipe last
-entered under its text, `_buffer_key`).
+first. TE names a buffer by the recipe's text, which leaves out `amax_compute_algo`
+(`_buffer_key`), and updates it with the recipe last entered under that text, so the algorithm
+is the last autocast's, not the layer's. A layer keeps the rest of the recipe it first cast
+under (TE reuses its state and registers it once: its open TODO #3157), so a layer cast under
+another format, margin or reduction raises `RecipeError` naming the key rather than predict
+numbers TE would not produce (`amax_history_len` excepted, which TE follows).
 `fp8_checkpoint` recomputes activations the way TE's `distributed.checkpoint` does (same recipe
 and scales as the original forward, no amax recorded), so checkpointing does not change the
 numerics (TE issue #1190). It gives FP8 numerics on hardware without FP8 (CPU, A100); it is not
@@ -86,13 +86,10 @@ class _Member:
 class _AmaxBuffer:
     """One of TE's global amax buffers (`add_fp8_tensors_to_global_buffer`, quantization.py:
     501-566): the layers registered under one recipe and amax reduction group (`_buffer_key`),
-    in registration order, updated together with `recipe`, the last one an autocast entered
-    under that key, enabled or not (TE's `autocast_arguments`, set at every entry, l. 743-746,
-    read by the update, l. 675). TE holds the layers for good; here a freed layer drops out at
+    in registration order, updated together with the recipe last entered under that key
+    (`_AutocastState.entered`). TE holds the layers for good; here a freed layer drops out at
     the next prune (`_prune`)."""
 
-    recipe: FP8Recipe
-    group: Any
     layers: list[_Member] = field(default_factory=list)
 
 
@@ -110,6 +107,10 @@ class _AutocastState:
     first_layer: weakref.ref[EmulatedFP8Linear] | None = None
     pruned: bool = False  # whether this outermost region has pruned the buffers (`_prune`)
     buffers: dict[tuple[Any, ...], _AmaxBuffer] = field(default_factory=dict)
+    # TE's autocast_arguments: per `_buffer_key`, the (recipe, group) of the last autocast
+    # entered under it, enabled or not, whether or not a buffer exists yet (set at every entry,
+    # quantization.py:743-746; the update reads it, l. 675)
+    entered: dict[tuple[Any, ...], tuple[FP8Recipe, Any]] = field(default_factory=dict)
     # fp8_checkpoint: scales in force at the original forward, stashed per module, in call order;
     # `replay` is set while the recompute consumes them.
     stash: dict[EmulatedFP8Linear, deque[torch.Tensor]] | None = None
@@ -157,7 +158,8 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
     that leaves the last open region, with grad enabled, updates forward scales
     (`autocast_exit`, l. 772-782), so a nested region never does; amaxes recorded without an
     update (no_grad, a disabled outermost region) wait for the next one. The update covers
-    every registered layer, each with the recipe it registered under; the fused update leaves
+    every registered layer, each buffer with the recipe last entered under its text
+    (`_buffer_key`), this region's included, enabled or not; the fused update leaves
     a slot with nothing recorded alone (`numerics.delayed_scale_update`).
     `calibrating` (TE's calibration mode, which only acts with `enabled=False`): layers run in
     high precision and take this region's recipe and state, but record no amax, as te.Linear
@@ -170,9 +172,8 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
         _STATE.first_module, _STATE.pruned = True, False
     _STATE.enabled, _STATE.recipe = enabled, recipe or TE_DEFAULT_RECIPE
     _STATE.group, _STATE.calibrating = amax_reduction_group, calibrating
-    buffer = _STATE.buffers.get(_buffer_key(_STATE.recipe, amax_reduction_group))
-    if buffer is not None:
-        buffer.recipe = _STATE.recipe
+    _STATE.entered[_buffer_key(_STATE.recipe, amax_reduction_group)] = (
+        _STATE.recipe, amax_reduction_group)
     _STATE.depth += 1
     try:
         yield
@@ -247,20 +248,20 @@ def _reduce_and_update(direction: Direction) -> None:
     """TE's `reduce_and_update_fp8_tensors` (quantization.py:655-711): per buffer, row 0 of
     every registered layer's history all-reduced (MAX) across the buffer's group when its
     recipe says `reduce_amax`, then one fused scale update per layer with that recipe."""
-    for buffer in _STATE.buffers.values():
+    for key, buffer in _STATE.buffers.items():
         if not buffer.layers:
             continue
         _warn_if_unfused()
+        recipe, group = _STATE.entered[key]
         layers = [member.ref() for member in buffer.layers]
         metas = [layer.fp8_meta[_META_KEY[direction]] for layer in layers if layer is not None]
-        if buffer.recipe.reduce_amax:
+        if recipe.reduce_amax:
             device = metas[0].amax_history.device if metas else buffer.layers[0].device
             _all_reduce_max([layer.fp8_meta[_META_KEY[direction]].amax_history[0]
                              if layer is not None
                              else torch.zeros(member.slots[direction], device=device)
                              for layer, member in zip(layers, buffer.layers, strict=True)],
-                            buffer.group)
-        recipe = buffer.recipe
+                            group)
         fp8_max = FP8_MAX[recipe.format_for(direction)]
         for meta in metas:
             meta.amax_history, meta.scale = delayed_scale_update(
@@ -406,9 +407,12 @@ def _state_tensors() -> torch.inference_mode:
     """Where the scaling state's tensors are made, also inside a forward under
     `torch.inference_mode()`: an inference tensor made there refuses the in-place amax record
     of every later training forward ('Inplace update to inference tensor outside
-    InferenceMode'). TE's kernels write its state through raw pointers (the amax in the cast
-    kernels, the update in pytorch/csrc/extensions/recipe.cpp:44-53), which no such check
-    sees: a te.Linear whose first FP8 forward ran under inference_mode trains on."""
+    InferenceMode'). TE's cast kernels and fused update write its state through raw pointers
+    (pytorch/csrc/extensions/recipe.cpp:44-53), which no such check sees, so a te.Linear whose
+    first FP8 forward ran under inference_mode trains on with the fused update and no FP8
+    activation recompute; TE's Python `copy_`s would raise there (the recompute's stash and
+    restore, quantization.py:832-833, 842-843; NVTE_UNFUSED_FP8_UPDATE, l. 1071-1072, 1115,
+    1165). The emulation trains on in every case (it does not model that error)."""
     return torch.inference_mode(False)
 
 
@@ -607,7 +611,7 @@ class EmulatedFP8Linear(nn.Linear):
         if not _STATE.pruned:
             _prune()
         group = _STATE.group
-        buffer = _STATE.buffers.setdefault(_buffer_key(recipe, group), _AmaxBuffer(recipe, group))
+        buffer = _STATE.buffers.setdefault(_buffer_key(recipe, group), _AmaxBuffer())
         slots: dict[Direction, int] = {d: self.fp8_meta[k].scale.numel()
                                        for d, k in _META_KEY.items()}
         buffer.layers.append(_Member(weakref.ref(self), slots,
@@ -641,8 +645,8 @@ class EmulatedFP8Linear(nn.Linear):
         """A forward in TE's calibration mode: te.Linear takes the recipe and sizes its state
         (`init_fp8_metadata` runs for calibration too, module/base.py:1534-1566) but hands its
         calibrate calls no quantizer outside FP8 (linear.py:506-510 read `_get_quantizers`,
-        which returns None for each unless FP8 is on, l. 2082-2084, as since TE 2.1), so it
-        records no amax and registers for no update. A later FP8 region with another recipe
+        which returns None for each unless FP8 is on, l. 2082-2084, as since TE 2.0; TE 1.x
+        wrote the amaxes into the history), so it records no amax and registers for no update. A later FP8 region with another recipe
         is then refused, as after an FP8 forward (`_check_recipe`)."""
         recipe = _STATE.recipe
         self._check_recipe(recipe)

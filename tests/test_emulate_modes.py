@@ -43,7 +43,7 @@ def test_a_first_fp8_forward_under_inference_mode_then_training(around):
     (Lightning validates that way) sized the layer's history there, as an inference tensor: the
     next training forward's amax record raised 'Inplace update to inference tensor outside
     InferenceMode'. TE writes its state through raw pointers (the cast kernels' amax,
-    pytorch/csrc/extensions/recipe.cpp:44-53 for the update) and trains on; as with `no_grad`,
+    pytorch/csrc/extensions/recipe.cpp:44-53 for the fused update) and trains on; as with `no_grad`,
     the eval amax waits in row 0 for the training step's update (quantization.py:779)."""
     torch.manual_seed(11)
     recipe = FP8Recipe(amax_history_len=4)
@@ -206,3 +206,30 @@ def test_a_recompute_outside_fp8_enters_no_recipe_of_its_own():
     assert sorted(v > 0 for v in column) == [False, False, True, True]
     assert meta.scale[0].item() == te_scale(E5M2, max(column))  # by max, not the last row
     assert max(column) > column[-1]
+
+
+def test_a_new_buffer_takes_the_last_recipe_entered_under_its_text():
+    """TE records (recipe, group) under the recipe's text at every autocast entry, enabled or
+    not (`autocast_arguments`, quantization.py:743-746), before any layer registers under it,
+    and the update reads that record (l. 675). So a nested disabled region entered with
+    `most_recent` decides the first update of a buffer its first layer creates afterwards in
+    the outer `max` region. The emulation took the creating cast's recipe (`max`). The layer
+    resumes a history (restored as `fp8_state` restores a checkpoint's) so the two differ."""
+    torch.manual_seed(16)
+    by_max = FP8Recipe(amax_history_len=5, margin=3)  # a text no other test enters
+    recent = FP8Recipe(amax_history_len=5, margin=3, amax_compute_algo="most_recent")
+    layer = EmulatedFP8Linear(16, 16)
+    restored = [[0.0] * 3 for _ in range(4)] + [[50.0, 40.0, 30.0]]
+    meta = layer.fp8_meta["scaling_fwd"]
+    meta.amax_history = torch.tensor(restored)
+    x = torch.randn(16, 16)
+    with fp8_autocast(recipe=by_max):
+        with fp8_autocast(enabled=False, recipe=recent):
+            pass
+        layer(x)
+    history = [row[:] for row in restored]
+    history[0][:2] = [te_amax(x), te_amax(layer.weight)]
+    want = _te_update(history, [1.0] * 3, E4M3 * 2.0 ** -3, "most_recent")
+    assert meta.amax_history.tolist() == want[0]
+    assert meta.scale.tolist() == want[1]
+    assert want[1][0] == te_scale(E4M3, te_amax(x), margin=3)  # row 0's amax, not 50
