@@ -108,6 +108,13 @@ def dotted(version: Version | None) -> str:
     return ".".join(map(str, version)) if version else "?"
 
 
+#: How to install a TE te_swap's `backend: te` takes, for fix messages: foundry-fp8 is not on
+#: PyPI, so `pip install 'foundry-fp8[te]'` would find nothing (or another's package). TE's own
+#: install line (its README): the torch extension builds against the installed torch, hence
+#: --no-build-isolation. The same bound as setup.cfg's extra `te` (test_lint_install_hint).
+TE_INSTALL_HINT = f'pip install --no-build-isolation "transformer-engine[pytorch]>={dotted(MIN_TE)}"'
+
+
 def refuses_pickled_extra_state(version: Version) -> bool:
     """Whether this TE refuses its own pickled delayed-scaling `_extra_state` by default."""
     version = tuple(version)

@@ -46,6 +46,7 @@ from foundry_fp8.te.facts import (
     MIN_TE_FOR_RECOMPUTE,
     TE_BACKWARD_OVERRIDE_FROM,
     TE_CORE_CHECK,
+    TE_INSTALL_HINT,
     backward_override_problems,
     dotted,
     environment_problems,
@@ -149,7 +150,7 @@ def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
       "`foundry-fp8 lint`'s on the TE an MCLI run config pins). An error in `fp8_lint` for a "
       "run that asks for TE.",
       source=f"setup.cfg extra `te` (transformer-engine[pytorch]>={dotted(MIN_TE)})",
-      fix="pip install 'foundry-fp8[te]', or use te_swap: {backend: emulate}",
+      fix=f"{TE_INSTALL_HINT}, or use te_swap: {{backend: emulate}}",
       family="environment")
 def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
     """TE absent where it matters: a run that needs it, or a GPU that could run FP8; on a
@@ -164,8 +165,7 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
         yield Hit("transformer_engine", f"TransformerEngine {snapshot.te} is older than "
                   f"{dotted(MIN_TE)}, the oldest te_swap's `backend: te` takes: te_swap stops "
                   "such a run at its start (its `backend: emulate` works)",
-                  fix=f"pip install 'transformer-engine[pytorch]>={dotted(MIN_TE)}', or use "
-                  "te_swap: {backend: emulate}")
+                  fix=f"{TE_INSTALL_HINT}, or use te_swap: {{backend: emulate}}")
     if snapshot.te is not None and snapshot.te_pure_wheel and snapshot.te_core is None \
             and snapshot.te_torch is None:  # `pip install transformer-engine`, no extra
         yield Hit("transformer_engine", f"TransformerEngine {snapshot.te} is its metapackage "
@@ -178,7 +178,7 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
         return
     if env.config is not None:
         yield Hit("transformer_engine", "this run uses TransformerEngine layers, but TE is not "
-                  "installed", fix=_run_fix(env, "pip install 'foundry-fp8[te]', or "
+                  "installed", fix=_run_fix(env, f"{TE_INSTALL_HINT}, or "
                                             + NATIVE_TE_FIX))
     elif snapshot.has_gpu and not _capability_problems(snapshot):
         yield Hit("transformer_engine", "this GPU can run FP8, but TransformerEngine is not "
