@@ -233,7 +233,9 @@ def _peft_adapters(model: nn.Module) -> dict[str, str]:
 def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
     """{name: (why kept, share of the tokens it sees)} for the `nn.Linear` layers of mixture-of-
     experts blocks: a module holding an `experts` ModuleList (transformers' Mixtral, Qwen2-MoE,
-    Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3 blocks).
+    Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3 blocks) or ModuleDict (SwitchTransformers, NLLB-MoE:
+    `experts[f"expert_{idx}"]`, modeling_switch_transformers.py:284-286; their top-k is in no
+    attribute, so all experts' FLOPs count).
 
     An expert's GEMM gets the tokens routed to it, a count that changes with every batch
     (Mixtral's `hidden_states[None, top_x]`, modeling_mixtral.py:146), while TE's FP8 GEMM needs
@@ -245,7 +247,7 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
     found: dict[str, tuple[str, float]] = {}
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
-        if not isinstance(experts, nn.ModuleList) or len(experts) == 0:
+        if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)) or len(experts) == 0:
             continue
         prefix = f"{name}." if name else ""
         top_k = getattr(block, "top_k", getattr(getattr(block, "config", None),

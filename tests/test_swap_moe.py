@@ -97,3 +97,39 @@ def test_a_qwen2_moe_keeps_its_experts_and_router_and_converts_its_shared_expert
     assert reasons["model.layers.0.mlp.experts.5.down_proj"].startswith("MoE expert")
     assert reasons["model.layers.0.mlp.shared_expert.up_proj"] == "converted"  # every token
     assert "shape 1x64" in reasons["model.layers.0.mlp.shared_expert_gate"]
+
+
+
+def test_experts_in_a_module_dict_nllb_moe_stay_in_high_precision():
+    """NLLB-MoE (and SwitchTransformers) hold their experts in an nn.ModuleDict: the rule saw
+    only ModuleLists, so every expert and the router were converted, though each expert gets a
+    token count that changes every batch (measured here on the plain model)."""
+    def nllb() -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.NllbMoeForConditionalGeneration(transformers.NllbMoeConfig(
+            vocab_size=VOCAB, d_model=H, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN,
+            encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, num_experts=EXPERTS, expert_capacity=64,
+            encoder_sparse_step=1, decoder_sparse_step=1, max_position_embeddings=64))
+
+    reference = nllb().eval()
+    counts: list[int] = []
+    for name, module in reference.named_modules():
+        if name.endswith(("experts.expert_0.fc1", "experts.expert_1.fc1")):
+            module.register_forward_pre_hook(lambda _, args: counts.append(args[0].shape[0]))
+    ids = torch.randint(4, VOCAB, (2, 16))
+    with torch.no_grad():
+        reference(input_ids=ids, decoder_input_ids=ids)
+    assert any(c % 8 for c in counts), counts  # what TE's assert_dim_for_fp8_exec refuses
+
+    model = nllb()
+    plan = convert_to_fp8(model, SwapConfig(backend="emulate"))
+    kinds = {n: type(m) for n, m in model.named_modules()}
+    experts = [n for n in kinds if ".experts.expert_" in n and n.endswith(("fc1", "fc2"))]
+    routers = [n for n in kinds if n.endswith("ffn.router.classifier")]
+    assert len(experts) == 4 * EXPERTS * 2 and len(routers) == 4
+    assert all(kinds[n] is nn.Linear for n in experts + routers)
+    reasons = {d.name: d.reason for d in plan.decisions}
+    assert all(reasons[n].startswith("MoE expert") for n in experts)
+    assert all(reasons[n].startswith("MoE router") for n in routers)
+    assert plan.converted
