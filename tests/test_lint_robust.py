@@ -550,3 +550,19 @@ def test_a_linter_bug_on_one_file_is_one_line_and_the_others_are_linted(tmp_path
     assert err.splitlines() == [f"error: {tmp_path / 'a.yaml'}: the linter failed on this file "
                                 "(KeyError: 'maybe'); this is a foundry-fp8 bug: please report "
                                 "it with the file"], err
+
+
+def test_a_python_without_int_digit_limits_lints_with_cpythons_default(tmp_path):
+    """Python 3.10.0-3.10.6 (python_requires >=3.10) has no sys.get_int_max_str_digits: the
+    linter imported and refused a 5000-digit integer with AttributeError at import there."""
+    path = tmp_path / "digits.yaml"
+    path.write_text("max_seq_len: " + "9" * 5000 + "\n")
+    script = ("import sys; del sys.get_int_max_str_digits\n"
+              "from foundry_fp8.cli import main\n"
+              f"sys.exit(main(['lint', {str(path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    # 4300: CPython's default limit (sys.int_info.default_max_str_digits, 3.10.7 and later)
+    assert "an integer of 5000 digits" in done.stdout + done.stderr
+    assert f"{sys.int_info.default_max_str_digits}" in done.stdout + done.stderr

@@ -84,8 +84,9 @@ MAX_EXPANDED_NODES = 20_000
 #: Why MAX_DEPTH, in the one line that refuses a file.
 _DEPTH_WHY = ("the linter's bound: real configs nest under 10 levels, and omegaconf (LLM-Foundry's "
               "reader) fails near 75")
-#: Python's limit on int() of a decimal string (sys.get_int_max_str_digits, 4300 by default).
-_MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
+#: Python's limit on int() of a decimal string (sys.get_int_max_str_digits, 4300 by default;
+#: Python 3.10.0-3.10.6, which setup.cfg's python_requires admits, has neither: 4300 there).
+_MAX_INT_DIGITS = getattr(sys, "get_int_max_str_digits", lambda: 0)() or 4300
 #: An interpolation's opening and closing braces (an escaped `\${` is text).
 _INTERPOLATION_BRACES = re.compile(r"(?<!\\)\$\{|\}")
 
