@@ -91,9 +91,23 @@ def filter_reason(name: str, config: SwapConfig, n_blocks: int,
         return "not matched by include"
     if config.exclude and search(f"{config.PATH}.exclude", config.exclude, name):
         return "matched by exclude"
-    if config.module_filter_fn is not None and not config.module_filter_fn(module, name):
+    if (config.module_filter_fn is not None
+            and not _user_filter(config.module_filter_fn, config.PATH, module, name)):
         return "rejected by module_filter_fn"
     return None
+
+
+def _user_filter(fn: Callable[[Any, str], Any], path: str, module: Any, name: str) -> bool:
+    """The user's `module_filter_fn` on one module; one that raises is named with the module it
+    failed on (its own exception, bare, named neither; chained as the cause)."""
+    try:
+        return bool(fn(module, name))
+    except OptionError:  # our own filters' (`module_filter_fn` below): already one line
+        raise
+    except Exception as error:
+        raise OptionError(path, Problem(
+            "module_filter_fn", "value", f"raised {type(error).__name__}: {error} on module "
+            f"{name!r}", "make it return True or False for every module it is given")) from error
 
 
 def shape_reason(in_features: int, out_features: int) -> str | None:

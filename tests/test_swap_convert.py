@@ -204,3 +204,16 @@ def test_a_model_built_on_meta_converts_and_trains_once_materialized():
     # TE's delayed update: scale = fp8_max / amax of the one recorded step (E4M3: 448)
     assert meta.scale[0].item() == pytest.approx(448 / x.abs().max().item(), rel=1e-6)
     assert meta.scale[1].item() == pytest.approx(448 / layer.weight.abs().max().item(), rel=1e-6)
+
+
+def test_a_raising_module_filter_fn_is_named_with_the_module_it_failed_on():
+    """A user's filter that raises on one module: before, its bare KeyError ('up') reached the
+    user naming neither the option nor the module."""
+    def by_table(module: nn.Module, fqn: str) -> bool:
+        return {"down": True}[fqn.rsplit(".", 1)[-1]]  # no entry for `up`
+
+    with pytest.raises(OptionError) as raised:
+        convert_to_fp8(Net(), SwapConfig(backend="emulate"), module_filter_fn=by_table)
+    assert str(raised.value).startswith("algorithms.te_swap.module_filter_fn: raised KeyError: "
+                                        "'up' on module 'blocks.0.up' (fix: ")
+    assert isinstance(raised.value.__cause__, KeyError)
