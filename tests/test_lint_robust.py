@@ -566,3 +566,19 @@ def test_a_python_without_int_digit_limits_lints_with_cpythons_default(tmp_path)
     # 4300: CPython's default limit (sys.int_info.default_max_str_digits, 3.10.7 and later)
     assert "an integer of 5000 digits" in done.stdout + done.stderr
     assert f"{sys.int_info.default_max_str_digits}" in done.stdout + done.stderr
+
+
+def test_a_python_without_omegaconf_names_it_not_a_foundry_fp8_bug(tmp_path):
+    """QA 17: `python3 -m foundry_fp8.cli lint yamls` with a Python lacking omegaconf said, for
+    every file, 'the linter failed on this file (ModuleNotFoundError ...); this is a foundry-fp8
+    bug'. It is the CLI's one line naming the module and the interpreter, exit 2."""
+    path = tmp_path / "train.yaml"
+    path.write_text("precision: amp_fp8\n")
+    script = ("import sys; sys.modules['omegaconf'] = None\n"  # import raises ModuleNotFoundError
+              "from foundry_fp8.cli import main\n"
+              f"sys.exit(main(['lint', {str(tmp_path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (2, ""), done.stdout
+    assert done.stderr.count("\n") == 1 and "bug" not in done.stderr
+    assert done.stderr.startswith(f"foundry-fp8: no module 'omegaconf' in {sys.executable}: ")

@@ -252,7 +252,8 @@ def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
                     wandb_mode: str | None, gpus: int | None) -> dict[str, Any]:
     """lint_file (on standard input's text for STDIN itself: a file named `<stdin>` is read
     from disk), and for what escapes it (our bug) the file's one line, so that the other files
-    of a folder are still linted and no traceback is printed."""
+    of a folder are still linted and no traceback is printed. A dependency this Python lacks
+    is no bug of ours and fails every file alike: it goes to the CLI's one line naming it."""
     try:
         if path is STDIN:
             try:
@@ -262,6 +263,9 @@ def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
             return lint_file(STDIN, fsdp_version, snapshot, wandb_mode, text, gpus)
         return lint_file(path, fsdp_version, snapshot, wandb_mode, gpus=gpus)
     except Exception as e:
+        if isinstance(e, ModuleNotFoundError) and e.name is not None \
+                and e.name.split(".")[0] != "foundry_fp8":
+            raise  # a dependency this Python lacks, for every file: the CLI's one line says so
         return _error_entry(path, f"{path}: the linter failed on this file ({type(e).__name__}: "
                             f"{first_line(e)}); this is a foundry-fp8 bug: please report it "
                             "with the file")
