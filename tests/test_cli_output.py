@@ -218,3 +218,22 @@ def test_a_python_without_a_dependency_is_one_line_naming_it(blocked, argv, one_
         assert done.stderr.startswith(f"foundry-fp8: no module {blocked!r} in {sys.executable}: ")
     else:
         assert done.returncode == 1 and "Traceback" in done.stderr and blocked in done.stderr
+
+
+@pytest.mark.parametrize("args", [["lint", "{bad}"], ["lint", "{good}"], ["--version"], ["bogus"]],
+                         ids=["bad-yaml", "good-yaml", "version", "unknown-command"])
+def test_python_m_foundry_fp8_is_the_foundry_fp8_command(args, tmp_path):
+    """QA 17: `python -m foundry_fp8 lint x.yaml` ended in 'No module named foundry_fp8.__main__'.
+    The reference is the installed `foundry-fp8` console script: same output, same exit code."""
+    (tmp_path / "bad.yaml").write_text("model: [\n")
+    (tmp_path / "good.yaml").write_text("max_seq_len: 8\n")
+    argv = [a.format(bad=tmp_path / "bad.yaml", good=tmp_path / "good.yaml") for a in args]
+    script = Path(sys.executable).with_name("foundry-fp8")
+    if not script.exists():
+        pytest.skip(f"no console script at {script}")
+    expected = subprocess.run([str(script), *argv], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8", *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        expected.returncode, expected.stdout, expected.stderr)
+    assert expected.returncode != 0 or args != ["lint", "{bad}"]
