@@ -384,7 +384,7 @@ def test_a_checkpoint_saved_unsaved_says_it_holds_no_fp8_state(tmp_path, caplog)
 def test_a_run_without_fp8_reads_an_fp8_runs_sharded_checkpoint(tmp_path):
     """fp8_state kept, FP8 off (recipe None): the template's `recipe: None` against the saved
     recipe's fields was DCP's `Missing key ... FP8State.recipe` traceback; now the saved
-    recipe is read and the saved module not in FP8 now is named, as in a whole-file load."""
+    recipe is read and the run without FP8 modules is named, as in a whole-file load."""
     _, saving = _fp8_state(1, trained=True)
     loading = FP8State()
     loading._model, loading._recipe = nn.Sequential(nn.Linear(8, 8)), None
@@ -392,8 +392,8 @@ def test_a_run_without_fp8_reads_an_fp8_runs_sharded_checkpoint(tmp_path):
     assert entry["recipe"] == {"scaling": "delayed", "fp8_format": "HYBRID",
                                "amax_history_len": 4, "amax_compute_algo": "max", "margin": 0,
                                "reduce_amax": True}
-    with pytest.raises(FP8StateError, match=r"0 in FP8 now without saved state; 1 saved, not in "
-                                            r"FP8 now: 0 \(set"):
+    with pytest.raises(FP8StateError, match=r"holds the FP8 state of 1 modules, this run has no "
+                                            r"FP8 module \(te_swap left out"):
         loading.load_state_dict(entry)
 
 

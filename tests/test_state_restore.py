@@ -335,6 +335,32 @@ def test_a_shorter_history_is_fitted_as_te_does_when_not_strict(caplog):
     assert torch.equal(restored["fwd_scale"], saved["modules"]["0"]["fwd_scale"])
 
 
+@pytest.mark.parametrize(("saved_len", "run_len"), [(16, 4), (4, 8)])
+def test_a_changed_history_length_is_one_warning_not_a_repair_of_every_module(
+        saved_len, run_len, caplog):
+    """`strict: false`: the recipe change is the one line; a second warning called the fitted
+    histories "repaired by TE's rules: ... rows do not fit the recipe's N" for every module."""
+    saved = _saved(FP8Recipe(amax_history_len=saved_len), steps=saved_len + 2)  # rows filled
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _callback(model, FP8Recipe(amax_history_len=run_len), strict=False).load_state_dict(saved)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"fp8_state: checkpoint FP8 state does not fit (recipe changed?): amax_history_len "
+        f"{saved_len} -> {run_len}; continuing with the saved state, histories fitted to the new "
+        "length as TE does, scales recomputed under this recipe at the next update"]
+    kept = min(saved_len, run_len)
+    for name, module in model.named_children():
+        restored = read_fp8_meta(module)
+        for key in ("fwd_amax_history", "bwd_amax_history"):
+            # TE's adjust_amax_history_length (pytorch/module/base.py): the first rows kept,
+            # zero rows appended; row 0, no update's yet, is not restored
+            want = saved["modules"][name][key]
+            expected = torch.zeros(run_len, want.shape[1])
+            expected[1:kept] = want[1:kept]
+            assert want[1:kept].abs().sum() > 0 and torch.equal(restored[key], expected)
+        assert torch.equal(restored["fwd_scale"], saved["modules"][name]["fwd_scale"])
+
+
 @pytest.mark.parametrize("strict", [True, False])
 def test_delayed_to_current_scaling_keeps_no_dead_state(strict, caplog):
     saved = _saved()
