@@ -71,6 +71,8 @@ class LintContext:
     `gpus_said`: where, as messages quote it. `duplicates`: (dotted key, line dropped, line
     kept) of each key an MCLI run config gives twice in one mapping (`drop_duplicate_keys`). `interpolated`: the top-level names the file's
     `${...}` read (a value kept at the top level for interpolation, older LLM-Foundry's way).
+    `family`: the rules' family `run_rules` runs (an eval config's run of a train rule
+    registered `also=("eval",)` says "eval": LLM-Foundry's eval keeps what its train drops).
     `missing_keys`: keys whose value is omegaconf's `???` (`mandatory_keys`, filled by `run_rules`
     for train and eval configs): only FP8036 and rules registered with `unresolved=True` speak
     about them, so a `???` gets one finding, not one per rule that reads it as text.
@@ -86,6 +88,7 @@ class LintContext:
     gpus_said: str = ""
     duplicates: tuple[tuple[str, int, int], ...] = ()
     interpolated: frozenset[str] = frozenset()
+    family: str = "train"
 
     def gpus_text(self) -> str:
         """Where `gpus` comes from, as a message quotes it (`compute.gpus: 1`, `--gpus 1`)."""
@@ -193,6 +196,8 @@ def run_rules(family: str, data: Any, context: LintContext,
     """Every finding of the rules that judge one family's input (`rules_for`) on `data`."""
     if family in ("train", "eval") and context.missing_keys is None:
         context = replace(context, missing_keys=tuple(mandatory_keys(data)))
+    if context.family != family:
+        context = replace(context, family=family)
     return [f for r in rules_for(family) if only is None or only(r)
             for f in r.findings(data, context)]
 

@@ -70,10 +70,10 @@ def recompute_without_te_checkpoint(config: Mapping[str, Any], ctx: LintContext,
             and not settings.get("te_checkpoint_wrapper")):
         return
     if has_fp8_state(config):
-        yield Hit("fsdp_config.activation_checkpointing", "fp8_state switches on "
-                  "te_checkpoint_wrapper with non-reentrant recompute at INIT (FSDP1 and TE >= "
-                  f"{dotted(MIN_TE_FOR_RECOMPUTE)}; otherwise it refuses the run)",
-                  severity="info")
+        yield _in_one_process(ctx, Hit(
+            "fsdp_config.activation_checkpointing", "fp8_state switches on "
+            "te_checkpoint_wrapper with non-reentrant recompute at INIT (FSDP1 and TE >= "
+            f"{dotted(MIN_TE_FOR_RECOMPUTE)}; otherwise it refuses the run)", severity="info"))
     else:
         yield _in_one_process(ctx, Hit("fsdp_config.activation_checkpointing", "activation "
                               "checkpointing with FP8 recomputes TE layers outside the FP8 "
@@ -81,15 +81,15 @@ def recompute_without_te_checkpoint(config: Mapping[str, Any], ctx: LintContext,
 
 
 def _in_one_process(ctx: LintContext, hit: Hit) -> Hit:
-    """`hit` about FSDP's wrapping, an info where the run is known to have one process:
+    """`hit` about FSDP's wrapping, an info where a train run is known to have one process:
     LLM-Foundry's train drops fsdp_config there (llmfoundry/command_utils/train.py:319-331,
     'FSDP is not applicable for single-GPU training. Reverting to DDP.'), so nothing is
-    wrapped."""
-    if ctx.gpus != 1:
+    wrapped or recomputed. Its eval (evaluate_model) keeps fsdp_config: `hit` as it is."""
+    if ctx.gpus != 1 or ctx.family != "train":
         return hit
     return replace(hit, severity="info", message=f"{ctx.gpus_text()}: LLM-Foundry drops "
-                   "fsdp_config in one process, so FSDP wraps nothing; on 2+ GPUs: "
-                   + hit.message)
+                   "fsdp_config in one process, so FSDP wraps nothing and nothing is "
+                   "recomputed; on 2+ GPUs: " + hit.message)
 
 
 def _foundry_flips_reentrant(config: Mapping[str, Any]) -> bool:
@@ -118,10 +118,13 @@ def _reentrant(config: Mapping[str, Any]) -> bool:
       "and FSDPConfig defaults activation_checkpointing_reentrant to true. LLM-Foundry's train "
       "flips an explicit true to false only for `fc_type: te` (string) or a te ffn_type "
       "(FP8025); its eval builds the same FSDP Trainer and flips nothing. Info when fp8_state "
-      "is in the callbacks (it sets it at INIT).",
+      "is in the callbacks (it sets it at INIT), or for a train config known to have one "
+      "process (MCLI `compute.gpus: 1`, `--gpus 1`), where LLM-Foundry's train drops "
+      "fsdp_config (its eval does not).",
       source=f"{COMPOSER} composer/distributed/dist_strategy.py prepare_fsdp_module and "
       f"composer/utils/parallelism.py FSDPConfig; {FOUNDRY} llmfoundry/command_utils/train.py "
-      "validate_config, llmfoundry/command_utils/eval.py evaluate_model (Trainer with "
+      "validate_config and :319-331 (one process: fsdp_config = None), "
+      "llmfoundry/command_utils/eval.py evaluate_model (Trainer with "
       "parallelism_config {'fsdp': fsdp_config})",
       fix="fsdp_config.activation_checkpointing_reentrant: false", also=("eval",))
 def te_wrapper_reentrant(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
@@ -130,8 +133,9 @@ def te_wrapper_reentrant(config: Mapping[str, Any], ctx: LintContext) -> Iterato
             and wraps_blocks(settings) and _reentrant(config)):
         return
     if has_fp8_state(config):
-        yield Hit("fsdp_config.te_checkpoint_wrapper", "fp8_state sets "
-                  "activation_checkpointing_reentrant: false at INIT", severity="info")
+        yield _in_one_process(ctx, Hit("fsdp_config.te_checkpoint_wrapper", "fp8_state sets "
+                              "activation_checkpointing_reentrant: false at INIT",
+                              severity="info"))
         return
     given = settings.get("activation_checkpointing_reentrant", REENTRANT_DEFAULT)
     said = ("Composer defaults activation_checkpointing_reentrant to true"
@@ -139,8 +143,9 @@ def te_wrapper_reentrant(config: Mapping[str, Any], ctx: LintContext) -> Iterato
             "this config sets activation_checkpointing_reentrant: true" if given is True else
             f"this config sets activation_checkpointing_reentrant to {given!r}, which Composer "
             "takes as true")
-    yield Hit("fsdp_config.te_checkpoint_wrapper", "te_checkpoint_wrapper needs non-reentrant "
-              f"checkpointing, and {said} (Composer asserts at FSDP wrapping)")
+    yield _in_one_process(ctx, Hit("fsdp_config.te_checkpoint_wrapper", "te_checkpoint_wrapper "
+                          f"needs non-reentrant checkpointing, and {said} (Composer asserts at "
+                          "FSDP wrapping)"))
 
 
 @rule("FP8025", "info", "`activation_checkpointing_reentrant: true` that LLM-Foundry turns off",
