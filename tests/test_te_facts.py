@@ -49,3 +49,20 @@ def test_importing_the_te_folder_imports_neither_te_nor_torch():
             "print(sorted(m for m in ('torch', 'transformer_engine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_without_te_the_runtime_says_how_to_install_te_itself(monkeypatch):
+    """te_swap's `backend: te` and fp8_stats' `te_debug` without TE name pip's command for TE
+    (foundry-fp8 is not on PyPI, so `pip install 'foundry-fp8[te]'` found nothing), with the
+    bound of setup.cfg's `te` extra (checked against it in tests/test_lint_install_hint.py)."""
+    from foundry_fp8.te import backend, debug, probe
+    from foundry_fp8.te.facts import TE_INSTALL_HINT
+
+    monkeypatch.setattr(probe, "te_available", lambda: False)
+    monkeypatch.setattr(debug, "te_available", lambda: False)
+    with pytest.raises(RuntimeError) as refused:
+        backend.require_te()
+    messages = [str(refused.value), debug.te_debug_problem() or ""]
+    for message in messages:
+        assert TE_INSTALL_HINT in message and "foundry-fp8[" not in message
+    assert "nvdlfw-inspect" in messages[1].split(TE_INSTALL_HINT, 1)[1]

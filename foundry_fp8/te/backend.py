@@ -35,6 +35,7 @@ from foundry_fp8.te import probe
 from foundry_fp8.te.facts import (
     MIN_TE,
     MIN_TE_CURRENT_SCALING,
+    TE_INSTALL_HINT,
     TE_LAYERNORM_AS_OP,
     backward_override_problems,
     dotted,
@@ -47,8 +48,8 @@ _CURRENT_SCALING_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_qu
 def require_te() -> None:
     """Fail clearly where TE cannot be imported or is older than checked: never fall back."""
     if not probe.te_available():
-        raise RuntimeError(f"{TESwapOptions.PATH}.backend: 'te' needs TransformerEngine (pip "
-                           "install 'foundry-fp8[te]' on a GPU machine); for FP8 numerics "
+        raise RuntimeError(f"{TESwapOptions.PATH}.backend: 'te' needs TransformerEngine "
+                           f"({TE_INSTALL_HINT} on a GPU machine); for FP8 numerics "
                            "without TE use te_swap: {backend: emulate}")
     version = probe.te_version()
     if version is not None and version < MIN_TE:

@@ -16,7 +16,7 @@ from typing import Any
 
 from foundry_fp8.health.keys import TENSORS, layer_key, short_layer
 from foundry_fp8.options import one_pattern
-from foundry_fp8.te.facts import MIN_TE_DEBUG_STATS, dotted
+from foundry_fp8.te.facts import MIN_TE_DEBUG_STATS, TE_INSTALL_HINT, dotted
 from foundry_fp8.te.probe import is_te_module, te_available, te_version
 
 #: Statistics under the training recipe, plus the current-scaling what-if of delayed scaling
@@ -38,9 +38,9 @@ def te_debug_problem() -> str | None:
     """Why TE's debug statistics cannot run here (no TE, or a TE before MIN_TE_DEBUG_STATS,
     which would fail at the first logged step); None when they can."""
     if not te_available():
-        return ("needs TransformerEngine and nvdlfw-inspect (pip install 'foundry-fp8[te]' on a "
-                "GPU machine); without TE, leave te_debug unset: the module-hook statistics work "
-                "anywhere")
+        return (f"needs TransformerEngine and nvdlfw-inspect ({TE_INSTALL_HINT} nvdlfw-inspect "
+                "on a GPU machine); without TE, leave te_debug unset: the module-hook "
+                "statistics work anywhere")
     version = te_version()
     if version is not None and version < MIN_TE_DEBUG_STATS:
         return (f"needs TransformerEngine >= {dotted(MIN_TE_DEBUG_STATS)}, found "
