@@ -29,16 +29,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.stats_overhead import machine, versions  # noqa: E402
-from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast  # noqa: E402
-from foundry_fp8.recipe import FP8Recipe  # noqa: E402
-from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap  # noqa: E402
+from foundry_fp8.cli import missing_dependency_is_one_line  # noqa: E402  (no dependency)
+
+with missing_dependency_is_one_line():
+    import torch
+    from torch import nn
+
+    from benchmarks.stats_overhead import machine, versions
+    from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+    from foundry_fp8.recipe import FP8Recipe
+    from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -191,4 +194,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with missing_dependency_is_one_line():
+        raise SystemExit(main())

@@ -37,19 +37,22 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.stats_overhead import (  # noqa: E402
-    AMORTIZE_OVER,
-    check_counts,
-    interleave,
-    logging_events,
-    result_header,
-    spread,
-    spread_text,
-    step_durations,
-    write_result,
-)
-from foundry_fp8.tools.tiny_data import prepare_tiny_data  # noqa: E402
-from tests.tiny_run import run_tiny  # noqa: E402
+from foundry_fp8.cli import missing_dependency_is_one_line  # noqa: E402  (no dependency)
+
+with missing_dependency_is_one_line():
+    from benchmarks.stats_overhead import (
+        AMORTIZE_OVER,
+        check_counts,
+        interleave,
+        logging_events,
+        result_header,
+        spread,
+        spread_text,
+        step_durations,
+        write_result,
+    )
+    from foundry_fp8.tools.tiny_data import prepare_tiny_data
+    from tests.tiny_run import run_tiny
 
 HEADLINE = "guard_amortized_pct_interval100"
 
@@ -263,4 +266,5 @@ difference between the runs is run-to-run noise on the shared machine, not a cos
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with missing_dependency_is_one_line():
+        raise SystemExit(main())

@@ -39,12 +39,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from foundry_fp8.numerics import FP8_MAX, finalize_stats, sufficient_stats  # noqa: E402
+from foundry_fp8.cli import missing_dependency_is_one_line  # noqa: E402  (no dependency)
+
+with missing_dependency_is_one_line():
+    import torch
+
+    from foundry_fp8.numerics import FP8_MAX, finalize_stats, sufficient_stats
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -241,4 +244,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with missing_dependency_is_one_line():
+        raise SystemExit(main())

@@ -33,8 +33,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from foundry_fp8.tools.tiny_data import prepare_tiny_data  # noqa: E402
-from tests.tiny_run import run_folder, run_tiny  # noqa: E402
+from foundry_fp8.cli import missing_dependency_is_one_line  # noqa: E402  (no dependency)
+
+with missing_dependency_is_one_line():
+    from foundry_fp8.tools.tiny_data import prepare_tiny_data
+    from tests.tiny_run import run_folder, run_tiny
 
 TARGET_PCT = 1.0  # issue #3: amortized overhead at interval 100 at most 1 %
 AMORTIZE_OVER = 100
@@ -331,4 +334,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with missing_dependency_is_one_line():
+        raise SystemExit(main())

@@ -26,6 +26,7 @@ import importlib
 import io
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from foundry_fp8 import __version__
@@ -43,6 +44,9 @@ SUBCOMMANDS = {
 EXIT_BROKEN_PIPE = 141
 #: The exit status of a command Ctrl-C stopped: 128 + SIGINT, as a shell reports it.
 EXIT_INTERRUPTED = 130
+# Top-level packages of this checkout: one of them failing to import is our bug, not a missing
+# dependency (`tests` and `benchmarks`: the checkout's scripts import them).
+OUR_PACKAGES = ("foundry_fp8", "tests", "benchmarks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,15 +222,29 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None,
     parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
-def _not_installed(name: str) -> int:
+def _not_installed(missing: ModuleNotFoundError) -> int:
     """A dependency this Python lacks: the checkout's scripts (`python benchmarks/...`), or
     `python -m foundry_fp8.cli`, run with a Python other than the environment foundry-fp8 is
-    installed in. One line naming the module and that Python, not a traceback."""
-    sys.stderr.write(f"foundry-fp8: no module {name!r} in {sys.executable}: run it with the "
-                     "Python of the environment foundry-fp8 is installed in (activate its venv), "
-                     "or install it into this one (pip install -e <checkout>)\n")
+    installed in. One line naming the module and that Python, not a traceback; a module of ours
+    that does not import is re-raised (a bug: the traceback is the report)."""
+    if missing.name is None or missing.name.split(".")[0] in OUR_PACKAGES:
+        raise missing
+    sys.stderr.write(f"foundry-fp8: no module {missing.name!r} in {sys.executable}: run it with "
+                     "the Python of the environment foundry-fp8 is installed in (activate its "
+                     "venv), or install it into this one (pip install -e <checkout>)\n")
     sys.stderr.flush()
     return 2
+
+
+@contextlib.contextmanager
+def missing_dependency_is_one_line() -> Iterator[None]:
+    """For the checkout's benchmark scripts: their imports and run, a dependency this Python
+    lacks ends them as it ends `main` (one line, exit 2), not in a ModuleNotFoundError traceback.
+    Importing this module needs no dependency, so it works where they are missing."""
+    try:
+        yield
+    except ModuleNotFoundError as missing:
+        raise SystemExit(_not_installed(missing)) from None
 
 
 def _dispatch(argv: list[str] | None) -> int:
@@ -257,9 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         code = _interrupted()
     except ModuleNotFoundError as missing:
-        if missing.name is None or missing.name.split(".")[0] == "foundry_fp8":
-            raise  # our own import is broken: the traceback is the report
-        code = _not_installed(missing.name)
+        code = _not_installed(missing)
     except SystemExit as stop:  # Composer, once imported, turns SIGINT into sys.exit(130)
         if stop.code != EXIT_INTERRUPTED:
             raise

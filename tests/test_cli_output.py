@@ -237,3 +237,25 @@ def test_python_m_foundry_fp8_is_the_foundry_fp8_command(args, tmp_path):
     assert (done.returncode, done.stdout, done.stderr) == (
         expected.returncode, expected.stdout, expected.stderr)
     assert expected.returncode != 0 or args != ["lint", "{bad}"]
+
+
+@pytest.mark.parametrize(("script", "blocked"), [
+    ("emulation_cost.py", "torch"), ("stats_gpu_cost.py", "torch"),
+    ("stats_overhead.py", "omegaconf"), ("guard_overhead.py", "omegaconf"),
+    ("mpt_throughput.py", "omegaconf"),
+])
+def test_a_benchmark_script_without_a_dependency_is_one_line(script, blocked):
+    """QA 17: the benchmark scripts run with a Python outside the venv ended in a
+    ModuleNotFoundError traceback (mpt_throughput.py aside, 4f7a6f4). Each now says what
+    `main` says: one line naming the module and the interpreter, exit 2."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    argv = ["--tiny", "--steps", "1", "--out", "/nonexistent"] if script == "mpt_throughput.py" \
+        else ["--help"]
+    code = (f"import runpy, sys; sys.modules[{blocked!r}] = None\n"  # its import fails
+            f"sys.argv = [{str(path)!r}, *{argv!r}]\n"
+            f"runpy.run_path({str(path)!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(f"foundry-fp8: no module {blocked!r} in {sys.executable}: ")
+    assert done.stderr.count("\n") == 1, done.stderr
