@@ -4,6 +4,7 @@ same step on every rank and after a resume; its decisions, budget and messages."
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -383,6 +384,28 @@ def test_a_fallen_back_layer_computes_exactly_in_high_precision_and_keeps_its_st
         handle.remove()
     with fp8_autocast(recipe=recipe):
         assert not torch.equal(model[0](x), reference)  # FP8 again without the hooks
+
+
+@pytest.mark.parametrize("nested_off", [False, True])
+def test_a_fallback_forward_leaves_the_runs_most_recent_algorithm_in_force(nested_off):
+    # TE updates each amax buffer with the recipe last entered under its text, which leaves
+    # out amax_compute_algo (quantization.py:714-727, 743-746, 675): a fallback region entered
+    # with TE's default recipe (max) made a most_recent run's next update take the max, also
+    # where the fallback ran in a nested region with FP8 off.
+    recipe = FP8Recipe(scaling="delayed", amax_history_len=1024, amax_compute_algo="most_recent")
+    fp8_layer, fallback = EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16)
+    with fp8_autocast(recipe=recipe):  # a large amax, then only small ones
+        fp8_layer(100 * torch.randn(16, 16))
+        fallback(torch.randn(16, 16))
+    high_precision_hooks(fallback)
+    with fp8_autocast(recipe=recipe):
+        fp8_layer(torch.ones(16, 16))
+        with fp8_autocast(enabled=False, recipe=recipe) if nested_off else nullcontext():
+            fallback(torch.ones(16, 16))
+    # most_recent, margin 0: scale = E4M3's max (448) / the amax just recorded
+    weight_amax = fp8_layer.weight.detach().abs().max()
+    expected = torch.stack([torch.tensor(448.0), 448.0 / weight_amax])
+    assert torch.allclose(fp8_layer.fp8_meta["scaling_fwd"].scale[:2], expected, rtol=1e-6)
 
 
 def test_the_region_is_left_when_the_forward_raises():

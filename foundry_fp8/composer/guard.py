@@ -421,9 +421,19 @@ class FP8Guard(Callback):
 
 
 def high_precision_context(module: nn.Module) -> AbstractContextManager:
-    """The autocast region in which `module` runs in high precision: a nested disabled one."""
+    """The autocast region in which `module` runs in high precision: a nested disabled one.
+
+    It enters the enclosing recipe, not TE's default: an autocast's recipe, enabled or not,
+    becomes the one the run's next update applies to every buffer under its text, which leaves
+    out `amax_compute_algo` (`emulate.fp8_autocast`), so a default (`max`) region would have
+    updated a `most_recent` run's scales with `max` after each fallback forward. With FP8 off
+    (`emulate.active_recipe` is None) no region is entered: the layer already runs in high
+    precision, and any region would enter some recipe.
+    """
     if isinstance(module, emulate.EmulatedFP8Linear):
-        return emulate.fp8_autocast(enabled=False)
+        recipe = emulate.active_recipe()
+        return nullcontext() if recipe is None else emulate.fp8_autocast(enabled=False,
+                                                                          recipe=recipe)
     if probe.is_te_fp8_module(module):
         from foundry_fp8.te import backend as te_backend
 
