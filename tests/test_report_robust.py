@@ -357,19 +357,35 @@ def test_a_folder_below_the_run_names_the_run_folder(tmp_path, capsys, monkeypat
         f"{empty / 'metrics.jsonl'}: not found (was the `jsonl` logger in the YAML?)")
 
 
-def test_an_mlflow_file_store_is_named_so(tmp_path, capsys):
-    """An MLflow file store, written by MLflow's own client, has no metrics.jsonl: the report
-    says what it is and which logger it reads."""
-    mlflow = pytest.importorskip("mlflow")
+def test_an_mlflow_run_without_per_layer_series_is_one_line(tmp_path, capsys, monkeypatch):
+    """An MLflow file store, written by MLflow's own client: its run folder, experiment folder
+    or the store (one run in it) are read with MLflow's client (test_report_mlflow); a run
+    without fp8_stats' per-layer series, a folder of several runs and a run id the tracking
+    server does not hold are each one line."""
+    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     store = tmp_path / "mlruns"
     client = MlflowClient(tracking_uri=f"file://{store}")
     experiment = client.create_experiment("fp8")
+    assert _one_line_error([str(store)], capsys) == (
+        f"{store}: an MLflow store holding no run (the report reads a run's folder, "
+        "mlruns/<experiment id>/<run id>, or the `jsonl` logger's metrics.jsonl)")
     run_id = client.create_run(experiment).info.run_id
-    client.log_metric(run_id, "fp8/underflow_pct", 1.0, step=0)
-    assert mlflow is not None
+    client.log_metric(run_id, "fp8/flagged_layers", 1.0, step=0)
     for folder in (store, store / experiment, store / experiment / run_id):
         assert _one_line_error([str(folder)], capsys) == (
-            f"{folder / 'metrics.jsonl'}: not found (an MLflow store: the report reads the "
-            "`jsonl` logger's metrics.jsonl); add `loggers: {jsonl: {}}` to the YAML")
+            f"{folder}: MLflow run {run_id}: only fp8_stats' summary series, no per-layer series "
+            "(fp8_<stat>/<tensor>/<layer>) to say which layer (left out by the logger's "
+            "ignore_metrics?)")
+    other = client.create_run(experiment).info.run_id
+    client.log_metric(other, "loss/train/total", 1.0, step=0)
+    assert _one_line_error([str(store / experiment / other)], capsys) == (
+        f"{store / experiment / other}: MLflow run {other}: no FP8 statistics: was fp8_stats in "
+        "the YAML?")
+    said = _one_line_error([str(store / experiment)], capsys)
+    assert said.startswith(f"{store / experiment}: 2 MLflow runs (") and said.endswith(
+        "): name one run's folder") and run_id in said and other in said
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{store}")
+    said = _one_line_error(["mlflow:0123abcd"], capsys)
+    assert said.startswith("mlflow:0123abcd: MLflow: Run '0123abcd' not found"), said

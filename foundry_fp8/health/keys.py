@@ -26,6 +26,8 @@ HIGH_PRECISION = "high_precision"
 #: run does not cast (dY under NVTE_BACKWARD_OVERRIDE): what-if numbers, judged only on the
 #: high-precision tensor's NaN/Inf (`rules.uncast_judged`).
 UNCAST = "uncast"
+#: The markers: logged only where 1 (a row without one is not marked).
+MARKERS = (INITIAL_SCALE, HIGH_PRECISION, UNCAST)
 #: Summary names per tensor kind (`summary_key(tensor, name)`); `flagged_layers` also over all.
 SUMMARIES = ("worst_underflow_pct", "worst_overflow_pct", "worst_cos_sim", "flagged_layers",
              "nonfinite")

@@ -47,6 +47,7 @@ from foundry_fp8.report.markdown import (
     runs_in_fp8,
     unrecorded_fallbacks,
 )
+from foundry_fp8.report.mlflow_run import load_mlflow, mlflow_run
 from foundry_fp8.report.read import (
     GuardRun,
     ReportError,
@@ -67,13 +68,16 @@ MAX_PRINTED = 10  # flagged rows on the terminal; the markdown has them all
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_folder", type=Path,
-                        help="folder holding the run's metrics.jsonl (or the .jsonl file itself)")
+                        help="folder holding the run's metrics.jsonl (or the .jsonl file itself), "
+                             "a W&B offline run, an MLflow run folder (mlruns/<experiment>/<run "
+                             "id>) or mlflow:<run id> (at MLFLOW_TRACKING_URI)")
     parser.add_argument("--layers", metavar="REGEX",
                         help="layers for the amax/scale time series (searched in layer names, "
                              f"the first {MAX_SERIES_LAYERS} drawn); default: first and last "
                              "block and the layer with the most underflow (mean over steps)")
     parser.add_argument("--out", type=Path, metavar="DIR",
-                        help="where the PNGs and fp8_report.md go (default: the run folder)")
+                        help="where the PNGs and fp8_report.md go (default: the run folder; "
+                             "for an MLflow run, ./fp8_report-<run id>)")
 
 
 def warn(message: str) -> None:
@@ -147,7 +151,10 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
                 ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path]]:
     """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did
     and the written paths (markdown last)."""
-    if (files := wandb_files(run_folder)) is not None:  # a W&B offline run, read with W&B's reader
+    if (ml := mlflow_run(run_folder)) is not None:  # an MLflow run, read with MLflow's client
+        run, series, hparams = load_mlflow(ml, warn)
+        hparams_file, folder = ml.where, Path(f"fp8_report-{ml.run_id}")
+    elif (files := wandb_files(run_folder)) is not None:  # a W&B offline run, W&B's reader
         run, series, hparams = load_wandb(run_folder, files, warn)
         hparams_file, folder = files[-1], run_folder if run_folder.is_dir() else run_folder.parent
     else:

@@ -223,9 +223,11 @@ def _no_metrics_here(folder: Path) -> str:
     """Why a folder without metrics.jsonl is not a run folder, and where the run's is when a
     folder above holds it (a W&B run folder, checkpoints/)."""
     wandb = next(folder.glob("run-*.wandb"), None) or (folder / "files" / "wandb-metadata.json")
-    kind = ("a W&B run folder" if wandb.exists() else
-            "an MLflow store" if (folder / "meta.yaml").exists() or folder.name == "mlruns"
-            or (folder / "0" / "meta.yaml").exists() else None)
+    if (folder / "meta.yaml").exists() or folder.name == "mlruns" or (
+            folder / "0" / "meta.yaml").exists():  # one with a run is read (report.mlflow_run)
+        return (f"{folder}: an MLflow store holding no run (the report reads a run's folder, "
+                "mlruns/<experiment id>/<run id>, or the `jsonl` logger's metrics.jsonl)")
+    kind = "a W&B run folder" if wandb.exists() else None
     above = _run_above(folder)
     where = (f"; the run's is in {above}: foundry-fp8 report {above}" if above is not None
              else "; add `loggers: {jsonl: {}}` to the YAML" if kind else

@@ -1,0 +1,176 @@
+"""Reading an MLflow run for the report with MLflow's own client (`MlflowClient`): what a
+Databricks or MosaicML user, whose runs log to MLflow only, has. `foundry-fp8 report` takes a
+file store's run folder (`mlruns/<experiment id>/<run id>`, told by its meta.yaml), an
+experiment folder or store holding one run, or `mlflow:<run id>` at MLFLOW_TRACKING_URI.
+MLflow is optional: without it, reading such a run is one line."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from foundry_fp8.health import RunMetrics
+from foundry_fp8.health.keys import LAYER_PREFIX, LAYOUT, MARKERS, SUMMARY_PREFIX, parse_key
+from foundry_fp8.health.table import one_line
+from foundry_fp8.report.read import GuardSeries, ReportError, _read, _restarts_said
+
+#: `foundry-fp8 report mlflow:<run id>`: the run at MLFLOW_TRACKING_URI (MLflow's own default).
+SCHEME = "mlflow:"
+#: Composer's MLFlowLogger skips a value equal to the key's last logged one unless
+#: `log_duplicated_metric_every_n_steps` steps have passed since (its default, 100:
+#: composer/loggers/mlflow_logger.py, __init__ and log_metrics): the report puts those back.
+DUPLICATE_WINDOW = 100
+#: How many runs a folder that holds several names.
+RUNS_NAMED = 5
+
+
+@dataclass(frozen=True)
+class MlflowRun:
+    """Where one MLflow run is: `tracking_uri` None for MLflow's own (MLFLOW_TRACKING_URI)."""
+
+    tracking_uri: str | None
+    run_id: str
+    where: Path  # as the messages name it: the folder or `mlflow:<run id>` given
+
+
+def _run_id(folder: Path) -> str | None:
+    """The run id of a file store's run folder, from its meta.yaml (`run_id: ...`)."""
+    meta = folder / "meta.yaml"
+    if not (meta.is_file() and (folder / "metrics").is_dir()):
+        return None
+    try:
+        lines = meta.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.partition(":")[2].strip().strip("'\"") for line in lines
+                 if line.startswith("run_id:")), None)
+
+
+def mlflow_run(given: Path) -> MlflowRun | None:
+    """The MLflow run `foundry-fp8 report GIVEN` names, or None where GIVEN names none (a
+    folder holding metrics.jsonl is the jsonl logger's). ReportError (one line) for a folder
+    holding several runs."""
+    text = str(given)
+    if text.startswith(SCHEME):
+        run_id = text.removeprefix(SCHEME)
+        if not run_id:
+            raise ReportError(f"{text}: no run id (foundry-fp8 report mlflow:<run id>, the "
+                              "tracking server in MLFLOW_TRACKING_URI)")
+        return MlflowRun(None, run_id, given)
+    if not given.is_dir() or (given / "metrics.jsonl").exists():
+        return None
+    runs = [(given, _run_id(given))]  # a run folder; else an experiment folder, or the store
+    if runs[0][1] is None:
+        runs = [(f, i) for f in sorted([*given.glob("*/"), *given.glob("*/*/")])
+                if (i := _run_id(f)) is not None]
+    if not runs:
+        return None
+    if len(runs) > 1:
+        names = ", ".join(str(f) for f, _ in runs[:RUNS_NAMED])
+        raise ReportError(f"{given}: {len(runs)} MLflow runs ({names}"
+                          f"{', ...' if len(runs) > RUNS_NAMED else ''}): name one run's folder")
+    folder, run_id = runs[0]
+    store = folder.resolve().parent.parent  # mlruns/<experiment id>/<run id>
+    return MlflowRun(store.as_uri(), str(run_id), given)
+
+
+def _param(value: str) -> Any:
+    """A param as logged: MLflow keeps `str(value)`, a dict's Python repr for LLM-Foundry's
+    config sections and fp8_guard's records. One cut at 6000 characters stays text."""
+    if value[:1] in "{[":
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return value
+    return value
+
+
+def _logger_options(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The run's `loggers.mlflow` options (LLM-Foundry logs its config), or none."""
+    loggers = params.get("loggers")
+    options = loggers.get("mlflow") if isinstance(loggers, Mapping) else None
+    return options if isinstance(options, Mapping) else {}
+
+
+def _in_order(key: str) -> tuple[Any, ...]:
+    """A key's place: by its layer's name (numbers by value), then the key."""
+    parsed = parse_key(key)
+    layer = parsed[2] if parsed is not None else ""
+    return (*[(0, int(part), "") if part.isdigit() else (1, 0, part)
+              for part in re.split(r"(\d+)", layer)], key)
+
+
+def _records(points: list[tuple[int, int, str, float]]) -> list[tuple[int, dict[str, float]]]:
+    """(step, {key: value}) in the order logged, from (timestamp, step, key, value): a new
+    record where the step changes, so a later attempt's steps (a resume, fit() again with
+    reset_time) come after the earlier attempt's, as in the jsonl logger's file."""
+    records: list[tuple[int, dict[str, float]]] = []
+    # MLflow keeps no order of a step's keys (the jsonl's is the model's): layers in name order,
+    # numbers by value (`blocks.2` before `blocks.10`)
+    for _, step, key, value in sorted(points, key=lambda p: (p[0], p[1], _in_order(p[2]))):
+        if not records or records[-1][0] != step:
+            records.append((step, {}))
+        records[-1][1][key] = value
+    return records
+
+
+def _filled(records: list[tuple[int, dict[str, float]]], window: int
+            ) -> Iterator[tuple[int, dict[str, float]]]:
+    """`records` with the values Composer's MLflow logger skipped as duplicates put back
+    (DUPLICATE_WINDOW): at a logging step (one holding a per-layer series) a key not logged
+    there within `window` steps of its last logged value held that value. Not the markers
+    (`MARKERS`): logged only where 1, a row without one is unmarked. (A marker 1 skipped as a
+    duplicate is not told from one not logged: `log_duplicated_metric_every_n_steps: 0` keeps
+    every value.)"""
+    last: dict[str, tuple[float, int]] = {}
+    for step, metrics in records:
+        logged = dict(metrics)
+        if any(key.startswith(LAYER_PREFIX) for key in logged):
+            for key, (value, at) in last.items():
+                if key not in logged and step < at + window:
+                    metrics[key] = value
+        last.update({key: (value, step) for key, value in logged.items()
+                     if (parsed := parse_key(key)) is None or parsed[0] not in MARKERS})
+        yield step, metrics
+
+
+def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
+                ) -> tuple[RunMetrics, GuardSeries, dict[str, Any]]:
+    """The run's per-layer FP8 metrics, fp8_guard's series and its params (parsed back from
+    text), read with MLflow's client: each `fp8*` metric's history. Keys the run's MLflow logger
+    renamed (`rename_metrics`) are named back."""
+    try:
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise ReportError(f"{run.where}: an MLflow run: reading it needs MLflow, not installed "
+                          "here (pip install mlflow)") from None
+    try:
+        client = MlflowClient(tracking_uri=run.tracking_uri)
+        data = client.get_run(run.run_id).data
+        params = {key: _param(value) for key, value in data.params.items()}
+        options = _logger_options(params)
+        renamed = options.get("rename_metrics")
+        named = {new: old for old, new in renamed.items()} if isinstance(renamed, Mapping) else {}
+        points = [(m.timestamp, m.step, key, m.value)
+                  for logged in data.metrics if (key := named.get(logged, logged)).startswith(
+                      (LAYER_PREFIX, SUMMARY_PREFIX))
+                  for m in client.get_metric_history(run.run_id, logged)]
+    except MlflowException as e:
+        raise ReportError(f"{run.where}: MLflow: {one_line(e.message)}") from None
+    window = options.get("log_duplicated_metric_every_n_steps", DUPLICATE_WINDOW)
+    window = window if isinstance(window, int) and not isinstance(window, bool) else DUPLICATE_WINDOW
+    guard: GuardSeries = {}
+    metrics, restarts = _read(_filled(_records(points), window), guard)
+    if restarts:
+        warn(_restarts_said(run.where, restarts))
+    if not metrics.values:
+        said = (f"only fp8_stats' summary series, no per-layer series ({LAYOUT}) to say "
+                "which layer (left out by the logger's ignore_metrics?)"
+                if points else "no FP8 statistics: was fp8_stats in the YAML?")
+        raise ReportError(f"{run.where}: MLflow run {run.run_id}: {said}")
+    return metrics, guard, params

@@ -1,0 +1,86 @@
+"""`foundry-fp8 report` of an MLflow run (a Databricks or MosaicML user logs to MLflow only),
+read with MLflow's own client: the tiny MPT through LLM-Foundry's `train` with the mlflow (file
+store) and jsonl loggers; the report from MLflow says what the report from the jsonl says.
+The old report answered an MLflow run with "add the jsonl logger"."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from foundry_fp8.cli import main
+from foundry_fp8.health import parse_key
+from foundry_fp8.jsonl import read_jsonl
+from tests.tiny_run import run_folder, run_tiny
+
+mlflow = pytest.importorskip("mlflow")
+
+LIMIT = 0.05  # fp8_stats' max_underflow_pct: the down_proj activations (about 0.1 %) only
+INTERVAL = 2
+
+
+def _report(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
+    """(the terminal's worst-values table, the rest from `N flagged` to the plots)."""
+    assert main(["report", *argv]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    table, _, rest = out.partition("\n\n")
+    return table, rest.split("plots (")[0]
+
+
+def _flagged_section(markdown: str) -> str:
+    """fp8_report.md's headline and flagged table: its lines naming a flag."""
+    return "\n".join(line for line in markdown.splitlines()
+                     if line.startswith("First flagged") or "Likely cause" in line
+                     or line.startswith("| `"))
+
+
+@pytest.mark.slow
+def test_the_report_of_an_mlflow_run_is_the_report_of_its_jsonl(tmp_path, tiny_data, capsys,
+                                                                monkeypatch):
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE", "1")  # docs/fp8_stats.md
+    name, tracking = "mlflow", f"file://{tmp_path}/mlruns"
+    run_tiny(tmp_path, tiny_data, {
+        "variables": {"run_name": name}, "max_duration": "12ba", "eval_interval": "12ba",
+        "save_interval": "100ba",
+        "callbacks": {"fp8_stats": {"interval": f"{INTERVAL}ba", "image_interval": None,
+                                    "max_underflow_pct": LIMIT}},
+        # Composer's default log_duplicated_metric_every_n_steps (100): MLflow holds a value
+        # equal to the key's last only once (an overflow_pct of 0 at step 0)
+        "loggers": {"mlflow": {"tracking_uri": tracking, "experiment_name": name}}}).close()
+    folder = run_folder(tmp_path, name)
+    capsys.readouterr()  # the training's console
+
+    # the reference: the (layer, tensor) rows over the limit, from the jsonl itself (less
+    # those cast with delayed scaling's initial scale, marked and not judged)
+    over = sorted({(p[2], p[1]) for step, metrics in read_jsonl(folder / "metrics.jsonl")
+                   for key, value in metrics.items()
+                   if (p := parse_key(key)) and p[0] == "underflow_pct" and value > LIMIT
+                   and not metrics.get(f"fp8_initial_scale/{p[1]}/{p[2]}")})
+    assert over == [("blocks.0.ffn.down_proj", "activation"),
+                    ("blocks.1.ffn.down_proj", "activation")]
+
+    [run_dir] = (tmp_path / "mlruns").glob("*/*/meta.yaml")
+    run_dir = run_dir.parent
+    jsonl_table, jsonl_said = _report([str(folder), "--out", str(tmp_path / "j")], capsys)
+    assert f"{len(over)} flagged\n  First flagged at step " in jsonl_said
+    assert all(f"'{layer}' act" in jsonl_said for layer, _ in over)
+    jsonl_md = _flagged_section((tmp_path / "j" / "fp8_report.md").read_text())
+    assert jsonl_md.count("First flagged") == 1
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking)
+    for n, given in enumerate([run_dir, run_dir.parent, f"mlflow:{run_dir.name}"]):
+        table, said = _report([str(given), "--out", str(tmp_path / f"m{n}")], capsys)
+        assert said == jsonl_said
+        # the same worst values; rows of equal values in another order (MLflow keeps no order
+        # of the model's layers)
+        assert sorted(table.splitlines()) == sorted(jsonl_table.splitlines())
+        assert _flagged_section((tmp_path / f"m{n}" / "fp8_report.md").read_text()) == jsonl_md
+
+
+def test_an_mlflow_run_without_mlflow_installed_is_one_line(tmp_path, capsys, monkeypatch):
+    for module in ("mlflow", "mlflow.exceptions", "mlflow.tracking"):  # as if not installed
+        monkeypatch.setitem(sys.modules, module, None)  # their import raises ImportError
+    assert main(["report", "mlflow:0123abcd"]) == 2
+    out = capsys.readouterr()
+    assert out.err == ("error: mlflow:0123abcd: an MLflow run: reading it needs MLflow, not "
+                       "installed here (pip install mlflow)\n")
