@@ -128,6 +128,97 @@ def test_fp8039_counts_beams_and_judges_only_te():
     assert _rules(unpadded)["FP8039"] == ("callbacks.generate_callback", "error")
 
 
+TE_SWAP = {"algorithms": {"te_swap": {}}}  # backend te, its default
+ODD = {"callbacks": {"generate_callback": {"prompts": PROMPTS[:3], "interval": "500ba"}}}
+MPT = {"precision": "amp_fp8", "model": {"name": "mpt_causal_lm", "loss_fn": "torch_crossentropy"}}
+
+
+@pytest.mark.parametrize(("edits", "severity"), [
+    ((TE_SWAP,), "info"),  # te_swap's converted layers only
+    (({"model": {"fc_type": "te"}}, TE_SWAP), "info"),  # the model's own, kept in te_swap's plan
+    (({"model": {"ffn_config": {"ffn_type": "te_ln_mlp"}}}, TE_SWAP), "info"),
+    (({"model": {"fc_type": "te", "use_pad_tok_in_ffn": False}}, TE_SWAP), "info"),
+    (({"model": {"fc_type": "te"}},), "error"),  # nothing takes generate out of FP8
+    (({"model": {"ffn_config": {"ffn_type": "te_ln_mlp"}}},), "error"),
+    (({"model": {"fc_type": "te"}}, {"algorithms": {"te_swap": {"backend": "emulate"}}}),
+     "error"),  # emulate hooks none of TE's layers
+])
+def test_fp8039_is_an_info_when_te_swap_runs_generate_in_high_precision(edits, severity):
+    """te_swap's te backend keeps every TE FP8 module of its plan (converted, or the model's own
+    as `already_fp8`) in TE's disabled region for an eval-mode no-grad forward, HF generate's
+    (the next test): before, FP8039 was an error for all of these."""
+    key, found = _rules(_with(MPT, ODD, *edits))["FP8039"]
+    assert found == severity
+    assert key.startswith("callbacks.generate_callback")
+
+
+def test_te_swap_runs_the_model_s_own_te_layers_in_high_precision_in_generate(fake_te,
+                                                                              monkeypatch):
+    """What FP8039's info rests on, against the TE stand-in with TE's switch modelled (a TE
+    module runs FP8 iff the innermost autocast is enabled): in a generate inside an enabled
+    autocast (the Generate callback's), the model's own te.Linear runs FP8 in every forward
+    without te_swap, and in none once te_swap (backend te) ran INIT, nor do the layers it
+    converts."""
+    import sys
+
+    import transformers
+    from composer.core import Event, Precision, State
+    from composer.devices import DeviceCPU
+    from composer.loggers import Logger
+
+    from foundry_fp8.composer import te_swap
+    from foundry_fp8.te import probe
+
+    fake_te()
+    te = sys.modules["transformer_engine.pytorch"]
+    stack: list[bool] = []
+
+    @contextlib.contextmanager
+    def autocast(enabled: bool = True, recipe: Any = None):
+        del recipe
+        stack.append(enabled)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    te.autocast = autocast
+    monkeypatch.setattr(probe, "active_recipe", lambda: "on" if stack and stack[-1] else None)
+    seen: dict[str, list[bool]] = {"own": [], "converted": []}
+    forward = te.Linear.forward
+
+    def recording(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        seen["own" if getattr(self, "own", False) else "converted"].append(
+            bool(stack) and stack[-1])
+        return forward(self, x)
+
+    monkeypatch.setattr(te.Linear, "forward", recording)
+    monkeypatch.setattr(te_swap, "_check_te_environment", lambda recipe: None)  # no GPU here
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2))
+    for layer in model.model.layers:  # the model's own TE layer, as fc_type te builds them
+        layer.mlp.down_proj = te.Linear(128, 64, bias=False, device="cpu")
+        layer.mlp.down_proj.own = True
+    ids = torch.randint(0, 256, (1, 5))
+
+    def generate() -> None:  # as composer/callbacks/generate.py does: eval(), then the context
+        model.eval()
+        with autocast(enabled=True):
+            model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+    generate()
+    assert seen["own"] == [True] * 2 * 3 and seen["converted"] == []  # 2 layers x 3 steps
+    state = State(model=model, rank_zero_seed=0, run_name="gen", device=DeviceCPU(),
+                  precision=Precision.AMP_FP8)
+    te_swap.TESwap(backend="te").apply(Event.INIT, state, Logger(state))
+    seen["own"].clear()
+    generate()
+    assert seen["own"] == [False] * 2 * 3
+    assert len(seen["converted"]) == 6 * 2 * 3 and not any(seen["converted"])
+
+
 def _unpad(hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn.bert_padding.unpad_input's contract for what apply_ffn uses: the real
     tokens, flattened, and their indices."""

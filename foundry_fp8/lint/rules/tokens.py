@@ -4,6 +4,7 @@ generate callback, and MPT dropping padding tokens before its FFN."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from foundry_fp8.lint.config import as_int, fc_type_name, get, is_fp8, uses_te
@@ -53,14 +54,18 @@ def _rows_per_prompt(options: Mapping[str, Any]) -> int | None:
       f"input are a multiple of {FP8_TOKEN_MULTIPLE}, and the run crashes at the callback's "
       "first interval (the end of training at the latest) unless every batch is. With "
       "model.use_pad_tok_in_ffn false MPT drops the left padding before its FFN, so no batch "
-      "size is safe. te_swap's emulated backend is not TE: not reported.",
+      "size is safe. te_swap's emulated backend is not TE: not reported. With te_swap's te "
+      "backend (it keeps the model's own TE layers in its plan, with the ones it converts) every "
+      "TE FP8 layer runs an eval-mode no-grad forward in TE's disabled region, as HF generate's "
+      "are: an info (checked against a TE stand-in, not yet on a GPU).",
       source=f"{COMPOSER} composer/callbacks/generate.py Generate.__init__ and generate, "
       "composer/core/precision.py get_precision_context, composer/trainer/trainer.py (eval "
       f"forward: fp8_autocast_enabled=False); {TE_ASSERT}; {FOUNDRY} "
       "llmfoundry/callbacks/__init__.py (generate_callback), llmfoundry/models/mpt/"
       "modeling_mpt.py prepare_inputs_for_generation, llmfoundry/models/layers/blocks.py "
       "MPTBlock.apply_ffn; transformers 4.51 generation/utils.py generate "
-      "(_expand_inputs_for_generation)",
+      "(_expand_inputs_for_generation); foundry_fp8/composer/te_swap.py "
+      "_eval_in_high_precision",
       fix="drop generate_callback from FP8 runs, or give it a multiple of "
       f"{FP8_TOKEN_MULTIPLE} prompts and a batch_size that is a multiple of "
       f"{FP8_TOKEN_MULTIPLE} (with use_pad_tok_in_ffn left at true)")
@@ -68,9 +73,35 @@ def generate_under_fp8(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
     options = section(config, "callbacks").get("generate_callback")
     if not (is_fp8(config) and uses_te(config) and isinstance(options, Mapping)):
         return
-    prompts, batch_size = options.get("prompts"), options.get("batch_size")
+    prompts = options.get("prompts")
     if not isinstance(prompts, list) or not prompts:
         return
+    high = _generate_in_high_precision(config)
+    for hit in _generate_crashes(config, options, prompts):
+        yield replace(hit, severity="info", message=_HIGH_PRECISION) if high else hit
+
+
+#: FP8039's info under te_swap's te backend (`_generate_in_high_precision`).
+_HIGH_PRECISION = ("generate's decode steps do not fit TE's FP8 GEMMs, but algorithms.te_swap "
+                   "(backend te) runs every TE FP8 layer's eval-mode no-grad forward (HF "
+                   "generate's), the model's own included, in high precision (checked on a TE "
+                   "stand-in, not yet on a GPU)")
+
+
+def _generate_in_high_precision(config: Mapping[str, Any]) -> bool:
+    """te_swap's te backend under amp_fp8 hooks every TE FP8 module of its plan, converted or
+    the model's own (`fc_type: te`, `te_ln_mlp`: `already_fp8`), into TE's disabled region for
+    a forward in eval mode without grad (composer/te_swap.py `_eval_in_high_precision`), from
+    INIT (again at FIT_START) to FIT_END; Generate's end-of-training run is at
+    BATCH_CHECKPOINT, before FIT_END (composer/utils/misc.py create_interval_scheduler)."""
+    swap = te_swap_options(config)
+    return swap is not None and swap.backend == "te"
+
+
+def _generate_crashes(config: Mapping[str, Any], options: Mapping[str, Any],
+                      prompts: list[Any]) -> Iterator[Hit]:
+    """FP8039's error: the batches Generate's decode steps would hand TE's FP8 GEMMs."""
+    batch_size = options.get("batch_size")
     if not _pads_in_ffn(config):
         yield Hit(GENERATE, "generate_callback runs model.generate under amp_fp8's TE autocast, "
                   "and with model.use_pad_tok_in_ffn false MPT drops the prompts' left padding "
