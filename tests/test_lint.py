@@ -962,6 +962,36 @@ def test_te_swap_without_fp8_state_is_said_only_where_checkpoints_are_saved_or_r
     assert "FP8027" not in _lint_dict(_merge(EMULATE, {"autoresume": False}))
 
 
+def _fp8027(edit: dict) -> list[str]:
+    """FP8027's messages for BASE merged with `edit`."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(BASE), OmegaConf.create(edit)),
+                                 resolve=True)
+    return [f.message for f in lint_config(cfg) if f.rule == "FP8027"]
+
+
+def test_fp8027_says_what_a_load_path_only_run_loses():
+    """A run with only `load_path` loads another run's checkpoint: it resumes nothing of its own;
+    without fp8_state Composer drops that checkpoint's FP8State entry (composer/core/state.py,
+    State.load_state_dict restores callback entries only into the run's callbacks)."""
+    load = {"load_path": "s3://bucket/other/ep0-ba100-rank0.pt"}
+    message, = _fp8027(_merge(EMULATE, load))
+    assert "(load_path is set)" in message and "not restored" in message
+    assert "this run's checkpoints" not in message
+    # saving as well: both are said
+    message, = _fp8027(_merge(EMULATE, {**load, "save_folder": "ckpt"}))
+    assert "(save_folder and load_path are set)" in message and "not restored" in message \
+        and "a resume from this run's checkpoints" in message
+    # a weights-only load never restores FP8 state, fp8_state or not: nothing to add
+    assert _fp8027(_merge(EMULATE, {**load, "load_weights_only": True})) == []
+    assert len(_fp8027(_merge(EMULATE, {**load, "load_weights_only": True,
+                                        "save_folder": "ckpt"}))) == 1
+    # the model's own TE layers: the loaded file's pickled state is the saving run's to get right
+    assert [k for k, _ in _found(_merge(FP8_TE, load), replace(NO_FLASH, te="2.20.2"), "FP8027")
+            if k.startswith("model.")] == []
+
+
 @pytest.mark.parametrize(("te", "severity"), [
     ("2.20.2", "warning"), ("2.18.0", "warning"), ("2.16.1", "warning"), ("2.17.1", "warning"),
     ("2.16.0", None), ("2.17.0", None), ("2.15.2", None),  # these load TE's pickled state

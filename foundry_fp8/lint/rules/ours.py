@@ -317,9 +317,9 @@ def unknown_entries(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
                           f"named `{name}`" + did_you_mean(name, registered_names(section_name)))
 
 
-#: Keys with which LLM-Foundry saves or resumes checkpoints (a CheckpointSaver for
-#: save_folder; load_path and autoresume load one).
-CHECKPOINT_KEYS = ("save_folder", "load_path", "autoresume")
+#: Keys with which a run saves checkpoints it resumes from (a CheckpointSaver for save_folder;
+#: autoresume reloads the latest of them).
+RESUME_KEYS = ("save_folder", "autoresume")
 
 
 #: The TE releases that refuse their own pickled delayed-scaling `_extra_state`, as messages say.
@@ -341,9 +341,9 @@ def _delayed(config: Mapping[str, Any]) -> bool:
     return not isinstance(recipe, FP8Recipe) or recipe.scaling == "delayed"
 
 
-@rule("FP8027", "warning", "FP8 layers without fp8_state in a run that saves or resumes "
-      "checkpoints (te_swap: FP8 scales reset at every resume; `fc_type: te` on a TE that "
-      "refuses its own pickled state: the resume fails)",
+@rule("FP8027", "warning", "FP8 layers without fp8_state in a run that saves, resumes or "
+      "loads checkpoints (te_swap: FP8 scales reset at every resume, a loaded checkpoint's are "
+      "not restored; `fc_type: te` on a TE that refuses its own pickled state: the resume fails)",
       why="te_swap's emulated layers keep their FP8 scales and amax histories in tensors that "
       "are not in Composer's checkpoint, and te_swap leaves its TE layers' `_extra_state` out "
       "of it (a pickled state that a model without te_swap has no key for, and that TE "
@@ -354,31 +354,49 @@ def _delayed(config: Mapping[str, Any]) -> bool:
       f"delayed scaling save TE's pickled `_extra_state`, which TE {GUARDED_TE} refuse at load: "
       "with such a TE installed a resume fails (a warning; info where the linter finds no TE; "
       "nothing on older TE, which loads it). fp8_state stores a pickled `None` there and keeps "
-      "the state itself.",
+      "the state itself. A run that only loads another's checkpoint (`load_path`, no "
+      "`save_folder`) resumes nothing of its own: without fp8_state it drops the FP8 state "
+      "that checkpoint's fp8_state entry holds (Composer restores a callback entry only into "
+      "that callback), so te_swap's layers start fresh; with `load_weights_only` no run "
+      "restores it, fp8_state or not, so that alone is not said. Whether the loaded file's "
+      "own TE `_extra_state` loads depends on the run that saved it, not on this one.",
       source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
       "warning, issue 19 item 5); TE transformer_engine/pytorch/_extra_state.py "
       f"should_load_extra_state_pickle (TE {GUARDED_TE}: foundry_fp8/te/facts.py "
       "refuses_pickled_extra_state); "
-      f"{FOUNDRY} llmfoundry/command_utils/train.py (save_folder, load_path, autoresume)",
+      f"{FOUNDRY} llmfoundry/command_utils/train.py (save_folder, load_path, autoresume, "
+      f"load_weights_only); {COMPOSER} composer/core/state.py State.load_state_dict (callback "
+      "entries restored only into the run's own callbacks); foundry_fp8/composer/state.py "
+      "_report_loaded_entries (a weights-only load starts fresh)",
       fix="add `callbacks: {fp8_state: {}}`")
 def fp8_layers_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    saves = [k for k in CHECKPOINT_KEYS if config.get(k)]
-    if has_fp8_state(config) or not saves:
+    resumes = [k for k in RESUME_KEYS if config.get(k)]
+    loads = bool(config.get("load_path")) and not config.get("load_weights_only")
+    if has_fp8_state(config) or not (resumes or loads):
         return
     if te_swap(config) is not None:
-        yield Hit("algorithms.te_swap", f"te_swap without fp8_state ({saves[0]} is set): a "
-                  "resume from this run's checkpoints starts FP8 scales and amax histories "
-                  "fresh (they are not in the checkpoint)")
-    if not (is_fp8(config) and native_te_layers(config) and _delayed(config)):
+        lost = "the FP8 scales and amax histories of the checkpoint load_path names are not " \
+            "restored (Composer restores them only into fp8_state)"
+        if not resumes:
+            said = f"load_path is set): {lost} and start fresh"
+        elif loads:
+            said = f"{resumes[0]} and load_path are set): {lost}, and a resume from this " \
+                "run's checkpoints starts them fresh again (they are not in the checkpoint)"
+        else:
+            said = f"{resumes[0]} is set): a resume from this run's checkpoints starts FP8 " \
+                "scales and amax histories fresh (they are not in the checkpoint)"
+        yield Hit("algorithms.te_swap", f"te_swap without fp8_state ({said}")
+    # a loaded file's TE `_extra_state` is the saving run's to get right, fp8_state or not
+    if not (resumes and is_fp8(config) and native_te_layers(config) and _delayed(config)):
         return
     te = ctx.snapshot.te_version if ctx.snapshot is not None else None
     if te is None:
-        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({saves[0]} is set): "
+        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({resumes[0]} is set): "
                   f"TransformerEngine {GUARDED_TE} refuse to load the pickled FP8 state they "
                   "save, so a resume from this run's checkpoints would fail there (no TE where "
                   "the linter runs to tell)", severity="info")
     elif refuses_pickled_extra_state(te):
-        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({saves[0]} is set): "
+        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({resumes[0]} is set): "
                   f"TransformerEngine {ctx.snapshot.te} refuses to load the pickled FP8 state "
                   "(`_extra_state`) they save, so a resume from this run's checkpoints fails "
                   "unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (which unpickles whatever the "
