@@ -49,7 +49,7 @@ def test_the_report_leaves_the_uncast_dy_unjudged(tmp_path, monkeypatch, capsys)
     report = (tmp_path / "report" / "fp8_report.md").read_text()
     assert f"{WANT:g}" not in report and "93.7" not in report
     # the what-if numbers are still drawn, hatched, for what dropping the override would do
-    run, flags, _, _ = make_report(tmp_path, out=tmp_path / "again")
+    run, flags, *_ = make_report(tmp_path, out=tmp_path / "again")
     assert flags == []
     assert run.values[(LAYER, "gradient", "underflow_pct")] == {
         s: pytest.approx(WANT) for s in range(6)}

@@ -48,7 +48,7 @@ def two_fits(folder: Path, second_fit_moves: tuple[str, ...] = ()) -> Path:
 
 def test_a_fallback_kept_by_a_second_fit_is_what_if_from_its_first_step(tmp_path, capsys):
     folder = two_fits(tmp_path)
-    run, flags, guard, _ = make_report(folder)
+    run, flags, guard, _, _ = make_report(folder)
     # every logged row of L1 in fit 2 (what the report shows) ran in high precision
     assert {(layer, step) for layer, _, step in run.high_precision} == {(L1, s) for s in FIT}
     assert main(["report", str(folder)]) == 0
@@ -66,7 +66,7 @@ def test_which_of_several_later_records_were_kept_is_not_guessed(tmp_path, capsy
     (the series' 1 at fit 2's step 0): which, the records cannot say; each is marked from its
     record's step, with one warning."""
     folder = two_fits(tmp_path, second_fit_moves=(L0,))
-    run, _, _, _ = make_report(folder)
+    run, *_ = make_report(folder)
     assert {(layer, step) for layer, _, step in run.high_precision} == {
         (layer, s) for layer in (L0, L1) for s in (4, 5)}
     err = capsys.readouterr().err

@@ -4,10 +4,12 @@ flagged there, ahead of the table that ranks flags by how many steps they held."
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from foundry_fp8.cli import main
 from foundry_fp8.health import layer_key
@@ -155,3 +157,36 @@ def test_a_run_folder_the_report_may_not_write_says_out_writes_elsewhere(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot write ({os.strerror(code)})" in err, err
     assert ("; --out DIR writes the report elsewhere" in err) == hint, err
+
+
+@pytest.mark.parametrize("dump_folder", [None, "dumps/{run_name}"], ids=["default", "own"])
+def test_the_headline_names_fp8_stats_dump_of_the_first_flagged_tensor(tmp_path, capsys,
+                                                                       dump_folder):
+    """fp8_stats dumped the spiked weight at the step it was first flagged (`dump_steps`, its
+    module's full name in the file): the headline names the file to open, on the terminal and
+    in fp8_report.md; a dump of another step or another layer is not named."""
+    from safetensors.torch import save_file
+
+    folder = diverging_run(tmp_path, spike_at=5)
+    if dump_folder is not None:
+        (folder / "hparams.json").write_text(json.dumps(
+            {"run_name": "tiny", "callbacks": {"fp8_stats": {"dump_folder": dump_folder}}}))
+    dumps = folder / ("fp8_dumps" if dump_folder is None else "dumps/tiny")
+    dumps.mkdir(parents=True)
+    tensor = torch.ones(4)
+    save_file({"model.transformer.blocks.0.attn.Wqkv/weight": tensor},
+              str(dumps / "step0000005-rank0.safetensors"))  # not the flagged layer
+    save_file({"model.transformer.blocks.1.ffn.down_proj/weight": tensor},
+              str(dumps / "step0000004-rank0.safetensors"))  # not the flagged step
+    assert main(["report", str(folder), "--out", str(tmp_path / "before")]) == 0
+    assert "dump" not in flagged_section(capsys.readouterr().out)[1]
+    save_file({"model.transformer.blocks.1.ffn.down_proj/weight": tensor,
+               "model.transformer.blocks.1.ffn.down_proj/weight/scale": torch.tensor(1.0)},
+              str(dumps / "step0000005-rank1.safetensors"), metadata={"step": "5"})
+    assert main(["report", str(folder)]) == 0
+    headline = flagged_section(capsys.readouterr().out)[1]
+    assert headline.startswith("  First flagged at step 5: 'blocks.1.ffn.down_proj' weight")
+    path = dumps / "step0000005-rank1.safetensors"
+    assert headline.endswith(f" fp8_stats' dump of 'blocks.1.ffn.down_proj' weight there: {path}.")
+    markdown = (folder / "fp8_report.md").read_text()
+    assert f"fp8_stats' dump of `blocks.1.ffn.down_proj` weight there: `{path}`." in markdown

@@ -267,7 +267,7 @@ def test_a_dead_attempts_fallback_after_the_checkpoint_is_not_the_resumed_wandb_
                     FALLBACK_PREFIX + "blocks.1.fc": dead})
     _wandb_attempt(wandb_dir / "offline-run-20261129_020000-abc" / "run-abc.wandb", range(4, 10),
                    {**callbacks, FALLBACK_PREFIX + "blocks.0.fc": restored})
-    *_, guard, _ = make_report(wandb_dir, out=tmp_path / "out")
+    _, _, guard, _, _ = make_report(wandb_dir, out=tmp_path / "out")
     assert guard is not None
     assert [(f.layer, f.step) for f in guard.fallbacks] == [("blocks.0.fc", 2)]
 

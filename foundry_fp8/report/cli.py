@@ -10,6 +10,7 @@ import io
 import re
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from foundry_fp8.report.mlflow_run import load_mlflow, mlflow_run
 from foundry_fp8.report.read import (
     GuardRun,
     ReportError,
+    dump_of,
     formats_from_hparams,
     guard_run,
     load_run,
@@ -147,10 +149,21 @@ def replay(run: RunMetrics, tracker: HealthTracker) -> list[Flag]:
     return tracker.flags
 
 
+def first_dump(flags: list[Flag], folder: Path, hparams: Mapping[str, Any] | None
+               ) -> tuple[Flag, Path] | None:
+    """The first of the first flagged step's flags whose tensors fp8_stats dumped at that step
+    (`dump_steps`), and the dump: what to open to see the values that went wrong."""
+    step = min((f.step for f in flags), default=None)
+    return next(((f, path) for f in flags if f.step == step
+                 and (path := dump_of(folder, hparams, f.step, f.layer, f.tensor)) is not None),
+                None)
+
+
 def make_report(run_folder: Path, layers: str | None = None, out: Path | None = None
-                ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path]]:
-    """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did
-    and the written paths (markdown last)."""
+                ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path],
+                           tuple[Flag, Path] | None]:
+    """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did,
+    the written paths (markdown last) and the first flagged step's dump (`first_dump`)."""
     if (ml := mlflow_run(run_folder)) is not None:  # an MLflow run, read with MLflow's client
         run, series, hparams = load_mlflow(ml, warn)
         hparams_file, folder = ml.where, Path(f"fp8_report-{ml.run_id}")
@@ -169,6 +182,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     mark_high_precision(run, guard)
     flags = replay(run, HealthTracker(thresholds))
     first = min(flags, key=lambda f: f.step, default=None)
+    dump = first_dump(flags, folder, hparams)
     chosen = choose_layers(run, matching, (first.layer, first.step) if first else None)
     if not chosen:
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
@@ -191,19 +205,20 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
         target = out / "fp8_report.md"
         write_output(target, render_report(run, flags, thresholds, chosen[:MAX_SERIES_LAYERS],
                                            [p.name for p in written], guard,
-                                           matched=len(chosen)))
+                                           matched=len(chosen), dump=dump))
     except OSError as e:  # read-only, a full disk, a folder or FIFO in the file's place
         # a run folder someone else's run wrote (a shared store, a read-only mount): say how
         elsewhere = ("; --out DIR writes the report elsewhere"
                      if given is None and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
                      else "")
         raise ReportError(f"{target}: cannot write ({e.strerror or e}){elsewhere}") from None
-    return run, flags, guard, [*written, target]
+    return run, flags, guard, [*written, target], dump
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        metrics, flags, guard, written = make_report(args.run_folder, args.layers, args.out)
+        metrics, flags, guard, written, dump = make_report(args.run_folder, args.layers,
+                                                           args.out)
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
@@ -224,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"{len(found)} flagged")
     if found:
-        print(f"  {first_flagged(metrics, flags, names)}")
+        print(f"  {first_flagged(metrics, flags, names, dump=dump)}")
     print("".join(f"  {line(f)}\n" for f in found[:MAX_PRINTED]), end="")
     if len(found) > MAX_PRINTED:
         print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")

@@ -6,6 +6,7 @@ escaped (`health.table.md_escape`) and shown by a bounded label (`health.table.s
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from urllib.parse import quote
 
 from foundry_fp8.guard import (
@@ -82,11 +83,12 @@ FIRST_SHOWN = 3
 
 
 def first_flagged(run: RunMetrics, flags: list[Flag], names: dict[str, str],
-                  markdown: bool = False) -> str | None:
+                  markdown: bool = False, dump: tuple[Flag, Path] | None = None) -> str | None:
     """`First flagged at step S: <layer> <tensor> <stat> <value> (<rule>), ...`: where a
     divergence began. The tables rank flags by how many steps they held, so in a run that went
     NaN the one spike that started it (1 flagged step) came after every layer's NaN rows and
-    past the terminal's first MAX_PRINTED; it is the line to read first."""
+    past the terminal's first MAX_PRINTED; it is the line to read first. `dump`: a flag of that
+    step and fp8_stats' dump holding its tensor there, named last."""
     if not flags:
         return None
     step = min(f.step for f in flags)
@@ -102,12 +104,19 @@ def first_flagged(run: RunMetrics, flags: list[Flag], names: dict[str, str],
                 f"{fmt(f.stat, f.value)} ({md_escape(f.limit) if markdown else f.limit}; likely cause: "
                 f"{md_escape(f.cause) if markdown else f.cause})")
 
+    def dumped(f: Flag, path: Path) -> str:
+        label, kind = names.get(f.layer, f.layer), kinds.get(f.tensor, f.tensor)
+        if markdown:
+            return f" fp8_stats' dump of {md_code(label)} {md_escape(kind)} there: {md_code(str(path))}."
+        return f" fp8_stats' dump of {label!r} {kind} there: {path}."
+
     more = len(first) - FIRST_SHOWN
     later = len({(f.layer, f.tensor) for f in flags if f.step > step}
                 - {(f.layer, f.tensor) for f in first})
     return (f"First flagged at step {step}: " + "; ".join(map(said, first[:FIRST_SHOWN]))
             + (f"; and {more} more at that step" if more > 0 else "")
-            + (f". {later} other layer tensor(s) flagged later" if later else "") + ".")
+            + (f". {later} other layer tensor(s) flagged later" if later else "") + "."
+            + (dumped(*dump) if dump is not None else ""))
 
 
 def layer_names(run: RunMetrics, guard: GuardRun | None) -> dict[str, str]:
@@ -274,7 +283,8 @@ GUIDE = """\
 
 def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                   chosen: list[tuple[str, str]], pngs: list[str],
-                  guard: GuardRun | None = None, matched: int | None = None) -> str:
+                  guard: GuardRun | None = None, matched: int | None = None,
+                  dump: tuple[Flag, Path] | None = None) -> str:
     """fp8_report.md: what to look at first, what fp8_guard did, how to read it, the plots,
     then the full table. `matched`: how many layers `--layers` matched, of which `chosen` are
     the ones drawn."""
@@ -298,7 +308,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     found = findings(run, flags)
     fallen = fallback_steps(guard)
     if found:
-        lines += [first_flagged(run, flags, names, markdown=True) or "", ""]
+        lines += [first_flagged(run, flags, names, markdown=True, dump=dump) or "", ""]
         lines += ["| layer | tensor | statistic | worst | first flagged at step | steps flagged "
                   "| likely cause | change |", "|---|---|---|---|---|---|---|---|"]
         for f in found:

@@ -32,12 +32,14 @@ from foundry_fp8.health.keys import (
     SUMMARIES,
     SUMMARY_PREFIX,
     TENSORS,
+    full_forms,
     older_layout,
     summary_key,
 )
 from foundry_fp8.health.plots import recipe_formats
 from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
 from foundry_fp8.options import build
+from foundry_fp8.paths import PathError, in_run_folder
 from foundry_fp8.recipe import FP8Recipe
 
 
@@ -620,3 +622,43 @@ def why_empty(metrics_file: Path) -> str:
                 f"(callbacks.fp8_stats.layers: {layers!r} matched nothing, or the run ended "
                 "before its first logging step)")
     return f"{metrics_file}: no FP8 statistics (`{LAYOUT}` series): was `fp8_stats` in the YAML?"
+
+
+#: fp8_stats' dumps: `dump_folder` (default DUMP_FOLDER, in the run folder: composer/stats.py,
+#: on_event's FIT_START) holds `step<7 digits>-rank<r>.safetensors` (monitor.py, _write_dump)
+#: of `<module name>/<tensor>` keys.
+DUMP_FOLDER = "fp8_dumps"
+DUMP_FILES = "step{step:07d}-rank*.safetensors"
+#: A safetensors header is read, never a tensor: its length is 8 bytes little-endian, then JSON.
+MAX_DUMP_HEADER = 16 * 2**20
+
+
+def _dumped_keys(path: Path) -> set[str]:
+    """The tensor names a safetensors file holds, from its header alone (none where it does not
+    read: a dump cut short)."""
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size)) if 0 < size <= MAX_DUMP_HEADER else {}
+    except (OSError, ValueError):
+        return set()
+    return set(header) if isinstance(header, dict) else set()
+
+
+def dump_of(folder: Path, hparams: Mapping[str, Any] | None, step: int, layer: str,
+            tensor: str) -> Path | None:
+    """The dump fp8_stats wrote at `step` holding `layer`'s `tensor` (its `dump_steps`), found
+    in the run's dump folder next to its metrics; None where there is none."""
+    options = _fp8_stats_options(hparams or {}) or {}
+    template = options.get("dump_folder") or DUMP_FOLDER
+    run_name = (hparams or {}).get("run_name")
+    if not isinstance(template, str):
+        return None
+    try:
+        dumps = in_run_folder(template, folder, run_name if isinstance(run_name, str) else "",
+                              "dump_folder")
+    except (PathError, KeyError, ValueError):
+        return None
+    names = {f"{form}/{tensor}" for form in full_forms(layer)}
+    return next((path for path in sorted(dumps.glob(DUMP_FILES.format(step=step)))
+                 if names & _dumped_keys(path)), None)
