@@ -692,12 +692,20 @@ def test_a_weights_only_load_is_named_as_such_whole_file_or_sharded(caplog):
     callback._model = state.model
     callback._see_loaded_entries(state)
     full = {"model": {}, "timestamp": {}, "callbacks": {"FP8State": {}}}
+    # a full checkpoint resumed with `load_ignore_keys: [state/timestamp]`: Composer filters
+    # it before `load_state_dict` (composer/utils/checkpoint.py:966-973, 986); it was said to
+    # be saved with save_weights_only, and a missing fp8_state entry went unnamed
+    no_timestamp = {"model": {}, "optimizers": {}, "rank_zero_seed": 0, "integrations": {},
+                    "metadata": {}}
     lines = []
     for load, serialized in ((state.load_model_state, {"model": {}, "callbacks": {}}),
                              (state.load_state_dict, {"model": {}}),
                              (state.load_state_dict, full),
                              (state.load_state_dict, {"model": {}, "integrations": {},
-                                                      "metadata": {}})):
+                                                      "metadata": {}}),
+                             (state.load_state_dict, {**no_timestamp,
+                                                      "callbacks": {"FP8State": {}}}),
+                             (state.load_state_dict, {**no_timestamp, "callbacks": {}})):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
             load(serialized)
@@ -709,5 +717,8 @@ def test_a_weights_only_load_is_named_as_such_whole_file_or_sharded(caplog):
     saved_so = ("fp8_state: ckpt was saved with save_weights_only: FP8 scales and amax "
                 "histories are not part of the model's weights and start fresh (checkpoints "
                 "saved in full hold them)")
-    assert lines == [[weights_only], [weights_only], [], [saved_so]]
-    assert calls == ["model"] * 4
+    no_fp8 = ("fp8_state: ckpt holds no FP8 state (saved without fp8_state, or left out by "
+              "load_ignore_keys); FP8 scales and amax histories start fresh, as expected when "
+              "converting a bf16 checkpoint")
+    assert lines == [[weights_only], [weights_only], [], [saved_so], [], [no_fp8]]
+    assert calls == ["model"] * 6

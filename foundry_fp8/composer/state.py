@@ -68,6 +68,10 @@ class FP8StateError(ValueError):
     """A checkpoint or configuration that fp8_state refuses; the message names what to fix."""
 
 
+#: All a `save_weights_only` checkpoint holds (composer/utils/checkpoint.py:1031-1037); a
+#: full save adds timestamp, optimizers, callbacks, rank_zero_seed... (composer/core/state.py)
+_WEIGHTS_ONLY_KEYS = frozenset({"model", "integrations", "metadata"})
+
 #: Per weights-only setting, what the line on a load says of it and how to keep the FP8 state.
 _WEIGHTS_ONLY = {
     "load_weights_only": ("loaded with load_weights_only", "a full load restores them"),
@@ -299,9 +303,12 @@ class FP8State(Callback):
             entries = serialized.get("callbacks") if isinstance(serialized, Mapping) else None
             self._loaded_entries = entries if isinstance(entries, Mapping) else {}
             self._weights_only = None
-            if isinstance(serialized, Mapping) and "timestamp" not in serialized:
-                # only the model asked for (a sharded weights-only load), or only it saved
-                # (`save_weights_only`: model, integrations, metadata; `save_checkpoint`)
+            # by the checkpoint's shape, not a missing key: `load_ignore_keys` (say
+            # `state/timestamp`) filters a full checkpoint before this call
+            # (composer/utils/checkpoint.py:966-973, 986)
+            if isinstance(serialized, Mapping) and serialized.keys() <= _WEIGHTS_ONLY_KEYS:
+                # only the model asked for (a sharded weights-only load), or only the weights
+                # saved (`save_weights_only`)
                 self._weights_only = ("load_weights_only" if serialized.keys() <= {"model"}
                                       else "save_weights_only")
             return load(serialized, *args, **kwargs)
