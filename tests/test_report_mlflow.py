@@ -84,3 +84,65 @@ def test_an_mlflow_run_without_mlflow_installed_is_one_line(tmp_path, capsys, mo
     out = capsys.readouterr()
     assert out.err == ("error: mlflow:0123abcd: an MLflow run: reading it needs MLflow, not "
                        "installed here (pip install mlflow)\n")
+
+
+class _Logs:
+    """A callback logging `records[step]` at its steps, through Composer's logger."""
+
+    def __new__(cls, records: dict[int, dict[str, float]]):
+        from composer.core import Callback
+
+        class Logs(Callback):
+            def batch_end(self, state, logger) -> None:
+                step = int(state.timestamp.batch) - 1
+                if step in records:
+                    logger.log_metrics(records[step], step)
+
+        return Logs()
+
+
+def test_values_composers_mlflow_logger_skipped_and_renamed_keys_are_read_back(tmp_path):
+    """Composer's MLFlowLogger skips a value equal to a key's last logged within
+    log_duplicated_metric_every_n_steps (here 4) and renames keys by rename_metrics: the report
+    reads back the values the run logged (the reference: the records given to the logger)."""
+    import torch
+    from composer import Trainer
+    from composer.loggers import MLFlowLogger
+    from composer.models import ComposerClassifier
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from foundry_fp8.health import collect
+    from foundry_fp8.report.mlflow_run import load_mlflow, mlflow_run
+
+    under = [0.0, 0.0, 0.0, 0.0, 5.0, 5.0]  # logged at 0, 4 (4 steps on), 8; skipped at 2, 6, 10
+    records = {2 * n: {"fp8_underflow_pct/activation/blocks.0.fc": u,
+                       "fp8_amax/activation/blocks.0.fc": 1.0 + n,
+                       "fp8_underflow_pct/activation/blocks.1.fc": 0.0}
+               for n, u in enumerate(under)}
+    records[0]["fp8_initial_scale/activation/blocks.1.fc"] = 1.0  # a marker, at step 0 only
+    renamed = "fp8_underflow_pct/activation/blocks.1.fc"
+    logger = MLFlowLogger(tracking_uri=f"file://{tmp_path}/mlruns", experiment_name="fp8",
+                          synchronous=True, log_duplicated_metric_every_n_steps=4,
+                          rename_metrics={renamed: "b1_underflow"})
+    data = TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,)))
+    trainer = Trainer(model=ComposerClassifier(nn.Linear(4, 2), num_classes=2),
+                      train_dataloader=DataLoader(data, batch_size=1), max_duration="12ba",
+                      callbacks=[_Logs(records)], loggers=[logger], device="cpu",
+                      progress_bar=False, log_to_console=False)
+    trainer.logger.log_hyperparameters({"loggers": {"mlflow": {
+        "log_duplicated_metric_every_n_steps": 4, "rename_metrics": {renamed: "b1_underflow"}}}})
+    trainer.fit()
+    trainer.close()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file://{tmp_path}/mlruns")
+    held = client.get_metric_history(logger._run_id, "fp8_underflow_pct/activation/blocks.0.fc")
+    assert [m.step for m in held] == [0, 4, 8]  # what Composer's logger sent
+    [run_dir] = (tmp_path / "mlruns").glob("*/*/meta.yaml")
+    ml = mlflow_run(run_dir.parent)
+    assert ml is not None
+    run, _, _ = load_mlflow(ml, print)
+    expected = collect(sorted(records.items()))
+    assert run.values == expected.values
+    assert run.initial == expected.initial
