@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from foundry_fp8 import __version__
+from foundry_fp8.packages import is_ours
 
 SUBCOMMANDS = {
     "lint": ("foundry_fp8.lint.cli", "check LLM-Foundry train YAMLs and Accelerate configs for FP8 mistakes"),
@@ -44,9 +45,6 @@ SUBCOMMANDS = {
 EXIT_BROKEN_PIPE = 141
 #: The exit status of a command Ctrl-C stopped: 128 + SIGINT, as a shell reports it.
 EXIT_INTERRUPTED = 130
-# Top-level packages of this checkout: one of them failing to import is our bug, not a missing
-# dependency (`tests` and `benchmarks`: the checkout's scripts import them).
-OUR_PACKAGES = ("foundry_fp8", "tests", "benchmarks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,7 +225,7 @@ def _not_installed(missing: ModuleNotFoundError) -> int:
     `python -m foundry_fp8.cli`, run with a Python other than the environment foundry-fp8 is
     installed in. One line naming the module and that Python, not a traceback; a module of ours
     that does not import is re-raised (a bug: the traceback is the report)."""
-    if missing.name is None or missing.name.split(".")[0] in OUR_PACKAGES:
+    if is_ours(missing):
         raise missing
     sys.stderr.write(f"foundry-fp8: no module {missing.name!r} in {sys.executable}: run it with "
                      "the Python of the environment foundry-fp8 is installed in (activate its "

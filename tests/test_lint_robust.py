@@ -582,3 +582,48 @@ def test_a_python_without_omegaconf_names_it_not_a_foundry_fp8_bug(tmp_path):
     assert (done.returncode, done.stdout) == (2, ""), done.stdout
     assert done.stderr.count("\n") == 1 and "bug" not in done.stderr
     assert done.stderr.startswith(f"foundry-fp8: no module 'omegaconf' in {sys.executable}: ")
+
+
+@pytest.mark.parametrize(("name", "ours"), [
+    ("foundry_fp8.te.backend", True), ("tests.fake_te", True), ("benchmarks.x", True),
+    ("benchmarks", True), (None, True),  # unnamed: nothing to name, so reported as our bug
+    ("omegaconf", False), ("transformer_engine.pytorch", False),
+    ("foundry_fp8x", False), ("benchmarks_extra.y", False),  # a prefix is not the package
+])
+def test_the_cli_and_the_linter_agree_on_which_missing_module_is_ours(monkeypatch, capsys,
+                                                                       tmp_path, name, ours):
+    """One predicate (review, QA 17): the linter's per-file line counted only `foundry_fp8` as
+    ours, the CLI `foundry_fp8`, `tests` and `benchmarks`; `benchmarks.x` missing was a
+    dependency to the linter and our bug to the CLI. Ours: a per-file bug line in the linter,
+    the traceback from the CLI; any other module: the CLI's one line, exit 2."""
+    import argparse
+
+    from foundry_fp8 import cli as main_cli
+    from foundry_fp8.lint import cli as lint_cli
+
+    missing = ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise missing
+
+    monkeypatch.setattr(lint_cli, "lint_file", fails)
+    path = tmp_path / "train.yaml"
+    path.write_text("precision: amp_fp8\n")
+    try:
+        code = lint_cli.run(argparse.Namespace(paths=[str(path)], format="text"))
+        linter_says_ours = True
+        assert code == 2 and "this is a foundry-fp8 bug" in capsys.readouterr().err
+    except ModuleNotFoundError as raised:
+        assert raised is missing
+        linter_says_ours = False
+    try:
+        assert main_cli._not_installed(missing) == 2
+        cli_says_ours = False
+        err = capsys.readouterr().err
+        assert err == (f"foundry-fp8: no module {name!r} in {sys.executable}: run it with the "
+                       "Python of the environment foundry-fp8 is installed in (activate its "
+                       "venv), or install it into this one (pip install -e <checkout>)\n"), err
+    except ModuleNotFoundError as raised:
+        assert raised is missing
+        cli_says_ours = True
+    assert (linter_says_ours, cli_says_ours) == (ours, ours)

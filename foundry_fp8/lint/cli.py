@@ -55,6 +55,7 @@ from foundry_fp8.lint.rules.mcli import (
     pinned_te_findings,
     pins,
 )
+from foundry_fp8.packages import is_ours
 
 __all__ = ["LintInputError", "add_arguments", "lint_file", "run"]
 
@@ -263,8 +264,7 @@ def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
             return lint_file(STDIN, fsdp_version, snapshot, wandb_mode, text, gpus)
         return lint_file(path, fsdp_version, snapshot, wandb_mode, gpus=gpus)
     except Exception as e:
-        if isinstance(e, ModuleNotFoundError) and e.name is not None \
-                and e.name.split(".")[0] != "foundry_fp8":
+        if isinstance(e, ModuleNotFoundError) and not is_ours(e):
             raise  # a dependency this Python lacks, for every file: the CLI's one line says so
         return _error_entry(path, f"{path}: the linter failed on this file ({type(e).__name__}: "
                             f"{first_line(e)}); this is a foundry-fp8 bug: please report it "
