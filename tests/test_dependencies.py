@@ -58,7 +58,8 @@ def floor(name: str) -> Version | None:
 #: Imports reached only through an object of that package the user's run already holds: the
 #: package is there whenever the import runs, and declaring it would install it for everyone.
 BROUGHT_BY_THE_RUN = {
-    "mlflow": "composer/destinations.py, only for Composer's MLFlowLogger (which imports mlflow)",
+    "mlflow": "composer/destinations.py, only for Composer's MLFlowLogger (which imports mlflow); "
+              "report/mlflow_run.py, only when the user names an MLflow run (one line without it)",
 }
 
 
