@@ -127,6 +127,9 @@ TORCHAO_MIN: Version = (0, 6, 1)
 #: FP8BackendType's values (src/accelerate/utils/dataclasses.py, v1.9.0 to main), which
 #: Accelerator.fp8_backend looks ACCELERATE_FP8_BACKEND up in as written.
 FP8_BACKENDS = ("TE", "MSAMP", "AO")
+#: MS-AMP's opt levels, as OptLevel (src/accelerate/utils/dataclasses.py:291, v1.8.1) and
+#: DeepSpeedPlugin (:1274) accept them, case included.
+MSAMP_OPT_LEVELS = ("O1", "O2")
 
 
 @dataclass(frozen=True)
@@ -284,8 +287,11 @@ def _deepspeed_precision(inp: AccelerateInput) -> str:
       "precision (bf16, or the JSON's fp16) until 1.11 (fixed by PR #3688), so Accelerator() never enabled "
       "FP8 from a config (issue #3360, PR #3714); in 1.0-1.3 fp8_backend needed that same "
       "value, in 1.4-1.7 an auto-created recipe was never marked as an FP8 handler (any "
-      "distributed type; fixed by PR #3611 in 1.8). Judged against the Accelerate installed "
-      "where the linter runs; a warning when it is not installed.",
+      "distributed type; fixed by PR #3611 in 1.8). Not under DeepSpeed with backend MSAMP: "
+      "DeepSpeedPlugin turns MS-AMP on from ACCELERATE_FP8_BACKEND and Accelerator.fp8_backend "
+      "returns MSAMP from it (dataclasses.py:1190, accelerator.py:3969-3970 in v1.8.1; the "
+      "same from v1.0.0). Judged against the Accelerate installed where the linter runs; a "
+      "warning when it is not installed.",
       source=f"{ACC} src/accelerate/state.py AcceleratorState.mixed_precision; "
       "src/accelerate/accelerator.py Accelerator.__init__ and fp8_backend; "
       "https://github.com/huggingface/accelerate/issues/3360; "
@@ -298,6 +304,9 @@ def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     if not _fp8(acc):
         return
     shown = f"accelerate {dotted(version)}" if version else "accelerate"
+    backend = _backend(acc)
+    if _deepspeed(acc) and backend is not None and backend.value == "MSAMP":
+        return  # DeepSpeedPlugin runs MS-AMP itself from ACCELERATE_FP8_BACKEND (FP8122)
     if _deepspeed(acc) and (version is None or version < FP8_FROM_CONFIG_UNDER_DEEPSPEED):
         ds = _deepspeed_precision(inp)
         yield Hit("mixed_precision", f"under DeepSpeed, {shown}"
@@ -822,3 +831,87 @@ def torchao_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
                   "raises AttributeError ('AcceleratorState' object has no attribute "
                   "'fsdp_plugin')", severity=severity,
                   fix="use accelerate>=1.9 with fp8_config.backend: TE, or uninstall torchao")
+
+
+@rule("FP8121", "error", "a DeepSpeed JSON without `zero_optimization`",
+      why="DeepSpeedPlugin raises 'Please specify the ZeRO optimization config in the DeepSpeed "
+      "config.' at Accelerator() when the file has no zero_optimization section (the same in "
+      "v0.34.2-v1.14.0); DeepSpeed itself does without one, so a DeepSpeed JSON linted on its "
+      "own gets a warning.",
+      source=f"{ACC} src/accelerate/utils/dataclasses.py:1206-1207 DeepSpeedPlugin.__post_init__ "
+      "(v1.8.1; :1274-1275 in v1.14.0)",
+      fix='add "zero_optimization": {"stage": N} to the DeepSpeed JSON', family="accelerate")
+def deepspeed_no_zero(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    ds = inp.deepspeed
+    if ds is None or "zero_optimization" in ds:
+        return
+    if inp.accelerate:
+        yield Hit(DS_FILE_KEY, f"{inp.deepspeed_path}: has no zero_optimization: Accelerate's "
+                  "DeepSpeedPlugin raises ValueError 'Please specify the ZeRO optimization "
+                  "config in the DeepSpeed config.' at Accelerator()")
+    else:
+        yield Hit(next(iter(map(str, ds)), ""), "this DeepSpeed JSON has no zero_optimization: "
+                  "Accelerate refuses it at Accelerator() ('Please specify the ZeRO optimization "
+                  "config in the DeepSpeed config.'); DeepSpeed alone accepts it",
+                  severity="warning")
+
+
+def _msamp_zero3(inp: AccelerateInput) -> str | None:
+    """The key that makes DeepSpeedPlugin's zero_stage 3 when it checks MS-AMP (None: another
+    stage): the DeepSpeed JSON's stage as JSON gives it (`"3"` is not 3) unless absent or
+    `auto`, else the config's zero_stage, which the launcher exports and the plugin int()s."""
+    ds_stage = section(inp.deepspeed, "zero_optimization").get("stage") \
+        if inp.deepspeed is not None else None
+    if ds_stage is not None and _text(ds_stage) != "auto":
+        three = ds_stage == 3 and not isinstance(ds_stage, bool)
+        return _ds_where(inp, "zero_optimization.stage")[0] if three else None
+    stage = section(inp.accelerate, "deepspeed_config").get("zero_stage")
+    return "deepspeed_config.zero_stage" if str(stage).strip() == "3" else None
+
+
+@rule("FP8122", "error", "MS-AMP settings Accelerate refuses (`opt_level` not O1/O2, ZeRO-3 "
+      "under DeepSpeed)",
+      why="Under DeepSpeed, DeepSpeedPlugin turns MS-AMP on when ACCELERATE_FP8_BACKEND is "
+      "exactly MSAMP and the DeepSpeed JSON has no `msamp` block, then raises "
+      "NotImplementedError for ZeRO stage 3 and ValueError for an opt_level other than O1 or O2 "
+      "(v1.0.0-v1.14.0; its default is O1). Outside DeepSpeed MSAMPRecipeKwargs (FP8RecipeKwargs "
+      "before 1.4) raises ValueError for such an opt_level when Accelerator() builds it from "
+      "the config: for backend MSAMP in 1.0-1.3 and from 1.9 (1.4-1.8 pick the backend by what "
+      "is installed, FP8103/FP8115). Judged against the installed Accelerate outside "
+      "DeepSpeed; a warning there when it is not installed.",
+      source=f"{ACC} src/accelerate/utils/dataclasses.py:1190-1193 and :1268-1276 "
+      "DeepSpeedPlugin.__post_init__, :395-406 MSAMPRecipeKwargs (v1.8.1); "
+      "src/accelerate/accelerator.py:466-473 Accelerator.__init__ (v1.9.0), :436-437 (v1.2.0)",
+      fix="opt_level O1 or O2; ZeRO stage 0, 1 or 2 with MS-AMP", family="accelerate")
+def msamp_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    backend = _backend(acc)
+    written = None if backend is None else str(backend.value)
+    level = setting(acc, "fp8_config", "opt_level")
+    bad_level = level is not None and str(level.value) not in MSAMP_OPT_LEVELS
+    if _deepspeed(acc):
+        if written != "MSAMP" or not (_fp8(acc) or "deepspeed_config_file"
+                                      in section(acc, "deepspeed_config")):
+            return  # no MS-AMP: mixed_precision fp8 comes from the CLI with a DeepSpeed file
+        if inp.deepspeed is not None and "msamp" in inp.deepspeed:
+            return  # DeepSpeedPlugin leaves a JSON's own msamp block unchecked
+        where = _msamp_zero3(inp)
+        if where:
+            yield Hit(where, "ZeRO stage 3 with fp8_config.backend MSAMP: Accelerate's "
+                      "DeepSpeedPlugin raises NotImplementedError 'MS-AMP is not supported for "
+                      "ZeRO Stage 3' at Accelerator()")
+        if bad_level:
+            yield Hit(level.key, f"{level.value!r:.40} with fp8_config.backend MSAMP under "
+                      "DeepSpeed: DeepSpeedPlugin raises ValueError 'Invalid optimization level "
+                      "for MS-AMP' at Accelerator()")
+        return
+    if not (_fp8(acc) and bad_level and written) or _sagemaker(acc):
+        return
+    old = version is not None and version < DS_RECIPE_FROM_FP8_RECIPE_KWARGS_ONLY
+    if not (written.upper() == "MSAMP" if old or version is None else written == "MSAMP"
+            and version >= BACKEND_READ):
+        return
+    shown = f"accelerate {dotted(version)}" if version else "Accelerate 1.0-1.3 and >= 1.9"
+    yield Hit(level.key, f"{level.value!r:.40} with backend MSAMP: {shown} builds MS-AMP's "
+              "recipe from the config and raises ValueError ('opt_level must be one of O1 or "
+              "O2') at Accelerator()", severity=None if version else "warning")
