@@ -9,6 +9,7 @@ import logging
 import re
 
 import pytest
+import torch
 
 from foundry_fp8.composer.state import FP8StateError, fp8_state_from_checkpoint
 from tests.tiny_run import run_folder, run_tiny, tiny_config
@@ -183,3 +184,38 @@ def test_a_bf16_checkpoint_saved_with_fp8_state_in_the_yaml_resumes_fresh_with_a
     for name, tensors in resumed.items():  # one update since the fresh start: the last row
         history = tensors["fwd_amax_history"][:, 0]
         assert (history[1:3] == 0).all() and history[3] > 0, name
+
+
+def test_a_full_resume_restarting_the_step_count_restores_the_fp8_state_without_a_warning(
+        tmp_path, tiny_data):
+    """`load_ignore_keys: [state/timestamp]` (a full resume restarting the step count, a new
+    data mix): Composer drops the timestamp before `load_state_dict`
+    (composer/utils/checkpoint.py:966-973, 986), and fp8_state took the load for one of a
+    checkpoint saved with save_weights_only: its warning said FP8 state started fresh while
+    the entry was restored."""
+    swap = {"te_swap": {"fp8_recipe": {"amax_history_len": 4}}}
+    run_tiny(tmp_path, tiny_data, {"variables": {"run_name": "first"}, "max_duration": "3ba",
+                                   "save_interval": "3ba", "eval_interval": "3ba",
+                                   "algorithms": swap})
+    checkpoint = str(run_folder(tmp_path, "first") / "checkpoints" / "ep0-ba3-rank0.pt")
+    handler, logger = _Lines(), logging.getLogger("foundry_fp8.composer.state")
+    logger.addHandler(handler)
+    try:
+        trainer = run_tiny(tmp_path, tiny_data, {
+            "variables": {"run_name": "restarted"}, "max_duration": "1ba",
+            "save_interval": "1ba", "eval_interval": "1ba", "algorithms": swap,
+            "load_path": checkpoint, "load_ignore_keys": ["state/timestamp"]})
+    finally:
+        logger.removeHandler(handler)
+    assert int(trainer.state.timestamp.batch) == 1  # the step count did restart
+    assert handler.lines == []
+    first = fp8_state_from_checkpoint(checkpoint)
+    restarted = fp8_state_from_checkpoint(
+        run_folder(tmp_path, "restarted") / "checkpoints" / "ep0-ba1-rank0.pt")
+    assert first.keys() == restarted.keys() and len(restarted) == 8
+    # restored, then one update: the first run's rows 2-3 moved up to rows 1-2, this batch's
+    # amax in row 3 (a fresh start holds 0 in rows 1-2, as the weights-only fine-tune's above)
+    for name in restarted:
+        before, after = (s[name]["fwd_amax_history"][:, 0] for s in (first, restarted))
+        assert (before[2:] > 0).all() and torch.equal(after[1:3], before[2:]), name
+        assert after[3] > 0, name
