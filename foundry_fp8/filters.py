@@ -64,6 +64,30 @@ def module_filter_fn(section: str, layers: str | None, exclude: str | None,
 
 # -- te_swap's decision for one module -------------------------------------------------------
 
+#: The te_swap options a keep reason can name to relax, in the order advice lists them.
+RELAXABLE = ("keep_first/last_blocks", "include", "exclude", "min_gemm_size", "module_filter_fn",
+             "keep_lm_head")
+
+
+class Reason(str):
+    """Why te_swap keeps a module (its words), with what would convert it, kept here beside the
+    words so that te_swap's refusal advises from this and never from the wording: `relax`, the
+    te_swap option that kept it (one of RELAXABLE); `fix`, another change that converts it; both None where
+    nothing does (keyword-only, no defaults: each reason says so explicitly)."""
+
+    relax: str | None
+    fix: str | None
+
+    def __new__(cls, text: str, *, relax: str | None, fix: str | None) -> Reason:
+        reason = super().__new__(cls, text)
+        reason.relax, reason.fix = relax, fix
+        return reason
+
+    def __getnewargs_ex__(self) -> tuple[tuple[str], dict[str, str | None]]:
+        """So that a plan pickles and copies with its advice."""
+        return (str(self),), {"relax": self.relax, "fix": self.fix}
+
+
 #: A module inside a transformer block: `...blocks.<index>.` (LLM-Foundry's MPTModel.blocks),
 #: `...layers.<index>.` (Hugging Face's Llama, Mistral, Qwen2, Gemma, GPT-NeoX, OPT decoders, as
 #: LLM-Foundry's `hf_causal_lm` builds them) or `...h.<index>.` (Falcon, BLOOM; GPT-2's are
@@ -80,20 +104,21 @@ def block_index(name: str) -> int | None:
 
 
 def filter_reason(name: str, config: SwapConfig, n_blocks: int,
-                  module: Any = None) -> str | None:
+                  module: Any = None) -> Reason | None:
     """Reasons shared by every kind: block position, regexes, the user's filter (`module` is
     what it is given; the linter has none, and a YAML cannot give a filter function)."""
     block = block_index(name)
     if block is not None and (block < config.keep_first_blocks
                               or block >= n_blocks - config.keep_last_blocks):
-        return f"block {block} kept in high precision (keep_first/last_blocks)"
+        return Reason(f"block {block} kept in high precision (keep_first/last_blocks)",
+                      relax="keep_first/last_blocks", fix=None)
     if config.include and not search(f"{config.PATH}.include", config.include, name):
-        return "not matched by include"
+        return Reason("not matched by include", relax="include", fix=None)
     if config.exclude and search(f"{config.PATH}.exclude", config.exclude, name):
-        return "matched by exclude"
+        return Reason("matched by exclude", relax="exclude", fix=None)
     if (config.module_filter_fn is not None
             and not _user_filter(config.module_filter_fn, config.PATH, module, name)):
-        return "rejected by module_filter_fn"
+        return Reason("rejected by module_filter_fn", relax="module_filter_fn", fix=None)
     return None
 
 
@@ -110,16 +135,16 @@ def _user_filter(fn: Callable[[Any, str], Any], path: str, module: Any, name: st
             f"{name!r}", "make it return True or False for every module it is given")) from error
 
 
-def shape_reason(in_features: int, out_features: int) -> str | None:
+def shape_reason(in_features: int, out_features: int) -> Reason | None:
     """TE's FP8 GEMM rule (`foundry_fp8.shapes`) on a weight [out, in]: in % 16, and out % 16
     too, since out is the last dim of the output gradient the backward GEMMs read."""
     if not (dim_fits_fp8(in_features) and dim_fits_fp8(out_features)):
-        return (f"shape {out_features}x{in_features} breaks TE's FP8 rule "
-                f"(weight dims divisible by {FP8_DIM_MULTIPLE})")
+        return Reason(f"shape {out_features}x{in_features} breaks TE's FP8 rule (weight dims "
+                      f"divisible by {FP8_DIM_MULTIPLE})", relax=None, fix=None)
     return None
 
 
-def gemm_reason(in_features: int, out_features: int, config: SwapConfig) -> str | None:
+def gemm_reason(in_features: int, out_features: int, config: SwapConfig) -> Reason | None:
     """Why te_swap keeps a GEMM of these dims: its shape, the tokens per micro-batch, its
     size."""
     shape = shape_reason(in_features, out_features)
@@ -127,48 +152,61 @@ def gemm_reason(in_features: int, out_features: int, config: SwapConfig) -> str 
         return shape
     tokens = config.tokens_per_microbatch
     if tokens is not None and not tokens_fit_fp8(tokens):
-        return (f"{tokens} tokens per micro-batch breaks TE's FP8 rule (divisible by "
-                f"{FP8_TOKEN_MULTIPLE})")
+        # the data's size, not a filter: the micro-batch is what to change
+        return Reason(f"{tokens} tokens per micro-batch breaks TE's FP8 rule (divisible by "
+                      f"{FP8_TOKEN_MULTIPLE})", relax=None,
+                      fix=f"make the tokens per micro-batch a multiple of {FP8_TOKEN_MULTIPLE}")
     if min(in_features, out_features) < config.min_gemm_size:
-        return f"smaller than min_gemm_size {config.min_gemm_size}"
+        return Reason(f"smaller than min_gemm_size {config.min_gemm_size}",
+                      relax="min_gemm_size", fix=None)
     return None
 
 
-def backend_reason(config: SwapConfig, what: str) -> str | None:
+def backend_reason(config: SwapConfig, what: str, fix: str | None) -> Reason | None:
+    """`what` needs TE; `fix`: the change that puts it in FP8, None where TE's module is not
+    FP8 either."""
     if config.backend != "te":
-        return f"{what} needs backend te (the emulated backend converts linear layers only)"
+        return Reason(f"{what} needs backend te (the emulated backend converts linear layers "
+                      "only)", relax=None, fix=fix)
     return None
 
 
 def linear_reason(name: str, in_features: int, out_features: int, config: SwapConfig,
                   n_blocks: int, module: Any = None, *, lm_head: bool | None = None
-                  ) -> str | None:
+                  ) -> Reason | None:
     """Why te_swap keeps a linear layer in high precision; None: it converts it. Only the
     blocks' linears and the LM head are candidates. `lm_head`: whether this is the model's LM
     head (the plan asks the model: GPT-NeoX's is `embed_out`); None: named `...lm_head`."""
     head = name.endswith("lm_head") if lm_head is None else lm_head
     if block_index(name) is None and not head:
-        return ("outside the transformer blocks ("
-                + ", ".join(f"{c}.<n>" for c in BLOCK_CONTAINERS) + " in module names)")
+        return Reason("outside the transformer blocks ("
+                      + ", ".join(f"{c}.<n>" for c in BLOCK_CONTAINERS) + " in module names)",
+                      relax=None, fix=None)
     if head and config.keep_lm_head:
-        return "LM head kept in high precision (keep_lm_head)"
+        return Reason("LM head kept in high precision (keep_lm_head)", relax="keep_lm_head",
+                      fix=None)
     return (filter_reason(name, config, n_blocks, module)
             or gemm_reason(in_features, out_features, config))
 
 
 def layernorm_reason(name: str, has_bias: bool, config: SwapConfig, n_blocks: int,
-                     module: Any = None) -> str | None:
+                     module: Any = None) -> Reason | None:
     """Why te_swap's `convert_layernorm` keeps a LayerNorm (te_swap also keeps those still on
     the meta device); None: it converts it."""
-    return (backend_reason(config, "convert_layernorm")
+    # te.LayerNorm is no FP8 module: switching the backend puts nothing more in FP8
+    return (backend_reason(config, "convert_layernorm", None)
             or filter_reason(name, config, n_blocks, module)
-            or (None if has_bias else "no bias: te.LayerNorm always trains one"))
+            or (None if has_bias else Reason("no bias: te.LayerNorm always trains one",
+                                             relax=None, fix=None)))
 
 
 def fuse_reason(name: str, in_features: int, out_features: int, config: SwapConfig,
-                n_blocks: int, module: Any = None) -> str | None:
+                n_blocks: int, module: Any = None) -> Reason | None:
     """Why te_swap's `fuse_ln_mlp` does not fuse a block's norm_2 + MLP (`name`: the ffn; the
     dims: its up_proj's) that it could fuse (te_swap also declines those on the meta device)."""
-    return (backend_reason(config, "fuse_ln_mlp")
-            or filter_reason(name, config, n_blocks, module)
+    kept = (filter_reason(name, config, n_blocks, module)
             or gemm_reason(in_features, out_features, config))
+    # TE's fused LayerNormMLP is FP8 under amp_fp8: the fix, unless kept on TE too
+    return (backend_reason(config, "fuse_ln_mlp",
+                           None if kept else "set backend te and precision amp_fp8")
+            or kept)

@@ -26,6 +26,8 @@ from torch.optim import Optimizer
 
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_checkpoint
 from foundry_fp8.filters import (
+    RELAXABLE,
+    Reason,
     block_index,
     fuse_reason,
     layernorm_reason,
@@ -321,7 +323,9 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                                    n_blocks, ffn)
                        or _meta_init_reason(model, up))
             if why is not None:  # a note only: its linears are planned one by one below
-                decisions.append(Decision(f"{name}.ffn", "ln_mlp", False, f"not fused: {why}",
+                note = (Reason(f"not fused: {why}", relax=why.relax, fix=why.fix)
+                        if isinstance(why, Reason) else f"not fused: {why}")
+                decisions.append(Decision(f"{name}.ffn", "ln_mlp", False, note,
                                           0, 0, 0))  # 0 FLOPs: its linears are counted
                 continue
             fused.update(f"{name}.{part}" for part in ("norm_2", "ffn.up_proj", "ffn.down_proj"))
@@ -704,20 +708,16 @@ def _torch_checkpointed(model: nn.Module) -> list[tuple[str, nn.Module, functool
     return found
 
 
-#: A keep reason's words (filters.py) and the te_swap option that would convert those layers.
-_RELAXED_BY = (("keep_first/last_blocks", "keep_first/last_blocks"),
-               ("by include", "include"), ("by exclude", "exclude"),
-               ("min_gemm_size", "min_gemm_size"), ("module_filter_fn", "module_filter_fn"),
-               ("(keep_lm_head)", "keep_lm_head"), ("tokens per micro-batch", "tokens_per_microbatch"))
-
-
 def _refusal(precision: str, plan: SwapPlan) -> str:
+    """The advice comes from the reasons' own `relax`/`fix` (filters.Reason); this module's
+    reasons (Conv1D, tied head, MoE, adapters, ...) are plain words: nothing converts those."""
     if precision == "amp_fp8" or plan.backend == "emulate":
         reasons = sorted({d.reason for d in plan.decisions})
-        options = [option for words, option in _RELAXED_BY
-                   if any(words in reason for reason in reasons)]
-        fix = (f"relax {', '.join(options)}" if options else
-               "no te_swap option converts these layers")
+        advised = [d.reason for d in plan.decisions if isinstance(d.reason, Reason)]
+        relaxed = [o for o in RELAXABLE if any(r.relax == o for r in advised)]
+        fixes = ([f"relax {', '.join(relaxed)}"] if relaxed else []) + sorted(
+            {r.fix for r in advised if r.fix is not None})
+        fix = ", or ".join(fixes) or "no te_swap option converts these layers"
         return (f"te_swap: precision {precision} but no module would run in FP8 (every layer "
                 f"kept: {'; '.join(reasons) or 'no linear layers'}); {fix}, or do not ask "
                 "for FP8")
