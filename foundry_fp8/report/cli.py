@@ -39,6 +39,7 @@ from foundry_fp8.report.markdown import (
     fallback_steps,
     findings,
     first_flagged,
+    first_flags,
     fmt,
     in_high_precision,
     layer_names,
@@ -181,7 +182,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     guard = guard_run(series, hparams, hparams_file, warn, run.later_attempt)
     mark_high_precision(run, guard)
     flags = replay(run, HealthTracker(thresholds))
-    first = min(flags, key=lambda f: f.step, default=None)
+    first = next(iter(first_flags(flags)), None)
     dump = first_dump(flags, folder, hparams)
     chosen = choose_layers(run, matching, (first.layer, first.step) if first else None)
     if not chosen:

@@ -82,6 +82,12 @@ def fmt(stat: str, value: float) -> str:
 FIRST_SHOWN = 3
 
 
+def first_flags(flags: list[Flag]) -> list[Flag]:
+    """The flags of the first flagged step, in the flags' order: where a divergence began."""
+    step = min((f.step for f in flags), default=None)
+    return [f for f in flags if f.step == step]
+
+
 def first_flagged(run: RunMetrics, flags: list[Flag], names: dict[str, str],
                   markdown: bool = False, dump: tuple[Flag, Path] | None = None) -> str | None:
     """`First flagged at step S: <layer> <tensor> <stat> <value> (<rule>), ...`: where a
@@ -89,10 +95,9 @@ def first_flagged(run: RunMetrics, flags: list[Flag], names: dict[str, str],
     NaN the one spike that started it (1 flagged step) came after every layer's NaN rows and
     past the terminal's first MAX_PRINTED; it is the line to read first. `dump`: a flag of that
     step and fp8_stats' dump holding its tensor there, named last."""
-    if not flags:
+    if not (first := first_flags(flags)):
         return None
-    step = min(f.step for f in flags)
-    first = [f for f in flags if f.step == step]
+    step = first[0].step
     kinds = short_names(run.tensors)
 
     def said(f: Flag) -> str:
