@@ -49,6 +49,16 @@ TE_RECIPE_DEFAULTS: dict[str, Any] = {
     "margin": 0, "interval": 1, "override_linear_precision": (False, False, False),
     "use_autocast_during_eval": False, "use_mxfp8_block_scaling": False,
 }
+#: How TERecipeKwargs.__post_init__ reads each ACCELERATE_FP8_* value (src/accelerate/utils/
+#: dataclasses.py:363-389, v1.8.1; the same v0.34.2-v1.14.0): int() for these, the truth values
+#: of str_to_bool (utils/environment.py:59-71) for the flags, and the case it folds the two
+#: choices to before checking them against FP8Format / AmaxComputeAlgorithm (:292-293).
+TE_RECIPE_INTS = ("margin", "interval", "amax_history_len")
+TE_RECIPE_FLAGS = ("use_autocast_during_eval", "use_mxfp8_block_scaling")
+TRUTH = (("y", "yes", "t", "true", "on", "1"), ("n", "no", "f", "false", "off", "0"))
+TE_RECIPE_CASE = {"fp8_format": "upper", "amax_compute_algo": "lower"}
+TE_RECIPE_CHOICES = {"fp8_format": ("HYBRID", "E4M3", "E5M2"),
+                     "amax_compute_algo": ("max", "most_recent")}
 #: accelerate-yaml `deepspeed_config` keys refused next to `deepspeed_config_file`
 #: (DeepSpeedPlugin._deepspeed_config_checks), plus a top-level `mixed_precision`.
 DS_FILE_EXCLUSIVE = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage",
@@ -333,10 +343,56 @@ def _custom(key: str, value: Any) -> bool:
         values = value if isinstance(value, (list, tuple)) else [value]
         return any(_is_true(v) for v in values)
     if isinstance(default, bool):
-        return _is_true(value)
+        return bool(_str_to_bool(str(value)))
     if isinstance(default, str):
         return _text(value) != default.lower()
     return value != default and str(value) != str(default)
+
+
+def _as_read(key: str, value: Any) -> Any:
+    """A recipe value as TERecipeKwargs holds it: fp8_format upper-cased, amax_compute_algo
+    lower-cased (dataclasses.py:375 and :380, v1.8.1; the same v0.34.2-v1.14.0), an integer
+    written as a string int()ed."""
+    if key in TE_RECIPE_CASE:
+        return getattr(str(value), TE_RECIPE_CASE[key])()
+    if key in TE_RECIPE_INTS and isinstance(value, str) and _int_reads(value):
+        return int(value)
+    return value
+
+
+def _str_to_bool(text: str) -> bool | None:
+    """Accelerate's str_to_bool (utils/environment.py:59-71, v1.8.1); None where it raises."""
+    text = text.lower()
+    return True if text in TRUTH[0] else False if text in TRUTH[1] else None
+
+
+def _int_reads(text: str) -> bool:
+    """Does int() read this exported text, as TERecipeKwargs does (`1_000` yes, `1.0` no)?"""
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _unparsable(acc: Mapping[str, Any]) -> dict[str, str]:
+    """TE recipe key -> why TERecipeKwargs cannot read the value the launcher exports for it
+    (str() of the YAML value): int() for the integers, str_to_bool for the flags, the case-folded
+    value for fp8_format and amax_compute_algo."""
+    problems = {}
+    for item in launch_settings(acc, "fp8_config"):
+        key = "fp8_format" if item.name == "format" else item.name
+        text = str(item.value)
+        if key in TE_RECIPE_INTS and not _int_reads(text):
+            problems[key] = f"int({text!r:.40}) raises ValueError"
+        elif key in TE_RECIPE_FLAGS and _str_to_bool(text) is None:
+            problems[key] = f"str_to_bool({text!r:.40}) raises ValueError ('invalid truth value')"
+        elif key in TE_RECIPE_CHOICES and _as_read(key, text) not in TE_RECIPE_CHOICES[key]:
+            problems[key] = (f"{_as_read(key, text)!r:.40} is not one of "
+                             f"{', '.join(TE_RECIPE_CHOICES[key])}: ValueError")
+        else:
+            problems.pop(key, None)  # the later of two spellings is what the launcher exports
+    return problems
 
 
 def _recipe_items(acc: Mapping[str, Any]) -> dict[str, Setting]:
@@ -434,7 +490,10 @@ def recipe_values(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     override = items.get("override_linear_precision")
     if override and isinstance(override.value, str):
         items.pop("override_linear_precision")  # FP8110: the launcher fails first
-    for problem in recipe_problems({key: item.value for key, item in items.items()}):
+    for key in _unparsable(inp.accelerate):
+        items.pop(key, None)  # FP8123: TERecipeKwargs fails first
+    for problem in recipe_problems({key: _as_read(key, item.value)
+                                    for key, item in items.items()}):
         where = items[problem.key].key if problem.key in items else f"fp8_config.{problem.key}"
         yield Hit(where, problem.message, fix=problem.fix)
 
@@ -915,3 +974,33 @@ def msamp_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     yield Hit(level.key, f"{level.value!r:.40} with backend MSAMP: {shown} builds MS-AMP's "
               "recipe from the config and raises ValueError ('opt_level must be one of O1 or "
               "O2') at Accelerator()", severity=None if version else "warning")
+
+
+@rule("FP8123", "error", "an `fp8_config` value TERecipeKwargs cannot read (`margin: 0.5`, "
+      "`interval: 1.0`, `use_autocast_during_eval: maybe`)",
+      why="The launcher exports str() of each fp8_config value, and TERecipeKwargs, which "
+      "Accelerator() builds from those variables for the TE backend, reads margin, interval and "
+      "amax_history_len with int() (`1.0` and `1e3` raise), the flags with str_to_bool, and "
+      "fp8_format/amax_compute_algo after upper()/lower() against its choices (so `MAX` and "
+      "`e4m3` are accepted, `HYBRID ` is not): ValueError at Accelerator(). Not under DeepSpeed "
+      "before 1.11, which builds no recipe from the config (FP8103). A warning where torchao, "
+      "installed here, may be taken instead.",
+      source=f"{ACC} src/accelerate/utils/dataclasses.py:363-389 TERecipeKwargs.__post_init__, "
+      "src/accelerate/utils/environment.py:59-86 str_to_bool/parse_flag_from_env, "
+      "src/accelerate/utils/launch.py:82-97 setup_fp8_env (v1.8.1; the same v0.34.2-v1.14.0)",
+      fix="write integers as integers (margin: 0), flags as true/false, fp8_format HYBRID, E4M3 "
+      "or E5M2, amax_compute_algo max or most_recent", family="accelerate")
+def te_recipe_unparsable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    if not (_fp8(acc) and _te_backend(acc)) or _sagemaker(acc):
+        return
+    if _deepspeed(acc) and (version is None or version < FP8_FROM_CONFIG_UNDER_DEEPSPEED):
+        return
+    backend = _backend(acc)
+    explicit = backend is not None and backend.value == "TE" and version is not None \
+        and version >= BACKEND_READ
+    for key, why in _unparsable(acc).items():
+        item = setting(acc, "fp8_config", "format" if key == "fp8_format" else key)
+        where = item.key if item else f"fp8_config.{key}"
+        yield Hit(where, f"TERecipeKwargs cannot read it: {why} at Accelerator()",
+                  severity="warning" if inp.torchao and not explicit else None)
