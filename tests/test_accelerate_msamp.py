@@ -1,12 +1,15 @@
-"""FP8121/FP8122 and MS-AMP under DeepSpeed (FP8103): each verdict is checked against
+"""FP8121/FP8122/FP8124 and MS-AMP under DeepSpeed (FP8103): each verdict is checked against
 Accelerate's own DeepSpeedPlugin / MSAMPRecipeKwargs, run on CPU with the environment the launcher
 would export for the same config (its setup_fp8_env)."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import json
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +149,33 @@ def test_msamp_opt_level_outside_deepspeed(level, version, severity, monkeypatch
             if f.rule == "FP8122"]
     assert refused == (level not in ("O1", "O2"))
     assert hits == ([("fp8_config.opt_level", severity)] if severity else [])
+
+
+def _calls(node: ast.AST) -> set[str]:
+    return {n.func.attr for n in ast.walk(node)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+
+
+def test_msamp_under_fsdp2_is_never_applied_by_accelerate():
+    """Reference: the installed Accelerate's own prepare(): the FSDP2 branch calls
+    _prepare_fsdp2, which never calls _prepare_msamp (only the plain branch does)."""
+    from accelerate import Accelerator
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Accelerator.prepare)))
+    branch = next(n for n in ast.walk(tree) if isinstance(n, ast.If)
+                  and "is_fsdp2" in ast.unparse(n.test) and "_prepare_fsdp2" in _calls(n))
+    assert "_prepare_msamp" not in _calls(ast.Module(branch.body, []))
+    assert "_prepare_msamp" in _calls(ast.Module(branch.orelse, []))
+    fsdp2 = ast.parse(textwrap.dedent(inspect.getsource(Accelerator._prepare_fsdp2)))
+    assert "_prepare_msamp" not in _calls(fsdp2) and "msamp" not in ast.unparse(fsdp2)
+
+    acc = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+           "mixed_precision": "fp8", "fp8_config": {"backend": "MSAMP"},
+           "fsdp_config": {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": False}}
+    hits = lambda acc, version: [(f.key, f.severity) for f in lint_accelerate(  # noqa: E731
+        lint_input(acc, version=version)) if f.rule == "FP8124"]
+    assert hits(acc, (1, 9, 0)) == [("fsdp_config.fsdp_version", "error")]
+    assert hits(acc, None) == [("fsdp_config.fsdp_version", "warning")]
+    assert hits(acc, (1, 8, 1)) == []  # the backend is not read: MS-AMP only by what is installed
+    assert hits({**acc, "fsdp_config": {"version": 1}}, (1, 9, 0)) == []
+    assert hits({**acc, "fp8_config": {"backend": "TE"}}, (1, 9, 0)) == []

@@ -1004,3 +1004,29 @@ def te_recipe_unparsable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
         where = item.key if item else f"fp8_config.{key}"
         yield Hit(where, f"TERecipeKwargs cannot read it: {why} at Accelerator()",
                   severity="warning" if inp.torchao and not explicit else None)
+
+
+@rule("FP8124", "error", "MS-AMP (`fp8_config.backend: MSAMP`) under FSDP2: never applied",
+      why="Accelerator.prepare sends an FSDP2 run (fsdp_version 2) to _prepare_fsdp2, and only "
+      "the other branch calls _prepare_msamp: msamp.initialize never runs, so the model and "
+      "optimizer train without MS-AMP's FP8, with no error. From 1.9, where backend MSAMP is "
+      "read (1.4-1.8 take MS-AMP only when neither torchao nor TE is installed); the same in "
+      "v1.14.0. Judged against the installed Accelerate; a warning when it is not installed.",
+      source=f"{ACC} src/accelerate/accelerator.py:1448-1452 Accelerator.prepare and :1476 "
+      "_prepare_fsdp2 (v1.9.0; :1552-1556 and :1673 in v1.14.0); src/accelerate/utils/"
+      "dataclasses.py:1714 FullyShardedDataParallelPlugin (FSDP_VERSION)",
+      fix="use fsdp_version: 1 or DeepSpeed ZeRO 0-2 with MS-AMP, or backend TE",
+      family="accelerate")
+def msamp_fsdp2_skipped(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    backend = _backend(acc)
+    fsdp_version = setting(acc, "fsdp_config", "version")
+    if not (_fp8(acc) and _text(acc.get("distributed_type")) == "fsdp" and backend
+            and backend.value == "MSAMP" and fsdp_version and _text(fsdp_version.value) == "2"):
+        return
+    if version is not None and version < BACKEND_READ:
+        return
+    who = f"accelerate {dotted(version)}" if version else "Accelerate >= 1.9"
+    yield Hit(fsdp_version.key, f"FSDP2 with backend MSAMP: {who} "
+              "prepares FSDP2 models without calling msamp.initialize, so the run trains "
+              "without MS-AMP FP8, with no error", severity=None if version else "warning")
