@@ -57,6 +57,7 @@ from foundry_fp8.numerics import (
     FP8_MAX,
     STAT_KEYS,
     SUFFICIENT_INDEX,
+    SUM_KEYS,
     all_reduce_sufficient_stats,
     delayed_scale_update,
     empty_sufficient_stats,
@@ -619,16 +620,24 @@ class FP8Monitor:
               ) -> dict[str, float]:
         n = len(self.rows)
         device = next(iter(step.pending.values())).device if step.pending else self._device()
-        table = empty_sufficient_stats(n + 1, device)  # the last row carries the error flag
+        # rows: the n statistics, the error flag, then the initial-scale marks packed into the
+        # summed columns: summed too, so a row is marked where any rank cast at the initial
+        # scale (with `reduce_amax: false` a rank whose tensor was 0 so far still casts at 1
+        # while the others do not), and every rank judges the same table
+        width = len(SUM_KEYS)  # the columns a SUM pools
+        packed = -(-n // width)
+        table = empty_sufficient_stats(n + 1 + packed, device)
         for idx, row in step.pending.items():
             table[idx] = row
         table[n, SUFFICIENT_INDEX["seen"]] = float(self.error is not None)
-        if distributed:
-            all_reduce_sufficient_stats(table)
-        seen = table[:, SUFFICIENT_INDEX["seen"]]
-        marks = torch.zeros(n, dtype=torch.float64, device=device)  # 1: initial scale
+        marks = torch.zeros(packed * width, dtype=torch.float64, device=device)
         for idx, initial in step.initial.items():
             marks[idx] = initial
+        table[n + 1:, :width] = marks.view(packed, width)
+        if distributed:
+            all_reduce_sufficient_stats(table)
+        seen = table[:n + 1, SUFFICIENT_INDEX["seen"]]
+        marks = table[n + 1:, :width].reshape(-1)[:n]  # 1 or more: initial scale
         host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen, marks]).cpu().tolist()
         if host[-n - 1] > 0:  # the error flag; the one host transfer of this step is above
             self._raise_failure(int(host[-n - 1]))
