@@ -33,13 +33,20 @@ def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _mask(attn_bias: torch.Tensor | None, key_padding_mask: torch.Tensor | None,
           causal: bool, window: int, b: int, s_q: int, s_k: int,
-          like: torch.Tensor) -> torch.Tensor:
-    """Additive float mask with LLM-Foundry's torch semantics: bias added, masked scores set to
-    the dtype's min (not -inf, so fully masked padding rows stay finite, as in attn_impl torch)."""
-    mask = like.new_zeros(1, 1, s_q, s_k)
+          like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Additive mask with LLM-Foundry's torch semantics (bias added, masked scores set to the
+    dtype's min, not -inf), and with padding, the query rows that see no key.
+
+    The bias is summed in float32 and shifted per query row so its largest allowed entry is 0
+    before the cast to the query's dtype. MPT's ALiBi bias is -(s_k-1-j)*slope: -1023.5 at
+    seq 2048, where bfloat16's spacing is 8, so casting it unshifted rounds away the slopes
+    (attn_impl torch adds it in float32: layers/attention.py scaled_multihead_dot_product_attention).
+    Softmax is unchanged by a per-row constant; near keys, which carry the weight, keep it exact."""
+    work = torch.promote_types(like.dtype, torch.float32)
+    mask = torch.zeros(1, 1, s_q, s_k, dtype=work, device=like.device)
     if attn_bias is not None:
         bias = attn_bias[:, :, max(0, attn_bias.size(2) - s_q):, max(0, attn_bias.size(3) - s_k):]
-        mask = mask + bias.to(like.dtype)
+        mask = mask + bias.to(work)
     blocked = torch.zeros(1, 1, s_q, s_k, dtype=torch.bool, device=like.device)
     if key_padding_mask is not None:
         blocked = blocked | ~key_padding_mask.view(b, 1, 1, s_k).bool()
@@ -49,7 +56,18 @@ def _mask(attn_bias: torch.Tensor | None, key_padding_mask: torch.Tensor | None,
         blocked = blocked | (cols > rows)
     if window != -1:
         blocked = blocked | ((rows - cols).abs() > window if s_q > 1 else cols < s_k - 1 - window)
-    return mask.masked_fill(blocked, torch.finfo(like.dtype).min)
+    if attn_bias is not None:
+        top = mask.masked_fill(blocked, float("-inf")).amax(dim=-1, keepdim=True)
+        mask = mask - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    low = torch.finfo(like.dtype).min
+    mask = mask.clamp(min=low).to(like.dtype)
+    if key_padding_mask is None:  # causal and window rows always keep their own key
+        return mask.masked_fill(blocked, low), None
+    # A padding row with no visible key: attn_impl torch fills it with min, so uniform weights
+    # and no gradient into q or k. As a bias, min makes the fused backward take the row's
+    # log-sum-exp as min (weights 1, not 1/s_k): a zero row and a zeroed query give torch's.
+    dead = blocked.all(dim=-1, keepdim=True)
+    return mask.masked_fill(blocked & ~dead, low).masked_fill(dead, 0), dead
 
 
 def sdpa_attention(
@@ -98,7 +116,9 @@ def sdpa_attention(
     mask = None
     if not fused_causal and (causal or attn_bias is not None or key_padding_mask is not None
                              or sliding_window_size != -1):
-        mask = _mask(attn_bias, key_padding_mask, causal, sliding_window_size, b, s_q, s_k, q)
+        mask, dead = _mask(attn_bias, key_padding_mask, causal, sliding_window_size, b, s_q, s_k, q)
+        if dead is not None:
+            q = q.masked_fill(dead, 0)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p if training else 0.0,
         is_causal=fused_causal, scale=softmax_scale if softmax_scale is not None else 1 / math.sqrt(d))
