@@ -22,8 +22,12 @@ from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.jsonl import read_jsonl
+from foundry_fp8.shapes import FP8_DIM_MULTIPLE
 
 D, VOCAB, BATCHES, INTERVAL, FAULTY = 16, 64, 12, 2, "module.blocks.0"
+# tokens per batch (one GEMM's rows): what real TE's FP8 backward on Hopper needs of the
+# weight-gradient GEMM's inner dim (the emulation warns of fewer: emulate._warn_unless_te_runs)
+TOKENS = FP8_DIM_MULTIPLE
 # multiply-adds per token: te_swap's two blocks and the TE module D x D each, the tied head
 # D x VOCAB (high precision); the FP8 layers run 3 of the 7 parts
 BLOCK, TOTAL = D * D, 3 * D * D + D * VOCAB
@@ -76,23 +80,24 @@ class TiedLM(nn.Module):
 
 def _fit(folder: Path, max_fallback_share: float, caplog, refit: dict[str, Any] | None = None,
          **stats: Any) -> tuple[FP8Guard, dict, dict]:
-    """Train (learning rate 0: every statistic but the faulty weight's stays healthy), with
-    fp8_stats' options `stats` over its defaults here, then `trainer.fit(**refit)` if given;
-    returns the guard, fp8_guard's series by step (metrics.jsonl, the last record of a step)
-    and hparams.json."""
+    """Train on one batch repeated (learning rate 0: each tensor's amax is the same at every
+    step, so delayed scaling's history never falls behind it and every statistic but the faulty
+    weight's stays healthy), with fp8_stats' options `stats` over its defaults here, then
+    `trainer.fit(**refit)` if given; returns the guard, fp8_guard's series by step
+    (metrics.jsonl, the last record of a step) and hparams.json."""
     from composer import Trainer
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(0)
-    data = TensorDataset(torch.randint(0, VOCAB, (8 * BATCHES,)),
-                         torch.randint(0, VOCAB, (8 * BATCHES,)))
+    tokens, labels = torch.randint(0, VOCAB, (2, TOKENS))
+    data = TensorDataset(tokens.repeat(BATCHES), labels.repeat(BATCHES))
     model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
     guard = FP8Guard(consecutive=2, max_fallback_share=max_fallback_share)
     with caplog.at_level(logging.WARNING):
         trainer = Trainer(
             model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0), seed=17,
-            run_name="run", train_dataloader=DataLoader(data, batch_size=8),
+            run_name="run", train_dataloader=DataLoader(data, batch_size=TOKENS),
             max_duration=f"{BATCHES}ba", algorithms=[TESwap(backend="emulate")],
             callbacks=[FP8Stats(**{"interval": INTERVAL, "image_interval": None, **stats}),
                        guard],

@@ -10,12 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from foundry_fp8.cli import main
 from foundry_fp8.health import layer_key
 from foundry_fp8.health.plots import UNCAST_NOTE, heatmap
 from foundry_fp8.report.cli import make_report
 from foundry_fp8.report.read import thresholds_from_hparams
+from foundry_fp8.shapes import FP8_DIM_MULTIPLE
 from tests.test_override_monitor import LAYER, WEIGHTS, D, _fit, _underflow_pct
 
 WANT = _underflow_pct(WEIGHTS.expand(8, D))
@@ -28,6 +30,15 @@ def _report(folder, capsys) -> str:
 
 
 def test_the_report_flags_the_cast_dy_without_the_override(tmp_path, monkeypatch, capsys):
+    """dY is cast here, so its batches hold as many tokens as real TE's FP8 backward on Hopper
+    needs (FP8_DIM_MULTIPLE; _fit's 8 make the emulation warn that TE would stop): 48 samples,
+    3 batches an epoch, 6 batches in 2 epochs. WANT is a share of each row's 16 elements, the
+    same for any number of rows."""
+    class Loader(DataLoader):
+        def __init__(self, data, batch_size: int):
+            super().__init__(data, batch_size=FP8_DIM_MULTIPLE)
+
+    monkeypatch.setattr("torch.utils.data.DataLoader", Loader)
     assert WANT == pytest.approx(93.75)
     _fit(tmp_path, monkeypatch, None)
     out = _report(tmp_path, capsys)
