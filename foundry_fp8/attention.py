@@ -155,7 +155,9 @@ def enable_sdpa_for_mpt() -> None:
         if self.attn_config.get("attn_impl") != SDPA:
             return validate(self)
         if self.attn_config.get("attn_logit_softcapping") is not None:
-            raise NotImplementedError("attn_impl sdpa does not support attn_logit_softcapping")
+            raise NotImplementedError(
+                "attn_config.attn_logit_softcapping is not supported by attn_impl: sdpa "
+                "(scaled_dot_product_attention cannot cap scores); use attn_impl: torch")
         self.attn_config["attn_impl"] = "torch"  # every other rule is the same as for torch
         try:
             return validate(self)

@@ -132,3 +132,34 @@ def test_whole_mpt_forward_and_backward_match_torch_impl(name):
     out, grad = forward_backward(sdpa_mpt.train(), False, **batch)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-4)
+
+
+def test_softcapping_is_refused_when_the_config_is_built():
+    """Before any training step, in one line naming the key and the fix."""
+    from llmfoundry.models.mpt import MPTConfig
+
+    with pytest.raises(NotImplementedError) as refused:
+        MPTConfig(d_model=64, n_heads=4, n_layers=1, max_seq_len=32, vocab_size=97,
+                  attn_config={"attn_impl": "sdpa", "attn_logit_softcapping": 30.0})
+    assert "\n" not in str(refused.value)
+    assert "attn_config.attn_logit_softcapping" in str(refused.value)
+    assert "use attn_impl: torch" in str(refused.value)
+
+
+@pytest.mark.parametrize("attn_config", [{"alibi": True}, {**GQA, "kv_n_heads": 1},
+                                         {"rope": True, "rope_impl": "hf"}])
+def test_generate_with_kv_cache_and_left_padding_matches_torch_impl(attn_config):
+    """HF generate on a left-padded batch (KV cache, one token a step): same tokens and
+    scores as attn_impl torch."""
+    top = NO_WPE if attn_config.get("rope") else None
+    torch_mpt, sdpa_mpt = (m.eval() for m in mpt_pair(64, top, **attn_config))
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+              pad_token_id=0, use_cache=True, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref, out = torch_mpt.generate(**kw), sdpa_mpt.generate(**kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores),
+                               atol=2e-5, rtol=1e-5)
