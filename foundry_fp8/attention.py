@@ -42,32 +42,35 @@ def _mask(attn_bias: torch.Tensor | None, key_padding_mask: torch.Tensor | None,
     seq 2048, where bfloat16's spacing is 8, so casting it unshifted rounds away the slopes
     (attn_impl torch adds it in float32: layers/attention.py scaled_multihead_dot_product_attention).
     Softmax is unchanged by a per-row constant; near keys, which carry the weight, keep it exact."""
-    work = torch.promote_types(like.dtype, torch.float32)
-    mask = torch.zeros(1, 1, s_q, s_k, dtype=work, device=like.device)
-    if attn_bias is not None:
-        bias = attn_bias[:, :, max(0, attn_bias.size(2) - s_q):, max(0, attn_bias.size(3) - s_k):]
-        mask = mask + bias.to(work)
-    blocked = torch.zeros(1, 1, s_q, s_k, dtype=torch.bool, device=like.device)
+    dev = like.device
+    blocked = torch.zeros(1, 1, s_q, s_k, dtype=torch.bool, device=dev)
     if key_padding_mask is not None:
         blocked = blocked | ~key_padding_mask.view(b, 1, 1, s_k).bool()
-    rows = torch.arange(s_q, device=like.device).view(-1, 1) + (s_k - s_q)
-    cols = torch.arange(s_k, device=like.device).view(1, -1)
+    rows = torch.arange(s_q, device=dev).view(-1, 1) + (s_k - s_q)
+    cols = torch.arange(s_k, device=dev).view(1, -1)
     if causal:  # bottom-right aligned, as attn_impl torch does with a KV cache
         blocked = blocked | (cols > rows)
     if window != -1:
         blocked = blocked | ((rows - cols).abs() > window if s_q > 1 else cols < s_k - 1 - window)
+    bias = None
     if attn_bias is not None:
-        top = mask.masked_fill(blocked, float("-inf")).amax(dim=-1, keepdim=True)
-        mask = mask - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    low = torch.finfo(like.dtype).min
-    mask = mask.clamp(min=low).to(like.dtype)
+        bias = attn_bias[:, :, max(0, attn_bias.size(2) - s_q):, max(0, attn_bias.size(3) - s_k):]
+    # built in place at its final shape: one float32 [b, h, s_q, s_k] buffer at the peak
+    shape = torch.broadcast_shapes(blocked.shape, bias.shape if bias is not None else ())
+    mask = torch.zeros(shape, dtype=torch.promote_types(like.dtype, torch.float32), device=dev)
+    mask.masked_fill_(blocked, float("-inf"))
+    if bias is not None:
+        mask.add_(bias)
+        top = mask.amax(dim=-1, keepdim=True)
+        mask.sub_(torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    mask = mask.clamp_(min=torch.finfo(like.dtype).min).to(like.dtype)  # -inf -> min
     if key_padding_mask is None:  # causal and window rows always keep their own key
-        return mask.masked_fill(blocked, low), None
+        return mask, None
     # A padding row with no visible key: attn_impl torch fills it with min, so uniform weights
     # and no gradient into q or k. As a bias, min makes the fused backward take the row's
     # log-sum-exp as min (weights 1, not 1/s_k): a zero row and a zeroed query give torch's.
     dead = blocked.all(dim=-1, keepdim=True)
-    return mask.masked_fill(blocked & ~dead, low).masked_fill(dead, 0), dead
+    return mask.masked_fill_(dead, 0), dead
 
 
 def sdpa_attention(
