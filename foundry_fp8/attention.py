@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-SDPA = "sdpa"
+from foundry_fp8.sdpa_facts import SDPA, SDPA_REFUSED_ATTN_KEYS
 
 
 def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -157,10 +157,10 @@ def enable_sdpa_for_mpt() -> None:
     def validate_sdpa(self):
         if self.attn_config.get("attn_impl") != SDPA:
             return validate(self)
-        if self.attn_config.get("attn_logit_softcapping") is not None:
-            raise NotImplementedError(
-                "attn_config.attn_logit_softcapping is not supported by attn_impl: sdpa "
-                "(scaled_dot_product_attention cannot cap scores); use attn_impl: torch")
+        for key, why in SDPA_REFUSED_ATTN_KEYS.items():
+            if self.attn_config.get(key) is not None:
+                raise NotImplementedError(f"attn_config.{key} is not supported by attn_impl: "
+                                          f"sdpa ({why}); use attn_impl: torch")
         self.attn_config["attn_impl"] = "torch"  # every other rule is the same as for torch
         try:
             return validate(self)

@@ -849,6 +849,39 @@ def test_fp8042_errors_are_what_mpt_refuses_to_build(edits, error):
             _build_mpt(**edits)
 
 
+@pytest.mark.parametrize("attn_config", [
+    {"attn_impl": "sdpa", "attn_logit_softcapping": 30.0},
+    {"attn_impl": "sdpa", "attn_logit_softcapping": None},
+    {"attn_impl": "sdpa"},
+    {"attn_impl": "torch", "attn_logit_softcapping": 30.0},
+])
+def test_fp8042_flags_what_our_sdpa_refuses_at_mptconfig(tmp_path, attn_config):
+    """The YAML's FP8042 verdict agrees with MPTConfig built with foundry_fp8.attention
+    registered; the flagged key is the refused one, the fix attn_impl torch."""
+    import yaml
+    from llmfoundry.models.mpt import MPTConfig
+
+    import foundry_fp8.attention  # noqa: F401  (teaches MPTConfig 'sdpa', as our entries do)
+    from foundry_fp8.environment import Snapshot
+    from foundry_fp8.lint.cli import lint_file
+
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name": "mpt_causal_lm", "d_model": 64,
+                                              "n_heads": 4, "attn_config": attn_config},
+                                    "callbacks": {"fp8_lint": {}}}))
+    entry = lint_file(path, 1, Snapshot(python="3.11"))
+    found = [(f["key"], f["severity"], f["fix"]) for f in entry["findings"]
+             if f["rule"] == "FP8042"]
+    try:
+        MPTConfig(d_model=64, n_heads=4, n_layers=1, max_seq_len=16, vocab_size=64,
+                  attn_config=dict(attn_config))
+    except NotImplementedError:
+        assert found == [("model.attn_config.attn_logit_softcapping", "error",
+                          "attn_impl: torch")]
+    else:
+        assert found == []
+
+
 def test_layer_registry_names_match_llmfoundrys_registries():
     """MPT_LAYER_REGISTRIES' built-ins are what LLM-Foundry registers: here (no TE, no
     megablocks) all but te, te_ln_mlp, mb_moe and mb_dmoe, which register only where their

@@ -47,6 +47,7 @@ from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28, TE_GEMM_LEADING_DIM
 from foundry_fp8.lint.values import built_options
 from foundry_fp8.options import SwapConfig
+from foundry_fp8.sdpa_facts import SDPA, SDPA_REFUSED_ATTN_KEYS
 from foundry_fp8.shapes import (
     FP8_DIM_MULTIPLE,
     FP8_TOKEN_MULTIPLE,
@@ -615,6 +616,19 @@ def _attn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
                       fix=move_fix(key, "model.attn_config"))
 
 
+def _sdpa_refused_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
+    """attn_config keys our sdpa refuses when MPTConfig is built (foundry_fp8.attention's
+    validate_sdpa reads the same SDPA_REFUSED_ATTN_KEYS)."""
+    attn = section(model, "attn_config")
+    if attn.get("attn_impl") != SDPA:
+        return
+    for key, why in SDPA_REFUSED_ATTN_KEYS.items():
+        if attn.get(key) is not None:
+            yield Hit(join_key("model.attn_config", key), f"attn_impl sdpa does not support "
+                      f"`{key}` ({why}): MPTConfig raises NotImplementedError building the model",
+                      fix="attn_impl: torch")
+
+
 def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
     """ffn_config keys mptmlp's and mptglu's builders refuse, and an ffn_config.fc_type that
     MPTConfig replaces by the model's."""
@@ -650,21 +664,25 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "case: `TE` raises RegistryError. In files, an fc_type or ffn_type that is neither "
       "LLM-Foundry's nor registered by an installed package's entry points (read from package "
       "metadata) raises RegistryError too: an error, a warning where the config's `code_paths` "
-      "may register it.",
+      "may register it. With `attn_impl: sdpa`, the attn_config keys our sdpa refuses "
+      "(`attn_logit_softcapping`): foundry_fp8.attention makes MPTConfig raise "
+      "NotImplementedError (fix: `attn_impl: torch`).",
       source=f"{FOUNDRY} llmfoundry/models/layers/blocks.py MPTBlock.__init__ "
       "(args_to_exclude_in_attn_class), llmfoundry/models/layers/attention.py, "
       "llmfoundry/models/layers/layer_builders.py build_ffn, llmfoundry/models/layers/ffn.py "
       "build_mptmlp, build_mptglu, llmfoundry/models/layers/fc.py, "
       "llmfoundry/models/mpt/configuration_mpt.py _validate_config (ffn_config['fc_type']), "
       "llmfoundry/models/utils/config_defaults.py, llmfoundry/layers_registry.py (fcs, ffns, "
-      "ffns_with_norm, ffns_with_megablocks: entry_points=True); tests/test_lint_known.py "
-      "builds each",
+      "ffns_with_norm, ffns_with_megablocks: entry_points=True); foundry_fp8/sdpa_facts.py "
+      "SDPA_REFUSED_ATTN_KEYS (read by foundry_fp8/attention.py enable_sdpa_for_mpt); "
+      "tests/test_lint_known.py builds each",
       fix="fix the spelling (the message names the closest key or name)", unresolved=True)
 def mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     if not _is_mpt(model):
         return
     yield from _attn_config_hits(model)
+    yield from _sdpa_refused_hits(model)
     yield from _ffn_config_hits(model)
     fc_type = fc_type_name(model)
     if isinstance(fc_type, str) and fc_type not in MPT_FC_TYPES \

@@ -41,6 +41,7 @@ from foundry_fp8.options import (
     defaults,
 )
 from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.sdpa_facts import SDPA
 from foundry_fp8.te.facts import (
     MIN_FP8_CAPABILITY,
     TE_PICKLE_GUARD_FIXES,
@@ -435,10 +436,6 @@ def amp_fp8_with_emulation(config: Mapping[str, Any], ctx: LintContext) -> Itera
                  "or an FP8 GPU, so Composer raises (on CPU it refuses any precision but fp32), "
                  "and emulated layers do not need amp_fp8"),
               severity="warning" if capable else None)
-
-
-#: The attention implementation our `foundry_fp8.attention` teaches MPT (its SDPA).
-SDPA = "sdpa"
 
 
 @rule("FP8041", "error", "`model.attn_config.attn_impl: sdpa` in a config with none of our "
