@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "foundry_fp8"
 #: The training runtime: what a run imports (the fp8_lint callback, `composer.lint`, is the
 #: linter's own entry and may import it).
 RUNTIME = ("swap", "emulate", "monitor", "numerics", "recipe", "options", "filters", "fp8_meta", "guard",
-           "shapes", "jsonl", "attention", "paths", "restore", "health", "te", "composer")
+           "shapes", "jsonl", "attention", "sdpa_facts", "paths", "restore", "health", "te",
+           "composer")
 RUNTIME_EXCEPT = ("composer.lint",)
 #: What the runtime must never import.
 TOOLS = ("lint", "report", "doctor", "cli", "environment", "tools")
