@@ -621,23 +621,29 @@ class FP8Monitor:
         n = len(self.rows)
         device = next(iter(step.pending.values())).device if step.pending else self._device()
         # rows: the n statistics, the error flag, then the initial-scale marks packed into the
-        # summed columns: summed too, so a row is marked where any rank cast at the initial
-        # scale (with `reduce_amax: false` a rank whose tensor was 0 so far still casts at 1
-        # while the others do not), and every rank judges the same table
+        # summed columns, pooled too so that every rank judges the same table: a row is marked
+        # where a rank cast nonzero values at the initial scale, or where every rank's values
+        # were 0 and one cast at it. With `reduce_amax: false` a rank whose tensor was 0 (or
+        # empty: an expert without tokens) so far still casts at 1 while the others do not;
+        # its zeros move no statistic, so the row is judged on the others' casts
         width = len(SUM_KEYS)  # the columns a SUM pools
-        packed = -(-n // width)
+        packed = -(-2 * n // width)
         table = empty_sufficient_stats(n + 1 + packed, device)
         for idx, row in step.pending.items():
             table[idx] = row
         table[n, SUFFICIENT_INDEX["seen"]] = float(self.error is not None)
         marks = torch.zeros(packed * width, dtype=torch.float64, device=device)
         for idx, initial in step.initial.items():
-            marks[idx] = initial
+            marks[idx] = initial  # with nonzero values, masked below
+            marks[n + idx] = initial
+        amax = table[:n, SUFFICIENT_INDEX["amax"]]
+        marks[:n] *= amax > 0
         table[n + 1:, :width] = marks.view(packed, width)
         if distributed:
             all_reduce_sufficient_stats(table)
         seen = table[:n + 1, SUFFICIENT_INDEX["seen"]]
-        marks = table[n + 1:, :width].reshape(-1)[:n]  # 1 or more: initial scale
+        marks = table[n + 1:, :width].reshape(-1)
+        marks = ((marks[:n] > 0) | ((marks[n:2 * n] > 0) & (amax <= 0))).double()
         host = torch.cat([finalize_stats(table[:n]).reshape(-1), seen, marks]).cpu().tolist()
         if host[-n - 1] > 0:  # the error flag; the one host transfer of this step is above
             self._raise_failure(int(host[-n - 1]))

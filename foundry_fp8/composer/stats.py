@@ -95,8 +95,8 @@ class FP8Stats(Callback):
       missing point on every sink, not a perfect-looking 1.0/0;
     - per-layer series `fp8_<stat>/<tensor>/<layer>` (W&B makes one section per statistic;
       `<layer>` without the `model.transformer.` prefix or wrapper segments), and
-      `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast (on
-      any rank: `reduce_amax: false` lets a rank cast at scale 1 later) and
+      `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast (of any
+      rank's nonzero values: `reduce_amax: false` lets a rank cast at scale 1 later) and
       `fp8_uncast/<tensor>/<layer>` = 1 on a tensor its layer's FP8 run does not cast (dY
       under NVTE_BACKWARD_OVERRIDE): on every destination except the console unless
       `console_layers: true`;
