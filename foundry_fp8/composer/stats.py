@@ -154,9 +154,9 @@ class FP8Stats(Callback):
         self.image_interval: int | None = self.options.image_interval
         self.console_layers: bool = self.options.console_layers
         self._recent: deque[Recent] = deque(maxlen=IMAGE_STEPS)  # for the heatmaps
-        # images are due from this step on: none at the first logging steps, one column wide
-        self._next_image = self.image_interval or 0
-        self._imaged: int | None = None  # the logging step the last images showed
+        self._next_image = 0
+        self._imaged: int | None = None
+        self._start_images()
         # destinations a table would hang (below), asked once per fit: W&B's `run.settings`
         # copies its settings at every read (about 15 ms)
         self._no_table: list[LoggerDestination] | None = None
@@ -251,6 +251,11 @@ class FP8Stats(Callback):
             self.monitor.abort()
         self.disabled = True
 
+    def _start_images(self) -> None:
+        """Images are due from `image_interval` on (none at the first logging steps, one column
+        wide), and none shown yet (`_imaged`: the logging step the last images showed)."""
+        self._next_image, self._imaged = self.image_interval or 0, None
+
     def _fit_start(self, state: State, logger: Logger) -> None:
         self._summary_keys.fit_start(int(state.timestamp.batch))
         if self._recent and int(state.timestamp.batch) <= self._recent[-1][0]:
@@ -258,7 +263,7 @@ class FP8Stats(Callback):
             # steps (the earlier fit's steps would share their numbers, and its last image
             # step, compared by number, left this fit without images)
             self._recent.clear()
-            self._next_image, self._imaged = self.image_interval or 0, None
+            self._start_images()
         self.monitor = None  # until built: a rank that fails here cannot join collectives
         self._no_table = None
         config = self.config
