@@ -136,14 +136,22 @@ def gemm_flops(in_features: int, out_features: int) -> int:
 
 def module_flops(module: nn.Module) -> int:
     """Forward GEMM FLOPs per token of a GEMM module: an `nn.Linear` (our EmulatedFP8Linear
-    too) or transformers' `Conv1D` by its features, one of TE's GEMM modules by its 2-D weights (`weight`; a
-    LayerNormMLP's `fc1_weight` and `fc2_weight`); 0 for any other module."""
+    too), transformers' `Conv1D` or TE's Linear/LayerNormLinear by its features, else one of
+    TE's GEMM modules by its 2-D weights (a LayerNormMLP's `fc1_weight` and `fc2_weight`); 0
+    for any other module. Features first: FSDP1 with use_orig_params leaves each weight a 1-D
+    view of its rank's shard, or 0 elements (torch/distributed/fsdp/_flat_param.py
+    `_use_sharded_views`), where fp8_guard counts after the wrap."""
     if isinstance(module, nn.Linear):
         return gemm_flops(module.in_features, module.out_features)
     if (features := conv1d_features(module)) is not None:
         return gemm_flops(*features)
     if te_class_name(module) is None:
         return 0
+    # TE's Linear/LayerNormLinear keep their (tensor-parallel partition's) sizes, as their
+    # weight has them (TE v1.12 pytorch/module/linear.py:739-772, layernorm_linear.py:899-935)
+    features = (getattr(module, "in_features", None), getattr(module, "out_features", None))
+    if all(isinstance(f, int) for f in features):
+        return gemm_flops(*features)
     weights = (getattr(module, name, None) for name in ("weight", "fc1_weight", "fc2_weight"))
     return sum(gemm_flops(w.shape[1], w.shape[0]) for w in weights
                if isinstance(w, torch.Tensor) and w.dim() == 2)
