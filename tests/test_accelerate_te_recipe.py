@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from foundry_fp8.lint.accelerate import lint_accelerate, lint_input
+from foundry_fp8.lint.accelerate import installed_accelerate, lint_accelerate, lint_input
 
 pytest.importorskip("accelerate")
 import accelerate.utils.dataclasses as acc_dataclasses  # noqa: E402
@@ -65,3 +65,29 @@ def test_not_under_deepspeed_before_1_11():
     assert errors({"margin": 0.5}, distributed="DEEPSPEED", version=(1, 10, 0)) == []
     assert errors({"margin": 0.5}, distributed="DEEPSPEED", version=(1, 11, 0)) == [
         ("FP8123", "fp8_config.margin")]
+
+
+@pytest.mark.parametrize("written", [
+    {"margin": None, "interval": None},
+    {"fp8_format": None, "amax_compute_algo": None, "amax_history_len": None},
+    {"use_autocast_during_eval": None, "use_mxfp8_block_scaling": None},
+    {"margin": 0.5, "fp8_margin": None},  # the later null unsets the argument: nothing exported
+])
+def test_null_values_are_not_exported_so_not_judged(written, monkeypatch):
+    """`margin: null` / an empty `interval:`: setup_fp8_env exports no variable for a None, so
+    TERecipeKwargs keeps its defaults (no FP8123, and no FP8107 for a value TE never gets)."""
+    assert te_recipe_error({"backend": "TE", **written}, monkeypatch) is False
+    assert errors({"backend": "TE", **written}) == []
+    assert errors({"backend": "TE", **written}, version=(1, 11, 0)) == []
+
+
+def test_mxfp8_flag_read_only_from_1_11(monkeypatch):
+    """TERecipeKwargs has no use_mxfp8_block_scaling before 1.11, so a bad value raises nothing
+    there (the installed release is the reference); from 1.11 str_to_bool reads it."""
+    version = installed_accelerate()
+    assert version is not None and version < (1, 11)
+    written = {"backend": "TE", "use_mxfp8_block_scaling": "maybe"}
+    assert te_recipe_error(written, monkeypatch) is False
+    assert errors(written, version=version) == []
+    assert errors(written, version=(1, 11, 0)) == [
+        ("FP8123", "fp8_config.use_mxfp8_block_scaling")]

@@ -53,8 +53,11 @@ TE_RECIPE_DEFAULTS: dict[str, Any] = {
 #: dataclasses.py:363-389, v1.8.1; the same v0.34.2-v1.14.0): int() for these, the truth values
 #: of str_to_bool (utils/environment.py:59-71) for the flags, and the case it folds the two
 #: choices to before checking them against FP8Format / AmaxComputeAlgorithm (:292-293).
+#: use_mxfp8_block_scaling is read only from v1.11.0 (dataclasses.py:403-404 there; no such
+#: field in v1.10.1), so an older release never parses it.
 TE_RECIPE_INTS = ("margin", "interval", "amax_history_len")
 TE_RECIPE_FLAGS = ("use_autocast_during_eval", "use_mxfp8_block_scaling")
+MXFP8_READ = (1, 11)  # TERecipeKwargs reads ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING
 TRUTH = (("y", "yes", "t", "true", "on", "1"), ("n", "no", "f", "false", "off", "0"))
 TE_RECIPE_CASE = {"fp8_format": "upper", "amax_compute_algo": "lower"}
 TE_RECIPE_CHOICES = {"fp8_format": ("HYBRID", "E4M3", "E5M2"),
@@ -337,7 +340,10 @@ def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
 
 
 def _custom(key: str, value: Any) -> bool:
-    """Would TERecipeKwargs forward this value to TE (it differs from Accelerate's default)?"""
+    """Would TERecipeKwargs forward this value to TE (it differs from Accelerate's default)?
+    Not a null: the launcher exports none, so TERecipeKwargs keeps its default (see _unparsable)."""
+    if value is None:
+        return False
     default = TE_RECIPE_DEFAULTS[key]
     if key == "override_linear_precision":
         values = value if isinstance(value, (list, tuple)) else [value]
@@ -375,15 +381,19 @@ def _int_reads(text: str) -> bool:
     return True
 
 
-def _unparsable(acc: Mapping[str, Any]) -> dict[str, str]:
+def _unparsable(inp: AccelerateInput) -> dict[str, str]:
     """TE recipe key -> why TERecipeKwargs cannot read the value the launcher exports for it
     (str() of the YAML value): int() for the integers, str_to_bool for the flags, the case-folded
-    value for fp8_format and amax_compute_algo."""
+    value for fp8_format and amax_compute_algo. A null is not exported (setup_fp8_env skips
+    None, utils/launch.py:90, v1.8.1), so TERecipeKwargs takes its default."""
     problems = {}
-    for item in launch_settings(acc, "fp8_config"):
+    for item in launch_settings(inp.accelerate, "fp8_config"):
         key = "fp8_format" if item.name == "format" else item.name
         text = str(item.value)
-        if key in TE_RECIPE_INTS and not _int_reads(text):
+        if item.value is None or (key == "use_mxfp8_block_scaling"
+                                  and not _has((MXFP8_READ, None), inp.version)):
+            problems.pop(key, None)  # nothing reads it; a later null also unsets an earlier value
+        elif key in TE_RECIPE_INTS and not _int_reads(text):
             problems[key] = f"int({text!r:.40}) raises ValueError"
         elif key in TE_RECIPE_FLAGS and _str_to_bool(text) is None:
             problems[key] = f"str_to_bool({text!r:.40}) raises ValueError ('invalid truth value')"
@@ -490,7 +500,7 @@ def recipe_values(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     override = items.get("override_linear_precision")
     if override and isinstance(override.value, str):
         items.pop("override_linear_precision")  # FP8110: the launcher fails first
-    for key in _unparsable(inp.accelerate):
+    for key in _unparsable(inp):
         items.pop(key, None)  # FP8123: TERecipeKwargs fails first
     for problem in recipe_problems({key: _as_read(key, item.value)
                                     for key, item in items.items()}):
@@ -982,7 +992,9 @@ def msamp_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
       "Accelerator() builds from those variables for the TE backend, reads margin, interval and "
       "amax_history_len with int() (`1.0` and `1e3` raise), the flags with str_to_bool, and "
       "fp8_format/amax_compute_algo after upper()/lower() against its choices (so `MAX` and "
-      "`e4m3` are accepted, `HYBRID ` is not): ValueError at Accelerator(). Not under DeepSpeed "
+      "`e4m3` are accepted, `HYBRID ` is not): ValueError at Accelerator(). A null is not "
+      "exported (TERecipeKwargs keeps its default); use_mxfp8_block_scaling is read from 1.11 "
+      "only. Not under DeepSpeed "
       "before 1.11, which builds no recipe from the config (FP8103). A warning where torchao, "
       "installed here, may be taken instead.",
       source=f"{ACC} src/accelerate/utils/dataclasses.py:363-389 TERecipeKwargs.__post_init__, "
@@ -999,7 +1011,7 @@ def te_recipe_unparsable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     backend = _backend(acc)
     explicit = backend is not None and backend.value == "TE" and version is not None \
         and version >= BACKEND_READ
-    for key, why in _unparsable(acc).items():
+    for key, why in _unparsable(inp).items():
         item = setting(acc, "fp8_config", "format" if key == "fp8_format" else key)
         where = item.key if item else f"fp8_config.{key}"
         yield Hit(where, f"TERecipeKwargs cannot read it: {why} at Accelerator()",
