@@ -154,8 +154,8 @@ class FP8Stats(Callback):
         self.image_interval: int | None = self.options.image_interval
         self.console_layers: bool = self.options.console_layers
         self._recent: deque[Recent] = deque(maxlen=IMAGE_STEPS)  # for the heatmaps
-        self._next_image = 0
-        self._imaged: int | None = None
+        self._next_image: int
+        self._imaged: int | None
         self._start_images()
         # destinations a table would hang (below), asked once per fit: W&B's `run.settings`
         # copies its settings at every read (about 15 ms)
