@@ -44,7 +44,7 @@ def test_a_closed_trainers_fallbacks_do_not_follow_the_model_into_a_new_trainer(
     from foundry_fp8.composer.guard import FP8Guard
     from foundry_fp8.composer.stats import FP8_NUMBERS, TABLE_NAME, FP8Stats
     from foundry_fp8.composer.te_swap import TESwap
-    from tests.test_guard_flops import VOCAB, TiedLM
+    from tests.test_guard_flops import TOKENS, VOCAB, TiedLM
 
     class Tables(LoggerDestination):
         def __init__(self) -> None:
@@ -53,14 +53,14 @@ def test_a_closed_trainers_fallbacks_do_not_follow_the_model_into_a_new_trainer(
         def log_table(self, columns, rows, name=TABLE_NAME, step=None) -> None:
             self.tables.append((columns, rows))
 
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randint(0, VOCAB, (8 * BATCHES,)),
-                         torch.randint(0, VOCAB, (8 * BATCHES,)))
+    torch.manual_seed(0)  # one batch repeated, as test_guard_flops._fit
+    tokens, labels = torch.randint(0, VOCAB, (2, TOKENS))
+    data = TensorDataset(tokens.repeat(BATCHES), labels.repeat(BATCHES))
     model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
 
     def trainer(callbacks: list, algorithms: list, loggers: list) -> Trainer:
         return Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0),
-                       seed=17, train_dataloader=DataLoader(data, batch_size=8),
+                       seed=17, train_dataloader=DataLoader(data, batch_size=TOKENS),
                        max_duration=f"{BATCHES}ba", algorithms=algorithms, callbacks=callbacks,
                        loggers=loggers, device="cpu", progress_bar=False)
 

@@ -10,17 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from foundry_fp8.cli import main
 from foundry_fp8.health import layer_key
 from foundry_fp8.health.plots import UNCAST_NOTE, heatmap
 from foundry_fp8.report.cli import make_report
 from foundry_fp8.report.read import thresholds_from_hparams
-from foundry_fp8.shapes import FP8_DIM_MULTIPLE
-from tests.test_override_monitor import LAYER, WEIGHTS, D, _fit, _underflow_pct
+from tests.test_override_monitor import BATCHES, LAYER, TOKENS, WEIGHTS, D, _fit, _underflow_pct
 
-WANT = _underflow_pct(WEIGHTS.expand(8, D))
+WANT = _underflow_pct(WEIGHTS.expand(TOKENS, D))
 
 
 def _report(folder, capsys) -> str:
@@ -30,15 +28,6 @@ def _report(folder, capsys) -> str:
 
 
 def test_the_report_flags_the_cast_dy_without_the_override(tmp_path, monkeypatch, capsys):
-    """dY is cast here, so its batches hold as many tokens as real TE's FP8 backward on Hopper
-    needs (FP8_DIM_MULTIPLE; _fit's 8 make the emulation warn that TE would stop): 48 samples,
-    3 batches an epoch, 6 batches in 2 epochs. WANT is a share of each row's 16 elements, the
-    same for any number of rows."""
-    class Loader(DataLoader):
-        def __init__(self, data, batch_size: int):
-            super().__init__(data, batch_size=FP8_DIM_MULTIPLE)
-
-    monkeypatch.setattr("torch.utils.data.DataLoader", Loader)
     assert WANT == pytest.approx(93.75)
     _fit(tmp_path, monkeypatch, None)
     out = _report(tmp_path, capsys)
@@ -50,7 +39,7 @@ def test_the_report_leaves_the_uncast_dy_unjudged(tmp_path, monkeypatch, capsys)
     _, series = _fit(tmp_path, monkeypatch, "high_precision")
     marker = layer_key("uncast", "gradient", LAYER)
     logged = [m for m in series.values() if layer_key("underflow_pct", "gradient", LAYER) in m]
-    assert len(logged) == 6 and all(m[marker] == 1.0 for m in logged)
+    assert len(logged) == BATCHES and all(m[marker] == 1.0 for m in logged)
     assert all(m[layer_key("underflow_pct", "gradient", LAYER)] == pytest.approx(WANT)
                for m in logged)
     assert not any(layer_key("uncast", t, LAYER) in m for m in series.values()
@@ -63,7 +52,7 @@ def test_the_report_leaves_the_uncast_dy_unjudged(tmp_path, monkeypatch, capsys)
     run, flags, *_ = make_report(tmp_path, out=tmp_path / "again")
     assert flags == []
     assert run.values[(LAYER, "gradient", "underflow_pct")] == {
-        s: pytest.approx(WANT) for s in range(6)}
+        s: pytest.approx(WANT) for s in range(BATCHES)}
     hm = heatmap(run, "underflow_pct", thresholds_from_hparams({}))
     [grad] = [p for p in hm.panels if p.tensor == "gradient"]
     assert grad.high_precision.all() and not any(
@@ -80,9 +69,10 @@ def test_nan_in_the_uncast_dy_is_still_flagged(tmp_path, monkeypatch, capsys):
     _fit(tmp_path, monkeypatch, "high_precision")
     out = _report(tmp_path, capsys)
     flagged = out.split("flagged\n")[1].split("plots")[0]
-    # weights[3] is NaN: dY's column 3 in each of the batch's 8 rows, at every one of 6 steps
-    assert (f"'{LAYER}' gradient: nan_count {int(torch.isnan(weights).sum()) * 8} at step 0 "
-            "(8 NaN and 0 Inf elements, before any FP8 cast; 6 of 6 steps)") in flagged
+    # weights[3] is NaN: dY's column 3 in each of the batch's TOKENS rows, at every step
+    nans = int(torch.isnan(weights).sum()) * TOKENS
+    assert (f"'{LAYER}' gradient: nan_count {nans} at step 0 ({nans} NaN and 0 Inf elements, "
+            f"before any FP8 cast; {BATCHES} of {BATCHES} steps)") in flagged
     assert "underflow_pct" not in flagged
 
 
@@ -102,5 +92,5 @@ def test_the_logged_heatmaps_hatch_the_uncast_dy(tmp_path, monkeypatch):
     monkeypatch.setattr(stats_module, "FP8Stats", Imaging)
     _fit(tmp_path, monkeypatch, "high_precision")
     run = drawn[-1]
-    assert run.uncast == {(LAYER, "gradient", s) for s in run.steps} and len(run.steps) == 6
+    assert run.uncast == {(LAYER, "gradient", s) for s in run.steps} and len(run.steps) == BATCHES
     assert not run.high_precision

@@ -21,6 +21,7 @@ from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.health import layer_key, summary_key
 from foundry_fp8.monitor import FP8Monitor, MonitorConfig
 from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.shapes import FP8_DIM_MULTIPLE
 from tests.test_monitor_modules import _FakeStateManager
 
 CURRENT = FP8Recipe(scaling="current")
@@ -28,6 +29,11 @@ D = 16
 # dY of the layer: channel 0 is 1, the others 1e-12, past E5M2's range (2^15.8 / 2^-16) under
 # one current scale: 15 of every 16 elements flush to 0 when cast
 WEIGHTS = torch.tensor([1.0] + [1e-12] * (D - 1))
+# rows (tokens) of each GEMM: what real TE's FP8 backward on Hopper needs of the
+# weight-gradient GEMM's inner dim (the emulation warns of fewer: emulate._warn_unless_te_runs)
+TOKENS = FP8_DIM_MULTIPLE
+# batches of `_fit`'s run, one epoch
+BATCHES = 6
 
 
 def _underflow_pct(t: torch.Tensor) -> float:
@@ -53,8 +59,8 @@ def _monitored(monkeypatch, override: str | None):
 
 def _step(monkeypatch, override: str | None, nan: bool = False):
     model, monitor, warned = _monitored(monkeypatch, override)
-    x = torch.randn(8, D)
-    grad = WEIGHTS.expand(8, D).clone()
+    x = torch.randn(TOKENS, D)
+    grad = WEIGHTS.expand(TOKENS, D).clone()
     if nan:
         grad[3, 5] = float("nan")
     monitor.start_step()
@@ -118,14 +124,14 @@ def test_a_fallback_layers_gradient_holds_back_no_repromotion_under_the_override
     monitor = FP8Monitor(model, MonitorConfig(), on_warning=lambda _: None)
     monitor.start_step()
     with fp8_autocast(recipe=CURRENT):
-        h = model[0](torch.randn(8, D))
+        h = model[0](torch.randn(TOKENS, D))
         with fp8_autocast(enabled=False):  # as fp8_guard runs a layer in fallback
             y = model[1](h)
-    y.backward(WEIGHTS.expand(8, D))
+    y.backward(WEIGHTS.expand(TOKENS, D))
     metrics = monitor.finish_step(fallbacks={"1"})
     fallen = ("1", "gradient")
     assert metrics[layer_key("underflow_pct", "gradient", "1")] == pytest.approx(
-        _underflow_pct(WEIGHTS.expand(8, D)))
+        _underflow_pct(WEIGHTS.expand(TOKENS, D)))
     assert fallen in monitor.fallback_rows
     assert (fallen in monitor.judged) is (override is None)
 
@@ -138,12 +144,12 @@ def test_a_fallen_layers_gradient_is_not_judged_when_every_layer_is_in_fallback(
     model, monitor, warned = _monitored(monkeypatch, override)
     monitor.start_step()
     with fp8_autocast(recipe=CURRENT), fp8_autocast(enabled=False):
-        y = model(torch.randn(8, D))
-    y.backward(WEIGHTS.expand(8, D))
+        y = model(torch.randn(TOKENS, D))
+    y.backward(WEIGHTS.expand(TOKENS, D))
     metrics = monitor.finish_step(fallbacks={"0"})
     fallen = ("0", "gradient")
     assert metrics[layer_key("underflow_pct", "gradient", "0")] == pytest.approx(
-        _underflow_pct(WEIGHTS.expand(8, D)))
+        _underflow_pct(WEIGHTS.expand(TOKENS, D)))
     assert (fallen in monitor.judged) is (override is None)
     assert (fallen in monitor.uncast_rows) is (override is not None)
     assert sum("underflow_pct" in w for w in warned) == int(override is None)
@@ -168,12 +174,12 @@ def test_the_override_of_the_recipe_the_layers_ran_under_holds_once_all_fell_bac
     for enabled in (True, False):  # in FP8, then in fallback
         monkeypatch.setattr(_StateManager, "enabled", enabled)
         monitor.start_step()
-        model(torch.randn(8, D)).backward(WEIGHTS.expand(8, D))
+        model(torch.randn(TOKENS, D)).backward(WEIGHTS.expand(TOKENS, D))
         monitor.finish_step(fallbacks=set() if enabled else {"0"})
         assert (fallen in monitor.uncast_rows) is (override is not None)
     assert fallen in monitor.fallback_rows
     assert monitor.judged.get(fallen, {}).get("underflow_pct") == (
-        pytest.approx(_underflow_pct(WEIGHTS.expand(8, D))) if override is None else None)
+        pytest.approx(_underflow_pct(WEIGHTS.expand(TOKENS, D))) if override is None else None)
 
 
 class _StateManager(_FakeStateManager):
@@ -206,9 +212,9 @@ def test_a_te_recipes_backward_override_decides_whether_dy_is_cast(monkeypatch, 
     warned: list[str] = []
     monitor = FP8Monitor(model, MonitorConfig(), on_warning=warned.append)
     monitor.start_step()
-    model(torch.randn(8, D)).backward(WEIGHTS.expand(8, D))
+    model(torch.randn(TOKENS, D)).backward(WEIGHTS.expand(TOKENS, D))
     metrics = monitor.finish_step()
-    want = _underflow_pct(WEIGHTS.expand(8, D))
+    want = _underflow_pct(WEIGHTS.expand(TOKENS, D))
     assert metrics[layer_key("underflow_pct", "gradient", "0")] == pytest.approx(want)
     assert metrics.get(summary_key("gradient", "worst_underflow_pct")) == (
         pytest.approx(want) if cast else None)
@@ -229,7 +235,8 @@ class _Blocks(nn.Module):
 
 def _fit(tmp_path, monkeypatch, override: str | None):
     """te_swap (emulated, current scaling) + fp8_stats + fp8_guard in Composer: a block whose dY
-    holds WEIGHTS (the loss weighs its outputs by them), learning rate 0."""
+    holds WEIGHTS in each of a batch's TOKENS rows (the loss weighs its outputs by them),
+    learning rate 0, BATCHES batches."""
     from composer import Trainer
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
@@ -245,13 +252,14 @@ def _fit(tmp_path, monkeypatch, override: str | None):
     else:
         monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", override)
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(48, D), torch.zeros(48, dtype=torch.long))
+    data = TensorDataset(torch.randn(BATCHES * TOKENS, D),
+                         torch.zeros(BATCHES * TOKENS, dtype=torch.long))
     model = ComposerClassifier(_Blocks(), num_classes=D,
                                loss_fn=lambda out, _: (out.float() * WEIGHTS).sum())
     guard = FP8Guard(consecutive=2, max_fallback_share=1.0)
     trainer = Trainer(
         model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0), run_name="run",
-        train_dataloader=DataLoader(data, batch_size=8), max_duration="6ba",
+        train_dataloader=DataLoader(data, batch_size=TOKENS), max_duration=f"{BATCHES}ba",
         algorithms=[TESwap(backend="emulate", fp8_recipe={"scaling": "current"})],
         callbacks=[FP8Stats(interval=1, image_interval=None), guard],
         loggers=[JSONLLogger(path=str(tmp_path / "metrics.jsonl"))], device="cpu",
@@ -271,14 +279,14 @@ def test_fp8_guard_moves_no_layer_for_a_cast_the_override_skips(tmp_path, monkey
     """Without the override the block's FP8 dY flushes 15 of 16 elements and fp8_guard moves it
     at the second judged step; with it, no cast happens and nothing moves, while the what-if
     series still says what the cast would do."""
-    want = _underflow_pct(WEIGHTS.expand(8, D))
+    want = _underflow_pct(WEIGHTS.expand(TOKENS, D))
     guard, series = _fit(tmp_path / "fp8", monkeypatch, None)
     assert list(guard.core.fallbacks) == [LAYER] and guard.core.fallbacks[LAYER].step == 1
     guard, series = _fit(tmp_path / "override", monkeypatch, "high_precision")
     assert guard.core.fallbacks == {}
     underflow = [m[layer_key("underflow_pct", "gradient", LAYER)] for m in series.values()
                  if layer_key("underflow_pct", "gradient", LAYER) in m]
-    assert underflow == [pytest.approx(want)] * 6
+    assert underflow == [pytest.approx(want)] * BATCHES
     # no dY is cast: no worst value over casts at any step (`flagged_layers` is still logged)
     assert not [m for m in series.values() if summary_key("gradient", "worst_underflow_pct") in m]
     assert all(m[summary_key("gradient", "flagged_layers")] == 0.0

@@ -17,7 +17,7 @@ from foundry_fp8.composer.guard import FP8Guard
 from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.fp8_meta import read_fp8_meta
-from tests.test_guard_flops import FAULTY, INTERVAL, VOCAB, TiedLM
+from tests.test_guard_flops import FAULTY, INTERVAL, TOKENS, VOCAB, TiedLM
 
 BATCHES = 10
 
@@ -35,14 +35,14 @@ class HistoryRows(Callback):
 
 
 def test_a_fallback_under_torch_compile_runs_the_layer_in_high_precision():
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randint(0, VOCAB, (8 * BATCHES,)),
-                         torch.randint(0, VOCAB, (8 * BATCHES,)))
+    torch.manual_seed(0)  # one batch repeated, as test_guard_flops._fit
+    tokens, labels = torch.randint(0, VOCAB, (2, TOKENS))
+    data = TensorDataset(tokens.repeat(BATCHES), labels.repeat(BATCHES))
     model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
     guard, rows = FP8Guard(consecutive=2, max_fallback_share=0.34), HistoryRows()
     trainer = Trainer(
         model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0), seed=17,
-        train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{BATCHES}ba",
+        train_dataloader=DataLoader(data, batch_size=TOKENS), max_duration=f"{BATCHES}ba",
         algorithms=[TESwap(backend="emulate")],
         callbacks=[FP8Stats(interval=INTERVAL, image_interval=None), guard, rows],
         device="cpu", progress_bar=False, compile_config={})

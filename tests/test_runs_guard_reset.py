@@ -16,20 +16,20 @@ from torch.utils.data import DataLoader, TensorDataset
 from foundry_fp8.composer.guard import FP8Guard
 from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.composer.te_swap import TESwap
-from tests.test_guard_flops import FAULTY, INTERVAL, VOCAB, TiedLM
+from tests.test_guard_flops import FAULTY, INTERVAL, TOKENS, VOCAB, TiedLM
 
 FIRST, REPROMOTE_AFTER = 12, 2
 
 
 def test_after_reset_time_a_fallback_repromotes_after_repromote_after_healthy_steps(caplog):
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randint(0, VOCAB, (8 * FIRST,)),
-                         torch.randint(0, VOCAB, (8 * FIRST,)))
+    torch.manual_seed(0)  # one batch repeated, as test_guard_flops._fit
+    tokens, labels = torch.randint(0, VOCAB, (2, TOKENS))
+    data = TensorDataset(tokens.repeat(FIRST), labels.repeat(FIRST))
     model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
     guard = FP8Guard(consecutive=2, max_fallback_share=0.34, repromote_after=REPROMOTE_AFTER)
     trainer = Trainer(
         model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0), seed=17,
-        train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{FIRST}ba",
+        train_dataloader=DataLoader(data, batch_size=TOKENS), max_duration=f"{FIRST}ba",
         algorithms=[TESwap(backend="emulate")],
         callbacks=[FP8Stats(interval=INTERVAL, image_interval=None), guard], device="cpu",
         progress_bar=False)
