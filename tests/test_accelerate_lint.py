@@ -722,6 +722,38 @@ def test_the_fp8_config_names_are_the_variables_the_launcher_exports(tmp_path):
     assert found(path, "FP8105") == [("fp8_config.amax_histroy_len", 10, "warning")]
 
 
+MXFP8 = "fp8_config:\n  backend: TE\n  use_mxfp8_block_scaling: {value}\nnum_processes: 2\n"
+
+
+@pytest.mark.parametrize("value", ["true", "false", "null"])
+def test_mxfp8_flag_dropped_where_terecipekwargs_has_no_field(tmp_path, installed, value):
+    """Before: FP8105 took use_mxfp8_block_scaling as read by every release. The installed
+    launcher exports it, yet the installed TERecipeKwargs has no such field (1.8.1: it is read
+    from 1.11): `true` asks for MXFP8 and gets nothing; `false`/`null` ask for the default."""
+    import dataclasses
+
+    from accelerate.utils.dataclasses import TERecipeKwargs
+
+    from foundry_fp8.lint.accelerate import installed_accelerate
+
+    version = installed_accelerate()
+    path = write(tmp_path, MXFP8.format(value=value))
+    _args, env = _launched(path)
+    read = "use_mxfp8_block_scaling" in {f.name for f in dataclasses.fields(TERecipeKwargs)}
+    exported = "ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING" in env
+    assert exported == (value != "null")
+    installed(version)
+    dropped = value == "true" and exported and not read
+    expected = [("fp8_config.use_mxfp8_block_scaling", 6, "warning")] if dropped else []
+    assert found(path, "FP8105") == expected
+    if expected:
+        message = next(f["message"] for f in lint_file(path)["findings"] if f["rule"] == "FP8105")
+        assert f"Accelerate {'.'.join(map(str, version))} does not read it" in message
+        assert ">= 1.11" in message and "10.0+" in message
+    installed((1, 11, 0))
+    assert found(path, "FP8105") == []
+
+
 # -- FP8120: torchao FP8 that Accelerator() refuses ---------------------------------------------
 
 AO_FSDP = """\

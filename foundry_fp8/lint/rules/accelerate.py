@@ -446,15 +446,29 @@ def deepspeed_recipe_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[H
       "ACCELERATE_FP8_AMAX_HISTORY_LEN; every fp8_config rule reads keys so); only the names "
       "the recipe classes read have an effect. `accelerate config` itself writes "
       "amax_history_length, amax_compute_algorithm and optimization_level, which are dropped: "
-      "the run uses the defaults (1024, most_recent, O2).",
+      "the run uses the defaults (1024, most_recent, O2). use_mxfp8_block_scaling is exported "
+      "by every release, but TERecipeKwargs reads it only from 1.11.",
       source=f"{ACC} src/accelerate/commands/config/cluster.py; src/accelerate/commands/launch.py"
       ":1053-1054 _validate_launch_command (v1.8.1); src/accelerate/utils/launch.py:82-97 "
       "setup_fp8_env; "
-      "src/accelerate/utils/dataclasses.py TERecipeKwargs/MSAMPRecipeKwargs.__post_init__",
+      "src/accelerate/utils/dataclasses.py TERecipeKwargs/MSAMPRecipeKwargs.__post_init__ "
+      "(use_mxfp8_block_scaling: :403-404 from v1.11.0); "
+      f"{TE} transformer_engine/pytorch/fp8.py check_mxfp8_support",
       fix="use amax_history_len, amax_compute_algo, opt_level", family="accelerate")
 def fp8_config_unknown_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     for item in launch_settings(inp.accelerate, "fp8_config"):
         name = item.name
+        if name == "use_mxfp8_block_scaling" and not _has((MXFP8_READ, None), inp.version) \
+                and item.value is not None and _str_to_bool(str(item.value)) is not False:
+            # The launcher exports it (setup_fp8_env exports every fp8_ argument), but no
+            # TERecipeKwargs field reads it before MXFP8_READ; null/false ask for the default.
+            # TE runs MXFP8 only on compute capability 10.0+ (check_mxfp8_support, TE
+            # pytorch/fp8.py; pytorch/quantization.py in later releases).
+            yield Hit(item.key, f"{item.key} is silently dropped: Accelerate "
+                      f"{dotted(inp.version)} does not read it; MXFP8 block scaling needs Accelerate >= {dotted(MXFP8_READ)} "
+                      "and, per TE, a GPU of compute capability 10.0+ (Blackwell)",
+                      fix=f"upgrade to accelerate>={dotted(MXFP8_READ)}, or remove the key")
+            continue
         if name in FP8_CONFIG_KEYS:
             continue
         if name in QUESTIONNAIRE_NAMES:
