@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", metavar="REGEX",
                         help="layers for the amax/scale time series (searched in layer names, "
                              f"the first {MAX_SERIES_LAYERS} drawn); default: first and last "
-                             "block and the layer with the most underflow (mean over steps)")
+                             "block, the layer with the most underflow (mean over steps) and the "
+                             "first layer flagged")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="where the PNGs and fp8_report.md go (default: the run folder; "
                              "for an MLflow run, ./fp8_report-<run id>)")
