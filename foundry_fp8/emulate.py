@@ -646,8 +646,9 @@ class EmulatedFP8Linear(nn.Linear):
         (`init_fp8_metadata` runs for calibration too, module/base.py:1534-1566) but hands its
         calibrate calls no quantizer outside FP8 (linear.py:506-510 read `_get_quantizers`,
         which returns None for each unless FP8 is on, l. 2082-2084, as since TE 2.0; TE 1.x
-        wrote the amaxes into the history), so it records no amax and registers for no update. A later FP8 region with another recipe
-        is then refused, as after an FP8 forward (`_check_recipe`)."""
+        wrote the amaxes into the history), so it records no amax and registers for no update.
+        A later FP8 region with another recipe is then refused, as after an FP8 forward
+        (`_check_recipe`)."""
         recipe = _STATE.recipe
         self._check_recipe(recipe)
         for meta in self.fp8_meta.values():

@@ -201,20 +201,22 @@ def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> list[Any]:
         module = model.get_submodule(decision.name)
         if probe.te_class_name(module) is None:
             continue
-        regions: list[ExitStack] = []
+        # a training forward opens nothing (None): these hooks run around every forward
+        regions: list[ExitStack | None] = []
 
-        def enter(mod: nn.Module, args: Any, regions: list[ExitStack] = regions) -> None:
+        def enter(mod: nn.Module, args: Any, regions: list[ExitStack | None] = regions) -> None:
             del args
-            stack = ExitStack()
+            stack = None
             if not mod.training and not torch.is_grad_enabled():
+                stack = ExitStack()
                 stack.enter_context(backend.te_high_precision(mod))
             regions.append(stack)
 
         def leave(mod: nn.Module, args: Any, output: Any,
-                  regions: list[ExitStack] = regions) -> None:
+                  regions: list[ExitStack | None] = regions) -> None:
             del mod, args, output
-            if regions:
-                regions.pop().close()
+            if regions and (stack := regions.pop()) is not None:
+                stack.close()
 
         handles += [module.register_forward_pre_hook(torch.compiler.disable(enter)),
                     module.register_forward_hook(torch.compiler.disable(leave), always_call=True)]

@@ -56,6 +56,7 @@ def _entry_points() -> metadata.EntryPoints | None:
         return None
 
 
+@cache
 def entry_point_names(group: str) -> frozenset[str]:
     """The names installed packages register in an entry-point group (LLM-Foundry's registries
     read `llmfoundry_<registry>`), from package metadata, importing nothing."""

@@ -155,9 +155,8 @@ def first_dump(flags: list[Flag], folder: Path, hparams: Mapping[str, Any] | Non
                ) -> tuple[Flag, Path] | None:
     """The first of the first flagged step's flags whose tensors fp8_stats dumped at that step
     (`dump_steps`), and the dump: what to open to see the values that went wrong."""
-    step = min((f.step for f in flags), default=None)
-    return next(((f, path) for f in flags if f.step == step
-                 and (path := dump_of(folder, hparams, f.step, f.layer, f.tensor)) is not None),
+    return next(((f, path) for f in first_flags(flags)
+                 if (path := dump_of(folder, hparams, f.step, f.layer, f.tensor)) is not None),
                 None)
 
 
