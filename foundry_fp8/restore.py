@@ -125,14 +125,18 @@ def fit_history(history: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def check_module(name: str, tensors: Mapping[str, torch.Tensor], recipe: FP8Recipe | None,
-                 length: int | None) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
+                 length: int | None, named_length: int | None = None,
+                 ) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
     """`(tensors to write, problems)` for one module's saved state.
 
     `recipe`: the one the scales were computed under (the checkpoint's, else the run's; None:
     unknown, then the loosest bound, E5M2's max and no margin); `length`: the history length the
-    run's recipe keeps (None: unknown). The tensors to write are repaired by TE's rules (see the
-    module doc), and None where the module can only start fresh. Problems name module and
-    field; none means the state is valid as saved: what TE can write, +inf amaxes included.
+    run's recipe keeps (None: unknown); `named_length`: the saved recipe's length where the
+    caller already named the change to `length`, so histories of it are fitted without a
+    problem of their own (one of another length still is one). The tensors to write are
+    repaired by TE's rules (see the module doc), and None where the module can only start
+    fresh. Problems name module and field; none means the state is valid as saved: what TE can
+    write, +inf amaxes included.
     """
     problems = [f"{name}.{field}: not a field of FP8 state (expected {', '.join(FIELDS)})"
                 for field in tensors if field not in FIELDS]
@@ -149,7 +153,7 @@ def check_module(name: str, tensors: Mapping[str, torch.Tensor], recipe: FP8Reci
         gemms[direction] = scale.shape[0] // per_gemm
         out[scale_key], out[history_key] = _check_direction(
             f"{name}.{direction}", scale.float(), history.float(), recipe,
-            "forward" if direction == "fwd" else "backward", length, problems)
+            "forward" if direction == "fwd" else "backward", length, named_length, problems)
     if gemms["fwd"] != gemms["bwd"]:
         problems.append(f"{name}: {gemms['fwd']} forward GEMMs but {gemms['bwd']} backward ones")
         return None, problems
@@ -173,7 +177,8 @@ def _shape_problem(scale: Any, history: Any, per_gemm: int) -> str | None:
 
 def _check_direction(where: str, scale: torch.Tensor, history: torch.Tensor,
                      recipe: FP8Recipe | None, direction: str, length: int | None,
-                     problems: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                     named_length: int | None, problems: list[str],
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """One direction's (scale, history), repaired; problems appended."""
     fmt = (recipe or FP8Recipe()).format_for(direction)  # type: ignore[arg-type]
     margin = 2.0 ** -(recipe.margin if recipe else 0)
@@ -183,8 +188,9 @@ def _check_direction(where: str, scale: torch.Tensor, history: torch.Tensor,
     if history.shape[0]:
         history[0] = 0.0  # amaxes not used by any update yet: nothing checks them (module doc)
     if length is not None and history.shape[0] not in (0, length):
-        problems.append(f"{where}_amax_history: {history.shape[0]} rows do not fit the "
-                        f"recipe's {length} (recipe changed?)")
+        if history.shape[0] != named_length:
+            problems.append(f"{where}_amax_history: {history.shape[0]} rows do not fit the "
+                            f"recipe's {length} (recipe changed?)")
         history = fit_history(history, length)
     # TE's amaxes are reduced with fmaxf, which skips NaN and keeps +inf
     # (transformer_engine/common/util/vectorized_pointwise.h:202, recipe/delayed_scaling.cu:192,

@@ -50,7 +50,6 @@ from foundry_fp8.restore import (
     StateProblems,
     check_module,
     combine_ranks,
-    fit_history,
     payload_problem,
     recipe_change,
     saved_recipe,
@@ -531,15 +530,12 @@ class FP8State(Callback):
             self._mismatch(_layers_changed(missing, unexpected),
                            "the modules in both restored, the others' FP8 state fresh")
         length = run.amax_history_len if run is not None else None
-        # a length change is the recipe change named above: its histories are fitted here, not
-        # found again per module as "repaired" (those of another length still are)
-        saved_length = saved_with.amax_history_len if change and saved_with is not None else None
+        # a length change is the recipe change named above: not found again per module
+        named_length = saved_with.amax_history_len if change and saved_with is not None else None
         checked, problems = {}, []
         for name in sorted(modules.keys() & saved.keys()):
-            given = saved[name]
-            if saved_length is not None and length is not None and saved_length != length:
-                given = _fitted(given, saved_length, length)
-            tensors, found = check_module(name, given, saved_with or run, length)
+            tensors, found = check_module(name, saved[name], saved_with or run, length,
+                                          named_length)
             problems += found
             if tensors is not None:
                 checked[name] = tensors
@@ -632,15 +628,6 @@ def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
 
 def _shown(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-
-def _fitted(tensors: Mapping[str, Any], saved_length: int, length: int) -> dict[str, Any]:
-    """`tensors` with each history of the saved recipe's `saved_length` rows fitted to `length`
-    as TE's `adjust_amax_history_length` does (transformer_engine/pytorch/module/base.py)."""
-    return {field: fit_history(value, length)
-            if (field.endswith("_amax_history") and isinstance(value, torch.Tensor)
-                and value.dim() == 2 and value.shape[0] == saved_length) else value
-            for field, value in tensors.items()}
 
 
 def _same_state(a: FP8ModuleState, b: FP8ModuleState) -> bool:
