@@ -258,8 +258,17 @@ def _yaml_error(path: Path, error: yaml.YAMLError, text: str,
     mark = getattr(error, "problem_mark", None)
     if mark is not None and 0 <= mark.index < len(text) and text[mark.index] == "\t" \
             and isinstance(error, yaml.scanner.ScannerError):
-        return LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: a tab "
-                              "is not allowed in YAML indentation (use spaces)")
+        where = "in YAML indentation" if not text[mark.index - mark.column:mark.index].strip() \
+            else "between YAML tokens, outside quotes"
+        return LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: {verdict}: a tab "
+                              f"is not allowed {where} (use spaces)")
+    if isinstance(error, yaml.reader.ReaderError):  # no mark; libyaml's position is in bytes
+        bad = yaml.reader.Reader.NON_PRINTABLE.search(text)
+        if bad is not None:
+            line = text.count("\n", 0, bad.start()) + 1
+            column = bad.start() - (text.rfind("\n", 0, bad.start()) + 1) + 1
+            return LintInputError(f"{path}:{line}:{column}: {verdict}: character "
+                                  f"{ord(bad.group()):#06x}: {error.reason}")
     where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
     problem = getattr(error, "problem", None) or str(error).splitlines()[0]
     return LintInputError(f"{path}{where}: {verdict}: {problem}")
@@ -536,9 +545,19 @@ def read_yaml(path: Path, text: str, dates: bool = True) -> Document:
     return Document(root, data)
 
 
-def load_data(path: Path, text: str, dates: bool = True) -> Any:
-    """`read_yaml`'s values alone."""
-    return read_yaml(path, text, dates).data
+def load_data(path: Path, text: str) -> Any:
+    """The values of an MCLI run config or an Accelerate config, which their tools read with
+    yaml.safe_load (mcli/utils/utils_yaml.py load_yaml, accelerate/commands/config/
+    config_args.py load_config_from_file): PyYAML's pure-Python reader, which refuses what
+    libyaml (our `_Loader`, and omegaconf 2.4's) takes, such as a tab after `key:`."""
+    data = read_yaml(path, text).data  # within the bounds first: the pure parse is slower
+    try:
+        for _ in yaml.parse(text, Loader=yaml.SafeLoader):
+            pass
+    except yaml.YAMLError as e:
+        raise _yaml_error(path, e, text, "yaml.safe_load (MCLI's and Accelerate's reader) "
+                          "refuses it") from None
+    return data
 
 
 def _unconstructed(path: Path, root: yaml.Node, node: yaml.Node,

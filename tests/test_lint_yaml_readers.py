@@ -1,0 +1,80 @@
+"""The linter reads each file with the YAML reader of the tool that will read it: MCLI and
+Accelerate use yaml.safe_load (PyYAML's pure-Python reader), which refuses tabs between tokens
+that libyaml (the linter's fast reader, and omegaconf 2.4's) accepts; a character YAML refuses
+is named at its line and column."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from accelerate.commands.config.config_args import load_config_from_file
+from mcli.utils.utils_yaml import load_yaml
+
+MCLI = """name: mpt-125m-fp8
+image: mosaicml/llm-foundry:2.7.0_cu128-latest
+compute:
+  gpus: 8
+command: composer train/train.py /mnt/config/parameters.yaml
+parameters:
+  max_seq_len: 2048
+  model:
+    name: mpt_causal_lm
+    d_model: 768
+"""
+ACCELERATE = """compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+mixed_precision: fp8
+num_processes: 8
+"""
+
+
+def _lint(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", str(path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(("text", "old", "line", "column"), [
+    (MCLI, "  gpus: 8", 4, 8),            # in the MCLI part
+    (MCLI, "    d_model: 768", 10, 13),  # in the parameters MCLI writes out
+    (ACCELERATE, "mixed_precision: fp8", 3, 17),
+])
+def test_a_tab_yaml_safe_load_refuses_exits_2_at_its_line(tmp_path, text, old, line, column):
+    path = tmp_path / "config.yaml"
+    path.write_text(text.replace(old, old.replace(": ", ":\t")))
+    reader = load_config_from_file if text is ACCELERATE else load_yaml
+    with pytest.raises(yaml.scanner.ScannerError) as refused:  # the tool's own reader
+        reader(str(path))
+    mark = refused.value.problem_mark
+    assert (mark.line + 1, mark.column + 1) == (line, column)
+    done = _lint(path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    error, = [e for e in done.stderr.splitlines() if e.startswith("error: ")]
+    assert error.startswith(f"error: {path}:{line}:{column}: yaml.safe_load"), error
+    assert "a tab is not allowed between YAML tokens" in error
+
+
+def test_a_tab_inside_quotes_is_read_by_both(tmp_path):
+    path = tmp_path / "mcli.yaml"
+    path.write_text(MCLI.replace("name: mpt-125m-fp8", 'name: "mpt\t125m"'))
+    assert load_yaml(str(path))["name"] == "mpt\t125m"
+    assert _lint(path).returncode == 0
+
+
+@pytest.mark.parametrize("character", ["\x00", "\x01", "\x7f", "\x9b"])
+def test_a_character_yaml_refuses_is_named_at_its_line(tmp_path, character):
+    path = tmp_path / "train.yaml"
+    path.write_text(MCLI.replace("mpt_causal_lm", f"mpt_causal_lm{character}"))
+    with pytest.raises(yaml.reader.ReaderError) as refused:  # the pure reader's index
+        yaml.safe_load(path.read_text())
+    before = path.read_text()[:refused.value.position]
+    line, column = before.count("\n") + 1, len(before.rpartition("\n")[2]) + 1
+    assert (line, column) == (9, 24)
+    done = _lint(path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    error, = [e for e in done.stderr.splitlines() if e.startswith("error: ")]
+    assert error.startswith(f"error: {path}:{line}:{column}: not valid YAML: character "
+                            f"{ord(character):#06x}"), error
