@@ -17,6 +17,8 @@ is the last autocast's, not the layer's. A layer keeps the rest of the recipe it
 under (TE reuses its state and registers it once: its open TODO #3157), so a layer cast under
 another format, margin or reduction raises `RecipeError` naming the key rather than predict
 numbers TE would not produce (`amax_history_len` excepted, which TE follows).
+`is_first_microbatch` keeps and reuses the FP8 weight as te.Linear's weight cache does
+(`_WeightCache`).
 `fp8_checkpoint` recomputes activations the way TE's `distributed.checkpoint` does (same recipe
 and scales as the original forward, no amax recorded), so checkpointing does not change the
 numerics (TE issue #1190). It gives FP8 numerics on hardware without FP8 (CPU, A100); it is not
@@ -438,14 +440,22 @@ class _FP8LinearFunction(torch.autograd.Function):
     copies dequantized to the activation dtype (`dequantized`), as `te.facts` says TE does."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, module, recipe, update_backward):
+    def forward(ctx, x, weight, bias, module, recipe, update_backward, override, microbatch,
+                transpose):
         meta = module.fp8_meta["scaling_fwd"]
         fmt = recipe.format_for("forward")
         dtype = _activation_dtype(x)
-        override = backward_override(recipe)
-        scales = module._cast_scales(meta, (x, weight), fmt, recipe)
-        sx, sw = scales[FWD_INPUT].clone(), scales[FWD_WEIGHT].clone()
-        qx, qw = quantize(x, sx, fmt), quantize(weight, sw, fmt)
+        cached = module._cached_weight(microbatch, transpose)
+        scales = module._cast_scales(meta, (x,) if cached else (x, weight), fmt, recipe)
+        sx = scales[FWD_INPUT].clone()
+        qx = quantize(x, sx, fmt)
+        if cached is not None:  # the weight is not cast, so records no amax (`_WeightCache`)
+            qw, sw = cached.data, cached.scale
+        else:
+            sw = scales[FWD_WEIGHT].clone()
+            qw = quantize(weight, sw, fmt)
+            if microbatch is not None:
+                module._fp8_weight_cache = _WeightCache(qw, sw, transpose)
         if override == "high_precision":  # TE saves the original input and weight
             ctx.save_for_backward(x, weight, None, None)
         else:
@@ -491,7 +501,31 @@ class _FP8LinearFunction(torch.autograd.Function):
         # (`reduce_and_update_bwd_fp8_tensors = False`, linear.py:1128-1129 at v2.15)
         if ctx.update_backward and ctx.override is None:
             _reduce_and_update("backward")
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+@dataclass
+class _WeightCache:
+    """TE's cached FP8 weight (`_fp8_workspaces["weight"]`) under `is_first_microbatch`
+    (TE 2.20, pytorch/module/linear.py:1958-1961, 2068-2071; module/base.py:792-890): True or
+    None casts the weight afresh (True keeps the cast), False reuses the kept FP8 weight with
+    the scale it was cast with, so that forward records no weight amax and the fused update
+    leaves the weight's history column and scale alone (`numerics.delayed_scale_update`).
+    `transpose`: whether the cast made the transpose a backward reads, which Hopper needs
+    (`_weight_transpose_needed`)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    transpose: bool
+
+
+def _weight_transpose_needed(x: torch.Tensor, override: str | None) -> bool:
+    """Whether TE casts the weight with its transpose (columnwise usage, linear.py:466-474): for
+    an input gradient with no backward override, or in the first forward of an activation
+    recompute (`fp8_checkpoint`'s stash). Asked before the autograd Function, whose forward
+    runs without grad."""
+    return (torch.is_grad_enabled() and x.requires_grad and override is None) or (
+        _STATE.stash is not None)
 
 
 #: Ends each shape warning: one per kind per process (`_warn_unless_te_runs`).
@@ -555,6 +589,7 @@ class EmulatedFP8Linear(nn.Linear):
         device = self.weight.device if self.weight.device.type != "meta" else "cpu"
         self.fp8_meta = nn.ModuleDict({"scaling_fwd": ScalingMeta(3), "scaling_bwd": ScalingMeta(2)})
         self.fp8_meta.to(device)
+        self._fp8_weight_cache: _WeightCache | None = None
         _FIRST_RECIPE.pop(self, None)
         buffer = _REGISTERED.pop(self, None)
         if buffer is not None:
@@ -633,9 +668,13 @@ class EmulatedFP8Linear(nn.Linear):
             _STATE.stash.setdefault(self, deque()).append(meta.scale[:n].clone())
         return meta.scale[:n]
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear's name)
+    def forward(self, input: torch.Tensor,  # noqa: A002  (nn.Linear's name)
+                is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """`is_first_microbatch` as te.Linear's: under FP8, None casts the weight at every
+        forward, True casts it and keeps the FP8 copy, False reuses the kept copy
+        (`_WeightCache`); outside FP8 it changes nothing."""
         if is_fp8_enabled():
-            return self._fp8_forward(input)
+            return self._fp8_forward(input, is_first_microbatch)
         if _STATE.calibrating:
             self._calibrate(input)
         return super().forward(input)
@@ -656,8 +695,23 @@ class EmulatedFP8Linear(nn.Linear):
             if recipe.scaling == "delayed":
                 self._fit_history(meta, recipe)
 
+    def _cached_weight(self, microbatch: bool | None, transpose: bool) -> _WeightCache | None:
+        """The kept FP8 weight where TE reuses it (`_WeightCache`): `is_first_microbatch` False
+        and a cast kept on the weight's device (a `.to()` leaves it behind: cast again), with
+        the transpose if one is needed, as on Hopper (`_is_weight_workspace_valid`, module/
+        base.py:757-768, non-TN FP8 GEMMs from compute capability 10.0, pytorch/utils.py:
+        658-663). The recompute reuses what its forward did (no transpose check)."""
+        cache = self._fp8_weight_cache
+        if microbatch is None or microbatch or cache is None:
+            return None
+        if cache.data.device != self.weight.device:
+            return None
+        if transpose and not cache.transpose and _STATE.replay is None:
+            return None
+        return cache
+
     @torch.compiler.disable
-    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _fp8_forward(self, x: torch.Tensor, microbatch: bool | None) -> torch.Tensor:
         """Eager under torch.compile: the emulation is bookkeeping in Python (histories sized
         at the first cast, module-level autocast state) that Dynamo would recompile for at
         every change, and software FP8 gains nothing from a compiled graph."""
@@ -674,8 +728,10 @@ class EmulatedFP8Linear(nn.Linear):
         # (linear.py:1436-1444); the recompute leaves the flag alone
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, self.weight, self.bias))
-        _warn_unless_te_runs(x, self.weight, needs_grad and backward_override(recipe) is None)
+        override = backward_override(recipe)
+        _warn_unless_te_runs(x, self.weight, needs_grad and override is None)
         update_backward = needs_grad and not replaying and _take_first_module()
         if update_backward:
             _STATE.first_layer = weakref.ref(self)
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe, update_backward)
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe, update_backward,
+                                        override, microbatch, _weight_transpose_needed(x, override))
