@@ -92,6 +92,10 @@ def _modules_problem(modules: Any, where: str) -> str | None:
         for field, value in tensors.items():
             if not isinstance(value, torch.Tensor):
                 return f"{where}.{name}.{field}: expected a tensor, got {type(value).__name__}"
+            # a sparse or meta tensor has no values to check; torch's ops on it raise
+            if value.layout != torch.strided or value.is_meta:
+                return (f"{where}.{name}.{field}: expected a dense tensor of values, got a "
+                        f"{str(value.layout).removeprefix('torch.')} tensor on {value.device}")
     return None
 
 
@@ -112,6 +116,8 @@ def recipe_change(saved: FP8Recipe | None, run: FP8Recipe | None) -> str | None:
     the same or either is unknown."""
     if saved is None or run is None:
         return None
+    if saved.scaling != run.scaling:  # the other keys belong to one scaling or the other
+        return f"scaling {saved.scaling} -> {run.scaling}"
     old, new = saved.as_config(), run.as_config()
     changed = [f"{key} {old.get(key, '-')} -> {new.get(key, '-')}"
                for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
@@ -147,7 +153,7 @@ def check_module(name: str, tensors: Mapping[str, torch.Tensor], recipe: FP8Reci
         scale, history = tensors.get(scale_key), tensors.get(history_key)
         shape = _shape_problem(scale, history, per_gemm)
         if shape:
-            problems.append(f"{name}.{scale_key if 'scale' in shape else history_key}: {shape}")
+            problems.append(f"{name}.{direction}_{shape[0]}: {shape[1]}")
             return None, problems
         assert scale is not None and history is not None
         gemms[direction] = scale.shape[0] // per_gemm
@@ -160,18 +166,20 @@ def check_module(name: str, tensors: Mapping[str, torch.Tensor], recipe: FP8Reci
     return out, problems
 
 
-def _shape_problem(scale: Any, history: Any, per_gemm: int) -> str | None:
+def _shape_problem(scale: Any, history: Any, per_gemm: int) -> tuple[str, str] | None:
+    """`(field, what is wrong)` where the shapes are not TE's, the field `scale` or
+    `amax_history`; None where they are."""
     for key, value, dims in (("scale", scale, 1), ("amax_history", history, 2)):
         if not isinstance(value, torch.Tensor):
-            return f"{key} missing" if value is None else f"{key}: not a tensor"
+            return key, "missing" if value is None else "not a tensor"
         if not value.is_floating_point() or value.dim() != dims:
-            return (f"{key}: a {value.dim()}-d {value.dtype} tensor, expected a {dims}-d "
-                    "floating one")
+            return key, f"a {value.dim()}-d {value.dtype} tensor, expected a {dims}-d floating one"
     n = scale.shape[0]
     if n == 0 or n % per_gemm:
-        return f"scale: {n} values, expected {per_gemm} per GEMM"
+        return "scale", f"{n} values, expected {per_gemm} per GEMM"
     if history.shape[1] != n:
-        return f"amax_history: shape {tuple(history.shape)}, expected [rows, {n}] as the scale"
+        return "amax_history", (f"shape {tuple(history.shape)}, expected [rows, {n}] as the "
+                                "scale")
     return None
 
 
@@ -234,23 +242,30 @@ def _example(values: torch.Tensor) -> str:
     return f"{values.flatten()[0].item():g}"
 
 
-def combine_ranks(ranks: list[FP8ModuleState]) -> FP8ModuleState:
-    """One state from several ranks' different ones, as TE's amax reduction would have made it:
-    with `reduce_amax` every update sees the max over ranks of each amax, so the histories are
-    the elementwise max of the ranks' ones and the scale is the one the largest amax gives, the
-    smallest rank's scale. Modules or fields some ranks lack are taken from those that have
-    them; NaN and negative values pass through, for `check_module` to find, and +inf as TE's
-    reduction keeps it."""
+def combine_ranks(ranks: list[FP8ModuleState]) -> tuple[FP8ModuleState, list[str]]:
+    """`(one state, problems)` from several ranks' different ones, as TE's amax reduction would
+    have made it: with `reduce_amax` every update sees the max over ranks of each amax, so the
+    histories are the elementwise max of the ranks' ones and the scale is the one the largest
+    amax gives, the smallest rank's scale. Modules or fields some ranks lack are taken from
+    those that have them; NaN and negative values pass through, for `check_module` to find, and
+    +inf as TE's reduction keeps it. A field whose shape differs from the first rank's holding
+    it (no run of one recipe saves that) is left out of the combination, a problem."""
     combined: FP8ModuleState = {}
-    for modules in ranks:
+    first: dict[tuple[str, str], int] = {}
+    problems = []
+    for rank, modules in enumerate(ranks):
         for name, tensors in modules.items():
             into = combined.setdefault(name, {})
             for field, value in tensors.items():
                 have = into.get(field)
-                if have is None or have.shape != value.shape:
-                    into[field] = value.clone() if have is None else have
+                if have is None:
+                    into[field], first[name, field] = value.clone(), rank
+                elif have.shape != value.shape:
+                    problems.append(f"ranks[{rank}].{name}.{field}: shape {tuple(value.shape)}, "
+                                    f"ranks[{first[name, field]}] saved "
+                                    f"{tuple(have.shape)} (left out)")
                 elif field.endswith("_scale"):
                     into[field] = torch.minimum(have, value)
                 else:
                     into[field] = torch.maximum(have, value)
-    return combined
+    return combined, problems

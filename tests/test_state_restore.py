@@ -244,6 +244,50 @@ def test_a_payload_that_is_not_ours_is_refused_in_one_line(payload, match, caplo
     assert "started fresh" in caplog.text and read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
 
 
+@pytest.mark.parametrize("tensor", [torch.ones(3).to_sparse(), torch.empty(3, device="meta")])
+def test_a_tensor_without_values_is_refused_in_one_line_not_by_torch(tensor, caplog):
+    """A sparse or meta scale: torch's own ops raised NotImplementedError / RuntimeError out of
+    the load, a multi-line traceback that stopped the run even with `strict: false`."""
+    saved = _saved()
+    saved["modules"]["0"]["fwd_scale"] = tensor
+    with pytest.raises(FP8StateError, match=r"modules\.0\.fwd_scale: expected a dense tensor "
+                                            r"of values, got a (sparse_coo|strided) tensor on "
+                                            r"(cpu|meta)") as error:
+        _callback(_layers()).load_state_dict(saved)
+    _one_line(error.value)
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _callback(model, strict=False).load_state_dict(saved)
+    assert "started fresh" in caplog.text and read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
+
+
+@pytest.mark.parametrize(("field", "cut", "expected"), [
+    ("fwd_amax_history", lambda t: t[:, :2], "0.fwd_amax_history: shape (4, 2), expected [rows, 3] "
+                                             "as the scale"),
+    ("fwd_scale", lambda t: t[:2], "0.fwd_scale: 2 values, expected 3 per GEMM"),
+    ("bwd_scale", lambda t: None, "0.bwd_scale: missing"),
+])
+def test_a_malformed_field_is_named_as_itself_and_its_module_said_fresh(field, cut, expected,
+                                                                         caplog):
+    """A truncated history was reported as `0.fwd_scale: amax_history: ...` (the field picked by
+    the word `scale` in the message), and the repair warning did not say the module started
+    fresh."""
+    saved = _saved()
+    saved["modules"]["0"][field] = cut(saved["modules"]["0"][field])
+    if saved["modules"]["0"][field] is None:
+        del saved["modules"]["0"][field]
+    with pytest.raises(FP8StateError) as error:
+        _callback(_layers()).load_state_dict(saved)
+    assert f"refused: {expected} (set" in _one_line(error.value)
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _callback(model, strict=False).load_state_dict(saved)
+    assert _ours(caplog) == [f"fp8_state: checkpoint FP8 state repaired by TE's rules: {expected} "
+                             "(beyond repair, started fresh: 0)"]
+    assert read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
+    assert torch.equal(read_fp8_meta(model[1])["fwd_scale"], saved["modules"]["1"]["fwd_scale"])
+
+
 # -- the property: valid state or one line, never poison -----------------------------------------
 
 _VALUES = st.sampled_from([0.0, -1.0, math.nan, math.inf, -math.inf, 1e30, 1e-30, 0.5, 3.0])
@@ -394,6 +438,47 @@ def test_other_recipe_changes_are_named():
     assert "fitted" not in str(error.value)  # same length: no history is fitted
 
 
+def test_a_scaling_change_names_the_scaling_not_every_key_of_either():
+    """current -> delayed listed six keys, `amax_history_len - -> 4` and the like, that belong
+    to one scaling only."""
+    saved = _saved(FP8Recipe(scaling="current"))
+    with pytest.raises(FP8StateError) as error:
+        _callback(_layers()).load_state_dict(saved)
+    assert _one_line(error.value) == ("fp8_state: checkpoint FP8 state does not fit (recipe "
+                                      "changed?): scaling current -> delayed (set fp8_state: "
+                                      "{strict: false} to continue with FP8 scaling started fresh)")
+
+
+def test_ranks_of_other_shapes_are_named_not_silently_dropped(caplog):
+    """Per-rank state from 2 ranks into this 1-rank run, rank 1's history cut to 2 rows: it was
+    left out of the combination without a word, even with `strict`."""
+    saved = _saved()
+    other = {n: {f: v.clone() for f, v in t.items()} for n, t in saved["modules"].items()}
+    other["1"]["bwd_amax_history"] = other["1"]["bwd_amax_history"][:2]
+    saved["ranks"] = [saved["modules"], other]
+    with caplog.at_level(logging.WARNING, logger=LOGGER), pytest.raises(FP8StateError) as error:
+        _callback(_layers()).load_state_dict(saved)
+    assert ("refused: ranks[1].1.bwd_amax_history: shape (2, 2), ranks[0] saved (4, 2) (left "
+            "out) (set") in _one_line(error.value)
+    model = _layers()
+    _callback(model, strict=False).load_state_dict(saved)
+    assert torch.equal(read_fp8_meta(model[1])["bwd_amax_history"][1:],
+                       saved["modules"]["1"]["bwd_amax_history"][1:])
+
+
+def test_load_ignore_keys_of_the_modules_is_not_called_a_run_without_fp8(tmp_path, caplog):
+    """Composer's `load_ignore_keys: [state/callbacks/FP8State/modules]` leaves the entry
+    without `modules`, which every save writes: it was reported as "saved by a run without FP8
+    modules"."""
+    _trainer(tmp_path, "2ba", [FP8State()]).fit()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _trainer(tmp_path, "3ba", [FP8State()], load_path=str(_checkpoint(tmp_path, 2)),
+                 load_ignore_keys=["state/callbacks/FP8State/modules"]).fit()
+    assert _ours(caplog) == ["fp8_state: the checkpoint's fp8_state entry holds no modules (left "
+                             "out by load_ignore_keys?); FP8 scales and amax histories start "
+                             "fresh"]
+
+
 # -- real Composer runs: save, resume -------------------------------------------------------------
 
 
@@ -533,7 +618,9 @@ def test_ranks_combine_as_te_amax_reduction_would():
         _step(a, seed=seed)
         _step(b, seed=10 + seed)
     ranks = [{"0": read_fp8_meta(a[0])}, {"0": read_fp8_meta(b[0])}]
-    combined = combine_ranks(ranks)["0"]
+    combined, problems = combine_ranks(ranks)
+    assert problems == []
+    combined = combined["0"]
     history = torch.maximum(ranks[0]["0"]["fwd_amax_history"], ranks[1]["0"]["fwd_amax_history"])
     assert torch.equal(combined["fwd_amax_history"], history)
     te_scale = 448.0 / history[1:].amax(0)

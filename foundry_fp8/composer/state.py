@@ -462,13 +462,14 @@ class FP8State(Callback):
         self._pending = None
         self._restore(state)
 
-    def _this_rank(self, state: dict[str, Any]) -> FP8ModuleState:
+    def _this_rank(self, state: dict[str, Any]) -> tuple[FP8ModuleState, list[str]]:
+        """This rank's saved state, and what combining other ranks' found wrong."""
         ranks = state.get("ranks")
         if ranks is None:
-            return state.get("modules", {})
+            return state.get("modules", {}), []
         world, rank = dist.get_world_size(), dist.get_global_rank()
         if len(ranks) == world:
-            return ranks[rank]
+            return ranks[rank], []
         log.warning("fp8_state: the checkpoint holds different FP8 state on each of its %d "
                     "ranks, this run has %d: every rank gets them combined as TE's amax "
                     "reduction would (amax histories: elementwise max over ranks; scales: the "
@@ -492,7 +493,7 @@ class FP8State(Callback):
             self._mismatch(f"fp8_state: the checkpoint's recipe is not readable ({error})",
                            _FRESH)
             return
-        saved = self._this_rank(state)
+        saved, problems = self._this_rank(state)
         keeps_state = [n for n, t in saved.items()
                        if any(v.numel() for k, v in t.items() if k.endswith("_amax_history"))]
         if run is not None and run.scaling != "delayed":
@@ -516,6 +517,10 @@ class FP8State(Callback):
         modules = dict(fp8_modules(self._model))
         missing = sorted(modules.keys() - saved.keys())
         unexpected = sorted(saved.keys() - modules.keys())
+        if modules and not {"modules", "ranks"} & state.keys():  # every save writes `modules`
+            log.warning("fp8_state: the checkpoint's fp8_state entry holds no modules (left out "
+                        "by load_ignore_keys?); FP8 scales and amax histories start fresh")
+            return
         if modules and not saved:  # a run without FP8 modules saved it (fp8_state in its YAML)
             log.warning("fp8_state: the checkpoint holds no FP8 state (saved by a run without "
                         "FP8 modules); FP8 scales and amax histories start fresh, as expected "
@@ -532,20 +537,23 @@ class FP8State(Callback):
         length = run.amax_history_len if run is not None else None
         # a length change is the recipe change named above: not found again per module
         named_length = saved_with.amax_history_len if change and saved_with is not None else None
-        checked, problems = {}, []
+        checked, fresh = {}, []
         for name in sorted(modules.keys() & saved.keys()):
             tensors, found = check_module(name, saved[name], saved_with or run, length,
                                           named_length)
             problems += found
             if tensors is not None:
                 checked[name] = tensors
+            else:
+                fresh.append(name)
         if problems:
             shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more"
                                                if len(problems) > 3 else "")
             if self.strict:
                 raise FP8StateError(f"fp8_state: checkpoint FP8 state refused: {shown} (set "
                                     f"fp8_state: {{strict: false}} to repair it by TE's rules)")
-            log.warning("fp8_state: checkpoint FP8 state repaired by TE's rules: %s", shown)
+            log.warning("fp8_state: checkpoint FP8 state repaired by TE's rules: %s%s", shown,
+                        f" (beyond repair, started fresh: {_shown(fresh)})" if fresh else "")
         shapes = []
         for name, tensors in checked.items():
             module = modules[name]
