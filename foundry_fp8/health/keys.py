@@ -16,6 +16,10 @@ TENSORS = ("activation", "weight", "gradient")
 LAYER_PREFIX = "fp8_"
 LAYOUT = "fp8_<stat>/<tensor>/<layer>"  # the per-layer series, as the messages name it
 SUMMARY_PREFIX = "fp8"
+#: The training loss Composer's trainer logs at every batch, at the batch's step
+#: (composer/trainer/trainer.py, `_train_loop`: `loss/train/total`); the report's --baseline
+#: compares it.
+LOSS = "loss/train/total"
 #: Logged as 1 for a tensor cast with delayed scaling's initial scale 1 (no amax history yet).
 INITIAL_SCALE = "initial_scale"
 #: A marker as INITIAL_SCALE is: 1 for a row logged while fp8_guard ran its layer in high

@@ -45,3 +45,11 @@ class Thresholds:
 
 
 DEFAULT_THRESHOLDS = Thresholds()
+
+#: `foundry-fp8 report --baseline`: the run's training loss departs from the baseline's where it
+#: is more than this fraction above it (relative to the baseline's loss, so it holds for any
+#: loss scale) at LOSS_GAP_STEPS compared steps in a row, or is NaN/Inf where the baseline's is
+#: finite. Both runs see the same batch at a step (same seed and data order), so a gap is the
+#: numerics', not the data's; FP8 runs that train well stay within about 1 % of BF16.
+MAX_LOSS_GAP = 0.05
+LOSS_GAP_STEPS = 3

@@ -21,6 +21,7 @@ from foundry_fp8.guard import static_yaml
 from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table, worst_values
 from foundry_fp8.health.history import shown, whatif_rows
 from foundry_fp8.health.keys import full_forms
+from foundry_fp8.health.loss import LossComparison, compare
 from foundry_fp8.health.plots import (
     MAX_SERIES_LAYERS,
     choose_layers,
@@ -32,10 +33,12 @@ from foundry_fp8.health.specs import spec
 from foundry_fp8.health.table import bounded, distinct_labels, elide, one_line, short_names
 from foundry_fp8.jsonl import hparams_of, write_output
 from foundry_fp8.options import OptionError
+from foundry_fp8.report.baseline import read_baseline, read_losses
 from foundry_fp8.report.markdown import (
     TO_FP8,
     Finding,
     change_key,
+    departure,
     fallback_steps,
     findings,
     first_flagged,
@@ -82,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="where the PNGs and fp8_report.md go (default: the run folder; "
                              "for an MLflow run, ./fp8_report-<run id>)")
+    parser.add_argument("--baseline", type=Path, metavar="RUN",
+                        help="a run to compare the training loss with (the BF16 run, read as "
+                             "RUN_FOLDER is): the first step this run's loss departs from it, "
+                             "and the layers flagged up to then")
 
 
 def warn(message: str) -> None:
@@ -160,11 +167,12 @@ def first_dump(flags: list[Flag], folder: Path, hparams: Mapping[str, Any] | Non
                 None)
 
 
-def make_report(run_folder: Path, layers: str | None = None, out: Path | None = None
-                ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path],
+def make_report(run_folder: Path, layers: str | None = None, out: Path | None = None,
+                loss: tuple[str, LossComparison] | None = None) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path],
                            tuple[Flag, Path] | None]:
     """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did,
-    the written paths (markdown last) and the first flagged step's dump (`first_dump`)."""
+    the written paths (markdown last) and the first flagged step's dump (`first_dump`). `loss`:
+    the baseline as named and the loss comparison with it (`compare`), for the headline."""
     if (ml := mlflow_run(run_folder)) is not None:  # an MLflow run, read with MLflow's client
         run, series, hparams = load_mlflow(ml, warn)
         hparams_file, folder = ml.where, Path(f"fp8_report-{ml.run_id}")
@@ -206,7 +214,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
         target = out / "fp8_report.md"
         write_output(target, render_report(run, flags, thresholds, chosen[:MAX_SERIES_LAYERS],
                                            [p.name for p in written], guard,
-                                           matched=len(chosen), dump=dump))
+                                           matched=len(chosen), dump=dump, loss=loss))
     except OSError as e:  # read-only, a full disk, a folder or FIFO in the file's place
         # a run folder someone else's run wrote (a shared store, a read-only mount): say how
         elsewhere = ("; --out DIR writes the report elsewhere"
@@ -217,9 +225,13 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
 
 
 def run(args: argparse.Namespace) -> int:
+    loss = None
     try:
+        if args.baseline is not None:  # its errors first: it is read in seconds, the run not
+            base = read_baseline(args.baseline)
+            loss = (str(args.baseline), compare(read_losses(args.run_folder), base))
         metrics, flags, guard, written, dump = make_report(args.run_folder, args.layers,
-                                                           args.out)
+                                                           args.out, loss)
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
@@ -241,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(found)} flagged")
     if found:
         print(f"  {first_flagged(metrics, flags, names, dump=dump)}")
+    if loss is not None:
+        print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
     print("".join(f"  {line(f)}\n" for f in found[:MAX_PRINTED]), end="")
     if len(found) > MAX_PRINTED:
         print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")

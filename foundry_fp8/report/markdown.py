@@ -5,6 +5,7 @@ escaped (`health.table.md_escape`) and shown by a bounded label (`health.table.s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote
@@ -19,6 +20,7 @@ from foundry_fp8.guard import (
 )
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
 from foundry_fp8.health.history import whatif_rows, worst_layers
+from foundry_fp8.health.loss import LossComparison
 from foundry_fp8.health.plots import common_prefix
 from foundry_fp8.health.rules import KEEP_OUT
 from foundry_fp8.health.specs import badness, spec
@@ -30,6 +32,7 @@ from foundry_fp8.health.table import (
     number,
     short_names,
 )
+from foundry_fp8.health.thresholds import LOSS_GAP_STEPS, MAX_LOSS_GAP
 from foundry_fp8.report.read import GuardRun
 
 
@@ -289,10 +292,11 @@ GUIDE = """\
 def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                   chosen: list[tuple[str, str]], pngs: list[str],
                   guard: GuardRun | None = None, matched: int | None = None,
-                  dump: tuple[Flag, Path] | None = None) -> str:
+                  dump: tuple[Flag, Path] | None = None,
+                  loss: tuple[str, LossComparison] | None = None) -> str:
     """fp8_report.md: what to look at first, what fp8_guard did, how to read it, the plots,
     then the full table. `matched`: how many layers `--layers` matched, of which `chosen` are
-    the ones drawn."""
+    the ones drawn; `loss`: the baseline (as named) and the loss comparison with it."""
     prefix = common_prefix(run.layers)
     names = layer_names(run, guard)
     kinds = short_names(run.tensors)
@@ -314,6 +318,9 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     fallen = fallback_steps(guard)
     if found:
         lines += [first_flagged(run, flags, names, markdown=True, dump=dump) or "", ""]
+    if loss is not None:
+        lines += [departure(loss[1], flags, names, run, loss[0], markdown=True), ""]
+    if found:
         lines += ["| layer | tensor | statistic | worst | first flagged at step | steps flagged "
                   "| likely cause | change |", "|---|---|---|---|---|---|---|---|"]
         for f in found:
@@ -356,3 +363,45 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                               " of the logging steps, whose numbers there are what-if ones."
                               if whatif else ""), "", render_table(worst_values(run), whatif)]
     return "\n".join(lines)
+
+
+#: Flagged layer tensors up to the loss's departure the line names (the rest are counted).
+DEPARTURE_SHOWN = 5
+
+
+def departure(cmp: LossComparison, flags: list[Flag], names: dict[str, str], run: RunMetrics,
+              baseline: str, markdown: bool = False) -> str:
+    """Where the run's loss departs from the baseline's (`health.loss.compare`) and what was
+    flagged up to that step: the layers to suspect. Or that it stays within, over which steps."""
+    base = md_code(baseline) if markdown else baseline
+    rule = (f"more than {100 * MAX_LOSS_GAP:g} % above it at {LOSS_GAP_STEPS} compared steps in a "
+            "row, or NaN/Inf")
+    if not cmp.steps:
+        return (f"Loss vs the baseline {base}: no step where both logged a finite loss, nothing "
+                f"compared (this run's loss ends at step {cmp.run_last}, the baseline's at "
+                f"{cmp.base_last}).")
+    if cmp.departed is None or cmp.loss is None or cmp.base is None:
+        short = (f"; the baseline's loss ends at step {cmp.base_last}, this run's at "
+                 f"{cmp.run_last}: the steps after are not compared"
+                 if cmp.base_last < cmp.run_last else "")
+        return (f"Loss within the baseline {base} at all {len(cmp.steps)} compared steps "
+                f"({cmp.steps[0]} to {cmp.steps[-1]}; {rule} would depart){short}.")
+    step = cmp.departed
+    gap = (f"{100 * (cmp.loss - cmp.base) / abs(cmp.base):+.3g} %" if math.isfinite(cmp.loss)
+           and cmp.base else "NaN/Inf")
+    kinds = short_names(run.tensors)
+    seen: dict[tuple[str, str, str], int] = {}
+    for f in sorted(flags, key=lambda f: f.step):
+        if f.step <= step:
+            seen.setdefault((f.layer, f.tensor, f.stat), f.step)
+    said = [f"{md_code(names.get(layer, layer)) if markdown else repr(names.get(layer, layer))} "
+            f"{md_escape(kinds.get(tensor, tensor)) if markdown else kinds.get(tensor, tensor)} "
+            f"{md_escape(bounded(stat)) if markdown else bounded(stat)} (from step {first})"
+            for (layer, tensor, stat), first in seen.items()]
+    more = len(said) - DEPARTURE_SHOWN
+    flagged = (f"Flagged up to step {step}: " + "; ".join(said[:DEPARTURE_SHOWN])
+               + (f"; and {more} more" if more > 0 else "") + "." if said else
+               f"No layer flagged up to step {step}" + (
+                   f" (the first at step {min(f.step for f in flags)})." if flags else "."))
+    return (f"Loss departs from the baseline {base} at step {step}: {number(cmp.loss)} vs "
+            f"{number(cmp.base)} ({gap}; {rule}; {len(cmp.steps)} steps compared). {flagged}")

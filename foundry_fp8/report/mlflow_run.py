@@ -174,3 +174,24 @@ def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
                 if points else "no FP8 statistics: was fp8_stats in the YAML?")
         raise ReportError(f"{run.where}: MLflow run {run.run_id}: {said}")
     return metrics, guard, params
+
+
+def mlflow_history(run: MlflowRun, key: str) -> list[tuple[int, dict[str, float]]]:
+    """(step, {key: value}) of one metric's history, in the order logged (`_records`), read with
+    MLflow's client under the name the run's MLflow logger gave it (`rename_metrics`)."""
+    try:
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise ReportError(f"{run.where}: an MLflow run: reading it needs MLflow, not installed "
+                          "here (pip install mlflow)") from None
+    try:
+        client = MlflowClient(tracking_uri=run.tracking_uri)
+        params = {k: _param(v) for k, v in client.get_run(run.run_id).data.params.items()}
+        renamed = _logger_options(params).get("rename_metrics")
+        logged = renamed.get(key, key) if isinstance(renamed, Mapping) else key
+        points = [(m.timestamp, m.step, key, m.value)
+                  for m in client.get_metric_history(run.run_id, str(logged))]
+    except MlflowException as e:
+        raise ReportError(f"{run.where}: MLflow: {one_line(e.message)}") from None
+    return _records(points)
