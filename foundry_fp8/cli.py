@@ -227,11 +227,27 @@ def _not_installed(missing: ModuleNotFoundError) -> int:
     that does not import is re-raised (a bug: the traceback is the report)."""
     if is_ours(missing):
         raise missing
-    sys.stderr.write(f"foundry-fp8: no module {missing.name!r} in {sys.executable}: run it with "
-                     "the Python of the environment foundry-fp8 is installed in (activate its "
-                     "venv), or install it into this one (pip install -e <checkout>)\n")
+    sys.stderr.write(f"foundry-fp8: no module {missing.name!r} in {sys.executable}: "
+                     f"{_remedy(os.path.dirname(os.path.abspath(__file__)))}\n")
     sys.stderr.flush()
     return 2
+
+
+#: What a checkout of this repository holds beside the package and an installed copy (a wheel
+#: in site-packages) does not.
+CHECKOUT_MARK = "setup.cfg"
+
+
+def _remedy(package: str) -> str:
+    """What to do about a missing dependency. Code run from a checkout (its scripts, `python -m`
+    there) was started with a Python other than the venv's; an installed copy (the wheel, no
+    checkout) was installed without its dependencies, so `pip check` names them all."""
+    if os.path.isfile(os.path.join(os.path.dirname(package), CHECKOUT_MARK)):
+        return ("run it with the Python of the environment foundry-fp8 is installed in "
+                "(activate its venv), or install it into this one (pip install -e <checkout>)")
+    return (f"foundry-fp8 is installed here ({package}) without all its dependencies (pip "
+            f"install --no-deps?): `{sys.executable} -m pip check` names them; install them, or "
+            "install foundry-fp8 again without --no-deps")
 
 
 @contextlib.contextmanager

@@ -150,6 +150,7 @@ def test_llm_foundry_registries_find_our_entries_in_the_wheel(installed: Install
             "te_swap": registry.algorithms.get("te_swap"),
             "fp8_stats": registry.callbacks.get("fp8_stats"),
             "fp8_state": registry.callbacks.get("fp8_state"),
+            "fp8_guard": registry.callbacks.get("fp8_guard"),
             "fp8_lint": registry.callbacks_with_config.get("fp8_lint"),
             "jsonl": registry.loggers.get("jsonl"),
             "sdpa": attention_implementations.get("sdpa"),
@@ -159,9 +160,41 @@ def test_llm_foundry_registries_find_our_entries_in_the_wheel(installed: Install
     """)
     assert done.returncode == 0, done.stderr
     files = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(files) == {"te_swap", "fp8_stats", "fp8_state", "fp8_lint", "jsonl", "sdpa"}
+    assert set(files) == {"te_swap", "fp8_stats", "fp8_state", "fp8_guard", "fp8_lint", "jsonl",
+                          "sdpa"}
     for name, file in files.items():
         assert Path(file).is_relative_to(installed.venv), (name, file)
+
+
+def test_a_missing_dependency_of_the_wheel_is_not_blamed_on_a_checkout(
+        installed: Installed) -> None:
+    """QA 18: the wheel installed with `--no-deps` and a dependency missing said 'run it with the
+    Python of the environment foundry-fp8 is installed in ... (pip install -e <checkout>)', in
+    that very environment, to a user with no checkout. It names the installed package and
+    `pip check`, which lists what is missing."""
+    (installed.work / "train.yaml").write_text("precision: amp_fp8\n")
+    done = installed.run(str(installed.bin / "python"), "-c",
+                         "import sys; sys.modules['omegaconf'] = None\n"  # its import fails
+                         "from foundry_fp8.cli import main; sys.exit(main(['lint', 'train.yaml']))")
+    package = installed.python("import os, foundry_fp8; "
+                               "print(os.path.dirname(foundry_fp8.__file__))")
+    assert (done.returncode, done.stdout, done.stderr.count("\n")) == (2, "", 1), done.stderr
+    assert done.stderr.startswith("foundry-fp8: no module 'omegaconf' in "), done.stderr
+    assert f"installed here ({package.stdout.strip()})" in done.stderr
+    assert "-m pip check" in done.stderr and "<checkout>" not in done.stderr
+
+
+def test_doctor_from_the_wheel_reads_this_environments_packages(installed: Installed) -> None:
+    """The torch-free probe reads package metadata through the installed copy; the reference is
+    importlib.metadata in the test's own interpreter, which shares these packages."""
+    from importlib.metadata import version
+
+    done = installed.run(str(installed.bin / "foundry-fp8"), "doctor", "--no-te-import",
+                         "--format", "json")
+    assert done.returncode in (0, 1), done.stderr
+    env = json.loads(done.stdout)["environment"]
+    assert (env["torch"], env["composer"], env["llmfoundry"]) == (
+        version("torch"), version("mosaicml"), version("llm-foundry"))
 
 
 @pytest.mark.slow
