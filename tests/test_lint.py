@@ -987,9 +987,36 @@ def test_fp8027_says_what_a_load_path_only_run_loses():
     assert _fp8027(_merge(EMULATE, {**load, "load_weights_only": True})) == []
     assert len(_fp8027(_merge(EMULATE, {**load, "load_weights_only": True,
                                         "save_folder": "ckpt"}))) == 1
-    # the model's own TE layers: the loaded file's pickled state is the saving run's to get right
-    assert [k for k, _ in _found(_merge(FP8_TE, load), replace(NO_FLASH, te="2.20.2"), "FP8027")
-            if k.startswith("model.")] == []
+
+
+@pytest.mark.parametrize(("te", "severity"), [
+    ("2.20.2", "warning"), ("2.16.1", "warning"), ("2.17.0", None), (None, "info")])
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_fp8027_load_only_native_te_layers_refuse_a_pickled_checkpoint(te, severity, weights_only):
+    """A run that only loads (no save_folder): its own TE layers load the checkpoint's
+    `_extra_state`, weights-only or not, and TE 2.16.1, 2.17.1 and >= 2.18 raise 'Refusing to
+    load pickled Transformer Engine extra state' on a delayed-scaling pickle unless
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (TE pytorch/_extra_state.py
+    should_load_extra_state_pickle), as a checkpoint of this config saved without fp8_state
+    holds."""
+    load = {"load_path": "s3://bucket/other/ep0-ba100-rank0.pt", "load_weights_only": weights_only}
+    snapshot = replace(NO_FLASH, te=te)
+    expected = [] if severity is None else [("model.fc_type", severity)]
+    assert _found(_merge(FP8_TE, load), snapshot, "FP8027") == expected
+    if severity is not None:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(BASE), OmegaConf.create(
+            _merge(FP8_TE, load))), resolve=True)
+        finding, = [f for f in lint_config(cfg, LintContext(snapshot=snapshot))
+                    if f.rule == "FP8027"]
+        assert "(load_path is set)" in finding.message and "resume" not in finding.message
+        assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in finding.fix
+    # current scaling saves no pickle TE refuses; fp8_state's checkpoints hold a pickled None
+    for quiet in (_merge(FP8_TE, {**load, "algorithms": {"te_swap": {
+                      "fp8_recipe": {"scaling": "current"}}}}),
+                  _merge(FP8_TE, {**load, "callbacks": {"fp8_state": {}}})):
+        assert [k for k, _ in _found(quiet, snapshot, "FP8027") if k.startswith("model.")] == []
 
 
 @pytest.mark.parametrize(("te", "severity"), [

@@ -372,10 +372,11 @@ def _delayed(config: Mapping[str, Any]) -> bool:
       fix="add `callbacks: {fp8_state: {}}`")
 def fp8_layers_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     resumes = [k for k in RESUME_KEYS if config.get(k)]
-    loads = bool(config.get("load_path")) and not config.get("load_weights_only")
-    if has_fp8_state(config) or not (resumes or loads):
+    load_path = bool(config.get("load_path"))
+    loads = load_path and not config.get("load_weights_only")
+    if has_fp8_state(config) or not (resumes or load_path):
         return
-    if te_swap(config) is not None:
+    if te_swap(config) is not None and (resumes or loads):
         lost = "the FP8 scales and amax histories of the checkpoint load_path names are not " \
             "restored (Composer restores them only into fp8_state)"
         if not resumes:
@@ -387,21 +388,28 @@ def fp8_layers_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) ->
             said = f"{resumes[0]} is set): a resume from this run's checkpoints starts FP8 " \
                 "scales and amax histories fresh (they are not in the checkpoint)"
         yield Hit("algorithms.te_swap", f"te_swap without fp8_state ({said}")
-    # a loaded file's TE `_extra_state` is the saving run's to get right, fp8_state or not
-    if not (resumes and is_fp8(config) and native_te_layers(config) and _delayed(config)):
+    if not (is_fp8(config) and native_te_layers(config) and _delayed(config)):
         return
     te = ctx.snapshot.te_version if ctx.snapshot is not None else None
+    # a run that only loads: its TE layers refuse, at load, another run's pickled state
+    # (TE pytorch/_extra_state.py should_load_extra_state_pickle raises RuntimeError 'Refusing
+    # to load pickled Transformer Engine extra state'), whatever load_weights_only says
+    said, fails, fix = (resumes[0], "a resume from this run's checkpoints", None) if resumes \
+        else ("load_path", "loading a checkpoint that such a run saved (TE layers, delayed "
+              "scaling, no fp8_state)",
+              "load a checkpoint saved with fp8_state, or, for one you trust, set "
+              "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 on the training machine")
     if te is None:
-        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({resumes[0]} is set): "
+        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({said} is set): "
                   f"TransformerEngine {GUARDED_TE} refuse to load the pickled FP8 state they "
-                  "save, so a resume from this run's checkpoints would fail there (no TE where "
-                  "the linter runs to tell)", severity="info")
+                  f"save, so {fails} would fail there (no TE where the linter runs to tell)",
+                  severity="info", fix=fix)
     elif refuses_pickled_extra_state(te):
-        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({resumes[0]} is set): "
+        yield Hit(_native_te_key(config), f"TE layers without fp8_state ({said} is set): "
                   f"TransformerEngine {ctx.snapshot.te} refuses to load the pickled FP8 state "
-                  "(`_extra_state`) they save, so a resume from this run's checkpoints fails "
-                  "unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (which unpickles whatever the "
-                  "checkpoint holds)")
+                  f"(`_extra_state`) they save, so {fails} fails unless "
+                  "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (which unpickles whatever the "
+                  "checkpoint holds)", fix=fix)
 
 
 @rule("FP8028", "error", "`precision: amp_fp8` with te_swap's emulated backend and no TE layer",
