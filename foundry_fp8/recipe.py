@@ -53,7 +53,8 @@ MAX_HISTORY = 65536
 
 #: Keys that TE's `DelayedScaling` used to accept and no longer does, with what to do instead.
 REMOVED_TE_KEYS: dict[str, str] = {
-    "interval": "remove it: scales are updated every step since TE 1.x removed `interval`",
+    "interval": "remove it: TE updates scales every step; it ignores `interval` from 1.8 and "
+                "refuses it from 2.2",
     "override_linear_precision": (
         "remove it: TE 2.x dropped `override_linear_precision`; keep a layer out of FP8 "
         "with te_swap's `keep_first_blocks`/`exclude` instead"
@@ -286,14 +287,20 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
             "amax_history_len", f"must be an integer from 1 to {MAX_HISTORY}, got {history!r}",
             "e.g. 16 (Composer's default) or 1024 (TE's default)"))
     algo = options.get("amax_compute_algo", "max")
-    if algo not in ("max", "most_recent"):
+    if callable(algo):  # TE then runs its unfused Python update (quantization.py:687-691)
+        problems.append(RecipeProblem(
+            "amax_compute_algo", "a callable makes TransformerEngine update scales with its "
+            "unfused Python path, which foundry-fp8 does not model", "use 'max' or 'most_recent'"))
+    elif algo not in ("max", "most_recent"):
         problems.append(RecipeProblem("amax_compute_algo", f"unknown algorithm {algo!r}",
                                       "use 'max' or 'most_recent'"))
     margin = options.get("margin", 0)
     if not _is_int(margin) or not 0 <= margin <= MAX_MARGIN:
+        why = ("a negative margin scales the amax above E4M3's max: the largest elements saturate"
+               if _is_int(margin) and margin < 0 else "a larger margin scales even the amax "
+               "below E4M3's smallest subnormal: the tensor flushes to 0")
         problems.append(RecipeProblem(
-            "margin", f"must be an integer from 0 to {MAX_MARGIN}, got {margin!r} (a larger "
-            "margin scales even the amax below E4M3's smallest subnormal: the tensor flushes to 0)",
+            "margin", f"must be an integer from 0 to {MAX_MARGIN}, got {margin!r} ({why})",
             "use 0 unless you see overflows"))
     for flag in ("reduce_amax", "use_power_2_scales"):
         if flag in options and not isinstance(options[flag], bool):

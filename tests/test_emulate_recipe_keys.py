@@ -183,5 +183,21 @@ def test_te_options_away_from_te_s_default_are_still_refused_with_one_line(optio
         f"(it models TE's linear-layer FP8 casts and scales only) (fix: remove it{accepted}; the "
         "supported keys are: amax_compute_algo, amax_history_len, fp8_format, margin, "
         "reduce_amax, scaling, use_power_2_scales)")
-    with pytest.raises(RecipeError, match="^fp8_recipe.amax_compute_algo: unknown algorithm"):
-        FP8Recipe(amax_compute_algo=max)  # a callable: TE's, not modelled
+    with pytest.raises(RecipeError, match="^fp8_recipe.amax_compute_algo: a callable makes "
+                       "TransformerEngine update scales with its unfused Python path"):
+        FP8Recipe(amax_compute_algo=max)  # TE's callable: quantization.py:687-691, not modelled
+
+
+@pytest.mark.parametrize(("margin", "why"), [
+    (-1, "a negative margin scales the amax above E4M3's max: the largest elements saturate"),
+    (18, "a larger margin scales even the amax below E4M3's smallest subnormal: the tensor "
+         "flushes to 0"),
+])
+def test_a_margin_out_of_bounds_is_explained_by_its_side(margin, why):
+    """TE scales by `fp8_max * 2**-margin / amax` (common/recipe/delayed_scaling.cu:331, 239):
+    margin -1 maps the amax to 896, which E4M3 (max 448) saturates; the old message spoke of a
+    larger margin for it."""
+    with pytest.raises(RecipeError) as raised:
+        FP8Recipe(margin=margin)
+    assert str(raised.value) == (f"fp8_recipe.margin: must be an integer from 0 to 17, got "
+                                 f"{margin} ({why}) (fix: use 0 unless you see overflows)")
