@@ -397,19 +397,26 @@ def test_initial_scale_steps_are_marked_not_flagged_or_ranked(tmp_path):
 
 
 def test_a_run_killed_mid_write_still_gets_its_report(tmp_path, capsys):
-    """A cut last line is normal life: skipped with one warning naming file and line."""
+    """A cut last line is normal life: skipped with one warning naming file and line. Cut at
+    the end of the file it is also what a run still writing it shows (a report run during
+    training, a copy synced mid-write): the warning said "a run killed mid-write" (QA s18); once
+    a resumed run appended after it, it is a killed one's."""
     path = write_run(tmp_path) / "metrics.jsonl"
     text = path.read_text()
     path.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2])  # step 20 cut in half
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr()
-    assert out.err == (f"warning: {path}:3: skipped 1 line that does not decode (line 3; a run "
-                       "killed mid-write leaves one); the report covers the rest\n")
+    assert out.err == (f"warning: {path}:3: skipped 1 line that does not decode (line 3; the "
+                       "file's last line, not finished: the run is still writing it, or was "
+                       "killed mid-write); the report covers the rest\n")
     assert load_skipping(path).steps == [0, 10]
 
     JsonlSink(path).write(30, {layer_key("underflow_pct", "gradient", L1): 6.0})  # resumed run
     assert main(["report", str(tmp_path)]) == 0
-    assert f"'{L1}' gradient: underflow_pct 6 % at step 30" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert f"'{L1}' gradient: underflow_pct 6 % at step 30" in out.out
+    assert out.err == (f"warning: {path}:3: skipped 1 line that does not decode (line 3; a run "
+                       "killed mid-write leaves one); the report covers the rest\n")
     assert load_skipping(path).steps == [0, 10, 30]
 
 

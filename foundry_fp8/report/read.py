@@ -350,6 +350,9 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         lines = "1 line that does" if len(skipped) == 1 else f"{len(skipped)} lines that do"
         why = "a run killed mid-write leaves one"
+        if skipped == [skipped[-1]] and _unfinished_last_line(metrics_file):
+            why = ("the file's last line, not finished: the run is still writing it, or was "
+                   "killed mid-write")
         if too_long:
             which = (f"line {too_long[0]} is" if len(too_long) == 1 else
                      f"{len(too_long)} of them (from line {too_long[0]}) are")
@@ -362,6 +365,30 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
     if not run.values:
         raise ReportError(why_empty(metrics_file))
     return run, guard
+
+
+#: How much of a metrics file's end `_unfinished_last_line` reads (a record is kilobytes).
+TAIL_BYTES = 2**20
+
+
+def _unfinished_last_line(metrics_file: Path) -> bool:
+    """Whether the file ends in a line not finished (no newline, not JSON): what a run still
+    writing it shows a reader (a copy synced mid-write, a report run during training), which a
+    warning saying "killed" would misreport."""
+    try:
+        with metrics_file.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - TAIL_BYTES))
+            tail = f.read()
+    except OSError:
+        return False
+    if not tail or tail.endswith(b"\n") or b"\n" not in tail and size > TAIL_BYTES:
+        return False
+    try:
+        json.loads(tail.rpartition(b"\n")[2])
+    except ValueError:
+        return True
+    return False
 
 
 def _read(records: Iterable[tuple[int, Mapping[str, Any]]], guard: GuardSeries
