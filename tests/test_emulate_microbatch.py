@@ -10,10 +10,21 @@ passing the argument raised TypeError."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
+from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.recipe import FP8Recipe
+from tests.test_emulate_gpu import (
+    FP8_FAST_ACCUMULATION,
+    FP32_GEMM,
+    ROUNDING,
+    _close,
+    _te_autocast,
+    _te_recipe,
+    _within,
+)
 from tests.test_emulate_te import E4M3, fp8, te_amax, te_scale
 
 DELAYED = FP8Recipe(amax_history_len=4)
@@ -133,3 +144,47 @@ def test_a_checkpointed_microbatch_reuses_the_cast_in_the_recompute():
         out.sum().backward()
         grads.append((x.grad, layer.weight.grad))
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_microbatches_match_te_linear(scaling):
+    """Against te.Linear on a GPU (written here, never run: no GPU in this session): 2 steps of 3
+    microbatches, each in its own autocast, `is_first_microbatch` True then False, an SGD step
+    between the steps. Delayed: every history and scale bit-exact after every microbatch;
+    outputs and input gradients within `test_emulate_gpu`'s bounds."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    recipe = DELAYED if scaling == "delayed" else CURRENT
+    torch.manual_seed(0)
+    reference = te.Linear(768, 768, device="cuda")
+    emulated = EmulatedFP8Linear(768, 768, device="cuda")
+    with torch.no_grad():
+        emulated.weight.copy_(reference.weight)
+        emulated.bias.copy_(reference.bias)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(2):
+        for micro in range(3):
+            x = torch.randn(64, 768, device="cuda", generator=generator) * (micro + 1)
+            grad = torch.randn(64, 768, device="cuda", generator=generator)
+            inputs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+            with _te_autocast(te, _te_recipe(recipe)):
+                out_te = reference(inputs[0], is_first_microbatch=micro == 0)
+            with fp8_autocast(recipe=recipe):
+                out_emulated = emulated(inputs[1], is_first_microbatch=micro == 0)
+            out_te.backward(grad)
+            out_emulated.backward(grad)
+            where = f"step {step} microbatch {micro}"
+            _within(out_te, out_emulated.detach().double(),  # TE's fast accumulation
+                    ROUNDING[torch.float32] + FP32_GEMM + FP8_FAST_ACCUMULATION, f"{where} output")
+            _close(inputs[1].grad, inputs[0].grad, f"{where} dgrad")
+            if scaling == "delayed":
+                got, want = read_fp8_meta(emulated), read_fp8_meta(reference)
+                for key in ("fwd_amax_history", "fwd_scale", "bwd_amax_history", "bwd_scale"):
+                    assert torch.equal(got[key], want[key]), (where, key, got[key], want[key])
+        with torch.no_grad():
+            for p_te, p_emulated in ((reference.weight, emulated.weight),
+                                     (reference.bias, emulated.bias)):
+                p_te -= 0.01 * p_te.grad
+                p_emulated.copy_(p_te)
+        for p in (*reference.parameters(), *emulated.parameters()):
+            p.grad = None
