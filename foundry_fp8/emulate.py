@@ -578,8 +578,8 @@ class EmulatedFP8Linear(nn.Linear):
         self.reset_scaling_state()
 
     def reset_scaling_state(self) -> None:
-        """Fresh scales (1), empty histories, no recipe and no registration, as a new layer;
-        on CPU when the weights are on `meta`.
+        """Fresh scales (1), empty histories, no recipe, no registration and no kept FP8
+        weight, as a new layer; on CPU when the weights are on `meta`.
 
         Never on `meta`: FSDP materialises a module with meta buffers by `to_empty` plus
         LLM-Foundry's param_init_fn, which knows nothing of these, so the scales would be
