@@ -483,7 +483,7 @@ def test_load_ignore_keys_of_the_modules_is_not_called_a_run_without_fp8(tmp_pat
 
 
 def _trainer(folder: Path, duration: str, callbacks: list[Callback], history: int | None = HISTORY,
-             **kwargs: Any) -> Trainer:
+             model: nn.Module | None = None, **kwargs: Any) -> Trainer:
     """`test_kill_resume`'s run in this process: `TwoBlocks` under te_swap's emulated FP8 with a
     history of `history` (None: no te_swap, a plain high-precision run), its losses in
     `folder/metrics.jsonl`, a checkpoint every SAVE_EVERY batches in `folder/checkpoints`."""
@@ -495,7 +495,7 @@ def _trainer(folder: Path, duration: str, callbacks: list[Callback], history: in
     algorithms = [] if history is None else [
         TESwap(backend="emulate", fp8_recipe={"amax_history_len": history})]
     return Trainer(
-        model=ComposerClassifier(TwoBlocks(), num_classes=16), seed=17,
+        model=model or ComposerClassifier(TwoBlocks(), num_classes=16), seed=17,
         train_dataloader=DataLoader(data, batch_size=8), max_duration=duration,
         algorithms=algorithms, callbacks=callbacks, device="cpu", progress_bar=False,
         loggers=[JSONLLogger(path=str(folder / "metrics.jsonl"))],
@@ -584,6 +584,66 @@ def test_a_checkpoint_without_fp8_state_says_fp8_scaling_starts_fresh(tmp_path, 
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         _trainer(tmp_path, "4ba", [FP8State()], load_path=str(_checkpoint(tmp_path, 3)))
     assert _ours(caplog) == []  # the FP8 run's checkpoint holds FP8 state
+
+
+class _PickledStateLinear(nn.Linear):
+    """A TE module's checkpoint contract (TE 2.20 pytorch/module/base.py): delayed-scaling state
+    in `fp8_meta`, saved by `get_extra_state` as a pickled dict under TE's keys and restored as
+    saved by `set_extra_state`."""
+
+    def __init__(self):
+        super().__init__(16, 16)
+        self.fp8_meta = {key: SimpleNamespace(scale=torch.ones(n), amax_history=torch.zeros(4, n))
+                         for key, n in (("scaling_fwd", 3), ("scaling_bwd", 2))}
+
+    def get_extra_state(self) -> torch.Tensor:
+        meta = self.fp8_meta
+        state = {"recipe": None, "extra_fp8_variables": {},
+                 **{f"{name}_{d}": getattr(meta[f"scaling_{d}"], name).clone()
+                    for name in ("scale", "amax_history") for d in ("fwd", "bwd")}}
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        saved = pickle.loads(state.numpy().tobytes())
+        if saved is None:
+            return
+        for d in ("fwd", "bwd"):
+            self.fp8_meta[f"scaling_{d}"].scale.copy_(saved[f"scale_{d}"])
+            self.fp8_meta[f"scaling_{d}"].amax_history.copy_(saved[f"amax_history_{d}"])
+
+
+class _PickledStateBlocks(TwoBlocks):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_PickledStateLinear(), _PickledStateLinear()])
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_te_state_restored_by_te_itself_is_not_said_to_start_fresh(tmp_path, caplog,
+                                                                   weights_only):
+    """A checkpoint of a run without fp8_state whose TE modules pickled their own state (`fc_type:
+    te`): TE's `set_extra_state` restores it during the model load, and fp8_state said "FP8
+    scales and amax histories start fresh" (full load and weights-only load alike)."""
+    from composer.models import ComposerClassifier
+
+    saving = _trainer(tmp_path, "2ba", [], history=None,
+                      model=ComposerClassifier(_PickledStateBlocks(), num_classes=16))
+    saved_meta = saving.state.model.module.blocks[1].fp8_meta["scaling_fwd"]
+    saved_meta.scale.fill_(2.5)
+    saved_meta.amax_history[1:] = 7.0
+    saving.fit()
+    checkpoint = str(_checkpoint(tmp_path, 2))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        loading = _trainer(tmp_path / "b", "3ba", [FP8State()], history=None,
+                           model=ComposerClassifier(_PickledStateBlocks(), num_classes=16),
+                           load_path=checkpoint, load_weights_only=weights_only)
+    restored = read_fp8_meta(loading.state.model.module.blocks[1])
+    assert torch.equal(restored["fwd_scale"], torch.full((3,), 2.5))  # TE restored it
+    assert restored["fwd_amax_history"][1:].eq(7.0).all()
+    assert _ours(caplog) == [f"fp8_state: {checkpoint} holds no FP8 state of fp8_state's but "
+                             "TE's own in its modules' _extra_state (saved without fp8_state): "
+                             "TE restored those FP8 scales and amax histories as saved, "
+                             "unchecked"]
 
 
 def test_fp8_guard_fallbacks_left_behind_in_a_checkpoint_are_named(tmp_path, caplog):

@@ -55,7 +55,7 @@ from foundry_fp8.restore import (
     saved_recipe,
 )
 from foundry_fp8.te import backend as te_backend
-from foundry_fp8.te.extra_state import inert_extra_state_hook
+from foundry_fp8.te.extra_state import holds_te_scaling_state, inert_extra_state_hook
 from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
 from foundry_fp8.te.probe import is_te_module
 from foundry_fp8.te.recompute import recompute_plan
@@ -209,6 +209,7 @@ class FP8State(Callback):
         self._watched = 0
         self._loaded_entries: Mapping[str, Any] | None = None
         self._weights_only: str | None = None  # which weights-only setting, if any
+        self._te_restored = False  # the load's model held TE's own pickled FP8 state
 
     # -- events ---------------------------------------------------------------------------
 
@@ -316,6 +317,8 @@ class FP8State(Callback):
         def load_model_state(serialized: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             if self._loaded_entries is None:  # not inside load_state_dict: weights only
                 self._loaded_entries, self._weights_only = {}, "load_weights_only"
+            model = serialized.get("model") if isinstance(serialized, Mapping) else None
+            self._te_restored = isinstance(model, Mapping) and holds_te_scaling_state(model)
             return load_model(serialized, *args, **kwargs)
 
         load_state_dict._fp8_state_notes = True  # type: ignore[attr-defined]
@@ -324,25 +327,35 @@ class FP8State(Callback):
 
     def _report_loaded_entries(self, state: State) -> None:
         """One line each for what a load leaves out silently: the FP8 state a weights-only load
-        does not restore, a checkpoint without FP8 state (a bf16 run's), and fp8_guard's
-        fallbacks where this run has no fp8_guard."""
+        does not restore, a checkpoint without FP8 state (a bf16 run's) or with TE's own
+        (restored by TE, unchecked), and fp8_guard's fallbacks where this run has no
+        fp8_guard."""
         entries, self._loaded_entries = self._loaded_entries, None
         weights_only, self._weights_only = self._weights_only, None
+        te_restored, self._te_restored = self._te_restored, False
         if entries is None or self._model is None:
             return
-        if weights_only:
-            if next(fp8_modules(self._model), None):
-                # fp8_state keeps the FP8 state out of the model's weights (TE's
-                # `_extra_state` is saved as "no state"), so a weights-only load carries none
-                log.warning("fp8_state: %s %s: FP8 scales and amax histories are not part "
-                            "of the model's weights and start fresh (%s)", state.load_path,
-                            *_WEIGHTS_ONLY[weights_only])
-            return
-        if type(self).__qualname__ not in entries and next(fp8_modules(self._model), None):
+        ours = type(self).__qualname__ in entries
+        has_fp8 = next(fp8_modules(self._model), None) is not None
+        if has_fp8 and te_restored and not ours:
+            # TE's set_extra_state restored it during the model load (TE 2.20
+            # pytorch/module/base.py), where the TE installed unpickles it at all
+            log.warning("fp8_state: %s holds no FP8 state of fp8_state's but TE's own in its "
+                        "modules' _extra_state (saved without fp8_state): TE restored those "
+                        "FP8 scales and amax histories as saved, unchecked", state.load_path)
+        elif has_fp8 and weights_only:
+            # fp8_state keeps the FP8 state out of the model's weights (TE's
+            # `_extra_state` is saved as "no state"), so a weights-only load carries none
+            log.warning("fp8_state: %s %s: FP8 scales and amax histories are not part "
+                        "of the model's weights and start fresh (%s)", state.load_path,
+                        *_WEIGHTS_ONLY[weights_only])
+        elif has_fp8 and not ours:
             # Composer drops `load_ignore_keys` before any callback sees the checkpoint
             log.warning("fp8_state: %s holds no FP8 state (saved without fp8_state, or left "
                         "out by load_ignore_keys); FP8 scales and amax histories start fresh, "
                         "as expected when converting a bf16 checkpoint", state.load_path)
+        if weights_only:
+            return
         try:  # a broken guard entry is the guard's to report (its fit_start does)
             guard = next((entries[n] for n in _qualnames(FP8Guard) if n in entries), None)
             core = checkpointed_core(guard or {}) or {}

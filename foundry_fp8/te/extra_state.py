@@ -10,6 +10,7 @@ only from TE 2.4: older TE fails to unpickle it; see `facts`).
 
 from __future__ import annotations
 
+import io
 import pickle
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,10 @@ import torch
 from torch import nn
 
 EXTRA_STATE_SUFFIX = "_extra_state"
+
+#: A key of TE's pickled delayed-scaling state (TE 2.20 pytorch/module/base.py
+#: `get_extra_state`; pytorch/_extra_state.py `_FLOAT8_DELAYED_SCALING_STATE_KEYS`).
+_TE_SCALING_KEY = b"amax_history_fwd"
 
 
 def inert_extra_state() -> torch.Tensor:
@@ -44,3 +49,22 @@ def inert_extra_state_hook(module: nn.Module, state_dict: dict[str, Any], prefix
     key = prefix + EXTRA_STATE_SUFFIX
     if key in state_dict:
         state_dict.update(without_pickled_extra_state({key: state_dict[key]}))
+
+
+def holds_te_scaling_state(state_dict: Mapping[str, Any]) -> bool:
+    """Whether a model state_dict's `_extra_state` holds TE's own delayed-scaling state (a
+    checkpoint saved without fp8_state), which TE's `set_extra_state` restores as saved. Read
+    as TE classifies it, by the strings in the pickle (a pickle stores a dict's keys as their
+    UTF-8 bytes), never unpickled."""
+    for key, value in state_dict.items():
+        if not (isinstance(key, str) and key.split(".")[-1] == EXTRA_STATE_SUFFIX):
+            continue
+        if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
+            data = value.detach().cpu().numpy().tobytes()
+        elif isinstance(value, io.BytesIO):  # TE's format before the uint8 tensor
+            data = value.getvalue()
+        else:
+            continue
+        if _TE_SCALING_KEY in data:
+            return True
+    return False
