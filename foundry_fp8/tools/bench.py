@@ -551,13 +551,27 @@ def _above_the_bar():
             handler.setStream(stream)
 
 
+def versions_line(result: dict[str, Any]) -> str:
+    """What ran, atop the markdown: a package that is absent says so (`TE not installed`, not
+    `TE None`); the driver only for a GPU run, the one that asks nvidia-smi for it."""
+    v = result["versions"]
+
+    def shown(name: str, absent: str = "not installed") -> str:
+        return absent if v.get(name) is None else str(v[name])
+
+    driver = [] if result["setup"]["tiny"] else [f"driver {shown('driver', 'unknown')}"]
+    parts = [result["gpu"], *driver, f"CUDA {shown('cuda', 'none (CPU build of torch)')}",
+             f"torch {v['torch']}", f"TE {shown('transformer_engine')}",
+             f"Composer {shown('composer')}", f"LLM-Foundry {shown('llmfoundry')}",
+             f"foundry-fp8 {shown('foundry_fp8')}"]
+    return f"{', '.join(parts)}; {result['date']}."
+
+
 def markdown(result: dict[str, Any]) -> str:
-    s, v = result["setup"], result["versions"]
+    s = result["setup"]
     base = "fp32" if s["tiny"] else "bf16"  # what the baseline row ran
     lines = [f"# {s['model']} training throughput", "",
-             f"{result['gpu']}, driver {v['driver']}, CUDA {v['cuda']}, torch {v['torch']}, "
-             f"TE {v['transformer_engine']}, Composer {v['composer']}, LLM-Foundry "
-             f"{v['llmfoundry']}; {result['date']}.", "",
+             versions_line(result), "",
              f"seq {s['seq_len']}, {s['batch']} sequences/step, micro-batch {s['micro_batch']}, "
              f"{s['warmup']} warm-up + {s['steps']} timed steps, attention `{s['attention']}`, "
              f"activation checkpointing {s['activation_checkpointing']}, "
