@@ -290,11 +290,24 @@ def _lm_heads(model: nn.Module) -> set[str]:
             if isinstance(m, nn.Linear) and any(m is h for h in heads)}
 
 
-def _meta_init_reason(model: nn.Module, up_proj: nn.Linear) -> str | None:
+def _on_meta(module: nn.Module, meta_elsewhere: bool) -> str | None:
+    """Which meta init leaves `module`'s weights to LLM-Foundry's param_init_fn under FSDP:
+    "init_device meta" where they are on the meta device here, "init_device mixed" where they
+    are real here but on meta on another rank (`meta_elsewhere`: LLM-Foundry's mixed init builds
+    local rank 0's model on the CPU and every other rank's on meta, modeling_mpt.py
+    MPTModel.__init__ and hf_base.py, 0.21-0.22; the ranks' modules must be the same); None:
+    initialised everywhere."""
+    if module.weight.device.type == "meta":
+        return "init_device meta"
+    return "init_device mixed (other ranks' weights on meta)" if meta_elsewhere else None
+
+
+def _meta_init_reason(model: nn.Module, up_proj: nn.Linear, meta_elsewhere: bool) -> str | None:
     """Why a block on the meta device is not fused: its te.LayerNormMLP would be initialised
     later by LLM-Foundry's param_init_fn, whose te_layernorm_mlp_init raises NameError in the
     installed version (te.facts). On real weights the fused module copies them instead."""
-    if up_proj.weight.device.type != "meta":
+    init_device = _on_meta(up_proj, meta_elsewhere)
+    if init_device is None:
         return None
     try:
         installed = metadata.version("llm-foundry")
@@ -306,13 +319,16 @@ def _meta_init_reason(model: nn.Module, up_proj: nn.Linear) -> str | None:
     if init.get("name", MPT_DEFAULT_INIT_SCHEME) in INIT_SCHEMES_WITHOUT_MODULE_INITS \
             or not te_ln_mlp_init_fails(installed):
         return None
-    return (f"init_device meta: LLM-Foundry {installed}'s init of te.LayerNormMLP raises "
+    return (f"{init_device}: LLM-Foundry {installed}'s init of te.LayerNormMLP raises "
             f"NameError ({TE_LN_MLP_INIT_SOURCE}); init_device: cpu fuses")
 
 
-def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8") -> SwapPlan:
+def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8",
+              meta_elsewhere: bool = False) -> SwapPlan:
     """Convert-or-keep, with the reason, for every candidate module of `model`, and its FP8
-    modules from before (TE's run in FP8 only under `precision: amp_fp8`)."""
+    modules from before (TE's run in FP8 only under `precision: amp_fp8`). `meta_elsewhere`:
+    another rank's copy of the model is on the meta device (`_on_meta`), so what this rank
+    keeps there it keeps here too."""
     modules = dict(model.named_modules())
     blocks = {b for n in modules if (b := block_index(n)) is not None}
     n_blocks = max(blocks) + 1 if blocks else 0
@@ -329,7 +345,7 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                 up = ffn.up_proj
                 why = (fuse_reason(f"{name}.ffn", up.in_features, up.out_features, config,
                                    n_blocks, ffn)
-                       or _meta_init_reason(model, up))
+                       or _meta_init_reason(model, up, meta_elsewhere))
             if why is not None:  # a note only: its linears are planned one by one below
                 note = (Reason(f"not fused: {why}", relax=why.relax, fix=why.fix)
                         if isinstance(why, Reason) else f"not fused: {why}")
@@ -383,8 +399,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
         elif config.convert_layernorm and isinstance(module, nn.LayerNorm):
             reason = adapters.get(name) or layernorm_reason(name, module.bias is not None,
                                                             config, n_blocks, module)
-            if reason is None and module.weight.device.type == "meta":
-                reason = ("init_device meta: LLM-Foundry's param_init_fn would not initialise "
+            if reason is None and (init_device := _on_meta(module, meta_elsewhere)):
+                reason = (f"{init_device}: LLM-Foundry's param_init_fn would not initialise "
                           "te.LayerNorm (not in its norms registry)")
             decisions.append(Decision(name, "layernorm", reason is None,
                                       reason or "te.LayerNorm (fused kernel, not FP8)",
@@ -634,7 +650,7 @@ def would_run_fp8(precision: str, te_modules: int, emulated_modules: int = 0) ->
 def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
                    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
                    optimizers: Optimizer | Sequence[Optimizer] | None = None,
-                   precision: str = "amp_fp8") -> SwapPlan:
+                   precision: str = "amp_fp8", meta_elsewhere: bool = False) -> SwapPlan:
     """Put `model`'s layers in FP8, in place, and return the plan: what converted, and why each
     other layer did not (`coverage_table(plan)` prints it).
 
@@ -645,7 +661,8 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
     module_filter_fn". `optimizers` follow the new parameters. `precision`: what the model
     trains under, in Composer's names; `amp_fp8` (the default) is TE's FP8 autocast around the
     forward, as a plain loop enters it with `te.autocast`; emulated layers run in FP8 at any
-    precision, under `foundry_fp8.fp8_autocast`.
+    precision, under `foundry_fp8.fp8_autocast`. `meta_elsewhere`: another rank's model is on
+    the meta device (`plan_swap`; te_swap asks the ranks).
 
     Raises ValueError, converting nothing, when no module would compute in FP8.
     """
@@ -656,7 +673,7 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
                 "module_filter_fn", "value", "given both in the config and to convert_to_fp8",
                 "give it in one place"))
         config = dataclasses.replace(config, module_filter_fn=module_filter_fn)
-    plan = plan_swap(model, config, precision=precision)
+    plan = plan_swap(model, config, precision=precision, meta_elsewhere=meta_elsewhere)
     if config.exclude and not any(search(f"{config.PATH}.exclude", config.exclude, name)
                                   for name, _ in model.named_modules()):
         warnings.warn(f"{config.PATH}.exclude: {config.exclude!r} matches no module name of "

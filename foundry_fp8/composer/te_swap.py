@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
+from composer.utils import dist
 from torch import nn
 
 from foundry_fp8.composer.destinations import deliver
@@ -99,7 +100,8 @@ class TESwap(Algorithm):
         model = state.model
         precision = state.precision.value
         plan = convert_to_fp8(model, self.config, optimizers=state.optimizers,
-                              precision=precision)
+                              precision=precision,
+                              meta_elsewhere=_meta_on_a_rank(model, self.config))
         converted = len(plan.converted)
         self.plan = plan
         exporters = 0
@@ -221,6 +223,17 @@ def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> list[Any]:
         handles += [module.register_forward_pre_hook(torch.compiler.disable(enter)),
                     module.register_forward_hook(torch.compiler.disable(leave), always_call=True)]
     return handles
+
+
+def _meta_on_a_rank(model: nn.Module, config: SwapConfig) -> bool:
+    """Whether any rank's model holds weights on the meta device (LLM-Foundry's `init_device:
+    mixed` puts local rank 0's on the CPU and the others' on meta): the plan's meta-device
+    decisions (`fuse_ln_mlp`, `convert_layernorm`) must be every rank's, or rank 0 alone
+    fuses and FSDP shards different modules per rank. Asked only where an option reads it: one
+    all_gather of a bool at INIT, which every rank runs."""
+    if not (config.fuse_ln_mlp or config.convert_layernorm) or dist.get_world_size() == 1:
+        return False
+    return any(dist.all_gather_object(any(p.is_meta for p in model.parameters())))
 
 
 def _warn_without_fp8_state(state: State) -> None:
