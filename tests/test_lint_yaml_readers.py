@@ -5,6 +5,8 @@ is named at its line and column."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +80,63 @@ def test_a_character_yaml_refuses_is_named_at_its_line(tmp_path, character):
     error, = [e for e in done.stderr.splitlines() if e.startswith("error: ")]
     assert error.startswith(f"error: {path}:{line}:{column}: not valid YAML: character "
                             f"{ord(character):#06x}"), error
+
+
+#: LLM-Foundry's train path on YAML files, in a child process (clear_resolver is global):
+#: train_from_yaml's load, then train's make_dataclass_and_log_config; the error type of each.
+FOUNDRY_TRAIN = """
+import sys
+from omegaconf import OmegaConf as om
+from llmfoundry.command_utils.train import TRAIN_CONFIG_KEYS, TrainConfig
+from llmfoundry.utils.config_utils import make_dataclass_and_log_config
+om.clear_resolver('oc.env')
+for path in sys.argv[1:]:
+    try:
+        make_dataclass_and_log_config(om.load(path), TrainConfig, TRAIN_CONFIG_KEYS,
+                                      transforms='all')
+        print('OK')
+    except Exception as e:
+        print(type(e).__name__)
+"""
+
+TRAIN = """max_seq_len: 128
+model: {name: mpt_causal_lm, d_model: 64, n_heads: 4, n_layers: 2, loss_fn: torch_crossentropy}
+tokenizer: {name: gpt2}
+optimizer: {name: decoupled_adamw, lr: 1.0e-4}
+scheduler: {name: constant_with_warmup, t_warmup: 0ba}
+train_loader:
+  name: text
+  dataset:
+    local: LOCAL
+    split: train
+    max_seq_len: 128
+max_duration: 10ba
+global_train_batch_size: 8
+device_train_microbatch_size: 8
+"""
+
+
+def test_oc_env_is_fp8017_whatever_the_linting_machines_environment(tmp_path):
+    """An escaped `\\${oc.env:X}` resolves to its text, which LLM-Foundry's dataclass step
+    resolves again (om.structured): it fails as the plain one does. The linter says FP8017 for
+    each, with or without X set where it runs (it resolved the escaped one with omegaconf's
+    oc.env, exiting 2 where X is unset)."""
+    paths = []
+    for index, local in enumerate(["\\${oc.env:FP8_TEST_DATA}", "${oc.env:FP8_TEST_DATA}",
+                                   "/data/${oc.env:FP8_TEST_DATA}/c4"]):
+        paths.append(tmp_path / f"train{index}.yaml")
+        paths[-1].write_text(TRAIN.replace("LOCAL", local))
+    env = {k: v for k, v in os.environ.items() if k != "FP8_TEST_DATA"}
+    foundry = subprocess.run([sys.executable, "-c", FOUNDRY_TRAIN, *map(str, paths)],
+                             capture_output=True, text=True, timeout=600, check=True, env=env)
+    assert foundry.stdout.split() == ["UnsupportedInterpolationType"] * 3, foundry.stdout
+    for value in (None, "/data"):
+        done = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", "--format",
+                               "json", *map(str, paths)], capture_output=True, text=True,
+                              timeout=60, check=False,
+                              env=env if value is None else {**env, "FP8_TEST_DATA": value})
+        assert done.returncode == 1, done.stdout
+        for entry in json.loads(done.stdout)["files"]:
+            assert entry["error"] is None, entry
+            assert [(f["rule"], f["key"], f["line"]) for f in entry["findings"]
+                    if f["rule"] == "FP8017"] == [("FP8017", "train_loader.dataset.local", 9)]

@@ -619,7 +619,7 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
                 continue
             key = key[len(inside):]
             try:
-                OmegaConf.update(raw, key, value.replace("${", "\\${"), merge=False)
+                OmegaConf.update(raw, key, _escaped(value), merge=False)
                 env_keys.append(key)
             except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError):
                 pass  # a key omegaconf cannot address; resolution reports it if it matters
@@ -629,6 +629,18 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
             raise _omegaconf_error(path, e, positions, inside, "cannot resolve") from None
     names = frozenset(_READ_NAME.findall(text))
     return LoadedConfig(config, positions, tuple(env_keys), names)
+
+
+#: An interpolation's opening and the backslashes before it: an odd number escapes it.
+_BACKSLASHES_OPENING = re.compile(r"(\\*)\$\{")
+
+
+def _escaped(value: str) -> str:
+    """`value` with each interpolation escaped, so it resolves to its text whatever this
+    machine's environment holds; one escaped already (`\\${oc.env:X}`) is left: LLM-Foundry
+    fails on it too, as `make_dataclass_and_log_config` resolves the text again (om.structured)."""
+    return _BACKSLASHES_OPENING.sub(
+        lambda m: m.group(1) + ("${" if len(m.group(1)) % 2 else "\\${"), value)
 
 
 #: omegaconf's (2.4) refusal of a document past its node limit, which it marks at the document's
