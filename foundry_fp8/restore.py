@@ -248,8 +248,9 @@ def combine_ranks(ranks: list[FP8ModuleState]) -> tuple[FP8ModuleState, list[str
     histories are the elementwise max of the ranks' ones and the scale is the one the largest
     amax gives, the smallest rank's scale. Modules or fields some ranks lack are taken from
     those that have them; NaN and negative values pass through, for `check_module` to find, and
-    +inf as TE's reduction keeps it. A field whose shape differs from the first rank's holding
-    it (no run of one recipe saves that) is left out of the combination, a problem."""
+    +inf as TE's reduction keeps it; combined in float32, as `check_module` reads them. A
+    field that is not floating point, or whose shape differs from the first rank's holding it
+    (no run saves either), is left out of the combination, a problem."""
     combined: FP8ModuleState = {}
     first: dict[tuple[str, str], int] = {}
     problems = []
@@ -258,6 +259,11 @@ def combine_ranks(ranks: list[FP8ModuleState]) -> tuple[FP8ModuleState, list[str
             into = combined.setdefault(name, {})
             for field, value in tensors.items():
                 have = into.get(field)
+                if not value.is_floating_point():
+                    problems.append(f"ranks[{rank}].{name}.{field}: a {value.dtype} tensor, "
+                                    "expected a floating one (left out)")
+                    continue
+                value = value.float()
                 if have is None:
                     into[field], first[name, field] = value.clone(), rank
                 elif have.shape != value.shape:

@@ -466,6 +466,60 @@ def test_ranks_of_other_shapes_are_named_not_silently_dropped(caplog):
                        saved["modules"]["1"]["bwd_amax_history"][1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool])
+def test_a_rank_of_another_dtype_is_named_not_combined_or_raised_by_torch(dtype, caplog):
+    """Rank 1's state in complex: torch's minimum raised out of the load (even with `strict:
+    false`); in bool it was combined silently (min(scale, True) = 1)."""
+    saved = _saved()
+    saved["ranks"] = [saved["modules"], {n: {f: v.to(dtype) for f, v in t.items()}
+                                         for n, t in saved["modules"].items()}]
+    with caplog.at_level(logging.WARNING, logger=LOGGER), pytest.raises(FP8StateError) as error:
+        _callback(_layers()).load_state_dict(saved)
+    assert (f"refused: ranks[1].0.fwd_scale: a {dtype} tensor, expected a floating one (left "
+            "out)") in _one_line(error.value)
+    model = _layers()
+    _callback(model, strict=False).load_state_dict(saved)
+    for name, tensors in saved["modules"].items():  # rank 0's, the only floating one
+        for field, value in tensors.items():
+            restored = read_fp8_meta(model[int(name)])[field]
+            assert torch.equal(restored[1:] if "history" in field else restored,
+                               value[1:] if "history" in field else value), (name, field)
+
+
+def test_a_float8_rank_is_combined_in_float32_not_raised_by_torch():
+    """Rank 1's state stored in float8: torch refused to promote it against rank 0's float32
+    (RuntimeError out of the load); its values are amaxes and scales as any other rank's."""
+    saved = _saved()
+    low = {n: {f: v.to(torch.float8_e4m3fn) for f, v in t.items()}
+           for n, t in saved["modules"].items()}
+    saved["ranks"] = [saved["modules"], low]
+    model = _layers()
+    _callback(model, strict=False).load_state_dict(saved)
+    restored = read_fp8_meta(model[0])
+    assert _valid(restored)  # a value float8 turned into NaN (e4m3fn has no inf) repaired
+    assert restored["fwd_scale"][0] == min(saved["modules"]["0"]["fwd_scale"][0],
+                                           float(low["0"]["fwd_scale"][0]))
+
+
+def test_a_failure_inside_the_restore_is_one_line_and_not_strict_continues(monkeypatch, caplog):
+    """An exception from our own code while restoring went out of Composer's load as a
+    traceback, stopping even a `strict: false` run."""
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("fwd_scale")
+
+    monkeypatch.setattr("foundry_fp8.composer.state.check_module", broken)
+    with pytest.raises(FP8StateError) as error:
+        _callback(_layers()).load_state_dict(_saved())
+    assert _one_line(error.value) == ("fp8_state: the checkpoint's FP8 state could not be "
+                                      "restored (KeyError: 'fwd_scale') (set fp8_state: {strict: "
+                                      "false} to continue with the modules not yet restored "
+                                      "fresh)")
+    model = _layers()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _callback(model, strict=False).load_state_dict(_saved())
+    assert len(_ours(caplog)) == 1 and read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
+
+
 def test_load_ignore_keys_of_the_modules_is_not_called_a_run_without_fp8(tmp_path, caplog):
     """Composer's `load_ignore_keys: [state/callbacks/FP8State/modules]` leaves the entry
     without `modules`, which every save writes: it was reported as "saved by a run without FP8

@@ -473,7 +473,16 @@ class FP8State(Callback):
             self._pending = state
             return
         self._pending = None
-        self._restore(state)
+        try:
+            self._restore(state)
+        except FP8StateError:
+            raise
+        except Exception as error:  # our bug, or a checkpoint malformed past our checks
+            log.debug("fp8_state: restore failed", exc_info=True)
+            first = (str(error).splitlines() or [""])[0][:200]
+            self._mismatch(f"fp8_state: the checkpoint's FP8 state could not be restored "
+                           f"({type(error).__name__}: {first})",
+                           "the modules not yet restored fresh")
 
     def _this_rank(self, state: dict[str, Any]) -> tuple[FP8ModuleState, list[str]]:
         """This rank's saved state, and what combining other ranks' found wrong."""
