@@ -7,6 +7,7 @@ import logging
 import pickle
 import pickletools
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -162,6 +163,25 @@ def test_deferred_restore_reports_a_recipe_that_does_not_fit(history_len, match,
         module(torch.randn(2, 4))
         module(torch.randn(2, 4))
     assert caplog.text.count(match) == 1 and not module._forward_pre_hooks
+
+
+def test_a_failure_of_the_deferred_restore_does_not_stop_the_training_forward(monkeypatch,
+                                                                               caplog):
+    """The restore at a TE module's first FP8 forward runs inside the training forward: an
+    exception of ours there went out of the forward and stopped the run, whatever `strict`."""
+    module = _resume_lazy(history_len=4)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("our bug")
+
+    monkeypatch.setattr("foundry_fp8.composer.state.write_fp8_meta", broken)
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.ERROR, logger="foundry_fp8.composer.state"):
+        out = module(x)
+        module(x)
+    assert torch.equal(out, nn.functional.linear(x, module.weight, module.bias))
+    assert caplog.text.count("starts fresh") == 1 and not module._forward_pre_hooks
+    assert torch.equal(read_fp8_meta(module)["fwd_scale"], torch.ones(3))  # TE's fresh state
 
 
 def test_the_deferred_restore_runs_eagerly_under_torch_compile():

@@ -680,7 +680,18 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
     """
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
+        """Inside the training forward: our own failure is logged, never raised into it."""
         del args
+        try:
+            restore(mod)
+        except FP8StateError:
+            raise
+        except Exception:
+            handle.remove()
+            log.exception("fp8_state: internal error restoring a module's FP8 state at its "
+                          "first FP8 forward; its FP8 state starts fresh")
+
+    def restore(mod: nn.Module) -> None:
         if not read_fp8_meta(mod):
             fp8_on = te_backend.init_fp8_state(mod, num_gemms=len(tensors["fwd_scale"]) // 3)
             if not read_fp8_meta(mod) and not fp8_on:
