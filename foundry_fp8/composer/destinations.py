@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from composer.loggers import LoggerDestination
+from composer.loggers import ConsoleLogger, LoggerDestination
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,57 @@ def _warn(destination: LoggerDestination, kind: str, who: str, error: Exception)
     log.warning("%s: the logger %s failed to log %s (%s: %s); the other loggers are not "
                 "affected and training goes on (warned once per logger and kind)", who, name,
                 kind, type(error).__name__, error, exc_info=error)
+
+
+class ConsoleResend:
+    """Series logged every few batches that an evaluation kept off the console, given to it
+    again.
+
+    Composer's ConsoleLogger prints what was logged since its last print every
+    `console_log_interval`, and its `eval_start` drops what it has not printed yet
+    (composer/loggers/console_logger.py, `eval_start` and `batch_end`, 0.31 and 0.32.1): a
+    logging step of ours between two console prints with an evaluation in between never reached
+    the console (loss, logged at every batch, comes back at the next one; ours do not).
+    `sent` notes what a callback gave each console; `resend`, at the events before which the
+    console may print next (BATCH_START, EPOCH_END, FIT_END: Composer runs the other callbacks'
+    events before the loggers', core/engine.py `run_event`), logs it again where the console has
+    printed nothing since its step (its `last_logged_batch`, the batch count of its last print,
+    is not past it). Logging again what the console still holds changes nothing."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[ConsoleLogger, int, dict[str, float]]] = {}
+
+    def sent(self, destination: LoggerDestination, metrics: dict[str, float], step: int) -> None:
+        """`metrics` went to `destination` at `step` (noted for a console only)."""
+        if not isinstance(destination, ConsoleLogger):
+            return
+        held = self._pending.get(id(destination))
+        if held is None or _printed_since(held[0], held[1]):
+            self._pending[id(destination)] = (destination, step, dict(metrics))
+        else:  # as the console merges them: a key of an earlier step stays until replaced
+            self._pending[id(destination)] = (destination, step, {**held[2], **metrics})
+
+    def resend(self, who: str, strict: bool = False) -> None:
+        """Log again to each console what it has not printed (class doc), as `deliver` does."""
+        for key, (console, step, metrics) in list(self._pending.items()):
+            if _printed_since(console, step):
+                del self._pending[key]
+            else:
+                deliver([console], "metrics", lambda d, m=metrics, s=step: d.log_metrics(m, s),
+                        who, strict)
+
+    def fit_end(self, who: str, strict: bool = False) -> None:
+        """The console's own fit end prints what it holds, this fit's last: nothing after it
+        (an evaluation after the fit) is a training step's."""
+        self.resend(who, strict)
+        self._pending.clear()
+
+
+def _printed_since(console: ConsoleLogger, step: int) -> bool:
+    """Whether `console` printed after the batch `step` ended (the batch count of its last print
+    is past `step`); True where a Composer without `last_logged_batch` leaves it unknown."""
+    printed = getattr(console, "last_logged_batch", None)
+    return not isinstance(printed, int) or printed > step
 
 
 #: Per metric name MLflow would be sent, whether it accepts it (checked once per name).

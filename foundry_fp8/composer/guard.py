@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 from composer.core import Callback, State
-from composer.loggers import Logger
+from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 from torch import nn
 
 from foundry_fp8 import emulate
-from foundry_fp8.composer.destinations import FitEndKeys, capped, deliver
+from foundry_fp8.composer.destinations import ConsoleResend, FitEndKeys, capped, deliver
 from foundry_fp8.composer.stats import FP8Stats, last_batch
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.fp8_meta import canonical_name, fp8_modules, read_fp8_meta, write_fp8_meta
@@ -76,7 +76,8 @@ class FP8Guard(Callback):
     or no logging step left in the run.
 
     Logs, by rank 0 at fp8_stats' logging steps: `fp8/guard/fallback_layers` (layers in
-    fallback) and `fp8/guard/fp8_flops_share` (share of the linear-GEMM FLOPs still in FP8); at
+    fallback) and `fp8/guard/fp8_flops_share` (share of the linear-GEMM FLOPs still in FP8; on
+    the console too, past an evaluation: `destinations.ConsoleResend`); at
     each fallback, and again on resume, the hyperparameter `fp8/guard/fallback/<layer>` (layer,
     step, FLOPs share, what flagged it and every statistic of the layer at that step, read back
     by `foundry-fp8 report`), at each re-promotion (`repromote_after`)
@@ -122,6 +123,7 @@ class FP8Guard(Callback):
         self._said: set[str] = set()  # the one-time warnings given: "inert"
         self._named: set[str] = set()  # the layers a NaN/Inf line has named
         self._table_keys = FitEndKeys(FALLBACKS_KEY)
+        self._resend = ConsoleResend()  # what an evaluation kept off the console
 
     # events
 
@@ -221,7 +223,14 @@ class FP8Guard(Callback):
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         self._raise_stop()
 
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._resend.resend("fp8_guard", self.config.strict)
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        self._resend.resend("fp8_guard", self.config.strict)
+
     def fit_end(self, state: State, logger: Logger) -> None:
+        self._resend.fit_end("fp8_guard", self.config.strict)
         core = self.core
         if core is None or not (core.fallbacks or core.ended) or dist.get_global_rank() != 0:
             return
@@ -334,8 +343,11 @@ class FP8Guard(Callback):
         if rank_zero and self._logger is not None:
             series = {FALLBACK_LAYERS: float(len(self.core.fallbacks)),
                       FP8_FLOPS_SHARE: self.core.fp8_flops_share}
-            deliver(self._logger.destinations, "metrics",
-                    lambda d: d.log_metrics(series, step), "fp8_guard", self.config.strict)
+            def send(destination: LoggerDestination) -> None:
+                destination.log_metrics(series, step)
+                self._resend.sent(destination, series, step)
+
+            deliver(self._logger.destinations, "metrics", send, "fp8_guard", self.config.strict)
 
     def _log_records(self) -> None:
         """One hyperparameter per fallback, re-promotion and refusal (rank 0), never changed: W&B and

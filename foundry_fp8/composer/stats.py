@@ -14,7 +14,13 @@ from composer.core import Callback, State, TimeUnit
 from composer.loggers import ConsoleLogger, Logger, LoggerDestination
 from composer.utils import dist
 
-from foundry_fp8.composer.destinations import FitEndKeys, capped, deliver, mlflow_accepted
+from foundry_fp8.composer.destinations import (
+    ConsoleResend,
+    FitEndKeys,
+    capped,
+    deliver,
+    mlflow_accepted,
+)
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
@@ -85,7 +91,9 @@ class FP8Stats(Callback):
 
     - summary series, on every destination, console included: `fp8/<tensor>/worst_underflow_pct`,
       `fp8/<tensor>/worst_overflow_pct`, `fp8/<tensor>/worst_cos_sim`,
-      `fp8/<tensor>/flagged_layers`, `fp8/<tensor>/nonfinite` and `fp8/flagged_layers`; the
+      `fp8/<tensor>/flagged_layers`, `fp8/<tensor>/nonfinite` and `fp8/flagged_layers` (an
+      evaluation between a logging step and the console's next print no longer drops them
+      there: `destinations.ConsoleResend`); the
       worst values and flag counts leave out the layers fp8_guard runs in high precision
       (`fallbacks`; its `fp8/guard/...` series report them) and the tensors no cast touches
       (dY under NVTE_BACKWARD_OVERRIDE: a per-layer what-if only), not the layers never
@@ -164,6 +172,7 @@ class FP8Stats(Callback):
         self._restored: Mapping[str, Any] | None = None  # loaded before the monitor exists
         self._fit_started = False  # the same on every rank: FIT_START has run
         self._summary_keys = FitEndKeys(SUMMARY_KEY)
+        self._resend = ConsoleResend()  # what an evaluation kept off the console
         self._whatif_too_big_said = False
         self.disabled = False
         self._step = 0
@@ -196,7 +205,11 @@ class FP8Stats(Callback):
                 self.disabled = True
 
     def batch_start(self, state: State, logger: Logger) -> None:
+        self._resend.resend("fp8_stats", self.strict)
         self._guarded(self._batch_start, state, logger)
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        self._resend.resend("fp8_stats", self.strict)
 
     def before_train_batch(self, state: State, logger: Logger) -> None:
         if self.monitor is not None and not self.disabled:  # an OOM retry starts over
@@ -212,6 +225,7 @@ class FP8Stats(Callback):
         self._guarded(self._after_train_batch, state, logger)
 
     def fit_end(self, state: State, logger: Logger) -> None:
+        self._resend.fit_end("fp8_stats", self.strict)
         self._guarded(self._fit_end, state, logger)
 
     def close(self, state: State, logger: Logger) -> None:
@@ -344,6 +358,7 @@ class FP8Stats(Callback):
             shown = mlflow_accepted(destination, shown, "fp8_stats")
             if shown:
                 destination.log_metrics(shown, step)
+                self._resend.sent(destination, shown, step)
 
         deliver(logger.destinations, "metrics", send, "fp8_stats", self.strict)
 
