@@ -140,3 +140,23 @@ def test_oc_env_is_fp8017_whatever_the_linting_machines_environment(tmp_path):
             assert entry["error"] is None, entry
             assert [(f["rule"], f["key"], f["line"]) for f in entry["findings"]
                     if f["rule"] == "FP8017"] == [("FP8017", "train_loader.dataset.local", 9)]
+
+
+def test_an_escaped_interpolation_is_resolved_again_as_llm_foundry_does(tmp_path):
+    """`\\${x}` resolves to the text `${x}`, which make_dataclass_and_log_config's om.structured
+    resolves again: LLM-Foundry fails on a missing key there and takes a present one; the
+    linter said nothing of the missing one."""
+    missing, present = tmp_path / "missing.yaml", tmp_path / "present.yaml"
+    base = TRAIN.replace("LOCAL", "/data").replace("max_duration: 10ba", "max_duration: 10ba\n"
+                                                   "variables: {tag: a}\nrun_name: run-RUN")
+    missing.write_text(base.replace("RUN", "\\${variables.nope}"))
+    present.write_text(base.replace("RUN", "\\${variables.tag}"))
+    foundry = subprocess.run([sys.executable, "-c", FOUNDRY_TRAIN, str(missing), str(present)],
+                             capture_output=True, text=True, timeout=600, check=True)
+    assert foundry.stdout.split() == ["InterpolationKeyError", "OK"], foundry.stdout
+    done = _lint(missing)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    error, = [e for e in done.stderr.splitlines() if e.startswith("error: ")]
+    assert error.startswith(f"error: {missing}:14: cannot resolve key run_name: Interpolation "
+                            "key 'variables.nope' not found (once resolved"), error
+    assert _lint(present).returncode == 0

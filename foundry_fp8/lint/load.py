@@ -627,6 +627,12 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
             config = OmegaConf.to_container(raw, resolve=True)
         except failures as e:
             raise _omegaconf_error(path, e, positions, inside, "cannot resolve") from None
+        if _holds_interpolation(config):  # text such as an escaped `\${x}` resolves to
+            try:
+                config = _resolved_again(config, env_values, inside)
+            except failures as e:
+                error = _omegaconf_error(path, e, positions, inside, "cannot resolve")
+                raise LintInputError(f"{error}{_AGAIN}") from None
     names = frozenset(_READ_NAME.findall(text))
     return LoadedConfig(config, positions, tuple(env_keys), names)
 
@@ -641,6 +647,38 @@ def _escaped(value: str) -> str:
     fails on it too, as `make_dataclass_and_log_config` resolves the text again (om.structured)."""
     return _BACKSLASHES_OPENING.sub(
         lambda m: m.group(1) + ("${" if len(m.group(1)) % 2 else "\\${"), value)
+
+
+#: Why a value that resolved once fails: LLM-Foundry's second resolution.
+_AGAIN = (" (once resolved: LLM-Foundry's make_dataclass_and_log_config resolves every value "
+          "a second time, so an escaped \\${...} is resolved then)")
+
+
+def _holds_interpolation(value: Any) -> bool:
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, Mapping):
+        return any(_holds_interpolation(v) for v in value.values())
+    return isinstance(value, list) and any(_holds_interpolation(v) for v in value)
+
+
+def _resolved_again(config: dict[str, Any], env_values: list[tuple[str, str]],
+                    inside: str) -> dict[str, Any]:
+    """`config` resolved a second time, as LLM-Foundry's make_dataclass_and_log_config
+    (llmfoundry/utils/config_utils.py) does: it builds `om.structured` from the resolved dict
+    and resolves that, so resolved text holding `${...}` is an interpolation again. The
+    `${oc.env:...}` values stay text, as in the first pass."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    again = OmegaConf.create(config)
+    for key, value in env_values:
+        if key.startswith(inside):
+            try:
+                OmegaConf.update(again, key[len(inside):], _escaped(value), merge=False)
+            except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError):
+                pass  # not addressable: the first pass skipped it too
+    return OmegaConf.to_container(again, resolve=True)
 
 
 #: omegaconf's (2.4) refusal of a document past its node limit, which it marks at the document's
