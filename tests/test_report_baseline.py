@@ -100,7 +100,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[int, float], Path, dict[int, floa
     baseline's losses as Composer logged them)."""
     root = tmp_path_factory.mktemp("runs")
     fp8, base = root / "fp8", root / "bf16"
-    _run(fp8, fp8=True)
+    _run(fp8, fp8=True, mlflow=True)
     logged = _run(base, wandb=True, mlflow=True)
     raw = {}
     for line in (fp8 / "metrics.jsonl").read_text().splitlines():
@@ -149,6 +149,16 @@ def test_the_spike_that_made_the_loss_depart_is_named_with_the_step(runs, capsys
     markdown = (fp8 / "out" / "fp8_report.md").read_text()
     assert f"Loss departs from the baseline `{base / 'mlruns'}` at step {SPIKE}: " in markdown
     assert markdown.index("Loss departs") < markdown.index("| layer | tensor |")
+
+
+def test_an_mlflow_run_against_a_jsonl_baseline(runs, tmp_path, capsys):
+    """The FP8 run read with MLflow's client (its loss too), the baseline its metrics.jsonl."""
+    fp8, raw, base, logged = runs
+    assert main(["report", str(fp8 / "mlruns"), "--baseline", str(base), "--out",
+                 str(tmp_path)]) == 0
+    line = headline(capsys.readouterr().out)
+    assert line.startswith(f"Loss departs from the baseline {base} at step {SPIKE}: "
+                           f"{raw[SPIKE]:.4g} vs {logged[SPIKE]:.4g} "), line
 
 
 def _written(folder: Path, losses: dict[int, float]) -> Path:

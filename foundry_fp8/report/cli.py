@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", type=Path, metavar="RUN",
                         help="a run to compare the training loss with (the BF16 run, read as "
                              "RUN_FOLDER is): the first step this run's loss departs from it, "
-                             "and the layers flagged up to then")
+                             "and the layers flagged up to then; default: no comparison")
 
 
 def warn(message: str) -> None:
