@@ -11,6 +11,7 @@ Exit codes: 0 no errors, 1 at least one error finding, 2 a file could not be rea
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -204,16 +205,37 @@ def _expand(paths: list[str]) -> list[Path | dict[str, Any]]:
             items.append(_error_entry(name, "an empty path: name a config file or a folder (an "
                                       "unset variable?)"))
             continue
-        p = Path(name)
-        try:
-            is_folder = p.is_dir()
-        except OSError:  # a name too long, a folder we may not search: read_text says which
-            is_folder = False
-        if not is_folder:
-            items.append(p)
-            continue
-        items += _folder(p) or [_error_entry(p, f"{p}: no .yaml or .yml file in this folder")]
+        items += _named(name) if not glob.has_magic(name) or os.path.lexists(name) else \
+            _matched(name)
     return items
+
+
+def _named(name: str) -> list[Path | dict[str, Any]]:
+    """A path named on the command line: a folder's files, or the file itself."""
+    p = Path(name)
+    try:
+        is_folder = p.is_dir()
+    except OSError:  # a name too long, a folder we may not search: read_text says which
+        is_folder = False
+    if not is_folder:
+        return [p]
+    return _folder(p) or [_error_entry(p, f"{p}: no .yaml or .yml file in this folder")]
+
+
+def _matched(pattern: str) -> list[Path | dict[str, Any]]:
+    """A glob pattern no shell expanded (quoted in CI, or a shell without `**`): what it
+    matches, `**` any number of folders deep (symlinked folders not entered), hidden names
+    left out; a pattern matching nothing is an error entry, as a missing file is."""
+    parts = Path(pattern).parts
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    # pathlib's `**` (Python 3.10-3.12) does not enter symlinked folders: a link loop cannot
+    # make it walk forever, as glob.glob's does (until ELOOP, some 40 levels down)
+    base = Path(*parts[:first]) if first else Path()
+    matches = sorted(str(m) for m in base.glob(str(Path(*parts[first:])))
+                     if not m.name.startswith("."))
+    if not matches:
+        return [_error_entry(pattern, f"{pattern}: no file matches this pattern")]
+    return [item for match in matches for item in _named(match)]
 
 
 def _gpu_count(text: str) -> int:
@@ -229,8 +251,9 @@ def _gpu_count(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", help="config files (train, eval, MCLI, Accelerate, "
-                        "DeepSpeed; YAML or JSON), folders of YAML files, or - for a YAML "
-                        "config on standard input (named <stdin>)")
+                        "DeepSpeed; YAML or JSON), folders of YAML files, glob patterns (quoted: "
+                        "'yamls/**/*.yaml' matches any depth), or - for a YAML config on "
+                        "standard input (named <stdin>)")
     parser.add_argument("--gpus", type=_gpu_count, metavar="N",
                         help="how many GPUs the train configs train on (one process each), "
                              "for the rules that depend on it (LLM-Foundry drops fsdp_config "
