@@ -404,10 +404,11 @@ class FP8Monitor:
         return True
 
     def next_microbatch(self) -> None:
-        """A new micro-batch of the armed step starts (Composer's BEFORE_FORWARD): its tensors
-        are pooled into the step's statistics, as another rank's would be. A sighting repeated
-        within a micro-batch (activation recompute) is not counted again. Without these calls
-        every sighting after a tensor's first in the step counts as a recompute."""
+        """A new micro-batch of the armed step starts (Composer's BEFORE_FORWARD): its inputs
+        and output gradients are pooled into the step's statistics, as another rank's would be
+        (a weight counts once a step: `_observe`). A sighting repeated within a micro-batch
+        (activation recompute) is not counted again. Without these calls every sighting after a
+        tensor's first in the step counts as a recompute."""
         if self._step is not None:
             self._step.seen.clear()
 
@@ -495,6 +496,12 @@ class FP8Monitor:
                 torch.maximum(row[_NONFINITE], nonfinite_seen(value), out=row[_NONFINITE])
             return
         step.seen.add(idx)
+        if idx in step.pending and watch.source not in ("input", "grad_output"):
+            # a weight is the same tensor in every micro-batch: its first cast of the step is
+            # its statistics, as in TE's debug API (debug/features/utils/__init__.py,
+            # `get_reduction_params`: reduce_within_microbatch is False for the weight); pooled
+            # per micro-batch, its NaN/Inf counts were the micro-batch count times its own
+            return
         mode = step.modes.get(name)
         uncast = mode is not None and not mode.casts(watch.direction)
         whatif = mode is None or uncast or (mode.delayed and watch.slot is None)

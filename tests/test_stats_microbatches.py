@@ -103,3 +103,32 @@ def test_a_logging_steps_statistics_cover_every_micro_batch(microbatch, monkeypa
     # every NaN of the step, counted: the 3 of one sample of the last micro-batch
     assert logged("nan_count", "activation", "module.0") == {
         b: sum(c["x_nan"]) for b, c in captured.by_batch.items()} == {0: 0, 1: 0, 2: 3}
+
+
+def test_a_weights_nonfinite_elements_are_counted_once_per_step_whatever_the_micro_batches():
+    """The weight is the same tensor in each of the batch's 4 micro-batches: its one Inf element
+    is one, as TE's debug API takes a weight's statistics from its first micro-batch
+    (transformer_engine/debug/features/utils/__init__.py, `get_reduction_params`); the
+    activation's counts still add up over the micro-batches."""
+    torch.manual_seed(0)
+    x = torch.randn(2 * BATCH, FEATURES)
+    x[BATCH - 1, 0] = float("nan")  # in the first batch's last micro-batch
+    data = TensorDataset(x, torch.randint(0, 2, (2 * BATCH,)))
+    net = nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        net[2].weight[0, 0] = float("inf")
+    weight = net[2].weight.detach().clone()  # the optimizer's NaN step changes it after
+    memory = InMemoryLogger()
+    Trainer(model=ComposerClassifier(net, num_classes=2),
+            train_dataloader=DataLoader(data, batch_size=BATCH), max_duration="1ba",
+            device_train_microbatch_size=MICROBATCH, device="cpu", progress_bar=False,
+            optimizers=torch.optim.SGD(net.parameters(), lr=0.0),
+            callbacks=[FP8Stats(interval=1, image_interval=None)], loggers=[memory]).fit()
+
+    def logged(stat: str, tensor: str, layer: str) -> float:
+        return memory.data[layer_key(stat, tensor, layer)][-1][1]
+
+    assert logged("inf_count", "weight", "module.2") == torch.isinf(weight).sum() == 1
+    assert logged("nan_count", "weight", "module.0") == 0
+    assert logged("nan_count", "activation", "module.0") == torch.isnan(x[:BATCH]).sum() == 1
+    assert logged("amax", "weight", "module.2") == weight.abs()[weight.isfinite()].max().item()
