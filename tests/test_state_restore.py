@@ -410,14 +410,21 @@ def test_delayed_to_current_scaling_keeps_no_dead_state(strict, caplog):
     saved = _saved()
     model = _layers()
     callback = _callback(model, FP8Recipe(scaling="current"), strict=strict)
+    line = ("fp8_state: checkpoint FP8 state does not fit (recipe changed?): scaling delayed -> "
+            "current, which keeps no amax histories")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         if strict:
-            with pytest.raises(FP8StateError, match=r"does not fit \(recipe changed\?\): it "
-                                                    r"holds delayed-scaling amax histories"):
+            with pytest.raises(FP8StateError) as error:
                 callback.load_state_dict(saved)
+            assert _one_line(error.value) == (f"{line} (set fp8_state: {{strict: false}} to "
+                                              "continue with nothing restored)")
         else:
             callback.load_state_dict(saved)
-            assert "this run's recipe keeps none" in caplog.text
+            assert _ours(caplog) == [f"{line}; continuing with nothing restored"]
+    saved.pop("recipe")  # saved before recipes were recorded: the histories named
+    with pytest.raises(FP8StateError, match=r"it holds delayed-scaling amax histories \(0, "
+                                            r"\.\.\.\), this run's recipe keeps none"):
+        _callback(_layers(), FP8Recipe(scaling="current")).load_state_dict(saved)
     assert read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0  # nothing restored
 
 

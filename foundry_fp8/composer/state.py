@@ -520,10 +520,12 @@ class FP8State(Callback):
                        if any(v.numel() for k, v in t.items() if k.endswith("_amax_history"))]
         if run is not None and run.scaling != "delayed":
             if keeps_state:  # a delayed-scaling checkpoint: nothing of it applies
+                what = (f"{recipe_change(saved_with, run)}, which keeps no amax histories"
+                        if saved_with is not None and saved_with.scaling != run.scaling else
+                        f"it holds delayed-scaling amax histories ({keeps_state[0]}, ...), "
+                        f"this run's recipe keeps none ({run.as_config()})")
                 self._mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe "
-                               f"changed?): it holds delayed-scaling amax histories "
-                               f"({keeps_state[0]}, ...), this run's recipe keeps none "
-                               f"({run.as_config()})", "nothing restored")
+                               f"changed?): {what}", "nothing restored")
             return
         change = recipe_change(saved_with, run)
         if change:
