@@ -498,13 +498,20 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
         count += 1
 
     targets = {id(modules[d.name]): d.kind for d in plan.converted if d.kind != "ln_mlp"}
+    init_fns = _param_init_fns(model) if plan.backend == "te" else {}
 
     def policy(module: nn.Module, index: int) -> nn.Module | None:
         del index
         kind = targets.get(id(module))
         if kind is None:
             return None
-        new = _converter(plan.backend, kind)(module)
+        param_init_fn = init_fns.get(id(module))
+        if kind == "linear" and param_init_fn is not None and module.weight.is_meta:
+            from foundry_fp8.te import backend as te
+
+            new = te.make_te_linear(module, _deferred_weight_init(param_init_fn, module))
+        else:
+            new = _converter(plan.backend, kind)(module)
         for attr in KEPT_ATTRIBUTES:
             if hasattr(module, attr):
                 setattr(new, attr, getattr(module, attr))
@@ -518,6 +525,46 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
               for name, p in old.named_parameters(recurse=False)]
     _take_places(moved, optimizers)
     return count + len(replaced)
+
+
+def _param_init_fns(model: nn.Module) -> dict[int, Callable[[nn.Module], Any]]:
+    """id(module) -> the `param_init_fn` that FSDP's meta init hands it to: the nearest on it
+    or an ancestor (composer/distributed/param_init.py `meta_init`, 0.32; LLM-Foundry sets one
+    on the HF model, hf_base.py `prepare_inner_model`, and MPT defines one)."""
+    found: dict[int, Callable[[nn.Module], Any]] = {}
+
+    def walk(module: nn.Module, inherited: Callable[[nn.Module], Any] | None) -> None:
+        own = getattr(module, "param_init_fn", None)
+        current = own if callable(own) else inherited
+        if current is not None:
+            found[id(module)] = current
+        for child in module.children():
+            walk(child, current)
+
+    walk(model, None)
+    return found
+
+
+def _deferred_weight_init(param_init_fn: Callable[[nn.Module], Any],
+                          src: nn.Linear) -> Callable[[torch.Tensor], None]:
+    """TE's `init_method` for a te.Linear built on meta from `src`: the weight `param_init_fn`
+    gives an nn.Linear like `src`. LLM-Foundry's HF param_init_fn calls TE's own
+    `reset_parameters` on te.Linear (hf_base.py `_custom_param_init_fn`, 0.21-0.22), which
+    would otherwise draw TE's N(0, 0.023) instead of HF's `_init_weights` N(0,
+    initializer_range); TE zeroes the bias, as `_init_weights` does. MPT's fc_init initialises
+    te.Linear itself; MPT's `torch_default_param_init_fn_` calls `reset_parameters`, so the
+    weight gets nn.Linear's own reset (param_init_fns.py, 0.22)."""
+    kept = {attr: getattr(src, attr) for attr in KEPT_ATTRIBUTES if hasattr(src, attr)}
+
+    def init(weight: torch.Tensor) -> None:
+        with torch.device("meta"):
+            shell = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        shell.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)  # same storage
+        for attr, value in kept.items():
+            setattr(shell, attr, value)
+        param_init_fn(shell)
+
+    return init
 
 
 def _take_places(moved: list[tuple[nn.Parameter, nn.Parameter]],

@@ -91,12 +91,33 @@ class _TEModule(torch.nn.Module):
         del state
 
 
+#: TE's default weight init, `utils.get_default_init_method` (N(0, 0.023)), TE 1.12-2.20.
+TE_DEFAULT_INIT_STD = 0.023
+
+
 class _Linear(_TEModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: torch.dtype | None = None, device: Any = "cuda") -> None:
+                 params_dtype: torch.dtype | None = None, device: Any = "cuda",
+                 init_method: Any = None) -> None:
         super().__init__()
         self.weight = _param((out_features, in_features), device, params_dtype)
         self.bias = _param((out_features,), device, params_dtype) if bias else None
+        # module/linear.py (register_parameter's init_fn): the weight's is `init_method` or
+        # TE's default, the bias's zeros
+        self.init_fns = {"weight": init_method or functools.partial(
+            torch.nn.init.normal_, mean=0.0, std=TE_DEFAULT_INIT_STD),
+            "bias": torch.nn.init.zeros_}
+
+    def reset_parameters(self, defer_init: bool | None = False) -> None:
+        """module/base.py `reset_parameters`: a meta parameter is materialised (on CUDA in TE,
+        here on the CPU), its init_fn run on it and the result wrapped as a parameter again."""
+        if defer_init:
+            return
+        for name, param in list(self.named_parameters(recurse=False)):
+            if param.is_meta:
+                param = torch.empty_like(param, device="cpu")
+            self.init_fns[name](param)
+            setattr(self, name, torch.nn.Parameter(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

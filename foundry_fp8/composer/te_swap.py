@@ -251,7 +251,8 @@ def _warn_without_fp8_state(state: State) -> None:
 
 
 def _check_te_environment(recipe: FP8Recipe) -> None:
-    """`backend: te` needs TE (error names `emulate`) and a GPU/TE that can run the recipe."""
+    """`backend: te` needs TE (error names `emulate`) and a GPU/TE that can run the recipe;
+    warns where TE's power-of-2 variable disagrees with the recipe."""
     import torch
 
     from foundry_fp8.te import backend, probe
@@ -262,6 +263,8 @@ def _check_te_environment(recipe: FP8Recipe) -> None:
     problems = environment_problems(recipe, capability, probe.te_version())
     if problems:
         raise RecipeError(problems[0])
+    if (conflict := backend.power_2_env_conflict(recipe)) is not None:
+        log.warning(conflict)
 
 
 def _keep_composer_recipe_buildable(state: State) -> None:

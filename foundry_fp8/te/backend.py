@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -35,6 +36,7 @@ from foundry_fp8.te import probe
 from foundry_fp8.te.facts import (
     MIN_TE,
     MIN_TE_CURRENT_SCALING,
+    POWER_2_SCALES_ENV,
     TE_INSTALL_HINT,
     TE_LAYERNORM_AS_OP,
     backward_override_problems,
@@ -72,12 +74,17 @@ def _copy(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
         dst.copy_(src)
 
 
-def make_te_linear(src: nn.Linear) -> nn.Module:
-    """A `te.Linear` with `src`'s shapes, dtype and device; weight and bias copied exactly."""
+def make_te_linear(src: nn.Linear,
+                   init_method: Callable[[torch.Tensor], Any] | None = None) -> nn.Module:
+    """A `te.Linear` with `src`'s shapes, dtype and device; weight and bias copied exactly.
+    `init_method` (TE's keyword, 1.12-2.20; None: TE's N(0, 0.023)) initialises the weight
+    when TE's `reset_parameters` runs on a layer built on the meta device; TE zeroes the bias
+    (module/linear.py, `register_parameter`'s `init_fn`)."""
     import transformer_engine.pytorch as te
 
     new = te.Linear(src.in_features, src.out_features, bias=src.bias is not None,
-                    params_dtype=src.weight.dtype, device=te_device(src.weight))
+                    params_dtype=src.weight.dtype, device=te_device(src.weight),
+                    init_method=init_method)
     _copy(new.weight, src.weight)
     _copy(new.bias, src.bias)
     return new
@@ -230,6 +237,21 @@ def _current_scaling(te_recipe: Any, recipe: FP8Recipe) -> Any:
         setattr(new, name, dataclasses.replace(getattr(new, name),
                                                power_2_scale=recipe.use_power_2_scales))
     return new
+
+
+def power_2_env_conflict(recipe: FP8Recipe) -> str | None:
+    """The line to warn where POWER_2_SCALES_ENV, set, asks TE for other current-scaling
+    scales than the recipe's `use_power_2_scales`, which `_current_scaling` applies."""
+    value = os.environ.get(POWER_2_SCALES_ENV)
+    if recipe.scaling != "current" or value is None:
+        return None
+    wanted = value == "1"  # TE's reading
+    if wanted == recipe.use_power_2_scales:
+        return None
+    return (f"te_swap: {POWER_2_SCALES_ENV}={value!r} asks TE for "
+            f"{'power-of-2' if wanted else 'exact'} scales, but fp8_recipe.use_power_2_scales "
+            f"is {str(recipe.use_power_2_scales).lower()}, and the recipe's is used; write "
+            f"fp8_recipe.use_power_2_scales: {str(wanted).lower()} for the variable's")
 
 
 def to_te_recipe(recipe: FP8Recipe) -> Any:

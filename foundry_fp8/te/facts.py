@@ -14,6 +14,10 @@ from foundry_fp8.recipe import (
     RecipeProblem,
 )
 
+#: Read by TE >= 2.8 at import as Float8CurrentScaling's `use_power_2_scales` default, on
+#: exactly "1" (transformer_engine/common/recipe/__init__.py:230 at v2.8, 302 at d0067d0).
+POWER_2_SCALES_ENV = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"
+
 Version = tuple[int, ...]
 
 #: The oldest TE whose module arguments and FP8 state layout the backend was checked against;
