@@ -25,6 +25,7 @@ from foundry_fp8.lint.load import (
     MAX_BYTES,
     MAX_DEPTH,
     MAX_EXPANDED_NODES,
+    MAX_INTERPOLATIONS,
     LintInputError,
     read_text,
 )
@@ -89,6 +90,19 @@ def test_hostile_yaml_is_refused_in_one_line(tmp_path, text, snippet):
     path = tmp_path / "hostile.yaml"
     path.write_text(text)
     _one_line_exit_2(_lint(path), path, snippet)
+
+
+def test_a_value_of_many_interpolations_is_refused_at_the_one_past_the_bound(tmp_path):
+    """60,000 interpolations in one string took omegaconf's grammar 32 s to resolve; the file is
+    refused at the interpolation past MAX_INTERPOLATIONS (its column: 7, plus 7 per `${seed}`
+    before it), and one at the bound is linted (FP8009 names `foo`, not exit 2)."""
+    path = tmp_path / "many.yaml"
+    path.write_text("seed: 1\nfoo: '" + "${seed}" * (MAX_INTERPOLATIONS + 1) + "'\n")
+    _one_line_exit_2(_lint(path), path, f":2:{7 + 7 * MAX_INTERPOLATIONS}: more than "
+                     f"{MAX_INTERPOLATIONS} interpolations")
+    path.write_text("seed: 1\nfoo: '" + "${seed}" * MAX_INTERPOLATIONS + "'\n")
+    done = _lint(path)
+    assert done.returncode == 1 and not done.stderr and "FP8009" in done.stdout, done.stderr
 
 
 @pytest.mark.parametrize(("text", "snippet"), [
