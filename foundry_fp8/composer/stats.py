@@ -112,7 +112,9 @@ class FP8Stats(Callback):
     - with `te_debug`, TE's own statistics `fp8_te_<stat>/<tensor>/<layer>` (`<stat>` is TE's
       name, `_pct` for its `%`: `underflow_pct` for `underflows%`, `scale_inv_min`, ...;
       `te.debug.our_stat`), where the per-layer series go (a name MLflow still refuses stays
-      out of MLflow alone: `destinations.mlflow_accepted`);
+      out of MLflow alone: `destinations.mlflow_accepted`), of training forwards only (TE's
+      debug is paused during evaluation and prediction) at TE iterations counted as
+      Composer's batches, after a resume too;
     - every `image_interval` batches (at the first logging step from each multiple on) and at
       fit end: one layers x logging steps heatmap per statistic, `fp8_heatmap/<stat>`
       (`Logger.log_images`, the last `IMAGE_STEPS` logging steps), and the per-layer table of
@@ -207,7 +209,20 @@ class FP8Stats(Callback):
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self._resend.resend("fp8_stats", self.strict)
+        self._guarded(self._te_resume, state, logger)  # an evaluation that raised left it off
         self._guarded(self._batch_start, state, logger)
+
+    def eval_start(self, state: State, logger: Logger) -> None:
+        self._guarded(self._te_pause, state, logger)
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        self._guarded(self._te_resume, state, logger)
+
+    def predict_start(self, state: State, logger: Logger) -> None:
+        self._guarded(self._te_pause, state, logger)
+
+    def predict_end(self, state: State, logger: Logger) -> None:
+        self._guarded(self._te_resume, state, logger)
 
     def epoch_end(self, state: State, logger: Logger) -> None:
         self._resend.resend("fp8_stats", self.strict)
@@ -299,6 +314,9 @@ class FP8Stats(Callback):
         self._restore()  # Composer loads a checkpoint in the Trainer's constructor, before this
         if self.te_debug is not None:
             self.te_debug.name_layers(canonical_modules(state.model))
+            self.te_debug.resume()
+            # TE's debug iteration counts from 0; a resume (or reset_time) starts elsewhere
+            self.te_debug.start_at(int(state.timestamp.batch))
         last = last_batch(state)
         first = self.schedule.next_log(int(state.timestamp.batch) - 1)
         if last is not None and (first is None or first > last) and _is_rank_zero():
@@ -306,6 +324,16 @@ class FP8Stats(Callback):
                         "interval %s, start %d, end %s): lower callbacks.fp8_stats.interval or "
                         "start to see FP8 statistics", last, self.schedule.interval,
                         self.schedule.start, self.schedule.end)
+
+    def _te_pause(self, state: State, logger: Logger) -> None:
+        """Evaluation and prediction forwards stay out of TE's statistics: TE's debug API feeds
+        them into the training step's (`TEDebugSession.pause`)."""
+        if self.te_debug is not None:
+            self.te_debug.pause()
+
+    def _te_resume(self, state: State, logger: Logger) -> None:
+        if self.te_debug is not None:
+            self.te_debug.resume()
 
     def _batch_start(self, state: State, logger: Logger) -> None:
         if self.monitor is not None:

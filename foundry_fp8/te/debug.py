@@ -161,6 +161,7 @@ class TEDebugSession:
                  sink: Callable[[str, float, int], None]):
         self.config, self.log_dir, self.sink = dict(config), Path(log_dir), sink
         self.layer_names: set[str] = set()
+        self._paused = False  # TE's `debug_enabled` was True at `pause`
 
     def start(self) -> None:
         import nvdlfw_inspect.api as debug_api
@@ -193,6 +194,32 @@ class TEDebugSession:
                 module.name = name
                 self.layer_names.add(module.name)
 
+    def start_at(self, batch: int) -> None:
+        """TE's debug iteration is Composer's batch count: nvdlfw-inspect counts from 0 at
+        `initialize`, so a resumed run (or `fit(reset_time=True)`) would log TE's statistics
+        off fp8_stats' schedule (`freq`, `start_step` are checked against that count)."""
+        import nvdlfw_inspect.api as debug_api
+
+        debug_api.initialize_training_step(batch)
+
+    def pause(self) -> None:
+        """No TE debug statistics until `resume`: TE feeds its buffers on every forward of a
+        debug iteration, evaluation included (pytorch/module/base.py `is_debug_iter` and
+        debug/features/utils/stats_buffer.py `feed`, at TE main d0067d0, check no training
+        mode), so an evaluation inside a logging step would mix into its statistics. TE's
+        modules read `TEDebugState.debug_enabled` at every forward (`is_debug_iter`)."""
+        from transformer_engine.debug.pytorch.debug_state import TEDebugState
+
+        if TEDebugState.debug_enabled:  # None before the first TE module: nothing to pause
+            TEDebugState.debug_enabled, self._paused = False, True
+
+    def resume(self) -> None:
+        """Undo `pause` (nothing when not paused)."""
+        from transformer_engine.debug.pytorch.debug_state import TEDebugState
+
+        if self._paused:
+            TEDebugState.debug_enabled, self._paused = True, False
+
     def step(self) -> None:
         import nvdlfw_inspect.api as debug_api
 
@@ -201,4 +228,5 @@ class TEDebugSession:
     def close(self) -> None:
         import nvdlfw_inspect.api as debug_api
 
+        self.resume()
         debug_api.end_debug()
