@@ -359,8 +359,11 @@ def _delayed(config: Mapping[str, Any]) -> bool:
       "`save_folder`) resumes nothing of its own: without fp8_state it drops the FP8 state "
       "that checkpoint's fp8_state entry holds (Composer restores a callback entry only into "
       "that callback), so te_swap's layers start fresh; with `load_weights_only` no run "
-      "restores it, fp8_state or not, so that alone is not said. Whether the loaded file's "
-      "own TE `_extra_state` loads depends on the run that saved it, not on this one.",
+      "restores it, fp8_state or not, so that alone is not said. Such a run with the model's "
+      "own TE layers and no fp8_state is warned too (`load_weights_only` included: the model's "
+      "weights hold `_extra_state`): a checkpoint saved without fp8_state holds TE's pickled "
+      f"state, which TE {GUARDED_TE} refuse to load; with fp8_state the run's team saved "
+      "inert state, so it is not said.",
       source="foundry_fp8/composer/state.py FP8State; foundry_fp8/composer/te_swap.py (its INIT "
       "warning, issue 19 item 5); TE transformer_engine/pytorch/_extra_state.py "
       f"should_load_extra_state_pickle (TE {GUARDED_TE}: foundry_fp8/te/facts.py "
