@@ -509,7 +509,8 @@ class _WeightCache:
     """TE's cached FP8 weight (`_fp8_workspaces["weight"]`) under `is_first_microbatch`
     (TE 2.20, pytorch/module/linear.py:1958-1961, 2068-2071; module/base.py:792-890): True or
     None casts the weight afresh (True keeps the cast), False reuses the kept FP8 weight with
-    the scale it was cast with, so that forward records no weight amax and the fused update
+    the scale it was cast with (with none kept, casts and keeps it; under FSDP2 TE keeps none,
+    `_under_fsdp2`), so that forward records no weight amax and the fused update
     leaves the weight's history column and scale alone (`numerics.delayed_scale_update`).
     `transpose`: whether the cast made the transpose a backward reads, which Hopper needs
     (`_weight_transpose_needed`)."""
@@ -575,6 +576,7 @@ class EmulatedFP8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._fsdp2: bool | None = None  # `_under_fsdp2`, once asked
         self.reset_scaling_state()
 
     def reset_scaling_state(self) -> None:
@@ -655,7 +657,8 @@ class EmulatedFP8Linear(nn.Linear):
 
     def _cast_scales(self, meta: ScalingMeta, tensors: tuple[torch.Tensor, ...], fmt: str,
                      recipe: FP8Recipe) -> torch.Tensor:
-        """The scales to cast `tensors` with; records their amaxes in history slot 0."""
+        """The scales to cast `tensors` with (indexed as `FWD_INPUT`...); records their amaxes in
+        history slot 0."""
         if (recipe.scaling == "delayed" and _STATE.replay is not None
                 and meta is self.fp8_meta["scaling_fwd"]):
             return _STATE.replay[self].popleft()  # recompute: the original forward's scales
@@ -665,14 +668,16 @@ class EmulatedFP8Linear(nn.Linear):
         n = len(tensors)
         meta.amax_history[0, :n] = torch.maximum(meta.amax_history[0, :n], amaxes)
         if _STATE.stash is not None and meta is self.fp8_meta["scaling_fwd"]:
-            _STATE.stash.setdefault(self, deque()).append(meta.scale[:n].clone())
+            # the whole row, as TE stashes and restores it (quantization.py:832-833): a
+            # recompute that casts a weight its forward took from the cache needs its scale
+            _STATE.stash.setdefault(self, deque()).append(meta.scale.clone())
         return meta.scale[:n]
 
     def forward(self, input: torch.Tensor,  # noqa: A002  (nn.Linear's name)
                 is_first_microbatch: bool | None = None) -> torch.Tensor:
         """`is_first_microbatch` as te.Linear's: under FP8, None casts the weight at every
         forward, True casts it and keeps the FP8 copy, False reuses the kept copy
-        (`_WeightCache`); outside FP8 it changes nothing."""
+        (`_WeightCache`; not under FSDP2); outside FP8 it changes nothing."""
         if is_fp8_enabled():
             return self._fp8_forward(input, is_first_microbatch)
         if _STATE.calibrating:
@@ -697,18 +702,35 @@ class EmulatedFP8Linear(nn.Linear):
 
     def _cached_weight(self, microbatch: bool | None, transpose: bool) -> _WeightCache | None:
         """The kept FP8 weight where TE reuses it (`_WeightCache`): `is_first_microbatch` False
-        and a cast kept on the weight's device (a `.to()` leaves it behind: cast again), with
-        the transpose if one is needed, as on Hopper (`_is_weight_workspace_valid`, module/
-        base.py:757-768, non-TN FP8 GEMMs from compute capability 10.0, pytorch/utils.py:
-        658-663). The recompute reuses what its forward did (no transpose check)."""
+        and a cast kept with the transpose if one is needed, as on Hopper
+        (`_is_weight_workspace_valid`, module/base.py:757-768, non-TN FP8 GEMMs from compute
+        capability 10.0, pytorch/utils.py:658-663); in an activation recompute too, whose
+        restored scales cast the weight where the kept cast lacks it. TE checks no device
+        (base.py:848-871): a False call after a `.to()` meets the cast on its old device (TE's
+        True call updates that cast in place there, tensor/float8_tensor.py:110-111; here it
+        casts anew)."""
         cache = self._fp8_weight_cache
         if microbatch is None or microbatch or cache is None:
             return None
-        if cache.data.device != self.weight.device:
-            return None
-        if transpose and not cache.transpose and _STATE.replay is None:
+        if transpose and not cache.transpose:
             return None
         return cache
+
+    def _under_fsdp2(self) -> bool:
+        """TE's `is_fsdp2` (module/base.py:1036-1047, distributed.py:2112-2146): whether FSDP2's
+        `fully_shard` was given this layer or a module holding it; asked once, as TE caches it.
+        Inside the forward the weight is FSDP2's unsharded plain tensor, so its type cannot
+        tell."""
+        if self._fsdp2 is None:
+            try:
+                from torch.distributed._composable_state import _module_state_mapping
+            except ImportError:
+                self._fsdp2 = False
+                return False
+            self._fsdp2 = any(hasattr(holder, "_get_fsdp_state")
+                              and any(m is self for m in holder.modules())
+                              for holder in list(_module_state_mapping))
+        return self._fsdp2
 
     @torch.compiler.disable
     def _fp8_forward(self, x: torch.Tensor, microbatch: bool | None) -> torch.Tensor:
@@ -731,6 +753,8 @@ class EmulatedFP8Linear(nn.Linear):
         override = backward_override(recipe)
         _warn_unless_te_runs(x, self.weight, needs_grad and override is None)
         update_backward = needs_grad and not replaying and _take_first_module()
+        if microbatch is not None and self._under_fsdp2():
+            microbatch = None  # TE keeps no FP8 weight under FSDP2 (linear.py:1958)
         if update_backward:
             _STATE.first_layer = weakref.ref(self)
         return _FP8LinearFunction.apply(x, self.weight, self.bias, self, recipe, update_backward,

@@ -16,6 +16,7 @@ import torch
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
 from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV
 from tests.test_emulate_gpu import (
     FP8_FAST_ACCUMULATION,
     FP32_GEMM,
@@ -144,6 +145,104 @@ def test_a_checkpointed_microbatch_reuses_the_cast_in_the_recompute():
         out.sum().backward()
         grads.append((x.grad, layer.weight.grad))
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_a_cast_made_by_false_with_none_kept_is_kept():
+    """False with no cast kept misses, casts at scale 1 and keeps the cast (TE stores a new
+    workspace whenever the argument is given, linear.py:2068-2071); the next False, the weight
+    doubled since, reuses it: the old weight at scale 1."""
+    layer = _layer()
+    w = layer.weight.detach().clone()
+    _step(layer, _input(3.0), False)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    out = _step(layer, _input(3.0), False)
+    torch.testing.assert_close(out.double(), _product(_input(3.0), te_scale(E4M3, 3.0), w, 1.0),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_a_checkpointed_forward_needs_the_transpose_even_without_an_input_gradient():
+    """In a checkpoint's first forward TE casts the weight with its transpose
+    (linear.py:470-474), so a cast kept without it (True with an input needing no gradient) is
+    not reused: False casts afresh and records amax(w), which the update rolls in next to the
+    True step's."""
+    layer = _layer()
+    w = layer.weight.detach().clone()
+    _step(layer, _input(3.0, grad=False), True)
+    with fp8_autocast(recipe=DELAYED):
+        fp8_checkpoint(layer, _input(3.0, grad=False), is_first_microbatch=False).sum().backward()
+    assert layer.fp8_meta["scaling_fwd"].amax_history[:, 1].tolist() == [0, 0, te_amax(w),
+                                                                          te_amax(w)]
+
+
+def test_a_recompute_recasts_with_the_restored_weight_scale_where_the_kept_cast_lacks_the_transpose():
+    """History length 1. The checkpointed False forward reuses the True step's cast (weight scale
+    then 448 / amax(w), stashed with the input's). The weight is scaled by 0.3 and a None step
+    sets its scale to 448 / amax(0.3 w); True with an input needing no gradient then keeps a
+    cast without the transpose. The recompute needs it (linear.py:467), so TE casts 0.3 w again
+    with the restored scale 448 / amax(w) (quantization.py:832-833), not the kept one's: the
+    input gradient (grad_out ones, exact in E5M2) is ones @ that cast."""
+    recipe = FP8Recipe(amax_history_len=1)
+    layer = _layer()
+    w = layer.weight.detach().clone()
+    _step(layer, _input(3.0), True, recipe)
+    x = _input(5.0)
+    with fp8_autocast(recipe=recipe):
+        out = fp8_checkpoint(layer, x, is_first_microbatch=False)
+    with torch.no_grad():
+        layer.weight.mul_(0.3)
+    _step(layer, _input(3.0), None, recipe)
+    _step(layer, _input(3.0, grad=False), True, recipe)
+    out.sum().backward()
+    sw = te_scale(E4M3, te_amax(w))
+    expected = torch.ones(16, 16, dtype=torch.float64) @ (fp8(layer.weight, sw, E4M3) / sw)
+    torch.testing.assert_close(x.grad.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_cast_kept_under_a_backward_override_has_no_transpose(monkeypatch):
+    """Under NVTE_BACKWARD_OVERRIDE TE casts the weight without its transpose whatever the input
+    (linear.py:468-469), so a later False without the override, whose input needs a gradient,
+    does not reuse that cast: current scaling casts the weight, scaled by 0.3 since, with its
+    own scale 448 / amax(0.3 w)."""
+    layer = _layer()
+    monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "high_precision")
+    _step(layer, _input(3.0), True, CURRENT)
+    monkeypatch.delenv(BACKWARD_OVERRIDE_ENV)
+    with torch.no_grad():
+        layer.weight.mul_(0.3)
+    w = layer.weight.detach().clone()
+    out = _step(layer, _input(5.0), False, CURRENT)
+    expected = _product(_input(5.0), te_scale(E4M3, 5.0), w, te_scale(E4M3, te_amax(w)))
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-rank gloo group meeting through a file (no port another test could take)."""
+    dist = pytest.importorskip("torch.distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_under_fsdp2_false_casts_the_weight_afresh(one_rank_group):
+    """TE keeps no FP8 weight under FSDP2 (`cache_name=None if ... self.is_fsdp2`,
+    linear.py:1958): after True, False casts the weight, halved since, at its updated scale
+    448 / amax(w). Inside the forward FSDP2's weight is a plain tensor, not its DTensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    layer = _layer()
+    w = layer.weight.detach().clone()
+    fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+    _step(layer, _input(3.0), True)
+    with torch.no_grad():
+        layer.weight.mul_(0.5)
+    out = _step(layer, _input(3.0), False)
+    expected = _product(_input(3.0), te_scale(E4M3, 3.0), 0.5 * w, te_scale(E4M3, te_amax(w)))
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+    assert layer._fp8_weight_cache is None
 
 
 @pytest.mark.gpu
