@@ -16,7 +16,9 @@ Watches the GEMM input (activation), weight and output gradient of selected line
 
 Hooks exist only on logging steps (and, for a delayed what-if, on the recording batches before
 them); a logging step pools its statistics across ranks with one all_reduce per reduction op and
-moves them to the host in one transfer.
+moves them to the host in one transfer. A weight the same on every rank that saw it (DDP's
+replicas, FSDP's all-gathered weight) counts once, as TE's debug API, which does not reduce weight
+statistics across ranks, counts it; different weights under one name (expert parallelism) add up.
 
 Under several ranks the collectives must stay matched, so a failure on one rank (in a hook, in
 `start_step`, in `finish_step`'s own work, or one handed to `fail()`) does not stop that rank: it
@@ -55,6 +57,7 @@ from foundry_fp8.health.keys import SUMMARIES, UNCAST, summary_key
 from foundry_fp8.health.rules import judged_table, uncast_stats
 from foundry_fp8.numerics import (
     FP8_MAX,
+    MAX_KEYS,
     STAT_KEYS,
     SUFFICIENT_INDEX,
     SUM_KEYS,
@@ -70,6 +73,12 @@ from foundry_fp8.numerics import amax as te_amax
 from foundry_fp8.options import MonitorConfig, Schedule
 from foundry_fp8.recipe import RecipeError
 from foundry_fp8.te import probe
+
+#: What tells one weight seen on several ranks from different weights under one name: equal
+#: sums of squares (the same tensor; up to a reduction's rounding, `_SAME_WEIGHT_RTOL`) and equal
+#: NaN and Inf counts.
+_FINGERPRINT = ("x_sq", "nan_count", "inf_count")
+_SAME_WEIGHT_RTOL = 1e-9
 
 #: A row's NaN and Inf counts: without micro-batch boundaries (`next_microbatch`), those of the
 #: tensor's first sighting in the step, at least 1 where a later sighting held any
@@ -227,6 +236,17 @@ def cast_scale(module: nn.Module, watch: Watch
     return current, (current == 1) & (history[:, watch.slot] == 0).all()
 
 
+def _reuses_weight_cast(args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether an FP8 forward reads the weight cast kept by an earlier one: TE's
+    `is_first_microbatch=False` (te.Linear, LayerNormLinear, LayerNormMLP: the argument after
+    the input; TE 2.20 module/linear.py:1958-1961, base.py:792-890) and EmulatedFP8Linear's, which
+    models it. That GEMM reads the weight as cast then, at that forward's scale, not the weight
+    and scale of now: the weight is judged at a forward that casts it (one that finds no kept
+    cast and casts is left out too: the hook cannot tell)."""
+    flag = args[1] if len(args) > 1 else kwargs.get("is_first_microbatch")
+    return flag is False
+
+
 def _uncounted_worst(table: Mapping[tuple[str, str], Mapping[str, float]],
                      left_out: Collection[tuple[str, str]]) -> list[str]:
     """The `fp8/<tensor>/worst_<stat>` keys `summary_metrics` fills with its neutral default
@@ -331,6 +351,8 @@ class FP8Monitor:
                                      if w.kind in self.config.tensors)
                          for name, module in self.layers.items()}
         self.rows = [(name, w.name) for name, ws in self._watches.items() for w in ws]
+        self._weight_rows = torch.tensor([w.source not in ("input", "grad_output")
+                                          for ws in self._watches.values() for w in ws])
         self._row = {key: i for i, key in enumerate(self.rows)}
         recipe = self.config.recipe
         self._whatif_fp8_max = torch.tensor(
@@ -469,11 +491,14 @@ class FP8Monitor:
         assert step is not None
         if name not in step.modes:  # the first forward (not an activation recompute) decides
             step.modes[name] = cast_mode(module)
+        reused = step.modes[name] is not None and _reuses_weight_cast(args, kwargs)
         for watch in self._watches[name]:
             if watch.direction == "backward":
                 continue
             if watch.source == "input":
                 value = args[0] if args else next(iter(kwargs.values()), None)
+            elif reused:
+                continue
             else:
                 value = getattr(module, watch.source, None)
             if isinstance(value, torch.Tensor):
@@ -634,10 +659,18 @@ class FP8Monitor:
         # empty: an expert without tokens) so far still casts at 1 while the others do not;
         # its zeros move no statistic, so the row is judged on the others' casts
         width = len(SUM_KEYS)  # the columns a SUM pools
-        packed = -(-2 * n // width)
+        # ... and in the MAX columns of those rows, each row's fingerprint (`_FINGERPRINT`) and
+        # its negation: its largest and smallest value over the ranks that saw it
+        packed = max(-(-2 * n // width), -(-2 * len(_FINGERPRINT) * n // len(MAX_KEYS)))
         table = empty_sufficient_stats(n + 1 + packed, device)
         for idx, row in step.pending.items():
             table[idx] = row
+        prints = table[:n, [SUFFICIENT_INDEX[key] for key in _FINGERPRINT]]
+        prints = torch.cat([prints, -prints])  # a rank that did not see a row moves neither
+        prints[torch.cat([table[:n, SUFFICIENT_INDEX["seen"]]] * 2) == 0] = -torch.inf
+        fingerprints = torch.full((packed * len(MAX_KEYS),), -torch.inf, dtype=torch.float64,
+                                  device=device)
+        fingerprints[:prints.numel()] = prints.reshape(-1)
         table[n, SUFFICIENT_INDEX["seen"]] = float(self.error is not None)
         marks = torch.zeros(packed * width, dtype=torch.float64, device=device)
         for idx, initial in step.initial.items():
@@ -646,8 +679,10 @@ class FP8Monitor:
         amax = table[:n, SUFFICIENT_INDEX["amax"]]
         marks[:n] *= amax > 0
         table[n + 1:, :width] = marks.view(packed, width)
+        table[n + 1:, width:] = fingerprints.view(packed, len(MAX_KEYS))
         if distributed:
             all_reduce_sufficient_stats(table)
+            self._count_replicas_once(table, n)
         seen = table[:n + 1, SUFFICIENT_INDEX["seen"]]
         marks = table[n + 1:, :width].reshape(-1)
         marks = ((marks[:n] > 0) | ((marks[n:2 * n] > 0) & (amax <= 0))).double()
@@ -658,6 +693,18 @@ class FP8Monitor:
         self.table, self.judged, self.flags = {}, {}, {}  # not the last step's, should
         # `_metrics` fail here
         return self._attempt(self._metrics, step, host, fallbacks) or {}
+
+    def _count_replicas_once(self, table: torch.Tensor, n: int) -> None:
+        """A weight row whose fingerprint was the same on every rank that saw it is one weight
+        seen several times: its sums divided by those ranks are its own (NaN/Inf counts; the
+        ratios do not change). Rows differing somewhere (expert parallelism) keep the sum."""
+        k = len(_FINGERPRINT) * n
+        pooled = table[n + 1:, len(SUM_KEYS):].reshape(-1)
+        largest, smallest = pooled[:k].view(n, -1), -pooled[k:2 * k].view(n, -1)
+        seen = table[:n, SUFFICIENT_INDEX["seen"]]
+        same = torch.isclose(largest, smallest, rtol=_SAME_WEIGHT_RTOL, atol=0).all(dim=1)
+        once = same & self._weight_rows.to(table.device) & (seen > 1)
+        table[:n, :len(SUM_KEYS)] /= torch.where(once, seen, 1.0).unsqueeze(1)
 
     def _metrics(self, step: _Step, host: list[float], fallbacks: Collection[str],
                  ) -> dict[str, float]:
