@@ -77,3 +77,44 @@ def test_an_anchored_layer_choice_reaches_a_layernorm_mlps_gemms(tmp_path):
 
     assert {"fp8_te_underflow_pct/fc1_activation/blocks.0.ffn",
             "fp8_te_underflow_pct/fc2_activation/blocks.0.ffn"} <= set(got), sorted(got)
+
+
+def test_an_evaluation_forward_stays_out_of_tes_statistics_and_a_resume_keeps_the_step(tmp_path):
+    """`pause` (fp8_stats' EVAL_START) keeps a no-grad forward out of TE's buffers, which TE
+    feeds on any forward of a debug iteration; `start_at` (FIT_START) makes TE's iteration the
+    batch count (written after a TE source review, not run)."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    pytest.importorskip("nvdlfw_inspect")
+    from transformer_engine.common.recipe import Float8CurrentScaling
+    from transformer_engine.debug.pytorch.debug_state import TEDebugState
+
+    got: dict[tuple[str, int], float] = {}
+    config = log_fp8_tensor_stats_config(r"^lin$", ["activation"], freq=1, scaling="current")
+    session = TEDebugSession(config, tmp_path, lambda n, v, s: got.__setitem__((n, s), v))
+    session.start()
+    try:
+        layer = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+        session.name_layers([("lin", layer)])
+        session.start_at(7)  # a run resumed at batch 7
+        torch.manual_seed(0)
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        # most of the evaluation's values underflow at its own scale: counted, they would show
+        held_out = torch.randn(128, 256, device="cuda") * torch.logspace(-12, 2, 256,
+                                                                          device="cuda")
+        recipe = Float8CurrentScaling()
+        session.pause()
+        with torch.no_grad(), te.autocast(enabled=True, recipe=recipe):
+            layer(held_out.to(torch.bfloat16))
+        session.resume()
+        with te.autocast(enabled=True, recipe=recipe):
+            out = layer(x)
+        out.float().sum().backward()
+        session.step()
+    finally:
+        session.close()
+        TEDebugState._reset()
+
+    key = ("fp8_te_underflow_pct/activation/lin", 7)
+    assert key in got, sorted(got)
+    ours = tensor_stats(x.detach(), "e4m3")["underflow_pct"]  # current scaling: its own amax
+    assert got[key] == pytest.approx(ours, abs=0.05)
