@@ -83,8 +83,9 @@ def run_folder(state: State, logger: Logger) -> Path:
 
 class FP8Stats(Callback):
     """FP8 health of every selected linear layer, every `interval` batches between `start` and
-    `end` (and at `dump_steps`, where it also saves the tensors), pooled over ranks (a weight the same on every
-    rank counts once: `monitor`) and logged by rank 0 at the batch's own step (the step of Composer's `loss/train/total` for that batch).
+    `end` (and at `dump_steps`, where it also saves the tensors), pooled over ranks (a weight
+    the same on every rank counts once: `monitor`) and logged by rank 0 at the batch's own step
+    (the step of Composer's `loss/train/total` for that batch).
     Under gradient accumulation a step's statistics are those of all its micro-batches (a
     weight's, of its first cast in the step, as TE's debug API takes it).
 
