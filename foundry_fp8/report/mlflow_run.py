@@ -138,19 +138,25 @@ def _filled(records: list[tuple[int, dict[str, float]]], window: int
         yield step, metrics
 
 
-def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
-                ) -> tuple[RunMetrics, GuardSeries, dict[str, Any]]:
-    """The run's per-layer FP8 metrics, fp8_guard's series and its params (parsed back from
-    text), read with MLflow's client: each `fp8*` metric's history. Keys the run's MLflow logger
-    renamed (`rename_metrics`) are named back."""
+def _mlflow(run: MlflowRun) -> tuple[Any, type[Exception]]:
+    """MLflow's client class and its exception class; one line where MLflow is not installed."""
     try:
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise ReportError(f"{run.where}: an MLflow run: reading it needs MLflow, not installed "
                           "here (pip install mlflow)") from None
+    return MlflowClient, MlflowException
+
+
+def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
+                ) -> tuple[RunMetrics, GuardSeries, dict[str, Any]]:
+    """The run's per-layer FP8 metrics, fp8_guard's series and its params (parsed back from
+    text), read with MLflow's client: each `fp8*` metric's history. Keys the run's MLflow logger
+    renamed (`rename_metrics`) are named back."""
+    client_class, mlflow_error = _mlflow(run)
     try:
-        client = MlflowClient(tracking_uri=run.tracking_uri)
+        client = client_class(tracking_uri=run.tracking_uri)
         data = client.get_run(run.run_id).data
         params = {key: _param(value) for key, value in data.params.items()}
         options = _logger_options(params)
@@ -160,7 +166,7 @@ def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
                   for logged in data.metrics if (key := named.get(logged, logged)).startswith(
                       (LAYER_PREFIX, SUMMARY_PREFIX))
                   for m in client.get_metric_history(run.run_id, logged)]
-    except MlflowException as e:
+    except mlflow_error as e:
         raise ReportError(f"{run.where}: MLflow: {one_line(e.message)}") from None
     window = options.get("log_duplicated_metric_every_n_steps", DUPLICATE_WINDOW)
     window = window if isinstance(window, int) and not isinstance(window, bool) else DUPLICATE_WINDOW
@@ -179,19 +185,14 @@ def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
 def mlflow_history(run: MlflowRun, key: str) -> list[tuple[int, dict[str, float]]]:
     """(step, {key: value}) of one metric's history, in the order logged (`_records`), read with
     MLflow's client under the name the run's MLflow logger gave it (`rename_metrics`)."""
+    client_class, mlflow_error = _mlflow(run)
     try:
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
-    except ImportError:
-        raise ReportError(f"{run.where}: an MLflow run: reading it needs MLflow, not installed "
-                          "here (pip install mlflow)") from None
-    try:
-        client = MlflowClient(tracking_uri=run.tracking_uri)
+        client = client_class(tracking_uri=run.tracking_uri)
         params = {k: _param(v) for k, v in client.get_run(run.run_id).data.params.items()}
         renamed = _logger_options(params).get("rename_metrics")
         logged = renamed.get(key, key) if isinstance(renamed, Mapping) else key
         points = [(m.timestamp, m.step, key, m.value)
                   for m in client.get_metric_history(run.run_id, str(logged))]
-    except MlflowException as e:
+    except mlflow_error as e:
         raise ReportError(f"{run.where}: MLflow: {one_line(e.message)}") from None
     return _records(points)
