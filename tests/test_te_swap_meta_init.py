@@ -115,6 +115,21 @@ def test_power_2_variable_disagreeing_with_the_recipe_is_warned_at_init(
         assert f"use_power_2_scales: {str(env == '1').lower()}" in lines[0]
 
 
+@pytest.mark.parametrize(("te", "warned"), [("2.7.0", False), ("2.8.0", True)])
+def test_power_2_variable_is_warned_only_under_a_te_that_reads_it(
+        fake_te, monkeypatch, caplog, te, warned):
+    # TE reads the variable from 2.8 (common/recipe/__init__.py:230 at v2.8; absent at v2.7).
+    from foundry_fp8.composer.te_swap import TESwap
+
+    fake_te(te)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setenv(ENV, "1")
+    with caplog.at_level("WARNING"):
+        TESwap(backend="te", fp8_recipe={"scaling": "current", "use_power_2_scales": False})
+    assert len([r for r in caplog.records if ENV in r.getMessage()]) == int(warned)
+
+
 def test_power_2_variable_is_not_warned_under_delayed_scaling(fake_te, monkeypatch, caplog):
     from foundry_fp8.composer.te_swap import TESwap
 

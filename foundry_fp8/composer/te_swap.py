@@ -260,10 +260,11 @@ def _check_te_environment(recipe: FP8Recipe) -> None:
 
     backend.require_te()
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    problems = environment_problems(recipe, capability, probe.te_version())
+    version = probe.te_version()
+    problems = environment_problems(recipe, capability, version)
     if problems:
         raise RecipeError(problems[0])
-    if (conflict := backend.power_2_env_conflict(recipe)) is not None:
+    if (conflict := backend.power_2_env_conflict(recipe, version)) is not None:
         log.warning(conflict)
 
 

@@ -37,8 +37,10 @@ from foundry_fp8.te.facts import (
     MIN_TE,
     MIN_TE_CURRENT_SCALING,
     POWER_2_SCALES_ENV,
+    POWER_2_SCALES_ENV_FROM,
     TE_INSTALL_HINT,
     TE_LAYERNORM_AS_OP,
+    Version,
     backward_override_problems,
     dotted,
 )
@@ -239,11 +241,13 @@ def _current_scaling(te_recipe: Any, recipe: FP8Recipe) -> Any:
     return new
 
 
-def power_2_env_conflict(recipe: FP8Recipe) -> str | None:
+def power_2_env_conflict(recipe: FP8Recipe, te_version: Version | None) -> str | None:
     """The line to warn where POWER_2_SCALES_ENV, set, asks TE for other current-scaling
-    scales than the recipe's `use_power_2_scales`, which `_current_scaling` applies."""
+    scales than the recipe's `use_power_2_scales`, which `_current_scaling` applies. None
+    under a TE known not to read the variable (older than POWER_2_SCALES_ENV_FROM)."""
     value = os.environ.get(POWER_2_SCALES_ENV)
-    if recipe.scaling != "current" or value is None:
+    if (recipe.scaling != "current" or value is None
+            or (te_version is not None and te_version < POWER_2_SCALES_ENV_FROM)):
         return None
     wanted = value == "1"  # TE's reading
     if wanted == recipe.use_power_2_scales:

@@ -17,6 +17,9 @@ from foundry_fp8.recipe import (
 #: Read by TE >= 2.8 at import as Float8CurrentScaling's `use_power_2_scales` default, on
 #: exactly "1" (transformer_engine/common/recipe/__init__.py:230 at v2.8, 302 at d0067d0).
 POWER_2_SCALES_ENV = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"
+#: The first TE that reads POWER_2_SCALES_ENV: TE 2.2-2.7 never read it (no mention in
+#: transformer_engine/ at v2.7).
+POWER_2_SCALES_ENV_FROM = (2, 8)
 
 Version = tuple[int, ...]
 
