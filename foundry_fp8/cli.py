@@ -27,10 +27,11 @@ import io
 import os
 import sys
 from collections.abc import Iterator
+from importlib import metadata
 from typing import Any
 
 from foundry_fp8 import __version__
-from foundry_fp8.packages import is_ours
+from foundry_fp8.packages import DISTRIBUTION, is_ours
 
 SUBCOMMANDS = {
     "lint": ("foundry_fp8.lint.cli", "check LLM-Foundry train YAMLs and Accelerate configs for FP8 mistakes"),
@@ -223,8 +224,9 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None,
 def _not_installed(missing: ModuleNotFoundError) -> int:
     """A dependency this Python lacks: the checkout's scripts (`python benchmarks/...`), or
     `python -m foundry_fp8.cli`, run with a Python other than the environment foundry-fp8 is
-    installed in. One line naming the module and that Python, not a traceback; a module of ours
-    that does not import is re-raised (a bug: the traceback is the report)."""
+    installed in, or foundry-fp8 installed with `--no-deps`. One line naming the module, that
+    Python and `_remedy`'s advice, not a traceback; a module of ours that does not import is
+    re-raised (a bug: the traceback is the report)."""
     if is_ours(missing):
         raise missing
     sys.stderr.write(f"foundry-fp8: no module {missing.name!r} in {sys.executable}: "
@@ -238,11 +240,22 @@ def _not_installed(missing: ModuleNotFoundError) -> int:
 CHECKOUT_MARK = "setup.cfg"
 
 
+def _installed_here(checkout: str) -> bool:
+    """Whether this Python has foundry-fp8 installed: its metadata on sys.path (a wheel's, or
+    an editable install's dist-info in site-packages). The checkout's own `*.egg-info`, on
+    sys.path when a script or `python -m` runs there, is no install."""
+    return any(os.path.abspath(str(dist.locate_file(""))) != checkout
+               for dist in metadata.distributions(name=DISTRIBUTION))
+
+
 def _remedy(package: str) -> str:
     """What to do about a missing dependency. Code run from a checkout (its scripts, `python -m`
-    there) was started with a Python other than the venv's; an installed copy (the wheel, no
-    checkout) was installed without its dependencies, so `pip check` names them all."""
-    if os.path.isfile(os.path.join(os.path.dirname(package), CHECKOUT_MARK)):
+    there) with a Python that has no foundry-fp8 was started with a Python other than the
+    venv's; an installed copy (the wheel, or `pip install -e . --no-deps`) was installed
+    without its dependencies, so `pip check` names them all."""
+    checkout = os.path.dirname(package)
+    if (os.path.isfile(os.path.join(checkout, CHECKOUT_MARK))
+            and not _installed_here(checkout)):
         return ("run it with the Python of the environment foundry-fp8 is installed in "
                 "(activate its venv), or install it into this one (pip install -e <checkout>)")
     return (f"foundry-fp8 is installed here ({package}) without all its dependencies (pip "

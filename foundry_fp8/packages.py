@@ -6,6 +6,9 @@ missing."""
 
 from __future__ import annotations
 
+#: The distribution name pip installs this project as (setup.cfg `name`).
+DISTRIBUTION = "foundry-fp8"
+
 #: Top-level packages of this checkout (`tests` and `benchmarks`: its scripts import them).
 OUR_PACKAGES = ("foundry_fp8", "tests", "benchmarks")
 

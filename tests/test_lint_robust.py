@@ -598,6 +598,36 @@ def test_a_python_without_omegaconf_names_it_not_a_foundry_fp8_bug(tmp_path):
     assert done.stderr.startswith(f"foundry-fp8: no module 'omegaconf' in {sys.executable}: ")
 
 
+@pytest.mark.parametrize(("flags", "advice", "wrong"), [
+    ((), "-m pip check", "<checkout>"),  # this venv: foundry-fp8 installed, editable
+    (("-S",), "(pip install -e <checkout>)", "pip check"),  # no site-packages: none installed
+])
+def test_the_missing_dependency_advice_fits_where_foundry_fp8_is_installed(
+        tmp_path, flags, advice, wrong):
+    """Review (S3): `pip install -e . --no-deps` and a dependency missing was told to run with
+    'the Python of the environment foundry-fp8 is installed in ... or install it into this one
+    (pip install -e <checkout>)': that very Python. Where this Python has foundry-fp8 installed
+    the advice is `pip check`; where it has none (run in the checkout, whose
+    foundry_fp8.egg-info is then on sys.path), to use the venv's Python or install it."""
+    import sysconfig
+    from importlib import metadata
+
+    # the independent fact: this venv has foundry-fp8 installed in its site-packages
+    installed = [Path(str(d.locate_file(""))).resolve()
+                 for d in metadata.distributions(name="foundry-fp8")]
+    assert Path(sysconfig.get_path("purelib")).resolve() in installed
+    path = tmp_path / "train.yaml"
+    path.write_text("precision: amp_fp8\n")
+    script = ("import sys; sys.modules['omegaconf'] = None\n"
+              "from foundry_fp8.cli import main\n"
+              f"sys.exit(main(['lint', {str(path)!r}]))")
+    done = subprocess.run([sys.executable, *flags, "-c", script], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert (done.returncode, done.stdout, done.stderr.count("\n")) == (2, "", 1), done.stderr
+    assert done.stderr.startswith("foundry-fp8: no module '"), done.stderr
+    assert advice in done.stderr and wrong not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize(("name", "ours"), [
     ("foundry_fp8.te.backend", True), ("tests.fake_te", True), ("benchmarks.x", True),
     ("benchmarks", True), (None, True),  # unnamed: nothing to name, so reported as our bug
@@ -634,9 +664,8 @@ def test_the_cli_and_the_linter_agree_on_which_missing_module_is_ours(monkeypatc
         assert main_cli._not_installed(missing) == 2
         cli_says_ours = False
         err = capsys.readouterr().err
-        assert err == (f"foundry-fp8: no module {name!r} in {sys.executable}: run it with the "
-                       "Python of the environment foundry-fp8 is installed in (activate its "
-                       "venv), or install it into this one (pip install -e <checkout>)\n"), err
+        assert err.startswith(f"foundry-fp8: no module {name!r} in {sys.executable}: "), err
+        assert err.count("\n") == 1 and err.endswith("\n"), err
     except ModuleNotFoundError as raised:
         assert raised is missing
         cli_says_ours = True
