@@ -39,6 +39,7 @@ from foundry_fp8.lint.known import (
     UNSHARD_TORCH_RANGE,
     auto_microbatch_fsdp_fails,
 )
+from foundry_fp8.packages import DISTRIBUTION
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE, dim_fits_fp8, tokens_fit_fp8
 from foundry_fp8.te.facts import dotted
 
@@ -431,7 +432,7 @@ def environment(tiny: bool) -> dict[str, Any]:
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
                 "transformer_engine": dist("transformer_engine") or dist("transformer-engine"),
                 "composer": dist("mosaicml"), "llmfoundry": dist("llm-foundry"),
-                "foundry_fp8": dist("foundry-fp8"), "python": platform.python_version()}
+                "foundry_fp8": dist(DISTRIBUTION), "python": platform.python_version()}
     return {"gpu": gpu, "versions": versions}
 
 
