@@ -21,6 +21,7 @@ from foundry_fp8.health import layer_key
 
 BATCH, FEATURES = 4, 16
 LOGGED, EVAL, PRINTED = 3, 4, 5  # fp8_stats logs at 3, evaluates at 4, the console prints at 5
+NEXT_PRINT = 2 * PRINTED  # the console's next print: no fp8_stats step since LOGGED (its `end`)
 
 
 class _InputAmax(Callback):
@@ -65,11 +66,17 @@ def test_a_logging_step_before_an_evaluation_reaches_the_console(capfd):
             eval_interval=f"{EVAL}ba", max_duration="10ba", device="cpu", progress_bar=False,
             log_to_console=True, console_log_interval=f"{PRINTED}ba", console_stream="stdout",
             device_train_microbatch_size=BATCH // 2,
-            callbacks=[FP8Stats(interval=LOGGED, image_interval=None, console_layers=True),
+            callbacks=[FP8Stats(interval=LOGGED, end=LOGGED + 1, image_interval=None,
+                                console_layers=True),
                        FP8Guard(), captured]).fit()
 
-    printed = _printed(capfd.readouterr().out, PRINTED)
+    out = capfd.readouterr().out
+    printed = _printed(out, PRINTED)
     amax = layer_key("amax", "activation", "module.0")
     assert printed[amax] == f"{captured.by_batch[LOGGED]:.4f}"  # the training batch's alone
     assert "fp8/flagged_layers" in printed
     assert printed["fp8/guard/fallback_layers"] == "0.0000"
+    # given once: the print after it holds the console's own series and none of the step's
+    later = _printed(out, NEXT_PRINT)
+    assert "loss/train/total" in later, later
+    assert [key for key in later if key.startswith("fp8")] == [], later
