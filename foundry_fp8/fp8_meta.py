@@ -64,16 +64,22 @@ def read_fp8_meta(module: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_fp8_meta(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def write_fp8_meta(module: nn.Module, tensors: dict[str, torch.Tensor], *,
+                   check_only: bool = False) -> None:
     """Restore what `read_fp8_meta` returned, in place, on the module's device.
 
     In place: TE's quantizers hold views of `scale` and of `amax_history[0]`, and its global
     amax-reduction buffers reference the tensors themselves. So shapes must match, except that a
     history still empty (EmulatedFP8Linear before its first forward) takes the checkpoint's
     length. Otherwise a different history length means a different recipe, and raises
-    ValueError before anything is written. A `scale_inv` (TE 1.x's `FP8TensorMeta`) is set to
-    1 / scale, as TE's own scale update does, so no cast or GEMM sees a stale pair.
+    ValueError. Both directions are checked and moved to the module's device before either is
+    written, so a failure leaves the module as it was, never forward restored and backward not
+    (a device error inside the copies aside). `check_only`: raise as a write would, write
+    nothing (a caller writing several modules checks them all first). A `scale_inv` (TE 1.x's
+    `FP8TensorMeta`) is set to 1 / scale, as TE's own scale update does, so no cast or GEMM
+    sees a stale pair.
     """
+    targets = {}
     for short, key in _DIRECTIONS:
         if f"{short}_scale" not in tensors:
             continue
@@ -83,17 +89,21 @@ def write_fp8_meta(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             if have != want and not (name == "amax_history" and have[0] == 0):
                 raise ValueError(f"{short}_{name} has shape {tuple(want)} in the checkpoint, "
                                  f"{tuple(have)} in the model")
-    for short, key in _DIRECTIONS:
-        if f"{short}_scale" in tensors:
-            target = module.fp8_meta[key]
-            history = tensors[f"{short}_amax_history"].to(target.amax_history.device)
-            if target.amax_history.shape[0] == 0:
-                target.amax_history = history.clone()
-            else:
-                target.amax_history.copy_(history)
-            target.scale.copy_(tensors[f"{short}_scale"])
-            if isinstance(getattr(target, "scale_inv", None), torch.Tensor):
-                target.scale_inv.copy_(target.scale.reciprocal())
+        targets[short] = target
+    if check_only:
+        return
+    moved = {short: (tensors[f"{short}_scale"].to(target.scale.device),
+                     tensors[f"{short}_amax_history"].to(target.amax_history.device))
+             for short, target in targets.items()}
+    for short, target in targets.items():
+        scale, history = moved[short]
+        if target.amax_history.shape[0] == 0:
+            target.amax_history = history.clone()
+        else:
+            target.amax_history.copy_(history)
+        target.scale.copy_(scale)
+        if isinstance(getattr(target, "scale_inv", None), torch.Tensor):
+            target.scale_inv.copy_(target.scale.reciprocal())
 
 
 def fp8_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

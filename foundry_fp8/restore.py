@@ -172,8 +172,10 @@ def _shape_problem(scale: Any, history: Any, per_gemm: int) -> tuple[str, str] |
     for key, value, dims in (("scale", scale, 1), ("amax_history", history, 2)):
         if not isinstance(value, torch.Tensor):
             return key, "missing" if value is None else "not a tensor"
-        if not value.is_floating_point() or value.dim() != dims:
-            return key, f"a {value.dim()}-d {value.dtype} tensor, expected a {dims}-d floating one"
+        if problem := _not_floating(value):
+            return key, problem
+        if value.dim() != dims:
+            return key, f"a {value.dim()}-d tensor, expected a {dims}-d one"
     n = scale.shape[0]
     if n == 0 or n % per_gemm:
         return "scale", f"{n} values, expected {per_gemm} per GEMM"
@@ -181,6 +183,12 @@ def _shape_problem(scale: Any, history: Any, per_gemm: int) -> tuple[str, str] |
         return "amax_history", (f"shape {tuple(history.shape)}, expected [rows, {n}] as the "
                                 "scale")
     return None
+
+
+def _not_floating(value: torch.Tensor) -> str | None:
+    """What is wrong with a tensor that cannot hold scales or amaxes, said one way wherever it
+    is found (a module's field, a rank's); None for a floating one."""
+    return None if value.is_floating_point() else f"a {value.dtype} tensor, expected a floating one"
 
 
 def _check_direction(where: str, scale: torch.Tensor, history: torch.Tensor,
@@ -259,9 +267,8 @@ def combine_ranks(ranks: list[FP8ModuleState]) -> tuple[FP8ModuleState, list[str
             into = combined.setdefault(name, {})
             for field, value in tensors.items():
                 have = into.get(field)
-                if not value.is_floating_point():
-                    problems.append(f"ranks[{rank}].{name}.{field}: a {value.dtype} tensor, "
-                                    "expected a floating one (left out)")
+                if problem := _not_floating(value):
+                    problems.append(f"ranks[{rank}].{name}.{field}: {problem} (left out)")
                     continue
                 value = value.float()
                 if have is None:

@@ -24,7 +24,7 @@ from foundry_fp8.composer.state import (
     stale_backward_modules,
 )
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast, fp8_checkpoint
-from foundry_fp8.fp8_meta import read_fp8_meta
+from foundry_fp8.fp8_meta import read_fp8_meta, write_fp8_meta
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.te.extra_state import without_pickled_extra_state
@@ -165,23 +165,98 @@ def test_deferred_restore_reports_a_recipe_that_does_not_fit(history_len, match,
     assert caplog.text.count(match) == 1 and not module._forward_pre_hooks
 
 
-def test_a_failure_of_the_deferred_restore_does_not_stop_the_training_forward(monkeypatch,
-                                                                               caplog):
-    """The restore at a TE module's first FP8 forward runs inside the training forward: an
-    exception of ours there went out of the forward and stopped the run, whatever `strict`."""
-    module = _resume_lazy(history_len=4)
+def _broken_write(monkeypatch, error: Exception,
+                  target: str = "foundry_fp8.composer.state.write_fp8_meta") -> list[int]:
+    """`target` (the restore's write, by default) raising `error`; the calls made to it."""
+    calls: list[int] = []
 
-    def broken(*args: Any) -> None:
-        raise RuntimeError("our bug")
+    def broken(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        raise error
 
-    monkeypatch.setattr("foundry_fp8.composer.state.write_fp8_meta", broken)
+    monkeypatch.setattr(target, broken)
+    return calls
+
+
+@pytest.mark.parametrize("target", ["foundry_fp8.composer.state.write_fp8_meta",
+                                    "foundry_fp8.te.backend.init_fp8_state"])
+def test_a_failure_of_the_deferred_restore_is_one_warning_naming_the_module(monkeypatch, caplog,
+                                                                            target):
+    """The restore at a TE module's first FP8 forward runs inside the training forward: a
+    failure of ours there was a full traceback (`log.exception`) per module, naming none, and
+    said "starts fresh" whatever `strict`; it is one warning naming module and error, the
+    training forward goes on, and the hook is gone, also where creating TE's state failed
+    (not retried and warned at every forward)."""
+    module = _resume_lazy(history_len=4, strict=False)
+    calls = _broken_write(monkeypatch, RuntimeError("our bug\nsecond line"), target)
     x = torch.randn(2, 4)
-    with caplog.at_level(logging.ERROR, logger="foundry_fp8.composer.state"):
+    with caplog.at_level(logging.DEBUG, logger="foundry_fp8.composer.state"):
         out = module(x)
         module(x)
     assert torch.equal(out, nn.functional.linear(x, module.weight, module.bias))
-    assert caplog.text.count("starts fresh") == 1 and not module._forward_pre_hooks
-    assert torch.equal(read_fp8_meta(module)["fwd_scale"], torch.ones(3))  # TE's fresh state
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        "fp8_state: the checkpoint's FP8 state could not be restored at the module's first FP8 "
+        "forward (RuntimeError: our bug) (0); continuing with that module not restored"]
+    assert warnings[0].exc_info is None  # the traceback is at debug only
+    assert any(r.levelno == logging.DEBUG and r.exc_info for r in caplog.records)
+    assert calls == [1] and not module._forward_pre_hooks
+    # TE's fresh state (its own forward created it), not written later than the line says
+    assert torch.equal(read_fp8_meta(module)["fwd_scale"], torch.ones(3))
+
+
+def test_a_failure_of_the_deferred_restore_under_strict_is_one_line(monkeypatch):
+    """Under `strict` the failure was logged and training went on with fresh state."""
+    module = _resume_lazy(history_len=4)
+    calls = _broken_write(monkeypatch, RuntimeError("our bug"))
+    with pytest.raises(FP8StateError) as error:
+        module(torch.randn(2, 4))
+    assert str(error.value) == (
+        "fp8_state: the checkpoint's FP8 state could not be restored at the module's first FP8 "
+        "forward (RuntimeError: our bug) (0) (set fp8_state: {strict: false} to continue with "
+        "that module not restored)")
+    assert error.value.__suppress_context__  # one line: the RuntimeError is not chained
+    module(torch.randn(2, 4))
+    assert calls == [1] and not module._forward_pre_hooks
+
+
+@pytest.mark.parametrize("raised", [
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
+    RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors..."),
+])
+def test_a_device_error_in_the_deferred_restore_is_raised_as_it_came(monkeypatch, raised):
+    """An out-of-memory or CUDA error at the first FP8 forward was logged as our internal error
+    and training went on, on a device that a CUDA error leaves unusable."""
+    module = _resume_lazy(history_len=4, strict=False)
+    _broken_write(monkeypatch, raised)
+    with pytest.raises(type(raised)) as error:
+        module(torch.randn(2, 4))
+    assert error.value is raised and not module._forward_pre_hooks
+
+
+def test_a_deferred_restore_that_fails_midway_leaves_forward_and_backward_fresh(monkeypatch,
+                                                                                caplog):
+    """The forward state was written before the backward one was moved to the device: a
+    failure there left the module half restored (forward scale 2, backward 1) while the log
+    said its state started fresh."""
+    module = _resume_lazy(history_len=4, strict=False)
+
+    class Unmovable:  # a backward history whose move to the device fails
+        shape = SAVED["bwd_amax_history"].shape
+
+        def to(self, *args: Any) -> None:
+            raise RuntimeError("cannot move")
+
+    def write(mod: nn.Module, tensors: dict, **kwargs: Any) -> None:
+        write_fp8_meta(mod, {**tensors, "bwd_amax_history": Unmovable()}, **kwargs)
+
+    monkeypatch.setattr("foundry_fp8.composer.state.write_fp8_meta", write)
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+        module(torch.randn(2, 4))
+    got = read_fp8_meta(module)
+    assert torch.equal(got["fwd_scale"], torch.ones(3))  # as TE created it, not SAVED's 2
+    assert torch.equal(got["fwd_amax_history"], torch.zeros(4, 3))
+    assert "(RuntimeError: cannot move) (0); continuing with that module not restored" in caplog.text
 
 
 def test_the_deferred_restore_runs_eagerly_under_torch_compile():

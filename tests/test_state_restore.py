@@ -5,10 +5,13 @@ writes (an inf amax after an overflowing step) restores as it was."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 import math
 import os
 import pickle
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,6 +36,7 @@ from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.numerics import FP8_MAX
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.restore import FIELDS, combine_ranks
+from foundry_fp8.te.extra_state import holds_te_scaling_state
 from tests.test_kill_resume import BATCHES, SAVE_EVERY, _assert_same_run
 
 HISTORY = 4
@@ -493,6 +497,17 @@ def test_a_rank_of_another_dtype_is_named_not_combined_or_raised_by_torch(dtype,
                                value[1:] if "history" in field else value), (name, field)
 
 
+def test_a_field_not_floating_is_said_the_same_way_in_a_module_and_in_a_rank():
+    """A module's int64 scale read `a 1-d torch.int64 tensor, expected a 1-d floating one`, a
+    rank's `a torch.int64 tensor, expected a floating one`: one fact, two wordings."""
+    saved = _saved()
+    saved["modules"]["0"]["fwd_scale"] = saved["modules"]["0"]["fwd_scale"].long()
+    with pytest.raises(FP8StateError) as error:
+        _callback(_layers()).load_state_dict(saved)
+    assert ("refused: 0.fwd_scale: a torch.int64 tensor, expected a floating one (set"
+            in _one_line(error.value))
+
+
 def test_a_float8_rank_is_combined_in_float32_not_raised_by_torch():
     """Rank 1's state stored in float8: torch refused to promote it against rank 0's float32
     (RuntimeError out of the load); its values are amaxes and scales as any other rank's."""
@@ -525,6 +540,58 @@ def test_a_failure_inside_the_restore_is_one_line_and_not_strict_continues(monke
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         _callback(model, strict=False).load_state_dict(_saved())
     assert len(_ours(caplog)) == 1 and read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
+    # one line: the KeyError is logged at debug, not chained under the refusal's traceback
+    assert "During handling" not in "".join(traceback.format_exception(error.value))
+
+
+def test_a_strict_refusal_leaves_every_module_as_it_was():
+    """Module 1's state does not fit (2 GEMMs saved, 1 in the model): module 0 had already been
+    written with the checkpoint's state when the refusal was raised."""
+    saved = _saved()
+    saved["modules"]["1"] = {key: torch.cat([value, value], dim=-1)
+                             for key, value in saved["modules"]["1"].items()}
+    model = _layers()
+    _step(model, seed=7)
+    before = [read_fp8_meta(layer) for layer in model]
+    with pytest.raises(FP8StateError, match=r"1 \(fwd_scale has shape \(6,\) in the checkpoint, "
+                                            r"\(3,\) in the model\)"):
+        _callback(model).load_state_dict(saved)
+    for layer, was in zip(model, before, strict=True):
+        now = read_fp8_meta(layer)
+        assert all(torch.equal(now[key], was[key]) for key in FIELDS)
+    assert not torch.equal(before[0]["fwd_scale"], saved["modules"]["0"]["fwd_scale"])
+
+
+@pytest.mark.parametrize("raised", [
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
+    RuntimeError("CUDA error: an illegal memory access was encountered"),
+])
+def test_a_device_error_while_restoring_is_raised_as_it_came(monkeypatch, raised):
+    """A CUDA error (sticky) or out-of-memory was reported as a restore failure advising
+    `strict: false`, which cannot continue past it."""
+    def write(module: nn.Module, tensors: dict, check_only: bool = False) -> None:
+        if not check_only:
+            raise raised
+
+    monkeypatch.setattr("foundry_fp8.composer.state.write_fp8_meta", write)
+    with pytest.raises(type(raised)) as error:
+        _callback(_layers(), strict=False).load_state_dict(_saved())
+    assert error.value is raised
+
+
+def test_histories_saved_under_current_scaling_into_current_scaling_are_named():
+    """A checkpoint saved under current scaling that holds amax histories anyway (written by
+    another tool): the scaling did not change, so the line names the histories, not `scaling
+    current -> current`."""
+    saved = _saved()
+    saved["recipe"] = FP8Recipe(scaling="current").as_config()
+    model = _layers()
+    with pytest.raises(FP8StateError) as error:
+        _callback(model, FP8Recipe(scaling="current")).load_state_dict(saved)
+    assert _one_line(error.value).startswith(
+        "fp8_state: checkpoint FP8 state does not fit (recipe changed?): it holds "
+        "delayed-scaling amax histories (0, ...), this run's recipe keeps none")
+    assert read_fp8_meta(model[0])["fwd_amax_history"].numel() == 0
 
 
 def test_load_ignore_keys_of_the_modules_is_not_called_a_run_without_fp8(tmp_path, caplog):
@@ -705,6 +772,58 @@ def test_te_state_restored_by_te_itself_is_not_said_to_start_fresh(tmp_path, cap
                              "TE's own in its modules' _extra_state (saved without fp8_state): "
                              "TE restored those FP8 scales and amax histories as saved, "
                              "unchecked"]
+
+
+@dataclasses.dataclass
+class Recipe:
+    """Stands in for TE's recipe object (DelayedScaling, Float8CurrentScaling), which TE >= 2.0
+    pickles into its extra state."""
+
+    fp8_format: str = "HYBRID"
+
+
+# `fp8_meta`'s plain values TE saves as `extra_fp8_variables` (TE 1.12 module/base.py:659-680)
+_EXTRA = {"fp8_checkpoint": True, "num_gemms": 1, "fp8_max_fwd": 448.0, "fp8_max_bwd": 57344.0}
+
+
+def _te1_extra_state(delayed: bool) -> io.BytesIO:
+    """TE 1.12/1.13 `get_extra_state` (module/base.py, v1.12:546-576, v1.13:589-619): the state
+    dict, or None outside FP8, `torch.save`d into an io.BytesIO; scale_inv kept besides scale."""
+    state = None
+    if delayed:
+        state = {**{f"{kind}_{d}": torch.ones(n) for kind in ("scale", "scale_inv")
+                    for d, n in (("fwd", 3), ("bwd", 2))},
+                 "amax_history_fwd": torch.zeros(16, 3), "amax_history_bwd": torch.zeros(16, 2),
+                 "extra_fp8_variables": dict(_EXTRA)}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer
+
+
+def _te2_extra_state(delayed: bool) -> torch.Tensor:
+    """TE 2.0-2.12 `get_extra_state` (module/base.py, v2.12:846-866): the recipe, the delayed
+    state only where `recipe.delayed()`, the plain values, pickled into a uint8 tensor."""
+    state: dict[str, Any] = {"recipe": Recipe()}
+    if delayed:
+        state.update({"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3),
+                      "scale_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(16, 2)})
+    state["extra_fp8_variables"] = dict(_EXTRA)
+    return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(("extra_state", "held"), [
+    (lambda: _te1_extra_state(delayed=True), True),
+    (lambda: _te1_extra_state(delayed=False), False),  # saved outside FP8: None
+    (lambda: _te2_extra_state(delayed=True), True),
+    (lambda: _te2_extra_state(delayed=False), False),  # current scaling: recipe, plain values
+    (lambda: torch.empty(0, dtype=torch.uint8), False),  # TE >= 2.13 outside FP8, stateless
+])
+def test_te_own_delayed_scaling_state_is_told_apart_in_every_te_format(extra_state, held):
+    """A TE 1.12/1.13 checkpoint's state (a BytesIO) was untested, and a key that every TE
+    payload holds (`extra_fp8_variables`) would take TE 2.x current scaling's for restored
+    delayed-scaling state."""
+    state_dict = {"blocks.0.weight": torch.ones(2, 2), "blocks.0._extra_state": extra_state()}
+    assert holds_te_scaling_state(state_dict) is held
 
 
 def test_fp8_guard_fallbacks_left_behind_in_a_checkpoint_are_named(tmp_path, caplog):

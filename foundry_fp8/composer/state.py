@@ -114,7 +114,7 @@ def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
         raise FP8StateError(f"fp8_state: {path}: not loaded, its pickle could run code ({reason})") from None
     except (OSError, RuntimeError, EOFError) as error:  # cut short, not a torch file
         raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint "
-                            f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+                            f"({_described(error)})") from None
     entry = checkpoint.get("state", {}).get("callbacks", {}).get(FP8State.__qualname__, {})
     problem = payload_problem(entry)
     if problem:
@@ -458,7 +458,8 @@ class FP8State(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Validates before anything is written: a refusal (`strict`) leaves the model's FP8
         state as it was; otherwise what is wrong is repaired by TE's rules and named in one
-        warning (`foundry_fp8.restore`)."""
+        warning (`foundry_fp8.restore`). A device error (out of memory, CUDA) is raised as it
+        came: no setting continues past it."""
         problem = payload_problem(state)
         if problem:
             self._mismatch(f"fp8_state: the checkpoint's fp8_state entry is not FP8 state as "
@@ -478,11 +479,11 @@ class FP8State(Callback):
         except FP8StateError:
             raise
         except Exception as error:  # our bug, or a checkpoint malformed past our checks
+            if _device_failure(error):
+                raise
             log.debug("fp8_state: restore failed", exc_info=True)
-            first = (str(error).splitlines() or [""])[0][:200]
             self._mismatch(f"fp8_state: the checkpoint's FP8 state could not be restored "
-                           f"({type(error).__name__}: {first})",
-                           "the modules not yet restored fresh")
+                           f"({_described(error)})", "the modules not yet restored fresh")
 
     def _this_rank(self, state: dict[str, Any]) -> tuple[FP8ModuleState, list[str]]:
         """This rank's saved state, and what combining other ranks' found wrong."""
@@ -501,9 +502,9 @@ class FP8State(Callback):
 
     def _mismatch(self, message: str, outcome: str) -> None:
         """`message`: what does not fit; `outcome`: what `strict: false` continues with."""
-        if self.strict:
+        if self.strict:  # one line: an exception being handled is at debug, not chained
             raise FP8StateError(f"{message} (set fp8_state: {{strict: false}} to continue with "
-                                f"{outcome})")
+                                f"{outcome})") from None
         log.warning("%s; continuing with %s", message, outcome)
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -578,21 +579,26 @@ class FP8State(Callback):
                                     f"fp8_state: {{strict: false}} to repair it by TE's rules)")
             log.warning("fp8_state: checkpoint FP8 state repaired by TE's rules: %s%s", shown,
                         f" (beyond repair, started fresh: {_shown(fresh)})" if fresh else "")
-        shapes = []
-        for name, tensors in checked.items():
-            module = modules[name]
-            if not read_fp8_meta(module):  # TE before its first FP8 forward
-                _restore_at_first_forward(module, tensors,
-                                          lambda message, name=name: self._mismatch(
-                                              f"{message} ({name})", "that module not restored"))
-                continue
+        # every module checked before any is written or waits for its first FP8 forward, so
+        # a refusal (strict) leaves the model's FP8 state as it was
+        later = {n for n in checked if not read_fp8_meta(modules[n])}  # TE before its first
+        shapes = {}
+        for name in checked.keys() - later:
             try:
-                write_fp8_meta(module, tensors)
+                write_fp8_meta(modules[name], checked[name], check_only=True)
             except ValueError as error:
-                shapes.append(f"{name} ({error})")
+                shapes[name] = f"{name} ({error})"
         if shapes:
             self._mismatch("fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
-                           + "; ".join(shapes), "those modules not restored")
+                           + "; ".join(shapes[n] for n in sorted(shapes)),
+                           "those modules not restored")
+        for name, tensors in checked.items():
+            if name in later:
+                _restore_at_first_forward(modules[name], tensors,
+                                          lambda message, name=name: self._mismatch(
+                                              f"{message} ({name})", "that module not restored"))
+            elif name not in shapes:
+                write_fp8_meta(modules[name], tensors)
         log.info("fp8_state: restored amax history and scales of %d modules",
                  len(checked) - len(shapes))
 
@@ -662,6 +668,18 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
+def _described(error: Exception) -> str:
+    """`TypeName: first line` of an exception, for a one-line message."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+
+
+def _device_failure(error: Exception) -> bool:
+    """An error of the device, not of the checkpoint or of ours: out of memory, or a CUDA error
+    (sticky: `strict: false` cannot continue past it), raised as it came."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "CUDA error" in _described(error))
+
+
 def _same_state(a: FP8ModuleState, b: FP8ModuleState) -> bool:
     return a.keys() == b.keys() and all(
         a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n])
@@ -677,21 +695,27 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
     `te.backend.init_fp8_state` (the call TE's own forward makes first, 3 forward tensors per
     GEMM) builds the state for the active recipe; TE's forward then finds it initialised for
     the same recipe and keeps it. Forwards outside FP8 (eval) leave the hook
-    waiting; a run whose recipe keeps no such state (current scaling) or does not fit the
-    checkpoint is reported through `on_mismatch`, once.
+    waiting; a run whose recipe keeps no such state (current scaling), one that does not fit
+    the checkpoint, and a failure of ours are reported through `on_mismatch`, once: the hook is
+    gone after its first FP8 forward, whatever happened.
     """
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
-        """Inside the training forward: our own failure is logged, never raised into it."""
+        """Inside the training forward: a failure of ours is one line through `on_mismatch`
+        (FP8StateError under strict, else a warning), its traceback at debug; a device error
+        goes on as raised."""
         del args
         try:
             restore(mod)
         except FP8StateError:
             raise
-        except Exception:
-            handle.remove()
-            log.exception("fp8_state: internal error restoring a module's FP8 state at its "
-                          "first FP8 forward; its FP8 state starts fresh")
+        except Exception as error:
+            handle.remove()  # tried once: a failing hook would fail at every forward
+            if _device_failure(error):
+                raise
+            log.debug("fp8_state: restore at the first FP8 forward failed", exc_info=True)
+            on_mismatch(f"fp8_state: the checkpoint's FP8 state could not be restored at the "
+                        f"module's first FP8 forward ({_described(error)})")
 
     def restore(mod: nn.Module) -> None:
         if not read_fp8_meta(mod):
