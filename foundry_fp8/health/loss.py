@@ -1,7 +1,9 @@
 """Where a run's training loss departs from a baseline run's (`foundry-fp8 report --baseline`):
 an FP8 run against the BF16 run it should track. Compared at the steps both logged only: at a
 step both runs trained on the same batch, so their losses differ by the numerics alone, while a
-loss interpolated between another run's steps would mix batches. Plain Python."""
+loss interpolated between another run's steps would mix batches. The departure rule catches a
+divergence; the measured gap (`LossComparison.mean_gap`) is what says how close the runs are.
+Plain Python."""
 
 from __future__ import annotations
 
@@ -11,11 +13,16 @@ from dataclasses import dataclass
 
 from foundry_fp8.health.thresholds import LOSS_GAP_STEPS, MAX_LOSS_GAP
 
+#: The share of the compared steps, the last ones, that the mean gap is taken over.
+GAP_WINDOW = 0.1
 
-def above(loss: float, base: float) -> bool:
-    """Whether the run's `loss` departs from the baseline's `base` at one step (`base` finite):
-    more than MAX_LOSS_GAP of |base| above it, or NaN/Inf."""
-    return not math.isfinite(loss) or loss - base > MAX_LOSS_GAP * abs(base)
+
+def gap(loss: float, base: float) -> float:
+    """The run's loss relative to the baseline's (+0.04: 4 % above); NaN where either is
+    NaN/Inf or the baseline's is 0."""
+    if not (math.isfinite(loss) and math.isfinite(base)) or base == 0:
+        return math.nan
+    return (loss - base) / abs(base)
 
 
 @dataclass(frozen=True)
@@ -26,28 +33,55 @@ class LossComparison:
     departed: int | None  # the first step of the departure, None where it stays within
     loss: float | None  # the run's and the baseline's loss at `departed`
     base: float | None
-    run_last: int  # each run's last logged loss step
-    base_last: int
+    run_last: int  # the run's last logged loss step
+    base_last: int  # the baseline's last finite loss step
+    base_nan_from: int | None  # where the baseline's loss is NaN/Inf from (to its end)
+    back: int | None  # after a departure: the compared step from which it stays within
+    window: list[int]  # the last GAP_WINDOW of the compared steps, at least one
+    mean_gap: float  # mean `gap` over `window` (NaN: none finite)
+    last_gap: float  # `gap` at the last compared step
+    max_gap: float  # the rule: more than this `gap` ...
+    gap_steps: int  # ... at this many compared steps in a row
 
 
-def compare(losses: Mapping[int, float], baseline: Mapping[int, float]) -> LossComparison:
-    """The first step from which the run's loss stays above the baseline's (`above`) at
-    LOSS_GAP_STEPS compared steps in a row, or is NaN/Inf (at once). `losses` and `baseline`:
-    step -> loss, neither empty; a NaN/Inf baseline step is not compared."""
+def compare(losses: Mapping[int, float], baseline: Mapping[int, float],
+            max_gap: float = MAX_LOSS_GAP, gap_steps: int = LOSS_GAP_STEPS) -> LossComparison:
+    """The first step from which the run's loss stays more than `max_gap` above the baseline's
+    at `gap_steps` compared steps in a row, or is NaN/Inf (at once); scanning on, the step from
+    which it is back within for good. `losses` and `baseline`: step -> loss, neither empty, the
+    baseline with a finite loss; a NaN/Inf baseline step is not compared."""
     steps = sorted(s for s in losses.keys() & baseline.keys() if math.isfinite(baseline[s]))
+
+    def above(step: int) -> bool:
+        loss, base = losses[step], baseline[step]
+        return not math.isfinite(loss) or loss - base > max_gap * abs(base)
+
     run_since: int | None = None
     streak = 0
     departed = None
     for step in steps:
-        if not above(losses[step], baseline[step]):
+        if not above(step):
             run_since, streak = None, 0
             continue
         run_since = step if run_since is None else run_since
         streak += 1
-        if streak >= LOSS_GAP_STEPS or not math.isfinite(losses[step]):
+        if streak >= gap_steps or not math.isfinite(losses[step]):
             departed = run_since
             break
+    back = None
+    if departed is not None:
+        later = [s for s in steps if s > departed]
+        last_above = max((s for s in later if above(s)), default=departed)
+        back = next((s for s in later if s > last_above), None)
+    finite = [s for s, v in baseline.items() if math.isfinite(v)]
+    base_last = max(finite)
+    nan_after = [s for s in baseline if s > base_last]
+    window = steps[-max(1, math.ceil(GAP_WINDOW * len(steps))):] if steps else []
+    gaps = [g for s in window if not math.isnan(g := gap(losses[s], baseline[s]))]
     return LossComparison(steps, departed,
                           None if departed is None else losses[departed],
                           None if departed is None else baseline[departed],
-                          max(losses), max(baseline))
+                          max(losses), base_last, min(nan_after, default=None), back, window,
+                          math.fsum(gaps) / len(gaps) if gaps else math.nan,
+                          gap(losses[steps[-1]], baseline[steps[-1]]) if steps else math.nan,
+                          max_gap, gap_steps)

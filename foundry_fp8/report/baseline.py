@@ -75,3 +75,27 @@ def read_baseline(given: Path) -> dict[int, float]:
         raise ReportError(f"--baseline {given}: `{LOSS}` is NaN/Inf at each of its "
                           f"{len(losses)} logged steps, nothing to compare with")
     return losses
+
+
+def run_identity(given: Path) -> str:
+    """What names the run GIVEN is, however it was given (a folder, its metrics.jsonl, its
+    wandb/ or mlruns/ folder, mlflow:<id>): the MLflow run id or the resolved file read."""
+    if (ml := mlflow_run(given)) is not None:
+        return f"MLflow run {ml.run_id}"
+    if (files := wandb_files(given)) is not None:
+        return str(files[0].resolve())
+    return str(metrics_file_of(given).resolve())
+
+
+def same_run(run: Path, losses: Mapping[int, float], baseline: Path,
+             base: Mapping[int, float]) -> str | None:
+    """Why `--baseline` is the run itself (the same run given twice, or a copy: the same loss
+    at every step), where it is; a comparison with itself says nothing."""
+    if run_identity(run) == run_identity(baseline):
+        return f"--baseline {baseline} is this run ({run_identity(run)})"
+    if losses.keys() == base.keys() and all(
+            a == b or not (math.isfinite(a) or math.isfinite(b))
+            for a, b in ((losses[s], base[s]) for s in losses)):
+        return (f"--baseline {baseline} logged this run's loss at each of its {len(base)} steps: "
+                "the same run (or a copy)?")
+    return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import errno
 import io
+import math
 import re
 import sys
 import time
@@ -31,9 +32,10 @@ from foundry_fp8.health.plots import (
 )
 from foundry_fp8.health.specs import spec
 from foundry_fp8.health.table import bounded, distinct_labels, elide, one_line, short_names
+from foundry_fp8.health.thresholds import LOSS_GAP_STEPS, MAX_LOSS_GAP
 from foundry_fp8.jsonl import hparams_of, write_output
 from foundry_fp8.options import OptionError
-from foundry_fp8.report.baseline import read_baseline, read_losses
+from foundry_fp8.report.baseline import read_baseline, read_losses, same_run
 from foundry_fp8.report.markdown import (
     TO_FP8,
     Finding,
@@ -55,6 +57,7 @@ from foundry_fp8.report.markdown import (
 from foundry_fp8.report.mlflow_run import load_mlflow, mlflow_run
 from foundry_fp8.report.read import (
     GuardRun,
+    NoStatistics,
     ReportError,
     dump_of,
     formats_from_hparams,
@@ -88,7 +91,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", type=Path, metavar="RUN",
                         help="a run to compare the training loss with (the BF16 run, read as "
                              "RUN_FOLDER is): the first step this run's loss departs from it, "
-                             "and the layers flagged up to then; default: no comparison")
+                             "and the layers flagged up to then, and the measured gap; "
+                             "default: no comparison")
+    parser.add_argument("--max-loss-gap", metavar="PCT", default=f"{100 * MAX_LOSS_GAP:g}",
+                        help="with --baseline: the loss departs where it is more than PCT %% "
+                             "above the baseline's at --loss-gap-steps compared steps in a row "
+                             "(a divergence rule, not a parity test: the gap is printed "
+                             f"anyway); default: {100 * MAX_LOSS_GAP:g}")
+    parser.add_argument("--loss-gap-steps", metavar="N", default=str(LOSS_GAP_STEPS),
+                        help="with --baseline: compared steps in a row above --max-loss-gap "
+                             f"that make a departure; default: {LOSS_GAP_STEPS}")
 
 
 def warn(message: str) -> None:
@@ -224,14 +236,42 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     return run, flags, guard, [*written, target], dump
 
 
-def run(args: argparse.Namespace) -> int:
-    loss = None
+def gap_options(pct: str, steps: str) -> tuple[float, int]:
+    """`--max-loss-gap` (a percentage, > 0) as a fraction and `--loss-gap-steps` (>= 1);
+    ReportError (one line) otherwise."""
     try:
+        gap = float(pct) / 100
+    except ValueError:
+        gap = math.nan
+    if not (math.isfinite(gap) and gap > 0):
+        raise ReportError(f"--max-loss-gap {pct!r}: not a percentage above 0 (e.g. "
+                          f"{100 * MAX_LOSS_GAP:g} for {100 * MAX_LOSS_GAP:g} %)")
+    if not (steps.strip().isdigit() and int(steps) >= 1):
+        raise ReportError(f"--loss-gap-steps {steps!r}: not a whole number of steps from 1 "
+                          f"(e.g. {LOSS_GAP_STEPS})")
+    return gap, int(steps)
+
+
+def run(args: argparse.Namespace) -> int:
+    loss, notes = None, []
+    try:
+        gap, gap_steps = gap_options(args.max_loss_gap, args.loss_gap_steps)
         if args.baseline is not None:  # its errors first: it is read in seconds, the run not
             base = read_baseline(args.baseline)
-            loss = (str(args.baseline), compare(read_losses(args.run_folder), base))
+            losses = read_losses(args.run_folder)
+            loss = (str(args.baseline), compare(losses, base, gap, gap_steps))
+            if (same := same_run(args.run_folder, losses, args.baseline, base)) is not None:
+                notes.append(f"note: {same}; the comparison says nothing")
         metrics, flags, guard, written, dump = make_report(args.run_folder, args.layers,
                                                            args.out, loss)
+    except NoStatistics as e:
+        if loss is None:
+            print(f"error: {one_line(str(e))}", file=sys.stderr)
+            return 2
+        print(departure(loss[1], [], {}, RunMetrics(), loss[0]))
+        print("".join(f"{note}\n" for note in notes), end="")
+        print(f"note: the loss comparison only, no fp8_report.md: {one_line(str(e))}")
+        return 0
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
@@ -255,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {first_flagged(metrics, flags, names, dump=dump)}")
     if loss is not None:
         print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
+        print("".join(f"  {note}\n" for note in notes), end="")
     print("".join(f"  {line(f)}\n" for f in found[:MAX_PRINTED]), end="")
     if len(found) > MAX_PRINTED:
         print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")

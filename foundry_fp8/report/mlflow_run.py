@@ -16,7 +16,7 @@ from typing import Any
 from foundry_fp8.health import RunMetrics
 from foundry_fp8.health.keys import LAYER_PREFIX, LAYOUT, MARKERS, SUMMARY_PREFIX, parse_key
 from foundry_fp8.health.table import one_line
-from foundry_fp8.report.read import GuardSeries, ReportError, _read, _restarts_said
+from foundry_fp8.report.read import GuardSeries, NoStatistics, ReportError, _read, _restarts_said
 
 #: `foundry-fp8 report mlflow:<run id>`: the run at MLFLOW_TRACKING_URI (MLflow's own default).
 SCHEME = "mlflow:"
@@ -178,7 +178,7 @@ def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
         said = (f"only fp8_stats' summary series, no per-layer series ({LAYOUT}) to say "
                 "which layer (left out by the logger's ignore_metrics?)"
                 if points else "no FP8 statistics: was fp8_stats in the YAML?")
-        raise ReportError(f"{run.where}: MLflow run {run.run_id}: {said}")
+        raise NoStatistics(f"{run.where}: MLflow run {run.run_id}: {said}")
     return metrics, guard, params
 
 

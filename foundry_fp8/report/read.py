@@ -47,6 +47,11 @@ class ReportError(Exception):
     """A one-line reason the report cannot be made (exit 2)."""
 
 
+class NoStatistics(ReportError):
+    """The run logged no per-layer FP8 series: no report, but `--baseline` still compares its
+    loss."""
+
+
 def thresholds_from_hparams(hparams: Mapping[str, Any]) -> Thresholds:
     """The run's own `fp8_stats` thresholds (from the `jsonl` logger's hparams.json), so the
     report flags what the run warned about."""
@@ -303,8 +308,8 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None]
     if restarts:
         warn(_restarts_said(files[-1], restarts))
     if not run.values:
-        raise ReportError(_no_metrics_here(given) if given.is_dir() else
-                          _not_metrics(given) or f"{given}: no FP8 statistics")
+        raise NoStatistics(_no_metrics_here(given) if given.is_dir() else
+                           _not_metrics(given) or f"{given}: no FP8 statistics")
     return run, guard, _attempts_config(runs)
 
 
@@ -363,7 +368,7 @@ def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetric
     if restarts:
         warn(_restarts_said(metrics_file, restarts))
     if not run.values:
-        raise ReportError(why_empty(metrics_file))
+        raise NoStatistics(why_empty(metrics_file))
     return run, guard
 
 
