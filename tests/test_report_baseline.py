@@ -388,3 +388,57 @@ def test_a_loss_only_run_is_compared_and_a_far_lower_loss_is_a_note(tmp_path, ca
 
 if __name__ == "__main__":
     _train(Path(sys.argv[1]), json.loads(sys.argv[2]))
+
+
+#: An LLM-Foundry run's logged config, in the shape runs/mpt-tiny-cpu/hparams.json has it.
+FOUNDRY = {"global_train_batch_size": 8, "seed": 17, "max_seq_len": 64,
+           "device_train_microbatch_size": 4,
+           "train_loader": {"name": "text", "dataset": {"local": "/data/text-2048", "split": "train",
+                                                        "shuffle": True, "max_seq_len": 64}}}
+
+
+def _copy(run: Path, folder: Path, config: dict[str, Any]) -> Path:
+    """The run's metrics.jsonl with `config` as its hparams.json (the jsonl logger's pair)."""
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    (folder / "hparams.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_baseline_trained_on_other_batches_is_a_warning(runs, tmp_path, capsys):
+    """Batch size, seed, sequence length or training data differing: one warning line naming
+    them (the microbatch size, which changes no batch, not), and the comparison still made."""
+    fp8, raw, base, logged = runs
+    run = _copy(fp8, tmp_path / "run", FOUNDRY)
+    other = {**FOUNDRY, "global_train_batch_size": 16, "seed": 18, "device_train_microbatch_size": 8,
+             "train_loader": {"name": "text", "dataset": {
+                 "local": "/data/text-4096", "split": "train", "hf_name": "allenai/c4",
+                 "shuffle": True, "max_seq_len": 64}}}
+    baseline = _copy(base, tmp_path / "base", other)
+    assert main(["report", str(run), "--baseline", str(baseline), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert headline(out).startswith(f"Loss departs from the baseline {baseline} at step {SPIKE}")
+    warned = [line.strip() for line in out.splitlines() if "other batches" in line]
+    # hf_name: only the baseline's config has one, nothing to compare with
+    assert warned == [
+        f"warning: --baseline {baseline} trained on other batches: global_train_batch_size 8 vs "
+        "16, seed 17 vs 18, train_loader.dataset.local /data/text-2048 vs /data/text-4096 (this "
+        "run vs the baseline): a step's losses are not of the same data"], warned
+
+
+def test_a_baseline_on_the_same_batches_is_no_warning_whatever_logged_it(runs, tmp_path, capsys):
+    """Both Composer runs logged seed 17 (`rank_zero_seed`): as a number in hparams.json and W&B's
+    config, as text in MLflow's params. A plain Composer baseline with another seed is said."""
+    fp8, _, base, _ = runs
+    for run in (fp8, fp8 / "mlruns"):
+        for given in (base, base / "wandb", base / "mlruns"):
+            assert main(["report", str(run), "--baseline", str(given), "--out",
+                         str(tmp_path)]) == 0
+            assert "other batches" not in capsys.readouterr().out, (run, given)
+    config = json.loads((base / "hparams.json").read_text())
+    assert config["rank_zero_seed"] == 17
+    baseline = _copy(base, tmp_path / "seed", {**config, "rank_zero_seed": 5})
+    assert main(["report", str(fp8 / "mlruns"), "--baseline", str(baseline), "--out",
+                 str(tmp_path)]) == 0
+    assert (f"warning: --baseline {baseline} trained on other batches: seed 17 vs 5 (this run vs "
+            "the baseline)") in capsys.readouterr().out

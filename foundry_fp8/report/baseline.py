@@ -11,15 +11,26 @@ from typing import Any
 
 from foundry_fp8 import jsonl, wandb_history
 from foundry_fp8.health.keys import LOSS
-from foundry_fp8.jsonl import JsonlError, read_jsonl
-from foundry_fp8.report.mlflow_run import mlflow_history, mlflow_run
+from foundry_fp8.jsonl import JsonlError, hparams_of, read_jsonl
+from foundry_fp8.report.mlflow_run import mlflow_history, mlflow_params, mlflow_run
 from foundry_fp8.report.read import (
     ReportError,
     _attempts,
+    _attempts_config,
     _json_document,
     metrics_file_of,
+    read_hparams,
     wandb_files,
 )
+
+#: The config keys that make a step the same batch in both runs (LLM-Foundry's; a plain
+#: Composer run logs its seed as `rank_zero_seed`): where they differ, a step's losses are of
+#: different data and the comparison says less.
+SAME_BATCH_KEYS = ("global_train_batch_size", "seed", "max_seq_len",
+                   "train_loader.dataset.remote", "train_loader.dataset.local",
+                   "train_loader.dataset.hf_name", "train_loader.dataset.split")
+#: Composer's own name for the seed (composer/trainer/trainer.py logs `rank_zero_seed`).
+COMPOSER_SEED = "rank_zero_seed"
 
 
 def _losses(records: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[int, float]:
@@ -99,3 +110,40 @@ def same_run(run: Path, losses: Mapping[int, float], baseline: Path,
         return (f"--baseline {baseline} logged this run's loss at each of its {len(base)} steps: "
                 "the same run (or a copy)?")
     return None
+
+
+def read_config(given: Path) -> Mapping[str, Any]:
+    """The hyperparameters of the run GIVEN names, as the report reads them (MLflow's params,
+    the W&B run's config, hparams.json); empty where none read (the report says why)."""
+    if (ml := mlflow_run(given)) is not None:
+        return mlflow_params(ml)
+    if (files := wandb_files(given)) is not None:
+        try:
+            return _attempts_config([wandb_history.read_run(path) for path in files])
+        except Exception:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
+            return {}
+    return read_hparams(hparams_of(metrics_file_of(given))) or {}
+
+
+def _setting(config: Mapping[str, Any], key: str) -> Any:
+    """`key`'s value (dotted: nested sections), None where not logged."""
+    value: Any = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    if value is None and key == "seed":
+        return config.get(COMPOSER_SEED)
+    return value
+
+
+def other_batches(run: Path, baseline: Path) -> str | None:
+    """Which of SAME_BATCH_KEYS both runs logged with different values (compared as text, as
+    MLflow keeps a param), where any: a step may then not be the same batch in both."""
+    ours, theirs = read_config(run), read_config(baseline)
+    differ = [(key, a, b) for key in SAME_BATCH_KEYS
+              if (a := _setting(ours, key)) is not None and (b := _setting(theirs, key)) is not None
+              and str(a) != str(b)]
+    if not differ:
+        return None
+    said = ", ".join(f"{key} {a} vs {b}" for key, a, b in differ)
+    return (f"--baseline {baseline} trained on other batches: {said} (this run vs the "
+            "baseline): a step's losses are not of the same data")

@@ -182,6 +182,16 @@ def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
     return metrics, guard, params
 
 
+def mlflow_params(run: MlflowRun) -> dict[str, Any]:
+    """The run's params, parsed back from text (`_param`), read with MLflow's client."""
+    client_class, mlflow_error = _mlflow(run)
+    try:
+        params = client_class(tracking_uri=run.tracking_uri).get_run(run.run_id).data.params
+    except mlflow_error as e:
+        raise ReportError(f"{run.where}: MLflow: {one_line(e.message)}") from None
+    return {key: _param(value) for key, value in params.items()}
+
+
 def mlflow_history(run: MlflowRun, key: str) -> list[tuple[int, dict[str, float]]]:
     """(step, {key: value}) of one metric's history, in the order logged (`_records`), read with
     MLflow's client under the name the run's MLflow logger gave it (`rename_metrics`)."""
