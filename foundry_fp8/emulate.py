@@ -333,6 +333,7 @@ def _replaying(scales: dict[EmulatedFP8Linear, deque[torch.Tensor]], enabled: bo
             _STATE.replay = previous
 
 
+@torch.compiler.disable
 def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Activation checkpointing that is safe for `EmulatedFP8Linear` (cf. TE's checkpoint).
 
@@ -344,7 +345,10 @@ def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     `fp8_autocast` and is checkpointed outside FP8, as in TE 2.20 (distributed.py:257-271):
     the inner region's exit in the recompute is not the outermost one, so it updates nothing;
     the recompute's own region updates as TE's does (`_replaying`).
-    Non-reentrant; `kwargs` go to torch's checkpoint.
+    Non-reentrant; `kwargs` go to torch's checkpoint. Eager under torch.compile
+    (`compile_config`), as the layers' FP8 forwards: Dynamo's checkpoint operator takes no
+    `context_fn` function (torch 2.7, _dynamo/variables/higher_order_ops.py:2221) and stopped
+    the first batch of an HF model with gradient checkpointing.
     """
     scales: dict[EmulatedFP8Linear, deque[torch.Tensor]] = {}
     # outside FP8, TE's recompute region gets no recipe (its default), whatever the disabled
