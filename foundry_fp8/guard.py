@@ -234,6 +234,15 @@ def _last_rows(recent: list[tuple[int, Rows, Rows]], keep: int) -> list[tuple[in
     return kept[::-1]
 
 
+def _judge(tracker: HealthTracker, step: int, table: Table) -> dict[tuple[str, str], list[Flag]]:
+    """`tracker.update` without its log of every flag so far: the guard reads the streaks and
+    this step's flags only, and the log grew by every bad row of every logging step for the
+    whole run."""
+    raised = tracker.update(step, table)
+    tracker.flags.clear()
+    return raised
+
+
 class GuardCore:
     """Judges each logging step's table and records the fallbacks.
 
@@ -299,8 +308,8 @@ class GuardCore:
             self._before_reset.update(self.fallbacks)
         if judged or fallen:
             self._recent = _last_rows([*self._recent, (step, judged, fallen)], keep)
-        self._whatif.update(step, fallen)
-        raised = self._tracker.update(step, judged)
+        _judge(self._whatif, step, fallen)
+        raised = _judge(self._tracker, step, judged)
         self._flags = {}
         for (layer, _), flags in raised.items():
             self._flags.setdefault(layer, []).extend(flags)
@@ -450,8 +459,8 @@ class GuardCore:
             tables = [{(layer, tensor): dict(stats) for layer, tensor, stats in rows}
                       for rows in (judged, *fallen[:1])]
             self._recent.append((step, tables[0], tables[1] if len(tables) > 1 else {}))
-            self._whatif.update(step, self._recent[-1][2])
-            self._tracker.update(step, tables[0])
+            _judge(self._whatif, step, self._recent[-1][2])
+            _judge(self._tracker, step, tables[0])
             for repromoted in () if dropped else self.repromotions:
                 if repromoted.step == step:
                     self._forget(repromoted.layer)

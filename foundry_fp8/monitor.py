@@ -728,6 +728,10 @@ class FP8Monitor:
                                  if key[0] in fallbacks and direction(key[1]) == "backward"}
         judged = judged_table(table, self.uncast_rows)
         flags = self.tracker.update(step.step or 0, judged)
+        # the tracker's log of every flag so far grows by each logging step's flags for the
+        # whole run (100,000 steps at interval 1: hundreds of MB) and nothing in a run reads it
+        # (health.rules, HealthTracker.state_dict): only this step's are kept, in `flags`
+        self.tracker.flags.clear()
         self.table, self.judged, self.flags = table, judged, flags
         self.whatif_rows = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif}
         self.whatif_rows &= table.keys()

@@ -76,7 +76,7 @@ def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
     if not fp8:
         del cfg.algorithms["te_swap"]
     (tmp / name).mkdir(parents=True, exist_ok=True)
-    with added_to_trainer(loggers=loggers):  # before LLM-Foundry's own
+    with added_to_trainer(callbacks=[FlagLog()], loggers=loggers):  # before LLM-Foundry's own
         trainer = train(cfg)
     if wandb:
         trainer.close()  # finishes the W&B run, whose service writes the last rows
@@ -85,6 +85,20 @@ def _run(tmp: Path, tiny_data, name: str, callbacks: dict, fp8: bool = True,
     for step, values in read_jsonl(run_folder(tmp, name) / "metrics.jsonl"):
         metrics.setdefault(step, {}).update(values)
     return guard, metrics, trainer
+
+
+class FlagLog(Callback):
+    """fp8_stats' health flags of every logging step, in order (its listeners'; the monitor
+    keeps only the last step's)."""
+
+    def __init__(self) -> None:
+        self.flags: list = []
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        stats = next((c for c in state.callbacks if isinstance(c, FP8Stats)), None)
+        if stats is not None:
+            stats.listeners.append(lambda step, table, raised: self.flags.extend(
+                f for found in raised.values() for f in found))
 
 
 class SkipNonFinite(Callback):
@@ -246,9 +260,9 @@ def test_a_healthy_run_has_no_fallback(runs):
 def _flagged(trainer) -> dict[int, set[tuple[str, str]]]:
     """fp8_stats' own judgement, by logging step: the (layer, tensor) pairs its health rules
     flagged there, from the what-if numbers of a layer in high precision too."""
-    stats = next(c for c in trainer.state.callbacks if isinstance(c, FP8Stats))
+    log = next(c for c in trainer.state.callbacks if isinstance(c, FlagLog))
     flagged: dict[int, set[tuple[str, str]]] = {}
-    for flag in stats.monitor.tracker.flags:
+    for flag in log.flags:
         flagged.setdefault(flag.step, set()).add((flag.layer, flag.tensor))
     return flagged
 

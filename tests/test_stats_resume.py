@@ -78,6 +78,7 @@ class Run(NamedTuple):
     tables: dict[int, list[list[Any]]]  # the per-layer tables by step
     images: dict[tuple[str, int], np.ndarray]  # the heatmaps by statistic and step
     stats: FP8Stats
+    flags: list[Any]  # the health flags of every logging step, in order (fp8_stats' listeners)
 
 
 def _fit(folder: Path, stats: dict[str, Any] | None = None, load: Path | None = None,
@@ -93,6 +94,9 @@ def _fit(folder: Path, stats: dict[str, Any] | None = None, load: Path | None = 
     data = TensorDataset(torch.randn(8 * BATCHES, 16) * growth,
                          torch.randint(0, 16, (8 * BATCHES,)))
     tables, callback = Tables(), FP8Stats(**(stats or STATS))
+    flags: list[Any] = []  # the monitor keeps only the last logging step's
+    callback.listeners.append(
+        lambda step, table, raised: flags.extend(f for found in raised.values() for f in found))
     loggers: list[LoggerDestination] = [JSONLLogger(path=str(folder / "metrics.jsonl")), tables]
     if wandb:
         from composer.loggers import WandBLogger
@@ -117,7 +121,7 @@ def _fit(folder: Path, stats: dict[str, Any] | None = None, load: Path | None = 
         if ours := {k: v for k, v in values.items() if _ours(k)}:
             metrics.setdefault(step, {}).update(ours)
     return Run(metrics, json.loads((folder / "hparams.json").read_text()), tables.tables,
-               tables.images, callback)
+               tables.images, callback, flags)
 
 
 def _ours(key: str) -> bool:
@@ -144,7 +148,7 @@ def test_a_resumed_run_logs_every_fp8_key_and_the_summary_of_the_uninterrupted_r
         full, tmp_path, caplog):
     folder, run = full
     # the run this test needs: a streak that flags at the resume step, worst values before it
-    persistent = {f.step for f in run.stats.monitor.tracker.flags
+    persistent = {f.step for f in run.flags
                   if f.rule == "overflow_persistent"}
     assert min(persistent) == RESUME_AT
     assert layer_key(INITIAL_SCALE, "activation", HEAD) in run.metrics[0]
@@ -155,7 +159,7 @@ def test_a_resumed_run_logs_every_fp8_key_and_the_summary_of_the_uninterrupted_r
     after = _after_resume(resumed.metrics)
     assert sorted(after) == list(range(RESUME_AT, BATCHES, INTERVAL))
     # what the earlier run warned about is named in this run's log, once, not warned again
-    before = sorted({(f.layer, f.tensor, f.rule) for f in run.stats.monitor.tracker.flags
+    before = sorted({(f.layer, f.tensor, f.rule) for f in run.flags
                      if f.step < RESUME_AT})
     assert before
     recalled = [r.getMessage() for r in caplog.records if "not repeated" in r.getMessage()]
@@ -165,8 +169,8 @@ def test_a_resumed_run_logs_every_fp8_key_and_the_summary_of_the_uninterrupted_r
     assert resumed.tables == {s: t for s, t in run.tables.items() if s >= RESUME_AT}
     assert resumed.hparams[RESUMED_SUMMARY] == run.hparams[SUMMARY]
     # the health rules judged the same: every flag, with whether it was new (warned)
-    assert resumed.stats.monitor.tracker.flags == [
-        f for f in run.stats.monitor.tracker.flags if f.step >= RESUME_AT]
+    assert resumed.flags == [
+        f for f in run.flags if f.step >= RESUME_AT]
 
 
 def _drawn(folder: Path, stat: str, step: int, stats: FP8Stats, formats: bool = True
