@@ -88,6 +88,7 @@ class TESwap(Algorithm):
             self._convert(state, logger)
             _warn_without_fp8_state(state)
         elif event == Event.FIT_START:
+            _refuse_fullgraph(state.model)
             self._hold_eval_in_high_precision(state)
         else:
             self._autocast.close()
@@ -223,6 +224,31 @@ def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> list[Any]:
         handles += [module.register_forward_pre_hook(torch.compiler.disable(enter)),
                     module.register_forward_hook(torch.compiler.disable(leave), always_call=True)]
     return handles
+
+
+def _refuse_fullgraph(model: nn.Module) -> None:
+    """`compile_config: {fullgraph: true}` cannot compile a model with FP8 layers: their forwards
+    run outside the graph (TE's `no_torch_dynamo`, module/linear.py:1872; the emulation's
+    `torch.compiler.disable`), so Dynamo would stop the first batch with its own traceback.
+    Composer compiles after INIT and AFTER_LOAD (trainer.py, `compile_config is not None`), so
+    FIT_START, before any batch, is te_swap's first sight of it. torch keeps the flag in
+    private attributes (2.7, `_dynamo.convert_frame.ConvertFrameAssert._one_graph`): a torch
+    that moved them is not refused here."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    contexts = [getattr(model, "dynamo_ctx", None)]  # a model the user compiled
+    forward = getattr(model, "forward", None)  # Composer's compile wraps the forward
+    contexts += [getattr(cell, "cell_contents", None)
+                 for cell in getattr(forward, "__closure__", None) or ()]
+    for context in contexts:
+        if not isinstance(context, _TorchDynamoContext):
+            continue
+        convert = getattr(context.callback, "_torchdynamo_orig_callable", None)
+        if getattr(convert, "_one_graph", False) is True:
+            raise ValueError(
+                "te_swap: compile_config fullgraph: true cannot compile the FP8 layers (their "
+                "forwards run outside torch.compile, as TransformerEngine's do); drop fullgraph "
+                "(the model between them still compiles)")
 
 
 def _meta_on_a_rank(model: nn.Module, config: SwapConfig) -> bool:
