@@ -442,3 +442,27 @@ def test_a_baseline_on_the_same_batches_is_no_warning_whatever_logged_it(runs, t
                  str(tmp_path)]) == 0
     assert (f"warning: --baseline {baseline} trained on other batches: seed 17 vs 5 (this run vs "
             "the baseline)") in capsys.readouterr().out
+
+
+def test_loss_points_mlflow_dropped_are_said(runs, tmp_path, capsys):
+    """An MLflow run missing the loss at steps 3-6 (a batch its asynchronous logging dropped), as
+    MLflow's client logs it: Composer's `time/batch` at each batch start 0-16, the loss at each
+    batch's step. After the Inf at step 10, Composer skipped the equal Inf at 11 (not a hole)."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    _, raw, base, _ = runs
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    losses = {s: (math.inf if s == 10 else v) for s, v in raw.items() if s not in (3, 4, 5, 6, 11)}
+    points = [Metric("time/batch", s, 0, s) for s in range(BATCHES + 1)]
+    points += [Metric(LOSS, v, 0, s) for s, v in losses.items()]
+    client.log_batch(run_id, metrics=points, synchronous=True)
+    given = next((tmp_path / "mlruns").glob(f"*/{run_id}"))
+    assert main(["report", str(given), "--baseline", str(base), "--out", str(tmp_path)]) == 0
+    warned = [line.strip() for line in capsys.readouterr().out.splitlines() if "MLflow holds" in line]
+    assert warned == [f"warning: {given}: MLflow holds no `{LOSS}` at steps 3-6 of 0-15, logged at "
+                      "each batch: batches MLflow's asynchronous logging dropped (on a file store, "
+                      "`[Errno 17] File exists` when threads write at once: "
+                      "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE=1 or loggers.mlflow.synchronous: true); "
+                      "the run's metrics.jsonl holds them, where it logged one"], warned

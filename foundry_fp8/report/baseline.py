@@ -75,6 +75,46 @@ def read_losses(given: Path) -> dict[int, float]:
     return losses
 
 
+#: What Composer logs at the start of each batch (composer/trainer/trainer.py:2449-2455).
+BATCH_KEY = "time/batch"
+
+
+def _spans(steps: list[int]) -> str:
+    """`3-6, 9` for [3, 4, 5, 6, 9]."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def mlflow_holes(given: Path, losses: Mapping[int, float]) -> str | None:
+    """The steps up to its last loss point where an MLflow run holds no loss though Composer
+    logged one at each batch, when any: MLflow's asynchronous logging drops a batch whose write
+    fails (mlflow/utils/async_logging/async_logging_queue.py:197-207), every key of its steps
+    alike. (A tail it dropped leaves no trace.) A step after an Inf loss is not counted: Composer
+    skips a value equal to the last (`DUPLICATE_WINDOW`)."""
+    if (ml := mlflow_run(given)) is None:
+        return None
+    started = [step for step, _ in mlflow_history(ml, BATCH_KEY)]
+    first, last = min([*started, *losses]), max(losses)
+    missing, previous = [], math.nan
+    for step in range(first, last):
+        if step in losses:
+            previous = losses[step]
+        elif not math.isinf(previous):
+            missing.append(step)
+    if not missing:
+        return None
+    return (f"{given}: MLflow holds no `{LOSS}` at steps {_spans(missing)} of {first}-{last}, "
+            "logged at each batch: batches MLflow's asynchronous logging dropped (on a file "
+            "store, `[Errno 17] File exists` when threads write at once: "
+            "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE=1 or loggers.mlflow.synchronous: true); the "
+            "run's metrics.jsonl holds them, where it logged one")
+
+
 def read_baseline(given: Path) -> dict[int, float]:
     """The baseline's losses (`read_losses`), one line naming `--baseline` where they do not
     read or none is finite (it diverged itself: nothing to compare with)."""

@@ -35,7 +35,13 @@ from foundry_fp8.health.table import bounded, distinct_labels, elide, one_line, 
 from foundry_fp8.health.thresholds import LOSS_GAP_STEPS, MAX_LOSS_GAP
 from foundry_fp8.jsonl import hparams_of, write_output
 from foundry_fp8.options import OptionError
-from foundry_fp8.report.baseline import other_batches, read_baseline, read_losses, same_run
+from foundry_fp8.report.baseline import (
+    mlflow_holes,
+    other_batches,
+    read_baseline,
+    read_losses,
+    same_run,
+)
 from foundry_fp8.report.markdown import (
     TO_FP8,
     Finding,
@@ -260,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
             base = read_baseline(args.baseline)
             losses = read_losses(args.run_folder)
             loss = (str(args.baseline), compare(losses, base, gap, gap_steps))
+            notes += [f"warning: {holes}" for given, logged in ((args.run_folder, losses),
+                                                                 (args.baseline, base))
+                      if (holes := mlflow_holes(given, logged)) is not None]
             if (same := same_run(args.run_folder, losses, args.baseline, base)) is not None:
                 notes.append(f"note: {same}; the comparison says nothing")
             elif (other := other_batches(args.run_folder, args.baseline)) is not None:
