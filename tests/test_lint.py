@@ -162,6 +162,8 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8048": ({"callbacks": {"fp8_stats": {"layers": "^blocks"}}}, "callbacks.fp8_stats.layers",
                1),
     "FP8049": ({"load_path": "ckpt/latest-sharded-rank0"}, "load_path", 1),
+    "FP8050": (_merge(EMULATE, {"compile_config": {"fullgraph": True}}),
+               "compile_config.fullgraph", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -224,6 +226,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8047": ({"train_loader": {"timeout": 5, "pin_memory": False}}, 1),
     "FP8048": ({"callbacks": {"fp8_stats": {"layers": "blocks"}}}, 1),
     "FP8049": ({"load_path": "ckpt/latest-rank0.pt"}, 1),  # a monolithic checkpoint: a file
+    "FP8050": (_merge(EMULATE, {"compile_config": {"dynamic": False}}), 1),  # no fullgraph
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

@@ -477,3 +477,40 @@ def sdpa_without_our_entries(config: Mapping[str, Any], ctx: LintContext) -> Ite
               "does, and this config has none: MPTConfig raises 'Unknown attn_impl=sdpa'"
               + (" (unless a code_paths file imports foundry_fp8.attention)" if code_paths
                  else ""), severity="warning" if code_paths else None)
+
+
+@rule("FP8050", "error", "`compile_config: {fullgraph: true}` with FP8 layers (te_swap, any "
+      "backend, or the model's own TE layers), whose forwards torch.compile cannot trace",
+      why="LLM-Foundry's train passes `compile_config` to Composer's Trainer, which compiles "
+      "the model with `torch.compile(model, **compile_config)` after INIT and AFTER_LOAD. The "
+      "FP8 layers' forwards are excluded from Dynamo: TransformerEngine's (te.Linear, "
+      "te.LayerNormLinear, te.LayerNormMLP) by its `no_torch_dynamo`, whatever the precision, "
+      "and te_swap's emulated layers by `torch.compiler.disable`. With fullgraph Dynamo may "
+      "not break the graph around them, and stops the first batch with `Unsupported: Skip "
+      "calling torch.compiler.disable()d function`; te_swap refuses the run in one line at "
+      "FIT_START instead. Without fullgraph the model between the FP8 layers still compiles.",
+      source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig.compile_config, "
+      "llmfoundry/command_utils/train.py (compile_config to Trainer); "
+      f"{COMPOSER} composer/trainer/trainer.py:1765 (`torch.compile(self.state.model, "
+      "**compile_config)`, after Event.AFTER_LOAD); torch 2.7 torch/__init__.py:2574 "
+      "(`nopython=fullgraph`); TE transformer_engine/pytorch/module/linear.py:1872, "
+      "layernorm_linear.py:1674, layernorm_mlp.py:2264 at d0067d0 (`@no_torch_dynamo()` on "
+      "forward); foundry_fp8/emulate.py (`torch.compiler.disable`); "
+      "foundry_fp8/composer/te_swap.py _refuse_fullgraph",
+      fix="drop compile_config.fullgraph (the FP8 layers run outside the compiled graph)")
+def fullgraph_with_fp8_layers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    # torch.compile reads fullgraph by truth (`nopython=fullgraph`), as this does
+    if not get(config, "compile_config.fullgraph"):
+        return
+    if te_swap(config) is not None:
+        layers = "te_swap's FP8 layers run their forwards outside torch.compile " \
+            "(TransformerEngine's `no_torch_dynamo`, the emulation's `torch.compiler.disable`): " \
+            "te_swap refuses the run at FIT_START"
+    elif native_te_layers(config):
+        layers = f"the model's TE layers ({_native_te_key(config)}) run their forwards " \
+            "outside torch.compile (TransformerEngine's `no_torch_dynamo`): Dynamo stops the " \
+            "first batch with `Unsupported: Skip calling torch.compiler.disable()d function`"
+    else:
+        return
+    yield Hit("compile_config.fullgraph", "compile_config fullgraph: true cannot compile the "
+              f"model in one graph: {layers}")
