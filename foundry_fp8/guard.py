@@ -44,6 +44,11 @@ FP8_FLOPS_SHARE = "fp8/guard/fp8_flops_share"  # share of the linear-GEMM FLOPs 
 FALLBACK_PREFIX = "fp8/guard/fallback/"  # + layer: one hyperparameter per fallback
 REPROMOTION_PREFIX = "fp8/guard/repromotion/"  # + layer: one per re-promotion
 REFUSED_PREFIX = "fp8/guard/refused/"  # + layer: its first refusal by the budget
+OLDER_PREFIX = "fp8/guard/summary/"  # + layer + `.ba<step>`: its older pairs, counted
+#: per layer, the fallback/re-promotion pairs kept whole (checkpoint, records); older ones are
+#: counted in one `Summary`: a layer flipping all run grew both by ~1.4 kB a pair, and each
+#: decision logged every record again
+KEPT_DECISIONS = 4
 FALLBACKS_KEY = "fp8/guard/fallbacks"  # the fit-end table (`destinations.FitEndKeys`)
 #: GuardCore's state: its recent rows hold no re-promoted layer's rows up to its re-promotion
 REPROMOTED_ROWS_DROPPED = "repromoted_rows_dropped"
@@ -185,6 +190,26 @@ class Repromotion:
 
 
 @dataclass(frozen=True)
+class Summary:
+    """A layer's fallback/re-promotion pairs older than its last `KEPT_DECISIONS`, counted."""
+
+    layer: str
+    step: int  # the last counted re-promotion's
+    pairs: int
+    first_step: int  # the first counted fallback's
+
+    def record(self) -> dict[str, Any]:
+        """As JSON data (every field plain)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> Summary:
+        """As `Fallback.from_dict`."""
+        return cls(**_fields(item, layer=_text, step=_integer, pairs=_integer,
+                             first_step=_integer))
+
+
+@dataclass(frozen=True)
 class Refusal:
     """A layer that would have fallen back at `step` but `max_fallback_share` kept in FP8."""
 
@@ -259,6 +284,7 @@ class GuardCore:
         self.fallbacks: dict[str, Fallback] = {}
         self.repromotions: list[Repromotion] = []
         self.ended: list[Fallback] = []  # the fallbacks the re-promotions ended
+        self.summaries: dict[str, Summary] = {}  # each layer's pairs older than the kept ones
         self.refusals: dict[str, Refusal] = {}  # each layer's first refusal by the budget
         self.warned: set[str] = set()
         self._tracker = HealthTracker(thresholds(config))
@@ -343,12 +369,25 @@ class GuardCore:
                        for stat, value in stats.items()}
             done.append(Repromotion(layer, step, fallback.step,
                                     self.config.repromote_after or 0, numbers))
+            self.repromotions.append(done[-1])
             self._forget(layer)
+            self._fold(layer)
             self._recent = [(s, {k: v for k, v in judged.items() if k[0] != layer},
                              {k: v for k, v in fallen.items() if k[0] != layer})
                             for s, judged, fallen in self._recent]
-        self.repromotions += done
         return done
+
+    def _fold(self, layer: str) -> None:
+        """Count `layer`'s oldest pairs into its `Summary`, past its last KEPT_DECISIONS."""
+        ended = [f for f in self.ended if f.layer == layer]
+        for oldest in ended[:max(len(ended) - KEPT_DECISIONS, 0)]:
+            back = next(r for r in self.repromotions
+                        if r.layer == layer and r.fallen_at == oldest.step)
+            self.ended.remove(oldest)
+            self.repromotions.remove(back)
+            before = self.summaries.get(layer)
+            self.summaries[layer] = Summary(layer, back.step, 1 + (before.pairs if before else 0),
+                                            before.first_step if before else oldest.step)
 
     def _forget(self, layer: str) -> None:
         self._before_reset.discard(layer)
@@ -385,9 +424,10 @@ class GuardCore:
         return verdict
 
     def records(self) -> dict[str, dict[str, Any]]:
-        """Every fallback, re-promotion and refusal so far as hyperparameters, in step order: a
-        layer's first of each kind under `<prefix><layer>`, later ones under
-        `<prefix><layer>.ba<step>`, a refusal only its first (a logged value must never change;
+        """Every fallback, re-promotion and refusal kept (`KEPT_DECISIONS`) as hyperparameters,
+        and each layer's `Summary` of older pairs under `OLDER_PREFIX<layer>.ba<step>`, in
+        step order: a layer's first of each kind under `<prefix><layer>` (none after a summary:
+        that key held the counted one), later ones under `<prefix><layer>.ba<step>`, a refusal only its first (a logged value must never change;
         MLflow refuses `@` in a key and `/` below a key it holds, dropping the whole queued batch
         with it). The sort is stable: one step's events keep the order they came in; after a fit
         restarted the steps (`reset_time`) both fits' events interleave by step number."""
@@ -397,8 +437,11 @@ class GuardCore:
                      for r in self.repromotions]
                   + [(r.step, REFUSED_PREFIX, r.layer, r.record())
                      for r in self.refusals.values()])
-        keyed: list[tuple[int, str, dict[str, Any]]] = []
-        taken: set[str] = set()
+        keyed: list[tuple[int, str, dict[str, Any]]] = [
+            (s.step, f"{OLDER_PREFIX}{s.layer}.ba{s.step}", s.record())
+            for s in self.summaries.values()]
+        taken = {prefix + layer for layer in self.summaries
+                 for prefix in (FALLBACK_PREFIX, REPROMOTION_PREFIX)}
         for step, prefix, layer, record in events:  # a layer's events in the order they came
             key = base = prefix + layer
             if key in taken:
@@ -429,6 +472,7 @@ class GuardCore:
             "fallbacks": [asdict(f) for f in self.fallbacks.values()],
             "repromotions": [asdict(r) for r in self.repromotions],
             "ended": [asdict(f) for f in self.ended],
+            "summaries": [asdict(s) for s in self.summaries.values()],
             "refusals": [asdict(r) for r in self.refusals.values()],
             "recent": [(step, rows(judged), rows(fallen)) for step, judged, fallen in self._recent],
             "warned": sorted(self.warned),
@@ -449,6 +493,7 @@ class GuardCore:
             self.fallbacks[fallback.layer] = fallback
         self.repromotions = [Repromotion.from_dict(r) for r in state.get("repromotions", ())]
         self.ended = [Fallback.from_dict(f) for f in state.get("ended", ())]
+        self.summaries = {s.layer: s for s in map(Summary.from_dict, state.get("summaries", ()))}
         self.refusals = {r.layer: r for r in map(Refusal.from_dict, state.get("refusals", ()))}
         self.warned = set(state.get("warned", ()))
         self._tracker = HealthTracker(thresholds(self.config))

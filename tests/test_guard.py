@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -560,3 +561,39 @@ def test_the_decision_core_imports_no_torch():
     code = "import sys, foundry_fp8.guard; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_layer_flipping_all_run_keeps_bounded_records_and_the_report_counts_the_older():
+    """Bad 2 logging steps, healthy 3, over and over: `a` falls back at 5c+1 and is back in FP8
+    at 5c+4 (consecutive 2, repromote_after 3). Each pair grew the checkpoint and the records by
+    ~1.4 kB; past KEPT_DECISIONS pairs the older are counted, and the report still says so."""
+    import json
+
+    from foundry_fp8.guard import KEPT_DECISIONS
+    from foundry_fp8.report.markdown import guard_section
+    from foundry_fp8.report.read import guard_run
+
+    cycles = 3 * KEPT_DECISIONS
+    config = GuardConfig(consecutive=2, repromote_after=3, max_fallback_share=0.5)
+    core = GuardCore(config, REPROMOTION_FLOPS)
+    hparams: dict[str, Any] = {"callbacks": {"fp8_stats": {}, "fp8_guard": {}}}
+    for step in range(5 * cycles + 2):  # ends one fallback into the next cycle
+        table = _table({"a"} if step % 5 < 2 else set(), ("a", "b"))
+        core.decide(step, core.candidates(step, table), table)
+        core.repromote(step, core.ready(step, table), table)
+        hparams.update(core.records())  # hparams.json keeps every key logged
+    state = json.loads(json.dumps(core.state_dict()))
+    assert (len(state["ended"]), len(state["repromotions"])) == (KEPT_DECISIONS, KEPT_DECISIONS)
+    assert state["summaries"] == [{"layer": "a", "step": 5 * (cycles - KEPT_DECISIONS) - 1,
+                                   "pairs": cycles - KEPT_DECISIONS, "first_step": 1}]
+    assert len(core.records()) == 2 * KEPT_DECISIONS + 2  # + the current fallback, the summary
+    resumed = GuardCore(config, REPROMOTION_FLOPS)
+    resumed.load_state_dict(state)
+    assert list(resumed.fallbacks) == ["a"] and resumed.fallbacks["a"].step == 5 * cycles + 1
+    guard = guard_run({}, hparams, Path("hparams.json"), pytest.fail)
+    assert guard is not None and guard.kept == ["a"]
+    assert len(guard.fallbacks) == KEPT_DECISIONS + 1
+    text = "\n".join(guard_section(guard, {"a": "a"}))
+    assert f"in {cycles + 1} fallbacks" in text
+    assert (f"a: {cycles - KEPT_DECISIONS} fallback/re-promotion pair(s) from step 2 to step "
+            f"{5 * (cycles - KEPT_DECISIONS)}") in text

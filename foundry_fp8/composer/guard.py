@@ -81,7 +81,10 @@ class FP8Guard(Callback):
     each fallback, and again on resume, the hyperparameter `fp8/guard/fallback/<layer>` (layer,
     step, FLOPs share, what flagged it and every statistic of the layer at that step, read back
     by `foundry-fp8 report`), at each re-promotion (`repromote_after`)
-    `fp8/guard/repromotion/<layer>` (`.ba<step>` after a layer's first), at a layer's first
+    `fp8/guard/repromotion/<layer>` (`.ba<step>` after a layer's first), past a layer's
+    `guard.KEPT_DECISIONS` fallback/re-promotion pairs `fp8/guard/summary/<layer>.ba<step>`
+    (layer, the last counted re-promotion's step, the pairs counted, the first one's fallback
+    step; the checkpoint keeps the last pairs whole and this count), at a layer's first
     refusal by the budget `fp8/guard/refused/<layer>` (layer, step, its FLOPs share, the share of
     the FP8 FLOPs that would then be in high precision, `max_fallback_share`); at fit end the
     hyperparameter `fp8/guard/fallbacks` (the table it prints, cut at a row to MLflow's 6000
@@ -124,6 +127,7 @@ class FP8Guard(Callback):
         self._named: set[str] = set()  # the layers a NaN/Inf line has named
         self._table_keys = FitEndKeys(FALLBACKS_KEY)
         self._resend = ConsoleResend()  # what an evaluation kept off the console
+        self._logged: set[str] = set()  # the records' keys logged since the last start
 
     # events
 
@@ -170,6 +174,7 @@ class FP8Guard(Callback):
         """Hook `restored`'s fallbacks (a checkpoint's, or an earlier fit()'s) into a fresh core:
         without them a layer would run FP8 again with the amax history that made it fall back."""
         self._remove_all()
+        self._logged.clear()
         self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)}
         swap = next((a for a in state.algorithms if isinstance(a, TESwap)), None)
         self._exclude = swap.config.exclude if swap is not None else None
@@ -350,14 +355,17 @@ class FP8Guard(Callback):
             deliver(self._logger.destinations, "metrics", send, "fp8_guard", self.config.strict)
 
     def _log_records(self) -> None:
-        """One hyperparameter per fallback, re-promotion and refusal (rank 0), never changed: W&B and
-        MLflow refuse a changed value, so a layer's second one is `<layer>@<step>`. Logged
-        again with the same values at each decision and on resume (a new W&B run,
-        hparams.json). A logger that fails is reported; the guard goes on (`strict` raises)."""
+        """One hyperparameter per fallback, re-promotion, refusal and summary of older pairs
+        (rank 0), never changed: W&B and MLflow refuse a changed value, so a layer's second one
+        is `<layer>.ba<step>`. Each decision logs the keys not logged yet (all of them again
+        made the work grow with the square of the decisions); a start logs the kept ones
+        (`KEPT_DECISIONS`) again, for a resumed run's own hparams.json or W&B run. A logger that fails is reported; the guard goes on (`strict` raises)."""
         assert self.core is not None
-        logged = self.core.records()
+        records = self.core.records()
+        logged = {key: value for key, value in records.items() if key not in self._logged}
         if dist.get_global_rank() != 0 or self._logger is None or not logged:
             return
+        self._logged.update(logged)
         self._log_hyperparameters(self._logger, logged)
 
     def _log_hyperparameters(self, logger: Logger, values: dict[str, Any]) -> None:

@@ -14,6 +14,8 @@ from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
     FP8_FLOPS_SHARE,
+    KEPT_DECISIONS,
+    OLDER_PREFIX,
     OPTION,
     render_fallbacks,
     static_yaml,
@@ -143,12 +145,12 @@ def change_key(key: str) -> str:
 def moved(guard: GuardRun, during: str = "") -> str:
     """`fp8_guard moved N layer(s) to high precision`: distinct layers, with the fallbacks
     counted apart where a layer fell back again after going back to FP8."""
-    times: dict[str, int] = {}
+    times = {s.layer: s.pairs for s in guard.summaries}  # the older pairs, counted
     for f in guard.fallbacks:
         times[f.layer] = times.get(f.layer, 0) + 1
     again = sum(n > 1 for n in times.values())
     return (f"fp8_guard moved {len(times)} layer(s) to high precision{during}" + (
-        f" in {len(guard.fallbacks)} fallbacks ({again} layer(s) fell back again after going "
+        f" in {sum(times.values())} fallbacks ({again} layer(s) fell back again after going "
         "back to FP8)" if again else ""))
 
 
@@ -246,6 +248,12 @@ def guard_section(guard: GuardRun, names: dict[str, str]) -> list[str]:
                   "fallback: an earlier attempt moved it (`fit()` again with `reset_time` keeps "
                   "its fallbacks), so the table's step is that attempt's; in the steps this report"
                   f" shows it ran in high precision from step {first}."]
+    if guard.summaries:
+        older = "; ".join(f"{md_escape(names.get(s.layer, s.layer))}: {s.pairs} fallback/re-promotion pair(s) "
+                          f"from step {s.first_step + 1} to step {s.step + 1}"
+                          for s in guard.summaries)
+        lines += ["", f"Older decisions summarised (`{OLDER_PREFIX}<layer>.ba<step>`; the "
+                  f"table holds each layer's last {KEPT_DECISIONS}): {older}."]
     if guard.repromotions:
         back = "; ".join(f"{md_escape(names[r.layer])} from step {r.step + 1} (its what-if statistics "
                          f"within the limits at {r.healthy_steps} logging steps in a row)"

@@ -18,11 +18,13 @@ from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
     FP8_FLOPS_SHARE,
+    OLDER_PREFIX,
     REFUSED_PREFIX,
     REPROMOTION_PREFIX,
     Fallback,
     Refusal,
     Repromotion,
+    Summary,
 )
 from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import (
@@ -314,7 +316,7 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None]
 
 
 #: fp8_guard's records among the hyperparameters: each decided at its `step`.
-GUARD_RECORDS = (FALLBACK_PREFIX, REPROMOTION_PREFIX, REFUSED_PREFIX)
+GUARD_RECORDS = (FALLBACK_PREFIX, REPROMOTION_PREFIX, REFUSED_PREFIX, OLDER_PREFIX)
 
 
 def _attempts_config(runs: list[wandb_history.WandbRun]) -> dict[str, Any]:
@@ -474,6 +476,8 @@ class GuardRun:
     # layers an earlier attempt moved that were in fallback when the later attempt the report
     # shows began, at step `carried[0]` (`carried_fallbacks`)
     carried: tuple[int, tuple[str, ...]] | None = None
+    # each layer's pairs older than the ones recorded whole (`guard.KEPT_DECISIONS`), counted
+    summaries: tuple[Summary, ...] = ()
 
     def decided(self, f: Fallback) -> int:
         """The step a fallback took effect after, in the attempt the report shows: a carried
@@ -565,10 +569,12 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
     fallbacks: list[Fallback] = []
     repromotions: list[Repromotion] = []
     refusals: list[Refusal] = []
+    summaries: list[Summary] = []
     kinds: list[tuple[str, Any, list, str]] = [
         (FALLBACK_PREFIX, Fallback, fallbacks, "fallback"),
         (REPROMOTION_PREFIX, Repromotion, repromotions, "re-promotion"),
-        (REFUSED_PREFIX, Refusal, refusals, "refusal")]
+        (REFUSED_PREFIX, Refusal, refusals, "refusal"),
+        (OLDER_PREFIX, Summary, summaries, "summary")]
     for key, value in hparams.items():
         kind = next((k for k in kinds if key.startswith(k[0])), None)
         if kind is None:
@@ -577,6 +583,11 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
             kind[2].append(kind[1].from_dict(value))
         except (TypeError, ValueError):
             warn(f"{where}: key {key!r}: not an fp8_guard {kind[3]} record; left out")
+    # a layer's latest summary counts all its older pairs: their records, logged when decided
+    # (hparams.json keeps every key), are left to it
+    latest = {s.layer: s for s in sorted(summaries, key=lambda s: s.pairs)}
+    fallbacks = [f for f in fallbacks if f.step > getattr(latest.get(f.layer), "step", -1)]
+    repromotions = [r for r in repromotions if r.step > getattr(latest.get(r.layer), "step", -1)]
     callbacks = hparams.get("callbacks")
     configured = isinstance(callbacks, Mapping) and "fp8_guard" in callbacks
     if not (series or fallbacks or configured):
@@ -588,7 +599,8 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
                     exclude if isinstance(exclude, str) and exclude else None,
                     tuple(sorted(repromotions, key=lambda r: (r.step, r.layer))),
                     tuple(sorted(refusals, key=lambda r: (r.step, r.layer))),
-                    carried_fallbacks(series, fallbacks, since, where, warn))
+                    carried_fallbacks(series, fallbacks, since, where, warn),
+                    tuple(sorted(latest.values(), key=lambda s: (s.step, s.layer))))
 
 
 def mark_high_precision(run: RunMetrics, guard: GuardRun | None) -> None:
