@@ -102,6 +102,15 @@ class _TEDebugStub:
     def name_layers(self, modules) -> None:
         pass
 
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def start_at(self, iteration: int) -> None:
+        pass
+
     def step(self) -> None:
         self.sink(self.NAME, 0.5)
 

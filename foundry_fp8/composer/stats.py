@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 from composer.core import Callback, State, TimeUnit
-from composer.loggers import ConsoleLogger, Logger, LoggerDestination
+from composer.loggers import ConsoleLogger, Logger, LoggerDestination, MLFlowLogger
 from composer.utils import dist
 
 from foundry_fp8.composer.destinations import (
@@ -27,6 +28,7 @@ from foundry_fp8.health.history import shown
 from foundry_fp8.health.keys import HIGH_PRECISION, UNCAST
 from foundry_fp8.health.raster import render_heatmap
 from foundry_fp8.health.specs import known_first
+from foundry_fp8.mlflow_facts import RACE, WORKAROUNDS, races
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
 from foundry_fp8.numerics import STAT_KEYS
 from foundry_fp8.options import MonitorConfig, Schedule, build
@@ -139,6 +141,10 @@ class FP8Stats(Callback):
     tensors) logs 16 summary series on the console and 3,456 per-layer series (288 x 12
     statistics; 288 more `fp8_initial_scale` under delayed scaling) elsewhere.
 
+    At FIT_START rank 0 warns once per run where an MLflow logger writes asynchronously to a
+    local file store with more than one writer thread: MLflow can then drop whole batches of
+    metrics (`foundry_fp8.mlflow_facts`).
+
     Our own errors never stop training: the callback logs the error and switches itself off,
     unless `strict: true`. Under several ranks every rank switches off together, so that none
     is left waiting in a collective: a rank that fails logs its error and stays in step (joining
@@ -178,6 +184,7 @@ class FP8Stats(Callback):
         self._summary_keys = FitEndKeys(SUMMARY_KEY)
         self._resend = ConsoleResend()  # what an evaluation kept off the console
         self._whatif_too_big_said = False
+        self._mlflow_race_said = False
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
@@ -325,6 +332,10 @@ class FP8Stats(Callback):
                         "interval %s, start %d, end %s): lower callbacks.fp8_stats.interval or "
                         "start to see FP8 statistics", last, self.schedule.interval,
                         self.schedule.start, self.schedule.end)
+        if not self._mlflow_race_said and _is_rank_zero() \
+                and any(mlflow_races(d, os.environ) for d in logger.destinations):
+            self._mlflow_race_said = True  # once per run: a second fit changes nothing
+            log.warning("fp8_stats: %s; %s", RACE, WORKAROUNDS)
 
     def _te_pause(self, state: State, logger: Logger) -> None:
         """Evaluation and prediction forwards stay out of TE's statistics: TE's debug API feeds
@@ -595,6 +606,14 @@ def last_batch(state: State) -> int | None:
     if duration.unit == TimeUnit.EPOCH and batches is not None:
         return duration.value * batches.value - 1
     return None
+
+
+def mlflow_races(destination: LoggerDestination, environ: Mapping[str, str]) -> bool:
+    """Whether this destination is a Composer MLflow logger that can lose batches to MLflow's
+    file-store race (`foundry_fp8.mlflow_facts`); `tracking_uri` is set where it logs."""
+    return isinstance(destination, MLFlowLogger) and getattr(destination, "_enabled", False) \
+        and races(getattr(destination, "tracking_uri", None), bool(destination.synchronous),
+                  environ)
 
 
 def _console(destination: LoggerDestination) -> bool:

@@ -1,0 +1,60 @@
+"""MLflow's file-store race, torch-free so that fp8_stats (at FIT_START) and the linter (FP8051)
+read the same facts.
+
+Composer's MLFlowLogger logs asynchronously unless `synchronous: true` (composer 0.31-0.32
+loggers/mlflow_logger.py:153, passed to `mlflow.log_metrics`). MLflow (2.21-2.22) writes the
+queued batches from a thread pool of `MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE` threads, 10 when
+unset or 0 (utils/async_logging/async_logging_queue.py:338), and its file store creates a
+metric's folder with an unguarded `os.makedirs` (utils/file_utils.py:215-222
+`make_containing_dirs`): two threads creating the same folder raise `[Errno 17] File exists`,
+and MLflow logs "Failed to log run data" and drops that whole batch (:206), every metric of
+those steps, the loss included. fp8_stats' first logging step brings many new keys at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from urllib.parse import urlparse
+
+#: MLflow's environment variable for its asynchronous logging's thread pool.
+THREADPOOL_ENV = "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE"
+#: The pool size MLflow takes when the variable is unset or 0 (`.get() or 10`).
+THREADPOOL_DEFAULT = 10
+
+#: What goes wrong, in one line.
+RACE = ("MLflow's asynchronous logging to a local file store can drop whole batches of "
+        "metrics (Composer's loss included): its writer threads race creating a new metric's "
+        "folder ('[Errno 17] File exists', 'Failed to log run data'), likeliest at fp8_stats' "
+        "first logging step, which brings many new keys")
+#: Either avoids it.
+WORKAROUNDS = (f"set loggers.mlflow.synchronous: true, or {THREADPOOL_ENV}=1 in the run's "
+               "environment")
+
+
+#: Tracking URIs MLflow takes by name, not as a path (tracking/registry.py:75-78).
+NAMED_STORES = ("databricks", "databricks-uc", "uc")
+
+
+def file_store(tracking_uri: str | None) -> bool:
+    """Whether MLflow keeps this tracking URI's runs in a local file store: a `file:` URI or a
+    plain path, as MLflow's store registry picks (tracking/_tracking_service/utils.py:185-186);
+    None is MLflow's default, ./mlruns, unless MLFLOW_TRACKING_URI says otherwise where the
+    run starts."""
+    if tracking_uri is None:
+        return True
+    uri = str(tracking_uri)
+    return uri not in NAMED_STORES and urlparse(uri).scheme in ("", "file")
+
+
+def threadpool_size(environ: Mapping[str, str]) -> int:
+    """MLflow's asynchronous writer threads under this environment (a value MLflow cannot read
+    as an integer counts as its default: the pool is not known to be one thread)."""
+    try:
+        return int(environ.get(THREADPOOL_ENV, "").strip() or 0) or THREADPOOL_DEFAULT
+    except ValueError:
+        return THREADPOOL_DEFAULT
+
+
+def races(tracking_uri: str | None, synchronous: bool, environ: Mapping[str, str]) -> bool:
+    """Whether an MLflow logger so configured can lose batches to the race (above)."""
+    return file_store(tracking_uri) and not synchronous and threadpool_size(environ) > 1
