@@ -164,6 +164,8 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8049": ({"load_path": "ckpt/latest-sharded-rank0"}, "load_path", 1),
     "FP8050": (_merge(EMULATE, {"compile_config": {"fullgraph": True}}),
                "compile_config.fullgraph", 1),
+    "FP8051": ({"callbacks": {"fp8_stats": {}}, "loggers": {"mlflow": {"synchronous": False}}},
+               "loggers.mlflow.synchronous", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -227,6 +229,8 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8048": ({"callbacks": {"fp8_stats": {"layers": "blocks"}}}, 1),
     "FP8049": ({"load_path": "ckpt/latest-rank0.pt"}, 1),  # a monolithic checkpoint: a file
     "FP8050": (_merge(EMULATE, {"compile_config": {"dynamic": False}}), 1),  # no fullgraph
+    "FP8051": ({"callbacks": {"fp8_stats": {}}, "loggers": {"mlflow": {"synchronous": True}}},
+               1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

@@ -1,6 +1,6 @@
 """The train config's own keys and sections: precision, retired and unknown top-level keys,
 section shapes, `${oc.env:...}`, micro-batch tokens, text loaders, omegaconf's `???`, and
-autoresume with an offline W&B logger."""
+autoresume with an offline W&B logger, an asynchronous MLflow logger to a local file store."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from foundry_fp8.lint.known import (
     move_fix,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, mandatory_keys, rule, section
+from foundry_fp8.mlflow_facts import RACE, THREADPOOL_ENV, WORKAROUNDS, file_store
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE, dim_fits_fp8, tokens_fit_fp8
 
 COMPOSER = "Composer 0.32.1"
@@ -621,3 +622,42 @@ def autoresume_offline_wandb(config: Mapping[str, Any], ctx: LintContext) -> Ite
                           "than one GPU, but not on one, where LLM-Foundry drops FSDP"
                           if sharded else ""),
               severity="warning" if sharded else None)
+
+
+@rule("FP8051", "warning", "`loggers.mlflow` writing asynchronously (no `synchronous: true`) "
+      "to a local file store (a `file:` or plain-path tracking_uri, or none: MLflow's "
+      "./mlruns) in a config with fp8_stats: MLflow can drop whole batches of metrics",
+      why="Composer's MLFlowLogger logs asynchronously unless `synchronous: true`, and takes "
+      "MLflow's tracking URI when it is given none (./mlruns, or MLFLOW_TRACKING_URI; "
+      "`databricks` under DATABRICKS_TOKEN). MLflow writes the queued batches from "
+      f"{THREADPOOL_ENV} threads (10 when unset), and its file store creates a new metric's "
+      "folder with an unguarded os.makedirs: two threads creating the same folder raise "
+      "`[Errno 17] File exists`, and MLflow logs 'Failed to log run data' and drops the whole "
+      "batch, several steps of every metric with Composer's 10 s logging buffer, the loss "
+      "included. fp8_stats' first logging step brings many new keys at once "
+      "(fp8_<stat>/<tensor>/<layer>), which makes the race likely. The linter cannot see the "
+      f"run's environment, so {THREADPOOL_ENV}=1 there is not judged; fp8_stats warns at "
+      "FIT_START where it sees one.",
+      source=f"{COMPOSER} composer/loggers/mlflow_logger.py:153 (synchronous), :160 and "
+      ":193-196 (logging_buffer_seconds), :217-222 (tracking_uri), :441-445 (log_metrics); "
+      "mlflow 2.21-2.22 utils/async_logging/async_logging_queue.py:206, :338 (pool size), "
+      "utils/file_utils.py:215-222 (make_containing_dirs), store/tracking/file_store.py:989, "
+      "tracking/_tracking_service/utils.py:185-186 (file store schemes), tracking/registry.py:"
+      "75-78; foundry_fp8/mlflow_facts.py; foundry_fp8/composer/stats.py mlflow_races",
+      fix=WORKAROUNDS)
+def mlflow_file_store_race(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    loggers = section(config, "loggers")
+    if "mlflow" not in loggers or "fp8_stats" not in section(config, "callbacks"):
+        return
+    mlflow = section(loggers, "mlflow")
+    uri = mlflow.get("tracking_uri")
+    # MLFlowLogger passes `synchronous` on to mlflow.log_metrics, which reads it by truth
+    if bool(mlflow.get("synchronous")) or (uri is not None and not file_store(str(uri))) \
+            or any(f"loggers.mlflow.{k}" in ctx.env_keys for k in ("tracking_uri", "synchronous")):
+        return
+    store = f"the local file store {uri!r:.60}" if uri is not None else \
+        "MLflow's default tracking URI (./mlruns, a local file store, unless MLFLOW_TRACKING_URI " \
+        "or DATABRICKS_TOKEN says otherwise where the run starts)"
+    yield Hit("loggers.mlflow.synchronous" if "synchronous" in mlflow else "loggers.mlflow",
+              f"loggers.mlflow logs asynchronously to {store}: {RACE} (the linter cannot see "
+              f"the run's environment: {THREADPOOL_ENV}=1 there also avoids it)")
