@@ -3,6 +3,7 @@ emulated backend whose FP8 state follows the YAML's recipe."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -349,6 +350,76 @@ def test_a_forward_that_raises_leaves_the_recipe_autocast():
     assert not is_fp8_enabled()
     net.fail = False
     model(batch)
+    assert not is_fp8_enabled()
+
+
+def _model_hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_trainers_on_one_model_each_wrap_its_forwards_once_and_leave_no_hooks(monkeypatch):
+    """A notebook builds one Trainer per stage on the same model: each closed Trainer takes
+    te_swap's hooks off (a fit that raised too, and one never fitted), and the next one's
+    training forwards enter the recipe autocast once each, not once per earlier Trainer."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import foundry_fp8.emulate
+    from foundry_fp8.composer.te_swap import TESwap
+
+    entered, depth = [], [0]
+    real = foundry_fp8.emulate.fp8_autocast
+
+    @contextlib.contextmanager
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        depth[0] += 1
+        entered.append(depth[0])
+        try:
+            with real(*args, **kwargs):
+                yield
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(foundry_fp8.emulate, "fp8_autocast", counting)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)])
+            self.fail = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                raise RuntimeError("simulated failure")
+            return self.blocks[1](torch.relu(self.blocks[0](x)))
+
+    net = Net()
+    model = ComposerClassifier(net, num_classes=4)
+    assert _model_hooks(model) == 0
+    data = TensorDataset(torch.randn(32, 16), torch.randint(0, 4, (32,)))
+
+    def trainer() -> Any:
+        return Trainer(model=model, train_dataloader=DataLoader(data, batch_size=8),
+                       max_duration="4ba", algorithms=[TESwap(backend="emulate")], device="cpu",
+                       loggers=[], progress_bar=False)
+
+    trainer().close()  # built, never fitted
+    assert _model_hooks(model) == 0
+    failing = trainer()
+    net.fail = True
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        failing.fit()
+    failing.close()
+    net.fail = False
+    assert _model_hooks(model) == 0
+    for _ in range(3):
+        stage = trainer()
+        entered.clear()
+        stage.fit()
+        assert entered == [1, 1, 1, 1]  # 4 batches, one training forward each, not nested
+        stage.close()
+        assert _model_hooks(model) == 0
     assert not is_fp8_enabled()
 
 

@@ -20,6 +20,8 @@ The recipe reaches the layers one way per path, so exactly one recipe is ever ac
 Eval forwards stay in high precision, as Composer runs them (`fp8_autocast_enabled=False`);
 with `te`, also those without grad that Composer's Generate callback runs inside an enabled TE
 autocast, while a fit() runs (`_eval_in_high_precision`).
+Every hook te_swap puts on the model comes off at the Trainer's close (`TESwap.close`), so
+the next Trainer on the same model (a notebook's next stage) adds its own, once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
-from composer.core import Algorithm, Event, State
+from composer.core import Algorithm, Callback, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
@@ -97,7 +99,18 @@ class TESwap(Algorithm):
                 handle.remove()
             self._eval_hooks = []
 
+    def close(self) -> None:
+        """Take te_swap's hooks off the model and leave its autocast; run at Trainer.close
+        (also after a fit that raised, which runs no FIT_END) by `_CloseWithTrainer`."""
+        self._autocast.close()
+        self._remove_hooks()
+        for handle in self._eval_hooks:
+            handle.remove()
+        self._eval_hooks = []
+
     def _convert(self, state: State, logger: Logger) -> None:
+        self.close()  # this TESwap given to another Trainer that was never closed
+        state.callbacks.append(_CloseWithTrainer(self))
         model = state.model
         precision = state.precision.value
         plan = convert_to_fp8(model, self.config, optimizers=state.optimizers,
@@ -181,6 +194,20 @@ class TESwap(Algorithm):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+class _CloseWithTrainer(Callback):
+    """Composer's `Trainer.close` closes callbacks only, never algorithms (composer/core/engine.py
+    0.32, `Engine._close`): te_swap adds this one at INIT to take its hooks off the model
+    then. Each Trainer built on the model would otherwise add another pair, and every training
+    forward would nest one more recipe autocast."""
+
+    def __init__(self, swap: TESwap) -> None:
+        self.swap = swap
+
+    def close(self, state: State, logger: Logger) -> None:
+        del state, logger
+        self.swap.close()
 
 
 def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> list[Any]:
