@@ -57,9 +57,11 @@ def test_composers_default_tracking_uri_is_a_file_store(tmp_path, monkeypatch):
     of ./mlruns (MLflow's own answer), which MLflow's store registry opens as a FileStore."""
     from composer.loggers import MLFlowLogger
     from mlflow.store.tracking.file_store import FileStore
+    from mlflow.tracking._tracking_service import utils
     from mlflow.tracking._tracking_service.utils import _get_store
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(utils, "_tracking_uri", None)  # an earlier MLFlowLogger set it
     for name in ("MLFLOW_TRACKING_URI", "DATABRICKS_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     logger = MLFlowLogger(experiment_name="fp8")
