@@ -71,7 +71,10 @@ def test_a_closed_trainers_fallbacks_do_not_follow_the_model_into_a_new_trainer(
     first.close()
     assert list(guard.core.fallbacks) == [FAULTY]
     tables = Tables()
-    second = trainer([FP8Stats(interval=INTERVAL, image_interval=1)], [], [tables])
+    # te_swap again: its hooks, which run the emulated layers in FP8, leave with the closed
+    # Trainer too (a2e85d1); the layers converted before are kept ("already in FP8")
+    second = trainer([FP8Stats(interval=INTERVAL, image_interval=1)], [TESwap(backend="emulate")],
+                     [tables])
     second.fit(duration="1ba")
     second.close()
     [(columns, rows)] = tables.tables
