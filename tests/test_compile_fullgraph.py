@@ -7,6 +7,8 @@ fullgraph the run compiles and trains."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from composer import Trainer
@@ -29,13 +31,15 @@ class Batches(Callback):
         self.count += 1
 
 
-def _fit(compile_config: dict) -> int:
-    """Batches trained by a 2-batch run of one te_swap'd block under `compile_config`."""
+def _fit(compile_config: dict | None,
+         wrap: Callable[[ComposerClassifier], ComposerClassifier] = lambda model: model) -> int:
+    """Batches trained by a 2-batch run of one te_swap'd block under `compile_config`, the
+    model passed through `wrap`."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(D, D))
     net.blocks = nn.ModuleList([nn.Linear(D, D)])  # te_swap converts `blocks.<n>` layers
     net.forward = lambda x: net[0](net.blocks[0](x))
-    model = ComposerClassifier(net, num_classes=D)
+    model = wrap(ComposerClassifier(net, num_classes=D))
     data = TensorDataset(torch.randn(32, D), torch.randint(0, D, (32,)))
     batches = Batches()
     trainer = Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -59,3 +63,23 @@ def test_fullgraph_is_refused_in_one_line_before_any_batch():
 
 def test_without_fullgraph_the_compiled_run_trains():
     assert _fit({"backend": "eager"}) == 2
+
+
+def _with_empty_cell(model: ComposerClassifier) -> ComposerClassifier:
+    """`model`, its forward a closure over a name never bound (an empty closure cell)."""
+    plain = model.forward
+
+    def forward(batch: tuple) -> torch.Tensor:
+        if batch is None:
+            return unbound(batch)
+        return plain(batch)
+
+    model.forward = forward
+    return model
+    unbound = None  # bound after the return: the cell stays empty
+
+
+def test_a_forward_closing_over_an_unbound_name_trains():
+    """te_swap's fullgraph check read each closure cell of the forward; an empty one raised
+    `ValueError: Cell is empty` at FIT_START, stopping a run that has no compile_config."""
+    assert _fit(None, _with_empty_cell) == 2

@@ -260,13 +260,18 @@ def _refuse_fullgraph(model: nn.Module) -> None:
     Composer compiles after INIT and AFTER_LOAD (trainer.py, `compile_config is not None`), so
     FIT_START, before any batch, is te_swap's first sight of it. torch keeps the flag in
     private attributes (2.7, `_dynamo.convert_frame.ConvertFrameAssert._one_graph`): a torch
-    that moved them is not refused here."""
-    from torch._dynamo.eval_frame import _TorchDynamoContext
-
+    that moved them is not refused here (Dynamo then stops the first batch itself)."""
+    try:
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+    except ImportError:
+        return
     contexts = [getattr(model, "dynamo_ctx", None)]  # a model the user compiled
     forward = getattr(model, "forward", None)  # Composer's compile wraps the forward
-    contexts += [getattr(cell, "cell_contents", None)
-                 for cell in getattr(forward, "__closure__", None) or ()]
+    for cell in getattr(forward, "__closure__", None) or ():
+        try:
+            contexts.append(cell.cell_contents)
+        except ValueError:  # an empty cell: a name the forward closes over, not yet bound
+            continue
     for context in contexts:
         if not isinstance(context, _TorchDynamoContext):
             continue
