@@ -444,25 +444,53 @@ def test_a_baseline_on_the_same_batches_is_no_warning_whatever_logged_it(runs, t
             "the baseline)") in capsys.readouterr().out
 
 
-def test_loss_points_mlflow_dropped_are_said(runs, tmp_path, capsys):
-    """An MLflow run missing the loss at steps 3-6 (a batch its asynchronous logging dropped), as
-    MLflow's client logs it: Composer's `time/batch` at each batch start 0-16, the loss at each
-    batch's step. After the Inf at step 10, Composer skipped the equal Inf at 11 (not a hole)."""
+def _mlflow_run(tmp_path: Path, started: list[int], losses: dict[int, float]) -> Path:
+    """A run as MLflow's client logs it: Composer's `time/batch` at the batch starts `started`,
+    `losses` at their steps; its folder."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    _, raw, base, _ = runs
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
     run_id = client.create_run(client.create_experiment("e")).info.run_id
-    losses = {s: (math.inf if s == 10 else v) for s, v in raw.items() if s not in (3, 4, 5, 6, 11)}
-    points = [Metric("time/batch", s, 0, s) for s in range(BATCHES + 1)]
+    points = [Metric("time/batch", s, 0, s) for s in started]
     points += [Metric(LOSS, v, 0, s) for s, v in losses.items()]
     client.log_batch(run_id, metrics=points, synchronous=True)
-    given = next((tmp_path / "mlruns").glob(f"*/{run_id}"))
+    return next((tmp_path / "mlruns").glob(f"*/{run_id}"))
+
+
+def _holes_said(out: str) -> list[str]:
+    return [line.strip() for line in out.splitlines() if "MLflow holds" in line]
+
+
+def _holes(given: Path, steps: str, first: int, last: int) -> str:
+    return (f"warning: {given}: MLflow holds no `{LOSS}` nor `time/batch` at steps {steps} of "
+            f"{first}-{last}, logged at each batch: batches MLflow's asynchronous logging dropped "
+            "(on a file store, `[Errno 17] File exists` when threads write at once: "
+            "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE=1 or loggers.mlflow.synchronous: true); the "
+            "run's metrics.jsonl holds them, where it logged one")
+
+
+def test_loss_points_mlflow_dropped_are_said(runs, tmp_path, capsys):
+    """An MLflow run missing batches 3-6 (its asynchronous logging dropped them: no key of those
+    steps), Composer's `time/batch` at each other batch start 0-16, the loss at each batch's step.
+    After the Inf at step 10, Composer skipped the equal Inf at 11 (`time/batch` there: no hole)."""
+    _, raw, base, _ = runs
+    dropped = (3, 4, 5, 6)
+    losses = {s: (math.inf if s == 10 else v) for s, v in raw.items() if s not in (*dropped, 11)}
+    given = _mlflow_run(tmp_path, [s for s in range(BATCHES + 1) if s not in dropped], losses)
     assert main(["report", str(given), "--baseline", str(base), "--out", str(tmp_path)]) == 0
-    warned = [line.strip() for line in capsys.readouterr().out.splitlines() if "MLflow holds" in line]
-    assert warned == [f"warning: {given}: MLflow holds no `{LOSS}` at steps 3-6 of 0-15, logged at "
-                      "each batch: batches MLflow's asynchronous logging dropped (on a file store, "
-                      "`[Errno 17] File exists` when threads write at once: "
-                      "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE=1 or loggers.mlflow.synchronous: true); "
-                      "the run's metrics.jsonl holds them, where it logged one"], warned
+    warned = _holes_said(capsys.readouterr().out)
+    assert warned == [_holes(given, "3-6", 0, 15)], warned
+
+
+def test_finite_losses_composer_skipped_as_duplicates_are_no_hole(runs, tmp_path, capsys):
+    """Composer's MLFlowLogger skips any value equal to the key's last within
+    log_duplicated_metric_every_n_steps (composer/loggers/mlflow_logger.py:424-428), finite ones
+    too: a loss of 2.5 at steps 0-2 and 2.25 at 4-5 holds points at 0 and 4 only, `time/batch`
+    at each batch but 9 (a dropped batch). Only step 9 is a hole."""
+    _, _, base, _ = runs
+    logged = {0: 2.5, 3: 2.375, 4: 2.25, 6: 2.125, 7: 2.0, 8: 1.875, 10: 1.75, 11: 1.625}
+    given = _mlflow_run(tmp_path, [s for s in range(12) if s != 9], logged)
+    assert main(["report", str(given), "--baseline", str(base), "--out", str(tmp_path)]) == 0
+    warned = _holes_said(capsys.readouterr().out)
+    assert warned == [_holes(given, "9", 0, 11)], warned

@@ -91,24 +91,24 @@ def _spans(steps: list[int]) -> str:
 
 
 def mlflow_holes(given: Path, losses: Mapping[int, float]) -> str | None:
-    """The steps up to its last loss point where an MLflow run holds no loss though Composer
-    logged one at each batch, when any: MLflow's asynchronous logging drops a batch whose write
-    fails (mlflow/utils/async_logging/async_logging_queue.py:197-207), every key of its steps
-    alike. (A tail it dropped leaves no trace.) A step after an Inf loss is not counted: Composer
-    skips a value equal to the last (`DUPLICATE_WINDOW`)."""
+    """The steps up to its last loss point where an MLflow run holds neither the loss nor
+    `BATCH_KEY`, when any: MLflow's asynchronous logging drops a batch whose write fails
+    (mlflow/utils/async_logging/async_logging_queue.py:197-207), every key of its steps alike.
+    (A tail it dropped leaves no trace.) A step with `BATCH_KEY` but no loss is no hole: Composer's
+    MLFlowLogger skips any value equal to the key's last (composer/loggers/mlflow_logger.py:424-428,
+    `DUPLICATE_WINDOW`), while `BATCH_KEY` grows each batch. None where it logged no `BATCH_KEY`
+    (not Composer's: nothing tells a skipped value from a dropped batch)."""
     if (ml := mlflow_run(given)) is None:
         return None
-    started = [step for step, _ in mlflow_history(ml, BATCH_KEY)]
+    started = {step for step, _ in mlflow_history(ml, BATCH_KEY)}
+    if not started:
+        return None
     first, last = min([*started, *losses]), max(losses)
-    missing, previous = [], math.nan
-    for step in range(first, last):
-        if step in losses:
-            previous = losses[step]
-        elif not math.isinf(previous):
-            missing.append(step)
+    missing = [step for step in range(first, last) if step not in losses and step not in started]
     if not missing:
         return None
-    return (f"{given}: MLflow holds no `{LOSS}` at steps {_spans(missing)} of {first}-{last}, "
+    return (f"{given}: MLflow holds no `{LOSS}` nor `{BATCH_KEY}` at steps {_spans(missing)} of "
+            f"{first}-{last}, "
             "logged at each batch: batches MLflow's asynchronous logging dropped (on a file "
             "store, `[Errno 17] File exists` when threads write at once: "
             "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE=1 or loggers.mlflow.synchronous: true); the "
