@@ -314,6 +314,18 @@ def test_a_run_a_steady_4_percent_above_is_no_divergence_and_the_gap_is_said(tmp
                                     "than 3 % above it at 4 compared steps in a row, or "), out
 
 
+def test_a_gap_over_steps_with_a_nan_loss_is_nan_not_the_finite_steps_mean(tmp_path, capsys):
+    """R5-18: the run's loss NaN at 95-99 of 100 read 'Gap +0 % (mean over the last 10 compared
+    steps...)', the mean of the 5 finite steps only; over all 10 it is NaN."""
+    base = {s: 2.0 for s in range(100)}
+    run = {**base, **{s: math.nan for s in range(95, 100)}}
+    assert math.isnan(math.fsum((run[s] - base[s]) / base[s] for s in range(90, 100)))
+    code, out, err = _report(tmp_path, run, base, capsys=capsys)
+    assert code == 0, err
+    assert ("Gap NaN/Inf (mean over the last 10 compared steps, 90 to 99; NaN/Inf at step 99)."
+            in headline(out)), out
+
+
 @pytest.mark.parametrize("option, value", [
     ("--max-loss-gap", "abc"), ("--max-loss-gap", "0"), ("--max-loss-gap", "-5"),
     ("--max-loss-gap", "nan"), ("--loss-gap-steps", "0"), ("--loss-gap-steps", "1.5"),

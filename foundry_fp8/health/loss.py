@@ -38,7 +38,7 @@ class LossComparison:
     base_nan_from: int | None  # where the baseline's loss is NaN/Inf from (to its end)
     back: int | None  # after a departure: the compared step from which it stays within
     window: list[int]  # the last GAP_WINDOW of the compared steps, at least one
-    mean_gap: float  # mean `gap` over `window` (NaN: none finite)
+    mean_gap: float  # mean `gap` over `window`: NaN where one is (a NaN/Inf loss there)
     last_gap: float  # `gap` at the last compared step
     max_gap: float  # the rule: more than this `gap` ...
     gap_steps: int  # ... at this many compared steps in a row
@@ -77,7 +77,9 @@ def compare(losses: Mapping[int, float], baseline: Mapping[int, float],
     base_last = max(finite)
     nan_after = [s for s in baseline if s > base_last]
     window = steps[-max(1, math.ceil(GAP_WINDOW * len(steps))):] if steps else []
-    gaps = [g for s in window if not math.isnan(g := gap(losses[s], baseline[s]))]
+    # every step of the window (a NaN gap makes the mean NaN): one left out would make it a mean
+    # over fewer steps than `measured_gap` says
+    gaps = [gap(losses[s], baseline[s]) for s in window]
     return LossComparison(steps, departed,
                           None if departed is None else losses[departed],
                           None if departed is None else baseline[departed],
