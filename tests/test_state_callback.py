@@ -28,6 +28,7 @@ from foundry_fp8.fp8_meta import read_fp8_meta, write_fp8_meta
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.te.extra_state import without_pickled_extra_state
+from tests.test_state_restore import DEVICE_ERRORS
 from tests.tiny_run import run_folder, run_tiny
 
 SWAP = {"te_swap": {"backend": "emulate", "fp8_recipe": {"amax_history_len": 4}}}
@@ -220,10 +221,7 @@ def test_a_failure_of_the_deferred_restore_under_strict_is_one_line(monkeypatch)
     assert calls == [1] and not module._forward_pre_hooks
 
 
-@pytest.mark.parametrize("raised", [
-    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
-    RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors..."),
-])
+@pytest.mark.parametrize("raised", DEVICE_ERRORS)
 def test_a_device_error_in_the_deferred_restore_is_raised_as_it_came(monkeypatch, raised):
     """An out-of-memory or CUDA error at the first FP8 forward was logged as our internal error
     and training went on, on a device that a CUDA error leaves unusable."""

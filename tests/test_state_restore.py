@@ -562,10 +562,24 @@ def test_a_strict_refusal_leaves_every_module_as_it_was():
     assert not torch.equal(before[0]["fwd_scale"], saved["modules"]["0"]["fwd_scale"])
 
 
-@pytest.mark.parametrize("raised", [
+# The device errors fp8_state raises as they came, worded as each raiser words them.
+_TE_AT = "/opt/transformer_engine/common/gemm/cublaslt_gemm.cu:512 in function cublas_gemm: "
+DEVICE_ERRORS = [
     torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
-    RuntimeError("CUDA error: an illegal memory access was encountered"),
-])
+    # torch's c10/cuda/CUDAException.cpp c10_cuda_check_implementation
+    RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors..."),
+    # torch's ATen/cuda/Exceptions.h TORCH_CUDABLAS_CHECK
+    RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( ...)`"),
+    # torch's c10/cuda/driver_api.h C10_CUDA_DRIVER_CHECK
+    RuntimeError("CUDA driver error: an illegal memory access was encountered"),
+    # TransformerEngine's common/util/logging.h: NVTE_ERROR's "<file>:<line> in function <f>: "
+    # then NVTE_CHECK_CUDA's "CUDA Error: ", NVTE_CHECK_CUBLAS's "cuBLAS Error: "
+    RuntimeError(f"{_TE_AT}CUDA Error: an illegal memory access was encountered"),
+    RuntimeError(f"{_TE_AT}cuBLAS Error: the function failed to launch on the GPU"),
+]
+
+
+@pytest.mark.parametrize("raised", DEVICE_ERRORS)
 def test_a_device_error_while_restoring_is_raised_as_it_came(monkeypatch, raised):
     """A CUDA error (sticky) or out-of-memory was reported as a restore failure advising
     `strict: false`, which cannot continue past it."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -673,11 +674,24 @@ def _described(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
+# The first line of a CUDA or cuBLAS failure, as each raiser words it: torch's
+# "CUDA error: ..." (c10/cuda/CUDAException.cpp; cuBLAS: "CUDA error: CUBLAS_STATUS_... when
+# calling ...", ATen/cuda/Exceptions.h TORCH_CUDABLAS_CHECK) and "CUDA driver error: ..."
+# (c10/cuda/driver_api.h); TransformerEngine's "<file>:<line> in function <f>: CUDA Error: ..."
+# and "...: cuBLAS Error: ..." (common/util/logging.h NVTE_CHECK_CUDA, NVTE_CHECK_CUBLAS); a
+# cuBLAS status name (CUBLAS_STATUS_*) however it is prefixed.
+_DEVICE_ERROR_TEXT = re.compile(r"cuda (driver )?error|cublas error|cublas_status_",
+                                re.IGNORECASE)
+
+
 def _device_failure(error: Exception) -> bool:
     """An error of the device, not of the checkpoint or of ours: out of memory, or a CUDA error
-    (sticky: `strict: false` cannot continue past it), raised as it came."""
-    return isinstance(error, torch.cuda.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "CUDA error" in _described(error))
+    (sticky: `strict: false` cannot continue past it), raised as it came. torch 2.8+ raises
+    some as `torch.AcceleratorError`; older ones and TE as a RuntimeError known by its text."""
+    device_types = (torch.cuda.OutOfMemoryError, getattr(torch, "AcceleratorError", ()))
+    return isinstance(error, device_types) or (
+        isinstance(error, RuntimeError)
+        and _DEVICE_ERROR_TEXT.search((str(error).splitlines() or [""])[0]) is not None)
 
 
 def _same_state(a: FP8ModuleState, b: FP8ModuleState) -> bool:
