@@ -285,6 +285,9 @@ class GuardCore:
         self.repromotions: list[Repromotion] = []
         self.ended: list[Fallback] = []  # the fallbacks the re-promotions ended
         self.summaries: dict[str, Summary] = {}  # each layer's pairs older than the kept ones
+        # the keys the folded records and superseded summaries held: W&B and MLflow keep them
+        # and refuse another value under one, so no later record gets one (a string a decision)
+        self._retired: set[str] = set()
         self.refusals: dict[str, Refusal] = {}  # each layer's first refusal by the budget
         self.warned: set[str] = set()
         self._tracker = HealthTracker(thresholds(config))
@@ -383,6 +386,10 @@ class GuardCore:
         for oldest in ended[:max(len(ended) - KEPT_DECISIONS, 0)]:
             back = next(r for r in self.repromotions
                         if r.layer == layer and r.fallen_at == oldest.step)
+            held = {id(record): key for key, record in self._keyed()}
+            self._retired |= {held[id(oldest)], held[id(back)]}
+            if layer in self.summaries:
+                self._retired.add(held[id(self.summaries[layer])])
             self.ended.remove(oldest)
             self.repromotions.remove(back)
             before = self.summaries.get(layer)
@@ -431,17 +438,25 @@ class GuardCore:
         MLflow refuses `@` in a key and `/` below a key it holds, dropping the whole queued batch
         with it). The sort is stable: one step's events keep the order they came in; after a fit
         restarted the steps (`reset_time`) both fits' events interleave by step number."""
-        events = ([(f.step, FALLBACK_PREFIX, f.layer, f.record())
+        return {key: record.record() for key, record in self._keyed()}
+
+    def _keyed(self) -> list[tuple[str, Fallback | Repromotion | Refusal | Summary]]:
+        """`records`' keys and what they hold, in step order; a retired key is never given."""
+        events = ([(f.step, FALLBACK_PREFIX, f.layer, f)
                    for f in [*self.ended, *self.fallbacks.values()]]
-                  + [(r.step, REPROMOTION_PREFIX, r.layer, r.record())
-                     for r in self.repromotions]
-                  + [(r.step, REFUSED_PREFIX, r.layer, r.record())
-                     for r in self.refusals.values()])
-        keyed: list[tuple[int, str, dict[str, Any]]] = [
-            (s.step, f"{OLDER_PREFIX}{s.layer}.ba{s.step}", s.record())
-            for s in self.summaries.values()]
-        taken = {prefix + layer for layer in self.summaries
-                 for prefix in (FALLBACK_PREFIX, REPROMOTION_PREFIX)}
+                  + [(r.step, REPROMOTION_PREFIX, r.layer, r) for r in self.repromotions]
+                  + [(r.step, REFUSED_PREFIX, r.layer, r) for r in self.refusals.values()])
+        keyed: list[tuple[int, str, Fallback | Repromotion | Refusal | Summary]] = []
+        taken = set(self._retired) | {prefix + layer for layer in self.summaries
+                                      for prefix in (FALLBACK_PREFIX, REPROMOTION_PREFIX)}
+        for s in self.summaries.values():
+            key = base = f"{OLDER_PREFIX}{s.layer}.ba{s.step}"
+            again = 1
+            while key in taken:  # the same step in two fits
+                again += 1
+                key = f"{base}.{again}"
+            taken.add(key)
+            keyed.append((s.step, key, s))
         for step, prefix, layer, record in events:  # a layer's events in the order they came
             key = base = prefix + layer
             if key in taken:
@@ -452,7 +467,7 @@ class GuardCore:
                 key = f"{base}.{again}"
             taken.add(key)
             keyed.append((step, key, record))
-        return {key: record for _, key, record in sorted(keyed, key=lambda e: e[0])}
+        return [(key, record) for _, key, record in sorted(keyed, key=lambda e: e[0])]
 
     def _over_budget(self, step: int, refused: list[str]) -> str:
         wanted = sum(self.flops[layer] for layer in refused) / (self.initial_share or 1)
@@ -477,6 +492,7 @@ class GuardCore:
             "recent": [(step, rows(judged), rows(fallen)) for step, judged, fallen in self._recent],
             "warned": sorted(self.warned),
             "before_reset": sorted(self._before_reset),
+            "retired": sorted(self._retired),
             # `repromote` drops a layer's rows up to its re-promotion: nothing to forget on load
             REPROMOTED_ROWS_DROPPED: True,
         }
@@ -496,6 +512,7 @@ class GuardCore:
         self.summaries = {s.layer: s for s in map(Summary.from_dict, state.get("summaries", ()))}
         self.refusals = {r.layer: r for r in map(Refusal.from_dict, state.get("refusals", ()))}
         self.warned = set(state.get("warned", ()))
+        self._retired = set(_texts(state.get("retired", ())))
         self._tracker = HealthTracker(thresholds(self.config))
         self._whatif = HealthTracker(thresholds(self.config))
         self._recent = []

@@ -590,10 +590,46 @@ def test_a_layer_flipping_all_run_keeps_bounded_records_and_the_report_counts_th
     resumed = GuardCore(config, REPROMOTION_FLOPS)
     resumed.load_state_dict(state)
     assert list(resumed.fallbacks) == ["a"] and resumed.fallbacks["a"].step == 5 * cycles + 1
+    # hparams.json holds every record: each span is a real one, none summarised
     guard = guard_run({}, hparams, Path("hparams.json"), pytest.fail)
+    assert guard is not None and guard.kept == ["a"] and guard.summaries == ()
+    assert [f.step for f in guard.fallbacks] == [5 * c + 1 for c in range(cycles + 1)]
+    assert f"in {cycles + 1} fallbacks" in "\n".join(guard_section(guard, {"a": "a"}))
+    # a resumed run's own W&B run: the kept records and the summary only
+    guard = guard_run({}, {"callbacks": {"fp8_guard": {}}, **core.records()},
+                      Path("config.yaml"), pytest.fail)
     assert guard is not None and guard.kept == ["a"]
     assert len(guard.fallbacks) == KEPT_DECISIONS + 1
     text = "\n".join(guard_section(guard, {"a": "a"}))
     assert f"in {cycles + 1} fallbacks" in text
-    assert (f"a: {cycles - KEPT_DECISIONS} fallback/re-promotion pair(s) from step 2 to step "
+    assert (f"a: {cycles - KEPT_DECISIONS} fallback/re-promotion pair(s) between step 2 and step "
             f"{5 * (cycles - KEPT_DECISIONS)}") in text
+
+
+def test_guard_records_after_reset_time_keep_their_keys_and_the_report_counts_every_fallback():
+    """A layer flipping in two fits, the second with `reset_time` (steps from 0 again): a fold
+    gave a new record a key an older, folded one had held, or moved `<key>.2` back to `<key>`
+    (W&B and MLflow refuse a changed value), and the report dropped the second fit's records
+    below the summary's step number (7 fallbacks said for 10)."""
+    config = GuardConfig(consecutive=2, repromote_after=3, max_fallback_share=0.5)
+    core = GuardCore(config, REPROMOTION_FLOPS)
+    logged: dict[str, Any] = {}
+    changed = []
+    fell = 0
+    for fit, steps in ((1, range(5 * 6 + 2)), (2, range(5 * 3 + 2))):
+        for step in steps:
+            table = {k: {**v, "fit": float(fit)}
+                     for k, v in _table({"a"} if step % 5 < 2 else set(), ("a", "b")).items()}
+            fell += len(core.decide(step, core.candidates(step, table), table).fallbacks)
+            core.repromote(step, core.ready(step, table), table)
+            for key, value in core.records().items():
+                if logged.setdefault(key, value) != value:
+                    changed.append(key)
+    assert changed == []
+    assert fell == 7 + 3  # each fit's 5c+1 steps
+    from foundry_fp8.report.markdown import moved
+    from foundry_fp8.report.read import guard_run
+    guard = guard_run({}, {"callbacks": {"fp8_guard": {}}, **logged}, Path("hparams.json"),
+                      pytest.fail)
+    assert guard is not None and len(guard.fallbacks) == fell and guard.kept == ["a"]
+    assert f"in {fell} fallbacks" in moved(guard)

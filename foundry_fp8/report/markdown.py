@@ -250,10 +250,11 @@ def guard_section(guard: GuardRun, names: dict[str, str]) -> list[str]:
                   f" shows it ran in high precision from step {first}."]
     if guard.summaries:
         older = "; ".join(f"{md_escape(names.get(s.layer, s.layer))}: {s.pairs} fallback/re-promotion pair(s) "
-                          f"from step {s.first_step + 1} to step {s.step + 1}"
+                          f"between step {s.first_step + 1} and step {s.step + 1}"
                           for s in guard.summaries)
-        lines += ["", f"Older decisions summarised (`{OLDER_PREFIX}<layer>.ba<step>`; the "
-                  f"table holds each layer's last {KEPT_DECISIONS}): {older}."]
+        lines += ["", f"Older decisions counted, their records missing from the hyperparameters "
+                  f"(`{OLDER_PREFIX}<layer>.ba<step>`; fp8_guard logs each layer's last "
+                  f"{KEPT_DECISIONS} again at each start): {older}."]
     if guard.repromotions:
         back = "; ".join(f"{md_escape(names[r.layer])} from step {r.step + 1} (its what-if statistics "
                          f"within the limits at {r.healthy_steps} logging steps in a row)"

@@ -9,7 +9,7 @@ import math
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
     FP8_FLOPS_SHARE,
+    KEPT_DECISIONS,
     OLDER_PREFIX,
     REFUSED_PREFIX,
     REPROMOTION_PREFIX,
@@ -476,7 +477,7 @@ class GuardRun:
     # layers an earlier attempt moved that were in fallback when the later attempt the report
     # shows began, at step `carried[0]` (`carried_fallbacks`)
     carried: tuple[int, tuple[str, ...]] | None = None
-    # each layer's pairs older than the ones recorded whole (`guard.KEPT_DECISIONS`), counted
+    # each layer's summarised pairs whose records the hyperparameters lack, counted (`pairs`)
     summaries: tuple[Summary, ...] = ()
 
     def decided(self, f: Fallback) -> int:
@@ -583,11 +584,20 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
             kind[2].append(kind[1].from_dict(value))
         except (TypeError, ValueError):
             warn(f"{where}: key {key!r}: not an fp8_guard {kind[3]} record; left out")
-    # a layer's latest summary counts all its older pairs: their records, logged when decided
-    # (hparams.json keeps every key), are left to it
+    # a layer's latest summary counts all its older pairs; their records, logged when decided,
+    # stay wherever the hyperparameters still hold them (hparams.json, W&B and MLflow keep every
+    # key), and count as read. After the latest fold the layer has the summary's pairs, its
+    # last KEPT_DECISIONS pairs and at most one open fallback: the summary stands only for the
+    # pairs whose records are missing (a resumed run's own W&B run gets the kept ones again).
+    # Steps restart after `fit(reset_time=True)`, so no step says which record a summary counted.
     latest = {s.layer: s for s in sorted(summaries, key=lambda s: s.pairs)}
-    fallbacks = [f for f in fallbacks if f.step > getattr(latest.get(f.layer), "step", -1)]
-    repromotions = [r for r in repromotions if r.step > getattr(latest.get(r.layer), "step", -1)]
+    missing = []
+    for layer, summary in latest.items():
+        fell = sum(f.layer == layer for f in fallbacks)
+        back = sum(r.layer == layer for r in repromotions)
+        lacking = summary.pairs + KEPT_DECISIONS + max(fell - back, 0) - fell
+        if lacking > 0:
+            missing.append(replace(summary, pairs=min(lacking, summary.pairs)))
     callbacks = hparams.get("callbacks")
     configured = isinstance(callbacks, Mapping) and "fp8_guard" in callbacks
     if not (series or fallbacks or configured):
@@ -600,7 +610,7 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
                     tuple(sorted(repromotions, key=lambda r: (r.step, r.layer))),
                     tuple(sorted(refusals, key=lambda r: (r.step, r.layer))),
                     carried_fallbacks(series, fallbacks, since, where, warn),
-                    tuple(sorted(latest.values(), key=lambda s: (s.step, s.layer))))
+                    tuple(sorted(missing, key=lambda s: (s.step, s.layer))))
 
 
 def mark_high_precision(run: RunMetrics, guard: GuardRun | None) -> None:
