@@ -450,23 +450,11 @@ class GuardCore:
         taken = set(self._retired) | {prefix + layer for layer in self.summaries
                                       for prefix in (FALLBACK_PREFIX, REPROMOTION_PREFIX)}
         for s in self.summaries.values():
-            key = base = f"{OLDER_PREFIX}{s.layer}.ba{s.step}"
-            again = 1
-            while key in taken:  # the same step in two fits
-                again += 1
-                key = f"{base}.{again}"
-            taken.add(key)
-            keyed.append((s.step, key, s))
+            keyed.append((s.step, _untaken(f"{OLDER_PREFIX}{s.layer}.ba{s.step}", taken), s))
         for step, prefix, layer, record in events:  # a layer's events in the order they came
-            key = base = prefix + layer
-            if key in taken:
-                key = base = f"{base}.ba{step}"
-            again = 1
-            while key in taken:  # the same step in two fits
-                again += 1
-                key = f"{base}.{again}"
-            taken.add(key)
-            keyed.append((step, key, record))
+            base = prefix + layer
+            keyed.append((step, _untaken(f"{base}.ba{step}" if base in taken else base, taken),
+                          record))
         return [(key, record) for _, key, record in sorted(keyed, key=lambda e: e[0])]
 
     def _over_budget(self, step: int, refused: list[str]) -> str:
@@ -576,3 +564,13 @@ def render_fallbacks(fallbacks: Iterable[Fallback], fp8_share: float | None,
     if fp8_share is not None:
         rows.append(f"\nFP8 share of the linear FLOPs now: {100 * fp8_share:.1f} %")
     return "\n".join(rows)
+
+
+def _untaken(base: str, taken: set[str]) -> str:
+    """`base`, or `base.2`, `base.3`, ... where taken (the same step in two fits), now taken."""
+    key, again = base, 1
+    while key in taken:
+        again += 1
+        key = f"{base}.{again}"
+    taken.add(key)
+    return key

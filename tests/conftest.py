@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny local data set, and the `gpu` marker's auto-skip."""
+"""Shared fixtures: the tiny local data set, a one-rank process group, one MLflow logging
+thread, and the `gpu` marker's auto-skip."""
 
 from __future__ import annotations
 
@@ -52,3 +53,31 @@ def tiny_data():
     from foundry_fp8.tools.tiny_data import prepare_tiny_data
 
     return prepare_tiny_data(REPO_ROOT / "data")
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo group (FSDP needs one): the one an earlier test's Composer Trainer left in
+    this process (composer/utils/dist.py initialize_dist, a HashStore, never destroyed), else
+    our own, meeting through a file (no port another test could take), destroyed after."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_mlflow_thread(monkeypatch):
+    """One MLflow logging thread: with its default 10, the file store's unguarded folder
+    creation (mlflow/utils/file_utils.py make_containing_dirs) now and then drops a whole
+    batch of metrics ([Errno 17] File exists), which a test would read as ours
+    (docs/fp8_stats.md; fp8_stats warns users of it)."""
+    from foundry_fp8.mlflow_facts import THREADPOOL_ENV
+
+    monkeypatch.setenv(THREADPOOL_ENV, "1")

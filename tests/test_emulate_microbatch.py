@@ -216,21 +216,6 @@ def test_a_cast_kept_under_a_backward_override_has_no_transpose(monkeypatch):
     torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A 1-rank gloo group meeting through a file (no port another test could take). A
-    Composer Trainer built earlier in this process leaves its own 1-rank group behind
-    (composer/utils/dist.py initialize_dist, a HashStore): that one is used and kept."""
-    dist = pytest.importorskip("torch.distributed")
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_under_fsdp2_false_casts_the_weight_afresh(one_rank_group):
     """TE keeps no FP8 weight under FSDP2 (`cache_name=None if ... self.is_fsdp2`,

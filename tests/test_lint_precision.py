@@ -218,21 +218,6 @@ def test_without_fsdp_the_parameters_own_dtype_decides():
     assert precision_problem(state) is None
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A one-rank gloo group for FSDP: the one an earlier test's Composer Trainer left in this
-    process (Composer initialises it and never destroys it), else our own, destroyed after."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_a_real_state_with_a_real_fsdp_module(one_rank_group):
     from composer.core import State

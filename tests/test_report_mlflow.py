@@ -12,19 +12,10 @@ import pytest
 from foundry_fp8.cli import main
 from foundry_fp8.health import parse_key
 from foundry_fp8.jsonl import read_jsonl
-from foundry_fp8.mlflow_facts import THREADPOOL_ENV
 from tests.tiny_run import run_folder, run_tiny
 
 mlflow = pytest.importorskip("mlflow")
-
-
-@pytest.fixture(autouse=True)
-def _one_mlflow_logging_thread(monkeypatch):
-    """One MLflow logging thread: with its default 10, the file store's unguarded folder
-    creation (mlflow/utils/file_utils.py make_containing_dirs) now and then drops a whole
-    batch of metrics ([Errno 17] File exists), which these tests would read as ours
-    (docs/fp8_stats.md; fp8_stats warns users of it)."""
-    monkeypatch.setenv(THREADPOOL_ENV, "1")
+pytestmark = pytest.mark.usefixtures("one_mlflow_thread")
 
 LIMIT = 0.05  # fp8_stats' max_underflow_pct: the down_proj activations (about 0.1 %) only
 INTERVAL = 2
@@ -48,7 +39,6 @@ def _flagged_section(markdown: str) -> str:
 @pytest.mark.slow
 def test_the_report_of_an_mlflow_run_is_the_report_of_its_jsonl(tmp_path, tiny_data, capsys,
                                                                 monkeypatch):
-    monkeypatch.setenv(THREADPOOL_ENV, "1")  # docs/fp8_stats.md
     name, tracking = "mlflow", f"file://{tmp_path}/mlruns"
     run_tiny(tmp_path, tiny_data, {
         "variables": {"run_name": name}, "max_duration": "12ba", "eval_interval": "12ba",

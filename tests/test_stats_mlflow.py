@@ -9,18 +9,9 @@ import torch
 from torch import nn
 
 from foundry_fp8.composer.stats import SUMMARY_KEY, FP8Stats
-from foundry_fp8.mlflow_facts import THREADPOOL_ENV
 
 mlflow = pytest.importorskip("mlflow")
-
-
-@pytest.fixture(autouse=True)
-def _one_mlflow_logging_thread(monkeypatch):
-    """One MLflow logging thread: with its default 10, the file store's unguarded folder
-    creation (mlflow/utils/file_utils.py make_containing_dirs) now and then drops a whole
-    batch of metrics ([Errno 17] File exists), which these tests would read as ours
-    (docs/fp8_stats.md; fp8_stats warns users of it)."""
-    monkeypatch.setenv(THREADPOOL_ENV, "1")
+pytestmark = pytest.mark.usefixtures("one_mlflow_thread")
 
 
 def _trainer(tmp_path, width: int, name: str):
