@@ -259,15 +259,6 @@ def _last_rows(recent: list[tuple[int, Rows, Rows]], keep: int) -> list[tuple[in
     return kept[::-1]
 
 
-def _judge(tracker: HealthTracker, step: int, table: Table) -> dict[tuple[str, str], list[Flag]]:
-    """`tracker.update` without its log of every flag so far: the guard reads the streaks and
-    this step's flags only, and the log grew by every bad row of every logging step for the
-    whole run."""
-    raised = tracker.update(step, table)
-    tracker.flags.clear()
-    return raised
-
-
 class GuardCore:
     """Judges each logging step's table and records the fallbacks.
 
@@ -290,8 +281,8 @@ class GuardCore:
         self._retired: set[str] = set()
         self.refusals: dict[str, Refusal] = {}  # each layer's first refusal by the budget
         self.warned: set[str] = set()
-        self._tracker = HealthTracker(thresholds(config))
-        self._whatif = HealthTracker(thresholds(config))  # the layers in fallback
+        self._tracker = HealthTracker(thresholds(config), keep_flags=False)
+        self._whatif = HealthTracker(thresholds(config), keep_flags=False)  # the layers in fallback
         # the last judged rows, each (layer, tensor)'s last few per tracker (`_last_rows`):
         # (step, layers in FP8, layers in fallback)
         self._recent: list[tuple[int, Rows, Rows]] = []
@@ -337,8 +328,8 @@ class GuardCore:
             self._before_reset.update(self.fallbacks)
         if judged or fallen:
             self._recent = _last_rows([*self._recent, (step, judged, fallen)], keep)
-        _judge(self._whatif, step, fallen)
-        raised = _judge(self._tracker, step, judged)
+        self._whatif.update(step, fallen)
+        raised = self._tracker.update(step, judged)
         self._flags = {}
         for (layer, _), flags in raised.items():
             self._flags.setdefault(layer, []).extend(flags)
@@ -501,16 +492,16 @@ class GuardCore:
         self.refusals = {r.layer: r for r in map(Refusal.from_dict, state.get("refusals", ()))}
         self.warned = set(state.get("warned", ()))
         self._retired = set(_texts(state.get("retired", ())))
-        self._tracker = HealthTracker(thresholds(self.config))
-        self._whatif = HealthTracker(thresholds(self.config))
+        self._tracker = HealthTracker(thresholds(self.config), keep_flags=False)
+        self._whatif = HealthTracker(thresholds(self.config), keep_flags=False)
         self._recent = []
         dropped = bool(state.get(REPROMOTED_ROWS_DROPPED))
         for step, judged, *fallen in state.get("recent", ()):
             tables = [{(layer, tensor): dict(stats) for layer, tensor, stats in rows}
                       for rows in (judged, *fallen[:1])]
             self._recent.append((step, tables[0], tables[1] if len(tables) > 1 else {}))
-            _judge(self._whatif, step, self._recent[-1][2])
-            _judge(self._tracker, step, tables[0])
+            self._whatif.update(step, self._recent[-1][2])
+            self._tracker.update(step, tables[0])
             for repromoted in () if dropped else self.repromotions:
                 if repromoted.step == step:
                     self._forget(repromoted.layer)

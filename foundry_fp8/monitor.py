@@ -364,7 +364,7 @@ class FP8Monitor:
         self._folds = 0  # delayed what-if updates so far
         self.error: BaseException | None = None
         self._dump_failed = False  # warned once about a dump that could not be written
-        self.tracker = HealthTracker(thresholds_of(self.config))
+        self.tracker = HealthTracker(thresholds_of(self.config), keep_flags=False)
         self.short = {name: short_layer(name) for name in self.layers}  # names in keys
         # the last logging step's statistics and flags, for listeners (the guard); empty on a
         # rank whose own work on them failed
@@ -728,10 +728,6 @@ class FP8Monitor:
                                  if key[0] in fallbacks and direction(key[1]) == "backward"}
         judged = judged_table(table, self.uncast_rows)
         flags = self.tracker.update(step.step or 0, judged)
-        # the tracker's log of every flag so far grows by each logging step's flags for the
-        # whole run (100,000 steps at interval 1: hundreds of MB) and nothing in a run reads it
-        # (health.rules, HealthTracker.state_dict): only this step's are kept, in `flags`
-        self.tracker.flags.clear()
         self.table, self.judged, self.flags = table, judged, flags
         self.whatif_rows = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif}
         self.whatif_rows &= table.keys()

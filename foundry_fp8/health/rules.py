@@ -146,6 +146,9 @@ class HealthTracker:
     blocks: set[int] = field(default_factory=set)  # block numbers of the layers seen
     _state: dict[tuple[str, str], _State] = field(default_factory=dict)
     _raised: set[tuple[str, str, str]] = field(default_factory=set)
+    #: False in a run (fp8_stats, fp8_guard): nothing there reads `flags`, which would grow by
+    #: each logging step's flags for the whole run; the report's replay keeps them
+    keep_flags: bool = True
 
     @property
     def warned(self) -> list[tuple[str, str, str]]:
@@ -166,7 +169,8 @@ class HealthTracker:
             found = self._judge(step, layer, tensor, stats)
             if found:
                 raised[(layer, tensor)] = found
-                self.flags.extend(found)
+                if self.keep_flags:
+                    self.flags.extend(found)
         return raised
 
     def streak(self, layer: str, tensor: str, bad: bool = True) -> int:
