@@ -22,6 +22,7 @@ The TE version facts themselves live in `foundry_fp8.te.facts`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -214,12 +215,37 @@ def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
       "'transformer-engine[pytorch]'), or install wheels built for it", family="environment")
 def te_import(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
-    if snapshot.te is not None and snapshot.te_import_checked and snapshot.te_import_error:
-        setting = "NVTE_" in snapshot.te_import_error and "as an integer)" in snapshot.te_import_error
+    error = snapshot.te_import_error
+    if snapshot.te is not None and snapshot.te_import_checked and error:
+        setting = "NVTE_" in error and "as an integer)" in error
         yield Hit("transformer_engine", f"`import transformer_engine.pytorch` fails: "
-                  f"{snapshot.te_import_error} (installed torch: {snapshot.torch or '?'})",
+                  f"{error} (installed torch: {snapshot.torch or '?'})",
                   fix="set the NVTE_ variable(s) named to an integer (0 or 1), or unset them"
-                  if setting else None)
+                  if setting else _reinstall_te(snapshot) if _te_files_gone(error) else None)
+
+
+#: What `import transformer_engine.pytorch` says when pip lists TE but its files are gone (a
+#: half-finished uninstall, a deleted site-packages folder): Python finds no package, or TE
+#: finds no compiled library (transformer_engine/common/__init__.py `_get_shared_object_file`,
+#: "Could not find shared object file"; before TE 1.13 `next(glob(...))` raised StopIteration).
+_FILES_GONE = re.compile(r"No module named '?transformer_engine[\w.]*'?|Could not find shared "
+                         r"object file|^'?StopIteration")
+
+
+def _te_files_gone(error: str) -> bool:
+    return _FILES_GONE.search(error) is not None
+
+
+def _reinstall_te(snapshot: Snapshot) -> str:
+    """Reinstall, not rebuild: with the files gone there is nothing to rebuild against torch, and
+    pip, which still lists the packages, skips a plain install of the same version."""
+    names = [n for n, v in (("transformer-engine", snapshot.te),
+                            ("transformer-engine-torch", snapshot.te_torch),
+                            (snapshot.te_core_package, snapshot.te_core)) if n and v]
+    install = f'pip install --no-build-isolation "transformer-engine[pytorch]=={snapshot.te}"' \
+        if parse_version(snapshot.te) else TE_INSTALL_HINT
+    return (f"reinstall TransformerEngine, whose files are gone while pip still lists it: pip "
+            f"uninstall -y {' '.join(names)}, then {install}")
 
 
 @rule("FP8207", "error", f"TransformerEngine older than {dotted(MIN_TE_FOR_RECOMPUTE)} with "

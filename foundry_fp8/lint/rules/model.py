@@ -798,7 +798,7 @@ def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str |
       "benchmarks/results/mpt-1b-nvidia-h200-te-native.json (fp8-te-ln-mlp)",
       fix="drop ffn_type: te_ln_mlp (and fc_type: te, whose te.Linear layers te_swap does not "
       "fuse) and let te_swap build the fused layers: algorithms: {te_swap: {fuse_ln_mlp: true}} "
-      "with model.init_device: cpu (docs/te_swap.md)")
+      "with model.init_device: cpu")
 def te_layernorm_mlp_init(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     snapshot = ctx.snapshot
     scheme = section(section(config, "model"), "init_config").get("name", MPT_DEFAULT_INIT_SCHEME)
