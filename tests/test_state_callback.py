@@ -221,6 +221,60 @@ def test_a_failure_of_the_deferred_restore_under_strict_is_one_line(monkeypatch)
     assert calls == [1] and not module._forward_pre_hooks
 
 
+def test_a_deferred_restore_failing_in_every_module_is_one_warning_counting_them(monkeypatch,
+                                                                                 caplog):
+    """A failure shared by every waiting TE module (the same bug, or a recipe that keeps no
+    state) was one warning per module, 8 in the tiny MPT and hundreds in a real model; it is
+    one line counting the modules and naming the first 5, said once every waiting module has
+    had its first FP8 forward. A module that restores is not counted."""
+    modules = [_LazyStateLinear(4) for _ in range(7)]
+    loader = FP8State(strict=False)
+    loader._model = nn.Sequential(*modules)
+    loader.load_state_dict({"modules": {str(i): SAVED for i in range(7)}})
+    for module in modules:
+        module.fp8_on = True
+    real_write, calls = write_fp8_meta, []
+
+    def write(mod: nn.Module, tensors: dict, **kwargs: Any) -> None:
+        calls.append(1)
+        if mod is modules[3]:
+            return real_write(mod, tensors, **kwargs)
+        raise RuntimeError("our bug")
+
+    monkeypatch.setattr("foundry_fp8.composer.state.write_fp8_meta", write)
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+        loader._model(torch.randn(2, 4))
+        loader._model(torch.randn(2, 4))
+    assert [r.getMessage() for r in caplog.records] == [
+        "fp8_state: the checkpoint's FP8 state could not be restored at the module's first FP8 "
+        "forward (RuntimeError: our bug) (6 modules: 0, 1, 2, 4, 5 and 1 more); continuing "
+        "with those modules not restored"]
+    assert len(calls) == 7 and not any(m._forward_pre_hooks for m in modules)
+    assert torch.equal(read_fp8_meta(modules[3])["fwd_scale"], SAVED["fwd_scale"])
+    assert torch.equal(read_fp8_meta(modules[0])["fwd_scale"], torch.ones(3))
+
+
+def test_a_deferred_failure_of_a_module_not_yet_run_is_said_at_the_batch_end(monkeypatch,
+                                                                             caplog):
+    """A waiting module that had no FP8 forward yet (unused in this forward) does not hold back
+    the warning of those that failed: it is said at the callback's batch end."""
+    modules = [_LazyStateLinear(4) for _ in range(2)]
+    loader = FP8State(strict=False, watch_batches=0)
+    loader._model = nn.Sequential(*modules)
+    loader.load_state_dict({"modules": {str(i): SAVED for i in range(2)}})
+    modules[0].fp8_on = True
+    _broken_write(monkeypatch, RuntimeError("our bug"))
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+        modules[0](torch.randn(2, 4))
+        assert not caplog.records
+        loader.batch_end(None, None)
+        loader.batch_end(None, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "fp8_state: the checkpoint's FP8 state could not be restored at the module's first FP8 "
+        "forward (RuntimeError: our bug) (0); continuing with that module not restored"]
+    assert modules[1]._forward_pre_hooks
+
+
 @pytest.mark.parametrize("raised", DEVICE_ERRORS)
 def test_a_device_error_in_the_deferred_restore_is_raised_as_it_came(monkeypatch, raised):
     """An out-of-memory or CUDA error at the first FP8 forward was logged as our internal error

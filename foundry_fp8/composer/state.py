@@ -211,6 +211,7 @@ class FP8State(Callback):
         self._loaded_entries: Mapping[str, Any] | None = None
         self._weights_only: str | None = None  # which weights-only setting, if any
         self._te_restored = False  # the load's model held TE's own pickled FP8 state
+        self._waiting = _Waiting(set(), self._mismatch, self.strict)  # TE modules before their first forward
 
     # -- events ---------------------------------------------------------------------------
 
@@ -237,6 +238,7 @@ class FP8State(Callback):
             self._guarded(Event.FIT_START, self.load_state_dict, self._pending)
 
     def batch_end(self, state: State, logger: Logger) -> None:
+        self._guarded(Event.BATCH_END, self._waiting.say)
         if self.watch_batches:
             self._guarded(Event.BATCH_END, self._watch)
 
@@ -593,11 +595,11 @@ class FP8State(Callback):
             self._mismatch("fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
                            + "; ".join(shapes[n] for n in sorted(shapes)),
                            "those modules not restored")
+        waiting = self._waiting = _Waiting(later - shapes.keys(), self._mismatch, self.strict)
         for name, tensors in checked.items():
             if name in later:
                 _restore_at_first_forward(modules[name], tensors,
-                                          lambda message, name=name: self._mismatch(
-                                              f"{message} ({name})", "that module not restored"))
+                                          lambda message, name=name: waiting.settle(name, message))
             elif name not in shapes:
                 write_fp8_meta(modules[name], tensors)
         log.info("fp8_state: restored amax history and scales of %d modules",
@@ -700,8 +702,37 @@ def _same_state(a: FP8ModuleState, b: FP8ModuleState) -> bool:
         for n in a)
 
 
+class _Waiting:
+    """The restores waiting for TE modules' first FP8 forward. A failure they share (the same
+    bug, a recipe that keeps no state) was one warning per module, hundreds in a real model: it
+    is one line per kind of failure, counting the modules, said once every waiting module has
+    settled, or at the batch's end for those that had their forward. Under `strict` the first
+    failure raises at once (`mismatch`)."""
+
+    def __init__(self, names: set[str], mismatch: Callable[[str, str], None], strict: bool):
+        self._names, self._mismatch, self._strict = set(names), mismatch, strict
+        self._failed: dict[str, list[str]] = {}
+
+    def settle(self, name: str, message: str | None) -> None:
+        """`name`'s restore is over: done (`message` None) or failed."""
+        self._names.discard(name)
+        if message is not None:
+            self._failed.setdefault(message, []).append(name)
+        if not self._names or (self._strict and message is not None):
+            self.say()
+
+    def say(self) -> None:
+        failed, self._failed = self._failed, {}
+        for message, names in failed.items():
+            if len(names) == 1:
+                self._mismatch(f"{message} ({names[0]})", "that module not restored")
+            else:
+                self._mismatch(f"{message} ({len(names)} modules: {_shown(sorted(names))})",
+                               "those modules not restored")
+
+
 def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor],
-                              on_mismatch: Callable[[str], None]) -> None:
+                              settle: Callable[[str | None], None]) -> None:
     """TE creates a module's scaling state in its first FP8 forward; create it a moment earlier
     and write the saved values.
 
@@ -710,12 +741,12 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
     GEMM) builds the state for the active recipe; TE's forward then finds it initialised for
     the same recipe and keeps it. Forwards outside FP8 (eval) leave the hook
     waiting; a run whose recipe keeps no such state (current scaling), one that does not fit
-    the checkpoint, and a failure of ours are reported through `on_mismatch`, once: the hook is
-    gone after its first FP8 forward, whatever happened.
+    the checkpoint, and a failure of ours are reported through `settle` (None: restored), once:
+    the hook is gone after its first FP8 forward, whatever happened.
     """
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
-        """Inside the training forward: a failure of ours is one line through `on_mismatch`
+        """Inside the training forward: a failure of ours is said through `settle`
         (FP8StateError under strict, else a warning), its traceback at debug; a device error
         goes on as raised."""
         del args
@@ -728,8 +759,8 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
             if _device_failure(error):
                 raise
             log.debug("fp8_state: restore at the first FP8 forward failed", exc_info=True)
-            on_mismatch(f"fp8_state: the checkpoint's FP8 state could not be restored at the "
-                        f"module's first FP8 forward ({_described(error)})")
+            settle(f"fp8_state: the checkpoint's FP8 state could not be restored at the "
+                   f"module's first FP8 forward ({_described(error)})")
 
     def restore(mod: nn.Module) -> None:
         if not read_fp8_meta(mod):
@@ -738,14 +769,15 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
                 return  # FP8 is off in this forward: wait for one with FP8
         handle.remove()
         if not read_fp8_meta(mod):
-            on_mismatch("fp8_state: the checkpoint holds delayed-scaling FP8 state, but this "
-                        "run's recipe keeps none (current scaling?)")
+            settle("fp8_state: the checkpoint holds delayed-scaling FP8 state, but this "
+                   "run's recipe keeps none (current scaling?)")
             return
         try:
             write_fp8_meta(mod, tensors)
         except ValueError as error:
-            on_mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
-                        f"{error}")
+            settle(f"fp8_state: checkpoint FP8 state does not fit (recipe changed?): {error}")
+            return
+        settle(None)
 
     # eager under torch.compile (`compile_config`), as fp8_guard's and fp8_stats' hooks: traced,
     # Dynamo went into TE's state creation and broke the graph there (4 breaks on CPU)
