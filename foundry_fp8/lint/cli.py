@@ -32,6 +32,7 @@ from foundry_fp8.lint.accelerate import (
 )
 from foundry_fp8.lint.load import (
     LintInputError,
+    Overrides,
     cannot_read,
     compose,
     drop_duplicate_keys,
@@ -39,6 +40,7 @@ from foundry_fp8.lint.load import (
     load_config,
     load_data,
     position_of,
+    read_overrides,
     read_stdin,
     read_text,
     read_yaml,
@@ -65,10 +67,17 @@ def _error_entry(path: Path | str, error: str) -> dict[str, Any]:
 
 
 def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[int, int]],
-           prefix: str = "") -> dict[str, Any]:
-    return {"path": str(path), "error": None, "findings": [
-        _as_dict(replace(f, key=prefix + f.key), position_of(prefix + f.key, positions))
-        for f in findings]}
+           prefix: str = "", overrides: Overrides | None = None) -> dict[str, Any]:
+    """A finding at a key a command-line override sets names that override, and stands at the
+    key's line only where the file writes that key (never at a parent's: the value is not the
+    file's)."""
+    entries = []
+    for f in findings:
+        item = overrides.item_for(f.key) if overrides else None
+        where = positions.get(prefix + f.key) if item else position_of(prefix + f.key, positions)
+        note = f" (set by --override {item})" if item else ""
+        entries.append(_as_dict(replace(f, key=prefix + f.key, message=f.message + note), where))
+    return {"path": str(path), "error": None, "findings": entries}
 
 
 #: The name standard input (`-` on the command line) has in messages and entries: read as JSON
@@ -79,13 +88,15 @@ STDIN = Path("<stdin>")
 
 def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = None,
               wandb_mode: str | None = None, text: str | None = None,
-              gpus: int | None = None) -> dict[str, Any]:
+              gpus: int | None = None, overrides: Overrides | None = None) -> dict[str, Any]:
     """One entry of the JSON contract: {path, error, findings}, plus `skipped` (why) for a file
     with nothing to lint. `snapshot`: what is installed where the linter runs, for the rules
     that depend on it (None: they stay quiet); `wandb_mode`: W&B's mode from the environment
     (`wandb_mode_from_env`; None: not set); `text`: the file's text when the caller has read it
     (standard input), else it is read from `path`; `gpus`: how many GPUs the config trains on
-    (`--gpus`), unless an MCLI run config's `compute.gpus` says."""
+    (`--gpus`), unless an MCLI run config's `compute.gpus` says; `overrides`: `--override`'s
+    KEY=VALUEs, merged into the train or eval config (an MCLI run config's `parameters`) as the
+    train script merges its command line's; an Accelerate or DeepSpeed config takes none."""
     try:
         text = read_text(path) if text is None else text
         is_json = path.suffix.lower() == ".json" or (path is STDIN and _json_object(text))
@@ -114,7 +125,7 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
                                     "one): nothing to lint")
             return entry
         subtree = "parameters" if mcli else None
-        loaded = load_config(path, text, subtree, document)
+        loaded = load_config(path, text, subtree, document, overrides)
     except LintInputError as e:
         return _error_entry(path, str(e))
     pinned = {p.field: p for p in pins(data)} if mcli else {}
@@ -128,7 +139,7 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
         else lint_config(loaded.config, context)
     findings = [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
                 if f.rule in PIN_RULES else f for f in findings]
-    entry = _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "")
+    entry = _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "", overrides)
     outer += [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
               for f in pinned_te_findings(loaded.config, pinned, context)]
     entry["findings"][:0] = _entry(path, outer, loaded.positions)["findings"]
@@ -259,6 +270,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for the rules that depend on it (LLM-Foundry drops fsdp_config "
                              "in one process); an MCLI run config's compute.gpus wins; default "
                              "unknown: those rules warn")
+    parser.add_argument("--override", action="extend", nargs="+", metavar="KEY=VALUE",
+                        help="command-line overrides as the train script takes them "
+                             "(`composer train.py cfg.yaml precision=amp_fp8 model.n_layers=24`: "
+                             "--override precision=amp_fp8 model.n_layers=24, after the paths), "
+                             "read by omegaconf's from_dotlist and merged into each train or "
+                             "eval config (an MCLI run config's parameters) before it is "
+                             "resolved, as LLM-Foundry does; a finding at a key one sets names it")
     parser.add_argument("--format", choices=("text", "json", "sarif"), default="text",
                         help="text: a table per file (colour on a terminal unless NO_COLOR or "
                              "TERM=dumb); json: {files: [{path, error, findings}]}; "
@@ -273,7 +291,8 @@ def exit_code(report: dict[str, Any]) -> int:
 
 
 def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
-                    wandb_mode: str | None, gpus: int | None) -> dict[str, Any]:
+                    wandb_mode: str | None, gpus: int | None,
+                    overrides: Overrides | None) -> dict[str, Any]:
     """lint_file (on standard input's text for STDIN itself: a file named `<stdin>` is read
     from disk), and for what escapes it (our bug) the file's one line, so that the other files
     of a folder are still linted and no traceback is printed. A dependency this Python lacks
@@ -284,8 +303,8 @@ def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
                 text = read_stdin(STDIN)
             except LintInputError as e:
                 return _error_entry(STDIN, str(e))
-            return lint_file(STDIN, fsdp_version, snapshot, wandb_mode, text, gpus)
-        return lint_file(path, fsdp_version, snapshot, wandb_mode, gpus=gpus)
+            return lint_file(STDIN, fsdp_version, snapshot, wandb_mode, text, gpus, overrides)
+        return lint_file(path, fsdp_version, snapshot, wandb_mode, gpus=gpus, overrides=overrides)
     except Exception as e:
         if isinstance(e, ModuleNotFoundError) and not is_ours(e):
             raise  # a dependency this Python lacks, for every file: the CLI's one line says so
@@ -299,7 +318,12 @@ def run(args: argparse.Namespace) -> int:
     wandb_mode = wandb_mode_from_env(os.environ)
     snapshot = gather_snapshot(probe_te_import=False, probe_gpu=False)
     gpus = getattr(args, "gpus", None)
-    report = {"files": [_lint_or_report(p, fsdp_version, snapshot, wandb_mode, gpus)
+    try:
+        overrides = read_overrides(args.override) if getattr(args, "override", None) else None
+    except LintInputError as e:  # the same for every file: the command line is wrong
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    report = {"files": [_lint_or_report(p, fsdp_version, snapshot, wandb_mode, gpus, overrides)
                         if isinstance(p, Path) else p for p in _expand(args.paths)]}
     if args.format == "json":
         print(render_json(report))

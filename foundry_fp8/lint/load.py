@@ -122,7 +122,7 @@ def error_location(message: str, path: str) -> tuple[str, int | None, int | None
 @dataclass(frozen=True)
 class LoadedConfig:
     """The resolved config, each dotted key's (line, column) (1-based), the keys whose
-    value uses `${oc.env:...}`, and the top-level names interpolations read (`seq` for
+    value uses `${oc.env:...}`, the top-level names interpolations read (`seq` for
     `${seq}` and `${seq.x}`)."""
 
     config: dict[str, Any]
@@ -597,12 +597,14 @@ def _unconstructed(path: Path, root: yaml.Node, node: yaml.Node,
 
 
 def load_config(path: Path, text: str | None = None, subtree: str | None = None,
-                document: Document | None = None) -> LoadedConfig:
+                document: Document | None = None,
+                overrides: Overrides | None = None) -> LoadedConfig:
     """The resolved config with key positions; LintInputError (one line) when we cannot.
     `subtree`: resolve only this top-level section, as its own document (an MCLI run config's
     `parameters`, which MCLI hands to the train script as the whole config); positions and
     `${oc.env:...}` keys stay relative to the file. `document`: `text` as `read_yaml` read it
-    already, with `dates` False."""
+    already, with `dates` False. `overrides`: the command line's `KEY=VALUE`s, merged into the
+    loaded (unresolved) config as `train_from_yaml` merges `om.from_cli(args_list)`."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -633,6 +635,16 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
                 raw = OmegaConf.create(OmegaConf.to_container(raw[subtree], resolve=False))
         except failures as e:
             raise _omegaconf_error(path, e, positions, inside, "cannot load") from None
+        if overrides is not None:
+            try:
+                raw = OmegaConf.merge(raw, overrides.config)
+            except failures as e:
+                raise overrides.error(path, raw, e, positions, inside) from None
+            # a value an override replaced is not the file's: its `${oc.env:...}` is gone, and
+            # an override's own is the override's
+            env_values = [(k, v) for k, v in env_values if overrides.item_for(k[len(inside):])
+                          is None]
+            env_values += [(inside + k, v) for k, v in overrides.env_values]
         env_keys = []
         for key, value in env_values:
             if not key.startswith(inside):
@@ -653,8 +665,98 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
             except failures as e:
                 error = _omegaconf_error(path, e, positions, inside, "cannot resolve")
                 raise LintInputError(f"{error}{_AGAIN}") from None
-    names = frozenset(_READ_NAME.findall(text))
+    names = frozenset(_READ_NAME.findall(text + (overrides.text if overrides else "")))
     return LoadedConfig(config, positions, tuple(env_keys), names)
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Command-line `KEY=VALUE` overrides as `llmfoundry train cfg.yaml KEY=VALUE...` (and
+    `composer train.py`, and eval) take them: `om.from_cli(args_list)` merged with
+    `om.merge(yaml_cfg, cli_cfg)` (llmfoundry/command_utils/train.py train_from_yaml, eval.py
+    eval_from_yaml). `keys`: each dotted key (`join_key`) they set, with the item that set it;
+    `whole`: those whose value replaces all the file holds beneath (not a mapping, which
+    omegaconf merges key by key)."""
+
+    items: tuple[str, ...]
+    config: Any  # the DictConfig om.from_cli builds
+    keys: Mapping[str, str]
+    whole: frozenset[str]
+    env_values: tuple[tuple[str, str], ...]
+    text: str
+
+    def item_for(self, key: str) -> str | None:
+        """The `KEY=VALUE` that sets `key`'s value, if one does (then no line of the file holds
+        it); None when the file's value stands."""
+        if key in self.keys:
+            return self.keys[key]
+        parent = parent_key(key)
+        while parent:
+            if parent in self.whole:
+                return self.keys[parent]
+            parent = parent_key(parent)
+        return None
+
+    def error(self, path: Path, raw: Any, error: BaseException,
+              positions: Mapping[str, tuple[int, int]], inside: str) -> LintInputError:
+        """omegaconf's refusal to merge them into `path`'s config (`raw`), at the line of the
+        file's key the first item that omegaconf refuses alone would replace."""
+        from omegaconf import OmegaConf
+
+        item, key = " ".join(self.items), ""
+        for one in self.items:
+            try:
+                OmegaConf.merge(raw, OmegaConf.from_dotlist([one]))
+            except Exception:  # whatever omegaconf raises: this item is the one
+                item, key = one, next((k for k, i in self.keys.items() if i == one), "")
+                break
+        at = position_of(inside + key, positions) if key else None
+        return LintInputError(f"{path}{f':{at[0]}' if at else ''}: --override {item}: cannot "
+                              f"merge it into this config: {first_line(error)}")
+
+
+def read_overrides(items: list[str]) -> Overrides:
+    """`items` read by omegaconf's own `from_dotlist` (what `om.from_cli` calls), all at once as
+    the train script does; LintInputError (one line naming the item) for one it refuses, or one
+    without `=`, which is far likelier a config path given after `--override` than a key set to
+    null (as from_dotlist reads it)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    failures = (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError, KeyError,
+                IndexError, RecursionError)
+    keys: dict[str, str] = {}
+    for item in items:
+        if "=" not in item or item.startswith("="):
+            raise LintInputError(f"--override {item!r}: not KEY=VALUE (name the config files "
+                                 "before --override)")
+        try:
+            one = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+        except failures as e:
+            raise LintInputError(f"--override {item}: omegaconf cannot read it: "
+                                 f"{first_line(e)}") from None
+        keys.update((key, item) for key, _ in _leaves(one, ""))
+    try:
+        config = OmegaConf.from_dotlist(items)
+        merged = OmegaConf.to_container(config, resolve=False)
+    except failures as e:
+        raise LintInputError(f"--override {' '.join(items)}: omegaconf cannot read them together:"
+                             f" {first_line(e)}") from None
+    leaves = dict(_leaves(merged, ""))
+    env_values = tuple((k, v) for k, v in leaves.items() if isinstance(v, str) and OC_ENV.search(v))
+    return Overrides(tuple(items), config, {k: i for k, i in keys.items() if k in leaves},
+                     frozenset(k for k, v in leaves.items() if not isinstance(v, Mapping)),
+                     env_values, " ".join(items))
+
+
+def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of each value an override writes: scalars, lists and empty
+    mappings, which replace the config's; a non-empty mapping merges key by key."""
+    if isinstance(value, Mapping) and value:
+        for key, inner in value.items():
+            yield from _leaves(inner, join_key(prefix, key))
+    elif prefix:
+        yield prefix, value
 
 
 #: An interpolation's opening and the backslashes before it: an odd number escapes it.

@@ -1,0 +1,160 @@
+"""`foundry-fp8 lint cfg.yaml --override KEY=VALUE...`: the config as `llmfoundry train cfg.yaml
+KEY=VALUE...` (or `composer train.py`) will run it, its command-line overrides merged in. The
+reference is LLM-Foundry's own reading (llmfoundry/command_utils/train.py train_from_yaml):
+`om.load`, `om.merge(yaml_cfg, om.from_cli(args_list))`, then resolution."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from foundry_fp8.cli import main
+from foundry_fp8.lint.load import LintInputError, load_config, read_overrides
+
+HANG_GUARD_S = 60
+
+#: A zoo file's shape: `variables`, an anchor and merge keys for the loaders, interpolations.
+ZOO = """\
+variables:
+  max_seq_len: 2048
+  data_local: ./c4
+max_seq_len: ${variables.max_seq_len}
+train_loader: &loader
+  name: text
+  dataset: &ds
+    local: ${variables.data_local}
+    split: train
+    max_seq_len: ${variables.max_seq_len}
+  drop_last: true
+eval_loader:
+  <<: *loader
+  dataset:
+    <<: *ds
+    split: val
+model:
+  name: mpt_causal_lm
+  d_model: 2048
+  n_heads: 16
+  n_layers: 24
+  expansion_ratio: 4
+  max_seq_len: ${variables.max_seq_len}
+  vocab_size: 50368
+  loss_fn: torch_crossentropy
+tokenizer: {name: EleutherAI/gpt-neox-20b}
+optimizer: {name: decoupled_adamw, lr: 1.0e-4, betas: [0.9, 0.95]}
+scheduler: {name: cosine_with_warmup, t_warmup: 100ba}
+max_duration: 10ba
+global_train_batch_size: 64
+device_train_microbatch_size: 8
+precision: amp_bf16
+fsdp_config: {mixed_precision: PURE}
+algorithms:
+  te_swap: {backend: emulate}
+"""
+
+
+def _line_of(text: str, key_text: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1)
+                if line.lstrip().startswith(key_text))
+
+
+def _foundry_reads(path: Path, args: list[str]) -> dict:
+    """The config LLM-Foundry's train_from_yaml trains from, resolved."""
+    with open(path) as f:
+        yaml_cfg = OmegaConf.load(f)
+    return OmegaConf.to_container(OmegaConf.merge(yaml_cfg, OmegaConf.from_cli(args)),
+                                  resolve=True)
+
+
+@pytest.mark.parametrize("args", [
+    ["precision=amp_fp8", "model.n_layers=2"],
+    ["variables.max_seq_len=512", "variables.data_local=/data/c4"],  # through interpolation
+    ["eval_loader.dataset.split=test", "optimizer.betas=[0.8,0.9]"],  # into a merge key's copy
+    ["model={n_layers: 4, d_model: 256}", "callbacks.fp8_lint={}"],  # mappings merge key by key
+    [r"model\.d_model=3"],  # omegaconf's escaped dot: a top-level key holding a dot
+])
+def test_overrides_give_the_config_llm_foundry_trains_from(tmp_path, args):
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO)
+    loaded = load_config(path, overrides=read_overrides(args))
+    assert loaded.config == _foundry_reads(path, args)
+
+
+def test_a_finding_an_override_causes_names_it_at_the_files_key(tmp_path, capsys):
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO)
+    assert main(["lint", str(path), "--format", "json"]) == 0  # as written: nothing wrong
+    capsys.readouterr()
+    code = main(["lint", str(path), "--format", "json", "--override", "model.d_model=2056",
+                 "model.attn_config.attn_tpye=torch"])
+    [entry] = json.loads(capsys.readouterr().out)["files"]
+    assert code == 1, entry
+    found = {(f["rule"], f["key"]): f for f in entry["findings"]}
+    d_model = found["FP8005", "model.d_model"]
+    assert d_model["line"] == _line_of(ZOO, "d_model:")  # the key the file writes
+    assert d_model["message"].endswith("(set by --override model.d_model=2056)")
+    # a key only the override writes has no line in the file: not its parent's (model:)
+    n_heads = found["FP8035", "model.n_heads"]  # at a key the file's value still holds
+    assert n_heads["line"] == _line_of(ZOO, "n_heads:") and "--override" not in n_heads["message"]
+    typo = found["FP8042", "model.attn_config.attn_tpye"]  # MPT's TypeError building it
+    assert typo["line"] is None  # not model's line: the file has no attn_config
+    assert typo["message"].endswith("(set by --override model.attn_config.attn_tpye=torch)")
+
+
+def test_an_override_filling_a_missing_key_satisfies_the_run(tmp_path, capsys):
+    """FP8038 judges the merged config: max_duration given on the command line is there."""
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO.replace("max_duration: 10ba\n", ""))
+    assert main(["lint", str(path), "--format", "json"]) == 1
+    assert "FP8038" in capsys.readouterr().out
+    assert main(["lint", str(path), "--format", "json", "--override", "max_duration=10ba"]) == 0
+
+
+def test_an_mcli_run_configs_parameters_take_the_overrides(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("name: r\nimage: mosaicml/llm-foundry:2.7.0_cu128-latest\ncompute: {gpus: 8}"
+                    "\ncommand: composer train/train.py /mnt/config/parameters.yaml\n"
+                    "parameters:\n" + "".join(f"  {line}\n" for line in ZOO.splitlines()))
+    assert main(["lint", str(path), "--format", "json", "--override", "model.n_heads=0"]) == 1
+    [entry] = json.loads(capsys.readouterr().out)["files"]
+    [finding] = [f for f in entry["findings"] if f["key"] == "parameters.model.n_heads"]
+    assert finding["rule"] == "FP8035" and finding["line"] == _line_of(path.read_text(),
+                                                                        "n_heads:")
+
+
+def _lint(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", *args],
+                          capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    # omegaconf refuses to merge a mapping into the file's list (TypeError in train_from_yaml)
+    (["optimizer.betas.x=1"], ":{betas}: --override optimizer.betas.x=1: cannot merge"),
+    (["a=[1,"], "--override a=[1,: omegaconf cannot read it"),
+    # a config path after --override: from_dotlist would read it as a key set to null
+    (["precision=amp_fp8", "other.yaml"], "--override 'other.yaml': not KEY=VALUE"),
+])
+def test_a_bad_override_is_one_line_and_exit_2(tmp_path, args, said):
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO)
+    done = _lint(str(path), "--override", *args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert said.format(betas=_line_of(ZOO, "optimizer:")) in line
+    if "cannot merge" in said:  # omegaconf's own refusal, as LLM-Foundry meets it
+        with pytest.raises(TypeError, match="Cannot merge incompatible container types"):
+            _foundry_reads(path, args)
+
+
+def test_read_overrides_refuses_what_from_dotlist_refuses_together():
+    """Each reads alone; together omegaconf's from_dotlist (as om.from_cli) raises."""
+    with pytest.raises(ValueError):
+        OmegaConf.from_dotlist(["a=[1]", "a.b=2"])
+    with pytest.raises(LintInputError, match="--override a=.1. a.b=2: omegaconf cannot read "
+                       "them together"):
+        read_overrides(["a=[1]", "a.b=2"])
