@@ -191,6 +191,26 @@ def _output_failed(failure: OutputError) -> int:
     return _exit_status(failure.error)
 
 
+def interrupted_by(error: BaseException) -> bool:
+    """Whether `error` comes of a Ctrl-C: a KeyboardInterrupt or Composer's SystemExit(130), or
+    an exception raised from or while handling one. A Ctrl-C during an extension module's
+    import reaches Python as ImportError("initialization failed") from the KeyboardInterrupt:
+    pybind11 wraps whatever its module init raised (torch/include/pybind11/detail/common.h:409,
+    PYBIND11_MODULE), and the half-imported module then fails later imports in other ways."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, KeyboardInterrupt) or (
+                isinstance(current, SystemExit) and current.code == EXIT_INTERRUPTED):
+            return True
+        pending += [current.__cause__, current.__context__]
+    return False
+
+
 def _interrupted() -> int:
     """Ctrl-C: one line where a traceback would go (a user who pressed it needs no stack)."""
     sys.stderr.write("foundry-fp8: interrupted\n")
@@ -299,14 +319,13 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
     except OutputError as failure:
         code = _output_failed(failure)
-    except KeyboardInterrupt:
-        code = _interrupted()
-    except ModuleNotFoundError as missing:
-        code = _not_installed(missing)
-    except SystemExit as stop:  # Composer, once imported, turns SIGINT into sys.exit(130)
-        if stop.code != EXIT_INTERRUPTED:
+    except BaseException as error:  # Composer, once imported, turns SIGINT into sys.exit(130)
+        if interrupted_by(error):
+            code = _interrupted()
+        elif isinstance(error, ModuleNotFoundError):
+            code = _not_installed(error)
+        else:
             raise
-        code = _interrupted()
     finally:
         sys.stdout, sys.stderr = saved
         for stream, error in zip(saved, errors, strict=True):

@@ -88,3 +88,66 @@ def test_make_run_s_own_failure_is_not_called_an_interrupt(monkeypatch, capsys):
     with pytest.raises(SystemExit, match="training failed"):
         demo["entry"]([])
     assert capsys.readouterr().err == ""
+
+
+def _ctrl_c_in_an_extension_import(args):
+    """What Ctrl-C during a pybind11 extension's import raises: PYBIND11_MODULE's init wraps
+    the KeyboardInterrupt as ImportError('initialization failed') from it
+    (torch/include/pybind11/detail/common.h:409, `raise_from`)."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as interrupt:
+        raise ImportError("initialization failed") from interrupt
+
+
+def _half_imported_module_fails_after_ctrl_c(args):
+    """QA 19: a Ctrl-C in numpy's import ended the bench in `AttributeError: module 'numpy' has
+    no attribute 'ndarray'`, raised while the interrupt was being handled."""
+    try:
+        raise SystemExit(128 + signal.SIGINT)  # Composer's handler, once it is imported
+    except SystemExit:
+        raise AttributeError("module 'numpy' has no attribute 'ndarray'") from None
+
+
+@pytest.mark.parametrize("interrupt", [_ctrl_c_in_an_extension_import,
+                                       _half_imported_module_fails_after_ctrl_c],
+                         ids=["pybind-import", "during-handling"])
+def test_an_error_a_ctrl_c_caused_is_the_interrupt_s_one_line(interrupt, monkeypatch, capsys):
+    module = importlib.import_module(SUBCOMMANDS["report"][0])
+    monkeypatch.setattr(module, "run", interrupt)
+    assert main(["report", "run"]) == 130
+    assert capsys.readouterr().err == "foundry-fp8: interrupted\n"
+
+
+def test_an_error_with_no_interrupt_behind_it_is_still_raised(monkeypatch):
+    module = importlib.import_module(SUBCOMMANDS["report"][0])
+
+    def broken(args):
+        try:
+            raise ValueError("first")
+        except ValueError as first:
+            raise ImportError("initialization failed") from first
+
+    monkeypatch.setattr(module, "run", broken)
+    with pytest.raises(ImportError, match="initialization failed"):
+        main(["report", "run"])
+
+
+def test_ctrl_c_in_a_bench_variant_s_import_stops_the_bench(monkeypatch, tmp_path, capsys):
+    """QA 19: Ctrl-C while a variant imported a pybind11 extension (scipy's HiGHS, via Composer)
+    was recorded as that variant failing ("ImportError: initialization failed"); the bench
+    went on with every other variant ("type 'ObjSense' is already registered!") and exited 1
+    minutes later."""
+    from foundry_fp8.tools import bench
+
+    started = []
+
+    def run_variant(variant, config, bar):
+        started.append(variant.name)
+        _ctrl_c_in_an_extension_import(None)
+
+    monkeypatch.setattr(bench, "run_variant", run_variant)
+    assert main(["bench", "--tiny", "--variants", "bf16,fp8-te-swap,fp8-te-swap-stats1",
+                 "--out", str(tmp_path)]) == 130
+    assert started == ["bf16"]
+    assert capsys.readouterr().err.splitlines()[-1] == "foundry-fp8: interrupted"

@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from foundry_fp8.cli import OutputError
+from foundry_fp8.cli import OutputError, interrupted_by
 from foundry_fp8.jsonl import check_output, file_kind, write_output
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_CHECKED_FROM,
@@ -460,6 +460,8 @@ def run_bench(config: BenchConfig,
                 except OutputError:  # the terminal or pipe is gone, not the variant
                     raise
                 except Exception as err:  # a broken variant must not lose the others' numbers
+                    if interrupted_by(err):  # Ctrl-C during an import: stop, as anywhere else
+                        raise
                     failed.append({"name": name,
                                    "reason": f"{type(err).__name__}: {err}".splitlines()[0][:300],
                                    "traceback": traceback.format_exc()})
