@@ -581,6 +581,7 @@ class EmulatedFP8Linear(nn.Linear):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._fsdp2: bool | None = None  # `_under_fsdp2`, once asked
+        self._last_dtype: torch.dtype | None = None  # `_check_dtypes`' cache, as TE's
         self.reset_scaling_state()
 
     def reset_scaling_state(self) -> None:
@@ -611,6 +612,27 @@ class EmulatedFP8Linear(nn.Linear):
             if linear.bias is not None:
                 new.bias.copy_(linear.bias)
         return new
+
+    def _check_dtypes(self, x: torch.Tensor) -> None:
+        """Raise TypeError where te.Linear does (TE 2.20 `set_activation_dtype`, pytorch/module/
+        base.py:1482-1501; an assert from TE 2.0): outside torch autocast, a parameter whose
+        dtype is not the input's, unless the input has the dtype the layer last computed in
+        (TE caches it, under autocast too, and then checks nothing). The FP8 GEMMs here read
+        float32 either way, so without this a CPU run passed that stops TE's first forward.
+        Asked at FP8 and calibration forwards (outside them nn.Linear refuses any mismatch)."""
+        dtype = _activation_dtype(x)
+        if torch.is_autocast_enabled(x.device.type) or self._last_dtype == dtype:
+            self._last_dtype = dtype
+            return
+        for name, param in self.named_parameters():
+            if param.dtype != dtype:
+                raise TypeError(
+                    f"EmulatedFP8Linear: input {dtype} and parameter {name!r} "
+                    f"{param.dtype} outside torch autocast: TransformerEngine raises TypeError "
+                    "here ('Data types for parameters must match when outside of autocasted "
+                    "region'); cast the input or the model to one dtype, or run under "
+                    "torch.autocast")
+        self._last_dtype = dtype
 
     def _check_recipe(self, recipe: FP8Recipe) -> None:
         """Refuse a recipe other than this layer's first (the history length aside, which TE
@@ -698,6 +720,7 @@ class EmulatedFP8Linear(nn.Linear):
         A later FP8 region with another recipe is then refused, as after an FP8 forward
         (`_check_recipe`)."""
         recipe = _STATE.recipe
+        self._check_dtypes(x)
         self._check_recipe(recipe)
         for meta in self.fp8_meta.values():
             meta.follow(x.device)
@@ -742,10 +765,12 @@ class EmulatedFP8Linear(nn.Linear):
         at the first cast, module-level autocast state) that Dynamo would recompile for at
         every change, and software FP8 gains nothing from a compiled graph."""
         recipe = _STATE.recipe
+        replaying = _STATE.replay is not None
+        if not replaying:  # TE's recompute sets no activation dtype (module/base.py:1600-1603)
+            self._check_dtypes(x)
         self._check_recipe(recipe)
         for meta in self.fp8_meta.values():
             meta.follow(x.device)
-        replaying = _STATE.replay is not None
         if recipe.scaling == "delayed" and not replaying:
             for meta in self.fp8_meta.values():
                 self._fit_history(meta, recipe)
