@@ -510,8 +510,9 @@ def _sharded_folder(path: str) -> str | None:
       "raises IsADirectoryError. `llmfoundry train` in one process drops fsdp_config ('FSDP is "
       "not applicable for single-GPU training. Reverting to DDP.'), so a sharded checkpoint "
       "saved on 2+ GPUs does not load on one. An error where the run cannot load it (no "
-      "sharded fsdp_config; MCLI `compute.gpus: 1`), a warning for a plain YAML with a sharded "
-      "fsdp_config, whose world size is unknown, nothing for `compute.gpus` of 2 or more. The "
+      "sharded fsdp_config; MCLI `compute.gpus: 1`, `--gpus 1`), an info for a plain YAML with a "
+      "sharded fsdp_config linted without `--gpus` (written for 2+ GPUs, where "
+      "it loads), nothing on 2 or more. The "
       "path is judged by its name (LLM-Foundry's `latest-sharded-rank{rank}`) or as a folder "
       "where the linter runs; object-store paths are not judged.",
       source=f"{COMPOSER} composer/utils/checkpoint.py load_checkpoint "
@@ -540,4 +541,4 @@ def sharded_load_path(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
         yield Hit("load_path", f"load_path `{path}`: {why}; it loads on 2+ GPUs, but in one "
                   "process (one GPU, or CPU) LLM-Foundry drops fsdp_config and Composer reads "
                   "it as one file (IsADirectoryError): an error if this config trains in one "
-                  f"process ({GPUS_HINT})", severity="warning")
+                  f"process ({GPUS_HINT})", severity="info")
