@@ -11,6 +11,7 @@ an isolated build environment, as `python -m build --wheel` does.
 
 from __future__ import annotations
 
+import email
 import json
 import os
 import shutil
@@ -107,6 +108,22 @@ def test_the_wheel_holds_every_file_the_package_has(installed: Installed) -> Non
     assert {"foundry_fp8/tools/yamls/mpt-1b-bf16.yaml",
             "foundry_fp8/tools/yamls/mpt-1b-fp8.yaml"} <= names
     assert not [n for n in names if n.startswith(("tests/", "scripts/", "benchmarks/"))]
+
+
+def test_the_wheel_carries_the_license_its_metadata_names(installed: Installed) -> None:
+    """QA 19: METADATA said `License: Apache-2.0` and the wheel (and the checkout) held no
+    license text. The reference text is Apache's own LICENSE-2.0.txt as Accelerate, a dependency
+    of LLM-Foundry, ships it unchanged."""
+    from importlib import metadata
+
+    wheel = zipfile.ZipFile(installed.wheel)
+    [meta] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    fields = email.message_from_bytes(wheel.read(meta))
+    assert fields["License"] == "Apache-2.0" and fields.get_all("License-File") == ["LICENSE"]
+    [shipped] = [n for n in wheel.namelist() if ".dist-info/" in n and n.endswith("/LICENSE")]
+    [reference] = [f for f in metadata.files("accelerate") or [] if f.name == "LICENSE"]
+    assert wheel.read(shipped).decode() == reference.read_text()
+    assert (REPO / "LICENSE").read_text() == reference.read_text()
 
 
 def test_the_installed_package_is_the_wheel_not_the_checkout(installed: Installed) -> None:
