@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from foundry_fp8.cli import main
 from foundry_fp8.lint.load import LintInputError, load_config, read_overrides
+from foundry_fp8.lint.rules.mcli import command_overrides
 
 HANG_GUARD_S = 60
 
@@ -155,6 +157,46 @@ def test_read_overrides_refuses_what_from_dotlist_refuses_together():
     """Each reads alone; together omegaconf's from_dotlist (as om.from_cli) raises."""
     with pytest.raises(ValueError):
         OmegaConf.from_dotlist(["a=[1]", "a.b=2"])
-    with pytest.raises(LintInputError, match="--override a=.1. a.b=2: omegaconf cannot read "
+    with pytest.raises(LintInputError, match="--override a=.1., --override a.b=2: omegaconf cannot read "
                        "them together"):
         read_overrides(["a=[1]", "a.b=2"])
+
+
+def _mcli(tmp_path: Path, command: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text("name: r\nimage: mosaicml/llm-foundry:2.7.0_cu128-latest\ncompute: {gpus: 8}"
+                    f"\ncommand: |\n  cd llm-foundry/scripts\n  {command}\n  echo done\n"
+                    "parameters:\n" + "".join(f"  {line}\n" for line in ZOO.splitlines()))
+    return path
+
+
+def test_an_mcli_commands_own_overrides_are_merged_as_train_py_merges_them(tmp_path, capsys):
+    """`composer train/train.py /mnt/config/parameters.yaml KEY=VALUE...`: train.py hands
+    sys.argv[2:] to train_from_yaml, so the run trains with them (and `--override`'s after)."""
+    args = ["model.n_heads=0", "variables.max_seq_len=512"]
+    path = _mcli(tmp_path, "composer train/train.py /mnt/config/parameters.yaml "
+                 + " ".join(args) + " 2>&1 | tee log.txt")
+    assert main(["lint", str(path), "--format", "json", "--override", "max_duration=5ba"]) == 1
+    [entry] = json.loads(capsys.readouterr().out)["files"]
+    [finding] = [f for f in entry["findings"] if f["key"] == "parameters.model.n_heads"]
+    assert finding["rule"] == "FP8035" and finding["line"] == _line_of(path.read_text(),
+                                                                        "n_heads:")
+    assert finding["message"].endswith("(set by `command:`'s model.n_heads=0)")
+    params = tmp_path / "parameters.yaml"  # what MCLI writes to /mnt/config/parameters.yaml
+    params.write_text(ZOO)
+    reference = _foundry_reads(params, [*args, "max_duration=5ba"])
+    run = yaml.safe_load(path.read_text())  # MCLI's own reader
+    assert command_overrides(run) == args  # up to the shell's `2>&1 | tee`
+    loaded = load_config(path, subtree="parameters",
+                         overrides=read_overrides(["max_duration=5ba"], command_overrides(run)))
+    assert loaded.config == reference and reference["model"]["max_seq_len"] == 512
+    assert command_overrides({"command": "composer train.py /mnt/config/parameters.yaml"}) == []
+
+
+def test_an_mcli_command_override_omegaconf_refuses_is_one_line_at_the_command(tmp_path):
+    path = _mcli(tmp_path, "composer train/train.py /mnt/config/parameters.yaml 'a=[1,'")
+    done = _lint(str(path))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: {path}:{_line_of(path.read_text(), 'command:')}: "
+                           "`command:`'s a=[1,: omegaconf cannot read it")

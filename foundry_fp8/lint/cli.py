@@ -15,7 +15,7 @@ import glob
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from foundry_fp8.lint.accelerate import (
     read_json,
 )
 from foundry_fp8.lint.load import (
+    Document,
     LintInputError,
     Overrides,
     cannot_read,
@@ -51,6 +52,7 @@ from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config, wandb_mod
 from foundry_fp8.lint.rules.eval import is_eval_config
 from foundry_fp8.lint.rules.mcli import (
     PIN_RULES,
+    command_overrides,
     is_mcli,
     mcli_gpus,
     pinned_note,
@@ -75,7 +77,7 @@ def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[in
     for f in findings:
         item = overrides.item_for(f.key) if overrides else None
         where = positions.get(prefix + f.key) if item else position_of(prefix + f.key, positions)
-        note = f" (set by --override {item})" if item else ""
+        note = f" (set by {item})" if item else ""
         entries.append(_as_dict(replace(f, key=prefix + f.key, message=f.message + note), where))
     return {"path": str(path), "error": None, "findings": entries}
 
@@ -88,15 +90,16 @@ STDIN = Path("<stdin>")
 
 def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = None,
               wandb_mode: str | None = None, text: str | None = None,
-              gpus: int | None = None, overrides: Overrides | None = None) -> dict[str, Any]:
+              gpus: int | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """One entry of the JSON contract: {path, error, findings}, plus `skipped` (why) for a file
     with nothing to lint. `snapshot`: what is installed where the linter runs, for the rules
     that depend on it (None: they stay quiet); `wandb_mode`: W&B's mode from the environment
     (`wandb_mode_from_env`; None: not set); `text`: the file's text when the caller has read it
     (standard input), else it is read from `path`; `gpus`: how many GPUs the config trains on
     (`--gpus`), unless an MCLI run config's `compute.gpus` says; `overrides`: `--override`'s
-    KEY=VALUEs, merged into the train or eval config (an MCLI run config's `parameters`) as the
-    train script merges its command line's; an Accelerate or DeepSpeed config takes none."""
+    KEY=VALUEs, merged into the train or eval config (an MCLI run config's `parameters`, after
+    its `command:`'s own) as the train script merges its command line's; an Accelerate or
+    DeepSpeed config takes none."""
     try:
         text = read_text(path) if text is None else text
         is_json = path.suffix.lower() == ".json" or (path is STDIN and _json_object(text))
@@ -125,7 +128,8 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
                                     "one): nothing to lint")
             return entry
         subtree = "parameters" if mcli else None
-        loaded = load_config(path, text, subtree, document, overrides)
+        merged = _overrides(path, data if mcli else {}, list(overrides), document)
+        loaded = load_config(path, text, subtree, document, merged)
     except LintInputError as e:
         return _error_entry(path, str(e))
     pinned = {p.field: p for p in pins(data)} if mcli else {}
@@ -139,11 +143,25 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
         else lint_config(loaded.config, context)
     findings = [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
                 if f.rule in PIN_RULES else f for f in findings]
-    entry = _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "", overrides)
+    entry = _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "", merged)
     outer += [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
               for f in pinned_te_findings(loaded.config, pinned, context)]
     entry["findings"][:0] = _entry(path, outer, loaded.positions)["findings"]
     return entry
+
+
+def _overrides(path: Path, mcli: Mapping[str, Any], items: list[str],
+               document: Document | None) -> Overrides | None:
+    """The overrides the run merges into its config: an MCLI run config's command's, then
+    `--override`'s; at the command's line when omegaconf refuses them."""
+    command = command_overrides(mcli)
+    if not command and not items:
+        return None
+    try:
+        return read_overrides(items, command)
+    except LintInputError as e:
+        line = key_positions(document.root if document else None)[0].get("command", (None,))[0]
+        raise LintInputError(f"{path}{f':{line}' if line else ''}: {e}") from None
 
 
 def _json_object(text: str) -> bool:
@@ -292,7 +310,7 @@ def exit_code(report: dict[str, Any]) -> int:
 
 def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
                     wandb_mode: str | None, gpus: int | None,
-                    overrides: Overrides | None) -> dict[str, Any]:
+                    overrides: Sequence[str]) -> dict[str, Any]:
     """lint_file (on standard input's text for STDIN itself: a file named `<stdin>` is read
     from disk), and for what escapes it (our bug) the file's one line, so that the other files
     of a folder are still linted and no traceback is printed. A dependency this Python lacks
@@ -318,9 +336,10 @@ def run(args: argparse.Namespace) -> int:
     wandb_mode = wandb_mode_from_env(os.environ)
     snapshot = gather_snapshot(probe_te_import=False, probe_gpu=False)
     gpus = getattr(args, "gpus", None)
+    overrides = getattr(args, "override", None) or []
     try:
-        overrides = read_overrides(args.override) if getattr(args, "override", None) else None
-    except LintInputError as e:  # the same for every file: the command line is wrong
+        read_overrides(overrides)  # the same for every file: a wrong one is said once
+    except LintInputError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
     report = {"files": [_lint_or_report(p, fsdp_version, snapshot, wandb_mode, gpus, overrides)

@@ -674,11 +674,12 @@ class Overrides:
     """Command-line `KEY=VALUE` overrides as `llmfoundry train cfg.yaml KEY=VALUE...` (and
     `composer train.py`, and eval) take them: `om.from_cli(args_list)` merged with
     `om.merge(yaml_cfg, cli_cfg)` (llmfoundry/command_utils/train.py train_from_yaml, eval.py
-    eval_from_yaml). `keys`: each dotted key (`join_key`) they set, with the item that set it;
-    `whole`: those whose value replaces all the file holds beneath (not a mapping, which
-    omegaconf merges key by key)."""
+    eval_from_yaml). `keys`: each dotted key (`join_key`) they set, with the item that set it
+    as messages name it (`--override KEY=VALUE`, or the MCLI `command:`'s); `whole`: those
+    whose value replaces all the file holds beneath (not a mapping, which omegaconf merges key
+    by key)."""
 
-    items: tuple[str, ...]
+    items: tuple[str, ...]  # as messages name them
     config: Any  # the DictConfig om.from_cli builds
     keys: Mapping[str, str]
     whole: frozenset[str]
@@ -686,7 +687,7 @@ class Overrides:
     text: str
 
     def item_for(self, key: str) -> str | None:
-        """The `KEY=VALUE` that sets `key`'s value, if one does (then no line of the file holds
+        """The override that sets `key`'s value, if one does (then no line of the file holds
         it); None when the file's value stands."""
         if key in self.keys:
             return self.keys[key]
@@ -703,50 +704,60 @@ class Overrides:
         file's key the first item that omegaconf refuses alone would replace."""
         from omegaconf import OmegaConf
 
-        item, key = " ".join(self.items), ""
-        for one in self.items:
+        item, key = ", ".join(self.items), ""
+        for one, config in zip(self.items, self._each, strict=True):
             try:
-                OmegaConf.merge(raw, OmegaConf.from_dotlist([one]))
+                OmegaConf.merge(raw, config)
             except Exception:  # whatever omegaconf raises: this item is the one
                 item, key = one, next((k for k, i in self.keys.items() if i == one), "")
                 break
         at = position_of(inside + key, positions) if key else None
-        return LintInputError(f"{path}{f':{at[0]}' if at else ''}: --override {item}: cannot "
-                              f"merge it into this config: {first_line(error)}")
+        return LintInputError(f"{path}{f':{at[0]}' if at else ''}: {item}: cannot merge it into "
+                              f"this config: {first_line(error)}")
+
+    _each: tuple[Any, ...] = ()  # each item's own from_dotlist config
 
 
-def read_overrides(items: list[str]) -> Overrides:
-    """`items` read by omegaconf's own `from_dotlist` (what `om.from_cli` calls), all at once as
-    the train script does; LintInputError (one line naming the item) for one it refuses, or one
-    without `=`, which is far likelier a config path given after `--override` than a key set to
-    null (as from_dotlist reads it)."""
+#: How a command's overrides are named, and where a run config writes them.
+COMMAND_OVERRIDE = "`command:`'s {}"
+
+
+def read_overrides(items: list[str], command: list[str] | None = None) -> Overrides:
+    """`items` (`--override`'s) after `command` (those an MCLI run config's command line gives
+    the train script) read by omegaconf's own `from_dotlist` (what `om.from_cli` calls), all at
+    once as the train script does; LintInputError (one line naming the item) for one it refuses,
+    or an `--override` without `=`, which is far likelier a config path given after `--override`
+    than a key set to null (as from_dotlist reads it, and reads the command's)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     failures = (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError, KeyError,
                 IndexError, RecursionError)
+    command = command or []
+    named = [COMMAND_OVERRIDE.format(i) for i in command] + [f"--override {i}" for i in items]
     keys: dict[str, str] = {}
-    for item in items:
-        if "=" not in item or item.startswith("="):
+    each = []
+    for item, name in zip(command + items, named, strict=True):
+        if name.startswith("--") and ("=" not in item or item.startswith("=")):
             raise LintInputError(f"--override {item!r}: not KEY=VALUE (name the config files "
                                  "before --override)")
         try:
-            one = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+            each.append(OmegaConf.from_dotlist([item]))
+            one = OmegaConf.to_container(each[-1], resolve=False)
         except failures as e:
-            raise LintInputError(f"--override {item}: omegaconf cannot read it: "
-                                 f"{first_line(e)}") from None
-        keys.update((key, item) for key, _ in _leaves(one, ""))
+            raise LintInputError(f"{name}: omegaconf cannot read it: {first_line(e)}") from None
+        keys.update((key, name) for key, _ in _leaves(one, ""))
     try:
-        config = OmegaConf.from_dotlist(items)
+        config = OmegaConf.from_dotlist(command + items)
         merged = OmegaConf.to_container(config, resolve=False)
     except failures as e:
-        raise LintInputError(f"--override {' '.join(items)}: omegaconf cannot read them together:"
-                             f" {first_line(e)}") from None
+        raise LintInputError(f"{', '.join(named)}: omegaconf cannot read them together: "
+                             f"{first_line(e)}") from None
     leaves = dict(_leaves(merged, ""))
     env_values = tuple((k, v) for k, v in leaves.items() if isinstance(v, str) and OC_ENV.search(v))
-    return Overrides(tuple(items), config, {k: i for k, i in keys.items() if k in leaves},
+    return Overrides(tuple(named), config, {k: i for k, i in keys.items() if k in leaves},
                      frozenset(k for k, v in leaves.items() if not isinstance(v, Mapping)),
-                     env_values, " ".join(items))
+                     env_values, " ".join(command + items), tuple(each))
 
 
 def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:

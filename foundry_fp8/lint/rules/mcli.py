@@ -5,6 +5,7 @@ The `parameters` mapping itself is linted as the train or eval config it is."""
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,6 +42,30 @@ def trains_from_parameters(data: Mapping[str, Any]) -> bool:
     """Its command (or entrypoint) reads the file MCLI writes `parameters` to."""
     return any(isinstance(data.get(key), str) and PARAMETERS_FILE in data[key]
                for key in ("command", "entrypoint"))
+
+
+#: Shell words that end a command's arguments.
+_SHELL_ENDS = ("&", "|", ";", ">", "<", "2>", "1>")
+
+
+def command_overrides(data: Mapping[str, Any]) -> list[str]:
+    """The arguments the `command:` gives after /mnt/config/parameters.yaml: the train (or eval)
+    script merges every one of them into that config (`train_from_yaml(yaml_path,
+    args_list=sys.argv[2:])`, om.from_cli: `KEY=VALUE`, or KEY alone, set to null); up to the
+    end of its line (a `\\` continues it) or a shell operator."""
+    command = data.get("command")
+    if not isinstance(command, str) or PARAMETERS_FILE not in command:
+        return []
+    for line in command.replace("\\\n", " ").splitlines():
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:  # unbalanced quotes: the shell fails on it too
+            continue
+        if PARAMETERS_FILE in words:
+            after = words[words.index(PARAMETERS_FILE) + 1:]
+            end = next((i for i, w in enumerate(after) if w.startswith(_SHELL_ENDS)), len(after))
+            return after[:end]
+    return []
 
 
 def mcli_gpus(data: Mapping[str, Any]) -> int | None:
