@@ -621,6 +621,24 @@ def test_load_ignore_keys_of_the_modules_is_not_called_a_run_without_fp8(tmp_pat
                              "fresh"]
 
 
+def test_modules_left_out_by_a_load_ignore_keys_glob_are_not_blamed_on_te_swap(tmp_path):
+    """Composer's globs (`load_ignore_keys: [state/callbacks/FP8State/modules/*blocks.0*]`)
+    drop some modules' saved state: the one line named only te_swap's selection or another
+    model as the cause, sending the user to a YAML that did not change."""
+    _trainer(tmp_path, "2ba", [FP8State()]).fit()
+    saved = fp8_state_from_checkpoint(_checkpoint(tmp_path, 2))
+    assert sorted(saved) == ["module.blocks.0", "module.blocks.1"]
+    with pytest.raises(FP8StateError) as error:
+        _trainer(tmp_path, "3ba", [FP8State()], load_path=str(_checkpoint(tmp_path, 2)),
+                 load_ignore_keys=["state/callbacks/FP8State/modules/*blocks.0*"]).fit()
+    assert str(error.value) == (
+        "fp8_state: the checkpoint's FP8 modules differ from this run's (te_swap's "
+        "include/exclude/keep_first_blocks/keep_last_blocks changed, another model, or saved "
+        "state left out by load_ignore_keys?): 1 in FP8 now without saved state: "
+        "module.blocks.0; 0 saved, not in FP8 now (set fp8_state: {strict: false} to "
+        "continue with the modules in both restored, the others' FP8 state fresh)")
+
+
 # -- real Composer runs: save, resume -------------------------------------------------------------
 
 

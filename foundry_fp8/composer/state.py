@@ -659,9 +659,13 @@ def _placeholder(entry: dict[str, Any], path: list[str]) -> None:
 def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
     """One line for a checkpoint whose FP8 modules are not the model's: mostly te_swap's layer
     selection changed between the runs (a resume with a new include/exclude), so that is named;
-    each side counted and shown up to 5 names (a real model has hundreds)."""
+    each side counted and shown up to 5 names (a real model has hundreds). Modules without
+    saved state may also be a `load_ignore_keys` glob's doing (Composer drops them before any
+    callback sees the checkpoint), so that is named too."""
+    ignored = ", another model, or saved state left out by load_ignore_keys" if missing else \
+        ", or another model"
     return (f"fp8_state: the checkpoint's FP8 modules differ from this run's (te_swap's "
-            f"include/exclude/keep_first_blocks/keep_last_blocks changed, or another model?): "
+            f"include/exclude/keep_first_blocks/keep_last_blocks changed{ignored}?): "
             f"{len(missing)} in FP8 now without saved state"
             f"{': ' + _shown(missing) if missing else ''}; {len(unexpected)} saved, not in FP8 "
             f"now{': ' + _shown(unexpected) if unexpected else ''}")
