@@ -74,6 +74,12 @@ from foundry_fp8.options import MonitorConfig, Schedule
 from foundry_fp8.recipe import RecipeError
 from foundry_fp8.te import probe
 
+#: The `about` line of a dump file's metadata; its `tensors` entry says per key which layer,
+#: FP8 format and kind of scale.
+DUMP_ABOUT = ("<layer>/<tensor>: the high-precision tensor the layer's GEMM took (first "
+              "micro-batch); <layer>/<tensor>/scale: its FP8 scale (FP8 value = tensor * scale, "
+              "saturated to the format's max)")
+
 #: What tells one weight seen on several ranks from different weights under one name: equal
 #: sums of squares (the same tensor; up to a reduction's rounding, `_SAME_WEIGHT_RTOL`) and equal
 #: NaN and Inf counts.
@@ -302,6 +308,7 @@ class _Step:
     formats: dict[int, str] = field(default_factory=dict)  # the FP8 format each row is cast in
     amax: torch.Tensor | None = None  # what-if amaxes of this step, one per row
     dump: dict[str, torch.Tensor] = field(default_factory=dict)
+    dump_meta: dict[str, dict[str, str]] = field(default_factory=dict)  # per dumped key
     dump_bytes: int = 0
     left_out: list[str] = field(default_factory=list)
 
@@ -364,6 +371,7 @@ class FP8Monitor:
         self._folds = 0  # delayed what-if updates so far
         self.error: BaseException | None = None
         self._dump_failed = False  # warned once about a dump that could not be written
+        self.dumped: list[Path] = []  # the dump files written, oldest first
         self.tracker = HealthTracker(thresholds_of(self.config), keep_flags=False)
         self.short = {name: short_layer(name) for name in self.layers}  # names in keys
         # the last logging step's statistics and flags, for listeners (the guard); empty on a
@@ -560,7 +568,9 @@ class FP8Monitor:
         if step.dumping and earlier is None and (  # the first micro-batch's tensors
                 dump_layers is None or search(f"{self.config.PATH}.dump_layers", dump_layers,
                                               name)):
-            self._add_dump(f"{name}/{watch.name}", value, -row[SUFFICIENT_INDEX["neg_scale"]])
+            self._add_dump(f"{name}/{watch.name}", value, -row[SUFFICIENT_INDEX["neg_scale"]],
+                           {"layer": self.short[name], "format": fmt,
+                            "scale": "what-if" if whatif else "cast"})
 
     def _note_amax(self, idx: int, amax: torch.Tensor) -> None:
         step = self._step
@@ -571,8 +581,10 @@ class FP8Monitor:
         # per micro-batch, so its history spans fewer steps)
         step.amax[idx] = torch.maximum(step.amax[idx], amax)
 
-    def _add_dump(self, key: str, value: torch.Tensor, scale: torch.Tensor) -> None:
-        """Keep a copy of the high-precision tensor and its scale, until the size cap."""
+    def _add_dump(self, key: str, value: torch.Tensor, scale: torch.Tensor,
+                  meta: dict[str, str]) -> None:
+        """Keep a copy of the high-precision tensor and its scale, until the size cap; `meta`:
+        what the file says of it (`_write_dump`)."""
         step = self._step
         assert step is not None
         size = value.numel() * value.element_size() + 4
@@ -581,6 +593,7 @@ class FP8Monitor:
             return
         step.dump[key] = value.detach().clone()
         step.dump[f"{key}/scale"] = scale.float().reshape(())
+        step.dump_meta[key] = meta
         step.dump_bytes += size
 
     def abort(self) -> None:
@@ -779,7 +792,13 @@ class FP8Monitor:
             return None
 
     def _write_dump(self, step: _Step) -> None:
-        """One safetensors file per step and rank: `<layer>/<tensor>` and its `/scale`."""
+        """One safetensors file per step and rank: `<layer>/<tensor>` and its `/scale`, and in
+        the file's metadata what a reader needs to redo the cast without our code: per tensor
+        the layer's name in the metric keys and warnings, the FP8 format and whether the scale is
+        the one the layer cast with or fp8_stats' what-if (a layer not in FP8, or in fp8_guard's
+        fallback). The path is kept in `dumped` for the caller to name."""
+        import json
+
         from safetensors import SafetensorError
         from safetensors.torch import save_file
 
@@ -790,7 +809,9 @@ class FP8Monitor:
         tensors = {k: v.detach().cpu().contiguous() for k, v in step.dump.items()}
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(path), metadata={"step": str(step.step), "rank": str(rank)})
+            save_file(tensors, str(path), metadata={
+                "step": str(step.step), "rank": str(rank), "tensors": json.dumps(step.dump_meta),
+                "about": DUMP_ABOUT})
         except (OSError, SafetensorError) as e:  # a full disk, a folder gone unwritable: skip
             # this dump, statistics go on (and the ranks stay in step)
             if not self._dump_failed:
@@ -798,6 +819,7 @@ class FP8Monitor:
                                 "later dumps are tried and not reported")
             self._dump_failed = True
             return
+        self.dumped.append(path)
         if step.left_out:
             self.on_warning(f"fp8 dump {path}: dump_max_mb={self.config.dump_max_mb:g} reached; "
                             f"left out: {', '.join(step.left_out)} (raise dump_max_mb or narrow "

@@ -93,3 +93,27 @@ def test_monitor_summary_covers_every_logged_step():
 def test_dump_steps_need_a_folder():
     with pytest.raises(ValueError, match="dump_folder"):
         FP8Monitor(nn.Linear(2, 2), MonitorConfig(), schedule=Schedule(dump_steps=(3,)))
+
+
+def test_dump_file_says_what_each_tensor_is(tmp_path):
+    """The file alone (safetensors' own reader, no foundry_fp8) names each tensor's layer, FP8
+    format (HYBRID: E5M2 for the gradient) and whether its scale cast it; with the scale and
+    format, torch's own FP8 cast redoes the layer's round trip."""
+    import json
+
+    from safetensors import safe_open
+
+    seen, logged, _, _ = _train_steps(tmp_path, 2)
+    with safe_open(str(tmp_path / "step0000001-rank0.safetensors"), "pt") as f:
+        meta = f.metadata()
+        tensors = json.loads(meta["tensors"])
+        x, scale = f.get_tensor("0/activation"), f.get_tensor("0/activation/scale")
+    assert tensors == {"0/activation": {"layer": "0", "format": "e4m3", "scale": "cast"},
+                       "0/weight": {"layer": "0", "format": "e4m3", "scale": "cast"},
+                       "0/gradient": {"layer": "0", "format": "e5m2", "scale": "cast"}}
+    assert "tensor * scale" in meta["about"]
+    scaled = (x * scale).clamp(-448, 448)
+    back = scaled.to(torch.float8_e4m3fn).float() / scale
+    cos = torch.nn.functional.cosine_similarity(back.flatten(), x.flatten(), dim=0)
+    assert cos.item() == pytest.approx(logged[1][layer_key("cos_sim", "activation", "0")],
+                                       abs=1e-6)

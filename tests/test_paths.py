@@ -51,14 +51,20 @@ def _train(run_name: str, loggers, callbacks=(), save_folder: str | None = None)
     return trainer
 
 
-def test_relative_paths_go_into_the_run_folder_not_the_working_directory(tmp_path, elsewhere):
+def test_relative_paths_go_into_the_run_folder_not_the_working_directory(tmp_path, elsewhere,
+                                                                          capsys):
     save_folder = str(tmp_path / "runs" / "{run_name}" / "checkpoints")
     stats = FP8Stats(interval=10, dump_steps=[1], dump_folder="dumps/{run_name}")
     _train("r", [JSONLLogger(path="logs/metrics.jsonl")], [stats], save_folder)
     run = tmp_path / "runs" / "r"
     assert [step for step, _ in read_jsonl(run / "logs" / "metrics.jsonl")]
     assert (run / "logs" / "hparams.json").exists()
-    assert load_file(run / "logs" / "dumps" / "r" / "step0000001-rank0.safetensors")
+    dump = run / "logs" / "dumps" / "r" / "step0000001-rank0.safetensors"
+    assert load_file(dump)
+    # the console names the file where the user looks, once, at the step it is written
+    said = [line for line in capsys.readouterr().out.splitlines() if "saved to" in line]
+    assert said == [f"foundry_fp8 fp8_stats: step 1's tensors saved to {dump} (each rank writes "
+                    "its own; the file's metadata says what each tensor is)"]
     assert _files(elsewhere) == []
 
 

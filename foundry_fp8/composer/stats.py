@@ -375,8 +375,12 @@ class FP8Stats(Callback):
             self._recent.append((self._step, marked(heatmap_rows(self.monitor.table), {
                 HIGH_PRECISION: self.monitor.fallback_rows, UNCAST: self.monitor.uncast_rows}),
                                  step_formats(self.monitor.formats)))
+        dumped, self.monitor.dumped = self.monitor.dumped, []
         if not _is_rank_zero():
             return
+        for path in dumped:  # the file the user asked for, named as it is written
+            print(f"foundry_fp8 fp8_stats: step {self._step}'s tensors saved to {path} (each "
+                  "rank writes its own; the file's metadata says what each tensor is)", flush=True)
         if metrics or te_metrics:
             self._rank_zero(lambda: self._log_metrics(logger, metrics, te_metrics),
                             "logging the metrics")
