@@ -160,3 +160,28 @@ def test_an_escaped_interpolation_is_resolved_again_as_llm_foundry_does(tmp_path
     assert error.startswith(f"error: {missing}:14: cannot resolve key run_name: Interpolation "
                             "key 'variables.nope' not found (once resolved"), error
     assert _lint(present).returncode == 0
+
+
+@pytest.mark.parametrize(("text", "key", "where"), [
+    # `<<: *base` naming another file's anchor: YAML anchors do not cross files
+    ("max_seq_len: 8\nmodel:\n  <<: *base_model\n  n_layers: 2\n", " in a merge key (<<)",
+     "no &base_model anchor before it in this file"),
+    ("max_seq_len: 8\nmodel: *base_model\n_base: &base_model\n  n_layers: 2\n",
+     " at key model", "its anchor &base_model comes later, at line 3"),
+])
+def test_an_undefined_alias_is_named_with_its_key_and_anchor(tmp_path, text, key, where):
+    """QA (session 19): libyaml said only "found undefined alias" at a line and column; PyYAML's
+    own reader names the alias, which the line must name too, with the key holding it."""
+    with pytest.raises(yaml.composer.ComposerError) as pure:
+        yaml.load(text, Loader=yaml.SafeLoader)
+    assert pure.value.problem == "found undefined alias 'base_model'"
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8.cli", "lint", str(path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    mark = pure.value.problem_mark
+    assert done.stderr.splitlines() == [
+        f"error: {path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: found undefined alias "
+        f"*base_model{key}: {where}" + (": an anchor must come before its aliases" if "later"
+                                        in where else " (anchors do not reach across files)")]

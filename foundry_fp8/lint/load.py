@@ -276,7 +276,32 @@ def _yaml_error(path: Path, error: yaml.YAMLError, text: str,
                                   f"{ord(bad.group()):#06x}: {error.reason}")
     where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
     problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    alias = _ALIAS.match(text, mark.index) if mark and problem.startswith(_UNDEFINED) else None
+    if alias:
+        problem = _undefined_alias(text, mark, alias.group(1))
     return LintInputError(f"{path}{where}: {verdict}: {problem}")
+
+
+#: libyaml's words for an alias with no anchor before it (PyYAML's own add the name).
+_UNDEFINED = "found undefined alias"
+_ALIAS = re.compile(r"\*([^\s,\[\]{}]+)")
+_LINE_KEY = re.compile(r"\s*(?:-\s+)?([^\s:#'\"][^:#]*?)\s*:(?:\s|$)")
+
+
+def _undefined_alias(text: str, mark: yaml.Mark, name: str) -> str:
+    """An undefined alias named, with its key and where its anchor is: zoo files meet this when
+    a `<<: *base` names an anchor of another file (anchors do not cross files or documents) or
+    one written further down (YAML reads an anchor before its aliases)."""
+    line = text[mark.index - mark.column:].split("\n", 1)[0]
+    key = _LINE_KEY.match(line)
+    later = re.search(rf"&{re.escape(name)}(?=[\s,\]}}]|$)", text[mark.index:])
+    where = (f"its anchor &{name} comes later, at line "
+             f"{text.count(chr(10), 0, mark.index + later.start()) + 1}: an anchor must come "
+             "before its aliases") if later else \
+        f"no &{name} anchor before it in this file (anchors do not reach across files)"
+    at = "" if not key else " in a merge key (<<)" if key.group(1) == "<<" else \
+        f" at key {key.group(1)}"
+    return f"{_UNDEFINED} *{name}{at}: {where}"
 
 
 def cannot_read(path: Path | str, error: OSError) -> LintInputError:
