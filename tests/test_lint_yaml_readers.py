@@ -15,6 +15,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from mcli.utils.utils_yaml import load_yaml
+from omegaconf import OmegaConf
 
 MCLI = """name: mpt-125m-fp8
 image: mosaicml/llm-foundry:2.7.0_cu128-latest
@@ -185,3 +186,24 @@ def test_an_undefined_alias_is_named_with_its_key_and_anchor(tmp_path, text, key
         f"error: {path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: found undefined alias "
         f"*base_model{key}: {where}" + (": an anchor must come before its aliases" if "later"
                                         in where else " (anchors do not reach across files)")]
+
+
+@pytest.mark.parametrize("text", [MCLI + "---\nname: second\n", "precision: amp_fp8\n---\n"
+                                  "precision: amp_bf16\n"])
+def test_a_file_of_two_documents_is_refused_at_the_second_as_its_readers_do(tmp_path, text):
+    """QA (session 19): the line said only "but found another document". MCLI's reader and
+    omegaconf (LLM-Foundry's) both refuse a second document; a leading `---` is one document."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(yaml.YAMLError):
+        load_yaml(str(path)) if text.startswith(MCLI) else OmegaConf.load(path)
+    done = _lint(path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    line = text[:text.index("\n---\n")].count("\n") + 2
+    assert done.stderr.splitlines() == [
+        f"error: {path}:{line}:1: not valid YAML: expected a single document in the stream, but a "
+        "second document (after `---`) starts here: omegaconf, LLM-Foundry's reader, and "
+        "yaml.safe_load, MCLI's and Accelerate's, read one document per file; put each config "
+        "in its own file"]
+    path.write_text("---\n" + text.partition("\n---\n")[0] + "\n")
+    assert _lint(path).returncode in (0, 1)

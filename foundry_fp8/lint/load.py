@@ -279,7 +279,15 @@ def _yaml_error(path: Path, error: yaml.YAMLError, text: str,
     alias = _ALIAS.match(text, mark.index) if mark and problem.startswith(_UNDEFINED) else None
     if alias:
         problem = _undefined_alias(text, mark, alias.group(1))
+    elif getattr(error, "context", None) == _ONE_DOCUMENT:
+        problem = (f"{_ONE_DOCUMENT}, but a second document (after `---`) starts here: "
+                   "omegaconf, LLM-Foundry's reader, and yaml.safe_load, MCLI's and "
+                   "Accelerate's, read one document per file; put each config in its own file")
     return LintInputError(f"{path}{where}: {verdict}: {problem}")
+
+
+#: PyYAML's and libyaml's context for a file of several documents.
+_ONE_DOCUMENT = "expected a single document in the stream"
 
 
 #: libyaml's words for an alias with no anchor before it (PyYAML's own add the name).
