@@ -370,6 +370,12 @@ def _activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+#: The dtypes TE's FP8 casts read: its input type switch (common/common.h,
+#: TRANSFORMER_ENGINE_TYPE_SWITCH_INPUT); float64 has no TE dtype (pytorch/csrc/common.h:495-520).
+#: te.Linear casts its input and weight as they come (linear.py:436, module/base.py:883).
+_TE_CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _bias_dtype(activation_dtype: torch.dtype) -> torch.dtype:
     """cuBLAS takes no float32 bias with FP8 operands: TE casts it to bfloat16 then
     (linear.py:499-502); the epilogue adds it to the float32 accumulator."""
@@ -619,7 +625,15 @@ class EmulatedFP8Linear(nn.Linear):
         dtype is not the input's, unless the input has the dtype the layer last computed in
         (TE caches it, under autocast too, and then checks nothing). The FP8 GEMMs here read
         float32 either way, so without this a CPU run passed that stops TE's first forward.
-        Asked at FP8 and calibration forwards (outside them nn.Linear refuses any mismatch)."""
+        Asked at FP8 and calibration forwards (outside them nn.Linear refuses any mismatch).
+        Also RuntimeError for an input or weight TE cannot cast (`_TE_CAST_DTYPES`)."""
+        uncast = [f"{name} {t.dtype}" for name, t in (("input", x), ("weight", self.weight))
+                  if t.dtype not in _TE_CAST_DTYPES]
+        if uncast:
+            raise RuntimeError(
+                f"EmulatedFP8Linear: FP8 {' and '.join(uncast)}: TransformerEngine casts only "
+                "float32, float16 and bfloat16 to FP8 and stops with 'Invalid type' (under "
+                "torch autocast too: it casts its input and weight as they come); use one of them")
         dtype = _activation_dtype(x)
         if torch.is_autocast_enabled(x.device.type) or self._last_dtype == dtype:
             self._last_dtype = dtype

@@ -82,3 +82,27 @@ def test_a_bias_of_another_dtype_is_named():
     layer.bias.data = layer.bias.data.float()
     with fp8_autocast(recipe=FP8Recipe()), pytest.raises(TypeError, match="'bias'"):
         layer(torch.randn(16, 32, dtype=BF16))
+
+
+#: The dtypes TE's FP8 casts read (TE 2.20, transformer_engine/common/common.h
+#: TRANSFORMER_ENGINE_TYPE_SWITCH_INPUT: Float32, Float16, BFloat16; float64 has no TE DType at
+#: all, pytorch/csrc/common.h:495-520 `GetTransformerEngineDType`: "Invalid type").
+TE_CAST_DTYPES = (F32, F16, BF16)
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype", "autocast"), [
+    (torch.float64, torch.float64, False), (torch.float64, F32, True), (F32, torch.float64, True),
+    (F32, F32, True), (F16, F16, False)])
+def test_float64_operands_are_refused_as_te_refuses_to_cast_them(x_dtype, w_dtype, autocast):
+    """te.Linear quantizes its input and weight as they come (linear.py:436, base.py:883), so
+    under autocast too a float64 operand stops TE's first FP8 forward with RuntimeError."""
+    layer = EmulatedFP8Linear(32, 16, bias=False, dtype=w_dtype)
+    x = torch.randn(16, 32, dtype=x_dtype)
+    te_refuses = x_dtype not in TE_CAST_DTYPES or w_dtype not in TE_CAST_DTYPES
+    with fp8_autocast(recipe=FP8Recipe()), torch.autocast("cpu", BF16, enabled=autocast):
+        if te_refuses:
+            with pytest.raises(RuntimeError, match="float64") as error:
+                layer(x)
+            assert "\n" not in str(error.value)
+        else:
+            assert torch.isfinite(layer(x)).all()
