@@ -294,7 +294,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--override precision=amp_fp8 model.n_layers=24, after the paths), "
                              "read by omegaconf's from_dotlist and merged into each train or "
                              "eval config (an MCLI run config's parameters) before it is "
-                             "resolved, as LLM-Foundry does; a finding at a key one sets names it")
+                             "resolved, as LLM-Foundry does (an MCLI run config's command's "
+                             "own first); a finding at a key one sets names it; default none")
     parser.add_argument("--format", choices=("text", "json", "sarif"), default="text",
                         help="text: a table per file (colour on a terminal unless NO_COLOR or "
                              "TERM=dumb); json: {files: [{path, error, findings}]}; "
