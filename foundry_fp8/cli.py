@@ -26,6 +26,7 @@ import importlib
 import io
 import os
 import sys
+import textwrap
 from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
@@ -41,21 +42,47 @@ SUBCOMMANDS = {
     "tiny-data": ("foundry_fp8.tools.tiny_data", "build a tiny local tokenizer and text dataset for a CPU try (nothing downloaded)"),
 }
 
+#: What each subcommand's own exit statuses mean, shown in its --help (the ones every
+#: subcommand shares follow: `_SHARED_EXITS`).
+EXITS = {
+    "lint": "0 no error finding (warnings and infos do not fail), 1 an error finding, 2 a path "
+            "that cannot be linted or a usage error",
+    "report": "0 the report was written (flagged layers do not fail it), 2 the run cannot be "
+              "read or a usage error",
+    "bench": "0 every variant that can run here ran, 1 a variant failed or none ran, 2 options, "
+             "YAMLs, --out or the machine (no GPU without --tiny) refused before any training",
+    "doctor": "0 nothing is broken (no GPU or no TE is reported, not failed), 1 an error "
+              "finding, or with --strict a warning too",
+    "tiny-data": "0 built or reused, 2 a file in the way or a usage error",
+}
+
 #: The exit status of an output that stopped reading: 128 + SIGPIPE, what a shell reports for a
 #: command that SIGPIPE ended (`set -o pipefail`), so it is not mistaken for lint's exit 1.
 EXIT_BROKEN_PIPE = 141
 #: The exit status of a command Ctrl-C stopped: 128 + SIGINT, as a shell reports it.
 EXIT_INTERRUPTED = 130
+#: The exit statuses every subcommand shares, after its own in its --help.
+_SHARED_EXITS = (f"{EXIT_INTERRUPTED} interrupted (Ctrl-C), {EXIT_BROKEN_PIPE} the output was "
+                 "closed early (| head), 2 also when stdout cannot be written")
+
+
+def _exit_status_help(statuses: str) -> str:
+    """An epilog naming the exit statuses, wrapped here: a subcommand with a raw description
+    (tiny-data) shows its epilog as given."""
+    return textwrap.fill(f"exit status: {statuses}; {_SHARED_EXITS}.", width=78)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="foundry-fp8",
-        description=f"FP8 training tools for Composer and LLM-Foundry: {', '.join(SUBCOMMANDS)}.")
+        description=f"FP8 training tools for Composer and LLM-Foundry: {', '.join(SUBCOMMANDS)}.",
+        epilog=_exit_status_help("0 success, 1 findings or failures (what counts: COMMAND "
+                                 "--help), 2 a usage or input error, or no COMMAND"))
     parser.add_argument("--version", action="version", version=f"foundry-fp8 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text,
+                                    epilog=_exit_status_help(EXITS[name]))
         importlib.import_module(module).add_arguments(sub_parser)
     return parser
 

@@ -63,3 +63,43 @@ def test_an_unknown_option_is_refused_by_its_subcommand(argv, usage, error) -> N
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.splitlines()
     assert lines[0].startswith(usage) and lines[-1] == error, lines
+
+
+def _exit_statuses(command: str) -> list[tuple[int, str]]:
+    """The `exit status:` paragraph of `python -m foundry_fp8 COMMAND --help`: (code, meaning)."""
+    import re
+
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8", command, "--help"],
+                          capture_output=True, text=True, check=True)
+    paragraph = " ".join(done.stdout.partition("exit status:")[2].split())
+    return [(int(code), meaning) for code, meaning
+            in re.findall(r"(?:^|[,;] )(\d+) (.+?)(?=[,;] \d+ |\.$)", paragraph)]
+
+
+LINT_ERROR = "precision: amp_fp8\nmodel:\n  name: mpt_causal_lm\n"  # FP8001: no layer in FP8
+LINT_WARNINGS = "precision: amp_bf16\nmodel:\n  name: mpt_causal_lm\n"  # FP8038, FP8029 only
+
+
+@pytest.mark.parametrize(("argv", "word"), [
+    (["lint", "error.yaml"], "error finding"),
+    (["lint", "warnings.yaml"], "no error finding"),
+    (["lint", "missing.yaml"], "cannot be linted"),
+    (["doctor", "--no-te-import"], "nothing is broken"),
+    (["doctor", "--no-te-import", "--strict"], "--strict"),  # no GPU here: FP8201's warning
+    (["report", "missing-run"], "cannot be read"),
+    (["tiny-data", "error.yaml"], "file in the way"),
+    (["bench", "--tiny", "--yamls", "missing"], "refused before any training"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_help_says_what_each_exit_status_means(argv, word, tmp_path, monkeypatch) -> None:
+    """QA 19: no `--help` named an exit status (docs/lint.md and the modules' docstrings did),
+    so a CI script's author could not tell lint's findings (1) from a file it could not read
+    (2). The status each real run exits with is the one its help gives that meaning."""
+    from foundry_fp8.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "error.yaml").write_text(LINT_ERROR)
+    (tmp_path / "warnings.yaml").write_text(LINT_WARNINGS)
+    code = main(argv)
+    statuses = _exit_statuses(argv[0])
+    assert any(c == code and word in meaning for c, meaning in statuses), (code, statuses)
+    assert {130, 141} <= {c for c, _ in statuses}
