@@ -257,6 +257,17 @@ def test_yamls_folder_without_the_yamls_is_a_one_line_error(capsys, tmp_path):
                    "reads mpt-1b-bf16.yaml and mpt-1b-fp8.yaml; the package ships both)\n")
 
 
+def test_yamls_naming_a_file_says_it_is_no_folder(capsys, tmp_path):
+    """QA 19: `--yamls mpt-1b-fp8.yaml` (the file, not its folder) said "no mpt-1b-bf16.yaml
+    there", as if the folder lacked one."""
+    given = tmp_path / "mpt-1b-fp8.yaml"
+    given.write_text((bench.YAMLS / "mpt-1b-fp8.yaml").read_text())
+    assert main(["bench", "--tiny", "--yamls", str(given), "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"foundry-fp8 bench: --yamls {given}: a file, not a folder (--yamls names the folder "
+        "holding mpt-1b-bf16.yaml and mpt-1b-fp8.yaml)\n")
+
+
 def test_results_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
     """Not into the checkout or site-packages: where the user runs it. (fp8-fc-te does not run
     on CPU, so nothing trains; the results still get written.)"""

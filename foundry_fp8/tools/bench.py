@@ -737,6 +737,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                          # --tiny has no FSDP to checkpoint with: recorded as what ran
                          activation_checkpointing=args.activation_checkpointing and not tiny,
                          compile=args.compile, yamls=args.yamls)
+    if config.yamls.exists() and not config.yamls.is_dir():
+        raise ValueError(f"--yamls {config.yamls}: {file_kind(config.yamls.stat().st_mode)}, "
+                         "not a folder (--yamls names the folder holding mpt-1b-bf16.yaml and "
+                         "mpt-1b-fp8.yaml)")
     for path in dict.fromkeys(yaml_path(VARIANTS[name], config) for name in config.variants):
         if not path.is_file():
             raise ValueError(f"--yamls {config.yamls}: no {path.name} there (the bench reads "
