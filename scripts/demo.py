@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from foundry_fp8 import wandb_history
-from foundry_fp8.cli import EXIT_INTERRUPTED
+from foundry_fp8.cli import EXIT_INTERRUPTED, interrupted_by
 from foundry_fp8.jsonl import read_jsonl
 
 TINY_YAML = Path(__file__).resolve().parents[1] / "yamls" / "mpt-tiny-cpu.yaml"
@@ -125,11 +125,12 @@ def entry(argv: list[str] | None = None) -> int:
     """Ctrl-C is one line and exit 130, as in the `foundry-fp8` CLI: no stack for a user who
     pressed it (subprocess.run has already killed the training run it waited for). Once
     `_train` has imported Composer, its SIGINT handler raises SystemExit(130) instead of
-    KeyboardInterrupt (composer/core/engine.py, `sigterm_handler`), which said nothing."""
+    KeyboardInterrupt (composer/core/engine.py, `sigterm_handler`), which said nothing; one
+    during an extension's import arrives as another exception (`interrupted_by`)."""
     try:
         return main(argv)
-    except (KeyboardInterrupt, SystemExit) as stop:
-        if isinstance(stop, SystemExit) and stop.code != EXIT_INTERRUPTED:
+    except BaseException as stop:
+        if not interrupted_by(stop):
             raise
         print("make run: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

@@ -57,8 +57,13 @@ def test_a_real_ctrl_c_while_tiny_data_waits_is_one_line(whole):  # noqa: F811 (
     assert process.returncode == 130 and stderr == "foundry-fp8: interrupted\n", stderr
 
 
-@pytest.mark.parametrize("interrupt", [_python_s_handler, _composer_s_handler],
-                         ids=["python", "composer"])
+def _ctrl_c_in_an_import(args):  # the pybind11 case below, for make run
+    _ctrl_c_in_an_extension_import(args)
+
+
+@pytest.mark.parametrize("interrupt", [_python_s_handler, _composer_s_handler,
+                                       _ctrl_c_in_an_import],
+                         ids=["python", "composer", "pybind-import"])
 def test_an_interrupt_in_make_run_is_one_line_and_exit_130(interrupt, monkeypatch, capsys):
     """QA 17: Ctrl-C once `make run`'s demo had imported Composer (to train) ended it with exit
     130 and nothing said: Composer's handler raises SystemExit, which `entry` let through."""
