@@ -5,7 +5,7 @@ with MLflow's client), for `health.loss.compare`. Bad input is one line (ReportE
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +15,9 @@ from foundry_fp8.jsonl import JsonlError, hparams_of, read_jsonl
 from foundry_fp8.report.mlflow_run import mlflow_history, mlflow_params, mlflow_run
 from foundry_fp8.report.read import (
     ReportError,
-    _attempts,
     _attempts_config,
     _json_document,
+    losses_of,
     metrics_file_of,
     read_hparams,
     wandb_files,
@@ -33,46 +33,35 @@ SAME_BATCH_KEYS = ("global_train_batch_size", "seed", "max_seq_len",
 COMPOSER_SEED = "rank_zero_seed"
 
 
-def _losses(records: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[int, float]:
-    """step -> loss of `records`, a later attempt's (the steps went back: a resume) replacing
-    what earlier ones logged from its first step on, as the report's metrics are (`_attempts`)."""
-    losses: dict[int, float] = {}
-
-    def restarted(_: int, step: int) -> None:
-        for later in [s for s in losses if s >= step]:
-            del losses[later]
-
-    for step, metrics in _attempts(records, restarted):
-        value = jsonl.number(metrics.get(LOSS))
-        if value is not None:
-            losses[step] = value
-    return losses
-
-
 def read_losses(given: Path) -> dict[int, float]:
     """step -> training loss (`health.keys.LOSS`) of the run GIVEN names, however the report
     reads runs; ReportError (one line) where GIVEN is no run or logged no loss."""
     if (ml := mlflow_run(given)) is not None:
-        losses = _losses(mlflow_history(ml, LOSS))
+        losses = losses_of(mlflow_history(ml, LOSS))
     elif (files := wandb_files(given)) is not None:
         try:
             runs = [wandb_history.read_run(path) for path in files]
         except Exception:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
             raise ReportError(f"{files[0]}: W&B's reader cannot read it") from None
-        losses = _losses((row["_step"], row) for run in runs for row in run.rows
+        losses = losses_of((row["_step"], row) for run in runs for row in run.rows
                          if jsonl.step(row.get("_step")) is not None)
     else:
         metrics_file = metrics_file_of(given)
         try:
-            losses = _losses(read_jsonl(metrics_file))
+            losses = losses_of(read_jsonl(metrics_file))
         except JsonlError as e:
             raise ReportError(_json_document(metrics_file) or str(e)) from None
         except OSError as e:
             raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
     if not losses:
-        raise ReportError(f"{given}: no `{LOSS}` logged (the training loss Composer logs at every "
-                          "batch), nothing to compare")
+        raise ReportError(no_loss(given))
     return losses
+
+
+def no_loss(given: Path) -> str:
+    """Why the run GIVEN names has nothing to compare."""
+    return (f"{given}: no `{LOSS}` logged (the training loss Composer logs at every batch), "
+            "nothing to compare")
 
 
 #: What Composer logs at the start of each batch (composer/trainer/trainer.py:2449-2455).

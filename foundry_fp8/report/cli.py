@@ -12,6 +12,7 @@ import re
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from foundry_fp8.jsonl import hparams_of, write_output
 from foundry_fp8.options import OptionError
 from foundry_fp8.report.baseline import (
     mlflow_holes,
+    no_loss,
     other_batches,
     read_baseline,
     read_losses,
@@ -63,6 +65,7 @@ from foundry_fp8.report.markdown import (
 from foundry_fp8.report.mlflow_run import load_mlflow, mlflow_run
 from foundry_fp8.report.read import (
     GuardRun,
+    GuardSeries,
     NoStatistics,
     ReportError,
     dump_of,
@@ -82,10 +85,11 @@ MAX_PRINTED = 10  # flagged rows on the terminal; the markdown has them all
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_folder", type=Path,
+    parser.add_argument("run_folder", type=Path, nargs="+", metavar="RUN_FOLDER",
                         help="folder holding the run's metrics.jsonl (or the .jsonl file itself), "
                              "a W&B offline run, an MLflow run folder (mlruns/<experiment>/<run "
-                             "id>) or mlflow:<run id> (at MLFLOW_TRACKING_URI)")
+                             "id>) or mlflow:<run id> (at MLFLOW_TRACKING_URI); several (a sweep): "
+                             "each reported in turn into its own folder, then one line each")
     parser.add_argument("--layers", metavar="REGEX",
                         help="layers for the amax/scale time series (searched in layer names, "
                              f"the first {MAX_SERIES_LAYERS} drawn); default: first and last "
@@ -94,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="where the PNGs and fp8_report.md go (default: the run folder; "
                              "for an MLflow run, ./fp8_report-<run id>)")
-    parser.add_argument("--baseline", type=Path, metavar="RUN",
+    parser.add_argument("--baseline", type=Path, metavar="RUN", action="append",
                         help="a run to compare the training loss with (the BF16 run, read as "
                              "RUN_FOLDER is): the first step this run's loss departs from it, "
                              "and the layers flagged up to then, and the measured gap; "
@@ -185,23 +189,47 @@ def first_dump(flags: list[Flag], folder: Path, hparams: Mapping[str, Any] | Non
                 None)
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """A run as read for the report (`load`)."""
+
+    run: RunMetrics
+    series: GuardSeries
+    hparams: Mapping[str, Any] | None
+    hparams_file: Path  # where its hyperparameters were read: named in warnings
+    folder: Path  # where its report goes without --out
+
+
+def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
+    """The run RUN_FOLDER names, read however it was logged; with `losses`, its training loss
+    goes there from the same pass (`--baseline`: one read of the file, the same steps)."""
+    if (ml := mlflow_run(run_folder)) is not None:  # an MLflow run, read with MLflow's client
+        if losses is not None:  # MLflow's client: a query of its own, no file read twice
+            losses.update(read_losses(run_folder))
+        run, series, hparams = load_mlflow(ml, warn)
+        return Loaded(run, series, hparams, ml.where, Path(f"fp8_report-{ml.run_id}"))
+    if (files := wandb_files(run_folder)) is not None:  # a W&B offline run, W&B's reader
+        run, series, hparams = load_wandb(run_folder, files, warn, losses)
+        return Loaded(run, series, hparams, files[-1],
+                      run_folder if run_folder.is_dir() else run_folder.parent)
+    metrics_file = metrics_file_of(run_folder)
+    run, series = load_run(metrics_file, warn, losses)
+    hparams_file = hparams_of(metrics_file)
+    return Loaded(run, series, read_hparams(hparams_file, warn), hparams_file,
+                  metrics_file.parent)
+
+
 def make_report(run_folder: Path, layers: str | None = None, out: Path | None = None,
-                loss: tuple[str, LossComparison] | None = None) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path],
+                loss: tuple[str, LossComparison] | None = None, loaded: Loaded | None = None
+                ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path],
                            tuple[Flag, Path] | None]:
     """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did,
     the written paths (markdown last) and the first flagged step's dump (`first_dump`). `loss`:
-    the baseline as named and the loss comparison with it (`compare`), for the headline."""
-    if (ml := mlflow_run(run_folder)) is not None:  # an MLflow run, read with MLflow's client
-        run, series, hparams = load_mlflow(ml, warn)
-        hparams_file, folder = ml.where, Path(f"fp8_report-{ml.run_id}")
-    elif (files := wandb_files(run_folder)) is not None:  # a W&B offline run, W&B's reader
-        run, series, hparams = load_wandb(run_folder, files, warn)
-        hparams_file, folder = files[-1], run_folder if run_folder.is_dir() else run_folder.parent
-    else:
-        metrics_file = metrics_file_of(run_folder)
-        run, series = load_run(metrics_file, warn)
-        hparams_file, folder = hparams_of(metrics_file), metrics_file.parent
-        hparams = read_hparams(hparams_file, warn)
+    the baseline as named and the loss comparison with it (`compare`), for the headline;
+    `loaded`: the run already read (`load`)."""
+    loaded = loaded or load(run_folder)
+    run, series, hparams = loaded.run, loaded.series, loaded.hparams
+    hparams_file, folder = loaded.hparams_file, loaded.folder
     matching = None if layers is None else set(layers_matching(run, layers)).__contains__
     thresholds = thresholds_from_hparams(hparams or {})
     formats = formats_from_hparams(hparams or {}, run.tensors)
@@ -259,33 +287,88 @@ def gap_options(pct: str, steps: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    loss, notes = None, []
+    """Each run given reported in turn (a sweep: each against the one baseline, read once),
+    then one line per run; the worst exit status."""
+    runs, baselines = args.run_folder, args.baseline or []
     try:
+        if len(baselines) > 1:  # argparse keeps the last: a silent choice among them
+            raise ReportError(f"--baseline given {len(baselines)} times ("
+                              + ", ".join(map(str, baselines)) + "): one baseline per report "
+                              "(the runs to report are the positional RUN_FOLDERs)")
+        if len(runs) > 1 and args.out is not None:
+            raise ReportError(f"--out with {len(runs)} runs: their reports would overwrite each "
+                              "other there; leave --out out (each report goes into its run's "
+                              "folder) or report one run per --out")
         gap, gap_steps = gap_options(args.max_loss_gap, args.loss_gap_steps)
-        if args.baseline is not None:  # its errors first: it is read in seconds, the run not
-            base = read_baseline(args.baseline)
-            losses = read_losses(args.run_folder)
-            loss = (str(args.baseline), compare(losses, base, gap, gap_steps))
-            notes += [f"warning: {holes}" for given, logged in ((args.run_folder, losses),
-                                                                 (args.baseline, base))
-                      if (holes := mlflow_holes(given, logged)) is not None]
-            if (same := same_run(args.run_folder, losses, args.baseline, base)) is not None:
-                notes.append(f"note: {same}; the comparison says nothing")
-            elif (other := other_batches(args.run_folder, args.baseline)) is not None:
-                notes.append(f"warning: {other}")
-        metrics, flags, guard, written, dump = make_report(args.run_folder, args.layers,
-                                                           args.out, loss)
-    except NoStatistics as e:
-        if loss is None:
-            print(f"error: {one_line(str(e))}", file=sys.stderr)
-            return 2
-        print(departure(loss[1], [], {}, RunMetrics(), loss[0]))
-        print("".join(f"{note}\n" for note in notes), end="")
-        print(f"note: the loss comparison only, no fp8_report.md: {one_line(str(e))}")
-        return 0
+        # the baseline's errors first: it is read in seconds, the runs not
+        base = (None if not baselines else (baselines[0], read_baseline(baselines[0])))
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
+    if len(runs) == 1:
+        return report_one(args, runs[0], base, gap, gap_steps)[0]
+    results = []
+    for given in runs:
+        print(f"== {one_line(str(given))}")
+        sys.stdout.flush()  # before its errors on stderr
+        results.append((given, *report_one(args, given, base, gap, gap_steps)))
+    print(f"{len(runs)} runs:")
+    for given, _, said in results:
+        print(f"  {one_line(str(given))}: {said}")
+    return max(code for _, code, _ in results)
+
+
+def _summary(found: int | None, loss: tuple[str, LossComparison] | None) -> str:
+    """A run's line in the summary of several: flagged layer tensors, the loss against the
+    baseline."""
+    said = "no fp8_report.md" if found is None else f"{found} flagged"
+    if loss is not None:
+        cmp = loss[1]
+        said += (f", loss departs from the baseline at step {cmp.departed}"
+                 if cmp.departed is not None else
+                 f", loss gap {100 * cmp.mean_gap:+.3g} % (last {len(cmp.window)} compared steps)")
+    return said
+
+
+def report_one(args: argparse.Namespace, run_folder: Path,
+               base: tuple[Path, dict[int, float]] | None, gap: float, gap_steps: int
+               ) -> tuple[int, str]:
+    """`report RUN_FOLDER` for one run; its exit status and its line in a summary."""
+    loss, notes = None, []
+    losses: dict[int, float] = {}
+    loaded: Loaded | NoStatistics
+    try:
+        try:
+            loaded = load(run_folder, None if base is None else losses)
+        except NoStatistics as e:  # its loss, read in the same pass, may still be compared
+            loaded = e
+        if base is not None:
+            baseline, base_losses = base
+            if not losses:
+                raise ReportError(no_loss(run_folder))
+            loss = (str(baseline), compare(losses, base_losses, gap, gap_steps))
+            notes += [f"warning: {holes}" for given, logged in ((run_folder, losses),
+                                                                 (baseline, base_losses))
+                      if (holes := mlflow_holes(given, logged)) is not None]
+            if (same := same_run(run_folder, losses, baseline, base_losses)) is not None:
+                notes.append(f"note: {same}; the comparison says nothing")
+            elif (other := other_batches(run_folder, baseline)) is not None:
+                notes.append(f"warning: {other}")
+        if isinstance(loaded, NoStatistics):
+            raise loaded
+        metrics, flags, guard, written, dump = make_report(run_folder, args.layers,
+                                                           args.out, loss, loaded)
+    except NoStatistics as e:
+        if loss is None:
+            print(f"error: {one_line(str(e))}", file=sys.stderr)
+            return 2, "error (no FP8 statistics)"
+        print(departure(loss[1], [], {}, RunMetrics(), loss[0]))
+        print("".join(f"{note}\n" for note in notes), end="")
+        print(f"note: the loss comparison only, no fp8_report.md: {one_line(str(e))}")
+        return 0, _summary(None, loss)
+    except ReportError as e:
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2, "error (above)"
     print(render_table(worst_values(metrics), whatif_rows(metrics)))
     found = findings(metrics, flags)
     fallen = fallback_steps(guard)
@@ -322,4 +405,4 @@ def run(args: argparse.Namespace) -> int:
     for path in written[:-1]:
         print(f"  {path.name}")
     print(f"written to {written[-1]}")
-    return 0
+    return 0, _summary(len(found), loss)

@@ -31,6 +31,7 @@ from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import (
     HIGH_PRECISION,
     LAYOUT,
+    LOSS,
     OLDER_LAYOUT,
     SUMMARIES,
     SUMMARY_PREFIX,
@@ -291,7 +292,8 @@ def wandb_files(given: Path) -> list[Path] | None:
     return attempts or files  # a run file outside W&B's layout (copied): itself
 
 
-def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None]
+def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
+               losses: dict[int, float] | None = None
                ) -> tuple[RunMetrics, GuardSeries, dict[str, Any]]:
     """The run's per-layer FP8 metrics, fp8_guard's series and the hyperparameters (its config)
     as W&B's own reader reads them from the attempts' `.wandb` files (`wandb_files(given)`), in
@@ -307,9 +309,20 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None]
     records = ((row["_step"], {k: v for k, v in row.items() if not k.startswith("_")})
                for wandb_run in runs for row in wandb_run.rows
                if jsonl.step(row.get("_step")) is not None)
-    run, restarts = _read(records, guard)
+    run, restarts = _read(records, guard, losses)
     if restarts:
         warn(_restarts_said(files[-1], restarts))
+    live = runs[-1] if runs and not runs[-1].complete else None
+    if live is not None:  # W&B writes the exit record last (wandb.finish)
+        rows = [s for row in live.rows if (s := jsonl.step(row.get("_step"))) is not None]
+        read = f"{len(rows)} history row(s) read, up to step {max(rows)}" if rows else (
+            "no history row read")
+        unfinished = (f"{live.path}: no exit record yet: the run is still being written (or was "
+                      f"killed); {read}")
+        if not run.values:
+            raise NoStatistics(f"{unfinished}, no FP8 statistics among them yet (fp8_stats logs "
+                               "from its first `interval`)")
+        warn(f"{unfinished}; the report covers what was read, up to step {run.steps[-1]}")
     if not run.values:
         raise NoStatistics(_no_metrics_here(given) if given.is_dir() else
                            _not_metrics(given) or f"{given}: no FP8 statistics")
@@ -339,21 +352,32 @@ def _attempts_config(runs: list[wandb_history.WandbRun]) -> dict[str, Any]:
     return config
 
 
-def load_run(metrics_file: Path, warn: Callable[[str], None]) -> tuple[RunMetrics, GuardSeries]:
+def load_run(metrics_file: Path, warn: Callable[[str], None],
+             losses: dict[int, float] | None = None) -> tuple[RunMetrics, GuardSeries]:
     """The run's per-layer FP8 metrics and fp8_guard's series from `metrics_file` (a regular
-    file: `metrics_file_of`); ReportError (one line) when there are no FP8 metrics, saying why.
-    Undecodable lines (a run killed mid-write leaves one) are skipped with one warning."""
+    file: `metrics_file_of`), its training loss into `losses` where given; ReportError (one
+    line) when there are no FP8 metrics, saying why. Undecodable lines (a run killed mid-write
+    leaves one) are skipped with one warning; a file that grew while read (the run is live)
+    is one warning too."""
     skipped: list[int] = []
     too_long: list[int] = []
     guard: GuardSeries = {}
     try:
-        if metrics_file.stat().st_size == 0:
+        size = metrics_file.stat().st_size
+        if size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        run, restarts = _read(read_jsonl(metrics_file, skipped, too_long), guard)
+        run, restarts = _read(read_jsonl(metrics_file, skipped, too_long), guard, losses)
+        grown = metrics_file.stat().st_size - size
     except JsonlError as e:
         raise ReportError(_json_document(metrics_file) or str(e)) from None
     except OSError as e:
         raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
+    if grown > 0:  # one statement: a single line that did not decode is the one being written
+        read = f"up to step {run.steps[-1]}" if run.steps else "no FP8 statistics"
+        cut = (f" (line {skipped.pop()}, not finished when read, skipped)"
+               if len(skipped) == 1 and not too_long else "")
+        warn(f"{metrics_file}: grew by {grown:,} bytes while the report read it: the run is "
+             f"still writing it; the report covers what was read{cut}, {read}")
     if skipped:
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         lines = "1 line that does" if len(skipped) == 1 else f"{len(skipped)} lines that do"
@@ -399,21 +423,49 @@ def _unfinished_last_line(metrics_file: Path) -> bool:
     return False
 
 
-def _read(records: Iterable[tuple[int, Mapping[str, Any]]], guard: GuardSeries
-          ) -> tuple[RunMetrics, list[tuple[int, int]]]:
-    """The per-layer metrics of `records` (fp8_guard's series copied into `guard`), each later
-    attempt of the run replacing what earlier ones logged from its first step on (`_attempts`);
-    also where the steps went back, (before, after)."""
+def _losses_into(records: Iterable[tuple[int, Mapping[str, Any]]], into: dict[int, float]
+                 ) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """`records` unchanged, each one's training loss (`LOSS`) copied `into` on the way: what
+    `--baseline` compares, taken in the pass that reads the metrics (a second read of a large
+    file cost seconds, and of a file still growing, other steps than the report's)."""
+    for step, metrics in records:
+        if (value := number(metrics.get(LOSS))) is not None:
+            into[step] = value
+        yield step, metrics
+
+
+def _drop_from(logged: dict[int, Any], step: int) -> None:
+    """Forget what `logged` holds from `step` on: a later attempt logs it again."""
+    for later in [s for s in logged if s >= step]:
+        del logged[later]
+
+
+def losses_of(records: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[int, float]:
+    """step -> training loss of `records`, a later attempt's replacing what earlier ones logged
+    from its first step on, as the report's metrics are (`_attempts`)."""
+    losses: dict[int, float] = {}
+    for _ in _losses_into(_attempts(records, lambda _, step: _drop_from(losses, step)), losses):
+        pass
+    return losses
+
+
+def _read(records: Iterable[tuple[int, Mapping[str, Any]]], guard: GuardSeries,
+          losses: dict[int, float] | None = None) -> tuple[RunMetrics, list[tuple[int, int]]]:
+    """The per-layer metrics of `records` (fp8_guard's series copied into `guard`, the training
+    loss into `losses` where given), each later attempt of the run replacing what earlier ones
+    logged from its first step on (`_attempts`); also where the steps went back, (before,
+    after)."""
     restarts: list[tuple[int, int]] = []
     run = RunMetrics()
+    losses = {} if losses is None else losses
 
     def restarted(before: int, step: int) -> None:
         restarts.append((before, step))
         run.drop_from(step)
-        for logged in [s for s in guard if s >= step]:
-            del guard[logged]
+        _drop_from(guard, step)
+        _drop_from(losses, step)
 
-    collect(_guard_series(_attempts(records, restarted), guard), run)
+    collect(_losses_into(_guard_series(_attempts(records, restarted), guard), losses), run)
     return run, restarts
 
 
