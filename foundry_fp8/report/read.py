@@ -319,10 +319,11 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
             "no history row read")
         unfinished = (f"{live.path}: no exit record yet: the run is still being written (or was "
                       f"killed); {read}")
-        if not run.values:
+        if not run.values and _run_above(given) is None:  # else: where the metrics.jsonl is
             raise NoStatistics(f"{unfinished}, no FP8 statistics among them yet (fp8_stats logs "
                                "from its first `interval`)")
-        warn(f"{unfinished}; the report covers what was read, up to step {run.steps[-1]}")
+        if run.values:
+            warn(f"{unfinished}; the report covers what was read, up to step {run.steps[-1]}")
     if not run.values:
         raise NoStatistics(_no_metrics_here(given) if given.is_dir() else
                            _not_metrics(given) or f"{given}: no FP8 statistics")
