@@ -200,3 +200,56 @@ def test_an_mcli_command_override_omegaconf_refuses_is_one_line_at_the_command(t
     [line] = done.stderr.splitlines()
     assert line.startswith(f"error: {path}:{_line_of(path.read_text(), 'command:')}: "
                            "`command:`'s a=[1,: omegaconf cannot read it")
+
+
+def _bash_hands_train_py(tmp_path: Path, command: str, env: dict[str, str]) -> list[str]:
+    """What bash itself gives the train script after /mnt/config/parameters.yaml: `composer`
+    and `llmfoundry` replaced by functions that write their arguments out."""
+    out = tmp_path / "argv"
+    out.write_bytes(b"")
+    record = 'for a in "$@"; do printf "%s\\0" "$a"; done >> "$ARGV_OUT"'
+    prelude = (f'composer() {{ [ "$2" = /mnt/config/parameters.yaml ] && shift 2 && {record}; }}\n'
+               f'llmfoundry() {{ [ "$2" = /mnt/config/parameters.yaml ] && shift 2 && {record}; }}'
+               "\ncp() { :; }\ncat() { :; }\ncd() { :; }\n")
+    subprocess.run(["bash", "-c", prelude + command], cwd=tmp_path, capture_output=True,
+                   env={"PATH": "/usr/bin:/bin", "ARGV_OUT": str(out), **env},
+                   timeout=HANG_GUARD_S, check=False)
+    return out.read_bytes().decode().split("\0")[:-1]
+
+
+P = "/mnt/config/parameters.yaml"
+
+
+@pytest.mark.parametrize("command", [
+    # only the line that hands the file to the train script: not the one that copies it
+    f"cat {P}\ncd llm-foundry/scripts\ncomposer train/train.py {P} model.n_heads=0",
+    f"cp {P} /tmp/p.yaml\ncomposer train/train.py /tmp/p.yaml",
+    # shell operators glued to the last word end the arguments
+    f"cd llm-foundry/scripts && composer train/train.py {P} max_duration=10ba; echo done",
+    f"composer train/train.py {P} a=1&&echo x",
+    f"composer train/train.py {P} a=1|tee log.txt",
+    f"composer train/train.py {P} a=1 b=2 2>&1 | tee log.txt",
+    f"composer train/train.py {P} a=1 2 >log.txt",  # a 2 apart from `>` is an argument
+    # `#` inside a word is no comment; at a word's start it is
+    f"composer train/train.py {P} run_name=exp#1 model.n_heads=0 #c=3",
+    # quotes and continued lines as bash reads them
+    f"llmfoundry train {P} \\\n  'a b=2' x\\ y=3 \"c=[1, \\\"2\\\"]\" 'd=${{variables.y}}' \"e=$X\"",
+    # what the shell expands is the run's environment's: left out
+    f"composer train/train.py {P} model.n_layers=$NL e=${{NL}}x f=`echo $NL` g=\"$NL\" h=1",
+])
+def test_an_mcli_commands_overrides_are_the_words_bash_hands_the_train_script(tmp_path,
+                                                                                  command):
+    one = _bash_hands_train_py(tmp_path, command, {"NL": "one", "X": "one"})
+    other = _bash_hands_train_py(tmp_path, command, {"NL": "other", "X": "other"})
+    assert command_overrides({"command": command}) == [a for a, b in zip(one, other, strict=True)
+                                                       if a == b]
+
+
+def test_a_command_that_only_copies_the_parameters_file_trains_nothing_from_it(tmp_path, capsys):
+    """`cp /mnt/config/parameters.yaml /tmp/p.yaml` then training from /tmp/p.yaml: the copy's
+    `/tmp/p.yaml` is no override (it was FP8009 `parameters./tmp/p`)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("name: r\nimage: mosaicml/llm-foundry:2.7.0_cu128-latest\ncompute: {gpus: 8}"
+                    f"\ncommand: |\n  cp {P} /tmp/p.yaml\n  composer train/train.py /tmp/p.yaml\n"
+                    "parameters:\n" + "".join(f"  {line}\n" for line in ZOO.splitlines()))
+    assert main(["lint", str(path), "--format", "json"]) == 0, capsys.readouterr().out

@@ -5,7 +5,6 @@ The `parameters` mapping itself is linted as the train or eval config it is."""
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,33 +38,123 @@ def is_mcli(data: Any) -> bool:
 
 
 def trains_from_parameters(data: Mapping[str, Any]) -> bool:
-    """Its command (or entrypoint) reads the file MCLI writes `parameters` to."""
-    return any(isinstance(data.get(key), str) and PARAMETERS_FILE in data[key]
-               for key in ("command", "entrypoint"))
-
-
-#: Shell words that end a command's arguments.
-_SHELL_ENDS = ("&", "|", ";", ">", "<", "2>", "1>")
+    """Its command (or entrypoint) hands the file MCLI writes `parameters` to a train or eval
+    script (`_train_arguments`); a line that only copies or prints the file trains nothing."""
+    return any(_train_arguments(data.get(key)) is not None for key in ("command", "entrypoint"))
 
 
 def command_overrides(data: Mapping[str, Any]) -> list[str]:
-    """The arguments the `command:` gives after /mnt/config/parameters.yaml: the train (or eval)
-    script merges every one of them into that config (`train_from_yaml(yaml_path,
-    args_list=sys.argv[2:])`, om.from_cli: `KEY=VALUE`, or KEY alone, set to null); up to the
-    end of its line (a `\\` continues it) or a shell operator."""
-    command = data.get("command")
+    """The arguments the `command:` gives the train (or eval) script after
+    /mnt/config/parameters.yaml: the script merges every one into that config
+    (`train_from_yaml(yaml_path, args_list=sys.argv[2:])`, om.from_cli: `KEY=VALUE`, or KEY
+    alone, set to null). A word the shell expands (`$NL`, `${X}`, a backquote) is left out:
+    its value is the run's environment's, not the file's."""
+    words = _train_arguments(data.get("command")) or []
+    return [text for text, expands in words if not expands]
+
+
+#: Characters that end an unquoted shell word and start an operator (bash's metacharacters
+#: less blanks): `;`, `&`, `|`, `(`, `)`, and the redirections `<`, `>`.
+_OPERATORS = frozenset(";&|()<>")
+#: What a backslash escapes inside double quotes (bash manual, Double Quotes).
+_DOUBLE_QUOTE_ESCAPES = frozenset('$`"\\\n')
+
+
+def _train_arguments(command: Any) -> list[tuple[str, bool]] | None:
+    """The arguments after PARAMETERS_FILE of the first simple command of `command` (a shell
+    script) that hands it to a train or eval script (the word before it ends in `.py`, or is
+    `llmfoundry train|eval`), each with whether the shell expands it; None when none does."""
     if not isinstance(command, str) or PARAMETERS_FILE not in command:
-        return []
-    for line in command.replace("\\\n", " ").splitlines():
-        try:
-            words = shlex.split(line, comments=True)
-        except ValueError:  # unbalanced quotes: the shell fails on it too
-            continue
-        if PARAMETERS_FILE in words:
-            after = words[words.index(PARAMETERS_FILE) + 1:]
-            end = next((i for i, w in enumerate(after) if w.startswith(_SHELL_ENDS)), len(after))
-            return after[:end]
-    return []
+        return None
+    for words in _simple_commands(command):
+        texts = [text for text, _ in words]
+        for i, text in enumerate(texts[1:], 1):
+            script = texts[i - 1]
+            if text == PARAMETERS_FILE and (script.endswith(".py") or (
+                    script in ("train", "eval") and i > 1 and texts[i - 2] == "llmfoundry")):
+                return words[i + 1:]
+    return None
+
+
+def _simple_commands(script: str) -> Iterator[list[tuple[str, bool]]]:
+    """The words of each simple command of a shell script as bash splits them: quotes and
+    backslashes removed, each with whether it expands (`$` or a backquote outside single
+    quotes). A command ends at a newline or a control operator (`;`, `&`, `&&`, `|`, `||`,
+    `(`, `)`); its arguments end at a redirection (`>`, `2>&1`: a digit glued to it is its
+    file descriptor). A comment starts at an unquoted `#` that begins a word, not inside one.
+    An unclosed quote ends the script (bash refuses to run it)."""
+    words: list[tuple[str, bool]] = []
+    redirected = False
+    i, n = 0, len(script)
+    while i < n:
+        c = script[i]
+        if c == "\\" and script.startswith("\\\n", i):  # a line continued
+            i += 2
+        elif c in " \t":
+            i += 1
+        elif c == "#":  # a word starts here: a comment to the end of the line
+            i = script.find("\n", i)
+            i = n if i < 0 else i
+        elif c == "\n" or (c in _OPERATORS and c not in "<>"):
+            if words:
+                yield words
+            words, redirected = [], False
+            i += 1
+        elif c in "<>":
+            if words and words[-1][0].isdigit() and i > 0 and script[i - 1] not in " \t" \
+                    and not redirected:  # `2>`: the digit is the redirection's descriptor
+                words.pop()
+            redirected = True
+            i += 1
+            while i < n and script[i] in "<>&|":
+                i += 1
+        else:
+            word = _word(script, i)
+            if word is None:
+                break
+            text, expands, i = word
+            if not redirected:
+                words.append((text, expands))
+    if words:
+        yield words
+
+
+def _word(script: str, i: int) -> tuple[str, bool, int] | None:
+    """The shell word starting at `i`: its text, whether it expands, and where it ends; None
+    for an unclosed quote."""
+    out: list[str] = []
+    expands = False
+    n = len(script)
+    while i < n and script[i] not in " \t\n" and script[i] not in _OPERATORS:
+        c = script[i]
+        if c == "'":
+            end = script.find("'", i + 1)
+            if end < 0:
+                return None
+            out.append(script[i + 1:end])
+            i = end + 1
+        elif c == '"':
+            i += 1
+            while i < n and script[i] != '"':
+                if script[i] == "\\" and i + 1 < n and script[i + 1] in _DOUBLE_QUOTE_ESCAPES:
+                    i += 1
+                expands = expands or script[i] in "$`"
+                out.append(script[i])
+                i += 1
+            if i >= n:
+                return None
+            i += 1
+        elif c == "\\":
+            if script.startswith("\\\n", i):
+                i += 2
+                continue
+            out.append(script[i + 1:i + 2])
+            i += 2
+        else:
+            expands = expands or c in "$`"
+            out.append(c)
+            i += 1
+    return "".join(out), expands, i
 
 
 def mcli_gpus(data: Mapping[str, Any]) -> int | None:
@@ -100,7 +189,7 @@ def parameters_not_a_config(data: Mapping[str, Any], ctx: LintContext) -> Iterat
                   f"writes to {PARAMETERS_FILE}), got {_shown(params)}")
     elif not params and trains_from_parameters(data):
         key = "parameters" if "parameters" in data else \
-            next(k for k in ("command", "entrypoint") if PARAMETERS_FILE in str(data.get(k)))
+            next(k for k in ("command", "entrypoint") if _train_arguments(data.get(k)) is not None)
         yield Hit(key, f"the {key if key != 'parameters' else 'command'} trains from "
                   f"{PARAMETERS_FILE}, but this run config gives "
                   + ("no `parameters`" if key != "parameters" else "`parameters: null`"
