@@ -5,6 +5,8 @@ run's config on the machine it runs on. Facts, with where they were read:
 - FP8 GEMMs need compute capability 8.9+ (`te.facts.environment_problems`, shared with `te_swap`);
   on Ada (8.9) TE also wants torch built for CUDA >= 12.1 (TE `_compute_fp8_support`,
   transformer_engine/pytorch/quantization.py; the same check since TE 1.0 in pytorch/fp8.py).
+- torch's CPU build (`cuda = None` in torch/version.py) cannot use a GPU nvidia-smi lists, and
+  TE's torch extension is a CUDAExtension (TE build_tools/pytorch.py): FP8212.
 - pip-installed TE asserts, on `import transformer_engine.pytorch`, that `transformer-engine`,
   `transformer-engine-torch` and `transformer-engine-cu12/cu13` have one version
   (TE `load_framework_extension`, transformer_engine/common/__init__.py).
@@ -57,6 +59,8 @@ from foundry_fp8.te.facts import (
 NO_GPU = "no GPU: FP8 training needs an H100/Ada; the emulated backend works here"
 DRIVER_FIX = ("fix the NVIDIA driver until `nvidia-smi` lists the GPU (the message says what it "
               "did); meanwhile use te_swap: {backend: emulate}")
+#: The start of a fix that names torch's CUDA build (FP8203, FP8212): the CUDA follows.
+TORCH_FOR_CUDA = "install a torch build for CUDA"
 TE_SRC = "TransformerEngine (NVIDIA/TransformerEngine main, also read at v1.0-v2.18 tags)"
 
 
@@ -129,8 +133,7 @@ def gpu_capability(env: Environment, _: LintContext) -> Iterator[Hit]:
       why=f"On compute capability {dotted(ADA)} TE also needs CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)}+ "
       "(and cuBLASLt 12.1.3+) for FP8; the same check since TE 1.0.",
       source=f"{TE_SRC} transformer_engine/pytorch/quantization.py _compute_fp8_support",
-      fix=f"install a torch build for CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer",
-      family="environment")
+      fix=f"{TORCH_FOR_CUDA} {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer", family="environment")
 def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
     cuda = parse_version(snapshot.torch_cuda)
@@ -138,8 +141,7 @@ def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
             and cuda[:2] < MIN_CUDA_FOR_ADA_FP8:
         yield Hit("torch_cuda", f"TransformerEngine refuses FP8 on Ada ({dotted(ADA)}) when torch "
                   f"is built for CUDA {snapshot.torch_cuda}; it needs CUDA "
-                  f"{dotted(MIN_CUDA_FOR_ADA_FP8)} or newer",
-                  fix=f"install a torch build for CUDA {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer")
+                  f"{dotted(MIN_CUDA_FOR_ADA_FP8)} or newer")
 
 
 @rule("FP8204", "warning", "TransformerEngine missing or unusable where it is needed (absent, "
@@ -375,6 +377,27 @@ def backward_override(env: Environment, _: LintContext) -> Iterator[Hit]:
         accepted = value in BACKWARD_OVERRIDE_VALUES
         yield Hit(BACKWARD_OVERRIDE_ENV, problem.message, fix=problem.fix,
                   severity="warning" if accepted and scaling is None else "error")
+
+
+@rule("FP8212", "error", "a GPU, but torch built without CUDA (its CPU build)",
+      why="torch's CPU build (torch/version.py `cuda = None`) cannot use the GPU nvidia-smi "
+      "lists: torch.cuda.is_available() is False, TE's torch extension neither builds nor runs "
+      "against it, and te_swap's `backend: te` finds no GPU; only the emulated backend runs, on "
+      "the CPU. The doctor's: a training run reads the GPU from torch, which sees none "
+      "(FP8201). The driver's CUDA (nvidia-smi's `CUDA Version`) bounds the CUDA torch may be "
+      "built for.",
+      source="torch/version.py (`cuda`); TE build_tools/pytorch.py (a CUDAExtension: it needs "
+      "torch's CUDA build)",
+      fix=f"{TORCH_FOR_CUDA} the driver supports (nvidia-smi's `CUDA Version` or older): PyPI's "
+      "Linux wheel, or pip install torch --index-url https://download.pytorch.org/whl/cuXYZ "
+      "(cuXYZ that CUDA, as cu126); then rebuild TE against it if its import fails",
+      family="environment")
+def torch_without_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    if snapshot.has_gpu and snapshot.torch is not None and snapshot.torch_cuda is None:
+        yield Hit("torch_cuda", f"{snapshot.gpu_name or 'this GPU'} is here, but torch "
+                  f"{snapshot.torch} is built without CUDA (its CPU build): torch and "
+                  "TransformerEngine cannot use the GPU")
 
 
 def environment_findings(snapshot: Snapshot,

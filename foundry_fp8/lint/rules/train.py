@@ -445,7 +445,8 @@ def _refusal(key: str) -> str:
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig, "
       "make_dataclass_and_log_config, update_batch_size_info (a config_transforms entry, "
       "llmfoundry/utils/__init__.py; train() applies transforms='all')",
-      fix="add the key (or give it on the command line: `llmfoundry train x.yaml key=value`)",
+      fix="add the key, or give it on the command line (`llmfoundry train x.yaml key=value`) "
+      "and lint the file as it runs: `foundry-fp8 lint x.yaml --override key=value`",
       scope="file")
 def required_keys_absent(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     absent = [key for key in TRAIN_REQUIRED_KEYS if key not in config]
