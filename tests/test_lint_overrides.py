@@ -253,3 +253,23 @@ def test_a_command_that_only_copies_the_parameters_file_trains_nothing_from_it(t
                     f"\ncommand: |\n  cp {P} /tmp/p.yaml\n  composer train/train.py /tmp/p.yaml\n"
                     "parameters:\n" + "".join(f"  {line}\n" for line in ZOO.splitlines()))
     assert main(["lint", str(path), "--format", "json"]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("override", "rule", "key"), [
+    ("a.b.c=1", "FP8009", "a"),  # the unknown top-level key is only the override's parent
+    ("model.attn_config.x.y=1", "FP8042", "model.attn_config.x"),
+])
+def test_a_finding_at_a_key_only_an_override_beneath_it_writes_names_it_and_has_no_line(
+        tmp_path, capsys, override, rule, key):
+    """It stood at the `parameters:` (or `model:`) line, which writes nothing of it."""
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO)
+    merged, own = _foundry_reads(path, [override]), yaml.safe_load(ZOO)
+    first, _, rest = key.partition(".")
+    assert first not in own or rest.split(".")[0] not in own[first]  # the file writes none of it
+    assert OmegaConf.select(OmegaConf.create(merged), key) is not None  # the run has it
+    assert main(["lint", str(path), "--format", "json", "--override", override]) == 1
+    [entry] = json.loads(capsys.readouterr().out)["files"]
+    [finding] = [f for f in entry["findings"] if f["key"] == key]
+    assert finding["rule"] == rule and finding["line"] is None
+    assert finding["message"].endswith(f"(set by --override {override})")

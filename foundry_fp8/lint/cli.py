@@ -75,7 +75,7 @@ def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[in
     file's)."""
     entries = []
     for f in findings:
-        item = overrides.item_for(f.key) if overrides else None
+        item = overrides.item_for(f.key, prefix + f.key in positions) if overrides else None
         where = positions.get(prefix + f.key) if item else position_of(prefix + f.key, positions)
         note = f" (set by {item})" if item else ""
         entries.append(_as_dict(replace(f, key=prefix + f.key, message=f.message + note), where))

@@ -719,9 +719,10 @@ class Overrides:
     env_values: tuple[tuple[str, str], ...]
     text: str
 
-    def item_for(self, key: str) -> str | None:
+    def item_for(self, key: str, in_file: bool = True) -> str | None:
         """The override that sets `key`'s value, if one does (then no line of the file holds
-        it); None when the file's value stands."""
+        it); None when the file's value stands. `in_file` False: the file does not write
+        `key`, so one that sets a key beneath it (`a.b.c=1` for `a`) made it."""
         if key in self.keys:
             return self.keys[key]
         parent = parent_key(key)
@@ -729,6 +730,8 @@ class Overrides:
             if parent in self.whole:
                 return self.keys[parent]
             parent = parent_key(parent)
+        if not in_file:
+            return next((item for k, item in self.keys.items() if k.startswith(f"{key}.")), None)
         return None
 
     def error(self, path: Path, raw: Any, error: BaseException,
