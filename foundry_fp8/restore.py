@@ -113,15 +113,65 @@ def saved_recipe(state: Mapping[str, Any]) -> FP8Recipe | None:
 
 def recipe_change(saved: FP8Recipe | None, run: FP8Recipe | None) -> str | None:
     """`key old -> new, ...` where the run's recipe is not the checkpoint's; None when they are
-    the same or either is unknown."""
+    the same or either is unknown. `reduce_amax` is not a change of the state: with it every
+    rank holds the same state, without it each its own, and a checkpoint's per-rank states are
+    combined as TE's reduction makes them where this run reduces (`fp8_state`)."""
     if saved is None or run is None:
         return None
     if saved.scaling != run.scaling:  # the other keys belong to one scaling or the other
         return f"scaling {saved.scaling} -> {run.scaling}"
     old, new = saved.as_config(), run.as_config()
     changed = [f"{key} {old.get(key, '-')} -> {new.get(key, '-')}"
-               for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+               for key in sorted(old.keys() | new.keys())
+               if key != "reduce_amax" and old.get(key) != new.get(key)]
     return ", ".join(changed) or None
+
+
+#: The recipe keys that change the scale TE's update computes from a history, not the state's
+#: layout: the format's max, the margin, and which amax of the history it takes.
+SCALE_KEYS = ("fp8_format", "margin", "amax_compute_algo")
+
+
+def scale_keys_changed(saved: FP8Recipe | None, run: FP8Recipe | None) -> list[str]:
+    """The SCALE_KEYS where the run's recipe computes other scales than the checkpoint's from
+    the same histories; none where either is unknown."""
+    if saved is None or run is None:
+        return []
+    return [key for key in SCALE_KEYS if getattr(saved, key) != getattr(run, key)]
+
+
+def te_scale(amax: torch.Tensor, recipe: FP8Recipe | None, direction: str,
+             kept: torch.Tensor) -> torch.Tensor:
+    """TE's delayed-scaling scale for `amax` under `recipe` (None: HYBRID, no margin):
+    `fp8_max * 2**-margin / amax` (transformer_engine/common/recipe/delayed_scaling.cu:238-249
+    and 331, kernel_bulk), `kept` where the amax is not finite and positive, as TE keeps the
+    old scale."""
+    fmt = (recipe or FP8Recipe()).format_for(direction)  # type: ignore[arg-type]
+    computed = current_scale(amax, fmt) * 2.0 ** -(recipe.margin if recipe else 0)
+    return torch.where(torch.isfinite(amax) & (amax > 0), computed, kept)
+
+
+def recomputed_scales(tensors: Mapping[str, torch.Tensor], saved: FP8Recipe, run: FP8Recipe,
+                      ) -> dict[str, torch.Tensor]:
+    """`tensors` (checked) with the scales `run`'s recipe gives, for a recipe whose format,
+    margin or amax_compute_algo changed. TE keeps a loaded scale until its next update, so the
+    first step would cast with the old recipe's (HYBRID -> E4M3: gradients scaled for E5M2's
+    57344 saturate at E4M3's 448). Under another `fp8_max * 2**-margin` a scale is the same
+    amax under the new formula: the ratio of the two is a power of 2, so the product is exactly
+    TE's `scaled_max / amax`, also where that amax has left the window or an overflow's inf
+    sits in it; TE's initial 1, where nothing was recorded, stays. Under another
+    amax_compute_algo the scale is the one `te_scale` gives from the restored history."""
+    out = dict(tensors)
+    for prefix, direction in (("fwd", "forward"), ("bwd", "backward")):
+        scale, history = tensors[f"{prefix}_scale"], tensors[f"{prefix}_amax_history"]
+        bounds = [FP8_MAX[r.format_for(direction)] * 2.0 ** -r.margin  # type: ignore[arg-type]
+                  for r in (saved, run)]
+        initial = (history == 0).all(dim=0) & (scale == 1)
+        carried = torch.where(initial, scale, scale * (bounds[1] / bounds[0]))
+        if saved.amax_compute_algo != run.amax_compute_algo:
+            carried = te_scale(_amax(history, run.amax_compute_algo), run, direction, carried)
+        out[f"{prefix}_scale"] = carried
+    return out
 
 
 def fit_history(history: torch.Tensor, length: int) -> torch.Tensor:
@@ -222,7 +272,8 @@ def _check_direction(where: str, scale: torch.Tensor, history: torch.Tensor,
     if bad_scale.any():
         problems.append(f"{where}_scale: {_example(scale[bad_scale])} is not a scale "
                         "(finite, > 0)")
-        scale = torch.where(bad_scale, current_scale(_amax(history, algo), fmt) * margin, scale)
+        scale = torch.where(bad_scale, te_scale(_amax(history, algo), recipe, direction,
+                                                torch.ones_like(scale)), scale)
     amax = _amax(history, algo)
     # an inf amax: TE kept the scale from before it (delayed_scaling.cu:238-242), nothing to check
     contradicted = torch.isfinite(amax) & (amax.double() * scale.double() > bound * (1 + _SLACK))

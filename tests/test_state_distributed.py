@@ -49,6 +49,23 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
             torch.save({"saved": saved, "own": [read_fp8_meta(m) for m in model],
                         "restored": [read_fp8_meta(m) for m in target]},
                        f"{out_dir}/{mode}-rank{rank}.pt")
+        # saved with reduce_amax off (as trained), resumed on as many ranks with it on
+        model = _model()
+        _train(model, rank)
+        saver = FP8State()
+        saver._model, saver._recipe = model, FP8Recipe(amax_history_len=4, reduce_amax=False)
+        saved = saver.state_dict()
+        target = _model()
+        loader = FP8State()  # the default, strict
+        loader._model, loader._recipe = target, FP8Recipe(amax_history_len=4)
+        try:
+            loader.load_state_dict(saved)
+            error = None
+        except ValueError as refused:
+            error = str(refused)
+        torch.save({"saved": saved, "own": [read_fp8_meta(m) for m in model], "error": error,
+                    "restored": [read_fp8_meta(m) for m in target]},
+                   f"{out_dir}/reduced-rank{rank}.pt")
     finally:
         torch_dist.destroy_process_group()
 
@@ -59,7 +76,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("ranks")
     run_ranks(_worker, str(out))
     return {mode: [torch.load(out / f"{mode}-rank{r}.pt", weights_only=False) for r in range(2)]
-            for mode in ("differ", "same")}
+            for mode in ("differ", "same", "reduced")}
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -107,6 +124,28 @@ def test_a_single_process_resumes_a_2_rank_checkpoint_combined(results, caplog):
         amax = restored["fwd_amax_history"][1:].amax(0)
         seen = amax > 0
         assert torch.allclose(restored["fwd_scale"][seen], 448.0 / amax[seen], rtol=1e-6)
+
+
+def test_reduce_amax_turned_on_combines_the_ranks_on_as_many_ranks(results):
+    """`reduce_amax` false -> true is no change of the state's layout: the default `strict` took
+    it for a recipe change and refused the resume. With the amaxes reduced from now on, each
+    rank's own history would keep its own scales for `amax_history_len` steps, which reduction
+    never gives: every rank gets the ranks' states combined, as TE's reduction would have made
+    them (elementwise max of the histories, the smallest scale)."""
+    results = results["reduced"]
+    assert len(results[0]["saved"]["ranks"]) == 2
+    own = [result["own"] for result in results]
+    assert not _equal(own[0][0], own[1][0])  # the ranks really differ
+    for result in results:
+        assert result["error"] is None
+        for i, restored in enumerate(result["restored"]):
+            for direction in ("fwd", "bwd"):
+                history = torch.maximum(own[0][i][f"{direction}_amax_history"],
+                                        own[1][i][f"{direction}_amax_history"])
+                assert torch.equal(restored[f"{direction}_amax_history"][1:], history[1:])
+                assert torch.equal(restored[f"{direction}_scale"],
+                                   torch.minimum(own[0][i][f"{direction}_scale"],
+                                                 own[1][i][f"{direction}_scale"]))
 
 
 def test_same_state_on_every_rank_is_saved_once(results):

@@ -53,7 +53,9 @@ from foundry_fp8.restore import (
     combine_ranks,
     payload_problem,
     recipe_change,
+    recomputed_scales,
     saved_recipe,
+    scale_keys_changed,
 )
 from foundry_fp8.te import backend as te_backend
 from foundry_fp8.te.extra_state import holds_te_scaling_state, inert_extra_state_hook
@@ -488,19 +490,26 @@ class FP8State(Callback):
             self._mismatch(f"fp8_state: the checkpoint's FP8 state could not be restored "
                            f"({_described(error)})", "the modules not yet restored fresh")
 
-    def _this_rank(self, state: dict[str, Any]) -> tuple[FP8ModuleState, list[str]]:
-        """This rank's saved state, and what combining other ranks' found wrong."""
+    def _this_rank(self, state: dict[str, Any], saved_with: FP8Recipe | None,
+                   ) -> tuple[FP8ModuleState, list[str]]:
+        """This rank's saved state, and what combining other ranks' found wrong. Combined on
+        another number of ranks, and where this run turns `reduce_amax` on (the checkpoint's
+        was off): each rank's own history would otherwise keep its own scales for
+        `amax_history_len` steps, which reduced amaxes never give."""
         ranks = state.get("ranks")
         if ranks is None:
             return state.get("modules", {}), []
         world, rank = dist.get_world_size(), dist.get_global_rank()
-        if len(ranks) == world:
+        now_reduced = (saved_with is not None and not saved_with.reduce_amax
+                       and self._recipe is not None and self._recipe.reduce_amax)
+        if len(ranks) == world and not now_reduced:
             return ranks[rank], []
         log.warning("fp8_state: the checkpoint holds different FP8 state on each of its %d "
-                    "ranks, this run has %d: every rank gets them combined as TE's amax "
-                    "reduction would (amax histories: elementwise max over ranks; scales: the "
-                    "smallest); with reduce_amax on, ranks hold the same state and nothing is "
-                    "combined", len(ranks), world)
+                    "ranks, %s: every rank gets them combined as TE's amax reduction would "
+                    "(amax histories: elementwise max over ranks; scales: the smallest); with "
+                    "reduce_amax on, ranks hold the same state and nothing is combined",
+                    len(ranks), f"this run has {world}" if len(ranks) != world else
+                    "saved with reduce_amax off, this run reduces amaxes")
         return combine_ranks(ranks)
 
     def _mismatch(self, message: str, outcome: str) -> None:
@@ -519,7 +528,7 @@ class FP8State(Callback):
             self._mismatch(f"fp8_state: the checkpoint's recipe is not readable ({error})",
                            _FRESH)
             return
-        saved, problems = self._this_rank(state)
+        saved, problems = self._this_rank(state, saved_with)
         keeps_state = [n for n, t in saved.items()
                        if any(v.numel() for k, v in t.items() if k.endswith("_amax_history"))]
         if run is not None and run.scaling != "delayed":
@@ -537,9 +546,14 @@ class FP8State(Callback):
             fitted = (", histories fitted to the new length as TE does"
                       if saved_with.amax_history_len != run.amax_history_len else "")
             fresh = saved_with.scaling != "delayed"
+            # TE keeps a loaded scale until its next update: that first step would cast with
+            # the old recipe's scales, so ours are recomputed now (`recomputed_scales`)
+            keys = scale_keys_changed(saved_with, run)
+            how = (f"scales recomputed for the new {'/'.join(keys)} from the saved amax "
+                   "histories now (TE would keep the saved ones until its next update)" if keys
+                   else "scales recomputed under this recipe at the next update")
             self._mismatch(f"fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
-                           f"{change}", _FRESH if fresh else f"the saved state{fitted}, scales "
-                           "recomputed under this recipe at the next update")
+                           f"{change}", _FRESH if fresh else f"the saved state{fitted}, {how}")
             if fresh:
                 return
         modules = dict(fp8_modules(self._model))
@@ -570,6 +584,9 @@ class FP8State(Callback):
             tensors, found = check_module(name, saved[name], saved_with or run, length,
                                           named_length)
             problems += found
+            if tensors is not None and scale_keys_changed(saved_with, run):
+                assert saved_with is not None and run is not None  # a change needs both
+                tensors = recomputed_scales(tensors, saved_with, run)
             if tensors is not None:
                 checked[name] = tensors
             else:
