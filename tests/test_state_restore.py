@@ -159,6 +159,19 @@ def test_the_repaired_scale_is_the_one_te_computes_from_the_history():
     assert torch.allclose(expected, good, rtol=1e-6)
 
 
+def test_a_repaired_scale_without_an_amax_is_te_initial_1_under_a_margin():
+    """Where the history holds no amax, the repair gives TE's initial scale, 1 under any margin
+    (TE keeps the old scale for amax 0, delayed_scaling.cu:238-242, and starts at 1); it was
+    2**-margin, the margin applied to 1."""
+    recipe = FP8Recipe(amax_history_len=HISTORY, margin=1)
+    saved = _saved(recipe)
+    assert not saved["modules"]["1"]["bwd_amax_history"][:, 1].any()  # slot 1 records nothing
+    saved["modules"]["1"]["bwd_scale"][1] = math.nan
+    model = _layers()
+    _callback(model, recipe, strict=False).load_state_dict(saved)
+    assert read_fp8_meta(model[1])["bwd_scale"][1].item() == 1.0
+
+
 def test_an_absurd_amax_is_refused_and_would_have_flushed_the_layer_to_zero(caplog):
     """The issue's case: an amax of 1e30 planted in a history. Restored as it is (the old
     behaviour, `write_fp8_meta` directly), the next update sets the scale to 448 / 1e30 and
