@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from foundry_fp8.cli import main
 from foundry_fp8.lint.load import LintInputError, load_config, read_overrides
@@ -273,3 +274,30 @@ def test_a_finding_at_a_key_only_an_override_beneath_it_writes_names_it_and_has_
     [finding] = [f for f in entry["findings"] if f["key"] == key]
     assert finding["rule"] == rule and finding["line"] is None
     assert finding["message"].endswith(f"(set by --override {override})")
+
+
+@pytest.mark.parametrize("args", [["variables=null"], ["model.n_heads=0", "variables=null"]])
+def test_a_resolution_error_only_the_overrides_cause_names_the_one_that_does(tmp_path, args):
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO)
+    _foundry_reads(path, [])  # the file alone resolves
+    _foundry_reads(path, args[:1] if len(args) > 1 else [])
+    with pytest.raises(OmegaConfBaseException, match="max_seq_len"):  # LLM-Foundry's own fails
+        _foundry_reads(path, args)
+    done = _lint(str(path), "--override", *args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert "cannot resolve key max_seq_len" in line
+    assert line.endswith("(caused by --override variables=null: the file alone resolves)")
+
+
+@pytest.mark.parametrize(("item", "top"), [("~foo", "~foo"), ("~model.n_heads", "~model")])
+def test_a_hydra_deletion_is_said_as_the_key_omegaconf_reads(tmp_path, item, top):
+    """omegaconf's from_dotlist (om.from_cli) has no `~KEY`: the `~` is part of the key."""
+    assert top in OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO)
+    done = _lint(str(path), "--override", item)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert f"it sets `{item}` to null, under a top-level key `{top}` that LLM-Foundry" in line

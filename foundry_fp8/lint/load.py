@@ -15,7 +15,7 @@ import stat
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -639,7 +639,6 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
     already, with `dates` False. `overrides`: the command line's `KEY=VALUE`s, merged into the
     loaded (unresolved) config as `train_from_yaml` merges `om.from_cli(args_list)`."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     text = read_text(path) if text is None else text
     try:
@@ -652,7 +651,7 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
     if not isinstance(root, yaml.MappingNode):
         raise LintInputError(f"{path}:{root.start_mark.line + 1}: a train config must be a "
                              "mapping")
-    failures = (OmegaConfBaseException, ValueError, TypeError, RecursionError, MemoryError)
+    failures = omegaconf_failures()
     positions, env_values = key_positions(root)  # recursive: compose bounds its depth
     inside = f"{subtree}." if subtree is not None else ""
     with warnings.catch_warnings():  # omegaconf's own (oc.deprecated's) are not our output
@@ -686,20 +685,53 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
             try:
                 OmegaConf.update(raw, key, _escaped(value), merge=False)
                 env_keys.append(key)
-            except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError):
+            except failures:
                 pass  # a key omegaconf cannot address; resolution reports it if it matters
         try:
             config = OmegaConf.to_container(raw, resolve=True)
         except failures as e:
-            raise _omegaconf_error(path, e, positions, inside, "cannot resolve") from None
+            error = _omegaconf_error(path, e, positions, inside, "cannot resolve")
+            raise _by_override(error, path, text, subtree, document, overrides) from None
         if _holds_interpolation(config):  # text such as an escaped `\${x}` resolves to
             try:
                 config = _resolved_again(config, env_values, inside)
             except failures as e:
                 error = _omegaconf_error(path, e, positions, inside, "cannot resolve")
-                raise LintInputError(f"{error}{_AGAIN}") from None
+                error = LintInputError(f"{error}{_AGAIN}")
+                raise _by_override(error, path, text, subtree, document, overrides) from None
     names = frozenset(_READ_NAME.findall(text + (overrides.text if overrides else "")))
     return LoadedConfig(config, positions, tuple(env_keys), names)
+
+
+def omegaconf_failures() -> tuple[type[BaseException], ...]:
+    """What omegaconf raises for input it refuses (loading, merging, resolving, from_dotlist),
+    as opposed to our own bug."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    return (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError, KeyError, IndexError,
+            RecursionError, MemoryError)
+
+
+def _by_override(error: LintInputError, path: Path, text: str, subtree: str | None,
+                 document: Document | None, overrides: Overrides | None) -> LintInputError:
+    """A resolution error the file alone does not have names the override that causes it
+    (the first that does alone, else all of them): `--override variables=null` leaves
+    `${variables.max_seq_len}` nothing to resolve, and the error names only that key."""
+    if overrides is None:
+        return error
+
+    def fails(one: Overrides | None) -> bool:
+        try:
+            load_config(path, text, subtree, document, one)
+        except LintInputError:
+            return True
+        return False
+
+    if fails(None):
+        return error
+    item = next((name for name, config in zip(overrides.items, overrides.each, strict=True)
+                 if fails(replace(overrides, config=config))), ", ".join(overrides.items))
+    return LintInputError(f"{error} (caused by {item}: the file alone resolves)")
 
 
 @dataclass(frozen=True)
@@ -741,7 +773,7 @@ class Overrides:
         from omegaconf import OmegaConf
 
         item, key = ", ".join(self.items), ""
-        for one, config in zip(self.items, self._each, strict=True):
+        for one, config in zip(self.items, self.each, strict=True):
             try:
                 OmegaConf.merge(raw, config)
             except Exception:  # whatever omegaconf raises: this item is the one
@@ -751,7 +783,7 @@ class Overrides:
         return LintInputError(f"{path}{f':{at[0]}' if at else ''}: {item}: cannot merge it into "
                               f"this config: {first_line(error)}")
 
-    _each: tuple[Any, ...] = ()  # each item's own from_dotlist config
+    each: tuple[Any, ...] = ()  # each item's own from_dotlist config
 
 
 #: How a command's overrides are named, and where a run config writes them.
@@ -765,18 +797,18 @@ def read_overrides(items: list[str], command: list[str] | None = None) -> Overri
     or an `--override` without `=`, which is far likelier a config path given after `--override`
     than a key set to null (as from_dotlist reads it, and reads the command's)."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
-    failures = (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError, KeyError,
-                IndexError, RecursionError)
+    failures = omegaconf_failures()
     command = command or []
     named = [COMMAND_OVERRIDE.format(i) for i in command] + [f"--override {i}" for i in items]
     keys: dict[str, str] = {}
     each = []
     for item, name in zip(command + items, named, strict=True):
         if name.startswith("--") and ("=" not in item or item.startswith("=")):
-            raise LintInputError(f"--override {item!r}: not KEY=VALUE (name the config files "
-                                 "before --override)")
+            raise LintInputError(f"--override {item!r}: not KEY=VALUE " + (
+                f"(omegaconf's from_cli has no Hydra `~KEY` deletion: it sets `{item}` to null,"
+                f" under a top-level key `{item.split('.')[0]}` that LLM-Foundry refuses)"
+                if item.startswith("~") else "(name the config files before --override)"))
         try:
             each.append(OmegaConf.from_dotlist([item]))
             one = OmegaConf.to_container(each[-1], resolve=False)
@@ -838,14 +870,13 @@ def _resolved_again(config: dict[str, Any], env_values: list[tuple[str, str]],
     and resolves that, so resolved text holding `${...}` is an interpolation again. The
     `${oc.env:...}` values stay text, as in the first pass."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     again = OmegaConf.create(config)
     for key, value in env_values:
         if key.startswith(inside):
             try:
                 OmegaConf.update(again, key[len(inside):], _escaped(value), merge=False)
-            except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError):
+            except omegaconf_failures():
                 pass  # not addressable: the first pass skipped it too
     return OmegaConf.to_container(again, resolve=True)
 
