@@ -24,6 +24,9 @@ from foundry_fp8.lint.registry import Finding
 from foundry_fp8.lint.rules.environment import environment_findings
 from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_effect
 
+#: The version of `--format json`'s layout, its `schema` key: raised when a key is renamed,
+#: removed or changes meaning (a key added to `environment` keeps it).
+JSON_SCHEMA = 1
 #: The most characters of a variable's value a row shows (the finding quotes more).
 _ROW_VALUE_CHARS = 80
 
@@ -48,6 +51,8 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
             f"{_short(s.cuda_visible_devices)}"
     elif not s.has_gpu and (s.gpu_error or s.gpu_name):
         gpu = f"unknown ({s.gpu_error})" if s.gpu_error else s.gpu_name
+    if s.driver_cuda is not None:
+        gpu += f"; its driver supports CUDA {s.driver_cuda} at most"
     te = shown(s.te)
     if s.te is not None:
         parts = [f"torch extension {shown(s.te_torch, 'no pip package')}",
@@ -91,8 +96,8 @@ def exit_reason(findings: list[Finding], strict: bool) -> str | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text: a table of versions, then the findings; json: {environment, "
-                        "findings, exit_code, exit_reason}; default text")
+                        help="text: a table of versions, then the findings; json: {schema, "
+                        "environment, findings, exit_code, exit_reason}; default text")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 on warnings too, i.e. unless this machine can train FP8 "
                         "with TransformerEngine (infos never fail); default off: errors only")
@@ -116,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     findings = environment_findings(snapshot)
     code, reason = exit_code(findings, args.strict), exit_reason(findings, args.strict)
     if args.format == "json":
-        print(json.dumps({"environment": asdict(snapshot),
+        print(json.dumps({"schema": JSON_SCHEMA, "environment": asdict(snapshot),
                           "findings": [asdict(f) for f in findings], "exit_code": code,
                           "exit_reason": reason}, indent=2))
         return code

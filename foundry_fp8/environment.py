@@ -45,6 +45,13 @@ _KILL_GRACE_S = 5
 _QUOTED_CHARS = 500
 TE_CORE_PACKAGES = ("transformer-engine-cu12", "transformer-engine-cu13")
 CUDNN_PACKAGES = ("nvidia-cudnn-cu12", "nvidia-cudnn-cu13")
+#: The newest CUDA the driver supports, as plain `nvidia-smi` prints it in its header:
+#: `Driver Version: 550.40.07      CUDA Version: 12.4` (Frogging-Family/nvidia-all PR #212), from
+#: driver 610 `KMD Version: 610.43.02     CUDA UMD Version: 13.3` (sgl-project/sglang issue
+#: #27487; the rename is in NVIDIA's nvidia-smi release notes, docs.nvidia.com/deploy/nvidia-smi,
+#: as quoted in PrismML-Eng/Bonsai-demo PR #122); `nvidia-smi -q` writes `CUDA Version : 11.0`.
+#: No `--query-gpu` field holds it (`--help-query-gpu`, driver 470: driver_version only).
+_DRIVER_CUDA = re.compile(r"\bCUDA (?:UMD )?Version\s*:\s*(\d+\.\d+)")
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class Snapshot:
     least capable GPU CUDA sees (FP8 needs every GPU a run uses), and `gpu_seen` says which GPUs
     CUDA sees (None: the one GPU nvidia-smi lists). `nvte_backward_override`: TE's
     NVTE_BACKWARD_OVERRIDE as found (None: unset; `te.facts.backward_override_problems`).
+    `driver_cuda`: the newest CUDA the NVIDIA driver supports (nvidia-smi's header, `CUDA
+    Version: 12.4`); None when unread (no nvidia-smi, or the GPU read from torch).
     `te_pure_wheel`: the transformer-engine distribution is a pure-Python wheel (its WHEEL file
     says `Root-Is-Purelib: true`), TE's own test for its PyPI metapackage
     (`_is_package_installed_from_wheel`, transformer_engine/common/__init__.py:37-56).
@@ -72,6 +81,7 @@ class Snapshot:
     python: str
     torch: str | None = None
     torch_cuda: str | None = None
+    driver_cuda: str | None = None
     cudnn: str | None = None
     gpu_name: str | None = None
     capability: tuple[int, int] | None = None
@@ -368,11 +378,24 @@ def _seen(exe: str, gpus: list[tuple[str, tuple[int, int]]], hiding: str | None,
         f"of {len(gpus)}, by {told}"
 
 
+def _driver_cuda(exe: str, timeout_s: float) -> str | None:
+    """The driver's CUDA from plain `nvidia-smi`'s header (`_DRIVER_CUDA`), asked within
+    `timeout_s`; None when it cannot be read (the GPU query before it already judged the
+    driver, so this adds no `gpu_error`)."""
+    try:
+        done = run_probe([exe], timeout_s)
+    except OSError:
+        return None
+    found = _DRIVER_CUDA.search(done.stdout) if done.returncode == 0 else None
+    return found.group(1) if found else None
+
+
 def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
     """The GPUs `nvidia-smi` (at `exe`) lists that CUDA sees (`_seen`): the name and compute
     capability of the least capable (what FP8 needs of every GPU a run uses) and, in
     `gpu_seen`, which they are; {} when it lists none; `gpu_error` when it cannot be read (a
-    driver problem, not an absent GPU)."""
+    driver problem, not an absent GPU); `driver_cuda` from a second, plain `nvidia-smi`
+    (`_driver_cuda`) once a GPU is listed, every query within NVIDIA_SMI_TIMEOUT_S."""
     started = time.monotonic()
     try:
         done = run_probe([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
@@ -400,14 +423,16 @@ def _gpu_from_nvidia_smi(exe: str) -> dict[str, Any]:
     hiding = os.environ.get("CUDA_VISIBLE_DEVICES")
     left = NVIDIA_SMI_TIMEOUT_S - (time.monotonic() - started)  # both queries within the limit
     seen, how = _seen(exe, gpus, hiding, max(left, 1.0))
+    left = NVIDIA_SMI_TIMEOUT_S - (time.monotonic() - started)
+    driver = {"driver_cuda": _driver_cuda(exe, max(left, 1.0))}
     if not seen:  # nvidia-smi lists what CUDA will not see
-        return {"gpu_name": gpus[0][0], "gpu_hidden": True,
+        return {**driver, "gpu_name": gpus[0][0], "gpu_hidden": True,
                 "gpu_error": f"nvidia-smi lists {len(gpus)} GPU(s), but CUDA_VISIBLE_DEVICES="
                              f"{_quoted(hiding or '')!r} hides every one from CUDA"}
     name, capability = min(seen, key=lambda gpu: gpu[1])
     if how is None and len(seen) > 1:
         how = _described(seen)
-    return {"gpu_name": name, "capability": capability, "gpu_seen": how}
+    return {**driver, "gpu_name": name, "capability": capability, "gpu_seen": how}
 
 
 def _cudnn() -> str | None:

@@ -61,6 +61,8 @@ DRIVER_FIX = ("fix the NVIDIA driver until `nvidia-smi` lists the GPU (the messa
               "did); meanwhile use te_swap: {backend: emulate}")
 #: The start of a fix that names torch's CUDA build (FP8203, FP8212): the CUDA follows.
 TORCH_FOR_CUDA = "install a torch build for CUDA"
+#: That fix bounded by the driver (FP8212, FP8213).
+TORCH_FOR_DRIVER = f"{TORCH_FOR_CUDA} the driver supports (nvidia-smi's `CUDA Version` or older)"
 TE_SRC = "TransformerEngine (NVIDIA/TransformerEngine main, also read at v1.0-v2.18 tags)"
 
 
@@ -388,9 +390,9 @@ def backward_override(env: Environment, _: LintContext) -> Iterator[Hit]:
       "built for.",
       source="torch/version.py (`cuda`); TE build_tools/pytorch.py (a CUDAExtension: it needs "
       "torch's CUDA build)",
-      fix=f"{TORCH_FOR_CUDA} the driver supports (nvidia-smi's `CUDA Version` or older): PyPI's "
-      "Linux wheel, or pip install torch --index-url https://download.pytorch.org/whl/cuXYZ "
-      "(cuXYZ that CUDA, as cu126); then rebuild TE against it if its import fails",
+      fix=f"{TORCH_FOR_DRIVER}: PyPI's Linux wheel, or pip install torch --index-url "
+      "https://download.pytorch.org/whl/cuXYZ (cuXYZ that CUDA, as cu126); then rebuild TE "
+      "against it if its import fails",
       family="environment")
 def torch_without_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
@@ -398,6 +400,46 @@ def torch_without_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
         yield Hit("torch_cuda", f"{snapshot.gpu_name or 'this GPU'} is here, but torch "
                   f"{snapshot.torch} is built without CUDA (its CPU build): torch and "
                   "TransformerEngine cannot use the GPU")
+
+
+#: Where the driver's CUDA bounds torch's build. NVIDIA's "CUDA Compatibility" guide, Minor Version
+#: Compatibility (docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html):
+#: from CUDA 11 an application built with any toolkit of one major release runs on a driver of
+#: that major (12.x: driver >= 525, which reports CUDA 12.0 or newer), "with limited feature-set":
+#: PTX a newer toolkit wrote does not JIT on the older driver. torch's wheels bundle their CUDA
+#: runtime and ship SASS for the FP8 GPUs, and TE's NVRTC kernels are compiled to a cubin for
+#: them (TE transformer_engine/common/util/rtc.cpp KernelManager::compile: PTX only for an arch
+#: NVRTC lacks), so a newer minor only is an info. A newer major has no such guarantee (the
+#: forward-compatibility package aside): torch fails at its first CUDA call, "The NVIDIA driver
+#: on your system is too old".
+_CUDA_COMPAT_SRC = "NVIDIA CUDA Compatibility guide (docs.nvidia.com/deploy/cuda-compatibility)"
+
+
+@rule("FP8213", "error", "torch built for a newer CUDA major than the NVIDIA driver supports",
+      why="The driver supports CUDA up to the version nvidia-smi's header prints (`CUDA "
+      "Version`, from driver 610 `CUDA UMD Version`); torch built for a newer CUDA major fails "
+      "at its first CUDA call (\"The NVIDIA driver on your system is too old\"). A newer minor "
+      "of the same major runs (CUDA minor version compatibility, with torch's bundled CUDA "
+      "runtime): an info. The doctor's: a run reads the GPU from torch, not nvidia-smi.",
+      source=f"{_CUDA_COMPAT_SRC}, Minor Version Compatibility; nvidia-smi's header; "
+      "torch/version.py (`cuda`)",
+      fix=f"{TORCH_FOR_DRIVER}, or upgrade the NVIDIA driver", family="environment")
+def torch_newer_than_driver(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    torch, driver = parse_version(snapshot.torch_cuda), parse_version(snapshot.driver_cuda)
+    if env.config is not None or not torch or not driver or len(torch) < 2 or len(driver) < 2:
+        return
+    said = f"torch {snapshot.torch} is built for CUDA {snapshot.torch_cuda}, but the NVIDIA " \
+        f"driver supports CUDA {snapshot.driver_cuda} at most (nvidia-smi)"
+    if torch[0] > driver[0]:
+        yield Hit("torch_cuda", f"{said}: torch fails at its first CUDA call (\"The NVIDIA "
+                  "driver on your system is too old\")")
+    elif torch[0] == driver[0] and torch[1] > driver[1]:
+        yield Hit("torch_cuda", f"{said}: it runs by CUDA minor version compatibility (same "
+                  f"major {torch[0]}), but PTX built by CUDA {snapshot.torch_cuda} does not JIT "
+                  "on this driver", severity="info",
+                  fix="nothing for torch's and TE's own kernels on an FP8 GPU; upgrade the "
+                  "NVIDIA driver for code that JIT-compiles PTX")
 
 
 def environment_findings(snapshot: Snapshot,
