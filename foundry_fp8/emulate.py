@@ -620,20 +620,13 @@ class EmulatedFP8Linear(nn.Linear):
         return new
 
     def _check_dtypes(self, x: torch.Tensor) -> None:
-        """Raise TypeError where te.Linear does (TE 2.20 `set_activation_dtype`, pytorch/module/
-        base.py:1482-1501; an assert from TE 2.0): outside torch autocast, a parameter whose
-        dtype is not the input's, unless the input has the dtype the layer last computed in
-        (TE caches it, under autocast too, and then checks nothing). The FP8 GEMMs here read
-        float32 either way, so without this a CPU run passed that stops TE's first forward.
-        Asked at FP8 and calibration forwards (outside them nn.Linear refuses any mismatch).
-        Also RuntimeError for an input or weight TE cannot cast (`_TE_CAST_DTYPES`)."""
-        uncast = [f"{name} {t.dtype}" for name, t in (("input", x), ("weight", self.weight))
-                  if t.dtype not in _TE_CAST_DTYPES]
-        if uncast:
-            raise RuntimeError(
-                f"EmulatedFP8Linear: FP8 {' and '.join(uncast)}: TransformerEngine casts only "
-                "float32, float16 and bfloat16 to FP8 and stops with 'Invalid type' (under "
-                "torch autocast too: it casts its input and weight as they come); use one of them")
+        """TE's `set_activation_dtype` (TE 2.20 pytorch/module/base.py:1482-1501), which
+        `prepare_forward` asks at every forward, FP8 or not, but in an FP8 recompute (l. 1601,
+        1617): outside torch autocast, a parameter whose dtype is not the input's raises, unless
+        the input has the dtype the layer last computed in (TE caches it, under autocast too, and
+        then checks nothing). The FP8 GEMMs here read float32 either way, so without this a CPU run
+        passed that stops TE's first forward. TypeError as TE raises from 2.14; up to 2.13 it is
+        an `assert` (base.py:939-944 at v2.13), gone under `python -O`."""
         dtype = _activation_dtype(x)
         if torch.is_autocast_enabled(x.device.type) or self._last_dtype == dtype:
             self._last_dtype = dtype
@@ -642,11 +635,32 @@ class EmulatedFP8Linear(nn.Linear):
             if param.dtype != dtype:
                 raise TypeError(
                     f"EmulatedFP8Linear: input {dtype} and parameter {name!r} "
-                    f"{param.dtype} outside torch autocast: TransformerEngine raises TypeError "
-                    "here ('Data types for parameters must match when outside of autocasted "
-                    "region'); cast the input or the model to one dtype, or run under "
-                    "torch.autocast")
+                    f"{param.dtype} outside torch autocast: TransformerEngine >= 2.14 raises "
+                    "TypeError here ('Data types for parameters must match when outside of "
+                    "autocasted region'), older TE fails an assert; cast the input or the model "
+                    "to one dtype, or run under torch.autocast")
         self._last_dtype = dtype
+
+    def _check_castable(self, x: torch.Tensor) -> None:
+        """RuntimeError for an input or weight of a dtype TE has none for (`_TE_CAST_DTYPES`),
+        in FP8 and calibration forwards. Calibration is no FP8: under torch autocast TE casts
+        its operands to autocast's dtype first (linear.py:400, 439, 493), which the emulation's
+        CPU autocast does not do for float64, so the message says so."""
+        uncast = [f"{name} {t.dtype}" for name, t in (("input", x), ("weight", self.weight))
+                  if t.dtype not in _TE_CAST_DTYPES]
+        if not uncast:
+            return
+        operands = " and ".join(uncast)
+        if is_fp8_enabled():
+            raise RuntimeError(
+                f"EmulatedFP8Linear: FP8 {operands}: TransformerEngine casts only float32, "
+                "float16 and bfloat16 to FP8 and stops with 'Invalid type' (under torch "
+                "autocast too: it casts its input and weight as they come); use one of them")
+        raise RuntimeError(
+            f"EmulatedFP8Linear: calibration forward with {operands}: TransformerEngine has no "
+            "float64 type ('Invalid type') and computes in float32, float16 or bfloat16 (under "
+            "torch autocast it casts to autocast's dtype first, which this emulation does not "
+            "follow); use one of them")
 
     def _check_recipe(self, recipe: FP8Recipe) -> None:
         """Refuse a recipe other than this layer's first (the history length aside, which TE
@@ -720,9 +734,15 @@ class EmulatedFP8Linear(nn.Linear):
         (`_WeightCache`; not under FSDP2); outside FP8 it changes nothing."""
         if is_fp8_enabled():
             return self._fp8_forward(input, is_first_microbatch)
+        self._check_dtypes(input)  # a mismatch: TE's TypeError, before F.linear's RuntimeError
         if _STATE.calibrating:
             self._calibrate(input)
-        return super().forward(input)
+        if torch.is_autocast_enabled(input.device.type):
+            return super().forward(input)
+        # TE computes in the activation dtype, casting the parameters its cache let through
+        # (linear.py:439, 493, 503)
+        bias = None if self.bias is None else self.bias.to(input.dtype)
+        return nn.functional.linear(input, self.weight.to(input.dtype), bias)
 
     @torch.compiler.disable
     def _calibrate(self, x: torch.Tensor) -> None:
@@ -734,7 +754,7 @@ class EmulatedFP8Linear(nn.Linear):
         A later FP8 region with another recipe is then refused, as after an FP8 forward
         (`_check_recipe`)."""
         recipe = _STATE.recipe
-        self._check_dtypes(x)
+        self._check_castable(x)
         self._check_recipe(recipe)
         for meta in self.fp8_meta.values():
             meta.follow(x.device)
@@ -780,8 +800,9 @@ class EmulatedFP8Linear(nn.Linear):
         every change, and software FP8 gains nothing from a compiled graph."""
         recipe = _STATE.recipe
         replaying = _STATE.replay is not None
-        if not replaying:  # TE's recompute sets no activation dtype (module/base.py:1600-1603)
+        if not replaying:  # TE's FP8 recompute sets no activation dtype (module/base.py:1601)
             self._check_dtypes(x)
+        self._check_castable(x)
         self._check_recipe(recipe)
         for meta in self.fp8_meta.values():
             meta.follow(x.device)
