@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from foundry_fp8 import emulate
-from foundry_fp8.filters import module_filter_fn, search
+from foundry_fp8.filters import module_filter_fn
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import (
     INITIAL_SCALE,
@@ -74,11 +74,13 @@ from foundry_fp8.options import MonitorConfig, Schedule
 from foundry_fp8.recipe import RecipeError
 from foundry_fp8.te import probe
 
-#: The `about` line of a dump file's metadata; its `tensors` entry says per key which layer,
-#: FP8 format and kind of scale.
-DUMP_ABOUT = ("<layer>/<tensor>: the high-precision tensor the layer's GEMM took (first "
-              "micro-batch); <layer>/<tensor>/scale: its FP8 scale (FP8 value = tensor * scale, "
-              "saturated to the format's max)")
+#: The `about` line of a dump file's metadata; its `tensors` entry says per key which layer
+#: (the metric keys' short name), FP8 format and kind of scale.
+DUMP_ABOUT = ("<module>/<tensor>: the high-precision tensor the GEMM of module <module> took "
+              "(first micro-batch; <module> is the full module name that layers and "
+              "dump_layers are searched in, tensors[key].layer the metric keys' shorter one); "
+              "<module>/<tensor>/scale: its FP8 scale (FP8 value = tensor * scale, saturated to "
+              "the format's max)")
 
 #: What tells one weight seen on several ranks from different weights under one name: equal
 #: sums of squares (the same tensor; up to a reduction's rounding, `_SAME_WEIGHT_RTOL`) and equal
@@ -151,6 +153,27 @@ def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Modul
     selected = module_filter_fn(config.PATH, config.layers, config.exclude)
     return {name: module for name, module in canonical_modules(model)
             if watches_for(module) is not None and selected(module, name)}
+
+
+def dump_layers_of(layers: Collection[str], config: MonitorConfig) -> frozenset[str]:
+    """The watched layers whose tensors a dump saves: `dump_layers` searched in the same full
+    module names as `layers` (`select_layers`)."""
+    chosen = module_filter_fn(config.PATH, config.dump_layers, None, include_key="dump_layers")
+    return frozenset(name for name in layers if chosen(None, name))
+
+
+def no_dump_layers_message(layers: Collection[str], config: MonitorConfig,
+                           dump_steps: Collection[int]) -> str:
+    """`dump_layers` selects none of the watched layers: what it was searched in, with the
+    metric keys' shorter names beside them when they differ (the ones a user copies)."""
+    names = list(layers)[:3]  # in the model's order
+    shown = ", ".join(names) + (", ..." if len(layers) > 3 else "")
+    shorts = [short_layer(name) for name in names]
+    keys = f" (the metric keys shorten them to {', '.join(shorts)})" if shorts != names else ""
+    return (f"{config.PATH}.dump_layers: {config.dump_layers!r} matches none of the "
+            f"{len(layers)} watched layers, so dump_steps {sorted(dump_steps)} save nothing "
+            f"(fix: a regex that re.search finds in their full module names, as layers is: "
+            f"{shown}{keys})")
 
 
 def thresholds_of(config: MonitorConfig) -> Thresholds:
@@ -310,7 +333,7 @@ class _Step:
     dump: dict[str, torch.Tensor] = field(default_factory=dict)
     dump_meta: dict[str, dict[str, str]] = field(default_factory=dict)  # per dumped key
     dump_bytes: int = 0
-    left_out: list[str] = field(default_factory=list)
+    left_out: dict[str, int] = field(default_factory=dict)  # keys past the cap: their bytes
 
 
 def _weak_hook(method: Callable[..., None], name: str) -> Callable[..., None]:
@@ -371,7 +394,12 @@ class FP8Monitor:
         self._folds = 0  # delayed what-if updates so far
         self.error: BaseException | None = None
         self._dump_failed = False  # warned once about a dump that could not be written
-        self.dumped: list[Path] = []  # the dump files written, oldest first
+        # the dump files written, oldest first, with the number of tensors each holds
+        self.dumped: list[tuple[Path, int]] = []
+        self.dump_names = dump_layers_of(self.layers, self.config)
+        if self.schedule.dump_steps and not self.dump_names:  # said at FIT_START, once
+            self.on_warning(no_dump_layers_message(
+                self.layers, self.config, self.schedule.dump_steps))  # type: ignore[arg-type]
         self.tracker = HealthTracker(thresholds_of(self.config), keep_flags=False)
         self.short = {name: short_layer(name) for name in self.layers}  # names in keys
         # the last logging step's statistics and flags, for listeners (the guard); empty on a
@@ -564,10 +592,7 @@ class FP8Monitor:
             step.uncast.add(idx)
         if initial is not False and idx not in step.initial:  # the step's first cast decides
             step.initial[idx] = initial
-        dump_layers = self.config.dump_layers
-        if step.dumping and earlier is None and (  # the first micro-batch's tensors
-                dump_layers is None or search(f"{self.config.PATH}.dump_layers", dump_layers,
-                                              name)):
+        if step.dumping and earlier is None and name in self.dump_names:  # first micro-batch's
             self._add_dump(f"{name}/{watch.name}", value, -row[SUFFICIENT_INDEX["neg_scale"]],
                            {"layer": self.short[name], "format": fmt,
                             "scale": "what-if" if whatif else "cast"})
@@ -589,7 +614,7 @@ class FP8Monitor:
         assert step is not None
         size = value.numel() * value.element_size() + 4
         if step.left_out or step.dump_bytes + size > self.config.dump_max_mb * 2**20:
-            step.left_out.append(key)
+            step.left_out[key] = size
             return
         step.dump[key] = value.detach().clone()
         step.dump[f"{key}/scale"] = scale.float().reshape(())
@@ -806,6 +831,9 @@ class FP8Monitor:
         rank = torch.distributed.get_rank() if multi_rank() else 0
         folder = Path(self.config.dump_folder)
         path = folder / f"step{step.step:07d}-rank{rank}.safetensors"
+        if not step.dump:  # no empty file: a reader would take it for a dump
+            self._warn_nothing_dumped(step, path)
+            return
         tensors = {k: v.detach().cpu().contiguous() for k, v in step.dump.items()}
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -819,11 +847,24 @@ class FP8Monitor:
                                 "later dumps are tried and not reported")
             self._dump_failed = True
             return
-        self.dumped.append(path)
+        self.dumped.append((path, len(step.dump_meta)))
         if step.left_out:
             self.on_warning(f"fp8 dump {path}: dump_max_mb={self.config.dump_max_mb:g} reached; "
                             f"left out: {', '.join(step.left_out)} (raise dump_max_mb or narrow "
                             "dump_layers)")
+
+    def _warn_nothing_dumped(self, step: _Step, path: Path) -> None:
+        """Why `path` is not written; nothing where `dump_layers` selects no layer (said once,
+        when the monitor was built)."""
+        if step.left_out:
+            first, size = next(iter(step.left_out.items()))
+            self.on_warning(f"fp8 dump {path} not written: dump_max_mb="
+                            f"{self.config.dump_max_mb:g} holds none of its "
+                            f"{len(step.left_out)} tensors (the first, {first}, takes "
+                            f"{size / 2**20:.3g} MiB with its scale; raise dump_max_mb)")
+        elif self.dump_names:
+            self.on_warning(f"fp8 dump {path} not written: none of the {len(self.dump_names)} "
+                            "layers dump_layers selects ran in this step")
 
     def summary(self) -> str:
         """The worst value per layer and tensor over every judged step (markdown), rows with

@@ -615,10 +615,13 @@ class Schedule(Options):
 
 @dataclass(frozen=True)
 class MonitorConfig(Options):
-    """Which layers and tensors FP8Monitor watches (`layers`/`exclude`: regexes on module names),
-    the what-if recipe for layers not in FP8 (`"current"`, `"delayed"` or a recipe mapping;
-    kept as an FP8Recipe), warning thresholds and dumps. `dump_folder`: where dumps go (a
-    path, not checked; fp8_stats fills it from its own `dump_folder` template)."""
+    """Which layers and tensors FP8Monitor watches, the what-if recipe for layers not in FP8
+    (`"current"`, `"delayed"` or a recipe mapping; kept as an FP8Recipe), warning thresholds
+    and dumps. `layers`, `exclude` and `dump_layers` are regexes searched in the same full
+    module names (`model.transformer.blocks.0.attn.Wqkv`, wrappers' segments removed), as TE's
+    debug API (`te_debug`) matches `layers`; the metric keys shorten them (`blocks.0.attn.Wqkv`),
+    so `^blocks` selects nothing. `dump_folder`: where dumps go (a path, not checked; fp8_stats
+    fills it from its own `dump_folder` template)."""
 
     PATH: ClassVar[str] = "callbacks.fp8_stats"
 

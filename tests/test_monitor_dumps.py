@@ -117,3 +117,96 @@ def test_dump_file_says_what_each_tensor_is(tmp_path):
     cos = torch.nn.functional.cosine_similarity(back.flatten(), x.flatten(), dim=0)
     assert cos.item() == pytest.approx(logged[1][layer_key("cos_sim", "activation", "0")],
                                        abs=1e-6)
+
+
+class _Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.Wqkv = EmulatedFP8Linear(8, 8)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attn()
+
+
+class _MPTLike(nn.Module):
+    """Module names as LLM-Foundry's ComposerMPTCausalLM has them:
+    `model.transformer.blocks.<i>.attn.Wqkv`."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.transformer = nn.Module()
+        self.model.transformer.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        for block in self.model.transformer.blocks:
+            x = block.attn.Wqkv(x)
+        return x
+
+
+def _dump_mpt_like(folder, dump_layers: str, dump_max_mb: float = 64.0):
+    """Steps 0 and 1 (dump at 1); the warnings said at construction and after, the files."""
+    torch.manual_seed(0)
+    model = _MPTLike()
+    warned: list[str] = []
+    monitor = FP8Monitor(model, MonitorConfig(dump_layers=dump_layers, dump_folder=folder,
+                                              dump_max_mb=dump_max_mb),
+                         on_warning=warned.append, schedule=Schedule(dump_steps=(1,)))
+    at_start = list(warned)
+    for step in range(2):
+        monitor.start_step(step)
+        with fp8_autocast(recipe=FP8Recipe()):
+            model(torch.randn(4, 8)).sum().backward()
+        monitor.finish_step()
+    return at_start, warned[len(at_start):], monitor.dumped, sorted(folder.iterdir())
+
+
+def test_dump_layers_is_searched_in_the_full_module_names_as_layers_is(tmp_path):
+    """`blocks\\.0\\.` finds block 0's layer in `model.transformer.blocks.0.attn.Wqkv`; read back
+    by safetensors' own reader, the file holds its 3 tensors under that name, and the metadata
+    gives the metric keys' `blocks.0.attn.Wqkv`."""
+    import json
+
+    from safetensors import safe_open
+
+    at_start, later, dumped, files = _dump_mpt_like(tmp_path, r"blocks\.0\.")
+    assert at_start == [] and later == []
+    full = "model.transformer.blocks.0.attn.Wqkv"
+    assert dict(_MPTLike().named_modules())[full] is not None
+    with safe_open(str(files[0]), "pt") as f:
+        keys = sorted(f.keys())
+        tensors = json.loads(f.metadata()["tensors"])
+    assert keys == sorted(f"{full}/{t}{s}" for t in ("activation", "weight", "gradient")
+                          for s in ("", "/scale"))
+    assert {v["layer"] for v in tensors.values()} == {"blocks.0.attn.Wqkv"}
+    assert dumped == [(files[0], 3)]
+
+
+def test_a_dump_layers_regex_matching_no_layer_warns_once_when_built_and_writes_no_file(
+        tmp_path):
+    """`^blocks\\.0\\.`, copied from the metric keys' `blocks.0.attn.Wqkv`, finds nothing in the
+    full names: one warning when the monitor is built (FIT_START) that names both forms; no
+    empty safetensors file at the dump step and nothing for the console to call saved."""
+    at_start, later, dumped, files = _dump_mpt_like(tmp_path, r"^blocks\.0\.")
+    assert at_start == [
+        "callbacks.fp8_stats.dump_layers: '^blocks\\\\.0\\\\.' matches none of the 2 watched "
+        "layers, so dump_steps [1] save nothing (fix: a regex that re.search finds in their "
+        "full module names, as layers is: model.transformer.blocks.0.attn.Wqkv, "
+        "model.transformer.blocks.1.attn.Wqkv (the metric keys shorten them to "
+        "blocks.0.attn.Wqkv, blocks.1.attn.Wqkv))"]
+    assert later == [] and dumped == [] and files == []
+
+
+def test_a_cap_that_leaves_every_tensor_out_writes_no_file_and_says_so(tmp_path):
+    """dump_max_mb below the first tensor (block 0's activation, 4 x 8 float32 = 128 bytes,
+    plus its 4-byte scale): one warning with the sizes, no empty file."""
+    at_start, later, dumped, files = _dump_mpt_like(tmp_path, r"blocks\.0\.", dump_max_mb=1e-4)
+    assert at_start == [] and dumped == [] and files == []
+    first = 4 * 8 * 4 + 4
+    assert later == [
+        f"fp8 dump {tmp_path / 'step0000001-rank0.safetensors'} not written: dump_max_mb=0.0001 "
+        f"holds none of its 3 tensors (the first, model.transformer.blocks.0.attn.Wqkv/"
+        f"activation, takes {first / 2**20:.3g} MiB with its scale; raise dump_max_mb)"]

@@ -60,12 +60,34 @@ def test_relative_paths_go_into_the_run_folder_not_the_working_directory(tmp_pat
     assert [step for step, _ in read_jsonl(run / "logs" / "metrics.jsonl")]
     assert (run / "logs" / "hparams.json").exists()
     dump = run / "logs" / "dumps" / "r" / "step0000001-rank0.safetensors"
-    assert load_file(dump)
-    # the console names the file where the user looks, once, at the step it is written
+    tensors = [key for key in load_file(dump) if not key.endswith("/scale")]
+    assert len(tensors) == 3  # the one Linear's activation, weight and gradient
+    # the console names the file where the user looks, once, at the step it is written, and
+    # how many tensors it holds
     said = [line for line in capsys.readouterr().out.splitlines() if "saved to" in line]
-    assert said == [f"foundry_fp8 fp8_stats: step 1's tensors saved to {dump} (each rank writes "
-                    "its own; the file's metadata says what each tensor is)"]
+    assert said == [f"foundry_fp8 fp8_stats: step 1's 3 tensors saved to {dump}, each with its "
+                    "scale (each rank writes its own; the file's metadata says what each tensor "
+                    "is)"]
     assert _files(elsewhere) == []
+
+
+def test_a_dump_layers_regex_that_selects_no_layer_is_said_at_fit_start_and_writes_nothing(
+        tmp_path, elsewhere, capsys, caplog):
+    """`^0$` (the Sequential's index) is searched in the module name, `module.0`
+    (ComposerClassifier's `module`): no layer. One warning at fit start naming the names it is
+    searched in; no empty file and no "saved to" line at the dump step."""
+    stats = FP8Stats(interval=10, dump_steps=[1], dump_layers="^0$", dump_folder="dumps")
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8"):
+        trainer = _train("r", [JSONLLogger()], [stats], str(tmp_path / "runs" / "r"))
+    names = [name for name, module in trainer.state.model.named_modules()
+             if isinstance(module, nn.Linear)]
+    assert names == ["module.0"]
+    said = [r.getMessage() for r in caplog.records if "dump_layers" in r.getMessage()]
+    assert said == ["callbacks.fp8_stats.dump_layers: '^0$' matches none of the 1 watched "
+                    "layers, so dump_steps [1] save nothing (fix: a regex that re.search finds "
+                    "in their full module names, as layers is: module.0)"]
+    assert not (tmp_path / "runs" / "r" / "dumps").exists()
+    assert "saved to" not in capsys.readouterr().out
 
 
 def test_without_a_local_save_folder_the_run_folder_is_runs_run_name(elsewhere):

@@ -378,9 +378,10 @@ class FP8Stats(Callback):
         dumped, self.monitor.dumped = self.monitor.dumped, []
         if not _is_rank_zero():
             return
-        for path in dumped:  # the file the user asked for, named as it is written
-            print(f"foundry_fp8 fp8_stats: step {self._step}'s tensors saved to {path} (each "
-                  "rank writes its own; the file's metadata says what each tensor is)", flush=True)
+        for path, count in dumped:  # the file the user asked for, named as it is written
+            print(f"foundry_fp8 fp8_stats: step {self._step}'s {count} tensor"
+                  f"{'' if count == 1 else 's'} saved to {path}, each with its scale (each rank "
+                  "writes its own; the file's metadata says what each tensor is)", flush=True)
         if metrics or te_metrics:
             self._rank_zero(lambda: self._log_metrics(logger, metrics, te_metrics),
                             "logging the metrics")
