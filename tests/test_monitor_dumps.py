@@ -210,3 +210,18 @@ def test_a_cap_that_leaves_every_tensor_out_writes_no_file_and_says_so(tmp_path)
         f"fp8 dump {tmp_path / 'step0000001-rank0.safetensors'} not written: dump_max_mb=0.0001 "
         f"holds none of its 3 tensors (the first, model.transformer.blocks.0.attn.Wqkv/"
         f"activation, takes {first / 2**20:.3g} MiB with its scale; raise dump_max_mb)"]
+
+
+def test_a_dump_step_where_the_selected_layers_do_not_run_writes_no_file_and_says_so(tmp_path):
+    """Block 1 is selected but the step runs block 0 only (as an early exit would)."""
+    model = _MPTLike()
+    warned: list[str] = []
+    monitor = FP8Monitor(model, MonitorConfig(dump_layers=r"blocks\.1\.", dump_folder=tmp_path),
+                         on_warning=warned.append, schedule=Schedule(dump_steps=(0,)))
+    monitor.start_step(0)
+    with fp8_autocast(recipe=FP8Recipe()):
+        model.model.transformer.blocks[0].attn.Wqkv(torch.randn(4, 8)).sum().backward()
+    monitor.finish_step()
+    assert list(tmp_path.iterdir()) == [] and monitor.dumped == []
+    assert warned == [f"fp8 dump {tmp_path / 'step0000000-rank0.safetensors'} not written: none "
+                      "of the 1 layers dump_layers selects ran in this step"]
