@@ -321,15 +321,21 @@ _SKIP_CHUNK = 2**20
 
 def _lines(f: BinaryIO) -> Iterator[bytes | None]:
     """Each line of `f` (its newline kept), or None for a line longer than MAX_LINE_BYTES, which
-    is read through in chunks and dropped."""
+    is read through in chunks and dropped. A line with no newline is the end of the file as
+    read, and the last: a writer still writing it finishes it later, and what readline returned
+    then would be its tail as a line of its own (the record lost in two undecodable halves)."""
     while raw := f.readline(MAX_LINE_BYTES + 1):
-        if len(raw) <= MAX_LINE_BYTES or raw.endswith(b"\n"):
+        if raw.endswith(b"\n") or len(raw) <= MAX_LINE_BYTES:
             yield raw
+            if not raw.endswith(b"\n"):
+                return
             continue
         raw = b""  # not kept while the rest of the line is read through
         while (rest := f.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
             pass
         yield None
+        if not rest:  # the file ended inside it
+            return
 
 
 def read_jsonl(path: str | os.PathLike[str], skipped: list[int] | None = None,

@@ -57,6 +57,55 @@ def test_a_record_glued_to_a_partial_line_is_recovered(tmp_path):
     assert _read(path) == ([EXPECTED[0], EXPECTED[2]], [2])
 
 
+def test_a_line_the_writer_finishes_while_read_is_not_split_in_two(tmp_path):
+    """QA 19: the reader reached the end of the file in the middle of a line the writer then
+    finished; readline() gave its tail as a line of its own, and that whole record was lost
+    from the middle (both halves skipped). The records read must be the first ones of the file
+    as Python's own line splitting of the finished file gives them."""
+    path = _write(tmp_path / "metrics.jsonl")
+    whole = path.read_text()
+    lines = whole.splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1][:15])  # the writer is in the middle of line 2
+
+    class Skipped(list):  # the writer goes on just after the reader took line 2's first half
+        def append(self, lineno: int) -> None:
+            super().append(lineno)
+            with path.open("a") as f:
+                f.write(lines[1][15:] + lines[2] if len(self) == 1 else "")
+
+    skipped = Skipped()
+    read = [step for step, _ in read_jsonl(path, skipped)]
+    in_file = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert in_file == [0, 10, 20]
+    assert read == in_file[:len(read)]  # was [0, 20]: step 10 lost, lines 2 and 3 skipped
+    assert skipped == [2]  # the one line not finished when read
+    assert _read(path) == (EXPECTED, [])  # read again once finished: every record
+
+
+def test_an_over_long_line_the_writer_finishes_while_read_is_one_line(tmp_path, monkeypatch):
+    """The same for a line over MAX_LINE_BYTES the file ended inside: skipped once, not its
+    tail again as another over-long line."""
+    import foundry_fp8.jsonl as jsonl
+
+    line = (json.dumps({"step": 0, "metrics": {"loss": 3.0}}) + "\n").encode()
+    monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", len(line) - 1, raising=False)
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(line + b"\0" * 5000)
+
+    class TooLong(list):  # the writer goes on just after the reader read to the file's end
+        def append(self, lineno: int) -> None:
+            super().append(lineno)
+            with path.open("ab") as f:
+                f.write(b"\0" * 5000 + b"\n" + line.replace(b"0,", b"1,") if len(self) == 1
+                        else b"")
+
+    skipped: list[int] = []
+    too_long = TooLong()
+    read = [step for step, _ in read_jsonl(path, skipped, too_long)]
+    assert path.read_bytes().count(b"\n") == 3  # three lines in the finished file
+    assert read == [0] and skipped == too_long == [2]  # was [2, 3]: one line counted twice
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ('{"step": 0}\n', "metrics.jsonl:1: not a metrics record (no key 'metrics')"),
     ('{"step": 0, "metrics": {}}\n[1, 2]\n', "metrics.jsonl:2: not a metrics record (a JSON list"),
