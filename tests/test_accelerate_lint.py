@@ -840,3 +840,105 @@ def test_the_installed_accelerate_refuses_torchao_as_fp8120_says(tmp_path):
     path = write(tmp_path, AO_FSDP.format(backend="AO", loading=""), dist="FSDP")
     args, _env = _launched(path)
     assert args.fsdp_cpu_ram_efficient_loading == "true"
+
+
+# -- torchao's fp8_config flags (pad_inner_dim, enable_fsdp_float8_all_gather) ------------------
+
+AO_FLAGS = """\
+fp8_config:
+  backend: AO
+  enable_fsdp_float8_all_gather: {gather}
+  pad_inner_dim: {pad}
+fsdp_config:
+  fsdp_version: 2
+  fsdp_cpu_ram_efficient_loading: false
+num_processes: 2
+"""
+
+
+@pytest.mark.parametrize(("version", "gather", "pad", "expected"), [
+    # before: no finding (FP8105 took both as read by every release)
+    ((1, 12, 0), "true", "true", [("fp8_config.enable_fsdp_float8_all_gather", 6, "warning"),
+                                  ("fp8_config.pad_inner_dim", 7, "warning")]),
+    ((1, 8, 1), "false", "yes", [("fp8_config.pad_inner_dim", 7, "warning")]),
+    ((1, 12, 0), "false", "null", []),  # what the older release runs anyway
+    ((1, 13, 0), "true", "true", []),
+    ((1, 14, 0), "false", "true", []),
+])
+def test_torchao_flags_dropped_before_accelerate_1_13(tmp_path, installed, version, gather, pad,
+                                                      expected):
+    """`accelerate config` (1.13+) writes enable_fsdp_float8_all_gather and pad_inner_dim for
+    backend AO; AORecipeKwargs reads them only from v1.13.0 (src/accelerate/utils/dataclasses.py:
+    346-351, PR #3831). Reference: the installed Accelerate's launcher exports them, yet its
+    AORecipeKwargs has no such field (1.8.1)."""
+    import dataclasses
+
+    from accelerate.utils.dataclasses import AORecipeKwargs
+
+    path = write(tmp_path, AO_FLAGS.format(gather=gather, pad=pad), dist="FSDP")
+    _args, env = _launched(path)
+    assert env["ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER"] == str(yaml.safe_load(gather))
+    fields = {f.name for f in dataclasses.fields(AORecipeKwargs)}
+    assert not fields & {"pad_inner_dim", "enable_fsdp_float8_all_gather"}
+    installed(version)
+    assert found(path, "FP8105") == expected
+    for f in lint_file(path)["findings"]:
+        if f["rule"] == "FP8105":
+            assert "from 1.13" in f["message"] and "accelerate>=1.13" in f["fix"]
+
+
+@pytest.mark.parametrize(("version", "backend", "torchao", "expected"), [
+    # before: no finding (FP8123 read TERecipeKwargs' keys only)
+    ((1, 13, 0), "AO", False, [("fp8_config.pad_inner_dim", 7, "error")]),
+    (None, "AO", False, [("fp8_config.pad_inner_dim", 7, "warning")]),
+    ((1, 14, 0), "'NO'", True, [("fp8_config.pad_inner_dim", 7, "warning")]),  # torchao picked
+    ((1, 14, 0), "TE", True, []),  # TERecipeKwargs does not read it
+    ((1, 12, 0), "AO", False, []),  # not read at all: FP8105
+])
+def test_a_torchao_flag_aorecipekwargs_cannot_read_is_fp8123(tmp_path, installed, monkeypatch,
+                                                             version, backend, torchao,
+                                                             expected):
+    """AORecipeKwargs reads its flags with parse_flag_from_env (dataclasses.py:346-351, v1.13.0),
+    whose str_to_bool raises on `maybe`. Reference: the installed Accelerate's own
+    parse_flag_from_env on what its launcher exports."""
+    from accelerate.utils.environment import parse_flag_from_env
+
+    from foundry_fp8.lint import accelerate
+
+    path = write(tmp_path, AO_FLAGS.format(gather="true", pad="maybe").replace(
+        "backend: AO", f"backend: {backend}"), dist="FSDP")
+    _args, env = _launched(path)
+    monkeypatch.setenv("ACCELERATE_FP8_PAD_INNER_DIM", env["ACCELERATE_FP8_PAD_INNER_DIM"])
+    with pytest.raises(ValueError, match="invalid truth value"):
+        parse_flag_from_env("ACCELERATE_FP8_PAD_INNER_DIM", default=True)
+    installed(version)
+    monkeypatch.setattr(accelerate, "installed_torchao", lambda: torchao)
+    assert found(path, "FP8123") == expected
+
+
+def test_msamp_under_fsdp_is_refused_at_accelerator_init_whatever_fsdp_version(installed):
+    """Before: FP8124 said MS-AMP under FSDP2 trains without FP8 'with no error' and advised
+    fsdp_version 1. Reference: the installed Accelerate's own __init__, which raises
+    NotImplementedError for backend MSAMP under distributed_type FSDP with no test of
+    fsdp_version (accelerator.py:570-578 in v1.8.1, :601-609 in v1.14.0)."""
+    import ast
+    import inspect
+
+    accelerator = pytest.importorskip("accelerate.accelerator")
+    tree = ast.parse(textwrap.dedent(inspect.getsource(accelerator.Accelerator.__init__)))
+    guards = [ast.unparse(n.test) for n in ast.walk(tree) if isinstance(n, ast.If)
+              and any(isinstance(r, ast.Raise) and "MS-AMP` + `FSDP" in ast.unparse(r)
+                      for r in n.body)]
+    assert guards == ["self.distributed_type == DistributedType.FSDP"]
+    msamp = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "MSAMP" in ast.unparse(n.test)
+             and any("MS-AMP` + `FSDP" in ast.unparse(b) for b in n.body)]
+    assert msamp and "NotImplementedError" in ast.unparse(msamp[0])
+
+    acc = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+           "mixed_precision": "fp8", "fp8_config": {"backend": "MSAMP"},
+           "fsdp_config": {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": False}}
+    findings = [f for f in lint_accelerate(lint_input(acc, version=(1, 14, 0)))
+                if f.rule == "FP8124"]
+    assert [f.key for f in findings] == ["fsdp_config.fsdp_version"]
+    assert "NotImplementedError" in findings[0].message and "no error" not in findings[0].message
+    assert "fsdp_version: 1" not in findings[0].fix

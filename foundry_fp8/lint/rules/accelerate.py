@@ -53,11 +53,18 @@ TE_RECIPE_DEFAULTS: dict[str, Any] = {
 #: dataclasses.py:363-389, v1.8.1; the same v0.34.2-v1.14.0): int() for these, the truth values
 #: of str_to_bool (utils/environment.py:59-71) for the flags, and the case it folds the two
 #: choices to before checking them against FP8Format / AmaxComputeAlgorithm (:292-293).
-#: use_mxfp8_block_scaling is read only from v1.11.0 (dataclasses.py:403-404 there; no such
-#: field in v1.10.1), so an older release never parses it.
 TE_RECIPE_INTS = ("margin", "interval", "amax_history_len")
 TE_RECIPE_FLAGS = ("use_autocast_during_eval", "use_mxfp8_block_scaling")
-MXFP8_READ = (1, 11)  # TERecipeKwargs reads ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING
+#: AORecipeKwargs' flags (parse_flag_from_env, default true: src/accelerate/utils/dataclasses.py:
+#: 346-351, v1.13.0-v1.14.0), read only when its backend is torchao.
+AO_RECIPE_FLAGS = ("pad_inner_dim", "enable_fsdp_float8_all_gather")
+#: fp8_config names that nothing reads before a release (the launcher exports them all the same):
+#: use_mxfp8_block_scaling by TERecipeKwargs from v1.11.0 (dataclasses.py:403-404 there, no such
+#: field in v1.10.1); AO_RECIPE_FLAGS by AORecipeKwargs from v1.13.0 (dataclasses.py:346-351,
+#: PR #3831; v1.12.0's AORecipeKwargs has only config and module_filter_func, and torchao's own
+#: Float8LinearConfig() runs).
+READ_FROM: dict[str, Version] = {"use_mxfp8_block_scaling": (1, 11),
+                                 **dict.fromkeys(AO_RECIPE_FLAGS, (1, 13))}
 TRUTH = (("y", "yes", "t", "true", "on", "1"), ("n", "no", "f", "false", "off", "0"))
 TE_RECIPE_CASE = {"fp8_format": "upper", "amax_compute_algo": "lower"}
 TE_RECIPE_CHOICES = {"fp8_format": ("HYBRID", "E4M3", "E5M2"),
@@ -381,6 +388,12 @@ def _int_reads(text: str) -> bool:
     return True
 
 
+def _read(name: str, version: Version | None) -> bool:
+    """Does Accelerate `version` (None: unknown, taken as a release that reads it) read this
+    fp8_config name at all (READ_FROM)?"""
+    return name not in READ_FROM or _has((READ_FROM[name], None), version)
+
+
 def _unparsable(inp: AccelerateInput) -> dict[str, str]:
     """TE recipe key -> why TERecipeKwargs cannot read the value the launcher exports for it
     (str() of the YAML value): int() for the integers, str_to_bool for the flags, the case-folded
@@ -390,12 +403,11 @@ def _unparsable(inp: AccelerateInput) -> dict[str, str]:
     for item in launch_settings(inp.accelerate, "fp8_config"):
         key = "fp8_format" if item.name == "format" else item.name
         text = str(item.value)
-        if item.value is None or (key == "use_mxfp8_block_scaling"
-                                  and not _has((MXFP8_READ, None), inp.version)):
+        if item.value is None or not _read(key, inp.version):
             problems.pop(key, None)  # nothing reads it; a later null also unsets an earlier value
         elif key in TE_RECIPE_INTS and not _int_reads(text):
             problems[key] = f"int({text!r:.40}) raises ValueError"
-        elif key in TE_RECIPE_FLAGS and _str_to_bool(text) is None:
+        elif key in TE_RECIPE_FLAGS + AO_RECIPE_FLAGS and _str_to_bool(text) is None:
             problems[key] = f"str_to_bool({text!r:.40}) raises ValueError ('invalid truth value')"
         elif key in TE_RECIPE_CHOICES and _as_read(key, text) not in TE_RECIPE_CHOICES[key]:
             problems[key] = (f"{_as_read(key, text)!r:.40} is not one of "
@@ -447,27 +459,34 @@ def deepspeed_recipe_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[H
       "the recipe classes read have an effect. `accelerate config` itself writes "
       "amax_history_length, amax_compute_algorithm and optimization_level, which are dropped: "
       "the run uses the defaults (1024, most_recent, O2). use_mxfp8_block_scaling is exported "
-      "by every release, but TERecipeKwargs reads it only from 1.11.",
+      "by every release, but TERecipeKwargs reads it only from 1.11; AORecipeKwargs reads "
+      "pad_inner_dim and enable_fsdp_float8_all_gather (which `accelerate config` writes for "
+      "backend AO from 1.13) only from 1.13. Judged against the installed Accelerate.",
       source=f"{ACC} src/accelerate/commands/config/cluster.py; src/accelerate/commands/launch.py"
       ":1053-1054 _validate_launch_command (v1.8.1); src/accelerate/utils/launch.py:82-97 "
       "setup_fp8_env; "
       "src/accelerate/utils/dataclasses.py TERecipeKwargs/MSAMPRecipeKwargs.__post_init__ "
-      "(use_mxfp8_block_scaling: :403-404 from v1.11.0); "
+      "(use_mxfp8_block_scaling: :403-404 from v1.11.0), AORecipeKwargs.__post_init__ "
+      "(:346-351 from v1.13.0, PR #3831); "
       f"{TE} transformer_engine/pytorch/fp8.py check_mxfp8_support",
       fix="use amax_history_len, amax_compute_algo, opt_level", family="accelerate")
 def fp8_config_unknown_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     for item in launch_settings(inp.accelerate, "fp8_config"):
         name = item.name
-        if name == "use_mxfp8_block_scaling" and not _has((MXFP8_READ, None), inp.version) \
-                and item.value is not None and _str_to_bool(str(item.value)) is not False:
-            # The launcher exports it (setup_fp8_env exports every fp8_ argument), but no
-            # TERecipeKwargs field reads it before MXFP8_READ; null/false ask for the default.
+        if not _read(name, inp.version) and item.value is not None \
+                and _str_to_bool(str(item.value)) is not False:
+            # The launcher exports it (setup_fp8_env exports every fp8_ argument), but nothing
+            # reads it before READ_FROM; null/false ask for what the older release runs.
+            since = dotted(READ_FROM[name])
             # TE runs MXFP8 only on compute capability 10.0+ (check_mxfp8_support, TE
             # pytorch/fp8.py; pytorch/quantization.py in later releases).
+            needs = (f"MXFP8 block scaling needs Accelerate >= {since} and, per TE, a GPU of "
+                     "compute capability 10.0+ (Blackwell)" if name == "use_mxfp8_block_scaling"
+                     else f"AORecipeKwargs reads it from {since}; before, torchao's default "
+                     "Float8LinearConfig() runs")
             yield Hit(item.key, f"{item.key} is silently dropped: Accelerate "
-                      f"{dotted(inp.version)} does not read it; MXFP8 block scaling needs Accelerate >= {dotted(MXFP8_READ)} "
-                      "and, per TE, a GPU of compute capability 10.0+ (Blackwell)",
-                      fix=f"upgrade to accelerate>={dotted(MXFP8_READ)}, or remove the key")
+                      f"{dotted(inp.version)} does not read it; {needs}",
+                      fix=f"upgrade to accelerate>={since}, or remove the key")
             continue
         if name in FP8_CONFIG_KEYS:
             continue
@@ -1000,8 +1019,9 @@ def msamp_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
               "O2') at Accelerator()", severity=None if version else "warning")
 
 
-@rule("FP8123", "error", "an `fp8_config` value TERecipeKwargs cannot read (`margin: 0.5`, "
-      "`interval: 1.0`, `use_autocast_during_eval: maybe`)",
+@rule("FP8123", "error", "an `fp8_config` value TERecipeKwargs or AORecipeKwargs cannot read "
+      "(`margin: 0.5`, `interval: 1.0`, `use_autocast_during_eval: maybe`, `pad_inner_dim: "
+      "maybe`)",
       why="The launcher exports str() of each fp8_config value, and TERecipeKwargs, which "
       "Accelerator() builds from those variables for the TE backend, reads margin, interval and "
       "amax_history_len with int() (`1.0` and `1e3` raise), the flags with str_to_bool, and "
@@ -1010,40 +1030,50 @@ def msamp_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
       "exported (TERecipeKwargs keeps its default); use_mxfp8_block_scaling is read from 1.11 "
       "only. Not under DeepSpeed "
       "before 1.11, which builds no recipe from the config (FP8103). A warning where torchao, "
-      "installed here, may be taken instead.",
+      "installed here, may be taken instead. For torchao (backend AO, or no backend with "
+      "torchao installed here: a warning) AORecipeKwargs reads pad_inner_dim and "
+      "enable_fsdp_float8_all_gather with str_to_bool from 1.13 (FP8105 before).",
       source=f"{ACC} src/accelerate/utils/dataclasses.py:363-389 TERecipeKwargs.__post_init__, "
+      ":346-351 AORecipeKwargs.__post_init__ (v1.13.0), "
       "src/accelerate/utils/environment.py:59-86 str_to_bool/parse_flag_from_env, "
       "src/accelerate/utils/launch.py:82-97 setup_fp8_env (v1.8.1; the same v0.34.2-v1.14.0)",
       fix="write integers as integers (margin: 0), flags as true/false, fp8_format HYBRID, E4M3 "
       "or E5M2, amax_compute_algo max or most_recent", family="accelerate")
-def te_recipe_unparsable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+def recipe_unparsable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     acc, version = inp.accelerate, inp.version
-    if not (_fp8(acc) and _te_backend(acc)) or _sagemaker(acc):
+    if not _fp8(acc) or _sagemaker(acc):
         return
     if _deepspeed(acc) and (version is None or version < FP8_FROM_CONFIG_UNDER_DEEPSPEED):
         return
     backend = _backend(acc)
     explicit = backend is not None and backend.value == "TE" and version is not None \
         and version >= BACKEND_READ
+    torchao = _takes_torchao(inp)
     for key, why in _unparsable(inp).items():
         item = setting(acc, "fp8_config", "format" if key == "fp8_format" else key)
         where = item.key if item else f"fp8_config.{key}"
-        yield Hit(where, f"TERecipeKwargs cannot read it: {why} at Accelerator()",
-                  severity="warning" if inp.torchao and not explicit else None)
+        if key in AO_RECIPE_FLAGS and torchao:
+            yield Hit(where, f"AORecipeKwargs cannot read it: {why} at Accelerator() "
+                      f"({torchao[0]})", severity=torchao[1])
+        elif key not in AO_RECIPE_FLAGS and _te_backend(acc):
+            yield Hit(where, f"TERecipeKwargs cannot read it: {why} at Accelerator()",
+                      severity="warning" if inp.torchao and not explicit else None)
 
 
-@rule("FP8124", "error", "MS-AMP (`fp8_config.backend: MSAMP`) under FSDP2: never applied",
-      why="Accelerator.prepare sends an FSDP2 run (fsdp_version 2) to _prepare_fsdp2, and only "
-      "the other branch calls _prepare_msamp: msamp.initialize never runs, so the model and "
-      "optimizer train without MS-AMP's FP8, with no error. From 1.9, where backend MSAMP is "
-      "read (1.4-1.8 take MS-AMP only when neither torchao nor TE is installed); the same in "
-      "v1.14.0. Judged against the installed Accelerate; a warning when it is not installed.",
-      source=f"{ACC} src/accelerate/accelerator.py:1448-1452 Accelerator.prepare and :1476 "
-      "_prepare_fsdp2 (v1.9.0; :1552-1556 and :1673 in v1.14.0); src/accelerate/utils/"
-      "dataclasses.py:1714 FullyShardedDataParallelPlugin (FSDP_VERSION)",
-      fix="use fsdp_version: 1 or DeepSpeed ZeRO 0-2 with MS-AMP, or backend TE",
+@rule("FP8124", "error", "MS-AMP (`fp8_config.backend: MSAMP`) under FSDP2: Accelerator() "
+      "raises",
+      why="Accelerator.__init__ raises NotImplementedError '`accelerate` + `MS-AMP` + `FSDP` is "
+      "not supported at this time' when its FP8 backend is MSAMP and distributed_type is FSDP, "
+      "whatever fsdp_version, before prepare() (whose FSDP2 branch would not call "
+      "_prepare_msamp either). From 1.9, where backend MSAMP is read (1.4-1.8 take MS-AMP only "
+      "when neither torchao nor TE is installed); the same in v1.14.0. Judged against the "
+      "installed Accelerate; a warning when it is not installed.",
+      source=f"{ACC} src/accelerate/accelerator.py:590-598 Accelerator.__init__ (v1.9.0; "
+      ":601-609 in v1.14.0, :570-578 in v1.8.1), :1448-1452 Accelerator.prepare (v1.9.0); "
+      "src/accelerate/utils/dataclasses.py:1714 FullyShardedDataParallelPlugin (FSDP_VERSION)",
+      fix="use DeepSpeed ZeRO 0-2 with MS-AMP (what Accelerate's message says), or backend TE",
       family="accelerate")
-def msamp_fsdp2_skipped(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+def msamp_fsdp_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     acc, version = inp.accelerate, inp.version
     backend = _backend(acc)
     fsdp_version = setting(acc, "fsdp_config", "version")
@@ -1053,6 +1083,6 @@ def msamp_fsdp2_skipped(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     if version is not None and version < BACKEND_READ:
         return
     who = f"accelerate {dotted(version)}" if version else "Accelerate >= 1.9"
-    yield Hit(fsdp_version.key, f"FSDP2 with backend MSAMP: {who} "
-              "prepares FSDP2 models without calling msamp.initialize, so the run trains "
-              "without MS-AMP FP8, with no error", severity=None if version else "warning")
+    yield Hit(fsdp_version.key, f"FSDP with backend MSAMP: {who} refuses it at Accelerator() "
+              "(NotImplementedError '`accelerate` + `MS-AMP` + `FSDP` is not supported at this "
+              "time')", severity=None if version else "warning")
