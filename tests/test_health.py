@@ -101,7 +101,48 @@ def test_overflow_with_the_scale_far_behind_is_a_spike_flagged_at_once():
                                                            "scale_ratio": 40.0}))
     (flag,) = raised[(LAYERS[0], "gradient")]
     assert flag.rule == "overflow_spike"
-    assert flag.yaml_key == "algorithms.te_swap.fp8_recipe.scaling: current"
+    assert flag.yaml_key.startswith("algorithms.te_swap.fp8_recipe.scaling: current ")
+    assert "if this layer is flagged again, make that flag's change instead" in flag.cause
+
+
+def _applied(text: str, change: str) -> str:
+    """`text` (a YAML config) with a flag's change made as a user reads it: `a.b.c: v`, then
+    each key named after `remove` dropped from that section."""
+    import yaml
+
+    config = yaml.safe_load(text)
+    key, _, rest = change.partition(": ")
+    value, _, note = rest.partition(" (")
+    *parents, last = key.split(".")
+    section = config
+    for name in parents:
+        section = section[name]
+    section[last] = yaml.safe_load(value)
+    if removed := re.match(r"and remove (.+?) where set", note):
+        for name in removed.group(1).split(", "):
+            section.pop(name, None)
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def test_the_spike_change_made_as_written_on_the_shipped_delayed_config_lints_clean(tmp_path,
+                                                                                   capsys):
+    """QA 19: the change was `scaling: current` alone; made on yamls/mpt-tiny-cpu.yaml (te_swap's
+    delayed recipe, amax_history_len 16, amax_compute_algo max) the run stopped before training
+    with FP8008. The linter, as the user runs it, is the judge."""
+    from pathlib import Path
+
+    from foundry_fp8.cli import main
+
+    (flag,) = HealthTracker().update(10, table(b0_gradient={"overflow_pct": 2.0,
+                                                            "scale_ratio": 40.0}))[
+        (LAYERS[0], "gradient")]
+    shipped = (Path(__file__).parents[1] / "yamls" / "mpt-tiny-cpu.yaml").read_text()
+    assert "scaling: delayed" in shipped and "amax_history_len" in shipped
+    path = tmp_path / "changed.yaml"
+    path.write_text(_applied(shipped, flag.yaml_key))
+    assert "scaling: current" in path.read_text()
+    capsys.readouterr()
+    assert main(["lint", str(path)]) == 0, capsys.readouterr().out
 
 
 def test_underflow_is_flagged_at_once_naming_the_edge_block_or_the_layer():

@@ -86,7 +86,8 @@ def test_a_broken_layer_is_flagged_by_name_with_its_yaml_key(tmp_path, tiny_data
     run_tiny(tmp_path, tiny_data, _overrides(
         "broken", break_weight={"layer": BROKEN, "at_batch": 6, "factor": 1e4}))
     folder = run_folder(tmp_path, "broken")
-    key = "algorithms.te_swap.fp8_recipe.scaling: current"
+    key = ("algorithms.te_swap.fp8_recipe.scaling: current (and remove amax_history_len, "
+           "amax_compute_algo, margin, reduce_amax where set: delayed scaling only)")
     console = [w for w in fp8_warnings if f"layer '{BROKEN}'" in w and "FP8 weight" in w]
     assert console and console[0].startswith(f"FP8 weight of layer '{BROKEN}' at step 6: "
                                              "overflow_pct ")

@@ -18,10 +18,15 @@ from typing import Any, Literal
 from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, summary_key
 from foundry_fp8.health.specs import worse_of
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
+from foundry_fp8.recipe import _DELAYED_ONLY
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
 SWAP = "algorithms.te_swap"
 RECIPE = f"{SWAP}.fp8_recipe"
+#: The change for an amax spike, valid as written on a delayed recipe: current scaling refuses
+#: the delayed-only keys (recipe.py, FP8008), so it names them.
+SPIKE_CHANGE = (f"{RECIPE}.scaling: current (and remove {', '.join(_DELAYED_ONLY)} where set: "
+                "delayed scaling only)")
 #: Where a layer with what-if numbers runs (`Flag.whatif_message`).
 WhatIf = Literal["fp8", "high", "fallback"]
 #: The keys `HealthTracker._keep_in_bf16` advises: they keep a layer out of FP8.
@@ -267,8 +272,10 @@ class HealthTracker:
             found.append(("overflow_spike", "overflow_pct", overflow,
                           f"> {t.max_overflow_pct:g} % with scale_ratio {ratio:.3g} >= "
                           f"{t.spike_ratio:g}",
-                          "an amax spike: the tensor jumped past the scale its amax history set",
-                          f"{RECIPE}.scaling: current"))
+                          "an amax spike: the tensor jumped past the scale its amax history set "
+                          "(one step of it can start a range problem that stays: if this layer "
+                          "is flagged again, make that flag's change instead)",
+                          SPIKE_CHANGE))
         elif s.over >= n:
             found.append(("overflow_persistent", "overflow_pct", overflow,
                           f"> {t.max_overflow_pct:g} % with scale_ratio > {t.clip_ratio:.3g} "
