@@ -245,7 +245,7 @@ def test_broken_deepspeed_json_behind_an_accelerate_config_exits_2(tmp_path):
 
 def test_rules_are_registered_with_docs_fields():
     ids = [rule.id for rule in ACCELERATE_RULES]
-    assert ids == [f"FP81{n:02d}" for n in range(1, 25)]
+    assert ids == [f"FP81{n:02d}" for n in range(1, 26)]
     assert not set(ids) & {rule.id for rule in RULES}
     for rule in ACCELERATE_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix
@@ -942,3 +942,41 @@ def test_msamp_under_fsdp_is_refused_at_accelerator_init_whatever_fsdp_version(i
     assert [f.key for f in findings] == ["fsdp_config.fsdp_version"]
     assert "NotImplementedError" in findings[0].message and "no error" not in findings[0].message
     assert "fsdp_version: 1" not in findings[0].fix
+
+
+MXFP8_AMAX = """\
+fp8_config:
+  amax_compute_algo: {algo}
+  amax_history_len: {history}
+  backend: TE
+  fp8_format: HYBRID
+  margin: 0
+  use_mxfp8_block_scaling: {mxfp8}
+num_processes: 2
+"""
+
+
+@pytest.mark.parametrize(("version", "algo", "history", "mxfp8", "dist", "expected"), [
+    # before: no finding (QA, running Accelerate 1.14.0's TERecipeKwargs + apply_fp8_autowrap on
+    # what its setup_fp8_env exports: ValueError for max, and for 16)
+    ((1, 14, 0), "max", 16, "true", "MULTI_GPU",
+     [("fp8_config.amax_compute_algo", 5, "error"), ("fp8_config.amax_history_len", 6, "error")]),
+    ((1, 11, 0), "most_recent", 16, "true", "FSDP", [("fp8_config.amax_history_len", 6, "error")]),
+    (None, "max", 1024, "true", "NO", [("fp8_config.amax_compute_algo", 5, "warning")]),
+    ((1, 14, 0), "most_recent", 1024, "true", "MULTI_GPU", []),  # defaults: not forwarded (ran)
+    ((1, 14, 0), "max", 16, "false", "MULTI_GPU", []),  # DelayedScaling takes them (ran)
+    ((1, 10, 1), "max", 16, "true", "MULTI_GPU", []),  # flag not read: FP8105
+    ((1, 14, 0), "max", 16, "true", "DEEPSPEED", []),  # recipe not from the config: FP8104
+])
+def test_amax_settings_with_mxfp8_are_fp8125(tmp_path, installed, version, algo, history, mxfp8,
+                                             dist, expected):
+    """Accelerate's apply_fp8_autowrap raises for an amax_compute_algo or amax_history_len the
+    recipe forwards with use_mxfp8_block_scaling on (src/accelerate/utils/transformer_engine.py:
+    170-174, v1.11.0-v1.14.0). Reference: the installed launcher exports the values that
+    TERecipeKwargs reads, in the shape `accelerate config` writes."""
+    path = write(tmp_path, MXFP8_AMAX.format(algo=algo, history=history, mxfp8=mxfp8), dist=dist)
+    _args, env = _launched(path)
+    assert env["ACCELERATE_FP8_AMAX_COMPUTE_ALGO"] == algo
+    assert env["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == str(history)
+    installed(version)
+    assert found(path, "FP8125") == expected

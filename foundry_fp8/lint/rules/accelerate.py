@@ -1086,3 +1086,40 @@ def msamp_fsdp_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     yield Hit(fsdp_version.key, f"FSDP with backend MSAMP: {who} refuses it at Accelerator() "
               "(NotImplementedError '`accelerate` + `MS-AMP` + `FSDP` is not supported at this "
               "time')", severity=None if version else "warning")
+
+
+@rule("FP8125", "error", "`amax_compute_algo`/`amax_history_len` with "
+      "`fp8_config.use_mxfp8_block_scaling` (Accelerate raises)",
+      why="apply_fp8_autowrap builds TE's MXFP8BlockScaling when the recipe's "
+      "use_mxfp8_block_scaling is on, and raises ValueError '`amax_compute_algo` is not "
+      "supported for MXFP8 block scaling.' (and the same for amax_history_len) when the recipe "
+      "forwards either, i.e. when it differs from TERecipeKwargs' default (most_recent, 1024; "
+      "to_kwargs drops defaults): `amax_compute_algo: max` or `amax_history_len: 16` fails when "
+      "prepare() wraps the model. From 1.11, where TERecipeKwargs reads the flag (FP8105 "
+      "before); not under DeepSpeed, which builds TE's recipe without the config (FP8104). "
+      "Checked by running Accelerate 1.14.0's TERecipeKwargs and apply_fp8_autowrap on the "
+      "environment its setup_fp8_env exports. Judged against the installed Accelerate; a "
+      "warning when it is not installed, or where torchao installed here may be taken instead.",
+      source=f"{ACC} src/accelerate/utils/transformer_engine.py:170-174 apply_fp8_autowrap "
+      "(v1.11.0-v1.14.0); src/accelerate/utils/dataclasses.py:403-404 TERecipeKwargs "
+      "(v1.11.0); src/accelerate/accelerator.py:1833 and :2060 (v1.14.0); "
+      f"{TE} transformer_engine/common/recipe/__init__.py MXFP8BlockScaling (no amax fields)",
+      fix="remove amax_compute_algo and amax_history_len (MXFP8 has no amax history), or turn "
+      "use_mxfp8_block_scaling off", family="accelerate")
+def mxfp8_with_amax(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc, version = inp.accelerate, inp.version
+    if not (_fp8(acc) and _te_backend(acc)) or _deepspeed(acc) or _sagemaker(acc):
+        return
+    mxfp8 = setting(acc, "fp8_config", "use_mxfp8_block_scaling")
+    if mxfp8 is None or not _read(mxfp8.name, version) \
+            or _str_to_bool(str(mxfp8.value)) is not True or mxfp8.name in _unparsable(inp):
+        return
+    backend = _backend(acc)
+    explicit = backend is not None and backend.value == "TE"
+    severity = None if version is not None and not (inp.torchao and not explicit) else "warning"
+    for key, item in _recipe_items(acc).items():
+        if key in ("amax_compute_algo", "amax_history_len") and key not in _unparsable(inp):
+            yield Hit(item.key, f"{item.value!r:.40} with {mxfp8.key} on: Accelerate raises "
+                      f"ValueError '`{key}` is not supported for MXFP8 block scaling.' when "
+                      "prepare() wraps the model", severity=severity)
+
