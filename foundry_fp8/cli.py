@@ -218,13 +218,17 @@ def _output_failed(failure: OutputError) -> int:
     return _exit_status(failure.error)
 
 
-def interrupted_by(error: BaseException) -> bool:
+def interrupted_by(error: BaseException, outer: BaseException | None = None) -> bool:
     """Whether `error` comes of a Ctrl-C: a KeyboardInterrupt or Composer's SystemExit(130), or
     an exception raised from or while handling one. A Ctrl-C during an extension module's
     import reaches Python as ImportError("initialization failed") from the KeyboardInterrupt:
     pybind11 wraps whatever its module init raised (torch/include/pybind11/detail/common.h:409,
-    PYBIND11_MODULE), and the half-imported module then fails later imports in other ways."""
-    seen: set[int] = set()
+    PYBIND11_MODULE), and the half-imported module then fails later imports in other ways.
+    `outer` is the exception the caller was already handling where the guarded code began
+    (`sys.exc_info()[1]` there): every exception raised inside has it as its last `__context__`,
+    so the walk stops at it; a wrapper's own `except KeyboardInterrupt:` that calls `main` to
+    write a report does not make a real error in that report a Ctrl-C."""
+    seen: set[int] = {id(outer)} if outer is not None else set()
     pending: list[BaseException | None] = [error]
     while pending:
         current = pending.pop()
@@ -334,6 +338,7 @@ def _dispatch(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    outer = sys.exc_info()[1]  # a caller's, when it calls main inside its own `except`
     saved = sys.stdout, sys.stderr
     errors = [getattr(stream, "errors", None) for stream in saved]  # given back at the end
     sys.stdout = _usable(sys.stdout, 1, "stdout")
@@ -347,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     except OutputError as failure:
         code = _output_failed(failure)
     except BaseException as error:  # Composer, once imported, turns SIGINT into sys.exit(130)
-        if interrupted_by(error):
+        if interrupted_by(error, outer):
             code = _interrupted()
         elif isinstance(error, ModuleNotFoundError):
             code = _not_installed(error)

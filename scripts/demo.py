@@ -127,10 +127,11 @@ def entry(argv: list[str] | None = None) -> int:
     `_train` has imported Composer, its SIGINT handler raises SystemExit(130) instead of
     KeyboardInterrupt (composer/core/engine.py, `sigterm_handler`), which said nothing; one
     during an extension's import arrives as another exception (`interrupted_by`)."""
+    outer = sys.exc_info()[1]  # a caller's, when entry is called inside its own `except`
     try:
         return main(argv)
     except BaseException as stop:
-        if not interrupted_by(stop):
+        if not interrupted_by(stop, outer):
             raise
         print("make run: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

@@ -3,6 +3,7 @@ what a shell reports for a command SIGINT ended), never a KeyboardInterrupt trac
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import signal
 import subprocess
@@ -156,3 +157,66 @@ def test_ctrl_c_in_a_bench_variant_s_import_stops_the_bench(monkeypatch, tmp_pat
                  "--out", str(tmp_path)]) == 130
     assert started == ["bf16"]
     assert capsys.readouterr().err.splitlines()[-1] == "foundry-fp8: interrupted"
+
+
+def _in_a_wrapper_s_ctrl_c_handler(call):
+    """QA 19: a wrapper that writes a report after Ctrl-C calls us inside its own
+    `except KeyboardInterrupt:`; Python sets that interrupt as the `__context__` of whatever
+    is raised inside, which is the wrapper's, not ours."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        return call()
+
+
+def _a_real_bug(args):
+    raise ValueError("a real bug in report")
+
+
+def test_a_real_error_inside_a_caller_s_ctrl_c_handler_is_raised(monkeypatch, capsys):
+    """It was 'foundry-fp8: interrupted' and exit 130, the ValueError lost."""
+    module = importlib.import_module(SUBCOMMANDS["report"][0])
+    monkeypatch.setattr(module, "run", _a_real_bug)
+    with pytest.raises(ValueError, match="a real bug in report"):
+        _in_a_wrapper_s_ctrl_c_handler(lambda: main(["report", "run"]))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("interrupt", [_python_s_handler, _ctrl_c_in_an_extension_import],
+                         ids=["python", "pybind-import"])
+def test_a_ctrl_c_inside_a_caller_s_ctrl_c_handler_is_still_one(interrupt, monkeypatch, capsys):
+    module = importlib.import_module(SUBCOMMANDS["report"][0])
+    monkeypatch.setattr(module, "run", interrupt)
+    assert _in_a_wrapper_s_ctrl_c_handler(lambda: main(["report", "run"])) == 130
+    assert capsys.readouterr().err == "foundry-fp8: interrupted\n"
+
+
+def test_a_bench_variant_s_real_error_inside_a_caller_s_ctrl_c_handler_fails_it(monkeypatch,
+                                                                               tmp_path):
+    """The variant is recorded as failed and the next one runs, as outside any handler."""
+    from foundry_fp8.tools import bench
+
+    started = []
+
+    def run_variant(variant, config, bar):
+        started.append(variant.name)
+        raise ValueError("a real bug in the variant")
+
+    monkeypatch.setattr(bench, "run_variant", run_variant)
+    config = dataclasses.replace(bench.TINY_CONFIG, variants=("bf16", "fp8-te-swap"))
+    result = _in_a_wrapper_s_ctrl_c_handler(lambda: bench.run_bench(config))
+    assert started == ["bf16", "fp8-te-swap"]
+    assert [(f["name"], f["reason"]) for f in result["failed"]] == [
+        ("bf16", "ValueError: a real bug in the variant"),
+        ("fp8-te-swap", "ValueError: a real bug in the variant")]
+
+
+def test_make_run_s_real_error_inside_a_caller_s_ctrl_c_handler_is_raised(monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    demo = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "demo.py"))
+    monkeypatch.setitem(demo["entry"].__globals__, "main", _a_real_bug)
+    with pytest.raises(ValueError, match="a real bug in report"):
+        _in_a_wrapper_s_ctrl_c_handler(lambda: demo["entry"]([]))
+    assert capsys.readouterr().err == ""

@@ -23,6 +23,7 @@ import platform
 import re
 import shlex
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -444,6 +445,7 @@ def run_bench(config: BenchConfig,
     every variant, so a run cut off by a time limit keeps the variants it finished."""
     from tqdm import tqdm
 
+    outer = sys.exc_info()[1]  # a caller's, when run_bench is called inside its own `except`
     per_variant = config.warmup + config.steps + config.profile_steps
     rows, skipped, failed = [], [], []
     with tqdm(total=per_variant * len(config.variants), unit="step", desc="bench") as bar, \
@@ -460,7 +462,7 @@ def run_bench(config: BenchConfig,
                 except OutputError:  # the terminal or pipe is gone, not the variant
                     raise
                 except Exception as err:  # a broken variant must not lose the others' numbers
-                    if interrupted_by(err):  # Ctrl-C during an import: stop, as anywhere else
+                    if interrupted_by(err, outer):  # Ctrl-C during an import: stop, as anywhere else
                         raise
                     failed.append({"name": name,
                                    "reason": f"{type(err).__name__}: {err}".splitlines()[0][:300],
