@@ -204,6 +204,22 @@ def whatif_rows(run: RunMetrics) -> set[tuple[str, str]]:
             if (layer, tensor) in rows and any((layer, tensor, s) in marked for s in by_step)}
 
 
+def whatif_worst(run: RunMetrics) -> set[tuple[str, str, str]]:
+    """The (layer, tensor, stat) whose worst value over the judged steps (`worst_values`) no
+    step of the layer's own FP8 casts reached: only what-if numbers did (fp8_guard ran the layer
+    in high precision there). A row judged with what-if numbers at some step may still have
+    every worst value from real FP8 casts."""
+    marked = run.high_precision - run.initial
+    cells = set()
+    for (layer, tensor, stat), logged in run.values.items():
+        point = worst_point(stat, judged := run.judged(layer, tensor, logged)) if spec(
+            stat).worse else None
+        if point is not None and all((layer, tensor, step) in marked
+                                     for step, value in judged.items() if value == point[1]):
+            cells.add((layer, tensor, stat))
+    return cells
+
+
 def heatmap_matrix(run: RunMetrics, stat: str, tensor: str) -> list[list[float]]:
     """Rows `run.layers`, columns `run.steps`; NaN where not logged or cast with the initial
     scale (marked, not coloured as the worst cells)."""

@@ -21,7 +21,7 @@ import regex
 from foundry_fp8.filters import MATCH_TIMEOUT_S, search
 from foundry_fp8.guard import static_yaml
 from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table, worst_values
-from foundry_fp8.health.history import shown, whatif_rows
+from foundry_fp8.health.history import shown, whatif_worst
 from foundry_fp8.health.keys import full_forms
 from foundry_fp8.health.loss import LossComparison, compare
 from foundry_fp8.health.plots import (
@@ -369,7 +369,7 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2, "error (above)"
-    print(render_table(worst_values(metrics), whatif_rows(metrics)))
+    print(render_table(worst_values(metrics), cells=whatif_worst(metrics)))
     found = findings(metrics, flags)
     fallen = fallback_steps(guard)
     names = layer_names(metrics, guard)

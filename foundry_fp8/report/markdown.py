@@ -21,13 +21,14 @@ from foundry_fp8.guard import (
     static_yaml,
 )
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
-from foundry_fp8.health.history import whatif_rows, worst_layers
+from foundry_fp8.health.history import whatif_rows, whatif_worst, worst_layers
 from foundry_fp8.health.loss import LossComparison
 from foundry_fp8.health.plots import common_prefix
 from foundry_fp8.health.rules import KEEP_OUT
 from foundry_fp8.health.specs import badness, spec
 from foundry_fp8.health.table import (
     LABEL_CHARS,
+    PARTLY_WHATIF_MARK,
     WHATIF_MARK,
     bounded,
     md_code,
@@ -367,9 +368,11 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         md_code(names[layer]) + (f" ({md_escape(why)})" if why else "") for layer, why in chosen)
         + more + ".", "", "## Worst value per layer and tensor", "",
         "scale_ratio shows the value farthest from 1 (above 1: overflow side; below 1: "
-        "underflow side)." + (f" {WHATIF_MARK}: a layer fp8_guard ran in high precision at some"
-                              " of the logging steps, whose numbers there are what-if ones."
-                              if whatif else ""), "", render_table(worst_values(run), whatif)]
+        "underflow side)." + (f" {WHATIF_MARK}: the row's worst values are what-if numbers, "
+                              "reached only at logging steps fp8_guard ran the layer in high "
+                              f"precision; {PARTLY_WHATIF_MARK}: some of them are."
+                              if (cells := whatif_worst(run)) else ""), "",
+        render_table(worst_values(run), whatif, cells)]
     return "\n".join(lines)
 
 
