@@ -177,5 +177,8 @@ def test_msamp_under_fsdp2_is_never_applied_by_accelerate():
     assert hits(acc, (1, 9, 0)) == [("fsdp_config.fsdp_version", "error")]
     assert hits(acc, None) == [("fsdp_config.fsdp_version", "warning")]
     assert hits(acc, (1, 8, 1)) == []  # the backend is not read: MS-AMP only by what is installed
-    assert hits({**acc, "fsdp_config": {"version": 1}}, (1, 9, 0)) == []
+    # FSDP1 too (Accelerate's default version): the raise's only condition is distributed_type
+    assert hits({**acc, "fsdp_config": {"version": 1}}, (1, 9, 0)) == [("fsdp_config.version",
+                                                                          "error")]
+    assert hits({**acc, "fsdp_config": {}}, (1, 14, 0)) == [("distributed_type", "error")]
     assert hits({**acc, "fp8_config": {"backend": "TE"}}, (1, 9, 0)) == []

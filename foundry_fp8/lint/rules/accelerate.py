@@ -1060,7 +1060,7 @@ def recipe_unparsable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
                       severity="warning" if inp.torchao and not explicit else None)
 
 
-@rule("FP8124", "error", "MS-AMP (`fp8_config.backend: MSAMP`) under FSDP2: Accelerator() "
+@rule("FP8124", "error", "MS-AMP (`fp8_config.backend: MSAMP`) under FSDP: Accelerator() "
       "raises",
       why="Accelerator.__init__ raises NotImplementedError '`accelerate` + `MS-AMP` + `FSDP` is "
       "not supported at this time' when its FP8 backend is MSAMP and distributed_type is FSDP, "
@@ -1076,14 +1076,14 @@ def recipe_unparsable(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
 def msamp_fsdp_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     acc, version = inp.accelerate, inp.version
     backend = _backend(acc)
-    fsdp_version = setting(acc, "fsdp_config", "version")
     if not (_fp8(acc) and _text(acc.get("distributed_type")) == "fsdp" and backend
-            and backend.value == "MSAMP" and fsdp_version and _text(fsdp_version.value) == "2"):
+            and backend.value == "MSAMP"):
         return
     if version is not None and version < BACKEND_READ:
         return
+    fsdp_version = setting(acc, "fsdp_config", "version")
     who = f"accelerate {dotted(version)}" if version else "Accelerate >= 1.9"
-    yield Hit(fsdp_version.key, f"FSDP with backend MSAMP: {who} refuses it at Accelerator() "
+    yield Hit(fsdp_version.key if fsdp_version else "distributed_type", f"FSDP with backend MSAMP: {who} refuses it at Accelerator() "
               "(NotImplementedError '`accelerate` + `MS-AMP` + `FSDP` is not supported at this "
               "time')", severity=None if version else "warning")
 
