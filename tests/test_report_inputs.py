@@ -40,3 +40,30 @@ def test_a_file_of_the_run_folder_names_the_run_folder(tmp_path, capsys, monkeyp
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and said in err, err
     assert err.endswith("; the run's is in run: foundry-fp8 report run"), err
+
+
+@pytest.mark.parametrize("how", ["run", "baseline"])
+def test_a_ctrl_c_inside_w_and_bs_reader_stops_the_report(tmp_path, monkeypatch, capsys, how):
+    """QA 19: a Ctrl-C while W&B's reader imports an extension module reaches Python as
+    ImportError("initialization failed") from the KeyboardInterrupt (pybind11's module init);
+    the report's broad `except` around the reader made it a run W&B "cannot read" and went on.
+    A Ctrl-C ends a command with 128 + SIGINT, as a shell reports it."""
+    import signal
+
+    import foundry_fp8.wandb_history as wandb_history
+
+    wandb_run = tmp_path / "wb"
+    (wandb_run / "wandb" / "offline-run-1").mkdir(parents=True)
+    wandb_run_file(wandb_run / "wandb" / "offline-run-1" / "run-1.wandb")
+
+    def interrupted(path):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise ImportError("initialization failed") from e
+
+    args = {"run": [str(wandb_run)],
+            "baseline": [str(write_run(tmp_path / "fp8")), "--baseline", str(wandb_run)]}[how]
+    monkeypatch.setattr(wandb_history, "read_run", interrupted)
+    assert main(["report", *args]) == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().endswith("interrupted")

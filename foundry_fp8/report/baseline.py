@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from foundry_fp8 import jsonl, wandb_history
+from foundry_fp8 import jsonl
 from foundry_fp8.health.keys import LOSS
 from foundry_fp8.jsonl import JsonlError, hparams_of, read_jsonl
 from foundry_fp8.report.mlflow_run import mlflow_history, mlflow_params, mlflow_run
@@ -21,6 +21,7 @@ from foundry_fp8.report.read import (
     metrics_file_of,
     read_hparams,
     wandb_files,
+    wandb_runs,
 )
 
 #: The config keys that make a step the same batch in both runs (LLM-Foundry's; a plain
@@ -39,10 +40,8 @@ def read_losses(given: Path) -> dict[int, float]:
     if (ml := mlflow_run(given)) is not None:
         losses = losses_of(mlflow_history(ml, LOSS))
     elif (files := wandb_files(given)) is not None:
-        try:
-            runs = [wandb_history.read_run(path) for path in files]
-        except Exception:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
-            raise ReportError(f"{files[0]}: W&B's reader cannot read it") from None
+        if (runs := wandb_runs(files)) is None:
+            raise ReportError(f"{files[0]}: W&B's reader cannot read it")
         losses = losses_of((row["_step"], row) for run in runs for row in run.rows
                          if jsonl.step(row.get("_step")) is not None)
     else:
@@ -147,10 +146,7 @@ def read_config(given: Path) -> Mapping[str, Any]:
     if (ml := mlflow_run(given)) is not None:
         return mlflow_params(ml)
     if (files := wandb_files(given)) is not None:
-        try:
-            return _attempts_config([wandb_history.read_run(path) for path in files])
-        except Exception:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
-            return {}
+        return _attempts_config(runs) if (runs := wandb_runs(files)) is not None else {}
     return read_hparams(hparams_of(metrics_file_of(given))) or {}
 
 

@@ -8,12 +8,14 @@ import json
 import math
 import os
 import stat
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from foundry_fp8 import __version__, jsonl, wandb_history
+from foundry_fp8.cli import interrupted_by
 from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
@@ -292,6 +294,19 @@ def wandb_files(given: Path) -> list[Path] | None:
     return attempts or files  # a run file outside W&B's layout (copied): itself
 
 
+def wandb_runs(files: list[Path]) -> list[wandb_history.WandbRun] | None:
+    """W&B's reader's runs of `files`; None where it cannot read them (it raises whatever its
+    parsers do). A Ctrl-C goes on up, also one an extension module's import wrapped in an
+    ImportError (`cli.interrupted_by`): caught here, it was a run W&B "cannot read"."""
+    outer = sys.exc_info()[1]
+    try:
+        return [wandb_history.read_run(path) for path in files]
+    except Exception as e:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
+        if interrupted_by(e, outer):
+            raise
+        return None
+
+
 def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
                losses: dict[int, float] | None = None
                ) -> tuple[RunMetrics, GuardSeries, dict[str, Any]]:
@@ -300,11 +315,7 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
     order: what `wandb sync` uploads. Where they hold no FP8 statistics (W&B was not logging
     them, a file W&B's reader does not read), ReportError (one line) saying where the run's
     metrics.jsonl is, when a folder above holds it."""
-    runs = []
-    try:
-        runs = [wandb_history.read_run(path) for path in files]
-    except Exception:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
-        runs = []
+    runs = wandb_runs(files) or []
     guard: GuardSeries = {}
     records = ((row["_step"], {k: v for k, v in row.items() if not k.startswith("_")})
                for wandb_run in runs for row in wandb_run.rows
