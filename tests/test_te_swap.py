@@ -675,3 +675,42 @@ def test_a_resume_from_a_checkpoint_without_the_closer_warns_of_no_private_class
     assert missing == ["LRMonitor"]  # Composer's own warning, still there for a real callback
     assert resumed.state.timestamp.batch.value == 2
     resumed.close()
+
+
+def test_a_second_init_shows_a_once_warning_no_second_time():
+    """QA 19: every INIT re-added te_swap's filter for the warning above, and Python clears its
+    record of the warnings already shown whenever the filters change: a notebook's next Trainer
+    on the same model (the next INIT) showed its `default` warnings again. The rule is Python's:
+    a `default` warning is shown once per place it is raised from."""
+    import warnings
+
+    from composer import Trainer
+    from composer.core import Event
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from foundry_fp8.composer.te_swap import TESwap
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks[1](torch.relu(self.blocks[0](x)))
+
+    def once() -> None:
+        warnings.warn("a notebook's warning", UserWarning, stacklevel=1)
+
+    swap = TESwap(backend="emulate")
+    data = TensorDataset(torch.randn(16, 16), torch.randint(0, 4, (16,)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        trainer = Trainer(model=ComposerClassifier(Net(), num_classes=4),
+                          train_dataloader=DataLoader(data, batch_size=8), max_duration="1ba",
+                          algorithms=[swap], device="cpu", loggers=[], progress_bar=False)
+        once()
+        swap.apply(Event.INIT, trainer.state, trainer.logger)  # the INIT of the next Trainer
+        once()
+        trainer.close()
+    assert [str(w.message) for w in seen].count("a notebook's warning") == 1

@@ -27,6 +27,7 @@ the next Trainer on the same model (a notebook's next stage) adds its own, once.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -214,12 +215,29 @@ class _CloseWithTrainer(Callback):
     @classmethod
     def quiet_on_old_checkpoints(cls) -> None:
         """It has no state, yet Composer checkpoints every callback by class name and, on load,
-        warns of each one the checkpoint lacks (composer/core/state.py 0.32, `load_state_dict`:
-        "<name> is not in the state_dict"): a resume from a checkpoint written before te_swap
-        added it (a2e85d1) would warn of a private class. Only that warning, of this class, is
-        ignored; set at INIT, as a user's or pytest's `catch_warnings` restores the filters."""
-        warnings.filterwarnings("ignore", message=f"{cls.__qualname__} is not in the state_dict",
-                                category=UserWarning)
+        warns of each one the checkpoint lacks (composer/core/state.py:1580 in 0.32,
+        `load_state_dict`): a resume from a checkpoint written before te_swap added it (a2e85d1)
+        would warn of a private class. Only that warning, of this class, from that module, is
+        ignored; set at INIT, as a user's or pytest's `catch_warnings` restores the filters. Not
+        when the filters already ignore it: `filterwarnings` clears Python's record of the
+        warnings shown once at every call (CPython 3.11 Lib/warnings.py, `_add_filter` calls
+        `_filters_mutated`), which shows them again."""
+        name = cls.__qualname__
+        if _first_filter_for(f"{name} is not in the state_dict. Its state will not be restored.",
+                             UserWarning, "composer.core.state") != "ignore":
+            warnings.filterwarnings("ignore", message=f"{re.escape(name)} is not in the state_dict",
+                                    category=UserWarning, module=r"composer\.core\.state")
+
+
+def _first_filter_for(text: str, category: type[Warning], module: str) -> str | None:
+    """The action of the first of `warnings.filters` that matches this warning, as
+    `warnings.warn_explicit` matches them (CPython 3.11 Lib/warnings.py); None where none does,
+    or where the first is one line's (its line is not known here)."""
+    for action, message, kind, where, line in warnings.filters:
+        if ((message is None or message.match(text)) and issubclass(category, kind)
+                and (where is None or where.match(module))):
+            return action if line == 0 else None
+    return None
 
 
 def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> list[Any]:
