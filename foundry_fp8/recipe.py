@@ -91,7 +91,9 @@ def unsupported_recipe_problem(name: str) -> RecipeProblem:
         "use scaling: delayed or scaling: current, or run TE's own recipe without te_swap")
 
 
-_DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
+#: The recipe keys only delayed scaling reads (current scaling refuses them: FP8008); also
+#: named by the health rules' amax-spike change.
+DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
 _CURRENT_ONLY = ("use_power_2_scales",)
 
 
@@ -144,7 +146,7 @@ class FP8Recipe:
         defaults (value or type), since a default passed cannot be told from one filled in.
         `as_config()` leaves those keys out: judging it let `use_power_2_scales=True` pass
         under delayed scaling, ignored."""
-        other = _DELAYED_ONLY if self.scaling == "current" else _CURRENT_ONLY
+        other = DELAYED_ONLY if self.scaling == "current" else _CURRENT_ONLY
         given = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -170,7 +172,7 @@ class FP8Recipe:
     def as_config(self) -> dict[str, Any]:
         """The keys that matter for this scaling mode, for run configs and coverage tables (the
         others hold their defaults)."""
-        skip = _CURRENT_ONLY if self.scaling == "delayed" else _DELAYED_ONLY
+        skip = _CURRENT_ONLY if self.scaling == "delayed" else DELAYED_ONLY
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
@@ -308,7 +310,7 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
                                           f"write {flag}: true or {flag}: false"))
 
     if scaling == "current":
-        for key in _DELAYED_ONLY:
+        for key in DELAYED_ONLY:
             if key in options:
                 problems.append(RecipeProblem(
                     key, "only applies to delayed scaling; current scaling keeps no amax history",

@@ -18,14 +18,14 @@ from typing import Any, Literal
 from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, summary_key
 from foundry_fp8.health.specs import worse_of
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
-from foundry_fp8.recipe import _DELAYED_ONLY
+from foundry_fp8.recipe import DELAYED_ONLY
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
 SWAP = "algorithms.te_swap"
 RECIPE = f"{SWAP}.fp8_recipe"
 #: The change for an amax spike, valid as written on a delayed recipe: current scaling refuses
 #: the delayed-only keys (recipe.py, FP8008), so it names them.
-SPIKE_CHANGE = (f"{RECIPE}.scaling: current (and remove {', '.join(_DELAYED_ONLY)} where set: "
+SPIKE_CHANGE = (f"{RECIPE}.scaling: current (and remove {', '.join(DELAYED_ONLY)} where set: "
                 "delayed scaling only)")
 #: Where a layer with what-if numbers runs (`Flag.whatif_message`).
 WhatIf = Literal["fp8", "high", "fallback"]
