@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from foundry_fp8.numerics import FP8_MAX, current_scale
+from foundry_fp8.numerics import FLOAT32_MAX, FP8_MAX
 from foundry_fp8.recipe import FP8Recipe
 
 FP8ModuleState = dict[str, dict[str, torch.Tensor]]
@@ -142,13 +142,17 @@ def scale_keys_changed(saved: FP8Recipe | None, run: FP8Recipe | None) -> list[s
 
 def te_scale(amax: torch.Tensor, recipe: FP8Recipe | None, direction: str,
              kept: torch.Tensor) -> torch.Tensor:
-    """TE's delayed-scaling scale for `amax` under `recipe` (None: HYBRID, no margin):
-    `fp8_max * 2**-margin / amax` (transformer_engine/common/recipe/delayed_scaling.cu:238-249
-    and 331, kernel_bulk), `kept` where the amax is not finite and positive, as TE keeps the
-    old scale."""
+    """TE's delayed-scaling scale for `amax` under `recipe` (None: HYBRID, no margin), as
+    kernel_bulk computes it (transformer_engine/common/recipe/delayed_scaling.cu:238-249 and
+    331): `(fp8_max * 2**-margin) / amax` rounded once, `kept` where the amax is not finite and
+    positive (TE keeps the old scale), then float32 max for an infinite result. The margin is
+    applied before the clamp: applied after it, a clamped scale came out 2**-margin too small."""
     fmt = (recipe or FP8Recipe()).format_for(direction)  # type: ignore[arg-type]
-    computed = current_scale(amax, fmt) * 2.0 ** -(recipe.margin if recipe else 0)
-    return torch.where(torch.isfinite(amax) & (amax > 0), computed, kept)
+    scaled_max = FP8_MAX[fmt] * 2.0 ** -(recipe.margin if recipe else 0)
+    amax = amax.float()
+    computed = torch.full_like(amax, scaled_max) / amax
+    scale = torch.where(torch.isfinite(amax) & (amax > 0), computed, kept.float())
+    return scale.clamp(max=FLOAT32_MAX)
 
 
 def recomputed_scales(tensors: Mapping[str, torch.Tensor], saved: FP8Recipe, run: FP8Recipe,
@@ -157,10 +161,14 @@ def recomputed_scales(tensors: Mapping[str, torch.Tensor], saved: FP8Recipe, run
     margin or amax_compute_algo changed. TE keeps a loaded scale until its next update, so the
     first step would cast with the old recipe's (HYBRID -> E4M3: gradients scaled for E5M2's
     57344 saturate at E4M3's 448). Under another `fp8_max * 2**-margin` a scale is the same
-    amax under the new formula: the ratio of the two is a power of 2, so the product is exactly
-    TE's `scaled_max / amax`, also where that amax has left the window or an overflow's inf
-    sits in it; TE's initial 1, where nothing was recorded, stays. Under another
-    amax_compute_algo the scale is the one `te_scale` gives from the restored history."""
+    amax under the new formula: the ratio of the two is a power of 2, so the product is TE's
+    `scaled_max / amax` (a subnormal one, from an amax near 1e38, may be a step off), also
+    where that amax has left the window or an overflow's inf sits in it, and float32 max where
+    it overflows, as TE clamps. A saved float32 max is TE's clamp,
+    not `scaled_max / amax`, so no ratio applies: that scale is the one `te_scale` gives from
+    the restored history (the clamped product where the history holds no finite amax), as is
+    every scale under another amax_compute_algo. TE's initial 1, where nothing was recorded,
+    stays."""
     out = dict(tensors)
     for prefix, direction in (("fwd", "forward"), ("bwd", "backward")):
         scale, history = tensors[f"{prefix}_scale"], tensors[f"{prefix}_amax_history"]
@@ -168,9 +176,11 @@ def recomputed_scales(tensors: Mapping[str, torch.Tensor], saved: FP8Recipe, run
                   for r in (saved, run)]
         initial = (history == 0).all(dim=0) & (scale == 1)
         carried = torch.where(initial, scale, scale * (bounds[1] / bounds[0]))
-        if saved.amax_compute_algo != run.amax_compute_algo:
-            carried = te_scale(_amax(history, run.amax_compute_algo), run, direction, carried)
-        out[f"{prefix}_scale"] = carried
+        carried = carried.clamp(max=FLOAT32_MAX)
+        from_history = (torch.ones_like(initial) if saved.amax_compute_algo !=
+                        run.amax_compute_algo else scale == FLOAT32_MAX)
+        recomputed = te_scale(_amax(history, run.amax_compute_algo), run, direction, carried)
+        out[f"{prefix}_scale"] = torch.where(from_history, recomputed, carried)
     return out
 
 
