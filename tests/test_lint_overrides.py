@@ -301,3 +301,42 @@ def test_a_hydra_deletion_is_said_as_the_key_omegaconf_reads(tmp_path, item, top
     assert done.returncode == 2 and "Traceback" not in done.stderr
     [line] = done.stderr.splitlines()
     assert f"it sets `{item}` to null, under a top-level key `{top}` that LLM-Foundry" in line
+
+
+def test_naming_the_override_loads_the_config_once_per_override(tmp_path, monkeypatch):
+    """Each override is tried alone, once: a tried one that fails does not search again (it
+    did, with all of them, until Python's recursion limit: 374 loads for one override)."""
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO)
+    args = ["model.n_heads=0", "a=1", "variables=null", "b=2"]
+    with pytest.raises(OmegaConfBaseException, match="max_seq_len"):  # LLM-Foundry's own fails
+        _foundry_reads(path, args)
+    loads = []
+
+    def counted(*a, **k):
+        loads.append(a)
+        return load_config(*a, **k)
+
+    monkeypatch.setattr("foundry_fp8.lint.load.load_config", counted)
+    with pytest.raises(LintInputError, match=r"\(caused by --override variables=null: the file "):
+        load_config(path, overrides=read_overrides(args))
+    # the file alone, each override alone, and the failing one's file alone again
+    assert len(loads) <= 1 + len(args) + 1
+
+
+def test_a_key_error_of_ours_while_loading_is_said_as_our_bug(tmp_path, monkeypatch, capsys):
+    """omegaconf's own key errors are ConfigKeyError (an OmegaConfBaseException): a plain
+    KeyError inside load_config is ours, and was said as the file's bad input (exit 2)."""
+    from omegaconf.errors import ConfigKeyError
+
+    assert issubclass(ConfigKeyError, OmegaConfBaseException)
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO)
+
+    def broken(*args: object) -> dict:
+        raise KeyError("ours")
+
+    monkeypatch.setattr("foundry_fp8.lint.load._holds_interpolation", lambda value: True)
+    monkeypatch.setattr("foundry_fp8.lint.load._resolved_again", broken)
+    assert main(["lint", str(path)]) != 0
+    assert "this is a foundry-fp8 bug: please report it" in capsys.readouterr().err
