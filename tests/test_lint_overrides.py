@@ -237,6 +237,20 @@ P = "/mnt/config/parameters.yaml"
     f"llmfoundry train {P} \\\n  'a b=2' x\\ y=3 \"c=[1, \\\"2\\\"]\" 'd=${{variables.y}}' \"e=$X\"",
     # what the shell expands is the run's environment's: left out
     f"composer train/train.py {P} model.n_layers=$NL e=${{NL}}x f=`echo $NL` g=\"$NL\" h=1",
+    # a substitution is one word through its closing, whatever it holds (blanks, `(`, quotes)
+    f"composer train/train.py {P} run_name=`printf %s-%s $NL rev-parse` a=1",
+    f"composer train/train.py {P} run_name=$(printf %s-%s $NL x) a=1 b=$(( ${{#NL}} + 1 )) "
+    "c=\"$(echo \"$NL) x\")\" d=2 \"e=$(echo $(echo $NL) ')')\" f=2",
+    f"composer train/train.py {P} a=1 \"b=`echo \"$NL\"`\" c=3 ${{NL:-a b}}x d=4 e=$ f=\\",
+    # a redirection drops its target word, not the words after it
+    f"composer train/train.py {P} a=1 > log b=2 2>&1 c=3 &> log d=5 2>/dev/null e=6 >>log f=7",
+    f"composer train/train.py {P} a=1 x=\"2\">log e=5 22>log f=6 \"3\">log g=7",
+    # an unclosed quote or substitution: bash runs none of its line
+    f"composer train/train.py {P} a=1 'b=2",
+    f"composer train/train.py {P} a=1; echo \"x",
+    f"composer train/train.py {P} a=1 $(echo b=2",
+    # a here-document's body is no command; a continued line inside double quotes
+    f"cat <<EOF > x.yaml\nit's\nEOF\ncat <<-'E' >y\n\tb=1 'c\n\tE\ncomposer train/train.py {P} \"a=1\\\n2\"",
 ])
 def test_an_mcli_commands_overrides_are_the_words_bash_hands_the_train_script(tmp_path,
                                                                                   command):
@@ -340,3 +354,13 @@ def test_a_key_error_of_ours_while_loading_is_said_as_our_bug(tmp_path, monkeypa
     monkeypatch.setattr("foundry_fp8.lint.load._resolved_again", broken)
     assert main(["lint", str(path)]) != 0
     assert "this is a foundry-fp8 bug: please report it" in capsys.readouterr().err
+
+
+def test_a_command_substitution_in_the_command_gives_no_override(tmp_path, capsys):
+    """`run_name=`git rev-parse --short HEAD`` is one word to bash (its output, the run's):
+    its inner words were overrides (FP8009 `parameters.rev-parse`, `parameters.--short`)."""
+    path = _mcli(tmp_path, f"composer train/train.py {P} run_name=`git rev-parse --short HEAD` "
+                 "tag=$(date +%s) model.n_heads=0")
+    assert main(["lint", str(path), "--format", "json"]) == 1
+    [entry] = json.loads(capsys.readouterr().out)["files"]
+    assert {f["key"] for f in entry["findings"]} == {"parameters.model.n_heads"}

@@ -47,8 +47,8 @@ def command_overrides(data: Mapping[str, Any]) -> list[str]:
     """The arguments the `command:` gives the train (or eval) script after
     /mnt/config/parameters.yaml: the script merges every one into that config
     (`train_from_yaml(yaml_path, args_list=sys.argv[2:])`, om.from_cli: `KEY=VALUE`, or KEY
-    alone, set to null). A word the shell expands (`$NL`, `${X}`, a backquote) is left out:
-    its value is the run's environment's, not the file's."""
+    alone, set to null). A word the shell expands (`$NL`, `${X}`, `$(...)`, a backquote) is
+    left out: its value is the run's environment's, not the file's."""
     words = _train_arguments(data.get("command")) or []
     return [text for text, expands in words if not expands]
 
@@ -58,6 +58,8 @@ def command_overrides(data: Mapping[str, Any]) -> list[str]:
 _OPERATORS = frozenset(";&|()<>")
 #: What a backslash escapes inside double quotes (bash manual, Double Quotes).
 _DOUBLE_QUOTE_ESCAPES = frozenset('$`"\\\n')
+#: What makes a `$` an expansion (bash manual, Shell Parameter Expansion, Special Parameters).
+_EXPANDED_AFTER_DOLLAR = re.compile(r"[A-Za-z0-9_{(@*#?$!'\"-]")
 
 
 def _train_arguments(command: Any) -> list[tuple[str, bool]] | None:
@@ -78,13 +80,19 @@ def _train_arguments(command: Any) -> list[tuple[str, bool]] | None:
 
 def _simple_commands(script: str) -> Iterator[list[tuple[str, bool]]]:
     """The words of each simple command of a shell script as bash splits them: quotes and
-    backslashes removed, each with whether it expands (`$` or a backquote outside single
-    quotes). A command ends at a newline or a control operator (`;`, `&`, `&&`, `|`, `||`,
-    `(`, `)`); its arguments end at a redirection (`>`, `2>&1`: a digit glued to it is its
-    file descriptor). A comment starts at an unquoted `#` that begins a word, not inside one.
-    An unclosed quote ends the script (bash refuses to run it)."""
+    backslashes removed, each with whether it expands (`$`, `$(...)`, `${...}` or a backquote
+    outside single quotes). A command ends at a newline or a control operator (`;`, `&`, `&&`,
+    `|`, `||`, `(`, `)`); a redirection (`>`, `2>&1`, `&> log`: a digit glued to it is its
+    file descriptor) drops itself and its target word, no other. A comment starts at an
+    unquoted `#` that begins a word, not inside one. An unclosed quote or expansion ends the
+    script without its line: bash reads a line's commands whole and refuses to run it.
+    A here-document's body is no command. Not read as bash does: brace (`{a,b}`) and tilde
+    expansion, `$'...'` (left out as expanding), process substitution `<(...)`, a `case` pattern's
+    unmatched `)` inside `$(...)`."""
+    line: list[list[tuple[str, bool]]] = []  # commands bash runs only once the line is read
     words: list[tuple[str, bool]] = []
-    redirected = False
+    last = (-1, -1)  # where the last word kept starts and ends: `2` of `2>` is no argument
+    heredocs: list[tuple[str, bool]] = []  # this line's `<<DELIMITER`s, `<<-` strips tabs
     i, n = 0, len(script)
     while i < n:
         c = script[i]
@@ -95,39 +103,74 @@ def _simple_commands(script: str) -> Iterator[list[tuple[str, bool]]]:
         elif c == "#":  # a word starts here: a comment to the end of the line
             i = script.find("\n", i)
             i = n if i < 0 else i
-        elif c == "\n" or (c in _OPERATORS and c not in "<>"):
-            if words:
-                yield words
-            words, redirected = [], False
-            i += 1
-        elif c in "<>":
-            if words and words[-1][0].isdigit() and i > 0 and script[i - 1] not in " \t" \
-                    and not redirected:  # `2>`: the digit is the redirection's descriptor
-                words.pop()
-            redirected = True
-            i += 1
+        elif c in "<>" or script.startswith("&>", i):
+            if words and last[1] == i and script[last[0]:i].isdigit():
+                words.pop()  # `2>`: the digits glued to it are its file descriptor
+            start, i = i, i + 1
             while i < n and script[i] in "<>&|":
                 i += 1
+            tabs = script[start:i] == "<<" and script.startswith("-", i)  # `<<-`
+            i += tabs
+            while i < n and script[i] in " \t":
+                i += 1
+            if i < n and script[i] != "\n" and script[i] not in _OPERATORS:
+                word = _word(script, i)  # the redirection's target: no argument
+                if word is None:
+                    return
+                if script[start:i].rstrip(" \t-") == "<<":
+                    heredocs.append((word[0], tabs))
+                i = word[2]
+        elif c == "\n" or c in _OPERATORS:
+            if words:
+                line.append(words)
+            words = []
+            i += 2 if script.startswith(("&&", "||"), i) else 1
+            if c == "\n":
+                yield from line
+                line = []
+                for delimiter, tabs in heredocs:  # their bodies follow: no commands
+                    i = _heredoc_end(script, i, delimiter, tabs)
+                heredocs = []
         else:
             word = _word(script, i)
             if word is None:
-                break
-            text, expands, i = word
-            if not redirected:
-                words.append((text, expands))
+                return
+            text, expands, end = word
+            words.append((text, expands))
+            last, i = (i, end), end
     if words:
-        yield words
+        line.append(words)
+    yield from line
+
+
+def _heredoc_end(script: str, i: int, delimiter: str, tabs: bool) -> int:
+    """Where the here-document whose body starts at `i` ends: after its line that is
+    `delimiter` (leading tabs stripped for `<<-`); bash reads to the end without one."""
+    while i < len(script):
+        end = script.find("\n", i)
+        end = len(script) if end < 0 else end
+        text = script[i:end]
+        i = end + 1
+        if (text.lstrip("\t") if tabs else text) == delimiter:
+            break
+    return i
 
 
 def _word(script: str, i: int) -> tuple[str, bool, int] | None:
     """The shell word starting at `i`: its text, whether it expands, and where it ends; None
-    for an unclosed quote."""
+    for an unclosed quote or expansion."""
     out: list[str] = []
     expands = False
     n = len(script)
     while i < n and script[i] not in " \t\n" and script[i] not in _OPERATORS:
         c = script[i]
-        if c == "'":
+        if c == "`" or script.startswith(("$(", "${"), i):
+            end = _expansion_end(script, i)
+            if end is None:
+                return None
+            out.append(script[i:end])
+            expands, i = True, end
+        elif c == "'":
             end = script.find("'", i + 1)
             if end < 0:
                 return None
@@ -136,9 +179,19 @@ def _word(script: str, i: int) -> tuple[str, bool, int] | None:
         elif c == '"':
             i += 1
             while i < n and script[i] != '"':
+                if script[i] == "`" or script.startswith(("$(", "${"), i):
+                    end = _expansion_end(script, i)
+                    if end is None:
+                        return None
+                    out.append(script[i:end])
+                    expands, i = True, end
+                    continue
+                if script.startswith("\\\n", i):  # a line continued, inside quotes too
+                    i += 2
+                    continue
                 if script[i] == "\\" and i + 1 < n and script[i + 1] in _DOUBLE_QUOTE_ESCAPES:
                     i += 1
-                expands = expands or script[i] in "$`"
+                expands = expands or _expands(script, i)
                 out.append(script[i])
                 i += 1
             if i >= n:
@@ -148,13 +201,49 @@ def _word(script: str, i: int) -> tuple[str, bool, int] | None:
             if script.startswith("\\\n", i):
                 i += 2
                 continue
-            out.append(script[i + 1:i + 2])
+            out.append(script[i + 1:i + 2] or c)  # the script's last character: kept
             i += 2
         else:
-            expands = expands or c in "$`"
+            expands = expands or _expands(script, i)
             out.append(c)
             i += 1
     return "".join(out), expands, i
+
+
+def _expands(script: str, i: int) -> bool:
+    """A `$` at `i` that bash expands: one a name, a digit, `{`, `(` or a special parameter
+    follows; else (`a=$`, `$/`) it stays text. `$'...'` and `$"..."` count as expanding."""
+    return script[i] == "$" and bool(_EXPANDED_AFTER_DOLLAR.match(script, i + 1))
+
+
+def _expansion_end(script: str, i: int) -> int | None:
+    """Where the expansion opening at `i` (`$(...)`, `$((...))`, `${...}`, a backquote) ends,
+    read through what it nests (quotes, parentheses, other expansions) as bash reads it to its
+    closing; None when it is not closed. A loop over a stack of closings, not recursion: a
+    file may nest thousands."""
+    closing = ["`"] if script[i] == "`" else [")" if script[i + 1] == "(" else "}"]
+    j, n = i + (1 if closing[0] == "`" else 2), len(script)
+    while j < n:
+        c, inside = script[j], closing[-1]
+        if c == "\\":
+            j += 2
+            continue
+        j += 1
+        if c == inside:
+            closing.pop()
+            if not closing:
+                return j
+        elif c == "'" and inside != '"':
+            end = script.find("'", j)
+            if end < 0:
+                return None
+            j = end + 1
+        elif c == "$" and j < n and script[j] in "({":
+            closing.append(")" if script[j] == "(" else "}")
+            j += 1
+        elif c == "`" or (c == '"' and inside != '"') or (c == "(" and inside == ")"):
+            closing.append(")" if c == "(" else c)
+    return None
 
 
 def mcli_gpus(data: Mapping[str, Any]) -> int | None:
