@@ -422,8 +422,11 @@ class FP8Monitor:
         # of them that `finish_step`'s `fallbacks` left out of the summary series
         self.whatif_rows: set[tuple[str, str]] = set()
         self.fallback_rows: set[tuple[str, str]] = set()
-        # rows judged with what-if numbers at some logging step: `summary()` marks them
+        # rows judged with what-if numbers at some logging step; and the worst values restored
+        # from an earlier version's checkpoint, which kept not where they came from: `summary()`
+        # marks those of them still the worst as what-if when their row is in `whatif_judged`
         self.whatif_judged: set[tuple[str, str]] = set()
+        self._origin_unknown: dict[tuple[str, str], dict[str, float]] = {}
         # rows seen at logging steps only with delayed scaling's initial scale (no nonzero amax
         # recorded yet: a gradient that is always 0), so never judged: `summary()` names them
         self.initial_only: set[tuple[str, str]] = set()
@@ -765,10 +768,10 @@ class FP8Monitor:
             self.uncast_rows |= {key for key in table
                                  if key[0] in fallbacks and direction(key[1]) == "backward"}
         judged = judged_table(table, self.uncast_rows)
-        flags = self.tracker.update(step.step or 0, judged)
-        self.table, self.judged, self.flags = table, judged, flags
         self.whatif_rows = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif}
         self.whatif_rows &= table.keys()
+        flags = self.tracker.update(step.step or 0, judged, self.whatif_rows - self.uncast_rows)
+        self.table, self.judged, self.flags = table, judged, flags
         self.formats = {key: fmt.upper() for i, fmt in step.formats.items()
                         if (key := (self.short[self.rows[i][0]], self.rows[i][1])) in table}
         self.fallback_rows = {key for key in self.whatif_rows if key[0] in fallbacks}
@@ -867,9 +870,10 @@ class FP8Monitor:
                             "layers dump_layers selects ran in this step")
 
     def summary(self) -> str:
-        """The worst value per layer and tensor over every judged step (markdown), rows with
-        what-if numbers marked, and the rows never judged."""
-        table = render_table(self.tracker.worst, self.whatif_judged)
+        """The worst value per layer and tensor over every judged step (markdown), each row
+        marked by where its worst values came from (`render_table`'s `cells`: what-if numbers
+        only, in part, or FP8 casts), and the rows never judged."""
+        table = render_table(self.tracker.worst, cells=self._whatif_cells())
         if not self.initial_only:
             return table
         rows = ", ".join(f"{layer} {tensor}" for layer, tensor in sorted(self.initial_only))
@@ -878,6 +882,15 @@ class FP8Monitor:
                 f"a tensor always 0, such as the gradient of a layer that does not reach the "
                 f"loss): {rows}\n")
 
+    def _whatif_cells(self) -> set[tuple[str, str, str]]:
+        """The (layer, tensor, stat) whose worst value only what-if numbers reached (the
+        tracker's `whatif_worst`, with `_origin_unknown`'s cells of what-if rows)."""
+        worst = self.tracker.worst
+        return self.tracker.whatif_worst | {
+            (*row, stat) for row, stats in self._origin_unknown.items()
+            if row in self.whatif_judged for stat, value in stats.items()
+            if worst.get(row, {}).get(stat) == value}
+
     # -- checkpoint state: a resumed run logs what the uninterrupted one logs -------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -885,7 +898,9 @@ class FP8Monitor:
         delayed what-if's (amax history, scale, updates so far; on the CPU), by row name, and
         the rows the summary marks as what-if. Only the what-if differs between ranks, and only
         with `reduce_amax: false`."""
-        return {"rows": [list(row) for row in self.rows], "tracker": self.tracker.state_dict(),
+        tracker = self.tracker.state_dict()
+        tracker["whatif_worst"] = [list(cell) for cell in sorted(self._whatif_cells())]
+        return {"rows": [list(row) for row in self.rows], "tracker": tracker,
                 "whatif": self.whatif_state(),
                 "whatif_judged": [list(row) for row in sorted(self.whatif_judged)]}
 
@@ -918,6 +933,8 @@ class FP8Monitor:
         watched = {(self.short[layer], tensor) for layer, tensor in self.rows}
         gone = {(short_layer(layer), tensor) for layer, tensor in saved_rows} - watched
         gone.update(self.tracker.load_state_dict(tracker, watched))
+        self._origin_unknown = {} if "whatif_worst" in tracker else {
+            row: dict(stats) for row, stats in self.tracker.worst.items()}
         if gone:
             names = [f"{layer}/{tensor}" for layer, tensor in sorted(gone)]
             more = f" and {len(names) - 8} more" if len(names) > 8 else ""

@@ -234,3 +234,20 @@ def test_a_tracked_history_draws_to_an_rgb_image():
     image = render_heatmap(run, "underflow_pct", Thresholds())
     assert image.dtype.name == "uint8" and image.ndim == 3 and image.shape[2] == 3
     assert image.shape[0] > 150 and image.shape[1] > 400 and image.std() > 10
+
+
+def test_the_tracker_keeps_which_worst_values_only_what_if_numbers_reached():
+    """QA 19: a worst value is what-if when only steps in `whatif` reached it; an FP8 cast
+    reaching the same value clears that, and a checkpoint's state carries it."""
+    tracker = HealthTracker(keep_flags=False)
+    row = ("blocks.0.ffn.up_proj", "activation")
+    steps = [  # (step, underflow_pct, cos_sim, amax, what-if)
+        (0, 1.0, 0.999, 2.0, False), (2, 3.0, 0.990, 2.0, True), (4, 2.0, 0.990, 1.0, False)]
+    for step, underflow, cos, amax, whatif in steps:
+        tracker.update(step, {row: {"underflow_pct": underflow, "cos_sim": cos, "amax": amax}},
+                       {row} if whatif else ())
+    # underflow 3.0 at step 2 only (what-if); cos 0.990 at 2 and 4; amax 2.0 at 0 and 2
+    assert tracker.whatif_worst == {(*row, "underflow_pct")}
+    again = HealthTracker()
+    again.load_state_dict(tracker.state_dict())
+    assert again.whatif_worst == tracker.whatif_worst and again.worst == tracker.worst

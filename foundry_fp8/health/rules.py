@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, summary_key
-from foundry_fp8.health.specs import worse_of
+from foundry_fp8.health.specs import badness, worse_of
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
 from foundry_fp8.recipe import DELAYED_ONLY
 
@@ -148,6 +148,10 @@ class HealthTracker:
     thresholds: Thresholds = DEFAULT_THRESHOLDS
     flags: list[Flag] = field(default_factory=list)  # every flag raised so far
     worst: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    #: the (layer, tensor, stat) whose `worst` value only `update`'s `whatif` rows reached (what
+    #: fp8_guard's fallback ran in high precision), no FP8 cast: `history.whatif_worst`'s rule
+    #: kept step by step, one entry per cell at most (no step log)
+    whatif_worst: set[tuple[str, str, str]] = field(default_factory=set)
     blocks: set[int] = field(default_factory=set)  # block numbers of the layers seen
     _state: dict[tuple[str, str], _State] = field(default_factory=dict)
     _raised: set[tuple[str, str, str]] = field(default_factory=set)
@@ -161,8 +165,10 @@ class HealthTracker:
         resumed run does not warn them again)."""
         return sorted(self._raised)
 
-    def update(self, step: int, table: Table) -> dict[tuple[str, str], list[Flag]]:
-        """Judge one logging step; returns the flags raised at this step per (layer, tensor)."""
+    def update(self, step: int, table: Table, whatif: Collection[tuple[str, str]] = (),
+               ) -> dict[tuple[str, str], list[Flag]]:
+        """Judge one logging step; returns the flags raised at this step per (layer, tensor).
+        `whatif`: the rows whose numbers are what-if ones at this step (`whatif_worst`)."""
         for layer, _ in table:
             if (block := block_index(layer)) is not None:
                 self.blocks.add(block)
@@ -170,7 +176,7 @@ class HealthTracker:
         for (layer, tensor), stats in table.items():
             if stats.get(INITIAL_SCALE):
                 continue  # delayed scaling's first cast: scale 1 by design, not judged
-            self._fold_worst((layer, tensor), stats)
+            self._fold_worst((layer, tensor), stats, (layer, tensor) in whatif)
             found = self._judge(step, layer, tensor, stats)
             if found:
                 raised[(layer, tensor)] = found
@@ -195,7 +201,7 @@ class HealthTracker:
     def state_dict(self) -> dict[str, Any]:
         """What judging later steps and the worst-value table need, as plain lists (a
         checkpoint's): streaks, underflow trends, the rules already warned about, worst values
-        and block numbers. Not `flags`, the log of every flag (unbounded; nothing a run logs
+        (and which only what-if numbers reached) and block numbers. Not `flags`, the log of every flag (unbounded; nothing a run logs
         reads it: the report replays its own)."""
         return {
             "worst": [[layer, tensor, dict(stats)]
@@ -204,13 +210,14 @@ class HealthTracker:
                         for (layer, tensor), s in self._state.items()],
             "raised": [list(key) for key in sorted(self._raised)],
             "blocks": sorted(self.blocks),
+            "whatif_worst": [list(key) for key in sorted(self.whatif_worst)],
         }
 
     def load_state_dict(self, state: Mapping[str, Any],
                         keys: Collection[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
         """Go on from `state_dict()`'s state (a resume), kept only for `keys` (None: all);
         returns the (layer, tensor) pairs left out. A malformed state raises ValueError and
-        changes nothing."""
+        changes nothing; one without `whatif_worst` (an earlier version's) restores none."""
         def kept(layer: Any, tensor: Any) -> bool:
             key = (_text(layer), _text(tensor))
             if keys is None or key in keys:
@@ -229,18 +236,31 @@ class HealthTracker:
             raised = {(layer, tensor, _text(rule)) for layer, tensor, rule in state["raised"]
                       if kept(layer, tensor)}
             blocks = {int(b) for b in state["blocks"]}
+            whatif_worst = {(layer, tensor, _text(stat))
+                            for layer, tensor, stat in state.get("whatif_worst", ())
+                            if kept(layer, tensor)}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not a health tracker's state ({type(e).__name__}: {e})") from e
         if keys is not None:  # the blocks of layers no longer watched would move YAML keys
             blocks &= {b for layer, _ in keys if (b := block_index(layer)) is not None}
         self.worst, self._state, self._raised, self.blocks = worst, streaks, raised, blocks
+        self.whatif_worst = whatif_worst
         return sorted(dropped)
 
-    def _fold_worst(self, key: tuple[str, str], stats: Mapping[str, float]) -> None:
+    def _fold_worst(self, key: tuple[str, str], stats: Mapping[str, float], whatif: bool,
+                    ) -> None:
+        """A worse value takes the cell's what-if mark from this step; an equal one reached
+        by an FP8 cast clears it."""
         row = self.worst.setdefault(key, {})
         for stat, value in stats.items():
-            if stat != INITIAL_SCALE and value == value:
-                row[stat] = worse_of(stat, row.get(stat, value), float(value))
+            if stat == INITIAL_SCALE or value != value:
+                continue
+            old, cell = row.get(stat), (*key, stat)
+            if old is None or badness(stat, float(value)) > badness(stat, old):
+                row[stat] = float(value)
+                (self.whatif_worst.add if whatif else self.whatif_worst.discard)(cell)
+            elif value == old and not whatif:
+                self.whatif_worst.discard(cell)
 
     def _judge(self, step: int, layer: str, tensor: str, stats: Mapping[str, float]) -> list[Flag]:
         t = self.thresholds
