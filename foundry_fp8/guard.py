@@ -18,9 +18,11 @@ that fp8_stats computes for it (the cast it would do, under fp8_stats' `recipe`)
 the limits at `repromote_after` logging steps in a row (the tracker's streak of good steps).
 
 What the callback logs, by these names (`foundry-fp8 report` reads them back): the series
-`FALLBACK_LAYERS` and `FP8_FLOPS_SHARE` at each logging step, and each fallback and
-re-promotion once as a hyperparameter (`FALLBACK_PREFIX` / `REPROMOTION_PREFIX` + layer, with
-`.ba<step>` after the first time of a layer; the record as plain data), and the first time the
+`FALLBACK_LAYERS`, `FP8_FLOPS_SHARE` and `IN_FALLBACK_PREFIX` + each layer moved at each
+logging step, and each fallback and re-promotion once as a hyperparameter (`FALLBACK_PREFIX` /
+`REPROMOTION_PREFIX` + layer, with `.ba<step>` after the first time of a layer; the record as
+plain data; a layer's first `KEPT_DECISIONS` pairs, then `OLDER_PREFIX` summaries at 1, 2, 4,
+... pairs), and the first time the
 budget keeps a candidate in FP8 (`REFUSED_PREFIX` + layer): a warning alone left the report
 saying the guard moved nothing, as if no layer had failed.
 """
@@ -45,9 +47,14 @@ FALLBACK_PREFIX = "fp8/guard/fallback/"  # + layer: one hyperparameter per fallb
 REPROMOTION_PREFIX = "fp8/guard/repromotion/"  # + layer: one per re-promotion
 REFUSED_PREFIX = "fp8/guard/refused/"  # + layer: its first refusal by the budget
 OLDER_PREFIX = "fp8/guard/summary/"  # + layer + `.ba<step>`: its older pairs, counted
+#: + layer: a series, 1 while the layer is in fallback (from the next step), 0 once back in FP8;
+#: the report takes every span's steps from it, as no record is logged past KEPT_DECISIONS
+IN_FALLBACK_PREFIX = "fp8/guard/in_fallback/"
 #: per layer, the fallback/re-promotion pairs kept whole (checkpoint, records); older ones are
 #: counted in one `Summary`: a layer flipping all run grew both by ~1.4 kB a pair, and each
-#: decision logged every record again
+#: decision logged every record again. Only a layer's first KEPT_DECISIONS pairs are logged, and
+#: its summaries at 1, 2, 4, 8, ... pairs: loggers keep every key ever given (W&B's config, a
+#: column each in its runs table), so a layer flipping all run grew them by ~3.4 kB a pair
 KEPT_DECISIONS = 4
 FALLBACKS_KEY = "fp8/guard/fallbacks"  # the fit-end table (`destinations.FitEndKeys`)
 #: GuardCore's state: its recent rows hold no re-promoted layer's rows up to its re-promotion
@@ -421,15 +428,40 @@ class GuardCore:
             verdict.budget_message = self._over_budget(step, verdict.refused)
         return verdict
 
+    def in_fallback(self) -> dict[str, float]:
+        """`IN_FALLBACK_PREFIX<layer>` of each layer moved in this run (or before, in the
+        checkpoint): 1 in fallback, 0 back in FP8; a few keys, logged at each logging step."""
+        moved = {f.layer for f in self.ended} | self.summaries.keys() | self.fallbacks.keys()
+        return {IN_FALLBACK_PREFIX + layer: float(layer in self.fallbacks)
+                for layer in sorted(moved)}
+
     def records(self) -> dict[str, dict[str, Any]]:
-        """Every fallback, re-promotion and refusal kept (`KEPT_DECISIONS`) as hyperparameters,
-        and each layer's `Summary` of older pairs under `OLDER_PREFIX<layer>.ba<step>`, in
+        """The hyperparameters to log: each refusal and a layer's first `KEPT_DECISIONS`
+        fallback/re-promotion pairs kept, and each layer's `Summary` of older pairs under
+        `OLDER_PREFIX<layer>.ba<step>` where it counts a power of 2 (`_unlogged`), in
         step order: a layer's first of each kind under `<prefix><layer>` (none after a summary:
         that key held the counted one), later ones under `<prefix><layer>.ba<step>`, a refusal only its first (a logged value must never change;
         MLflow refuses `@` in a key and `/` below a key it holds, dropping the whole queued batch
         with it). The sort is stable: one step's events keep the order they came in; after a fit
         restarted the steps (`reset_time`) both fits' events interleave by step number."""
-        return {key: record.record() for key, record in self._keyed()}
+        unlogged = self._unlogged()
+        return {key: record.record() for key, record in self._keyed()
+                if id(record) not in unlogged}
+
+    def _unlogged(self) -> set[int]:
+        """The ids of the kept records past their layer's first KEPT_DECISIONS pairs, and of the
+        summaries not at a power of 2 pairs: their keys are given (and retired) as the others',
+        so what is logged never changes, but a layer flipping all run logs a number of keys
+        that grows with the log of its pairs (`IN_FALLBACK_PREFIX` has every span's steps)."""
+        unlogged = {id(s) for s in self.summaries.values() if s.pairs & (s.pairs - 1)}
+        for layer in {f.layer for f in self.ended} | self.fallbacks.keys():
+            folded = self.summaries[layer].pairs if layer in self.summaries else 0
+            fell = [f for f in self.ended if f.layer == layer]  # in the order decided
+            fell += [self.fallbacks[layer]] if layer in self.fallbacks else []
+            back = [r for r in self.repromotions if r.layer == layer]
+            for decisions in (fell, back):
+                unlogged |= {id(d) for d in decisions[max(KEPT_DECISIONS - folded, 0):]}
+        return unlogged
 
     def _keyed(self) -> list[tuple[str, Fallback | Repromotion | Refusal | Summary]]:
         """`records`' keys and what they hold, in step order; a retired key is never given."""

@@ -566,10 +566,12 @@ def test_the_decision_core_imports_no_torch():
 def test_a_layer_flipping_all_run_keeps_bounded_records_and_the_report_counts_the_older():
     """Bad 2 logging steps, healthy 3, over and over: `a` falls back at 5c+1 and is back in FP8
     at 5c+4 (consecutive 2, repromote_after 3). Each pair grew the checkpoint and the records by
-    ~1.4 kB; past KEPT_DECISIONS pairs the older are counted, and the report still says so."""
+    ~1.4 kB; past KEPT_DECISIONS pairs the older are counted in the checkpoint, and only the
+    first pairs and the summaries at 1, 2, 4, ... pairs are logged: hparams.json keeps every key
+    logged. The report takes every span from the series `IN_FALLBACK_PREFIX<layer>`."""
     import json
 
-    from foundry_fp8.guard import KEPT_DECISIONS
+    from foundry_fp8.guard import FALLBACK_LAYERS, IN_FALLBACK_PREFIX, KEPT_DECISIONS
     from foundry_fp8.report.markdown import guard_section
     from foundry_fp8.report.read import guard_run
 
@@ -577,46 +579,51 @@ def test_a_layer_flipping_all_run_keeps_bounded_records_and_the_report_counts_th
     config = GuardConfig(consecutive=2, repromote_after=3, max_fallback_share=0.5)
     core = GuardCore(config, REPROMOTION_FLOPS)
     hparams: dict[str, Any] = {"callbacks": {"fp8_stats": {}, "fp8_guard": {}}}
+    series: dict[int, dict[str, float]] = {}
     for step in range(5 * cycles + 2):  # ends one fallback into the next cycle
         table = _table({"a"} if step % 5 < 2 else set(), ("a", "b"))
         core.decide(step, core.candidates(step, table), table)
         core.repromote(step, core.ready(step, table), table)
         hparams.update(core.records())  # hparams.json keeps every key logged
+        series[step] = {FALLBACK_LAYERS: float(len(core.fallbacks)), **core.in_fallback()}
     state = json.loads(json.dumps(core.state_dict()))
     assert (len(state["ended"]), len(state["repromotions"])) == (KEPT_DECISIONS, KEPT_DECISIONS)
     assert state["summaries"] == [{"layer": "a", "step": 5 * (cycles - KEPT_DECISIONS) - 1,
                                    "pairs": cycles - KEPT_DECISIONS, "first_step": 1}]
-    assert len(core.records()) == 2 * KEPT_DECISIONS + 2  # + the current fallback, the summary
+    assert list(core.records()) == [f"fp8/guard/summary/a.ba{5 * (cycles - KEPT_DECISIONS) - 1}"]
+    # the first pairs whole, the summaries at 1, 2, 4, 8 pairs
+    assert len(hparams) - 1 == 2 * KEPT_DECISIONS + 4
+    assert series[5 * cycles + 1][IN_FALLBACK_PREFIX + "a"] == 1.0
     resumed = GuardCore(config, REPROMOTION_FLOPS)
     resumed.load_state_dict(state)
     assert list(resumed.fallbacks) == ["a"] and resumed.fallbacks["a"].step == 5 * cycles + 1
-    # hparams.json holds every record: each span is a real one, none summarised
-    guard = guard_run({}, hparams, Path("hparams.json"), pytest.fail)
+    guard = guard_run(series, hparams, Path("hparams.json"), pytest.fail)
     assert guard is not None and guard.kept == ["a"] and guard.summaries == ()
     assert [f.step for f in guard.fallbacks] == [5 * c + 1 for c in range(cycles + 1)]
+    assert [(start, end) for _, start, end in guard.spans()] == [
+        (5 * c + 1, 5 * c + 4) for c in range(cycles)] + [(5 * cycles + 1, None)]
     assert f"in {cycles + 1} fallbacks" in "\n".join(guard_section(guard, {"a": "a"}))
-    # a resumed run's own W&B run: the kept records and the summary only
-    guard = guard_run({}, {"callbacks": {"fp8_guard": {}}, **core.records()},
-                      Path("config.yaml"), pytest.fail)
-    assert guard is not None and guard.kept == ["a"]
-    assert len(guard.fallbacks) == KEPT_DECISIONS + 1
+    # without the series (a logger that lost it): the records and the latest summary logged
+    guard = guard_run({}, hparams, Path("config.yaml"), pytest.fail)
+    assert guard is not None and len(guard.fallbacks) == KEPT_DECISIONS
     text = "\n".join(guard_section(guard, {"a": "a"}))
-    assert f"in {cycles + 1} fallbacks" in text
-    assert (f"a: {cycles - KEPT_DECISIONS} fallback/re-promotion pair(s) between step 2 and step "
-            f"{5 * (cycles - KEPT_DECISIONS)}") in text
+    assert "fp8/guard/summary/" in text and "8 fallback/re-promotion pair(s)" in text
 
 
 def test_guard_records_after_reset_time_keep_their_keys_and_the_report_counts_every_fallback():
     """A layer flipping in two fits, the second with `reset_time` (steps from 0 again): a fold
     gave a new record a key an older, folded one had held, or moved `<key>.2` back to `<key>`
-    (W&B and MLflow refuse a changed value), and the report dropped the second fit's records
-    below the summary's step number (7 fallbacks said for 10)."""
+    (W&B and MLflow refuse a changed value). The second fit's spans, which no record holds
+    (past the first KEPT_DECISIONS pairs), come from its series."""
+    from foundry_fp8.guard import FALLBACK_LAYERS
     config = GuardConfig(consecutive=2, repromote_after=3, max_fallback_share=0.5)
     core = GuardCore(config, REPROMOTION_FLOPS)
     logged: dict[str, Any] = {}
     changed = []
     fell = 0
+    series: dict[int, dict[str, float]] = {}
     for fit, steps in ((1, range(5 * 6 + 2)), (2, range(5 * 3 + 2))):
+        series.clear()  # the report keeps the later fit's steps (`_attempts`)
         for step in steps:
             table = {k: {**v, "fit": float(fit)}
                      for k, v in _table({"a"} if step % 5 < 2 else set(), ("a", "b")).items()}
@@ -625,11 +632,13 @@ def test_guard_records_after_reset_time_keep_their_keys_and_the_report_counts_ev
             for key, value in core.records().items():
                 if logged.setdefault(key, value) != value:
                     changed.append(key)
+            series[step] = {FALLBACK_LAYERS: float(len(core.fallbacks)), **core.in_fallback()}
     assert changed == []
     assert fell == 7 + 3  # each fit's 5c+1 steps
-    from foundry_fp8.report.markdown import moved
     from foundry_fp8.report.read import guard_run
-    guard = guard_run({}, {"callbacks": {"fp8_guard": {}}, **logged}, Path("hparams.json"),
-                      pytest.fail)
-    assert guard is not None and len(guard.fallbacks) == fell and guard.kept == ["a"]
-    assert f"in {fell} fallbacks" in moved(guard)
+    guard = guard_run(series, {"callbacks": {"fp8_guard": {}}, **logged}, Path("hparams.json"),
+                      pytest.fail, since=0)
+    assert guard is not None and guard.kept == ["a"]
+    # the second fit's spans: in fallback from its first step (the first fit's), then its own
+    assert [(start, end) for _, start, end in guard.spans()] == [
+        (-1, 4), (6, 9), (11, 14), (16, None)]

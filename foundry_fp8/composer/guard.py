@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from composer.core import Callback, State
-from composer.loggers import Logger, LoggerDestination
+from composer.loggers import ConsoleLogger, Logger, LoggerDestination
 from composer.utils import dist
 from torch import nn
 
@@ -77,12 +77,15 @@ class FP8Guard(Callback):
 
     Logs, by rank 0 at fp8_stats' logging steps: `fp8/guard/fallback_layers` (layers in
     fallback) and `fp8/guard/fp8_flops_share` (share of the linear-GEMM FLOPs still in FP8; on
-    the console too, past an evaluation: `destinations.ConsoleResend`); at
+    the console too, past an evaluation: `destinations.ConsoleResend`), and for each layer moved
+    `fp8/guard/in_fallback/<layer>` (1 in fallback, 0 back in FP8; not on the console), from
+    which `foundry-fp8 report` takes every span's steps; at
     each fallback, and again on resume, the hyperparameter `fp8/guard/fallback/<layer>` (layer,
     step, FLOPs share, what flagged it and every statistic of the layer at that step, read back
     by `foundry-fp8 report`), at each re-promotion (`repromote_after`)
-    `fp8/guard/repromotion/<layer>` (`.ba<step>` after a layer's first), past a layer's
-    `guard.KEPT_DECISIONS` fallback/re-promotion pairs `fp8/guard/summary/<layer>.ba<step>`
+    `fp8/guard/repromotion/<layer>` (`.ba<step>` after a layer's first), both only for a layer's
+    first `guard.KEPT_DECISIONS` fallback/re-promotion pairs (loggers keep every key ever
+    given), then at 1, 2, 4, 8, ... pairs past those `fp8/guard/summary/<layer>.ba<step>`
     (layer, the last counted re-promotion's step, the pairs counted, the first one's fallback
     step; the checkpoint keeps the last pairs whole and this count), at a layer's first
     refusal by the budget `fp8/guard/refused/<layer>` (layer, step, its FLOPs share, the share of
@@ -348,18 +351,22 @@ class FP8Guard(Callback):
         if rank_zero and self._logger is not None:
             series = {FALLBACK_LAYERS: float(len(self.core.fallbacks)),
                       FP8_FLOPS_SHARE: self.core.fp8_flops_share}
+            layers = self.core.in_fallback()  # off the console, as fp8_stats' per-layer series
+
             def send(destination: LoggerDestination) -> None:
-                destination.log_metrics(series, step)
-                self._resend.sent(destination, series, step)
+                sent = series if isinstance(destination, ConsoleLogger) else {**series, **layers}
+                destination.log_metrics(sent, step)
+                self._resend.sent(destination, sent, step)
 
             deliver(self._logger.destinations, "metrics", send, "fp8_guard", self.config.strict)
 
     def _log_records(self) -> None:
         """One hyperparameter per fallback, re-promotion, refusal and summary of older pairs
         (rank 0), never changed: W&B and MLflow refuse a changed value, so a layer's second one
-        is `<layer>.ba<step>`. Each decision logs the keys not logged yet (all of them again
+        is `<layer>.ba<step>`; a layer's first KEPT_DECISIONS pairs only (`GuardCore.records`).
+        Each decision logs the keys not logged yet (all of them again
         made the work grow with the square of the decisions); a start logs the kept ones
-        (`KEPT_DECISIONS`) again, for a resumed run's own hparams.json or W&B run. A logger that fails is reported; the guard goes on (`strict` raises)."""
+        again, for a resumed run's own hparams.json or W&B run. A logger that fails is reported; the guard goes on (`strict` raises)."""
         assert self.core is not None
         records = self.core.records()
         logged = {key: value for key, value in records.items() if key not in self._logged}

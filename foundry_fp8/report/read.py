@@ -20,6 +20,7 @@ from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
     FP8_FLOPS_SHARE,
+    IN_FALLBACK_PREFIX,
     KEPT_DECISIONS,
     OLDER_PREFIX,
     REFUSED_PREFIX,
@@ -161,7 +162,9 @@ def _guard_series(records: Iterable[tuple[int, Mapping[str, Any]]],
                   into: GuardSeries) -> Iterator[tuple[int, Mapping[str, Any]]]:
     """`records` unchanged, fp8_guard's numbers copied `into` on the way (one pass)."""
     for step, metrics in records:
-        for key in (FALLBACK_LAYERS, FP8_FLOPS_SHARE):
+        keys = [FALLBACK_LAYERS, FP8_FLOPS_SHARE, *(k for k in metrics
+                                                    if k.startswith(IN_FALLBACK_PREFIX))]
+        for key in keys:
             value = number(metrics.get(key))
             if value is not None and math.isfinite(value):  # a count, a share
                 into.setdefault(step, {})[key] = value
@@ -648,13 +651,16 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
             kind[2].append(kind[1].from_dict(value))
         except (TypeError, ValueError):
             warn(f"{where}: key {key!r}: not an fp8_guard {kind[3]} record; left out")
-    # a layer's latest summary counts all its older pairs; their records, logged when decided,
-    # stay wherever the hyperparameters still hold them (hparams.json, W&B and MLflow keep every
-    # key), and count as read. After the latest fold the layer has the summary's pairs, its
+    # a layer the series covers has every span of the steps shown there. Otherwise (a run
+    # logged before the series) a layer's latest summary counts all its older pairs; their
+    # records, logged when decided, stay wherever the hyperparameters still hold them
+    # (hparams.json, W&B and MLflow keep every key), and count as read. After the latest fold the layer has the summary's pairs, its
     # last KEPT_DECISIONS pairs and at most one open fallback: the summary stands only for the
     # pairs whose records are missing (a resumed run's own W&B run gets the kept ones again).
     # Steps restart after `fit(reset_time=True)`, so no step says which record a summary counted.
-    latest = {s.layer: s for s in sorted(summaries, key=lambda s: s.pairs)}
+    fallbacks, repromotions, covered = _from_series(series, fallbacks, repromotions, hparams)
+    latest = {s.layer: s for s in sorted(summaries, key=lambda s: s.pairs)
+              if s.layer not in covered}  # the series has each span of those
     missing = []
     for layer, summary in latest.items():
         fell = sum(f.layer == layer for f in fallbacks)
@@ -675,6 +681,50 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
                     tuple(sorted(refusals, key=lambda r: (r.step, r.layer))),
                     carried_fallbacks(series, fallbacks, since, where, warn),
                     tuple(sorted(missing, key=lambda s: (s.step, s.layer))))
+
+
+#: the reason a span has where only the series `IN_FALLBACK_PREFIX<layer>` tells it
+UNLOGGED = (f"no record in the hyperparameters (fp8_guard logs a layer's first {KEPT_DECISIONS} "
+            f"fallbacks only); steps from `{IN_FALLBACK_PREFIX}<layer>`")
+
+
+def _from_series(series: GuardSeries, fallbacks: list[Fallback],
+                 repromotions: list[Repromotion], hparams: Mapping[str, Any]
+                 ) -> tuple[list[Fallback], list[Repromotion], set[str]]:
+    """The fallbacks and re-promotions, those of each layer the series
+    `IN_FALLBACK_PREFIX<layer>` covers taken from it (1 from the logging step that decided a
+    fallback, 0 from its re-promotion's): fp8_guard logs a layer's first KEPT_DECISIONS pairs
+    only, and after `fit(reset_time=True)` an earlier fit's records share the later one's step
+    numbers. A record of the same layer and step gives a span its details; a layer in fallback
+    at the first logging step shown ran so from there (decided there or before). Also returns
+    the layers the series covers."""
+    steps = sorted(s for s in series if FALLBACK_LAYERS in series[s])
+    covered = {key.removeprefix(IN_FALLBACK_PREFIX) for s in steps for key in series[s]
+               if key.startswith(IN_FALLBACK_PREFIX)}
+    options = hparams.get("callbacks")
+    options = options.get("fp8_guard") if isinstance(options, Mapping) else None
+    after = options.get("repromote_after") if isinstance(options, Mapping) else None
+    healthy = next((r.healthy_steps for r in repromotions), after if isinstance(after, int) else 0)
+    fell = [f for f in fallbacks if f.layer not in covered]
+    back = [r for r in repromotions if r.layer not in covered]
+    for layer in sorted(covered):
+        records = {f.step: f for f in fallbacks if f.layer == layer}
+        ends = {(r.step, r.fallen_at): r for r in repromotions if r.layer == layer}
+        share = next(iter(records.values())).flops_share if records else math.nan
+        start: int | None = None
+        for step in [*steps, None]:
+            fallen = step is not None and series[step].get(IN_FALLBACK_PREFIX + layer, 0) >= .5
+            if fallen and start is None:
+                start = step
+                decided = step if step in records or step != steps[0] else step - 1
+                fell.append(records.get(decided) or Fallback(layer, decided, share, (UNLOGGED,)))
+            elif not fallen and start is not None:
+                if step is not None:
+                    decided = fell[-1].step
+                    back.append(ends.get((step, decided))
+                                or Repromotion(layer, step, decided, healthy))
+                start = None
+    return fell, back, covered
 
 
 def mark_high_precision(run: RunMetrics, guard: GuardRun | None) -> None:
