@@ -162,18 +162,38 @@ def dump_layers_of(layers: Collection[str], config: MonitorConfig) -> frozenset[
     return frozenset(name for name in layers if chosen(None, name))
 
 
-def no_dump_layers_message(layers: Collection[str], config: MonitorConfig,
+def no_dump_layers_message(model: nn.Module, layers: Collection[str], config: MonitorConfig,
                            dump_steps: Collection[int]) -> str:
-    """`dump_layers` selects none of the watched layers: what it was searched in, with the
-    metric keys' shorter names beside them when they differ (the ones a user copies)."""
+    """`dump_layers` selects none of the watched layers: the layers it would select that
+    `layers`/`exclude` left out, and which option did (the regex is right, the watched set too
+    narrow); else what it was searched in, with the metric keys' shorter names beside them when
+    they differ (the ones a user copies). Patterns as the user wrote them (no repr's doubled
+    backslashes, which a user would copy back into YAML)."""
+    head = (f"{config.PATH}.dump_layers: '{config.dump_layers}' matches none of the "
+            f"{len(layers)} watched layers, so dump_steps {sorted(dump_steps)} save nothing")
+    unwatched = [name for name, module in canonical_modules(model)
+                 if name not in layers and watches_for(module) is not None]
+    wanted = dump_layers_of(unwatched, config)
+    if wanted:
+        in_layers = module_filter_fn(config.PATH, config.layers, None)
+        by_option: dict[str, list[str]] = {}
+        for name in (name for name in unwatched if name in wanted):  # in the model's order
+            option = (f"exclude '{config.exclude}'" if in_layers(None, name)
+                      else f"layers '{config.layers}'")
+            by_option.setdefault(option, []).append(name)
+        said = "; ".join(f"{_few(names)}, which {option} left out of the watched layers"
+                         for option, names in by_option.items())
+        return f"{head}: it matches {said} (fix: widen layers/exclude to watch them)"
     names = list(layers)[:3]  # in the model's order
-    shown = ", ".join(names) + (", ..." if len(layers) > 3 else "")
     shorts = [short_layer(name) for name in names]
     keys = f" (the metric keys shorten them to {', '.join(shorts)})" if shorts != names else ""
-    return (f"{config.PATH}.dump_layers: {config.dump_layers!r} matches none of the "
-            f"{len(layers)} watched layers, so dump_steps {sorted(dump_steps)} save nothing "
-            f"(fix: a regex that re.search finds in their full module names, as layers is: "
-            f"{shown}{keys})")
+    return (f"{head} (fix: a regex that re.search finds in their full module names, as layers "
+            f"is: {_few(list(layers))}{keys})")
+
+
+def _few(names: list[str]) -> str:
+    """The first 3 of `names`, and `...` for the rest."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def thresholds_of(config: MonitorConfig) -> Thresholds:
@@ -398,8 +418,8 @@ class FP8Monitor:
         self.dumped: list[tuple[Path, int]] = []
         self.dump_names = dump_layers_of(self.layers, self.config)
         if self.schedule.dump_steps and not self.dump_names:  # said at FIT_START, once
-            self.on_warning(no_dump_layers_message(
-                self.layers, self.config, self.schedule.dump_steps))  # type: ignore[arg-type]
+            self.on_warning(no_dump_layers_message(  # type: ignore[arg-type]
+                model, self.layers, self.config, self.schedule.dump_steps))
         self.tracker = HealthTracker(thresholds_of(self.config), keep_flags=False)
         self.short = {name: short_layer(name) for name in self.layers}  # names in keys
         # the last logging step's statistics and flags, for listeners (the guard); empty on a

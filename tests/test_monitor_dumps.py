@@ -192,7 +192,7 @@ def test_a_dump_layers_regex_matching_no_layer_warns_once_when_built_and_writes_
     empty safetensors file at the dump step and nothing for the console to call saved."""
     at_start, later, dumped, files = _dump_mpt_like(tmp_path, r"^blocks\.0\.")
     assert at_start == [
-        "callbacks.fp8_stats.dump_layers: '^blocks\\\\.0\\\\.' matches none of the 2 watched "
+        "callbacks.fp8_stats.dump_layers: '^blocks\\.0\\.' matches none of the 2 watched "
         "layers, so dump_steps [1] save nothing (fix: a regex that re.search finds in their "
         "full module names, as layers is: model.transformer.blocks.0.attn.Wqkv, "
         "model.transformer.blocks.1.attn.Wqkv (the metric keys shorten them to "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +39,12 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def _train(run_name: str, loggers, callbacks=(), save_folder: str | None = None) -> Trainer:
+def _train(run_name: str, loggers, callbacks=(), save_folder: str | None = None,
+           linears: int = 1) -> Trainer:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(16, 8), torch.randint(0, 2, (16,)))
-    model = ComposerClassifier(nn.Sequential(nn.Linear(8, 2)), num_classes=2)
+    layers = [nn.Linear(8, 8) for _ in range(linears - 1)] + [nn.Linear(8, 2)]
+    model = ComposerClassifier(nn.Sequential(*layers), num_classes=2)
     trainer = Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
                       train_dataloader=DataLoader(data, batch_size=4), max_duration="2ba",
                       loggers=loggers, callbacks=list(callbacks), run_name=run_name,
@@ -88,6 +91,31 @@ def test_a_dump_layers_regex_that_selects_no_layer_is_said_at_fit_start_and_writ
                     "in their full module names, as layers is: module.0)"]
     assert not (tmp_path / "runs" / "r" / "dumps").exists()
     assert "saved to" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option", ["layers", "exclude"])
+def test_a_dump_layers_regex_matching_only_an_unwatched_layer_names_it_and_the_option(
+        tmp_path, elsewhere, caplog, option):
+    """`dump_layers: module\\.1` is right, but `layers: module\\.0` (or `exclude: module\\.1`)
+    left `module.1` out of the watched set: the fit-start warning names that layer and the
+    option, with the patterns as written in YAML (one backslash), not a regex to fix."""
+    narrowing = {"layers": {"layers": r"module\.0"}, "exclude": {"exclude": r"module\.1"}}[option]
+    stats = FP8Stats(interval=10, dump_steps=[1], dump_layers=r"module\.1", dump_folder="dumps",
+                     **narrowing)
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8"):
+        trainer = _train("r", [JSONLLogger()], [stats], str(tmp_path / "runs" / "r"), linears=2)
+    names = [name for name, module in trainer.state.model.named_modules()
+             if isinstance(module, nn.Linear)]
+    # Python's own re: the one Linear dump_layers finds, and the option that drops it
+    [wanted] = [name for name in names if re.search(r"module\.1", name)]
+    [pattern] = narrowing.values()
+    assert (re.search(pattern, wanted) is None) == (option == "layers")
+    said = [r.getMessage() for r in caplog.records if "dump_layers" in r.getMessage()]
+    assert said == [f"callbacks.fp8_stats.dump_layers: 'module\\.1' matches none of the 1 "
+                    f"watched layers, so dump_steps [1] save nothing: it matches {wanted}, which "
+                    f"{option} '{pattern}' left out of the watched layers (fix: widen "
+                    "layers/exclude to watch them)"]
+    assert not (tmp_path / "runs" / "r" / "dumps").exists()
 
 
 def test_without_a_local_save_folder_the_run_folder_is_runs_run_name(elsewhere):
