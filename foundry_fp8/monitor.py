@@ -418,8 +418,9 @@ class FP8Monitor:
         self.dumped: list[tuple[Path, int]] = []
         self.dump_names = dump_layers_of(self.layers, self.config)
         if self.schedule.dump_steps and not self.dump_names:  # said at FIT_START, once
-            self.on_warning(no_dump_layers_message(  # type: ignore[arg-type]
-                model, self.layers, self.config, self.schedule.dump_steps))
+            self.on_warning(no_dump_layers_message(
+                model, self.layers, self.config,
+                self.schedule.dump_steps))  # type: ignore[arg-type]
         self.tracker = HealthTracker(thresholds_of(self.config), keep_flags=False)
         self.short = {name: short_layer(name) for name in self.layers}  # names in keys
         # the last logging step's statistics and flags, for listeners (the guard); empty on a
