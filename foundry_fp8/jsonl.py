@@ -339,7 +339,8 @@ def _lines(f: BinaryIO) -> Iterator[bytes | None]:
 
 
 def read_jsonl(path: str | os.PathLike[str], skipped: list[int] | None = None,
-               too_long: list[int] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+               too_long: list[int] | None = None, cut: list[int] | None = None
+               ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield `(step, metrics)` per line; string NaN/Inf come back as floats.
 
     A line that does not decode (not JSON, not UTF-8) is what a run killed mid-write leaves:
@@ -347,7 +348,9 @@ def read_jsonl(path: str | os.PathLike[str], skipped: list[int] | None = None,
     record (whose line then still yields that record). Any number of such lines, of lines
     nested too deep to decode and of lines longer than MAX_LINE_BYTES (also appended to
     `too_long`: left unread) is skipped and their numbers appended to `skipped` (the caller
-    warns once); each crash leaves at most one.
+    warns once); each crash leaves at most one. The last line read, where it had no newline
+    and yielded nothing, is also appended to `cut`: the one a writer may still be writing (a
+    skipped line before it is a crash's).
     A line that decodes but is not a `{"step": int, "metrics": {...}}` record raises JsonlError
     naming file, line and key (no writer of ours produces it: it is another file), and so does
     a file with no record at all but undecodable lines. Blank lines are ignored.
@@ -377,6 +380,8 @@ def read_jsonl(path: str | os.PathLike[str], skipped: list[int] | None = None,
                 if glued is not None:
                     records += 1
                     yield glued
+                elif cut is not None and not raw.endswith(b"\n"):
+                    cut.append(lineno)
                 continue
             records += 1
             yield _record(value, where)

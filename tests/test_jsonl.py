@@ -82,6 +82,26 @@ def test_a_line_the_writer_finishes_while_read_is_not_split_in_two(tmp_path):
     assert _read(path) == (EXPECTED, [])  # read again once finished: every record
 
 
+def test_only_the_unfinished_last_line_is_cut_not_a_crash_line_before_it(tmp_path):
+    """Review 19: a reader told a line "not finished" only by counting skipped lines, so a
+    killed run's partial line in the middle (glued to nothing: the resumed run's writer began a
+    new line) passed for the one still being written. `cut` names only the last line, and only
+    where it has no newline and yields no record."""
+    lines = [json.dumps({"step": s, "metrics": {"loss": 1.0}}) + "\n" for s in range(4)]
+    crash = '{"step": 2, "metr\n'  # a kill mid-write; the resumed run's sink added the newline
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(lines[0] + lines[1] + crash + lines[2] + lines[3][:9])
+    split = path.read_text().splitlines(keepends=True)  # Python's own lines: the reference
+    assert split[2] == crash and not split[4].endswith("\n")
+    skipped: list[int] = []
+    cut: list[int] = []
+    assert [s for s, _ in read_jsonl(path, skipped, None, cut)] == [0, 1, 2]
+    assert (skipped, cut) == ([3, 5], [5])
+    path.write_text("".join(lines[:3]) + crash)  # a crash line last, its newline written
+    cut.clear()
+    assert [s for s, _ in read_jsonl(path, None, None, cut)] == [0, 1, 2] and cut == []
+
+
 def test_an_over_long_line_the_writer_finishes_while_read_is_one_line(tmp_path, monkeypatch):
     """The same for a line over MAX_LINE_BYTES the file ended inside: skipped once, not its
     tail again as another over-long line."""

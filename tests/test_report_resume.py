@@ -228,9 +228,10 @@ if __name__ == "__main__":
     _train(Path(sys.argv[1]), json.loads(sys.argv[2]))
 
 
-def _wandb_attempt(path: Path, steps: range, config: dict[str, Any]) -> None:
-    """An offline attempt's `.wandb` file as W&B's writer leaves it: its config, then one history
-    row per step (an underflow series and fp8_guard's count)."""
+def _wandb_attempt(path: Path, steps: range, config: dict[str, Any],
+                   underflow: float = 0.1) -> None:
+    """An attempt's `.wandb` file as W&B's writer leaves it: its config, then one history row
+    per step (an `underflow` series and fp8_guard's count)."""
     from wandb.proto import wandb_internal_pb2
     from wandb.sdk.internal.datastore import DataStore
 
@@ -244,7 +245,7 @@ def _wandb_attempt(path: Path, steps: range, config: dict[str, Any]) -> None:
     for step in steps:
         record = wandb_internal_pb2.Record()
         record.history.step.num = step
-        for key, value in {"fp8_underflow_pct/weight/blocks.0.fc": 0.1,
+        for key, value in {"fp8_underflow_pct/weight/blocks.0.fc": underflow,
                            "fp8/guard/fallback_layers": 1.0, "_step": step}.items():
             record.history.item.add(key=key, value_json=json.dumps(value))
         store.write(record)
@@ -279,3 +280,25 @@ def test_a_copied_wandb_file_outside_w_and_bs_folders_is_reported_from_itself(tm
     _wandb_attempt(copy, range(4), {"callbacks": {"fp8_stats": {}}})
     assert wandb_files(copy) == [copy]
     assert main(["report", str(copy), "--out", str(tmp_path / "out")]) == 0
+
+
+def test_an_online_attempt_then_an_offline_resume_are_read_in_time_order(tmp_path):
+    """Review 19: attempts were sorted by folder name, and every `offline-run-` folder sorts
+    before every `run-` one: an online first attempt (killed at step 7) resumed offline from
+    step 4 was read newest first, the killed attempt's numbers winning from step 4 and steps
+    "going back" 9 -> 0. W&B names both `{run_mode}-{%Y%m%d_%H%M%S}-{id}`: time order."""
+    wandb_dir = tmp_path / "wandb"
+    online = wandb_dir / "run-20261129_090000-abc" / "run-abc.wandb"
+    offline = wandb_dir / "offline-run-20261129_100000-abc" / "run-abc.wandb"
+    earlier = wandb_dir / "offline-run-20261128_230000-abc" / "run-abc.wandb"
+    config = {"callbacks": {"fp8_stats": {}}}
+    _wandb_attempt(earlier, range(0), config)  # an attempt the day before, killed before a row
+    _wandb_attempt(online, range(8), config, underflow=5.0)
+    _wandb_attempt(offline, range(4, 10), config, underflow=0.25)
+    assert wandb_files(wandb_dir) == [earlier, online, offline]
+    said: list[str] = []
+    run, _, _ = load_wandb(wandb_dir, wandb_files(wandb_dir), said.append)
+    assert run.steps == list(range(10))
+    assert run.values[("blocks.0.fc", "weight", "underflow_pct")] == {
+        step: 5.0 if step < 4 else 0.25 for step in range(10)}
+    assert "go back once (step 7 -> 4)" in said[0] and said[1].startswith(f"{offline}: no exit")

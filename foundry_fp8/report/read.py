@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -293,8 +294,22 @@ def wandb_files(given: Path) -> list[Path] | None:
     if not ids:
         return None
     wandb_dir = files[-1].parent.parent  # `wandb/`, which holds every attempt's folder
-    attempts = sorted(wandb_dir.glob(f"*-{ids[0]}/run-{ids[0]}.wandb"), key=lambda p: p.parent.name)
+    attempts = sorted(wandb_dir.glob(f"*-{ids[0]}/run-{ids[0]}.wandb"), key=_started)
     return attempts or files  # a run file outside W&B's layout (copied): itself
+
+
+#: W&B's name for an attempt's folder: `{run_mode}-{timespec}-{run_id}`, run_mode `run` or
+#: `offline-run`, timespec its start time as `%Y%m%d_%H%M%S` (wandb 0.18
+#: sdk/wandb_settings.py:971 sync_dir, :935 run_mode, :991 timespec, :131 the format).
+ATTEMPT_FOLDER = re.compile(r"(?:offline-)?run-(\d{8}_\d{6})-")
+
+
+def _started(run_file: Path) -> tuple[str, str]:
+    """Sort key of an attempt's `.wandb` file: its folder's start time, then its name (an
+    online attempt's `run-` folder sorted by name alone came after every `offline-run-` one)."""
+    name = run_file.parent.name
+    found = ATTEMPT_FOLDER.match(name)
+    return (found[1] if found else "", name)
 
 
 def wandb_runs(files: list[Path]) -> list[wandb_history.WandbRun] | None:
@@ -376,28 +391,31 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
     is one warning too."""
     skipped: list[int] = []
     too_long: list[int] = []
+    cut: list[int] = []  # the last line read, unfinished (no newline): `read_jsonl`
     guard: GuardSeries = {}
     try:
         size = metrics_file.stat().st_size
         if size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        run, restarts = _read(read_jsonl(metrics_file, skipped, too_long), guard, losses)
+        run, restarts = _read(read_jsonl(metrics_file, skipped, too_long, cut), guard, losses)
         grown = metrics_file.stat().st_size - size
     except JsonlError as e:
         raise ReportError(_json_document(metrics_file) or str(e)) from None
     except OSError as e:
         raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
-    if grown > 0:  # one statement: a single line that did not decode is the one being written
+    if grown > 0:  # one statement: the unfinished last line read is the one being written
         read = f"up to step {run.steps[-1]}" if run.steps else "no FP8 statistics"
-        cut = (f" (line {skipped.pop()}, not finished when read, skipped)"
-               if len(skipped) == 1 and not too_long else "")
+        said = ""
+        if cut:
+            skipped.remove(cut[0])  # not a crash's: said here, not in the warning below
+            said = f" (line {cut[0]}, not finished when read, skipped)"
         warn(f"{metrics_file}: grew by {grown:,} bytes while the report read it: the run is "
-             f"still writing it; the report covers what was read{cut}, {read}")
+             f"still writing it; the report covers what was read{said}, {read}")
     if skipped:
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         lines = "1 line that does" if len(skipped) == 1 else f"{len(skipped)} lines that do"
         why = "a run killed mid-write leaves one"
-        if skipped == [skipped[-1]] and _unfinished_last_line(metrics_file):
+        if skipped == cut:  # the file as read ended in it (a copy synced mid-write)
             why = ("the file's last line, not finished: the run is still writing it, or was "
                    "killed mid-write")
         if too_long:
@@ -412,30 +430,6 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
     if not run.values:
         raise NoStatistics(why_empty(metrics_file))
     return run, guard
-
-
-#: How much of a metrics file's end `_unfinished_last_line` reads (a record is kilobytes).
-TAIL_BYTES = 2**20
-
-
-def _unfinished_last_line(metrics_file: Path) -> bool:
-    """Whether the file ends in a line not finished (no newline, not JSON): what a run still
-    writing it shows a reader (a copy synced mid-write, a report run during training), which a
-    warning saying "killed" would misreport."""
-    try:
-        with metrics_file.open("rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - TAIL_BYTES))
-            tail = f.read()
-    except OSError:
-        return False
-    if not tail or tail.endswith(b"\n") or b"\n" not in tail and size > TAIL_BYTES:
-        return False
-    try:
-        json.loads(tail.rpartition(b"\n")[2])
-    except ValueError:
-        return True
-    return False
 
 
 def _losses_into(records: Iterable[tuple[int, Mapping[str, Any]]], into: dict[int, float]
