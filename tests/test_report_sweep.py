@@ -172,3 +172,39 @@ def test_a_second_baseline_or_one_out_for_several_runs_is_one_line(tmp_path, cap
     """A repeated `--baseline` was silently the last one (argparse keeps the last)."""
     assert main(["report", "a", *extra]) == 2
     assert capsys.readouterr().err == said
+
+
+def _metrics_file(path: Path, losses: dict[int, float]) -> Path:
+    """A metrics file of the run's own name (`sweep/a.jsonl`), as `_run` writes it."""
+    sink = JsonlSink(path)
+    for step, loss in sorted(losses.items()):
+        sink.write(step, {LOSS: loss, LAYER_KEY: 0.1 * step})
+    return path
+
+
+def test_runs_whose_reports_share_a_folder_are_one_line_before_any_is_written(tmp_path,
+                                                                             monkeypatch, capsys):
+    """QA s19 (MED): `report sweep/a.jsonl sweep/b.jsonl` exited 0 and printed `written to
+    sweep/fp8_report.md` twice: a's report and heatmaps replaced by b's, the summary listing
+    both. The same run given twice (`one one/metrics.jsonl`) wrote its report twice."""
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep"
+    a = _metrics_file(sweep / "a.jsonl", _curve(20))
+    b = _metrics_file(sweep / "b.jsonl", _curve(20, 1.1))
+    assert main(["report", str(a), str(b)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {a} and {b}: both reports would go into {sweep} (the second replacing the "
+        "first); report them one at a time with --out DIR\n")
+    assert sorted(p.name for p in sweep.iterdir()) == ["a.jsonl", "b.jsonl"]  # nothing written
+
+    one = _run(tmp_path / "one", _curve(20))
+    for given in (["one", "one/metrics.jsonl"], [str(one), "./one/"]):
+        assert main(["report", *given]) == 2
+        assert capsys.readouterr().err == (  # named as given, as argparse's Path makes them
+            f"error: {Path(given[0])} and {Path(given[1])}: the same run given twice; name it "
+            "once\n")
+    assert sorted(p.name for p in one.iterdir()) == ["metrics.jsonl"]
+
+    # a run that names nothing is its own error in its turn; the others are reported
+    assert main(["report", "one", "missing"]) == 2
+    assert (one / "fp8_report.md").is_file()

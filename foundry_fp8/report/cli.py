@@ -62,7 +62,7 @@ from foundry_fp8.report.markdown import (
     runs_in_fp8,
     unrecorded_fallbacks,
 )
-from foundry_fp8.report.mlflow_run import load_mlflow, mlflow_run
+from foundry_fp8.report.mlflow_run import MlflowRun, load_mlflow, mlflow_run
 from foundry_fp8.report.read import (
     GuardRun,
     GuardSeries,
@@ -190,6 +190,54 @@ def first_dump(flags: list[Flag], folder: Path, hparams: Mapping[str, Any] | Non
 
 
 @dataclass(frozen=True)
+class Located:
+    """A run given, found before it is read (`locate`): how it was logged and where its report
+    goes without --out, so that several runs sharing a folder are refused before any is read."""
+
+    given: Path
+    source: MlflowRun | tuple[Path, ...] | Path  # MLflow's run, the .wandb files, metrics.jsonl
+    folder: Path  # where its report goes without --out
+
+    def run_id(self) -> object:
+        """What two givens naming the same run share (`a` and `a/metrics.jsonl`)."""
+        if isinstance(self.source, MlflowRun):
+            return self.source.run_id
+        if isinstance(self.source, tuple):
+            return tuple(path.resolve() for path in self.source)
+        return self.source.resolve()
+
+
+def locate(run_folder: Path) -> Located:
+    """The run RUN_FOLDER names (an MLflow run, a W&B offline run, a metrics file) and the folder
+    its report goes into; ReportError (one line) where it names none."""
+    if (ml := mlflow_run(run_folder)) is not None:
+        return Located(run_folder, ml, Path(f"fp8_report-{ml.run_id}"))
+    if (files := wandb_files(run_folder)) is not None:
+        return Located(run_folder, tuple(files),
+                       run_folder if run_folder.is_dir() else run_folder.parent)
+    metrics_file = metrics_file_of(run_folder)
+    return Located(run_folder, metrics_file, metrics_file.parent)
+
+
+def shared_folders(runs: list[Path]) -> str | None:
+    """Why several runs cannot be reported without --out: two of them write into the same
+    folder (the second's report and heatmaps would replace the first's), or the same run is
+    given twice. A run that names none is left to its turn (its own error there)."""
+    seen: dict[Path, Located] = {}
+    for given in runs:
+        try:
+            found = locate(given)
+        except ReportError:
+            continue
+        if (first := seen.setdefault(found.folder.resolve(), found)) is not found:
+            if first.run_id() == found.run_id():
+                return f"{first.given} and {given}: the same run given twice; name it once"
+            return (f"{first.given} and {given}: both reports would go into {found.folder} (the "
+                    "second replacing the first); report them one at a time with --out DIR")
+    return None
+
+
+@dataclass(frozen=True)
 class Loaded:
     """A run as read for the report (`load`)."""
 
@@ -203,20 +251,18 @@ class Loaded:
 def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
     """The run RUN_FOLDER names, read however it was logged; with `losses`, its training loss
     goes there from the same pass (`--baseline`: one read of the file, the same steps)."""
-    if (ml := mlflow_run(run_folder)) is not None:  # an MLflow run, read with MLflow's client
+    found = locate(run_folder)
+    if isinstance(ml := found.source, MlflowRun):  # MLflow's own client
         if losses is not None:  # MLflow's client: a query of its own, no file read twice
             losses.update(read_losses(run_folder))
         run, series, hparams = load_mlflow(ml, warn)
-        return Loaded(run, series, hparams, ml.where, Path(f"fp8_report-{ml.run_id}"))
-    if (files := wandb_files(run_folder)) is not None:  # a W&B offline run, W&B's reader
-        run, series, hparams = load_wandb(run_folder, files, warn, losses)
-        return Loaded(run, series, hparams, files[-1],
-                      run_folder if run_folder.is_dir() else run_folder.parent)
-    metrics_file = metrics_file_of(run_folder)
-    run, series = load_run(metrics_file, warn, losses)
-    hparams_file = hparams_of(metrics_file)
-    return Loaded(run, series, read_hparams(hparams_file, warn), hparams_file,
-                  metrics_file.parent)
+        return Loaded(run, series, hparams, ml.where, found.folder)
+    if isinstance(files := found.source, tuple):  # a W&B offline run, W&B's reader
+        run, series, hparams = load_wandb(run_folder, list(files), warn, losses)
+        return Loaded(run, series, hparams, files[-1], found.folder)
+    run, series = load_run(found.source, warn, losses)
+    hparams_file = hparams_of(found.source)
+    return Loaded(run, series, read_hparams(hparams_file, warn), hparams_file, found.folder)
 
 
 def make_report(run_folder: Path, layers: str | None = None, out: Path | None = None,
@@ -299,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
             raise ReportError(f"--out with {len(runs)} runs: their reports would overwrite each "
                               "other there; leave --out out (each report goes into its run's "
                               "folder) or report one run per --out")
+        if len(runs) > 1 and (shared := shared_folders(runs)) is not None:
+            raise ReportError(shared)
         gap, gap_steps = gap_options(args.max_loss_gap, args.loss_gap_steps)
         # the baseline's errors first: it is read in seconds, the runs not
         base = (None if not baselines else (baselines[0], read_baseline(baselines[0])))
