@@ -203,6 +203,34 @@ def test_an_mcli_command_override_omegaconf_refuses_is_one_line_at_the_command(t
                            "`command:`'s a=[1,: omegaconf cannot read it")
 
 
+def test_a_key_omegaconf_cannot_split_is_one_line_as_any_it_refuses(tmp_path, monkeypatch,
+                                                                    capsys):
+    """A key opening a `[` it never closes: omegaconf's from_dotlist (train_from_yaml's
+    om.from_cli) raises a plain IndexError (omegaconf.py:1429), so LLM-Foundry cannot read the
+    override; a file's own such key loads there, and lints."""
+    with pytest.raises(IndexError):
+        OmegaConf.from_dotlist(["[=1"])
+    path = tmp_path / "zoo.yaml"
+    path.write_text(ZOO)
+    done = _lint(str(path), "--override", "[=1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == ["error: --override [=1: omegaconf cannot read it: "
+                                        "list index out of range"]
+    run = _mcli(tmp_path, f"composer train/train.py {P} [x=1")
+    done = _lint(str(run))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert line == (f"error: {run}:{_line_of(run.read_text(), 'command:')}: `command:`'s [x=1: "
+                    "omegaconf cannot read it: list index out of range")
+    monkeypatch.setenv("FP8_QA_DIR", "/data")
+    path.write_text(ZOO.replace("variables:\n", 'variables:\n  "[": ${oc.env:FP8_QA_DIR}\n'))
+    assert OmegaConf.to_container(OmegaConf.load(path), resolve=True)["variables"]["["] == "/data"
+    assert main(["lint", str(path), "--format", "json"]) == 1
+    findings = json.loads(capsys.readouterr().out)["files"][0]["findings"]
+    # LLM-Foundry clears the oc.env resolver: the file's one finding, at the key
+    assert [(f["rule"], f["key"], f["line"]) for f in findings] == [("FP8017", "variables.[", 2)]
+
+
 def _bash_hands_train_py(tmp_path: Path, command: str, env: dict[str, str]) -> list[str]:
     """What bash itself gives the train script after /mnt/config/parameters.yaml: `composer`
     and `llmfoundry` replaced by functions that write their arguments out."""

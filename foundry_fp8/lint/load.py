@@ -685,7 +685,7 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
             try:
                 OmegaConf.update(raw, key, _escaped(value), merge=False)
                 env_keys.append(key)
-            except failures:
+            except _dotted_key_failures():
                 pass  # a key omegaconf cannot address; resolution reports it if it matters
         try:
             config = OmegaConf.to_container(raw, resolve=True)
@@ -712,6 +712,13 @@ def omegaconf_failures() -> tuple[type[BaseException], ...]:
     from omegaconf.errors import OmegaConfBaseException
 
     return (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError, MemoryError)
+
+
+def _dotted_key_failures() -> tuple[type[BaseException], ...]:
+    """What omegaconf raises for a dotted key it refuses (`OmegaConf.update`, and
+    `from_dotlist`, which calls it): also a plain IndexError for a key that opens a `[` it
+    never closes (`[`, `[x`: omegaconf.py:1429 `split[-1]` of an empty split)."""
+    return (*omegaconf_failures(), IndexError)
 
 
 def _by_override(error: LintInputError, path: Path, text: str, subtree: str | None,
@@ -805,7 +812,7 @@ def read_overrides(items: list[str], command: list[str] | None = None) -> Overri
     from omegaconf import OmegaConf
 
     # from_dotlist's grammar parser recurses on a value's nesting (`a=[[[...]]]`), unbounded
-    failures = (*omegaconf_failures(), RecursionError)
+    failures = (*_dotted_key_failures(), RecursionError)
     command = command or []
     named = [COMMAND_OVERRIDE.format(i) for i in command] + [f"--override {i}" for i in items]
     keys: dict[str, str] = {}
@@ -883,7 +890,7 @@ def _resolved_again(config: dict[str, Any], env_values: list[tuple[str, str]],
         if key.startswith(inside):
             try:
                 OmegaConf.update(again, key[len(inside):], _escaped(value), merge=False)
-            except omegaconf_failures():
+            except _dotted_key_failures():
                 pass  # not addressable: the first pass skipped it too
     return OmegaConf.to_container(again, resolve=True)
 
