@@ -980,3 +980,25 @@ def test_amax_settings_with_mxfp8_are_fp8125(tmp_path, installed, version, algo,
     assert env["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == str(history)
     installed(version)
     assert found(path, "FP8125") == expected
+
+
+@pytest.mark.parametrize("history", ['"01024"', '" 1024"', '"+1_024 "', "1024", '" 16"', '"0016"'])
+def test_fp8125_compares_amax_history_len_as_accelerate_reads_it(tmp_path, installed,
+                                                                 monkeypatch, history):
+    """QA s19 (LOW): `amax_history_len: "01024"` (or `" 1024"`) was a false FP8125 error: the
+    YAML text was compared with 1024, but TERecipeKwargs int()s the exported text and to_kwargs
+    forwards it only where that int differs from its default. Reference: the installed
+    Accelerate's own TERecipeKwargs on what its launcher exports (TE's presence faked)."""
+    from accelerate.utils import TERecipeKwargs
+    from accelerate.utils import dataclasses as acc_dataclasses
+
+    path = write(tmp_path, MXFP8_AMAX.format(algo="most_recent", history=history, mxfp8="true"))
+    _args, env = _launched(path)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(acc_dataclasses, "is_transformer_engine_available", lambda: True)
+    forwarded = "amax_history_len" in TERecipeKwargs().to_kwargs()
+    assert forwarded == (history in ('" 16"', '"0016"'))  # the cases' own sense, checked too
+    installed((1, 14, 0))
+    assert found(path, "FP8125") == ([("fp8_config.amax_history_len", 6, "error")]
+                                     if forwarded else [])

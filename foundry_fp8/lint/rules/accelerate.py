@@ -359,6 +359,11 @@ def _custom(key: str, value: Any) -> bool:
         return bool(_str_to_bool(str(value)))
     if isinstance(default, str):
         return _text(value) != default.lower()
+    if key in TE_RECIPE_INTS and _int_reads(text := str(value)):
+        # the launcher exports str(value), TERecipeKwargs int()s it and to_kwargs compares that
+        # int with the default's (utils/launch.py:96, utils/dataclasses.py:82 and :384, v1.8.1;
+        # the same at main, 2026-07): `"01024"` or `" 1024"` is the default, 1024
+        return int(text) != default
     return value != default and str(value) != str(default)
 
 
