@@ -690,8 +690,9 @@ def _from_series(series: GuardSeries, fallbacks: list[Fallback],
     fallback, 0 from its re-promotion's): fp8_guard logs a layer's first KEPT_DECISIONS pairs
     only, and after `fit(reset_time=True)` an earlier fit's records share the later one's step
     numbers. A record of the same layer and step gives a span its details; a layer in fallback
-    at the first logging step shown ran so from there (decided there or before). Also returns
-    the layers the series covers."""
+    at the first logging step shown ran so from there: decided there, at its latest record
+    before that no re-promotion before ends, or (no such record) before. Also returns the
+    layers the series covers."""
     steps = sorted(s for s in series if FALLBACK_LAYERS in series[s])
     covered = {key.removeprefix(IN_FALLBACK_PREFIX) for s in steps for key in series[s]
                if key.startswith(IN_FALLBACK_PREFIX)}
@@ -706,11 +707,21 @@ def _from_series(series: GuardSeries, fallbacks: list[Fallback],
         ends = {(r.step, r.fallen_at): r for r in repromotions if r.layer == layer}
         share = next(iter(records.values())).flops_share if records else math.nan
         start: int | None = None
+        # a resumed run's own hparams.json or W&B run gets the kept records again at its start:
+        # the fallback open there is the latest one decided before with no re-promotion before
+        before = [f for f in records.values() if f.step < steps[0]]
+        opened = max(before, key=lambda f: f.step) if before else None
+        if opened is not None and any(at < steps[0] and fallen_at == opened.step
+                                      for at, fallen_at in ends):
+            opened = None
         for step in [*steps, None]:
             fallen = step is not None and series[step].get(IN_FALLBACK_PREFIX + layer, 0) >= .5
             if fallen and start is None:
                 start = step
-                decided = step if step in records or step != steps[0] else step - 1
+                if step in records or step != steps[0]:
+                    decided = step
+                else:
+                    decided = opened.step if opened is not None else step - 1
                 fell.append(records.get(decided) or Fallback(layer, decided, share, (UNLOGGED,)))
             elif not fallen and start is not None:
                 if step is not None:
