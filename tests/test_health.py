@@ -215,6 +215,23 @@ def test_table_escapes_hostile_names_and_prints_huge_numbers():
     assert render_table({}) == ""
 
 
+def test_a_rows_what_if_mark_counts_only_the_values_it_has():
+    """QA s19 (LOW): a column only another row has (blank, nan, in this one) counted as a value
+    not what-if: a row whose one value was what-if was marked `(what-if in part)`."""
+    table = {("l0", "weight"): {"underflow_pct": 9.0},
+             ("l1", "activation"): {"underflow_pct": 1.0, "overflow_pct": 0.5},
+             ("l2", "gradient"): {"underflow_pct": 0.5, "mse": 3.0},
+             ("l3", "gradient"): {"mse": 3.0}}  # mse is no column: nothing of it shown
+    cells = {("l0", "weight", "underflow_pct"), ("l1", "activation", "overflow_pct"),
+             ("l2", "gradient", "mse"), ("l3", "gradient", "mse")}
+    rows = {(r[1].strip(), r[2].strip()): r[3:-1] for r in
+            (line.split("|") for line in render_table(table, cells=cells).splitlines()[2:])}
+    assert rows == {("l0", "weight (what-if)"): [" 9 ", " nan "],
+                    ("l1", "activation (what-if in part)"): [" 1 ", " 0.5 "],
+                    ("l2", "gradient"): [" 0.5 ", " nan "],
+                    ("l3", "gradient"): [" nan ", " nan "]}, rows
+
+
 def test_health_imports_neither_torch_nor_matplotlib():
     code = ("import sys, foundry_fp8.health, foundry_fp8.health.plots, foundry_fp8.health.raster; "
             "print(sorted(m for m in ('torch', 'matplotlib', 'PIL') if m in sys.modules))")

@@ -142,18 +142,22 @@ def render_table(table: Mapping[tuple[str, str], Mapping[str, float]],
     for (layer, tensor), row in sorted(table.items(),
                                        key=lambda kv: -_sortable(kv[1].get("underflow_pct", 0.0))):
         values = " | ".join(number(row.get(c, float("nan"))) for c in columns)
-        kind = md_escape(tensors[tensor]) + _mark(layer, tensor, columns, whatif, cells)
+        kind = md_escape(tensors[tensor]) + _mark(layer, tensor, row, columns, whatif, cells)
         lines.append(f"| {md_escape(layers[layer])} | {kind} | {values} |")
     return "\n".join(lines) + "\n"
 
 
-def _mark(layer: str, tensor: str, columns: list[str], whatif: Collection[tuple[str, str]],
-          cells: Collection[tuple[str, str, str]] | None) -> str:
-    """A row's what-if mark (`render_table`)."""
+def _mark(layer: str, tensor: str, row: Mapping[str, float], columns: list[str],
+          whatif: Collection[tuple[str, str]], cells: Collection[tuple[str, str, str]] | None
+          ) -> str:
+    """A row's what-if mark (`render_table`), from the values the row has: a column another
+    row brought is blank (nan) in it, neither what-if nor not."""
     if cells is None:
         return f" {WHATIF_MARK}" if (layer, tensor) in whatif else ""
-    shown = [(layer, tensor, c) in cells for c in columns]
-    return f" {WHATIF_MARK}" if all(shown) else f" {PARTLY_WHATIF_MARK}" if any(shown) else ""
+    shown = [(layer, tensor, c) in cells for c in columns if c in row]  # its own values only
+    if not any(shown):  # none what-if, or none of its values shown (e.g. only `mse`)
+        return ""
+    return f" {WHATIF_MARK}" if all(shown) else f" {PARTLY_WHATIF_MARK}"
 
 
 def _sortable(value: float) -> float:
