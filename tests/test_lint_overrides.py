@@ -270,6 +270,9 @@ P = "/mnt/config/parameters.yaml"
     f"composer train/train.py {P} run_name=$(printf %s-%s $NL x) a=1 b=$(( ${{#NL}} + 1 )) "
     "c=\"$(echo \"$NL) x\")\" d=2 \"e=$(echo $(echo $NL) ')')\" f=2",
     f"composer train/train.py {P} a=1 \"b=`echo \"$NL\"`\" c=3 ${{NL:-a b}}x d=4 e=$ f=\\",
+    # bash's old arithmetic `$[...]`, through its closing; `$'...'` inside a substitution
+    f"composer train/train.py {P} a=1 i=$[ ${{#NL}} + 1 ]x b=2 j=$[${{#NL}}*2] \"k=$[ ${{#NL}} ]\" "
+    f"c=3 \"$(echo $NL $'it\\'s)')\" d=4",
     # a redirection drops its target word, not the words after it
     f"composer train/train.py {P} a=1 > log b=2 2>&1 c=3 &> log d=5 2>/dev/null e=6 >>log f=7",
     f"composer train/train.py {P} a=1 x=\"2\">log e=5 22>log f=6 \"3\">log g=7",
@@ -286,6 +289,14 @@ def test_an_mcli_commands_overrides_are_the_words_bash_hands_the_train_script(tm
     other = _bash_hands_train_py(tmp_path, command, {"NL": "other", "X": "other"})
     assert command_overrides({"command": command}) == [a for a, b in zip(one, other, strict=True)
                                                        if a == b]
+
+
+def test_an_ansi_c_quoted_word_is_left_out_and_the_words_after_it_kept(tmp_path):
+    """`$'it\\'s'`: a backslash escapes the quote inside it, so bash hands the train script every
+    word; the `$'...'` word itself is left out as expanding (its escapes are not decoded)."""
+    command = f"composer train/train.py {P} a=1 n=$'it\\'s' b=2 $'x' c=3"
+    assert _bash_hands_train_py(tmp_path, command, {}) == ["a=1", "n=it's", "b=2", "x", "c=3"]
+    assert command_overrides({"command": command}) == ["a=1", "b=2", "c=3"]
 
 
 def test_a_command_that_only_copies_the_parameters_file_trains_nothing_from_it(tmp_path, capsys):

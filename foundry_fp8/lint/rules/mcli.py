@@ -58,8 +58,13 @@ def command_overrides(data: Mapping[str, Any]) -> list[str]:
 _OPERATORS = frozenset(";&|()<>")
 #: What a backslash escapes inside double quotes (bash manual, Double Quotes).
 _DOUBLE_QUOTE_ESCAPES = frozenset('$`"\\\n')
-#: What makes a `$` an expansion (bash manual, Shell Parameter Expansion, Special Parameters).
-_EXPANDED_AFTER_DOLLAR = re.compile(r"[A-Za-z0-9_{(@*#?$!'\"-]")
+#: What makes a `$` an expansion (bash manual, Shell Parameter Expansion, Special Parameters;
+#: `$[...]`, bash's old arithmetic expansion, which it still expands).
+_EXPANDED_AFTER_DOLLAR = re.compile(r"[A-Za-z0-9_{(\[@*#?$!'\"-]")
+#: The expansions read through their closing, whatever they hold (blanks, quotes).
+_OPENINGS = ("$(", "${", "$[")
+#: Each opening's closing.
+_CLOSING = {"(": ")", "{": "}", "[": "]"}
 
 
 def _train_arguments(command: Any) -> list[tuple[str, bool]] | None:
@@ -164,8 +169,14 @@ def _word(script: str, i: int) -> tuple[str, bool, int] | None:
     n = len(script)
     while i < n and script[i] not in " \t\n" and script[i] not in _OPERATORS:
         c = script[i]
-        if c == "`" or script.startswith(("$(", "${"), i):
+        if c == "`" or script.startswith(_OPENINGS, i):
             end = _expansion_end(script, i)
+            if end is None:
+                return None
+            out.append(script[i:end])
+            expands, i = True, end
+        elif script.startswith("$'", i):  # ANSI-C quoting: left out as expanding
+            end = _ansi_c_end(script, i + 2)
             if end is None:
                 return None
             out.append(script[i:end])
@@ -179,7 +190,7 @@ def _word(script: str, i: int) -> tuple[str, bool, int] | None:
         elif c == '"':
             i += 1
             while i < n and script[i] != '"':
-                if script[i] == "`" or script.startswith(("$(", "${"), i):
+                if script[i] == "`" or script.startswith(_OPENINGS, i):
                     end = _expansion_end(script, i)
                     if end is None:
                         return None
@@ -221,7 +232,7 @@ def _expansion_end(script: str, i: int) -> int | None:
     read through what it nests (quotes, parentheses, other expansions) as bash reads it to its
     closing; None when it is not closed. A loop over a stack of closings, not recursion: a
     file may nest thousands."""
-    closing = ["`"] if script[i] == "`" else [")" if script[i + 1] == "(" else "}"]
+    closing = ["`"] if script[i] == "`" else [_CLOSING[script[i + 1]]]
     j, n = i + (1 if closing[0] == "`" else 2), len(script)
     while j < n:
         c, inside = script[j], closing[-1]
@@ -233,16 +244,35 @@ def _expansion_end(script: str, i: int) -> int | None:
             closing.pop()
             if not closing:
                 return j
+        elif c == "$" and script.startswith("'", j) and inside != '"':
+            end = _ansi_c_end(script, j + 1)
+            if end is None:
+                return None
+            j = end
         elif c == "'" and inside != '"':
             end = script.find("'", j)
             if end < 0:
                 return None
             j = end + 1
-        elif c == "$" and j < n and script[j] in "({":
-            closing.append(")" if script[j] == "(" else "}")
+        elif c == "$" and j < n and script[j] in _CLOSING:
+            closing.append(_CLOSING[script[j]])
             j += 1
         elif c == "`" or (c == '"' and inside != '"') or (c == "(" and inside == ")"):
             closing.append(")" if c == "(" else c)
+    return None
+
+
+def _ansi_c_end(script: str, i: int) -> int | None:
+    """Where the `$'...'` whose text starts at `i` ends: after its closing quote, a backslash
+    escaping the next character (`\\'` too: bash manual, ANSI-C Quoting); None when unclosed."""
+    n = len(script)
+    while i < n:
+        if script[i] == "\\":
+            i += 2
+        elif script[i] == "'":
+            return i + 1
+        else:
+            i += 1
     return None
 
 
