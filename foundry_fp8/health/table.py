@@ -110,23 +110,21 @@ def number(value: float) -> str:
     return f"{value:.4g}"
 
 
-#: How the table marks a row whose numbers are what-if ones (`render_table`'s `whatif`).
+#: How the table marks a row all of whose worst values are what-if ones (`render_table`'s `cells`).
 WHATIF_MARK = "(what-if)"
 #: A row some of whose worst values, not all, are what-if ones (`render_table`'s `cells`).
 PARTLY_WHATIF_MARK = "(what-if in part)"
 
 
 def render_table(table: Mapping[tuple[str, str], Mapping[str, float]],
-                 whatif: Collection[tuple[str, str]] = (),
-                 cells: Collection[tuple[str, str, str]] | None = None) -> str:
+                 cells: Collection[tuple[str, str, str]] = ()) -> str:
     """The worst value of each statistic per layer and tensor, worst underflow first; empty
     when nothing was judged. `scale_ratio` is the one farthest from 1 (> 1: tensor outgrew its
-    scale, overflow side; < 1: scale too small, underflow side). Rows in `whatif` hold what-if
-    numbers (a layer not in FP8 at some judged step: never converted, or in fp8_guard's
-    fallback), not what the layer's FP8 casts did: their tensor is marked `(what-if)`. Where
-    the worst values' steps are known, `cells` names the (layer, tensor, stat) whose worst
-    value only what-if numbers reached, and the mark says that of the row's shown values
-    instead: all of them `(what-if)`, some `(what-if in part)`, none no mark."""
+    scale, overflow side; < 1: scale too small, underflow side). `cells` names the (layer,
+    tensor, stat) whose worst value only what-if numbers reached (a layer not in FP8 at those
+    judged steps: never converted, or in fp8_guard's fallback), not the layer's FP8 casts; a
+    row's mark says that of its shown values: all of them `(what-if)`, some `(what-if in
+    part)`, none no mark."""
     if not table:
         return ""
     present = {s for row in table.values() for s in row}
@@ -142,18 +140,15 @@ def render_table(table: Mapping[tuple[str, str], Mapping[str, float]],
     for (layer, tensor), row in sorted(table.items(),
                                        key=lambda kv: -_sortable(kv[1].get("underflow_pct", 0.0))):
         values = " | ".join(number(row.get(c, float("nan"))) for c in columns)
-        kind = md_escape(tensors[tensor]) + _mark(layer, tensor, row, columns, whatif, cells)
+        kind = md_escape(tensors[tensor]) + _mark(layer, tensor, row, columns, cells)
         lines.append(f"| {md_escape(layers[layer])} | {kind} | {values} |")
     return "\n".join(lines) + "\n"
 
 
 def _mark(layer: str, tensor: str, row: Mapping[str, float], columns: list[str],
-          whatif: Collection[tuple[str, str]], cells: Collection[tuple[str, str, str]] | None
-          ) -> str:
+          cells: Collection[tuple[str, str, str]]) -> str:
     """A row's what-if mark (`render_table`), from the values the row has: a column another
     row brought is blank (nan) in it, neither what-if nor not."""
-    if cells is None:
-        return f" {WHATIF_MARK}" if (layer, tensor) in whatif else ""
     shown = [(layer, tensor, c) in cells for c in columns if c in row]  # its own values only
     if not any(shown):  # none what-if, or none of its values shown (e.g. only `mse`)
         return ""

@@ -372,7 +372,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                               "reached only at logging steps fp8_guard ran the layer in high "
                               f"precision; {PARTLY_WHATIF_MARK}: some of them are."
                               if (cells := whatif_worst(run)) else ""), "",
-        render_table(worst_values(run), whatif, cells)]
+        render_table(worst_values(run), cells=cells)]
     return "\n".join(lines)
 
 
