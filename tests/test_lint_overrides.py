@@ -231,6 +231,25 @@ def test_a_key_omegaconf_cannot_split_is_one_line_as_any_it_refuses(tmp_path, mo
     assert [(f["rule"], f["key"], f["line"]) for f in findings] == [("FP8017", "variables.[", 2)]
 
 
+def test_a_files_oc_env_value_at_a_key_omegaconf_splits_otherwise_stays_at_that_key(
+        tmp_path, monkeypatch, capsys):
+    """The linted config keeps an `${oc.env:...}` value as its text at its own key: a key
+    OmegaConf.update splits by its own grammar (`a[` as `a`, `m.x` as `m`, `x`) wrote the
+    text over another key's value or into a new key; omegaconf's own load is the reference."""
+    monkeypatch.setenv("FP8_QA_DIR", "/data")
+    path = tmp_path / "zoo.yaml"
+    path.write_text('variables:\n  a: 5\n  "a[": ${oc.env:FP8_QA_DIR}\n'
+                    '  "m.x": ${oc.env:FP8_QA_DIR}\n"[": ${oc.env:FP8_QA_DIR}\n')
+    resolved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert resolved == {"variables": {"a": 5, "a[": "/data", "m.x": "/data"}, "[": "/data"}
+    text = "${oc.env:FP8_QA_DIR}"
+    assert load_config(path).config == {"variables": {"a": 5, "a[": text, "m.x": text}, "[": text}
+    assert main(["lint", str(path), "--format", "json"]) == 1
+    findings = json.loads(capsys.readouterr().out)["files"][0]["findings"]
+    assert [(f["rule"], f["line"]) for f in findings if f["rule"] == "FP8017"] == [
+        ("FP8017", 3), ("FP8017", 4), ("FP8017", 5)]
+
+
 def _bash_hands_train_py(tmp_path: Path, command: str, env: dict[str, str]) -> list[str]:
     """What bash itself gives the train script after /mnt/config/parameters.yaml: `composer`
     and `llmfoundry` replaced by functions that write their arguments out."""

@@ -682,11 +682,8 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
             if not key.startswith(inside):
                 continue
             key = key[len(inside):]
-            try:
-                OmegaConf.update(raw, key, _escaped(value), merge=False)
+            if _set_at(raw, key, _escaped(value)):
                 env_keys.append(key)
-            except _dotted_key_failures():
-                pass  # a key omegaconf cannot address; resolution reports it if it matters
         try:
             config = OmegaConf.to_container(raw, resolve=True)
         except failures as e:
@@ -719,6 +716,35 @@ def _dotted_key_failures() -> tuple[type[BaseException], ...]:
     `from_dotlist`, which calls it): also a plain IndexError for a key that opens a `[` it
     never closes (`[`, `[x`: omegaconf.py:1429 `split[-1]` of an empty split)."""
     return (*omegaconf_failures(), IndexError)
+
+
+def _set_at(config: Any, key: str, value: str) -> bool:
+    """Set the value at `key` (a `join_key` path) part by part; False when `config` has no such
+    key. Not OmegaConf.update, which splits a key by its own grammar: `"a["` wrote `a`,
+    `"m.x"` added a key `"m`, and `[` raised IndexError (omegaconf.py:1429)."""
+    import json
+
+    from omegaconf import ListConfig
+
+    parts = []
+    while key:
+        parent = parent_key(key)
+        parts.append(key[len(parent) + 1:] if parent else key)
+        key = parent
+    node = config
+    try:
+        for part in reversed(parts):
+            name = json.loads(part) if part.startswith('"') else part
+            name = int(name) if isinstance(node, ListConfig) else name
+            if part is parts[0]:
+                if not isinstance(node, ListConfig) and name not in node:
+                    return False
+                node[name] = value
+            else:
+                node = node[name]
+    except (*omegaconf_failures(), KeyError, IndexError):
+        return False
+    return True
 
 
 def _by_override(error: LintInputError, path: Path, text: str, subtree: str | None,
@@ -888,10 +914,7 @@ def _resolved_again(config: dict[str, Any], env_values: list[tuple[str, str]],
     again = OmegaConf.create(config)
     for key, value in env_values:
         if key.startswith(inside):
-            try:
-                OmegaConf.update(again, key[len(inside):], _escaped(value), merge=False)
-            except _dotted_key_failures():
-                pass  # not addressable: the first pass skipped it too
+            _set_at(again, key[len(inside):], _escaped(value))
     return OmegaConf.to_container(again, resolve=True)
 
 
