@@ -626,6 +626,27 @@ def test_fp8_format_spellings_are_one_format(spelling):
     assert FP8Recipe(fp8_format=spelling) == FP8Recipe()
 
 
+class _TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](torch.relu(self.blocks[0](x)))
+
+
+def _two_linears_trainer(swap: Any, **kwargs: Any) -> Any:
+    """A Composer Trainer of two Linears under `swap`, on 16 random samples."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(16, 16), torch.randint(0, 4, (16,)))
+    return Trainer(model=ComposerClassifier(_TwoLinears(), num_classes=4),
+                   train_dataloader=DataLoader(data, batch_size=8), algorithms=[swap],
+                   device="cpu", loggers=[], progress_bar=False, **kwargs)
+
+
 def test_a_resume_from_a_checkpoint_without_the_closer_warns_of_no_private_class(tmp_path):
     """Checkpoints written before te_swap took its hooks off at Trainer.close (a2e85d1) hold no
     `_CloseWithTrainer` entry; Composer warned of it on every resume from them ("... is not in
@@ -633,28 +654,12 @@ def test_a_resume_from_a_checkpoint_without_the_closer_warns_of_no_private_class
     is still warned of, as Composer does."""
     import warnings
 
-    from composer import Trainer
     from composer.callbacks import LRMonitor
-    from composer.models import ComposerClassifier
-    from torch.utils.data import DataLoader, TensorDataset
 
     from foundry_fp8.composer.te_swap import TESwap
 
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.blocks[1](torch.relu(self.blocks[0](x)))
-
     def trainer(**kwargs: Any) -> Any:
-        net = Net()
-        data = TensorDataset(torch.randn(16, 16), torch.randint(0, 4, (16,)))
-        return Trainer(model=ComposerClassifier(net, num_classes=4),
-                       train_dataloader=DataLoader(data, batch_size=8), max_duration="2ba",
-                       algorithms=[TESwap(backend="emulate")], device="cpu", loggers=[],
-                       progress_bar=False, **kwargs)
+        return _two_linears_trainer(TESwap(backend="emulate"), max_duration="2ba", **kwargs)
 
     first = trainer()
     first.fit()
@@ -684,31 +689,17 @@ def test_a_second_init_shows_a_once_warning_no_second_time():
     a `default` warning is shown once per place it is raised from."""
     import warnings
 
-    from composer import Trainer
     from composer.core import Event
-    from composer.models import ComposerClassifier
-    from torch.utils.data import DataLoader, TensorDataset
 
     from foundry_fp8.composer.te_swap import TESwap
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.blocks[1](torch.relu(self.blocks[0](x)))
 
     def once() -> None:
         warnings.warn("a notebook's warning", UserWarning, stacklevel=1)
 
     swap = TESwap(backend="emulate")
-    data = TensorDataset(torch.randn(16, 16), torch.randint(0, 4, (16,)))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
-        trainer = Trainer(model=ComposerClassifier(Net(), num_classes=4),
-                          train_dataloader=DataLoader(data, batch_size=8), max_duration="1ba",
-                          algorithms=[swap], device="cpu", loggers=[], progress_bar=False)
+        trainer = _two_linears_trainer(swap, max_duration="1ba")
         once()
         swap.apply(Event.INIT, trainer.state, trainer.logger)  # the INIT of the next Trainer
         once()
