@@ -87,6 +87,17 @@ def _scale_from_amax(amax: torch.Tensor, fp8_max: torch.Tensor | float, *, epsil
     return scale
 
 
+def delayed_scale(amax: torch.Tensor, kept: torch.Tensor,
+                  scaled_max: torch.Tensor | float) -> torch.Tensor:
+    """Delayed scaling's scale for `amax` as `kernel_bulk` computes it
+    (transformer_engine/common/recipe/delayed_scaling.cu:238-249, 331): `scaled_max / amax`
+    (`fp8_max * 2**-margin`) rounded once, `kept` where the amax is not finite and positive (TE
+    keeps the old scale), then float32 max for an infinite result (the margin applied first)."""
+    amax = amax.float()
+    scale = torch.where((amax > 0) & torch.isfinite(amax), _divide(scaled_max, amax), kept)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
+
+
 def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor,
                          fp8_max: torch.Tensor | float, algo: str = "max",
                          margin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +122,9 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor,
         amax = recorded
     else:
         raise ValueError(f"unknown amax_compute_algo {algo!r}: use 'max' or 'most_recent'")
-    new_scale = _divide(fp8_max * 2.0 ** -margin, amax)
-    usable = (recorded != 0) & (amax > 0) & torch.isfinite(amax)
-    new_scale = torch.where(usable, new_scale, scale)
-    new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLOAT32_MAX),
-                            new_scale)
+    # a column that recorded nothing keeps its scale: its amax counts as unusable (0)
+    new_scale = delayed_scale(torch.where(recorded != 0, amax, torch.zeros_like(amax)), scale,
+                              fp8_max * 2.0 ** -margin)
     rolled = torch.roll(amax_history, shifts=-1, dims=0)
     rolled[0] = 0.0
     new_history = torch.where(recorded != 0, rolled, amax_history)

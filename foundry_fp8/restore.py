@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from foundry_fp8.numerics import FLOAT32_MAX, FP8_MAX
+from foundry_fp8.numerics import FLOAT32_MAX, FP8_MAX, delayed_scale
 from foundry_fp8.recipe import FP8Recipe
 
 FP8ModuleState = dict[str, dict[str, torch.Tensor]]
@@ -142,17 +142,12 @@ def scale_keys_changed(saved: FP8Recipe | None, run: FP8Recipe | None) -> list[s
 
 def te_scale(amax: torch.Tensor, recipe: FP8Recipe | None, direction: str,
              kept: torch.Tensor) -> torch.Tensor:
-    """TE's delayed-scaling scale for `amax` under `recipe` (None: HYBRID, no margin), as
-    kernel_bulk computes it (transformer_engine/common/recipe/delayed_scaling.cu:238-249 and
-    331): `(fp8_max * 2**-margin) / amax` rounded once, `kept` where the amax is not finite and
-    positive (TE keeps the old scale), then float32 max for an infinite result. The margin is
-    applied before the clamp: applied after it, a clamped scale came out 2**-margin too small."""
+    """TE's delayed-scaling scale for `amax` under `recipe` (None: HYBRID, no margin):
+    `numerics.delayed_scale`, the margin applied before the clamp (applied after it, a clamped
+    scale came out 2**-margin too small)."""
     fmt = (recipe or FP8Recipe()).format_for(direction)  # type: ignore[arg-type]
-    scaled_max = FP8_MAX[fmt] * 2.0 ** -(recipe.margin if recipe else 0)
-    amax = amax.float()
-    computed = torch.full_like(amax, scaled_max) / amax
-    scale = torch.where(torch.isfinite(amax) & (amax > 0), computed, kept.float())
-    return scale.clamp(max=FLOAT32_MAX)
+    return delayed_scale(amax, kept.float(),
+                         FP8_MAX[fmt] * 2.0 ** -(recipe.margin if recipe else 0))
 
 
 def recomputed_scales(tensors: Mapping[str, torch.Tensor], saved: FP8Recipe, run: FP8Recipe,
