@@ -1116,14 +1116,15 @@ def mxfp8_with_amax(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     if not (_fp8(acc) and _te_backend(acc)) or _deepspeed(acc) or _sagemaker(acc):
         return
     mxfp8 = setting(acc, "fp8_config", "use_mxfp8_block_scaling")
+    unparsable = _unparsable(inp)
     if mxfp8 is None or not _read(mxfp8.name, version) \
-            or _str_to_bool(str(mxfp8.value)) is not True or mxfp8.name in _unparsable(inp):
+            or _str_to_bool(str(mxfp8.value)) is not True or mxfp8.name in unparsable:
         return
     backend = _backend(acc)
     explicit = backend is not None and backend.value == "TE"
     severity = None if version is not None and not (inp.torchao and not explicit) else "warning"
     for key, item in _recipe_items(acc).items():
-        if key in ("amax_compute_algo", "amax_history_len") and key not in _unparsable(inp):
+        if key in ("amax_compute_algo", "amax_history_len") and key not in unparsable:
             yield Hit(item.key, f"{item.value!r:.40} with {mxfp8.key} on: Accelerate raises "
                       f"ValueError '`{key}` is not supported for MXFP8 block scaling.' when "
                       "prepare() wraps the model", severity=severity)

@@ -198,10 +198,7 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
       "of them have one VERSION", family="environment")
 def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
-    found = {name: v for name, v in (("transformer-engine", snapshot.te),
-                                     ("transformer-engine-torch", snapshot.te_torch),
-                                     (snapshot.te_core_package, snapshot.te_core))
-             if name and v is not None}
+    found = _te_distributions(snapshot)
     core_checked = snapshot.te_core is not None and (snapshot.te_version or ()) >= TE_CORE_CHECK
     if (snapshot.te_torch is not None or core_checked) and len(set(found.values())) > 1:
         listed = ", ".join(f"{name} {v}" for name, v in found.items())
@@ -240,12 +237,18 @@ def _te_files_gone(error: str) -> bool:
     return _FILES_GONE.search(error) is not None
 
 
+def _te_distributions(snapshot: Snapshot) -> dict[str, str]:
+    """TE's installed distributions (metapackage, torch extension, core) and their versions."""
+    return {name: v for name, v in (("transformer-engine", snapshot.te),
+                                    ("transformer-engine-torch", snapshot.te_torch),
+                                    (snapshot.te_core_package, snapshot.te_core))
+            if name and v is not None}
+
+
 def _reinstall_te(snapshot: Snapshot) -> str:
     """Reinstall, not rebuild: with the files gone there is nothing to rebuild against torch, and
     pip, which still lists the packages, skips a plain install of the same version."""
-    names = [n for n, v in (("transformer-engine", snapshot.te),
-                            ("transformer-engine-torch", snapshot.te_torch),
-                            (snapshot.te_core_package, snapshot.te_core)) if n and v]
+    names = list(_te_distributions(snapshot))
     install = f'pip install --no-build-isolation "transformer-engine[pytorch]=={snapshot.te}"' \
         if parse_version(snapshot.te) else TE_INSTALL_HINT
     return (f"reinstall TransformerEngine, whose files are gone while pip still lists it: pip "
