@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from foundry_fp8.lint.registry import first_line, join_key, parent_key
+from foundry_fp8.lint.registry import first_line, join_key, parent_key, split_key
 
 #: An interpolation that `train_from_yaml` cannot resolve (it clears the `oc.env` resolver).
 OC_ENV = re.compile(r"\$\{\s*oc\.env\s*:")
@@ -726,17 +726,13 @@ def _set_at(config: Any, key: str, value: str) -> bool:
 
     from omegaconf import ListConfig
 
-    parts = []
-    while key:
-        parent = parent_key(key)
-        parts.append(key[len(parent) + 1:] if parent else key)
-        key = parent
+    parts = split_key(key)
     node = config
     try:
-        for part in reversed(parts):
+        for i, part in enumerate(parts):
             name = json.loads(part) if part.startswith('"') else part
             name = int(name) if isinstance(node, ListConfig) else name
-            if part is parts[0]:
+            if i == len(parts) - 1:
                 if not isinstance(node, ListConfig) and name not in node:
                     return False
                 node[name] = value

@@ -254,6 +254,11 @@ def join_key(prefix: str, key: Any) -> str:
 def parent_key(key: str) -> str:
     """A dotted path without its last part ('' for a top-level key), reading quoted parts
     (`join_key`) whole; a path that is not `join_key`'s still gives a shorter one."""
+    return ".".join(split_key(key)[:-1])
+
+
+def split_key(key: str) -> list[str]:
+    """A dotted path's parts as written (a quoted part keeps its quotes: `join_key`'s)."""
     parts, start = [], 0
     while start < len(key):
         end = key.find(".", start)
@@ -265,4 +270,4 @@ def parent_key(key: str) -> str:
         end = len(key) if end < 0 else end
         parts.append(key[start:end])
         start = end + 1
-    return ".".join(parts[:-1])
+    return parts
