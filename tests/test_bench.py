@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,6 +203,33 @@ def test_an_unwritable_out_folder_is_a_one_line_error_before_the_run(capsys, tmp
     out = capsys.readouterr().err
     assert out.startswith(f"foundry-fp8 bench: --out {blocker / 'out'}: cannot create")
     assert len(out.strip().splitlines()) == 1 and "Traceback" not in out
+
+
+def _unwritable_folder(tmp_path) -> Path:
+    """A folder this process cannot create a file in: a 0o555 one, or for root (whom modes do
+    not stop) /sys, which the kernel keeps free of new files."""
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    for candidate in (folder, Path("/sys")):
+        try:
+            (candidate / "probe").open("x").close()
+        except OSError:
+            return candidate
+        (candidate / "probe").unlink()
+    pytest.skip("no folder here refuses this process a new file")
+
+
+def test_an_existing_read_only_out_folder_is_refused_before_the_run(capsys, tmp_path,
+                                                                    monkeypatch):
+    """QA 20: `--out` an existing folder the user cannot write in (a read-only working
+    directory in a container) ran every variant and said only at the end 'results not
+    written: Permission denied'."""
+    monkeypatch.setattr(bench, "run_bench", lambda config, after_each: pytest.fail("ran"))
+    folder = _unwritable_folder(tmp_path)
+    assert main(["bench", "--tiny", "--variants", "bf16", "--out", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"foundry-fp8 bench: --out {folder}: cannot write in the folder: ")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def _fake_run_variant(variant, config, bar):

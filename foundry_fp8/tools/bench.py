@@ -24,6 +24,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -908,6 +909,12 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         _error(f"--out {out}: cannot create the folder: {err.strerror or err}")
+        return 2
+    try:  # an existing one too: mkdir(exist_ok=True) asks nothing of a read-only folder
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        _error(f"--out {out}: cannot write in the folder: {err.strerror or err}")
         return 2
     try:  # and so does a FIFO or folder where a result goes
         for path in result_paths(out, config.tiny, gpu_name(config.tiny)):
