@@ -693,3 +693,38 @@ def test_the_cost_benchmarks_refuse_counts_before_their_runs(script, argv, says)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.splitlines()[-1] == f"{script}: error: {says}"
     assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_a_log_gets_one_line_per_variant_and_phase_not_a_bar_redraw_per_step(capsys,
+                                                                              monkeypatch):
+    """QA 20: with stderr a CI log or a file, tqdm's bar wrote a carriage-return redraw on every
+    step and a cleared bar around every line a variant printed (38 lines for a 6-step variant,
+    blank 72-space ones among them). Each phase starts one line there instead, with the step
+    count so far; the steps come from the bench's own step timer."""
+    from types import SimpleNamespace
+
+    def run_variant(variant, config, bar):
+        label = variant.label(config.tiny)
+        bar.set_postfix_str(f"{label}: building the model")
+        timer = bench._Timer(config, False, bar, label)
+        state = SimpleNamespace(loss=torch.tensor(1.0))
+        for batch in range(config.warmup + config.steps):
+            timer.on_batch_start(batch)
+            print(f"{label} printed at batch {batch}")
+            timer.on_batch_end(batch, state)
+        raise RuntimeError("no row: this test reads only the progress lines")
+
+    monkeypatch.setattr(bench, "run_variant", run_variant)
+    config = dataclasses.replace(bench.TINY_CONFIG, variants=("bf16", "fp8-te-swap"), warmup=1,
+                                 steps=2, profile_steps=0)
+    bench.run_bench(config)
+    fp8 = bench.VARIANTS["fp8-te-swap"].label(True)
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err
+    assert captured.err.splitlines() == [
+        "bench [0/6] bf16", "bench [0/6] fp32: building the model",
+        "bench [0/6] fp32: warm-up step 1", "bench [1/6] fp32: timed step 2",
+        "bench [3/6] fp8-te-swap", f"bench [3/6] {fp8}: building the model",
+        f"bench [3/6] {fp8}: warm-up step 1", f"bench [4/6] {fp8}: timed step 2"]
+    assert captured.out.splitlines() == [f"{label} printed at batch {b}"
+                                         for label in ("fp32", fp8) for b in range(3)]

@@ -449,8 +449,10 @@ def run_bench(config: BenchConfig,
     outer = sys.exc_info()[1]  # a caller's, when run_bench is called inside its own `except`
     per_variant = config.warmup + config.steps + config.profile_steps
     rows, skipped, failed = [], [], []
-    with tqdm(total=per_variant * len(config.variants), unit="step", desc="bench") as bar, \
-            _above_the_bar():
+    total = per_variant * len(config.variants)
+    bar = (tqdm(total=total, unit="step", desc="bench") if sys.stderr.isatty()
+           else _PhaseLines(total))
+    with bar, _above_the_bar():
         for i, name in enumerate(config.variants):
             variant = VARIANTS[name]
             bar.set_postfix_str(name)
@@ -510,6 +512,34 @@ def _result(config: BenchConfig, rows: list[dict[str, Any]], skipped: list[dict[
                       "compile": config.compile,
                       "attention": "sdpa", "tiny": config.tiny},
             "command": command_of(config)}
+
+
+#: The step number the bar's text ends with (`fp32: timed step 4`), which a log leaves out.
+_STEP_NUMBER = re.compile(r" step \d+$")
+
+
+class _PhaseLines:
+    """The progress bar where stderr is no terminal (a CI log, a file): one line per variant and
+    phase, as `bench [2/24] fp32: timed step 3`, where tqdm's redraw on every step would be a
+    line of its own in the log, and a cleared bar around every line the variants print."""
+
+    def __init__(self, total: int):
+        self.n, self.total, self._shown = 0, total, ""
+
+    def __enter__(self) -> _PhaseLines:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix_str(self, text: str) -> None:
+        phase = _STEP_NUMBER.sub("", text)
+        if phase != self._shown:
+            self._shown = phase
+            print(f"bench [{self.n}/{self.total}] {text}", file=sys.stderr, flush=True)
 
 
 class _Lines(io.TextIOBase):
