@@ -25,11 +25,12 @@ import errno
 import importlib
 import io
 import os
+import shlex
 import sys
 import textwrap
 from collections.abc import Iterator
 from importlib import metadata
-from typing import Any
+from typing import Any, NoReturn
 
 from foundry_fp8 import __version__
 from foundry_fp8.packages import DISTRIBUTION, is_ours
@@ -72,8 +73,36 @@ def _exit_status_help(statuses: str) -> str:
     return textwrap.fill(f"exit status: {statuses}; {_SHARED_EXITS}.", width=78)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage error also names the arguments that start with '-' and
+    are paths here (`lint -weird.yaml` said only 'the following arguments are required: paths'):
+    argparse takes them for options, and `--` before them makes them paths."""
+
+    dashed_paths: tuple[str, ...] = ()
+
+    def error(self, message: str) -> NoReturn:
+        if self.dashed_paths:
+            from foundry_fp8.health.table import one_line
+
+            names = ", ".join(one_line(path) for path in self.dashed_paths)
+            message += (f" ({names}: a path starting with '-' reads as an option; put -- "
+                        f"before it: -- {one_line(shlex.quote(self.dashed_paths[0]))})")
+        super().error(message)
+
+
+def _dashed_paths(argv: list[str]) -> tuple[str, ...]:
+    """The arguments before any `--` that start with '-' and name something that exists."""
+    before = argv[:argv.index("--")] if "--" in argv else argv
+    return tuple(a for a in before if a.startswith("-") and a != "-" and os.path.lexists(a))
+
+
+def _subcommand_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [group] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return group.choices
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="foundry-fp8",
         description=f"FP8 training tools for Composer and LLM-Foundry: {', '.join(SUBCOMMANDS)}.",
         epilog=_exit_status_help("0 success, 1 findings or failures (what counts: COMMAND "
@@ -261,8 +290,7 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None,
     usage line shows that subcommand's options (the top-level one shows none of them), with
     the nearest option named for a misspelt one (`--fromat`: did you mean --format?)."""
     if command is not None:
-        [group] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        parser = group.choices[command]
+        parser = _subcommand_parsers(parser)[command]
     options = [o for action in parser._actions for o in action.option_strings]
     guesses = [close[0] for word in unknown if word.startswith("-")
                for close in [difflib.get_close_matches(word.split("=", 1)[0], options, n=1,
@@ -327,6 +355,9 @@ def missing_dependency_is_one_line() -> Iterator[None]:
 
 def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
+    dashed = _dashed_paths(sys.argv[1:] if argv is None else argv)
+    for each in (parser, *_subcommand_parsers(parser).values()):
+        each.dashed_paths = dashed
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _refuse_unknown(parser, args.command, unknown)
