@@ -845,7 +845,8 @@ def test_a_weights_only_load_is_named_as_such_whole_file_or_sharded(caplog):
     no_timestamp = {"model": {}, "optimizers": {}, "rank_zero_seed": 0, "integrations": {},
                     "metadata": {}}
     lines = []
-    for load, serialized in ((state.load_model_state, {"model": {}, "callbacks": {}}),
+    saved = {"model": {}, "callbacks": {"FP8State": {"modules": {"0": {}}}}}
+    for load, serialized in ((state.load_model_state, saved),
                              (state.load_state_dict, {"model": {}}),
                              (state.load_state_dict, full),
                              (state.load_state_dict, {"model": {}, "integrations": {},
@@ -869,3 +870,33 @@ def test_a_weights_only_load_is_named_as_such_whole_file_or_sharded(caplog):
               "converting a bf16 checkpoint")
     assert lines == [[weights_only], [weights_only], [], [saved_so], [], [no_fp8]]
     assert calls == ["model"] * 6
+
+
+def test_a_weights_only_load_of_a_bf16_checkpoint_says_so_not_that_a_full_load_restores(caplog):
+    """A warm start from a bf16 run with `load_weights_only`: Composer hands `load_model_state`
+    the checkpoint's whole state (composer/utils/checkpoint.py `_restore_checkpoint`), callbacks
+    included. A checkpoint without fp8_state's entry, or with its empty one (a bf16 run with
+    fp8_state in its YAML), holds no FP8 state: the line said "a full load restores them",
+    which a full load of it does not."""
+    state = SimpleNamespace(model=_trained_model(), callbacks=[], load_path="ckpt")
+    state.load_model_state = lambda serialized, *a, **k: None
+    state.load_state_dict = lambda serialized, *a, **k: state.load_model_state(serialized)
+    callback = FP8State()
+    callback._model = state.model
+    callback._see_loaded_entries(state)
+    lines = []
+    for callbacks in ({}, {"FP8State": {"modules": {}, "recipe": None}}, None,
+                      {"FP8State": {"modules": {}, "unsaved": True}}):
+        caplog.clear()
+        serialized = {"model": {}} if callbacks is None else {"model": {}, "callbacks": callbacks}
+        with caplog.at_level(logging.WARNING, logger="foundry_fp8.composer.state"):
+            state.load_model_state(serialized)
+            callback._report_loaded_entries(state)
+        lines.append([r.getMessage() for r in caplog.records])
+    bf16 = ("fp8_state: ckpt (loaded with load_weights_only) holds no FP8 state (saved without "
+            "fp8_state or FP8 modules); FP8 scales and amax histories start fresh, as expected "
+            "when converting a bf16 checkpoint")
+    weights_only = ("fp8_state: ckpt loaded with load_weights_only: FP8 scales and amax "
+                    "histories are not part of the model's weights and start fresh (a full "
+                    "load restores them)")
+    assert lines == [[bf16], [bf16], [weights_only], [weights_only]]

@@ -213,6 +213,7 @@ class FP8State(Callback):
         self._loaded_entries: Mapping[str, Any] | None = None
         self._weights_only: str | None = None  # which weights-only setting, if any
         self._te_restored = False  # the load's model held TE's own pickled FP8 state
+        self._bf16_weights = False  # a weights-only load of a checkpoint saved without FP8
         self._waiting = _Waiting(set(), self._mismatch, self.strict)  # TE modules before their first forward
 
     # -- events ---------------------------------------------------------------------------
@@ -322,6 +323,13 @@ class FP8State(Callback):
         def load_model_state(serialized: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             if self._loaded_entries is None:  # not inside load_state_dict: weights only
                 self._loaded_entries, self._weights_only = {}, "load_weights_only"
+                # a whole-file weights-only load hands the checkpoint's whole state
+                # (composer/utils/checkpoint.py `_restore_checkpoint`): a bf16 run's holds no
+                # FP8 state a full load could restore either
+                entries = serialized.get("callbacks") if isinstance(serialized,
+                                                                     Mapping) else None
+                self._bf16_weights = isinstance(entries, Mapping) and not _holds_fp8_state(
+                    next((entries[n] for n in _qualnames(type(self)) if n in entries), None))
             model = serialized.get("model") if isinstance(serialized, Mapping) else None
             self._te_restored = isinstance(model, Mapping) and holds_te_scaling_state(model)
             return load_model(serialized, *args, **kwargs)
@@ -338,6 +346,7 @@ class FP8State(Callback):
         entries, self._loaded_entries = self._loaded_entries, None
         weights_only, self._weights_only = self._weights_only, None
         te_restored, self._te_restored = self._te_restored, False
+        bf16_weights, self._bf16_weights = self._bf16_weights, False
         if entries is None or self._model is None:
             return
         ours = type(self).__qualname__ in entries
@@ -348,6 +357,11 @@ class FP8State(Callback):
             log.warning("fp8_state: %s holds no FP8 state of fp8_state's but TE's own in its "
                         "modules' _extra_state (saved without fp8_state): TE restored those "
                         "FP8 scales and amax histories as saved, unchecked", state.load_path)
+        elif has_fp8 and bf16_weights:
+            log.warning("fp8_state: %s (loaded with load_weights_only) holds no FP8 state "
+                        "(saved without fp8_state or FP8 modules); FP8 scales and amax "
+                        "histories start fresh, as expected when converting a bf16 checkpoint",
+                        state.load_path)
         elif has_fp8 and weights_only:
             # fp8_state keeps the FP8 state out of the model's weights (TE's
             # `_extra_state` is saved as "no state"), so a weights-only load carries none
@@ -671,6 +685,13 @@ def _placeholder(entry: dict[str, Any], path: list[str]) -> None:
             entry[part] = {}
         entry = entry[part]
     entry[path[-1]] = None
+
+
+def _holds_fp8_state(entry: Any) -> bool:
+    """Whether fp8_state's checkpoint entry holds FP8 state, or would have (`unsaved`: the
+    save failed): a bf16 run with fp8_state in its YAML saves `modules` empty."""
+    return isinstance(entry, Mapping) and bool(
+        entry.get("modules") or entry.get("ranks") or entry.get("unsaved"))
 
 
 def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
