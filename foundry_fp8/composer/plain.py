@@ -8,7 +8,12 @@ that load (`RuntimeError: Unexpected key(s) in state_dict`) at the first HF save
 into a run. Composer's own checkpoints need those names, so the plain view
 (`swap.plain_state_dict`) applies only while a checkpointer handles an event: its `run_event` is
 wrapped to gather through it, the module's `get_model_state_dict` being swapped for the call and
-put back after.
+put back after. The exported config gets TE's activation too: a fused te.LayerNormMLP trained
+with TE's `gelu`, the tanh form (transformer_engine/common/util/math.h `gelu`), which MPT's
+`ffn_act_fn` default (exact GELU, llmfoundry/models/layers/ffn.py `_FFN_ACT_FN_DEFAULT`) is not:
+the export would compute another function of the trained weights (1e-3 on a tiny MPT's logits).
+Where every block is fused its `ffn_act_fn` is the tanh GELU; where only some are, MPT's config
+cannot say so per block (`block_overrides` takes attention keys only), and a warning says so.
 
 Loads: Composer loads `load_path` through `State.load_model_state`, whose torch loader drops the
 keys the model lacks before any load hook runs when it loads a full state dict (FSDP's
@@ -30,12 +35,14 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from torch import nn
 
-from foundry_fp8.swap import plain_state_dict, swapped_state_dict
+from foundry_fp8.swap import PLAIN_KEYS, gelu_tanh_error, plain_state_dict, swapped_state_dict
 
 log = logging.getLogger(__name__)
 
 HF_CHECKPOINTER_MODULE = "llmfoundry.callbacks.hf_checkpointer"
 _GATHER = "get_model_state_dict"
+#: MPT's `ffn_config.ffn_act_fn` for TE's tanh GELU (partial(F.gelu, approximate="tanh")).
+TE_GELU_ACT_FN = {"name": "gelu", "approximate": "tanh"}
 
 
 def export_plain(callbacks: Sequence[Callback]) -> int:
@@ -54,13 +61,48 @@ def export_plain(callbacks: Sequence[Callback]) -> int:
                     "LayerNormMLP names)", _GATHER)
         return 0
     for checkpointer in checkpointers:
-        checkpointer.run_event = _plain_run_event(checkpointer.run_event, module, gather)
+        checkpointer.run_event = _plain_run_event(checkpointer, module, gather)
     return len(checkpointers)
 
 
-def _plain_run_event(run_event: Callable[[Event, State, Logger], None], module: ModuleType,
+def fused_blocks(model: nn.Module) -> tuple[int, int]:
+    """(blocks whose norm_2 + MLP te_swap fused into a te.LayerNormMLP, MPT blocks). By the
+    block's ffn: a wrapper (FSDP's) forwards both attributes to the block it wraps."""
+    blocks = {id(m.ffn): m for m in model.modules() if hasattr(m, "norm_2") and hasattr(m, "ffn")}
+    return (sum("ffn.fc1_weight" in getattr(b, PLAIN_KEYS, {}) for b in blocks.values()),
+            len(blocks))
+
+
+def _te_activation(transform_config: Callable[[Any], Any], model: nn.Module,
+                   warned: list[bool]) -> Callable[[Any], Any]:
+    """The checkpointer's `transform_config`, giving the exported MPT config TE's tanh GELU
+    where every block was fused (module docstring); `warned`: whether the mixed case was."""
+
+    def transform(original_config: Any) -> Any:
+        config = transform_config(original_config)
+        fused, blocks = fused_blocks(model)
+        ffn_config = getattr(config, "ffn_config", None)
+        if fused and fused == blocks and isinstance(ffn_config, dict):
+            config.ffn_config = {**ffn_config, "ffn_act_fn": dict(TE_GELU_ACT_FN)}
+        elif fused and not warned[0]:
+            warned[0] = True
+            log.warning("te_swap: the HF export computes MPT's exact GELU in all %d blocks, "
+                        "but %d of them trained fused in te.LayerNormMLP with TE's tanh GELU "
+                        "(up to %.1e apart per activation): MPT's config has no per-block "
+                        "ffn_act_fn; fuse every block (keep_first/last_blocks 0) for an exact "
+                        "export", blocks, fused, gelu_tanh_error()[0])
+        return config
+
+    return transform
+
+
+def _plain_run_event(checkpointer: Callback, module: ModuleType,
                      gather: Callable[..., dict[str, Any]]) -> Callable[[Event, State, Logger],
                                                                           None]:
+    run_event = checkpointer.run_event
+    transform_config = checkpointer.transform_config  # type: ignore[attr-defined]
+    warned = [False]
+
     def plain_gather(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, Any]:
         state_dict = gather(model, *args, **kwargs)
         try:
@@ -72,10 +114,13 @@ def _plain_run_event(run_event: Callable[[Event, State, Logger], None], module: 
     @functools.wraps(run_event)
     def run(event: Event, state: State, logger: Logger) -> None:
         setattr(module, _GATHER, plain_gather)
+        checkpointer.transform_config = _te_activation(  # type: ignore[attr-defined]
+            transform_config, state.model, warned)
         try:
             run_event(event, state, logger)
         finally:
             setattr(module, _GATHER, gather)
+            checkpointer.transform_config = transform_config  # type: ignore[attr-defined]
 
     return run
 

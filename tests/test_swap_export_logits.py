@@ -1,0 +1,75 @@
+"""The HF folder LLM-Foundry's `hf_checkpointer` writes beside te_swap's `fuse_ln_mlp`, read back
+with transformers' own loader, computes the logits the trained Composer model computes (fp32,
+outside FP8). The fused te.LayerNormMLP trained with TE's tanh GELU (transformer_engine/common/
+util/math.h `gelu`); the plain MPT's default is exact GELU, so before the export named the tanh
+GELU in `ffn_config.ffn_act_fn` the two differed by ~1e-3 on the tiny MPT's logits. Stand-in TE
+as in tests/test_plain_interop.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from tests.test_plain_interop import _te_run
+
+#: MPT variants as a YAML gives them (the tiny YAML's d_model 64, 4 heads, 2 layers).
+VARIANTS = {
+    "defaults": {},
+    "gqa, split qkv, untied head": {
+        "tie_word_embeddings": False,
+        "attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 2,
+                        "fused_qkv": False}},
+}
+
+
+def _export(tmp_path, tiny_data, monkeypatch, fake_te, overrides):
+    from transformers import AutoModelForCausalLM
+
+    trainer = _te_run(tmp_path, tiny_data, monkeypatch, fake_te, {
+        **overrides, "callbacks": {"hf_checkpointer": {
+            "save_folder": str(tmp_path / "hf"), "save_interval": "2ba",
+            "precision": "float32"}}})
+    folder = tmp_path / "hf" / "huggingface" / "ba2"
+    exported = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    model = trainer.state.model.eval()
+    x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained = model({"input_ids": x, "attention_mask": torch.ones_like(x)}).logits
+        read_back = exported(input_ids=x, attention_mask=torch.ones_like(x)).logits
+    config = json.loads((folder / "config.json").read_text())
+    return (trained - read_back).abs().max().item(), config["ffn_config"]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_an_all_fused_export_computes_the_trained_logits(tmp_path, tiny_data, monkeypatch,
+                                                         fake_te, variant):
+    model = {"model": VARIANTS[variant]}
+    diff, ffn_config = _export(tmp_path, tiny_data, monkeypatch, fake_te, model)
+    assert ffn_config["ffn_act_fn"] == {"name": "gelu", "approximate": "tanh"}
+    assert diff < 1e-5  # 9.5e-4 on the defaults before the export named TE's GELU
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_partly_fused_export_keeps_exact_gelu_and_says_so(tmp_path, tiny_data, monkeypatch,
+                                                            fake_te):
+    """Block 0 kept (keep_first_blocks: 1) computes exact GELU, block 1 fused the tanh one: MPT's
+    config holds one ffn_act_fn for all blocks, so the export stays exact and warns once.
+    The handler is on our logger itself: LLM-Foundry's train reconfigures the root's."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("foundry_fp8.composer.plain")
+    logger.addHandler(handler)
+    try:
+        diff, ffn_config = _export(tmp_path, tiny_data, monkeypatch, fake_te, {
+            "algorithms": {"te_swap": {"keep_first_blocks": 1}}})
+    finally:
+        logger.removeHandler(handler)
+    assert "ffn_act_fn" not in ffn_config
+    warned = [r.getMessage() for r in records if "exact GELU" in r.getMessage()]
+    assert len(warned) == 1 and "all 2 blocks, but 1 of them" in warned[0]
+    assert diff > 1e-5  # what the warning is about: block 1's activation differs
