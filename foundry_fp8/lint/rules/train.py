@@ -373,6 +373,14 @@ def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]
                 yield from _non_string_keys(prefix, mapping)
         else:
             yield _wrong_shape(key, value, shapes)
+    model = section(config, "model")
+    if "ffn_config" in model and not isinstance(model["ffn_config"], Mapping):
+        # train.py validate_config reads model.get('ffn_config', {}).get('ffn_type', 'mptmlp')
+        # for every model (LLM-Foundry 0.22.0 llmfoundry/command_utils/train.py:130)
+        yield Hit("model.ffn_config", f"`model.ffn_config` must be a mapping, got "
+                  f"{_shown(model['ffn_config'])}: train's validate_config calls its .get() "
+                  "(AttributeError) before building anything",
+                  fix="write model.ffn_config as a mapping ({ffn_type: mptmlp}), or remove it")
     for key, (source, even_null) in FILLED_KEYS.items():
         if key in config and source in config and (even_null or config[source] is not None):
             yield Hit(key, f"LLM-Foundry fills `{key}` from `{source}` itself and refuses both in "
