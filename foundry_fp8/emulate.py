@@ -266,8 +266,13 @@ def _reduce_and_update(direction: Direction) -> None:
                             group)
         fp8_max = FP8_MAX[recipe.format_for(direction)]
         for meta in metas:
-            meta.amax_history, meta.scale = delayed_scale_update(
+            # in place, as TE's fused kernel writes them: code holding `fp8_meta[...].scale`
+            # or `.amax_history` across a step (TE's own tests/pytorch/test_recipe.py:99-106)
+            # reads the update, not a stale tensor with the step's amax half-recorded
+            history, scale = delayed_scale_update(
                 meta.amax_history, meta.scale, fp8_max, recipe.amax_compute_algo, recipe.margin)
+            meta.amax_history.copy_(history)
+            meta.scale.copy_(scale)
 
 
 def _all_reduce_max(rows: list[torch.Tensor], group: Any) -> None:
