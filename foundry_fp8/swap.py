@@ -355,6 +355,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
             fused.update(f"{name}.{part}" for part in ("norm_2", "ffn.up_proj", "ffn.down_proj"))
             decisions.append(Decision(
                 f"{name}.ffn", "ln_mlp", True,
+                "fused norm_2+MLP; TE gelu is tanh-approx, as the model's ffn_act_fn"
+                if ffn.act.keywords.get("approximate") == "tanh" else
                 f"fused norm_2+MLP; TE gelu is tanh-approx (max abs diff {max_abs:.1e}, "
                 f"rel {max_rel:.1e} vs MPT's exact erf GELU)",
                 up.in_features, up.out_features, _n_params(block.norm_2, up, ffn.down_proj),

@@ -82,7 +82,9 @@ def _te_activation(transform_config: Callable[[Any], Any], model: nn.Module,
         config = transform_config(original_config)
         fused, blocks = fused_blocks(model)
         ffn_config = getattr(config, "ffn_config", None)
-        if fused and fused == blocks and isinstance(ffn_config, dict):
+        if not isinstance(ffn_config, dict) or ffn_config.get("ffn_act_fn") == TE_GELU_ACT_FN:
+            return config  # no MPT config, or its GELU is TE's already
+        if fused and fused == blocks:
             config.ffn_config = {**ffn_config, "ffn_act_fn": dict(TE_GELU_ACT_FN)}
         elif fused and not warned[0]:
             warned[0] = True
