@@ -83,3 +83,24 @@ def test_which_tracking_uris_and_pools_race(tmp_path, monkeypatch, uri, env, exp
     logger = MLFlowLogger(tracking_uri=f"file://{tmp_path}/mlruns", experiment_name="fp8")
     logger.tracking_uri = uri
     assert mlflow_races(logger, {} if env is None else {ENV: env}) is expected
+
+
+@pytest.mark.parametrize(("env", "warned"), [(None, 1), ("4", 1), ("1", 0)])
+def test_fp8_lint_in_the_run_judges_the_pool_it_runs_with(tmp_path, monkeypatch, env, warned):
+    """The `fp8_lint` callback lints the run's config inside the run, where the environment is
+    known: FP8051 stays for MLflow's pool of several writer threads, and not for one, the
+    workaround FP8051 itself names (it used to warn then too, while fp8_stats did not). The pool
+    as MLflow itself reads it (`environment_variables`, `.get() or 10`) is the reference."""
+    from mlflow.environment_variables import MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE
+
+    from foundry_fp8.composer.lint import FP8Lint
+
+    if env is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, env)
+    assert ((MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE.get() or 10) > 1) is bool(warned)
+    config = {"callbacks": {"fp8_stats": {}, "fp8_lint": {"fail_on": "never"}},
+              "loggers": {"mlflow": {"tracking_uri": f"file://{tmp_path}/mlruns"}}}
+    found = [f for f in FP8Lint(config, fail_on="never").findings if f.rule == "FP8051"]
+    assert [(f.key, f.severity) for f in found] == [("loggers.mlflow", "warning")] * warned
