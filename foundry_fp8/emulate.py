@@ -215,6 +215,12 @@ def _check_recipe_type(recipe: object) -> None:
         "pass FP8Recipe(scaling='delayed' or 'current', ...) with the same options"))
 
 
+#: What TE does where a layer's recipe changes a key other than its first recipe's, where it
+#: does not go on with the first one: a new scaling mode gets a new recipe state
+#: (pytorch/module/base.py:1106-1175 in TE 2.20; a warning from 2.4, l. 1576-1585).
+_RECIPE_CHANGE = {"scaling": "switch the layer to the new scaling mode with fresh scaling state "
+                             "and only a 'Recipe type changed' warning"}
+
 #: TE's switch to its unfused Python update (read at every update: quantization.py:687-691).
 UNFUSED_UPDATE_ENV = "NVTE_UNFUSED_FP8_UPDATE"
 
@@ -672,7 +678,9 @@ class EmulatedFP8Linear(nn.Linear):
         follows, and the algorithm, which the buffer's last-entered recipe decides): TE keeps
         the first recipe's format, margin and reduction for a layer (module/base.py:1106-1117
         reuses its state, quantization.py:522-524 registers it once), and going back to
-        delayed after current scaling leaves it never updated."""
+        delayed after current scaling leaves it never updated. A change of scaling mode TE does
+        follow, with new state and (from 2.4) only a 'Recipe type changed' warning
+        (base.py:1106-1175, 1576-1585), which the emulation does not model: refused too."""
         first = _FIRST_RECIPE.setdefault(self, recipe)
         if first == recipe:
             return
@@ -683,8 +691,9 @@ class EmulatedFP8Linear(nn.Linear):
             return
         raise RecipeError(RecipeProblem(
             key, f"this layer first ran FP8 with {key}={getattr(first, key)!r}, now "
-                 f"{getattr(recipe, key)!r}; TransformerEngine would go on with the first "
-                 "recipe for it, so the emulation refuses the change",
+                 f"{getattr(recipe, key)!r}; TransformerEngine would "
+                 f"{_RECIPE_CHANGE.get(key, 'go on with the first recipe for it')}, so the "
+                 "emulation refuses the change",
             "keep one recipe per layer for the whole run, or call reset_scaling_state()"))
 
     def _fit_history(self, meta: ScalingMeta, recipe: FP8Recipe) -> None:

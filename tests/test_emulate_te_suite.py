@@ -339,3 +339,22 @@ def test_te_refusals_are_one_line_naming_the_key(options, key):
         FP8Recipe.from_options(options)
     message = str(error.value)
     assert message.startswith(f"fp8_recipe.{key}: ") and "\n" not in message
+
+
+# -- tests/pytorch/test_recipe.py:449-505, test_dynamic_recipe_update: TE switches a layer to a
+# recipe of another type with a "Recipe type changed" warning (module/base.py:1576-1585, from
+# v2.4; set_meta_tensor builds the new type's state, l. 1106-1175)
+
+def test_a_scaling_mode_change_is_refused_without_claiming_te_keeps_the_first():
+    """The emulation does not model TE's switch, so it refuses the change in one line; the line
+    says what TE would do (switch, with a warning), not that TE keeps the first recipe, which
+    is true of a margin or format change within delayed scaling only."""
+    layer = EmulatedFP8Linear(16, 16)
+    with fp8_autocast(recipe=FP8Recipe(amax_history_len=4)):
+        layer(torch.randn(16, 16))
+    with pytest.raises(RecipeError) as error:
+        with fp8_autocast(recipe=FP8Recipe(scaling="current")):
+            layer(torch.randn(16, 16))
+    message = str(error.value)
+    assert message.startswith("fp8_recipe.scaling: ") and "\n" not in message
+    assert "Recipe type changed" in message and "go on with the first" not in message
