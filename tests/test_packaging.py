@@ -214,6 +214,62 @@ def test_doctor_from_the_wheel_reads_this_environments_packages(installed: Insta
         version("torch"), version("mosaicml"), version("llm-foundry"))
 
 
+#: What `foundry-fp8 lint` and `doctor` import besides the standard library (README: lint checks
+#: a YAML "without torch"): the YAML loader, omegaconf for --override, regex for user patterns.
+LINT_ONLY = ("PyYAML", "omegaconf", "regex")
+
+
+def _where(lint_json: str) -> list[tuple[str, str | None, str, str, int | None]]:
+    """Each finding of `lint --format json` as (path, file error, rule, key, line)."""
+    return [(file["path"], file["error"], f["rule"], f["key"], f["line"])
+            for file in json.loads(lint_json)["files"] for f in file["findings"]]
+
+
+def test_lint_and_doctor_from_the_wheel_with_only_the_yaml_packages(installed: Installed,
+                                                                  tmp_path: Path) -> None:
+    """QA 20, a CI image that lints configs: the wheel with `--no-deps` beside PyYAML, omegaconf
+    and regex only (no torch, Composer, LLM-Foundry, numpy) lints the corpus as the full
+    environment does (its JSON is the reference), and the doctor reports torch as absent."""
+    from importlib import metadata
+
+    venv, linked = tmp_path / "venv", tmp_path / "lint-only-packages"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    linked.mkdir()
+    for name in LINT_ONLY:
+        dist = metadata.distribution(name)
+        needs = [r.split(";")[0].split(">")[0].split("=")[0].strip() for r in dist.requires or []
+                 if "extra ==" not in r]
+        assert set(needs) <= set(LINT_ONLY), (name, needs)  # a new dependency: add it above
+        top = (dist.read_text("top_level.txt") or name).split()
+        for entry in [*top, dist._path.name]:  # type: ignore[attr-defined]
+            (linked / entry).symlink_to(dist._path.parent / entry)  # type: ignore[attr-defined]
+    [site] = (venv / "lib").glob("python3*/site-packages")
+    (site / "lint-only.pth").write_text(f"{linked}\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                    "install", "--quiet", "--no-deps", "--no-index", str(installed.wheel)],
+                   check=True, cwd=tmp_path, env=_without_checkout())
+    corpus = ["train", "--override", "max_seq_len=2048", "--format", "json"]
+
+    def lint(cli: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, "lint", *corpus], cwd=REPO / "tests" / "lint_corpus",
+                              env=_without_checkout(), capture_output=True, text=True,
+                              timeout=300)
+
+    alone = lint([str(venv / "bin" / "foundry-fp8")])
+    full = lint([sys.executable, "-m", "foundry_fp8"])
+    assert alone.returncode == full.returncode == 1, alone.stderr
+    # the same findings; words and severity differ where they judge the installed LLM-Foundry
+    # (FP8030 is an error for a known version, a warning where none is installed)
+    assert _where(alone.stdout) == _where(full.stdout) and len(_where(full.stdout)) > 20
+    assert "Traceback" not in alone.stderr
+    done = subprocess.run([str(venv / "bin" / "foundry-fp8"), "doctor", "--no-te-import",
+                           "--format", "json"], env=_without_checkout(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    env = json.loads(done.stdout)["environment"]
+    assert (env["torch"], env["composer"], env["llmfoundry"]) == (None, None, None)
+
+
 @pytest.mark.slow
 def test_bench_runs_from_the_wheel_without_a_checkout(installed: Installed) -> None:
     """The MPT-1B YAMLs come from the package; the results land in the working directory."""
