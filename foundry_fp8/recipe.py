@@ -234,6 +234,22 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _margin_why(margin: Any) -> str:
+    """Why a margin is refused, by what it is: the bound an integer crosses, or the type. TE
+    takes a float margin (`fp8_max * 2**-margin`, common/recipe/delayed_scaling.cu:331; the
+    update's `float margin`, pytorch/csrc/extensions/recipe.cpp:36), fractional ones too."""
+    if _is_int(margin):
+        return ("a negative margin scales the amax above E4M3's max: the largest elements "
+                "saturate" if margin < 0 else "a larger margin scales even the amax below "
+                "E4M3's smallest subnormal: the tensor flushes to 0")
+    if isinstance(margin, float) and margin.is_integer():
+        return f"a float: write {int(margin)}"
+    if isinstance(margin, float):
+        return ("TransformerEngine would take a fractional margin, foundry-fp8 models whole "
+                "powers of 2 only")
+    return f"a {type(margin).__name__}, not a number"
+
+
 def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
     """Every problem with a recipe mapping (empty when it is usable). Never raises."""
     if not isinstance(options, Mapping):
@@ -298,12 +314,9 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
                                       "use 'max' or 'most_recent'"))
     margin = options.get("margin", 0)
     if not _is_int(margin) or not 0 <= margin <= MAX_MARGIN:
-        why = ("a negative margin scales the amax above E4M3's max: the largest elements saturate"
-               if _is_int(margin) and margin < 0 else "a larger margin scales even the amax "
-               "below E4M3's smallest subnormal: the tensor flushes to 0")
         problems.append(RecipeProblem(
-            "margin", f"must be an integer from 0 to {MAX_MARGIN}, got {margin!r} ({why})",
-            "use 0 unless you see overflows"))
+            "margin", f"must be an integer from 0 to {MAX_MARGIN}, got {margin!r} "
+            f"({_margin_why(margin)})", "use 0 unless you see overflows"))
     for flag in ("reduce_amax", "use_power_2_scales"):
         if flag in options and not isinstance(options[flag], bool):
             problems.append(RecipeProblem(flag, f"must be true or false, got {options[flag]!r}",

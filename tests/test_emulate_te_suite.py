@@ -358,3 +358,22 @@ def test_a_scaling_mode_change_is_refused_without_claiming_te_keeps_the_first():
     message = str(error.value)
     assert message.startswith("fp8_recipe.scaling: ") and "\n" not in message
     assert "Recipe type changed" in message and "go on with the first" not in message
+
+
+@pytest.mark.parametrize(("margin", "why"), [
+    (2.5, "TransformerEngine would take a fractional margin, foundry-fp8 models whole powers of "
+          "2 only"),
+    (2.0, "a float: write 2"),
+    ("2", "a str, not a number"),
+    (True, "a bool, not a number"),
+])
+def test_a_margin_that_is_no_integer_is_refused_for_what_it_is(margin, why):
+    """TE takes any float margin (`float margin`, pytorch/csrc/extensions/recipe.cpp:36, scaled
+    as `fp8_max * 2**-margin`, common/recipe/delayed_scaling.cu:331); the emulation takes
+    integers only, and its line used to explain every non-integer as a margin too large."""
+    with pytest.raises(RecipeError) as error:
+        FP8Recipe.from_options({"margin": margin})
+    message = str(error.value)
+    assert message.startswith(f"fp8_recipe.margin: must be an integer from 0 to 17, got "
+                              f"{margin!r} ({why})") and "\n" not in message
+    assert "smallest subnormal" not in message
