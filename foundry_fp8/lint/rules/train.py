@@ -349,7 +349,8 @@ def _non_string_keys(prefix: str, mapping: Mapping[Any, Any]) -> Iterator[Hit]:
 
 @rule("FP8022", "error", "a section in a shape LLM-Foundry refuses (`callbacks:` as a list, "
       "`icl_tasks:` as a mapping), a key that is not a string, or a key LLM-Foundry fills "
-      "itself (`eval_loaders` next to `eval_loader`)",
+      "itself (`eval_loaders` next to `eval_loader`), or `model.ffn_config` that is not a "
+      "mapping (train's validate_config calls its `.get`)",
       why="make_dataclass_and_log_config builds TrainConfig through omegaconf's structured "
       "config, which refuses a section whose shape its field type does not admit "
       "(`dict[str, Any]`: a mapping with string keys; `list[dict[str, Any]]`; `list[str]`), "
@@ -645,8 +646,8 @@ def autoresume_offline_wandb(config: Mapping[str, Any], ctx: LintContext) -> Ite
       "batch, several steps of every metric with Composer's 10 s logging buffer, the loss "
       "included. fp8_stats' first logging step brings many new keys at once "
       "(fp8_<stat>/<tensor>/<layer>), which makes the race likely. The linter cannot see the "
-      f"run's environment, so {THREADPOOL_ENV}=1 there is not judged; fp8_stats warns at "
-      "FIT_START where it sees one.",
+      f"run's environment, so {THREADPOOL_ENV}=1 there is not judged by `foundry-fp8 lint`; "
+      "in the run, `fp8_lint` and `fp8_stats` leave it out where it is 1.",
       source=f"{COMPOSER} composer/loggers/mlflow_logger.py:153 (synchronous), :160 and "
       ":193-196 (logging_buffer_seconds), :217-222 (tracking_uri), :441-445 (log_metrics); "
       "mlflow 2.21-2.22 utils/async_logging/async_logging_queue.py:206, :338 (pool size), "
