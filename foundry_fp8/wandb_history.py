@@ -93,6 +93,16 @@ def read_run(path: str | Path) -> WandbRun:
     """Read one `.wandb` file (a run still being written may end in a partial record: what
     precedes it is returned)."""
     run = WandbRun(Path(path))
+    run.rows.extend(scan(run))
+    return run
+
+
+def scan(run: WandbRun, history: bool = True) -> Iterator[dict[str, Any]]:
+    """`run.path`'s history rows one at a time, not kept (a long run's history is gigabytes as
+    dicts: the report folds each row in and drops it), filling `run`'s config, files and
+    `complete` on the way; with `history=False` each row holds its `_step` alone, the values
+    left unparsed (a run's config and steps). Ends at a partial last record, as `read_run`
+    does."""
     records = _records(run.path)
     while True:
         try:
@@ -105,9 +115,11 @@ def read_run(path: str | Path) -> WandbRun:
         if kind == "history":
             row: dict[str, Any] = {}
             for item in record.history.item:
-                _put(row, list(item.nested_key) or [item.key], json.loads(item.value_json))
+                path = list(item.nested_key) or [item.key]
+                if history or path == ["_step"]:
+                    _put(row, path, json.loads(item.value_json))
             row.setdefault("_step", record.history.step.num)
-            run.rows.append(row)
+            yield row
         elif kind == "config":
             for item in record.config.update:
                 run.config[_item_key(item)] = json.loads(item.value_json)
@@ -118,7 +130,6 @@ def read_run(path: str | Path) -> WandbRun:
             run.complete = True
         elif kind == "files":
             run.files.extend(f.path for f in record.files.files)
-    return run
 
 
 def dead(path: Path, files: list[Path]) -> bool:

@@ -56,7 +56,7 @@ def test_a_ctrl_c_inside_w_and_bs_reader_stops_the_report(tmp_path, monkeypatch,
     (wandb_run / "wandb" / "offline-run-1").mkdir(parents=True)
     wandb_run_file(wandb_run / "wandb" / "offline-run-1" / "run-1.wandb")
 
-    def interrupted(path):
+    def interrupted(*_):
         try:
             raise KeyboardInterrupt
         except KeyboardInterrupt as e:
@@ -64,6 +64,6 @@ def test_a_ctrl_c_inside_w_and_bs_reader_stops_the_report(tmp_path, monkeypatch,
 
     args = {"run": [str(wandb_run)],
             "baseline": [str(write_run(tmp_path / "fp8")), "--baseline", str(wandb_run)]}[how]
-    monkeypatch.setattr(wandb_history, "read_run", interrupted)
+    monkeypatch.setattr(wandb_history, "scan", interrupted)
     assert main(["report", *args]) == 128 + signal.SIGINT
     assert capsys.readouterr().err.strip().endswith("interrupted")

@@ -210,8 +210,11 @@ def whatif_worst(run: RunMetrics) -> set[tuple[str, str, str]]:
     in high precision there). A row judged with what-if numbers at some step may still have
     every worst value from real FP8 casts."""
     marked = run.high_precision - run.initial
+    rows = {(layer, tensor) for layer, tensor, _ in marked}
     cells = set()
     for (layer, tensor, stat), logged in run.values.items():
+        if (layer, tensor) not in rows:  # never in high precision: each worst value is FP8's
+            continue
         point = worst_point(stat, judged := run.judged(layer, tensor, logged)) if spec(
             stat).worse else None
         if point is not None and all((layer, tensor, step) in marked

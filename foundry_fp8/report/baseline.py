@@ -9,19 +9,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from foundry_fp8 import jsonl
 from foundry_fp8.health.keys import LOSS
 from foundry_fp8.jsonl import JsonlError, hparams_of, read_jsonl
 from foundry_fp8.report.mlflow_run import mlflow_history, mlflow_params, mlflow_run
 from foundry_fp8.report.read import (
     ReportError,
-    _attempts_config,
+    WandbRead,
     _json_document,
     losses_of,
     metrics_file_of,
     read_hparams,
     wandb_files,
-    wandb_runs,
 )
 
 #: The config keys that make a step the same batch in both runs (LLM-Foundry's; a plain
@@ -40,10 +38,10 @@ def read_losses(given: Path) -> dict[int, float]:
     if (ml := mlflow_run(given)) is not None:
         losses = losses_of(mlflow_history(ml, LOSS))
     elif (files := wandb_files(given)) is not None:
-        if (runs := wandb_runs(files)) is None:
+        read = WandbRead.of(files)
+        losses = losses_of(read.rows())
+        if read.failed:
             raise ReportError(f"{files[0]}: W&B's reader cannot read it")
-        losses = losses_of((row["_step"], row) for run in runs for row in run.rows
-                         if jsonl.step(row.get("_step")) is not None)
     else:
         metrics_file = metrics_file_of(given)
         try:
@@ -146,7 +144,7 @@ def read_config(given: Path) -> Mapping[str, Any]:
     if (ml := mlflow_run(given)) is not None:
         return mlflow_params(ml)
     if (files := wandb_files(given)) is not None:
-        return _attempts_config(runs) if (runs := wandb_runs(files)) is not None else {}
+        return WandbRead.of(files).config() or {}
     return read_hparams(hparams_of(metrics_file_of(given))) or {}
 
 
@@ -160,10 +158,11 @@ def _setting(config: Mapping[str, Any], key: str) -> Any:
     return value
 
 
-def other_batches(run: Path, baseline: Path) -> str | None:
+def other_batches(ours: Mapping[str, Any], baseline: Path) -> str | None:
     """Which of SAME_BATCH_KEYS both runs logged with different values (compared as text, as
-    MLflow keeps a param), where any: a step may then not be the same batch in both."""
-    ours, theirs = read_config(run), read_config(baseline)
+    MLflow keeps a param), where any: a step may then not be the same batch in both. `ours`:
+    the run's hyperparameters as the report read them (`read_config`; not read again)."""
+    theirs = read_config(baseline)
     differ = [(key, a, b) for key in SAME_BATCH_KEYS
               if (a := _setting(ours, key)) is not None and (b := _setting(theirs, key)) is not None
               and str(a) != str(b)]

@@ -41,6 +41,7 @@ from foundry_fp8.report.baseline import (
     no_loss,
     other_batches,
     read_baseline,
+    read_config,
     read_losses,
     same_run,
 )
@@ -400,7 +401,9 @@ def report_one(args: argparse.Namespace, run_folder: Path,
                       if (holes := mlflow_holes(given, logged)) is not None]
             if (same := same_run(run_folder, losses, baseline, base_losses)) is not None:
                 notes.append(f"note: {same}; the comparison says nothing")
-            elif (other := other_batches(run_folder, baseline)) is not None:
+            elif (other := other_batches(
+                    (loaded.hparams or {}) if isinstance(loaded, Loaded) else read_config(run_folder),
+                    baseline)) is not None:
                 notes.append(f"warning: {other}")
         if isinstance(loaded, NoStatistics):
             raise loaded

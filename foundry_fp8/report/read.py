@@ -312,17 +312,44 @@ def _started(run_file: Path) -> tuple[str, str]:
     return (found[1] if found else "", name)
 
 
-def wandb_runs(files: list[Path]) -> list[wandb_history.WandbRun] | None:
-    """W&B's reader's runs of `files`; None where it cannot read them (it raises whatever its
-    parsers do). A Ctrl-C goes on up, also one an extension module's import wrapped in an
-    ImportError (`cli.interrupted_by`): caught here, it was a run W&B "cannot read"."""
-    outer = sys.exc_info()[1]
-    try:
-        return [wandb_history.read_run(path) for path in files]
-    except Exception as e:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
-        if interrupted_by(e, outer):
-            raise
-        return None
+@dataclass
+class WandbRead:
+    """The attempts' `.wandb` files as W&B's reader reads them, one history row at a time
+    (`rows`): a long run's history held as dicts took gigabytes. Each run's config fills in and
+    its steps are kept (`steps`) as its rows go by; `failed` where W&B's reader raised on a file
+    (it raises whatever its parsers do): then nothing read counts, as for a file not read."""
+
+    runs: list[wandb_history.WandbRun]
+    steps: list[list[int]]  # per run, the steps of its history rows read so far
+    failed: bool = False
+
+    @classmethod
+    def of(cls, files: list[Path]) -> WandbRead:
+        return cls([wandb_history.WandbRun(path) for path in files], [[] for _ in files])
+
+    def rows(self, history: bool = True) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(step, values) of every history row in order, `_`-keys left out (`history=False`:
+        no values, `wandb_history.scan`). A Ctrl-C goes on up, also one an extension module's
+        import wrapped in an ImportError (`cli.interrupted_by`): caught here, it was a run W&B
+        "cannot read"."""
+        outer = sys.exc_info()[1]
+        try:
+            for wandb_run, steps in zip(self.runs, self.steps, strict=True):
+                for row in wandb_history.scan(wandb_run, history):
+                    if (step := jsonl.step(row.get("_step"))) is not None:
+                        steps.append(step)
+                        yield step, {k: v for k, v in row.items() if not k.startswith("_")}
+        except Exception as e:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
+            if interrupted_by(e, outer):
+                raise
+            self.failed = True
+
+    def config(self) -> dict[str, Any] | None:
+        """The attempts' config (`_attempts_config`), their values left unread; None where W&B's
+        reader cannot read them."""
+        for _ in self.rows(history=False):
+            pass
+        return None if self.failed else _attempts_config(self)
 
 
 def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
@@ -330,24 +357,26 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
                ) -> tuple[RunMetrics, GuardSeries, dict[str, Any]]:
     """The run's per-layer FP8 metrics, fp8_guard's series and the hyperparameters (its config)
     as W&B's own reader reads them from the attempts' `.wandb` files (`wandb_files(given)`), in
-    order: what `wandb sync` uploads. Where they hold no FP8 statistics (W&B was not logging
-    them, a file W&B's reader does not read), ReportError (one line) saying where the run's
-    metrics.jsonl is, when a folder above holds it."""
-    runs = wandb_runs(files) or []
+    order, once: what `wandb sync` uploads. Where they hold no FP8 statistics (W&B was not
+    logging them, a file W&B's reader does not read), ReportError (one line) saying where the
+    run's metrics.jsonl is, when a folder above holds it."""
+    read = WandbRead.of(files)
     guard: GuardSeries = {}
-    records = ((row["_step"], {k: v for k, v in row.items() if not k.startswith("_")})
-               for wandb_run in runs for row in wandb_run.rows
-               if jsonl.step(row.get("_step")) is not None)
-    run, restarts = _read(records, guard, losses)
+    run, restarts = _read(read.rows(), guard, losses)
+    if read.failed:  # as if no file was read
+        run, restarts, read = RunMetrics(), [], WandbRead([], [])
+        guard.clear()
+        if losses is not None:
+            losses.clear()
     if restarts:
         warn(_restarts_said(files[-1], restarts))
-    live = runs[-1] if runs and not runs[-1].complete else None
+    live = read.runs[-1] if read.runs and not read.runs[-1].complete else None
     if live is not None:  # W&B writes the exit record last (wandb.finish)
-        rows = [s for row in live.rows if (s := jsonl.step(row.get("_step"))) is not None]
-        read = f"{len(rows)} history row(s) read, up to step {max(rows)}" if rows else (
+        rows = read.steps[-1]
+        read_rows = f"{len(rows)} history row(s) read, up to step {max(rows)}" if rows else (
             "no history row read")
         unfinished = (f"{live.path}: no exit record yet: the run is still being written (or was "
-                      f"killed); {read}")
+                      f"killed); {read_rows}")
         if not run.values and _run_above(given) is None:  # else: where the metrics.jsonl is
             raise NoStatistics(f"{unfinished}, no FP8 statistics among them yet (fp8_stats logs "
                                "from its first `interval`)")
@@ -356,22 +385,21 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
     if not run.values:
         raise NoStatistics(_no_metrics_here(given) if given.is_dir() else
                            _not_metrics(given) or f"{given}: no FP8 statistics")
-    return run, guard, _attempts_config(runs)
+    return run, guard, _attempts_config(read)
 
 
 #: fp8_guard's records among the hyperparameters: each decided at its `step`.
 GUARD_RECORDS = (FALLBACK_PREFIX, REPROMOTION_PREFIX, REFUSED_PREFIX, OLDER_PREFIX)
 
 
-def _attempts_config(runs: list[wandb_history.WandbRun]) -> dict[str, Any]:
+def _attempts_config(read: WandbRead) -> dict[str, Any]:
     """The attempts' configs merged, the latest attempt's value of each key winning, less
     fp8_guard's records an earlier attempt decided at or after the step a later one logs from
     again (`_attempts`): that attempt died and the run went on from its checkpoint without them
     (a restored fallback the later attempt logs again)."""
     config: dict[str, Any] = {}
     last = -1
-    for wandb_run in runs:
-        steps = [s for row in wandb_run.rows if (s := jsonl.step(row.get("_step"))) is not None]
+    for wandb_run, steps in zip(read.runs, read.steps, strict=True):
         if steps and steps[0] < last:
             config = {key: value for key, value in config.items()
                       if not (key.startswith(GUARD_RECORDS) and isinstance(value, Mapping)
