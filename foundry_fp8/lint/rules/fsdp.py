@@ -41,7 +41,7 @@ from foundry_fp8.lint.known import (
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, RETIRED_FSDP
-from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
+from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted, parse_version
 
 #: FSDPConfig flags Composer reads only under amp_fp8 and only in FSDP1 (dist_strategy.py).
 TE_FSDP_FLAGS = ("te_checkpoint_wrapper", "te_shard_fp8_weight")
@@ -313,8 +313,10 @@ def te_flags_need_fsdp1(config: Mapping[str, Any], ctx: LintContext) -> Iterator
       f"{dotted(AUTO_MICROBATCH_CHECKED_FROM)} to 0.32.1 and on main (older ones, with other "
       "torch ranges, are not judged). `llmfoundry train` on one GPU drops fsdp_config and never "
       "meets it; on more it does. Judged against the Composer and torch installed where the "
-      "linter runs; a warning when either is unknown. FSDP2 refuses auto micro-batching "
-      "before this (another error).",
+      "linter runs; a warning when torch is unknown, or Composer is and torch is outside "
+      "that range (with a torch inside it, every Composer foundry-fp8 installs with, "
+      f"{dotted(AUTO_MICROBATCH_CHECKED_FROM)}+, defines it). FSDP2 refuses auto "
+      "micro-batching before this (another error).",
       source=f"Composer {AUTO_MICROBATCH_SOURCE}: patch_unshard_for_automicrobatching, and "
       f"line 41 (unshard_with_sync under the torch check); {COMPOSER} composer/trainer/"
       "trainer.py Trainer.__init__; "
@@ -329,6 +331,9 @@ def auto_microbatch_with_fsdp(config: Mapping[str, Any], ctx: LintContext) -> It
             or not isinstance(config.get("fsdp_config"), Mapping):
         return
     fails = auto_microbatch_fsdp_fails(snapshot.composer, snapshot.torch)
+    if fails is None and parse_version(snapshot.composer) is None and auto_microbatch_fsdp_fails(
+            dotted(AUTO_MICROBATCH_CHECKED_FROM), snapshot.torch) is False:
+        return  # Composer unknown, but setup.cfg's floor (0.31) is one that was checked
     if fails:
         yield Hit("device_train_microbatch_size", f"Composer {snapshot.composer} defines "
                   f"unshard_with_sync only for torch{UNSHARD_TORCH_RANGE} "
