@@ -2,12 +2,16 @@
 
 Text is a table per file for people (colour only on a terminal, never with NO_COLOR set);
 JSON keeps the contract of issue #5 plus `column` (and `skipped`, why a file had nothing to
-lint); SARIF 2.1.0 feeds code-scanning UIs.
+lint; `path_bytes`, a path's bytes where they are not UTF-8); SARIF 2.1.0 feeds code-scanning
+UIs. Both are valid UTF-8 whatever a file's name.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,8 @@ from foundry_fp8.lint.rules import all_rules
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_LEVELS = {"error": "error", "warning": "warning", "info": "note"}
+#: A lone surrogate: what Python holds for a byte the file-system encoding could not decode.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _COLOURS = {"error": "31", "warning": "33", "info": "36", "dim": "2", "bold": "1"}
 
 
@@ -80,16 +86,40 @@ def render_text(report: Mapping[str, Any], colour: bool = False) -> str:
     return "\n".join(out)
 
 
+def _unicode(value: Any) -> Any:
+    """`value` with every str made valid Unicode: a file name's undecodable byte, held as a
+    lone surrogate (PEP 383), becomes U+FFFD. json.dumps would write it as `\\udcff`, which
+    strict JSON readers refuse and jq reads as U+FFFD anyway."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, Mapping):
+        return {k: _unicode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unicode(v) for v in value]
+    return value
+
+
+def _dumps(document: Mapping[str, Any]) -> str:
+    return json.dumps(_unicode(document), indent=2)
+
+
 def render_json(report: Mapping[str, Any]) -> str:
-    return json.dumps(report, indent=2)
+    """The report as JSON. A path that is not valid UTF-8 (`bad\\xff.yaml` on Linux) keeps a
+    readable `path` (U+FFFD for each undecodable byte) and gains `path_bytes`: its file-system
+    bytes in base64 (ripgrep's --json convention), which name the file (`base64 -d`)."""
+    files = [{**entry, "path_bytes": base64.b64encode(os.fsencode(entry["path"])).decode()}
+             if entry["path"] and _SURROGATE.search(entry["path"]) else entry
+             for entry in report["files"]]
+    return _dumps({**report, "files": files})
 
 
 def _uri(path: str) -> str:
     """A SARIF artifact URI: relative paths stay relative (resolved against the repo root by
     code-scanning UIs), absolute ones become file:// URIs; both percent-encoded as a URI must be
-    (`a#1.yaml` would otherwise name `a` with a fragment; `<stdin>` has characters no URI has)."""
+    (`a#1.yaml` would otherwise name `a` with a fragment; `<stdin>` has characters no URI has),
+    from the name's file-system bytes (RFC 3986 section 2.1: `bad\\xff.yaml` is `bad%FF.yaml`)."""
     p = Path(path)
-    return p.as_uri() if p.is_absolute() else quote(p.as_posix())
+    return p.as_uri() if p.is_absolute() else quote(os.fsencode(p.as_posix()))
 
 
 def _location(path: str, line: int | None, column: int | None) -> dict[str, Any]:
@@ -131,4 +161,4 @@ def render_sarif(report: Mapping[str, Any]) -> str:
            "invocations": [{"executionSuccessful": not notifications,
                             "toolExecutionNotifications": notifications}],
            "results": results}
-    return json.dumps({"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}, indent=2)
+    return _dumps({"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]})
