@@ -178,6 +178,13 @@ def before_after(healthy: Path, faulty: Path, layer: str) -> list[str]:
 DEMO_LAYER, DEMO_START = "blocks.1.attn.out_proj", 10
 
 
+def guard_lines(log: str) -> list[str]:
+    """The fault run's lines `make run` shows: fp8_guard's messages and the tables, not the
+    `fp8_guard:` key of the config Composer's log dumps."""
+    return [line for line in log.splitlines()
+            if "fp8_guard: " in line or line.startswith("|")]
+
+
 def demo(yaml_path: Path, data_root: Path, run_root: Path, healthy: Path) -> None:
     """`make run`'s fp8_guard step: the fault run in a subprocess (its log beside the run), the
     guard's lines from it, then the before/after table against the healthy run."""
@@ -194,9 +201,8 @@ def demo(yaml_path: Path, data_root: Path, run_root: Path, healthy: Path) -> Non
            str(run_root), name]
     print("$", " ".join(cmd), flush=True)
     returncode = run_logged(cmd, log, run_root / name)
-    for line in log.read_text().splitlines():
-        if "fp8_guard" in line or line.startswith("|"):
-            print("  " + line)
+    for line in guard_lines(log.read_text()):
+        print("  " + line)
     if returncode != 0:
         raise SystemExit(f"the fault run failed (exit {returncode}); full log: {log}")
     print("   " + "\n   ".join(before_after(healthy, run_root / name, DEMO_LAYER)), flush=True)
