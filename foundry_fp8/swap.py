@@ -40,6 +40,7 @@ from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE
 from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX, inert_extra_state
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
+    LN_MLP_SOURCES,
     MPT_DEFAULT_INIT_SCHEME,
     TE_LN_MLP_INIT_SOURCE,
     te_ln_mlp_init_fails,
@@ -493,7 +494,7 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
         new = te.make_te_layernorm_mlp(block)  # LLM-Foundry's te init knows it
         moved += te.ln_mlp_sources(block, new)
         block.ffn, block.norm_2 = new, None
-        plain = {f"ffn.{fused}": name for fused, name in te.LN_MLP_SOURCES.items()}
+        plain = {f"ffn.{fused}": name for fused, name in LN_MLP_SOURCES.items()}
         if _has_extra_state(new):
             plain[f"ffn.{EXTRA_STATE_SUFFIX}"] = None
         _mark_plain(block, plain)
@@ -634,15 +635,41 @@ def _from_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> N
             state_dict[prefix + own] = state_dict.pop(prefix + plain)
 
 
-def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-    """An unconverted model's state_dict (canonical keys, as `plain_state_dict` gives) under the
-    converted `model`'s names, in place. For loaders that drop the keys a model lacks before
-    any load hook runs: torch's `set_model_state_dict` with a full state dict (Composer's FSDP
-    default) keeps only the model's own keys (`_distribute_state_dict`)."""
-    for name, module in canonical_modules(model):
-        if hasattr(module, PLAIN_KEYS):
-            _from_plain(module, state_dict, f"{name}." if name else "")
-    return state_dict
+def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str, str]:
+    """A checkpoint's model state_dict (canonical keys) under `model`'s layout, in place; returns
+    the renames made (old key: new key), which the optimizer state's names need too. Per MPT
+    block, both ways: a plain block's `norm_2`/`ffn.up_proj`/`ffn.down_proj` keys under a fused
+    te.LayerNormMLP's names where `model` fuses that block, and back where it does not (te_swap's
+    `fuse_ln_mlp`, `exclude` or `keep_first/last_blocks` changed between save and resume, or a
+    bf16 warm start). For loaders that drop the keys a model lacks before any load hook runs:
+    torch's `set_model_state_dict` with a full state dict (Composer's FSDP default) keeps only
+    the model's own keys (`_distribute_state_dict`)."""
+    renames: dict[str, str] = {}
+    for name, block in canonical_modules(model):
+        layout = ln_mlp_layout(block)
+        if layout is None:
+            continue
+        prefix = f"{name}." if name else ""
+        for te_name, plain in LN_MLP_SOURCES.items():
+            own, other = (f"ffn.{te_name}", plain) if layout == "fused" else (plain, f"ffn.{te_name}")
+            if prefix + own not in state_dict and prefix + other in state_dict:
+                renames[prefix + other] = prefix + own
+    for old, new in renames.items():
+        state_dict[new] = state_dict.pop(old)
+    return renames
+
+
+def ln_mlp_layout(block: nn.Module) -> Literal["fused", "plain"] | None:
+    """An MPT block's norm_2 + MLP: fused by te_swap into a te.LayerNormMLP, plain (norm_2 and
+    an MLP with `up_proj`), or neither (not a block; LLM-Foundry's own `te_ln_mlp`). By modules
+    and te_swap's marker, not parameters: FSDP without `use_orig_params` flattens those."""
+    if "ffn.fc1_weight" in getattr(block, PLAIN_KEYS, {}):
+        return "fused"
+    ffn = getattr(block, "ffn", None)
+    if getattr(block, "norm_2", None) is not None and isinstance(getattr(ffn, "up_proj", None),
+                                                                 nn.Module):
+        return "plain"
+    return None
 
 
 def plain_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:

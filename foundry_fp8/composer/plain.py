@@ -17,9 +17,12 @@ cannot say so per block (`block_overrides` takes attention keys only), and a war
 
 Loads: Composer loads `load_path` through `State.load_model_state`, whose torch loader drops the
 keys the model lacks before any load hook runs when it loads a full state dict (FSDP's
-default), so a plain checkpoint's `norm_2`/`ffn.up_proj` keys are renamed first
-(`swap.swapped_state_dict`). A sharded (DCP) checkpoint is read by the model's own keys: a plain
-one cannot fill fused layers, and DCP says which keys it lacks.
+default), so a checkpoint whose blocks are in another layout is renamed to this run's first
+(`swap.swapped_state_dict`): a plain one's `norm_2`/`ffn.up_proj` keys where this run fuses,
+a fused one's `ffn.fc1_weight`... where it does not (`fuse_ln_mlp`, `exclude` or
+`keep_first/last_blocks` changed), the optimizer state's names with them (torch's optimizer
+loader raised `KeyError` on the first renamed parameter). A sharded (DCP) checkpoint is read by
+the model's own keys: one in another layout cannot fill them, and DCP says which keys it lacks.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from torch import nn
 
-from foundry_fp8.swap import PLAIN_KEYS, gelu_tanh_error, plain_state_dict, swapped_state_dict
+from foundry_fp8.swap import gelu_tanh_error, ln_mlp_layout, plain_state_dict, swapped_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +72,7 @@ def fused_blocks(model: nn.Module) -> tuple[int, int]:
     """(blocks whose norm_2 + MLP te_swap fused into a te.LayerNormMLP, MPT blocks). By the
     block's ffn: a wrapper (FSDP's) forwards both attributes to the block it wraps."""
     blocks = {id(m.ffn): m for m in model.modules() if hasattr(m, "norm_2") and hasattr(m, "ffn")}
-    return (sum("ffn.fc1_weight" in getattr(b, PLAIN_KEYS, {}) for b in blocks.values()),
-            len(blocks))
+    return (sum(ln_mlp_layout(b) == "fused" for b in blocks.values()), len(blocks))
 
 
 def _te_activation(transform_config: Callable[[Any], Any], model: nn.Module,
@@ -128,13 +130,45 @@ def _plain_run_event(checkpointer: Callback, module: ModuleType,
 
 
 def load_plain(state: State) -> None:
-    """Make Composer's loads into `state.model` take a plain checkpoint's names (above)."""
+    """Make Composer's loads into `state.model` take a checkpoint whose blocks are in another
+    layout (plain where this run fuses them, or fused where it does not; module docstring), the
+    optimizer state's parameter names included."""
     load = state.load_model_state
 
     @functools.wraps(load)
     def load_model_state(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         if isinstance(state_dict.get("model"), dict):
-            swapped_state_dict(state_dict["model"], state.model)
+            renames = swapped_state_dict(state_dict["model"], state.model)
+            if renames:
+                _rename_optimizer_state(state_dict.get("optimizers"), renames)
+                _log_layout_change(renames)
         return load(state_dict, *args, **kwargs)
 
     state.load_model_state = load_model_state  # type: ignore[method-assign]
+
+
+def _rename_optimizer_state(optimizers: Any, renames: dict[str, str]) -> None:
+    """Composer's `state["optimizers"]`, {optimizer class: torch's `get_optimizer_state_dict`},
+    keys each parameter's state and its param group's `params` by the parameter's name
+    (composer/core/state.py `get_optim_state_dict`, 0.31-0.32), as the model's state dict: the
+    same renames. `State.load_state_dict` loads the model first, then the optimizers from the
+    same dict. Older checkpoints' integer ids have no name to rename."""
+    for optimizer in (optimizers or {}).values():
+        if not isinstance(optimizer, dict):
+            continue
+        per_param = optimizer.get("state")
+        if isinstance(per_param, dict):
+            for old in [k for k in per_param if k in renames]:
+                per_param[renames[old]] = per_param.pop(old)
+        for group in optimizer.get("param_groups") or []:
+            group["params"] = [renames.get(p, p) if isinstance(p, str) else p
+                               for p in group.get("params", [])]
+
+
+def _log_layout_change(renames: dict[str, str]) -> None:
+    to_fused = sum(new.endswith(".ffn.fc1_weight") for new in renames.values())
+    to_plain = sum(new.endswith(".ffn.up_proj.weight") for new in renames.values())
+    log.info("te_swap: the checkpoint's layout differs from this run's: %d block(s) saved "
+             "with a plain norm_2 + MLP load into this run's fused te.LayerNormMLP, %d saved "
+             "fused load into a plain norm_2 + MLP (weights and optimizer state renamed)",
+             to_fused, to_plain)

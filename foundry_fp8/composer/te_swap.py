@@ -124,7 +124,7 @@ class TESwap(Algorithm):
         exporters = 0
         if any(hasattr(m, PLAIN_KEYS) for m in model.modules()):
             exporters = export_plain(state.callbacks)
-            load_plain(state)
+        load_plain(state)  # also where nothing is fused now: a fused checkpoint's blocks
         if self.config.backend == "te" and self.recipe.scaling == "delayed":
             _set_precision_config(state, self.recipe)
         else:

@@ -34,6 +34,7 @@ from foundry_fp8.options import TESwapOptions
 from foundry_fp8.recipe import FP8Recipe, RecipeError
 from foundry_fp8.te import probe
 from foundry_fp8.te.facts import (
+    LN_MLP_SOURCES,
     MIN_TE,
     MIN_TE_CURRENT_SCALING,
     POWER_2_SCALES_ENV,
@@ -131,13 +132,6 @@ def te_checkpoint(kwargs: dict[str, Any]) -> functools.partial:
 
     kept = {k: v for k, v in kwargs.items() if k != TORCH_ONLY_CHECKPOINT_KWARG}
     return functools.partial(te.checkpoint, **kept)
-
-
-#: te.LayerNormMLP's parameters and the MPT block parameters each is made from (the block's
-#: names; TE 1.12-2.20 register these in pytorch/module/layernorm_mlp.py, `register_parameter`).
-LN_MLP_SOURCES = {"layer_norm_weight": "norm_2.weight", "layer_norm_bias": "norm_2.bias",
-                  "fc1_weight": "ffn.up_proj.weight", "fc1_bias": "ffn.up_proj.bias",
-                  "fc2_weight": "ffn.down_proj.weight", "fc2_bias": "ffn.down_proj.bias"}
 
 
 def make_te_layernorm_mlp(block: nn.Module) -> nn.Module:

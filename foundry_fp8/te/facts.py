@@ -215,3 +215,10 @@ def backward_override_effect(value: str, te_version: Version | None) -> str:
     return (f"read by {te} and the emulated backend: current scaling's backward without FP8 "
             f"(gradients not cast; dgrad and wgrad from {operands}); delayed scaling and "
             "te.LayerNormMLP refuse it")
+
+
+#: te.LayerNormMLP's parameters and the MPT block parameters each is made from (the block's
+#: names; TE 1.12-2.20 register these in pytorch/module/layernorm_mlp.py, `register_parameter`).
+LN_MLP_SOURCES = {"layer_norm_weight": "norm_2.weight", "layer_norm_bias": "norm_2.bias",
+                  "fc1_weight": "ffn.up_proj.weight", "fc1_bias": "ffn.up_proj.bias",
+                  "fc2_weight": "ffn.down_proj.weight", "fc2_bias": "ffn.down_proj.bias"}
