@@ -7,7 +7,8 @@ an unknown value is shown as such. On a terminal, one line on stderr says which 
 runs and for how long at most before it runs them (stdout, the JSON included, stays the report).
 
 Exit codes: 0 nothing is broken (missing GPU or TE is reported, not failed: the emulated backend
-runs anywhere); 1 an error finding (a broken TE install), or with `--strict` a warning too, i.e.
+runs anywhere); 1 an error finding (a broken TE install; torch, Composer or LLM-Foundry missing,
+FP8214), or with `--strict` a warning too (one of those outside setup.cfg's range), i.e.
 this machine cannot train FP8 with TE as it is (use `--strict` on GPU nodes and in their CI).
 An info never fails. A non-zero exit ends the output with one line saying which findings caused it.
 """

@@ -76,6 +76,10 @@ class Snapshot:
     `te_pure_wheel`: the transformer-engine distribution is a pure-Python wheel (its WHEEL file
     says `Root-Is-Purelib: true`), TE's own test for its PyPI metapackage
     (`_is_package_installed_from_wheel`, transformer_engine/common/__init__.py:37-56).
+    `stack_ranges`: (distribution, requirement) for each of `STACK` as the installed foundry-fp8
+    requires it (its Requires-Dist, written from setup.cfg's install_requires, the ranges' one
+    home: `mosaicml[wandb]<0.33,>=0.31.0`); empty when foundry-fp8's own metadata is not found
+    (a checkout on sys.path, not installed), and then nothing is judged against them.
     """
 
     python: str
@@ -103,6 +107,7 @@ class Snapshot:
     gpu_seen: str | None = None
     te_pure_wheel: bool = False
     nvte_backward_override: str | None = None
+    stack_ranges: tuple[tuple[str, str], ...] = ()
 
     @property
     def has_gpu(self) -> bool:
@@ -111,6 +116,30 @@ class Snapshot:
     @property
     def te_version(self) -> tuple[int, ...] | None:
         return parse_version(self.te)
+
+
+#: The training stack foundry-fp8 plugs into, by distribution: the Snapshot field holding its
+#: installed version (FP8214 judges it against `stack_ranges`).
+STACK = {"torch": "torch", "mosaicml": "composer", "llm-foundry": "llmfoundry"}
+#: A requirement's distribution name (PEP 508), then the rest: extras and version specifiers.
+_REQUIREMENT_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def _stack_ranges() -> tuple[tuple[str, str], ...]:
+    """`Snapshot.stack_ranges`: the installed foundry-fp8's requirements of `STACK`, without
+    environment markers (those are extras')."""
+    try:
+        requires = metadata.requires("foundry-fp8") or []
+    except Exception:  # not installed (a checkout), or broken metadata: nothing to judge by
+        return ()
+    ranges = []
+    for requirement in requires:
+        name = _REQUIREMENT_NAME.match(requirement)
+        if name and ";" not in requirement:
+            distribution = re.sub(r"[-_.]+", "-", name.group(1)).lower()  # PEP 503
+            if distribution in STACK:
+                ranges.append((distribution, requirement.strip()))
+    return tuple(ranges)
 
 
 def _version(name: str) -> str | None:
@@ -513,7 +542,8 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         accelerate=_version("accelerate"), deepspeed=_version("deepspeed"),
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         nvte_backward_override=os.environ.get(BACKWARD_OVERRIDE_ENV),
-        te_pure_wheel=te is not None and _pure_wheel("transformer-engine"), **gpu)
+        te_pure_wheel=te is not None and _pure_wheel("transformer-engine"),
+        stack_ranges=_stack_ranges(), **gpu)
     if probe_te_import:
         snapshot = replace(snapshot, te_import_checked=True, te_import_error=te_import_error())
     return snapshot

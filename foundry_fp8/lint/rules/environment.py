@@ -19,6 +19,9 @@ run's config on the machine it runs on. Facts, with where they were read:
   cannot auto micro-batch under FSDP (`foundry_fp8.lint.known`, shared with the config rule
   FP8031).
 
+- torch, Composer and LLM-Foundry must be installed, within the ranges the installed foundry-fp8
+  requires (setup.cfg's install_requires, read back from its package metadata): FP8214.
+
 The TE version facts themselves live in `foundry_fp8.te.facts`.
 """
 
@@ -29,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from foundry_fp8.environment import Snapshot
+from foundry_fp8.environment import STACK, Snapshot
 from foundry_fp8.lint.config import has_fp8_layers, native_te_layers, te_swap, uses_te
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_SOURCE,
@@ -443,6 +446,85 @@ def torch_newer_than_driver(env: Environment, _: LintContext) -> Iterator[Hit]:
                   "on this driver", severity="info",
                   fix="nothing for torch's and TE's own kernels on an FP8 GPU; upgrade the "
                   "NVIDIA driver for code that JIT-compiles PTX")
+
+
+#: A requirement (PEP 508, no marker): its name, extras, and version specifiers (PEP 440).
+_REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*\(?([^)]*)\)?\s*")
+_CLAUSE = re.compile(r"\s*(~=|==|!=|<=|>=|<|>)\s*([0-9][0-9A-Za-z.+!*-]*)\s*")
+#: How each of `STACK` is called in a message.
+_STACK_NAMES = {"torch": "torch", "mosaicml": "Composer (mosaicml)",
+                "llm-foundry": "LLM-Foundry (llm-foundry)"}
+
+
+def _specifiers(requirement: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """`requirement` as a message writes it (lower bounds first: `mosaicml[wandb]>=0.31.0,<0.33`)
+    and its (operator, version) clauses; None if unreadable."""
+    match = _REQUIREMENT.fullmatch(requirement)
+    if match is None:
+        return None
+    clauses = [_CLAUSE.fullmatch(c) for c in match.group(3).split(",") if c.strip()]
+    if not all(clauses):
+        return None
+    ordered = sorted(((c.group(1), c.group(2)) for c in clauses if c),
+                     key=lambda c: not c[0].startswith(">"))
+    shown = match.group(1) + (match.group(2) or "") + ",".join(op + v for op, v in ordered)
+    return shown, ordered
+
+
+def _satisfies(version: tuple[int, ...], op: str, bound: str) -> bool | None:
+    """PEP 440's comparison of a release with one clause (`==2.7.*` included), zero-padded as
+    PEP 440 pads releases; None for a bound that is not a release."""
+    wildcard = bound.endswith(".*")
+    want = parse_version(bound.removesuffix(".*"))
+    if want is None:
+        return None
+    if wildcard:
+        same = version[:len(want)] + (0,) * (len(want) - len(version)) == want
+        return same if op == "==" else not same if op == "!=" else None
+    width = max(len(version), len(want))
+    have, want = version + (0,) * (width - len(version)), want + (0,) * (width - len(want))
+    if op == "~=":  # >= bound, == its prefix without the last part
+        prefix = len(parse_version(bound) or ()) - 1
+        return have >= want and have[:prefix] == want[:prefix]
+    return {"==": have == want, "!=": have != want, "<": have < want, "<=": have <= want,
+            ">": have > want, ">=": have >= want}[op]
+
+
+@rule("FP8214", "error", "torch, Composer or LLM-Foundry missing, or outside the versions "
+      "foundry-fp8 supports",
+      why="te_swap, the callbacks and the emulated backend are Composer and LLM-Foundry plugins "
+      "on torch: with one of them missing (`pip install --no-deps`, an image without them) no "
+      "run can use foundry-fp8, an error. A version outside the range foundry-fp8 requires was "
+      "never tested (te_swap, fp8_state and the sdpa attention use their internals), a "
+      "warning, as for a TE older than te_swap's floor (FP8204). The ranges are read from the "
+      "installed foundry-fp8's package metadata; without it (a checkout on sys.path) nothing "
+      "is judged. The doctor's: a run has all three, and pip resolved their versions.",
+      source="setup.cfg install_requires (the installed foundry-fp8's Requires-Dist); "
+      "foundry_fp8/environment.py STACK",
+      fix="pip install the requirement the message names", family="environment")
+def training_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    if env.config is not None:
+        return
+    for distribution, requirement in snapshot.stack_ranges:
+        read = _specifiers(requirement)
+        if read is None:
+            continue
+        wanted, clauses = read
+        installed = getattr(snapshot, STACK[distribution])
+        name = _STACK_NAMES[distribution]
+        if installed is None:
+            yield Hit(STACK[distribution], f"{name} is not installed: foundry-fp8 needs "
+                      f"{wanted}, and no training run can use it without", fix=f"pip install "
+                      f"'{wanted}'")
+            continue
+        version = parse_version(installed)
+        verdicts = [_satisfies(version, op, bound) for op, bound in clauses] if version else []
+        if False in verdicts:
+            yield Hit(STACK[distribution], f"{name} {installed} is outside the versions "
+                      f"foundry-fp8 supports ({wanted}): untested, and te_swap, fp8_state and "
+                      "the sdpa attention use its internals", severity="warning",
+                      fix=f"pip install '{wanted}'")
 
 
 def environment_findings(snapshot: Snapshot,

@@ -1,0 +1,121 @@
+"""FP8214: `foundry-fp8 doctor` where torch, Composer or LLM-Foundry is missing (`pip install
+--no-deps`) or outside setup.cfg's ranges. It exited 0 showing only FP8201 ("no GPU"), so a
+machine that can run nothing of foundry-fp8 passed. The references: setup.cfg itself (read with
+configparser) and `packaging`'s PEP 440 specifier sets, never our parser."""
+
+from __future__ import annotations
+
+import configparser
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from foundry_fp8 import doctor, environment
+from foundry_fp8.cli import main
+from foundry_fp8.environment import STACK, Snapshot, gather_snapshot
+from foundry_fp8.lint.rules.environment import environment_findings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _setup_cfg_stack() -> dict[str, Requirement]:
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    lines = [line.strip() for line in cfg["options"]["install_requires"].splitlines()]
+    found = {}
+    for line in lines:
+        if line and not line.startswith("#"):
+            requirement = Requirement(line)
+            if requirement.name in STACK:
+                found[requirement.name] = requirement
+    return found
+
+
+SETUP_CFG = _setup_cfg_stack()
+#: A snapshot whose ranges are setup.cfg's, as an installed wheel's metadata carries them.
+RANGES = tuple((name, str(r)) for name, r in SETUP_CFG.items())
+#: This machine's set, in range (constraints/ci.txt), without GPU findings' noise.
+IN_RANGE = Snapshot(python="3.11.7", torch="2.7.0+cu126", composer="0.32.1",
+                    llmfoundry="0.22.0", capability=(9, 0), torch_cuda="12.6", te="2.8.0",
+                    stack_ranges=RANGES)
+
+
+def _stack(snapshot: Snapshot) -> list[tuple[str, str, str]]:
+    return [(f.key, f.severity, f.fix) for f in environment_findings(snapshot)
+            if f.rule == "FP8214"]
+
+
+def test_setup_cfg_names_the_whole_stack():
+    assert set(SETUP_CFG) == set(STACK) == {"torch", "mosaicml", "llm-foundry"}
+
+
+def test_the_installed_ranges_are_setup_cfgs():
+    """What the doctor reads (the installed foundry-fp8's Requires-Dist) is setup.cfg's."""
+    read = dict(gather_snapshot(probe_te_import=False, probe_gpu=False).stack_ranges)
+    assert {name: Requirement(text) for name, text in read.items()} == SETUP_CFG
+
+
+def test_in_range_says_nothing():
+    assert _stack(IN_RANGE) == []
+
+
+@pytest.mark.parametrize("field", sorted(STACK.values()))
+def test_missing_is_an_error_naming_setup_cfgs_range(field):
+    [(key, severity, fix)] = _stack(replace(IN_RANGE, **{field: None}))
+    [name] = [n for n, f in STACK.items() if f == field]
+    assert (key, severity) == (field, "error")
+    installed = Requirement(fix.removeprefix("pip install ").strip("'"))
+    assert installed == SETUP_CFG[name]
+
+
+#: Each side of each bound, a bound written short, local and pre-release versions.
+VERSIONS = {
+    "torch": ["2.6.0", "2.7", "2.7.0", "2.7.1+cu126", "2.7.9", "2.8", "2.8.0a0+git1234", "2.8.0",
+              "3.0.0"],
+    "mosaicml": ["0.30.0", "0.31", "0.31.0", "0.32.1", "0.33.0.dev0", "0.33.0", "1.0.0"],
+    "llm-foundry": ["0.20.1", "0.21.0", "0.22.0", "0.22.9", "0.23.0rc1", "0.23.0"],
+}
+
+
+@pytest.mark.parametrize(("name", "version"),
+                         [(n, v) for n, versions in VERSIONS.items() for v in versions])
+def test_outside_the_range_is_a_warning_where_packaging_says_so(name, version):
+    """FP8214 warns exactly where packaging's PEP 440 evaluation of setup.cfg's specifier
+    rejects the version (pre-releases admitted, as `pip install --pre` would: `2.8.0a0` of
+    `<2.8` is still out)."""
+    snapshot = replace(IN_RANGE, **{STACK[name]: version})
+    spec: SpecifierSet = SETUP_CFG[name].specifier
+    expected = [] if spec.contains(version, prereleases=True) else [(STACK[name], "warning")]
+    assert [(k, s) for k, s, _ in _stack(snapshot)] == expected
+
+
+def test_runs_and_unknown_ranges_are_not_judged():
+    """fp8_lint runs inside the stack; without foundry-fp8's metadata there are no ranges."""
+    bare = replace(IN_RANGE, torch=None, composer=None, llmfoundry=None)
+    assert [f for f in environment_findings(bare, {"precision": "amp_bf16"})
+            if f.rule == "FP8214"] == []
+    assert _stack(replace(bare, stack_ranges=())) == []
+
+
+def test_doctor_without_the_stack_exits_1_and_says_why(monkeypatch, capsys):
+    """The QA's machine: the wheel installed with --no-deps (its metadata carries the ranges),
+    nothing of the stack. gather_snapshot runs for real; only the three look-ups are hidden."""
+    real = environment._version
+    monkeypatch.setattr(environment, "_version",
+                        lambda name: None if name in STACK else real(name))
+    assert main(["doctor", "--no-te-import"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("foundry-fp8 doctor: exit 1 because of 3 errors: FP8214")
+    rows = [line for line in out if line.startswith("error FP8214")]
+    assert len(rows) == 3 and any("'torch>=2.7.0,<2.8'" in row for row in rows)
+    monkeypatch.setattr(doctor, "gather_snapshot", lambda **_: replace(IN_RANGE,
+                                                                         llmfoundry="0.20.0"))
+    assert main(["doctor", "--format", "json"]) == 0  # a warning: --strict fails it
+    report = json.loads(capsys.readouterr().out)
+    assert [f["rule"] for f in report["findings"]] == ["FP8214"]
+    assert report["environment"]["stack_ranges"] == [list(r) for r in RANGES]
+    assert main(["doctor", "--strict"]) == 1
