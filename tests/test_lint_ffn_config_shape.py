@@ -64,3 +64,45 @@ def test_a_non_mapping_ffn_config_is_fp8022_as_llmfoundrys_train_refuses_it(
     refused = _foundry_refuses(path)
     assert refused == (not isinstance(ffn_config, dict))
     assert found == ([("model.ffn_config", line)] if refused else [])
+
+
+def _foundry_raises_type_error(path: Path) -> bool:
+    from llmfoundry.command_utils.train import validate_config
+    from llmfoundry.utils.config_utils import (
+        TRAIN_CONFIG_KEYS,
+        TrainConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+
+    with open(path) as f:
+        loaded = OmegaConf.load(f)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, train_config = make_dataclass_and_log_config(loaded, TrainConfig,
+                                                            TRAIN_CONFIG_KEYS, transforms="all")
+            validate_config(train_config)
+    except TypeError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("fc_type", ["torch", "te", None, {"name": "te"}])
+@pytest.mark.parametrize("ffn_type", [None, 5, 1.5, True, ["te_ln_mlp"], {"a": 1}, "mptmlp"])
+def test_an_ffn_type_that_is_no_string_is_fp8022_where_llmfoundrys_train_refuses_it(
+        tmp_path: Path, ffn_type: Any, fc_type: Any) -> None:
+    """validate_config reads `'te' in ffn_type` unless fc_type is the string 'te' (TypeError
+    for null or a number), then `ffn_type in ffns_with_megablocks` (unhashable list)."""
+    model = {**MODEL, "ffn_config": {"ffn_type": ffn_type}}
+    if fc_type is not None:
+        model["fc_type"] = fc_type
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "model": model}, sort_keys=False))
+    entry = lint_file(path, 1, Snapshot(python="3.11"))
+    assert entry["error"] is None
+    found = [(f["key"], f["line"]) for f in entry["findings"] if f["rule"] == "FP8022"]
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1)
+                if text.startswith("    ffn_type:"))
+    refused = _foundry_raises_type_error(path)
+    assert found == ([("model.ffn_config.ffn_type", line)] if refused else [])

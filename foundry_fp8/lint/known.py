@@ -8,31 +8,13 @@ upgrade that changes them fails the tests instead of silently drifting.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields
 from functools import cache
 
 from foundry_fp8.options import did_you_mean  # noqa: F401  (the rules' import)
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.te.facts import Version, dotted, parse_version
-
-#: `fields(TrainConfig)` (llmfoundry/utils/config_utils.py). `make_dataclass_and_log_config`
-#: raises "Unused parameters [...] found in cfg" for any other top-level key.
-TRAIN_CONFIG_KEYS = frozenset({
-    "model", "tokenizer", "optimizer", "scheduler", "train_loader", "device_train_batch_size",
-    "device_eval_batch_size", "max_duration", "max_seq_len", "seed", "precision", "code_paths",
-    "max_split_size_mb", "expandable_segments", "cuda_load_lazy", "dist_timeout", "fsdp_config",
-    "tp_config", "accumulate_train_batch_on_tokens", "eval_interval", "eval_loader",
-    "eval_loaders", "icl_tasks", "icl_tasks_str", "eval_gauntlet", "eval_gauntlet_str",
-    "icl_subset_num_batches", "icl_seq_len", "loggers", "progress_bar", "log_to_console",
-    "python_log_level", "console_log_interval", "log_config", "callbacks", "algorithms",
-    "save_folder", "save_latest_filename", "save_overwrite", "save_weights_only",
-    "save_filename", "save_interval", "save_num_checkpoints_to_keep", "load_path",
-    "load_weights_only", "load_strict_model_weights", "load_ignore_keys", "save_ignore_keys",
-    "only_hf_checkpoint", "only_composer_checkpoint", "train_subset_num_batches",
-    "device_train_microbatch_size", "global_train_batch_size", "spin_dataloaders",
-    "eval_subset_num_batches", "eval_first", "compile_config", "metadata", "flatten_metadata",
-    "run_name", "autoresume", "profiler", "variables", "n_gpus", "device_train_grad_accum",
-})
 
 #: The top-level keys `llmfoundry train` cannot do without (llmfoundry/utils/config_utils.py):
 #: TrainConfig's fields whose default is omegaconf's MISSING, each of which
@@ -63,6 +45,67 @@ SECTION_SHAPES: dict[str, tuple[str, ...]] = {
     "eval_gauntlet": (MAPPING, STRING, NULL),
     **dict.fromkeys(("code_paths", "load_ignore_keys", "save_ignore_keys"), (SCALARS, NULL)),
 }
+
+#: The types of TrainConfig's other fields (llmfoundry/utils/config_utils.py, the same in
+#: LLM-Foundry 0.21.0 and 0.22.0), NoneType where the field is Optional; the order is the Union's.
+#: tests/test_lint_known.py compares them with `fields(TrainConfig)` and LLM-Foundry's loader.
+TRAIN_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("max_seq_len", "seed", "save_num_checkpoints_to_keep",
+                     "train_subset_num_batches", "eval_subset_num_batches", "n_gpus"), (int,)),
+    **dict.fromkeys(("max_split_size_mb", "icl_subset_num_batches", "icl_seq_len",
+                     "global_train_batch_size"), (int, type(None))),
+    **dict.fromkeys(("expandable_segments", "cuda_load_lazy", "accumulate_train_batch_on_tokens",
+                     "progress_bar", "log_to_console", "log_config", "save_overwrite",
+                     "save_weights_only", "load_weights_only", "load_strict_model_weights",
+                     "only_hf_checkpoint", "only_composer_checkpoint", "spin_dataloaders",
+                     "eval_first", "flatten_metadata", "autoresume"), (bool,)),
+    "precision": (str,),
+    **dict.fromkeys(("icl_tasks_str", "eval_gauntlet_str", "python_log_level", "save_folder",
+                     "save_latest_filename", "save_filename", "load_path", "run_name"),
+                    (str, type(None))),
+    **dict.fromkeys(("device_train_batch_size", "device_eval_batch_size", "dist_timeout"),
+                    (int, float)),
+    **dict.fromkeys(("max_duration", "eval_interval", "console_log_interval",
+                     "device_train_grad_accum"), (int, str)),
+    "save_interval": (str, int),
+    "device_train_microbatch_size": (str, int, float),
+}
+
+#: `fields(TrainConfig)`. `make_dataclass_and_log_config` raises "Unused parameters [...] found
+#: in cfg" for any other top-level key.
+TRAIN_CONFIG_KEYS = frozenset(SECTION_SHAPES) | frozenset(TRAIN_SCALAR_TYPES)
+
+#: What omegaconf's node for a field of one type converts (omegaconf 2.4 nodes.py,
+#: `_validate_and_convert_impl` of IntegerNode, FloatNode, BooleanNode): the value's exact types
+#: it passes to int() / float() (ValueError: refused). BooleanNode takes any int (and bool) as
+#: is, and a string int() refuses if it is one of `_BOOL_WORDS` in any case.
+_CONVERTS: dict[type, tuple[type, ...]] = {int: (str, int), float: (float, str, int),
+                                           bool: (str,)}
+_BOOL_WORDS = ("yes", "y", "on", "true", "no", "n", "off", "false")
+
+
+def omegaconf_takes(value: object, types: tuple[type, ...]) -> bool:
+    """Whether omegaconf's structured config takes `value` for a field of these types. A
+    Union's members take only their own exact type (UnionNode turns its members' `convert` flag
+    off: base.py UnionNode, nodes.py ValueNode._strict_validate_type); a single type converts."""
+    if value is None:
+        return type(None) in types
+    members = tuple(t for t in types if t is not type(None))
+    if len(members) > 1:
+        return type(value) in members
+    kind = members[0]
+    if kind is str:  # StringNode: str() of anything but a container or bytes
+        return not isinstance(value, (Mapping, list, bytes))
+    if kind is bool and isinstance(value, int):
+        return True
+    if type(value) not in _CONVERTS[kind]:
+        return False
+    try:
+        (int if kind is bool else kind)(value)  # type: ignore[call-overload]
+    except (ValueError, OverflowError):
+        return kind is bool and str(value).lower() in _BOOL_WORDS
+    return True
+
 
 #: Keys LLM-Foundry fills itself from another when flattening those unions, and refuses next to
 #: it (`forbid_config_key`): key -> (source key, refused even when the source is null).

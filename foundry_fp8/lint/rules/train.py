@@ -38,11 +38,21 @@ from foundry_fp8.lint.known import (
     TEXT_LOADER_DEFAULTS,
     TRAIN_CONFIG_KEYS,
     TRAIN_REQUIRED_KEYS,
+    TRAIN_SCALAR_TYPES,
     belongs_under,
     did_you_mean,
     move_fix,
+    omegaconf_takes,
 )
-from foundry_fp8.lint.registry import Hit, LintContext, join_key, mandatory_keys, rule, section
+from foundry_fp8.lint.registry import (
+    MISSING,
+    Hit,
+    LintContext,
+    join_key,
+    mandatory_keys,
+    rule,
+    section,
+)
 from foundry_fp8.mlflow_facts import RACE, THREADPOOL_ENV, WORKAROUNDS, file_store
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE, dim_fits_fp8, tokens_fit_fp8
 
@@ -339,6 +349,53 @@ def _wrong_shape(key: str, value: Any, shapes: tuple[str, ...]) -> Hit:
                fix=f"write {key} as {shapes[0]}")
 
 
+#: What update_batch_size_info reads with `cfg[key]`, in its order (config_utils.py:498-500).
+BATCH_KEYS = ("global_train_batch_size", "device_train_microbatch_size")
+
+#: TrainConfig's scalar fields FP8022 leaves alone: `precision` (FP8011 judges every value),
+#: the sizes FP8043 judges, and the three update_config_with_batch_size_info overwrites whatever
+#: the file gave (config_utils.py:483-486).
+TYPED_ELSEWHERE = frozenset({"precision", "max_seq_len", *BATCH_KEYS, "n_gpus",
+                              "device_train_batch_size", "device_train_grad_accum"})
+_TYPE_NAMES = {int: "an integer", float: "a float", bool: "a boolean", str: "a string",
+               type(None): "null"}
+
+
+def _scalar_type_hits(config: Mapping[str, Any]) -> Iterator[Hit]:
+    """TrainConfig's scalar fields holding a value omegaconf's structured config refuses."""
+    for key, types in TRAIN_SCALAR_TYPES.items():
+        value = config.get(key, MISSING)
+        if key in TYPED_ELSEWHERE or value == MISSING or omegaconf_takes(value, types):
+            continue
+        names = [t.__name__ for t in types if t is not type(None)]
+        hint = names[0] if len(names) == 1 else f"Union[{', '.join(names)}]"
+        hint = f"Optional[{hint}]" if type(None) in types else hint
+        exact = " (a Union takes its members' types as they are, converting nothing)" \
+            if len(names) > 1 else ""
+        yield Hit(key, f"`{key}` must be {' or '.join(_TYPE_NAMES[t] for t in types)}{exact}, "
+                  f"got {_shown(value)}: TrainConfig types it {hint} and omegaconf refuses the "
+                  "value (ValidationError) before anything is built",
+                  fix=f"write {key} as " + " or ".join(_TYPE_NAMES[t] for t in types
+                                                       if t is not type(None)))
+
+
+def _ffn_type_refused(model: Mapping[str, Any]) -> str | None:
+    """Why train's validate_config raises on `model.ffn_config.ffn_type`, or None. It reads
+    `'te' in ffn_type` unless `fc_type` is the string 'te' (TypeError for a value that is no
+    container), then `ffn_type in ffns_with_megablocks`, a registry that hashes it (TypeError
+    for a list or mapping) (LLM-Foundry 0.22.0 llmfoundry/command_utils/train.py:95-147)."""
+    ffn = model.get("ffn_config")
+    if not isinstance(ffn, Mapping) or "ffn_type" not in ffn or isinstance(ffn["ffn_type"], str):
+        return None
+    value = ffn["ffn_type"]
+    if isinstance(value, (list, Mapping)):
+        return ("reads `ffn_type in ffns_with_megablocks`, a registry lookup that hashes it "
+                "(TypeError: unhashable)")
+    if model.get("fc_type", "torch") != "te":
+        return "reads `'te' in ffn_type` where fc_type is not 'te' (TypeError)"
+    return None
+
+
 def _non_string_keys(prefix: str, mapping: Mapping[Any, Any]) -> Iterator[Hit]:
     for key in mapping:
         if not isinstance(key, str):
@@ -348,18 +405,33 @@ def _non_string_keys(prefix: str, mapping: Mapping[Any, Any]) -> Iterator[Hit]:
 
 
 @rule("FP8022", "error", "a section in a shape LLM-Foundry refuses (`callbacks:` as a list, "
-      "`icl_tasks:` as a mapping), a key that is not a string, or a key LLM-Foundry fills "
-      "itself (`eval_loaders` next to `eval_loader`), or `model.ffn_config` that is not a "
-      "mapping (train's validate_config calls its `.get`)",
+      "`icl_tasks:` as a mapping), a setting of a type TrainConfig refuses "
+      "(`max_duration: 1.5`, `log_to_console: null`, `run_name: [a]`), a key that is not a "
+      "string, a key LLM-Foundry fills itself (`eval_loaders` next to `eval_loader`), or "
+      "`model.ffn_config` that is not a mapping (train's validate_config calls its `.get`) or "
+      "whose `ffn_type` is no string where validate_config refuses it",
       why="make_dataclass_and_log_config builds TrainConfig through omegaconf's structured "
       "config, which refuses a section whose shape its field type does not admit "
       "(`dict[str, Any]`: a mapping with string keys; `list[dict[str, Any]]`; `list[str]`), "
-      "and asserts that top-level keys are strings. It first accepts a list `eval_loader` "
-      "(as eval_loaders) and a string `icl_tasks` or `eval_gauntlet` (a path, as "
-      "icl_tasks_str / eval_gauntlet_str), refusing those filled keys next to their source.",
+      "and a setting its field's type does not take: an int field converts an int or a "
+      "string int() reads (not a float or a boolean), a bool field a boolean, an int, or a "
+      "string of an int or of yes/no/on/off/true/false/y/n, a str field any scalar; a Union "
+      "field (`max_duration`, `eval_interval`: Union[int, str]; `dist_timeout`: Union[int, "
+      "float]) takes its members' types as they are, converting nothing (1.5 and true are "
+      "refused for max_duration, '600' for dist_timeout); null only where Optional. It asserts "
+      "that top-level keys are strings. It first accepts a list `eval_loader` (as "
+      "eval_loaders) and a string `icl_tasks` or `eval_gauntlet` (a path, as icl_tasks_str / "
+      "eval_gauntlet_str), refusing those filled keys next to their source. train's "
+      "validate_config then reads `'te' in ffn_type` unless fc_type is the string 'te' "
+      "(TypeError for null, a number or a boolean) and `ffn_type in ffns_with_megablocks` "
+      "(TypeError for a list or a mapping). `precision` is FP8011's, `max_seq_len` and the "
+      "batch sizes FP8043's.",
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig, "
-      "make_dataclass_and_log_config, forbid_config_key; omegaconf 2.4 OmegaConf.structured",
-      fix="write the section in one of the shapes the message names")
+      "make_dataclass_and_log_config, forbid_config_key, llmfoundry/command_utils/train.py "
+      "validate_config; omegaconf 2.4 OmegaConf.structured, nodes.py IntegerNode, FloatNode, "
+      "BooleanNode, StringNode, base.py UnionNode (members' `convert` flag off); the same "
+      "field types and verdicts in LLM-Foundry 0.21.0 with omegaconf 2.2.3",
+      fix="write the section or setting in one of the shapes or types the message names")
 def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     """Sections whose YAML shape TrainConfig refuses, keys that are not strings where
     LLM-Foundry reads them (top level, a section's own keys), and keys it fills itself."""
@@ -382,6 +454,13 @@ def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]
                   f"{_shown(model['ffn_config'])}: train's validate_config calls its .get() "
                   "(AttributeError) before building anything",
                   fix="write model.ffn_config as a mapping ({ffn_type: mptmlp}), or remove it")
+    why = _ffn_type_refused(model)
+    if why:
+        yield Hit("model.ffn_config.ffn_type", f"`model.ffn_config.ffn_type` is "
+                  f"{_shown(model['ffn_config']['ffn_type'])}, not a string: train's "
+                  f"validate_config {why} before building anything",
+                  fix="write ffn_type as a string (mptmlp, mptglu, te_ln_mlp), or remove it")
+    yield from _scalar_type_hits(config)
     for key, (source, even_null) in FILLED_KEYS.items():
         if key in config and source in config and (even_null or config[source] is not None):
             yield Hit(key, f"LLM-Foundry fills `{key}` from `{source}` itself and refuses both in "
@@ -425,10 +504,6 @@ def mandatory_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hi
 #: `tokenizer:` section).
 TRAIN_ONLY_KEYS = tuple(k for k in TRAIN_REQUIRED_KEYS
                         if k not in EVAL_CONFIG_KEYS and k not in EVAL_MODEL_KEYS)
-
-
-#: What update_batch_size_info reads with `cfg[key]`, in its order (config_utils.py:498-500).
-BATCH_KEYS = ("global_train_batch_size", "device_train_microbatch_size")
 
 
 def _refusal(key: str) -> str:
@@ -477,18 +552,6 @@ def required_keys_absent(config: Mapping[str, Any], ctx: LintContext) -> Iterato
         yield Hit(setting, f"a train config without {named}: `llmfoundry train` refuses this file "
                   f"as is ({_refusal(first)}); fine only if it is a fragment merged into a "
                   "whole config", severity="warning")
-
-
-def _omegaconf_int(value: Any) -> bool:
-    """Whether omegaconf's IntegerNode takes `value` for a field typed int: int() of an int or
-    a string, exactly those types (omegaconf 2.4 nodes.py IntegerNode)."""
-    if type(value) not in (int, str):
-        return False
-    try:
-        int(value)
-    except ValueError:
-        return False
-    return True
 
 
 def _global_batch_refused(size: Any, micro: Any) -> str | None:
@@ -557,7 +620,8 @@ def _micro_batch_refused(micro: Any, size: Any) -> str | None:
       scope="file")
 def train_sizes_refused(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     size, micro = config.get("global_train_batch_size"), config.get("device_train_microbatch_size")
-    if "max_seq_len" in config and not _omegaconf_int(config["max_seq_len"]):
+    if "max_seq_len" in config \
+            and not omegaconf_takes(config["max_seq_len"], TRAIN_SCALAR_TYPES["max_seq_len"]):
         value = config["max_seq_len"]
         yield Hit("max_seq_len", f"max_seq_len is {value!r:.40}: TrainConfig types it int, and "
                   f"omegaconf raises 'Value {value!s:.40} of type {type(value).__name__} could "
