@@ -116,15 +116,22 @@ WHATIF_MARK = "(what-if)"
 PARTLY_WHATIF_MARK = "(what-if in part)"
 
 
+def table_order(table: Mapping[tuple[str, str], Mapping[str, float]]) -> list[tuple[str, str]]:
+    """The table's rows in the order it shows them: worst underflow first."""
+    return sorted(table, key=lambda key: -_sortable(table[key].get("underflow_pct", 0.0)))
+
+
 def render_table(table: Mapping[tuple[str, str], Mapping[str, float]],
-                 cells: Collection[tuple[str, str, str]] = ()) -> str:
+                 cells: Collection[tuple[str, str, str]] = (),
+                 only: Collection[tuple[str, str]] | None = None) -> str:
     """The worst value of each statistic per layer and tensor, worst underflow first; empty
     when nothing was judged. `scale_ratio` is the one farthest from 1 (> 1: tensor outgrew its
     scale, overflow side; < 1: scale too small, underflow side). `cells` names the (layer,
     tensor, stat) whose worst value only what-if numbers reached (a layer not in FP8 at those
     judged steps: never converted, or in fp8_guard's fallback), not the layer's FP8 casts; a
     row's mark says that of its shown values: all of them `(what-if)`, some `(what-if in
-    part)`, none no mark."""
+    part)`, none no mark. `only`: the rows shown (the terminal's cut of a wide run's table),
+    with the whole table's columns and labels."""
     if not table:
         return ""
     present = {s for row in table.values() for s in row}
@@ -137,8 +144,10 @@ def render_table(table: Mapping[tuple[str, str], Mapping[str, float]],
     heads = short_names(columns)
     lines = ["| layer | tensor | " + " | ".join(md_escape(heads[c]) for c in columns) + " |",
              "|" + "---|" * (len(columns) + 2)]
-    for (layer, tensor), row in sorted(table.items(),
-                                       key=lambda kv: -_sortable(kv[1].get("underflow_pct", 0.0))):
+    for layer, tensor in table_order(table):
+        if only is not None and (layer, tensor) not in only:
+            continue
+        row = table[(layer, tensor)]
         values = " | ".join(number(row.get(c, float("nan"))) for c in columns)
         kind = md_escape(tensors[tensor]) + _mark(layer, tensor, row, columns, cells)
         lines.append(f"| {md_escape(layers[layer])} | {kind} | {values} |")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from foundry_fp8.report.mlflow_run import mlflow_history, mlflow_params, mlflow_
 from foundry_fp8.report.read import (
     ReportError,
     WandbRead,
+    _attempts_config,
     _json_document,
     losses_of,
     metrics_file_of,
@@ -35,6 +38,13 @@ COMPOSER_SEED = "rank_zero_seed"
 def read_losses(given: Path) -> dict[int, float]:
     """step -> training loss (`health.keys.LOSS`) of the run GIVEN names, however the report
     reads runs; ReportError (one line) where GIVEN is no run or logged no loss."""
+    return _losses_and_config(given)[0]
+
+
+def _losses_and_config(given: Path) -> tuple[dict[int, float], Mapping[str, Any] | None]:
+    """`read_losses`, and the run's config where the same read holds it (a W&B run's: its
+    files read again for it took as long again); else None."""
+    config = None
     if (ml := mlflow_run(given)) is not None:
         losses = losses_of(mlflow_history(ml, LOSS))
     elif (files := wandb_files(given)) is not None:
@@ -42,6 +52,7 @@ def read_losses(given: Path) -> dict[int, float]:
         losses = losses_of(read.rows())
         if read.failed:
             raise ReportError(f"{files[0]}: W&B's reader cannot read it")
+        config = _attempts_config(read)
     else:
         metrics_file = metrics_file_of(given)
         try:
@@ -52,7 +63,7 @@ def read_losses(given: Path) -> dict[int, float]:
             raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
     if not losses:
         raise ReportError(no_loss(given))
-    return losses
+    return losses, config
 
 
 def no_loss(given: Path) -> str:
@@ -101,17 +112,37 @@ def mlflow_holes(given: Path, losses: Mapping[int, float]) -> str | None:
             "run's metrics.jsonl holds them, where it logged one")
 
 
-def read_baseline(given: Path) -> dict[int, float]:
+@dataclass
+class Baseline:
+    """`--baseline` as read once for all the runs of a sweep: its losses, and its config
+    (`read_config`) and MLflow's holes in its loss (`mlflow_holes`) read at most once, when a
+    run's check first asks (`config`, `holes`)."""
+
+    given: Path
+    losses: dict[int, float]
+    _config: Mapping[str, Any] | None = None
+
+    def config(self) -> Mapping[str, Any]:
+        if self._config is None:
+            self._config = read_config(self.given)
+        return self._config
+
+    @cached_property
+    def holes(self) -> str | None:
+        return mlflow_holes(self.given, self.losses)
+
+
+def read_baseline(given: Path) -> Baseline:
     """The baseline's losses (`read_losses`), one line naming `--baseline` where they do not
     read or none is finite (it diverged itself: nothing to compare with)."""
     try:
-        losses = read_losses(given)
+        losses, config = _losses_and_config(given)
     except ReportError as e:
         raise ReportError(f"--baseline {e}") from None
     if not any(map(math.isfinite, losses.values())):
         raise ReportError(f"--baseline {given}: `{LOSS}` is NaN/Inf at each of its "
                           f"{len(losses)} logged steps, nothing to compare with")
-    return losses
+    return Baseline(given, losses, config)
 
 
 def run_identity(given: Path) -> str:
@@ -158,16 +189,16 @@ def _setting(config: Mapping[str, Any], key: str) -> Any:
     return value
 
 
-def other_batches(ours: Mapping[str, Any], baseline: Path) -> str | None:
+def other_batches(ours: Mapping[str, Any], baseline: Baseline) -> str | None:
     """Which of SAME_BATCH_KEYS both runs logged with different values (compared as text, as
     MLflow keeps a param), where any: a step may then not be the same batch in both. `ours`:
     the run's hyperparameters as the report read them (`read_config`; not read again)."""
-    theirs = read_config(baseline)
+    theirs = baseline.config()
     differ = [(key, a, b) for key in SAME_BATCH_KEYS
               if (a := _setting(ours, key)) is not None and (b := _setting(theirs, key)) is not None
               and str(a) != str(b)]
     if not differ:
         return None
     said = ", ".join(f"{key} {a} vs {b}" for key, a, b in differ)
-    return (f"--baseline {baseline} trained on other batches: {said} (this run vs the "
+    return (f"--baseline {baseline.given} trained on other batches: {said} (this run vs the "
             "baseline): a step's losses are not of the same data")

@@ -11,7 +11,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +20,8 @@ import regex
 
 from foundry_fp8.filters import MATCH_TIMEOUT_S, search
 from foundry_fp8.guard import static_yaml
-from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table, worst_values
-from foundry_fp8.health.history import shown, whatif_worst
+from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table
+from foundry_fp8.health.history import shown
 from foundry_fp8.health.keys import full_forms
 from foundry_fp8.health.loss import LossComparison, compare
 from foundry_fp8.health.plots import (
@@ -31,12 +31,20 @@ from foundry_fp8.health.plots import (
     draw_series,
     save_png,
 )
-from foundry_fp8.health.specs import spec
-from foundry_fp8.health.table import bounded, distinct_labels, elide, one_line, short_names
+from foundry_fp8.health.specs import badness, spec
+from foundry_fp8.health.table import (
+    bounded,
+    distinct_labels,
+    elide,
+    one_line,
+    short_names,
+    table_order,
+)
 from foundry_fp8.health.thresholds import LOSS_GAP_STEPS, MAX_LOSS_GAP
 from foundry_fp8.jsonl import hparams_of, write_output
 from foundry_fp8.options import OptionError
 from foundry_fp8.report.baseline import (
+    Baseline,
     mlflow_holes,
     no_loss,
     other_batches,
@@ -48,20 +56,24 @@ from foundry_fp8.report.baseline import (
 from foundry_fp8.report.markdown import (
     TO_FP8,
     Finding,
+    WorstTable,
     change_key,
     departure,
     fallback_steps,
     findings,
     first_flagged,
     first_flags,
-    fmt,
+    grouped,
     in_high_precision,
     layer_names,
+    layers_named,
     moved,
     refused,
     render_report,
     runs_in_fp8,
     unrecorded_fallbacks,
+    values_said,
+    worst_table,
 )
 from foundry_fp8.report.mlflow_run import MlflowRun, load_mlflow, mlflow_run
 from foundry_fp8.report.read import (
@@ -83,6 +95,24 @@ from foundry_fp8.report.read import (
 
 SERIES_FILE = "fp8_timeseries.png"
 MAX_PRINTED = 10  # flagged rows on the terminal; the markdown has them all
+#: The terminal's worst-value table: whole up to TABLE_ROWS rows (a 2-block MPT's 24); a wider
+#: run's (96 layers: 288 rows) scrolled the verdict printed after it off the screen, so there it
+#: keeps its TABLE_WORST worst rows and the flagged ones, up to TABLE_ROWS (the markdown has all).
+TABLE_ROWS = 30
+TABLE_WORST = 10
+
+
+def terminal_rows(table: Mapping[tuple[str, str], Mapping[str, float]],
+                  flagged: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The rows of the worst-value table the terminal shows (TABLE_ROWS), in the table's
+    order."""
+    order = table_order(table)
+    if len(order) <= TABLE_ROWS:
+        return order
+    kept = set(order[:TABLE_WORST])
+    kept.update([key for key in order if key in flagged and key not in kept]
+                [:TABLE_ROWS - len(kept)])
+    return [key for key in order if key in kept]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -267,13 +297,15 @@ def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
 
 
 def make_report(run_folder: Path, layers: str | None = None, out: Path | None = None,
-                loss: tuple[str, LossComparison] | None = None, loaded: Loaded | None = None
+                loss: tuple[str, LossComparison] | None = None, loaded: Loaded | None = None,
+                tables: list[WorstTable] | None = None
                 ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path],
                            tuple[Flag, Path] | None]:
     """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did,
     the written paths (markdown last) and the first flagged step's dump (`first_dump`). `loss`:
     the baseline as named and the loss comparison with it (`compare`), for the headline;
-    `loaded`: the run already read (`load`)."""
+    `loaded`: the run already read (`load`); `tables`: gets the markdown's `worst_table`, for
+    the terminal's (made once: each reads every series)."""
     loaded = loaded or load(run_folder)
     run, series, hparams = loaded.run, loaded.series, loaded.hparams
     hparams_file, folder = loaded.hparams_file, loaded.folder
@@ -283,6 +315,9 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     guard = guard_run(series, hparams, hparams_file, warn, run.later_attempt)
     mark_high_precision(run, guard)
     flags = replay(run, HealthTracker(thresholds))
+    worst = worst_table(run)
+    if tables is not None:
+        tables.append(worst)
     first = next(iter(first_flags(flags)), None)
     dump = first_dump(flags, folder, hparams)
     chosen = choose_layers(run, matching, (first.layer, first.step) if first else None)
@@ -307,7 +342,8 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
         target = out / "fp8_report.md"
         write_output(target, render_report(run, flags, thresholds, chosen[:MAX_SERIES_LAYERS],
                                            [p.name for p in written], guard,
-                                           matched=len(chosen), dump=dump, loss=loss))
+                                           matched=len(chosen), dump=dump, loss=loss,
+                                           worst=worst))
     except OSError as e:  # read-only, a full disk, a folder or FIFO in the file's place
         # a run folder someone else's run wrote (a shared store, a read-only mount): say how
         elsewhere = ("; --out DIR writes the report elsewhere"
@@ -350,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
             raise ReportError(shared)
         gap, gap_steps = gap_options(args.max_loss_gap, args.loss_gap_steps)
         # the baseline's errors first: it is read in seconds, the runs not
-        base = (None if not baselines else (baselines[0], read_baseline(baselines[0])))
+        base = None if not baselines else read_baseline(baselines[0])
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
@@ -380,7 +416,7 @@ def _summary(found: int | None, loss: tuple[str, LossComparison] | None) -> str:
 
 
 def report_one(args: argparse.Namespace, run_folder: Path,
-               base: tuple[Path, dict[int, float]] | None, gap: float, gap_steps: int
+               base: Baseline | None, gap: float, gap_steps: int
                ) -> tuple[int, str]:
     """`report RUN_FOLDER` for one run; its exit status and its line in a summary."""
     loss, notes = None, []
@@ -392,23 +428,23 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         except NoStatistics as e:  # its loss, read in the same pass, may still be compared
             loaded = e
         if base is not None:
-            baseline, base_losses = base
+            baseline, base_losses = base.given, base.losses
             if not losses:
                 raise ReportError(no_loss(run_folder))
             loss = (str(baseline), compare(losses, base_losses, gap, gap_steps))
-            notes += [f"warning: {holes}" for given, logged in ((run_folder, losses),
-                                                                 (baseline, base_losses))
-                      if (holes := mlflow_holes(given, logged)) is not None]
+            notes += [f"warning: {holes}" for holes in (mlflow_holes(run_folder, losses),
+                                                        base.holes) if holes is not None]
             if (same := same_run(run_folder, losses, baseline, base_losses)) is not None:
                 notes.append(f"note: {same}; the comparison says nothing")
             elif (other := other_batches(
                     (loaded.hparams or {}) if isinstance(loaded, Loaded) else read_config(run_folder),
-                    baseline)) is not None:
+                    base)) is not None:
                 notes.append(f"warning: {other}")
         if isinstance(loaded, NoStatistics):
             raise loaded
+        tables: list[WorstTable] = []
         metrics, flags, guard, written, dump = make_report(run_folder, args.layers,
-                                                           args.out, loss, loaded)
+                                                           args.out, loss, loaded, tables)
     except NoStatistics as e:
         if loss is None:
             print(f"error: {one_line(str(e))}", file=sys.stderr)
@@ -420,30 +456,42 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2, "error (above)"
-    print(render_table(worst_values(metrics), cells=whatif_worst(metrics)))
     found = findings(metrics, flags)
     fallen = fallback_steps(guard)
     names = layer_names(metrics, guard)
     kinds = short_names(metrics.tensors)
+    table, cells = tables[0]
+    shown_rows = terminal_rows(table, {(f.worst.layer, f.worst.tensor) for f in found})
+    print(render_table(table, cells=cells, only=shown_rows), end="")
+    if len(shown_rows) < len(table):
+        print(f"... {len(table) - len(shown_rows)} of the {len(table)} rows left out here (the "
+              f"{TABLE_WORST} worst and the flagged kept, up to {TABLE_ROWS}): all in "
+              f"{written[-1]}, 'Worst value per layer and tensor'")
+    print()
 
-    def line(f: Finding) -> str:
+    def line(group: list[Finding]) -> str:
+        f = group[0]
         w = f.worst
         key = change_key(w.yaml_key)
         change = f"Change: {key}" if w.layer not in fallen else in_high_precision(
             "it", fallen[w.layer]) + (f"{TO_FP8}{key}" if runs_in_fp8(w.yaml_key) else "")
-        return (f"{names[w.layer]!r} {kinds[w.tensor]}: {bounded(w.stat)} {fmt(w.stat, w.value)} "
-                f"at {f.worst_at()} ({w.limit}; {f.counted(' steps')}). Likely cause: "
-                f"{w.cause}. {change}")
+        limit = (w.limit if len({g.worst.limit for g in group}) == 1 else
+                 f"e.g. {max(group, key=lambda g: badness(w.stat, g.worst.value)).worst.limit}")
+        each = " each" if len(group) > 1 else ""
+        return (f"{layers_named(group, metrics.layers, names)} {kinds[w.tensor]}: "
+                f"{bounded(w.stat)} {values_said(group)} at {f.worst_at()} ({limit}; "
+                f"{f.counted(' steps')}{each}). Likely cause: {w.cause}. {change}")
 
+    rows = grouped(found, fallen)
     print(f"{len(found)} flagged")
     if found:
         print(f"  {first_flagged(metrics, flags, names, dump=dump)}")
     if loss is not None:
         print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
         print("".join(f"  {note}\n" for note in notes), end="")
-    print("".join(f"  {line(f)}\n" for f in found[:MAX_PRINTED]), end="")
-    if len(found) > MAX_PRINTED:
-        print(f"  ... {len(found) - MAX_PRINTED} more in fp8_report.md")
+    print("".join(f"  {line(group)}\n" for group in rows[:MAX_PRINTED]), end="")
+    if len(rows) > MAX_PRINTED:
+        print(f"  ... {len(rows) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:
         print(f"{moved(guard)}: " + ", ".join(
             f"{names[layer]} {span}" for layer, span in fallen.items()) + "." + (

@@ -6,6 +6,7 @@ escaped (`health.table.md_escape`) and shown by a bounded label (`health.table.s
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote
@@ -36,6 +37,21 @@ from foundry_fp8.health.table import (
     short_names,
 )
 from foundry_fp8.report.read import GuardRun
+
+#: The worst-value table (`worst_values`) and its what-if cells (`whatif_worst`).
+WorstTable = tuple[dict[tuple[str, str], dict[str, float]], set[tuple[str, str, str]]]
+
+
+def worst_table(run: RunMetrics) -> WorstTable:
+    """The run's worst-value table and its what-if cells: made once a report (each reads every
+    series), for the markdown and the terminal."""
+    return worst_values(run), whatif_worst(run)
+
+
+FLAGGED_HEAD = ("| layer | tensor | statistic | worst | first flagged at step | steps flagged "
+                "| likely cause | change |\n|---|---|---|---|---|---|---|---|")
+#: The section holding each layer of the flag rows that name several.
+PER_LAYER = "Flagged layers one per row"
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,83 @@ def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
 
 def fmt(stat: str, value: float) -> str:
     return f"{number(value)} %" if stat.endswith("_pct") else number(value)
+
+
+def grouped(found: list[Finding], fallen: Collection[str]) -> list[list[Finding]]:
+    """The findings as rows, in their order: those that differ only in their layer (one rule,
+    tensor, statistic, steps, worst step, cause and change; the values may differ) share the
+    first one's row. A run that went NaN flagged every layer at one step: 96 rows of the same
+    words, the first ten filling the terminal. A layer fp8_guard ran in high precision keeps its
+    own row (what it says of the change is the layer's own)."""
+    rows: dict[tuple[object, ...], list[Finding]] = {}
+    for n, f in enumerate(found):
+        w = f.worst
+        key = ((n,) if w.layer in fallen else
+               (w.rule, w.tensor, w.stat, w.step, f.first_step, f.steps, f.logged, f.whatif,
+                f.worst_whatif, w.cause, w.yaml_key))
+        rows.setdefault(key, []).append(f)
+    return list(rows.values())
+
+
+#: Layers a grouped row names where no pattern names them exactly (the rest are counted).
+GROUP_SHOWN = 3
+
+
+def number_pattern(layers: list[str], every: Collection[str]) -> str | None:
+    """`blocks.*.ffn.down_proj`: the layers' common name with `*` for the dotted parts that are
+    numbers and differ, where it names exactly these layers among `every` (the run's); else
+    None."""
+    parts = [layer.split(".") for layer in layers]
+    if len({len(p) for p in parts}) != 1:
+        return None
+    pattern: list[str | None] = []  # None: any number
+    for column in zip(*parts, strict=True):
+        if len(set(column)) == 1:
+            pattern.append(column[0])
+        elif all(c.isascii() and c.isdigit() for c in column):
+            pattern.append(None)
+        else:
+            return None
+
+    def matches(name: str) -> bool:
+        got = name.split(".")
+        return len(got) == len(pattern) and all(
+            (c.isascii() and c.isdigit()) if want is None else c == want
+            for c, want in zip(got, pattern, strict=True))
+
+    if {layer for layer in every if matches(layer)} != set(layers):
+        return None
+    return ".".join("*" if want is None else want for want in pattern)
+
+
+def layers_named(group: list[Finding], every: Collection[str], names: dict[str, str],
+                 markdown: bool = False) -> str:
+    """A row's layer (its label) or, for a grouped row, its layers in a few words: `all 96
+    layers`, `24 layers 'blocks.*.ffn.down_proj'` (`number_pattern`), else the count and the
+    first GROUP_SHOWN labels in the run's order (`every`)."""
+    place = {layer: n for n, layer in enumerate(every)}
+    layers = sorted((f.worst.layer for f in group), key=lambda layer: place.get(layer, len(place)))
+    show = md_code if markdown else repr
+    if len(layers) == 1:
+        label = names.get(layers[0], layers[0])
+        return md_escape(label) if markdown else repr(label)
+    if set(layers) == set(every):
+        return f"all {len(layers)} layers"
+    if (pattern := number_pattern(layers, every)) is not None:
+        return f"{len(layers)} layers {show(bounded(pattern))}"
+    more = len(layers) - GROUP_SHOWN
+    return (f"{len(layers)} layers (" + ", ".join(
+        show(names.get(layer, layer)) for layer in layers[:GROUP_SHOWN])
+        + (f" and {more} more" if more > 0 else "") + ")")
+
+
+def values_said(group: list[Finding]) -> str:
+    """A row's worst value, or the range of its layers' worst values (`12 to 340`)."""
+    stat = group[0].worst.stat
+    ranked = sorted((f.worst.value for f in group), key=lambda v: badness(stat, v))
+    if ranked[0] == ranked[-1]:
+        return fmt(stat, ranked[0])
+    return f"{fmt(stat, ranked[0])} to {fmt(stat, ranked[-1])}"
 
 
 #: Flags of the first flagged step the headline names (the rest are counted).
@@ -302,10 +395,13 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                   chosen: list[tuple[str, str]], pngs: list[str],
                   guard: GuardRun | None = None, matched: int | None = None,
                   dump: tuple[Flag, Path] | None = None,
-                  loss: tuple[str, LossComparison] | None = None) -> str:
+                  loss: tuple[str, LossComparison] | None = None,
+                  worst: WorstTable | None = None) -> str:
     """fp8_report.md: what to look at first, what fp8_guard did, how to read it, the plots,
-    then the full table. `matched`: how many layers `--layers` matched, of which `chosen` are
-    the ones drawn; `loss`: the baseline (as named) and the loss comparison with it."""
+    then the full table (and the layers of grouped flag rows one per row). `matched`: how many
+    layers `--layers` matched, of which `chosen` are the ones drawn; `loss`: the baseline (as
+    named) and the loss comparison with it; `worst`: the run's `worst_table`, when made."""
+    table, cells = worst or worst_table(run)
     prefix = common_prefix(run.layers)
     names = layer_names(run, guard)
     kinds = short_names(run.tensors)
@@ -329,20 +425,29 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         lines += [first_flagged(run, flags, names, markdown=True, dump=dump) or "", ""]
     if loss is not None:
         lines += [departure(loss[1], flags, names, run, loss[0], markdown=True), ""]
+    rows = grouped(found, fallen)
+    shared = [f for group in rows if len(group) > 1 for f in group]
+
+    def row(group: list[Finding]) -> str:
+        f = group[0]
+        w = f.worst
+        layer, change = layers_named(group, run.layers, names, True), md_code(change_key(w.yaml_key))
+        if w.layer in fallen:
+            since = fallen[w.layer]
+            layer += f" (high precision {since}: fp8_guard)"
+            change = md_escape(in_high_precision("it", since)) + (
+                f"{TO_FP8}{change}" if runs_in_fp8(w.yaml_key) else "")
+        return (f"| {layer} | {md_escape(kinds[w.tensor])} | {md_escape(bounded(w.stat))} | "
+                f"{values_said(group)} ({f.worst_at()}) | {f.first_step} | "
+                f"{f.counted()}{' each' if len(group) > 1 else ''} | {md_escape(w.cause)} | "
+                f"{change} |")
+
     if found:
-        lines += ["| layer | tensor | statistic | worst | first flagged at step | steps flagged "
-                  "| likely cause | change |", "|---|---|---|---|---|---|---|---|"]
-        for f in found:
-            w = f.worst
-            layer, change = md_escape(names[w.layer]), md_code(change_key(w.yaml_key))
-            if w.layer in fallen:
-                since = fallen[w.layer]
-                layer += f" (high precision {since}: fp8_guard)"
-                change = md_escape(in_high_precision("it", since)) + (
-                    f"{TO_FP8}{change}" if runs_in_fp8(w.yaml_key) else "")
-            lines.append(f"| {layer} | {md_escape(kinds[w.tensor])} | {md_escape(bounded(w.stat))} | "
-                         f"{fmt(w.stat, w.value)} ({f.worst_at()}) | {f.first_step} | "
-                         f"{f.counted()} | {md_escape(w.cause)} | {change} |")
+        lines += [FLAGGED_HEAD, *map(row, rows)]
+        if shared:
+            lines += ["", f"A row naming several layers holds those whose flags differ only in "
+                      f"their values; each of them has its own row in [{PER_LAYER}]"
+                      f"(#{PER_LAYER.lower().replace(' ', '-')})."]
     else:
         lines.append("No layer crosses a threshold.")
     if guard is not None:
@@ -371,8 +476,11 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         "underflow side)." + (f" {WHATIF_MARK}: the row's worst values are what-if numbers, "
                               "reached only at logging steps fp8_guard ran the layer in high "
                               f"precision; {PARTLY_WHATIF_MARK}: some of them are."
-                              if (cells := whatif_worst(run)) else ""), "",
-        render_table(worst_values(run), cells=cells)]
+                              if cells else ""), "",
+        render_table(table, cells=cells)]
+    if shared:
+        lines += ["", f"## {PER_LAYER}", "", "The layers of the rows above that name several.",
+                  "", FLAGGED_HEAD, *(row([f]) for f in shared)]
     return "\n".join(lines)
 
 
