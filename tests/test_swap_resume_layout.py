@@ -13,12 +13,14 @@ from TE's and MPT's sources) maps. The `te` backend runs on CPU with tests/fake_
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.ranks import run_ranks
 from tests.test_plain_interop import _plain_name, _te_run
 from tests.tiny_run import run_folder, run_plain
 
@@ -124,3 +126,93 @@ def test_a_fused_resume_into_a_fused_run_stays_bit_identical(
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert torch.equal(got[name].detach(), value), name
+
+
+def _fsdp_worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    """A 2-rank FSDP (Composer's default: FSDP1, use_orig_params) MPT's full model and
+    optimizer state dicts, as Composer saves them (torch's get_*_state_dict), loaded through
+    te_swap's `load_plain` with torch's full-state-dict loaders into a model in the other
+    layout; both read back gathered, by MPT's names."""
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap
+    from tests.fake_te import install_fake_te
+    from tests.ranks import init_rank
+
+    init_rank(rank, rendezvous)
+    install_fake_te(pytest.MonkeyPatch())
+    config = MPTConfig(d_model=64, n_heads=4, n_layers=2, expansion_ratio=4, max_seq_len=64,
+                       vocab_size=512, attn_config={"attn_impl": "torch"})
+    full = StateDictOptions(full_state_dict=True)
+
+    def build(fuse: bool, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = MPTForCausalLM(config)
+        apply_swap(model, plan_swap(model, SwapConfig(backend="te", fuse_ln_mlp=fuse)))
+        model = FSDP(model, use_orig_params=True, device_id=torch.device("cpu"))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    results = {}
+    for fused_saved in (False, True):
+        results["fused-plain" if fused_saved else "plain-fused"] = _other_layout(
+            build, fused_saved, rank, full)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _other_layout(build: Any, fused_saved: bool, rank: int, full: Any) -> dict[str, Any]:
+    """One direction of `_fsdp_worker`: (all exact, fused blocks after, parameters with state)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from foundry_fp8.composer.plain import load_plain
+
+    source, optimizer = build(fused_saved, 5)
+    source(torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(rank))
+           ).logits.square().mean().backward()
+    optimizer.step()
+    saved = {"model": get_model_state_dict(source, options=full),
+             "optimizers": {"AdamW": get_optimizer_state_dict(source, optimizer, options=full)}}
+    expected = {"model": _by_plain_name({k: v.clone() for k, v in saved["model"].items()}),
+                "moments": _by_plain_name({k: {n: t.clone() for n, t in v.items()} for k, v in
+                                           saved["optimizers"]["AdamW"]["state"].items()})}
+
+    target, target_optimizer = build(not fused_saved, 17)
+
+    def load_model_state(state_dict: dict[str, Any]) -> None:  # Composer's, in short
+        set_model_state_dict(target, state_dict["model"], options=StateDictOptions(
+            full_state_dict=True, strict=True))
+        set_optimizer_state_dict(target, target_optimizer, state_dict["optimizers"]["AdamW"],
+                                 options=full)
+
+    state = SimpleNamespace(model=target, load_model_state=load_model_state)
+    load_plain(state)  # type: ignore[arg-type]
+    state.load_model_state(saved)
+    model = get_model_state_dict(target, options=full)
+    moments = get_optimizer_state_dict(target, target_optimizer, options=full)["state"]
+    fused_now = sum(".ffn.fc1_weight" in k for k in model)
+    got = {"model": _by_plain_name(model), "moments": _by_plain_name(moments)}
+    same = (sorted(got["model"]) == sorted(expected["model"])
+            and all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
+            and sorted(got["moments"]) == sorted(expected["moments"])
+            and all(torch.equal(got["moments"][k][n], t) for k, v in expected["moments"].items()
+                    for n, t in v.items()))
+    return {"same": same, "fused_now": fused_now, "moments": len(expected["moments"])}
+
+
+def test_fsdp_full_state_dicts_load_into_the_other_layout_exactly(tmp_path):
+    """Under FSDP, torch's full-state-dict loaders (Composer's default) keep only the model's
+    own names: the renames must come first, for the optimizer state as for the weights."""
+    run_ranks(_fsdp_worker, str(tmp_path))
+    for rank in range(2):  # 28: the tiny MPT's parameters, all trained
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {
+            "plain-fused": {"same": True, "fused_now": 2, "moments": 28},
+            "fused-plain": {"same": True, "fused_now": 0, "moments": 28}}
