@@ -35,7 +35,9 @@ class JSONLLogger(LoggerDestination):
 
     `path` may contain `{run_name}`; it is checked here, when LLM-Foundry builds the logger. A
     relative `path` is taken inside the run folder (`state_run_folder`) and may not lead out of
-    it; an absolute one is used as written.
+    it; an absolute one is used as written. One that begins with the run folder itself (the old
+    default `runs/{run_name}/metrics.jsonl` written out) names the file it named when relative
+    paths were taken in the working directory, with one warning (`paths.repeated_run_folder`).
     Hyperparameters go to `hparams.json` beside it. Only global rank 0 writes, as W&B and
     MLflow do: Composer sends every rank's metrics to every destination, and several ranks
     appending to one file would interleave copies.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
+from pathlib import PurePath
 from typing import Any
 
 from foundry_fp8.filters import fuse_reason, layernorm_reason, linear_reason, module_filter_fn
@@ -40,6 +41,7 @@ from foundry_fp8.options import (
     checks,
     defaults,
 )
+from foundry_fp8.paths import path_problem, repeated_run_folder, run_folder, safe_run_name
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.sdpa_facts import SDPA
 from foundry_fp8.te.facts import (
@@ -260,6 +262,54 @@ def fp8_stats_selects_nothing(config: Mapping[str, Any], ctx: LintContext) -> It
       fix="see the message", also=("eval",))
 def entry_option_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     yield from _option_hits(config, ("value",))
+
+
+def _yaml_run_folder(config: Mapping[str, Any]) -> tuple[PurePath, str]:
+    """The run folder `paths.run_folder` finds for this YAML, and the run name it is filled
+    with: the YAML's `run_name`, else `<run_name>` (Composer's generated or RUN_NAME's name,
+    filled alike into `save_folder` and our paths)."""
+    name = config.get("run_name")
+    name = name if isinstance(name, str) and name else "<run_name>"
+    save_folder = config.get("save_folder")
+    filled = save_folder.replace("{run_name}", safe_run_name(name)) \
+        if isinstance(save_folder, str) else None
+    return run_folder(filled, name), name
+
+
+@rule("FP8052", "warning", "a relative `loggers.jsonl.path` or fp8_stats `dump_folder` that "
+      "begins with the run folder itself (`path: runs/{run_name}/metrics.jsonl`, the old "
+      "default, with the default run folder `runs/<run_name>`)",
+      why="A relative path is taken inside the run folder (the parent of a local save_folder, "
+      "else runs/<run_name>); before, it was taken in the working directory, and such a path "
+      "named a file inside the run folder. Taken inside it, it would double the folder "
+      "(runs/X/runs/X/metrics.jsonl), and a run upgraded mid-way would leave its metrics in "
+      "two files, each read as the whole run. The run takes it the old way and warns "
+      "(foundry_fp8/paths.py repeated_run_folder, used by the jsonl logger at INIT and "
+      "fp8_stats' dumps): no run is refused for a YAML that worked, and its files stay in one "
+      "place.",
+      source=f"foundry_fp8/paths.py run_folder, repeated_run_folder; {COMPOSER} "
+      "composer/trainer/trainer.py (run_name: COMPOSER_RUN_NAME, RUN_NAME, else generated)",
+      fix="the path inside the run folder (`path: metrics.jsonl`)")
+def repeated_run_folders(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    folder, name = _yaml_run_folder(config)
+    written = section(section(config, "loggers"), "jsonl")
+    jsonl = built_options("jsonl", written) if "jsonl" in section(config, "loggers") else None
+    base = folder
+    if jsonl is not None and not path_problem(jsonl.path, file=True):
+        key = "loggers.jsonl.path"
+        repeated = repeated_run_folder(jsonl.path, folder, name, key)
+        if repeated is not None and "path" in written:
+            yield Hit(key, repeated[1], fix=repeated[2])
+        filled = PurePath(jsonl.path.format_map({"run_name": safe_run_name(name)}))
+        base = (folder / repeated[0] if repeated else folder / filled).parent
+    stats = section(section(config, "callbacks"), "fp8_stats")
+    template = stats.get("dump_folder")
+    if isinstance(template, str) and built_options("fp8_stats", stats) is not None \
+            and not path_problem(template):
+        key = "callbacks.fp8_stats.dump_folder"
+        repeated = repeated_run_folder(template, base, name, key)
+        if repeated is not None:
+            yield Hit(key, repeated[1], fix=repeated[2])
 
 
 @rule("FP8033", "error", "an entry of ours without the entry it acts through (`fp8_guard` "
