@@ -64,6 +64,23 @@ Kind = Literal["linear", "layernorm", "ln_mlp", "tied_lm_head"]
 PLAIN_KEYS = "_foundry_fp8_plain_keys"
 
 
+#: MPT's `ffn_config.ffn_act_fn` for TE's LayerNormMLP `gelu`, the tanh form (transformer_engine/
+#: common/util/math.h): what an HF export of an all-fused model names (composer/plain.py).
+TE_GELU_ACT_FN = {"name": "gelu", "approximate": "tanh"}
+
+
+def is_te_gelu(act: Any) -> bool:
+    """Whether an MPT MLP's built activation is TE's tanh GELU, as LLM-Foundry builds
+    `TE_GELU_ACT_FN`: `resolve_ffn_act_fn` binds the dict's keys other than `name` to
+    `torch.nn.functional.<name>` as a partial (llmfoundry/models/layers/ffn.py, 0.21-0.22).
+    Judged on the module's function, not its config: a block built from `{name: gelu}` or
+    MPT's default computes exact GELU."""
+    keywords = {k: v for k, v in TE_GELU_ACT_FN.items() if k != "name"}
+    return (isinstance(act, functools.partial)
+            and act.func is getattr(nn.functional, TE_GELU_ACT_FN["name"])
+            and not act.args and act.keywords == keywords)
+
+
 def gelu_tanh_error(lo: float = -8.0, hi: float = 8.0, n: int = 16001) -> tuple[float, float]:
     """(max abs, max relative) difference of tanh-approximated vs exact GELU on [lo, hi].
 
@@ -357,7 +374,7 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
             decisions.append(Decision(
                 f"{name}.ffn", "ln_mlp", True,
                 "fused norm_2+MLP; TE gelu is tanh-approx, as the model's ffn_act_fn"
-                if ffn.act.keywords.get("approximate") == "tanh" else
+                if is_te_gelu(ffn.act) else
                 f"fused norm_2+MLP; TE gelu is tanh-approx (max abs diff {max_abs:.1e}, "
                 f"rel {max_rel:.1e} vs MPT's exact erf GELU)",
                 up.in_features, up.out_features, _n_params(block.norm_2, up, ffn.down_proj),

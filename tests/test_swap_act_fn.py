@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from foundry_fp8.options import SwapConfig
-from foundry_fp8.swap import plan_swap
+from foundry_fp8.swap import is_te_gelu, plan_swap
 
 
 def _fused_note(act_fn: dict | None) -> str:
@@ -36,3 +36,18 @@ def test_an_exact_gelu_mpt_is_told_the_fused_gelu_differs(act_fn):
 def test_a_tanh_gelu_mpt_is_not_told_it_has_an_exact_gelu():
     note = _fused_note({"name": "gelu", "approximate": "tanh"})
     assert "exact" not in note and "as the model's ffn_act_fn" in note
+
+
+@pytest.mark.parametrize("act_fn", [
+    {"name": "gelu", "approximate": "tanh"}, {"name": "gelu"}, None,
+    {"name": "gelu", "approximate": "none"}, {"name": "relu"}, {"name": "quick_gelu"}])
+def test_is_te_gelu_judges_what_llm_foundry_builds_by_what_it_computes(act_fn):
+    """`is_te_gelu` on the activation LLM-Foundry's MPT MLP built from `ffn_act_fn` (None: MPT's
+    default) is true exactly where that activation computes torch's tanh GELU."""
+    from llmfoundry.models.layers.ffn import build_mptmlp
+
+    act = build_mptmlp(d_model=8, expansion_ratio=2, ffn_act_fn=act_fn).act
+    x = torch.linspace(-4, 4, 81)
+    computes_tanh = torch.equal(act(x), torch.nn.functional.gelu(x, approximate="tanh"))
+    assert is_te_gelu(act) == computes_tanh
+    assert computes_tanh == (act_fn == {"name": "gelu", "approximate": "tanh"})

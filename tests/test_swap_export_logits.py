@@ -25,11 +25,12 @@ VARIANTS = {
 }
 
 
-def _export(tmp_path, tiny_data, monkeypatch, fake_te, overrides):
+def _export(tmp_path, tiny_data, monkeypatch, fake_te, overrides, checkpointer="hf_checkpointer",
+            trainers=None):
     from transformers import AutoModelForCausalLM
 
     trainer = _te_run(tmp_path, tiny_data, monkeypatch, fake_te, {
-        **overrides, "callbacks": {"hf_checkpointer": {
+        **overrides, "callbacks": {checkpointer: {
             "save_folder": str(tmp_path / "hf"), "save_interval": "2ba",
             "precision": "float32"}}})
     folder = tmp_path / "hf" / "huggingface" / "ba2"
@@ -40,6 +41,8 @@ def _export(tmp_path, tiny_data, monkeypatch, fake_te, overrides):
         trained = model({"input_ids": x, "attention_mask": torch.ones_like(x)}).logits
         read_back = exported(input_ids=x, attention_mask=torch.ones_like(x)).logits
     config = json.loads((folder / "config.json").read_text())
+    if trainers is not None:
+        trainers.append(trainer)
     return (trained - read_back).abs().max().item(), config["ffn_config"]
 
 
@@ -90,3 +93,26 @@ def test_a_partly_fused_tanh_gelu_mpt_exports_exactly_without_a_warning(
         "model": {"ffn_config": {"ffn_act_fn": tanh}}})
     assert (ffn_config["ffn_act_fn"], warned) == (tanh, [])
     assert diff < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_checkpointer_returning_the_models_own_config_keeps_it_unchanged(
+        tmp_path, tiny_data, monkeypatch, fake_te):
+    """A user's HuggingFaceCheckpointer whose `transform_config` returns the trained model's own
+    config (LLM-Foundry's returns a deep copy): the export still names TE's GELU, and the trained
+    model's config, which Composer's checkpoints save, keeps the GELU it was built with."""
+    from llmfoundry.callbacks.hf_checkpointer import HuggingFaceCheckpointer
+    from llmfoundry.registry import callbacks
+
+    class OwnConfig(HuggingFaceCheckpointer):
+        def transform_config(self, original_config):
+            return original_config
+
+    callbacks.register("hf_checkpointer_own_config", func=OwnConfig)
+    trainers: list = []
+    diff, ffn_config = _export(tmp_path, tiny_data, monkeypatch, fake_te, {},
+                               "hf_checkpointer_own_config", trainers)
+    assert ffn_config["ffn_act_fn"] == {"name": "gelu", "approximate": "tanh"}
+    assert diff < 1e-5
+    trained = trainers[0].state.model.model.config.ffn_config
+    assert "ffn_act_fn" not in trained  # the tiny YAML's: MPT's default exact GELU

@@ -13,7 +13,8 @@ with TE's `gelu`, the tanh form (transformer_engine/common/util/math.h `gelu`), 
 `ffn_act_fn` default (exact GELU, llmfoundry/models/layers/ffn.py `_FFN_ACT_FN_DEFAULT`) is not:
 the export would compute another function of the trained weights (1e-3 on a tiny MPT's logits).
 Where every block is fused its `ffn_act_fn` is the tanh GELU; where only some are, MPT's config
-cannot say so per block (`block_overrides` takes attention keys only), and a warning says so.
+cannot say so per block (`block_overrides` takes attention keys only), and a warning says so,
+unless the kept blocks' own activation is TE's GELU (`swap.is_te_gelu`).
 
 Loads: Composer loads `load_path` through `State.load_model_state`, whose torch loader drops the
 keys the model lacks before any load hook runs when it loads a full state dict (FSDP's
@@ -27,6 +28,7 @@ the model's own keys: one in another layout cannot fill them, and DCP says which
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import sys
@@ -38,14 +40,19 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from torch import nn
 
-from foundry_fp8.swap import gelu_tanh_error, ln_mlp_layout, plain_state_dict, swapped_state_dict
+from foundry_fp8.swap import (
+    TE_GELU_ACT_FN,
+    gelu_tanh_error,
+    is_te_gelu,
+    ln_mlp_layout,
+    plain_state_dict,
+    swapped_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
 HF_CHECKPOINTER_MODULE = "llmfoundry.callbacks.hf_checkpointer"
 _GATHER = "get_model_state_dict"
-#: MPT's `ffn_config.ffn_act_fn` for TE's tanh GELU (partial(F.gelu, approximate="tanh")).
-TE_GELU_ACT_FN = {"name": "gelu", "approximate": "tanh"}
 
 
 def export_plain(callbacks: Sequence[Callback]) -> int:
@@ -68,33 +75,39 @@ def export_plain(callbacks: Sequence[Callback]) -> int:
     return len(checkpointers)
 
 
-def fused_blocks(model: nn.Module) -> tuple[int, int]:
-    """(blocks whose norm_2 + MLP te_swap fused into a te.LayerNormMLP, MPT blocks). By the
-    block's ffn: a wrapper (FSDP's) forwards both attributes to the block it wraps."""
+def kept_activations(model: nn.Module) -> tuple[int, list[Any]]:
+    """(MPT blocks whose norm_2 + MLP te_swap fused into a te.LayerNormMLP, the built
+    activations (`ffn.act`, None where none) of those it kept). By the block's ffn: a wrapper
+    (FSDP's) forwards both attributes to the block it wraps."""
     blocks = {id(m.ffn): m for m in model.modules() if hasattr(m, "norm_2") and hasattr(m, "ffn")}
-    return (sum(ln_mlp_layout(b) == "fused" for b in blocks.values()), len(blocks))
+    kept = [getattr(b.ffn, "act", None) for b in blocks.values() if ln_mlp_layout(b) != "fused"]
+    return len(blocks) - len(kept), kept
 
 
 def _te_activation(transform_config: Callable[[Any], Any], model: nn.Module,
                    warned: list[bool]) -> Callable[[Any], Any]:
     """The checkpointer's `transform_config`, giving the exported MPT config TE's tanh GELU
-    where every block was fused (module docstring); `warned`: whether the mixed case was."""
+    where every block was fused (module docstring); `warned`: whether the mixed case was.
+    The config is set on a copy: a subclass's `transform_config` may return the trained model's
+    own (LLM-Foundry's deep-copies it, callbacks/hf_checkpointer.py:527, 0.21-0.22), which
+    Composer's checkpoints then save."""
 
     def transform(original_config: Any) -> Any:
         config = transform_config(original_config)
-        fused, blocks = fused_blocks(model)
+        fused, kept = kept_activations(model)
         ffn_config = getattr(config, "ffn_config", None)
-        if not isinstance(ffn_config, dict) or ffn_config.get("ffn_act_fn") == TE_GELU_ACT_FN:
-            return config  # no MPT config, or its GELU is TE's already
-        if fused and fused == blocks:
+        if not isinstance(ffn_config, dict) or not fused or (kept and all(map(is_te_gelu, kept))):
+            return config  # no MPT config, nothing fused, or the kept blocks' GELU is TE's
+        if not kept:
+            config = copy.copy(config)
             config.ffn_config = {**ffn_config, "ffn_act_fn": dict(TE_GELU_ACT_FN)}
-        elif fused and not warned[0]:
+        elif not warned[0]:
             warned[0] = True
             log.warning("te_swap: the HF export computes MPT's exact GELU in all %d blocks, "
                         "but %d of them trained fused in te.LayerNormMLP with TE's tanh GELU "
                         "(up to %.1e apart per activation): MPT's config has no per-block "
                         "ffn_act_fn; fuse every block (keep_first/last_blocks 0) for an exact "
-                        "export", blocks, fused, gelu_tanh_error()[0])
+                        "export", fused + len(kept), fused, gelu_tanh_error()[0])
         return config
 
     return transform
