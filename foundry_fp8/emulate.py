@@ -64,7 +64,12 @@ from foundry_fp8.shapes import (
     dim_fits_fp8,
     operand_fits_fp8,
 )
-from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_problems
+from foundry_fp8.te.facts import (
+    BACKWARD_OVERRIDE_ENV,
+    TE_RECIPE_CHANGE_WARNING_FROM,
+    backward_override_problems,
+    dotted,
+)
 
 FWD_INPUT, FWD_WEIGHT = 0, 1
 BWD_GRAD_OUTPUT = 0
@@ -217,9 +222,10 @@ def _check_recipe_type(recipe: object) -> None:
 
 #: What TE does where a layer's recipe changes a key other than its first recipe's, where it
 #: does not go on with the first one: a new scaling mode gets a new recipe state
-#: (pytorch/module/base.py:1106-1175 in TE 2.20; a warning from 2.4, l. 1576-1585).
+#: (pytorch/module/base.py:1106-1175 in TE 2.20), silently before TE_RECIPE_CHANGE_WARNING_FROM.
 _RECIPE_CHANGE = {"scaling": "switch the layer to the new scaling mode with fresh scaling state "
-                             "and only a 'Recipe type changed' warning"}
+                             f"(and, from TE {dotted(TE_RECIPE_CHANGE_WARNING_FROM)}, a 'Recipe "
+                             "type changed' warning)"}
 
 #: TE's switch to its unfused Python update (read at every update: quantization.py:687-691).
 UNFUSED_UPDATE_ENV = "NVTE_UNFUSED_FP8_UPDATE"
@@ -679,8 +685,9 @@ class EmulatedFP8Linear(nn.Linear):
         the first recipe's format, margin and reduction for a layer (module/base.py:1106-1117
         reuses its state, quantization.py:522-524 registers it once), and going back to
         delayed after current scaling leaves it never updated. A change of scaling mode TE does
-        follow, with new state and (from 2.4) only a 'Recipe type changed' warning
-        (base.py:1106-1175, 1576-1585), which the emulation does not model: refused too."""
+        follow, with new state and (from TE_RECIPE_CHANGE_WARNING_FROM) a 'Recipe type changed'
+        warning (base.py:1106-1175, 1576-1585), which the emulation does not model: refused
+        too."""
         first = _FIRST_RECIPE.setdefault(self, recipe)
         if first == recipe:
             return

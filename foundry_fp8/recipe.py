@@ -7,6 +7,7 @@ backend all validate recipes with `recipe_problems`, so a rule is written once.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
@@ -51,10 +52,17 @@ MAX_MARGIN = int(math.log2(FP8_MAX["e4m3"] / FP8_MIN_SUBNORMAL["e4m3"]))
 #: tensor at the first FP8 step (10**10 steps: 40 GB each, failing at INIT).
 MAX_HISTORY = 65536
 
+#: `Float8CurrentScaling`'s per-tensor quantisation parameters, which TE's Linear/LayerNormLinear/
+#: LayerNormMLP read: class attributes without annotations, so not fields and no constructor
+#: option (common/recipe/__init__.py:304-306 at d0067d0, 229-231 at v2.2): pydantic dataclasses
+#: ignore unknown keywords (`extra` defaults to 'ignore'), so TE drops them silently.
+TE_CURRENT_SCALING_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+
 #: Keys that TE's `DelayedScaling` used to accept and no longer does, with what to do instead.
 REMOVED_TE_KEYS: dict[str, str] = {
-    "interval": "remove it: TE updates scales every step; it ignores `interval` from 1.8 and "
-                "refuses it from 2.2",
+    "interval": "remove it: TE updates scales every step; it ignores `interval`, with a "
+                "deprecation warning from 1.8 and silently from 2.2 (no such field: TE's "
+                "pydantic recipes drop unknown keywords)",
     "override_linear_precision": (
         "remove it: TE 2.x dropped `override_linear_precision`; keep a layer out of FP8 "
         "with te_swap's `keep_first_blocks`/`exclude` instead"
@@ -139,6 +147,8 @@ class FP8Recipe:
         problems = recipe_problems(self._given())
         if problems:
             raise RecipeError(problems[0])
+        for name in ("amax_history_len", "margin"):  # a numpy integer as the int it is
+            object.__setattr__(self, name, int(getattr(self, name)))
 
     def _given(self) -> dict[str, Any]:
         """The options as the constructor got them, for `recipe_problems` to judge as it judges
@@ -231,23 +241,32 @@ def is_same_delayed_recipe(precision_config: Mapping[str, Any], recipe: FP8Recip
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer however written (a numpy integer from a Python caller too), never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _article(word: str) -> str:
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
 
 def _margin_why(margin: Any) -> str:
-    """Why a margin is refused, by what it is: the bound an integer crosses, or the type. TE
-    takes a float margin (`fp8_max * 2**-margin`, common/recipe/delayed_scaling.cu:331; the
-    update's `float margin`, pytorch/csrc/extensions/recipe.cpp:36), fractional ones too."""
-    if _is_int(margin):
-        return ("a negative margin scales the amax above E4M3's max: the largest elements "
-                "saturate" if margin < 0 else "a larger margin scales even the amax below "
-                "E4M3's smallest subnormal: the tensor flushes to 0")
-    if isinstance(margin, float) and margin.is_integer():
-        return f"a float: write {int(margin)}"
-    if isinstance(margin, float):
-        return ("TransformerEngine would take a fractional margin, foundry-fp8 models whole "
-                "powers of 2 only")
-    return f"a {type(margin).__name__}, not a number"
+    """Why a margin is refused, by what it is: the bound it crosses, or the type. TE's recipes
+    declare `margin: int` and are pydantic dataclasses (common/recipe/__init__.py:12, 253 at
+    d0067d0), which turn 2.0 into 2 and refuse 2.5, NaN and inf."""
+    if not isinstance(margin, numbers.Real) or isinstance(margin, bool):
+        return "null, not a number" if margin is None else (
+            f"{_article(type(margin).__name__)}, not a number")
+    value = float(margin)
+    if not math.isfinite(value):
+        return "not a finite number"
+    if not value.is_integer():
+        return "TransformerEngine refuses a fractional margin too: its recipes' margin is an int"
+    if value < 0:
+        return "a negative margin scales the amax above E4M3's max: the largest elements saturate"
+    if value > MAX_MARGIN:
+        return ("a larger margin scales even the amax below E4M3's smallest subnormal: the "
+                "tensor flushes to 0")
+    return f"a float: write {int(value)}"
 
 
 def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
@@ -268,6 +287,13 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
                 "TE's recipe without it, and the emulated backend reads the variable too)",
                 f"remove it and set {BACKWARD_OVERRIDE_ENV}="
                 f"{'|'.join(BACKWARD_OVERRIDE_VALUES)} in the environment, with scaling: current"))
+        elif key in TE_CURRENT_SCALING_QPARAMS:
+            problems.append(RecipeProblem(
+                key, "a class attribute of TransformerEngine's Float8CurrentScaling, not an "
+                "option a recipe can set (TE's constructor ignores it, as its pydantic recipes "
+                "do every unknown keyword)",
+                "remove it; for power-of-2 scales write use_power_2_scales: true with "
+                "scaling: current"))
         elif key in _TE_ONLY_KEYS:
             if _is_te_default(key, options[key], scaling):
                 continue

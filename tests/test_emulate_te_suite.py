@@ -358,19 +358,20 @@ def test_a_scaling_mode_change_is_refused_without_claiming_te_keeps_the_first():
     message = str(error.value)
     assert message.startswith("fp8_recipe.scaling: ") and "\n" not in message
     assert "Recipe type changed" in message and "go on with the first" not in message
+    # TE 2.2-2.3 switch silently: no warning at v2.3's module/base.py, one from v2.4 (l. 941)
+    assert "fresh scaling state (and, from TE 2.4, a 'Recipe type changed' warning)" in message
 
 
 @pytest.mark.parametrize(("margin", "why"), [
-    (2.5, "TransformerEngine would take a fractional margin, foundry-fp8 models whole powers of "
-          "2 only"),
+    (2.5, "TransformerEngine refuses a fractional margin too: its recipes' margin is an int"),
     (2.0, "a float: write 2"),
     ("2", "a str, not a number"),
     (True, "a bool, not a number"),
 ])
 def test_a_margin_that_is_no_integer_is_refused_for_what_it_is(margin, why):
-    """TE takes any float margin (`float margin`, pytorch/csrc/extensions/recipe.cpp:36, scaled
-    as `fp8_max * 2**-margin`, common/recipe/delayed_scaling.cu:331); the emulation takes
-    integers only, and its line used to explain every non-integer as a margin too large."""
+    """TE's recipes declare `margin: int` in a pydantic dataclass (common/recipe/__init__.py:
+    253 at d0067d0), which reads 2.0 as 2 and refuses 2.5; the emulation takes integers only,
+    and its line used to explain every non-integer as a margin too large."""
     with pytest.raises(RecipeError) as error:
         FP8Recipe.from_options({"margin": margin})
     message = str(error.value)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from foundry_fp8.options import TESwapOptions
-from foundry_fp8.recipe import FP8Recipe, RecipeError
+from foundry_fp8.recipe import TE_CURRENT_SCALING_QPARAMS, FP8Recipe, RecipeError
 from foundry_fp8.te import probe
 from foundry_fp8.te.facts import (
     LN_MLP_SOURCES,
@@ -45,9 +45,6 @@ from foundry_fp8.te.facts import (
     backward_override_problems,
     dotted,
 )
-
-#: TE's per-tensor current-scaling quantisation parameters that te.Linear and friends read.
-_CURRENT_SCALING_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 
 
 def require_te() -> None:
@@ -229,7 +226,7 @@ def _current_scaling(te_recipe: Any, recipe: FP8Recipe) -> Any:
     if "use_power_2_scales" in {f.name for f in dataclasses.fields(cls)}:
         kwargs["use_power_2_scales"] = recipe.use_power_2_scales
     new = cls(**kwargs)
-    for name in _CURRENT_SCALING_QPARAMS:
+    for name in TE_CURRENT_SCALING_QPARAMS:
         setattr(new, name, dataclasses.replace(getattr(new, name),
                                                power_2_scale=recipe.use_power_2_scales))
     return new

@@ -53,6 +53,11 @@ TE_LAYERNORM_AS_OP = (1, 13)
 #: and GRAD_OUTPUT2 (2) from TE 2.4 (pytorch/module/layernorm_mlp.py).
 TE_LN_MLP_GRAD_OUTPUT2 = (2, 4)
 
+#: The first TE that warns "Recipe type changed" where a layer's recipe changes class (its
+#: `init_fp8_metadata`, pytorch/module/base.py:935-944 at v2.4; none at v2.3): older TE, from
+#: MIN_TE_CURRENT_SCALING on, switches the layer to the new recipe's fresh state silently.
+TE_RECIPE_CHANGE_WARNING_FROM = (2, 4)
+
 # TE's `set_extra_state` skips an empty `_extra_state` tensor from TE 2.4 on; older TE fails to
 # unpickle one, while a pickled `None` loads as "no state" on every TE from 1.12 to 2.20: so
 # `te.extra_state` saves a pickled `None` (a rule for our checkpoints, no version check).
