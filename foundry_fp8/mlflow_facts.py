@@ -35,26 +35,45 @@ WORKAROUNDS = (f"set loggers.mlflow.synchronous: true, or {THREADPOOL_ENV}=1 in 
 NAMED_STORES = ("databricks", "databricks-uc", "uc")
 
 
+def composer_tracking_uri(configured: object, environ: Mapping[str, str]) -> str | None:
+    """The tracking URI Composer's MLFlowLogger logs to, from its `tracking_uri` and the run's
+    environment (composer 0.31-0.32.1 loggers/mlflow_logger.py:217-221): the configured one as
+    text, else `databricks` where DATABRICKS_TOKEN is set at all, else mlflow.get_tracking_uri():
+    a non-empty MLFLOW_TRACKING_URI (mlflow 2.21-2.22 tracking/_tracking_service/utils.py:127),
+    else None, MLflow's default ./mlruns."""
+    if configured is not None:
+        return str(configured)
+    if environ.get("DATABRICKS_TOKEN") is not None:
+        return "databricks"
+    return environ.get("MLFLOW_TRACKING_URI") or None
+
+
 def file_store(tracking_uri: str | None) -> bool:
     """Whether MLflow keeps this tracking URI's runs in a local file store: a `file:` URI or a
     plain path, as MLflow's store registry picks (tracking/_tracking_service/utils.py:185-186);
-    None is MLflow's default, ./mlruns, unless MLFLOW_TRACKING_URI says otherwise where the
-    run starts."""
+    None is MLflow's default, ./mlruns."""
     if tracking_uri is None:
         return True
     uri = str(tracking_uri)
     return uri not in NAMED_STORES and urlparse(uri).scheme in ("", "file")
 
 
-def threadpool_size(environ: Mapping[str, str]) -> int:
-    """MLflow's asynchronous writer threads under this environment (a value MLflow cannot read
-    as an integer counts as its default: the pool is not known to be one thread)."""
-    try:
-        return int(environ.get(THREADPOOL_ENV, "").strip() or 0) or THREADPOOL_DEFAULT
-    except ValueError:
+def threadpool_size(environ: Mapping[str, str]) -> int | None:
+    """MLflow's asynchronous writer threads under this environment: `int(value) or 10`
+    (environment_variables.py `_EnvironmentVariable.get`). None where MLflow has no pool: a
+    value `int` refuses ('', 'abc') raises ValueError, and one below 1 ThreadPoolExecutor's
+    ValueError, at every asynchronous log (async_logging_queue.py:337-344)."""
+    value = environ.get(THREADPOOL_ENV)
+    if value is None:
         return THREADPOOL_DEFAULT
+    try:
+        size = int(value) or THREADPOOL_DEFAULT
+    except ValueError:
+        return None
+    return size if size > 0 else None
 
 
 def races(tracking_uri: str | None, synchronous: bool, environ: Mapping[str, str]) -> bool:
-    """Whether an MLflow logger so configured can lose batches to the race (above)."""
-    return file_store(tracking_uri) and not synchronous and threadpool_size(environ) > 1
+    """Whether an MLflow logger so configured can lose batches to the race (above):
+    `tracking_uri` is the one it logs to (`composer_tracking_uri`)."""
+    return file_store(tracking_uri) and not synchronous and (threadpool_size(environ) or 0) > 1

@@ -12,7 +12,7 @@ from composer.loggers import Logger
 
 from foundry_fp8.composer.destinations import deliver
 from foundry_fp8.environment import gather_snapshot
-from foundry_fp8.lint.registry import Finding, LintContext, rules_of
+from foundry_fp8.lint.registry import Finding, LintContext
 from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config, wandb_mode_from_env
 from foundry_fp8.lint.rules.environment import environment_findings
 from foundry_fp8.lint.rules.fsdp import (
@@ -20,8 +20,6 @@ from foundry_fp8.lint.rules.fsdp import (
     FLOAT32_OUTSIDE_TE_FIX,
     float32_outside_te,
 )
-from foundry_fp8.lint.rules.train import mlflow_file_store_race
-from foundry_fp8.mlflow_facts import threadpool_size
 from foundry_fp8.options import build
 
 log = logging.getLogger(__name__)
@@ -97,8 +95,8 @@ class FP8Lint(Callback):
     `amp_fp8` run whose model has no FP8 module fails too. `fail_on: never` only warns. At
     FIT_START (after FSDP wrapping) an `amp_fp8` run that computes outside TE's layers in
     float32 gets one warning (FP8044's twin, `precision_problem`). Inside the run the
-    environment is known: FP8051 (MLflow's file-store race) is left out where MLflow writes from
-    one thread (`MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE=1`, the workaround it names).
+    environment is known and goes to the rules (`LintContext.environ`): FP8051 (MLflow's
+    file-store race) judges the URI Composer takes and MLflow's pool there, as fp8_stats does.
 
     Logs (as a hyperparameter, at FIT_START): `fp8_lint/findings`, the number of findings (that
     warning included).
@@ -153,7 +151,8 @@ def _run_findings(config: Any) -> list[Finding]:
     try:
         snapshot = gather_snapshot(probe_te_import=False)
         context = LintContext(scope="run", fsdp_version=fsdp_version_from_env(os.environ),
-                              snapshot=snapshot, wandb_mode=wandb_mode_from_env(os.environ))
+                              snapshot=snapshot, wandb_mode=wandb_mode_from_env(os.environ),
+                              environ=dict(os.environ))
         # the machine's first: where it cannot run the config (no TE), that is the
         # cause, and the first error is the one that stops the run
         findings = environment_findings(snapshot, config) + lint_config(config, context)
@@ -163,8 +162,4 @@ def _run_findings(config: Any) -> list[Finding]:
     for f in findings:
         if f.crashed:
             log.error("fp8_lint: %s (fix: %s)", f.message, f.fix)
-    race = [r.id for r in rules_of("train") if r.check is mlflow_file_store_race]
-    one_writer = threadpool_size(os.environ) == 1
-    # the MLflow race's rule judges the file, which cannot say the environment; here it is
-    # known, and one writer thread avoids the race (fp8_stats' FIT_START check agrees)
-    return [f for f in findings if not f.crashed and not (one_writer and f.rule in race)]
+    return [f for f in findings if not f.crashed]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,6 +76,9 @@ class LintContext:
     `missing_keys`: keys whose value is omegaconf's `???` (`mandatory_keys`, filled by `run_rules`
     for train and eval configs): only FP8036 and rules registered with `unresolved=True` speak
     about them, so a `???` gets one finding, not one per rule that reads it as text.
+    `environ`: the run's environment (scope "run": `fp8_lint` inside the run), for rules whose
+    verdict it decides as it decides the run's own callbacks' (FP8051 with fp8_stats); None: not
+    known (`foundry-fp8 lint` judges the file alone).
     """
 
     scope: Literal["file", "run"] = "file"
@@ -89,6 +92,7 @@ class LintContext:
     duplicates: tuple[tuple[str, int, int], ...] = ()
     interpolated: frozenset[str] = frozenset()
     family: str = "train"
+    environ: Mapping[str, str] | None = field(default=None, hash=False)
 
     def gpus_text(self) -> str:
         """Where `gpus` comes from, as a message quotes it (`compute.gpus: 1`, `--gpus 1`)."""

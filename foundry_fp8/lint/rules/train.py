@@ -53,7 +53,14 @@ from foundry_fp8.lint.registry import (
     rule,
     section,
 )
-from foundry_fp8.mlflow_facts import RACE, THREADPOOL_ENV, WORKAROUNDS, file_store
+from foundry_fp8.mlflow_facts import (
+    RACE,
+    THREADPOOL_ENV,
+    WORKAROUNDS,
+    composer_tracking_uri,
+    file_store,
+    races,
+)
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE, dim_fits_fp8, tokens_fit_fp8
 
 COMPOSER = "Composer 0.32.1"
@@ -709,9 +716,10 @@ def autoresume_offline_wandb(config: Mapping[str, Any], ctx: LintContext) -> Ite
       "`[Errno 17] File exists`, and MLflow logs 'Failed to log run data' and drops the whole "
       "batch, several steps of every metric with Composer's 10 s logging buffer, the loss "
       "included. fp8_stats' first logging step brings many new keys at once "
-      "(fp8_<stat>/<tensor>/<layer>), which makes the race likely. The linter cannot see the "
-      f"run's environment, so {THREADPOOL_ENV}=1 there is not judged by `foundry-fp8 lint`; "
-      "in the run, `fp8_lint` and `fp8_stats` leave it out where it is 1.",
+      "(fp8_<stat>/<tensor>/<layer>), which makes the race likely. `foundry-fp8 lint` cannot "
+      f"see the run's environment, so it judges the file alone; in the run, `fp8_lint` judges "
+      "the URI Composer takes and MLflow's pool under the run's environment, as `fp8_stats` "
+      "does (`foundry_fp8.mlflow_facts.races`).",
       source=f"{COMPOSER} composer/loggers/mlflow_logger.py:153 (synchronous), :160 and "
       ":193-196 (logging_buffer_seconds), :217-222 (tracking_uri), :441-445 (log_metrics); "
       "mlflow 2.21-2.22 utils/async_logging/async_logging_queue.py:206, :338 (pool size), "
@@ -724,14 +732,24 @@ def mlflow_file_store_race(config: Mapping[str, Any], ctx: LintContext) -> Itera
     if "mlflow" not in loggers or "fp8_stats" not in section(config, "callbacks"):
         return
     mlflow = section(loggers, "mlflow")
-    uri = mlflow.get("tracking_uri")
     # MLFlowLogger passes `synchronous` on to mlflow.log_metrics, which reads it by truth
-    if bool(mlflow.get("synchronous")) or (uri is not None and not file_store(str(uri))) \
-            or any(f"loggers.mlflow.{k}" in ctx.env_keys for k in ("tracking_uri", "synchronous")):
+    synchronous = bool(mlflow.get("synchronous"))
+    if any(f"loggers.mlflow.{k}" in ctx.env_keys for k in ("tracking_uri", "synchronous")):
         return
-    store = f"the local file store {uri!r:.60}" if uri is not None else \
-        "MLflow's default tracking URI (./mlruns, a local file store, unless MLFLOW_TRACKING_URI " \
-        "or DATABRICKS_TOKEN says otherwise where the run starts)"
+    if ctx.environ is not None:  # the run: decided as fp8_stats decides it
+        uri = composer_tracking_uri(mlflow.get("tracking_uri"), ctx.environ)
+        if not races(uri, synchronous, ctx.environ):
+            return
+        tail = ""
+        default = "MLflow's default tracking URI (./mlruns, a local file store)"
+    else:
+        uri = mlflow.get("tracking_uri")
+        if synchronous or (uri is not None and not file_store(str(uri))):
+            return
+        tail = (f" (the linter cannot see the run's environment: {THREADPOOL_ENV}=1 there also "
+                "avoids it)")
+        default = "MLflow's default tracking URI (./mlruns, a local file store, unless " \
+            "MLFLOW_TRACKING_URI or DATABRICKS_TOKEN says otherwise where the run starts)"
+    store = f"the local file store {uri!r:.60}" if uri is not None else default
     yield Hit("loggers.mlflow.synchronous" if "synchronous" in mlflow else "loggers.mlflow",
-              f"loggers.mlflow logs asynchronously to {store}: {RACE} (the linter cannot see "
-              f"the run's environment: {THREADPOOL_ENV}=1 there also avoids it)")
+              f"loggers.mlflow logs asynchronously to {store}: {RACE}{tail}")
