@@ -166,6 +166,9 @@ CASES: dict[str, tuple[dict, str, int]] = {
                "compile_config.fullgraph", 1),
     "FP8051": ({"callbacks": {"fp8_stats": {}}, "loggers": {"mlflow": {"synchronous": False}}},
                "loggers.mlflow.synchronous", 1),
+    "FP8052": ({"save_folder": "./ckpt/{run_name}/checkpoints",
+                "loggers": {"jsonl": {"path": "ckpt/{run_name}/metrics.jsonl"}}},
+               "loggers.jsonl.path", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -231,6 +234,8 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8050": (_merge(EMULATE, {"compile_config": {"dynamic": False}}), 1),  # no fullgraph
     "FP8051": ({"callbacks": {"fp8_stats": {}}, "loggers": {"mlflow": {"synchronous": True}}},
                1),
+    "FP8052": ({"save_folder": "./ckpt/{run_name}/checkpoints",  # ckpt/ alone is no repeat
+                "loggers": {"jsonl": {"path": "ckpt/metrics.jsonl"}}}, 1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

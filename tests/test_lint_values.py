@@ -123,7 +123,7 @@ def test_values_the_constructors_refuse(entry, option, value, snippet):
     ("fp8_stats", "dump_max_mb", 0), ("fp8_stats", "dump_folder", "{run_name}/dumps"),
     ("fp8_stats", "dump_folder", ""), ("fp8_stats", "recipe", "delayed"),
     ("fp8_stats", "recipe", {"scaling": "current"}), ("fp8_stats", "recipe", None),
-    ("jsonl", "path", "runs/{run_name}/metrics.jsonl"), ("jsonl", "path", "m{{x}}.jsonl"),
+    ("jsonl", "path", "logs/{run_name}/metrics.jsonl"), ("jsonl", "path", "m{{x}}.jsonl"),
     ("fp8_stats", "te_debug", None), ("fp8_stats", "te_debug", "current"),
     ("fp8_stats", "start", 0), ("fp8_stats", "start", 500), ("fp8_stats", "end", 1),
     ("fp8_stats", "end", None), ("fp8_stats", "dump_steps", 1000),
