@@ -179,10 +179,10 @@ DEMO_LAYER, DEMO_START = "blocks.1.attn.out_proj", 10
 
 
 def guard_lines(log: str) -> list[str]:
-    """The fault run's lines `make run` shows: fp8_guard's messages and the tables, not the
-    `fp8_guard:` key of the config Composer's log dumps."""
+    """The fault run's lines `make run` shows: fp8_guard's messages (its failures included)
+    and the tables, not the `fp8_guard:` key of the config LLM-Foundry's log dumps."""
     return [line for line in log.splitlines()
-            if "fp8_guard: " in line or line.startswith("|")]
+            if "fp8_guard: " in line or "fp8_guard failed" in line or line.startswith("|")]
 
 
 def demo(yaml_path: Path, data_root: Path, run_root: Path, healthy: Path) -> None:
