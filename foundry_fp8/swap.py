@@ -652,7 +652,15 @@ def _from_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> N
             state_dict[prefix + own] = state_dict.pop(prefix + plain)
 
 
-def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str, str]:
+#: te.LayerNormMLP's keywords (TE's defaults, module/layernorm_mlp.py `LayerNormMLP.__init__`)
+#: under which its parameters are an MPT block's norm_2 + GELU MLP: the only layout te_swap
+#: fuses. LLM-Foundry's own `ffn_type: te_ln_mlp` passes the rest of `ffn_config` to TE
+#: (llmfoundry/models/layers/ffn.py `build_te_ln_mlp`, 0.21-0.22), so its checkpoint may differ.
+PLAIN_LN_MLP = {"activation": "gelu", "normalization": "LayerNorm", "zero_centered_gamma": False}
+
+
+def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module,
+                       ffn_config: Any = None) -> dict[str, str]:
     """A checkpoint's model state_dict (canonical keys) under `model`'s layout, in place; returns
     the renames made (old key: new key), which the optimizer state's names need too. Per MPT
     block, both ways: a plain block's `norm_2`/`ffn.up_proj`/`ffn.down_proj` keys under a fused
@@ -660,13 +668,23 @@ def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str
     `fuse_ln_mlp`, `exclude` or `keep_first/last_blocks` changed between save and resume, or a
     bf16 warm start). For loaders that drop the keys a model lacks before any load hook runs:
     torch's `set_model_state_dict` with a full state dict (Composer's FSDP default) keeps only
-    the model's own keys (`_distribute_state_dict`)."""
+    the model's own keys (`_distribute_state_dict`).
+
+    LLM-Foundry's own `ffn_type: te_ln_mlp` saves the fused names too, with TE's
+    `ffn._extra_state` (te_swap's checkpoints leave it out), dropped where the block becomes
+    plain. `ffn_config`: the checkpoint's MPT `ffn_config` where it records one; a te.LayerNormMLP
+    no plain block computes (another activation or norm, by that or by fc1's rows) raises
+    ValueError: loaded, it would train another function or fail on a size mismatch."""
     renames: dict[str, str] = {}
     for name, block in canonical_modules(model):
         layout = ln_mlp_layout(block)
         if layout is None:
             continue
         prefix = f"{name}." if name else ""
+        if prefix + "ffn.fc1_weight" in state_dict:
+            _refuse_foreign_ln_mlp(state_dict, prefix, block, ffn_config)
+            if layout == "plain":
+                state_dict.pop(f"{prefix}ffn.{EXTRA_STATE_SUFFIX}", None)
         for te_name, plain in LN_MLP_SOURCES.items():
             own, other = (f"ffn.{te_name}", plain) if layout == "fused" else (plain, f"ffn.{te_name}")
             if prefix + own not in state_dict and prefix + other in state_dict:
@@ -674,6 +692,28 @@ def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module) -> dict[str
     for old, new in renames.items():
         state_dict[new] = state_dict.pop(old)
     return renames
+
+
+def _refuse_foreign_ln_mlp(state_dict: dict[str, Any], prefix: str, block: nn.Module,
+                           ffn_config: Any) -> None:
+    """Raise where the checkpoint's te.LayerNormMLP at `prefix` is not `PLAIN_LN_MLP`: by its
+    config, else by fc1's rows (a gated activation, swiglu/geglu/reglu..., holds two
+    projections: twice ffn_hidden_size rows, `LayerNormMLP.__init__`)."""
+    where = f"te_swap: the checkpoint's {prefix}ffn is a te.LayerNormMLP"
+    fix = ("this run's MPT block (norm_2 + GELU MLP) cannot compute it; load it into a model "
+           "built with the checkpoint's own ffn_config")
+    if isinstance(ffn_config, dict) and ffn_config.get("ffn_type") == "te_ln_mlp":
+        differ = {k: ffn_config[k] for k, v in PLAIN_LN_MLP.items()
+                  if k in ffn_config and ffn_config[k] != v}
+        if differ:
+            raise ValueError(f"{where} (LLM-Foundry's ffn_type te_ln_mlp) with "
+                             f"{', '.join(f'{k}={v!r}' for k, v in differ.items())}: {fix}")
+    rows = getattr(state_dict[prefix + "ffn.fc1_weight"], "shape", (None,))[0]
+    hidden = getattr(getattr(block.ffn, "up_proj", None), "out_features", None)  # plain only
+    if rows is not None and hidden is not None and rows == 2 * hidden:
+        raise ValueError(f"{where} whose fc1 has {rows} rows, twice this run's {hidden} (a "
+                         f"gated activation, e.g. LLM-Foundry's te_ln_mlp with activation "
+                         f"swiglu): {fix}")
 
 
 def ln_mlp_layout(block: nn.Module) -> Literal["fused", "plain"] | None:

@@ -24,6 +24,10 @@ a fused one's `ffn.fc1_weight`... where it does not (`fuse_ln_mlp`, `exclude` or
 `keep_first/last_blocks` changed), the optimizer state's names with them (torch's optimizer
 loader raised `KeyError` on the first renamed parameter). A sharded (DCP) checkpoint is read by
 the model's own keys: one in another layout cannot fill them, and DCP says which keys it lacks.
+LLM-Foundry's own `ffn_type: te_ln_mlp` checkpoint loads into a plain block too, its TE
+`_extra_state` dropped, unless its te.LayerNormMLP computes something else (swiglu, relu, RMSNorm:
+by the config Composer saves with it, else by fc1's rows), which is refused in one line. A fused
+block loaded plain computes the run's `ffn_act_fn` where it trained TE's tanh GELU: one warning.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from torch import nn
 
+from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.swap import (
     TE_GELU_ACT_FN,
     gelu_tanh_error,
@@ -151,13 +156,24 @@ def load_plain(state: State) -> None:
     @functools.wraps(load)
     def load_model_state(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         if isinstance(state_dict.get("model"), dict):
-            renames = swapped_state_dict(state_dict["model"], state.model)
+            renames = swapped_state_dict(state_dict["model"], state.model,
+                                         _saved_ffn_config(state_dict))
             if renames:
                 _rename_optimizer_state(state_dict.get("optimizers"), renames)
-                _log_layout_change(renames)
+                _log_layout_change(renames, state.model)
         return load(state_dict, *args, **kwargs)
 
     state.load_model_state = load_model_state  # type: ignore[method-assign]
+
+
+def _saved_ffn_config(state_dict: dict[str, Any]) -> Any:
+    """The checkpoint's MPT `ffn_config` (None where it has none): Composer saves a
+    HuggingFaceModel's config.json under `integrations` (composer/core/state.py
+    `_get_integrations_state_dict`, composer/models/huggingface.py `get_metadata`, 0.31-0.32)."""
+    node: Any = state_dict
+    for key in ("integrations", "huggingface", "model", "config", "content", "ffn_config"):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
 
 
 def _rename_optimizer_state(optimizers: Any, renames: dict[str, str]) -> None:
@@ -178,10 +194,22 @@ def _rename_optimizer_state(optimizers: Any, renames: dict[str, str]) -> None:
                                for p in group.get("params", [])]
 
 
-def _log_layout_change(renames: dict[str, str]) -> None:
+def _log_layout_change(renames: dict[str, str], model: nn.Module) -> None:
+    """Logs the renames; warns once where blocks trained with TE's tanh GELU now compute
+    another activation (~1e-3 in the logits: LLM-Foundry shows no INFO of this logger)."""
+    up = ".ffn.up_proj.weight"
     to_fused = sum(new.endswith(".ffn.fc1_weight") for new in renames.values())
-    to_plain = sum(new.endswith(".ffn.up_proj.weight") for new in renames.values())
+    to_plain = {new.removesuffix(up) for new in renames.values() if new.endswith(up)}
     log.info("te_swap: the checkpoint's layout differs from this run's: %d block(s) saved "
              "with a plain norm_2 + MLP load into this run's fused te.LayerNormMLP, %d saved "
              "fused load into a plain norm_2 + MLP (weights and optimizer state renamed)",
-             to_fused, to_plain)
+             to_fused, len(to_plain))
+    other = sum(name in to_plain and not is_te_gelu(getattr(block.ffn, "act", None))
+                for name, block in canonical_modules(model))
+    if other:
+        act_fn = ", ".join(f"{k}: {v}" for k, v in TE_GELU_ACT_FN.items())
+        log.warning("te_swap: %d block(s) of the checkpoint trained fused in te.LayerNormMLP "
+                    "with TE's tanh GELU load into this run's plain MLP, which computes its "
+                    "ffn_act_fn instead (MPT's default, exact GELU, is up to %.1e apart per "
+                    "activation); to keep TE's, set model ffn_config.ffn_act_fn: {%s}",
+                    other, gelu_tanh_error()[0], act_fn)
