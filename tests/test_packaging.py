@@ -11,6 +11,7 @@ an isolated build environment, as `python -m build --wheel` does.
 
 from __future__ import annotations
 
+import configparser
 import email
 import json
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 #: Our own install in the test venv (editable or not), left out of the fresh venv's view.
@@ -229,7 +231,9 @@ def test_lint_and_doctor_from_the_wheel_with_only_the_yaml_packages(installed: I
                                                                   tmp_path: Path) -> None:
     """QA 20, a CI image that lints configs: the wheel with `--no-deps` beside PyYAML, omegaconf
     and regex only (no torch, Composer, LLM-Foundry, numpy) lints the corpus as the full
-    environment does (its JSON is the reference), and the doctor reports torch as absent."""
+    environment does (its JSON is the reference). The doctor fails there, on purpose (FP8214):
+    no training run can use foundry-fp8 without torch, Composer and LLM-Foundry; it exits 1
+    with exactly those three errors, each naming setup.cfg's range."""
     from importlib import metadata
 
     venv, linked = tmp_path / "venv", tmp_path / "lint-only-packages"
@@ -265,9 +269,22 @@ def test_lint_and_doctor_from_the_wheel_with_only_the_yaml_packages(installed: I
     done = subprocess.run([str(venv / "bin" / "foundry-fp8"), "doctor", "--no-te-import",
                            "--format", "json"], env=_without_checkout(), capture_output=True,
                           text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    env = json.loads(done.stdout)["environment"]
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    env = report["environment"]
     assert (env["torch"], env["composer"], env["llmfoundry"]) == (None, None, None)
+    errors = {f["key"]: f["fix"] for f in report["findings"] if f["severity"] == "error"}
+    assert {f["rule"] for f in report["findings"] if f["severity"] == "error"} == {"FP8214"}
+    assert report["exit_reason"] == "foundry-fp8 doctor: exit 1 because of 3 errors: FP8214"
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    setup_cfg = {Requirement(line).name: Requirement(line) for line in
+                 cfg["options"]["install_requires"].splitlines()
+                 if line.strip() and not line.strip().startswith("#")}
+    assert {key: Requirement(fix.removeprefix("pip install ").strip("'"))
+            for key, fix in errors.items()} == {"torch": setup_cfg["torch"],
+                                                "composer": setup_cfg["mosaicml"],
+                                                "llmfoundry": setup_cfg["llm-foundry"]}
 
 
 @pytest.mark.slow
