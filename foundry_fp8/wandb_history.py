@@ -184,3 +184,30 @@ def describe(runs: Iterable[WandbRun]) -> str:
             for key, at in sorted(run.media(kind).items()):
                 lines.append(f"  {label} {key} at steps {at}")
     return "\n".join(lines) or "no W&B offline run found"
+
+
+#: What W&B's service (wandb-core 0.18) writes to an attempt's `logs/debug-internal.log` for a
+#: history row it drops, one logged at a step below the current one; its `step` names the row.
+DROPPED_ROW = b"handler: ignoring partial history record"
+
+
+def dropped_steps(run_file: Path) -> list[int]:
+    """The steps of the history rows W&B's service dropped from `run_file`'s attempt, from the
+    attempt's own log: nothing in the `.wandb` file says a row was dropped (older foundry-fp8
+    builds logged fp8_stats' metrics a step behind, and W&B kept none of them)."""
+    steps: set[int] = set()
+    try:
+        with (run_file.parent / "logs" / "debug-internal.log").open("rb") as f:
+            for line in f:
+                if DROPPED_ROW not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                step = record.get("step") if isinstance(record, dict) else None
+                if isinstance(step, int) and not isinstance(step, bool):
+                    steps.add(step)
+    except OSError:
+        return []
+    return sorted(steps)

@@ -104,8 +104,9 @@ def test_report_on_the_older_key_layout_says_so_in_one_line(tmp_path):
         f"error: {tmp_path / 'metrics.jsonl'}: FP8 statistics in an older key layout "
         "(fp8/<layer>/<tensor>/<stat>, e.g. `fp8/model.transformer.blocks.0.attn.Wqkv/weight/amax`"
         ", from foundry-fp8 builds before 2026-11-23); this report (foundry-fp8 "
-        f"{foundry_fp8.__version__}) reads fp8_<stat>/<tensor>/<layer> series only: train again "
-        "with this fp8_stats\n")
+        f"{foundry_fp8.__version__}) reads fp8_<stat>/<tensor>/<layer> series only: the report "
+        "of the build that logged them reads them (foundry-fp8 at commit 0b6e716 or earlier, "
+        "installed in another environment)\n")
 
 
 @pytest.mark.parametrize(("hparams", "why"), [

@@ -301,4 +301,9 @@ def test_an_online_attempt_then_an_offline_resume_are_read_in_time_order(tmp_pat
     assert run.steps == list(range(10))
     assert run.values[("blocks.0.fc", "weight", "underflow_pct")] == {
         step: 5.0 if step < 4 else 0.25 for step in range(10)}
-    assert "go back once (step 7 -> 4)" in said[0] and said[1].startswith(f"{offline}: no exit")
+    assert "go back once (step 7 -> 4)" in said[0] and said[3].startswith(f"{offline}: no exit")
+    assert said[1:3] == [  # each killed attempt a later one follows (D3-20)
+        f"{earlier}: no exit record, and a later attempt follows: killed; W&B holds no history "
+        "row, the next attempt logs from step 0",
+        f"{online}: no exit record, and a later attempt follows: killed; W&B holds its rows up to "
+        "step 7, the next attempt logs from step 4"]

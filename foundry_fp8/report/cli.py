@@ -134,12 +134,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "RUN_FOLDER is): the first step this run's loss departs from it, "
                              "and the layers flagged up to then, and the measured gap; "
                              "default: no comparison")
-    parser.add_argument("--max-loss-gap", metavar="PCT", default=f"{100 * MAX_LOSS_GAP:g}",
+    parser.add_argument("--max-loss-gap", metavar="PCT",
                         help="with --baseline: the loss departs where it is more than PCT %% "
                              "above the baseline's at --loss-gap-steps compared steps in a row "
                              "(a divergence rule, not a parity test: the gap is printed "
                              f"anyway); default: {100 * MAX_LOSS_GAP:g}")
-    parser.add_argument("--loss-gap-steps", metavar="N", default=str(LOSS_GAP_STEPS),
+    parser.add_argument("--loss-gap-steps", metavar="N",
                         help="with --baseline: compared steps in a row above --max-loss-gap "
                              f"that make a departure; default: {LOSS_GAP_STEPS}")
 
@@ -277,6 +277,8 @@ class Loaded:
     hparams: Mapping[str, Any] | None
     hparams_file: Path  # where its hyperparameters were read: named in warnings
     folder: Path  # where its report goes without --out
+    hparams_from: str = "hparams.json"  # what the thresholds' line names as their source
+    run_folder: Path | None = None  # where fp8_stats' dumps are looked up, where not `folder`
 
 
 def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
@@ -287,10 +289,12 @@ def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
         if losses is not None:  # MLflow's client: a query of its own, no file read twice
             losses.update(read_losses(run_folder))
         run, series, hparams = load_mlflow(ml, warn)
-        return Loaded(run, series, hparams, ml.where, found.folder)
+        return Loaded(run, series, hparams, ml.where, found.folder, "the MLflow run's params")
     if isinstance(files := found.source, tuple):  # a W&B offline run, W&B's reader
         run, series, hparams = load_wandb(run_folder, list(files), warn, losses)
-        return Loaded(run, series, hparams, files[-1], found.folder)
+        # W&B's `dir` (`<run folder>/wandb/<attempt>/run-<id>.wandb`): the dumps are beside it
+        return Loaded(run, series, hparams, files[-1], found.folder, "the W&B run's config",
+                      files[-1].parent.parent.parent)
     run, series = load_run(found.source, warn, losses)
     hparams_file = hparams_of(found.source)
     return Loaded(run, series, read_hparams(hparams_file, warn), hparams_file, found.folder)
@@ -310,7 +314,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     run, series, hparams = loaded.run, loaded.series, loaded.hparams
     hparams_file, folder = loaded.hparams_file, loaded.folder
     matching = None if layers is None else set(layers_matching(run, layers)).__contains__
-    thresholds = thresholds_from_hparams(hparams or {})
+    thresholds = thresholds_from_hparams(hparams or {}, loaded.hparams_from)
     formats = formats_from_hparams(hparams or {}, run.tensors)
     guard = guard_run(series, hparams, hparams_file, warn, run.later_attempt)
     mark_high_precision(run, guard)
@@ -319,7 +323,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     if tables is not None:
         tables.append(worst)
     first = next(iter(first_flags(flags)), None)
-    dump = first_dump(flags, folder, hparams)
+    dump = first_dump(flags, loaded.run_folder or folder, hparams)
     chosen = choose_layers(run, matching, (first.layer, first.step) if first else None)
     if not chosen:
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
@@ -384,7 +388,17 @@ def run(args: argparse.Namespace) -> int:
                               "folder) or report one run per --out")
         if len(runs) > 1 and (shared := shared_folders(runs)) is not None:
             raise ReportError(shared)
-        gap, gap_steps = gap_options(args.max_loss_gap, args.loss_gap_steps)
+        given = [name for name, value in (("--max-loss-gap", args.max_loss_gap),
+                                          ("--loss-gap-steps", args.loss_gap_steps))
+                 if value is not None]
+        if given and not baselines:  # silently unused, a check the user thinks is on
+            they, tell = ("they", "tell") if len(given) > 1 else ("it", "tells")
+            raise ReportError(f"{' and '.join(given)} without --baseline: {they} {tell} where "
+                              "the loss departs from a baseline's; add --baseline RUN (the BF16 "
+                              f"run) or leave {'them' if len(given) > 1 else 'it'} out")
+        gap, gap_steps = gap_options(
+            f"{100 * MAX_LOSS_GAP:g}" if args.max_loss_gap is None else args.max_loss_gap,
+            str(LOSS_GAP_STEPS) if args.loss_gap_steps is None else args.loss_gap_steps)
         # the baseline's errors first: it is read in seconds, the runs not
         base = None if not baselines else read_baseline(baselines[0])
     except ReportError as e:

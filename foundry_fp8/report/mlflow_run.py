@@ -7,6 +7,7 @@ MLflow is optional: without it, reading such a run is one line."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ from foundry_fp8.report.read import GuardSeries, NoStatistics, ReportError, _rea
 
 #: `foundry-fp8 report mlflow:<run id>`: the run at MLFLOW_TRACKING_URI (MLflow's own default).
 SCHEME = "mlflow:"
+#: MLflow's variable naming its tracking server, and its store where unset (mlflow 2.x:
+#: mlflow/store/tracking/__init__.py DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH).
+TRACKING_URI, DEFAULT_STORE = "MLFLOW_TRACKING_URI", "./mlruns"
 #: Composer's MLFlowLogger skips a value equal to the key's last logged one unless
 #: `log_duplicated_metric_every_n_steps` steps have passed since (its default, 100:
 #: composer/loggers/mlflow_logger.py, __init__ and log_metrics): the report puts those back.
@@ -35,6 +39,11 @@ class MlflowRun:
     tracking_uri: str | None
     run_id: str
     where: Path  # as the messages name it: the folder or `mlflow:<run id>` given
+    note: str = ""  # what the messages add on the store read
+
+    def failed(self, message: str) -> ReportError:
+        """MLflow's error, one line, naming the run and the store read where not told."""
+        return ReportError(f"{self.where}: MLflow: {one_line(message)}{self.note}")
 
 
 def _run_id(folder: Path) -> str | None:
@@ -60,7 +69,20 @@ def mlflow_run(given: Path) -> MlflowRun | None:
         if not run_id:
             raise ReportError(f"{text}: no run id (foundry-fp8 report mlflow:<run id>, the "
                               "tracking server in MLFLOW_TRACKING_URI)")
-        return MlflowRun(None, run_id, given)
+        run = MlflowRun(None, run_id, given)
+        _mlflow(run)  # one line where MLflow is not installed, before which store it would read
+        if os.environ.get(TRACKING_URI):  # MLflow reads it; empty is unset there too
+            return run
+        # MLflow's default store is ./mlruns, which its client creates when absent
+        # (mlflow/tracking/_tracking_service/utils.py get_tracking_uri, FileStore): a read-only
+        # command makes no folder
+        if not Path(DEFAULT_STORE).is_dir():
+            raise ReportError(f"{text}: {TRACKING_URI} is not set, and MLflow's default store, "
+                              f"{DEFAULT_STORE}, is not here: set {TRACKING_URI} to the run's "
+                              "tracking server, or name the run's folder (mlruns/<experiment "
+                              "id>/<run id>)")
+        return MlflowRun(Path(DEFAULT_STORE).resolve().as_uri(), run_id, given,
+                         f" ({TRACKING_URI} is not set: read {DEFAULT_STORE})")
     if not given.is_dir() or (given / "metrics.jsonl").exists():
         return None
     runs = [(given, _run_id(given))]  # a run folder; else an experiment folder, or the store
@@ -167,7 +189,7 @@ def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
                       (LAYER_PREFIX, SUMMARY_PREFIX))
                   for m in client.get_metric_history(run.run_id, logged)]
     except mlflow_error as e:
-        raise ReportError(f"{run.where}: MLflow: {one_line(e.message)}") from None
+        raise run.failed(e.message) from None
     window = options.get("log_duplicated_metric_every_n_steps", DUPLICATE_WINDOW)
     window = window if isinstance(window, int) and not isinstance(window, bool) else DUPLICATE_WINDOW
     guard: GuardSeries = {}
@@ -188,7 +210,7 @@ def mlflow_params(run: MlflowRun) -> dict[str, Any]:
     try:
         params = client_class(tracking_uri=run.tracking_uri).get_run(run.run_id).data.params
     except mlflow_error as e:
-        raise ReportError(f"{run.where}: MLflow: {one_line(e.message)}") from None
+        raise run.failed(e.message) from None
     return {key: _param(value) for key, value in params.items()}
 
 
@@ -204,5 +226,5 @@ def mlflow_history(run: MlflowRun, key: str) -> list[tuple[int, dict[str, float]
         points = [(m.timestamp, m.step, key, m.value)
                   for m in client.get_metric_history(run.run_id, str(logged))]
     except mlflow_error as e:
-        raise ReportError(f"{run.where}: MLflow: {one_line(e.message)}") from None
+        raise run.failed(e.message) from None
     return _records(points)

@@ -37,6 +37,7 @@ from foundry_fp8.health.keys import (
     LAYOUT,
     LOSS,
     OLDER_LAYOUT,
+    OLDER_LAYOUT_LAST,
     SUMMARIES,
     SUMMARY_PREFIX,
     TENSORS,
@@ -60,16 +61,18 @@ class NoStatistics(ReportError):
     loss."""
 
 
-def thresholds_from_hparams(hparams: Mapping[str, Any]) -> Thresholds:
-    """The run's own `fp8_stats` thresholds (from the `jsonl` logger's hparams.json), so the
-    report flags what the run warned about."""
+def thresholds_from_hparams(hparams: Mapping[str, Any], source: str = "hparams.json"
+                            ) -> Thresholds:
+    """The run's own `fp8_stats` thresholds (from the `jsonl` logger's hparams.json, or the
+    `source` the hyperparameters were read from), so the report flags what the run warned
+    about."""
     cfg = _fp8_stats_options(hparams)
     if cfg is None:
         return Thresholds()
     keys = ("max_underflow_pct", "max_overflow_pct", "min_cos_sim")
     given = {k: v for k in keys if (v := number(cfg.get(k))) is not None and math.isfinite(v)}
     try:
-        return Thresholds(**given, source="the run's fp8_stats settings (hparams.json)")
+        return Thresholds(**given, source=f"the run's fp8_stats settings ({source})")
     except ValueError:
         return Thresholds()
 
@@ -362,15 +365,34 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
     run's metrics.jsonl is, when a folder above holds it."""
     read = WandbRead.of(files)
     guard: GuardSeries = {}
-    run, restarts = _read(read.rows(), guard, losses)
+    older: dict[int, str] = {}
+    run, restarts = _read(read.rows(), guard, losses, older)
     if read.failed:  # as if no file was read
         run, restarts, read = RunMetrics(), [], WandbRead([], [])
         guard.clear()
+        older.clear()
         if losses is not None:
             losses.clear()
     if restarts:
         warn(_restarts_said(files[-1], restarts))
     live = read.runs[-1] if read.runs and not read.runs[-1].complete else None
+    if older:  # before a folder above's metrics.jsonl, which may be another run's
+        if not run.values:
+            raise NoStatistics(_older_said(given, older))
+        if said := _older_said(given, older, run):
+            warn(said)
+    config = _attempts_config(read)
+    for wandb_run, steps, later in zip(read.runs[:-1], read.steps, read.steps[1:], strict=False):
+        if not wandb_run.complete:
+            warn(_killed_said(wandb_run.path, steps, later))
+    shown = set(run.steps)
+    for path in files:  # a row W&B dropped is in no .wandb file: only its own log says so
+        if dropped := [s for s in wandb_history.dropped_steps(path) if s not in shown]:
+            said = _dropped_said(path, dropped, config)
+            if not run.values:
+                raise NoStatistics(f"{given}: no FP8 statistics reached W&B: {said}")
+            warn(f"{said}; the report covers the steps W&B kept, {run.steps[0]} to "
+                 f"{run.steps[-1]}")
     if live is not None:  # W&B writes the exit record last (wandb.finish)
         rows = read.steps[-1]
         read_rows = f"{len(rows)} history row(s) read, up to step {max(rows)}" if rows else (
@@ -385,7 +407,43 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
     if not run.values:
         raise NoStatistics(_no_metrics_here(given) if given.is_dir() else
                            _not_metrics(given) or f"{given}: no FP8 statistics")
-    return run, guard, _attempts_config(read)
+    return run, guard, config
+
+
+def _killed_said(path: Path, steps: list[int], later: list[int]) -> str:
+    """One line on an attempt with no exit record that a later one follows (killed): the steps
+    after its last row in W&B, before the later attempt's first, are in neither file."""
+    read = f"its rows up to step {steps[-1]}" if steps else "no history row"
+    said = (f"{path}: no exit record, and a later attempt follows: killed; W&B holds {read}, the "
+            f"next attempt logs from step {later[0]}" if later else
+            f"{path}: no exit record, and a later attempt follows: killed; W&B holds {read}")
+    after = steps[-1] + 1 if steps else 0
+    if later and later[0] > after:
+        said += (f"; steps {after} to {later[0] - 1} are in no attempt's W&B file (the run's "
+                 "metrics.jsonl, where a `jsonl` logger wrote one, holds them)")
+    return said
+
+
+def _dropped_said(path: Path, dropped: list[int], config: Mapping[str, Any]) -> str:
+    """One line on the history rows W&B dropped from the attempt `path` and where their FP8
+    statistics are: the run's `jsonl` file, if it had one (in the older key layout where an
+    older build logged it, which the report of that build reads)."""
+    shown = ", ".join(map(str, dropped[:8])) + (", ..." if len(dropped) > 8 else "")
+    loggers = config.get("loggers")
+    jsonl_options = loggers.get("jsonl") if isinstance(loggers, Mapping) else None
+    where = "no `jsonl` logger in its config holds them either"
+    if isinstance(jsonl_options, Mapping):
+        named = jsonl_options.get("path")
+        where = (f"the run's `jsonl` logger file holds them (loggers.jsonl.path: {named!r}, "
+                 "relative to the working directory the run started in, for older builds)"
+                 if isinstance(named, str) else "the run's `jsonl` logger file holds them")
+        where += (f": this report reads it, or where its keys are in the older layout "
+                  f"({OLDER_LAYOUT}), the report of foundry-fp8 at commit {OLDER_LAYOUT_LAST} "
+                  "or earlier does")
+    return (f"{path}: W&B dropped the history rows of {len(dropped)} step(s), {shown} (its "
+            f"{path.parent.name}/logs/debug-internal.log: "
+            f"\"{wandb_history.DROPPED_ROW.decode()}\", a row logged below the current step, as "
+            f"fp8_stats of older foundry-fp8 builds did); {where}")
 
 
 #: fp8_guard's records among the hyperparameters: each decided at its `step`.
@@ -421,11 +479,13 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
     too_long: list[int] = []
     cut: list[int] = []  # the last line read, unfinished (no newline): `read_jsonl`
     guard: GuardSeries = {}
+    older: dict[int, str] = {}
     try:
         size = metrics_file.stat().st_size
         if size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        run, restarts = _read(read_jsonl(metrics_file, skipped, too_long, cut), guard, losses)
+        run, restarts = _read(read_jsonl(metrics_file, skipped, too_long, cut), guard, losses,
+                              older)
         grown = metrics_file.stat().st_size - size
     except JsonlError as e:
         raise ReportError(_json_document(metrics_file) or str(e)) from None
@@ -455,8 +515,10 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
              "the report covers the rest")
     if restarts:
         warn(_restarts_said(metrics_file, restarts))
+    if older and run.values and (said := _older_said(metrics_file, older, run)):
+        warn(said)
     if not run.values:
-        raise NoStatistics(why_empty(metrics_file))
+        raise NoStatistics(_older_said(metrics_file, older) if older else why_empty(metrics_file))
     return run, guard
 
 
@@ -487,23 +549,56 @@ def losses_of(records: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[int, flo
 
 
 def _read(records: Iterable[tuple[int, Mapping[str, Any]]], guard: GuardSeries,
-          losses: dict[int, float] | None = None) -> tuple[RunMetrics, list[tuple[int, int]]]:
+          losses: dict[int, float] | None = None, older: dict[int, str] | None = None
+          ) -> tuple[RunMetrics, list[tuple[int, int]]]:
     """The per-layer metrics of `records` (fp8_guard's series copied into `guard`, the training
-    loss into `losses` where given), each later attempt of the run replacing what earlier ones
-    logged from its first step on (`_attempts`); also where the steps went back, (before,
-    after)."""
+    loss into `losses` where given, step -> a key of OLDER_LAYOUT into `older`), each later
+    attempt of the run replacing what earlier ones logged from its first step on (`_attempts`);
+    also where the steps went back, (before, after)."""
     restarts: list[tuple[int, int]] = []
     run = RunMetrics()
     losses = {} if losses is None else losses
+    older = {} if older is None else older
 
     def restarted(before: int, step: int) -> None:
         restarts.append((before, step))
         run.drop_from(step)
         _drop_from(guard, step)
         _drop_from(losses, step)
+        _drop_from(older, step)
 
-    collect(_losses_into(_guard_series(_attempts(records, restarted), guard), losses), run)
+    collect(_losses_into(_guard_series(_older_into(_attempts(records, restarted), older), guard),
+                         losses), run)
     return run, restarts
+
+
+def _older_into(records: Iterable[tuple[int, Mapping[str, Any]]], into: dict[int, str]
+                ) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """`records` unchanged, the steps holding a per-layer key of OLDER_LAYOUT noted `into` (with
+    one such key): a run a build before 2026-11-23 began and a later one resumed holds both
+    layouts, and the steps of the older one are not read."""
+    for step, metrics in records:
+        key = next((k for k in metrics if k.count("/") >= 3 and older_layout(k)), None)
+        if key is not None:
+            into.setdefault(step, key)
+        yield step, metrics
+
+
+def _older_said(where: Path, older: dict[int, str], run: RunMetrics | None = None) -> str:
+    """One line on the steps logged in OLDER_LAYOUT, which this report does not read (all of
+    them, or those `run` lacks), and what does: a post-mortem cannot train again."""
+    steps = sorted(older)
+    said = (f"{where}: FP8 statistics in an older key layout ({OLDER_LAYOUT}, e.g. "
+            f"`{older[steps[0]]}`, from foundry-fp8 builds before 2026-11-23)")
+    reader = (f"the report of the build that logged them reads them (foundry-fp8 at commit "
+              f"{OLDER_LAYOUT_LAST} or earlier, installed in another environment)")
+    if run is None:
+        return (f"{said}; this report (foundry-fp8 {__version__}) reads {LAYOUT} series only: "
+                f"{reader}")
+    unread = [s for s in steps if s not in set(run.steps)]
+    return (f"{said} at {len(unread)} logging step(s), {unread[0]} to {unread[-1]}, are not read:"
+            f" this report covers the {LAYOUT} series only, steps {run.steps[0]} to "
+            f"{run.steps[-1]}; {reader}") if unread else ""
 
 
 def _attempts(records: Iterable[tuple[int, Mapping[str, Any]]],
@@ -720,8 +815,13 @@ def _from_series(series: GuardSeries, fallbacks: list[Fallback],
     numbers. A record of the same layer and step gives a span its details; a layer in fallback
     at the first logging step shown ran so from there: decided there, at its latest record
     before that no re-promotion before ends, or (no such record) before. Also returns the
-    layers the series covers."""
+    layers the series covers. A run a build before the series (897d697) began and this one
+    resumed: its rows before the first holding any `IN_FALLBACK_PREFIX` key say nothing of a
+    layer, so there its records stand, as for a run logged before the series."""
     steps = sorted(s for s in series if FALLBACK_LAYERS in series[s])
+    first = next((i for i, s in enumerate(steps)
+                  if any(key.startswith(IN_FALLBACK_PREFIX) for key in series[s])), len(steps))
+    older, steps = steps[:first], steps[first:]
     covered = {key.removeprefix(IN_FALLBACK_PREFIX) for s in steps for key in series[s]
                if key.startswith(IN_FALLBACK_PREFIX)}
     options = hparams.get("callbacks")
@@ -742,6 +842,13 @@ def _from_series(series: GuardSeries, fallbacks: list[Fallback],
         if opened is not None and any(at < steps[0] and fallen_at == opened.step
                                       for at, fallen_at in ends):
             opened = None
+        if older:  # the records of the steps the series does not cover
+            at_first = series[steps[0]].get(IN_FALLBACK_PREFIX + layer, 0) >= .5
+            fell.extend(f for f in before if not (at_first and f is opened))
+            back.extend(r for (at, _), r in ends.items() if at < steps[0] or (
+                at == steps[0] and not at_first))
+            if opened is not None and not at_first and (steps[0], opened.step) not in ends:
+                back.append(Repromotion(layer, steps[0], opened.step, healthy))
         for step in [*steps, None]:
             fallen = step is not None and series[step].get(IN_FALLBACK_PREFIX + layer, 0) >= .5
             if fallen and start is None:
@@ -803,14 +910,8 @@ def _summaries_only(metrics_file: Path) -> str | None:
 
 
 def why_empty(metrics_file: Path) -> str:
-    """Why a metrics file holds no per-layer FP8 series: they are in the older layout, no
-    fp8_stats in the run, or it ran and watched nothing."""
-    older = next((key for _, metrics in read_jsonl(metrics_file) for key in metrics
-                  if older_layout(key)), None)
-    if older is not None:
-        return (f"{metrics_file}: FP8 statistics in an older key layout ({OLDER_LAYOUT}, e.g. "
-                f"`{older}`, from foundry-fp8 builds before 2026-11-23); this report (foundry-fp8 "
-                f"{__version__}) reads {LAYOUT} series only: train again with this fp8_stats")
+    """Why a metrics file holds no per-layer FP8 series (in no older layout, `_older_said`):
+    only summaries, no fp8_stats in the run, or it ran and watched nothing."""
     if (summaries := _summaries_only(metrics_file)) is not None:
         return summaries
     hparams = read_hparams(hparams_of(metrics_file))  # metrics.1.jsonl: hparams.1.json
