@@ -28,6 +28,7 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import IO, Any
 
+from foundry_fp8.packages import DISTRIBUTION, parse_requirement
 from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, parse_version
 
 #: Seconds allowed for `import transformer_engine.pytorch` in the subprocess (it loads CUDA).
@@ -80,6 +81,8 @@ class Snapshot:
     requires it (its Requires-Dist, written from setup.cfg's install_requires, the ranges' one
     home: `mosaicml[wandb]<0.33,>=0.31.0`); empty when foundry-fp8's own metadata is not found
     (a checkout on sys.path, not installed), and then nothing is judged against them.
+    `te`, `torch`, `composer` and `llmfoundry` are `UNVERSIONED` for a package that has no
+    package metadata but is found all the same (a source tree on PYTHONPATH, a vendored copy).
     """
 
     python: str
@@ -118,28 +121,36 @@ class Snapshot:
         return parse_version(self.te)
 
 
+#: A package's version where the package is found but has no package metadata, so no version.
+UNVERSIONED = "unknown (no package metadata)"
 #: The training stack foundry-fp8 plugs into, by distribution: the Snapshot field holding its
-#: installed version (FP8214 judges it against `stack_ranges`).
+#: installed version, which is also the top-level package it imports as (FP8214 judges it
+#: against `stack_ranges`).
 STACK = {"torch": "torch", "mosaicml": "composer", "llm-foundry": "llmfoundry"}
-#: A requirement's distribution name (PEP 508), then the rest: extras and version specifiers.
-_REQUIREMENT_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
 def _stack_ranges() -> tuple[tuple[str, str], ...]:
-    """`Snapshot.stack_ranges`: the installed foundry-fp8's requirements of `STACK`, without
-    environment markers (those are extras')."""
+    """`Snapshot.stack_ranges`: the installed foundry-fp8's readable requirements of `STACK`,
+    without environment markers (those are extras')."""
     try:
-        requires = metadata.requires("foundry-fp8") or []
+        requires = metadata.requires(DISTRIBUTION) or []
     except Exception:  # not installed (a checkout), or broken metadata: nothing to judge by
         return ()
-    ranges = []
-    for requirement in requires:
-        name = _REQUIREMENT_NAME.match(requirement)
-        if name and ";" not in requirement:
-            distribution = re.sub(r"[-_.]+", "-", name.group(1)).lower()  # PEP 503
-            if distribution in STACK:
-                ranges.append((distribution, requirement.strip()))
-    return tuple(ranges)
+    read = ((parse_requirement(text), text.strip()) for text in requires)
+    return tuple((r.distribution, text) for r, text in read
+                 if r is not None and r.marker is None and r.distribution in STACK)
+
+
+def _stack_version(distribution: str, package: str) -> str | None:
+    """The installed version of one of `STACK` (`UNVERSIONED` for a package found without
+    metadata). find_spec imports nothing for a top-level name: the doctor stays torch-free."""
+    version = _version(distribution)
+    if version is not None:
+        return version
+    try:
+        return UNVERSIONED if util.find_spec(package) is not None else None
+    except (ImportError, ValueError):  # a broken finder, or a __spec__-less module
+        return None
 
 
 def _version(name: str) -> str | None:
@@ -521,7 +532,7 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
     core_package = next((p for p in TE_CORE_PACKAGES if _version(p)), None)
     te = _version("transformer-engine")
     if te is None and _package_dir("transformer_engine") is not None:
-        te = "unknown (no package metadata)"
+        te = UNVERSIONED
     flash = _package_dir("flash_attn")
     smi = shutil.which("nvidia-smi") if probe_gpu and "torch" not in sys.modules else None
     probe_te_import = probe_te_import and te is not None
@@ -532,18 +543,19 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         progress(f"checking {' and '.join(slow)}")
     gpu = {} if not probe_gpu else \
         _gpu_from_torch() if "torch" in sys.modules else _gpu_from_nvidia_smi(smi) if smi else {}
+    stack = {package: _stack_version(distribution, package)
+             for distribution, package in STACK.items()}
     snapshot = Snapshot(
-        python=platform.python_version(), torch=_version("torch"), torch_cuda=_torch_cuda(),
+        python=platform.python_version(), torch_cuda=_torch_cuda(),
         cudnn=_cudnn(), te=te, te_torch=_version("transformer-engine-torch"),
         te_core=_version(core_package) if core_package else None, te_core_package=core_package,
-        composer=_version("mosaicml"), llmfoundry=_version("llm-foundry"),
         flash_attn=_version("flash-attn"),
         flash_attn_cross_entropy=bool(flash and (flash / "losses" / "cross_entropy.py").is_file()),
         accelerate=_version("accelerate"), deepspeed=_version("deepspeed"),
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         nvte_backward_override=os.environ.get(BACKWARD_OVERRIDE_ENV),
         te_pure_wheel=te is not None and _pure_wheel("transformer-engine"),
-        stack_ranges=_stack_ranges(), **gpu)
+        stack_ranges=_stack_ranges(), **stack, **gpu)
     if probe_te_import:
         snapshot = replace(snapshot, te_import_checked=True, te_import_error=te_import_error())
     return snapshot

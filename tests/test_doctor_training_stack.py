@@ -104,9 +104,11 @@ def test_runs_and_unknown_ranges_are_not_judged():
 def test_doctor_without_the_stack_exits_1_and_says_why(monkeypatch, capsys):
     """The QA's machine: the wheel installed with --no-deps (its metadata carries the ranges),
     nothing of the stack. gather_snapshot runs for real; only the three look-ups are hidden."""
-    real = environment._version
+    real, find = environment._version, environment.util.find_spec
     monkeypatch.setattr(environment, "_version",
                         lambda name: None if name in STACK else real(name))
+    monkeypatch.setattr(environment.util, "find_spec",
+                        lambda name, *a: None if name in STACK.values() else find(name, *a))
     assert main(["doctor", "--no-te-import"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("foundry-fp8 doctor: exit 1 because of 3 errors: FP8214")
@@ -119,3 +121,92 @@ def test_doctor_without_the_stack_exits_1_and_says_why(monkeypatch, capsys):
     assert [f["rule"] for f in report["findings"]] == ["FP8214"]
     assert report["environment"]["stack_ranges"] == [list(r) for r in RANGES]
     assert main(["doctor", "--strict"]) == 1
+
+
+def test_importable_without_metadata_is_a_warning_not_missing(monkeypatch, capsys):
+    """Composer importable (here it is: find_spec is Python's own answer, and the doctor's
+    table and JSON show what it found) but without package metadata (a source tree on
+    PYTHONPATH, a vendored copy): its version is unknown, not absent. It was an FP8214 error
+    'Composer (mosaicml) is not installed' and exit 1. Nothing of the stack is imported."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    real = environment.metadata.version
+
+    def version(name: str) -> str:
+        if name == "mosaicml":
+            raise environment.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    assert importlib.util.find_spec("composer") is not None
+    monkeypatch.setattr(environment.metadata, "version", version)
+    assert main(["doctor", "--no-te-import", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["environment"]["composer"] == environment.UNVERSIONED  # as for TE (FP8210)
+    [finding] = [f for f in report["findings"] if f["rule"] == "FP8214"]
+    assert (finding["key"], finding["severity"]) == ("composer", "warning")
+    assert "importable but without package metadata" in finding["message"]
+    assert "not installed" not in finding["message"]
+    assert main(["doctor", "--no-te-import"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert "Composer (mosaicml)  unknown (no package metadata)" in rows
+    # torch-free as before: the probe finds packages, it never imports them
+    probe = ("import sys; from importlib import metadata; real = metadata.version\n"
+             "def version(name):\n"
+             "    if name in ('torch', 'mosaicml', 'llm-foundry'):\n"
+             "        raise metadata.PackageNotFoundError(name)\n"
+             "    return real(name)\n"
+             "metadata.version = version\n"
+             "from foundry_fp8.environment import gather_snapshot\n"
+             "s = gather_snapshot(probe_te_import=False, probe_gpu=False)\n"
+             "print({s.torch, s.composer, s.llmfoundry}, [m for m in ('torch', 'composer',"
+             " 'llmfoundry') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.stdout.strip() == f"{{{environment.UNVERSIONED!r}}} []", done.stderr
+
+
+def test_an_unreadable_version_is_a_warning():
+    [(key, severity, _)] = _stack(replace(IN_RANGE, llmfoundry="main"))
+    assert (key, severity) == ("llmfoundry", "warning")
+
+
+def test_ngc_pre_release_counts_as_its_release():
+    """NGC's torch names its 2.7.0 build 2.7.0a0+<sha>.nv25.04: FP8214 takes it as 2.7.0, inside
+    `>=2.7.0`, where PEP 440 (packaging) puts it before 2.7.0, outside. On purpose: a warning
+    on every NGC 25.04 image would be noise. Above the upper bound it is still out."""
+    ngc = "2.7.0a0+79aa17489c.nv25.04"
+    assert not SETUP_CFG["torch"].specifier.contains(ngc, prereleases=True)
+    assert SETUP_CFG["torch"].specifier.contains("2.7.0", prereleases=True)
+    assert _stack(replace(IN_RANGE, torch=ngc)) == []
+    assert [(k, s) for k, s, _ in _stack(replace(IN_RANGE, torch="2.8.0a0+git1.nv25.06"))] == [
+        ("torch", "warning")]
+
+
+@pytest.mark.parametrize("text", [
+    "mosaicml[wandb]<0.33,>=0.31.0", "torch (>=2.7.0,<2.8)", "llm-foundry>=0.21.0,<0.23",
+    "Transformer_Engine[PyTorch, jax]==2.8.0", "torch", "flash-attn==2.7.*",
+    "mlflow>=2.0; extra == \"mlflow\"", "torch~=2.7.0 ; python_version >= \"3.10\"",
+])
+def test_requirements_read_as_packaging_reads_them(text):
+    """The one reader of requirement strings (packages.parse_requirement), shared by the
+    doctor's ranges and the MCLI pins, against packaging's PEP 508 parser."""
+    from packaging.utils import canonicalize_name
+
+    from foundry_fp8.packages import normalized, parse_requirement
+
+    ours, theirs = parse_requirement(text), Requirement(text)
+    assert ours is not None
+    assert ours.distribution == normalized(theirs.name) == canonicalize_name(theirs.name)
+    assert set(ours.extras) == {canonicalize_name(e) for e in theirs.extras}
+    assert sorted(ours.clauses) == sorted((s.operator, s.version) for s in theirs.specifier)
+    assert (ours.marker is None) == (theirs.marker is None)
+
+
+@pytest.mark.parametrize("text", ["foo @ https://example.com/foo.whl", "torch>=abc", "-e",
+                                  "git+https://github.com/mosaicml/composer.git@v0.32.1"])
+def test_requirements_without_a_readable_version_are_none(text):
+    from foundry_fp8.packages import parse_requirement
+
+    assert parse_requirement(text) is None

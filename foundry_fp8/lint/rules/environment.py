@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from foundry_fp8.environment import STACK, Snapshot
+from foundry_fp8.environment import STACK, UNVERSIONED, Snapshot
 from foundry_fp8.lint.config import has_fp8_layers, native_te_layers, te_swap, uses_te
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_SOURCE,
@@ -40,6 +40,7 @@ from foundry_fp8.lint.known import (
     auto_microbatch_fsdp_fails,
 )
 from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules, section
+from foundry_fp8.packages import Requirement, parse_requirement
 from foundry_fp8.recipe import FP8Recipe, RecipeError, RecipeProblem
 from foundry_fp8.te.facts import (
     ADA,
@@ -448,32 +449,25 @@ def torch_newer_than_driver(env: Environment, _: LintContext) -> Iterator[Hit]:
                   "NVIDIA driver for code that JIT-compiles PTX")
 
 
-#: A requirement (PEP 508, no marker): its name, extras, and version specifiers (PEP 440).
-_REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*\(?([^)]*)\)?\s*")
-_CLAUSE = re.compile(r"\s*(~=|==|!=|<=|>=|<|>)\s*([0-9][0-9A-Za-z.+!*-]*)\s*")
 #: How each of `STACK` is called in a message.
 _STACK_NAMES = {"torch": "torch", "mosaicml": "Composer (mosaicml)",
                 "llm-foundry": "LLM-Foundry (llm-foundry)"}
 
 
-def _specifiers(requirement: str) -> tuple[str, list[tuple[str, str]]] | None:
-    """`requirement` as a message writes it (lower bounds first: `mosaicml[wandb]>=0.31.0,<0.33`)
-    and its (operator, version) clauses; None if unreadable."""
-    match = _REQUIREMENT.fullmatch(requirement)
-    if match is None:
-        return None
-    clauses = [_CLAUSE.fullmatch(c) for c in match.group(3).split(",") if c.strip()]
-    if not all(clauses):
-        return None
-    ordered = sorted(((c.group(1), c.group(2)) for c in clauses if c),
-                     key=lambda c: not c[0].startswith(">"))
-    shown = match.group(1) + (match.group(2) or "") + ",".join(op + v for op, v in ordered)
-    return shown, ordered
+def _shown(requirement: Requirement) -> str:
+    """`requirement` as a message writes it, lower bounds first: `mosaicml[wandb]>=0.31.0,<0.33`
+    (pip's metadata writes `<0.33,>=0.31.0`)."""
+    extras = f"[{','.join(requirement.extras)}]" if requirement.extras else ""
+    ordered = sorted(requirement.clauses, key=lambda c: not c[0].startswith(">"))
+    return requirement.name + extras + ",".join(op + v for op, v in ordered)
 
 
 def _satisfies(version: tuple[int, ...], op: str, bound: str) -> bool | None:
     """PEP 440's comparison of a release with one clause (`==2.7.*` included), zero-padded as
-    PEP 440 pads releases; None for a bound that is not a release."""
+    PEP 440 pads releases; None for a bound that is not a release. Pre-release, dev and local
+    tags are not read (`version` is the release alone), unlike PEP 440, on purpose: NGC's torch
+    `2.7.0a0+79aa17489c.nv25.04` is NVIDIA's build of the 2.7.0 release, which `>=2.7.0` means
+    (packaging, a pre-release before its release, would call it outside)."""
     wildcard = bound.endswith(".*")
     want = parse_version(bound.removesuffix(".*"))
     if want is None:
@@ -496,9 +490,13 @@ def _satisfies(version: tuple[int, ...], op: str, bound: str) -> bool | None:
       "on torch: with one of them missing (`pip install --no-deps`, an image without them) no "
       "run can use foundry-fp8, an error. A version outside the range foundry-fp8 requires was "
       "never tested (te_swap, fp8_state and the sdpa attention use their internals), a "
-      "warning, as for a TE older than te_swap's floor (FP8204). The ranges are read from the "
-      "installed foundry-fp8's package metadata; without it (a checkout on sys.path) nothing "
-      "is judged. The doctor's: a run has all three, and pip resolved their versions.",
+      "warning, as for a TE older than te_swap's floor (FP8204); so is one that imports "
+      "but has no package metadata (a source tree on PYTHONPATH), whose version is unknown. "
+      "A pre-release or local build counts as its release: NGC's torch "
+      "2.7.0a0+79aa17489c.nv25.04 is 2.7.0 (PEP 440 puts 2.7.0a0 before 2.7.0). The ranges "
+      "are read from the installed foundry-fp8's package metadata; without it (a checkout on "
+      "sys.path) nothing is judged. The doctor's: a run has all three, and pip resolved their "
+      "versions.",
       source="setup.cfg install_requires (the installed foundry-fp8's Requires-Dist); "
       "foundry_fp8/environment.py STACK",
       fix="pip install the requirement the message names", family="environment")
@@ -506,11 +504,11 @@ def training_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
     if env.config is not None:
         return
-    for distribution, requirement in snapshot.stack_ranges:
-        read = _specifiers(requirement)
-        if read is None:
+    for distribution, text in snapshot.stack_ranges:
+        requirement = parse_requirement(text)
+        if requirement is None:
             continue
-        wanted, clauses = read
+        wanted, clauses = _shown(requirement), requirement.clauses
         installed = getattr(snapshot, STACK[distribution])
         name = _STACK_NAMES[distribution]
         if installed is None:
@@ -519,8 +517,13 @@ def training_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
                       f"'{wanted}'")
             continue
         version = parse_version(installed)
-        verdicts = [_satisfies(version, op, bound) for op, bound in clauses] if version else []
-        if False in verdicts:
+        if version is None:
+            what = "is importable but without package metadata (a source tree on PYTHONPATH, " \
+                "a vendored copy)" if installed == UNVERSIONED else f"has version {installed}"
+            yield Hit(STACK[distribution], f"{name} {what}: its version cannot be judged "
+                      f"against {wanted}", severity="warning",
+                      fix=f"pip install '{wanted}' (a source tree: `pip install -e` it)")
+        elif False in [_satisfies(version, op, bound) for op, bound in clauses]:
             yield Hit(STACK[distribution], f"{name} {installed} is outside the versions "
                       f"foundry-fp8 supports ({wanted}): untested, and te_swap, fp8_state and "
                       "the sdpa attention use its internals", severity="warning",

@@ -13,6 +13,7 @@ from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
 from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules
 from foundry_fp8.lint.rules.environment import Environment
+from foundry_fp8.packages import parse_requirement
 
 #: Keys of an MCLI run config (mcli's RunConfig: `name`, `image`, `command`, `compute`,
 #: `parameters`, `integrations`, `scheduling`, `env_variables`, `metadata`, `entrypoint`, and the
@@ -370,15 +371,10 @@ PIN_RULES: dict[str, tuple[str, ...]] = {
     "FP8204": ("te",), "FP8205": ("te", "te_torch", "te_core"), "FP8207": ("te",),
     "FP8208": ("te",),
 }
-_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*==\s*(\d[^\s;,'\"]*)$")
 _GIT_URL = re.compile(r"github\.com[/:]([\w.-]+/[\w.-]+?)(?:\.git)?@([\w.+-]+)")
 #: MosaicML's images name the torch they ship first (`mosaicml/pytorch:2.1.0_cu121-...`,
 #: `mosaicml/llm-foundry:2.6.0_cu124-latest`).
 _MOSAIC_IMAGE = re.compile(r"^mosaicml/(?:pytorch|llm-foundry)[\w-]*:(\d+\.\d+\.\d+)")
-
-
-def _normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _release(ref: Any) -> str | None:
@@ -390,14 +386,13 @@ def _release(ref: Any) -> str | None:
 def _requirement_pins(text: str, key: str) -> Iterator[Pin]:
     for token in text.split():
         token = token.strip("'\"")
-        found = _REQUIREMENT.match(token)
-        if found:
-            name = _normalized(found.group(1))
-            extras = {_normalized(e) for e in (found.group(2) or "").strip("[]").split(",")}
-            fields = PINNED_PACKAGES.get(name, ()) + (
-                TE_PYTORCH_EXTRA if name == "transformer-engine" and "pytorch" in extras else ())
-            for field in fields:
-                yield Pin(field, found.group(3), key, name)
+        found = parse_requirement(token)
+        if found and found.marker is None and len(found.clauses) == 1 \
+                and found.clauses[0][0] == "==":
+            name, version = found.distribution, found.clauses[0][1]
+            extra = name == "transformer-engine" and "pytorch" in found.extras
+            for field in PINNED_PACKAGES.get(name, ()) + (TE_PYTORCH_EXTRA if extra else ()):
+                yield Pin(field, version, key, name)
             continue
         url = _GIT_URL.search(token)
         package = PINNED_REPOS.get(url.group(1).lower()) if url else None
