@@ -120,6 +120,15 @@ class Snapshot:
     def te_version(self) -> tuple[int, ...] | None:
         return parse_version(self.te)
 
+    def stack_floor(self, distribution: str) -> tuple[int, ...] | None:
+        """The lower bound (`>=`, `>`, `~=` or `==`) the installed foundry-fp8 sets on
+        `distribution`, from `stack_ranges`: no version it installs with is older. None when
+        unknown (no ranges, or no such bound)."""
+        bounds = [parse_version(version) for name, text in self.stack_ranges
+                  if name == distribution and (requirement := parse_requirement(text))
+                  for op, version in requirement.clauses if op in (">=", ">", "~=", "==")]
+        return max((b for b in bounds if b is not None), default=None)
+
 
 #: A package's version where the package is found but has no package metadata, so no version.
 UNVERSIONED = "unknown (no package metadata)"

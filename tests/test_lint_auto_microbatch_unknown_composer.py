@@ -1,7 +1,11 @@
 """FP8031 where the linter runs without Composer (a CI job with the wheel alone, or an MCLI file
 whose image pins torch): with a torch inside Composer's range every Composer foundry-fp8
 installs with defines unshard_with_sync, so there is nothing to say. It said "raises ... unless
-torch>=2.6.0,<2.7.1; here Composer not installed, torch 2.7.0", contradicting itself."""
+torch>=2.6.0,<2.7.1; here Composer not installed, torch 2.7.0", contradicting itself.
+
+"Every Composer foundry-fp8 installs with" is the floor the installed foundry-fp8's metadata
+sets (setup.cfg's, `Snapshot.stack_ranges`); unknown (a checkout, not installed) or older than
+the releases the rule was read from, the warning stays."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.cli import lint_file
@@ -35,8 +40,21 @@ def _defines_unshard_with_sync(monkeypatch: pytest.MonkeyPatch, torch_version: s
     return "unshard_with_sync" in namespace
 
 
-def _rows(path: Path, torch: str | None) -> list[tuple[str, str]]:
-    snapshot = Snapshot(python="3.11", torch=torch, composer=None)
+def _setup_cfg_mosaicml() -> str:
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    [mosaicml] = [r.strip() for r in cfg["options"]["install_requires"].split("\n")
+                  if r.strip().startswith("mosaicml[")]
+    return mosaicml
+
+
+#: The ranges an installed foundry-fp8's metadata carries: setup.cfg's Composer requirement.
+SETUP_CFG = (("mosaicml", _setup_cfg_mosaicml()),)
+
+
+def _rows(path: Path, torch: str | None,
+          ranges: tuple[tuple[str, str], ...] = SETUP_CFG) -> list[tuple[str, str]]:
+    snapshot = Snapshot(python="3.11", torch=torch, composer=None, stack_ranges=ranges)
     return [(f["rule"], f["severity"]) for f in lint_file(path, 1, snapshot)["findings"]
             if f["rule"] == "FP8031"]
 
@@ -44,12 +62,28 @@ def _rows(path: Path, torch: str | None) -> list[tuple[str, str]]:
 def test_setup_cfgs_composer_floor_is_one_fp8031_checked():
     """Why an unknown Composer may be judged by torch alone: the oldest foundry-fp8 installs
     with is no older than the first release the rule's range was read from."""
-    cfg = configparser.ConfigParser()
-    cfg.read(ROOT / "setup.cfg")
-    [mosaicml] = [r for r in cfg["options"]["install_requires"].split("\n")
-                  if r.startswith("mosaicml[")]
-    floor = parse_version(mosaicml.split(">=")[1].split(",")[0])
-    assert floor >= AUTO_MICROBATCH_CHECKED_FROM
+    floor = Requirement(_setup_cfg_mosaicml()).specifier
+    assert [s.version for s in floor if s.operator == ">="] == ["0.31.0"]
+    assert parse_version("0.31.0") >= AUTO_MICROBATCH_CHECKED_FROM
+    assert Snapshot(python="3.11", stack_ranges=SETUP_CFG).stack_floor("mosaicml") == (0, 31, 0)
+
+
+@pytest.mark.parametrize(("ranges", "quiet"), [
+    (SETUP_CFG, True),
+    ((("mosaicml", "mosaicml[wandb]>=0.30.0,<0.33"),), False),  # 0.30 was never read
+    ((("mosaicml", "mosaicml>0.31.0"),), True),
+    ((("torch", "torch>=2.7.0,<2.8"),), False),  # no Composer floor
+    ((), False),  # a checkout, not installed: no metadata, no floor
+])
+def test_without_composer_the_installed_floor_decides(tmp_path, ranges, quiet):
+    """The floor is the installed foundry-fp8's, not a constant standing in for setup.cfg:
+    a wheel built with an older floor, or none known, keeps the warning (torch 2.7.0 is inside
+    unshard_with_sync's range; whether Composer 0.30 defines it was never read)."""
+    import yaml
+
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(TRAIN))
+    assert _rows(path, "2.7.0", ranges) == ([] if quiet else [("FP8031", "warning")])
 
 
 @pytest.mark.parametrize(("torch", "quiet"), [

@@ -314,8 +314,10 @@ def te_flags_need_fsdp1(config: Mapping[str, Any], ctx: LintContext) -> Iterator
       "torch ranges, are not judged). `llmfoundry train` on one GPU drops fsdp_config and never "
       "meets it; on more it does. Judged against the Composer and torch installed where the "
       "linter runs; a warning when torch is unknown, or Composer is and torch is outside "
-      "that range (with a torch inside it, every Composer foundry-fp8 installs with, "
-      f"{dotted(AUTO_MICROBATCH_CHECKED_FROM)}+, defines it). FSDP2 refuses auto "
+      "that range, or Composer is and the floor the installed foundry-fp8 sets on it "
+      "(setup.cfg's, from its package metadata) is unknown or older than "
+      f"{dotted(AUTO_MICROBATCH_CHECKED_FROM)} (with a torch inside the range and that floor "
+      "checked, every Composer foundry-fp8 installs with defines it). FSDP2 refuses auto "
       "micro-batching before this (another error).",
       source=f"Composer {AUTO_MICROBATCH_SOURCE}: patch_unshard_for_automicrobatching, and "
       f"line 41 (unshard_with_sync under the torch check); {COMPOSER} composer/trainer/"
@@ -331,9 +333,10 @@ def auto_microbatch_with_fsdp(config: Mapping[str, Any], ctx: LintContext) -> It
             or not isinstance(config.get("fsdp_config"), Mapping):
         return
     fails = auto_microbatch_fsdp_fails(snapshot.composer, snapshot.torch)
-    if fails is None and parse_version(snapshot.composer) is None and auto_microbatch_fsdp_fails(
-            dotted(AUTO_MICROBATCH_CHECKED_FROM), snapshot.torch) is False:
-        return  # Composer unknown, but setup.cfg's floor (0.31) is one that was checked
+    floor = snapshot.stack_floor("mosaicml")
+    if fails is None and parse_version(snapshot.composer) is None and floor is not None \
+            and auto_microbatch_fsdp_fails(dotted(floor), snapshot.torch) is False:
+        return  # Composer unknown, but the oldest foundry-fp8 installs with was checked
     if fails:
         yield Hit("device_train_microbatch_size", f"Composer {snapshot.composer} defines "
                   f"unshard_with_sync only for torch{UNSHARD_TORCH_RANGE} "
