@@ -10,10 +10,11 @@ dots (`run_name: ../x`) cannot move a file elsewhere. The one exception, `fp8_st
 
 Before this rule a relative path was taken in the working directory, and the `jsonl` default was
 `runs/{run_name}/metrics.jsonl`: a YAML with that written out (or any relative path that begins
-with the run folder's own relative path) names a file inside the run folder the old way. Taken
-inside the run folder it would double it (`runs/X/runs/X/metrics.jsonl`), and a run upgraded
-mid-way would leave its metrics in two files, each read as the whole run; such a path is taken
-the old way, with one warning naming the key and the fix (`repeated_run_folder`).
+with the run folder's last parts) names a file inside the run folder the old way. Taken inside
+the run folder it would double it (`runs/X/runs/X/metrics.jsonl`), and a run upgraded mid-way
+would leave its metrics in two files, each read as the whole run; such a path is taken the old
+way (`repeated_run_folder`, whatever the working directory), and the run warns once naming the
+key and the fix (`say_repeated`).
 """
 
 from __future__ import annotations
@@ -79,38 +80,54 @@ def path_fix(file: bool = False) -> str:
             else "a path inside the run folder, or an absolute path")
 
 
-def _relative(folder: PurePath) -> PurePath | None:
-    """`folder` relative to the working directory (None: outside it), normalized."""
-    if folder.is_absolute():
+def _trailing_parts(folder: PurePath) -> list[tuple[str, ...]]:
+    """`folder`'s parts as written (normalized) and, for a real path, as `resolve()`d: a run
+    folder is recognized by how it ends, wherever it is looked at from (the run's working
+    directory, the report's, a symlinked one: `/home -> /gpfs`)."""
+    found = [PurePath(os.path.normpath(folder)).parts]
+    if isinstance(folder, Path):
         try:
-            folder = PurePath(os.path.relpath(folder))
-        except ValueError:  # another drive (Windows)
-            return None
-    normal = PurePath(os.path.normpath(folder))
-    return None if normal.parts[:1] == ("..",) else normal
+            found.append(folder.resolve().parts)
+        except (OSError, RuntimeError):  # a symlink loop
+            pass
+    return found
 
 
 def repeated_run_folder(template: str, folder: PurePath, run_name: str,
                         key: str) -> tuple[PurePath, str, str] | None:
-    """Where relative `template` begins with the run folder `folder` (relative to the working
-    directory; `{run_name}` filled in as `run_name`): the rest of it, inside `folder`, what
-    happens (what it would resolve to, where it goes instead) and the fix naming `key`'s last
-    part; None otherwise (an absolute path, a run folder that is the working directory or lies
-    outside it)."""
+    """Where relative `template` (`{run_name}` filled in as `run_name`) begins with the last
+    parts of the run folder `folder` (`runs/X/...` for `/proj/runs/X`, `X/...` for `runs/X`;
+    the most parts that match): the rest of it, inside `folder`, what happens (what it would
+    resolve to, where it goes instead) and the fix naming `key`'s last part; None otherwise (an
+    absolute path, no such beginning). Independent of the working directory, so the run, lint
+    and the report (run from anywhere) agree."""
     filled = template.format_map({"run_name": safe_run_name(run_name)})
-    own = _relative(folder)
-    if PurePath(filled).is_absolute() or own is None or not own.parts:
+    if PurePath(filled).is_absolute():
         return None
     parts = PurePath(os.path.normpath(filled)).parts
-    if parts[:len(own.parts)] != own.parts:
+    size = max((n for own in _trailing_parts(folder) for n in range(1, len(parts) + 1)
+                if n <= len(own) and own[-n:] == parts[:n]),
+               default=0)
+    if not size:
         return None
-    rest = PurePath(*parts[len(own.parts):]) if len(parts) > len(own.parts) else PurePath(".")
+    own = PurePath(*parts[:size])
+    rest = PurePath(*parts[size:]) if len(parts) > size else PurePath(".")
     # the template's own parts after the repeat, `{run_name}` kept, for the fix
-    fix = PurePath(*PurePath(os.path.normpath(template)).parts[len(own.parts):] or ("."))
+    fix = PurePath(*PurePath(os.path.normpath(template)).parts[size:] or ("."))
     return (rest, f"{template!r} begins with the run folder {own}, inside which a relative "
             f"path is taken (no longer in the working directory), so it would write "
             f"{folder / filled}, apart from the run's other files; taken as {folder / rest}, "
             "the path it named before", f"`{key.rsplit('.', 1)[-1]}: {fix}`")
+
+
+def say_repeated(template: str, folder: Path, run_name: str, key: str) -> None:
+    """The run's one warning for a `repeated_run_folder` (the jsonl logger at INIT, fp8_stats'
+    dumps), once per key, template and folder, not at every fit; `in_run_folder` says nothing,
+    so a reader of a finished run (`foundry-fp8 report`) is not told what the run was told."""
+    repeated = repeated_run_folder(template, folder, run_name, key)
+    if repeated is not None and (key, template, str(folder)) not in _SAID:
+        _SAID.add((key, template, str(folder)))
+        log.warning("%s: %s (fix: %s)", key, repeated[1], repeated[2])
 
 
 def in_run_folder(template: str, folder: Path, run_name: str, key: str,
@@ -118,17 +135,13 @@ def in_run_folder(template: str, folder: Path, run_name: str, key: str,
     """`template` with `{run_name}` filled in safely, inside `folder` when relative. Raises
     PathError naming `key` for a relative path that leads out of `folder` (`file`: or one that
     names no file). A relative path that begins with `folder` itself is taken as the rest of it
-    inside `folder`, with one warning (`repeated_run_folder`)."""
+    inside `folder`; the run warns of it (`say_repeated`)."""
     check_path(template, key, file)
     repeated = repeated_run_folder(template, folder, run_name, key)
     if repeated is not None:
-        rest, said, fix = repeated
-        if file and str(rest) == ".":
+        if file and str(repeated[0]) == ".":
             raise PathError(f"{key}: {template!r} is the run folder itself, not a file in it "
                             f"(fix: {path_fix(file)})")
-        if (key, template, str(folder)) not in _SAID:
-            _SAID.add((key, template, str(folder)))
-            log.warning("%s: %s (fix: %s)", key, said, fix)
-        return folder / rest
+        return folder / repeated[0]
     path = Path(template.format_map({"run_name": safe_run_name(run_name)}))
     return path if path.is_absolute() else folder / path

@@ -125,11 +125,13 @@ def test_without_a_local_save_folder_the_run_folder_is_runs_run_name(elsewhere):
 
 @pytest.mark.parametrize("run_name", ["../x", "..", "a/../../b", "/etc/x"])
 def test_run_name_cannot_move_a_file(tmp_path, elsewhere, run_name):
-    _train(run_name, [JSONLLogger(path="{run_name}/metrics.jsonl")])
+    """`logs/{run_name}/...`: a path that begins with `{run_name}` repeats the run folder's last
+    part and is taken inside it as the rest (tests/test_paths_cwd.py), filling nothing in."""
+    _train(run_name, [JSONLLogger(path="logs/{run_name}/metrics.jsonl")])
     [written] = [p for p in _files(tmp_path) if p.endswith("metrics.jsonl")]
     folder = elsewhere / "runs" / safe_run_name(run_name)
-    assert Path(written) == (folder / safe_run_name(run_name) / "metrics.jsonl").relative_to(
-        tmp_path)
+    expected = folder / "logs" / safe_run_name(run_name) / "metrics.jsonl"
+    assert Path(written) == expected.relative_to(tmp_path)
     assert "/" not in safe_run_name(run_name) and set(safe_run_name(run_name)) != {"."}
 
 

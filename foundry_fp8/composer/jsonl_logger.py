@@ -25,7 +25,7 @@ from foundry_fp8.jsonl import (
     write_atomically,
 )
 from foundry_fp8.options import build
-from foundry_fp8.paths import in_run_folder, run_folder, safe_run_name
+from foundry_fp8.paths import in_run_folder, run_folder, safe_run_name, say_repeated
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class JSONLLogger(LoggerDestination):
     relative `path` is taken inside the run folder (`state_run_folder`) and may not lead out of
     it; an absolute one is used as written. One that begins with the run folder itself (the old
     default `runs/{run_name}/metrics.jsonl` written out) names the file it named when relative
-    paths were taken in the working directory, with one warning (`paths.repeated_run_folder`).
+    paths were taken in the working directory, with one warning (`paths.say_repeated`).
     Hyperparameters go to `hparams.json` beside it. Only global rank 0 writes, as W&B and
     MLflow do: Composer sends every rank's metrics to every destination, and several ranks
     appending to one file would interleave copies.
@@ -93,8 +93,10 @@ class JSONLLogger(LoggerDestination):
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
-        self.path = in_run_folder(self.path_template, state_run_folder(state), state.run_name,
+        folder = state_run_folder(state)
+        self.path = in_run_folder(self.path_template, folder, state.run_name,
                                   "loggers.jsonl.path", file=True)
+        say_repeated(self.path_template, folder, state.run_name, "loggers.jsonl.path")
         if dist.get_global_rank() != 0:
             return
         sink = self.sink = JsonlSink(self.path)

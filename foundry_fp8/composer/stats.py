@@ -32,7 +32,7 @@ from foundry_fp8.mlflow_facts import RACE, WORKAROUNDS, races
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
 from foundry_fp8.numerics import STAT_KEYS
 from foundry_fp8.options import MonitorConfig, Schedule, build
-from foundry_fp8.paths import in_run_folder
+from foundry_fp8.paths import in_run_folder, say_repeated
 from foundry_fp8.te.debug import (
     TEDebugSession,
     layer_pattern,
@@ -306,8 +306,10 @@ class FP8Stats(Callback):
         self._no_table = None
         config = self.config
         if self.schedule.dump_steps:
-            folder = in_run_folder(self.dump_folder or "fp8_dumps", run_folder(state, logger),
-                                   state.run_name, "callbacks.fp8_stats.dump_folder")
+            template, key = self.dump_folder or "fp8_dumps", "callbacks.fp8_stats.dump_folder"
+            base = run_folder(state, logger)
+            folder = in_run_folder(template, base, state.run_name, key)
+            say_repeated(template, base, state.run_name, key)
             config = dataclasses.replace(config, dump_folder=folder)
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
                                   on_warning=log.warning if _is_rank_zero() else lambda _: None)
