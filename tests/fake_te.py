@@ -100,6 +100,7 @@ class _Linear(_TEModule):
                  params_dtype: torch.dtype | None = None, device: Any = "cuda",
                  init_method: Any = None) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # linear.py:1593-1594
         self.weight = _param((out_features, in_features), device, params_dtype)
         self.bias = _param((out_features,), device, params_dtype) if bias else None
         # module/linear.py (register_parameter's init_fn): the weight's is `init_method` or
