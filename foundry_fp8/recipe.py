@@ -10,6 +10,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from decimal import Decimal
 from enum import Enum
 from typing import Any, Literal
 
@@ -156,7 +157,7 @@ class FP8Recipe:
         defaults (value or type), since a default passed cannot be told from one filled in.
         `as_config()` leaves those keys out: judging it let `use_power_2_scales=True` pass
         under delayed scaling, ignored."""
-        other = DELAYED_ONLY if self.scaling == "current" else _CURRENT_ONLY
+        other = DELAYED_ONLY if _mode(self.scaling) == "current" else _CURRENT_ONLY
         given = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -222,7 +223,7 @@ def fp8_format_name(value: Any) -> str:
     "HYBRID", "hybrid" or "Format.HYBRID" are all "HYBRID"."""
     if isinstance(value, Enum):
         return value.name
-    return str(value).upper().removeprefix("FORMAT.")
+    return (value if isinstance(value, str) else _shown(value)).upper().removeprefix("FORMAT.")
 
 
 def is_same_delayed_recipe(precision_config: Mapping[str, Any], recipe: FP8Recipe) -> bool:
@@ -245,28 +246,63 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _mode(value: Any) -> str:
+    """A choice's value for comparing with its names: "" for a non-string (an array's `==`
+    is elementwise, and `in` on it raises)."""
+    return value if isinstance(value, str) else ""
+
+
 def _article(word: str) -> str:
     return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
 
+def _shown(value: Any) -> str:
+    """`value` as a message shows it. An integer past 20 digits is named by its digit count,
+    counted without `str` (a 4300-digit one makes `repr` raise: sys.get_int_max_str_digits)."""
+    if _is_int(value) and not -10**20 < value < 10**20:
+        whole = abs(int(value))
+        digits = max(1, whole.bit_length() * 30103 // 100000)  # log10(2): within 1 below
+        while 10**digits <= whole:
+            digits += 1
+        return f"a {'negative ' if value < 0 else ''}{digits}-digit integer"
+    try:
+        return repr(value)
+    except ValueError:  # a Fraction or Decimal too long to print
+        return f"{_article(type(value).__name__)} too long to print"
+
+
 def _margin_why(margin: Any) -> str:
-    """Why a margin is refused, by what it is: the bound it crosses, or the type. TE's recipes
-    declare `margin: int` and are pydantic dataclasses (common/recipe/__init__.py:12, 253 at
-    d0067d0), which turn 2.0 into 2 and refuse 2.5, NaN and inf."""
-    if not isinstance(margin, numbers.Real) or isinstance(margin, bool):
-        return "null, not a number" if margin is None else (
-            f"{_article(type(margin).__name__)}, not a number")
-    value = float(margin)
-    if not math.isfinite(value):
-        return "not a finite number"
-    if not value.is_integer():
-        return "TransformerEngine refuses a fractional margin too: its recipes' margin is an int"
-    if value < 0:
+    """Why a margin is refused, by what it is: the bound it crosses, or the type. Judged
+    exactly (never through `float`, which overflows on 10**400). TE's recipes declare
+    `margin: int` in pydantic dataclasses (common/recipe/__init__.py:12, 253 at d0067d0), and
+    TE pins no pydantic (setup.py:123 at d0067d0, 95 at v2.2): pydantic 2 turns 2.0 into 2 and
+    refuses 2.5, NaN and inf; pydantic 1 truncates 2.5 to 2 (its int_validator is `int(v)`)."""
+    name = type(margin).__name__
+    if margin is None:
+        return "null, not a number"
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Number):
+        return f"{_article(name)}, not a number"
+    if not isinstance(margin, (numbers.Real, Decimal)):
+        return f"{_article(name)}, not a real number"
+    if _is_int(margin):
+        top, bottom = int(margin), 1
+    else:
+        ratio = getattr(margin, "as_integer_ratio", None)
+        if ratio is None:
+            return f"{_article(name)}, a number foundry-fp8 cannot read exactly"
+        try:
+            top, bottom = ratio()
+        except (ValueError, ArithmeticError):  # NaN; infinities (OverflowError)
+            return "not a finite number"
+    if bottom != 1:
+        return ("a fraction: TransformerEngine's recipes declare margin an int, which pydantic "
+                f"2 refuses and pydantic 1 truncates to {int(margin)}")
+    if top < 0:
         return "a negative margin scales the amax above E4M3's max: the largest elements saturate"
-    if value > MAX_MARGIN:
+    if top > MAX_MARGIN:
         return ("a larger margin scales even the amax below E4M3's smallest subnormal: the "
                 "tensor flushes to 0")
-    return f"a float: write {int(value)}"
+    return f"{_article(name)}: write {top}"
 
 
 def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
@@ -277,7 +313,7 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
     problems: list[RecipeProblem] = []
     scaling = options.get("scaling", "delayed")
     for key in options:
-        key = str(key)
+        key = key if isinstance(key, str) else _shown(key)
         if key in REMOVED_TE_KEYS:
             problems.append(RecipeProblem(key, "TransformerEngine no longer accepts this key",
                                           REMOVED_TE_KEYS[key]))
@@ -307,12 +343,12 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
             problems.append(RecipeProblem(
                 key, "unknown recipe key", f"use one of: {', '.join(sorted(_KNOWN_KEYS))}"))
 
-    block = UNSUPPORTED_TE_RECIPES.get(str(scaling).lower())
+    block = UNSUPPORTED_TE_RECIPES.get(scaling.lower()) if isinstance(scaling, str) else None
     if block is not None:
         problems.append(unsupported_recipe_problem(block))
-    elif scaling not in ("delayed", "current"):
+    elif _mode(scaling) not in ("delayed", "current"):
         problems.append(RecipeProblem(
-            "scaling", f"unknown scaling {scaling!r}",
+            "scaling", f"unknown scaling {_shown(scaling)}",
             "use 'delayed' (TE DelayedScaling) or 'current' (TE Float8CurrentScaling, "
             f"{CURRENT_SCALING_TE})"))
 
@@ -328,33 +364,35 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
     history = options.get("amax_history_len", COMPOSER_DEFAULT_HISTORY)
     if not _is_int(history) or not 1 <= history <= MAX_HISTORY:
         problems.append(RecipeProblem(
-            "amax_history_len", f"must be an integer from 1 to {MAX_HISTORY}, got {history!r}",
+            "amax_history_len",
+            f"must be an integer from 1 to {MAX_HISTORY}, got {_shown(history)}",
             "e.g. 16 (Composer's default) or 1024 (TE's default)"))
     algo = options.get("amax_compute_algo", "max")
     if callable(algo):  # TE then runs its unfused Python update (quantization.py:687-691)
         problems.append(RecipeProblem(
             "amax_compute_algo", "a callable makes TransformerEngine update scales with its "
             "unfused Python path, which foundry-fp8 does not model", "use 'max' or 'most_recent'"))
-    elif algo not in ("max", "most_recent"):
-        problems.append(RecipeProblem("amax_compute_algo", f"unknown algorithm {algo!r}",
+    elif _mode(algo) not in ("max", "most_recent"):
+        problems.append(RecipeProblem("amax_compute_algo", f"unknown algorithm {_shown(algo)}",
                                       "use 'max' or 'most_recent'"))
     margin = options.get("margin", 0)
     if not _is_int(margin) or not 0 <= margin <= MAX_MARGIN:
         problems.append(RecipeProblem(
-            "margin", f"must be an integer from 0 to {MAX_MARGIN}, got {margin!r} "
+            "margin", f"must be an integer from 0 to {MAX_MARGIN}, got {_shown(margin)} "
             f"({_margin_why(margin)})", "use 0 unless you see overflows"))
     for flag in ("reduce_amax", "use_power_2_scales"):
         if flag in options and not isinstance(options[flag], bool):
-            problems.append(RecipeProblem(flag, f"must be true or false, got {options[flag]!r}",
-                                          f"write {flag}: true or {flag}: false"))
+            problems.append(RecipeProblem(
+                flag, f"must be true or false, got {_shown(options[flag])}",
+                f"write {flag}: true or {flag}: false"))
 
-    if scaling == "current":
+    if _mode(scaling) == "current":
         for key in DELAYED_ONLY:
             if key in options:
                 problems.append(RecipeProblem(
                     key, "only applies to delayed scaling; current scaling keeps no amax history",
                     f"remove {key}, or use scaling: delayed"))
-    elif scaling == "delayed":
+    elif _mode(scaling) == "delayed":
         for key in _CURRENT_ONLY:
             if key in options:
                 problems.append(RecipeProblem(key, "only applies to current scaling",
