@@ -76,7 +76,8 @@ def _exit_status_help(statuses: str) -> str:
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose usage error also names the arguments that start with '-' and
     are paths here (`lint -weird.yaml` said only 'the following arguments are required: paths'):
-    argparse takes them for options, and `--` before them makes them paths."""
+    argparse takes them for options. `./` before one makes it a path both where a path argument
+    goes and as an option's value (`report --out ./-outdir`), where `--` does not help."""
 
     dashed_paths: tuple[str, ...] = ()
 
@@ -85,8 +86,9 @@ class _Parser(argparse.ArgumentParser):
             from foundry_fp8.health.table import one_line
 
             names = ", ".join(one_line(path) for path in self.dashed_paths)
-            message += (f" ({names}: a path starting with '-' reads as an option; put -- "
-                        f"before it: -- {one_line(shlex.quote(self.dashed_paths[0]))})")
+            fixed = shlex.quote(os.path.join(".", self.dashed_paths[0]))
+            message += (f" ({names}: a path starting with '-' reads as an option; put ./ "
+                        f"before it: {one_line(fixed)})")
         super().error(message)
 
 

@@ -16,7 +16,8 @@ CLEAN = "precision: fp32\nalgorithms:\n  te_swap: {backend: emulate}\n"
 ])
 def test_a_path_starting_with_a_dash_is_named_with_the_fix(tmp_path, argv, argparse_says):
     """QA 20: `foundry-fp8 lint -weird.yaml` said only that paths are required, as if none had
-    been given; the usage error now names the path and `--`, which then lints it (exit 0)."""
+    been given; the usage error now names the path and the fix (`./` before it), which then
+    lints it (exit 0)."""
     (tmp_path / "-weird.yaml").write_text(CLEAN)
     (tmp_path / "ok.yaml").write_text(CLEAN)
 
@@ -28,9 +29,36 @@ def test_a_path_starting_with_a_dash_is_named_with_the_fix(tmp_path, argv, argpa
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines()[-1] == (
         f"foundry-fp8 lint: error: {argparse_says} (-weird.yaml: a path starting with '-' reads "
-        "as an option; put -- before it: -- -weird.yaml)")
-    fixed = lint(*argv[:-1], "--", argv[-1])
+        "as an option; put ./ before it: ./-weird.yaml)")
+    fixed = lint(*argv[:-1], "./" + argv[-1])
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    dashes = lint(*argv[:-1], "--", argv[-1])  # `--` works here too (docs/lint.md says so)
+    assert dashes.returncode == 0, dashes.stdout + dashes.stderr
+
+
+def test_a_dashed_option_value_gets_a_fix_that_works_there(tmp_path):
+    """R3-20: `report --out -outdir RUN` was told "put -- before it: -- -outdir", after which
+    argparse says "argument --out: expected one argument" again; `./-outdir` works as a value."""
+    from foundry_fp8.health.keys import LOSS, layer_key
+    from foundry_fp8.jsonl import JsonlSink
+
+    (tmp_path / "-outdir").mkdir()
+    sink = JsonlSink(tmp_path / "run" / "metrics.jsonl")
+    for step in range(3):
+        sink.write(step, {LOSS: 3.0 - step, layer_key("underflow_pct", "weight", "fc"): 0.1})
+
+    def report(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "foundry_fp8", "report", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    done = report("--out", "-outdir", "run")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines()[-1] == (
+        "foundry-fp8 report: error: argument --out: expected one argument (-outdir: a path "
+        "starting with '-' reads as an option; put ./ before it: ./-outdir)")
+    fixed = report("--out", "./-outdir", "run")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert (tmp_path / "-outdir" / "fp8_report.md").is_file()
 
 
 def test_an_unknown_option_that_names_no_file_gets_no_path_hint(tmp_path):
