@@ -277,17 +277,18 @@ def _yaml_run_folder(config: Mapping[str, Any]) -> tuple[PurePath, str]:
 
 
 @rule("FP8052", "warning", "a relative `loggers.jsonl.path` or fp8_stats `dump_folder` that "
-      "begins with the run folder itself (`path: runs/{run_name}/metrics.jsonl`, the old "
+      "begins with the run folder's last parts (`path: runs/{run_name}/metrics.jsonl`, the old "
       "default, with the default run folder `runs/<run_name>`)",
       why="A relative path is taken inside the run folder (the parent of a local save_folder, "
       "else runs/<run_name>); before, it was taken in the working directory, and such a path "
       "named a file inside the run folder. Taken inside it, it would double the folder "
       "(runs/X/runs/X/metrics.jsonl), and a run upgraded mid-way would leave its metrics in "
       "two files, each read as the whole run. The run takes it the old way and warns "
-      "(foundry_fp8/paths.py repeated_run_folder, used by the jsonl logger at INIT and "
+      "(foundry_fp8/paths.py repeated_run_folder, whatever the working directory, so lint, "
+      "the run and `foundry-fp8 report` agree; say_repeated, by the jsonl logger at INIT and "
       "fp8_stats' dumps): no run is refused for a YAML that worked, and its files stay in one "
       "place.",
-      source=f"foundry_fp8/paths.py run_folder, repeated_run_folder; {COMPOSER} "
+      source=f"foundry_fp8/paths.py run_folder, repeated_run_folder, say_repeated; {COMPOSER} "
       "composer/trainer/trainer.py (run_name: COMPOSER_RUN_NAME, RUN_NAME, else generated)",
       fix="the path inside the run folder (`path: metrics.jsonl`)")
 def repeated_run_folders(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
