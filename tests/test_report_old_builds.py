@@ -71,8 +71,8 @@ DROPPED = ('{"time":"2026-11-29T20:20:18.8986282Z","level":"WARN","msg":"handler
 
 
 def _wandb_attempt(folder: Path, steps: range, config: dict[str, Any], stats: bool,
-                   dropped: list[int], finished: bool = True, underflow: float | None = None
-                   ) -> Path:
+                   dropped: list[int], finished: bool = True, underflow: float | None = None,
+                   extra: dict[str, float] | None = None) -> Path:
     """An attempt as W&B leaves it: `run-<id>.wandb` (a config, a history row per step, with
     fp8_stats' series where `stats`, the exit record where `finished`) and its own log."""
     from wandb.proto import wandb_internal_pb2
@@ -92,7 +92,8 @@ def _wandb_attempt(folder: Path, steps: range, config: dict[str, Any], stats: bo
     for step in steps:
         record = wandb_internal_pb2.Record()
         record.history.step.num = step
-        row = {"loss/train/total": 2.5, **(_stats(step, underflow) if stats and step % 5 == 0 else {})}
+        row = {"loss/train/total": 2.5, **(_stats(step, underflow) if stats and step % 5 == 0 else {}),
+               **(extra if extra and step % 5 == 0 else {})}
         for key, value in {**row, "_step": step}.items():
             record.history.item.add(key=key, value_json=json.dumps(value))
         store.write(record)
@@ -191,3 +192,21 @@ def test_a_wandb_report_names_its_thresholds_source_and_the_runs_dump(tmp_path, 
             and f"fp8_stats' dump of '{LAYER}' activation there: {dump}." in said), said
     assert "Thresholds from the run's fp8_stats settings (the W&B run's config): underflow > 3 %" \
         in (out / "fp8_report.md").read_text()
+
+
+def test_a_fallback_whose_rows_w_and_b_lost_keeps_its_records_step(tmp_path):
+    """U20 r1 in W&B: aaffc1b's attempt, killed, reached W&B up to step 14, the fallback's
+    step 15 lost; the resumed attempt logs `in_fallback` from 20. Its record (in both
+    attempts' config) says 15; the report said 20 ("from step 21")."""
+    record = Fallback(LAYER, DECIDED, 0.03125, ("activation underflow_pct 24.3 % (> 5 %)",))
+    config = {"callbacks": {"fp8_stats": {"interval": "5ba"}, "fp8_guard": {}},
+              FALLBACK_PREFIX + LAYER: record.record()}
+    wandb_dir = tmp_path / "wandb"
+    _wandb_attempt(wandb_dir / "offline-run-20261129_200830-mixed1", range(15), config, True, [],
+                   finished=False, extra={"fp8/guard/fallback_layers": 0.0})
+    _wandb_attempt(wandb_dir / "offline-run-20261129_201057-mixed1", range(20, 40), config, True,
+                   [], extra={"fp8/guard/fallback_layers": 1.0,
+                              f"fp8/guard/in_fallback/{LAYER}": 1.0})
+    _, _, guard, _, _ = make_report(wandb_dir, out=tmp_path / "out")
+    assert guard is not None and guard.spans() == [(LAYER, DECIDED, None)]  # was 20
+    assert guard.fallbacks == [record]

@@ -817,10 +817,16 @@ def _from_series(series: GuardSeries, fallbacks: list[Fallback],
     before that no re-promotion before ends, or (no such record) before. Also returns the
     layers the series covers. A run a build before the series (897d697) began and this one
     resumed: its rows before the first holding any `IN_FALLBACK_PREFIX` key say nothing of a
-    layer, so there its records stand, as for a run logged before the series."""
+    layer, so there its records stand, as for a run logged before the series. Told by one of
+    them counting a layer in fallback (this build logs the series of each layer in fallback)
+    or a record between the last of them and the first with the series (its rows lost: a
+    killed attempt's in W&B); else they are this build's rows before its first fallback."""
     steps = sorted(s for s in series if FALLBACK_LAYERS in series[s])
     first = next((i for i, s in enumerate(steps)
-                  if any(key.startswith(IN_FALLBACK_PREFIX) for key in series[s])), len(steps))
+                  if any(key.startswith(IN_FALLBACK_PREFIX) for key in series[s])), 0)
+    if first and not (any(series[s][FALLBACK_LAYERS] >= .5 for s in steps[:first]) or any(
+            steps[first - 1] < f.step < steps[first] for f in fallbacks)):
+        first = 0
     older, steps = steps[:first], steps[first:]
     covered = {key.removeprefix(IN_FALLBACK_PREFIX) for s in steps for key in series[s]
                if key.startswith(IN_FALLBACK_PREFIX)}
