@@ -15,6 +15,7 @@ import subprocess
 import sys
 from decimal import Decimal
 from fractions import Fraction
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from pydantic import ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.v1.dataclasses import dataclass as pydantic1_dataclass
 
+from foundry_fp8.composer.state import run_recipe
 from foundry_fp8.lint.registry import LintContext
 from foundry_fp8.lint.rules import lint_config
 from foundry_fp8.recipe import FP8Recipe, RecipeError
@@ -177,3 +179,12 @@ def test_the_lint_cli_gives_one_line_and_exit_1_for_a_400_digit_margin(tmp_path)
         "te_swap.fp8_recipe.margin must be an integer from 0 to 17, got a 401-digit integer (a "
         "larger margin scales even the amax below E4M3's smallest subnormal: the tensor flushes "
         "to 0)")
+
+
+def test_fp8_state_reads_a_precision_config_margin_past_any_float_as_unknown():
+    """Composer's precision_config goes to TE's DelayedScaling, whose `margin: int` takes
+    10**400 (pydantic 2); `run_recipe` raised OverflowError (it catches ValueError only)."""
+    assert _TEDelayed(margin=BIG).margin == BIG
+    state = SimpleNamespace(algorithms=[], precision=SimpleNamespace(value="amp_fp8"),
+                            precision_config={"margin": BIG})
+    assert run_recipe(state) is None  # type: ignore[arg-type]
