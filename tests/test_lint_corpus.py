@@ -16,11 +16,13 @@ import yaml
 from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint import accelerate
 from foundry_fp8.lint.cli import lint_file
+from tests.test_doctor_training_stack import RANGES
 
 CORPUS = Path(__file__).resolve().parent / "lint_corpus"
 EXPECTED: dict[str, list[list[str]]] = yaml.safe_load((CORPUS / "expected.yaml").read_text())
-#: The machine the expectations are written for: no flash-attn, TE or GPU.
-BARE = Snapshot(python="3.11")
+#: The machine the expectations are written for: no flash-attn, TE or GPU; foundry-fp8 installed
+#: (its metadata's ranges are setup.cfg's).
+BARE = Snapshot(python="3.11", stack_ranges=RANGES)
 
 
 @pytest.fixture(autouse=True)
