@@ -306,10 +306,10 @@ class FP8Stats(Callback):
         self._no_table = None
         config = self.config
         if self.schedule.dump_steps:
-            template, key = self.dump_folder or "fp8_dumps", "callbacks.fp8_stats.dump_folder"
-            base = run_folder(state, logger)
-            folder = in_run_folder(template, base, state.run_name, key)
-            say_repeated(template, base, state.run_name, key)
+            base, key = run_folder(state, logger), "callbacks.fp8_stats.dump_folder"
+            folder = in_run_folder(self.dump_folder or "fp8_dumps", base, state.run_name, key)
+            if self.dump_folder:  # the warning names the key: one the YAML wrote
+                say_repeated(self.dump_folder, base, state.run_name, key)
             config = dataclasses.replace(config, dump_folder=folder)
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
                                   on_warning=log.warning if _is_rank_zero() else lambda _: None)
