@@ -363,8 +363,8 @@ def test_a_scaling_mode_change_is_refused_without_claiming_te_keeps_the_first():
 
 
 @pytest.mark.parametrize(("margin", "why"), [
-    (2.5, "TransformerEngine's recipes declare margin an int, which pydantic 2 refuses and "
-          "pydantic 1 truncates to 2"),
+    (2.5, "a fraction: TransformerEngine's recipes declare margin an int, which pydantic 2 refuses "
+          "and pydantic 1 truncates to 2"),
     (2.0, "a float: write 2"),
     ("2", "a str, not a number"),
     (True, "a bool, not a number"),
