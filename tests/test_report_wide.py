@@ -6,13 +6,15 @@ out here from the values written, never from the report's own output."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import foundry_fp8.wandb_history as wandb_history
 from foundry_fp8.cli import main
-from foundry_fp8.health.keys import LOSS, layer_key
+from foundry_fp8.health.keys import HIGH_PRECISION, LOSS, layer_key
 from foundry_fp8.jsonl import JsonlSink
 from foundry_fp8.report import cli, markdown
 from tests.test_report_long_run import attempt
@@ -75,7 +77,8 @@ def test_layers_flagged_alike_share_one_row_and_each_keeps_its_own_in_the_markdo
     assert rows == [  # flagged at one step each, in the order first flagged
         f"all {len(LAYERS)} layers gradient: nan_count 12 at step {NAN_STEP} (12 NaN and 0 Inf "
         f"elements, before any FP8 cast; 1 of {logged} steps each). {DIVERGES}{CLIP}",
-        f"{BLOCKS} layers 'blocks.*.ffn.down_proj' activation: nan_count 3 to 10 at step "
+        f"{BLOCKS} layers 'blocks.<n>.ffn.down_proj' (every <n> in the run) activation: "
+        f"nan_count 3 to 10 at step "
         f"{DOWN_STEP} (e.g. 10 NaN and 0 Inf elements, before any FP8 cast; 1 of {logged} steps "
         f"each). {DIVERGES}{LR}",
         f"{len(SOME)} layers ('blocks.1.attn.Wqkv', 'blocks.2.ffn.down_proj', "
@@ -93,7 +96,7 @@ def test_layers_flagged_alike_share_one_row_and_each_keeps_its_own_in_the_markdo
              .splitlines() if line.startswith("| ") and "| layer |" not in line]
     assert [line.split(" | ")[:2] for line in table] == [
         [f"| all {len(LAYERS)} layers", "gradient"],
-        [f"| {BLOCKS} layers `blocks.*.ffn.down_proj`", "activation"],
+        [f"| {BLOCKS} layers `blocks.<n>.ffn.down_proj` (every `<n>` in the run)", "activation"],
         [f"| {len(SOME)} layers (`blocks.1.attn.Wqkv`, `blocks.2.ffn.down_proj`, "
          "`blocks.5.attn.Wqkv` and 1 more)", "weight"],
         [f"| {UNDER}", "gradient"]], table
@@ -107,6 +110,55 @@ def test_layers_flagged_alike_share_one_row_and_each_keeps_its_own_in_the_markdo
                    f"{DOWN_STEP})" for layer in LAYERS if layer.endswith("down_proj")},
                 **{(layer, "weight"): f"5 (step {WEIGHT_STEP})" for layer in SOME}}
     assert own == expected
+
+
+def test_a_grouped_rows_name_says_which_layers_it_holds_where_a_glob_or_regex_would_not(
+        tmp_path, capsys):
+    """R3-20's repro: `blocks.0..3.ffn.down_proj` flagged, `blocks.0.moe.ffn.down_proj` and
+    `blocks.x.ffn.down_proj` not. The row was named `'blocks.*.ffn.down_proj'`, which as a glob,
+    or pasted into `--layers` (a regex search), selects the two unflagged layers too."""
+    flagged = [f"blocks.{b}.ffn.down_proj" for b in range(4)]
+    others = ["blocks.0.moe.ffn.down_proj", "blocks.x.ffn.down_proj"]
+    sink = JsonlSink(tmp_path / "run" / "metrics.jsonl")
+    for step in STEPS:
+        sink.write(step, {LOSS: 3.0, **{
+            layer_key(stat, "activation", layer): value
+            for layer in flagged + others
+            for stat, value in (("underflow_pct", 0.0), ("cos_sim", 0.9995), ("scale_ratio", 1.0),
+                                ("amax", 2.0), ("nan_count", 4.0 if step == NAN_STEP
+                                                and layer in flagged else 0.0))}})
+    assert main(["report", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    md = (tmp_path / "run" / "fp8_report.md").read_text()
+    name = "blocks.<n>.ffn.down_proj"
+    assert f"  4 layers '{name}' (every <n> in the run) activation: nan_count 4 at step" in out
+    assert f"| 4 layers `{name}` (every `<n>` in the run) | activation |" in md
+    # the name as its words read: the run's layers with a number (digits) at each <n>
+    said = re.compile(re.escape(name).replace(re.escape("<n>"), "[0-9]+"))
+    assert [layer for layer in flagged + others if said.fullmatch(layer)] == flagged
+    # what `*` selected, read as a glob or as a regex search: the unflagged layers too
+    assert fnmatch.filter(others, "blocks.*.ffn.down_proj") == others
+    assert [layer for layer in others if re.search("blocks.*.ffn.down_proj", layer)] == others
+
+
+def test_a_grouped_what_if_row_says_each_of_its_step_count(tmp_path, monkeypatch, capsys):
+    """`1 of 11 steps each, 1 of them what-if`, not `..., 1 of them what-if each`: the down_proj
+    layers' NaN step marked what-if (as fp8_guard's fallback spans mark rows)."""
+    run = _write(tmp_path / "run")
+
+    def marked(metrics: Any, guard: Any) -> None:
+        for layer in LAYERS:
+            if layer.endswith("down_proj"):
+                metrics.add(DOWN_STEP, layer, "activation", HIGH_PRECISION, 1.0)
+
+    monkeypatch.setattr(cli, "mark_high_precision", marked)
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    logged = len(STEPS)
+    assert (f"at what-if step {DOWN_STEP} (e.g. 10 NaN and 0 Inf elements, before any FP8 cast; "
+            f"1 of {logged} steps each, 1 of them what-if).") in out
+    md = (run / "fp8_report.md").read_text()
+    assert f"| 1 of {logged} each, 1 of them what-if |" in md
 
 
 def test_a_single_layers_flags_keep_their_own_rows(tmp_path, capsys):

@@ -17,8 +17,8 @@ from foundry_fp8.report.mlflow_run import mlflow_history, mlflow_params, mlflow_
 from foundry_fp8.report.read import (
     ReportError,
     WandbRead,
-    _attempts_config,
-    _json_document,
+    attempts_config,
+    json_document,
     losses_of,
     metrics_file_of,
     read_hparams,
@@ -52,13 +52,13 @@ def _losses_and_config(given: Path) -> tuple[dict[int, float], Mapping[str, Any]
         losses = losses_of(read.rows())
         if read.failed:
             raise ReportError(f"{files[0]}: W&B's reader cannot read it")
-        config = _attempts_config(read)
+        config = attempts_config(read)
     else:
         metrics_file = metrics_file_of(given)
         try:
             losses = losses_of(read_jsonl(metrics_file))
         except JsonlError as e:
-            raise ReportError(_json_document(metrics_file) or str(e)) from None
+            raise ReportError(json_document(metrics_file) or str(e)) from None
         except OSError as e:
             raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
     if not losses:

@@ -491,10 +491,9 @@ def report_one(args: argparse.Namespace, run_folder: Path,
             "it", fallen[w.layer]) + (f"{TO_FP8}{key}" if runs_in_fp8(w.yaml_key) else "")
         limit = (w.limit if len({g.worst.limit for g in group}) == 1 else
                  f"e.g. {max(group, key=lambda g: badness(w.stat, g.worst.value)).worst.limit}")
-        each = " each" if len(group) > 1 else ""
         return (f"{layers_named(group, metrics.layers, names)} {kinds[w.tensor]}: "
                 f"{bounded(w.stat)} {values_said(group)} at {f.worst_at()} ({limit}; "
-                f"{f.counted(' steps')}{each}). Likely cause: {w.cause}. {change}")
+                f"{f.counted(' steps', each=len(group) > 1)}). Likely cause: {w.cause}. {change}")
 
     rows = grouped(found, fallen)
     print(f"{len(found)} flagged")

@@ -67,9 +67,10 @@ class Finding:
     whatif: int = 0  # of the flagged steps, those fp8_guard ran the layer in high precision
     worst_whatif: bool = False  # the worst value is a what-if one
 
-    def counted(self, unit: str = "") -> str:
-        """`5 of 7`, and how many of them were what-if numbers (`, 4 of them what-if`)."""
-        return f"{self.steps} of {self.logged}{unit}" + (
+    def counted(self, unit: str = "", each: bool = False) -> str:
+        """`5 of 7`, `each` for a row of several layers, and how many of them were what-if
+        numbers (`, 4 of them what-if`): `each` belongs to the count, not to the what-if part."""
+        return f"{self.steps} of {self.logged}{unit}{' each' if each else ''}" + (
             f", {self.whatif} of them what-if" if self.whatif else "")
 
     def worst_at(self) -> str:
@@ -119,10 +120,15 @@ def grouped(found: list[Finding], fallen: Collection[str]) -> list[list[Finding]
 GROUP_SHOWN = 3
 
 
+#: Stands for a dotted part of digits in a grouped row's name (`blocks.<n>.ffn.down_proj`): not
+#: `*`, which as a glob, or pasted into `--layers` (a regex search), selects other layers too.
+NUMBER = "<n>"
+
+
 def number_pattern(layers: list[str], every: Collection[str]) -> str | None:
-    """`blocks.*.ffn.down_proj`: the layers' common name with `*` for the dotted parts that are
-    numbers and differ, where it names exactly these layers among `every` (the run's); else
-    None."""
+    """`blocks.<n>.ffn.down_proj`: the layers' common name with NUMBER for the dotted parts that
+    are numbers and differ, where the run's layers (`every`) with a number at each NUMBER are
+    exactly these; else None."""
     parts = [layer.split(".") for layer in layers]
     if len({len(p) for p in parts}) != 1:
         return None
@@ -143,14 +149,14 @@ def number_pattern(layers: list[str], every: Collection[str]) -> str | None:
 
     if {layer for layer in every if matches(layer)} != set(layers):
         return None
-    return ".".join("*" if want is None else want for want in pattern)
+    return ".".join(NUMBER if want is None else want for want in pattern)
 
 
 def layers_named(group: list[Finding], every: Collection[str], names: dict[str, str],
                  markdown: bool = False) -> str:
     """A row's layer (its label) or, for a grouped row, its layers in a few words: `all 96
-    layers`, `24 layers 'blocks.*.ffn.down_proj'` (`number_pattern`), else the count and the
-    first GROUP_SHOWN labels in the run's order (`every`)."""
+    layers`, `24 layers 'blocks.<n>.ffn.down_proj' (every <n> in the run)` (`number_pattern`),
+    else the count and the first GROUP_SHOWN labels in the run's order (`every`)."""
     place = {layer: n for n, layer in enumerate(every)}
     layers = sorted((f.worst.layer for f in group), key=lambda layer: place.get(layer, len(place)))
     show = md_code if markdown else repr
@@ -160,7 +166,8 @@ def layers_named(group: list[Finding], every: Collection[str], names: dict[str, 
     if set(layers) == set(every):
         return f"all {len(layers)} layers"
     if (pattern := number_pattern(layers, every)) is not None:
-        return f"{len(layers)} layers {show(bounded(pattern))}"
+        number = md_code(NUMBER) if markdown else NUMBER
+        return f"{len(layers)} layers {show(bounded(pattern))} (every {number} in the run)"
     more = len(layers) - GROUP_SHOWN
     return (f"{len(layers)} layers (" + ", ".join(
         show(names.get(layer, layer)) for layer in layers[:GROUP_SHOWN])
@@ -439,7 +446,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                 f"{TO_FP8}{change}" if runs_in_fp8(w.yaml_key) else "")
         return (f"| {layer} | {md_escape(kinds[w.tensor])} | {md_escape(bounded(w.stat))} | "
                 f"{values_said(group)} ({f.worst_at()}) | {f.first_step} | "
-                f"{f.counted()}{' each' if len(group) > 1 else ''} | {md_escape(w.cause)} | "
+                f"{f.counted(each=len(group) > 1)} | {md_escape(w.cause)} | "
                 f"{change} |")
 
     if found:

@@ -348,11 +348,11 @@ class WandbRead:
             self.failed = True
 
     def config(self) -> dict[str, Any] | None:
-        """The attempts' config (`_attempts_config`), their values left unread; None where W&B's
+        """The attempts' config (`attempts_config`), their values left unread; None where W&B's
         reader cannot read them."""
         for _ in self.rows(history=False):
             pass
-        return None if self.failed else _attempts_config(self)
+        return None if self.failed else attempts_config(self)
 
 
 def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
@@ -381,7 +381,7 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
             raise NoStatistics(_older_said(given, older))
         if said := _older_said(given, older, run):
             warn(said)
-    config = _attempts_config(read)
+    config = attempts_config(read)
     for wandb_run, steps, later in zip(read.runs[:-1], read.steps, read.steps[1:], strict=False):
         if not wandb_run.complete:
             warn(_killed_said(wandb_run.path, steps, later))
@@ -450,7 +450,7 @@ def _dropped_said(path: Path, dropped: list[int], config: Mapping[str, Any]) -> 
 GUARD_RECORDS = (FALLBACK_PREFIX, REPROMOTION_PREFIX, REFUSED_PREFIX, OLDER_PREFIX)
 
 
-def _attempts_config(read: WandbRead) -> dict[str, Any]:
+def attempts_config(read: WandbRead) -> dict[str, Any]:
     """The attempts' configs merged, the latest attempt's value of each key winning, less
     fp8_guard's records an earlier attempt decided at or after the step a later one logs from
     again (`_attempts`): that attempt died and the run went on from its checkpoint without them
@@ -488,7 +488,7 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
                               older)
         grown = metrics_file.stat().st_size - size
     except JsonlError as e:
-        raise ReportError(_json_document(metrics_file) or str(e)) from None
+        raise ReportError(json_document(metrics_file) or str(e)) from None
     except OSError as e:
         raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
     if grown > 0:  # one statement: the unfinished last line read is the one being written
@@ -630,7 +630,7 @@ def _restarts_said(metrics_file: Path, restarts: list[tuple[int, int]]) -> str:
             "each such step on, the report keeps the later attempt's numbers only")
 
 
-def _json_document(path: Path) -> str | None:
+def json_document(path: Path) -> str | None:
     """Why `path`, which read_jsonl refused, is one JSON document over several lines (a
     hparams.json, W&B's or MLflow's JSON), when it is one: its lines read one by one are no
     records, which says less."""
