@@ -296,7 +296,7 @@ def _margin_why(margin: Any) -> str:
             return "not a finite number"
     if bottom != 1:
         return ("a fraction: TransformerEngine's recipes declare margin an int, which pydantic "
-                f"2 refuses and pydantic 1 truncates to {int(margin)}")
+                f"2 refuses and pydantic 1 truncates to {_shown(int(margin))}")
     if top < 0:
         return "a negative margin scales the amax above E4M3's max: the largest elements saturate"
     if top > MAX_MARGIN:

@@ -131,6 +131,17 @@ def test_a_fractional_margin_is_told_what_each_pydantic_does(value):
         "refuses and pydantic 1 truncates to 2")
 
 
+@pytest.mark.parametrize("how", ["options", "constructor"])
+def test_a_fraction_truncating_past_repr_names_the_truncation_by_its_digit_count(how):
+    """The fraction's reason printed pydantic 1's truncation with `int`'s str, which raises
+    past 4300 digits: a ValueError escaped `recipe_problems` and `FP8Recipe`."""
+    value = Fraction(PAST_REPR + 1, 2)
+    assert _TEDelayedPydantic1(margin=value).margin == 5 * 10**4999  # 5000 digits
+    assert _why(_line("margin", value, how)) == (
+        "a fraction: TransformerEngine's recipes declare margin an int, which pydantic 2 "
+        "refuses and pydantic 1 truncates to a 5000-digit integer")
+
+
 class _OpaqueReal:
     """A real number by registration only: no `as_integer_ratio`, no comparisons."""
 
