@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from foundry_fp8.environment import Snapshot
+from foundry_fp8.environment import UNVERSIONED, Snapshot
 from foundry_fp8.lint.rules.environment import environment_findings
 
 H100_SMI = 'echo "NVIDIA H100 80GB HBM3, 9.0"'
@@ -101,6 +101,7 @@ def test_torch_s_cuda_build_on_the_same_gpu_is_not_flagged(tmp_path):
             gpu_error="nvidia-smi lists 1 GPU(s), but CUDA_VISIBLE_DEVICES='' hides every one"),
     replace(GPU, torch=None),  # no torch at all: nothing says it is a CPU build
     replace(GPU, torch_cuda="12.6"),
+    replace(GPU, torch=UNVERSIONED),  # a source tree: no version.py is no CPU build
 ])
 def test_fp8212_only_where_a_gpu_meets_a_torch_without_cuda(snapshot):
     assert "FP8212" not in {f.rule for f in environment_findings(snapshot)}
@@ -112,3 +113,31 @@ def test_a_run_asking_for_te_gets_it_as_an_error_an_emulated_run_not():
     assert ("FP8212", "error") in {(f.rule, f.severity)
                                    for f in environment_findings(GPU, te_run)}
     assert "FP8212" not in {f.rule for f in environment_findings(GPU, emulated)}
+
+
+def test_a_torch_source_tree_without_version_py_is_no_cpu_build(monkeypatch, capsys):
+    """QA (session 20): a torch found without package metadata (a source tree on PYTHONPATH,
+    never built, so no torch/version.py) was called "torch unknown (no package metadata) is
+    built without CUDA (its CPU build)", an error and exit 1, from no evidence at all."""
+    from foundry_fp8 import environment
+    from foundry_fp8.cli import main
+
+    real = environment.metadata.version
+
+    def version(name: str) -> str:
+        if name == "torch":
+            raise environment.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    h100 = {"gpu_name": "NVIDIA H100 80GB HBM3", "capability": (9, 0)}
+    monkeypatch.setattr(environment.metadata, "version", version)
+    monkeypatch.setattr(environment, "_torch_cuda", lambda: None)  # no version.py to read
+    monkeypatch.setattr(environment, "_gpu_from_torch", lambda: h100)
+    monkeypatch.setattr(environment, "_gpu_from_nvidia_smi", lambda _: h100)
+    code = main(["doctor", "--no-te-import", "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["environment"]["torch"] == "unknown (no package metadata)"
+    assert (report["environment"]["torch_cuda"], report["environment"]["capability"]) == \
+        (None, [9, 0])
+    assert "FP8212" not in {f["rule"] for f in report["findings"]}
+    assert report["exit_code"] == code

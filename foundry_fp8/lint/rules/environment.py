@@ -403,7 +403,9 @@ def backward_override(env: Environment, _: LintContext) -> Iterator[Hit]:
       family="environment")
 def torch_without_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
-    if snapshot.has_gpu and snapshot.torch is not None and snapshot.torch_cuda is None:
+    # An UNVERSIONED torch (a source tree) may lack a built version.py: no CUDA line is no
+    # verdict there, only in an installed build, whose version.py pip's wheel always has.
+    if snapshot.has_gpu and parse_version(snapshot.torch) and snapshot.torch_cuda is None:
         yield Hit("torch_cuda", f"{snapshot.gpu_name or 'this GPU'} is here, but torch "
                   f"{snapshot.torch} is built without CUDA (its CPU build): torch and "
                   "TransformerEngine cannot use the GPU")
