@@ -10,6 +10,8 @@ media (images, tables) and the config. Used by the tests and by `make run`'s dem
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -194,10 +196,15 @@ DROPPED_ROW = b"handler: ignoring partial history record"
 def dropped_steps(run_file: Path) -> list[int]:
     """The steps of the history rows W&B's service dropped from `run_file`'s attempt, from the
     attempt's own log: nothing in the `.wandb` file says a row was dropped (older foundry-fp8
-    builds logged fp8_stats' metrics a step behind, and W&B kept none of them)."""
+    builds logged fp8_stats' metrics a step behind, and W&B kept none of them). Only a regular
+    file is opened, and without waiting: a FIFO there would block the report forever, a device
+    is not W&B's."""
+    log = run_file.parent / "logs" / "debug-internal.log"
     steps: set[int] = set()
     try:
-        with (run_file.parent / "logs" / "debug-internal.log").open("rb") as f:
+        if not stat.S_ISREG(log.stat().st_mode):
+            return []
+        with os.fdopen(os.open(log, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
             for line in f:
                 if DROPPED_ROW not in line:
                     continue

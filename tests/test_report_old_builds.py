@@ -7,6 +7,8 @@ saying so in the attempt's logs/debug-internal.log) wrote."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,30 @@ def test_a_wandb_run_upgraded_mid_run_names_the_steps_w_and_b_dropped(tmp_path, 
     err = capsys.readouterr().err
     assert "W&B dropped the history rows of 4 step(s), 0, 5, 10, 15 " in err, err
     assert "the report covers the steps W&B kept, 20 to 35" in err, err
+
+
+def test_a_fifo_for_w_and_b_s_log_does_not_block_the_report(tmp_path, capsys):
+    """F2-20: the report opened an attempt's logs/debug-internal.log whatever stood there: a FIFO
+    blocked `foundry-fp8 report` forever. It reads as the same run with no log at all."""
+    wandb_dir = tmp_path / "wandb"
+    attempt = wandb_dir / "offline-run-20261129_213000-fifo1"
+    _wandb_attempt(attempt, range(20), CONFIG, True, [])
+    log = attempt / "logs" / "debug-internal.log"
+    log.unlink()
+    argv = ["report", str(wandb_dir), "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    without = capsys.readouterr()
+    os.mkfifo(log)
+    codes: list[int] = []
+    report = threading.Thread(target=lambda: codes.append(main(argv)), daemon=True)
+    report.start()
+    report.join(timeout=300)  # a hang guard, not a timing: it fails rather than hangs
+    blocked = report.is_alive()
+    if blocked:  # waiting in open() for a writer: be one, and let it finish
+        os.close(os.open(log, os.O_WRONLY | os.O_NONBLOCK))
+        report.join()
+    assert not blocked and codes == [0]
+    assert capsys.readouterr() == without
 
 
 def test_a_metrics_file_in_both_key_layouts_names_the_steps_not_read(tmp_path, capsys):
