@@ -59,7 +59,7 @@ MAX_HISTORY = 65536
 #: ignore unknown keywords (`extra` defaults to 'ignore'), so TE drops them silently.
 TE_CURRENT_SCALING_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 
-#: Keys that TE's `DelayedScaling` used to accept and no longer does, with what to do instead.
+#: Keys that TE's `DelayedScaling` used to read and no longer does, with what to do instead.
 REMOVED_TE_KEYS: dict[str, str] = {
     "interval": "remove it: TE updates scales every step; it ignores `interval`, with a "
                 "deprecation warning from 1.8 and silently from 2.2 (no such field: TE's "
@@ -315,7 +315,7 @@ def recipe_problems(options: Mapping[str, Any]) -> list[RecipeProblem]:
     for key in options:
         key = key if isinstance(key, str) else _shown(key)
         if key in REMOVED_TE_KEYS:
-            problems.append(RecipeProblem(key, "TransformerEngine no longer accepts this key",
+            problems.append(RecipeProblem(key, "TransformerEngine no longer uses this key",
                                           REMOVED_TE_KEYS[key]))
         elif key == "backward_override":
             problems.append(RecipeProblem(

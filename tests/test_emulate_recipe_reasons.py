@@ -17,7 +17,12 @@ import torch
 from pydantic import ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from foundry_fp8.recipe import TE_CURRENT_SCALING_QPARAMS, FP8Recipe, RecipeError
+from foundry_fp8.recipe import (
+    REMOVED_TE_KEYS,
+    TE_CURRENT_SCALING_QPARAMS,
+    FP8Recipe,
+    RecipeError,
+)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -139,3 +144,20 @@ def test_interval_is_said_to_be_ignored_by_te_not_refused():
     message = str(error.value)
     assert message.startswith("fp8_recipe.interval: ") and "\n" not in message
     assert "refuses" not in message and "silently from 2.2" in message
+
+
+@pytest.mark.parametrize("key", sorted(REMOVED_TE_KEYS))
+def test_a_removed_te_key_is_said_to_be_unused_not_refused(key):
+    """TE's current recipes take either key without a word (no such field: `interval` left at
+    v2.2, `override_linear_precision` at v2.0, common/recipe/__init__.py:136/140 at v1.13), so
+    the line said 'no longer accepts' beside a fix saying TE ignores it."""
+
+    @pydantic_dataclass
+    class _TEDelayedNow:
+        margin: int = 0
+
+    assert not hasattr(_TEDelayedNow(**{key: 1}), key)
+    with pytest.raises(RecipeError) as error:
+        FP8Recipe.from_options({key: 1})
+    assert str(error.value).startswith(
+        f"fp8_recipe.{key}: TransformerEngine no longer uses this key (fix: remove it")

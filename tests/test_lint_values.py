@@ -141,7 +141,7 @@ def test_near_misses_lint_clean(entry, option, value):
 
 @pytest.mark.parametrize(("recipe", "key", "snippet"), [
     ({"scaling": "delayed", "interval": 1}, "callbacks.fp8_stats.recipe.interval",
-     "no longer accepts"),
+     "no longer uses"),
     ({"fp8_format": "E5M2"}, "callbacks.fp8_stats.recipe.fp8_format", "pure E5M2"),
     ("delyaed", "callbacks.fp8_stats.recipe", "unknown scaling 'delyaed'"),
     (3, "callbacks.fp8_stats.recipe", "unknown scaling 3"),
@@ -242,7 +242,7 @@ def test_build_raises_one_line_naming_the_key_path():
     with pytest.raises(OptionError, match=r"^callbacks\.fp8_lint\.train_config: is passed by "):
         build("fp8_lint", {"train_config": {}})
     with pytest.raises(OptionError, match=r"^callbacks\.fp8_stats\.recipe\.interval: "
-                                          "TransformerEngine no longer accepts"):
+                                          "TransformerEngine no longer uses"):
         build("fp8_stats", {"recipe": {"interval": 1}})
     with pytest.raises(OptionError, match=r"^callbacks\.fp8_stats\.recipe: unknown scaling"):
         build("fp8_stats", {"recipe": "delyaed"})
