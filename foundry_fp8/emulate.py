@@ -220,9 +220,11 @@ def _check_recipe_type(recipe: object) -> None:
         "pass FP8Recipe(scaling='delayed' or 'current', ...) with the same options"))
 
 
-#: What TE does where a layer's recipe changes a key other than its first recipe's, where it
-#: does not go on with the first one: a new scaling mode gets a new recipe state
-#: (pytorch/module/base.py:1106-1175 in TE 2.20), silently before TE_RECIPE_CHANGE_WARNING_FROM.
+#: What TE does, by key, when a layer's recipe differs from its first recipe in that key (a key
+#: not named here: TE goes on with the first recipe). A new scaling mode (delayed <-> current):
+#: TE builds that mode's recipe state for the layer and uses it from then on (pytorch/module/
+#: base.py:1106-1175 at d0067d0); the old state is not carried over (quantization.py:1383: a
+#: state of another class inherits nothing). TE warns from TE_RECIPE_CHANGE_WARNING_FROM only.
 _RECIPE_CHANGE = {"scaling": "switch the layer to the new scaling mode with fresh scaling state "
                              f"(and, from TE {dotted(TE_RECIPE_CHANGE_WARNING_FROM)}, a 'Recipe "
                              "type changed' warning)"}
