@@ -42,6 +42,7 @@ from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
     LN_MLP_SOURCES,
     MPT_DEFAULT_INIT_SCHEME,
+    PLAIN_LN_MLP,
     TE_LN_MLP_INIT_SOURCE,
     te_ln_mlp_init_fails,
 )
@@ -89,7 +90,7 @@ def gelu_tanh_error(lo: float = -8.0, hi: float = 8.0, n: int = 16001) -> tuple[
     """
     x = torch.linspace(lo, hi, n, dtype=torch.float64)
     exact = nn.functional.gelu(x)
-    diff = (nn.functional.gelu(x, approximate="tanh") - exact).abs()
+    diff = (nn.functional.gelu(x, approximate=TE_GELU_ACT_FN["approximate"]) - exact).abs()
     big = exact.abs() > 1e-2
     return diff.max().item(), (diff[big] / exact[big].abs()).max().item()
 
@@ -652,13 +653,6 @@ def _from_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> N
             state_dict[prefix + own] = state_dict.pop(prefix + plain)
 
 
-#: te.LayerNormMLP's keywords (TE's defaults, module/layernorm_mlp.py `LayerNormMLP.__init__`)
-#: under which its parameters are an MPT block's norm_2 + GELU MLP: the only layout te_swap
-#: fuses. LLM-Foundry's own `ffn_type: te_ln_mlp` passes the rest of `ffn_config` to TE
-#: (llmfoundry/models/layers/ffn.py `build_te_ln_mlp`, 0.21-0.22), so its checkpoint may differ.
-PLAIN_LN_MLP = {"activation": "gelu", "normalization": "LayerNorm", "zero_centered_gamma": False}
-
-
 def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module,
                        ffn_config: Any = None) -> dict[str, str]:
     """A checkpoint's model state_dict (canonical keys) under `model`'s layout, in place; returns
@@ -697,8 +691,8 @@ def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module,
 def _refuse_foreign_ln_mlp(state_dict: dict[str, Any], prefix: str, block: nn.Module,
                            ffn_config: Any) -> None:
     """Raise where the checkpoint's te.LayerNormMLP at `prefix` is not `PLAIN_LN_MLP`: by its
-    config, else by fc1's rows (a gated activation, swiglu/geglu/reglu..., holds two
-    projections: twice ffn_hidden_size rows, `LayerNormMLP.__init__`)."""
+    config, else by fc1's rows: twice this run's, as a gated activation (swiglu/geglu/reglu...,
+    two projections: `LayerNormMLP.__init__`) or twice the expansion_ratio gives."""
     where = f"te_swap: the checkpoint's {prefix}ffn is a te.LayerNormMLP"
     fix = ("this run's MPT block (norm_2 + GELU MLP) cannot compute it; load it into a model "
            "built with the checkpoint's own ffn_config")
@@ -712,8 +706,7 @@ def _refuse_foreign_ln_mlp(state_dict: dict[str, Any], prefix: str, block: nn.Mo
     hidden = getattr(getattr(block.ffn, "up_proj", None), "out_features", None)  # plain only
     if rows is not None and hidden is not None and rows == 2 * hidden:
         raise ValueError(f"{where} whose fc1 has {rows} rows, twice this run's {hidden} (a "
-                         f"gated activation, e.g. LLM-Foundry's te_ln_mlp with activation "
-                         f"swiglu): {fix}")
+                         f"gated activation such as swiglu, or another expansion_ratio): {fix}")
 
 
 def ln_mlp_layout(block: nn.Module) -> Literal["fused", "plain"] | None:

@@ -81,3 +81,25 @@ def one_mlflow_thread(monkeypatch):
     from foundry_fp8.mlflow_facts import THREADPOOL_ENV
 
     monkeypatch.setenv(THREADPOOL_ENV, "1")
+
+
+@pytest.fixture
+def plain_warnings():
+    """`capture(run)`: `run()` and the messages foundry_fp8.composer.plain logged at WARNING
+    meanwhile, by a handler on that logger itself (LLM-Foundry's train reconfigures the root's,
+    which pytest's caplog listens on)."""
+    import logging
+
+    def capture(run):
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append  # type: ignore[method-assign]
+        logger = logging.getLogger("foundry_fp8.composer.plain")
+        logger.addHandler(handler)
+        try:
+            result = run()
+        finally:
+            logger.removeHandler(handler)
+        return result, [r.getMessage() for r in records]
+
+    return capture

@@ -8,7 +8,6 @@ as in tests/test_plain_interop.py."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -56,27 +55,19 @@ def test_an_all_fused_export_computes_the_trained_logits(tmp_path, tiny_data, mo
     assert diff < 1e-5  # 9.5e-4 on the defaults before the export named TE's GELU
 
 
-def _export_warned(tmp_path, tiny_data, monkeypatch, fake_te, overrides):
-    """`_export` and the warnings our export logged, by a handler on our logger itself:
-    LLM-Foundry's train reconfigures the root's, which pytest's caplog listens on."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("foundry_fp8.composer.plain")
-    logger.addHandler(handler)
-    try:
-        diff, ffn_config = _export(tmp_path, tiny_data, monkeypatch, fake_te, overrides)
-    finally:
-        logger.removeHandler(handler)
-    return diff, ffn_config, [r.getMessage() for r in records if "GELU" in r.getMessage()]
+def _export_warned(tmp_path, tiny_data, monkeypatch, fake_te, plain_warnings, overrides):
+    """`_export` and the GELU warnings our export logged."""
+    (diff, ffn_config), warned = plain_warnings(
+        lambda: _export(tmp_path, tiny_data, monkeypatch, fake_te, overrides))
+    return diff, ffn_config, [m for m in warned if "GELU" in m]
 
 
 @pytest.mark.filterwarnings("ignore")
 def test_a_partly_fused_export_keeps_exact_gelu_and_says_so(tmp_path, tiny_data, monkeypatch,
-                                                            fake_te):
+                                                            fake_te, plain_warnings):
     """Block 0 kept (keep_first_blocks: 1) computes exact GELU, block 1 fused the tanh one: MPT's
     config holds one ffn_act_fn for all blocks, so the export stays exact and warns once."""
-    diff, ffn_config, warned = _export_warned(tmp_path, tiny_data, monkeypatch, fake_te, {
+    diff, ffn_config, warned = _export_warned(tmp_path, tiny_data, monkeypatch, fake_te, plain_warnings, {
         "algorithms": {"te_swap": {"keep_first_blocks": 1}}})
     assert "ffn_act_fn" not in ffn_config
     assert len(warned) == 1 and "all 2 blocks, but 1 of them" in warned[0]
@@ -85,10 +76,10 @@ def test_a_partly_fused_export_keeps_exact_gelu_and_says_so(tmp_path, tiny_data,
 
 @pytest.mark.filterwarnings("ignore")
 def test_a_partly_fused_tanh_gelu_mpt_exports_exactly_without_a_warning(
-        tmp_path, tiny_data, monkeypatch, fake_te):
+        tmp_path, tiny_data, monkeypatch, fake_te, plain_warnings):
     """The model's own ffn_act_fn is TE's tanh GELU: kept and fused blocks agree."""
     tanh = {"name": "gelu", "approximate": "tanh"}
-    diff, ffn_config, warned = _export_warned(tmp_path, tiny_data, monkeypatch, fake_te, {
+    diff, ffn_config, warned = _export_warned(tmp_path, tiny_data, monkeypatch, fake_te, plain_warnings, {
         "algorithms": {"te_swap": {"keep_first_blocks": 1}},
         "model": {"ffn_config": {"ffn_act_fn": tanh}}})
     assert (ffn_config["ffn_act_fn"], warned) == (tanh, [])

@@ -12,7 +12,6 @@ two GELUs.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,8 @@ D_MODEL, HIDDEN = 64, 256
 
 
 def _plain_model() -> torch.nn.Module:
-    """A te_swap MPT whose blocks stay plain (the MLP excluded: nn.Linear, as the stand-in
-    te.Linear has no `out_features`)."""
+    """A te_swap MPT whose blocks stay plain: norm_2 and an MLP of te.Linear, whose
+    `out_features` the fc1-rows check reads."""
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
     from foundry_fp8.swap import SwapConfig, apply_swap, plan_swap
@@ -37,8 +36,7 @@ def _plain_model() -> torch.nn.Module:
     model = MPTForCausalLM(MPTConfig(d_model=D_MODEL, n_heads=4, n_layers=1, expansion_ratio=4,
                                      max_seq_len=64, vocab_size=512,
                                      attn_config={"attn_impl": "torch"}))
-    apply_swap(model, plan_swap(model, SwapConfig(backend="te", fuse_ln_mlp=False,
-                                                     exclude="ffn")))
+    apply_swap(model, plan_swap(model, SwapConfig(backend="te", fuse_ln_mlp=False)))
     return model
 
 
@@ -79,7 +77,8 @@ def test_a_native_te_ln_mlp_checkpoint_loads_strictly_into_a_plain_block(fake_te
 
 
 @pytest.mark.parametrize("ffn_config,fc1_rows,named", [
-    (None, 2 * HIDDEN, "fc1 has 512 rows, twice this run's 256"),
+    (None, 2 * HIDDEN, "fc1 has 512 rows, twice this run's 256 (a gated activation such as "
+                       "swiglu, or another expansion_ratio)"),
     ({"ffn_type": "te_ln_mlp", "activation": "swiglu"}, 2 * HIDDEN, "activation='swiglu'"),
     ({"ffn_type": "te_ln_mlp", "activation": "relu"}, HIDDEN, "activation='relu'"),
     ({"ffn_type": "te_ln_mlp", "normalization": "RMSNorm"}, HIDDEN, "normalization='RMSNorm'"),
@@ -100,21 +99,6 @@ def test_a_te_ln_mlp_no_plain_block_computes_is_refused_in_one_line(fake_te, ffn
     assert "transformer.blocks.0.ffn is a te.LayerNormMLP" in message and named in message
 
 
-def _warnings_while(run: Any) -> tuple[Any, list[str]]:
-    """`run()` and the warnings our loader logged, by a handler on our logger itself (LLM-Foundry's
-    train reconfigures the root's, which pytest's caplog listens on)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("foundry_fp8.composer.plain")
-    logger.addHandler(handler)
-    try:
-        result = run()
-    finally:
-        logger.removeHandler(handler)
-    return result, [r.getMessage() for r in records]
-
-
 def _fused_checkpoint(tmp_path: Path, tiny_data, monkeypatch, fake_te) -> Path:
     _te_run(tmp_path / "a", tiny_data, monkeypatch, fake_te, {"algorithms": {"te_swap": FUSED}})
     return run_folder(tmp_path / "a") / "checkpoints" / "ep0-ba2-rank0.pt"
@@ -122,11 +106,11 @@ def _fused_checkpoint(tmp_path: Path, tiny_data, monkeypatch, fake_te) -> Path:
 
 @pytest.mark.filterwarnings("ignore")
 def test_a_fused_checkpoint_into_a_plain_run_warns_once_of_the_gelu_change(
-        tmp_path, tiny_data, monkeypatch, fake_te):
+        tmp_path, tiny_data, monkeypatch, fake_te, plain_warnings):
     checkpoint = _fused_checkpoint(tmp_path, tiny_data, monkeypatch, fake_te)
     load = {"algorithms": {"te_swap": UNFUSED}, "load_path": str(checkpoint),
             "load_weights_only": True, "max_duration": "3ba"}
-    _, warned = _warnings_while(lambda: _te_run(tmp_path / "b", tiny_data, monkeypatch, fake_te,
+    _, warned = plain_warnings(lambda: _te_run(tmp_path / "b", tiny_data, monkeypatch, fake_te,
                                                 load))
     gelu = [m for m in warned if "GELU" in m]
     assert len(gelu) == 1, warned  # the old code: 0 (INFO only)
@@ -139,7 +123,7 @@ def test_a_fused_checkpoint_into_a_plain_run_warns_once_of_the_gelu_change(
     # the fix it names: the plain blocks compute TE's GELU, nothing to warn of
     tanh = {**load, "model": {"ffn_config": {"ffn_act_fn": {"name": "gelu",
                                                             "approximate": "tanh"}}}}
-    _, warned = _warnings_while(lambda: _te_run(tmp_path / "c", tiny_data, monkeypatch, fake_te,
+    _, warned = plain_warnings(lambda: _te_run(tmp_path / "c", tiny_data, monkeypatch, fake_te,
                                                 tanh))
     assert not [m for m in warned if "GELU" in m], warned
 

@@ -80,7 +80,7 @@ def export_plain(callbacks: Sequence[Callback]) -> int:
     return len(checkpointers)
 
 
-def kept_activations(model: nn.Module) -> tuple[int, list[Any]]:
+def _kept_activations(model: nn.Module) -> tuple[int, list[Any]]:
     """(MPT blocks whose norm_2 + MLP te_swap fused into a te.LayerNormMLP, the built
     activations (`ffn.act`, None where none) of those it kept). By the block's ffn: a wrapper
     (FSDP's) forwards both attributes to the block it wraps."""
@@ -99,7 +99,7 @@ def _te_activation(transform_config: Callable[[Any], Any], model: nn.Module,
 
     def transform(original_config: Any) -> Any:
         config = transform_config(original_config)
-        fused, kept = kept_activations(model)
+        fused, kept = _kept_activations(model)
         ffn_config = getattr(config, "ffn_config", None)
         if not isinstance(ffn_config, dict) or not fused or (kept and all(map(is_te_gelu, kept))):
             return config  # no MPT config, nothing fused, or the kept blocks' GELU is TE's

@@ -37,6 +37,7 @@ from foundry_fp8.te.facts import (
     LN_MLP_SOURCES,
     MIN_TE,
     MIN_TE_CURRENT_SCALING,
+    PLAIN_LN_MLP,
     POWER_2_SCALES_ENV,
     POWER_2_SCALES_ENV_FROM,
     TE_INSTALL_HINT,
@@ -142,7 +143,8 @@ def make_te_layernorm_mlp(block: nn.Module) -> nn.Module:
 
     norm, up = block.norm_2, block.ffn.up_proj
     new = te.LayerNormMLP(hidden_size=up.in_features, ffn_hidden_size=up.out_features,
-                          eps=norm.eps, bias=up.bias is not None, activation="gelu",
+                          eps=norm.eps, bias=up.bias is not None,
+                          activation=PLAIN_LN_MLP["activation"],
                           params_dtype=up.weight.dtype, device=te_device(up.weight))
     for src, dst in ln_mlp_sources(block, new):
         _copy(dst, src)

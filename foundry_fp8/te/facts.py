@@ -227,3 +227,11 @@ def backward_override_effect(value: str, te_version: Version | None) -> str:
 LN_MLP_SOURCES = {"layer_norm_weight": "norm_2.weight", "layer_norm_bias": "norm_2.bias",
                   "fc1_weight": "ffn.up_proj.weight", "fc1_bias": "ffn.up_proj.bias",
                   "fc2_weight": "ffn.down_proj.weight", "fc2_bias": "ffn.down_proj.bias"}
+
+
+#: te.LayerNormMLP's keywords under which its parameters are an MPT block's norm_2 + GELU MLP, the
+#: only layout te_swap fuses: TE's defaults (`LayerNormMLP.__init__`, pytorch/module/
+#: layernorm_mlp.py:1276-1286 at v1.12, 1961-1972 at d0067d0). LLM-Foundry's own `ffn_type:
+#: te_ln_mlp` passes the rest of `ffn_config` to TE (llmfoundry/models/layers/ffn.py
+#: `build_te_ln_mlp`, 0.21-0.22), so its checkpoint may differ.
+PLAIN_LN_MLP = {"activation": "gelu", "normalization": "LayerNorm", "zero_centered_gamma": False}
