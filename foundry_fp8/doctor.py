@@ -20,7 +20,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from foundry_fp8.environment import Snapshot, gather_snapshot
+from foundry_fp8.environment import STACK, Snapshot, gather_snapshot
 from foundry_fp8.lint.registry import Finding
 from foundry_fp8.lint.rules.environment import environment_findings
 from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_effect
@@ -62,7 +62,8 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
             parts.append("imports" if not s.te_import_error else "import FAILS")
         te += f" ({', '.join(parts)})"
     rows = [("python", s.python), ("torch", torch), ("GPU", gpu), ("TransformerEngine", te),
-            ("Composer (mosaicml)", shown(s.composer)), ("LLM-Foundry", shown(s.llmfoundry)),
+            *((label, shown(getattr(s, field))) for field, label in STACK.values()
+              if field != "torch"),  # torch has its row above, with its CUDA
             ("flash-attn", shown(s.flash_attn)), ("accelerate", shown(s.accelerate)),
             ("deepspeed", shown(s.deepspeed))]
     if s.nvte_backward_override is not None:  # TE's, so it shows only where it is set

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import metadata, util
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from foundry_fp8.packages import DISTRIBUTION, parse_requirement
 from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, parse_version
@@ -132,10 +132,22 @@ class Snapshot:
 
 #: A package's version where the package is found but has no package metadata, so no version.
 UNVERSIONED = "unknown (no package metadata)"
-#: The training stack foundry-fp8 plugs into, by distribution: the Snapshot field holding its
-#: installed version, which is also the top-level package it imports as (FP8214 judges it
-#: against `stack_ranges`).
-STACK = {"torch": "torch", "mosaicml": "composer", "llm-foundry": "llmfoundry"}
+
+
+class StackPackage(NamedTuple):
+    """One package of `STACK`: `field`, the Snapshot field holding its installed version, is
+    also the top-level package it imports as; `label` names it in the doctor's table and in
+    FP8214's messages alike."""
+
+    field: str
+    label: str
+
+
+#: The training stack foundry-fp8 plugs into, by distribution (FP8214 judges it against
+#: `stack_ranges`).
+STACK = {"torch": StackPackage("torch", "torch"),
+         "mosaicml": StackPackage("composer", "Composer (mosaicml)"),
+         "llm-foundry": StackPackage("llmfoundry", "LLM-Foundry")}
 
 
 def _stack_ranges() -> tuple[tuple[str, str], ...]:
@@ -552,7 +564,7 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         progress(f"checking {' and '.join(slow)}")
     gpu = {} if not probe_gpu else \
         _gpu_from_torch() if "torch" in sys.modules else _gpu_from_nvidia_smi(smi) if smi else {}
-    stack = {package: _stack_version(distribution, package)
+    stack = {package.field: _stack_version(distribution, package.field)
              for distribution, package in STACK.items()}
     snapshot = Snapshot(
         python=platform.python_version(), torch_cuda=_torch_cuda(),

@@ -59,14 +59,26 @@ def test_the_installed_ranges_are_setup_cfgs():
     assert {name: Requirement(text) for name, text in read.items()} == SETUP_CFG
 
 
+@pytest.mark.parametrize("name", ["mosaicml", "llm-foundry"])
+def test_the_finding_names_a_package_as_the_doctor_s_table_does(name, capsys):
+    """QA (session 20): the table's row said "LLM-Foundry" and FP8214 "LLM-Foundry
+    (llm-foundry) is not installed", two names for one package, kept in two places."""
+    field = STACK[name].field
+    missing = replace(IN_RANGE, **{field: None})
+    [finding] = [f for f in environment_findings(missing) if f.rule == "FP8214"]
+    [(row, shown)] = set(doctor._rows(missing)) - set(doctor._rows(IN_RANGE))
+    assert shown == "not installed"
+    assert finding.message.startswith(f"{row} is not installed: foundry-fp8 needs {name}")
+
+
 def test_in_range_says_nothing():
     assert _stack(IN_RANGE) == []
 
 
-@pytest.mark.parametrize("field", sorted(STACK.values()))
+@pytest.mark.parametrize("field", sorted(p.field for p in STACK.values()))
 def test_missing_is_an_error_naming_setup_cfgs_range(field):
     [(key, severity, fix)] = _stack(replace(IN_RANGE, **{field: None}))
-    [name] = [n for n, f in STACK.items() if f == field]
+    [name] = [n for n, p in STACK.items() if p.field == field]
     assert (key, severity) == (field, "error")
     installed = Requirement(fix.removeprefix("pip install ").strip("'"))
     assert installed == SETUP_CFG[name]
@@ -87,9 +99,9 @@ def test_outside_the_range_is_a_warning_where_packaging_says_so(name, version):
     """FP8214 warns exactly where packaging's PEP 440 evaluation of setup.cfg's specifier
     rejects the version (pre-releases admitted, as `pip install --pre` would: `2.8.0a0` of
     `<2.8` is still out)."""
-    snapshot = replace(IN_RANGE, **{STACK[name]: version})
+    snapshot = replace(IN_RANGE, **{STACK[name].field: version})
     spec: SpecifierSet = SETUP_CFG[name].specifier
-    expected = [] if spec.contains(version, prereleases=True) else [(STACK[name], "warning")]
+    expected = [] if spec.contains(version, prereleases=True) else [(STACK[name].field, "warning")]
     assert [(k, s) for k, s, _ in _stack(snapshot)] == expected
 
 
@@ -108,7 +120,8 @@ def test_doctor_without_the_stack_exits_1_and_says_why(monkeypatch, capsys):
     monkeypatch.setattr(environment, "_version",
                         lambda name: None if name in STACK else real(name))
     monkeypatch.setattr(environment.util, "find_spec",
-                        lambda name, *a: None if name in STACK.values() else find(name, *a))
+                        lambda name, *a: None if name in {p.field for p in STACK.values()}
+                        else find(name, *a))
     assert main(["doctor", "--no-te-import"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("foundry-fp8 doctor: exit 1 because of 3 errors: FP8214")

@@ -451,11 +451,6 @@ def torch_newer_than_driver(env: Environment, _: LintContext) -> Iterator[Hit]:
                   "NVIDIA driver for code that JIT-compiles PTX")
 
 
-#: How each of `STACK` is called in a message.
-_STACK_NAMES = {"torch": "torch", "mosaicml": "Composer (mosaicml)",
-                "llm-foundry": "LLM-Foundry (llm-foundry)"}
-
-
 def _shown(requirement: Requirement) -> str:
     """`requirement` as a message writes it, lower bounds first: `mosaicml[wandb]>=0.31.0,<0.33`
     (pip's metadata writes `<0.33,>=0.31.0`)."""
@@ -511,10 +506,10 @@ def training_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
         if requirement is None:
             continue
         wanted, clauses = _shown(requirement), requirement.clauses
-        installed = getattr(snapshot, STACK[distribution])
-        name = _STACK_NAMES[distribution]
+        field, name = STACK[distribution]
+        installed = getattr(snapshot, field)
         if installed is None:
-            yield Hit(STACK[distribution], f"{name} is not installed: foundry-fp8 needs "
+            yield Hit(field, f"{name} is not installed: foundry-fp8 needs "
                       f"{wanted}, and no training run can use it without", fix=f"pip install "
                       f"'{wanted}'")
             continue
@@ -522,11 +517,11 @@ def training_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
         if version is None:
             what = "is importable but without package metadata (a source tree on PYTHONPATH, " \
                 "a vendored copy)" if installed == UNVERSIONED else f"has version {installed}"
-            yield Hit(STACK[distribution], f"{name} {what}: its version cannot be judged "
+            yield Hit(field, f"{name} {what}: its version cannot be judged "
                       f"against {wanted}", severity="warning",
                       fix=f"pip install '{wanted}' (a source tree: `pip install -e` it)")
         elif False in [_satisfies(version, op, bound) for op, bound in clauses]:
-            yield Hit(STACK[distribution], f"{name} {installed} is outside the versions "
+            yield Hit(field, f"{name} {installed} is outside the versions "
                       f"foundry-fp8 supports ({wanted}): untested, and te_swap, fp8_state and "
                       "the sdpa attention use its internals", severity="warning",
                       fix=f"pip install '{wanted}'")
