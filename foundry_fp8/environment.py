@@ -80,7 +80,9 @@ class Snapshot:
     `stack_ranges`: (distribution, requirement) for each of `STACK` as the installed foundry-fp8
     requires it (its Requires-Dist, written from setup.cfg's install_requires, the ranges' one
     home: `mosaicml[wandb]<0.33,>=0.31.0`); empty when foundry-fp8's own metadata is not found
-    (a checkout on sys.path, not installed), and then nothing is judged against them.
+    (a bare source tree on sys.path), and then nothing is judged against them. A checkout's
+    `foundry_fp8.egg-info` counts: `pip install -e` wrote it from the same setup.cfg (unlike
+    `cli._installed_here`, which asks whether this Python has foundry-fp8 installed).
     `te`, `torch`, `composer` and `llmfoundry` are `UNVERSIONED` for a package that has no
     package metadata but is found all the same (a source tree on PYTHONPATH, a vendored copy).
     """
@@ -155,7 +157,7 @@ def _stack_ranges() -> tuple[tuple[str, str], ...]:
     without environment markers (those are extras')."""
     try:
         requires = metadata.requires(DISTRIBUTION) or []
-    except Exception:  # not installed (a checkout), or broken metadata: nothing to judge by
+    except Exception:  # no metadata (a bare source tree), or broken: nothing to judge by
         return ()
     read = ((parse_requirement(text), text.strip()) for text in requires)
     return tuple((r.distribution, text) for r, text in read

@@ -491,8 +491,9 @@ def _satisfies(version: tuple[int, ...], op: str, bound: str) -> bool | None:
       "but has no package metadata (a source tree on PYTHONPATH), whose version is unknown. "
       "A pre-release or local build counts as its release: NGC's torch "
       "2.7.0a0+79aa17489c.nv25.04 is 2.7.0 (PEP 440 puts 2.7.0a0 before 2.7.0). The ranges "
-      "are read from the installed foundry-fp8's package metadata; without it (a checkout on "
-      "sys.path) nothing is judged. The doctor's: a run has all three, and pip resolved their "
+      "are read from foundry-fp8's package metadata (a checkout's egg-info counts: `pip "
+      "install -e` wrote it from setup.cfg); without any (a bare source tree) nothing is "
+      "judged. The doctor's: a run has all three, and pip resolved their "
       "versions.",
       source="setup.cfg install_requires (the installed foundry-fp8's Requires-Dist); "
       "foundry_fp8/environment.py STACK",
