@@ -26,6 +26,9 @@ from pathlib import Path, PurePath
 
 log = logging.getLogger(__name__)
 
+#: fp8_stats' dump folder where `dump_folder` is not given, inside the run folder (the run writes
+#: its dumps there, the report looks there).
+DUMP_FOLDER = "fp8_dumps"
 #: The (key, template, run folder) whose repeated run folder was said: once, not at every fit.
 _SAID: set[tuple[str, str, str]] = set()
 
@@ -81,11 +84,13 @@ def path_fix(file: bool = False) -> str:
 
 
 def _trailing_parts(folder: PurePath) -> list[tuple[str, ...]]:
-    """`folder`'s parts as written (normalized) and, for a real path, as `resolve()`d: a run
-    folder is recognized by how it ends, wherever it is looked at from (the run's working
-    directory, the report's, a symlinked one: `/home -> /gpfs`)."""
+    """`folder`'s parts as written (normalized) and, for an absolute real path, as `resolve()`d:
+    a run folder is recognized by how it ends, a symlinked one too (`/home -> /gpfs`). A relative
+    folder's parts are only those written: the parts `resolve()` adds name the working directory,
+    which the old rule (a relative path taken there) never repeated, so matching them would move
+    a path that was never doubled (`main/m.jsonl` run from /work/main with the run folder `.`)."""
     found = [PurePath(os.path.normpath(folder)).parts]
-    if isinstance(folder, Path):
+    if isinstance(folder, Path) and folder.is_absolute():
         try:
             found.append(folder.resolve().parts)
         except (OSError, RuntimeError):  # a symlink loop
@@ -113,7 +118,7 @@ def repeated_run_folder(template: str, folder: PurePath, run_name: str,
     own = PurePath(*parts[:size])
     rest = PurePath(*parts[size:]) if len(parts) > size else PurePath(".")
     # the template's own parts after the repeat, `{run_name}` kept, for the fix
-    fix = PurePath(*PurePath(os.path.normpath(template)).parts[size:] or ("."))
+    fix = PurePath(*PurePath(os.path.normpath(template)).parts[size:] or (".",))
     return (rest, f"{template!r} begins with the run folder {own}, inside which a relative "
             f"path is taken (no longer in the working directory), so it would write "
             f"{folder / filled}, apart from the run's other files; taken as {folder / rest}, "

@@ -96,9 +96,9 @@ class JSONLLogger(LoggerDestination):
         folder = state_run_folder(state)
         self.path = in_run_folder(self.path_template, folder, state.run_name,
                                   "loggers.jsonl.path", file=True)
-        say_repeated(self.path_template, folder, state.run_name, "loggers.jsonl.path")
         if dist.get_global_rank() != 0:
             return
+        say_repeated(self.path_template, folder, state.run_name, "loggers.jsonl.path")
         sink = self.sink = JsonlSink(self.path)
         self._run_name = state.run_name
         self._between_fits = False  # a logger used again in a new Trainer: held from here

@@ -32,7 +32,7 @@ from foundry_fp8.mlflow_facts import RACE, WORKAROUNDS, races
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
 from foundry_fp8.numerics import STAT_KEYS
 from foundry_fp8.options import MonitorConfig, Schedule, build
-from foundry_fp8.paths import in_run_folder, say_repeated
+from foundry_fp8.paths import DUMP_FOLDER, in_run_folder, say_repeated
 from foundry_fp8.te.debug import (
     TEDebugSession,
     layer_pattern,
@@ -307,8 +307,8 @@ class FP8Stats(Callback):
         config = self.config
         if self.schedule.dump_steps:
             base, key = run_folder(state, logger), "callbacks.fp8_stats.dump_folder"
-            folder = in_run_folder(self.dump_folder or "fp8_dumps", base, state.run_name, key)
-            if self.dump_folder:  # the warning names the key: one the YAML wrote
+            folder = in_run_folder(self.dump_folder or DUMP_FOLDER, base, state.run_name, key)
+            if self.dump_folder and _is_rank_zero():  # the key the YAML wrote, said once
                 say_repeated(self.dump_folder, base, state.run_name, key)
             config = dataclasses.replace(config, dump_folder=folder)
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
