@@ -31,6 +31,11 @@ WORKAROUNDS = (f"set loggers.mlflow.synchronous: true, or {THREADPOOL_ENV}=1 in 
                "environment")
 
 
+#: MLflow's variable naming its tracking server, and its store where that is unset or empty
+#: (mlflow 2.21-2.22 tracking/_tracking_service/utils.py:127, `elif uri := ...get()`: empty is unset;
+#: store/tracking/__init__.py DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH).
+TRACKING_URI, DEFAULT_STORE = "MLFLOW_TRACKING_URI", "./mlruns"
+
 #: Tracking URIs MLflow takes by name, not as a path (tracking/registry.py:75-78).
 NAMED_STORES = ("databricks", "databricks-uc", "uc")
 
@@ -45,7 +50,13 @@ def composer_tracking_uri(configured: object, environ: Mapping[str, str]) -> str
         return str(configured)
     if environ.get("DATABRICKS_TOKEN") is not None:
         return "databricks"
-    return environ.get("MLFLOW_TRACKING_URI") or None
+    return env_tracking_uri(environ)
+
+
+def env_tracking_uri(environ: Mapping[str, str]) -> str | None:
+    """The tracking server MLFLOW_TRACKING_URI names; None where unset or empty, which MLflow
+    reads alike (its default store, DEFAULT_STORE)."""
+    return environ.get(TRACKING_URI) or None
 
 
 def file_store(tracking_uri: str | None) -> bool:

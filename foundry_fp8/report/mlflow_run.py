@@ -17,13 +17,11 @@ from typing import Any
 from foundry_fp8.health import RunMetrics
 from foundry_fp8.health.keys import LAYER_PREFIX, LAYOUT, MARKERS, SUMMARY_PREFIX, parse_key
 from foundry_fp8.health.table import one_line
+from foundry_fp8.mlflow_facts import DEFAULT_STORE, TRACKING_URI, env_tracking_uri
 from foundry_fp8.report.read import GuardSeries, NoStatistics, ReportError, _read, _restarts_said
 
 #: `foundry-fp8 report mlflow:<run id>`: the run at MLFLOW_TRACKING_URI (MLflow's own default).
 SCHEME = "mlflow:"
-#: MLflow's variable naming its tracking server, and its store where unset (mlflow 2.x:
-#: mlflow/store/tracking/__init__.py DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH).
-TRACKING_URI, DEFAULT_STORE = "MLFLOW_TRACKING_URI", "./mlruns"
 #: Composer's MLFlowLogger skips a value equal to the key's last logged one unless
 #: `log_duplicated_metric_every_n_steps` steps have passed since (its default, 100:
 #: composer/loggers/mlflow_logger.py, __init__ and log_metrics): the report puts those back.
@@ -71,7 +69,7 @@ def mlflow_run(given: Path) -> MlflowRun | None:
                               "tracking server in MLFLOW_TRACKING_URI)")
         run = MlflowRun(None, run_id, given)
         _mlflow(run)  # one line where MLflow is not installed, before which store it would read
-        if os.environ.get(TRACKING_URI):  # MLflow reads it; empty is unset there too
+        if env_tracking_uri(os.environ) is not None:  # MLflow's own store
             return run
         # MLflow's default store is ./mlruns, which its client creates when absent
         # (mlflow/tracking/_tracking_service/utils.py get_tracking_uri, FileStore): a read-only
