@@ -47,8 +47,9 @@ SECTION_SHAPES: dict[str, tuple[str, ...]] = {
 }
 
 #: The types of TrainConfig's other fields (llmfoundry/utils/config_utils.py, the same in
-#: LLM-Foundry 0.21.0 and 0.22.0), NoneType where the field is Optional; the order is the Union's.
-#: tests/test_lint_known.py compares them with `fields(TrainConfig)` and LLM-Foundry's loader.
+#: LLM-Foundry 0.21.0 and 0.22.0), NoneType where the field is Optional (order does not matter:
+#: a Union's members each take only their own type). tests/test_lint_train_field_types.py
+#: compares them with `fields(TrainConfig)` and LLM-Foundry's loader.
 TRAIN_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("max_seq_len", "seed", "save_num_checkpoints_to_keep",
                      "train_subset_num_batches", "eval_subset_num_batches", "n_gpus"), (int,)),
@@ -76,11 +77,10 @@ TRAIN_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
 TRAIN_CONFIG_KEYS = frozenset(SECTION_SHAPES) | frozenset(TRAIN_SCALAR_TYPES)
 
 #: What omegaconf's node for a field of one type converts (omegaconf 2.4 nodes.py,
-#: `_validate_and_convert_impl` of IntegerNode, FloatNode, BooleanNode): the value's exact types
-#: it passes to int() / float() (ValueError: refused). BooleanNode takes any int (and bool) as
+#: `_validate_and_convert_impl` of IntegerNode, BooleanNode; no lone-float field needs
+#: FloatNode's): the value's exact types it passes to int() (ValueError: refused). BooleanNode takes any int (and bool) as
 #: is, and a string int() refuses if it is one of `_BOOL_WORDS` in any case.
-_CONVERTS: dict[type, tuple[type, ...]] = {int: (str, int), float: (float, str, int),
-                                           bool: (str,)}
+_CONVERTS: dict[type, tuple[type, ...]] = {int: (str, int), bool: (str,)}
 _BOOL_WORDS = ("yes", "y", "on", "true", "no", "n", "off", "false")
 
 
