@@ -101,8 +101,8 @@ def _trailing_parts(folder: PurePath) -> list[tuple[str, ...]]:
 def repeated_run_folder(template: str, folder: PurePath, run_name: str,
                         key: str) -> tuple[PurePath, str, str] | None:
     """Where relative `template` (`{run_name}` filled in as `run_name`) begins with the last
-    parts of the run folder `folder` (`runs/X/...` for `/proj/runs/X`, `X/...` for `runs/X`;
-    the most parts that match): the rest of it, inside `folder`, what happens (what it would
+    parts of the run folder `folder` (`runs/X/...` for `runs/X` or `/proj/runs/X`, `X/...` for
+    a run folder `X`; the most parts that match, two at least unless that is the whole folder): the rest of it, inside `folder`, what happens (what it would
     resolve to, where it goes instead) and the fix naming `key`'s last part; None otherwise (an
     absolute path, no such beginning). Independent of the working directory, so the run, lint
     and the report (run from anywhere) agree."""
@@ -110,8 +110,12 @@ def repeated_run_folder(template: str, folder: PurePath, run_name: str,
     if PurePath(filled).is_absolute():
         return None
     parts = PurePath(os.path.normpath(filled)).parts
+    # two parts at least (`runs/X`), or the whole folder as written (`X` for a run folder `X`):
+    # a template beginning with the run name alone (`{run_name}/dumps` for `runs/X`) named
+    # ./X/dumps before, never the run folder, so it is not a repeat
     size = max((n for own in _trailing_parts(folder) for n in range(1, len(parts) + 1)
-                if n <= len(own) and own[-n:] == parts[:n]),
+                if n <= len(own) and own[-n:] == parts[:n]
+                and (n >= 2 or n == len(PurePath(os.path.normpath(folder)).parts))),
                default=0)
     if not size:
         return None

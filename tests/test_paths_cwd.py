@@ -53,11 +53,7 @@ def _run_with_a_dump(project: Path) -> Path:
     return dump
 
 
-@pytest.mark.parametrize("where", ["elsewhere", "symlink", "project", pytest.param(
-    "run folder", marks=pytest.mark.xfail(strict=True, reason=(
-        "`.` as written has no parts to match and a relative run folder is matched on its "
-        "written parts only (paths._trailing_parts): report/read.py dump_of is to pass "
-        "folder.absolute() to in_run_folder (P4-20's report)")))])
+@pytest.mark.parametrize("where", ["elsewhere", "symlink", "project", "run folder"])
 def test_the_report_links_a_repeated_dump_folder_from_any_working_directory(
         tmp_path, monkeypatch, capsys, where):
     """Before: only from the project folder; from elsewhere (or a symlinked cwd) the report lost

@@ -48,7 +48,7 @@ from foundry_fp8.health.keys import (
 from foundry_fp8.health.plots import recipe_formats
 from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
 from foundry_fp8.options import build
-from foundry_fp8.paths import PathError, in_run_folder
+from foundry_fp8.paths import DUMP_FOLDER, PathError, in_run_folder
 from foundry_fp8.recipe import FP8Recipe
 
 
@@ -932,10 +932,9 @@ def why_empty(metrics_file: Path) -> str:
     return f"{metrics_file}: no FP8 statistics (`{LAYOUT}` series): was `fp8_stats` in the YAML?"
 
 
-#: fp8_stats' dumps: `dump_folder` (default DUMP_FOLDER, in the run folder: composer/stats.py,
-#: on_event's FIT_START) holds `step<7 digits>-rank<r>.safetensors` (monitor.py, _write_dump)
-#: of `<module name>/<tensor>` keys.
-DUMP_FOLDER = "fp8_dumps"
+#: fp8_stats' dumps: `dump_folder` (default paths.DUMP_FOLDER, in the run folder:
+#: composer/stats.py, on_event's FIT_START) holds `step<7 digits>-rank<r>.safetensors`
+#: (monitor.py, _write_dump) of `<module name>/<tensor>` keys.
 DUMP_FILES = "step{step:07d}-rank*.safetensors"
 #: A safetensors header is read, never a tensor: its length is 8 bytes little-endian, then JSON.
 MAX_DUMP_HEADER = 16 * 2**20
@@ -962,11 +961,16 @@ def dump_of(folder: Path, hparams: Mapping[str, Any] | None, step: int, layer: s
     run_name = (hparams or {}).get("run_name")
     if not isinstance(template, str):
         return None
+    # the run folder where it is (`report .` inside it has no parts to match a template's
+    # beginning against), then the dumps named from `folder` as given
+    where = folder.absolute()
     try:
-        dumps = in_run_folder(template, folder, run_name if isinstance(run_name, str) else "",
+        dumps = in_run_folder(template, where, run_name if isinstance(run_name, str) else "",
                               "dump_folder")
     except (PathError, KeyError, ValueError):
         return None
+    if dumps.is_relative_to(where):
+        dumps = folder / dumps.relative_to(where)
     names = {f"{form}/{tensor}" for form in full_forms(layer)}
     return next((path for path in sorted(dumps.glob(DUMP_FILES.format(step=step)))
                  if names & _dumped_keys(path)), None)
