@@ -5,7 +5,6 @@ omegaconf's load, make_dataclass_and_log_config and validate_config."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import yaml
 
 from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.cli import lint_file
+from tests.foundry_train import train_refuses
 
 MODEL = {"name": "mpt_causal_lm", "d_model": 128, "n_heads": 4, "n_layers": 2,
          "expansion_ratio": 4, "max_seq_len": 128, "vocab_size": 50368,
@@ -25,28 +25,6 @@ CONFIG = {"max_seq_len": 128, "model": MODEL, "tokenizer": {"name": "gpt2"},
           "scheduler": {"name": "constant_with_warmup", "t_warmup": "1ba"},
           "max_duration": "2ba", "global_train_batch_size": 8,
           "device_train_microbatch_size": 8, "precision": "amp_bf16"}
-
-
-def _foundry_refuses(path: Path) -> bool:
-    from llmfoundry.command_utils.train import validate_config
-    from llmfoundry.utils.config_utils import (
-        TRAIN_CONFIG_KEYS,
-        TrainConfig,
-        make_dataclass_and_log_config,
-    )
-    from omegaconf import OmegaConf
-
-    with open(path) as f:
-        loaded = OmegaConf.load(f)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, train_config = make_dataclass_and_log_config(loaded, TrainConfig,
-                                                            TRAIN_CONFIG_KEYS, transforms="all")
-            validate_config(train_config)
-    except AttributeError:
-        return True
-    return False
 
 
 @pytest.mark.parametrize("fc_type", ["torch", "te"])
@@ -61,31 +39,9 @@ def test_a_non_mapping_ffn_config_is_fp8022_as_llmfoundrys_train_refuses_it(
     found = [(f["key"], f["line"]) for f in entry["findings"] if f["rule"] == "FP8022"]
     line = next(n for n, text in enumerate(path.read_text().splitlines(), 1)
                 if text.startswith("  ffn_config:"))
-    refused = _foundry_refuses(path)
+    refused = train_refuses(path, AttributeError)
     assert refused == (not isinstance(ffn_config, dict))
     assert found == ([("model.ffn_config", line)] if refused else [])
-
-
-def _foundry_raises_type_error(path: Path) -> bool:
-    from llmfoundry.command_utils.train import validate_config
-    from llmfoundry.utils.config_utils import (
-        TRAIN_CONFIG_KEYS,
-        TrainConfig,
-        make_dataclass_and_log_config,
-    )
-    from omegaconf import OmegaConf
-
-    with open(path) as f:
-        loaded = OmegaConf.load(f)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, train_config = make_dataclass_and_log_config(loaded, TrainConfig,
-                                                            TRAIN_CONFIG_KEYS, transforms="all")
-            validate_config(train_config)
-    except TypeError:
-        return True
-    return False
 
 
 @pytest.mark.parametrize("fc_type", ["torch", "te", None, {"name": "te"}])
@@ -104,5 +60,5 @@ def test_an_ffn_type_that_is_no_string_is_fp8022_where_llmfoundrys_train_refuses
     found = [(f["key"], f["line"]) for f in entry["findings"] if f["rule"] == "FP8022"]
     line = next(n for n, text in enumerate(path.read_text().splitlines(), 1)
                 if text.startswith("    ffn_type:"))
-    refused = _foundry_raises_type_error(path)
+    refused = train_refuses(path, TypeError)
     assert found == ([("model.ffn_config.ffn_type", line)] if refused else [])

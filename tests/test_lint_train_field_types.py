@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-import warnings
 from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf.errors import ValidationError
 
 from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint import known
 from foundry_fp8.lint.cli import lint_file
 from foundry_fp8.lint.rules.train import TYPED_ELSEWHERE
+from tests.foundry_train import train_refuses
 
 pytest.importorskip("llmfoundry")
 
@@ -33,29 +34,6 @@ CONFIG = {"max_seq_len": 128, "model": {"name": "mpt_causal_lm", "d_model": 128,
 #: YAML texts, as a user writes them: each type YAML reads, and strings omegaconf converts.
 VALUES = ["null", "true", "off", "0", "3", "-1", "1.5", "2.0", ".nan", "1e3", "x", "'3'", "'1.5'",
           "'yes'", "1ep", "'1000ba'", "[1]", "{a: 1}", "''", "1_000", "0x10"]
-
-def _foundry_refuses(path: Path) -> bool:
-    """Whether LLM-Foundry's train path refuses the file with omegaconf's ValidationError."""
-    from llmfoundry.command_utils.train import validate_config
-    from llmfoundry.utils.config_utils import (
-        TRAIN_CONFIG_KEYS,
-        TrainConfig,
-        make_dataclass_and_log_config,
-    )
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ValidationError
-
-    with open(path) as f:
-        loaded = OmegaConf.load(f)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, train_config = make_dataclass_and_log_config(loaded, TrainConfig,
-                                                            TRAIN_CONFIG_KEYS, transforms="all")
-            validate_config(train_config)
-    except ValidationError:
-        return True
-    return False
 
 
 def test_the_field_types_are_trainconfigs():
@@ -81,7 +59,7 @@ def test_a_field_of_a_type_trainconfig_refuses_is_fp8022_at_its_line(tmp_path: P
         entry = lint_file(path, 1, Snapshot(python="3.11"))
         assert entry["error"] is None
         found = [(f["key"], f["line"]) for f in entry["findings"] if f["rule"] == "FP8022"]
-        refused.append(_foundry_refuses(path))
+        refused.append(train_refuses(path, ValidationError))
         if found != ([(key, line)] if refused[-1] else []):
             wrong.append((value, found))
     assert not wrong

@@ -1,0 +1,31 @@
+"""LLM-Foundry's own train path for a YAML file, the reference lint tests compare with."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+
+def train_refuses(path: Path, kind: type[Exception]) -> bool:
+    """Whether LLM-Foundry's train refuses the file with a `kind` error before building anything
+    (omegaconf's load, `make_dataclass_and_log_config` with every transform, `validate_config`);
+    an error of another kind is raised, as the test did not expect it."""
+    from llmfoundry.command_utils.train import validate_config
+    from llmfoundry.utils.config_utils import (
+        TRAIN_CONFIG_KEYS,
+        TrainConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+
+    with open(path) as f:
+        loaded = OmegaConf.load(f)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, train_config = make_dataclass_and_log_config(loaded, TrainConfig,
+                                                            TRAIN_CONFIG_KEYS, transforms="all")
+            validate_config(train_config)
+    except kind:
+        return True
+    return False
