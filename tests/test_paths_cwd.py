@@ -95,20 +95,24 @@ def test_an_absolute_save_folder_through_a_symlink_counts(tmp_path, monkeypatch,
     (tmp_path / "gpfs" / "proj").mkdir(parents=True)
     (tmp_path / "home").symlink_to(tmp_path / "gpfs")
     monkeypatch.chdir(tmp_path / "home" / "proj")
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(16, 8), torch.randint(0, 2, (16,)))
-    model = ComposerClassifier(nn.Sequential(nn.Linear(8, 2)), num_classes=2)
     with caplog.at_level(logging.WARNING):
-        Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-                train_dataloader=DataLoader(data, batch_size=4), max_duration="3ba",
-                loggers=[JSONLLogger(path=OLD_DEFAULT)], run_name="r", progress_bar=False,
-                save_folder=str(tmp_path / "home" / "proj" / "runs" / "{run_name}" / "ckpt"),
-                save_interval="3ba", log_to_console=False).fit()
+        _fit("r", OLD_DEFAULT, str(tmp_path / "home" / "proj" / "runs" / "{run_name}" / "ckpt"))
     run = tmp_path / "gpfs" / "proj" / "runs" / "r"
     assert [step for step, _ in read_jsonl(run / "metrics.jsonl")][-1] == 3
     assert not (run / "runs").exists()
     assert sum("begins with the run folder runs/r," in r.getMessage()
                for r in caplog.records) == 1
+
+
+def _fit(run_name: str, path: str, save_folder: str) -> None:
+    """A 3-batch Composer fit with our jsonl logger writing `path`, checkpointing at the end."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(16, 8), torch.randint(0, 2, (16,)))
+    model = ComposerClassifier(nn.Sequential(nn.Linear(8, 2)), num_classes=2)
+    Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_dataloader=DataLoader(data, batch_size=4), max_duration="3ba",
+            loggers=[JSONLLogger(path=path)], run_name=run_name, progress_bar=False,
+            save_folder=save_folder, save_interval="3ba", log_to_console=False).fit()
 
 
 def test_lint_and_the_run_agree_from_another_working_directory(tmp_path, monkeypatch):
@@ -138,15 +142,8 @@ def test_a_relative_run_folder_is_matched_on_its_written_parts_only(tmp_path, mo
     (tmp_path / "main").mkdir()
     monkeypatch.chdir(tmp_path / "main")
     old_rule = tmp_path / "main" / "main" / "metrics.jsonl"  # the working directory / the path
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(16, 8), torch.randint(0, 2, (16,)))
-    model = ComposerClassifier(nn.Sequential(nn.Linear(8, 2)), num_classes=2)
     with caplog.at_level(logging.WARNING):
-        Trainer(model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-                train_dataloader=DataLoader(data, batch_size=4), max_duration="3ba",
-                loggers=[JSONLLogger(path="main/metrics.jsonl")], run_name="r",
-                progress_bar=False, save_folder="checkpoints", save_interval="3ba",
-                log_to_console=False).fit()
+        _fit("r", "main/metrics.jsonl", "checkpoints")
     assert [step for step, _ in read_jsonl(old_rule)][-1] == 3
     assert not (tmp_path / "main" / "metrics.jsonl").exists()
     assert not [r for r in caplog.records if "begins with the run folder" in r.getMessage()]
