@@ -113,9 +113,9 @@ def repeated_run_folder(template: str, folder: PurePath, run_name: str,
     # two parts at least (`runs/X`), or the whole folder as written (`X` for a run folder `X`):
     # a template beginning with the run name alone (`{run_name}/dumps` for `runs/X`) named
     # ./X/dumps before, never the run folder, so it is not a repeat
-    size = max((n for own in _trailing_parts(folder) for n in range(1, len(parts) + 1)
-                if n <= len(own) and own[-n:] == parts[:n]
-                and (n >= 2 or n == len(PurePath(os.path.normpath(folder)).parts))),
+    forms = _trailing_parts(folder)  # the first is the folder as written
+    size = max((n for own in forms for n in range(1, len(parts) + 1)
+                if n <= len(own) and own[-n:] == parts[:n] and (n >= 2 or n == len(forms[0]))),
                default=0)
     if not size:
         return None
