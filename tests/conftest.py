@@ -1,10 +1,12 @@
 """Shared fixtures: the tiny local data set, a one-rank process group, one MLflow logging
-thread, and the `gpu` marker's auto-skip."""
+thread, the `gpu` marker's auto-skip, and streaming's shared memory released per test file."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,33 @@ def pytest_sessionfinish() -> None:
     hypothesis as it loads at the session's end) made CPython 3.11.7 raise "AST constructor
     recursion depth mismatch" after every test had passed (cpython gh-106905, fixed in 3.11.8)."""
     gc.collect()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a test file's last test (its module fixtures torn down), release the shared memory
+    of the MosaicML streaming datasets its LLM-Foundry runs built. Each segment keeps a file
+    descriptor open until the process exits (streaming/base/shared/memory.py registers every
+    `SharedMemory.cleanup` with atexit, so even a collected dataset holds it): about 48 per
+    train run, which ran the whole suite out of descriptors ("Too many open files") in CI."""
+    yield
+    if nextitem is None or nextitem.module is not item.module:
+        release_streaming_shared_memory()
+
+
+def release_streaming_shared_memory() -> int:
+    """Close (and unlink, where this process made them) every live streaming `SharedMemory`,
+    as its atexit hook would, and drop that hook. Returns how many there were."""
+    memory = sys.modules.get("streaming.base.shared.memory")
+    if memory is None:  # no run in this process built a streaming dataset
+        return 0
+    segments = [o for o in gc.get_objects() if type(o) is memory.SharedMemory]
+    for segment in segments:
+        atexit.unregister(segment.cleanup)
+        segment.cleanup()
+        segment.created_shms.clear()  # the hook's work is done: never unlink a name twice
+        segment.opened_shms.clear()
+    return len(segments)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
