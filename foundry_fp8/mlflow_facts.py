@@ -13,6 +13,7 @@ those steps, the loss included. fp8_stats' first logging step brings many new ke
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from urllib.parse import urlparse
 
@@ -44,13 +45,24 @@ def composer_tracking_uri(configured: object, environ: Mapping[str, str]) -> str
     """The tracking URI Composer's MLFlowLogger logs to, from its `tracking_uri` and the run's
     environment (composer 0.31-0.32.1 loggers/mlflow_logger.py:217-221): the configured one as
     text, else `databricks` where DATABRICKS_TOKEN is set at all, else mlflow.get_tracking_uri():
-    a non-empty MLFLOW_TRACKING_URI (mlflow 2.21-2.22 tracking/_tracking_service/utils.py:127),
+    the URI `mlflow.set_tracking_uri` set in this process (`process_tracking_uri`), else a
+    non-empty MLFLOW_TRACKING_URI (mlflow 2.21-2.22 tracking/_tracking_service/utils.py:125-128),
     else None, MLflow's default ./mlruns."""
     if configured is not None:
         return str(configured)
     if environ.get("DATABRICKS_TOKEN") is not None:
         return "databricks"
-    return env_tracking_uri(environ)
+    return process_tracking_uri() or env_tracking_uri(environ)
+
+
+def process_tracking_uri() -> str | None:
+    """The URI `mlflow.set_tracking_uri` set in this process (its module's `_tracking_uri`,
+    mlflow 2.21-2.22 tracking/_tracking_service/utils.py:22, :69-72), which MLflow takes before
+    MLFLOW_TRACKING_URI, also after that variable changed; None where MLflow is not imported
+    (nothing set one: it is not imported here for this) or none was set."""
+    module = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    uri = getattr(module, "_tracking_uri", None)
+    return str(uri) if uri else None
 
 
 def env_tracking_uri(environ: Mapping[str, str]) -> str | None:

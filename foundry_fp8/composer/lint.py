@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from composer.core import Callback, State
@@ -12,7 +13,7 @@ from composer.loggers import Logger
 
 from foundry_fp8.composer.destinations import deliver
 from foundry_fp8.environment import gather_snapshot
-from foundry_fp8.lint.registry import Finding, LintContext
+from foundry_fp8.lint.registry import Finding, LintContext, section
 from foundry_fp8.lint.rules import fsdp_version_from_env, lint_config, wandb_mode_from_env
 from foundry_fp8.lint.rules.environment import environment_findings
 from foundry_fp8.lint.rules.fsdp import (
@@ -20,9 +21,32 @@ from foundry_fp8.lint.rules.fsdp import (
     FLOAT32_OUTSIDE_TE_FIX,
     float32_outside_te,
 )
+from foundry_fp8.mlflow_facts import THREADPOOL_ENV, threadpool_size
 from foundry_fp8.options import build
 
 log = logging.getLogger(__name__)
+
+#: Rules whose finding the run warns of itself where it applies, once: FP8052 by the jsonl
+#: logger at INIT and fp8_stats at FIT_START (`paths.say_repeated`). fp8_lint counts them and
+#: leaves the saying to the run, which would otherwise print each twice.
+SAID_BY_THE_RUN = frozenset({"FP8052"})
+
+
+def mlflow_pool_problem(config: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:
+    """Why MLflow would stop this run at its first asynchronous log, None when it would not: an
+    MLflow logger without `synchronous: true` under a MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE that
+    MLflow's int() or its ThreadPoolExecutor refuses ('abc', '-1'; `mlflow_facts.threadpool_size`),
+    which raises ValueError in the Trainer's constructor (Composer logs its hyperparameters
+    there) with a traceback through MLflow."""
+    loggers = section(config, "loggers")
+    if "mlflow" not in loggers or section(loggers, "mlflow").get("synchronous") \
+            or threadpool_size(environ) is not None:
+        return None
+    return (f"fp8_lint: {THREADPOOL_ENV}={environ.get(THREADPOOL_ENV)!r} is no thread count "
+            "MLflow takes (a whole number, at least 1; 0 is its default, 10), and loggers.mlflow "
+            "logs asynchronously, so MLflow would raise ValueError at the run's first log, in the "
+            f"Trainer's constructor (fix: {THREADPOOL_ENV}=1, which also avoids its file store's "
+            "race, or unset it, or loggers.mlflow.synchronous: true)")
 
 
 def model_problem(precision: str, model: Any) -> str | None:
@@ -96,7 +120,9 @@ class FP8Lint(Callback):
     FIT_START (after FSDP wrapping) an `amp_fp8` run that computes outside TE's layers in
     float32 gets one warning (FP8044's twin, `precision_problem`). Inside the run the
     environment is known and goes to the rules (`LintContext.environ`): FP8051 (MLflow's
-    file-store race) judges the URI Composer takes and MLflow's pool there, as fp8_stats does.
+    file-store race) judges the URI Composer takes and MLflow's pool there, as fp8_stats does;
+    an MLflow pool size MLflow refuses stops the run here (`mlflow_pool_problem`). FP8052 is
+    counted, not printed: the run says it (`SAID_BY_THE_RUN`).
 
     Logs (as a hyperparameter, at FIT_START): `fp8_lint/findings`, the number of findings (that
     warning included).
@@ -111,10 +137,14 @@ class FP8Lint(Callback):
             train_config = OmegaConf.to_container(train_config, resolve=True)
         self.findings = _run_findings(train_config or {})
         for f in self.findings:
-            log.warning("fp8_lint %s %s", f.severity, _describe(f))
+            if f.rule not in SAID_BY_THE_RUN:
+                log.warning("fp8_lint %s %s", f.severity, _describe(f))
         errors = [f for f in self.findings if f.severity == "error"]
         if errors:
             self._fail(f"fp8_lint: {_describe(errors[0])}; {len(errors)} error(s) in total")
+        problem = mlflow_pool_problem(train_config or {}, os.environ)
+        if problem:
+            self._fail(problem)
 
     def _fail(self, message: str) -> None:
         if self.fail_on == "error":

@@ -305,11 +305,13 @@ class FP8Stats(Callback):
         self.monitor = None  # until built: a rank that fails here cannot join collectives
         self._no_table = None
         config = self.config
+        key = "callbacks.fp8_stats.dump_folder"
+        if self.dump_folder and _is_rank_zero():  # the key the YAML wrote, said once, dumps
+            # or none: fp8_lint leaves FP8052 to the run (`composer.lint.SAID_BY_THE_RUN`)
+            say_repeated(self.dump_folder, run_folder(state, logger), state.run_name, key)
         if self.schedule.dump_steps:
-            base, key = run_folder(state, logger), "callbacks.fp8_stats.dump_folder"
-            folder = in_run_folder(self.dump_folder or DUMP_FOLDER, base, state.run_name, key)
-            if self.dump_folder and _is_rank_zero():  # the key the YAML wrote, said once
-                say_repeated(self.dump_folder, base, state.run_name, key)
+            folder = in_run_folder(self.dump_folder or DUMP_FOLDER, run_folder(state, logger),
+                                   state.run_name, key)
             config = dataclasses.replace(config, dump_folder=folder)
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
                                   on_warning=log.warning if _is_rank_zero() else lambda _: None)
