@@ -139,6 +139,16 @@ def say_repeated(template: str, folder: Path, run_name: str, key: str) -> None:
         log.warning("%s: %s (fix: %s)", key, repeated[1], repeated[2])
 
 
+def written_forms(folder: Path) -> list[Path]:
+    """The ways a run may have written its run folder, found later at `folder` (from any working
+    directory): `folder` absolute, then each relative tail, longest first (`proj/runs/X`,
+    `runs/X`, `X`). `repeated_run_folder` judges the folder as the run wrote it (`X/...`
+    repeats a run folder written `X`, not one written `runs/X`), which a reader cannot see."""
+    where = folder.absolute()
+    parts = where.parts[1:]  # less the root
+    return [where, *(Path(*parts[n:]) for n in range(1, len(parts)))]
+
+
 def in_run_folder(template: str, folder: Path, run_name: str, key: str,
                   file: bool = False) -> Path:
     """`template` with `{run_name}` filled in safely, inside `folder` when relative. Raises

@@ -74,9 +74,11 @@ def parse_key(key: str) -> tuple[str, str, str] | None:
     return stat, tensor, layer
 
 
-#: The per-layer layout fp8_stats wrote before this one (foundry-fp8 builds before 2026-11-23),
-#: full module names in the middle; no version reads it any more.
+#: The per-layer layout fp8_stats wrote before this one (foundry-fp8 builds before
+#: OLDER_LAYOUT_UNTIL), full module names in the middle; no version reads it any more.
 OLDER_LAYOUT = "fp8/<layer>/<tensor>/<stat>"
+#: The date of the first build whose fp8_stats wrote LAYOUT (commit 1fae7ff).
+OLDER_LAYOUT_UNTIL = "2026-11-23"
 #: The last commit whose fp8_stats wrote OLDER_LAYOUT and whose report read it (1fae7ff, the
 #: next, moved to LAYOUT): the report for a run it logged.
 OLDER_LAYOUT_LAST = "0b6e716"

@@ -38,6 +38,7 @@ from foundry_fp8.health.keys import (
     LOSS,
     OLDER_LAYOUT,
     OLDER_LAYOUT_LAST,
+    OLDER_LAYOUT_UNTIL,
     SUMMARIES,
     SUMMARY_PREFIX,
     TENSORS,
@@ -48,7 +49,7 @@ from foundry_fp8.health.keys import (
 from foundry_fp8.health.plots import recipe_formats
 from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
 from foundry_fp8.options import build
-from foundry_fp8.paths import DUMP_FOLDER, PathError, in_run_folder
+from foundry_fp8.paths import DUMP_FOLDER, PathError, in_run_folder, written_forms
 from foundry_fp8.recipe import FP8Recipe
 
 
@@ -575,7 +576,7 @@ def _read(records: Iterable[tuple[int, Mapping[str, Any]]], guard: GuardSeries,
 def _older_into(records: Iterable[tuple[int, Mapping[str, Any]]], into: dict[int, str]
                 ) -> Iterator[tuple[int, Mapping[str, Any]]]:
     """`records` unchanged, the steps holding a per-layer key of OLDER_LAYOUT noted `into` (with
-    one such key): a run a build before 2026-11-23 began and a later one resumed holds both
+    one such key): a run a build before OLDER_LAYOUT_UNTIL began and a later one resumed holds both
     layouts, and the steps of the older one are not read."""
     for step, metrics in records:
         key = next((k for k in metrics if k.count("/") >= 3 and older_layout(k)), None)
@@ -589,13 +590,14 @@ def _older_said(where: Path, older: dict[int, str], run: RunMetrics | None = Non
     them, or those `run` lacks), and what does: a post-mortem cannot train again."""
     steps = sorted(older)
     said = (f"{where}: FP8 statistics in an older key layout ({OLDER_LAYOUT}, e.g. "
-            f"`{older[steps[0]]}`, from foundry-fp8 builds before 2026-11-23)")
+            f"`{older[steps[0]]}`, from foundry-fp8 builds before {OLDER_LAYOUT_UNTIL})")
     reader = (f"the report of the build that logged them reads them (foundry-fp8 at commit "
               f"{OLDER_LAYOUT_LAST} or earlier, installed in another environment)")
     if run is None:
         return (f"{said}; this report (foundry-fp8 {__version__}) reads {LAYOUT} series only: "
                 f"{reader}")
-    unread = [s for s in steps if s not in set(run.steps)]
+    read = set(run.steps)
+    unread = [s for s in steps if s not in read]
     return (f"{said} at {len(unread)} logging step(s), {unread[0]} to {unread[-1]}, are not read:"
             f" this report covers the {LAYOUT} series only, steps {run.steps[0]} to "
             f"{run.steps[-1]}; {reader}") if unread else ""
@@ -961,16 +963,19 @@ def dump_of(folder: Path, hparams: Mapping[str, Any] | None, step: int, layer: s
     run_name = (hparams or {}).get("run_name")
     if not isinstance(template, str):
         return None
-    # the run folder where it is (`report .` inside it has no parts to match a template's
-    # beginning against), then the dumps named from `folder` as given
-    where = folder.absolute()
-    try:
-        dumps = in_run_folder(template, where, run_name if isinstance(run_name, str) else "",
-                              "dump_folder")
-    except (PathError, KeyError, ValueError):
-        return None
-    if dumps.is_relative_to(where):
-        dumps = folder / dumps.relative_to(where)
+    # where the run put them for each way it may have written its folder (`report .` inside it
+    # has no parts to match a template's beginning against; `X/dumps` repeats a run folder
+    # written `X`), named from `folder` as given
+    places: dict[Path, None] = {}
+    for written in written_forms(folder):
+        try:
+            dumps = in_run_folder(template, written, run_name if isinstance(run_name, str)
+                                  else "", "dump_folder")
+        except (PathError, KeyError, ValueError):
+            return None
+        places[folder / dumps.relative_to(written) if dumps.is_relative_to(written)
+               else dumps] = None
     names = {f"{form}/{tensor}" for form in full_forms(layer)}
-    return next((path for path in sorted(dumps.glob(DUMP_FILES.format(step=step)))
+    return next((path for dumps in places
+                 for path in sorted(dumps.glob(DUMP_FILES.format(step=step)))
                  if names & _dumped_keys(path)), None)
