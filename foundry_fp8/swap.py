@@ -40,6 +40,7 @@ from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE
 from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX, inert_extra_state
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
+    LN_MLP_NORMALIZATIONS,
     LN_MLP_SOURCES,
     MPT_DEFAULT_INIT_SCHEME,
     PLAIN_LN_MLP,
@@ -230,13 +231,35 @@ def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
     act = getattr(ffn, "act", None)
     if not (isinstance(act, functools.partial) and act.func is nn.functional.gelu):
         return "ffn_act_fn is not GELU: TE's LayerNormMLP here only maps gelu", None
-    if not isinstance(norm, nn.LayerNorm):
-        return f"norm {type(norm).__name__} is not a LayerNorm", None
-    if norm.bias is None:
-        return "norm has no bias: te.LayerNormMLP always trains one", None
+    normalization = te_normalization(norm, ffn.up_proj.in_features)
+    if normalization not in LN_MLP_NORMALIZATIONS:
+        return normalization, None
     if (ffn.up_proj.bias is None) != (ffn.down_proj.bias is None):
         return "up_proj/down_proj bias mismatch", None
     return None, ffn
+
+
+def te_normalization(norm: nn.Module, hidden: int) -> str:
+    """te.LayerNormMLP's `normalization` that computes MPT's `norm_2` (one of
+    `LN_MLP_NORMALIZATIONS`), else why none does. torch's LayerNorm (MPT's `layernorm`,
+    `low_precision_layernorm`) and RMSNorm (`rmsnorm`, `low_precision_rmsnorm`) over the last
+    dim, with a weight (and for LayerNorm a bias: TE trains one) and a numeric eps (TE takes the
+    module's). `triton_rmsnorm` (flash-attn's kernel, not built here) is kept."""
+    if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
+        return (f"norm {type(norm).__name__} is not torch's LayerNorm or RMSNorm (MPT's "
+                "layernorm/rmsnorm norm_types, te.LayerNormMLP's normalizations)")
+    if tuple(norm.normalized_shape) != (hidden,):
+        return f"norm over {tuple(norm.normalized_shape)}, not the last dim {hidden}"
+    if norm.weight is None:
+        return "norm has no weight (elementwise_affine false): te.LayerNormMLP trains one"
+    if isinstance(norm, nn.LayerNorm):
+        if norm.bias is None:
+            return "norm has no bias (no_bias): te.LayerNormMLP's LayerNorm trains one"
+        return "LayerNorm"
+    if norm.eps is None:
+        return ("RMSNorm eps is None (torch takes the input dtype's epsilon per call): "
+                "te.LayerNormMLP needs a number; set model.norm_eps")
+    return "RMSNorm"
 
 
 def _peft_adapters(model: nn.Module) -> dict[str, str]:
@@ -509,7 +532,8 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
 
         te.require_te()
         block = modules[decision.name.removesuffix(".ffn")]
-        new = te.make_te_layernorm_mlp(block)  # LLM-Foundry's te init knows it
+        new = te.make_te_layernorm_mlp(  # LLM-Foundry's te init knows it
+            block, te_normalization(block.norm_2, block.ffn.up_proj.in_features))
         moved += te.ln_mlp_sources(block, new)
         block.ffn, block.norm_2 = new, None
         plain = {f"ffn.{fused}": name for fused, name in LN_MLP_SOURCES.items()}
@@ -690,14 +714,19 @@ def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module,
 
 def _refuse_foreign_ln_mlp(state_dict: dict[str, Any], prefix: str, block: nn.Module,
                            ffn_config: Any) -> None:
-    """Raise where the checkpoint's te.LayerNormMLP at `prefix` is not `PLAIN_LN_MLP`: by its
-    config, else by fc1's rows: twice this run's, as a gated activation (swiglu/geglu/reglu...,
-    two projections: `LayerNormMLP.__init__`) or twice the expansion_ratio gives."""
+    """Raise where the checkpoint's te.LayerNormMLP at `prefix` is not `PLAIN_LN_MLP` with this
+    block's normalization: by its config, else by fc1's rows: twice this run's, as a gated
+    activation (swiglu/geglu/reglu..., two projections: `LayerNormMLP.__init__`) or twice the
+    expansion_ratio gives."""
     where = f"te_swap: the checkpoint's {prefix}ffn is a te.LayerNormMLP"
     fix = ("this run's MPT block (norm_2 + GELU MLP) cannot compute it; load it into a model "
            "built with the checkpoint's own ffn_config")
     if isinstance(ffn_config, dict) and ffn_config.get("ffn_type") == "te_ln_mlp":
-        differ = {k: ffn_config[k] for k, v in PLAIN_LN_MLP.items()
+        norm = (getattr(block.ffn, "normalization", None) if ln_mlp_layout(block) == "fused"
+                else te_normalization(block.norm_2, block.ffn.up_proj.in_features))
+        expected = {**PLAIN_LN_MLP, **({"normalization": norm}
+                                       if norm in LN_MLP_NORMALIZATIONS else {})}
+        differ = {k: ffn_config[k] for k, v in expected.items()
                   if k in ffn_config and ffn_config[k] != v}
         if differ:
             raise ValueError(f"{where} (LLM-Foundry's ffn_type te_ln_mlp) with "

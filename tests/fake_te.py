@@ -124,22 +124,51 @@ class _Linear(_TEModule):
         return F.linear(x, self.weight, self.bias)
 
 
+#: TE's non-gated activations the stand-in computes (pytorch/module/layernorm_mlp.py `_act_func`,
+#: v1.12 l. 63-75: `tex.gelu` is the tanh form, common/util/math.h); TE raises this
+#: NotImplementedError in the forward for a name it lacks.
+_ACTIVATIONS = {"gelu": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+
+
 class _LayerNormMLP(_TEModule):
+    """TE's keywords and checks (`LayerNormMLP.__init__`, layernorm_mlp.py:1948-1984 at v2.18,
+    1268-1299 at v1.12: the same for these), parameters and forward formulas
+    (`te.facts.LN_MLP_NORMALIZATIONS`)."""
+
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
-                 bias: bool = True, activation: str = "gelu",
-                 params_dtype: torch.dtype | None = None, device: Any = "cuda") -> None:
+                 bias: bool = True, normalization: str = "LayerNorm", activation: str = "gelu",
+                 params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False,
+                 device: Any = "cuda") -> None:
         super().__init__()
+        assert normalization in ["LayerNorm", "RMSNorm"], "Unsupported normalization type!"
+        self.normalization, self.activation = normalization, activation
+        self.zero_centered_gamma = zero_centered_gamma
         self.layer_norm_weight = _param((hidden_size,), device, params_dtype)
-        self.layer_norm_bias = _param((hidden_size,), device, params_dtype)
+        self.layer_norm_bias = (_param((hidden_size,), device, params_dtype)
+                                if normalization != "RMSNorm" else None)
         self.fc1_weight = _param((ffn_hidden_size, hidden_size), device, params_dtype)
         self.fc2_weight = _param((hidden_size, ffn_hidden_size), device, params_dtype)
         self.fc1_bias = _param((ffn_hidden_size,), device, params_dtype) if bias else None
         self.fc2_bias = _param((hidden_size,), device, params_dtype) if bias else None
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # TE's gelu is the tanh form
-        x = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        x = F.gelu(F.linear(x, self.fc1_weight, self.fc1_bias), approximate="tanh")
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        """TE's formulas, in fp32 as TE's kernels and its reference (tests/pytorch/
+        test_numerics.py TorchRMSNorm, l. 383-406 at v2.18) compute them."""
+        gamma = self.layer_norm_weight.float() + (1 if self.zero_centered_gamma else 0)
+        x32 = x.float()
+        if self.normalization == "RMSNorm":
+            y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * gamma
+        else:
+            mean = x32.mean(-1, keepdim=True)
+            var = (x32 - mean).square().mean(-1, keepdim=True)
+            y = (x32 - mean) * torch.rsqrt(var + self.eps) * gamma + self.layer_norm_bias.float()
+        return y.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation not in _ACTIVATIONS:
+            raise NotImplementedError("Activation type " + self.activation + " is not supported!")
+        x = _ACTIVATIONS[self.activation](F.linear(self._norm(x), self.fc1_weight, self.fc1_bias))
         return F.linear(x, self.fc2_weight, self.fc2_bias)
 
 

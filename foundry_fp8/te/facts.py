@@ -229,9 +229,17 @@ LN_MLP_SOURCES = {"layer_norm_weight": "norm_2.weight", "layer_norm_bias": "norm
                   "fc2_weight": "ffn.down_proj.weight", "fc2_bias": "ffn.down_proj.bias"}
 
 
-#: te.LayerNormMLP's keywords under which its parameters are an MPT block's norm_2 + GELU MLP, the
-#: only layout te_swap fuses: TE's defaults (`LayerNormMLP.__init__`, pytorch/module/
-#: layernorm_mlp.py:1276-1286 at v1.12, 1961-1972 at d0067d0). LLM-Foundry's own `ffn_type:
-#: te_ln_mlp` passes the rest of `ffn_config` to TE (llmfoundry/models/layers/ffn.py
-#: `build_te_ln_mlp`, 0.21-0.22), so its checkpoint may differ.
+#: te.LayerNormMLP's keywords under which its parameters are an MPT block's norm_2 + GELU MLP:
+#: TE's defaults (`LayerNormMLP.__init__`, pytorch/module/layernorm_mlp.py:1276-1286 at v1.12,
+#: 1956-1967 at v2.18), `normalization` replaced by the block's (LN_MLP_NORMALIZATIONS).
+#: LLM-Foundry's own `ffn_type: te_ln_mlp` passes the rest of `ffn_config` to TE
+#: (llmfoundry/models/layers/ffn.py `build_te_ln_mlp`, 0.21-0.22), so its checkpoint may differ.
 PLAIN_LN_MLP = {"activation": "gelu", "normalization": "LayerNorm", "zero_centered_gamma": False}
+
+#: te.LayerNormMLP's `normalization`s, the same in every TE 1.12-2.18 (`assert normalization in
+#: ["LayerNorm", "RMSNorm"]`, layernorm_mlp.py:1299 at v1.12, 1984 at v2.18): LayerNorm
+#: `(x - E[x]) / sqrt(Var[x] + eps) * gamma + beta`, RMSNorm `x / sqrt(mean(x^2) + eps) * gamma`
+#: with no `layer_norm_bias` (l. 253-259 at v2.18; formulas: pytorch/module/layernorm.py:22-23,
+#: rmsnorm.py:23-29 at v2.18); `zero_centered_gamma` (False here) puts `(1 + gamma)` in gamma's
+#: place (layernorm_mlp.py docstring, l. 1872-1878 at v2.18).
+LN_MLP_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
