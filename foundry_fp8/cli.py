@@ -30,6 +30,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from importlib import metadata
+from pathlib import Path
 from typing import Any, NoReturn
 
 from foundry_fp8 import __version__
@@ -92,10 +93,31 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _dashed_paths(argv: list[str]) -> tuple[str, ...]:
-    """The arguments before any `--` that start with '-' and name something that exists."""
+def _option_action(parser: argparse.ArgumentParser, arg: str) -> argparse.Action | None:
+    """The option of `parser` that `arg` names, whole or abbreviated as argparse takes it (one
+    long option it begins); None where it names none, or several."""
+    if (action := parser._option_string_actions.get(arg)) is not None:
+        return action
+    if not (arg.startswith("--") and parser.allow_abbrev):
+        return None
+    found = {id(a): a for o, a in parser._option_string_actions.items() if o.startswith(arg)}
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def _dashed_paths(argv: list[str], parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    """The arguments before any `--` that start with '-' and are paths to `parser`: they name
+    something that exists, or they follow an option of its that takes a path (`report --out
+    -outdir`: argparse says only "expected one argument", whether -outdir exists or not). An
+    option of its is none (`--out --layers x`: --out's value is missing)."""
     before = argv[:argv.index("--")] if "--" in argv else argv
-    return tuple(a for a in before if a.startswith("-") and a != "-" and os.path.lexists(a))
+
+    def takes_path(option: str) -> bool:
+        action = _option_action(parser, option)
+        return action is not None and action.type is Path and action.nargs is None
+
+    return tuple(a for n, a in enumerate(before)
+                 if a.startswith("-") and a != "-" and _option_action(parser, a) is None
+                 and (os.path.lexists(a) or (n > 0 and takes_path(before[n - 1]))))
 
 
 def _subcommand_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -357,9 +379,9 @@ def missing_dependency_is_one_line() -> Iterator[None]:
 
 def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
-    dashed = _dashed_paths(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else argv
     for each in (parser, *_subcommand_parsers(parser).values()):
-        each.dashed_paths = dashed
+        each.dashed_paths = _dashed_paths(given, each)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _refuse_unknown(parser, args.command, unknown)

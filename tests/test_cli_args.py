@@ -66,3 +66,39 @@ def test_an_unknown_option_that_names_no_file_gets_no_path_hint(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1] == "foundry-fp8 lint: error: unrecognized arguments: -bogus"
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["report", "run", "--out", "-outdir"], "--out"),
+    (["report", "run", "--baseline", "-base"], "--baseline"),
+    (["report", "run", "--bas", "-base"], "--baseline"),  # argparse's abbreviation
+    (["bench", "--tiny", "--yamls", "-yamls"], "--yamls"),
+    (["bench", "--tiny", "--out", "-results"], "--out"),
+])
+def test_a_dashed_value_of_a_path_option_gets_the_fix_though_nothing_is_there(
+        tmp_path, argv, option):
+    """D2-21: `report RUN --out -outdir` for an --out to be made said only "argument --out:
+    expected one argument": the hint came only for a path that exists. A '-' argument right
+    after an option that takes a path is that path, there or not."""
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8", *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    value = argv[-1]
+    assert done.stderr.splitlines()[-1] == (
+        f"foundry-fp8 {argv[0]}: error: argument {option}: expected one argument ({value}: a "
+        f"path starting with '-' reads as an option; put ./ before it: ./{value})")
+    assert not (tmp_path / value).exists()
+
+
+@pytest.mark.parametrize("argv, argparse_says", [
+    (["report", "run", "--out", "--layers", "x"], "argument --out: expected one argument"),
+    (["report", "run", "--layers", "-x"], "argument --layers: expected one argument"),
+])
+def test_an_option_or_a_non_path_value_after_an_option_gets_no_path_hint(tmp_path, argv,
+                                                                          argparse_says):
+    """--out's value missing before another option, and a '-' value of an option that takes no
+    path: no './' hint, which would name an option or a regex as a path."""
+    done = subprocess.run([sys.executable, "-m", "foundry_fp8", *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == f"foundry-fp8 {argv[0]}: error: {argparse_says}"
