@@ -232,7 +232,7 @@ _RECIPE_CHANGE = {"scaling": "switch the layer to the new scaling mode with fres
 #: TE's switch to its unfused Python update (read at every update: quantization.py:687-691).
 UNFUSED_UPDATE_ENV = "NVTE_UNFUSED_FP8_UPDATE"
 
-#: The kinds of warning already given ("unfused", "forward", "backward"): each once per
+#: The kinds of warning already met ("unfused", "forward", "backward"): each once per
 #: process. Python's own once-per-message record is reset by any `warnings.catch_warnings()`
 #: or filter change (library code may do one every step), after which a warning repeated
 #: step after step.
@@ -240,17 +240,31 @@ _WARNED: set[str] = set()
 
 
 def _warn_once(kind: str, message: str) -> None:
-    """Warn `message` the first time a warning of `kind` comes in this process, never again."""
+    """Warn `message` the first time a warning of `kind` comes in this process, never again,
+    and on global rank 0 only: the ranks of a run share layers, recipe and environment, and
+    every rank's copy reached the console (one per GPU). A shape met only by another rank's
+    batches goes unwarned."""
     if kind not in _WARNED:
         _WARNED.add(kind)
-        warnings.warn(message, stacklevel=3)
+        if _global_rank() == 0:
+            warnings.warn(message, stacklevel=3)
+
+
+def _global_rank() -> int:
+    """torch.distributed's rank once initialised, else the launcher's RANK (0 alone)."""
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_rank()
+    rank = os.environ.get("RANK", "")
+    return int(rank) if rank.isdigit() else 0
 
 
 def _warn_if_unfused() -> None:
     """TE's unfused update rolls every history column, those that recorded nothing too, and
     divides with torch.compile's arithmetic (quantization.py:1067-1166); the emulation models
     the fused kernel, so with the variable set its state would differ from TE's in silence.
-    Once per process: the update runs for every buffer at every step."""
+    Once per run (`_warn_once`): the update runs for every buffer at every step."""
     value = os.environ.get(UNFUSED_UPDATE_ENV)
     if value is not None and value != "0":
         _warn_once("unfused",
@@ -558,7 +572,7 @@ def _weight_transpose_needed(x: torch.Tensor, override: str | None) -> bool:
         _STATE.stash is not None)
 
 
-#: Ends each shape warning: one per kind per process (`_warn_unless_te_runs`).
+#: Ends each shape warning: one per kind per run (`_warn_unless_te_runs`).
 _FURTHER_NOT_WARNED = "; the emulation runs it (only the first such shape is warned of)"
 
 
@@ -572,9 +586,9 @@ def _warn_unless_te_runs(x: torch.Tensor, weight: torch.Tensor, fp8_backward: bo
     out_features, each checked for 16 (common/gemm/cublaslt_gemm.cu: 160-163, 251-254; read in
     the sources, not run on a GPU). te_swap's plan keeps layers of other weight shapes in high
     precision, but a batch's tokens (a short last batch, an odd sequence length) are only known
-    here. One warning per kind (forward, backward) per process, naming the first shapes: with
-    variable lengths every new length would warn again, thousands of lines in a long run's log
-    where the first already says the batches need padding."""
+    here. One warning per kind (forward, backward) per run (`_warn_once`), naming the first
+    shapes: with variable lengths every new length would warn again, thousands of lines in a
+    long run's log where the first already says the batches need padding."""
     refused = [f"{name} of shape {list(t.shape)}" for name, t in (("input", x), ("weight", weight))
                if not operand_fits_fp8(t.shape)]
     if refused:
