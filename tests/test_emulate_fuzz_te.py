@@ -328,6 +328,12 @@ def _run(case: Case) -> list[str]:
     return problems
 
 
+@pytest.fixture(autouse=True)
+def _own_warned(monkeypatch):
+    """`_run` clears the emulation's once-per-run record at each step: on a copy of its own."""
+    monkeypatch.setattr(emulate, "_WARNED", set())
+
+
 @pytest.mark.parametrize("seed", range(80))
 def test_random_linear_runs_follow_te_formulas(seed):
     case = Case.draw(seed)
