@@ -169,6 +169,7 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8052": ({"save_folder": "./ckpt/{run_name}/checkpoints",
                 "loggers": {"jsonl": {"path": "ckpt/{run_name}/metrics.jsonl"}}},
                "loggers.jsonl.path", 1),
+    "FP8053": ({"eval_loader": {"dataset": {"split": "val"}}}, "eval_loader", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -236,6 +237,7 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
                1),
     "FP8052": ({"save_folder": "./ckpt/{run_name}/checkpoints",  # ckpt/ alone is no repeat
                 "loggers": {"jsonl": {"path": "ckpt/metrics.jsonl"}}}, 1),
+    "FP8053": ({"eval_loader": {"name": "finetuning", "dataset": {"split": "val"}}}, 1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

@@ -307,12 +307,13 @@ def text_loader_without_workers(config: Mapping[str, Any], ctx: LintContext) -> 
       "eval_loader list, and to no single eval_loader", also=("eval",))
 def loader_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     for key, loader, listed in _loaders(config):
-        if loader.get("name") not in LOADER_BUILDERS:
-            continue  # another registered builder: its keywords are its own
+        # whatever the loader's name: the label is read before any builder is looked up
         if listed and loader.get(EVAL_LOADER_LABEL) is None:
             yield Hit(key, f"one of several eval loaders without `{EVAL_LOADER_LABEL}`: LLM-Foundry "
                       "refuses it (train: ValueError 'each one must include the `label` "
                       "attribute'; eval: KeyError)", fix=f"add `{EVAL_LOADER_LABEL}: <name>`")
+        if loader.get("name") not in LOADER_BUILDERS:
+            continue  # another registered builder: its keywords are its own
         for option in loader:
             if not isinstance(option, str) or option in LOADER_BUILDER_KEYS or (
                     listed and option == EVAL_LOADER_LABEL):
@@ -513,6 +514,20 @@ TRAIN_ONLY_KEYS = tuple(k for k in TRAIN_REQUIRED_KEYS
                         if k not in EVAL_CONFIG_KEYS and k not in EVAL_MODEL_KEYS)
 
 
+def _setting(config: Mapping[str, Any]) -> str | None:
+    """The first top-level setting TrainConfig reads (a value, not a section, even an empty
+    one): a file giving one is meant to run, not to be a part; `optimizer:`, `scheduler:`,
+    `train_loader:` are sections like `model:`."""
+    return next((k for k, v in config.items() if k in TRAIN_CONFIG_KEYS
+                 and k not in SECTION_SHAPES and not isinstance(v, (Mapping, list))), None)
+
+
+def whole_train_config(config: Mapping[str, Any]) -> bool:
+    """A file meant to be `llmfoundry train`'s whole config, not a fragment merged into one: it
+    gives a top-level setting and a key only a train config has (FP8038's error case)."""
+    return _setting(config) is not None and any(key in config for key in TRAIN_ONLY_KEYS)
+
+
 def _refusal(key: str) -> str:
     return (f"KeyError '{key}' in update_batch_size_info" if key in BATCH_KEYS
             else f"MissingMandatoryValue: Missing mandatory value: {key}")
@@ -541,13 +556,10 @@ def _refusal(key: str) -> str:
       scope="file")
 def required_keys_absent(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     absent = [key for key in TRAIN_REQUIRED_KEYS if key not in config]
-    # a setting (not a section, even an empty one) TrainConfig reads: the file is meant to run,
-    # not to be a part; `optimizer:`, `scheduler:`, `train_loader:` are sections like `model:`
-    setting = next((k for k, v in config.items() if k in TRAIN_CONFIG_KEYS
-                    and k not in SECTION_SHAPES and not isinstance(v, (Mapping, list))), None)
+    setting = _setting(config)
     if setting is None:
         return
-    if any(key in config for key in TRAIN_ONLY_KEYS):
+    if whole_train_config(config):
         for key in absent:
             yield Hit(key, f"`{key}` is absent: `llmfoundry train` refuses the config before "
                       f"building anything ({_refusal(key)})")
@@ -559,6 +571,55 @@ def required_keys_absent(config: Mapping[str, Any], ctx: LintContext) -> Iterato
         yield Hit(setting, f"a train config without {named}: `llmfoundry train` refuses this file "
                   f"as is ({_refusal(first)}); fine only if it is a fragment merged into a "
                   "whole config", severity="warning")
+
+
+#: Where `llmfoundry train` reads a built-by-name section's `name` with `[...]` or `.pop()`,
+#: KeyError when absent (LLM-Foundry 0.22.0 llmfoundry/command_utils/train.py line, what reads
+#: it); the model's also in validate_config next to a text loader or icl_tasks, :84 and :90.
+NAME_READS = {
+    "tokenizer": (368, "`train_cfg.tokenizer['name']` (a tokenizer section that is not empty), "
+                  "before the loaders are built"),
+    "scheduler": (373, "`train_cfg.scheduler.pop('name')`, before the loaders are built"),
+    "model": (515, "`model_config.pop('name')`, once the tokenizer and loaders are built"),
+    "optimizer": (538, "`train_cfg.optimizer.pop('name')`, once the model is built"),
+}
+
+
+@rule("FP8053", "error", "a loader (`train_loader`, `eval_loader` or one of its items), "
+      "`model`, `tokenizer`, `optimizer` or `scheduler` without `name` in a whole train config",
+      why="LLM-Foundry builds each of these by its `name` and reads it with `[...]` or `.pop()`: "
+      "train's validate_config reads every loader's name (train_loader, each eval_loader item "
+      "after its label check, a single eval_loader) and, next to a text loader or icl_tasks, "
+      "the model's, before anything is built (KeyError 'name'); train() then reads the "
+      "tokenizer's (where the section is not empty), the scheduler's, the model's and the "
+      "optimizer's, each before training starts. Files that are whole train configs only "
+      "(FP8038's error case: a setting and a key only a train config has): a fragment merged "
+      "into a base config takes the base's name.",
+      source=f"{FOUNDRY} llmfoundry/command_utils/train.py:71-90 validate_config, :368, :373, "
+      ":515, :538; llmfoundry/data/dataloader.py:31 build_dataloader (cfg.pop('name')); "
+      "tests/test_lint_names.py runs validate_config on each loader and model case and train() "
+      "on the tokenizer and scheduler (:515 and :538, after the loaders are built, read only)",
+      fix="add `name:` (a loader: text or finetuning; the builder's registered name)",
+      scope="file")
+def sections_without_name(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    if not whole_train_config(config):
+        return
+    loaders = list(_loaders(config))
+    for key, loader, _ in loaders:
+        if "name" not in loader:
+            yield Hit(key, f"`{key}` has no `name`: `llmfoundry train` refuses the config before "
+                      "building anything (KeyError 'name' in validate_config, which reads each "
+                      "loader's name)")
+    validated = config.get("icl_tasks") is not None \
+        or any(loader.get("name") == "text" for _, loader, _ in loaders)
+    for key, (line, read) in NAME_READS.items():
+        value = config.get(key)
+        if not isinstance(value, Mapping) or "name" in value or (key == "tokenizer" and not value):
+            continue
+        where = "validate_config (:84/:90, next to a text loader or icl_tasks), before " \
+            "building anything" if key == "model" and validated else f"train.py:{line} {read}"
+        yield Hit(key, f"`{key}` has no `name`: `llmfoundry train` raises KeyError 'name' in "
+                  f"{where}")
 
 
 def _global_batch_refused(size: Any, micro: Any) -> str | None:
