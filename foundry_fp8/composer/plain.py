@@ -53,6 +53,7 @@ from foundry_fp8.swap import (
     plain_state_dict,
     swapped_state_dict,
 )
+from foundry_fp8.te.facts import LN_MLP_SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +214,102 @@ def _log_layout_change(renames: dict[str, str], model: nn.Module) -> None:
                     "ffn_act_fn instead (MPT's default, exact GELU, is up to %.1e apart per "
                     "activation); to keep TE's, set model ffn_config.ffn_act_fn: {%s}",
                     other, gelu_tanh_error()[0], act_fn)
+
+
+def load_sharded_plain(state: State) -> Callable[[], None]:
+    """Make Composer's next sharded (DCP) load into `state.model` read a checkpoint whose blocks
+    are in another layout, as `load_plain` does a whole file; returns what undoes it (te_swap
+    calls it at AFTER_LOAD).
+
+    Composer builds the load template from the model's own keys and has DCP fill it in place
+    (composer/utils/checkpoint.py `load_sharded_checkpoint`, 0.31-0.32), so DCP's planner
+    refused a key the checkpoint lacked ("Missing key in checkpoint state_dict"). Its planner
+    comes from `fsdp_config.load_planner`, which FSDP2Config cannot set (a property that
+    returns None), so `dist_cp_load`, which that load calls by its module name, is swapped for
+    one call: a planner that reads each such key from the other layout's name, weights and
+    optimizer state alike, and the optimizer's parameter names back."""
+    from composer.utils import checkpoint
+
+    load = checkpoint.dist_cp_load
+
+    def undo() -> None:
+        if checkpoint.dist_cp_load is layout_load:
+            checkpoint.dist_cp_load = load
+
+    @functools.wraps(load)
+    def layout_load(state_dict: dict[str, Any], storage_reader: Any,
+                    load_planner: Any = None) -> None:
+        undo()
+        planner = _layout_planner(state.model) if load_planner is None else load_planner
+        load(state_dict, storage_reader, planner)
+
+    checkpoint.dist_cp_load = layout_load
+    return undo
+
+
+def _layout_pairs(model: nn.Module) -> dict[str, str]:
+    """{this run's key: the other layout's} for each fused or plain block's norm_2 + MLP."""
+    pairs: dict[str, str] = {}
+    for name, block in canonical_modules(model):
+        layout = ln_mlp_layout(block)
+        if layout is None:
+            continue
+        prefix = f"{name}." if name else ""
+        for te_name, plain in LN_MLP_SOURCES.items():
+            fused = f"ffn.{te_name}"
+            own, other = (fused, plain) if layout == "fused" else (plain, fused)
+            pairs[prefix + own] = prefix + other
+    return pairs
+
+
+def _layout_planner(model: nn.Module) -> Any:
+    """torch's DefaultLoadPlanner, reading a key the checkpoint lacks under its other-layout
+    name (torch 2.7 distributed/checkpoint/default_planner.py: `set_up_planner` flattens the
+    template into `state_dict`/`mappings`, tensors load in place by those keys, other objects
+    through `load_bytes`)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    pairs = _layout_pairs(model)
+
+    class LayoutLoadPlanner(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict: Any, metadata: Any = None,
+                           is_coordinator: bool = False) -> None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            saved = metadata.state_dict_metadata
+            self.names: dict[str, str] = {}  # the checkpoint's parameter name: this run's
+            for key in [k for k in self.state_dict if k not in saved]:
+                for own, other in pairs.items():
+                    if f".{own}." in f".{key}.":
+                        renamed = f".{key}.".replace(f".{own}.", f".{other}.", 1)[1:-1]
+                        if renamed in saved:
+                            self.state_dict[renamed] = self.state_dict.pop(key)
+                            if self.flatten_state_dict:
+                                self.mappings[renamed] = self.mappings.pop(key)
+                            self.names[other] = own
+                        break
+            if self.names and is_coordinator:
+                _log_layout_change(self.names, model)
+
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            super().load_bytes(read_item, value)
+            if not self.names:
+                return
+            fqn = read_item.dest_index.fqn  # param_groups' `params`: parameter names
+            path = self.mappings[fqn] if self.flatten_state_dict else (fqn,)
+            node: Any = self.original_state_dict if self.flatten_state_dict else self.state_dict
+            for part in path[:-1]:
+                node = node[part]
+            node[path[-1]] = _renamed(node[path[-1]], self.names)
+
+    return LayoutLoadPlanner()
+
+
+def _renamed(value: Any, names: dict[str, str]) -> Any:
+    """`value` with every string naming a renamed parameter (also in lists and dicts) renamed."""
+    if isinstance(value, str):
+        return names.get(value, value)
+    if isinstance(value, list):
+        return [_renamed(v, names) for v in value]
+    if isinstance(value, dict):
+        return {k: _renamed(v, names) for k, v in value.items()}
+    return value

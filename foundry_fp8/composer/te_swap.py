@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
@@ -39,7 +40,7 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8.composer.destinations import deliver
-from foundry_fp8.composer.plain import export_plain, load_plain
+from foundry_fp8.composer.plain import export_plain, load_plain, load_sharded_plain
 from foundry_fp8.options import SwapConfig, build
 from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
 from foundry_fp8.swap import (
@@ -82,15 +83,18 @@ class TESwap(Algorithm):
         self._autocast = ExitStack()
         self._hooks: list[Any] = []
         self._eval_hooks: list[Any] = []  # `_eval_in_high_precision`'s, from FIT_START to FIT_END
+        self._undo_sharded_load: Callable[[], None] = lambda: None  # INIT to AFTER_LOAD
 
     def match(self, event: Event, state: State) -> bool:
         del state
-        return event in (Event.INIT, Event.FIT_START, Event.FIT_END)
+        return event in (Event.INIT, Event.AFTER_LOAD, Event.FIT_START, Event.FIT_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             self._convert(state, logger)
             _warn_without_fp8_state(state)
+        elif event == Event.AFTER_LOAD:
+            self._undo_sharded_load()
         elif event == Event.FIT_START:
             _refuse_fullgraph(state.model)
             self._hold_eval_in_high_precision(state)
@@ -125,6 +129,7 @@ class TESwap(Algorithm):
         if any(hasattr(m, PLAIN_KEYS) for m in model.modules()):
             exporters = export_plain(state.callbacks)
         load_plain(state)  # also where nothing is fused now: a fused checkpoint's blocks
+        self._undo_sharded_load = load_sharded_plain(state)
         if self.config.backend == "te" and self.recipe.scaling == "delayed":
             _set_precision_config(state, self.recipe)
         else:
