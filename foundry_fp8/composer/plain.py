@@ -23,7 +23,8 @@ default), so a checkpoint whose blocks are in another layout is renamed to this 
 a fused one's `ffn.fc1_weight`... where it does not (`fuse_ln_mlp`, `exclude` or
 `keep_first/last_blocks` changed), the optimizer state's names with them (torch's optimizer
 loader raised `KeyError` on the first renamed parameter). A sharded (DCP) checkpoint is read by
-the model's own keys: one in another layout cannot fill them, and DCP says which keys it lacks.
+the model's own keys, so its load gets a planner that reads them under the other layout's names
+(`load_sharded_plain`).
 LLM-Foundry's own `ffn_type: te_ln_mlp` checkpoint loads into a plain block too, its TE
 `_extra_state` dropped, unless its te.LayerNormMLP computes something else (swiglu, relu, RMSNorm:
 by the config Composer saves with it, else by fc1's rows), which is refused in one line. A fused
