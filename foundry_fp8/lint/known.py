@@ -172,7 +172,7 @@ FOUNDRY_FSDP_KEEPS_MASTER_DTYPES = frozenset({"bf16", "fp16", "float16", "bfloat
 #: configuration_mpt.py, MPTConfig.__init__).
 MPT_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "head_dim": None,
                 "expansion_ratio": 4, "vocab_size": 50368, "norm_type": "low_precision_layernorm",
-                "no_bias": False, "tie_word_embeddings": True}
+                "no_bias": False, "tie_word_embeddings": True, "norm_eps": 1e-05}
 #: The defaults MPTConfig fills into `attn_config` and `ffn_config` for the keys that decide
 #: which linears MPT builds (llmfoundry/models/utils/config_defaults.py).
 MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "fused_qkv": True, "kv_dim": None,

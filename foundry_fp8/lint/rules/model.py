@@ -744,15 +744,22 @@ def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator
 _LAYERNORMS = ("layernorm", "low_precision_layernorm")
 
 
+#: MPT's RMSNorm norm_types: torch's RMSNorm (llmfoundry/models/layers/norm.py, 0.21-0.22), which
+#: te_swap fuses as te.LayerNormMLP's `normalization: RMSNorm` (`swap.te_normalization`).
+#: (`norm_eps: null` leaves torch to pick the eps per call: not fused)
+_RMSNORMS = ("rmsnorm", "low_precision_rmsnorm")
+
+
 def _te_swap_fuses(model: Mapping[str, Any]) -> bool:
     """Whether te_swap's fuse_ln_mlp fuses this model's blocks, read from the config as
     `swap._fusable_mlp` reads a built block: an MPT whose MLP (mptmlp, torch linears, GELU)
-    follows a LayerNorm with a bias."""
+    follows a LayerNorm with a bias or an RMSNorm with a numeric eps."""
+    norm = str(mpt_value(model, "norm_type")).lower()
     return (_is_mpt(model) and get(model, "ffn_config.ffn_type") in (None, "mptmlp")
             and fc_type_name(model) in (None, "torch")
             and get(model, "ffn_config.ffn_act_fn.name") in (None, "gelu")
-            and str(mpt_value(model, "norm_type")).lower() in _LAYERNORMS
-            and mpt_value(model, "no_bias") is not True)
+            and ((norm in _LAYERNORMS and mpt_value(model, "no_bias") is not True)
+                 or (norm in _RMSNORMS and mpt_value(model, "norm_eps") is not None)))
 
 
 def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str | None, bool]]:
