@@ -132,3 +132,30 @@ def test_fp8051_follows_the_tracking_uri_set_in_the_process(tmp_path, monkeypatc
     linted = [f for f in FP8Lint(config).findings if f.rule == "FP8051"]
     assert bool(linted) is mlflow_races(logger, os.environ) \
         is (set_in_process == "file")
+
+
+@pytest.mark.parametrize("layers", [".*", "^nothing$"])
+def test_mlflows_file_store_race_is_said_once_in_a_run(tmp_path, monkeypatch, caplog, layers):
+    """FP8051 in a run: fp8_lint (at construction) and fp8_stats (at FIT_START) each printed
+    MLflow's race; fp8_stats says it now and fp8_lint counts it. Said also where fp8_stats'
+    `layers` match nothing and it switches itself off at FIT_START (then only fp8_lint had)."""
+    from composer.loggers import MLFlowLogger
+
+    from foundry_fp8.mlflow_facts import RACE
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(POOL, "4")  # asynchronous to a local file store: MLflow's race
+    monkeypatch.delenv("DATABRICKS_TOKEN", raising=False)
+    uri = (tmp_path / "mlruns").as_uri()
+    config = {"loggers": {"mlflow": {"tracking_uri": uri}},
+              "callbacks": {"fp8_lint": {}, "fp8_stats": {"interval": "1ba", "layers": layers}}}
+    with caplog.at_level(logging.WARNING):
+        lint = FP8Lint(config)
+        logger = MLFlowLogger(tracking_uri=uri, experiment_name="race")
+        trainer = _trainer(tmp_path, [lint, FP8Stats(interval="1ba", layers=layers)], [logger])
+        trainer.fit()
+        trainer.close()
+    assert mlflow_races(logger, os.environ)  # the reference: the logger really races
+    assert [f.rule for f in lint.findings if f.rule == "FP8051"] == ["FP8051"]  # still counted
+    said = [r.getMessage() for r in caplog.records if RACE in r.getMessage()]
+    assert len(said) == 1, said

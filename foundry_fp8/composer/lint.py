@@ -27,9 +27,10 @@ from foundry_fp8.options import build
 log = logging.getLogger(__name__)
 
 #: Rules whose finding the run warns of itself where it applies, once: FP8052 by the jsonl
-#: logger at INIT and fp8_stats at FIT_START (`paths.say_repeated`). fp8_lint counts them and
-#: leaves the saying to the run, which would otherwise print each twice.
-SAID_BY_THE_RUN = frozenset({"FP8052"})
+#: logger at INIT and fp8_stats at FIT_START (`paths.say_repeated`), FP8051 by fp8_stats at
+#: FIT_START (`composer.stats.mlflow_races`, judged as the rule judges it in a run). fp8_lint
+#: counts them and leaves the saying to the run, which would otherwise print each twice.
+SAID_BY_THE_RUN = frozenset({"FP8051", "FP8052"})
 
 
 def mlflow_pool_problem(config: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:
@@ -121,8 +122,8 @@ class FP8Lint(Callback):
     float32 gets one warning (FP8044's twin, `precision_problem`). Inside the run the
     environment is known and goes to the rules (`LintContext.environ`): FP8051 (MLflow's
     file-store race) judges the URI Composer takes and MLflow's pool there, as fp8_stats does;
-    an MLflow pool size MLflow refuses stops the run here (`mlflow_pool_problem`). FP8052 is
-    counted, not printed: the run says it (`SAID_BY_THE_RUN`).
+    an MLflow pool size MLflow refuses stops the run here (`mlflow_pool_problem`). FP8051 and
+    FP8052 are counted, not printed: the run says them (`SAID_BY_THE_RUN`).
 
     Logs (as a hyperparameter, at FIT_START): `fp8_lint/findings`, the number of findings (that
     warning included).
