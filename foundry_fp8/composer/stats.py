@@ -53,6 +53,9 @@ IMAGE_PREFIX = "fp8_heatmap/"
 TABLE_NAME = "fp8_table"
 #: The fit-end hyperparameter: the worst value per layer and tensor (`FitEndKeys`' name).
 SUMMARY_KEY = "fp8/stats_summary"
+#: The hyperparameter naming the folder the dumps go to (`dump_record`): a plain Composer run's
+#: hparams hold no `callbacks.fp8_stats` options to find a `dump_folder` in.
+DUMP_FOLDER_KEY = "fp8/dump_folder"
 #: Logging steps a heatmap shows (the latest ones): a readable width, bounded memory.
 IMAGE_STEPS = 64
 #: The layout of `FP8Stats.state_dict()` in checkpoints (an earlier version saved `{}`). Fields
@@ -295,6 +298,12 @@ class FP8Stats(Callback):
         self._next_image, self._imaged = self.image_interval or 0, None
 
     def _fit_start(self, state: State, logger: Logger) -> None:
+        # first: said where the monitor then fails to build too (no layer matches), as fp8_lint
+        # leaves FP8051 to this warning (`composer.lint.SAID_BY_THE_RUN`)
+        if not self._mlflow_race_said and _is_rank_zero() \
+                and any(mlflow_races(d, os.environ) for d in logger.destinations):
+            self._mlflow_race_said = True  # once per run: a second fit changes nothing
+            log.warning("fp8_stats: %s; %s", RACE, WORKAROUNDS)
         self._summary_keys.fit_start(int(state.timestamp.batch))
         if self._recent and int(state.timestamp.batch) <= self._recent[-1][0]:
             # fit(reset_time=True): the steps start again, so do the heatmaps and their due
@@ -305,16 +314,20 @@ class FP8Stats(Callback):
         self.monitor = None  # until built: a rank that fails here cannot join collectives
         self._no_table = None
         config = self.config
-        key = "callbacks.fp8_stats.dump_folder"
+        key, base = "callbacks.fp8_stats.dump_folder", run_folder(state, logger)
         if self.dump_folder and _is_rank_zero():  # the key the YAML wrote, said once, dumps
             # or none: fp8_lint leaves FP8052 to the run (`composer.lint.SAID_BY_THE_RUN`)
-            say_repeated(self.dump_folder, run_folder(state, logger), state.run_name, key)
+            say_repeated(self.dump_folder, base, state.run_name, key)
+        dumps = None
         if self.schedule.dump_steps:
-            folder = in_run_folder(self.dump_folder or DUMP_FOLDER, run_folder(state, logger),
-                                   state.run_name, key)
-            config = dataclasses.replace(config, dump_folder=folder)
+            dumps = in_run_folder(self.dump_folder or DUMP_FOLDER, base, state.run_name, key)
+            config = dataclasses.replace(config, dump_folder=dumps)
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
                                   on_warning=log.warning if _is_rank_zero() else lambda _: None)
+        if dumps is not None and _is_rank_zero():  # where the report finds them, every sink
+            record = {DUMP_FOLDER_KEY: dump_record(dumps, base)}
+            deliver(logger.destinations, "hyperparameters",
+                    lambda d: d.log_hyperparameters(record), "fp8_stats", self.strict)
         log.info("fp8_stats watches %d layers", len(self.monitor.layers))
         if (not self._restored and int(state.timestamp.batch) > 0
                 and getattr(state, "fsdp_sharded_state_dict_enabled", False)):
@@ -336,10 +349,6 @@ class FP8Stats(Callback):
                         "interval %s, start %d, end %s): lower callbacks.fp8_stats.interval or "
                         "start to see FP8 statistics", last, self.schedule.interval,
                         self.schedule.start, self.schedule.end)
-        if not self._mlflow_race_said and _is_rank_zero() \
-                and any(mlflow_races(d, os.environ) for d in logger.destinations):
-            self._mlflow_race_said = True  # once per run: a second fit changes nothing
-            log.warning("fp8_stats: %s; %s", RACE, WORKAROUNDS)
 
     def _te_pause(self, state: State, logger: Logger) -> None:
         """Evaluation and prediction forwards stay out of TE's statistics: TE's debug API feeds
@@ -615,6 +624,16 @@ def last_batch(state: State) -> int | None:
     if duration.unit == TimeUnit.EPOCH and batches is not None:
         return duration.value * batches.value - 1
     return None
+
+
+def dump_record(dumps: Path, base: Path) -> str:
+    """`DUMP_FOLDER_KEY`'s value: the dump folder relative to `base` (`run_folder`: the jsonl
+    logger's folder, else the run folder), POSIX-style, so that it holds wherever the run
+    folder is copied; absolute where the dumps lie outside it (an absolute `dump_folder`)."""
+    for folder in (base, base.absolute()):
+        if dumps.is_relative_to(folder):
+            return dumps.relative_to(folder).as_posix()
+    return dumps.absolute().as_posix()
 
 
 def mlflow_races(destination: LoggerDestination, environ: Mapping[str, str]) -> bool:
