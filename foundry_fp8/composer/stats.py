@@ -130,7 +130,9 @@ class FP8Stats(Callback):
       (also printed whole; a tensor with what-if numbers at some judged step is marked
       `(what-if)`), cut to MLflow's 6000 characters; `fp8/stats_summary.ba<step>` after a
       resume or at a second fit's end (`destinations.FitEndKeys`: loggers refuse a changed
-      value).
+      value);
+    - at FIT_START, where `dump_steps` are set, the hyperparameter `fp8/dump_folder`: the folder
+      the dumps go to (`dump_record`), where `foundry-fp8 report` finds them from any sink.
 
     `<tensor>` is the watched tensor's name: `activation` (the GEMM input), `weight`,
     `gradient` (the output gradient), and for TE's LayerNormMLP `fc1_weight` and `fc2_weight`
