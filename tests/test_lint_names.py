@@ -408,3 +408,61 @@ def test_train_raises_keyerror_name_where_fp8053_says(tmp_path):
         assert raised.value.args == ("name",)
         frame = raised.traceback[-1]
         assert (Path(str(frame.path)).name, frame.lineno + 1) == ("train.py", NAME_READS[key][0])
+
+
+
+class _FitStarted(Exception):
+    """Raised in place of Trainer.fit: train() built everything and was about to train."""
+
+
+def _name_line(text: str, key: str) -> int:
+    """The 1-based line of the `name:` key of the section at `key` (as `_line` finds it)."""
+    root = yaml.compose(text)
+    head, _, index = key.partition(".")
+    node = next(v for k, v in root.value if k.value == head)
+    node = node.value[int(index)] if index else node
+    return next(k for k, _ in node.value if k.value == "name").start_mark.line + 1
+
+
+@pytest.mark.parametrize("how", [None, ""])
+def test_a_null_or_empty_name_fails_train_before_training_where_fp8053_says(
+        tmp_path, tiny_data, monkeypatch, how):
+    """validate_config takes a null or empty name; train() looks it up when it builds the
+    section and fails (RegistryError, AssertionError, transformers' OSError or
+    HFValidationError) before it trains. The unchanged run gets to Trainer.fit and has no
+    FP8053."""
+    from composer import Trainer
+    from llmfoundry.command_utils.train import train
+    from omegaconf import OmegaConf
+
+    from tests.tiny_run import tiny_config
+
+    def fit(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.close()
+        raise _FitStarted
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    base = OmegaConf.to_container(tiny_config(tmp_path, tiny_data), resolve=True)
+    for section, key in (("algorithms", "te_swap"), ("callbacks", "fp8_stats"),
+                         ("callbacks", "fp8_state"), ("callbacks", "fp8_lint")):
+        del base[section][key]
+    del base["save_folder"]
+    loader = base.pop("eval_loader")
+    base["eval_loaders"] = [{"label": "a", **loader}, {"label": "b", **copy.deepcopy(loader)}]
+    wrong = []
+    for key in (None, "train_loader", "eval_loaders.1", *NAME_READS):
+        config = copy.deepcopy(base)
+        if key is not None:
+            _at(config, key)["name"] = how
+        text = yaml.safe_dump(config, sort_keys=False)
+        path = tmp_path / "train.yaml"
+        path.write_text(text)
+        found = sorted((f["rule"], f["key"], f["line"]) for f in lint_file(
+            path, 1, Snapshot(python="3.11"))["findings"] if f["rule"] == "FP8053")
+        with warnings.catch_warnings(), pytest.raises(Exception) as raised:
+            warnings.simplefilter("ignore")
+            train(OmegaConf.create(config))
+        want = [] if key is None else [("FP8053", f"{key}.name", _name_line(text, key))]
+        if (raised.type is _FitStarted) != (key is None) or found != want:
+            wrong.append((key, raised.type.__name__, str(raised.value)[:80], found, want))
+    assert not wrong

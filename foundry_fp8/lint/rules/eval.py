@@ -33,7 +33,12 @@ from foundry_fp8.lint.rules.model import (
     mpt_sub_configs,
 )
 from foundry_fp8.lint.rules.ours import sdpa_without_our_entries
-from foundry_fp8.lint.rules.train import FOUNDRY
+from foundry_fp8.lint.rules.train import (
+    FOUNDRY,
+    loader_sections,
+    null_name_hit,
+    unnamed,
+)
 
 EVAL_SOURCE = f"{FOUNDRY} llmfoundry/command_utils/eval.py"
 #: Keys an eval config reads at the top level before any model is built: the sections a train
@@ -311,3 +316,64 @@ def eval_model_entry_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterat
         if missing:
             yield Hit(where, f"this `models:` entry has no {', '.join(f'`{k}`' for k in missing)}"
                       ": evaluate_model raises TypeError (missing argument)")
+
+
+@rule("FP8309", "error", "an eval config's eval loader, model or tokenizer without `name`, or "
+      "with a null or empty one",
+      why="evaluate_model builds each model's tokenizer by `tokenizer['name']` (an empty "
+      "tokenizer section too: eval reads it unconditionally), its eval loaders through "
+      "build_dataloader's `cfg.pop('name')` and its model by `model.pop('name')`: KeyError "
+      "'name' when absent. A null or empty name is looked up as a name: no registry holds it "
+      "(RegistryError) and transformers finds no tokenizer by it. Each fails before that model "
+      "is evaluated, after the models listed before it have been. FP8053 for train configs.",
+      source=f"{EVAL_SOURCE} evaluate_model:71 (tokenizer_cfg['name']), :75-83 "
+      "(build_evaluators), :114 (model.pop('name')); llmfoundry/data/dataloader.py:31 "
+      "build_dataloader; tests/test_lint_names_eval.py runs evaluate() on each case",
+      fix="add `name:` (a loader: text or finetuning; a model: its registered name; a "
+      "tokenizer: a Hugging Face name or path)", family="eval")
+def eval_sections_without_name(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for key, loader, _ in loader_sections(config):
+        how = unnamed(loader)
+        if how == "absent":
+            yield Hit(key, f"`{key}` has no `name`: LLM-Foundry's eval raises KeyError 'name' in "
+                      "build_dataloader before it evaluates the first model")
+        elif how:
+            yield null_name_hit(key, "loader", how, "llmfoundry eval")
+    for where, entry in eval_models(config):
+        for part in ("tokenizer", "model"):
+            value = entry.get(part)
+            how = unnamed(value) if isinstance(value, Mapping) else None
+            key = join_key(where, part) if where else part
+            if how == "absent":
+                read = "tokenizer_cfg['name']" if part == "tokenizer" else "model.pop('name')"
+                yield Hit(key, f"`{key}` has no `name`: LLM-Foundry's eval raises KeyError "
+                          f"'name' at `{read}` before it evaluates this model")
+            elif how:
+                yield null_name_hit(key, part, how, "llmfoundry eval")
+
+
+@rule("FP8310", "error", "an eval config with an eval loader and more than one model",
+      why="evaluate() hands the same eval loader section to evaluate_model for each model, and "
+      "build_eval_loaders/build_dataloader pop `label` (a list's items) and `name` from it "
+      "while building the first model's evaluators: the second model's build raises KeyError "
+      "'label' (a list) or 'name' (a single eval_loader), after the first model has been "
+      "evaluated (LLM-Foundry 0.22.0; ICL tasks alone are rebuilt fine).",
+      source=f"{EVAL_SOURCE} evaluate:300-330 (eval_loader_config for every model), "
+      "evaluate_model:75; llmfoundry/utils/builders.py:116 build_eval_loaders "
+      "(eval_config.pop('label')); llmfoundry/data/dataloader.py:31 build_dataloader "
+      "(cfg.pop('name')); tests/test_lint_names_eval.py runs evaluate() with two models",
+      fix="evaluate one model per eval config (one `llmfoundry eval` run per model), or drop "
+      "the eval loader and keep icl_tasks", family="eval")
+def eval_loader_with_several_models(config: Mapping[str, Any],
+                                    ctx: LintContext) -> Iterator[Hit]:
+    models = config.get("models")
+    count = sum(isinstance(m, Mapping) for m in models) if isinstance(models, list) else 0
+    # evaluate(): `eval_config.eval_loader or eval_config.eval_loaders`
+    key = "eval_loader" if config.get("eval_loader") else "eval_loaders"
+    loaders = config.get(key)
+    if count < 2 or not isinstance(loaders, (Mapping, list)) or not loaders:
+        return
+    popped = "label" if isinstance(loaders, list) else "name"
+    yield Hit(key, f"an eval loader and {count} models: LLM-Foundry's eval pops the loader's "
+              f"`{popped}` building the first model's evaluators, so the second model "
+              f"(`models.1`) raises KeyError '{popped}' after the first has been evaluated")

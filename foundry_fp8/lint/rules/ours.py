@@ -285,10 +285,13 @@ def _yaml_run_folder(config: Mapping[str, Any]) -> tuple[PurePath, str]:
       "(runs/X/runs/X/metrics.jsonl), and a run upgraded mid-way would leave its metrics in "
       "two files, each read as the whole run. The run takes it the old way and warns "
       "(foundry_fp8/paths.py repeated_run_folder, whatever the working directory, so lint, "
-      "the run and `foundry-fp8 report` agree; say_repeated, by the jsonl logger at INIT and "
-      "fp8_stats' dumps): no run is refused for a YAML that worked, and its files stay in one "
+      "the run and `foundry-fp8 report` agree; say_repeated, once per run, by the jsonl logger "
+      "at INIT and by fp8_stats at FIT_START wherever `dump_folder` is set, dumps or none; "
+      "fp8_lint in the run counts the finding without printing it): no run is refused for a YAML that worked, and its files stay in one "
       "place.",
-      source=f"foundry_fp8/paths.py run_folder, repeated_run_folder, say_repeated; {COMPOSER} "
+      source=f"foundry_fp8/paths.py run_folder, repeated_run_folder, say_repeated; "
+      "foundry_fp8/composer/jsonl_logger.py init, composer/stats.py _fit_start, composer/lint.py "
+      f"SAID_BY_THE_RUN; {COMPOSER} "
       "composer/trainer/trainer.py (run_name: COMPOSER_RUN_NAME, RUN_NAME, else generated)",
       fix="the path inside the run folder (`path: metrics.jsonl`)")
 def repeated_run_folders(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:

@@ -252,7 +252,7 @@ def oc_env_interpolation(config: Mapping[str, Any], ctx: LintContext) -> Iterato
 _LOADERS = ("train_loader", "eval_loader")
 
 
-def _loaders(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any], bool]]:
+def loader_sections(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any], bool]]:
     """(key, loader, listed) for each loader section; `listed`: one of several eval loaders."""
     for name in (*_LOADERS, "eval_loaders"):
         value = config.get(name)
@@ -265,7 +265,7 @@ def _loaders(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]
 
 
 def _text_loaders(config: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
-    for key, loader, _ in _loaders(config):
+    for key, loader, _ in loader_sections(config):
         if loader.get("name") == "text":
             yield key, loader
 
@@ -298,7 +298,9 @@ def text_loader_without_workers(config: Mapping[str, Any], ctx: LintContext) -> 
       "build_text_dataloader or build_finetuning_dataloader, which raise TypeError 'unexpected "
       "keyword argument' for a key they do not take, once the tokenizer is built. `label` is "
       "popped from the items of an `eval_loader` list alone; each of them needs one: train's "
-      "validate_config raises ValueError without it, eval's build_eval_loaders KeyError.",
+      "validate_config raises ValueError without it or with a null one, eval's "
+      "build_eval_loaders KeyError without it (eval takes a null label, logging the loader as "
+      "eval/None).",
       source=f"{FOUNDRY} llmfoundry/data/dataloader.py build_dataloader, llmfoundry/data/"
       "text_data.py build_text_dataloader, llmfoundry/data/finetuning/dataloader.py "
       "build_finetuning_dataloader, llmfoundry/utils/builders.py build_eval_loaders "
@@ -306,12 +308,16 @@ def text_loader_without_workers(config: Mapping[str, Any], ctx: LintContext) -> 
       fix="fix the spelling or move the key under `dataset:`; give `label` to each item of an "
       "eval_loader list, and to no single eval_loader", also=("eval",))
 def loader_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    for key, loader, listed in _loaders(config):
+    for key, loader, listed in loader_sections(config):
         # whatever the loader's name: the label is read before any builder is looked up
-        if listed and loader.get(EVAL_LOADER_LABEL) is None:
-            yield Hit(key, f"one of several eval loaders without `{EVAL_LOADER_LABEL}`: LLM-Foundry "
-                      "refuses it (train: ValueError 'each one must include the `label` "
-                      "attribute'; eval: KeyError)", fix=f"add `{EVAL_LOADER_LABEL}: <name>`")
+        if listed and ctx.family == "eval" and EVAL_LOADER_LABEL not in loader:
+            yield Hit(key, f"one of several eval loaders without `{EVAL_LOADER_LABEL}`: LLM-Foundry's "
+                      "eval refuses it (KeyError 'label' in build_eval_loaders)",
+                      fix=f"add `{EVAL_LOADER_LABEL}: <name>`")
+        elif listed and ctx.family != "eval" and loader.get(EVAL_LOADER_LABEL) is None:
+            yield Hit(key, f"one of several eval loaders without `{EVAL_LOADER_LABEL}` (absent or "
+                      "null): `llmfoundry train` refuses it (ValueError 'each one must include the `label` "
+                      "attribute' in validate_config)", fix=f"add `{EVAL_LOADER_LABEL}: <name>`")
         if loader.get("name") not in LOADER_BUILDERS:
             continue  # another registered builder: its keywords are its own
         for option in loader:
@@ -584,37 +590,83 @@ NAME_READS = {
     "optimizer": (538, "`train_cfg.optimizer.pop('name')`, once the model is built"),
 }
 
+#: What a null or empty (`''`) name of each built-by-name section meets when LLM-Foundry 0.22.0
+#: builds it (a loader's is the `loader` entry); tests/test_lint_names.py and
+#: tests/test_lint_names_eval.py run train() and evaluate() on each.
+NAME_LOOKUPS = {
+    "loader": "build_dataloader looks it up in LLM-Foundry's dataloaders registry: RegistryError "
+              "\"Cant't find '{name}' in registry\"",
+    "tokenizer": "build_tokenizer hands it to transformers' AutoTokenizer.from_pretrained, which "
+                 "finds no tokenizer by that name (OSError; HFValidationError for '')",
+    "model": "build_composer_model looks it up in the models registry: RegistryError (train: "
+             "AssertionError at train.py:516 for null, `assert isinstance(name, str)`)",
+    "optimizer": "build_optimizer looks it up in the optimizers registry: RegistryError",
+    "scheduler": "build_scheduler looks it up in the schedulers registry: RegistryError",
+}
+
+
+def unnamed(section: Mapping[str, Any]) -> str | None:
+    """How a section LLM-Foundry builds by its `name` lacks one: "absent", "null" or "empty"
+    (`''`); None where it has one (any other value is looked up as written)."""
+    if "name" not in section:
+        return "absent"
+    name = section["name"]
+    return "null" if name is None else "empty" if name == "" else None
+
+
+def null_name_hit(key: str, kind: str, how: str, command: str) -> Hit:
+    """The finding for a section whose `name` is null or empty (`how`), built as a `kind`
+    (a NAME_LOOKUPS key) by `command`."""
+    shown = "None" if how == "null" else ""
+    return Hit(join_key(key, "name"), f"`{key}.name` is {how}: `{command}` fails before it "
+               f"{'trains' if command == 'llmfoundry train' else 'evaluates this model'} ("
+               f"{NAME_LOOKUPS[kind].format(name=shown)})")
+
 
 @rule("FP8053", "error", "a loader (`train_loader`, `eval_loader` or one of its items), "
-      "`model`, `tokenizer`, `optimizer` or `scheduler` without `name` in a whole train config",
+      "`model`, `tokenizer`, `optimizer` or `scheduler` without `name`, or with a null or empty "
+      "one, in a whole train config",
       why="LLM-Foundry builds each of these by its `name` and reads it with `[...]` or `.pop()`: "
       "train's validate_config reads every loader's name (train_loader, each eval_loader item "
       "after its label check, a single eval_loader) and, next to a text loader or icl_tasks, "
       "the model's, before anything is built (KeyError 'name'); train() then reads the "
       "tokenizer's (where the section is not empty), the scheduler's, the model's and the "
-      "optimizer's, each before training starts. Files that are whole train configs only "
-      "(FP8038's error case: a setting and a key only a train config has): a fragment merged "
-      "into a base config takes the base's name.",
+      "optimizer's, each before training starts. A null or empty name passes validate_config "
+      "and is looked up as a name when the section is built: no registry holds it (RegistryError; "
+      "the model's null name fails train()'s `assert isinstance(name, str)`), and transformers "
+      "finds no tokenizer by it, each before training starts. Files that are whole train "
+      "configs only (FP8038's error case: a setting and a key only a train config has): a "
+      "fragment merged into a base config takes the base's name. Eval configs: FP8309.",
       source=f"{FOUNDRY} llmfoundry/command_utils/train.py:71-90 validate_config, :368, :373, "
-      ":515, :538; llmfoundry/data/dataloader.py:31 build_dataloader (cfg.pop('name')); "
-      "tests/test_lint_names.py runs validate_config on each loader and model case and train() "
-      "on the tokenizer and scheduler (:515 and :538, after the loaders are built, read only)",
+      ":515-516, :538; llmfoundry/data/dataloader.py:31 build_dataloader (cfg.pop('name')); "
+      "llmfoundry/utils/registry_utils.py:139 construct_from_registry; llmfoundry/utils/"
+      "builders.py:493-521 build_tokenizer; tests/test_lint_names.py runs validate_config on "
+      "each absent loader and model name and train() on the tokenizer and scheduler (:515 and "
+      ":538, after the loaders are built, read only), and train() on every null and empty name",
       fix="add `name:` (a loader: text or finetuning; the builder's registered name)",
       scope="file")
 def sections_without_name(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     if not whole_train_config(config):
         return
-    loaders = list(_loaders(config))
+    loaders = list(loader_sections(config))
     for key, loader, _ in loaders:
-        if "name" not in loader:
+        how = unnamed(loader)
+        if how == "absent":
             yield Hit(key, f"`{key}` has no `name`: `llmfoundry train` refuses the config before "
                       "building anything (KeyError 'name' in validate_config, which reads each "
                       "loader's name)")
+        elif how:
+            yield null_name_hit(key, "loader", how, "llmfoundry train")
     validated = config.get("icl_tasks") is not None \
         or any(loader.get("name") == "text" for _, loader, _ in loaders)
     for key, (line, read) in NAME_READS.items():
         value = config.get(key)
-        if not isinstance(value, Mapping) or "name" in value or (key == "tokenizer" and not value):
+        if not isinstance(value, Mapping) or (key == "tokenizer" and not value):
+            continue
+        how = unnamed(value)
+        if how and how != "absent":
+            yield null_name_hit(key, key, how, "llmfoundry train")
+        if how != "absent":
             continue
         where = "validate_config (:84/:90, next to a text loader or icl_tasks), before " \
             "building anything" if key == "model" and validated else f"train.py:{line} {read}"
@@ -770,8 +822,10 @@ def autoresume_offline_wandb(config: Mapping[str, Any], ctx: LintContext) -> Ite
       "to a local file store (a `file:` or plain-path tracking_uri, or none: MLflow's "
       "./mlruns) in a config with fp8_stats: MLflow can drop whole batches of metrics",
       why="Composer's MLFlowLogger logs asynchronously unless `synchronous: true`, and takes "
-      "MLflow's tracking URI when it is given none (./mlruns, or MLFLOW_TRACKING_URI; "
-      "`databricks` under DATABRICKS_TOKEN). MLflow writes the queued batches from "
+      "`databricks` under DATABRICKS_TOKEN when it is given none, else MLflow's tracking URI: "
+      "the one mlflow.set_tracking_uri set in the run's process (an earlier MLflow logger, or "
+      "the user's code), which MLflow takes before MLFLOW_TRACKING_URI, else "
+      "MLFLOW_TRACKING_URI, else ./mlruns. MLflow writes the queued batches from "
       f"{THREADPOOL_ENV} threads (10 when unset), and its file store creates a new metric's "
       "folder with an unguarded os.makedirs: two threads creating the same folder raise "
       "`[Errno 17] File exists`, and MLflow logs 'Failed to log run data' and drops the whole "
@@ -785,7 +839,9 @@ def autoresume_offline_wandb(config: Mapping[str, Any], ctx: LintContext) -> Ite
       ":193-196 (logging_buffer_seconds), :217-222 (tracking_uri), :441-445 (log_metrics); "
       "mlflow 2.21-2.22 utils/async_logging/async_logging_queue.py:206, :338 (pool size), "
       "utils/file_utils.py:215-222 (make_containing_dirs), store/tracking/file_store.py:989, "
-      "tracking/_tracking_service/utils.py:185-186 (file store schemes), tracking/registry.py:"
+      "tracking/_tracking_service/utils.py:22 and :69-76 (set_tracking_uri keeps its URI in "
+      "the module), :125-128 (get_tracking_uri: that URI before MLFLOW_TRACKING_URI), :185-186 "
+      "(file store schemes), tracking/registry.py:"
       "75-78; foundry_fp8/mlflow_facts.py; foundry_fp8/composer/stats.py mlflow_races",
       fix=WORKAROUNDS)
 def mlflow_file_store_race(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
