@@ -22,8 +22,10 @@ FUSED = {"fuse_ln_mlp": True}
 PLAIN = {"fuse_ln_mlp": False, "exclude": "ffn"}
 
 
-def _trainer(folder, swap: dict, monkeypatch, load_path: str | None = None,
-             batches: int = 2, mlp_decay: float = 0.0) -> Any:
+def _trainer(folder, swap: dict | None, monkeypatch, load_path: str | None = None,
+             batches: int = 2, mlp_decay: float = 0.0, callbacks: tuple = ()) -> Any:
+    """A tiny MPT's Trainer, FSDP2 sharded checkpoints; te_swap with `swap`'s options (None: no
+    te_swap)."""
     from composer import Trainer
     from composer.optim import DecoupledAdamW
     from composer.utils.parallelism import FSDP2Config
@@ -50,10 +52,18 @@ def _trainer(folder, swap: dict, monkeypatch, load_path: str | None = None,
     return Trainer(
         model=model, optimizers=optimizer,
         train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{batches}ba",
-        algorithms=[TESwap(backend="te", **swap)], loggers=[], device="cpu",
+        algorithms=[] if swap is None else [TESwap(backend="te", **swap)],
+        callbacks=list(callbacks), loggers=[], device="cpu",
         parallelism_config={"fsdp": FSDP2Config(state_dict_type="sharded")},
         progress_bar=False, save_folder=str(folder), save_interval=f"{batches}ba",
         save_overwrite=True, load_path=load_path, seed=17)
+
+
+def one_rank_env(monkeypatch) -> None:
+    """Composer's dist reads these beside the one-rank group."""
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
 
 
 def _by_plain_name(trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -78,9 +88,7 @@ def _by_plain_name(trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, dic
 def test_a_sharded_checkpoint_resumes_in_the_other_block_layout(
         tmp_path, one_rank_group, fake_te, monkeypatch, saved, resumed):
     fake_te()
-    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
-                        "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0"}.items():
-        monkeypatch.setenv(name, value)  # Composer's dist reads them beside the group
+    one_rank_env(monkeypatch)
     saving = _trainer(tmp_path / "a", saved, monkeypatch, mlp_decay=0.25)
     saving.fit()
     expected_params, expected_moments = _by_plain_name(saving)

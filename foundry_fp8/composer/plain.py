@@ -35,8 +35,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
+import re
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -217,35 +220,71 @@ def _log_layout_change(renames: dict[str, str], model: nn.Module) -> None:
                     other, gelu_tanh_error()[0], act_fn)
 
 
+#: te_swap's Trainers' states, from INIT to close: a sharded load into one of them reads keys
+#: under the other layout's names (`load_sharded_plain`)
+_LAYOUT_STATES: weakref.WeakSet[State] = weakref.WeakSet()
+_installed: list[Callable[..., Any]] = []  # the load_sharded_checkpoint wrapper, while in place
+
+
 def load_sharded_plain(state: State) -> Callable[[], None]:
-    """Make Composer's next sharded (DCP) load into `state.model` read a checkpoint whose blocks
-    are in another layout, as `load_plain` does a whole file; returns what undoes it (te_swap
-    calls it at AFTER_LOAD).
+    """Make Composer's sharded (DCP) loads into `state` read a checkpoint whose blocks are in
+    another layout, as `load_plain` does a whole file; returns what undoes it (te_swap's close).
 
     Composer builds the load template from the model's own keys and has DCP fill it in place
     (composer/utils/checkpoint.py `load_sharded_checkpoint`, 0.31-0.32), so DCP's planner
     refused a key the checkpoint lacked ("Missing key in checkpoint state_dict"). Its planner
     comes from `fsdp_config.load_planner`, which FSDP2Config cannot set (a property that
-    returns None), so `dist_cp_load`, which that load calls by its module name, is swapped for
-    one call: a planner that reads each such key from the other layout's name, weights and
-    optimizer state alike, and the optimizer's parameter names back."""
+    returns None). So `load_sharded_checkpoint`, which `load_checkpoint` calls by its module
+    name (for `load_path`, autoresume and the LoadCheckpoint callback alike), is wrapped while
+    some te_swap state is registered: for a load into a registered state only, and for that
+    call only, `dist_cp_load` gets a planner that reads each missing key from the other
+    layout's name, weights and optimizer state alike, and the optimizer's parameter names back.
+    Another Trainer's load, or one after the state's Trainer failed, is Composer's own."""
     from composer.utils import checkpoint
 
-    load = checkpoint.dist_cp_load
+    _LAYOUT_STATES.add(state)
+    if checkpoint.load_sharded_checkpoint not in _installed:
+        _installed[:] = [_into_registered_states(checkpoint.load_sharded_checkpoint)]
+        checkpoint.load_sharded_checkpoint = _installed[0]
 
     def undo() -> None:
-        if checkpoint.dist_cp_load is layout_load:
-            checkpoint.dist_cp_load = load
+        _LAYOUT_STATES.discard(state)
+        wrapper = checkpoint.load_sharded_checkpoint
+        if not _LAYOUT_STATES and wrapper in _installed:
+            checkpoint.load_sharded_checkpoint = wrapper.__wrapped__  # type: ignore[attr-defined]
+            _installed.clear()
 
-    @functools.wraps(load)
-    def layout_load(state_dict: dict[str, Any], storage_reader: Any,
-                    load_planner: Any = None) -> None:
-        undo()
-        planner = _layout_planner(state.model) if load_planner is None else load_planner
-        load(state_dict, storage_reader, planner)
-
-    checkpoint.dist_cp_load = layout_load
     return undo
+
+
+def _into_registered_states(load_sharded: Callable[..., Any]) -> Callable[..., Any]:
+    """`load_sharded_checkpoint`, with `dist_cp_load` given the layout planner during a load
+    into a registered state (put back after, also where the load raises)."""
+    signature = inspect.signature(load_sharded)
+
+    @functools.wraps(load_sharded)
+    def load_sharded_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        state = signature.bind(*args, **kwargs).arguments.get("state")
+        if state not in _LAYOUT_STATES:
+            return load_sharded(*args, **kwargs)
+        from composer.utils import checkpoint
+
+        load = checkpoint.dist_cp_load
+
+        @functools.wraps(load)
+        def layout_load(state_dict: dict[str, Any], storage_reader: Any,
+                        load_planner: Any = None) -> None:
+            planner = _layout_planner(state.model) if load_planner is None else load_planner
+            load(state_dict, storage_reader, planner)
+
+        checkpoint.dist_cp_load = layout_load
+        try:
+            return load_sharded(*args, **kwargs)
+        finally:
+            if checkpoint.dist_cp_load is layout_load:
+                checkpoint.dist_cp_load = load
+
+    return load_sharded_checkpoint
 
 
 def _layout_pairs(model: nn.Module) -> dict[str, str]:
@@ -261,6 +300,11 @@ def _layout_pairs(model: nn.Module) -> dict[str, str]:
             own, other = (fused, plain) if layout == "fused" else (plain, fused)
             pairs[prefix + own] = prefix + other
     return pairs
+
+
+#: the missing keys Composer's `dist_cp_load` retries with `DefaultLoadPlanner(allow_partial_load=
+#: True)` (composer/utils/checkpoint.py, 0.31-0.32: `Missing key.+Adam.+decoupled_weight_decay`)
+_ADAM_RETRIED = re.compile(r"Adam.+decoupled_weight_decay")
 
 
 def _layout_planner(model: nn.Module) -> Any:
@@ -288,8 +332,15 @@ def _layout_planner(model: nn.Module) -> Any:
                                 self.mappings[renamed] = self.mappings.pop(key)
                             self.names[other] = own
                         break
-            if self.names and is_coordinator:
-                _log_layout_change(self.names, model)
+            if self.names:
+                # Composer's dist_cp_load reloads a checkpoint that lacks these (torch 2.6's
+                # Adam) with a partial-load planner of its own, which would skip the renamed
+                # keys: they keep the template's values here, as that reload leaves them
+                for key in [k for k in self.state_dict
+                            if k not in saved and _ADAM_RETRIED.search(k)]:
+                    del self.state_dict[key]
+                if is_coordinator:
+                    _log_layout_change(self.names, model)
 
         def load_bytes(self, read_item: Any, value: Any) -> None:
             super().load_bytes(read_item, value)

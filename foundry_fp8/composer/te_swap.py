@@ -83,18 +83,16 @@ class TESwap(Algorithm):
         self._autocast = ExitStack()
         self._hooks: list[Any] = []
         self._eval_hooks: list[Any] = []  # `_eval_in_high_precision`'s, from FIT_START to FIT_END
-        self._undo_sharded_load: Callable[[], None] = lambda: None  # INIT to AFTER_LOAD
+        self._undo_sharded_load: Callable[[], None] = lambda: None  # INIT to close
 
     def match(self, event: Event, state: State) -> bool:
         del state
-        return event in (Event.INIT, Event.AFTER_LOAD, Event.FIT_START, Event.FIT_END)
+        return event in (Event.INIT, Event.FIT_START, Event.FIT_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             self._convert(state, logger)
             _warn_without_fp8_state(state)
-        elif event == Event.AFTER_LOAD:
-            self._undo_sharded_load()
         elif event == Event.FIT_START:
             _refuse_fullgraph(state.model)
             self._hold_eval_in_high_precision(state)
@@ -106,9 +104,11 @@ class TESwap(Algorithm):
             self._eval_hooks = []
 
     def close(self) -> None:
-        """Take te_swap's hooks off the model and leave its autocast; run at Trainer.close
-        (also after a fit that raised, which runs no FIT_END) by `_CloseWithTrainer`."""
+        """Take te_swap's hooks off the model, leave its autocast and end its sharded loads'
+        renaming; run at Trainer.close (also after a fit that raised, which runs no FIT_END) by
+        `_CloseWithTrainer`."""
         self._autocast.close()
+        self._undo_sharded_load()
         self._remove_hooks()
         for handle in self._eval_hooks:
             handle.remove()
