@@ -1129,3 +1129,44 @@ def mxfp8_with_amax(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
                       f"ValueError '`{key}` is not supported for MXFP8 block scaling.' when "
                       "prepare() wraps the model", severity=severity)
 
+
+
+#: `DistributedType`'s values in accelerate 1.8.1 (utils/dataclasses.py:555) and
+#: `SageMakerDistributedType`'s (:591); tests/test_lint_accelerate_types.py compares both with
+#: the installed Accelerate's.
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
+                     "MULTI_MUSA", "MULTI_XPU", "DEEPSPEED", "FSDP", "TP", "XLA", "MEGATRON_LM",
+                     "MULTI_HPU")
+SAGEMAKER_DISTRIBUTED_TYPES = ("NO", "DATA_PARALLEL", "MODEL_PARALLEL")
+
+
+@rule("FP8126", "error", "a `distributed_type` Accelerate's enum does not hold (`multi_gpu`, "
+      "`MULTI_GPUS`)",
+      why="BaseConfig.__post_init__ turns a string distributed_type into DistributedType (or, "
+      "under compute_environment AMAZON_SAGEMAKER, SageMakerDistributedType), a plain "
+      "str Enum whose lookup is exact: any other spelling, lower case included, raises "
+      "ValueError \"'multi_gpu' is not a valid DistributedType\" when `accelerate launch` loads "
+      "the file. An error where the value is no member in any case (every release writes "
+      "them in upper case); a warning for an upper-case value 1.8.1 lacks, which another "
+      "release may have. An unquoted `NO` is YAML's false, which Accelerate keeps as is.",
+      source=f"{ACC} src/accelerate/commands/config/config_args.py:166-175 "
+      "BaseConfig.__post_init__ (v1.8.1); src/accelerate/utils/dataclasses.py DistributedType, "
+      "SageMakerDistributedType; tests/test_lint_accelerate_types.py loads each case with "
+      "load_config_from_file", fix="write it as Accelerate spells it (NO, MULTI_GPU, FSDP, "
+      "DEEPSPEED, ...; quote \"NO\")", family="accelerate")
+def distributed_type_value(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    value = inp.accelerate.get("distributed_type")
+    members = SAGEMAKER_DISTRIBUTED_TYPES if _sagemaker(inp.accelerate) else DISTRIBUTED_TYPES
+    if not isinstance(value, str) or value in members:
+        return
+    enum = "SageMakerDistributedType" if _sagemaker(inp.accelerate) else "DistributedType"
+    if value.upper() in members or value != value.upper():
+        hint = f" (write {value.upper()})" if value.upper() in members \
+            else did_you_mean(value.upper(), members)
+        yield Hit("distributed_type", f"distributed_type {value!r:.40} is not a {enum}: "
+                  f"`accelerate launch` refuses the file (ValueError, its lookup is exact and its "
+                  f"values are upper case){hint}")
+        return
+    yield Hit("distributed_type", f"distributed_type {value!r:.40} is not a {enum} of "
+              f"accelerate 1.8.1 ({', '.join(members)}), which refuses the file (ValueError)"
+              + did_you_mean(value, members), severity="warning")
