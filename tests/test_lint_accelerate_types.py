@@ -58,3 +58,34 @@ def test_distributed_type_as_load_config_from_file_reads_it(tmp_path, base, valu
     found = [(f["severity"], f["key"]) for f in entry["findings"] if f["rule"] == "FP8126"]
     assert refused == (want is not None)
     assert found == ([] if want is None else [(want, "distributed_type")])
+
+
+@pytest.mark.parametrize(("distributed", "written", "refused"), [
+    ("NO", "'no'", False), ("NO", "null", False), ("NO", "BF16", False), ("NO", "fp16", False),
+    ("NO", "no", True), ("NO", "false", True), ("NO", "true", True), ("NO", "1", True),
+    ("NO", "fp9", True), ("NO", "bf-16", True),
+    ("MULTI_GPU", "no", True), ("MULTI_GPU", "fp9", True),
+])
+def test_mixed_precision_as_accelerate_launch_reads_it(tmp_path, distributed, written, refused):
+    """FP8127 against the real `accelerate launch --config_file` (on CPU; a script that only
+    prints the precision the launcher exported)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: {distributed}\n"
+                    f"mixed_precision: {written}\nnum_processes: 2\n")
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('exported', os.environ['ACCELERATE_MIXED_PRECISION'])\n")
+    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                          str(path), str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert (run.returncode != 0) == refused, run.stderr[-2000:]
+    if refused:
+        assert "no attribute 'lower'" in run.stderr or "Unknown mixed_precision" in run.stderr
+    else:
+        assert "exported" in run.stdout
+    entry = lint_file(path, 1, Snapshot(python="3.11"))
+    assert entry["error"] is None
+    found = [f["key"] for f in entry["findings"] if f["rule"] == "FP8127"]
+    assert found == (["mixed_precision"] if refused else [])

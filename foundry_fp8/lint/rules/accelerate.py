@@ -1170,3 +1170,39 @@ def distributed_type_value(inp: AccelerateInput, _: LintContext) -> Iterator[Hit
     yield Hit("distributed_type", f"distributed_type {value!r:.40} is not a {enum} of "
               f"accelerate 1.8.1 ({', '.join(members)}), which refuses the file (ValueError)"
               + did_you_mean(value, members), severity="warning")
+
+
+#: accelerate 1.8.1's PrecisionType values (utils/dataclasses.py), which the launchers look a
+#: config's mixed_precision up in after `.lower()`.
+PRECISION_TYPES = ("no", "fp8", "fp16", "bf16")
+
+
+@rule("FP8127", "error", "a `mixed_precision` `accelerate launch` refuses (unquoted `no`, "
+      "`true`, `fp9`)",
+      why="_validate_launch_command takes the config's mixed_precision as it is (null: 'no'), "
+      "and every launcher but the TPU one reads it as `args.mixed_precision.lower()` and looks "
+      "that up in PrecisionType: YAML reads an unquoted `no`, `false`, `true` or a number as a "
+      "boolean or a number, which has no .lower() (AttributeError 'bool' object has no "
+      "attribute 'lower', a traceback), and any other text raises ValueError 'Unknown "
+      "mixed_precision mode'. `accelerate config` writes `mixed_precision: 'no'`, quoted.",
+      source=f"{ACC} src/accelerate/commands/launch.py:1066-1070 _validate_launch_command, "
+      ":1176-1198 launch_command; src/accelerate/utils/launch.py:169 "
+      "prepare_simple_launcher_cmd_env, :278 prepare_multi_gpu_env, :472 "
+      "prepare_deepspeed_cmd_env, :601 prepare_sagemager_args_inputs (v1.8.1); "
+      "tests/test_lint_accelerate_types.py runs `accelerate launch` on each case",
+      fix="write one of 'no' (quoted), fp8, fp16 or bf16", family="accelerate")
+def mixed_precision_value(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    acc = inp.accelerate
+    value = acc.get("mixed_precision")
+    if value is None or _text(acc.get("distributed_type")) in ("xla", "tpu") \
+            or (isinstance(value, str) and value.lower() in PRECISION_TYPES):
+        return
+    if isinstance(value, str):
+        yield Hit("mixed_precision", f"mixed_precision {value!r:.40} is none of "
+                  f"{', '.join(PRECISION_TYPES)}: `accelerate launch` raises ValueError 'Unknown "
+                  "mixed_precision mode'" + did_you_mean(value.lower(), PRECISION_TYPES))
+        return
+    quoted = " (an unquoted `no` is YAML's false: write 'no')" if value is False else ""
+    yield Hit("mixed_precision", f"mixed_precision is the {type(value).__name__} {value!r:.20}, "
+              f"not text: `accelerate launch` fails on its .lower() (AttributeError, a "
+              f"traceback){quoted}")
