@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Literal
@@ -154,13 +154,14 @@ def gemm_flops(in_features: int, out_features: int) -> int:
     return 2 * in_features * out_features
 
 
-def module_flops(module: nn.Module) -> int:
+def module_flops(module: nn.Module, shapes: Mapping[str, Sequence[int]] | None = None) -> int:
     """Forward GEMM FLOPs per token of a GEMM module: an `nn.Linear` (our EmulatedFP8Linear
     too), transformers' `Conv1D` or TE's Linear/LayerNormLinear by its features, else one of
     TE's GEMM modules by its 2-D weights (a LayerNormMLP's `fc1_weight` and `fc2_weight`); 0
     for any other module. Features first: FSDP1 with use_orig_params leaves each weight a 1-D
     view of its rank's shard, or 0 elements (torch/distributed/fsdp/_flat_param.py
-    `_use_sharded_views`), where fp8_guard counts after the wrap."""
+    `_use_sharded_views`), where fp8_guard counts after the wrap; a LayerNormMLP has no
+    features, so there its weights' shapes are `shapes`' (`original_shapes` of the model)."""
     if isinstance(module, nn.Linear):
         return gemm_flops(module.in_features, module.out_features)
     if (features := conv1d_features(module)) is not None:
@@ -172,9 +173,28 @@ def module_flops(module: nn.Module) -> int:
     features = (getattr(module, "in_features", None), getattr(module, "out_features", None))
     if all(isinstance(f, int) for f in features):
         return gemm_flops(*features)
-    weights = (getattr(module, name, None) for name in ("weight", "fc1_weight", "fc2_weight"))
-    return sum(gemm_flops(w.shape[1], w.shape[0]) for w in weights
-               if isinstance(w, torch.Tensor) and w.dim() == 2)
+    flops = 0
+    for name in ("weight", "fc1_weight", "fc2_weight"):
+        weight = getattr(module, name, None)
+        shape = tuple((shapes or {}).get(name, weight.shape if isinstance(weight, torch.Tensor)
+                                         else ()))
+        if len(shape) == 2:
+            flops += gemm_flops(shape[1], shape[0])
+    return flops
+
+
+def original_shapes(model: nn.Module) -> dict[nn.Module, dict[str, torch.Size]]:
+    """{module: {parameter name: its shape}} for the parameters FSDP1 flattened in `model`, from
+    each FlatParameter's `_param_infos` and `_shapes` (torch/distributed/fsdp/_flat_param.py,
+    torch 2.x; `FullyShardedDataParallel._flat_param`); empty for any other model (FSDP2's
+    DTensors keep their shapes)."""
+    shapes: dict[nn.Module, dict[str, torch.Size]] = {}
+    for wrapper in model.modules():
+        flat = getattr(wrapper, "_flat_param", None)
+        for info, shape in zip(getattr(flat, "_param_infos", ()), getattr(flat, "_shapes", ()),
+                               strict=False):
+            shapes.setdefault(info.module, {})[info.param_name] = shape
+    return shapes
 
 
 def conv1d_features(module: nn.Module) -> tuple[int, int] | None:
@@ -193,13 +213,16 @@ def linear_flops(model: nn.Module) -> int:
     tied = _tied_lm_head(model)
     head = gemm_flops(tied[1], tied[0]) if tied is not None else 0
     moe = _moe_layers(model)
-    return sum(_routed_flops(m, moe.get(n)) for n, m in model.named_modules()) + head
+    shapes = original_shapes(model)
+    return sum(_routed_flops(m, moe.get(n), shapes.get(m))
+               for n, m in model.named_modules()) + head
 
 
-def _routed_flops(module: nn.Module, moe: tuple[str, float] | None) -> int:
+def _routed_flops(module: nn.Module, moe: tuple[str, float] | None,
+                  shapes: Mapping[str, Sequence[int]] | None = None) -> int:
     """`module_flops` per token of the model: an MoE expert's times the share of the tokens
     routed to it (`_moe_layers`)."""
-    return round(module_flops(module) * (1.0 if moe is None else moe[1]))
+    return round(module_flops(module, shapes) * (1.0 if moe is None else moe[1]))
 
 
 def _n_params(*modules: nn.Module) -> int:
