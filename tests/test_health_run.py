@@ -13,6 +13,7 @@ from composer.loggers import Logger
 
 from foundry_fp8.cli import main
 from foundry_fp8.health import parse_key
+from foundry_fp8.health.keys import LOSS
 from foundry_fp8.jsonl import read_jsonl
 from tests.tiny_run import run_folder, run_tiny
 
@@ -74,10 +75,18 @@ def test_the_healthy_tiny_run_is_not_flagged(tmp_path, tiny_data, capfd, fp8_war
     assert len(logged) == 8  # steps 0, 2, ..., 14
     assert fp8_warnings == []
     assert all(m["fp8/flagged_layers"] == 0 for m in logged)
+    # the loss (every batch) falls, unevenly: the report's loss line finds no spike in it
+    losses = {step: m[LOSS] for step, m in read_jsonl(folder / "metrics.jsonl") if LOSS in m}
+    steps = sorted(losses)
+    assert losses[steps[-1]] < losses[steps[0]]
     capfd.readouterr()
     assert main(["report", str(folder)]) == 0
-    assert "\n0 flagged\n" in capfd.readouterr().out
-    assert "No layer crosses a threshold." in (folder / "fp8_report.md").read_text()
+    out = capfd.readouterr().out
+    assert "\n0 flagged\n" in out
+    said = f"Loss: no spike at the logged steps {steps[0]} to {steps[-1]} (never more than "
+    assert f"\n  {said}" in out
+    md = (folder / "fp8_report.md").read_text()
+    assert "No layer crosses a threshold." in md and f"\n{said}" in md
 
 
 @pytest.mark.slow

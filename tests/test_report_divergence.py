@@ -5,19 +5,29 @@ from then on, and the loss spikes. `foundry-fp8 report` is run on it as a user w
 another folder, on the JSONL and on the W&B file. The run writes into the relative run folder
 `div` (`save_folder: div/checkpoints`) with `dump_folder: div/dumps`, which repeats that one-part
 run folder: the run takes it as div/dumps (`paths.repeated_run_folder`), and the report must
-link the dump there. Run as `python -m tests.test_report_divergence PROJECT` for the run."""
+link the dump there. The report's loss line names the loss spike and its distance from the
+first FP8 flag; the same run without the break (`healthy`) has none. Its time-series figure keeps
+few ticks on its log axes spanning many decades. Run as `python -m tests.test_report_divergence
+PROJECT [healthy]` for the run."""
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
+import math
+import statistics
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
 import pytest
 import torch
 
 from foundry_fp8.cli import main
+from foundry_fp8.health.keys import LOSS
+from foundry_fp8.health.thresholds import LOSS_SPIKE_MIN, LOSS_SPIKE_RATIO, LOSS_SPIKE_WINDOW
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES, BREAK, BROKEN, INTERVAL = 40, 16, 2, 2
@@ -25,8 +35,9 @@ LAYER = f"module.blocks.{BROKEN}"
 STATS = {"interval": INTERVAL, "dump_steps": [BREAK], "dump_folder": "div/dumps"}
 
 
-def _train(project: Path) -> None:
-    """The run, started in `project`, writing into `project`/div."""
+def _train(project: Path, broken: bool = True) -> None:
+    """The run, started in `project`, writing into `project`/div; without the break where not
+    `broken`."""
     from composer import Callback, Trainer
     from composer.loggers import WandBLogger
     from composer.models import ComposerClassifier
@@ -58,7 +69,7 @@ def _train(project: Path) -> None:
                                         "callbacks": {"fp8_stats": STATS}})
 
         def batch_start(self, state, logger):
-            if int(state.timestamp.batch) == BREAK:
+            if broken and int(state.timestamp.batch) == BREAK:
                 with torch.no_grad():
                     state.model.module.blocks[BROKEN].weight[0, 0] *= 1e6
 
@@ -75,17 +86,26 @@ def _train(project: Path) -> None:
             save_folder="div/checkpoints", save_interval=f"{BATCHES}ba").fit()
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
+def _trained(tmp_path_factory, *how: str) -> Path:
     """The finished run's folder (its JSONL, W&B folder and dumps)."""
     from tests.tiny_run import own_wandb_env
 
     project = tmp_path_factory.mktemp("project")
-    done = subprocess.run([sys.executable, "-m", "tests.test_report_divergence", str(project)],
-                          cwd=project, env=own_wandb_env(PYTHONPATH=str(ROOT)),
+    done = subprocess.run([sys.executable, "-m", "tests.test_report_divergence", str(project),
+                           *how], cwd=project, env=own_wandb_env(PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return project / "div"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return _trained(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory) -> Path:
+    return _trained(tmp_path_factory, "healthy")
 
 
 def _first_flagged(capsys, argument: str) -> str:
@@ -133,5 +153,90 @@ def test_the_report_names_the_broken_weight_at_the_break_and_links_its_dump(
     assert line.endswith(f"fp8_stats' dump of '{LAYER}' weight there: {dump}."), line
 
 
+def _reference_spike(losses: dict[int, float]) -> int | None:
+    """The first step whose loss is NaN/Inf or more than LOSS_SPIKE_RATIO times the median
+    (`statistics.median`) of up to LOSS_SPIKE_WINDOW finite losses logged before it, at least
+    LOSS_SPIKE_MIN of them."""
+    before: deque[float] = deque(maxlen=LOSS_SPIKE_WINDOW)
+    for step in sorted(losses):
+        loss = losses[step]
+        if not math.isfinite(loss) or (len(before) >= LOSS_SPIKE_MIN and
+                                       loss > LOSS_SPIKE_RATIO * statistics.median(before)):
+            return step
+        before.append(loss)
+    return None
+
+
+def _loss_lines(capsys, argument: Path, out: Path) -> tuple[str, str]:
+    """The report's loss line on the terminal and in fp8_report.md."""
+    capsys.readouterr()
+    assert main(["report", str(argument), "--out", str(out)]) == 0
+    said = [line.strip() for line in capsys.readouterr().out.splitlines()
+            if line.strip().startswith("Loss")]
+    written = [line for line in (out / "fp8_report.md").read_text().splitlines()
+               if line.startswith("Loss")]
+    assert len(said) == len(written) == 1, (said, written)
+    return said[0], written[0]
+
+
+@pytest.mark.parametrize("source", ["jsonl", "wandb"])
+def test_the_loss_line_names_the_spike_and_how_far_after_the_first_flag(run, tmp_path, capsys,
+                                                                         source):
+    """D2-21: without --baseline the report never said the loss had spiked, what a post-mortem
+    looks for first. The spike (from the raw file, `_reference_spike`) comes after the break,
+    and the line says how many steps after the first FP8 flag (the broken weight at BREAK)."""
+    losses = {s: m[LOSS] for s, m in _raw(run).items() if LOSS in m}
+    spiked = _reference_spike(losses)
+    assert spiked is not None and spiked >= BREAK  # nothing before the break
+    argument = run if source == "jsonl" else run / "wandb" / "latest-run"
+    terminal, markdown = _loss_lines(capsys, argument, tmp_path / "out")
+    assert terminal == markdown
+    assert terminal.startswith(f"Loss spikes at step {spiked}: {losses[spiked]:.4g}, "), terminal
+    assert terminal.endswith(f", {spiked - BREAK} steps after the first FP8 flag (step {BREAK})."
+                             ), terminal
+
+
+def test_the_same_run_without_the_break_has_no_loss_spike(healthy, tmp_path, capsys):
+    """The run without the break: a noisy loss (it rises at some steps) that never spikes by the
+    rule; the report says so over its logged steps, and flags nothing."""
+    losses = {s: m[LOSS] for s, m in _raw(healthy).items() if LOSS in m}
+    steps = sorted(losses)
+    assert sum(losses[b] > losses[a] for a, b in itertools.pairwise(steps)) >= len(steps) // 4
+    assert _reference_spike(losses) is None
+    terminal, markdown = _loss_lines(capsys, healthy, tmp_path / "out")
+    assert terminal == markdown
+    assert terminal.startswith(f"Loss: no spike at the logged steps {steps[0]} to {steps[-1]} ("
+                               ), terminal
+
+
+def test_the_time_series_keeps_no_minor_ticks_on_axes_of_many_decades(run):
+    """D2-21: the diverged run's amax and scale panels span 5 to 8 decades; their minor ticks
+    (840 y ticks in all, each laid out twice by the constrained layout) were half the report's
+    time. Beyond MINOR_TICK_DECADES an axis keeps its labelled decades only."""
+    from foundry_fp8.health.plots import MINOR_TICK_DECADES, choose_layers, draw_series
+    from foundry_fp8.report.cli import load
+
+    metrics = load(run).run
+    figure = draw_series(metrics, choose_layers(metrics))
+    figure.savefig(io.BytesIO(), format="png")  # drawn: the ticks the layout placed
+    wide = [ax for ax in figure.axes if ax.get_yscale() == "log"
+            and ax.get_ylim()[1] > 10 ** MINOR_TICK_DECADES * ax.get_ylim()[0]]
+    assert len(wide) >= len(figure.axes) // 2  # the premise: a diverged run's range
+    assert all(len(ax.yaxis.get_minorticklocs()) == 0 for ax in wide)
+    assert sum(len(ax.yaxis.get_ticklocs()) + len(ax.yaxis.get_minorticklocs())
+               for ax in figure.axes) <= 12 * len(figure.axes)
+
+
+def test_a_sweep_names_the_run_whose_loss_spiked(run, healthy, capsys):
+    """Several runs reported at once end in one line each: the spike is in the broken run's."""
+    losses = {s: m[LOSS] for s, m in _raw(run).items() if LOSS in m}
+    capsys.readouterr()
+    assert main(["report", str(run), str(healthy)]) == 0
+    last = capsys.readouterr().out.splitlines()[-2:]
+    assert last[0].startswith(f"  {run}: ") and last[0].endswith(
+        f" flagged, loss spikes at step {_reference_spike(losses)}"), last
+    assert last[1] == f"  {healthy}: 0 flagged", last
+
+
 if __name__ == "__main__":
-    _train(Path(sys.argv[1]))
+    _train(Path(sys.argv[1]), broken=sys.argv[2:] != ["healthy"])

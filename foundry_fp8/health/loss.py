@@ -3,15 +3,22 @@ an FP8 run against the BF16 run it should track. Compared at the steps both logg
 step both runs trained on the same batch, so their losses differ by the numerics alone, while a
 loss interpolated between another run's steps would mix batches. The departure rule catches a
 divergence; the measured gap (`LossComparison.mean_gap`) is what says how close the runs are.
-Plain Python."""
+Without a baseline, the run's own first loss spike (`spike`). Plain Python."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from foundry_fp8.health.thresholds import LOSS_GAP_STEPS, MAX_LOSS_GAP
+from foundry_fp8.health.thresholds import (
+    LOSS_GAP_STEPS,
+    LOSS_SPIKE_MIN,
+    LOSS_SPIKE_RATIO,
+    LOSS_SPIKE_WINDOW,
+    MAX_LOSS_GAP,
+)
 
 #: The share of the compared steps, the last ones, that the mean gap is taken over.
 GAP_WINDOW = 0.1
@@ -87,3 +94,44 @@ def compare(losses: Mapping[int, float], baseline: Mapping[int, float],
                           math.fsum(gaps) / len(gaps) if gaps else math.nan,
                           gap(losses[steps[-1]], baseline[steps[-1]]) if steps else math.nan,
                           max_gap, gap_steps)
+
+
+@dataclass(frozen=True)
+class LossSpike:
+    """The run's first loss spike (`spike`), or that it has none over the steps looked at."""
+
+    step: int | None  # the first spike, None where none
+    loss: float | None  # the loss there
+    median: float | None  # the median it is more than `ratio` times; None for NaN/Inf at once
+    over: int  # how many losses that median is of
+    first: int  # the logged loss steps looked at, from `first` to `last`
+    last: int
+    ratio: float  # the rule: more than `ratio` times the median ...
+    window: int  # ... of up to `window` finite losses logged before
+
+
+def spike(losses: Mapping[int, float], ratio: float = LOSS_SPIKE_RATIO,
+          window: int = LOSS_SPIKE_WINDOW, least: int = LOSS_SPIKE_MIN) -> LossSpike:
+    """The first step whose loss is NaN/Inf, or more than `ratio` times the median of the up to
+    `window` finite losses logged before it (`least` of them at least; a median at or below 0,
+    of a loss that is no cross-entropy, says nothing). `losses`: step -> loss, not empty."""
+    before: list[float] = []  # the last `window` finite losses, sorted
+    recent: list[float] = []  # the same, in step order
+    steps = sorted(losses)
+    for step in steps:
+        loss = losses[step]
+        if not math.isfinite(loss):
+            return LossSpike(step, loss, None, len(before), steps[0], steps[-1], ratio,
+                             window)
+        if len(before) >= least:
+            middle = len(before) // 2
+            median = (before[middle] if len(before) % 2 else
+                      (before[middle - 1] + before[middle]) / 2)
+            if median > 0 and loss > ratio * median:
+                return LossSpike(step, loss, median, len(before), steps[0], steps[-1], ratio,
+                                 window)
+        bisect.insort(before, loss)
+        recent.append(loss)
+        if len(recent) > window:
+            del before[bisect.bisect_left(before, recent.pop(0))]
+    return LossSpike(None, None, None, 0, steps[0], steps[-1], ratio, window)

@@ -404,13 +404,20 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
     return fig
 
 
+#: Decades a log y axis spans above which it gets no minor ticks: unlabelled there (matplotlib
+#: labels them below two decades), they only grid 8 lines a decade, and a diverged run's panels
+#: (5 to 8 decades) held 700 of the time series' 840 ticks, each laid out twice by the
+#: constrained layout: half the report's time.
+MINOR_TICK_DECADES = 4
+
+
 def _readable_log_ticks(ax: Any, low: float | None = None, high: float | None = None) -> None:
     """Plain numbers (`0.7`, `6`, `2000`) on a log y axis (or colour bar: pass its norm's range,
     its limits are 0-1) spanning less than two decades, where
     matplotlib would print `6 x 10^0` at mixed sizes; between one and two decades only the minor
-    ticks at 2 and 5 get a label."""
+    ticks at 2 and 5 get a label. Beyond MINOR_TICK_DECADES, no minor ticks."""
     import numpy as np
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullLocator
 
     def plain(v: float, _: Any = None) -> str:
         if not 1e-4 <= v < 1e5:
@@ -426,6 +433,8 @@ def _readable_log_ticks(ax: Any, low: float | None = None, high: float | None = 
     if ax.get_yscale() == "log" and low > 0 and high / low < 100:
         ax.yaxis.set_major_formatter(FuncFormatter(plain))
         ax.yaxis.set_minor_formatter(FuncFormatter(plain if high / low < 10 else two_and_five))
+    elif ax.get_yscale() == "log" and low > 0 and high / low > 10 ** MINOR_TICK_DECADES:
+        ax.yaxis.set_minor_locator(NullLocator())
 
 
 #: Points a series line marks one by one; past it the line alone (a marker per logging step of

@@ -53,3 +53,13 @@ DEFAULT_THRESHOLDS = Thresholds()
 #: numerics', not the data's; FP8 runs that train well stay within about 1 % of BF16.
 MAX_LOSS_GAP = 0.05
 LOSS_GAP_STEPS = 3
+
+#: `foundry-fp8 report`: the training loss spikes at the first logged step where it is more than
+#: LOSS_SPIKE_RATIO times the median of the LOSS_SPIKE_WINDOW finite losses logged before it (at
+#: least LOSS_SPIKE_MIN of them), or is NaN/Inf. A median of the steps just before follows a
+#: decreasing loss down and ignores a noisy step among them; LLM pretraining's batch-to-batch
+#: noise is a few percent, while a divergence doubles the loss or worse (toward ln(vocab size)
+#: or NaN). No baseline needed: the line a post-mortem reads first, next to the first FP8 flag.
+LOSS_SPIKE_RATIO = 2.0
+LOSS_SPIKE_WINDOW = 20
+LOSS_SPIKE_MIN = 5

@@ -22,8 +22,8 @@ from foundry_fp8.filters import MATCH_TIMEOUT_S, search
 from foundry_fp8.guard import static_yaml
 from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table
 from foundry_fp8.health.history import shown
-from foundry_fp8.health.keys import full_forms
-from foundry_fp8.health.loss import LossComparison, compare
+from foundry_fp8.health.keys import LOSS, full_forms
+from foundry_fp8.health.loss import LossComparison, LossSpike, compare, spike
 from foundry_fp8.health.plots import (
     MAX_SERIES_LAYERS,
     choose_layers,
@@ -50,7 +50,6 @@ from foundry_fp8.report.baseline import (
     other_batches,
     read_baseline,
     read_config,
-    read_losses,
     same_run,
 )
 from foundry_fp8.report.markdown import (
@@ -71,11 +70,12 @@ from foundry_fp8.report.markdown import (
     refused,
     render_report,
     runs_in_fp8,
+    spike_line,
     unrecorded_fallbacks,
     values_said,
     worst_table,
 )
-from foundry_fp8.report.mlflow_run import MlflowRun, load_mlflow, mlflow_run
+from foundry_fp8.report.mlflow_run import MlflowRun, load_mlflow, mlflow_history, mlflow_run
 from foundry_fp8.report.read import (
     GuardRun,
     GuardSeries,
@@ -86,6 +86,7 @@ from foundry_fp8.report.read import (
     guard_run,
     load_run,
     load_wandb,
+    losses_of,
     mark_high_precision,
     metrics_file_of,
     read_hparams,
@@ -283,11 +284,11 @@ class Loaded:
 
 def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
     """The run RUN_FOLDER names, read however it was logged; with `losses`, its training loss
-    goes there from the same pass (`--baseline`: one read of the file, the same steps)."""
+    goes there from the same pass (one read of the file, the same steps as the report's)."""
     found = locate(run_folder)
     if isinstance(ml := found.source, MlflowRun):  # MLflow's own client
         if losses is not None:  # MLflow's client: a query of its own, no file read twice
-            losses.update(read_losses(run_folder))
+            losses.update(losses_of(mlflow_history(ml, LOSS)))
         run, series, hparams = load_mlflow(ml, warn)
         return Loaded(run, series, hparams, ml.where, found.folder, "the MLflow run's params")
     if isinstance(files := found.source, tuple):  # a W&B offline run, W&B's reader
@@ -302,14 +303,15 @@ def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
 
 def make_report(run_folder: Path, layers: str | None = None, out: Path | None = None,
                 loss: tuple[str, LossComparison] | None = None, loaded: Loaded | None = None,
-                tables: list[WorstTable] | None = None
+                tables: list[WorstTable] | None = None, spiked: LossSpike | None = None
                 ) -> tuple[RunMetrics, list[Flag], GuardRun | None, list[Path],
                            tuple[Flag, Path] | None]:
     """Write the PNGs and fp8_report.md; returns the metrics, the flags, what fp8_guard did,
     the written paths (markdown last) and the first flagged step's dump (`first_dump`). `loss`:
     the baseline as named and the loss comparison with it (`compare`), for the headline;
     `loaded`: the run already read (`load`); `tables`: gets the markdown's `worst_table`, for
-    the terminal's (made once: each reads every series)."""
+    the terminal's (made once: each reads every series); `spiked`: the run's first loss spike
+    (`health.loss.spike`), for the headline."""
     loaded = loaded or load(run_folder)
     run, series, hparams = loaded.run, loaded.series, loaded.hparams
     hparams_file, folder = loaded.hparams_file, loaded.folder
@@ -347,7 +349,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
         write_output(target, render_report(run, flags, thresholds, chosen[:MAX_SERIES_LAYERS],
                                            [p.name for p in written], guard,
                                            matched=len(chosen), dump=dump, loss=loss,
-                                           worst=worst))
+                                           worst=worst, spike=spiked))
     except OSError as e:  # read-only, a full disk, a folder or FIFO in the file's place
         # a run folder someone else's run wrote (a shared store, a read-only mount): say how
         elsewhere = ("; --out DIR writes the report elsewhere"
@@ -417,10 +419,13 @@ def run(args: argparse.Namespace) -> int:
     return max(code for _, code, _ in results)
 
 
-def _summary(found: int | None, loss: tuple[str, LossComparison] | None) -> str:
-    """A run's line in the summary of several: flagged layer tensors, the loss against the
-    baseline."""
+def _summary(found: int | None, loss: tuple[str, LossComparison] | None,
+             spiked: LossSpike | None = None) -> str:
+    """A run's line in the summary of several: flagged layer tensors, the loss's first spike,
+    the loss against the baseline."""
     said = "no fp8_report.md" if found is None else f"{found} flagged"
+    if spiked is not None and spiked.step is not None:
+        said += f", loss spikes at step {spiked.step}"
     if loss is not None:
         cmp = loss[1]
         said += (f", loss departs from the baseline at step {cmp.departed}"
@@ -438,7 +443,7 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     loaded: Loaded | NoStatistics
     try:
         try:
-            loaded = load(run_folder, None if base is None else losses)
+            loaded = load(run_folder, losses)
         except NoStatistics as e:  # its loss, read in the same pass, may still be compared
             loaded = e
         if base is not None:
@@ -457,8 +462,9 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         if isinstance(loaded, NoStatistics):
             raise loaded
         tables: list[WorstTable] = []
+        spiked = spike(losses) if losses else None
         metrics, flags, guard, written, dump = make_report(run_folder, args.layers,
-                                                           args.out, loss, loaded, tables)
+                                                           args.out, loss, loaded, tables, spiked)
     except NoStatistics as e:
         if loss is None:
             print(f"error: {one_line(str(e))}", file=sys.stderr)
@@ -499,6 +505,8 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     print(f"{len(found)} flagged")
     if found:
         print(f"  {first_flagged(metrics, flags, names, dump=dump)}")
+    if spiked is not None:
+        print(f"  {spike_line(spiked, flags)}")
     if loss is not None:
         print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
         print("".join(f"  {note}\n" for note in notes), end="")
@@ -517,4 +525,4 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     for path in written[:-1]:
         print(f"  {path.name}")
     print(f"written to {written[-1]}")
-    return 0, _summary(len(found), loss)
+    return 0, _summary(len(found), loss, spiked)

@@ -23,7 +23,7 @@ from foundry_fp8.guard import (
 )
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
 from foundry_fp8.health.history import whatif_rows, whatif_worst, worst_layers
-from foundry_fp8.health.loss import LossComparison
+from foundry_fp8.health.loss import LossComparison, LossSpike
 from foundry_fp8.health.plots import common_prefix
 from foundry_fp8.health.rules import KEEP_OUT
 from foundry_fp8.health.specs import badness, spec
@@ -36,6 +36,7 @@ from foundry_fp8.health.table import (
     number,
     short_names,
 )
+from foundry_fp8.health.thresholds import LOSS_SPIKE_RATIO, LOSS_SPIKE_WINDOW
 from foundry_fp8.report.read import GuardRun
 
 #: The worst-value table (`worst_values`) and its what-if cells (`whatif_worst`).
@@ -395,6 +396,10 @@ GUIDE = """\
   nor counted as worst values.
 - **amax**: largest magnitude. Spikes of 10x or a steady climb come before loss divergence; the
   layer whose amax moves first is where to look.
+- **Loss spikes**: the first logged step whose training loss is more than {loss_ratio:g}x the
+  median of the up to {loss_window} finite losses logged before it, or NaN/Inf. A spike a few
+  steps after the first FP8 flag points at that flag's layer; one before any flag, or in a run
+  with none, points beyond FP8 (the data, the learning rate).
 """
 
 
@@ -403,11 +408,12 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                   guard: GuardRun | None = None, matched: int | None = None,
                   dump: tuple[Flag, Path] | None = None,
                   loss: tuple[str, LossComparison] | None = None,
-                  worst: WorstTable | None = None) -> str:
+                  worst: WorstTable | None = None, spike: LossSpike | None = None) -> str:
     """fp8_report.md: what to look at first, what fp8_guard did, how to read it, the plots,
     then the full table (and the layers of grouped flag rows one per row). `matched`: how many
     layers `--layers` matched, of which `chosen` are the ones drawn; `loss`: the baseline (as
-    named) and the loss comparison with it; `worst`: the run's `worst_table`, when made."""
+    named) and the loss comparison with it; `worst`: the run's `worst_table`, when made;
+    `spike`: the run's first loss spike (`spike_line`), where it logged a loss."""
     table, cells = worst or worst_table(run)
     prefix = common_prefix(run.layers)
     names = layer_names(run, guard)
@@ -430,6 +436,8 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     fallen = fallback_steps(guard)
     if found:
         lines += [first_flagged(run, flags, names, markdown=True, dump=dump) or "", ""]
+    if spike is not None:
+        lines += [spike_line(spike, flags), ""]
     if loss is not None:
         lines += [departure(loss[1], flags, names, run, loss[0], markdown=True), ""]
     rows = grouped(found, fallen)
@@ -471,7 +479,8 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     lines += ["", "## How to read this", "",
               GUIDE.format(underflow=t.max_underflow_pct, overflow=t.max_overflow_pct,
                            clip=t.clip_ratio, persist=t.persist_steps, spike=t.spike_ratio,
-                           stale=t.stale_ratio, cos=t.min_cos_sim),
+                           stale=t.stale_ratio, cos=t.min_cos_sim, loss_ratio=LOSS_SPIKE_RATIO,
+                           loss_window=LOSS_SPIKE_WINDOW),
               "## Plots", ""]
     lines += [f"![{md_escape(png)}]({quote(png)})" for png in pngs]
     more = (f" (the first {len(chosen)} of the {matched} layers `--layers` matches)"
@@ -562,3 +571,28 @@ def departure(cmp: LossComparison, flags: list[Flag], names: dict[str, str], run
             f"{number(cmp.base)} ({gap}; {limit} at {cmp.gap_steps} compared steps in a row, "
             f"or NaN/Inf; {len(cmp.steps)} steps compared{short}).{back} {measured_gap(cmp)} "
             f"{flagged}")
+
+
+def spike_line(sp: LossSpike, flags: list[Flag]) -> str:
+    """The run's first loss spike (`health.loss.spike`) and how far it is from the first FP8
+    flag: a spike right after it points at FP8, one before it at something else (the data, the
+    learning rate). Or that the loss has none."""
+    rule = (f"more than {sp.ratio:g}x the median of the up to {sp.window} finite losses logged "
+            "before, or NaN/Inf")
+    if sp.step is None or sp.loss is None:
+        return f"Loss: no spike at the logged steps {sp.first} to {sp.last} (never {rule})."
+    if sp.median is None:
+        said = f"Loss is {number(sp.loss)} at step {sp.step} (the first NaN/Inf logged)"
+    else:
+        said = (f"Loss spikes at step {sp.step}: {number(sp.loss)}, {sp.loss / sp.median:.3g}x "
+                f"the median {number(sp.median)} of the {sp.over} losses logged before it (the "
+                f"rule: {rule})")
+    if not flags:
+        return f"{said}; no FP8 flag in the run: look beyond FP8 (data, learning rate) first."
+    first = min(f.step for f in flags)
+    if first < sp.step:
+        return f"{said}, {sp.step - first} steps after the first FP8 flag (step {first})."
+    if first == sp.step:
+        return f"{said}, at the step of the first FP8 flag."
+    return (f"{said}, {first - sp.step} steps before the first FP8 flag (step {first}): the loss "
+            "went first.")
