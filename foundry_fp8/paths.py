@@ -130,8 +130,8 @@ def repeated_run_folder(template: str, folder: PurePath, run_name: str,
 
 
 def say_repeated(template: str, folder: Path, run_name: str, key: str) -> None:
-    """The run's one warning for a `repeated_run_folder` (the jsonl logger at INIT, fp8_stats'
-    dumps), once per key, template and folder, not at every fit; `in_run_folder` says nothing,
+    """The run's one warning for a `repeated_run_folder` (the jsonl logger at INIT, fp8_stats
+    at FIT_START wherever dump_folder is set), once per key, template and folder, not at every fit; `in_run_folder` says nothing,
     so a reader of a finished run (`foundry-fp8 report`) is not told what the run was told."""
     repeated = repeated_run_folder(template, folder, run_name, key)
     if repeated is not None and (key, template, str(folder)) not in _SAID:

@@ -245,7 +245,7 @@ def test_broken_deepspeed_json_behind_an_accelerate_config_exits_2(tmp_path):
 
 def test_rules_are_registered_with_docs_fields():
     ids = [rule.id for rule in ACCELERATE_RULES]
-    assert ids == [f"FP81{n:02d}" for n in range(1, 26)]
+    assert ids == [f"FP81{n:02d}" for n in range(1, 28)]
     assert not set(ids) & {rule.id for rule in RULES}
     for rule in ACCELERATE_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix
