@@ -7,6 +7,7 @@ import atexit
 import gc
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,11 @@ def release_streaming_shared_memory() -> int:
     segments = [o for o in gc.get_objects() if type(o) is memory.SharedMemory]
     for segment in segments:
         atexit.unregister(segment.cleanup)
-        segment.cleanup()
-        segment.created_shms.clear()  # the hook's work is done: never unlink a name twice
+        try:
+            segment.cleanup()
+        except (BufferError, OSError) as error:  # a view still on it: a warning, not an
+            warnings.warn(f"streaming shared memory not released: {error!r}", stacklevel=1)
+        segment.created_shms.clear()  # INTERNALERROR ending the session; never unlink twice
         segment.opened_shms.clear()
     return len(segments)
 
