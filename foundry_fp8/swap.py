@@ -83,6 +83,21 @@ def is_te_gelu(act: Any) -> bool:
             and not act.args and act.keywords == keywords)
 
 
+def te_activation(act: Any) -> Literal["gelu", "relu"] | None:
+    """te.LayerNormMLP's `activation` for an MPT MLP's built activation (`resolve_ffn_act_fn`'s
+    partial of `torch.nn.functional.<name>`): `gelu` for any GELU (TE's is the tanh form, exact
+    only for `TE_GELU_ACT_FN`), `relu` for ReLU (TE's `fmaxf(x, 0.f)`, common/util/math.h:67-69
+    at v1.12, 101-103 at v2.18, in `_act_func` since v1.12: torch's relu on every number, only
+    a NaN becomes 0), else None (not fused)."""
+    if not isinstance(act, functools.partial) or act.args:
+        return None
+    if act.func is nn.functional.gelu:
+        return "gelu"
+    if act.func is nn.functional.relu and act.keywords.keys() <= {"inplace"}:
+        return "relu"
+    return None
+
+
 def gelu_tanh_error(lo: float = -8.0, hi: float = 8.0, n: int = 16001) -> tuple[float, float]:
     """(max abs, max relative) difference of tanh-approximated vs exact GELU on [lo, hi].
 
@@ -251,9 +266,8 @@ def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
     if not (isinstance(getattr(ffn, "up_proj", None), nn.Linear)
             and isinstance(getattr(ffn, "down_proj", None), nn.Linear)):
         return f"ffn {type(ffn).__name__} is not an MPT MLP (up_proj/down_proj)", None
-    act = getattr(ffn, "act", None)
-    if not (isinstance(act, functools.partial) and act.func is nn.functional.gelu):
-        return "ffn_act_fn is not GELU: TE's LayerNormMLP here only maps gelu", None
+    if te_activation(getattr(ffn, "act", None)) is None:
+        return "ffn_act_fn is not GELU or ReLU: TE's LayerNormMLP here maps only those", None
     normalization = te_normalization(norm, ffn.up_proj.in_features)
     if normalization not in LN_MLP_NORMALIZATIONS:
         return normalization, None
@@ -420,6 +434,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
             fused.update(f"{name}.{part}" for part in ("norm_2", "ffn.up_proj", "ffn.down_proj"))
             decisions.append(Decision(
                 f"{name}.ffn", "ln_mlp", True,
+                "fused norm_2+MLP; TE relu is exact, as the model's ffn_act_fn"
+                if te_activation(ffn.act) == "relu" else
                 "fused norm_2+MLP; TE gelu is tanh-approx, as the model's ffn_act_fn"
                 if is_te_gelu(ffn.act) else
                 f"fused norm_2+MLP; TE gelu is tanh-approx (max abs diff {max_abs:.1e}, "
@@ -556,7 +572,8 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
         te.require_te()
         block = modules[decision.name.removesuffix(".ffn")]
         new = te.make_te_layernorm_mlp(  # LLM-Foundry's te init knows it
-            block, te_normalization(block.norm_2, block.ffn.up_proj.in_features))
+            block, te_normalization(block.norm_2, block.ffn.up_proj.in_features),
+            te_activation(block.ffn.act))
         moved += te.ln_mlp_sources(block, new)
         block.ffn, block.norm_2 = new, None
         plain = {f"ffn.{fused}": name for fused, name in LN_MLP_SOURCES.items()}
@@ -745,10 +762,14 @@ def _refuse_foreign_ln_mlp(state_dict: dict[str, Any], prefix: str, block: nn.Mo
     fix = ("this run's MPT block (norm_2 + GELU MLP) cannot compute it; load it into a model "
            "built with the checkpoint's own ffn_config")
     if isinstance(ffn_config, dict) and ffn_config.get("ffn_type") == "te_ln_mlp":
-        norm = (getattr(block.ffn, "normalization", None) if ln_mlp_layout(block) == "fused"
+        fused = ln_mlp_layout(block) == "fused"
+        norm = (getattr(block.ffn, "normalization", None) if fused
                 else te_normalization(block.norm_2, block.ffn.up_proj.in_features))
+        act = (getattr(block.ffn, "activation", None) if fused
+               else te_activation(getattr(block.ffn, "act", None)))
         expected = {**PLAIN_LN_MLP, **({"normalization": norm}
-                                       if norm in LN_MLP_NORMALIZATIONS else {})}
+                                       if norm in LN_MLP_NORMALIZATIONS else {}),
+                    **({"activation": act} if act is not None else {})}
         differ = {k: ffn_config[k] for k, v in expected.items()
                   if k in ffn_config and ffn_config[k] != v}
         if differ:

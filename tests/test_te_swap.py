@@ -494,7 +494,7 @@ def test_meta_layers_stay_on_meta_for_fsdp_to_initialise(fake_te):
         block.ffn.up_proj, block.ffn.down_proj = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
     linear = te_backend.make_te_linear(block.ffn.up_proj)
     assert linear.weight.is_meta and linear.bias.is_meta
-    fused = te_backend.make_te_layernorm_mlp(block, "LayerNorm")
+    fused = te_backend.make_te_layernorm_mlp(block, "LayerNorm", "gelu")
     assert all(p.is_meta for p in fused.parameters())
     assert te_backend.te_device(torch.empty(1)) == torch.device("cpu")
 

@@ -26,9 +26,10 @@ loader raised `KeyError` on the first renamed parameter). A sharded (DCP) checkp
 the model's own keys, so its load gets a planner that reads them under the other layout's names
 (`load_sharded_plain`).
 LLM-Foundry's own `ffn_type: te_ln_mlp` checkpoint loads into a plain block too, its TE
-`_extra_state` dropped, unless its te.LayerNormMLP computes something else (swiglu, relu, RMSNorm:
-by the config Composer saves with it, else by fc1's rows), which is refused in one line. A fused
-block loaded plain computes the run's `ffn_act_fn` where it trained TE's tanh GELU: one warning.
+`_extra_state` dropped, unless its te.LayerNormMLP computes something else (swiglu, another
+activation or norm than the block's: by the config Composer saves with it, else by fc1's
+rows), which is refused in one line. A fused block loaded plain computes the run's
+`ffn_act_fn` where it trained TE's tanh GELU: one warning (none for ReLU, which TE's is).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from foundry_fp8.swap import (
     ln_mlp_layout,
     plain_state_dict,
     swapped_state_dict,
+    te_activation,
 )
 from foundry_fp8.te.facts import LN_MLP_SOURCES
 
@@ -86,12 +88,14 @@ def export_plain(callbacks: Sequence[Callback]) -> int:
 
 
 def _kept_activations(model: nn.Module) -> tuple[int, list[Any]]:
-    """(MPT blocks whose norm_2 + MLP te_swap fused into a te.LayerNormMLP, the built
-    activations (`ffn.act`, None where none) of those it kept). By the block's ffn: a wrapper
-    (FSDP's) forwards both attributes to the block it wraps."""
+    """(MPT blocks whose norm_2 + MLP te_swap fused into a te.LayerNormMLP with TE's gelu, the
+    built activations (`ffn.act`, None where none) of those it kept). A block fused with TE's
+    relu computes its own ffn_act_fn (`swap.te_activation`): neither. By the block's ffn: a
+    wrapper (FSDP's) forwards both attributes to the block it wraps."""
     blocks = {id(m.ffn): m for m in model.modules() if hasattr(m, "norm_2") and hasattr(m, "ffn")}
+    fused = [b for b in blocks.values() if ln_mlp_layout(b) == "fused"]
     kept = [getattr(b.ffn, "act", None) for b in blocks.values() if ln_mlp_layout(b) != "fused"]
-    return len(blocks) - len(kept), kept
+    return sum(getattr(b.ffn, "activation", None) == "gelu" for b in fused), kept
 
 
 def _te_activation(transform_config: Callable[[Any], Any], model: nn.Module,
@@ -209,8 +213,8 @@ def _log_layout_change(renames: dict[str, str], model: nn.Module) -> None:
              "with a plain norm_2 + MLP load into this run's fused te.LayerNormMLP, %d saved "
              "fused load into a plain norm_2 + MLP (weights and optimizer state renamed)",
              to_fused, len(to_plain))
-    other = sum(name in to_plain and not is_te_gelu(getattr(block.ffn, "act", None))
-                for name, block in canonical_modules(model))
+    other = sum(name in to_plain and te_activation(act := getattr(block.ffn, "act", None)) != "relu"
+                and not is_te_gelu(act) for name, block in canonical_modules(model))
     if other:
         act_fn = ", ".join(f"{k}: {v}" for k, v in TE_GELU_ACT_FN.items())
         log.warning("te_swap: %d block(s) of the checkpoint trained fused in te.LayerNormMLP "

@@ -132,20 +132,22 @@ def te_checkpoint(kwargs: dict[str, Any]) -> functools.partial:
     return functools.partial(te.checkpoint, **kept)
 
 
-def make_te_layernorm_mlp(block: nn.Module, normalization: str) -> nn.Module:
-    """`te.LayerNormMLP` computing the MPT block's `ffn.down(gelu(ffn.up(norm_2(x))))`, its
-    norm_2 a `normalization` (`swap.te_normalization`) with norm_2's eps; parameters copied
-    exactly (an RMSNorm has no `layer_norm_bias`).
+def make_te_layernorm_mlp(block: nn.Module, normalization: str, activation: str) -> nn.Module:
+    """`te.LayerNormMLP` computing the MPT block's `ffn.down(act(ffn.up(norm_2(x))))`, its
+    norm_2 a `normalization` (`swap.te_normalization`) with norm_2's eps, its act TE's
+    `activation` (`swap.te_activation`); parameters copied exactly (an RMSNorm has no
+    `layer_norm_bias`).
 
-    TE's `gelu` is the tanh approximation, so this is not the same function as MPT's exact GELU
-    (swap.plan_swap reports the size of the difference).
+    TE's `gelu` is the tanh approximation, so with it this is not the same function as MPT's
+    exact GELU (swap.plan_swap reports the size of the difference); TE's `relu` is MPT's.
     """
     import transformer_engine.pytorch as te
 
     norm, up = block.norm_2, block.ffn.up_proj
     new = te.LayerNormMLP(hidden_size=up.in_features, ffn_hidden_size=up.out_features,
                           eps=norm.eps, bias=up.bias is not None,
-                          **{**PLAIN_LN_MLP, "normalization": normalization},
+                          **{**PLAIN_LN_MLP, "normalization": normalization,
+                             "activation": activation},
                           params_dtype=up.weight.dtype, device=te_device(up.weight))
     for src, dst in ln_mlp_sources(block, new):
         _copy(dst, src)

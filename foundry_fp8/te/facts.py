@@ -231,7 +231,8 @@ LN_MLP_SOURCES = {"layer_norm_weight": "norm_2.weight", "layer_norm_bias": "norm
 
 #: te.LayerNormMLP's keywords under which its parameters are an MPT block's norm_2 + GELU MLP:
 #: TE's defaults (`LayerNormMLP.__init__`, pytorch/module/layernorm_mlp.py:1276-1286 at v1.12,
-#: 1956-1967 at v2.18), `normalization` replaced by the block's (LN_MLP_NORMALIZATIONS).
+#: 1956-1967 at v2.18), `normalization` and `activation` replaced by the block's
+#: (LN_MLP_NORMALIZATIONS; `swap.te_activation`: gelu or relu).
 #: LLM-Foundry's own `ffn_type: te_ln_mlp` passes the rest of `ffn_config` to TE
 #: (llmfoundry/models/layers/ffn.py `build_te_ln_mlp`, 0.21-0.22), so its checkpoint may differ.
 PLAIN_LN_MLP = {"activation": "gelu", "normalization": "LayerNorm", "zero_centered_gamma": False}
