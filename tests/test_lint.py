@@ -1362,7 +1362,9 @@ def test_te_ln_mlp_init_follows_the_installed_llmfoundry(llmfoundry, severity):
     # quiet: blocks te_swap does not fuse (swap._fusable_mlp)
     (_merge(FUSED_ON_META, {"model": {"fc_type": "te"}}), None),
     (_merge(FUSED_ON_META, {"model": {"ffn_config": {"ffn_type": "mptglu"}}}), None),
-    (_merge(FUSED_ON_META, {"model": {"ffn_config": {"ffn_act_fn": {"name": "relu"}}}}), None),
+    (_merge(FUSED_ON_META, {"model": {"ffn_config": {"ffn_act_fn": {"name": "silu"}}}}), None),
+    (_merge(FUSED_ON_META, {"model": {"ffn_config": {"ffn_act_fn": {"name": "relu"}}}}),
+     "algorithms.te_swap.fuse_ln_mlp"),  # TE's relu is MPT's (910c52c)
     (_merge(FUSED_ON_META, {"model": {"norm_type": "triton_rmsnorm"}}), None),
     (_merge(FUSED_ON_META, {"model": {"norm_type": "rmsnorm", "norm_eps": None}}), None),
     (_merge(FUSED_ON_META, {"model": {"no_bias": True}}), None),

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from foundry_fp8.composer.guard import layer_flops
 from foundry_fp8.swap import linear_flops, module_flops, original_shapes
 from tests.fake_te import _LayerNormMLP
 from tests.ranks import init_rank, run_ranks
@@ -38,7 +39,9 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
     shapes = original_shapes(wrapped)
     result = {"fc1_shape": list(model[0].fc1_weight.shape),
               "flops": module_flops(model[0], shapes.get(model[0])),
-              "total": linear_flops(wrapped)}
+              "total": linear_flops(wrapped),
+              # fp8_guard's shares at FIT_START (after the wrap), no te_swap plan
+              "guard": layer_flops(wrapped, {"mlp": model[0], "linear": model[1]}, None)}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
 
@@ -56,6 +59,7 @@ def test_fsdp1_sharded_layernorm_mlp_counts_its_unsharded_flops(tmp_path):
         assert len(result["fc1_shape"]) == 1
         assert result["flops"] == flops
         assert result["total"] == total
+        assert result["guard"] == {"mlp": flops / total, "linear": 2 * HIDDEN * HIDDEN / total}
     # the same counts unwrapped
     model = _model()
     assert module_flops(model[0]) == flops

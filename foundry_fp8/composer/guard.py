@@ -39,7 +39,7 @@ from foundry_fp8.guard import (
 from foundry_fp8.health import short_layer
 from foundry_fp8.monitor import multi_rank, select_layers
 from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, build
-from foundry_fp8.swap import SwapPlan, linear_flops, module_flops
+from foundry_fp8.swap import SwapPlan, linear_flops, module_flops, original_shapes
 from foundry_fp8.te import probe
 
 log = logging.getLogger(__name__)
@@ -497,12 +497,13 @@ def layer_flops(model: nn.Module, layers: Mapping[str, nn.Module],
     modules the model was built with too), else (no te_swap, or a layer it did not see) the
     layer's own FLOPs of the same total."""
     planned: dict[str, float] = {}
+    shapes = original_shapes(model)  # FSDP1's flattened weights: their shapes before the wrap
     total = linear_flops(model)
     if plan is not None:  # its notes (an LN-MLP not fused) weigh nothing: not layers
         planned = {short_layer(canonical_name(d.name)): d.flops_share for d in plan.decisions
                    if d.flops}
         total = plan.total_flops
-    return {layer: planned.get(layer, module_flops(m) / (total or 1))
+    return {layer: planned.get(layer, module_flops(m, shapes.get(m)) / (total or 1))
             for layer, m in layers.items()}
 
 

@@ -752,12 +752,12 @@ _RMSNORMS = ("rmsnorm", "low_precision_rmsnorm")
 
 def _te_swap_fuses(model: Mapping[str, Any]) -> bool:
     """Whether te_swap's fuse_ln_mlp fuses this model's blocks, read from the config as
-    `swap._fusable_mlp` reads a built block: an MPT whose MLP (mptmlp, torch linears, GELU)
-    follows a LayerNorm with a bias or an RMSNorm with a numeric eps."""
+    `swap._fusable_mlp` reads a built block: an MPT whose MLP (mptmlp, torch linears, GELU or
+    ReLU) follows a LayerNorm with a bias or an RMSNorm with a numeric eps."""
     norm = str(mpt_value(model, "norm_type")).lower()
     return (_is_mpt(model) and get(model, "ffn_config.ffn_type") in (None, "mptmlp")
             and fc_type_name(model) in (None, "torch")
-            and get(model, "ffn_config.ffn_act_fn.name") in (None, "gelu")
+            and get(model, "ffn_config.ffn_act_fn.name") in (None, "gelu", "relu")
             and ((norm in _LAYERNORMS and mpt_value(model, "no_bias") is not True)
                  or (norm in _RMSNORMS and mpt_value(model, "norm_eps") is not None)))
 
