@@ -178,6 +178,7 @@ def fp8_autocast(enabled: bool = True, recipe: FP8Recipe | None = None,
     if _STATE.depth == 0:
         _STATE.first_module, _STATE.pruned = True, False
     _STATE.enabled, _STATE.recipe = enabled, recipe or TE_DEFAULT_RECIPE
+    _RUN.fp8_ran = _RUN.fp8_ran or enabled
     _STATE.group, _STATE.calibrating = amax_reduction_group, calibrating
     _STATE.entered[_buffer_key(_STATE.recipe, amax_reduction_group)] = (
         _STATE.recipe, amax_reduction_group)
@@ -232,32 +233,67 @@ _RECIPE_CHANGE = {"scaling": "switch the layer to the new scaling mode with fres
 #: TE's switch to its unfused Python update (read at every update: quantization.py:687-691).
 UNFUSED_UPDATE_ENV = "NVTE_UNFUSED_FP8_UPDATE"
 
-#: The kinds of warning already met ("unfused", "forward", "backward"): each once per
-#: process. Python's own once-per-message record is reset by any `warnings.catch_warnings()`
-#: or filter change (library code may do one every step), after which a warning repeated
-#: step after step.
-_WARNED: set[str] = set()
+@dataclass
+class _Run:
+    """The run the emulation's warnings count in. A run begins where a layer is built, converted
+    or reset (`reset_scaling_state`) after an enabled `fp8_autocast` opened: a second model or
+    Trainer in one process (a notebook, a sweep, variants benchmarked in turn) is a new run,
+    while eval after training, EMA's deep copy, a second `fit()` and a second Trainer on the
+    same, already converted model (te_swap leaves its layers as they are) are not.
+    Every rank of a data-parallel run builds and autocasts alike, so the ranks number their
+    runs alike, which names the run in `_claim`'s store key."""
+
+    number: int = 0
+    fp8_ran: bool = False  # an enabled fp8_autocast opened since the run began
+
+
+_RUN = _Run()
+
+#: Per kind of warning ("unfused", "forward", "backward"), the run it was last met in: each is
+#: given once per run. Python's own once-per-message record is reset by any
+#: `warnings.catch_warnings()` or filter change (library code may do one every step), after
+#: which a warning repeated step after step.
+_WARNED: dict[str, int] = {}
+
+
+def _begin_run_if_fp8_ran() -> None:
+    """Called as a layer's scaling state is set up: the first such after FP8 ran begins a run."""
+    if _RUN.fp8_ran:
+        _RUN.number, _RUN.fp8_ran = _RUN.number + 1, False
 
 
 def _warn_once(kind: str, message: str) -> None:
-    """Warn `message` the first time a warning of `kind` comes in this process, never again,
-    and on global rank 0 only: the ranks of a run share layers, recipe and environment, and
-    every rank's copy reached the console (one per GPU). A shape met only by another rank's
-    batches goes unwarned."""
-    if kind not in _WARNED:
-        _WARNED.add(kind)
-        if _global_rank() == 0:
-            warnings.warn(message, stacklevel=3)
+    """Warn `message` the first time this process meets `kind` in this run (`_Run`), and only
+    from the rank that met it first (`_claim`): one line per kind per run on a console that
+    interleaves 8 GPUs' stderr, yet a shape met only by rank 3's short last batch is said, by
+    rank 3. Later shapes of the kind, on any rank, are not warned of."""
+    if _WARNED.get(kind) == _RUN.number:
+        return
+    _WARNED[kind] = _RUN.number
+    prefix = _claim(kind)
+    if prefix is not None:
+        warnings.warn(prefix + message, stacklevel=3)
 
 
-def _global_rank() -> int:
-    """torch.distributed's rank once initialised, else the launcher's RANK (0 alone)."""
+def _claim(kind: str) -> str | None:
+    """The prefix to warn of `kind` with: '' in a process alone; '[rank N] ' where this is the
+    first rank of the torch.distributed group to meet it in this run; None where another rank
+    did. The ranks agree through one atomic add on torch.distributed's key-value store (no
+    collective: the other ranks need not be at any step, nor meet the kind at all). A store
+    that fails to answer: every rank that meets the kind says it, rather than none."""
     import torch.distributed as torch_dist
 
-    if torch_dist.is_available() and torch_dist.is_initialized():
-        return torch_dist.get_rank()
-    rank = os.environ.get("RANK", "")
-    return int(rank) if rank.isdigit() else 0
+    if (not torch_dist.is_available() or not torch_dist.is_initialized()
+            or torch_dist.get_world_size() <= 1):
+        return ""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        first = _get_default_store().add(f"foundry_fp8/emulate/warned/{kind}/{_RUN.number}",
+                                         1) == 1
+    except RuntimeError:
+        first = True
+    return f"[rank {torch_dist.get_rank()}] " if first else None
 
 
 def _warn_if_unfused() -> None:
@@ -586,9 +622,10 @@ def _warn_unless_te_runs(x: torch.Tensor, weight: torch.Tensor, fp8_backward: bo
     out_features, each checked for 16 (common/gemm/cublaslt_gemm.cu: 160-163, 251-254; read in
     the sources, not run on a GPU). te_swap's plan keeps layers of other weight shapes in high
     precision, but a batch's tokens (a short last batch, an odd sequence length) are only known
-    here. One warning per kind (forward, backward) per run (`_warn_once`), naming the first
-    shapes: with variable lengths every new length would warn again, thousands of lines in a
-    long run's log where the first already says the batches need padding."""
+    here. One warning per kind (forward, backward) per run across the ranks (`_warn_once`),
+    naming the first shapes the first rank to meet the kind met: with variable lengths every
+    new length would warn again, thousands of lines in a long run's log where the first
+    already says the batches need padding."""
     refused = [f"{name} of shape {list(t.shape)}" for name, t in (("input", x), ("weight", weight))
                if not operand_fits_fp8(t.shape)]
     if refused:
@@ -625,13 +662,15 @@ class EmulatedFP8Linear(nn.Linear):
 
     def reset_scaling_state(self) -> None:
         """Fresh scales (1), empty histories, no recipe, no registration and no kept FP8
-        weight, as a new layer; on CPU when the weights are on `meta`.
+        weight, as a new layer; on CPU when the weights are on `meta`. The first layer set up
+        after FP8 ran begins a new run for the warnings (`_Run`).
 
         Never on `meta`: FSDP materialises a module with meta buffers by `to_empty` plus
         LLM-Foundry's param_init_fn, which knows nothing of these, so the scales would be
         uninitialised memory. LLM-Foundry keeps its own buffers on CPU for the same reason;
         the first forward on the GPU takes the state there (`ScalingMeta.follow`).
         """
+        _begin_run_if_fp8_ran()
         device = self.weight.device if self.weight.device.type != "meta" else "cpu"
         self.fp8_meta = nn.ModuleDict({"scaling_fwd": ScalingMeta(3), "scaling_bwd": ScalingMeta(2)})
         self.fp8_meta.to(device)

@@ -529,9 +529,9 @@ def _shape_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    """The emulation's warnings are given once per kind per process; each test starts with
+    """The emulation's warnings are given once per kind per run; each test starts with
     none given."""
-    monkeypatch.setattr(emulate, "_WARNED", set())
+    monkeypatch.setattr(emulate, "_WARNED", {})
 
 
 @pytest.mark.parametrize(("x_shape", "w_shape"), [
@@ -598,7 +598,7 @@ def test_shape_warnings_come_once_under_fp8_checkpoint_and_not_under_backward_ov
     assert _shape_warnings(caught) == [_backward_line(x_shape, (24, 64))]
     assert "the tokens (24) for the weight-gradient GEMM and out_features (24) for the " \
         "input-gradient GEMM" in _shape_warnings(caught)[0]
-    monkeypatch.setattr(emulate, "_WARNED", set())
+    monkeypatch.setattr(emulate, "_WARNED", {})
     monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "high_precision")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -641,7 +641,7 @@ def test_the_unfused_update_warning_comes_once_whatever_resets_the_filter(fresh_
                                                                           monkeypatch):
     """The warning ran at every update of every buffer and relied on Python's once-per-message
     record, which any `warnings.catch_warnings()` resets (trainers and pytest open one around
-    steps): two layers, 4 steps, a reset after each gave 4 warnings. Now 1 per process."""
+    steps): two layers, 4 steps, a reset after each gave 4 warnings. Now 1 per run."""
     monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "1")
     layers = nn.Sequential(EmulatedFP8Linear(16, 16), EmulatedFP8Linear(16, 16))
     with warnings.catch_warnings(record=True) as caught:

@@ -331,7 +331,7 @@ def _run(case: Case) -> list[str]:
 @pytest.fixture(autouse=True)
 def _own_warned(monkeypatch):
     """`_run` clears the emulation's once-per-run record at each step: on a copy of its own."""
-    monkeypatch.setattr(emulate, "_WARNED", set())
+    monkeypatch.setattr(emulate, "_WARNED", {})
 
 
 @pytest.mark.parametrize("seed", range(80))
