@@ -48,6 +48,7 @@ import torch
 import foundry_fp8.emulate as emulate
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.recipe import FP8Recipe
+from tests.test_numerics_te_current_scale import te_current_scale  # TE's kernel, one copy
 
 F32 = np.float32
 F32_MAX = F32(np.finfo(np.float32).max)
@@ -73,20 +74,6 @@ def fp8_values(scaled: np.ndarray, fmt: str) -> np.ndarray:
 def te_amax(t: np.ndarray) -> F32:
     finite_or_inf = np.abs(t[~np.isnan(t)])
     return F32(finite_or_inf.max()) if finite_or_inf.size else F32(0.0)
-
-
-def te_current_scale(amax: F32, fp8_max: float, power_2: bool, epsilon: float = 0.0) -> F32:
-    """compute_scale_from_amax (recipe_common.cuh:14-49), float32 throughout."""
-    amax = F32(epsilon) if amax < F32(epsilon) else amax  # a NaN compares false
-    if np.isinf(amax) or amax == 0 or np.isnan(amax):
-        return F32(1.0)
-    with np.errstate(over="ignore"):
-        scale = F32(fp8_max) / amax
-    if np.isinf(scale):
-        scale = F32_MAX
-    if power_2:
-        scale = (np.array([scale]).view(np.uint32) & np.uint32(0xFF800000)).view(np.float32)[0]
-    return scale
 
 
 @dataclass
