@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 #: fp8_stats' dump folder where `dump_folder` is not given, inside the run folder (the run writes
 #: its dumps there, the report looks there).
 DUMP_FOLDER = "fp8_dumps"
+#: The hyperparameter fp8_stats names the folder its dumps went to in, on every logger (rank 0, at
+#: each FIT_START with `dump_steps`): relative to the `jsonl` logger's folder, else the run
+#: folder, POSIX-style; absolute where the dumps lie outside it. A plain Composer run logs no
+#: config holding `dump_folder`, so the report finds its dumps from this alone.
+DUMP_FOLDER_KEY = "fp8/dump_folder"
 #: The (key, template, run folder) whose repeated run folder was said: once, not at every fit.
 _SAID: set[tuple[str, str, str]] = set()
 

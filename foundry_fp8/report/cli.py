@@ -75,13 +75,20 @@ from foundry_fp8.report.markdown import (
     values_said,
     worst_table,
 )
-from foundry_fp8.report.mlflow_run import MlflowRun, load_mlflow, mlflow_history, mlflow_run
+from foundry_fp8.report.mlflow_run import (
+    MlflowRun,
+    load_mlflow,
+    mlflow_history,
+    mlflow_run,
+    run_folder_of,
+)
 from foundry_fp8.report.read import (
     GuardRun,
     GuardSeries,
     NoStatistics,
     ReportError,
     dump_of,
+    dump_places,
     formats_from_hparams,
     guard_run,
     load_run,
@@ -212,13 +219,13 @@ def replay(run: RunMetrics, tracker: HealthTracker) -> list[Flag]:
     return tracker.flags
 
 
-def first_dump(flags: list[Flag], folder: Path, hparams: Mapping[str, Any] | None
-               ) -> tuple[Flag, Path] | None:
+def first_dump(flags: list[Flag], loaded: Loaded) -> tuple[Flag, Path] | None:
     """The first of the first flagged step's flags whose tensors fp8_stats dumped at that step
     (`dump_steps`), and the dump: what to open to see the values that went wrong."""
+    folder = loaded.run_folder or loaded.folder
+    places = dump_places(folder, loaded.hparams, loaded.dumps)
     return next(((f, path) for f in first_flags(flags)
-                 if (path := dump_of(folder, hparams, f.step, f.layer, f.tensor)) is not None),
-                None)
+                 if (path := dump_of(places, f.step, f.layer, f.tensor)) is not None), None)
 
 
 @dataclass(frozen=True)
@@ -279,7 +286,9 @@ class Loaded:
     hparams_file: Path  # where its hyperparameters were read: named in warnings
     folder: Path  # where its report goes without --out
     hparams_from: str = "hparams.json"  # what the thresholds' line names as their source
-    run_folder: Path | None = None  # where fp8_stats' dumps are looked up, where not `folder`
+    # where fp8_stats' dumps are looked up, where not `folder`: what its record is relative to
+    run_folder: Path | None = None
+    dumps: tuple[str, ...] = ()  # each attempt's record of its dump folder, latest first (W&B)
 
 
 def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
@@ -290,12 +299,14 @@ def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
         if losses is not None:  # MLflow's client: a query of its own, no file read twice
             losses.update(losses_of(mlflow_history(ml, LOSS)))
         run, series, hparams = load_mlflow(ml, warn)
-        return Loaded(run, series, hparams, ml.where, found.folder, "the MLflow run's params")
+        return Loaded(run, series, hparams, ml.where, found.folder, "the MLflow run's params",
+                      run_folder_of(ml, hparams))
     if isinstance(files := found.source, tuple):  # a W&B offline run, W&B's reader
-        run, series, hparams = load_wandb(run_folder, list(files), warn, losses)
+        dumps: list[str] = []
+        run, series, hparams = load_wandb(run_folder, list(files), warn, losses, dumps)
         # W&B's `dir` (`<run folder>/wandb/<attempt>/run-<id>.wandb`): the dumps are beside it
         return Loaded(run, series, hparams, files[-1], found.folder, "the W&B run's config",
-                      files[-1].parent.parent.parent)
+                      files[-1].parent.parent.parent, tuple(dumps))
     run, series = load_run(found.source, warn, losses)
     hparams_file = hparams_of(found.source)
     return Loaded(run, series, read_hparams(hparams_file, warn), hparams_file, found.folder)
@@ -325,7 +336,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     if tables is not None:
         tables.append(worst)
     first = next(iter(first_flags(flags)), None)
-    dump = first_dump(flags, loaded.run_folder or folder, hparams)
+    dump = first_dump(flags, loaded)
     chosen = choose_layers(run, matching, (first.layer, first.step) if first else None)
     if not chosen:
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "

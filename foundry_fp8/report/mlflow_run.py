@@ -13,11 +13,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from foundry_fp8.health import RunMetrics
 from foundry_fp8.health.keys import LAYER_PREFIX, LAYOUT, MARKERS, SUMMARY_PREFIX, parse_key
 from foundry_fp8.health.table import one_line
-from foundry_fp8.mlflow_facts import DEFAULT_STORE, TRACKING_URI, env_tracking_uri
+from foundry_fp8.mlflow_facts import DEFAULT_STORE, TRACKING_URI, env_tracking_uri, file_store
+from foundry_fp8.paths import run_folder, safe_run_name
 from foundry_fp8.report.read import GuardSeries, NoStatistics, ReportError, _read, _restarts_said
 
 #: `foundry-fp8 report mlflow:<run id>`: the run at MLFLOW_TRACKING_URI (MLflow's own default).
@@ -226,3 +228,33 @@ def mlflow_history(run: MlflowRun, key: str) -> list[tuple[int, dict[str, float]
     except mlflow_error as e:
         raise run.failed(e.message) from None
     return _records(points)
+
+
+#: The tag Composer's MLFlowLogger gives a run: the Composer run name (composer 0.32.1
+#: loggers/mlflow_logger.py:344, `tags['run_name']`, for its autoresume).
+RUN_NAME_TAG = "run_name"
+
+
+def run_folder_of(run: MlflowRun, params: Mapping[str, Any]) -> Path | None:
+    """The run's folder, where fp8_stats' dumps are: Composer's (`paths.run_folder`: the parent
+    of a local `save_folder` param, else `runs/<run name>`), in the working directory the run
+    started in, taken to be the one holding a file store (MLflow's default, ./mlruns, is there)
+    or, for a tracking server, the report's. The run name is Composer's tag (LLM-Foundry's
+    `run_name` param where absent). None where neither says it."""
+    client_class, mlflow_error = _mlflow(run)
+    try:
+        tags = client_class(tracking_uri=run.tracking_uri).get_run(run.run_id).data.tags
+    except mlflow_error:
+        return None
+    name = tags.get(RUN_NAME_TAG) or params.get("run_name")
+    if not isinstance(name, str) or not name:
+        return None
+    save_folder = params.get("save_folder")  # its `{run_name}` as Composer fills it in
+    folder = run_folder(save_folder.replace("{run_name}", safe_run_name(name))
+                        if isinstance(save_folder, str) else None, name)
+    uri = run.tracking_uri or env_tracking_uri(os.environ) or DEFAULT_STORE
+    started = Path(".")
+    if file_store(uri):
+        store = urlparse(uri)
+        started = Path(unquote(store.path) if store.scheme == "file" else uri).parent
+    return started / folder

@@ -10,7 +10,7 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,13 @@ from foundry_fp8.health.keys import (
 from foundry_fp8.health.plots import recipe_formats
 from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
 from foundry_fp8.options import build
-from foundry_fp8.paths import DUMP_FOLDER, PathError, in_run_folder, written_forms
+from foundry_fp8.paths import (
+    DUMP_FOLDER,
+    DUMP_FOLDER_KEY,
+    PathError,
+    in_run_folder,
+    written_forms,
+)
 from foundry_fp8.recipe import FP8Recipe
 
 
@@ -357,13 +363,15 @@ class WandbRead:
 
 
 def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
-               losses: dict[int, float] | None = None
+               losses: dict[int, float] | None = None, dumps: list[str] | None = None
                ) -> tuple[RunMetrics, GuardSeries, dict[str, Any]]:
     """The run's per-layer FP8 metrics, fp8_guard's series and the hyperparameters (its config)
     as W&B's own reader reads them from the attempts' `.wandb` files (`wandb_files(given)`), in
     order, once: what `wandb sync` uploads. Where they hold no FP8 statistics (W&B was not
     logging them, a file W&B's reader does not read), ReportError (one line) saying where the
-    run's metrics.jsonl is, when a folder above holds it."""
+    run's metrics.jsonl is, when a folder above holds it. `dumps` gets each attempt's
+    `paths.DUMP_FOLDER_KEY`, latest first: the merged config keeps the latest attempt's alone,
+    and an earlier attempt's dumps are in the folder it recorded."""
     read = WandbRead.of(files)
     guard: GuardSeries = {}
     older: dict[int, str] = {}
@@ -383,6 +391,8 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
         if said := _older_said(given, older, run):
             warn(said)
     config = attempts_config(read)
+    if dumps is not None:
+        dumps[:] = recorded_dump_folders(r.config.get(DUMP_FOLDER_KEY) for r in read.runs[::-1])
     for wandb_run, steps, later in zip(read.runs[:-1], read.steps, read.steps[1:], strict=False):
         if not wandb_run.complete:
             warn(_killed_said(wandb_run.path, steps, later))
@@ -934,9 +944,10 @@ def why_empty(metrics_file: Path) -> str:
     return f"{metrics_file}: no FP8 statistics (`{LAYOUT}` series): was `fp8_stats` in the YAML?"
 
 
-#: fp8_stats' dumps: `dump_folder` (default paths.DUMP_FOLDER, in the run folder:
-#: composer/stats.py, on_event's FIT_START) holds `step<7 digits>-rank<r>.safetensors`
-#: (monitor.py, _write_dump) of `<module name>/<tensor>` keys.
+#: fp8_stats' dumps: the folder it records (`paths.DUMP_FOLDER_KEY`; before that record,
+#: `dump_folder`, default paths.DUMP_FOLDER, in the run folder: composer/stats.py, `_fit_start`)
+#: holds `step<7 digits>-rank<r>.safetensors` (monitor.py, _write_dump) of `<module name>/<tensor>`
+#: keys.
 DUMP_FILES = "step{step:07d}-rank*.safetensors"
 #: A safetensors header is read, never a tensor: its length is 8 bytes little-endian, then JSON.
 MAX_DUMP_HEADER = 16 * 2**20
@@ -954,28 +965,52 @@ def _dumped_keys(path: Path) -> set[str]:
     return set(header) if isinstance(header, dict) else set()
 
 
-def dump_of(folder: Path, hparams: Mapping[str, Any] | None, step: int, layer: str,
-            tensor: str) -> Path | None:
-    """The dump fp8_stats wrote at `step` holding `layer`'s `tensor` (its `dump_steps`), found
-    in the run's dump folder next to its metrics; None where there is none."""
-    options = _fp8_stats_options(hparams or {}) or {}
-    template = options.get("dump_folder") or DUMP_FOLDER
-    run_name = (hparams or {}).get("run_name")
+def recorded_dump_folders(values: Iterable[Any]) -> list[str]:
+    """The `paths.DUMP_FOLDER_KEY` values among `values` (one per attempt, latest first) that name
+    a folder, each once; a logger's other types, empty text or a NUL (no path) left out."""
+    return list(dict.fromkeys(v for v in values if isinstance(v, str) and v and "\x00" not in v))
+
+
+def dump_places(folder: Path, hparams: Mapping[str, Any] | None, recorded: Sequence[str] = ()
+                ) -> list[Path]:
+    """The folders fp8_stats may have written the run's dumps to, in the order looked in: each
+    folder the run recorded (`recorded`, latest attempt first; else the one `hparams` holds)
+    inside `folder` (the folder holding metrics.jsonl, W&B's `dir`, an MLflow run's folder:
+    `mlflow_run.run_folder_of`), an absolute one as it is; then `callbacks.fp8_stats.dump_folder`
+    (default paths.DUMP_FOLDER) inside `folder`: runs of builds before the record, and an attempt
+    whose record a logger replaced (hparams.json) or refused (MLflow keeps a param's first
+    value)."""
+    hparams = hparams or {}
+    places = dict.fromkeys(
+        path if path.is_absolute() else folder / path
+        for path in map(Path, recorded_dump_folders(recorded or [hparams.get(DUMP_FOLDER_KEY)])))
+    template = (_fp8_stats_options(hparams) or {}).get("dump_folder") or DUMP_FOLDER
+    run_name = hparams.get("run_name")
     if not isinstance(template, str):
-        return None
+        return list(places)
     # where the run put them for each way it may have written its folder (`report .` inside it
     # has no parts to match a template's beginning against; `X/dumps` repeats a run folder
     # written `X`), named from `folder` as given
-    places: dict[Path, None] = {}
     for written in written_forms(folder):
         try:
             dumps = in_run_folder(template, written, run_name if isinstance(run_name, str)
                                   else "", "dump_folder")
         except (PathError, KeyError, ValueError):
-            return None
+            break
         places[folder / dumps.relative_to(written) if dumps.is_relative_to(written)
                else dumps] = None
+    return list(places)
+
+
+def dump_of(places: Iterable[Path], step: int, layer: str, tensor: str) -> Path | None:
+    """The dump fp8_stats wrote at `step` holding `layer`'s `tensor` (its `dump_steps`), the first
+    found in `places` (`dump_places`); None where there is none."""
     names = {f"{form}/{tensor}" for form in full_forms(layer)}
-    return next((path for dumps in places
-                 for path in sorted(dumps.glob(DUMP_FILES.format(step=step)))
-                 if names & _dumped_keys(path)), None)
+    for dumps in places:
+        try:
+            found = sorted(dumps.glob(DUMP_FILES.format(step=step)))
+        except (OSError, ValueError):  # a folder we may not read
+            continue
+        if (path := next((p for p in found if names & _dumped_keys(p)), None)) is not None:
+            return path
+    return None
