@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from foundry_fp8 import wandb_history
-from foundry_fp8.composer.stats import DUMP_FOLDER_KEY
+from foundry_fp8.paths import DUMP_FOLDER_KEY
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -32,7 +32,7 @@ from foundry_fp8.mlflow_facts import RACE, WORKAROUNDS, races
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
 from foundry_fp8.numerics import STAT_KEYS
 from foundry_fp8.options import MonitorConfig, Schedule, build
-from foundry_fp8.paths import DUMP_FOLDER, in_run_folder, say_repeated
+from foundry_fp8.paths import DUMP_FOLDER, DUMP_FOLDER_KEY, in_run_folder, say_repeated
 from foundry_fp8.te.debug import (
     TEDebugSession,
     layer_pattern,
@@ -53,9 +53,6 @@ IMAGE_PREFIX = "fp8_heatmap/"
 TABLE_NAME = "fp8_table"
 #: The fit-end hyperparameter: the worst value per layer and tensor (`FitEndKeys`' name).
 SUMMARY_KEY = "fp8/stats_summary"
-#: The hyperparameter naming the folder the dumps go to (`dump_record`): a plain Composer run's
-#: hparams hold no `callbacks.fp8_stats` options to find a `dump_folder` in.
-DUMP_FOLDER_KEY = "fp8/dump_folder"
 #: Logging steps a heatmap shows (the latest ones): a readable width, bounded memory.
 IMAGE_STEPS = 64
 #: The layout of `FP8Stats.state_dict()` in checkpoints (an earlier version saved `{}`). Fields
