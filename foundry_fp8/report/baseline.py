@@ -35,15 +35,11 @@ SAME_BATCH_KEYS = ("global_train_batch_size", "seed", "max_seq_len",
 COMPOSER_SEED = "rank_zero_seed"
 
 
-def read_losses(given: Path) -> dict[int, float]:
-    """step -> training loss (`health.keys.LOSS`) of the run GIVEN names, however the report
-    reads runs; ReportError (one line) where GIVEN is no run or logged no loss."""
-    return _losses_and_config(given)[0]
-
-
 def _losses_and_config(given: Path) -> tuple[dict[int, float], Mapping[str, Any] | None]:
-    """`read_losses`, and the run's config where the same read holds it (a W&B run's: its
-    files read again for it took as long again); else None."""
+    """step -> training loss (`health.keys.LOSS`) of the run GIVEN names, however the report
+    reads runs (ReportError, one line, where GIVEN is no run or logged no loss), and the run's
+    config where the same read holds it (a W&B run's: its files read again for it took as long
+    again); else None."""
     config = None
     if (ml := mlflow_run(given)) is not None:
         losses = losses_of(mlflow_history(ml, LOSS))
@@ -133,7 +129,7 @@ class Baseline:
 
 
 def read_baseline(given: Path) -> Baseline:
-    """The baseline's losses (`read_losses`), one line naming `--baseline` where they do not
+    """The baseline's losses (`_losses_and_config`), one line naming `--baseline` where they do not
     read or none is finite (it diverged itself: nothing to compare with)."""
     try:
         losses, config = _losses_and_config(given)
