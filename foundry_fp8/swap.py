@@ -731,18 +731,17 @@ def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module,
     LLM-Foundry's own `ffn_type: te_ln_mlp` saves the fused names too, with TE's
     `ffn._extra_state` (te_swap's checkpoints leave it out), dropped where the block becomes
     plain. `ffn_config`: the checkpoint's MPT `ffn_config` where it records one; a te.LayerNormMLP
-    no plain block computes (another activation or norm, by that or by fc1's rows) raises
-    ValueError: loaded, it would train another function or fail on a size mismatch."""
+    the block does not compute raises ValueError (`refuse_foreign_ln_mlps`)."""
+    refuse_foreign_ln_mlps(model, {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None
+                                   for k, v in state_dict.items()}, ffn_config)
     renames: dict[str, str] = {}
     for name, block in canonical_modules(model):
         layout = ln_mlp_layout(block)
         if layout is None:
             continue
         prefix = f"{name}." if name else ""
-        if prefix + "ffn.fc1_weight" in state_dict:
-            _refuse_foreign_ln_mlp(state_dict, prefix, block, ffn_config)
-            if layout == "plain":
-                state_dict.pop(f"{prefix}ffn.{EXTRA_STATE_SUFFIX}", None)
+        if layout == "plain" and prefix + "ffn.fc1_weight" in state_dict:
+            state_dict.pop(f"{prefix}ffn.{EXTRA_STATE_SUFFIX}", None)
         for te_name, plain in LN_MLP_SOURCES.items():
             own, other = (f"ffn.{te_name}", plain) if layout == "fused" else (plain, f"ffn.{te_name}")
             if prefix + own not in state_dict and prefix + other in state_dict:
@@ -752,34 +751,64 @@ def swapped_state_dict(state_dict: dict[str, Any], model: nn.Module,
     return renames
 
 
-def _refuse_foreign_ln_mlp(state_dict: dict[str, Any], prefix: str, block: nn.Module,
+def refuse_foreign_ln_mlps(model: nn.Module, shapes: Mapping[str, tuple[int, ...] | None],
                            ffn_config: Any) -> None:
-    """Raise where the checkpoint's te.LayerNormMLP at `prefix` is not `PLAIN_LN_MLP` with this
-    block's normalization: by its config, else by fc1's rows: twice this run's, as a gated
-    activation (swiglu/geglu/reglu..., two projections: `LayerNormMLP.__init__`) or twice the
-    expansion_ratio gives."""
+    """Raise ValueError (one line) where a checkpoint holds a te.LayerNormMLP for one of
+    `model`'s MPT blocks (fused or plain) that the block does not compute: loaded, it would train
+    another function or fail on a size mismatch. `shapes`: the checkpoint's model keys
+    (`model`'s canonical names) and tensor shapes (None where unknown): a whole file's state dict
+    or a sharded checkpoint's metadata (composer/plain.py). `ffn_config`: the checkpoint's MPT
+    `ffn_config`, None where it records none; only it tells the activation (gelu and relu have
+    the same shapes), so without it a block's activation is taken as the checkpoint's."""
+    for name, block in canonical_modules(model):
+        prefix = f"{name}." if name else ""
+        if ln_mlp_layout(block) is not None and prefix + "ffn.fc1_weight" in shapes:
+            rows = (shapes[prefix + "ffn.fc1_weight"] or (None,))[0]
+            why = _foreign_ln_mlp(prefix, block, ffn_config,
+                                  prefix + "ffn.layer_norm_bias" in shapes, rows)
+            if why is not None:
+                raise ValueError(why)
+
+
+def _foreign_ln_mlp(prefix: str, block: nn.Module, ffn_config: Any, norm_bias: bool,
+                    rows: int | None) -> str | None:
+    """Why `block` does not compute the checkpoint's te.LayerNormMLP at `prefix` (None where it
+    does): the block's own norm or activation none of TE's (`te_normalization`,
+    `te_activation`); by LLM-Foundry's `ffn_type: te_ln_mlp` config, a keyword of `PLAIN_LN_MLP`
+    other than the block's, a keyword it leaves out being TE's default (`build_te_ln_mlp` passes
+    none from `norm_type`: a `norm_type: rmsnorm` model's te.LayerNormMLP is a LayerNorm, with
+    a bias); by its keys, the norm (`norm_bias`: `ffn.layer_norm_bias` saved, which every TE
+    1.12-2.18 registers for LayerNorm only: `if self.normalization != "RMSNorm"`,
+    layernorm_mlp.py:1351 at v1.12, 2081 at v2.18); by fc1's `rows`, twice a plain block's
+    hidden size (a gated activation such as swiglu: two projections, or another
+    expansion_ratio)."""
+    fused = ln_mlp_layout(block) == "fused"
+    norm = (getattr(block.ffn, "normalization", None) if fused
+            else te_normalization(block.norm_2, block.ffn.up_proj.in_features))
+    act = (getattr(block.ffn, "activation", None) if fused
+           else te_activation(getattr(block.ffn, "act", None)))
     where = f"te_swap: the checkpoint's {prefix}ffn is a te.LayerNormMLP"
-    fix = ("this run's MPT block (norm_2 + GELU MLP) cannot compute it; load it into a model "
-           "built with the checkpoint's own ffn_config")
+    if norm not in LN_MLP_NORMALIZATIONS:
+        return f"{where}; this run's norm_2 cannot compute one ({norm})"
+    if act is None:
+        return f"{where}; this run's ffn_act_fn is not GELU or ReLU, TE's activations here"
+    fix = (f"this run's MPT block ({norm} norm_2, {act} MLP) cannot compute it; load it into a "
+           "model built with the checkpoint's own ffn_config")
     if isinstance(ffn_config, dict) and ffn_config.get("ffn_type") == "te_ln_mlp":
-        fused = ln_mlp_layout(block) == "fused"
-        norm = (getattr(block.ffn, "normalization", None) if fused
-                else te_normalization(block.norm_2, block.ffn.up_proj.in_features))
-        act = (getattr(block.ffn, "activation", None) if fused
-               else te_activation(getattr(block.ffn, "act", None)))
-        expected = {**PLAIN_LN_MLP, **({"normalization": norm}
-                                       if norm in LN_MLP_NORMALIZATIONS else {}),
-                    **({"activation": act} if act is not None else {})}
-        differ = {k: ffn_config[k] for k, v in expected.items()
-                  if k in ffn_config and ffn_config[k] != v}
+        expected = {**PLAIN_LN_MLP, "normalization": norm, "activation": act}
+        differ = [f"{k}={ffn_config.get(k, v)!r}" + ("" if k in ffn_config else " (TE's default)")
+                  for k, v in PLAIN_LN_MLP.items() if ffn_config.get(k, v) != expected[k]]
         if differ:
-            raise ValueError(f"{where} (LLM-Foundry's ffn_type te_ln_mlp) with "
-                             f"{', '.join(f'{k}={v!r}' for k, v in differ.items())}: {fix}")
-    rows = getattr(state_dict[prefix + "ffn.fc1_weight"], "shape", (None,))[0]
+            return f"{where} (LLM-Foundry's ffn_type te_ln_mlp) with {', '.join(differ)}: {fix}"
+    saved = "LayerNorm" if norm_bias else "RMSNorm"
+    if saved != norm:
+        return (f"{where} with {saved} (by its keys: {'a' if norm_bias else 'no'} "
+                f"ffn.layer_norm_bias): {fix}")
     hidden = getattr(getattr(block.ffn, "up_proj", None), "out_features", None)  # plain only
     if rows is not None and hidden is not None and rows == 2 * hidden:
-        raise ValueError(f"{where} whose fc1 has {rows} rows, twice this run's {hidden} (a "
-                         f"gated activation such as swiglu, or another expansion_ratio): {fix}")
+        return (f"{where} whose fc1 has {rows} rows, twice this run's {hidden} (a gated "
+                f"activation such as swiglu, or another expansion_ratio): {fix}")
+    return None
 
 
 def ln_mlp_layout(block: nn.Module) -> Literal["fused", "plain"] | None:

@@ -26,10 +26,12 @@ loader raised `KeyError` on the first renamed parameter). A sharded (DCP) checkp
 the model's own keys, so its load gets a planner that reads them under the other layout's names
 (`load_sharded_plain`).
 LLM-Foundry's own `ffn_type: te_ln_mlp` checkpoint loads into a plain block too, its TE
-`_extra_state` dropped, unless its te.LayerNormMLP computes something else (swiglu, another
-activation or norm than the block's: by the config Composer saves with it, else by fc1's
-rows), which is refused in one line. A fused block loaded plain computes the run's
-`ffn_act_fn` where it trained TE's tanh GELU: one warning (none for ReLU, which TE's is).
+`_extra_state` dropped, unless its te.LayerNormMLP computes something else than the block
+(swiglu, another activation or norm: by the config Composer saves with it, TE's defaults for
+what it leaves out, and by its keys and fc1's rows), which is refused in one line, whole file
+or sharded alike (`swap.refuse_foreign_ln_mlps`; a sharded one before anything loads). A
+fused block loaded plain computes the run's `ffn_act_fn` where it trained TE's tanh GELU: one
+warning (none for ReLU, which TE's is).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from foundry_fp8.swap import (
     is_te_gelu,
     ln_mlp_layout,
     plain_state_dict,
+    refuse_foreign_ln_mlps,
     swapped_state_dict,
     te_activation,
 )
@@ -175,12 +178,16 @@ def load_plain(state: State) -> None:
     state.load_model_state = load_model_state  # type: ignore[method-assign]
 
 
+#: where Composer saves a HuggingFaceModel's config.json's `ffn_config` in its state
+#: (composer/core/state.py `_get_integrations_state_dict`, composer/models/huggingface.py
+#: `get_metadata`, 0.31-0.32)
+_FFN_CONFIG_PATH = ("integrations", "huggingface", "model", "config", "content", "ffn_config")
+
+
 def _saved_ffn_config(state_dict: dict[str, Any]) -> Any:
-    """The checkpoint's MPT `ffn_config` (None where it has none): Composer saves a
-    HuggingFaceModel's config.json under `integrations` (composer/core/state.py
-    `_get_integrations_state_dict`, composer/models/huggingface.py `get_metadata`, 0.31-0.32)."""
+    """The checkpoint's MPT `ffn_config` (None where it has none), from Composer's state."""
     node: Any = state_dict
-    for key in ("integrations", "huggingface", "model", "config", "content", "ffn_config"):
+    for key in _FFN_CONFIG_PATH:
         node = node.get(key) if isinstance(node, dict) else None
     return node
 
@@ -278,6 +285,7 @@ def _into_registered_states(load_sharded: Callable[..., Any]) -> Callable[..., A
         @functools.wraps(load)
         def layout_load(state_dict: dict[str, Any], storage_reader: Any,
                         load_planner: Any = None) -> None:
+            _refuse_foreign_sharded(state.model, storage_reader)
             planner = _layout_planner(state.model) if load_planner is None else load_planner
             load(state_dict, storage_reader, planner)
 
@@ -289,6 +297,49 @@ def _into_registered_states(load_sharded: Callable[..., Any]) -> Callable[..., A
                 checkpoint.dist_cp_load = load
 
     return load_sharded_checkpoint
+
+
+#: Composer's sharded checkpoints hold the state under this key, the model's under "model"
+#: (`load_sharded_checkpoint`'s template, composer/utils/checkpoint.py, 0.31-0.32); DCP names
+#: each leaf by its path joined with dots
+_STATE = "state"
+
+
+def _refuse_foreign_sharded(model: nn.Module, storage_reader: Any) -> None:
+    """`swap.refuse_foreign_ln_mlps` for a sharded checkpoint, before anything loads: tensor
+    shapes from DCP's metadata (`TensorStorageMetadata.size`), the `ffn_config` Composer saved
+    read on its own (`_sharded_ffn_config`) where some block's te.LayerNormMLP is there to
+    judge. DCP keeps a key the model lacks out of the load without a word, so without this a
+    te.LayerNormMLP another block computes differently (LLM-Foundry's own `te_ln_mlp`, LayerNorm
+    whatever the `norm_type`; `activation: relu`) loaded as this run's block."""
+    saved = storage_reader.read_metadata().state_dict_metadata
+    model_prefix = f"{_STATE}.model."
+    shapes = {k.removeprefix(model_prefix): tuple(getattr(md, "size", ())) or None
+              for k, md in saved.items() if k.startswith(model_prefix)}
+    if any(k.endswith("ffn.fc1_weight") for k in shapes):
+        refuse_foreign_ln_mlps(model, shapes, _sharded_ffn_config(storage_reader, saved))
+
+
+def _sharded_ffn_config(storage_reader: Any, saved: dict[str, Any]) -> Any:
+    """The `ffn_config` in a sharded checkpoint's Composer state (`_saved_ffn_config`), None
+    where it has none: DCP saved each of its leaves (flattened, torch's `_traverse.py`) as
+    bytes, read here with this rank's reader alone (`no_dist`: no collective another rank
+    would not make)."""
+    import torch.distributed.checkpoint as dcp
+
+    prefix = ".".join((_STATE, *_FFN_CONFIG_PATH)) + "."
+    leaves: dict[str, Any] = {k: None for k in saved if k.startswith(prefix)}
+    if not leaves:
+        return None
+    dcp.load(leaves, storage_reader=storage_reader, no_dist=True)
+    config: dict[str, Any] = {}
+    for key, value in leaves.items():
+        *parents, last = key.removeprefix(prefix).split(".")
+        node = config
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config
 
 
 def _layout_pairs(model: nn.Module) -> dict[str, str]:
