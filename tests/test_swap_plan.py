@@ -271,6 +271,8 @@ MPT_SECTIONS = {
     "qk_ln": {"attn_config": {"qk_ln": True}},
     "rmsnorm": {"norm_type": "rmsnorm"},
     "layernorm": {"norm_type": "layernorm"},
+    "relu": {"ffn_config": {"ffn_act_fn": {"name": "relu"}}},  # fused with TE's relu
+    "silu": {"ffn_config": {"ffn_act_fn": {"name": "silu"}}},  # not fused
     "ffn_hidden_size": {"ffn_config": {"ffn_hidden_size": 96}, "expansion_ratio": 3},
 }
 
@@ -326,6 +328,8 @@ SWAP_CASES = [
     ({"include": "norm", "convert_layernorm": True}, "no bias"),
     ({"include": "ffn$", "fuse_ln_mlp": True}, "defaults"),
     ({"include": "ffn$", "fuse_ln_mlp": True}, "rmsnorm"),
+    ({"include": "ffn$", "fuse_ln_mlp": True}, "relu"),
+    ({"include": "ffn$", "fuse_ln_mlp": True}, "silu"),
     ({"include": "ffn$", "fuse_ln_mlp": True, "backend": "emulate"}, "defaults"),
     ({"include": "Wq$|Wk$"}, "split qkv"), ({"include": "Wqkv"}, "split qkv"),
     ({}, "head_dim"), ({"include": "out_proj|Wqkv"}, "head_dim"),
