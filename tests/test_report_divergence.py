@@ -27,7 +27,13 @@ import torch
 
 from foundry_fp8.cli import main
 from foundry_fp8.health.keys import LOSS
-from foundry_fp8.health.thresholds import LOSS_SPIKE_MIN, LOSS_SPIKE_RATIO, LOSS_SPIKE_WINDOW
+from foundry_fp8.health.thresholds import (
+    LOSS_SPIKE_JUMP,
+    LOSS_SPIKE_MIN,
+    LOSS_SPIKE_RATIO,
+    LOSS_SPIKE_STEPS,
+    LOSS_SPIKE_WINDOW,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES, BREAK, BROKEN, INTERVAL = 40, 16, 2, 2
@@ -153,18 +159,31 @@ def test_the_report_names_the_broken_weight_at_the_break_and_links_its_dump(
     assert line.endswith(f"fp8_stats' dump of '{LAYER}' weight there: {dump}."), line
 
 
-def _reference_spike(losses: dict[int, float]) -> int | None:
-    """The first step whose loss is NaN/Inf or more than LOSS_SPIKE_RATIO times the median
-    (`statistics.median`) of up to LOSS_SPIKE_WINDOW finite losses logged before it, at least
-    LOSS_SPIKE_MIN of them."""
+def _reference_spikes(losses: dict[int, float]) -> list[tuple[int, int | None]]:
+    """The loss spikes, (first step, step back within the ratio), read off the losses of a run
+    that logs every step: from a step whose loss is NaN/Inf or more than LOSS_SPIKE_JUMP times
+    the median (`statistics.median`) of up to LOSS_SPIKE_WINDOW finite losses outside spikes
+    logged before it (LOSS_SPIKE_MIN at least), or more than LOSS_SPIKE_RATIO times it at
+    LOSS_SPIKE_STEPS steps in a row, to the next finite loss within the ratio."""
     before: deque[float] = deque(maxlen=LOSS_SPIKE_WINDOW)
-    for step in sorted(losses):
-        loss = losses[step]
-        if not math.isfinite(loss) or (len(before) >= LOSS_SPIKE_MIN and
-                                       loss > LOSS_SPIKE_RATIO * statistics.median(before)):
-            return step
-        before.append(loss)
-    return None
+    steps, found, i = sorted(losses), [], 0
+    while i < len(steps):
+        loss = losses[steps[i]]
+        median = statistics.median(before) if len(before) >= LOSS_SPIKE_MIN else None
+        ahead = [losses[s] for s in steps[i:i + LOSS_SPIKE_STEPS]]
+        if not math.isfinite(loss) or median is not None and (
+                loss > LOSS_SPIKE_JUMP * median or len(ahead) == LOSS_SPIKE_STEPS and all(
+                    not math.isfinite(v) or v > LOSS_SPIKE_RATIO * median for v in ahead)):
+            limit = math.inf if median is None else LOSS_SPIKE_RATIO * median
+            back = next((j for j in range(i + 1, len(steps))
+                         if math.isfinite(losses[steps[j]]) and losses[steps[j]] <= limit), None)
+            found.append((steps[i], None if back is None else steps[back]))
+            if back is None:
+                break
+            i = back
+        before.append(losses[steps[i]])
+        i += 1
+    return found
 
 
 def _loss_lines(capsys, argument: Path, out: Path) -> tuple[str, str]:
@@ -183,17 +202,25 @@ def _loss_lines(capsys, argument: Path, out: Path) -> tuple[str, str]:
 def test_the_loss_line_names_the_spike_and_how_far_after_the_first_flag(run, tmp_path, capsys,
                                                                          source):
     """D2-21: without --baseline the report never said the loss had spiked, what a post-mortem
-    looks for first. The spike (from the raw file, `_reference_spike`) comes after the break,
-    and the line says how many steps after the first FP8 flag (the broken weight at BREAK)."""
+    looks for first. The run's loss jumps 1600x at step 18 and is back the next, then jumps
+    again (`_reference_spikes`, from the raw file; each a jump: none lasts LOSS_SPIKE_STEPS
+    steps): the line names the first at or after the first FP8 flag (the broken weight at
+    BREAK), how many steps after it, where the loss came back, and the later spikes."""
     losses = {s: m[LOSS] for s, m in _raw(run).items() if LOSS in m}
-    spiked = _reference_spike(losses)
-    assert spiked is not None and spiked >= BREAK  # nothing before the break
+    spikes = _reference_spikes(losses)
+    assert len(spikes) >= 2 and all(back is not None for _, back in spikes)  # it came back
+    (spiked, back), later = spikes[0], spikes[1:]
+    assert BREAK <= spiked <= BREAK + 4  # nothing before the break
     argument = run if source == "jsonl" else run / "wandb" / "latest-run"
     terminal, markdown = _loss_lines(capsys, argument, tmp_path / "out")
     assert terminal == markdown
     assert terminal.startswith(f"Loss spikes at step {spiked}: {losses[spiked]:.4g}, "), terminal
-    assert terminal.endswith(f", {spiked - BREAK} steps after the first FP8 flag (step {BREAK})."
-                             ), terminal
+    named = ", ".join(f"{s} (back at {b})" for s, b in later[:3]) + (
+        f" and {len(later) - 3} more" if len(later) > 3 else "")
+    assert terminal.endswith(
+        f", {spiked - BREAK} steps after the first FP8 flag (step {BREAK}). Back within the ratio"
+        f" at step {back}. {len(later)} spike{'s' if len(later) > 1 else ''} after it, "
+        f"recovered: at step{'s' if len(later) > 1 else ''} {named}."), terminal
 
 
 def test_the_same_run_without_the_break_has_no_loss_spike(healthy, tmp_path, capsys):
@@ -202,7 +229,7 @@ def test_the_same_run_without_the_break_has_no_loss_spike(healthy, tmp_path, cap
     losses = {s: m[LOSS] for s, m in _raw(healthy).items() if LOSS in m}
     steps = sorted(losses)
     assert sum(losses[b] > losses[a] for a, b in itertools.pairwise(steps)) >= len(steps) // 4
-    assert _reference_spike(losses) is None
+    assert _reference_spikes(losses) == []
     terminal, markdown = _loss_lines(capsys, healthy, tmp_path / "out")
     assert terminal == markdown
     assert terminal.startswith(f"Loss: no spike at the logged steps {steps[0]} to {steps[-1]} ("
@@ -234,7 +261,7 @@ def test_a_sweep_names_the_run_whose_loss_spiked(run, healthy, capsys):
     assert main(["report", str(run), str(healthy)]) == 0
     last = capsys.readouterr().out.splitlines()[-2:]
     assert last[0].startswith(f"  {run}: ") and last[0].endswith(
-        f" flagged, loss spikes at step {_reference_spike(losses)}"), last
+        f" flagged, loss spikes at step {_reference_spikes(losses)[0][0]}"), last
     assert last[1] == f"  {healthy}: 0 flagged", last
 
 

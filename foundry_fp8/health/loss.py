@@ -3,19 +3,21 @@ an FP8 run against the BF16 run it should track. Compared at the steps both logg
 step both runs trained on the same batch, so their losses differ by the numerics alone, while a
 loss interpolated between another run's steps would mix batches. The departure rule catches a
 divergence; the measured gap (`LossComparison.mean_gap`) is what says how close the runs are.
-Without a baseline, the run's own first loss spike (`spike`). Plain Python."""
+Without a baseline, the run's own loss spikes (`spike`). Plain Python."""
 
 from __future__ import annotations
 
 import bisect
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from foundry_fp8.health.thresholds import (
     LOSS_GAP_STEPS,
+    LOSS_SPIKE_JUMP,
     LOSS_SPIKE_MIN,
     LOSS_SPIKE_RATIO,
+    LOSS_SPIKE_STEPS,
     LOSS_SPIKE_WINDOW,
     MAX_LOSS_GAP,
 )
@@ -97,41 +99,95 @@ def compare(losses: Mapping[int, float], baseline: Mapping[int, float],
 
 
 @dataclass(frozen=True)
-class LossSpike:
-    """The run's first loss spike (`spike`), or that it has none over the steps looked at."""
+class Spike:
+    """One loss spike: where it starts and where the loss is back (`spike`)."""
 
-    step: int | None  # the first spike, None where none
-    loss: float | None  # the loss there
+    step: int  # its first step
+    loss: float  # the loss there
     median: float | None  # the median it is more than `ratio` times; None for NaN/Inf at once
     over: int  # how many losses that median is of
+    back: int | None  # the first step with the loss back within; None: not by the last logged
+
+
+@dataclass(frozen=True)
+class LossSpike:
+    """The run's loss spikes (`spike`), in step order, over the steps looked at."""
+
+    spikes: tuple[Spike, ...]
     first: int  # the logged loss steps looked at, from `first` to `last`
     last: int
     ratio: float  # the rule: more than `ratio` times the median ...
+    steps: int  # ... at this many logged steps in a row, ...
+    jump: float  # ... or more than `jump` times it at once ...
     window: int  # ... of up to `window` finite losses logged before
+
+    @property
+    def diverged(self) -> Spike | None:
+        """The spike the loss never came back from, by the last logged step."""
+        return next((s for s in self.spikes if s.back is None), None)
+
+    def main(self, flagged: int | None) -> Spike | None:
+        """The spike a post-mortem reads first: where the loss diverged; else the first at or
+        after the first FP8 flag (step `flagged`), which may be its doing; else the first."""
+        later = [s for s in self.spikes if flagged is not None and s.step >= flagged]
+        return self.diverged or next(iter(later or self.spikes), None)
+
+
+def _median(ordered: list[float]) -> float:
+    middle = len(ordered) // 2
+    return (ordered[middle] if len(ordered) % 2 else
+            (ordered[middle - 1] + ordered[middle]) / 2)
 
 
 def spike(losses: Mapping[int, float], ratio: float = LOSS_SPIKE_RATIO,
+          steps: int = LOSS_SPIKE_STEPS, jump: float = LOSS_SPIKE_JUMP,
           window: int = LOSS_SPIKE_WINDOW, least: int = LOSS_SPIKE_MIN) -> LossSpike:
-    """The first step whose loss is NaN/Inf, or more than `ratio` times the median of the up to
-    `window` finite losses logged before it (`least` of them at least; a median at or below 0,
-    of a loss that is no cross-entropy, says nothing). `losses`: step -> loss, not empty."""
-    before: list[float] = []  # the last `window` finite losses, sorted
+    """The loss spikes: each starts at a NaN/Inf loss, at a loss more than `jump` times the
+    median of the up to `window` finite losses logged before it (`least` of them at least; a
+    median at or below 0, of a loss that is no cross-entropy, says nothing), or at the first of
+    `steps` logged losses in a row more than `ratio` times that median (a noisy step alone is
+    no spike); it lasts until a finite loss is within `ratio` times that median again. A
+    spike's losses stay out of the later medians. `losses`: step -> loss, not empty."""
+    before: list[float] = []  # the last `window` finite losses outside spikes, sorted
     recent: list[float] = []  # the same, in step order
-    steps = sorted(losses)
-    for step in steps:
-        loss = losses[step]
-        if not math.isfinite(loss):
-            return LossSpike(step, loss, None, len(before), steps[0], steps[-1], ratio,
-                             window)
-        if len(before) >= least:
-            middle = len(before) // 2
-            median = (before[middle] if len(before) % 2 else
-                      (before[middle - 1] + before[middle]) / 2)
-            if median > 0 and loss > ratio * median:
-                return LossSpike(step, loss, median, len(before), steps[0], steps[-1], ratio,
-                                 window)
+    streak: list[int] = []  # the steps in a row above `ratio` times `ref`, not yet a spike
+    ref: float | None = None  # the median before the streak or the spike
+    found: list[Spike] = []
+    order = sorted(losses)
+
+    def keep(loss: float) -> None:
         bisect.insort(before, loss)
         recent.append(loss)
         if len(recent) > window:
             del before[bisect.bisect_left(before, recent.pop(0))]
-    return LossSpike(None, None, None, 0, steps[0], steps[-1], ratio, window)
+
+    def start(step: int, median: float | None) -> None:
+        found.append(Spike(step, losses[step], median, len(before), None))
+
+    for step in order:
+        loss = losses[step]
+        if found and found[-1].back is None:  # in a spike: is the loss back?
+            if math.isfinite(loss) and (ref is None or loss <= ratio * ref):
+                found[-1] = replace(found[-1], back=step)
+                keep(loss)
+            continue
+        median = _median(before) if len(before) >= least else None
+        median = median if median is not None and median > 0 else None
+        if not math.isfinite(loss):
+            ref = ref if streak else median
+            start(streak[0] if streak else step, None if not streak else ref)
+            streak = []
+            continue
+        base = ref if streak else median
+        if base is not None and loss > ratio * base:
+            ref = base
+            streak.append(step)
+            if len(streak) >= steps or loss > jump * base:
+                start(streak[0], ref)
+                streak = []
+            continue
+        for held in streak:  # noise after all
+            keep(losses[held])
+        streak = []
+        keep(loss)
+    return LossSpike(tuple(found), order[0], order[-1], ratio, steps, jump, window)

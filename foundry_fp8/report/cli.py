@@ -321,7 +321,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     the written paths (markdown last) and the first flagged step's dump (`first_dump`). `loss`:
     the baseline as named and the loss comparison with it (`compare`), for the headline;
     `loaded`: the run already read (`load`); `tables`: gets the markdown's `worst_table`, for
-    the terminal's (made once: each reads every series); `spiked`: the run's first loss spike
+    the terminal's (made once: each reads every series); `spiked`: the run's loss spikes
     (`health.loss.spike`), for the headline."""
     loaded = loaded or load(run_folder)
     run, series, hparams = loaded.run, loaded.series, loaded.hparams
@@ -431,12 +431,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summary(found: int | None, loss: tuple[str, LossComparison] | None,
-             spiked: LossSpike | None = None) -> str:
-    """A run's line in the summary of several: flagged layer tensors, the loss's first spike,
-    the loss against the baseline."""
+             spiked: LossSpike | None = None, flagged: int | None = None) -> str:
+    """A run's line in the summary of several: flagged layer tensors, the loss spike the loss
+    line is about (`LossSpike.main`, by the first FP8 flag at step `flagged`), the loss against
+    the baseline."""
     said = "no fp8_report.md" if found is None else f"{found} flagged"
-    if spiked is not None and spiked.step is not None:
-        said += f", loss spikes at step {spiked.step}"
+    if spiked is not None and (main := spiked.main(flagged)) is not None:
+        said += (f", loss spikes at step {main.step}" if main.back is not None else
+                 f", loss diverges from step {main.step}")
     if loss is not None:
         cmp = loss[1]
         said += (f", loss departs from the baseline at step {cmp.departed}"
@@ -536,4 +538,4 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     for path in written[:-1]:
         print(f"  {path.name}")
     print(f"written to {written[-1]}")
-    return 0, _summary(len(found), loss, spiked)
+    return 0, _summary(len(found), loss, spiked, min((f.step for f in flags), default=None))

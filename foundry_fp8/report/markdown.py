@@ -36,7 +36,12 @@ from foundry_fp8.health.table import (
     number,
     short_names,
 )
-from foundry_fp8.health.thresholds import LOSS_SPIKE_RATIO, LOSS_SPIKE_WINDOW
+from foundry_fp8.health.thresholds import (
+    LOSS_SPIKE_JUMP,
+    LOSS_SPIKE_RATIO,
+    LOSS_SPIKE_STEPS,
+    LOSS_SPIKE_WINDOW,
+)
 from foundry_fp8.report.read import GuardRun
 
 #: The worst-value table (`worst_values`) and its what-if cells (`whatif_worst`).
@@ -396,10 +401,13 @@ GUIDE = """\
   nor counted as worst values.
 - **amax**: largest magnitude. Spikes of 10x or a steady climb come before loss divergence; the
   layer whose amax moves first is where to look.
-- **Loss spikes**: the first logged step whose training loss is more than {loss_ratio:g}x the
-  median of the up to {loss_window} finite losses logged before it, or NaN/Inf. A spike a few
-  steps after the first FP8 flag points at that flag's layer; one before any flag, or in a run
-  with none, points beyond FP8 (the data, the learning rate).
+- **Loss spikes**: the training loss more than {loss_ratio:g}x the median of the up to
+  {loss_window} finite losses logged before it at {loss_steps} logged steps in a row (one noisy
+  step is none), or {loss_jump:g}x at once, or NaN/Inf, until it is back within {loss_ratio:g}x.
+  The line names where the loss diverged (never came back), else the first spike at or after the
+  first FP8 flag, and the spikes it came back from. A spike a few steps after the first FP8 flag
+  points at that flag's layer; one before any flag, or in a run with none, points beyond FP8
+  (the data, the learning rate).
 """
 
 
@@ -413,7 +421,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     then the full table (and the layers of grouped flag rows one per row). `matched`: how many
     layers `--layers` matched, of which `chosen` are the ones drawn; `loss`: the baseline (as
     named) and the loss comparison with it; `worst`: the run's `worst_table`, when made;
-    `spike`: the run's first loss spike (`spike_line`), where it logged a loss."""
+    `spike`: the run's loss spikes (`spike_line`), where it logged a loss."""
     table, cells = worst or worst_table(run)
     prefix = common_prefix(run.layers)
     names = layer_names(run, guard)
@@ -480,7 +488,8 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
               GUIDE.format(underflow=t.max_underflow_pct, overflow=t.max_overflow_pct,
                            clip=t.clip_ratio, persist=t.persist_steps, spike=t.spike_ratio,
                            stale=t.stale_ratio, cos=t.min_cos_sim, loss_ratio=LOSS_SPIKE_RATIO,
-                           loss_window=LOSS_SPIKE_WINDOW),
+                           loss_window=LOSS_SPIKE_WINDOW, loss_steps=LOSS_SPIKE_STEPS,
+                           loss_jump=LOSS_SPIKE_JUMP),
               "## Plots", ""]
     lines += [f"![{md_escape(png)}]({quote(png)})" for png in pngs]
     more = (f" (the first {len(chosen)} of the {matched} layers `--layers` matches)"
@@ -573,26 +582,48 @@ def departure(cmp: LossComparison, flags: list[Flag], names: dict[str, str], run
             f"{flagged}")
 
 
+#: The recovered loss spikes the loss line names on either side of the one it is about.
+SPIKES_NAMED = 3
+
+
 def spike_line(sp: LossSpike, flags: list[Flag]) -> str:
-    """The run's first loss spike (`health.loss.spike`) and how far it is from the first FP8
-    flag: a spike right after it points at FP8, one before it at something else (the data, the
-    learning rate). Or that the loss has none."""
+    """The run's loss spike a post-mortem reads first (`LossSpike.main`: where it diverged,
+    else the first at or after the first FP8 flag) and how far it is from that flag: a spike
+    right after it points at FP8, one before it at something else (the data, the learning
+    rate). The spikes the loss came back from are named briefly, so that one early and brief
+    does not hide a later divergence. Or that the loss has none."""
     rule = (f"more than {sp.ratio:g}x the median of the up to {sp.window} finite losses logged "
-            "before, or NaN/Inf")
-    if sp.step is None or sp.loss is None:
+            f"before at {sp.steps} logged steps in a row, or {sp.jump:g}x at once, or NaN/Inf")
+    first = min((f.step for f in flags), default=None)
+    main = sp.main(first)
+    if main is None:
         return f"Loss: no spike at the logged steps {sp.first} to {sp.last} (never {rule})."
-    if sp.median is None:
-        said = f"Loss is {number(sp.loss)} at step {sp.step} (the first NaN/Inf logged)"
+    if main.median is None:
+        said = f"Loss is {number(main.loss)} at step {main.step} (the first NaN/Inf logged)"
     else:
-        said = (f"Loss spikes at step {sp.step}: {number(sp.loss)}, {sp.loss / sp.median:.3g}x "
-                f"the median {number(sp.median)} of the {sp.over} losses logged before it (the "
-                f"rule: {rule})")
-    if not flags:
-        return f"{said}; no FP8 flag in the run: look beyond FP8 (data, learning rate) first."
-    first = min(f.step for f in flags)
-    if first < sp.step:
-        return f"{said}, {sp.step - first} steps after the first FP8 flag (step {first})."
-    if first == sp.step:
-        return f"{said}, at the step of the first FP8 flag."
-    return (f"{said}, {first - sp.step} steps before the first FP8 flag (step {first}): the loss "
-            "went first.")
+        said = (f"Loss {'spikes at' if main.back is not None else 'diverges from'} step "
+                f"{main.step}: {number(main.loss)}, {main.loss / main.median:.3g}x the median "
+                f"{number(main.median)} of the {main.over} losses logged before it (the rule: "
+                f"{rule})")
+    if first is None:
+        said += "; no FP8 flag in the run: look beyond FP8 (data, learning rate) first."
+    elif first < main.step:
+        said += f", {main.step - first} steps after the first FP8 flag (step {first})."
+    elif first == main.step:
+        said += ", at the step of the first FP8 flag."
+    else:
+        said += (f", {first - main.step} steps before the first FP8 flag (step {first}): the "
+                 "loss went first.")
+    if main.back is not None:
+        said += f" Back within the ratio at step {main.back}."
+    else:
+        said += f" Not back within the ratio by the last logged step, {sp.last}."
+    for where, spikes in (("before", [s for s in sp.spikes if s.step < main.step]),
+                          ("after", [s for s in sp.spikes if s.step > main.step])):
+        if spikes:
+            named = ", ".join(f"{s.step} (back at {s.back})" for s in spikes[:SPIKES_NAMED])
+            more = (f" and {len(spikes) - SPIKES_NAMED} more" if len(spikes) > SPIKES_NAMED
+                    else "")
+            said += (f" {len(spikes)} spike{'s' if len(spikes) > 1 else ''} {where} it, "
+                     f"recovered: at step{'s' if len(spikes) > 1 else ''} {named}{more}.")
+    return said
