@@ -38,3 +38,28 @@ def train_refuses(path: Path, kind: type[Exception]) -> bool:
     if error is not None and not isinstance(error, kind):
         raise error
     return error is not None
+
+
+def eval_refusal(path: Path) -> Exception | None:
+    """What LLM-Foundry's evaluate raises on the file before building anything (omegaconf's
+    load, then `make_dataclass_and_log_config` with EvalConfig and the allow_toplevel_keys
+    transform, as llmfoundry/command_utils/eval.py evaluate calls it); None: it takes the file."""
+    from llmfoundry.command_utils.eval import allow_toplevel_keys
+    from llmfoundry.utils.config_utils import (
+        EVAL_CONFIG_KEYS,
+        EvalConfig,
+        make_dataclass_and_log_config,
+    )
+    from omegaconf import OmegaConf
+
+    with open(path) as f:
+        loaded = OmegaConf.load(f)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_dataclass_and_log_config(loaded, EvalConfig, EVAL_CONFIG_KEYS,
+                                          transforms=[allow_toplevel_keys],
+                                          icl_tasks_required=False)
+    except Exception as e:  # the caller judges the kind
+        return e
+    return None

@@ -1579,7 +1579,7 @@ def test_a_train_config_with_run_name_is_not_taken_for_mcli(tmp_path, text):
 def _yaml_at(folder: Path, name: str = "bad.yaml") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
-    path.write_text("precison: amp_fp8\n")
+    path.write_text("precision: amp_bf16\nprecison: amp_fp8\n")
     return path
 
 

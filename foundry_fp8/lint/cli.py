@@ -3,7 +3,8 @@ findings at their lines.
 
 A file is linted by what it is: an Accelerate config (or a DeepSpeed JSON), an MCLI run config
 (its `parameters:` as the train or eval config MCLI hands to the script), an LLM-Foundry eval
-config (a `models:` list), else an LLM-Foundry train config (YAML or JSON).
+config (a `models:` list), else an LLM-Foundry train config (YAML or JSON); a file a folder walk
+finds that is none of these (an inference benchmark's, mkdocs', CI's) is skipped, saying why.
 
 Exit codes: 0 no errors, 1 at least one error finding, 2 a file could not be read or resolved.
 """
@@ -16,7 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from foundry_fp8.lint.load import (
     load_config,
     load_data,
     position_of,
+    read_names,
     read_overrides,
     read_stdin,
     read_text,
@@ -60,6 +62,7 @@ from foundry_fp8.lint.rules.mcli import (
     pinned_te_findings,
     pins,
 )
+from foundry_fp8.lint.rules.train import TRAIN_ONLY_KEYS, foreign_top_level
 from foundry_fp8.packages import is_ours
 
 __all__ = ["LintInputError", "add_arguments", "lint_file", "run"]
@@ -90,7 +93,8 @@ STDIN = Path("<stdin>")
 
 def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = None,
               wandb_mode: str | None = None, text: str | None = None,
-              gpus: int | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+              gpus: int | None = None, overrides: Sequence[str] = (),
+              walked: bool = False) -> dict[str, Any]:
     """One entry of the JSON contract: {path, error, findings}, plus `skipped` (why) for a file
     with nothing to lint. `snapshot`: what is installed where the linter runs, for the rules
     that depend on it (None: they stay quiet); `wandb_mode`: W&B's mode from the environment
@@ -99,7 +103,8 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
     (`--gpus`), unless an MCLI run config's `compute.gpus` says; `overrides`: `--override`'s
     KEY=VALUEs, merged into the train or eval config (an MCLI run config's `parameters`, after
     its `command:`'s own) as the train script merges its command line's; an Accelerate or
-    DeepSpeed config takes none."""
+    DeepSpeed config takes none; `walked`: a folder walk found the file (not named on the command
+    line), which is skipped when it is no LLM-Foundry config (`foreign_top_level`)."""
     try:
         text = read_text(path) if text is None else text
         is_json = path.suffix.lower() == ".json" or (path is STDIN and _json_object(text))
@@ -127,6 +132,18 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
                                     "not train from the config MCLI writes (or with an empty "
                                     "one): nothing to lint")
             return entry
+        foreign = [] if not walked or is_json or mcli or not isinstance(data, Mapping) \
+            or is_eval_config(data) else foreign_top_level(data, read_names(text))
+        if foreign:
+            entry = _entry(path, [], {})
+            entry["skipped"] = (
+                f"not an LLM-Foundry train or eval config: {len(foreign)} of its {len(data)} "
+                f"top-level keys ({_listed(foreign)}) are none that TrainConfig or EvalConfig "
+                "takes, and it has none only a train config has "
+                f"({_listed(list(TRAIN_ONLY_KEYS))}): nothing to lint (as a train config, "
+                "LLM-Foundry would refuse those keys: 'Unused parameters'; name the file on the "
+                "command line to lint it as one)")
+            return entry
         subtree = "parameters" if mcli else None
         merged = _overrides(path, data if mcli else {}, list(overrides), document)
         loaded = load_config(path, text, subtree, document, merged)
@@ -148,6 +165,12 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
               for f in pinned_te_findings(loaded.config, pinned, context)]
     entry["findings"][:0] = _entry(path, outer, loaded.positions)["findings"]
     return entry
+
+
+def _listed(keys: list[str], most: int = 6) -> str:
+    """`a`, `b`, ... : the first `most` keys, and how many more."""
+    shown = ", ".join(f"`{k}`" for k in keys[:most])
+    return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
 def _overrides(path: Path, mcli: Mapping[str, Any], items: list[str],
@@ -220,11 +243,19 @@ def _folder(folder: Path) -> list[Path | dict[str, Any]]:
     return [*sorted(found[".yaml"]), *sorted(found[".yml"]), *errors]
 
 
-def _expand(paths: list[str]) -> list[Path | dict[str, Any]]:
+@dataclass(frozen=True)
+class _Walked:
+    """A file a folder walk found, not one named on the command line (nor matched by a
+    pattern): a walk of a checkout meets YAML files that are no LLM-Foundry config."""
+
+    path: Path
+
+
+def _expand(paths: list[str]) -> list[Path | _Walked | dict[str, Any]]:
     """The files to lint; a folder without config files becomes an error entry (a wrong path in
     CI must not pass as "0 files linted"), and so does an empty path, which Path reads as the
     current folder (an unset variable in CI would lint whatever folder the job is in)."""
-    items: list[Path | dict[str, Any]] = []
+    items: list[Path | _Walked | dict[str, Any]] = []
     for name in paths:
         if name == "-":  # standard input, read once (a second `-` would read nothing)
             items.append(_error_entry(STDIN, f"{STDIN}: `-` named more than once: standard "
@@ -239,7 +270,7 @@ def _expand(paths: list[str]) -> list[Path | dict[str, Any]]:
     return items
 
 
-def _named(name: str) -> list[Path | dict[str, Any]]:
+def _named(name: str) -> list[Path | _Walked | dict[str, Any]]:
     """A path named on the command line: a folder's files, or the file itself."""
     p = Path(name)
     try:
@@ -248,10 +279,11 @@ def _named(name: str) -> list[Path | dict[str, Any]]:
         is_folder = False
     if not is_folder:
         return [p]
-    return _folder(p) or [_error_entry(p, f"{p}: no .yaml or .yml file in this folder")]
+    return [_Walked(f) if isinstance(f, Path) else f for f in _folder(p)] or [
+        _error_entry(p, f"{p}: no .yaml or .yml file in this folder")]
 
 
-def _matched(pattern: str) -> list[Path | dict[str, Any]]:
+def _matched(pattern: str) -> list[Path | _Walked | dict[str, Any]]:
     """A glob pattern no shell expanded (quoted in CI, or a shell without `**`): what it
     matches, `**` any number of folders deep (symlinked folders not entered), hidden names
     left out; a pattern matching nothing is an error entry, as a missing file is."""
@@ -311,7 +343,7 @@ def exit_code(report: dict[str, Any]) -> int:
 
 def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
                     wandb_mode: str | None, gpus: int | None,
-                    overrides: Sequence[str]) -> dict[str, Any]:
+                    overrides: Sequence[str], walked: bool = False) -> dict[str, Any]:
     """lint_file (on standard input's text for STDIN itself: a file named `<stdin>` is read
     from disk), and for what escapes it (our bug) the file's one line, so that the other files
     of a folder are still linted and no traceback is printed. A dependency this Python lacks
@@ -323,7 +355,8 @@ def _lint_or_report(path: Path, fsdp_version: int, snapshot: Snapshot,
             except LintInputError as e:
                 return _error_entry(STDIN, str(e))
             return lint_file(STDIN, fsdp_version, snapshot, wandb_mode, text, gpus, overrides)
-        return lint_file(path, fsdp_version, snapshot, wandb_mode, gpus=gpus, overrides=overrides)
+        return lint_file(path, fsdp_version, snapshot, wandb_mode, gpus=gpus, overrides=overrides,
+                         walked=walked)
     except Exception as e:
         if isinstance(e, ModuleNotFoundError) and not is_ours(e):
             raise  # a dependency this Python lacks, for every file: the CLI's one line says so
@@ -343,8 +376,11 @@ def run(args: argparse.Namespace) -> int:
     except LintInputError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
-    report = {"files": [_lint_or_report(p, fsdp_version, snapshot, wandb_mode, gpus, overrides)
-                        if isinstance(p, Path) else p for p in _expand(args.paths)]}
+    report = {"files": [
+        _lint_or_report(p, fsdp_version, snapshot, wandb_mode, gpus, overrides)
+        if isinstance(p, Path) else _lint_or_report(p.path, fsdp_version, snapshot, wandb_mode,
+                                                    gpus, overrides, walked=True)
+        if isinstance(p, _Walked) else p for p in _expand(args.paths)]}
     if args.format == "json":
         print(render_json(report))
     elif args.format == "sarif":

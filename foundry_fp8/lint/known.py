@@ -204,6 +204,13 @@ MPT_GQA_ONLY_KEY = "kv_n_heads"
 #: build_ffn (llmfoundry/models/layers/layer_builders.py) passes every other key: TypeError.
 MPT_FFN_CONFIG_KEYS = frozenset({"ffn_type", "bias", "d_model", "device", "expansion_ratio",
                                  "fc_type", "ffn_act_fn", "ffn_hidden_size"})
+#: The keys of MPT's `init_config` (llmfoundry/models/utils/config_defaults.py
+#: init_config_defaults, 0.21 and 0.22), which MPT's param_init_fn hands to the scheme its `name`
+#: picks (modeling_mpt.py MPTModel.param_init_fn): read there, never at the model's top level.
+MPT_INIT_CONFIG_KEYS = frozenset({
+    "name", "fan_mode", "init_nonlinearity", "init_div_is_residual", "emb_init_std",
+    "emb_init_uniform_lim", "init_std", "init_gain",
+})
 #: The names of LLM-Foundry's `fcs` registry (llmfoundry/models/layers/fc.py: te only where TE
 #: imports), which `fc_type` looks up as written (RegistryError for any other).
 MPT_FC_TYPES = ("torch", "te")
@@ -341,6 +348,7 @@ def _homes() -> dict[str, str]:
         "": TRAIN_CONFIG_KEYS, "model": model,
         "model.attn_config": (MPT_ATTN_CONFIG_KEYS | {MPT_ATTN_NULL_ONLY_KEY}) - model,
         "model.ffn_config": MPT_FFN_CONFIG_KEYS - model,
+        "model.init_config": MPT_INIT_CONFIG_KEYS - model,
         "fsdp_config": FSDP_CONFIG_KEYS | FSDP2_CONFIG_KEYS,
         "algorithms.te_swap": frozenset({"fp8_recipe"}),
         FP8_RECIPE_HOME: frozenset(f.name for f in fields(FP8Recipe)),

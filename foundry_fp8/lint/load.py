@@ -688,6 +688,7 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
             config = OmegaConf.to_container(raw, resolve=True)
         except failures as e:
             error = _omegaconf_error(path, e, positions, inside, "cannot resolve")
+            error = LintInputError(f"{error}{_under_variables(raw, e)}")
             raise _by_override(error, path, text, subtree, document, overrides) from None
         if _holds_interpolation(config):  # text such as an escaped `\${x}` resolves to
             try:
@@ -696,8 +697,36 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
                 error = _omegaconf_error(path, e, positions, inside, "cannot resolve")
                 error = LintInputError(f"{error}{_AGAIN}")
                 raise _by_override(error, path, text, subtree, document, overrides) from None
-    names = frozenset(_READ_NAME.findall(text + (overrides.text if overrides else "")))
+    names = read_names(text + (overrides.text if overrides else ""))
     return LoadedConfig(config, positions, tuple(env_keys), names)
+
+
+def _under_variables(raw: Any, error: BaseException) -> str:
+    """What to add when an absolute `${name}` finds nothing but `variables:` holds `name`: the
+    form LLM-Foundry's configs took before `variables:` (0.8), which its loader refuses alike
+    (make_dataclass_and_log_config resolves the whole config with omegaconf first)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationKeyError
+
+    found = re.fullmatch(r"Interpolation key '([^']+)' not found", first_line(error))
+    if not isinstance(error, InterpolationKeyError) or found is None:
+        return ""
+    name = found.group(1)
+    absent = object()
+    try:
+        value = OmegaConf.select(raw, f"variables.{name}", default=absent,
+                                 throw_on_resolution_failure=False)
+    except omegaconf_failures():
+        return ""
+    if value is absent:
+        return ""
+    return (f" (LLM-Foundry's loader raises the same: `{name}` is under `variables:`, so read "
+            f"it as `${{variables.{name}}}`)")
+
+
+def read_names(text: str) -> frozenset[str]:
+    """The top-level names the text's absolute interpolations read (`${name}`, `${name.key}`)."""
+    return frozenset(_READ_NAME.findall(text))
 
 
 def omegaconf_failures() -> tuple[type[BaseException], ...]:

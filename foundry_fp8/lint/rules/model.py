@@ -536,6 +536,11 @@ def unknown_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
     yield from model_key_hits(section(config, "model"), "model")
 
 
+#: A model key naming a param_init_fns scheme (LLM-Foundry's dbrx-gauntlet eval YAMLs carry
+#: `param_init_fn: kaiming_normal_`), which MPT reads from `init_config.name` alone.
+_SCHEME_KEY = "param_init_fn"
+
+
 def model_key_hits(model: Mapping[str, Any], prefix: str) -> Iterator[Hit]:
     """FP8024's findings for one model section (a train config's, or an eval config's
     `models.N.model`)."""
@@ -546,8 +551,12 @@ def model_key_hits(model: Mapping[str, Any], prefix: str) -> Iterator[Hit]:
         if not isinstance(key, str) or key in known or key in HF_CONFIG_KEYS \
                 or key in MPT_ATTRIBUTES_READ:
             continue
-        hint = belongs_under(key, "model", prefix) or did_you_mean(key, known)
-        fix = move_fix(key, "model", prefix)
+        if key == _SCHEME_KEY:
+            hint = f" (MPT takes the init scheme as `{prefix}.init_config.name`)"
+            fix: str | None = f"give the scheme as `{prefix}.init_config.name`"
+        else:
+            hint = belongs_under(key, "model", prefix) or did_you_mean(key, known)
+            fix = move_fix(key, "model", prefix)
         if _asks_for_te(value):
             yield Hit(join_key(prefix, key), f"MPT ignores `{key}`, so the TE layers it asks for are "
                       "never built and FP8 does not run as written" + hint, fix=fix)

@@ -520,6 +520,21 @@ TRAIN_ONLY_KEYS = tuple(k for k in TRAIN_REQUIRED_KEYS
                         if k not in EVAL_CONFIG_KEYS and k not in EVAL_MODEL_KEYS)
 
 
+def foreign_top_level(config: Mapping[Any, Any], read: frozenset[str]) -> list[str]:
+    """The top-level keys of a file that is no LLM-Foundry train or eval config, nor a part of
+    one (an inference benchmark's, mkdocs', a CI workflow's, found next to train configs in a
+    checkout): it has no key only a train config has (TRAIN_ONLY_KEYS), and more of its keys
+    are none that TrainConfig or EvalConfig takes than are (a key the file reads as `${key}`
+    counts as theirs: older configs kept variables at the top level). Empty for any other
+    file: linted as a train config, each such key is FP8009's."""
+    keys = [str(k) for k in config]
+    if any(k in TRAIN_ONLY_KEYS for k in keys):
+        return []
+    foreign = [k for k in keys if k not in TRAIN_CONFIG_KEYS and k not in EVAL_CONFIG_KEYS
+               and k not in EVAL_MODEL_KEYS and k not in RETIRED_TOP_LEVEL and k not in read]
+    return foreign if 2 * len(foreign) > len(keys) else []
+
+
 def _setting(config: Mapping[str, Any]) -> str | None:
     """The first top-level setting TrainConfig reads (a value, not a section, even an empty
     one): a file giving one is meant to run, not to be a part; `optimizer:`, `scheduler:`,
