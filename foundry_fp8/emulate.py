@@ -280,20 +280,38 @@ def _claim(kind: str) -> str | None:
     first rank of the torch.distributed group to meet it in this run; None where another rank
     did. The ranks agree through one atomic add on torch.distributed's key-value store (no
     collective: the other ranks need not be at any step, nor meet the kind at all). A store
-    that fails to answer: every rank that meets the kind says it, rather than none."""
+    that fails to answer, or a torch without the private `_get_default_store`: every rank that
+    meets the kind says it, rather than none, and training goes on."""
     import torch.distributed as torch_dist
 
     if (not torch_dist.is_available() or not torch_dist.is_initialized()
             or torch_dist.get_world_size() <= 1):
         return ""
-    from torch.distributed.distributed_c10d import _get_default_store
-
     try:
-        first = _get_default_store().add(f"foundry_fp8/emulate/warned/{kind}/{_RUN.number}",
-                                         1) == 1
-    except RuntimeError:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        launch = _launch(torch_dist.get_world_size())
+        first = _get_default_store().add(
+            f"foundry_fp8/emulate/warned/{launch}/{kind}/{_RUN.number}", 1) == 1
+    except (ImportError, AttributeError, ValueError, RuntimeError):
         first = True
     return f"[rank {torch_dist.get_rank()}] " if first else None
+
+
+def _launch(world_size: int) -> str:
+    """The launch the store key counts in. torchrun keeps one store across its restarts (its
+    agent's TCPStore, static and c10d rendezvous alike, torch 2.7: static_tcp_rendezvous.py:66-75,
+    dynamic_rendezvous.py:1205-1216), while the restarted workers number their runs from 0
+    again: without the restart in the key they would find every kind claimed before the crash
+    and say nothing. The agent gives its workers the count (local_elastic_agent.py:319-321),
+    bumped by the agent whose worker failed; a restart for a node joining or leaving is not
+    counted (api.py:886-917), so the world size is in the key too. Limits: another node's agent
+    may not count the restart (pytorch issue 108158), and a kind only its ranks meet is then
+    not said; outside torchelastic, a store that outlives its processes (a file:// rendezvous
+    file left by a crash, which torch asks to be removed) is not told apart."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return f"{run}/{restart}/{world_size}"
 
 
 def _warn_if_unfused() -> None:
