@@ -3,7 +3,25 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+def _refusal(path: Path, check: Callable[[Any], object]) -> Exception | None:
+    """What `check` raises on the file omegaconf loads (LLM-Foundry's warnings silenced);
+    None: it takes the file."""
+    from omegaconf import OmegaConf
+
+    with open(path) as f:
+        loaded = OmegaConf.load(f)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            check(loaded)
+    except Exception as e:  # the caller judges the kind
+        return e
+    return None
 
 
 def train_refusal(path: Path) -> Exception | None:
@@ -16,19 +34,13 @@ def train_refusal(path: Path) -> Exception | None:
         TrainConfig,
         make_dataclass_and_log_config,
     )
-    from omegaconf import OmegaConf
 
-    with open(path) as f:
-        loaded = OmegaConf.load(f)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, train_config = make_dataclass_and_log_config(loaded, TrainConfig,
-                                                            TRAIN_CONFIG_KEYS, transforms="all")
-            validate_config(train_config)
-    except Exception as e:  # the caller judges the kind
-        return e
-    return None
+    def check(loaded: Any) -> None:
+        _, train_config = make_dataclass_and_log_config(loaded, TrainConfig, TRAIN_CONFIG_KEYS,
+                                                        transforms="all")
+        validate_config(train_config)
+
+    return _refusal(path, check)
 
 
 def train_refuses(path: Path, kind: type[Exception]) -> bool:
@@ -50,16 +62,7 @@ def eval_refusal(path: Path) -> Exception | None:
         EvalConfig,
         make_dataclass_and_log_config,
     )
-    from omegaconf import OmegaConf
 
-    with open(path) as f:
-        loaded = OmegaConf.load(f)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            make_dataclass_and_log_config(loaded, EvalConfig, EVAL_CONFIG_KEYS,
-                                          transforms=[allow_toplevel_keys],
-                                          icl_tasks_required=False)
-    except Exception as e:  # the caller judges the kind
-        return e
-    return None
+    return _refusal(path, lambda loaded: make_dataclass_and_log_config(
+        loaded, EvalConfig, EVAL_CONFIG_KEYS, transforms=[allow_toplevel_keys],
+        icl_tasks_required=False))
