@@ -24,7 +24,7 @@ from foundry_fp8.lint.known import did_you_mean
 from foundry_fp8.lint.load import position_of
 from foundry_fp8.lint.registry import Hit, LintContext, Severity, join_key, rule, section
 from foundry_fp8.lint.rules.fsdp import TE_1190
-from foundry_fp8.recipe import recipe_problems
+from foundry_fp8.recipe import TE_DELAYED_DEFAULTS, recipe_problems
 from foundry_fp8.te.facts import Version, dotted
 
 ACC = "Accelerate (huggingface/accelerate, tags v0.34.2-v1.14.0)"
@@ -367,6 +367,13 @@ def _custom(key: str, value: Any) -> bool:
     return value != default and str(value) != str(default)
 
 
+def _te_default(key: str, value: Any) -> bool:
+    """Is this TE's own DelayedScaling default, which a recipe built without the config (under
+    DeepSpeed) runs anyway: `amax_compute_algo: max`, Accelerate's non-default, is one."""
+    return key in TE_DELAYED_DEFAULTS and \
+        str(_as_read(key, value)).lower() == str(TE_DELAYED_DEFAULTS[key]).lower()
+
+
 def _as_read(key: str, value: Any) -> Any:
     """A recipe value as TERecipeKwargs holds it: fp8_format upper-cased, amax_compute_algo
     lower-cased (dataclasses.py:375 and :380, v1.8.1; the same v0.34.2-v1.14.0), an integer
@@ -437,7 +444,8 @@ def _recipe_items(acc: Mapping[str, Any]) -> dict[str, Setting]:
       why="_prepare_deepspeed wraps the model with apply_fp8_autowrap(model, "
       "self.fp8_recipe_handler): the recipe built from the config is a TERecipeKwargs "
       "(te_recipe_handler), so TE gets DelayedScaling() with its defaults. Since 1.4, still in "
-      "1.14.",
+      "1.14. A value equal to TE's default (amax_compute_algo max, which is not Accelerate's "
+      "default) runs all the same and is not reported.",
       source=f"{ACC} src/accelerate/accelerator.py Accelerator._prepare_deepspeed; "
       "src/accelerate/utils/transformer_engine.py apply_fp8_autowrap",
       fix="pass FP8RecipeKwargs(backend='TE', ...) with these values in "
@@ -448,8 +456,8 @@ def deepspeed_recipe_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[H
         return
     if version is not None and version < DS_RECIPE_FROM_FP8_RECIPE_KWARGS_ONLY:
         return  # FP8 does not run under DeepSpeed there at all (FP8103)
-    custom = _recipe_items(acc)
-    custom.pop("use_autocast_during_eval", None)
+    custom = {key: item for key, item in _recipe_items(acc).items()
+              if key != "use_autocast_during_eval" and not _te_default(key, item.value)}
     if custom:
         names = ", ".join(item.key.removeprefix("fp8_config.") for item in custom.values())
         yield Hit("fp8_config", f"under DeepSpeed Accelerate builds TE's recipe only from the "

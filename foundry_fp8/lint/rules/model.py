@@ -401,7 +401,7 @@ def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterat
 @rule("FP8035", "error", "MPT model values MPT refuses when LLM-Foundry builds the model: "
       "numbers written as strings (`d_model: \"2048\"`, `expansion_ratio: 8/3`), sizes that are "
       "not whole numbers or too small (`n_heads: 0`, `d_model: .nan`, `1e400`, `n_layers: 2.0`), "
-      "d_model not divisible by n_heads",
+      "d_model not divisible by n_heads, GQA's kv_n_heads above n_heads or not dividing it",
       why="LLM-Foundry passes the model section to MPTConfig unconverted, and YAML reads a quoted "
       "number or a fraction such as 8/3 as a string: MPTConfig's checks then raise (`d_model % "
       "n_heads` formats the string, `max_seq_len != int(max_seq_len)`, the dropout bounds), or "
@@ -414,7 +414,8 @@ def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterat
       "should be greater than zero') or negative (torch refuses negative dimensions); "
       "max_seq_len may be a float equal to a whole number, expansion_ratio any finite number "
       "from 0 (FP8032 judges its product). MPTConfig also raises 'd_model must be divisible by "
-      "n_heads', even when head_dim is given.",
+      "n_heads', even when head_dim is given, and GroupedQueryAttention refuses a kv_n_heads "
+      "above n_heads or not dividing it (each Q head gets the same number of KV heads).",
       source=f"{FOUNDRY} llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__ "
       "(max_seq_len) and _validate_config (d_model % n_heads, the pdrop and embedding_fraction "
       "bounds, logit_scale); llmfoundry/models/layers/ffn.py resolve_ffn_hidden_size; "
@@ -422,7 +423,7 @@ def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterat
       "tests/test_lint_known.py builds each one (MPT_WHOLE_NUMBERS)",
       fix="write the number without quotes (a decimal for expansion_ratio, or give "
       "ffn_config.ffn_hidden_size), sizes as whole numbers from 1 (n_heads, d_model); pick "
-      "n_heads dividing d_model")
+      "n_heads dividing d_model, kv_n_heads dividing n_heads")
 def mpt_refuses_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     if not _is_mpt(model):
@@ -444,6 +445,14 @@ def mpt_refuses_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
         key = next((f"model.{k}" for k in ("n_heads", "d_model") if k in model), "model")
         yield Hit(key, f"d_model {d_model} is not divisible by n_heads {n_heads}: MPTConfig "
                   "raises 'd_model must be divisible by n_heads'")
+    kv_heads = as_int(get(model, "attn_config.kv_n_heads")) if gqa else None
+    if kv_heads is not None and n_heads is not None and 0 < kv_heads and 0 < n_heads \
+            and (kv_heads > n_heads or n_heads % kv_heads):
+        need = ("'The number of KV heads should be less than or equal to Q heads.'"
+                if kv_heads > n_heads else "'Each Q head should get the same number of KV "
+                "heads, so n_heads must be divisible by kv_n_heads.'")
+        yield Hit("model.attn_config.kv_n_heads", f"kv_n_heads {kv_heads} with n_heads "
+                  f"{n_heads}: GroupedQueryAttention raises {need} building the model")
 
 
 def _given(model: Mapping[str, Any], path: str) -> bool:

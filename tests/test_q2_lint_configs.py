@@ -1,0 +1,157 @@
+"""QA s22 (Q2), configs in the shapes users write: an MPT with grouped-query attention whose
+kv_n_heads does not fit n_heads (built by LLM-Foundry's own MPT), and an Accelerate DeepSpeed
+config whose `amax_compute_algo: max` is what TE runs anyway (read by Accelerate's own
+launcher and apply_fp8_autowrap)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from foundry_fp8.lint.cli import lint_file
+
+MPT_TRAIN = """\
+variables:
+  max_seq_len: 128
+max_seq_len: ${{variables.max_seq_len}}
+model:
+  name: mpt_causal_lm
+  init_device: meta
+  d_model: 256
+  n_heads: {n_heads}
+  n_layers: 2
+  expansion_ratio: 4
+  max_seq_len: ${{variables.max_seq_len}}
+  vocab_size: 50368
+  loss_fn: torch_crossentropy
+  fc_type: te
+  attn_config:
+    attn_impl: torch
+    attn_type: grouped_query_attention
+    kv_n_heads: {kv}
+tokenizer:
+  name: EleutherAI/gpt-neox-20b
+train_loader:
+  name: text
+  dataset:
+    local: ./c4
+    split: train
+    max_seq_len: ${{variables.max_seq_len}}
+  drop_last: true
+  num_workers: 8
+scheduler:
+  name: cosine_with_warmup
+  t_warmup: 10ba
+optimizer:
+  name: decoupled_adamw
+  lr: 6.0e-4
+max_duration: 10ba
+global_train_batch_size: 64
+device_train_microbatch_size: 8
+precision: amp_fp8
+fsdp_config:
+  sharding_strategy: FULL_SHARD
+  mixed_precision: PURE
+"""
+KV_LINE = MPT_TRAIN.splitlines().index("    kv_n_heads: {kv}") + 1
+
+
+def _mpt_builds(n_heads: int, kv: int) -> Exception | None:
+    """What LLM-Foundry's own MPT raises building this attention on the meta device (fc_type
+    torch: TE is not installed here, and the check comes before any layer is built)."""
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            MPTForCausalLM(MPTConfig(d_model=256, n_heads=n_heads, n_layers=1, max_seq_len=16,
+                                     vocab_size=64, init_device="meta",
+                                     attn_config={"attn_impl": "torch", "kv_n_heads": kv,
+                                                  "attn_type": "grouped_query_attention"}))
+    except ValueError as e:
+        return e
+    return None
+
+
+@pytest.mark.parametrize(("n_heads", "kv", "said"), [
+    (16, 3, "n_heads must be divisible by kv_n_heads"),  # before: no finding
+    (8, 16, "less than or equal to Q heads"),  # before: no finding
+    (16, 4, None),
+    (16, 16, None),
+])
+def test_gqa_kv_n_heads_that_mpt_refuses_is_fp8035(tmp_path, n_heads, kv, said):
+    path = tmp_path / "mpt.yaml"
+    path.write_text(MPT_TRAIN.format(n_heads=n_heads, kv=kv))
+    refused = _mpt_builds(n_heads, kv)
+    assert (refused is None) == (said is None), refused
+    entry = lint_file(path)
+    assert entry["error"] is None, entry["error"]
+    hits = [f for f in entry["findings"] if f["key"] == "model.attn_config.kv_n_heads"]
+    if said is None:
+        assert hits == []
+        return
+    assert said in str(refused)
+    assert [(f["rule"], f["severity"], f["line"]) for f in hits] == [("FP8035", "error", KV_LINE)]
+    assert said in hits[0]["message"] and f"kv_n_heads {kv} with n_heads {n_heads}" in \
+        hits[0]["message"]
+
+
+ACC_DS = """\
+compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  gradient_accumulation_steps: 1
+  zero_stage: 2
+distributed_type: DEEPSPEED
+mixed_precision: fp8
+fp8_config:
+  backend: TE
+  fp8_format: HYBRID
+{recipe}num_machines: 1
+num_processes: 8
+"""
+
+
+def _asked_and_run(monkeypatch, fake_te, path: Path) -> tuple[dict[str, Any], Any]:
+    """The recipe values the file asks for, as the installed launcher exports them
+    (ACCELERATE_FP8_*), and the DelayedScaling TE gets under DeepSpeed: Accelerate's own
+    apply_fp8_autowrap with the handler `_prepare_deepspeed` passes (`self.fp8_recipe_handler`,
+    None without FP8RecipeKwargs in the code)."""
+    import torch
+    from accelerate.commands import launch
+    from accelerate.utils import transformer_engine as acc_te
+    from accelerate.utils.launch import setup_fp8_env
+
+    args = launch.launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _defaults, _mp = launch._validate_launch_command(args)
+    env = setup_fp8_env(args, {})
+    asked = {"amax_compute_algo": env["ACCELERATE_FP8_AMAX_COMPUTE_ALGO"].lower(),
+             "amax_history_len": int(env["ACCELERATE_FP8_AMAX_HISTORY_LEN"])}
+    fake_te("2.8.0")
+    seen: list[Any] = []
+    monkeypatch.setattr(acc_te, "is_transformer_engine_available", lambda: True)
+    monkeypatch.setattr(acc_te, "contextual_fp8_autocast",
+                        lambda forward, recipe, _eval: seen.append(recipe) or forward)
+    acc_te.apply_fp8_autowrap(torch.nn.Linear(2, 2), None)
+    return asked, seen[0]
+
+
+@pytest.mark.parametrize(("recipe", "lost"), [
+    ("  amax_compute_algo: max\n", []),  # before: FP8104 named amax_compute_algo
+    ("  amax_compute_algo: MAX\n", []),
+    ("  amax_compute_algo: max\n  amax_history_len: 16\n", ["amax_history_len"]),
+])
+def test_fp8104_names_only_what_te_does_not_run_under_deepspeed(tmp_path, monkeypatch, fake_te,
+                                                                recipe, lost):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(ACC_DS.format(recipe=recipe))
+    asked, ran = _asked_and_run(monkeypatch, fake_te, path)
+    assert [k for k, v in asked.items() if getattr(ran, k) != v] == lost
+    entry = lint_file(path)
+    assert entry["error"] is None, entry["error"]
+    hits = [f["message"] for f in entry["findings"] if f["rule"] == "FP8104"]
+    assert len(hits) == (1 if lost else 0), hits
+    if lost:
+        assert f"this config's {', '.join(lost)} never reach TE" in hits[0]
