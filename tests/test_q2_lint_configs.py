@@ -155,3 +155,66 @@ def test_fp8104_names_only_what_te_does_not_run_under_deepspeed(tmp_path, monkey
     assert len(hits) == (1 if lost else 0), hits
     if lost:
         assert f"this config's {', '.join(lost)} never reach TE" in hits[0]
+
+
+EVAL = """\
+max_seq_len: 128
+seed: 1
+precision: amp_bf16
+models:
+- model_name: mpt_test
+  model:
+    name: mpt_causal_lm
+    init_device: meta
+    d_model: 256
+    n_heads: {n_heads}
+    n_layers: 2
+    expansion_ratio: {ratio}
+    max_seq_len: ${{max_seq_len}}
+    vocab_size: 50368
+    attn_config:
+      attn_impl: torch
+  tokenizer:
+    name: EleutherAI/gpt-neox-20b
+device_eval_batch_size: 4
+icl_tasks:
+- label: jeopardy
+  dataset_uri: eval/local_data/jeopardy_all.jsonl
+  num_fewshot: [10]
+  icl_task_type: language_modeling
+"""
+
+
+@pytest.mark.parametrize(("n_heads", "ratio", "key", "said"), [
+    (3, 4, "n_heads", "d_model must be divisible by n_heads"),  # before: no finding
+    (4, 2.67, "expansion_ratio", "must be an integer"),  # before: no finding
+    (4, 4, None, None),
+])
+def test_eval_model_values_mpt_refuses_are_fp8311(tmp_path, n_heads, ratio, key, said):
+    """An eval config's MPT is built as a train config's (evaluate_model's
+    build_composer_model): LLM-Foundry's eval loader takes the file, MPT refuses the model."""
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+    from omegaconf import OmegaConf
+
+    from tests.foundry_train import eval_refusal
+
+    path = tmp_path / "eval.yaml"
+    path.write_text(EVAL.format(n_heads=n_heads, ratio=ratio))
+    assert eval_refusal(path) is None
+    section = OmegaConf.to_container(OmegaConf.load(path), resolve=True)["models"][0]["model"]
+    section.pop("name")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            MPTForCausalLM(MPTConfig(**section))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    entry = lint_file(path)
+    assert entry["error"] is None, entry["error"]
+    hits = [(f["key"], f["severity"]) for f in entry["findings"] if f["rule"] == "FP8311"]
+    if said is None:
+        assert refused is None and hits == []
+        return
+    assert refused is not None and said in refused
+    assert hits == [(f"models.0.model.{key}", "error")]

@@ -28,8 +28,10 @@ from foundry_fp8.lint.rules.fsdp import (
 )
 from foundry_fp8.lint.rules.model import (
     HF_CAUSAL_LM_SOURCE,
+    fractional_ffn_hidden,
     hf_model_key_hits,
     model_key_hits,
+    mpt_refuses_values,
     mpt_sub_configs,
 )
 from foundry_fp8.lint.rules.ours import sdpa_without_our_entries
@@ -282,6 +284,20 @@ def eval_sdpa_without_our_entries(config: Mapping[str, Any], ctx: LintContext) -
       unresolved=True)
 def eval_mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     yield from _twin(mpt_sub_configs, config, ctx)
+
+
+@rule("FP8311", "error", "MPT model values MPT refuses when it builds, in an eval model "
+      "(FP8035 and FP8032 for eval configs: numbers written as strings, sizes that are not whole "
+      "numbers, d_model not divisible by n_heads, kv_n_heads not dividing n_heads, a fractional "
+      "d_model * expansion_ratio)",
+      why="Each eval model is built with build_composer_model like a train config's model "
+      "section, so MPTConfig and MPT's layers raise there as in training, after the tokenizer "
+      "and the ICL data are built.",
+      source=f"{EVAL_SOURCE} evaluate_model (build_composer_model); FP8035's and FP8032's "
+      "sources", fix="as FP8035 and FP8032 say", family="eval")
+def eval_mpt_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    yield from _twin(mpt_refuses_values, config, ctx)
+    yield from _twin(fractional_ffn_hidden, config, ctx)
 
 
 @rule("FP8306", "error", "a `models:` entry with a key evaluate_model does not take "
