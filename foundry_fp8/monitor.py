@@ -54,7 +54,7 @@ from foundry_fp8.health import (
     summary_metrics,
 )
 from foundry_fp8.health.keys import SUMMARIES, UNCAST, summary_key
-from foundry_fp8.health.rules import judged_table, uncast_stats
+from foundry_fp8.health.rules import cast_order, judged_table, uncast_stats
 from foundry_fp8.numerics import (
     FP8_MAX,
     MAX_KEYS,
@@ -313,8 +313,8 @@ def _uncounted_worst(table: Mapping[tuple[str, str], Mapping[str, float]],
 
 def nonfinite_message(flags: Collection[Flag]) -> str:
     """One warning for the NaN/Inf flags of one logging step (`NONFINITE_EACH`): each layer
-    tensor with its count (the first `NONFINITE_NAMED`), and the changes their own warnings
-    would name."""
+    tensor with its count (the first `NONFINITE_NAMED` of `flags`, given in `cast_order`: the
+    tensor the NaN/Inf started in first), and the changes their own warnings would name."""
     step = min(flag.step for flag in flags)
     named = ", ".join(f"'{flag.layer}' {flag.tensor} ({flag.stat} {flag.value:.0f})"
                       for flag in list(flags)[:NONFINITE_NAMED])
@@ -805,7 +805,9 @@ class FP8Monitor:
                   if step.modes.get(self.rows[i][0]) is not None}
         recipe = f"fp8_stats' recipe ({self.config.recipe.scaling} scaling)"
         new = [(key, flag) for key, found in flags.items() for flag in found if flag.new]
-        nonfinite = [flag for _, flag in new if flag.rule == "nonfinite"]
+        nonfinite = cast_order([flag for _, flag in new if flag.rule == "nonfinite"],
+                               [self.short[layer] for layer in self.layers],
+                               list(dict.fromkeys(tensor for _, tensor in self.rows)))
         if len(nonfinite) > NONFINITE_EACH:
             self.on_warning(nonfinite_message(nonfinite))
         for key, flag in new:

@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, summary_key
+from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, direction, summary_key
 from foundry_fp8.health.specs import badness, worse_of
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
 from foundry_fp8.recipe import DELAYED_ONLY
@@ -83,6 +83,23 @@ class Flag:
         if self.yaml_key.startswith(KEEP_OUT):
             return f"{head} Keep it out of FP8 (where te_swap would convert it: {self.yaml_key})"
         return f"{head} Before putting it in FP8, change: {self.yaml_key}"
+
+
+def cast_order(flags: Collection[Flag], layers: list[str], tensors: list[str]) -> list[Flag]:
+    """One step's flags in the order the step cast their tensors: the forward's (X, W) by
+    layer, then the backward's (dY) from the last layer back. A fault spreads that way within
+    the step: a NaN in one dY reaches the dY of every layer before it, an overflowing weight the
+    activations after it and the gradients before it; in layer order the origin came last.
+    `layers`, `tensors`: forward order (first logged); others after them, as given."""
+    at = {layer: i for i, layer in enumerate(layers)}
+    kind = {tensor: i for i, tensor in enumerate(tensors)}
+
+    def key(flag: Flag) -> tuple[bool, int, int]:
+        backward, i = direction(flag.tensor) == "backward", at.get(flag.layer)
+        place = len(at) if i is None else len(at) - 1 - i if backward else i
+        return backward, place, kind.get(flag.tensor, len(kind))
+
+    return sorted(flags, key=key)
 
 
 def block_index(layer: str) -> int | None:

@@ -219,12 +219,12 @@ def replay(run: RunMetrics, tracker: HealthTracker) -> list[Flag]:
     return tracker.flags
 
 
-def first_dump(flags: list[Flag], loaded: Loaded) -> tuple[Flag, Path] | None:
+def first_dump(flags: list[Flag], run: RunMetrics, loaded: Loaded) -> tuple[Flag, Path] | None:
     """The first of the first flagged step's flags whose tensors fp8_stats dumped at that step
     (`dump_steps`), and the dump: what to open to see the values that went wrong."""
     folder = loaded.run_folder or loaded.folder
     places = dump_places(folder, loaded.hparams, loaded.dumps)
-    return next(((f, path) for f in first_flags(flags)
+    return next(((f, path) for f in first_flags(flags, run)
                  if (path := dump_of(places, f.step, f.layer, f.tensor)) is not None), None)
 
 
@@ -335,8 +335,8 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     worst = worst_table(run)
     if tables is not None:
         tables.append(worst)
-    first = next(iter(first_flags(flags)), None)
-    dump = first_dump(flags, loaded)
+    first = next(iter(first_flags(flags, run)), None)
+    dump = first_dump(flags, run, loaded)
     chosen = choose_layers(run, matching, (first.layer, first.step) if first else None)
     if not chosen:
         raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "

@@ -25,7 +25,7 @@ from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_t
 from foundry_fp8.health.history import whatif_rows, whatif_worst, worst_layers
 from foundry_fp8.health.loss import LossComparison, LossSpike
 from foundry_fp8.health.plots import common_prefix
-from foundry_fp8.health.rules import KEEP_OUT
+from foundry_fp8.health.rules import KEEP_OUT, cast_order
 from foundry_fp8.health.specs import badness, spec
 from foundry_fp8.health.table import (
     LABEL_CHARS,
@@ -193,10 +193,11 @@ def values_said(group: list[Finding]) -> str:
 FIRST_SHOWN = 3
 
 
-def first_flags(flags: list[Flag]) -> list[Flag]:
-    """The flags of the first flagged step, in the flags' order: where a divergence began."""
+def first_flags(flags: list[Flag], run: RunMetrics) -> list[Flag]:
+    """The flags of the first flagged step, in the order the step cast their tensors
+    (`cast_order`): where a divergence began, its origin first."""
     step = min((f.step for f in flags), default=None)
-    return [f for f in flags if f.step == step]
+    return cast_order([f for f in flags if f.step == step], run.layers, run.tensors)
 
 
 def first_flagged(run: RunMetrics, flags: list[Flag], names: dict[str, str],
@@ -206,7 +207,7 @@ def first_flagged(run: RunMetrics, flags: list[Flag], names: dict[str, str],
     NaN the one spike that started it (1 flagged step) came after every layer's NaN rows and
     past the terminal's first MAX_PRINTED; it is the line to read first. `dump`: a flag of that
     step and fp8_stats' dump holding its tensor there, named last."""
-    if not (first := first_flags(flags)):
+    if not (first := first_flags(flags, run)):
         return None
     step = first[0].step
     kinds = short_names(run.tensors)
