@@ -30,7 +30,11 @@ STAT_KEYS = ("amax", "amin", "underflow_pct", "overflow_pct", "mse", "rel_mse", 
 #: seen on several ranks or micro-batches pool exactly, with one all_reduce per reduction op.
 SUM_KEYS = ("seen", "count", "nan_count", "inf_count", "underflow", "overflow", "sq_error",
             "dot", "x_sq", "rt_sq")
-MAX_KEYS = ("amax", "neg_amin", "neg_scale", "fp8_max")
+#: `scale_ratio` is each piece's own (its scale over its own amax's current scale): pieces cast
+#: with different scales (micro-batches under delayed scaling, whose scale TE updates after each)
+#: keep the ratio of the one that outgrew its scale most, which the smallest scale and the
+#: pooled amax hid (a micro-batch overflowing 57 % at ratio 7.9 read as ratio 1.0).
+MAX_KEYS = ("amax", "neg_amin", "neg_scale", "fp8_max", "scale_ratio")
 SUFFICIENT_KEYS = SUM_KEYS + MAX_KEYS
 SUFFICIENT_INDEX = {key: i for i, key in enumerate(SUFFICIENT_KEYS)}
 
@@ -331,12 +335,17 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
     overflow = partial[5].sum()
     if scale is None:  # without an Inf, `|x| * scale` above fp8_max is the division's rounding
         overflow = torch.where(inf_count > 0, overflow, 0.0)
+    # this cast's scale_ratio, computed as `finalize_stats` does; 0 (pooling leaves it to the
+    # others) where there was nothing to scale
+    ratio = pooled_scale.double() / _scale_from_amax(amax.double(), _on(fp8_max, device)).double()
+    ratio = torch.where((amax > 0) & torch.isfinite(pooled_scale), ratio, 0.0)
     parts = {
         "seen": _on(1.0, device), "count": x.numel() - nan_count - inf_count, "nan_count": nan_count,
         "inf_count": inf_count, "underflow": nonzero - partial[1].sum(),
         "overflow": overflow, "sq_error": sq_error,
         "dot": partial[4].sum() * r_scale / x_work + rt_sq, "x_sq": x_sq, "rt_sq": rt_sq,
         "amax": amax, "neg_amin": -amin, "neg_scale": -pooled_scale, "fp8_max": _on(fp8_max, device),
+        "scale_ratio": ratio,
     }
     return torch.stack([parts[k].double().reshape(()) for k in SUFFICIENT_KEYS])
 
@@ -378,7 +387,8 @@ def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     device). Percentages and mse are over the finite elements (NaN where there is none),
     rel_mse = ‖x - fp8(x)‖² / ‖x‖²; `scale` is the smallest pooled scale (current scaling of
     nothing to scale: the current scale); `current_scale` is `fp8_max / amax` of the pooled
-    amax (no margin); `scale_ratio = scale / current_scale`."""
+    amax (no margin); `scale_ratio` the largest of the pieces' own `scale / current_scale`
+    (one piece, or pieces cast with one scale: `scale / current_scale`)."""
     s = {key: rows[..., i] for i, key in enumerate(SUFFICIENT_KEYS)}
     count = s["count"].clamp_min(1.0)
     amin = -s["neg_amin"]
@@ -396,7 +406,8 @@ def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
         # the error relative to the tensor's own size, comparable across layers and tensors
         "rel_mse": torch.where(s["x_sq"] > 0, s["sq_error"] / s["x_sq"].clamp_min(1e-300),
                                torch.zeros_like(s["x_sq"])),
-        "cos_sim": cos, "scale": scale, "current_scale": current, "scale_ratio": scale / current,
+        "cos_sim": cos, "scale": scale, "current_scale": current,
+        "scale_ratio": torch.where(s["scale_ratio"] > 0, s["scale_ratio"], scale / current),
         "nan_count": s["nan_count"], "inf_count": s["inf_count"],
     }
     # a tensor seen with no finite element (all NaN/Inf) has no round trip to judge: NaN, which
