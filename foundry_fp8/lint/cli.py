@@ -47,6 +47,7 @@ from foundry_fp8.lint.load import (
     read_stdin,
     read_text,
     read_yaml,
+    written_at,
 )
 from foundry_fp8.lint.output import render_json, render_sarif, render_text, use_colour
 from foundry_fp8.lint.registry import Finding, LintContext, first_line, run_rules
@@ -72,16 +73,21 @@ def _error_entry(path: Path | str, error: str) -> dict[str, Any]:
 
 
 def _entry(path: Path, findings: list[Finding], positions: Mapping[str, tuple[int, int]],
-           prefix: str = "", overrides: Overrides | None = None) -> dict[str, Any]:
+           prefix: str = "", overrides: Overrides | None = None,
+           taken: Mapping[str, tuple[str, str]] | None = None) -> dict[str, Any]:
     """A finding at a key a command-line override sets names that override, and stands at the
     key's line only where the file writes that key (never at a parent's: the value is not the
-    file's)."""
+    file's). One beneath a key written as one interpolation (`model: ${variables.model}`,
+    `taken`) stands where the value is written, and says so: its key stays the one it feeds."""
     entries = []
     for f in findings:
-        item = overrides.item_for(f.key, prefix + f.key in positions) if overrides else None
-        where = positions.get(prefix + f.key) if item else position_of(prefix + f.key, positions)
-        note = f" (set by {item})" if item else ""
-        entries.append(_as_dict(replace(f, key=prefix + f.key, message=f.message + note), where))
+        key = prefix + f.key
+        item = overrides.item_for(f.key, key in positions) if overrides else None
+        written = None if item else written_at(key, positions, taken or {})
+        where = positions.get(key) if item else position_of(written[0] if written else key,
+                                                             positions)
+        note = f" (set by {item})" if item else written[1] if written else ""
+        entries.append(_as_dict(replace(f, key=key, message=f.message + note), where))
     return {"path": str(path), "error": None, "findings": entries}
 
 
@@ -160,10 +166,11 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
         else lint_config(loaded.config, context)
     findings = [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
                 if f.rule in PIN_RULES else f for f in findings]
-    entry = _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "", merged)
+    entry = _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "", merged,
+                   loaded.taken)
     outer += [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
               for f in pinned_te_findings(loaded.config, pinned, context)]
-    entry["findings"][:0] = _entry(path, outer, loaded.positions)["findings"]
+    entry["findings"][:0] = _entry(path, outer, loaded.positions, taken=loaded.taken)["findings"]
     return entry
 
 

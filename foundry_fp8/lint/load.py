@@ -129,6 +129,9 @@ class LoadedConfig:
     positions: dict[str, tuple[int, int]] = field(default_factory=dict)
     env_keys: tuple[str, ...] = ()
     interpolated: frozenset[str] = frozenset()
+    #: `node_interpolations`' map: a key written as one interpolation -> (the key it takes
+    #: whole, the value as written)
+    taken: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def _key_text(node: yaml.Node) -> str:
@@ -194,6 +197,72 @@ def key_positions(root: yaml.Node | None,
         if isinstance(value, yaml.ScalarNode) and OC_ENV.search(str(value.value)):
             env_values.append((path, str(value.value)))
     return positions, env_values
+
+
+#: A value that is one interpolation of a key and nothing else (`${variables.model}`,
+#: `${..model}`, `${a.b[0]}`): omegaconf gives the key that node whole, keys beneath included.
+_NODE_INTERPOLATION = re.compile(r"\$\{\s*(\.*)([\w-]+(?:\.[\w-]+|\[[\w-]+\])*)\s*\}")
+
+
+def node_interpolations(root: yaml.Node | None, inside: str = "") -> dict[str, tuple[str, str]]:
+    """Key path -> (the key path it takes whole, the value as written) for each string value
+    that is one interpolation (`model: ${variables.model}`): a finding beneath `model` is
+    about a value written under `variables.model`. Absolute paths start at `inside` (an MCLI
+    run config's `parameters.`, resolved as its own document); relative ones (`${.x}`) at the
+    key's mapping, one level up per further dot."""
+    taken: dict[str, tuple[str, str]] = {}
+    for path, _, value in _entries(root) if root is not None else ():
+        if not (isinstance(value, yaml.ScalarNode) and value.tag.endswith(":str")
+                and path.startswith(inside)):
+            continue
+        found = _NODE_INTERPOLATION.fullmatch(str(value.value))
+        if found is None:
+            continue
+        dots, name = found.groups()
+        base = inside.rstrip(".")
+        if dots:
+            base = parent_key(path)
+            for _ in range(len(dots) - 1):
+                base = parent_key(base)
+        target = base
+        for part in re.sub(r"\[([\w-]+)\]", r".\1", name).split("."):
+            target = join_key(target, part)
+        taken[path] = (target, str(value.value))
+    return taken
+
+
+def written_at(key: str, positions: Mapping[str, tuple[int, int]],
+               taken: Mapping[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """(the key path whose line holds `key`'s value, a note naming it) when `key` lies beneath
+    a key written as one interpolation (`node_interpolations`), following chains of them;
+    None when the file writes `key` where it is, or no interpolation leads to it."""
+    current, via = key, None
+    for _ in range(len(taken)):  # each interpolation once: a cycle does not resolve anyway
+        above = None if current in positions else _taken_above(current, positions, taken)
+        if above is None:
+            break
+        head, rest = above
+        via = via or f"{head}: {taken[head][1]}"
+        current = f"{taken[head][0]}.{rest}" if taken[head][0] else rest
+    if via is None:
+        return None
+    if current in positions:
+        return current, f" (written at {current}, through `{via}`)"
+    return current, f" (through `{via}`)"
+
+
+def _taken_above(key: str, positions: Mapping[str, tuple[int, int]],
+                 taken: Mapping[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """(the nearest key above `key` written as one interpolation, the rest of `key` below it);
+    None when a key above it is written as a mapping or list first."""
+    parts = split_key(key)
+    for end in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:end])
+        if head in taken:
+            return head, ".".join(parts[end:])
+        if head in positions:
+            return None
+    return None
 
 
 def drop_duplicate_keys(root: yaml.Node | None) -> list[tuple[str, int, int]]:
@@ -698,7 +767,8 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
                 error = LintInputError(f"{error}{_AGAIN}")
                 raise _by_override(error, path, text, subtree, document, overrides) from None
     names = read_names(text + (overrides.text if overrides else ""))
-    return LoadedConfig(config, positions, tuple(env_keys), names)
+    return LoadedConfig(config, positions, tuple(env_keys), names,
+                        node_interpolations(root, inside))
 
 
 def _under_variables(raw: Any, error: BaseException) -> str:
