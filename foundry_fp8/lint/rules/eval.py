@@ -288,8 +288,8 @@ def eval_mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterato
 
 @rule("FP8311", "error", "MPT model values MPT refuses when it builds, in an eval model "
       "(FP8035 and FP8032 for eval configs: numbers written as strings, sizes that are not whole "
-      "numbers, d_model not divisible by n_heads, kv_n_heads not dividing n_heads, a fractional "
-      "d_model * expansion_ratio)",
+      "numbers, d_model not divisible by n_heads, kv_n_heads not dividing n_heads, qk_ln with "
+      "qk_gn, kv_dim with fused_qkv, a fractional d_model * expansion_ratio)",
       why="Each eval model is built with build_composer_model like a train config's model "
       "section, so MPTConfig and MPT's layers raise there as in training, after the tokenizer "
       "and the ICL data are built.",

@@ -401,7 +401,8 @@ def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterat
 @rule("FP8035", "error", "MPT model values MPT refuses when LLM-Foundry builds the model: "
       "numbers written as strings (`d_model: \"2048\"`, `expansion_ratio: 8/3`), sizes that are "
       "not whole numbers or too small (`n_heads: 0`, `d_model: .nan`, `1e400`, `n_layers: 2.0`), "
-      "d_model not divisible by n_heads, GQA's kv_n_heads above n_heads or not dividing it",
+      "d_model not divisible by n_heads, GQA's kv_n_heads above n_heads or not dividing it, "
+      "attn_config's qk_ln with qk_gn, kv_dim with fused_qkv or other than d_model",
       why="LLM-Foundry passes the model section to MPTConfig unconverted, and YAML reads a quoted "
       "number or a fraction such as 8/3 as a string: MPTConfig's checks then raise (`d_model % "
       "n_heads` formats the string, `max_seq_len != int(max_seq_len)`, the dropout bounds), or "
@@ -415,11 +416,16 @@ def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterat
       "max_seq_len may be a float equal to a whole number, expansion_ratio any finite number "
       "from 0 (FP8032 judges its product). MPTConfig also raises 'd_model must be divisible by "
       "n_heads', even when head_dim is given, and GroupedQueryAttention refuses a kv_n_heads "
-      "above n_heads or not dividing it (each Q head gets the same number of KV heads).",
+      "above n_heads or not dividing it (each Q head gets the same number of KV heads), and "
+      "qk_ln and qk_gn both true. MPTConfig refuses a kv_dim with fused_qkv, which is true "
+      "unless the config says false; unfused, a kv_dim other than d_model builds, and the first "
+      "forward raises (MPT's blocks feed Wk and Wv the d_model-wide hidden states).",
       source=f"{FOUNDRY} llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__ "
       "(max_seq_len) and _validate_config (d_model % n_heads, the pdrop and embedding_fraction "
-      "bounds, logit_scale); llmfoundry/models/layers/ffn.py resolve_ffn_hidden_size; "
-      "llmfoundry/models/layers/attention.py GroupedQueryAttention.__init__ (kv_n_heads); "
+      "bounds, logit_scale, kv_dim with fused_qkv); llmfoundry/models/layers/ffn.py "
+      "resolve_ffn_hidden_size; llmfoundry/models/layers/attention.py "
+      "GroupedQueryAttention.__init__ (kv_n_heads, qk_ln with qk_gn) and get_qkv (Wk(x)); "
+      "llmfoundry/models/utils/config_defaults.py attn_config_defaults; "
       "tests/test_lint_known.py builds each one (MPT_WHOLE_NUMBERS)",
       fix="write the number without quotes (a decimal for expansion_ratio, or give "
       "ffn_config.ffn_hidden_size), sizes as whole numbers from 1 (n_heads, d_model); pick "
@@ -453,6 +459,34 @@ def mpt_refuses_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
                 "heads, so n_heads must be divisible by kv_n_heads.'")
         yield Hit("model.attn_config.kv_n_heads", f"kv_n_heads {kv_heads} with n_heads "
                   f"{n_heads}: GroupedQueryAttention raises {need} building the model")
+    yield from _attention_refusals(section(model, "attn_config"), d_model)
+
+
+#: FP8035's fix for a kv_dim (attention.py: Wk and Wv take kv_dim-wide inputs; MPTBlock passes x).
+_KV_DIM_FIX = ("drop kv_dim: it sizes Wk and Wv for cross-attention, and MPT's blocks feed them "
+               "the d_model-wide hidden states")
+
+
+def _attention_refusals(attn: Mapping[str, Any], d_model: int | None) -> Iterator[Hit]:
+    """attn_config pairs MPT refuses, judged as MPT does: by truth value, after its defaults
+    (`qk_ln`/`qk_gn` false, `fused_qkv` true, `kv_dim` null) fill what is not given; and a
+    kv_dim other than d_model, which builds unfused but fails the first forward."""
+    if attn.get("qk_ln") and attn.get("qk_gn"):
+        yield Hit("model.attn_config.qk_gn", "attn_config sets both qk_ln and qk_gn: "
+                  "GroupedQueryAttention raises 'Only one of qk_ln and qk_gn can be set to "
+                  "True.' building the model", fix="keep one of qk_ln (LayerNorm over all heads) "
+                  "and qk_gn (per head)")
+    if attn.get("kv_dim") is not None and attn.get("fused_qkv", True):
+        fused = "fused_qkv" + ("" if "fused_qkv" in attn else " (MPT's default: true)")
+        yield Hit("model.attn_config.kv_dim", f"attn_config.kv_dim {attn['kv_dim']!r} with "
+                  f"{fused}: MPTConfig raises 'fused_qkv should be False when \"kv_dim\" is "
+                  "specified.' building the model", fix=_KV_DIM_FIX)
+    elif (kv_dim := as_int(attn.get("kv_dim"))) is not None and d_model is not None \
+            and kv_dim != d_model:
+        yield Hit("model.attn_config.kv_dim", f"attn_config.kv_dim {kv_dim} with fused_qkv "
+                  f"false: MPT builds Wk and Wv for {kv_dim}-wide inputs, but its blocks feed "
+                  f"them the hidden states, d_model {d_model} wide: the first forward raises "
+                  "RuntimeError 'mat1 and mat2 shapes cannot be multiplied'", fix=_KV_DIM_FIX)
 
 
 def _given(model: Mapping[str, Any], path: str) -> bool:
