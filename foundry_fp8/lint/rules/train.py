@@ -126,13 +126,21 @@ TE_TOKENS_BY_16 = (
       "requirements; on Hopper, whose FP8 GEMMs are TN only, that leading dim is the inner "
       "one): a warning, since that backward failure is read in TE's sources and has "
       "not been run on a GPU. The sequence length is the train loader's `dataset.max_seq_len`; "
-      "the top-level `max_seq_len` only where the loader gives none.",
+      "the top-level `max_seq_len` only where the loader gives none. The finetuning loader's "
+      "`pad_to_longest` pads each batch only to its longest example, any length up to that "
+      "max_seq_len, so only a micro-batch size that is a multiple of "
+      f"{FP8_TOKEN_MULTIPLE} passes TE's assert on every batch (an error otherwise); its "
+      "`allow_pad_trimming` cuts every batch after the first to its longest example rounded up "
+      f"to a multiple of {FP8_TOKEN_MULTIPLE}, which an odd micro-batch size then leaves off "
+      f"a multiple of {FP8_DIM_MULTIPLE} on some batches (a warning).",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec; "
       f"{TE_TOKENS_BY_16}; "
       f"{FOUNDRY} llmfoundry/data/text_data.py StreamingTextDataset (max_seq_len from the "
       "loader's dataset), llmfoundry/data/finetuning/dataloader.py build_finetuning_dataloader "
-      "(dataset_cfg['max_seq_len']), llmfoundry/command_utils/train.py (the top-level "
-      "max_seq_len: icl_seq_len's default)",
+      "(dataset_cfg['max_seq_len']) and build_collate_fn (allow_pad_trimming, pad_to_longest), "
+      "llmfoundry/data/finetuning/collator.py Seq2SeqFinetuningCollator (pad_to_longest:339-345, "
+      "the trimming to multiple_of = 8:404-417), llmfoundry/command_utils/train.py (the "
+      "top-level max_seq_len: icl_seq_len's default)",
       fix="pick device_train_microbatch_size and a sequence length whose product is a multiple "
       f"of {FP8_DIM_MULTIPLE}")
 def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
@@ -146,9 +154,17 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
         return
     shown = f"{micro} x {seq} = {micro * seq} tokens per micro-batch (device_train_microbatch_size" \
         f" x {key})"
+    padding = _padded_to(config)
     if not tokens_fit_fp8(micro * seq):
         yield Hit(key, f"{shown} is not divisible by {FP8_TOKEN_MULTIPLE}, as TE's FP8 GEMMs "
                   "require")
+    elif padding == "pad_to_longest" and not tokens_fit_fp8(micro):
+        yield Hit(f"train_loader.dataset.{padding}", f"pad_to_longest pads each batch only to "
+                  f"its longest example, so a micro-batch holds {micro} x L tokens for any L up "
+                  f"to {seq}: with device_train_microbatch_size {micro} (not a multiple of "
+                  f"{FP8_TOKEN_MULTIPLE}) TE's FP8 forward asserts a multiple of "
+                  f"{FP8_TOKEN_MULTIPLE} and raises at the first batch whose longest example "
+                  "misses it", fix=_PADDING_FIX)
     elif not dim_fits_fp8(micro * seq):  # the inner dim of the weight-gradient GEMM
         yield Hit(key, f"{shown} is a multiple of {FP8_TOKEN_MULTIPLE}, which TE's forward "
                   f"assert asks, but not of {FP8_DIM_MULTIPLE}: TE's own tests run FP8 only "
@@ -157,6 +173,35 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
                   f"TE >= 2.9 checks for a leading dim divisible by {FP8_DIM_MULTIPLE} ('Caller "
                   "must pad'); that the backward fails so is read in TE's sources and has not "
                   "been run on a GPU", severity="warning")
+    elif padding is not None and not dim_fits_fp8(
+            micro * (1 if padding == "pad_to_longest" else FP8_TOKEN_MULTIPLE)):
+        lengths = "any L up to" if padding == "pad_to_longest" else \
+            f"L the longest example rounded up to a multiple of {FP8_TOKEN_MULTIPLE}, up to"
+        yield Hit(f"train_loader.dataset.{padding}", f"{padding} gives batches of {micro} x L "
+                  f"tokens for {lengths} {seq}: with device_train_microbatch_size {micro}, some "
+                  f"are not a multiple of {FP8_DIM_MULTIPLE}, the token count TE's own tests ask "
+                  "for and the inner dim of the weight-gradient GEMM that TE >= 2.9 checks "
+                  "('Caller must pad'); read in TE's sources, not run on a GPU",
+                  severity="warning", fix=_PADDING_FIX)
+
+
+#: The train loader whose collator can pad a batch to less than max_seq_len
+#: (llmfoundry/data/finetuning/dataloader.py build_collate_fn).
+_SHORT_PADDING_LOADER = "finetuning"
+_PADDING_FIX = (f"a device_train_microbatch_size that is a multiple of {FP8_DIM_MULTIPLE}, or "
+                "drop train_loader.dataset's pad_to_longest and allow_pad_trimming (every batch "
+                "is then padded to max_seq_len)")
+
+
+def _padded_to(config: Mapping[str, Any]) -> str | None:
+    """The finetuning collator's option that makes a batch shorter than max_seq_len, read by
+    truth value as the collator reads it: `pad_to_longest` (any length, the trimming after it
+    keeps that length), else `allow_pad_trimming` (a multiple of 8); None when neither."""
+    loader = section(config, "train_loader")
+    if loader.get("name") != _SHORT_PADDING_LOADER:
+        return None
+    dataset = section(loader, "dataset")
+    return next((k for k in ("pad_to_longest", "allow_pad_trimming") if dataset.get(k)), None)
 
 
 #: Keys that configs written for older Composer / LLM-Foundry or for DeepSpeed carry, which
