@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from foundry_fp8 import wandb_history
 from foundry_fp8.cli import main
 from foundry_fp8.health import parse_key
 from foundry_fp8.jsonl import read_jsonl
@@ -36,9 +37,27 @@ def _flagged_section(markdown: str) -> str:
                      or line.startswith("| `"))
 
 
+def _layer_order(markdown: str) -> list[str]:
+    """The layers in the order fp8_report.md's worst-value table lists its rows of 0 %
+    underflow (ties: the run's layer order)."""
+    table = markdown.split("## Worst value per layer and tensor")[1]
+    return list(dict.fromkeys(cells[1].strip() for line in table.splitlines()
+                              if len(cells := line.split("|")) > 3 and cells[3].strip() == "0"))
+
+
+def _but_sources(markdown: str) -> str:
+    """fp8_report.md less the line naming where the thresholds were read."""
+    return "\n".join(line for line in markdown.splitlines()
+                     if not line.startswith("Thresholds from"))
+
+
 @pytest.mark.slow
-def test_the_report_of_an_mlflow_run_is_the_report_of_its_jsonl(tmp_path, tiny_data, capsys,
-                                                                monkeypatch):
+def test_the_report_of_an_mlflow_or_wandb_run_is_the_report_of_its_jsonl(tmp_path, tiny_data,
+                                                                         capsys, monkeypatch):
+    """One run, three sinks, one report: the same lines, tables and layer order (the model's,
+    fp8_stats' record `fp8/layers`). Before it, W&B's history rows came back with their keys in
+    another order each and MLflow sorted them by name (`ffn.down_proj` before `ffn.up_proj`):
+    tables, groups, the time series' "last block" and a step's flags in cast order differed."""
     name, tracking = "mlflow", f"file://{tmp_path}/mlruns"
     run_tiny(tmp_path, tiny_data, {
         "variables": {"run_name": name}, "max_duration": "12ba", "eval_interval": "12ba",
@@ -47,8 +66,10 @@ def test_the_report_of_an_mlflow_run_is_the_report_of_its_jsonl(tmp_path, tiny_d
                                     "max_underflow_pct": LIMIT}},
         # Composer's default log_duplicated_metric_every_n_steps (100): MLflow holds a value
         # equal to the key's last only once (an overflow_pct of 0 at step 0)
-        "loggers": {"mlflow": {"tracking_uri": tracking, "experiment_name": name}}}).close()
+        "loggers": {"mlflow": {"tracking_uri": tracking, "experiment_name": name}}},
+        wandb=True).close()
     folder = run_folder(tmp_path, name)
+    wandb_history.read_runs(folder, wait=120)  # W&B's service may still be writing the file
     capsys.readouterr()  # the training's console
 
     # the reference: the (layer, tensor) rows over the limit, from the jsonl itself (less
@@ -65,16 +86,21 @@ def test_the_report_of_an_mlflow_run_is_the_report_of_its_jsonl(tmp_path, tiny_d
     jsonl_table, jsonl_said = _report([str(folder), "--out", str(tmp_path / "j")], capsys)
     assert f"{len(over)} flagged\n  First flagged at step " in jsonl_said
     assert all(f"'{layer}' act" in jsonl_said for layer, _ in over)
-    jsonl_md = _flagged_section((tmp_path / "j" / "fp8_report.md").read_text())
-    assert jsonl_md.count("First flagged") == 1
+    markdown = (tmp_path / "j" / "fp8_report.md").read_text()
+    assert _flagged_section(markdown).count("First flagged") == 1
+    # MPT's forward order (llmfoundry/models/layers/blocks.py, attention.py, ffn.py)
+    assert _layer_order(markdown) == [f"blocks.{b}.{layer}" for b in (0, 1) for layer in (
+        "attn.Wqkv", "attn.out_proj", "ffn.up_proj", "ffn.down_proj")]
+    assert "Time series show `blocks.0.attn.Wqkv` (first block), " in markdown
+    assert "`blocks.1.ffn.down_proj` (last block; " in markdown
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking)
-    for n, given in enumerate([run_dir, run_dir.parent, f"mlflow:{run_dir.name}"]):
+    for n, given in enumerate([run_dir, run_dir.parent, f"mlflow:{run_dir.name}",
+                               folder / "wandb"]):
         table, said = _report([str(given), "--out", str(tmp_path / f"m{n}")], capsys)
-        assert said == jsonl_said
-        # the same worst values; rows of equal values in another order (MLflow keeps no order
-        # of the model's layers)
-        assert sorted(table.splitlines()) == sorted(jsonl_table.splitlines())
-        assert _flagged_section((tmp_path / f"m{n}" / "fp8_report.md").read_text()) == jsonl_md
+        assert said == jsonl_said, given
+        assert table == jsonl_table, given
+        assert _but_sources((tmp_path / f"m{n}" / "fp8_report.md").read_text()) == _but_sources(
+            markdown), given
 
 
 def test_an_mlflow_run_without_mlflow_installed_is_one_line(tmp_path, capsys, monkeypatch):

@@ -16,6 +16,7 @@ from composer.loggers import ConsoleLogger, Logger, LoggerDestination, MLFlowLog
 from composer.utils import dist
 
 from foundry_fp8.composer.destinations import (
+    HPARAM_MAX_CHARS,
     ConsoleResend,
     FitEndKeys,
     capped,
@@ -25,11 +26,17 @@ from foundry_fp8.composer.destinations import (
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
-from foundry_fp8.health.keys import HIGH_PRECISION, UNCAST
+from foundry_fp8.health.keys import HIGH_PRECISION, UNCAST, layer_order_params, short_layer
 from foundry_fp8.health.raster import render_heatmap
 from foundry_fp8.health.specs import known_first
 from foundry_fp8.mlflow_facts import RACE, WORKAROUNDS, races
-from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, NoLayersError, multi_rank
+from foundry_fp8.monitor import (
+    FP8Monitor,
+    FP8MonitorError,
+    NoLayersError,
+    multi_rank,
+    watches_for,
+)
 from foundry_fp8.numerics import STAT_KEYS
 from foundry_fp8.options import MonitorConfig, Schedule, build
 from foundry_fp8.paths import DUMP_FOLDER, DUMP_FOLDER_KEY, in_run_folder, say_repeated
@@ -323,6 +330,14 @@ class FP8Stats(Callback):
             config = dataclasses.replace(config, dump_folder=dumps)
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
                                   on_warning=log.warning if _is_rank_zero() else lambda _: None)
+        if _is_rank_zero():
+            # the model's order of the layers it may watch, for the report (W&B and MLflow keep
+            # no order of keys): every such layer, so that a resume with other `layers` logs the
+            # same value (W&B and MLflow refuse a changed one)
+            order = layer_order_params([short_layer(name) for name, module in canonical_modules(
+                state.model) if watches_for(module) is not None], HPARAM_MAX_CHARS)
+            deliver(logger.destinations, "hyperparameters",
+                    lambda d: d.log_hyperparameters(order), "fp8_stats", self.strict)
         if dumps is not None and _is_rank_zero():  # where the report finds them, every sink
             record = {DUMP_FOLDER_KEY: dump_record(dumps, base)}
             deliver(logger.destinations, "hyperparameters",

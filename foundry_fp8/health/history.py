@@ -6,12 +6,19 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from foundry_fp8 import jsonl
-from foundry_fp8.health.keys import HIGH_PRECISION, INITIAL_SCALE, TENSORS, UNCAST, parse_key
+from foundry_fp8.health.keys import (
+    HIGH_PRECISION,
+    INITIAL_SCALE,
+    TENSORS,
+    UNCAST,
+    by_name,
+    parse_key,
+)
 from foundry_fp8.health.rules import judged_table
 from foundry_fp8.health.specs import PERFECT, SPECS, badness, known_first, spec
 
@@ -88,7 +95,7 @@ class RunMetrics:
     numbers: drawn hatched, judged only on NaN/Inf as fp8_stats does)."""
 
     values: dict[tuple[str, str, str], Series] = field(default_factory=dict)
-    layers: list[str] = field(default_factory=list)  # first-logged order = forward order
+    layers: list[str] = field(default_factory=list)  # first-logged order; the model's: in_order
     tensors: list[str] = field(default_factory=list)
     stats: list[str] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # every step with any fp8 metric, sorted
@@ -133,6 +140,19 @@ class RunMetrics:
             marked -= {m for m in marked if m[2] >= step}
         self.steps = [s for s in self.steps if s < step]
         self._step_set = set(self.steps)
+
+    def in_order(self, order: Sequence[str] | None) -> None:
+        """`layers` in the model's order `order` (fp8_stats' record, `keys.layer_order`), those
+        it lacks after them by name; None: all by name (`keys.by_name`). `values` follows (by
+        layer, tensor, statistic): the tables, rankings and replayed flags read it in its order,
+        which was the order each sink gave the keys in."""
+        at = {layer: i for i, layer in enumerate(order or ())}
+        self.layers.sort(key=lambda layer: (at.get(layer, len(at)), by_name(layer)))
+        places = [{name: i for i, name in enumerate(names)}
+                  for names in (self.layers, self.tensors, self.stats)]
+        self.values = {key: self.values[key] for key in sorted(
+            self.values, key=lambda key: tuple(place[name] for place, name in zip(
+                places, key, strict=True)))}
 
     def add_table(self, step: int, table: Mapping[tuple[str, str], Mapping[str, float]]) -> None:
         """One logging step's `{(layer, tensor): {stat: value}}`."""

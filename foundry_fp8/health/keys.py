@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 TENSORS = ("activation", "weight", "gradient")
 LAYER_PREFIX = "fp8_"
@@ -109,3 +110,49 @@ def short_layer(name: str) -> str:
     for front in _FRONT:
         name = name.removeprefix(front)
     return name
+
+
+#: The hyperparameter recording the model's order of the layers fp8_stats can watch (the keys'
+#: names): W&B's history rows come back with their keys in another order each, and MLflow keeps
+#: none, so the report takes the order from here (`layer_order`). A model whose list is longer
+#: than a logger keeps in one value continues it in `fp8/layers.2`, `fp8/layers.3`, ...
+LAYER_ORDER = "fp8/layers"
+
+
+def layer_order_params(layers: Sequence[str], limit: int) -> dict[str, Any]:
+    """`layers` as hyperparameters, `{LAYER_ORDER: {"parts": n, "layers": [...]},
+    LAYER_ORDER.2: [...], ...}`, each value's `str()` within `limit` characters (MLflow keeps
+    `str(value)` and cuts it at its limit); {} where one name alone is longer."""
+    head = len(repr({"parts": 10**9, "layers": []}))
+    parts: list[list[str]] = [[]]
+    size = head
+    for name in layers:
+        room = len(repr(name)) + 2  # its `, ` or the brackets
+        if parts[-1] and size + room > limit:
+            parts.append([])
+            size = 2
+        if size + room > limit:
+            return {}
+        parts[-1].append(name)
+        size += room
+    return {LAYER_ORDER: {"parts": len(parts), "layers": parts[0]},
+            **{f"{LAYER_ORDER}.{n}": part for n, part in enumerate(parts[1:], 2)}}
+
+
+def layer_order(hparams: Mapping[str, Any]) -> list[str] | None:
+    """The layer order fp8_stats recorded (`layer_order_params`), or None where the run holds
+    none whole (builds before it, a part missing or not a list of names)."""
+    first = hparams.get(LAYER_ORDER)
+    if not isinstance(first, Mapping) or not isinstance(parts := first.get("parts"), int):
+        return None
+    names = [first.get("layers"), *(hparams.get(f"{LAYER_ORDER}.{n}") for n in range(2, parts + 1))]
+    if not all(isinstance(part, list) and all(isinstance(s, str) for s in part) for part in names):
+        return None
+    return [name for part in names for name in part]
+
+
+def by_name(layer: str) -> tuple[tuple[int, int, str], ...]:
+    """A layer's place by name, its numbers by value (`blocks.2` before `blocks.10`): the order
+    where no record says the model's."""
+    return tuple((0, int(part), "") if i % 2 else (1, 0, part)  # odd: a `\d+` the split kept
+                 for i, part in enumerate(re.split(r"(\d+)", layer)))

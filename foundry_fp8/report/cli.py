@@ -91,6 +91,7 @@ from foundry_fp8.report.read import (
     dump_places,
     formats_from_hparams,
     guard_run,
+    in_model_order,
     load_run,
     load_wandb,
     losses_of,
@@ -299,17 +300,21 @@ def load(run_folder: Path, losses: dict[int, float] | None = None) -> Loaded:
         if losses is not None:  # MLflow's client: a query of its own, no file read twice
             losses.update(losses_of(mlflow_history(ml, LOSS)))
         run, series, hparams = load_mlflow(ml, warn)
+        in_model_order(run, hparams, ml.where, "MLflow", warn)
         return Loaded(run, series, hparams, ml.where, found.folder, "the MLflow run's params",
                       run_folder_of(ml, hparams))
     if isinstance(files := found.source, tuple):  # a W&B offline run, W&B's reader
         dumps: list[str] = []
         run, series, hparams = load_wandb(run_folder, list(files), warn, losses, dumps)
+        in_model_order(run, hparams, files[-1], "W&B's history", warn)
         # W&B's `dir` (`<run folder>/wandb/<attempt>/run-<id>.wandb`): the dumps are beside it
         return Loaded(run, series, hparams, files[-1], found.folder, "the W&B run's config",
                       files[-1].parent.parent.parent, tuple(dumps))
     run, series = load_run(found.source, warn, losses)
     hparams_file = hparams_of(found.source)
-    return Loaded(run, series, read_hparams(hparams_file, warn), hparams_file, found.folder)
+    hparams = read_hparams(hparams_file, warn)
+    in_model_order(run, hparams, found.source, None, warn)
+    return Loaded(run, series, hparams, hparams_file, found.folder)
 
 
 def make_report(run_folder: Path, layers: str | None = None, out: Path | None = None,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,22 +117,14 @@ def _logger_options(params: Mapping[str, Any]) -> Mapping[str, Any]:
     return options if isinstance(options, Mapping) else {}
 
 
-def _in_order(key: str) -> tuple[Any, ...]:
-    """A key's place: by its layer's name (numbers by value), then the key."""
-    parsed = parse_key(key)
-    layer = parsed[2] if parsed is not None else ""
-    return (*[(0, int(part), "") if part.isdigit() else (1, 0, part)
-              for part in re.split(r"(\d+)", layer)], key)
-
-
 def _records(points: list[tuple[int, int, str, float]]) -> list[tuple[int, dict[str, float]]]:
     """(step, {key: value}) in the order logged, from (timestamp, step, key, value): a new
     record where the step changes, so a later attempt's steps (a resume, fit() again with
     reset_time) come after the earlier attempt's, as in the jsonl logger's file."""
     records: list[tuple[int, dict[str, float]]] = []
-    # MLflow keeps no order of a step's keys (the jsonl's is the model's): layers in name order,
-    # numbers by value (`blocks.2` before `blocks.10`)
-    for _, step, key, value in sorted(points, key=lambda p: (p[0], p[1], _in_order(p[2]))):
+    # MLflow keeps no order of a step's keys: by name (the report puts the layers in the
+    # model's order, `RunMetrics.in_order`), so that equal timestamps read the same every time
+    for _, step, key, value in sorted(points, key=lambda p: (p[0], p[1], p[2])):
         if not records or records[-1][0] != step:
             records.append((step, {}))
         records[-1][1][key] = value

@@ -34,6 +34,7 @@ from foundry_fp8.guard import (
 from foundry_fp8.health import RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import (
     HIGH_PRECISION,
+    LAYER_ORDER,
     LAYOUT,
     LOSS,
     OLDER_LAYOUT,
@@ -43,6 +44,7 @@ from foundry_fp8.health.keys import (
     SUMMARY_PREFIX,
     TENSORS,
     full_forms,
+    layer_order,
     older_layout,
     summary_key,
 )
@@ -164,6 +166,29 @@ def _load_hparams(path: Path) -> Mapping[str, Any] | str | None:
         kind = {list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
         return f"{path}: {'null' if value is None else kind}, not a JSON object of hyperparameters"
     return value
+
+
+#: The first build whose fp8_stats records the model's layer order (`keys.LAYER_ORDER`).
+LAYER_ORDER_SINCE = "2026-11-30"
+
+
+def in_model_order(run: RunMetrics, hparams: Mapping[str, Any] | None, where: Path | str,
+                   unordered: str | None, warn: Callable[[str], None]) -> None:
+    """`run.layers` in the model's order, from fp8_stats' record (`keys.layer_order`): the
+    tables, groups, plots and a step's flags (`rules.cast_order`) follow it, and a run reads the
+    same from every sink. Without one (a build before LAYER_ORDER_SINCE), the order logged
+    where the sink keeps it (`unordered` None: the jsonl logger's file), else by name, numbers
+    by value, said once: `unordered` names the sink (W&B's history rows come back with their
+    keys in another order each, MLflow keeps none)."""
+    order = layer_order(hparams or {})
+    if order is None and unordered is None:
+        return
+    run.in_order(order)
+    if order is None and len(run.layers) > 1:  # one layer has no order to lose
+        warn(f"{where}: no record of the model's layer order (`{LAYER_ORDER}`, logged by "
+             f"fp8_stats from foundry-fp8 builds of {LAYER_ORDER_SINCE} on), and {unordered} "
+             "keeps none: layers are listed by name, numbers by value, so a step's flags may "
+             "not name the tensor a fault began in first")
 
 
 GuardSeries = dict[int, dict[str, float]]  # step -> fp8_guard's series logged at it
