@@ -36,7 +36,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from foundry_fp8 import jsonl
-from foundry_fp8.health import Flag, HealthTracker, Thresholds, md_escape, nonfinite, short_layer
+from foundry_fp8.health import (
+    TENSORS,
+    Flag,
+    HealthTracker,
+    Thresholds,
+    md_escape,
+    nonfinite,
+    short_layer,
+)
+from foundry_fp8.health.rules import NONFINITE_CHANGE, NOT_CLIPPED, cast_place
+from foundry_fp8.health.specs import known_first
 from foundry_fp8.options import FP8GuardOptions as GuardConfig
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
@@ -114,8 +124,13 @@ def _numbers(value: Any) -> dict[str, float]:
 def nonfinite_rows(table: Table) -> list[tuple[str, str]]:
     """The (layer, tensor) rows whose high-precision tensor holds NaN/Inf: counted before any
     FP8 cast, so no FP8 failure, and a sign that the layer's other statistics at that step are
-    not to be trusted either (its output, so its gradient, is computed from the same numbers)."""
-    return [key for key, stats in table.items() if nonfinite(stats)]
+    not to be trusted either (its output, so its gradient, is computed from the same numbers).
+    In the order the step cast them (`rules.cast_place`), the tensor they began in first; the
+    layers' forward order is fp8_stats' rows' (`table`)."""
+    layers = list(dict.fromkeys(layer for layer, _ in table))
+    tensors = known_first(dict.fromkeys(tensor for _, tensor in table), TENSORS)
+    return sorted((key for key, stats in table.items() if nonfinite(stats)),
+                  key=cast_place(layers, tensors))
 
 
 NAMED_LAYERS = 4  # layers named in the NaN/Inf line, the others counted
@@ -123,9 +138,10 @@ NAMED_LAYERS = 4  # layers named in the NaN/Inf line, the others counted
 
 def nonfinite_message(step: int, rows: Collection[tuple[str, str]]) -> str:
     """The line about the layers the guard does not judge, said once per layer: `rows` are the
-    layers not named before (the callback remembers them)."""
-    tensors = ", ".join(sorted({tensor for _, tensor in rows}))
-    layers = sorted({layer for layer, _ in rows})
+    layers not named before (the callback remembers them), in cast order (`nonfinite_rows`):
+    the layer a NaN began in is named first."""
+    tensors = ", ".join(dict.fromkeys(tensor for _, tensor in rows))
+    layers = list(dict.fromkeys(layer for layer, _ in rows))
     named = ", ".join(layers[:NAMED_LAYERS]) + (
         f" and {len(layers) - NAMED_LAYERS} more" if len(layers) > NAMED_LAYERS else "")
     return (f"fp8_guard: at step {step}, {len(layers)} layer(s) newly hold NaN/Inf in their "
@@ -134,9 +150,9 @@ def nonfinite_message(step: int, rows: Collection[tuple[str, str]]) -> str:
             f"step where it holds NaN/Inf (here {named}; each layer is named once) and moves no "
             f"layer for them; "
             f"the layers without NaN/Inf are judged as usual. Look at where they first appear "
-            f"(fp8/<tensor>/nonfinite; fp8_stats' warnings name the layers) and at the loss: a "
-            f"diverging run needs a lower optimizer.lr or "
-            f"algorithms.gradient_clipping.clipping_threshold")
+            f"(fp8/<tensor>/nonfinite; fp8_stats' warnings name the layers) and at the loss and "
+            f"the batch at that step; change {NONFINITE_CHANGE}"
+            f"{NOT_CLIPPED}")
 
 
 class GuardBudgetError(RuntimeError):

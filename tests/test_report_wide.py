@@ -15,6 +15,7 @@ from typing import Any
 import foundry_fp8.wandb_history as wandb_history
 from foundry_fp8.cli import main
 from foundry_fp8.health.keys import HIGH_PRECISION, LOSS, layer_key
+from foundry_fp8.health.rules import NONFINITE_CAUSE, NONFINITE_CHANGE, NOT_CLIPPED
 from foundry_fp8.jsonl import JsonlSink
 from foundry_fp8.report import cli, markdown
 from tests.test_report_long_run import attempt
@@ -60,9 +61,8 @@ def _write(folder: Path, nan: Any = _nan, loss: float = 3.0) -> Path:
     return folder
 
 
-DIVERGES = ("Likely cause: the run diverges: the high-precision tensor already holds NaN/Inf. "
-            "Change: ")
-CLIP, LR = "algorithms.gradient_clipping.clipping_threshold (lower it)", "optimizer.lr (lower it)"
+DIVERGES = f"Likely cause: {NONFINITE_CAUSE}"
+CLIP, LR = f"{NOT_CLIPPED}. Change: {NONFINITE_CHANGE}", f". Change: {NONFINITE_CHANGE}"
 
 
 def test_layers_flagged_alike_share_one_row_and_each_keeps_its_own_in_the_markdown(tmp_path,

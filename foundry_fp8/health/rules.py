@@ -11,7 +11,7 @@ Each flag names one likely cause and the one YAML key that changes it. Plain Pyt
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +27,22 @@ RECIPE = f"{SWAP}.fp8_recipe"
 #: the delayed-only keys (recipe.py, FP8008), so it names them.
 SPIKE_CHANGE = (f"{RECIPE}.scaling: current (and remove {', '.join(DELAYED_ONLY)} where set: "
                 "delayed scaling only)")
+#: NaN/Inf in a high-precision tensor (the `nonfinite` rule, fp8_guard's line): no FP8 cast
+#: made them (TE's amax skips NaN, current_scaling.cu:55-60 v2.18 `fmaxf`; delayed scaling keeps
+#: its scale for a NaN/Inf amax, delayed_scaling.cu:140-143), and the weights the optimizer writes
+#: from them are NaN: a run goes on from a checkpoint saved before that step.
+NONFINITE_CAUSE = ("the run diverges: the high-precision tensor already holds NaN/Inf (no FP8 "
+                   "cast made them: look at the loss and the batch at this step)")
+NONFINITE_CHANGE = ("optimizer.lr (lower it, and resume from a checkpoint saved before this "
+                    "step: load_path)")
+#: Gradient clipping removes no NaN/Inf: a NaN/Inf gradient makes the norm NaN/Inf, and norm
+#: clipping multiplies every gradient by max_norm / (norm + 1e-6), clamped to 1: NaN, or 0 (an
+#: Inf element then NaN). torch 2.7 nn/utils/clip_grad.py:159-163, FSDP's clip_grad_norm_
+#: fsdp/fully_sharded_data_parallel.py:1193-1199, which Composer 0.32 calls for `norm` (and
+#: `value` under FSDP): algorithms/gradient_clipping/gradient_clipping.py:49-59; `value` without
+#: FSDP clamps (a NaN stays).
+NOT_CLIPPED = ("; gradient clipping cannot remove them (norm clipping multiplies every gradient "
+               "by clipping_threshold / the NaN/Inf norm)")
 #: Where a layer with what-if numbers runs (`Flag.whatif_message`).
 WhatIf = Literal["fp8", "high", "fallback"]
 #: The keys `HealthTracker._keep_in_bf16` advises: they keep a layer out of FP8.
@@ -85,21 +101,31 @@ class Flag:
         return f"{head} Before putting it in FP8, change: {self.yaml_key}"
 
 
-def cast_order(flags: Collection[Flag], layers: list[str], tensors: list[str]) -> list[Flag]:
-    """One step's flags in the order the step cast their tensors: the forward's (X, W) by
-    layer, then the backward's (dY) from the last layer back. A fault spreads that way within
+def cast_place(layers: Sequence[str], tensors: Sequence[str]
+               ) -> Callable[[tuple[str, str]], tuple[bool, int, int]]:
+    """The sort key of a (layer, tensor) row in the order a step casts it: the forward's (X, W)
+    by layer, then the backward's (dY) from the last layer back. A fault spreads that way within
     the step: a NaN in one dY reaches the dY of every layer before it, an overflowing weight the
     activations after it and the gradients before it; in layer order the origin came last.
-    `layers`, `tensors`: forward order (first logged); others after them, as given."""
+    `layers`, `tensors`: forward order; others after them, as given."""
     at = {layer: i for i, layer in enumerate(layers)}
     kind = {tensor: i for i, tensor in enumerate(tensors)}
 
-    def key(flag: Flag) -> tuple[bool, int, int]:
-        backward, i = direction(flag.tensor) == "backward", at.get(flag.layer)
+    def key(row: tuple[str, str]) -> tuple[bool, int, int]:
+        layer, tensor = row
+        backward, i = direction(tensor) == "backward", at.get(layer)
         place = len(at) if i is None else len(at) - 1 - i if backward else i
-        return backward, place, kind.get(flag.tensor, len(kind))
+        return backward, place, kind.get(tensor, len(kind))
 
-    return sorted(flags, key=key)
+    return key
+
+
+def cast_order(flags: Collection[Flag], layers: Sequence[str], tensors: Sequence[str]
+               ) -> list[Flag]:
+    """One step's flags in the order the step cast their tensors (`cast_place`), so the tensor a
+    fault began in comes first. `layers`, `tensors`: forward order (first logged)."""
+    place = cast_place(layers, tensors)
+    return sorted(flags, key=lambda flag: place((flag.layer, flag.tensor)))
 
 
 def block_index(layer: str) -> int | None:
@@ -299,12 +325,10 @@ class HealthTracker:
         found: list[tuple[str, str, float, str, str, str]] = []  # rule, stat, value, limit, cause, key
         if bad_values:
             nan, inf = _value(stats, "nan_count", 0.0), _value(stats, "inf_count", 0.0)
-            key = ("algorithms.gradient_clipping.clipping_threshold" if tensor == "gradient"
-                   else "optimizer.lr")
             found.append(("nonfinite", "nan_count" if nan else "inf_count", nan or inf,
                           f"{nan:.0f} NaN and {inf:.0f} Inf elements, before any FP8 cast",
-                          "the run diverges: the high-precision tensor already holds NaN/Inf",
-                          f"{key} (lower it)"))
+                          NONFINITE_CAUSE + (NOT_CLIPPED if direction(tensor) == "backward"
+                                             else ""), NONFINITE_CHANGE))
         if overflow > t.max_overflow_pct and ratio >= t.spike_ratio:
             found.append(("overflow_spike", "overflow_pct", overflow,
                           f"> {t.max_overflow_pct:g} % with scale_ratio {ratio:.3g} >= "
