@@ -16,6 +16,8 @@ from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.health import SUMMARIES, HealthTracker, collect, layer_key, parse_key, summary_key
+from foundry_fp8.health.keys import LAYER_ORDER
+from foundry_fp8.health.rules import NONFINITE_CHANGE
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule
 from foundry_fp8.numerics import STAT_KEYS, tensor_stats
@@ -67,7 +69,7 @@ def test_a_tensor_with_nan_or_inf_gets_one_warning_as_the_report_flags_it():
     [message] = warned  # once, though steps 1 and 2 both have them
     assert message.startswith("FP8 activation of layer '0' at step 1: nan_count 2 (2 NaN and 1 "
                               "Inf elements, before any FP8 cast).")
-    assert message.endswith("Change: optimizer.lr (lower it)")
+    assert message.endswith(f"Change: {NONFINITE_CHANGE}")
     tracker = HealthTracker()  # the report replays the logged steps through the same rules
     for step, table in collect(records).tables():
         tracker.update(step, table)
@@ -376,7 +378,8 @@ def test_a_failing_logger_on_rank_zero_does_not_switch_the_callback_off(caplog):
     _, logger = _fit(callback, 4, FlakyLogger([after]))
     assert not callback.disabled and "disk full" in caplog.text
     assert sorted(logger.metrics) == [-1, 2] and layer_key("amax", "activation", "0") in logger.metrics[2]
-    assert sorted(after.metrics) == [0, 2] and after.hparams.keys() == {"fp8/stats_summary"}
+    assert sorted(after.metrics) == [0, 2] and after.hparams.keys() == {"fp8/stats_summary",
+                                                                           LAYER_ORDER}
     [warning] = [r.getMessage() for r in caplog.records if "failed to log" in r.getMessage()]
     assert warning.startswith("fp8_stats: the logger FlakyLogger failed to log metrics "
                               "(OSError: disk full)")
