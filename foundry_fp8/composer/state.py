@@ -214,7 +214,7 @@ class FP8State(Callback):
         self._weights_only: str | None = None  # which weights-only setting, if any
         self._te_restored = False  # the load's model held TE's own pickled FP8 state
         self._bf16_weights = False  # a weights-only load of a checkpoint saved without FP8
-        self._waiting = _Waiting(set(), self._mismatch, self.strict)  # TE modules before their first forward
+        self._waiting = _Waiting({}, self._mismatch, self.strict)  # TE modules before their first forward
 
     # -- events ---------------------------------------------------------------------------
 
@@ -440,12 +440,15 @@ class FP8State(Callback):
 
     def _local_state(self) -> FP8ModuleState:
         """Histories not yet sized by a first FP8 forward are given the recipe's rows, all
-        "no amax recorded", so a checkpoint holds the recipe's history length."""
+        "no amax recorded", so a checkpoint holds the recipe's history length. A TE module
+        whose restore still waits for its first FP8 forward (a layer fp8_guard holds in high
+        precision since the resume) holds no state of its own yet: the checkpoint's state it
+        waits for is what it has, and what the next checkpoint keeps."""
         assert self._model is not None
         rows = self._recipe.amax_history_len if self._recipe is not None else 0
         state: FP8ModuleState = {}
         for name, module in fp8_modules(self._model):
-            tensors = read_fp8_meta(module)
+            tensors = read_fp8_meta(module) or self._waiting.unrestored(name)
             for key, value in tensors.items():
                 if key.endswith("_amax_history") and value.shape[0] == 0 and rows:
                     tensors[key] = value.new_zeros(rows, *value.shape[1:])
@@ -626,7 +629,8 @@ class FP8State(Callback):
             self._mismatch("fp8_state: checkpoint FP8 state does not fit (recipe changed?): "
                            + "; ".join(shapes[n] for n in sorted(shapes)),
                            "those modules not restored")
-        waiting = self._waiting = _Waiting(later - shapes.keys(), self._mismatch, self.strict)
+        waiting = self._waiting = _Waiting({n: checked[n] for n in later - shapes.keys()},
+                                           self._mismatch, self.strict)
         for name, tensors in checked.items():
             if name in later:
                 _restore_at_first_forward(modules[name], tensors,
@@ -751,16 +755,21 @@ class _Waiting:
     settled, or at the batch's end for those that had their forward. Under `strict` the first
     failure raises at once (`mismatch`)."""
 
-    def __init__(self, names: set[str], mismatch: Callable[[str, str], None], strict: bool):
-        self._names, self._mismatch, self._strict = set(names), mismatch, strict
+    def __init__(self, waiting: FP8ModuleState, mismatch: Callable[[str, str], None],
+                 strict: bool):
+        self._waiting, self._mismatch, self._strict = dict(waiting), mismatch, strict
         self._failed: dict[str, list[str]] = {}
+
+    def unrestored(self, name: str) -> dict[str, torch.Tensor]:
+        """The checked state `name` waits for (empty once settled, or if it waits for none)."""
+        return dict(self._waiting.get(name, {}))
 
     def settle(self, name: str, message: str | None) -> None:
         """`name`'s restore is over: done (`message` None) or failed."""
-        self._names.discard(name)
+        self._waiting.pop(name, None)
         if message is not None:
             self._failed.setdefault(message, []).append(name)
-        if not self._names or (self._strict and message is not None):
+        if not self._waiting or (self._strict and message is not None):
             self.say()
 
     def say(self) -> None:
