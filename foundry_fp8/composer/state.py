@@ -698,15 +698,30 @@ def _holds_fp8_state(entry: Any) -> bool:
         entry.get("modules") or entry.get("ranks") or entry.get("unsaved"))
 
 
+#: An MPT MLP's FP8 layers where te_swap leaves it plain; fused, one te.LayerNormMLP at `ffn`
+_PLAIN_MLP = ("up_proj", "down_proj")
+
+
 def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
     """One line for a checkpoint whose FP8 modules are not the model's: mostly te_swap's layer
     selection changed between the runs (a resume with a new include/exclude), so that is named;
     each side counted and shown up to 5 names (a real model has hundreds). Modules without
     saved state may also be a `load_ignore_keys` glob's doing (Composer drops them before any
-    callback sees the checkpoint), so that is named too."""
+    callback sees the checkpoint), so that is named too; and `fuse_ln_mlp` where an MLP's
+    FP8 modules are the other layout's (one te.LayerNormMLP at `ffn`, or its two layers), which
+    changing it leaves: its weights load renamed (`composer.plain`), its FP8 state does not."""
     ignored = ", another model, or saved state left out by load_ignore_keys" if missing else \
         ", or another model"
-    return (f"fp8_state: the checkpoint's FP8 modules differ from this run's (te_swap's "
+    refused = set(missing) | set(unexpected)
+    fusion = sorted(name for name in refused
+                    if {f"{name}.{plain}" for plain in _PLAIN_MLP} <= refused)
+    ways = [f"{n} MLP(s) saved {way}" for n, way in (
+        (sum(name in unexpected for name in fusion), "fused, now plain"),
+        (sum(name in missing for name in fusion), "plain, now fused")) if n]
+    fused = (f"te_swap's fuse_ln_mlp changed: {' and '.join(ways)} ({_shown(fusion)}), "
+             f"a te.LayerNormMLP's FP8 state does not carry over to ffn.up_proj and "
+             f"ffn.down_proj or back; or " if fusion else "")
+    return (f"fp8_state: the checkpoint's FP8 modules differ from this run's ({fused}te_swap's "
             f"include/exclude/keep_first_blocks/keep_last_blocks changed{ignored}?): "
             f"{len(missing)} in FP8 now without saved state"
             f"{': ' + _shown(missing) if missing else ''}; {len(unexpected)} saved, not in FP8 "
