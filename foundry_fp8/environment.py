@@ -351,6 +351,13 @@ def _cuda_ordinals(value: str) -> list[int]:
     return ordinals
 
 
+def hides_every_gpu(value: str) -> bool:
+    """Whether CUDA_VISIBLE_DEVICES=`value` leaves CUDA no GPU whatever the machine has
+    (`_cuda_ordinals`: `""`, `-1`, a first entry that is no ordinal, a repeated ordinal); UUID
+    entries (`GPU-`, `MIG-`) need nvidia-smi's list to tell."""
+    return not value.startswith(("GPU-", "MIG-")) and not _cuda_ordinals(value)
+
+
 def _uuid_indices(value: str, uuids: list[str]) -> list[int]:
     """nvidia-smi's indices of CUDA_VISIBLE_DEVICES's `GPU-` entries, as torch maps them
     (`parse_list_with_prefix` and `_transform_uuid_to_ordinals`, torch 2.7): an entry names the
@@ -527,18 +534,19 @@ def te_import_error(timeout_s: float | None = None) -> str | None:
     lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
     if not lines:
         return f"Python {_exit_status(done.returncode)}"
-    return _quoted(lines[-1] + _nvte_not_integer(lines[-1]))
+    return _quoted(lines[-1] + nvte_not_integer(lines[-1]))
 
 
 #: The end of Python's error for int() of a string that is no integer: its repr follows.
 _NOT_INT = "invalid literal for int() with base 10: "
 
 
-def _nvte_not_integer(error: str) -> str:
-    """Which NVTE_* variable a failed TE import read as an integer, when its error is int()'s
-    on that variable's value: TE reads several with int() as it imports (NVTE_DEBUG,
-    NVTE_DEBUG_LEVEL, NVTE_FLASH_ATTN: pytorch/attention/dot_product_attention/utils.py:65-68;
-    NVTE_TORCH_COMPILE: pytorch/jit.py:41; TE main d0067d0), so `NVTE_DEBUG=true` fails it."""
+def nvte_not_integer(error: str) -> str:
+    """Which NVTE_* variable TE read as an integer, when `error` (a failed TE import's last
+    line, or a bench variant's that imported TE) is int()'s on that variable's value: TE reads
+    several with int() as it imports (NVTE_DEBUG, NVTE_DEBUG_LEVEL, NVTE_FLASH_ATTN:
+    pytorch/attention/dot_product_attention/utils.py:65-68; NVTE_TORCH_COMPILE:
+    pytorch/jit.py:41; TE main d0067d0), so `NVTE_DEBUG=true` fails it."""
     literal = error.rpartition(_NOT_INT)[2] if _NOT_INT in error else None
     names = sorted(name for name, value in os.environ.items()
                    if name.startswith("NVTE_") and repr(value) == literal)

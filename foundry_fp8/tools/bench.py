@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import math
+import os
 import platform
 import re
 import shlex
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8.cli import OutputError, interrupted_by
+from foundry_fp8.environment import hides_every_gpu, nvte_not_integer
 from foundry_fp8.jsonl import check_output, file_kind, write_output
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_CHECKED_FROM,
@@ -467,8 +469,8 @@ def run_bench(config: BenchConfig,
                 except Exception as err:  # a broken variant must not lose the others' numbers
                     if interrupted_by(err, outer):  # Ctrl-C during an import: stop, as anywhere else
                         raise
-                    failed.append({"name": name,
-                                   "reason": f"{type(err).__name__}: {err}".splitlines()[0][:300],
+                    reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                    failed.append({"name": name, "reason": reason + nvte_not_integer(reason),
                                    "traceback": traceback.format_exc()})
                 finally:
                     _release_memory(config.tiny)
@@ -903,6 +905,21 @@ def _auto_microbatch_refusal(config: BenchConfig) -> str | None:
             "give a number, e.g. --micro-batch 8")
 
 
+def no_gpu_reason(torch_version: str, torch_cuda: str | None) -> str:
+    """Why torch sees no CUDA GPU, as far as this process can tell: "no CUDA GPU" alone sends a
+    user on a GPU machine to --tiny, where the cause is torch's CPU build or a
+    CUDA_VISIBLE_DEVICES that hides every GPU (nvidia-smi ignores it; CUDA does not)."""
+    if torch_cuda is None:
+        return (f"no CUDA GPU for torch {torch_version}, its CPU build (torch.version.cuda is "
+                "None), which uses none even where there is one: on a GPU machine install a "
+                "CUDA build of torch (`foundry-fp8 doctor` says which CUDA the driver takes)")
+    hiding = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hiding is not None and hides_every_gpu(hiding):
+        return (f"no CUDA GPU: CUDA_VISIBLE_DEVICES={hiding!r} hides every GPU "
+                "from CUDA; unset it, or list the GPUs to run on (CUDA_VISIBLE_DEVICES=0)")
+    return "no CUDA GPU (torch.cuda.is_available() is False; `foundry-fp8 doctor` says why)"
+
+
 def _error(message: str) -> None:
     """One line on stderr, as every subcommand's errors: paths and reasons escaped onto it."""
     import sys
@@ -924,7 +941,8 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            _error("no CUDA GPU; use --tiny for the CPU path")
+            _error(f"{no_gpu_reason(torch.__version__, torch.version.cuda)}; use --tiny for "
+                   "the CPU path")
             return 2
         refusal = _auto_microbatch_refusal(config)
         if refusal is not None:
