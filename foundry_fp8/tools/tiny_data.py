@@ -280,11 +280,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _flow(value: dict[str, object]) -> str:
     """`value` as one line of YAML to paste: a path with `: `, ` #` or a quote is quoted, where
-    writing it as is would give another value (or none) when the YAML loads."""
+    writing it as is would give another value (or none) when the YAML loads; one with a line
+    break is double-quoted, `\\n` escaped, so the snippet stays on its line."""
     import yaml
 
-    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False,
-                          width=float("inf")).strip()
+    def dump(**style: str) -> str:
+        return yaml.safe_dump(value, default_flow_style=True, sort_keys=False,
+                              width=float("inf"), **style).strip()
+
+    # a line break in a path: YAML's single quotes fold it over lines, double quotes escape it
+    flow = dump()
+    return dump(default_style='"') if "\n" in flow else flow
 
 
 if __name__ == "__main__":
