@@ -103,7 +103,8 @@ def test_fp8206_for_a_te_that_does_not_load_keeps_the_rebuild_fix():
                         te_import_error="ImportError: transformer_engine_torch.so: undefined "
                         "symbol: _ZN3c10")
     [finding] = [f for f in environment_findings(snapshot) if f.rule == "FP8206"]
-    assert finding.fix.startswith("rebuild TE against the installed torch")
+    assert finding.fix.startswith("rebuild TransformerEngine from its source against the "
+                                  "installed torch")  # no transformer-engine-torch package
 
 
 def test_no_fix_sends_a_wheel_user_to_a_file_the_wheel_lacks():

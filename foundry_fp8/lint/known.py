@@ -8,6 +8,7 @@ upgrade that changes them fails the tests instead of silently drifting.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import fields
 from functools import cache
@@ -462,4 +463,13 @@ def auto_microbatch_fsdp_fails(composer: str | None, torch: str | None) -> bool 
             or composer_version < AUTO_MICROBATCH_CHECKED_FROM:
         return None
     low, high = UNSHARD_WITH_SYNC_TORCH
+    if _PRE_RELEASE.match(torch):  # sorts just below its release, as packaging orders it
+        return not low < torch_version <= high
     return not low <= torch_version < high
+
+
+#: A pre-release or dev tag after a version's release numbers (NGC's torch `2.6.0a0+df5bbc0`,
+#: `2.7.1rc1`, `2.8.0.dev20250601`): packaging's `version.parse`, which Composer's check uses,
+#: sorts it before its release (2.6.0a0 < 2.6.0), where `parse_version` keeps the release alone.
+_PRE_RELEASE = re.compile(r"\s*v?\d+(?:\.\d+)*[-_.]?(?:a|b|c|rc|alpha|beta|pre|preview|dev)",
+                          re.IGNORECASE)

@@ -116,6 +116,10 @@ def no_gpu(env: Environment, _: LintContext) -> Iterator[Hit]:
     elif snapshot.gpu_error:
         yield Hit("gpu", f"no GPU found: {snapshot.gpu_error}; if this machine has a GPU, its "
                   "driver needs fixing (the emulated backend works meanwhile)", fix=DRIVER_FIX)
+    elif breaks_every_run(snapshot):
+        yield Hit("gpu", "no GPU: FP8 training needs an H100/Ada; the emulated backend works "
+                  "here once TransformerEngine imports or is uninstalled (FP8206)",
+                  fix=_run_fix(env, "train FP8 on an H100/H200 or Ada GPU; " + NATIVE_TE_FIX))
     else:
         yield Hit("gpu", NO_GPU, fix=_run_fix(env, "train FP8 on an H100/H200 or Ada GPU; "
                                               + NATIVE_TE_FIX))
@@ -216,17 +220,46 @@ def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
       "subprocess so that a crash cannot take the doctor down; fp8_lint does not import it.",
       source=f"{TE_SRC} transformer_engine/common/__init__.py load_framework_extension; "
       "transformer_engine/pytorch/__init__.py",
-      fix="rebuild TE against the installed torch (pip install --no-build-isolation "
-      "'transformer-engine[pytorch]'), or install wheels built for it", family="environment")
+      fix="rebuild TE's torch extension against the installed torch, or uninstall TE to train "
+      "with te_swap: {backend: emulate}", family="environment")
 def te_import(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
     error = snapshot.te_import_error
     if snapshot.te is not None and snapshot.te_import_checked and error:
         setting = "NVTE_" in error and "as an integer)" in error
+        every = ("; `import llmfoundry` raises it too (its hf_checkpointer catches only "
+                 "ModuleNotFoundError), so no training starts here, BF16 and the emulated "
+                 "backend included") if breaks_every_run(snapshot) else ""
         yield Hit("transformer_engine", f"`import transformer_engine.pytorch` fails: "
-                  f"{error} (installed torch: {snapshot.torch or '?'})",
+                  f"{error} (installed torch: {snapshot.torch or '?'}){every}",
                   fix="set the NVTE_ variable(s) named to an integer (0 or 1), or unset them"
-                  if setting else _reinstall_te(snapshot) if _te_files_gone(error) else None)
+                  if setting else _reinstall_te(snapshot) if _te_files_gone(error)
+                  else _rebuild_te(snapshot))
+
+
+#: LLM-Foundry imports TE when it is imported and catches only ModuleNotFoundError
+#: (llmfoundry/callbacks/hf_checkpointer.py:54-58 in 0.21.0 and 0.22.0), Composer only
+#: ImportError (composer/core/precision.py:15-19 in 0.31.0 and 0.32.1): a TE whose import
+#: raises anything else (an undefined symbol, a version assert, NVTE_DEBUG=true's ValueError,
+#: a missing CUDA library) stops `import llmfoundry`, so every run in this environment.
+def breaks_every_run(snapshot: Snapshot) -> bool:
+    """Whether this TE's failing import stops every LLM-Foundry run here (not only TE's)."""
+    error = snapshot.te_import_error
+    return bool(snapshot.te is not None and snapshot.te_import_checked and error
+                and not error.startswith("ModuleNotFoundError"))
+
+
+def _rebuild_te(snapshot: Snapshot) -> str:
+    """Rebuild the torch extension: a plain `pip install` of the installed version does
+    nothing ("Requirement already satisfied"), and pip reuses the wheel it built before, against
+    the old torch, from its wheel cache (pip's docs, Caching: Locally built wheels)."""
+    names = " ".join(_te_distributions(snapshot))
+    uninstall = f"; or pip uninstall -y {names} and train with te_swap: {{backend: emulate}}"
+    if snapshot.te_torch is None:  # a source build: no pip package to rebuild
+        return "rebuild TransformerEngine from its source against the installed torch" + uninstall
+    return ("rebuild TE's torch extension against the installed torch: pip install "
+            "--force-reinstall --no-deps --no-cache-dir --no-build-isolation "
+            f'"transformer-engine-torch=={snapshot.te_torch}"' + uninstall)
 
 
 #: What `import transformer_engine.pytorch` says when pip lists TE but its files are gone (a
