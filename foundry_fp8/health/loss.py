@@ -16,6 +16,7 @@ from foundry_fp8.health.thresholds import (
     LOSS_GAP_STEPS,
     LOSS_SPIKE_JUMP,
     LOSS_SPIKE_MIN,
+    LOSS_SPIKE_OPEN,
     LOSS_SPIKE_RATIO,
     LOSS_SPIKE_STEPS,
     LOSS_SPIKE_WINDOW,
@@ -110,6 +111,18 @@ class Spike:
 
 
 @dataclass(frozen=True)
+class Rise:
+    """A rise above the ratio that the log ends in, too short for a spike yet: a run read while
+    it trains may be diverging right now (`spike`)."""
+
+    steps: tuple[int, ...]  # the logged steps above the ratio, in a row, up to the log's end
+    low: float  # the least and the greatest of their losses over `median`
+    high: float
+    median: float  # the median of the losses before the rise ...
+    over: int  # ... of this many
+
+
+@dataclass(frozen=True)
 class LossSpike:
     """The run's loss spikes (`spike`), in step order, over the steps looked at."""
 
@@ -120,6 +133,7 @@ class LossSpike:
     steps: int  # ... at this many logged steps in a row, ...
     jump: float  # ... or more than `jump` times it at once ...
     window: int  # ... of up to `window` finite losses logged before
+    rising: Rise | None = None  # the log ends in a rise not yet a spike, `open` steps or more
 
     @property
     def diverged(self) -> Spike | None:
@@ -141,13 +155,16 @@ def _median(ordered: list[float]) -> float:
 
 def spike(losses: Mapping[int, float], ratio: float = LOSS_SPIKE_RATIO,
           steps: int = LOSS_SPIKE_STEPS, jump: float = LOSS_SPIKE_JUMP,
-          window: int = LOSS_SPIKE_WINDOW, least: int = LOSS_SPIKE_MIN) -> LossSpike:
+          window: int = LOSS_SPIKE_WINDOW, least: int = LOSS_SPIKE_MIN,
+          open_steps: int = LOSS_SPIKE_OPEN) -> LossSpike:
     """The loss spikes: each starts at a NaN/Inf loss, at a loss more than `jump` times the
     median of the up to `window` finite losses logged before it (`least` of them at least; a
     median at or below 0, of a loss that is no cross-entropy, says nothing), or at the first of
     `steps` logged losses in a row more than `ratio` times that median (a noisy step alone is
     no spike); it lasts until a finite loss is within `ratio` times that median again. A
-    spike's losses stay out of the later medians. `losses`: step -> loss, not empty."""
+    spike's losses stay out of the later medians. Where the log ends in `open_steps` or more
+    such losses in a row, too few for a spike, that rise is `rising`. `losses`: step -> loss,
+    not empty."""
     before: list[float] = []  # the last `window` finite losses outside spikes, sorted
     recent: list[float] = []  # the same, in step order
     streak: list[int] = []  # the steps in a row above `ratio` times `ref`, not yet a spike
@@ -190,4 +207,8 @@ def spike(losses: Mapping[int, float], ratio: float = LOSS_SPIKE_RATIO,
             keep(losses[held])
         streak = []
         keep(loss)
-    return LossSpike(tuple(found), order[0], order[-1], ratio, steps, jump, window)
+    rising = None
+    if ref is not None and len(streak) >= open_steps:
+        over = [losses[s] / ref for s in streak]
+        rising = Rise(tuple(streak), min(over), max(over), ref, len(before))
+    return LossSpike(tuple(found), order[0], order[-1], ratio, steps, jump, window, rising)

@@ -71,3 +71,9 @@ LOSS_SPIKE_STEPS = 5
 LOSS_SPIKE_JUMP = 10.0
 LOSS_SPIKE_WINDOW = 50
 LOSS_SPIKE_MIN = 5
+#: A rise above LOSS_SPIKE_RATIO times that median at the last LOSS_SPIKE_OPEN logged steps or
+#: more (under LOSS_SPIKE_STEPS, under LOSS_SPIKE_JUMP) is no spike yet, but where the log ends
+#: there (the report run on a live run) a divergence may be starting: the report says so, marked
+#: open. One step is not enough: sigma 0.3 fine-tuning noise ends a log above 2x at about one
+#: report in 100; two in a row at about one in 10^4.
+LOSS_SPIKE_OPEN = 2

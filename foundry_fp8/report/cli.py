@@ -438,12 +438,14 @@ def run(args: argparse.Namespace) -> int:
 def _summary(found: int | None, loss: tuple[str, LossComparison] | None,
              spiked: LossSpike | None = None, flagged: int | None = None) -> str:
     """A run's line in the summary of several: flagged layer tensors, the loss spike the loss
-    line is about (`LossSpike.main`, by the first FP8 flag at step `flagged`), the loss against
-    the baseline."""
+    line is about (`LossSpike.main`, by the first FP8 flag at step `flagged`), a rise the log
+    ends in (`LossSpike.rising`), the loss against the baseline."""
     said = "no fp8_report.md" if found is None else f"{found} flagged"
     if spiked is not None and (main := spiked.main(flagged)) is not None:
         said += (f", loss spikes at step {main.step}" if main.back is not None else
                  f", loss diverges from step {main.step}")
+    if spiked is not None and spiked.rising is not None:
+        said += f", loss rising from step {spiked.rising.steps[0]} (open)"
     if loss is not None:
         cmp = loss[1]
         said += (f", loss departs from the baseline at step {cmp.departed}"

@@ -38,6 +38,7 @@ from foundry_fp8.health.table import (
 )
 from foundry_fp8.health.thresholds import (
     LOSS_SPIKE_JUMP,
+    LOSS_SPIKE_OPEN,
     LOSS_SPIKE_RATIO,
     LOSS_SPIKE_STEPS,
     LOSS_SPIKE_WINDOW,
@@ -408,7 +409,9 @@ GUIDE = """\
   The line names where the loss diverged (never came back), else the first spike at or after the
   first FP8 flag, and the spikes it came back from. A spike a few steps after the first FP8 flag
   points at that flag's layer; one before any flag, or in a run with none, points beyond FP8
-  (the data, the learning rate).
+  (the data, the learning rate). A log that ends {loss_open} or more logged steps in a row above
+  {loss_ratio:g}x, too few for a spike yet, is named first, marked open: read while the run trains,
+  a divergence may be starting there.
 """
 
 
@@ -490,7 +493,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                            clip=t.clip_ratio, persist=t.persist_steps, spike=t.spike_ratio,
                            stale=t.stale_ratio, cos=t.min_cos_sim, loss_ratio=LOSS_SPIKE_RATIO,
                            loss_window=LOSS_SPIKE_WINDOW, loss_steps=LOSS_SPIKE_STEPS,
-                           loss_jump=LOSS_SPIKE_JUMP),
+                           loss_jump=LOSS_SPIKE_JUMP, loss_open=LOSS_SPIKE_OPEN),
               "## Plots", ""]
     lines += [f"![{md_escape(png)}]({quote(png)})" for png in pngs]
     more = (f" (the first {len(chosen)} of the {matched} layers `--layers` matches)"
@@ -592,13 +595,34 @@ def spike_line(sp: LossSpike, flags: list[Flag]) -> str:
     else the first at or after the first FP8 flag) and how far it is from that flag: a spike
     right after it points at FP8, one before it at something else (the data, the learning
     rate). The spikes the loss came back from are named briefly, so that one early and brief
-    does not hide a later divergence. Or that the loss has none."""
+    does not hide a later divergence. Or that the loss has none. A rise the log ends in, not yet
+    a spike (`LossSpike.rising`), comes first: a report read mid-run must not call it none."""
+    return _rising_line(sp) + _spike_line(sp, flags)
+
+
+def _rising_line(sp: LossSpike) -> str:
+    """The rise the log ends in, marked open (with a space after it), or ''."""
+    rise = sp.rising
+    if rise is None:
+        return ""
+    ratio = (f"{rise.low:.3g}x" if f"{rise.low:.3g}" == f"{rise.high:.3g}" else
+             f"{rise.low:.3g}x to {rise.high:.3g}x")
+    return (f"Loss rising, still open: the loss is {ratio} the median {number(rise.median)} of "
+            f"the {rise.over} losses logged before it at the last {len(rise.steps)} logged "
+            f"steps, from step {rise.steps[0]} up to the log's end (step {sp.last}): a "
+            f"divergence may be starting (a spike once {sp.steps} in a row, or {sp.jump:g}x); "
+            "read the report again later. ")
+
+
+def _spike_line(sp: LossSpike, flags: list[Flag]) -> str:
+    """`spike_line` without the open rise."""
     rule = (f"more than {sp.ratio:g}x the median of the up to {sp.window} finite losses logged "
             f"before at {sp.steps} logged steps in a row, or {sp.jump:g}x at once, or NaN/Inf")
     first = min((f.step for f in flags), default=None)
     main = sp.main(first)
     if main is None:
-        return f"Loss: no spike at the logged steps {sp.first} to {sp.last} (never {rule})."
+        yet = " yet" if sp.rising else ""
+        return f"Loss: no spike{yet} at the logged steps {sp.first} to {sp.last} (never {rule})."
     if main.median is None:
         said = f"Loss is {number(main.loss)} at step {main.step} (the first NaN/Inf logged)"
     else:
