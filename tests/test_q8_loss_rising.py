@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -88,11 +89,9 @@ def test_noisy_fine_tuning_read_at_any_step_raises_no_open_rise():
     assert one >= 3 and opened == 0, (one, opened)
 
 
-def test_the_report_on_a_live_jsonl_says_the_rise_is_open(tmp_path, capsys):
-    """Through `foundry-fp8 report` on a metrics.jsonl written by hand (one layer's statistics,
-    healthy, and the loss): the terminal and fp8_report.md name the open rise."""
-    run = tmp_path / "run"
-    losses, _ = _rise(120, 3)
+def _write(run: Path, losses: dict[int, float]) -> Path:
+    """A metrics.jsonl as a run logs it: the loss each step, one layer's healthy statistics every
+    10."""
     sink = JsonlSink(run / "metrics.jsonl")
     for step, loss in losses.items():
         metrics = {LOSS: loss}
@@ -100,6 +99,14 @@ def test_the_report_on_a_live_jsonl_says_the_rise_is_open(tmp_path, capsys):
             metrics.update({layer_key(stat, "activation", "blocks.0.up"): value for stat, value
                             in (("underflow_pct", 0.0), ("cos_sim", 0.9995), ("amax", 1.0))})
         sink.write(step, metrics)
+    return run
+
+
+def test_the_report_on_a_live_jsonl_says_the_rise_is_open(tmp_path, capsys):
+    """Through `foundry-fp8 report` on a metrics.jsonl written by hand: the terminal and
+    fp8_report.md name the open rise; a sweep's line for that run says it, not the other's."""
+    losses, _ = _rise(120, 3)
+    run = _write(tmp_path / "run", losses)
     capsys.readouterr()
     assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 0
     said = [line.strip() for line in capsys.readouterr().out.splitlines()
@@ -109,3 +116,8 @@ def test_the_report_on_a_live_jsonl_says_the_rise_is_open(tmp_path, capsys):
     assert len(said) == len(written) == 1 and said == written, (said, written)
     assert said[0].startswith("Loss rising, still open: the loss is 2.6x to 2.65x the median ")
     assert "at the last 3 logged steps, from step 117 up to the log's end (step 119)" in said[0]
+    calm = _write(tmp_path / "calm", {s: losses[s] for s in range(117)})
+    assert main(["report", str(run), str(calm)]) == 0
+    last = capsys.readouterr().out.splitlines()[-2:]
+    assert last == [f"  {run}: 0 flagged, loss rising from step 117 (open)",
+                    f"  {calm}: 0 flagged"], last
