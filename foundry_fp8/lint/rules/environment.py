@@ -198,14 +198,24 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
                   "installed: only the emulated backend works")
 
 
-@rule("FP8205", "error", "TransformerEngine pip packages of different versions",
+@rule("FP8205", "error", "TransformerEngine pip packages of different versions, or the torch "
+      "extension without the core package",
       why="On `import transformer_engine.pytorch`, TE asserts that transformer-engine, "
-      "transformer-engine-torch and transformer-engine-cu12/cu13 have one version.",
+      "transformer-engine-torch and transformer-engine-cu12/cu13 are all installed and have one "
+      "version (read from package metadata, so also with `--no-te-import`).",
       source=f"{TE_SRC} transformer_engine/common/__init__.py load_framework_extension",
       fix="pip install --no-build-isolation 'transformer-engine[pytorch]==VERSION' so that all "
       "of them have one VERSION", family="environment")
 def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
+    if snapshot.te is not None and snapshot.te_torch is not None and snapshot.te_core is None:
+        core = _core_package_for(snapshot)
+        yield Hit("transformer_engine", f"transformer-engine-torch {snapshot.te_torch} is "
+                  "installed without TE's core package (transformer-engine-cu12 or -cu13): "
+                  "`import transformer_engine.pytorch` fails TE's check (\"Could not find TE "
+                  "core package\")",
+                  fix=f"pip install --no-build-isolation '{core}=={snapshot.te_torch}'")
+        return
     found = _te_distributions(snapshot)
     core_checked = snapshot.te_core is not None and (snapshot.te_version or ()) >= TE_CORE_CHECK
     if (snapshot.te_torch is not None or core_checked) and len(set(found.values())) > 1:
@@ -272,6 +282,14 @@ _FILES_GONE = re.compile(r"No module named '?transformer_engine[\w.]*'?|Could no
 
 def _te_files_gone(error: str) -> bool:
     return _FILES_GONE.search(error) is not None
+
+
+def _core_package_for(snapshot: Snapshot) -> str:
+    """The core package TE's torch extension wants: before TE 2.9 always the CUDA 12 one; from
+    2.9 the one for torch's CUDA major (TE transformer_engine/pytorch/setup.py, v2.9-v2.18)."""
+    major = (parse_version(snapshot.torch_cuda) or (12,))[0]
+    newer = (parse_version(snapshot.te_torch) or ()) >= TE_CORE_CHECK
+    return f"transformer-engine-cu{major if newer and major in (12, 13) else 12}"
 
 
 def _te_distributions(snapshot: Snapshot) -> dict[str, str]:
