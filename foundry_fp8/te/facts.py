@@ -45,6 +45,19 @@ MIN_TE_DEBUG_STATS = (2, 7)
 #: load_framework_extension compared them.
 TE_CORE_CHECK = (2, 9)
 
+#: MXFP8 runs on compute capability MXFP8_CAPABILITY[0] up to, not including, [1] (TE's
+#: `_compute_mxfp8_support`, pytorch/quantization.py:162-168 at v2.18; pytorch/fp8.py:47-53 at
+#: v2.6, the first tag refusing 12.0+ "MXFP8 (for all gemm layouts) is not supported on 12.0+
+#: architectures yet"; v2.0-v2.5 take 10.0 and above).
+MXFP8_CAPABILITY: tuple[Version, Version] = ((10, 0), (12, 0))
+MXFP8_CAPABILITY_CAPPED_FROM = (2, 6)
+
+#: From TE 2.9 its GEMM checks an FP8 operand's leading dim (the inner dim of a TN GEMM) for
+#: 16 and stops with this message (CanonicalizeGemmInput, common/gemm/cublaslt_gemm.cu:146-148
+#: and :227-229 at v2.9, :160-162 and :251-253 at v2.18; no such check at v2.8).
+TE_GEMM_LEADING_DIM_FROM = (2, 9)
+TE_GEMM_LEADING_DIM_ERROR = "Leading dimension requirement on A for FP8 GEMM. Caller must pad."
+
 #: `te.LayerNorm` became a `te.ops` op in TE 1.13, taking `normalized_shape`/`dtype`; TE 1.12's
 #: takes `hidden_size`/`params_dtype`.
 TE_LAYERNORM_AS_OP = (1, 13)

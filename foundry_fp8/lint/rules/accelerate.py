@@ -25,7 +25,7 @@ from foundry_fp8.lint.load import position_of
 from foundry_fp8.lint.registry import Hit, LintContext, Severity, join_key, rule, section
 from foundry_fp8.lint.rules.fsdp import TE_1190
 from foundry_fp8.recipe import TE_DELAYED_DEFAULTS, recipe_problems
-from foundry_fp8.te.facts import Version, dotted
+from foundry_fp8.te.facts import MXFP8_CAPABILITY, MXFP8_CAPABILITY_CAPPED_FROM, Version, dotted
 
 ACC = "Accelerate (huggingface/accelerate, tags v0.34.2-v1.14.0)"
 TE = "TransformerEngine (NVIDIA/TransformerEngine, tags v1.0-v2.18)"
@@ -491,10 +491,11 @@ def fp8_config_unknown_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hi
             # The launcher exports it (setup_fp8_env exports every fp8_ argument), but nothing
             # reads it before READ_FROM; null/false ask for what the older release runs.
             since = dotted(READ_FROM[name])
-            # TE runs MXFP8 only on compute capability 10.0+ (check_mxfp8_support, TE
-            # pytorch/fp8.py; pytorch/quantization.py in later releases).
+            low, high = MXFP8_CAPABILITY
             needs = (f"MXFP8 block scaling needs Accelerate >= {since} and, per TE, a GPU of "
-                     "compute capability 10.0+ (Blackwell)" if name == "use_mxfp8_block_scaling"
+                     f"compute capability {dotted(low)}+ and below {dotted(high)} (data-centre "
+                     f"Blackwell, as B200; TE >= {dotted(MXFP8_CAPABILITY_CAPPED_FROM)} refuses "
+                     f"{dotted(high)}+)" if name == "use_mxfp8_block_scaling"
                      else f"AORecipeKwargs reads it from {since}; before, torchao's default "
                      "Float8LinearConfig() runs")
             yield Hit(item.key, f"{item.key} is silently dropped: Accelerate "

@@ -57,6 +57,8 @@ from foundry_fp8.shapes import (
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
     MPT_DEFAULT_INIT_SCHEME,
+    TE_GEMM_LEADING_DIM_ERROR,
+    TE_GEMM_LEADING_DIM_FROM,
     TE_LN_MLP_INIT_FAILS_FROM,
     TE_LN_MLP_INIT_SOURCE,
     dotted,
@@ -320,8 +322,9 @@ def _attention_hits(model: Mapping[str, Any], swap: SwapConfig | None) -> Iterat
                     "which the model builds as a TE layer itself, alone") if swap else ""
             yield Hit(key, f"{what}: out_features not divisible by {FP8_DIM_MULTIPLE}: TE's forward "
                       "check passes, but it is the inner dim of the backward GEMM that reads the "
-                      f"output gradient, which TE >= 2.9 checks for {FP8_DIM_MULTIPLE} (read in "
-                      f"TE's sources; it has not been run on a GPU){also}", severity="warning")
+                      f"output gradient, which TE >= {dotted(TE_GEMM_LEADING_DIM_FROM)} checks for "
+                      f"{FP8_DIM_MULTIPLE} ('{TE_GEMM_LEADING_DIM_ERROR}'; read in TE's sources, "
+                      f"it has not been run on a GPU){also}", severity="warning")
 
 
 @rule("FP8005", "error", "GEMM dims (d_model, FFN hidden size, attention Wqkv and out_proj, "
@@ -336,7 +339,8 @@ def _attention_hits(model: Mapping[str, Any], swap: SwapConfig | None) -> Iterat
       "(n_heads + 2 x kv_n_heads) x head_dim, out_proj's in_features n_heads x head_dim. A "
       f"Wqkv out_features divisible by {FP8_TOKEN_MULTIPLE} but not {FP8_DIM_MULTIPLE} passes "
       "TE's forward check but is the inner dim of its backward GEMM, whose FP8 operands' "
-      f"leading dim TE's GEMM checks for {FP8_DIM_MULTIPLE} from v2.9 (a warning: read in TE's "
+      f"leading dim TE's GEMM checks for {FP8_DIM_MULTIPLE} from "
+      f"v{dotted(TE_GEMM_LEADING_DIM_FROM)} (a warning: read in TE's "
       "sources, not run "
       "on a GPU; te_swap's rule keeps such layers out, and leaves layers the model builds in TE "
       "alone).",

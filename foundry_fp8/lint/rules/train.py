@@ -62,6 +62,7 @@ from foundry_fp8.mlflow_facts import (
     races,
 )
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE, dim_fits_fp8, tokens_fit_fp8
+from foundry_fp8.te.facts import TE_GEMM_LEADING_DIM_ERROR, TE_GEMM_LEADING_DIM_FROM, dotted
 
 COMPOSER = "Composer 0.32.1"
 FOUNDRY = "LLM-Foundry 0.22.0"
@@ -103,7 +104,8 @@ def train_seq_len(config: Mapping[str, Any]) -> tuple[str, int | None]:
 
 #: Where TE's GEMM checks an FP8 operand's leading dim (the inner dim of a TN GEMM) for 16.
 TE_GEMM_LEADING_DIM = (
-    "TE v2.9 transformer_engine/common/gemm/cublaslt_gemm.cu:146-148 and :227-229 "
+    f"TE v{dotted(TE_GEMM_LEADING_DIM_FROM)} transformer_engine/common/gemm/cublaslt_gemm.cu:"
+    "146-148 and :227-229 "
     "CanonicalizeGemmInput (v2.18: :160-162, :251-253; "
     "https://github.com/NVIDIA/TransformerEngine/pull/2261)")
 #: Where TE asks the token count for a multiple of 16, not of 8 (FP8006's warning).
@@ -121,8 +123,9 @@ TE_TOKENS_BY_16 = (
       "own tests treat FP8 as supported only when batch x seqlen is divisible by "
       f"{FP8_DIM_MULTIPLE}, Composer's Trainer says 'FP8 in TE requires all eval data sizes to "
       f"be divisible by {FP8_DIM_MULTIPLE}', and the token count is the inner dim of the "
-      "weight-gradient GEMM, whose FP8 operands' leading dim TE's GEMM checks from v2.9 ('Leading "
-      "dimension requirement on A for FP8 GEMM. Caller must pad.', citing cuBLAS's tensor-core "
+      "weight-gradient GEMM, whose FP8 operands' leading dim TE's GEMM checks from "
+      f"v{dotted(TE_GEMM_LEADING_DIM_FROM)} ('{TE_GEMM_LEADING_DIM_ERROR}', citing cuBLAS's "
+      "tensor-core "
       "requirements; on Hopper, whose FP8 GEMMs are TN only, that leading dim is the inner "
       "one): a warning, since that backward failure is read in TE's sources and has "
       "not been run on a GPU. The sequence length is the train loader's `dataset.max_seq_len`; "
@@ -170,8 +173,9 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
                   f"assert asks, but not of {FP8_DIM_MULTIPLE}: TE's own tests run FP8 only "
                   f"when batch x sequence length is a multiple of {FP8_DIM_MULTIPLE}, and the "
                   "token count is the inner dim of the weight-gradient GEMM, whose FP8 operands "
-                  f"TE >= 2.9 checks for a leading dim divisible by {FP8_DIM_MULTIPLE} ('Caller "
-                  "must pad'); that the backward fails so is read in TE's sources and has not "
+                  f"TE >= {dotted(TE_GEMM_LEADING_DIM_FROM)} checks for a leading dim "
+                  f"divisible by {FP8_DIM_MULTIPLE} ('{TE_GEMM_LEADING_DIM_ERROR}'); that the "
+                  "backward fails so is read in TE's sources and has not "
                   "been run on a GPU", severity="warning")
     elif padding is not None and not dim_fits_fp8(
             micro * (1 if padding == "pad_to_longest" else FP8_TOKEN_MULTIPLE)):
@@ -180,8 +184,9 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
         yield Hit(f"train_loader.dataset.{padding}", f"{padding} gives batches of {micro} x L "
                   f"tokens for {lengths} {seq}: with device_train_microbatch_size {micro}, some "
                   f"are not a multiple of {FP8_DIM_MULTIPLE}, the token count TE's own tests ask "
-                  "for and the inner dim of the weight-gradient GEMM that TE >= 2.9 checks "
-                  "('Caller must pad'); read in TE's sources, not run on a GPU",
+                  "for and the inner dim of the weight-gradient GEMM that TE >= "
+                  f"{dotted(TE_GEMM_LEADING_DIM_FROM)} checks ('{TE_GEMM_LEADING_DIM_ERROR}'); "
+                  "read in TE's sources, not run on a GPU",
                   severity="warning", fix=_PADDING_FIX)
 
 
