@@ -66,6 +66,7 @@ from foundry_fp8.shapes import (
 )
 from foundry_fp8.te.facts import (
     BACKWARD_OVERRIDE_ENV,
+    TE_GEMM_LEADING_DIM_ERROR,
     TE_RECIPE_CHANGE_WARNING_FROM,
     backward_override_problems,
     dotted,
@@ -663,7 +664,7 @@ def _warn_unless_te_runs(x: torch.Tensor, weight: torch.Tensor, fp8_backward: bo
             f"EmulatedFP8Linear: FP8 input of shape {list(x.shape)} and weight of shape "
             f"{list(weight.shape)}: TransformerEngine's forward accepts them, but its FP8 "
             f"backward on Hopper needs {' and '.join(needs)} divisible by {FP8_DIM_MULTIPLE} "
-            "and stops with 'Leading dimension requirement on A for FP8 GEMM. Caller must pad.' "
+            f"and stops with '{TE_GEMM_LEADING_DIM_ERROR}' "
             f"(read in TE's cublaslt_gemm.cu, not run on a GPU){_FURTHER_NOT_WARNED}")
 
 
