@@ -12,68 +12,13 @@ from typing import Any
 import pytest
 
 from foundry_fp8.lint.cli import lint_file
-
-MPT_TRAIN = """\
-variables:
-  max_seq_len: 128
-max_seq_len: ${{variables.max_seq_len}}
-model:
-  name: mpt_causal_lm
-  init_device: meta
-  d_model: 256
-  n_heads: {n_heads}
-  n_layers: 2
-  expansion_ratio: 4
-  max_seq_len: ${{variables.max_seq_len}}
-  vocab_size: 50368
-  loss_fn: torch_crossentropy
-  fc_type: te
-  attn_config:
-    attn_impl: torch
-    attn_type: grouped_query_attention
-    kv_n_heads: {kv}
-tokenizer:
-  name: EleutherAI/gpt-neox-20b
-train_loader:
-  name: text
-  dataset:
-    local: ./c4
-    split: train
-    max_seq_len: ${{variables.max_seq_len}}
-  drop_last: true
-  num_workers: 8
-scheduler:
-  name: cosine_with_warmup
-  t_warmup: 10ba
-optimizer:
-  name: decoupled_adamw
-  lr: 6.0e-4
-max_duration: 10ba
-global_train_batch_size: 64
-device_train_microbatch_size: 8
-precision: amp_fp8
-fsdp_config:
-  sharding_strategy: FULL_SHARD
-  mixed_precision: PURE
-"""
-KV_LINE = MPT_TRAIN.splitlines().index("    kv_n_heads: {kv}") + 1
+from tests.mpt_yaml import line_of, mpt_refuses, mpt_train
 
 
-def _mpt_builds(n_heads: int, kv: int) -> Exception | None:
-    """What LLM-Foundry's own MPT raises building this attention on the meta device (fc_type
-    torch: TE is not installed here, and the check comes before any layer is built)."""
-    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            MPTForCausalLM(MPTConfig(d_model=256, n_heads=n_heads, n_layers=1, max_seq_len=16,
-                                     vocab_size=64, init_device="meta",
-                                     attn_config={"attn_impl": "torch", "kv_n_heads": kv,
-                                                  "attn_type": "grouped_query_attention"}))
-    except ValueError as e:
-        return e
-    return None
+def _gqa(n_heads: int, kv: int) -> tuple[str, dict[str, Any]]:
+    """An FP8 train YAML with grouped-query attention, and its attn_config."""
+    attn = {"attn_type": "grouped_query_attention", "kv_n_heads": kv}
+    return mpt_train(attn, n_heads=n_heads, fc_type="te", precision="amp_fp8"), attn
 
 
 @pytest.mark.parametrize(("n_heads", "kv", "said"), [
@@ -84,8 +29,9 @@ def _mpt_builds(n_heads: int, kv: int) -> Exception | None:
 ])
 def test_gqa_kv_n_heads_that_mpt_refuses_is_fp8035(tmp_path, n_heads, kv, said):
     path = tmp_path / "mpt.yaml"
-    path.write_text(MPT_TRAIN.format(n_heads=n_heads, kv=kv))
-    refused = _mpt_builds(n_heads, kv)
+    text, attn = _gqa(n_heads, kv)
+    path.write_text(text)
+    refused = mpt_refuses(attn, n_heads)
     assert (refused is None) == (said is None), refused
     entry = lint_file(path)
     assert entry["error"] is None, entry["error"]
@@ -94,7 +40,8 @@ def test_gqa_kv_n_heads_that_mpt_refuses_is_fp8035(tmp_path, n_heads, kv, said):
         assert hits == []
         return
     assert said in str(refused)
-    assert [(f["rule"], f["severity"], f["line"]) for f in hits] == [("FP8035", "error", KV_LINE)]
+    assert [(f["rule"], f["severity"], f["line"]) for f in hits] == [("FP8035", "error",
+                                                                 line_of(text, "kv_n_heads:"))]
     assert said in hits[0]["message"] and f"kv_n_heads {kv} with n_heads {n_heads}" in \
         hits[0]["message"]
 

@@ -4,70 +4,12 @@ interpolation (`model: ${variables.model}`) at the line where the value is writt
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from foundry_fp8.lint.cli import lint_file
-
-TRAIN = """\
-variables:
-  max_seq_len: 128
-max_seq_len: ${{variables.max_seq_len}}
-model:
-  name: mpt_causal_lm
-  init_device: meta
-  d_model: 256
-  n_heads: 4
-  n_layers: 2
-  max_seq_len: ${{variables.max_seq_len}}
-  vocab_size: 50368
-  loss_fn: torch_crossentropy
-  attn_config:
-    attn_impl: torch
-{attn}tokenizer:
-  name: EleutherAI/gpt-neox-20b
-train_loader:
-  name: text
-  dataset:
-    local: ./c4
-    split: train
-    max_seq_len: ${{variables.max_seq_len}}
-  drop_last: true
-  num_workers: 8
-scheduler:
-  name: cosine_with_warmup
-  t_warmup: 10ba
-optimizer:
-  name: decoupled_adamw
-  lr: 6.0e-4
-max_duration: 10ba
-global_train_batch_size: 64
-device_train_microbatch_size: 8
-precision: amp_bf16
-fsdp_config:
-  sharding_strategy: FULL_SHARD
-"""
-
-
-def _mpt_refuses(attn: dict[str, Any]) -> str | None:
-    """What LLM-Foundry's own MPT raises building a tiny model with this attn_config, or in
-    its first forward (on CPU: a meta model runs no forward)."""
-    import torch
-    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = MPTForCausalLM(MPTConfig(d_model=256, n_heads=4, n_layers=1, max_seq_len=16,
-                                             vocab_size=64, loss_fn="torch_crossentropy",
-                                             attn_config={"attn_impl": "torch", **attn}))
-            model(input_ids=torch.ones(1, 8, dtype=torch.long))
-    except (ValueError, RuntimeError) as e:
-        return str(e)
-    return None
+from tests.mpt_yaml import line_of, mpt_refuses, mpt_train
 
 
 @pytest.mark.parametrize(("attn", "key"), [
@@ -79,10 +21,9 @@ def _mpt_refuses(attn: dict[str, Any]) -> str | None:
     ({"qk_gn": True}, None),
 ])
 def test_attention_pairs_mpt_refuses_are_fp8035_at_their_line(tmp_path, attn, key):
-    refused = _mpt_refuses(attn)
+    refused = mpt_refuses(attn)
     assert (refused is None) == (key is None), refused
-    written = "".join(f"    {k}: {str(v).lower()}\n" for k, v in attn.items())
-    text = TRAIN.format(attn=written)
+    text = mpt_train(attn)
     path = tmp_path / "train.yaml"
     path.write_text(text)
     entry = lint_file(path)
@@ -132,16 +73,10 @@ model: ${variables.model}
 """
 
 
-def _line_of(text: str, written: str) -> int:
-    """The line of the one line that holds `written`."""
-    (line,) = [i for i, text_line in enumerate(text.splitlines(), 1) if written in text_line]
-    return line
-
-
 @pytest.mark.parametrize("mcli", [False, True])
 def test_a_finding_in_an_interpolated_section_is_at_the_line_that_writes_it(tmp_path, mcli):
     """Before: each stood at `model:`'s line (the nearest key the file writes there)."""
-    train = TRAIN.format(attn="")
+    train = mpt_train()
     text = VARIABLES + train[train.index("tokenizer:"):].replace("amp_bf16", "amp_fp8")
     if mcli:  # MCLI resolves `parameters` as its own document: absolute paths start there
         text = ("name: x\nimage: y\ncommand: composer train.py /mnt/config/parameters.yaml\n"
@@ -153,8 +88,8 @@ def test_a_finding_in_an_interpolated_section_is_at_the_line_that_writes_it(tmp_
     prefix = "parameters." if mcli else ""
     hits = {f["key"]: f for f in entry["findings"] if f["rule"] in ("FP8005", "FP8035")}
     d_model, qk_gn = hits[f"{prefix}model.d_model"], hits[f"{prefix}model.attn_config.qk_gn"]
-    assert d_model["line"] == _line_of(text, "d_model: 2056")
-    assert qk_gn["line"] == _line_of(text, "qk_gn: true")
+    assert d_model["line"] == line_of(text, "d_model: 2056")
+    assert qk_gn["line"] == line_of(text, "qk_gn: true")
     assert f"(written at {prefix}variables.model.d_model, through `{prefix}model: " \
            "${variables.model}`)" in d_model["message"]
     # through two interpolations: model -> variables.model -> variables.attn
@@ -215,8 +150,7 @@ def test_fp8006_judges_the_finetuning_collators_shorter_batches(tmp_path, tiny_d
     assert lengths != [64] * len(lengths)  # the option does shorten batches
     want = "error" if any(micro * n % 8 for n in lengths) else \
         "warning" if any(micro * n % 16 for n in lengths) else None
-    train = TRAIN.format(attn="").replace("amp_bf16", "amp_fp8").replace(
-        "  loss_fn:", "  fc_type: te\n  loss_fn:")
+    train = mpt_train(fc_type="te", precision="amp_fp8")
     loader = ("train_loader:\n  name: finetuning\n  dataset:\n    hf_name: tatsu-lab/alpaca\n"
               "    split: train\n    max_seq_len: 2048\n    decoder_only_format: true\n"
               f"    {option}: true\n  drop_last: true\n  num_workers: 8\n")
@@ -230,4 +164,4 @@ def test_fp8006_judges_the_finetuning_collators_shorter_batches(tmp_path, tiny_d
     hits = [(f["key"], f["severity"], f["line"]) for f in entry["findings"]
             if f["rule"] == "FP8006"]
     assert hits == ([] if want is None else
-                    [(f"train_loader.dataset.{option}", want, _line_of(text, f"{option}:"))])
+                    [(f"train_loader.dataset.{option}", want, line_of(text, f"{option}:"))])
