@@ -271,6 +271,13 @@ TEXT_LOADER_DEFAULTS = {"prefetch_factor": 2, "persistent_workers": True}
 LOADER_BUILDER_KEYS = frozenset({"name", "dataset", "drop_last", "num_workers", "pin_memory",
                                  "prefetch_factor", "persistent_workers", "timeout"})
 LOADER_BUILDERS = ("text", "finetuning")
+#: The multiple Seq2SeqFinetuningCollator's `allow_pad_trimming` rounds a batch's longest
+#: example up to (llmfoundry/data/finetuning/collator.py:410 `multiple_of = 8` in 0.22.0).
+FOUNDRY_PAD_TRIM_MULTIPLE = 8
+#: `packing_ratio: auto` picks 1, no packing, for a dataset max_seq_len up to this without
+#: profiling (llmfoundry/data/packing.py:409-410 auto_packing_ratio in 0.22.0:
+#: `if max_seq_len <= 100: return 1`).
+FOUNDRY_AUTO_PACKING_UNPACKED_UP_TO = 100
 EVAL_LOADER_LABEL = "label"
 
 #: FSDPConfig.activation_checkpointing_reentrant's default (composer/utils/parallelism.py).

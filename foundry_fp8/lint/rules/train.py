@@ -23,6 +23,8 @@ from foundry_fp8.lint.known import (
     EVAL_LOADER_LABEL,
     EVAL_MODEL_KEYS,
     FILLED_KEYS,
+    FOUNDRY_AUTO_PACKING_UNPACKED_UP_TO,
+    FOUNDRY_PAD_TRIM_MULTIPLE,
     FP8_RECIPE_FIX,
     LOADER_BUILDER_KEYS,
     LOADER_BUILDERS,
@@ -134,15 +136,21 @@ TE_TOKENS_BY_16 = (
       "max_seq_len, so only a micro-batch size that is a multiple of "
       f"{FP8_TOKEN_MULTIPLE} passes TE's assert on every batch (an error otherwise); its "
       "`allow_pad_trimming` cuts every batch after the first to its longest example rounded up "
-      f"to a multiple of {FP8_TOKEN_MULTIPLE}, which an odd micro-batch size then leaves off "
-      f"a multiple of {FP8_DIM_MULTIPLE} on some batches (a warning).",
+      f"to a multiple of {FOUNDRY_PAD_TRIM_MULTIPLE}, which an odd micro-batch size then leaves "
+      f"off a multiple of {FP8_DIM_MULTIPLE} on some batches (a warning). A `packing_ratio` "
+      "other than 1 packs examples into bins padded back to max_seq_len (BinPackCollator): no "
+      "shorter batches; `packing_ratio: auto` picks a ratio by profiling the data, 1 (no "
+      f"packing) for a max_seq_len up to {FOUNDRY_AUTO_PACKING_UNPACKED_UP_TO} and possibly "
+      "above it, so there these findings are at most a warning.",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec; "
       f"{TE_TOKENS_BY_16}; "
       f"{FOUNDRY} llmfoundry/data/text_data.py StreamingTextDataset (max_seq_len from the "
       "loader's dataset), llmfoundry/data/finetuning/dataloader.py build_finetuning_dataloader "
       "(dataset_cfg['max_seq_len']) and build_collate_fn (allow_pad_trimming, pad_to_longest), "
       "llmfoundry/data/finetuning/collator.py Seq2SeqFinetuningCollator (pad_to_longest:339-345, "
-      "the trimming to multiple_of = 8:404-417), llmfoundry/command_utils/train.py (the "
+      "the trimming to multiple_of = 8:408-421), build_collate_fn's BinPackCollator "
+      "(dataloader.py:668-714) and llmfoundry/data/packing.py (_convert_to_batch pads every bin "
+      "to max_seq_len; auto_packing_ratio), llmfoundry/command_utils/train.py (the "
       "top-level max_seq_len: icl_seq_len's default)",
       fix="pick device_train_microbatch_size and a sequence length whose product is a multiple "
       f"of {FP8_DIM_MULTIPLE}")
@@ -157,17 +165,17 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
         return
     shown = f"{micro} x {seq} = {micro * seq} tokens per micro-batch (device_train_microbatch_size" \
         f" x {key})"
-    padding = _padded_to(config)
+    padding, maybe = _padded_to(config, seq)
     if not tokens_fit_fp8(micro * seq):
         yield Hit(key, f"{shown} is not divisible by {FP8_TOKEN_MULTIPLE}, as TE's FP8 GEMMs "
                   "require")
     elif padding == "pad_to_longest" and not tokens_fit_fp8(micro):
-        yield Hit(f"train_loader.dataset.{padding}", f"pad_to_longest pads each batch only to "
-                  f"its longest example, so a micro-batch holds {micro} x L tokens for any L up "
-                  f"to {seq}: with device_train_microbatch_size {micro} (not a multiple of "
-                  f"{FP8_TOKEN_MULTIPLE}) TE's FP8 forward asserts a multiple of "
+        yield Hit(f"train_loader.dataset.{padding}", f"{maybe}pad_to_longest pads each batch "
+                  f"only to its longest example, so a micro-batch holds {micro} x L tokens for "
+                  f"any L up to {seq}: with device_train_microbatch_size {micro} (not a multiple "
+                  f"of {FP8_TOKEN_MULTIPLE}) TE's FP8 forward asserts a multiple of "
                   f"{FP8_TOKEN_MULTIPLE} and raises at the first batch whose longest example "
-                  "misses it", fix=_PADDING_FIX)
+                  "misses it", severity="warning" if maybe else None, fix=_PADDING_FIX)
     elif not dim_fits_fp8(micro * seq):  # the inner dim of the weight-gradient GEMM
         yield Hit(key, f"{shown} is a multiple of {FP8_TOKEN_MULTIPLE}, which TE's forward "
                   f"assert asks, but not of {FP8_DIM_MULTIPLE}: TE's own tests run FP8 only "
@@ -178,13 +186,13 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
                   "backward fails so is read in TE's sources and has not "
                   "been run on a GPU", severity="warning")
     elif padding is not None and not dim_fits_fp8(
-            micro * (1 if padding == "pad_to_longest" else FP8_TOKEN_MULTIPLE)):
+            micro * (1 if padding == "pad_to_longest" else FOUNDRY_PAD_TRIM_MULTIPLE)):
         lengths = "any L up to" if padding == "pad_to_longest" else \
-            f"L the longest example rounded up to a multiple of {FP8_TOKEN_MULTIPLE}, up to"
-        yield Hit(f"train_loader.dataset.{padding}", f"{padding} gives batches of {micro} x L "
-                  f"tokens for {lengths} {seq}: with device_train_microbatch_size {micro}, some "
-                  f"are not a multiple of {FP8_DIM_MULTIPLE}, the token count TE's own tests ask "
-                  "for and the inner dim of the weight-gradient GEMM that TE >= "
+            f"L the longest example rounded up to a multiple of {FOUNDRY_PAD_TRIM_MULTIPLE}, up to"
+        yield Hit(f"train_loader.dataset.{padding}", f"{maybe}{padding} gives batches of "
+                  f"{micro} x L tokens for {lengths} {seq}: with device_train_microbatch_size "
+                  f"{micro}, some are not a multiple of {FP8_DIM_MULTIPLE}, the token count TE's "
+                  "own tests ask for and the inner dim of the weight-gradient GEMM that TE >= "
                   f"{dotted(TE_GEMM_LEADING_DIM_FROM)} checks ('{TE_GEMM_LEADING_DIM_ERROR}'); "
                   "read in TE's sources, not run on a GPU",
                   severity="warning", fix=_PADDING_FIX)
@@ -198,15 +206,26 @@ _PADDING_FIX = (f"a device_train_microbatch_size that is a multiple of {FP8_DIM_
                 "is then padded to max_seq_len)")
 
 
-def _padded_to(config: Mapping[str, Any]) -> str | None:
+def _padded_to(config: Mapping[str, Any], seq: int) -> tuple[str | None, str]:
     """The finetuning collator's option that makes a batch shorter than max_seq_len, read by
     truth value as the collator reads it: `pad_to_longest` (any length, the trimming after it
-    keeps that length), else `allow_pad_trimming` (a multiple of 8); None when neither."""
+    keeps that length), else `allow_pad_trimming` (a multiple of 8); None when neither, or when
+    a `packing_ratio` other than 1 wraps the collator in BinPackCollator, which pads every bin
+    back to max_seq_len (dataloader.py build_collate_fn, packing.py _convert_to_batch). With
+    `packing_ratio: auto` above FOUNDRY_AUTO_PACKING_UNPACKED_UP_TO the profiled ratio may be 1
+    or not: the second item is then the words that say so (the finding is at most a warning)."""
     loader = section(config, "train_loader")
     if loader.get("name") != _SHORT_PADDING_LOADER:
-        return None
+        return None, ""
     dataset = section(loader, "dataset")
-    return next((k for k in ("pad_to_longest", "allow_pad_trimming") if dataset.get(k)), None)
+    ratio, maybe = dataset.get("packing_ratio"), ""
+    if ratio == "auto" and seq > FOUNDRY_AUTO_PACKING_UNPACKED_UP_TO:
+        maybe = ("if packing_ratio: auto picks 1 (no packing; it profiles the data and keeps the "
+                 "largest ratio that wastes no example), ")
+    elif ratio is not None and ratio != "auto" and ratio != 1:  # LLM-Foundry's `== 1.0`
+        return None, ""
+    return next((k for k in ("pad_to_longest", "allow_pad_trimming") if dataset.get(k)),
+                None), maybe
 
 
 #: Keys that configs written for older Composer / LLM-Foundry or for DeepSpeed carry, which
