@@ -33,7 +33,9 @@ SUM_KEYS = ("seen", "count", "nan_count", "inf_count", "underflow", "overflow", 
 #: `scale_ratio` is each piece's own (its scale over its own amax's current scale): pieces cast
 #: with different scales (micro-batches under delayed scaling, whose scale TE updates after each)
 #: keep the ratio of the one that outgrew its scale most, which the smallest scale and the
-#: pooled amax hid (a micro-batch overflowing 57 % at ratio 7.9 read as ratio 1.0).
+#: pooled amax hid (a micro-batch overflowing 57 % at ratio 7.9 read as ratio 1.0). The
+#: stale-scale rule judges the smallest scale over the whole tensor's current scale instead
+#: (`health.rules.stale_scale_ratio`, from the logged `scale` and `current_scale`).
 MAX_KEYS = ("amax", "neg_amin", "neg_scale", "fp8_max", "scale_ratio")
 SUFFICIENT_KEYS = SUM_KEYS + MAX_KEYS
 SUFFICIENT_INDEX = {key: i for i, key in enumerate(SUFFICIENT_KEYS)}

@@ -58,3 +58,24 @@ def test_one_scale_keeps_scale_over_current_scale_bit_for_bit():
         for one in (sufficient_stats(a, "e4m3", scale), rows):
             s = _stats(one)
             assert s["scale_ratio"] == s["scale"] / s["current_scale"]
+
+
+def test_a_piece_at_a_stale_scale_still_names_the_history_length():
+    """The other side (QA F2 s22): a micro-batch still at a stale scale (an old amax spike in
+    the history) pooled with one at the updated scale; the largest ratio reads 1, the stale
+    rule judges the smallest scale over the tensor's current scale."""
+    torch.manual_seed(0)
+    x = torch.randn(4096) * 1e-3
+    stale = torch.tensor(3.0)  # 448 / amax is about 1.1e5
+    pooled = _stats(pool_sufficient_stats(sufficient_stats(x, "e4m3", stale),
+                                          sufficient_stats(x, "e4m3", None)))
+    # independently: torch's own cast of the stale piece flushes a quarter of x to 0
+    flushed = ((x * stale).to(torch.float8_e4m3fn).float() == 0) & (x != 0)
+    assert flushed.sum().item() * 100 / 8192 == pooled["underflow_pct"] > 5
+    assert pooled["scale_ratio"] == 1.0  # the overflow side's ratio: the updated piece's
+    own = (stale * x.abs().max() / 448.0).item()
+    assert abs(pooled["scale"] / pooled["current_scale"] / own - 1) < 1e-6
+    flags = HealthTracker().update(3, {("blocks.0.attn.Wqkv", "activation"): pooled})
+    [flag] = flags[("blocks.0.attn.Wqkv", "activation")]
+    assert flag.rule == "underflow_stale", flag
+    assert flag.yaml_key.startswith("algorithms.te_swap.fp8_recipe.amax_history_len")

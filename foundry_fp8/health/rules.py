@@ -145,6 +145,17 @@ def _value(stats: Mapping[str, float], stat: str, default: float) -> float:
     return default if value != value else float(value)
 
 
+def stale_scale_ratio(stats: Mapping[str, float]) -> float:
+    """The ratio the stale-scale rule judges: the smallest scale in force over the current scale
+    of the whole tensor (`scale / current_scale`). `scale_ratio` is the largest of the pieces'
+    own (micro-batches, ranks), which the overflow rules need; a piece still at a stale scale
+    pooled with one at the updated scale read 1 there. One scale: `scale_ratio` itself. Rows
+    without both (hand-made tables): `scale_ratio`."""
+    ratio = _value(stats, "scale_ratio", 1.0)
+    scale, current = _value(stats, "scale", 0.0), _value(stats, "current_scale", 0.0)
+    return scale / current if scale > 0 and current > 0 else ratio
+
+
 #: What a row of a tensor its layer does not cast (`keys.UNCAST`) is judged on, by the rules,
 #: the summary series, fp8_guard and the report, when it holds NaN/Inf (else it is not judged):
 #: the high-precision tensor's own numbers. Its cast statistics are a what-if of a cast that
@@ -343,9 +354,10 @@ class HealthTracker:
                           f"{steps}",
                           "the tensor keeps outgrowing its delayed scale",
                           f"{RECIPE}.margin: 1"))
-        if underflow > t.max_underflow_pct and ratio < t.stale_ratio:
+        stale = stale_scale_ratio(stats)
+        if underflow > t.max_underflow_pct and stale < t.stale_ratio:
             found.append(("underflow_stale", "underflow_pct", underflow,
-                          f"> {t.max_underflow_pct:g} % with scale_ratio {ratio:.3g} < "
+                          f"> {t.max_underflow_pct:g} % with scale / current_scale {stale:.3g} < "
                           f"{t.stale_ratio:g}",
                           "an old amax spike in the history keeps the scale too small",
                           f"{RECIPE}.amax_history_len (shorter)"))

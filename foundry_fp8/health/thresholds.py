@@ -26,7 +26,7 @@ class Thresholds:
     # elements by less than E4M3 rounds them anyway (half a step at the max: 16/448 = 1/28).
     clip_ratio: float = 1 + 1 / 28
     spike_ratio: float = 2.0  # overflow with scale_ratio at least this: an amax spike, flagged at once
-    stale_ratio: float = 1 / 16  # underflow with scale_ratio below this: an old spike in the history
+    stale_ratio: float = 1 / 16  # underflow with scale / current_scale below this: an old spike in the history
     source: str = "fp8_stats defaults"
 
     def __post_init__(self) -> None:
