@@ -136,7 +136,10 @@ class FP8Stats(Callback):
       resume or at a second fit's end (`destinations.FitEndKeys`: loggers refuse a changed
       value);
     - at FIT_START, where `dump_steps` are set, the hyperparameter `fp8/dump_folder`: the folder
-      the dumps go to (`dump_record`), where `foundry-fp8 report` finds them from any sink.
+      the dumps go to (`dump_record`), where `foundry-fp8 report` finds them from any sink;
+    - at FIT_START, the hyperparameter `fp8/layers` (`health.keys.LAYER_ORDER`), to every
+      logger but the console; a logger's refusal (a resume whose watched modules changed) is a
+      warning, `strict` or not.
 
     `<tensor>` is the watched tensor's name: `activation` (the GEMM input), `weight`,
     `gradient` (the output gradient), and for TE's LayerNormMLP `fc1_weight` and `fc2_weight`
@@ -333,11 +336,13 @@ class FP8Stats(Callback):
         if _is_rank_zero():
             # the model's order of the layers it may watch, for the report (W&B and MLflow keep
             # no order of keys): every such layer, so that a resume with other `layers` logs the
-            # same value (W&B and MLflow refuse a changed one)
+            # same value. Not to the console (its yaml.dump at fit start would print a line per
+            # layer), and never stopping a run, strict or not: a resume whose modules changed
+            # (te_swap's fuse_ln_mlp) logs another value, which MLflow and W&B refuse
             order = layer_order_params([short_layer(name) for name, module in canonical_modules(
                 state.model) if watches_for(module) is not None], HPARAM_MAX_CHARS)
-            deliver(logger.destinations, "hyperparameters",
-                    lambda d: d.log_hyperparameters(order), "fp8_stats", self.strict)
+            deliver([d for d in logger.destinations if not _console(d)], "hyperparameters",
+                    lambda d: d.log_hyperparameters(order), "fp8_stats")
         if dumps is not None and _is_rank_zero():  # where the report finds them, every sink
             record = {DUMP_FOLDER_KEY: dump_record(dumps, base)}
             deliver(logger.destinations, "hyperparameters",
