@@ -61,3 +61,23 @@ def test_without_a_record_an_unordered_sink_goes_by_name_and_says_so_a_jsonl_kee
     in_model_order(run, {"seed": 1}, "metrics.jsonl", None, said.append)  # the order logged
     assert run.layers == logged and not said
     assert sorted(["a.²", "a.10", "a.9", "a"], key=by_name) == ["a", "a.9", "a.10", "a.²"]
+
+
+def test_a_corrupt_part_count_is_no_order_and_looks_up_no_more_keys_than_there_are():
+    """QA F2 s22: `parts: 10**9` made `layer_order` look up 10**9 keys (the report hung)."""
+
+    class Counted(dict):
+        lookups = 0
+
+        def get(self, key, default=None):
+            Counted.lookups += 1
+            if Counted.lookups > 10:
+                raise AssertionError(f"looked up {key!r}: more keys than the hyperparameters hold")
+            return super().get(key, default)
+
+    params = layer_order_params(FORWARD, HPARAM_MAX_CHARS)
+    for parts in (10**9, 3, 0, -1):
+        Counted.lookups = 0
+        bad = Counted({**params, LAYER_ORDER: {**params[LAYER_ORDER], "parts": parts}})
+        assert layer_order(bad) is None, parts
+    assert layer_order(Counted(params)) == FORWARD

@@ -141,9 +141,11 @@ def layer_order_params(layers: Sequence[str], limit: int) -> dict[str, Any]:
 
 def layer_order(hparams: Mapping[str, Any]) -> list[str] | None:
     """The layer order fp8_stats recorded (`layer_order_params`), or None where the run holds
-    none whole (builds before it, a part missing or not a list of names)."""
+    none whole (builds before it, a part missing or not a list of names, a `parts` that no
+    number of hyperparameters could hold: a corrupt `10**9` would be looked up that often)."""
     first = hparams.get(LAYER_ORDER)
-    if not isinstance(first, Mapping) or not isinstance(parts := first.get("parts"), int):
+    parts = first.get("parts") if isinstance(first, Mapping) else None
+    if not isinstance(parts, int) or not 1 <= parts <= len(hparams):
         return None
     names = [first.get("layers"), *(hparams.get(f"{LAYER_ORDER}.{n}") for n in range(2, parts + 1))]
     if not all(isinstance(part, list) and all(isinstance(s, str) for s in part) for part in names):
