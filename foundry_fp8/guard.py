@@ -41,6 +41,7 @@ from foundry_fp8.health import (
     Flag,
     HealthTracker,
     Thresholds,
+    direction,
     md_escape,
     nonfinite,
     short_layer,
@@ -152,7 +153,8 @@ def nonfinite_message(step: int, rows: Collection[tuple[str, str]]) -> str:
             f"the layers without NaN/Inf are judged as usual. Look at where they first appear "
             f"(fp8/<tensor>/nonfinite; fp8_stats' warnings name the layers) and at the loss and "
             f"the batch at that step; change {NONFINITE_CHANGE}"
-            f"{NOT_CLIPPED}")
+            + (NOT_CLIPPED if any(direction(tensor) == "backward" for _, tensor in rows)
+               else ""))
 
 
 class GuardBudgetError(RuntimeError):

@@ -12,6 +12,7 @@ from torch import nn
 
 from foundry_fp8.guard import nonfinite_message, nonfinite_rows
 from foundry_fp8.health import HealthTracker
+from foundry_fp8.health.rules import NONFINITE_CHANGE, NOT_CLIPPED
 
 #: the tiny MPT's layers, forward order (LLM-Foundry's MPT block), as fp8_stats' rows give them
 LAYERS = [f"blocks.{b}.{layer}" for b in (0, 1)
@@ -66,3 +67,14 @@ def test_gradient_clipping_removes_no_nan_so_the_advice_is_the_learning_rate(bad
     assert "gradient clipping cannot remove them" in flag.cause
     said = nonfinite_message(6, [("blocks.1.ffn.down_proj", "gradient")])
     assert "gradient clipping cannot remove them" in said and "change optimizer.lr (lower" in said
+
+
+def test_the_guard_names_clipping_only_for_a_gradient_as_the_rule_does():
+    """QA F2 s22: the guard's line said clipping cannot remove NaN/Inf held only by activations
+    and weights, which clipping never touches; the rule says it for backward tensors only."""
+    forward = [("blocks.0.attn.Wqkv", "activation"), ("blocks.1.ffn.up_proj", "weight")]
+    rule = HealthTracker().update(6, {key: {"nan_count": 1.0} for key in forward})
+    assert not any(NOT_CLIPPED in flag.cause for flags in rule.values() for flag in flags)
+    assert NOT_CLIPPED not in nonfinite_message(6, forward)
+    assert nonfinite_message(6, forward).endswith(f"change {NONFINITE_CHANGE}")
+    assert NOT_CLIPPED in nonfinite_message(6, [*forward, ("blocks.0.attn.Wqkv", "gradient")])
