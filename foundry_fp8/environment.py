@@ -60,7 +60,10 @@ class Snapshot:
     """What FP8 training depends on, as found on one machine. None means absent or unknown.
 
     `te_import_error` is only meaningful when `te_import_checked` (the doctor imports TE in a
-    subprocess; the `fp8_lint` callback does not spend that time). `flash_attn_cross_entropy`:
+    subprocess; the `fp8_lint` callback does not spend that time). `te_import_raised`: the class
+    name of the exception that import raised (None: it imported, or the probe itself failed:
+    stopped at its time or output limit, Python not started, or an exit without an exception,
+    such as a crash), which is what `import llmfoundry` would meet. `flash_attn_cross_entropy`:
     flash-attn's `flash_attn/losses/cross_entropy.py` is installed (what MPT's default loss
     imports). `gpu_error`: why the GPU could not be read although a probe ran (nvidia-smi timed
     out, failed or printed no GPU; torch.cuda raised), a driver problem rather than no GPU; None
@@ -101,6 +104,7 @@ class Snapshot:
     te_core_package: str | None = None
     te_import_checked: bool = False
     te_import_error: str | None = None
+    te_import_raised: str | None = None
     composer: str | None = None
     llmfoundry: str | None = None
     flash_attn: str | None = None
@@ -516,21 +520,35 @@ def _cudnn() -> str | None:
     return next((v for p in CUDNN_PACKAGES if (v := _version(p))), None)
 
 
-def te_import_error(timeout_s: float | None = None) -> str | None:
+#: What the TE import probe prints on stdout, followed by the exception's class name, when the
+#: import raises (its last stderr line is then the exception's own).
+_RAISED = "foundry-fp8 probe: the import raised "
+_TE_IMPORT = ("try:\n    import torch, transformer_engine.pytorch\n"
+              f"except BaseException as e:\n    print({_RAISED!r} + type(e).__name__, flush=True)\n"
+              "    raise\n")
+
+
+def te_import_error(timeout_s: float | None = None,
+                    raised: Callable[[str], None] | None = None) -> str | None:
     """Why `import transformer_engine.pytorch` fails in a fresh interpreter (None: it imports),
-    within `timeout_s` (default TE_IMPORT_TIMEOUT_S) and PROBE_OUTPUT_LIMIT bytes of output.
+    within `timeout_s` (default TE_IMPORT_TIMEOUT_S) and PROBE_OUTPUT_LIMIT bytes of output;
+    `raised` is told the class name of the exception the import raised, when it raised one
+    (not when the probe failed: stopped, not started, or the interpreter died otherwise).
     torch is imported first, as in every training script: TE's core library finds NCCL only
     through the libraries torch loads, so TE imported alone can fail on a healthy install."""
     timeout_s = TE_IMPORT_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        done = run_probe([sys.executable, "-c", "import torch, transformer_engine.pytorch"],
-                         timeout_s)
+        done = run_probe([sys.executable, "-c", _TE_IMPORT], timeout_s)
     except OSError as e:
         return f"could not start Python: {_quoted(str(e))}"
     if done.stopped:
         return f"{done.stopped} (the doctor's limit), so it was stopped"
     if done.returncode == 0:
         return None
+    name = next((line[len(_RAISED):] for line in reversed(done.stdout.splitlines())
+                 if line.startswith(_RAISED)), None)
+    if name and raised is not None:
+        raised(name)
     lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
     if not lines:
         return f"Python {_exit_status(done.returncode)}"
@@ -588,5 +606,8 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         te_pure_wheel=te is not None and _pure_wheel("transformer-engine"),
         stack_ranges=_stack_ranges(), **stack, **gpu)
     if probe_te_import:
-        snapshot = replace(snapshot, te_import_checked=True, te_import_error=te_import_error())
+        names: list[str] = []
+        error = te_import_error(raised=names.append)
+        snapshot = replace(snapshot, te_import_checked=True, te_import_error=error,
+                           te_import_raised=names[0] if names else None)
     return snapshot

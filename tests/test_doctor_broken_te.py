@@ -57,7 +57,7 @@ def test_a_te_import_that_raises_stops_llmfoundry_s_import(tmp_path, body, break
 
 def test_a_broken_te_is_said_to_stop_every_run_and_no_gpu_does_not_promise_emulation():
     broken = replace(LAPTOP_WITH_TE, te_import_error="ImportError: /x/transformer_engine_torch"
-                     ".so: undefined symbol: _ZN3c10")
+                     ".so: undefined symbol: _ZN3c10", te_import_raised="ImportError")
     found = {f.rule: f for f in environment_findings(broken)}
     assert "emulated backend works here once TransformerEngine imports" in found["FP8201"].message
     assert "`import llmfoundry` raises it too" in found["FP8206"].message
@@ -67,7 +67,7 @@ def test_a_broken_te_is_said_to_stop_every_run_and_no_gpu_does_not_promise_emula
     assert "pip uninstall -y transformer-engine transformer-engine-torch " \
         "transformer-engine-cu12" in fix
     gone = replace(LAPTOP_WITH_TE, te_import_error="ModuleNotFoundError: No module named "
-                   "'transformer_engine_torch'")
+                   "'transformer_engine_torch'", te_import_raised="ModuleNotFoundError")
     found = {f.rule: f for f in environment_findings(gone)}
     assert "once TransformerEngine" not in found["FP8201"].message
     assert "llmfoundry" not in found["FP8206"].message

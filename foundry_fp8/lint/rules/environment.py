@@ -251,12 +251,13 @@ def te_import(env: Environment, _: LintContext) -> Iterator[Hit]:
 #: (llmfoundry/callbacks/hf_checkpointer.py:54-58 in 0.21.0 and 0.22.0), Composer only
 #: ImportError (composer/core/precision.py:15-19 in 0.31.0 and 0.32.1): a TE whose import
 #: raises anything else (an undefined symbol, a version assert, NVTE_DEBUG=true's ValueError,
-#: a missing CUDA library) stops `import llmfoundry`, so every run in this environment.
+#: a missing CUDA library) stops `import llmfoundry`, so every run in this environment. Only a
+#: raised exception counts (`Snapshot.te_import_raised`), not the doctor's probe failing (a
+#: timeout, its output limit, Python not starting).
 def breaks_every_run(snapshot: Snapshot) -> bool:
     """Whether this TE's failing import stops every LLM-Foundry run here (not only TE's)."""
-    error = snapshot.te_import_error
-    return bool(snapshot.te is not None and snapshot.te_import_checked and error
-                and not error.startswith("ModuleNotFoundError"))
+    return bool(snapshot.te is not None and snapshot.te_import_checked
+                and snapshot.te_import_raised not in (None, "ModuleNotFoundError"))
 
 
 def _rebuild_te(snapshot: Snapshot) -> str:
