@@ -280,17 +280,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _flow(value: dict[str, object]) -> str:
     """`value` as one line of YAML to paste: a path with `: `, ` #` or a quote is quoted, where
-    writing it as is would give another value (or none) when the YAML loads; one with a line
-    break is double-quoted, `\\n` escaped, so the snippet stays on its line."""
+    writing it as is would give another value (or none) when the YAML loads; a string with a
+    line break is double-quoted, `\\n` escaped, so the snippet stays on its line (YAML's single
+    quotes fold it over lines). Only strings: `default_style='"'` would tag other values
+    (`!!int "5"`)."""
     import yaml
 
-    def dump(**style: str) -> str:
-        return yaml.safe_dump(value, default_flow_style=True, sort_keys=False,
-                              width=float("inf"), **style).strip()
+    class OneLine(yaml.SafeDumper):
+        """SafeDumper, with a string holding a line break double-quoted."""
 
-    # a line break in a path: YAML's single quotes fold it over lines, double quotes escape it
-    flow = dump()
-    return dump(default_style='"') if "\n" in flow else flow
+    OneLine.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", text, style='"' if "\n" in text else None))
+    return yaml.dump(value, Dumper=OneLine, default_flow_style=True, sort_keys=False,
+                     width=float("inf")).strip()
 
 
 if __name__ == "__main__":
