@@ -61,6 +61,10 @@ HF_CHECKPOINT_FUNC = "_gradient_checkpointing_func"
 
 Kind = Literal["linear", "layernorm", "ln_mlp", "tied_lm_head"]
 
+#: An MPT MLP's two linears under `ffn` (LLM-Foundry's MPTMLP), which `fuse_ln_mlp` replaces,
+#: with the block's `norm_2`, by one te.LayerNormMLP at `ffn`.
+MPT_MLP_LINEARS = ("up_proj", "down_proj")
+
 #: Set by `apply_swap` on a module whose state_dict keys differ from the unconverted model's:
 #: {key under the module: the unconverted model's key under it, or None where it has none}.
 PLAIN_KEYS = "_foundry_fp8_plain_keys"
@@ -263,9 +267,8 @@ def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
     if hasattr(ffn, "gate_proj"):
         return ("ffn_type mptglu is not fused: TE's geglu/swiglu use their own gate/up layout "
                 "and tanh GELU; kept as separate linears"), None
-    if not (isinstance(getattr(ffn, "up_proj", None), nn.Linear)
-            and isinstance(getattr(ffn, "down_proj", None), nn.Linear)):
-        return f"ffn {type(ffn).__name__} is not an MPT MLP (up_proj/down_proj)", None
+    if not all(isinstance(getattr(ffn, part, None), nn.Linear) for part in MPT_MLP_LINEARS):
+        return f"ffn {type(ffn).__name__} is not an MPT MLP ({'/'.join(MPT_MLP_LINEARS)})", None
     if te_activation(getattr(ffn, "act", None)) is None:
         return "ffn_act_fn is not GELU or ReLU: TE's LayerNormMLP here maps only those", None
     normalization = te_normalization(norm, ffn.up_proj.in_features)
@@ -431,7 +434,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                 decisions.append(Decision(f"{name}.ffn", "ln_mlp", False, note,
                                           0, 0, 0))  # 0 FLOPs: its linears are counted
                 continue
-            fused.update(f"{name}.{part}" for part in ("norm_2", "ffn.up_proj", "ffn.down_proj"))
+            fused.update(f"{name}.{part}" for part in (
+                "norm_2", *(f"ffn.{linear}" for linear in MPT_MLP_LINEARS)))
             decisions.append(Decision(
                 f"{name}.ffn", "ln_mlp", True,
                 "fused norm_2+MLP; TE relu is exact, as the model's ffn_act_fn"

@@ -57,6 +57,7 @@ from foundry_fp8.restore import (
     saved_recipe,
     scale_keys_changed,
 )
+from foundry_fp8.swap import MPT_MLP_LINEARS
 from foundry_fp8.te import backend as te_backend
 from foundry_fp8.te.extra_state import holds_te_scaling_state, inert_extra_state_hook
 from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
@@ -698,10 +699,6 @@ def _holds_fp8_state(entry: Any) -> bool:
         entry.get("modules") or entry.get("ranks") or entry.get("unsaved"))
 
 
-#: An MPT MLP's FP8 layers where te_swap leaves it plain; fused, one te.LayerNormMLP at `ffn`
-_PLAIN_MLP = ("up_proj", "down_proj")
-
-
 def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
     """One line for a checkpoint whose FP8 modules are not the model's: mostly te_swap's layer
     selection changed between the runs (a resume with a new include/exclude), so that is named;
@@ -714,7 +711,7 @@ def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
         ", or another model"
     refused = set(missing) | set(unexpected)
     fusion = sorted(name for name in refused
-                    if {f"{name}.{plain}" for plain in _PLAIN_MLP} <= refused)
+                    if {f"{name}.{plain}" for plain in MPT_MLP_LINEARS} <= refused)
     ways = [f"{n} MLP(s) saved {way}" for n, way in (
         (sum(name in unexpected for name in fusion), "fused, now plain"),
         (sum(name in missing for name in fusion), "plain, now fused")) if n]
