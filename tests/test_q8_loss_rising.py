@@ -121,3 +121,25 @@ def test_the_report_on_a_live_jsonl_says_the_rise_is_open(tmp_path, capsys):
     last = capsys.readouterr().out.splitlines()[-2:]
     assert last == [f"  {run}: 0 flagged, loss rising from step 117 (open)",
                     f"  {calm}: 0 flagged"], last
+
+
+def test_a_loss_only_run_against_a_baseline_says_the_rise_is_open(tmp_path, capsys):
+    """QA F2 s22: a run without FP8 statistics, compared with --baseline (the loss only), is
+    read for its spikes too: its terminal and its sweep line name the open rise."""
+    losses, _ = _rise(120, 3)
+    run, calm, base = (tmp_path / name for name in ("run", "calm", "base"))
+    for folder, logged in ((run, losses), (calm, {s: losses[s] for s in range(117)}),
+                           (base, {s: losses[s] for s in range(117)})):
+        sink = JsonlSink(folder / "metrics.jsonl")
+        for step, loss in logged.items():
+            sink.write(step, {LOSS: loss})
+    capsys.readouterr()
+    assert main(["report", str(run), str(calm), "--baseline", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert "note: the loss comparison only, no fp8_report.md" in out, out
+    said = [line for line in out.splitlines() if line.startswith("Loss rising, still open")]
+    assert len(said) == 1 and "from step 117 up to the log's end (step 119)" in said[0], out
+    [line] = [line for line in out.splitlines() if line.startswith(f"  {run}: ")]
+    assert line.startswith(f"  {run}: no fp8_report.md, loss rising from step 117 (open), "), line
+    [line] = [line for line in out.splitlines() if line.startswith(f"  {calm}: ")]
+    assert "rising" not in line, line

@@ -489,10 +489,12 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         if loss is None:
             print(f"error: {one_line(str(e))}", file=sys.stderr)
             return 2, "error (no FP8 statistics)"
+        spiked = spike(losses)  # its spikes and open rise, as a run with statistics says them
+        print(spike_line(spiked, []))
         print(departure(loss[1], [], {}, RunMetrics(), loss[0]))
         print("".join(f"{note}\n" for note in notes), end="")
         print(f"note: the loss comparison only, no fp8_report.md: {one_line(str(e))}")
-        return 0, _summary(None, loss)
+        return 0, _summary(None, loss, spiked)
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2, "error (above)"
