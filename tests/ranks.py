@@ -1,7 +1,8 @@
 """Two CPU processes over gloo for the multi-rank tests, under a deadline: a rank that hangs or
 dies leaves its results missing, so its test fails instead of blocking the suite. The ranks meet
 through a file of their own, not a TCP port: a free port picked and released can be taken by
-another process group (tests run side by side) and mix two groups' collectives."""
+another process group (tests run side by side) and mix two groups' collectives. The ranks are
+forked from the session's forkserver (tests/forked.py), which imported torch and Composer once."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 from composer.core import Event
 
 from foundry_fp8.emulate import fp8_autocast
+from tests.forked import as_spawned, forkserver
 
 WORLD_SIZE = 2
 
@@ -38,8 +40,11 @@ def run_ranks(worker: Callable[..., None], *args: Any, deadline_s: float = 180.0
     result."""
     folder = tempfile.mkdtemp(prefix="ranks-")
     rendezvous = os.path.join(folder, "store")
-    context = mp.start_processes(worker, args=(rendezvous, *args), nprocs=WORLD_SIZE,
-                                 join=False, start_method="spawn")
+    output = os.path.join(folder, "output")
+    forkserver()
+    context = mp.start_processes(
+        as_spawned, args=(_rank, dict(os.environ), os.getcwd(), output, worker, rendezvous, *args),
+        nprocs=WORLD_SIZE, join=False, start_method="forkserver")
     deadline = time.monotonic() + deadline_s
     try:
         while not context.join(timeout=1) and time.monotonic() < deadline:
@@ -50,7 +55,26 @@ def run_ranks(worker: Callable[..., None], *args: Any, deadline_s: float = 180.0
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+        if os.path.exists(output):  # the ranks' own prints and tracebacks, for a failing test
+            with open(output, errors="replace") as f:
+                print(f.read()[-20000:])
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rank(rank: int, worker: Callable[..., None], *args: Any) -> None:
+    """`worker(rank, *args)`, its `destroy_process_group` made safe from torch 2.7's gloo
+    deadlock: the group's destructor joins its worker thread holding the GIL while that thread,
+    freeing the last collective's tensors, waits for the GIL (gdb: ~ProcessGroupGloo in
+    std::thread::join, runLoop in ~AsyncWork -> gil_scoped_acquire). It hung 4 runs of 10 until
+    run_ranks' deadline, spawned or forked alike. A pause, GIL released, lets the thread finish."""
+    destroy = torch_dist.destroy_process_group
+
+    def settled_destroy(*a: Any, **kw: Any) -> None:
+        time.sleep(0.5)
+        destroy(*a, **kw)
+
+    torch_dist.destroy_process_group = settled_destroy
+    worker(rank, *args)
 
 
 def train_batches(model: torch.nn.Module, optimizer: torch.optim.Optimizer, callbacks: list,
