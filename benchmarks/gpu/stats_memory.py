@@ -219,10 +219,11 @@ class Recorder(Baseline):
     def fit_end(self, state, logger) -> None:
         if self.cuda:
             self.trace = torch.cuda.memory._snapshot()["device_traces"][0]
-        self.close()
+        self.stop()
 
-    def close(self) -> None:
-        """Stop recording (also after a run that raised)."""
+    def stop(self) -> None:
+        """Stop recording (also after a run that raised). Not `close`: that is Composer's
+        `Callback.close(state, logger)`, which the engine calls at the Trainer's close."""
         if self.cuda:
             torch.cuda.memory._record_memory_history(enabled=None)
         elif self.mode is not None:
@@ -255,7 +256,7 @@ def run_case(case: str, config: bench.BenchConfig) -> dict[str, Any]:
     try:
         row = bench.run_variant(variant, config, _Quiet(), [*probes(case), recorder])
     finally:
-        recorder.close()
+        recorder.stop()
     traced_peak, alive = live_at_peak(recorder.trace)
     recorder.trace.clear()
     bench._release_memory(config.tiny)
