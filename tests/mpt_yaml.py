@@ -78,3 +78,15 @@ def line_of(text: str, written: str) -> int:
     """The line of the one line that holds `written`."""
     (line,) = [i for i, text_line in enumerate(text.splitlines(), 1) if written in text_line]
     return line
+
+
+def finetuning_train(dataset: str, micro: int, seq: int = 2048) -> str:
+    """`mpt_train` for TE in FP8 with LLM-Foundry's finetuning loader: `dataset` the loader's
+    extra dataset lines (each indented four spaces), `micro` the micro-batch size."""
+    train = mpt_train(fc_type="te", precision="amp_fp8")
+    loader = ("train_loader:\n  name: finetuning\n  dataset:\n    hf_name: tatsu-lab/alpaca\n"
+              f"    split: train\n    max_seq_len: {seq}\n    decoder_only_format: true\n"
+              f"{dataset}  drop_last: true\n  num_workers: 8\n")
+    start, end = train.index("train_loader:"), train.index("scheduler:")
+    return (train[:start] + loader + train[end:]).replace(
+        "device_train_microbatch_size: 8", f"device_train_microbatch_size: {micro}")

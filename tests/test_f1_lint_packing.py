@@ -11,7 +11,7 @@ import pytest
 
 from foundry_fp8.lint.cli import lint_file
 from foundry_fp8.lint.known import FOUNDRY_AUTO_PACKING_UNPACKED_UP_TO, FOUNDRY_PAD_TRIM_MULTIPLE
-from tests.mpt_yaml import line_of, mpt_train
+from tests.mpt_yaml import finetuning_train, line_of
 
 SIZES = (20, 9, 13, 30, 5, 17, 11, 3)  # example lengths (+2 label tokens each)
 
@@ -31,13 +31,7 @@ def _lengths(tiny_data, seq: int, **dataset) -> list[int]:
 
 
 def _fp8006(tmp_path, dataset: str, micro: int, seq: int = 2048) -> list[tuple[str, str, int]]:
-    train = mpt_train(fc_type="te", precision="amp_fp8")
-    loader = ("train_loader:\n  name: finetuning\n  dataset:\n    hf_name: tatsu-lab/alpaca\n"
-              f"    split: train\n    max_seq_len: {seq}\n    decoder_only_format: true\n"
-              f"{dataset}  drop_last: true\n  num_workers: 8\n")
-    start, end = train.index("train_loader:"), train.index("scheduler:")
-    text = (train[:start] + loader + train[end:]).replace(
-        "device_train_microbatch_size: 8", f"device_train_microbatch_size: {micro}")
+    text = finetuning_train(dataset, micro, seq)
     path = tmp_path / "train.yaml"
     path.write_text(text)
     entry = lint_file(path)

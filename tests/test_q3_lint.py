@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from foundry_fp8.lint.cli import lint_file
-from tests.mpt_yaml import line_of, mpt_refuses, mpt_train
+from tests.mpt_yaml import finetuning_train, line_of, mpt_refuses, mpt_train
 
 
 @pytest.mark.parametrize(("attn", "key"), [
@@ -150,13 +150,7 @@ def test_fp8006_judges_the_finetuning_collators_shorter_batches(tmp_path, tiny_d
     assert lengths != [64] * len(lengths)  # the option does shorten batches
     want = "error" if any(micro * n % 8 for n in lengths) else \
         "warning" if any(micro * n % 16 for n in lengths) else None
-    train = mpt_train(fc_type="te", precision="amp_fp8")
-    loader = ("train_loader:\n  name: finetuning\n  dataset:\n    hf_name: tatsu-lab/alpaca\n"
-              "    split: train\n    max_seq_len: 2048\n    decoder_only_format: true\n"
-              f"    {option}: true\n  drop_last: true\n  num_workers: 8\n")
-    start, end = train.index("train_loader:"), train.index("scheduler:")
-    text = (train[:start] + loader + train[end:]).replace(
-        "device_train_microbatch_size: 8", f"device_train_microbatch_size: {micro}")
+    text = finetuning_train(f"    {option}: true\n", micro)
     path = tmp_path / "train.yaml"
     path.write_text(text)
     entry = lint_file(path)
