@@ -143,7 +143,8 @@ def test_te_ln_mlp_stops_the_run_before_llmfoundry_builds_the_model(monkeypatch)
 
     here = gather_snapshot(probe_te_import=False, probe_gpu=False)
     h100 = replace(here, gpu_name="NVIDIA H100", capability=(9, 0), torch_cuda="12.6",
-                   te="2.8.0", te_torch="2.8.0", te_core=None, te_core_package=None)
+                   te="2.8.0", te_torch="2.8.0", te_core="2.8.0",
+                   te_core_package="transformer-engine-cu12")
     monkeypatch.setattr(lint_module, "gather_snapshot", lambda probe_te_import: h100)
     run = {"model": {"name": "mpt_causal_lm", "loss_fn": "torch_crossentropy",
                      "ffn_config": {"ffn_type": "te_ln_mlp"}}}

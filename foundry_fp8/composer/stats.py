@@ -194,6 +194,10 @@ class FP8Stats(Callback):
         self._restored: Mapping[str, Any] | None = None  # loaded before the monitor exists
         self._fit_started = False  # the same on every rank: FIT_START has run
         self._summary_keys = FitEndKeys(SUMMARY_KEY)
+        #: The FIT_START hyperparameters this callback sent: a second fit() sends them again
+        #: only where they changed (MLflow's asynchronous queue refuses a batch naming one key
+        #: twice, "Duplicate parameter keys", and drops the losses queued with it)
+        self._sent: dict[str, Any] = {}
         self._resend = ConsoleResend()  # what an evaluation kept off the console
         self._whatif_too_big_said = False
         self._mlflow_race_said = False
@@ -210,6 +214,12 @@ class FP8Stats(Callback):
                                         self.config.exclude, self.config.tensors, self.schedule,
                                         Path(self.options.te_debug_folder),
                                         self._te_metrics.__setitem__)
+
+    def _unsent(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Those of `params` this callback has not sent with the same value, now marked sent."""
+        new = {k: v for k, v in params.items() if k not in self._sent or self._sent[k] != v}
+        self._sent.update(new)
+        return new
 
     # Composer's named events; each runs under `_guarded` (our error never stops training).
 
@@ -341,12 +351,13 @@ class FP8Stats(Callback):
             # (te_swap's fuse_ln_mlp) logs another value, which MLflow and W&B refuse
             order = layer_order_params([short_layer(name) for name, module in canonical_modules(
                 state.model) if watches_for(module) is not None], HPARAM_MAX_CHARS)
-            deliver([d for d in logger.destinations if not _console(d)], "hyperparameters",
-                    lambda d: d.log_hyperparameters(order), "fp8_stats")
+            if order := self._unsent(order):
+                deliver([d for d in logger.destinations if not _console(d)], "hyperparameters",
+                        lambda d: d.log_hyperparameters(order), "fp8_stats")
         if dumps is not None and _is_rank_zero():  # where the report finds them, every sink
-            record = {DUMP_FOLDER_KEY: dump_record(dumps, base)}
-            deliver(logger.destinations, "hyperparameters",
-                    lambda d: d.log_hyperparameters(record), "fp8_stats", self.strict)
+            if record := self._unsent({DUMP_FOLDER_KEY: dump_record(dumps, base)}):
+                deliver(logger.destinations, "hyperparameters",
+                        lambda d: d.log_hyperparameters(record), "fp8_stats", self.strict)
         log.info("fp8_stats watches %d layers", len(self.monitor.layers))
         if (not self._restored and int(state.timestamp.batch) > 0
                 and getattr(state, "fsdp_sharded_state_dict_enabled", False)):
