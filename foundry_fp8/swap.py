@@ -20,8 +20,10 @@ from typing import Any, Literal
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedParameter
+from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_checkpoint
@@ -34,7 +36,7 @@ from foundry_fp8.filters import (
     linear_reason,
     search,
 )
-from foundry_fp8.fp8_meta import canonical_modules, is_fp8_module
+from foundry_fp8.fp8_meta import canonical_modules, canonical_name, is_fp8_module
 from foundry_fp8.options import OptionError, Problem, SwapConfig
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE
 from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX, inert_extra_state
@@ -450,6 +452,7 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
     adapters = _peft_adapters(model)
     moe = _moe_layers(model)
     heads = _lm_heads(model)
+    wrappers = _data_parallel_wrappers(model)
     owners: dict[int, list[str]] = {}
     for name, module in modules.items():
         for param in module.parameters(recurse=False):
@@ -458,7 +461,6 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
         if name in fused:
             continue
         if isinstance(module, nn.Linear):
-            others = [o for o in owners[id(module.weight)] if o != name]
             already = is_fp8_module(module)  # an EmulatedFP8Linear: converting resets its state
             if already:
                 reason: str | None = f"already in FP8 ({type(module).__name__})"
@@ -466,14 +468,18 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                 reason = adapters[name]
             elif (lazy := _lazy_reason(module)) is not None:
                 reason = lazy
-            elif others:
+            elif others := [o for o in owners.get(id(module.weight), ()) if o != name]:
                 reason = f"weight tied to {others[0]}: a converted copy would untie them"
             else:
                 reason = (linear_reason(name, module.in_features, module.out_features, config,
                                         n_blocks, module, lm_head=name in heads or None)
                           or moe.get(name, (None, 1.0))[0])
+                if reason is None:
+                    _refuse_wrapped(name, wrappers)
+                    reason = _computed_reason(module)
             decisions.append(Decision(name, "linear", reason is None, reason or "converted",
-                                      module.in_features, module.out_features, _n_params(module),
+                                      module.in_features, module.out_features,
+                                      _n_params(module, *_parametrizations(module)),
                                       _routed_flops(module, moe.get(name)),
                                       already_fp8=already))
         elif (features := conv1d_features(module)) is not None:
@@ -506,6 +512,62 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
     decisions = [Decision(**{**d.__dict__, "flops_share": d.flops / (total or 1)})
                  for d in decisions]
     return SwapPlan(tuple(decisions), config.backend, total)
+
+
+def _data_parallel_wrappers(model: nn.Module) -> dict[str, str]:
+    """{name: kind} of the modules of `model` that FSDP1, FSDP2 (`fully_shard`) or DDP wrap: they
+    hold the parameters of every layer inside them (FSDP's flat or sharded parameters, DDP's
+    gradient all-reduce)."""
+    kinds = ((FullyShardedDataParallel, "FSDP"), (FSDPModule, "FSDP2 fully_shard"),
+             (nn.parallel.DistributedDataParallel, "DDP"))
+    return {name: next(k for cls, k in kinds if isinstance(module, cls))
+            for name, module in model.named_modules()
+            if isinstance(module, tuple(cls for cls, _ in kinds))}
+
+
+def _refuse_wrapped(name: str, wrappers: Mapping[str, str]) -> None:
+    """ValueError (one line) for a layer that would convert inside a data-parallel wrapper, which
+    holds the layer's parameters. Before: FSDP2's DTensor weight failed the copy deep in torch,
+    FSDP1 without use_orig_params (weights gone into its flat parameter) a bare KeyError in the
+    plan, DDP Composer's module surgery with a TypeError, and FSDP1 with use_orig_params
+    (NO_SHARD, one rank) converted silently: the new parameters trained outside FSDP, never
+    all-reduced (sharded, its 1-D views have no layer's shape). torchao's
+    `convert_to_float8_training` asks the same: convert first, then wrap."""
+    holding = [w for w in wrappers if not w or name.startswith(f"{w}.")]
+    if holding:
+        wrapper = max(holding, key=len)  # the innermost
+        kind = wrappers[wrapper]
+        raise ValueError(
+            f"te_swap: {canonical_name(name)} would convert to FP8 inside {kind} "
+            f"({canonical_name(wrapper) or 'the model itself'}), which already holds its "
+            f"parameters; call convert_to_fp8 before wrapping the model in {kind}")
+
+
+def _parametrizations(module: nn.Module) -> list[nn.Module]:
+    """The ParametrizationLists of a parametrized module, which hold its original parameters
+    (`parametrizations.weight.original0`, ...), for its parameter count."""
+    return list(module.parametrizations.values()) if parametrize.is_parametrized(module) else []
+
+
+def _computed_reason(module: nn.Linear) -> str | None:
+    """Why a linear layer whose weight (or bias) is computed, not a parameter of its own, stays
+    in high precision: a converted copy would hold a plain parameter with the value of the
+    moment, so the training would no longer go through the user's function and the state_dict
+    keys would change. torch's parametrizations (`parametrizations.weight_norm`, orthogonal,
+    ...) keep `parametrizations.<name>.original*`; the hook-based `torch.nn.utils.weight_norm`
+    and `prune` keep `weight_g`/`weight_v` or `weight_orig` and set `weight` before each
+    forward."""
+    if parametrize.is_parametrized(module):
+        return (f"parametrized {'/'.join(module.parametrizations)} (torch.nn.utils."
+                "parametrize, e.g. weight_norm): a converted copy would drop the "
+                "parametrization and its state_dict keys")
+    computed = [n for n in ("weight", "bias") if getattr(module, n) is not None
+                and getattr(module, n) is not module._parameters.get(n)]
+    if computed:
+        return (f"{'/'.join(computed)} set by a hook, not a parameter of its own (torch.nn."
+                "utils.weight_norm, prune): a converted copy would drop the hook and its "
+                "state_dict keys")
+    return None
 
 
 def _te_decision(name: str, module: nn.Module, te_class: str, precision: str) -> Decision:

@@ -1,0 +1,125 @@
+"""`convert_to_fp8` on models as users bring them outside LLM-Foundry: a linear layer whose
+weight is computed (torch's parametrizations, the hook-based weight_norm) stays in high
+precision with its reason, where the plan used to stop with a bare `KeyError: <id>`; a model
+already wrapped by FSDP1, FSDP2 or DDP is refused in one line naming the fix (convert, then
+wrap), where FSDP2 failed deep in DTensor's dispatch, FSDP1 without use_orig_params with a bare
+KeyError, DDP with Composer's module surgery's TypeError, and FSDP1 with use_orig_params
+(NO_SHARD) converted silently, the new parameters training outside FSDP."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from foundry_fp8 import FP8Recipe, SwapConfig, convert_to_fp8, fp8_autocast
+from foundry_fp8.emulate import EmulatedFP8Linear
+from foundry_fp8.swap import coverage_table
+
+EMULATE = SwapConfig(backend="emulate")
+
+
+class Net(nn.Module):
+    """Two blocks of one 32x32 linear each (`layers.<n>.`: te_swap's blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _parametrized() -> nn.Linear:
+    return nn.utils.parametrizations.weight_norm(nn.Linear(32, 32))
+
+
+def _hooked() -> nn.Linear:
+    with warnings.catch_warnings():  # torch's deprecation of the hook-based weight_norm
+        warnings.simplefilter("ignore", FutureWarning)
+        return nn.utils.weight_norm(nn.Linear(32, 32))
+
+
+@pytest.mark.parametrize(("make", "reason", "params"), [
+    # weight_norm's g [32, 1] and v [32, 32], and the bias
+    (_parametrized, "parametrized weight (torch.nn.utils.parametrize", 32 + 32 * 32 + 32),
+    (_hooked, "weight set by a hook, not a parameter of its own", 32 + 32 * 32 + 32),
+])
+def test_a_computed_weight_stays_with_its_reason_and_the_rest_trains_in_fp8(make, reason,
+                                                                            params):
+    torch.manual_seed(0)
+    model = Net()
+    model.layers[1][0] = make()
+    keys = list(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = convert_to_fp8(model, EMULATE, optimizers=optimizer)
+
+    kept = [d for d in plan.decisions if not d.convert]
+    assert [(d.name, d.params) for d in kept] == [("layers.1.0", params)]
+    assert kept[0].reason.startswith(reason), coverage_table(plan)
+    assert type(model.layers[0][0]) is EmulatedFP8Linear
+    assert type(model.layers[1][0]) is not EmulatedFP8Linear  # the user's own, untouched
+    assert list(model.state_dict()) == keys
+    # the kept layer still trains through its own function: g and v get gradients
+    g = next(p for n, p in model.layers[1][0].named_parameters() if n.endswith(("0", "_g")))
+    before = g.detach().clone()
+    with fp8_autocast(recipe=FP8Recipe()):
+        loss = model(torch.randn(16, 32)).square().mean()
+    loss.backward()
+    optimizer.step()
+    assert not torch.equal(g, before)
+
+
+def _wrap_fsdp1(model: Net, use_orig_params: bool) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, use_orig_params=use_orig_params,
+                                    device_id=torch.device("cpu"))
+
+
+def _wrap_fsdp2(model: Net) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+WRAPS = {
+    "fsdp1_orig_params": (lambda m: _wrap_fsdp1(m, True), "FSDP (the model itself)"),
+    "fsdp1_flat": (lambda m: _wrap_fsdp1(m, False), "FSDP (the model itself)"),
+    "fsdp2": (_wrap_fsdp2, "FSDP2 fully_shard (layers.0)"),
+    "ddp": (nn.parallel.DistributedDataParallel, "DDP (the model itself)"),
+}
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_a_wrapped_model_is_refused_in_one_line_and_left_as_it_was(one_rank_group, wrap):
+    make, where = WRAPS[wrap]
+    with warnings.catch_warnings():  # FSDP1: NO_SHARD on one rank
+        warnings.simplefilter("ignore", UserWarning)
+        wrapped = make(Net())
+    with pytest.raises(ValueError) as error:
+        convert_to_fp8(wrapped, EMULATE)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("te_swap: ")
+    assert f"layers.0.0 would convert to FP8 inside {where}" in message
+    assert "call convert_to_fp8 before wrapping the model" in message
+    assert not any(isinstance(m, EmulatedFP8Linear) for m in wrapped.modules())
+
+
+def test_converted_then_wrapped_converts_again_as_already_in_fp8(one_rank_group):
+    """A second Trainer's te_swap on the model the first one converted and Composer then wrapped:
+    nothing left to convert, so nothing refused."""
+    model = Net()
+    convert_to_fp8(model, EMULATE)
+    wrapped = _wrap_fsdp2(model)
+    plan = convert_to_fp8(wrapped, EMULATE)
+    assert [d.reason for d in plan.decisions] == ["already in FP8 (EmulatedFP8Linear)"] * 2
