@@ -90,10 +90,12 @@ class Reason(str):
 
 #: A module inside a transformer block: `...blocks.<index>.` (LLM-Foundry's MPTModel.blocks),
 #: `...layers.<index>.` (Hugging Face's Llama, Mistral, Qwen2, Gemma, GPT-NeoX, OPT decoders, as
-#: LLM-Foundry's `hf_causal_lm` builds them) or `...h.<index>.` (Falcon, BLOOM; GPT-2's are
-#: Conv1D, not Linear). A model with several stacks (a vision tower's `encoder.layers`) has
-#: them all matched, and their indices share keep_first/last_blocks: use include/exclude.
-BLOCK_CONTAINERS = ("blocks", "layers", "h")
+#: LLM-Foundry's `hf_causal_lm` builds them), `...h.<index>.` (Falcon, BLOOM; GPT-2's are
+#: Conv1D, not Linear) or `...block.<index>.` (T5's `encoder.block`/`decoder.block`, as
+#: LLM-Foundry's `hf_t5` builds them; mT5, UMT5, LongT5). A model with several stacks (T5's
+#: encoder and decoder, a vision tower's `encoder.layers`) has them all matched, and their
+#: indices share keep_first/last_blocks: use include/exclude.
+BLOCK_CONTAINERS = ("blocks", "layers", "h", "block")
 _BLOCK = re.compile(rf"\b(?:{'|'.join(BLOCK_CONTAINERS)})\.(\d+)\.")
 
 
