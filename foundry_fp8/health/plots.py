@@ -250,6 +250,7 @@ class Heatmap:
     left_out: int = 0  # tensor kinds beyond MAX_PANELS, not drawn
     hatch_notes: tuple[str, ...] = ()  # what the hatched cells are (none: no cell hatched)
     nan_cells: bool = False  # some cell was logged as NaN (NAN_NOTE)
+    per_column: int = 1  # logging steps a column shows (`bin_columns`); `steps`: each one's first
 
     @property
     def shared_scale(self) -> bool:
@@ -270,7 +271,10 @@ class Heatmap:
     @property
     def notes(self) -> str:
         """What the grey and (where any) the NaN and hatched cells are."""
-        return "; ".join((NOT_LOGGED_NOTE, *((NAN_NOTE,) if self.nan_cells else ()),
+        binned = (f"each column: the worst of up to {self.per_column} logging steps from the "
+                  "step it is labelled with (blue or hatched where any of them is)",
+                  ) if self.per_column > 1 else ()
+        return "; ".join((*binned, NOT_LOGGED_NOTE, *((NAN_NOTE,) if self.nan_cells else ()),
                           *self.hatch_notes))
 
     @property
@@ -288,10 +292,18 @@ class Heatmap:
         return level < 0.35 if self.worse == "low" else level > 0.65
 
 
+#: Columns the report's heatmap panel draws at most: a panel is at most 4.8 inches (about 400
+#: pixels of axes at 110 dpi), and a matrix wider than its pixels is sampled, not reduced, so a
+#: one-step overflow burst or NaN among 20k logging steps (`interval: 1`) would not show. Wider
+#: runs are binned (`bin_columns`): each column the worst of its steps.
+MAX_COLUMNS = 200
+
+
 def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
-            formats: Formats | None = None) -> Heatmap:
+            formats: Formats | None = None, max_columns: int | None = None) -> Heatmap:
     """One panel per tensor kind that logged `stat`: layers down, logging steps across, titled
-    with the formats its rows were cast in (`formats`; none where not given)."""
+    with the formats its rows were cast in (`formats`; none where not given); more logging steps
+    than `max_columns` are binned (`bin_columns`)."""
     import matplotlib
     import numpy as np
 
@@ -300,38 +312,80 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
     tensors = logged[:MAX_PANELS]
     kinds = short_names(tensors)
     prefix = common_prefix(run.layers)
-    matrices = {t: drawable(np.array(heatmap_matrix(run, stat, t), dtype=float)) for t in tensors}
-    shared = [v for m in matrices.values() for v in m.ravel().tolist()]
+    per_column = (math.ceil(len(run.steps) / max_columns)
+                  if max_columns is not None and len(run.steps) > max_columns else 1)
+    column = {step: i for i, step in enumerate(run.steps)}
+    row = {layer: i for i, layer in enumerate(run.layers)}
+    shape = (len(run.layers), len(run.steps))
+
+    def cells(marked: set[tuple[str, str, int]], tensor: str) -> Any:
+        """The bool [layers, steps] of `marked`'s cells of `tensor` (each mark looked at once)."""
+        mask = np.zeros(shape, dtype=bool)
+        for layer, t, step in marked:
+            if t == tensor and layer in row and step in column:
+                mask[row[layer], column[step]] = True
+        return mask
+
+    matrices = {}
+    for tensor in tensors:
+        nan = np.zeros(shape, dtype=bool)
+        for layer in run.layers:
+            for step, value in run.values.get((layer, tensor, stat), {}).items():
+                if math.isnan(value) and (layer, tensor, step) not in run.initial:
+                    nan[row[layer], column[step]] = True
+        hatched = (cells(run.high_precision, tensor), cells(run.uncast, tensor))
+        matrix = drawable(np.array(heatmap_matrix(run, stat, tensor), dtype=float))
+        matrices[tensor] = bin_columns(stat, matrix, nan, *hatched, per_column=per_column)
+    shared = [v for m, *_ in matrices.values() for v in m.ravel().tolist()]
     cmap = matplotlib.colormaps["YlOrRd_r" if sp.worse == "low" else "YlOrRd"].with_extremes(
         bad=NOT_LOGGED)
     panels = []
     notes = {HIGH_PRECISION_NOTE: False, UNCAST_NOTE: False}
     for tensor in tensors:
-        matrix = matrices[tensor]
+        matrix, nan, fallen, uncast = matrices[tensor]
         norm, limit, ticks = _norm(stat, shared if sp.shared_scale else matrix.ravel().tolist(), thresholds)
         if sp.log:  # a zero error is the best colour, not a hole
             matrix = np.where(matrix <= 0, norm.vmin, matrix)
         finite = matrix[np.isfinite(matrix)]
         quiet = " - all 0" if finite.size and not finite.any() else ""
         title = panel_title(kinds[tensor], (formats or {}).get(tensor))
-        fallen, uncast = (np.array([[(layer, tensor, step) in cells for step in run.steps]
-                                    for layer in run.layers], dtype=bool).reshape(matrix.shape)
-                          for cells in (run.high_precision, run.uncast))
         notes[HIGH_PRECISION_NOTE] |= bool(fallen.any())
         notes[UNCAST_NOTE] |= bool(uncast.any())
-        hatched = fallen | uncast
-        nan = np.array([[(layer, tensor, step) not in run.initial
-                         and math.isnan(logged.get(step, 0.0))
-                         for logged in [run.values.get((layer, tensor, stat), {})]
-                         for step in run.steps]
-                        for layer in run.layers], dtype=bool).reshape(matrix.shape)
-        panels.append(Panel(tensor, f"{title}{quiet}", matrix, norm, limit, ticks, hatched, nan))
+        panels.append(Panel(tensor, f"{title}{quiet}", matrix, norm, limit, ticks,
+                            fallen | uncast, nan))
     labels = short_names(run.layers, prefix)
     names = [labels[layer] for layer in run.layers]
     annotate = len(run.steps) <= 12 and len(names) <= 40 and not sp.log
-    return Heatmap(stat, prefix, names, list(run.steps), panels, cmap, annotate, sp.worse,
-                   len(logged) - len(tensors), tuple(note for note, on in notes.items() if on),
-                   any(bool(p.nan.any()) for p in panels))
+    return Heatmap(stat, prefix, names, run.steps[::per_column], panels, cmap, annotate,
+                   sp.worse, len(logged) - len(tensors),
+                   tuple(note for note, on in notes.items() if on),
+                   any(bool(p.nan.any()) for p in panels), per_column)
+
+
+def bin_columns(stat: str, matrix: Any, *masks: Any, per_column: int = 1) -> tuple[Any, ...]:
+    """`matrix` (NaN: no value) and its bool `masks` with every `per_column` adjacent columns
+    made one: the value worst by `specs.badness` (NaN where the column has none), each mask
+    True where any of its cells is. 1: unchanged."""
+    import numpy as np
+
+    if per_column == 1:
+        return (matrix, *masks)
+    rows, width = matrix.shape
+    columns = math.ceil(width / per_column)
+    pad = columns * per_column - width
+
+    def grouped(a: Any, fill: Any) -> Any:
+        return np.pad(a, ((0, 0), (0, pad)), constant_values=fill).reshape(rows, columns, per_column)
+
+    values = grouped(matrix, np.nan)
+    worse = spec(stat).worse
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bad = (-values if worse == "low" else
+               np.where(values > 0, np.abs(np.log(values)), np.inf) if worse == "far_from_1" else
+               values)
+    bad = np.where(np.isnan(values), -np.inf, bad)
+    worst = np.take_along_axis(values, bad.argmax(axis=2)[..., None], axis=2)[..., 0]
+    return (worst, *(grouped(m, False).any(axis=2) for m in masks))
 
 
 #: Inches a character of a cell's number takes at its 6-point size (DejaVu Sans digits are
@@ -352,7 +406,7 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
     import numpy as np
     from matplotlib.patches import Rectangle
 
-    hm = heatmap(run, stat, thresholds, formats)
+    hm = heatmap(run, stat, thresholds, formats, MAX_COLUMNS)
     names = [text(name) for name in hm.names]
     n_layers, n_steps = len(names), len(hm.steps)
     height = min(max(2.6, 0.26 * n_layers + 1.5), 24.0)
