@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 from composer.core import Callback, State, TimeUnit
-from composer.loggers import ConsoleLogger, Logger, LoggerDestination, MLFlowLogger
+from composer.loggers import (
+    ConsoleLogger,
+    Logger,
+    LoggerDestination,
+    MLFlowLogger,
+    ProgressBarLogger,
+)
 from composer.utils import dist
 
 from foundry_fp8.composer.destinations import (
@@ -675,7 +681,10 @@ def mlflow_races(destination: LoggerDestination, environ: Mapping[str, str]) -> 
 
 
 def _console(destination: LoggerDestination) -> bool:
-    return isinstance(destination, ConsoleLogger)
+    """Composer's console destinations: the ConsoleLogger and `progress_bar: true`'s
+    ProgressBarLogger, which also yaml-dumps every hyperparameter at its fit start (one line per
+    layer of `fp8/layers`) and shows only `metric`/`loss` keys."""
+    return isinstance(destination, ConsoleLogger | ProgressBarLogger)
 
 
 WANDB_OFFLINE_TABLE = (
