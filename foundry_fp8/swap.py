@@ -414,7 +414,12 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
     another rank's copy of the model is on the meta device (`_on_meta`), so what this rank
     keeps there it keeps here too."""
     modules = dict(model.named_modules())
-    blocks = {b for n in modules if (b := block_index(n)) is not None}
+    # every name a module has: one registered twice (`nn.ModuleList([block] * n)`, a layer
+    # shared by two blocks) runs at each, so the options must keep it at any of them
+    aliases: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(name)
+    blocks = {b for names in aliases.values() for n in names if (b := block_index(n)) is not None}
     n_blocks = max(blocks) + 1 if blocks else 0
     decisions: list[Decision] = []
     fused: set[str] = set()
@@ -471,9 +476,15 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
             elif others := [o for o in owners.get(id(module.weight), ()) if o != name]:
                 reason = f"weight tied to {others[0]}: a converted copy would untie them"
             else:
-                reason = (linear_reason(name, module.in_features, module.out_features, config,
-                                        n_blocks, module, lm_head=name in heads or None)
-                          or moe.get(name, (None, 1.0))[0])
+                reason = moe.get(name, (None, 1.0))[0]
+                for alias in aliases[id(module)]:
+                    kept = linear_reason(alias, module.in_features, module.out_features, config,
+                                         n_blocks, module, lm_head=name in heads or None)
+                    if kept is not None:
+                        reason = kept if alias == name else Reason(
+                            f"{kept}, as {alias} (this module runs there too)",
+                            relax=kept.relax, fix=kept.fix)
+                        break
                 if reason is None:
                     _refuse_wrapped(name, wrappers)
                     reason = _computed_reason(module)
@@ -969,7 +980,7 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
         config = dataclasses.replace(config, module_filter_fn=module_filter_fn)
     plan = plan_swap(model, config, precision=precision, meta_elsewhere=meta_elsewhere)
     if config.exclude and not any(search(f"{config.PATH}.exclude", config.exclude, name)
-                                  for name, _ in model.named_modules()):
+                                  for name, _ in model.named_modules(remove_duplicate=False)):
         warnings.warn(f"{config.PATH}.exclude: {config.exclude!r} matches no module name of "
                       "the model, so it keeps nothing in high precision (a typo?)", stacklevel=2)
     te_modules, emulated = fp8_module_counts(model)

@@ -123,3 +123,31 @@ def test_converted_then_wrapped_converts_again_as_already_in_fp8(one_rank_group)
     wrapped = _wrap_fsdp2(model)
     plan = convert_to_fp8(wrapped, EMULATE)
     assert [d.reason for d in plan.decisions] == ["already in FP8 (EmulatedFP8Linear)"] * 2
+
+
+class Looped(nn.Module):
+    """A weight-shared (looped) stack: block 2 is block 0's linear again, registered twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared, own = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.layers = nn.ModuleList(nn.Sequential(m) for m in (shared, own, shared))
+
+
+@pytest.mark.parametrize(("options", "reason"), [
+    ({"keep_last_blocks": 1}, "block 2 kept in high precision (keep_first/last_blocks)"),
+    ({"exclude": r"^layers\.2\."}, "matched by exclude"),
+    ({"module_filter_fn": lambda module, fqn: not fqn.startswith("layers.2.")},
+     "rejected by module_filter_fn"),
+])
+def test_a_module_registered_twice_stays_where_any_of_its_names_is_kept(options, reason):
+    """torch's `named_modules()` names a module once, so the options saw only `layers.0.0` and
+    converted the linear that also runs in kept block 2, and `exclude` warned that it matched no
+    module name."""
+    model = Looped()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "matches no module name" warning
+        plan = convert_to_fp8(model, SwapConfig(backend="emulate", **options))
+    kept = {d.name: d.reason for d in plan.decisions if not d.convert}
+    assert kept == {"layers.0.0": f"{reason}, as layers.2.0 (this module runs there too)"}
+    assert [type(block[0]) for block in model.layers] == [nn.Linear, EmulatedFP8Linear, nn.Linear]
