@@ -469,8 +469,7 @@ def run_bench(config: BenchConfig,
                 except Exception as err:  # a broken variant must not lose the others' numbers
                     if interrupted_by(err, outer):  # Ctrl-C during an import: stop, as anywhere else
                         raise
-                    reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-                    failed.append({"name": name, "reason": reason + nvte_not_integer(reason),
+                    failed.append({"name": name, "reason": failure_reason(err),
                                    "traceback": traceback.format_exc()})
                 finally:
                     _release_memory(config.tiny)
@@ -478,6 +477,21 @@ def run_bench(config: BenchConfig,
             if after_each is not None and i + 1 < len(config.variants):
                 after_each(_result(config, rows, skipped, failed, config.variants[i + 1:]))
     return _result(config, rows, skipped, failed)
+
+
+#: The most characters of a failed variant's error in its row and its stderr line (the JSON
+#: keeps the whole traceback).
+REASON_CHARS = 600
+
+
+def failure_reason(err: BaseException) -> str:
+    """A failed variant's error in one line: its first line, and where longer than
+    REASON_CHARS its start and its end, which holds the fix our own errors close with (cut at
+    300 characters, TE's NVTE_BACKWARD_OVERRIDE refusal lost its `(fix: ...)`)."""
+    from foundry_fp8.health.table import elide
+
+    first = f"{type(err).__name__}: {err}".splitlines()[0]
+    return elide(first, REASON_CHARS) + nvte_not_integer(first)
 
 
 def command_of(config: BenchConfig) -> str:
