@@ -12,7 +12,14 @@ import numpy as np
 
 from foundry_fp8.health import RunMetrics, Thresholds
 from foundry_fp8.health.keys import HIGH_PRECISION
-from foundry_fp8.health.plots import MAX_COLUMNS, bin_columns, draw_heatmap, heatmap
+from foundry_fp8.health.plots import (
+    MAX_COLUMNS,
+    bin_columns,
+    draw_heatmap,
+    draw_series,
+    heatmap,
+    plain_labels,
+)
 
 LAYERS = ("blocks.0.attn.Wqkv", "blocks.0.ffn.down_proj", "blocks.1.ffn.down_proj")
 STEPS = 3000  # a 300k-batch run at interval 100
@@ -82,3 +89,23 @@ def test_the_drawn_png_shows_each_one_step_burst():
         expected = np.array(image.cmap(image.norm(value))[:3]) * 255
         got = pixels[pixels.shape[0] - int(y), int(x)]
         assert np.abs(got - expected).max() <= 3, (layer, step, got, expected)
+
+
+def test_scale_ratio_ticks_of_a_healthy_delayed_run_read_apart():
+    """A healthy delayed-scaling run's scale_ratio stays within 1.000 to 1.010 (docs/report.md):
+    its time-series axis labelled every tick `1`."""
+    run = RunMetrics()
+    for step in range(40):
+        for stat, value in (("amax", 4.0 + step / 40), ("scale_ratio", 1.0 + step / 8000)):
+            run.add(step, LAYERS[0], "weight", stat, value)
+    run.tidy()
+    figure = draw_series(run, [(LAYERS[0], "")])
+    figure.canvas.draw()
+    ax = next(ax for ax in figure.axes if ax.get_ylabel().startswith("scale_ratio"))
+    low, high = ax.get_ylim()
+    labels = [t.label1.get_text() for t in (*ax.yaxis.get_major_ticks(),
+                                            *ax.yaxis.get_minor_ticks())
+              if low <= t.get_loc() <= high and t.label1.get_text()]
+    assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
+    assert plain_labels([1.0, 1.0011, 1.0012]) == ["1", "1.0011", "1.0012"]
+    assert plain_labels([0.5, 2000.0, 5.7e7]) == ["0.5", "2000", "5.7e+07"]

@@ -465,28 +465,50 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
 MINOR_TICK_DECADES = 4
 
 
+def plain_labels(values: list[float], digits: int = 3) -> list[str]:
+    """Plain numbers (`0.7`, `6`, `2000`) with at least `digits` significant digits and as many
+    more as keep the labels apart: a healthy delayed-scaling run's scale_ratio stays within
+    1.000 to 1.010, and 3 digits labelled each of its ticks `1`."""
+    import numpy as np
+
+    def plain(v: float, n: int) -> str:
+        if not 1e-4 <= v < 1e5:
+            return f"{v:.{n - 1}g}"
+        return np.format_float_positional(v, precision=n, fractional=False, trim="-")
+
+    labels: list[str] = []
+    for n in range(digits, 18):  # 17 significant digits tell every two float64 apart
+        labels = [plain(v, n) for v in values]
+        if len(set(labels)) == len(labels):
+            break
+    return labels
+
+
 def _readable_log_ticks(ax: Any, low: float | None = None, high: float | None = None) -> None:
-    """Plain numbers (`0.7`, `6`, `2000`) on a log y axis (or colour bar: pass its norm's range,
+    """Plain numbers (`plain_labels`) on a log y axis (or colour bar: pass its norm's range,
     its limits are 0-1) spanning less than two decades, where
     matplotlib would print `6 x 10^0` at mixed sizes; between one and two decades only the minor
     ticks at 2 and 5 get a label. Beyond MINOR_TICK_DECADES, no minor ticks."""
-    import numpy as np
-    from matplotlib.ticker import FuncFormatter, NullLocator
+    from matplotlib.ticker import Formatter, NullLocator
 
-    def plain(v: float, _: Any = None) -> str:
-        if not 1e-4 <= v < 1e5:
-            return f"{v:.2g}"
-        return np.format_float_positional(v, precision=3, fractional=False, trim="-")
+    class Plain(Formatter):
+        def __init__(self, two_and_five: bool) -> None:
+            self.two_and_five = two_and_five
 
-    def two_and_five(v: float, _: Any = None) -> str:
-        return plain(v) if f"{v:.0e}"[0] in "25" else ""
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return self.format_ticks([x])[0]
+
+        def format_ticks(self, values: list[float]) -> list[str]:
+            shown = [not self.two_and_five or f"{v:.0e}"[0] in "25" for v in values]
+            labels = iter(plain_labels([v for v, on in zip(values, shown, strict=True) if on]))
+            return [next(labels) if on else "" for on in shown]
 
     ax.tick_params(which="both", labelsize=7)
     if low is None or high is None:
         low, high = ax.get_ylim()
     if ax.get_yscale() == "log" and low > 0 and high / low < 100:
-        ax.yaxis.set_major_formatter(FuncFormatter(plain))
-        ax.yaxis.set_minor_formatter(FuncFormatter(plain if high / low < 10 else two_and_five))
+        ax.yaxis.set_major_formatter(Plain(two_and_five=False))
+        ax.yaxis.set_minor_formatter(Plain(two_and_five=high / low >= 10))
     elif ax.get_yscale() == "log" and low > 0 and high / low > 10 ** MINOR_TICK_DECADES:
         ax.yaxis.set_minor_locator(NullLocator())
 
