@@ -50,12 +50,13 @@ EXITS = {
     "lint": "0 no error finding (warnings and infos do not fail), 1 an error finding, 2 a path "
             "that cannot be linted or a usage error",
     "report": "0 the report was written (flagged layers do not fail it), 2 the run cannot be "
-              "read or a usage error",
+              "read, the report cannot be written (the run folder or --out) or a usage error",
     "bench": "0 every variant that can run here ran, 1 a variant failed or none ran, 2 options, "
              "YAMLs, --out or the machine (no GPU without --tiny) refused before any training",
     "doctor": "0 nothing is broken (no GPU or no TE is reported, not failed), 1 an error "
               "finding, or with --strict a warning too",
-    "tiny-data": "0 built or reused, 2 a file in the way or a usage error",
+    "tiny-data": "0 built or reused, 2 a file in the way, a ROOT that cannot be written or a "
+                 "usage error",
 }
 
 #: The exit status of an output that stopped reading: 128 + SIGPIPE, what a shell reports for a
