@@ -122,6 +122,8 @@ class FP8Guard(Callback):
         self._logger: Logger | None = None
         self._stats: FP8Stats | None = None  # told which layers run in high precision
         self._stop: BaseException | None = None  # raised at the next batch_end/batch_checkpoint
+        # strict: acting failed on this rank alone, raised once every rank learns it (next vote)
+        self._pending_stop: BaseException | None = None
         # acting failed here after the ranks agreed: told to the others at the next vote, so no
         # rank leaves the votes' all_reduce alone (its partner would be another collective)
         self._act_failed = False
@@ -145,27 +147,31 @@ class FP8Guard(Callback):
         if stats is None:
             raise OptionError(OPTION, ENTRIES["fp8_guard"].need_problem("fp8_stats"))
         self._state, self._logger, self._stats = state, logger, stats
-        self._table_keys.fit_start(int(state.timestamp.batch))
         self._heard = False
         self._said.discard("inert")
-        failed = False
+        error: Exception | None = None
         try:
+            self._table_keys.fit_start(int(state.timestamp.batch))
             # a second fit() in this process keeps this one's decisions, as a resume does
             self._start(state, self.core.state_dict() if self.core is not None
                         else checkpointed_core(self._restored),
                         "a new fit() keeps" if self.core is not None else "resumed with")
-        except Exception:
-            if self.config.strict:
-                raise
-            log.exception("fp8_guard failed to start; it is off for this run (strict: true "
-                          "to fail instead)")
-            failed = True
+        except Exception as e:
+            error = e
+            if not self.config.strict:
+                log.exception("fp8_guard failed to start; it is off for this run (strict: true "
+                              "to fail instead)")
+        failed = error is not None
         if multi_rank():  # one rank without a core cannot join the steps' all_reduce
             flag = state.device.tensor_to_device(torch.tensor([float(failed)]))
             dist.all_reduce(flag, reduce_operation="MAX")
             failed = bool(flag.item())
         if failed:
             self.disabled = True
+            if self.config.strict:  # every rank stops here, none is left in a collective
+                raise error if error is not None else RuntimeError(
+                    "fp8_guard failed to start on another rank (its error is in that rank's "
+                    "log); strict: true stops the run")
             return
         if self._listen not in stats.listeners:
             stats.listeners.append(self._listen)
@@ -232,13 +238,42 @@ class FP8Guard(Callback):
         self._raise_stop()
 
     def batch_start(self, state: State, logger: Logger) -> None:
-        self._resend.resend("fp8_guard", self.config.strict)
+        self._resend_to_console(self._resend.resend)
 
     def epoch_end(self, state: State, logger: Logger) -> None:
-        self._resend.resend("fp8_guard", self.config.strict)
+        self._resend_to_console(self._resend.resend)
+
+    def _resend_to_console(self, resend: Callable[[str, bool], None]) -> None:
+        """The series an evaluation kept off the console; our failure there loses only them,
+        said once (a logger's own failure is `deliver`'s: raised under strict)."""
+        if "resend" in self._said:
+            return
+        try:
+            resend("fp8_guard", self.config.strict)
+        except Exception as e:
+            if self.config.strict:
+                raise
+            self._said.add("resend")
+            log.error("fp8_guard: internal error resending its series to the console (%r); "
+                      "the console gets no more of them, the other loggers get everything",
+                      e, exc_info=e)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        self._resend.fit_end("fp8_guard", self.config.strict)
+        self._resend_to_console(self._resend.fit_end)
+        try:
+            self._report_fallbacks(state, logger)
+        except Exception as e:  # no collective follows on any rank: raised or said here
+            if self.config.strict:
+                raise
+            log.error("fp8_guard: internal error at fit end (%r); the table of fallbacks is not "
+                      "printed or logged (each fallback's own warning and record stand)", e,
+                      exc_info=e)
+        if self._pending_stop is not None:  # strict: no vote came after it in this fit
+            error, self._pending_stop = self._pending_stop, None
+            raise error
+
+    def _report_fallbacks(self, state: State, logger: Logger) -> None:
+        """Rank 0's fit-end table of every fallback, and the YAML for those still in place."""
         core = self.core
         if core is None or not (core.fallbacks or core.ended) or dist.get_global_rank() != 0:
             return
@@ -268,14 +303,31 @@ class FP8Guard(Callback):
         nothing, and the resumed run put its fallen layers back in FP8. DCP saves a string whole,
         as one bytes item (torch/distributed/checkpoint/_traverse.py, `_is_terminal`), and its
         load replaces the template's value by key (default_planner.py, `load_bytes`)."""
-        if self.core is not None:
-            return {DECISIONS: json.dumps(self.core.state_dict())}
-        return {DECISIONS: json.dumps(checkpointed_core(self._restored))}
+        try:
+            if self.core is not None:
+                return {DECISIONS: json.dumps(self.core.state_dict())}
+            return {DECISIONS: json.dumps(checkpointed_core(self._restored))}
+        except Exception as e:  # no collective here: every rank saves on its own
+            if self.config.strict:
+                raise
+            if "unsaved" not in self._said:  # once, not at every checkpoint
+                self._said.add("unsaved")
+                log.error("fp8_guard: internal error saving its decisions (%r); this checkpoint "
+                          "holds none (nor will later ones while it fails): a resume from it "
+                          "runs every layer in FP8", e, exc_info=e)
+            return {DECISIONS: json.dumps(None)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._restored = state
         if self.core is not None and self._state is not None:  # loaded after fit_start
-            self._start(self._state, checkpointed_core(state), "resumed with")
+            try:
+                self._start(self._state, checkpointed_core(state), "resumed with")
+            except Exception as e:
+                if self.config.strict:
+                    raise
+                log.error("fp8_guard: internal error taking the loaded decisions (%r); it is off "
+                          "from its next logging step, on every rank", e, exc_info=e)
+                self._act_failed = True  # told at the next vote: no rank leaves it alone
 
     # the listener fp8_stats calls at each logging step, on every rank
 
@@ -295,8 +347,16 @@ class FP8Guard(Callback):
                 mine = core.candidates(step, table)
                 ready = core.ready(step, table)
             except Exception as e:
-                failed = self._own_error(e)
+                self._own_error(e)
+                failed = True  # told to every rank, strict or not
         agreed, ready, failed_on = self._agree(mine, ready, failed)
+        if failed_on is not None and self.config.strict:
+            # every rank raises at this BATCH_END: none goes on into a collective alone
+            if self._stop is None:
+                self._stop = self._pending_stop or RuntimeError(
+                    f"fp8_guard failed on rank {failed_on} (its error is in that rank's log); "
+                    "strict: true stops the run")
+            return
         if failed_on is not None:
             # only rank 0's output reaches the console by default (composer's launcher drops
             # the others' unless --stdout/--stderr), so name the rank whose log holds the error
@@ -309,12 +369,15 @@ class FP8Guard(Callback):
         try:
             self._act(step, agreed, ready, table)
         except Exception as e:
-            if self._own_error(e):
+            if self._own_error(e, raise_now=not multi_rank()) or multi_rank():
                 # alone: the other ranks would wait in the next vote, paired by the backend
-                # with this rank's next collective (gloo aborts the process on the mismatch)
+                # with this rank's next collective (gloo aborts the process on the mismatch);
+                # under strict every rank raises after that vote
                 self._act_failed = True
                 if not multi_rank():
                     self.disabled = True
+                    log.error("fp8_guard is off from now on (layers already in fallback stay "
+                              "in high precision)")
 
     def _act(self, step: int, layers: list[str], ready: list[str], table: Mapping) -> None:
         assert self.core is not None
@@ -381,10 +444,15 @@ class FP8Guard(Callback):
         deliver(logger.destinations, "hyperparameters",
                 lambda d: d.log_hyperparameters(values), "fp8_guard", self.config.strict)
 
-    def _own_error(self, error: Exception) -> bool:
-        """True: switch off (logged); strict: kept to raise after fp8_stats' BATCH_END."""
+    def _own_error(self, error: Exception, raise_now: bool = True) -> bool:
+        """True: switch off (logged); strict: kept to raise after fp8_stats' BATCH_END, or
+        (`raise_now` False: a failure on one rank after the vote) after the next vote, where
+        every rank learns of it."""
         if self.config.strict:
-            self._stop = error
+            if raise_now:
+                self._stop = error
+            else:
+                self._pending_stop = error
             return False
         log.error("fp8_guard failed: %r", error, exc_info=error)
         return True

@@ -85,6 +85,25 @@ _WEIGHTS_ONLY = {
 #: What `strict: false` continues with where nothing of the checkpoint's FP8 state applies.
 _FRESH = "FP8 scaling started fresh"
 
+#: What the run goes on without when one of fp8_state's event works fails (`_guarded`), by its
+#: method's name.
+_LOST = {
+    "_init": "fp8_state's check and setting of FSDP activation recompute under FP8 (TE #1190: "
+             "recomputed FP8 layers may now update their scales wrongly; the symptom watch "
+             "stays on)",
+    "_inert_extra_state_on_save": "saving TE modules' _extra_state as 'no state' (checkpoints "
+                                  "may hold TE's pickled FP8 state, which TE >= 2.16.1 refuses "
+                                  "to load)",
+    "_see_loaded_entries": "its notes on this load (weights-only, a bf16 checkpoint, fp8_guard "
+                           "fallbacks without fp8_guard)",
+    "accept_sharded_checkpoints": "loading sharded checkpoints saved without fp8_state",
+    "_report_loaded_entries": "its notes on this load (weights-only, a bf16 checkpoint, "
+                              "fp8_guard fallbacks without fp8_guard)",
+    "load_state_dict": "the checkpoint's FP8 state (FP8 scaling starts fresh)",
+    "say": "reporting FP8 state restores that failed at a module's first FP8 forward",
+    "_watch": "the TE #1190 symptom watch",
+}
+
 
 def _composer_checkpoint_types() -> list[Any]:
     """The types besides tensors that a Composer 0.32 checkpoint's pickle names (the torch
@@ -216,16 +235,20 @@ class FP8State(Callback):
         self._te_restored = False  # the load's model held TE's own pickled FP8 state
         self._bf16_weights = False  # a weights-only load of a checkpoint saved without FP8
         self._waiting = _Waiting({}, self._mismatch, self.strict)  # TE modules before their first forward
+        self._failed: set[str] = set()  # the works `_guarded` saw fail: not run again
+        self._unsaved_said = False  # a save that could not read the FP8 state was warned of
 
     # -- events ---------------------------------------------------------------------------
 
     def init(self, state: State, logger: Logger) -> None:
-        self._guarded(Event.INIT, self._init, state)
+        self._guarded(Event.INIT, "_init", self._init, state)
 
     def before_load(self, state: State, logger: Logger) -> None:
-        self._guarded(Event.BEFORE_LOAD, self._inert_extra_state_on_save, state.model)
-        self._guarded(Event.BEFORE_LOAD, self._see_loaded_entries, state)
-        self._guarded(Event.BEFORE_LOAD, self.accept_sharded_checkpoints)
+        self._guarded(Event.BEFORE_LOAD, "_inert_extra_state_on_save",
+                      self._inert_extra_state_on_save, state.model)
+        self._guarded(Event.BEFORE_LOAD, "_see_loaded_entries", self._see_loaded_entries, state)
+        self._guarded(Event.BEFORE_LOAD, "accept_sharded_checkpoints",
+                      self.accept_sharded_checkpoints)
 
     @classmethod
     def accept_sharded_checkpoints(cls) -> None:
@@ -235,27 +258,38 @@ class FP8State(Callback):
         accept_absent_state(cls.__qualname__, None, saved_state_template)
 
     def after_load(self, state: State, logger: Logger) -> None:
-        self._guarded(Event.AFTER_LOAD, self._report_loaded_entries, state)
+        self._guarded(Event.AFTER_LOAD, "_report_loaded_entries", self._report_loaded_entries,
+                      state)
 
     def fit_start(self, state: State, logger: Logger) -> None:
         if self._pending is not None:
-            self._guarded(Event.FIT_START, self.load_state_dict, self._pending)
+            self._guarded(Event.FIT_START, "load_state_dict", self.load_state_dict, self._pending)
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        self._guarded(Event.BATCH_END, self._waiting.say)
+        self._guarded(Event.BATCH_END, "say", self._waiting.say)
         if self.watch_batches:
-            self._guarded(Event.BATCH_END, self._watch)
+            self._guarded(Event.BATCH_END, "_watch", self._watch)
 
-    def _guarded(self, event: Event, work: Callable[..., None], *args: Any) -> None:
+    def _guarded(self, event: Event, name: str, work: Callable[..., None], *args: Any) -> None:
         """Our own bug must not stop a run: `strict` is about the checkpoint and the symptoms
-        we find, not about fp8_state's own failures (FP8StateError is a finding, raised)."""
+        we find, not about fp8_state's own failures (FP8StateError is a finding, raised). The
+        one line names what the failed work does and so what the run goes on without; a work
+        that failed is not run again (at BATCH_END it would fail, and say so, every batch).
+        `name`: the work's key in `_LOST`."""
+        if name in self._failed:
+            return
         try:
             work(*args)
         except FP8StateError:
             raise
-        except Exception:
-            log.exception("fp8_state: internal error at %s; FP8 symptom watch disabled", event)
-            self.watch_batches = 0
+        except Exception as error:
+            if _device_failure(error):  # the device's, as `load_state_dict` raises it
+                raise
+            self._failed.add(name)
+            if name == "_watch":
+                self.watch_batches = 0
+            log.exception("fp8_state: internal error at %s; the run goes on without %s",
+                          event.value, _LOST[name])
 
     def _init(self, state: State) -> None:
         """Before FSDP wraps the model (right after INIT), so FSDP config changes still take
@@ -466,38 +500,49 @@ class FP8State(Callback):
         try:
             local = self._local_state() if self._model is not None else {}
         except Exception:
-            log.exception("fp8_state: internal error reading the FP8 state to save; this "
-                          "checkpoint holds none")
+            # said once: a save every few batches would repeat it all run
+            (log.debug if self._unsaved_said else log.exception)(
+                "fp8_state: internal error reading the FP8 state to save; this checkpoint "
+                "holds none (nor will later ones while reading it fails): a resume from it "
+                "starts FP8 scaling fresh")
+            self._unsaved_said = True
             local = None
         ranks = dist.all_gather_object(local) if dist.get_world_size() > 1 else [local]
-        recipe = self._recipe.as_config() if self._recipe is not None else None
-        if any(r is None for r in ranks):
-            return {"modules": {}, "unsaved": True, "recipe": recipe}
-        saved: dict[str, Any] = {"modules": ranks[0], "recipe": recipe}
-        if any(not _same_state(ranks[0], other) for other in ranks[1:]):
-            saved["ranks"] = ranks
-        return saved
+        try:  # every rank holds the same `ranks`: they all fail, or none does
+            recipe = self._recipe.as_config() if self._recipe is not None else None
+            if any(r is None for r in ranks):
+                return {"modules": {}, "unsaved": True, "recipe": recipe}
+            saved: dict[str, Any] = {"modules": ranks[0], "recipe": recipe}
+            if any(not _same_state(ranks[0], other) for other in ranks[1:]):
+                saved["ranks"] = ranks
+            return saved
+        except Exception:
+            (log.debug if self._unsaved_said else log.exception)(
+                "fp8_state: internal error putting the FP8 state to save together; this "
+                "checkpoint holds none: a resume from it starts FP8 scaling fresh")
+            self._unsaved_said = True
+            return {"modules": {}, "unsaved": True, "recipe": None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Validates before anything is written: a refusal (`strict`) leaves the model's FP8
         state as it was; otherwise what is wrong is repaired by TE's rules and named in one
         warning (`foundry_fp8.restore`). A device error (out of memory, CUDA) is raised as it
         came: no setting continues past it."""
-        problem = payload_problem(state)
-        if problem:
-            self._mismatch(f"fp8_state: the checkpoint's fp8_state entry is not FP8 state as "
-                           f"fp8_state saves it ({problem})", _FRESH)
-            return
-        if state.get("unsaved"):
-            self._pending = None
-            log.warning("fp8_state: the checkpoint holds no FP8 state (reading it failed when "
-                        "it was saved); FP8 scales and amax histories start fresh")
-            return
-        if self._model is None:  # restored at FIT_START, once the model is known
-            self._pending = state
-            return
-        self._pending = None
         try:
+            problem = payload_problem(state)
+            if problem:
+                self._mismatch(f"fp8_state: the checkpoint's fp8_state entry is not FP8 state "
+                               f"as fp8_state saves it ({problem})", _FRESH)
+                return
+            if state.get("unsaved"):
+                self._pending = None
+                log.warning("fp8_state: the checkpoint holds no FP8 state (reading it failed "
+                            "when it was saved); FP8 scales and amax histories start fresh")
+                return
+            if self._model is None:  # restored at FIT_START, once the model is known
+                self._pending = state
+                return
+            self._pending = None
             self._restore(state)
         except FP8StateError:
             raise

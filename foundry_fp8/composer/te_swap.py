@@ -92,12 +92,15 @@ class TESwap(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             self._convert(state, logger)
-            _warn_without_fp8_state(state)
+            _own_bug_warned(_warn_without_fp8_state, state,
+                            lost="its check that the run keeps FP8 state in checkpoints")
         elif event == Event.FIT_START:
-            _refuse_fullgraph(state.model)
-            self._hold_eval_in_high_precision(state)
+            _own_bug_warned(_refuse_fullgraph, state.model,
+                            lost="its check of compile_config fullgraph (Dynamo would stop the "
+                                 "first batch itself)")
+            _own_bug_warned(self._hold_eval_in_high_precision, state, lost=_EVAL_LOST)
         else:
-            self._autocast.close()
+            self._exit(state.model, None, None)
             # a user's own FP8 inference after the run (an enabled TE autocast) is left to TE
             for handle in self._eval_hooks:
                 handle.remove()
@@ -123,13 +126,17 @@ class TESwap(Algorithm):
         plan = convert_to_fp8(model, self.config, optimizers=state.optimizers,
                               precision=precision,
                               meta_elsewhere=_meta_on_a_rank(model, self.config))
-        converted = len(plan.converted)
         self.plan = plan
         exporters = 0
         if any(hasattr(m, PLAIN_KEYS) for m in model.modules()):
-            exporters = export_plain(state.callbacks)
-        load_plain(state)  # also where nothing is fused now: a fused checkpoint's blocks
-        self._undo_sharded_load = load_sharded_plain(state)
+            exporters = _own_bug_warned(
+                export_plain, state.callbacks,
+                lost="the hf_checkpointer's plain export (its HF save may fail on the fused "
+                     "names)") or 0
+        # also where nothing is fused now: a fused checkpoint's blocks
+        _own_bug_warned(load_plain, state, lost=_LAYOUT_LOST)
+        self._undo_sharded_load = _own_bug_warned(load_sharded_plain, state,
+                                                  lost=_LAYOUT_LOST) or (lambda: None)
         if self.config.backend == "te" and self.recipe.scaling == "delayed":
             _set_precision_config(state, self.recipe)
         else:
@@ -139,7 +146,15 @@ class TESwap(Algorithm):
             # an OOM) still leaves te_swap's autocast before Composer's, innermost first.
             self._hooks = [model.register_forward_pre_hook(self._enter),
                            model.register_forward_hook(self._exit, always_call=True)]
-        self._hold_eval_in_high_precision(state)
+        _own_bug_warned(self._hold_eval_in_high_precision, state, lost=_EVAL_LOST)
+        _own_bug_warned(self._say_coverage, state, logger, plan, exporters,
+                        lost="the coverage table and te_swap's hyperparameters (the layers are "
+                             "converted)")
+
+    def _say_coverage(self, state: State, logger: Logger, plan: SwapPlan,
+                      exporters: int) -> None:
+        """The coverage table and the recipe, printed and logged once, at INIT."""
+        model, precision, converted = state.model, state.precision.value, len(plan.converted)
         table = coverage_table(plan)
         recipe = self.recipe.as_config()
         print(f"foundry_fp8 te_swap: {converted} modules converted ({self.config.backend}), "
@@ -182,10 +197,10 @@ class TESwap(Algorithm):
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         del args
-        self._autocast.close()  # left open only if the last exit hook could not run
-        if not module.training or not self._hooks:
-            return
         try:
+            self._autocast.close()  # left open only if the last exit hook could not run
+            if not module.training or not self._hooks:
+                return
             self._autocast.enter_context(self._recipe_context())
         except Exception:
             if self.strict:
@@ -195,8 +210,18 @@ class TESwap(Algorithm):
             self._remove_hooks()
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Leaving the recipe autocast runs the forward scale update (outermost exit, as in
+        TE): its failure is the autocast's, handled as at entry (`strict`)."""
         del module, args, output
-        self._autocast.close()  # outermost exit: forward scales update, as in TE
+        try:
+            self._autocast.close()
+        except Exception:
+            self._autocast = ExitStack()  # whatever it held is left
+            if self.strict:
+                raise
+            log.exception("te_swap: leaving the FP8 recipe autocast failed; te_swap stops "
+                          "entering it (strict: false), converted layers run without it")
+            self._remove_hooks()
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -232,6 +257,26 @@ class _CloseWithTrainer(Callback):
                              UserWarning, "composer.core.state") != "ignore":
             warnings.filterwarnings("ignore", message=f"{re.escape(name)} is not in the state_dict",
                                     category=UserWarning, module=r"composer\.core\.state")
+
+
+#: what te_swap runs without when a part of it outside its autocast fails (`_own_bug_warned`)
+_LAYOUT_LOST = ("renaming checkpoints saved in another fuse_ln_mlp/exclude layout on load (a "
+                "load in this run's own layout is unaffected)")
+_EVAL_LOST = ("holding TE layers' no-grad eval forwards (Composer's Generate callback) in high "
+              "precision")
+
+
+def _own_bug_warned(work: Callable[..., Any], *args: Any, lost: str) -> Any:
+    """`work(*args)`, a part of te_swap besides the conversion and the autocast: a bug of ours
+    there is one line naming what the run goes on without, never the run's end. te_swap's
+    `strict` is about the autocast; a refusal (ValueError: fullgraph) is raised as it is."""
+    try:
+        return work(*args)
+    except ValueError:
+        raise
+    except Exception:
+        log.exception("te_swap: internal error; the run goes on without %s", lost)
+        return None
 
 
 def _first_filter_for(text: str, category: type[Warning], module: str) -> str | None:
