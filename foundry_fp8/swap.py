@@ -187,6 +187,9 @@ def module_flops(module: nn.Module, shapes: Mapping[str, Sequence[int]] | None =
         return gemm_flops(module.in_features, module.out_features)
     if (features := conv1d_features(module)) is not None:
         return gemm_flops(*features)
+    if isinstance(module, nn.MultiheadAttention):  # its in_proj; out_proj is a Linear of its own
+        return sum(gemm_flops(d, module.embed_dim)
+                   for d in (module.embed_dim, module.kdim, module.vdim))
     if te_class_name(module) is None:
         return 0
     # TE's Linear/LayerNormLinear keep their (tensor-parallel partition's) sizes, as their
@@ -458,6 +461,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
     moe = _moe_layers(model)
     heads = _lm_heads(model)
     wrappers = _data_parallel_wrappers(model)
+    attention_out = {id(m.out_proj) for m in modules.values()
+                     if isinstance(m, nn.MultiheadAttention)}
     owners: dict[int, list[str]] = {}
     for name, module in modules.items():
         for param in module.parameters(recurse=False):
@@ -473,6 +478,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                 reason = adapters[name]
             elif (lazy := _lazy_reason(module)) is not None:
                 reason = lazy
+            elif (own_forward := _own_forward_reason(module, id(module) in attention_out)):
+                reason = own_forward
             elif others := [o for o in owners.get(id(module.weight), ()) if o != name]:
                 reason = f"weight tied to {others[0]}: a converted copy would untie them"
             else:
@@ -493,6 +500,10 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                                       _n_params(module, *_parametrizations(module)),
                                       _routed_flops(module, moe.get(name)),
                                       already_fp8=already))
+        elif isinstance(module, nn.MultiheadAttention):
+            decisions.append(Decision(
+                f"{name}.in_proj" if name else "in_proj", "linear", False, ATTENTION_IN_PROJ,
+                module.embed_dim, 3 * module.embed_dim, _n_params(module), module_flops(module)))
         elif (features := conv1d_features(module)) is not None:
             decisions.append(Decision(
                 name, "linear", False, "transformers Conv1D (GPT-2's linear, weight stored "
@@ -552,6 +563,29 @@ def _refuse_wrapped(name: str, wrappers: Mapping[str, str]) -> None:
             f"te_swap: {canonical_name(name)} would convert to FP8 inside {kind} "
             f"({canonical_name(wrapper) or 'the model itself'}), which already holds its "
             f"parameters; call convert_to_fp8 before wrapping the model in {kind}")
+
+
+#: nn.MultiheadAttention's projections (torch/nn/modules/activation.py, 2.7): `forward` hands
+#: `in_proj_weight` (or q/k/v_proj_weight) and `out_proj.weight` to
+#: F.multi_head_attention_forward, which multiplies them itself; `out_proj` is never called.
+ATTENTION_IN_PROJ = ("nn.MultiheadAttention's in_proj: a weight that F.multi_head_attention_"
+                     "forward multiplies itself, no layer to convert")
+ATTENTION_OUT_PROJ = ("nn.MultiheadAttention's out_proj: F.multi_head_attention_forward "
+                      "multiplies its weight itself and never calls it, so a converted one would "
+                      "not run in FP8")
+
+
+def _own_forward_reason(module: nn.Linear, attention_out: bool) -> str | None:
+    """Why a linear layer that does not compute `nn.Linear.forward` stays as it is: converted, it
+    would compute the FP8 layer's forward instead of its own (a subclass's: a quantized
+    bitsandbytes or torchao layer, loralib's LoRA, a user's scaling), or, as
+    nn.MultiheadAttention's `out_proj` (`attention_out`), still none."""
+    if attention_out:
+        return ATTENTION_OUT_PROJ
+    if type(module).forward is not nn.Linear.forward:
+        return (f"{type(module).__name__}: an nn.Linear subclass with its own forward, which a "
+                "converted layer would not compute")
+    return None
 
 
 def _parametrizations(module: nn.Module) -> list[nn.Module]:

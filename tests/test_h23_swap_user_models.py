@@ -151,3 +151,51 @@ def test_a_module_registered_twice_stays_where_any_of_its_names_is_kept(options,
     kept = {d.name: d.reason for d in plan.decisions if not d.convert}
     assert kept == {"layers.0.0": f"{reason}, as layers.2.0 (this module runs there too)"}
     assert [type(block[0]) for block in model.layers] == [nn.Linear, EmulatedFP8Linear, nn.Linear]
+
+
+def test_multihead_attention_projections_are_counted_and_kept_not_claimed():
+    """nn.MultiheadAttention hands `in_proj_weight` and `out_proj.weight` to
+    F.multi_head_attention_forward, which multiplies them itself: the `out_proj` Linear is never
+    called. te_swap converted it and counted it in FP8 (the table said 100 % of a
+    TransformerEncoder's linear FLOPs), while it never cast (an empty amax history) and the
+    in_proj GEMMs were in no share at all."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    plan = convert_to_fp8(model, EMULATE)
+    rows = {d.name: (d.convert, d.reason, d.flops) for d in plan.decisions}
+    for n in range(2):
+        assert rows[f"layers.{n}.linear1"] == (True, "converted", 2 * 64 * 128)
+        assert rows[f"layers.{n}.self_attn.out_proj"][:2] == (
+            False, "nn.MultiheadAttention's out_proj: F.multi_head_attention_forward multiplies "
+            "its weight itself and never calls it, so a converted one would not run in FP8")
+        assert rows[f"layers.{n}.self_attn.in_proj"] == (
+            False, "nn.MultiheadAttention's in_proj: a weight that F.multi_head_attention_forward"
+            " multiplies itself, no layer to convert", 3 * 2 * 64 * 64)
+        assert type(model.layers[n].self_attn.out_proj) is not EmulatedFP8Linear
+    # per token and layer: q, k, v and out 64x64, linear1 and linear2 64x128: half in FP8
+    assert plan.total_flops == 2 * (4 * 2 * 64 * 64 + 2 * 2 * 64 * 128)
+    assert plan.fp8_flops_share == 0.5
+    with fp8_autocast(recipe=FP8Recipe()):
+        model(torch.randn(2, 16, 64)).sum().backward()
+    assert all(len(m.fp8_meta["scaling_fwd"].amax_history) > 0
+               for m in model.modules() if isinstance(m, EmulatedFP8Linear))
+
+
+class Scaled(nn.Linear):
+    """A user's linear layer with its own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_a_linear_subclass_with_its_own_forward_keeps_it():
+    """Converted, it computed nn.Linear's forward: the model's outputs changed silently (by
+    1.13 at most in this net, outside any FP8 region)."""
+    model = Net()
+    model.layers[1][0] = Scaled(32, 32)
+    plan = convert_to_fp8(model, EMULATE)
+    kept = {d.name: d.reason for d in plan.decisions if not d.convert}
+    assert kept == {"layers.1.0": "Scaled: an nn.Linear subclass with its own forward, which a "
+                                  "converted layer would not compute"}
+    assert type(model.layers[1][0]) is Scaled
