@@ -450,6 +450,8 @@ def _summary(found: int | None, loss: tuple[str, LossComparison] | None,
         cmp = loss[1]
         said += (f", loss departs from the baseline at step {cmp.departed}"
                  if cmp.departed is not None else
+                 f", no loss step shared with the baseline (this run's loss ends at step "
+                 f"{cmp.run_last}, the baseline's at {cmp.base_last})" if not cmp.steps else
                  f", loss gap {100 * cmp.mean_gap:+.3g} % (last {len(cmp.window)} compared steps)")
     return said
 
