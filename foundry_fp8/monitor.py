@@ -72,6 +72,7 @@ from foundry_fp8.numerics import (
 from foundry_fp8.numerics import amax as te_amax
 from foundry_fp8.options import MonitorConfig, Schedule
 from foundry_fp8.recipe import RecipeError
+from foundry_fp8.swap import attention_out_projs
 from foundry_fp8.te import probe
 
 #: The `about` line of a dump file's metadata; its `tensors` entry says per key which layer
@@ -151,8 +152,10 @@ def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Modul
     DDP's, FSDP's and activation checkpointing's wrapper segments: the same regexes and metric
     names with or without FSDP."""
     selected = module_filter_fn(config.PATH, config.layers, config.exclude)
+    uncalled = attention_out_projs(model)  # no hook of theirs ever runs
     return {name: module for name, module in canonical_modules(model)
-            if watches_for(module) is not None and selected(module, name)}
+            if watches_for(module) is not None and id(module) not in uncalled
+            and selected(module, name)}
 
 
 def dump_layers_of(layers: Collection[str], config: MonitorConfig) -> frozenset[str]:

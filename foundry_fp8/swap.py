@@ -461,8 +461,7 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
     moe = _moe_layers(model)
     heads = _lm_heads(model)
     wrappers = _data_parallel_wrappers(model)
-    attention_out = {id(m.out_proj) for m in modules.values()
-                     if isinstance(m, nn.MultiheadAttention)}
+    attention_out = attention_out_projs(model)
     owners: dict[int, list[str]] = {}
     for name, module in modules.items():
         for param in module.parameters(recurse=False):
@@ -573,6 +572,12 @@ ATTENTION_IN_PROJ = ("nn.MultiheadAttention's in_proj: a weight that F.multi_hea
 ATTENTION_OUT_PROJ = ("nn.MultiheadAttention's out_proj: F.multi_head_attention_forward "
                       "multiplies its weight itself and never calls it, so a converted one would "
                       "not run in FP8")
+
+
+def attention_out_projs(model: nn.Module) -> set[int]:
+    """ids of the `out_proj` layers of `model`'s nn.MultiheadAttention modules, which no forward
+    calls (ATTENTION_OUT_PROJ): nothing to convert, and no module hook sees their GEMM."""
+    return {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
 
 
 def _own_forward_reason(module: nn.Linear, attention_out: bool) -> str | None:

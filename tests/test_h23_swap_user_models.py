@@ -199,3 +199,20 @@ def test_a_linear_subclass_with_its_own_forward_keeps_it():
     assert kept == {"layers.1.0": "Scaled: an nn.Linear subclass with its own forward, which a "
                                   "converted layer would not compute"}
     assert type(model.layers[1][0]) is Scaled
+
+
+def test_fp8_monitor_watches_only_layers_whose_hooks_run():
+    """FP8Monitor selected nn.MultiheadAttention's out_proj, whose hooks never run: a layer in
+    the watch list that never reported a statistic."""
+    from foundry_fp8.monitor import FP8Monitor
+    from foundry_fp8.options import MonitorConfig, Schedule
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+    monitor = FP8Monitor(model, MonitorConfig(), schedule=Schedule(interval="1ba"))
+    assert sorted(monitor.layers) == ["layers.0.linear1", "layers.0.linear2"]
+    monitor.start_step(0)
+    model(torch.randn(2, 16, 64)).sum().backward()
+    metrics = monitor.finish_step()
+    assert all(f"fp8_amax/activation/{name}" in metrics for name in monitor.layers)
