@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import types
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +80,11 @@ class TiedLM(nn.Module):
 
 
 def _fit(folder: Path, max_fallback_share: float, caplog, refit: dict[str, Any] | None = None,
-         **stats: Any) -> tuple[FP8Guard, dict, dict]:
+         loggers: Sequence[Any] = (), **stats: Any) -> tuple[FP8Guard, dict, dict]:
     """Train on one batch repeated (learning rate 0: each tensor's amax is the same at every
     step, so delayed scaling's history never falls behind it and every statistic but the faulty
     weight's stays healthy), with fp8_stats' options `stats` over its defaults here, then
-    `trainer.fit(**refit)` if given; returns the guard, fp8_guard's series by step
+    `trainer.fit(**refit)` if given, `loggers` beside the JSONL; returns the guard, fp8_guard's series by step
     (metrics.jsonl, the last record of a step) and hparams.json."""
     from composer import Trainer
     from composer.models import ComposerClassifier
@@ -101,7 +102,7 @@ def _fit(folder: Path, max_fallback_share: float, caplog, refit: dict[str, Any] 
             max_duration=f"{BATCHES}ba", algorithms=[TESwap(backend="emulate")],
             callbacks=[FP8Stats(**{"interval": INTERVAL, "image_interval": None, **stats}),
                        guard],
-            loggers=[JSONLLogger(path=str(folder / "metrics.jsonl"))], device="cpu",
+            loggers=[JSONLLogger(path=str(folder / "metrics.jsonl")), *loggers], device="cpu",
             progress_bar=False)
         trainer.fit()
         if refit is not None:

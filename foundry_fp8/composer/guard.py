@@ -132,9 +132,14 @@ class FP8Guard(Callback):
         self._named: set[str] = set()  # the layers a NaN/Inf line has named
         self._table_keys = FitEndKeys(FALLBACKS_KEY)
         self._resend = ConsoleResend()  # what an evaluation kept off the console
-        self._logged: set[str] = set()  # the records' keys logged since the last start
+        self._logged: set[str] = set()  # the records' keys logged to this Trainer's loggers
 
     # events
+
+    def init(self, state: State, logger: Logger) -> None:
+        # a new Trainer's loggers have none of the records; a second fit() of one Trainer sends
+        # none again (MLflow's queue refuses a batch naming a key twice, its losses included)
+        self._logged.clear()
 
     def before_load(self, state: State, logger: Logger) -> None:
         try:
@@ -183,7 +188,6 @@ class FP8Guard(Callback):
         """Hook `restored`'s fallbacks (a checkpoint's, or an earlier fit()'s) into a fresh core:
         without them a layer would run FP8 again with the amax history that made it fall back."""
         self._remove_all()
-        self._logged.clear()
         self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)}
         swap = next((a for a in state.algorithms if isinstance(a, TESwap)), None)
         self._exclude = swap.config.exclude if swap is not None else None
@@ -428,8 +432,9 @@ class FP8Guard(Callback):
         (rank 0), never changed: W&B and MLflow refuse a changed value, so a layer's second one
         is `<layer>.ba<step>`; a layer's first KEPT_DECISIONS pairs only (`GuardCore.records`).
         Each decision logs the keys not logged yet (all of them again
-        made the work grow with the square of the decisions); a start logs the kept ones
-        again, for a resumed run's own hparams.json or W&B run. A logger that fails is reported; the guard goes on (`strict` raises)."""
+        made the work grow with the square of the decisions); a new Trainer's start logs
+        the kept ones again, for a resumed run's own hparams.json or W&B run. A logger that fails
+        is reported; the guard goes on (`strict` raises)."""
         assert self.core is not None
         records = self.core.records()
         logged = {key: value for key, value in records.items() if key not in self._logged}

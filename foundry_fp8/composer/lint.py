@@ -132,6 +132,9 @@ class FP8Lint(Callback):
     def __init__(self, train_config: Any, **options: Any):
         self.options = build("fp8_lint", options)  # one line naming callbacks.fp8_lint.<key>
         self.fail_on: str = self.options.fail_on
+        #: `fp8_lint/findings` as last sent: a later fit() sends it again only if it changed
+        #: (MLflow's asynchronous queue drops a batch naming one key twice, losses included)
+        self._sent: dict[str, int] | None = None
         from omegaconf import DictConfig, OmegaConf
 
         if isinstance(train_config, DictConfig):
@@ -174,6 +177,9 @@ class FP8Lint(Callback):
         if problem:
             log.warning(problem)
         findings = {"fp8_lint/findings": len(self.findings) + bool(problem)}
+        if findings == self._sent:  # a second fit(): MLflow's queue refuses a key sent twice
+            return
+        self._sent = findings
         deliver(logger.destinations, "hyperparameters",  # a logger's failure: warned
                 lambda d: d.log_hyperparameters(findings), "fp8_lint")
 
