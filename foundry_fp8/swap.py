@@ -668,8 +668,10 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
     """Convert the planned modules in place, with the plan's backend (the one its decisions
     were checked for); the optimizers follow the new parameters.
 
-    Linear and LayerNorm swaps keep every parameter name. A fused LN-MLP replaces the block's
-    `ffn` (and sets `norm_2` to None, as LLM-Foundry's `te_ln_mlp` blocks have it), so its
+    Linear and LayerNorm swaps keep every parameter name; an emulated layer keeps the very
+    Parameter objects (torchao's `Float8Linear.from_float` does too), so an optimizer built
+    before the conversion and not given here still trains it (TE's modules hold their own).
+    A fused LN-MLP replaces the block's `ffn` (and sets `norm_2` to None, as LLM-Foundry's `te_ln_mlp` blocks have it), so its
     parameters get TE's names (`ffn.layer_norm_weight`, `ffn.fc1_weight`, ...). Modules whose
     keys differ from the unconverted model's (those and TE's `_extra_state`) carry them under
     `PLAIN_KEYS`, for `plain_state_dict`, and load the unconverted model's state_dict too (a
@@ -713,6 +715,9 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
             new = te.make_te_linear(module, _deferred_weight_init(param_init_fn, module))
         else:
             new = _converter(plan.backend, kind)(module)
+        if isinstance(new, EmulatedFP8Linear):  # the same Parameter objects, as torchao's
+            for name, param in module.named_parameters(recurse=False):
+                setattr(new, name, param)
         for attr in KEPT_ATTRIBUTES:
             if hasattr(module, attr):
                 setattr(new, attr, getattr(module, attr))

@@ -216,3 +216,22 @@ def test_fp8_monitor_watches_only_layers_whose_hooks_run():
     model(torch.randn(2, 16, 64)).sum().backward()
     metrics = monitor.finish_step()
     assert all(f"fp8_amax/activation/{name}" in metrics for name in monitor.layers)
+
+
+def test_an_optimizer_built_before_the_conversion_still_trains_the_emulated_layers():
+    """The usual script builds its optimizer first. The emulated layers held new Parameter
+    objects, so an optimizer not handed to convert_to_fp8 stepped the old ones: the converted
+    layers never trained, without a word. They keep the model's own parameters now, as
+    torchao's Float8Linear does."""
+    torch.manual_seed(0)
+    model = Net()
+    before = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    convert_to_fp8(model, EMULATE)
+    assert all(a is b for a, b in zip(model.parameters(), before, strict=True))
+    weight = model.layers[0][0].weight.detach().clone()
+    with fp8_autocast(recipe=FP8Recipe()):
+        loss = model(torch.randn(16, 32)).square().mean()
+    loss.backward()
+    optimizer.step()
+    assert not torch.equal(model.layers[0][0].weight, weight)
