@@ -14,6 +14,7 @@ from foundry_fp8.health import RunMetrics, Thresholds
 from foundry_fp8.health.keys import HIGH_PRECISION
 from foundry_fp8.health.plots import (
     MAX_COLUMNS,
+    MAX_ROWS,
     bin_columns,
     draw_heatmap,
     draw_series,
@@ -87,7 +88,7 @@ def test_the_drawn_png_shows_each_one_step_burst():
     for (layer, step), value in BURSTS.items():
         x, y = ax.transData.transform((step // per, LAYERS.index(layer)))
         expected = np.array(image.cmap(image.norm(value))[:3]) * 255
-        got = pixels[pixels.shape[0] - int(y), int(x)]
+        got = pixels[int(pixels.shape[0] - y), int(x)]  # the pixel holding (x, y)
         assert np.abs(got - expected).max() <= 3, (layer, step, got, expected)
 
 
@@ -109,3 +110,44 @@ def test_scale_ratio_ticks_of_a_healthy_delayed_run_read_apart():
     assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
     assert plain_labels([1.0, 1.0011, 1.0012]) == ["1", "1.0011", "1.0012"]
     assert plain_labels([0.5, 2000.0, 5.7e7]) == ["0.5", "2000", "5.7e+07"]
+
+
+LAYERS_MOE = [f"blocks.{i // 64}.experts.{i % 64}" for i in range(6000)]  # an MoE's experts
+ROW_BURSTS = set(LAYERS_MOE[5::97])  # 62 layers with a one-step 3 % overflow
+
+
+def _many_layers() -> RunMetrics:
+    run = RunMetrics()
+    for layer in LAYERS_MOE:
+        for step in range(3):
+            value = 3.0 if step == 1 and layer in ROW_BURSTS else 0.001
+            run.add(step, layer, "gradient", "overflow_pct", value)
+    run.tidy()
+    return run
+
+
+def test_more_layers_than_rows_are_binned_and_each_burst_is_drawn():
+    """6,000 rows in about 2,400 pixels: sampled, 26 of the 62 bursts showed in the old PNG."""
+    run = _many_layers()
+    per = math.ceil(6000 / MAX_ROWS)
+    hm = heatmap(run, "overflow_pct", Thresholds(), max_columns=MAX_COLUMNS, max_rows=MAX_ROWS)
+    assert hm.per_row == per and len(hm.names) == len(hm.panels[0].matrix) == MAX_ROWS
+    assert hm.names[1] == f"blocks.0.experts.{per}"
+    assert f"each row: the worst of up to {per} layers" in hm.notes
+    figure = draw_heatmap(run, "overflow_pct", Thresholds())
+    figure.canvas.draw()
+    pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].astype(int)
+    ax = figure.axes[0]
+    image = ax.get_images()[0]
+    per = math.ceil(6000 / image.get_array().shape[0])  # the layers a drawn row holds
+    # 3 % is red (247, 66, 38); the 0.001 % around it pale yellow (255, 254, 202); a row
+    # at the frame blends with the black spine: any pixel of the row that is red shows it
+    assert np.array(image.cmap(image.norm(3.0))[:3]).round(2).tolist() == [0.97, 0.26, 0.15]
+    unseen = []
+    for layer in sorted(ROW_BURSTS):
+        row = LAYERS_MOE.index(layer) // per
+        (x, top), (_, bottom) = ax.transData.transform([(1, row - 0.5), (1, row + 0.5)])
+        span = pixels[int(pixels.shape[0] - top):int(pixels.shape[0] - bottom) + 1, int(x)]
+        if not ((span[:, 0] > 150) & (span[:, 2] < 120)).any():  # no pixel of its row shows it
+            unseen.append(layer)
+    assert not unseen, unseen

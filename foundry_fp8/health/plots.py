@@ -251,6 +251,7 @@ class Heatmap:
     hatch_notes: tuple[str, ...] = ()  # what the hatched cells are (none: no cell hatched)
     nan_cells: bool = False  # some cell was logged as NaN (NAN_NOTE)
     per_column: int = 1  # logging steps a column shows (`bin_columns`); `steps`: each one's first
+    per_row: int = 1  # layers a row shows; `names`: each one's first
 
     @property
     def shared_scale(self) -> bool:
@@ -274,6 +275,8 @@ class Heatmap:
         binned = (f"each column: the worst of up to {self.per_column} logging steps from the "
                   "step it is labelled with (blue or hatched where any of them is)",
                   ) if self.per_column > 1 else ()
+        binned += (f"each row: the worst of up to {self.per_row} layers from the one it is "
+                   "labelled with",) if self.per_row > 1 else ()
         return "; ".join((*binned, NOT_LOGGED_NOTE, *((NAN_NOTE,) if self.nan_cells else ()),
                           *self.hatch_notes))
 
@@ -297,13 +300,17 @@ class Heatmap:
 #: one-step overflow burst or NaN among 20k logging steps (`interval: 1`) would not show. Wider
 #: runs are binned (`bin_columns`): each column the worst of its steps.
 MAX_COLUMNS = 200
+#: Rows likewise: a panel is at most about 2,400 pixels high, and a model watched in more layers
+#: (an MoE's experts) gets each row the worst of several consecutive layers.
+MAX_ROWS = 1000
 
 
 def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
-            formats: Formats | None = None, max_columns: int | None = None) -> Heatmap:
+            formats: Formats | None = None, max_columns: int | None = None,
+            max_rows: int | None = None) -> Heatmap:
     """One panel per tensor kind that logged `stat`: layers down, logging steps across, titled
     with the formats its rows were cast in (`formats`; none where not given); more logging steps
-    than `max_columns` are binned (`bin_columns`)."""
+    than `max_columns`, and more layers than `max_rows`, are binned (`bin_columns`)."""
     import matplotlib
     import numpy as np
 
@@ -314,6 +321,8 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
     prefix = common_prefix(run.layers)
     per_column = (math.ceil(len(run.steps) / max_columns)
                   if max_columns is not None and len(run.steps) > max_columns else 1)
+    per_row = (math.ceil(len(run.layers) / max_rows)
+               if max_rows is not None and len(run.layers) > max_rows else 1)
     column = {step: i for i, step in enumerate(run.steps)}
     row = {layer: i for i, layer in enumerate(run.layers)}
     shape = (len(run.layers), len(run.steps))
@@ -335,7 +344,9 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
                     nan[row[layer], column[step]] = True
         hatched = (cells(run.high_precision, tensor), cells(run.uncast, tensor))
         matrix = drawable(np.array(heatmap_matrix(run, stat, tensor), dtype=float))
-        matrices[tensor] = bin_columns(stat, matrix, nan, *hatched, per_column=per_column)
+        binned = bin_columns(stat, matrix, nan, *hatched, per_column=per_column)
+        matrices[tensor] = tuple(a.T for a in bin_columns(stat, *(a.T for a in binned),
+                                                          per_column=per_row))
     shared = [v for m, *_ in matrices.values() for v in m.ravel().tolist()]
     cmap = matplotlib.colormaps["YlOrRd_r" if sp.worse == "low" else "YlOrRd"].with_extremes(
         bad=NOT_LOGGED)
@@ -354,12 +365,12 @@ def heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
         panels.append(Panel(tensor, f"{title}{quiet}", matrix, norm, limit, ticks,
                             fallen | uncast, nan))
     labels = short_names(run.layers, prefix)
-    names = [labels[layer] for layer in run.layers]
+    names = [labels[layer] for layer in run.layers[::per_row]]
     annotate = len(run.steps) <= 12 and len(names) <= 40 and not sp.log
     return Heatmap(stat, prefix, names, run.steps[::per_column], panels, cmap, annotate,
                    sp.worse, len(logged) - len(tensors),
                    tuple(note for note, on in notes.items() if on),
-                   any(bool(p.nan.any()) for p in panels), per_column)
+                   any(bool(p.nan.any()) for p in panels), per_column, per_row)
 
 
 def bin_columns(stat: str, matrix: Any, *masks: Any, per_column: int = 1) -> tuple[Any, ...]:
@@ -406,7 +417,7 @@ def draw_heatmap(run: RunMetrics, stat: str, thresholds: Thresholds,
     import numpy as np
     from matplotlib.patches import Rectangle
 
-    hm = heatmap(run, stat, thresholds, formats, MAX_COLUMNS)
+    hm = heatmap(run, stat, thresholds, formats, MAX_COLUMNS, MAX_ROWS)
     names = [text(name) for name in hm.names]
     n_layers, n_steps = len(names), len(hm.steps)
     height = min(max(2.6, 0.26 * n_layers + 1.5), 24.0)
