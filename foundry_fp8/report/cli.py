@@ -530,7 +530,7 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     if found:
         print(f"  {first_flagged(metrics, flags, names, dump=dump)}")
     if spiked is not None:
-        print(f"  {spike_line(spiked, flags)}")
+        print(f"  {spike_line(spiked, flags, metrics, names)}")
     if loss is not None:
         print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
         print("".join(f"  {note}\n" for note in notes), end="")

@@ -450,7 +450,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     if found:
         lines += [first_flagged(run, flags, names, markdown=True, dump=dump) or "", ""]
     if spike is not None:
-        lines += [spike_line(spike, flags), ""]
+        lines += [spike_line(spike, flags, run, names, markdown=True), ""]
     if loss is not None:
         lines += [departure(loss[1], flags, names, run, loss[0], markdown=True), ""]
     rows = grouped(found, fallen)
@@ -591,14 +591,41 @@ def departure(cmp: LossComparison, flags: list[Flag], names: dict[str, str], run
 SPIKES_NAMED = 3
 
 
-def spike_line(sp: LossSpike, flags: list[Flag]) -> str:
+def spike_line(sp: LossSpike, flags: list[Flag], run: RunMetrics | None = None,
+               names: dict[str, str] | None = None, markdown: bool = False) -> str:
     """The run's loss spike a post-mortem reads first (`LossSpike.main`: where it diverged,
     else the first at or after the first FP8 flag) and how far it is from that flag: a spike
     right after it points at FP8, one before it at something else (the data, the learning
     rate). The spikes the loss came back from are named briefly, so that one early and brief
     does not hide a later divergence. Or that the loss has none. A rise the log ends in, not yet
     a spike (`LossSpike.rising`), comes first: a report read mid-run must not call it none."""
-    return _rising_line(sp) + _spike_line(sp, flags)
+    return _rising_line(sp) + _spike_line(sp, flags) + _first_nonfinite(sp, flags, run, names,
+                                                                         markdown)
+
+
+def _first_nonfinite(sp: LossSpike, flags: list[Flag], run: RunMetrics | None,
+                     names: dict[str, str] | None, markdown: bool) -> str:
+    """Where NaN/Inf first showed in a tensor, when a flag of another rule came first: the
+    line above says how far the loss is from the first flag, which in a run that went NaN long
+    after an unrelated underflow flag points at the wrong layer. With a space before it, or ''."""
+    first = min((f.step for f in flags), default=None)
+    main = sp.main(first)
+    bad = [f for f in flags if f.rule == "nonfinite"]
+    if main is None or not bad or run is None:
+        return ""
+    step = min(f.step for f in bad)
+    if step == first or step > main.step:
+        return ""
+    at = cast_order([f for f in bad if f.step == step], run.layers, run.tensors)
+    f = at[0]
+    label = (names or {}).get(f.layer, f.layer)
+    label = md_code(label) if markdown else repr(label)
+    more = f", and {len(at) - 1} more tensor(s) at that step" if len(at) > 1 else ""
+    tensor, stat = bounded(f.tensor), bounded(f.stat)
+    if markdown:
+        tensor, stat = md_escape(tensor), md_escape(stat)
+    return (f" The first NaN/Inf in a tensor: step {step}, {label} {tensor} {stat} "
+            f"{fmt(f.stat, f.value)}{more}.")
 
 
 def _rising_line(sp: LossSpike) -> str:
