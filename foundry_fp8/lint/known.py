@@ -428,15 +428,41 @@ REGISTRY_GROUPS = {"callbacks": ("llmfoundry_callbacks", "llmfoundry_callbacks_w
                    "algorithms": ("llmfoundry_algorithms",),
                    "loggers": ("llmfoundry_loggers",)}
 
-#: `fields(EvalConfig)` (llmfoundry/utils/config_utils.py): `eval_from_yaml` passes them to
-#: `make_dataclass_and_log_config`, which refuses any other top-level key.
-EVAL_CONFIG_KEYS = frozenset({
-    "models", "max_seq_len", "device_eval_batch_size", "code_paths", "eval_gauntlet",
-    "eval_gauntlet_str", "eval_loader", "eval_loaders", "eval_subset_num_batches",
-    "icl_subset_num_batches", "icl_tasks", "icl_tasks_str", "python_log_level", "loggers",
-    "console_log_interval", "log_config", "seed", "precision", "run_name", "metadata",
-    "dist_timeout", "fsdp_config", "callbacks", "variables",
-})
+#: The YAML shapes of EvalConfig's container fields (llmfoundry/utils/config_utils.py, the same
+#: in LLM-Foundry 0.21.0 and 0.22.0), as for SECTION_SHAPES: `models` is not Optional, and
+#: `metadata` is `dict[str, str]`: a mapping whose values omegaconf turns into strings
+#: (`STRINGS`: a null, list or mapping value is refused).
+STRINGS = "a mapping of strings"
+EVAL_SECTION_SHAPES: dict[str, tuple[str, ...]] = {
+    "models": (MAPPINGS,),
+    **dict.fromkeys(("fsdp_config", "loggers", "callbacks", "variables"), (MAPPING, NULL)),
+    "metadata": (STRINGS, NULL),
+    "eval_loader": (MAPPING, MAPPINGS, NULL),
+    "eval_loaders": (MAPPINGS, NULL),
+    "icl_tasks": (MAPPINGS, STRING, NULL),
+    "eval_gauntlet": (MAPPING, STRING, NULL),
+    "code_paths": (SCALARS, NULL),
+}
+#: The types of EvalConfig's other fields, as TRAIN_SCALAR_TYPES (tests/test_lint_eval_field_types
+#: compares both tables with `fields(EvalConfig)` and LLM-Foundry's eval loader).
+EVAL_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("max_seq_len", "eval_subset_num_batches", "seed"), (int,)),
+    "icl_subset_num_batches": (int, type(None)),
+    "device_eval_batch_size": (int, float),
+    "dist_timeout": (float, int),
+    **dict.fromkeys(("eval_gauntlet_str", "icl_tasks_str", "python_log_level", "run_name"),
+                    (str, type(None))),
+    "console_log_interval": (int, str),
+    "log_config": (bool,),
+    "precision": (str,),
+}
+#: EvalConfig's fields whose default is omegaconf's MISSING: absent, make_dataclass_and_log_config
+#: raises MissingMandatoryValue (`models` is filled by allow_toplevel_keys from a top-level
+#: `model:`).
+EVAL_REQUIRED_KEYS = ("models", "max_seq_len", "device_eval_batch_size")
+#: `fields(EvalConfig)`: `eval_from_yaml` passes them to `make_dataclass_and_log_config`, which
+#: refuses any other top-level key.
+EVAL_CONFIG_KEYS = frozenset(EVAL_SECTION_SHAPES) | frozenset(EVAL_SCALAR_TYPES)
 
 #: The keys of one `models:` entry of an eval config: the parameters of `evaluate_model`
 #: (llmfoundry/command_utils/eval.py) that `evaluate` does not pass itself, since it calls

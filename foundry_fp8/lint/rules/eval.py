@@ -14,6 +14,9 @@ from foundry_fp8.lint.known import (
     EVAL_MODEL_KEYS,
     EVAL_MODEL_REQUIRED_KEYS,
     EVAL_POPPED_MODEL_KEYS,
+    EVAL_REQUIRED_KEYS,
+    EVAL_SCALAR_TYPES,
+    EVAL_SECTION_SHAPES,
     FOUNDRY_FSDP_KEEPS_MASTER_DTYPES,
     MPT_MODEL_NAMES,
     TRAIN_CONFIG_KEYS,
@@ -37,8 +40,11 @@ from foundry_fp8.lint.rules.model import (
 from foundry_fp8.lint.rules.ours import sdpa_without_our_entries
 from foundry_fp8.lint.rules.train import (
     FOUNDRY,
+    filled_key_hits,
     loader_sections,
     null_name_hit,
+    scalar_type_hits,
+    shape_hits,
     unnamed,
 )
 
@@ -393,3 +399,34 @@ def eval_loader_with_several_models(config: Mapping[str, Any],
     yield Hit(key, f"an eval loader and {count} models: LLM-Foundry's eval pops the loader's "
               f"`{popped}` building the first model's evaluators, so the second model "
               f"(`models.1`) raises KeyError '{popped}' after the first has been evaluated")
+
+
+@rule("FP8312", "error", "an eval config EvalConfig refuses before any model is built: "
+      "`models`, `max_seq_len` or `device_eval_batch_size` absent, a key "
+      "that is not a string, a section or setting of a shape or type EvalConfig refuses "
+      "(`models: [null]`, `callbacks: [a]`, `seed: 1.5`, `log_config: maybe`, "
+      "`metadata: {a: [1]}`), or a key LLM-Foundry fills itself next to its source",
+      why="evaluate() builds EvalConfig with make_dataclass_and_log_config, as train builds "
+      "TrainConfig (FP8022, FP8036, FP8038 there): it asserts that top-level keys are strings, "
+      "refuses `eval_loaders` next to `eval_loader` (and `_str` keys next to theirs), then "
+      "omegaconf's structured config refuses a section whose shape its field type does not "
+      "admit and a setting its type does not take (the same conversions as TrainConfig's), "
+      "`metadata` being `dict[str, str]`: a null, list or mapping value is refused; it reads "
+      "every field, so a required one absent (`models`, unless a top-level `model:` gives it, "
+      "`max_seq_len`, `device_eval_batch_size`) raises MissingMandatoryValue. All before the "
+      "first model is built. `precision` is FP8011's, a `???` FP8036's.",
+      source=f"{FOUNDRY} llmfoundry/utils/config_utils.py EvalConfig, "
+      f"make_dataclass_and_log_config; {EVAL_SOURCE} evaluate, allow_toplevel_keys; "
+      "tests/test_l23_eval_field_types.py compares each field with LLM-Foundry's eval loader",
+      fix="write the key, section or setting in the shape or type the message names, or add "
+      "the absent key", family="eval", scope="file")
+def eval_config_types(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for key in EVAL_REQUIRED_KEYS:
+        # an eval config has `models:`, or a top-level `model:` that allow_toplevel_keys moves
+        if key not in config and key != "models":
+            yield Hit(key, f"`{key}` is absent: LLM-Foundry's eval refuses the config before "
+                      f"building anything (MissingMandatoryValue: Missing mandatory value: {key})",
+                      fix=f"add `{key}`")
+    yield from shape_hits(config, EVAL_SECTION_SHAPES)
+    yield from scalar_type_hits(config, EVAL_SCALAR_TYPES, frozenset({"precision"}), "EvalConfig")
+    yield from filled_key_hits(config)

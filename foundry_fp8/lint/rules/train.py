@@ -37,6 +37,7 @@ from foundry_fp8.lint.known import (
     SCALARS,
     SECTION_SHAPES,
     STRING,
+    STRINGS,
     TEXT_LOADER_DEFAULTS,
     TRAIN_CONFIG_KEYS,
     TRAIN_REQUIRED_KEYS,
@@ -401,6 +402,23 @@ def loader_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
                       + hint, fix=move_fix(option, key) or f"remove `{option}`")
 
 
+def shape_hits(config: Mapping[Any, Any], shapes: Mapping[str, tuple[str, ...]]) -> Iterator[Hit]:
+    """Top-level keys that are not strings, sections in none of their `shapes` (a config
+    dataclass's container fields: SECTION_SHAPES, EVAL_SECTION_SHAPES), and keys that are not
+    strings inside those sections' mappings (`dict[str, Any]`)."""
+    yield from _non_string_keys("", config)
+    for key, allowed in shapes.items():
+        value = config.get(key)
+        if key not in config or any(_shape_fits(value, shape) for shape in allowed):
+            mappings = [value] if isinstance(value, Mapping) else \
+                value if _shape_fits(value, MAPPINGS) else []
+            for index, mapping in enumerate(mappings):
+                prefix = key if isinstance(value, Mapping) else f"{key}.{index}"
+                yield from _non_string_keys(prefix, mapping)
+        else:
+            yield _wrong_shape(key, value, allowed)
+
+
 def _item_fits(item: Any, shape: str) -> bool:
     """An item of a list section: a mapping, or a scalar omegaconf makes a string (bool too)."""
     return isinstance(item, Mapping) if shape == MAPPINGS else isinstance(item, (str, int, float))
@@ -413,6 +431,9 @@ def _shape_fits(value: Any, shape: str) -> bool:
         return isinstance(value, str)
     if shape == MAPPING:
         return isinstance(value, Mapping)
+    if shape == STRINGS:
+        return isinstance(value, Mapping) and all(omegaconf_takes(v, (str,))
+                                                  for v in value.values())
     return isinstance(value, list) and all(_item_fits(v, shape) for v in value)
 
 
@@ -427,6 +448,11 @@ def _wrong_shape(key: str, value: Any, shapes: tuple[str, ...]) -> Hit:
         item = "a mapping" if listed == MAPPINGS else "a string"
         return Hit(f"{key}.{bad}", f"each item of `{key}` must be {item}, got "
                    f"{_shown(value[bad])}", fix=f"write item {bad} of {key} as {item}")
+    if STRINGS in shapes and isinstance(value, Mapping):  # a mapping, with a value that is not
+        bad = next(k for k, v in value.items() if not omegaconf_takes(v, (str,)))
+        return Hit(join_key(key, bad), f"each value of `{key}` must be a string (or a number or "
+                   f"boolean, made one), got {_shown(value[bad])}",
+                   fix=f"write {join_key(key, bad)} as a string")
     what = shapes[0] if len(shapes) == 1 else f"{', '.join(shapes[:-1])} or {shapes[-1]}"
     return Hit(key, f"`{key}` must be {what}, got {_shown(value)}",
                fix=f"write {key} as {shapes[0]}")
@@ -444,11 +470,14 @@ _TYPE_NAMES = {int: "an integer", float: "a float", bool: "a boolean", str: "a s
                type(None): "null"}
 
 
-def _scalar_type_hits(config: Mapping[str, Any]) -> Iterator[Hit]:
-    """TrainConfig's scalar fields holding a value omegaconf's structured config refuses."""
-    for key, types in TRAIN_SCALAR_TYPES.items():
+def scalar_type_hits(config: Mapping[str, Any], fields: Mapping[str, tuple[type, ...]],
+                     elsewhere: frozenset[str], owner: str) -> Iterator[Hit]:
+    """The scalar fields of the dataclass `owner` (TrainConfig, EvalConfig; their types
+    `fields`) holding a value omegaconf's structured config refuses, but those another rule
+    judges (`elsewhere`)."""
+    for key, types in fields.items():
         value = config.get(key, MISSING)
-        if key in TYPED_ELSEWHERE or value == MISSING or omegaconf_takes(value, types):
+        if key in elsewhere or value == MISSING or omegaconf_takes(value, types):
             continue
         names = [t.__name__ for t in types if t is not type(None)]
         hint = names[0] if len(names) == 1 else f"Union[{', '.join(names)}]"
@@ -456,7 +485,7 @@ def _scalar_type_hits(config: Mapping[str, Any]) -> Iterator[Hit]:
         exact = " (a Union takes its members' types as they are, converting nothing)" \
             if len(names) > 1 else ""
         yield Hit(key, f"`{key}` must be {' or '.join(_TYPE_NAMES[t] for t in types)}{exact}, "
-                  f"got {_shown(value)}: TrainConfig types it {hint} and omegaconf refuses the "
+                  f"got {_shown(value)}: {owner} types it {hint} and omegaconf refuses the "
                   "value (ValidationError) before anything is built",
                   fix=f"write {key} as " + " or ".join(_TYPE_NAMES[t] for t in types
                                                        if t is not type(None)))
@@ -518,17 +547,7 @@ def _non_string_keys(prefix: str, mapping: Mapping[Any, Any]) -> Iterator[Hit]:
 def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     """Sections whose YAML shape TrainConfig refuses, keys that are not strings where
     LLM-Foundry reads them (top level, a section's own keys), and keys it fills itself."""
-    yield from _non_string_keys("", config)
-    for key, shapes in SECTION_SHAPES.items():
-        value = config.get(key)
-        if key not in config or any(_shape_fits(value, shape) for shape in shapes):
-            mappings = [value] if isinstance(value, Mapping) else \
-                value if _shape_fits(value, MAPPINGS) else []
-            for index, mapping in enumerate(mappings):
-                prefix = key if isinstance(value, Mapping) else f"{key}.{index}"
-                yield from _non_string_keys(prefix, mapping)
-        else:
-            yield _wrong_shape(key, value, shapes)
+    yield from shape_hits(config, SECTION_SHAPES)
     model = section(config, "model")
     if "ffn_config" in model and not isinstance(model["ffn_config"], Mapping):
         # train.py validate_config reads model.get('ffn_config', {}).get('ffn_type', 'mptmlp')
@@ -543,7 +562,13 @@ def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]
                   f"{_shown(model['ffn_config']['ffn_type'])}, not a string: train's "
                   f"validate_config {why} before building anything",
                   fix="write ffn_type as a string (mptmlp, mptglu, te_ln_mlp), or remove it")
-    yield from _scalar_type_hits(config)
+    yield from scalar_type_hits(config, TRAIN_SCALAR_TYPES, TYPED_ELSEWHERE, "TrainConfig")
+    yield from filled_key_hits(config)
+
+
+def filled_key_hits(config: Mapping[str, Any]) -> Iterator[Hit]:
+    """Keys make_dataclass_and_log_config fills itself (FILLED_KEYS) given next to their
+    source, which it refuses (train and eval alike)."""
     for key, (source, even_null) in FILLED_KEYS.items():
         if key in config and source in config and (even_null or config[source] is not None):
             yield Hit(key, f"LLM-Foundry fills `{key}` from `{source}` itself and refuses both in "
