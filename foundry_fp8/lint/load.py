@@ -91,7 +91,10 @@ _DEPTH_WHY = ("the linter's bound: real configs nest under 10 levels, and omegac
               "reader) fails near 75")
 #: Python's limit on int() of a decimal string (sys.get_int_max_str_digits, 4300 by default;
 #: Python 3.10.0-3.10.6, which setup.cfg's python_requires admits, has neither: 4300 there).
-_MAX_INT_DIGITS = getattr(sys, "get_int_max_str_digits", lambda: 0)() or 4300
+_PYTHON_INT_DIGITS = getattr(sys, "get_int_max_str_digits", lambda: 0)() or 4300
+#: Digits of the largest int a config may hold: a real one needs under 20 (int64); a product of
+#: three such values (the rules' arithmetic) stays within what Python writes as text.
+MAX_INT_DIGITS = 1000
 #: An interpolation's opening and closing braces (an escaped `\${` is text).
 _INTERPOLATION_BRACES = re.compile(r"(?<!\\)\$\{|\}")
 
@@ -531,6 +534,32 @@ def _check_interpolations(path: Path, text: str) -> None:
                          "refusing to resolve them")
 
 
+def _int_too_long(value: str) -> str | None:
+    """Why the int PyYAML's constructor makes of `value` (yaml/constructor.py
+    construct_yaml_int: sign and `_` dropped; 0b, 0x and a leading 0 read in base 2, 16, 8; a
+    sexagesimal `1:30` part by part) cannot be linted: a decimal string of more digits than
+    Python's int() reads, which omegaconf's load refuses too; or a value of more than
+    MAX_INT_DIGITS digits, which LLM-Foundry's loader reads but no config needs, and which the
+    rules' arithmetic (d_model x expansion_ratio, tokens per micro-batch) would take past what
+    Python writes as text. None when neither."""
+    digits = value.replace("_", "").lstrip("+-")
+    decimal = not digits.startswith(("0b", "0x", "0"))
+    longest = max(len(part) for part in digits.split(":")) if decimal else 0
+    if longest > _PYTHON_INT_DIGITS:
+        return (f"an integer of {longest} digits; Python reads at most {_PYTHON_INT_DIGITS} "
+                "(quote it if it is a string)")
+    if decimal:
+        large = longest > MAX_INT_DIGITS
+    else:
+        base = 2 if digits.startswith("0b") else 16 if digits.startswith("0x") else 8
+        try:
+            large = int(digits if base == 8 else digits[2:], base) >= 10 ** MAX_INT_DIGITS
+        except ValueError:  # not an int after all (`!!int 0x`): the constructor names it
+            return None
+    return (f"an integer of more than {MAX_INT_DIGITS} digits, which no config needs; refusing "
+            "to load it (the linter's bound; YAML's and JSON's readers take it)") if large else None
+
+
 def _interpolation_depth(text: str) -> int:
     depth = deepest = 0
     for brace in _INTERPOLATION_BRACES.finditer(text):
@@ -544,9 +573,9 @@ def _check_scalar(path: Path, node: yaml.ScalarNode) -> None:
     deeper than MAX_DEPTH (omegaconf's parser recurses on them for seconds, then fails)."""
     mark, value = node.start_mark, str(node.value)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}"
-    if node.tag.endswith(":int") and len(value) > _MAX_INT_DIGITS:
-        raise LintInputError(f"{where}: an integer of {len(value)} digits; Python reads at most "
-                             f"{_MAX_INT_DIGITS} (quote it if it is a string)")
+    too_long = _int_too_long(value) if node.tag.endswith(":int") else None
+    if too_long:
+        raise LintInputError(f"{where}: {too_long}")
     if "${" in value and _interpolation_depth(value) > MAX_DEPTH:
         raise LintInputError(f"{where}: interpolations nested more than {MAX_DEPTH} levels "
                              "deep; refusing to load it")
@@ -950,6 +979,9 @@ def read_overrides(items: list[str], command: list[str] | None = None) -> Overri
         except failures as e:
             raise LintInputError(f"{name}: omegaconf cannot read it: {first_line(e)}") from None
         keys.update((key, name) for key, _ in _leaves(one, ""))
+        if any(_large_int(v) for _, v in _leaves(one, "")):
+            raise LintInputError(f"{name}: an integer of more than {MAX_INT_DIGITS} digits, which "
+                                 "no config needs (the linter's bound)")
     try:
         config = OmegaConf.from_dotlist(command + items)
         merged = OmegaConf.to_container(config, resolve=False)
@@ -961,6 +993,18 @@ def read_overrides(items: list[str], command: list[str] | None = None) -> Overri
     return Overrides(tuple(named), config, {k: i for k, i in keys.items() if k in leaves},
                      frozenset(k for k, v in leaves.items() if not isinstance(v, Mapping)),
                      env_values, " ".join(command + items), tuple(each))
+
+
+def _large_int(value: Any) -> bool:
+    """An int past MAX_INT_DIGITS digits, in a value or in its lists and mappings at any depth."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, Mapping)):
+            stack += item.values() if isinstance(item, Mapping) else item
+        elif isinstance(item, int) and abs(item) >= 10 ** MAX_INT_DIGITS:
+            return True
+    return False
 
 
 def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
