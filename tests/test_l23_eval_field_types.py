@@ -82,3 +82,14 @@ def test_a_required_key_absent_and_a_key_that_is_no_string(tmp_path: Path) -> No
     path.write_text(yaml.safe_dump(shape))
     assert eval_refusal(path) is None
     assert _fp8312(path) == []
+
+
+@pytest.mark.parametrize("model", ["null", "3", "'${max_seq_len}'", "[a]"])
+def test_a_top_level_model_that_is_no_mapping(tmp_path: Path, model: str) -> None:
+    """train.py's shape: allow_toplevel_keys reads `cfg.get('model').get('name')` first."""
+    shape = {k: v for k, v in CONFIG.items() if k != "models"} | CONFIG["models"][0]
+    text = yaml.safe_dump({k: v for k, v in shape.items() if k != "model"}, sort_keys=False)
+    path = tmp_path / "eval.yaml"
+    path.write_text(f"{text}model: {model}\n")
+    assert isinstance(eval_refusal(path), AttributeError)
+    assert _fp8312(path) == [("model", len(text.splitlines()) + 1)]

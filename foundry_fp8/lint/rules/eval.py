@@ -45,6 +45,7 @@ from foundry_fp8.lint.rules.train import (
     null_name_hit,
     scalar_type_hits,
     shape_hits,
+    shown,
     unnamed,
 )
 
@@ -405,7 +406,8 @@ def eval_loader_with_several_models(config: Mapping[str, Any],
       "`models`, `max_seq_len` or `device_eval_batch_size` absent, a key "
       "that is not a string, a section or setting of a shape or type EvalConfig refuses "
       "(`models: [null]`, `callbacks: [a]`, `seed: 1.5`, `log_config: maybe`, "
-      "`metadata: {a: [1]}`), or a key LLM-Foundry fills itself next to its source",
+      "`metadata: {a: [1]}`, in train.py's shape a top-level `model:` that is no mapping), or a "
+      "key LLM-Foundry fills itself next to its source",
       why="evaluate() builds EvalConfig with make_dataclass_and_log_config, as train builds "
       "TrainConfig (FP8022, FP8036, FP8038 there): it asserts that top-level keys are strings, "
       "refuses `eval_loaders` next to `eval_loader` (and `_str` keys next to theirs), then "
@@ -413,7 +415,9 @@ def eval_loader_with_several_models(config: Mapping[str, Any],
       "admit and a setting its type does not take (the same conversions as TrainConfig's), "
       "`metadata` being `dict[str, str]`: a null, list or mapping value is refused; it reads "
       "every field, so a required one absent (`models`, unless a top-level `model:` gives it, "
-      "`max_seq_len`, `device_eval_batch_size`) raises MissingMandatoryValue. All before the "
+      "`max_seq_len`, `device_eval_batch_size`) raises MissingMandatoryValue. In train.py's "
+      "shape, allow_toplevel_keys first reads `cfg.get('model').get('name')` (AttributeError "
+      "for a model that is no mapping). All before the "
       "first model is built. `precision` is FP8011's, a `???` FP8036's.",
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py EvalConfig, "
       f"make_dataclass_and_log_config; {EVAL_SOURCE} evaluate, allow_toplevel_keys; "
@@ -427,6 +431,11 @@ def eval_config_types(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
             yield Hit(key, f"`{key}` is absent: LLM-Foundry's eval refuses the config before "
                       f"building anything (MissingMandatoryValue: Missing mandatory value: {key})",
                       fix=f"add `{key}`")
+    if "models" not in config and not isinstance(config.get("model"), Mapping):
+        yield Hit("model", f"a top-level `model:` that is not a mapping ({shown(config['model'])})"
+                  ": LLM-Foundry's allow_toplevel_keys reads its `name` with .get() "
+                  "(AttributeError) before building anything",
+                  fix="write model as a mapping (`name:` and the model's settings)")
     yield from shape_hits(config, EVAL_SECTION_SHAPES)
     yield from scalar_type_hits(config, EVAL_SCALAR_TYPES, frozenset({"precision"}), "EvalConfig")
     yield from filled_key_hits(config)

@@ -13,6 +13,7 @@ from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
 from foundry_fp8.lint.registry import Finding, Hit, LintContext, rule, run_rules
 from foundry_fp8.lint.rules.environment import Environment
+from foundry_fp8.lint.rules.train import shown
 from foundry_fp8.packages import parse_requirement
 
 #: Keys of an MCLI run config (mcli's RunConfig: `name`, `image`, `command`, `compute`,
@@ -284,10 +285,6 @@ def mcli_gpus(data: Mapping[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _shown(value: Any) -> str:
-    return "null" if value is None else f"{type(value).__name__} {value!r:.60}"
-
-
 @rule("FP8401", "error", "an MCLI run config whose `parameters` is not a mapping, or that has "
       f"none although its command trains from {PARAMETERS_FILE}",
       why="MCLI writes `parameters` as given to /mnt/config/parameters.yaml, the file the "
@@ -306,7 +303,7 @@ def parameters_not_a_config(data: Mapping[str, Any], ctx: LintContext) -> Iterat
     params = data.get("parameters")
     if params is not None and not isinstance(params, Mapping):
         yield Hit("parameters", f"`parameters` must be a mapping (the train config MCLI "
-                  f"writes to {PARAMETERS_FILE}), got {_shown(params)}")
+                  f"writes to {PARAMETERS_FILE}), got {shown(params)}")
     elif not params and trains_from_parameters(data):
         key = "parameters" if "parameters" in data else \
             next(k for k in ("command", "entrypoint") if _train_arguments(data.get(k)) is not None)

@@ -437,7 +437,8 @@ def _shape_fits(value: Any, shape: str) -> bool:
     return isinstance(value, list) and all(_item_fits(v, shape) for v in value)
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A value as a message names it: null, or its type and (the start of) its repr."""
     return "null" if value is None else f"{type(value).__name__} {value!r:.60}"
 
 
@@ -447,14 +448,14 @@ def _wrong_shape(key: str, value: Any, shapes: tuple[str, ...]) -> Hit:
         bad = next(i for i, v in enumerate(value) if not _item_fits(v, listed))
         item = "a mapping" if listed == MAPPINGS else "a string"
         return Hit(f"{key}.{bad}", f"each item of `{key}` must be {item}, got "
-                   f"{_shown(value[bad])}", fix=f"write item {bad} of {key} as {item}")
+                   f"{shown(value[bad])}", fix=f"write item {bad} of {key} as {item}")
     if STRINGS in shapes and isinstance(value, Mapping):  # a mapping, with a value that is not
         bad = next(k for k, v in value.items() if not omegaconf_takes(v, (str,)))
         return Hit(join_key(key, bad), f"each value of `{key}` must be a string (or a number or "
-                   f"boolean, made one), got {_shown(value[bad])}",
+                   f"boolean, made one), got {shown(value[bad])}",
                    fix=f"write {join_key(key, bad)} as a string")
     what = shapes[0] if len(shapes) == 1 else f"{', '.join(shapes[:-1])} or {shapes[-1]}"
-    return Hit(key, f"`{key}` must be {what}, got {_shown(value)}",
+    return Hit(key, f"`{key}` must be {what}, got {shown(value)}",
                fix=f"write {key} as {shapes[0]}")
 
 
@@ -485,7 +486,7 @@ def scalar_type_hits(config: Mapping[str, Any], fields: Mapping[str, tuple[type,
         exact = " (a Union takes its members' types as they are, converting nothing)" \
             if len(names) > 1 else ""
         yield Hit(key, f"`{key}` must be {' or '.join(_TYPE_NAMES[t] for t in types)}{exact}, "
-                  f"got {_shown(value)}: {owner} types it {hint} and omegaconf refuses the "
+                  f"got {shown(value)}: {owner} types it {hint} and omegaconf refuses the "
                   "value (ValidationError) before anything is built",
                   fix=f"write {key} as " + " or ".join(_TYPE_NAMES[t] for t in types
                                                        if t is not type(None)))
@@ -553,13 +554,13 @@ def section_shapes(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]
         # train.py validate_config reads model.get('ffn_config', {}).get('ffn_type', 'mptmlp')
         # for every model (LLM-Foundry 0.22.0 llmfoundry/command_utils/train.py:130)
         yield Hit("model.ffn_config", f"`model.ffn_config` must be a mapping, got "
-                  f"{_shown(model['ffn_config'])}: train's validate_config calls its .get() "
+                  f"{shown(model['ffn_config'])}: train's validate_config calls its .get() "
                   "(AttributeError) before building anything",
                   fix="write model.ffn_config as a mapping ({ffn_type: mptmlp}), or remove it")
     why = _ffn_type_refused(model)
     if why:
         yield Hit("model.ffn_config.ffn_type", f"`model.ffn_config.ffn_type` is "
-                  f"{_shown(model['ffn_config']['ffn_type'])}, not a string: train's "
+                  f"{shown(model['ffn_config']['ffn_type'])}, not a string: train's "
                   f"validate_config {why} before building anything",
                   fix="write ffn_type as a string (mptmlp, mptglu, te_ln_mlp), or remove it")
     yield from scalar_type_hits(config, TRAIN_SCALAR_TYPES, TYPED_ELSEWHERE, "TrainConfig")
