@@ -506,7 +506,7 @@ def _readable_log_ticks(ax: Any, low: float | None = None, high: float | None = 
         def __init__(self, two_and_five: bool) -> None:
             self.two_and_five = two_and_five
 
-        def __call__(self, x: float, pos: int | None = None) -> str:
+        def __call__(self, x: float, _pos: int | None = None) -> str:
             return self.format_ticks([x])[0]
 
         def format_ticks(self, values: list[float]) -> list[str]:
