@@ -16,6 +16,7 @@ Checks read an `AccelerateInput` (`foundry_fp8.lint.accelerate` reads the files)
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -1156,8 +1157,8 @@ SAGEMAKER_DISTRIBUTED_TYPES = ("NO", "DATA_PARALLEL", "MODEL_PARALLEL")
       "str Enum whose lookup is exact: any other spelling, lower case included, raises "
       "ValueError \"'multi_gpu' is not a valid DistributedType\" when `accelerate launch` loads "
       "the file. An error where the value is no member in any case (every release writes "
-      "them in upper case); a warning for an upper-case value 1.8.1 lacks, which another "
-      "release may have. An unquoted `NO` is YAML's false, which Accelerate keeps as is.",
+      "them in upper case: `''` too); a warning for an upper-case name 1.8.1 lacks, which "
+      "another release may have. An unquoted `NO` is YAML's false, which Accelerate keeps as is.",
       source=f"{ACC} src/accelerate/commands/config/config_args.py:166-175 "
       "BaseConfig.__post_init__ (v1.8.1); src/accelerate/utils/dataclasses.py DistributedType, "
       "SageMakerDistributedType; tests/test_lint_accelerate_types.py loads each case with "
@@ -1169,7 +1170,8 @@ def distributed_type_value(inp: AccelerateInput, _: LintContext) -> Iterator[Hit
     if not isinstance(value, str) or value in members:
         return
     enum = "SageMakerDistributedType" if _sagemaker(inp.accelerate) else "DistributedType"
-    if value.upper() in members or value != value.upper():
+    # a member's name: upper case, a letter first (DistributedType's values are their names)
+    if value.upper() in members or not re.fullmatch(r"[A-Z][A-Z0-9_]*", value):
         hint = f" (write {value.upper()})" if value.upper() in members \
             else did_you_mean(value.upper(), members)
         yield Hit("distributed_type", f"distributed_type {value!r:.40} is not a {enum}: "
