@@ -431,7 +431,7 @@ def eval_config_types(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
             yield Hit(key, f"`{key}` is absent: LLM-Foundry's eval refuses the config before "
                       f"building anything (MissingMandatoryValue: Missing mandatory value: {key})",
                       fix=f"add `{key}`")
-    if "models" not in config and not isinstance(config.get("model"), Mapping):
+    if "models" not in config and "model" in config and not isinstance(config["model"], Mapping):
         yield Hit("model", f"a top-level `model:` that is not a mapping ({shown(config['model'])})"
                   ": LLM-Foundry's allow_toplevel_keys reads its `name` with .get() "
                   "(AttributeError) before building anything",
