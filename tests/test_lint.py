@@ -1483,7 +1483,7 @@ def test_omegaconfs_mandatory_value_is_one_finding_at_its_key(tmp_path, text, ex
 
 def test_a_mandatory_value_in_eval_and_mcli_configs(tmp_path):
     eval_text = ("models:\n- model_name: m\n  model: {name: hf_causal_lm}\n  tokenizer: {name: "
-                 "gpt2}\nmax_seq_len: ???\n")
+                 "gpt2}\nmax_seq_len: ???\ndevice_eval_batch_size: 4\n")
     assert _hits(_entry_of(tmp_path, eval_text)) == [("FP8036", "max_seq_len", 5, "error")]
     mcli = ("name: x\nimage: y\ncommand: composer train.py /mnt/config/parameters.yaml\n"
             "parameters:\n  max_duration: ???\n")

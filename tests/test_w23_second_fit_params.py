@@ -46,3 +46,35 @@ def test_a_second_fit_with_fp8_lint_keeps_every_param_and_loss_at_mlflow(tmp_pat
     assert [m.step for m in losses] == [0, 1, 2, 3]
     assert run.data.params["fp8_lint/findings"] == "0"
     assert {"fp8/layers", "fp8/stats_summary", "fp8/stats_summary.ba4"} <= run.data.params.keys()
+
+
+def test_a_second_fit_with_te_swap_keeps_every_loss_at_mlflow(tmp_path):
+    """Composer itself logs `enabled_algorithms/TESwap` at each fit's start: te_swap sends
+    MLflow's queue at fit end, so the second fit's copy is not in the first's batch (before:
+    0 params, 0 loss points)."""
+    from composer import Trainer
+    from composer.loggers import MLFlowLogger
+    from composer.models import ComposerClassifier
+    from mlflow.tracking import MlflowClient
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from foundry_fp8.composer.te_swap import TESwap
+    from tests.test_guard_flops import TOKENS, VOCAB, TiedLM
+
+    torch.manual_seed(0)
+    data = TensorDataset(*torch.randint(0, VOCAB, (2, 8 * TOKENS)))  # a batch: TOKENS tokens
+    model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
+    logger = MLFlowLogger(tracking_uri=f"file://{tmp_path}/mlruns", experiment_name="fp8",
+                          run_name="twice", logging_buffer_seconds=600)
+    trainer = Trainer(model=model, train_dataloader=DataLoader(data, batch_size=TOKENS),
+                      max_duration="2ba", loggers=[logger], device="cpu", progress_bar=False,
+                      log_to_console=False, algorithms=[TESwap(backend="emulate")])
+    trainer.fit()
+    trainer.fit(duration="2ba")
+    trainer.close()
+
+    client = MlflowClient(tracking_uri=f"file://{tmp_path}/mlruns")
+    run = client.get_run(logger._run_id)
+    losses = client.get_metric_history(run.info.run_id, "loss/train/total")
+    assert [m.step for m in losses] == [0, 1, 2, 3]
+    assert run.data.params["enabled_algorithms/TESwap"] == "True"

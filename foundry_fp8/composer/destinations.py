@@ -198,3 +198,17 @@ def capped(text: str, whole: str, limit: int = HPARAM_MAX_CHARS) -> str:
         kept.append(line)
         size += len(line) + 1
     return text
+
+
+def flush_mlflow(destinations: Iterable[LoggerDestination]) -> None:
+    """Send what MLflow's asynchronous queue holds, where a Composer MLflow logger logs. Composer
+    logs `enabled_algorithms/<algorithm>` again at each fit's start (trainer.py `_train_loop`),
+    and MLflow refuses a queued batch naming a parameter twice ("Duplicate parameter keys"),
+    taking every parameter and metric queued with it: a second fit() within the logger's
+    `logging_buffer_seconds` (10) of the first fit's end lost the whole run."""
+    from composer.loggers import MLFlowLogger
+
+    if any(isinstance(d, MLFlowLogger) and getattr(d, "_enabled", False) for d in destinations):
+        import mlflow
+
+        mlflow.flush_async_logging()

@@ -39,7 +39,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch import nn
 
-from foundry_fp8.composer.destinations import deliver
+from foundry_fp8.composer.destinations import deliver, flush_mlflow
 from foundry_fp8.composer.plain import export_plain, load_plain, load_sharded_plain
 from foundry_fp8.options import SwapConfig, build
 from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
@@ -105,6 +105,10 @@ class TESwap(Algorithm):
             for handle in self._eval_hooks:
                 handle.remove()
             self._eval_hooks = []
+            # te_swap makes Composer log `enabled_algorithms/TESwap` at each fit's start
+            _own_bug_warned(flush_mlflow, logger.destinations,
+                            lost="flushing MLflow's queue (a second fit() within its "
+                                 "logging_buffer_seconds may lose that batch at MLflow)")
 
     def close(self) -> None:
         """Take te_swap's hooks off the model, leave its autocast and end its sharded loads'
