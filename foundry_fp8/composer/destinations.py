@@ -66,14 +66,19 @@ class ConsoleResend:
     console may print next (BATCH_START, EPOCH_END, FIT_END: Composer runs the other callbacks'
     events before the loggers', core/engine.py `run_event`), logs it again where the console has
     printed nothing since its step (its `last_logged_batch`, the batch count of its last print,
-    is not past it). Logging again what the console still holds changes nothing."""
+    is not past it). Logging again what the console still holds changes nothing.
+
+    Our own error in `resend` or `fit_end` costs the callback only these console lines: it is
+    said once, naming the callback, and no more is resent (`strict` raises it). A logger's own
+    failure is `deliver`'s, raised only under `strict`."""
 
     def __init__(self) -> None:
         self._pending: dict[int, tuple[ConsoleLogger, int, dict[str, float]]] = {}
+        self._broken = False  # our own error resending: said once, nothing resent since
 
     def sent(self, destination: LoggerDestination, metrics: dict[str, float], step: int) -> None:
         """`metrics` went to `destination` at `step` (noted for a console only)."""
-        if not isinstance(destination, ConsoleLogger):
+        if self._broken or not isinstance(destination, ConsoleLogger):
             return
         held = self._pending.get(id(destination))
         if held is None or _printed_since(held[0], held[1]):
@@ -82,13 +87,25 @@ class ConsoleResend:
             self._pending[id(destination)] = (destination, step, {**held[2], **metrics})
 
     def resend(self, who: str, strict: bool = False) -> None:
-        """Log again to each console what it has not printed (class doc), as `deliver` does."""
-        for key, (console, step, metrics) in list(self._pending.items()):
-            if _printed_since(console, step):
-                del self._pending[key]
-            else:
-                deliver([console], "metrics", lambda d, m=metrics, s=step: d.log_metrics(m, s),
-                        who, strict)
+        """Log again to each console what it has not printed (class doc), as `deliver` does.
+        Without `strict` `deliver` raises nothing, so an error reaching here is ours."""
+        if self._broken:
+            return
+        try:
+            for key, (console, step, metrics) in list(self._pending.items()):
+                if _printed_since(console, step):
+                    del self._pending[key]
+                else:
+                    deliver([console], "metrics",
+                            lambda d, m=metrics, s=step: d.log_metrics(m, s), who, strict)
+        except Exception as error:
+            if strict:
+                raise
+            self._broken = True
+            self._pending.clear()
+            log.error("%s: internal error resending its series to the console (%r); the console "
+                      "gets no more of them, the other loggers get everything and training goes "
+                      "on", who, error, exc_info=error)
 
     def fit_end(self, who: str, strict: bool = False) -> None:
         """The console's own fit end prints what it holds, this fit's last: nothing after it
