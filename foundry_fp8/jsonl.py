@@ -286,11 +286,20 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def json_kind(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's own words (`an array`, `null`), not Python's
+    (`list`, `NoneType`)."""
+    if value is None:
+        return "null"
+    kinds = ((bool, "a boolean"), (dict, "an object"), (list, "an array"), (str, "a string"))
+    return next((kind for type_, kind in kinds if isinstance(value, type_)), "a number")
+
+
 def _record(value: Any, where: str) -> tuple[int, dict[str, Any]]:
     """(step, metrics) of one decoded line, or JsonlError naming the key at fault."""
     if not isinstance(value, dict):
-        raise JsonlError(f"{where}: not a metrics record (a JSON {type(value).__name__}, "
-                         'expected {"step": int, "metrics": {...}})')
+        raise JsonlError(f"{where}: not a metrics record ({json_kind(value)}, expected "
+                         '{"step": int, "metrics": {...}})')
     for key in ("step", "metrics"):
         if key not in value:
             raise JsonlError(f"{where}: not a metrics record (no key {key!r})")

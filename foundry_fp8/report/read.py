@@ -163,8 +163,7 @@ def _load_hparams(path: Path) -> Mapping[str, Any] | str | None:
     except RecursionError:
         return f"{path}: not JSON the report reads (nested deeper than Python's JSON parser goes)"
     if not isinstance(value, Mapping):
-        kind = {list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
-        return f"{path}: {'null' if value is None else kind}, not a JSON object of hyperparameters"
+        return f"{path}: {jsonl.json_kind(value)}, not a JSON object of hyperparameters"
     return value
 
 
