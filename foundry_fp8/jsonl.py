@@ -92,6 +92,28 @@ def write_atomically(path: Path, data: str | bytes) -> None:
         raise
 
 
+def set_plain_mode(path: Path) -> None:
+    """Give `path`, which a library wrote through a temporary file and a rename (safetensors'
+    `save_file`, through Rust's tempfile: 0600), the mode a plain open() gives a new file in its
+    folder (0o666 less the umask, or what the folder's default ACL gives), as every other file
+    of the run has: other users of a shared cluster, or a job's other uid, read it. Taken from a
+    file created that way (the umask cannot be read without setting it, for every thread). A
+    file system that keeps its own modes (vfat, some CIFS mounts) refuses chmod: `path` stays
+    as it gave it."""
+    probe = path.with_name(f".{path.name}.{os.getpid()}.mode")
+    try:
+        probe.unlink(missing_ok=True)  # a killed run's leftover of this pid
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+            probe.unlink()
+        os.chmod(path, mode)
+    except OSError:
+        return
+
+
 def file_kind(mode: int) -> str:
     """What a file is, for a message (`a file`, `a FIFO (named pipe)`)."""
     kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"),
