@@ -177,7 +177,7 @@ def test_te_swaps_autocast_exit_failing_is_its_strict(monkeypatch, caplog, stric
     model = torch.nn.Linear(16, 16)
     swap._hooks = [model.register_forward_pre_hook(swap._enter),
                    model.register_forward_hook(swap._exit, always_call=True)]
-    monkeypatch.setattr(swap, "_recipe_context", lambda: _FailsOnExit())
+    monkeypatch.setattr(swap, "_recipe_context", lambda: _Fails())
     if strict:
         with pytest.raises(RuntimeError, match="injected bug on exit"):
             model(torch.randn(16, 16))
@@ -191,9 +191,40 @@ def test_te_swaps_autocast_exit_failing_is_its_strict(monkeypatch, caplog, stric
     assert swap._hooks == []
 
 
-class _FailsOnExit:
+@pytest.mark.parametrize(("error", "world_size"), [
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), 1),
+    (RuntimeError("injected bug on exit"), 2),
+], ids=["out_of_memory", "cuda_error", "two_ranks"])
+def test_te_swaps_strict_false_never_trains_on_past_a_device_error_or_alone_among_ranks(
+        monkeypatch, caplog, error, world_size):
+    """Review V s23: with `strict: false` an out-of-memory at the exit's scale update was
+    logged and the run trained on without the FP8 recipe; on 2 gloo ranks the failing rank went
+    on to DDP's gradient all-reduce while the other waited in the amax all-reduce (SIGABRT; on
+    NCCL a hang). Both raise as they came now, at entry and at exit."""
+    from composer.utils import dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: world_size)
+    for failing in ("enter", "exit"):
+        swap = TESwap(backend="emulate", strict=False)
+        model = torch.nn.Linear(16, 16)
+        swap._hooks = [model.register_forward_pre_hook(swap._enter),
+                       model.register_forward_hook(swap._exit, always_call=True)]
+        monkeypatch.setattr(swap, "_recipe_context", lambda f=failing: _Fails(error, f))
+        with pytest.raises(type(error), match=str(error)[:20]):
+            model(torch.randn(16, 16))
+        assert len(swap._hooks) == 2  # not given up: the run stops here
+
+
+class _Fails:
+    def __init__(self, error: Exception | None = None, where: str = "exit") -> None:
+        self.error = error if error is not None else RuntimeError("injected bug on exit")
+        self.where = where
+
     def __enter__(self) -> None:
-        return None
+        if self.where == "enter":
+            raise self.error
 
     def __exit__(self, *exc: object) -> None:
-        raise RuntimeError("injected bug on exit")
+        if self.where == "exit":
+            raise self.error

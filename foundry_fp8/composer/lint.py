@@ -159,6 +159,9 @@ class FP8Lint(Callback):
             raise ValueError(message)
         log.warning("%s (fail_on: never, continuing)", message)
 
+    def init(self, state: State, logger: Logger) -> None:
+        self._sent = None  # a new Trainer's loggers have not had `fp8_lint/findings`
+
     def before_load(self, state: State, logger: Logger) -> None:
         try:
             problem = model_problem(state.precision.value, state.model)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8 import emulate
+from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.composer.guard import FP8Guard, accept_absent_state, checkpointed_core
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
@@ -283,7 +283,7 @@ class FP8State(Callback):
         except FP8StateError:
             raise
         except Exception as error:
-            if _device_failure(error):  # the device's, as `load_state_dict` raises it
+            if device_failure(error):  # the device's, as `load_state_dict` raises it
                 raise
             self._failed.add(name)
             if name == "_watch":
@@ -547,7 +547,7 @@ class FP8State(Callback):
         except FP8StateError:
             raise
         except Exception as error:  # our bug, or a checkpoint malformed past our checks
-            if _device_failure(error):
+            if device_failure(error):
                 raise
             log.debug("fp8_state: restore failed", exc_info=True)
             self._mismatch(f"fp8_state: the checkpoint's FP8 state could not be restored "
@@ -779,26 +779,6 @@ def _described(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
-# The first line of a CUDA or cuBLAS failure, as each raiser words it: torch's
-# "CUDA error: ..." (c10/cuda/CUDAException.cpp; cuBLAS: "CUDA error: CUBLAS_STATUS_... when
-# calling ...", ATen/cuda/Exceptions.h TORCH_CUDABLAS_CHECK) and "CUDA driver error: ..."
-# (c10/cuda/driver_api.h); TransformerEngine's "<file>:<line> in function <f>: CUDA Error: ..."
-# and "...: cuBLAS Error: ..." (common/util/logging.h NVTE_CHECK_CUDA, NVTE_CHECK_CUBLAS); a
-# cuBLAS status name (CUBLAS_STATUS_*) however it is prefixed.
-_DEVICE_ERROR_TEXT = re.compile(r"cuda (driver )?error|cublas error|cublas_status_",
-                                re.IGNORECASE)
-
-
-def _device_failure(error: Exception) -> bool:
-    """An error of the device, not of the checkpoint or of ours: out of memory, or a CUDA error
-    (sticky: `strict: false` cannot continue past it), raised as it came. torch 2.8+ raises
-    some as `torch.AcceleratorError`; older ones and TE as a RuntimeError known by its text."""
-    device_types = (torch.cuda.OutOfMemoryError, getattr(torch, "AcceleratorError", ()))
-    return isinstance(error, device_types) or (
-        isinstance(error, RuntimeError)
-        and _DEVICE_ERROR_TEXT.search((str(error).splitlines() or [""])[0]) is not None)
-
-
 def _same_state(a: FP8ModuleState, b: FP8ModuleState) -> bool:
     return a.keys() == b.keys() and all(
         a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n])
@@ -864,7 +844,7 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
             raise
         except Exception as error:
             handle.remove()  # tried once: a failing hook would fail at every forward
-            if _device_failure(error):
+            if device_failure(error):
                 raise
             log.debug("fp8_state: restore at the first FP8 forward failed", exc_info=True)
             settle(f"fp8_state: the checkpoint's FP8 state could not be restored at the "

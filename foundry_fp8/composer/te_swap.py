@@ -40,6 +40,7 @@ from composer.utils import dist
 from torch import nn
 
 from foundry_fp8.composer.destinations import deliver, flush_mlflow
+from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.composer.plain import export_plain, load_plain, load_sharded_plain
 from foundry_fp8.options import SwapConfig, build
 from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
@@ -63,8 +64,8 @@ class TESwap(Algorithm):
 
     Options are `TESwapOptions`' fields (`foundry_fp8.options`: SwapConfig's, `fp8_recipe`, see
     `FP8Recipe`, and `strict`): with `strict: false`, a failure of te_swap's own per-forward
-    autocast is logged and te_swap stops entering it instead of crashing the run (refusals and
-    bad options always raise).
+    autocast is logged and te_swap stops entering it instead of crashing a single-rank run
+    (refusals, bad options, device errors and any failure on several ranks always raise).
 
     Logs once at INIT, as hyperparameters: `fp8/backend` (`te` or `emulate`), `fp8/recipe`
     (the recipe as a mapping), `fp8/modules_converted`, `fp8/linear_flops_share` and
@@ -206,12 +207,8 @@ class TESwap(Algorithm):
             if not module.training or not self._hooks:
                 return
             self._autocast.enter_context(self._recipe_context())
-        except Exception:
-            if self.strict:
-                raise
-            log.exception("te_swap: entering the FP8 recipe autocast failed; te_swap stops "
-                          "entering it (strict: false), converted layers run without it")
-            self._remove_hooks()
+        except Exception as error:
+            self._give_up_or_raise(error, "entering")
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         """Leaving the recipe autocast runs the forward scale update (outermost exit, as in
@@ -219,13 +216,25 @@ class TESwap(Algorithm):
         del module, args, output
         try:
             self._autocast.close()
-        except Exception:
+        except Exception as error:
             self._autocast = ExitStack()  # whatever it held is left
-            if self.strict:
-                raise
-            log.exception("te_swap: leaving the FP8 recipe autocast failed; te_swap stops "
-                          "entering it (strict: false), converted layers run without it")
-            self._remove_hooks()
+            self._give_up_or_raise(error, "leaving")
+
+    def _give_up_or_raise(self, error: Exception, doing: str) -> None:
+        """`strict: false` trains on without the autocast, on one rank only: on several, the
+        others would wait in the amax all-reduce of its exit (TE's too) while this rank went on
+        to the next collective (a gloo abort, an NCCL hang or mixed-up gradients). A device error
+        (out of memory, CUDA) is raised as it came: the run cannot go on past it."""
+        if self.strict or device_failure(error):
+            raise error
+        if dist.get_world_size() > 1:
+            log.error("te_swap: %s the FP8 recipe autocast failed on rank %d; strict: false "
+                      "cannot go on without it on several ranks (the others would wait in its "
+                      "amax all-reduce)", doing, dist.get_global_rank())
+            raise error
+        log.exception("te_swap: %s the FP8 recipe autocast failed; te_swap stops entering it "
+                      "(strict: false), converted layers run without it", doing)
+        self._remove_hooks()
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
