@@ -18,11 +18,14 @@ import yaml
 
 from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
 from foundry_fp8.lint.load import (
+    OMEGACONF,
+    SAFE_LOAD,
     LintInputError,
+    Reader,
     compose,
     key_positions,
-    load_data,
     read_text,
+    read_yaml,
 )
 from foundry_fp8.lint.registry import Finding, LintContext, first_line, run_rules, section
 from foundry_fp8.lint.rules.accelerate import (
@@ -104,7 +107,7 @@ def read_json(path: Path, text: str) -> Any:
         raise LintInputError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
     except (RecursionError, ValueError) as e:  # too deep, or an integer too long for Python
         with contextlib.suppress(yaml.YAMLError):
-            compose(path, text)  # YAML reads JSON too, and refuses either at its line
+            compose(path, text, OMEGACONF)  # YAML reads JSON too, and refuses either at its line
         raise LintInputError(f"{path}:1: cannot load: {first_line(e)}") from None
 
 
@@ -138,9 +141,12 @@ def duplicate_keys(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(f"{paths.get(id(obj), '')}{key}" for obj, key in found))
 
 
-def _positions(path: Path, text: str) -> dict[str, tuple[int, int]]:
+def _positions(path: Path, text: str, is_json: bool) -> dict[str, tuple[int, int]]:
+    """Each key's (line, column): as Accelerate's reader composes a YAML file, and as libyaml
+    does a JSON file (which json.load reads; libyaml takes a tab between its tokens)."""
+    reader: Reader = OMEGACONF if is_json else SAFE_LOAD
     try:
-        return key_positions(compose(path, text))[0]
+        return key_positions(compose(path, text, reader))[0]
     except yaml.YAMLError:  # JSON that YAML cannot read (tabs): findings lose their lines
         return {}
 
@@ -183,14 +189,14 @@ def lint_accelerate_file(path: Path, text: str | None = None, data: Any = None,
     is_json = path.suffix.lower() == ".json" if is_json is None else is_json
     if text is None:
         text = read_text(path)
-        data = read_json(path, text) if is_json else load_data(path, text)
+        data = read_json(path, text) if is_json else read_yaml(path, text, SAFE_LOAD).data
     if not (is_accelerate(data) or (is_json and isinstance(data, Mapping)
                                     and not is_train_json(data))):
         if is_json and not isinstance(data, Mapping):
             raise LintInputError(f"{path}:1: a DeepSpeed or Accelerate config must be a JSON "
                                  "object")
         return None
-    positions = _positions(path, text)
+    positions = _positions(path, text, is_json)
     if not is_accelerate(data):  # a DeepSpeed JSON on its own
         return lint_accelerate(lint_input({}, data, deepspeed_duplicates=duplicate_keys(text))), \
             positions
@@ -205,7 +211,7 @@ def lint_accelerate_file(path: Path, text: str | None = None, data: Any = None,
         else:
             ds_text = read_text(found)
             deepspeed = read_json(found, ds_text)
-            ds_positions, ds_path = _positions(found, ds_text), found
+            ds_positions, ds_path = _positions(found, ds_text, True), found
             duplicates = duplicate_keys(ds_text)
             if not isinstance(deepspeed, Mapping):
                 raise LintInputError(f"{found}:1: a DeepSpeed config must be a JSON object")

@@ -32,15 +32,18 @@ from foundry_fp8.lint.accelerate import (
     read_json,
 )
 from foundry_fp8.lint.load import (
+    OMEGACONF,
+    SAFE_LOAD,
     Document,
     LintInputError,
+    NotParsed,
     Overrides,
+    Reader,
     cannot_read,
     compose,
     drop_duplicate_keys,
     key_positions,
     load_config,
-    load_data,
     position_of,
     read_names,
     read_overrides,
@@ -114,12 +117,10 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
     try:
         text = read_text(path) if text is None else text
         is_json = path.suffix.lower() == ".json" or (path is STDIN and _json_object(text))
-        document = None if is_json else read_yaml(path, text, dates=False)
+        document, refused = (None, None) if is_json else _read(path, text)
         data = read_json(path, text) if document is None else document.data
         if is_json and not isinstance(data, Mapping):
             raise LintInputError(f"{path}:1: a config must be a JSON object")
-        if not is_json and (is_accelerate(data) or is_mcli(data)):
-            data = load_data(path, text)  # as their reader, yaml.safe_load, has dates
         if is_accelerate(data) or (is_json and not is_train_json(data)):
             findings, positions = lint_accelerate_file(path, text, data, is_json)
             return _entry(path, findings, positions)
@@ -128,11 +129,13 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
         dropped = drop_duplicate_keys(document.root) if mcli and document else []
         if dropped:
             text = yaml.serialize(document.root)
+        if mcli and refused is not None:
+            text = _parameters_text(path, document, refused)
         outer = run_rules("mcli", data, LintContext(scope="file", duplicates=tuple(dropped))) \
             if mcli else []
         if mcli and not (isinstance(data.get("parameters"), Mapping) and data["parameters"]):
             entry = _entry(path, outer, key_positions(
-                document.root if document else compose(path, text))[0])
+                document.root if document else compose(path, text, SAFE_LOAD))[0])
             if not outer:
                 entry["skipped"] = ("an MCLI run config without `parameters:` whose command does "
                                     "not train from the config MCLI writes (or with an empty "
@@ -172,6 +175,50 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
               for f in pinned_te_findings(loaded.config, pinned, context)]
     entry["findings"][:0] = _entry(path, outer, loaded.positions, taken=loaded.taken)["findings"]
     return entry
+
+
+def reader_of(data: Any) -> Reader:
+    """The reader of the tool that reads a file of this kind: yaml.safe_load for an Accelerate
+    config and an MCLI run config, omegaconf's for LLM-Foundry's train and eval configs."""
+    return SAFE_LOAD if is_accelerate(data) or is_mcli(data) else OMEGACONF
+
+
+def _read(path: Path, text: str) -> tuple[Document, NotParsed | None]:
+    """The YAML file as the tool that reads its kind reads it (`reader_of`), its kind told from
+    omegaconf's reading, else, where omegaconf's reader refuses the syntax, from
+    yaml.safe_load's; and that refusal, where only yaml.safe_load reads it (an Accelerate or
+    MCLI config with a `"\\ud800"` escape, `%YAML 1.3`, a byte-order mark inside the file).
+    A file that is none of those is refused as omegaconf refuses it."""
+    try:
+        document = read_yaml(path, text, OMEGACONF)
+    except NotParsed as refused:
+        try:
+            document = read_yaml(path, text, SAFE_LOAD)
+        except LintInputError:
+            raise refused from None
+        if reader_of(document.data) is not SAFE_LOAD:
+            raise refused from None
+        return document, refused
+    if reader_of(document.data) is SAFE_LOAD:
+        return read_yaml(path, text, SAFE_LOAD), None
+    return document, None
+
+
+def _parameters_text(path: Path, document: Document, refused: NotParsed) -> str:
+    """What the train script's omegaconf reads of an MCLI run config only yaml.safe_load reads:
+    its `parameters`, which MCLI writes to a file of their own (here serialized by PyYAML); the
+    file's refusal by omegaconf's reader where it refuses them too (what it refuses is in
+    them)."""
+    root = document.root
+    assert isinstance(root, yaml.MappingNode)  # an MCLI run config is a mapping
+    pairs = [(k, v) for k, v in root.value
+             if isinstance(k, yaml.ScalarNode) and k.value == "parameters"]
+    text = yaml.serialize(yaml.MappingNode(root.tag, pairs[-1:] or root.value))
+    try:
+        compose(path, text, OMEGACONF)
+    except yaml.YAMLError:
+        raise refused from None
+    return text
 
 
 def _listed(keys: list[str], most: int = 6) -> str:

@@ -104,6 +104,34 @@ class LintInputError(Exception):
     `file[:line[:column]]: why` (`error_location` reads it back)."""
 
 
+@dataclass(frozen=True)
+class Reader:
+    """A tool's YAML reader: the PyYAML loader it reads a file with, and how a refusal by it
+    reads in our one line. Which kind of file each tool reads: `foundry_fp8/lint/cli.py`
+    `reader_of`."""
+
+    loader: type
+    verdict: str
+
+
+#: omegaconf 2.4 (omegaconf/_yaml.py: libyaml's CSafeLoader when PyYAML has it, as it does
+#: here, and get_yaml_loader drops implicit timestamps), which LLM-Foundry's train_from_yaml
+#: and eval_from_yaml read a config with (`om.load`), and the train script an MCLI run config's
+#: `parameters` with.
+OMEGACONF = Reader(_DatesAsText, "not valid YAML")
+#: yaml.safe_load, PyYAML's pure-Python SafeLoader (not libyaml's), which Accelerate
+#: (accelerate/commands/config/config_args.py load_config_from_file, from_yaml_file) and
+#: MCLI (mcli/utils/utils_yaml.py load_yaml) read their config files with: it takes what
+#: libyaml refuses (a `"\ud800"` escape, `%YAML 1.3`, a byte-order mark inside the file) and
+#: refuses what libyaml takes (a tab after `key:`), and makes dates of implicit timestamps.
+SAFE_LOAD = Reader(yaml.SafeLoader, "yaml.safe_load (MCLI's and Accelerate's reader) refuses it")
+
+
+class NotParsed(LintInputError):
+    """A reader's refusal of the file's YAML syntax (not a bound of ours, nor a value its
+    constructor refuses): another tool's reader may still read the file."""
+
+
 #: A LintInputError message's `:line[:column]: ` after the file it names.
 _LINE_COLUMN = re.compile(r":(\d+)(?::(\d+))?: ")
 
@@ -144,7 +172,7 @@ def _key_text(node: yaml.Node) -> str:
         return str(node.value)
     try:
         return str(_Constructor().construct_object(node, deep=True))
-    except _Unconstructed:  # `!!bool maybe`: load_data names it
+    except _Unconstructed:  # `!!bool maybe`: read_yaml names it
         return str(node.value)
 
 
@@ -331,20 +359,20 @@ def _key_problem(root: yaml.Node) -> tuple[yaml.Node, str] | None:
 
 
 def _yaml_error(path: Path, error: yaml.YAMLError, text: str,
-                verdict: str = "not valid YAML") -> LintInputError:
+                verdict: str = OMEGACONF.verdict) -> NotParsed:
     mark = getattr(error, "problem_mark", None)
     if mark is not None and 0 <= mark.index < len(text) and text[mark.index] == "\t" \
             and isinstance(error, yaml.scanner.ScannerError):
         where = "in YAML indentation" if not text[mark.index - mark.column:mark.index].strip() \
             else "between YAML tokens, outside quotes"
-        return LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: {verdict}: a tab "
+        return NotParsed(f"{path}:{mark.line + 1}:{mark.column + 1}: {verdict}: a tab "
                               f"is not allowed {where} (use spaces)")
     if isinstance(error, yaml.reader.ReaderError):  # no mark; libyaml's position is in bytes
         bad = yaml.reader.Reader.NON_PRINTABLE.search(text)
         if bad is not None:
             line = text.count("\n", 0, bad.start()) + 1
             column = bad.start() - (text.rfind("\n", 0, bad.start()) + 1) + 1
-            return LintInputError(f"{path}:{line}:{column}: {verdict}: character "
+            return NotParsed(f"{path}:{line}:{column}: {verdict}: character "
                                   f"{ord(bad.group()):#06x}: {error.reason}")
     where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
     problem = getattr(error, "problem", None) or str(error).splitlines()[0]
@@ -355,7 +383,7 @@ def _yaml_error(path: Path, error: yaml.YAMLError, text: str,
         problem = (f"{_ONE_DOCUMENT}, but a second document (after `---`) starts here: "
                    "omegaconf, LLM-Foundry's reader, and yaml.safe_load, MCLI's and "
                    "Accelerate's, read one document per file; put each config in its own file")
-    return LintInputError(f"{path}{where}: {verdict}: {problem}")
+    return NotParsed(f"{path}{where}: {verdict}: {problem}")
 
 
 #: PyYAML's and libyaml's context for a file of several documents.
@@ -487,14 +515,14 @@ def _shown(keys: list[str]) -> str:
     return ".".join(keys) if len(keys) <= 6 else f"{'.'.join(keys[:3])}...{'.'.join(keys[-2:])}"
 
 
-def _check_depth(path: Path, text: str) -> None:
+def _check_depth(path: Path, text: str, loader: type) -> None:
     """Refuse nesting deeper than MAX_DEPTH, or more than MAX_EXPANDED_NODES values as written,
     found from YAML's parse events (a loop, no recursion) before anything composes the
     document recursively: a file past the bound is read only up to the value past it."""
     # per open collection: [key (or index) of the child being read, is a mapping, next is a key]
     open_: list[list[Any]] = []
     values = 0
-    for event in yaml.parse(text, Loader=_Loader):
+    for event in yaml.parse(text, Loader=loader):
         if isinstance(event, yaml.NodeEvent) and open_:
             parent = open_[-1]
             if not parent[1]:
@@ -569,16 +597,32 @@ def _interpolation_depth(text: str) -> int:
 
 
 def _check_scalar(path: Path, node: yaml.ScalarNode) -> None:
-    """Refuse, at its line, an integer too long for Python to read, or interpolations nested
-    deeper than MAX_DEPTH (omegaconf's parser recurses on them for seconds, then fails)."""
-    mark, value = node.start_mark, str(node.value)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}"
-    too_long = _int_too_long(value) if node.tag.endswith(":int") else None
+    """Refuse, at its line, an integer too long for Python to read."""
+    too_long = _int_too_long(str(node.value)) if node.tag.endswith(":int") else None
     if too_long:
-        raise LintInputError(f"{where}: {too_long}")
-    if "${" in value and _interpolation_depth(value) > MAX_DEPTH:
-        raise LintInputError(f"{where}: interpolations nested more than {MAX_DEPTH} levels "
-                             "deep; refusing to load it")
+        mark = node.start_mark
+        raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: {too_long}")
+
+
+def check_interpolations(path: Path, text: str, root: yaml.Node) -> None:
+    """Refuse more than MAX_INTERPOLATIONS interpolations in `text`, or a value of `root` with
+    interpolations nested deeper than MAX_DEPTH (omegaconf's parser recurses on them for
+    seconds, then fails): bounds on what omegaconf resolves, so checked before it reads `text`
+    (Accelerate and DeepSpeed never resolve `${...}`: a `${` is text there)."""
+    _check_interpolations(path, text)
+    seen: set[int] = set()
+    stack = [root]
+    while stack:  # each distinct node once (the bounds of `compose` hold: no recursion needed)
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        value = node.value if isinstance(node, yaml.ScalarNode) else ""
+        if "${" in value and _interpolation_depth(value) > MAX_DEPTH:
+            mark = node.start_mark
+            raise LintInputError(f"{path}:{mark.line + 1}:{mark.column + 1}: interpolations "
+                                 f"nested more than {MAX_DEPTH} levels deep; refusing to load it")
+        stack += reversed(_children(node))
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:
@@ -648,13 +692,12 @@ def _check_expansion(path: Path, root: yaml.Node) -> None:
         raise LintInputError(_too_deep(path, node.start_mark, keys, aliases=True))
 
 
-def compose(path: Path, text: str, dates: bool = True) -> yaml.Node | None:
-    """The YAML document's node graph within the bounds above, with keys omegaconf can load;
-    yaml.YAMLError as PyYAML raises it, LintInputError past a bound or for such a key. `dates`:
-    implicit timestamps resolved as yaml.safe_load does; False: as omegaconf does (text)."""
-    _check_interpolations(path, text)
-    _check_depth(path, text)
-    root = yaml.compose(text, Loader=_Loader if dates else _DatesAsText)
+def compose(path: Path, text: str, reader: Reader = OMEGACONF) -> yaml.Node | None:
+    """The YAML document's node graph as `reader` (omegaconf's unless told) composes it, within
+    the bounds above, with keys omegaconf can load; yaml.YAMLError as PyYAML raises it,
+    LintInputError past a bound or for such a key."""
+    _check_depth(path, text, reader.loader)
+    root = yaml.compose(text, Loader=reader.loader)
     if root is not None:
         _check_expansion(path, root)
         bad_key = _key_problem(root)
@@ -668,21 +711,19 @@ def compose(path: Path, text: str, dates: bool = True) -> yaml.Node | None:
 @dataclass(frozen=True)
 class Document:
     """A YAML file composed once within the bounds above: its node graph as composed (key
-    positions are read from it) and its values (`load_data`)."""
+    positions are read from it) and its values (`read_yaml`)."""
 
     root: yaml.Node | None
     data: Any
 
 
-def read_yaml(path: Path, text: str, dates: bool = True) -> Document:
-    """The YAML document as plain Python values, within the bounds above (to tell what kind of
-    config a file is), as yaml.safe_load reads it (Accelerate's and MCLI's reader); `dates`
-    False: implicit timestamps stay text, as omegaconf (LLM-Foundry's reader) has them; and its
-    node graph, for `load_config` and `key_positions` without composing the text again.
-    LintInputError (one line) when it cannot be read so: a value the constructor refuses at its
-    own line, column and key."""
+def read_yaml(path: Path, text: str, reader: Reader) -> Document:
+    """The YAML document as plain Python values as `reader` reads it, within the bounds above;
+    and its node graph, for `load_config` and `key_positions` without composing the text again.
+    LintInputError (one line) when it cannot be read so: NotParsed when the reader refuses its
+    syntax, a value the constructor refuses at its own line, column and key."""
     try:
-        root = compose(path, text, dates)
+        root = compose(path, text, reader)
         # PyYAML's constructor rewrites the mappings that hold merge keys (flatten_mapping): it
         # works on a copy, so `root` keeps each key where the file writes it
         built = root if root is None or "<<" not in text else copy.deepcopy(root)
@@ -690,25 +731,10 @@ def read_yaml(path: Path, text: str, dates: bool = True) -> Document:
     except _Unconstructed as e:
         raise _unconstructed(path, built, e.node, e.error) from None
     except yaml.YAMLError as e:
-        raise _yaml_error(path, e, text) from None
+        raise _yaml_error(path, e, text, reader.verdict) from None
     except (ValueError, TypeError, RecursionError, MemoryError) as e:
         raise LintInputError(f"{path}: cannot load: {first_line(e)}") from None
     return Document(root, data)
-
-
-def load_data(path: Path, text: str) -> Any:
-    """The values of an MCLI run config or an Accelerate config, which their tools read with
-    yaml.safe_load (mcli/utils/utils_yaml.py load_yaml, accelerate/commands/config/
-    config_args.py load_config_from_file): PyYAML's pure-Python reader, which refuses what
-    libyaml (our `_Loader`, and omegaconf 2.4's) takes, such as a tab after `key:`."""
-    data = read_yaml(path, text).data  # within the bounds first: the pure parse is slower
-    try:
-        for _ in yaml.parse(text, Loader=yaml.SafeLoader):
-            pass
-    except yaml.YAMLError as e:
-        raise _yaml_error(path, e, text, "yaml.safe_load (MCLI's and Accelerate's reader) "
-                          "refuses it") from None
-    return data
 
 
 def _unconstructed(path: Path, root: yaml.Node, node: yaml.Node,
@@ -734,13 +760,13 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
     `subtree`: resolve only this top-level section, as its own document (an MCLI run config's
     `parameters`, which MCLI hands to the train script as the whole config); positions and
     `${oc.env:...}` keys stay relative to the file. `document`: `text` as `read_yaml` read it
-    already, with `dates` False. `overrides`: the command line's `KEY=VALUE`s, merged into the
+    already (MCLI's reader for a run config). `overrides`: the command line's `KEY=VALUE`s, merged into the
     loaded (unresolved) config as `train_from_yaml` merges `om.from_cli(args_list)`."""
     from omegaconf import OmegaConf
 
     text = read_text(path) if text is None else text
     try:
-        root = compose(path, text, dates=False) if document is None else document.root
+        root = compose(path, text, OMEGACONF) if document is None else document.root
     except yaml.YAMLError as e:
         raise _yaml_error(path, e, text) from None
     if root is None:  # LLM-Foundry's train_from_yaml cannot train from it either
@@ -749,6 +775,7 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
     if not isinstance(root, yaml.MappingNode):
         raise LintInputError(f"{path}:{root.start_mark.line + 1}: a train config must be a "
                              "mapping")
+    check_interpolations(path, text, root)
     failures = omegaconf_failures()
     positions, env_values = key_positions(root)  # recursive: compose bounds its depth
     inside = f"{subtree}." if subtree is not None else ""
