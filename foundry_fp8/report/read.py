@@ -11,7 +11,7 @@ import re
 import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -515,12 +515,13 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
     cut: list[int] = []  # the last line read, unfinished (no newline): `read_jsonl`
     guard: GuardSeries = {}
     older: dict[int, str] = {}
+    doubled = Doubled()
     try:
         size = metrics_file.stat().st_size
         if size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        run, restarts = _read(read_jsonl(metrics_file, skipped, too_long, cut), guard, losses,
-                              older)
+        run, restarts = _read(_doubled_into(read_jsonl(metrics_file, skipped, too_long, cut),
+                                            doubled), guard, losses, older)
         grown = metrics_file.stat().st_size - size
     except JsonlError as e:
         raise ReportError(json_document(metrics_file) or str(e)) from None
@@ -550,6 +551,8 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
              "the report covers the rest")
     if restarts:
         warn(_restarts_said(metrics_file, restarts))
+    if doubled.in_a_row:
+        warn(_doubled_said(metrics_file, doubled))
     if older and run.values and (said := _older_said(metrics_file, older, run)):
         warn(said)
     if not run.values:
@@ -664,6 +667,55 @@ def _restarts_said(metrics_file: Path, restarts: list[tuple[int, int]]) -> str:
     return (f"{metrics_file}: the steps go back {times} (step {shown}): a resumed run logs the "
             "steps after its checkpoint again, fit() again with reset_time logs from step 0; from "
             "each such step on, the report keeps the later attempt's numbers only")
+
+
+#: Series one writer logs once at a step: Composer's training loss (every batch) and
+#: fp8_stats' count of flagged layers (every logging step).
+ONCE_A_STEP = (LOSS, summary_key(None, "flagged_layers"))
+
+
+@dataclass
+class Doubled:
+    """The steps at which a series of ONCE_A_STEP was logged twice in one attempt (no step going
+    back between), in file order, and whether it was at two of its steps in a row. A resume at
+    the step its dead attempt logged last logs that one step twice (a crash loop resumed at one
+    checkpoint, that step again); two runs writing one file at once log every step they share
+    twice: the `jsonl` logger's flock keeps a second out, but not where the file system takes
+    no flock (logged at INFO) or takes it per host (Lustre's `localflock`)."""
+
+    steps: list[int] = field(default_factory=list)
+    in_a_row: bool = False
+
+
+def _doubled_into(records: Iterable[tuple[int, Mapping[str, Any]]], into: Doubled
+                  ) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """`records` unchanged, where a series of ONCE_A_STEP was logged twice noted `into`."""
+    last: dict[str, tuple[int, bool, bool]] = {}  # key: its last step, twice there, and before
+    for step, metrics in records:
+        for key in ONCE_A_STEP:
+            if key not in metrics:
+                continue
+            at, twice, before = last.get(key, (-1, False, False))
+            if step != at:
+                last[key] = (step, False, step > at and twice)  # a step back: a new attempt
+            elif not twice:
+                last[key] = (step, True, before)
+                into.in_a_row |= before
+                if not into.steps or into.steps[-1] != step:
+                    into.steps.append(step)
+        yield step, metrics
+
+
+def _doubled_said(metrics_file: Path, doubled: Doubled) -> str:
+    """One line on two runs' records mixed in one file."""
+    steps = sorted(set(doubled.steps))
+    shown = ", ".join(map(str, steps[:RESTARTS_SHOWN])) + (
+        f", ... ({len(steps) - RESTARTS_SHOWN} more)" if len(steps) > RESTARTS_SHOWN else "")
+    return (f"{metrics_file}: steps {shown} each hold two records of the series a run logs once "
+            f"a step ({' or '.join(ONCE_A_STEP)}): two runs wrote this file at once (the same run "
+            "name started twice, on a file system where the `jsonl` logger's flock does not keep "
+            "the second out); at each such step the report keeps the record read last, of "
+            "either run: give each run its own run name or `loggers.jsonl.path`")
 
 
 def json_document(path: Path) -> str | None:
