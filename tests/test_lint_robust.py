@@ -550,10 +550,10 @@ def test_a_linter_bug_on_one_file_is_one_line_and_the_others_are_linted(tmp_path
 
     real = cli.read_yaml
 
-    def buggy(path, text, dates=True):
+    def buggy(path, text, reader):
         if path.name == "a.yaml":
             raise KeyError("maybe")
-        return real(path, text, dates)
+        return real(path, text, reader)
 
     monkeypatch.setattr(cli, "read_yaml", buggy)
     (tmp_path / "a.yaml").write_text("precision: amp_bf16\n")
