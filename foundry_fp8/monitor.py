@@ -55,6 +55,7 @@ from foundry_fp8.health import (
 )
 from foundry_fp8.health.keys import SUMMARIES, UNCAST, summary_key
 from foundry_fp8.health.rules import cast_order, judged_table, uncast_stats
+from foundry_fp8.jsonl import set_plain_mode
 from foundry_fp8.numerics import (
     FP8_MAX,
     MAX_KEYS,
@@ -869,6 +870,7 @@ class FP8Monitor:
             save_file(tensors, str(path), metadata={
                 "step": str(step.step), "rank": str(rank), "tensors": json.dumps(step.dump_meta),
                 "about": DUMP_ABOUT})
+            set_plain_mode(path)  # safetensors writes it 0600 (a temporary file, a rename)
         except (OSError, SafetensorError) as e:  # a full disk, a folder gone unwritable: skip
             # this dump, statistics go on (and the ranks stay in step)
             if not self._dump_failed:

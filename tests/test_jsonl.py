@@ -128,7 +128,7 @@ def test_an_over_long_line_the_writer_finishes_while_read_is_one_line(tmp_path, 
 
 @pytest.mark.parametrize(("content", "message"), [
     ('{"step": 0}\n', "metrics.jsonl:1: not a metrics record (no key 'metrics')"),
-    ('{"step": 0, "metrics": {}}\n[1, 2]\n', "metrics.jsonl:2: not a metrics record (a JSON list"),
+    ('{"step": 0, "metrics": {}}\n[1, 2]\n', "metrics.jsonl:2: not a metrics record (an array"),
     ('{"step": 0, "metrics": {}}\n{"step": null, "metrics": {}}\n',
      "metrics.jsonl:2: key 'step': expected a step (an integer from 0 to 2**53), got null"),
     ('{"step": "x", "metrics": {}}\n', "metrics.jsonl:1: key 'step': expected a step (an integer "

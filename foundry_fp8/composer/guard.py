@@ -242,28 +242,13 @@ class FP8Guard(Callback):
         self._raise_stop()
 
     def batch_start(self, state: State, logger: Logger) -> None:
-        self._resend_to_console(self._resend.resend)
+        self._resend.resend("fp8_guard", self.config.strict)  # our bug there: said once
 
     def epoch_end(self, state: State, logger: Logger) -> None:
-        self._resend_to_console(self._resend.resend)
-
-    def _resend_to_console(self, resend: Callable[[str, bool], None]) -> None:
-        """The series an evaluation kept off the console; our failure there loses only them,
-        said once (a logger's own failure is `deliver`'s: raised under strict)."""
-        if "resend" in self._said:
-            return
-        try:
-            resend("fp8_guard", self.config.strict)
-        except Exception as e:
-            if self.config.strict:
-                raise
-            self._said.add("resend")
-            log.error("fp8_guard: internal error resending its series to the console (%r); "
-                      "the console gets no more of them, the other loggers get everything",
-                      e, exc_info=e)
+        self._resend.resend("fp8_guard", self.config.strict)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        self._resend_to_console(self._resend.fit_end)
+        self._resend.fit_end("fp8_guard", self.config.strict)
         try:
             self._report_fallbacks(state, logger)
         except Exception as e:  # no collective follows on any rank: raised or said here
