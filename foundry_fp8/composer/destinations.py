@@ -223,9 +223,15 @@ def flush_mlflow(destinations: Iterable[LoggerDestination]) -> None:
     and MLflow refuses a queued batch naming a parameter twice ("Duplicate parameter keys"),
     taking every parameter and metric queued with it: a second fit() within the logger's
     `logging_buffer_seconds` (10) of the first fit's end lost the whole run."""
-    from composer.loggers import MLFlowLogger
-
-    if any(isinstance(d, MLFlowLogger) and getattr(d, "_enabled", False) for d in destinations):
+    if any(mlflow_logging(d) for d in destinations):
         import mlflow
 
         mlflow.flush_async_logging()
+
+
+def mlflow_logging(destination: LoggerDestination) -> bool:
+    """Whether `destination` is a Composer MLflow logger that logs (rank 0's; Composer turns
+    the others off)."""
+    from composer.loggers import MLFlowLogger
+
+    return isinstance(destination, MLFlowLogger) and bool(getattr(destination, "_enabled", False))

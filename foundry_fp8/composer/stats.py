@@ -16,7 +16,6 @@ from composer.loggers import (
     ConsoleLogger,
     Logger,
     LoggerDestination,
-    MLFlowLogger,
     ProgressBarLogger,
 )
 from composer.utils import dist
@@ -28,6 +27,7 @@ from foundry_fp8.composer.destinations import (
     capped,
     deliver,
     mlflow_accepted,
+    mlflow_logging,
 )
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
@@ -675,9 +675,8 @@ def dump_record(dumps: Path, base: Path) -> str:
 def mlflow_races(destination: LoggerDestination, environ: Mapping[str, str]) -> bool:
     """Whether this destination is a Composer MLflow logger that can lose batches to MLflow's
     file-store race (`foundry_fp8.mlflow_facts`); `tracking_uri` is set where it logs."""
-    return isinstance(destination, MLFlowLogger) and getattr(destination, "_enabled", False) \
-        and races(getattr(destination, "tracking_uri", None), bool(destination.synchronous),
-                  environ)
+    return mlflow_logging(destination) and races(
+        getattr(destination, "tracking_uri", None), bool(destination.synchronous), environ)
 
 
 def _console(destination: LoggerDestination) -> bool:
