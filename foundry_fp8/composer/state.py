@@ -235,6 +235,10 @@ class FP8State(Callback):
         self._te_restored = False  # the load's model held TE's own pickled FP8 state
         self._bf16_weights = False  # a weights-only load of a checkpoint saved without FP8
         self._waiting = _Waiting({}, self._mismatch, self.strict)  # TE modules before their first forward
+        #: this callback's hooks on the model (inert `_extra_state` saves, restores waiting for
+        #: a first FP8 forward), taken off when its Trainer closes: the model may train on
+        #: in another Trainer, or be saved by the user, without them
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._failed: set[str] = set()  # the works `_guarded` saw fail: not run again
         self._unsaved_said = False  # a save that could not read the FP8 state was warned of
 
@@ -244,6 +248,7 @@ class FP8State(Callback):
         self._guarded(Event.INIT, "_init", self._init, state)
 
     def before_load(self, state: State, logger: Logger) -> None:
+        self._unhook()  # this callback given to another Trainer that was never closed
         self._guarded(Event.BEFORE_LOAD, "_inert_extra_state_on_save",
                       self._inert_extra_state_on_save, state.model)
         self._guarded(Event.BEFORE_LOAD, "_see_loaded_entries", self._see_loaded_entries, state)
@@ -264,6 +269,19 @@ class FP8State(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         if self._pending is not None:
             self._guarded(Event.FIT_START, "load_state_dict", self.load_state_dict, self._pending)
+
+    def close(self, state: State, logger: Logger) -> None:
+        """The Trainer is done (Composer's `Trainer.close`, also after a fit that raised): the
+        model's state_dict is TE's own again, and a restore that never met an FP8 forward
+        (an eval-only Trainer) cannot write this checkpoint's state into a later Trainer's run."""
+        del state, logger
+        self._unhook()
+
+    def _unhook(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._waiting = _Waiting({}, self._mismatch, self.strict)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self._guarded(Event.BATCH_END, "say", self._waiting.say)
@@ -317,14 +335,13 @@ class FP8State(Callback):
             log.warning("fp8_state: set fsdp_config.%s=%s so activation recompute runs under "
                         "FP8 (TE #1190)", key, value)
 
-    @staticmethod
-    def _inert_extra_state_on_save(model: nn.Module) -> None:
+    def _inert_extra_state_on_save(self, model: nn.Module) -> None:
         """At BEFORE_LOAD: te_swap has converted the model (INIT) and the checkpoint is not
         loaded yet, so every FP8 module saves, and loads, an inert `_extra_state` (te_swap's own
         modules save none: their hook finds no key)."""
         for module in model.modules():  # FP8 modules, and TE's ops (te.LayerNorm)
             if is_fp8_module(module) or is_te_module(module):
-                module.register_state_dict_post_hook(inert_extra_state_hook)
+                self._hooks.append(module.register_state_dict_post_hook(inert_extra_state_hook))
 
     def _see_loaded_entries(self, state: State) -> None:
         """Composer hands each callback only its own checkpoint entry, and none to a callback
@@ -679,8 +696,9 @@ class FP8State(Callback):
                                            self._mismatch, self.strict)
         for name, tensors in checked.items():
             if name in later:
-                _restore_at_first_forward(modules[name], tensors,
-                                          lambda message, name=name: waiting.settle(name, message))
+                self._hooks.append(_restore_at_first_forward(
+                    modules[name], tensors,
+                    lambda message, name=name: waiting.settle(name, message)))
             elif name not in shapes:
                 write_fp8_meta(modules[name], tensors)
         log.info("fp8_state: restored amax history and scales of %d modules",
@@ -820,7 +838,8 @@ class _Waiting:
 
 
 def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor],
-                              settle: Callable[[str | None], None]) -> None:
+                              settle: Callable[[str | None], None]
+                              ) -> torch.utils.hooks.RemovableHandle:
     """TE creates a module's scaling state in its first FP8 forward; create it a moment earlier
     and write the saved values.
 
@@ -830,7 +849,7 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
     the same recipe and keeps it. Forwards outside FP8 (eval) leave the hook
     waiting; a run whose recipe keeps no such state (current scaling), one that does not fit
     the checkpoint, and a failure of ours are reported through `settle` (None: restored), once:
-    the hook is gone after its first FP8 forward, whatever happened.
+    the hook is gone after its first FP8 forward, whatever happened. Returns its handle.
     """
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
@@ -870,3 +889,4 @@ def _restore_at_first_forward(module: nn.Module, tensors: dict[str, torch.Tensor
     # eager under torch.compile (`compile_config`), as fp8_guard's and fp8_stats' hooks: traced,
     # Dynamo went into TE's state creation and broke the graph there (4 breaks on CPU)
     handle = module.register_forward_pre_hook(torch.compiler.disable(pre_hook))
+    return handle
