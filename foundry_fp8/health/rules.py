@@ -11,7 +11,7 @@ Each flag names one likely cause and the one YAML key that changes it. Plain Pyt
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -129,9 +129,19 @@ def cast_order(flags: Collection[Flag], layers: Sequence[str], tensors: Sequence
 
 
 def block_index(layer: str) -> int | None:
-    """The first numeric component of a module name (`blocks.7.attn` -> 7), if any."""
-    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", layer)
-    return int(match.group(1)) if match else None
+    """The number of the transformer block `layer` lies in as te_swap numbers blocks (its
+    keep_first/last_blocks count them): `filters.block_index`, imported here, not at the top, as
+    filters imports options, which imports this package."""
+    from foundry_fp8.filters import block_index as te_swap_block
+
+    return te_swap_block(layer)
+
+
+def model_blocks(layers: Iterable[str]) -> set[int]:
+    """The block numbers of a model's layers as te_swap numbers them (`filters.block_index`,
+    which its keep_first/last_blocks count): seeds `HealthTracker.blocks`, so that the edge-block
+    advice names the model's edges, not those of the layers fp8_stats happens to watch."""
+    return {b for layer in layers if (b := block_index(layer)) is not None}
 
 
 def _text(value: Any) -> str:
@@ -206,7 +216,9 @@ class HealthTracker:
     #: fp8_guard's fallback ran in high precision), no FP8 cast: `history.whatif_worst`'s rule
     #: kept step by step, one entry per cell at most (no step log)
     whatif_worst: set[tuple[str, str, str]] = field(default_factory=set)
-    blocks: set[int] = field(default_factory=set)  # block numbers of the layers seen
+    #: block numbers (te_swap's) of the model's layers where the caller gives them
+    #: (`model_blocks`), and of the layers seen: `_keep_in_bf16` names the model's edge blocks
+    blocks: set[int] = field(default_factory=set)
     _state: dict[tuple[str, str], _State] = field(default_factory=dict)
     _raised: set[tuple[str, str, str]] = field(default_factory=set)
     #: False in a run (fp8_stats, fp8_guard): nothing there reads `flags`, which would grow by
@@ -295,9 +307,10 @@ class HealthTracker:
                             if kept(layer, tensor)}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not a health tracker's state ({type(e).__name__}: {e})") from e
-        if keys is not None:  # the blocks of layers no longer watched would move YAML keys
+        if keys is not None:  # those seen of layers no longer watched go; the model's stay
             blocks &= {b for layer, _ in keys if (b := block_index(layer)) is not None}
-        self.worst, self._state, self._raised, self.blocks = worst, streaks, raised, blocks
+        self.worst, self._state, self._raised = worst, streaks, raised
+        self.blocks = blocks | self.blocks  # the model's, where given, stay
         self.whatif_worst = whatif_worst
         return sorted(dropped)
 
@@ -391,12 +404,15 @@ class HealthTracker:
         return grew and values[-1] >= 2 * values[0] and values[-1] > self.thresholds.max_underflow_pct / 5
 
     def _keep_in_bf16(self, layer: str) -> str:
-        """The YAML key keeping this layer in BF16: its edge block's count, else `exclude`."""
+        """The YAML key keeping this layer in BF16: its edge block's count, else `exclude`.
+        te_swap keeps blocks below keep_first_blocks and from its block count (the largest
+        number + 1) less keep_last_blocks (`filters.filter_reason`): block 0, and the largest
+        number of `blocks` (the model's where given, else only as far as the layers seen)."""
         block = block_index(layer)
         if block is not None and len(self.blocks) > 1:
             if block == max(self.blocks):
                 return f"{SWAP}.keep_last_blocks: 1"
-            if block == min(self.blocks):
+            if block == 0:
                 return f"{SWAP}.keep_first_blocks: 1"
         return f"{SWAP}.exclude: '{re.escape(layer)}$'"
 

@@ -22,7 +22,7 @@ from foundry_fp8.filters import MATCH_TIMEOUT_S, search
 from foundry_fp8.guard import static_yaml
 from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table
 from foundry_fp8.health.history import shown
-from foundry_fp8.health.keys import LOSS, full_forms
+from foundry_fp8.health.keys import LOSS, full_forms, layer_order
 from foundry_fp8.health.loss import LossComparison, LossSpike, compare, spike
 from foundry_fp8.health.plots import (
     MAX_SERIES_LAYERS,
@@ -31,6 +31,7 @@ from foundry_fp8.health.plots import (
     draw_series,
     save_png,
 )
+from foundry_fp8.health.rules import model_blocks
 from foundry_fp8.health.specs import badness, spec
 from foundry_fp8.health.table import (
     bounded,
@@ -336,7 +337,8 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     formats = formats_from_hparams(hparams or {}, run.tensors)
     guard = guard_run(series, hparams, hparams_file, warn, run.later_attempt)
     mark_high_precision(run, guard)
-    flags = replay(run, HealthTracker(thresholds))
+    # the model's blocks (fp8_stats' record of every layer), not only the watched layers'
+    flags = replay(run, HealthTracker(thresholds, blocks=model_blocks(layer_order(hparams or {}) or ())))
     worst = worst_table(run)
     if tables is not None:
         tables.append(worst)
