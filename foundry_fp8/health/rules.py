@@ -219,6 +219,10 @@ class HealthTracker:
     #: block numbers (te_swap's) of the model's layers where the caller gives them
     #: (`model_blocks`), and of the layers seen: `_keep_in_bf16` names the model's edge blocks
     blocks: set[int] = field(default_factory=set)
+    #: te_swap's recipe `margin` where the caller knows it (the report: `fp8/recipe`): the
+    #: persistent-overflow advice raises it by one, as TE divides the scale by 2**margin
+    #: (common/recipe/__init__.py:247 v2.18): `margin: 1` told a run already at 1 changes nothing
+    margin: int = 0
     _state: dict[tuple[str, str], _State] = field(default_factory=dict)
     _raised: set[tuple[str, str, str]] = field(default_factory=set)
     #: False in a run (fp8_stats, fp8_guard): nothing there reads `flags`, which would grow by
@@ -366,7 +370,7 @@ class HealthTracker:
                           f"> {t.max_overflow_pct:g} % with scale_ratio > {t.clip_ratio:.3g} "
                           f"{steps}",
                           "the tensor keeps outgrowing its delayed scale",
-                          f"{RECIPE}.margin: 1"))
+                          f"{RECIPE}.margin: {self.margin + 1}"))
         stale = stale_scale_ratio(stats)
         if underflow > t.max_underflow_pct and stale < t.stale_ratio:
             found.append(("underflow_stale", "underflow_pct", underflow,

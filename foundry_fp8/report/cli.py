@@ -96,6 +96,7 @@ from foundry_fp8.report.read import (
     load_run,
     load_wandb,
     losses_of,
+    margin_from_hparams,
     mark_high_precision,
     metrics_file_of,
     read_hparams,
@@ -338,7 +339,8 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     guard = guard_run(series, hparams, hparams_file, warn, run.later_attempt)
     mark_high_precision(run, guard)
     # the model's blocks (fp8_stats' record of every layer), not only the watched layers'
-    flags = replay(run, HealthTracker(thresholds, blocks=model_blocks(layer_order(hparams or {}) or ())))
+    flags = replay(run, HealthTracker(thresholds, blocks=model_blocks(layer_order(hparams or {}) or ()),
+                                      margin=margin_from_hparams(hparams or {})))
     worst = worst_table(run)
     if tables is not None:
         tables.append(worst)

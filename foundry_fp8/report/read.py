@@ -86,6 +86,16 @@ def thresholds_from_hparams(hparams: Mapping[str, Any], source: str = "hparams.j
         return Thresholds()
 
 
+def margin_from_hparams(hparams: Mapping[str, Any]) -> int:
+    """te_swap's recipe `margin` (`fp8/recipe`), for the persistent-overflow advice; 0 (TE's
+    default) where not logged or not a recipe this version reads."""
+    swap = hparams.get("fp8/recipe")
+    try:
+        return FP8Recipe.from_options(swap).margin if isinstance(swap, Mapping) else 0
+    except (TypeError, ValueError):
+        return 0
+
+
 def formats_from_hparams(hparams: Mapping[str, Any], tensors: Iterable[str]) -> dict[str, set[str]]:
     """Per tensor name, the FP8 formats the run cast its rows in, for the pictures' titles:
     those of te_swap's recipe (`fp8/recipe`, its layers in FP8) and of fp8_stats' what-if
