@@ -282,10 +282,13 @@ class FP8Stats(Callback):
 
     def close(self, state: State, logger: Logger) -> None:
         """The Trainer is done: hooks a fit left armed (it raised mid-step, and Composer runs
-        no event after that) come off the model, which something else may train next."""
+        no event after that) come off the model, which something else may train next, and a
+        TE debug session that no FIT_END ended is ended (the next run's would not start)."""
         del state, logger
         if self.monitor is not None:
             self.monitor.abort()
+        if self.te_debug is not None:
+            self.te_debug.close()
 
     def _guarded(self, work: Callable[[State, Logger], None], state: State,
                  logger: Logger) -> None:

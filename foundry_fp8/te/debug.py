@@ -9,10 +9,11 @@ LLM-Foundry builds callbacks before the model. TE and nvdlfw-inspect are importe
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from foundry_fp8.health.keys import TENSORS, layer_key, short_layer
 from foundry_fp8.options import one_pattern
@@ -27,6 +28,13 @@ CURRENT_STATS = ("underflows%", "scale_inv_min", "scale_inv_max", "mse")
 
 FEATURE = "LogFp8TensorStats"
 NAMESPACE = "transformer_engine"
+
+#: nvdlfw-inspect's loggers: each `initialize` adds a file handler (its log in `log_dir`, an open
+#: file) and a console one to them, and `end_debug` leaves them (nvdlfw_inspect 0.2.2
+#: logging.py, `FileLogger.initialize` and `_initialize_stats_logger`)
+INSPECT_LOGGERS = ("nvdlfw_inspect", "Default Statistics")
+
+log = logging.getLogger(__name__)
 
 
 #: TE's LayerNormMLP gives the debug API its two GEMMs as `<name>.fc1` and `<name>.fc2`
@@ -155,13 +163,21 @@ class TEDebugSession:
     """One run's TE debug API: start before the model exists, name layers, step, close.
 
     `sink(name, value, step)` receives every statistic TE logs, under our metric names.
+    nvdlfw-inspect takes one session per process (a second `initialize` raises "Already
+    initialized"): a session of ours that was never closed (its fit raised before FIT_END and
+    its Trainer was not closed, as LLM-Foundry's `train()` leaves it) is ended by the next one.
     """
+
+    #: the started session of ours not yet closed
+    _open: ClassVar[TEDebugSession | None] = None
 
     def __init__(self, config: Mapping[str, Any], log_dir: Path,
                  sink: Callable[[str, float, int], None]):
         self.config, self.log_dir, self.sink = dict(config), Path(log_dir), sink
         self.layer_names: set[str] = set()
         self._paused = False  # TE's `debug_enabled` was True at `pause`
+        self._manager: Any = None  # the nvdlfw-inspect DebugManager `start` made
+        self._handlers: list[tuple[logging.Logger, logging.Handler]] = []  # ones it added
 
     def start(self) -> None:
         import nvdlfw_inspect.api as debug_api
@@ -182,9 +198,25 @@ class TEDebugSession:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         config_file = self.log_dir / "te_debug.yaml"
         config_file.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        debug_api.initialize(config_file=str(config_file),
-                             feature_dirs=[str(Path(te_features.__file__).parent)],
-                             log_dir=str(self.log_dir), statistics_logger=_Forward())
+        stale = TEDebugSession._open
+        if stale is not None:
+            if stale._manager is not None and stale._manager is debug_api.DEBUG_MANAGER:
+                log.warning("fp8_stats te_debug: ending the TE debug session of an earlier "
+                            "fp8_stats whose fit did not reach its end (it raised, or has not "
+                            "run) and whose Trainer was not closed: TE's debug API takes one "
+                            "session per process")
+            stale.close()
+        loggers = [logging.getLogger(name) for name in INSPECT_LOGGERS]
+        before = [list(logger.handlers) for logger in loggers]
+        try:
+            debug_api.initialize(config_file=str(config_file),
+                                 feature_dirs=[str(Path(te_features.__file__).parent)],
+                                 log_dir=str(self.log_dir), statistics_logger=_Forward())
+        finally:  # a session nvdlfw-inspect half made (a config it refused) is ours to end too
+            self._manager, TEDebugSession._open = debug_api.DEBUG_MANAGER, self
+            self._handlers = [(logger, handler)
+                              for logger, old in zip(loggers, before, strict=True)
+                              for handler in logger.handlers if handler not in old]
 
     def name_layers(self, named_modules: Iterable[tuple[str, Any]]) -> None:
         """Give TE modules our module names (TE would call them `Layer_<n>`), so the layer regex
@@ -226,7 +258,19 @@ class TEDebugSession:
         debug_api.step()
 
     def close(self) -> None:
+        """End TE's debug API if this session still holds it (once: FIT_END, or the Trainer's
+        close after a fit that raised) and close the log files nvdlfw-inspect opened for it: left
+        open, every later session's messages went into each earlier run's log as well, and its
+        console warnings were printed once per earlier session."""
         import nvdlfw_inspect.api as debug_api
 
-        self.resume()
-        debug_api.end_debug()
+        if self._manager is not None and self._manager is debug_api.DEBUG_MANAGER:
+            self.resume()
+            debug_api.end_debug()
+        self._manager = None
+        if TEDebugSession._open is self:
+            TEDebugSession._open = None
+        for logger, handler in self._handlers:
+            logger.removeHandler(handler)
+            handler.close()
+        self._handlers = []
