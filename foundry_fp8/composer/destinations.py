@@ -15,6 +15,7 @@ fp8_guard) raises the first error, once every destination has been tried.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 
 from composer.loggers import ConsoleLogger, LoggerDestination
@@ -22,8 +23,16 @@ from composer.loggers import ConsoleLogger, LoggerDestination
 log = logging.getLogger(__name__)
 
 #: The kinds already warned about, per failing destination, by identity (a destination defined
-#: as an `eq=True` dataclass is unhashable); holding the destination keeps its id unique.
-_warned: dict[int, tuple[LoggerDestination, set[str]]] = {}
+#: as an `eq=True` dataclass is unhashable). An entry leaves with its destination (its id is
+#: then free for another): held, every failing logger of every run in the process was kept.
+_warned: dict[int, tuple[weakref.ref[LoggerDestination], set[str]]] = {}
+
+
+def _warned_kinds(destination: LoggerDestination) -> set[str]:
+    key = id(destination)
+    if key not in _warned:
+        _warned[key] = (weakref.ref(destination, lambda _: _warned.pop(key, None)), set())
+    return _warned[key][1]
 
 
 def deliver(destinations: Iterable[LoggerDestination], kind: str,
@@ -43,7 +52,7 @@ def deliver(destinations: Iterable[LoggerDestination], kind: str,
 
 def _warn(destination: LoggerDestination, kind: str, who: str, error: Exception) -> None:
     name = type(destination).__name__
-    kinds = _warned.setdefault(id(destination), (destination, set()))[1]
+    kinds = _warned_kinds(destination)
     if kind in kinds:
         log.debug("%s: %s failed to log %s again: %r", who, name, kind, error)
         return
@@ -153,7 +162,7 @@ def mlflow_accepted(destination: LoggerDestination, metrics: dict[str, float],
     refused = [key for key in metrics if not accepted(destination.rename(key))]
     if not refused:
         return metrics
-    kinds = _warned.setdefault(id(destination), (destination, set()))[1]
+    kinds = _warned_kinds(destination)
     if "names" not in kinds:
         kinds.add("names")
         log.warning("%s: MLflow refuses the metric names %s%s; they are left out of MLflow only "
