@@ -92,3 +92,29 @@ def test_report_names_the_models_edge_from_fp8_stats_layer_record(tmp_path, caps
     change = line.split("Change: ")[1]
     assert change == r"algorithms.te_swap.exclude: 'blocks\.1\.attn\.out_proj$'", line
     assert keeps(change, flagged, 3)
+
+
+def test_report_joins_the_exclude_changes_and_the_runs_own_exclude(tmp_path, capsys):
+    """Two middle layers flagged: each row's `exclude: '<layer>$'`, typed in turn, kept the last
+    only (te_swap reads one regex) and dropped the run's own `exclude`; the report's one line
+    keeps all three out."""
+    layers, flagged = model_layers(4), ("blocks.1.attn.Wqkv", "blocks.2.ffn.up_proj")
+    own = r"blocks\.0\.ffn\.down_proj"
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for step in (10, 20):
+        sink.write(step, {layer_key("underflow_pct", "activation", name):
+                          20.0 if name in flagged else 0.0 for name in layers})
+    (tmp_path / "hparams.json").write_text(json.dumps({
+        "algorithms": {"te_swap": {"exclude": own}}, **layer_order_params(layers, 10_000)}))
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    rows = [s.split("Change: ")[1] for s in out.splitlines() if "Change: " in s]
+    assert len(rows) == 2 and all(r.startswith("algorithms.te_swap.exclude: ") for r in rows)
+    assert not keeps(rows[-1], flagged[0], 4)  # the rows one after the other: the first stays in FP8
+    [together] = [s for s in out.splitlines() if "exclude changes at once" in s]
+    config = yaml.safe_load(together.split(": ", 1)[1])["algorithms"]["te_swap"]
+    for name in (*flagged, "blocks.0.ffn.down_proj"):
+        assert filter_reason(PREFIX + name, SwapConfig(**config), 4) is not None, name
+    assert filter_reason(PREFIX + "blocks.2.attn.Wqkv", SwapConfig(**config), 4) is None
+    markdown = (tmp_path / "out" / "fp8_report.md").read_text()
+    assert f"`{together.split(': ', 1)[1]}`" in markdown

@@ -54,11 +54,13 @@ from foundry_fp8.report.baseline import (
     same_run,
 )
 from foundry_fp8.report.markdown import (
+    EXCLUDE_TOGETHER,
     TO_FP8,
     Finding,
     WorstTable,
     change_key,
     departure,
+    excluded_together,
     fallback_steps,
     findings,
     first_flagged,
@@ -100,6 +102,7 @@ from foundry_fp8.report.read import (
     mark_high_precision,
     metrics_file_of,
     read_hparams,
+    swap_exclude,
     thresholds_from_hparams,
     wandb_files,
 )
@@ -369,7 +372,8 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
         write_output(target, render_report(run, flags, thresholds, chosen[:MAX_SERIES_LAYERS],
                                            [p.name for p in written], guard,
                                            matched=len(chosen), dump=dump, loss=loss,
-                                           worst=worst, spike=spiked))
+                                           worst=worst, spike=spiked,
+                                           exclude=swap_exclude(hparams or {})))
     except OSError as e:  # read-only, a full disk, a folder or FIFO in the file's place
         # a run folder someone else's run wrote (a shared store, a read-only mount): say how
         elsewhere = ("; --out DIR writes the report elsewhere"
@@ -539,6 +543,9 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
         print("".join(f"  {note}\n" for note in notes), end="")
     print("".join(f"  {line(group)}\n" for group in rows[:MAX_PRINTED]), end="")
+    if together := excluded_together(found, fallen, swap_exclude(
+            (loaded.hparams or {}) if isinstance(loaded, Loaded) else {})):
+        print(f"  {EXCLUDE_TOGETHER}{one_line(together)}")
     if len(rows) > MAX_PRINTED:
         print(f"  ... {len(rows) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:

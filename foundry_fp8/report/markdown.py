@@ -25,7 +25,7 @@ from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_t
 from foundry_fp8.health.history import whatif_rows, whatif_worst, worst_layers
 from foundry_fp8.health.loss import LossComparison, LossSpike
 from foundry_fp8.health.plots import common_prefix
-from foundry_fp8.health.rules import KEEP_OUT, cast_order
+from foundry_fp8.health.rules import KEEP_OUT, SWAP, cast_order
 from foundry_fp8.health.specs import badness, spec
 from foundry_fp8.health.table import (
     LABEL_CHARS,
@@ -285,6 +285,25 @@ def in_high_precision(layer: str, since: str) -> str:
             "numbers); keep it so from the start with the fp8_guard section's exclude")
 
 
+#: Introduces `excluded_together`'s YAML, on the terminal and in fp8_report.md.
+EXCLUDE_TOGETHER = ("The exclude changes at once (te_swap reads one exclude, so typed in turn "
+                    "they keep the last one only; the run's own exclude kept): ")
+
+
+def excluded_together(found: list[Finding], fallen: Collection[str], existing: str | None
+                      ) -> str | None:
+    """One te_swap `exclude` for every flagged layer whose change is its own `exclude`, joined to
+    the run's (`existing`): te_swap reads one regex, so two rows' `exclude: '<layer>$'` typed in
+    turn kept the last layer only, and either dropped the run's own. None where one row says it
+    all (one such layer, no exclude of the run's). Layers fp8_guard ran in high precision: its
+    own line."""
+    layers = {f.worst.layer for f in found
+              if f.worst.layer not in fallen and f.worst.yaml_key.startswith(f"{SWAP}.exclude:")}
+    if not layers or (len(layers) == 1 and not existing):
+        return None
+    return static_yaml(layers, existing)
+
+
 def runs_in_fp8(key: str) -> bool:
     """Whether a flag's change would run its layer in FP8: not one of the keys that keep a layer
     out of FP8 (`keep_last_blocks: 1` for a fallen layer in the last block said "to run it in
@@ -421,12 +440,14 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                   guard: GuardRun | None = None, matched: int | None = None,
                   dump: tuple[Flag, Path] | None = None,
                   loss: tuple[str, LossComparison] | None = None,
-                  worst: WorstTable | None = None, spike: LossSpike | None = None) -> str:
+                  worst: WorstTable | None = None, spike: LossSpike | None = None,
+                  exclude: str | None = None) -> str:
     """fp8_report.md: what to look at first, what fp8_guard did, how to read it, the plots,
     then the full table (and the layers of grouped flag rows one per row). `matched`: how many
     layers `--layers` matched, of which `chosen` are the ones drawn; `loss`: the baseline (as
     named) and the loss comparison with it; `worst`: the run's `worst_table`, when made;
-    `spike`: the run's loss spikes (`spike_line`), where it logged a loss."""
+    `spike`: the run's loss spikes (`spike_line`), where it logged a loss; `exclude`: te_swap's
+    own (`excluded_together`)."""
     table, cells = worst or worst_table(run)
     prefix = common_prefix(run.layers)
     names = layer_names(run, guard)
@@ -472,6 +493,11 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
 
     if found:
         lines += [FLAGGED_HEAD, *map(row, rows)]
+        if together := excluded_together(found, fallen, exclude):
+            # a code span outside a table keeps `|` and backslashes literal (md_code is a cell's)
+            shown = (md_escape(together) if any(c in together for c in "`\n\r")
+                     else f"`{together}`")
+            lines += ["", f"{md_escape(EXCLUDE_TOGETHER)}{shown}"]
         if shared:
             lines += ["", f"A row naming several layers holds those whose flags differ only in "
                       f"their values; each of them has its own row in [{PER_LAYER}]"

@@ -86,6 +86,15 @@ def thresholds_from_hparams(hparams: Mapping[str, Any], source: str = "hparams.j
         return Thresholds()
 
 
+def swap_exclude(hparams: Mapping[str, Any]) -> str | None:
+    """te_swap's own `exclude` (the run's config in the hyperparameters), which a change that
+    keeps more layers out must keep: te_swap reads one regex."""
+    algorithms = hparams.get("algorithms")
+    swap = algorithms.get("te_swap") if isinstance(algorithms, Mapping) else None
+    exclude = swap.get("exclude") if isinstance(swap, Mapping) else None
+    return exclude if isinstance(exclude, str) and exclude else None
+
+
 def margin_from_hparams(hparams: Mapping[str, Any]) -> int:
     """te_swap's recipe `margin` (`fp8/recipe`), for the persistent-overflow advice; 0 (TE's
     default) where not logged or not a recipe this version reads."""
@@ -887,11 +896,8 @@ def guard_run(series: GuardSeries, hparams: Mapping[str, Any] | None, where: Pat
     configured = isinstance(callbacks, Mapping) and "fp8_guard" in callbacks
     if not (series or fallbacks or configured):
         return None
-    algorithms = hparams.get("algorithms")
-    swap = algorithms.get("te_swap") if isinstance(algorithms, Mapping) else None
-    exclude = swap.get("exclude") if isinstance(swap, Mapping) else None
     return GuardRun(series, sorted(fallbacks, key=lambda f: (f.step, f.layer)),
-                    exclude if isinstance(exclude, str) and exclude else None,
+                    swap_exclude(hparams),
                     tuple(sorted(repromotions, key=lambda r: (r.step, r.layer))),
                     tuple(sorted(refusals, key=lambda r: (r.step, r.layer))),
                     carried_fallbacks(series, fallbacks, since, where, warn),
