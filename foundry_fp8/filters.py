@@ -14,12 +14,12 @@ line naming the option, instead of hanging INIT. Torch-free; the style is torcha
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from typing import Any
 
 import regex
 
+from foundry_fp8.blocks import BLOCK_CONTAINERS, block_index
 from foundry_fp8.options import OptionError, Problem, SwapConfig
 from foundry_fp8.shapes import (
     FP8_DIM_MULTIPLE,
@@ -86,23 +86,6 @@ class Reason(str):
     def __getnewargs_ex__(self) -> tuple[tuple[str], dict[str, str | None]]:
         """So that a plan pickles and copies with its advice."""
         return (str(self),), {"relax": self.relax, "fix": self.fix}
-
-
-#: A module inside a transformer block: `...blocks.<index>.` (LLM-Foundry's MPTModel.blocks),
-#: `...layers.<index>.` (Hugging Face's Llama, Mistral, Qwen2, Gemma, GPT-NeoX, OPT decoders, as
-#: LLM-Foundry's `hf_causal_lm` builds them), `...h.<index>.` (Falcon, BLOOM; GPT-2's are
-#: Conv1D, not Linear) or `...block.<index>.` (T5's `encoder.block`/`decoder.block`, as
-#: LLM-Foundry's `hf_t5` builds them; mT5, UMT5, LongT5). A model with several stacks (T5's
-#: encoder and decoder, a vision tower's `encoder.layers`) has them all matched, and their
-#: indices share keep_first/last_blocks: use include/exclude.
-BLOCK_CONTAINERS = ("blocks", "layers", "h", "block")
-_BLOCK = re.compile(rf"\b(?:{'|'.join(BLOCK_CONTAINERS)})\.(\d+)\.")
-
-
-def block_index(name: str) -> int | None:
-    """The index of the transformer block module `name` lies in; None outside the blocks."""
-    match = _BLOCK.search(name + ".")
-    return int(match.group(1)) if match is not None else None
 
 
 def filter_reason(name: str, config: SwapConfig, n_blocks: int,

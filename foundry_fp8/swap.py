@@ -26,11 +26,11 @@ from torch.nn.parameter import UninitializedParameter
 from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 
+from foundry_fp8.blocks import block_index
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_checkpoint
 from foundry_fp8.filters import (
     RELAXABLE,
     Reason,
-    block_index,
     fuse_reason,
     layernorm_reason,
     linear_reason,

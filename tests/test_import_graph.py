@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "foundry_fp8"
 
 #: The training runtime: what a run imports (the fp8_lint callback, `composer.lint`, is the
 #: linter's own entry and may import it).
-RUNTIME = ("swap", "emulate", "monitor", "numerics", "recipe", "options", "filters", "fp8_meta", "guard",
+RUNTIME = ("swap", "blocks", "emulate", "monitor", "numerics", "recipe", "options", "filters", "fp8_meta", "guard",
            "shapes", "jsonl", "attention", "sdpa_facts", "paths", "restore", "health", "te",
            "composer")
 RUNTIME_EXCEPT = ("composer.lint",)

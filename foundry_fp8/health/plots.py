@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from foundry_fp8.blocks import block_index
 from foundry_fp8.health.history import RunMetrics, heatmap_matrix, series, worst_layers
 from foundry_fp8.health.keys import direction
-from foundry_fp8.health.rules import block_index
 from foundry_fp8.health.specs import spec
 from foundry_fp8.health.table import bounded, one_line, short_names
 from foundry_fp8.health.thresholds import Thresholds

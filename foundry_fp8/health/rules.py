@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from foundry_fp8.blocks import block_index
 from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, direction, summary_key
 from foundry_fp8.health.specs import badness, worse_of
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
@@ -128,17 +129,8 @@ def cast_order(flags: Collection[Flag], layers: Sequence[str], tensors: Sequence
     return sorted(flags, key=lambda flag: place((flag.layer, flag.tensor)))
 
 
-def block_index(layer: str) -> int | None:
-    """The number of the transformer block `layer` lies in as te_swap numbers blocks (its
-    keep_first/last_blocks count them): `filters.block_index`, imported here, not at the top, as
-    filters imports options, which imports this package."""
-    from foundry_fp8.filters import block_index as te_swap_block
-
-    return te_swap_block(layer)
-
-
 def model_blocks(layers: Iterable[str]) -> set[int]:
-    """The block numbers of a model's layers as te_swap numbers them (`filters.block_index`,
+    """The block numbers of a model's layers as te_swap numbers them (`blocks.block_index`,
     which its keep_first/last_blocks count): seeds `HealthTracker.blocks`, so that the edge-block
     advice names the model's edges, not those of the layers fp8_stats happens to watch."""
     return {b for layer in layers if (b := block_index(layer)) is not None}
