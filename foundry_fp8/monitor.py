@@ -54,7 +54,7 @@ from foundry_fp8.health import (
     summary_metrics,
 )
 from foundry_fp8.health.keys import SUMMARIES, UNCAST, summary_key
-from foundry_fp8.health.rules import cast_order, judged_table, uncast_stats
+from foundry_fp8.health.rules import cast_order, judged_table, model_blocks, uncast_stats
 from foundry_fp8.jsonl import set_plain_mode
 from foundry_fp8.numerics import (
     FP8_MAX,
@@ -233,6 +233,9 @@ class CastMode:
     power_2: bool = False
     # NVTE_BACKWARD_OVERRIDE's value (`te.facts`): the backward casts nothing, dY stays as it is
     backward_override: str | None = None
+    # the recipe's `margin`: delayed scaling divides the scale by 2**margin (TE 2.18
+    # common/recipe/__init__.py:247), so the persistent-overflow advice raises it by one
+    margin: int = 0
 
     def fmt(self, direction: str) -> str:
         return self.backward_fmt if direction == "backward" else self.forward_fmt
@@ -250,8 +253,9 @@ def _te_cast_mode() -> CastMode | None:
     # LayerNormLinear (pytorch/module/linear.py:1606, layernorm_linear.py:147 at v2.15;
     # linear.py:1967 at main d0067d0) and then runs its backward with `fp8 = False`: no dY cast
     # (module/base.py:1313 at v2.15, `use_fp8_bwd`); an older TE's recipe has no such field
-    override = getattr(probe.active_recipe(), "backward_override", None)
-    return CastMode(*formats, backward_override=override)
+    recipe = probe.active_recipe()
+    return CastMode(*formats, backward_override=getattr(recipe, "backward_override", None),
+                    margin=int(getattr(recipe, "margin", 0)))
 
 
 def cast_mode(module: nn.Module) -> CastMode | None:
@@ -265,7 +269,8 @@ def cast_mode(module: nn.Module) -> CastMode | None:
         except RecipeError:  # the layer's own forward stops the run with this one line
             override = None
         return CastMode(recipe.scaling == "delayed", recipe.format_for("forward"),
-                        recipe.format_for("backward"), recipe.use_power_2_scales, override)
+                        recipe.format_for("backward"), recipe.use_power_2_scales, override,
+                        recipe.margin)
     return _te_cast_mode() if probe.te_class_name(module) is not None else None
 
 
@@ -425,7 +430,12 @@ class FP8Monitor:
             self.on_warning(no_dump_layers_message(
                 model, self.layers, self.config,
                 self.schedule.dump_steps))  # type: ignore[arg-type]
-        self.tracker = HealthTracker(thresholds_of(self.config), keep_flags=False)
+        # the edge-block advice names te_swap's edges: the model's blocks as te_swap counts them
+        # (swap.plan_swap: every name), not only the watched layers'
+        self.tracker = HealthTracker(thresholds_of(self.config), keep_flags=False,
+                                     blocks=model_blocks(
+                                         name for name, _ in model.named_modules(
+                                             remove_duplicate=False)))
         self.short = {name: short_layer(name) for name in self.layers}  # names in keys
         # the last logging step's statistics and flags, for listeners (the guard); empty on a
         # rank whose own work on them failed
@@ -795,6 +805,11 @@ class FP8Monitor:
         judged = judged_table(table, self.uncast_rows)
         self.whatif_rows = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif}
         self.whatif_rows &= table.keys()
+        # the margin the delayed FP8 layers cast with (their recipe's: te_swap's), which the
+        # persistent-overflow advice raises by one; kept from the last step that had such layers
+        if margins := {mode.margin for mode in step.modes.values()
+                       if mode is not None and mode.delayed}:
+            self.tracker.margin = max(margins)
         flags = self.tracker.update(step.step or 0, judged, self.whatif_rows - self.uncast_rows)
         self.table, self.judged, self.flags = table, judged, flags
         self.formats = {key: fmt.upper() for i, fmt in step.formats.items()

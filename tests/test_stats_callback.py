@@ -15,12 +15,14 @@ from torch import nn
 from foundry_fp8.composer.jsonl_logger import JSONLLogger
 from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
+from foundry_fp8.filters import filter_reason
 from foundry_fp8.health import SUMMARIES, HealthTracker, collect, layer_key, parse_key, summary_key
 from foundry_fp8.health.keys import LAYER_ORDER
 from foundry_fp8.health.rules import NONFINITE_CHANGE
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule
 from foundry_fp8.numerics import STAT_KEYS, tensor_stats
+from foundry_fp8.options import SwapConfig
 from foundry_fp8.recipe import FP8Recipe
 from tests.tiny_run import run_folder, run_tiny
 
@@ -96,9 +98,14 @@ def test_a_warning_on_what_if_numbers_says_so_and_advises_accordingly():
     underflow = {layer: metrics[layer_key("underflow_pct", "weight", layer)] for layer in "012"}
     assert all(value > 90 for value in underflow.values())
     own, whatif, fallback = warned
+    # no layer of an nn.Sequential lies in a block te_swap counts (`blocks.<i>.`...), so
+    # keep_first_blocks would leave layer '0' in FP8: its own exclude keeps it out
     assert own == (f"FP8 weight of layer '0' at step 0: underflow_pct {underflow['0']:.3g} % "
                    "(> 5 %). Likely cause: the tensor's range is wider than FP8 holds at this "
-                   "layer. Change: algorithms.te_swap.keep_first_blocks: 1")
+                   "layer. Change: algorithms.te_swap.exclude: '0$'")
+    assert filter_reason("0", SwapConfig(exclude="0$"), 0) is not None
+    assert filter_reason("0", SwapConfig(keep_first_blocks=1), 0) is None
+    assert filter_reason("1", SwapConfig(exclude="0$"), 0) is None
     assert whatif == (
         f"FP8 what-if for the weight of layer '1' at step 0 (it does not run in FP8; these "
         f"numbers are what fp8_stats' recipe (current scaling) would do to it): underflow_pct "
