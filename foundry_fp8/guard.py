@@ -293,8 +293,15 @@ class GuardCore:
     over ranks).
     """
 
-    def __init__(self, config: GuardConfig, flops: Mapping[str, float]):
+    def __init__(self, config: GuardConfig, flops: Mapping[str, float],
+                 blocks: Iterable[int] = ()):
         self.config = config
+        # te_swap's block numbers of the whole model (`health.rules.model_blocks`) and the
+        # margin the delayed FP8 layers cast with (fp8_stats' `CastMode.margin`, set by the
+        # callback at each logging step): the fallback reasons' keep_*_blocks and margin advice
+        # follow te_swap's counts and the run's recipe, as fp8_stats' own advice does
+        self.blocks = frozenset(blocks)
+        self.margin = 0
         self.flops = dict(flops)
         self.initial_share = sum(self.flops.values())
         self.fallbacks: dict[str, Fallback] = {}
@@ -306,7 +313,7 @@ class GuardCore:
         self._retired: set[str] = set()
         self.refusals: dict[str, Refusal] = {}  # each layer's first refusal by the budget
         self.warned: set[str] = set()
-        self._tracker = HealthTracker(thresholds(config), keep_flags=False)
+        self._tracker = self._judge()
         self._whatif = HealthTracker(thresholds(config), keep_flags=False)  # the layers in fallback
         # the last judged rows, each (layer, tensor)'s last few per tracker (`_last_rows`):
         # (step, layers in FP8, layers in fallback)
@@ -316,6 +323,10 @@ class GuardCore:
         # fallbacks decided before the run's steps restarted (`fit(reset_time=True)`): every
         # step now is after them, whatever its number
         self._before_reset: set[str] = set()
+
+    def _judge(self) -> HealthTracker:
+        """A fresh tracker of the layers in FP8, whose flags' changes are the fallback reasons."""
+        return HealthTracker(thresholds(self.config), keep_flags=False, blocks=set(self.blocks))
 
     @property
     def layers(self) -> list[str]:
@@ -354,6 +365,7 @@ class GuardCore:
         if judged or fallen:
             self._recent = _last_rows([*self._recent, (step, judged, fallen)], keep)
         self._whatif.update(step, fallen)
+        self._tracker.margin = self.margin
         raised = self._tracker.update(step, judged)
         self._flags = {}
         for (layer, _), flags in raised.items():
@@ -542,7 +554,7 @@ class GuardCore:
         self.refusals = {r.layer: r for r in map(Refusal.from_dict, state.get("refusals", ()))}
         self.warned = set(state.get("warned", ()))
         self._retired = set(_texts(state.get("retired", ())))
-        self._tracker = HealthTracker(thresholds(self.config), keep_flags=False)
+        self._tracker = self._judge()
         self._whatif = HealthTracker(thresholds(self.config), keep_flags=False)
         self._recent = []
         dropped = bool(state.get(REPROMOTED_ROWS_DROPPED))

@@ -37,6 +37,7 @@ from foundry_fp8.guard import (
     static_yaml,
 )
 from foundry_fp8.health import short_layer
+from foundry_fp8.health.rules import model_blocks
 from foundry_fp8.monitor import multi_rank, select_layers
 from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, build
 from foundry_fp8.swap import SwapPlan, linear_flops, module_flops, original_shapes
@@ -191,8 +192,12 @@ class FP8Guard(Callback):
         self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)}
         swap = next((a for a in state.algorithms if isinstance(a, TESwap)), None)
         self._exclude = swap.config.exclude if swap is not None else None
+        # the fallback reasons' edge blocks are the model's, counted as te_swap counts them
+        # (swap.plan_swap: every name), not those of the layers judged
         self.core = GuardCore(self.config, layer_flops(state.model, self._modules,
-                                                       swap.plan if swap is not None else None))
+                                                       swap.plan if swap is not None else None),
+                              model_blocks(name for name, _ in
+                                           state.model.named_modules(remove_duplicate=False)))
         if restored is not None:
             self.core.load_state_dict(restored)
         for layer in self.core.fallbacks:
@@ -327,6 +332,10 @@ class FP8Guard(Callback):
             return
         self._heard = True
         core = self.core
+        if self._stats is not None and self._stats.monitor is not None:
+            # the margin the delayed FP8 layers cast with at this step (fp8_stats reads it from
+            # their recipe: `CastMode.margin`), which the persistent-overflow reason raises by one
+            core.margin = self._stats.monitor.tracker.margin
         table = {(short_layer(layer), tensor): stats for (layer, tensor), stats in table.items()}
         mine: list[str] = []
         ready: list[str] = []
