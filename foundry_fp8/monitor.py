@@ -53,7 +53,7 @@ from foundry_fp8.health import (
     short_layer,
     summary_metrics,
 )
-from foundry_fp8.health.keys import SUMMARIES, UNCAST, summary_key
+from foundry_fp8.health.keys import HIGH_PRECISION, SUMMARIES, UNCAST, summary_key
 from foundry_fp8.health.rules import cast_order, judged_table, model_blocks, uncast_stats
 from foundry_fp8.jsonl import set_plain_mode
 from foundry_fp8.numerics import (
@@ -457,6 +457,9 @@ class FP8Monitor:
         # of them that `finish_step`'s `fallbacks` left out of the summary series
         self.whatif_rows: set[tuple[str, str]] = set()
         self.fallback_rows: set[tuple[str, str]] = set()
+        # the what-if rows of layers with no FP8 cast (te_swap's exclude, fp8_guard's fallback),
+        # logged with the `HIGH_PRECISION` marker
+        self.high_rows: set[tuple[str, str]] = set()
         # rows judged with what-if numbers at some logging step; and the worst values restored
         # from an earlier version's checkpoint, which kept not where they came from: `summary()`
         # marks those of them still the worst as what-if when their row is in `whatif_judged`
@@ -840,6 +843,11 @@ class FP8Monitor:
                    for (layer, tensor), stats in table.items() for stat, value in stats.items()}
         # the uncast rows' tensors keep their summary series (worst values of the cast rows)
         metrics.update({layer_key(UNCAST, tensor, layer): 1.0 for layer, tensor in self.uncast_rows})
+        # rows of layers with no FP8 cast (te_swap's exclude, fp8_guard's fallback): what-if
+        # numbers, so marked for the report, which else read them as the layer's FP8 casts
+        self.high_rows = self.whatif_rows - in_fp8 - self.uncast_rows
+        metrics.update({layer_key(HIGH_PRECISION, tensor, layer): 1.0
+                        for layer, tensor in self.high_rows})
         summarised = {**{key: uncast_stats(table[key]) for key in self.uncast_rows}, **judged}
         metrics.update(summary_metrics(summarised, flags, self.fallback_rows))
         for key in _uncounted_worst(summarised, self.fallback_rows):

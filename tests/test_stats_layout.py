@@ -15,6 +15,7 @@ from composer.loggers import ConsoleLogger
 
 from foundry_fp8.composer.stats import IMAGE_PREFIX, TABLE_NAME, FP8Stats
 from foundry_fp8.health import SUMMARIES, TENSORS, layer_key, parse_key, summary_key
+from foundry_fp8.health.keys import HIGH_PRECISION
 from foundry_fp8.numerics import STAT_KEYS
 from tests.test_stats_callback import _fit, _Logger
 
@@ -26,8 +27,9 @@ SUMMARY_KEYS = {summary_key(t, name) for t in TENSORS for name in SUMMARIES} | {
 def test_the_console_gets_the_summary_and_the_per_layer_series_only_when_asked(console_layers):
     console = ConsoleLogger(log_interval="1ba", stream=io.StringIO())
     _, logger = _fit(FP8Stats(interval="2ba", console_layers=console_layers), 3, _Logger([console]))
+    # plain nn.Linear layers: what-if numbers, each row marked so (`HIGH_PRECISION`)
     per_layer = {layer_key(stat, tensor, layer) for layer in ("0", "1") for tensor in TENSORS
-                 for stat in STAT_KEYS}
+                 for stat in (*STAT_KEYS, HIGH_PRECISION)}
     assert set(logger.metrics[2]) == SUMMARY_KEYS | per_layer  # the other destinations: all
     # what Composer's console will print at its next line
     assert set(console.logged_metrics) == SUMMARY_KEYS | (per_layer if console_layers else set())
@@ -101,7 +103,12 @@ def test_series_of_an_mpt_1b_with_the_defaults():
     keys = set(logger.metrics[0])
     layers = {parse_key(k)[2] for k in keys if parse_key(k)}
     assert len(layers) == 24 * 4 and "blocks.23.ffn.down_proj" in layers
-    assert len([k for k in keys if parse_key(k)]) == 24 * 4 * 3 * len(STAT_KEYS)
+    rows = {(parsed[1], parsed[2]) for k in keys if (parsed := parse_key(k))}
+    # a plain MPT runs no layer in FP8: every row's numbers are what-if, each marked so once
+    # (MPT-1B: 288 marker keys a logging step beside its 288 * len(STAT_KEYS) statistics)
+    assert {k for k in keys if parse_key(k) and parse_key(k)[0] == HIGH_PRECISION} == {
+        layer_key(HIGH_PRECISION, tensor, layer) for tensor, layer in rows}
+    assert len([k for k in keys if parse_key(k)]) == 24 * 4 * 3 * (len(STAT_KEYS) + 1)
     assert set(console.logged_metrics) == SUMMARY_KEYS and len(SUMMARY_KEYS) == 16
 
 

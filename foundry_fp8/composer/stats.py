@@ -425,7 +425,8 @@ class FP8Stats(Callback):
             self._te_metrics.clear()
         if metrics:
             self._recent.append((self._step, marked(heatmap_rows(self.monitor.table), {
-                HIGH_PRECISION: self.monitor.fallback_rows, UNCAST: self.monitor.uncast_rows}),
+                HIGH_PRECISION: self.monitor.high_rows | self.monitor.fallback_rows,
+                UNCAST: self.monitor.uncast_rows}),
                                  step_formats(self.monitor.formats)))
         dumped, self.monitor.dumped = self.monitor.dumped, []
         if not _is_rank_zero():
@@ -726,8 +727,8 @@ def heatmap_rows(table: Table) -> dict[tuple[str, str], dict[str, float]]:
 
 def marked(rows: dict[tuple[str, str], dict[str, float]],
            marks: Mapping[str, Collection[tuple[str, str]]]) -> dict[tuple[str, str], dict[str, float]]:
-    """`rows` with each marker's rows marked 1 (`HIGH_PRECISION`: the monitor's `fallback_rows`,
-    `UNCAST`: its `uncast_rows`; what-if numbers), which the heatmaps hatch as the report's do."""
+    """`rows` with each marker's rows marked 1 (`HIGH_PRECISION`: the monitor's `high_rows` and
+    `fallback_rows`, `UNCAST`: its `uncast_rows`; what-if numbers), which the heatmaps hatch as the report's do."""
     for marker, keys in marks.items():
         for key in keys:
             if key in rows:

@@ -89,8 +89,8 @@ class Series(Mapping[int, float]):
 @dataclass
 class RunMetrics:
     """The per-layer FP8 statistics of one run; steps cast with delayed scaling's initial
-    scale are in `initial` (drawn, but neither ranked nor flagged), those of a layer fp8_guard
-    ran in high precision in `high_precision` (what-if numbers: drawn hatched, tables say so),
+    scale are in `initial` (drawn, but neither ranked nor flagged), those of a layer that ran
+    in high precision (fp8_guard's fallback, or not converted) in `high_precision` (what-if numbers: drawn hatched, tables say so),
     those of a tensor its layer's FP8 run does not cast (`keys.UNCAST`) in `uncast` (what-if
     numbers: drawn hatched, judged only on NaN/Inf as fp8_stats does)."""
 

@@ -23,9 +23,10 @@ SUMMARY_PREFIX = "fp8"
 LOSS = "loss/train/total"
 #: Logged as 1 for a tensor cast with delayed scaling's initial scale 1 (no amax history yet).
 INITIAL_SCALE = "initial_scale"
-#: A marker as INITIAL_SCALE is: 1 for a row logged while fp8_guard ran its layer in high
-#: precision (its numbers are fp8_stats' what-if casts, not the layer's own). The report sets it
-#: from fp8_guard's records; the heatmaps hatch such cells.
+#: A marker as INITIAL_SCALE is: 1 for a row logged while its layer ran in high precision (never
+#: converted, te_swap's exclude, or fp8_guard's fallback): its numbers are fp8_stats' what-if
+#: casts, not the layer's own. fp8_stats logs it; the report also sets it from fp8_guard's
+#: records; the heatmaps hatch such cells.
 HIGH_PRECISION = "high_precision"
 #: A marker as INITIAL_SCALE is, logged by fp8_stats: 1 for a row whose tensor its layer's FP8
 #: run does not cast (dY under NVTE_BACKWARD_OVERRIDE): what-if numbers, judged only on the

@@ -188,9 +188,11 @@ NOT_LOGGED_NOTE = "grey: not logged, or cast with the initial scale 1"
 #: diverged run's heatmaps read as if fp8_stats had stopped logging at the divergence.
 NAN_CELL = "#1f4e9c"
 NAN_NOTE = "blue: logged as NaN (the tensor held NaN/Inf: see nan_count)"
-#: Cells of a layer fp8_guard ran in high precision (`RunMetrics.high_precision`): what-if
-#: numbers, coloured as such but hatched, so they never read as the layer's FP8 casts.
-HIGH_PRECISION_NOTE = "hatched: fp8_guard ran the layer in high precision (what-if numbers)"
+#: Cells of a layer that ran in high precision (`RunMetrics.high_precision`: not converted to FP8,
+#: or fp8_guard's fallback): what-if numbers, coloured as such but hatched, so they never read as
+#: the layer's FP8 casts.
+HIGH_PRECISION_NOTE = ("hatched: fp8_guard ran the layer in high precision, or te_swap did not "
+                       "convert it (what-if numbers)")
 #: Cells of a tensor its layer's FP8 run does not cast (`RunMetrics.uncast`), hatched alike.
 UNCAST_NOTE = "hatched: not cast to FP8 (NVTE_BACKWARD_OVERRIDE's dY; what-if numbers)"
 

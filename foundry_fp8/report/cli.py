@@ -70,6 +70,7 @@ from foundry_fp8.report.markdown import (
     layer_names,
     layers_named,
     moved,
+    not_converted,
     refused,
     render_report,
     runs_in_fp8,
@@ -510,6 +511,7 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         return 2, "error (above)"
     found = findings(metrics, flags)
     fallen = fallback_steps(guard)
+    exclude = swap_exclude((loaded.hparams or {}) if isinstance(loaded, Loaded) else {})
     names = layer_names(metrics, guard)
     kinds = short_names(metrics.tensors)
     table, cells = tables[0]
@@ -525,8 +527,13 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         f = group[0]
         w = f.worst
         key = change_key(w.yaml_key)
-        change = f"Change: {key}" if w.layer not in fallen else in_high_precision(
-            "it", fallen[w.layer]) + (f"{TO_FP8}{key}" if runs_in_fp8(w.yaml_key) else "")
+        if (note := not_converted(f, fallen, exclude)) is not None:
+            change = note[0][0].upper() + note[0][1:] + (key if note[1] else "")
+        elif w.layer in fallen:
+            change = in_high_precision("it", fallen[w.layer]) + (
+                f"{TO_FP8}{key}" if runs_in_fp8(w.yaml_key) else "")
+        else:
+            change = f"Change: {key}"
         limit = (w.limit if len({g.worst.limit for g in group}) == 1 else
                  f"e.g. {max(group, key=lambda g: badness(w.stat, g.worst.value)).worst.limit}")
         return (f"{layers_named(group, metrics.layers, names)} {kinds[w.tensor]}: "
@@ -543,8 +550,7 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
         print("".join(f"  {note}\n" for note in notes), end="")
     print("".join(f"  {line(group)}\n" for group in rows[:MAX_PRINTED]), end="")
-    if together := excluded_together(found, fallen, swap_exclude(
-            (loaded.hparams or {}) if isinstance(loaded, Loaded) else {})):
+    if together := excluded_together(found, fallen, exclude):
         print(f"  {EXCLUDE_TOGETHER}{one_line(together)}")
     if len(rows) > MAX_PRINTED:
         print(f"  ... {len(rows) - MAX_PRINTED} more in fp8_report.md")

@@ -11,6 +11,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote
 
+import regex
+
+from foundry_fp8.filters import search
 from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
@@ -43,6 +46,7 @@ from foundry_fp8.health.thresholds import (
     LOSS_SPIKE_STEPS,
     LOSS_SPIKE_WINDOW,
 )
+from foundry_fp8.options import OptionError
 from foundry_fp8.report.read import GuardRun
 
 #: The worst-value table (`worst_values`) and its what-if cells (`whatif_worst`).
@@ -71,7 +75,7 @@ class Finding:
     first_step: int  # the logging step it was first flagged at
     steps: int  # logging steps flagged
     logged: int  # judged logging steps of this tensor
-    whatif: int = 0  # of the flagged steps, those fp8_guard ran the layer in high precision
+    whatif: int = 0  # of the flagged steps, those the layer ran in high precision (what-if)
     worst_whatif: bool = False  # the worst value is a what-if one
 
     def counted(self, unit: str = "", each: bool = False) -> str:
@@ -81,7 +85,7 @@ class Finding:
             f", {self.whatif} of them what-if" if self.whatif else "")
 
     def worst_at(self) -> str:
-        """`step 25`, `what-if step 25` where fp8_guard ran the layer in high precision."""
+        """`step 25`, `what-if step 25` where the layer ran in high precision."""
         return ("what-if " if self.worst_whatif else "") + f"step {self.worst.step}"
 
 
@@ -296,12 +300,41 @@ def excluded_together(found: list[Finding], fallen: Collection[str], existing: s
     the run's (`existing`): te_swap reads one regex, so two rows' `exclude: '<layer>$'` typed in
     turn kept the last layer only, and either dropped the run's own. None where one row says it
     all (one such layer, no exclude of the run's). Layers fp8_guard ran in high precision: its
-    own line."""
+    own line; layers the run's exclude already keeps out: none (it said them again)."""
     layers = {f.worst.layer for f in found
-              if f.worst.layer not in fallen and f.worst.yaml_key.startswith(f"{SWAP}.exclude:")}
+              if f.worst.layer not in fallen and f.worst.yaml_key.startswith(f"{SWAP}.exclude:")
+              and not swap_excluded(f.worst.layer, existing)}
     if not layers or (len(layers) == 1 and not existing):
         return None
     return static_yaml(layers, existing)
+
+
+def swap_excluded(layer: str, exclude: str | None) -> bool:
+    """Whether te_swap's `exclude` (the run's) keeps `layer` out of FP8: te_swap searches the
+    regex in each module name (`filters.search`); one that runs out of time, or that no run's
+    te_swap took (not a regex: the hyperparameters are the report's input), matches nothing."""
+    try:
+        return exclude is not None and search(f"{SWAP}.exclude", exclude, layer)
+    except (OptionError, regex.error):
+        return False
+
+
+def not_converted(f: Finding, fallen: Collection[str], exclude: str | None
+                  ) -> tuple[str, bool] | None:
+    """The note on a flag whose numbers are all what-if and whose layer fp8_guard did not move:
+    te_swap left it in high precision, so its advice is what running it in FP8 would take, none
+    where that is the run's own exclude (the report said `exclude: '<layer>$'` again). As
+    `Flag.whatif_message` says it during the run. The note, and whether the flag's change follows
+    it; None for other flags (NaN/Inf are counted in the high-precision tensor: its own advice)."""
+    w = f.worst
+    if w.layer in fallen or f.whatif < f.steps or w.rule == "nonfinite":
+        return None
+    head = "it did not run in FP8 (what-if numbers)"
+    if w.yaml_key.startswith(KEEP_OUT):
+        return ((f"{head}; no change: the run's te_swap exclude keeps it out of FP8", False)
+                if swap_excluded(w.layer, exclude) else
+                (f"{head}; keep it out of FP8 (where te_swap would convert it): ", True))
+    return f"{head}; before putting it in FP8, change: ", True
 
 
 def runs_in_fp8(key: str) -> bool:
@@ -481,7 +514,9 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         f = group[0]
         w = f.worst
         layer, change = layers_named(group, run.layers, names, True), md_code(change_key(w.yaml_key))
-        if w.layer in fallen:
+        if (note := not_converted(f, fallen, exclude)) is not None:
+            change = md_escape(note[0]) + (change if note[1] else "")
+        elif w.layer in fallen:
             since = fallen[w.layer]
             layer += f" (high precision {since}: fp8_guard)"
             change = md_escape(in_high_precision("it", since)) + (
@@ -530,8 +565,9 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         + more + ".", "", "## Worst value per layer and tensor", "",
         "scale_ratio shows the value farthest from 1 (above 1: overflow side; below 1: "
         "underflow side)." + (f" {WHATIF_MARK}: the row's worst values are what-if numbers, "
-                              "reached only at logging steps fp8_guard ran the layer in high "
-                              f"precision; {PARTLY_WHATIF_MARK}: some of them are."
+                              "reached only at logging steps the layer ran in high precision "
+                              "(te_swap did not convert it, or fp8_guard's fallback); "
+                              f"{PARTLY_WHATIF_MARK}: some of them are."
                               if cells else ""), "",
         render_table(table, cells=cells)]
     if shared:
