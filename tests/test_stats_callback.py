@@ -17,7 +17,7 @@ from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.filters import filter_reason
 from foundry_fp8.health import SUMMARIES, HealthTracker, collect, layer_key, parse_key, summary_key
-from foundry_fp8.health.keys import LAYER_ORDER
+from foundry_fp8.health.keys import HIGH_PRECISION, LAYER_ORDER
 from foundry_fp8.health.rules import NONFINITE_CHANGE
 from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.monitor import FP8Monitor, FP8MonitorError, MonitorConfig, Schedule
@@ -287,8 +287,8 @@ def test_callback_logs_on_schedule_and_prints_the_summary(capsys):
     _, logger = _fit(FP8Stats(interval="2ba", end=4), 6)
     assert sorted(logger.metrics) == [0, 2]
     assert {k for k in logger.metrics[2] if parse_key(k)} == {
-        layer_key(stat, tensor, layer) for layer in ("0", "1")
-        for tensor in ("activation", "weight", "gradient") for stat in STAT_KEYS}
+        layer_key(stat, tensor, layer) for layer in ("0", "1")  # plain nn.Linear: what-if rows
+        for tensor in ("activation", "weight", "gradient") for stat in (*STAT_KEYS, HIGH_PRECISION)}
     assert {k for k in logger.metrics[2] if not parse_key(k)} == {
         summary_key(tensor, name) for tensor in ("activation", "weight", "gradient")
         for name in SUMMARIES} | {summary_key(None, "flagged_layers")}
