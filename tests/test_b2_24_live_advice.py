@@ -18,32 +18,10 @@ from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.monitor import FP8Monitor, MonitorConfig, Schedule, cast_mode
 from foundry_fp8.options import SwapConfig
 from foundry_fp8.recipe import FP8Recipe
-from foundry_fp8.swap import plan_swap
+from tests.three_blocks import ThreeBlocks, kept_by_te_swap
 
 #: fp8_stats watching the first two blocks of three (`layers: 'blocks\.[01]\.'`).
 WATCH_TWO = MonitorConfig(layers=r"blocks\.[01]\.", tensors=("weight",))
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-
-class _Blocks(nn.Module):
-    """Three blocks numbered as te_swap numbers them (`blocks.<i>.`), a plain nn.Linear each."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(_Block() for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block.fc(x)
-        return x
-
-
 def _log(monitor: FP8Monitor, model: nn.Module, step: int) -> None:
     monitor.start_step(step)
     model(torch.randn(8, 16)).sum().backward()
@@ -59,13 +37,7 @@ def _change(warning: str) -> dict[str, object]:
     assert path.startswith(f"{SwapConfig.PATH}."), warning
     return {path.removeprefix(f"{SwapConfig.PATH}."): value}
 
-
-def _kept_by_te_swap(model: nn.Module, change: dict[str, object]) -> set[str]:
-    return {d.name for d in plan_swap(model, SwapConfig(backend="emulate", **change)).decisions
-            if not d.convert}
-
-
-def _outlier_warning(monitor: FP8Monitor, model: _Blocks, warned: list[str], step: int) -> str:
+def _outlier_warning(monitor: FP8Monitor, model: ThreeBlocks, warned: list[str], step: int) -> str:
     with torch.no_grad():
         model.blocks[1].fc.weight[0, 0] = 1e6  # current scaling flushes the rest to 0
     _log(monitor, model, step)
@@ -75,18 +47,18 @@ def _outlier_warning(monitor: FP8Monitor, model: _Blocks, warned: list[str], ste
 
 
 def test_a_middle_block_watched_last_is_told_its_own_exclude():
-    model, warned = _Blocks(), []
+    model, warned = ThreeBlocks(), []
     monitor = FP8Monitor(model, WATCH_TWO, on_warning=warned.append)
     warning = _outlier_warning(monitor, model, warned, 0)
     change = _change(warning)
     assert change == {"exclude": r"blocks\.1\.fc$"}, warning  # was keep_last_blocks: 1
-    assert _kept_by_te_swap(model, change) == {"blocks.1.fc"}
-    assert _kept_by_te_swap(model, {"keep_last_blocks": 1}) == {"blocks.2.fc"}  # the old advice
+    assert kept_by_te_swap(model, change) == {"blocks.1.fc"}
+    assert kept_by_te_swap(model, {"keep_last_blocks": 1}) == {"blocks.2.fc"}  # the old advice
 
 
 def test_a_resumed_monitor_keeps_the_models_blocks():
     """fp8_stats' resume restores the tracker into a monitor built afresh on the model."""
-    model, warned = _Blocks(), []
+    model, warned = ThreeBlocks(), []
     before = FP8Monitor(model, WATCH_TWO, on_warning=warned.append, schedule=Schedule(interval=1))
     _log(before, model, 0)
     assert not warned

@@ -21,25 +21,9 @@ from foundry_fp8.guard import GuardConfig, GuardCore, fallback_message
 from foundry_fp8.health.rules import model_blocks
 from foundry_fp8.options import SwapConfig
 from foundry_fp8.recipe import FP8Recipe
-from foundry_fp8.swap import plan_swap
+from tests.three_blocks import ThreeBlocks, kept_by_te_swap
 
 OVERFLOW = "keeps outgrowing its delayed scale"
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-
-class _Blocks(nn.Module):
-    """Three blocks numbered as te_swap numbers them (`blocks.<i>.`), a plain nn.Linear each."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block() for _ in range(3))
-
-
 def _changes(message: str) -> list[dict[str, object]]:
     """The te_swap options a fallback line's reasons tell the user to set, each read with a YAML
     reader as the user's config is (`fp8_recipe.margin` dotted)."""
@@ -51,17 +35,11 @@ def _changes(message: str) -> list[dict[str, object]]:
         changes.append({path.removeprefix(f"{SwapConfig.PATH}."): value})
     return changes
 
-
-def _kept_by_te_swap(model: nn.Module, change: dict[str, object]) -> set[str]:
-    return {d.name for d in plan_swap(model, SwapConfig(backend="emulate", **change)).decisions
-            if not d.convert}
-
-
 def test_a_middle_block_judged_last_is_told_its_own_exclude():
     """fp8_stats watching blocks 0 and 1 of 3 (`layers: 'blocks\\.[01]\\.'`): the guard judges
     those two; block 1's underflow over the limit names its own exclude, which te_swap follows
     by keeping block 1's layer (keep_last_blocks: 1 kept block 2's)."""
-    model = _Blocks()
+    model = ThreeBlocks()
     config = GuardConfig(consecutive=1, max_fallback_share=1.0)
     core = GuardCore(config, {"blocks.0.fc": 0.25, "blocks.1.fc": 0.25},
                      model_blocks(n for n, _ in model.named_modules(remove_duplicate=False)))
@@ -72,37 +50,15 @@ def test_a_middle_block_judged_last_is_told_its_own_exclude():
     assert fallback.layer == "blocks.1.fc"
     [change] = _changes(fallback_message(fallback, "<yaml>"))
     assert change == {"exclude": r"blocks\.1\.fc$"}, fallback.reasons  # was keep_last_blocks: 1
-    assert _kept_by_te_swap(model, change) == {"blocks.1.fc"}
-    assert _kept_by_te_swap(model, {"keep_last_blocks": 1}) == {"blocks.2.fc"}  # the old advice
+    assert kept_by_te_swap(model, change) == {"blocks.1.fc"}
+    assert kept_by_te_swap(model, {"keep_last_blocks": 1}) == {"blocks.2.fc"}  # the old advice
     # block 0 is te_swap's first block whatever the guard judges
     core = GuardCore(config, {"blocks.0.fc": 0.25}, core.blocks)
     table = {("blocks.0.fc", "weight"): {"underflow_pct": over}}
     [fallback] = core.decide(0, core.candidates(0, table), table).fallbacks
     [change] = _changes(fallback_message(fallback, "<yaml>"))
     assert change == {"keep_first_blocks": 1}
-    assert _kept_by_te_swap(model, change) == {"blocks.0.fc"}
-
-
-class _FP8Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = EmulatedFP8Linear(16, 16)
-
-
-class _FP8Blocks(nn.Module):
-    """`_Blocks` with emulated FP8 linears, run in a row."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(_FP8Block() for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block.fc(x)
-        return x
-
-
+    assert kept_by_te_swap(model, change) == {"blocks.0.fc"}
 def _guarded_fallbacks(model: nn.Module, margin: int, batch: Callable[[int], torch.Tensor],
                        steps: int = 6) -> list[str]:
     """fp8_stats watching blocks 0 and 1 of 3 (`layers: 'blocks\\.[01]\\.'`, every batch) and
@@ -151,7 +107,7 @@ def test_the_callback_judges_with_the_models_blocks():
     """An outlier weight element in block 1 flushes the rest of its weight under FP8: the
     guard moves blocks.1.fc and its line names blocks.1.fc's own exclude, which te_swap follows
     (the guard judged blocks 0 and 1 only: keep_last_blocks: 1 kept blocks.2.fc instead)."""
-    model = _FP8Blocks()
+    model = ThreeBlocks(EmulatedFP8Linear)
     with torch.no_grad():
         model.blocks[1].fc.weight[0, 0] = 1e6
     base = torch.randn(16, 16)
@@ -160,13 +116,13 @@ def test_the_callback_judges_with_the_models_blocks():
     changes = _changes(line)
     assert {"exclude": r"blocks\.1\.fc$"} in changes, line
     assert not [c for c in changes if "keep_last_blocks" in c], line
-    assert _kept_by_te_swap(_Blocks(), {"exclude": r"blocks\.1\.fc$"}) == {"blocks.1.fc"}
+    assert kept_by_te_swap(ThreeBlocks(), {"exclude": r"blocks\.1\.fc$"}) == {"blocks.1.fc"}
 
 
 def _overflow_lines(margin: int, growth: float = 3.0) -> list[str]:
     torch.manual_seed(0)
     base = torch.randn(16, 16)
-    return [line for line in _guarded_fallbacks(_FP8Blocks(), margin,
+    return [line for line in _guarded_fallbacks(ThreeBlocks(EmulatedFP8Linear), margin,
                                                 lambda step: base * growth**step)
             if OVERFLOW in line]
 
