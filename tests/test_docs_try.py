@@ -35,8 +35,10 @@ def documented_keys(doc: str) -> tuple[set[str], set[tuple[str, str]]]:
     [summary] = [r for r in doc.splitlines() if r.startswith("| summary series |")]
     names = re.findall(r"`(?:fp8/<tensor>|\.\.\.)/(\w+)`", summary)
     [per_layer] = [r for r in doc.splitlines() if r.startswith("| per-layer series |")]
-    # `fp8_uncast` marks tensors NVTE_BACKWARD_OVERRIDE leaves uncast: never under delayed scaling
-    stats += [s for s in re.findall(r"`fp8_(\w+)/<tensor>/<layer>`", per_layer) if s != "uncast"]
+    # Markers of rows not cast in FP8, never in the try (delayed scaling, every layer converted):
+    # `fp8_uncast` (NVTE_BACKWARD_OVERRIDE's dY), `fp8_high_precision` (a layer not in FP8)
+    stats += [s for s in re.findall(r"`fp8_(\w+)/<tensor>/<layer>`", per_layer)
+              if s not in ("uncast", "high_precision")]
     summaries = {f"fp8/{t}/{n}" for t in TENSORS for n in names}
     summaries |= set(re.findall(r"`(fp8/\w+)`", summary))
     return summaries, {(f"fp8_{s}", t) for s in stats for t in TENSORS}

@@ -1,5 +1,5 @@
-"""The heatmaps fp8_stats logs to W&B hatch the steps fp8_guard ran a layer in high precision, as
-the report's do: a real Composer run (tests/test_guard_flops.py's model, whose faulty block
+"""The heatmaps fp8_stats logs to W&B hatch the steps fp8_guard ran a layer in high precision (and
+a layer with no FP8 cast at all), as the report's do: a real Composer run (tests/test_guard_flops.py's model, whose faulty block
 falls back at its second judged step), the images read pixel by pixel. Reference: the guard's
 own fallback record (the step it decided; the layer runs in high precision from the next
 batch) and the documented hatching, a 1-pixel grey (110, 110, 110) "/" every 6 pixels."""
@@ -45,11 +45,14 @@ def test_the_logged_heatmaps_hatch_a_fallen_layers_steps(tmp_path, caplog, monke
     at = layout(hm)
     assert [p.tensor for p in hm.panels] == ["activation", "weight", "gradient"]
     faulty = run.layers.index(FAULTY)
+    # the stand-in TE module computes in high precision outside TE's autocast: what-if numbers at
+    # every step, hatched as a layer with no FP8 cast (fp8_high_precision)
+    native = run.layers.index("module.native")
     for panel in range(len(hm.panels)):
         for row, layer in enumerate(run.layers):
             for col, step in enumerate(run.steps):
                 share = _hatched(image, at, panel, row, col)
-                if row == faulty and step > decided:
+                if (row == faulty and step > decided) or row == native:
                     assert share > 0.5, (layer, step, share)
                 else:
                     assert share == 0.0, (layer, step, share)
