@@ -232,6 +232,10 @@ def _deepspeed(acc: Mapping[str, Any]) -> bool:
     return _text(acc.get("distributed_type")) == "deepspeed"
 
 
+def _megatron(acc: Mapping[str, Any]) -> bool:
+    return _text(acc.get("distributed_type")) == "megatron_lm"
+
+
 def _sagemaker(acc: Mapping[str, Any]) -> bool:
     return acc.get("compute_environment") == SAGEMAKER
 
@@ -308,23 +312,41 @@ def _deepspeed_precision(inp: AccelerateInput) -> str:
       "precision (bf16, or the JSON's fp16) until 1.11 (fixed by PR #3688), so Accelerator() never enabled "
       "FP8 from a config (issue #3360, PR #3714); in 1.0-1.3 fp8_backend needed that same "
       "value, in 1.4-1.7 an auto-created recipe was never marked as an FP8 handler (any "
-      "distributed type; fixed by PR #3611 in 1.8). Not under DeepSpeed with backend MSAMP: "
+      "distributed type; fixed by PR #3611 in 1.8). Under MEGATRON_LM, in every release to "
+      "1.14 and main: MegatronLMPlugin.set_mixed_precision sets Megatron-LM's fp16 or bf16 "
+      "only, and no FP8 setting reaches Megatron-LM (utils/megatron_lm.py has none), which "
+      "builds the model that trains from its own arguments; TE's autocast "
+      "(apply_fp8_autowrap) is not on _prepare_megatron_lm's path: the run trains in FP32 "
+      "without FP8. Not under DeepSpeed with backend MSAMP: "
       "DeepSpeedPlugin turns MS-AMP on from ACCELERATE_FP8_BACKEND and Accelerator.fp8_backend "
       "returns MSAMP from it (dataclasses.py:1190, accelerator.py:3969-3970 in v1.8.1; the "
       "same from v1.0.0). Judged against the Accelerate installed where the linter runs; a "
-      "warning when it is not installed.",
+      "warning when it is not installed (MEGATRON_LM: an error in any release).",
       source=f"{ACC} src/accelerate/state.py AcceleratorState.mixed_precision; "
-      "src/accelerate/accelerator.py Accelerator.__init__ and fp8_backend; "
+      "src/accelerate/accelerator.py Accelerator.__init__ and fp8_backend, :1419-1426 prepare "
+      "and :2154-2240 _prepare_megatron_lm (v1.8.1); src/accelerate/utils/dataclasses.py:"
+      "2435-2441 MegatronLMPlugin.set_mixed_precision (v1.8.1; :2749-2755 in v1.14.0); "
+      "src/accelerate/utils/megatron_lm.py:877-892 initialize (args_defaults); "
       "https://github.com/huggingface/accelerate/issues/3360; "
       "https://github.com/huggingface/accelerate/pull/3714",
       fix="upgrade Accelerate (1.11+ under DeepSpeed, 1.9+ otherwise: 1.8 enables FP8 but "
-      "ignores fp8_config.backend, FP8115)", family="accelerate")
+      "ignores fp8_config.backend, FP8115); under MEGATRON_LM no release helps: give "
+      "Megatron-LM its own FP8 arguments", family="accelerate")
 def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     """FP8 asked for in the config but never reaching TE with this Accelerate version."""
     acc, version = inp.accelerate, inp.version
     if not _fp8(acc):
         return
     shown = f"accelerate {dotted(version)}" if version else "accelerate"
+    if _megatron(acc):
+        yield Hit("mixed_precision", "under MEGATRON_LM Accelerate passes no FP8 setting to "
+                  "Megatron-LM, which builds and runs the model that trains: "
+                  "MegatronLMPlugin.set_mixed_precision sets only fp16 or bf16, so with fp8 "
+                  "the run trains in FP32 without FP8, with no error (every release to 1.14)",
+                  fix="set mixed_precision: bf16 and give Megatron-LM its FP8 arguments "
+                  "(--fp8-format) yourself through MegatronLMPlugin(other_megatron_args=...), or "
+                  "train with MULTI_GPU or FSDP, where Accelerate wraps the model in TE's autocast")
+        return
     backend = _backend(acc)
     if _deepspeed(acc) and backend is not None and backend.value == "MSAMP":
         return  # DeepSpeedPlugin runs MS-AMP itself from ACCELERATE_FP8_BACKEND (FP8122)
@@ -740,8 +762,8 @@ def missing_distributed_type(inp: AccelerateInput, _: LintContext) -> Iterator[H
       "then TransformerEngine, then MS-AMP; outside DeepSpeed (whose plugin reads the variable "
       "for MS-AMP) nothing reads it. 1.9.0 reads it (PR #3677), in capitals as "
       "FP8BackendType. 1.0-1.3 read it through FP8RecipeKwargs; 1.4-1.7 run no FP8 from the "
-      "config at all (FP8103). Judged against the installed Accelerate; a warning for "
-      "Accelerate < 1.9 when it is not installed.",
+      "config at all (FP8103), nor does MEGATRON_LM in any release (FP8103). Judged against "
+      "the installed Accelerate; a warning for Accelerate < 1.9 when it is not installed.",
       source=f"{ACC} src/accelerate/accelerator.py:457-474 Accelerator.__init__ and :3958-3971 "
       "fp8_backend (v1.8.1), :466-490 and :3998-4012 (v1.9.0); src/accelerate/utils/launch.py"
       ":82-97 setup_fp8_env; src/accelerate/commands/launch.py:1044-1055 "
@@ -754,7 +776,7 @@ def backend_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     acc, version = inp.accelerate, inp.version
     backend = _backend(acc)
     if not (_fp8(acc) and backend and backend.value and not _deepspeed(acc)
-            and not _sagemaker(acc)):
+            and not _megatron(acc) and not _sagemaker(acc)):
         return
     if version is None or FP8_AUTO_BROKEN[1] <= version < BACKEND_READ:
         who = f"accelerate {dotted(version)}" if version else "Accelerate < 1.9 (1.8.x)"
