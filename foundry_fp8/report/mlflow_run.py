@@ -41,8 +41,52 @@ class MlflowRun:
     note: str = ""  # what the messages add on the store read
 
     def failed(self, message: str) -> ReportError:
-        """MLflow's error, one line, naming the run and the store read where not told."""
-        return ReportError(f"{self.where}: MLflow: {one_line(message)}{self.note}")
+        """MLflow's error, one line, naming the run and the store read where not told, and a
+        metric file left unfinished, the likeliest cause (`unfinished`)."""
+        cut = unfinished(self)
+        said = (f" ({len(cut)} metric file(s) end mid-line, as a run killed while MLflow wrote "
+                f"them leaves them, first {next(iter(cut.values()))}: MLflow's client reads "
+                "none of the run while one holds no whole line; delete that file or its last "
+                "line)" if cut else "")
+        return ReportError(f"{self.where}: MLflow: {one_line(message)}{said}{self.note}")
+
+
+def _run_dir(run: MlflowRun) -> Path | None:
+    """The run's folder in a local file store (`<store>/<experiment id>/<run id>`), or None
+    (a tracking server, or not found)."""
+    uri = run.tracking_uri or env_tracking_uri(os.environ) or DEFAULT_STORE
+    if not file_store(uri):
+        return None
+    parsed = urlparse(uri)
+    store = Path(unquote(parsed.path) if parsed.scheme == "file" else uri)
+    return next((meta.parent for meta in store.glob(f"*/{run.run_id}/meta.yaml")), None)
+
+
+def unfinished(run: MlflowRun) -> dict[str, Path]:
+    """{metric key: file} of a file-store run's metric files whose last line has no newline:
+    MLflow's file store appends `timestamp value step` and a newline per point
+    (mlflow 2.22 store/tracking/file_store.py:990, `_log_run_metric`), so a process killed mid-append
+    leaves a line cut short, which MLflow's reader takes as it is (`_get_metric_from_line`):
+    cut to two fields it is a point at step 0 holding a later step's value, cut shorter (or an
+    empty file) an error for the whole run."""
+    folder = _run_dir(run)
+    if folder is None:
+        return {}
+    cut: dict[str, Path] = {}
+    for path in sorted((folder / "metrics").rglob("*")):
+        try:
+            if path.is_file() and not path.read_bytes().endswith(b"\n"):
+                cut[path.relative_to(folder / "metrics").as_posix()] = path
+        except OSError:
+            continue  # unreadable: MLflow's client says so when it reads it
+    return cut
+
+
+def _history(client: Any, run: MlflowRun, logged: str, cut: Mapping[str, Path]) -> list[Any]:
+    """One metric's history as MLflow's client reads it, in the file's order, less the last
+    point of a file left unfinished (`unfinished`): not a value the run logged."""
+    history = list(client.get_metric_history(run.run_id, logged))
+    return history[:-1] if logged in cut else history
 
 
 def _run_id(folder: Path) -> str | None:
@@ -168,6 +212,11 @@ def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
     text), read with MLflow's client: each `fp8*` metric's history. Keys the run's MLflow logger
     renamed (`rename_metrics`) are named back."""
     client_class, mlflow_error = _mlflow(run)
+    cut = unfinished(run)
+    if cut:
+        warn(f"{run.where}: {len(cut)} MLflow metric file(s) end mid-line, as a run killed "
+             f"while MLflow wrote them leaves them (first {next(iter(cut.values()))}): their "
+             "last point is left out")
     try:
         client = client_class(tracking_uri=run.tracking_uri)
         data = client.get_run(run.run_id).data
@@ -178,9 +227,9 @@ def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
         points = [(m.timestamp, m.step, key, m.value)
                   for logged in data.metrics if (key := named.get(logged, logged)).startswith(
                       (LAYER_PREFIX, SUMMARY_PREFIX))
-                  for m in client.get_metric_history(run.run_id, logged)]
-    except mlflow_error as e:
-        raise run.failed(e.message) from None
+                  for m in _history(client, run, logged, cut)]
+    except (mlflow_error, ValueError) as e:  # the file store's ValueError: a line cut short
+        raise run.failed(str(e)) from None
     window = options.get("log_duplicated_metric_every_n_steps", DUPLICATE_WINDOW)
     window = window if isinstance(window, int) and not isinstance(window, bool) else DUPLICATE_WINDOW
     guard: GuardSeries = {}
@@ -200,8 +249,8 @@ def mlflow_params(run: MlflowRun) -> dict[str, Any]:
     client_class, mlflow_error = _mlflow(run)
     try:
         params = client_class(tracking_uri=run.tracking_uri).get_run(run.run_id).data.params
-    except mlflow_error as e:
-        raise run.failed(e.message) from None
+    except (mlflow_error, ValueError) as e:  # the file store's ValueError: a line cut short
+        raise run.failed(str(e)) from None
     return {key: _param(value) for key, value in params.items()}
 
 
@@ -215,9 +264,9 @@ def mlflow_history(run: MlflowRun, key: str) -> list[tuple[int, dict[str, float]
         renamed = _logger_options(params).get("rename_metrics")
         logged = renamed.get(key, key) if isinstance(renamed, Mapping) else key
         points = [(m.timestamp, m.step, key, m.value)
-                  for m in client.get_metric_history(run.run_id, str(logged))]
-    except mlflow_error as e:
-        raise run.failed(e.message) from None
+                  for m in _history(client, run, str(logged), unfinished(run))]
+    except (mlflow_error, ValueError) as e:  # the file store's ValueError: a line cut short
+        raise run.failed(str(e)) from None
     return _records(points)
 
 
@@ -235,7 +284,7 @@ def run_folder_of(run: MlflowRun, params: Mapping[str, Any]) -> Path | None:
     client_class, mlflow_error = _mlflow(run)
     try:
         tags = client_class(tracking_uri=run.tracking_uri).get_run(run.run_id).data.tags
-    except mlflow_error:
+    except (mlflow_error, ValueError):  # the file store's ValueError: a line cut short
         return None
     name = tags.get(RUN_NAME_TAG) or params.get("run_name")
     if not isinstance(name, str) or not name:
