@@ -138,6 +138,9 @@ FP8_AUTO_BROKEN = ((1, 4), (1, 8))  # auto-created recipe never marked as an FP8
 DS_RECIPE_FROM_FP8_RECIPE_KWARGS_ONLY = (1, 4)  # TERecipeKwargs exists; DS path ignores it
 STR_FP8_ENV = (1, 9)  # setup_fp8_env puts the override's bools in the env until 1.9.0
 BACKEND_READ = (1, 9)  # Accelerator.fp8_backend reads ACCELERATE_FP8_BACKEND outside DeepSpeed
+#: prepare() sends FSDP2 to _prepare_fsdp2, which never calls prepare_model, the one place
+#: outside DeepSpeed that wraps the forward in TE's fp8_autocast (PR #3585, v1.8.0 to v1.14.0)
+FSDP2_WITHOUT_TE_AUTOCAST = (1, 8)
 AO_REFUSED = (1, 8)  # Accelerator() refuses torchao with FSDP's cpu_ram_efficient_loading
 #: `accelerate launch`'s --fsdp_cpu_ram_efficient_loading default ("true", commands/launch.py:
 #: 593-595 in v1.8.1, the same to v1.14.0), which it exports as FSDP_CPU_RAM_EFFICIENT_LOADING
@@ -236,6 +239,32 @@ def _megatron(acc: Mapping[str, Any]) -> bool:
     return _text(acc.get("distributed_type")) == "megatron_lm"
 
 
+def _fsdp2(acc: Mapping[str, Any]) -> Setting | None:
+    """fsdp_config's fsdp_version when it is 2 under FSDP (the launcher exports it as
+    FSDP_VERSION, which FullyShardedDataParallelPlugin int()s); else None."""
+    fsdp_version = setting(acc, "fsdp_config", "version")
+    if _text(acc.get("distributed_type")) != "fsdp" or fsdp_version is None:
+        return None
+    return fsdp_version if _text(fsdp_version.value) == "2" else None
+
+
+def _te_under_fsdp2(inp: AccelerateInput) -> Setting | None:
+    """The fsdp_version setting of an FSDP2 config whose FP8 runs on TE, with an Accelerate
+    (None: unknown) whose FSDP2 path never enters TE's fp8_autocast; else None. Not where the
+    backend is, or may be, torchao (_takes_torchao), nor a backend 1.9+ refuses (FP8116)."""
+    acc, version = inp.accelerate, inp.version
+    fsdp2 = _fsdp2(acc)
+    if not (_fp8(acc) and fsdp2 and _te_backend(acc) and _takes_torchao(inp) is None):
+        return None
+    if version is not None and version < FSDP2_WITHOUT_TE_AUTOCAST:
+        return None  # 1.6-1.7: FSDP2 went through prepare_model; no FP8 from the config anyway
+    backend = _backend(acc)
+    if (version is None or version >= BACKEND_READ) and backend is not None \
+            and backend.value not in (None, "", "TE"):
+        return None
+    return fsdp2
+
+
 def _sagemaker(acc: Mapping[str, Any]) -> bool:
     return acc.get("compute_environment") == SAGEMAKER
 
@@ -317,7 +346,11 @@ def _deepspeed_precision(inp: AccelerateInput) -> str:
       "only, and no FP8 setting reaches Megatron-LM (utils/megatron_lm.py has none), which "
       "builds the model that trains from its own arguments; TE's autocast "
       "(apply_fp8_autowrap) is not on _prepare_megatron_lm's path: the run trains in FP32 "
-      "without FP8. Not under DeepSpeed with backend MSAMP: "
+      "without FP8. Under FSDP2 (fsdp_version 2) from 1.8 (PR #3585) to 1.14 and main: "
+      "prepare() converts the layers to TE (_prepare_te) and then takes _prepare_fsdp2, which "
+      "never calls prepare_model, the only place outside DeepSpeed that wraps the forward in "
+      "TE's fp8_autocast (apply_fp8_autowrap): TE's layers run without FP8 (1.6-1.7 took "
+      "FSDP2 through prepare_model). Not under DeepSpeed with backend MSAMP: "
       "DeepSpeedPlugin turns MS-AMP on from ACCELERATE_FP8_BACKEND and Accelerator.fp8_backend "
       "returns MSAMP from it (dataclasses.py:1190, accelerator.py:3969-3970 in v1.8.1; the "
       "same from v1.0.0). Judged against the Accelerate installed where the linter runs; a "
@@ -327,11 +360,15 @@ def _deepspeed_precision(inp: AccelerateInput) -> str:
       "and :2154-2240 _prepare_megatron_lm (v1.8.1); src/accelerate/utils/dataclasses.py:"
       "2435-2441 MegatronLMPlugin.set_mixed_precision (v1.8.1; :2749-2755 in v1.14.0); "
       "src/accelerate/utils/megatron_lm.py:877-892 initialize (args_defaults); "
+      "src/accelerate/accelerator.py:1455-1523 _prepare_fsdp2 and :1581, :1803 "
+      "apply_fp8_autowrap in prepare_model (v1.8.1; :1673-1767, :1833, :2060 in v1.14.0); "
+      "https://github.com/huggingface/accelerate/pull/3585; "
       "https://github.com/huggingface/accelerate/issues/3360; "
       "https://github.com/huggingface/accelerate/pull/3714",
       fix="upgrade Accelerate (1.11+ under DeepSpeed, 1.9+ otherwise: 1.8 enables FP8 but "
       "ignores fp8_config.backend, FP8115); under MEGATRON_LM no release helps: give "
-      "Megatron-LM its own FP8 arguments", family="accelerate")
+      "Megatron-LM its own FP8 arguments; under FSDP2 use fsdp_version: 1 or torchao "
+      "(backend AO)", family="accelerate")
 def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     """FP8 asked for in the config but never reaching TE with this Accelerate version."""
     acc, version = inp.accelerate, inp.version
@@ -367,6 +404,15 @@ def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
                   "autocast runs: the run trains without FP8, with no error",
                   fix="use accelerate>=1.9 (1.8 enables FP8 but ignores fp8_config.backend: "
                   "FP8115), or pass TERecipeKwargs(...) in Accelerator(kwargs_handlers=...)")
+    elif (fsdp2 := _te_under_fsdp2(inp)) is not None:
+        yield Hit(fsdp2.key, f"under FSDP2 {shown}{'' if version else ' (1.8 and later)'} "
+                  "converts the model's layers to TE but never wraps its forward in TE's "
+                  "fp8_autocast (_prepare_fsdp2 skips prepare_model, where apply_fp8_autowrap "
+                  "is): the TE layers run in high precision, without FP8, with no error",
+                  severity=None if version else "warning",
+                  fix="set fsdp_config.fsdp_version: 1 (prepare_model wraps the forward in TE's "
+                  "fp8_autocast), or use torchao, which Accelerate's FSDP2 path converts: "
+                  "fp8_config.backend: AO with fsdp_cpu_ram_efficient_loading: false (FP8120)")
 
 
 def _custom(key: str, value: Any) -> bool:
@@ -872,7 +918,8 @@ def zero_stage_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
       "contextual_fp8_autocast): the recompute in backward runs TE's layers outside "
       "fp8_autocast, without FP8, unlike the forward it replays (the TE #1190 class; Composer's "
       "analogue is FP8002). Accelerate has no TE-aware checkpoint. Not reported for Accelerate "
-      "1.4-1.7, which runs no FP8 from the config (FP8103).",
+      "1.4-1.7, which runs no FP8 from the config, nor under FSDP2 from 1.8, which never "
+      "enters TE's autocast (both FP8103).",
       source=f"{ACC} src/accelerate/accelerator.py Accelerator.prepare_model "
       "(apply_activation_checkpointing with CheckpointImpl.NO_REENTRANT, apply_fp8_autowrap), "
       "src/accelerate/utils/fsdp_utils.py fsdp2_prepare_model / fsdp2_apply_ac, "
@@ -890,6 +937,8 @@ def fsdp_recompute_outside_fp8(inp: AccelerateInput, _: LintContext) -> Iterator
         return
     if version is not None and FP8_AUTO_BROKEN[0] <= version < FP8_AUTO_BROKEN[1]:
         return
+    if _te_under_fsdp2(inp) is not None:
+        return  # no TE autocast at all under FSDP2 (FP8103)
     yield Hit(checkpointing.key, "Accelerate recomputes the "
               "checkpointed blocks with torch's checkpoint_wrapper in backward, outside the TE "
               "fp8_autocast it wraps around the model's forward: TE's layers recompute without "
