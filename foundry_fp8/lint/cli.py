@@ -60,6 +60,7 @@ from foundry_fp8.lint.rules.mcli import (
     PIN_RULES,
     command_overrides,
     is_mcli,
+    mcli_env,
     mcli_gpus,
     pinned_note,
     pinned_snapshot,
@@ -160,6 +161,11 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
         return _error_entry(path, str(e))
     pinned = {p.field: p for p in pins(data)} if mcli else {}
     mcli_count = mcli_gpus(data) if mcli else None
+    run_env = mcli_env(data) if mcli else {}  # the run's own environment, not the linter's
+    if "FSDP_VERSION" in run_env:
+        fsdp_version = fsdp_version_from_env(run_env)
+    if run_env.keys() & {"WANDB_MODE", "WANDB_DISABLED"}:
+        wandb_mode = wandb_mode_from_env(run_env)
     context = LintContext(scope="file", fsdp_version=fsdp_version, env_keys=loaded.env_keys,
                           snapshot=pinned_snapshot(snapshot, pinned), wandb_mode=wandb_mode,
                           gpus=gpus if mcli_count is None else mcli_count,

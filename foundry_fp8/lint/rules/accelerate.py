@@ -405,8 +405,8 @@ def fp8_not_enabled(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
                   fix="use accelerate>=1.9 (1.8 enables FP8 but ignores fp8_config.backend: "
                   "FP8115), or pass TERecipeKwargs(...) in Accelerator(kwargs_handlers=...)")
     elif (fsdp2 := _te_under_fsdp2(inp)) is not None:
-        yield Hit(fsdp2.key, f"under FSDP2 {shown}{'' if version else ' (1.8 and later)'} "
-                  "converts the model's layers to TE but never wraps its forward in TE's "
+        later = "" if version else " (1.8 and later)"
+        yield Hit(fsdp2.key, f"under FSDP2 {shown}{later} converts the model's layers to TE but never wraps its forward in TE's "
                   "fp8_autocast (_prepare_fsdp2 skips prepare_model, where apply_fp8_autowrap "
                   "is): the TE layers run in high precision, without FP8, with no error",
                   severity=None if version else "warning",

@@ -285,6 +285,23 @@ def mcli_gpus(data: Mapping[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def mcli_env(data: Mapping[str, Any]) -> dict[str, str]:
+    """The environment an MCLI run config gives its run (`env_variables`): a mapping of names to
+    values (mcli 0.5+), or the older list of `{key: NAME, value: VALUE}` items (mosaicml-cli's
+    EnvVarTranslation); the values as the run sees them, strings. Items of neither shape are
+    left out."""
+    given = data.get("env_variables")
+    if isinstance(given, Mapping):
+        pairs = list(given.items())
+    elif isinstance(given, list):
+        pairs = [(item.get("key"), item.get("value")) for item in given
+                 if isinstance(item, Mapping)]
+    else:
+        return {}
+    return {str(k): "" if v is None else str(v) for k, v in pairs
+            if isinstance(k, str) and not isinstance(v, (Mapping, list))}
+
+
 @rule("FP8401", "error", "an MCLI run config whose `parameters` is not a mapping, or that has "
       f"none although its command trains from {PARAMETERS_FILE}",
       why="MCLI writes `parameters` as given to /mnt/config/parameters.yaml, the file the "
