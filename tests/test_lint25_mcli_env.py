@@ -104,3 +104,30 @@ def test_env_variables_win_over_the_linters_shell(tmp_path: Path):
 ])
 def test_mcli_env_shapes(data, expected):
     assert mcli_env(data) == expected
+
+
+P = "/mnt/config/parameters.yaml"
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    (f"cd x\nexport FSDP_VERSION=2 A=$HOME\ncomposer train/train.py {P}", {"FSDP_VERSION": "2"}),
+    (f"FSDP_VERSION=2 WANDB_MODE=offline composer train/train.py {P} a=1",
+     {"FSDP_VERSION": "2", "WANDB_MODE": "offline"}),
+    (f"composer train/train.py {P}\nexport FSDP_VERSION=2", {"FSDP_VERSION": "1"}),  # after
+    (f"echo FSDP_VERSION=2 && composer train.py {P}", {"FSDP_VERSION": "1"}),  # an argument
+    (f"export FSDP_VERSION=$V\ncomposer train.py {P}", {}),  # the run's value, unknown here
+    ("export FSDP_VERSION=2", {"FSDP_VERSION": "1"}),  # trains from no parameters file
+])
+def test_the_commands_exports_over_env_variables(command, expected):
+    assert mcli_env({"command": command, "env_variables": {"FSDP_VERSION": "1"}}) == expected
+
+
+def test_an_exported_fsdp_version_is_fp8015(tmp_path: Path):
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN.format(env="").replace(
+        "  composer train/train.py", "  export FSDP_VERSION=2\n  composer train/train.py"))
+    entry = lint_file(path)
+    assert entry["error"] is None, entry["error"]
+    assert [f["key"] for f in entry["findings"] if f["rule"] == "FP8015"] == \
+        ["parameters.fsdp_config.activation_checkpointing",
+         "parameters.fsdp_config.te_checkpoint_wrapper"]

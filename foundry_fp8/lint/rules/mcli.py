@@ -4,6 +4,7 @@ The `parameters` mapping itself is linted as the train or eval config it is."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -76,12 +77,20 @@ def _train_arguments(command: Any) -> list[tuple[str, bool]] | None:
     if not isinstance(command, str) or PARAMETERS_FILE not in command:
         return None
     for words in _simple_commands(command):
-        texts = [text for text, _ in words]
-        for i, text in enumerate(texts[1:], 1):
-            script = texts[i - 1]
-            if text == PARAMETERS_FILE and (script.endswith(".py") or (
-                    script in ("train", "eval") and i > 1 and texts[i - 2] == "llmfoundry")):
-                return words[i + 1:]
+        at = _parameters_at([text for text, _ in words])
+        if at is not None:
+            return words[at + 1:]
+    return None
+
+
+def _parameters_at(texts: list[str]) -> int | None:
+    """Where a simple command's words hand PARAMETERS_FILE to a train or eval script (the word
+    before it ends in `.py`, or is `llmfoundry train|eval`); None when they do not."""
+    for i, text in enumerate(texts[1:], 1):
+        script = texts[i - 1]
+        if text == PARAMETERS_FILE and (script.endswith(".py") or (
+                script in ("train", "eval") and i > 1 and texts[i - 2] == "llmfoundry")):
+            return i
     return None
 
 
@@ -286,10 +295,11 @@ def mcli_gpus(data: Mapping[str, Any]) -> int | None:
 
 
 def mcli_env(data: Mapping[str, Any]) -> dict[str, str]:
-    """The environment an MCLI run config gives its run (`env_variables`): a mapping of names to
-    values (mcli 0.5+), or the older list of `{key: NAME, value: VALUE}` items (mosaicml-cli's
-    EnvVarTranslation); the values as the run sees them, strings. Items of neither shape are
-    left out."""
+    """The environment an MCLI run config gives its train script: `env_variables`, a mapping of
+    names to values (mcli 0.5+) or the older list of `{key: NAME, value: VALUE}` items
+    (mosaicml-cli's EnvVarTranslation), then what its `command:` exports before the train call
+    (`export NAME=VALUE`, `NAME=VALUE composer train.py ...`). Values as the run sees them,
+    strings; items of neither shape, and words the shell expands, are left out."""
     given = data.get("env_variables")
     if isinstance(given, Mapping):
         pairs = list(given.items())
@@ -297,9 +307,39 @@ def mcli_env(data: Mapping[str, Any]) -> dict[str, str]:
         pairs = [(item.get("key"), item.get("value")) for item in given
                  if isinstance(item, Mapping)]
     else:
+        pairs = []
+    env = {str(k): "" if v is None else str(v) for k, v in pairs
+           if isinstance(k, str) and not isinstance(v, (Mapping, list))}
+    merged = {**env, **_command_exports(data.get("command"))}
+    return {k: v for k, v in merged.items() if v is not None}
+
+
+_ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
+
+
+def _command_exports(command: Any) -> dict[str, str | None]:
+    """NAME -> value a shell script puts in the train (or eval) call's environment: its
+    `export NAME=VALUE` commands before that call, and the assignments leading the call itself
+    (bash passes both to the command it runs); None for a value the shell expands (the run's,
+    unknown here)."""
+    if _train_arguments(command) is None:
         return {}
-    return {str(k): "" if v is None else str(v) for k, v in pairs
-            if isinstance(k, str) and not isinstance(v, (Mapping, list))}
+    env: dict[str, str | None] = {}
+    for words in _simple_commands(command):
+        texts = [text for text, _ in words]
+        leading = words[1:] if texts[0] == "export" else []
+        trains = _parameters_at(texts) is not None
+        if trains:
+            leading = list(itertools.takewhile(lambda w: _ASSIGNMENT.fullmatch(w[0]), words))
+        for text, expands in leading:
+            assignment = _ASSIGNMENT.fullmatch(text)
+            if assignment and not expands:
+                env[assignment.group(1)] = assignment.group(2)
+            elif assignment:
+                env[assignment.group(1)] = None
+        if trains:
+            break
+    return env
 
 
 @rule("FP8401", "error", "an MCLI run config whose `parameters` is not a mapping, or that has "
