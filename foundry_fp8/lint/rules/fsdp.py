@@ -286,7 +286,8 @@ def te_fsdp_flags_without_fp8(config: Mapping[str, Any], ctx: LintContext) -> It
       why="Only FSDPConfig (FSDP1) has te_checkpoint_wrapper and te_shard_fp8_weight; under "
       "FSDP_VERSION=2 Composer drops them with a warning and recomputes with torch's "
       "checkpoint wrapper. The CLI reads FSDP_VERSION from its environment, as Composer "
-      "does, or for an MCLI run config from its `env_variables` (the run's environment).",
+      "does, or for an MCLI run config from its `env_variables` and what its command exports "
+      "before the train call (the run's environment).",
       source=f"{COMPOSER} composer/trainer/trainer.py _parse_parallelism_config, "
       "composer/utils/parallelism.py FSDP2Config, composer/distributed/prepare_distributed.py",
       fix="run FSDP1 (unset FSDP_VERSION), or turn activation_checkpointing off / remove the "

@@ -897,7 +897,8 @@ def _wandb_mode(logger: Any, ctx: LintContext) -> tuple[str | None, str]:
       "caught) or waits on the network. A warning with `fsdp_config.state_dict_type: sharded`, "
       "where Composer looks for a local symlink instead, except on one GPU (LLM-Foundry drops "
       "FSDP there). Judged from the config's W&B mode, else WANDB_MODE (or WANDB_DISABLED) "
-      "in an MCLI run config's `env_variables`, else where the linter runs.",
+      "in an MCLI run config's `env_variables` or its command's exports, else where the "
+      "linter runs.",
       source=f"{COMPOSER} composer/trainer/trainer.py:1437 (Event.INIT), :1618-1687 "
       "(autoresume), :1821-1849 (_try_checkpoint_download), :1888; "
       "composer/loggers/wandb_logger.py:185-215 (init) and :261-277 (download_file); wandb 0.18.7 "
