@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import functools
 import importlib.machinery
+import io
+import os
 import pickle
+import pickletools
 import sys
 import types
 from dataclasses import dataclass
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from foundry_fp8.te.facts import parse_version
+from foundry_fp8.te.facts import parse_version, refuses_pickled_extra_state
 
 
 @dataclass(frozen=True)
@@ -80,15 +83,87 @@ def _param(shape: tuple[int, ...], device: Any, dtype: torch.dtype | None) -> to
     return torch.nn.Parameter(tensor.normal_() if not tensor.is_meta else tensor)
 
 
-class _TEModule(torch.nn.Module):
-    """TE's modules save their FP8 state as a pickled `_extra_state` uint8 tensor (TE 2.20
-    pytorch/module/base.py `get_extra_state`, pytorch/ops/op.py for te.ops' LayerNorm)."""
+#: The keys of TE's pickled delayed-scaling state (TE 2.20.2 pytorch/_extra_state.py:25-30).
+_DELAYED_STATE_KEYS = {"scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"}
+#: TE's recipe classes by checkpoint policy (TE 2.20.2 pytorch/_extra_state.py:54-61).
+_RECIPE_MODULE = "transformer_engine.common.recipe"
+_KNOWN_RECIPES = {"DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling",
+                  "Float8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"}
+_STRING_OPCODES = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE",
+                   "BINUNICODE8", "SHORT_BINUNICODE"}
+_UNSAFE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(pickle.dumps({"recipe": None})), dtype=torch.uint8)
+
+def _unsafe_pickle(data: bytes) -> bool:
+    """TE 2.20.2's verdict on a pickled extra state (pytorch/_extra_state.py:113-187, read
+    without unpickling): ignored when it resolves no global and holds no delayed-scaling key,
+    or names a recipe whose class TE knows and keeps no state (current scaling); unsafe
+    otherwise (delayed scaling, TE 1.x's recipe-less state, an unknown payload)."""
+    try:
+        strings: list[str] = []
+        recipes: set[str] = set()
+        found_global = False
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in _STRING_OPCODES:
+                strings.append(arg.decode("utf-8", "replace") if isinstance(arg, bytes) else arg)
+            elif opcode.name in ("GLOBAL", "STACK_GLOBAL"):
+                found_global = True
+                ref = tuple(arg.split()) if opcode.name == "GLOBAL" else tuple(strings[-2:])
+                if len(ref) == 2 and ref[0] == _RECIPE_MODULE and ref[1] in _KNOWN_RECIPES:
+                    recipes.add(ref[1])
+    except Exception:  # TE: a payload it cannot read is unsafe
+        return True
+    delayed = bool(_DELAYED_STATE_KEYS & set(strings))
+    if not found_global and not delayed:
+        return False
+    return (delayed or "recipe" not in strings or not recipes or "DelayedScaling" in recipes)
+
+
+class _TEModule(torch.nn.Module):
+    """TE's `_extra_state` contract for a module that never ran in FP8 (the stand-in never does:
+    it holds no FP8 state), by the installed version (`te_version`). Saved (pytorch/module/
+    base.py `get_extra_state`): an empty uint8 tensor from TE 2.4 (base.py:1385-1386 in 2.20.2;
+    v2.4:768-769), a pickled None in a uint8 tensor in 2.0-2.3, a `torch.save`d None in a
+    BytesIO in 1.x. Loaded (`set_extra_state`): None, and from 2.4 an empty tensor, are no
+    state; older TE unpickles any tensor (an empty one fails); the TE_PICKLE_GUARD releases
+    (`facts.refuses_pickled_extra_state`) refuse a delayed-scaling or unknown pickle, and any
+    BytesIO, unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE is "1" (base.py:1419-1444 in 2.20.2)."""
+
+    te_version: tuple[int, ...] = (2, 20, 2)
+    #: the first TE whose `set_extra_state` skips an empty tensor, and whose save of no state is one
+    empty_from: tuple[int, ...] = (2, 4)
+
+    def get_extra_state(self) -> Any:
+        if self.te_version >= self.empty_from:
+            return torch.empty(0, dtype=torch.uint8)
+        if self.te_version >= (2,):
+            return torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8)
+        saved = io.BytesIO()
+        torch.save(None, saved)
+        return saved
 
     def set_extra_state(self, state: Any) -> None:
-        del state
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0
+                             and self.te_version >= self.empty_from):
+            return
+        guarded = refuses_pickled_extra_state(self.te_version)
+        allowed = os.environ.get(_UNSAFE_ENV, "0") == "1"
+        refusal = (f"Refusing to load pickled Transformer Engine extra state for "
+                   f"{type(self).__name__}. To load it anyway, set {_UNSAFE_ENV}=1.")
+        if isinstance(state, torch.Tensor):
+            data = state.detach().cpu().numpy().tobytes()
+            if guarded and not _unsafe_pickle(data):
+                return
+            if guarded and not allowed:
+                raise RuntimeError(refusal)
+            pickle.loads(data)  # the stand-in has no FP8 state to restore
+        elif isinstance(state, io.BytesIO):
+            if guarded and not allowed:
+                raise RuntimeError(refusal)
+            state.seek(0)
+            torch.load(state, weights_only=False)
+        else:
+            raise RuntimeError("Unsupported checkpoint format.")
 
 
 #: TE's default weight init, `utils.get_default_init_method` (N(0, 0.023)), TE 1.12-2.20.
@@ -173,7 +248,11 @@ class _LayerNormMLP(_TEModule):
 
 
 class _LayerNormOp(_TEModule):
-    """TE >= 1.13 (te.ops.LayerNorm): keyword-only eps/device/dtype."""
+    """TE >= 1.13 (te.ops.LayerNorm): keyword-only eps/device/dtype. Its op saves no state as
+    an empty tensor and skips one on load in every release (pytorch/ops/op.py, v1.13:589-590;
+    2.20.2:702-703, 713-714)."""
+
+    empty_from = (1, 13)
 
     def __init__(self, normalized_shape: Any, *, eps: float = 1e-5, device: Any = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -238,6 +317,7 @@ def install_fake_te(monkeypatch: pytest.MonkeyPatch, version: str = "2.20.2") ->
     from foundry_fp8.te import probe
 
     monkeypatch.setattr(probe, "te_version", lambda: parse_version(version))
+    monkeypatch.setattr(_TEModule, "te_version", parse_version(version))
     root = types.ModuleType("transformer_engine")
     root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
     root.__version__ = version

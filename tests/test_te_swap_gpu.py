@@ -137,7 +137,8 @@ def test_real_te_modules_save_and_load_the_plain_mpt_keys():
     """tests/test_plain_interop.py runs LLM-Foundry's checkpointer and loads with the stand-in
     TE; here real TE's modules: their state_dict leaves `_extra_state` out, made plain it loads
     strictly into the unconverted MPT, and the unconverted MPT's loads strictly back into them
-    (TE's set_extra_state taking the pickled None put in for the missing key)."""
+    (TE's set_extra_state taking the pickled None put in for the missing key), as does their own
+    through torch's full-state-dict loader (tests/test_te220_extra_state.py on the CPU)."""
     pytest.importorskip("transformer_engine.pytorch")
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
@@ -162,6 +163,18 @@ def test_real_te_modules_save_and_load_the_plain_mpt_keys():
     model.load_state_dict(plain.state_dict())  # strict
     assert torch.equal(model.transformer.blocks[0].ffn.fc1_weight,
                        plain.transformer.blocks[0].ffn.up_proj.weight)
+    # Composer's loader under FSDP's default full state dict hands TE's modules torch's
+    # `_EXTRA_STATE()` placeholder for the keys left out, which TE's set_extra_state refuses
+    # ("Unsupported checkpoint format.", module/base.py:1444 in 2.20.2)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    again = MPTForCausalLM(config).cuda()
+    apply_swap(again, plan_swap(again, SwapConfig(backend="te", fuse_ln_mlp=True,
+                                                  convert_layernorm=True)))
+    set_model_state_dict(again, dict(model.state_dict()),
+                         options=StateDictOptions(full_state_dict=True, strict=True))
+    assert torch.equal(again.transformer.blocks[1].ffn.fc2_weight,
+                       model.transformer.blocks[1].ffn.fc2_weight)
 
 
 def test_generation_inside_composer_s_fp8_autocast_runs_and_training_stays_fp8():
