@@ -122,12 +122,12 @@ def _unsafe_pickle(data: bytes) -> bool:
 class _TEModule(torch.nn.Module):
     """TE's `_extra_state` contract for a module that never ran in FP8 (the stand-in never does:
     it holds no FP8 state), by the installed version (`te_version`). Saved (pytorch/module/
-    base.py `get_extra_state`): an empty uint8 tensor from TE 2.4 (base.py:1385-1386 in 2.20.2;
+    base.py `get_extra_state`): an empty uint8 tensor from TE 2.4 (base.py:1388-1389 in 2.20.2;
     v2.4:768-769), a pickled None in a uint8 tensor in 2.0-2.3, a `torch.save`d None in a
     BytesIO in 1.x. Loaded (`set_extra_state`): None, and from 2.4 an empty tensor, are no
     state; older TE unpickles any tensor (an empty one fails); the TE_PICKLE_GUARD releases
     (`facts.refuses_pickled_extra_state`) refuse a delayed-scaling or unknown pickle, and any
-    BytesIO, unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE is "1" (base.py:1419-1444 in 2.20.2)."""
+    BytesIO, unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE is "1" (base.py:1419-1443 in 2.20.2)."""
 
     te_version: tuple[int, ...] = (2, 20, 2)
     #: the first TE whose `set_extra_state` skips an empty tensor, and whose save of no state is one

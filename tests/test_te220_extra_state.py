@@ -3,9 +3,10 @@
 te_swap's checkpoints leave TE's `_extra_state` out. torch's `set_model_state_dict` with a full
 state dict (Composer's loader under FSDP's default `state_dict_type: full`) hands each TE module
 whose key the checkpoint lacks torch's `_EXTRA_STATE()` placeholder, which TE 2.20.2's
-`set_extra_state` refuses ("Unsupported checkpoint format.", pytorch/module/base.py:1444): every
-resume of a te_swap run under FSDP failed on a GPU. The stand-in TE (tests/fake_te.py) accepted
-anything, so the CPU tests never saw it.
+`set_extra_state` refuses ("Unsupported checkpoint format.", pytorch/module/base.py:1443), so
+every resume of a te_swap run under FSDP would stop at the load (read in TE's and torch 2.11's
+sources, not yet seen on a GPU). The stand-in TE (tests/fake_te.py) accepted anything, so the
+CPU tests never saw it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def test_the_stand_in_refuses_what_te_2_20_2_refuses(fake_te, monkeypatch):
     import transformer_engine.pytorch as te
 
     layer = te.Linear(16, 16, device="cpu")
-    assert layer.get_extra_state().numel() == 0  # never ran in FP8 (base.py:1385-1386)
+    assert layer.get_extra_state().numel() == 0  # never ran in FP8 (base.py:1388-1389)
     layer.set_extra_state(inert_extra_state())
     layer.set_extra_state(torch.empty(0, dtype=torch.uint8))
     delayed = torch.frombuffer(bytearray(pickle.dumps(

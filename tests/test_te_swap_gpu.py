@@ -165,7 +165,7 @@ def test_real_te_modules_save_and_load_the_plain_mpt_keys():
                        plain.transformer.blocks[0].ffn.up_proj.weight)
     # Composer's loader under FSDP's default full state dict hands TE's modules torch's
     # `_EXTRA_STATE()` placeholder for the keys left out, which TE's set_extra_state refuses
-    # ("Unsupported checkpoint format.", module/base.py:1444 in 2.20.2)
+    # ("Unsupported checkpoint format.", module/base.py:1443 in 2.20.2)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     again = MPTForCausalLM(config).cuda()

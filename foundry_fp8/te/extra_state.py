@@ -35,7 +35,7 @@ def inert_extra_state() -> torch.Tensor:
 def extra_state_missing(state_dict: Mapping[str, Any], key: str) -> bool:
     """Whether a load would give TE's `set_extra_state` no `_extra_state` of its own under `key`:
     none, or one TE cannot read. TE takes None, a tensor or (TE 1.x) a BytesIO; anything else
-    raises "Unsupported checkpoint format." (TE 2.20.2 pytorch/module/base.py:1422-1444; te.ops'
+    raises "Unsupported checkpoint format." (TE 2.20.2 pytorch/module/base.py:1419-1443; te.ops'
     LayerNorm calls `.numel()` on it, ops/op.py:713). torch's `set_model_state_dict` with a full
     state dict (Composer's FSDP default) hands a module whose key the checkpoint lacks its
     `_EXTRA_STATE()` placeholder (torch/distributed/checkpoint/state_dict.py, torch 2.7 and 2.11:
