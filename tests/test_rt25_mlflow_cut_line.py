@@ -9,6 +9,8 @@ The run here is written with MLflow's own client, as Composer's MLFlowLogger wri
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,21 @@ def test_an_empty_metric_file_is_one_line_naming_it_not_a_traceback(tmp_path, ca
     [line] = captured.err.splitlines()
     assert line.startswith(f"error: {folder}: MLflow: Metric '{CUT}' is malformed")
     assert str(folder / "metrics" / CUT) in line and "Traceback" not in captured.err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_among_the_metric_files_is_one_line_not_a_hang(tmp_path, capsys):
+    """MLflow's client opens every metric file to read the run: at a FIFO it waited forever."""
+    folder = _run(tmp_path)
+    fifo = folder / "metrics" / CUT
+    fifo.unlink()
+    os.mkfifo(fifo)
+    done: list[int] = []
+    report = threading.Thread(daemon=True, target=lambda: done.append(
+        main(["report", str(folder), "--out", str(tmp_path / "out")])))
+    report.start()
+    report.join(120)  # a hang guard, no timing assert
+    assert done == [2]
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == (f"error: {folder}: {fifo}: neither a file nor a folder, where MLflow keeps a "
+                    "metric, param or tag in a file (MLflow's client would wait on it forever)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,21 +66,44 @@ def _run_dir(run: MlflowRun) -> Path | None:
 def unfinished(run: MlflowRun) -> dict[str, Path]:
     """{metric key: file} of a file-store run's metric files whose last line has no newline:
     MLflow's file store appends `timestamp value step` and a newline per point
-    (mlflow 2.22 store/tracking/file_store.py:990, `_log_run_metric`), so a process killed mid-append
-    leaves a line cut short, which MLflow's reader takes as it is (`_get_metric_from_line`):
-    cut to two fields it is a point at step 0 holding a later step's value, cut shorter (or an
-    empty file) an error for the whole run."""
+    (mlflow 2.22 store/tracking/file_store.py:990, `_log_run_metric`), so a process killed
+    mid-append leaves a line cut short, which MLflow's reader takes as it is
+    (`_get_metric_from_line`): cut to two fields it is a point at step 0 holding a later
+    step's value, cut shorter (or an empty file) an error for the whole run. ReportError (one
+    line) for an entry of the run's metrics, params or tags that is neither a file nor a
+    folder: MLflow's client opens every one, and a FIFO there would block the report forever."""
     folder = _run_dir(run)
     if folder is None:
         return {}
     cut: dict[str, Path] = {}
-    for path in sorted((folder / "metrics").rglob("*")):
+    for path in sorted(p for part in ("metrics", "params", "tags")
+                       for p in (folder / part).rglob("*")):
         try:
-            if path.is_file() and not path.read_bytes().endswith(b"\n"):
-                cut[path.relative_to(folder / "metrics").as_posix()] = path
+            mode = path.stat().st_mode
         except OSError:
             continue  # unreadable: MLflow's client says so when it reads it
+        if stat.S_ISDIR(mode):
+            continue
+        if not stat.S_ISREG(mode):
+            raise ReportError(f"{run.where}: {path}: neither a file nor a folder, where MLflow "
+                              "keeps a metric, param or tag in a file (MLflow's client would "
+                              "wait on it forever)")
+        if path.is_relative_to(folder / "metrics") and not _ends_a_line(path):
+            cut[path.relative_to(folder / "metrics").as_posix()] = path
     return cut
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether the file's last byte is a newline (its last byte alone read: a long run's metric
+    files are megabytes each); True where it cannot be read (MLflow's client says so)."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+    except OSError:
+        return True
 
 
 def _history(client: Any, run: MlflowRun, logged: str, cut: Mapping[str, Path]) -> list[Any]:
@@ -247,6 +271,7 @@ def load_mlflow(run: MlflowRun, warn: Callable[[str], None]
 def mlflow_params(run: MlflowRun) -> dict[str, Any]:
     """The run's params, parsed back from text (`_param`), read with MLflow's client."""
     client_class, mlflow_error = _mlflow(run)
+    unfinished(run)  # one line for a file MLflow's client would wait on
     try:
         params = client_class(tracking_uri=run.tracking_uri).get_run(run.run_id).data.params
     except (mlflow_error, ValueError) as e:  # the file store's ValueError: a line cut short
@@ -258,13 +283,14 @@ def mlflow_history(run: MlflowRun, key: str) -> list[tuple[int, dict[str, float]
     """(step, {key: value}) of one metric's history, in the order logged (`_records`), read with
     MLflow's client under the name the run's MLflow logger gave it (`rename_metrics`)."""
     client_class, mlflow_error = _mlflow(run)
+    cut = unfinished(run)
     try:
         client = client_class(tracking_uri=run.tracking_uri)
         params = {k: _param(v) for k, v in client.get_run(run.run_id).data.params.items()}
         renamed = _logger_options(params).get("rename_metrics")
         logged = renamed.get(key, key) if isinstance(renamed, Mapping) else key
         points = [(m.timestamp, m.step, key, m.value)
-                  for m in _history(client, run, str(logged), unfinished(run))]
+                  for m in _history(client, run, str(logged), cut)]
     except (mlflow_error, ValueError) as e:  # the file store's ValueError: a line cut short
         raise run.failed(str(e)) from None
     return _records(points)
