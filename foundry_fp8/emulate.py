@@ -319,9 +319,22 @@ def _warn_if_unfused() -> None:
     """TE's unfused update rolls every history column, those that recorded nothing too, and
     divides with torch.compile's arithmetic (quantization.py:1067-1166); the emulation models
     the fused kernel, so with the variable set its state would differ from TE's in silence.
-    Once per run (`_warn_once`): the update runs for every buffer at every step."""
+    Once per run (`_warn_once`): the update runs for every buffer at every step. Read as TE
+    2.20.2 reads it at every update, `bool(int(value))` (quantization.py:687-688): "00" is the
+    fused kernel, and a value `int` refuses ("true", "") stops TE's first delayed-scaling
+    update with ValueError, so it stops the emulation's too, in one line."""
     value = os.environ.get(UNFUSED_UPDATE_ENV)
-    if value is not None and value != "0":
+    if value is None:
+        return
+    try:
+        unfused = bool(int(value))
+    except ValueError:
+        raise ValueError(
+            f"{UNFUSED_UPDATE_ENV}={value!r}: TransformerEngine reads it with int() at every "
+            "delayed-scaling update and stops the first one with ValueError ('invalid literal "
+            f"for int()'); set {UNFUSED_UPDATE_ENV}=0 (TE's fused update, which the emulation "
+            "models) or 1, or unset it") from None
+    if unfused:
         _warn_once("unfused",
             f"{UNFUSED_UPDATE_ENV}={value}: TransformerEngine would update delayed scales with "
             "its unfused Python path (which also rolls histories that recorded nothing); the "
