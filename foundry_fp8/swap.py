@@ -39,7 +39,7 @@ from foundry_fp8.filters import (
 from foundry_fp8.fp8_meta import canonical_modules, canonical_name, is_fp8_module
 from foundry_fp8.options import OptionError, Problem, SwapConfig
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE
-from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX, inert_extra_state
+from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX, extra_state_missing, inert_extra_state
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
     LN_MLP_NORMALIZATIONS,
@@ -825,7 +825,7 @@ def _load_plain(module: nn.Module, state_dict: dict[str, Any], prefix: str, *arg
     del args
     _from_plain(module, state_dict, prefix)
     for own, plain in getattr(module, PLAIN_KEYS).items():
-        if plain is None and prefix + own not in state_dict:
+        if plain is None and extra_state_missing(state_dict, prefix + own):
             state_dict[prefix + own] = inert_extra_state()
 
 
