@@ -14,9 +14,8 @@ was cut from, unchanged in these functions since v2.18):
 - amax: `fmaxf(fabsf(in), amax)` from 0 (cast_transpose.cu:165, quantize_fp8.cuh:175), NaN
   skipped, Inf kept, max-accumulated into history row 0 (`atomicMaxFloat`, utils.cuh:935);
 - current scaling: `compute_scale_from_amax` (common/recipe/recipe_common.cuh:14-47) with
-  epsilon 0.0 and `value_for_inf` float32 max (current_scaling.cu:274-275); TE 2.20.2's
-  Float8CurrentScaling QParams default `amax_epsilon=0.0` for input, weight and grad
-  (common/recipe/__init__.py:305-307);
+  `value_for_inf` float32 max (current_scaling.cu:274-275); TE 2.20.2's Float8CurrentScaling
+  QParams set `amax_epsilon=0.0` for input, weight and grad (common/recipe/__init__.py:304-306);
 - delayed scaling: `kernel_bulk` (common/recipe/delayed_scaling.cu:160-253), scaled_max =
   `fp8_max * std::pow(2.f, -margin)` (l. 330-331, 391), run by TE 2.20.2's
   `reduce_and_update_fp8_tensors` (pytorch/quantization.py:656-711) on the fused path.
@@ -172,11 +171,12 @@ def te_amax(values: list[float]) -> float:
     return out
 
 
-def te_current_scale(amax_value: float, fp8_max: float, power_2: bool) -> float:
-    """recipe_common.cuh:14-47 with epsilon 0 and value_for_inf float32 max."""
+def te_current_scale(amax_value: float, fp8_max: float, power_2: bool,
+                     epsilon: float = 0.0) -> float:
+    """recipe_common.cuh:14-47 with value_for_inf float32 max."""
     a = F32(amax_value)
-    if a < F32(0.0):  # `amax < epsilon`: never for an amax, kept as TE writes it
-        a = F32(0.0)
+    if a < F32(epsilon):  # NaN compares false: kept, then scale 1
+        a = F32(epsilon)
     if math.isinf(a) or a == 0 or math.isnan(a):
         return 1.0
     with np.errstate(over="ignore"):
@@ -193,13 +193,15 @@ AMAXES = [0.0, math.inf, math.nan, 1e-45, 1e-40, 1.1754942e-38, 1.2e-38, 3.7e-36
           1.0, 447.99997, 448.0, 448.00003, 57344.0, 1e20, 3.0e38, FLT_MAX]
 
 
+@pytest.mark.parametrize("epsilon", [0.0, 1e-3])
 @pytest.mark.parametrize("power_2", [False, True])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_current_scale_is_compute_scale_from_amax(fmt, power_2):
+def test_current_scale_is_compute_scale_from_amax(fmt, power_2, epsilon):
     gen = np.random.default_rng(7)
     amaxes = AMAXES + [float(F32(v)) for v in 10.0 ** gen.uniform(-38, 38, 400)]
-    got = current_scale(torch.tensor(amaxes, dtype=torch.float32), fmt, power_2=power_2).tolist()
-    want = [te_current_scale(a, SPEC[fmt][2], power_2) for a in amaxes]
+    got = current_scale(torch.tensor(amaxes, dtype=torch.float32), fmt, epsilon=epsilon,
+                        power_2=power_2).tolist()
+    want = [te_current_scale(a, SPEC[fmt][2], power_2, epsilon) for a in amaxes]
     bad = [(a, g, w) for a, g, w in zip(amaxes, got, want, strict=True) if g != w]
     assert not bad, f"{len(bad)} of {len(amaxes)}: {bad[:4]}"
 
@@ -421,3 +423,25 @@ def test_unfused_switch_int_refuses_stops_the_first_update_as_te(monkeypatch, va
         _one_delayed_step()
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"NVTE_UNFUSED_FP8_UPDATE={value!r}: ")
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_restored_odd_scales_are_kept_or_replaced_as_kernel_bulk(algo):
+    """Scales a checkpoint may hold (Inf, NaN, 0, float32 max, a denormal) meet amaxes of 0
+    (nothing recorded), Inf and a finite value: kept where the amax is unusable, but an Inf
+    kept becomes float32 max (delayed_scaling.cu:238-249)."""
+    odd = [math.inf, math.nan, 0.0, FLT_MAX, 1e-40]
+    cases = [(s, a) for s in odd for a in (0.0, math.inf, 2.5)]
+    history = torch.zeros(3, len(cases))
+    history[0] = torch.tensor([a for _, a in cases])
+    history[1] = 7.0  # an older amax in the window
+    scale = torch.tensor([s for s, _ in cases])
+    new_history, new_scale = delayed_scale_update(history, scale, 448.0, algo, 1)
+    for i, (s, a) in enumerate(cases):
+        col = KernelBulk(3)
+        col.history = [F32(a), F32(7.0), F32(0.0)]
+        col.scale = F32(s)
+        col.update(448.0, algo, 1)
+        assert new_history[:, i].tolist() == [float(v) for v in col.history], (s, a)
+        got, want = new_scale[i].item(), float(col.scale)
+        assert got == want or (math.isnan(got) and math.isnan(want)), (s, a, got, want)
