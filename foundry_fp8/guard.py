@@ -30,7 +30,6 @@ saying the guard moved nothing, as if no layer had failed.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -44,9 +43,8 @@ from foundry_fp8.health import (
     direction,
     md_escape,
     nonfinite,
-    short_layer,
 )
-from foundry_fp8.health.rules import NONFINITE_CHANGE, NOT_CLIPPED, cast_place
+from foundry_fp8.health.rules import NONFINITE_CHANGE, NOT_CLIPPED, cast_place, layers_regex
 from foundry_fp8.health.specs import known_first
 from foundry_fp8.options import FP8GuardOptions as GuardConfig
 
@@ -571,12 +569,10 @@ class GuardCore:
 
 
 def exclude_regex(layers: Iterable[str], existing: str | None = None) -> str:
-    """te_swap's `exclude` that keeps `layers` (and what `existing` excluded) in high precision:
-    te_swap searches the regex in module names, so each layer matches at the end of its name."""
-    parts = [f"{re.escape(short_layer(layer))}$" for layer in sorted(layers)]
-    if existing:
-        parts.insert(0, f"(?:{existing})")
-    return "|".join(parts)
+    """te_swap's `exclude` that keeps `layers` (names in the keys) and what `existing` excluded
+    in high precision, and no other layer (`layers_regex`)."""
+    pattern = layers_regex(layers)
+    return f"(?:{existing})|{pattern}" if existing else pattern
 
 
 def static_yaml(layers: Iterable[str], existing: str | None = None) -> str:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import re
 
+import yaml
+
 from foundry_fp8.cli import main
 from foundry_fp8.filters import filter_reason
 from foundry_fp8.health.keys import HIGH_PRECISION, parse_key
-from foundry_fp8.health.rules import Flag
+from foundry_fp8.health.rules import Flag, layers_regex
 from foundry_fp8.options import SwapConfig
 from foundry_fp8.report.markdown import EXCLUDE_TOGETHER, Finding, excluded_together, not_converted
 from tests.tiny_run import run_folder, run_tiny
@@ -52,21 +54,27 @@ def test_an_excluded_layer_is_what_if_in_the_report_and_not_advised_again(
                    and "exclude:" not in line for line in said), said
         together = [line for line in text.splitlines() if EXCLUDE_TOGETHER[:40] in line]
         assert len(together) == 1 and together[0].count("Wqkv$") == 1, together  # the run's
-    # the other block-1 layers are advised, joined once to the run's own exclude
-    assert re.search(r"blocks\\\.1\\\.ffn\\\.down_proj\$", out)
+    # the other block-1 layers are advised, joined once to the run's own exclude: given to
+    # te_swap, it keeps exactly block 1's layers out of FP8
+    [joined] = re.findall(r"algorithms: \{te_swap: \{exclude: '.*'\}\}", together[0])
+    exclude = yaml.safe_load(joined)["algorithms"]["te_swap"]["exclude"]
+    assert {layer for layer in logged if filter_reason(
+        f"model.transformer.{layer}", SwapConfig(exclude=exclude), 3)} == {
+        layer for layer in logged if layer.startswith("blocks.1.")}
 
 
 def test_the_joined_exclude_leaves_out_layers_the_run_already_excludes():
     """The deciding function: the run's exclude matches the flagged layer as te_swap searches
     module names, so only the other layer is joined."""
     def found(layer: str) -> Finding:
-        key = f"algorithms.te_swap.exclude: '{re.escape(layer)}$'"
+        key = f"algorithms.te_swap.exclude: '{layers_regex([layer])}'"
         return Finding(Flag("cos_low", layer, "weight", 10, "cos_sim", 0.9, "< 1", "c", key),
                        10, 1, 2, whatif=1 if layer == EXCLUDED else 0, worst_whatif=True)
 
     flagged = [found(EXCLUDED), found("blocks.1.ffn.up_proj")]
     assert excluded_together(flagged, {}, EXCLUDE) == (
-        r"algorithms: {te_swap: {exclude: '(?:blocks\.1\.attn\.Wqkv$)|blocks\.1\.ffn\.up_proj$'}}")
+        r"algorithms: {te_swap: {exclude: '(?:blocks\.1\.attn\.Wqkv$)|"
+        r"^(?:model\.)?(?:transformer\.)?blocks\.1\.ffn\.up_proj$'}}")
     assert excluded_together(flagged[:1], {}, EXCLUDE) is None
     note = not_converted(flagged[0], {}, EXCLUDE)
     assert note is not None and not note[1] and "no change" in note[0]

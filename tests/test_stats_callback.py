@@ -26,6 +26,10 @@ from foundry_fp8.options import SwapConfig
 from foundry_fp8.recipe import FP8Recipe
 from tests.tiny_run import run_folder, run_tiny
 
+#: The advised exclude's start: a key's name is te_swap's with or without these fronts.
+FRONTS = r"^(?:model\.)?(?:transformer\.)?"
+ADVISED_0 = FRONTS + "0$"  # the exclude advised for layer '0', and no other layer
+
 
 def test_monitor_matches_tensor_stats_and_flags_the_outlier_layer():
     torch.manual_seed(0)
@@ -102,16 +106,17 @@ def test_a_warning_on_what_if_numbers_says_so_and_advises_accordingly():
     # keep_first_blocks would leave layer '0' in FP8: its own exclude keeps it out
     assert own == (f"FP8 weight of layer '0' at step 0: underflow_pct {underflow['0']:.3g} % "
                    "(> 5 %). Likely cause: the tensor's range is wider than FP8 holds at this "
-                   "layer. Change: algorithms.te_swap.exclude: '0$'")
-    assert filter_reason("0", SwapConfig(exclude="0$"), 0) is not None
+                   "layer. Change: algorithms.te_swap.exclude: '" + ADVISED_0 + "'")
+    assert filter_reason("0", SwapConfig(exclude=ADVISED_0), 0) is not None
     assert filter_reason("0", SwapConfig(keep_first_blocks=1), 0) is None
-    assert filter_reason("1", SwapConfig(exclude="0$"), 0) is None
+    assert filter_reason("1", SwapConfig(exclude=ADVISED_0), 0) is None
+    assert filter_reason("10", SwapConfig(exclude=ADVISED_0), 0) is None  # `0$` matched it
     assert whatif == (
         f"FP8 what-if for the weight of layer '1' at step 0 (it does not run in FP8; these "
         f"numbers are what fp8_stats' recipe (current scaling) would do to it): underflow_pct "
         f"{underflow['1']:.3g} % (> 5 %). Likely cause: the tensor's range is wider than FP8 "
         f"holds at this layer. Keep it out of FP8 (where te_swap would convert it: "
-        f"algorithms.te_swap.exclude: '1$')")
+        f"algorithms.te_swap.exclude: '{FRONTS}1$')")
     assert fallback.startswith("FP8 what-if for the weight of layer '2' at step 0 (fp8_guard "
                                "runs it in high precision; these numbers are what fp8_stats' "
                                "recipe (current scaling) would do to it)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from foundry_fp8.blocks import block_index
-from foundry_fp8.health.keys import INITIAL_SCALE, TENSORS, direction, summary_key
+from foundry_fp8.health.keys import _FRONT, INITIAL_SCALE, TENSORS, direction, summary_key
 from foundry_fp8.health.specs import badness, worse_of
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
 from foundry_fp8.recipe import DELAYED_ONLY
@@ -410,7 +410,18 @@ class HealthTracker:
                 return f"{SWAP}.keep_last_blocks: 1"
             if block == 0:
                 return f"{SWAP}.keep_first_blocks: 1"
-        return f"{SWAP}.exclude: '{re.escape(layer)}$'"
+        return f"{SWAP}.exclude: '{layers_regex([layer])}'"
+
+
+def layers_regex(layers: Iterable[str]) -> str:
+    """te_swap's `exclude` matching exactly these layers (one or more, named as in the keys), so
+    that following the advice keeps no other layer out of FP8: te_swap searches it in its module
+    names, a key's with the fronts `short_layer` removed or not (`full_forms`), so it is anchored
+    at both ends (`fc$` also matched `blocks.0.fc` and `up_fc`; `layers\\.1\\.fc$`,
+    `vision.layers.1.fc`). One layer's holds no `|`, so the report's tables show it as code."""
+    fronts = "".join(f"(?:{re.escape(front)})?" for front in _FRONT)
+    names = sorted(re.escape(layer) for layer in layers)
+    return f"^{fronts}" + (names[0] if len(names) == 1 else f"(?:{'|'.join(names)})") + "$"
 
 
 def summary_metrics(table: Table, raised: Mapping[tuple[str, str], list[Flag]],

@@ -26,6 +26,7 @@ from foundry_fp8.guard import (
 )
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
 from foundry_fp8.health.history import whatif_rows, whatif_worst, worst_layers
+from foundry_fp8.health.keys import full_forms
 from foundry_fp8.health.loss import LossComparison, LossSpike
 from foundry_fp8.health.plots import common_prefix
 from foundry_fp8.health.rules import KEEP_OUT, SWAP, cast_order
@@ -251,7 +252,7 @@ def layer_names(run: RunMetrics, guard: GuardRun | None) -> dict[str, str]:
 
 def change_key(key: str) -> str:
     """A flag's YAML key as shown: whole unless a layer name of hundreds of characters made it
-    (`exclude: '<the layer>$'`)."""
+    (its `exclude`, `health.rules.layers_regex`)."""
     return bounded(key, 3 * LABEL_CHARS)
 
 
@@ -297,7 +298,7 @@ EXCLUDE_TOGETHER = ("The exclude changes at once (te_swap reads one exclude, so 
 def excluded_together(found: list[Finding], fallen: Collection[str], existing: str | None
                       ) -> str | None:
     """One te_swap `exclude` for every flagged layer whose change is its own `exclude`, joined to
-    the run's (`existing`): te_swap reads one regex, so two rows' `exclude: '<layer>$'` typed in
+    the run's (`existing`): te_swap reads one regex, so two rows' own `exclude` typed in
     turn kept the last layer only, and either dropped the run's own. None where one row says it
     all (one such layer, no exclude of the run's). Layers fp8_guard ran in high precision: its
     own line; layers the run's exclude already keeps out: none (it said them again)."""
@@ -311,10 +312,13 @@ def excluded_together(found: list[Finding], fallen: Collection[str], existing: s
 
 def swap_excluded(layer: str, exclude: str | None) -> bool:
     """Whether te_swap's `exclude` (the run's) keeps `layer` out of FP8: te_swap searches the
-    regex in each module name (`filters.search`); one that runs out of time, or that no run's
-    te_swap took (not a regex: the hyperparameters are the report's input), matches nothing."""
+    regex in each module name (`filters.search`), which is the key's name or one of its
+    `full_forms` (`^model\\.transformer\\.blocks\\.1\\.` is not found in `blocks.1.fc`); one
+    that runs out of time, or that no run's te_swap took (not a regex: the hyperparameters are
+    the report's input), matches nothing."""
     try:
-        return exclude is not None and search(f"{SWAP}.exclude", exclude, layer)
+        return exclude is not None and any(search(f"{SWAP}.exclude", exclude, form)
+                                           for form in full_forms(layer))
     except (OptionError, regex.error):
         return False
 
@@ -323,7 +327,7 @@ def not_converted(f: Finding, fallen: Collection[str], exclude: str | None
                   ) -> tuple[str, bool] | None:
     """The note on a flag whose numbers are all what-if and whose layer fp8_guard did not move:
     te_swap left it in high precision, so its advice is what running it in FP8 would take, none
-    where that is the run's own exclude (the report said `exclude: '<layer>$'` again). As
+    where that is the run's own exclude (the report said its exclude again). As
     `Flag.whatif_message` says it during the run. The note, and whether the flag's change follows
     it; None for other flags (NaN/Inf are counted in the high-precision tensor: its own advice)."""
     w = f.worst
