@@ -445,3 +445,30 @@ def test_restored_odd_scales_are_kept_or_replaced_as_kernel_bulk(algo):
         assert new_history[:, i].tolist() == [float(v) for v in col.history], (s, a)
         got, want = new_scale[i].item(), float(col.scale)
         assert got == want or (math.isnan(got) and math.isnan(want)), (s, a, got, want)
+
+
+def test_scale_inverse_is_frcp_rn_at_the_extremes():
+    """`scale_inv = 1 / scale` rounded once (`reciprocal` -> __frcp_rn, utils.cuh), denormal
+    results kept (no fast math): float32 max's reciprocal is a float32 denormal, which the
+    dequantize of an overflowing delayed scale multiplies by."""
+    scales = [FLT_MAX, 2.0 ** 127, 3.0e38, 448.0 / 3.0, 1.1754944e-38, 1e-40, 7.0, 0.1]
+    got = scale_inverse(torch.tensor(scales, dtype=torch.float32)).tolist()
+    with np.errstate(over="ignore"):
+        want = [float(F32(1) / F32(s)) for s in scales]
+    assert got == want
+    assert 0 < got[0] < 1.1754944e-38  # a denormal, not flushed
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_random_float32_bit_patterns_cast_as_satfinite_rne(fmt):
+    """20,000 float32 bit patterns drawn uniformly from all 2**32 (NaNs with payloads, Infs,
+    denormals, both signs), then 20,000 within the format's range, at scale 1."""
+    gen = np.random.default_rng(2520)
+    wide = gen.integers(0, 2 ** 32, 20_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    near = (gen.uniform(-1, 1, 20_000) * 2.0 ** gen.uniform(-20, 17, 20_000)).astype(np.float32)
+    for values in (wide, near):
+        got = quantize(torch.from_numpy(values.copy()), torch.tensor(1.0), fmt).view(
+            torch.uint8).tolist()
+        want = [fp8_byte(float(v), fmt) for v in values]
+        bad = [(float(v), g, w) for v, g, w in zip(values, got, want, strict=True) if g != w]
+        assert not bad, f"{len(bad)} differ, e.g. {bad[:5]}"
