@@ -31,6 +31,8 @@ class WandbRun:
     files: list[str] = field(default_factory=list)  # media files the run uploads
     complete: bool = False  # the run's exit record is written: nothing more will come
     killed: bool = False  # no exit record, and none will come (`read_runs`' `dead`)
+    # the byte where W&B's reader met a damaged block with more written after it (`_records`)
+    damaged_at: int | None = None
 
     def steps(self, key: str) -> list[int]:
         """The steps of the rows that hold `key`, in order."""
@@ -64,19 +66,41 @@ def run_files(folder: str | Path) -> list[Path]:
                   key=lambda p: p.parent.name) or sorted(folder.glob("run-*.wandb"))
 
 
-def _records(path: Path) -> Iterator[Any]:
+def _records(run: WandbRun) -> Iterator[Any]:
+    """The run file's records as W&B's reader gives them, up to where it stops: the end, or a
+    block it asserts on (wandb/sdk/internal/datastore.py `scan_data`: a checksum or length that
+    does not match). Where whole blocks follow that one (`_written_after`), the file is damaged
+    there, not merely cut short by a kill: `run.damaged_at`."""
     from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal.datastore import DataStore
+    from wandb.sdk.internal.datastore import LEVELDBLOG_BLOCK_LEN, DataStore
 
     store = DataStore()
-    store.open_for_scan(str(path))
     try:
+        store.open_for_scan(str(run.path))  # asserts on a header cut short or damaged
         while (data := store.scan_data()) is not None:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(data)
             yield record
+    except AssertionError:  # W&B's reader asserts on a truncated or damaged block
+        at = store._index  # where it stopped: W&B's reader keeps its position nowhere public
+        if _written_after(run.path, -(-(at + 1) // LEVELDBLOG_BLOCK_LEN) * LEVELDBLOG_BLOCK_LEN):
+            run.damaged_at = at
     finally:
         store.close()
+
+
+def _written_after(path: Path, offset: int) -> bool:
+    """Whether the file holds a nonzero byte from `offset` on (a kill leaves nothing there; a
+    power cut leaves zeros)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            while chunk := f.read(1 << 20):
+                if chunk.strip(b"\0"):
+                    return True
+    except OSError:
+        return False
+    return False
 
 
 def _item_key(item: Any) -> str:
@@ -105,14 +129,7 @@ def scan(run: WandbRun, history: bool = True) -> Iterator[dict[str, Any]]:
     `complete` on the way; with `history=False` each row holds its `_step` alone, the values
     left unparsed (a run's config and steps). Ends at a partial last record, as `read_run`
     does."""
-    records = _records(run.path)
-    while True:
-        try:
-            record = next(records)
-        except StopIteration:
-            break
-        except AssertionError:  # W&B's reader asserts on a truncated last block
-            break
+    for record in _records(run):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row: dict[str, Any] = {}

@@ -451,7 +451,11 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
         rows = read.steps[-1]
         read_rows = f"{len(rows)} history row(s) read, up to step {max(rows)}" if rows else (
             "no history row read")
-        unfinished = (f"{live.path}: no exit record yet: the run is still being written (or was "
+        unfinished = (f"{live.path}: damaged at byte {live.damaged_at} of "
+                      f"{live.path.stat().st_size}, with more written after it: W&B's own reader "
+                      f"(`wandb sync` too) stops there; {read_rows}"
+                      if live.damaged_at is not None else
+                      f"{live.path}: no exit record yet: the run is still being written (or was "
                       f"killed); {read_rows}")
         if not run.values and _run_above(given) is None:  # else: where the metrics.jsonl is
             raise NoStatistics(f"{unfinished}, no FP8 statistics among them yet (fp8_stats logs "
