@@ -38,9 +38,9 @@ MARKERS = (INITIAL_SCALE, HIGH_PRECISION, UNCAST)
 SUMMARIES = ("worst_underflow_pct", "worst_overflow_pct", "worst_cos_sim", "flagged_layers",
              "nonfinite")
 _STAT = re.compile(r"[^/\s]+")  # any name without a `/` or space (TE has `underflows%`)
-# Module-name segments that are not layers: the Composer/HF wrappers' attribute names at the
-# front (`model.transformer.blocks.0...` -> `blocks.0...`).
-_FRONT = ("model.", "transformer.")
+#: Module-name segments that are not layers: the Composer/HF wrappers' attribute names at the
+#: front (`model.transformer.blocks.0...` -> `blocks.0...`); te_swap advice anchors on them.
+FRONTS = ("model.", "transformer.")
 
 
 def direction(tensor: str) -> Literal["forward", "backward"]:
@@ -99,8 +99,8 @@ def full_forms(layer: str) -> list[str]:
     fp8_stats' regexes, and their logs, see those): `blocks.0.attn.Wqkv` may be
     `model.transformer.blocks.0.attn.Wqkv`, `model.blocks.0...`, ... The key's own form first."""
     forms = [layer]
-    for k in range(1, len(_FRONT) + 1):
-        for fronts in itertools.combinations(_FRONT, k):
+    for k in range(1, len(FRONTS) + 1):
+        for fronts in itertools.combinations(FRONTS, k):
             forms.append("".join(fronts) + layer)
     return forms
 
@@ -108,7 +108,7 @@ def full_forms(layer: str) -> list[str]:
 def short_layer(name: str) -> str:
     """The layer's name in keys: `model.transformer.blocks.0.attn.Wqkv` -> `blocks.0.attn.Wqkv`
     (the caller has already removed FSDP/DDP/checkpoint wrapper segments)."""
-    for front in _FRONT:
+    for front in FRONTS:
         name = name.removeprefix(front)
     return name
 

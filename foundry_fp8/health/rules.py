@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from foundry_fp8.blocks import block_index
-from foundry_fp8.health.keys import _FRONT, INITIAL_SCALE, TENSORS, direction, summary_key
+from foundry_fp8.health.keys import FRONTS, INITIAL_SCALE, TENSORS, direction, summary_key
 from foundry_fp8.health.specs import badness, worse_of
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
 from foundry_fp8.recipe import DELAYED_ONLY
@@ -419,7 +419,7 @@ def layers_regex(layers: Iterable[str]) -> str:
     names, a key's with the fronts `short_layer` removed or not (`full_forms`), so it is anchored
     at both ends (`fc$` also matched `blocks.0.fc` and `up_fc`; `layers\\.1\\.fc$`,
     `vision.layers.1.fc`). One layer's holds no `|`, so the report's tables show it as code."""
-    fronts = "".join(f"(?:{re.escape(front)})?" for front in _FRONT)
+    fronts = "".join(f"(?:{re.escape(front)})?" for front in FRONTS)
     names = sorted(re.escape(layer) for layer in layers)
     return f"^{fronts}" + (names[0] if len(names) == 1 else f"(?:{'|'.join(names)})") + "$"
 
