@@ -7,7 +7,8 @@ and >= 2.18 refuse to unpickle a delayed-scaling one without NVTE_ALLOW_UNSAFE_P
 before any callback could help. te_swap's modules save no `_extra_state` key at all
 (`swap._save_plain`); other TE modules (`fc_type: te`) keep the key but store a pickled `None`,
 which every TE from 1.12 to 2.20 loads as "no state" (an empty tensor would be skipped too from
-TE 2.4 on, but older TE fails to unpickle it). At INIT it also makes FSDP activation
+TE 2.4 on, but older TE fails to unpickle it), and load that `None` where a checkpoint lacks the
+key (a bf16 run's: TE 2.20.2 refuses torch's placeholder for it under FSDP). At INIT it also makes FSDP activation
 checkpointing recompute under FP8 (TE #1190), and for the first batches it watches for the
 #1190 symptom: forward amax histories rolling while the backward ones never do.
 """
@@ -59,7 +60,11 @@ from foundry_fp8.restore import (
 )
 from foundry_fp8.swap import MPT_MLP_LINEARS
 from foundry_fp8.te import backend as te_backend
-from foundry_fp8.te.extra_state import holds_te_scaling_state, inert_extra_state_hook
+from foundry_fp8.te.extra_state import (
+    holds_te_scaling_state,
+    inert_extra_state_hook,
+    inert_when_missing_hook,
+)
 from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted
 from foundry_fp8.te.probe import is_te_module
 from foundry_fp8.te.recompute import recompute_plan
@@ -94,6 +99,10 @@ _LOST = {
     "_inert_extra_state_on_save": "saving TE modules' _extra_state as 'no state' (checkpoints "
                                   "may hold TE's pickled FP8 state, which TE >= 2.16.1 refuses "
                                   "to load)",
+    "_inert_extra_state_on_load": "loading checkpoints without TE's _extra_state (a bf16 "
+                                  "run's, te_swap's) into TE modules: under FSDP "
+                                  "state_dict_type full, TE refuses torch's stand-in for the "
+                                  "missing key",
     "_see_loaded_entries": "its notes on this load (weights-only, a bf16 checkpoint, fp8_guard "
                            "fallbacks without fp8_guard)",
     "accept_sharded_checkpoints": "loading sharded checkpoints saved without fp8_state",
@@ -251,6 +260,8 @@ class FP8State(Callback):
         self._unhook()  # this callback given to another Trainer that was never closed
         self._guarded(Event.BEFORE_LOAD, "_inert_extra_state_on_save",
                       self._inert_extra_state_on_save, state.model)
+        self._guarded(Event.BEFORE_LOAD, "_inert_extra_state_on_load",
+                      self._inert_extra_state_on_load, state.model)
         self._guarded(Event.BEFORE_LOAD, "_see_loaded_entries", self._see_loaded_entries, state)
         self._guarded(Event.BEFORE_LOAD, "accept_sharded_checkpoints",
                       self.accept_sharded_checkpoints)
@@ -342,6 +353,18 @@ class FP8State(Callback):
         for module in model.modules():  # FP8 modules, and TE's ops (te.LayerNorm)
             if is_fp8_module(module) or is_te_module(module):
                 self._hooks.append(module.register_state_dict_post_hook(inert_extra_state_hook))
+
+    def _inert_extra_state_on_load(self, model: nn.Module) -> None:
+        """At BEFORE_LOAD: a TE module whose `_extra_state` the checkpoint lacks (a bf16 run's
+        torch layers continued with `fc_type: te`, a te_swap checkpoint) loads the inert one
+        and keeps its fresh FP8 metadata; fp8_state restores the FP8 state itself. Without it,
+        Composer's loader under FSDP `state_dict_type: full` (torch's `set_model_state_dict`,
+        full_state_dict) hands TE torch's `_EXTRA_STATE()` placeholder and TE 2.20.2 stops the
+        load ("Unsupported checkpoint format.", pytorch/module/base.py:1443)."""
+        for module in model.modules():  # as `_inert_extra_state_on_save`; the hook skips a
+            if is_fp8_module(module) or is_te_module(module):  # module without the key
+                self._hooks.append(module.register_load_state_dict_pre_hook(
+                    inert_when_missing_hook))
 
     def _see_loaded_entries(self, state: State) -> None:
         """Composer hands each callback only its own checkpoint entry, and none to a callback

@@ -46,6 +46,27 @@ def extra_state_missing(state_dict: Mapping[str, Any], key: str) -> bool:
     return not (state_dict[key] is None or isinstance(state_dict[key], (torch.Tensor, io.BytesIO)))
 
 
+def has_extra_state(module: nn.Module) -> bool:
+    """Whether `module.state_dict()` holds an `_extra_state` key (TE's modules do): torch adds
+    one where the class overrides `get_extra_state`."""
+    return type(module).get_extra_state is not nn.Module.get_extra_state
+
+
+def inert_when_missing_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                            *args: Any) -> None:
+    """A load_state_dict pre-hook giving `module` the inert `_extra_state` where the load holds
+    none TE can read (`extra_state_missing`), so TE keeps the FP8 metadata it has: a checkpoint
+    of torch layers (a bf16 run's) or te_swap's, loaded by torch's full-state-dict loader
+    (Composer under FSDP `state_dict_type: full`), would hand TE torch's placeholder, which TE
+    2.20.2 refuses (pytorch/module/base.py:1443), and a strict load without FSDP would stop on
+    the missing key. Not for TE's `fp8_model_init` modules, which read the key before any
+    pre-hook runs (base.py:1925-1928)."""
+    del args
+    key = prefix + EXTRA_STATE_SUFFIX
+    if has_extra_state(module) and extra_state_missing(state_dict, key):
+        state_dict[key] = inert_extra_state()
+
+
 def without_pickled_extra_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a model state_dict whose `_extra_state` entries hold no pickled state.
 
