@@ -104,42 +104,62 @@ def test_torch_s_full_state_dict_load_gives_te_the_inert_state_until_close(fake_
 
 
 def _fsdp_worker(rank: int, rendezvous: str, folder: str, out: str) -> None:
-    """Real Composer Trainers on 2 gloo ranks under FSDP2 `state_dict_type: full` (FSDP1's
-    default, whose load is the same `set_model_state_dict` call; Composer's FSDP1 needs CUDA):
-    a weights-only `load_path` of a bf16 run's full checkpoint, without and with fp8_state."""
+    """Real Composer Trainers on 2 gloo ranks under FSDP2, per `state_dict_type` (full: FSDP1's
+    default, whose load is the same `set_model_state_dict` call, and Composer's FSDP1 needs
+    CUDA; sharded: FSDP2's default): a weights-only `load_path` of a bf16 FSDP run's checkpoint,
+    without and with fp8_state."""
+    from composer import Trainer
+    from composer.models import ComposerClassifier
     from composer.utils.parallelism import FSDP2Config
+    from torch.distributed.tensor import DTensor
 
     from foundry_fp8.composer.state import FP8State
     from tests.fake_te import install_fake_te
 
     init_rank(rank, rendezvous)
     install_fake_te(pytest.MonkeyPatch())
-    path = os.path.join(folder, "bf16.pt")
-    saved = _bf16_checkpoint(path)  # each rank saves what it has: rank 0 writes the file
-    full = {"parallelism_config": {"fsdp": FSDP2Config(state_dict_type="full")}}
-    result: dict[str, Any] = {}
-    try:
-        _fp8_trainer(path, [], **full).close()
-        result["without"] = "loaded"
-    except RuntimeError as error:
-        result["without"] = str(error)
-    trainer = _fp8_trainer(path, [FP8State()], **full)
-    from torch.distributed.tensor import DTensor
 
-    got = {k: v.full_tensor() if isinstance(v, DTensor) else v  # this rank's shard gathered
-           for k, v in _weights(trainer.state.model).items()}
-    result["with"] = _same(got, saved)
-    trainer.close()
+    def gathered(model: nn.Module) -> dict[str, torch.Tensor]:  # each rank's shards joined
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v
+                for k, v in _weights(model).items()}
+
+    result: dict[str, Any] = {}
+    saved, paths, fsdp = {}, {}, {}
+    for kind in ("full", "sharded"):
+        fsdp[kind] = {"parallelism_config": {"fsdp": FSDP2Config(state_dict_type=kind)}}
+        torch.manual_seed(3)
+        bf16 = Trainer(model=ComposerClassifier(nn.Sequential(nn.Linear(16, 16),
+                                                              nn.Linear(16, 16)), num_classes=16),
+                       device="cpu", loggers=[], progress_bar=False,
+                       save_folder=os.path.join(folder, kind), **fsdp[kind])
+        bf16.save_checkpoint_to_save_folder()
+        saved[kind] = {k: v.clone() for k, v in gathered(bf16.state.model).items()}
+        bf16.close()
+        paths[kind] = os.path.join(folder, kind, "ep0-ba0" + ("-rank0.pt" if kind == "full"
+                                                              else ""))
+    for kind in ("full", "sharded"):  # before any fp8_state: it wraps Composer's sharded load
+        try:
+            _fp8_trainer(paths[kind], [], **fsdp[kind]).close()
+            result[f"{kind} without"] = "loaded"
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            result[f"{kind} without"] = str(error).strip().splitlines()[-1]
+    for kind in ("full", "sharded"):
+        trainer = _fp8_trainer(paths[kind], [FP8State()], **fsdp[kind])
+        result[f"{kind} with"] = _same(gathered(trainer.state.model), saved[kind])
+        trainer.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
 @pytest.mark.slow
-def test_a_bf16_checkpoint_loads_into_te_layers_under_fsdp_full(tmp_path):
-    """What a user on FSDP's default sees: TE 2.20.2's refusal at Trainer init without
-    fp8_state; with it, the bf16 weights."""
+def test_a_bf16_checkpoint_loads_into_te_layers_under_fsdp(tmp_path):
+    """What a user sees under FSDP: without fp8_state, TE 2.20.2's refusal at Trainer init
+    (full) or DCP's (sharded); with it, the bf16 weights."""
     run_ranks(_fsdp_worker, tempfile.mkdtemp(dir=tmp_path), str(tmp_path), deadline_s=240)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["without"] == "Unsupported checkpoint format."
-        assert result["with"] is True
+        assert result["full without"] == "Unsupported checkpoint format."
+        assert result["sharded without"] == ("RuntimeError: Missing key in checkpoint "
+                                             "state_dict: state.model.module.0._extra_state.")
+        assert result["full with"] is True
+        assert result["sharded with"] is True

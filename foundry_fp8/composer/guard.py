@@ -42,6 +42,7 @@ from foundry_fp8.monitor import multi_rank, select_layers
 from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, build
 from foundry_fp8.swap import SwapPlan, linear_flops, module_flops, original_shapes
 from foundry_fp8.te import probe
+from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -604,6 +605,14 @@ def accept_absent_state(qualname: str, message: str | None,
     @functools.wraps(load)
     def dist_cp_load(state_dict: dict[str, Any], storage_reader: Any, *args: Any,
                      **kwargs: Any) -> Any:
+        model = state_dict.get("state", {}).get("model")
+        if isinstance(model, dict):
+            try:
+                _drop_unsaved_extra_state(model, storage_reader)
+            except Exception as error:  # our bug: Composer's load goes on as without us
+                log.warning("foundry-fp8: internal error preparing the sharded checkpoint load "
+                            "(%s: %s); loading it as Composer does", type(error).__name__,
+                            str(error).splitlines()[0][:200] if str(error) else "")
         entries = state_dict.get("state", {}).get("callbacks")
         if isinstance(entries, dict) and entries.keys() & _ABSENT_OK.keys():
             try:
@@ -696,6 +705,18 @@ def _explain_integrations(error: BaseException, where: Any) -> None:
         error.add_note(INTEGRATIONS_NOTE % where)
     else:
         log.error(INTEGRATIONS_NOTE, where)
+
+
+def _drop_unsaved_extra_state(model: dict[str, Any], storage_reader: Any) -> None:
+    """Leave out of the model's load template the `_extra_state` keys the checkpoint lacks (a
+    bf16 run's torch layers loaded into TE's, `fc_type: te`): DCP refuses them ('Missing key in
+    checkpoint state_dict: state.model.<module>._extra_state'); the module then loads without
+    one (fp8_state gives it the inert state, `te.extra_state.inert_when_missing_hook`; a
+    non-strict load skips it; a strict one names it)."""
+    saved = storage_reader.read_metadata().state_dict_metadata
+    for key in [k for k in model if k.split(".")[-1] == EXTRA_STATE_SUFFIX
+                and f"state.model.{k}" not in saved]:
+        del model[key]
 
 
 def _prepare(entries: dict[str, Any], storage_reader: Any) -> None:
