@@ -39,7 +39,12 @@ from foundry_fp8.filters import (
 from foundry_fp8.fp8_meta import canonical_modules, canonical_name, is_fp8_module
 from foundry_fp8.options import OptionError, Problem, SwapConfig
 from foundry_fp8.shapes import FP8_DIM_MULTIPLE, FP8_TOKEN_MULTIPLE
-from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX, extra_state_missing, inert_extra_state
+from foundry_fp8.te.extra_state import (
+    EXTRA_STATE_SUFFIX,
+    extra_state_missing,
+    has_extra_state,
+    inert_extra_state,
+)
 from foundry_fp8.te.facts import (
     INIT_SCHEMES_WITHOUT_MODULE_INITS,
     LN_MLP_NORMALIZATIONS,
@@ -695,7 +700,7 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
         moved += te.ln_mlp_sources(block, new)
         block.ffn, block.norm_2 = new, None
         plain = {f"ffn.{fused}": name for fused, name in LN_MLP_SOURCES.items()}
-        if _has_extra_state(new):
+        if has_extra_state(new):
             plain[f"ffn.{EXTRA_STATE_SUFFIX}"] = None
         _mark_plain(block, plain)
         count += 1
@@ -721,7 +726,7 @@ def apply_swap(model: nn.Module, plan: SwapPlan, *,
         for attr in KEPT_ATTRIBUTES:
             if hasattr(module, attr):
                 setattr(new, attr, getattr(module, attr))
-        if _has_extra_state(new):
+        if has_extra_state(new):
             _mark_plain(new, {EXTRA_STATE_SUFFIX: None})
         return new
 
@@ -792,12 +797,6 @@ def _take_places(moved: list[tuple[nn.Parameter, nn.Parameter]],
         for old, new in moved:
             if old in optimizer.state:
                 optimizer.state[new] = optimizer.state.pop(old)
-
-
-def _has_extra_state(module: nn.Module) -> bool:
-    """Whether `module.state_dict()` holds an `_extra_state` key (TE's modules do): torch adds
-    one where the class overrides `get_extra_state`."""
-    return type(module).get_extra_state is not nn.Module.get_extra_state
 
 
 def _mark_plain(module: nn.Module, plain: dict[str, str | None]) -> None:
