@@ -58,23 +58,16 @@ def _fullgraph_step(kind: str) -> tuple[bool | None, str]:
     return True, "; ".join(said) or "no compile warnings"
 
 
-def test_te_linear_under_fullgraph_is_refused_as_fp8050_says():
-    compiled, what = _fullgraph_step("Linear")
-    print(f"te.Linear under fullgraph: {what}")
+@pytest.mark.parametrize(("kind", "revise"), [
+    ("Linear", "Revise FP8050 for te.Linear on this TE (its compiled custom-op path, "
+     "module/linear.py:2397-2404), keeping LayerNormLinear and LayerNormMLP (no_torch_dynamo), "
+     "and te_swap's _refuse_fullgraph for its te.Linear layers."),
+    ("LayerNormMLP", "Its forward is excluded from Dynamo in TE 2.20.2 (no_torch_dynamo, "
+     "layernorm_mlp.py:2272): revise FP8050 for te.LayerNormMLP on this TE."),
+])
+def test_te_layers_under_fullgraph_are_refused_as_fp8050_says(kind, revise):
+    compiled, what = _fullgraph_step(kind)
+    print(f"te.{kind} under fullgraph: {what}")
     assert compiled is not None, f"neither compiled nor refused by Dynamo: {what}"
-    assert not compiled, (
-        f"TE's te.Linear compiled with fullgraph=True under FP8 ({what}): {_RULE} says TE "
-        "layers' forwards cannot be traced. Revise FP8050 for te.Linear on this TE (its "
-        "compiled custom-op path, module/linear.py:2397-2404), keeping LayerNormLinear and "
-        "LayerNormMLP (no_torch_dynamo), and te_swap's _refuse_fullgraph for its te.Linear "
-        "layers.")
-
-
-def test_te_layernorm_mlp_under_fullgraph_is_refused_as_fp8050_says():
-    compiled, what = _fullgraph_step("LayerNormMLP")
-    print(f"te.LayerNormMLP under fullgraph: {what}")
-    assert compiled is not None, f"neither compiled nor refused by Dynamo: {what}"
-    assert not compiled, (
-        f"TE's te.LayerNormMLP compiled with fullgraph=True under FP8 ({what}): {_RULE} says "
-        "its forward is excluded from Dynamo (no_torch_dynamo, layernorm_mlp.py:2272). Revise "
-        "FP8050 for te.LayerNormMLP on this TE.")
+    assert not compiled, (f"TE's te.{kind} compiled with fullgraph=True under FP8 ({what}): "
+                          f"{_RULE} says TE layers' forwards cannot be traced. {revise}")

@@ -607,20 +607,10 @@ def accept_absent_state(qualname: str, message: str | None,
                      **kwargs: Any) -> Any:
         model = state_dict.get("state", {}).get("model")
         if isinstance(model, dict):
-            try:
-                _drop_unsaved_extra_state(model, storage_reader)
-            except Exception as error:  # our bug: Composer's load goes on as without us
-                log.warning("foundry-fp8: internal error preparing the sharded checkpoint load "
-                            "(%s: %s); loading it as Composer does", type(error).__name__,
-                            str(error).splitlines()[0][:200] if str(error) else "")
+            _preparing(_drop_unsaved_extra_state, model, storage_reader)
         entries = state_dict.get("state", {}).get("callbacks")
         if isinstance(entries, dict) and entries.keys() & _ABSENT_OK.keys():
-            try:
-                _prepare(entries, storage_reader)
-            except Exception as error:  # our bug: Composer's load goes on as without us
-                log.warning("foundry-fp8: internal error preparing the sharded checkpoint load "
-                            "(%s: %s); loading it as Composer does", type(error).__name__,
-                            str(error).splitlines()[0][:200] if str(error) else "")
+            _preparing(_prepare, entries, storage_reader)
         where = _checkpoint_location(storage_reader)
         try:
             return load(state_dict, storage_reader, *args, **kwargs)
@@ -705,6 +695,18 @@ def _explain_integrations(error: BaseException, where: Any) -> None:
         error.add_note(INTEGRATIONS_NOTE % where)
     else:
         log.error(INTEGRATIONS_NOTE, where)
+
+
+def _preparing(step: Callable[[dict[str, Any], Any], None], template: dict[str, Any],
+               storage_reader: Any) -> None:
+    """One step preparing the sharded load's template; an error in it is our bug, said in one
+    line, and Composer's load goes on as without us."""
+    try:
+        step(template, storage_reader)
+    except Exception as error:
+        log.warning("foundry-fp8: internal error preparing the sharded checkpoint load "
+                    "(%s: %s); loading it as Composer does", type(error).__name__,
+                    str(error).splitlines()[0][:200] if str(error) else "")
 
 
 def _drop_unsaved_extra_state(model: dict[str, Any], storage_reader: Any) -> None:
