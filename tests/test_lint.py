@@ -170,6 +170,8 @@ CASES: dict[str, tuple[dict, str, int]] = {
                 "loggers": {"jsonl": {"path": "ckpt/{run_name}/metrics.jsonl"}}},
                "loggers.jsonl.path", 1),
     "FP8053": ({"eval_loader": {"dataset": {"split": "val"}}}, "eval_loader", 1),
+    # BASE's fsdp_config, FSDP1: state_dict_type full
+    "FP8054": (_merge(FP8_TE, {"load_path": "bf16/ep0-ba4-rank0.pt"}), "load_path", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -238,6 +240,8 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8052": ({"save_folder": "./ckpt/{run_name}/checkpoints",  # ckpt/ alone is no repeat
                 "loggers": {"jsonl": {"path": "ckpt/metrics.jsonl"}}}, 1),
     "FP8053": ({"eval_loader": {"name": "finetuning", "dataset": {"split": "val"}}}, 1),
+    "FP8054": (_merge(FP8_TE, {"load_path": "bf16/ep0-ba4-rank0.pt",
+                               "callbacks": {"fp8_state": {}}}), 1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

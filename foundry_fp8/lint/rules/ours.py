@@ -29,6 +29,7 @@ from foundry_fp8.lint.known import (
     did_you_mean,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
+from foundry_fp8.lint.rules.fsdp import STATE_DICT_DEFAULT
 from foundry_fp8.lint.rules.model import MPTModule, mpt_modules, mpt_value, te_swap_options
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY
 from foundry_fp8.lint.values import built_options, option_problems
@@ -469,6 +470,79 @@ def fp8_layers_without_fp8_state(config: Mapping[str, Any], ctx: LintContext) ->
                   "checkpoint holds)", fix=fix)
 
 
+
+def _load_fails_without_extra_state(config: Mapping[str, Any], ctx: LintContext) -> str | None:
+    """How Composer's load of `load_path` fails when the checkpoint lacks the TE modules'
+    `_extra_state` keys, as this config loads it; None where it loads (the keys skipped)."""
+    fsdp_config = config.get("fsdp_config")
+    monolith = False
+    if isinstance(fsdp_config, Mapping) and ctx.gpus != 1:  # one GPU: LLM-Foundry drops it
+        kind = fsdp_config.get("state_dict_type", STATE_DICT_DEFAULT.get(ctx.fsdp_version))
+        if kind == "sharded":
+            return "under fsdp_config state_dict_type: sharded DCP raises 'Missing key in " \
+                "checkpoint state_dict: state.model.<module>._extra_state'"
+        if kind != "full":
+            return None
+        # Composer's State.load_monolith_rank0_only (LLM-Foundry defaults it on for init_device
+        # mixed): rank 0 loads the checkpoint into the model before FSDP wraps it
+        monolith = bool(fsdp_config.get("load_monolith_rank0_only", section(
+            config, "model").get("init_device") == "mixed")
+            and (ctx.fsdp_version == 2 or fsdp_config.get("auto_wrap", True)))
+        if not monolith:
+            return "under fsdp_config state_dict_type: full torch hands each TE module a " \
+                "placeholder for the missing key, which TE refuses ('Unsupported checkpoint " \
+                "format.'), strict or not"
+    if config.get("load_weights_only") and config.get("load_strict_model_weights", True):
+        where = "loaded on rank 0 before FSDP wraps the model (load_monolith_rank0_only)" \
+            if monolith else "without FSDP"
+        return f"{where}, a strict weights-only load (load_weights_only with " \
+            "load_strict_model_weights true, LLM-Foundry's default) stops on the missing keys"
+    return None
+
+
+@rule("FP8054", "warning", "`load_path` into the model's own TE layers (`fc_type: te`, "
+      "`ffn_type: te_ln_mlp`) without fp8_state, in a run whose load fails at Trainer init on "
+      "a checkpoint without TE's `_extra_state` (a bf16 run's torch layers, te_swap's)",
+      why="The model's own TE modules have an `_extra_state` key each (at any precision); a "
+      "checkpoint saved by a model without them (torch layers, as in a bf16 run, or te_swap's "
+      "TE modules, which leave the key out) has none. Composer 0.32.1 loads the model through "
+      "torch's set_model_state_dict: under FSDP with state_dict_type full (FSDP1's default) "
+      "torch gives each such module its `_EXTRA_STATE()` placeholder, which TE's "
+      "set_extra_state refuses ('Unsupported checkpoint format.'), whatever "
+      "load_strict_model_weights says; under state_dict_type sharded (FSDP2's default) DCP "
+      "loads into a template that holds the keys and raises 'Missing key in checkpoint "
+      "state_dict: state.model.<module>._extra_state'; without FSDP (or with "
+      "load_monolith_rank0_only, which loads on rank 0 before wrapping) a weights-only load "
+      "with load_strict_model_weights (LLM-Foundry's default: true) stops on the missing "
+      "keys, while a non-strict or full-state load skips them. fp8_state prevents all three "
+      "(a load pre-hook gives such modules TE's inert state, and the sharded load's template "
+      "leaves out the keys the checkpoint lacks). The YAML does not say whether the "
+      "checkpoint has the keys (one saved by this same model does), so a warning; "
+      "`autoresume` alone resumes the run's own checkpoints, which have them, and is not "
+      "said. One GPU (`compute.gpus: 1`, `--gpus 1`) is judged without FSDP, as LLM-Foundry "
+      "drops fsdp_config there.",
+      source=f"{COMPOSER} composer/core/state.py:1306 load_model_state "
+      "(set_model_state_dict, full_state_dict=state_dict_type full), :904 "
+      "fsdp_state_dict_type, :916 load_monolith_rank0_only; composer/utils/checkpoint.py:602 "
+      "load_sharded_checkpoint (the DCP template), :949 _restore_checkpoint (strict only for "
+      "load_weights_only); torch 2.7 torch/distributed/checkpoint/state_dict.py:229 _EXTRA_STATE; "
+      "TE 2.20.2 transformer_engine/pytorch/module/base.py:1443 set_extra_state; "
+      f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig (load_weights_only False, "
+      "load_strict_model_weights True), process_init_device (init_device mixed: "
+      "load_monolith_rank0_only); foundry_fp8/composer/state.py, "
+      "foundry_fp8/te/extra_state.py inert_when_missing_hook",
+      fix="add `callbacks: {fp8_state: {}}`")
+def native_te_load_without_fp8_state(config: Mapping[str, Any],
+                                     ctx: LintContext) -> Iterator[Hit]:
+    if not config.get("load_path") or not native_te_layers(config) or has_fp8_state(config):
+        return
+    fails = _load_fails_without_extra_state(config, ctx)
+    if fails is not None:
+        yield Hit("load_path", f"load_path into the model's TE layers ({_native_te_key(config)}) "
+                  "without fp8_state: if the checkpoint has no TE `_extra_state` (a bf16 run's "
+                  f"torch layers, te_swap's), the load fails at Trainer init: {fails}")
+
+
 @rule("FP8028", "error", "`precision: amp_fp8` with te_swap's emulated backend and no TE layer",
       why="Emulated FP8 layers run FP8 numerics at any precision; amp_fp8 only enters TE's "
       "autocast, which Composer refuses without TE or a GPU of compute capability "
@@ -537,19 +611,30 @@ def sdpa_without_our_entries(config: Mapping[str, Any], ctx: LintContext) -> Ite
       "backend, or the model's own TE layers), whose forwards torch.compile cannot trace",
       why="LLM-Foundry's train passes `compile_config` to Composer's Trainer, which compiles "
       "the model with `torch.compile(model, **compile_config)` after INIT and AFTER_LOAD. The "
-      "FP8 layers' forwards are excluded from Dynamo: TransformerEngine's (te.Linear, "
-      "te.LayerNormLinear, te.LayerNormMLP) by its `no_torch_dynamo`, whatever the precision, "
-      "and te_swap's emulated layers by `torch.compiler.disable`. With fullgraph Dynamo may "
-      "not break the graph around them, and stops the first batch with `Unsupported: Skip "
-      "calling torch.compiler.disable()d function`; te_swap refuses the run in one line at "
-      "FIT_START instead. Without fullgraph the model between the FP8 layers still compiles.",
+      "FP8 layers' forwards are excluded from Dynamo: te.LayerNormLinear's and "
+      "te.LayerNormMLP's by TransformerEngine's `no_torch_dynamo` (still so in TE 2.20.2), "
+      "whatever the precision, and te_swap's emulated layers by `torch.compiler.disable`. "
+      "With fullgraph Dynamo may not break the graph around them, and stops the first batch "
+      "with `Unsupported: Skip calling torch.compiler.disable()d function`; te_swap refuses "
+      "the run in one line at FIT_START instead. Without fullgraph the model between the FP8 "
+      "layers still compiles. te.Linear's forward (fc_type te, te_swap's te backend) carries "
+      "`no_torch_dynamo` up to TE 2.18 and in main at d0067d0 (2.20.0.dev0); TE 2.20.2 "
+      "removed it: while compiling, te.Linear runs a registered custom op, and breaks the "
+      "graph (which fullgraph refuses) only where `_compile_eager_fallback_reason` names a "
+      "reason, its eager path `_linear_eager` keeping `no_torch_dynamo`. That fullgraph fails "
+      "for te.Linear on TE >= 2.20 is unverified (tests/test_te220_compile_gpu.py decides on "
+      "a GPU); the rule keeps its verdict until then.",
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py TrainConfig.compile_config, "
       "llmfoundry/command_utils/train.py (compile_config to Trainer); "
       f"{COMPOSER} composer/trainer/trainer.py:1765 (`torch.compile(self.state.model, "
       "**compile_config)`, after Event.AFTER_LOAD); torch 2.7 torch/__init__.py:2574 "
       "(`nopython=fullgraph`); TE transformer_engine/pytorch/module/linear.py:1872, "
       "layernorm_linear.py:1674, layernorm_mlp.py:2264 at d0067d0 (`@no_torch_dynamo()` on "
-      "forward); foundry_fp8/emulate.py (`torch.compiler.disable`); "
+      "forward); TE 2.20.2 transformer_engine/pytorch/module/linear.py:1798 (`_linear_op`, "
+      "the custom op), :1894 (`@no_torch_dynamo()` on `_linear_eager`), :2346 (forward, "
+      "without it), :2396-2404 (the compiled path and its graph break), :2640 "
+      "(`_compile_eager_fallback_reason`), layernorm_linear.py:1674, layernorm_mlp.py:2272 "
+      "(`@no_torch_dynamo()` on forward); foundry_fp8/emulate.py (`torch.compiler.disable`); "
       "foundry_fp8/composer/te_swap.py _refuse_fullgraph",
       fix="drop compile_config.fullgraph (the FP8 layers run outside the compiled graph)")
 def fullgraph_with_fp8_layers(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
