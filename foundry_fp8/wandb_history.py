@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import struct
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -33,6 +34,8 @@ class WandbRun:
     killed: bool = False  # no exit record, and none will come (`read_runs`' `dead`)
     # the byte where W&B's reader met a damaged block with more written after it (`_records`)
     damaged_at: int | None = None
+    # why W&B's reader read none of the file: its header refused (`_header_refused`)
+    unreadable: str | None = None
 
     def steps(self, key: str) -> list[int]:
         """The steps of the rows that hold `key`, in order."""
@@ -76,7 +79,13 @@ def _records(run: WandbRun) -> Iterator[Any]:
 
     store = DataStore()
     try:
-        store.open_for_scan(str(run.path))  # asserts on a header cut short or damaged
+        try:
+            store.open_for_scan(str(run.path))
+        except OSError:
+            raise
+        except Exception:  # noqa: BLE001 - an assert on a header cut short, a bare Exception
+            run.unreadable = _header_refused(run.path)  # on one not W&B's: nothing to read
+            return
         while (data := store.scan_data()) is not None:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(data)
@@ -87,6 +96,37 @@ def _records(run: WandbRun) -> Iterator[Any]:
             run.damaged_at = at
     finally:
         store.close()
+
+
+def _header_refused(path: Path) -> str:
+    """Why W&B's reader refused the run file's header (wandb/sdk/internal/datastore.py
+    `_read_header`: LEVELDBLOG_HEADER_LEN bytes, the ident `:W&B`, the magic number, the
+    version this W&B reads), said of the bytes there."""
+    import wandb
+    from wandb.sdk.internal.datastore import (
+        LEVELDBLOG_HEADER_IDENT,
+        LEVELDBLOG_HEADER_LEN,
+        LEVELDBLOG_HEADER_MAGIC,
+        LEVELDBLOG_HEADER_VERSION,
+    )
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(LEVELDBLOG_HEADER_LEN)
+    except OSError as e:
+        return f"cannot read ({e.strerror or e})"
+    expected = struct.pack("<4sHB", LEVELDBLOG_HEADER_IDENT.encode(), LEVELDBLOG_HEADER_MAGIC,
+                           LEVELDBLOG_HEADER_VERSION)
+    if not head:
+        return "empty: W&B has not written its header (a run starting now, or killed as it started)"
+    if len(head) < LEVELDBLOG_HEADER_LEN:
+        return (f"{len(head)} byte(s), cut short inside W&B's {LEVELDBLOG_HEADER_LEN}-byte "
+                "header: damaged (a copy that stopped, a full disk)")
+    if head[:-1] == expected[:-1]:
+        return (f"W&B run file version {head[-1]}, which this W&B ({wandb.__version__}, version "
+                f"{LEVELDBLOG_HEADER_VERSION}) does not read: read it with the W&B that wrote it")
+    return (f"damaged header: its first {LEVELDBLOG_HEADER_LEN} bytes are {head.hex(' ')}, not "
+            f"W&B's {expected.hex(' ')} (`{LEVELDBLOG_HEADER_IDENT}`, magic number, version)")
 
 
 def _written_after(path: Path, offset: int) -> bool:

@@ -509,6 +509,9 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     except ReportError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2, "error (above)"
+    if not losses:  # read however the run was logged (`load`); else no line says it is missing
+        warn(f"{run_folder}: no `{LOSS}` logged (Composer's training loss): the report has no "
+             "Loss line, no loss spike looked for")
     found = findings(metrics, flags)
     fallen = fallback_steps(guard)
     exclude = swap_exclude((loaded.hparams or {}) if isinstance(loaded, Loaded) else {})

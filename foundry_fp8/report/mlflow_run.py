@@ -126,6 +126,13 @@ def _run_id(folder: Path) -> str | None:
                  if line.startswith("run_id:")), None)
 
 
+def _without_meta(folder: Path) -> bool:
+    """Whether `folder` is laid out as a file store's run folder (the `metrics` and `tags`
+    folders MLflow creates with the run) but lacks the meta.yaml `_run_id` reads."""
+    return ((folder / "metrics").is_dir() and (folder / "tags").is_dir()
+            and not (folder / "meta.yaml").exists())
+
+
 def mlflow_run(given: Path) -> MlflowRun | None:
     """The MLflow run `foundry-fp8 report GIVEN` names, or None where GIVEN names none (a
     folder holding metrics.jsonl is the jsonl logger's). ReportError (one line) for a folder
@@ -157,6 +164,12 @@ def mlflow_run(given: Path) -> MlflowRun | None:
         runs = [(f, i) for f in sorted([*given.glob("*/"), *given.glob("*/*/")])
                 if (i := _run_id(f)) is not None]
     if not runs:
+        if (bare := next((f for f in sorted([given, *given.glob("*/"), *given.glob("*/*/")])
+                          if _without_meta(f)), None)) is not None:
+            where = f"{given}: {bare}" if bare != given else str(given)
+            raise ReportError(f"{where}: an MLflow run folder (metrics/, tags/) without its "
+                              "meta.yaml, which MLflow's client needs to read the run (copied "
+                              "without it?): copy the run's meta.yaml back into it")
         return None
     if len(runs) > 1:
         names = ", ".join(str(f) for f, _ in runs[:RUNS_NAMED])

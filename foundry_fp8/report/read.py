@@ -336,7 +336,7 @@ def wandb_files(given: Path) -> list[Path] | None:
         if (given / "metrics.jsonl").exists() or (given / "metrics.jsonl").is_symlink():
             return None  # the jsonl logger's file, or what metrics_file_of says about the link
         files = wandb_history.run_files(given)
-    elif given.is_file() and given.name.endswith(".wandb") and _head(given) == WANDB_MAGIC:
+    elif given.is_file() and given.name.endswith(".wandb"):  # its header W&B's reader's to judge
         files = [given]
     else:
         return None
@@ -370,7 +370,8 @@ class WandbRead:
     """The attempts' `.wandb` files as W&B's reader reads them, one history row at a time
     (`rows`): a long run's history held as dicts took gigabytes. Each run's config fills in and
     its steps are kept (`steps`) as its rows go by; `failed` where W&B's reader raised on a file
-    (it raises whatever its parsers do): then nothing read counts, as for a file not read."""
+    (it raises whatever its parsers do), or read none of any (`unread`): then nothing read
+    counts, as for a file not read."""
 
     runs: list[wandb_history.WandbRun]
     steps: list[list[int]]  # per run, the steps of its history rows read so far
@@ -392,10 +393,17 @@ class WandbRead:
                     if (step := jsonl.step(row.get("_step"))) is not None:
                         steps.append(step)
                         yield step, {k: v for k, v in row.items() if not k.startswith("_")}
+            self.failed |= bool(self.runs) and len(self.unread()) == len(self.runs)
         except Exception as e:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
             if interrupted_by(e, outer):
                 raise
             self.failed = True
+
+    def unread(self) -> list[str]:
+        """One line per file whose header W&B's reader refused (`WandbRun.unreadable`), after
+        `rows`: it reads nothing of such a file."""
+        return [f"{r.path}: {r.unreadable}; W&B's own reader (`wandb sync` too) reads none of it"
+                for r in self.runs if r.unreadable is not None]
 
     def config(self) -> dict[str, Any] | None:
         """The attempts' config (`attempts_config`), their values left unread; None where W&B's
@@ -419,6 +427,9 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
     guard: GuardSeries = {}
     older: dict[int, str] = {}
     run, restarts = _read(read.rows(), guard, losses, older)
+    unread = read.unread()
+    if len(unread) == len(files) and (given.is_file() or _run_above(given) is None):
+        raise ReportError(unread[0])  # else: where the metrics.jsonl is (below)
     if read.failed:  # as if no file was read
         run, restarts, read = RunMetrics(), [], WandbRead([], [])
         guard.clear()
@@ -427,7 +438,10 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
             losses.clear()
     if restarts:
         warn(_restarts_said(files[-1], restarts))
-    live = read.runs[-1] if read.runs and not read.runs[-1].complete else None
+    for said in unread if len(unread) < len(files) else ():
+        warn(f"{said}; the report covers the other attempts")
+    live = read.runs[-1] if read.runs and not (read.runs[-1].complete
+                                               or read.runs[-1].unreadable) else None
     if older:  # before a folder above's metrics.jsonl, which may be another run's
         if not run.values:
             raise NoStatistics(_older_said(given, older))
@@ -437,7 +451,7 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
     if dumps is not None:
         dumps[:] = recorded_dump_folders(r.config.get(DUMP_FOLDER_KEY) for r in read.runs[::-1])
     for wandb_run, steps, later in zip(read.runs[:-1], read.steps, read.steps[1:], strict=False):
-        if not wandb_run.complete:
+        if not (wandb_run.complete or wandb_run.unreadable):
             warn(_killed_said(wandb_run.path, steps, later))
     shown = set(run.steps)
     for path in files:  # a row W&B dropped is in no .wandb file: only its own log says so
