@@ -84,7 +84,7 @@ def test_each_attempts_file_is_read_once_with_a_baseline(wandb_run, tmp_path, mo
     opened: list[Path] = []
     records = wandb_history._records
     monkeypatch.setattr(wandb_history, "_records",
-                        lambda path: opened.append(Path(path)) or records(path))
+                        lambda run: opened.append(Path(run.path)) or records(run))
     base = tmp_path / "bf16"
     sink = JsonlSink(base / "metrics.jsonl")
     for step in range(0, 601, INTERVAL):

@@ -235,7 +235,7 @@ def test_a_sweeps_wandb_baseline_is_read_once(tmp_path, monkeypatch, capsys):
     opened: list[Path] = []
     records = wandb_history._records
     monkeypatch.setattr(wandb_history, "_records",
-                        lambda path: opened.append(Path(path)) or records(path))
+                        lambda run: opened.append(Path(run.path)) or records(run))
     assert main(["report", *runs, "--baseline", str(tmp_path / "bf16")]) == 0
     out = capsys.readouterr().out
     assert opened == [base]
