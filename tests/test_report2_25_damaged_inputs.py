@@ -141,3 +141,20 @@ def test_a_run_without_its_loss_series_says_so_once(tmp_path, capsys, sink):
     code, err = _report([str(lost), "--out", str(tmp_path / "o2")], capsys)
     assert code == 0 and [line for line in err.splitlines() if LOSS in line] == [said]
     assert "Loss: no spike" not in (tmp_path / "o2" / "fp8_report.md").read_text()
+
+
+def test_a_baseline_with_a_damaged_header_is_named_damaged(tmp_path, capsys):
+    """`--baseline` a W&B run whose header is zeroed: the same line as reporting it, naming the
+    damage (it said only that W&B's reader cannot read it)."""
+    pytest.importorskip("wandb")
+    run, base = (tmp_path / name / "wandb" / "offline-run-20261130_010000-abc" / "run-abc.wandb"
+                 for name in ("run", "bf16"))
+    _wandb_run(run)
+    _wandb_run(base)
+    base.write_bytes(b"\0" * 7 + base.read_bytes()[7:])
+    code, err = _report([str(run.parent), "--baseline", str(base.parent),
+                         "--out", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert err == (f"error: --baseline {base}: damaged header: its first 7 bytes are 00 00 00 00 00 00 00, "
+                   "not W&B's 3a 57 26 42 e1 be 00 (`:W&B`, magic number, version); W&B's own "
+                   "reader (`wandb sync` too) reads none of it\n")
