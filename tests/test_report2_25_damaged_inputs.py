@@ -6,7 +6,6 @@ run folder copied without its meta.yaml, a run whose loss series is absent. The 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from foundry_fp8.cli import main
 from foundry_fp8.health.keys import LOSS
 from foundry_fp8.jsonl import JsonlSink
+from tests.wandb_runs import write_wandb_run
 
 STEPS = (0, 3, 6, 9)
 
@@ -27,22 +27,7 @@ def _series(step: int) -> dict[str, float]:
 
 def _wandb_run(path: Path) -> None:
     """A finished offline run as W&B's own writer writes one: history rows, the exit record."""
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal.datastore import DataStore
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    store = DataStore()
-    store.open_for_write(str(path))
-    for step in STEPS:
-        record = wandb_internal_pb2.Record()
-        record.history.step.num = step
-        for key, value in {**_series(step), LOSS: 3.0, "_step": step}.items():
-            record.history.item.add(key=key, value_json=json.dumps(value))
-        store.write(record)
-    record = wandb_internal_pb2.Record()
-    record.exit.exit_code = 0
-    store.write(record)
-    store.close()
+    write_wandb_run(path, STEPS, lambda step: {**_series(step), LOSS: 3.0})
 
 
 def _report(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -19,6 +19,7 @@ from foundry_fp8.cli import main
 from foundry_fp8.health.keys import LOSS
 from foundry_fp8.jsonl import JsonlSink
 from foundry_fp8.report import read
+from tests.wandb_runs import write_wandb_run
 
 LAYER_KEY = "fp8_underflow_pct/weight/blocks.0.fc"
 
@@ -91,29 +92,11 @@ def test_a_metrics_file_growing_while_read_is_one_warning_with_what_was_read(tmp
 
 
 def _wandb_file(path: Path, steps: range, finished: bool) -> Path:
-    """An offline run file as W&B's writer leaves it (wandb.sdk.internal.datastore): a config,
-    a history row per step, and the exit record `wandb.finish()` writes last where `finished`."""
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal.datastore import DataStore
-
-    path.parent.mkdir(parents=True)
-    store = DataStore()
-    store.open_for_write(str(path))
-    record = wandb_internal_pb2.Record()
-    record.config.update.add(key="callbacks", value_json=json.dumps({"fp8_stats": {}}))
-    store.write(record)
-    for step in steps:
-        record = wandb_internal_pb2.Record()
-        record.history.step.num = step
-        for key, value in {LAYER_KEY: 0.1 * step, "loss/train/total": 3.0, "_step": step}.items():
-            record.history.item.add(key=key, value_json=json.dumps(value))
-        store.write(record)
-    if finished:
-        record = wandb_internal_pb2.Record()
-        record.exit.exit_code = 0
-        store.write(record)
-    store.close()
-    return path
+    """An offline run file as W&B's writer leaves it: fp8_stats in its config, one layer's
+    series and the loss at each step, the exit record where `finished`."""
+    return write_wandb_run(path, steps, lambda step: {LAYER_KEY: 0.1 * step,
+                                                      "loss/train/total": 3.0},
+                           config={"callbacks": {"fp8_stats": {}}}, finished=finished)
 
 
 def test_a_wandb_run_still_being_written_says_so_and_reports_what_was_read(tmp_path, capsys):

@@ -4,34 +4,19 @@ finished run "still being written (or was killed)"; it now says where the file i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from foundry_fp8 import wandb_history
 from foundry_fp8.cli import main
+from tests.wandb_runs import write_wandb_run
 
 STEPS = range(0, 2000, 2)  # about 150 kB: blocks of 32 KiB follow the damaged one
 
 
 def _finished_run(path: Path) -> None:
     """A finished offline run as W&B's own writer writes one: history rows, the exit record."""
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal.datastore import DataStore
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    store = DataStore()
-    store.open_for_write(str(path))
-    for step in STEPS:
-        record = wandb_internal_pb2.Record()
-        record.history.step.num = step
-        for key, value in {"fp8_underflow_pct/weight/blocks.0.fc": 0.01 * step,
-                           "fp8_amax/weight/blocks.0.fc": 1.0 + step, "_step": step}.items():
-            record.history.item.add(key=key, value_json=json.dumps(value))
-        store.write(record)
-    record = wandb_internal_pb2.Record()
-    record.exit.exit_code = 0
-    store.write(record)
-    store.close()
+    write_wandb_run(path, STEPS, lambda step: {"fp8_underflow_pct/weight/blocks.0.fc": 0.01 * step,
+                                               "fp8_amax/weight/blocks.0.fc": 1.0 + step})
 
 
 def test_a_run_file_damaged_mid_way_is_said_damaged_not_still_written(tmp_path, capsys):
