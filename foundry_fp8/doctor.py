@@ -28,6 +28,13 @@ from foundry_fp8.te.facts import BACKWARD_OVERRIDE_ENV, backward_override_effect
 #: The version of `--format json`'s layout, its `schema` key: raised when a key is renamed,
 #: removed or changes meaning (a key added to `environment` keeps it).
 JSON_SCHEMA = 1
+#: The text report's last line where nothing fails `--strict`.
+READY = "ready for FP8 training with TransformerEngine"
+#: What READY adds where TE is installed but its import was not tried (`--no-te-import`): the
+#: package metadata can be right while the import fails (a core package without the torch
+#: extension, a torch extension built for another torch), and that import is what runs first.
+UNTRIED = (", as far as package metadata tells: TE's import was not tried (--no-te-import); run "
+           "the doctor without it to know")
 #: The most characters of a variable's value a row shows (the finding quotes more).
 _ROW_VALUE_CHARS = 80
 
@@ -134,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     for f in findings:
         print(f"{f.severity} {f.rule} {f.key}: {f.message} (fix: {f.fix})")
     if not failing(findings, strict=True):  # infos (FP8209) leave the machine FP8-ready
-        print("ready for FP8 training with TransformerEngine")
+        print(READY + (UNTRIED if snapshot.te is not None and not snapshot.te_import_checked
+                       else ""))
     if reason:
         print(reason)
     return code

@@ -209,13 +209,14 @@ def _package_dir(name: str) -> Path | None:
 
 
 def _torch_cuda() -> str | None:
-    """torch's CUDA build, read from torch/version.py (`cuda = '12.6'`) without importing it."""
+    """torch's CUDA build, read from torch/version.py (`cuda = '12.6'`) without importing it;
+    None where that file cannot be read, or is not the UTF-8 Python reads sources as."""
     if "torch" in sys.modules:
         return getattr(getattr(sys.modules["torch"], "version", None), "cuda", None)
     folder = _package_dir("torch")
     try:
-        text = (folder / "version.py").read_text() if folder else ""
-    except OSError:
+        text = (folder / "version.py").read_text(encoding="utf-8") if folder else ""
+    except (OSError, UnicodeDecodeError):
         return None
     found = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
     return found.group(1) if found else None
