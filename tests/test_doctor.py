@@ -605,6 +605,9 @@ def test_te_s_metapackage_alone_is_found_without_importing_it(tmp_path, packages
     assert fp8204 == ([["FP8204", "TransformerEngine 2.9.0 is its metapackage alone (`pip install "
                         "transformer-engine` without `[pytorch]`): no core library and no torch "
                         "extension, so `import transformer_engine.pytorch` fails (from TE 2.9: "
-                        "'Found empty `transformer-engine` meta package installed')",
+                        "'Found empty `transformer-engine` meta package installed'); with torch "
+                        "installed `import llmfoundry` fails with it (its hf_checkpointer "
+                        "catches only ModuleNotFoundError): no training starts here, BF16 and "
+                        "the emulated backend included",
                         "pip install --no-build-isolation 'transformer-engine[pytorch]==2.9.0'"]]
                       if flagged else [])

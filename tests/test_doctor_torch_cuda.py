@@ -26,7 +26,8 @@ GPU = Snapshot(python="3.11.7", torch="2.7.0+cpu", gpu_name="NVIDIA H100 80GB HB
 def _site(tmp_path: Path, cuda: str | None) -> Path:
     """A torch on its own sys.path entry: the installed torch's own version.py, with its `cuda`
     line set as torch's build for `cuda` writes it (None: the CPU build, `+cpu` wheel); and TE
-    2.8.0's three pip packages (the doctor does not import it with --no-te-import)."""
+    2.8.0's three pip packages (the doctor does not import it with --no-te-import); for a torch
+    for CUDA 13, TE 2.9.0's, the first with a core package for CUDA 13 (FP8205)."""
     import torch
 
     real = (Path(torch.__file__).parent / "version.py").read_text()
@@ -42,10 +43,11 @@ def _site(tmp_path: Path, cuda: str | None) -> Path:
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
     (site / "transformer_engine" / "pytorch").mkdir(parents=True)
-    for name in ("transformer_engine", "transformer_engine_torch", "transformer_engine_cu12"):
-        info = site / f"{name}-2.8.0.dist-info"
+    te, core = ("2.9.0", "cu13") if (cuda or "").startswith("13.") else ("2.8.0", "cu12")
+    for name in ("transformer_engine", "transformer_engine_torch", f"transformer_engine_{core}"):
+        info = site / f"{name}-{te}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 2.8.0\n")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {te}\n")
     return site
 
 

@@ -45,6 +45,14 @@ MIN_TE_DEBUG_STATS = (2, 7)
 #: load_framework_extension compared them.
 TE_CORE_CHECK = (2, 9)
 
+#: The cuDNN TE's torch extension needs from TE 2.20: loading it raises "Transformer Engine
+#: requires cuDNN 9.12.0 or later, but the cuDNN runtime is X." (TE 2.20.2
+#: transformer_engine/common/__init__.py:22-24 MIN_CUDNN_VERSION, :35-42, called at :220-221);
+#: no such check at v2.18 nor main d0067d0 (2.20.0.dev0). torch 2.7.0 pins
+#: nvidia-cudnn-cu12==9.5.1.17 (its Requires-Dist).
+TE_MIN_CUDNN: Version = (9, 12)
+TE_MIN_CUDNN_FROM: Version = (2, 20)
+
 #: MXFP8 runs on compute capability MXFP8_CAPABILITY[0] up to, not including, [1] (TE's
 #: `_compute_mxfp8_support`, pytorch/quantization.py:162-168 at v2.18; pytorch/fp8.py:47-53 at
 #: v2.6, the first tag refusing 12.0+ "MXFP8 (for all gemm layouts) is not supported on 12.0+

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from foundry_fp8.environment import STACK, UNVERSIONED, Snapshot
+from foundry_fp8.environment import CUDNN_PACKAGES, STACK, UNVERSIONED, Snapshot
 from foundry_fp8.lint.config import has_fp8_layers, native_te_layers, te_swap, uses_te
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_SOURCE,
@@ -54,6 +54,8 @@ from foundry_fp8.te.facts import (
     TE_BACKWARD_OVERRIDE_FROM,
     TE_CORE_CHECK,
     TE_INSTALL_HINT,
+    TE_MIN_CUDNN,
+    TE_MIN_CUDNN_FROM,
     backward_override_problems,
     dotted,
     environment_problems,
@@ -155,14 +157,17 @@ def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
 
 
 @rule("FP8204", "warning", "TransformerEngine missing or unusable where it is needed (absent, "
-      "its metapackage alone, older than te_swap's floor)",
+      "without its torch extension, older than te_swap's floor)",
       why="A GPU that can run FP8, or a run with TE layers, without a TE that imports: only the "
       "emulated backend works. `pip install transformer-engine` without `[pytorch]` installs a "
-      "metapackage with no core library and no torch extension; a TE older than te_swap's "
-      "floor stops te_swap's `backend: te` at the run's start (the doctor's check, and "
-      "`foundry-fp8 lint`'s on the TE an MCLI run config pins). An error in `fp8_lint` for a "
-      "run that asks for TE.",
-      source=f"setup.cfg extra `te` (transformer-engine[pytorch]>={dotted(MIN_TE)})",
+      "metapackage with no core library and no torch extension, and `transformer-engine[core]` "
+      "the core library alone: `import transformer_engine.pytorch` fails for both, and with "
+      "torch installed `import llmfoundry` with it (an error: no run starts, BF16 included). A "
+      "TE older than te_swap's floor stops te_swap's `backend: te` at the run's start (the "
+      "doctor's check, and `foundry-fp8 lint`'s on the TE an MCLI run config pins). An error "
+      "in `fp8_lint` for a run that asks for TE.",
+      source=f"setup.cfg extra `te` (transformer-engine[pytorch]>={dotted(MIN_TE)}); TE 2.20.2 "
+      "transformer_engine/common/__init__.py:154-156, 267-275",
       fix=f"{TE_INSTALL_HINT}, or use te_swap: {{backend: emulate}}",
       family="environment")
 def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
@@ -179,14 +184,9 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
                   f"{dotted(MIN_TE)}, the oldest te_swap's `backend: te` takes: te_swap stops "
                   "such a run at its start (its `backend: emulate` works)",
                   fix=f"{TE_INSTALL_HINT}, or use te_swap: {{backend: emulate}}")
-    if snapshot.te is not None and snapshot.te_pure_wheel and snapshot.te_core is None \
-            and snapshot.te_torch is None:  # `pip install transformer-engine`, no extra
-        yield Hit("transformer_engine", f"TransformerEngine {snapshot.te} is its metapackage "
-                  "alone (`pip install transformer-engine` without `[pytorch]`): no core library "
-                  "and no torch extension, so `import transformer_engine.pytorch` fails (from TE "
-                  "2.9: 'Found empty `transformer-engine` meta package installed')",
-                  fix="pip install --no-build-isolation "
-                  f"'transformer-engine[pytorch]=={snapshot.te}'")
+    if snapshot.te is not None and snapshot.te_pure_wheel and snapshot.te_torch is None \
+            and (snapshot.te_core is None or snapshot.torch is not None):
+        yield _no_torch_extension(snapshot)
     if snapshot.te is not None or env.pinned:  # a pin of TE's parts alone: TE may be elsewhere
         return
     if env.config is not None:
@@ -198,16 +198,72 @@ def te_missing(env: Environment, _: LintContext) -> Iterator[Hit]:
                   "installed: only the emulated backend works")
 
 
-@rule("FP8205", "error", "TransformerEngine pip packages of different versions, or the torch "
-      "extension without the core package",
+def _no_torch_extension(snapshot: Snapshot) -> Hit:
+    """TE from PyPI without `[pytorch]`: the metapackage alone, or with its core package
+    (`transformer-engine[core]`). `import transformer_engine.pytorch` raises: for the metapackage
+    alone from TE 2.9 "Found empty `transformer-engine` meta package installed" (TE 2.20.2
+    transformer_engine/common/__init__.py:267-275), with the core package FileNotFoundError
+    "Could not find shared object file for Transformer Engine torch lib." (:154-156, from
+    load_framework_extension :215). With torch installed `import llmfoundry` raises it too
+    (`breaks_every_run`), so no run starts: an error."""
+    if snapshot.te_core is None:
+        what = ("is its metapackage alone (`pip install transformer-engine` without `[pytorch]`): "
+                "no core library and no torch extension, so `import transformer_engine.pytorch` "
+                "fails (from TE 2.9: 'Found empty `transformer-engine` meta package installed')")
+    else:
+        what = (f"has its core library ({snapshot.te_core_package} {snapshot.te_core}) but no "
+                "torch extension (`transformer-engine[core]` without `[pytorch]`), so `import "
+                "transformer_engine.pytorch` fails ('Could not find shared object file for "
+                "Transformer Engine torch lib.')")
+    every = ("; with torch installed `import llmfoundry` fails with it (its hf_checkpointer "
+             "catches only ModuleNotFoundError): no training starts here, BF16 and the emulated "
+             "backend included") if snapshot.torch is not None else ""
+    return Hit("transformer_engine", f"TransformerEngine {snapshot.te} {what}{every}",
+               severity="error" if snapshot.torch is not None else None,
+               fix=_install_torch_extension(snapshot))
+
+
+def _install_torch_extension(snapshot: Snapshot) -> str:
+    """TE's own install line for its torch extension at the installed version (from 2.9 it
+    pulls the core package for torch's CUDA major: TE 2.20.2 pytorch/setup.py:170-173)."""
+    return f"pip install --no-build-isolation 'transformer-engine[pytorch]=={snapshot.te}'"
+
+
+@rule("FP8205", "error", "TransformerEngine pip packages of different versions, the torch "
+      "extension without the core package, or a core package for another CUDA than torch's",
       why="On `import transformer_engine.pytorch`, TE asserts that transformer-engine, "
       "transformer-engine-torch and transformer-engine-cu12/cu13 are all installed and have one "
-      "version (read from package metadata, so also with `--no-te-import`).",
-      source=f"{TE_SRC} transformer_engine/common/__init__.py load_framework_extension",
+      "version (read from package metadata, so also with `--no-te-import`); the metapackage's "
+      "and the core package's wheels both carry TE's Python files (whichever was installed "
+      "last runs), so either's version can be the one that checks. The core package must be "
+      "built for torch's CUDA major: the torch extension requires transformer-engine-cu{torch's "
+      "major} (from TE 2.9), and the cu13 core library needs libcudart.so.13 and "
+      "libcublas.so.13, which torch for CUDA 12 does not bring (a warning where TE imported "
+      "all the same, through a CUDA on the loader path).",
+      source=f"{TE_SRC} transformer_engine/common/__init__.py load_framework_extension (TE "
+      "2.20.2 :192-212), sanity_checks_for_pypi_installation (:249-265); TE 2.20.2 "
+      "transformer_engine/pytorch/setup.py:170-173",
       fix="pip install --no-build-isolation 'transformer-engine[pytorch]==VERSION' so that all "
-      "of them have one VERSION", family="environment")
+      "of them have one VERSION; a core package for torch's CUDA major", family="environment")
 def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
+    mismatch = _core_cuda_mismatch(snapshot)
+    if mismatch is not None:
+        core, torch = mismatch
+        said = f"{snapshot.te_core_package} {snapshot.te_core} is TransformerEngine's core " \
+            f"library for CUDA {core}, but torch {snapshot.torch} is built for CUDA " \
+            f"{snapshot.torch_cuda}: the library needs libcudart.so.{core} and " \
+            f"libcublas.so.{core}, which torch's CUDA {torch} does not bring"
+        if snapshot.te_import_checked and snapshot.te_import_error is None:
+            yield Hit("transformer_engine", f"{said}; TE imports here (a CUDA {core} on the "
+                      "loader path), with two CUDA runtimes in one process, outside what TE's "
+                      "torch extension requires", severity="warning",
+                      fix=_core_swap(snapshot, core, torch))
+        else:
+            yield Hit("transformer_engine", f"{said}, so `import transformer_engine.pytorch` "
+                      "fails ('cannot open shared object file') unless a CUDA "
+                      f"{core} toolkit is on the loader path",
+                      fix=_core_swap(snapshot, core, torch))
     if snapshot.te is not None and snapshot.te_torch is not None and snapshot.te_core is None:
         core = _core_package_for(snapshot)
         yield Hit("transformer_engine", f"transformer-engine-torch {snapshot.te_torch} is "
@@ -217,19 +273,59 @@ def te_packages(env: Environment, _: LintContext) -> Iterator[Hit]:
                   fix=f"pip install --no-build-isolation '{core}=={snapshot.te_torch}'")
         return
     found = _te_distributions(snapshot)
-    core_checked = snapshot.te_core is not None and (snapshot.te_version or ()) >= TE_CORE_CHECK
+    # Either wheel's Python files may be the ones installed last (both carry them: TE 2.20.2's
+    # RECORDs of transformer-engine and transformer-engine-cu13 list transformer_engine/
+    # __init__.py), so a core package from 2.9 checks the metapackage's version too.
+    newest = max(parse_version(snapshot.te) or (), parse_version(snapshot.te_core) or ())
+    core_checked = snapshot.te_core is not None and newest >= TE_CORE_CHECK
     if (snapshot.te_torch is not None or core_checked) and len(set(found.values())) > 1:
         listed = ", ".join(f"{name} {v}" for name, v in found.items())
         yield Hit("transformer_engine", f"TransformerEngine packages differ in version ({listed}):"
                   " `import transformer_engine.pytorch` fails TE's version check")
 
 
+#: The core package's name: its CUDA major (TE 2.20.2 common/__init__.py:165).
+_CORE_CUDA = re.compile(r"transformer-engine-cu(\d+)")
+
+
+def _core_cuda_mismatch(snapshot: Snapshot) -> tuple[int, int] | None:
+    """(the core package's CUDA major, torch's) where they differ; None where they agree or
+    either is unknown. TE's torch extension requires transformer_engine_cu{torch's major} (TE
+    2.20.2 pytorch/setup.py:170-173; cu12 only before 2.9), and the cu13 core library needs
+    libcudart.so.13 and libcublas.so.13, found through no RUNPATH (readelf -d of TE 2.20.2's
+    wheel_lib/libtransformer_engine.so)."""
+    core = _CORE_CUDA.fullmatch(snapshot.te_core_package or "")
+    torch = parse_version(snapshot.torch_cuda)
+    if core is None or not torch or int(core[1]) == torch[0]:
+        return None
+    return int(core[1]), torch[0]
+
+
+def _core_swap(snapshot: Snapshot, core: int, torch: int) -> str:
+    """Swap the core package for torch's CUDA major. Uninstall first, then reinstall: each core
+    package writes TE's Python files (as the metapackage does) and
+    transformer_engine/wheel_lib/libtransformer_engine.so (TE 2.20.2 transformer_engine_cu13's
+    RECORD), so uninstalling one deletes what the other wrote, and pip skips a plain install
+    of what it still lists."""
+    wanted = _core_package_for(snapshot)
+    if wanted == snapshot.te_core_package:  # no core package for torch's CUDA at this TE
+        upgrade = f", or upgrade TransformerEngine to {dotted(TE_CORE_CHECK)} or newer (the " \
+            f"first with a core package for CUDA {torch})" if torch == 13 else ""
+        return f"{TORCH_FOR_CUDA} {core}{upgrade}"
+    return (f"pip uninstall -y {snapshot.te_core_package}, then pip install --force-reinstall "
+            f"--no-deps '{wanted}=={snapshot.te_core}'")
+
+
 @rule("FP8206", "error", "TransformerEngine's torch extension does not import",
       why="TE's torch extension is compiled against one torch; with another torch (or a broken "
       "CUDA setup) `import transformer_engine.pytorch` fails. The doctor imports it in a "
-      "subprocess so that a crash cannot take the doctor down; fp8_lint does not import it.",
+      "subprocess so that a crash cannot take the doctor down; fp8_lint does not import it. "
+      f"The fix follows the error: from TE {dotted(TE_MIN_CUDNN_FROM)} a cuDNN older than "
+      f"{dotted(TE_MIN_CUDNN)} (torch 2.7's own pin is older), a CUDA library missing for a "
+      "core package of another CUDA than torch's (FP8205), the torch extension never installed "
+      "(FP8204).",
       source=f"{TE_SRC} transformer_engine/common/__init__.py load_framework_extension; "
-      "transformer_engine/pytorch/__init__.py",
+      "transformer_engine/pytorch/__init__.py; TE 2.20.2 common/__init__.py:22-42, 154-156",
       fix="rebuild TE's torch extension against the installed torch, or uninstall TE to train "
       "with te_swap: {backend: emulate}", family="environment")
 def te_import(env: Environment, _: LintContext) -> Iterator[Hit]:
@@ -243,8 +339,46 @@ def te_import(env: Environment, _: LintContext) -> Iterator[Hit]:
         yield Hit("transformer_engine", f"`import transformer_engine.pytorch` fails: "
                   f"{error} (installed torch: {snapshot.torch or '?'}){every}",
                   fix="set the NVTE_ variable(s) named to an integer (0 or 1), or unset them"
-                  if setting else _reinstall_te(snapshot) if _te_files_gone(error)
-                  else _rebuild_te(snapshot))
+                  if setting else _import_fix(snapshot, error))
+
+
+#: TE's words when the cuDNN it loaded is older than it needs (TE 2.20.2
+#: transformer_engine/common/__init__.py:39-41), and the dynamic loader's for a missing library.
+_REQUIRES_CUDNN = "Transformer Engine requires cuDNN"
+_NO_LIBRARY = re.compile(r"lib[\w.+-]*\.so(\.\d+)*: cannot open shared object file")
+#: TE's words when the torch extension's library is not found (TE 2.20.2
+#: transformer_engine/common/__init__.py:154-156 with library "torch").
+_NO_TORCH_LIBRARY = "Could not find shared object file for Transformer Engine torch lib"
+
+
+def _import_fix(snapshot: Snapshot, error: str) -> str:
+    """The fix for a failed TE import, by what its error says: a cuDNN older than TE wants; a
+    CUDA library missing where the core package is for another CUDA than torch's (FP8205); the
+    torch extension never installed (`transformer-engine[core]`, FP8204); TE's files gone;
+    else an extension built against another torch."""
+    mismatch = _core_cuda_mismatch(snapshot)
+    if _REQUIRES_CUDNN in error:
+        return _cudnn_fix(snapshot)
+    if mismatch is not None and _NO_LIBRARY.search(error):
+        return _core_swap(snapshot, *mismatch)
+    if _NO_TORCH_LIBRARY in error and snapshot.te_torch is None and snapshot.te_core \
+            and snapshot.te_pure_wheel:
+        return _install_torch_extension(snapshot)
+    return _reinstall_te(snapshot) if _te_files_gone(error) else _rebuild_te(snapshot)
+
+
+def _cudnn_fix(snapshot: Snapshot) -> str:
+    """A cuDNN TE takes, or a TE that does not ask for it. TE loads cuDNN from CUDNN_HOME,
+    CUDNN_PATH, CUDA_HOME, CUDA_PATH, /usr/local/cuda, then LD_LIBRARY_PATH, before pip's
+    nvidia-cudnn package (TE 2.20.2 common/__init__.py:381-433); torch 2.7 pins
+    nvidia-cudnn-cu12==9.5.1.17, so pip reports the newer one as a conflict with torch's pin."""
+    major = (parse_version(snapshot.torch_cuda) or (12,))[0]
+    package = next((p for p in CUDNN_PACKAGES if p.endswith(f"cu{major}")), CUDNN_PACKAGES[0])
+    return (f"install cuDNN {dotted(TE_MIN_CUDNN)} or newer where TE loads it first (CUDNN_HOME,"
+            f" CUDA_HOME, /usr/local/cuda; else the pip package: pip install '{package}>="
+            f"{dotted(TE_MIN_CUDNN)}', beyond the pin of torch), or use a TransformerEngine "
+            f"older than {dotted(TE_MIN_CUDNN_FROM)}: pip install --no-build-isolation "
+            f"'transformer-engine[pytorch]>={dotted(MIN_TE)},<{dotted(TE_MIN_CUDNN_FROM)}'")
 
 
 #: LLM-Foundry imports TE when it is imported and catches only ModuleNotFoundError
@@ -289,7 +423,7 @@ def _core_package_for(snapshot: Snapshot) -> str:
     """The core package TE's torch extension wants: before TE 2.9 always the CUDA 12 one; from
     2.9 the one for torch's CUDA major (TE transformer_engine/pytorch/setup.py, v2.9-v2.18)."""
     major = (parse_version(snapshot.torch_cuda) or (12,))[0]
-    newer = (parse_version(snapshot.te_torch) or ()) >= TE_CORE_CHECK
+    newer = (parse_version(snapshot.te_torch or snapshot.te_core) or ()) >= TE_CORE_CHECK
     return f"transformer-engine-cu{major if newer and major in (12, 13) else 12}"
 
 
