@@ -299,7 +299,8 @@ def mcli_env(data: Mapping[str, Any]) -> dict[str, str]:
     names to values (mcli 0.5+) or the older list of `{key: NAME, value: VALUE}` items
     (mosaicml-cli's EnvVarTranslation), then what its `command:` exports before the train call
     (`export NAME=VALUE`, `NAME=VALUE composer train.py ...`). Values as the run sees them,
-    strings; items of neither shape, and words the shell expands, are left out."""
+    strings; items of neither shape, and words the shell expands from what is unknown here, are
+    left out."""
     given = data.get("env_variables")
     if isinstance(given, Mapping):
         pairs = list(given.items())
@@ -310,21 +311,39 @@ def mcli_env(data: Mapping[str, Any]) -> dict[str, str]:
         pairs = []
     env = {str(k): "" if v is None else str(v) for k, v in pairs
            if isinstance(k, str) and not isinstance(v, (Mapping, list))}
-    merged = {**env, **_command_exports(data.get("command"))}
+    merged = {**env, **_command_exports(data.get("command"), env)}
     return {k: v for k, v in merged.items() if v is not None}
 
 
 _ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
+#: `$NAME`, `${NAME}`, `${NAME-default}`, `${NAME:-default}` (a default without expansions).
+_PARAMETER = re.compile(r"\$(?:(?P<bare>[A-Za-z_][A-Za-z0-9_]*)|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
+                        r"(?:(?P<colon>:?)-(?P<default>[^}$`\\\"']*))?\})")
 
 
-def _command_exports(command: Any) -> dict[str, str | None]:
+def _expanded(text: str, env: Mapping[str, str | None]) -> str | None:
+    """What bash makes of a parameter expansion `text` (unquoted or in double quotes) from the
+    run's environment as known so far (`env`); None where that is unknown: another form, or a
+    variable the run config does not set (the image's environment may)."""
+    parameter = _PARAMETER.fullmatch(text[1:-1] if text[:1] == text[-1:] == '"' else text)
+    if parameter is None:
+        return None
+    value = env.get(parameter["bare"] or parameter["name"])
+    if parameter["default"] is not None and (value is None or parameter["colon"] and not value):
+        return parameter["default"] if value is not None else None
+    return value
+
+
+def _command_exports(command: Any, given: Mapping[str, str] | None = None
+                     ) -> dict[str, str | None]:
     """NAME -> value a shell script puts in the train (or eval) call's environment: its
     `export NAME=VALUE` commands before that call, and the assignments leading the call itself
-    (bash passes both to the command it runs); None for a value the shell expands (the run's,
-    unknown here)."""
+    (bash passes both to the command it runs), over `given` (`env_variables`); an expansion of a
+    variable set there or before (`export FSDP_VERSION=${FSDP_VERSION:-2}`) as bash expands it,
+    None for any other (the run's, unknown here)."""
     if _train_arguments(command) is None:
         return {}
-    env: dict[str, str | None] = {}
+    env: dict[str, str | None] = dict(given or {})
     for words in _simple_commands(command):
         texts = [text for text, _ in words]
         leading = words[1:] if texts[0] == "export" else []
@@ -336,10 +355,10 @@ def _command_exports(command: Any) -> dict[str, str | None]:
             if assignment and not expands:
                 env[assignment.group(1)] = assignment.group(2)
             elif assignment:
-                env[assignment.group(1)] = None
+                env[assignment.group(1)] = _expanded(assignment.group(2), env)
         if trains:
             break
-    return env
+    return {k: v for k, v in env.items() if given is None or k not in given or v != given[k]}
 
 
 @rule("FP8401", "error", "an MCLI run config whose `parameters` is not a mapping, or that has "
