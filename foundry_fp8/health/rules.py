@@ -414,14 +414,17 @@ class HealthTracker:
 
 
 def layers_regex(layers: Iterable[str]) -> str:
-    """te_swap's `exclude` matching exactly these layers (one or more, named as in the keys), so
-    that following the advice keeps no other layer out of FP8: te_swap searches it in its module
-    names, a key's with the fronts `short_layer` removed or not (`full_forms`), so it is anchored
-    at both ends (`fc$` also matched `blocks.0.fc` and `up_fc`; `layers\\.1\\.fc$`,
-    `vision.layers.1.fc`). One layer's holds no `|`, so the report's tables show it as code."""
+    """te_swap's `exclude` matching exactly these layers (one or more, named as in the keys) and
+    the modules inside them, so that following the advice keeps no other layer out of FP8:
+    te_swap searches it in its module names, a key's with the fronts `short_layer` removed or
+    not (`full_forms`), so it is anchored at both ends (`fc$` also matched `blocks.0.fc` and
+    `up_fc`; `layers\\.1\\.fc$`, `vision.layers.1.fc`). One layer's holds no `|`, so the
+    report's tables show it as code."""
     fronts = "".join(f"(?:{re.escape(front)})?" for front in FRONTS)
     names = sorted(re.escape(layer) for layer in layers)
-    return f"^{fronts}" + (names[0] if len(names) == 1 else f"(?:{'|'.join(names)})") + "$"
+    # `(?:\..+)?`: and what is inside the layer: te_swap plans an excluded fused LN-MLP
+    # (`<block>.ffn`) as its own up_proj/down_proj, which `ffn$` left in FP8 (swap.plan_swap)
+    return f"^{fronts}" + (names[0] if len(names) == 1 else f"(?:{'|'.join(names)})") + r"(?:\..+)?$"
 
 
 def summary_metrics(table: Table, raised: Mapping[tuple[str, str], list[Flag]],
