@@ -17,7 +17,7 @@ from packaging.version import Version
 from foundry_fp8.environment import Snapshot, gather_snapshot
 from foundry_fp8.lint.rules import RULES, all_rules
 from foundry_fp8.lint.rules.environment import environment_findings
-from foundry_fp8.te.facts import MIN_TE, TE_INSTALL_HINT
+from foundry_fp8.te.facts import MIN_TE, TE_INSTALL_HINT, TE_MIN_CUDNN_FROM
 
 REPO = Path(__file__).resolve().parents[1]
 #: No TE, no GPU; a run whose model builds TE layers itself, and one te_swap gives TE.
@@ -47,8 +47,8 @@ def test_the_install_hint_is_setup_cfgs_te_extra_and_min_te() -> None:
     te = _setup_cfg_te_requirement()
     assert (hint.name, hint.extras, str(hint.specifier)) == (te.name, te.extras, str(te.specifier))
     assert hint.extras == {"pytorch"}  # without it pip installs TE's empty metapackage
-    [bound] = hint.specifier
-    assert bound.operator == ">=" and Version(bound.version).release == MIN_TE
+    bounds = {b.operator: Version(b.version).release for b in hint.specifier}
+    assert bounds == {">=": MIN_TE, "<": TE_MIN_CUDNN_FROM}  # TE 2.20 refuses torch 2.7's cuDNN
 
 
 def test_no_fix_asks_pip_for_foundry_fp8_which_is_not_on_pypi() -> None:

@@ -144,8 +144,11 @@ def dotted(version: Version | None) -> str:
 #: How to install a TE te_swap's `backend: te` takes, for fix messages: foundry-fp8 is not on
 #: PyPI, so `pip install 'foundry-fp8[te]'` would find nothing (or another's package). TE's own
 #: install line (its README): the torch extension builds against the installed torch, hence
-#: --no-build-isolation. The same bound as setup.cfg's extra `te` (test_lint_install_hint).
-TE_INSTALL_HINT = f'pip install --no-build-isolation "transformer-engine[pytorch]>={dotted(MIN_TE)}"'
+#: --no-build-isolation. Below TE_MIN_CUDNN_FROM: that TE refuses, at import, the cuDNN torch 2.7
+#: (setup.cfg's torch) pins, so `import llmfoundry` fails with it. The same bounds as
+#: setup.cfg's extra `te` (test_lint_install_hint).
+TE_REQUIREMENT = f"transformer-engine[pytorch]>={dotted(MIN_TE)},<{dotted(TE_MIN_CUDNN_FROM)}"
+TE_INSTALL_HINT = f'pip install --no-build-isolation "{TE_REQUIREMENT}"'
 
 
 def refuses_pickled_extra_state(version: Version) -> bool:

@@ -56,6 +56,7 @@ from foundry_fp8.te.facts import (
     TE_INSTALL_HINT,
     TE_MIN_CUDNN,
     TE_MIN_CUDNN_FROM,
+    TE_REQUIREMENT,
     backward_override_problems,
     dotted,
     environment_problems,
@@ -166,7 +167,7 @@ def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
       "TE older than te_swap's floor stops te_swap's `backend: te` at the run's start (the "
       "doctor's check, and `foundry-fp8 lint`'s on the TE an MCLI run config pins). An error "
       "in `fp8_lint` for a run that asks for TE.",
-      source=f"setup.cfg extra `te` (transformer-engine[pytorch]>={dotted(MIN_TE)}); TE 2.20.2 "
+      source=f"setup.cfg extra `te` ({TE_REQUIREMENT}); TE 2.20.2 "
       "transformer_engine/common/__init__.py:154-156, 267-275",
       fix=f"{TE_INSTALL_HINT}, or use te_swap: {{backend: emulate}}",
       family="environment")
