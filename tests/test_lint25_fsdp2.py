@@ -5,6 +5,7 @@ installed Accelerate's own code."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -61,12 +62,21 @@ with mock.patch.object(S, "is_fp8_available", lambda: True), \\
 """
 
 
+LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+                      "MV2_COMM_WORLD_SIZE")
+
+
 def test_the_installed_accelerates_fsdp2_path_never_enters_te_autocast():
     version = installed_accelerate()
     if version is None or version < (1, 8):
         pytest.skip("Accelerate 1.8+ (the release with _prepare_fsdp2)")
+    # One process: a launcher's variables left by an earlier test (Composer's dist init sets
+    # WORLD_SIZE, RANK, ...) would make Accelerate rendezvous for several
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES and not k.startswith("ACCELERATE_")}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          check=False, timeout=120)
+                          check=False, timeout=120, env=env)
     assert done.stdout.split() == ["prepare_model", "1", "_prepare_fsdp2", "0"], \
         done.stderr[-2000:]
 
