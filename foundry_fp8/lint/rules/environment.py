@@ -373,13 +373,13 @@ def _cudnn_fix(snapshot: Snapshot) -> str:
     CUDNN_PATH, CUDA_HOME, CUDA_PATH, /usr/local/cuda, then LD_LIBRARY_PATH, before pip's
     nvidia-cudnn package (TE 2.20.2 common/__init__.py:381-433); torch 2.7 pins
     nvidia-cudnn-cu12==9.5.1.17, so pip reports the newer one as a conflict with torch's pin."""
-    major = (parse_version(snapshot.torch_cuda) or (12,))[0]
+    major = _torch_cuda_major(snapshot)
     package = next((p for p in CUDNN_PACKAGES if p.endswith(f"cu{major}")), CUDNN_PACKAGES[0])
     return (f"install cuDNN {dotted(TE_MIN_CUDNN)} or newer where TE loads it first (CUDNN_HOME,"
             f" CUDA_HOME, /usr/local/cuda; else the pip package: pip install '{package}>="
             f"{dotted(TE_MIN_CUDNN)}', beyond the pin of torch), or use a TransformerEngine "
             f"older than {dotted(TE_MIN_CUDNN_FROM)}: pip install --no-build-isolation "
-            f"'transformer-engine[pytorch]>={dotted(MIN_TE)},<{dotted(TE_MIN_CUDNN_FROM)}'")
+            f"'{TE_REQUIREMENT}'")
 
 
 #: LLM-Foundry imports TE when it is imported and catches only ModuleNotFoundError
@@ -420,10 +420,15 @@ def _te_files_gone(error: str) -> bool:
     return _FILES_GONE.search(error) is not None
 
 
+def _torch_cuda_major(snapshot: Snapshot) -> int:
+    """torch's CUDA major, 12 where unknown (the CUDA the CPU-side defaults assume)."""
+    return (parse_version(snapshot.torch_cuda) or (12,))[0]
+
+
 def _core_package_for(snapshot: Snapshot) -> str:
     """The core package TE's torch extension wants: before TE 2.9 always the CUDA 12 one; from
     2.9 the one for torch's CUDA major (TE transformer_engine/pytorch/setup.py, v2.9-v2.18)."""
-    major = (parse_version(snapshot.torch_cuda) or (12,))[0]
+    major = _torch_cuda_major(snapshot)
     newer = (parse_version(snapshot.te_torch or snapshot.te_core) or ()) >= TE_CORE_CHECK
     return f"transformer-engine-cu{major if newer and major in (12, 13) else 12}"
 
