@@ -66,6 +66,7 @@ from foundry_fp8.lint.rules.mcli import (
     pinned_snapshot,
     pinned_te_findings,
     pins,
+    unjudged_rules,
 )
 from foundry_fp8.lint.rules.train import TRAIN_ONLY_KEYS, foreign_top_level
 from foundry_fp8.packages import is_ours
@@ -173,8 +174,9 @@ def lint_file(path: Path, fsdp_version: int = 1, snapshot: Snapshot | None = Non
                           else f"`--gpus {gpus}`", interpolated=loaded.interpolated)
     findings = run_rules("eval", loaded.config, context) if is_eval_config(loaded.config) \
         else lint_config(loaded.config, context)
+    unjudged = unjudged_rules(pinned)
     findings = [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))
-                if f.rule in PIN_RULES else f for f in findings]
+                if f.rule in PIN_RULES else f for f in findings if f.rule not in unjudged]
     entry = _entry(path, findings, loaded.positions, f"{subtree}." if subtree else "", merged,
                    loaded.taken)
     outer += [replace(f, message=f.message + pinned_note(PIN_RULES[f.rule], pinned))

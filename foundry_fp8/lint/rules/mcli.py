@@ -508,6 +508,17 @@ def pins(data: Mapping[str, Any]) -> list[Pin]:
     return list({pin.field: pin for pin in found}.values())
 
 
+def unjudged_rules(pinned: Mapping[str, Pin]) -> frozenset[str]:
+    """The PIN_RULES a run config's pins leave without the versions they judge. A run that pins
+    torch (its image's, or a `pip install torch==X`) or LLM-Foundry but not Composer gets the
+    Composer its image ships or pip resolves for them, not the linting machine's; pip resolves
+    one whose own torch pin holds that torch (Composer 0.32.1 requires torch>=2.6.0,<2.7.1,
+    FP8031's range; LLM-Foundry 0.16.0 pins Composer 0.28 with torch 2.5.1), so FP8031 cannot
+    be told for it."""
+    return frozenset({"FP8031"}) if pinned.keys() & {"torch", "llmfoundry"} \
+        and "composer" not in pinned else frozenset()
+
+
 def pinned_note(fields: tuple[str, ...], pinned: Mapping[str, Pin]) -> str:
     """What a version-dependent finding judged: the versions this run config pins."""
     used: dict[tuple[str, str], Pin] = {}
