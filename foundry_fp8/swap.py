@@ -298,6 +298,8 @@ def te_normalization(norm: nn.Module, hidden: int) -> str:
     if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
         return (f"norm {type(norm).__name__} is not torch's LayerNorm or RMSNorm (MPT's "
                 "layernorm/rmsnorm norm_types, te.LayerNormMLP's normalizations)")
+    if (own := norm_forward_reason(norm)) is not None:
+        return f"norm {own}"
     if tuple(norm.normalized_shape) != (hidden,):
         return f"norm over {tuple(norm.normalized_shape)}, not the last dim {hidden}"
     if norm.weight is None:
@@ -310,6 +312,33 @@ def te_normalization(norm: nn.Module, hidden: int) -> str:
         return ("RMSNorm eps is None (torch takes the input dtype's epsilon per call): "
                 "te.LayerNormMLP needs a number; set model.norm_eps")
     return "RMSNorm"
+
+
+#: (module, class) of the torch LayerNorm/RMSNorm subclasses whose own forward computes their
+#: parent's function, only in the autocast dtype (F.layer_norm / F.rms_norm on the downcast
+#: input, weight and bias, autocast off): LLM-Foundry's `low_precision_layernorm` and
+#: `low_precision_rmsnorm` (llmfoundry/models/layers/norm.py, 0.21-0.22) and Composer's
+#: LowPrecisionLayerNorm algorithm's (composer/algorithms/low_precision_layernorm/
+#: low_precision_layernorm.py, 0.32). Read by name, without importing either.
+LOW_PRECISION_NORMS = frozenset({
+    ("llmfoundry.models.layers.norm", "LPLayerNorm"),
+    ("llmfoundry.models.layers.norm", "LPRMSNorm"),
+    ("composer.algorithms.low_precision_layernorm.low_precision_layernorm", "LPLayerNorm"),
+})
+
+
+def norm_forward_reason(norm: nn.LayerNorm | nn.RMSNorm) -> str | None:
+    """Why a torch LayerNorm/RMSNorm subclass stays as it is: its own forward computes another
+    function than TE's norm would from its weight and bias (transformers' NemotronLayerNorm1P
+    scales by `weight + 1`, ChameleonLayerNorm normalises a narrower shape than its weight), so
+    te.LayerNorm or a fused te.LayerNormMLP would compute something else, silently. None for
+    torch's own forward and the `LOW_PRECISION_NORMS` (the same function)."""
+    base = nn.RMSNorm if isinstance(norm, nn.RMSNorm) else nn.LayerNorm
+    owner = next(c for c in type(norm).__mro__ if "forward" in vars(c))
+    if owner is base or (owner.__module__, owner.__qualname__) in LOW_PRECISION_NORMS:
+        return None
+    return (f"{type(norm).__name__}: an nn.{base.__name__} subclass with its own forward, which "
+            f"TE's {base.__name__} would not compute")
 
 
 def _peft_adapters(model: nn.Module) -> dict[str, str]:
@@ -516,8 +545,9 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
         elif (te_class := te_class_name(module)) is not None:
             decisions.append(_te_decision(name, module, te_class, precision))
         elif config.convert_layernorm and isinstance(module, nn.LayerNorm):
-            reason = adapters.get(name) or layernorm_reason(name, module.bias is not None,
-                                                            config, n_blocks, module)
+            reason = (adapters.get(name) or norm_forward_reason(module)
+                      or layernorm_reason(name, module.bias is not None, config, n_blocks,
+                                          module))
             if reason is None and (init_device := _on_meta(module, meta_elsewhere)):
                 reason = (f"{init_device}: LLM-Foundry's param_init_fn would not initialise "
                           "te.LayerNorm (not in its norms registry)")
