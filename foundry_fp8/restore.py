@@ -18,10 +18,10 @@ Composer checkpoint (batch end, after the step's updates) it holds nothing but t
 no-grad FP8 forwards, which the next step records anew.
 
 Repair (`strict: false`), by the same rules: a non-amax history entry (negative) is
-dropped (0, "nothing recorded" to TE's update); a bad scale is the one TE's update gives from
-the history (1, TE's initial scale, where the history holds nothing or inf); a history the
-scale contradicts, where nothing tells which of the two is wrong, starts fresh as TE starts a
-module (scale 1, no amax); a history of another length is fitted as TE's
+dropped (0, "nothing recorded" to TE's update); a bad scale, which leaves nothing to check
+its history against (recomputed from a history holding a planted 1e30, it flushed the tensor
+to zero), and a history the scale contradicts, where nothing tells which of the two is wrong,
+start that column fresh as TE starts a module (scale 1, no amax); a history of another length is fitted as TE's
 `adjust_amax_history_length` does (first rows kept, zero rows added); anything malformed (type,
 shape, unknown field) leaves the module fresh.
 """
@@ -140,14 +140,13 @@ def scale_keys_changed(saved: FP8Recipe | None, run: FP8Recipe | None) -> list[s
     return [key for key in SCALE_KEYS if getattr(saved, key) != getattr(run, key)]
 
 
-def te_scale(amax: torch.Tensor, recipe: FP8Recipe | None, direction: str,
+def te_scale(amax: torch.Tensor, recipe: FP8Recipe, direction: str,
              kept: torch.Tensor) -> torch.Tensor:
-    """TE's delayed-scaling scale for `amax` under `recipe` (None: HYBRID, no margin):
-    `numerics.delayed_scale`, the margin applied before the clamp (applied after it, a clamped
-    scale came out 2**-margin too small)."""
-    fmt = (recipe or FP8Recipe()).format_for(direction)  # type: ignore[arg-type]
-    return delayed_scale(amax, kept.float(),
-                         FP8_MAX[fmt] * 2.0 ** -(recipe.margin if recipe else 0))
+    """TE's delayed-scaling scale for `amax` under `recipe`: `numerics.delayed_scale`, the
+    margin applied before the clamp (applied after it, a clamped scale came out 2**-margin too
+    small)."""
+    fmt = recipe.format_for(direction)  # type: ignore[arg-type]
+    return delayed_scale(amax, kept.float(), FP8_MAX[fmt] * 2.0 ** -recipe.margin)
 
 
 def recomputed_scales(tensors: Mapping[str, torch.Tensor], saved: FP8Recipe, run: FP8Recipe,
@@ -272,13 +271,15 @@ def _check_direction(where: str, scale: torch.Tensor, history: torch.Tensor,
                         "records (>= 0 or inf)")
         history = torch.where(bad, torch.zeros_like(history), history)
     # TE never writes a non-finite scale: it keeps the old one where the amax is not finite and
-    # writes float32 max where the division overflows (delayed_scaling.cu:238-249).
+    # writes float32 max where the division overflows (delayed_scaling.cu:238-249). Without a
+    # scale nothing checks the history beside it, and TE's next update would compute the scale
+    # from it, a planted amax included: that column starts fresh.
     bad_scale = ~torch.isfinite(scale) | (scale <= 0)
     if bad_scale.any():
         problems.append(f"{where}_scale: {_example(scale[bad_scale])} is not a scale "
                         "(finite, > 0)")
-        scale = torch.where(bad_scale, te_scale(_amax(history, algo), recipe, direction,
-                                                torch.ones_like(scale)), scale)
+        scale = torch.where(bad_scale, torch.ones_like(scale), scale)
+        history = torch.where(bad_scale, torch.zeros_like(history), history)
     amax = _amax(history, algo)
     # an inf amax: TE kept the scale from before it (delayed_scaling.cu:238-242), nothing to check
     contradicted = torch.isfinite(amax) & (amax.double() * scale.double() > bound * (1 + _SLACK))
