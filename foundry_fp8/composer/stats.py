@@ -207,6 +207,8 @@ class FP8Stats(Callback):
         self._resend = ConsoleResend()  # what an evaluation kept off the console
         self._whatif_too_big_said = False
         self._mlflow_race_said = False
+        #: our own failures that may recur at every logging step or checkpoint (`_say_failed`)
+        self._failed_said: set[str] = set()
         self.disabled = False
         self._step = 0
         self._te_metrics: dict[str, float] = {}
@@ -537,11 +539,11 @@ class FP8Stats(Callback):
                             for (layer, tensor), stats in rows.items()],
                      None if formats is None else {t: sorted(f) for t, f in formats.items()}]
                     for step, rows, formats in self._recent]
-        except Exception:
+        except Exception as e:
             if self.strict:
                 raise
-            log.exception("fp8_stats: reading its state to save failed; this checkpoint holds "
-                          "none (a resume from it starts the summary and streaks afresh)")
+            self._say_failed("reading its state to save", e, "this checkpoint holds none (a "
+                             "resume from it starts the summary and streaks afresh)")
             saved = {"version": STATE_VERSION, "unsaved": True}
         recipe = self.config.recipe
         if multi_rank() and recipe.scaling == "delayed" and not recipe.reduce_amax:
@@ -568,8 +570,8 @@ class FP8Stats(Callback):
             return None
         try:
             return self.monitor.whatif_state()
-        except Exception:
-            log.exception("fp8_stats: reading this rank's what-if state failed; not saved")
+        except Exception as e:
+            self._say_failed("reading this rank's what-if state", e, "not saved")
             return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -647,10 +649,22 @@ class FP8Stats(Callback):
         other ranks are not left in the next all_reduce; `strict: true` raises."""
         try:
             call()
-        except Exception:
+        except Exception as e:
             if self.strict:
                 raise
-            log.exception("fp8_stats: %s failed on rank 0; the statistics go on", what)
+            self._say_failed(what, e, "the statistics go on")
+
+    def _say_failed(self, what: str, error: Exception, outcome: str) -> None:
+        """Our own failure at `what`, which is tried again at each logging step or checkpoint:
+        said once (with its traceback), later ones at debug level, not one traceback per
+        step."""
+        if what in self._failed_said:
+            log.debug("fp8_stats: %s failed again: %r", what, error)
+            return
+        self._failed_said.add(what)
+        log.error("fp8_stats: %s failed on rank %d (%s: %s); %s (said once: later failures of "
+                  "it are not reported; strict: true makes it an error)", what,
+                  dist.get_global_rank(), type(error).__name__, error, outcome, exc_info=error)
 
 
 def last_batch(state: State) -> int | None:
