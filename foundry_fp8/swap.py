@@ -615,14 +615,21 @@ def attention_out_projs(model: nn.Module) -> set[int]:
     return {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
 
 
+#: (module, class) of the nn.Linear subclasses whose own forward computes nn.Linear's function:
+#: transformers' FalconLinear, `input @ self.weight.T` then `+ self.bias` (transformers/models/
+#: falcon/modeling_falcon.py:67-72, 4.51), every linear of a Falcon model. Read by name.
+LINEAR_FORWARDS = frozenset({("transformers.models.falcon.modeling_falcon", "FalconLinear")})
+
+
 def _own_forward_reason(module: nn.Linear, attention_out: bool) -> str | None:
     """Why a linear layer that does not compute `nn.Linear.forward` stays as it is: converted, it
     would compute the FP8 layer's forward instead of its own (a subclass's: a quantized
-    bitsandbytes or torchao layer, loralib's LoRA, a user's scaling), or, as
-    nn.MultiheadAttention's `out_proj` (`attention_out`), still none."""
+    bitsandbytes or torchao layer, loralib's LoRA, a user's scaling; `LINEAR_FORWARDS` compute
+    nn.Linear's), or, as nn.MultiheadAttention's `out_proj` (`attention_out`), still none."""
     if attention_out:
         return ATTENTION_OUT_PROJ
-    if type(module).forward is not nn.Linear.forward:
+    owner = next(c for c in type(module).__mro__ if "forward" in vars(c))
+    if owner is not nn.Linear and (owner.__module__, owner.__qualname__) not in LINEAR_FORWARDS:
         return (f"{type(module).__name__}: an nn.Linear subclass with its own forward, which a "
                 "converted layer would not compute")
     return None

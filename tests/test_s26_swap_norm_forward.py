@@ -1,4 +1,5 @@
-"""A torch LayerNorm/RMSNorm subclass with its own forward stays as it is, with its reason:
+"""te_swap judges a layer subclass by what its own forward computes. A torch LayerNorm/RMSNorm
+subclass with its own forward stays as it is, with its reason:
 te_swap's `convert_layernorm` turned transformers' NemotronLayerNorm1P (`weight + 1`, NVIDIA's
 Nemotron/Minitron) into a te.LayerNorm scaling by `weight`, and `fuse_ln_mlp` would fuse such a
 norm_2 into te.LayerNormMLP's: a silently different model (logits off by their own size).
@@ -6,7 +7,9 @@ norm_2 into te.LayerNormMLP's: a silently different model (logits off by their o
 Reference: the model's own forward before the swap (transformers' Nemotron, LLM-Foundry's MPT),
 against the swapped model with tests/fake_te.py's TE modules, which compute TE's formulas.
 LLM-Foundry's low-precision norms (its MPT default) compute their parent's function and still
-convert and fuse (tests/test_swap_ln_mlp_norms.py).
+convert and fuse (tests/test_swap_ln_mlp_norms.py). transformers' FalconLinear computes
+nn.Linear's function in its own forward: Falcon's linears now convert, where te_swap refused a
+Falcon model ("no module would run in FP8": every linear kept as a subclass).
 """
 
 from __future__ import annotations
@@ -81,3 +84,25 @@ def test_an_mpt_norm_2_with_its_own_forward_is_not_fused(fake_te):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # block 0's tanh GELU is the plain model's too
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_falcon_linears_convert_and_the_logits_stay(fake_te):
+    transformers = pytest.importorskip("transformers")
+    fake_te()
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, new_decoder_architecture=True,
+                                       num_kv_heads=1)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    plain = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = convert_to_fp8(model, SwapConfig(backend="te"), optimizers=optimizer)
+
+    assert sorted(d.name.rpartition(".")[2] for d in plan.converted) == [
+        "dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"]
+    layer = model.transformer.h[0]
+    assert type(layer.self_attention.query_key_value).__module__.startswith("transformer_engine")
+    assert [p for g in optimizer.param_groups for p in g["params"]] == list(model.parameters())
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-6, atol=1e-6)
