@@ -47,8 +47,7 @@ def _losses_and_config(given: Path) -> tuple[dict[int, float], Mapping[str, Any]
         read = WandbRead.of(files)
         losses = losses_of(read.rows())
         if read.failed:
-            raise ReportError(next(iter(read.unread()),
-                                   f"{files[0]}: W&B's reader cannot read it"))
+            raise ReportError(next(iter(read.stopped() + read.unread())))
         config = attempts_config(read)
     else:
         metrics_file = metrics_file_of(given)

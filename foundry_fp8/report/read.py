@@ -4,6 +4,7 @@ fp8_guard's fallbacks (hparams.json); bad input is one line (ReportError)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -369,13 +370,17 @@ def _started(run_file: Path) -> tuple[str, str]:
 class WandbRead:
     """The attempts' `.wandb` files as W&B's reader reads them, one history row at a time
     (`rows`): a long run's history held as dicts took gigabytes. Each run's config fills in and
-    its steps are kept (`steps`) as its rows go by; `failed` where W&B's reader raised on a file
-    (it raises whatever its parsers do), or read none of any (`unread`): then nothing read
-    counts, as for a file not read."""
+    its steps are kept (`steps`) as its rows go by. Where W&B's reader raises on a file (it
+    raises whatever its parsers do: an IndexError on bytes after the last record, an OSError
+    where it cannot open the file read-write), what it read before counts, as `wandb sync`
+    sends each record as it reads it (wandb 0.18 sync/sync.py SyncThread.run), and `raised`
+    says why it stopped; `failed` where it read no row of any file (each refused, `unread`, or
+    raised at once): then nothing read counts, as for a file not read."""
 
     runs: list[wandb_history.WandbRun]
     steps: list[list[int]]  # per run, the steps of its history rows read so far
     failed: bool = False
+    raised: dict[Path, str] = field(default_factory=dict)  # per file, why W&B's reader stopped
 
     @classmethod
     def of(cls, files: list[Path]) -> WandbRead:
@@ -387,17 +392,18 @@ class WandbRead:
         import wrapped in an ImportError (`cli.interrupted_by`): caught here, it was a run W&B
         "cannot read"."""
         outer = sys.exc_info()[1]
-        try:
-            for wandb_run, steps in zip(self.runs, self.steps, strict=True):
+        for wandb_run, steps in zip(self.runs, self.steps, strict=True):
+            try:
                 for row in wandb_history.scan(wandb_run, history):
                     if (step := jsonl.step(row.get("_step"))) is not None:
                         steps.append(step)
                         yield step, {k: v for k, v in row.items() if not k.startswith("_")}
-            self.failed |= bool(self.runs) and len(self.unread()) == len(self.runs)
-        except Exception as e:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
-            if interrupted_by(e, outer):
-                raise
-            self.failed = True
+            except Exception as e:  # noqa: BLE001 - W&B's reader raises whatever its parsers do
+                if interrupted_by(e, outer):
+                    raise
+                self.raised[wandb_run.path] = _reader_raised(wandb_run.path, e)
+        self.failed |= bool(self.runs) and not any(self.steps) and all(
+            r.unreadable is not None or r.path in self.raised for r in self.runs)
 
     def unread(self) -> list[str]:
         """One line per file whose header W&B's reader refused (`WandbRun.unreadable`), after
@@ -405,12 +411,41 @@ class WandbRead:
         return [f"{r.path}: {r.unreadable}; W&B's own reader (`wandb sync` too) reads none of it"
                 for r in self.runs if r.unreadable is not None]
 
+    def stopped(self) -> list[str]:
+        """One line per file W&B's reader raised on (`raised`), after `rows`: where it stopped."""
+        return [f"{r.path}: W&B's own reader (`wandb sync` too) stops with {self.raised[r.path]}"
+                + (f" after {len(steps)} history row(s), up to step {steps[-1]}" if steps else
+                   ", having read no history row")
+                for r, steps in zip(self.runs, self.steps, strict=True) if r.path in self.raised]
+
     def config(self) -> dict[str, Any] | None:
         """The attempts' config (`attempts_config`), their values left unread; None where W&B's
         reader cannot read them."""
         for _ in self.rows(history=False):
             pass
         return None if self.failed else attempts_config(self)
+
+
+#: The reasons an OSError from W&B's reader is a permission: wandb 0.18
+#: sdk/internal/datastore.py `open_for_scan` opens the run file with open(fname, "r+b").
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _reader_raised(path: Path, error: Exception) -> str:
+    """What W&B's reader raised on `path`, for a line: what stands there where it is no regular
+    file (a FIFO), what to do where W&B's read-write open was refused."""
+    why = error.strerror if isinstance(error, OSError) and error.strerror else error
+    said = f"{type(error).__name__}: {why}"
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        mode = stat.S_IFREG
+    if not stat.S_ISREG(mode):
+        return f"{said} ({file_kind(mode)}, not a run file)"
+    if isinstance(error, OSError) and error.errno in NOT_WRITABLE:
+        return (f"{said} (W&B's reader opens the run file read-write, wandb/sdk/internal/"
+                "datastore.py open_for_scan: copy the run folder somewhere you may write)")
+    return said
 
 
 def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
@@ -430,6 +465,8 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
     unread = read.unread()
     if len(unread) == len(files) and (given.is_file() or _run_above(given) is None):
         raise ReportError(unread[0])  # else: where the metrics.jsonl is (below)
+    if read.failed and read.raised and (given.is_file() or _run_above(given) is None):
+        raise ReportError(read.stopped()[0])  # else: where the metrics.jsonl is (below)
     if read.failed:  # as if no file was read
         run, restarts, read = RunMetrics(), [], WandbRead([], [])
         guard.clear()
@@ -440,8 +477,10 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
         warn(_restarts_said(files[-1], restarts))
     for said in unread if len(unread) < len(files) else ():
         warn(f"{said}; the report covers the other attempts")
-    live = read.runs[-1] if read.runs and not (read.runs[-1].complete
-                                               or read.runs[-1].unreadable) else None
+    for said in read.stopped():
+        warn(f"{said}; the report covers what it read")
+    ended = [r.complete or r.unreadable is not None or r.path in read.raised for r in read.runs]
+    live = read.runs[-1] if read.runs and not ended[-1] else None
     if older:  # before a folder above's metrics.jsonl, which may be another run's
         if not run.values:
             raise NoStatistics(_older_said(given, older))
@@ -450,8 +489,9 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
     config = attempts_config(read)
     if dumps is not None:
         dumps[:] = recorded_dump_folders(r.config.get(DUMP_FOLDER_KEY) for r in read.runs[::-1])
-    for wandb_run, steps, later in zip(read.runs[:-1], read.steps, read.steps[1:], strict=False):
-        if not (wandb_run.complete or wandb_run.unreadable):
+    for wandb_run, steps, later, done in zip(read.runs[:-1], read.steps, read.steps[1:], ended,
+                                             strict=False):
+        if not done:
             warn(_killed_said(wandb_run.path, steps, later))
     shown = set(run.steps)
     for path in files:  # a row W&B dropped is in no .wandb file: only its own log says so
