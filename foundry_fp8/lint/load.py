@@ -86,6 +86,9 @@ MAX_EXPANDED_NODES = 20_000
 #: profiler) on a busy 2-core machine, where 4,500 in separate values took 1.9 s of CPU; a real
 #: config has under a hundred.
 MAX_INTERPOLATIONS = 5_000
+#: The most text a value (the whole document included) may resolve to: four times the largest
+#: file the linter reads; a real config resolves to about its own size, a few KiB.
+MAX_RESOLVED_CHARS = 4 * MAX_BYTES
 #: Why MAX_DEPTH, in the one line that refuses a file.
 _DEPTH_WHY = ("the linter's bound: real configs nest under 10 levels, and omegaconf (LLM-Foundry's "
               "reader) fails near 75")
@@ -625,6 +628,100 @@ def check_interpolations(path: Path, text: str, root: yaml.Node) -> None:
         stack += reversed(_children(node))
 
 
+#: An innermost interpolation (an escaped `\${` is text), and one that names a key (`${a.b}`,
+#: `${..a}`, `${a[0]}`) rather than a resolver's call (`${oc.env:X}`).
+_INNERMOST = re.compile(r"(?<!\\)\$\{([^${}]*)\}")
+_REFERENCE = re.compile(r"\s*(\.*)([\w-]+(?:\.[\w-]+|\[[\w-]+\])*)\s*")
+_ABSENT = object()
+
+
+def _at(tree: Any, key: tuple[str, ...]) -> Any:
+    """The value at `key` in a plain (unresolved) container, _ABSENT where there is none."""
+    for part in key:
+        if isinstance(tree, Mapping):
+            tree = tree.get(part, tree.get(int(part), _ABSENT) if part.isdigit() else _ABSENT)
+        elif isinstance(tree, list) and part.isdigit() and int(part) < len(tree):
+            tree = tree[int(part)]
+        else:
+            return _ABSENT
+    return tree
+
+
+def _references(key: tuple[str, ...], value: str) -> list[tuple[str, ...]]:
+    """The keys `value`'s innermost interpolations name, one per occurrence; relative ones
+    (`${.x}`) from the key's container, one level up per further dot."""
+    found = []
+    for body in _INNERMOST.findall(value):
+        match = _REFERENCE.fullmatch(body)
+        if match is None:  # a resolver's call: what it returns is not read here
+            continue
+        dots, name = match.groups()
+        base = key[:-1] if dots else ()
+        base = base[:len(base) - len(dots) + 1] if len(dots) > 1 else base
+        found.append(base + tuple(re.sub(r"\[([\w-]+)\]", r".\1", name).split(".")))
+    return found
+
+
+def _dependencies(key: tuple[str, ...], value: Any) -> list[tuple[str, ...]]:
+    if isinstance(value, Mapping):
+        return [(*key, str(k)) for k in value]
+    if isinstance(value, list):
+        return [(*key, str(i)) for i in range(len(value))]
+    return _references(key, value) if isinstance(value, str) else []
+
+
+def _resolved_size(key: tuple[str, ...], value: Any,
+                   sizes: Mapping[tuple[str, ...], tuple[int, int]]) -> tuple[int, int]:
+    """(values, characters) `value` resolves to, from its dependencies' (a cycle's: none)."""
+    parts = [sizes.get(d, (0, 0)) for d in _dependencies(key, value)]
+    if isinstance(value, (Mapping, list)):
+        return 1 + sum(v for v, _ in parts), 2 + sum(c + 2 for _, c in parts)
+    if not isinstance(value, str) or not parts:
+        return 1, len(str(value))
+    if _REFERENCE.fullmatch(value[2:-1]) and _INNERMOST.fullmatch(value):
+        return parts[0]  # the key's node whole, a mapping or list included
+    return 1, len(_INNERMOST.sub("", value)) + sum(c for _, c in parts)
+
+
+def check_resolved_size(path: Path, tree: Any, positions: Mapping[str, tuple[int, int]],
+                        inside: str = "") -> None:
+    """Refuse interpolations that resolve to more than MAX_EXPANDED_NODES values or
+    MAX_RESOLVED_CHARS characters of text (`l1: [${l0}, ${l0}]`, `s1: ${s0}${s0}`,
+    doubling at each line): omegaconf resolves every reference anew, so a few hundred bytes
+    took minutes and gigabytes. Sizes are counted on `tree`, the unresolved plain container,
+    each key once and without recursion (chains of thousands of interpolations resolve);
+    refused at the line of the first value past a bound."""
+    sizes: dict[tuple[str, ...], tuple[int, int]] = {}
+    started: set[tuple[str, ...]] = set()
+    stack: list[tuple[tuple[str, ...], bool]] = [((), False)]
+    while stack:
+        key, done = stack.pop()
+        if key in sizes or (not done and key in started):
+            continue
+        value = _at(tree, key)
+        if value is _ABSENT:
+            sizes[key] = (1, 0)
+            continue
+        if not done:
+            started.add(key)
+            stack.append((key, True))
+            stack += [(d, False) for d in _dependencies(key, value)
+                      if d not in sizes and d not in started]
+            continue
+        started.discard(key)
+        sizes[key] = values, chars = _resolved_size(key, value, sizes)
+        if values > MAX_EXPANDED_NODES or chars > MAX_RESOLVED_CHARS:
+            dotted = inside.rstrip(".")
+            for part in key:
+                dotted = join_key(dotted, part)
+            line, column = position_of(dotted, positions) or (1, 1)
+            past = (f"more than {MAX_EXPANDED_NODES} values" if values > MAX_EXPANDED_NODES
+                    else f"a text of more than {MAX_RESOLVED_CHARS} characters")
+            raise LintInputError(f"{path}:{line}:{column}: the interpolations in "
+                                 f"`{dotted or '<root>'}` resolve to {past} (an interpolation "
+                                 "bomb?); refusing to resolve it")
+
+
 def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.MappingNode):
         return [n for pair in node.value for n in pair]
@@ -810,12 +907,15 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
             if _set_at(raw, key, _escaped(value)):
                 env_keys.append(key)
         try:
+            check_resolved_size(path, OmegaConf.to_container(raw, resolve=False), positions,
+                                inside)
             config = OmegaConf.to_container(raw, resolve=True)
         except failures as e:
             error = _omegaconf_error(path, e, positions, inside, "cannot resolve")
             error = LintInputError(f"{error}{_under_variables(raw, e)}")
             raise _by_override(error, path, text, subtree, document, overrides) from None
         if _holds_interpolation(config):  # text such as an escaped `\${x}` resolves to
+            check_resolved_size(path, config, positions, inside)
             try:
                 config = _resolved_again(config, env_values, inside)
             except failures as e:
