@@ -102,3 +102,12 @@ def test_a_long_chain_of_interpolations_still_resolves(tmp_path):
     text = "variables:\n  v0: 1\n" + "".join(f"  v{i}: ${{variables.v{i - 1}}}\n"
                                           for i in range(1, 3000))
     assert _error(tmp_path, text + "max_seq_len: ${variables.v2999}\n") is None
+
+
+def test_a_bomb_the_overrides_build_is_refused_naming_an_override(tmp_path):
+    """`--override` items merge before resolution, as LLM-Foundry merges its command line."""
+    path = tmp_path / "train.yaml"
+    path.write_text("variables:\n  s0: " + "a" * 64 + "\nrun_name: x\n")
+    items = [f"variables.s{i}=${{variables.s{i - 1}}}${{variables.s{i - 1}}}" for i in range(1, 41)]
+    error = lint_file(path, overrides=[*items, "run_name=${variables.s40}"])["error"] or ""
+    assert "the interpolations in `variables.s" in error and "(caused by --override " in error

@@ -909,13 +909,19 @@ def load_config(path: Path, text: str | None = None, subtree: str | None = None,
         try:
             check_resolved_size(path, OmegaConf.to_container(raw, resolve=False), positions,
                                 inside)
+        except LintInputError as error:
+            raise _by_override(error, path, text, subtree, document, overrides) from None
+        try:
             config = OmegaConf.to_container(raw, resolve=True)
         except failures as e:
             error = _omegaconf_error(path, e, positions, inside, "cannot resolve")
             error = LintInputError(f"{error}{_under_variables(raw, e)}")
             raise _by_override(error, path, text, subtree, document, overrides) from None
         if _holds_interpolation(config):  # text such as an escaped `\${x}` resolves to
-            check_resolved_size(path, config, positions, inside)
+            try:
+                check_resolved_size(path, config, positions, inside)
+            except LintInputError as error:
+                raise _by_override(error, path, text, subtree, document, overrides) from None
             try:
                 config = _resolved_again(config, env_values, inside)
             except failures as e:
