@@ -374,13 +374,28 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
     expert stops the first batch that breaks it. Each sees `top_k / len(experts)` of the tokens
     on average, its per-token FLOPs share. The router (the block's linear with one output per
     expert) picks the top-k experts from its logits: Megatron-LM computes it as a plain torch
-    GEMM, never TE's FP8 (megatron/core/transformer/moe/router.py, Router.gating)."""
+    GEMM, never TE's FP8 (megatron/core/transformer/moe/router.py, Router.gating). Where the
+    experts are one module of weights, not linears (LLM-Foundry's `torch_dmoe`, llmfoundry/
+    models/layers/dmoe.py, and megablocks' `mb_moe`/`mb_dmoe`; transformers' Llama 4,
+    modeling_llama4.py `Llama4TextMoe`, 4.51), the router is the block's `router` child (its
+    `layer`, or itself a linear), whatever its width: before, it converted to FP8 where the
+    experts were a multiple of 16."""
     found: dict[str, tuple[str, float]] = {}
+    router = ("MoE router: its logits choose the experts, kept in high precision (as "
+              "Megatron-LM's router)", 1.0)
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
+        prefix = f"{name}." if name else ""
+        if isinstance(experts, nn.Module) and not isinstance(experts, (nn.ModuleList,
+                                                                        nn.ModuleDict)):
+            gate = getattr(block, "router", None)
+            for sub, module in (gate.named_modules(prefix=f"{prefix}router")
+                                if isinstance(gate, nn.Module) else ()):
+                if isinstance(module, nn.Linear):
+                    found[sub] = router
+            continue
         if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)) or len(experts) == 0:
             continue
-        prefix = f"{name}." if name else ""
         top_k = getattr(block, "top_k", getattr(getattr(block, "config", None),
                                                 "num_experts_per_tok", None))
         share = top_k / len(experts) if isinstance(top_k, int) else 1.0
@@ -396,8 +411,7 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
                 continue
             for sub, module in sub_module.named_modules(prefix=f"{prefix}{child}"):
                 if isinstance(module, nn.Linear) and module.out_features == len(experts):
-                    found[sub] = ("MoE router: its logits choose the experts, kept in high "
-                                  "precision (as Megatron-LM's router)", 1.0)
+                    found[sub] = router
     return found
 
 
