@@ -49,8 +49,18 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
     def shown(value: str | None, absent: str = "not installed") -> str:
         return value if value is not None else absent
 
-    torch = shown(s.torch)
-    if s.torch is not None:
+    shadows = dict(s.shadowed)
+
+    def version(field: str) -> str:
+        """The installed version, and the folder Python imports instead where one shadows it."""
+        if field not in shadows:
+            return shown(getattr(s, field))
+        return (f"{shown(getattr(s, field))} installed, but Python imports {field} from "
+                f"{_short(shadows[field])} (PYTHONPATH, or the folder of the script run): that "
+                "one runs")
+
+    torch = version("torch")
+    if s.torch is not None and "torch" not in shadows:
         torch += f" (CUDA {s.torch_cuda or 'none: CPU build'}, cuDNN {s.cudnn or 'none'})"
     gpu = "none" if not s.has_gpu else s.gpu_seen or f"{s.gpu_name} (compute capability " \
         f"{s.capability[0]}.{s.capability[1]})"
@@ -69,7 +79,7 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
             parts.append("imports" if not s.te_import_error else "import FAILS")
         te += f" ({', '.join(parts)})"
     rows = [("python", s.python), ("torch", torch), ("GPU", gpu), ("TransformerEngine", te),
-            *((label, shown(getattr(s, field))) for field, label in STACK.values()
+            *((label, version(field)) for field, label in STACK.values()
               if field != "torch"),  # torch has its row above, with its CUDA
             ("flash-attn", shown(s.flash_attn)), ("accelerate", shown(s.accelerate)),
             ("deepspeed", shown(s.deepspeed))]

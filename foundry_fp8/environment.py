@@ -88,6 +88,8 @@ class Snapshot:
     `cli._installed_here`, which asks whether this Python has foundry-fp8 installed).
     `te`, `torch`, `composer` and `llmfoundry` are `UNVERSIONED` for a package that has no
     package metadata but is found all the same (a source tree on PYTHONPATH, a vendored copy).
+    `shadowed`: (package, folder) for each of `STACK` Python imports from another folder than
+    its installed distribution's (`_shadowing`): the version above is not what runs.
     """
 
     python: str
@@ -117,6 +119,7 @@ class Snapshot:
     te_pure_wheel: bool = False
     nvte_backward_override: str | None = None
     stack_ranges: tuple[tuple[str, str], ...] = ()
+    shadowed: tuple[tuple[str, str], ...] = ()
 
     @property
     def has_gpu(self) -> bool:
@@ -178,6 +181,22 @@ def _stack_version(distribution: str, package: str) -> str | None:
         return UNVERSIONED if util.find_spec(package) is not None else None
     except (ImportError, ValueError):  # a broken finder, or a __spec__-less module
         return None
+
+
+def _shadowing(distribution: str, package: str) -> str | None:
+    """The folder Python imports `package` from where it is not the installed `distribution`'s
+    (a `package` folder on PYTHONPATH, or beside the script run, ahead of site-packages): the
+    metadata's version is then not what runs, and torch/version.py is read from the shadow
+    (without one, torch looked like a CPU build). None where they agree or either is not found
+    (an editable install keeps no package folder where its metadata is)."""
+    imported = _package_dir(package)
+    try:
+        installed = Path(metadata.distribution(distribution).locate_file(package))
+        if imported is None or not installed.is_dir() or imported.resolve() == installed.resolve():
+            return None
+    except Exception:  # not installed, a broken dist-info, a loop of links: no verdict
+        return None
+    return str(imported)
 
 
 def _version(name: str) -> str | None:
@@ -605,7 +624,9 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         nvte_backward_override=os.environ.get(BACKWARD_OVERRIDE_ENV),
         te_pure_wheel=te is not None and _pure_wheel("transformer-engine"),
-        stack_ranges=_stack_ranges(), **stack, **gpu)
+        stack_ranges=_stack_ranges(), **stack, **gpu,
+        shadowed=tuple((package.field, folder) for distribution, package in STACK.items()
+                       if (folder := _shadowing(distribution, package.field)) is not None))
     if probe_te_import:
         names: list[str] = []
         error = te_import_error(raised=names.append)
