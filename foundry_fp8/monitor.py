@@ -365,6 +365,23 @@ class _Step:
     left_out: dict[str, int] = field(default_factory=dict)  # keys past the cap: their bytes
 
 
+#: Every monitor alive in this process, for `abort_unfinished`.
+_monitors: weakref.WeakSet[FP8Monitor] = weakref.WeakSet()
+
+
+def abort_unfinished() -> int:
+    """Take the armed hooks of every monitor whose step never finished off its model, and
+    return how many monitors had them. A fit that raised mid-step leaves its monitor armed, and
+    an unclosed Trainer (LLM-Foundry's `train()` raises without closing it; a notebook's
+    traceback keeps it alive) keeps that monitor: its hooks computed a dead step's statistics
+    at every forward of the next run on the same model. Called where a fit starts, when no
+    step of a live fit is armed."""
+    stale = [monitor for monitor in list(_monitors) if monitor._handles]
+    for monitor in stale:
+        monitor.abort()
+    return len(stale)
+
+
 def _weak_hook(method: Callable[..., None], name: str) -> Callable[..., None]:
     """A hook calling the monitor's `method(name, module, *hook args)` (through its `_guard`)
     by a weak reference.
@@ -417,6 +434,7 @@ class FP8Monitor:
         self._whatif_fp8_max = torch.tensor(
             [FP8_MAX[recipe.format_for(w.direction)] for ws in self._watches.values() for w in ws])
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        _monitors.add(self)
         self._step: _Step | None = None
         self._history: torch.Tensor | None = None  # what-if delayed state [len, rows]
         self._scale: torch.Tensor | None = None

@@ -40,6 +40,7 @@ from foundry_fp8.monitor import (
     FP8Monitor,
     FP8MonitorError,
     NoLayersError,
+    abort_unfinished,
     multi_rank,
     watches_for,
 )
@@ -341,6 +342,9 @@ class FP8Stats(Callback):
             # step, compared by number, left this fit without images)
             self._recent.clear()
             self._start_images()
+        if abort_unfinished():  # an earlier fit's, which raised mid-step: no event since
+            log.info("fp8_stats: an earlier fit that raised mid-step left its statistics hooks "
+                     "armed on the model; taken off")
         self.monitor = None  # until built: a rank that fails here cannot join collectives
         self._no_table = None
         config = self.config
