@@ -48,7 +48,7 @@ class MlflowRun:
         said = (f" ({len(cut)} metric file(s) end mid-line, as a run killed while MLflow wrote "
                 f"them leaves them, first {next(iter(cut.values()))}: MLflow's client reads "
                 "none of the run while one holds no whole line; delete that file or its last "
-                "line)" if cut else "")
+                "line)" if cut else f" ({bad})" if (bad := malformed(self)) is not None else "")
         return ReportError(f"{self.where}: MLflow: {one_line(message)}{said}{self.note}")
 
 
@@ -91,6 +91,43 @@ def unfinished(run: MlflowRun) -> dict[str, Path]:
         if path.is_relative_to(folder / "metrics") and not _ends_a_line(path):
             cut[path.relative_to(folder / "metrics").as_posix()] = path
     return cut
+
+
+def malformed(run: MlflowRun) -> str | None:
+    """`file:line: why` of the first line of a file-store run's metric files that MLflow's
+    reader refuses (mlflow 2.22 store/tracking/file_store.py:806 `_get_metric_from_line`: UTF-8
+    `timestamp value` or `timestamp value step`), for MLflow's error, which names neither the
+    file nor the line (`invalid literal for int() with base 10: 'x'`). Read only once MLflow
+    failed, a line at a time."""
+    folder = _run_dir(run)
+    if folder is None:
+        return None
+    for path in sorted((folder / "metrics").rglob("*")):
+        try:
+            if not path.is_file():
+                continue
+            with open(path, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    if (why := _refused(raw)) is not None:
+                        return f"{path}:{lineno}: {why}"
+        except OSError:
+            continue  # unreadable: MLflow's error says so
+    return None
+
+
+def _refused(raw: bytes) -> str | None:
+    """Why MLflow's file store refuses one metric line (`malformed`); None where it reads it."""
+    try:
+        parts = raw.decode("utf-8").strip().split(" ")
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text (byte {e.start} of the line)"
+    if len(parts) not in (2, 3):
+        return f"{len(parts)} field(s), not `timestamp value step`"
+    try:
+        int(parts[0]), float(parts[1]), [int(step) for step in parts[2:]]
+    except ValueError:
+        return f"not `timestamp value step`: {' '.join(parts)[:80]!r}"
+    return None
 
 
 def _ends_a_line(path: Path) -> bool:
