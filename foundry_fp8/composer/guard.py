@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import re
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
@@ -52,6 +53,9 @@ DECISIONS = "decisions"
 _NO_DECISIONS = ("fp8_guard: %s holds no fp8_guard state (saved without fp8_guard, or before "
                  "foundry-fp8 kept it in sharded checkpoints); fp8_guard starts with every layer "
                  "in FP8 and no decision")
+
+#: every guard alive in this process: a fit start takes another's hooks off its model (`_start`)
+_guards: weakref.WeakSet[FP8Guard] = weakref.WeakSet()
 
 
 def checkpointed_core(entry: Mapping[str, Any]) -> Any:
@@ -119,6 +123,7 @@ class FP8Guard(Callback):
         self._restored: Mapping[str, Any] = {}  # the checkpoint's entry, decoded at fit_start
         self._modules: dict[str, nn.Module] = {}
         self._handles: dict[str, list[Any]] = {}
+        _guards.add(self)
         self._exclude: str | None = None
         self._state: State | None = None
         self._logger: Logger | None = None
@@ -193,6 +198,7 @@ class FP8Guard(Callback):
         self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)}
         swap = next((a for a in state.algorithms if isinstance(a, TESwap)), None)
         self._exclude = swap.config.exclude if swap is not None else None
+        self._take_over(state.model)
         # the fallback reasons' edge blocks are the model's, counted as te_swap counts them
         # (swap.plan_swap: every name), not those of the layers judged
         self.core = GuardCore(self.config, layer_flops(state.model, self._modules,
@@ -377,6 +383,29 @@ class FP8Guard(Callback):
                     self.disabled = True
                     log.error("fp8_guard is off from now on (layers already in fallback stay "
                               "in high precision)")
+
+    def _take_over(self, model: nn.Module) -> None:
+        """Another guard's fallbacks still hooked into `model`: its Trainer was not closed
+        (LLM-Foundry's `train()` returns it unclosed; a fit that raised is closed by no one).
+        This guard would not know of them: the layers would run in high precision while its
+        series said FP8. They go back to FP8 with a fresh delayed-scaling state (`_release`),
+        as in a fresh run, and are judged by this guard; said once (rank 0)."""
+        ours = {id(module) for module in model.modules()}
+        moved: list[str] = []
+        for guard in list(_guards):
+            if guard is self:
+                continue
+            for layer in [name for name in guard._handles
+                          if id(guard._modules.get(name)) in ours]:
+                guard._release(layer)
+                moved.append(layer)
+        if moved and dist.get_global_rank() == 0:
+            log.warning("fp8_guard: %s still ran in high precision by an earlier Trainer's "
+                        "fp8_guard fallback (that Trainer was not closed); this run starts "
+                        "them in FP8 again with a fresh delayed-scaling state and judges them "
+                        "afresh (to keep that Trainer's decisions, resume from its checkpoint; "
+                        "to keep them out of FP8: %s)", ", ".join(sorted(moved)),
+                        static_yaml(moved, self._exclude))
 
     def _act(self, step: int, layers: list[str], ready: list[str], table: Mapping) -> None:
         assert self.core is not None
