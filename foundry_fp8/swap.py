@@ -71,6 +71,9 @@ Kind = Literal["linear", "layernorm", "ln_mlp", "tied_lm_head"]
 #: An MPT MLP's two linears under `ffn` (LLM-Foundry's MPTMLP), which `fuse_ln_mlp` replaces,
 #: with the block's `norm_2`, by one te.LayerNormMLP at `ffn`.
 MPT_MLP_LINEARS = ("up_proj", "down_proj")
+#: (module, class) of LLM-Foundry's MPTMLP, whose forward `down_proj(act(up_proj(x)))`
+#: (llmfoundry/models/layers/ffn.py, 0.21-0.22) is what te.LayerNormMLP computes after its norm.
+MPT_MLP_CLASS = ("llmfoundry.models.layers.ffn", "MPTMLP")
 
 #: Set by `apply_swap` on a module whose state_dict keys differ from the unconverted model's:
 #: {key under the module: the unconverted model's key under it, or None where it has none}.
@@ -279,6 +282,9 @@ def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
                 "and tanh GELU; kept as separate linears"), None
     if not all(isinstance(getattr(ffn, part, None), nn.Linear) for part in MPT_MLP_LINEARS):
         return f"ffn {type(ffn).__name__} is not an MPT MLP ({'/'.join(MPT_MLP_LINEARS)})", None
+    if not forward_of(ffn, frozenset({MPT_MLP_CLASS})):
+        return (f"ffn {type(ffn).__name__} has its own forward, not MPTMLP's "
+                "down_proj(act(up_proj(x))) that te.LayerNormMLP computes"), None
     if te_activation(getattr(ffn, "act", None)) is None:
         return "ffn_act_fn is not GELU or ReLU: TE's LayerNormMLP here maps only those", None
     normalization = te_normalization(norm, ffn.up_proj.in_features)
@@ -327,6 +333,19 @@ LOW_PRECISION_NORMS = frozenset({
 })
 
 
+def forward_of(module: nn.Module, known: frozenset[tuple[str, str]]) -> bool:
+    """Whether the class that defines `module`'s forward is one of `known` (module, class), or
+    a Hugging Face remote-code copy of it: an MPT exported by LLM-Foundry or taken from the Hub
+    with `trust_remote_code` loads LLM-Foundry's files as `transformers_modules.<folder>.<file>`
+    (the same file name)."""
+    owner = next(c for c in type(module).__mro__ if "forward" in vars(c))
+    where = owner.__module__
+    return any(owner.__qualname__ == name and (
+        where == home or (where.startswith("transformers_modules.")
+                          and where.rpartition(".")[2] == home.rpartition(".")[2]))
+        for home, name in known)
+
+
 def norm_forward_reason(norm: nn.LayerNorm | nn.RMSNorm) -> str | None:
     """Why a torch LayerNorm/RMSNorm subclass stays as it is: its own forward computes another
     function than TE's norm would from its weight and bias (transformers' NemotronLayerNorm1P
@@ -334,8 +353,7 @@ def norm_forward_reason(norm: nn.LayerNorm | nn.RMSNorm) -> str | None:
     te.LayerNorm or a fused te.LayerNormMLP would compute something else, silently. None for
     torch's own forward and the `LOW_PRECISION_NORMS` (the same function)."""
     base = nn.RMSNorm if isinstance(norm, nn.RMSNorm) else nn.LayerNorm
-    owner = next(c for c in type(norm).__mro__ if "forward" in vars(c))
-    if owner is base or (owner.__module__, owner.__qualname__) in LOW_PRECISION_NORMS:
+    if type(norm).forward is base.forward or forward_of(norm, LOW_PRECISION_NORMS):
         return None
     return (f"{type(norm).__name__}: an nn.{base.__name__} subclass with its own forward, which "
             f"TE's {base.__name__} would not compute")
@@ -642,8 +660,7 @@ def _own_forward_reason(module: nn.Linear, attention_out: bool) -> str | None:
     nn.Linear's), or, as nn.MultiheadAttention's `out_proj` (`attention_out`), still none."""
     if attention_out:
         return ATTENTION_OUT_PROJ
-    owner = next(c for c in type(module).__mro__ if "forward" in vars(c))
-    if owner is not nn.Linear and (owner.__module__, owner.__qualname__) not in LINEAR_FORWARDS:
+    if type(module).forward is not nn.Linear.forward and not forward_of(module, LINEAR_FORWARDS):
         return (f"{type(module).__name__}: an nn.Linear subclass with its own forward, which a "
                 "converted layer would not compute")
     return None

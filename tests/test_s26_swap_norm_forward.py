@@ -9,7 +9,9 @@ against the swapped model with tests/fake_te.py's TE modules, which compute TE's
 LLM-Foundry's low-precision norms (its MPT default) compute their parent's function and still
 convert and fuse (tests/test_swap_ln_mlp_norms.py). transformers' FalconLinear computes
 nn.Linear's function in its own forward: Falcon's linears now convert, where te_swap refused a
-Falcon model ("no module would run in FP8": every linear kept as a subclass).
+Falcon model ("no module would run in FP8": every linear kept as a subclass). An MPT ffn whose
+class has its own forward (a user's registered ffn on MPTMLP's layers) is not fused either: the
+fused te.LayerNormMLP computes MPTMLP's `down_proj(act(up_proj(x)))` only.
 """
 
 from __future__ import annotations
@@ -106,3 +108,57 @@ def test_falcon_linears_convert_and_the_logits_stay(fake_te):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_an_mpt_mlp_with_its_own_forward_is_not_fused(fake_te):
+    from llmfoundry.models.layers.ffn import MPTMLP
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    class HalfMLP(MPTMLP):
+        """A user's registered ffn: MPTMLP's layers, its output halved."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 0.5 * super().forward(x)
+
+    fake_te()
+    torch.manual_seed(0)
+    model = MPTForCausalLM(MPTConfig(
+        d_model=32, n_heads=2, n_layers=1, max_seq_len=8, vocab_size=64,
+        attn_config={"attn_impl": "torch"},
+        ffn_config={"ffn_type": "mptmlp", "ffn_act_fn": {"name": "gelu", "approximate": "tanh"}}))
+    block = model.transformer.blocks[0]
+    block.ffn.__class__ = HalfMLP
+    plain = copy.deepcopy(model).eval()
+    plan = convert_to_fp8(model.eval(), SwapConfig(backend="te", fuse_ln_mlp=True))
+
+    [fused] = [d for d in plan.decisions if d.kind == "ln_mlp"]
+    assert not fused.convert and fused.reason == (
+        "not fused: ffn HalfMLP has its own forward, not MPTMLP's down_proj(act(up_proj(x))) "
+        "that te.LayerNormMLP computes")
+    assert type(block.ffn) is HalfMLP and block.norm_2 is not None
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=0, atol=0)
+
+
+def test_remote_code_copies_of_llm_foundry_classes_count_as_theirs():
+    """An MPT loaded with trust_remote_code (an LLM-Foundry export, the Hub's) has LLM-Foundry's
+    classes from `transformers_modules.<folder>.<file>`: its norms still convert and fuse, its
+    MLPs fuse (tests/test_swap_export_logits.py builds MPTs after such a load). A same-named
+    class of another file is not taken for them."""
+    from llmfoundry.models.layers.ffn import MPTMLP
+    from llmfoundry.models.layers.norm import LPLayerNorm
+
+    from foundry_fp8.swap import MPT_MLP_CLASS, forward_of, norm_forward_reason
+
+    def copy_of(cls: type, module: str) -> type:
+        return type(cls.__name__, cls.__bases__, {"forward": cls.forward, "__module__": module,
+                                                  "__qualname__": cls.__qualname__})
+
+    assert norm_forward_reason(copy_of(LPLayerNorm, "transformers_modules.ba2.norm")(8)) is None
+    assert norm_forward_reason(copy_of(LPLayerNorm, "transformers_modules.ba2.other")(8)) == (
+        f"LPLayerNorm: {OWN_FORWARD}")
+    remote = copy_of(MPTMLP, "transformers_modules.ba2.ffn")
+    elsewhere = copy_of(MPTMLP, "transformers_modules.ba2.blocks")
+    assert forward_of(remote.__new__(remote), frozenset({MPT_MLP_CLASS}))
+    assert not forward_of(elsewhere.__new__(elsewhere), frozenset({MPT_MLP_CLASS}))
