@@ -65,13 +65,24 @@ class InjectOutlier(Callback):
         self.ranks = None if ranks is None else tuple(ranks)
         self._batch = 0
         self._extra: torch.Tensor | None = None  # this forward's added outlier
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        """Hooked once: a second fit() hooked the layer again, scaling the channel by
+        `factor` squared and compensating once, so the layer computed a wrong output in high
+        precision too."""
+        self.close(state, logger)
         if self.ranks is not None and dist.get_global_rank() not in self.ranks:
             return
         module = find_layer(state.model, self.layer)
-        module.register_forward_pre_hook(self._scale)
-        module.register_forward_hook(self._compensate)
+        self._handles = [module.register_forward_pre_hook(self._scale),
+                         module.register_forward_hook(self._compensate)]
+
+    def close(self, state: State, logger: Logger) -> None:
+        """Off the model with its Trainer, which a new Trainer may train healthy."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self._batch = int(state.timestamp.batch)
