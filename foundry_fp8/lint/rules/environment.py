@@ -21,6 +21,8 @@ run's config on the machine it runs on. Facts, with where they were read:
 
 - torch, Composer and LLM-Foundry must be installed, within the ranges the installed foundry-fp8
   requires (setup.cfg's install_requires, read back from its package metadata): FP8214.
+- A folder that shadows one of them (`Snapshot.shadowed`) is what runs: its installed version,
+  and for torch the CUDA build read from the shadow, are judged by no rule but FP8215.
 
 The TE version facts themselves live in `foundry_fp8.te.facts`.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from foundry_fp8.environment import CUDNN_PACKAGES, STACK, UNVERSIONED, Snapshot
@@ -88,6 +91,14 @@ class Environment:
 #: te_ln_mlp): those need TE whatever te_swap's backend, so te_swap alone cannot emulate them.
 NATIVE_TE_FIX = ("here set model.fc_type: torch (ffn_type: mptmlp for te_ln_mlp) and use "
                  "te_swap: {backend: emulate}, which emulates FP8 in the linears it converts")
+
+
+def _shadow(snapshot: Snapshot, field: str) -> str | None:
+    """The folder Python imports `field`'s package from where it shadows the installed
+    distribution (`Snapshot.shadowed`), else None. Its installed version then says nothing of
+    what runs, nor, for torch, the CUDA build read from the shadow's torch/version.py (none in
+    a source tree: a GPU node's torch looked like a CPU build), so rules do not judge them."""
+    return dict(snapshot.shadowed).get(field)
 
 
 def _run_fix(env: Environment, fix: str) -> str | None:
@@ -149,7 +160,7 @@ def gpu_capability(env: Environment, _: LintContext) -> Iterator[Hit]:
       fix=f"{TORCH_FOR_CUDA} {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer", family="environment")
 def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
-    cuda = parse_version(snapshot.torch_cuda)
+    cuda = None if _shadow(snapshot, "torch") else parse_version(snapshot.torch_cuda)
     if snapshot.capability is not None and tuple(snapshot.capability) == ADA and cuda \
             and cuda[:2] < MIN_CUDA_FOR_ADA_FP8:
         yield Hit("torch_cuda", f"TransformerEngine refuses FP8 on Ada ({dotted(ADA)}) when torch "
@@ -296,7 +307,7 @@ def _core_cuda_mismatch(snapshot: Snapshot) -> tuple[int, int] | None:
     libcudart.so.13 and libcublas.so.13, found through no RUNPATH (readelf -d of TE 2.20.2's
     wheel_lib/libtransformer_engine.so)."""
     core = _CORE_CUDA.fullmatch(snapshot.te_core_package or "")
-    torch = parse_version(snapshot.torch_cuda)
+    torch = None if _shadow(snapshot, "torch") else parse_version(snapshot.torch_cuda)
     if core is None or not torch or int(core[1]) == torch[0]:
         return None
     return int(core[1]), torch[0]
@@ -505,6 +516,8 @@ def recipe_te(env: Environment, _: LintContext) -> Iterator[Hit]:
       f"torch{UNSHARD_TORCH_RANGE}", family="environment")
 def auto_microbatch_torch(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
+    if _shadow(snapshot, "composer") or _shadow(snapshot, "torch"):
+        return  # FP8215
     if env.config is None and auto_microbatch_fsdp_fails(snapshot.composer, snapshot.torch):
         yield Hit("composer", f"Composer {snapshot.composer} with torch {snapshot.torch}: "
                   "device_train_microbatch_size: auto under FSDP raises NameError "
@@ -596,8 +609,10 @@ def backward_override(env: Environment, _: LintContext) -> Iterator[Hit]:
 def torch_without_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
     # An UNVERSIONED torch (a source tree) may lack a built version.py: no CUDA line is no
-    # verdict there, only in an installed build, whose version.py pip's wheel always has.
-    if snapshot.has_gpu and parse_version(snapshot.torch) and snapshot.torch_cuda is None:
+    # verdict there, only in an installed build, whose version.py pip's wheel always has; nor
+    # where a folder shadows the installed torch (FP8215): the version.py read is the shadow's.
+    if snapshot.has_gpu and parse_version(snapshot.torch) and snapshot.torch_cuda is None \
+            and not _shadow(snapshot, "torch"):
         yield Hit("torch_cuda", f"{snapshot.gpu_name or 'this GPU'} is here, but torch "
                   f"{snapshot.torch} is built without CUDA (its CPU build): torch and "
                   "TransformerEngine cannot use the GPU")
@@ -628,7 +643,8 @@ _CUDA_COMPAT_SRC = "NVIDIA CUDA Compatibility guide (docs.nvidia.com/deploy/cuda
 def torch_newer_than_driver(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
     torch, driver = parse_version(snapshot.torch_cuda), parse_version(snapshot.driver_cuda)
-    if env.config is not None or not torch or not driver or len(torch) < 2 or len(driver) < 2:
+    if env.config is not None or not torch or not driver or len(torch) < 2 or len(driver) < 2 \
+            or _shadow(snapshot, "torch"):  # FP8215
         return
     said = f"torch {snapshot.torch} is built for CUDA {snapshot.torch_cuda}, but the NVIDIA " \
         f"driver supports CUDA {snapshot.driver_cuda} at most (nvidia-smi)"
@@ -701,6 +717,8 @@ def training_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
         wanted, clauses = _shown(requirement), requirement.clauses
         field, name = STACK[distribution]
         installed = getattr(snapshot, field)
+        if _shadow(snapshot, field):
+            continue  # FP8215: the installed version is not what runs
         if installed is None:
             yield Hit(field, f"{name} is not installed: foundry-fp8 needs "
                       f"{wanted}, and no training run can use it without", fix=f"pip install "
@@ -718,6 +736,39 @@ def training_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
                       f"foundry-fp8 supports ({wanted}): untested, and te_swap, fp8_state and "
                       "the sdpa attention use its internals", severity="warning",
                       fix=f"pip install '{wanted}'")
+
+
+@rule("FP8215", "error", "torch, Composer or LLM-Foundry imported from a folder that shadows "
+      "the installed one (PYTHONPATH, or the script's folder)",
+      why="A `torch`, `composer` or `llmfoundry` folder on PYTHONPATH, or in the folder of the "
+      "script run, comes before site-packages on Python's path: Python imports it, not the "
+      "installed distribution, so the installed version says nothing of what runs, nor, for "
+      "torch, the CUDA build read from the shadow's torch/version.py (a source tree has none: "
+      "a GPU node's torch looked like a CPU build). The checks of that version and CUDA build "
+      "(FP8203, FP8205's CUDA match, FP8209, FP8212-FP8214) are not judged while it is there. A "
+      "shadowed torch is an error: on a training node it is almost always an accident (a "
+      "stray copy, a source tree), and TE's torch extension was built against the installed "
+      "torch; a Composer or LLM-Foundry folder (pure Python, often a checkout worked on) is a "
+      "warning. The doctor's: a run imports whatever Python finds.",
+      source="foundry_fp8/environment.py (_shadowing: importlib.util.find_spec against the "
+      "installed distribution's files); Python's sys.path (the script's folder, then "
+      "PYTHONPATH, before site-packages)",
+      fix="remove the folder holding it from PYTHONPATH, or move it out of the script's folder "
+      "(a checkout meant to run: `pip install -e` it)", family="environment")
+def shadowed_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    if env.config is not None:
+        return
+    labels = {package.field: package.label for package in STACK.values()}
+    for field, folder in snapshot.shadowed:
+        above = str(Path(folder).parent)
+        judged = "its version and CUDA build are" if field == "torch" else "its version is"
+        yield Hit(field, f"Python imports {labels[field]} from {folder}, not the installed "
+                  f"{labels[field]} {getattr(snapshot, field)}: that folder's runs, so {judged} "
+                  "not judged",
+                  severity=None if field == "torch" else "warning",
+                  fix=f"remove {above} from PYTHONPATH, or move {folder} out of the script's "
+                  "folder (a checkout meant to run: `pip install -e` it)")
 
 
 def environment_findings(snapshot: Snapshot,
