@@ -9,10 +9,13 @@ media (images, tables) and the config. Used by the tests and by `make run`'s dem
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import stat
 import struct
+import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -80,7 +83,7 @@ def _records(run: WandbRun) -> Iterator[Any]:
     store = DataStore()
     try:
         try:
-            store.open_for_scan(str(run.path))
+            _open_for_scan(store, run.path)
         except OSError:
             raise
         except Exception:  # noqa: BLE001 - an assert on a header cut short, a bare Exception
@@ -96,6 +99,63 @@ def _records(run: WandbRun) -> Iterator[Any]:
             run.damaged_at = at
     finally:
         store.close()
+
+
+#: Why W&B's reader may not open a run file that can be read: it opens it read-write (wandb
+#: 0.18 sdk/internal/datastore.py `DataStore.open_for_scan`: open(fname, "r+b")), which another
+#: user's run (EACCES), a read-only mount (EROFS) or an immutable file (EPERM) refuses.
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _open_for_scan(store: Any, path: Path) -> None:
+    """`store.open_for_scan(path)`; where its read-write open is refused (`NOT_WRITABLE`), the
+    same on a private copy (mode 0600, in TMPDIR), removed as soon as W&B's reader has opened it:
+    its open file keeps the bytes, so no copy outlives the read on any path. Only a regular
+    file is copied (opened without waiting: a FIFO there would block), and only where TMPDIR
+    has room for it; else an OSError says why, as for a file that cannot be read at all."""
+    try:
+        store.open_for_scan(str(path))
+        return
+    except OSError as e:
+        if e.errno not in NOT_WRITABLE:
+            raise
+        refused = e
+    try:
+        opened = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror}: you may not read it either (ask the run's owner "
+                      "to make it readable to you)") from e
+    with os.fdopen(opened, "rb") as source:
+        info = os.fstat(source.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise refused
+        folder = tempfile.gettempdir()
+        try:
+            if info.st_size > (free := shutil.disk_usage(folder).free):
+                raise OSError(errno.ENOSPC, f"it needs {_mib(info.st_size)}, {_mib(free)} free")
+            fd, copy = tempfile.mkstemp(prefix="foundry-fp8-", suffix=f"-{path.name}", dir=folder)
+        except OSError as e:
+            raise _not_copied(refused, folder, e) from e
+        try:
+            try:
+                with os.fdopen(fd, "wb") as target:
+                    shutil.copyfileobj(source, target, 1 << 20)
+            except OSError as e:
+                raise _not_copied(refused, folder, e) from e
+            store.open_for_scan(copy)
+        finally:
+            os.unlink(copy)
+
+
+def _not_copied(refused: OSError, folder: str, error: OSError) -> OSError:
+    """Why the private copy of a run file W&B's reader may not open read-write was not made."""
+    return OSError(error.errno, f"{refused.strerror} opening it read-write, as W&B's reader does, "
+                   f"and a private copy in TMPDIR ({folder}) failed: {error.strerror or error}; "
+                   "set TMPDIR to a folder you may write, with room for it")
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _header_refused(path: Path) -> str:

@@ -1,12 +1,12 @@
 """`foundry-fp8 report` where W&B's own reader raises on a run file instead of asserting: bytes
 after a finished run's last record (IndexError on a record type it has no checksum for), a FIFO
-or a read-only file in the run file's place (its read-write open, `DataStore.open_for_scan`).
-The old report threw away what was read and said `<run>/metrics.jsonl: not found (was the
-`jsonl` logger in the YAML?)`, naming no W&B file; `--baseline` refused the run."""
+in the run file's place. The old report threw away what was read and said `<run>/metrics.jsonl:
+not found (was the `jsonl` logger in the YAML?)`, naming no W&B file; `--baseline` refused the
+run. A read-only run file (W&B's reader opens it read-write) is read from a private copy:
+tests/test_s26_follow_wandb_readonly.py."""
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 
@@ -63,20 +63,3 @@ def test_a_fifo_in_the_run_files_place_is_named(tmp_path):
             f"{path}: W&B's own reader (`wandb sync` too) stops with UnsupportedOperation: File "
             "or stream is not seekable. (a FIFO (named pipe), not a run file), having read no "
             "history row"), e.value
-
-
-def test_a_run_file_w_and_b_may_not_open_read_write_says_to_copy_it(tmp_path):
-    """W&B's reader opens the run file with open(fname, "r+b") (wandb 0.18
-    sdk/internal/datastore.py open_for_scan): another user's run, or a read-only mount, is
-    refused (checked by hand on a read-only bind mount: EROFS)."""
-    from foundry_fp8.report.read import _reader_raised
-
-    path = _finished_run(tmp_path)
-    for code in (errno.EACCES, errno.EROFS):
-        error = OSError(code, os.strerror(code), str(path))  # PermissionError for EACCES
-        said = _reader_raised(path, error)
-        assert said.startswith(f"{type(error).__name__}: {os.strerror(code)} (W&B's reader opens "
-                               "the run file read-write"), said
-        assert said.endswith("copy the run folder somewhere you may write)"), said
-    assert _reader_raised(path, IndexError("list index out of range")) == (
-        "IndexError: list index out of range")

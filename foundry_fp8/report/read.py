@@ -4,7 +4,6 @@ fp8_guard's fallbacks (hparams.json); bad input is one line (ReportError)."""
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -371,8 +370,8 @@ class WandbRead:
     """The attempts' `.wandb` files as W&B's reader reads them, one history row at a time
     (`rows`): a long run's history held as dicts took gigabytes. Each run's config fills in and
     its steps are kept (`steps`) as its rows go by. Where W&B's reader raises on a file (it
-    raises whatever its parsers do: an IndexError on bytes after the last record, an OSError
-    where it cannot open the file read-write), what it read before counts, as `wandb sync`
+    raises whatever its parsers do: an IndexError on bytes after the last record; an OSError
+    where the file cannot be read), what it read before counts, as `wandb sync`
     sends each record as it reads it (wandb 0.18 sync/sync.py SyncThread.run), and `raised`
     says why it stopped; `failed` where it read no row of any file (each refused, `unread`, or
     raised at once): then nothing read counts, as for a file not read."""
@@ -426,14 +425,10 @@ class WandbRead:
         return None if self.failed else attempts_config(self)
 
 
-#: The reasons an OSError from W&B's reader is a permission: wandb 0.18
-#: sdk/internal/datastore.py `open_for_scan` opens the run file with open(fname, "r+b").
-NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
-
-
 def _reader_raised(path: Path, error: Exception) -> str:
     """What W&B's reader raised on `path`, for a line: what stands there where it is no regular
-    file (a FIFO), what to do where W&B's read-write open was refused."""
+    file (a FIFO). A file it may not open read-write is read from a private copy
+    (`wandb_history.NOT_WRITABLE`): an OSError's own words say why that failed too."""
     why = error.strerror if isinstance(error, OSError) and error.strerror else error
     said = f"{type(error).__name__}: {why}"
     try:
@@ -442,9 +437,6 @@ def _reader_raised(path: Path, error: Exception) -> str:
         mode = stat.S_IFREG
     if not stat.S_ISREG(mode):
         return f"{said} ({file_kind(mode)}, not a run file)"
-    if isinstance(error, OSError) and error.errno in NOT_WRITABLE:
-        return (f"{said} (W&B's reader opens the run file read-write, wandb/sdk/internal/"
-                "datastore.py open_for_scan: copy the run folder somewhere you may write)")
     return said
 
 
