@@ -42,11 +42,10 @@ def test_a_shadowed_torch_without_version_py_is_named_not_called_a_cpu_build():
     [finding] = [f for f in findings if f.rule == "FP8215"]
     assert (finding.key, finding.severity) == ("torch", "error")
     assert finding.message == (f"Python imports torch from {SHADOW}, not the installed torch "
-                               "2.7.0+cu126: that folder's runs, so its version and CUDA build "
-                               "are not judged")
+                               "2.7.0+cu126: the torch that runs is that folder's, so its version "
+                               "and CUDA build are not judged")
     assert finding.fix == (f"remove {Path(SHADOW).parent} from PYTHONPATH, or move {SHADOW} out "
-                           "of the script's folder (a checkout meant to run: `pip install -e` "
-                           "it)")
+                           "of the script's folder")
     # the same snapshot unshadowed is a CPU build, which FP8212 must still say
     assert _rules(replace(shadowed, shadowed=()))["FP8212"] == [("torch_cuda", "error")]
 
@@ -75,8 +74,8 @@ def test_a_shadowed_composer_or_llm_foundry_is_a_warning_and_not_judged():
     assert found["FP8215"] == [("llmfoundry", "warning")]
     [said] = [f.message for f in environment_findings(shadowed) if f.rule == "FP8215"]
     assert said.startswith("Python imports LLM-Foundry from /work/llm-foundry/llmfoundry, not "
-                           "the installed LLM-Foundry 0.20.0: that folder's runs, so its version "
-                           "is not judged"), said
+                           "the installed LLM-Foundry 0.20.0: the LLM-Foundry that runs is that "
+                           "folder's, so its version is not judged"), said
 
 
 def test_a_run_s_fp8_lint_does_not_raise_it():

@@ -764,11 +764,12 @@ def shadowed_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
         above = str(Path(folder).parent)
         judged = "its version and CUDA build are" if field == "torch" else "its version is"
         yield Hit(field, f"Python imports {labels[field]} from {folder}, not the installed "
-                  f"{labels[field]} {getattr(snapshot, field)}: that folder's runs, so {judged} "
-                  "not judged",
+                  f"{labels[field]} {getattr(snapshot, field)}: the {labels[field]} that runs is "
+                  f"that folder's, so {judged} not judged",
                   severity=None if field == "torch" else "warning",
                   fix=f"remove {above} from PYTHONPATH, or move {folder} out of the script's "
-                  "folder (a checkout meant to run: `pip install -e` it)")
+                  "folder" + ("" if field == "torch" else " (a checkout meant to run: `pip "
+                              "install -e` it)"))
 
 
 def environment_findings(snapshot: Snapshot,
