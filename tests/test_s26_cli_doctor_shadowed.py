@@ -21,7 +21,8 @@ def test_a_torch_folder_on_pythonpath_is_named_not_called_a_cpu_build(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "foundry_fp8", "doctor", "--no-te-import"],
                           env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1, done.stderr  # FP8215: a shadowed torch is an error
+    assert "error FP8215 torch: Python imports torch from" in done.stdout, done.stdout
     [row] = [line for line in done.stdout.splitlines() if line.startswith("torch ")]
     assert row.split(None, 1)[1] == (
         f"{metadata.version('torch')} installed, but Python imports torch from {str(shadow)!r} "
