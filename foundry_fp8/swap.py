@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ KEPT_ATTRIBUTES = ("_fused", "_is_residual")
 #: unless `gradient_checkpointing_kwargs` say otherwise.
 HF_CHECKPOINT_FUNC = "_gradient_checkpointing_func"
 
-Kind = Literal["linear", "layernorm", "ln_mlp", "tied_lm_head"]
+Kind = Literal["linear", "layernorm", "ln_mlp", "tied_lm_head", "moe_experts"]
 
 #: An MPT MLP's two linears under `ffn` (LLM-Foundry's MPTMLP), which `fuse_ln_mlp` replaces,
 #: with the block's `norm_2`, by one te.LayerNormMLP at `ffn`.
@@ -246,15 +247,36 @@ def linear_flops(model: nn.Module) -> int:
     head = gemm_flops(tied[1], tied[0]) if tied is not None else 0
     moe = _moe_layers(model)
     shapes = original_shapes(model)
-    return sum(_routed_flops(m, moe.get(n), shapes.get(m))
-               for n, m in model.named_modules()) + head
+    return sum(_routed_flops(m, moe.get(n), shapes) for n, m in model.named_modules()) + head
 
 
 def _routed_flops(module: nn.Module, moe: tuple[str, float] | None,
-                  shapes: Mapping[str, Sequence[int]] | None = None) -> int:
-    """`module_flops` per token of the model: an MoE expert's times the share of the tokens
-    routed to it (`_moe_layers`)."""
-    return round(module_flops(module, shapes) * (1.0 if moe is None else moe[1]))
+                  shapes: Mapping[nn.Module, Mapping[str, Sequence[int]]] | None = None) -> int:
+    """`module_flops` per token of the model: an MoE expert's (an experts module of weight
+    tensors: `expert_weights_flops`) times the share of the tokens routed to it
+    (`_moe_layers`)."""
+    shapes = shapes or {}
+    flops = module_flops(module, shapes.get(module))
+    if moe is None:
+        return flops
+    return round((flops or expert_weights_flops(module, shapes)) * moe[1])
+
+
+def expert_weights_flops(experts: nn.Module,
+                         shapes: Mapping[nn.Module, Mapping[str, Sequence[int]]]) -> int:
+    """Forward GEMM FLOPs per token of an MoE experts module that holds its experts as weight
+    tensors, were every expert to see the token: 2 per element of each weight matrix, as each
+    expert multiplies the token by its slice of it (LLM-Foundry's dMoE and DBRX's `w1`/`v1`/`w2`,
+    [experts x ffn, d_model]; Llama 4's `gate_up_proj` [experts, d_model, 2 x ffn] and
+    `down_proj`). Biases and 1-D tensors are added, not multiplied. `shapes`: FSDP1's flattened
+    weights' shapes (`original_shapes`)."""
+    flops = 0
+    for sub in experts.modules():
+        own = {n: p.shape for n, p in sub.named_parameters(recurse=False)}
+        own.update(shapes.get(sub, {}))
+        flops += sum(2 * math.prod(shape) for n, shape in own.items()
+                     if len(shape) >= 2 and not n.endswith("bias"))
+    return flops
 
 
 def _n_params(*modules: nn.Module) -> int:
@@ -397,13 +419,18 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
     models/layers/dmoe.py, and megablocks' `mb_moe`/`mb_dmoe`; transformers' Llama 4,
     modeling_llama4.py `Llama4TextMoe`, 4.51), the router is the block's `router` child (its
     `layer`, or itself a linear), whatever its width: before, it converted to FP8 where the
-    experts were a multiple of 16."""
+    experts were a multiple of 16. Such an experts module (transformers' DBRX's too) is kept
+    whole where it holds no linear (nothing to convert), its GEMMs counted by
+    `expert_weights_flops` times the same share, or all of them where its forward runs every
+    expert on every token (`DENSE_EXPERTS`): before, they counted nothing, and a tiny torch_dmoe
+    MPT (4 experts, top 2) read 79% of its linear FLOPs in FP8 for 14%."""
     found: dict[str, tuple[str, float]] = {}
     router = ("MoE router: its logits choose the experts, kept in high precision (as "
               "Megatron-LM's router)", 1.0)
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
         prefix = f"{name}." if name else ""
+        top_k = _moe_top_k(block)
         if isinstance(experts, nn.Module) and not isinstance(experts, (nn.ModuleList,
                                                                         nn.ModuleDict)):
             gate = getattr(block, "router", None)
@@ -411,12 +438,12 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
                                 if isinstance(gate, nn.Module) else ()):
                 if isinstance(module, nn.Linear):
                     found[sub] = router
+            if not any(module_flops(m) for m in experts.modules()):  # else planned layer by layer
+                found[f"{prefix}experts"] = _weight_experts(block, experts, top_k)
             continue
         if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)) or len(experts) == 0:
             continue
-        top_k = getattr(block, "top_k", getattr(getattr(block, "config", None),
-                                                "num_experts_per_tok", None))
-        share = top_k / len(experts) if isinstance(top_k, int) else 1.0
+        share = top_k / len(experts) if top_k is not None else 1.0
         for sub, module in experts.named_modules(prefix=f"{prefix}experts"):
             if isinstance(module, nn.Linear):
                 found[sub] = (f"MoE expert: the tokens routed to it change every batch, and TE's "
@@ -431,6 +458,49 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
                 if isinstance(module, nn.Linear) and module.out_features == len(experts):
                     found[sub] = router
     return found
+
+
+#: (module, class) of the experts modules of weight tensors whose forward multiplies every
+#: token by every expert's weights, the routing weights zeroing the experts not chosen after:
+#: transformers' Llama 4 (modeling_llama4.py:172-177 gathers all the tokens for each expert,
+#: :85-88 `torch.bmm` them with all the experts' weights, 4.51). Read by name.
+DENSE_EXPERTS = frozenset({("transformers.models.llama4.modeling_llama4", "Llama4TextExperts")})
+
+
+def _moe_top_k(block: nn.Module) -> int | None:
+    """The experts a token uses in an MoE block, where the block says: transformers' `top_k`
+    (Mixtral, Llama 4) or `config.num_experts_per_tok`, LLM-Foundry's dMoE router's
+    `moe_top_k` (llmfoundry/models/layers/dmoe.py, LearnedRouter), megablocks' `args.moe_top_k`
+    (its router and experts keep their Arguments)."""
+    router = getattr(block, "router", None)
+    for value in (getattr(block, "top_k", None),
+                  getattr(getattr(block, "config", None), "num_experts_per_tok", None),
+                  getattr(router, "moe_top_k", None),
+                  getattr(getattr(router, "args", None), "moe_top_k", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _weight_experts(block: nn.Module, experts: nn.Module,
+                    top_k: int | None) -> tuple[str, float]:
+    """(why kept, share of the tokens each expert sees) for an MoE experts module of weight
+    tensors: `top_k` of its experts (Llama 4's `num_experts`, LLM-Foundry's dMoE
+    `moe_num_experts`, megablocks' `args.moe_num_experts`), or all the tokens where it runs
+    every expert on each (`DENSE_EXPERTS`) or the counts are not found."""
+    counts = (getattr(experts, "num_experts", None), getattr(experts, "moe_num_experts", None),
+              getattr(getattr(experts, "args", None), "moe_num_experts", None),
+              getattr(block, "num_experts", None))
+    n_experts = next((n for n in counts if isinstance(n, int) and not isinstance(n, bool)
+                      and n > 0), None)
+    kept = "MoE experts as weight tensors: no nn.Linear to convert, high precision; FLOPs"
+    if forward_of(experts, DENSE_EXPERTS):
+        return (f"{kept} counted for all {n_experts} experts: {type(experts).__name__} runs "
+                "every token through every expert", 1.0)
+    if top_k is None or n_experts is None or top_k > n_experts:
+        return f"{kept} counted for every expert (top-k or expert count not found)", 1.0
+    return (f"{kept} counted for the {top_k} of {n_experts} experts a token uses",
+            top_k / n_experts)
 
 
 def _lm_heads(model: nn.Module) -> set[str]:
@@ -565,6 +635,10 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
                                       _n_params(module, *_parametrizations(module)),
                                       _routed_flops(module, moe.get(name)),
                                       already_fp8=already))
+        elif name in moe:  # an MoE experts module of weight tensors (`_weight_experts`)
+            decisions.append(Decision(name, "moe_experts", False, moe[name][0], 0, 0,
+                                      _n_params(*module.modules()),
+                                      _routed_flops(module, moe[name])))
         elif isinstance(module, nn.MultiheadAttention):
             decisions.append(Decision(
                 f"{name}.in_proj" if name else "in_proj", "linear", False, ATTENTION_IN_PROJ,
