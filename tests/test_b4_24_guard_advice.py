@@ -71,6 +71,7 @@ def _guarded_fallbacks(model: nn.Module, margin: int, batch: Callable[[int], tor
                  FP8Guard(consecutive=1, max_fallback_share=1.0)]
     state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
                                   algorithms=[], device=DeviceCPU(),
+                                  precision=types.SimpleNamespace(value="fp32"),
                                   timestamp=types.SimpleNamespace(batch=0))
 
     class Destination:

@@ -65,7 +65,7 @@ def faulty_run(tmp_path_factory) -> tuple[list[logging.LogRecord], Path, list]:
         tokens, labels = torch.randint(0, VOCAB, (2, TOKENS))
         data = TensorDataset(tokens.repeat(BATCHES), labels.repeat(BATCHES))
         model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
-        guard = FP8Guard(consecutive=2, max_fallback_share=0.34)
+        guard = FP8Guard(consecutive=2, max_fallback_share=0.5)
         trainer = Trainer(
             model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0), seed=17,
             run_name="run", train_dataloader=DataLoader(data, batch_size=TOKENS),

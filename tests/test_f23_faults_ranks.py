@@ -47,6 +47,7 @@ def _scenario(rank: int, fault: str, strict: bool) -> dict:
     callbacks = [stats, guard, InjectOutlier("2", start=START)]
     state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
                                   algorithms=[], device=DeviceCPU(),
+                                  precision=types.SimpleNamespace(value="fp32"),
                                   timestamp=types.SimpleNamespace(batch=0))
     logger = _Logger()
     bug = RuntimeError(f"injected bug in {FAULTS[fault]}")

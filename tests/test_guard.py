@@ -438,6 +438,7 @@ def _loop(guard: FP8Guard, steps: int = 10, log_hyperparameters: Any = None) -> 
     callbacks = [FP8Stats(interval=2), guard, InjectOutlier("2", start=4)]
     state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
                                   algorithms=[], device=DeviceCPU(),
+                                  precision=types.SimpleNamespace(value="fp32"),
                                   timestamp=types.SimpleNamespace(batch=0))
     hyperparameters = log_hyperparameters or (lambda *a, **k: None)
 

@@ -54,6 +54,7 @@ def _train(rank: int, broken: bool, stop: int | None = None) -> dict:
     callbacks = [stats, guard, fault]
     state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
                                   algorithms=[], device=DeviceCPU(),
+                                  precision=types.SimpleNamespace(value="fp32"),
                                   timestamp=types.SimpleNamespace(batch=0))
     logger = _Logger()
     for callback in callbacks:

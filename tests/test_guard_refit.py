@@ -29,7 +29,7 @@ class _Hyperparameters(LoggerDestination):
                          ids=["more_batches", "reset_time"])
 def test_a_second_fit_keeps_the_fallbacks_of_the_first(tmp_path, caplog, refit):
     sent = _Hyperparameters()
-    guard, series, hparams = _fit(tmp_path, 0.34, caplog, refit=refit, loggers=[sent])
+    guard, series, hparams = _fit(tmp_path, 0.5, caplog, refit=refit, loggers=[sent])
     # sent once to this Trainer's loggers: MLflow's asynchronous queue refuses a batch naming a
     # key twice, and a second fit() within its buffer (10 s) lost every param and loss queued
     assert sent.sent.count(f"fp8/guard/fallback/{FAULTY}") == 1
@@ -80,7 +80,7 @@ def test_a_closed_trainers_fallbacks_do_not_follow_the_model_into_a_new_trainer(
                        max_duration=f"{BATCHES}ba", algorithms=algorithms, callbacks=callbacks,
                        loggers=loggers, device="cpu", progress_bar=False)
 
-    guard = FP8Guard(consecutive=2, max_fallback_share=0.34)
+    guard = FP8Guard(consecutive=2, max_fallback_share=0.5)
     first = trainer([FP8Stats(interval=INTERVAL, image_interval=None), guard],
                     [TESwap(backend="emulate")], [])
     first.fit()

@@ -25,7 +25,7 @@ def _said(caplog) -> list[str]:
      "fp8_stats has no logging step in this run, which ends after batch 11 "
      "(callbacks.fp8_stats.interval 100, start 5, end None)")])
 def test_a_guard_fp8_stats_gives_nothing_says_so_once(tmp_path, caplog, stats, why):
-    guard, series, hparams = _fit(tmp_path, 0.34, caplog, **stats)
+    guard, series, hparams = _fit(tmp_path, 0.5, caplog, **stats)
     assert _said(caplog) == [f"fp8_guard: {why}, so fp8_guard judges nothing from now on in "
                              "this run and moves no layer"]
     assert series == {} and not guard.core.fallbacks
@@ -45,7 +45,7 @@ def test_a_guard_whose_fp8_stats_fails_mid_run_says_so_once(tmp_path, caplog, mo
         return rows(table)
 
     monkeypatch.setattr(stats_module, "heatmap_rows", failing)
-    guard, series, _ = _fit(tmp_path, 0.34, caplog)
+    guard, series, _ = _fit(tmp_path, 0.5, caplog)
     assert _said(caplog) == [
         "fp8_guard: fp8_stats switched itself off after an error (its message above), so "
         "fp8_guard judges nothing from now on in this run and moves no layer; the 1 layer(s) in "

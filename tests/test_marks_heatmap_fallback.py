@@ -36,7 +36,7 @@ def test_the_logged_heatmaps_hatch_a_fallen_layers_steps(tmp_path, caplog, monke
         return image
 
     monkeypatch.setattr(stats_module, "render_heatmap", capture)
-    guard, _, _ = _fit(tmp_path, 0.34, caplog, image_interval=INTERVAL)
+    guard, _, _ = _fit(tmp_path, 0.5, caplog, image_interval=INTERVAL)
     decided = guard.core.fallbacks[FAULTY].step
     run, stat, thresholds, formats, image = next(d for d in reversed(drawn)
                                                  if d[1] == "underflow_pct")

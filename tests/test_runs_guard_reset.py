@@ -26,7 +26,7 @@ def test_after_reset_time_a_fallback_repromotes_after_repromote_after_healthy_st
     tokens, labels = torch.randint(0, VOCAB, (2, TOKENS))
     data = TensorDataset(tokens.repeat(FIRST), labels.repeat(FIRST))
     model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
-    guard = FP8Guard(consecutive=2, max_fallback_share=0.34, repromote_after=REPROMOTE_AFTER)
+    guard = FP8Guard(consecutive=2, max_fallback_share=0.5, repromote_after=REPROMOTE_AFTER)
     trainer = Trainer(
         model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0), seed=17,
         train_dataloader=DataLoader(data, batch_size=TOKENS), max_duration=f"{FIRST}ba",

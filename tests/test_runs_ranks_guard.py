@@ -53,6 +53,7 @@ def _worker(rank: int, rendezvous: str, out_dir: str, failing: str) -> None:
     callbacks = [stats, guard, InjectOutlier("2", start=START, ranks=[1])]
     state = types.SimpleNamespace(model=model, run_name="run", callbacks=callbacks,
                                   algorithms=[], device=DeviceCPU(),
+                                  precision=types.SimpleNamespace(value="fp32"),
                                   timestamp=types.SimpleNamespace(batch=0))
     logger = _Logger()
     said: list[str] = []

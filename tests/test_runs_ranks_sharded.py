@@ -65,6 +65,7 @@ def _new_guard() -> FP8Guard:
 def _fit_start(guard: FP8Guard, model: nn.Module, timestamp: int) -> FP8Guard:
     """`guard` at fit_start in a run of `model` (what it reads of Composer's State)."""
     state = SimpleNamespace(callbacks=[FP8Stats(), guard], model=model, algorithms=[],
+                            precision=SimpleNamespace(value="fp32"),
                             timestamp=SimpleNamespace(batch=timestamp))
     guard.fit_start(state, None)
     return guard

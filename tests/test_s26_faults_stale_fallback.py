@@ -38,7 +38,7 @@ def test_a_new_trainers_guard_takes_an_unclosed_trainers_fallback_off_the_model(
     model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
 
     def trainer(batches: int, folder: str) -> tuple[FP8Guard, Trainer]:
-        guard = FP8Guard(consecutive=2, max_fallback_share=0.34)
+        guard = FP8Guard(consecutive=2, max_fallback_share=0.5)
         return guard, Trainer(
             model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0),
             train_dataloader=data, max_duration=f"{batches}ba", device="cpu",

@@ -41,7 +41,14 @@ from foundry_fp8.health import short_layer
 from foundry_fp8.health.rules import model_blocks
 from foundry_fp8.monitor import multi_rank, select_layers
 from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, build
-from foundry_fp8.swap import SwapPlan, linear_flops, module_flops, original_shapes
+from foundry_fp8.swap import (
+    SwapPlan,
+    fp8_module_counts,
+    linear_flops,
+    module_flops,
+    original_shapes,
+    would_run_fp8,
+)
 from foundry_fp8.te import probe
 from foundry_fp8.te.extra_state import EXTRA_STATE_SUFFIX
 
@@ -188,14 +195,19 @@ class FP8Guard(Callback):
         if self._listen not in stats.listeners:
             stats.listeners.append(self._listen)
         if not self._modules:  # its share would read 0 all run, as if every layer had fallen
-            log.warning("fp8_guard: no layer of this model runs in FP8 (no te_swap, no TE "
-                        "layers), so it has nothing to guard")
+            log.warning("fp8_guard: no layer of this model runs in FP8 (no te_swap, and no TE "
+                        "layers or not under precision amp_fp8), so it has nothing to guard")
 
     def _start(self, state: State, restored: Mapping[str, Any] | None, how: str) -> None:
         """Hook `restored`'s fallbacks (a checkpoint's, or an earlier fit()'s) into a fresh core:
         without them a layer would run FP8 again with the amax history that made it fall back."""
         self._remove_all()
-        self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)}
+        # a TE module the model was built with computes in FP8 only under amp_fp8 (te_swap's
+        # plan says so too): judged otherwise, it counted as FP8 in the share and could
+        # "fall back" from a precision it never ran in
+        precision = state.precision.value
+        self._modules = {short_layer(n): m for n, m in fp8_modules(state.model)
+                         if would_run_fp8(precision, *fp8_module_counts(m))}
         swap = next((a for a in state.algorithms if isinstance(a, TESwap)), None)
         self._exclude = swap.config.exclude if swap is not None else None
         self._take_over(state.model)
