@@ -142,3 +142,36 @@ def test_dbrx_experts_count_their_routed_flops():
     assert plan.total_flops == pytest.approx(total, rel=1e-9)
     assert row.reason == f"{KEPT}; FLOPs counted for the 2 of 4 experts a token uses"
     assert row.flops_share == pytest.approx(measured[name] / total, rel=1e-9)
+
+
+def test_te_swap_logs_the_measured_share_for_a_torch_dmoe_mpt():
+    """What the user reads: the `fp8/linear_flops_share` te_swap logs at INIT through Composer's
+    Trainer (no fit), against the forward's own FLOPs."""
+    from composer import Trainer
+    from composer.loggers import InMemoryLogger
+    from llmfoundry.models.mpt import ComposerMPTCausalLM
+
+    from foundry_fp8.composer.te_swap import TESwap
+
+    torch.manual_seed(0)
+    model = ComposerMPTCausalLM(
+        loss_fn="torch_crossentropy", d_model=64, n_heads=2, n_layers=1, max_seq_len=16,
+        vocab_size=64, attn_config={"attn_impl": "torch"},
+        ffn_config={"ffn_type": "torch_dmoe", "moe_num_experts": 4, "moe_top_k": 2,
+                    "mlp_type": "glu", "ffn_act_fn": {"name": "silu"}, "moe_jitter_eps": None,
+                    "moe_normalize_expert_weights": 1, "uniform_expert_assignment": False})
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    measured = _measured(model.model.eval(), ids, "MPTForCausalLM",
+                         ("transformer.blocks.0.ffn.experts", "transformer.wte"))
+    fp8 = sum(measured[f"transformer.blocks.0.attn.{n}"] for n in ("Wqkv", "out_proj"))
+    logger = InMemoryLogger()
+    trainer = Trainer(model=model, algorithms=[TESwap(backend="emulate")], device="cpu",
+                      loggers=[logger], progress_bar=False,
+                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        logged = logger.hyperparameters
+        assert logged["fp8/linear_flops_share"] == pytest.approx(
+            fp8 / sum(measured.values()), rel=1e-9)
+        assert "| no | moe_experts | 1 |" in logged["fp8/coverage"]
+    finally:
+        trainer.close()
