@@ -126,15 +126,17 @@ def test_each_reason_names_the_change_that_converts_its_module(options, call, re
 
 
 def _mpt_like() -> nn.Module:
-    """Two MPT blocks (norm_2 + ffn with GELU up/down_proj), as te_swap's fusion reads them."""
+    """Two MPT blocks (norm_2 + LLM-Foundry's MPTMLP with GELU up/down_proj), as te_swap's
+    fusion reads them: it fuses an ffn whose forward is MPTMLP's only."""
+    from llmfoundry.models.layers.ffn import MPTMLP
+
     model = nn.Module()
     model.blocks = nn.ModuleList()
     for _ in range(2):
         block = nn.Module()
         block.norm_2 = nn.LayerNorm(64)
-        block.ffn = nn.Module()
-        block.ffn.up_proj, block.ffn.down_proj = nn.Linear(64, 256), nn.Linear(256, 64)
-        block.ffn.act = functools.partial(nn.functional.gelu, approximate="none")
+        block.ffn = MPTMLP(d_model=64, expansion_ratio=4, fc_type={"name": "torch"},
+                           act_fn=functools.partial(nn.functional.gelu, approximate="none"))
         model.blocks.append(block)
     return model
 
