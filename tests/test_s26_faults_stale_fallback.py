@@ -54,7 +54,8 @@ def test_a_new_trainers_guard_takes_an_unclosed_trainers_fallback_off_the_model(
     with caplog.at_level(logging.WARNING, logger="foundry_fp8"):
         second.fit()
     assert _guard_hooks(model) == 0
-    [said] = [r.getMessage() for r in caplog.records if "earlier Trainer" in r.getMessage()]
+    [said] = [r.getMessage() for r in caplog.records
+              if r.name == "foundry_fp8.composer.guard" and "earlier Trainer" in r.getMessage()]
     assert FAULTY in said
     metrics: dict = {}
     for step, record in read_jsonl(tmp_path / "second" / "metrics.jsonl"):

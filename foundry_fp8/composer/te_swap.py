@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -85,6 +86,7 @@ class TESwap(Algorithm):
         self._hooks: list[Any] = []
         self._eval_hooks: list[Any] = []  # `_eval_in_high_precision`'s, from FIT_START to FIT_END
         self._undo_sharded_load: Callable[[], None] = lambda: None  # INIT to close
+        self._model: weakref.ref[nn.Module] | None = None  # the model hooked at INIT
 
     def match(self, event: Event, state: State) -> bool:
         del state
@@ -121,12 +123,17 @@ class TESwap(Algorithm):
         for handle in self._eval_hooks:
             handle.remove()
         self._eval_hooks = []
+        self._model = None
+        _LIVE.discard(self)
 
     def _convert(self, state: State, logger: Logger) -> None:
         self.close()  # this TESwap given to another Trainer that was never closed
+        model = state.model
+        _close_unclosed(model)
+        self._model = weakref.ref(model)
+        _LIVE.add(self)
         state.callbacks.append(_CloseWithTrainer(self))
         _CloseWithTrainer.quiet_on_old_checkpoints()
-        model = state.model
         precision = state.precision.value
         plan = convert_to_fp8(model, self.config, optimizers=state.optimizers,
                               precision=precision,
@@ -240,6 +247,24 @@ class TESwap(Algorithm):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+#: Every TESwap that hooked a model (weak: one whose Trainer is dropped goes with it).
+_LIVE: weakref.WeakSet[TESwap] = weakref.WeakSet()
+
+
+def _close_unclosed(model: nn.Module) -> None:
+    """Close the te_swap of an earlier Trainer on `model` that was never closed (LLM-Foundry's
+    `train()` returns its Trainer unclosed; a fit that raised is never closed). Its hooks stayed
+    on the model beside the new ones, and the two pairs ran enter, enter, exit, exit: the first
+    exit restored the state from before its own entry under the second's, which then put the
+    enabled autocast back, so FP8 stayed on after every training forward, for eval and any
+    other model in the process too."""
+    for other in list(_LIVE):
+        if other._model is not None and other._model() is model:
+            log.warning("te_swap: an earlier Trainer on this model was never closed "
+                        "(trainer.close()); its te_swap hooks come off the model now")
+            other.close()
 
 
 class _CloseWithTrainer(Callback):
