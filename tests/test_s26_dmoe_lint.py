@@ -212,3 +212,28 @@ def test_a_dmoe_ffn_hidden_size_off_tes_rule_is_no_gemm_dim_error(edit):
     assert _hits(config, "FP8005") == []
     dense = {**config, "model": {**SECTION, "expansion_ratio": 1.125, **edit}}  # 72 wide
     assert _hits(dense, "FP8005") == [("model.expansion_ratio", "error" if edit else "warning")]
+
+
+@pytest.mark.parametrize("layers", ["experts", "router", "ffn"])
+def test_fp8_stats_layers_on_a_dmoe_are_those_fp8_stats_selects(built, layers):
+    """FP8048: fp8_stats watches the router (a torch Linear), never the experts' tensors."""
+    from foundry_fp8.lint.values import built_options
+    from foundry_fp8.monitor import select_layers
+
+    selected = select_layers(built["dmoe"], built_options("fp8_stats", {"layers": layers}).monitor)
+    config = {"model": SECTIONS["dmoe"], "callbacks": {"fp8_stats": {"layers": layers}}}
+    assert bool(_hits(config, "FP8048")) is not bool(selected), (selected, layers)
+
+
+@pytest.mark.parametrize(("top_k", "crashes"), [(5, True), (4, False)])
+def test_moe_top_k_above_the_experts_is_the_first_forwards_error(top_k, crashes):
+    section = _section(ffn_config={**DMOE, "moe_num_experts": 4, "moe_top_k": top_k})
+    model = _build(section, "cpu").model
+    ids = torch.randint(0, SECTION["vocab_size"], (1, 8))
+    if crashes:
+        with pytest.raises(RuntimeError, match="selected index k out of range"):
+            model(ids)
+    else:
+        model(ids)
+    assert _hits({"model": section}, "FP8042") == (
+        [("model.ffn_config.moe_top_k", "error")] if crashes else [])

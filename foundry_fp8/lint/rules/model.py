@@ -734,6 +734,12 @@ def _torch_dmoe_hits(ffn: Mapping[str, Any]) -> Iterator[Hit]:
         yield Hit("model.ffn_config.mlp_type", f"torch_dmoe's experts are 'mlp' or 'glu', not "
                   f"{mlp_type!r:.40}: building the model raises ValueError (DroplessMLP)",
                   fix="mlp_type: mlp (or glu)")
+    top_k, experts = as_int(ffn.get("moe_top_k")), as_int(ffn.get("moe_num_experts"))
+    if top_k is not None and experts is not None and top_k > experts > 0:
+        yield Hit("model.ffn_config.moe_top_k", f"moe_top_k {top_k} is more than moe_num_experts "
+                  f"{experts}: the model builds, and its first forward raises RuntimeError "
+                  "('selected index k out of range': torch.topk in dMoE's LearnedRouter)",
+                  fix=f"moe_top_k from 1 to {experts}")
 
 
 def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
@@ -774,7 +780,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "building the model. torch_dmoe's builder reads moe_num_experts, moe_top_k, mlp_type "
       "('mlp' or 'glu'), moe_jitter_eps, moe_normalize_expert_weights and "
       "uniform_expert_assignment with no default (KeyError when one is missing) and raises "
-      "ValueError on any other key; mb_moe and mb_dmoe need moe_world_size (KeyError in "
+      "ValueError on any other key; a moe_top_k above moe_num_experts builds, and the first "
+      "forward raises RuntimeError (torch.topk); mb_moe and mb_dmoe need moe_world_size (KeyError in "
       "config_moe_args), and LLM-Foundry drops their keys megablocks' Arguments does not take "
       "(not judged: megablocks is not read). te_ln_mlp hands its extra keys to te.LayerNormMLP, "
       "and other registered classes take their own: not judged. MPTConfig "
