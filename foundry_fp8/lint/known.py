@@ -205,6 +205,18 @@ MPT_GQA_ONLY_KEY = "kv_n_heads"
 #: build_ffn (llmfoundry/models/layers/layer_builders.py) passes every other key: TypeError.
 MPT_FFN_CONFIG_KEYS = frozenset({"ffn_type", "bias", "d_model", "device", "expansion_ratio",
                                  "fc_type", "ffn_act_fn", "ffn_hidden_size"})
+#: The `ffn_config` keys LLM-Foundry's torch_dmoe builder pops with no default
+#: (llmfoundry/models/layers/ffn.py build_torch_dmoe, 0.22): one missing raises KeyError building
+#: the model. It takes these, its keywords (MPT_FFN_CONFIG_KEYS) and nothing else: ValueError
+#: ('Invalid arguments to torch dmoe').
+TORCH_DMOE_REQUIRED_KEYS = ("moe_num_experts", "moe_top_k", "mlp_type", "moe_jitter_eps",
+                            "moe_normalize_expert_weights", "uniform_expert_assignment")
+TORCH_DMOE_CONFIG_KEYS = MPT_FFN_CONFIG_KEYS | frozenset(TORCH_DMOE_REQUIRED_KEYS)
+#: dMoE's expert MLPs (llmfoundry/models/layers/dmoe.py DroplessMLP: ValueError for any other).
+TORCH_DMOE_MLP_TYPES = ("mlp", "glu")
+#: The `ffn_config` key megablocks' FFNs (mb_moe, mb_dmoe) need with no default: LLM-Foundry's
+#: config_moe_args pops it (llmfoundry/models/utils/config_moe_args.py), KeyError without it.
+MEGABLOCKS_REQUIRED_KEY = "moe_world_size"
 #: The keys of MPT's `init_config` (llmfoundry/models/utils/config_defaults.py
 #: init_config_defaults, 0.21 and 0.22), which MPT's param_init_fn hands to the scheme its `name`
 #: picks (modeling_mpt.py MPTModel.param_init_fn): read there, never at the model's top level.
@@ -355,7 +367,7 @@ def _homes() -> dict[str, str]:
     sections = {
         "": TRAIN_CONFIG_KEYS, "model": model,
         "model.attn_config": (MPT_ATTN_CONFIG_KEYS | {MPT_ATTN_NULL_ONLY_KEY}) - model,
-        "model.ffn_config": MPT_FFN_CONFIG_KEYS - model,
+        "model.ffn_config": (TORCH_DMOE_CONFIG_KEYS | {MEGABLOCKS_REQUIRED_KEY}) - model,
         "model.init_config": MPT_INIT_CONFIG_KEYS - model,
         "fsdp_config": FSDP_CONFIG_KEYS | FSDP2_CONFIG_KEYS,
         "algorithms.te_swap": frozenset({"fp8_recipe"}),

@@ -23,6 +23,7 @@ from foundry_fp8.lint.known import (
     HF_CAUSAL_LM_KEYS,
     HF_CAUSAL_LM_NAME,
     HF_CONFIG_KEYS,
+    MEGABLOCKS_REQUIRED_KEY,
     MPT_ATTN_CONFIG_KEYS,
     MPT_ATTN_DEFAULTS,
     MPT_ATTN_NULL_ONLY_KEY,
@@ -38,6 +39,9 @@ from foundry_fp8.lint.known import (
     MPT_NUMBER_KEYS,
     MPT_NUMBER_WORDS,
     MPT_WHOLE_NUMBERS,
+    TORCH_DMOE_CONFIG_KEYS,
+    TORCH_DMOE_MLP_TYPES,
+    TORCH_DMOE_REQUIRED_KEYS,
     TRAIN_POPPED_MODEL_KEYS,
     belongs_under,
     did_you_mean,
@@ -121,8 +125,17 @@ MPT_LM_HEAD = "model.lm_head"
 #: only it takes).
 _MQA, _GQA = "multiquery_attention", "grouped_query_attention"
 _ATTN_TYPES = ("multihead_attention", _MQA, _GQA)
-#: The FFN classes modelled (llmfoundry/models/layers/ffn.py): MPTMLP, MPTGLU, te.LayerNormMLP.
-_FFN_TYPES = ("mptmlp", "mptglu", "te_ln_mlp")
+#: The FFN classes modelled (llmfoundry/models/layers/ffn.py): MPTMLP, MPTGLU, te.LayerNormMLP,
+#: and torch_dmoe's dMoE (llmfoundry/models/layers/dmoe.py).
+_DMOE = "torch_dmoe"
+_FFN_TYPES = ("mptmlp", "mptglu", "te_ln_mlp", _DMOE)
+#: megablocks' FFNs (ffn.py, registered where megablocks imports): not modelled.
+_MEGABLOCKS = ("mb_moe", "mb_dmoe")
+#: Why te_swap keeps a dMoE's modules whatever its options (foundry_fp8/swap.py _moe_layers
+#: decides from the built model: the block's `router` linears, and an `experts` module of
+#: weight tensors, no nn.Linear, as a `moe_experts` row).
+DMOE_ROUTER_KEPT = "MoE router: its logits choose the experts, kept in high precision"
+DMOE_EXPERTS_KEPT = "MoE experts as weight tensors: no nn.Linear to convert, high precision"
 #: The most blocks modelled (te_swap's names are listed one by one); more are not judged.
 _MAX_BLOCKS = 1024
 
@@ -185,14 +198,16 @@ class MPTModule:
     """A module of an MPT that te_swap plans, named as te_swap sees it under Composer's model.
     `kind`: a linear, a LayerNorm, or a block's norm_2 + MLP (`ln_mlp`, its dims the
     up_proj's) that te_swap's fuse_ln_mlp could fuse; `te`: the model builds it as a TE module
-    itself (fc_type te, te_ln_mlp), which runs in FP8 under amp_fp8 and te_swap leaves alone."""
+    itself (fc_type te, te_ln_mlp), which runs in FP8 under amp_fp8 and te_swap leaves alone;
+    `kept`: why te_swap keeps it whatever its options (a dMoE's router and experts)."""
 
     name: str
-    kind: Literal["linear", "layernorm", "ln_mlp"]
+    kind: Literal["linear", "layernorm", "ln_mlp", "moe_experts"]
     in_features: int
     out_features: int
     te: bool = False
     bias: bool = True
+    kept: str | None = None
 
 
 def _attention_modules(block: str, attn: Attention, d_model: int, te: bool, norm: bool,
@@ -216,8 +231,8 @@ def mpt_modules(model: Mapping[str, Any]) -> list[MPTModule] | None:
     """The linears, LayerNorms and fusable MLPs LLM-Foundry builds for an MPT model section, in
     the order te_swap meets them (MPTBlock.__init__, MPTModel.__init__, MPTForCausalLM.__init__);
     None where this does not model the section: not MPT, `block_overrides`,
-    `fuse_norm_attn_norm`, other FFN or fc classes (MoE among them), dims that are not integers
-    or that MPT refuses."""
+    `fuse_norm_attn_norm`, other FFN or fc classes (megablocks' MoE among them), dims that are
+    not integers or that MPT refuses, a torch_dmoe without a whole moe_num_experts."""
     d_model, n_layers = as_int(mpt_value(model, "d_model")), as_int(mpt_value(model, "n_layers"))
     if not _is_mpt(model) or model.get("block_overrides") is not None \
             or model.get("fuse_norm_attn_norm") or d_model is None or d_model <= 0 \
@@ -228,6 +243,9 @@ def mpt_modules(model: Mapping[str, Any]) -> list[MPTModule] | None:
     fc_type, norm_type = fc_type_name(model) or "torch", mpt_value(model, "norm_type")
     tied = bool(mpt_value(model, "tie_word_embeddings"))  # MPTForCausalLM: `if not ...`
     vocab = as_int(mpt_value(model, "vocab_size"))
+    experts = as_int(get(model, "ffn_config.moe_num_experts"))
+    if ffn_type == _DMOE and (experts is None or experts <= 0):
+        return None
     if attn is None or hidden is None or hidden[1] <= 0 or ffn_type not in _FFN_TYPES \
             or fc_type not in ("torch", "te") or not isinstance(norm_type, str) \
             or not (tied or (vocab or 0) > 0):
@@ -247,6 +265,12 @@ def mpt_modules(model: Mapping[str, Any]) -> list[MPTModule] | None:
             continue
         if norm:
             modules.append(MPTModule(f"{block}.norm_2", "layernorm", 0, 0, bias=bias))
+        if ffn_type == _DMOE:  # dMoE: LearnedRouter's torch Linear whatever fc_type, then experts
+            modules += [MPTModule(f"{block}.ffn.router.layer", "linear", d_model, experts or 0,
+                                  kept=DMOE_ROUTER_KEPT),
+                        MPTModule(f"{block}.ffn.experts", "moe_experts", d_model, size,
+                                  kept=DMOE_EXPERTS_KEPT)]
+            continue
         if fusable:
             modules.append(MPTModule(f"{block}.ffn", "ln_mlp", d_model, size))
         modules += [MPTModule(f"{block}.ffn.up_proj", "linear", d_model, size, te),
@@ -336,7 +360,9 @@ def _attention_hits(model: Mapping[str, Any], swap: SwapConfig | None) -> Iterat
       "forward (error); te_swap keeps such layers in high precision (warning), and with d_model "
       "off no block layer is left. The attention linears' dims follow from d_model unless "
       "head_dim is given or the kv heads are fewer (GQA, MQA): Wqkv's out_features is "
-      "(n_heads + 2 x kv_n_heads) x head_dim, out_proj's in_features n_heads x head_dim. A "
+      "(n_heads + 2 x kv_n_heads) x head_dim, out_proj's in_features n_heads x head_dim. An MoE "
+      "FFN's hidden size (torch_dmoe, mb_moe, mb_dmoe) is not judged: its experts are weight "
+      "tensors, never TE layers (build_torch_dmoe drops fc_type). A "
       f"Wqkv out_features divisible by {FP8_TOKEN_MULTIPLE} but not {FP8_DIM_MULTIPLE} passes "
       "TE's forward check but is the inner dim of its backward GEMM, whose FP8 operands' "
       f"leading dim TE's GEMM checks for {FP8_DIM_MULTIPLE} from "
@@ -368,7 +394,9 @@ def gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     else:
         yield from _attention_hits(model, te_swap_options(config))
     hidden = _ffn_hidden(model, d_model)
-    if hidden and not dim_fits_fp8(hidden[1]):
+    # MoE experts are weight tensors, never TE's (build_torch_dmoe drops fc_type; megablocks)
+    moe = get(model, "ffn_config.ffn_type") in (_DMOE, *_MEGABLOCKS)
+    if hidden and not moe and not dim_fits_fp8(hidden[1]):
         if native:
             yield Hit(hidden[0], f"FFN hidden size {hidden[1]} is not divisible by "
                       f"{FP8_DIM_MULTIPLE}, as TE's FP8 GEMMs require")
@@ -685,10 +713,46 @@ def _sdpa_refused_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
                       fix="attn_impl: torch")
 
 
+def _torch_dmoe_hits(ffn: Mapping[str, Any]) -> Iterator[Hit]:
+    """build_torch_dmoe's refusals: a key it pops with no default missing (KeyError), a key it
+    does not take (ValueError), an mlp_type DroplessMLP does not build (ValueError)."""
+    for key in TORCH_DMOE_REQUIRED_KEYS:
+        if key not in ffn:
+            yield Hit(join_key("model.ffn_config", key), f"torch_dmoe needs ffn_config.{key}, "
+                      "which build_torch_dmoe reads with no default: building the model raises "
+                      f"KeyError: '{key}'", fix=f"give model.ffn_config.{key} (torch_dmoe needs "
+                      f"all of {', '.join(TORCH_DMOE_REQUIRED_KEYS)})")
+    for key in ffn:
+        if isinstance(key, str) and key not in TORCH_DMOE_CONFIG_KEYS:
+            yield Hit(join_key("model.ffn_config", key), f"torch_dmoe takes no `{key}`: building "
+                      "the model raises ValueError ('Invalid arguments to torch dmoe')"
+                      + (belongs_under(key, "model.ffn_config")
+                         or did_you_mean(key, TORCH_DMOE_CONFIG_KEYS)),
+                      fix=move_fix(key, "model.ffn_config") or f"remove `{key}`")
+    mlp_type = ffn.get("mlp_type")
+    if "mlp_type" in ffn and mlp_type not in TORCH_DMOE_MLP_TYPES:
+        yield Hit("model.ffn_config.mlp_type", f"torch_dmoe's experts are 'mlp' or 'glu', not "
+                  f"{mlp_type!r:.40}: building the model raises ValueError (DroplessMLP)",
+                  fix="mlp_type: mlp (or glu)")
+    top_k, experts = as_int(ffn.get("moe_top_k")), as_int(ffn.get("moe_num_experts"))
+    if top_k is not None and experts is not None and top_k > experts > 0:
+        yield Hit("model.ffn_config.moe_top_k", f"moe_top_k {top_k} is more than moe_num_experts "
+                  f"{experts}: the model builds, and its first forward raises RuntimeError "
+                  "('selected index k out of range': torch.topk in dMoE's LearnedRouter)",
+                  fix=f"moe_top_k from 1 to {experts}")
+
+
 def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
-    """ffn_config keys mptmlp's and mptglu's builders refuse, and an ffn_config.fc_type that
-    MPTConfig replaces by the model's."""
+    """ffn_config keys mptmlp's, mptglu's and torch_dmoe's builders refuse, and an
+    ffn_config.fc_type that MPTConfig replaces by the model's."""
     ffn = section(model, "ffn_config")
+    if ffn.get("ffn_type") == _DMOE:
+        yield from _torch_dmoe_hits(ffn)
+    if ffn.get("ffn_type") in _MEGABLOCKS and MEGABLOCKS_REQUIRED_KEY not in ffn:
+        yield Hit(f"model.ffn_config.{MEGABLOCKS_REQUIRED_KEY}", f"{ffn['ffn_type']} needs "
+                  f"ffn_config.{MEGABLOCKS_REQUIRED_KEY}, which LLM-Foundry's config_moe_args "
+                  f"reads with no default: building the model raises KeyError",
+                  fix=f"{MEGABLOCKS_REQUIRED_KEY}: 1 (no expert parallelism)")
     if ffn.get("ffn_type", MPT_FFN_DEFAULTS["ffn_type"]) in ("mptmlp", "mptglu"):
         for key in ffn:
             if isinstance(key, str) and key not in MPT_FFN_CONFIG_KEYS:
@@ -706,15 +770,21 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
 
 
 @rule("FP8042", "error", "MPT `attn_config` / `ffn_config` keys its attention class or FFN "
-      "builder refuses (`attn_tpye`, `ffn_typ`), an `ffn_config.fc_type` MPT replaces, an "
+      "builder refuses (`attn_tpye`, `ffn_typ`) or needs (torch_dmoe's `moe_top_k`, ...), an `ffn_config.fc_type` MPT replaces, an "
       "`fc_type` or `ffn_type` no registry holds (`TE`, `tee`, `te_ln_mpl`) (did-you-mean, or "
       "where the key belongs)",
       why="MPTBlock passes every attn_config key but the position-encoding ones to the "
       "attention class (multihead_attention, multiquery_attention, grouped_query_attention; "
       "kv_n_heads only the last takes), and build_ffn every ffn_config key but ffn_type to "
       "mptmlp's or mptglu's builder; none takes **kwargs, so a misspelled key raises TypeError "
-      "building the model. te_ln_mlp hands its extra keys to te.LayerNormMLP and the MoE FFNs "
-      "to megablocks, and other registered classes take their own: not judged. MPTConfig "
+      "building the model. torch_dmoe's builder reads moe_num_experts, moe_top_k, mlp_type "
+      "('mlp' or 'glu'), moe_jitter_eps, moe_normalize_expert_weights and "
+      "uniform_expert_assignment with no default (KeyError when one is missing) and raises "
+      "ValueError on any other key; a moe_top_k above moe_num_experts builds, and the first "
+      "forward raises RuntimeError (torch.topk); mb_moe and mb_dmoe need moe_world_size (KeyError in "
+      "config_moe_args), and LLM-Foundry drops their keys megablocks' Arguments does not take "
+      "(not judged: megablocks is not read). te_ln_mlp hands its extra keys to te.LayerNormMLP, "
+      "and other registered classes take their own: not judged. MPTConfig "
       "replaces ffn_config.fc_type by the model's fc_type (a warning where they differ). "
       "fc_type is looked up as written in LLM-Foundry's fcs registry, whose names are lower "
       "case: `TE` raises RegistryError. In files, an fc_type or ffn_type that is neither "
@@ -726,7 +796,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       source=f"{FOUNDRY} llmfoundry/models/layers/blocks.py MPTBlock.__init__ "
       "(args_to_exclude_in_attn_class), llmfoundry/models/layers/attention.py, "
       "llmfoundry/models/layers/layer_builders.py build_ffn, llmfoundry/models/layers/ffn.py "
-      "build_mptmlp, build_mptglu, llmfoundry/models/layers/fc.py, "
+      "build_mptmlp, build_mptglu, build_torch_dmoe, llmfoundry/models/layers/dmoe.py "
+      "DroplessMLP, llmfoundry/models/utils/config_moe_args.py, llmfoundry/models/layers/fc.py, "
       "llmfoundry/models/mpt/configuration_mpt.py _validate_config (ffn_config['fc_type']), "
       "llmfoundry/models/utils/config_defaults.py, llmfoundry/layers_registry.py (fcs, ffns, "
       "ffns_with_norm, ffns_with_megablocks: entry_points=True); foundry_fp8/sdpa_facts.py "

@@ -132,9 +132,11 @@ def _kept(module: MPTModule, swap: SwapConfig, n_blocks: int) -> str | None:
     the rule speaks only where nothing at all converts."""
     if module.te:
         return "a TE module the model builds itself"
-    if module.kind == "linear":
+    if module.kind == "linear":  # te_swap's option and shape rules first, then the MoE's
         return linear_reason(module.name, module.in_features, module.out_features, swap,
-                             n_blocks)
+                             n_blocks) or module.kept
+    if module.kind == "moe_experts":
+        return module.kept
     if module.kind == "layernorm":
         return layernorm_reason(module.name, module.bias, swap, n_blocks) \
             if swap.convert_layernorm else "convert_layernorm is off"
@@ -160,8 +162,9 @@ TE_LAYERS_FIX = ("set model.fc_type: torch so that te_swap converts the linears 
       "run ('no module would run in FP8') when it converts nothing and no TE layer of the "
       "model's own runs under amp_fp8, whatever `strict` says. The linter lists the modules "
       "LLM-Foundry builds for the MPT config (names as te_swap sees them: "
-      "model.transformer.blocks.N.attn.Wqkv, model.lm_head) and decides each one with "
-      "te_swap's own functions (foundry_fp8/filters.py). The key is the te_swap option that, "
+      "model.transformer.blocks.N.attn.Wqkv, model.lm_head; a torch_dmoe block's router linear "
+      "and experts, which te_swap always keeps; megablocks' MoE is not modelled) and decides "
+      "each one with te_swap's own functions (foundry_fp8/filters.py). The key is the te_swap option that, "
       "at its default, would let a layer convert. Only MPT (`mpt_causal_lm`) models are "
       "judged; te_swap's backend te without amp_fp8 is FP8021's.",
       source="foundry_fp8/swap.py convert_to_fp8, _refusal, plan_swap, would_run_fp8 "
