@@ -28,6 +28,12 @@ from foundry_fp8.shapes import (
     tokens_fit_fp8,
 )
 
+#: Why te_swap keeps an MoE router and experts held as weight tensors (its plan and the
+#: linter's prediction of it say the same words).
+MOE_ROUTER_KEPT = ("MoE router: its logits choose the experts, kept in high precision (as "
+                   "Megatron-LM's router)")
+MOE_EXPERTS_KEPT = "MoE experts as weight tensors: no nn.Linear to convert, high precision"
+
 #: Seconds one search may take (regex checks its timeout coarsely: it returns within ~4x).
 MATCH_TIMEOUT_S = 0.05
 

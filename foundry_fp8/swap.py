@@ -30,6 +30,8 @@ from torch.optim import Optimizer
 from foundry_fp8.blocks import block_index
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_checkpoint
 from foundry_fp8.filters import (
+    MOE_EXPERTS_KEPT,
+    MOE_ROUTER_KEPT,
     RELAXABLE,
     Reason,
     fuse_reason,
@@ -425,8 +427,7 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
     expert on every token (`DENSE_EXPERTS`): before, they counted nothing, and a tiny torch_dmoe
     MPT (4 experts, top 2) read 79% of its linear FLOPs in FP8 for 14%."""
     found: dict[str, tuple[str, float]] = {}
-    router = ("MoE router: its logits choose the experts, kept in high precision (as "
-              "Megatron-LM's router)", 1.0)
+    router = (MOE_ROUTER_KEPT, 1.0)
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
         prefix = f"{name}." if name else ""
@@ -493,7 +494,7 @@ def _weight_experts(block: nn.Module, experts: nn.Module,
               getattr(block, "num_experts", None))
     n_experts = next((n for n in counts if isinstance(n, int) and not isinstance(n, bool)
                       and n > 0), None)
-    kept = "MoE experts as weight tensors: no nn.Linear to convert, high precision; FLOPs"
+    kept = f"{MOE_EXPERTS_KEPT}; FLOPs"
     if forward_of(experts, DENSE_EXPERTS):
         return (f"{kept} counted for all {n_experts} experts: {type(experts).__name__} runs "
                 "every token through every expert", 1.0)

@@ -8,7 +8,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from foundry_fp8.filters import filter_reason, shape_reason
+from foundry_fp8.filters import (
+    MOE_EXPERTS_KEPT,
+    MOE_ROUTER_KEPT,
+    filter_reason,
+    shape_reason,
+)
 from foundry_fp8.lint.config import (
     as_int,
     as_number,
@@ -131,11 +136,6 @@ _DMOE = "torch_dmoe"
 _FFN_TYPES = ("mptmlp", "mptglu", "te_ln_mlp", _DMOE)
 #: megablocks' FFNs (ffn.py, registered where megablocks imports): not modelled.
 _MEGABLOCKS = ("mb_moe", "mb_dmoe")
-#: Why te_swap keeps a dMoE's modules whatever its options (foundry_fp8/swap.py _moe_layers
-#: decides from the built model: the block's `router` linears, and an `experts` module of
-#: weight tensors, no nn.Linear, as a `moe_experts` row).
-DMOE_ROUTER_KEPT = "MoE router: its logits choose the experts, kept in high precision"
-DMOE_EXPERTS_KEPT = "MoE experts as weight tensors: no nn.Linear to convert, high precision"
 #: The most blocks modelled (te_swap's names are listed one by one); more are not judged.
 _MAX_BLOCKS = 1024
 
@@ -267,9 +267,9 @@ def mpt_modules(model: Mapping[str, Any]) -> list[MPTModule] | None:
             modules.append(MPTModule(f"{block}.norm_2", "layernorm", 0, 0, bias=bias))
         if ffn_type == _DMOE:  # dMoE: LearnedRouter's torch Linear whatever fc_type, then experts
             modules += [MPTModule(f"{block}.ffn.router.layer", "linear", d_model, experts or 0,
-                                  kept=DMOE_ROUTER_KEPT),
+                                  kept=MOE_ROUTER_KEPT),
                         MPTModule(f"{block}.ffn.experts", "moe_experts", d_model, size,
-                                  kept=DMOE_EXPERTS_KEPT)]
+                                  kept=MOE_EXPERTS_KEPT)]
             continue
         if fusable:
             modules.append(MPTModule(f"{block}.ffn", "ln_mlp", d_model, size))
