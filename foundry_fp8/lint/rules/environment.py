@@ -101,6 +101,12 @@ def _shadow(snapshot: Snapshot, field: str) -> str | None:
     return dict(snapshot.shadowed).get(field)
 
 
+def _torch_cuda(snapshot: Snapshot) -> tuple[int, ...] | None:
+    """torch's CUDA version as the rules judge it: none where a folder shadows the installed
+    torch (`_shadow`), whose version.py says nothing of the build that runs."""
+    return None if _shadow(snapshot, "torch") else parse_version(snapshot.torch_cuda)
+
+
 def _run_fix(env: Environment, fix: str) -> str | None:
     """`fix` for a run whose model builds its own TE layers; None (the rule's) otherwise."""
     return fix if env.config is not None and native_te_layers(env.config) else None
@@ -160,7 +166,7 @@ def gpu_capability(env: Environment, _: LintContext) -> Iterator[Hit]:
       fix=f"{TORCH_FOR_CUDA} {dotted(MIN_CUDA_FOR_ADA_FP8)} or newer", family="environment")
 def ada_cuda(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
-    cuda = None if _shadow(snapshot, "torch") else parse_version(snapshot.torch_cuda)
+    cuda = _torch_cuda(snapshot)
     if snapshot.capability is not None and tuple(snapshot.capability) == ADA and cuda \
             and cuda[:2] < MIN_CUDA_FOR_ADA_FP8:
         yield Hit("torch_cuda", f"TransformerEngine refuses FP8 on Ada ({dotted(ADA)}) when torch "
@@ -307,7 +313,7 @@ def _core_cuda_mismatch(snapshot: Snapshot) -> tuple[int, int] | None:
     libcudart.so.13 and libcublas.so.13, found through no RUNPATH (readelf -d of TE 2.20.2's
     wheel_lib/libtransformer_engine.so)."""
     core = _CORE_CUDA.fullmatch(snapshot.te_core_package or "")
-    torch = None if _shadow(snapshot, "torch") else parse_version(snapshot.torch_cuda)
+    torch = _torch_cuda(snapshot)
     if core is None or not torch or int(core[1]) == torch[0]:
         return None
     return int(core[1]), torch[0]
@@ -642,9 +648,8 @@ _CUDA_COMPAT_SRC = "NVIDIA CUDA Compatibility guide (docs.nvidia.com/deploy/cuda
       fix=f"{TORCH_FOR_DRIVER}, or upgrade the NVIDIA driver", family="environment")
 def torch_newer_than_driver(env: Environment, _: LintContext) -> Iterator[Hit]:
     snapshot = env.snapshot
-    torch, driver = parse_version(snapshot.torch_cuda), parse_version(snapshot.driver_cuda)
-    if env.config is not None or not torch or not driver or len(torch) < 2 or len(driver) < 2 \
-            or _shadow(snapshot, "torch"):  # FP8215
+    torch, driver = _torch_cuda(snapshot), parse_version(snapshot.driver_cuda)
+    if env.config is not None or not torch or not driver or len(torch) < 2 or len(driver) < 2:
         return
     said = f"torch {snapshot.torch} is built for CUDA {snapshot.torch_cuda}, but the NVIDIA " \
         f"driver supports CUDA {snapshot.driver_cuda} at most (nvidia-smi)"
