@@ -478,8 +478,8 @@ def _moe_top_k(block: nn.Module) -> int | None:
                   getattr(getattr(block, "config", None), "num_experts_per_tok", None),
                   getattr(router, "moe_top_k", None),
                   getattr(getattr(router, "args", None), "moe_top_k", None)):
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value  # 0: torch.topk routes every token to no expert (the block adds zeros)
     return None
 
 
@@ -498,6 +498,8 @@ def _weight_experts(block: nn.Module, experts: nn.Module,
     if forward_of(experts, DENSE_EXPERTS):
         return (f"{kept} counted for all {n_experts} experts: {type(experts).__name__} runs "
                 "every token through every expert", 1.0)
+    if top_k == 0:
+        return f"{kept} counted for none: top-k 0 routes no token to an expert", 0.0
     if top_k is None or n_experts is None or top_k > n_experts:
         return f"{kept} counted for every expert (top-k or expert count not found)", 1.0
     return (f"{kept} counted for the {top_k} of {n_experts} experts a token uses",

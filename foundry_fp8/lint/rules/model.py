@@ -52,6 +52,7 @@ from foundry_fp8.lint.known import (
     did_you_mean,
     move_fix,
 )
+from foundry_fp8.lint.load import OC_ENV
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28, TE_GEMM_LEADING_DIM
 from foundry_fp8.lint.values import built_options
@@ -734,12 +735,38 @@ def _torch_dmoe_hits(ffn: Mapping[str, Any]) -> Iterator[Hit]:
         yield Hit("model.ffn_config.mlp_type", f"torch_dmoe's experts are 'mlp' or 'glu', not "
                   f"{mlp_type!r:.40}: building the model raises ValueError (DroplessMLP)",
                   fix="mlp_type: mlp (or glu)")
-    top_k, experts = as_int(ffn.get("moe_top_k")), as_int(ffn.get("moe_num_experts"))
-    if top_k is not None and experts is not None and top_k > experts > 0:
-        yield Hit("model.ffn_config.moe_top_k", f"moe_top_k {top_k} is more than moe_num_experts "
-                  f"{experts}: the model builds, and its first forward raises RuntimeError "
-                  "('selected index k out of range': torch.topk in dMoE's LearnedRouter)",
-                  fix=f"moe_top_k from 1 to {experts}")
+    if "moe_top_k" in ffn:
+        yield from _moe_top_k_hits(ffn["moe_top_k"], as_int(ffn.get("moe_num_experts")))
+
+
+def _moe_top_k_hits(top_k: Any, experts: int | None) -> Iterator[Hit]:
+    """What dMoE's LearnedRouter does with moe_top_k (llmfoundry/models/layers/dmoe.py
+    `_top_k`): a value equal to 1 (`1`, `1.0`, `true`) takes `scores.max`; anything else goes to
+    `torch.topk(scores, moe_top_k)`, which raises TypeError for what is not an int and
+    RuntimeError for k < 0 or above the experts, at the first forward. k = 0 raises nothing:
+    every token gets no expert, the FFN adds zeros, and neither experts nor router ever get a
+    gradient (checked on LLM-Foundry 0.22's MPT)."""
+    key, fix = "model.ffn_config.moe_top_k", f"moe_top_k from 1 to {experts or 'moe_num_experts'}"
+    k = as_int(top_k)
+    if isinstance(top_k, (int, float)) and top_k == 1 \
+            or isinstance(top_k, str) and OC_ENV.search(top_k):  # FP8017 says so
+        return
+    if k is None:
+        yield Hit(key, f"moe_top_k {top_k!r:.40} is not an integer: the model builds, and its "
+                  "first forward raises TypeError (torch.topk's k in dMoE's LearnedRouter)",
+                  fix=fix)
+    elif k == 0:
+        yield Hit(key, "moe_top_k 0 routes every token to no expert: the run trains without "
+                  "error, the MoE FFN of every block adds zeros, and its experts and router never "
+                  "get a gradient (dMoE's LearnedRouter: torch.topk with k 0)", fix=fix)
+    elif k < 0:
+        yield Hit(key, f"moe_top_k {k} is negative: the model builds, and its first forward "
+                  "raises RuntimeError ('selected index k out of range': torch.topk in dMoE's "
+                  "LearnedRouter)", fix=fix)
+    elif experts is not None and k > experts > 0:
+        yield Hit(key, f"moe_top_k {k} is more than moe_num_experts {experts}: the model "
+                  "builds, and its first forward raises RuntimeError ('selected index k out of "
+                  "range': torch.topk in dMoE's LearnedRouter)", fix=fix)
 
 
 def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
@@ -780,8 +807,10 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "building the model. torch_dmoe's builder reads moe_num_experts, moe_top_k, mlp_type "
       "('mlp' or 'glu'), moe_jitter_eps, moe_normalize_expert_weights and "
       "uniform_expert_assignment with no default (KeyError when one is missing) and raises "
-      "ValueError on any other key; a moe_top_k above moe_num_experts builds, and the first "
-      "forward raises RuntimeError (torch.topk); mb_moe and mb_dmoe need moe_world_size (KeyError in "
+      "ValueError on any other key; a moe_top_k that is negative or above moe_num_experts "
+      "builds, and the first forward raises RuntimeError (torch.topk), one that is no integer "
+      "(but 1.0) TypeError; moe_top_k 0 trains without error with every MoE FFN adding zeros, "
+      "its experts and router never trained; mb_moe and mb_dmoe need moe_world_size (KeyError in "
       "config_moe_args), and LLM-Foundry drops their keys megablocks' Arguments does not take "
       "(not judged: megablocks is not read). te_ln_mlp hands its extra keys to te.LayerNormMLP, "
       "and other registered classes take their own: not judged. MPTConfig "
