@@ -48,6 +48,12 @@ CHUNK = 2 ** 24
 #: Elements per float32 partial sum (exact counts up to 2**24, squares far from overflow); the
 #: partial sums are added in float64.
 ROW = 2 ** 10
+#: frexp exponent of the amax's working magnitude `|x| * 2**m`, in [2**56, 2**57): the float32
+#: squares of x and of the error (< 2**114) sum over a row of ROW short of overflow (< 2**124),
+#: and errors down to 2**-119 of the amax still square to normal numbers (at an amax near
+#: fp8_max, those below 2**-72 of it squared to 0: mse 0 for [3.4e38, 1.0], whose amax
+#: round-trips exactly and whose 1.0 underflows, where TE's float32 mse is 0.5).
+_WORK_EXPONENT = 57
 #: Dtypes read as they are; any other is converted to float32 a piece at a time, as before.
 _READ_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -264,13 +270,15 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
     the round trip is `r = fp8 * scale_inv` in float32, as TE's GEMMs and dequantize see it
     (`dequantize`). Every sum is taken where its float32 squares neither overflow nor
     underflow, whatever x's magnitude or the scale, by exact power-of-2 rescaling: x and the
-    error `x - r` at `|x| * 2**m`, amax near fp8_max; r at `fp8 * mant`, where
-    `scale_inv = mant * 2**e`, mant in [0.5, 1) (so the product rounds as `fp8 * scale_inv`
-    does), within the FP8 range however far the scale is from x's. The error is one float32
-    subtraction of the two, exact where r is near x (Sterbenz), so mse is the round trip's to
-    float32 rounding, also where x * scale falls on the FP8 grid. All as float32 row sums,
-    rescaled in float64. dot is `(x - r)·r + r_sq`, accurate wherever r is close to x or far
-    below it (saturation, underflow), where `(x_sq + r_sq - sq_error) / 2` would cancel to noise.
+    error `x - r` at `|x| * 2**m`, the amax near 2**57 (`_WORK_EXPONENT`); r at `fp8 * mant`,
+    where `scale_inv = mant * 2**e`, mant in [0.5, 1) (so the product rounds as `fp8 * scale_inv`
+    does, but for a product that is a float32 subnormal, which TE rounds coarser: a scale_inv
+    below 2**-126 that is no power of 2), within the FP8 range however far the scale is from
+    x's. The error is one float32 subtraction of the two, exact where r is near x (Sterbenz),
+    so mse is the round trip's to float32 rounding, also where x * scale falls on the FP8 grid.
+    All as float32 row sums, rescaled in float64. dot is `(x - r)·r + r_sq`, accurate wherever
+    r is close to x or far below it (saturation, underflow), where `(x_sq + r_sq - sq_error) / 2`
+    would cancel to noise.
     """
     _check_format(fmt)
     fp8_max, fp8_dtype, device = FP8_MAX[fmt], FP8_DTYPE[fmt], x.device
@@ -299,8 +307,9 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         pooled_scale = torch.where(cast_amax > 0, scale_t, torch.inf)
     else:
         scale_t = pooled_scale = _on(scale, device).reshape(())
-    # |x| * 2**m near fp8_max; m clamped here, so that x and r move by the same power of 2
-    e_work = (_exponent(_on(fp8_max, device)) - _exponent(amax)).clamp(-126, 127)
+    # the amax at |x| * 2**m in [2**56, 2**57); m clamped here, so that x and r move by the
+    # same power of 2
+    e_work = (_WORK_EXPONENT - _exponent(amax)).clamp(-126, 127)
     x_to_work = _power_of_2(e_work)
     inverse = scale_inverse(scale_t)
     mant, e_inv = torch.frexp(inverse)
