@@ -14,7 +14,7 @@ line naming the option, instead of hanging INIT. Torch-free; the style is torcha
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import regex
@@ -33,6 +33,44 @@ from foundry_fp8.shapes import (
 MOE_ROUTER_KEPT = ("MoE router: its logits choose the experts, kept in high precision (as "
                    "Megatron-LM's router)")
 MOE_EXPERTS_KEPT = "MoE experts as weight tensors: no nn.Linear to convert, high precision"
+
+#: The norm classes whose forward TE's norms compute, by the (module, class) that defines it ->
+#: TE's `normalization`: torch's LayerNorm and RMSNorm (and any subclass or alias that keeps
+#: their forward: `norms.register("my_ln", func=torch.nn.LayerNorm)`), and the subclasses whose
+#: own forward runs their parent's function only in the autocast dtype (F.layer_norm /
+#: F.rms_norm on the downcast input, weight and bias, autocast off): LLM-Foundry's
+#: `low_precision_layernorm` and `low_precision_rmsnorm` (llmfoundry/models/layers/norm.py,
+#: 0.21-0.22) and Composer's LowPrecisionLayerNorm algorithm's (composer/algorithms/
+#: low_precision_layernorm/low_precision_layernorm.py, 0.32). te_swap converts or fuses a norm of
+#: one of these (`swap.norm_forward_reason`), and the linter predicts it from the class an MPT's
+#: norm_type names (`lint.rules.model`); both read them by name, importing neither.
+TE_NORMS = {
+    ("torch.nn.modules.normalization", "LayerNorm"): "LayerNorm",
+    ("torch.nn.modules.normalization", "RMSNorm"): "RMSNorm",
+    ("llmfoundry.models.layers.norm", "LPLayerNorm"): "LayerNorm",
+    ("llmfoundry.models.layers.norm", "LPRMSNorm"): "RMSNorm",
+    ("composer.algorithms.low_precision_layernorm.low_precision_layernorm",
+     "LPLayerNorm"): "LayerNorm",
+}
+
+
+def known_class(where: str, qualname: str,
+                known: Collection[tuple[str, str]]) -> tuple[str, str] | None:
+    """The one of `known` (module, class) that the class `qualname` of module `where` is, or is
+    a Hugging Face remote-code copy of: an MPT exported by LLM-Foundry or taken from the Hub
+    with `trust_remote_code` loads LLM-Foundry's files as `transformers_modules.<folder>.<file>`
+    (the same file name)."""
+    return next(((home, name) for home, name in known if qualname == name and (
+        where == home or (where.startswith("transformers_modules.")
+                          and where.rpartition(".")[2] == home.rpartition(".")[2]))), None)
+
+
+def te_norm(where: str, qualname: str) -> str | None:
+    """TE's normalization that computes the forward the class `qualname` of module `where`
+    defines (`TE_NORMS`); None: another function, which a TE norm would replace silently."""
+    found = known_class(where, qualname, TE_NORMS)
+    return TE_NORMS[found] if found else None
+
 
 #: Seconds one search may take (regex checks its timeout coarsely: it returns within ~4x).
 MATCH_TIMEOUT_S = 0.05

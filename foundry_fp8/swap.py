@@ -35,9 +35,11 @@ from foundry_fp8.filters import (
     RELAXABLE,
     Reason,
     fuse_reason,
+    known_class,
     layernorm_reason,
     linear_reason,
     search,
+    te_norm,
 )
 from foundry_fp8.fp8_meta import canonical_modules, canonical_name, is_fp8_module
 from foundry_fp8.options import OptionError, Problem, SwapConfig
@@ -344,30 +346,15 @@ def te_normalization(norm: nn.Module, hidden: int) -> str:
     return "RMSNorm"
 
 
-#: (module, class) of the torch LayerNorm/RMSNorm subclasses whose own forward computes their
-#: parent's function, only in the autocast dtype (F.layer_norm / F.rms_norm on the downcast
-#: input, weight and bias, autocast off): LLM-Foundry's `low_precision_layernorm` and
-#: `low_precision_rmsnorm` (llmfoundry/models/layers/norm.py, 0.21-0.22) and Composer's
-#: LowPrecisionLayerNorm algorithm's (composer/algorithms/low_precision_layernorm/
-#: low_precision_layernorm.py, 0.32). Read by name, without importing either.
-LOW_PRECISION_NORMS = frozenset({
-    ("llmfoundry.models.layers.norm", "LPLayerNorm"),
-    ("llmfoundry.models.layers.norm", "LPRMSNorm"),
-    ("composer.algorithms.low_precision_layernorm.low_precision_layernorm", "LPLayerNorm"),
-})
-
-
 def forward_of(module: nn.Module, known: frozenset[tuple[str, str]]) -> bool:
     """Whether the class that defines `module`'s forward is one of `known` (module, class), or
-    a Hugging Face remote-code copy of it: an MPT exported by LLM-Foundry or taken from the Hub
-    with `trust_remote_code` loads LLM-Foundry's files as `transformers_modules.<folder>.<file>`
-    (the same file name)."""
-    owner = next(c for c in type(module).__mro__ if "forward" in vars(c))
-    where = owner.__module__
-    return any(owner.__qualname__ == name and (
-        where == home or (where.startswith("transformers_modules.")
-                          and where.rpartition(".")[2] == home.rpartition(".")[2]))
-        for home, name in known)
+    a remote-code copy of it (`filters.known_class`)."""
+    owner = _forward_owner(module)
+    return known_class(owner.__module__, owner.__qualname__, known) is not None
+
+
+def _forward_owner(module: nn.Module) -> type:
+    return next(c for c in type(module).__mro__ if "forward" in vars(c))
 
 
 def norm_forward_reason(norm: nn.LayerNorm | nn.RMSNorm) -> str | None:
@@ -375,9 +362,10 @@ def norm_forward_reason(norm: nn.LayerNorm | nn.RMSNorm) -> str | None:
     function than TE's norm would from its weight and bias (transformers' NemotronLayerNorm1P
     scales by `weight + 1`, ChameleonLayerNorm normalises a narrower shape than its weight), so
     te.LayerNorm or a fused te.LayerNormMLP would compute something else, silently. None for
-    torch's own forward and the `LOW_PRECISION_NORMS` (the same function)."""
+    the forwards of `filters.TE_NORMS` (torch's own, the low-precision ones)."""
     base = nn.RMSNorm if isinstance(norm, nn.RMSNorm) else nn.LayerNorm
-    if type(norm).forward is base.forward or forward_of(norm, LOW_PRECISION_NORMS):
+    owner = _forward_owner(norm)
+    if te_norm(owner.__module__, owner.__qualname__) == base.__name__:
         return None
     return (f"{type(norm).__name__}: an nn.{base.__name__} subclass with its own forward, which "
             f"TE's {base.__name__} would not compute")

@@ -65,3 +65,15 @@ def entry_point_names(group: str) -> frozenset[str]:
         return frozenset(ep.name for ep in found.select(group=group)) if found else frozenset()
     except Exception:  # a broken entry in the metadata
         return frozenset()
+
+
+@cache
+def entry_point_value(group: str, name: str) -> str | None:
+    """The object reference (`module:attr`) an installed package registers as `name` in an
+    entry-point group, from package metadata, importing nothing; None where none does."""
+    found = _entry_points()
+    try:
+        return next((ep.value for ep in found.select(group=group, name=name)), None) \
+            if found else None
+    except Exception:  # a broken entry in the metadata
+        return None

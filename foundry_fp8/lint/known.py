@@ -174,6 +174,23 @@ FOUNDRY_FSDP_KEEPS_MASTER_DTYPES = frozenset({"bf16", "fp16", "float16", "bfloat
 MPT_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "head_dim": None,
                 "expansion_ratio": 4, "vocab_size": 50368, "norm_type": "low_precision_layernorm",
                 "no_bias": False, "tie_word_embeddings": True, "norm_eps": 1e-05}
+#: The classes LLM-Foundry's norms registry builds for its own names (llmfoundry/models/layers/
+#: norm.py, 0.21-0.22: `layernorm` and `rmsnorm` are torch's classes themselves), as
+#: (module, class); MPT looks `norm_type` up lower-cased (blocks.py, modeling_mpt.py).
+MPT_NORM_CLASSES = {
+    "layernorm": ("torch.nn.modules.normalization", "LayerNorm"),
+    "rmsnorm": ("torch.nn.modules.normalization", "RMSNorm"),
+    "low_precision_layernorm": ("llmfoundry.models.layers.norm", "LPLayerNorm"),
+    "low_precision_rmsnorm": ("llmfoundry.models.layers.norm", "LPRMSNorm"),
+    "triton_rmsnorm": ("llmfoundry.models.layers.norm", "TritonRMSNorm"),
+}
+#: The entry-point group LLM-Foundry's norms registry reads (llmfoundry/layers_registry.py:
+#: `norms`, entry_points=True): an entry there wins over a name registered in the process
+#: (catalogue's Registry.get).
+NORMS_GROUP = "llmfoundry_norms"
+#: The modules that re-export torch's norm classes from torch.nn.modules.normalization, so that
+#: an entry point `torch.nn:LayerNorm` names the class by its home.
+TORCH_NORM_EXPORTS = ("torch.nn", "torch.nn.modules")
 #: The defaults MPTConfig fills into `attn_config` and `ffn_config` for the keys that decide
 #: which linears MPT builds (llmfoundry/models/utils/config_defaults.py).
 MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "fused_qkv": True, "kv_dim": None,

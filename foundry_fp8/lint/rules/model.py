@@ -4,6 +4,7 @@ LLM-Foundry's init of te.LayerNormMLP."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -13,6 +14,7 @@ from foundry_fp8.filters import (
     MOE_ROUTER_KEPT,
     filter_reason,
     shape_reason,
+    te_norm,
 )
 from foundry_fp8.lint.config import (
     as_int,
@@ -22,7 +24,7 @@ from foundry_fp8.lint.config import (
     native_te_layers,
     te_swap,
 )
-from foundry_fp8.lint.entries import entry_point_names
+from foundry_fp8.lint.entries import entry_point_names, entry_point_value
 from foundry_fp8.lint.known import (
     FOUNDRY_MODEL_KEYS,
     HF_CAUSAL_LM_KEYS,
@@ -41,12 +43,15 @@ from foundry_fp8.lint.known import (
     MPT_GQA_ONLY_KEY,
     MPT_LAYER_REGISTRIES,
     MPT_MODEL_NAMES,
+    MPT_NORM_CLASSES,
     MPT_NUMBER_KEYS,
     MPT_NUMBER_WORDS,
     MPT_WHOLE_NUMBERS,
+    NORMS_GROUP,
     TORCH_DMOE_CONFIG_KEYS,
     TORCH_DMOE_MLP_TYPES,
     TORCH_DMOE_REQUIRED_KEYS,
+    TORCH_NORM_EXPORTS,
     TRAIN_POPPED_MODEL_KEYS,
     belongs_under,
     did_you_mean,
@@ -251,7 +256,7 @@ def mpt_modules(model: Mapping[str, Any]) -> list[MPTModule] | None:
             or fc_type not in ("torch", "te") or not isinstance(norm_type, str) \
             or not (tied or (vocab or 0) > 0):
         return None
-    te, norm, bias = fc_type == "te", norm_type.lower() in _LAYERNORMS, not model.get("no_bias")
+    te, norm, bias = fc_type == "te", mpt_te_norm(model) == "LayerNorm", not model.get("no_bias")
     attn_config = section(model, "attn_config")
     qk_norm = bool(attn_config.get("qk_ln") or attn_config.get("qk_gn"))
     size, fusable = hidden[1], _te_swap_fuses(model)
@@ -895,27 +900,48 @@ def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator
               severity="error" if ctx.scope == "run" else "warning")
 
 
-#: MPT's norm types that are nn.LayerNorm subclasses (llmfoundry/models/layers/norm.py), the
-#: only norms te_swap fuses.
-_LAYERNORMS = ("layernorm", "low_precision_layernorm")
+def norm_class(norm_type: str) -> tuple[str, str] | None:
+    """(module, class) that defines the forward of the norm MPT builds for `norm_type`, which
+    LLM-Foundry's norms registry looks up lower-cased: an installed package's entry point first
+    (its `module:attr` from package metadata; a class of the package's own is not imported, so
+    only torch's classes are known through it), else a class registered in this process (a
+    run's code_paths: catalogue's table, read only where the process has imported it), else
+    LLM-Foundry's own (`MPT_NORM_CLASSES`); None where none names a known class."""
+    name = norm_type.lower()
+    if (value := entry_point_value(NORMS_GROUP, name)) is not None:
+        module, _, attr = value.partition("[")[0].strip().partition(":")
+        where, _, cls = f"{module}.{attr}".strip(".").rpartition(".")
+        return ("torch.nn.modules.normalization" if where in TORCH_NORM_EXPORTS else where, cls)
+    table = getattr(sys.modules.get("catalogue"), "REGISTRY", None)
+    key = ("llmfoundry", "norms", name)
+    if isinstance(table, Mapping) and key in table:
+        registered = table[key]
+        if not isinstance(registered, type):
+            return None  # a function building the norm: its class is not known until it runs
+        owner = next((c for c in registered.__mro__ if "forward" in vars(c)), registered)
+        return owner.__module__, owner.__qualname__
+    return MPT_NORM_CLASSES.get(name)
 
 
-#: MPT's RMSNorm norm_types: torch's RMSNorm (llmfoundry/models/layers/norm.py, 0.21-0.22), which
-#: te_swap fuses as te.LayerNormMLP's `normalization: RMSNorm` (`swap.te_normalization`).
-#: (`norm_eps: null` leaves torch to pick the eps per call: not fused)
-_RMSNORMS = ("rmsnorm", "low_precision_rmsnorm")
+def mpt_te_norm(model: Mapping[str, Any]) -> str | None:
+    """TE's normalization that computes the model's norms (`filters.te_norm`, te_swap's own
+    decision on the built norm: LayerNorm ones it converts and fuses, RMSNorm ones it fuses);
+    None: another function, or a norm_type whose class is not known."""
+    norm_type = mpt_value(model, "norm_type")
+    found = norm_class(norm_type) if isinstance(norm_type, str) else None
+    return te_norm(*found) if found else None
 
 
 def _te_swap_fuses(model: Mapping[str, Any]) -> bool:
     """Whether te_swap's fuse_ln_mlp fuses this model's blocks, read from the config as
     `swap._fusable_mlp` reads a built block: an MPT whose MLP (mptmlp, torch linears, GELU or
     ReLU) follows a LayerNorm with a bias or an RMSNorm with a numeric eps."""
-    norm = str(mpt_value(model, "norm_type")).lower()
+    norm = mpt_te_norm(model)
     return (_is_mpt(model) and get(model, "ffn_config.ffn_type") in (None, "mptmlp")
             and fc_type_name(model) in (None, "torch")
             and get(model, "ffn_config.ffn_act_fn.name") in (None, "gelu", "relu")
-            and ((norm in _LAYERNORMS and mpt_value(model, "no_bias") is not True)
-                 or (norm in _RMSNORMS and mpt_value(model, "norm_eps") is not None)))
+            and ((norm == "LayerNorm" and mpt_value(model, "no_bias") is not True)
+                 or (norm == "RMSNorm" and mpt_value(model, "norm_eps") is not None)))
 
 
 def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str | None, bool]]:
