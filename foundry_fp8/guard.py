@@ -332,16 +332,26 @@ class GuardCore:
         return sorted(self.flops)
 
     @property
+    def held(self) -> list[str]:
+        """The fallbacks this guard holds in high precision: those of its judged layers. A
+        checkpoint's fallback of a layer this run does not run in FP8 (te_swap's `exclude`
+        given it, as the fallback's own advice says) is history: counted in neither FLOPs
+        share (it was, twice: the series read 0 % in FP8 and the budget was spent) and never
+        re-promoted (its what-if rows would have put it "in FP8 again" while te_swap kept it
+        out)."""
+        return [layer for layer in self.fallbacks if layer in self.flops]
+
+    @property
     def fp8_flops_share(self) -> float:
         """Share of the model's linear-GEMM FLOPs that runs in FP8 now."""
-        return self.initial_share - sum(f.flops_share for f in self.fallbacks.values())
+        return self.initial_share - sum(self.fallbacks[layer].flops_share for layer in self.held)
 
     @property
     def fallback_share(self) -> float:
         """Share of the FLOPs that ran in FP8 at the start that now falls back."""
         if not self.initial_share:
             return 0.0
-        return sum(f.flops_share for f in self.fallbacks.values()) / self.initial_share
+        return sum(self.fallbacks[layer].flops_share for layer in self.held) / self.initial_share
 
     def candidates(self, step: int, table: Table) -> list[str]:
         """The layers still in FP8 with a tensor flagged at this and the `consecutive - 1`
@@ -353,8 +363,9 @@ class GuardCore:
         blind = {layer for layer, _ in self.nonfinite}
         judged = {key: dict(stats) for key, stats in table.items()
                   if key[0] in self.flops and key[0] not in blind | self.fallbacks.keys()}
+        held = set(self.held)
         fallen = {key: dict(stats) for key, stats in table.items()
-                  if key[0] in self.fallbacks and key[0] not in blind}
+                  if key[0] in held and key[0] not in blind}
         # the streaks need `consecutive` (or `repromote_after`) steps, the rising-underflow rule
         # two
         keep = max(self.config.consecutive, 2, self.config.repromote_after or 0)
@@ -378,10 +389,10 @@ class GuardCore:
         after = self.config.repromote_after
         if after is None:
             return []
-        blind = {layer for layer, _ in self.nonfinite}
+        blind, held = {layer for layer, _ in self.nonfinite}, set(self.held)
         tensors: dict[str, list[str]] = {}
         for layer, tensor in table:
-            if layer in self.fallbacks and layer not in blind and (layer in self._before_reset
+            if layer in held and layer not in blind and (layer in self._before_reset
                                             or self.fallbacks[layer].step < step):
                 tensors.setdefault(layer, []).append(tensor)
         return sorted(layer for layer, names in tensors.items()

@@ -219,10 +219,16 @@ class FP8Guard(Callback):
                                            state.model.named_modules(remove_duplicate=False)))
         if restored is not None:
             self.core.load_state_dict(restored)
-        for layer in self.core.fallbacks:
+        held = self.core.held
+        for layer in held:
             self._apply(layer)
-        if self.core.fallbacks:
-            log.warning("fp8_guard: %s %s in high precision", how, ", ".join(self.core.fallbacks))
+        if held:
+            log.warning("fp8_guard: %s %s in high precision", how, ", ".join(held))
+        gone = [layer for layer in self.core.fallbacks if layer not in held]
+        if gone and dist.get_global_rank() == 0:  # as the fallback's advice had it: no warning
+            log.info("fp8_guard: %s (in fallback before) not in FP8 in this run (te_swap's "
+                     "include/exclude changed?): it runs in high precision without fp8_guard, "
+                     "outside its FLOPs shares and re-promotion", ", ".join(gone))
         self._log_records()  # a resumed run's records, for its own hparams.json or W&B run
 
     def batch_end(self, state: State, logger: Logger) -> None:
@@ -292,8 +298,10 @@ class FP8Guard(Callback):
             return
         table = render_fallbacks([*core.ended, *core.fallbacks.values()], core.fp8_flops_share,
                                  core.repromotions)
-        next_time = (f"Next time: {static_yaml(core.fallbacks, self._exclude)}"
-                     if core.fallbacks else "No layer is in fallback at the end of the run.")
+        # a fallback outside FP8 in this run is already kept out of it by te_swap's exclude
+        next_time = (f"Next time: {static_yaml(core.held, self._exclude)}" if core.held else
+                     "te_swap already keeps the layers in fallback out of FP8." if core.fallbacks
+                     else "No layer is in fallback at the end of the run.")
         print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n{next_time}",
               flush=True)
         # cut at a row to MLflow's limit, as fp8_stats' summary: MLflow cuts mid-row, silently

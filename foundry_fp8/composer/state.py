@@ -40,6 +40,7 @@ from foundry_fp8.fp8_meta import (
     write_fp8_meta,
 )
 from foundry_fp8.guard import Fallback
+from foundry_fp8.health import short_layer
 from foundry_fp8.options import build
 from foundry_fp8.recipe import (
     COMPOSER_DEFAULT_HISTORY,
@@ -58,7 +59,7 @@ from foundry_fp8.restore import (
     saved_recipe,
     scale_keys_changed,
 )
-from foundry_fp8.swap import MPT_MLP_LINEARS
+from foundry_fp8.swap import MPT_MLP_LINEARS, fp8_module_counts, would_run_fp8
 from foundry_fp8.te import backend as te_backend
 from foundry_fp8.te.extra_state import (
     holds_te_scaling_state,
@@ -234,6 +235,7 @@ class FP8State(Callback):
         self.strict: bool = self.options.strict
         self.watch_batches: int = self.options.watch_batches
         self._model: nn.Module | None = None
+        self._precision: str | None = None  # Composer's, known at INIT
         self._recipe: FP8Recipe | None = None
         self._pending: dict[str, Any] | None = None
         self._last: FP8ModuleState | None = None
@@ -325,6 +327,7 @@ class FP8State(Callback):
         effect. Composer runs callbacks before algorithms at INIT: te_swap has not converted
         the model yet, so its plan is read from the run's algorithms."""
         self._model = state.model
+        self._precision = state.precision.value
         self._recipe = run_recipe(state)
         fsdp = state.fsdp_config
         fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing", "te_checkpoint_wrapper",
@@ -450,12 +453,7 @@ class FP8State(Callback):
                         "as expected when converting a bf16 checkpoint", state.load_path)
         if weights_only:
             return
-        try:  # a broken guard entry is the guard's to report (its fit_start does)
-            guard = next((entries[n] for n in _qualnames(FP8Guard) if n in entries), None)
-            core = checkpointed_core(guard or {}) or {}
-        except (TypeError, ValueError):
-            core = {}
-        fallbacks = [Fallback.from_dict(item).layer for item in core.get("fallbacks", ())]
+        fallbacks = _guard_fallbacks(entries)
         if fallbacks and not any(isinstance(c, FP8Guard) for c in state.callbacks):
             log.warning("fp8_state: %s: fp8_guard held %d layers in high precision (%s); this "
                         "run has no fp8_guard, so they run in FP8 again", state.load_path,
@@ -660,8 +658,21 @@ class FP8State(Callback):
             if fresh:
                 return
         modules = dict(fp8_modules(self._model))
-        missing = sorted(modules.keys() - saved.keys())
+        # a TE module outside Composer's amp_fp8 (`fc_type: te` beside emulated layers) never
+        # holds FP8 state, so none was saved for it and it misses none
+        missing = sorted(name for name in modules.keys() - saved.keys()
+                         if self._precision is None
+                         or would_run_fp8(self._precision, *fp8_module_counts(modules[name])))
         unexpected = sorted(saved.keys() - modules.keys())
+        # out of FP8 now, as the checkpoint's fp8_guard held them and its advice says to keep
+        # them (te_swap's exclude): they ran in high precision already, nothing is lost
+        held = set(_guard_fallbacks(self._loaded_entries or {}))
+        dropped = [name for name in unexpected if short_layer(name) in held]
+        if dropped:
+            unexpected = [name for name in unexpected if name not in dropped]
+            log.info("fp8_state: not in FP8 in this run, and in high precision at the "
+                     "checkpoint by fp8_guard's fallback: %s; their saved FP8 state is left "
+                     "out", _shown(dropped))
         if modules and not {"modules", "ranks"} & state.keys():  # every save writes `modules`
             log.warning("fp8_state: the checkpoint's fp8_state entry holds no modules (left out "
                         "by load_ignore_keys?); FP8 scales and amax histories start fresh")
@@ -809,6 +820,18 @@ def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
             f"{len(missing)} in FP8 now without saved state"
             f"{': ' + _shown(missing) if missing else ''}; {len(unexpected)} saved, not in FP8 "
             f"now{': ' + _shown(unexpected) if unexpected else ''}")
+
+
+def _guard_fallbacks(entries: Mapping[str, Any]) -> list[str]:
+    """The layers (`short_layer` names) fp8_guard held in high precision in a checkpoint, from
+    its callback entries; none where its entry is missing or broken (a broken one is the
+    guard's to report: its fit_start does)."""
+    try:
+        guard = next((entries[n] for n in _qualnames(FP8Guard) if n in entries), None)
+        core = checkpointed_core(guard or {}) or {}
+        return [Fallback.from_dict(item).layer for item in core.get("fallbacks", ())]
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return []
 
 
 def _shown(names: list[str]) -> str:
