@@ -57,13 +57,15 @@ def _train(folder: Path) -> None:
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8 * STEPS, 16) * 3, torch.randint(0, 4, (8 * STEPS,)))
-    Trainer(model=ComposerClassifier(Net(), num_classes=4), run_name="r",
-            train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{STEPS}ba",
-            algorithms=[TESwap(backend="emulate")],
-            callbacks=[FP8Stats(interval=1, dump_steps=list(range(STEPS)),
-                                dump_folder=str(folder / "dumps")), Poison()],
-            loggers=[JSONLLogger()], device="cpu", progress_bar=False,
-            log_to_console=False).fit()
+    trainer = Trainer(model=ComposerClassifier(Net(), num_classes=4), run_name="r",
+                      train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{STEPS}ba",
+                      algorithms=[TESwap(backend="emulate")],
+                      callbacks=[FP8Stats(interval=1, dump_steps=list(range(STEPS)),
+                                          dump_folder=str(folder / "dumps")), Poison()],
+                      loggers=[JSONLLogger()], device="cpu", progress_bar=False,
+                      log_to_console=False)
+    trainer.fit()
+    trainer.close()
 
 
 @pytest.fixture(scope="module")
