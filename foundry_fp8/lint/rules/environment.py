@@ -101,6 +101,20 @@ def _shadow(snapshot: Snapshot, field: str) -> str | None:
     return dict(snapshot.shadowed).get(field)
 
 
+def judged_version(snapshot: Snapshot, field: str) -> str | None:
+    """`field`'s installed version as the rules judge it: none (unknown) where a folder shadows
+    it (`_shadow`), as for torch's CUDA build (`_torch_cuda`)."""
+    return None if _shadow(snapshot, field) else getattr(snapshot, field)
+
+
+def what_runs(snapshot: Snapshot, field: str) -> str:
+    """`field` as a message names what runs: its installed version, the folder shadowing it, or
+    that it is not installed."""
+    if (folder := _shadow(snapshot, field)) is not None:
+        return f"from the folder {folder} (it shadows the installed {getattr(snapshot, field)})"
+    return getattr(snapshot, field) or "not installed"
+
+
 def _torch_cuda(snapshot: Snapshot) -> tuple[int, ...] | None:
     """torch's CUDA version as the rules judge it: none where a folder shadows the installed
     torch (`_shadow`), whose version.py says nothing of the build that runs."""

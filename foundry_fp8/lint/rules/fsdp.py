@@ -40,6 +40,7 @@ from foundry_fp8.lint.known import (
     move_fix,
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
+from foundry_fp8.lint.rules.environment import judged_version, what_runs
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, RETIRED_FSDP
 from foundry_fp8.te.facts import MIN_TE_FOR_RECOMPUTE, dotted, parse_version
 
@@ -319,7 +320,8 @@ def te_flags_need_fsdp1(config: Mapping[str, Any], ctx: LintContext) -> Iterator
       "that range, or Composer is and the floor the installed foundry-fp8 sets on it "
       "(setup.cfg's, from its package metadata) is unknown or older than "
       f"{dotted(AUTO_MICROBATCH_CHECKED_FROM)} (with a torch inside the range and that floor "
-      "checked, every Composer foundry-fp8 installs with defines it). FSDP2 refuses auto "
+      "checked, every Composer foundry-fp8 installs with defines it); a folder that shadows "
+      "the installed torch or Composer (FP8215) makes its version unknown. FSDP2 refuses auto "
       "micro-batching before this (another error).",
       source=f"Composer {AUTO_MICROBATCH_SOURCE}: patch_unshard_for_automicrobatching, and "
       f"line 41 (unshard_with_sync under the torch check); {COMPOSER} composer/trainer/"
@@ -334,11 +336,13 @@ def auto_microbatch_with_fsdp(config: Mapping[str, Any], ctx: LintContext) -> It
             or config.get("device_train_microbatch_size") != "auto" \
             or not isinstance(config.get("fsdp_config"), Mapping):
         return
-    fails = auto_microbatch_fsdp_fails(snapshot.composer, snapshot.torch)
+    composer, torch = judged_version(snapshot, "composer"), judged_version(snapshot, "torch")
+    fails = auto_microbatch_fsdp_fails(composer, torch)
     floor = snapshot.stack_floor("mosaicml")
     if fails is None and parse_version(snapshot.composer) is None and floor is not None \
-            and auto_microbatch_fsdp_fails(dotted(floor), snapshot.torch) is False:
-        return  # Composer unknown, but the oldest foundry-fp8 installs with was checked
+            and composer == snapshot.composer \
+            and auto_microbatch_fsdp_fails(dotted(floor), torch) is False:
+        return  # Composer unknown (not shadowed), but the oldest foundry-fp8 installs with was
     if fails:
         yield Hit("device_train_microbatch_size", f"Composer {snapshot.composer} defines "
                   f"unshard_with_sync only for torch{UNSHARD_TORCH_RANGE} "
@@ -350,8 +354,8 @@ def auto_microbatch_with_fsdp(config: Mapping[str, Any], ctx: LintContext) -> It
                   f"NameError 'unshard_with_sync' with Composer "
                   f"{dotted(AUTO_MICROBATCH_CHECKED_FROM)}+ unless torch{UNSHARD_TORCH_RANGE} "
                   f"({AUTO_MICROBATCH_SOURCE}); here Composer "
-                  f"{snapshot.composer or 'not installed'}, torch "
-                  f"{snapshot.torch or 'not installed'}", severity="warning")
+                  f"{what_runs(snapshot, 'composer')}, torch {what_runs(snapshot, 'torch')}",
+                  severity="warning")
 
 
 #: FP8044's id: `fp8_lint` (composer/lint.py) names it in its run-time twin of the rule.

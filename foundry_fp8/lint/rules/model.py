@@ -59,6 +59,7 @@ from foundry_fp8.lint.known import (
 )
 from foundry_fp8.lint.load import OC_ENV
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
+from foundry_fp8.lint.rules.environment import judged_version, what_runs
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28, TE_GEMM_LEADING_DIM
 from foundry_fp8.lint.values import built_options
 from foundry_fp8.options import SwapConfig
@@ -976,7 +977,8 @@ def _layernorm_mlps(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str |
       "fuse_ln_mlp would only on layers still on the meta device, where te_swap does not fuse "
       "(a warning: the fusion asked for does not happen). In every release from "
       f"{dotted(TE_LN_MLP_INIT_FAILS_FROM)} (PR #1096) to 0.22.0, and on main. Judged against "
-      "the LLM-Foundry installed where the linter runs; a warning when it is not installed. "
+      "the LLM-Foundry installed where the linter runs; a warning when it is not installed or "
+      "a folder shadows it (FP8215). "
       "ffn_config_defaults, which MPT ignores, is FP8024's.",
       source=f"LLM-Foundry {TE_LN_MLP_INIT_SOURCE}: te_layernorm_mlp_init, reached from "
       f"generic_param_init_fn_; {FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py "
@@ -994,7 +996,7 @@ def te_layernorm_mlp_init(config: Mapping[str, Any], ctx: LintContext) -> Iterat
     if snapshot is None or (isinstance(scheme, str)
                             and scheme in INIT_SCHEMES_WITHOUT_MODULE_INITS):
         return
-    fails = te_ln_mlp_init_fails(snapshot.llmfoundry)
+    fails = te_ln_mlp_init_fails(judged_version(snapshot, "llmfoundry"))
     if fails is False:
         return
     for key, what, fix, crashes in _layernorm_mlps(config):
@@ -1010,4 +1012,4 @@ def te_layernorm_mlp_init(config: Mapping[str, Any], ctx: LintContext) -> Iterat
                       f"{dotted(TE_LN_MLP_INIT_FAILS_FROM)} (checked up to 0.22.0) raises "
                       "NameError 'div_is_residual' initialising them in te_layernorm_mlp_init "
                       f"({TE_LN_MLP_INIT_SOURCE}); LLM-Foundry here: "
-                      f"{snapshot.llmfoundry or 'not installed'}", severity="warning", fix=fix)
+                      f"{what_runs(snapshot, 'llmfoundry')}", severity="warning", fix=fix)
