@@ -540,8 +540,9 @@ def deepspeed_recipe_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[H
       "ACCELERATE_FP8_AMAX_HISTORY_LEN; every fp8_config rule reads keys so); only the names "
       "the recipe classes read have an effect. `accelerate config` itself writes "
       "amax_history_length, amax_compute_algorithm and optimization_level, which are dropped: "
-      "the run uses the defaults (1024, most_recent, O2). use_mxfp8_block_scaling is exported "
-      "by every release, but TERecipeKwargs reads it only from 1.11; AORecipeKwargs reads "
+      "the run uses the defaults (1024, most_recent, O2). An fp8_config that is no mapping "
+      "(`fp8_config: TE`) is not read at all (the launcher copies only a dict's keys). "
+      "use_mxfp8_block_scaling is exported by every release, but TERecipeKwargs reads it only from 1.11; AORecipeKwargs reads "
       "pad_inner_dim and enable_fsdp_float8_all_gather (which `accelerate config` writes for "
       "backend AO from 1.13) only from 1.13. Judged against the installed Accelerate.",
       source=f"{ACC} src/accelerate/commands/config/cluster.py; src/accelerate/commands/launch.py"
@@ -553,6 +554,13 @@ def deepspeed_recipe_ignored(inp: AccelerateInput, _: LintContext) -> Iterator[H
       f"{TE} transformer_engine/pytorch/fp8.py check_mxfp8_support",
       fix="use amax_history_len, amax_compute_algo, opt_level", family="accelerate")
 def fp8_config_unknown_keys(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
+    written = inp.accelerate.get("fp8_config")
+    if written is not None and not isinstance(written, Mapping):
+        yield Hit("fp8_config", f"fp8_config is {written!r:.40}, not a mapping: the launcher "
+                  "reads a section only as a mapping of keys, so none of it reaches the run, "
+                  "which gets Accelerate's default FP8 backend and recipe",
+                  fix="write the keys under it: fp8_config: {backend: TE}")
+        return
     for item in launch_settings(inp.accelerate, "fp8_config"):
         name = item.name
         if not _read(name, inp.version) and item.value is not None \
