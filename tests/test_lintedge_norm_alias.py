@@ -117,3 +117,22 @@ def test_an_entry_point_alias_is_read_from_package_metadata(tmp_path, monkeypatc
         for cached in (entries._entry_points, entries.entry_point_value,
                        entries.entry_point_names):
             cached.cache_clear()
+
+
+@pytest.mark.parametrize("norm_type", ["layer_norm", "LayerNorm", "RMSNorm", "rms_norm",
+                                       "Low_Precision_LayerNorm"])
+def test_a_norm_type_no_registry_holds_is_the_error_mpt_raises(norm_type):
+    from llmfoundry.models.mpt import ComposerMPTCausalLM
+
+    section = {**SECTION, "norm_type": norm_type}
+    try:
+        ComposerMPTCausalLM(tokenizer=None, init_device="meta",
+                            **{k: v for k, v in section.items() if k != "name"})
+        raises = False
+    except NotImplementedError as error:
+        raises = "Requested norm type" in str(error)
+    found = [(f.key, f.severity) for f in lint_config({"model": section}) if f.rule == "FP8042"]
+    assert found == ([("model.norm_type", "error")] if raises else [])
+    with_code = [(f.key, f.severity) for f in lint_config({"model": section, "code_paths": ["r.py"]})
+                 if f.rule == "FP8042"]
+    assert with_code == ([("model.norm_type", "warning")] if raises else [])

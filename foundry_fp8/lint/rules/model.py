@@ -804,7 +804,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
 
 @rule("FP8042", "error", "MPT `attn_config` / `ffn_config` keys its attention class or FFN "
       "builder refuses (`attn_tpye`, `ffn_typ`) or needs (torch_dmoe's `moe_top_k`, ...), an `ffn_config.fc_type` MPT replaces, an "
-      "`fc_type` or `ffn_type` no registry holds (`TE`, `tee`, `te_ln_mpl`) (did-you-mean, or "
+      "`fc_type`, `ffn_type` or `norm_type` no registry holds (`TE`, `tee`, `te_ln_mpl`, "
+      "`layer_norm`) (did-you-mean, or "
       "where the key belongs)",
       why="MPTBlock passes every attn_config key but the position-encoding ones to the "
       "attention class (multihead_attention, multiquery_attention, grouped_query_attention; "
@@ -825,7 +826,9 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "case: `TE` raises RegistryError. In files, an fc_type or ffn_type that is neither "
       "LLM-Foundry's nor registered by an installed package's entry points (read from package "
       "metadata) raises RegistryError too: an error, a warning where the config's `code_paths` "
-      "may register it. With `attn_impl: sdpa`, the attn_config keys our sdpa refuses "
+      "may register it; a norm_type (looked up lower-cased) that neither LLM-Foundry's norms "
+      "registry nor a package's entry point holds makes MPTModel raise NotImplementedError, "
+      "judged alike. With `attn_impl: sdpa`, the attn_config keys our sdpa refuses "
       "(`attn_logit_softcapping`): foundry_fp8.attention makes MPTConfig raise "
       "NotImplementedError (fix: `attn_impl: torch`).",
       source=f"{FOUNDRY} llmfoundry/models/layers/blocks.py MPTBlock.__init__ "
@@ -858,8 +861,9 @@ def mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
 
 
 def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) -> Iterator[Hit]:
-    """An fc_type or ffn_type that neither LLM-Foundry nor an installed package registers
-    (`tee`, `transformer_engine`, `te_ln_mpl`); a warning where `code_paths` may register it."""
+    """An fc_type, ffn_type or norm_type that neither LLM-Foundry nor an installed package
+    registers (`tee`, `transformer_engine`, `te_ln_mpl`, `layer_norm`); a warning where
+    `code_paths` may register it."""
     for key, (builtins, groups) in MPT_LAYER_REGISTRIES.items():
         name = fc_type_name(model) if key == "fc_type" else get(model, key)
         if not isinstance(name, str):
@@ -875,6 +879,17 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
                   f"{registry} ({', '.join(sorted(names))}) nor of an installed "
                   f"plugin's: building the model raises RegistryError{maybe}"
                   + did_you_mean(name, names), severity="warning" if maybe else "error")
+    norm_type = model.get("norm_type")
+    names = frozenset(MPT_NORM_CLASSES) | entry_point_names(NORMS_GROUP)
+    if isinstance(norm_type, str) and norm_type.lower() not in names:
+        maybe = " (unless a module of `code_paths` registers it)" if "code_paths" in config \
+            else ""
+        yield Hit("model.norm_type", f"norm_type {norm_type!r:.60} is no name of LLM-Foundry's "
+                  f"norms registry ({', '.join(sorted(names))}, looked up lower-cased) nor of an "
+                  "installed plugin's: MPTModel raises NotImplementedError ('Requested norm type "
+                  f"... is not implemented') building the model{maybe}"
+                  + did_you_mean(norm_type.lower(), names),
+                  severity="warning" if maybe else "error")
 
 
 @rule("FP8029", "error", "`loss_fn: fused_crossentropy` (MPT's default) without flash-attn's "
