@@ -5,8 +5,10 @@ The run folder (`foundry_fp8.paths`): the parent of a local checkpoint `save_fol
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,12 @@ from foundry_fp8.options import build
 from foundry_fp8.paths import in_run_folder, run_folder, safe_run_name, say_repeated
 
 log = logging.getLogger(__name__)
+
+#: the write errors that pass: a full disk or quota, freed when a checkpoint is uploaded and
+#: deleted or an old one cleaned up. Stopping for good at one lost every later record of a run
+#: that went on for days; the records meanwhile are held in memory up to HELD_BYTES.
+PASSING = frozenset({errno.ENOSPC, errno.EDQUOT})
+HELD_BYTES = 16 * 2**20
 
 
 class JSONLLogger(LoggerDestination):
@@ -66,7 +74,10 @@ class JSONLLogger(LoggerDestination):
     Composer does not guard its logger destinations, so a failure here would end the run. A
     folder that cannot be created or a file that cannot be written (at INIT or mid-run: full
     disk, a folder in the file's place) is logged once, naming the path and the OS error, and
-    the logger stops writing while training goes on; `strict: true` raises instead. A file
+    the logger stops writing while training goes on; `strict: true` raises instead. A full
+    disk or quota (`PASSING`) is said once too, but the records are held in memory (up to
+    `HELD_BYTES`) and written, in order, at the first record that can be written again, which is
+    said with what was lost; `hparams.json` is written again then too. A file
     removed, moved or cut while the run writes it (by hand, or moved aside by another run of
     the same name starting fresh) is warned about, naming the last step it lost, and written on.
     """
@@ -90,6 +101,12 @@ class JSONLLogger(LoggerDestination):
         self._run_name = ""
         self._between_fits = False  # FIT_END gave the lock back: take it again to write
         self._said_no_locks = False  # the "takes no locks" line is said once
+        # a full disk (`PASSING`): the records not written yet, their JSON's size, the steps of
+        # those dropped past HELD_BYTES, and whether hparams.json is behind
+        self._held: deque[tuple[int, dict[str, Any], int]] = deque()
+        self._held_bytes = 0
+        self._dropped: list[int] = []
+        self._hparams_behind = False
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
@@ -155,8 +172,13 @@ class JSONLLogger(LoggerDestination):
         self._between_fits = True
 
     def close(self, state: State, logger: Logger) -> None:
-        """The file's lock is given back (Composer's `Trainer.close`, or at exit)."""
+        """The file's lock is given back (Composer's `Trainer.close`, or at exit), after a last
+        try at the records a full disk held (`PASSING`)."""
         del state, logger
+        if self.sink is not None and not self.stopped and (self._held or self._hparams_behind):
+            sink = self.sink
+            self._guard(lambda: self._locked(lambda: self._catch_up(sink)), sink.path)
+            self._give_up_held("the Trainer closed with the disk still full")
         self._release()
         self._between_fits = False
 
@@ -210,15 +232,70 @@ class JSONLLogger(LoggerDestination):
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.sink is not None and not self.stopped:
-            sink = self.sink
+            sink, at = self.sink, step if step is not None else -1
+            behind = self._held or self._hparams_behind
             self._guard(lambda: self._locked(
-                lambda: self._write(sink, step if step is not None else -1, metrics)), sink.path)
+                lambda: self._catch_up(sink, (at, metrics)) if behind
+                else self._write(sink, at, metrics)), sink.path, (at, metrics))
+
+    def _hold(self, step: int, metrics: dict[str, Any]) -> None:
+        """Keep a record the full disk refused, to write when it can (`HELD_BYTES` at most)."""
+        size = len(json.dumps(metrics, default=str))
+        if self._held_bytes + size > HELD_BYTES:
+            self._dropped.append(step)
+            return
+        self._held.append((step, dict(metrics), size))
+        self._held_bytes += size
+
+    def _catch_up(self, sink: JsonlSink, record: tuple[int, dict[str, Any]] | None = None
+                  ) -> None:
+        """Write the held records in order (each leaves the queue once written: a full disk
+        again keeps the rest), hparams.json if it is behind, then `record` (held by `_guard`
+        where this fails before it is written); say so once all are out."""
+        held = (len(self._held), self._held[0][0], self._held[-1][0]) if self._held else None
+        while self._held:
+            step, metrics, size = self._held[0]
+            self._write(sink, step, metrics)
+            self._held.popleft()
+            self._held_bytes -= size
+        if self._hparams_behind:
+            self._write_hparams()
+            self._hparams_behind = False
+        if record is not None:
+            self._write(sink, *record)
+        dropped, self._dropped = self._dropped, []
+        log.warning("jsonl logger: %s is written again after a full disk: %s%s", sink.path,
+                    f"the {held[0]} records held (steps {held[1]} to {held[2]}) are in it"
+                    if held else "hparams.json is up to date",
+                    f"; {len(dropped)} records of steps {dropped[0]} to {dropped[-1]} did not "
+                    f"fit in the {HELD_BYTES / 2**20:g} MiB held and are lost" if dropped else "")
+
+    def _give_up_held(self, why: str) -> None:
+        """Say what of the held records and hparams.json never reached the disk."""
+        if not (self._held or self._dropped or self._hparams_behind):
+            return
+        steps = sorted({step for step, _, _ in self._held} | set(self._dropped))
+        lost = [f"{len(self._held) + len(self._dropped)} records of steps {steps[0]} to "
+                f"{steps[-1]}"] if steps else []
+        lost += ["the latest hparams.json"] if self._hparams_behind else []
+        log.warning("jsonl logger: %s never reached the disk, which was full: %s",
+                    " and ".join(lost), why)
+        self._held.clear()
+        self._held_bytes, self._dropped, self._hparams_behind = 0, [], False
 
     def _write(self, sink: JsonlSink, step: int, metrics: dict[str, Any]) -> None:
         """One record; a file removed or taken over since the last one (by hand, or moved aside
         by another run of this name starting fresh) is warned about, once per time it happens,
-        and written on."""
-        if not sink.write(step, metrics):
+        and written on. A write that failed leaves the sink's note of the file as it was: the
+        sink notes the file's new size before closing it, where a full disk refuses the bytes,
+        and the next record took the file for one cut since."""
+        noted = sink.last_file
+        try:
+            same = sink.write(step, metrics)
+        except OSError:
+            sink.last_file = noted
+            raise
+        if not same:
             log.warning("jsonl logger: %s was removed, moved or replaced after this run wrote its "
                         "record of step %s (by hand, or by another run of this name starting "
                         "fresh while this one runs); the records up to there are not in it, and "
@@ -228,24 +305,43 @@ class JSONLLogger(LoggerDestination):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self._pending_hparams.update(hyperparameters)
         if self._hparams is not None and not self.stopped:
-            self._guard(lambda: self._locked(self._write_hparams), self._hparams)
+            if self._held or self._hparams_behind:  # written with the held records
+                self._hparams_behind = True
+                return
+            self._guard(lambda: self._locked(self._write_hparams), self._hparams, hparams=True)
 
     def _write_hparams(self) -> None:
         assert self._hparams is not None  # where `_take` has put it (hparams.<n>.json)
         write_atomically(self._hparams, json.dumps(self._pending_hparams, indent=2, default=str,
                                                    skipkeys=True))
 
-    def _guard(self, call: Callable[[], object], path: Path) -> None:
-        """Run a write; on failure warn once and stop writing (`strict`: raise)."""
+    def _guard(self, call: Callable[[], object], path: Path,
+               record: tuple[int, dict[str, Any]] | None = None, hparams: bool = False) -> None:
+        """Run a write; on failure warn once and stop writing (`strict`: raise). A full disk
+        (`PASSING`) while writing `record` or `hparams` is said once and they are held, to be
+        written once the disk takes them (`_catch_up`)."""
         try:
             call()
         except Exception as e:
             if self.strict:
                 raise
+            if isinstance(e, OSError) and e.errno in PASSING and (
+                    record is not None or hparams or self._held or self._hparams_behind):
+                if not (self._held or self._hparams_behind):
+                    log.warning("jsonl logger: cannot write %s (%s); the records from here on are "
+                                "held in memory (up to %g MiB) and written when the disk takes "
+                                "them again (said then), training goes on (loggers.jsonl.strict: "
+                                "true makes this an error)", path, _reason(e, path),
+                                HELD_BYTES / 2**20)
+                if record is not None:
+                    self._hold(*record)
+                self._hparams_behind |= hparams
+                return
             self.stopped = True
             log.warning("jsonl logger: cannot write %s (%s); it writes nothing more to %s, "
                         "training goes on (loggers.jsonl.strict: true makes this an error)",
                         path, _reason(e, path), path.parent)
+            self._give_up_held("lost")
 
 
 def _reason(error: Exception, path: Path | None = None) -> str:
