@@ -124,8 +124,9 @@ class FP8Stats(Callback):
       `fp8_initial_scale/<tensor>/<layer>` = 1 on delayed scaling's first cast (of any
       rank's nonzero values: `reduce_amax: false` lets a rank cast at scale 1 later) and
       `fp8_uncast/<tensor>/<layer>` = 1 on a tensor its layer's FP8 run does not cast (dY
-      under NVTE_BACKWARD_OVERRIDE): on every destination except the console unless
-      `console_layers: true`;
+      under NVTE_BACKWARD_OVERRIDE), `fp8_high_precision/<tensor>/<layer>` = 1 on a row whose
+      layer ran in high precision (te_swap left it out, or fp8_guard's fallback: what-if
+      numbers): on every destination except the console unless `console_layers: true`;
     - with `te_debug`, TE's own statistics `fp8_te_<stat>/<tensor>/<layer>` (`<stat>` is TE's
       name, `_pct` for its `%`: `underflow_pct` for `underflows%`, `scale_inv_min`, ...;
       `te.debug.our_stat`), where the per-layer series go (a name MLflow still refuses stays
@@ -133,10 +134,13 @@ class FP8Stats(Callback):
       debug is paused during evaluation and prediction) at TE iterations counted as
       Composer's batches, after a resume too;
     - every `image_interval` batches (at the first logging step from each multiple on) and at
-      fit end: one layers x logging steps heatmap per statistic, `fp8_heatmap/<stat>`
+      fit end (unless its last logging step's are shown): a layers x logging steps heatmap,
+      `fp8_heatmap/<stat>`, per statistic whose `health.specs` plot is one (`underflow_pct`,
+      `overflow_pct`, `rel_mse`, `cos_sim`; `nan_count`, `inf_count` once one is nonzero)
       (`Logger.log_images`, the last `IMAGE_STEPS` logging steps), and the per-layer table of
       the logging step, `fp8_table` (`Logger.log_table`; its `numbers` column says `FP8`,
-      `what-if` or `what-if (fp8_guard fallback)`), off the console; `null` turns them off;
+      `what-if` or `what-if (fp8_guard fallback)`), off the console and out of the `jsonl`
+      logger's file (it keeps metrics and hyperparameters); `null` turns them off;
     - at fit end the hyperparameter `fp8/stats_summary`, the worst value per layer and tensor
       (also printed whole; a tensor with what-if numbers at some judged step is marked
       `(what-if)`), cut to MLflow's 6000 characters; `fp8/stats_summary.ba<step>` after a
@@ -152,7 +156,7 @@ class FP8Stats(Callback):
     `gradient` (the output gradient), and for TE's LayerNormMLP `fc1_weight` and `fc2_weight`
     (`monitor.watches_for`); TE's debug statistics name a LayerNormMLP's GEMMs' tensors
     `fc1_activation`, `fc2_weight`, ... (`te.debug.metric_name`; a name it cannot place is logged
-    as `fp8/te_debug/<TE's name>`). The summary series cover every tensor name of the hooks'
+    as `fp8/te_debug/<TE's name>`, `%` as `_pct`). The summary series cover every tensor name of the hooks'
     statistics (`fp8/fc1_weight/worst_underflow_pct`, ...); TE's debug statistics get none.
 
     Defaults: `layers: .*`, `tensors: [activation, weight, gradient]`, `interval: 100ba`,
