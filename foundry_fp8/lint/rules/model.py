@@ -684,9 +684,36 @@ def hf_model_key_hits(model: Mapping[str, Any], prefix: str,
                       fix=move_fix(key, "model", prefix))
 
 
+#: The attn_impl names MPTConfig._validate_config accepts (llmfoundry/models/mpt/
+#: configuration_mpt.py:308, 0.22: ValueError 'Unknown attn_impl=...' for any other, `triton`
+#: of older releases too), with ours (`sdpa`, FP8041's when foundry_fp8.attention is not loaded).
+_ATTN_IMPLS = ("torch", "flash", SDPA)
+#: The rope_impl names it accepts where rope is on (configuration_mpt.py:327-332).
+_ROPE_IMPLS = ("dail", "hf")
+
+
+def _attn_impl_hits(attn: Mapping[str, Any]) -> Iterator[Hit]:
+    """An attn_impl, or a rope_impl with rope on, that MPTConfig refuses (ValueError)."""
+    impl = attn.get("attn_impl")
+    if "attn_impl" in attn and not (isinstance(impl, str) and impl in _ATTN_IMPLS):
+        yield Hit("model.attn_config.attn_impl", f"attn_impl {impl!r:.40} is none of "
+                  f"{', '.join(_ATTN_IMPLS)}: MPTConfig raises ValueError 'Unknown "
+                  f"attn_impl={impl!s:.40}' building the model"
+                  + ("" if impl == "triton" else did_you_mean(str(impl), _ATTN_IMPLS)),
+                  fix="attn_impl: flash (LLM-Foundry no longer has its triton attention)"
+                  if impl == "triton" else "attn_impl: flash (or torch)")
+    rope_impl = attn.get("rope_impl")
+    if attn.get("rope") and "rope_impl" in attn and rope_impl not in _ROPE_IMPLS:
+        yield Hit("model.attn_config.rope_impl", f"rope_impl {rope_impl!r:.40} with rope on: "
+                  "MPTConfig raises ValueError ('rope_impl should be either \"dail\", or "
+                  "\"hf\"') building the model" + did_you_mean(str(rope_impl), _ROPE_IMPLS),
+                  fix="rope_impl: hf (or dail, which needs flash-attn)")
+
+
 def _attn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
     """attn_config keys the built-in attention class of its attn_type refuses."""
     attn = section(model, "attn_config")
+    yield from _attn_impl_hits(attn)
     attn_type = attn.get("attn_type", MPT_ATTN_DEFAULTS["attn_type"])
     if not (isinstance(attn_type, str) and attn_type in _ATTN_TYPES):
         return  # another registered class: its keywords are its own
@@ -826,7 +853,9 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "case: `TE` raises RegistryError. In files, an fc_type or ffn_type that is neither "
       "LLM-Foundry's nor registered by an installed package's entry points (read from package "
       "metadata) raises RegistryError too: an error, a warning where the config's `code_paths` "
-      "may register it; a norm_type (looked up lower-cased) that neither LLM-Foundry's norms "
+      "may register it; an attn_impl other than torch, flash (or our sdpa), or a rope_impl "
+      "other than dail or hf with rope on, makes MPTConfig raise ValueError; a norm_type "
+      "(looked up lower-cased) that neither LLM-Foundry's norms "
       "registry nor a package's entry point holds makes MPTModel raise NotImplementedError, "
       "judged alike. With `attn_impl: sdpa`, the attn_config keys our sdpa refuses "
       "(`attn_logit_softcapping`): foundry_fp8.attention makes MPTConfig raise "
