@@ -155,6 +155,10 @@ def nonfinite_message(step: int, rows: Collection[tuple[str, str]]) -> str:
                else ""))
 
 
+class GuardStateError(RuntimeError):
+    """A checkpoint's fp8_guard entry that cannot be read, under `strict: true`."""
+
+
 class GuardBudgetError(RuntimeError):
     """More of the FP8 FLOPs would fall back than `max_fallback_share` allows (`strict: true`)."""
 

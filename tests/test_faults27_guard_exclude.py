@@ -60,7 +60,8 @@ def test_a_fallback_outside_this_runs_fp8_layers_spends_no_share_and_is_never_re
     assert core.fp8_flops_share == pytest.approx(0.1) and core.fallback_share == pytest.approx(0.5)
 
 
-def _trainer(folder, batches: int, exclude: str | None = None, load: str | None = None):
+def _trainer(folder, batches: int, exclude: str | None = None, load: str | None = None,
+             strict: bool = False):
     from composer import Trainer
     from composer.models import ComposerClassifier
 
@@ -68,7 +69,7 @@ def _trainer(folder, batches: int, exclude: str | None = None, load: str | None 
     tokens, labels = torch.randint(0, VOCAB, (2, TOKENS))
     data = TensorDataset(tokens.repeat(SECOND), labels.repeat(SECOND))
     model = ComposerClassifier(TiedLM(), num_classes=VOCAB)
-    guard = FP8Guard(consecutive=2, max_fallback_share=0.5)
+    guard = FP8Guard(consecutive=2, max_fallback_share=0.5, strict=strict)
     swap = TESwap(backend="emulate", **({"exclude": exclude} if exclude else {}))
     trainer = Trainer(
         model=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.0), seed=17,

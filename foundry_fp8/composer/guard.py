@@ -31,6 +31,7 @@ from foundry_fp8.guard import (
     GuardBudgetError,
     GuardConfig,
     GuardCore,
+    GuardStateError,
     fallback_message,
     nonfinite_message,
     render_fallbacks,
@@ -173,7 +174,7 @@ class FP8Guard(Callback):
             self._table_keys.fit_start(int(state.timestamp.batch))
             # a second fit() in this process keeps this one's decisions, as a resume does
             self._start(state, self.core.state_dict() if self.core is not None
-                        else checkpointed_core(self._restored),
+                        else self._decoded(state),
                         "a new fit() keeps" if self.core is not None else "resumed with")
         except Exception as e:
             error = e
@@ -213,12 +214,15 @@ class FP8Guard(Callback):
         self._take_over(state.model)
         # the fallback reasons' edge blocks are the model's, counted as te_swap counts them
         # (swap.plan_swap: every name), not those of the layers judged
-        self.core = GuardCore(self.config, layer_flops(state.model, self._modules,
-                                                       swap.plan if swap is not None else None),
-                              model_blocks(name for name, _ in
-                                           state.model.named_modules(remove_duplicate=False)))
+        flops = layer_flops(state.model, self._modules, swap.plan if swap is not None else None)
+        blocks = model_blocks(name for name, _ in state.model.named_modules(remove_duplicate=False))
+        self.core = GuardCore(self.config, flops, blocks)
         if restored is not None:
-            self.core.load_state_dict(restored)
+            try:
+                self.core.load_state_dict(restored)
+            except Exception as e:  # fields missing or of another type: another version's, edited
+                self._unreadable(state, e)
+                self.core = GuardCore(self.config, flops, blocks)
         held = self.core.held
         for layer in held:
             self._apply(layer)
@@ -230,6 +234,28 @@ class FP8Guard(Callback):
                      "include/exclude changed?): it runs in high precision without fp8_guard, "
                      "outside its FLOPs shares and re-promotion", ", ".join(gone))
         self._log_records()  # a resumed run's records, for its own hparams.json or W&B run
+
+    def _decoded(self, state: State) -> Any:
+        """The checkpoint's decisions (`checkpointed_core`), None where it holds none or they
+        cannot be read (`_unreadable`; later checkpoints then hold this run's own)."""
+        try:
+            return checkpointed_core(self._restored)
+        except Exception as e:  # not JSON, or not the entry fp8_guard saves
+            self._restored = {}
+            self._unreadable(state, e)
+            return None
+
+    def _unreadable(self, state: State, error: Exception) -> None:
+        """A checkpoint's fp8_guard entry it cannot read is one line, and the guard starts
+        without decisions and goes on guarding (before, it switched itself off for the run,
+        with a traceback); `strict: true` raises it."""
+        first = (str(error).splitlines() or [""])[0][:200]
+        said = (f"fp8_guard: {state.load_path or 'the checkpoint'}: its fp8_guard state is not "
+                f"readable ({type(error).__name__}: {first})")
+        if self.config.strict:
+            raise GuardStateError(f"{said}; strict: true stops the run") from None
+        log.warning("%s; fp8_guard starts with every layer in FP8 and no decision (layers it "
+                    "held in high precision run in FP8 again) and guards on", said)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self._raise_stop()
@@ -342,7 +368,7 @@ class FP8Guard(Callback):
         self._restored = state
         if self.core is not None and self._state is not None:  # loaded after fit_start
             try:
-                self._start(self._state, checkpointed_core(state), "resumed with")
+                self._start(self._state, self._decoded(self._state), "resumed with")
             except Exception as e:
                 if self.config.strict:
                     raise
