@@ -69,3 +69,22 @@ def test_te_swap_counts_no_flops_for_experts_no_token_reaches():
     none, two = plans[0].popitem()[1], plans[2].popitem()[1]
     assert two.flops > 0 and "the 2 of 4 experts" in two.reason
     assert none.flops == 0 and none.flops_share == 0 and "none: top-k 0" in none.reason
+
+
+@pytest.mark.parametrize("experts", [0, -1, 4.0, "4", None, True, 1, 4], ids=repr)
+def test_lint_errs_where_moe_num_experts_breaks_llmfoundrys_dmoe(experts):
+    """moe_num_experts: 0 builds and fails at the first forward (IndexError in the router's
+    max()); a negative or non-integer count fails building the router's weight."""
+    from llmfoundry.models.layers.ffn import build_torch_dmoe
+
+    kwargs = {k: v for k, v in DMOE.items() if k != "ffn_type"}
+    try:
+        block = build_torch_dmoe(d_model=16, expansion_ratio=2,
+                                 **{**kwargs, "moe_num_experts": experts, "moe_top_k": 1})
+        block(torch.randn(2, 4, 16))
+        fails = False
+    except (IndexError, RuntimeError, TypeError):
+        fails = True
+    model = {**SECTION, "ffn_config": {**DMOE, "moe_num_experts": experts, "moe_top_k": 1}}
+    found = [(f.key, f.severity) for f in lint_config({"model": model}) if f.rule == "FP8042"]
+    assert found == ([("model.ffn_config.moe_num_experts", "error")] if fails else [])

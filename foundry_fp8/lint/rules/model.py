@@ -768,8 +768,17 @@ def _torch_dmoe_hits(ffn: Mapping[str, Any]) -> Iterator[Hit]:
         yield Hit("model.ffn_config.mlp_type", f"torch_dmoe's experts are 'mlp' or 'glu', not "
                   f"{mlp_type!r:.40}: building the model raises ValueError (DroplessMLP)",
                   fix="mlp_type: mlp (or glu)")
+    experts = ffn.get("moe_num_experts")
+    if "moe_num_experts" in ffn and not (as_int(experts) is not None and experts > 0) \
+            and not (isinstance(experts, str) and OC_ENV.search(experts)):
+        yield Hit("model.ffn_config.moe_num_experts", f"moe_num_experts {experts!r:.40} is no "
+                  "whole number above 0: " + ("the model builds, and its first forward raises "
+                  "IndexError (max() over no expert in dMoE's LearnedRouter)" if experts == 0
+                  and as_int(experts) is not None else "building the model raises (torch "
+                  "creates the router's weight of that many rows: TypeError or RuntimeError)"),
+                  fix="moe_num_experts: 8 (any whole number from 1)")
     if "moe_top_k" in ffn:
-        yield from _moe_top_k_hits(ffn["moe_top_k"], as_int(ffn.get("moe_num_experts")))
+        yield from _moe_top_k_hits(ffn["moe_top_k"], as_int(experts))
 
 
 def _moe_top_k_hits(top_k: Any, experts: int | None) -> Iterator[Hit]:
@@ -844,7 +853,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "ValueError on any other key; a moe_top_k that is negative or above moe_num_experts "
       "builds, and the first forward raises RuntimeError (torch.topk), one that is no integer "
       "(but 1.0) TypeError; moe_top_k 0 trains without error with every MoE FFN adding zeros, "
-      "its experts and router never trained; mb_moe and mb_dmoe need moe_world_size (KeyError in "
+      "its experts and router never trained; a moe_num_experts that is no whole number above 0 "
+      "raises building the model (0: IndexError at the first forward); mb_moe and mb_dmoe need moe_world_size (KeyError in "
       "config_moe_args), and LLM-Foundry drops their keys megablocks' Arguments does not take "
       "(not judged: megablocks is not read). te_ln_mlp hands its extra keys to te.LayerNormMLP, "
       "and other registered classes take their own: not judged. MPTConfig "
