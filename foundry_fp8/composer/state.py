@@ -59,7 +59,7 @@ from foundry_fp8.restore import (
     saved_recipe,
     scale_keys_changed,
 )
-from foundry_fp8.swap import MPT_MLP_LINEARS, fp8_module_counts, would_run_fp8
+from foundry_fp8.swap import MPT_MLP_LINEARS
 from foundry_fp8.te import backend as te_backend
 from foundry_fp8.te.extra_state import (
     holds_te_scaling_state,
@@ -235,7 +235,6 @@ class FP8State(Callback):
         self.strict: bool = self.options.strict
         self.watch_batches: int = self.options.watch_batches
         self._model: nn.Module | None = None
-        self._precision: str | None = None  # Composer's, known at INIT
         self._recipe: FP8Recipe | None = None
         self._pending: dict[str, Any] | None = None
         self._last: FP8ModuleState | None = None
@@ -327,7 +326,6 @@ class FP8State(Callback):
         effect. Composer runs callbacks before algorithms at INIT: te_swap has not converted
         the model yet, so its plan is read from the run's algorithms."""
         self._model = state.model
-        self._precision = state.precision.value
         self._recipe = run_recipe(state)
         fsdp = state.fsdp_config
         fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing", "te_checkpoint_wrapper",
@@ -658,11 +656,7 @@ class FP8State(Callback):
             if fresh:
                 return
         modules = dict(fp8_modules(self._model))
-        # a TE module outside Composer's amp_fp8 (`fc_type: te` beside emulated layers) never
-        # holds FP8 state, so none was saved for it and it misses none
-        missing = sorted(name for name in modules.keys() - saved.keys()
-                         if self._precision is None
-                         or would_run_fp8(self._precision, *fp8_module_counts(modules[name])))
+        missing = sorted(modules.keys() - saved.keys())
         unexpected = sorted(saved.keys() - modules.keys())
         # out of FP8 now, as the checkpoint's fp8_guard held them and its advice says to keep
         # them (te_swap's exclude): they ran in high precision already, nothing is lost
