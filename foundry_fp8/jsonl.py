@@ -14,6 +14,7 @@ import json
 import math
 import os
 import stat
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -143,6 +144,20 @@ def write_output(path: Path, data: str | bytes) -> None:
     a FIFO nor leave a cut file."""
     check_output(path)
     write_atomically(path.resolve() if path.is_symlink() else path, data)
+
+
+def check_writable(path: Path) -> None:
+    """OSError where `write_output(path, ...)` would be refused for its folder (a read-only
+    mount, another user's folder; ACLs and root squash included, which permission bits do not
+    show): its temporary file is created there and removed at once. A folder not there yet is
+    judged by the nearest one above that is, where it would be created."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    probe = _temporary(folder / path.name)
+    probe.unlink(missing_ok=True)  # a killed run's leftover of this pid
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    probe.unlink()
 
 
 def _temporary(path: Path) -> Path:
@@ -369,8 +384,23 @@ def _lines(f: BinaryIO) -> Iterator[bytes | None]:
             return
 
 
+def _cause(error: Exception) -> str | None:
+    """Why a line that does not decode was written so, where it is not a cut or garbled line
+    (a kill's): for the warning, which would otherwise blame a kill."""
+    if isinstance(error, ValueError) and not isinstance(error, (json.JSONDecodeError,
+                                                                 UnicodeDecodeError)):
+        # json's int() of a literal past sys.get_int_max_str_digits() (CPython's guard against
+        # quadratic-time conversions): "Exceeds the limit (4300 digits) ...: value has N digits"
+        digits = str(error).rpartition("value has ")[2].partition(" digits")[0]
+        limit = f"the {sys.get_int_max_str_digits():,} Python's int() reads"
+        return (f"a number of {int(digits):,} digits, more than {limit}" if digits.isdigit() else
+                f"a number of more digits than {limit}") + " (no logger writes one)"
+    return None
+
+
 def read_jsonl(path: str | os.PathLike[str], skipped: list[int] | None = None,
-               too_long: list[int] | None = None, cut: list[int] | None = None
+               too_long: list[int] | None = None, cut: list[int] | None = None,
+               causes: dict[int, str] | None = None
                ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield `(step, metrics)` per line; string NaN/Inf come back as floats.
 
@@ -379,7 +409,10 @@ def read_jsonl(path: str | os.PathLike[str], skipped: list[int] | None = None,
     record (whose line then still yields that record). Any number of such lines, of lines
     nested too deep to decode and of lines longer than MAX_LINE_BYTES (also appended to
     `too_long`: left unread) is skipped and their numbers appended to `skipped` (the caller
-    warns once); each crash leaves at most one. The last line read, where it had no newline
+    warns once); each crash leaves at most one; `causes` gets why, by line number, for a line
+    no crash leaves (a number Python will not convert). A UTF-8 byte order
+    mark at a line's start is read past, as `json.loads` reads one on bytes (an editor's save,
+    PowerShell's `Out-File`). The last line read, where it had no newline
     and yielded nothing, is also appended to `cut`: the one a writer may still be writing (a
     skipped line before it is a crash's).
     A line that decodes but is not a `{"step": int, "metrics": {...}}` record raises JsonlError
@@ -400,13 +433,15 @@ def read_jsonl(path: str | os.PathLike[str], skipped: list[int] | None = None,
                     too_long.append(lineno)
                 continue
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig")
                 if not line.strip():
                     continue
                 value = json.loads(line)
             except UNDECODABLE as e:
                 error = error or f"line {lineno}: {type(e).__name__}: {e}"
                 skipped.append(lineno)
+                if causes is not None and (cause := _cause(e)) is not None:
+                    causes[lineno] = cause
                 glued = _glued_record(raw, where)
                 if glued is not None:
                     records += 1

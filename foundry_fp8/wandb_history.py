@@ -39,6 +39,10 @@ class WandbRun:
     damaged_at: int | None = None
     # why W&B's reader read none of the file: its header refused (`_header_refused`)
     unreadable: str | None = None
+    run_id: str = ""  # the id of the file's first run record
+    # the run id of a run record after an exit record, or of another run's (a file joined from
+    # several: W&B writes one attempt per file, `scan`); None where there is none
+    joined: str | None = None
 
     def steps(self, key: str) -> list[int]:
         """The steps of the rows that hold `key`, in order."""
@@ -228,7 +232,15 @@ def scan(run: WandbRun, history: bool = True) -> Iterator[dict[str, Any]]:
     dicts: the report folds each row in and drops it), filling `run`'s config, files and
     `complete` on the way; with `history=False` each row holds its `_step` alone, the values
     left unparsed (a run's config and steps). Ends at a partial last record, as `read_run`
-    does."""
+    does.
+
+    W&B writes one attempt of one run per file (wandb-core truncates a run file it opens: two
+    attempts given the same folder leave the second alone), so a run record after the exit
+    record, or one of another run id, is a file joined from several (`joined`): the same run's
+    next attempt is read on, as `wandb sync` sends it; another run's records are not this run's
+    and end the scan (`wandb sync` would stream their history into this run: wandb 0.18
+    sdk/internal/sender.py `send_run` starts the file stream for the first run record only)."""
+    exited = False
     for record in _records(run):
         kind = record.WhichOneof("record_type")
         if kind == "history":
@@ -243,10 +255,17 @@ def scan(run: WandbRun, history: bool = True) -> Iterator[dict[str, Any]]:
             for item in record.config.update:
                 run.config[_item_key(item)] = json.loads(item.value_json)
         elif kind == "run":
+            run_id = record.run.run_id
+            if run_id and run.run_id and (exited or run_id != run.run_id):
+                run.joined = run_id
+                if run_id != run.run_id:
+                    return
+                exited = run.complete = False  # the next attempt's exit record is to come
+            run.run_id = run.run_id or run_id
             for item in record.run.config.update:
                 run.config[_item_key(item)] = json.loads(item.value_json)
         elif kind == "exit":
-            run.complete = True
+            exited = run.complete = True
         elif kind == "files":
             run.files.extend(f.path for f in record.files.files)
 

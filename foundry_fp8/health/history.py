@@ -305,6 +305,15 @@ def worst_layers(run: RunMetrics, stat: str, n: int = 3) -> list[Ranked]:
     return [r for r in ranked[:n] if r.mean != perfect]
 
 
+def no_number(run: RunMetrics, stat: str) -> bool:
+    """Whether `stat` was logged and holds no number at any judged step of any layer (every
+    value NaN): fp8_stats logs a NaN statistic only beside a NaN/Inf count that says why, so a
+    run of NaN alone was judged nowhere, which 'perfect everywhere' would hide."""
+    logged = [run.judged(layer, tensor, by_step)
+              for (layer, tensor, s), by_step in run.values.items() if s == stat]
+    return any(logged) and not any(v == v for by_step in logged for v in by_step.values())
+
+
 def all_zero(run: RunMetrics, stat: str) -> bool:
     return all(v == 0 for (_, _, s), by_step in run.values.items() if s == stat
                for v in by_step.values())

@@ -8,6 +8,7 @@ import argparse
 import errno
 import io
 import math
+import os
 import re
 import sys
 import time
@@ -42,7 +43,7 @@ from foundry_fp8.health.table import (
     table_order,
 )
 from foundry_fp8.health.thresholds import LOSS_GAP_STEPS, MAX_LOSS_GAP
-from foundry_fp8.jsonl import hparams_of, write_output
+from foundry_fp8.jsonl import check_writable, hparams_of, write_output
 from foundry_fp8.options import OptionError
 from foundry_fp8.report.baseline import (
     Baseline,
@@ -71,6 +72,7 @@ from foundry_fp8.report.markdown import (
     layers_named,
     moved,
     not_converted,
+    nothing_judged,
     refused,
     render_report,
     runs_in_fp8,
@@ -172,6 +174,32 @@ def _out_folder(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ReportError(f"{out}: cannot create the output folder ({e.strerror or e})") from None
+
+
+#: What a folder the report may not write refuses with: another user's run, a read-only mount.
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def writable_first(run_folder: Path, out: Path | None) -> None:
+    """ReportError (one line) where the report may not be written (`NOT_WRITABLE`), said
+    before the run is read (minutes for a long one) rather than after. A run that names no run,
+    one the user may not read either (another user's private run: `load` says so), and any
+    other error (a file where `--out` names a folder: `_out_folder`) are left to their turn."""
+    try:
+        found = locate(run_folder)
+    except ReportError:
+        return
+    folder = out or found.folder
+    try:
+        check_writable(folder / "fp8_report.md")
+    except OSError as e:
+        files = () if isinstance(found.source, MlflowRun) else (
+            found.source if isinstance(found.source, tuple) else (found.source,))
+        if e.errno not in NOT_WRITABLE or not all(os.access(path, os.R_OK) for path in files):
+            return
+        elsewhere = "; --out DIR writes the report elsewhere" if out is None else ""
+        raise ReportError(f"{folder}: cannot write the report there ({e.strerror or e})"
+                          f"{elsewhere}") from None
 
 
 #: Seconds `--layers` may take over all layer names (each search is cut at MATCH_TIMEOUT_S).
@@ -378,7 +406,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     except OSError as e:  # read-only, a full disk, a folder or FIFO in the file's place
         # a run folder someone else's run wrote (a shared store, a read-only mount): say how
         elsewhere = ("; --out DIR writes the report elsewhere"
-                     if given is None and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+                     if given is None and e.errno in NOT_WRITABLE
                      else "")
         raise ReportError(f"{target}: cannot write ({e.strerror or e}){elsewhere}") from None
     return run, flags, guard, [*written, target], dump
@@ -426,6 +454,8 @@ def run(args: argparse.Namespace) -> int:
         gap, gap_steps = gap_options(
             f"{100 * MAX_LOSS_GAP:g}" if args.max_loss_gap is None else args.max_loss_gap,
             str(LOSS_GAP_STEPS) if args.loss_gap_steps is None else args.loss_gap_steps)
+        if len(runs) == 1:  # before the baseline is read too (a sweep's: each in its turn)
+            writable_first(runs[0], args.out)
         # the baseline's errors first: it is read in seconds, the runs not
         base = None if not baselines else read_baseline(baselines[0])
     except ReportError as e:
@@ -473,6 +503,7 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     losses: dict[int, float] = {}
     loaded: Loaded | NoStatistics
     try:
+        writable_first(run_folder, args.out)
         try:
             loaded = load(run_folder, losses)
         except NoStatistics as e:  # its loss, read in the same pass, may still be compared
@@ -547,6 +578,8 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     print(f"{len(found)} flagged")
     if found:
         print(f"  {first_flagged(metrics, flags, names, dump=dump)}")
+    elif said := nothing_judged(metrics):
+        print(f"  {said}")
     if spiked is not None:
         print(f"  {spike_line(spiked, flags, metrics, names)}")
     if loss is not None:

@@ -25,7 +25,7 @@ from foundry_fp8.guard import (
     static_yaml,
 )
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
-from foundry_fp8.health.history import whatif_rows, whatif_worst, worst_layers
+from foundry_fp8.health.history import no_number, whatif_rows, whatif_worst, worst_layers
 from foundry_fp8.health.keys import full_forms
 from foundry_fp8.health.loss import LossComparison, LossSpike
 from foundry_fp8.health.plots import common_prefix
@@ -472,6 +472,18 @@ GUIDE = """\
 """
 
 
+def nothing_judged(run: RunMetrics) -> str | None:
+    """The line that replaces 'No layer crosses a threshold' where the rules' statistics hold
+    no number at all (`no_number`): no flag then says nothing about the run's health."""
+    judged = [stat for stat in run.stats if spec(stat).worse]
+    if not judged or not all(no_number(run, stat) for stat in judged):
+        return None
+    return (f"No layer judged: every value of {', '.join(map(bounded, judged))} is NaN at every "
+            "logged step, NaN/Inf counts included (fp8_stats logs NaN statistics only beside a "
+            "count of the NaN/Inf that made them): the report cannot tell whether FP8 is "
+            "healthy; look at how these values were logged or copied")
+
+
 def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                   chosen: list[tuple[str, str]], pngs: list[str],
                   guard: GuardRun | None = None, matched: int | None = None,
@@ -542,7 +554,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                       f"their values; each of them has its own row in [{PER_LAYER}]"
                       f"(#{PER_LAYER.lower().replace(' ', '-')})."]
     else:
-        lines.append("No layer crosses a threshold.")
+        lines.append(nothing_judged(run) or "No layer crosses a threshold.")
     if guard is not None:
         lines += ["", *guard_section(guard, names)]
     lines += ["", "## Worst layers (by their mean over the judged logging steps)", ""]
@@ -553,7 +565,9 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
             + (f" {WHATIF_MARK}" if (w.layer, w.tensor) in whatif else "") + " mean "
             f"{fmt(stat, w.mean)}, worst {fmt(stat, w.worst)} (step {w.step})"
             for w in worst_layers(run, stat))
-        lines.append(f"- **{md_escape(bounded(stat))}**: {entries or 'perfect everywhere'}")
+        lines.append(f"- **{md_escape(bounded(stat))}**: " + (
+            entries or ("NaN at every logged step, judged nowhere" if no_number(run, stat)
+                        else "perfect everywhere")))
     lines += ["", "## How to read this", "",
               GUIDE.format(underflow=t.max_underflow_pct, overflow=t.max_overflow_pct,
                            clip=t.clip_ratio, persist=t.persist_steps, spike=t.spike_ratio,

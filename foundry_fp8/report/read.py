@@ -4,6 +4,8 @@ fp8_guard's fallbacks (hparams.json); bad input is one line (ReportError)."""
 
 from __future__ import annotations
 
+import codecs
+import itertools
 import json
 import math
 import os
@@ -277,6 +279,10 @@ def _not_metrics(path: Path) -> str | None:
     head = _head(path)
     if head is None:
         return None  # the read itself says why
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # UTF-32's LE starts so too
+        return (f"{path}: UTF-16 text (a copy made through PowerShell's `>` or `Out-File` is), "
+                "not the UTF-8 the `jsonl` logger writes: report the run's own metrics.jsonl, or "
+                "convert this one (iconv -f UTF-16 -t UTF-8)")
     if head.startswith(CHECKPOINT_MAGIC):
         what = f"a {'zip archive' if head.startswith(b'PK') else 'pickle'} (a checkpoint?)"
     elif head == WANDB_MAGIC:
@@ -299,9 +305,14 @@ def _no_metrics_here(folder: Path) -> str:
                 "mlruns/<experiment id>/<run id>, or the `jsonl` logger's metrics.jsonl)")
     kind = "a W&B run folder" if wandb.exists() else None
     above = _run_above(folder)
+    # a `loggers.jsonl.path` of another name, or runs' folders side by side (one per rank/node)
+    named = sorted(itertools.islice(itertools.chain(folder.glob("*.jsonl"),
+                                                    folder.glob("*/metrics.jsonl")), 100))
     where = (f"; the run's is in {above}: foundry-fp8 report {above}" if above is not None
              else "; add `loggers: {jsonl: {}}` to the YAML" if kind else
-             " (was the `jsonl` logger in the YAML?)")
+             f"; it holds {', '.join(str(p.relative_to(folder)) for p in named[:3])}"
+             f"{', ...' if len(named) > 3 else ''}: name one, e.g. foundry-fp8 report "
+             f"{named[0]}" if named else " (was the `jsonl` logger in the YAML?)")
     what = f" ({kind}: the report reads the `jsonl` logger's metrics.jsonl)" if kind else ""
     return f"{folder / 'metrics.jsonl'}: not found{what}{where}"
 
@@ -471,6 +482,9 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
         warn(f"{said}; the report covers the other attempts")
     for said in read.stopped():
         warn(f"{said}; the report covers what it read")
+    for said in map(_joined_said, read.runs):
+        if said is not None:
+            warn(said)
     ended = [r.complete or r.unreadable is not None or r.path in read.raised for r in read.runs]
     live = read.runs[-1] if read.runs and not ended[-1] else None
     if older:  # before a folder above's metrics.jsonl, which may be another run's
@@ -508,10 +522,44 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
                                "from its first `interval`)")
         if run.values:
             warn(f"{unfinished}; the report covers what was read, up to step {run.steps[-1]}")
+    if not run.values and given.is_dir() and read.runs and _run_above(given) is None:
+        raise NoStatistics(_wandb_empty(files[-1], config, sum(map(len, read.steps))))
     if not run.values:
         raise NoStatistics(_no_metrics_here(given) if given.is_dir() else
                            _not_metrics(given) or f"{given}: no FP8 statistics")
     return run, guard, config
+
+
+def _wandb_empty(path: Path, config: Mapping[str, Any], rows: int) -> str:
+    """Why a W&B run read whole holds no per-layer FP8 series, from its config (LLM-Foundry logs
+    the run's YAML there), as `why_empty` says it of a metrics file: not that a metrics.jsonl is
+    missing, which the report does not need."""
+    said = f"{path}: {rows} history row(s) read with W&B's reader, no FP8 statistics"
+    options = _fp8_stats_options(config)
+    if config and options is None:
+        return (f"{said}: the run had no `fp8_stats` callback (add `callbacks: {{fp8_stats: {{}}}}` "
+                "to the YAML)")
+    if options is not None:
+        return (f"{said}: fp8_stats ran but logged no layer (callbacks.fp8_stats.layers: "
+                f"{options.get('layers', '.*')!r} matched nothing, or the run ended before its "
+                "first logging step)")
+    return f"{said} (`{LAYOUT}` series): was `fp8_stats` in the YAML?"
+
+
+def _joined_said(wandb_run: wandb_history.WandbRun) -> str | None:
+    """One line on a run file joined from several (`WandbRun.joined`): W&B writes each attempt
+    of a run to a file of its own."""
+    if (other := wandb_run.joined) is None:
+        return None
+    if other != wandb_run.run_id:
+        return (f"{wandb_run.path}: the records of run {other!r} follow those of run "
+                f"{wandb_run.run_id!r} in this file (W&B writes one run per file: it was joined "
+                "from several); the "
+                f"report covers run {wandb_run.run_id!r} alone, report {other!r} from its own "
+                "file")
+    return (f"{wandb_run.path}: another attempt of run {other!r} follows its exit record in "
+            "this file (W&B writes each attempt to a file of its own: it was joined); read as a "
+            "later attempt, as `wandb sync` sends it")
 
 
 def _killed_said(path: Path, steps: list[int], later: list[int]) -> str:
@@ -582,6 +630,7 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
     skipped: list[int] = []
     too_long: list[int] = []
     cut: list[int] = []  # the last line read, unfinished (no newline): `read_jsonl`
+    causes: dict[int, str] = {}  # skipped lines no crash leaves, and why: `read_jsonl`
     guard: GuardSeries = {}
     older: dict[int, str] = {}
     doubled = Doubled()
@@ -589,11 +638,13 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
         size = metrics_file.stat().st_size
         if size == 0:
             raise ReportError(f"{metrics_file}: empty (did the run log anything?)")
-        run, restarts = _read(_doubled_into(read_jsonl(metrics_file, skipped, too_long, cut),
+        run, restarts = _read(_doubled_into(read_jsonl(metrics_file, skipped, too_long, cut,
+                                                       causes),
                                             doubled), guard, losses, older)
         grown = metrics_file.stat().st_size - size
     except JsonlError as e:
-        raise ReportError(json_document(metrics_file) or str(e)) from None
+        raise ReportError(json_document(metrics_file) or _not_metrics(metrics_file) or str(e)
+                          ) from None
     except OSError as e:
         raise ReportError(f"{metrics_file}: cannot read ({e.strerror or e})") from None
     if grown > 0:  # one statement: the unfinished last line read is the one being written
@@ -607,8 +658,13 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
     if skipped:
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         lines = "1 line that does" if len(skipped) == 1 else f"{len(skipped)} lines that do"
+        named = "; ".join(f"line {n}: {causes[n]}" for n in [n for n in skipped if n in causes][:3])
         why = "a run killed mid-write leaves one"
-        if skipped == cut:  # the file as read ended in it (a copy synced mid-write)
+        if all(n in causes for n in skipped):  # no crash's: each says its own cause
+            shown, why = named, ""
+        elif named:
+            why += f"; {named}"
+        elif skipped == cut:  # the file as read ended in it (a copy synced mid-write)
             why = ("the file's last line, not finished: the run is still writing it, or was "
                    "killed mid-write")
         if too_long:
@@ -616,8 +672,9 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
                      f"{len(too_long)} of them (from line {too_long[0]}) are")
             why += (f"; {which} longer than {jsonl.MAX_LINE_BYTES:,} bytes, left unread: a power "
                     "loss can leave a run of NUL bytes")
-        warn(f"{metrics_file}:{skipped[0]}: skipped {lines} not decode (line {shown}; {why}); "
-             "the report covers the rest")
+        said = f"line {shown}; {why}" if why else shown
+        warn(f"{metrics_file}:{skipped[0]}: skipped {lines} not decode ({said}); the report "
+             "covers the rest")
     if restarts:
         warn(_restarts_said(metrics_file, restarts))
     if doubled.in_a_row:
