@@ -113,3 +113,39 @@ def test_a_micro_batch_the_gpu_cannot_hold_is_one_line_before_the_run(monkeypatc
     assert len(err.splitlines()) == 1, err
     assert "of GPU memory, more than the 80.0 GB here" in err and "4 x 2048000" not in err
     assert "for one micro-batch's activations (8 x 2048000 tokens" in err
+
+
+def _yamls(tmp_path, old: str, new: str):
+    for name in ("mpt-1b-bf16.yaml", "mpt-1b-fp8.yaml"):
+        text = (bench.YAMLS / name).read_text()
+        assert old in text
+        (tmp_path / name).write_text(text.replace(old, new))
+    return tmp_path
+
+
+def test_a_model_key_that_does_not_resolve_is_one_line_naming_file_line_and_key(
+        monkeypatch, capsys, tmp_path):
+    """The linter's loader leaves `${oc.env:...}` to the run; the bench resolves the model
+    section up front (for its memory bound), so an unset variable is one line, exit 2, where
+    every variant failed on it in turn."""
+    monkeypatch.delenv("FOUNDRY_FP8_UNSET", raising=False)
+    yamls = _yamls(tmp_path, "  d_model: 2048\n", "  d_model: ${oc.env:FOUNDRY_FP8_UNSET}\n")
+    monkeypatch.setattr(bench, "run_bench", lambda config, after_each: pytest.fail("ran"))
+    assert main(["bench", "--tiny", "--variants", "bf16", "--yamls", str(yamls),
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"foundry-fp8 bench: {yamls / 'mpt-1b-bf16.yaml'}:21: model.d_model: KeyError "
+                   "raised while resolving interpolation: \"Environment variable "
+                   "'FOUNDRY_FP8_UNSET' not found\"\n")
+
+
+def test_sections_the_bound_does_not_read_are_left_to_the_run(monkeypatch, capsys, tmp_path):
+    """Only the model section is resolved for the bound: an fsdp_config that is no mapping
+    (which only --activation-checkpointing's update reads) gave an AttributeError traceback
+    from the bound's first version; now the run's own checks come next (here: no GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    yamls = _yamls(tmp_path, "fsdp_config:\n  sharding_strategy: FULL_SHARD\n",
+                   "fsdp_config: nope\nunused:\n  sharding_strategy: FULL_SHARD\n")
+    assert main(["bench", "--variants", "bf16", "--yamls", str(yamls),
+                 "--activation-checkpointing", "--out", str(tmp_path / "out")]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err

@@ -166,7 +166,7 @@ def load_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
 
     cfg = om.to_container(om.load(yaml_path(variant, config)), resolve=True)
     model = cfg["model"]
-    model.update(variant.model, max_seq_len=config.seq_len)
+    _override_model(model, variant, config)
     algorithms = cfg.setdefault("algorithms", {}) or {}
     if not variant.te_swap:
         algorithms.pop("te_swap", None)
@@ -178,7 +178,6 @@ def load_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
         if variant.yaml == "fp8":  # recompute inside TE's FP8 context (lint rule FP8002)
             fsdp["te_checkpoint_wrapper"] = True
     if config.tiny:
-        model.update(TINY_MODEL)
         cfg["precision"] = "fp32"  # Composer runs amp_fp8 only on CUDA with TE
         cfg["optimizer"]["lr"] = 3e-3
         fsdp = None  # single CPU process; FSDP is a GPU setup
@@ -187,6 +186,36 @@ def load_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
     cfg["fsdp_config"] = fsdp
     cfg["algorithms"] = algorithms
     return cfg
+
+
+def _override_model(model: dict[str, Any], variant: Variant, config: BenchConfig) -> None:
+    """The bench's changes to a YAML's model section: the variant's keys, the sequence
+    length, and under --tiny the tiny MPT's shape."""
+    model.update(variant.model, max_seq_len=config.seq_len)
+    if config.tiny:
+        model.update(TINY_MODEL)
+
+
+def model_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
+    """The model section `load_config` gives, resolved alone: the rest of the YAML is left to
+    the run (a key there that does not resolve fails its variant, as it did). An interpolation
+    in it that does not resolve (an unset `${oc.env:...}`, which the linter's loader leaves to
+    the run) is a ValueError naming file, line and key: every variant would fail on it."""
+    from omegaconf import OmegaConf as om
+    from omegaconf.errors import OmegaConfBaseException
+
+    from foundry_fp8.lint.load import load_config as load_yaml
+    from foundry_fp8.lint.load import position_of
+
+    path = yaml_path(variant, config)
+    try:
+        model = om.to_container(om.load(path).model, resolve=True)
+    except OmegaConfBaseException as err:
+        key = err.full_key or "model"
+        line = (position_of(key, load_yaml(path).positions) or (1,))[0]
+        raise ValueError(f"{path}:{line}: {key}: {str(err.msg).splitlines()[0]}") from None
+    _override_model(model, variant, config)
+    return model
 
 
 class _Timer:
@@ -868,7 +897,7 @@ def least_memory(config: BenchConfig) -> dict[str, list[tuple[str, int]]]:
     size = 4 if config.tiny else 2
     per_token = 0
     for name in config.variants:
-        model = load_config(VARIANTS[name], config)["model"]
+        model = model_config(VARIANTS[name], config)
         mlp = 0 if config.activation_checkpointing else (
             _positive_int(model, "n_layers") * _positive_int(model, "expansion_ratio")
             * _positive_int(model, "d_model"))
