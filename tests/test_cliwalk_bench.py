@@ -149,3 +149,12 @@ def test_sections_the_bound_does_not_read_are_left_to_the_run(monkeypatch, capsy
     assert main(["bench", "--variants", "bf16", "--yamls", str(yamls),
                  "--activation-checkpointing", "--out", str(tmp_path / "out")]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_flash_attn_s_cross_entropy_keeps_no_log_softmax_so_the_bound_counts_none(tmp_path):
+    """LLM-Foundry's default loss_fn (fused_crossentropy, flash-attn's) keeps no second copy of
+    the logits: a user's YAML with it is judged on the logits alone."""
+    yamls = _yamls(tmp_path, "  loss_fn: torch_crossentropy\n", "  loss_fn: fused_crossentropy\n")
+    torch_ce = bench.least_memory(_config(["--variants", "bf16"]))["GPU memory"][0][1]
+    fused = bench.least_memory(_config(["--variants", "bf16", "--yamls", str(yamls)]))
+    assert torch_ce - fused["GPU memory"][0][1] == 8 * 2048 * 50368 * 2  # one bf16 copy less

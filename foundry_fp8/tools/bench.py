@@ -886,7 +886,7 @@ def least_memory(config: BenchConfig) -> dict[str, list[tuple[str, int]]]:
     """What the run certainly allocates at once, as (what, bytes) parts by where it lives:
     "host memory" (the synthetic batches, all made before training; under --tiny also the
     activations) and "GPU memory" (one micro-batch's activations). A lower bound: it counts the
-    logits and the log-softmax the cross entropy keeps for backward, and each block's MLP
+    logits (and the log-softmax torch's cross entropy keeps for backward), and each block's MLP
     up-projection output its GELU keeps (not with activation checkpointing), at 4 bytes an
     element in --tiny's fp32 and 2 (bfloat16) on a GPU. A typo (`--seq-len 2048000`) is then
     refused before anything is allocated, not met by the kernel's OOM killer or a CUDA
@@ -901,13 +901,16 @@ def least_memory(config: BenchConfig) -> dict[str, list[tuple[str, int]]]:
         mlp = 0 if config.activation_checkpointing else (
             _positive_int(model, "n_layers") * _positive_int(model, "expansion_ratio")
             * _positive_int(model, "d_model"))
-        per_token = max(per_token, (2 * _positive_int(model, "vocab_size") + mlp) * size)
+        # torch's cross entropy keeps the log-softmax, a second copy of the logits; flash-attn's
+        # (LLM-Foundry's default loss_fn, fused_crossentropy) does not
+        copies = 2 if model.get("loss_fn") == "torch_crossentropy" else 1
+        per_token = max(per_token, (copies * _positive_int(model, "vocab_size") + mlp) * size)
     batches = (f"the synthetic batches ({steps} steps with warm-up and profiling, x "
                f"{config.batch} sequences of {config.seq_len} tokens, ids and labels, all made "
                "before training)",
                steps * config.batch * config.seq_len * 2 * 8)
     activations = (f"one micro-batch's activations ({sequences} x {config.seq_len} tokens: the "
-                   "logits with their log-softmax, and each MLP's up-projection)",
+                   "logits, and each MLP's up-projection)",
                    tokens * per_token)
     if config.tiny:
         return {"host memory": [activations, batches]}
