@@ -52,9 +52,10 @@ EXITS = {
     "report": "0 the report was written (flagged layers do not fail it), 2 the run cannot be "
               "read, the report cannot be written (the run folder or --out) or a usage error",
     "bench": "0 every variant that can run here ran, 1 a variant failed or none ran, 2 options, "
-             "YAMLs, --out or the machine (no GPU without --tiny) refused before any training",
+             "YAMLs, --out or the machine (no GPU without --tiny, too little memory for the "
+             "sizes asked) refused before any training",
     "doctor": "0 nothing is broken (no GPU or no TE is reported, not failed), 1 an error "
-              "finding, or with --strict a warning too",
+              "finding, or with --strict a warning too, 2 a usage error",
     "tiny-data": "0 built or reused, 2 a file in the way, a ROOT that cannot be written or a "
                  "usage error",
 }

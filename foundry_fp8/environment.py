@@ -272,6 +272,28 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+#: Where a container's memory limit is read: cgroup v2, then v1 ("max", or a huge number, where
+#: none is set).
+CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"),
+                        Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def memory_limit() -> int | None:
+    """The most RAM this process can have, in bytes: the machine's physical memory, or its
+    container's cgroup limit where smaller (a job given 16 GB of a 1 TB node is killed at 16).
+    None where neither can be read."""
+    try:
+        limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    except (ValueError, OSError, AttributeError):  # no such sysconf name on this system
+        limits = []
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            limits.append(int(path.read_text()))
+        except (OSError, ValueError):  # absent, unreadable, or "max"
+            continue
+    return min((n for n in limits if n > 0), default=None)
+
+
 def _kill(process: subprocess.Popen) -> None:
     """Kill `process` and what it started (its own session, so its process group), and reap it
     unless it does not die within _KILL_GRACE_S (stuck in the kernel): then it is left."""

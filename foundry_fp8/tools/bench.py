@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from foundry_fp8.cli import OutputError, interrupted_by
-from foundry_fp8.environment import hides_every_gpu, nvte_not_integer
+from foundry_fp8.environment import hides_every_gpu, memory_limit, nvte_not_integer
 from foundry_fp8.jsonl import check_output, file_kind, write_output
 from foundry_fp8.lint.known import (
     AUTO_MICROBATCH_CHECKED_FROM,
@@ -166,7 +166,7 @@ def load_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
 
     cfg = om.to_container(om.load(yaml_path(variant, config)), resolve=True)
     model = cfg["model"]
-    model.update(variant.model, max_seq_len=config.seq_len)
+    _override_model(model, variant, config)
     algorithms = cfg.setdefault("algorithms", {}) or {}
     if not variant.te_swap:
         algorithms.pop("te_swap", None)
@@ -178,7 +178,6 @@ def load_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
         if variant.yaml == "fp8":  # recompute inside TE's FP8 context (lint rule FP8002)
             fsdp["te_checkpoint_wrapper"] = True
     if config.tiny:
-        model.update(TINY_MODEL)
         cfg["precision"] = "fp32"  # Composer runs amp_fp8 only on CUDA with TE
         cfg["optimizer"]["lr"] = 3e-3
         fsdp = None  # single CPU process; FSDP is a GPU setup
@@ -187,6 +186,36 @@ def load_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
     cfg["fsdp_config"] = fsdp
     cfg["algorithms"] = algorithms
     return cfg
+
+
+def _override_model(model: dict[str, Any], variant: Variant, config: BenchConfig) -> None:
+    """The bench's changes to a YAML's model section: the variant's keys, the sequence
+    length, and under --tiny the tiny MPT's shape."""
+    model.update(variant.model, max_seq_len=config.seq_len)
+    if config.tiny:
+        model.update(TINY_MODEL)
+
+
+def model_config(variant: Variant, config: BenchConfig) -> dict[str, Any]:
+    """The model section `load_config` gives, resolved alone: the rest of the YAML is left to
+    the run (a key there that does not resolve fails its variant, as it did). An interpolation
+    in it that does not resolve (an unset `${oc.env:...}`, which the linter's loader leaves to
+    the run) is a ValueError naming file, line and key: every variant would fail on it."""
+    from omegaconf import OmegaConf as om
+    from omegaconf.errors import OmegaConfBaseException
+
+    from foundry_fp8.lint.load import load_config as load_yaml
+    from foundry_fp8.lint.load import position_of
+
+    path = yaml_path(variant, config)
+    try:
+        model = om.to_container(om.load(path).model, resolve=True)
+    except OmegaConfBaseException as err:
+        key = err.full_key or "model"
+        line = (position_of(key, load_yaml(path).positions) or (1,))[0]
+        raise ValueError(f"{path}:{line}: {key}: {str(err.msg).splitlines()[0]}") from None
+    _override_model(model, variant, config)
+    return model
 
 
 class _Timer:
@@ -797,6 +826,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         check_yaml(path, [VARIANTS[n] for n in config.variants
                           if yaml_path(VARIANTS[n], config) == path], tiny)
     _check_fp8_tokens(config)
+    _check_memory(config, memory_limit(), "host memory")
     return config
 
 
@@ -843,6 +873,68 @@ def _check_fp8_tokens(config: BenchConfig) -> None:
                              f"{FP8_TOKEN_MULTIPLE}, as TE's FP8 GEMMs require (FP8006); pick "
                              f"--seq-len and --micro-batch whose product is a multiple of "
                              f"{FP8_DIM_MULTIPLE}")
+
+
+def _positive_int(model: dict[str, Any], key: str) -> int:
+    """`model[key]` where it is a positive integer, else 0: a key the YAML leaves to
+    LLM-Foundry's default adds nothing to the lower bound."""
+    value = model.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def least_memory(config: BenchConfig) -> dict[str, list[tuple[str, int]]]:
+    """What the run certainly allocates at once, as (what, bytes) parts by where it lives:
+    "host memory" (the synthetic batches, all made before training; under --tiny also the
+    activations) and "GPU memory" (one micro-batch's activations). A lower bound: it counts the
+    logits (and the log-softmax torch's cross entropy keeps for backward), and each block's MLP
+    up-projection output its GELU keeps (not with activation checkpointing), at 4 bytes an
+    element in --tiny's fp32 and 2 (bfloat16) on a GPU. A typo (`--seq-len 2048000`) is then
+    refused before anything is allocated, not met by the kernel's OOM killer or a CUDA
+    out-of-memory error in every variant in turn."""
+    steps = config.warmup + config.steps + config.profile_steps
+    sequences = config.micro_batch if isinstance(config.micro_batch, int) else 1  # auto: >= 1
+    tokens = sequences * config.seq_len
+    size = 4 if config.tiny else 2
+    per_token = 0
+    for name in config.variants:
+        model = model_config(VARIANTS[name], config)
+        mlp = 0 if config.activation_checkpointing else (
+            _positive_int(model, "n_layers") * _positive_int(model, "expansion_ratio")
+            * _positive_int(model, "d_model"))
+        # torch's cross entropy keeps the log-softmax, a second copy of the logits; flash-attn's
+        # (LLM-Foundry's default loss_fn, fused_crossentropy) does not
+        copies = 2 if model.get("loss_fn") == "torch_crossentropy" else 1
+        per_token = max(per_token, (copies * _positive_int(model, "vocab_size") + mlp) * size)
+    batches = (f"the synthetic batches ({steps} steps with warm-up and profiling, x "
+               f"{config.batch} sequences of {config.seq_len} tokens, ids and labels, all made "
+               "before training)",
+               steps * config.batch * config.seq_len * 2 * 8)
+    activations = (f"one micro-batch's activations ({sequences} x {config.seq_len} tokens: the "
+                   "logits, and each MLP's up-projection)",
+                   tokens * per_token)
+    if config.tiny:
+        return {"host memory": [activations, batches]}
+    return {"host memory": [batches], "GPU memory": [activations]}
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:,.1f} GB"
+
+
+def _check_memory(config: BenchConfig, available: int | None, where: str) -> None:
+    """ValueError naming the options when `least_memory`'s parts for `where` exceed
+    `available` bytes (None: unknown, nothing refused)."""
+    parts = least_memory(config)[where]
+    needed = sum(n for _, n in parts)
+    if available is None or needed <= available:
+        return
+    large = [part for part in sorted(parts, key=lambda p: -p[1]) if part[1] >= 2**30 / 20]
+    micro = f" --micro-batch {config.micro_batch}" if isinstance(config.micro_batch, int) else ""
+    raise ValueError(
+        f"--seq-len {config.seq_len} --batch {config.batch}{micro} --steps {config.steps}: the "
+        f"run needs at least {_gb(needed)} of {where}, more than the {_gb(available)} here: "
+        + "; ".join(f"{_gb(n)} for {what}" for what, n in large or parts)  # not 0.0 GB ones
+        + "; lower --seq-len, --batch, --micro-batch or --steps")
 
 
 def notes(config: BenchConfig, args: argparse.Namespace) -> list[str]:
@@ -919,6 +1011,17 @@ def _auto_microbatch_refusal(config: BenchConfig) -> str | None:
             "give a number, e.g. --micro-batch 8")
 
 
+def gpu_memory() -> int | None:
+    """The first CUDA GPU's memory in bytes; None where torch cannot read it (nothing is then
+    refused up front: a variant's own CUDA error says what is wrong)."""
+    import torch
+
+    try:
+        return torch.cuda.get_device_properties(0).total_memory
+    except RuntimeError:  # "Found no NVIDIA driver", a GPU lost since is_available()
+        return None
+
+
 def no_gpu_reason(torch_version: str, torch_cuda: str | None) -> str:
     """Why torch sees no CUDA GPU, as far as this process can tell: "no CUDA GPU" alone sends a
     user on a GPU machine to --tiny, where the cause is torch's CPU build or a
@@ -957,6 +1060,11 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             _error(f"{no_gpu_reason(torch.__version__, torch.version.cuda)}; use --tiny for "
                    "the CPU path")
+            return 2
+        try:  # the activations of one micro-batch must fit on the GPU
+            _check_memory(config, gpu_memory(), "GPU memory")
+        except ValueError as err:
+            _error(str(err))
             return 2
         refusal = _auto_microbatch_refusal(config)
         if refusal is not None:
