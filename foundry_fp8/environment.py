@@ -61,9 +61,12 @@ class Snapshot:
 
     `te_import_error` is only meaningful when `te_import_checked` (the doctor imports TE in a
     subprocess; the `fp8_lint` callback does not spend that time). `te_import_raised`: the class
-    name of the exception that import raised (None: it imported, or the probe itself failed:
-    stopped at its time or output limit, Python not started, or an exit without an exception,
-    such as a crash), which is what `import llmfoundry` would meet. `flash_attn_cross_entropy`:
+    name of the exception that import raised (None: it imported, or it did not raise, or the
+    probe itself failed: stopped at its time or output limit, Python not started), which is
+    what `import llmfoundry` would meet. `te_import_died`: how the interpreter ended during
+    that import without raising, in `_exit_status`'s words ("was killed by signal SIGSEGV", a
+    TE built for another torch or CPU; "exited with status 0"), which `import llmfoundry`
+    meets too; None otherwise, and when the probe stopped it. `flash_attn_cross_entropy`:
     flash-attn's `flash_attn/losses/cross_entropy.py` is installed (what MPT's default loss
     imports). `gpu_error`: why the GPU could not be read although a probe ran (nvidia-smi timed
     out, failed or printed no GPU; torch.cuda raised), a driver problem rather than no GPU; None
@@ -107,6 +110,7 @@ class Snapshot:
     te_import_checked: bool = False
     te_import_error: str | None = None
     te_import_raised: str | None = None
+    te_import_died: str | None = None
     composer: str | None = None
     llmfoundry: str | None = None
     flash_attn: str | None = None
@@ -372,6 +376,8 @@ def _first_line(text: str) -> str:
 
 
 def _exit_status(returncode: int) -> str:
+    if returncode == 0:
+        return "exited with status 0"
     if returncode < 0:
         try:
             return f"was killed by signal {signal.Signals(-returncode).name}"
@@ -562,20 +568,29 @@ def _cudnn() -> str | None:
     return next((v for p in CUDNN_PACKAGES if (v := _version(p))), None)
 
 
-#: What the TE import probe prints on stdout, followed by the exception's class name, when the
-#: import raises (its last stderr line is then the exception's own).
+#: What the TE import probe writes on stdout, each on a line of its own (to the file
+#: descriptor, whatever TE does to sys.stdout): _STARTED before the import, _IMPORTED after it,
+#: _RAISED and the exception's class name when it raises (its last stderr line is then the
+#: exception's own). _STARTED alone: the interpreter ended inside the import (a signal,
+#: os._exit, C's exit()).
+_STARTED = "foundry-fp8 probe: importing"
+_IMPORTED = "foundry-fp8 probe: imported"
 _RAISED = "foundry-fp8 probe: the import raised "
-_TE_IMPORT = ("try:\n    import torch, transformer_engine.pytorch\n"
-              f"except BaseException as e:\n    print({_RAISED!r} + type(e).__name__, flush=True)\n"
-              "    raise\n")
+_TE_IMPORT = (f"import os\nos.write(1, b'{_STARTED}\\n')\n"
+              "try:\n    import torch, transformer_engine.pytorch\n"
+              "except BaseException as e:\n"
+              f"    os.write(1, ('\\n' + {_RAISED!r} + type(e).__name__ + '\\n').encode())\n"
+              f"    raise\nos.write(1, b'\\n{_IMPORTED}\\n')\n")
 
 
 def te_import_error(timeout_s: float | None = None,
-                    raised: Callable[[str], None] | None = None) -> str | None:
+                    raised: Callable[[str], None] | None = None,
+                    died: Callable[[str], None] | None = None) -> str | None:
     """Why `import transformer_engine.pytorch` fails in a fresh interpreter (None: it imports),
     within `timeout_s` (default TE_IMPORT_TIMEOUT_S) and PROBE_OUTPUT_LIMIT bytes of output;
-    `raised` is told the class name of the exception the import raised, when it raised one
-    (not when the probe failed: stopped, not started, or the interpreter died otherwise).
+    `raised` is told the class name of the exception the import raised, when it raised one;
+    `died` how the interpreter ended inside the import without raising (`_exit_status`'s
+    words); neither when the probe failed (stopped, or Python not started).
     torch is imported first, as in every training script: TE's core library finds NCCL only
     through the libraries torch loads, so TE imported alone can fail on a healthy install."""
     timeout_s = TE_IMPORT_TIMEOUT_S if timeout_s is None else timeout_s
@@ -585,13 +600,20 @@ def te_import_error(timeout_s: float | None = None,
         return f"could not start Python: {_quoted(str(e))}"
     if done.stopped:
         return f"{done.stopped} (the doctor's limit), so it was stopped"
-    if done.returncode == 0:
+    said = done.stdout.splitlines()
+    if done.returncode == 0 and _IMPORTED in said:
         return None
-    name = next((line[len(_RAISED):] for line in reversed(done.stdout.splitlines())
-                 if line.startswith(_RAISED)), None)
+    name = next((line[len(_RAISED):] for line in reversed(said) if line.startswith(_RAISED)),
+                None)
     if name and raised is not None:
         raised(name)
     lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    if name is None and _STARTED in said:  # it ended without raising: inside, or at exit
+        how, inside = _exit_status(done.returncode), _IMPORTED not in said
+        if inside and died is not None:
+            died(how)
+        where = "during the import" if inside else "after the import finished"
+        return _quoted(f"Python {how} {where}" + (f": {lines[-1]}" if lines else ""))
     if not lines:
         return f"Python {_exit_status(done.returncode)}"
     return _quoted(lines[-1] + nvte_not_integer(lines[-1]))
@@ -651,7 +673,9 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
                        if (folder := _shadowing(distribution, package.field)) is not None))
     if probe_te_import:
         names: list[str] = []
-        error = te_import_error(raised=names.append)
+        ends: list[str] = []
+        error = te_import_error(raised=names.append, died=ends.append)
         snapshot = replace(snapshot, te_import_checked=True, te_import_error=error,
-                           te_import_raised=names[0] if names else None)
+                           te_import_raised=names[0] if names else None,
+                           te_import_died=ends[0] if ends else None)
     return snapshot

@@ -365,9 +365,11 @@ def te_import(env: Environment, _: LintContext) -> Iterator[Hit]:
     error = snapshot.te_import_error
     if snapshot.te is not None and snapshot.te_import_checked and error:
         setting = "NVTE_" in error and "as an integer)" in error
-        every = ("; `import llmfoundry` raises it too (its hf_checkpointer catches only "
-                 "ModuleNotFoundError), so no training starts here, BF16 and the emulated "
-                 "backend included") if breaks_every_run(snapshot) else ""
+        how = (f"imports it too and dies the same way (Python {snapshot.te_import_died})"
+               if snapshot.te_import_died else
+               "raises it too (its hf_checkpointer catches only ModuleNotFoundError)")
+        every = (f"; `import llmfoundry` {how}, so no training starts here, BF16 and the "
+                 "emulated backend included") if breaks_every_run(snapshot) else ""
         yield Hit("transformer_engine", f"`import transformer_engine.pytorch` fails: "
                   f"{error} (installed torch: {snapshot.torch or '?'}){every}",
                   fix="set the NVTE_ variable(s) named to an integer (0 or 1), or unset them"
@@ -417,13 +419,15 @@ def _cudnn_fix(snapshot: Snapshot) -> str:
 #: (llmfoundry/callbacks/hf_checkpointer.py:54-58 in 0.21.0 and 0.22.0), Composer only
 #: ImportError (composer/core/precision.py:15-19 in 0.31.0 and 0.32.1): a TE whose import
 #: raises anything else (an undefined symbol, a version assert, NVTE_DEBUG=true's ValueError,
-#: a missing CUDA library) stops `import llmfoundry`, so every run in this environment. Only a
-#: raised exception counts (`Snapshot.te_import_raised`), not the doctor's probe failing (a
-#: timeout, its output limit, Python not starting).
+#: a missing CUDA library) stops `import llmfoundry`, so every run in this environment; so does
+#: an import that ends the interpreter without raising (`Snapshot.te_import_died`: a SIGSEGV or
+#: SIGILL from a TE built for another torch or CPU), which no except clause catches. Not the
+#: doctor's probe failing (a timeout, its output limit, Python not starting).
 def breaks_every_run(snapshot: Snapshot) -> bool:
     """Whether this TE's failing import stops every LLM-Foundry run here (not only TE's)."""
     return bool(snapshot.te is not None and snapshot.te_import_checked
-                and snapshot.te_import_raised not in (None, "ModuleNotFoundError"))
+                and (snapshot.te_import_raised not in (None, "ModuleNotFoundError")
+                     or snapshot.te_import_died is not None))
 
 
 def _rebuild_te(snapshot: Snapshot) -> str:
