@@ -715,16 +715,19 @@ def test_a_log_gets_one_line_per_variant_and_phase_not_a_bar_redraw_per_step(cap
         raise RuntimeError("no row: this test reads only the progress lines")
 
     monkeypatch.setattr(bench, "run_variant", run_variant)
-    config = dataclasses.replace(bench.TINY_CONFIG, variants=("bf16", "fp8-te-swap"), warmup=1,
-                                 steps=2, profile_steps=0)
+    config = dataclasses.replace(bench.TINY_CONFIG, variants=("bf16", "fp8-fc-te", "fp8-te-swap"),
+                                 warmup=1, steps=2, profile_steps=0)
     bench.run_bench(config)
     fp8 = bench.VARIANTS["fp8-te-swap"].label(True)
     captured = capsys.readouterr()
     assert "\r" not in captured.err
+    # each variant's first line in its row's words (before: `bf16` for the fp32 row, and a
+    # variant not run only by its name)
     assert captured.err.splitlines() == [
-        "bench [0/6] bf16", "bench [0/6] fp32: building the model",
-        "bench [0/6] fp32: warm-up step 1", "bench [1/6] fp32: timed step 2",
-        "bench [3/6] fp8-te-swap", f"bench [3/6] {fp8}: building the model",
-        f"bench [3/6] {fp8}: warm-up step 1", f"bench [4/6] {fp8}: timed step 2"]
+        "bench [0/9] fp32", "bench [0/9] fp32: building the model",
+        "bench [0/9] fp32: warm-up step 1", "bench [1/9] fp32: timed step 2",
+        "bench [3/9] fp8-fc-te: not run: needs TransformerEngine layers (no CPU emulation)",
+        f"bench [6/9] {fp8}", f"bench [6/9] {fp8}: building the model",
+        f"bench [6/9] {fp8}: warm-up step 1", f"bench [7/9] {fp8}: timed step 2"]
     assert captured.out.splitlines() == [f"{label} printed at batch {b}"
                                          for label in ("fp32", fp8) for b in range(3)]

@@ -486,8 +486,10 @@ def run_bench(config: BenchConfig,
     with bar, _above_the_bar():
         for i, name in enumerate(config.variants):
             variant = VARIANTS[name]
-            bar.set_postfix_str(name)
             reason = skip_reason(variant, config)
+            # the row's own words: its label (`fp32` for --tiny's bf16), or the table's `not run`
+            bar.set_postfix_str(variant.label(config.tiny) if reason is None
+                                else f"{name}: not run: {reason}")
             if reason is not None:
                 skipped.append({"name": name, "reason": reason})
             else:
