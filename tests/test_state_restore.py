@@ -78,13 +78,17 @@ def _saved(recipe: FP8Recipe = RECIPE, steps: int = 3) -> dict:
 
 
 def _callback(model: nn.Module, recipe: FP8Recipe | None = RECIPE, strict: bool = True,
-              ) -> FP8State:
-    """An fp8_state that went through INIT of a run with te_swap's emulated `recipe`."""
+              precision: Precision | None = None) -> FP8State:
+    """An fp8_state that went through INIT of a run with te_swap's emulated `recipe`, under
+    `precision`; by default amp_fp8, where TE modules (the stand-ins some tests add) run in FP8,
+    and without a recipe fp32, where none is known (amp_fp8 has Composer's default)."""
     callback = FP8State(strict=strict)
     algorithms = [] if recipe is None else [
         TESwap(backend="emulate", fp8_recipe={k: v for k, v in recipe.as_config().items()})]
-    state = SimpleNamespace(model=model, precision=Precision.FP32, algorithms=algorithms,
-                            fsdp_config=None, fsdp_config_version=0)
+    if precision is None:
+        precision = Precision.FP32 if recipe is None else Precision.AMP_FP8
+    state = SimpleNamespace(model=model, precision=precision, precision_config=None,
+                            algorithms=algorithms, fsdp_config=None, fsdp_config_version=0)
     callback._init(state)
     return callback
 

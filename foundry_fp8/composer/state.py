@@ -59,7 +59,7 @@ from foundry_fp8.restore import (
     saved_recipe,
     scale_keys_changed,
 )
-from foundry_fp8.swap import MPT_MLP_LINEARS
+from foundry_fp8.swap import MPT_MLP_LINEARS, fp8_module_counts, would_run_fp8
 from foundry_fp8.te import backend as te_backend
 from foundry_fp8.te.extra_state import (
     holds_te_scaling_state,
@@ -235,6 +235,9 @@ class FP8State(Callback):
         self.strict: bool = self.options.strict
         self.watch_batches: int = self.options.watch_batches
         self._model: nn.Module | None = None
+        #: Composer's precision, known at INIT; a model given by hand (a plain loop) runs under
+        #: TE's autocast, as `swap.convert_to_fp8` takes it by default
+        self._precision: str = "amp_fp8"
         self._recipe: FP8Recipe | None = None
         self._pending: dict[str, Any] | None = None
         self._last: FP8ModuleState | None = None
@@ -325,7 +328,7 @@ class FP8State(Callback):
         """Before FSDP wraps the model (right after INIT), so FSDP config changes still take
         effect. Composer runs callbacks before algorithms at INIT: te_swap has not converted
         the model yet, so its plan is read from the run's algorithms."""
-        self._model = state.model
+        self._model, self._precision = state.model, state.precision.value
         self._recipe = run_recipe(state)
         fsdp = state.fsdp_config
         fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing", "te_checkpoint_wrapper",
@@ -656,7 +659,13 @@ class FP8State(Callback):
             if fresh:
                 return
         modules = dict(fp8_modules(self._model))
-        missing = sorted(modules.keys() - saved.keys())
+        # judged as fp8_guard judges them: a TE module outside Composer's amp_fp8 (`fc_type: te`
+        # under amp_bf16, beside emulated layers) never runs in FP8, so it holds no FP8 state
+        # and saved none (TE 2.20.2 pytorch/module/base.py:1543-1552); one the checkpoint holds
+        # state for is still restored, at its first FP8 forward
+        running = {name for name, module in modules.items()
+                   if would_run_fp8(self._precision, *fp8_module_counts(module))}
+        missing = sorted(running - saved.keys())
         unexpected = sorted(saved.keys() - modules.keys())
         # out of FP8 now, as the checkpoint's fp8_guard held them and its advice says to keep
         # them (te_swap's exclude): they ran in high precision already, nothing is lost
@@ -667,11 +676,11 @@ class FP8State(Callback):
             log.info("fp8_state: not in FP8 in this run, and in high precision at the "
                      "checkpoint by fp8_guard's fallback: %s; their saved FP8 state is left "
                      "out", _shown(dropped))
-        if modules and not {"modules", "ranks"} & state.keys():  # every save writes `modules`
+        if running and not {"modules", "ranks"} & state.keys():  # every save writes `modules`
             log.warning("fp8_state: the checkpoint's fp8_state entry holds no modules (left out "
                         "by load_ignore_keys?); FP8 scales and amax histories start fresh")
             return
-        if modules and not saved:  # a run without FP8 modules saved it (fp8_state in its YAML)
+        if running and not saved:  # a run without FP8 modules saved it (fp8_state in its YAML)
             log.warning("fp8_state: the checkpoint holds no FP8 state (saved by a run without "
                         "FP8 modules); FP8 scales and amax histories start fresh, as expected "
                         "when converting a bf16 checkpoint")
