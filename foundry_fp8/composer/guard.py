@@ -385,16 +385,21 @@ class FP8Guard(Callback):
             return
         self._heard = True
         core = self.core
-        if self._stats is not None and self._stats.monitor is not None:
-            # the margin the delayed FP8 layers cast with at this step (fp8_stats reads it from
-            # their recipe: `CastMode.margin`), which the persistent-overflow reason raises by one
-            core.margin = self._stats.monitor.tracker.margin
-        table = {(short_layer(layer), tensor): stats for (layer, tensor), stats in table.items()}
         mine: list[str] = []
         ready: list[str] = []
         failed = self._act_failed
         if not failed:
+            # all of this rank's own work before the vote is in here: a failure that skipped
+            # the vote on one rank left the others in it, paired with that rank's next
+            # collective (fallbacks from another collective's numbers, then a hang)
             try:
+                if self._stats is not None and self._stats.monitor is not None:
+                    # the margin the delayed FP8 layers cast with at this step (fp8_stats reads
+                    # it from their recipe: `CastMode.margin`), which the persistent-overflow
+                    # reason raises by one
+                    core.margin = self._stats.monitor.tracker.margin
+                table = {(short_layer(layer), tensor): stats
+                         for (layer, tensor), stats in table.items()}
                 mine = core.candidates(step, table)
                 ready = core.ready(step, table)
             except Exception as e:

@@ -271,14 +271,10 @@ class FP8Stats(Callback):
         self._resend.resend("fp8_stats", self.strict)
 
     def before_train_batch(self, state: State, logger: Logger) -> None:
-        if self.monitor is not None and not self.disabled:  # an OOM retry starts over
-            self.monitor.restart_batch()
+        self._guarded(self._before_train_batch, state, logger)
 
     def before_forward(self, state: State, logger: Logger) -> None:
-        # once per micro-batch, before its precision context (composer trainer.py:2921-2923):
-        # every micro-batch's tensors count, as every rank's do
-        if self.monitor is not None and not self.disabled:
-            self.monitor.next_microbatch()
+        self._guarded(self._before_forward, state, logger)
 
     def after_train_batch(self, state: State, logger: Logger) -> None:
         self._guarded(self._after_train_batch, state, logger)
@@ -413,6 +409,16 @@ class FP8Stats(Callback):
         if self.monitor is not None:
             self._step = int(state.timestamp.batch)
             self.monitor.start_step(self._step)
+
+    def _before_train_batch(self, state: State, logger: Logger) -> None:
+        if self.monitor is not None:  # an OOM retry starts over
+            self.monitor.restart_batch()
+
+    def _before_forward(self, state: State, logger: Logger) -> None:
+        # once per micro-batch, before its precision context (composer trainer.py:2921-2923):
+        # every micro-batch's tensors count, as every rank's do
+        if self.monitor is not None:
+            self.monitor.next_microbatch()
 
     def _after_train_batch(self, state: State, logger: Logger) -> None:
         """The batch's forward and backward are done (every micro-batch) and Composer has not
