@@ -198,6 +198,27 @@ MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "fused_qkv": True, "kv_
 MPT_FFN_DEFAULTS = {"ffn_type": "mptmlp"}
 #: MPT's attention implementation when `attn_config.attn_impl` is not given (config_defaults.py).
 MPT_ATTN_IMPL_DEFAULT = "flash"
+#: MPT attention settings MPTConfig refuses without flash-attn of at least a version
+#: (llmfoundry/models/mpt/configuration_mpt.py _validate_config in 0.22, through attention.py's
+#: is_flash_v2_installed, which reads `flash_attn.__version__`): attn_config key -> (least
+#: flash-attn, what MPTConfig raises building the model, its lines). `rope` only with
+#: rope_impl dail (MPT's default) and whatever attn_impl; the others only with attn_impl flash
+#: (MPT's default).
+FLASH_ATTN_NEEDS: dict[str, tuple[tuple[int, ...], str, str]] = {
+    "alibi": ((2, 4, 2), "NotImplementedError 'alibi only implemented with torch and flash "
+              "(v2.4.2 or higher) attention.'", "312-317"),
+    "attn_uses_sequence_id": ((2, 1, 2), "NotImplementedError 'attn_uses_sequence_id only "
+                              "implemented with torch and flash (v2.1.2 or higher) attention.'",
+                              "318-326"),
+    "rope": ((2, 0, 1), "ImportError 'If using the dail implementation of rope, the flash_attn "
+             "library v2.0.1 or higher must be installed.'", "344-357"),
+    "sliding_window_size": ((2, 3, 0), "NotImplementedError 'sliding window attention only "
+                            "implemented for torch attention and flash attention (v2.3.0 or "
+                            "higher).'", "358-364"),
+    "attn_logit_softcapping": ((2, 6, 2), "NotImplementedError 'Attention "
+                               "attn_logit_softcapping is only implemented with torch attention "
+                               "or flash attention v2.6.2 (or higher).'", "370-376"),
+}
 #: The keys an MPT `attn_config` may hold with LLM-Foundry's own attention classes: those
 #: MPTConfig fills in (`attn_config_defaults`, llmfoundry/models/utils/config_defaults.py), which
 #: MPTBlock reads or passes on, and the keywords of the classes' `__init__`
@@ -287,6 +308,61 @@ MPT_WHOLE_NUMBERS: dict[str, tuple[str, int | None, bool]] = {
     "attn_config.kv_n_heads": ("int", 1, False),
     "ffn_config.ffn_hidden_size": ("int", 0, True),
 }
+#: MPT's fractions, each at most 1 -> whether 0 is allowed: MPTConfig._validate_config raises
+#: ValueError outside [0, 1] for the dropouts and outside (0, 1] for embedding_fraction, TypeError
+#: for null (llmfoundry/models/mpt/configuration_mpt.py:301-307, 384-387 in 0.22). NaN passes
+#: those checks: torch's dropout then raises at the first forward, and an embedding_fraction NaN
+#: makes every forward's output NaN (MPTModel.forward mixes the embeddings by it).
+MPT_FRACTIONS = {"resid_pdrop": True, "emb_pdrop": True, "attn_config.attn_pdrop": True,
+                 "embedding_fraction": False}
+
+#: The FFN types whose builders resolve `ffn_config.ffn_act_fn` with LLM-Foundry's
+#: resolve_ffn_act_fn when the model is built (llmfoundry/models/layers/ffn.py:68-91, called by
+#: build_mptmlp, build_mptglu, build_torch_dmoe and mb_setup_args in 0.22; te_ln_mlp refuses the
+#: key: FP8004). resolve_ffn_act_fn pops `name` (KeyError without one; AttributeError for a
+#: value that is no mapping), returns its own quick_gelu for `quick_gelu`, and otherwise
+#: `partial(getattr(torch.nn.functional, name), **rest)`: ValueError 'Unrecognized activation
+#: function name' for a name torch.nn.functional does not have, TypeError for one that is no
+#: function (`math`, `torch`).
+ACT_FN_FFN_TYPES = ("mptmlp", "mptglu", "torch_dmoe", "mb_moe", "mb_dmoe")
+FOUNDRY_ACT_FNS = frozenset({"quick_gelu"})
+#: Activation names of Hugging Face configs (transformers' ACT2FN, `hidden_act`) that
+#: torch.nn.functional lacks -> the ffn_act_fn that computes the same (transformers 4.51
+#: activations.py: swish is SiLU; gelu_new, gelu_fast and gelu_pytorch_tanh are GELU's tanh
+#: approximation).
+HF_ACT_FN_EQUIVALENTS = {
+    "swish": "{name: silu}",
+    **dict.fromkeys(("gelu_new", "gelu_fast", "gelu_pytorch_tanh"),
+                    "{name: gelu, approximate: tanh}"),
+}
+#: The public callables of torch.nn.functional in torch 2.7.0, the torch LLM-Foundry 0.22 pins
+#: (`torch>=2.7.0,<2.7.1`): the names resolve_ffn_act_fn builds (tests/test_lint2_model_values.py
+#: compares them with the installed torch).
+TORCH_FUNCTIONAL_CALLABLES = frozenset("""
+    Callable DType Optional Tensor Union adaptive_avg_pool1d adaptive_avg_pool2d
+    adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool1d_with_indices adaptive_max_pool2d
+    adaptive_max_pool2d_with_indices adaptive_max_pool3d adaptive_max_pool3d_with_indices
+    affine_grid alpha_dropout assert_int_or_pair avg_pool1d avg_pool2d avg_pool3d batch_norm
+    bilinear binary_cross_entropy binary_cross_entropy_with_logits boolean_dispatch celu celu_
+    channel_shuffle conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d
+    conv_transpose3d cosine_embedding_loss cosine_similarity cross_entropy ctc_loss dropout
+    dropout1d dropout2d dropout3d elu elu_ embedding embedding_bag feature_alpha_dropout fold
+    fractional_max_pool2d fractional_max_pool2d_with_indices fractional_max_pool3d
+    fractional_max_pool3d_with_indices gaussian_nll_loss gelu glu grid_sample group_norm
+    gumbel_softmax handle_torch_function hardshrink hardsigmoid hardswish hardtanh hardtanh_
+    has_torch_function has_torch_function_unary has_torch_function_variadic hinge_embedding_loss
+    huber_loss instance_norm interpolate kl_div l1_loss layer_norm leaky_relu leaky_relu_ linear
+    local_response_norm log_softmax logsigmoid lp_pool1d lp_pool2d lp_pool3d margin_ranking_loss
+    max_pool1d max_pool1d_with_indices max_pool2d max_pool2d_with_indices max_pool3d
+    max_pool3d_with_indices max_unpool1d max_unpool2d max_unpool3d mish mse_loss
+    multi_head_attention_forward multi_margin_loss multilabel_margin_loss
+    multilabel_soft_margin_loss native_channel_shuffle nll_loss normalize one_hot pad
+    pairwise_distance pdist pixel_shuffle pixel_unshuffle poisson_nll_loss prelu relu relu6 relu_
+    rms_norm rrelu rrelu_ scaled_dot_product_attention selu selu_ sigmoid silu smooth_l1_loss
+    soft_margin_loss softmax softmin softplus softshrink softsign tanh tanhshrink threshold
+    threshold_ triplet_margin_loss triplet_margin_with_distance_loss unfold upsample
+    upsample_bilinear upsample_nearest
+""".split())
 
 #: build_text_dataloader's defaults that torch's DataLoader refuses with num_workers=0
 #: (llmfoundry/data/text_data.py; torch/utils/data/dataloader.py DataLoader.__init__).
@@ -367,6 +443,13 @@ HF_CAUSAL_LM_KEYS = frozenset({
     "should_save_peft_only", "attn_implementation",
 })
 HF_CAUSAL_LM_NAME = "hf_causal_lm"
+#: The Hugging Face config key of an MoE's experts per token, and those of its expert count
+#: (Mixtral, PhiMoE, Jamba: num_local_experts; Qwen2-MoE, Qwen3-MoE, OLMoE: num_experts;
+#: DeepSeek-V3: n_routed_experts; transformers 4.51 configuration_*.py). The routers take
+#: `torch.topk(routing_weights, num_experts_per_tok)` (modeling_mixtral.py:125,
+#: modeling_qwen2_moe.py:604, modeling_qwen3_moe.py:260).
+HF_MOE_TOP_K_KEY = "num_experts_per_tok"
+HF_MOE_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 #: Where te_swap takes the FP8 recipe (its `fp8_recipe` option, `foundry_fp8.recipe.FP8Recipe`).
 FP8_RECIPE_HOME = "algorithms.te_swap.fp8_recipe"

@@ -26,13 +26,20 @@ from foundry_fp8.lint.config import (
 )
 from foundry_fp8.lint.entries import entry_point_names, entry_point_value
 from foundry_fp8.lint.known import (
+    ACT_FN_FFN_TYPES,
+    FLASH_ATTN_NEEDS,
+    FOUNDRY_ACT_FNS,
     FOUNDRY_MODEL_KEYS,
+    HF_ACT_FN_EQUIVALENTS,
     HF_CAUSAL_LM_KEYS,
     HF_CAUSAL_LM_NAME,
     HF_CONFIG_KEYS,
+    HF_MOE_EXPERTS_KEYS,
+    HF_MOE_TOP_K_KEY,
     MEGABLOCKS_REQUIRED_KEY,
     MPT_ATTN_CONFIG_KEYS,
     MPT_ATTN_DEFAULTS,
+    MPT_ATTN_IMPL_DEFAULT,
     MPT_ATTN_NULL_ONLY_KEY,
     MPT_ATTRIBUTES_READ,
     MPT_CONFIG_KEYS,
@@ -40,6 +47,7 @@ from foundry_fp8.lint.known import (
     MPT_FC_TYPES,
     MPT_FFN_CONFIG_KEYS,
     MPT_FFN_DEFAULTS,
+    MPT_FRACTIONS,
     MPT_GQA_ONLY_KEY,
     MPT_LAYER_REGISTRIES,
     MPT_MODEL_NAMES,
@@ -51,6 +59,7 @@ from foundry_fp8.lint.known import (
     TORCH_DMOE_CONFIG_KEYS,
     TORCH_DMOE_MLP_TYPES,
     TORCH_DMOE_REQUIRED_KEYS,
+    TORCH_FUNCTIONAL_CALLABLES,
     TORCH_NORM_EXPORTS,
     TRAIN_POPPED_MODEL_KEYS,
     belongs_under,
@@ -78,6 +87,7 @@ from foundry_fp8.te.facts import (
     TE_LN_MLP_INIT_FAILS_FROM,
     TE_LN_MLP_INIT_SOURCE,
     dotted,
+    parse_version,
     te_ln_mlp_init_fails,
 )
 
@@ -441,7 +451,9 @@ def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterat
       "numbers written as strings (`d_model: \"2048\"`, `expansion_ratio: 8/3`), sizes that are "
       "not whole numbers or too small (`n_heads: 0`, `d_model: .nan`, `1e400`, `n_layers: 2.0`), "
       "d_model not divisible by n_heads, GQA's kv_n_heads above n_heads or not dividing it, "
-      "attn_config's qk_ln with qk_gn, kv_dim with fused_qkv or other than d_model",
+      "attn_config's qk_ln with qk_gn, kv_dim with fused_qkv or other than d_model, a dropout "
+      "outside [0, 1] or embedding_fraction outside (0, 1] (null, NaN), an explicit head_dim "
+      "whose heads are not d_model wide with fused_qkv",
       why="LLM-Foundry passes the model section to MPTConfig unconverted, and YAML reads a quoted "
       "number or a fraction such as 8/3 as a string: MPTConfig's checks then raise (`d_model % "
       "n_heads` formats the string, `max_seq_len != int(max_seq_len)`, the dropout bounds), or "
@@ -458,17 +470,26 @@ def fractional_ffn_hidden(config: Mapping[str, Any], ctx: LintContext) -> Iterat
       "above n_heads or not dividing it (each Q head gets the same number of KV heads), and "
       "qk_ln and qk_gn both true. MPTConfig refuses a kv_dim with fused_qkv, which is true "
       "unless the config says false; unfused, a kv_dim other than d_model builds, and the first "
-      "forward raises (MPT's blocks feed Wk and Wv the d_model-wide hidden states).",
+      "forward raises (MPT's blocks feed Wk and Wv the d_model-wide hidden states). MPTConfig "
+      "refuses resid_pdrop, emb_pdrop and attn_pdrop outside [0, 1] and embedding_fraction "
+      "outside (0, 1] (ValueError; null: TypeError); NaN passes its check, and then torch's "
+      "dropout raises at the first forward, or an embedding_fraction NaN makes every output "
+      "NaN. An explicit head_dim builds whatever its value, but with fused_qkv MPT's attention "
+      "splits Wqkv's output at d_model for the queries: unless n_heads x head_dim is d_model, "
+      "the first forward raises RuntimeError (split_with_sizes); unfused it trains.",
       source=f"{FOUNDRY} llmfoundry/models/mpt/configuration_mpt.py MPTConfig.__init__ "
       "(max_seq_len) and _validate_config (d_model % n_heads, the pdrop and embedding_fraction "
       "bounds, logit_scale, kv_dim with fused_qkv); llmfoundry/models/layers/ffn.py "
       "resolve_ffn_hidden_size; llmfoundry/models/layers/attention.py "
-      "GroupedQueryAttention.__init__ (kv_n_heads, qk_ln with qk_gn) and get_qkv (Wk(x)); "
+      "GroupedQueryAttention.__init__ (kv_n_heads, qk_ln with qk_gn) and get_qkv (Wk(x); "
+      "the fused split at d_model, attention.py:762-769); configuration_mpt.py:301-307, "
+      "384-387 (the dropout and embedding_fraction bounds); "
       "llmfoundry/models/utils/config_defaults.py attn_config_defaults; "
       "tests/test_lint_known.py builds each one (MPT_WHOLE_NUMBERS)",
       fix="write the number without quotes (a decimal for expansion_ratio, or give "
       "ffn_config.ffn_hidden_size), sizes as whole numbers from 1 (n_heads, d_model); pick "
-      "n_heads dividing d_model, kv_n_heads dividing n_heads")
+      "n_heads dividing d_model, kv_n_heads dividing n_heads; dropouts in [0, 1]; head_dim "
+      "d_model / n_heads (or none)")
 def mpt_refuses_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     if not _is_mpt(model):
@@ -499,6 +520,59 @@ def mpt_refuses_values(config: Mapping[str, Any], ctx: LintContext) -> Iterator[
         yield Hit("model.attn_config.kv_n_heads", f"kv_n_heads {kv_heads} with n_heads "
                   f"{n_heads}: GroupedQueryAttention raises {need} building the model")
     yield from _attention_refusals(section(model, "attn_config"), d_model)
+    yield from _fraction_hits(model)
+    if d_model is not None and d_model > 0:
+        yield from _head_dim_hits(model, d_model)
+
+
+def _fraction_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
+    """The dropouts and embedding_fraction as MPTConfig checks them (MPT_FRACTIONS): outside
+    their bounds or null it raises building the model; NaN passes it, and the forward fails."""
+    for path, zero_ok in MPT_FRACTIONS.items():
+        value = get(model, path)
+        if not _given(model, path) or isinstance(value, (bool, str)):
+            continue  # a bool is 0 or 1 to MPT; a string is refused above
+        key, bounds = f"model.{path}", "[0, 1]" if zero_ok else "(0, 1]"
+        dropout = path != "embedding_fraction"
+        refusal = ("'self.attn_config['attn_pdrop'], resid_pdrop, emb_pdrop are probabilities and "
+                   "must be between 0 and 1'" if dropout else "'model.embedding_fraction must be "
+                   "between 0 (exclusive) and 1 (inclusive)!'")
+        fix = f"model.{path}: a number in {bounds}" + (" (0: no dropout)" if dropout else
+                                                      " (1: MPT's default)")
+        if value is None:
+            yield Hit(key, f"model.{path} is null: MPTConfig compares it with 0 and raises "
+                      "TypeError building the model", fix=fix)
+        elif isinstance(value, float) and math.isnan(value):
+            yield Hit(key, f"model.{path} is NaN, which MPTConfig's bounds check lets through: "
+                      + ("the model builds, and its first forward raises RuntimeError ('dropout "
+                         "probability has to be between 0 and 1, but got nan')" if dropout else
+                         "MPTModel.forward mixes the embeddings by it, so every output and loss "
+                         "is NaN (no error)"), fix=fix)
+        elif isinstance(value, (int, float)) and (value < 0 or value > 1
+                                                  or (value == 0 and not zero_ok)):
+            yield Hit(key, f"model.{path} is {value!r}, outside {bounds}: MPTConfig raises "
+                      f"ValueError ({refusal}) building the model", fix=fix)
+
+
+def _head_dim_hits(model: Mapping[str, Any], d_model: int) -> Iterator[Hit]:
+    """An explicit head_dim whose n_heads heads are not d_model wide, with fused_qkv: the model
+    builds, and GroupedQueryAttention.get_qkv splits Wqkv's output at d_model for the queries
+    (llmfoundry/models/layers/attention.py:762-769 in 0.22), which then do not add up."""
+    attn_config = section(model, "attn_config")
+    attn = mpt_attention(model, d_model)
+    if attn is None or as_int(model.get("head_dim")) is None or not attn.fused_qkv \
+            or attn.width == d_model or model.get("block_overrides") is not None \
+            or attn_config.get("reuse_kv_layer_idx") is not None:
+        return
+    fused = "fused_qkv" + ("" if "fused_qkv" in attn_config else " (MPT's default: true)")
+    yield Hit("model.head_dim", f"head_dim {attn.head_dim} x n_heads {attn.n_heads} is "
+              f"{attn.width}, not d_model {d_model}, with {fused}: the model builds, and its "
+              "first forward raises RuntimeError ('split_with_sizes expects split_sizes to sum "
+              f"exactly to {attn.width + 2 * attn.kv_width}'): MPT's attention splits the fused "
+              "QKV output at d_model for the queries",
+              fix=f"drop head_dim (MPT then uses d_model / n_heads = {d_model // attn.n_heads}), "
+              "or set attn_config.fused_qkv: false (MPT's softmax scale still uses d_model / "
+              "n_heads)")
 
 
 #: FP8035's fix for a kv_dim (attention.py: Wk and Wv take kv_dim-wide inputs; MPTBlock passes x).
@@ -653,18 +727,60 @@ HF_CAUSAL_LM_SOURCE = ("llmfoundry/models/hf/hf_causal_lm.py ComposerHFCausalLM.
 
 
 @rule("FP8046", "error", "an `hf_causal_lm` model key ComposerHFCausalLM does not take "
-      "(`fc_type: te` and other MPT keys included)",
+      "(`fc_type: te` and other MPT keys included), or a `config_overrides.num_experts_per_tok` "
+      "an MoE's router cannot use (0, negative, above the experts, no integer)",
       why="train pops `name` and `master_weights_dtype` from the model section and "
       "build_composer_model hands every other key to ComposerHFCausalLM as a keyword: one it "
       "does not name raises TypeError 'unexpected keyword argument' after the tokenizer and the "
       "data loaders are built. MPT's TE keys (`fc_type: te`, `ffn_config: {ffn_type: "
-      "te_ln_mlp}`) are among them: a Hugging Face model gets FP8 from te_swap.",
+      "te_ln_mlp}`) are among them: a Hugging Face model gets FP8 from te_swap. "
+      "config_overrides sets the pretrained config's attributes (set_config_overrides); "
+      "transformers' MoE routers (Mixtral, Qwen2-MoE, Qwen3-MoE) pick num_experts_per_tok "
+      "experts with torch.topk in the forward: 0 trains without error, every MoE block adding "
+      "zeros and its experts and router never getting a gradient (checked on tiny Mixtral and "
+      "Qwen2-MoE); negative or above the experts raises RuntimeError at the first forward "
+      "(the expert count judged where config_overrides gives it), a value no integer "
+      "TypeError.",
       source=f"{FOUNDRY} {HF_CAUSAL_LM_SOURCE}; llmfoundry/command_utils/train.py train (name, "
-      "master_weights_dtype popped)",
+      "master_weights_dtype popped); llmfoundry/utils/config_utils.py set_config_overrides; "
+      "transformers 4.51 models/mixtral/modeling_mixtral.py:125, "
+      "models/qwen2_moe/modeling_qwen2_moe.py:604, models/qwen3_moe/modeling_qwen3_moe.py:260",
       fix="remove the key (for FP8, `algorithms: {te_swap: {}}`), or fix its spelling",
       unresolved=True)
 def hf_model_keys(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    yield from hf_model_key_hits(section(config, "model"), "model", TRAIN_POPPED_MODEL_KEYS)
+    model = section(config, "model")
+    yield from hf_model_key_hits(model, "model", TRAIN_POPPED_MODEL_KEYS)
+    if model.get("name") == HF_CAUSAL_LM_NAME:
+        yield from _hf_moe_top_k_hits(section(model, "config_overrides"))
+
+
+def _hf_moe_top_k_hits(overrides: Mapping[str, Any]) -> Iterator[Hit]:
+    """A num_experts_per_tok override that transformers' MoE routers (torch.topk) cannot use:
+    0 trains silently with the experts unused; negative, above the experts the overrides give,
+    or no integer fails the first forward."""
+    if HF_MOE_TOP_K_KEY not in overrides:
+        return
+    top_k = overrides[HF_MOE_TOP_K_KEY]
+    key = f"model.config_overrides.{HF_MOE_TOP_K_KEY}"
+    experts = next((n for k in HF_MOE_EXPERTS_KEYS
+                    if (n := as_int(overrides.get(k))) is not None and n > 0), None)
+    fix = f"{HF_MOE_TOP_K_KEY} from 1 to {experts or 'the experts of the model'} (or drop it: "
+    fix += "the pretrained config's own)"
+    k, router = as_int(top_k), "the MoE router's torch.topk"
+    if isinstance(top_k, bool) or (isinstance(top_k, str) and OC_ENV.search(top_k)):
+        return
+    if k is None:
+        yield Hit(key, f"{HF_MOE_TOP_K_KEY} {top_k!r:.40} is not an integer: the model builds, "
+                  f"and its first forward raises TypeError ({router})", fix=fix)
+    elif k == 0:
+        yield Hit(key, f"{HF_MOE_TOP_K_KEY} 0 routes every token to no expert: the run trains "
+                  "without error, every MoE block adds zeros, and its experts and router never "
+                  f"get a gradient ({router} with k 0)", fix=fix)
+    elif k < 0 or (experts is not None and k > experts):
+        why = "is negative" if k < 0 else f"is more than the {experts} experts"
+        yield Hit(key, f"{HF_MOE_TOP_K_KEY} {k} {why}: the model builds, and its first "
+                  f"forward raises RuntimeError ('selected index k out of range': {router})",
+                  fix=fix)
 
 
 def hf_model_key_hits(model: Mapping[str, Any], prefix: str,
@@ -811,6 +927,46 @@ def _moe_top_k_hits(top_k: Any, experts: int | None) -> Iterator[Hit]:
                   "range': torch.topk in dMoE's LearnedRouter)", fix=fix)
 
 
+#: FP8042's fix for an ffn_act_fn resolve_ffn_act_fn refuses.
+_ACT_FN_FIX = ("ffn_act_fn: {name: gelu} (a torch.nn.functional function or quick_gelu, its "
+               "keywords beside the name: {name: gelu, approximate: tanh})")
+
+
+def _act_fn_hits(ffn: Mapping[str, Any]) -> Iterator[Hit]:
+    """An ffn_act_fn that resolve_ffn_act_fn refuses when the FFN is built (ACT_FN_FFN_TYPES):
+    no mapping, no `name`, or a name that is neither quick_gelu nor a function of
+    torch.nn.functional (a private `_name` is not judged)."""
+    act = ffn.get("ffn_act_fn")
+    if act is None or ffn.get("ffn_type", MPT_FFN_DEFAULTS["ffn_type"]) not in ACT_FN_FFN_TYPES:
+        return
+    key, says = "model.ffn_config.ffn_act_fn", "LLM-Foundry's resolve_ffn_act_fn"
+    if not isinstance(act, Mapping):
+        if isinstance(act, str) and OC_ENV.search(act):
+            return  # FP8017 says so
+        yield Hit(key, f"ffn_act_fn {act!r:.40} is no mapping: {says} pops its `name` and "
+                  "raises building the model (AttributeError or TypeError)",
+                  fix=f"ffn_act_fn: {{name: {act}}}" if isinstance(act, str) else _ACT_FN_FIX)
+    elif "name" not in act:
+        yield Hit(key, f"ffn_act_fn has no `name`: {says} raises KeyError: 'name' building the "
+                  "model", fix=_ACT_FN_FIX)
+    elif not isinstance(name := act["name"], str):
+        yield Hit(f"{key}.name", f"ffn_act_fn.name {name!r:.40} is no string: {says} raises "
+                  "TypeError building the model (hasattr needs a name)", fix=_ACT_FN_FIX)
+    elif not (name.startswith("_") or OC_ENV.search(name) or name in FOUNDRY_ACT_FNS
+              or name in TORCH_FUNCTIONAL_CALLABLES):
+        names = FOUNDRY_ACT_FNS | TORCH_FUNCTIONAL_CALLABLES
+        gated = (" (a gated FFN is `ffn_type: mptglu`, this name the activation inside it: silu "
+                 "for SwiGLU, gelu for GeGLU)") if name.lower().endswith("glu") else ""
+        hint = (f" (Hugging Face's `{name}` is ffn_act_fn {HF_ACT_FN_EQUIVALENTS[name]})"
+                if name in HF_ACT_FN_EQUIVALENTS else gated or did_you_mean(name.lower(), names))
+        yield Hit(f"{key}.name", f"ffn_act_fn.name {name!r:.40} is neither quick_gelu nor a "
+                  f"function of torch.nn.functional: {says} raises building the model "
+                  f"(ValueError 'Unrecognized activation function name ({name:.40}).', or "
+                  "TypeError for a name that is no function)" + hint,
+                  fix=f"ffn_act_fn: {HF_ACT_FN_EQUIVALENTS[name]}"
+                  if name in HF_ACT_FN_EQUIVALENTS else _ACT_FN_FIX)
+
+
 def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
     """ffn_config keys mptmlp's, mptglu's and torch_dmoe's builders refuse, and an
     ffn_config.fc_type that MPTConfig replaces by the model's."""
@@ -822,6 +978,7 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
                   f"ffn_config.{MEGABLOCKS_REQUIRED_KEY}, which LLM-Foundry's config_moe_args "
                   f"reads with no default: building the model raises KeyError",
                   fix=f"{MEGABLOCKS_REQUIRED_KEY}: 1 (no expert parallelism)")
+    yield from _act_fn_hits(ffn)
     if ffn.get("ffn_type", MPT_FFN_DEFAULTS["ffn_type"]) in ("mptmlp", "mptglu"):
         for key in ffn:
             if isinstance(key, str) and key not in MPT_FFN_CONFIG_KEYS:
@@ -841,8 +998,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
 @rule("FP8042", "error", "MPT `attn_config` / `ffn_config` keys its attention class or FFN "
       "builder refuses (`attn_tpye`, `ffn_typ`) or needs (torch_dmoe's `moe_top_k`, ...), an `ffn_config.fc_type` MPT replaces, an "
       "`fc_type`, `ffn_type` or `norm_type` no registry holds (`TE`, `tee`, `te_ln_mpl`, "
-      "`layer_norm`) (did-you-mean, or "
-      "where the key belongs)",
+      "`layer_norm`), an `ffn_act_fn` LLM-Foundry cannot resolve (`swiglu`, `swish`, `GELU`) "
+      "(did-you-mean, or where the key belongs)",
       why="MPTBlock passes every attn_config key but the position-encoding ones to the "
       "attention class (multihead_attention, multiquery_attention, grouped_query_attention; "
       "kv_n_heads only the last takes), and build_ffn every ffn_config key but ffn_type to "
@@ -869,7 +1026,13 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "registry nor a package's entry point holds makes MPTModel raise NotImplementedError, "
       "judged alike. With `attn_impl: sdpa`, the attn_config keys our sdpa refuses "
       "(`attn_logit_softcapping`): foundry_fp8.attention makes MPTConfig raise "
-      "NotImplementedError (fix: `attn_impl: torch`).",
+      "NotImplementedError (fix: `attn_impl: torch`). mptmlp, mptglu, torch_dmoe and "
+      "megablocks' FFNs resolve ffn_config.ffn_act_fn building the model: a mapping whose "
+      "`name` is quick_gelu or a function of torch.nn.functional (case-sensitive), its other "
+      "keys bound as keywords (not judged: a wrong keyword fails the first forward); any other "
+      "name raises ValueError, no name KeyError, a value no mapping AttributeError or "
+      "TypeError. Hugging Face's activation names (swish, gelu_new) are not torch's: the "
+      "message names the equivalent.",
       source=f"{FOUNDRY} llmfoundry/models/layers/blocks.py MPTBlock.__init__ "
       "(args_to_exclude_in_attn_class), llmfoundry/models/layers/attention.py, "
       "llmfoundry/models/layers/layer_builders.py build_ffn, llmfoundry/models/layers/ffn.py "
@@ -879,6 +1042,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "llmfoundry/models/utils/config_defaults.py, llmfoundry/layers_registry.py (fcs, ffns, "
       "ffns_with_norm, ffns_with_megablocks: entry_points=True); foundry_fp8/sdpa_facts.py "
       "SDPA_REFUSED_ATTN_KEYS (read by foundry_fp8/attention.py enable_sdpa_for_mpt); "
+      "llmfoundry/models/layers/ffn.py:68-91 resolve_ffn_act_fn (torch 2.7.0's "
+      "torch.nn.functional; tests/test_lint2_model_values.py compares both); "
       "tests/test_lint_known.py builds each",
       fix="fix the spelling (the message names the closest key or name)", unresolved=True)
 def mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
@@ -931,28 +1096,71 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
                   severity="warning" if maybe else "error")
 
 
-@rule("FP8029", "error", "`loss_fn: fused_crossentropy` (MPT's default) without flash-attn's "
-      "cross entropy installed",
+@rule("FP8029", "error", "MPT settings that need flash-attn where it is not installed (or too "
+      "old): `loss_fn: fused_crossentropy` (MPT's default), alibi with attn_impl flash (MPT's "
+      "default), rope with rope_impl dail (MPT's default), sliding_window_size, "
+      "attn_logit_softcapping or attn_uses_sequence_id with attn_impl flash",
       why="ComposerMPTCausalLM defaults loss_fn to fused_crossentropy and raises 'Fused Cross "
       "Entropy is not installed' when flash_attn.losses.cross_entropy cannot be imported. "
+      "MPTConfig refuses alibi with attn_impl flash below flash-attn 2.4.2 "
+      "(NotImplementedError), rope with rope_impl dail below 2.0.1 (ImportError), "
+      "sliding_window_size below 2.3.0, attn_logit_softcapping below 2.6.2 and "
+      "attn_uses_sequence_id below 2.1.2 with attn_impl flash (NotImplementedError): each when "
+      "LLM-Foundry builds the model, after the tokenizer and the data loaders. "
       "Judged against the packages where the check runs: an error in `fp8_lint` (the training "
       "machine), a warning in `foundry-fp8 lint` (which may run elsewhere).",
-      source=f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM.__init__",
+      source=f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM.__init__; "
+      "llmfoundry/models/mpt/configuration_mpt.py:308-376 _validate_config, "
+      "llmfoundry/models/layers/attention.py is_flash_v2_installed, check_alibi_support; "
+      "llmfoundry/models/utils/config_defaults.py (attn_impl flash, rope_impl dail)",
       fix="set model.loss_fn: torch_crossentropy, or install flash-attn on the training machine")
 def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     snapshot = ctx.snapshot
-    if not _is_mpt(model) or snapshot is None \
-            or snapshot.flash_attn_cross_entropy:
+    if not _is_mpt(model) or snapshot is None:
         return
-    if model.get("loss_fn", "fused_crossentropy") != "fused_crossentropy":
+    severity: Literal["error", "warning"] = "error" if ctx.scope == "run" else "warning"
+    yield from _flash_attn_settings(section(model, "attn_config"), snapshot.flash_attn, severity)
+    if snapshot.flash_attn_cross_entropy \
+            or model.get("loss_fn", "fused_crossentropy") != "fused_crossentropy":
         return
     key = "model.loss_fn" if "loss_fn" in model else "model"
     said = "loss_fn fused_crossentropy" if "loss_fn" in model else \
         "no loss_fn, so MPT's default fused_crossentropy,"
     yield Hit(key, f"{said} needs flash-attn's cross entropy, which is not installed here: "
-              "LLM-Foundry raises when it builds the model",
-              severity="error" if ctx.scope == "run" else "warning")
+              "LLM-Foundry raises when it builds the model", severity=severity)
+
+
+def _flash_attn_settings(attn: Mapping[str, Any], installed: str | None,
+                         severity: Literal["error", "warning"]) -> Iterator[Hit]:
+    """The attn_config settings MPTConfig refuses with the flash-attn installed here
+    (FLASH_ATTN_NEEDS), as MPTConfig reads them after its defaults."""
+    impl = attn.get("attn_impl", MPT_ATTN_IMPL_DEFAULT)
+    version = parse_version(installed)
+    on = {"alibi": bool(attn.get("alibi")),
+          "attn_uses_sequence_id": bool(attn.get("attn_uses_sequence_id")),
+          "rope": bool(attn.get("rope")) and attn.get("rope_impl", "dail") == "dail",
+          "sliding_window_size": attn.get("sliding_window_size", -1) != -1,
+          "attn_logit_softcapping": as_number(attn.get("attn_logit_softcapping")) is not None
+          and attn["attn_logit_softcapping"] > 0}
+    for setting, (least, raises, lines) in FLASH_ATTN_NEEDS.items():
+        flash_only = setting != "rope"
+        if not on[setting] or (flash_only and impl != "flash") \
+                or (version is not None and version >= least):
+            continue
+        here = f"flash-attn here is {installed}" if version else "flash-attn is not installed here"
+        if setting == "rope":
+            what = "rope with rope_impl dail" + ("" if "rope_impl" in attn else " (MPT's default)")
+            key = "model.attn_config.rope_impl" if "rope_impl" in attn else "model.attn_config.rope"
+            fix = "attn_config.rope_impl: hf (no flash-attn needed)"
+        else:
+            what = f"{setting} with attn_impl flash" + ("" if "attn_impl" in attn
+                                                        else " (MPT's default)")
+            key, fix = f"model.attn_config.{setting}", "attn_config.attn_impl: torch"
+        yield Hit(key, f"{what} needs flash-attn >= {dotted(least)}, and {here}: MPTConfig "
+                  f"raises {raises} building the model (configuration_mpt.py:{lines})",
+                  severity=severity,
+                  fix=f"{fix}, or install flash-attn >= {dotted(least)} on the training machine")
 
 
 def norm_class(norm_type: str) -> tuple[str, str] | None:
