@@ -10,10 +10,11 @@ Each flag names one likely cause and the one YAML key that changes it. Plain Pyt
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from foundry_fp8.blocks import block_index
 from foundry_fp8.health.keys import FRONTS, INITIAL_SCALE, TENSORS, direction, summary_key
@@ -186,6 +187,14 @@ def nonfinite(stats: Mapping[str, float]) -> float:
     return _value(stats, "nan_count", 0.0) + _value(stats, "inf_count", 0.0)
 
 
+class DelayedRecipe(NamedTuple):
+    """What of a delayed-scaling recipe the rules read: its `margin` (the scale is FP8 max /
+    amax / 2**margin) and `amax_history_len` (None: not known)."""
+
+    margin: int = 0
+    history_len: int | None = None
+
+
 @dataclass
 class _State:
     """What the tracker remembers of one (layer, tensor)."""
@@ -213,8 +222,15 @@ class HealthTracker:
     blocks: set[int] = field(default_factory=set)
     #: te_swap's recipe `margin` where the caller knows it (the report: `fp8/recipe`): the
     #: persistent-overflow advice raises it by one, as TE divides the scale by 2**margin
-    #: (common/recipe/__init__.py:247 v2.18): `margin: 1` told a run already at 1 changes nothing
+    #: (common/recipe/__init__.py:247 v2.18): `margin: 1` told a run already at 1 changes nothing;
+    #: the stale-scale rule allows for it
     margin: int = 0
+    #: that recipe's `amax_history_len` where the caller knows it (the report: `fp8/recipe`),
+    #: which the stale-scale advice names
+    history_len: int | None = None
+    #: fp8_stats' delayed what-if recipe (its `recipe`), for the rows `update` is told are
+    #: what-if ones; None: those rows are judged with `margin` and `history_len`
+    whatif_recipe: DelayedRecipe | None = None
     _state: dict[tuple[str, str], _State] = field(default_factory=dict)
     _raised: set[tuple[str, str, str]] = field(default_factory=set)
     #: False in a run (fp8_stats, fp8_guard): nothing there reads `flags`, which would grow by
@@ -230,7 +246,8 @@ class HealthTracker:
     def update(self, step: int, table: Table, whatif: Collection[tuple[str, str]] = (),
                ) -> dict[tuple[str, str], list[Flag]]:
         """Judge one logging step; returns the flags raised at this step per (layer, tensor).
-        `whatif`: the rows whose numbers are what-if ones at this step (`whatif_worst`)."""
+        `whatif`: the rows whose numbers are what-if ones at this step (`whatif_worst`; the
+        stale-scale rule reads `whatif_recipe` for them)."""
         for layer, _ in table:
             if (block := block_index(layer)) is not None:
                 self.blocks.add(block)
@@ -239,7 +256,9 @@ class HealthTracker:
             if stats.get(INITIAL_SCALE):
                 continue  # delayed scaling's first cast: scale 1 by design, not judged
             self._fold_worst((layer, tensor), stats, (layer, tensor) in whatif)
-            found = self._judge(step, layer, tensor, stats)
+            recipe = (self.whatif_recipe if self.whatif_recipe is not None
+                      and (layer, tensor) in whatif else DelayedRecipe(self.margin, self.history_len))
+            found = self._judge(step, layer, tensor, stats, recipe)
             if found:
                 raised[(layer, tensor)] = found
                 if self.keep_flags:
@@ -325,7 +344,8 @@ class HealthTracker:
             elif value == old and not whatif:
                 self.whatif_worst.discard(cell)
 
-    def _judge(self, step: int, layer: str, tensor: str, stats: Mapping[str, float]) -> list[Flag]:
+    def _judge(self, step: int, layer: str, tensor: str, stats: Mapping[str, float],
+               recipe: DelayedRecipe) -> list[Flag]:
         t = self.thresholds
         s = self._state.setdefault((layer, tensor), _State())
         underflow = _value(stats, "underflow_pct", 0.0)
@@ -363,16 +383,23 @@ class HealthTracker:
                           f"{steps}",
                           "the tensor keeps outgrowing its delayed scale",
                           f"{RECIPE}.margin: {self.margin + 1}"))
-        stale = stale_scale_ratio(stats)
-        if underflow > t.max_underflow_pct and stale < t.stale_ratio:
+        stale, margin = stale_scale_ratio(stats), recipe.margin
+        # delayed scaling sets the scale 2**-margin below FP8 max / amax by design (TE 2.20.2
+        # pytorch/quantization.py:1111): only a ratio below that times stale_ratio is stale
+        stale_limit = math.ldexp(t.stale_ratio, -margin)  # 0, not OverflowError, for a huge one
+        if underflow > t.max_underflow_pct and stale < stale_limit:
             found.append(("underflow_stale", "underflow_pct", underflow,
                           f"> {t.max_underflow_pct:g} % with scale / current_scale {stale:.3g} < "
-                          f"{t.stale_ratio:g}",
+                          + (f"{stale_limit:.3g} ({t.stale_ratio:g} / 2**margin {margin})"
+                             if margin else f"{t.stale_ratio:g}"),
                           "an old amax spike in the history keeps the scale too small",
-                          f"{RECIPE}.amax_history_len (shorter)"))
+                          f"{RECIPE}.amax_history_len (shorter"
+                          + (f" than {recipe.history_len})" if recipe.history_len else ")")))
         elif underflow > t.max_underflow_pct:
             found.append(("underflow", "underflow_pct", underflow, f"> {t.max_underflow_pct:g} %",
-                          "the tensor's range is wider than FP8 holds at this layer",
+                          "the tensor's range is wider than FP8 holds at this layer"
+                          + (f" (the recipe's margin {margin} sets its scale 2**-{margin} below "
+                             "what its amax allows)" if margin else ""),
                           self._keep_in_bf16(layer)))
         elif rising:
             found.append(("underflow_rising", "underflow_pct", underflow,

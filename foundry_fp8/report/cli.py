@@ -101,10 +101,10 @@ from foundry_fp8.report.read import (
     load_run,
     load_wandb,
     losses_of,
-    margin_from_hparams,
     mark_high_precision,
     metrics_file_of,
     read_hparams,
+    recipes_from_hparams,
     swap_exclude,
     thresholds_from_hparams,
     wandb_files,
@@ -247,10 +247,11 @@ def _png(figure: Any) -> bytes:
     return buffer.getvalue()
 
 
-def replay(run: RunMetrics, tracker: HealthTracker) -> list[Flag]:
-    """The run's logging steps through the health rules, in step order."""
+def replay(run: RunMetrics, tracker: HealthTracker, whatif: bool = False) -> list[Flag]:
+    """The run's logging steps through the health rules, in step order; `whatif`: every row is
+    a what-if one (`HealthTracker.whatif_recipe` judges it)."""
     for step, table in run.tables():
-        tracker.update(step, table)
+        tracker.update(step, table, table.keys() if whatif else ())
     return tracker.flags
 
 
@@ -371,8 +372,14 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     guard = guard_run(series, hparams, hparams_file, warn, run.later_attempt)
     mark_high_precision(run, guard)
     # the model's blocks (fp8_stats' record of every layer), not only the watched layers'
-    flags = replay(run, HealthTracker(thresholds, blocks=model_blocks(layer_order(hparams or {}) or ()),
-                                      margin=margin_from_hparams(hparams or {})))
+    # te_swap's recipe for every row where logged (its layers' are not told apart from the
+    # rows it left out); without te_swap a row is fp8_stats' what-if (or a TE module the model
+    # was built with, whose recipe is not logged)
+    swap, whatif = recipes_from_hparams(hparams or {})
+    tracker = HealthTracker(thresholds, blocks=model_blocks(layer_order(hparams or {}) or ()),
+                            margin=swap.margin if swap else 0,
+                            history_len=swap.history_len if swap else None, whatif_recipe=whatif)
+    flags = replay(run, tracker, whatif=swap is None)
     worst = worst_table(run)
     if tables is not None:
         tables.append(worst)

@@ -447,9 +447,10 @@ GUIDE = """\
 - **scale_ratio** = scale in force / current scale (FP8 max / amax). About 1: the amax history
   fits the tensor. **Above 1** (overflow side): the tensor outgrew its scale and its largest
   elements saturate. **Below 1** (underflow side): the scale is smaller than the tensor needs;
-  far below (the smallest scale in force under {stale:g} of the current scale: a micro-batch
-  or rank still at an old scale counts) an old spike in the amax history keeps it small and
-  small values flush to 0. Columns of worst values show the value farthest from 1, on either side.
+  far below (the smallest scale in force under {stale:g} of the current scale, times 2^-margin
+  for a recipe `margin`, which sets the scale that far below by design: a micro-batch or rank
+  still at an old scale counts) an old spike in the amax history keeps it small and small
+  values flush to 0. Columns of worst values show the value farthest from 1, on either side.
 - **cos_sim**: cosine similarity of a tensor with its FP8 round trip; healthy E4M3 tensors sit
   near 0.9996, E5M2 gradients near 0.9985. Below {cos:g} the FP8 copy points elsewhere.
 - **rel_mse**: error of the round trip relative to the tensor's own size

@@ -51,6 +51,7 @@ from foundry_fp8.health.keys import (
     summary_key,
 )
 from foundry_fp8.health.plots import recipe_formats
+from foundry_fp8.health.rules import DelayedRecipe
 from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
 from foundry_fp8.options import build
 from foundry_fp8.paths import (
@@ -97,14 +98,29 @@ def swap_exclude(hparams: Mapping[str, Any]) -> str | None:
     return exclude if isinstance(exclude, str) and exclude else None
 
 
-def margin_from_hparams(hparams: Mapping[str, Any]) -> int:
-    """te_swap's recipe `margin` (`fp8/recipe`), for the persistent-overflow advice; 0 (TE's
-    default) where not logged or not a recipe this version reads."""
-    swap = hparams.get("fp8/recipe")
+def recipes_from_hparams(hparams: Mapping[str, Any]
+                         ) -> tuple[DelayedRecipe | None, DelayedRecipe | None]:
+    """te_swap's recipe (`fp8/recipe`: its margin for the persistent-overflow advice) and
+    fp8_stats' what-if `recipe`, as the rules read them (`HealthTracker`'s
+    `margin`, `history_len`, `whatif_recipe`): None where not logged or not a recipe this
+    version reads (te_swap's margin is then TE's default 0)."""
+    swap, stats = hparams.get("fp8/recipe"), _fp8_stats_options(hparams)
     try:
-        return FP8Recipe.from_options(swap).margin if isinstance(swap, Mapping) else 0
+        cast = FP8Recipe.from_options(swap) if isinstance(swap, Mapping) else None
     except (TypeError, ValueError):
-        return 0
+        cast = None
+    try:
+        whatif = None if stats is None else _whatif_recipe(stats)
+    except (TypeError, ValueError):
+        whatif = None
+    return _delayed(cast), _delayed(whatif)
+
+
+def _delayed(recipe: FP8Recipe | None) -> DelayedRecipe | None:
+    if recipe is None:
+        return None
+    return DelayedRecipe(recipe.margin,
+                         recipe.amax_history_len if recipe.scaling == "delayed" else None)
 
 
 def formats_from_hparams(hparams: Mapping[str, Any], tensors: Iterable[str]) -> dict[str, set[str]]:
@@ -117,12 +133,15 @@ def formats_from_hparams(hparams: Mapping[str, Any], tensors: Iterable[str]) -> 
     if not isinstance(swap, Mapping) or stats is None:
         return {}
     try:
-        recipes = [FP8Recipe.from_options(swap),
-                   build("fp8_stats", {k: stats[k] for k in ("recipe",) if k in stats}
-                         ).monitor.recipe]
+        recipes = [FP8Recipe.from_options(swap), _whatif_recipe(stats)]
     except (TypeError, ValueError):  # not a recipe this version reads
         return {}
     return recipe_formats(recipes, tensors)
+
+
+def _whatif_recipe(options: Mapping[str, Any]) -> FP8Recipe:
+    """fp8_stats' what-if `recipe` from its options (its default where not given)."""
+    return build("fp8_stats", {k: options[k] for k in ("recipe",) if k in options}).monitor.recipe
 
 
 def _fp8_stats_options(hparams: Mapping[str, Any]) -> Mapping[str, Any] | None:
