@@ -71,7 +71,11 @@ class JsonlSink:
                 if f.read(1) != b"\n":
                     line = b"\n" + line
             f.write(line)
-            self.last_file = (found.st_dev, found.st_ino, f.tell())
+            end = f.tell()
+        # noted once the close has flushed the line: a failed append (a full disk refuses the
+        # bytes at the flush) leaves the note as it was, or the next record would read the
+        # file as cut since
+        self.last_file = (found.st_dev, found.st_ino, end)
         return same
 
 
@@ -387,6 +391,8 @@ def _lines(f: BinaryIO) -> Iterator[bytes | None]:
 def _cause(error: Exception) -> str | None:
     """Why a line that does not decode was written so, where it is not a cut or garbled line
     (a kill's): for the warning, which would otherwise blame a kill."""
+    if isinstance(error, RecursionError):  # json's decoder recurses once per bracket
+        return "nested deeper than Python's json decodes (no logger writes one)"
     if isinstance(error, ValueError) and not isinstance(error, (json.JSONDecodeError,
                                                                  UnicodeDecodeError)):
         # json's int() of a literal past sys.get_int_max_str_digits() (CPython's guard against
@@ -410,7 +416,7 @@ def read_jsonl(path: str | os.PathLike[str], skipped: list[int] | None = None,
     nested too deep to decode and of lines longer than MAX_LINE_BYTES (also appended to
     `too_long`: left unread) is skipped and their numbers appended to `skipped` (the caller
     warns once); each crash leaves at most one; `causes` gets why, by line number, for a line
-    no crash leaves (a number Python will not convert). A UTF-8 byte order
+    no crash leaves (a number Python will not convert, nesting too deep). A UTF-8 byte order
     mark at a line's start is read past, as `json.loads` reads one on bytes (an editor's save,
     PowerShell's `Out-File`). The last line read, where it had no newline
     and yielded nothing, is also appended to `cut`: the one a writer may still be writing (a

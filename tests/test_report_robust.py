@@ -54,9 +54,10 @@ def test_an_unusable_value_or_line_is_left_out_and_the_rest_reported(tmp_path, c
         f.write(line + "\n")
     JsonlSink(path).write(40, {UNDERFLOW_L1: 0.0})  # a good record after the bad line
     stdout, stderr, md = report(tmp_path, capsys)
-    assert stderr == (f"warning: {path}:4: skipped 1 line that does not decode (line 4; a run "
-                      "killed mid-write leaves one); the report covers the rest\n" if skipped
-                      else "")
+    # nesting no writer makes, named as such (before: "a run killed mid-write leaves one")
+    assert stderr == (f"warning: {path}:4: skipped 1 line that does not decode (line 4: nested "
+                      "deeper than Python's json decodes (no logger writes one)); the report "
+                      "covers the rest\n" if skipped else "")
     # step 30 gave no number; step 40's 0 % counts: L1's underflow logged at 4 steps
     assert f"'{L1}' gradient: underflow_pct 9 % at step 20 (> 5 %; 1 of 4 steps)" in stdout
     assert "4 logging steps (0 to 40)" in md

@@ -286,16 +286,8 @@ class JSONLLogger(LoggerDestination):
     def _write(self, sink: JsonlSink, step: int, metrics: dict[str, Any]) -> None:
         """One record; a file removed or taken over since the last one (by hand, or moved aside
         by another run of this name starting fresh) is warned about, once per time it happens,
-        and written on. A write that failed leaves the sink's note of the file as it was: the
-        sink notes the file's new size before closing it, where a full disk refuses the bytes,
-        and the next record took the file for one cut since."""
-        noted = sink.last_file
-        try:
-            same = sink.write(step, metrics)
-        except OSError:
-            sink.last_file = noted
-            raise
-        if not same:
+        and written on."""
+        if not sink.write(step, metrics):
             log.warning("jsonl logger: %s was removed, moved or replaced after this run wrote its "
                         "record of step %s (by hand, or by another run of this name starting "
                         "fresh while this one runs); the records up to there are not in it, and "
