@@ -54,7 +54,13 @@ from foundry_fp8.health import (
     summary_metrics,
 )
 from foundry_fp8.health.keys import HIGH_PRECISION, SUMMARIES, UNCAST, summary_key
-from foundry_fp8.health.rules import cast_order, judged_table, model_blocks, uncast_stats
+from foundry_fp8.health.rules import (
+    DelayedRecipe,
+    cast_order,
+    judged_table,
+    model_blocks,
+    uncast_stats,
+)
 from foundry_fp8.jsonl import set_plain_mode
 from foundry_fp8.numerics import (
     FP8_MAX,
@@ -450,10 +456,13 @@ class FP8Monitor:
                 self.schedule.dump_steps))  # type: ignore[arg-type]
         # the edge-block advice names te_swap's edges: the model's blocks as te_swap counts them
         # (swap.plan_swap: every name), not only the watched layers'
+        # the what-if rows are judged with fp8_stats' own recipe (its margin: the stale-scale
+        # rule), te_swap's layers with the margin they cast with (below)
         self.tracker = HealthTracker(thresholds_of(self.config), keep_flags=False,
                                      blocks=model_blocks(
                                          name for name, _ in model.named_modules(
-                                             remove_duplicate=False)))
+                                             remove_duplicate=False)),
+                                     whatif_recipe=DelayedRecipe.of(self.config.recipe))
         self.short = {name: short_layer(name) for name in self.layers}  # names in keys
         # the last logging step's statistics and flags, for listeners (the guard); empty on a
         # rank whose own work on them failed
@@ -652,7 +661,9 @@ class FP8Monitor:
         if initial is not False and idx not in step.initial:  # the step's first cast decides
             step.initial[idx] = initial
         if step.dumping and earlier is None and name in self.dump_names:  # first micro-batch's
-            self._add_dump(f"{name}/{watch.name}", value, -row[SUFFICIENT_INDEX["neg_scale"]],
+            cast = -torch.maximum(row[SUFFICIENT_INDEX["neg_scale"]],
+                                  row[SUFFICIENT_INDEX["neg_idle_scale"]])  # its own scale
+            self._add_dump(f"{name}/{watch.name}", value, cast,
                            {"layer": self.short[name], "format": fmt,
                             "scale": "what-if" if whatif else "cast"})
 

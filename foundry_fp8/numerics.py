@@ -36,7 +36,10 @@ SUM_KEYS = ("seen", "count", "nan_count", "inf_count", "underflow", "overflow", 
 #: pooled amax hid (a micro-batch overflowing 57 % at ratio 7.9 read as ratio 1.0). The
 #: stale-scale rule judges the smallest scale over the whole tensor's current scale instead
 #: (`health.rules.stale_scale_ratio`, from the logged `scale` and `current_scale`).
-MAX_KEYS = ("amax", "neg_amin", "neg_scale", "fp8_max", "scale_ratio")
+#: `neg_scale` is that of a piece with something to scale, `neg_idle_scale` that of one with
+#: nothing (empty, all zero or NaN), which casts every element the same at any scale: pooled, it
+#: is the tensor's scale only where no piece had something to scale.
+MAX_KEYS = ("amax", "neg_amin", "neg_scale", "neg_idle_scale", "fp8_max", "scale_ratio")
 SUFFICIENT_KEYS = SUM_KEYS + MAX_KEYS
 SUFFICIENT_INDEX = {key: i for i, key in enumerate(SUFFICIENT_KEYS)}
 
@@ -301,12 +304,16 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         # saturate, which no other current-scaled cast does
         cast_amax = torch.where(inf_count > 0, torch.inf, amax.double()).float()
         scale_t = current_scale(cast_amax, fmt, power_2=power_2) / (2.0 ** margin)
-        # a piece with nothing to scale (empty, all zero or NaN: amax 0, scale 1 by TE's rule)
-        # casts every element the same at any scale: it leaves the pooled scale to the others
-        # (an empty rank made a rank's 448 / amax read as 1, scale_ratio 1 / 448)
-        pooled_scale = torch.where(cast_amax > 0, scale_t, torch.inf)
+        something = cast_amax > 0
     else:
-        scale_t = pooled_scale = _on(scale, device).reshape(())
+        scale_t = _on(scale, device).reshape(())
+        something = amax > 0
+    # a piece with nothing to scale (empty, all zero or NaN: under current scaling amax 0, scale
+    # 1 by TE's rule) leaves the pooled scale to the others: an empty rank made a rank's
+    # 448 / amax read as 1 (scale_ratio 1 / 448); under delayed scaling without reduce_amax a
+    # rank with all-zero values is still at scale 1 (or an old scale), which read as the scale
+    # of the others' casts (a stale scale to the stale-scale rule)
+    pooled_scale = torch.where(something, scale_t, torch.inf)
     # the amax at |x| * 2**m in [2**56, 2**57); m clamped here, so that x and r move by the
     # same power of 2
     e_work = (_WORK_EXPONENT - _exponent(amax)).clamp(-126, 127)
@@ -355,8 +362,9 @@ def sufficient_stats(x: torch.Tensor, fmt: str = "e4m3",
         "inf_count": inf_count, "underflow": nonzero - partial[1].sum(),
         "overflow": overflow, "sq_error": sq_error,
         "dot": partial[4].sum() * r_scale / x_work + rt_sq, "x_sq": x_sq, "rt_sq": rt_sq,
-        "amax": amax, "neg_amin": -amin, "neg_scale": -pooled_scale, "fp8_max": _on(fp8_max, device),
-        "scale_ratio": ratio,
+        "amax": amax, "neg_amin": -amin, "neg_scale": -pooled_scale,
+        "neg_idle_scale": torch.where(something, -torch.inf, -scale_t),
+        "fp8_max": _on(fp8_max, device), "scale_ratio": ratio,
     }
     return torch.stack([parts[k].double().reshape(()) for k in SUFFICIENT_KEYS])
 
@@ -396,8 +404,8 @@ def all_reduce_sufficient_stats(rows: torch.Tensor, group: object | None = None)
 def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     """Sufficient statistics [..., K] -> the statistics [..., len(STAT_KEYS)] (float64, same
     device). Percentages and mse are over the finite elements (NaN where there is none),
-    rel_mse = ‖x - fp8(x)‖² / ‖x‖²; `scale` is the smallest pooled scale (current scaling of
-    nothing to scale: the current scale); `current_scale` is `fp8_max / amax` of the pooled
+    rel_mse = ‖x - fp8(x)‖² / ‖x‖²; `scale` is the smallest scale of the pieces with
+    something to scale (none had: the smallest of theirs; a row nobody saw: the current scale); `current_scale` is `fp8_max / amax` of the pooled
     amax (no margin); `scale_ratio` the largest of the pieces' own `scale / current_scale`
     (one piece, or pieces cast with one scale: `scale / current_scale`)."""
     s = {key: rows[..., i] for i, key in enumerate(SUFFICIENT_KEYS)}
@@ -406,7 +414,8 @@ def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     amin = torch.where(torch.isinf(amin), torch.zeros_like(amin), amin)
     current = _scale_from_amax(s["amax"], s["fp8_max"].float()).double()
     scale = -s["neg_scale"]
-    scale = torch.where(torch.isinf(scale), current, scale)  # no piece had anything to scale
+    idle = -s["neg_idle_scale"]  # no piece had anything to scale: their scale, if any cast
+    scale = torch.where(torch.isinf(scale), torch.where(torch.isinf(idle), current, idle), scale)
     norms = s["x_sq"].sqrt() * s["rt_sq"].sqrt()
     # a zero tensor's round trip is exact (1); a nonzero one cast to all zeros kept nothing (0)
     cos = torch.where(norms > 0, s["dot"] / norms.clamp_min(1e-300),

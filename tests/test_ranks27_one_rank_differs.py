@@ -28,6 +28,12 @@ from foundry_fp8.composer.stats import FP8Stats
 from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.health import layer_key
+from foundry_fp8.numerics import (
+    STAT_KEYS,
+    finalize_stats,
+    pool_sufficient_stats,
+    sufficient_stats,
+)
 from foundry_fp8.recipe import FP8Recipe
 from tests.ranks import init_rank, run_ranks
 from tests.test_numerics import f32, ref_round_trip
@@ -44,6 +50,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "nonfinite": {"layers": ("fp8", "plain"), "stats": {"interval": 2}, "steps": 5},
     # rank 1's inputs all zero: its activations too (no bias), its gradients not
     "zeros": {"layers": ("plain", "fp8"), "stats": {"interval": 2}, "steps": 3},
+    # ... and each rank its own delayed scale: rank 1's stays 1
+    "zeros_local": {"layers": ("plain", "fp8"), "stats": {"interval": 2}, "steps": 3,
+                    "recipe": FP8Recipe(scaling="delayed", amax_history_len=4,
+                                        reduce_amax=False)},
     # each rank its own delayed what-if scale; rank 1's tensors 16 times rank 0's
     "whatif_local": {"layers": ("plain", "plain"), "steps": 4,
                      "stats": {"interval": 3, "recipe": {"scaling": "delayed", "amax_history_len": 2,
@@ -86,7 +96,7 @@ def _inputs(rank: int, step: int, micro: int, scenario: str) -> torch.Tensor:
     x = torch.randn(8, 16, generator=gen) * (1 + 15 * rank) * (1 + step)
     if scenario == "nonfinite" and rank == 1 and step == 2:
         x[0, 0], x[1, 1] = float("nan"), float("inf")
-    if scenario == "zeros" and rank == 1:
+    if scenario.startswith("zeros") and rank == 1:
         x.zero_()
     if scenario == "microbatches" and rank == 0 and step == 3 and micro == 1:
         x[2, 5] = float("nan")
@@ -159,7 +169,7 @@ def _scenario(rank: int, name: str) -> dict:
                 events(Event.BEFORE_FORWARD)
                 # plain layers only: no autocast, whose amax reduction at each exit (TE's
                 # too) pairs micro-batches across ranks
-                with (fp8_autocast(recipe=RECIPE) if "fp8" in spec["layers"]
+                with (fp8_autocast(recipe=spec.get("recipe", RECIPE)) if "fp8" in spec["layers"]
                       else contextlib.nullcontext()):
                     out = model(_inputs(rank, batch, m, name))
                 (out * _loss_weight(rank, batch, name)).sum().backward()
@@ -302,6 +312,20 @@ def test_a_rank_with_all_zero_inputs_leaves_the_scale_to_the_other(results):
     _check(r0, _reference([(p, scale) for p in pieces], "e4m3"), "activation", "2")
 
 
+def test_a_rank_with_all_zero_inputs_at_its_own_scale_leaves_the_scale_to_the_other(results):
+    """Without reduce_amax rank 1's delayed scale stays 1 (its amax is 0): its zeros cast the
+    same at any scale, so the pooled `scale` is rank 0's (before: 1, which read as a stale scale
+    to the stale-scale rule, scale / current_scale 0.0097, where rank 0 cast at 179)."""
+    ranks = results("zeros_local")
+    _same_on_both_ranks(ranks)
+    scales = [r["scales"]["2"]["2"]["fwd_scale"][emulate.FWD_INPUT] for r in ranks]
+    assert scales[1] == 1.0 and scales[0] > 100
+    pieces = _pieces(ranks, 2, "activation", "2")
+    want = _reference(list(zip(pieces, scales, strict=True)), "e4m3")
+    assert want["scale"] == scales[0]
+    _check(_logged(ranks[0], 2), want, "activation", "2")
+
+
 def _delayed_scale(step: int, tensor: str, layer: str, ranks: list[dict]) -> float:
     """The delayed what-if scale at `step` under amax_history_len 2: fp8_max over the largest
     amax of the 2 batches before it, over the micro-batches of `ranks` (TE's fused update,
@@ -363,3 +387,16 @@ def test_a_guard_bug_before_its_vote_on_one_rank_switches_it_off_on_both(results
     assert all(not f for r in ranks for f in r["fallbacks"].values())
     assert not ranks[0]["stats_disabled"] and not ranks[1]["stats_disabled"]
     assert ranks[0]["tables"] == ranks[1]["tables"] and sorted(ranks[0]["metrics"]) == ["0", "2"]
+
+
+def test_a_piece_with_nothing_to_scale_leaves_the_pooled_scale_to_the_others():
+    """The pooling itself, without ranks: an all-zero piece at its own delayed scale 1 pooled
+    with one cast at 179 gives 179; alone, or with an all-NaN piece, the scale it was cast at."""
+    x = torch.linspace(-4.0, 4.0, 64)
+    zeros, nans = torch.zeros(64), torch.full((8,), float("nan"))
+    pooled = pool_sufficient_stats(sufficient_stats(zeros, "e4m3", 1.0),
+                                   sufficient_stats(x, "e4m3", 179.0))
+    assert dict(zip(STAT_KEYS, finalize_stats(pooled).tolist(), strict=True))["scale"] == 179.0
+    idle = pool_sufficient_stats(sufficient_stats(zeros, "e4m3", 2.0),
+                                 sufficient_stats(nans, "e4m3", 4.0))
+    assert dict(zip(STAT_KEYS, finalize_stats(idle).tolist(), strict=True))["scale"] == 2.0
