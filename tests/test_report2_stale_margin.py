@@ -87,3 +87,29 @@ def test_a_margin_5_run_is_not_told_to_shorten_its_history(tmp_path, tiny_data, 
     report = (tmp_path / "out" / "fp8_report.md").read_text()
     assert "underflow" in report and "margin 5" in report
     assert "amax_history_len (shorter)" not in report
+
+
+def test_the_live_warnings_judge_what_if_rows_with_fp8_stats_recipe():
+    """A layer not in FP8, watched with fp8_stats' delayed what-if at margin 5: its scale sits
+    at 1/32 of the current scale by design, so half its input underflowing is no stale scale
+    (before, the live warning advised a shorter amax_history_len, as the report did)."""
+    import torch
+    from torch import nn
+
+    from foundry_fp8.monitor import FP8Monitor
+    from foundry_fp8.options import MonitorConfig, Schedule
+
+    torch.manual_seed(0)
+    layer, warned = nn.Sequential(nn.Linear(16, 16)), []
+    config = MonitorConfig(tensors=("activation",),
+                           recipe={"scaling": "delayed", "margin": 5, "amax_history_len": 16})
+    monitor = FP8Monitor(layer, config, on_warning=warned.append, schedule=Schedule(interval=1))
+    assert monitor.tracker.whatif_recipe == DelayedRecipe(5, 16)
+    x = torch.randn(16, 16)
+    x[:8] *= 1e-7  # half the elements far below the amax: they underflow at any margin here
+    for step in range(4):
+        monitor.start_step(step)
+        layer(x).sum().backward()
+        monitor.finish_step()
+    assert warned, "no underflow warning at all"
+    assert not [w for w in warned if "amax_history_len" in w], warned

@@ -20,7 +20,7 @@ from foundry_fp8.blocks import block_index
 from foundry_fp8.health.keys import FRONTS, INITIAL_SCALE, TENSORS, direction, summary_key
 from foundry_fp8.health.specs import badness, worse_of
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
-from foundry_fp8.recipe import DELAYED_ONLY
+from foundry_fp8.recipe import DELAYED_ONLY, FP8Recipe
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
 SWAP = "algorithms.te_swap"
@@ -193,6 +193,12 @@ class DelayedRecipe(NamedTuple):
 
     margin: int = 0
     history_len: int | None = None
+
+    @classmethod
+    def of(cls, recipe: FP8Recipe) -> DelayedRecipe:
+        """A recipe's margin, and its history length where it scales delayed."""
+        return cls(recipe.margin,
+                   recipe.amax_history_len if recipe.scaling == "delayed" else None)
 
 
 @dataclass

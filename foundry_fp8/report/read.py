@@ -113,14 +113,8 @@ def recipes_from_hparams(hparams: Mapping[str, Any]
         whatif = None if stats is None else _whatif_recipe(stats)
     except (TypeError, ValueError):
         whatif = None
-    return _delayed(cast), _delayed(whatif)
-
-
-def _delayed(recipe: FP8Recipe | None) -> DelayedRecipe | None:
-    if recipe is None:
-        return None
-    return DelayedRecipe(recipe.margin,
-                         recipe.amax_history_len if recipe.scaling == "delayed" else None)
+    return (None if cast is None else DelayedRecipe.of(cast),
+            None if whatif is None else DelayedRecipe.of(whatif))
 
 
 def formats_from_hparams(hparams: Mapping[str, Any], tensors: Iterable[str]) -> dict[str, set[str]]:
