@@ -405,7 +405,8 @@ def finalize_stats(rows: torch.Tensor) -> torch.Tensor:
     """Sufficient statistics [..., K] -> the statistics [..., len(STAT_KEYS)] (float64, same
     device). Percentages and mse are over the finite elements (NaN where there is none),
     rel_mse = ‖x - fp8(x)‖² / ‖x‖²; `scale` is the smallest scale of the pieces with
-    something to scale (none had: the smallest of theirs; a row nobody saw: the current scale); `current_scale` is `fp8_max / amax` of the pooled
+    something to scale (none had: the smallest of theirs; a row nobody saw: the current
+    scale); `current_scale` is `fp8_max / amax` of the pooled
     amax (no margin); `scale_ratio` the largest of the pieces' own `scale / current_scale`
     (one piece, or pieces cast with one scale: `scale / current_scale`)."""
     s = {key: rows[..., i] for i, key in enumerate(SUFFICIENT_KEYS)}

@@ -24,8 +24,9 @@ CASES = [
 
 
 def _refused(attn: dict) -> str | None:
-    import foundry_fp8.attention  # noqa: F401  (registers sdpa, as our plugin does in a run)
     from llmfoundry.models.mpt import MPTConfig
+
+    import foundry_fp8.attention  # noqa: F401  (registers sdpa, as our plugin does in a run)
 
     try:
         MPTConfig(**{k: v for k, v in MODEL.items() if k != "name"}, attn_config=dict(attn))
