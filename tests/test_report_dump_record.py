@@ -20,6 +20,7 @@ import pytest
 from foundry_fp8.cli import main
 from tests.test_stats_dump_record import NAME, ROOT
 from tests.tiny_run import own_wandb_env
+from tests.two_linears import TwoLinears
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -36,21 +37,12 @@ def _train(project: Path, dump_folder: str, attempt: int) -> None:
     from composer import Callback, Trainer
     from composer.loggers import MLFlowLogger, WandBLogger
     from composer.models import ComposerClassifier
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from foundry_fp8.composer.jsonl_logger import JSONLLogger
     from foundry_fp8.composer.state import FP8State
     from foundry_fp8.composer.stats import FP8Stats
     from foundry_fp8.composer.te_swap import TESwap
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 4)])
-
-        def forward(self, x):
-            return self.blocks[1](torch.relu(self.blocks[0](x)))
 
     class Break(Callback):
         """The weight x1e4 at the start of batch DUMPED: an amax spike its delayed scaling
@@ -71,7 +63,7 @@ def _train(project: Path, dump_folder: str, attempt: int) -> None:
                             synchronous=True, resume=True)]
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
-    Trainer(model=ComposerClassifier(Net(), num_classes=4), run_name=NAME,
+    Trainer(model=ComposerClassifier(TwoLinears(), num_classes=4), run_name=NAME,
             train_dataloader=DataLoader(data, batch_size=8),
             max_duration=f"{BATCHES * (attempt + 1)}ba", save_folder="runs/{run_name}/checkpoints",
             save_interval=f"{BATCHES}ba", seed=17,  # MLflow refuses a changed rank_zero_seed

@@ -18,6 +18,7 @@ import pytest
 
 from foundry_fp8 import wandb_history
 from foundry_fp8.paths import DUMP_FOLDER_KEY
+from tests.two_linears import TwoLinears
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -32,21 +33,12 @@ def _train(project: Path, dump_folder: str, every_sink: bool = True) -> None:
     from composer import Trainer
     from composer.loggers import MLFlowLogger, WandBLogger
     from composer.models import ComposerClassifier
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from foundry_fp8.composer.jsonl_logger import JSONLLogger
     from foundry_fp8.composer.state import FP8State
     from foundry_fp8.composer.stats import FP8Stats
     from foundry_fp8.composer.te_swap import TESwap
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 4)])
-
-        def forward(self, x):
-            return self.blocks[1](torch.relu(self.blocks[0](x)))
 
     loggers = [JSONLLogger()]
     if every_sink:
@@ -58,7 +50,7 @@ def _train(project: Path, dump_folder: str, every_sink: bool = True) -> None:
                                  experiment_name="dumps", synchronous=True)]
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(32, 16), torch.randint(0, 4, (32,)))
-    Trainer(model=ComposerClassifier(Net(), num_classes=4),
+    Trainer(model=ComposerClassifier(TwoLinears(), num_classes=4),
             run_name=NAME, train_dataloader=DataLoader(data, batch_size=8), max_duration="4ba",
             algorithms=[TESwap(backend="emulate")],
             callbacks=[FP8State(), FP8Stats(interval=2, dump_steps=[DUMPED],

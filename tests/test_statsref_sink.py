@@ -21,6 +21,7 @@ from foundry_fp8.jsonl import read_jsonl
 from foundry_fp8.numerics import FP8_MAX
 from tests.test_numerics import f32
 from tests.test_numerics_te_stats import te_amax, te_current_scale, te_stats
+from tests.two_linears import TwoLinears
 
 STEPS = 3
 FORMATS = {"activation": "e4m3", "weight": "e4m3", "gradient": "e5m2"}  # HYBRID
@@ -30,20 +31,11 @@ DELAYED, WHATIF = "module.blocks.0", "module.blocks.1"  # te_swap leaves the 4x1
 def _train(folder: Path) -> None:
     from composer import Callback, Trainer
     from composer.models import ComposerClassifier
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from foundry_fp8.composer.jsonl_logger import JSONLLogger
     from foundry_fp8.composer.stats import FP8Stats
     from foundry_fp8.composer.te_swap import TESwap
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 4)])
-
-        def forward(self, x):
-            return self.blocks[1](torch.relu(self.blocks[0](x)))
 
     class Poison(Callback):
         """A NaN and an Inf in one sample of the last batch's input."""
@@ -57,7 +49,7 @@ def _train(folder: Path) -> None:
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8 * STEPS, 16) * 3, torch.randint(0, 4, (8 * STEPS,)))
-    trainer = Trainer(model=ComposerClassifier(Net(), num_classes=4), run_name="r",
+    trainer = Trainer(model=ComposerClassifier(TwoLinears(), num_classes=4), run_name="r",
                       train_dataloader=DataLoader(data, batch_size=8), max_duration=f"{STEPS}ba",
                       algorithms=[TESwap(backend="emulate")],
                       callbacks=[FP8Stats(interval=1, dump_steps=list(range(STEPS)),
