@@ -101,3 +101,24 @@ def train_batches(model: torch.nn.Module, optimizer: torch.optim.Optimizer, call
             for callback in callbacks:
                 callback.run_event(event, state, logger)
         yield batch
+
+
+class StepLogger:
+    """Composer's Logger and its one destination, for callbacks driven by hand on each rank:
+    the metrics by step; hyperparameters, images and tables dropped."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[int, dict] = {}
+        self.destinations = [self]
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.metrics.setdefault(step, {}).update(metrics)
+
+    def log_hyperparameters(self, hparams: dict) -> None:
+        pass
+
+    def log_images(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_table(self, *args: Any, **kwargs: Any) -> None:
+        pass

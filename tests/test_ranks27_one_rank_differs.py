@@ -35,7 +35,7 @@ from foundry_fp8.numerics import (
     sufficient_stats,
 )
 from foundry_fp8.recipe import FP8Recipe
-from tests.ranks import init_rank, run_ranks
+from tests.ranks import StepLogger, init_rank, run_ranks
 from tests.test_numerics import f32, ref_round_trip
 
 FORMAT = {"activation": "e4m3", "gradient": "e5m2"}  # HYBRID, the recipes' default
@@ -69,26 +69,6 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                    "bug": "foundry_fp8.composer.guard.short_layer"},
 }
 RECIPE = FP8Recipe(scaling="delayed", amax_history_len=4)
-
-
-class _Logger:
-    """Composer's Logger and its one destination."""
-
-    def __init__(self):
-        self.metrics: dict[int, dict] = {}
-        self.destinations = [self]
-
-    def log_metrics(self, metrics, step):
-        self.metrics.setdefault(step, {}).update(metrics)
-
-    def log_hyperparameters(self, hparams):
-        pass
-
-    def log_images(self, *args, **kwargs):
-        pass
-
-    def log_table(self, *args, **kwargs):
-        pass
 
 
 def _inputs(rank: int, step: int, micro: int, scenario: str) -> torch.Tensor:
@@ -140,7 +120,7 @@ def _scenario(rank: int, name: str) -> dict:
                                   algorithms=[], device=DeviceCPU(),
                                   precision=types.SimpleNamespace(value="fp32"),
                                   timestamp=types.SimpleNamespace(batch=0))
-    logger = _Logger()
+    logger = StepLogger()
     seen: dict = {"step": 0}
     _capture(model, seen)
     tables: dict[int, dict] = {}

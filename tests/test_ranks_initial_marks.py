@@ -26,7 +26,7 @@ from foundry_fp8.emulate import EmulatedFP8Linear, fp8_autocast
 from foundry_fp8.fp8_meta import read_fp8_meta
 from foundry_fp8.health import INITIAL_SCALE, layer_key
 from foundry_fp8.recipe import FP8Recipe
-from tests.ranks import init_rank, run_ranks
+from tests.ranks import StepLogger, init_rank, run_ranks
 
 STEPS, INTERVAL = 5, 2
 #: rank 1's first batches masked (its gradients 0 at logging step 2 yet) or skipping layer 2
@@ -38,24 +38,6 @@ SLOTS = {"activation": ("fwd", 0), "weight": ("fwd", 1), "gradient": ("bwd", 0)}
 #: skipping a layer on one rank needs `reduce_amax: false`: with it, TE (and the emulation)
 #: all-reduce the amaxes of the layers each rank ran, of other sizes then
 CASES = [(True, "masked"), (False, "masked"), (False, "skipped")]
-
-
-class _Logger:
-    def __init__(self):
-        self.metrics: dict[int, dict] = {}
-        self.destinations = [self]
-
-    def log_metrics(self, metrics, step):
-        self.metrics.setdefault(step, {}).update(metrics)
-
-    def log_hyperparameters(self, hparams):
-        pass
-
-    def log_images(self, *args, **kwargs):
-        pass
-
-    def log_table(self, *args, **kwargs):
-        pass
 
 
 def _marked(tables: dict[int, list], step: int, table: dict, flags: dict) -> None:
@@ -89,7 +71,7 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
         state = types.SimpleNamespace(model=model, run_name="run", callbacks=[stats],
                                       algorithms=[], device=DeviceCPU(),
                                       timestamp=types.SimpleNamespace(batch=0))
-        logger = _Logger()
+        logger = StepLogger()
         tables: dict[int, list] = {}
         stats.run_event(Event.FIT_START, state, logger)
         stats.listeners.append(functools.partial(_marked, tables))
