@@ -477,6 +477,23 @@ def _activation_dtype(x: torch.Tensor) -> torch.dtype:
 _TE_CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@contextmanager
+def _float32_gemms(device_type: str) -> Iterator[None]:
+    """The emulated GEMMs in float32 as written, whatever torch's float32 matmul precision or
+    autocast say, as TE's FP8 GEMMs (exact FP8 products, float32 accumulation in cuBLAS) are
+    reached by neither. Composer's GPU device turns TF32 on by default ("high": 10-bit operand
+    mantissas) and "medium" makes a CPU matmul bfloat16, so each dequantized operand `fp8 *
+    scale_inv` (up to 24 significant bits) was rounded again; a backward called inside torch
+    autocast ran in autocast's dtype. The user's precision is restored on the way out."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def _bias_dtype(activation_dtype: torch.dtype) -> torch.dtype:
     """cuBLAS takes no float32 bias with FP8 operands: TE casts it to bfloat16 then
     (linear.py:499-502); the epilogue adds it to the float32 accumulator."""
@@ -574,7 +591,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.override = override
         ctx.module, ctx.recipe, ctx.update_backward = module, recipe, update_backward
         ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype, dtype
-        with torch.autocast(x.device.type, enabled=False):
+        with _float32_gemms(x.device.type):
             out = nn.functional.linear(dequantize(qx, sx), dequantize(qw, sw))
             if bias is not None:
                 out = out + bias.to(_bias_dtype(dtype)).float()
@@ -598,11 +615,12 @@ class _FP8LinearFunction(torch.autograd.Function):
             g = grad_out.float()
             w, x = dequantize(qw, sw).to(dtype).float(), dequantize(qx, sx).to(dtype).float()
         grad_x = grad_w = grad_b = None
-        if need_x:
-            grad_x = (g @ w).to(dtype).to(x_dtype)
-        if need_w:
-            g2d, x2d = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-            grad_w = (g2d.t() @ x2d).to(dtype).to(w_dtype)
+        with _float32_gemms(grad_out.device.type):
+            if need_x:
+                grad_x = (g @ w).to(dtype).to(x_dtype)
+            if need_w:
+                g2d, x2d = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+                grad_w = (g2d.t() @ x2d).to(dtype).to(w_dtype)
         if need_b:
             # TE's fused bgrad + cast reduces the high-precision gradient (module/base.py,
             # grad_output_preprocess: tex.bgrad_quantize), accumulating in float32
