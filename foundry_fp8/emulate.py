@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import threading
 import warnings
 import weakref
 from collections import deque
@@ -477,6 +478,20 @@ def _activation_dtype(x: torch.Tensor) -> torch.dtype:
 _TE_CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@dataclass
+class _Float32Gemms:
+    """The user's float32 matmul precision while emulated GEMMs run, and how many run: threads
+    (nn.DataParallel's replicas, CUDA backward threads) overlap, and the last one out restores
+    it (one thread restoring while another multiplied ran the other's GEMM in TF32)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    running: int = 0
+    user: str = "highest"
+
+
+_GEMMS = _Float32Gemms()
+
+
 @contextmanager
 def _float32_gemms(device_type: str) -> Iterator[None]:
     """The emulated GEMMs in float32 as written, whatever torch's float32 matmul precision or
@@ -485,13 +500,19 @@ def _float32_gemms(device_type: str) -> Iterator[None]:
     mantissas) and "medium" makes a CPU matmul bfloat16, so each dequantized operand `fp8 *
     scale_inv` (up to 24 significant bits) was rounded again; a backward called inside torch
     autocast ran in autocast's dtype. The user's precision is restored on the way out."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    with _GEMMS.lock:
+        if _GEMMS.running == 0:
+            _GEMMS.user = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("highest")
+        _GEMMS.running += 1
     try:
         with torch.autocast(device_type, enabled=False):
             yield
     finally:
-        torch.set_float32_matmul_precision(previous)
+        with _GEMMS.lock:
+            _GEMMS.running -= 1
+            if _GEMMS.running == 0:
+                torch.set_float32_matmul_precision(_GEMMS.user)
 
 
 def _bias_dtype(activation_dtype: torch.dtype) -> torch.dtype:

@@ -125,3 +125,24 @@ def test_gemms_are_float32_under_composers_tf32_default(operands):
     assert_float32_gemm(y.cpu(), qx, qw.T)
     assert_float32_gemm(dx.cpu(), qdy, qw)
     assert_float32_gemm(dw.cpu(), qdy.T, qx)
+
+
+def test_overlapping_gemms_keep_float32_and_give_the_setting_back():
+    """Two threads' GEMMs overlapping (nn.DataParallel's replicas, CUDA backward threads), in
+    the schedule A in, B in, A out, B out: B's GEMM ran at the user's "medium" once A restored
+    it, and B then restored the "highest" it found, losing the user's setting for good."""
+    from foundry_fp8.emulate import _float32_gemms
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        first, second = _float32_gemms("cpu"), _float32_gemms("cpu")
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        inside = torch.get_float32_matmul_precision()
+        second.__exit__(None, None, None)
+        after = torch.get_float32_matmul_precision()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert (inside, after) == ("highest", "medium")
