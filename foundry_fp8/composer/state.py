@@ -34,6 +34,7 @@ from foundry_fp8.composer.guard import FP8Guard, accept_absent_state, checkpoint
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.fp8_meta import (
+    canonical_modules,
     fp8_modules,
     is_fp8_module,
     read_fp8_meta,
@@ -251,6 +252,8 @@ class FP8State(Callback):
         #: that run computed in FP8 (`_saved_run`)
         self._saved_precision: str | None = None
         self._saved_fp8 = False
+        #: fp8_guard's fallbacks in a whole-file weights-only load's checkpoint
+        self._weights_fallbacks: list[str] = []
         self._waiting = _Waiting({}, self._mismatch, self.strict)  # TE modules before their first forward
         #: this callback's hooks on the model (inert `_extra_state` saves, restores waiting for
         #: a first FP8 forward), taken off when its Trainer closes: the model may train on
@@ -414,6 +417,9 @@ class FP8State(Callback):
                                                                      Mapping) else None
                 self._bf16_weights = isinstance(entries, Mapping) and not _holds_fp8_state(
                     next((entries[n] for n in _qualnames(type(self)) if n in entries), None))
+                # fp8_guard's entry is not loaded either: its fallbacks end here
+                self._weights_fallbacks = _guard_fallbacks(entries) if isinstance(
+                    entries, Mapping) else []
             model = serialized.get("model") if isinstance(serialized, Mapping) else None
             self._te_restored = isinstance(model, Mapping) and holds_te_scaling_state(model)
             return load_model(serialized, *args, **kwargs)
@@ -432,6 +438,7 @@ class FP8State(Callback):
         te_restored, self._te_restored = self._te_restored, False
         bf16_weights, self._bf16_weights = self._bf16_weights, False
         saved_fp8, self._saved_fp8 = self._saved_fp8, False
+        weights_fallbacks, self._weights_fallbacks = self._weights_fallbacks, []
         if entries is None or self._model is None:
             return
         ours = type(self).__qualname__ in entries
@@ -466,9 +473,19 @@ class FP8State(Callback):
             log.warning("fp8_state: %s holds no FP8 state (saved without fp8_state, or left "
                         "out by load_ignore_keys); FP8 scales and amax histories start fresh, "
                         "as expected when converting a bf16 checkpoint", state.load_path)
+        # a held layer this run keeps out of FP8 (excluded since, as the guard's advice says)
+        # is not back in FP8
+        out_of_fp8 = {short_layer(name) for name, module in canonical_modules(self._model)
+                      if not (is_fp8_module(module) and would_run_fp8(
+                          self._precision, *fp8_module_counts(module)))}
         if weights_only:
+            back = [layer for layer in weights_fallbacks if layer not in out_of_fp8]
+            if back:
+                log.warning("fp8_state: %s: fp8_guard held %d layers in high precision (%s); "
+                            "a weights-only load does not keep its fallbacks, so they run in "
+                            "FP8 again", state.load_path, len(back), ", ".join(back))
             return
-        fallbacks = _guard_fallbacks(entries)
+        fallbacks = [layer for layer in _guard_fallbacks(entries) if layer not in out_of_fp8]
         if fallbacks and not any(isinstance(c, FP8Guard) for c in state.callbacks):
             log.warning("fp8_state: %s: fp8_guard held %d layers in high precision (%s); this "
                         "run has no fp8_guard, so they run in FP8 again", state.load_path,
