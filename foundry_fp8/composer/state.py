@@ -550,7 +550,10 @@ class FP8State(Callback):
         precision since the resume) holds no state of its own yet: the checkpoint's state it
         waits for is what it has, and what the next checkpoint keeps."""
         assert self._model is not None
-        rows = self._recipe.amax_history_len if self._recipe is not None else 0
+        # current scaling keeps no history: its empty ones stay empty (given rows, they read
+        # as delayed-scaling state, and the run's own resume was refused)
+        rows = self._recipe.amax_history_len if self._recipe is not None and \
+            self._recipe.scaling == "delayed" else 0
         state: FP8ModuleState = {}
         for name, module in fp8_modules(self._model):
             tensors = read_fp8_meta(module) or self._waiting.unrestored(name)
@@ -665,6 +668,11 @@ class FP8State(Callback):
         keeps_state = [n for n, t in saved.items()
                        if any(v.numel() for k, v in t.items() if k.endswith("_amax_history"))]
         if run is not None and run.scaling != "delayed":
+            if saved_with is not None and saved_with.scaling == run.scaling:
+                # saved under this scaling, only recorded amaxes are delayed-scaling state: its
+                # histories before 2026-12-01 were fp8_state's padding, zeros ("none recorded")
+                keeps_state = [n for n in keeps_state if any(
+                    bool(v.any()) for k, v in saved[n].items() if k.endswith("_amax_history"))]
             if keeps_state:  # a delayed-scaling checkpoint: nothing of it applies
                 what = (f"{recipe_change(saved_with, run)}, which keeps no amax histories"
                         if saved_with is not None and saved_with.scaling != run.scaling else
