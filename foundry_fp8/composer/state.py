@@ -34,6 +34,7 @@ from foundry_fp8.composer.guard import FP8Guard, accept_absent_state, checkpoint
 from foundry_fp8.composer.te_swap import TESwap
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.fp8_meta import (
+    canonical_modules,
     fp8_modules,
     is_fp8_module,
     read_fp8_meta,
@@ -247,6 +248,12 @@ class FP8State(Callback):
         self._weights_only: str | None = None  # which weights-only setting, if any
         self._te_restored = False  # the load's model held TE's own pickled FP8 state
         self._bf16_weights = False  # a weights-only load of a checkpoint saved without FP8
+        #: the full load's checkpoint: its run's precision (Composer's `metadata`) and whether
+        #: that run computed in FP8 (`_saved_run`)
+        self._saved_precision: str | None = None
+        self._saved_fp8 = False
+        #: fp8_guard's fallbacks in a whole-file weights-only load's checkpoint
+        self._weights_fallbacks: list[str] = []
         self._waiting = _Waiting({}, self._mismatch, self.strict)  # TE modules before their first forward
         #: this callback's hooks on the model (inert `_extra_state` saves, restores waiting for
         #: a first FP8 forward), taken off when its Trainer closes: the model may train on
@@ -387,6 +394,7 @@ class FP8State(Callback):
         def load_state_dict(serialized: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             entries = serialized.get("callbacks") if isinstance(serialized, Mapping) else None
             self._loaded_entries = entries if isinstance(entries, Mapping) else {}
+            self._saved_precision, self._saved_fp8 = _saved_run(serialized)
             self._weights_only = None
             # by the checkpoint's shape, not a missing key: `load_ignore_keys` (say
             # `state/timestamp`) filters a full checkpoint before this call
@@ -409,6 +417,9 @@ class FP8State(Callback):
                                                                      Mapping) else None
                 self._bf16_weights = isinstance(entries, Mapping) and not _holds_fp8_state(
                     next((entries[n] for n in _qualnames(type(self)) if n in entries), None))
+                # fp8_guard's entry is not loaded either: its fallbacks end here
+                self._weights_fallbacks = _guard_fallbacks(entries) if isinstance(
+                    entries, Mapping) else []
             model = serialized.get("model") if isinstance(serialized, Mapping) else None
             self._te_restored = isinstance(model, Mapping) and holds_te_scaling_state(model)
             return load_model(serialized, *args, **kwargs)
@@ -426,35 +437,55 @@ class FP8State(Callback):
         weights_only, self._weights_only = self._weights_only, None
         te_restored, self._te_restored = self._te_restored, False
         bf16_weights, self._bf16_weights = self._bf16_weights, False
+        saved_fp8, self._saved_fp8 = self._saved_fp8, False
+        weights_fallbacks, self._weights_fallbacks = self._weights_fallbacks, []
         if entries is None or self._model is None:
             return
         ours = type(self).__qualname__ in entries
         has_fp8 = next(fp8_modules(self._model), None) is not None
+        # whether anything computes in FP8: a TE layer under amp_bf16 has no scaling to start
+        # fresh
+        in_fp8 = would_run_fp8(self._precision, *fp8_module_counts(self._model))
         if has_fp8 and te_restored and not ours:
             # TE's set_extra_state restored it during the model load (TE 2.20
             # pytorch/module/base.py), where the TE installed unpickles it at all
             log.warning("fp8_state: %s holds no FP8 state of fp8_state's but TE's own in its "
                         "modules' _extra_state (saved without fp8_state): TE restored those "
                         "FP8 scales and amax histories as saved, unchecked", state.load_path)
-        elif has_fp8 and bf16_weights:
+        elif in_fp8 and bf16_weights:
             log.warning("fp8_state: %s (loaded with load_weights_only) holds no FP8 state "
                         "(saved without fp8_state or FP8 modules); FP8 scales and amax "
                         "histories start fresh, as expected when converting a bf16 checkpoint",
                         state.load_path)
-        elif has_fp8 and weights_only:
+        elif in_fp8 and weights_only:
             # fp8_state keeps the FP8 state out of the model's weights (TE's
             # `_extra_state` is saved as "no state"), so a weights-only load carries none
             log.warning("fp8_state: %s %s: FP8 scales and amax histories are not part "
                         "of the model's weights and start fresh (%s)", state.load_path,
                         *_WEIGHTS_ONLY[weights_only])
-        elif has_fp8 and not ours:
+        elif in_fp8 and not ours and saved_fp8:
+            log.warning("fp8_state: %s holds no FP8 state though its run computed in FP8 "
+                        "(te_swap or amp_fp8; saved without fp8_state, or left out by "
+                        "load_ignore_keys); FP8 scales and amax histories start fresh, not "
+                        "continued from that run", state.load_path)
+        elif in_fp8 and not ours:
             # Composer drops `load_ignore_keys` before any callback sees the checkpoint
             log.warning("fp8_state: %s holds no FP8 state (saved without fp8_state, or left "
                         "out by load_ignore_keys); FP8 scales and amax histories start fresh, "
                         "as expected when converting a bf16 checkpoint", state.load_path)
+        # a held layer this run keeps out of FP8 (excluded since, as the guard's advice says)
+        # is not back in FP8
+        out_of_fp8 = {short_layer(name) for name, module in canonical_modules(self._model)
+                      if not (is_fp8_module(module) and would_run_fp8(
+                          self._precision, *fp8_module_counts(module)))}
         if weights_only:
+            back = [layer for layer in weights_fallbacks if layer not in out_of_fp8]
+            if back:
+                log.warning("fp8_state: %s: fp8_guard held %d layers in high precision (%s); "
+                            "a weights-only load does not keep its fallbacks, so they run in "
+                            "FP8 again", state.load_path, len(back), ", ".join(back))
             return
-        fallbacks = _guard_fallbacks(entries)
+        fallbacks = [layer for layer in _guard_fallbacks(entries) if layer not in out_of_fp8]
         if fallbacks and not any(isinstance(c, FP8Guard) for c in state.callbacks):
             log.warning("fp8_state: %s: fp8_guard held %d layers in high precision (%s); this "
                         "run has no fp8_guard, so they run in FP8 again", state.load_path,
@@ -519,7 +550,10 @@ class FP8State(Callback):
         precision since the resume) holds no state of its own yet: the checkpoint's state it
         waits for is what it has, and what the next checkpoint keeps."""
         assert self._model is not None
-        rows = self._recipe.amax_history_len if self._recipe is not None else 0
+        # current scaling keeps no history: its empty ones stay empty (given rows, they read
+        # as delayed-scaling state, and the run's own resume was refused)
+        rows = self._recipe.amax_history_len if self._recipe is not None and \
+            self._recipe.scaling == "delayed" else 0
         state: FP8ModuleState = {}
         for name, module in fp8_modules(self._model):
             tensors = read_fp8_meta(module) or self._waiting.unrestored(name)
@@ -634,6 +668,11 @@ class FP8State(Callback):
         keeps_state = [n for n, t in saved.items()
                        if any(v.numel() for k, v in t.items() if k.endswith("_amax_history"))]
         if run is not None and run.scaling != "delayed":
+            if saved_with is not None and saved_with.scaling == run.scaling:
+                # saved under this scaling, only recorded amaxes are delayed-scaling state: its
+                # histories before 2026-12-01 were fp8_state's padding, zeros ("none recorded")
+                keeps_state = [n for n in keeps_state if any(
+                    bool(v.any()) for k, v in saved[n].items() if k.endswith("_amax_history"))]
             if keeps_state:  # a delayed-scaling checkpoint: nothing of it applies
                 what = (f"{recipe_change(saved_with, run)}, which keeps no amax histories"
                         if saved_with is not None and saved_with.scaling != run.scaling else
@@ -665,6 +704,17 @@ class FP8State(Callback):
         # state for is still restored, at its first FP8 forward
         running = {name for name, module in modules.items()
                    if would_run_fp8(self._precision, *fp8_module_counts(module))}
+        # TE modules this run's precision turned FP8 on or off for since the checkpoint: not a
+        # change of te_swap's layers, and no FP8 state is lost (one that saved state keeps it)
+        turned_on = sorted(
+            name for name in running - saved.keys()
+            if self._saved_precision not in (None, self._precision)
+            and not would_run_fp8(self._saved_precision, *fp8_module_counts(modules[name])))
+        turned_off = sorted(saved.keys() & modules.keys() - running)
+        if turned_on or turned_off:
+            log.warning(_precision_changed(self._saved_precision, self._precision, turned_on,
+                                           turned_off))
+        running -= set(turned_on)
         missing = sorted(running - saved.keys())
         unexpected = sorted(saved.keys() - modules.keys())
         # out of FP8 now, as the checkpoint's fp8_guard held them and its advice says to keep
@@ -739,7 +789,7 @@ class FP8State(Callback):
             elif name not in shapes:
                 write_fp8_meta(modules[name], tensors)
         log.info("fp8_state: restored amax history and scales of %d modules",
-                 len(checked) - len(shapes))
+                 len(checked.keys() - shapes.keys() - set(turned_off)))
 
 
 def saved_state_template(entry: dict[str, Any], saved: Mapping[str, Any]) -> None:
@@ -823,6 +873,39 @@ def _layers_changed(missing: list[str], unexpected: list[str]) -> str:
             f"{len(missing)} in FP8 now without saved state"
             f"{': ' + _shown(missing) if missing else ''}; {len(unexpected)} saved, not in FP8 "
             f"now{': ' + _shown(unexpected) if unexpected else ''}")
+
+
+def _saved_run(serialized: Any) -> tuple[str | None, bool]:
+    """The precision a checkpoint's run trained under (Composer's `metadata`, None if not
+    recorded) and whether that run computed in FP8: under amp_fp8, or with te_swap among its
+    algorithms (Composer keeps their class names, composer/core/state.py)."""
+    if not isinstance(serialized, Mapping):
+        return None, False
+    metadata = serialized.get("metadata")
+    precision = metadata.get("precision") if isinstance(metadata, Mapping) else None
+    precision = precision if isinstance(precision, str) else None
+    algorithms = serialized.get("algorithms")
+    names = [item[0] for item in algorithms if isinstance(item, (tuple, list)) and item] \
+        if isinstance(algorithms, list) else []
+    return precision, precision == "amp_fp8" or TESwap.__name__ in names
+
+
+def _precision_changed(saved: str | None, now: str, turned_on: list[str],
+                       turned_off: list[str]) -> str:
+    """One line for TE modules whose FP8 the run's precision turned on (`turned_on`: saved no
+    state) or off (`turned_off`: their saved state is kept, `_local_state`) since the
+    checkpoint: TE computes in FP8 only under amp_fp8 (`would_run_fp8`)."""
+    change = f"precision {saved} -> {now} since the checkpoint" if saved not in (None, now) \
+        else f"under this run's precision {now}"
+    said = []
+    if turned_on:
+        said.append(f"{len(turned_on)} TE module(s) run in FP8 now and start FP8 scaling fresh "
+                    f"(they saved none): {_shown(turned_on)}")
+    if turned_off:
+        said.append(f"{len(turned_off)} TE module(s) do not run in FP8 now, their saved FP8 "
+                    f"scales and amax histories kept unused for a later amp_fp8 resume: "
+                    f"{_shown(turned_off)}")
+    return f"fp8_state: {change}: {'; '.join(said)}"
 
 
 def _guard_fallbacks(entries: Mapping[str, Any]) -> list[str]:
