@@ -91,9 +91,9 @@ def test_load_ignore_keys_of_the_fp8_state_entry_is_named(tmp_path, tiny_data):
     finally:
         logger.removeHandler(handler)
     assert handler.lines == [
-        f"fp8_state: {checkpoint} holds no FP8 state (saved without fp8_state, or left out by "
-        "load_ignore_keys); FP8 scales and amax histories start fresh, as expected when "
-        "converting a bf16 checkpoint"]
+        f"fp8_state: {checkpoint} holds no FP8 state though its run computed in FP8 (te_swap or "
+        "amp_fp8; saved without fp8_state, or left out by load_ignore_keys); FP8 scales and amax "
+        "histories start fresh, not continued from that run"]
 
 
 def test_a_weights_only_fine_tune_says_its_fp8_scaling_starts_fresh(tmp_path, tiny_data):
