@@ -29,6 +29,7 @@ from foundry_fp8.composer.destinations import (
     mlflow_accepted,
     mlflow_logging,
 )
+from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
@@ -357,7 +358,8 @@ class FP8Stats(Callback):
             dumps = in_run_folder(self.dump_folder or DUMP_FOLDER, base, state.run_name, key)
             config = dataclasses.replace(config, dump_folder=dumps)
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
-                                  on_warning=log.warning if _is_rank_zero() else lambda _: None)
+                                  on_warning=log.warning if _is_rank_zero() else lambda _: None,
+                                  passes=device_failure if auto_retries(state) else None)
         if _is_rank_zero():
             # the model's order of the layers it may watch, for the report (W&B and MLflow keep
             # no order of keys): every such layer, so that a resume with other `layers` logs the
@@ -692,6 +694,16 @@ def last_batch(state: State) -> int | None:
     if duration.unit == TimeUnit.EPOCH and batches is not None:
         return duration.value * batches.value - 1
     return None
+
+
+def auto_retries(state: State) -> bool:
+    """Whether Composer runs a batch again after out of memory (or reports a CUDA error) raised
+    in a hook of ours: under `device_train_microbatch_size: auto` (composer trainer.py
+    `_train_batch`: it halves the micro-batch; the retry's statistics start afresh at
+    BEFORE_TRAIN_BATCH). Kept by the hook, the error went unseen: the batch went on at the size
+    that did not fit and fp8_stats switched off for the run. With a fixed size no retry helps:
+    the error stays ours (fp8_stats off, training goes on)."""
+    return bool(getattr(state, "auto_microbatching", False))
 
 
 def dump_record(dumps: Path, base: Path) -> str:
