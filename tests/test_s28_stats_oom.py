@@ -28,7 +28,9 @@ from foundry_fp8.health import layer_key
 BATCH, FITS, FEATURES, BATCHES = 8, 2, 16, 3
 
 
-def _fit(microbatch: int | str, monkeypatch) -> tuple[InMemoryLogger, Trainer, torch.Tensor]:
+def _fit(microbatch: int | str, monkeypatch, tensors: tuple[str, ...] = ("activation", "weight",
+                                                                        "gradient"),
+         ) -> tuple[InMemoryLogger, Trainer, torch.Tensor]:
     real = monitor.sufficient_stats
 
     def short_of_memory(value: torch.Tensor, *args, **kwargs):
@@ -49,7 +51,8 @@ def _fit(microbatch: int | str, monkeypatch) -> tuple[InMemoryLogger, Trainer, t
                       max_duration=f"{BATCHES}ba", device_train_microbatch_size=microbatch,
                       device="cpu", progress_bar=False,
                       optimizers=torch.optim.SGD(net.parameters(), lr=0.0),
-                      callbacks=[FP8Stats(interval=1, image_interval=None)], loggers=[memory])
+                      callbacks=[FP8Stats(interval=1, image_interval=None, tensors=list(tensors))],
+                      loggers=[memory])
     trainer.fit()
     return memory, trainer, x
 
@@ -67,6 +70,15 @@ def test_an_out_of_memory_error_in_the_statistics_halves_the_micro_batch_and_the
     assert amax == pytest.approx({b: x[b * BATCH:(b + 1) * BATCH].abs().max().item()
                                   for b in range(BATCHES)}, rel=1e-6)
     steps = [int(t.batch) for t, _ in memory.data[layer_key("amax", "gradient", "module.2")]]
+    assert steps == list(range(BATCHES))
+
+
+@pytest.mark.filterwarnings("ignore:.*microbatch.*")
+def test_one_raised_in_a_backward_hook_reaches_composer_too(monkeypatch):
+    """Gradients only: the error comes out of `loss.backward()` (autograd keeps its type)."""
+    memory, trainer, _ = _fit("auto", monkeypatch, tensors=("gradient",))
+    assert trainer.state.device_train_microbatch_size == FITS
+    steps = [int(t.batch) for t, _ in memory.data[layer_key("amax", "gradient", "module.0")]]
     assert steps == list(range(BATCHES))
 
 
