@@ -31,8 +31,13 @@ RECORD_START = '{"step": '
 
 
 def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item") and callable(value.item):
-        value = value.item()
+    """`value` as JSON takes it: a tensor or numpy value as its number, or as a list of them
+    where it holds several (a per-class metric, which Composer logs as `compute()` returns it:
+    `.item()` raised there, and the `jsonl` logger stopped for the rest of the run)."""
+    if hasattr(value, "tolist") and callable(value.tolist):
+        value = value.tolist()
+    if isinstance(value, list):
+        return [_jsonable(item) for item in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/Inf; keep them visible instead of dropping them
     if isinstance(value, (bool, int, float, str)) or value is None:

@@ -419,8 +419,14 @@ class FP8Monitor:
 
     def __init__(self, model: nn.Module, config: MonitorConfig | None = None,
                  on_warning: Callable[[str], None] | None = None,
-                 schedule: Schedule | None = None):
+                 schedule: Schedule | None = None,
+                 passes: Callable[[Exception], bool] | None = None):
         self.model = model
+        #: the errors a hook lets through to the forward or backward it runs in, where the
+        #: caller can act on them (fp8_stats: out of memory under Composer's auto micro-batching,
+        #: which runs the batch again smaller); any other error of a hook is kept for
+        #: `finish_step`
+        self.passes = passes or (lambda error: False)
         self.config = config or MonitorConfig()
         self.schedule = schedule or Schedule()
         if self.schedule.dump_steps and self.config.dump_folder is None:
@@ -577,6 +583,8 @@ class FP8Monitor:
         try:
             hook(*args)
         except Exception as e:  # re-raised by finish_step, on every rank
+            if self.passes(e):  # the step starts again (`restart_batch`) or the run ends
+                raise
             self.error = e
 
     def _attempt(self, work: Callable[..., Any], *args: Any) -> Any:

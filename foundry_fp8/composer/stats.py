@@ -29,6 +29,7 @@ from foundry_fp8.composer.destinations import (
     mlflow_accepted,
     mlflow_logging,
 )
+from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
@@ -216,6 +217,8 @@ class FP8Stats(Callback):
         self._failed_said: set[str] = set()
         self.disabled = False
         self._step = 0
+        #: this fit has logged nothing yet and was not told so at FIT_START (`_say_unlogged`)
+        self._unlogged = False
         self._te_metrics: dict[str, float] = {}
         #: Layers fp8_guard runs in high precision now (names as in the keys), kept current by
         #: the guard: their what-if rows stay out of the summary series, and the table says so.
@@ -357,7 +360,8 @@ class FP8Stats(Callback):
             dumps = in_run_folder(self.dump_folder or DUMP_FOLDER, base, state.run_name, key)
             config = dataclasses.replace(config, dump_folder=dumps)
         self.monitor = FP8Monitor(state.model, config, schedule=self.schedule,
-                                  on_warning=log.warning if _is_rank_zero() else lambda _: None)
+                                  on_warning=log.warning if _is_rank_zero() else lambda _: None,
+                                  passes=device_failure if auto_retries(state) else None)
         if _is_rank_zero():
             # the model's order of the layers it may watch, for the report (W&B and MLflow keep
             # no order of keys): every such layer, so that a resume with other `layers` logs the
@@ -389,11 +393,22 @@ class FP8Stats(Callback):
             self.te_debug.start_at(int(state.timestamp.batch))
         last = last_batch(state)
         first = self.schedule.next_log(int(state.timestamp.batch) - 1)
-        if last is not None and (first is None or first > last) and _is_rank_zero():
-            log.warning("fp8_stats: no logging step in this run (it ends after batch %d; "
-                        "interval %s, start %d, end %s): lower callbacks.fp8_stats.interval or "
-                        "start to see FP8 statistics", last, self.schedule.interval,
-                        self.schedule.start, self.schedule.end)
+        # a duration Composer counts otherwise (tokens, samples) is judged at FIT_END
+        self._unlogged = True
+        if last is not None and (first is None or first > last):
+            self._unlogged = False  # said now
+            if _is_rank_zero():
+                self._say_unlogged(last, ended=False)
+
+    def _say_unlogged(self, last: int, ended: bool) -> None:
+        """No logging step in this fit: said at FIT_START where its last batch is known
+        (`last_batch`), else at FIT_END, where it was silent before (`max_duration` in tokens
+        or samples: no series, no summary, no word)."""
+        log.warning("fp8_stats: %s (it %s after batch %d; interval %s, start %d, end %s): lower "
+                    "callbacks.fp8_stats.interval or start to see FP8 statistics",
+                    "this run logged no FP8 statistics" if ended else "no logging step in this run",
+                    "ended" if ended else "ends", last, self.schedule.interval,
+                    self.schedule.start, self.schedule.end)
 
     def _te_pause(self, state: State, logger: Logger) -> None:
         """Evaluation and prediction forwards stay out of TE's statistics: TE's debug API feeds
@@ -440,6 +455,7 @@ class FP8Stats(Callback):
             te_metrics = dict(self._te_metrics)
             self._te_metrics.clear()
         if metrics:
+            self._unlogged = False
             self._recent.append((self._step, marked(heatmap_rows(self.monitor.table), {
                 HIGH_PRECISION: self.monitor.high_rows | self.monitor.fallback_rows,
                 UNCAST: self.monitor.uncast_rows}),
@@ -512,6 +528,8 @@ class FP8Stats(Callback):
             self.te_debug.close()
         if not _is_rank_zero():
             return
+        if self._unlogged:
+            self._say_unlogged(int(state.timestamp.batch) - 1, ended=True)
         if (self.image_interval is not None and self._recent
                 and self._imaged != self._recent[-1][0]):
             # the run's end, at the step W&B is at now (the batch count after the last batch)
@@ -692,6 +710,16 @@ def last_batch(state: State) -> int | None:
     if duration.unit == TimeUnit.EPOCH and batches is not None:
         return duration.value * batches.value - 1
     return None
+
+
+def auto_retries(state: State) -> bool:
+    """Whether Composer runs a batch again after out of memory (or reports a CUDA error) raised
+    in a hook of ours: under `device_train_microbatch_size: auto` (composer trainer.py
+    `_train_batch`: it halves the micro-batch; the retry's statistics start afresh at
+    BEFORE_TRAIN_BATCH). Kept by the hook, the error went unseen: the batch went on at the size
+    that did not fit and fp8_stats switched off for the run. With a fixed size no retry helps:
+    the error stays ours (fp8_stats off, training goes on)."""
+    return bool(getattr(state, "auto_microbatching", False))
 
 
 def dump_record(dumps: Path, base: Path) -> str:
