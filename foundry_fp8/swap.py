@@ -418,10 +418,11 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
     router = (MOE_ROUTER_KEPT, 1.0)
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
         prefix = f"{name}." if name else ""
-        top_k = _moe_top_k(block)
-        if isinstance(experts, nn.Module) and not isinstance(experts, (nn.ModuleList,
-                                                                        nn.ModuleDict)):
+        top_k = _moe_top_k(block)  # an MoE block's only: other modules' configs may refuse reads
+        if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
             gate = getattr(block, "router", None)
             for sub, module in (gate.named_modules(prefix=f"{prefix}router")
                                 if isinstance(gate, nn.Module) else ()):
@@ -430,7 +431,7 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
             if not any(module_flops(m) for m in experts.modules()):  # else planned layer by layer
                 found[f"{prefix}experts"] = _weight_experts(block, experts, top_k)
             continue
-        if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)) or len(experts) == 0:
+        if len(experts) == 0:
             continue
         share = top_k / len(experts) if top_k is not None else 1.0
         for sub, module in experts.named_modules(prefix=f"{prefix}experts"):
