@@ -1158,8 +1158,12 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
     plan = plan_swap(model, config, precision=precision, meta_elsewhere=meta_elsewhere)
     if config.exclude and not any(search(f"{config.PATH}.exclude", config.exclude, name)
                                   for name, _ in model.named_modules(remove_duplicate=False)):
+        # a name as the regex sees it: Composer's wrapper adds `model.`, which `^` must match
+        example = next((d.name for d in plan.converted), None)
+        seen = f", such as {example!r}" if example else ""
         warnings.warn(f"{config.PATH}.exclude: {config.exclude!r} matches no module name of "
-                      "the model, so it keeps nothing in high precision (a typo?)", stacklevel=2)
+                      f"the model{seen}, so it keeps nothing in high precision (a typo?)",
+                      stacklevel=2)
     te_modules, emulated = fp8_module_counts(model)
     planned = sum(d.kind != "layernorm" for d in plan.converted)  # te.LayerNorm is not FP8
     if plan.backend == "emulate":
