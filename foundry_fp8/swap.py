@@ -418,10 +418,11 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
     router = (MOE_ROUTER_KEPT, 1.0)
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
         prefix = f"{name}." if name else ""
-        top_k = _moe_top_k(block)
-        if isinstance(experts, nn.Module) and not isinstance(experts, (nn.ModuleList,
-                                                                        nn.ModuleDict)):
+        top_k = _moe_top_k(block)  # an MoE block's only: other modules' configs may refuse reads
+        if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
             gate = getattr(block, "router", None)
             for sub, module in (gate.named_modules(prefix=f"{prefix}router")
                                 if isinstance(gate, nn.Module) else ()):
@@ -430,7 +431,7 @@ def _moe_layers(model: nn.Module) -> dict[str, tuple[str, float]]:
             if not any(module_flops(m) for m in experts.modules()):  # else planned layer by layer
                 found[f"{prefix}experts"] = _weight_experts(block, experts, top_k)
             continue
-        if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)) or len(experts) == 0:
+        if len(experts) == 0:
             continue
         share = top_k / len(experts) if top_k is not None else 1.0
         for sub, module in experts.named_modules(prefix=f"{prefix}experts"):
@@ -1157,8 +1158,12 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
     plan = plan_swap(model, config, precision=precision, meta_elsewhere=meta_elsewhere)
     if config.exclude and not any(search(f"{config.PATH}.exclude", config.exclude, name)
                                   for name, _ in model.named_modules(remove_duplicate=False)):
+        # a name as the regex sees it: Composer's wrapper adds `model.`, which `^` must match
+        example = next((d.name for d in plan.converted), None)
+        seen = f", such as {example!r}" if example else ""
         warnings.warn(f"{config.PATH}.exclude: {config.exclude!r} matches no module name of "
-                      "the model, so it keeps nothing in high precision (a typo?)", stacklevel=2)
+                      f"the model{seen}, so it keeps nothing in high precision (a typo?)",
+                      stacklevel=2)
     te_modules, emulated = fp8_module_counts(model)
     planned = sum(d.kind != "layernorm" for d in plan.converted)  # te.LayerNorm is not FP8
     if plan.backend == "emulate":

@@ -128,6 +128,7 @@ class TESwap(Algorithm):
 
     def _convert(self, state: State, logger: Logger) -> None:
         self.close()  # this TESwap given to another Trainer that was never closed
+        _refuse_recompute_outside_fp8(state, self.config.backend)
         model = state.model
         _close_unclosed(model)
         self._model = weakref.ref(model)
@@ -424,6 +425,40 @@ def _warn_without_fp8_state(state: State) -> None:
         log.warning("te_swap: this run saves checkpoints but has no fp8_state callback: a "
                     "resume from them starts FP8 scales and amax histories fresh; add "
                     "callbacks: {fp8_state: {}} to keep them")
+
+
+def _refuse_recompute_outside_fp8(state: State, backend: str) -> None:
+    """FSDP activation checkpointing as Composer sets it up by default recomputes the blocks in
+    the backward outside the FP8 autocast (TE #1190, `te.recompute.recompute_plan`): emulated
+    layers stopped the first backward with torch's "A different number of tensors was saved",
+    TE layers under FSDP1's default reentrant checkpoint trained on high-precision recompute
+    gradients, silently. `fp8_state` (a callback: Composer runs it before te_swap at INIT) sets
+    the safe FSDP fields or refuses; without it, te_swap refuses in one line, before the model
+    is touched."""
+    from foundry_fp8.te.recompute import recompute_plan
+
+    fsdp = state.fsdp_config
+    fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing", "te_checkpoint_wrapper",
+                                            "activation_checkpointing_reentrant")
+              if hasattr(fsdp, k)}
+    if not fields.get("activation_checkpointing"):
+        return
+    precision = state.precision.value
+    te_version = None
+    if backend == "te" and precision == "amp_fp8":
+        from foundry_fp8.te.probe import te_version as installed_te_version
+
+        te_version = installed_te_version()
+    plan = recompute_plan(precision, fields, state.fsdp_config_version, te_version,
+                          backend == "emulate")
+    if plan.refusal is not None:
+        raise ValueError(f"te_swap: {plan.refusal.removeprefix('fp8_state: ')}")
+    if plan.settings:
+        settings = ", ".join(f"{k}: {str(v).lower()}" for k, v in plan.settings.items())
+        raise ValueError(
+            "te_swap: fsdp_config.activation_checkpointing recomputes the FP8 layers outside FP8 "
+            f"(TE #1190); add callbacks: {{fp8_state: {{}}}}, which sets them, or set "
+            f"fsdp_config {settings}")
 
 
 def _check_te_environment(recipe: FP8Recipe) -> None:
