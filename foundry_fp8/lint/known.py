@@ -198,6 +198,10 @@ MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "fused_qkv": True, "kv_
 MPT_FFN_DEFAULTS = {"ffn_type": "mptmlp"}
 #: MPT's attention implementation when `attn_config.attn_impl` is not given (config_defaults.py).
 MPT_ATTN_IMPL_DEFAULT = "flash"
+#: The flash-attn MPT's `attn_impl: flash` forward needs: modeling_mpt.py imports
+#: `flash_attn.bert_padding` only `if is_flash_v2_installed()` (its default '2.0.0',
+#: llmfoundry/models/layers/attention.py:36-42), and MPTModel.forward calls it for flash.
+FLASH_ATTN_V2 = (2, 0, 0)
 #: MPT attention settings MPTConfig refuses without flash-attn of at least a version
 #: (llmfoundry/models/mpt/configuration_mpt.py _validate_config in 0.22, through attention.py's
 #: is_flash_v2_installed, which reads `flash_attn.__version__`): attn_config key -> (least

@@ -28,6 +28,7 @@ from foundry_fp8.lint.entries import entry_point_names, entry_point_value
 from foundry_fp8.lint.known import (
     ACT_FN_FFN_TYPES,
     FLASH_ATTN_NEEDS,
+    FLASH_ATTN_V2,
     FOUNDRY_ACT_FNS,
     FOUNDRY_MODEL_KEYS,
     HF_ACT_FN_EQUIVALENTS,
@@ -727,13 +728,16 @@ HF_CAUSAL_LM_SOURCE = ("llmfoundry/models/hf/hf_causal_lm.py ComposerHFCausalLM.
 
 
 @rule("FP8046", "error", "an `hf_causal_lm` model key ComposerHFCausalLM does not take "
-      "(`fc_type: te` and other MPT keys included), or a `config_overrides.num_experts_per_tok` "
+      "(`fc_type: te` and other MPT keys included), a `pretrained_model_name_or_path` it "
+      "refuses (`mosaicml/mpt-7b`), or a `config_overrides.num_experts_per_tok` "
       "an MoE's router cannot use (0, negative, above the experts, no integer)",
       why="train pops `name` and `master_weights_dtype` from the model section and "
       "build_composer_model hands every other key to ComposerHFCausalLM as a keyword: one it "
       "does not name raises TypeError 'unexpected keyword argument' after the tokenizer and the "
       "data loaders are built. MPT's TE keys (`fc_type: te`, `ffn_config: {ffn_type: "
-      "te_ln_mlp}`) are among them: a Hugging Face model gets FP8 from te_swap. "
+      "te_ln_mlp}`) are among them: a Hugging Face model gets FP8 from te_swap. From 0.18 "
+      "build_inner_model raises ValueError for a `pretrained_model_name_or_path` starting with "
+      "`mosaicml/mpt` (the Hub's MPTs), also after the tokenizer and the loaders. "
       "config_overrides sets the pretrained config's attributes (set_config_overrides); "
       "transformers' MoE routers (Mixtral, Qwen2-MoE, Qwen3-MoE) pick num_experts_per_tok "
       "experts with torch.topk in the forward: 0 trains without error, every MoE block adding "
@@ -742,7 +746,9 @@ HF_CAUSAL_LM_SOURCE = ("llmfoundry/models/hf/hf_causal_lm.py ComposerHFCausalLM.
       "(the expert count judged where config_overrides gives it), a value no integer "
       "TypeError.",
       source=f"{FOUNDRY} {HF_CAUSAL_LM_SOURCE}; llmfoundry/command_utils/train.py train (name, "
-      "master_weights_dtype popped); llmfoundry/utils/config_utils.py set_config_overrides; "
+      "master_weights_dtype popped); llmfoundry/models/hf/hf_base.py:294-303 "
+      "build_inner_model (https://github.com/mosaicml/llm-foundry/pull/1735, first in v0.18.0); "
+      "llmfoundry/utils/config_utils.py set_config_overrides; "
       "transformers 4.51 models/mixtral/modeling_mixtral.py:125, "
       "models/qwen2_moe/modeling_qwen2_moe.py:604, models/qwen3_moe/modeling_qwen3_moe.py:260",
       fix="remove the key (for FP8, `algorithms: {te_swap: {}}`), or fix its spelling",
@@ -798,6 +804,19 @@ def hf_model_key_hits(model: Mapping[str, Any], prefix: str,
             yield Hit(join_key(prefix, key), f"ComposerHFCausalLM takes no `{key}`: building the "
                       "model raises TypeError (unexpected keyword argument)" + hint,
                       fix=move_fix(key, "model", prefix))
+    path = model.get("pretrained_model_name_or_path")
+    if isinstance(path, str) and path.startswith(HF_MPT_REFUSED_PREFIX):
+        yield Hit(join_key(prefix, "pretrained_model_name_or_path"), f"{path!r:.60}: LLM-Foundry "
+                  "from 0.18 raises ValueError 'The MPT series of models on the Hugging Face Hub "
+                  "is no longer supported by LLM Foundry' building the model, after the "
+                  "tokenizer and the data loaders (its own finetune/mpt-7b_dolly_sft.yaml meets "
+                  "it)", fix="fine-tune another Hugging Face model, or train an MPT with "
+                  "`name: mpt_causal_lm`")
+
+
+#: The Hub names ComposerHFCausalLM.build_inner_model refuses from LLM-Foundry 0.18 (#1735;
+#: llmfoundry/models/hf/hf_base.py:294-303 in 0.22): `pretrained_model_name_or_path.startswith`.
+HF_MPT_REFUSED_PREFIX = "mosaicml/mpt"
 
 
 #: The attn_impl names MPTConfig._validate_config accepts (llmfoundry/models/mpt/
@@ -1099,7 +1118,8 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
 @rule("FP8029", "error", "MPT settings that need flash-attn where it is not installed (or too "
       "old): `loss_fn: fused_crossentropy` (MPT's default), alibi with attn_impl flash (MPT's "
       "default), rope with rope_impl dail (MPT's default), sliding_window_size, "
-      "attn_logit_softcapping or attn_uses_sequence_id with attn_impl flash",
+      "attn_logit_softcapping or attn_uses_sequence_id with attn_impl flash; in a run "
+      "(`fp8_lint`), attn_impl flash itself and an hf_causal_lm's `use_flash_attention_2`",
       why="ComposerMPTCausalLM defaults loss_fn to fused_crossentropy and raises 'Fused Cross "
       "Entropy is not installed' when flash_attn.losses.cross_entropy cannot be imported. "
       "MPTConfig refuses alibi with attn_impl flash below flash-attn 2.4.2 "
@@ -1108,27 +1128,84 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
       "attn_uses_sequence_id below 2.1.2 with attn_impl flash (NotImplementedError): each when "
       "LLM-Foundry builds the model, after the tokenizer and the data loaders. "
       "Judged against the packages where the check runs: an error in `fp8_lint` (the training "
-      "machine), a warning in `foundry-fp8 lint` (which may run elsewhere).",
+      "machine), a warning in `foundry-fp8 lint` (which may run elsewhere). attn_impl flash "
+      "(MPT's default) without flash-attn >= 2.0 builds, and the first forward raises "
+      "NameError 'bert_padding': judged in `fp8_lint` only, on the machine that trains (in "
+      "files every MPT config without attn_impl would warn wherever the linter runs); so is "
+      "an hf_causal_lm's `use_flash_attention_2: true` or `attn_implementation: "
+      "flash_attention_2`, for which ComposerHFCausalLM raises ValueError building the model "
+      "without flash-attn >= 2.0.",
       source=f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM.__init__; "
       "llmfoundry/models/mpt/configuration_mpt.py:308-376 _validate_config, "
       "llmfoundry/models/layers/attention.py is_flash_v2_installed, check_alibi_support; "
-      "llmfoundry/models/utils/config_defaults.py (attn_impl flash, rope_impl dail)",
+      "llmfoundry/models/utils/config_defaults.py (attn_impl flash, rope_impl dail); "
+      "llmfoundry/models/mpt/modeling_mpt.py:32-38 (bert_padding imported only with "
+      "flash-attn 2) and MPTModel.forward (gen_flash_attn_padding_info for attn_impl flash); "
+      "llmfoundry/models/hf/hf_base.py:283-312 build_inner_model (use_flash_attention_2)",
       fix="set model.loss_fn: torch_crossentropy, or install flash-attn on the training machine")
 def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     snapshot = ctx.snapshot
-    if not _is_mpt(model) or snapshot is None:
+    if snapshot is None:
         return
     severity: Literal["error", "warning"] = "error" if ctx.scope == "run" else "warning"
-    yield from _flash_attn_settings(section(model, "attn_config"), snapshot.flash_attn, severity)
-    if snapshot.flash_attn_cross_entropy \
-            or model.get("loss_fn", "fused_crossentropy") != "fused_crossentropy":
+    if model.get("name") == HF_CAUSAL_LM_NAME and ctx.scope == "run":
+        yield from _hf_flash_attention_2(model, snapshot.flash_attn)
+    if not _is_mpt(model):
         return
-    key = "model.loss_fn" if "loss_fn" in model else "model"
-    said = "loss_fn fused_crossentropy" if "loss_fn" in model else \
-        "no loss_fn, so MPT's default fused_crossentropy,"
-    yield Hit(key, f"{said} needs flash-attn's cross entropy, which is not installed here: "
-              "LLM-Foundry raises when it builds the model", severity=severity)
+    attn = section(model, "attn_config")
+    refused = list(_flash_attn_settings(attn, snapshot.flash_attn, severity))
+    yield from refused
+    if not snapshot.flash_attn_cross_entropy \
+            and model.get("loss_fn", "fused_crossentropy") == "fused_crossentropy":
+        key = "model.loss_fn" if "loss_fn" in model else "model"
+        said = "loss_fn fused_crossentropy" if "loss_fn" in model else \
+            "no loss_fn, so MPT's default fused_crossentropy,"
+        yield Hit(key, f"{said} needs flash-attn's cross entropy, which is not installed here: "
+                  "LLM-Foundry raises when it builds the model", severity=severity)
+    if ctx.scope == "run" and not refused:  # MPTConfig refuses those before any forward
+        yield from _flash_attn_forward(attn, snapshot.flash_attn)
+
+
+def _hf_flash_attention_2(model: Mapping[str, Any], installed: str | None) -> Iterator[Hit]:
+    """`use_flash_attention_2: true` (or `attn_implementation: flash_attention_2`) of an
+    hf_causal_lm without flash-attn 2: build_inner_model raises ValueError. Judged in a run
+    only, as attn_impl flash: most GPU configs ask for it, wherever the linter runs."""
+    version = parse_version(installed)
+    if version is not None and version >= FLASH_ATTN_V2:
+        return
+    if model.get("use_flash_attention_2") is True:
+        key = "model.use_flash_attention_2"
+    elif model.get("attn_implementation") == "flash_attention_2":
+        key = "model.attn_implementation"
+    else:
+        return
+    here = f"flash-attn here is {installed}" if version else "flash-attn is not installed here"
+    yield Hit(key, f"{key.partition('.')[2]} needs flash-attn >= {dotted(FLASH_ATTN_V2)}, and "
+              f"{here}: ComposerHFCausalLM raises ValueError ('flash-attention 2 is not "
+              "installed') building the model, after the tokenizer and the data loaders",
+              fix=f"drop {key.partition('.')[2]} (attn_implementation: sdpa "
+              f"needs no flash-attn), or install flash-attn >= {dotted(FLASH_ATTN_V2)} on the "
+              "training machine")
+
+
+def _flash_attn_forward(attn: Mapping[str, Any], installed: str | None) -> Iterator[Hit]:
+    """attn_impl flash (MPT's default) without flash-attn 2: the model builds and the first
+    forward raises NameError 'bert_padding'. Judged in a run only, whose machine is the one that
+    trains: in files every config without attn_impl would warn wherever the linter runs."""
+    version = parse_version(installed)
+    if attn.get("attn_impl", MPT_ATTN_IMPL_DEFAULT) != "flash" \
+            or (version is not None and version >= FLASH_ATTN_V2):
+        return
+    said = "attn_impl flash" if "attn_impl" in attn else \
+        "no attn_config.attn_impl, so MPT's default flash,"
+    here = f"flash-attn here is {installed}" if version else "flash-attn is not installed here"
+    yield Hit("model.attn_config.attn_impl" if "attn_impl" in attn else "model", f"{said} needs "
+              f"flash-attn >= {dotted(FLASH_ATTN_V2)}, and {here}: the model builds, then its "
+              "first forward raises NameError: name 'bert_padding' is not defined "
+              "(modeling_mpt.py imports it only where is_flash_v2_installed())",
+              fix="set model.attn_config.attn_impl: torch (or sdpa), or install flash-attn >= "
+              f"{dotted(FLASH_ATTN_V2)} on the training machine")
 
 
 def _flash_attn_settings(attn: Mapping[str, Any], installed: str | None,
