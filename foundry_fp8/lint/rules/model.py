@@ -31,6 +31,7 @@ from foundry_fp8.lint.known import (
     FLASH_ATTN_V2,
     FOUNDRY_ACT_FNS,
     FOUNDRY_MODEL_KEYS,
+    GELU_APPROXIMATIONS,
     HF_ACT_FN_EQUIVALENTS,
     HF_CAUSAL_LM_KEYS,
     HF_CAUSAL_LM_NAME,
@@ -57,6 +58,7 @@ from foundry_fp8.lint.known import (
     MPT_NUMBER_WORDS,
     MPT_WHOLE_NUMBERS,
     NORMS_GROUP,
+    TORCH_ACT_FN_KEYWORDS,
     TORCH_DMOE_CONFIG_KEYS,
     TORCH_DMOE_MLP_TYPES,
     TORCH_DMOE_REQUIRED_KEYS,
@@ -984,6 +986,33 @@ def _act_fn_hits(ffn: Mapping[str, Any]) -> Iterator[Hit]:
                   "TypeError for a name that is no function)" + hint,
                   fix=f"ffn_act_fn: {HF_ACT_FN_EQUIVALENTS[name]}"
                   if name in HF_ACT_FN_EQUIVALENTS else _ACT_FN_FIX)
+    else:
+        yield from _act_fn_keyword_hits(act, key)
+
+
+def _act_fn_keyword_hits(act: Mapping[str, Any], key: str) -> Iterator[Hit]:
+    """ffn_act_fn keys beside `name` that its function does not take (TORCH_ACT_FN_KEYWORDS):
+    resolve_ffn_act_fn binds them with functools.partial, so the model builds and the first
+    forward raises; quick_gelu, returned without them, ignores them all."""
+    name = act["name"]
+    for word in (k for k in act if k != "name"):
+        where = join_key(key, str(word))
+        if name in FOUNDRY_ACT_FNS:
+            yield Hit(where, f"quick_gelu takes no `{word}`: resolve_ffn_act_fn returns LLM-"
+                      "Foundry's quickgelu_activation without the keys beside `name`, so it is "
+                      "ignored", severity="warning", fix=f"remove {word}")
+        elif name in TORCH_ACT_FN_KEYWORDS and word not in TORCH_ACT_FN_KEYWORDS[name]:
+            takes = ", ".join(sorted(TORCH_ACT_FN_KEYWORDS[name])) or "no keyword"
+            yield Hit(where, f"torch.nn.functional.{name} takes no `{word}` ({takes}): "
+                      "resolve_ffn_act_fn binds it with functools.partial, so the model builds "
+                      "and its first forward raises TypeError (unexpected keyword argument)"
+                      + did_you_mean(str(word), TORCH_ACT_FN_KEYWORDS[name]),
+                      fix=f"remove {word}" + (f" (keywords: {takes})"
+                                              if TORCH_ACT_FN_KEYWORDS[name] else ""))
+        elif name == "gelu" and word == "approximate" and act[word] not in GELU_APPROXIMATIONS:
+            yield Hit(where, f"gelu's approximate {act[word]!r:.40} is neither 'none' nor "
+                      "'tanh': the model builds and its first forward raises RuntimeError",
+                      fix="approximate: tanh (or none, exact GELU)")
 
 
 def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
@@ -1018,7 +1047,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "builder refuses (`attn_tpye`, `ffn_typ`) or needs (torch_dmoe's `moe_top_k`, ...), an `ffn_config.fc_type` MPT replaces, an "
       "`fc_type`, `ffn_type` or `norm_type` no registry holds (`TE`, `tee`, `te_ln_mpl`, "
       "`layer_norm`), an `ffn_act_fn` LLM-Foundry cannot resolve (`swiglu`, `swish`, `GELU`) "
-      "(did-you-mean, or where the key belongs)",
+      "or whose keywords its function refuses at the first forward (`{name: gelu, approximat: "
+      "tanh}`) (did-you-mean, or where the key belongs)",
       why="MPTBlock passes every attn_config key but the position-encoding ones to the "
       "attention class (multihead_attention, multiquery_attention, grouped_query_attention; "
       "kv_n_heads only the last takes), and build_ffn every ffn_config key but ffn_type to "
@@ -1048,7 +1078,10 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "NotImplementedError (fix: `attn_impl: torch`). mptmlp, mptglu, torch_dmoe and "
       "megablocks' FFNs resolve ffn_config.ffn_act_fn building the model: a mapping whose "
       "`name` is quick_gelu or a function of torch.nn.functional (case-sensitive), its other "
-      "keys bound as keywords (not judged: a wrong keyword fails the first forward); any other "
+      "keys bound as keywords with functools.partial, so a keyword the function does not take "
+      "(for the activations of TORCH_ACT_FN_KEYWORDS), or a gelu `approximate` other than "
+      "none or tanh, builds and fails the first forward (TypeError, RuntimeError), and "
+      "quick_gelu ignores them all (a warning); any other "
       "name raises ValueError, no name KeyError, a value no mapping AttributeError or "
       "TypeError. Hugging Face's activation names (swish, gelu_new) are not torch's: the "
       "message names the equivalent.",
