@@ -208,6 +208,24 @@ def _shadowing(distribution: str, package: str) -> str | None:
     return str(imported)
 
 
+#: A package's own version line in its `__init__.py` (`__version__ = "1.8.1"`, Accelerate's).
+_VERSION_LINE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']""", re.M)
+
+
+def imported_version(distribution: str, package: str) -> str | None:
+    """The version of the `package` Python imports here: where a folder shadows the installed
+    `distribution` (`_shadowing`), that folder's `__init__.py` `__version__` line (None without
+    one), since that folder runs; else the installed version."""
+    folder = _shadowing(distribution, package)
+    if folder is None:
+        return _version(distribution)
+    try:
+        found = _VERSION_LINE.search((Path(folder) / "__init__.py").read_text("utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
+    return found.group(1) if found else None
+
+
 def _version(name: str) -> str | None:
     try:
         return metadata.version(name)
