@@ -81,7 +81,10 @@ def _rows(s: Snapshot) -> list[tuple[str, str]]:
     rows = [("python", s.python), ("torch", torch), ("GPU", gpu), ("TransformerEngine", te),
             *((label, version(field)) for field, label in STACK.values()
               if field != "torch"),  # torch has its row above, with its CUDA
-            ("flash-attn", shown(s.flash_attn)), ("accelerate", shown(s.accelerate)),
+            ("flash-attn", shown(s.flash_attn) + (" (import FAILS)" if s.flash_attn_import_error
+                                                   else " (imports)"
+                                                   if s.flash_attn_import_checked else "")),
+            ("accelerate", shown(s.accelerate)),
             ("deepspeed", shown(s.deepspeed))]
     if s.nvte_backward_override is not None:  # TE's, so it shows only where it is set
         rows.append((BACKWARD_OVERRIDE_ENV, f"{_short(s.nvte_backward_override)}: "

@@ -68,7 +68,10 @@ class Snapshot:
     TE built for another torch or CPU; "exited with status 0"), which `import llmfoundry`
     meets too; None otherwise, and when the probe stopped it. `flash_attn_cross_entropy`:
     flash-attn's `flash_attn/losses/cross_entropy.py` is installed (what MPT's default loss
-    imports). `gpu_error`: why the GPU could not be read although a probe ran (nvidia-smi timed
+    imports). `flash_attn_import_error`: why `import flash_attn` fails after torch in a fresh
+    interpreter though flash-attn is installed (a build for another torch: "undefined symbol"),
+    meaningful only when `flash_attn_import_checked` (the doctor, with the TE probe);
+    LLM-Foundry's `is_flash_v2_installed` then answers False and says nothing. `gpu_error`: why the GPU could not be read although a probe ran (nvidia-smi timed
     out, failed or printed no GPU; torch.cuda raised), a driver problem rather than no GPU; None
     when it was read, or when there is nothing to ask (no nvidia-smi: no driver, so no GPU).
     `cuda_visible_devices`: that variable as the probe found it (None: unset). `gpu_hidden`:
@@ -115,6 +118,8 @@ class Snapshot:
     llmfoundry: str | None = None
     flash_attn: str | None = None
     flash_attn_cross_entropy: bool = False
+    flash_attn_import_checked: bool = False
+    flash_attn_import_error: str | None = None
     accelerate: str | None = None
     deepspeed: str | None = None
     cuda_visible_devices: str | None = None
@@ -201,6 +206,24 @@ def _shadowing(distribution: str, package: str) -> str | None:
     except Exception:  # not installed, a broken dist-info, a loop of links: no verdict
         return None
     return str(imported)
+
+
+#: A package's own version line in its `__init__.py` (`__version__ = "1.8.1"`, Accelerate's).
+_VERSION_LINE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']""", re.M)
+
+
+def imported_version(distribution: str, package: str) -> str | None:
+    """The version of the `package` Python imports here: where a folder shadows the installed
+    `distribution` (`_shadowing`), that folder's `__init__.py` `__version__` line (None without
+    one), since that folder runs; else the installed version."""
+    folder = _shadowing(distribution, package)
+    if folder is None:
+        return _version(distribution)
+    try:
+        found = _VERSION_LINE.search((Path(folder) / "__init__.py").read_text("utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
+    return found.group(1) if found else None
 
 
 def _version(name: str) -> str | None:
@@ -576,11 +599,26 @@ def _cudnn() -> str | None:
 _STARTED = "foundry-fp8 probe: importing"
 _IMPORTED = "foundry-fp8 probe: imported"
 _RAISED = "foundry-fp8 probe: the import raised "
-_TE_IMPORT = (f"import os\nos.write(1, b'{_STARTED}\\n')\n"
-              "try:\n    import torch, transformer_engine.pytorch\n"
-              "except BaseException as e:\n"
-              f"    os.write(1, ('\\n' + {_RAISED!r} + type(e).__name__ + '\\n').encode())\n"
-              f"    raise\nos.write(1, b'\\n{_IMPORTED}\\n')\n")
+
+
+def _import_script(modules: str) -> str:
+    """The probe's program: `import {modules}` between the markers above."""
+    return (f"import os\nos.write(1, b'{_STARTED}\\n')\n"
+            f"try:\n    import {modules}\n"
+            "except BaseException as e:\n"
+            f"    os.write(1, ('\\n' + {_RAISED!r} + type(e).__name__ + '\\n').encode())\n"
+            f"    raise\nos.write(1, b'\\n{_IMPORTED}\\n')\n")
+
+
+_TE_IMPORT = _import_script("torch, transformer_engine.pytorch")
+#: LLM-Foundry's is_flash_v2_installed imports flash_attn with torch already imported.
+_FLASH_ATTN_IMPORT = _import_script("torch, flash_attn")
+
+
+def flash_attn_import_error(timeout_s: float | None = None) -> str | None:
+    """Why `import flash_attn` fails in a fresh interpreter after torch (None: it imports), as
+    `te_import_error` judges TE's, within the same limits."""
+    return _import_error(_FLASH_ATTN_IMPORT, timeout_s, None, None)
 
 
 def te_import_error(timeout_s: float | None = None,
@@ -593,9 +631,16 @@ def te_import_error(timeout_s: float | None = None,
     words); neither when the probe failed (stopped, or Python not started).
     torch is imported first, as in every training script: TE's core library finds NCCL only
     through the libraries torch loads, so TE imported alone can fail on a healthy install."""
+    return _import_error(_TE_IMPORT, timeout_s, raised, died)
+
+
+def _import_error(script: str, timeout_s: float | None,
+                  raised: Callable[[str], None] | None,
+                  died: Callable[[str], None] | None) -> str | None:
+    """`te_import_error`'s reading of one import probe `script` (`_import_script`)."""
     timeout_s = TE_IMPORT_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        done = run_probe([sys.executable, "-c", _TE_IMPORT], timeout_s)
+        done = run_probe([sys.executable, "-c", script], timeout_s)
     except OSError as e:
         return f"could not start Python: {_quoted(str(e))}"
     if done.stopped:
@@ -638,9 +683,9 @@ def nvte_not_integer(error: str) -> str:
 
 def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
                     progress: Callable[[str], None] | None = None) -> Snapshot:
-    """This machine's snapshot. `probe_te_import` spends a subprocess importing TE;
-    `probe_gpu` asks torch (when already imported) or nvidia-smi for the GPU. `progress` is
-    told once, before them, which programs will run and for how long at most (the doctor shows
+    """This machine's snapshot. `probe_te_import` spends a subprocess importing TE, and one
+    importing flash-attn where it is installed; `probe_gpu` asks torch (when already imported)
+    or nvidia-smi for the GPU. `progress` is told once, before them, which programs will run and for how long at most (the doctor shows
     it on a terminal)."""
     core_package = next((p for p in TE_CORE_PACKAGES if _version(p)), None)
     te = _version("transformer-engine")
@@ -648,10 +693,13 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         te = UNVERSIONED
     flash = _package_dir("flash_attn")
     smi = shutil.which("nvidia-smi") if probe_gpu and "torch" not in sys.modules else None
+    flash_attn = _version("flash-attn")
+    probe_flash_attn = probe_te_import and flash_attn is not None
     probe_te_import = probe_te_import and te is not None
     slow = ([f"nvidia-smi (up to {NVIDIA_SMI_TIMEOUT_S:g} s)"] if smi else []) + \
         ([f"the TransformerEngine import (up to {TE_IMPORT_TIMEOUT_S:g} s)"]
-         if probe_te_import else [])
+         if probe_te_import else []) + \
+        ([f"the flash-attn import (up to {TE_IMPORT_TIMEOUT_S:g} s)"] if probe_flash_attn else [])
     if slow and progress is not None:
         progress(f"checking {' and '.join(slow)}")
     gpu = {} if not probe_gpu else \
@@ -662,7 +710,7 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         python=platform.python_version(), torch_cuda=_torch_cuda(),
         cudnn=_cudnn(), te=te, te_torch=_version("transformer-engine-torch"),
         te_core=_version(core_package) if core_package else None, te_core_package=core_package,
-        flash_attn=_version("flash-attn"),
+        flash_attn=flash_attn,
         flash_attn_cross_entropy=bool(flash and (flash / "losses" / "cross_entropy.py").is_file()),
         accelerate=_version("accelerate"), deepspeed=_version("deepspeed"),
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -678,4 +726,7 @@ def gather_snapshot(probe_te_import: bool = True, probe_gpu: bool = True,
         snapshot = replace(snapshot, te_import_checked=True, te_import_error=error,
                            te_import_raised=names[0] if names else None,
                            te_import_died=ends[0] if ends else None)
+    if probe_flash_attn:
+        snapshot = replace(snapshot, flash_attn_import_checked=True,
+                           flash_attn_import_error=flash_attn_import_error())
     return snapshot

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from foundry_fp8.environment import imported_version
 from foundry_fp8.lint.known import TRAIN_CONFIG_KEYS
 from foundry_fp8.lint.load import (
     OMEGACONF,
@@ -85,10 +86,9 @@ def is_train_json(config: Any) -> bool:
 # -- reading files: the impure part -----------------------------------------------------------
 
 def installed_accelerate() -> tuple[int, ...] | None:
-    try:
-        return parse_version(metadata.version("accelerate"))
-    except Exception:
-        return None
+    """The Accelerate Python imports here (`imported_version`: a folder shadowing the installed
+    one runs, not the installed one)."""
+    return parse_version(imported_version("accelerate", "accelerate"))
 
 
 def installed_torchao() -> bool:

@@ -198,6 +198,10 @@ MPT_ATTN_DEFAULTS = {"attn_type": "multihead_attention", "fused_qkv": True, "kv_
 MPT_FFN_DEFAULTS = {"ffn_type": "mptmlp"}
 #: MPT's attention implementation when `attn_config.attn_impl` is not given (config_defaults.py).
 MPT_ATTN_IMPL_DEFAULT = "flash"
+#: The flash-attn MPT's `attn_impl: flash` forward needs: modeling_mpt.py imports
+#: `flash_attn.bert_padding` only `if is_flash_v2_installed()` (its default '2.0.0',
+#: llmfoundry/models/layers/attention.py:36-42), and MPTModel.forward calls it for flash.
+FLASH_ATTN_V2 = (2, 0, 0)
 #: MPT attention settings MPTConfig refuses without flash-attn of at least a version
 #: (llmfoundry/models/mpt/configuration_mpt.py _validate_config in 0.22, through attention.py's
 #: is_flash_v2_installed, which reads `flash_attn.__version__`): attn_config key -> (least
@@ -326,6 +330,20 @@ MPT_FRACTIONS = {"resid_pdrop": True, "emb_pdrop": True, "attn_config.attn_pdrop
 #: function (`math`, `torch`).
 ACT_FN_FFN_TYPES = ("mptmlp", "mptglu", "torch_dmoe", "mb_moe", "mb_dmoe")
 FOUNDRY_ACT_FNS = frozenset({"quick_gelu"})
+#: The keywords of the torch.nn.functional activations an FFN is given (torch 2.7.0; builtins
+#: such as gelu and softplus read from their docstrings), beside the input: resolve_ffn_act_fn
+#: binds every other ffn_act_fn key with functools.partial, so an unknown one raises TypeError at
+#: the first forward. Compared with the installed torch by tests/test_s28_lint_act_fn_kwargs.py.
+TORCH_ACT_FN_KEYWORDS: dict[str, frozenset[str]] = {
+    "gelu": frozenset({"approximate"}), "softplus": frozenset({"beta", "threshold"}),
+    **dict.fromkeys(("relu", "silu", "selu", "mish", "hardswish", "relu6", "hardsigmoid"),
+                    frozenset({"inplace"})),
+    "leaky_relu": frozenset({"negative_slope", "inplace"}),
+    **dict.fromkeys(("elu", "celu"), frozenset({"alpha", "inplace"})),
+    **dict.fromkeys(("sigmoid", "tanh", "softsign", "tanhshrink"), frozenset()),
+}
+#: gelu's `approximate` values (anything else: RuntimeError at the first forward).
+GELU_APPROXIMATIONS = ("none", "tanh")
 #: Activation names of Hugging Face configs (transformers' ACT2FN, `hidden_act`) that
 #: torch.nn.functional lacks -> the ffn_act_fn that computes the same (transformers 4.51
 #: activations.py: swish is SiLU; gelu_new, gelu_fast and gelu_pytorch_tanh are GELU's tanh

@@ -1005,8 +1005,10 @@ def _takes_torchao(inp: AccelerateInput) -> tuple[str, Severity | None] | None:
 def torchao_refused(inp: AccelerateInput, _: LintContext) -> Iterator[Hit]:
     acc, version = inp.accelerate, inp.version
     distributed = _text(acc.get("distributed_type"))
-    if not _fp8(acc) or _deepspeed(acc) or _sagemaker(acc) or distributed == "no":
-        return  # DeepSpeed: no FP8 handler from the config before 1.11 (FP8103); NO: FP8113
+    if not _fp8(acc) or _deepspeed(acc) or _sagemaker(acc) or distributed == "no" \
+            or "distributed_type" not in acc:
+        return  # DeepSpeed: no FP8 handler from the config before 1.11 (FP8103); NO: FP8113;
+        # no key: `accelerate launch` refuses the file first (FP8114; a null loads)
     takes = _takes_torchao(inp)
     if takes is None:
         return

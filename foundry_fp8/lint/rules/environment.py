@@ -21,6 +21,8 @@ run's config on the machine it runs on. Facts, with where they were read:
 
 - torch, Composer and LLM-Foundry must be installed, within the ranges the installed foundry-fp8
   requires (setup.cfg's install_requires, read back from its package metadata): FP8214.
+- flash-attn that is installed but does not import after torch (the doctor's probe) is absent
+  to LLM-Foundry, which says nothing: FP8216.
 - A folder that shadows one of them (`Snapshot.shadowed`) is what runs: its installed version,
   and for torch the CUDA build read from the shadow, are judged by no rule but FP8215.
 
@@ -793,6 +795,47 @@ def shadowed_stack(env: Environment, _: LintContext) -> Iterator[Hit]:
                   fix=f"remove {above} from PYTHONPATH, or move {folder} out of the script's "
                   "folder" + ("" if field == "torch" else " (a checkout meant to run: `pip "
                               "install -e` it)"))
+
+
+@rule("FP8216", "error", "flash-attn installed, but `import flash_attn` fails",
+      why="`import llmfoundry` raises ImportError ('The flash_attn package is not installed "
+      "correctly') where importing flash_attn raises an ImportError naming an undefined symbol "
+      "(a build for another torch): no LLM-Foundry run starts, BF16 included (an error). Any "
+      "other failure (a build for another CUDA: 'libcudart.so.12: cannot open shared object "
+      "file') passes that check, and is_flash_v2_installed(), which catches every exception, "
+      "takes flash-attn for absent without a word: MPT's default attn_impl flash builds and its "
+      "first forward raises NameError 'bert_padding', its default loss_fn raises 'Fused Cross "
+      "Entropy is not installed', an hf_causal_lm's use_flash_attention_2 'flash-attention 2 "
+      "is not installed' (a warning: attn_impl torch with torch_crossentropy runs). The import "
+      "is tried in a subprocess after torch, as the doctor tries TE's (`--no-te-import` skips "
+      "both). The doctor's.",
+      source="LLM-Foundry 0.22.0 llmfoundry/__init__.py:12-27 (the undefined-symbol check), "
+      "llmfoundry/models/layers/attention.py:36-42 is_flash_v2_installed (bare except), "
+      "llmfoundry/models/mpt/modeling_mpt.py:32-38; foundry_fp8/environment.py "
+      "flash_attn_import_error",
+      fix="rebuild flash-attn against the installed torch (pip install --force-reinstall "
+      "--no-deps --no-cache-dir --no-build-isolation flash-attn==V), or uninstall it and set "
+      "model.attn_config.attn_impl: torch and model.loss_fn: torch_crossentropy",
+      family="environment")
+def flash_attn_import(env: Environment, _: LintContext) -> Iterator[Hit]:
+    snapshot = env.snapshot
+    error = snapshot.flash_attn_import_error
+    if env.config is not None or not error:
+        return
+    version = snapshot.flash_attn
+    fix = ("rebuild it against the installed torch: pip install --force-reinstall --no-deps "
+           f"--no-cache-dir --no-build-isolation flash-attn=={version} (or uninstall it and set "
+           "attn_config.attn_impl: torch, loss_fn: torch_crossentropy)")
+    said = f"flash-attn {version} is installed, but `import flash_attn` fails after torch: {error}"
+    if "ImportError" in error and "undefined symbol" in error:  # llmfoundry/__init__.py's test
+        yield Hit("flash_attn", f"{said}; `import llmfoundry` raises ImportError ('The "
+                  "flash_attn package is not installed correctly'): no LLM-Foundry run starts "
+                  "here, BF16 included", fix=fix)
+    else:
+        yield Hit("flash_attn", f"{said}; LLM-Foundry then takes it for absent without a word: "
+                  "MPT's default attn_impl flash fails at the first forward (NameError "
+                  "'bert_padding'), its default fused_crossentropy loss and "
+                  "use_flash_attention_2 when the model is built", severity="warning", fix=fix)
 
 
 def environment_findings(snapshot: Snapshot,

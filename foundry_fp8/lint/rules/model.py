@@ -28,8 +28,10 @@ from foundry_fp8.lint.entries import entry_point_names, entry_point_value
 from foundry_fp8.lint.known import (
     ACT_FN_FFN_TYPES,
     FLASH_ATTN_NEEDS,
+    FLASH_ATTN_V2,
     FOUNDRY_ACT_FNS,
     FOUNDRY_MODEL_KEYS,
+    GELU_APPROXIMATIONS,
     HF_ACT_FN_EQUIVALENTS,
     HF_CAUSAL_LM_KEYS,
     HF_CAUSAL_LM_NAME,
@@ -56,6 +58,7 @@ from foundry_fp8.lint.known import (
     MPT_NUMBER_WORDS,
     MPT_WHOLE_NUMBERS,
     NORMS_GROUP,
+    TORCH_ACT_FN_KEYWORDS,
     TORCH_DMOE_CONFIG_KEYS,
     TORCH_DMOE_MLP_TYPES,
     TORCH_DMOE_REQUIRED_KEYS,
@@ -727,13 +730,16 @@ HF_CAUSAL_LM_SOURCE = ("llmfoundry/models/hf/hf_causal_lm.py ComposerHFCausalLM.
 
 
 @rule("FP8046", "error", "an `hf_causal_lm` model key ComposerHFCausalLM does not take "
-      "(`fc_type: te` and other MPT keys included), or a `config_overrides.num_experts_per_tok` "
+      "(`fc_type: te` and other MPT keys included), a `pretrained_model_name_or_path` it "
+      "refuses (`mosaicml/mpt-7b`), or a `config_overrides.num_experts_per_tok` "
       "an MoE's router cannot use (0, negative, above the experts, no integer)",
       why="train pops `name` and `master_weights_dtype` from the model section and "
       "build_composer_model hands every other key to ComposerHFCausalLM as a keyword: one it "
       "does not name raises TypeError 'unexpected keyword argument' after the tokenizer and the "
       "data loaders are built. MPT's TE keys (`fc_type: te`, `ffn_config: {ffn_type: "
-      "te_ln_mlp}`) are among them: a Hugging Face model gets FP8 from te_swap. "
+      "te_ln_mlp}`) are among them: a Hugging Face model gets FP8 from te_swap. From 0.18 "
+      "build_inner_model raises ValueError for a `pretrained_model_name_or_path` starting with "
+      "`mosaicml/mpt` (the Hub's MPTs), also after the tokenizer and the loaders. "
       "config_overrides sets the pretrained config's attributes (set_config_overrides); "
       "transformers' MoE routers (Mixtral, Qwen2-MoE, Qwen3-MoE) pick num_experts_per_tok "
       "experts with torch.topk in the forward: 0 trains without error, every MoE block adding "
@@ -742,7 +748,9 @@ HF_CAUSAL_LM_SOURCE = ("llmfoundry/models/hf/hf_causal_lm.py ComposerHFCausalLM.
       "(the expert count judged where config_overrides gives it), a value no integer "
       "TypeError.",
       source=f"{FOUNDRY} {HF_CAUSAL_LM_SOURCE}; llmfoundry/command_utils/train.py train (name, "
-      "master_weights_dtype popped); llmfoundry/utils/config_utils.py set_config_overrides; "
+      "master_weights_dtype popped); llmfoundry/models/hf/hf_base.py:294-303 "
+      "build_inner_model (https://github.com/mosaicml/llm-foundry/pull/1735, first in v0.18.0); "
+      "llmfoundry/utils/config_utils.py set_config_overrides; "
       "transformers 4.51 models/mixtral/modeling_mixtral.py:125, "
       "models/qwen2_moe/modeling_qwen2_moe.py:604, models/qwen3_moe/modeling_qwen3_moe.py:260",
       fix="remove the key (for FP8, `algorithms: {te_swap: {}}`), or fix its spelling",
@@ -798,6 +806,19 @@ def hf_model_key_hits(model: Mapping[str, Any], prefix: str,
             yield Hit(join_key(prefix, key), f"ComposerHFCausalLM takes no `{key}`: building the "
                       "model raises TypeError (unexpected keyword argument)" + hint,
                       fix=move_fix(key, "model", prefix))
+    path = model.get("pretrained_model_name_or_path")
+    if isinstance(path, str) and path.startswith(HF_MPT_REFUSED_PREFIX):
+        yield Hit(join_key(prefix, "pretrained_model_name_or_path"), f"{path!r:.60}: LLM-Foundry "
+                  "from 0.18 raises ValueError 'The MPT series of models on the Hugging Face Hub "
+                  "is no longer supported by LLM Foundry' building the model, after the "
+                  "tokenizer and the data loaders (its own finetune/mpt-7b_dolly_sft.yaml meets "
+                  "it)", fix="fine-tune another Hugging Face model, or train an MPT with "
+                  "`name: mpt_causal_lm`")
+
+
+#: The Hub names ComposerHFCausalLM.build_inner_model refuses from LLM-Foundry 0.18 (#1735;
+#: llmfoundry/models/hf/hf_base.py:294-303 in 0.22): `pretrained_model_name_or_path.startswith`.
+HF_MPT_REFUSED_PREFIX = "mosaicml/mpt"
 
 
 #: The attn_impl names MPTConfig._validate_config accepts (llmfoundry/models/mpt/
@@ -965,6 +986,33 @@ def _act_fn_hits(ffn: Mapping[str, Any]) -> Iterator[Hit]:
                   "TypeError for a name that is no function)" + hint,
                   fix=f"ffn_act_fn: {HF_ACT_FN_EQUIVALENTS[name]}"
                   if name in HF_ACT_FN_EQUIVALENTS else _ACT_FN_FIX)
+    else:
+        yield from _act_fn_keyword_hits(act, key)
+
+
+def _act_fn_keyword_hits(act: Mapping[str, Any], key: str) -> Iterator[Hit]:
+    """ffn_act_fn keys beside `name` that its function does not take (TORCH_ACT_FN_KEYWORDS):
+    resolve_ffn_act_fn binds them with functools.partial, so the model builds and the first
+    forward raises; quick_gelu, returned without them, ignores them all."""
+    name = act["name"]
+    for word in (k for k in act if k != "name"):
+        where = join_key(key, str(word))
+        if name in FOUNDRY_ACT_FNS:
+            yield Hit(where, f"quick_gelu takes no `{word}`: resolve_ffn_act_fn returns LLM-"
+                      "Foundry's quickgelu_activation without the keys beside `name`, so it is "
+                      "ignored", severity="warning", fix=f"remove {word}")
+        elif name in TORCH_ACT_FN_KEYWORDS and word not in TORCH_ACT_FN_KEYWORDS[name]:
+            takes = ", ".join(sorted(TORCH_ACT_FN_KEYWORDS[name])) or "no keyword"
+            yield Hit(where, f"torch.nn.functional.{name} takes no `{word}` ({takes}): "
+                      "resolve_ffn_act_fn binds it with functools.partial, so the model builds "
+                      "and its first forward raises TypeError (unexpected keyword argument)"
+                      + did_you_mean(str(word), TORCH_ACT_FN_KEYWORDS[name]),
+                      fix=f"remove {word}" + (f" (keywords: {takes})"
+                                              if TORCH_ACT_FN_KEYWORDS[name] else ""))
+        elif name == "gelu" and word == "approximate" and act[word] not in GELU_APPROXIMATIONS:
+            yield Hit(where, f"gelu's approximate {act[word]!r:.40} is neither 'none' nor "
+                      "'tanh': the model builds and its first forward raises RuntimeError",
+                      fix="approximate: tanh (or none, exact GELU)")
 
 
 def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
@@ -999,7 +1047,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "builder refuses (`attn_tpye`, `ffn_typ`) or needs (torch_dmoe's `moe_top_k`, ...), an `ffn_config.fc_type` MPT replaces, an "
       "`fc_type`, `ffn_type` or `norm_type` no registry holds (`TE`, `tee`, `te_ln_mpl`, "
       "`layer_norm`), an `ffn_act_fn` LLM-Foundry cannot resolve (`swiglu`, `swish`, `GELU`) "
-      "(did-you-mean, or where the key belongs)",
+      "or whose keywords its function refuses at the first forward (`{name: gelu, approximat: "
+      "tanh}`) (did-you-mean, or where the key belongs)",
       why="MPTBlock passes every attn_config key but the position-encoding ones to the "
       "attention class (multihead_attention, multiquery_attention, grouped_query_attention; "
       "kv_n_heads only the last takes), and build_ffn every ffn_config key but ffn_type to "
@@ -1029,7 +1078,10 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "NotImplementedError (fix: `attn_impl: torch`). mptmlp, mptglu, torch_dmoe and "
       "megablocks' FFNs resolve ffn_config.ffn_act_fn building the model: a mapping whose "
       "`name` is quick_gelu or a function of torch.nn.functional (case-sensitive), its other "
-      "keys bound as keywords (not judged: a wrong keyword fails the first forward); any other "
+      "keys bound as keywords with functools.partial, so a keyword the function does not take "
+      "(for the activations of TORCH_ACT_FN_KEYWORDS), or a gelu `approximate` other than "
+      "none or tanh, builds and fails the first forward (TypeError, RuntimeError), and "
+      "quick_gelu ignores them all (a warning); any other "
       "name raises ValueError, no name KeyError, a value no mapping AttributeError or "
       "TypeError. Hugging Face's activation names (swish, gelu_new) are not torch's: the "
       "message names the equivalent.",
@@ -1099,7 +1151,8 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
 @rule("FP8029", "error", "MPT settings that need flash-attn where it is not installed (or too "
       "old): `loss_fn: fused_crossentropy` (MPT's default), alibi with attn_impl flash (MPT's "
       "default), rope with rope_impl dail (MPT's default), sliding_window_size, "
-      "attn_logit_softcapping or attn_uses_sequence_id with attn_impl flash",
+      "attn_logit_softcapping or attn_uses_sequence_id with attn_impl flash; in a run "
+      "(`fp8_lint`), attn_impl flash itself and an hf_causal_lm's `use_flash_attention_2`",
       why="ComposerMPTCausalLM defaults loss_fn to fused_crossentropy and raises 'Fused Cross "
       "Entropy is not installed' when flash_attn.losses.cross_entropy cannot be imported. "
       "MPTConfig refuses alibi with attn_impl flash below flash-attn 2.4.2 "
@@ -1108,27 +1161,84 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
       "attn_uses_sequence_id below 2.1.2 with attn_impl flash (NotImplementedError): each when "
       "LLM-Foundry builds the model, after the tokenizer and the data loaders. "
       "Judged against the packages where the check runs: an error in `fp8_lint` (the training "
-      "machine), a warning in `foundry-fp8 lint` (which may run elsewhere).",
+      "machine), a warning in `foundry-fp8 lint` (which may run elsewhere). attn_impl flash "
+      "(MPT's default) without flash-attn >= 2.0 builds, and the first forward raises "
+      "NameError 'bert_padding': judged in `fp8_lint` only, on the machine that trains (in "
+      "files every MPT config without attn_impl would warn wherever the linter runs); so is "
+      "an hf_causal_lm's `use_flash_attention_2: true` or `attn_implementation: "
+      "flash_attention_2`, for which ComposerHFCausalLM raises ValueError building the model "
+      "without flash-attn >= 2.0.",
       source=f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM.__init__; "
       "llmfoundry/models/mpt/configuration_mpt.py:308-376 _validate_config, "
       "llmfoundry/models/layers/attention.py is_flash_v2_installed, check_alibi_support; "
-      "llmfoundry/models/utils/config_defaults.py (attn_impl flash, rope_impl dail)",
+      "llmfoundry/models/utils/config_defaults.py (attn_impl flash, rope_impl dail); "
+      "llmfoundry/models/mpt/modeling_mpt.py:32-38 (bert_padding imported only with "
+      "flash-attn 2) and MPTModel.forward (gen_flash_attn_padding_info for attn_impl flash); "
+      "llmfoundry/models/hf/hf_base.py:283-312 build_inner_model (use_flash_attention_2)",
       fix="set model.loss_fn: torch_crossentropy, or install flash-attn on the training machine")
 def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     snapshot = ctx.snapshot
-    if not _is_mpt(model) or snapshot is None:
+    if snapshot is None:
         return
     severity: Literal["error", "warning"] = "error" if ctx.scope == "run" else "warning"
-    yield from _flash_attn_settings(section(model, "attn_config"), snapshot.flash_attn, severity)
-    if snapshot.flash_attn_cross_entropy \
-            or model.get("loss_fn", "fused_crossentropy") != "fused_crossentropy":
+    if model.get("name") == HF_CAUSAL_LM_NAME and ctx.scope == "run":
+        yield from _hf_flash_attention_2(model, snapshot.flash_attn)
+    if not _is_mpt(model):
         return
-    key = "model.loss_fn" if "loss_fn" in model else "model"
-    said = "loss_fn fused_crossentropy" if "loss_fn" in model else \
-        "no loss_fn, so MPT's default fused_crossentropy,"
-    yield Hit(key, f"{said} needs flash-attn's cross entropy, which is not installed here: "
-              "LLM-Foundry raises when it builds the model", severity=severity)
+    attn = section(model, "attn_config")
+    refused = list(_flash_attn_settings(attn, snapshot.flash_attn, severity))
+    yield from refused
+    if not snapshot.flash_attn_cross_entropy \
+            and model.get("loss_fn", "fused_crossentropy") == "fused_crossentropy":
+        key = "model.loss_fn" if "loss_fn" in model else "model"
+        said = "loss_fn fused_crossentropy" if "loss_fn" in model else \
+            "no loss_fn, so MPT's default fused_crossentropy,"
+        yield Hit(key, f"{said} needs flash-attn's cross entropy, which is not installed here: "
+                  "LLM-Foundry raises when it builds the model", severity=severity)
+    if ctx.scope == "run" and not refused:  # MPTConfig refuses those before any forward
+        yield from _flash_attn_forward(attn, snapshot.flash_attn)
+
+
+def _hf_flash_attention_2(model: Mapping[str, Any], installed: str | None) -> Iterator[Hit]:
+    """`use_flash_attention_2: true` (or `attn_implementation: flash_attention_2`) of an
+    hf_causal_lm without flash-attn 2: build_inner_model raises ValueError. Judged in a run
+    only, as attn_impl flash: most GPU configs ask for it, wherever the linter runs."""
+    version = parse_version(installed)
+    if version is not None and version >= FLASH_ATTN_V2:
+        return
+    if model.get("use_flash_attention_2") is True:
+        key = "model.use_flash_attention_2"
+    elif model.get("attn_implementation") == "flash_attention_2":
+        key = "model.attn_implementation"
+    else:
+        return
+    here = f"flash-attn here is {installed}" if version else "flash-attn is not installed here"
+    yield Hit(key, f"{key.partition('.')[2]} needs flash-attn >= {dotted(FLASH_ATTN_V2)}, and "
+              f"{here}: ComposerHFCausalLM raises ValueError ('flash-attention 2 is not "
+              "installed') building the model, after the tokenizer and the data loaders",
+              fix=f"drop {key.partition('.')[2]} (attn_implementation: sdpa "
+              f"needs no flash-attn), or install flash-attn >= {dotted(FLASH_ATTN_V2)} on the "
+              "training machine")
+
+
+def _flash_attn_forward(attn: Mapping[str, Any], installed: str | None) -> Iterator[Hit]:
+    """attn_impl flash (MPT's default) without flash-attn 2: the model builds and the first
+    forward raises NameError 'bert_padding'. Judged in a run only, whose machine is the one that
+    trains: in files every config without attn_impl would warn wherever the linter runs."""
+    version = parse_version(installed)
+    if attn.get("attn_impl", MPT_ATTN_IMPL_DEFAULT) != "flash" \
+            or (version is not None and version >= FLASH_ATTN_V2):
+        return
+    said = "attn_impl flash" if "attn_impl" in attn else \
+        "no attn_config.attn_impl, so MPT's default flash,"
+    here = f"flash-attn here is {installed}" if version else "flash-attn is not installed here"
+    yield Hit("model.attn_config.attn_impl" if "attn_impl" in attn else "model", f"{said} needs "
+              f"flash-attn >= {dotted(FLASH_ATTN_V2)}, and {here}: the model builds, then its "
+              "first forward raises NameError: name 'bert_padding' is not defined "
+              "(modeling_mpt.py imports it only where is_flash_v2_installed())",
+              fix="set model.attn_config.attn_impl: torch (or sdpa), or install flash-attn >= "
+              f"{dotted(FLASH_ATTN_V2)} on the training machine")
 
 
 def _flash_attn_settings(attn: Mapping[str, Any], installed: str | None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from foundry_fp8.lint.config import (
@@ -142,7 +143,10 @@ TE_TOKENS_BY_16 = (
       "other than 1 packs examples into bins padded back to max_seq_len (BinPackCollator): no "
       "shorter batches; `packing_ratio: auto` picks a ratio by profiling the data, 1 (no "
       f"packing) for a max_seq_len up to {FOUNDRY_AUTO_PACKING_UNPACKED_UP_TO} and possibly "
-      "above it, so there these findings are at most a warning.",
+      "above it, so there these findings are at most a warning. With "
+      "`device_train_microbatch_size: auto` Composer starts at the device batch size and halves "
+      "it at each CUDA out-of-memory down to 1, so the findings are judged at 1, as warnings "
+      "(the run meets that size only after out-of-memory errors).",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec; "
       f"{TE_TOKENS_BY_16}; "
       f"{FOUNDRY} llmfoundry/data/text_data.py StreamingTextDataset (max_seq_len from the "
@@ -152,7 +156,9 @@ TE_TOKENS_BY_16 = (
       "the trimming to multiple_of = 8:408-421), build_collate_fn's BinPackCollator "
       "(dataloader.py:668-714) and llmfoundry/data/packing.py (_convert_to_batch pads every bin "
       "to max_seq_len; auto_packing_ratio), llmfoundry/command_utils/train.py (the "
-      "top-level max_seq_len: icl_seq_len's default)",
+      "top-level max_seq_len: icl_seq_len's default); Composer 0.32.1 composer/trainer/"
+      "trainer.py _adjust_device_train_microbatch_size (max(int(size / 2), 1)) and "
+      "_get_initial_device_train_microbatch_size (auto: the per-rank batch size)",
       fix="pick device_train_microbatch_size and a sequence length whose product is a multiple "
       f"of {FP8_DIM_MULTIPLE}")
 def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
@@ -160,10 +166,27 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
     te_layers = native_te_layers(config) or (swap is not None and swap.get("backend") == "te")
     if not (is_fp8(config) and te_layers):
         return
-    micro = as_int(config.get("device_train_microbatch_size"))
+    auto = config.get("device_train_microbatch_size") == "auto"
+    micro = 1 if auto else as_int(config.get("device_train_microbatch_size"))
     key, seq = train_seq_len(config)
     if micro is None or seq is None:
         return
+    if auto:  # any size from the device batch down to 1 may run: judge the last one
+        for hit in tokens_per_microbatch_of(config, micro, key, seq):
+            yield replace(hit, severity="warning", message=f"{AUTO_MICRO_BATCH}{hit.message}")
+        return
+    yield from tokens_per_microbatch_of(config, micro, key, seq)
+
+
+#: FP8006's words where the micro-batch size is `auto`.
+AUTO_MICRO_BATCH = ("device_train_microbatch_size auto: Composer starts at the device batch "
+                    "size and halves it at each CUDA out-of-memory, down to 1 "
+                    "(_adjust_device_train_microbatch_size), so at 1: ")
+
+
+def tokens_per_microbatch_of(config: Mapping[str, Any], micro: int, key: str,
+                             seq: int) -> Iterator[Hit]:
+    """FP8006's findings for micro-batches of `micro` sequences of up to `seq` tokens."""
     shown = f"{micro} x {seq} = {micro * seq} tokens per micro-batch (device_train_microbatch_size" \
         f" x {key})"
     padding, maybe = _padded_to(config, seq)
