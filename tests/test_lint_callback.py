@@ -111,7 +111,8 @@ def test_mpt_default_loss_needs_flash_attn_on_the_training_machine():
                             attn_config={"attn_impl": "torch"})
     assert "Fused Cross Entropy is not installed" in str(built.value)
     assert FP8Lint(train_config={"model": {"name": "mpt_causal_lm",
-                                           "loss_fn": "torch_crossentropy"}}).findings == []
+                                           "loss_fn": "torch_crossentropy",
+                                           "attn_config": {"attn_impl": "torch"}}}).findings == []
 
 
 def test_our_own_bug_never_stops_the_run(monkeypatch, caplog):
@@ -147,6 +148,7 @@ def test_te_ln_mlp_stops_the_run_before_llmfoundry_builds_the_model(monkeypatch)
                    te_core_package="transformer-engine-cu12")
     monkeypatch.setattr(lint_module, "gather_snapshot", lambda probe_te_import: h100)
     run = {"model": {"name": "mpt_causal_lm", "loss_fn": "torch_crossentropy",
+                     "attn_config": {"attn_impl": "torch"},
                      "ffn_config": {"ffn_type": "te_ln_mlp"}}}
     with pytest.raises(ValueError) as stopped:
         FP8Lint(train_config=run)
@@ -180,7 +182,8 @@ def test_a_rule_that_raises_is_logged_and_the_others_still_stop_the_run(monkeypa
     error here let the run go on."""
     config = {"precision": "amp_fp8", "model": {"name": "mpt_causal_lm", "d_model": 64,
                                                 "n_heads": 4, "expansion_ratio": 10 ** 309,
-                                                "loss_fn": "torch_crossentropy"}}
+                                                "loss_fn": "torch_crossentropy",
+                                                "attn_config": {"attn_impl": "torch"}}}
     with pytest.raises(ValueError, match="FP8001 precision"):
         FP8Lint(train_config=config)
     from dataclasses import replace

@@ -37,7 +37,8 @@ _TEXT_LOADER = """
 
 #: Train configs in the shapes of LLM-Foundry's scripts/train/yamls (pretrain/mpt-125m.yaml,
 #: finetune/mpt-7b_dolly_sft.yaml, a multi-eval pretraining run, an HF model with ICL tasks),
-#: written here: each is accepted by LLM-Foundry's train path as it stands.
+#: written here: each passes LLM-Foundry's config loader (the finetune one's Hub `mosaicml/mpt-7b`
+#: is refused later, building the model: FP8046).
 CONFIGS = {
     "mpt-pretrain": f"""
 variables:
