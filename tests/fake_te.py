@@ -74,6 +74,13 @@ class _CurrentScaling22:
     fp8_quant_bwd_grad = _QParams()
 
 
+def _no_bias(device: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    """What TE keeps as a bias-free GEMM's bias: an empty plain tensor, not None and not a
+    parameter (`torch.Tensor().to(dtype=params_dtype, device=device)`: module/linear.py:877,
+    layernorm_mlp.py:1382 at v1.12; linear.py:1721, layernorm_mlp.py:2120, 2138 at v2.18)."""
+    return torch.Tensor().to(dtype=dtype or torch.get_default_dtype(), device=device)
+
+
 def _param(shape: tuple[int, ...], device: Any, dtype: torch.dtype | None) -> torch.nn.Parameter:
     """TE's parameter contract (module/base.py, reset_parameters): allocated on `device`, and
     initialised unless `device == "meta"`, materialising a meta tensor (on CUDA in TE)."""
@@ -176,8 +183,10 @@ class _Linear(_TEModule):
                  init_method: Any = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features  # linear.py:1593-1594
+        self.use_bias = bias
         self.weight = _param((out_features, in_features), device, params_dtype)
-        self.bias = _param((out_features,), device, params_dtype) if bias else None
+        self.bias = (_param((out_features,), device, params_dtype) if bias
+                     else _no_bias(device, params_dtype))
         # module/linear.py (register_parameter's init_fn): the weight's is `init_method` or
         # TE's default, the bias's zeros
         self.init_fns = {"weight": init_method or functools.partial(
@@ -196,7 +205,7 @@ class _Linear(_TEModule):
             setattr(self, name, torch.nn.Parameter(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias if self.use_bias else None)
 
 
 #: TE's non-gated activations the stand-in computes (pytorch/module/layernorm_mlp.py `_act_func`,
@@ -223,8 +232,11 @@ class _LayerNormMLP(_TEModule):
                                 if normalization != "RMSNorm" else None)
         self.fc1_weight = _param((ffn_hidden_size, hidden_size), device, params_dtype)
         self.fc2_weight = _param((hidden_size, ffn_hidden_size), device, params_dtype)
-        self.fc1_bias = _param((ffn_hidden_size,), device, params_dtype) if bias else None
-        self.fc2_bias = _param((hidden_size,), device, params_dtype) if bias else None
+        self.use_bias = bias
+        self.fc1_bias = (_param((ffn_hidden_size,), device, params_dtype) if bias
+                         else _no_bias(device, params_dtype))
+        self.fc2_bias = (_param((hidden_size,), device, params_dtype) if bias
+                         else _no_bias(device, params_dtype))
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,8 +255,9 @@ class _LayerNormMLP(_TEModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation not in _ACTIVATIONS:
             raise NotImplementedError("Activation type " + self.activation + " is not supported!")
-        x = _ACTIVATIONS[self.activation](F.linear(self._norm(x), self.fc1_weight, self.fc1_bias))
-        return F.linear(x, self.fc2_weight, self.fc2_bias)
+        fc1_bias, fc2_bias = (self.fc1_bias, self.fc2_bias) if self.use_bias else (None, None)
+        x = _ACTIVATIONS[self.activation](F.linear(self._norm(x), self.fc1_weight, fc1_bias))
+        return F.linear(x, self.fc2_weight, fc2_bias)
 
 
 class _LayerNormOp(_TEModule):
