@@ -140,6 +140,12 @@ class _TEModule(torch.nn.Module):
     #: the first TE whose `set_extra_state` skips an empty tensor, and whose save of no state is one
     empty_from: tuple[int, ...] = (2, 4)
 
+    def _set_name(self, name: str | None) -> None:
+        """TE >= 2.4's `name` (the debug API's layer name; module/linear.py:999, 1013 at v2.4,
+        `name: Optional[str] = None` on Linear and LayerNormMLP to 2.20.2); older TE has none."""
+        if self.te_version >= (2, 4):
+            self.name = name
+
     def get_extra_state(self) -> Any:
         if self.te_version >= self.empty_from:
             return torch.empty(0, dtype=torch.uint8)
@@ -180,8 +186,9 @@ TE_DEFAULT_INIT_STD = 0.023
 class _Linear(_TEModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: torch.dtype | None = None, device: Any = "cuda",
-                 init_method: Any = None) -> None:
+                 init_method: Any = None, name: str | None = None) -> None:
         super().__init__()
+        self._set_name(name)
         self.in_features, self.out_features = in_features, out_features  # linear.py:1593-1594
         self.use_bias = bias
         self.weight = _param((out_features, in_features), device, params_dtype)
@@ -222,8 +229,9 @@ class _LayerNormMLP(_TEModule):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  bias: bool = True, normalization: str = "LayerNorm", activation: str = "gelu",
                  params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False,
-                 device: Any = "cuda") -> None:
+                 device: Any = "cuda", name: str | None = None) -> None:
         super().__init__()
+        self._set_name(name)
         assert normalization in ["LayerNorm", "RMSNorm"], "Unsupported normalization type!"
         self.normalization, self.activation = normalization, activation
         self.zero_centered_gamma = zero_centered_gamma
