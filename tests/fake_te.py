@@ -183,7 +183,24 @@ class _TEModule(torch.nn.Module):
 TE_DEFAULT_INIT_STD = 0.023
 
 
-class _Linear(_TEModule):
+class _GemmModule(_TEModule):
+    """TE's GEMM modules' FP8 bookkeeping as outside TE's autocast, where the stand-in always
+    runs (TransformerEngineBaseModule, module/base.py in 2.20.2: `fp8_meta` and `fp8` set in
+    `__init__`, l. 899-904; `init_fp8_metadata`, l. 1528-1552, building no scaling state while
+    FP8 is off). Code that finds TE's FP8 modules by them (`probe.is_te_fp8_module`) sees these."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8, self.fp8_initialized = False, False
+        self.fp8_meta: dict[str, Any] = {"fp8_checkpoint": False, "fp8_group": None}
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        del num_gemms
+        self.fp8, self.fp8_initialized = False, False
+        self.fp8_meta["fp8_checkpoint"] = False
+
+
+class _Linear(_GemmModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: torch.dtype | None = None, device: Any = "cuda",
                  init_method: Any = None, name: str | None = None) -> None:
@@ -221,7 +238,7 @@ class _Linear(_TEModule):
 _ACTIVATIONS = {"gelu": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 
 
-class _LayerNormMLP(_TEModule):
+class _LayerNormMLP(_GemmModule):
     """TE's keywords and checks (`LayerNormMLP.__init__`, layernorm_mlp.py:1948-1984 at v2.18,
     1268-1299 at v1.12: the same for these), parameters and forward formulas
     (`te.facts.LN_MLP_NORMALIZATIONS`)."""

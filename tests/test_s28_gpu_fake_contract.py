@@ -44,3 +44,25 @@ def test_te_swap_of_a_bias_free_linear_saves_the_plain_keys(fake_te):
     assert new.state_dict().keys() - {"_extra_state"} == src.state_dict().keys() == {"weight"}
     x = torch.randn(4, 16)
     assert torch.equal(new(x), src(x))
+
+
+def test_te_s_gemm_modules_are_found_as_fp8_modules_before_any_fp8_forward(fake_te):
+    """TE's GEMM modules hold `fp8_meta` and `fp8` from their constructor (module/base.py:
+    899-904 in 2.20.2) and `init_fp8_metadata` builds no scaling state outside TE's autocast
+    (l. 1528-1552): te_swap's layers count as TE FP8 modules at once (fp8_state, fp8_guard and
+    the FP8 census find them by that); the stand-in had neither, so on the CPU they counted as
+    plain layers."""
+    from foundry_fp8.fp8_meta import read_fp8_meta
+    from foundry_fp8.swap import SwapConfig, convert_to_fp8, fp8_module_counts
+    from foundry_fp8.te.backend import init_fp8_state
+    from foundry_fp8.te.probe import is_te_fp8_module
+
+    fake_te()
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))])
+    convert_to_fp8(model, SwapConfig(backend="te"))
+    assert fp8_module_counts(model) == (2, 0)
+    layer = model.blocks[0][0]
+    assert is_te_fp8_module(layer) and not layer.fp8
+    assert init_fp8_state(layer, num_gemms=1) is False  # FP8 off: no state built
+    assert read_fp8_meta(layer) == {}
