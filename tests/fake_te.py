@@ -140,12 +140,6 @@ class _TEModule(torch.nn.Module):
     #: the first TE whose `set_extra_state` skips an empty tensor, and whose save of no state is one
     empty_from: tuple[int, ...] = (2, 4)
 
-    def _set_name(self, name: str | None) -> None:
-        """TE >= 2.4's `name` (the debug API's layer name; module/linear.py:999, 1013 at v2.4,
-        `name: Optional[str] = None` on Linear and LayerNormMLP to 2.20.2); older TE has none."""
-        if self.te_version >= (2, 4):
-            self.name = name
-
     def get_extra_state(self) -> Any:
         if self.te_version >= self.empty_from:
             return torch.empty(0, dtype=torch.uint8)
@@ -187,10 +181,14 @@ class _GemmModule(_TEModule):
     """TE's GEMM modules' FP8 bookkeeping as outside TE's autocast, where the stand-in always
     runs (TransformerEngineBaseModule, module/base.py in 2.20.2: `fp8_meta` and `fp8` set in
     `__init__`, l. 899-904; `init_fp8_metadata`, l. 1528-1552, building no scaling state while
-    FP8 is off). Code that finds TE's FP8 modules by them (`probe.is_te_fp8_module`) sees these."""
+    FP8 is off). Code that finds TE's FP8 modules by them (`probe.is_te_fp8_module`) sees these.
+    TE >= 2.4 also keeps a `name` (the debug API's layer name; module/linear.py:999, 1013 at
+    v2.4, `name: Optional[str] = None` on Linear and LayerNormMLP to 2.20.2)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str | None) -> None:
         super().__init__()
+        if self.te_version >= (2, 4):
+            self.name = name
         self.fp8, self.fp8_initialized = False, False
         self.fp8_meta: dict[str, Any] = {"fp8_checkpoint": False, "fp8_group": None}
 
@@ -204,8 +202,7 @@ class _Linear(_GemmModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: torch.dtype | None = None, device: Any = "cuda",
                  init_method: Any = None, name: str | None = None) -> None:
-        super().__init__()
-        self._set_name(name)
+        super().__init__(name)
         self.in_features, self.out_features = in_features, out_features  # linear.py:1593-1594
         self.use_bias = bias
         self.weight = _param((out_features, in_features), device, params_dtype)
@@ -247,8 +244,7 @@ class _LayerNormMLP(_GemmModule):
                  bias: bool = True, normalization: str = "LayerNorm", activation: str = "gelu",
                  params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False,
                  device: Any = "cuda", name: str | None = None) -> None:
-        super().__init__()
-        self._set_name(name)
+        super().__init__(name)
         assert normalization in ["LayerNorm", "RMSNorm"], "Unsupported normalization type!"
         self.normalization, self.activation = normalization, activation
         self.zero_centered_gamma = zero_centered_gamma
