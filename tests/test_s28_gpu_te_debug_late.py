@@ -60,7 +60,8 @@ def test_te_modules_built_without_a_session_do_not_make_te_refuse_the_next(
     """nvdlfw-inspect imported (a test module, an earlier run) and TE modules built without a
     session leave TE's flag False; TE then refused the first module built in the next
     fp8_stats' session. On the GPU: the whole `tests/` collected (test_a24's import), the GPU
-    tests before test_te_debug_gpu.py built te.Linear, and its three tests would all fail so."""
+    tests before test_te_debug_gpu.py built te.Linear, and its first test would fail so (the
+    next ones start after that test's `TEDebugState._reset()`)."""
     module = sys.modules["transformer_engine.debug.pytorch.debug_state"]
     monkeypatch.setattr(module, "TEDebugState", _TEDebugState)
     monkeypatch.setattr(_TEDebugState, "debug_enabled", None)
