@@ -74,6 +74,13 @@ class _CurrentScaling22:
     fp8_quant_bwd_grad = _QParams()
 
 
+def _no_bias(device: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    """What TE keeps as a bias-free GEMM's bias: an empty plain tensor, not None and not a
+    parameter (`torch.Tensor().to(dtype=params_dtype, device=device)`: module/linear.py:877,
+    layernorm_mlp.py:1382 at v1.12; linear.py:1721, layernorm_mlp.py:2120, 2138 at v2.18)."""
+    return torch.Tensor().to(dtype=dtype or torch.get_default_dtype(), device=device)
+
+
 def _param(shape: tuple[int, ...], device: Any, dtype: torch.dtype | None) -> torch.nn.Parameter:
     """TE's parameter contract (module/base.py, reset_parameters): allocated on `device`, and
     initialised unless `device == "meta"`, materialising a meta tensor (on CUDA in TE)."""
@@ -170,14 +177,37 @@ class _TEModule(torch.nn.Module):
 TE_DEFAULT_INIT_STD = 0.023
 
 
-class _Linear(_TEModule):
+class _GemmModule(_TEModule):
+    """TE's GEMM modules' FP8 bookkeeping as outside TE's autocast, where the stand-in always
+    runs (TransformerEngineBaseModule, module/base.py in 2.20.2: `fp8_meta` and `fp8` set in
+    `__init__`, l. 899-904; `init_fp8_metadata`, l. 1528-1552, building no scaling state while
+    FP8 is off). Code that finds TE's FP8 modules by them (`probe.is_te_fp8_module`) sees these.
+    TE >= 2.4 also keeps a `name` (the debug API's layer name; module/linear.py:999, 1013 at
+    v2.4, `name: Optional[str] = None` on Linear and LayerNormMLP to 2.20.2)."""
+
+    def __init__(self, name: str | None) -> None:
+        super().__init__()
+        if self.te_version >= (2, 4):
+            self.name = name
+        self.fp8, self.fp8_initialized = False, False
+        self.fp8_meta: dict[str, Any] = {"fp8_checkpoint": False, "fp8_group": None}
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        del num_gemms
+        self.fp8, self.fp8_initialized = False, False
+        self.fp8_meta["fp8_checkpoint"] = False
+
+
+class _Linear(_GemmModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: torch.dtype | None = None, device: Any = "cuda",
-                 init_method: Any = None) -> None:
-        super().__init__()
+                 init_method: Any = None, name: str | None = None) -> None:
+        super().__init__(name)
         self.in_features, self.out_features = in_features, out_features  # linear.py:1593-1594
+        self.use_bias = bias
         self.weight = _param((out_features, in_features), device, params_dtype)
-        self.bias = _param((out_features,), device, params_dtype) if bias else None
+        self.bias = (_param((out_features,), device, params_dtype) if bias
+                     else _no_bias(device, params_dtype))
         # module/linear.py (register_parameter's init_fn): the weight's is `init_method` or
         # TE's default, the bias's zeros
         self.init_fns = {"weight": init_method or functools.partial(
@@ -196,7 +226,7 @@ class _Linear(_TEModule):
             setattr(self, name, torch.nn.Parameter(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias if self.use_bias else None)
 
 
 #: TE's non-gated activations the stand-in computes (pytorch/module/layernorm_mlp.py `_act_func`,
@@ -205,7 +235,7 @@ class _Linear(_TEModule):
 _ACTIVATIONS = {"gelu": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 
 
-class _LayerNormMLP(_TEModule):
+class _LayerNormMLP(_GemmModule):
     """TE's keywords and checks (`LayerNormMLP.__init__`, layernorm_mlp.py:1948-1984 at v2.18,
     1268-1299 at v1.12: the same for these), parameters and forward formulas
     (`te.facts.LN_MLP_NORMALIZATIONS`)."""
@@ -213,8 +243,8 @@ class _LayerNormMLP(_TEModule):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  bias: bool = True, normalization: str = "LayerNorm", activation: str = "gelu",
                  params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False,
-                 device: Any = "cuda") -> None:
-        super().__init__()
+                 device: Any = "cuda", name: str | None = None) -> None:
+        super().__init__(name)
         assert normalization in ["LayerNorm", "RMSNorm"], "Unsupported normalization type!"
         self.normalization, self.activation = normalization, activation
         self.zero_centered_gamma = zero_centered_gamma
@@ -223,8 +253,11 @@ class _LayerNormMLP(_TEModule):
                                 if normalization != "RMSNorm" else None)
         self.fc1_weight = _param((ffn_hidden_size, hidden_size), device, params_dtype)
         self.fc2_weight = _param((hidden_size, ffn_hidden_size), device, params_dtype)
-        self.fc1_bias = _param((ffn_hidden_size,), device, params_dtype) if bias else None
-        self.fc2_bias = _param((hidden_size,), device, params_dtype) if bias else None
+        self.use_bias = bias
+        self.fc1_bias = (_param((ffn_hidden_size,), device, params_dtype) if bias
+                         else _no_bias(device, params_dtype))
+        self.fc2_bias = (_param((hidden_size,), device, params_dtype) if bias
+                         else _no_bias(device, params_dtype))
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,8 +276,9 @@ class _LayerNormMLP(_TEModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation not in _ACTIVATIONS:
             raise NotImplementedError("Activation type " + self.activation + " is not supported!")
-        x = _ACTIVATIONS[self.activation](F.linear(self._norm(x), self.fc1_weight, self.fc1_bias))
-        return F.linear(x, self.fc2_weight, self.fc2_bias)
+        fc1_bias, fc2_bias = (self.fc1_bias, self.fc2_bias) if self.use_bias else (None, None)
+        x = _ACTIVATIONS[self.activation](F.linear(self._norm(x), self.fc1_weight, fc1_bias))
+        return F.linear(x, self.fc2_weight, fc2_bias)
 
 
 class _LayerNormOp(_TEModule):

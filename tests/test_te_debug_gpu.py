@@ -118,3 +118,31 @@ def test_an_evaluation_forward_stays_out_of_tes_statistics_and_a_resume_keeps_th
     assert key in got, sorted(got)
     ours = tensor_stats(x.detach(), "e4m3")["underflow_pct"]  # current scaling: its own amax
     assert got[key] == pytest.approx(ours, abs=0.05)
+
+
+def test_a_layer_built_before_the_session_is_logged(tmp_path):
+    """A Composer script builds its model before fp8_stats: TE turns its debug flag on only for
+    a module built during a session (module/base.py:922-923 in 2.20.2), so TE logged nothing for
+    it until `name_layers` turned it on (written from TE 2.20.2's sources, not run)."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    pytest.importorskip("nvdlfw_inspect")
+    from transformer_engine.common.recipe import DelayedScaling
+    from transformer_engine.debug.pytorch.debug_state import TEDebugState
+
+    layer = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+    got: dict[str, float] = {}
+    config = log_fp8_tensor_stats_config(r"^lin$", ["activation"], freq=1)
+    session = TEDebugSession(config, tmp_path, lambda n, v, s: got.__setitem__(n, v))
+    session.start()
+    try:
+        session.name_layers([("lin", layer)])
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with te.autocast(enabled=True, recipe=DelayedScaling()):
+            out = layer(x)
+        out.float().sum().backward()
+        session.step()
+    finally:
+        session.close()
+        TEDebugState._reset()
+
+    assert "fp8_te_underflow_pct/activation/lin" in got, sorted(got)

@@ -40,7 +40,8 @@ y.sum().backward(); torch.cuda.synchronize(); print("FP8 te.Linear step: OK")'
   # What the tests and the bench import that the kit does not carry (the device's own packages):
   # one missing shows here by name instead of as an error deep in a test.
   python3 -c 'import importlib, importlib.metadata as md
-for dist, mod in [("pytest", "pytest"), ("hypothesis", "hypothesis"), ("matplotlib", "matplotlib"),
+for dist, mod in [("pytest", "pytest"), ("hypothesis", "hypothesis"), ("numpy", "numpy"),
+                  ("matplotlib", "matplotlib"),
                   ("pillow", "PIL"), ("tqdm", "tqdm"), ("regex", "regex"), ("filelock", "filelock"),
                   ("safetensors", "safetensors"), ("pyyaml", "yaml"), ("packaging", "packaging")]:
     try:

@@ -180,10 +180,17 @@ class TEDebugSession:
         self._handlers: list[tuple[logging.Logger, logging.Handler]] = []  # ones it added
 
     def start(self) -> None:
+        """Start nvdlfw-inspect with TE's features. TE's debug flag left False (TE modules built
+        while nvdlfw-inspect was imported but ran no session: an earlier run in this process, a
+        test module importing it) would make TE refuse the next TE module built ("should be
+        initialized before the first TE module": `TEDebugState.initialize`, debug/pytorch/
+        debug_state.py:23-39 in 2.20.2): it goes back to None, TE's own start, so the next
+        module turns it on and `name_layers` the earlier ones."""
         import nvdlfw_inspect.api as debug_api
         import transformer_engine.debug.features as te_features
         import yaml
         from nvdlfw_inspect.logging import BaseLogger
+        from transformer_engine.debug.pytorch.debug_state import TEDebugState
 
         session = self
 
@@ -217,14 +224,29 @@ class TEDebugSession:
             self._handlers = [(logger, handler)
                               for logger, old in zip(loggers, before, strict=True)
                               for handler in logger.handlers if handler not in old]
+        if TEDebugState.debug_enabled is False:
+            TEDebugState.debug_enabled = None
 
     def name_layers(self, named_modules: Iterable[tuple[str, Any]]) -> None:
         """Give TE modules our module names (TE would call them `Layer_<n>`), so the layer regex
-        and the metric names match what our hooks use: pass `fp8_meta.canonical_modules`."""
+        and the metric names match what our hooks use: pass `fp8_meta.canonical_modules`.
+
+        TE turns its debug API on when a TE module is built while a session exists
+        (`TEDebugState.initialize` in `TransformerEngineBaseModule.__init__`, module/base.py:
+        922-923 in 2.20.2, 890-891 at v2.18), and every forward reads that flag (`is_debug_iter`,
+        base.py:1979-1985). A model built before `start` (a Composer script building it before
+        fp8_stats) left it off, and TE computed no statistics, silently: turned on here, as a
+        module built now would; a module keeps no debug state from its construction (2.7-2.20)."""
+        import nvdlfw_inspect.api as debug_api
+        from transformer_engine.debug.pytorch.debug_state import TEDebugState
+
         for name, module in named_modules:
             if is_te_module(module) and hasattr(module, "name"):
                 module.name = name
                 self.layer_names.add(module.name)
+        if (self.layer_names and not TEDebugState.debug_enabled and not self._paused
+                and self._manager is not None and self._manager is debug_api.DEBUG_MANAGER):
+            TEDebugState.debug_enabled = True
 
     def start_at(self, batch: int) -> None:
         """TE's debug iteration is Composer's batch count: nvdlfw-inspect counts from 0 at
