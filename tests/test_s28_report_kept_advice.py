@@ -11,8 +11,10 @@ joined to itself: `(?:X)|X`. Which layers te_swap keeps out is te_swap's own dec
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+import yaml
 
 from foundry_fp8.cli import main
 from foundry_fp8.filters import filter_reason
@@ -20,7 +22,7 @@ from foundry_fp8.health.keys import HIGH_PRECISION, layer_order_params, parse_ke
 from foundry_fp8.health.rules import layers_regex
 from foundry_fp8.monitor import FP8Monitor, MonitorConfig
 from foundry_fp8.options import SwapConfig
-from foundry_fp8.report.markdown import EXCLUDE_TOGETHER, kept_out
+from foundry_fp8.report.markdown import EXCLUDE_TOGETHER, EXCLUDE_TOGETHER_HELD, kept_out
 from foundry_fp8.report.read import swap_filters
 from tests.test_advice25_exact_layer import _mpt_like
 from tests.three_blocks import kept_by_te_swap
@@ -90,38 +92,68 @@ def test_layers_the_runs_keep_last_blocks_kept_out_are_not_advised_again(
 FAULTY = "blocks.1.attn.out_proj"
 
 
-def test_a_run_resumed_with_the_fallbacks_exclude_is_not_told_it_again(
+def _joined(text: str, intro: str) -> str:
+    """The joined exclude line's te_swap `exclude`, read with a YAML reader."""
+    [line] = [line for line in text.splitlines() if intro[:60] in line]
+    [yaml_text] = re.findall(r"algorithms: \{te_swap: \{exclude: '.*'\}\}", line)
+    return yaml.safe_load(yaml_text)["algorithms"]["te_swap"]["exclude"]
+
+
+def test_fp8_guards_layers_join_the_exclude_and_a_resumed_run_is_not_told_them_again(
         tmp_path, tiny_data, capsys):
-    """fp8_guard moves `blocks.1.attn.out_proj` (an outlier channel from step 3): the report
-    gives its exclude for next time. The run resumed with that exclude (the `jsonl` logger
-    rewrites hparams.json with the resumed attempt's config; fp8_guard's records of the restored
-    fallback stay): te_swap keeps the layer out, which the report says instead of
-    `(?:X)|X`."""
+    """3 blocks, every gradient flagged (min_cos_sim 0.9995: E5M2 round trips sit near 0.9986),
+    fp8_guard moving `blocks.1.attn.out_proj` (an outlier channel from step 3). Block 1's other
+    layers are told their own exclude, joined in one line; fp8_guard's section gives its layer's
+    for next time. The joined line left that layer out: pasted after the guard's, te_swap ran it
+    in FP8 again. Then the run resumed with the joined exclude (the `jsonl` logger rewrites
+    hparams.json with the resumed attempt's config; fp8_guard's record of the restored fallback
+    stays): te_swap keeps the layer out, which the report says instead of `(?:X)|X`."""
     from llmfoundry.registry import callbacks
 
     from foundry_fp8.fault import InjectOutlier
 
     callbacks.register("inject_outlier", func=InjectOutlier)
     run_tiny(tmp_path, tiny_data, {
-        "max_duration": "8ba", "eval_interval": "8ba", "save_interval": "8ba",
-        "callbacks": {"fp8_stats": {"interval": "2ba"}, "fp8_guard": {"consecutive": 2},
+        "model": {"n_layers": 3}, "max_duration": "10ba", "eval_interval": "10ba",
+        "save_interval": "10ba",
+        "callbacks": {"fp8_stats": {"interval": "2ba", "min_cos_sim": 0.9995},
+                      "fp8_guard": {"consecutive": 2},
                       "inject_outlier": {"layer": FAULTY, "start": 3}}})
     folder = run_folder(tmp_path)
+    logged = {parsed[2] for line in (folder / "metrics.jsonl").read_text().splitlines()
+              for key in json.loads(line)["metrics"] if (parsed := parse_key(key))}
+    block1 = {layer for layer in logged if layer.startswith("blocks.1.")}
+
+    def kept_by(exclude: str) -> set[str]:  # te_swap's own matching on its module names
+        return {layer for layer in logged
+                if filter_reason(f"model.transformer.{layer}", SwapConfig(exclude=exclude), 3)}
+
     capsys.readouterr()
     assert main(["report", str(folder)]) == 0
-    before = capsys.readouterr().out
+    out = capsys.readouterr().out
     advised = f"Next time: algorithms: {{te_swap: {{exclude: '{layers_regex([FAULTY])}'}}}}"
-    assert advised in before, before
+    assert advised in out, out
+    md = (folder / "fp8_report.md").read_text()
+    for text in (out, md):
+        assert kept_by(_joined(text, EXCLUDE_TOGETHER_HELD)) == block1, text
     hparams_file = folder / "hparams.json"
     hparams = json.loads(hparams_file.read_text())
-    hparams["algorithms"]["te_swap"]["exclude"] = layers_regex([FAULTY])  # the advice, followed
+    hparams["algorithms"]["te_swap"]["exclude"] = _joined(out, EXCLUDE_TOGETHER_HELD)  # followed
     hparams_file.write_text(json.dumps(hparams))
     assert main(["report", str(folder)]) == 0
     out = capsys.readouterr().out
     md = (folder / "fp8_report.md").read_text()
     for text in (out, md):
         assert "te_swap already keeps the layers in fallback out of FP8" in text, text
-        assert "algorithms: {te_swap:" not in text, text  # no YAML left to paste
-        [row] = [line for line in text.splitlines() if "fp8_guard ran it in high" in line]
+        assert "Next time:" not in text and "```yaml" not in text, text
+        assert EXCLUDE_TOGETHER_HELD[:60] not in text and EXCLUDE_TOGETHER[:60] not in text, text
+        [row] = [line for line in text.splitlines()
+                 if "fp8_guard ran it in high" in line and "underflow_pct" in line]
         assert "the run's te_swap exclude keeps it so from the start" in row, row
         assert "fp8_guard section's exclude" not in row, row
+        # block 1's other layers, in FP8 until the resume, are told their exclude no more
+        said = [line for line in text.splitlines() if "cos_sim" in line
+                and any(f"'{layer}'" in line or line.startswith(f"| {layer} |")
+                        for layer in block1 - {FAULTY})]
+        assert len(said) >= 3 and all("no change: the run's te_swap exclude keeps it out" in
+                                      line.lower() for line in said), said

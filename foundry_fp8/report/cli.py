@@ -57,6 +57,7 @@ from foundry_fp8.report.baseline import (
 from foundry_fp8.report.markdown import (
     ALREADY_OUT,
     EXCLUDE_TOGETHER,
+    EXCLUDE_TOGETHER_HELD,
     TO_FP8,
     Finding,
     WorstTable,
@@ -597,13 +598,13 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
         print("".join(f"  {note}\n" for note in notes), end="")
     print("".join(f"  {line(group)}\n" for group in rows[:MAX_PRINTED]), end="")
-    if together := excluded_together(found, fallen, swap):
-        print(f"  {EXCLUDE_TOGETHER}{one_line(together)}")
+    held = to_exclude(guard, swap)
+    if together := excluded_together(found, fallen, swap, held):
+        print(f"  {EXCLUDE_TOGETHER_HELD if held else EXCLUDE_TOGETHER}{one_line(together)}")
     if len(rows) > MAX_PRINTED:
         print(f"  ... {len(rows) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:
-        layers = to_exclude(guard, swap)
-        after = (f" Next time: {static_yaml(layers, swap.exclude)}" if layers else
+        after = (f" Next time: {static_yaml(held, swap.exclude)}" if held else
                  f" {ALREADY_OUT}" if guard.kept else "")
         print(f"{moved(guard)}: " + ", ".join(
             f"{names[layer]} {span}" for layer, span in fallen.items()) + "." + after)

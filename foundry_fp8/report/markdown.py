@@ -294,11 +294,11 @@ def in_high_precision(layer: str, since: str, kept_by: str | None = None) -> str
                    "keep it so from the start with the fp8_guard section's exclude")
 
 
-def to_exclude(guard: GuardRun, swap: SwapFilters) -> list[str]:
+def to_exclude(guard: GuardRun | None, swap: SwapFilters) -> list[str]:
     """The layers in fallback at the end that the run's te_swap filters do not keep out of FP8
     already (`kept_out`): those the static YAML adds (a run resumed with the fallback's own
     exclude got it joined to itself, `(?:X)|X`)."""
-    return [layer for layer in guard.kept if kept_out(layer, swap) is None]
+    return [] if guard is None else [layer for layer in guard.kept if kept_out(layer, swap) is None]
 
 
 #: Said instead of the static YAML where `to_exclude` is empty (as fp8_guard's fit-end print).
@@ -308,23 +308,29 @@ ALREADY_OUT = "te_swap already keeps the layers in fallback out of FP8 (the run'
 #: Introduces `excluded_together`'s YAML, on the terminal and in fp8_report.md.
 EXCLUDE_TOGETHER = ("The exclude changes at once (te_swap reads one exclude, so typed in turn "
                     "they keep the last one only; the run's own exclude kept): ")
+#: `EXCLUDE_TOGETHER` where the YAML holds fp8_guard's layers in fallback at the end too.
+EXCLUDE_TOGETHER_HELD = ("The exclude changes at once, with the layers fp8_guard held in high "
+                         "precision at the end (te_swap reads one exclude, so typed in turn "
+                         "beside the fp8_guard section's they keep the last one only; the run's "
+                         "own exclude kept): ")
 
 
 def excluded_together(found: list[Finding], fallen: Collection[str],
-                      swap: SwapFilters | str | None) -> str | None:
+                      swap: SwapFilters | str | None, held: Collection[str] = ()) -> str | None:
     """One te_swap `exclude` for every flagged layer whose change is its own `exclude`, joined to
-    the run's (`swap`, or its exclude alone): te_swap reads one regex, so two rows' own `exclude`
-    typed in turn kept the last layer only, and either dropped the run's own. None where one row
-    says it all (one such layer, no exclude of the run's). Layers fp8_guard ran in high
-    precision: its own line; layers the run's te_swap filters already keep out (`kept_out`):
-    none (it said them again)."""
+    the run's (`swap`, or its exclude alone) and to the layers fp8_guard holds in high precision
+    at the end (`held`, `to_exclude`): te_swap reads one regex, so two rows' own `exclude`, or a
+    row's and the fp8_guard section's, typed in turn kept the last only, and either dropped the
+    run's own. None where one row says it all (one such layer, no exclude of the run's, none
+    held) or the fp8_guard section's alone does (no such layer); layers the run's te_swap
+    filters already keep out (`kept_out`): none (it said them again)."""
     swap = filters_of(swap)
     layers = {f.worst.layer for f in found
               if f.worst.layer not in fallen and f.worst.yaml_key.startswith(f"{SWAP}.exclude:")
               and kept_out(f.worst.layer, swap) is None}
-    if not layers or (len(layers) == 1 and not swap.exclude):
+    if not layers or (len(layers) == 1 and not swap.exclude and not held):
         return None
-    return static_yaml(layers, swap.exclude)
+    return static_yaml(layers | set(held), swap.exclude)
 
 
 def filters_of(swap: SwapFilters | str | None) -> SwapFilters:
@@ -364,20 +370,24 @@ def swap_excluded(layer: str, exclude: str | None) -> bool:
 
 def not_converted(f: Finding, fallen: Collection[str], swap: SwapFilters | str | None
                   ) -> tuple[str, bool] | None:
-    """The note on a flag whose numbers are all what-if and whose layer fp8_guard did not move:
+    """The note on a flag whose layer fp8_guard did not move and whose numbers are all what-if:
     te_swap left it in high precision, so its advice is what running it in FP8 would take, none
     where the run's te_swap filters (`swap`, or its exclude alone) keep it out already (the
     report said its exclude, or `keep_first_blocks: 1` to a run holding it, again). As
-    `Flag.whatif_message` says it during the run. The note, and whether the flag's change follows
-    it; None for other flags (NaN/Inf are counted in the high-precision tensor: its own advice)."""
+    `Flag.whatif_message` says it during the run. A flag with FP8 numbers whose change the run's
+    config (its last attempt's: resumed with that change) holds already: that no change is
+    needed. The note, and whether the flag's change follows it; None for other flags (NaN/Inf
+    are counted in the high-precision tensor: its own advice)."""
     w = f.worst
-    if w.layer in fallen or f.whatif < f.steps or w.rule == "nonfinite":
+    if w.layer in fallen or w.rule == "nonfinite":
         return None
+    by = kept_out(w.layer, filters_of(swap)) if w.yaml_key.startswith(KEEP_OUT) else None
+    done = f"no change: the run's te_swap {by} keeps it out of FP8"
+    if f.whatif < f.steps:
+        return None if by is None else (f"{done} (the run's config at its end)", False)
     head = "it did not run in FP8 (what-if numbers)"
     if w.yaml_key.startswith(KEEP_OUT):
-        by = kept_out(w.layer, filters_of(swap))
-        return ((f"{head}; no change: the run's te_swap {by} keeps it out of FP8", False)
-                if by is not None else
+        return ((f"{head}; {done}", False) if by is not None else
                 (f"{head}; keep it out of FP8 (where te_swap would convert it): ", True))
     return f"{head}; before putting it in FP8, change: ", True
 
@@ -591,11 +601,13 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
 
     if found:
         lines += [FLAGGED_HEAD, *map(row, rows)]
-        if together := excluded_together(found, fallen, swap):
+        held = to_exclude(guard, swap)
+        if together := excluded_together(found, fallen, swap, held):
             # a code span outside a table keeps `|` and backslashes literal (md_code is a cell's)
             shown = (md_escape(together) if any(c in together for c in "`\n\r")
                      else f"`{together}`")
-            lines += ["", f"{md_escape(EXCLUDE_TOGETHER)}{shown}"]
+            intro = EXCLUDE_TOGETHER_HELD if held else EXCLUDE_TOGETHER
+            lines += ["", f"{md_escape(intro)}{shown}"]
         if shared:
             lines += ["", f"A row naming several layers holds those whose flags differ only in "
                       f"their values; each of them has its own row in [{PER_LAYER}]"
