@@ -552,9 +552,9 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     layers `--layers` matched, of which `chosen` are the ones drawn; `loss`: the baseline (as
     named) and the loss comparison with it; `worst`: the run's `worst_table`, when made;
     `spike`: the run's loss spikes (`spike_line`), where it logged a loss; `swap`: te_swap's
-    layer filters (`excluded_together`)."""
+    layer filters (`read.swap_filters`; without them its exclude alone, as fp8_guard's read)."""
     table, cells = worst or worst_table(run)
-    swap = swap or SwapFilters()
+    swap = swap or SwapFilters(exclude=guard.exclude if guard is not None else None)
     prefix = common_prefix(run.layers)
     names = layer_names(run, guard)
     kinds = short_names(run.tensors)
