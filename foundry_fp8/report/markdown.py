@@ -298,7 +298,8 @@ def to_exclude(guard: GuardRun | None, swap: SwapFilters) -> list[str]:
     """The layers in fallback at the end that the run's te_swap filters do not keep out of FP8
     already (`kept_out`): those the static YAML adds (a run resumed with the fallback's own
     exclude got it joined to itself, `(?:X)|X`)."""
-    return [] if guard is None else [layer for layer in guard.kept if kept_out(layer, swap) is None]
+    kept = guard.kept if guard is not None else []
+    return [layer for layer in kept if kept_out(layer, swap) is None]
 
 
 #: Said instead of the static YAML where `to_exclude` is empty (as fp8_guard's fit-end print).
@@ -431,7 +432,8 @@ def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = Fals
 def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | None = None
                   ) -> list[str]:
     """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time;
-    `names`: each layer's label; `swap`: the run's te_swap filters (`next_time`)."""
+    `names`: each layer's label; `swap`: the run's te_swap filters (`to_exclude`; without them
+    its exclude alone, as fp8_guard's records read it)."""
     lines = ["## fp8_guard", ""]
     share = guard.fp8_share
     shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
