@@ -30,10 +30,13 @@ from tests.tiny_run import run_folder, run_tiny
 
 #: te_swap's name filters as runs set them: block counts, an include on te_swap's full names
 #: and one on the keys' (a search: it matches the full names too).
-RUN_FILTERS = [{"keep_first_blocks": 2}, {"keep_last_blocks": 3},
-               {"keep_first_blocks": 1, "keep_last_blocks": 1},
-               {"include": r"^model\.transformer\.layers\.[3-9]\."},
-               {"include": r"layers\.1[01]\.up_fc$"}]
+RUN_FILTERS = [
+    {"keep_first_blocks": 2},
+    {"keep_last_blocks": 3},
+    {"keep_first_blocks": 1, "keep_last_blocks": 1},
+    {"include": r"^model\.transformer\.layers\.[3-9]\."},
+    {"include": r"layers\.1[01]\.up_fc$"},
+]
 
 
 @pytest.mark.parametrize("options", RUN_FILTERS)
@@ -46,31 +49,42 @@ def test_the_report_sees_every_layer_te_swaps_other_filters_kept_out(options):
     anyway = kept_by_te_swap(model, {})
     kept = {keys[name] for name in kept_by_te_swap(model, options) - anyway}
     assert kept and kept != set(keys.values())  # the filter keeps some layers, not all
-    hparams = {"algorithms": {"te_swap": options},
-               **layer_order_params(list(keys.values()), 6000)}
+    hparams = {"algorithms": {"te_swap": options}, **layer_order_params(list(keys.values()), 6000)}
     swap = swap_filters(hparams, ["layers.0.fc"])  # the watched layers: not the model's count
     assert {keys[name] for name in keys.keys() - anyway if kept_out(keys[name], swap)} == kept
 
 
 def test_layers_the_runs_keep_last_blocks_kept_out_are_not_advised_again(
-        tmp_path, tiny_data, capsys):
+    tmp_path, tiny_data, capsys
+):
     """3 blocks, `keep_last_blocks: 2`, every tensor flagged (min_cos_sim 1). Blocks 1 and 2
     ran in high precision (marked so in metrics.jsonl, as te_swap's filter says); their flags
     were told `keep_last_blocks: 1` (block 2) and their own exclude (block 1), both already done
     by the run, and block 1's excludes were joined into one line."""
     options = {"keep_last_blocks": 2}
-    run_tiny(tmp_path, tiny_data, {
-        "model": {"n_layers": 3}, "max_duration": "6ba", "eval_interval": "6ba",
-        "save_interval": "6ba", "algorithms": {"te_swap": options},
-        "callbacks": {"fp8_stats": {"interval": "5ba", "min_cos_sim": 1.0}}})
+    run_tiny(
+        tmp_path,
+        tiny_data,
+        {
+            "model": {"n_layers": 3},
+            "max_duration": "6ba",
+            "eval_interval": "6ba",
+            "save_interval": "6ba",
+            "algorithms": {"te_swap": options},
+            "callbacks": {"fp8_stats": {"interval": "5ba", "min_cos_sim": 1.0}},
+        },
+    )
     folder = run_folder(tmp_path)
     marked, logged = set(), set()
     for line in (folder / "metrics.jsonl").read_text().splitlines():
         for key in json.loads(line)["metrics"]:
             if parsed := parse_key(key):
                 (marked if parsed[0] == HIGH_PRECISION else logged).add(parsed[2])
-    kept = {layer for layer in logged
-            if filter_reason(f"model.transformer.{layer}", SwapConfig(**options), 3)}
+    kept = {
+        layer
+        for layer in logged
+        if filter_reason(f"model.transformer.{layer}", SwapConfig(**options), 3)
+    }
     assert kept == {layer for layer in logged if layer.startswith(("blocks.1.", "blocks.2."))}
     assert marked == kept
     capsys.readouterr()
@@ -84,8 +98,11 @@ def test_layers_the_runs_keep_last_blocks_kept_out_are_not_advised_again(
     # fp8_report.md's flag rows of one layer each (the table's own, and the last section's for
     # the rows naming several): each kept layer's 3 tensors
     for layer in kept:
-        said = [row for row in md.splitlines()
-                if row.startswith(f"| {layer} |") and "FP8 rounding loses" in row]
+        said = [
+            row
+            for row in md.splitlines()
+            if row.startswith(f"| {layer} |") and "FP8 rounding loses" in row
+        ]
         assert len(said) == 3 and all(no_change in row for row in said), said
 
 
@@ -100,7 +117,8 @@ def _joined(text: str, intro: str) -> str:
 
 
 def test_fp8_guards_layers_join_the_exclude_and_a_resumed_run_is_not_told_them_again(
-        tmp_path, tiny_data, capsys):
+    tmp_path, tiny_data, capsys
+):
     """3 blocks, every gradient flagged (min_cos_sim 0.9995: E5M2 round trips sit near 0.9986),
     fp8_guard moving `blocks.1.attn.out_proj` (an outlier channel from step 3). Block 1's other
     layers are told their own exclude, joined in one line; fp8_guard's section gives its layer's
@@ -113,20 +131,36 @@ def test_fp8_guards_layers_join_the_exclude_and_a_resumed_run_is_not_told_them_a
     from foundry_fp8.fault import InjectOutlier
 
     callbacks.register("inject_outlier", func=InjectOutlier)
-    run_tiny(tmp_path, tiny_data, {
-        "model": {"n_layers": 3}, "max_duration": "10ba", "eval_interval": "10ba",
-        "save_interval": "10ba",
-        "callbacks": {"fp8_stats": {"interval": "2ba", "min_cos_sim": 0.9995},
-                      "fp8_guard": {"consecutive": 2},
-                      "inject_outlier": {"layer": FAULTY, "start": 3}}})
+    run_tiny(
+        tmp_path,
+        tiny_data,
+        {
+            "model": {"n_layers": 3},
+            "max_duration": "10ba",
+            "eval_interval": "10ba",
+            "save_interval": "10ba",
+            "callbacks": {
+                "fp8_stats": {"interval": "2ba", "min_cos_sim": 0.9995},
+                "fp8_guard": {"consecutive": 2},
+                "inject_outlier": {"layer": FAULTY, "start": 3},
+            },
+        },
+    )
     folder = run_folder(tmp_path)
-    logged = {parsed[2] for line in (folder / "metrics.jsonl").read_text().splitlines()
-              for key in json.loads(line)["metrics"] if (parsed := parse_key(key))}
+    logged = {
+        parsed[2]
+        for line in (folder / "metrics.jsonl").read_text().splitlines()
+        for key in json.loads(line)["metrics"]
+        if (parsed := parse_key(key))
+    }
     block1 = {layer for layer in logged if layer.startswith("blocks.1.")}
 
     def kept_by(exclude: str) -> set[str]:  # te_swap's own matching on its module names
-        return {layer for layer in logged
-                if filter_reason(f"model.transformer.{layer}", SwapConfig(exclude=exclude), 3)}
+        return {
+            layer
+            for layer in logged
+            if filter_reason(f"model.transformer.{layer}", SwapConfig(exclude=exclude), 3)
+        }
 
     capsys.readouterr()
     assert main(["report", str(folder)]) == 0
@@ -147,13 +181,23 @@ def test_fp8_guards_layers_join_the_exclude_and_a_resumed_run_is_not_told_them_a
         assert "te_swap already keeps the layers in fallback out of FP8" in text, text
         assert "Next time:" not in text and "```yaml" not in text, text
         assert EXCLUDE_TOGETHER_HELD[:60] not in text and EXCLUDE_TOGETHER[:60] not in text, text
-        [row] = [line for line in text.splitlines()
-                 if "fp8_guard ran it in high" in line and "underflow_pct" in line]
+        [row] = [
+            line
+            for line in text.splitlines()
+            if "fp8_guard ran it in high" in line and "underflow_pct" in line
+        ]
         assert "the run's te_swap exclude keeps it so from the start" in row, row
         assert "fp8_guard section's exclude" not in row, row
         # block 1's other layers, in FP8 until the resume, are told their exclude no more
-        said = [line for line in text.splitlines() if "cos_sim" in line
-                and any(f"'{layer}'" in line or line.startswith(f"| {layer} |")
-                        for layer in block1 - {FAULTY})]
-        assert len(said) >= 3 and all("no change: the run's te_swap exclude keeps it out" in
-                                      line.lower() for line in said), said
+        said = [
+            line
+            for line in text.splitlines()
+            if "cos_sim" in line
+            and any(
+                f"'{layer}'" in line or line.startswith(f"| {layer} |")
+                for layer in block1 - {FAULTY}
+            )
+        ]
+        assert len(said) >= 3 and all(
+            "no change: the run's te_swap exclude keeps it out" in line.lower() for line in said
+        ), said

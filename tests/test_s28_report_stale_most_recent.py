@@ -31,20 +31,39 @@ def test_a_most_recent_run_s_stale_scale_is_told_current_scaling(tmp_path, tiny_
     from foundry_fp8.fault import InjectOutlier
 
     callbacks.register("inject_outlier", func=InjectOutlier)
-    run_tiny(tmp_path, tiny_data, {
-        "max_duration": "8ba", "eval_interval": "8ba", "save_interval": "8ba",
-        "algorithms": {"te_swap": {"fp8_recipe": {"amax_history_len": 1024,
-                                                  "amax_compute_algo": "most_recent"}}},
-        "callbacks": {"fp8_stats": {"interval": "1ba", "layers": r"blocks\.1\.attn\.out_proj",
-                                    "tensors": ["activation"]},
-                      "inject_outlier": {"layer": LAYER, "start": 3, "stop": 6}}})
+    run_tiny(
+        tmp_path,
+        tiny_data,
+        {
+            "max_duration": "8ba",
+            "eval_interval": "8ba",
+            "save_interval": "8ba",
+            "algorithms": {
+                "te_swap": {
+                    "fp8_recipe": {"amax_history_len": 1024, "amax_compute_algo": "most_recent"}
+                }
+            },
+            "callbacks": {
+                "fp8_stats": {
+                    "interval": "1ba",
+                    "layers": r"blocks\.1\.attn\.out_proj",
+                    "tensors": ["activation"],
+                },
+                "inject_outlier": {"layer": LAYER, "start": 3, "stop": 6},
+            },
+        },
+    )
     folder = run_folder(tmp_path)
-    logged = {r["step"]: r["metrics"] for r in map(json.loads, open(folder / "metrics.jsonl"))
-              if f"fp8_scale{KEY}" in r["metrics"]}
+    logged = {
+        r["step"]: r["metrics"]
+        for r in map(json.loads, open(folder / "metrics.jsonl"))
+        if f"fp8_scale{KEY}" in r["metrics"]
+    }
     assert sorted(logged) == list(range(8))
     for step in range(2, 8):  # the scale follows the previous step's amax alone
         assert logged[step][f"fp8_scale{KEY}"] == pytest.approx(
-            448 / logged[step - 1][f"fp8_amax{KEY}"], rel=1e-6)
+            448 / logged[step - 1][f"fp8_amax{KEY}"], rel=1e-6
+        )
     at6 = logged[6]
     assert at6[f"fp8_scale{KEY}"] / at6[f"fp8_current_scale{KEY}"] < 1 / 16
     assert at6[f"fp8_underflow_pct{KEY}"] > 5
@@ -53,19 +72,28 @@ def test_a_most_recent_run_s_stale_scale_is_told_current_scaling(tmp_path, tiny_
     out = capsys.readouterr().out
     md = (folder / "fp8_report.md").read_text()
     [said] = [line for line in out.splitlines() if "scale / current_scale" in line]
-    [row] = [line for line in md.splitlines()
-             if line.startswith(f"| {LAYER} | activation | underflow_pct |") and "(step 6)" in line]
+    [row] = [
+        line
+        for line in md.splitlines()
+        if line.startswith(f"| {LAYER} | activation | underflow_pct |") and "(step 6)" in line
+    ]
     for text in (said, row):
         assert "previous step's amax" in text and "scaling: current" in text, text
         assert "amax_history_len (shorter" not in text, text
 
 
-@pytest.mark.parametrize(("options", "history", "change"), [
-    ({"amax_history_len": 16, "amax_compute_algo": "max"}, 16,
-     "algorithms.te_swap.fp8_recipe.amax_history_len (shorter than 16)"),
-    ({"amax_history_len": 1, "amax_compute_algo": "max"}, 1, SPIKE_CHANGE),
-    ({"amax_history_len": 1024, "amax_compute_algo": "most_recent"}, 1, SPIKE_CHANGE),
-])
+@pytest.mark.parametrize(
+    ("options", "history", "change"),
+    [
+        (
+            {"amax_history_len": 16, "amax_compute_algo": "max"},
+            16,
+            "algorithms.te_swap.fp8_recipe.amax_history_len (shorter than 16)",
+        ),
+        ({"amax_history_len": 1, "amax_compute_algo": "max"}, 1, SPIKE_CHANGE),
+        ({"amax_history_len": 1024, "amax_compute_algo": "most_recent"}, 1, SPIKE_CHANGE),
+    ],
+)
 def test_the_stale_change_follows_the_amaxes_the_scale_is_taken_from(options, history, change):
     """A history of 16 under `max` keeps its advice; one scale from the last amax alone (history
     1, or most_recent at any length) is told current scaling."""
