@@ -189,16 +189,21 @@ def nonfinite(stats: Mapping[str, float]) -> float:
 
 class DelayedRecipe(NamedTuple):
     """What of a delayed-scaling recipe the rules read: its `margin` (the scale is FP8 max /
-    amax / 2**margin) and `amax_history_len` (None: not known)."""
+    amax / 2**margin) and how many past amaxes its scale is taken from (None: not known):
+    `amax_history_len`, 1 under `amax_compute_algo: most_recent`."""
 
     margin: int = 0
     history_len: int | None = None
 
     @classmethod
     def of(cls, recipe: FP8Recipe) -> DelayedRecipe:
-        """A recipe's margin, and its history length where it scales delayed."""
+        """A recipe's margin, and where it scales delayed the amaxes its scale is taken from:
+        `most_recent` takes the latest one whatever the history's length (TE v2.18
+        pytorch/quantization.py:1067-1075, `amax_history[0]`)."""
+        if recipe.scaling != "delayed":
+            return cls(recipe.margin)
         return cls(recipe.margin,
-                   recipe.amax_history_len if recipe.scaling == "delayed" else None)
+                   1 if recipe.amax_compute_algo == "most_recent" else recipe.amax_history_len)
 
 
 @dataclass
@@ -397,10 +402,7 @@ class HealthTracker:
             found.append(("underflow_stale", "underflow_pct", underflow,
                           f"> {t.max_underflow_pct:g} % with scale / current_scale {stale:.3g} < "
                           + (f"{stale_limit:.3g} ({t.stale_ratio:g} / 2**margin {margin})"
-                             if margin else f"{t.stale_ratio:g}"),
-                          "an old amax spike in the history keeps the scale too small",
-                          f"{RECIPE}.amax_history_len (shorter"
-                          + (f" than {recipe.history_len})" if recipe.history_len else ")")))
+                             if margin else f"{t.stale_ratio:g}"), *_stale_advice(recipe)))
         elif underflow > t.max_underflow_pct:
             found.append(("underflow", "underflow_pct", underflow, f"> {t.max_underflow_pct:g} %",
                           "the tensor's range is wider than FP8 holds at this layer"
@@ -444,6 +446,20 @@ class HealthTracker:
             if block == 0:
                 return f"{SWAP}.keep_first_blocks: 1"
         return f"{SWAP}.exclude: '{layers_regex([layer])}'"
+
+
+def _stale_advice(recipe: DelayedRecipe) -> tuple[str, str]:
+    """The stale-scale rule's cause and change. A scale taken from the last amax alone (history
+    1, or `most_recent`) holds no old spike, and no shorter history exists: the last step's amax
+    was far above this one's, which only a scale from this step's own amax follows (it said
+    `amax_history_len (shorter than 1)`)."""
+    if recipe.history_len == 1:
+        return ("the scale follows the previous step's amax alone (amax history 1 or "
+                "most_recent), which was far above this step's: a one-step spike, or a tensor "
+                "that shrinks fast", SPIKE_CHANGE)
+    return ("an old amax spike in the history keeps the scale too small",
+            f"{RECIPE}.amax_history_len (shorter"
+            + (f" than {recipe.history_len})" if recipe.history_len else ")"))
 
 
 def layers_regex(layers: Iterable[str]) -> str:

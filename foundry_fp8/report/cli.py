@@ -55,7 +55,9 @@ from foundry_fp8.report.baseline import (
     same_run,
 )
 from foundry_fp8.report.markdown import (
+    ALREADY_OUT,
     EXCLUDE_TOGETHER,
+    EXCLUDE_TOGETHER_HELD,
     TO_FP8,
     Finding,
     WorstTable,
@@ -68,6 +70,7 @@ from foundry_fp8.report.markdown import (
     first_flags,
     grouped,
     in_high_precision,
+    kept_out,
     layer_names,
     layers_named,
     moved,
@@ -77,6 +80,7 @@ from foundry_fp8.report.markdown import (
     render_report,
     runs_in_fp8,
     spike_line,
+    to_exclude,
     unrecorded_fallbacks,
     values_said,
     worst_table,
@@ -105,7 +109,7 @@ from foundry_fp8.report.read import (
     metrics_file_of,
     read_hparams,
     recipes_from_hparams,
-    swap_exclude,
+    swap_filters,
     thresholds_from_hparams,
     wandb_files,
 )
@@ -409,7 +413,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
                                            [p.name for p in written], guard,
                                            matched=len(chosen), dump=dump, loss=loss,
                                            worst=worst, spike=spiked,
-                                           exclude=swap_exclude(hparams or {})))
+                                           swap=swap_filters(hparams or {}, run.layers)))
     except OSError as e:  # read-only, a full disk, a folder or FIFO in the file's place
         # a run folder someone else's run wrote (a shared store, a read-only mount): say how
         elsewhere = ("; --out DIR writes the report elsewhere"
@@ -552,7 +556,8 @@ def report_one(args: argparse.Namespace, run_folder: Path,
              "Loss line, no loss spike looked for")
     found = findings(metrics, flags)
     fallen = fallback_steps(guard)
-    exclude = swap_exclude((loaded.hparams or {}) if isinstance(loaded, Loaded) else {})
+    swap = swap_filters((loaded.hparams or {}) if isinstance(loaded, Loaded) else {},
+                        metrics.layers)
     names = layer_names(metrics, guard)
     kinds = short_names(metrics.tensors)
     table, cells = tables[0]
@@ -568,10 +573,10 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         f = group[0]
         w = f.worst
         key = change_key(w.yaml_key)
-        if (note := not_converted(f, fallen, exclude)) is not None:
+        if (note := not_converted(f, fallen, swap)) is not None:
             change = note[0][0].upper() + note[0][1:] + (key if note[1] else "")
         elif w.layer in fallen:
-            change = in_high_precision("it", fallen[w.layer]) + (
+            change = in_high_precision("it", fallen[w.layer], kept_out(w.layer, swap)) + (
                 f"{TO_FP8}{key}" if runs_in_fp8(w.yaml_key) else "")
         else:
             change = f"Change: {key}"
@@ -593,14 +598,16 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
         print("".join(f"  {note}\n" for note in notes), end="")
     print("".join(f"  {line(group)}\n" for group in rows[:MAX_PRINTED]), end="")
-    if together := excluded_together(found, fallen, exclude):
-        print(f"  {EXCLUDE_TOGETHER}{one_line(together)}")
+    held = to_exclude(guard, swap)
+    if together := excluded_together(found, fallen, swap, held):
+        print(f"  {EXCLUDE_TOGETHER_HELD if held else EXCLUDE_TOGETHER}{one_line(together)}")
     if len(rows) > MAX_PRINTED:
         print(f"  ... {len(rows) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:
+        after = (f" Next time: {static_yaml(held, swap.exclude)}" if held else
+                 f" {ALREADY_OUT}" if guard.kept else "")
         print(f"{moved(guard)}: " + ", ".join(
-            f"{names[layer]} {span}" for layer, span in fallen.items()) + "." + (
-            f" Next time: {static_yaml(guard.kept, guard.exclude)}" if guard.kept else ""))
+            f"{names[layer]} {span}" for layer, span in fallen.items()) + "." + after)
     elif unrecorded := unrecorded_fallbacks(guard):
         print(unrecorded)
     for line in refused(guard, names):

@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import regex
 
-from foundry_fp8.filters import search
+from foundry_fp8.filters import filter_reason, search
 from foundry_fp8.guard import (
     FALLBACK_LAYERS,
     FALLBACK_PREFIX,
@@ -48,7 +48,7 @@ from foundry_fp8.health.thresholds import (
     LOSS_SPIKE_WINDOW,
 )
 from foundry_fp8.options import OptionError
-from foundry_fp8.report.read import GuardRun
+from foundry_fp8.report.read import GuardRun, SwapFilters
 
 #: The worst-value table (`worst_values`) and its what-if cells (`whatif_worst`).
 WorstTable = tuple[dict[tuple[str, str], dict[str, float]], set[tuple[str, str, str]]]
@@ -283,31 +283,77 @@ def fallback_steps(guard: GuardRun | None) -> dict[str, str]:
 TO_FP8 = ", or, to run it in FP8: "
 
 
-def in_high_precision(layer: str, since: str) -> str:
+def in_high_precision(layer: str, since: str, kept_by: str | None = None) -> str:
     """The note on a flagged layer that fp8_guard ran in high precision: its FP8 advice only
-    matters to bring it back to FP8 (`TO_FP8` then the change, where `runs_in_fp8`)."""
-    return (f"fp8_guard ran {layer} in high precision {since} (its statistics there are what-if "
-            "numbers); keep it so from the start with the fp8_guard section's exclude")
+    matters to bring it back to FP8 (`TO_FP8` then the change, where `runs_in_fp8`). `kept_by`:
+    the run's te_swap option that keeps it out of FP8 from the start already (`kept_out`: a run
+    resumed with the fallback's exclude), which it is not told to add again."""
+    head = (f"fp8_guard ran {layer} in high precision {since} (its statistics there are what-if "
+            "numbers); ")
+    return head + (f"the run's te_swap {kept_by} keeps it so from the start" if kept_by else
+                   "keep it so from the start with the fp8_guard section's exclude")
+
+
+def to_exclude(guard: GuardRun | None, swap: SwapFilters) -> list[str]:
+    """The layers in fallback at the end that the run's te_swap filters do not keep out of FP8
+    already (`kept_out`): those the static YAML adds (a run resumed with the fallback's own
+    exclude got it joined to itself, `(?:X)|X`)."""
+    kept = guard.kept if guard is not None else []
+    return [layer for layer in kept if kept_out(layer, swap) is None]
+
+
+#: Said instead of the static YAML where `to_exclude` is empty (as fp8_guard's fit-end print).
+ALREADY_OUT = "te_swap already keeps the layers in fallback out of FP8 (the run's config)."
 
 
 #: Introduces `excluded_together`'s YAML, on the terminal and in fp8_report.md.
 EXCLUDE_TOGETHER = ("The exclude changes at once (te_swap reads one exclude, so typed in turn "
                     "they keep the last one only; the run's own exclude kept): ")
+#: `EXCLUDE_TOGETHER` where the YAML holds fp8_guard's layers in fallback at the end too.
+EXCLUDE_TOGETHER_HELD = ("The exclude changes at once, with the layers fp8_guard held in high "
+                         "precision at the end (te_swap reads one exclude, so typed in turn "
+                         "beside the fp8_guard section's they keep the last one only; the run's "
+                         "own exclude kept): ")
 
 
-def excluded_together(found: list[Finding], fallen: Collection[str], existing: str | None
-                      ) -> str | None:
+def excluded_together(found: list[Finding], fallen: Collection[str],
+                      swap: SwapFilters | str | None, held: Collection[str] = ()) -> str | None:
     """One te_swap `exclude` for every flagged layer whose change is its own `exclude`, joined to
-    the run's (`existing`): te_swap reads one regex, so two rows' own `exclude` typed in
-    turn kept the last layer only, and either dropped the run's own. None where one row says it
-    all (one such layer, no exclude of the run's). Layers fp8_guard ran in high precision: its
-    own line; layers the run's exclude already keeps out: none (it said them again)."""
+    the run's (`swap`, or its exclude alone) and to the layers fp8_guard holds in high precision
+    at the end (`held`, `to_exclude`): te_swap reads one regex, so two rows' own `exclude`, or a
+    row's and the fp8_guard section's, typed in turn kept the last only, and either dropped the
+    run's own. None where one row says it all (one such layer, no exclude of the run's, none
+    held) or the fp8_guard section's alone does (no such layer); layers the run's te_swap
+    filters already keep out (`kept_out`): none (it said them again)."""
+    swap = filters_of(swap)
     layers = {f.worst.layer for f in found
               if f.worst.layer not in fallen and f.worst.yaml_key.startswith(f"{SWAP}.exclude:")
-              and not swap_excluded(f.worst.layer, existing)}
-    if not layers or (len(layers) == 1 and not existing):
+              and kept_out(f.worst.layer, swap) is None}
+    if not layers or (len(layers) == 1 and not swap.exclude and not held):
         return None
-    return static_yaml(layers, existing)
+    return static_yaml(layers | set(held), swap.exclude)
+
+
+def filters_of(swap: SwapFilters | str | None) -> SwapFilters:
+    """The run's te_swap filters, given whole or as its `exclude` alone."""
+    return swap if isinstance(swap, SwapFilters) else SwapFilters(exclude=swap)
+
+
+def kept_out(layer: str, swap: SwapFilters) -> str | None:
+    """The run's te_swap option that keeps `layer` out of FP8 (`exclude`, `keep_first/last_blocks`,
+    `include`), None where none does. Besides `exclude` (`swap_excluded`): te_swap's
+    `filters.filter_reason` on every name the layer may have had there (`full_forms`), where each
+    gets one (an include written on te_swap's full names, `^model\\.transformer\\.`, matches no
+    key's name). A regex that runs out of time keeps nothing out."""
+    if swap_excluded(layer, swap.exclude):
+        return "exclude"
+    if swap.others is None:
+        return None
+    try:
+        reasons = [filter_reason(form, swap.others, swap.n_blocks) for form in full_forms(layer)]
+    except (OptionError, regex.error):
+        return None
+    return reasons[0].relax if all(reasons) else None
 
 
 def swap_excluded(layer: str, exclude: str | None) -> bool:
@@ -323,20 +369,26 @@ def swap_excluded(layer: str, exclude: str | None) -> bool:
         return False
 
 
-def not_converted(f: Finding, fallen: Collection[str], exclude: str | None
+def not_converted(f: Finding, fallen: Collection[str], swap: SwapFilters | str | None
                   ) -> tuple[str, bool] | None:
-    """The note on a flag whose numbers are all what-if and whose layer fp8_guard did not move:
+    """The note on a flag whose layer fp8_guard did not move and whose numbers are all what-if:
     te_swap left it in high precision, so its advice is what running it in FP8 would take, none
-    where that is the run's own exclude (the report said its exclude again). As
-    `Flag.whatif_message` says it during the run. The note, and whether the flag's change follows
-    it; None for other flags (NaN/Inf are counted in the high-precision tensor: its own advice)."""
+    where the run's te_swap filters (`swap`, or its exclude alone) keep it out already (the
+    report said its exclude, or `keep_first_blocks: 1` to a run holding it, again). As
+    `Flag.whatif_message` says it during the run. A flag with FP8 numbers whose change the run's
+    config (its last attempt's: resumed with that change) holds already: that no change is
+    needed. The note, and whether the flag's change follows it; None for other flags (NaN/Inf
+    are counted in the high-precision tensor: its own advice)."""
     w = f.worst
-    if w.layer in fallen or f.whatif < f.steps or w.rule == "nonfinite":
+    if w.layer in fallen or w.rule == "nonfinite":
         return None
+    by = kept_out(w.layer, filters_of(swap)) if w.yaml_key.startswith(KEEP_OUT) else None
+    done = f"no change: the run's te_swap {by} keeps it out of FP8"
+    if f.whatif < f.steps:
+        return None if by is None else (f"{done} (the run's config at its end)", False)
     head = "it did not run in FP8 (what-if numbers)"
     if w.yaml_key.startswith(KEEP_OUT):
-        return ((f"{head}; no change: the run's te_swap exclude keeps it out of FP8", False)
-                if swap_excluded(w.layer, exclude) else
+        return ((f"{head}; {done}", False) if by is not None else
                 (f"{head}; keep it out of FP8 (where te_swap would convert it): ", True))
     return f"{head}; before putting it in FP8, change: ", True
 
@@ -377,9 +429,11 @@ def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = Fals
             for label, yaml in [(names.get(r.layer, r.layer), static_yaml([r.layer], guard.exclude))]]
 
 
-def guard_section(guard: GuardRun, names: dict[str, str]) -> list[str]:
+def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | None = None
+                  ) -> list[str]:
     """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time;
-    `names`: each layer's label."""
+    `names`: each layer's label; `swap`: the run's te_swap filters (`to_exclude`; without them
+    its exclude alone, as fp8_guard's records read it)."""
     lines = ["## fp8_guard", ""]
     share = guard.fp8_share
     shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
@@ -428,9 +482,12 @@ def guard_section(guard: GuardRun, names: dict[str, str]) -> list[str]:
                   f"{back}."]
     if not guard.kept:
         return [*lines, "", "No layer is in fallback at the end of the run.", *refusals]
+    swap = swap or SwapFilters(exclude=guard.exclude)
+    if not (layers := to_exclude(guard, swap)):
+        return [*lines, *refusals, "", ALREADY_OUT]
     return [*lines, *refusals, "", "The layers in fallback at the end in high precision from the start, next "
             "time (te_swap keeps them in high precision; fp8_guard then has nothing to switch):",
-            "", "```yaml", static_yaml(guard.kept, guard.exclude), "```"]
+            "", "```yaml", static_yaml(layers, swap.exclude), "```"]
 
 
 GUIDE = """\
@@ -491,14 +548,15 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
                   dump: tuple[Flag, Path] | None = None,
                   loss: tuple[str, LossComparison] | None = None,
                   worst: WorstTable | None = None, spike: LossSpike | None = None,
-                  exclude: str | None = None) -> str:
+                  swap: SwapFilters | None = None) -> str:
     """fp8_report.md: what to look at first, what fp8_guard did, how to read it, the plots,
     then the full table (and the layers of grouped flag rows one per row). `matched`: how many
     layers `--layers` matched, of which `chosen` are the ones drawn; `loss`: the baseline (as
     named) and the loss comparison with it; `worst`: the run's `worst_table`, when made;
-    `spike`: the run's loss spikes (`spike_line`), where it logged a loss; `exclude`: te_swap's
-    own (`excluded_together`)."""
+    `spike`: the run's loss spikes (`spike_line`), where it logged a loss; `swap`: te_swap's
+    layer filters (`read.swap_filters`; without them its exclude alone, as fp8_guard's read)."""
     table, cells = worst or worst_table(run)
+    swap = swap or SwapFilters(exclude=guard.exclude if guard is not None else None)
     prefix = common_prefix(run.layers)
     names = layer_names(run, guard)
     kinds = short_names(run.tensors)
@@ -531,12 +589,12 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         f = group[0]
         w = f.worst
         layer, change = layers_named(group, run.layers, names, True), md_code(change_key(w.yaml_key))
-        if (note := not_converted(f, fallen, exclude)) is not None:
+        if (note := not_converted(f, fallen, swap)) is not None:
             change = md_escape(note[0]) + (change if note[1] else "")
         elif w.layer in fallen:
             since = fallen[w.layer]
             layer += f" (high precision {since}: fp8_guard)"
-            change = md_escape(in_high_precision("it", since)) + (
+            change = md_escape(in_high_precision("it", since, kept_out(w.layer, swap))) + (
                 f"{TO_FP8}{change}" if runs_in_fp8(w.yaml_key) else "")
         return (f"| {layer} | {md_escape(kinds[w.tensor])} | {md_escape(bounded(w.stat))} | "
                 f"{values_said(group)} ({f.worst_at()}) | {f.first_step} | "
@@ -545,11 +603,13 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
 
     if found:
         lines += [FLAGGED_HEAD, *map(row, rows)]
-        if together := excluded_together(found, fallen, exclude):
+        held = to_exclude(guard, swap)
+        if together := excluded_together(found, fallen, swap, held):
             # a code span outside a table keeps `|` and backslashes literal (md_code is a cell's)
             shown = (md_escape(together) if any(c in together for c in "`\n\r")
                      else f"`{together}`")
-            lines += ["", f"{md_escape(EXCLUDE_TOGETHER)}{shown}"]
+            intro = EXCLUDE_TOGETHER_HELD if held else EXCLUDE_TOGETHER
+            lines += ["", f"{md_escape(intro)}{shown}"]
         if shared:
             lines += ["", f"A row naming several layers holds those whose flags differ only in "
                       f"their values; each of them has its own row in [{PER_LAYER}]"
@@ -557,7 +617,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     else:
         lines.append(nothing_judged(run) or "No layer crosses a threshold.")
     if guard is not None:
-        lines += ["", *guard_section(guard, names)]
+        lines += ["", *guard_section(guard, names, swap)]
     lines += ["", "## Worst layers (by their mean over the judged logging steps)", ""]
     whatif = whatif_rows(run)
     for stat in (s for s in run.stats if spec(s).worse and spec(s).listed):

@@ -51,9 +51,9 @@ from foundry_fp8.health.keys import (
     summary_key,
 )
 from foundry_fp8.health.plots import recipe_formats
-from foundry_fp8.health.rules import DelayedRecipe
+from foundry_fp8.health.rules import DelayedRecipe, model_blocks
 from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
-from foundry_fp8.options import build
+from foundry_fp8.options import OptionError, SwapConfig, build
 from foundry_fp8.paths import (
     DUMP_FOLDER,
     DUMP_FOLDER_KEY,
@@ -89,13 +89,52 @@ def thresholds_from_hparams(hparams: Mapping[str, Any], source: str = "hparams.j
         return Thresholds()
 
 
+def _swap_options(hparams: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`algorithms.te_swap` of the run's config in the hyperparameters ({} where none)."""
+    algorithms = hparams.get("algorithms")
+    swap = algorithms.get("te_swap") if isinstance(algorithms, Mapping) else None
+    return swap if isinstance(swap, Mapping) else {}
+
+
 def swap_exclude(hparams: Mapping[str, Any]) -> str | None:
     """te_swap's own `exclude` (the run's config in the hyperparameters), which a change that
     keeps more layers out must keep: te_swap reads one regex."""
-    algorithms = hparams.get("algorithms")
-    swap = algorithms.get("te_swap") if isinstance(algorithms, Mapping) else None
-    exclude = swap.get("exclude") if isinstance(swap, Mapping) else None
+    exclude = _swap_options(hparams).get("exclude")
     return exclude if isinstance(exclude, str) and exclude else None
+
+
+#: te_swap's options besides `exclude` that keep layers out of FP8 by their names
+#: (`filters.filter_reason`).
+NAME_FILTERS = ("keep_first_blocks", "keep_last_blocks", "include")
+
+
+@dataclass(frozen=True)
+class SwapFilters:
+    """te_swap's layer filters in the run's config: its `exclude`, which a change keeping more
+    layers out must keep, and its other name filters (`NAME_FILTERS`, with the model's block
+    count as te_swap counts it), whose layers the report does not advise to keep out again."""
+
+    exclude: str | None = None
+    others: SwapConfig | None = None  # None: the run set none of them
+    n_blocks: int = 0
+
+
+def swap_filters(hparams: Mapping[str, Any], layers: Sequence[str]) -> SwapFilters:
+    """The run's te_swap filters (`SwapFilters`); `layers`: the run's, whose blocks count where
+    fp8_stats recorded no model order (`fp8/layers`). A value te_swap's options refuse (an
+    edited file) is left out, as no run took it."""
+    swap, given = _swap_options(hparams), {}
+    for key in NAME_FILTERS:
+        try:
+            SwapConfig(**{key: swap[key]})
+        except (KeyError, OptionError):
+            continue
+        given[key] = swap[key]
+    if not given:
+        return SwapFilters(swap_exclude(hparams))
+    blocks = model_blocks(layer_order(hparams) or layers)
+    return SwapFilters(swap_exclude(hparams), SwapConfig(**given),
+                       max(blocks) + 1 if blocks else 0)
 
 
 def recipes_from_hparams(hparams: Mapping[str, Any]
