@@ -456,6 +456,7 @@ def fp8_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     # outside FP8, TE's recompute region gets no recipe (its default), whatever the disabled
     # region around the checkpoint was given (distributed.py:795): entering it would make that
     # recipe its buffer's (`_AmaxBuffer`)
+    kwargs.pop("use_reentrant", None)  # torch's and TE's keyword: this one is non-reentrant
     enabled = _STATE.enabled
     recipe = _STATE.recipe if enabled else None
     return torch.utils.checkpoint.checkpoint(
@@ -881,6 +882,15 @@ class EmulatedFP8Linear(nn.Linear):
         (`_WeightCache`; not under FSDP2); outside FP8 it changes nothing."""
         if is_fp8_enabled():
             return self._fp8_forward(input, is_first_microbatch)
+        if (_STATE.depth == 0 and self in _FIRST_RECIPE and torch.is_grad_enabled()
+                and torch._C._current_graph_task_id() != -1):
+            _warn_once("recompute", (
+                "EmulatedFP8Linear: a forward recomputed in the backward outside fp8_autocast "
+                "(torch.utils.checkpoint, or transformers' gradient_checkpointing_enable() "
+                "after convert_to_fp8) runs without FP8, as TE's (TE #1190): its backward is "
+                "not FP8's and never updates the backward scales; checkpoint with "
+                "foundry_fp8.fp8_checkpoint, or enable gradient checkpointing before "
+                "convert_to_fp8"))
         self._check_dtypes(input)  # a mismatch: TE's TypeError, before F.linear's RuntimeError
         if _STATE.calibrating:
             self._calibrate(input)

@@ -151,7 +151,14 @@ def watches_for(module: nn.Module) -> tuple[Watch, ...] | None:
                 Watch("gradient", "gradient", "grad_output", probe.ln_mlp_gradient_slot()))
     if name is not None:
         return TE_WATCHES[name]
-    return LINEAR_WATCHES if isinstance(module, nn.Linear) else None
+    return LINEAR_WATCHES if isinstance(module, nn.Linear) or _is_hf_conv1d(module) else None
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2's linear layers: `addmm(bias, x, weight)`, the weight
+    [in, out]): the same GEMM operands as a Linear's, and per-tensor statistics ignore layout."""
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
 
 
 def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Module]:
@@ -388,7 +395,7 @@ def abort_unfinished() -> int:
     return len(stale)
 
 
-def _weak_hook(method: Callable[..., None], name: str) -> Callable[..., None]:
+class _WeakHook:
     """A hook calling the monitor's `method(name, module, *hook args)` (through its `_guard`)
     by a weak reference.
 
@@ -396,15 +403,33 @@ def _weak_hook(method: Callable[..., None], name: str) -> Callable[..., None]:
     from C++, where the garbage collector cannot follow), and a run's last graph lives on in
     Composer's `state.loss`/`state.outputs`; a strong hook closed the cycle graph -> monitor ->
     model -> `model.logger` -> State -> graph and kept the whole run alive. Once the monitor is
-    gone the hook does nothing."""
-    ref = weakref.WeakMethod(method)
+    gone the hook does nothing. A copy of the armed model (`torch.save(model)`, `deepcopy` for an
+    EMA) gets an inert hook (`_Inert`): its forwards are not the watched model's."""
 
-    def hook(module: nn.Module, *args: Any) -> None:
-        bound = ref()
+    def __init__(self, method: Callable[..., None], name: str):
+        self._ref, self._name = weakref.WeakMethod(method), name
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        bound = self._ref()
         if bound is not None:
-            bound.__self__._guard(bound, name, module, *args)
+            bound.__self__._guard(bound, self._name, module, *args)
 
-    return hook
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _Inert, ()
+
+
+class _EagerHook(_WeakHook):
+    """A forward hook: eager under torch.compile (Dynamo would recompile it for every layer
+    shape)."""
+
+    __call__ = torch.compiler.disable(_WeakHook.__call__)
+
+
+class _Inert:
+    """What a copied hook becomes."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
 
 
 class FP8Monitor:
@@ -558,12 +583,11 @@ class FP8Monitor:
         for name, module in self.layers.items():
             if not self._watches[name]:
                 continue
-            # eager under torch.compile: Dynamo would recompile the hook for every layer shape
-            self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(
-                _weak_hook(self._forward, name)), with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(
+                _EagerHook(self._forward, name), with_kwargs=True))
             if any(w.kind == "gradient" for w in self._watches[name]):
                 self._handles.append(module.register_full_backward_pre_hook(
-                    _weak_hook(self._backward, name)))
+                    _WeakHook(self._backward, name)))
 
     def _init_whatif(self) -> None:
         """Fresh delayed state (history of zeros, scale 1), as TE starts. Never reset: the
@@ -599,6 +623,8 @@ class FP8Monitor:
             return None
 
     def _forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (module.training or torch.is_grad_enabled()):
+            return  # an evaluation inside the step's window (a plain loop's): not training's
         step = self._step
         assert step is not None
         if name not in step.modes:  # the first forward (not an activation recompute) decides

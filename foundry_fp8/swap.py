@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -922,9 +923,11 @@ def _take_places(moved: list[tuple[nn.Parameter, nn.Parameter]],
     same parameter group`)."""
     for old, new in moved:
         new.requires_grad_(old.requires_grad)
-    if optimizers is None:
-        return
     new_of = {id(old): new for old, new in moved}
+    if optimizers is None:  # a plain loop's optimizer built before the conversion, not passed
+        optimizers = [o for o in gc.get_objects() if
+                      isinstance(o, Optimizer) and any(
+                          id(p) in new_of for g in o.param_groups for p in g["params"])]
     for optimizer in [optimizers] if isinstance(optimizers, Optimizer) else optimizers:
         for group in optimizer.param_groups:
             group["params"] = [new_of.get(id(p), p) for p in group["params"]]

@@ -7,7 +7,6 @@ idiom stopped the first step with torch's "got multiple values for keyword argum
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from foundry_fp8 import EmulatedFP8Linear, FP8Recipe, fp8_autocast, fp8_checkpoint
@@ -24,8 +23,6 @@ def _grads(**kwargs: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.weight.grad, layer.fp8_meta["scaling_bwd"].scale
 
 
-@pytest.mark.xfail(strict=True, reason="emulate.py fp8_checkpoint: use_reentrant given twice "
-                   "to torch (fix for the lead: s28-plain report)")
 def test_use_reentrant_false_is_the_checkpoint_fp8_checkpoint_already_is():
     want_grad, want_scale = _grads()
     grad, scale = _grads(use_reentrant=False)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import io
 
-import pytest
 import torch
 from torch import nn
 
@@ -33,8 +32,6 @@ def _armed() -> tuple[nn.Module, FP8Monitor, torch.Tensor]:
     return model, monitor, x
 
 
-@pytest.mark.xfail(strict=True, reason="monitor.py _weak_hook: a local closure, unpicklable "
-                   "(fix for the lead: s28-plain report)")
 def test_torch_save_of_the_model_mid_step_works_and_the_step_still_logs():
     model, monitor, x = _armed()
     buffer = io.BytesIO()
@@ -46,8 +43,6 @@ def test_torch_save_of_the_model_mid_step_works_and_the_step_still_logs():
     assert metrics["fp8_amax/activation/0"] == x.abs().max().item()
 
 
-@pytest.mark.xfail(strict=True, reason="monitor.py _weak_hook: deepcopy shares the hook "
-                   "(fix for the lead: s28-plain report)")
 def test_a_deepcopy_made_mid_step_does_not_feed_later_steps():
     model, monitor, x = _armed()
     ema = copy.deepcopy(model)

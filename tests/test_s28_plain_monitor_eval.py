@@ -48,8 +48,6 @@ def _evaluate(model: nn.Module) -> None:
     model.train()
 
 
-@pytest.mark.xfail(strict=True, reason="monitor.py _forward: an eval forward inside the step's "
-                   "window is taken as the training forward (fix for the lead: s28-plain report)")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_an_evaluation_at_the_top_of_a_logging_step_is_not_its_statistics(fp8):
     torch.manual_seed(0)

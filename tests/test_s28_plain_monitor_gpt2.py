@@ -16,8 +16,6 @@ from foundry_fp8.options import MonitorConfig
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.xfail(strict=True, reason="monitor.py watches_for: Conv1D neither watched nor "
-                   "named (fix for the lead: s28-plain report)")
 def test_gpt2s_conv1d_layers_are_watched_or_named():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(

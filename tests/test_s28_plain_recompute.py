@@ -45,8 +45,6 @@ def _step(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.weight.grad.clone(), layer.fp8_meta["scaling_bwd"].scale.clone()
 
 
-@pytest.mark.xfail(strict=True, reason="emulate.py: a recompute outside fp8_autocast in the "
-                   "backward runs silently in high precision (fix for the lead: s28-plain report)")
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_gradient_checkpointing_turned_on_after_conversion_is_fp8_or_refused(reentrant):
     reference = _llama()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 from torch import nn
 
@@ -37,8 +36,6 @@ class Net(nn.Module):
         return x
 
 
-@pytest.mark.xfail(strict=True, reason="swap.py _take_places: an optimizer not passed keeps "
-                   "the replaced parameters (fix for the lead: s28-plain report)")
 def test_an_optimizer_built_before_conversion_trains_the_te_layers_or_is_named(fake_te):
     fake_te()
     torch.manual_seed(0)
