@@ -7,6 +7,7 @@ import math
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from importlib import util
 from typing import Any, Literal
 
 from foundry_fp8.filters import (
@@ -38,6 +39,8 @@ from foundry_fp8.lint.known import (
     HF_CONFIG_KEYS,
     HF_MOE_EXPERTS_KEYS,
     HF_MOE_TOP_K_KEY,
+    MEGABLOCKS_INSTALL,
+    MEGABLOCKS_MODULE,
     MEGABLOCKS_REQUIRED_KEY,
     MPT_ATTN_CONFIG_KEYS,
     MPT_ATTN_DEFAULTS,
@@ -1152,7 +1155,8 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
       "old): `loss_fn: fused_crossentropy` (MPT's default), alibi with attn_impl flash (MPT's "
       "default), rope with rope_impl dail (MPT's default), sliding_window_size, "
       "attn_logit_softcapping or attn_uses_sequence_id with attn_impl flash; in a run "
-      "(`fp8_lint`), attn_impl flash itself and an hf_causal_lm's `use_flash_attention_2`",
+      "(`fp8_lint`), attn_impl flash itself and an hf_causal_lm's `use_flash_attention_2`; "
+      "`ffn_config.ffn_type: mb_moe` or `mb_dmoe` where megablocks is not installed",
       why="ComposerMPTCausalLM defaults loss_fn to fused_crossentropy and raises 'Fused Cross "
       "Entropy is not installed' when flash_attn.losses.cross_entropy cannot be imported. "
       "MPTConfig refuses alibi with attn_impl flash below flash-attn 2.4.2 "
@@ -1167,15 +1171,25 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
       "files every MPT config without attn_impl would warn wherever the linter runs); so is "
       "an hf_causal_lm's `use_flash_attention_2: true` or `attn_implementation: "
       "flash_attention_2`, for which ComposerHFCausalLM raises ValueError building the model "
-      "without flash-attn >= 2.0.",
+      "without flash-attn >= 2.0. LLM-Foundry registers megablocks' FFNs, mb_moe and mb_dmoe "
+      "(its own MoE YAMLs' ffn_type), only where `import megablocks` finds the module (a "
+      "ModuleNotFoundError is swallowed): elsewhere build_ffn looks the name up in the `ffns` "
+      "registry and raises RegistryError ('Available names: mptglu, mptmlp, torch_dmoe') "
+      "building the model, after the tokenizer and the data loaders; judged alike (an "
+      "installed package's entry point for the name counts as registering it), the fix the "
+      "install setup.py's `megablocks` extra asks.",
       source=f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM.__init__; "
       "llmfoundry/models/mpt/configuration_mpt.py:308-376 _validate_config, "
       "llmfoundry/models/layers/attention.py is_flash_v2_installed, check_alibi_support; "
       "llmfoundry/models/utils/config_defaults.py (attn_impl flash, rope_impl dail); "
       "llmfoundry/models/mpt/modeling_mpt.py:32-38 (bert_padding imported only with "
       "flash-attn 2) and MPTModel.forward (gen_flash_attn_padding_info for attn_impl flash); "
-      "llmfoundry/models/hf/hf_base.py:283-312 build_inner_model (use_flash_attention_2)",
-      fix="set model.loss_fn: torch_crossentropy, or install flash-attn on the training machine")
+      "llmfoundry/models/hf/hf_base.py:283-312 build_inner_model (use_flash_attention_2); "
+      "llmfoundry/models/layers/ffn.py:30-34, 595-597 (mb_moe and mb_dmoe registered where "
+      "megablocks imports), llmfoundry/models/layers/layer_builders.py build_ffn, setup.py "
+      "extra_deps['megablocks']",
+      fix="set model.loss_fn: torch_crossentropy, or install flash-attn on the training machine "
+      "(megablocks' FFNs: install megablocks)")
 def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     snapshot = ctx.snapshot
@@ -1196,8 +1210,38 @@ def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator
             "no loss_fn, so MPT's default fused_crossentropy,"
         yield Hit(key, f"{said} needs flash-attn's cross entropy, which is not installed here: "
                   "LLM-Foundry raises when it builds the model", severity=severity)
+    yield from _megablocks_ffn(model, severity)
     if ctx.scope == "run" and not refused:  # MPTConfig refuses those before any forward
         yield from _flash_attn_forward(attn, snapshot.flash_attn)
+
+
+def megablocks_importable() -> bool:
+    """Would `import megablocks` find a module here (what LLM-Foundry's ffn.py tries), without
+    importing it (it imports torch)."""
+    try:
+        return util.find_spec(MEGABLOCKS_MODULE) is not None
+    except Exception:  # a broken parent or finder: as LLM-Foundry's import, found nothing
+        return False
+
+
+def _megablocks_ffn(model: Mapping[str, Any],
+                    severity: Literal["error", "warning"]) -> Iterator[Hit]:
+    """ffn_type mb_moe or mb_dmoe (LLM-Foundry's MoE YAMLs) where megablocks is not installed:
+    LLM-Foundry registers them only where `import megablocks` succeeds, so build_ffn looks the
+    name up in `ffns` and raises RegistryError, after the tokenizer and the data loaders. An
+    installed package's entry point for the name counts as registering it."""
+    name = get(model, "ffn_config.ffn_type")
+    groups = MPT_LAYER_REGISTRIES["ffn_config.ffn_type"][1]
+    if name not in _MEGABLOCKS or megablocks_importable() \
+            or any(name in entry_point_names(group) for group in groups):
+        return
+    yield Hit("model.ffn_config.ffn_type", f"ffn_type {name} is megablocks' MoE, which LLM-"
+              "Foundry registers only where `import megablocks` succeeds (llmfoundry/models/"
+              "layers/ffn.py), and megablocks is not installed here: building the model raises "
+              f"RegistryError (\"Cant't find '{name}' in registry llmfoundry -> ffns\"), after "
+              "the tokenizer and the data loaders", severity=severity,
+              fix=f"{MEGABLOCKS_INSTALL} on the training machine, or ffn_type: torch_dmoe "
+              "(LLM-Foundry's own dropless MoE, no megablocks)")
 
 
 def _hf_flash_attention_2(model: Mapping[str, Any], installed: str | None) -> Iterator[Hit]:

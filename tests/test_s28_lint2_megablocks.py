@@ -1,0 +1,76 @@
+"""FP8029: megablocks' FFNs (`ffn_type: mb_moe` / `mb_dmoe`, LLM-Foundry's MoE YAMLs) where
+megablocks is not installed. LLM-Foundry registers them only where `import megablocks` succeeds,
+so building the model raises RegistryError after the tokenizer and the loaders; before, the
+linter only asked for `moe_world_size` (FP8042) and, once given, said nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from foundry_fp8.environment import Snapshot
+from foundry_fp8.lint.registry import LintContext
+from foundry_fp8.lint.rules import lint_config
+from foundry_fp8.lint.rules import model as model_rules
+
+MPT: dict[str, Any] = {
+    "name": "mpt_causal_lm",
+    "d_model": 64,
+    "n_heads": 4,
+    "n_layers": 1,
+    "max_seq_len": 16,
+    "vocab_size": 64,
+    "loss_fn": "torch_crossentropy",
+    "attn_config": {"attn_impl": "torch"},
+}
+
+needs_no_megablocks = pytest.mark.skipif(
+    model_rules.megablocks_importable(), reason="megablocks is installed here"
+)
+
+
+def _ffn(ffn_type: str) -> dict[str, Any]:
+    moe = {"moe_num_experts": 4, "moe_top_k": 2, "moe_world_size": 1}
+    return {"ffn_type": ffn_type, **(moe if ffn_type.startswith("mb_") else {})}
+
+
+def _hits(ffn_type: str, scope: str) -> list[tuple[str, str, str]]:
+    snapshot = Snapshot(python="3.11", flash_attn="2.7.4", flash_attn_cross_entropy=True)
+    context = LintContext(scope=scope, snapshot=snapshot)  # type: ignore[arg-type]
+    config = {"model": {**MPT, "ffn_config": _ffn(ffn_type)}}
+    return [(f.rule, f.key, f.severity) for f in lint_config(config, context)
+            if f.severity != "info"]
+
+
+@needs_no_megablocks
+@pytest.mark.parametrize("ffn_type", ["mb_moe", "mb_dmoe"])
+def test_llmfoundry_refuses_and_the_linter_says_so(ffn_type):
+    """The installed LLM-Foundry builds no MPT with megablocks' FFN here (RegistryError naming
+    the `ffns` registry); the linter's one finding is at ffn_type: an error in a run (the
+    training machine), a warning in files, naming the install of setup.py's extra."""
+    from catalogue import RegistryError
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    with pytest.raises(RegistryError, match=f"'{ffn_type}'.*Available names: mptglu, mptmlp, "
+                       "torch_dmoe"):
+        MPTForCausalLM(MPTConfig(**{k: v for k, v in MPT.items() if k != "name"},
+                                 ffn_config=_ffn(ffn_type)))
+    assert _hits(ffn_type, "run") == [("FP8029", "model.ffn_config.ffn_type", "error")]
+    assert _hits(ffn_type, "file") == [("FP8029", "model.ffn_config.ffn_type", "warning")]
+    snapshot = Snapshot(python="3.11", flash_attn="2.7.4", flash_attn_cross_entropy=True)
+    [finding] = [f for f in lint_config({"model": {**MPT, "ffn_config": _ffn(ffn_type)}},
+                                        LintContext(scope="run", snapshot=snapshot))
+                 if f.rule == "FP8029"]
+    assert "pip install 'megablocks<1.0' grouped-gemm==0.3.0" in finding.fix
+
+
+def test_installed_megablocks_is_quiet(monkeypatch):
+    monkeypatch.setattr(model_rules, "megablocks_importable", lambda: True)
+    assert _hits("mb_moe", "run") == []
+
+
+@needs_no_megablocks
+def test_other_ffns_are_quiet():
+    assert _hits("mptglu", "run") == []
+    assert _hits("mb_moe", "file")  # the same config with megablocks' FFN is judged
