@@ -74,3 +74,27 @@ def test_installed_megablocks_is_quiet(monkeypatch):
 def test_other_ffns_are_quiet():
     assert _hits("mptglu", "run") == []
     assert _hits("mb_moe", "file")  # the same config with megablocks' FFN is judged
+
+
+#: The model of LLM-Foundry's own MoE YAML (scripts/train/yamls/pretrain/testing-moe.yaml).
+TESTING_MOE = {
+    "name": "mpt_causal_lm", "init_device": "meta", "d_model": 128, "n_heads": 2,
+    "n_layers": 2, "expansion_ratio": 1, "max_seq_len": 128, "vocab_size": 50368,
+    "attn_config": {"attn_impl": "torch"}, "loss_fn": "torch_crossentropy",
+    "ffn_config": {"ffn_type": "mb_dmoe", "memory_optimized_mlp": True, "mlp_impl": "grouped",
+                   "moe_lbl_in_fp32": False, "moe_loss_weight": 0.01, "moe_num_experts": 4,
+                   "moe_top_k": 2, "moe_world_size": 1, "uniform_expert_assignment": False},
+}
+
+
+@needs_no_megablocks
+def test_fp8_lint_in_a_run_names_it(caplog):
+    """fp8_lint, built with LLM-Foundry's MoE YAML's model before the tokenizer, loaders and
+    model: FP8029 is one of its errors (`fail_on: never` so the TE-less machine's own errors
+    do not stop the test)."""
+    from foundry_fp8.composer.lint import FP8Lint
+
+    callback = FP8Lint({"model": TESTING_MOE, "precision": "amp_bf16"}, fail_on="never")
+    assert [(f.key, f.severity) for f in callback.findings if f.rule == "FP8029"] == [
+        ("model.ffn_config.ffn_type", "error")]
+    assert "FP8029 model.ffn_config.ffn_type: ffn_type mb_dmoe is megablocks' MoE" in caplog.text
