@@ -98,3 +98,67 @@ def test_fp8_lint_in_a_run_names_it(caplog):
     assert [(f.key, f.severity) for f in callback.findings if f.rule == "FP8029"] == [
         ("model.ffn_config.ffn_type", "error")]
     assert "FP8029 model.ffn_config.ffn_type: ffn_type mb_dmoe is megablocks' MoE" in caplog.text
+
+
+def _expert_parallel(config: dict[str, Any], gpus: int | None) -> list[tuple[str, str]]:
+    model = {**MPT, "ffn_config": {**_ffn("mb_moe"), "moe_world_size": 2}}
+    context = LintContext(gpus=gpus, gpus_said=f"--gpus {gpus}")
+    return [(f.rule, f.key) for f in lint_config({**config, "model": model}, context)
+            if f.severity == "error"]
+
+
+def test_expert_parallelism_without_use_orig_params(monkeypatch):
+    """LLM-Foundry's own validate_config (with mb_moe registered, as megablocks' import does)
+    refuses moe_world_size 2 with use_orig_params false, and accepts it with true."""
+    import catalogue
+    from llmfoundry.command_utils.train import validate_config
+    from llmfoundry.layers_registry import ffns_with_megablocks
+    from llmfoundry.utils.config_utils import TrainConfig
+
+    key = (*ffns_with_megablocks.namespace, "mb_moe")
+    monkeypatch.setitem(catalogue.REGISTRY, key, lambda **kwargs: None)
+    refused = {"fsdp_config": {"use_orig_params": False}}
+    for fsdp, raises in ((refused, True), ({"fsdp_config": {"use_orig_params": True}}, False)):
+        config = TrainConfig(model={"name": "mpt_causal_lm", "ffn_config": {
+            "ffn_type": "mb_moe", "moe_world_size": 2}}, train_loader={"name": "text"},
+            optimizer={}, scheduler={}, tokenizer={}, max_duration="1ba", max_seq_len=16,
+            global_train_batch_size=2, **fsdp)
+        if raises:
+            with pytest.raises(ValueError, match="require `use_orig_params=True`"):
+                validate_config(config)
+        else:
+            validate_config(config)
+    assert _expert_parallel(refused, None) == [("FP8042", "fsdp_config.use_orig_params")]
+    assert _expert_parallel({"fsdp_config": {"use_orig_params": True}}, None) == []
+
+
+@pytest.mark.parametrize(("gpus", "refused"), [(1, True), (3, True), (2, False), (8, False)])
+def test_expert_parallelism_world_size(monkeypatch, tmp_path, gpus, refused):
+    """LLM-Foundry's config_megablocks_moe_args (megablocks' module stood in for: the check
+    comes before it is used) refuses moe_world_size 2 in one process; the linter, told the GPU
+    count, refuses what does not divide it."""
+    import sys
+    import types
+
+    from llmfoundry.models.utils.config_moe_args import config_megablocks_moe_args
+
+    if gpus == 1:
+        import torch.distributed as torch_dist
+
+        monkeypatch.setitem(sys.modules, "megablocks", types.ModuleType("megablocks"))
+        torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous",
+                                      rank=0, world_size=1)  # as Composer's, one process
+        try:
+            with pytest.raises(ValueError, match="Invalid world size configuration: "
+                               "world_size=1 and moe_world_size=2"):
+                config_megablocks_moe_args({"ffn_type": "mb_moe", "fc_type": "torch",
+                                            "moe_world_size": 2}, 64, 4, 1, lambda **k: None)
+        finally:
+            torch_dist.destroy_process_group()
+    found = _expert_parallel({}, gpus)
+    assert found == ([("FP8042", "model.ffn_config.moe_world_size")] if refused else [])
+    if refused:
+        [message] = [f.message for f in lint_config(
+            {"model": {**MPT, "ffn_config": {**_ffn("mb_moe"), "moe_world_size": 2}}},
+            LintContext(gpus=gpus, gpus_said=f"--gpus {gpus}")) if f.rule == "FP8042"]
+        assert f"world_size={gpus} and moe_world_size=2" in message

@@ -1065,7 +1065,11 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "its experts and router never trained; a moe_num_experts that is no whole number above 0 "
       "raises building the model (0: IndexError at the first forward); mb_moe and mb_dmoe need moe_world_size (KeyError in "
       "config_moe_args), and LLM-Foundry drops their keys megablocks' Arguments does not take "
-      "(not judged: megablocks is not read). te_ln_mlp hands its extra keys to te.LayerNormMLP, "
+      "(not judged: megablocks is not read); a moe_world_size above 1 (expert parallelism) "
+      "with fsdp_config.use_orig_params off makes train's validate_config raise ValueError "
+      "before anything is built, and one that does not divide the GPU count where it is known "
+      "(`--gpus`, `compute.gpus`) makes config_megablocks_moe_args raise ValueError ('Invalid "
+      "world size configuration') building the model. te_ln_mlp hands its extra keys to te.LayerNormMLP, "
       "and other registered classes take their own: not judged. MPTConfig "
       "replaces ffn_config.fc_type by the model's fc_type (a warning where they differ). "
       "fc_type is looked up as written in LLM-Foundry's fcs registry, whose names are lower "
@@ -1092,7 +1096,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "(args_to_exclude_in_attn_class), llmfoundry/models/layers/attention.py, "
       "llmfoundry/models/layers/layer_builders.py build_ffn, llmfoundry/models/layers/ffn.py "
       "build_mptmlp, build_mptglu, build_torch_dmoe, llmfoundry/models/layers/dmoe.py "
-      "DroplessMLP, llmfoundry/models/utils/config_moe_args.py, llmfoundry/models/layers/fc.py, "
+      "DroplessMLP, llmfoundry/models/utils/config_moe_args.py config_megablocks_moe_args, "
+      "llmfoundry/command_utils/train.py:143-157 validate_config, llmfoundry/models/layers/fc.py, "
       "llmfoundry/models/mpt/configuration_mpt.py _validate_config (ffn_config['fc_type']), "
       "llmfoundry/models/utils/config_defaults.py, llmfoundry/layers_registry.py (fcs, ffns, "
       "ffns_with_norm, ffns_with_megablocks: entry_points=True); foundry_fp8/sdpa_facts.py "
@@ -1115,8 +1120,34 @@ def mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
         yield Hit(key, f"fc_type {fc_type!r} is no name of LLM-Foundry's fcs registry, which looks "
                   "it up as written: building the model raises RegistryError (did you mean "
                   f"`{fc_type.lower()}`?)")
+    yield from _expert_parallel_hits(config, model, ctx)
     if ctx.scope == "file":  # in a run the model is built: its registries answered already
         yield from _unregistered_layers(config, model)
+
+
+def _expert_parallel_hits(config: Mapping[str, Any], model: Mapping[str, Any],
+                          ctx: LintContext) -> Iterator[Hit]:
+    """megablocks' expert parallelism (ffn_config.moe_world_size above 1): train's
+    validate_config refuses it without FSDP's use_orig_params before anything is built, and
+    config_megablocks_moe_args refuses a world size it does not divide (or is above) when it
+    builds the model; the world size judged where it is known (`ctx.gpus`)."""
+    ffn = section(model, "ffn_config")
+    size = as_int(ffn.get(MEGABLOCKS_REQUIRED_KEY))
+    if ffn.get("ffn_type") not in _MEGABLOCKS or size is None or size <= 1:
+        return
+    fsdp = config.get("fsdp_config")
+    if isinstance(fsdp, Mapping) and not fsdp.get("use_orig_params", True):
+        yield Hit("fsdp_config.use_orig_params", f"moe_world_size {size} (expert parallelism) "
+                  "with use_orig_params off: LLM-Foundry's train raises ValueError ('MoEs with "
+                  "expert parallelism ... require `use_orig_params=True`') before anything is "
+                  "built", fix="use_orig_params: true (or moe_world_size: 1)")
+    if ctx.gpus is not None and (ctx.gpus < size or ctx.gpus % size):
+        yield Hit(f"model.ffn_config.{MEGABLOCKS_REQUIRED_KEY}", f"moe_world_size {size} with "
+                  f"{ctx.gpus_text()}: LLM-Foundry's config_megablocks_moe_args raises "
+                  f"ValueError ('Invalid world size configuration: world_size={ctx.gpus} and "
+                  f"moe_world_size={size}') building the model, after the tokenizer and the "
+                  "data loaders", fix="moe_world_size: a divisor of the GPU count (1: no "
+                  "expert parallelism)")
 
 
 def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) -> Iterator[Hit]:
