@@ -259,6 +259,13 @@ TORCH_DMOE_MLP_TYPES = ("mlp", "glu")
 #: The `ffn_config` key megablocks' FFNs (mb_moe, mb_dmoe) need with no default: LLM-Foundry's
 #: config_moe_args pops it (llmfoundry/models/utils/config_moe_args.py), KeyError without it.
 MEGABLOCKS_REQUIRED_KEY = "moe_world_size"
+#: The module whose import registers megablocks' FFNs, mb_moe and mb_dmoe, in LLM-Foundry's
+#: ffns_with_megablocks registry (llmfoundry/models/layers/ffn.py:30-34 `import megablocks`,
+#: ModuleNotFoundError swallowed; :595-597 the registrations, 0.22): without it build_ffn looks
+#: the name up in `ffns` and raises RegistryError. The install is setup.py's `megablocks` extra.
+MEGABLOCKS_MODULE = "megablocks"
+MEGABLOCKS_INSTALL = ("pip install 'megablocks<1.0' grouped-gemm==0.3.0 (LLM-Foundry's extra: "
+                      "pip install 'llm-foundry[megablocks]')")
 #: The keys of MPT's `init_config` (llmfoundry/models/utils/config_defaults.py
 #: init_config_defaults, 0.21 and 0.22), which MPT's param_init_fn hands to the scheme its `name`
 #: picks (modeling_mpt.py MPTModel.param_init_fn): read there, never at the model's top level.

@@ -7,6 +7,7 @@ import math
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from importlib import util
 from typing import Any, Literal
 
 from foundry_fp8.filters import (
@@ -38,6 +39,8 @@ from foundry_fp8.lint.known import (
     HF_CONFIG_KEYS,
     HF_MOE_EXPERTS_KEYS,
     HF_MOE_TOP_K_KEY,
+    MEGABLOCKS_INSTALL,
+    MEGABLOCKS_MODULE,
     MEGABLOCKS_REQUIRED_KEY,
     MPT_ATTN_CONFIG_KEYS,
     MPT_ATTN_DEFAULTS,
@@ -1062,7 +1065,11 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "its experts and router never trained; a moe_num_experts that is no whole number above 0 "
       "raises building the model (0: IndexError at the first forward); mb_moe and mb_dmoe need moe_world_size (KeyError in "
       "config_moe_args), and LLM-Foundry drops their keys megablocks' Arguments does not take "
-      "(not judged: megablocks is not read). te_ln_mlp hands its extra keys to te.LayerNormMLP, "
+      "(not judged: megablocks is not read); a moe_world_size above 1 (expert parallelism) "
+      "with fsdp_config.use_orig_params off makes train's validate_config raise ValueError "
+      "before anything is built, and one that does not divide the GPU count where it is known "
+      "(`--gpus`, `compute.gpus`) makes config_megablocks_moe_args raise ValueError ('Invalid "
+      "world size configuration') building the model. te_ln_mlp hands its extra keys to te.LayerNormMLP, "
       "and other registered classes take their own: not judged. MPTConfig "
       "replaces ffn_config.fc_type by the model's fc_type (a warning where they differ). "
       "fc_type is looked up as written in LLM-Foundry's fcs registry, whose names are lower "
@@ -1089,7 +1096,8 @@ def _ffn_config_hits(model: Mapping[str, Any]) -> Iterator[Hit]:
       "(args_to_exclude_in_attn_class), llmfoundry/models/layers/attention.py, "
       "llmfoundry/models/layers/layer_builders.py build_ffn, llmfoundry/models/layers/ffn.py "
       "build_mptmlp, build_mptglu, build_torch_dmoe, llmfoundry/models/layers/dmoe.py "
-      "DroplessMLP, llmfoundry/models/utils/config_moe_args.py, llmfoundry/models/layers/fc.py, "
+      "DroplessMLP, llmfoundry/models/utils/config_moe_args.py config_megablocks_moe_args, "
+      "llmfoundry/command_utils/train.py:143-157 validate_config, llmfoundry/models/layers/fc.py, "
       "llmfoundry/models/mpt/configuration_mpt.py _validate_config (ffn_config['fc_type']), "
       "llmfoundry/models/utils/config_defaults.py, llmfoundry/layers_registry.py (fcs, ffns, "
       "ffns_with_norm, ffns_with_megablocks: entry_points=True); foundry_fp8/sdpa_facts.py "
@@ -1112,8 +1120,34 @@ def mpt_sub_configs(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit
         yield Hit(key, f"fc_type {fc_type!r} is no name of LLM-Foundry's fcs registry, which looks "
                   "it up as written: building the model raises RegistryError (did you mean "
                   f"`{fc_type.lower()}`?)")
+    yield from _expert_parallel_hits(config, model, ctx)
     if ctx.scope == "file":  # in a run the model is built: its registries answered already
         yield from _unregistered_layers(config, model)
+
+
+def _expert_parallel_hits(config: Mapping[str, Any], model: Mapping[str, Any],
+                          ctx: LintContext) -> Iterator[Hit]:
+    """megablocks' expert parallelism (ffn_config.moe_world_size above 1): train's
+    validate_config refuses it without FSDP's use_orig_params before anything is built, and
+    config_megablocks_moe_args refuses a world size it does not divide (or is above) when it
+    builds the model; the world size judged where it is known (`ctx.gpus`)."""
+    ffn = section(model, "ffn_config")
+    size = as_int(ffn.get(MEGABLOCKS_REQUIRED_KEY))
+    if ffn.get("ffn_type") not in _MEGABLOCKS or size is None or size <= 1:
+        return
+    fsdp = config.get("fsdp_config")
+    if isinstance(fsdp, Mapping) and not fsdp.get("use_orig_params", True):
+        yield Hit("fsdp_config.use_orig_params", f"moe_world_size {size} (expert parallelism) "
+                  "with use_orig_params off: LLM-Foundry's train raises ValueError ('MoEs with "
+                  "expert parallelism ... require `use_orig_params=True`') before anything is "
+                  "built", fix="use_orig_params: true (or moe_world_size: 1)")
+    if ctx.gpus is not None and (ctx.gpus < size or ctx.gpus % size):
+        yield Hit(f"model.ffn_config.{MEGABLOCKS_REQUIRED_KEY}", f"moe_world_size {size} with "
+                  f"{ctx.gpus_text()}: LLM-Foundry's config_megablocks_moe_args raises "
+                  f"ValueError ('Invalid world size configuration: world_size={ctx.gpus} and "
+                  f"moe_world_size={size}') building the model, after the tokenizer and the "
+                  "data loaders", fix="moe_world_size: a divisor of the GPU count (1: no "
+                  "expert parallelism)")
 
 
 def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) -> Iterator[Hit]:
@@ -1152,7 +1186,8 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
       "old): `loss_fn: fused_crossentropy` (MPT's default), alibi with attn_impl flash (MPT's "
       "default), rope with rope_impl dail (MPT's default), sliding_window_size, "
       "attn_logit_softcapping or attn_uses_sequence_id with attn_impl flash; in a run "
-      "(`fp8_lint`), attn_impl flash itself and an hf_causal_lm's `use_flash_attention_2`",
+      "(`fp8_lint`), attn_impl flash itself and an hf_causal_lm's `use_flash_attention_2`; "
+      "`ffn_config.ffn_type: mb_moe` or `mb_dmoe` where megablocks is not installed",
       why="ComposerMPTCausalLM defaults loss_fn to fused_crossentropy and raises 'Fused Cross "
       "Entropy is not installed' when flash_attn.losses.cross_entropy cannot be imported. "
       "MPTConfig refuses alibi with attn_impl flash below flash-attn 2.4.2 "
@@ -1167,15 +1202,25 @@ def _unregistered_layers(config: Mapping[str, Any], model: Mapping[str, Any]) ->
       "files every MPT config without attn_impl would warn wherever the linter runs); so is "
       "an hf_causal_lm's `use_flash_attention_2: true` or `attn_implementation: "
       "flash_attention_2`, for which ComposerHFCausalLM raises ValueError building the model "
-      "without flash-attn >= 2.0.",
+      "without flash-attn >= 2.0. LLM-Foundry registers megablocks' FFNs, mb_moe and mb_dmoe "
+      "(its own MoE YAMLs' ffn_type), only where `import megablocks` finds the module (a "
+      "ModuleNotFoundError is swallowed): elsewhere build_ffn looks the name up in the `ffns` "
+      "registry and raises RegistryError ('Available names: mptglu, mptmlp, torch_dmoe') "
+      "building the model, after the tokenizer and the data loaders; judged alike (an "
+      "installed package's entry point for the name counts as registering it), the fix the "
+      "install setup.py's `megablocks` extra asks.",
       source=f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM.__init__; "
       "llmfoundry/models/mpt/configuration_mpt.py:308-376 _validate_config, "
       "llmfoundry/models/layers/attention.py is_flash_v2_installed, check_alibi_support; "
       "llmfoundry/models/utils/config_defaults.py (attn_impl flash, rope_impl dail); "
       "llmfoundry/models/mpt/modeling_mpt.py:32-38 (bert_padding imported only with "
       "flash-attn 2) and MPTModel.forward (gen_flash_attn_padding_info for attn_impl flash); "
-      "llmfoundry/models/hf/hf_base.py:283-312 build_inner_model (use_flash_attention_2)",
-      fix="set model.loss_fn: torch_crossentropy, or install flash-attn on the training machine")
+      "llmfoundry/models/hf/hf_base.py:283-312 build_inner_model (use_flash_attention_2); "
+      "llmfoundry/models/layers/ffn.py:30-34, 595-597 (mb_moe and mb_dmoe registered where "
+      "megablocks imports), llmfoundry/models/layers/layer_builders.py build_ffn, setup.py "
+      "extra_deps['megablocks']",
+      fix="set model.loss_fn: torch_crossentropy, or install flash-attn on the training machine "
+      "(megablocks' FFNs: install megablocks)")
 def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
     model = section(config, "model")
     snapshot = ctx.snapshot
@@ -1196,8 +1241,38 @@ def fused_cross_entropy(config: Mapping[str, Any], ctx: LintContext) -> Iterator
             "no loss_fn, so MPT's default fused_crossentropy,"
         yield Hit(key, f"{said} needs flash-attn's cross entropy, which is not installed here: "
                   "LLM-Foundry raises when it builds the model", severity=severity)
+    yield from _megablocks_ffn(model, severity)
     if ctx.scope == "run" and not refused:  # MPTConfig refuses those before any forward
         yield from _flash_attn_forward(attn, snapshot.flash_attn)
+
+
+def megablocks_importable() -> bool:
+    """Would `import megablocks` find a module here (what LLM-Foundry's ffn.py tries), without
+    importing it (it imports torch)."""
+    try:
+        return util.find_spec(MEGABLOCKS_MODULE) is not None
+    except Exception:  # a broken parent or finder: as LLM-Foundry's import, found nothing
+        return False
+
+
+def _megablocks_ffn(model: Mapping[str, Any],
+                    severity: Literal["error", "warning"]) -> Iterator[Hit]:
+    """ffn_type mb_moe or mb_dmoe (LLM-Foundry's MoE YAMLs) where megablocks is not installed:
+    LLM-Foundry registers them only where `import megablocks` succeeds, so build_ffn looks the
+    name up in `ffns` and raises RegistryError, after the tokenizer and the data loaders. An
+    installed package's entry point for the name counts as registering it."""
+    name = get(model, "ffn_config.ffn_type")
+    groups = MPT_LAYER_REGISTRIES["ffn_config.ffn_type"][1]
+    if name not in _MEGABLOCKS or megablocks_importable() \
+            or any(name in entry_point_names(group) for group in groups):
+        return
+    yield Hit("model.ffn_config.ffn_type", f"ffn_type {name} is megablocks' MoE, which LLM-"
+              "Foundry registers only where `import megablocks` succeeds (llmfoundry/models/"
+              "layers/ffn.py), and megablocks is not installed here: building the model raises "
+              f"RegistryError (\"Cant't find '{name}' in registry llmfoundry -> ffns\"), after "
+              "the tokenizer and the data loaders", severity=severity,
+              fix=f"{MEGABLOCKS_INSTALL} on the training machine, or ffn_type: torch_dmoe "
+              "(LLM-Foundry's own dropless MoE, no megablocks)")
 
 
 def _hf_flash_attention_2(model: Mapping[str, Any], installed: str | None) -> Iterator[Hit]:
