@@ -464,7 +464,8 @@ def test_our_yamls_lint_clean():
                            "scripts/train/yamls/pretrain")
 def test_upstream_pretrain_yamls_lint_without_errors():
     """As docs/lint.md says: no error; FP8029's warning (MPT's default fused_crossentropy loss)
-    where flash-attn's cross entropy is not installed, and nothing else."""
+    where flash-attn's cross entropy is not installed, and testing-moe.yaml's mb_dmoe where
+    megablocks is not installed; nothing else."""
     folder = Path(os.environ["FOUNDRY_FP8_UPSTREAM_YAMLS"])
     assert sorted(folder.glob("mpt-*.yaml")), f"no mpt-*.yaml in {folder}"
     result = _lint(str(folder), "--format", "json")
@@ -474,7 +475,8 @@ def test_upstream_pretrain_yamls_lint_without_errors():
               if e["error"] or f["severity"] == "error"]
     assert result.returncode == 0 and not errors, errors
     others = [(e["path"], f) for e in files for f in e["findings"]
-              if (f["rule"], f["severity"], f["key"]) != ("FP8029", "warning", "model")]
+              if (f["rule"], f["severity"], f["key"]) not in {
+                  ("FP8029", "warning", "model"), ("FP8029", "warning", "model.ffn_config.ffn_type")}]
     assert not others, others
 
 
