@@ -3,6 +3,7 @@ mid-run (`callbacks: {fp8_stats: {...}, fp8_guard: {...}}`). Decisions: `foundry
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -33,6 +34,7 @@ from foundry_fp8.guard import (
     GuardCore,
     GuardStateError,
     fallback_message,
+    named_layers,
     nonfinite_message,
     render_fallbacks,
     repromotion_message,
@@ -198,6 +200,19 @@ class FP8Guard(Callback):
         if not self._modules:  # its share would read 0 all run, as if every layer had fallen
             log.warning("fp8_guard: no layer of this model runs in FP8 (no te_swap, and no TE "
                         "layers or not under precision amp_fp8), so it has nothing to guard")
+        elif not stats.disabled and dist.get_global_rank() == 0:
+            self._say_unwatched(state, stats)
+
+    def _say_unwatched(self, state: State, stats: FP8Stats) -> None:
+        """The FP8 layers fp8_stats' `layers`/`exclude` leave out get no statistics, so the
+        guard never judges them: said once (the docs promise every FP8 layer is judged)."""
+        watched = {short_layer(name) for name in select_layers(state.model, stats.config)}
+        unwatched = [layer for layer in self._modules if layer not in watched]
+        if unwatched:
+            log.warning("fp8_guard: fp8_stats does not watch %d of the %d layers in FP8 (its "
+                        "%s.layers/exclude), so fp8_guard never judges or moves them: %s",
+                        len(unwatched), len(self._modules), MonitorConfig.PATH,
+                        named_layers(unwatched))
 
     def _start(self, state: State, restored: Mapping[str, Any] | None, how: str) -> None:
         """Hook `restored`'s fallbacks (a checkpoint's, or an earlier fit()'s) into a fresh core:
@@ -284,15 +299,21 @@ class FP8Guard(Callback):
                 return (f"fp8_stats is off: {MonitorConfig.PATH}.layers selects no layer (its "
                         f"warning above)")
             return "fp8_stats switched itself off after an error (its message above)"
-        if self._heard:
-            return None
-        schedule, last = stats.schedule, last_batch(state)
-        following = schedule.next_log(int(state.timestamp.batch) - 1)
+        schedule, last, done = stats.schedule, last_batch(state), int(state.timestamp.batch) - 1
+        following = schedule.next_log(done)
         if last is None or (following is not None and following <= last):
             return None
-        return (f"fp8_stats has no logging step in this run, which ends after batch {last} "
-                f"({MonitorConfig.PATH}.interval {schedule.interval}, start {schedule.start}, "
-                f"end {schedule.end})")
+        if not self._heard:
+            return (f"fp8_stats has no logging step in this run, which ends after batch {last} "
+                    f"({MonitorConfig.PATH}.interval {schedule.interval}, start "
+                    f"{schedule.start}, end {schedule.end})")
+        # past the run's last logging step: said only where `end` cut the schedule short (the
+        # guard stopped guarding with batches left, silently before)
+        unbounded = dataclasses.replace(schedule, end=None).next_log(done)
+        if unbounded is None or unbounded > last:
+            return None
+        return (f"fp8_stats has no logging step left in this run after step {done} "
+                f"({MonitorConfig.PATH}.end {schedule.end}; the run ends after batch {last})")
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         self._raise_stop()

@@ -1,0 +1,55 @@
+"""fp8_guard judges only what fp8_stats gives it at its logging steps. Two ways a user's
+fp8_stats options leave FP8 layers unguarded while the guard said nothing: an `end` that stops
+fp8_stats' logging steps before the run ends (the guard had heard a step, so it never said it
+was left with none), and `layers`/`exclude` that watch only some FP8 layers (the others are
+never judged). Real Composer runs of tests/test_guard_flops.py's model, whose faulty block
+`module.blocks.0` falls back at step 4 when judged (logging steps every 2 batches)."""
+
+from __future__ import annotations
+
+import logging
+
+from foundry_fp8.composer.guard import FALLBACK_LAYERS
+from tests.test_guard_flops import FAULTY, INTERVAL, _fit
+
+
+def _said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and r.getMessage().startswith("fp8_guard: fp8_stats")]
+
+
+def test_a_schedule_ending_before_the_run_is_said_once_when_its_last_step_is_past(tmp_path,
+                                                                                   caplog):
+    """`end: 3`: logging steps 0 and 2 only, of a 12-batch run; the faulty block, judged from
+    step 2 on (delayed scaling's first cast is not), would fall back at step 4, so it stays in
+    FP8: the guard says so once, after step 2."""
+    guard, series, _ = _fit(tmp_path, 0.5, caplog, end=3)
+    assert sorted(series) == [0, INTERVAL]
+    assert not guard.core.fallbacks
+    assert _said(caplog) == [
+        "fp8_guard: fp8_stats has no logging step left in this run after step 2 "
+        "(callbacks.fp8_stats.end 3; the run ends after batch 11), so fp8_guard judges nothing "
+        "from now on in this run and moves no layer"]
+
+
+def test_a_schedule_whose_last_step_is_the_runs_says_nothing(tmp_path, caplog):
+    """Without `end`, the steps after the last logging step of the run are no reason to warn;
+    nor is an `end` past the run's last batch."""
+    for end in (None, 40):
+        caplog.clear()
+        guard, series, _ = _fit(tmp_path / str(end), 0.5, caplog, end=end)
+        assert list(guard.core.fallbacks) == [FAULTY]
+        assert series[2 * INTERVAL][FALLBACK_LAYERS] == 1.0
+        assert _said(caplog) == [] and not [
+            r for r in caplog.records if "does not watch" in r.getMessage()]
+
+
+def test_fp8_layers_fp8_stats_does_not_watch_are_named_at_fit_start(tmp_path, caplog):
+    """`layers: blocks\\.1`: the faulty block is never judged, and the guard names it."""
+    guard, series, _ = _fit(tmp_path, 0.5, caplog, layers=r"blocks\.1")
+    assert not guard.core.fallbacks
+    assert series[2 * INTERVAL][FALLBACK_LAYERS] == 0.0
+    said = [r.getMessage() for r in caplog.records if "does not watch" in r.getMessage()]
+    assert said == [
+        "fp8_guard: fp8_stats does not watch 1 of the 2 layers in FP8 (its callbacks.fp8_stats"
+        ".layers/exclude), so fp8_guard never judges or moves them: module.blocks.0"]
