@@ -40,8 +40,8 @@ def test_a_schedule_whose_last_step_is_the_runs_says_nothing(tmp_path, caplog):
         guard, series, _ = _fit(tmp_path / str(end), 0.5, caplog, end=end)
         assert list(guard.core.fallbacks) == [FAULTY]
         assert series[2 * INTERVAL][FALLBACK_LAYERS] == 1.0
-        assert _said(caplog) == [] and not [
-            r for r in caplog.records if "does not watch" in r.getMessage()]
+        assert _said(caplog) == [] and not [r for r in caplog.records if any(
+            words in r.getMessage() for words in ("does not watch", "fewer than"))]
 
 
 def test_fp8_layers_fp8_stats_does_not_watch_are_named_at_fit_start(tmp_path, caplog):
@@ -53,3 +53,14 @@ def test_fp8_layers_fp8_stats_does_not_watch_are_named_at_fit_start(tmp_path, ca
     assert said == [
         "fp8_guard: fp8_stats does not watch 1 of the 2 layers in FP8 (its callbacks.fp8_stats"
         ".layers/exclude), so fp8_guard never judges or moves them: module.blocks.0"]
+
+
+def test_fewer_logging_steps_than_consecutive_is_said_at_fit_start(tmp_path, caplog):
+    """`interval: 12` in a 12-batch run: one logging step (0), `consecutive: 2` never reached,
+    the faulty block never moved; said once, at fit start."""
+    guard, series, _ = _fit(tmp_path, 0.5, caplog, interval=12, image_interval=None)
+    assert sorted(series) == [0] and not guard.core.fallbacks
+    assert [r.getMessage() for r in caplog.records if "fewer than" in r.getMessage()] == [
+        "fp8_guard: fp8_stats has 1 logging step(s) left in this run (it ends after batch 11; "
+        "callbacks.fp8_stats.interval 12, start 0, end None), fewer than "
+        "callbacks.fp8_guard.consecutive 2, so no layer can fall back in it: lower one of them"]

@@ -202,6 +202,25 @@ class FP8Guard(Callback):
                         "layers or not under precision amp_fp8), so it has nothing to guard")
         elif not stats.disabled and dist.get_global_rank() == 0:
             self._say_unwatched(state, stats)
+            self._say_too_few_steps(state, stats)
+
+    def _say_too_few_steps(self, state: State, stats: FP8Stats) -> None:
+        """A run with fewer of fp8_stats' logging steps left than `consecutive` can move no
+        layer (a short fine-tune under `interval: 100ba`): said once at fit start. None left
+        at all is `_inert`'s line."""
+        schedule, last, consecutive = stats.schedule, last_batch(state), self.config.consecutive
+        steps, step = 0, int(state.timestamp.batch) - 1
+        while last is not None and steps < consecutive:
+            step = schedule.next_log(step)
+            if step is None or step > last:
+                break
+            steps += 1
+        if 0 < steps < consecutive:
+            log.warning("fp8_guard: fp8_stats has %d logging step(s) left in this run (it ends "
+                        "after batch %s; %s.interval %s, start %s, end %s), fewer than %s."
+                        "consecutive %d, so no layer can fall back in it: lower one of them",
+                        steps, last, MonitorConfig.PATH, schedule.interval, schedule.start,
+                        schedule.end, OPTION, consecutive)
 
     def _say_unwatched(self, state: State, stats: FP8Stats) -> None:
         """The FP8 layers fp8_stats' `layers`/`exclude` leave out get no statistics, so the
