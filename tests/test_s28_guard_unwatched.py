@@ -64,3 +64,14 @@ def test_fewer_logging_steps_than_consecutive_is_said_at_fit_start(tmp_path, cap
         "fp8_guard: fp8_stats has 1 logging step(s) left in this run (it ends after batch 11; "
         "callbacks.fp8_stats.interval 12, start 0, end None), fewer than "
         "callbacks.fp8_guard.consecutive 2, so no layer can fall back in it: lower one of them"]
+
+
+def test_tensors_fp8_stats_does_not_watch_are_said_at_fit_start(tmp_path, caplog):
+    """`tensors: [activation, gradient]`: the faulty block's weight is never judged."""
+    guard, series, _ = _fit(tmp_path, 0.5, caplog, tensors=["activation", "gradient"])
+    assert not guard.core.fallbacks
+    assert series[2 * INTERVAL][FALLBACK_LAYERS] == 0.0
+    assert [r.getMessage() for r in caplog.records if "does not watch" in r.getMessage()] == [
+        "fp8_guard: fp8_stats does not watch the weight of any layer (its callbacks.fp8_stats"
+        ".tensors ['activation', 'gradient']), so fp8_guard never judges them: a layer whose FP8 "
+        "weight fails stays in FP8"]

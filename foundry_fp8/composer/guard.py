@@ -40,7 +40,7 @@ from foundry_fp8.guard import (
     repromotion_message,
     static_yaml,
 )
-from foundry_fp8.health import short_layer
+from foundry_fp8.health import TENSORS, short_layer
 from foundry_fp8.health.rules import model_blocks
 from foundry_fp8.monitor import multi_rank, select_layers
 from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, build
@@ -223,8 +223,15 @@ class FP8Guard(Callback):
                         schedule.end, OPTION, consecutive)
 
     def _say_unwatched(self, state: State, stats: FP8Stats) -> None:
-        """The FP8 layers fp8_stats' `layers`/`exclude` leave out get no statistics, so the
-        guard never judges them: said once (the docs promise every FP8 layer is judged)."""
+        """The FP8 layers fp8_stats' `layers`/`exclude` leave out, and the tensors its `tensors`
+        leave out, get no statistics, so the guard never judges them: said once per fit (the
+        docs promise every FP8 layer is judged)."""
+        skipped = [tensor for tensor in TENSORS if tensor not in stats.config.tensors]
+        if skipped:
+            log.warning("fp8_guard: fp8_stats does not watch the %s of any layer (its %s.tensors "
+                        "%s), so fp8_guard never judges them: a layer whose FP8 %s fails stays "
+                        "in FP8", " or ".join(skipped), MonitorConfig.PATH,
+                        list(stats.config.tensors), " or ".join(skipped))
         watched = {short_layer(name) for name in select_layers(state.model, stats.config)}
         unwatched = [layer for layer in self._modules if layer not in watched]
         if unwatched:
