@@ -75,3 +75,19 @@ def test_tensors_fp8_stats_does_not_watch_are_said_at_fit_start(tmp_path, caplog
         "fp8_guard: fp8_stats does not watch the weight of any layer (its callbacks.fp8_stats"
         ".tensors ['activation', 'gradient']), so fp8_guard never judges them: a layer whose FP8 "
         "weight fails stays in FP8"]
+
+
+def test_a_failing_check_of_what_fp8_stats_watches_leaves_the_guard_on(tmp_path, caplog,
+                                                                        monkeypatch):
+    """Those checks are warnings: an error in them (our bug) is said, the guard still acts."""
+    import foundry_fp8.composer.guard as guard_module
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(guard_module, "select_layers", failing)
+    guard, series, _ = _fit(tmp_path, 0.5, caplog)
+    assert list(guard.core.fallbacks) == [FAULTY]
+    assert series[2 * INTERVAL][FALLBACK_LAYERS] == 1.0
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        "fp8_guard: internal error checking what fp8_stats gives it"]

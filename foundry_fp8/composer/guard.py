@@ -201,8 +201,11 @@ class FP8Guard(Callback):
             log.warning("fp8_guard: no layer of this model runs in FP8 (no te_swap, and no TE "
                         "layers or not under precision amp_fp8), so it has nothing to guard")
         elif not stats.disabled and dist.get_global_rank() == 0:
-            self._say_unwatched(state, stats)
-            self._say_too_few_steps(state, stats)
+            try:
+                self._say_unwatched(state, stats)
+                self._say_too_few_steps(state, stats)
+            except Exception:  # a warning's check, our bug: said, the guard and run go on
+                log.exception("fp8_guard: internal error checking what fp8_stats gives it")
 
     def _say_too_few_steps(self, state: State, stats: FP8Stats) -> None:
         """A run with fewer of fp8_stats' logging steps left than `consecutive` can move no
