@@ -91,3 +91,23 @@ def test_a_failing_check_of_what_fp8_stats_watches_leaves_the_guard_on(tmp_path,
     assert series[2 * INTERVAL][FALLBACK_LAYERS] == 1.0
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
         "fp8_guard: internal error checking what fp8_stats gives it"]
+
+
+def test_with_the_guard_before_fp8_stats_a_stats_selecting_nothing_is_said_once(
+        tmp_path, caplog, monkeypatch):
+    """The guard listed before fp8_stats starts before fp8_stats switches itself off for
+    `layers: nothing`: only the guard's line that fp8_stats is off, not also that it watches
+    none of the FP8 layers."""
+    import composer
+
+    trainer = composer.Trainer
+
+    def guard_first(*args, callbacks, **kwargs):
+        return trainer(*args, callbacks=callbacks[::-1], **kwargs)
+
+    monkeypatch.setattr(composer, "Trainer", guard_first)
+    _fit(tmp_path, 0.5, caplog, layers="nothing")
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("fp8_guard: ")
+            and r.levelno == logging.WARNING] == [
+        "fp8_guard: fp8_stats is off: callbacks.fp8_stats.layers selects no layer (its warning "
+        "above), so fp8_guard judges nothing from now on in this run and moves no layer"]

@@ -237,7 +237,7 @@ class FP8Guard(Callback):
                         list(stats.config.tensors), " or ".join(skipped))
         watched = {short_layer(name) for name in select_layers(state.model, stats.config)}
         unwatched = [layer for layer in self._modules if layer not in watched]
-        if unwatched:
+        if unwatched and watched:  # none watched: `_inert` says fp8_stats is off
             log.warning("fp8_guard: fp8_stats does not watch %d of the %d layers in FP8 (its "
                         "%s.layers/exclude), so fp8_guard never judges or moves them: %s",
                         len(unwatched), len(self._modules), MonitorConfig.PATH,
