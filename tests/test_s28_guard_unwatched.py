@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from foundry_fp8.composer.guard import FALLBACK_LAYERS
+import pytest
+
+from foundry_fp8.composer.guard import FALLBACK_LAYERS, FP8Guard
+from foundry_fp8.options import OptionError
 from tests.test_guard_flops import FAULTY, INTERVAL, _fit
 
 
@@ -111,3 +114,23 @@ def test_with_the_guard_before_fp8_stats_a_stats_selecting_nothing_is_said_once(
             and r.levelno == logging.WARNING] == [
         "fp8_guard: fp8_stats is off: callbacks.fp8_stats.layers selects no layer (its warning "
         "above), so fp8_guard judges nothing from now on in this run and moves no layer"]
+
+
+def test_two_guards_in_one_trainer_are_refused_in_one_line(tmp_path, caplog, monkeypatch):
+    """A second FP8Guard (added in Python: LLM-Foundry's YAML holds one entry per name)
+    judged the layer the first moved by its what-if numbers, "moved" it again two logging
+    steps later and logged a second, different `fp8/guard/fallback/<layer>` record."""
+    import composer
+
+    trainer = composer.Trainer
+
+    def two_guards(*args, callbacks, **kwargs):
+        return trainer(*args, callbacks=[*callbacks, FP8Guard(consecutive=3)], **kwargs)
+
+    monkeypatch.setattr(composer, "Trainer", two_guards)
+    with pytest.raises(OptionError) as refused:
+        _fit(tmp_path, 0.5, caplog)
+    assert str(refused.value) == (
+        "callbacks.fp8_guard: is given twice to this Trainer (two FP8Guard callbacks): each "
+        "would move the other's layers in fallback again, by their what-if statistics, and log "
+        "conflicting records under the same keys (fix: keep one fp8_guard)")

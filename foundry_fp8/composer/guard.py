@@ -43,7 +43,7 @@ from foundry_fp8.guard import (
 from foundry_fp8.health import TENSORS, short_layer
 from foundry_fp8.health.rules import model_blocks
 from foundry_fp8.monitor import multi_rank, select_layers
-from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, build
+from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, Problem, build
 from foundry_fp8.swap import (
     SwapPlan,
     fp8_module_counts,
@@ -168,6 +168,13 @@ class FP8Guard(Callback):
         stats = next((c for c in state.callbacks if isinstance(c, FP8Stats)), None)
         if stats is None:
             raise OptionError(OPTION, ENTRIES["fp8_guard"].need_problem("fp8_stats"))
+        if any(isinstance(c, FP8Guard) and c is not self for c in state.callbacks):
+            # the second judged the layers the first moved by their what-if numbers, moved them
+            # "again" and logged another record under the same key (W&B refuses the change)
+            raise OptionError(OPTION, Problem(
+                "", "value", "is given twice to this Trainer (two FP8Guard callbacks): each "
+                "would move the other's layers in fallback again, by their what-if statistics, "
+                "and log conflicting records under the same keys", "keep one fp8_guard"))
         self._state, self._logger, self._stats = state, logger, stats
         self._heard = False
         self._said.discard("inert")
