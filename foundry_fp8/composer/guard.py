@@ -89,7 +89,9 @@ class FP8Guard(Callback):
     holding any is not judged at that logging step (the others are), and the guard names each
     such layer once, at the first logging step it holds NaN/Inf. It also says once when fp8_stats
     gives it nothing (more) to judge: off (its `layers` select no layer, or an error of its own)
-    or no logging step left in the run.
+    or no logging step left in the run (its `end` included); at fit start, which FP8 layers and
+    tensors fp8_stats does not watch (never judged), and fewer logging steps left than
+    `consecutive` (no layer can fall back). A second FP8Guard in one Trainer is refused.
 
     Logs, by rank 0 at fp8_stats' logging steps: `fp8/guard/fallback_layers` (layers in
     fallback) and `fp8/guard/fp8_flops_share` (share of the linear-GEMM FLOPs still in FP8; on
