@@ -132,7 +132,13 @@ def nonfinite_rows(table: Table) -> list[tuple[str, str]]:
                   key=cast_place(layers, tensors))
 
 
-NAMED_LAYERS = 4  # layers named in the NaN/Inf line, the others counted
+NAMED_LAYERS = 4  # layers named in a line, the others counted
+
+
+def named_layers(layers: list[str]) -> str:
+    """The first NAMED_LAYERS of `layers`, the others counted: one line for a large model."""
+    return ", ".join(layers[:NAMED_LAYERS]) + (
+        f" and {len(layers) - NAMED_LAYERS} more" if len(layers) > NAMED_LAYERS else "")
 
 
 def nonfinite_message(step: int, rows: Collection[tuple[str, str]]) -> str:
@@ -141,8 +147,7 @@ def nonfinite_message(step: int, rows: Collection[tuple[str, str]]) -> str:
     the layer a NaN began in is named first."""
     tensors = ", ".join(dict.fromkeys(tensor for _, tensor in rows))
     layers = list(dict.fromkeys(layer for layer, _ in rows))
-    named = ", ".join(layers[:NAMED_LAYERS]) + (
-        f" and {len(layers) - NAMED_LAYERS} more" if len(layers) > NAMED_LAYERS else "")
+    named = named_layers(layers)
     return (f"fp8_guard: at step {step}, {len(layers)} layer(s) newly hold NaN/Inf in their "
             f"high-precision {tensors}, before any FP8 cast: no FP8 failure, and running a layer "
             f"in high precision cannot fix it, so fp8_guard does not judge a layer at a logging "

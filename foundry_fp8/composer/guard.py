@@ -3,6 +3,7 @@ mid-run (`callbacks: {fp8_stats: {...}, fp8_guard: {...}}`). Decisions: `foundry
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -33,15 +34,16 @@ from foundry_fp8.guard import (
     GuardCore,
     GuardStateError,
     fallback_message,
+    named_layers,
     nonfinite_message,
     render_fallbacks,
     repromotion_message,
     static_yaml,
 )
-from foundry_fp8.health import short_layer
+from foundry_fp8.health import TENSORS, short_layer
 from foundry_fp8.health.rules import model_blocks
 from foundry_fp8.monitor import multi_rank, select_layers
-from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, build
+from foundry_fp8.options import ENTRIES, MonitorConfig, OptionError, Problem, build
 from foundry_fp8.swap import (
     SwapPlan,
     fp8_module_counts,
@@ -87,7 +89,9 @@ class FP8Guard(Callback):
     holding any is not judged at that logging step (the others are), and the guard names each
     such layer once, at the first logging step it holds NaN/Inf. It also says once when fp8_stats
     gives it nothing (more) to judge: off (its `layers` select no layer, or an error of its own)
-    or no logging step left in the run.
+    or no logging step left in the run (its `end` included); at fit start, which FP8 layers and
+    tensors fp8_stats does not watch (never judged), and fewer logging steps left than
+    `consecutive` (no layer can fall back). A second FP8Guard in one Trainer is refused.
 
     Logs, by rank 0 at fp8_stats' logging steps: `fp8/guard/fallback_layers` (layers in
     fallback) and `fp8/guard/fp8_flops_share` (share of the linear-GEMM FLOPs still in FP8; on
@@ -166,6 +170,13 @@ class FP8Guard(Callback):
         stats = next((c for c in state.callbacks if isinstance(c, FP8Stats)), None)
         if stats is None:
             raise OptionError(OPTION, ENTRIES["fp8_guard"].need_problem("fp8_stats"))
+        if any(isinstance(c, FP8Guard) and c is not self for c in state.callbacks):
+            # the second judged the layers the first moved by their what-if numbers, moved them
+            # "again" and logged another record under the same key (W&B refuses the change)
+            raise OptionError(OPTION, Problem(
+                "", "value", "is given twice to this Trainer (two FP8Guard callbacks): each "
+                "would move the other's layers in fallback again, by their what-if statistics, "
+                "and log conflicting records under the same keys", "keep one fp8_guard"))
         self._state, self._logger, self._stats = state, logger, stats
         self._heard = False
         self._said.discard("inert")
@@ -198,6 +209,48 @@ class FP8Guard(Callback):
         if not self._modules:  # its share would read 0 all run, as if every layer had fallen
             log.warning("fp8_guard: no layer of this model runs in FP8 (no te_swap, and no TE "
                         "layers or not under precision amp_fp8), so it has nothing to guard")
+        elif not stats.disabled and dist.get_global_rank() == 0:
+            try:
+                self._say_unwatched(state, stats)
+                self._say_too_few_steps(state, stats)
+            except Exception:  # a warning's check, our bug: said, the guard and run go on
+                log.exception("fp8_guard: internal error checking what fp8_stats gives it")
+
+    def _say_too_few_steps(self, state: State, stats: FP8Stats) -> None:
+        """A run with fewer of fp8_stats' logging steps left than `consecutive` can move no
+        layer (a short fine-tune under `interval: 100ba`): said once at fit start. None left
+        at all is `_inert`'s line."""
+        schedule, last, consecutive = stats.schedule, last_batch(state), self.config.consecutive
+        steps, step = 0, int(state.timestamp.batch) - 1
+        while last is not None and steps < consecutive:
+            step = schedule.next_log(step)
+            if step is None or step > last:
+                break
+            steps += 1
+        if 0 < steps < consecutive:
+            log.warning("fp8_guard: fp8_stats has %d logging step(s) left in this run (it ends "
+                        "after batch %s; %s.interval %s, start %s, end %s), fewer than %s."
+                        "consecutive %d, so no layer can fall back in it: lower one of them",
+                        steps, last, MonitorConfig.PATH, schedule.interval, schedule.start,
+                        schedule.end, OPTION, consecutive)
+
+    def _say_unwatched(self, state: State, stats: FP8Stats) -> None:
+        """The FP8 layers fp8_stats' `layers`/`exclude` leave out, and the tensors its `tensors`
+        leave out, get no statistics, so the guard never judges them: said once per fit (the
+        docs promise every FP8 layer is judged)."""
+        skipped = [tensor for tensor in TENSORS if tensor not in stats.config.tensors]
+        if skipped:
+            log.warning("fp8_guard: fp8_stats does not watch the %s of any layer (its %s.tensors "
+                        "%s), so fp8_guard never judges them: a layer whose FP8 %s fails stays "
+                        "in FP8", " or ".join(skipped), MonitorConfig.PATH,
+                        list(stats.config.tensors), " or ".join(skipped))
+        watched = {short_layer(name) for name in select_layers(state.model, stats.config)}
+        unwatched = [layer for layer in self._modules if layer not in watched]
+        if unwatched and watched:  # none watched: `_inert` says fp8_stats is off
+            log.warning("fp8_guard: fp8_stats does not watch %d of the %d layers in FP8 (its "
+                        "%s.layers/exclude), so fp8_guard never judges or moves them: %s",
+                        len(unwatched), len(self._modules), MonitorConfig.PATH,
+                        named_layers(unwatched))
 
     def _start(self, state: State, restored: Mapping[str, Any] | None, how: str) -> None:
         """Hook `restored`'s fallbacks (a checkpoint's, or an earlier fit()'s) into a fresh core:
@@ -284,15 +337,21 @@ class FP8Guard(Callback):
                 return (f"fp8_stats is off: {MonitorConfig.PATH}.layers selects no layer (its "
                         f"warning above)")
             return "fp8_stats switched itself off after an error (its message above)"
-        if self._heard:
-            return None
-        schedule, last = stats.schedule, last_batch(state)
-        following = schedule.next_log(int(state.timestamp.batch) - 1)
+        schedule, last, done = stats.schedule, last_batch(state), int(state.timestamp.batch) - 1
+        following = schedule.next_log(done)
         if last is None or (following is not None and following <= last):
             return None
-        return (f"fp8_stats has no logging step in this run, which ends after batch {last} "
-                f"({MonitorConfig.PATH}.interval {schedule.interval}, start {schedule.start}, "
-                f"end {schedule.end})")
+        if not self._heard:
+            return (f"fp8_stats has no logging step in this run, which ends after batch {last} "
+                    f"({MonitorConfig.PATH}.interval {schedule.interval}, start "
+                    f"{schedule.start}, end {schedule.end})")
+        # past the run's last logging step: said only where `end` cut the schedule short (the
+        # guard stopped guarding with batches left, silently before)
+        unbounded = dataclasses.replace(schedule, end=None).next_log(done)
+        if unbounded is None or unbounded > last:
+            return None
+        return (f"fp8_stats has no logging step left in this run after step {done} "
+                f"({MonitorConfig.PATH}.end {schedule.end}; the run ends after batch {last})")
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         self._raise_stop()
