@@ -348,7 +348,8 @@ def grouped_message(flags: list[Flag], first: str, whatif: Collection[tuple[str,
     """One warning for the new flags of one threshold rule at one logging step (more than
     `NONFINITE_EACH`): `first`, the own warning of the tensor cast first (`cast_order`: where the
     fault began), then the others with their readings (`whatif`: rows whose numbers are
-    what-if), the worst of them and `changes`, what their own warnings would name."""
+    what-if), the worst of them and `changes`, what the others' own warnings would name beyond
+    `first`'s."""
     def row(flag: Flag) -> str:
         what = " (what-if)" if (flag.layer, flag.tensor) in whatif else ""
         return f"'{flag.layer}' {flag.tensor}{what}: {flag.reading}"
@@ -358,10 +359,10 @@ def grouped_message(flags: list[Flag], first: str, whatif: Collection[tuple[str,
     if len(rest) > NONFINITE_NAMED:
         named += f"; and {len(rest) - NONFINITE_NAMED} more (their fp8_{flags[0].stat}/ series)"
     worst = max(flags, key=lambda flag: badness(flag.stat, flag.value))
-    change = "; ".join(changes) if changes else "none (high precision under fp8_guard)"
+    more = f" Other changes they name: {'; '.join(changes)}" if changes else ""
     return (f"FP8 {flags[0].rule} at step {flags[0].step} in {len(flags)} layer tensors at once, "
-            f"one warning for all; worst {row(worst)}. First cast: {first} Also: {named}. "
-            f"Changes for all of them: {change}")
+            f"one warning for all; worst {row(worst)}. First cast: {first}. Also: {named}."
+            + more)
 
 
 def multi_rank() -> bool:
@@ -909,8 +910,10 @@ class FP8Monitor:
             if rule == "nonfinite":
                 self.on_warning(nonfinite_message(ordered))
                 continue
-            changes = dict.fromkeys(flag.yaml_key for flag in ordered
-                                    if (flag.layer, flag.tensor) not in self.fallback_rows)
+            said = {(flag.layer, flag.tensor): flag.yaml_key for flag in ordered
+                    if (flag.layer, flag.tensor) not in self.fallback_rows}  # with a change
+            first = said.get((ordered[0].layer, ordered[0].tensor))
+            changes = [change for change in dict.fromkeys(said.values()) if change != first]
             self.on_warning(grouped_message(ordered, message(ordered[0]), self.whatif_rows,
                                             changes))
         metrics = {layer_key(stat, tensor, layer): value
