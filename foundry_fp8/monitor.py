@@ -47,6 +47,7 @@ from foundry_fp8.health import (
     HealthTracker,
     Thresholds,
     WhatIf,
+    badness,
     direction,
     layer_key,
     render_table,
@@ -100,9 +101,9 @@ _SAME_WEIGHT_RTOL = 1e-9
 #: tensor's first sighting in the step, at least 1 where a later sighting held any
 #: (`nonfinite_seen`: one cheap read, not a count).
 _NONFINITE = slice(SUFFICIENT_INDEX["nan_count"], SUFFICIENT_INDEX["inf_count"] + 1)
-#: New NaN/Inf flags at one logging step up to which each gets its own warning; beyond, one
-#: warning names them all (a diverging run holds NaN in every layer at once: an MPT-1B's 288
-#: layer tensors would be 288 warnings).
+#: New flags of one rule at one logging step up to which each gets its own warning; beyond, one
+#: warning per rule names them all (a diverging run breaks a rule in every layer at once: an
+#: MPT-1B's 288 layer tensors would be 288 warnings, burying the first cause). NaN/Inf first.
 NONFINITE_EACH = 3
 #: The layer tensors that one warning names, at most (the per-layer series hold the rest).
 NONFINITE_NAMED = 12
@@ -347,6 +348,28 @@ def nonfinite_message(flags: Collection[Flag]) -> str:
     cause = next(iter(flags)).cause
     return (f"FP8 NaN/Inf at step {step} in {len(flags)} layer tensors, before any FP8 cast: "
             f"{named}. Likely cause: {cause}. Change: {changes}")
+
+
+def grouped_message(flags: list[Flag], first: str, whatif: Collection[tuple[str, str]],
+                    changes: Collection[str]) -> str:
+    """One warning for the new flags of one threshold rule at one logging step (more than
+    `NONFINITE_EACH`): `first`, the own warning of the tensor cast first (`cast_order`: where the
+    fault began), then the others with their readings (`whatif`: rows whose numbers are
+    what-if), the worst of them and `changes`, what the others' own warnings would name beyond
+    `first`'s."""
+    def row(flag: Flag) -> str:
+        what = " (what-if)" if (flag.layer, flag.tensor) in whatif else ""
+        return f"'{flag.layer}' {flag.tensor}{what}: {flag.reading}"
+
+    rest = flags[1:]
+    named = "; ".join(row(flag) for flag in rest[:NONFINITE_NAMED])
+    if len(rest) > NONFINITE_NAMED:
+        named += f"; and {len(rest) - NONFINITE_NAMED} more (their fp8_{flags[0].stat}/ series)"
+    worst = max(flags, key=lambda flag: badness(flag.stat, flag.value))
+    more = f" Other changes they name: {'; '.join(changes)}" if changes else ""
+    return (f"FP8 {flags[0].rule} at step {flags[0].step} in {len(flags)} layer tensors at once, "
+            f"one warning for all; worst {row(worst)}. First cast: {first}. Also: {named}."
+            + more)
 
 
 def multi_rank() -> bool:
@@ -745,7 +768,8 @@ class FP8Monitor:
 
     def finish_step(self, fallbacks: Collection[str] = ()) -> dict[str, float]:
         """Remove hooks; on a logging step, pool the statistics over ranks and return the
-        step's series (`health.keys` layout), warning once per layer, tensor and rule flagged.
+        step's series (`health.keys` layout), warning once per layer, tensor and rule flagged
+        (one warning per rule where more than `NONFINITE_EACH` are new at once).
         `fallbacks`: layers (names as in the keys) a guard ran in high precision in this step;
         their what-if rows stay out of the summary series (`summary_metrics`' `left_out`).
         Raises FP8MonitorError when the monitor failed on any rank: in a single
@@ -851,7 +875,8 @@ class FP8Monitor:
     def _metrics(self, step: _Step, host: list[float], fallbacks: Collection[str],
                  ) -> dict[str, float]:
         """Per-layer and summary series (`health.keys` layout); warns once per layer, tensor
-        and rule that the health rules flag."""
+        and rule that the health rules flag, in one warning per rule where more than
+        `NONFINITE_EACH` are new at once (`grouped_message`, `nonfinite_message`)."""
         n, width = len(self.rows), len(STAT_KEYS)
         table: dict[tuple[str, str], dict[str, float]] = {}
         for i, (layer, tensor) in enumerate(self.rows):
@@ -889,19 +914,34 @@ class FP8Monitor:
         in_fp8 = {(self.short[self.rows[i][0]], self.rows[i][1]) for i in step.whatif
                   if step.modes.get(self.rows[i][0]) is not None}
         recipe = f"fp8_stats' recipe ({self.config.recipe.scaling} scaling)"
-        new = [(key, flag) for key, found in flags.items() for flag in found if flag.new]
-        nonfinite = cast_order([flag for _, flag in new if flag.rule == "nonfinite"],
-                               [self.short[layer] for layer in self.layers],
-                               list(dict.fromkeys(tensor for _, tensor in self.rows)))
-        if len(nonfinite) > NONFINITE_EACH:
-            self.on_warning(nonfinite_message(nonfinite))
-        for key, flag in new:
-            if len(nonfinite) > NONFINITE_EACH and flag.rule == "nonfinite":
-                continue
+        def message(flag: Flag) -> str:
+            key = (flag.layer, flag.tensor)
             runs: WhatIf = ("fallback" if key in self.fallback_rows else
                             "fp8" if key in in_fp8 else "high")
-            self.on_warning(flag.whatif_message(recipe, runs)
-                            if key in self.whatif_rows else flag.message)
+            return flag.whatif_message(recipe, runs) if key in self.whatif_rows else flag.message
+
+        by_rule: dict[str, list[Flag]] = {}
+        for found in flags.values():
+            for flag in found:
+                if flag.new:
+                    by_rule.setdefault(flag.rule, []).append(flag)
+        layers = [self.short[layer] for layer in self.layers]
+        tensors = list(dict.fromkeys(tensor for _, tensor in self.rows))
+        for rule, fresh in sorted(by_rule.items(), key=lambda item: item[0] != "nonfinite"):
+            if len(fresh) <= NONFINITE_EACH:
+                for flag in fresh:
+                    self.on_warning(message(flag))
+                continue
+            ordered = cast_order(fresh, layers, tensors)
+            if rule == "nonfinite":
+                self.on_warning(nonfinite_message(ordered))
+                continue
+            said = {(flag.layer, flag.tensor): flag.yaml_key for flag in ordered
+                    if (flag.layer, flag.tensor) not in self.fallback_rows}  # with a change
+            first = said.get((ordered[0].layer, ordered[0].tensor))
+            changes = [change for change in dict.fromkeys(said.values()) if change != first]
+            self.on_warning(grouped_message(ordered, message(ordered[0]), self.whatif_rows,
+                                            changes))
         metrics = {layer_key(stat, tensor, layer): value
                    for (layer, tensor), stats in table.items() for stat, value in stats.items()}
         # the uncast rows' tensors keep their summary series (worst values of the cast rows)

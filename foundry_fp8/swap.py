@@ -150,8 +150,9 @@ class Decision:
 
     @property
     def in_fp8(self) -> bool:
-        """Whether this module's GEMMs run in FP8 once the plan is applied."""
-        return self.convert or self.already_fp8
+        """Whether this module's GEMMs run in FP8 once the plan is applied: a LayerNorm has
+        none (te.LayerNorm is a fused kernel in high precision), converted or not."""
+        return (self.convert or self.already_fp8) and self.kind != "layernorm"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import operator
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
 from foundry_fp8.jsonl import (
+    STEP_RANGE,
     JsonlSink,
     claim_numbered,
     lock_writer,
@@ -26,6 +28,7 @@ from foundry_fp8.jsonl import (
     unlock_writer,
     write_atomically,
 )
+from foundry_fp8.jsonl import step as logged_step
 from foundry_fp8.options import build
 from foundry_fp8.paths import in_run_folder, run_folder, safe_run_name, say_repeated
 
@@ -99,6 +102,8 @@ class JSONLLogger(LoggerDestination):
         self._hparams: Path | None = None  # hparams.json, or hparams.<n>.json beside metrics.<n>
         self._lock: tuple[int, int] | None = None  # `jsonl.lock_writer`'s key while held
         self._run_name = ""
+        self._state: State | None = None  # the step of a record logged without one
+        self._said_bad_step = False  # a record dropped for its step is said once
         self._between_fits = False  # FIT_END gave the lock back: take it again to write
         self._said_no_locks = False  # the "takes no locks" line is said once
         # a full disk (`PASSING`): the records not written yet, their JSON's size, the steps of
@@ -117,7 +122,7 @@ class JSONLLogger(LoggerDestination):
             return
         say_repeated(self.path_template, folder, state.run_name, "loggers.jsonl.path")
         sink = self.sink = JsonlSink(self.path)
-        self._run_name = state.run_name
+        self._run_name, self._state = state.run_name, state
         self._between_fits = False  # a logger used again in a new Trainer: held from here
         self._hparams = self.path.with_name("hparams.json")
         # now, not at the first metric: say so before training
@@ -232,11 +237,30 @@ class JSONLLogger(LoggerDestination):
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.sink is not None and not self.stopped:
-            sink, at = self.sink, step if step is not None else -1
+            sink, at = self.sink, self._step(step)
+            if at is None:
+                return
             behind = self._held or self._hparams_behind
             self._guard(lambda: self._locked(
                 lambda: self._catch_up(sink, (at, metrics)) if behind
                 else self._write(sink, at, metrics)), sink.path, (at, metrics))
+
+    def _step(self, step: Any) -> int | None:
+        """The step a record is written at: None means the current batch, as Composer's own
+        Logger.log_metrics fills it in (composer/loggers/logger.py); None where the reader
+        (`jsonl.step`) would refuse the file for it, the record dropped and said once."""
+        if step is None and self._state is not None:
+            return int(self._state.timestamp.batch)
+        try:
+            at = logged_step(operator.index(step))
+        except TypeError:
+            at = None
+        if at is None and not self._said_bad_step:
+            self._said_bad_step = True
+            log.warning("jsonl logger: a record at step %r not written to %s: its steps are %s "
+                        "(its reader refuses the file otherwise); later such records are dropped "
+                        "too, unsaid", step, self.sink and self.sink.path, STEP_RANGE)
+        return at
 
     def _hold(self, step: int, metrics: dict[str, Any]) -> None:
         """Keep a record the full disk refused, to write when it can (`HELD_BYTES` at most)."""
