@@ -250,6 +250,9 @@ class CastMode:
     # the recipe's `margin`: delayed scaling divides the scale by 2**margin (TE 2.18
     # common/recipe/__init__.py:247), so the persistent-overflow advice raises it by one
     margin: int = 0
+    # how many past amaxes the delayed scale is taken from (`DelayedRecipe.history_len`: 1 under
+    # most_recent), which the stale-scale advice names; None where not known
+    history_len: int | None = None
 
     def fmt(self, direction: str) -> str:
         return self.backward_fmt if direction == "backward" else self.forward_fmt
@@ -268,8 +271,12 @@ def _te_cast_mode() -> CastMode | None:
     # linear.py:1967 at main d0067d0) and then runs its backward with `fp8 = False`: no dY cast
     # (module/base.py:1313 at v2.15, `use_fp8_bwd`); an older TE's recipe has no such field
     recipe = probe.active_recipe()
+    algo = getattr(recipe, "amax_compute_algo", None)  # TE's may be a callable: not known
+    history = getattr(recipe, "amax_history_len", None)
     return CastMode(*formats, backward_override=getattr(recipe, "backward_override", None),
-                    margin=int(getattr(recipe, "margin", 0)))
+                    margin=int(getattr(recipe, "margin", 0)),
+                    history_len=1 if algo == "most_recent" else
+                    history if algo == "max" and isinstance(history, int) else None)
 
 
 def cast_mode(module: nn.Module) -> CastMode | None:
@@ -284,7 +291,7 @@ def cast_mode(module: nn.Module) -> CastMode | None:
             override = None
         return CastMode(recipe.scaling == "delayed", recipe.format_for("forward"),
                         recipe.format_for("backward"), recipe.use_power_2_scales, override,
-                        recipe.margin)
+                        recipe.margin, DelayedRecipe.of(recipe).history_len)
     return _te_cast_mode() if probe.te_class_name(module) is not None else None
 
 
@@ -898,9 +905,12 @@ class FP8Monitor:
         self.whatif_rows &= table.keys()
         # the margin the delayed FP8 layers cast with (their recipe's: te_swap's), which the
         # persistent-overflow advice raises by one; kept from the last step that had such layers
-        if margins := {mode.margin for mode in step.modes.values()
-                       if mode is not None and mode.delayed}:
-            self.tracker.margin = max(margins)
+        if delayed := [mode for mode in step.modes.values() if mode is not None and mode.delayed]:
+            self.tracker.margin = max(mode.margin for mode in delayed)
+            # and the amaxes their scale is taken from, which the stale-scale advice names (one
+            # layer's `max` history among `most_recent` ones keeps the history advice)
+            lengths = {mode.history_len for mode in delayed}
+            self.tracker.history_len = None if None in lengths else max(lengths)
         flags = self.tracker.update(step.step or 0, judged, self.whatif_rows - self.uncast_rows)
         self.table, self.judged, self.flags = table, judged, flags
         self.formats = {key: fmt.upper() for i, fmt in step.formats.items()

@@ -9,6 +9,7 @@ history 1); the cause is the previous step's amax, and current scaling the chang
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -31,28 +32,18 @@ def test_a_most_recent_run_s_stale_scale_is_told_current_scaling(tmp_path, tiny_
     from foundry_fp8.fault import InjectOutlier
 
     callbacks.register("inject_outlier", func=InjectOutlier)
-    run_tiny(
-        tmp_path,
-        tiny_data,
-        {
-            "max_duration": "8ba",
-            "eval_interval": "8ba",
-            "save_interval": "8ba",
-            "algorithms": {
-                "te_swap": {
-                    "fp8_recipe": {"amax_history_len": 1024, "amax_compute_algo": "most_recent"}
-                }
-            },
-            "callbacks": {
-                "fp8_stats": {
-                    "interval": "1ba",
-                    "layers": r"blocks\.1\.attn\.out_proj",
-                    "tensors": ["activation"],
-                },
-                "inject_outlier": {"layer": LAYER, "start": 3, "stop": 6},
-            },
-        },
-    )
+    live: list[str] = []  # fp8_stats' live warnings, which judge the same flags
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: live.append(record.getMessage())
+    logger = logging.getLogger("foundry_fp8.composer.stats")
+    logger.addHandler(handler)
+    try:
+        _run_most_recent(tmp_path, tiny_data)
+    finally:
+        logger.removeHandler(handler)
+    [warned] = [line for line in live if "underflow" in line and "scale / current_scale" in line]
+    assert "previous step's amax" in warned and "scaling: current" in warned, warned
+    assert "amax_history_len (shorter" not in warned, warned
     folder = run_folder(tmp_path)
     logged = {
         r["step"]: r["metrics"]
@@ -80,6 +71,32 @@ def test_a_most_recent_run_s_stale_scale_is_told_current_scaling(tmp_path, tiny_
     for text in (said, row):
         assert "previous step's amax" in text and "scaling: current" in text, text
         assert "amax_history_len (shorter" not in text, text
+
+
+def _run_most_recent(tmp_path, tiny_data) -> None:
+    """The tiny MPT under most_recent with outliers in LAYER's input at steps 3-5."""
+    run_tiny(
+        tmp_path,
+        tiny_data,
+        {
+            "max_duration": "8ba",
+            "eval_interval": "8ba",
+            "save_interval": "8ba",
+            "algorithms": {
+                "te_swap": {
+                    "fp8_recipe": {"amax_history_len": 1024, "amax_compute_algo": "most_recent"}
+                }
+            },
+            "callbacks": {
+                "fp8_stats": {
+                    "interval": "1ba",
+                    "layers": r"blocks\.1\.attn\.out_proj",
+                    "tensors": ["activation"],
+                },
+                "inject_outlier": {"layer": LAYER, "start": 3, "stop": 6},
+            },
+        },
+    )
 
 
 @pytest.mark.parametrize(

@@ -345,7 +345,7 @@ def _eval_in_high_precision(model: nn.Module, plan: SwapPlan) -> list[Any]:
 
     handles: list[Any] = []
     for decision in plan.decisions:
-        if not decision.in_fp8 or decision.kind == "layernorm":  # te.LayerNorm: not FP8
+        if not decision.in_fp8:  # te.LayerNorm too: no GEMM, not FP8
             continue
         module = model.get_submodule(decision.name)
         if probe.te_class_name(module) is None:
