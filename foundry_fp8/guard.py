@@ -4,7 +4,9 @@ logging step, within what budget, and what to write in the YAML next time.
 The judgement is the health package's (`HealthTracker`: the same rules as `fp8_stats`' advice
 and `foundry-fp8 report`), applied to each logging step on its own with the guard's thresholds;
 an FP8 layer falls back once one of its tensors has been bad (the tracker's `streak`) at
-`consecutive` logging steps in a row, so a single amax spike does not move a layer. A layer with
+`consecutive` logging steps in a row, so a single amax spike does not move a layer; nor does a
+stale scale (`underflow_stale`: an old spike in the amax history) that lasts no longer than
+that history, which rolls the spike out by itself (`GuardCore._transient`). A layer with
 NaN/Inf in any of its high-precision tensors is not judged at that logging step
 (`nonfinite_rows`): no FP8 cast made them, so no fallback fixes them; the other layers are judged
 as usual (one inf weight that FP8's saturating cast lets training run with would otherwise blind
