@@ -4,7 +4,9 @@ logging step, within what budget, and what to write in the YAML next time.
 The judgement is the health package's (`HealthTracker`: the same rules as `fp8_stats`' advice
 and `foundry-fp8 report`), applied to each logging step on its own with the guard's thresholds;
 an FP8 layer falls back once one of its tensors has been bad (the tracker's `streak`) at
-`consecutive` logging steps in a row, so a single amax spike does not move a layer. A layer with
+`consecutive` logging steps in a row, so a single amax spike does not move a layer; nor does a
+stale scale (`underflow_stale`: an old spike in the amax history) that lasts no longer than
+that history, which rolls the spike out by itself (`GuardCore._transient`). A layer with
 NaN/Inf in any of its high-precision tensors is not judged at that logging step
 (`nonfinite_rows`): no FP8 cast made them, so no fallback fixes them; the other layers are judged
 as usual (one inf weight that FP8's saturating cast lets training run with would otherwise blind
@@ -309,6 +311,11 @@ class GuardCore:
         # follow te_swap's counts and the run's recipe, as fp8_stats' own advice does
         self.blocks = frozenset(blocks)
         self.margin = 0
+        # and the longest amax history they scale from (`CastMode.history_len`; None: not
+        # known): a stale-scale underflow lasting no longer than it moves no layer
+        self.history_len: int | None = None
+        # the first step of each tensor's current run of stale-scale-only flags
+        self._stale_since: dict[tuple[str, str], int] = {}
         self.flops = dict(flops)
         self.initial_share = sum(self.flops.values())
         self.fallbacks: dict[str, Fallback] = {}
@@ -367,7 +374,9 @@ class GuardCore:
         judged logging steps before it (with one-step rules, flagged = bad: the tracker's
         streak). A layer with NaN/Inf in any row (`nonfinite`) is not judged at this step: its
         streaks neither grow nor reset, as at delayed scaling's first cast, and the rule that
-        flags NaN/Inf never moves a layer; the other layers are judged."""
+        flags NaN/Inf never moves a layer; the other layers are judged. A tensor flagged only
+        for a stale scale (`underflow_stale`) moves its layer only once that has lasted longer
+        than the amax history (`_transient`)."""
         self.nonfinite = nonfinite_rows(table)
         blind = {layer for layer, _ in self.nonfinite}
         judged = {key: dict(stats) for key, stats in table.items()
@@ -380,16 +389,42 @@ class GuardCore:
         keep = max(self.config.consecutive, 2, self.config.repromote_after or 0)
         if self._recent and step < self._recent[-1][0]:  # the steps restarted
             self._before_reset.update(self.fallbacks)
+            self._stale_since.clear()  # its runs are counted again from here
         if judged or fallen:
             self._recent = _last_rows([*self._recent, (step, judged, fallen)], keep)
         self._whatif.update(step, fallen)
-        self._tracker.margin = self.margin
-        raised = self._tracker.update(step, judged)
+        self._tracker.margin, self._tracker.history_len = self.margin, self.history_len
+        raised = self._judge_fp8(step, judged)
         self._flags = {}
         for (layer, _), flags in raised.items():
             self._flags.setdefault(layer, []).extend(flags)
-        return sorted({layer for layer, tensor in raised
-                       if self._tracker.streak(layer, tensor) >= self.config.consecutive})
+        return sorted({layer for (layer, tensor), flags in raised.items()
+                       if self._tracker.streak(layer, tensor) >= self.config.consecutive
+                       and not self._transient(step, (layer, tensor))})
+
+    def _judge_fp8(self, step: int, judged: Table) -> dict[tuple[str, str], list[Flag]]:
+        """The tracker's flags of the layers in FP8 at this step, noting each tensor's run of
+        stale-scale-only flags (`_transient`)."""
+        raised = self._tracker.update(step, judged)
+        for key in judged:
+            if {flag.rule for flag in raised.get(key, ())} == {"underflow_stale"}:
+                self._stale_since.setdefault(key, step)
+            else:
+                self._stale_since.pop(key, None)
+        return raised
+
+    def _transient(self, step: int, key: tuple[str, str]) -> bool:
+        """Whether this tensor's flag at `step` is a stale scale that delayed scaling's own
+        amax history may still fix: every flag of its run of stale-scale-only steps within
+        `history_len` steps of the first. The spike that left the scale stale came at or
+        before that first step, and a delayed scale is taken from the last `history_len`
+        amaxes, so after them the spike is gone (TE 2.x pytorch/quantization.py, the amax
+        history's roll); a stale scale lasting longer has fresh spikes behind it, an amax that
+        swings past FP8's range within the window: a range problem the guard moves. Unknown
+        history (None): not transient, as before."""
+        since = self._stale_since.get(key)
+        return since is not None and self.history_len is not None \
+            and step - since <= self.history_len
 
     def ready(self, step: int, table: Table) -> list[str]:
         """Layers in fallback whose every what-if tensor in `table` (this step's) has been
@@ -444,6 +479,8 @@ class GuardCore:
 
     def _forget(self, layer: str) -> None:
         self._before_reset.discard(layer)
+        for key in [k for k in self._stale_since if k[0] == layer]:
+            del self._stale_since[key]
         self._tracker.forget(layer)
         self._whatif.forget(layer)
 
@@ -552,6 +589,9 @@ class GuardCore:
             "warned": sorted(self.warned),
             "before_reset": sorted(self._before_reset),
             "retired": sorted(self._retired),
+            # the runs' first steps may be older than the kept rows
+            "stale_since": [[layer, tensor, step]
+                            for (layer, tensor), step in sorted(self._stale_since.items())],
             # `repromote` drops a layer's rows up to its re-promotion: nothing to forget on load
             REPROMOTED_ROWS_DROPPED: True,
         }
@@ -575,17 +615,21 @@ class GuardCore:
         self._tracker = self._judge()
         self._whatif = HealthTracker(thresholds(self.config), keep_flags=False)
         self._recent = []
+        self._stale_since = {}
         dropped = bool(state.get(REPROMOTED_ROWS_DROPPED))
         for step, judged, *fallen in state.get("recent", ()):
             tables = [{(layer, tensor): dict(stats) for layer, tensor, stats in rows}
                       for rows in (judged, *fallen[:1])]
             self._recent.append((step, tables[0], tables[1] if len(tables) > 1 else {}))
             self._whatif.update(step, self._recent[-1][2])
-            self._tracker.update(step, tables[0])
+            self._judge_fp8(step, tables[0])
             for repromoted in () if dropped else self.repromotions:
                 if repromoted.step == step:
                     self._forget(repromoted.layer)
         self._before_reset = set(_texts(state.get("before_reset", ()))) & self.fallbacks.keys()
+        if "stale_since" in state:  # else (an earlier version's) as the replayed rows give them
+            self._stale_since = {(_text(layer), _text(tensor)): _integer(step)
+                                 for layer, tensor, step in state["stale_since"]}
 
 
 def exclude_regex(layers: Iterable[str], existing: str | None = None) -> str:

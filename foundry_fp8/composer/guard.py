@@ -455,8 +455,10 @@ class FP8Guard(Callback):
                 if self._stats is not None and self._stats.monitor is not None:
                     # the margin the delayed FP8 layers cast with at this step (fp8_stats reads
                     # it from their recipe: `CastMode.margin`), which the persistent-overflow
-                    # reason raises by one
-                    core.margin = self._stats.monitor.tracker.margin
+                    # reason raises by one, and their amax history, which a stale scale
+                    # outlasts before it moves a layer
+                    tracker = self._stats.monitor.tracker
+                    core.margin, core.history_len = tracker.margin, tracker.history_len
                 table = {(short_layer(layer), tensor): stats
                          for (layer, tensor), stats in table.items()}
                 mine = core.candidates(step, table)
