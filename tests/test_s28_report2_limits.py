@@ -65,3 +65,29 @@ def test_one_limit_out_of_range_is_refused_alone_and_said(tiny_run, tmp_path, ca
     assert ("Thresholds from the run's fp8_stats settings (hparams.json; its max_overflow_pct "
             "out of range: the default): underflow > 5 %, cos_sim < 0.999, any NaN/Inf, at once; "
             "overflow > 0.01 % with") in md
+
+
+def test_a_flagged_value_never_prints_as_its_limit(tiny_run, tmp_path, capsys):
+    """min_cos_sim set to a gradient's worst cos_sim rounded up at 4 digits (0.99858 -> 0.9986,
+    as a user copies a number off the table): the report printed "cos_sim 0.9986 (< 0.9986)".
+    Each flag's value now prints with the fewest digits (4 or more) that put it below the limit,
+    the JSONL's value at the flag's step rounded so, in the terminal and fp8_report.md."""
+    logged = cos_sims(tiny_run)
+    worst = [min(v for step, v in by_step.items() if step > 0)
+             for (_, tensor), by_step in logged.items() if tensor == "gradient"]
+    limit = min(float(f"{v:.4g}") for v in worst if float(f"{v:.4g}") > v)
+    folder = copy_with(tiny_run, tmp_path / "edited", min_cos_sim=limit)
+    assert main(["report", str(folder)]) == 0
+    out = capsys.readouterr().out
+    md = (folder / "fp8_report.md").read_text()
+    said = re.findall(r"[`'](\S+)[`'] gradient: cos_sim (\S+) at step (\d+) \(< (\S+);", out)
+    said += re.findall(r"\| (\S+) \| gradient \| cos_sim \| (\S+) \(step (\d+)\) \|()", md)
+    assert len(said) == 2 * int(re.findall(r"\n(\d+) flagged\n", out)[0]) > 0
+    rounded_up = 0
+    for layer, shown, step, printed_limit in said:
+        assert printed_limit in ("", f"{limit:g}")
+        value = logged[layer, "gradient"][int(step)]
+        digits = next(n for n in range(4, 18) if float(f"{value:.{n}g}") < limit)
+        assert shown == f"{value:.{digits}g}" and float(shown) < limit
+        rounded_up += f"{value:.4g}" == f"{limit:g}"
+    assert rounded_up  # values 4 digits print as the limit: they read as wrong flags before

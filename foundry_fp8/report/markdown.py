@@ -108,8 +108,17 @@ def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
     return sorted(found, key=lambda f: (-f.steps / f.logged, f.first_step))
 
 
-def fmt(stat: str, value: float) -> str:
-    return f"{number(value)} %" if stat.endswith("_pct") else number(value)
+#: The number a flag's rule in words compares its value with: `> 5 %`, `< 0.99`, `> 0.01 % with
+#: scale_ratio ...`, `rising 3 logging steps in a row, to > 1 %` (none in the NaN/Inf rule's).
+LIMIT_NUMBER = regex.compile(r"[<>]=? (-?\d+(?:\.\d*)?(?:e[+-]?\d+)?)")
+
+
+def fmt(stat: str, value: float, limit: str | None = None) -> str:
+    """`value` as the report prints it; beside a flag's `limit` (its rule in words), with the
+    digits that tell it from the limit (`number`)."""
+    match = LIMIT_NUMBER.search(limit or "")
+    shown = number(value, float(match[1]) if match else None)
+    return f"{shown} %" if stat.endswith("_pct") else shown
 
 
 def grouped(found: list[Finding], fallen: Collection[str]) -> list[list[Finding]]:
@@ -189,10 +198,9 @@ def layers_named(group: list[Finding], every: Collection[str], names: dict[str, 
 def values_said(group: list[Finding]) -> str:
     """A row's worst value, or the range of its layers' worst values (`12 to 340`)."""
     stat = group[0].worst.stat
-    ranked = sorted((f.worst.value for f in group), key=lambda v: badness(stat, v))
-    if ranked[0] == ranked[-1]:
-        return fmt(stat, ranked[0])
-    return f"{fmt(stat, ranked[0])} to {fmt(stat, ranked[-1])}"
+    ranked = sorted((f.worst for f in group), key=lambda w: badness(stat, w.value))
+    low, high = (fmt(stat, w.value, w.limit) for w in (ranked[0], ranked[-1]))
+    return low if ranked[0].value == ranked[-1].value else f"{low} to {high}"
 
 
 #: Flags of the first flagged step the headline names (the rest are counted).
@@ -224,7 +232,8 @@ def first_flagged(run: RunMetrics, flags: list[Flag], names: dict[str, str],
         whatif = " what-if" if (f.layer, f.tensor, f.step) in run.high_precision else ""
         return (f"{label} {md_escape(kind) if markdown else kind}{whatif} "
                 f"{md_escape(bounded(f.stat)) if markdown else bounded(f.stat)} "
-                f"{fmt(f.stat, f.value)} ({md_escape(f.limit) if markdown else f.limit}; likely cause: "
+                f"{fmt(f.stat, f.value, f.limit)} ({md_escape(f.limit) if markdown else f.limit}; "
+                f"likely cause: "
                 f"{md_escape(f.cause) if markdown else f.cause})")
 
     def dumped(f: Flag, path: Path) -> str:
