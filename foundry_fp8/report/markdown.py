@@ -423,19 +423,29 @@ def unrecorded_fallbacks(guard: GuardRun | None) -> str | None:
             "layers, and why) are missing from hparams.json.")
 
 
+#: Introduces `refused`'s YAML where the budget refused several layers.
+REFUSED_TOGETHER = ("To exclude them in te_swap at once (te_swap reads one exclude, so typed in "
+                    "turn they keep the last one only; the run's own exclude kept): ")
+
+
 def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = False) -> list[str]:
     """One line per layer fp8_guard wanted to move but its budget kept in FP8 (its record
     `guard.REFUSED_PREFIX` + layer): the run's warning alone left the report saying nothing
-    failed. `names`: each layer's label."""
-    if guard is None:
+    failed. `names`: each layer's label. Several such layers get one exclude for them all, last:
+    te_swap reads one regex, so one per layer typed in turn kept the last only."""
+    if guard is None or not guard.refusals:
         return []
-    return [f"fp8_guard wanted to move {md_escape(label) if markdown else label} at step {r.step} "
-            f"but the budget refused it (share {100 * r.fallback_share:.1f} % > "
-            f"max_fallback_share {100 * r.max_fallback_share:g} %): raise "
-            f"{OPTION}.max_fallback_share or exclude it in te_swap: "
-            f"{md_code(yaml) if markdown else yaml}"
-            for r in guard.refusals
-            for label, yaml in [(names.get(r.layer, r.layer), static_yaml([r.layer], guard.exclude))]]
+    yaml = static_yaml([r.layer for r in guard.refusals], guard.exclude)
+    yaml = md_code(yaml) if markdown else yaml
+    one = len(guard.refusals) == 1
+    lines = [f"fp8_guard wanted to move {md_escape(label) if markdown else label} at step "
+             f"{r.step} but the budget refused it (share {100 * r.fallback_share:.1f} % > "
+             f"max_fallback_share {100 * r.max_fallback_share:g} %): raise "
+             f"{OPTION}.max_fallback_share or exclude it in te_swap" + (f": {yaml}" if one else "")
+             for r in guard.refusals
+             for label in [names.get(r.layer, r.layer)]]
+    return lines if one else [*lines, (md_escape(REFUSED_TOGETHER) if markdown
+                                       else REFUSED_TOGETHER) + yaml]
 
 
 def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | None = None
