@@ -610,7 +610,7 @@ def report_one(args: argparse.Namespace, run_folder: Path,
             f"{names[layer]} {span}" for layer, span in fallen.items()) + "." + after)
     elif unrecorded := unrecorded_fallbacks(guard):
         print(unrecorded)
-    for line in refused(guard, names):
+    for line in refused(guard, names, held=held):
         print(line)
     print(f"plots ({len(written) - 1} PNGs) in {written[0].parent}:")
     for path in written[:-1]:

@@ -425,27 +425,34 @@ def unrecorded_fallbacks(guard: GuardRun | None) -> str | None:
 
 #: Introduces `refused`'s YAML where the budget refused several layers.
 REFUSED_TOGETHER = ("To exclude them in te_swap at once (te_swap reads one exclude, so typed in "
-                    "turn they keep the last one only; the run's own exclude kept): ")
+                    "turn they keep the last one only; the run's own exclude kept")
+#: Said of `refused`'s YAML where it holds fp8_guard's layers in fallback at the end too.
+REFUSED_HELD = (", with the layers fp8_guard held in high precision at the end, whose YAML it "
+                "replaces")
 
 
-def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = False) -> list[str]:
+def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = False,
+            held: Collection[str] = ()) -> list[str]:
     """One line per layer fp8_guard wanted to move but its budget kept in FP8 (its record
     `guard.REFUSED_PREFIX` + layer): the run's warning alone left the report saying nothing
-    failed. `names`: each layer's label. Several such layers get one exclude for them all, last:
-    te_swap reads one regex, so one per layer typed in turn kept the last only."""
+    failed. `names`: each layer's label. One exclude for them all and the layers in fallback at
+    the end (`held`, `to_exclude`), last: te_swap reads one regex, so one per layer, or one
+    beside the fp8_guard's static YAML, typed in turn kept the last only."""
     if guard is None or not guard.refusals:
         return []
-    yaml = static_yaml([r.layer for r in guard.refusals], guard.exclude)
+    yaml = static_yaml([*(r.layer for r in guard.refusals), *held], guard.exclude)
     yaml = md_code(yaml) if markdown else yaml
     one = len(guard.refusals) == 1
+    also = f" ({REFUSED_HELD.removeprefix(', ')})" if held else ""
     lines = [f"fp8_guard wanted to move {md_escape(label) if markdown else label} at step "
              f"{r.step} but the budget refused it (share {100 * r.fallback_share:.1f} % > "
              f"max_fallback_share {100 * r.max_fallback_share:g} %): raise "
-             f"{OPTION}.max_fallback_share or exclude it in te_swap" + (f": {yaml}" if one else "")
+             f"{OPTION}.max_fallback_share or exclude it in te_swap"
+             + (f"{also}: {yaml}" if one else "")
              for r in guard.refusals
              for label in [names.get(r.layer, r.layer)]]
-    return lines if one else [*lines, (md_escape(REFUSED_TOGETHER) if markdown
-                                       else REFUSED_TOGETHER) + yaml]
+    intro = f"{REFUSED_TOGETHER}{REFUSED_HELD if held else ''}): "
+    return lines if one else [*lines, (md_escape(intro) if markdown else intro) + yaml]
 
 
 def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | None = None
@@ -458,7 +465,9 @@ def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | No
     shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
               f"% at the first logging step, {100 * share[1]:.1f} % at the last."
               if share else "")
-    refusals = [line for r in refused(guard, names, markdown=True) for line in ("", r)]
+    held = to_exclude(guard, filters_of(swap))
+    refusals = [line for r in refused(guard, names, markdown=True, held=held)
+                for line in ("", r)]
     unrecorded = unrecorded_fallbacks(guard)
     if unrecorded:
         return [*lines, unrecorded + shares, *refusals]
