@@ -105,9 +105,18 @@ def short_names(names: Iterable[str], prefix: str = "", limit: int = LABEL_CHARS
     return distinct_labels(names, lambda name: one_line(name.removeprefix(prefix)), limit)
 
 
-def number(value: float) -> str:
-    """A short number; never raises (NaN, inf and 1e308 print as such)."""
-    return f"{value:.4g}"
+def number(value: float, limit: float | None = None) -> str:
+    """A short number (4 significant digits); never raises (NaN, inf and 1e308 print as such).
+    Beside a `limit` it is flagged against, the fewest digits more that keep it printed on its
+    side of the limit and not as it: 0.99966 against 0.9997 printed "0.9997 (< 0.9997)", read
+    as a wrong flag."""
+    for digits in range(4, 18):  # 17 digits print any float64 exactly
+        text = f"{value:.{digits}g}"
+        shown = float(text)
+        if limit is None or value == limit or ((shown < limit) == (value < limit)
+                                               and shown != limit):
+            break
+    return text
 
 
 #: How the table marks a row all of whose worst values are what-if ones (`render_table`'s `cells`).

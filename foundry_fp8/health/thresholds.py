@@ -11,7 +11,9 @@ logging steps, unless the amax jumped (`spike_ratio`); underflow, cosine and NaN
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,18 +32,22 @@ class Thresholds:
     source: str = "fp8_stats defaults"
 
     def __post_init__(self) -> None:
-        checks = {
-            "max_underflow_pct": 0 <= self.max_underflow_pct <= 100,
-            "max_overflow_pct": 0 <= self.max_overflow_pct <= 100,
-            "min_cos_sim": -1 <= self.min_cos_sim <= 1,
-            "persist_steps": isinstance(self.persist_steps, int) and self.persist_steps >= 1,
-            "clip_ratio": self.clip_ratio >= 1,
-            "spike_ratio": self.spike_ratio > 1,
-            "stale_ratio": 0 < self.stale_ratio < 1,
-        }
-        for name, ok in checks.items():
-            if not ok:
+        for name, (ok, _) in RANGES.items():
+            if not ok(getattr(self, name)):
                 raise ValueError(f"{name}: {getattr(self, name)!r} is out of range")
+
+
+#: Each limit's valid values, and them in words: the report refuses a run's value outside them
+#: by name, keeping its other limits.
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_underflow_pct": (lambda v: 0 <= v <= 100, "0 to 100"),
+    "max_overflow_pct": (lambda v: 0 <= v <= 100, "0 to 100"),
+    "min_cos_sim": (lambda v: -1 <= v <= 1, "-1 to 1"),
+    "persist_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer of at least 1"),
+    "clip_ratio": (lambda v: v >= 1, "at least 1"),
+    "spike_ratio": (lambda v: v > 1, "above 1"),
+    "stale_ratio": (lambda v: 0 < v < 1, "between 0 and 1"),
+}
 
 
 DEFAULT_THRESHOLDS = Thresholds()

@@ -371,7 +371,7 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     run, series, hparams = loaded.run, loaded.series, loaded.hparams
     hparams_file, folder = loaded.hparams_file, loaded.folder
     matching = None if layers is None else set(layers_matching(run, layers)).__contains__
-    thresholds = thresholds_from_hparams(hparams or {}, loaded.hparams_from)
+    thresholds = thresholds_from_hparams(hparams or {}, loaded.hparams_from, warn, hparams_file)
     formats = formats_from_hparams(hparams or {}, run.tensors)
     guard = guard_run(series, hparams, hparams_file, warn, run.later_attempt)
     mark_high_precision(run, guard)
@@ -610,7 +610,7 @@ def report_one(args: argparse.Namespace, run_folder: Path,
             f"{names[layer]} {span}" for layer, span in fallen.items()) + "." + after)
     elif unrecorded := unrecorded_fallbacks(guard):
         print(unrecorded)
-    for line in refused(guard, names):
+    for line in refused(guard, names, held=held):
         print(line)
     print(f"plots ({len(written) - 1} PNGs) in {written[0].parent}:")
     for path in written[:-1]:

@@ -108,8 +108,17 @@ def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
     return sorted(found, key=lambda f: (-f.steps / f.logged, f.first_step))
 
 
-def fmt(stat: str, value: float) -> str:
-    return f"{number(value)} %" if stat.endswith("_pct") else number(value)
+#: The number a flag's rule in words compares its value with: `> 5 %`, `< 0.99`, `> 0.01 % with
+#: scale_ratio ...`, `rising 3 logging steps in a row, to > 1 %` (none in the NaN/Inf rule's).
+LIMIT_NUMBER = regex.compile(r"[<>]=? (-?\d+(?:\.\d*)?(?:e[+-]?\d+)?)")
+
+
+def fmt(stat: str, value: float, limit: str | None = None) -> str:
+    """`value` as the report prints it; beside a flag's `limit` (its rule in words), with the
+    digits that tell it from the limit (`number`)."""
+    match = LIMIT_NUMBER.search(limit or "")
+    shown = number(value, float(match[1]) if match else None)
+    return f"{shown} %" if stat.endswith("_pct") else shown
 
 
 def grouped(found: list[Finding], fallen: Collection[str]) -> list[list[Finding]]:
@@ -189,10 +198,9 @@ def layers_named(group: list[Finding], every: Collection[str], names: dict[str, 
 def values_said(group: list[Finding]) -> str:
     """A row's worst value, or the range of its layers' worst values (`12 to 340`)."""
     stat = group[0].worst.stat
-    ranked = sorted((f.worst.value for f in group), key=lambda v: badness(stat, v))
-    if ranked[0] == ranked[-1]:
-        return fmt(stat, ranked[0])
-    return f"{fmt(stat, ranked[0])} to {fmt(stat, ranked[-1])}"
+    ranked = sorted((f.worst for f in group), key=lambda w: badness(stat, w.value))
+    low, high = (fmt(stat, w.value, w.limit) for w in (ranked[0], ranked[-1]))
+    return low if ranked[0].value == ranked[-1].value else f"{low} to {high}"
 
 
 #: Flags of the first flagged step the headline names (the rest are counted).
@@ -224,7 +232,8 @@ def first_flagged(run: RunMetrics, flags: list[Flag], names: dict[str, str],
         whatif = " what-if" if (f.layer, f.tensor, f.step) in run.high_precision else ""
         return (f"{label} {md_escape(kind) if markdown else kind}{whatif} "
                 f"{md_escape(bounded(f.stat)) if markdown else bounded(f.stat)} "
-                f"{fmt(f.stat, f.value)} ({md_escape(f.limit) if markdown else f.limit}; likely cause: "
+                f"{fmt(f.stat, f.value, f.limit)} ({md_escape(f.limit) if markdown else f.limit}; "
+                f"likely cause: "
                 f"{md_escape(f.cause) if markdown else f.cause})")
 
     def dumped(f: Flag, path: Path) -> str:
@@ -414,19 +423,36 @@ def unrecorded_fallbacks(guard: GuardRun | None) -> str | None:
             "layers, and why) are missing from hparams.json.")
 
 
-def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = False) -> list[str]:
+#: Introduces `refused`'s YAML where the budget refused several layers.
+REFUSED_TOGETHER = ("To exclude them in te_swap at once (te_swap reads one exclude, so typed in "
+                    "turn they keep the last one only; the run's own exclude kept")
+#: Said of `refused`'s YAML where it holds fp8_guard's layers in fallback at the end too.
+REFUSED_HELD = (", with the layers fp8_guard held in high precision at the end, whose YAML it "
+                "replaces")
+
+
+def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = False,
+            held: Collection[str] = ()) -> list[str]:
     """One line per layer fp8_guard wanted to move but its budget kept in FP8 (its record
     `guard.REFUSED_PREFIX` + layer): the run's warning alone left the report saying nothing
-    failed. `names`: each layer's label."""
-    if guard is None:
+    failed. `names`: each layer's label. One exclude for them all and the layers in fallback at
+    the end (`held`, `to_exclude`), last: te_swap reads one regex, so one per layer, or one
+    beside the fp8_guard's static YAML, typed in turn kept the last only."""
+    if guard is None or not guard.refusals:
         return []
-    return [f"fp8_guard wanted to move {md_escape(label) if markdown else label} at step {r.step} "
-            f"but the budget refused it (share {100 * r.fallback_share:.1f} % > "
-            f"max_fallback_share {100 * r.max_fallback_share:g} %): raise "
-            f"{OPTION}.max_fallback_share or exclude it in te_swap: "
-            f"{md_code(yaml) if markdown else yaml}"
-            for r in guard.refusals
-            for label, yaml in [(names.get(r.layer, r.layer), static_yaml([r.layer], guard.exclude))]]
+    yaml = static_yaml([*(r.layer for r in guard.refusals), *held], guard.exclude)
+    yaml = md_code(yaml) if markdown else yaml
+    one = len(guard.refusals) == 1
+    also = f" ({REFUSED_HELD.removeprefix(', ')})" if held else ""
+    lines = [f"fp8_guard wanted to move {md_escape(label) if markdown else label} at step "
+             f"{r.step} but the budget refused it (share {100 * r.fallback_share:.1f} % > "
+             f"max_fallback_share {100 * r.max_fallback_share:g} %): raise "
+             f"{OPTION}.max_fallback_share or exclude it in te_swap"
+             + (f"{also}: {yaml}" if one else "")
+             for r in guard.refusals
+             for label in [names.get(r.layer, r.layer)]]
+    intro = f"{REFUSED_TOGETHER}{REFUSED_HELD if held else ''}): "
+    return lines if one else [*lines, (md_escape(intro) if markdown else intro) + yaml]
 
 
 def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | None = None
@@ -439,7 +465,9 @@ def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | No
     shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
               f"% at the first logging step, {100 * share[1]:.1f} % at the last."
               if share else "")
-    refusals = [line for r in refused(guard, names, markdown=True) for line in ("", r)]
+    held = to_exclude(guard, filters_of(swap))
+    refusals = [line for r in refused(guard, names, markdown=True, held=held)
+                for line in ("", r)]
     unrecorded = unrecorded_fallbacks(guard)
     if unrecorded:
         return [*lines, unrecorded + shares, *refusals]

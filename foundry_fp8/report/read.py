@@ -33,7 +33,7 @@ from foundry_fp8.guard import (
     Repromotion,
     Summary,
 )
-from foundry_fp8.health import RunMetrics, Thresholds, collect
+from foundry_fp8.health import DEFAULT_THRESHOLDS, RunMetrics, Thresholds, collect
 from foundry_fp8.health.keys import (
     HIGH_PRECISION,
     LAYER_ORDER,
@@ -52,6 +52,7 @@ from foundry_fp8.health.keys import (
 )
 from foundry_fp8.health.plots import recipe_formats
 from foundry_fp8.health.rules import DelayedRecipe, model_blocks
+from foundry_fp8.health.thresholds import RANGES
 from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
 from foundry_fp8.options import OptionError, SwapConfig, build
 from foundry_fp8.paths import (
@@ -73,20 +74,33 @@ class NoStatistics(ReportError):
     loss."""
 
 
-def thresholds_from_hparams(hparams: Mapping[str, Any], source: str = "hparams.json"
+def thresholds_from_hparams(hparams: Mapping[str, Any], source: str = "hparams.json",
+                            warn: Callable[[str], None] | None = None, where: Path | str = ""
                             ) -> Thresholds:
     """The run's own `fp8_stats` thresholds (from the `jsonl` logger's hparams.json, or the
     `source` the hyperparameters were read from), so the report flags what the run warned
-    about."""
+    about. A value out of range (a hand-edited file, another version's) is refused alone, one
+    `warn` line naming `where` and the key: silently, one bad key dropped all of the run's
+    limits for the defaults."""
     cfg = _fp8_stats_options(hparams)
     if cfg is None:
         return Thresholds()
-    keys = ("max_underflow_pct", "max_overflow_pct", "min_cos_sim")
-    given = {k: v for k in keys if (v := number(cfg.get(k))) is not None and math.isfinite(v)}
-    try:
-        return Thresholds(**given, source=f"the run's fp8_stats settings ({source})")
-    except ValueError:
-        return Thresholds()
+    given: dict[str, float] = {}
+    refused: list[str] = []
+    for key in ("max_underflow_pct", "max_overflow_pct", "min_cos_sim"):
+        if (v := number(cfg.get(key))) is None or not math.isfinite(v):
+            continue
+        ok, valid = RANGES[key]
+        if ok(v):
+            given[key] = v
+            continue
+        refused.append(key)
+        if warn is not None:
+            warn(f"{where}: callbacks.fp8_stats.{key} {v:g} is out of range ({valid}); the "
+                 f"report uses fp8_stats' default {getattr(DEFAULT_THRESHOLDS, key):g} instead")
+    # the report's line of thresholds says which are not the run's
+    instead = f"; its {', '.join(refused)} out of range: the default" if refused else ""
+    return Thresholds(**given, source=f"the run's fp8_stats settings ({source}{instead})")
 
 
 def _swap_options(hparams: Mapping[str, Any]) -> Mapping[str, Any]:
