@@ -212,7 +212,8 @@ def test_thresholds_follow_the_run_and_default_to_fp8_stats():
     hparams = {"callbacks": {"fp8_stats": {"interval": "10ba", "max_underflow_pct": 10}}}
     assert thresholds_from_hparams(hparams).max_underflow_pct == 10.0
     assert thresholds_from_hparams({"callbacks": {}}) == Thresholds()
-    assert thresholds_from_hparams({"callbacks": {"fp8_stats": {"min_cos_sim": 5}}}) == Thresholds()
+    assert thresholds_from_hparams(
+        {"callbacks": {"fp8_stats": {"min_cos_sim": 5}}}).min_cos_sim == Thresholds().min_cos_sim
 
 
 def test_cli_writes_plots_and_markdown(tmp_path, capsys):
