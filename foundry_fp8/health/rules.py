@@ -19,6 +19,7 @@ from typing import Any, Literal, NamedTuple
 from foundry_fp8.blocks import block_index
 from foundry_fp8.health.keys import FRONTS, INITIAL_SCALE, TENSORS, direction, summary_key
 from foundry_fp8.health.specs import badness, worse_of
+from foundry_fp8.health.table import limit_number, number
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
 from foundry_fp8.recipe import DELAYED_ONLY, FP8Recipe
 
@@ -68,9 +69,11 @@ class Flag:
 
     @property
     def reading(self) -> str:
-        """The statistic, its value and the rule: `underflow_pct 21.9 % (> 5 %)`."""
-        shown = f"{self.value:.3g} %" if self.stat.endswith("_pct") else f"{self.value:.4g}"
-        return f"{self.stat} {shown} ({self.limit})"
+        """The statistic, its value and the rule: `underflow_pct 21.9 % (> 5 %)`; a value that
+        would print as its limit gets the digits that tell them apart (`number`)."""
+        percent = self.stat.endswith("_pct")
+        shown = number(self.value, limit_number(self.limit), 3 if percent else 4)
+        return f"{self.stat} {shown}{' %' if percent else ''} ({self.limit})"
 
     @property
     def message(self) -> str:

@@ -105,13 +105,24 @@ def short_names(names: Iterable[str], prefix: str = "", limit: int = LABEL_CHARS
     return distinct_labels(names, lambda name: one_line(name.removeprefix(prefix)), limit)
 
 
-def number(value: float, limit: float | None = None) -> str:
-    """A short number (4 significant digits); never raises (NaN, inf and 1e308 print as such).
-    Beside a `limit` it is flagged against, the fewest digits more that keep it printed on its
-    side of the limit and not as it: 0.99966 against 0.9997 printed "0.9997 (< 0.9997)", read
-    as a wrong flag."""
-    for digits in range(4, 18):  # 17 digits print any float64 exactly
-        text = f"{value:.{digits}g}"
+#: The number a flag's rule in words compares its value with: `> 5 %`, `< 0.99`, `> 0.01 % with
+#: scale_ratio ...`, `rising 3 logging steps in a row, to > 1 %` (none in the NaN/Inf rule's).
+LIMIT_NUMBER = regex.compile(r"[<>]=? (-?\d+(?:\.\d*)?(?:e[+-]?\d+)?)")
+
+
+def limit_number(limit: str | None) -> float | None:
+    """The number in a flag's rule in words (`LIMIT_NUMBER`), None where it holds none."""
+    match = LIMIT_NUMBER.search(limit or "")
+    return float(match[1]) if match else None
+
+
+def number(value: float, limit: float | None = None, digits: int = 4) -> str:
+    """A short number (`digits` significant digits); never raises (NaN, inf and 1e308 print as
+    such). Beside a `limit` it is flagged against, the fewest digits more that keep it printed on
+    its side of the limit and not as it: 0.99966 against 0.9997 printed "0.9997 (< 0.9997)",
+    read as a wrong flag."""
+    for shown_digits in range(digits, 18):  # 17 digits print any float64 exactly
+        text = f"{value:.{shown_digits}g}"
         shown = float(text)
         if limit is None or value == limit or ((shown < limit) == (value < limit)
                                                and shown != limit):

@@ -36,6 +36,7 @@ from foundry_fp8.health.table import (
     PARTLY_WHATIF_MARK,
     WHATIF_MARK,
     bounded,
+    limit_number,
     md_code,
     number,
     short_names,
@@ -108,16 +109,10 @@ def findings(run: RunMetrics, flags: list[Flag]) -> list[Finding]:
     return sorted(found, key=lambda f: (-f.steps / f.logged, f.first_step))
 
 
-#: The number a flag's rule in words compares its value with: `> 5 %`, `< 0.99`, `> 0.01 % with
-#: scale_ratio ...`, `rising 3 logging steps in a row, to > 1 %` (none in the NaN/Inf rule's).
-LIMIT_NUMBER = regex.compile(r"[<>]=? (-?\d+(?:\.\d*)?(?:e[+-]?\d+)?)")
-
-
 def fmt(stat: str, value: float, limit: str | None = None) -> str:
     """`value` as the report prints it; beside a flag's `limit` (its rule in words), with the
     digits that tell it from the limit (`number`)."""
-    match = LIMIT_NUMBER.search(limit or "")
-    shown = number(value, float(match[1]) if match else None)
+    shown = number(value, limit_number(limit))
     return f"{shown} %" if stat.endswith("_pct") else shown
 
 
