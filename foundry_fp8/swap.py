@@ -925,10 +925,13 @@ def _take_places(moved: list[tuple[nn.Parameter, nn.Parameter]],
     for old, new in moved:
         new.requires_grad_(old.requires_grad)
     new_of = {id(old): new for old, new in moved}
-    if optimizers is None:  # a plain loop's optimizer built before the conversion, not passed
+    if optimizers is None:  # a plain loop's optimizer built before the conversion, not passed,
+        # found among the live objects where parameters moved (TE's layers; emulated ones keep
+        # theirs, and a large process's objects are not scanned for nothing)
         optimizers = [o for o in gc.get_objects() if
                       isinstance(o, Optimizer) and any(
-                          id(p) in new_of for g in o.param_groups for p in g["params"])]
+                          id(p) in new_of for g in o.param_groups for p in g["params"])
+                      ] if new_of else []
     for optimizer in [optimizers] if isinstance(optimizers, Optimizer) else optimizers:
         for group in optimizer.param_groups:
             group["params"] = [new_of.get(id(p), p) for p in group["params"]]
