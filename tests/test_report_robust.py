@@ -85,14 +85,19 @@ def test_a_line_of_nuls_past_the_cap_is_skipped_with_one_warning_saying_so(tmp_p
 @pytest.mark.parametrize("underflow", [BIG, '"x"', "NaN"], ids=["huge-integer", "string", "nan"])
 def test_a_threshold_no_float_holds_is_ignored_like_a_string_or_nan(tmp_path, capsys,
                                                                       underflow):
-    """The default underflow threshold (5 %) stands in; the run's other thresholds still hold."""
+    """The default underflow threshold (5 %) stands in, said in one line naming the file and the
+    key (before, silently, and the thresholds line called 5 % the run's); the run's other
+    thresholds still hold."""
     write_run(tmp_path)
     (tmp_path / "hparams.json").write_text(
         '{"callbacks": {"fp8_stats": {"max_underflow_pct": ' + underflow + ', "min_cos_sim": 0.95}}}')
     stdout, stderr, md = report(tmp_path, capsys)
-    assert not stderr
-    assert ("Thresholds from the run's fp8_stats settings (hparams.json): underflow > 5 %, "
-            "cos_sim < 0.95,") in md
+    why = {BIG: "is an integer too large for a float", '"x"': "is a string, not a limit",
+           "NaN": "is nan, not a limit"}[underflow]
+    assert stderr == (f"warning: {tmp_path / 'hparams.json'}: callbacks.fp8_stats.max_underflow_pct "
+                      f"{why}; the report uses fp8_stats' default 5 instead\n")
+    assert ("Thresholds from the run's fp8_stats settings (hparams.json; its max_underflow_pct "
+            "refused: the default): underflow > 5 %, cos_sim < 0.95,") in md
     assert "1 flagged" in stdout  # L2's cos_sim 0.98 is within 0.95
 
 

@@ -63,7 +63,7 @@ def test_one_limit_out_of_range_is_refused_alone_and_said(tiny_run, tmp_path, ca
     assert f"\n{len(below)} flagged\n" in out.out
     md = (folder / "fp8_report.md").read_text()
     assert ("Thresholds from the run's fp8_stats settings (hparams.json; its max_overflow_pct "
-            "out of range: the default): underflow > 5 %, cos_sim < 0.999, any NaN/Inf, at once; "
+            "refused: the default): underflow > 5 %, cos_sim < 0.999, any NaN/Inf, at once; "
             "overflow > 0.01 % with") in md
 
 

@@ -53,7 +53,7 @@ from foundry_fp8.health.keys import (
 from foundry_fp8.health.plots import recipe_formats
 from foundry_fp8.health.rules import DelayedRecipe, model_blocks
 from foundry_fp8.health.thresholds import RANGES
-from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, number, read_jsonl
+from foundry_fp8.jsonl import JsonlError, file_kind, hparams_of, json_kind, number, read_jsonl
 from foundry_fp8.options import OptionError, SwapConfig, build
 from foundry_fp8.paths import (
     DUMP_FOLDER,
@@ -74,6 +74,18 @@ class NoStatistics(ReportError):
     loss."""
 
 
+def _not_a_limit(raw: Any, value: float | None, valid: str) -> str:
+    """Why a run's limit is refused: out of range, or no number (a string, NaN, an integer no
+    float holds; before, those were dropped without a word)."""
+    if value is not None and math.isfinite(value):
+        return f"{value:g} is out of range ({valid})"
+    if value is not None:
+        return f"is {value:g}, not a limit"
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return "is an integer too large for a float"
+    return f"is {json_kind(raw)}, not a limit"
+
+
 def thresholds_from_hparams(hparams: Mapping[str, Any], source: str = "hparams.json",
                             warn: Callable[[str], None] | None = None, where: Path | str = ""
                             ) -> Thresholds:
@@ -88,18 +100,18 @@ def thresholds_from_hparams(hparams: Mapping[str, Any], source: str = "hparams.j
     given: dict[str, float] = {}
     refused: list[str] = []
     for key in ("max_underflow_pct", "max_overflow_pct", "min_cos_sim"):
-        if (v := number(cfg.get(key))) is None or not math.isfinite(v):
-            continue
+        if (raw := cfg.get(key)) is None:
+            continue  # not given: fp8_stats' default is the run's own
         ok, valid = RANGES[key]
-        if ok(v):
+        if (v := number(raw)) is not None and math.isfinite(v) and ok(v):
             given[key] = v
             continue
         refused.append(key)
         if warn is not None:
-            warn(f"{where}: callbacks.fp8_stats.{key} {v:g} is out of range ({valid}); the "
-                 f"report uses fp8_stats' default {getattr(DEFAULT_THRESHOLDS, key):g} instead")
+            warn(f"{where}: callbacks.fp8_stats.{key} {_not_a_limit(raw, v, valid)}; the report "
+                 f"uses fp8_stats' default {getattr(DEFAULT_THRESHOLDS, key):g} instead")
     # the report's line of thresholds says which are not the run's
-    instead = f"; its {', '.join(refused)} out of range: the default" if refused else ""
+    instead = f"; its {', '.join(refused)} refused: the default" if refused else ""
     return Thresholds(**given, source=f"the run's fp8_stats settings ({source}{instead})")
 
 
