@@ -928,8 +928,10 @@ def _take_places(moved: list[tuple[nn.Parameter, nn.Parameter]],
     if optimizers is None:  # a plain loop's optimizer built before the conversion, not passed,
         # found among the live objects where parameters moved (TE's layers; emulated ones keep
         # theirs, and a large process's objects are not scanned for nothing)
+        # (`type`, not isinstance: torch.distributed's deprecated `reduce_op` warns on
+        # `__class__`, and a test or run with warnings as errors stopped here)
         optimizers = [o for o in gc.get_objects() if
-                      isinstance(o, Optimizer) and any(
+                      issubclass(type(o), Optimizer) and any(
                           id(p) in new_of for g in o.param_groups for p in g["params"])
                       ] if new_of else []
     for optimizer in [optimizers] if isinstance(optimizers, Optimizer) else optimizers:
