@@ -12,7 +12,8 @@ import torch
 from foundry_fp8 import SwapConfig, convert_to_fp8
 
 
-def _mpt() -> torch.nn.Module:
+def tiny_mpt() -> torch.nn.Module:
+    """LLM-Foundry's Composer MPT, two blocks, torch attention (no flash-attn here)."""
     from llmfoundry.models.mpt import ComposerMPTCausalLM
 
     torch.manual_seed(0)
@@ -35,14 +36,14 @@ def test_an_anchored_exclude_that_misses_the_wrapper_prefix_is_shown_a_real_name
         r"'model\.transformer\.blocks\.0\.attn\.Wqkv', so it keeps nothing",
     ):
         plan = convert_to_fp8(
-            _mpt(),
+            tiny_mpt(),
             SwapConfig(backend="emulate", exclude=r"^transformer\.blocks\.0\."),
             precision="fp32",
         )
     assert "model.transformer.blocks.0.attn.Wqkv" in {d.name for d in plan.converted}
     # the name shown, anchored, keeps block 0
     fixed = convert_to_fp8(
-        _mpt(),
+        tiny_mpt(),
         SwapConfig(backend="emulate", exclude=r"^model\.transformer\.blocks\.0\."),
         precision="fp32",
     )

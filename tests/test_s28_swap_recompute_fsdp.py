@@ -15,26 +15,16 @@ from composer.core import Precision
 from composer.utils.parallelism import FSDP2Config, FSDPConfig
 
 from foundry_fp8.composer import te_swap
+from tests.test_s28_swap_exclude_names import tiny_mpt
 from tests.test_swap_sharded_layout import one_rank_env
 
 
 def _trainer(activation_checkpointing: bool):
     from composer import Trainer
     from composer.optim import DecoupledAdamW
-    from llmfoundry.models.mpt import ComposerMPTCausalLM
     from torch.utils.data import DataLoader
 
-    torch.manual_seed(0)
-    model = ComposerMPTCausalLM(
-        tokenizer=None,
-        d_model=64,
-        n_heads=4,
-        n_layers=2,
-        max_seq_len=16,
-        vocab_size=128,
-        loss_fn="torch_crossentropy",
-        attn_config={"attn_impl": "torch"},
-    )
+    model = tiny_mpt()
     ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(3))
     fsdp = FSDP2Config(activation_checkpointing=activation_checkpointing)
     return Trainer(
