@@ -80,7 +80,7 @@ from foundry_fp8.numerics import (
 from foundry_fp8.numerics import amax as te_amax
 from foundry_fp8.options import MonitorConfig, Schedule
 from foundry_fp8.recipe import RecipeError
-from foundry_fp8.swap import attention_out_projs
+from foundry_fp8.swap import attention_out_projs, conv1d_features
 from foundry_fp8.te import probe
 
 #: The `about` line of a dump file's metadata; its `tensors` entry says per key which layer
@@ -104,9 +104,9 @@ _NONFINITE = slice(SUFFICIENT_INDEX["nan_count"], SUFFICIENT_INDEX["inf_count"] 
 #: New flags of one rule at one logging step up to which each gets its own warning; beyond, one
 #: warning per rule names them all (a diverging run breaks a rule in every layer at once: an
 #: MPT-1B's 288 layer tensors would be 288 warnings, burying the first cause). NaN/Inf first.
-NONFINITE_EACH = 3
+GROUP_EACH = 3
 #: The layer tensors that one warning names, at most (the per-layer series hold the rest).
-NONFINITE_NAMED = 12
+GROUP_NAMED = 12
 
 
 class FP8MonitorError(RuntimeError):
@@ -152,14 +152,10 @@ def watches_for(module: nn.Module) -> tuple[Watch, ...] | None:
                 Watch("gradient", "gradient", "grad_output", probe.ln_mlp_gradient_slot()))
     if name is not None:
         return TE_WATCHES[name]
-    return LINEAR_WATCHES if isinstance(module, nn.Linear) or _is_hf_conv1d(module) else None
-
-
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    """transformers' `Conv1D` (GPT-2's linear layers: `addmm(bias, x, weight)`, the weight
-    [in, out]): the same GEMM operands as a Linear's, and per-tensor statistics ignore layout."""
-    kind = type(module)
-    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
+    # transformers' Conv1D (GPT-2's linear layers, the weight [in, out]): a Linear's GEMM
+    # operands, and per-tensor statistics ignore layout
+    linear = isinstance(module, nn.Linear) or conv1d_features(module) is not None
+    return LINEAR_WATCHES if linear else None
 
 
 def select_layers(model: nn.Module, config: MonitorConfig) -> dict[str, nn.Module]:
@@ -342,14 +338,14 @@ def _uncounted_worst(table: Mapping[tuple[str, str], Mapping[str, float]],
 
 
 def nonfinite_message(flags: Collection[Flag]) -> str:
-    """One warning for the NaN/Inf flags of one logging step (`NONFINITE_EACH`): each layer
-    tensor with its count (the first `NONFINITE_NAMED` of `flags`, given in `cast_order`: the
+    """One warning for the NaN/Inf flags of one logging step (`GROUP_EACH`): each layer
+    tensor with its count (the first `GROUP_NAMED` of `flags`, given in `cast_order`: the
     tensor the NaN/Inf started in first), and the changes their own warnings would name."""
     step = min(flag.step for flag in flags)
     named = ", ".join(f"'{flag.layer}' {flag.tensor} ({flag.stat} {flag.value:.0f})"
-                      for flag in list(flags)[:NONFINITE_NAMED])
-    if len(flags) > NONFINITE_NAMED:
-        named += (f", and {len(flags) - NONFINITE_NAMED} more (their fp8_nan_count/ and "
+                      for flag in list(flags)[:GROUP_NAMED])
+    if len(flags) > GROUP_NAMED:
+        named += (f", and {len(flags) - GROUP_NAMED} more (their fp8_nan_count/ and "
                   "fp8_inf_count/ series)")
     changes = "; ".join(dict.fromkeys(flag.yaml_key for flag in flags))
     cause = next(iter(flags)).cause
@@ -360,7 +356,7 @@ def nonfinite_message(flags: Collection[Flag]) -> str:
 def grouped_message(flags: list[Flag], first: str, whatif: Collection[tuple[str, str]],
                     changes: Collection[str]) -> str:
     """One warning for the new flags of one threshold rule at one logging step (more than
-    `NONFINITE_EACH`): `first`, the own warning of the tensor cast first (`cast_order`: where the
+    `GROUP_EACH`): `first`, the own warning of the tensor cast first (`cast_order`: where the
     fault began), then the others with their readings (`whatif`: rows whose numbers are
     what-if), the worst of them and `changes`, what the others' own warnings would name beyond
     `first`'s."""
@@ -369,9 +365,9 @@ def grouped_message(flags: list[Flag], first: str, whatif: Collection[tuple[str,
         return f"'{flag.layer}' {flag.tensor}{what}: {flag.reading}"
 
     rest = flags[1:]
-    named = "; ".join(row(flag) for flag in rest[:NONFINITE_NAMED])
-    if len(rest) > NONFINITE_NAMED:
-        named += f"; and {len(rest) - NONFINITE_NAMED} more (their fp8_{flags[0].stat}/ series)"
+    named = "; ".join(row(flag) for flag in rest[:GROUP_NAMED])
+    if len(rest) > GROUP_NAMED:
+        named += f"; and {len(rest) - GROUP_NAMED} more (their fp8_{flags[0].stat}/ series)"
     worst = max(flags, key=lambda flag: badness(flag.stat, flag.value))
     more = f" Other changes they name: {'; '.join(changes)}" if changes else ""
     return (f"FP8 {flags[0].rule} at step {flags[0].step} in {len(flags)} layer tensors at once, "
@@ -776,7 +772,7 @@ class FP8Monitor:
     def finish_step(self, fallbacks: Collection[str] = ()) -> dict[str, float]:
         """Remove hooks; on a logging step, pool the statistics over ranks and return the
         step's series (`health.keys` layout), warning once per layer, tensor and rule flagged
-        (one warning per rule where more than `NONFINITE_EACH` are new at once).
+        (one warning per rule where more than `GROUP_EACH` are new at once).
         `fallbacks`: layers (names as in the keys) a guard ran in high precision in this step;
         their what-if rows stay out of the summary series (`summary_metrics`' `left_out`).
         Raises FP8MonitorError when the monitor failed on any rank: in a single
@@ -883,7 +879,7 @@ class FP8Monitor:
                  ) -> dict[str, float]:
         """Per-layer and summary series (`health.keys` layout); warns once per layer, tensor
         and rule that the health rules flag, in one warning per rule where more than
-        `NONFINITE_EACH` are new at once (`grouped_message`, `nonfinite_message`)."""
+        `GROUP_EACH` are new at once (`grouped_message`, `nonfinite_message`)."""
         n, width = len(self.rows), len(STAT_KEYS)
         table: dict[tuple[str, str], dict[str, float]] = {}
         for i, (layer, tensor) in enumerate(self.rows):
@@ -938,7 +934,7 @@ class FP8Monitor:
         layers = [self.short[layer] for layer in self.layers]
         tensors = list(dict.fromkeys(tensor for _, tensor in self.rows))
         for rule, fresh in sorted(by_rule.items(), key=lambda item: item[0] != "nonfinite"):
-            if len(fresh) <= NONFINITE_EACH:
+            if len(fresh) <= GROUP_EACH:
                 for flag in fresh:
                     self.on_warning(message(flag))
                 continue

@@ -16,7 +16,7 @@ from torch import nn
 from foundry_fp8.cli import main
 from foundry_fp8.health import layer_key
 from foundry_fp8.jsonl import JsonlSink
-from foundry_fp8.monitor import NONFINITE_NAMED, FP8Monitor, MonitorConfig, Schedule
+from foundry_fp8.monitor import GROUP_NAMED, FP8Monitor, MonitorConfig, Schedule
 
 LAYERS = ("blocks.0.attn.Wqkv", "blocks.0.ffn.down_proj", "blocks.1.attn.Wqkv",
           "blocks.1.ffn.down_proj")  # forward order
@@ -74,7 +74,7 @@ def test_the_nan_warning_names_the_layer_whose_gradient_it_started_in():
     """More layers than the warning names: NaN put into the last layer's dY (one element) is in
     every layer's dY of that backward; the warning names the last layer first."""
     torch.manual_seed(0)
-    layers = NONFINITE_NAMED + 2
+    layers = GROUP_NAMED + 2
     model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(layers)))
     warned: list[str] = []
     monitor = FP8Monitor(model, MonitorConfig(tensors=("gradient",)), on_warning=warned.append,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foundry_fp8.monitor import NONFINITE_EACH, NONFINITE_NAMED, FP8Monitor, MonitorConfig, Schedule
+from foundry_fp8.monitor import GROUP_EACH, GROUP_NAMED, FP8Monitor, MonitorConfig, Schedule
 
 
 def _run(layers: int, spiked: int) -> tuple[list[str], FP8Monitor]:
@@ -39,7 +39,7 @@ def _spiked(monitor: FP8Monitor) -> dict[str, float]:
 
 
 def test_a_rule_broken_in_many_layers_is_one_warning_naming_each_and_the_worst():
-    warned, monitor = _run(NONFINITE_EACH + 3, NONFINITE_EACH + 3)
+    warned, monitor = _run(GROUP_EACH + 3, GROUP_EACH + 3)
     [message] = warned  # was one per layer tensor
     overflow = _spiked(monitor)
     assert all(value > 0.01 for value in overflow.values())
@@ -58,7 +58,7 @@ def test_a_rule_broken_in_many_layers_is_one_warning_naming_each_and_the_worst()
 
 
 def test_the_warning_names_the_first_layer_tensors_and_counts_the_rest():
-    layers = NONFINITE_NAMED + 3
+    layers = GROUP_NAMED + 3
     warned, _ = _run(layers, layers)
     [message] = warned
     assert f"in {layers} layer tensors" in message
@@ -67,7 +67,7 @@ def test_the_warning_names_the_first_layer_tensors_and_counts_the_rest():
 
 
 def test_a_few_layers_keep_one_warning_each():
-    warned, _ = _run(NONFINITE_EACH + 2, NONFINITE_EACH)
-    assert len(warned) == NONFINITE_EACH
+    warned, _ = _run(GROUP_EACH + 2, GROUP_EACH)
+    assert len(warned) == GROUP_EACH
     for i, message in enumerate(warned):
         assert message.startswith(f"FP8 what-if for the activation of layer '{i}' at step 1 ")

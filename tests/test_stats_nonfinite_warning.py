@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from foundry_fp8.health.rules import NONFINITE_CAUSE, NONFINITE_CHANGE
-from foundry_fp8.monitor import NONFINITE_EACH, NONFINITE_NAMED, FP8Monitor, MonitorConfig, Schedule
+from foundry_fp8.monitor import GROUP_EACH, GROUP_NAMED, FP8Monitor, MonitorConfig, Schedule
 
 
 def _run(layers: int) -> tuple[list[str], dict[str, int]]:
@@ -34,9 +34,9 @@ def _run(layers: int) -> tuple[list[str], dict[str, int]]:
 
 
 def test_nan_in_every_layer_is_one_warning_naming_each_layer_and_its_count():
-    warned, seen = _run(NONFINITE_EACH + 1)
+    warned, seen = _run(GROUP_EACH + 1)
     # the NaN spreads along its row: 1 in the first layer's input, the whole row after it
-    assert seen == {"0": 1, **{str(i): 16 for i in range(1, NONFINITE_EACH + 1)}}
+    assert seen == {"0": 1, **{str(i): 16 for i in range(1, GROUP_EACH + 1)}}
     [message] = warned  # once: step 1's flags are not new at a later step either
     assert message.startswith(f"FP8 NaN/Inf at step 1 in {len(seen)} layer tensors, before any "
                               "FP8 cast: ")
@@ -46,16 +46,16 @@ def test_nan_in_every_layer_is_one_warning_naming_each_layer_and_its_count():
 
 
 def test_the_warning_names_the_first_layer_tensors_and_counts_the_rest():
-    warned, seen = _run(NONFINITE_NAMED + 2)
+    warned, seen = _run(GROUP_NAMED + 2)
     [message] = warned
     assert f"in {len(seen)} layer tensors" in message
-    assert f"'{NONFINITE_NAMED - 1}' activation (nan_count 16), and 2 more (" in message
-    assert f"'{NONFINITE_NAMED}' activation" not in message
+    assert f"'{GROUP_NAMED - 1}' activation (nan_count 16), and 2 more (" in message
+    assert f"'{GROUP_NAMED}' activation" not in message
 
 
 def test_nan_in_a_few_layers_keeps_one_warning_each():
-    warned, seen = _run(NONFINITE_EACH)
-    assert len(warned) == len(seen) == NONFINITE_EACH
+    warned, seen = _run(GROUP_EACH)
+    assert len(warned) == len(seen) == GROUP_EACH
     for (layer, count), message in zip(seen.items(), warned, strict=True):
         assert message.startswith(f"FP8 activation of layer '{layer}' at step 1: nan_count "
                                   f"{count} ({count} NaN and 0 Inf elements, before any FP8 "

@@ -31,7 +31,7 @@ from torch import nn
 from foundry_fp8 import emulate
 from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.composer.guard import FP8Guard, accept_absent_state, checkpointed_core
-from foundry_fp8.composer.te_swap import TESwap
+from foundry_fp8.composer.te_swap import TESwap, recompute_inputs
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.fp8_meta import (
     canonical_modules,
@@ -337,23 +337,11 @@ class FP8State(Callback):
         the model yet, so its plan is read from the run's algorithms."""
         self._model, self._precision = state.model, state.precision.value
         self._recipe = run_recipe(state)
-        fsdp = state.fsdp_config
-        fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing", "te_checkpoint_wrapper",
-                                                "activation_checkpointing_reentrant")
-                  if hasattr(fsdp, k)}
-        precision = state.precision.value
-        te_version = None
-        if precision == "amp_fp8" and fields.get("activation_checkpointing"):
-            from foundry_fp8.te.probe import te_version as installed_te_version
-
-            te_version = installed_te_version()
         emulated = (any(isinstance(m, EmulatedFP8Linear) for m in state.model.modules())
                     or any(isinstance(a, TESwap) and a.config.backend == "emulate"
                            for a in state.algorithms))
-        settings = recompute_settings(precision, fields, state.fsdp_config_version, te_version,
-                                      emulated)
-        for key, value in settings.items():
-            setattr(fsdp, key, value)
+        for key, value in recompute_settings(*recompute_inputs(state), emulated).items():
+            setattr(state.fsdp_config, key, value)
             log.warning("fp8_state: set fsdp_config.%s=%s so activation recompute runs under "
                         "FP8 (TE #1190)", key, value)
 

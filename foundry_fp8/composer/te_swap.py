@@ -52,6 +52,7 @@ from foundry_fp8.swap import (
     coverage_table,
     fp8_module_counts,
 )
+from foundry_fp8.te.facts import Version
 
 log = logging.getLogger(__name__)
 
@@ -437,20 +438,7 @@ def _refuse_recompute_outside_fp8(state: State, backend: str) -> None:
     is touched."""
     from foundry_fp8.te.recompute import recompute_plan
 
-    fsdp = state.fsdp_config
-    fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing", "te_checkpoint_wrapper",
-                                            "activation_checkpointing_reentrant")
-              if hasattr(fsdp, k)}
-    if not fields.get("activation_checkpointing"):
-        return
-    precision = state.precision.value
-    te_version = None
-    if backend == "te" and precision == "amp_fp8":
-        from foundry_fp8.te.probe import te_version as installed_te_version
-
-        te_version = installed_te_version()
-    plan = recompute_plan(precision, fields, state.fsdp_config_version, te_version,
-                          backend == "emulate")
+    plan = recompute_plan(*recompute_inputs(state), backend == "emulate")
     if plan.refusal is not None:
         raise ValueError(f"te_swap: {plan.refusal.removeprefix('fp8_state: ')}")
     if plan.settings:
@@ -459,6 +447,23 @@ def _refuse_recompute_outside_fp8(state: State, backend: str) -> None:
             "te_swap: fsdp_config.activation_checkpointing recomputes the FP8 layers outside FP8 "
             f"(TE #1190); add callbacks: {{fp8_state: {{}}}}, which sets them, or set "
             f"fsdp_config {settings}")
+
+
+def recompute_inputs(state: State) -> tuple[str, dict[str, Any], int, Version | None]:
+    """What `te.recompute.recompute_plan` judges of this run, for te_swap and fp8_state: the
+    precision, the FSDP config's recompute fields, its version, and the installed TE's version
+    (read only where activation checkpointing meets amp_fp8)."""
+    fsdp = state.fsdp_config
+    fields = {k: getattr(fsdp, k) for k in ("activation_checkpointing", "te_checkpoint_wrapper",
+                                            "activation_checkpointing_reentrant")
+              if hasattr(fsdp, k)}
+    precision = state.precision.value
+    te_version = None
+    if precision == "amp_fp8" and fields.get("activation_checkpointing"):
+        from foundry_fp8.te.probe import te_version as installed_te_version
+
+        te_version = installed_te_version()
+    return precision, fields, state.fsdp_config_version, te_version
 
 
 def _check_te_environment(recipe: FP8Recipe) -> None:

@@ -460,7 +460,8 @@ def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | No
     shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
               f"% at the first logging step, {100 * share[1]:.1f} % at the last."
               if share else "")
-    held = to_exclude(guard, filters_of(swap))
+    swap = swap or SwapFilters(exclude=guard.exclude)
+    held = to_exclude(guard, swap)  # the static YAML's layers, in the refused one too
     refusals = [line for r in refused(guard, names, markdown=True, held=held)
                 for line in ("", r)]
     unrecorded = unrecorded_fallbacks(guard)
@@ -505,12 +506,11 @@ def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | No
                   f"{back}."]
     if not guard.kept:
         return [*lines, "", "No layer is in fallback at the end of the run.", *refusals]
-    swap = swap or SwapFilters(exclude=guard.exclude)
-    if not (layers := to_exclude(guard, swap)):
+    if not held:
         return [*lines, *refusals, "", ALREADY_OUT]
     return [*lines, *refusals, "", "The layers in fallback at the end in high precision from the start, next "
             "time (te_swap keeps them in high precision; fp8_guard then has nothing to switch):",
-            "", "```yaml", static_yaml(layers, swap.exclude), "```"]
+            "", "```yaml", static_yaml(held, swap.exclude), "```"]
 
 
 GUIDE = """\

@@ -92,6 +92,7 @@ from foundry_fp8.te.facts import (
     TE_GEMM_LEADING_DIM_FROM,
     TE_LN_MLP_INIT_FAILS_FROM,
     TE_LN_MLP_INIT_SOURCE,
+    Version,
     dotted,
     parse_version,
     te_ln_mlp_init_fails,
@@ -1275,6 +1276,11 @@ def _megablocks_ffn(model: Mapping[str, Any],
               "(LLM-Foundry's own dropless MoE, no megablocks)")
 
 
+def _flash_attn_here(installed: str | None, version: Version | None) -> str:
+    """What a flash-attn finding says of this machine's flash-attn (`installed`, parsed)."""
+    return f"flash-attn here is {installed}" if version else "flash-attn is not installed here"
+
+
 def _hf_flash_attention_2(model: Mapping[str, Any], installed: str | None) -> Iterator[Hit]:
     """`use_flash_attention_2: true` (or `attn_implementation: flash_attention_2`) of an
     hf_causal_lm without flash-attn 2: build_inner_model raises ValueError. Judged in a run
@@ -1288,7 +1294,7 @@ def _hf_flash_attention_2(model: Mapping[str, Any], installed: str | None) -> It
         key = "model.attn_implementation"
     else:
         return
-    here = f"flash-attn here is {installed}" if version else "flash-attn is not installed here"
+    here = _flash_attn_here(installed, version)
     yield Hit(key, f"{key.partition('.')[2]} needs flash-attn >= {dotted(FLASH_ATTN_V2)}, and "
               f"{here}: ComposerHFCausalLM raises ValueError ('flash-attention 2 is not "
               "installed') building the model, after the tokenizer and the data loaders",
@@ -1307,7 +1313,7 @@ def _flash_attn_forward(attn: Mapping[str, Any], installed: str | None) -> Itera
         return
     said = "attn_impl flash" if "attn_impl" in attn else \
         "no attn_config.attn_impl, so MPT's default flash,"
-    here = f"flash-attn here is {installed}" if version else "flash-attn is not installed here"
+    here = _flash_attn_here(installed, version)
     yield Hit("model.attn_config.attn_impl" if "attn_impl" in attn else "model", f"{said} needs "
               f"flash-attn >= {dotted(FLASH_ATTN_V2)}, and {here}: the model builds, then its "
               "first forward raises NameError: name 'bert_padding' is not defined "
@@ -1333,7 +1339,7 @@ def _flash_attn_settings(attn: Mapping[str, Any], installed: str | None,
         if not on[setting] or (flash_only and impl != "flash") \
                 or (version is not None and version >= least):
             continue
-        here = f"flash-attn here is {installed}" if version else "flash-attn is not installed here"
+        here = _flash_attn_here(installed, version)
         if setting == "rope":
             what = "rope with rope_impl dail" + ("" if "rope_impl" in attn else " (MPT's default)")
             key = "model.attn_config.rope_impl" if "rope_impl" in attn else "model.attn_config.rope"
