@@ -5,12 +5,21 @@ how they combine with precision."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import PurePath
 from typing import Any
 
-from foundry_fp8.filters import fuse_reason, layernorm_reason, linear_reason, module_filter_fn
+import regex
+
+from foundry_fp8.filters import (
+    fuse_reason,
+    layernorm_reason,
+    linear_reason,
+    module_filter_fn,
+    search,
+)
 from foundry_fp8.lint.config import (
     fc_type_name,
     get,
@@ -223,17 +232,11 @@ def te_swap_converts_nothing(config: Mapping[str, Any], ctx: LintContext) -> Ite
       f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py, llmfoundry/models/layers/blocks.py",
       fix="a regex that re.search finds in the layer names the message shows")
 def fp8_stats_selects_nothing(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    callbacks = section(config, "callbacks")
-    built = built_options("fp8_stats", callbacks["fp8_stats"]) if "fp8_stats" in callbacks \
-        else None
-    model = section(config, "model")
-    modules = mpt_modules(model) if isinstance(built, FP8StatsOptions) else None
-    swap = te_swap_options(config)
-    if modules is None or any(m.te for m in modules) or (
-            swap is not None and (swap.fuse_ln_mlp or swap.convert_layernorm)):
+    judged = _stats_layers(config)
+    if judged is None:
         return
+    built, names = judged
     monitor = built.monitor
-    names = [m.name for m in modules if m.kind == "linear"]
     selected = module_filter_fn(type(monitor).PATH, monitor.layers, monitor.exclude)
     try:
         if any(selected(None, name) for name in names):
@@ -249,6 +252,128 @@ def fp8_stats_selects_nothing(config: Mapping[str, Any], ctx: LintContext) -> It
               + ("stops the run (strict: true)" if built.strict else
                  "warns once and logs nothing for the whole run"),
               severity="error" if built.strict else "warning")
+
+
+def _stats_layers(config: Mapping[str, Any]) -> tuple[FP8StatsOptions, list[str]] | None:
+    """fp8_stats' options and the names of the linears it may watch in this MPT, as it sees
+    them; None without fp8_stats, for a model not modelled, or one whose TE layers or te_swap
+    fusions rename or merge layers."""
+    callbacks = section(config, "callbacks")
+    built = built_options("fp8_stats", callbacks["fp8_stats"]) if "fp8_stats" in callbacks \
+        else None
+    modules = mpt_modules(section(config, "model")) if isinstance(built, FP8StatsOptions) \
+        else None
+    swap = te_swap_options(config)
+    if modules is None or any(m.te for m in modules) or (
+            swap is not None and (swap.fuse_ln_mlp or swap.convert_layernorm)):
+        return None
+    return built, [m.name for m in modules if m.kind == "linear"]
+
+
+def _nearest(pattern: str, names: list[str]) -> str:
+    """The module name nearest `pattern`'s text (its escapes and anchors dropped), for a
+    message: the name a user meant."""
+    text = regex.sub(r"\\(.)", r"\1", pattern).strip("^$")
+    return max(names, key=lambda name: difflib.SequenceMatcher(None, text, name).ratio())
+
+
+def _anchored_fix(key_path: str, pattern: str, names: list[str]) -> str | None:
+    """For a pattern anchored at `^` that matches none of `names`: the same pattern under
+    Composer's `model.` prefix, where that one matches."""
+    if not pattern.startswith("^") or pattern.startswith(r"^model\."):
+        return None
+    prefixed = r"^model\." + pattern[1:]
+    return f"`{prefixed}`" if any(search(key_path, prefixed, n) for n in names) else None
+
+
+@rule("FP8055", "warning", "a te_swap `exclude` that matches none of the layers te_swap "
+      "decides on in an MPT, so it keeps nothing in high precision (`^transformer\\.`: the names "
+      "begin with Composer's `model.`)",
+      why="te_swap searches `exclude` (regex.search, foundry_fp8/filters.py) in the module "
+      "names of the model Composer wraps (model.transformer.blocks.N.attn.Wqkv, "
+      "model.lm_head); one that matches none of them keeps nothing in high precision, and the "
+      "layers the user meant to keep out train in FP8. The run warns once at INIT, inside a "
+      "long log; the linter says it before the run, at its line, with the nearest real name. "
+      "The names are those LLM-Foundry builds for the MPT config (the linear layers, and the "
+      "LayerNorms and MLPs te_swap can convert or fuse); other models (hf_causal_lm) are not "
+      "judged: their names are known only once built.",
+      source="foundry_fp8/swap.py convert_to_fp8 (the run's warning); foundry_fp8/filters.py "
+      f"search, filter_reason; {FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py, "
+      "llmfoundry/models/layers/blocks.py, attention.py, ffn.py (the modules and their names)",
+      fix="a regex that regex.search finds in the full names (`^model\\.transformer\\.blocks"
+      "\\.0\\.`, or unanchored `blocks\\.0\\.`)")
+def te_swap_exclude_matches_nothing(config: Mapping[str, Any],
+                                    ctx: LintContext) -> Iterator[Hit]:
+    swap = te_swap_options(config)
+    modules = mpt_modules(section(config, "model")) if swap is not None and swap.exclude \
+        else None
+    if not modules:
+        return
+    key = f"{swap.PATH}.exclude"
+    names = [m.name for m in modules]
+    try:
+        if any(search(key, swap.exclude, name) for name in names):
+            return
+        fix = _anchored_fix(key, swap.exclude, names)
+    except OptionError:  # a regex that takes too long: te_swap stops with its own error
+        return
+    nearest = _nearest(swap.exclude, names)
+    yield Hit(key, f"te_swap's exclude '{swap.exclude}' matches none of the {len(names)} module "
+              f"names of this MPT that te_swap decides on (nearest: '{nearest}'), so it keeps "
+              "nothing in high precision: those layers train in FP8",
+              fix=f"write {fix}, searched in the full names" if fix else None)
+
+
+@rule("FP8056", "warning", "fp8_stats options that do nothing in an MPT: an `exclude` that "
+      "leaves out none of the layers `layers` watches, a `dump_layers` that matches none of the "
+      "watched layers, dump options (`dump_layers`, `dump_folder`, `dump_max_mb`) without "
+      "`dump_steps`",
+      why="fp8_stats watches the linear layers whose full names (model.transformer.blocks.N."
+      "attn.Wqkv) `layers` finds (regex.search) and `exclude` does not, and saves tensors only at "
+      "`dump_steps`, of the watched layers `dump_layers` finds. An `exclude` that matches none of "
+      "the watched layers changes nothing, silently (often `^blocks`: the metric keys' shorter "
+      "names); the dump options do nothing without dump_steps, silently; a dump_layers that "
+      "matches none of the watched layers saves nothing (the run warns at FIT_START). Judged "
+      "on the linears LLM-Foundry builds for an MPT config, as FP8048.",
+      source="foundry_fp8/monitor.py select_layers, dump_layers_of, no_dump_layers_message; "
+      "foundry_fp8/options.py Schedule.dumps; foundry_fp8/composer/stats.py _fit_start "
+      "(dump_folder only with dump_steps); foundry_fp8/filters.py module_filter_fn",
+      fix="a regex that regex.search finds in the full names the message shows; or set "
+      "dump_steps (or drop the dump options)")
+def fp8_stats_filter_does_nothing(config: Mapping[str, Any],
+                                  ctx: LintContext) -> Iterator[Hit]:
+    judged = _stats_layers(config)
+    if judged is None:
+        return
+    built, names = judged
+    monitor, path = built.monitor, type(built).PATH
+    written = section(section(config, "callbacks"), "fp8_stats")
+    try:
+        watched = [n for n in names if module_filter_fn(path, monitor.layers, None)(None, n)]
+        kept = [n for n in watched if module_filter_fn(path, None, monitor.exclude)(None, n)]
+        if monitor.exclude is not None and watched and kept == watched:
+            fix = _anchored_fix(f"{path}.exclude", monitor.exclude, watched)
+            yield Hit(f"{path}.exclude", f"fp8_stats' exclude '{monitor.exclude}' matches none "
+                      f"of the {len(watched)} layers it watches (nearest: '"
+                      f"{_nearest(monitor.exclude, watched)}'), so it leaves out nothing",
+                      fix=f"write {fix}, searched in the full names" if fix else None)
+        dump_options = [o for o in ("dump_layers", "dump_folder", "dump_max_mb") if o in written]
+        if dump_options and not built.schedule.dump_steps:
+            yield Hit(f"{path}.{dump_options[0]}", f"fp8_stats' {', '.join(dump_options)} "
+                      "without dump_steps: fp8_stats dumps only at dump_steps, so no tensor is "
+                      "saved", fix="add `dump_steps: [<batch>, ...]`, or drop "
+                      + ", ".join(dump_options))
+        elif monitor.dump_layers is not None and kept and not any(
+                module_filter_fn(path, monitor.dump_layers, None, "dump_layers")(None, n)
+                for n in kept):
+            yield Hit(f"{path}.dump_layers", f"fp8_stats' dump_layers '{monitor.dump_layers}' "
+                      f"matches none of the {len(kept)} watched layers (nearest: '"
+                      f"{_nearest(monitor.dump_layers, kept)}'), so dump_steps "
+                      f"{sorted(built.schedule.dump_steps)} save nothing",
+                      fix=(f"write {fix}, searched in the full names" if (fix := _anchored_fix(
+                          f"{path}.dump_layers", monitor.dump_layers, kept)) else None))
+    except OptionError:  # a regex that takes too long: fp8_stats stops with its own error
+        return
 
 
 @rule("FP8023", "error", "option values of our entries that their constructors refuse "

@@ -1,10 +1,12 @@
 """The train config's own keys and sections: precision, retired and unknown top-level keys,
 section shapes, `${oc.env:...}`, micro-batch tokens, text loaders, omegaconf's `???`, and
-autoresume with an offline W&B logger, an asynchronous MLflow logger to a local file store."""
+autoresume with an offline W&B logger, a W&B `dir` placeholder nothing fills, an asynchronous
+MLflow logger to a local file store."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
@@ -951,6 +953,36 @@ def autoresume_offline_wandb(config: Mapping[str, Any], ctx: LintContext) -> Ite
                           "than one GPU, but not on one, where LLM-Foundry drops FSDP"
                           if sharded else ""),
               severity="warning" if sharded else None)
+
+
+@rule("FP8057", "warning", "a `{placeholder}` in `loggers.wandb.init_kwargs.dir` "
+      "(`dir: runs/{run_name}`): nothing fills it, and W&B writes the run to the system's temp "
+      "folder instead",
+      why="Composer's WandBLogger hands init_kwargs to wandb.init as written (it fills only "
+      "`name`, with the run name, wandb_logger.py:190-199; `{run_name}` is filled in "
+      "save_folder and our paths, not here). W&B takes `dir` as the folder to put its `wandb/` "
+      "folder in, and where that folder is not writable (os.access, False for a folder that "
+      "does not exist, such as the literal `runs/{run_name}`) it writes the run under the "
+      "system's temp folder (/tmp/wandb/offline-run-...) with one 'wasn't writable' warning: "
+      "the .wandb file is not where the config says, and a temp cleaner may remove it. "
+      "OmegaConf's `${run_name}` is another matter: LLM-Foundry resolves it when it loads the "
+      "YAML.",
+      source=f"{COMPOSER} composer/loggers/wandb_logger.py:82-102 (init_kwargs kept), "
+      ":185-206 (wandb.init(**init_kwargs)); wandb 0.18.7 sdk/wandb_settings.py:73-92 "
+      "(_get_wandb_dir: os.access(root_dir, W_OK), else tempfile.gettempdir()), :1899 "
+      "(dir= is root_dir); "
+      f"{FOUNDRY} llmfoundry/utils/config_utils.py to_container (resolve=True)",
+      fix="an OmegaConf interpolation (`dir: runs/${run_name}`) or a literal folder, created "
+      "before the run (W&B creates only its `wandb/` folder inside it)")
+def wandb_dir_placeholder(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    folder = section(section(section(config, "loggers"), "wandb"), "init_kwargs").get("dir")
+    placeholder = re.search(r"\{[^{}]*\}", folder) if isinstance(folder, str) else None
+    if placeholder:
+        yield Hit("loggers.wandb.init_kwargs.dir",
+                  f"loggers.wandb.init_kwargs.dir {folder!r:.80}: nothing fills "
+                  f"{placeholder.group()} (Composer hands init_kwargs to wandb.init as "
+                  "written), so the folder does not exist and W&B writes the run under the "
+                  "system's temp folder (/tmp/wandb/...) with one 'wasn't writable' warning")
 
 
 @rule("FP8051", "warning", "`loggers.mlflow` writing asynchronously (no `synchronous: true`) "

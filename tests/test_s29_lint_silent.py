@@ -1,0 +1,123 @@
+"""Options that build and run but do nothing, which the linter now names at their line: a
+te_swap `exclude` matching none of an MPT's layers (FP8055), fp8_stats' `exclude`/dump options
+that change nothing (FP8056), a `{run_name}` in W&B's `init_kwargs.dir` (FP8057). Each judged
+against the run's own code: te_swap's plan and fp8_stats' selection on the MPT LLM-Foundry
+builds, W&B's own folder choice."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from foundry_fp8.environment import Snapshot
+from foundry_fp8.lint.cli import lint_file
+
+MPT = {"name": "mpt_causal_lm", "d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 16,
+       "vocab_size": 64, "loss_fn": "torch_crossentropy", "attn_config": {"attn_impl": "torch"}}
+
+
+@pytest.fixture(scope="module")
+def mpt():
+    from llmfoundry.utils.builders import build_composer_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_composer_model(name="mpt_causal_lm", tokenizer=None,
+                                    cfg={k: v for k, v in MPT.items() if k != "name"})
+
+
+def _findings(tmp_path: Path, config: dict[str, Any], rule: str) -> list[dict[str, Any]]:
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({"model": MPT, **config}))
+    entry = lint_file(path, 1, Snapshot(python="3.11"))
+    assert entry["error"] is None
+    return [f for f in entry["findings"] if f["rule"] == rule]
+
+
+@pytest.mark.parametrize(("exclude", "fires"), [
+    ("^transformer\\.blocks\\.0\\.", True),  # the docs' try: names begin with Composer's model.
+    ("^model\\.transformer\\.blocks\\.0\\.", False),
+    ("blocks\\.1\\.ffn", False),
+    ("wte", True),  # a module name, but no layer te_swap converts: the run does not warn
+    ("lm_head", True),  # tied embeddings: MPT builds no lm_head
+    ("Wqkv$", False),
+])
+def test_fp8055_fires_exactly_where_exclude_leaves_te_swaps_plan_unchanged(
+        tmp_path, mpt, exclude, fires):
+    from foundry_fp8.options import SwapConfig
+    from foundry_fp8.swap import plan_swap
+
+    def plan(**options: Any) -> list[tuple[str, bool]]:
+        config = SwapConfig(backend="emulate", **options)
+        return [(d.name, d.convert) for d in plan_swap(mpt, config, precision="fp32").decisions]
+
+    assert (plan(exclude=exclude) == plan()) == fires
+    hits = _findings(tmp_path, {"precision": "fp32", "algorithms": {
+        "te_swap": {"backend": "emulate", "exclude": exclude}}}, "FP8055")
+    assert [h["key"] for h in hits] == (["algorithms.te_swap.exclude"] if fires else [])
+    if exclude.startswith("^transformer"):
+        assert "nearest: 'model.transformer.blocks.0." in hits[0]["message"]
+        assert hits[0]["fix"] == "write `^model\\.transformer\\.blocks\\.0\\.`, searched in the " \
+            "full names"
+
+
+def test_fp8055_is_quiet_for_hf_models_whose_names_it_cannot_know(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name": "hf_causal_lm", "pretrained_model_name_or_path": "gpt2"},
+        "algorithms": {"te_swap": {"backend": "emulate", "exclude": "^transformer\\.h\\.0\\."}}}))
+    entry = lint_file(path, 1, Snapshot(python="3.11"))
+    assert "FP8055" not in {f["rule"] for f in entry["findings"]}
+
+
+@pytest.mark.parametrize(("stats", "key"), [
+    ({"exclude": "^transformer"}, "callbacks.fp8_stats.exclude"),  # leaves out nothing
+    ({"exclude": "out_proj"}, None),
+    ({"layers": "ffn", "exclude": "attn"}, "callbacks.fp8_stats.exclude"),  # none watched
+    ({"dump_layers": "Wqkv"}, "callbacks.fp8_stats.dump_layers"),  # no dump_steps
+    ({"dump_max_mb": 8}, "callbacks.fp8_stats.dump_max_mb"),
+    ({"dump_layers": "Wqkv", "dump_steps": [10]}, None),
+    ({"dump_layers": "^blocks", "dump_steps": [10]}, "callbacks.fp8_stats.dump_layers"),
+    ({"layers": "ffn", "dump_layers": "attn", "dump_steps": 10},
+     "callbacks.fp8_stats.dump_layers"),
+])
+def test_fp8056_fires_exactly_where_fp8_stats_own_selection_is_unchanged(
+        tmp_path, mpt, stats, key):
+    from foundry_fp8.monitor import dump_layers_of, select_layers
+    from foundry_fp8.options import build
+
+    built = build("fp8_stats", stats)
+    watched = select_layers(mpt, built.monitor)
+    unchanged = (
+        ("exclude" in stats and watched.keys() == select_layers(
+            mpt, build("fp8_stats", {**stats, "exclude": None}).monitor).keys())
+        or (("dump_layers" in stats or "dump_max_mb" in stats)
+            and not any(built.schedule.dumps(step) for step in range(1000)))
+        or ("dump_layers" in stats and not dump_layers_of(watched, built.monitor)))
+    assert unchanged == (key is not None)
+    hits = _findings(tmp_path, {"callbacks": {"fp8_stats": stats}}, "FP8056")
+    assert [h["key"] for h in hits] == ([key] if key else [])
+
+
+def test_fp8057_wandb_dir_placeholder_lands_in_the_temp_folder(tmp_path, monkeypatch):
+    from composer.loggers import WandBLogger
+    from wandb.sdk.wandb_settings import _get_wandb_dir
+
+    folder = "runs/{run_name}"
+    # Composer keeps init_kwargs as written, and W&B takes an unwritable dir's temp fallback
+    assert WandBLogger(init_kwargs={"dir": folder})._init_kwargs["dir"] == folder
+    monkeypatch.chdir(tmp_path)
+    assert _get_wandb_dir(folder) == os.path.join(tempfile.gettempdir(), "wandb", "")
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    assert _get_wandb_dir("runs/x") == os.path.join("runs/x", "wandb", "")
+    hits = _findings(tmp_path, {"run_name": "x", "loggers": {"wandb": {"init_kwargs": {
+        "dir": folder}}}}, "FP8057")
+    assert [h["key"] for h in hits] == ["loggers.wandb.init_kwargs.dir"]
+    assert not _findings(tmp_path, {"run_name": "x", "loggers": {"wandb": {"init_kwargs": {
+        "dir": "runs/${run_name}"}}}}, "FP8057")
