@@ -121,3 +121,36 @@ def test_fp8057_wandb_dir_placeholder_lands_in_the_temp_folder(tmp_path, monkeyp
     assert [h["key"] for h in hits] == ["loggers.wandb.init_kwargs.dir"]
     assert not _findings(tmp_path, {"run_name": "x", "loggers": {"wandb": {"init_kwargs": {
         "dir": "runs/${run_name}"}}}}, "FP8057")
+
+
+@pytest.mark.parametrize(("duration", "stats", "keys"), [
+    ("2ba", {"dump_steps": [1, 2], "interval": 1}, ["callbacks.fp8_stats.dump_steps"]),  # CPU try
+    ("2ba", {"dump_steps": [0, 1]}, []),
+    ("1000ba", {"dump_steps": 1000}, ["callbacks.fp8_stats.dump_steps"]),
+    ("1e3ba", {"dump_steps": [999]}, []),
+    ("100ba", {"start": 100, "interval": 10}, ["callbacks.fp8_stats.start"]),
+    ("100ba", {"start": 5, "interval": 10, "end": 9}, ["callbacks.fp8_stats.end"]),
+    ("100ba", {"start": 95, "interval": 10, "dump_steps": [96]}, []),  # the dump step logs
+    (2, {"dump_steps": [5]}, []),  # an int is epochs: batches unknown
+    ("1ep", {"dump_steps": [5]}, []),
+])
+def test_fp8058_is_the_schedule_against_composers_last_batch(tmp_path, duration, stats, keys):
+    from types import SimpleNamespace
+
+    from composer.core import Time
+
+    from foundry_fp8.composer.stats import last_batch
+    from foundry_fp8.options import build
+
+    schedule = build("fp8_stats", stats).schedule
+    if isinstance(duration, str) and duration.endswith("ba"):
+        last = last_batch(SimpleNamespace(max_duration=Time.from_timestring(duration),
+                                          dataloader_len=None))
+        batches = range(last + 1)
+        missed = [s for s in schedule.dump_steps if not schedule.dumps(s) or s not in batches]
+        logged = any(schedule.logs(b) for b in batches)
+        assert bool(missed) == ("callbacks.fp8_stats.dump_steps" in keys)
+        assert (not logged) == any(k != "callbacks.fp8_stats.dump_steps" for k in keys)
+    hits = _findings(tmp_path, {"max_duration": duration, "callbacks": {"fp8_stats": stats}},
+                     "FP8058")
+    assert [h["key"] for h in hits] == keys

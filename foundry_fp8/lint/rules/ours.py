@@ -48,6 +48,7 @@ from foundry_fp8.options import (
     OptionError,
     SwapConfig,
     TESwapOptions,
+    _batch_count,
     checks,
     defaults,
 )
@@ -374,6 +375,46 @@ def fp8_stats_filter_does_nothing(config: Mapping[str, Any],
                           f"{path}.dump_layers", monitor.dump_layers, kept)) else None))
     except OptionError:  # a regex that takes too long: fp8_stats stops with its own error
         return
+
+
+@rule("FP8058", "warning", "an fp8_stats schedule that misses the run: `dump_steps` at or past "
+      "the run's last batch (`max_duration: 1000ba` with `dump_steps: [1000]`), or no logging "
+      "step before it (`start` or `interval` past it)",
+      why="fp8_stats logs and dumps at the batch count a batch starts at: 0 to max_duration - 1 "
+      "(`foundry_fp8.composer.stats.last_batch`), so a dump step of max_duration or more never "
+      "comes and saves nothing, silently. A schedule with no logging step in the run logs no "
+      "FP8 statistics (the run warns at FIT_START). Judged where max_duration is a number of "
+      "batches (`1000ba`); the schedule's own `next_log` decides.",
+      source="foundry_fp8/options.py Schedule.dumps, next_log; foundry_fp8/composer/stats.py "
+      "last_batch, _fit_start, _say_unlogged; "
+      f"{COMPOSER} composer/core/time.py (an int max_duration is epochs)",
+      fix="dump steps below max_duration's batch count; a start and interval that reach a "
+      "batch before the run's end")
+def fp8_stats_schedule_misses_the_run(config: Mapping[str, Any],
+                                      ctx: LintContext) -> Iterator[Hit]:
+    stats = section(section(config, "callbacks"), "fp8_stats")
+    built = built_options("fp8_stats", stats) if "fp8_stats" in section(config, "callbacks") \
+        else None
+    duration = config.get("max_duration")
+    batches = _batch_count(duration) if isinstance(duration, str) else None
+    if not isinstance(built, FP8StatsOptions) or batches is None or not batches >= 1 \
+            or not float(batches).is_integer():
+        return
+    schedule, last = built.schedule, int(batches) - 1
+    path = type(built).PATH
+    missed = sorted(step for step in schedule.dump_steps if step > last)  # type: ignore[union-attr]
+    if missed:
+        yield Hit(f"{path}.dump_steps", f"fp8_stats' dump_steps {missed} come at or after "
+                  f"max_duration {duration!r}: the run's last batch starts at batch count "
+                  f"{last}, so {'they save' if len(missed) > 1 else 'it saves'} nothing",
+                  fix=f"dump steps from 0 to {last}")
+    first = schedule.next_log(-1)
+    if first is None or first > last:
+        key = "end" if first is None and "end" in stats else \
+            "start" if "start" in stats and schedule.start > last else "interval"
+        yield Hit(f"{path}.{key}", f"fp8_stats logs at no batch of this run (interval "
+                  f"{schedule.interval}, start {schedule.start}, end {schedule.end}; max_duration "
+                  f"{duration!r}: batches 0 to {last}): no FP8 statistics at all")
 
 
 @rule("FP8023", "error", "option values of our entries that their constructors refuse "
