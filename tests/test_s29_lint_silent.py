@@ -154,3 +154,33 @@ def test_fp8058_is_the_schedule_against_composers_last_batch(tmp_path, duration,
     hits = _findings(tmp_path, {"max_duration": duration, "callbacks": {"fp8_stats": stats}},
                      "FP8058")
     assert [h["key"] for h in hits] == keys
+
+
+@pytest.mark.parametrize(("extra", "swap", "key"), [
+    ({}, {"keep_lm_head": False}, "algorithms.te_swap.keep_lm_head"),  # tied: MPT's default
+    ({"tie_word_embeddings": False}, {"keep_lm_head": False}, None),
+    ({}, {"fuse_ln_mlp": True}, "algorithms.te_swap.fuse_ln_mlp"),
+    ({}, {"convert_layernorm": True}, "algorithms.te_swap.convert_layernorm"),
+    ({}, {"min_gemm_size": 128}, None),  # keeps the 64-wide GEMMs
+])
+def test_fp8059_fires_exactly_where_te_swaps_conversions_are_unchanged(tmp_path, extra, swap, key):
+    from llmfoundry.utils.builders import build_composer_model
+
+    from foundry_fp8.options import SwapConfig
+    from foundry_fp8.swap import plan_swap
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_composer_model(name="mpt_causal_lm", tokenizer=None, cfg={
+            **{k: v for k, v in MPT.items() if k != "name"}, **extra})
+
+    def converted(**options: Any) -> list[str]:
+        plan = plan_swap(model, SwapConfig(backend="emulate", **options), precision="fp32")
+        return [d.name for d in plan.converted]
+
+    assert (converted(**swap) == converted()) == (key is not None)
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({"model": {**MPT, **extra}, "precision": "fp32",
+                                    "algorithms": {"te_swap": {"backend": "emulate", **swap}}}))
+    entry = lint_file(path, 1, Snapshot(python="3.11"))
+    assert [f["key"] for f in entry["findings"] if f["rule"] == "FP8059"] == ([key] if key else [])

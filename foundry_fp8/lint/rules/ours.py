@@ -39,7 +39,13 @@ from foundry_fp8.lint.known import (
 )
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.fsdp import STATE_DICT_DEFAULT
-from foundry_fp8.lint.rules.model import MPTModule, mpt_modules, mpt_value, te_swap_options
+from foundry_fp8.lint.rules.model import (
+    MPT_LM_HEAD,
+    MPTModule,
+    mpt_modules,
+    mpt_value,
+    te_swap_options,
+)
 from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY
 from foundry_fp8.lint.values import built_options, option_problems
 from foundry_fp8.options import (
@@ -415,6 +421,41 @@ def fp8_stats_schedule_misses_the_run(config: Mapping[str, Any],
         yield Hit(f"{path}.{key}", f"fp8_stats logs at no batch of this run (interval "
                   f"{schedule.interval}, start {schedule.start}, end {schedule.end}; max_duration "
                   f"{duration!r}: batches 0 to {last}): no FP8 statistics at all")
+
+
+@rule("FP8059", "warning", "te_swap options that change nothing: `fuse_ln_mlp` or "
+      "`convert_layernorm` under `backend: emulate`, `keep_lm_head: false` for an MPT whose LM "
+      "head is tied to its embedding (MPT's default)",
+      why="The emulated backend converts linear layers only: with it, te_swap keeps every "
+      "norm and MLP these options name and lists them in its coverage table as needing backend "
+      "te; the same layers train as without the option. A tied LM head is the embedding's "
+      "weight (F.linear on wte.weight), no module: te_swap keeps it whatever keep_lm_head says. "
+      "The tie is judged for MPT models (`tie_word_embeddings`, default true) only.",
+      source="foundry_fp8/filters.py backend_reason, layernorm_reason, fuse_reason, "
+      "linear_reason; foundry_fp8/swap.py plan_swap (the tied head's row); "
+      f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py MPTForCausalLM.__init__ (no lm_head "
+      "when tied)",
+      fix="see the message")
+def te_swap_option_changes_nothing(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    swap = te_swap_options(config)
+    if swap is None:
+        return
+    given = section(section(config, "algorithms"), "te_swap")
+    for option in ("fuse_ln_mlp", "convert_layernorm"):
+        if swap.backend == "emulate" and getattr(swap, option):
+            yield Hit(f"{swap.PATH}.{option}", f"te_swap's {option} with backend emulate: the "
+                      "emulated backend converts linear layers only, so te_swap keeps those "
+                      "layers as they are (its coverage table: 'needs backend te')",
+                      fix=f"backend te (precision amp_fp8, a GPU with TransformerEngine), or drop "
+                      f"{option}")
+    modules = mpt_modules(section(config, "model")) if "keep_lm_head" in given \
+        and not swap.keep_lm_head else None
+    if modules and not any(m.name == MPT_LM_HEAD for m in modules):
+        yield Hit(f"{swap.PATH}.keep_lm_head", "te_swap's keep_lm_head: false, but this MPT ties "
+                  "its LM head to the embedding (tie_word_embeddings, default true): no module "
+                  "to convert, the head stays in high precision",
+                  fix="model.tie_word_embeddings: false for an LM head of its own (one more "
+                  "vocab x d_model weight), or drop keep_lm_head")
 
 
 @rule("FP8023", "error", "option values of our entries that their constructors refuse "
