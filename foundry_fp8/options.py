@@ -260,7 +260,7 @@ class PathTemplate(Check):
         return []
 
 
-def _batch_count(value: Any) -> float | None:
+def batch_count(value: Any) -> float | None:
     """How many batches `value` says (100, "100ba", "1e2BA"); None when it names none."""
     if _is_int(value):
         return value
@@ -284,7 +284,7 @@ class Batches(Check):
         if not (_is_int(value) or isinstance(value, str)):
             return self._type(value)
         fix = f"use batches such as '100ba' or 100 (at least {self.minimum})"
-        count = _batch_count(value)
+        count = batch_count(value)
         if count is None:
             return [("", "value", f"must be a number of batches, got {value!r}", fix)]
         if isinstance(count, float) and not (math.isfinite(count) and count.is_integer()):
@@ -295,7 +295,7 @@ class Batches(Check):
         return []
 
     def normal(self, value: Any) -> int:
-        return int(_batch_count(value))  # type: ignore[arg-type]
+        return int(batch_count(value))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,17 @@ CASES: dict[str, tuple[dict, str, int]] = {
     "FP8053": ({"eval_loader": {"dataset": {"split": "val"}}}, "eval_loader", 1),
     # BASE's fsdp_config, FSDP1: state_dict_type full
     "FP8054": (_merge(FP8_TE, {"load_path": "bf16/ep0-ba4-rank0.pt"}), "load_path", 1),
+    "FP8055": (_merge(EMULATE, {"algorithms": {"te_swap": {"exclude": "^transformer\\.blocks"}}}),
+               "algorithms.te_swap.exclude", 1),
+    "FP8056": ({"callbacks": {"fp8_stats": {"exclude": "^blocks"}}}, "callbacks.fp8_stats.exclude",
+               1),
+    "FP8057": ({"loggers": {"wandb": {"init_kwargs": {"dir": "runs/{run_name}"}}}},
+               "loggers.wandb.init_kwargs.dir", 1),
+    # BASE's max_duration: 100ba, batches 0 to 99
+    "FP8058": ({"callbacks": {"fp8_stats": {"dump_steps": [100]}}},
+               "callbacks.fp8_stats.dump_steps", 1),
+    "FP8059": (_merge(EMULATE, {"algorithms": {"te_swap": {"fuse_ln_mlp": True}}}),
+               "algorithms.te_swap.fuse_ln_mlp", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -242,6 +253,14 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     "FP8053": ({"eval_loader": {"name": "finetuning", "dataset": {"split": "val"}}}, 1),
     "FP8054": (_merge(FP8_TE, {"load_path": "bf16/ep0-ba4-rank0.pt",
                                "callbacks": {"fp8_state": {}}}), 1),
+    "FP8055": (_merge(EMULATE, {"algorithms": {"te_swap": {
+        "exclude": "^model\\.transformer\\.blocks"}}}), 1),
+    "FP8056": ({"callbacks": {"fp8_stats": {"exclude": "blocks\\.0\\."}}}, 1),
+    "FP8057": ({"loggers": {"wandb": {"init_kwargs": {"dir": "runs/fp8-try"}}}}, 1),
+    "FP8058": ({"callbacks": {"fp8_stats": {"dump_steps": [99]}}}, 1),
+    # an untied head: keep_lm_head false converts it
+    "FP8059": (_merge(EMULATE, {"model": {"tie_word_embeddings": False},
+                                "algorithms": {"te_swap": {"keep_lm_head": False}}}), 1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

@@ -54,7 +54,7 @@ from foundry_fp8.options import (
     OptionError,
     SwapConfig,
     TESwapOptions,
-    _batch_count,
+    batch_count,
     checks,
     defaults,
 )
@@ -402,7 +402,7 @@ def fp8_stats_schedule_misses_the_run(config: Mapping[str, Any],
     built = built_options("fp8_stats", stats) if "fp8_stats" in section(config, "callbacks") \
         else None
     duration = config.get("max_duration")
-    batches = _batch_count(duration) if isinstance(duration, str) else None
+    batches = batch_count(duration) if isinstance(duration, str) else None
     if not isinstance(built, FP8StatsOptions) or batches is None or not batches >= 1 \
             or not float(batches).is_integer():
         return
