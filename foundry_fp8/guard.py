@@ -322,8 +322,8 @@ class GuardCore:
         self.repromotions: list[Repromotion] = []
         self.ended: list[Fallback] = []  # the fallbacks the re-promotions ended
         self.summaries: dict[str, Summary] = {}  # each layer's pairs older than the kept ones
-        # the keys the folded records and superseded summaries held: W&B and MLflow keep them
-        # and refuse another value under one, so no later record gets one (a string a decision)
+        # the logged keys the folded records and superseded summaries held: W&B and MLflow keep
+        # them and refuse another value under one, so no later record gets one (`_fold`)
         self._retired: set[str] = set()
         self.refusals: dict[str, Refusal] = {}  # each layer's first refusal by the budget
         self.warned: set[str] = set()
@@ -468,9 +468,12 @@ class GuardCore:
             back = next(r for r in self.repromotions
                         if r.layer == layer and r.fallen_at == oldest.step)
             held = {id(record): key for key, record in self._keyed()}
-            self._retired |= {held[id(oldest)], held[id(back)]}
-            if layer in self.summaries:
-                self._retired.add(held[id(self.summaries[layer])])
+            # only the keys given to loggers (`_unlogged`): no logger holds the others, and
+            # retiring them too grew the checkpoint and the memory by three keys a pair
+            unlogged = self._unlogged()
+            self._retired |= {held[id(record)] for record in (oldest, back,
+                                                                self.summaries.get(layer))
+                              if record is not None and id(record) not in unlogged}
             self.ended.remove(oldest)
             self.repromotions.remove(back)
             before = self.summaries.get(layer)
@@ -535,8 +538,8 @@ class GuardCore:
 
     def _unlogged(self) -> set[int]:
         """The ids of the kept records past their layer's first KEPT_DECISIONS pairs, and of the
-        summaries not at a power of 2 pairs: their keys are given (and retired) as the others',
-        so what is logged never changes, but a layer flipping all run logs a number of keys
+        summaries not at a power of 2 pairs: their keys are given as the others' (never retired:
+        no logger holds them), so what is logged never changes, but a layer flipping all run logs a number of keys
         that grows with the log of its pairs (`IN_FALLBACK_PREFIX` has every span's steps)."""
         unlogged = {id(s) for s in self.summaries.values() if s.pairs & (s.pairs - 1)}
         for layer in {f.layer for f in self.ended} | self.fallbacks.keys():

@@ -106,11 +106,12 @@ class JSONLLogger(LoggerDestination):
         self._said_bad_step = False  # a record dropped for its step is said once
         self._between_fits = False  # FIT_END gave the lock back: take it again to write
         self._said_no_locks = False  # the "takes no locks" line is said once
-        # a full disk (`PASSING`): the records not written yet, their JSON's size, the steps of
-        # those dropped past HELD_BYTES, and whether hparams.json is behind
+        # a full disk (`PASSING`): the records not written yet, their JSON's size, those dropped
+        # past HELD_BYTES counted with their first and last step (not each step: a disk may stay
+        # full for days), and whether hparams.json is behind
         self._held: deque[tuple[int, dict[str, Any], int]] = deque()
         self._held_bytes = 0
-        self._dropped: list[int] = []
+        self._dropped: tuple[int, int, int] | None = None  # (count, first step, last step)
         self._hparams_behind = False
 
     def init(self, state: State, logger: Logger) -> None:
@@ -266,7 +267,8 @@ class JSONLLogger(LoggerDestination):
         """Keep a record the full disk refused, to write when it can (`HELD_BYTES` at most)."""
         size = len(json.dumps(metrics, default=str))
         if self._held_bytes + size > HELD_BYTES:
-            self._dropped.append(step)
+            count, first, _ = self._dropped or (0, step, step)
+            self._dropped = (count + 1, first, step)
             return
         self._held.append((step, dict(metrics), size))
         self._held_bytes += size
@@ -287,25 +289,26 @@ class JSONLLogger(LoggerDestination):
             self._hparams_behind = False
         if record is not None:
             self._write(sink, *record)
-        dropped, self._dropped = self._dropped, []
+        dropped, self._dropped = self._dropped, None
         log.warning("jsonl logger: %s is written again after a full disk: %s%s", sink.path,
                     f"the {held[0]} records held (steps {held[1]} to {held[2]}) are in it"
                     if held else "hparams.json is up to date",
-                    f"; {len(dropped)} records of steps {dropped[0]} to {dropped[-1]} did not "
+                    f"; {dropped[0]} records of steps {dropped[1]} to {dropped[2]} did not "
                     f"fit in the {HELD_BYTES / 2**20:g} MiB held and are lost" if dropped else "")
 
     def _give_up_held(self, why: str) -> None:
         """Say what of the held records and hparams.json never reached the disk."""
         if not (self._held or self._dropped or self._hparams_behind):
             return
-        steps = sorted({step for step, _, _ in self._held} | set(self._dropped))
-        lost = [f"{len(self._held) + len(self._dropped)} records of steps {steps[0]} to "
-                f"{steps[-1]}"] if steps else []
+        count, *ends = self._dropped or (0,)
+        steps = [step for step, _, _ in self._held] + ends
+        lost = [f"{len(self._held) + count} records of steps {min(steps)} to "
+                f"{max(steps)}"] if steps else []
         lost += ["the latest hparams.json"] if self._hparams_behind else []
         log.warning("jsonl logger: %s never reached the disk, which was full: %s",
                     " and ".join(lost), why)
         self._held.clear()
-        self._held_bytes, self._dropped, self._hparams_behind = 0, [], False
+        self._held_bytes, self._dropped, self._hparams_behind = 0, None, False
 
     def _write(self, sink: JsonlSink, step: int, metrics: dict[str, Any]) -> None:
         """One record; a file removed or taken over since the last one (by hand, or moved aside
