@@ -351,6 +351,8 @@ def install_fake_te(monkeypatch: pytest.MonkeyPatch, version: str = "2.20.2") ->
     from foundry_fp8.te import probe
 
     monkeypatch.setattr(probe, "te_version", lambda: parse_version(version))
+    monkeypatch.setattr(probe, "te_builds_without_cuda", lambda: True)  # the stand-in computes
+    # on the CPU; real TE refuses to build a module without CUDA
     monkeypatch.setattr(_TEModule, "te_version", parse_version(version))
     root = types.ModuleType("transformer_engine")
     root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
