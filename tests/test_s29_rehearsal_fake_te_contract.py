@@ -121,3 +121,32 @@ def test_the_stand_in_s_contract_as_read_in_te_2_20_2(fake_te):
     assert [n for n, _ in fused.named_parameters()] == [
         "layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
     assert stand_in_te._unsafe_pickle(b"") is False and stand_in_te._unsafe_pickle(b"\x80") is True
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_te_backend_s_builders_pass_keywords_real_te_takes(te, device, bias):
+    """`te.backend`'s builders with the installed TE: its constructors take every keyword we
+    pass, and the parameters come over exactly (bf16, LayerNorm and RMSNorm, gelu and relu)."""
+    from foundry_fp8.te import backend
+
+    with torch.device(device):
+        linear = torch.nn.Linear(32, 64, bias=bias, dtype=torch.bfloat16)
+        norm = torch.nn.LayerNorm(32, eps=1e-6, dtype=torch.bfloat16)
+        block = torch.nn.Module()
+        block.norm_2, block.ffn = norm, torch.nn.Module()
+        block.ffn.up_proj = torch.nn.Linear(32, 64, bias=bias, dtype=torch.bfloat16)
+        block.ffn.down_proj = torch.nn.Linear(64, 32, bias=bias, dtype=torch.bfloat16)
+    built = [(backend.make_te_linear(linear), linear),
+             (backend.make_te_layernorm(norm), norm)]
+    built += [(backend.make_te_layernorm_mlp(block, normalization, activation), None)
+              for normalization in ("LayerNorm", "RMSNorm") for activation in ("gelu", "relu")]
+    for new, src in built:
+        assert type(new).__module__.startswith("transformer_engine.pytorch")
+        assert all(p.device.type == device and p.dtype == torch.bfloat16 for p in new.parameters())
+        if device == "cpu" and src is not None:
+            assert all(torch.equal(getattr(new, n), p) for n, p in src.named_parameters())
+    if device == "cpu":
+        fused = built[2][0]
+        assert len(backend.ln_mlp_sources(block, fused)) == (6 if bias else 4)
+        assert all(torch.equal(dst, src) for src, dst in backend.ln_mlp_sources(block, fused))
