@@ -105,7 +105,10 @@ def _unsafe_pickle(data: bytes) -> bool:
     """TE 2.20.2's verdict on a pickled extra state (pytorch/_extra_state.py:113-187, read
     without unpickling): ignored when it resolves no global and holds no delayed-scaling key,
     or names a recipe whose class TE knows and keeps no state (current scaling); unsafe
-    otherwise (delayed scaling, TE 1.x's recipe-less state, an unknown payload)."""
+    otherwise (delayed scaling, TE 1.x's recipe-less state, an unknown payload). No bytes at
+    all are ignored (l. 115-116), not an unreadable payload."""
+    if not data:
+        return False
     try:
         strings: list[str] = []
         recipes: set[str] = set()
@@ -251,11 +254,13 @@ class _LayerNormMLP(_GemmModule):
         self.layer_norm_weight = _param((hidden_size,), device, params_dtype)
         self.layer_norm_bias = (_param((hidden_size,), device, params_dtype)
                                 if normalization != "RMSNorm" else None)
-        self.fc1_weight = _param((ffn_hidden_size, hidden_size), device, params_dtype)
-        self.fc2_weight = _param((hidden_size, ffn_hidden_size), device, params_dtype)
+        # TE's registration order (layernorm_mlp.py:2089-2149 in 2.20.2), hence parameters()
+        # and the optimizer's: each GEMM's weight, then its bias
         self.use_bias = bias
+        self.fc1_weight = _param((ffn_hidden_size, hidden_size), device, params_dtype)
         self.fc1_bias = (_param((ffn_hidden_size,), device, params_dtype) if bias
                          else _no_bias(device, params_dtype))
+        self.fc2_weight = _param((hidden_size, ffn_hidden_size), device, params_dtype)
         self.fc2_bias = (_param((hidden_size,), device, params_dtype) if bias
                          else _no_bias(device, params_dtype))
         self.eps = eps
@@ -351,6 +356,8 @@ def install_fake_te(monkeypatch: pytest.MonkeyPatch, version: str = "2.20.2") ->
     from foundry_fp8.te import probe
 
     monkeypatch.setattr(probe, "te_version", lambda: parse_version(version))
+    monkeypatch.setattr(probe, "te_builds_without_cuda", lambda: True)  # the stand-in computes
+    # on the CPU; real TE refuses to build a module without CUDA
     monkeypatch.setattr(_TEModule, "te_version", parse_version(version))
     root = types.ModuleType("transformer_engine")
     root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)

@@ -14,7 +14,9 @@ what=${1:?usage: verify.sh tests|bench [ARGS...]}
 shift
 # One FP8 te.Linear step, forward and backward: TE compiles some kernels at run time (NVRTC) with
 # the headers of NVTE_CUDA_INCLUDE_DIR, which TE sets to pip's nvidia/cu13 when unset. If that
-# step fails and the machine's toolkit headers exist, they are tried, and the run uses what works.
+# step fails and the machine's toolkit headers ($CUDA_HOME/include) exist, they are tried, and
+# kept only if the step then works (else a failure for another cause would run every test with
+# headers nothing chose, and the record would name them).
 probe='import torch, transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 layer = te.Linear(256, 256, device="cuda")
@@ -31,10 +33,11 @@ y.sum().backward(); torch.cuda.synchronize(); print("FP8 te.Linear step: OK")'
   # alone in a fresh interpreter, so an FP8206 there with torch-first OK is that, not a broken TE.
   python3 -c "import transformer_engine.pytorch" && echo "TE alone: OK"
   python3 -c "import torch, transformer_engine.pytorch" && echo "TE after torch: OK"
-  if ! python3 -c "$probe" && [ -z "${NVTE_CUDA_INCLUDE_DIR:-}" ] &&
-      [ -d /usr/local/cuda/include ]; then
-    export NVTE_CUDA_INCLUDE_DIR=/usr/local/cuda/include
-    python3 -c "$probe" && echo "(with NVTE_CUDA_INCLUDE_DIR=$NVTE_CUDA_INCLUDE_DIR)"
+  headers=${CUDA_HOME:-/usr/local/cuda}/include
+  if ! python3 -c "$probe" && [ -z "${NVTE_CUDA_INCLUDE_DIR:-}" ] && [ -d "$headers" ] &&
+      NVTE_CUDA_INCLUDE_DIR=$headers python3 -c "$probe"; then
+    export NVTE_CUDA_INCLUDE_DIR=$headers
+    echo "(with NVTE_CUDA_INCLUDE_DIR=$NVTE_CUDA_INCLUDE_DIR)"
   fi
   echo "NVTE_CUDA_INCLUDE_DIR=${NVTE_CUDA_INCLUDE_DIR:-unset, TE picks its own}"
   # What the tests and the bench import that the kit does not carry (the device's own packages):

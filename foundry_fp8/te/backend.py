@@ -61,6 +61,17 @@ def require_te() -> None:
                            "or use te_swap: {backend: emulate}")
 
 
+def require_cuda() -> None:
+    """Fail in one line where TE can build no layer (torch sees no CUDA device: a GPU-less login
+    node with TE installed): TE's own refusal (`probe.te_builds_without_cuda`) would come from
+    inside the swap, after the model was built."""
+    if not torch.cuda.is_available() and not probe.te_builds_without_cuda():
+        raise RuntimeError(f"{TESwapOptions.PATH}.backend: 'te' needs a CUDA GPU, and torch sees "
+                           "none here (torch.cuda.is_available() is False; `foundry-fp8 doctor` "
+                           "says why): TransformerEngine builds no layer without one; for FP8 "
+                           "numerics without a GPU use te_swap: {backend: emulate}")
+
+
 def te_device(tensor: torch.Tensor) -> torch.device | str:
     """The `device` argument for a TE module built like `tensor`: the string "meta" on the meta
     device (TE tests `device == "meta"`), else the tensor's device."""
@@ -81,6 +92,7 @@ def make_te_linear(src: nn.Linear,
     `init_method` (TE's keyword, 1.12-2.20; None: TE's N(0, 0.023)) initialises the weight
     when TE's `reset_parameters` runs on a layer built on the meta device; TE zeroes the bias
     (module/linear.py, `register_parameter`'s `init_fn`)."""
+    require_cuda()
     import transformer_engine.pytorch as te
 
     new = te.Linear(src.in_features, src.out_features, bias=src.bias is not None,
@@ -93,6 +105,7 @@ def make_te_linear(src: nn.Linear,
 
 def make_te_layernorm(src: nn.LayerNorm) -> nn.Module:
     """A `te.LayerNorm` (same `weight`/`bias` names) with `src`'s eps; parameters copied."""
+    require_cuda()
     import transformer_engine.pytorch as te
 
     version = probe.te_version()
@@ -141,6 +154,7 @@ def make_te_layernorm_mlp(block: nn.Module, normalization: str, activation: str)
     TE's `gelu` is the tanh approximation, so with it this is not the same function as MPT's
     exact GELU (swap.plan_swap reports the size of the difference); TE's `relu` is MPT's.
     """
+    require_cuda()
     import transformer_engine.pytorch as te
 
     norm, up = block.norm_2, block.ffn.up_proj

@@ -40,6 +40,14 @@ def te_version() -> Version | None:
         return None
 
 
+def te_builds_without_cuda() -> bool:
+    """False: no TE builds a module where torch sees no CUDA device
+    (`TransformerEngineBaseModule.__init__`: an assert from 1.12, "RuntimeError: TransformerEngine
+    needs CUDA." from 2.14, pytorch/module/base.py:895-896 in 2.20.2). The tests' stand-in TE,
+    which computes on the CPU, answers True."""
+    return False
+
+
 def te_class_name(module: Any) -> str | None:
     """`Linear`, `LayerNormLinear` or `LayerNormMLP` for TE's modules (or subclasses), by class
     name and module prefix."""
