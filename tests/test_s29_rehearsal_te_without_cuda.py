@@ -62,3 +62,17 @@ def test_real_te_refuses_to_build_a_layer_without_cuda():
     assert not probe.te_builds_without_cuda()
     with pytest.raises((RuntimeError, AssertionError), match="TransformerEngine needs CUDA"):
         te.Linear(16, 16)
+
+
+def test_te_swap_without_cuda_refuses_at_construction(fake_te, monkeypatch):
+    """The Composer algorithm says it when built (LLM-Foundry builds algorithms before the
+    model), not at INIT after the model was built."""
+    from foundry_fp8.composer.te_swap import TESwap
+    from foundry_fp8.te import probe
+
+    fake_te()
+    monkeypatch.setattr(probe, "te_builds_without_cuda", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=NO_CUDA):
+        TESwap(backend="te")
+    assert TESwap(backend="emulate").plan is None

@@ -467,14 +467,15 @@ def recompute_inputs(state: State) -> tuple[str, dict[str, Any], int, Version | 
 
 
 def _check_te_environment(recipe: FP8Recipe) -> None:
-    """`backend: te` needs TE (error names `emulate`) and a GPU/TE that can run the recipe;
-    warns where TE's power-of-2 variable disagrees with the recipe."""
+    """`backend: te` needs TE and a CUDA device (errors name `emulate`), and a GPU/TE that can
+    run the recipe; warns where TE's power-of-2 variable disagrees with the recipe."""
     import torch
 
     from foundry_fp8.te import backend, probe
     from foundry_fp8.te.facts import environment_problems
 
     backend.require_te()
+    backend.require_cuda()
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     version = probe.te_version()
     problems = environment_problems(recipe, capability, version)
