@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -52,9 +53,10 @@ WhatIf = Literal["fp8", "high", "fallback"]
 KEEP_OUT = (f"{SWAP}.keep_last_blocks", f"{SWAP}.keep_first_blocks", f"{SWAP}.exclude")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Flag:
-    """One rule broken by one layer's tensor at one logging step."""
+    """One rule broken by one layer's tensor at one logging step. No instance dict: the
+    report keeps every flag of a run (one per flagged tensor and logging step)."""
 
     rule: str  # e.g. "overflow_persistent"
     layer: str
@@ -425,7 +427,9 @@ class HealthTracker:
         for rule, stat, value, limit, cause, key in found:
             new = (layer, tensor, rule) not in self._raised
             self._raised.add((layer, tensor, rule))
-            flags.append(Flag(rule, layer, tensor, step, stat, value, limit, cause, key, new))
+            # the texts shared with this rule's other flags, not copied into each
+            flags.append(Flag(rule, layer, tensor, step, stat, value, sys.intern(limit),
+                              sys.intern(cause), sys.intern(key), new))
         return flags
 
     def _rising(self, values: list[float]) -> bool:
