@@ -5,7 +5,7 @@ with MLflow's client), for `health.loss.compare`. Bad input is one line (ReportE
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -30,7 +30,19 @@ from foundry_fp8.report.read import (
 #: different data and the comparison says less.
 SAME_BATCH_KEYS = ("global_train_batch_size", "seed", "max_seq_len",
                    "train_loader.dataset.remote", "train_loader.dataset.local",
-                   "train_loader.dataset.hf_name", "train_loader.dataset.split")
+                   "train_loader.dataset.hf_name", "train_loader.dataset.split",
+                   "train_loader.dataset.shuffle", "train_loader.dataset.shuffle_seed")
+#: The config sections that make a step the same update in both runs, past its batch: the
+#: optimizer (learning rate, betas, weight decay), the learning-rate schedule and the gradient
+#: clipping, each setting of them. Where one differs, the runs are at other points of their training at a step, and
+#: a loss gap is no FP8 effect (a sweep against one baseline got "check for a label leak").
+SAME_UPDATE_SECTIONS = ("optimizer", "scheduler", "algorithms.gradient_clipping")
+#: The run's length, which the schedule stretches over where one of its times is in `dur` units
+#: (Composer's `_convert_time`, composer/optim/scheduler.py), as `t_max` is by default ('1dur').
+DURATION = "max_duration"
+#: The schedule whose rate after warmup is the same whatever its `t_max` (Composer's
+#: ConstantWithWarmupScheduler: LinearWithWarmupScheduler with alpha_i == alpha_f).
+CONSTANT_SCHEDULE = "constant_with_warmup"
 #: Composer's own name for the seed (composer/trainer/trainer.py logs `rank_zero_seed`).
 COMPOSER_SEED = "rank_zero_seed"
 
@@ -185,16 +197,51 @@ def _setting(config: Mapping[str, Any], key: str) -> Any:
     return value
 
 
+def _differ(ours: Mapping[str, Any], theirs: Mapping[str, Any], keys: Iterable[str]) -> str:
+    """`key a vs b` for each of `keys` both logged with different values (compared as text, as
+    MLflow keeps a param), or ''; DURATION says why it counts."""
+    return ", ".join(f"{key} {a} vs {b}" + (" (the schedule runs over it)" if key == DURATION
+                                             else "") for key in keys
+                     if (a := _setting(ours, key)) is not None
+                     and (b := _setting(theirs, key)) is not None and str(a) != str(b))
+
+
+def _update_keys(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """Each setting of SAME_UPDATE_SECTIONS either run logged (dotted), and DURATION where
+    both runs' schedules read it (`_reads_duration`)."""
+    keys = [f"{section}.{key}" for section in SAME_UPDATE_SECTIONS
+            for config in (ours, theirs) if isinstance(part := _setting(config, section), Mapping)
+            for key in part]
+    if all(_reads_duration(_setting(config, "scheduler")) for config in (ours, theirs)):
+        keys.append(DURATION)
+    return list(dict.fromkeys(keys))
+
+
+def _reads_duration(schedule: Any) -> bool:
+    """Whether a logged `scheduler` section's rate at a step depends on the run's length: one
+    of its times in `dur` units, `t_max` left at its default '1dur' (not in CONSTANT_SCHEDULE,
+    whose `t_max` changes no rate within the run)."""
+    if not isinstance(schedule, Mapping):
+        return False
+    constant = schedule.get("name") == CONSTANT_SCHEDULE
+    times = ("t_warmup",) if constant else [key for key in schedule if str(key).startswith("t_")]
+    return (any(str(schedule.get(key)).endswith("dur") for key in times)
+            or not (constant or "t_max" in schedule))
+
+
 def other_batches(ours: Mapping[str, Any], baseline: Baseline) -> str | None:
-    """Which of SAME_BATCH_KEYS both runs logged with different values (compared as text, as
-    MLflow keeps a param), where any: a step may then not be the same batch in both. `ours`:
-    the run's hyperparameters as the report read them (`read_config`; not read again)."""
+    """Which of SAME_BATCH_KEYS both runs logged with different values, where any: a step may
+    then not be the same batch in both; and which settings of the update (`_update_keys`): the
+    runs are then at other points of training at a step, and a gap between them says nothing
+    of FP8, nor of a label leak. `ours`: the run's hyperparameters as the report read them
+    (`read_config`; not read again)."""
     theirs = baseline.config()
-    differ = [(key, a, b) for key in SAME_BATCH_KEYS
-              if (a := _setting(ours, key)) is not None and (b := _setting(theirs, key)) is not None
-              and str(a) != str(b)]
-    if not differ:
-        return None
-    said = ", ".join(f"{key} {a} vs {b}" for key, a, b in differ)
-    return (f"--baseline {baseline.given} trained on other batches: {said} (this run vs the "
-            "baseline): a step's losses are not of the same data")
+    batches, updates = (_differ(ours, theirs, SAME_BATCH_KEYS),
+                        _differ(ours, theirs, _update_keys(ours, theirs)))
+    said = [f"trained on other batches: {batches} (this run vs the baseline): a step's losses "
+            "are not of the same data" if batches else "",
+            f"trained with another optimizer or learning-rate schedule: {updates} (this run vs "
+            "the baseline): at a step the runs are at other points of training, so the loss gap "
+            "says nothing of FP8 (nor of a label or mask leak); compare with a baseline that differs in FP8 "
+            "alone" if updates else ""]
+    return f"--baseline {baseline.given} " + "; ".join(filter(None, said)) if any(said) else None

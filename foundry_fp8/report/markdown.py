@@ -287,15 +287,18 @@ def fallback_steps(guard: GuardRun | None) -> dict[str, str]:
 TO_FP8 = ", or, to run it in FP8: "
 
 
-def in_high_precision(layer: str, since: str, kept_by: str | None = None) -> str:
+def in_high_precision(layer: str, since: str, kept_by: str | None = None,
+                      whole: bool = False) -> str:
     """The note on a flagged layer that fp8_guard ran in high precision: its FP8 advice only
     matters to bring it back to FP8 (`TO_FP8` then the change, where `runs_in_fp8`). `kept_by`:
     the run's te_swap option that keeps it out of FP8 from the start already (`kept_out`: a run
-    resumed with the fallback's exclude), which it is not told to add again."""
+    resumed with the fallback's exclude), which it is not told to add again. `whole`: the
+    fp8_guard section gives no exclude (`whole_run`), which it is not pointed at."""
     head = (f"fp8_guard ran {layer} in high precision {since} (its statistics there are what-if "
             "numbers); ")
     return head + (f"the run's te_swap {kept_by} keeps it so from the start" if kept_by else
-                   "keep it so from the start with the fp8_guard section's exclude")
+                   "FP8 is not working for the run as a whole (the fp8_guard section)" if whole
+                   else "keep it so from the start with the fp8_guard section's exclude")
 
 
 def to_exclude(guard: GuardRun | None, swap: SwapFilters) -> list[str]:
@@ -336,6 +339,49 @@ def excluded_together(found: list[Finding], fallen: Collection[str],
     if not layers or (len(layers) == 1 and not swap.exclude and not held):
         return None
     return static_yaml(layers | set(held), swap.exclude)
+
+
+#: The share of a run's FP8 layers from which the report advises no exclude: flags on that many
+#: layers are FP8 failing for the whole run, not at a layer, and their exclude leaves (nearly) no
+#: layer in FP8 (none: te_swap converts none, fp8_lint's FP8034 stops the run).
+WHOLE_RUN_SHARE = 0.75
+
+
+def fp8_layers(layers: Collection[str], swap: SwapFilters) -> list[str]:
+    """The run's layers that te_swap's filters put in FP8 (not `kept_out`): those an exclude
+    would take out of it. (Empty, where a caller does not know them: `whole_run` says nothing.)"""
+    return [layer for layer in layers if kept_out(layer, swap) is None]
+
+
+def whole_run(out: Collection[str], fp8: Collection[str], what: str,
+              spike: LossSpike | None = None, flagged: int | None = None) -> str | None:
+    """Said instead of an exclude of the layers `out` where they are WHOLE_RUN_SHARE or more of
+    the run's FP8 layers `fp8` (`what`: what they are), else None: what they have in common is
+    the fix, which the loss's divergence (`spike`, by the first FP8 flag at step `flagged`)
+    points at first."""
+    n, total = len(set(out) & set(fp8)), len(fp8)
+    if not total or n < WHOLE_RUN_SHARE * total:
+        return None
+    left = (f"only {plural(total - n, 'layer')} in FP8" if n < total else
+            "no layer in FP8 (te_swap then converts none and fp8_lint's FP8034 stops the run)")
+    main = spike.main(flagged) if spike is not None else None
+    loss = ("" if main is None else
+            f"the loss {'spikes at' if main.back is not None else 'diverges from'} step "
+            f"{main.step}, ")
+    return (f"FP8 is not working for this run as a whole: {n} of its {total} FP8 layers {what}, "
+            f"and an exclude of them would leave {left}, so none is given. Look at what they "
+            f"share: {loss}the learning rate, te_swap's recipe (`{SWAP}.fp8_recipe`: a shorter "
+            "`amax_history_len`, a `margin`, or `scaling: current`), fp8_stats' thresholds "
+            "(stricter than FP8 holds?), or train without te_swap.")
+
+
+def flagged_whole(found: list[Finding], held: Collection[str], fp8: Collection[str],
+                  spike: LossSpike | None, flags: list[Flag]) -> str | None:
+    """`whole_run` for the flagged layers and those fp8_guard held at the end (`held`), said
+    in place of `excluded_together`'s line."""
+    return whole_run({f.worst.layer for f in found} | set(held), fp8,
+                     "are flagged" + (" or held in high precision" if held else ""), spike,
+                     min((f.step for f in flags), default=None))
 
 
 def filters_of(swap: SwapFilters | str | None) -> SwapFilters:
@@ -427,34 +473,42 @@ REFUSED_HELD = (", with the layers fp8_guard held in high precision at the end, 
 
 
 def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = False,
-            held: Collection[str] = ()) -> list[str]:
+            held: Collection[str] = (), fp8: Collection[str] = ()) -> list[str]:
     """One line per layer fp8_guard wanted to move but its budget kept in FP8 (its record
     `guard.REFUSED_PREFIX` + layer): the run's warning alone left the report saying nothing
     failed. `names`: each layer's label. One exclude for them all and the layers in fallback at
     the end (`held`, `to_exclude`), last: te_swap reads one regex, so one per layer, or one
-    beside the fp8_guard's static YAML, typed in turn kept the last only."""
+    beside the fp8_guard's static YAML, typed in turn kept the last only. Where they are most
+    of the run's FP8 layers `fp8` (`fp8_layers`), `whole_run` instead, and no exclude nor
+    budget to raise (it would hold them all in high precision)."""
     if guard is None or not guard.refusals:
         return []
-    yaml = static_yaml([*(r.layer for r in guard.refusals), *held], guard.exclude)
+    out = [*(r.layer for r in guard.refusals), *held]
+    whole = whole_run(out, fp8, "are refused by fp8_guard's budget or held in high precision"
+                      if held else "are refused by fp8_guard's budget")
+    yaml = static_yaml(out, guard.exclude)
     yaml = md_code(yaml) if markdown else yaml
     one = len(guard.refusals) == 1
     also = f" ({REFUSED_HELD.removeprefix(', ')})" if held else ""
     lines = [f"fp8_guard wanted to move {md_escape(label) if markdown else label} at step "
              f"{r.step} but the budget refused it (share {100 * r.fallback_share:.1f} % > "
-             f"max_fallback_share {100 * r.max_fallback_share:g} %): raise "
-             f"{OPTION}.max_fallback_share or exclude it in te_swap"
-             + (f"{also}: {yaml}" if one else "")
+             f"max_fallback_share {100 * r.max_fallback_share:g} %)" + (
+                 "" if whole else f": raise {OPTION}.max_fallback_share or exclude it in te_swap"
+                 + (f"{also}: {yaml}" if one else ""))
              for r in guard.refusals
              for label in [names.get(r.layer, r.layer)]]
+    if whole:
+        return [*lines, whole]
     intro = f"{REFUSED_TOGETHER}{REFUSED_HELD if held else ''}): "
     return lines if one else [*lines, (md_escape(intro) if markdown else intro) + yaml]
 
 
-def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | None = None
-                  ) -> list[str]:
+def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | None = None,
+                  fp8: Collection[str] = ()) -> list[str]:
     """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time;
     `names`: each layer's label; `swap`: the run's te_swap filters (`to_exclude`; without them
-    its exclude alone, as fp8_guard's records read it)."""
+    its exclude alone, as fp8_guard's records read it); `fp8`: the run's FP8 layers (`refused`,
+    `whole_run`)."""
     lines = ["## fp8_guard", ""]
     share = guard.fp8_share
     shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
@@ -462,13 +516,13 @@ def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | No
               if share else "")
     swap = swap or SwapFilters(exclude=guard.exclude)
     held = to_exclude(guard, swap)  # the static YAML's layers, in the refused one too
-    refusals = [line for r in refused(guard, names, markdown=True, held=held)
+    refusals = [line for r in refused(guard, names, markdown=True, held=held, fp8=fp8)
                 for line in ("", r)]
     unrecorded = unrecorded_fallbacks(guard)
     if unrecorded:
         return [*lines, unrecorded + shares, *refusals]
     if not guard.fallbacks:
-        lines.append(f"fp8_guard watched {len(guard.series)} logging steps and moved no layer to "
+        lines.append(f"fp8_guard watched {plural(len(guard.series), 'logging step')} and moved no layer to "
                      "high precision" + (f" (FP8 share of the linear-GEMM FLOPs: "
                                          f"{100 * share[-1]:.1f} %)." if share else "."))
         return [*lines, *refusals]
@@ -508,6 +562,8 @@ def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | No
         return [*lines, "", "No layer is in fallback at the end of the run.", *refusals]
     if not held:
         return [*lines, *refusals, "", ALREADY_OUT]
+    if whole := whole_run(held, fp8, "are held in high precision at the end"):
+        return [*lines, *refusals, "", whole]
     return [*lines, *refusals, "", "The layers in fallback at the end in high precision from the start, next "
             "time (te_swap keeps them in high precision; fp8_guard then has nothing to switch):",
             "", "```yaml", static_yaml(held, swap.exclude), "```"]
@@ -582,9 +638,10 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     swap = swap or SwapFilters(exclude=guard.exclude if guard is not None else None)
     prefix = common_prefix(run.layers)
     names = layer_names(run, guard)
+    fp8 = fp8_layers(run.layers, swap)
     kinds = short_names(run.tensors)
-    shape = (f"{len(run.layers)} layers x {len(run.tensors)} tensors "
-             f"({md_escape(', '.join(kinds.values()))}), {len(run.steps)} logging steps "
+    shape = (f"{plural(len(run.layers), 'layer')} x {plural(len(run.tensors), 'tensor')} "
+             f"({md_escape(', '.join(kinds.values()))}), {plural(len(run.steps), 'logging step')} "
              f"({run.steps[0]} to {run.steps[-1]}); statistics: "
              f"{md_escape(', '.join(short_names(run.stats).values()))}.")
     if prefix:
@@ -594,9 +651,9 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     lines = ["# FP8 health report", "", shape, "", "## Flagged", "",
              f"Thresholds from {t.source}: underflow > {t.max_underflow_pct:g} %, cos_sim < "
              f"{t.min_cos_sim:g}, any NaN/Inf, at once; overflow > {t.max_overflow_pct:g} % with "
-             f"scale_ratio > {t.clip_ratio:.3g} for {t.persist_steps} logging steps in a row, or "
+             f"scale_ratio > {t.clip_ratio:.3g} for {plural(t.persist_steps, 'logging step')} in a row, or "
              f"with scale_ratio >= {t.spike_ratio:g} at once; gradient underflow rising "
-             f"{t.persist_steps} logging steps in a row. The same rules warn during the run.", ""]
+             f"{plural(t.persist_steps, 'logging step')} in a row. The same rules warn during the run.", ""]
     found = findings(run, flags)
     fallen = fallback_steps(guard)
     if found:
@@ -607,6 +664,8 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         lines += [departure(loss[1], flags, names, run, loss[0], markdown=True), ""]
     rows = grouped(found, fallen)
     shared = [f for group in rows if len(group) > 1 for f in group]
+    held = to_exclude(guard, swap)
+    no_static = whole_run(held, fp8, "") is not None  # the fp8_guard section's YAML (held)
 
     def row(group: list[Finding]) -> str:
         f = group[0]
@@ -617,7 +676,8 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         elif w.layer in fallen:
             since = fallen[w.layer]
             layer += f" (high precision {since}: fp8_guard)"
-            change = md_escape(in_high_precision("it", since, kept_out(w.layer, swap))) + (
+            change = md_escape(in_high_precision("it", since, kept_out(w.layer, swap),
+                                                 no_static)) + (
                 f"{TO_FP8}{change}" if runs_in_fp8(w.yaml_key) else "")
         return (f"| {layer} | {md_escape(kinds[w.tensor])} | {md_escape(bounded(w.stat))} | "
                 f"{values_said(group)} ({f.worst_at()}) | {f.first_step} | "
@@ -626,8 +686,9 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
 
     if found:
         lines += [FLAGGED_HEAD, *map(row, rows)]
-        held = to_exclude(guard, swap)
-        if together := excluded_together(found, fallen, swap, held):
+        if whole := flagged_whole(found, held, fp8, spike, flags):
+            lines += ["", whole]
+        elif together := excluded_together(found, fallen, swap, held):
             # a code span outside a table keeps `|` and backslashes literal (md_code is a cell's)
             shown = (md_escape(together) if any(c in together for c in "`\n\r")
                      else f"`{together}`")
@@ -640,7 +701,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     else:
         lines.append(nothing_judged(run) or "No layer crosses a threshold.")
     if guard is not None:
-        lines += ["", *guard_section(guard, names, swap)]
+        lines += ["", *guard_section(guard, names, swap, fp8)]
     lines += ["", "## Worst layers (by their mean over the judged logging steps)", ""]
     whatif = whatif_rows(run)
     for stat in (s for s in run.stats if spec(s).worse and spec(s).listed):
@@ -678,6 +739,11 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
     return "\n".join(lines)
 
 
+def plural(count: int, word: str) -> str:
+    """`1 step`, `2 steps`: a count and its noun (a regular plural)."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 #: Flagged layer tensors up to the loss's departure the line names (the rest are counted).
 DEPARTURE_SHOWN = 5
 
@@ -697,8 +763,10 @@ def measured_gap(cmp: LossComparison) -> str:
     said += f"; {_pct(cmp.last_gap)} at step {last})." if len(cmp.window) > 1 else ")."
     if cmp.mean_gap < -cmp.max_gap:
         said += (f" The run's loss is more than {100 * cmp.max_gap:g} % below the baseline's: "
-                 "FP8 does not train that much better on the same batches; check for a label or "
-                 "mask leak, or that both runs saw the same data.")
+                 "FP8 does not train that much better than the same training in high precision; "
+                 "check first that the runs differ in FP8 alone (the same batches, optimizer, "
+                 "learning-rate schedule and max_duration: a warning names the logged settings "
+                 "that differ), then for a label or mask leak.")
     return said
 
 
@@ -722,9 +790,10 @@ def departure(cmp: LossComparison, flags: list[Flag], names: dict[str, str], run
     else:
         short = ""
     if cmp.departed is None or cmp.loss is None or cmp.base is None:
-        return (f"Loss vs the baseline {base}: no divergence at the {len(cmp.steps)} compared "
-                f"steps ({cmp.steps[0]} to {cmp.steps[-1]}; never {limit} at "
-                f"{cmp.gap_steps} compared steps in a row, nor NaN/Inf){short}. "
+        return (f"Loss vs the baseline {base}: no divergence at the "
+                f"{plural(len(cmp.steps), 'compared step')} ({cmp.steps[0]} to {cmp.steps[-1]}; "
+                f"never {limit} at {plural(cmp.gap_steps, 'compared step')} in a row, nor "
+                f"NaN/Inf){short}. "
                 f"{measured_gap(cmp)}")
     step = cmp.departed
     gap = (f"{100 * (cmp.loss - cmp.base) / abs(cmp.base):+.3g} %" if math.isfinite(cmp.loss)
@@ -746,8 +815,8 @@ def departure(cmp: LossComparison, flags: list[Flag], names: dict[str, str], run
     back = (f" Back within {100 * cmp.max_gap:g} % from step {cmp.back} on."
             if cmp.back is not None else "")
     return (f"Loss departs from the baseline {base} at step {step}: {number(cmp.loss)} vs "
-            f"{number(cmp.base)} ({gap}; {limit} at {cmp.gap_steps} compared steps in a row, "
-            f"or NaN/Inf; {len(cmp.steps)} steps compared{short}).{back} {measured_gap(cmp)} "
+            f"{number(cmp.base)} ({gap}; {limit} at {plural(cmp.gap_steps, 'compared step')} in "
+            f"a row, or NaN/Inf; {plural(len(cmp.steps), 'step')} compared{short}).{back} {measured_gap(cmp)} "
             f"{flagged}")
 
 
@@ -825,11 +894,11 @@ def _spike_line(sp: LossSpike, flags: list[Flag]) -> str:
     if first is None:
         said += "; no FP8 flag in the run: look beyond FP8 (data, learning rate) first."
     elif first < main.step:
-        said += f", {main.step - first} steps after the first FP8 flag (step {first})."
+        said += f", {plural(main.step - first, 'step')} after the first FP8 flag (step {first})."
     elif first == main.step:
         said += ", at the step of the first FP8 flag."
     else:
-        said += (f", {first - main.step} steps before the first FP8 flag (step {first}): the "
+        said += (f", {plural(first - main.step, 'step')} before the first FP8 flag (step {first}): the "
                  "loss went first.")
     if main.back is not None:
         said += f" Back within the ratio at step {main.back}."
@@ -841,6 +910,6 @@ def _spike_line(sp: LossSpike, flags: list[Flag]) -> str:
             named = ", ".join(f"{s.step} (back at {s.back})" for s in spikes[:SPIKES_NAMED])
             more = (f" and {len(spikes) - SPIKES_NAMED} more" if len(spikes) > SPIKES_NAMED
                     else "")
-            said += (f" {len(spikes)} spike{'s' if len(spikes) > 1 else ''} {where} it, "
+            said += (f" {plural(len(spikes), 'spike')} {where} it, "
                      f"recovered: at step{'s' if len(spikes) > 1 else ''} {named}{more}.")
     return said
