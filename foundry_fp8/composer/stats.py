@@ -219,6 +219,8 @@ class FP8Stats(Callback):
         self._step = 0
         #: this fit has logged nothing yet and was not told so at FIT_START (`_say_unlogged`)
         self._unlogged = False
+        self._judged_from = 0  # this fit's first step whose statistics can be judged
+        self._step0_unjudged = False  # a fresh fit under delayed scaling (`_fit_start`)
         self._te_metrics: dict[str, float] = {}
         #: Layers fp8_guard runs in high precision now (names as in the keys), kept current by
         #: the guard: their what-if rows stay out of the summary series, and the table says so.
@@ -391,8 +393,17 @@ class FP8Stats(Callback):
             self.te_debug.resume()
             # TE's debug iteration counts from 0; a resume (or reset_time) starts elsewhere
             self.te_debug.start_at(int(state.timestamp.batch))
-        last = last_batch(state)
-        first = self.schedule.next_log(int(state.timestamp.batch) - 1)
+        last, at = last_batch(state), int(state.timestamp.batch)
+        # delayed scaling (te_swap's or Composer's recipe, else the what-if's) casts a fresh
+        # run's step 0 at its initial scale 1 (no amax recorded yet): a logging step there
+        # judges nothing, so it does not count
+        from foundry_fp8.composer.state import run_recipe  # state -> guard -> this module
+
+        # (a State driven by hand, outside a Trainer, may have no algorithms or precision)
+        recipe = (run_recipe(state) if hasattr(state, "precision") else None) or config.recipe
+        self._step0_unjudged = at == 0 and getattr(recipe, "scaling", None) == "delayed"
+        self._judged_from = at + self._step0_unjudged
+        first = self.schedule.next_log(self._judged_from - 1)
         # a duration Composer counts otherwise (tokens, samples) is judged at FIT_END
         self._unlogged = True
         if last is not None and (first is None or first > last):
@@ -401,12 +412,17 @@ class FP8Stats(Callback):
                 self._say_unlogged(last, ended=False)
 
     def _say_unlogged(self, last: int, ended: bool) -> None:
-        """No logging step in this fit: said at FIT_START where its last batch is known
-        (`last_batch`), else at FIT_END, where it was silent before (`max_duration` in tokens
-        or samples: no series, no summary, no word)."""
-        log.warning("fp8_stats: %s (it %s after batch %d; interval %s, start %d, end %s): lower "
+        """No logging step in this fit that judges anything: said at FIT_START where its last
+        batch is known (`last_batch`), else at FIT_END, where it was silent before
+        (`max_duration` in tokens or samples: no series, no summary, no word). Under delayed
+        scaling a fresh run's step 0 alone judges nothing (`_judged_from`): every row of the
+        summary ended "Never judged", with no word before."""
+        initial = self._step0_unjudged and self.schedule.next_log(-1) == 0
+        log.warning("fp8_stats: %s%s (it %s after batch %d; interval %s, start %d, end %s): lower "
                     "callbacks.fp8_stats.interval or start to see FP8 statistics",
                     "this run logged no FP8 statistics" if ended else "no logging step in this run",
+                    " but step 0, which delayed scaling casts with its initial scale 1 (no amax "
+                    "recorded yet), so no layer is judged" if initial else "",
                     "ended" if ended else "ends", last, self.schedule.interval,
                     self.schedule.start, self.schedule.end)
 
@@ -455,7 +471,7 @@ class FP8Stats(Callback):
             te_metrics = dict(self._te_metrics)
             self._te_metrics.clear()
         if metrics:
-            self._unlogged = False
+            self._unlogged &= self._step < self._judged_from
             self._recent.append((self._step, marked(heatmap_rows(self.monitor.table), {
                 HIGH_PRECISION: self.monitor.high_rows | self.monitor.fallback_rows,
                 UNCAST: self.monitor.uncast_rows}),
