@@ -79,6 +79,7 @@ from foundry_fp8.numerics import (
 )
 from foundry_fp8.numerics import amax as te_amax
 from foundry_fp8.options import MonitorConfig, Schedule
+from foundry_fp8.paths import DUMP_FILE
 from foundry_fp8.recipe import RecipeError
 from foundry_fp8.swap import attention_out_projs, conv1d_features
 from foundry_fp8.te import probe
@@ -992,7 +993,7 @@ class FP8Monitor:
         assert step.step is not None and self.config.dump_folder is not None
         rank = torch.distributed.get_rank() if multi_rank() else 0
         folder = Path(self.config.dump_folder)
-        path = folder / f"step{step.step:07d}-rank{rank}.safetensors"
+        path = folder / DUMP_FILE.format(step=step.step, rank=rank)
         if not step.dump:  # no empty file: a reader would take it for a dump
             self._warn_nothing_dumped(step, path)
             return

@@ -34,6 +34,10 @@ DUMP_FOLDER = "fp8_dumps"
 #: folder, POSIX-style; absolute where the dumps lie outside it. A plain Composer run logs no
 #: config holding `dump_folder`, so the report finds its dumps from this alone.
 DUMP_FOLDER_KEY = "fp8/dump_folder"
+#: One dump of fp8_stats: a step's tensors of one rank (`monitor.FP8Monitor._write_dump`).
+DUMP_FILE = "step{step:07d}-rank{rank}.safetensors"
+#: Every dump `DUMP_FILE` names, as a glob.
+EVERY_DUMP = "step[0-9]*-rank[0-9]*.safetensors"
 #: The (key, template, run folder) whose repeated run folder was said: once, not at every fit.
 _SAID: set[tuple[str, str, str]] = set()
 

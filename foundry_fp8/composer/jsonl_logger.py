@@ -9,9 +9,10 @@ import errno
 import json
 import logging
 import operator
+import os
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from composer.core import State
@@ -30,7 +31,14 @@ from foundry_fp8.jsonl import (
 )
 from foundry_fp8.jsonl import step as logged_step
 from foundry_fp8.options import build
-from foundry_fp8.paths import in_run_folder, run_folder, safe_run_name, say_repeated
+from foundry_fp8.paths import (
+    DUMP_FOLDER_KEY,
+    EVERY_DUMP,
+    in_run_folder,
+    run_folder,
+    safe_run_name,
+    say_repeated,
+)
 
 log = logging.getLogger(__name__)
 
@@ -228,13 +236,24 @@ class JSONLLogger(LoggerDestination):
                         "this run appends to them (loggers.jsonl.strict: true makes this an "
                         "error)", path, aside, _reason(e))
             return
-        if earlier[1] is not None:
-            self._guard(lambda: write_atomically(hparams_aside, earlier[1]), hparams_aside)
+        hparams_text, dumps = earlier[1], ""
+        if hparams_text is not None:
+            try:
+                hparams_text, dumps = _dumps_aside(hparams_text, path.parent, n)
+            except OSError as e:
+                if self.strict:
+                    raise
+                log.warning("jsonl logger: cannot move an earlier run's fp8_stats dumps to a "
+                            "folder %d beside them (%s); this run's dumps replace those of the "
+                            "same steps (loggers.jsonl.strict: true makes this an error)", n,
+                            _reason(e))
+            text = hparams_text
+            self._guard(lambda: write_atomically(hparams_aside, text), hparams_aside)
         log.warning("jsonl logger: %s held the records of an earlier run named %r; this run "
                     "starts at batch 0, so they were moved to %s%s and %s holds this run's "
                     "records only", path, state.run_name, aside,
-                    f" (its hparams.json to {hparams_aside.name})" if earlier[1] is not None
-                    else "", path.name)
+                    f" (its hparams.json to {hparams_aside.name}{dumps})"
+                    if hparams_text is not None else "", path.name)
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.sink is not None and not self.stopped:
@@ -383,6 +402,41 @@ def _earlier_run(path: Path, hparams: Path) -> tuple[int, str | None]:
     except (OSError, UnicodeDecodeError):
         return 0, None
     return size, text
+
+
+def _dumps_aside(hparams: str, folder: Path, n: int) -> tuple[str, str]:
+    """Move an earlier run's fp8_stats dumps, in the folder its hparams.json records
+    (`paths.DUMP_FOLDER_KEY`, relative to `folder`, the metrics file's), into `<that folder>/<n>/`,
+    beside its records set aside as `metrics.<n>.jsonl`: the new run writes the same file names
+    there, and the earlier run's report read the new ones. Returns hparams.json's text with the
+    record naming the new folder (where the report looks first) and what to say; the text as it
+    was and "" where nothing moved: no record, a folder outside `folder` (an absolute
+    `dump_folder`, perhaps shared by other runs), no dump. A file already in `<n>/` is never
+    replaced (left where it is)."""
+    try:
+        params = json.loads(hparams)
+    except ValueError:
+        return hparams, ""
+    record = params.get(DUMP_FOLDER_KEY) if isinstance(params, dict) else None
+    if (not isinstance(record, str) or not record or "\x00" in record
+            or PurePosixPath(record).is_absolute() or ".." in PurePosixPath(record).parts):
+        return hparams, ""
+    dumps = folder / record
+    files = sorted(dumps.glob(EVERY_DUMP))
+    if not files:
+        return hparams, ""
+    aside = dumps / str(n)
+    aside.mkdir(exist_ok=True)
+    moved = 0
+    for file in files:
+        if not (aside / file.name).exists():
+            os.rename(file, aside / file.name)
+            moved += 1
+    if not moved:
+        return hparams, ""
+    params[DUMP_FOLDER_KEY] = (PurePosixPath(record) / str(n)).as_posix()
+    return (json.dumps(params, indent=2),
+            f", its {moved} fp8_stats dump{'' if moved == 1 else 's'} to {aside}")
 
 
 def state_run_folder(state: State) -> Path:

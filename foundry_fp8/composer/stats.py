@@ -47,7 +47,13 @@ from foundry_fp8.monitor import (
 )
 from foundry_fp8.numerics import STAT_KEYS
 from foundry_fp8.options import MonitorConfig, Schedule, build
-from foundry_fp8.paths import DUMP_FOLDER, DUMP_FOLDER_KEY, in_run_folder, say_repeated
+from foundry_fp8.paths import (
+    DUMP_FILE,
+    DUMP_FOLDER,
+    DUMP_FOLDER_KEY,
+    in_run_folder,
+    say_repeated,
+)
 from foundry_fp8.te.debug import (
     TEDebugSession,
     layer_pattern,
@@ -219,6 +225,10 @@ class FP8Stats(Callback):
         self._step = 0
         #: this fit has logged nothing yet and was not told so at FIT_START (`_say_unlogged`)
         self._unlogged = False
+        self._judged_from = 0  # this fit's first step whose statistics can be judged
+        self._step0_unjudged = False  # a fresh fit under delayed scaling (`_fit_start`)
+        self._dumps_checked = False  # an earlier run's dumps looked for (`_say_replaced`): once
+        self._dumps_to_check: tuple[Path, int | None] | None = None  # (folder, last batch)
         self._te_metrics: dict[str, float] = {}
         #: Layers fp8_guard runs in high precision now (names as in the keys), kept current by
         #: the guard: their what-if rows stay out of the summary series, and the table says so.
@@ -391,22 +401,40 @@ class FP8Stats(Callback):
             self.te_debug.resume()
             # TE's debug iteration counts from 0; a resume (or reset_time) starts elsewhere
             self.te_debug.start_at(int(state.timestamp.batch))
-        last = last_batch(state)
-        first = self.schedule.next_log(int(state.timestamp.batch) - 1)
+        last, at = last_batch(state), int(state.timestamp.batch)
+        # delayed scaling (te_swap's or Composer's recipe, else the what-if's) casts a fresh
+        # run's step 0 at its initial scale 1 (no amax recorded yet): a logging step there
+        # judges nothing, so it does not count
+        from foundry_fp8.composer.state import run_recipe  # state -> guard -> this module
+
+        # (a State driven by hand, outside a Trainer, may have no algorithms or precision)
+        recipe = (run_recipe(state) if hasattr(state, "precision") else None) or config.recipe
+        self._step0_unjudged = at == 0 and getattr(recipe, "scaling", None) == "delayed"
+        self._judged_from = at + self._step0_unjudged
+        first = self.schedule.next_log(self._judged_from - 1)
         # a duration Composer counts otherwise (tokens, samples) is judged at FIT_END
         self._unlogged = True
         if last is not None and (first is None or first > last):
             self._unlogged = False  # said now
             if _is_rank_zero():
                 self._say_unlogged(last, ended=False)
+        if dumps is not None and at == 0 and not self._dumps_checked:
+            # at the first batch: the jsonl logger sets an earlier run aside at its FIT_START,
+            # which Composer runs after the other callbacks' (composer/core/engine.py)
+            self._dumps_checked, self._dumps_to_check = True, (dumps, last)
 
     def _say_unlogged(self, last: int, ended: bool) -> None:
-        """No logging step in this fit: said at FIT_START where its last batch is known
-        (`last_batch`), else at FIT_END, where it was silent before (`max_duration` in tokens
-        or samples: no series, no summary, no word)."""
-        log.warning("fp8_stats: %s (it %s after batch %d; interval %s, start %d, end %s): lower "
+        """No logging step in this fit that judges anything: said at FIT_START where its last
+        batch is known (`last_batch`), else at FIT_END, where it was silent before
+        (`max_duration` in tokens or samples: no series, no summary, no word). Under delayed
+        scaling a fresh run's step 0 alone judges nothing (`_judged_from`): every row of the
+        summary ended "Never judged", with no word before."""
+        initial = self._step0_unjudged and self.schedule.next_log(-1) == 0
+        log.warning("fp8_stats: %s%s (it %s after batch %d; interval %s, start %d, end %s): lower "
                     "callbacks.fp8_stats.interval or start to see FP8 statistics",
                     "this run logged no FP8 statistics" if ended else "no logging step in this run",
+                    " but step 0, which delayed scaling casts with its initial scale 1 (no amax "
+                    "recorded yet), so no layer is judged" if initial else "",
                     "ended" if ended else "ends", last, self.schedule.interval,
                     self.schedule.start, self.schedule.end)
 
@@ -421,6 +449,10 @@ class FP8Stats(Callback):
             self.te_debug.resume()
 
     def _batch_start(self, state: State, logger: Logger) -> None:
+        if self._dumps_to_check is not None:
+            (dumps, last), self._dumps_to_check = self._dumps_to_check, None
+            _say_replaced(dumps, self.schedule.dump_steps, last,  # type: ignore[arg-type]
+                          state.run_name)
         if self.monitor is not None:
             self._step = int(state.timestamp.batch)
             self.monitor.start_step(self._step)
@@ -455,7 +487,7 @@ class FP8Stats(Callback):
             te_metrics = dict(self._te_metrics)
             self._te_metrics.clear()
         if metrics:
-            self._unlogged = False
+            self._unlogged &= self._step < self._judged_from
             self._recent.append((self._step, marked(heatmap_rows(self.monitor.table), {
                 HIGH_PRECISION: self.monitor.high_rows | self.monitor.fallback_rows,
                 UNCAST: self.monitor.uncast_rows}),
@@ -720,6 +752,24 @@ def auto_retries(state: State) -> bool:
     that did not fit and fp8_stats switched off for the run. With a fixed size no retry helps:
     the error stays ours (fp8_stats off, training goes on)."""
     return bool(getattr(state, "auto_microbatching", False))
+
+
+def _say_replaced(dumps: Path, steps: Iterable[int], last: int | None, run_name: str) -> None:
+    """A fresh run's dumps replace an earlier run's of the same steps in `dumps`, unless the
+    jsonl logger moved those aside with that run's records (`jsonl_logger._dumps_aside`; not
+    without it, nor for a folder outside the run folder, nor for another node's local folder):
+    said by each rank of its own files, before they are gone."""
+    rank = dist.get_global_rank()
+    found = [path for step in sorted(set(steps)) if last is None or step <= last
+             if (path := dumps / DUMP_FILE.format(step=step, rank=rank)).is_file()]
+    if found:
+        log.warning("fp8_stats: %s holds %d dump%s of an earlier run (%s%s) that this run, "
+                    "named %r and starting at batch 0, writes again: they will be replaced. "
+                    "Only where the jsonl logger moves the earlier run's records aside are its "
+                    "dumps moved with them; give this run its own run_name or "
+                    "callbacks.fp8_stats.dump_folder to keep them", dumps, len(found),
+                    "" if len(found) == 1 else "s", found[0].name,
+                    ", ..." if len(found) > 1 else "", run_name)
 
 
 def dump_record(dumps: Path, base: Path) -> str:
