@@ -389,13 +389,15 @@ def fp8_stats_filter_does_nothing(config: Mapping[str, Any],
       why="fp8_stats logs and dumps at the batch count a batch starts at: 0 to max_duration - 1 "
       "(`foundry_fp8.composer.stats.last_batch`), so a dump step of max_duration or more never "
       "comes and saves nothing, silently. A schedule with no logging step in the run logs no "
-      "FP8 statistics (the run warns at FIT_START). Judged where max_duration is a number of "
-      "batches (`1000ba`); the schedule's own `next_log` decides.",
+      "FP8 statistics (the run warns at FIT_START); under delayed scaling (te_swap's recipe, or "
+      "amp_fp8's) a schedule whose only step in the run is 0 judges nothing either: step 0 casts "
+      "at the initial scale 1. Judged where max_duration is a number of batches (`1000ba`); the "
+      "schedule's own `next_log` decides.",
       source="foundry_fp8/options.py Schedule.dumps, next_log; foundry_fp8/composer/stats.py "
       "last_batch, _fit_start, _say_unlogged; "
       f"{COMPOSER} composer/core/time.py (an int max_duration is epochs)",
       fix="dump steps below max_duration's batch count; a start and interval that reach a "
-      "batch before the run's end")
+      "batch before the run's end (after step 0 under delayed scaling)")
 def fp8_stats_schedule_misses_the_run(config: Mapping[str, Any],
                                       ctx: LintContext) -> Iterator[Hit]:
     stats = section(section(config, "callbacks"), "fp8_stats")
@@ -415,12 +417,27 @@ def fp8_stats_schedule_misses_the_run(config: Mapping[str, Any],
                   f"{last}, so {'they save' if len(missed) > 1 else 'it saves'} nothing",
                   fix=f"dump steps from 0 to {last}")
     first = schedule.next_log(-1)
-    if first is None or first > last:
-        key = "end" if first is None and "end" in stats else \
+    # delayed scaling casts a fresh run's step 0 at its initial scale 1: it judges nothing
+    # (the run says so at FIT_START, foundry_fp8.composer.stats `_judged_from`)
+    step0_only = first == 0 and _run_scaling(config) == "delayed"
+    judged = schedule.next_log(0) if step0_only else first
+    if judged is None or judged > last:
+        key = "end" if judged is None and "end" in stats else \
             "start" if "start" in stats and schedule.start > last else "interval"
-        yield Hit(f"{path}.{key}", f"fp8_stats logs at no batch of this run (interval "
+        what = ("no other batch", "only step 0, which delayed scaling casts with its initial "
+                "scale 1: no layer is judged") if step0_only else \
+            ("no batch", "no FP8 statistics at all")
+        yield Hit(f"{path}.{key}", f"fp8_stats logs at {what[0]} of this run (interval "
                   f"{schedule.interval}, start {schedule.start}, end {schedule.end}; max_duration "
-                  f"{duration!r}: batches 0 to {last}): no FP8 statistics at all")
+                  f"{duration!r}: batches 0 to {last}): {what[1]}")
+
+
+def _run_scaling(config: Mapping[str, Any]) -> str | None:
+    """The scaling of the run's FP8 modules as `composer.state.run_recipe` reads it from a
+    built run: te_swap's recipe, else Composer's DelayedScaling under amp_fp8."""
+    if "te_swap" in section(config, "algorithms"):
+        return getattr(getattr(te_swap_options(config), "fp8_recipe", None), "scaling", None)
+    return "delayed" if config.get("precision") == "amp_fp8" else None
 
 
 @rule("FP8059", "warning", "te_swap options that change nothing: `fuse_ln_mlp` or "
