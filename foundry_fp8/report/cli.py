@@ -394,8 +394,8 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     dump = first_dump(flags, run, loaded)
     chosen = choose_layers(run, matching, (first.layer, first.step) if first else None)
     if not chosen:
-        raise ReportError(f"--layers {layers!r} matches no layer ({plural(len(run.layers), 'layer')} "
-                          f"in the run, e.g. {elide(run.layers[0])!r})")
+        raise ReportError(f"--layers {layers!r} matches none of the "
+                          f"{plural(len(run.layers), 'layer')} (e.g. {elide(run.layers[0])!r})")
     given, out = out, out or folder
     _out_folder(out)
     written: list[Path] = []
