@@ -46,8 +46,15 @@ from foundry_fp8.health import (
     md_escape,
     nonfinite,
 )
-from foundry_fp8.health.rules import NONFINITE_CHANGE, NOT_CLIPPED, cast_place, layers_regex
+from foundry_fp8.health.rules import (
+    NONFINITE_CHANGE,
+    NOT_CLIPPED,
+    SWAP,
+    cast_place,
+    layers_regex,
+)
 from foundry_fp8.health.specs import known_first
+from foundry_fp8.health.table import plural
 from foundry_fp8.options import FP8GuardOptions as GuardConfig
 
 Table = Mapping[tuple[str, str], Mapping[str, float]]
@@ -571,11 +578,15 @@ class GuardCore:
     def _over_budget(self, step: int, refused: list[str]) -> str:
         wanted = sum(self.flops[layer] for layer in refused) / (self.initial_share or 1)
         kept = ", ".join(self.fallbacks) or "none"
+        # most layers out: a budget that held them all would leave (nearly) no FP8 to run
+        whole = whole_run([*self.held, *self.refusals], self.flops,
+                          "are held in high precision or refused by the budget")
         return (f"fp8_guard: at step {step}, {', '.join(refused)} would also fall back, putting "
                 f"{100 * (self.fallback_share + wanted):.1f} % of the FP8 FLOPs in high precision,"
                 f" over {OPTION}.max_fallback_share = {100 * self.config.max_fallback_share:g} %"
-                f" (already in fallback: {kept}). FP8 is not working for this model: check the "
-                f"recipe and the learning rate, or raise {OPTION}.max_fallback_share")
+                f" (already in fallback: {kept}). " + (whole or (
+                    f"FP8 is not working for this model: check the recipe and the learning "
+                    f"rate, or raise {OPTION}.max_fallback_share")))
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: the fallbacks and the tables the tracker's streaks depend on."""
@@ -633,6 +644,32 @@ class GuardCore:
         if "stale_since" in state:  # else (an earlier version's) as the replayed rows give them
             self._stale_since = {(_text(layer), _text(tensor)): _integer(step)
                                  for layer, tensor, step in state["stale_since"]}
+
+
+#: The share of a run's FP8 layers from which no exclude (nor a larger fallback budget) is
+#: advised, live (fp8_guard) and in `foundry-fp8 report` alike: trouble on that many layers is
+#: FP8 failing for the whole run, not at a layer, and their exclude leaves (nearly) no layer in
+#: FP8 (none: te_swap converts none, fp8_lint's FP8034 stops the run).
+WHOLE_RUN_SHARE = 0.75
+
+
+def whole_run(out: Collection[str], fp8: Collection[str], what: str, loss: str = "",
+              count: int = 0) -> str | None:
+    """Said instead of an exclude of the layers `out` where they are WHOLE_RUN_SHARE or more of
+    the run's FP8 layers `fp8` (`what`: what they are), else None (and where `fp8` is empty: a
+    caller that does not know them): what they have in common is the fix; `loss`, the loss's
+    own divergence, is named first where a caller knows it. `count`: the run's FP8 layers where
+    more than `fp8` names (a report of an fp8_stats that watched some of them only)."""
+    n, total = len(set(out) & set(fp8)), max(len(set(fp8)), count)
+    if not total or n < WHOLE_RUN_SHARE * total:
+        return None
+    left = (f"only {plural(total - n, 'layer')} in FP8" if n < total else
+            "no layer in FP8 (te_swap then converts none and fp8_lint's FP8034 stops the run)")
+    return (f"FP8 is not working for this run as a whole: {n} of its {total} FP8 layers {what}, "
+            f"and an exclude of them would leave {left}, so none is given. Look at what they "
+            f"share: {loss}the learning rate, te_swap's recipe (`{SWAP}.fp8_recipe`: a shorter "
+            "`amax_history_len`, a `margin`, or `scaling: current`), fp8_stats' thresholds "
+            "(stricter than FP8 holds?), or train without te_swap.")
 
 
 def exclude_regex(layers: Iterable[str], existing: str | None = None) -> str:

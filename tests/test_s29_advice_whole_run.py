@@ -15,8 +15,8 @@ from torch import nn
 
 from foundry_fp8.cli import main
 from foundry_fp8.filters import search
+from foundry_fp8.health import plural
 from foundry_fp8.options import SwapConfig
-from foundry_fp8.report.markdown import plural
 from tests.tiny_run import run_folder, run_tiny
 
 OPTION = f"{SwapConfig.PATH}.exclude"

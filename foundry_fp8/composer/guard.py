@@ -39,6 +39,7 @@ from foundry_fp8.guard import (
     render_fallbacks,
     repromotion_message,
     static_yaml,
+    whole_run,
 )
 from foundry_fp8.health import TENSORS, short_layer
 from foundry_fp8.health.rules import model_blocks
@@ -384,7 +385,9 @@ class FP8Guard(Callback):
         table = render_fallbacks([*core.ended, *core.fallbacks.values()], core.fp8_flops_share,
                                  core.repromotions)
         # a fallback outside FP8 in this run is already kept out of it by te_swap's exclude
-        next_time = (f"Next time: {static_yaml(core.held, self._exclude)}" if core.held else
+        whole = whole_run(core.held, core.flops, "are held in high precision at the end")
+        next_time = (whole if whole else
+                     f"Next time: {static_yaml(core.held, self._exclude)}" if core.held else
                      "te_swap already keeps the layers in fallback out of FP8." if core.fallbacks
                      else "No layer is in fallback at the end of the run.")
         print(f"foundry_fp8 fp8_guard: layers moved to high precision\n{table}\n{next_time}",

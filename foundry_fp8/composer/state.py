@@ -41,7 +41,7 @@ from foundry_fp8.fp8_meta import (
     write_fp8_meta,
 )
 from foundry_fp8.guard import Fallback
-from foundry_fp8.health import short_layer
+from foundry_fp8.health import plural, short_layer
 from foundry_fp8.options import build
 from foundry_fp8.recipe import (
     COMPOSER_DEFAULT_HISTORY,
@@ -469,15 +469,15 @@ class FP8State(Callback):
         if weights_only:
             back = [layer for layer in weights_fallbacks if layer not in out_of_fp8]
             if back:
-                log.warning("fp8_state: %s: fp8_guard held %d layers in high precision (%s); "
+                log.warning("fp8_state: %s: fp8_guard held %s in high precision (%s); "
                             "a weights-only load does not keep its fallbacks, so they run in "
-                            "FP8 again", state.load_path, len(back), ", ".join(back))
+                            "FP8 again", state.load_path, plural(len(back), "layer"), ", ".join(back))
             return
         fallbacks = [layer for layer in _guard_fallbacks(entries) if layer not in out_of_fp8]
         if fallbacks and not any(isinstance(c, FP8Guard) for c in state.callbacks):
-            log.warning("fp8_state: %s: fp8_guard held %d layers in high precision (%s); this "
+            log.warning("fp8_state: %s: fp8_guard held %s in high precision (%s); this "
                         "run has no fp8_guard, so they run in FP8 again", state.load_path,
-                        len(fallbacks), ", ".join(fallbacks))
+                        plural(len(fallbacks), "layer"), ", ".join(fallbacks))
 
     def _watch(self) -> None:
         assert self._model is not None

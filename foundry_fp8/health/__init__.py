@@ -17,12 +17,12 @@ from foundry_fp8.health.keys import (
 )
 from foundry_fp8.health.rules import Flag, HealthTracker, WhatIf, nonfinite, summary_metrics
 from foundry_fp8.health.specs import SPECS, StatSpec, badness, spec, worse_of
-from foundry_fp8.health.table import md_escape, render_table
+from foundry_fp8.health.table import md_escape, plural, render_table
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
 
 __all__ = [
     "DEFAULT_THRESHOLDS", "INITIAL_SCALE", "SPECS", "SUMMARIES", "TENSORS", "Flag",
     "HealthTracker", "RunMetrics", "StatSpec", "Thresholds", "WhatIf", "badness", "collect",
-    "direction", "layer_key", "md_escape", "nonfinite", "parse_key", "render_table", "short_layer", "spec",
+    "direction", "layer_key", "md_escape", "nonfinite", "parse_key", "plural", "render_table", "short_layer", "spec",
     "summary_key", "summary_metrics", "worse_of", "worst_values",
 ]

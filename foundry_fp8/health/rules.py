@@ -20,7 +20,7 @@ from typing import Any, Literal, NamedTuple
 from foundry_fp8.blocks import block_index
 from foundry_fp8.health.keys import FRONTS, INITIAL_SCALE, TENSORS, direction, summary_key
 from foundry_fp8.health.specs import badness, worse_of
-from foundry_fp8.health.table import limit_number, number
+from foundry_fp8.health.table import limit_number, number, plural
 from foundry_fp8.health.thresholds import DEFAULT_THRESHOLDS, Thresholds
 from foundry_fp8.recipe import DELAYED_ONLY, FP8Recipe
 
@@ -416,7 +416,8 @@ class HealthTracker:
                           self._keep_in_bf16(layer)))
         elif rising:
             found.append(("underflow_rising", "underflow_pct", underflow,
-                          f"rising {n} logging steps in a row, to > {t.max_underflow_pct / 5:g} %",
+                          f"rising {plural(n, 'logging step')} in a row, to > "
+                          f"{t.max_underflow_pct / 5:g} %",
                           "gradients shrink toward the bottom of E5M2's range",
                           self._keep_in_bf16(layer)))
         if cos < t.min_cos_sim and not found:

@@ -17,6 +17,12 @@ from foundry_fp8.health.specs import SPECS, known_first, spec
 COLUMNS = ("underflow_pct", "overflow_pct", "rel_mse", "cos_sim", "scale_ratio", "amax")
 
 
+def plural(count: int, word: str) -> str:
+    """`1 step`, `2 steps`: a count and its noun (a regular plural), for the runtime's warnings
+    and the report alike."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def md_escape(text: str) -> str:
     """Text safe in a markdown table cell or line (not inside a code span): one line, no HTML
     (`<` and `&` escaped; a `>` opens no tag and stays, since the same table is printed to the

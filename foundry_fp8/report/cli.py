@@ -21,7 +21,7 @@ import regex
 
 from foundry_fp8.filters import MATCH_TIMEOUT_S, search
 from foundry_fp8.guard import static_yaml
-from foundry_fp8.health import Flag, HealthTracker, RunMetrics, render_table
+from foundry_fp8.health import Flag, HealthTracker, RunMetrics, plural, render_table
 from foundry_fp8.health.history import shown
 from foundry_fp8.health.keys import LOSS, full_forms, layer_order
 from foundry_fp8.health.loss import LossComparison, LossSpike, compare, spike
@@ -68,6 +68,8 @@ from foundry_fp8.report.markdown import (
     findings,
     first_flagged,
     first_flags,
+    flagged_whole,
+    fp8_layers,
     grouped,
     in_high_precision,
     kept_out,
@@ -83,6 +85,7 @@ from foundry_fp8.report.markdown import (
     to_exclude,
     unrecorded_fallbacks,
     values_said,
+    whole_run,
     worst_table,
 )
 from foundry_fp8.report.mlflow_run import (
@@ -391,8 +394,8 @@ def make_report(run_folder: Path, layers: str | None = None, out: Path | None = 
     dump = first_dump(flags, run, loaded)
     chosen = choose_layers(run, matching, (first.layer, first.step) if first else None)
     if not chosen:
-        raise ReportError(f"--layers {layers!r} matches none of the {len(run.layers)} layers "
-                          f"(e.g. {elide(run.layers[0])!r})")
+        raise ReportError(f"--layers {layers!r} matches none of the "
+                          f"{plural(len(run.layers), 'layer')} (e.g. {elide(run.layers[0])!r})")
     given, out = out, out or folder
     _out_folder(out)
     written: list[Path] = []
@@ -560,6 +563,9 @@ def report_one(args: argparse.Namespace, run_folder: Path,
                         metrics.layers)
     names = layer_names(metrics, guard)
     kinds = short_names(metrics.tensors)
+    fp8 = fp8_layers(metrics.layers, swap)
+    held = to_exclude(guard, swap)
+    no_static = whole_run(held, fp8, "") is not None
     table, cells = tables[0]
     shown_rows = terminal_rows(table, {(f.worst.layer, f.worst.tensor) for f in found})
     print(render_table(table, cells=cells, only=shown_rows), end="")
@@ -576,7 +582,8 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         if (note := not_converted(f, fallen, swap)) is not None:
             change = note[0][0].upper() + note[0][1:] + (key if note[1] else "")
         elif w.layer in fallen:
-            change = in_high_precision("it", fallen[w.layer], kept_out(w.layer, swap)) + (
+            change = in_high_precision("it", fallen[w.layer], kept_out(w.layer, swap),
+                                       no_static) + (
                 f"{TO_FP8}{key}" if runs_in_fp8(w.yaml_key) else "")
         else:
             change = f"Change: {key}"
@@ -598,19 +605,22 @@ def report_one(args: argparse.Namespace, run_folder: Path,
         print(f"  {departure(loss[1], flags, names, metrics, loss[0])}")
         print("".join(f"  {note}\n" for note in notes), end="")
     print("".join(f"  {line(group)}\n" for group in rows[:MAX_PRINTED]), end="")
-    held = to_exclude(guard, swap)
-    if together := excluded_together(found, fallen, swap, held):
+    if whole := flagged_whole(found, held, fp8, spiked, flags):
+        print(f"  {whole}")
+    elif together := excluded_together(found, fallen, swap, held):
         print(f"  {EXCLUDE_TOGETHER_HELD if held else EXCLUDE_TOGETHER}{one_line(together)}")
     if len(rows) > MAX_PRINTED:
         print(f"  ... {len(rows) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:
-        after = (f" Next time: {static_yaml(held, swap.exclude)}" if held else
+        whole = whole_run(held, fp8, "are held in high precision at the end")
+        after = (f" {whole}" if whole else f" Next time: {static_yaml(held, swap.exclude)}"
+                 if held else
                  f" {ALREADY_OUT}" if guard.kept else "")
         print(f"{moved(guard)}: " + ", ".join(
             f"{names[layer]} {span}" for layer, span in fallen.items()) + "." + after)
     elif unrecorded := unrecorded_fallbacks(guard):
         print(unrecorded)
-    for line in refused(guard, names, held=held):
+    for line in refused(guard, names, held=held, fp8=fp8):
         print(line)
     print(f"plots ({len(written) - 1} PNGs) in {written[0].parent}:")
     for path in written[:-1]:

@@ -9,6 +9,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import quote
 
 import regex
@@ -24,6 +25,7 @@ from foundry_fp8.guard import (
     render_fallbacks,
     static_yaml,
 )
+from foundry_fp8.guard import whole_run as guard_whole_run
 from foundry_fp8.health import Flag, RunMetrics, Thresholds, md_escape, render_table, worst_values
 from foundry_fp8.health.history import no_number, whatif_rows, whatif_worst, worst_layers
 from foundry_fp8.health.keys import full_forms
@@ -39,6 +41,7 @@ from foundry_fp8.health.table import (
     limit_number,
     md_code,
     number,
+    plural,
     short_names,
 )
 from foundry_fp8.health.thresholds import (
@@ -341,41 +344,36 @@ def excluded_together(found: list[Finding], fallen: Collection[str],
     return static_yaml(layers | set(held), swap.exclude)
 
 
-#: The share of a run's FP8 layers from which the report advises no exclude: flags on that many
-#: layers are FP8 failing for the whole run, not at a layer, and their exclude leaves (nearly) no
-#: layer in FP8 (none: te_swap converts none, fp8_lint's FP8034 stops the run).
-WHOLE_RUN_SHARE = 0.75
+class RunFP8(NamedTuple):
+    """The run's FP8 layers: those the keys name (`names`) and how many there are (`count`, more
+    where fp8_stats watched some of them only: te_swap's count)."""
+
+    names: list[str]
+    count: int
 
 
-def fp8_layers(layers: Collection[str], swap: SwapFilters) -> list[str]:
+def fp8_layers(layers: Collection[str], swap: SwapFilters) -> RunFP8:
     """The run's layers that te_swap's filters put in FP8 (not `kept_out`): those an exclude
-    would take out of it. (Empty, where a caller does not know them: `whole_run` says nothing.)"""
-    return [layer for layer in layers if kept_out(layer, swap) is None]
+    would take out of it, and te_swap's count of them where it logged one."""
+    names = [layer for layer in layers if kept_out(layer, swap) is None]
+    return RunFP8(names, max(len(names), swap.converted))
 
 
-def whole_run(out: Collection[str], fp8: Collection[str], what: str,
+def whole_run(out: Collection[str], fp8: RunFP8 | None, what: str,
               spike: LossSpike | None = None, flagged: int | None = None) -> str | None:
-    """Said instead of an exclude of the layers `out` where they are WHOLE_RUN_SHARE or more of
-    the run's FP8 layers `fp8` (`what`: what they are), else None: what they have in common is
-    the fix, which the loss's divergence (`spike`, by the first FP8 flag at step `flagged`)
-    points at first."""
-    n, total = len(set(out) & set(fp8)), len(fp8)
-    if not total or n < WHOLE_RUN_SHARE * total:
+    """fp8_guard's `whole_run` (its rule and threshold, the live guard's too), naming first the
+    loss's divergence (`spike`, by the first FP8 flag at step `flagged`) where there is one;
+    `fp8` None: the run's FP8 layers are not known, and nothing is said."""
+    if fp8 is None:
         return None
-    left = (f"only {plural(total - n, 'layer')} in FP8" if n < total else
-            "no layer in FP8 (te_swap then converts none and fp8_lint's FP8034 stops the run)")
     main = spike.main(flagged) if spike is not None else None
     loss = ("" if main is None else
             f"the loss {'spikes at' if main.back is not None else 'diverges from'} step "
             f"{main.step}, ")
-    return (f"FP8 is not working for this run as a whole: {n} of its {total} FP8 layers {what}, "
-            f"and an exclude of them would leave {left}, so none is given. Look at what they "
-            f"share: {loss}the learning rate, te_swap's recipe (`{SWAP}.fp8_recipe`: a shorter "
-            "`amax_history_len`, a `margin`, or `scaling: current`), fp8_stats' thresholds "
-            "(stricter than FP8 holds?), or train without te_swap.")
+    return guard_whole_run(out, fp8.names, what, loss, fp8.count)
 
 
-def flagged_whole(found: list[Finding], held: Collection[str], fp8: Collection[str],
+def flagged_whole(found: list[Finding], held: Collection[str], fp8: RunFP8,
                   spike: LossSpike | None, flags: list[Flag]) -> str | None:
     """`whole_run` for the flagged layers and those fp8_guard held at the end (`held`), said
     in place of `excluded_together`'s line."""
@@ -473,7 +471,7 @@ REFUSED_HELD = (", with the layers fp8_guard held in high precision at the end, 
 
 
 def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = False,
-            held: Collection[str] = (), fp8: Collection[str] = ()) -> list[str]:
+            held: Collection[str] = (), fp8: RunFP8 | None = None) -> list[str]:
     """One line per layer fp8_guard wanted to move but its budget kept in FP8 (its record
     `guard.REFUSED_PREFIX` + layer): the run's warning alone left the report saying nothing
     failed. `names`: each layer's label. One exclude for them all and the layers in fallback at
@@ -504,7 +502,7 @@ def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = Fals
 
 
 def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | None = None,
-                  fp8: Collection[str] = ()) -> list[str]:
+                  fp8: RunFP8 | None = None) -> list[str]:
     """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time;
     `names`: each layer's label; `swap`: the run's te_swap filters (`to_exclude`; without them
     its exclude alone, as fp8_guard's records read it); `fp8`: the run's FP8 layers (`refused`,
@@ -737,11 +735,6 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         lines += ["", f"## {PER_LAYER}", "", "The layers of the rows above that name several.",
                   "", FLAGGED_HEAD, *(row([f]) for f in shared)]
     return "\n".join(lines)
-
-
-def plural(count: int, word: str) -> str:
-    """`1 step`, `2 steps`: a count and its noun (a regular plural)."""
-    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 #: Flagged layer tensors up to the loss's departure the line names (the rest are counted).

@@ -129,6 +129,10 @@ def swap_exclude(hparams: Mapping[str, Any]) -> str | None:
     return exclude if isinstance(exclude, str) and exclude else None
 
 
+#: te_swap's hyperparameter: how many layers it put in FP8 (composer/te_swap.py).
+CONVERTED = "fp8/modules_converted"
+
+
 #: te_swap's options besides `exclude` that keep layers out of FP8 by their names
 #: (`filters.filter_reason`).
 NAME_FILTERS = ("keep_first_blocks", "keep_last_blocks", "include")
@@ -143,6 +147,9 @@ class SwapFilters:
     exclude: str | None = None
     others: SwapConfig | None = None  # None: the run set none of them
     n_blocks: int = 0
+    # te_swap's count of the layers it put in FP8 (`CONVERTED`; 0: not logged): more than
+    # fp8_stats' keys name where its `layers` watched some of them only
+    converted: int = 0
 
 
 def swap_filters(hparams: Mapping[str, Any], layers: Sequence[str]) -> SwapFilters:
@@ -150,6 +157,8 @@ def swap_filters(hparams: Mapping[str, Any], layers: Sequence[str]) -> SwapFilte
     fp8_stats recorded no model order (`fp8/layers`). A value te_swap's options refuse (an
     edited file) is left out, as no run took it."""
     swap, given = _swap_options(hparams), {}
+    converted = hparams.get(CONVERTED)
+    converted = converted if isinstance(converted, int) and not isinstance(converted, bool) else 0
     for key in NAME_FILTERS:
         try:
             SwapConfig(**{key: swap[key]})
@@ -157,10 +166,10 @@ def swap_filters(hparams: Mapping[str, Any], layers: Sequence[str]) -> SwapFilte
             continue
         given[key] = swap[key]
     if not given:
-        return SwapFilters(swap_exclude(hparams))
+        return SwapFilters(swap_exclude(hparams), converted=converted)
     blocks = model_blocks(layer_order(hparams) or layers)
     return SwapFilters(swap_exclude(hparams), SwapConfig(**given),
-                       max(blocks) + 1 if blocks else 0)
+                       max(blocks) + 1 if blocks else 0, converted)
 
 
 def recipes_from_hparams(hparams: Mapping[str, Any]
