@@ -137,7 +137,7 @@ def test_a_statistic_no_file_name_holds_gets_a_heatmap_file_of_its_own(tmp_path,
 # -- --layers ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("pattern", "said"), [
-    ("(a*)*b", "--layers '(a*)*b' matches none of the 1 layers"),  # QA's: re never returns
+    ("(a*)*b", "--layers '(a*)*b' matches none of the 1 layer"),  # QA's: re never returns
     (r"^(a|aa)+(?<!a)b", r"--layers '^(a|aa)+(?<!a)b': takes more than 0.05 s on layer "
                           f"'{'a' * 40}' (catastrophic backtracking"),  # regex backtracks too
 ])

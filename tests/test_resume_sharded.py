@@ -531,5 +531,5 @@ def test_fallbacks_of_a_subclass_of_fp8_guard_left_behind_are_named(caplog):
     with caplog.at_level(logging.WARNING):
         loading._report_loaded_entries(SimpleNamespace(callbacks=[loading], load_path="ckpt"))
     assert [r.getMessage() for r in caplog.records] == [
-        "fp8_state: ckpt: fp8_guard held 1 layers in high precision (blocks.0); this run has no "
+        "fp8_state: ckpt: fp8_guard held 1 layer in high precision (blocks.0); this run has no "
         "fp8_guard, so they run in FP8 again"]

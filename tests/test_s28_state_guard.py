@@ -51,7 +51,7 @@ def test_a_held_layer_excluded_since_is_not_said_to_run_in_fp8_again(tmp_path, c
     with caplog.at_level(logging.INFO, logger=LOGGER):
         _run(tmp_path / "resumed", "3ba", [FP8State()], load_path=checkpoint)
     assert _ours(caplog) == [
-        f"fp8_state: {checkpoint}: fp8_guard held 1 layers in high precision (module.blocks.0); "
+        f"fp8_state: {checkpoint}: fp8_guard held 1 layer in high precision (module.blocks.0); "
         "this run has no fp8_guard, so they run in FP8 again"]
     assert ("fp8_state: not in FP8 in this run, and in high precision at the checkpoint by "
             "fp8_guard's fallback: module.blocks.1; their saved FP8 state is left out"
