@@ -90,3 +90,19 @@ def finetuning_train(dataset: str, micro: int, seq: int = 2048) -> str:
     start, end = train.index("train_loader:"), train.index("scheduler:")
     return (train[:start] + loader + train[end:]).replace(
         "device_train_microbatch_size: 8", f"device_train_microbatch_size: {micro}")
+
+
+#: The 2-block MPT the layer-name lint tests write as `model:` and build as the reference.
+TINY_MPT = {"name": "mpt_causal_lm", "d_model": 64, "n_heads": 4, "n_layers": 2,
+            "max_seq_len": 16, "vocab_size": 64, "loss_fn": "torch_crossentropy",
+            "attn_config": {"attn_impl": "torch"}}
+
+
+def build_tiny_mpt(**extra: Any) -> Any:
+    """LLM-Foundry's own model for TINY_MPT (with `extra` model keys), as train builds it."""
+    from llmfoundry.utils.builders import build_composer_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_composer_model(name="mpt_causal_lm", tokenizer=None, cfg={
+            **{k: v for k, v in TINY_MPT.items() if k != "name"}, **extra})

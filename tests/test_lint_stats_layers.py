@@ -3,7 +3,6 @@ LLM-Foundry builds (select_layers on build_composer_model's model)."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,19 +11,14 @@ import yaml
 
 from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.cli import lint_file
+from tests.mpt_yaml import TINY_MPT, build_tiny_mpt
 
-MPT = {"name": "mpt_causal_lm", "d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 16,
-       "vocab_size": 64, "loss_fn": "torch_crossentropy", "attn_config": {"attn_impl": "torch"}}
+MPT = TINY_MPT
 
 
 @pytest.fixture(scope="module")
 def mpt():
-    from llmfoundry.utils.builders import build_composer_model
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build_composer_model(name="mpt_causal_lm", tokenizer=None,
-                                    cfg={k: v for k, v in MPT.items() if k != "name"})
+    return build_tiny_mpt()
 
 
 def _lint(tmp_path: Path, stats: dict[str, Any]) -> list[tuple[str, str, str]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +16,14 @@ import yaml
 
 from foundry_fp8.environment import Snapshot
 from foundry_fp8.lint.cli import lint_file
+from tests.mpt_yaml import TINY_MPT, build_tiny_mpt
 
-MPT = {"name": "mpt_causal_lm", "d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 16,
-       "vocab_size": 64, "loss_fn": "torch_crossentropy", "attn_config": {"attn_impl": "torch"}}
+MPT = TINY_MPT
 
 
 @pytest.fixture(scope="module")
 def mpt():
-    from llmfoundry.utils.builders import build_composer_model
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build_composer_model(name="mpt_causal_lm", tokenizer=None,
-                                    cfg={k: v for k, v in MPT.items() if k != "name"})
+    return build_tiny_mpt()
 
 
 def _findings(tmp_path: Path, config: dict[str, Any], rule: str) -> list[dict[str, Any]]:
@@ -164,15 +158,10 @@ def test_fp8058_is_the_schedule_against_composers_last_batch(tmp_path, duration,
     ({}, {"min_gemm_size": 128}, None),  # keeps the 64-wide GEMMs
 ])
 def test_fp8059_fires_exactly_where_te_swaps_conversions_are_unchanged(tmp_path, extra, swap, key):
-    from llmfoundry.utils.builders import build_composer_model
-
     from foundry_fp8.options import SwapConfig
     from foundry_fp8.swap import plan_swap
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = build_composer_model(name="mpt_causal_lm", tokenizer=None, cfg={
-            **{k: v for k, v in MPT.items() if k != "name"}, **extra})
+    model = build_tiny_mpt(**extra)
 
     def converted(**options: Any) -> list[str]:
         plan = plan_swap(model, SwapConfig(backend="emulate", **options), precision="fp32")
