@@ -31,7 +31,7 @@ from torch import nn
 from foundry_fp8 import emulate
 from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.composer.guard import FP8Guard, accept_absent_state, checkpointed_core
-from foundry_fp8.composer.te_swap import TESwap, recompute_inputs
+from foundry_fp8.composer.te_swap import TESwap, recompute_inputs, run_recipe
 from foundry_fp8.emulate import EmulatedFP8Linear
 from foundry_fp8.fp8_meta import (
     canonical_modules,
@@ -43,12 +43,7 @@ from foundry_fp8.fp8_meta import (
 from foundry_fp8.guard import Fallback
 from foundry_fp8.health import plural, short_layer
 from foundry_fp8.options import build
-from foundry_fp8.recipe import (
-    COMPOSER_DEFAULT_HISTORY,
-    TE_DELAYED_DEFAULTS,
-    FP8Recipe,
-    fp8_format_name,
-)
+from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.restore import (
     FP8ModuleState,
     StateProblems,
@@ -154,27 +149,6 @@ def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
     if problem:
         raise FP8StateError(f"fp8_state: {path}: the fp8_state entry is not ours: {problem}")
     return entry.get("modules", {})
-
-
-def run_recipe(state: State) -> FP8Recipe | None:
-    """The FP8 recipe this run's FP8 modules follow: te_swap's; else, under `amp_fp8`, the
-    `DelayedScaling` Composer builds (its `precision_config`, or Composer 0.32's default,
-    `core/precision.py`: HYBRID, 16 steps of history, max); None where neither is known."""
-    for algorithm in state.algorithms:
-        if isinstance(algorithm, TESwap):
-            return algorithm.recipe
-    if state.precision.value != "amp_fp8":
-        return None
-    config = state.precision_config
-    if config is None:
-        return FP8Recipe(amax_history_len=COMPOSER_DEFAULT_HISTORY, amax_compute_algo="max")
-    given = {**TE_DELAYED_DEFAULTS, **config}
-    try:
-        return FP8Recipe(fp8_format=fp8_format_name(given["fp8_format"]),
-                         **{k: given[k] for k in ("amax_history_len", "amax_compute_algo",
-                                                  "margin", "reduce_amax")})
-    except (TypeError, ValueError):  # a callable amax_compute_algo, ...: not one we can read
-        return None
 
 
 def recompute_settings(precision: str, fsdp: Mapping[str, Any] | None, fsdp_version: int,

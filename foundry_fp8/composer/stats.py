@@ -30,6 +30,7 @@ from foundry_fp8.composer.destinations import (
     mlflow_logging,
 )
 from foundry_fp8.composer.failures import device_failure
+from foundry_fp8.composer.te_swap import run_recipe
 from foundry_fp8.fp8_meta import canonical_modules
 from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
 from foundry_fp8.health.history import shown
@@ -405,8 +406,6 @@ class FP8Stats(Callback):
         # delayed scaling (te_swap's or Composer's recipe, else the what-if's) casts a fresh
         # run's step 0 at its initial scale 1 (no amax recorded yet): a logging step there
         # judges nothing, so it does not count
-        from foundry_fp8.composer.state import run_recipe  # state -> guard -> this module
-
         # (a State driven by hand, outside a Trainer, may have no algorithms or precision)
         recipe = (run_recipe(state) if hasattr(state, "precision") else None) or config.recipe
         self._step0_unjudged = at == 0 and getattr(recipe, "scaling", None) == "delayed"

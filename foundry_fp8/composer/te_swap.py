@@ -44,7 +44,14 @@ from foundry_fp8.composer.destinations import deliver, flush_mlflow
 from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.composer.plain import export_plain, load_plain, load_sharded_plain
 from foundry_fp8.options import SwapConfig, build
-from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe
+from foundry_fp8.recipe import (
+    COMPOSER_DEFAULT_HISTORY,
+    TE_DELAYED_DEFAULTS,
+    FP8Recipe,
+    RecipeError,
+    fp8_format_name,
+    is_same_delayed_recipe,
+)
 from foundry_fp8.swap import (
     PLAIN_KEYS,
     SwapPlan,
@@ -517,3 +524,24 @@ def _set_precision_config(state: State, recipe: FP8Recipe) -> None:
         raise ValueError(f"te_swap.fp8_recipe: the Trainer already has precision_config "
                          f"{dict(current)}; give the recipe in one place only")
     state._precision_config = backend.delayed_scaling_kwargs(recipe)
+
+
+def run_recipe(state: State) -> FP8Recipe | None:
+    """The FP8 recipe this run's FP8 modules follow: te_swap's; else, under `amp_fp8`, the
+    `DelayedScaling` Composer builds (its `precision_config`, or Composer 0.32's default,
+    `core/precision.py`: HYBRID, 16 steps of history, max); None where neither is known."""
+    for algorithm in state.algorithms:
+        if isinstance(algorithm, TESwap):
+            return algorithm.recipe
+    if state.precision.value != "amp_fp8":
+        return None
+    config = state.precision_config
+    if config is None:
+        return FP8Recipe(amax_history_len=COMPOSER_DEFAULT_HISTORY, amax_compute_algo="max")
+    given = {**TE_DELAYED_DEFAULTS, **config}
+    try:
+        return FP8Recipe(fp8_format=fp8_format_name(given["fp8_format"]),
+                         **{k: given[k] for k in ("amax_history_len", "amax_compute_algo",
+                                                  "margin", "reduce_amax")})
+    except (TypeError, ValueError):  # a callable amax_compute_algo, ...: not one we can read
+        return None
