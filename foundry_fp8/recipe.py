@@ -241,6 +241,35 @@ def is_same_delayed_recipe(precision_config: Mapping[str, Any], recipe: FP8Recip
     return given == {**TE_DELAYED_DEFAULTS, **ours}
 
 
+def run_fp8_recipe(swap: FP8Recipe | None, precision: str | None,
+                   precision_config: Mapping[str, Any] | None) -> FP8Recipe | None:
+    """The FP8 recipe a run's FP8 modules follow: te_swap's (`swap`); else, under `amp_fp8`,
+    the `DelayedScaling` Composer builds (its `precision_config`, or Composer 0.32's default,
+    `core/precision.py`: HYBRID, 16 steps of history, max); None where neither is known.
+    Torch-free, so the linter reads a YAML's run as the runtime reads a built one."""
+    if swap is not None:
+        return swap
+    if precision != "amp_fp8":
+        return None
+    if precision_config is None:
+        return FP8Recipe(amax_history_len=COMPOSER_DEFAULT_HISTORY, amax_compute_algo="max")
+    given = {**TE_DELAYED_DEFAULTS, **precision_config}
+    try:
+        return FP8Recipe(fp8_format=fp8_format_name(given["fp8_format"]),
+                         **{k: given[k] for k in ("amax_history_len", "amax_compute_algo",
+                                                  "margin", "reduce_amax")})
+    except (TypeError, ValueError):  # a callable amax_compute_algo, ...: not one we can read
+        return None
+
+
+def step0_scaling(run: FP8Recipe | None, what_if: FP8Recipe | None) -> Scaling | None:
+    """The scaling fp8_stats judges a fresh run's step 0 under: the run's own recipe
+    (`run_fp8_recipe`), else fp8_stats' what-if `recipe` (the casts it computes for layers not
+    in FP8). fp8_stats at FIT_START and the linter's FP8058 both ask here, so they agree."""
+    recipe = run or what_if
+    return None if recipe is None else recipe.scaling
+
+
 def _is_int(value: Any) -> bool:
     """An integer however written (a numpy integer from a Python caller too), never a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -55,6 +55,7 @@ from foundry_fp8.paths import (
     in_run_folder,
     say_repeated,
 )
+from foundry_fp8.recipe import step0_scaling
 from foundry_fp8.te.debug import (
     TEDebugSession,
     layer_pattern,
@@ -407,8 +408,9 @@ class FP8Stats(Callback):
         # run's step 0 at its initial scale 1 (no amax recorded yet): a logging step there
         # judges nothing, so it does not count
         # (a State driven by hand, outside a Trainer, may have no algorithms or precision)
-        recipe = (run_recipe(state) if hasattr(state, "precision") else None) or config.recipe
-        self._step0_unjudged = at == 0 and getattr(recipe, "scaling", None) == "delayed"
+        scaling = step0_scaling(run_recipe(state) if hasattr(state, "precision") else None,
+                                config.recipe)  # type: ignore[arg-type]
+        self._step0_unjudged = at == 0 and scaling == "delayed"
         self._judged_from = at + self._step0_unjudged
         first = self.schedule.next_log(self._judged_from - 1)
         # a duration Composer counts otherwise (tokens, samples) is judged at FIT_END

@@ -44,14 +44,7 @@ from foundry_fp8.composer.destinations import deliver, flush_mlflow
 from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.composer.plain import export_plain, load_plain, load_sharded_plain
 from foundry_fp8.options import SwapConfig, build
-from foundry_fp8.recipe import (
-    COMPOSER_DEFAULT_HISTORY,
-    TE_DELAYED_DEFAULTS,
-    FP8Recipe,
-    RecipeError,
-    fp8_format_name,
-    is_same_delayed_recipe,
-)
+from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe, run_fp8_recipe
 from foundry_fp8.swap import (
     PLAIN_KEYS,
     SwapPlan,
@@ -527,21 +520,7 @@ def _set_precision_config(state: State, recipe: FP8Recipe) -> None:
 
 
 def run_recipe(state: State) -> FP8Recipe | None:
-    """The FP8 recipe this run's FP8 modules follow: te_swap's; else, under `amp_fp8`, the
-    `DelayedScaling` Composer builds (its `precision_config`, or Composer 0.32's default,
-    `core/precision.py`: HYBRID, 16 steps of history, max); None where neither is known."""
-    for algorithm in state.algorithms:
-        if isinstance(algorithm, TESwap):
-            return algorithm.recipe
-    if state.precision.value != "amp_fp8":
-        return None
-    config = state.precision_config
-    if config is None:
-        return FP8Recipe(amax_history_len=COMPOSER_DEFAULT_HISTORY, amax_compute_algo="max")
-    given = {**TE_DELAYED_DEFAULTS, **config}
-    try:
-        return FP8Recipe(fp8_format=fp8_format_name(given["fp8_format"]),
-                         **{k: given[k] for k in ("amax_history_len", "amax_compute_algo",
-                                                  "margin", "reduce_amax")})
-    except (TypeError, ValueError):  # a callable amax_compute_algo, ...: not one we can read
-        return None
+    """The FP8 recipe this run's FP8 modules follow (`foundry_fp8.recipe.run_fp8_recipe`, read
+    from the built run: its TESwap, precision and precision_config)."""
+    swap = next((a.recipe for a in state.algorithms if isinstance(a, TESwap)), None)
+    return run_fp8_recipe(swap, state.precision.value, state.precision_config)

@@ -59,7 +59,7 @@ from foundry_fp8.options import (
     defaults,
 )
 from foundry_fp8.paths import path_problem, repeated_run_folder, run_folder, safe_run_name
-from foundry_fp8.recipe import FP8Recipe
+from foundry_fp8.recipe import FP8Recipe, run_fp8_recipe, step0_scaling
 from foundry_fp8.sdpa_facts import SDPA
 from foundry_fp8.te.facts import (
     MIN_FP8_CAPABILITY,
@@ -384,15 +384,15 @@ def fp8_stats_filter_does_nothing(config: Mapping[str, Any],
 
 
 @rule("FP8058", "warning", "an fp8_stats schedule that misses the run: `dump_steps` at or past "
-      "the run's last batch (`max_duration: 1000ba` with `dump_steps: [1000]`), or no logging "
+      "max_duration (`max_duration: 1000ba` with `dump_steps: [1000]`), or no logging "
       "step before it (`start` or `interval` past it)",
       why="fp8_stats logs and dumps at the batch count a batch starts at: 0 to max_duration - 1 "
       "(`foundry_fp8.composer.stats.last_batch`), so a dump step of max_duration or more never "
       "comes and saves nothing, silently. A schedule with no logging step in the run logs no "
-      "FP8 statistics (the run warns at FIT_START); under delayed scaling (te_swap's recipe, or "
-      "amp_fp8's) a schedule whose only step in the run is 0 judges nothing either: step 0 casts "
-      "at the initial scale 1. Judged where max_duration is a number of batches (`1000ba`); the "
-      "schedule's own `next_log` decides.",
+      "FP8 statistics (the run warns at FIT_START); under delayed scaling (te_swap's recipe, "
+      "amp_fp8's, else fp8_stats' what-if `recipe`) a schedule whose only step in the run is 0 "
+      "judges nothing either: step 0 casts at the initial scale 1. Judged where max_duration is "
+      "a number of batches (`1000ba`); the schedule's own `next_log` decides.",
       source="foundry_fp8/options.py Schedule.dumps, next_log; foundry_fp8/composer/stats.py "
       "last_batch, _fit_start, _say_unlogged; "
       f"{COMPOSER} composer/core/time.py (an int max_duration is epochs)",
@@ -419,7 +419,7 @@ def fp8_stats_schedule_misses_the_run(config: Mapping[str, Any],
     first = schedule.next_log(-1)
     # delayed scaling casts a fresh run's step 0 at its initial scale 1: it judges nothing
     # (the run says so at FIT_START, foundry_fp8.composer.stats `_judged_from`)
-    step0_only = first == 0 and _run_scaling(config) == "delayed"
+    step0_only = first == 0 and _step0_scaling(config, built) == "delayed"
     judged = schedule.next_log(0) if step0_only else first
     if judged is None or judged > last:
         key = "end" if judged is None and "end" in stats else \
@@ -432,12 +432,19 @@ def fp8_stats_schedule_misses_the_run(config: Mapping[str, Any],
                   f"{duration!r}: batches 0 to {last}): {what[1]}")
 
 
-def _run_scaling(config: Mapping[str, Any]) -> str | None:
-    """The scaling of the run's FP8 modules as `composer.state.run_recipe` reads it from a
-    built run: te_swap's recipe, else Composer's DelayedScaling under amp_fp8."""
-    if "te_swap" in section(config, "algorithms"):
-        return getattr(getattr(te_swap_options(config), "fp8_recipe", None), "scaling", None)
-    return "delayed" if config.get("precision") == "amp_fp8" else None
+def _step0_scaling(config: Mapping[str, Any], stats: FP8StatsOptions) -> str | None:
+    """The scaling fp8_stats judges step 0 under (`foundry_fp8.recipe.step0_scaling`), read from
+    the YAML: te_swap's recipe, Composer's under amp_fp8 (LLM-Foundry passes no
+    precision_config), else fp8_stats' what-if; None where te_swap refuses its options (the run
+    stops at te_swap's own error)."""
+    if "te_swap" not in section(config, "algorithms"):
+        swap = None
+    elif (options := te_swap_options(config)) is None:
+        return None
+    else:
+        swap = options.fp8_recipe
+    run = run_fp8_recipe(swap, config.get("precision"), None)  # type: ignore[arg-type]
+    return step0_scaling(run, stats.monitor.recipe)  # type: ignore[arg-type]
 
 
 @rule("FP8059", "warning", "te_swap options that change nothing: `fuse_ln_mlp` or "
