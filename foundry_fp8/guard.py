@@ -653,6 +653,13 @@ class GuardCore:
 WHOLE_RUN_SHARE = 0.75
 
 
+def is_whole_run(out: Collection[str], fp8: Collection[str], count: int = 0) -> bool:
+    """The rule of `whole_run`: the layers `out` are WHOLE_RUN_SHARE or more of the run's FP8
+    layers (`fp8`, or `count` where more)."""
+    total = max(len(set(fp8)), count)
+    return bool(total) and len(set(out) & set(fp8)) >= WHOLE_RUN_SHARE * total
+
+
 def whole_run(out: Collection[str], fp8: Collection[str], what: str, loss: str = "",
               count: int = 0) -> str | None:
     """Said instead of an exclude of the layers `out` where they are WHOLE_RUN_SHARE or more of
@@ -660,9 +667,9 @@ def whole_run(out: Collection[str], fp8: Collection[str], what: str, loss: str =
     caller that does not know them): what they have in common is the fix; `loss`, the loss's
     own divergence, is named first where a caller knows it. `count`: the run's FP8 layers where
     more than `fp8` names (a report of an fp8_stats that watched some of them only)."""
-    n, total = len(set(out) & set(fp8)), max(len(set(fp8)), count)
-    if not total or n < WHOLE_RUN_SHARE * total:
+    if not is_whole_run(out, fp8, count):
         return None
+    n, total = len(set(out) & set(fp8)), max(len(set(fp8)), count)
     left = (f"only {plural(total - n, 'layer')} in FP8" if n < total else
             "no layer in FP8 (te_swap then converts none and fp8_lint's FP8034 stops the run)")
     return (f"FP8 is not working for this run as a whole: {n} of its {total} FP8 layers {what}, "

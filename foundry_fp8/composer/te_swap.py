@@ -43,6 +43,7 @@ from torch import nn
 from foundry_fp8.composer.destinations import deliver, flush_mlflow
 from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.composer.plain import export_plain, load_plain, load_sharded_plain
+from foundry_fp8.health.keys import MODULES_CONVERTED, MODULES_IN_FP8
 from foundry_fp8.options import SwapConfig, build
 from foundry_fp8.recipe import FP8Recipe, RecipeError, is_same_delayed_recipe, run_fp8_recipe
 from foundry_fp8.swap import (
@@ -70,8 +71,9 @@ class TESwap(Algorithm):
     (refusals, bad options, device errors and any failure on several ranks always raise).
 
     Logs once at INIT, as hyperparameters: `fp8/backend` (`te` or `emulate`), `fp8/recipe`
-    (the recipe as a mapping), `fp8/modules_converted`, `fp8/linear_flops_share` and
-    `fp8/linear_param_share` (the share, 0 to 1, of the linear layers' FLOPs and parameters
+    (the recipe as a mapping), `fp8/modules_converted`, `fp8/modules_in_fp8` (the modules whose
+    GEMMs run in FP8: no LayerNorm, TE's the model was built with too), `fp8/linear_flops_share`
+    and `fp8/linear_param_share` (the share, 0 to 1, of the linear layers' FLOPs and parameters
     that run in FP8) and `fp8/coverage` (the coverage table it prints).
     """
 
@@ -187,7 +189,8 @@ class TESwap(Algorithm):
                   "its config names (TE's _extra_state left out, fused MLPs under MPT's names)",
                   flush=True)
         coverage = {"fp8/backend": self.config.backend, "fp8/recipe": recipe,
-                    "fp8/modules_converted": converted,
+                    MODULES_CONVERTED: converted,
+                    MODULES_IN_FP8: sum(d.in_fp8 for d in plan.decisions),
                     "fp8/linear_flops_share": plan.fp8_flops_share,
                     "fp8/linear_param_share": plan.fp8_param_share, "fp8/coverage": table}
         # a logger's failure is not te_swap's (its `strict` is about the autocast): warned

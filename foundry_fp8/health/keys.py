@@ -17,6 +17,11 @@ TENSORS = ("activation", "weight", "gradient")
 LAYER_PREFIX = "fp8_"
 LAYOUT = "fp8_<stat>/<tensor>/<layer>"  # the per-layer series, as the messages name it
 SUMMARY_PREFIX = "fp8"
+#: te_swap's hyperparameters (composer/te_swap.py, INIT): how many modules it converted
+#: (LayerNorms included, a fused LN-MLP once), and how many of them and of TE's the model was
+#: built with run their GEMMs in FP8 (`Decision.in_fp8`): the run's FP8 layers.
+MODULES_CONVERTED = "fp8/modules_converted"
+MODULES_IN_FP8 = "fp8/modules_in_fp8"
 #: The training loss Composer's trainer logs at every batch, at the batch's step
 #: (composer/trainer/trainer.py, `_train_loop`: `loss/train/total`); the report's --baseline
 #: compares it.

@@ -71,6 +71,7 @@ from foundry_fp8.report.markdown import (
     flagged_whole,
     fp8_layers,
     grouped,
+    guard_advice,
     in_high_precision,
     kept_out,
     layer_names,
@@ -82,10 +83,8 @@ from foundry_fp8.report.markdown import (
     render_report,
     runs_in_fp8,
     spike_line,
-    to_exclude,
     unrecorded_fallbacks,
     values_said,
-    whole_run,
     worst_table,
 )
 from foundry_fp8.report.mlflow_run import (
@@ -564,8 +563,8 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     names = layer_names(metrics, guard)
     kinds = short_names(metrics.tensors)
     fp8 = fp8_layers(metrics.layers, swap)
-    held = to_exclude(guard, swap)
-    no_static = whole_run(held, fp8, "") is not None
+    advice = guard_advice(guard, swap, fp8)
+    held, no_static = advice.held, advice.no_static
     table, cells = tables[0]
     shown_rows = terminal_rows(table, {(f.worst.layer, f.worst.tensor) for f in found})
     print(render_table(table, cells=cells, only=shown_rows), end="")
@@ -612,15 +611,14 @@ def report_one(args: argparse.Namespace, run_folder: Path,
     if len(rows) > MAX_PRINTED:
         print(f"  ... {len(rows) - MAX_PRINTED} more in fp8_report.md")
     if guard is not None and guard.fallbacks:
-        whole = whole_run(held, fp8, "are held in high precision at the end")
-        after = (f" {whole}" if whole else f" Next time: {static_yaml(held, swap.exclude)}"
+        after = ("" if no_static else f" Next time: {static_yaml(held, swap.exclude)}"
                  if held else
                  f" {ALREADY_OUT}" if guard.kept else "")
         print(f"{moved(guard)}: " + ", ".join(
             f"{names[layer]} {span}" for layer, span in fallen.items()) + "." + after)
     elif unrecorded := unrecorded_fallbacks(guard):
         print(unrecorded)
-    for line in refused(guard, names, held=held, fp8=fp8):
+    for line in [*refused(guard, names, advice), *([advice.whole] if advice.whole else [])]:
         print(line)
     print(f"plots ({len(written) - 1} PNGs) in {written[0].parent}:")
     for path in written[:-1]:

@@ -22,6 +22,7 @@ from foundry_fp8.guard import (
     KEPT_DECISIONS,
     OLDER_PREFIX,
     OPTION,
+    is_whole_run,
     render_fallbacks,
     static_yaml,
 )
@@ -352,9 +353,12 @@ class RunFP8(NamedTuple):
     count: int
 
 
-def fp8_layers(layers: Collection[str], swap: SwapFilters) -> RunFP8:
+def fp8_layers(layers: Collection[str], swap: SwapFilters) -> RunFP8 | None:
     """The run's layers that te_swap's filters put in FP8 (not `kept_out`): those an exclude
-    would take out of it, and te_swap's count of them where it logged one."""
+    would take out of it, and te_swap's count of them; None where te_swap logged none (a run
+    without FP8 layers: fp8_stats' what-if numbers only)."""
+    if not swap.converted:
+        return None
     names = [layer for layer in layers if kept_out(layer, swap) is None]
     return RunFP8(names, max(len(names), swap.converted))
 
@@ -373,11 +377,11 @@ def whole_run(out: Collection[str], fp8: RunFP8 | None, what: str,
     return guard_whole_run(out, fp8.names, what, loss, fp8.count)
 
 
-def flagged_whole(found: list[Finding], held: Collection[str], fp8: RunFP8,
+def flagged_whole(found: list[Finding], held: Collection[str], fp8: RunFP8 | None,
                   spike: LossSpike | None, flags: list[Flag]) -> str | None:
     """`whole_run` for the flagged layers and those fp8_guard held at the end (`held`), said
-    in place of `excluded_together`'s line."""
-    return whole_run({f.worst.layer for f in found} | set(held), fp8,
+    in place of `excluded_together`'s line; a flag whose steps are all what-if is not FP8's."""
+    return whole_run({f.worst.layer for f in found if f.whatif < f.steps} | set(held), fp8,
                      "are flagged" + (" or held in high precision" if held else ""), spike,
                      min((f.step for f in flags), default=None))
 
@@ -470,21 +474,41 @@ REFUSED_HELD = (", with the layers fp8_guard held in high precision at the end, 
                 "replaces")
 
 
-def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = False,
-            held: Collection[str] = (), fp8: RunFP8 | None = None) -> list[str]:
+class GuardAdvice(NamedTuple):
+    """What the report advises on fp8_guard's layers, made once for fp8_report.md and the
+    console (`guard_advice`)."""
+
+    held: list[str]  # in fallback at the end, not kept out already (`to_exclude`)
+    no_static: bool  # they are most of the run's FP8 layers: no static YAML of them
+    whole: str | None  # the one whole-run paragraph (refused and held layers), said once
+
+
+def guard_advice(guard: GuardRun | None, swap: SwapFilters, fp8: RunFP8 | None) -> GuardAdvice:
+    """`GuardAdvice`: the whole-run paragraph for the refused and held layers together where
+    there are refusals (it covers the held ones), else for the held ones."""
+    held = to_exclude(guard, swap)
+    no_static = fp8 is not None and is_whole_run(held, fp8.names, fp8.count)
+    refusals = [r.layer for r in guard.refusals] if guard is not None else []
+    whole = (whole_run([*refusals, *held], fp8, "are refused by fp8_guard's budget or held in "
+                       "high precision" if held else "are refused by fp8_guard's budget")
+             if refusals else None) or (
+        whole_run(held, fp8, "are held in high precision at the end") if no_static else None)
+    return GuardAdvice(held, no_static, whole)
+
+
+def refused(guard: GuardRun | None, names: dict[str, str], advice: GuardAdvice,
+            markdown: bool = False) -> list[str]:
     """One line per layer fp8_guard wanted to move but its budget kept in FP8 (its record
     `guard.REFUSED_PREFIX` + layer): the run's warning alone left the report saying nothing
     failed. `names`: each layer's label. One exclude for them all and the layers in fallback at
-    the end (`held`, `to_exclude`), last: te_swap reads one regex, so one per layer, or one
-    beside the fp8_guard's static YAML, typed in turn kept the last only. Where they are most
-    of the run's FP8 layers `fp8` (`fp8_layers`), `whole_run` instead, and no exclude nor
-    budget to raise (it would hold them all in high precision)."""
+    the end (`advice.held`), last: te_swap reads one regex, so one per layer, or one beside the
+    fp8_guard's static YAML, typed in turn kept the last only. Where `advice.whole` (said after
+    them by the caller), no exclude nor budget to raise (it would hold them all in high
+    precision)."""
     if guard is None or not guard.refusals:
         return []
-    out = [*(r.layer for r in guard.refusals), *held]
-    whole = whole_run(out, fp8, "are refused by fp8_guard's budget or held in high precision"
-                      if held else "are refused by fp8_guard's budget")
-    yaml = static_yaml(out, guard.exclude)
+    held, whole = advice.held, advice.whole
+    yaml = static_yaml([*(r.layer for r in guard.refusals), *held], guard.exclude)
     yaml = md_code(yaml) if markdown else yaml
     one = len(guard.refusals) == 1
     also = f" ({REFUSED_HELD.removeprefix(', ')})" if held else ""
@@ -495,10 +519,10 @@ def refused(guard: GuardRun | None, names: dict[str, str], markdown: bool = Fals
                  + (f"{also}: {yaml}" if one else ""))
              for r in guard.refusals
              for label in [names.get(r.layer, r.layer)]]
-    if whole:
-        return [*lines, whole]
+    if whole or one:
+        return lines
     intro = f"{REFUSED_TOGETHER}{REFUSED_HELD if held else ''}): "
-    return lines if one else [*lines, (md_escape(intro) if markdown else intro) + yaml]
+    return [*lines, (md_escape(intro) if markdown else intro) + yaml]
 
 
 def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | None = None,
@@ -506,15 +530,17 @@ def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | No
     """What fp8_guard did: the fallbacks, the FP8 FLOPs share, the static YAML for next time;
     `names`: each layer's label; `swap`: the run's te_swap filters (`to_exclude`; without them
     its exclude alone, as fp8_guard's records read it); `fp8`: the run's FP8 layers (`refused`,
-    `whole_run`)."""
+    `guard_advice`)."""
     lines = ["## fp8_guard", ""]
     share = guard.fp8_share
     shares = (f" FP8 share of the linear-GEMM FLOPs (`{FP8_FLOPS_SHARE}`): {100 * share[0]:.1f} "
               f"% at the first logging step, {100 * share[1]:.1f} % at the last."
               if share else "")
     swap = swap or SwapFilters(exclude=guard.exclude)
-    held = to_exclude(guard, swap)  # the static YAML's layers, in the refused one too
-    refusals = [line for r in refused(guard, names, markdown=True, held=held, fp8=fp8)
+    advice = guard_advice(guard, swap, fp8)
+    held = advice.held  # the static YAML's layers, in the refused one too
+    refusals = [line for r in [*refused(guard, names, advice, markdown=True),
+                               *([advice.whole] if advice.whole else [])]
                 for line in ("", r)]
     unrecorded = unrecorded_fallbacks(guard)
     if unrecorded:
@@ -560,8 +586,8 @@ def guard_section(guard: GuardRun, names: dict[str, str], swap: SwapFilters | No
         return [*lines, "", "No layer is in fallback at the end of the run.", *refusals]
     if not held:
         return [*lines, *refusals, "", ALREADY_OUT]
-    if whole := whole_run(held, fp8, "are held in high precision at the end"):
-        return [*lines, *refusals, "", whole]
+    if advice.no_static:  # the whole-run paragraph, among `refusals`, says why no YAML
+        return [*lines, *refusals]
     return [*lines, *refusals, "", "The layers in fallback at the end in high precision from the start, next "
             "time (te_swap keeps them in high precision; fp8_guard then has nothing to switch):",
             "", "```yaml", static_yaml(held, swap.exclude), "```"]
@@ -662,8 +688,7 @@ def render_report(run: RunMetrics, flags: list[Flag], thresholds: Thresholds,
         lines += [departure(loss[1], flags, names, run, loss[0], markdown=True), ""]
     rows = grouped(found, fallen)
     shared = [f for group in rows if len(group) > 1 for f in group]
-    held = to_exclude(guard, swap)
-    no_static = whole_run(held, fp8, "") is not None  # the fp8_guard section's YAML (held)
+    held, no_static = guard_advice(guard, swap, fp8)[:2]
 
     def row(group: list[Finding]) -> str:
         f = group[0]

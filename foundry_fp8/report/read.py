@@ -39,6 +39,8 @@ from foundry_fp8.health.keys import (
     LAYER_ORDER,
     LAYOUT,
     LOSS,
+    MODULES_CONVERTED,
+    MODULES_IN_FP8,
     OLDER_LAYOUT,
     OLDER_LAYOUT_LAST,
     OLDER_LAYOUT_UNTIL,
@@ -129,10 +131,6 @@ def swap_exclude(hparams: Mapping[str, Any]) -> str | None:
     return exclude if isinstance(exclude, str) and exclude else None
 
 
-#: te_swap's hyperparameter: how many layers it put in FP8 (composer/te_swap.py).
-CONVERTED = "fp8/modules_converted"
-
-
 #: te_swap's options besides `exclude` that keep layers out of FP8 by their names
 #: (`filters.filter_reason`).
 NAME_FILTERS = ("keep_first_blocks", "keep_last_blocks", "include")
@@ -147,7 +145,7 @@ class SwapFilters:
     exclude: str | None = None
     others: SwapConfig | None = None  # None: the run set none of them
     n_blocks: int = 0
-    # te_swap's count of the layers it put in FP8 (`CONVERTED`; 0: not logged): more than
+    # te_swap's count of the layers it put in FP8 (`MODULES_IN_FP8`; 0: not logged): more than
     # fp8_stats' keys name where its `layers` watched some of them only
     converted: int = 0
 
@@ -157,7 +155,8 @@ def swap_filters(hparams: Mapping[str, Any], layers: Sequence[str]) -> SwapFilte
     fp8_stats recorded no model order (`fp8/layers`). A value te_swap's options refuse (an
     edited file) is left out, as no run took it."""
     swap, given = _swap_options(hparams), {}
-    converted = hparams.get(CONVERTED)
+    # an older run's te_swap logged its converted modules only (LayerNorms among them)
+    converted = hparams.get(MODULES_IN_FP8, hparams.get(MODULES_CONVERTED))
     converted = converted if isinstance(converted, int) and not isinstance(converted, bool) else 0
     for key in NAME_FILTERS:
         try:
