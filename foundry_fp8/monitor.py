@@ -571,6 +571,11 @@ class FP8Monitor:
     def _device(self) -> torch.device:
         return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
+    @property
+    def dumping(self) -> bool:
+        """Whether `finish_step` writes a dump of the armed step."""
+        return self._step is not None and self._step.dumping
+
     def start_step(self, step: int | None = None) -> bool:
         """Arm hooks for this step if it logs, dumps or records; returns whether it does (after a
         failure on this rank, such a step arms nothing but still joins its collectives)."""

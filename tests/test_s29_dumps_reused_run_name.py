@@ -15,6 +15,7 @@ from pathlib import Path
 from llmfoundry.command_utils import train
 from safetensors import safe_open
 
+from foundry_fp8.monitor import FP8Monitor
 from foundry_fp8.paths import DUMP_FOLDER_KEY
 from foundry_fp8.report.cli import load
 from foundry_fp8.report.read import dump_of, dump_places
@@ -96,10 +97,29 @@ def test_without_the_jsonl_logger_the_run_says_which_earlier_dumps_it_replaces(
     first = _digest(DUMP)
     said = [line for line in _run(tmp_path, tiny_data, 18, jsonl=False)
             if "will be replaced" in line]
-    assert said == [
-        f"fp8_stats: {DUMP.parent} holds 1 dump of an earlier run "
-        "(step0000001-rank0.safetensors) that this run, named 'mpt-tiny-cpu' and starting at "
-        "batch 0, writes again: they will be replaced. Only where the jsonl logger moves the "
-        "earlier run's records aside are its dumps moved with them; give this run its own "
-        "run_name or callbacks.fp8_stats.dump_folder to keep them"]
+    assert len(said) == 1 and str(DUMP.parent) in said[0] and "1 dump " in said[0]
+    assert DUMP.name in said[0] and "it will be replaced" in said[0]
     assert _digest(DUMP) != first and not (DUMP.parent / "1").exists()
+
+
+def test_dumps_moved_after_this_ranks_first_batch_start_are_not_said_replaced(
+        tmp_path, tiny_data, monkeypatch):
+    """Composer runs no barrier between FIT_START and BATCH_START: a rank may start its first
+    batch before rank 0's jsonl logger has moved the dumps on their shared file system. The
+    check waits for the first dump's write, after the batch's collectives; before, it ran at
+    BATCH_START and said "will be replaced" of dumps then moved aside."""
+    monkeypatch.chdir(tmp_path)
+    _run(tmp_path, tiny_data, 17, jsonl=False)
+    late = DUMP.parent / "moved-late"
+    next_microbatch = FP8Monitor.next_microbatch
+
+    def move_then_go_on(self: FP8Monitor) -> None:  # at BEFORE_FORWARD, after BATCH_START
+        if DUMP.is_file() and not late.exists():
+            late.mkdir()
+            DUMP.rename(late / DUMP.name)
+        next_microbatch(self)
+
+    monkeypatch.setattr(FP8Monitor, "next_microbatch", move_then_go_on)
+    said = _run(tmp_path, tiny_data, 18, jsonl=False)
+    assert (late / DUMP.name).is_file() and DUMP.is_file()  # moved, then written anew
+    assert not [line for line in said if "will be replaced" in line], said

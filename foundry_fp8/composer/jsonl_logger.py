@@ -6,6 +6,7 @@ The run folder (`foundry_fp8.paths`): the parent of a local checkpoint `save_fol
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import operator
@@ -19,6 +20,7 @@ from composer.core import State
 from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
+from foundry_fp8.health import plural
 from foundry_fp8.jsonl import (
     STEP_RANGE,
     JsonlSink,
@@ -238,17 +240,15 @@ class JSONLLogger(LoggerDestination):
             return
         hparams_text, dumps = earlier[1], ""
         if hparams_text is not None:
-            try:
-                hparams_text, dumps = _dumps_aside(hparams_text, path.parent, n)
-            except OSError as e:
-                if self.strict:
-                    raise
-                log.warning("jsonl logger: cannot move an earlier run's fp8_stats dumps to a "
-                            "folder %d beside them (%s); this run's dumps replace those of the "
-                            "same steps (loggers.jsonl.strict: true makes this an error)", n,
-                            _reason(e))
-            text = hparams_text
+            hparams_text, dumps, failed = _dumps_aside(hparams_text, path.parent, n)
+            text = hparams_text  # the record of whatever moved, written first: strict or not
             self._guard(lambda: write_atomically(hparams_aside, text), hparams_aside)
+            if failed is not None:
+                if self.strict:
+                    raise failed
+                log.warning("jsonl logger: cannot move all of an earlier run's fp8_stats dumps "
+                            "aside (%s); this run's dumps replace those left of the same steps "
+                            "(loggers.jsonl.strict: true makes this an error)", _reason(failed))
         log.warning("jsonl logger: %s held the records of an earlier run named %r; this run "
                     "starts at batch 0, so they were moved to %s%s and %s holds this run's "
                     "records only", path, state.run_name, aside,
@@ -404,39 +404,44 @@ def _earlier_run(path: Path, hparams: Path) -> tuple[int, str | None]:
     return size, text
 
 
-def _dumps_aside(hparams: str, folder: Path, n: int) -> tuple[str, str]:
+def _dumps_aside(hparams: str, folder: Path, n: int) -> tuple[str, str, OSError | None]:
     """Move an earlier run's fp8_stats dumps, in the folder its hparams.json records
-    (`paths.DUMP_FOLDER_KEY`, relative to `folder`, the metrics file's), into `<that folder>/<n>/`,
-    beside its records set aside as `metrics.<n>.jsonl`: the new run writes the same file names
-    there, and the earlier run's report read the new ones. Returns hparams.json's text with the
-    record naming the new folder (where the report looks first) and what to say; the text as it
+    (`paths.DUMP_FOLDER_KEY`, relative to `folder`, the metrics file's), into a new folder
+    beside them, `<n>/` (`<n>.1/`, ... where that exists: a leftover never receives nor keeps
+    them), with its records set aside as `metrics.<n>.jsonl`: the new run writes the same file
+    names there, and the earlier run's report read the new ones. Returns hparams.json's text
+    with the record naming the new folder (where the report looks first) where anything moved,
+    what to say, and the error that stopped the move part-way or before it. The text as it
     was and "" where nothing moved: no record, a folder outside `folder` (an absolute
-    `dump_folder`, perhaps shared by other runs), no dump. A file already in `<n>/` is never
-    replaced (left where it is)."""
+    `dump_folder`, perhaps shared by other runs), no dump."""
     try:
         params = json.loads(hparams)
     except ValueError:
-        return hparams, ""
+        return hparams, "", None
     record = params.get(DUMP_FOLDER_KEY) if isinstance(params, dict) else None
     if (not isinstance(record, str) or not record or "\x00" in record
             or PurePosixPath(record).is_absolute() or ".." in PurePosixPath(record).parts):
-        return hparams, ""
+        return hparams, "", None
     dumps = folder / record
     files = sorted(dumps.glob(EVERY_DUMP))
     if not files:
-        return hparams, ""
-    aside = dumps / str(n)
-    aside.mkdir(exist_ok=True)
-    moved = 0
-    for file in files:
-        if not (aside / file.name).exists():
+        return hparams, "", None
+    name = next(name for name in itertools.chain([str(n)], (f"{n}.{i}" for i in itertools.count(1)))
+                if not (dumps / name).exists())
+    aside, moved, failed = dumps / name, 0, None
+    try:
+        aside.mkdir()
+        for file in files:
             os.rename(file, aside / file.name)
             moved += 1
+    except OSError as e:
+        failed = e
     if not moved:
-        return hparams, ""
-    params[DUMP_FOLDER_KEY] = (PurePosixPath(record) / str(n)).as_posix()
+        return hparams, "", failed
+    params[DUMP_FOLDER_KEY] = (PurePosixPath(record) / name).as_posix()
     return (json.dumps(params, indent=2),
-            f", its {moved} fp8_stats dump{'' if moved == 1 else 's'} to {aside}")
+            f", its {plural(moved, 'fp8_stats dump')}"
+            f"{f' of {len(files)}' if moved < len(files) else ''} to {aside}", failed)
 
 
 def state_run_folder(state: State) -> Path:

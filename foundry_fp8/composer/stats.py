@@ -32,7 +32,7 @@ from foundry_fp8.composer.destinations import (
 from foundry_fp8.composer.failures import device_failure
 from foundry_fp8.composer.te_swap import run_recipe
 from foundry_fp8.fp8_meta import canonical_modules
-from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, spec
+from foundry_fp8.health import INITIAL_SCALE, SPECS, Flag, RunMetrics, parse_key, plural, spec
 from foundry_fp8.health.history import shown
 from foundry_fp8.health.keys import HIGH_PRECISION, UNCAST, layer_order_params, short_layer
 from foundry_fp8.health.raster import render_heatmap
@@ -420,8 +420,9 @@ class FP8Stats(Callback):
             if _is_rank_zero():
                 self._say_unlogged(last, ended=False)
         if dumps is not None and at == 0 and not self._dumps_checked:
-            # at the first batch: the jsonl logger sets an earlier run aside at its FIT_START,
-            # which Composer runs after the other callbacks' (composer/core/engine.py)
+            # before the first dump is written: the jsonl logger sets an earlier run aside at
+            # rank 0's FIT_START, after the other callbacks' (composer/core/engine.py), and no
+            # barrier follows before BATCH_START; the batch's forward and backward collectives do
             self._dumps_checked, self._dumps_to_check = True, (dumps, last)
 
     def _say_unlogged(self, last: int, ended: bool) -> None:
@@ -450,10 +451,6 @@ class FP8Stats(Callback):
             self.te_debug.resume()
 
     def _batch_start(self, state: State, logger: Logger) -> None:
-        if self._dumps_to_check is not None:
-            (dumps, last), self._dumps_to_check = self._dumps_to_check, None
-            _say_replaced(dumps, self.schedule.dump_steps, last,  # type: ignore[arg-type]
-                          state.run_name)
         if self.monitor is not None:
             self._step = int(state.timestamp.batch)
             self.monitor.start_step(self._step)
@@ -475,6 +472,10 @@ class FP8Stats(Callback):
         at the next step, and W&B drops a step lower than one it has seen."""
         if self.monitor is None:
             return
+        if self._dumps_to_check is not None and self.monitor.dumping:
+            (dumps, last), self._dumps_to_check = self._dumps_to_check, None
+            _say_replaced(dumps, self.schedule.dump_steps, last,  # type: ignore[arg-type]
+                          state.run_name)
         metrics = self.monitor.finish_step(self.fallbacks)  # raises only on every rank together
         # not `if metrics`: a rank whose own work failed after the pooling has none, and a
         # listener's collective (the guard's vote) left out there pairs with another one
@@ -759,18 +760,18 @@ def _say_replaced(dumps: Path, steps: Iterable[int], last: int | None, run_name:
     """A fresh run's dumps replace an earlier run's of the same steps in `dumps`, unless the
     jsonl logger moved those aside with that run's records (`jsonl_logger._dumps_aside`; not
     without it, nor for a folder outside the run folder, nor for another node's local folder):
-    said by each rank of its own files, before they are gone."""
+    said by each rank of its own files, before its first dump is written."""
     rank = dist.get_global_rank()
     found = [path for step in sorted(set(steps)) if last is None or step <= last
              if (path := dumps / DUMP_FILE.format(step=step, rank=rank)).is_file()]
     if found:
-        log.warning("fp8_stats: %s holds %d dump%s of an earlier run (%s%s) that this run, "
-                    "named %r and starting at batch 0, writes again: they will be replaced. "
-                    "Only where the jsonl logger moves the earlier run's records aside are its "
-                    "dumps moved with them; give this run its own run_name or "
-                    "callbacks.fp8_stats.dump_folder to keep them", dumps, len(found),
-                    "" if len(found) == 1 else "s", found[0].name,
-                    ", ..." if len(found) > 1 else "", run_name)
+        log.warning("fp8_stats: %s holds %s of an earlier run (%s%s) that this run, named %r "
+                    "and starting at batch 0, writes again: %s replaced. Only where the jsonl "
+                    "logger moves the earlier run's records aside are its dumps moved with "
+                    "them; give this run its own run_name or callbacks.fp8_stats.dump_folder "
+                    "to keep them", dumps, plural(len(found), "dump"), found[0].name,
+                    ", ..." if len(found) > 1 else "", run_name,
+                    "it will be" if len(found) == 1 else "they will be")
 
 
 def dump_record(dumps: Path, base: Path) -> str:
