@@ -524,6 +524,7 @@ def _set_precision_config(state: State, recipe: FP8Recipe) -> None:
 
 def run_recipe(state: State) -> FP8Recipe | None:
     """The FP8 recipe this run's FP8 modules follow (`foundry_fp8.recipe.run_fp8_recipe`, read
-    from the built run: its TESwap, precision and precision_config)."""
+    from the built run: its TESwap, precision and precision_config; a State driven by hand may
+    have no precision_config, which only amp_fp8 without te_swap reads)."""
     swap = next((a.recipe for a in state.algorithms if isinstance(a, TESwap)), None)
-    return run_fp8_recipe(swap, state.precision.value, state.precision_config)
+    return run_fp8_recipe(swap, state.precision.value, getattr(state, "precision_config", None))
