@@ -33,3 +33,19 @@ def test_every_case_is_read_a_blank_message_included(tmp_path: Path) -> None:
         {"test": "tests.test_b_gpu::test_skip", "outcome": "skipped", "seconds": 0.0,
          "message": ""},
     ]
+
+
+def test_a_lease_without_an_nvidia_smi_line_is_kept_and_says_so(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    """A device whose nvidia-smi printed nothing still ran the tests: the record keeps them and
+    its title says no GPU was named (it printed "on None")."""
+    (tmp_path / "gpu-tests.xml").write_text(JUNIT)
+    (tmp_path / "environment-tests.txt").write_text("Tue Dec  1 06:00:00 UTC 2026\n")
+    monkeypatch.setattr(record, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr("sys.argv", ["record.py", str(tmp_path), "--command", "verify.sh tests"])
+    record.main()
+    md = (tmp_path / "results" / "gpu_tests_a_gpu_nvidia_smi_did_not_name.md").read_text()
+    assert md.splitlines()[0] == ("# `pytest -m gpu` on a GPU nvidia-smi did not name "
+                                  "(Tue Dec  1 06:00:00 UTC 2026)")
+    assert "1 passed, 1 failed, 1 error, 1 skipped." in md
+    assert "no nvidia-smi GPU line" in capsys.readouterr().err

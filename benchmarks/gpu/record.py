@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+# A lease whose nvidia-smi printed nothing still ran the tests: keep them, and say why no GPU is named.
+NO_GPU = "a GPU nvidia-smi did not name"
 
 
 def environment(text: str) -> dict[str, Any]:
@@ -68,10 +71,14 @@ def main() -> None:
                                                                  "skipped")}
     result = {"environment": env, "versions": ver, "command": args.command, "counts": counts,
               "tests": rows}
-    stem = "gpu_tests_" + re.sub(r"[^a-z0-9]+", "_", (env["gpu"] or "gpu").lower()).strip("_")
+    gpu = env["gpu"] or NO_GPU
+    if not env["gpu"]:
+        print(f"warning: {args.dir / 'environment-tests.txt'} has no nvidia-smi GPU line; "
+              f"recorded as '{NO_GPU}'", file=sys.stderr)
+    stem = "gpu_tests_" + re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# `pytest -m gpu` on {env['gpu']} ({env['date']})", "",
+    lines = [f"# `pytest -m gpu` on {gpu} ({env['date']})", "",
              f"Driver {env['driver']} (CUDA {env['driver_cuda']}), {env['memory']}; "
              + ", ".join(f"{k} {v}" for k, v in ver.items()) + ".", "",
              f"Command (device call): `{args.command}`", "",
