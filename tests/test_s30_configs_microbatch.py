@@ -142,3 +142,27 @@ def test_in_a_run_the_device_batch_llm_foundry_wrote_gives_the_last_micro_batch(
     assert [(f.key, f.severity) for f in found] == \
         [("train_loader.dataset.pad_to_longest", "error")]
     assert "device_train_batch_size is 12" in found[0].message
+
+
+@pytest.mark.parametrize(("global_batch", "gpus", "first_crashes"), [
+    (96, 8, True),    # starts at 12: a multiple of 4 only
+    (96, 16, True),   # starts at 6
+    (128, 8, False),  # starts at 16: only the halvings after out-of-memory errors reach 1
+])
+def test_auto_micro_batches_start_at_the_per_gpu_batch(tmp_path, monkeypatch, global_batch,
+                                                       gpus, first_crashes):
+    from composer.trainer.trainer import _get_initial_device_train_microbatch_size
+    from llmfoundry.utils import config_utils
+
+    monkeypatch.setattr(config_utils.dist, "get_world_size", lambda: gpus)
+    batch, _, _ = config_utils.calculate_batch_size_info(global_batch, "auto")
+    loader = type("Loader", (), {"batch_size": batch})()  # what LLM-Foundry's loader holds
+    first = _get_initial_device_train_microbatch_size("auto", True, loader)
+    assert (not tokens_fit_fp8(first)) == first_crashes
+    config = copy.deepcopy(FINETUNE)
+    config.update(global_train_batch_size=global_batch, device_train_microbatch_size="auto")
+    found = [f for f in _lint(tmp_path, config, gpus) if f["rule"] == "FP8006"]
+    assert [f["severity"] for f in found] == ["error" if first_crashes else "warning"]
+    if first_crashes:
+        assert f"first micro-batch (_get_initial_device_train_microbatch_size): at {first}," \
+            in found[0]["message"]

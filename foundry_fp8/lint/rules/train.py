@@ -152,7 +152,8 @@ TE_TOKENS_BY_16 = (
       "known (`--gpus`, an MCLI run config's `compute.gpus`; in a run, the "
       "device_train_batch_size LLM-Foundry wrote) the micro-batches judged are those TE gets: "
       "a micro-batch size above the sequences per GPU is cut to them, and one that does not "
-      "divide them leaves a last, smaller micro-batch (Composer's split_batch).",
+      "divide them leaves a last, smaller micro-batch (Composer's split_batch); under `auto` "
+      "the first micro-batch is the sequences per GPU, an error where that one crashes.",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec; "
       f"{TE_TOKENS_BY_16}; "
       f"{FOUNDRY} llmfoundry/data/text_data.py StreamingTextDataset (max_seq_len from the "
@@ -178,6 +179,15 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
     micro = 1 if auto else as_int(config.get("device_train_microbatch_size"))
     key, seq = train_seq_len(config)
     if micro is None or seq is None:
+        return
+    batch = device_batch_size(config, ctx)
+    first = [replace(hit, message=f"device_train_microbatch_size auto: {_per_gpu(config, batch, ctx)}"
+                     ", Composer's first micro-batch (_get_initial_device_train_microbatch_size): "
+                     f"at {batch}, {hit.message}", fix=_SPLIT_FIX)
+             for hit in tokens_per_microbatch_of(config, batch, key, seq, False)] \
+        if auto and batch else []
+    if any(hit.severity is None for hit in first):  # the size every run starts at: it crashes
+        yield from first
         return
     if auto:  # any size from the device batch down to 1 may run: judge the last one
         for hit in tokens_per_microbatch_of(config, micro, key, seq):
@@ -212,9 +222,7 @@ def micro_batch_sizes(config: Mapping[str, Any], micro: int,
     batch = device_batch_size(config, ctx)
     if batch is None or micro <= 0:
         return [(micro, "")]
-    per_gpu = (f"global_train_batch_size {config.get('global_train_batch_size')} over "
-               f"{ctx.gpus} GPUs ({ctx.gpus_text()}) is {batch} sequences per GPU" if ctx.scope == "file"
-               else f"LLM-Foundry's device_train_batch_size is {batch}")
+    per_gpu = _per_gpu(config, batch, ctx)
     sizes = [(micro, "")] if micro <= batch else [(batch, (
         f"{per_gpu}, and LLM-Foundry's calculate_batch_size_info cuts "
         f"device_train_microbatch_size {micro} to it: "))]
@@ -224,6 +232,14 @@ def micro_batch_sizes(config: Mapping[str, Any], micro: int,
                       f"micro-batches of {cut} and a last one of {batch % cut}: at "
                       f"{batch % cut}, "))
     return sizes
+
+
+def _per_gpu(config: Mapping[str, Any], batch: int | None, ctx: LintContext) -> str:
+    """Where `device_batch_size`'s answer comes from, as FP8006's messages say it."""
+    if ctx.scope == "run":
+        return f"LLM-Foundry's device_train_batch_size is {batch}"
+    return (f"global_train_batch_size {config.get('global_train_batch_size')} over {ctx.gpus} "
+            f"GPUs ({ctx.gpus_text()}) is {batch} sequences per GPU")
 
 
 _SPLIT_FIX = ("a device_train_microbatch_size that divides the sequences per GPU "
