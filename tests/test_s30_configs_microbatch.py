@@ -166,3 +166,30 @@ def test_auto_micro_batches_start_at_the_per_gpu_batch(tmp_path, monkeypatch, gl
     if first_crashes:
         assert f"first micro-batch (_get_initial_device_train_microbatch_size): at {first}," \
             in found[0]["message"]
+
+
+def _epoch_end(findings: list[dict]) -> list[tuple[str, str]]:
+    return [(f["key"], f["severity"]) for f in findings
+            if f["rule"] == "FP8006" and "end of an epoch" in f["message"]]
+
+
+def test_the_last_batch_of_an_epoch_with_pad_to_longest(tmp_path):
+    """build_finetuning_dataloader's drop_last defaults to false and its DataLoader then yields
+    each epoch's remainder as a last, smaller batch (any count of sequences)."""
+    import inspect
+
+    from llmfoundry.data.finetuning.dataloader import build_finetuning_dataloader
+    from torch.utils.data import DataLoader
+
+    assert inspect.signature(build_finetuning_dataloader).parameters["drop_last"].default is False
+    assert [len(b) for b in DataLoader(list(range(21)), batch_size=16)] == [16, 5]
+    config = copy.deepcopy(FINETUNE)
+    config.update(global_train_batch_size=128)  # 16 per GPU on 8: micro-batches of 8 fit
+    assert _epoch_end(_lint(tmp_path, config, 8)) == []  # drop_last: true
+    del config["train_loader"]["drop_last"]
+    assert _epoch_end(_lint(tmp_path, config, 8)) == [
+        ("train_loader.dataset.pad_to_longest", "warning")]
+    config["train_loader"]["drop_last"] = False
+    assert _epoch_end(_lint(tmp_path, config, None)) == [("train_loader.drop_last", "warning")]
+    config["train_loader"]["dataset"]["packing_ratio"] = 2.0  # bins padded to max_seq_len
+    assert _epoch_end(_lint(tmp_path, config, 8)) == []

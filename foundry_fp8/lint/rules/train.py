@@ -153,7 +153,9 @@ TE_TOKENS_BY_16 = (
       "device_train_batch_size LLM-Foundry wrote) the micro-batches judged are those TE gets: "
       "a micro-batch size above the sequences per GPU is cut to them, and one that does not "
       "divide them leaves a last, smaller micro-batch (Composer's split_batch); under `auto` "
-      "the first micro-batch is the sequences per GPU, an error where that one crashes.",
+      "the first micro-batch is the sequences per GPU, an error where that one crashes. With "
+      "pad_to_longest and the finetuning loader's drop_last false (its default) each epoch's "
+      "last batch holds any count of sequences: a warning.",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec; "
       f"{TE_TOKENS_BY_16}; "
       f"{FOUNDRY} llmfoundry/data/text_data.py StreamingTextDataset (max_seq_len from the "
@@ -196,8 +198,30 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
     judged = [[replace(hit, message=why + hit.message, fix=_SPLIT_FIX if why else hit.fix)
                for hit in tokens_per_microbatch_of(config, size, key, seq, not why)]
               for size, why in micro_batch_sizes(config, micro, ctx)]
-    yield from next((hits for hits in judged if any(h.severity is None for h in hits)),
-                    next((hits for hits in judged if hits), []))
+    hits = next((hits for hits in judged if any(h.severity is None for h in hits)),
+                next((hits for hits in judged if hits), []))
+    yield from hits
+    if not any(h.severity is None for h in hits):
+        yield from _last_batch_of_epoch(config, seq)
+
+
+def _last_batch_of_epoch(config: Mapping[str, Any], seq: int) -> Iterator[Hit]:
+    """FP8006's warning for the finetuning loader's last batch of an epoch: with drop_last
+    false (build_finetuning_dataloader's default) it holds whatever sequences remain, any count,
+    and pad_to_longest pads it to its own longest example."""
+    loader = section(config, "train_loader")
+    if _padded_to(config, seq)[0] != "pad_to_longest" or loader.get("drop_last") is True:
+        return
+    key = "train_loader.drop_last" if "drop_last" in loader else \
+        "train_loader.dataset.pad_to_longest"
+    yield Hit(key, "the finetuning loader keeps each epoch's last, smaller batch (drop_last "
+              f"{loader.get('drop_last', 'unset: false, its default')}), so a micro-batch then "
+              "holds k x L tokens for any k sequences left over and L their longest (up to "
+              f"{seq}), pad_to_longest's: where k x L is not a multiple of {FP8_TOKEN_MULTIPLE} "
+              "TE's FP8 forward asserts and the run crashes at the end of an epoch, after training "
+              "it (unless the dataset's size per GPU is a multiple of the batch)",
+              severity="warning", fix="train_loader.drop_last: true, or drop "
+              "train_loader.dataset.pad_to_longest")
 
 
 def device_batch_size(config: Mapping[str, Any], ctx: LintContext) -> int | None:
