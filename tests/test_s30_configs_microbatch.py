@@ -193,3 +193,13 @@ def test_the_last_batch_of_an_epoch_with_pad_to_longest(tmp_path):
     assert _epoch_end(_lint(tmp_path, config, None)) == [("train_loader.drop_last", "warning")]
     config["train_loader"]["dataset"]["packing_ratio"] = 2.0  # bins padded to max_seq_len
     assert _epoch_end(_lint(tmp_path, config, 8)) == []
+
+
+def test_a_gpu_count_no_launcher_runs_judges_no_global_batch(tmp_path):
+    """compute.gpus -3 or 0 (MCLI refuses them) says nothing about the world size."""
+    for gpus in (-3, 0):
+        run = {"name": "llama-ft", "image": "mosaicml/llm-foundry:2.7.0_cu128-latest",
+               "compute": {"gpus": gpus},
+               "command": "composer train/train.py /mnt/config/parameters.yaml",
+               "parameters": {**FINETUNE, "global_train_batch_size": 97}}
+        assert [f for f in _lint(tmp_path, run, None) if f["rule"] == "FP8043"] == []

@@ -977,7 +977,8 @@ def train_sizes_refused(config: Mapping[str, Any], ctx: LintContext) -> Iterator
     why = _global_batch_refused(size, micro) if "global_train_batch_size" in config else None
     if why:
         yield Hit("global_train_batch_size", f"global_train_batch_size is {size!r:.40}: {why}")
-    elif as_int(size) is not None and ctx.gpus and size % ctx.gpus:
+    elif as_int(size) is not None and ctx.gpus is not None and ctx.gpus > 0 \
+            and size % ctx.gpus:
         yield Hit("global_train_batch_size", f"global_train_batch_size {size} is not divisible "
                   f"by the {ctx.gpus} GPUs ({ctx.gpus_text()}): calculate_batch_size_info "
                   f"raises 'Global batchsize {size} is not divisible by' the world size "
