@@ -173,7 +173,8 @@ FOUNDRY_FSDP_KEEPS_MASTER_DTYPES = frozenset({"bf16", "fp16", "float16", "bfloat
 #: configuration_mpt.py, MPTConfig.__init__).
 MPT_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "head_dim": None,
                 "expansion_ratio": 4, "vocab_size": 50368, "norm_type": "low_precision_layernorm",
-                "no_bias": False, "tie_word_embeddings": True, "norm_eps": 1e-05}
+                "no_bias": False, "tie_word_embeddings": True, "norm_eps": 1e-05,
+                "max_seq_len": 2048}
 #: The classes LLM-Foundry's norms registry builds for its own names (llmfoundry/models/layers/
 #: norm.py, 0.21-0.22: `layernorm` and `rmsnorm` are torch's classes themselves), as
 #: (module, class); MPT looks `norm_type` up lower-cased (blocks.py, modeling_mpt.py).

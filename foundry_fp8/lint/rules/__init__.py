@@ -40,6 +40,7 @@ from foundry_fp8.lint.rules import (  # noqa: F401  (registration happens at imp
     mcli,
     model,
     ours,
+    parallel,
     tokens,
     train,
 )

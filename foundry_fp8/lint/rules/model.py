@@ -75,7 +75,13 @@ from foundry_fp8.lint.known import (
 from foundry_fp8.lint.load import OC_ENV
 from foundry_fp8.lint.registry import Hit, LintContext, join_key, rule, section
 from foundry_fp8.lint.rules.environment import judged_version, what_runs
-from foundry_fp8.lint.rules.train import COMPOSER, FOUNDRY, TE28, TE_GEMM_LEADING_DIM
+from foundry_fp8.lint.rules.train import (
+    COMPOSER,
+    FOUNDRY,
+    TE28,
+    TE_GEMM_LEADING_DIM,
+    loader_sections,
+)
 from foundry_fp8.lint.values import built_options
 from foundry_fp8.options import SwapConfig
 from foundry_fp8.sdpa_facts import SDPA, SDPA_REFUSED_ATTN_KEYS
@@ -1466,3 +1472,52 @@ def te_layernorm_mlp_init(config: Mapping[str, Any], ctx: LintContext) -> Iterat
                       "NameError 'div_is_residual' initialising them in te_layernorm_mlp_init "
                       f"({TE_LN_MLP_INIT_SOURCE}); LLM-Foundry here: "
                       f"{what_runs(snapshot, 'llmfoundry')}", severity="warning", fix=fix)
+
+
+def _fed_lengths(config: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(key, length) of each sequence length the run feeds the model: every loader's
+    `dataset.max_seq_len` (text samples are that long; finetuning pads or packs up to it), and
+    the length ICL pads its tasks to, `icl_seq_len` or else the top-level max_seq_len, where
+    icl_tasks is given and a task does not set its own."""
+    for key, loader, _ in loader_sections(config):
+        if "max_seq_len" in section(loader, "dataset"):
+            yield f"{key}.dataset.max_seq_len", loader["dataset"]["max_seq_len"]
+    tasks = config.get("icl_tasks")
+    own = isinstance(tasks, list) and all(isinstance(t, Mapping) and "max_seq_len" in t
+                                          for t in tasks)
+    icl = "icl_seq_len" if config.get("icl_seq_len") else "max_seq_len"  # train.py's `or`
+    if tasks and not own and icl in config:
+        yield icl, config[icl]
+
+
+@rule("FP8061", "error", "sequences longer than MPT's `model.max_seq_len` (default 2048): a "
+      "loader's `dataset.max_seq_len`, or ICL's `icl_seq_len` / top-level `max_seq_len`",
+      why="MPTModel.forward asserts every input is at most the model's max_seq_len ('Cannot "
+      "forward input with seq_len=S, this model only supports seq_len<=M'), whatever the "
+      "position encoding, and MPTConfig's default is 2048: a model section that does not take "
+      "the loaders' length (`max_seq_len: ${variables.max_seq_len}`) crashes at the first "
+      "batch, after the model, the data and FSDP are set up (text samples are exactly the "
+      "loader's length; the finetuning loader pads or packs to it), or at the first evaluation "
+      "for an eval loader and ICL, which pads its tasks to a task's own max_seq_len, else "
+      "icl_seq_len, else the top-level max_seq_len.",
+      source=f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py MPTModel.forward (the "
+      "seq_len assert), llmfoundry/models/mpt/configuration_mpt.py (max_seq_len: int = 2048), "
+      "llmfoundry/data/text_data.py StreamingTextDataset, llmfoundry/command_utils/train.py "
+      "(icl_seq_len or max_seq_len), llmfoundry/utils/builders.py build_icl_evaluators, "
+      "llmfoundry/eval/datasets/utils.py make_padded_input",
+      fix="model.max_seq_len: ${variables.max_seq_len}, the length the loaders use")
+def sequences_past_mpt_max(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    model = section(config, "model")
+    limit = as_number(mpt_value(model, "max_seq_len")) if _is_mpt(model) else None
+    if limit is None:
+        return
+    for key, length in _fed_lengths(config):
+        if as_number(length) is not None and length > limit:
+            where = "model.max_seq_len" if "max_seq_len" in model else "model"
+            given = "" if "max_seq_len" in model else " (MPTConfig's default: the model section " \
+                "gives none)"
+            yield Hit(where, f"{key} is {length}, above the model's max_seq_len {limit}{given}: "
+                      f"MPTModel.forward asserts 'Cannot forward input with seq_len={length}, "
+                      f"this model only supports seq_len<={limit}' at the first "
+                      f"{'evaluation' if key.startswith(('eval', 'max_seq_len')) else 'batch'}")
+            return

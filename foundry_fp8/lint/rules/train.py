@@ -148,7 +148,14 @@ TE_TOKENS_BY_16 = (
       "above it, so there these findings are at most a warning. With "
       "`device_train_microbatch_size: auto` Composer starts at the device batch size and halves "
       "it at each CUDA out-of-memory down to 1, so the findings are judged at 1, as warnings "
-      "(the run meets that size only after out-of-memory errors).",
+      "(the run meets that size only after out-of-memory errors). Where the GPU count is "
+      "known (`--gpus`, an MCLI run config's `compute.gpus`; in a run, the "
+      "device_train_batch_size LLM-Foundry wrote) the micro-batches judged are those TE gets: "
+      "a micro-batch size above the sequences per GPU is cut to them, and one that does not "
+      "divide them leaves a last, smaller micro-batch (Composer's split_batch); under `auto` "
+      "the first micro-batch is the sequences per GPU, an error where that one crashes. With "
+      "pad_to_longest and the finetuning loader's drop_last false (its default) each epoch's "
+      "last batch holds any count of sequences: a warning.",
       source=f"{TE28} transformer_engine/pytorch/utils.py:433 assert_dim_for_fp8_exec; "
       f"{TE_TOKENS_BY_16}; "
       f"{FOUNDRY} llmfoundry/data/text_data.py StreamingTextDataset (max_seq_len from the "
@@ -160,7 +167,9 @@ TE_TOKENS_BY_16 = (
       "to max_seq_len; auto_packing_ratio), llmfoundry/command_utils/train.py (the "
       "top-level max_seq_len: icl_seq_len's default); Composer 0.32.1 composer/trainer/"
       "trainer.py _adjust_device_train_microbatch_size (max(int(size / 2), 1)) and "
-      "_get_initial_device_train_microbatch_size (auto: the per-rank batch size)",
+      "_get_initial_device_train_microbatch_size (auto: the per-rank batch size), "
+      "composer/core/data_spec.py _split_tensor (tensor.split); "
+      f"{FOUNDRY} llmfoundry/utils/config_utils.py:444-458 calculate_batch_size_info",
       fix="pick device_train_microbatch_size and a sequence length whose product is a multiple "
       f"of {FP8_DIM_MULTIPLE}")
 def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
@@ -173,11 +182,93 @@ def tokens_per_microbatch(config: Mapping[str, Any], ctx: LintContext) -> Iterat
     key, seq = train_seq_len(config)
     if micro is None or seq is None:
         return
+    batch = device_batch_size(config, ctx)
+    first = [replace(hit, message=f"device_train_microbatch_size auto: {_per_gpu(config, batch, ctx)}"
+                     ", Composer's first micro-batch (_get_initial_device_train_microbatch_size): "
+                     f"at {batch}, {hit.message}", fix=_SPLIT_FIX)
+             for hit in tokens_per_microbatch_of(config, batch, key, seq, False)] \
+        if auto and batch else []
+    if any(hit.severity is None for hit in first):  # the size every run starts at: it crashes
+        yield from first
+        return
     if auto:  # any size from the device batch down to 1 may run: judge the last one
         for hit in tokens_per_microbatch_of(config, micro, key, seq):
             yield replace(hit, severity="warning", message=f"{AUTO_MICRO_BATCH}{hit.message}")
         return
-    yield from tokens_per_microbatch_of(config, micro, key, seq)
+    judged = [[replace(hit, message=why + hit.message, fix=_SPLIT_FIX if why else hit.fix)
+               for hit in tokens_per_microbatch_of(config, size, key, seq, not why)]
+              for size, why in micro_batch_sizes(config, micro, ctx)]
+    hits = next((hits for hits in judged if any(h.severity is None for h in hits)),
+                next((hits for hits in judged if hits), []))
+    yield from hits
+    if not any(h.severity is None for h in hits):
+        yield from _last_batch_of_epoch(config, seq)
+
+
+def _last_batch_of_epoch(config: Mapping[str, Any], seq: int) -> Iterator[Hit]:
+    """FP8006's warning for the finetuning loader's last batch of an epoch: with drop_last
+    false (build_finetuning_dataloader's default) it holds whatever sequences remain, any count,
+    and pad_to_longest pads it to its own longest example."""
+    loader = section(config, "train_loader")
+    if _padded_to(config, seq)[0] != "pad_to_longest" or loader.get("drop_last") is True:
+        return
+    key = "train_loader.drop_last" if "drop_last" in loader else \
+        "train_loader.dataset.pad_to_longest"
+    yield Hit(key, "the finetuning loader keeps each epoch's last, smaller batch (drop_last "
+              f"{loader.get('drop_last', 'unset: false, its default')}), so a micro-batch then "
+              "holds k x L tokens for any k sequences left over and L their longest (up to "
+              f"{seq}), pad_to_longest's: where k x L is not a multiple of {FP8_TOKEN_MULTIPLE} "
+              "TE's FP8 forward asserts and the run crashes at the end of an epoch, after training "
+              "it (unless the dataset's size per GPU is a multiple of the batch)",
+              severity="warning", fix="train_loader.drop_last: true, or drop "
+              "train_loader.dataset.pad_to_longest")
+
+
+def device_batch_size(config: Mapping[str, Any], ctx: LintContext) -> int | None:
+    """The sequences each GPU's train loader batches: in a run, the `device_train_batch_size`
+    LLM-Foundry's update_batch_size_info wrote into the config it hands callbacks; in a file,
+    global_train_batch_size over the GPU count where that is known (`--gpus`, an MCLI run
+    config's `compute.gpus`) and divides it (else calculate_batch_size_info raises, FP8043)."""
+    if ctx.scope == "run":
+        return as_int(config.get("device_train_batch_size"))
+    size = as_int(config.get("global_train_batch_size"))
+    if ctx.gpus is None or ctx.gpus <= 0 or size is None or size <= 0 or size % ctx.gpus:
+        return None
+    return size // ctx.gpus
+
+
+def micro_batch_sizes(config: Mapping[str, Any], micro: int,
+                      ctx: LintContext) -> list[tuple[int, str]]:
+    """The micro-batch sizes TE's GEMMs get, each with the words that say why it is not the
+    `micro` written ('' for it): calculate_batch_size_info cuts a micro-batch size above the
+    device batch size to it, and Composer's split_batch (`tensor.split`) leaves a last,
+    smaller micro-batch where the size does not divide the device batch."""
+    batch = device_batch_size(config, ctx)
+    if batch is None or micro <= 0:
+        return [(micro, "")]
+    per_gpu = _per_gpu(config, batch, ctx)
+    sizes = [(micro, "")] if micro <= batch else [(batch, (
+        f"{per_gpu}, and LLM-Foundry's calculate_batch_size_info cuts "
+        f"device_train_microbatch_size {micro} to it: "))]
+    cut = min(micro, batch)
+    if batch % cut:
+        sizes.append((batch % cut, f"{per_gpu}, which Composer's split_batch cuts into "
+                      f"micro-batches of {cut} and a last one of {batch % cut}: at "
+                      f"{batch % cut}, "))
+    return sizes
+
+
+def _per_gpu(config: Mapping[str, Any], batch: int | None, ctx: LintContext) -> str:
+    """Where `device_batch_size`'s answer comes from, as FP8006's messages say it."""
+    if ctx.scope == "run":
+        return f"LLM-Foundry's device_train_batch_size is {batch}"
+    return (f"global_train_batch_size {config.get('global_train_batch_size')} over {ctx.gpus} "
+            f"GPUs ({ctx.gpus_text()}) is {batch} sequences per GPU")
+
+
+_SPLIT_FIX = ("a device_train_microbatch_size that divides the sequences per GPU "
+              "(global_train_batch_size / GPUs) and is a multiple of "
+              f"{FP8_DIM_MULTIPLE} where it can be, or drop train_loader.dataset's pad_to_longest")
 
 
 #: FP8006's words where the micro-batch size is `auto`.
@@ -187,10 +278,13 @@ AUTO_MICRO_BATCH = ("device_train_microbatch_size auto: Composer starts at the d
 
 
 def tokens_per_microbatch_of(config: Mapping[str, Any], micro: int, key: str,
-                             seq: int) -> Iterator[Hit]:
-    """FP8006's findings for micro-batches of `micro` sequences of up to `seq` tokens."""
-    shown = f"{micro} x {seq} = {micro * seq} tokens per micro-batch (device_train_microbatch_size" \
-        f" x {key})"
+                             seq: int, written: bool = True) -> Iterator[Hit]:
+    """FP8006's findings for micro-batches of `micro` sequences of up to `seq` tokens;
+    `written`: `micro` is the config's device_train_microbatch_size (not one derived from it)."""
+    size = "device_train_microbatch_size" if written else "sequences per micro-batch"
+    shown = f"{micro} x {seq} = {micro * seq} tokens per micro-batch ({size} x {key})"
+    size = f"device_train_microbatch_size {micro}" if written else f"{micro} sequences per " \
+        "micro-batch"
     padding, maybe = _padded_to(config, seq)
     if not tokens_fit_fp8(micro * seq):
         yield Hit(key, f"{shown} is not divisible by {FP8_TOKEN_MULTIPLE}, as TE's FP8 GEMMs "
@@ -198,8 +292,7 @@ def tokens_per_microbatch_of(config: Mapping[str, Any], micro: int, key: str,
     elif padding == "pad_to_longest" and not tokens_fit_fp8(micro):
         yield Hit(f"train_loader.dataset.{padding}", f"{maybe}pad_to_longest pads each batch "
                   f"only to its longest example, so a micro-batch holds {micro} x L tokens for "
-                  f"any L up to {seq}: with device_train_microbatch_size {micro} (not a multiple "
-                  f"of {FP8_TOKEN_MULTIPLE}) TE's FP8 forward asserts a multiple of "
+                  f"any L up to {seq}: with {size} (not a multiple of {FP8_TOKEN_MULTIPLE}) TE's FP8 forward asserts a multiple of "
                   f"{FP8_TOKEN_MULTIPLE} and raises at the first batch whose longest example "
                   "misses it", severity="warning" if maybe else None, fix=_PADDING_FIX)
     elif not dim_fits_fp8(micro * seq):  # the inner dim of the weight-gradient GEMM
@@ -216,8 +309,7 @@ def tokens_per_microbatch_of(config: Mapping[str, Any], micro: int, key: str,
         lengths = "any L up to" if padding == "pad_to_longest" else \
             f"L the longest example rounded up to a multiple of {FOUNDRY_PAD_TRIM_MULTIPLE}, up to"
         yield Hit(f"train_loader.dataset.{padding}", f"{maybe}{padding} gives batches of "
-                  f"{micro} x L tokens for {lengths} {seq}: with device_train_microbatch_size "
-                  f"{micro}, some are not a multiple of {FP8_DIM_MULTIPLE}, the token count TE's "
+                  f"{micro} x L tokens for {lengths} {seq}: with {size}, some are not a multiple of {FP8_DIM_MULTIPLE}, the token count TE's "
                   "own tests ask for and the inner dim of the weight-gradient GEMM that TE >= "
                   f"{dotted(TE_GEMM_LEADING_DIM_FROM)} checks ('{TE_GEMM_LEADING_DIM_ERROR}'); "
                   "read in TE's sources, not run on a GPU",
@@ -861,8 +953,9 @@ def _micro_batch_refused(micro: Any, size: Any) -> str | None:
       "(NaN: ValueError), and takes only numbers and 'auto' as micro-batch sizes; then "
       "omegaconf types TrainConfig's fields: `max_seq_len` is an int (omegaconf converts an int "
       "or a string of one, and refuses any float, even 64.0, a boolean or null), "
-      "`global_train_batch_size` an Optional[int]. Each refusal holds whatever the GPU count; "
-      "negative sizes and infinite micro-batches pass this step and are not judged here.",
+      "`global_train_batch_size` an Optional[int]. Each refusal holds whatever the GPU count, "
+      "but one: a global batch the GPU count (`--gpus`, an MCLI run config's `compute.gpus`) "
+      "does not divide; negative sizes and infinite micro-batches pass this step and are not judged here.",
       source=f"{FOUNDRY} llmfoundry/utils/config_utils.py:437-443 (not divisible), :444, "
       ":450-458 (the micro-batch cut to the device batch, math.ceil), :460 (not sure how to "
       "parse), calculate_batch_size_info called by update_batch_size_info :496, a transform "
@@ -884,6 +977,12 @@ def train_sizes_refused(config: Mapping[str, Any], ctx: LintContext) -> Iterator
     why = _global_batch_refused(size, micro) if "global_train_batch_size" in config else None
     if why:
         yield Hit("global_train_batch_size", f"global_train_batch_size is {size!r:.40}: {why}")
+    elif as_int(size) is not None and ctx.gpus is not None and ctx.gpus > 0 \
+            and size % ctx.gpus:
+        yield Hit("global_train_batch_size", f"global_train_batch_size {size} is not divisible "
+                  f"by the {ctx.gpus} GPUs ({ctx.gpus_text()}): calculate_batch_size_info "
+                  f"raises 'Global batchsize {size} is not divisible by' the world size "
+                  "(ValueError) before building anything")
     why = _micro_batch_refused(micro, size) if "device_train_microbatch_size" in config else None
     if why:
         yield Hit("device_train_microbatch_size",
