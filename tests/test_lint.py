@@ -183,6 +183,8 @@ CASES: dict[str, tuple[dict, str, int]] = {
                "callbacks.fp8_stats.dump_steps", 1),
     "FP8059": (_merge(EMULATE, {"algorithms": {"te_swap": {"fuse_ln_mlp": True}}}),
                "algorithms.te_swap.fuse_ln_mlp", 1),
+    "FP8060": (_merge(FP8_TE, {"tp_config": {"strategy": "ffn"}}), "tp_config.strategy", 1),
+    "FP8061": ({"model": {"max_seq_len": 1024}}, "model.max_seq_len", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -261,6 +263,8 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
     # an untied head: keep_lm_head false converts it
     "FP8059": (_merge(EMULATE, {"model": {"tie_word_embeddings": False},
                                 "algorithms": {"te_swap": {"keep_lm_head": False}}}), 1),
+    "FP8060": ({"tp_config": {"strategy": "ffn"}}, 1),  # torch linears: sharded as planned
+    "FP8061": ({"model": {"max_seq_len": 4096}}, 1),  # a model longer than its data
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,

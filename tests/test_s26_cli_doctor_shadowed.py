@@ -11,6 +11,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from foundry_fp8.doctor import _short
 from foundry_fp8.environment import _shadowing
 
 
@@ -22,11 +23,12 @@ def test_a_torch_folder_on_pythonpath_is_named_not_called_a_cpu_build(tmp_path):
     done = subprocess.run([sys.executable, "-m", "foundry_fp8", "doctor", "--no-te-import"],
                           env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1, done.stderr  # FP8215: a shadowed torch is an error
-    assert "error FP8215 torch: Python imports torch from" in done.stdout, done.stdout
+    assert f"error FP8215 torch: Python imports torch from {shadow}, not the" in done.stdout, \
+        done.stdout  # the whole folder, however long (the row cuts a long one)
     [row] = [line for line in done.stdout.splitlines() if line.startswith("torch ")]
     assert row.split(None, 1)[1] == (
-        f"{metadata.version('torch')} installed, but Python imports torch from {str(shadow)!r} "
-        "(PYTHONPATH, or the folder of the script run): that one runs"), row
+        f"{metadata.version('torch')} installed, but Python imports torch from "
+        f"{_short(str(shadow))} (PYTHONPATH, or the folder of the script run): that one runs"), row
 
 
 def test_the_installed_packages_are_not_said_shadowed():

@@ -30,7 +30,7 @@ def _fp8006(micro: Any, dataset: dict[str, Any], loader: str = "text") -> list[t
         "max_seq_len": 2048,
         "device_train_microbatch_size": micro,
         "model": MODEL,
-        "train_loader": {"name": loader, "dataset": dataset},
+        "train_loader": {"name": loader, "dataset": dataset, "drop_last": True},
     }
     return [
         (f.key, f.severity, f.message.startswith("device_train_microbatch_size auto"))
