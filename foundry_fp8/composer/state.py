@@ -132,19 +132,33 @@ def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
 
     Read with `weights_only=True`: a file whose pickle names anything but tensors, plain types
     and `_composer_checkpoint_types` is refused (FP8StateError, one line) before it can run code.
+    Any other file (hparams.json, a dump, a compressed checkpoint, text) is one line too.
     """
     try:
         with torch.serialization.safe_globals(_composer_checkpoint_types()):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        reason = next((line.removeprefix("WeightsUnpickler error: ") for line in lines
-                       if "GLOBAL" in line), lines[-1] if lines else "")
-        raise FP8StateError(f"fp8_state: {path}: not loaded, its pickle could run code ({reason})") from None
-    except (OSError, RuntimeError, EOFError) as error:  # cut short, not a torch file
+        lines = [line.strip().rpartition("WeightsUnpickler error: ")[2]
+                 for line in str(error).splitlines() if line.strip()]
+        code = next((line for line in lines if "GLOBAL" in line), None)
+        if code is not None:
+            raise FP8StateError(f"fp8_state: {path}: not loaded, its pickle could run code "
+                                f"({code})") from None
+        # not a pickle torch reads (JSON, safetensors, gzip, pickle protocol 4): no code in it
+        said = next((line for line in lines if line.startswith("Unsupported operand")),
+                    lines[-1] if lines else "")
+        raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint (not a file "
+                            f"torch.save wrote: {said})") from None
+    except Exception as error:  # cut short, not a torch file: torch.load raises any kind
         raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint "
                             f"({_described(error)})") from None
-    entry = checkpoint.get("state", {}).get("callbacks", {}).get(FP8State.__qualname__, {})
+    entry: Any = checkpoint
+    for where, key in (("the file", "state"), ("state", "callbacks"),
+                       ("state.callbacks", FP8State.__qualname__)):
+        if not isinstance(entry, Mapping):
+            raise FP8StateError(f"fp8_state: {path}: not a Composer checkpoint ({where} holds "
+                                f"a {type(entry).__name__}, not a mapping)")
+        entry = entry.get(key, {})
     problem = payload_problem(entry)
     if problem:
         raise FP8StateError(f"fp8_state: {path}: the fp8_state entry is not ours: {problem}")
