@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import threading
 
 import pytest
 import torch
@@ -64,3 +66,34 @@ def test_a_composer_checkpoint_still_reads(tmp_path):
     scale = torch.tensor([2.0, 3.0, 1.0])
     path = _checkpoint(tmp_path / "ck.pt", {"m": {"fwd_scale": scale}})
     assert torch.equal(fp8_state_from_checkpoint(path)["m"]["fwd_scale"], scale)
+
+
+def _close_a_reader(path, stop: threading.Event) -> None:
+    while not stop.wait(0.05):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while none reads
+        except OSError:
+            continue
+
+
+@pytest.mark.parametrize("kind, said", [("fifo", "a FIFO (named pipe)"), ("folder", "a folder")])
+def test_a_fifo_or_a_folder_is_refused_unopened(tmp_path, kind, said):
+    """A FIFO: torch.load opened it and waited for a writer forever (a hang, not a line); a
+    folder (a sharded checkpoint's) said IsADirectoryError."""
+    path = tmp_path / "ep0-ba4-rank0.pt"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    stop = threading.Event()
+    # a reader waiting on the FIFO (the old code) gets a writer that closes at once, so a
+    # regression fails on the message instead of hanging the suite
+    unblock = threading.Thread(target=_close_a_reader, args=(path, stop), daemon=True)
+    unblock.start()
+    try:
+        with pytest.raises(FP8StateError) as raised:
+            fp8_state_from_checkpoint(path)
+    finally:
+        stop.set()
+        unblock.join()
+    assert str(raised.value) == f"fp8_state: {path}: {said}, not a checkpoint file"

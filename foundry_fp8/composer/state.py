@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import pickle
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from foundry_fp8.fp8_meta import (
 )
 from foundry_fp8.guard import Fallback
 from foundry_fp8.health import plural, short_layer
+from foundry_fp8.jsonl import file_kind
 from foundry_fp8.options import build
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.restore import (
@@ -132,8 +135,16 @@ def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
 
     Read with `weights_only=True`: a file whose pickle names anything but tensors, plain types
     and `_composer_checkpoint_types` is refused (FP8StateError, one line) before it can run code.
-    Any other file (hparams.json, a dump, a compressed checkpoint, text) is one line too.
+    Any other file (hparams.json, a dump, a compressed checkpoint, text) is one line too, and a
+    FIFO is refused unopened (torch.load would wait on it for a writer forever).
     """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint "
+                            f"({_described(error)})") from None
+    if not stat.S_ISREG(mode):
+        raise FP8StateError(f"fp8_state: {path}: {file_kind(mode)}, not a checkpoint file")
     try:
         with torch.serialization.safe_globals(_composer_checkpoint_types()):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
