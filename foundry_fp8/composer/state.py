@@ -149,15 +149,16 @@ def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
         with torch.serialization.safe_globals(_composer_checkpoint_types()):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
+        # torch's reason is the line between its advice on weights_only and the link to the
+        # docs, after "WeightsUnpickler error: " where it says so
         lines = [line.strip().rpartition("WeightsUnpickler error: ")[2]
                  for line in str(error).splitlines() if line.strip()]
-        code = next((line for line in lines if "GLOBAL" in line), None)
-        if code is not None:
-            raise FP8StateError(f"fp8_state: {path}: not loaded, its pickle could run code "
-                                f"({code})") from None
-        # not a pickle torch reads (JSON, safetensors, gzip, pickle protocol 4): no code in it
-        said = next((line for line in lines if line.startswith("Unsupported operand")),
+        said = next((line for line in lines[1:] if not line.startswith("Check the doc")),
                     lines[-1] if lines else "")
+        if "GLOBAL" in said:
+            raise FP8StateError(f"fp8_state: {path}: not loaded, its pickle could run code "
+                                f"({said})") from None
+        # not a pickle torch reads (JSON, safetensors, gzip, pickle protocol 4): no code in it
         raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint (not a file "
                             f"torch.save wrote: {said})") from None
     except Exception as error:  # cut short, not a torch file: torch.load raises any kind
