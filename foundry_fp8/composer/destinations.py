@@ -57,9 +57,12 @@ def _warn(destination: LoggerDestination, kind: str, who: str, error: Exception)
         log.debug("%s: %s failed to log %s again: %r", who, name, kind, error)
         return
     kinds.add(kind)
+    # an OSError is the machine's (a full disk, the network, a permission): the line says it
+    # all; a traceback, 45 lines of W&B's media copy for a full disk, read as a crash
     log.warning("%s: the logger %s failed to log %s (%s: %s); the other loggers are not "
                 "affected and training goes on (warned once per logger and kind)", who, name,
-                kind, type(error).__name__, error, exc_info=error)
+                kind, type(error).__name__, error,
+                exc_info=None if isinstance(error, OSError) else error)
 
 
 class ConsoleResend:

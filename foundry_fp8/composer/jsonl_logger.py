@@ -44,10 +44,14 @@ from foundry_fp8.paths import (
 
 log = logging.getLogger(__name__)
 
-#: the write errors that pass: a full disk or quota, freed when a checkpoint is uploaded and
-#: deleted or an old one cleaned up. Stopping for good at one lost every later record of a run
-#: that went on for days; the records meanwhile are held in memory up to HELD_BYTES.
-PASSING = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: the write errors that pass, and what the disk is meanwhile: full (a full disk or quota,
+#: freed when a checkpoint is uploaded and deleted or an old one cleaned up) or failing (a
+#: network file system's outage: Lustre evicting its client gives EIO, an NFS server restarting
+#: ESTALE or ETIMEDOUT, each gone at a later open). Stopping for good at one lost every later
+#: record of a run that went on for days; the records meanwhile are held in memory up to
+#: HELD_BYTES.
+PASSING = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EIO: "failing",
+           errno.ESTALE: "failing", errno.ETIMEDOUT: "failing"}
 HELD_BYTES = 16 * 2**20
 
 
@@ -88,9 +92,9 @@ class JSONLLogger(LoggerDestination):
     folder that cannot be created or a file that cannot be written (at INIT or mid-run: full
     disk, a folder in the file's place) is logged once, naming the path and the OS error, and
     the logger stops writing while training goes on; `strict: true` raises instead. A full
-    disk or quota (`PASSING`) is said once too, but the records are held in memory (up to
-    `HELD_BYTES`) and written, in order, at the first record that can be written again, which is
-    said with what was lost; `hparams.json` is written again then too. A file
+    disk or quota, or a network file system's outage (`PASSING`), is said once too, but the
+    records are held in memory (up to `HELD_BYTES`) and written, in order, at the first record
+    that can be written again, which is said with what was lost; `hparams.json` is written again then too. A file
     removed, moved or cut while the run writes it (by hand, or moved aside by another run of
     the same name starting fresh) is warned about, naming the last step it lost, and written on.
     """
@@ -123,6 +127,7 @@ class JSONLLogger(LoggerDestination):
         self._held_bytes = 0
         self._dropped: tuple[int, int, int] | None = None  # (count, first step, last step)
         self._hparams_behind = False
+        self._disk = "full"  # `PASSING`'s word for what holds the records back
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
@@ -194,7 +199,7 @@ class JSONLLogger(LoggerDestination):
         if self.sink is not None and not self.stopped and (self._held or self._hparams_behind):
             sink = self.sink
             self._guard(lambda: self._locked(lambda: self._catch_up(sink)), sink.path)
-            self._give_up_held("the Trainer closed with the disk still full")
+            self._give_up_held(f"the Trainer closed with the disk still {self._disk}")
         self._release()
         self._between_fits = False
 
@@ -309,7 +314,8 @@ class JSONLLogger(LoggerDestination):
         if record is not None:
             self._write(sink, *record)
         dropped, self._dropped = self._dropped, None
-        log.warning("jsonl logger: %s is written again after a full disk: %s%s", sink.path,
+        log.warning("jsonl logger: %s is written again after %s: %s%s", sink.path,
+                    "a full disk" if self._disk == "full" else "its write errors",
                     f"the {held[0]} records held (steps {held[1]} to {held[2]}) are in it"
                     if held else "hparams.json is up to date",
                     f"; {dropped[0]} records of steps {dropped[1]} to {dropped[2]} did not "
@@ -324,8 +330,8 @@ class JSONLLogger(LoggerDestination):
         lost = [f"{len(self._held) + count} records of steps {min(steps)} to "
                 f"{max(steps)}"] if steps else []
         lost += ["the latest hparams.json"] if self._hparams_behind else []
-        log.warning("jsonl logger: %s never reached the disk, which was full: %s",
-                    " and ".join(lost), why)
+        log.warning("jsonl logger: %s never reached the disk, which was %s: %s",
+                    " and ".join(lost), self._disk, why)
         self._held.clear()
         self._held_bytes, self._dropped, self._hparams_behind = 0, None, False
 
@@ -357,7 +363,7 @@ class JSONLLogger(LoggerDestination):
                record: tuple[int, dict[str, Any]] | None = None, hparams: bool = False) -> None:
         """Run a write; on failure warn once and stop writing (`strict`: raise). A full disk
         (`PASSING`) while writing `record` or `hparams` is said once and they are held, to be
-        written once the disk takes them (`_catch_up`)."""
+        written once the disk takes them (`_catch_up`); so is an outage's."""
         try:
             call()
         except Exception as e:
@@ -366,6 +372,7 @@ class JSONLLogger(LoggerDestination):
             if isinstance(e, OSError) and e.errno in PASSING and (
                     record is not None or hparams or self._held or self._hparams_behind):
                 if not (self._held or self._hparams_behind):
+                    self._disk = PASSING[e.errno]
                     log.warning("jsonl logger: cannot write %s (%s); the records from here on are "
                                 "held in memory (up to %g MiB) and written when the disk takes "
                                 "them again (said then), training goes on (loggers.jsonl.strict: "

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import pickle
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from foundry_fp8.fp8_meta import (
 )
 from foundry_fp8.guard import Fallback
 from foundry_fp8.health import plural, short_layer
+from foundry_fp8.jsonl import file_kind
 from foundry_fp8.options import build
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.restore import (
@@ -132,19 +135,42 @@ def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
 
     Read with `weights_only=True`: a file whose pickle names anything but tensors, plain types
     and `_composer_checkpoint_types` is refused (FP8StateError, one line) before it can run code.
+    Any other file (hparams.json, a dump, a compressed checkpoint, text) is one line too, and a
+    FIFO is refused unopened (torch.load would wait on it for a writer forever).
     """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint "
+                            f"({_described(error)})") from None
+    if not stat.S_ISREG(mode):
+        raise FP8StateError(f"fp8_state: {path}: {file_kind(mode)}, not a checkpoint file")
     try:
         with torch.serialization.safe_globals(_composer_checkpoint_types()):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        reason = next((line.removeprefix("WeightsUnpickler error: ") for line in lines
-                       if "GLOBAL" in line), lines[-1] if lines else "")
-        raise FP8StateError(f"fp8_state: {path}: not loaded, its pickle could run code ({reason})") from None
-    except (OSError, RuntimeError, EOFError) as error:  # cut short, not a torch file
+        # torch's reason is the line between its advice on weights_only and the link to the
+        # docs, after "WeightsUnpickler error: " where it says so
+        lines = [line.strip().rpartition("WeightsUnpickler error: ")[2]
+                 for line in str(error).splitlines() if line.strip()]
+        said = next((line for line in lines[1:] if not line.startswith("Check the doc")),
+                    lines[-1] if lines else "")
+        if "GLOBAL" in said:
+            raise FP8StateError(f"fp8_state: {path}: not loaded, its pickle could run code "
+                                f"({said})") from None
+        # not a pickle torch reads (JSON, safetensors, gzip, pickle protocol 4): no code in it
+        raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint (not a file "
+                            f"torch.save wrote: {said})") from None
+    except Exception as error:  # cut short, not a torch file: torch.load raises any kind
         raise FP8StateError(f"fp8_state: {path}: not a readable checkpoint "
                             f"({_described(error)})") from None
-    entry = checkpoint.get("state", {}).get("callbacks", {}).get(FP8State.__qualname__, {})
+    entry: Any = checkpoint
+    for where, key in (("the file", "state"), ("state", "callbacks"),
+                       ("state.callbacks", FP8State.__qualname__)):
+        if not isinstance(entry, Mapping):
+            raise FP8StateError(f"fp8_state: {path}: not a Composer checkpoint ({where} holds "
+                                f"a {type(entry).__name__}, not a mapping)")
+        entry = entry.get(key, {})
     problem = payload_problem(entry)
     if problem:
         raise FP8StateError(f"fp8_state: {path}: the fp8_state entry is not ours: {problem}")
