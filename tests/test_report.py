@@ -411,8 +411,8 @@ def test_a_run_killed_mid_write_still_gets_its_report(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert out.err == (f"warning: {path}:3: skipped 1 line that does not decode (line 3; the "
-                       "file's last line, not finished: the run is still writing it, or was "
-                       "killed mid-write); the report covers the rest\n")
+                       "file's last line, not finished: the run is still writing it, was "
+                       "killed mid-write, or its disk filled); the report covers the rest\n")
     assert load_skipping(path).steps == [0, 10]
 
     JsonlSink(path).write(30, {layer_key("underflow_pct", "gradient", L1): 6.0})  # resumed run

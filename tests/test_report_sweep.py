@@ -108,7 +108,7 @@ def test_a_wandb_run_still_being_written_says_so_and_reports_what_was_read(tmp_p
     assert main(["report", str(wandb_dir), "--out", str(tmp_path / "out")]) == 0
     err = capsys.readouterr().err
     assert err == (f"warning: {live}: no exit record yet: the run is still being written (or was "
-                   "killed); 7 history row(s) read, up to step 6; the report covers what was "
+                   "killed, or its disk filled); 7 history row(s) read, up to step 6; the report covers what was "
                    "read, up to step 6\n"), err
     report = (tmp_path / "out" / "fp8_report.md").read_text()
     assert f"{0.1 * 6:.4g}" in report  # the worst underflow, at the last step read
@@ -123,8 +123,8 @@ def test_a_wandb_run_still_being_written_says_so_and_reports_what_was_read(tmp_p
                           finished=False)
     assert main(["report", str(empty)]) == 2
     assert capsys.readouterr().err == (
-        f"error: {started}: no exit record yet: the run is still being written (or was killed); "
-        "no history row read, no FP8 statistics among them yet (fp8_stats logs from its first "
+        f"error: {started}: no exit record yet: the run is still being written (or was killed, "
+        "or its disk filled); no history row read, no FP8 statistics among them yet (fp8_stats logs from its first "
         "`interval`)\n")
 
 

@@ -602,7 +602,7 @@ def load_wandb(given: Path, files: list[Path], warn: Callable[[str], None],
                       f"(`wandb sync` too) stops there; {read_rows}"
                       if live.damaged_at is not None else
                       f"{live.path}: no exit record yet: the run is still being written (or was "
-                      f"killed); {read_rows}")
+                      f"killed, or its disk filled); {read_rows}")
         if not run.values and _run_above(given) is None:  # else: where the metrics.jsonl is
             raise NoStatistics(f"{unfinished}, no FP8 statistics among them yet (fp8_stats logs "
                                "from its first `interval`)")
@@ -751,8 +751,8 @@ def load_run(metrics_file: Path, warn: Callable[[str], None],
         elif named:
             why += f"; {named}"
         elif skipped == cut:  # the file as read ended in it (a copy synced mid-write)
-            why = ("the file's last line, not finished: the run is still writing it, or was "
-                   "killed mid-write")
+            why = ("the file's last line, not finished: the run is still writing it, was "
+                   "killed mid-write, or its disk filled")
         if too_long:
             which = (f"line {too_long[0]} is" if len(too_long) == 1 else
                      f"{len(too_long)} of them (from line {too_long[0]}) are")
