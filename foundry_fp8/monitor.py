@@ -6,8 +6,8 @@ Watches the GEMM input (activation), weight and output gradient of selected line
 
 - a module that runs delayed-scaling FP8 (EmulatedFP8Linear inside `fp8_autocast`, TE modules
   inside TE's autocast): the scale from its own `fp8_meta` read *before* the cast (forward
-  pre-hook, backward pre-hook), because TE and the emulation update scales when the autocast
-  (forward) or the backward pass ends, so a scale read afterwards is the next step's;
+  pre-hook, a hook on the output's gradient), because TE and the emulation update scales when
+  the autocast (forward) or the backward pass ends, so a scale read afterwards is the next step's;
 - a module under current scaling: `fp8_max / amax` of the tensor itself;
 - anything else (plain `nn.Linear`): the `recipe` what-if, current by default; `delayed` keeps
   an amax history recorded, amax only, on the batches before each logging step. So is the
@@ -452,6 +452,19 @@ class _EagerHook(_WeakHook):
     __call__ = torch.compiler.disable(_WeakHook.__call__)
 
 
+class _GradHook:
+    """A hook on a watched output's gradient, called as a full backward pre-hook would be; it
+    holds the module weakly, as the autograd graph may outlive the model."""
+
+    def __init__(self, hook: _WeakHook, module: nn.Module):
+        self._hook, self._module = hook, weakref.ref(module)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        module = self._module()
+        if module is not None:
+            self._hook(module, (grad,))
+
+
 class _Inert:
     """What a copied hook becomes."""
 
@@ -618,8 +631,8 @@ class FP8Monitor:
             self._handles.append(module.register_forward_pre_hook(
                 _EagerHook(self._forward, name), with_kwargs=True))
             if any(w.kind == "gradient" for w in self._watches[name]):
-                self._handles.append(module.register_full_backward_pre_hook(
-                    _WeakHook(self._backward, name)))
+                self._handles.append(module.register_forward_hook(
+                    _EagerHook(self._hook_gradient, name)))
 
     def _init_whatif(self) -> None:
         """Fresh delayed state (history of zeros, scale 1), as TE starts. Never reset: the
@@ -673,6 +686,15 @@ class FP8Monitor:
                 value = getattr(module, watch.source, None)
             if isinstance(value, torch.Tensor):
                 self._observe(name, watch, module, value)
+
+    def _hook_gradient(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        """Hook the gradient of the output tensor, not the module (a full backward hook): the
+        module hook's outputs are views that a model's in-place add forbids (Falcon's
+        `mlp_output += attention_output`); a tensor hook sees the gradient of the value the
+        layer returned, whatever is done to it in place later."""
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(_GradHook(_WeakHook(self._backward, name), module))
 
     def _backward(self, name: str, module: nn.Module, grad_output: tuple) -> None:
         for watch in self._watches[name]:
