@@ -79,3 +79,24 @@ def test_tes_log_fp8_tensor_stats_takes_every_statistic_we_ask_for(te, tmp_path)
             feature.check_if_stat_is_supported("overflows%", "fp8_current_scaling", True)
     finally:
         session.close()
+
+
+
+def test_on_the_kits_torch_te_linear_has_no_compiled_op(te):
+    """Why test_te220_compile_gpu expects te.Linear refused under fullgraph on the kit (torch
+    2.11.0): TE 2.20.2 registers its quantizers as opaque types with
+    `torch._library.opaque_object.is_opaque_constant_type`
+    (dynamo/custom_op.py:296-306, quantizer_opaque.py:117-137),
+    which torch 2.11.0 lacks, so it records compile support off and `_linear_op` stays None
+    (dynamo/custom_op.py:1233-1249); te.Linear's forward then calls `_linear_eager`, which is
+    `@no_torch_dynamo()` (module/linear.py:1894), a graph break fullgraph refuses. With the op
+    (a newer torch), current scaling's quantizer would be value-opaque
+    (tensor/float8_tensor.py:437) and te.Linear could compile: FP8050 would then be wrong."""
+    import torch
+    from transformer_engine.pytorch.dynamo.quantizer_opaque import _VALUE_OPAQUE_QUALNAMES
+    from transformer_engine.pytorch.module import linear
+
+    if not torch.__version__.startswith("2.11."):
+        pytest.skip(f"pins TE 2.20.2 on the kit's torch 2.11, not {torch.__version__}")
+    assert linear._linear_op is None
+    assert _VALUE_OPAQUE_QUALNAMES == set()
