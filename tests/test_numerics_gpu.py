@@ -107,4 +107,7 @@ def test_the_monitors_hooks_on_te_linear_add_no_host_sync():
                 assert (len(monitor.finish_step()) > 0) == (t != 1)  # measured: the hooks ran
         return counts
 
+    # TE's one-time set-up (its first FP8 forward and backward in the process) falls in the
+    # first run measured: a run first, unmeasured, keeps it out of both
+    syncs(watched=False)
     assert syncs(watched=True) == syncs(watched=False)

@@ -7,6 +7,14 @@ registered custom op (module/linear.py:1798, 2397-2404, 2434), falling back to e
 break where `_compile_eager_fallback_reason` finds a reason (:2640-2684) or the op could not be
 registered (dynamo/custom_op.py:1233-1249, utils.py:74-86). te.LayerNormLinear and
 te.LayerNormMLP keep `@no_torch_dynamo()` (layernorm_linear.py:1674, layernorm_mlp.py:2272).
+On the kit's torch 2.11.0 that custom op is never registered: TE imports
+`torch._library.opaque_object.is_opaque_constant_type`, which torch 2.11.0 lacks
+(dynamo/custom_op.py:296-306, quantizer_opaque.py:117-137), so `_linear_op` is None and te.Linear's forward calls the
+`@no_torch_dynamo()` `_linear_eager` (module/linear.py:1894), a graph break: both layers are
+expected refused here (pinned on the CPU in tests/test_s30_gputests_te220.py). With a torch that
+has the API, te.Linear under current scaling (a value-opaque quantizer,
+tensor/float8_tensor.py:437) could compile; delayed scaling's Float8Quantizer still
+graph-breaks (module/linear.py:220-229, 2547-2555).
 Composer compiles the model and runs its forward inside TE's autocast (amp_fp8), as here.
 
 Skipped without CUDA; not yet run on a GPU. A failure says which of FP8050's claims the GPU
