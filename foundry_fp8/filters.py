@@ -13,6 +13,7 @@ line naming the option, instead of hanging INIT. Torch-free; the style is torcha
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections.abc import Callable, Collection
 from typing import Any
@@ -92,6 +93,22 @@ def search(key_path: str, pattern: str, name: str) -> bool:
             key, "value", f"regex {pattern!r} takes more than {MATCH_TIMEOUT_S:g} s on module "
             f"name {name!r} (catastrophic backtracking)",
             "simplify it: no nested repetition such as ([\\w.]+)+")) from None
+
+
+def nearest_name(pattern: str, names: list[str]) -> str:
+    """The module name nearest `pattern`'s text (its escapes and anchors dropped), for a
+    message: the name a user meant."""
+    text = regex.sub(r"\\(.)", r"\1", pattern).strip("^$")
+    return max(names, key=lambda name: difflib.SequenceMatcher(None, text, name).ratio())
+
+
+def prefixed_fix(key_path: str, pattern: str, names: list[str]) -> str | None:
+    """For a pattern anchored at `^` that matches none of `names`: the same pattern under
+    Composer's `model.` prefix, where that one matches."""
+    if not pattern.startswith("^") or pattern.startswith(r"^model\."):
+        return None
+    prefixed = r"^model\." + pattern[1:]
+    return f"`{prefixed}`" if any(search(key_path, prefixed, n) for n in names) else None
 
 
 def module_filter_fn(section: str, layers: str | None, exclude: str | None,

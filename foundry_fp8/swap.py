@@ -39,6 +39,8 @@ from foundry_fp8.filters import (
     known_class,
     layernorm_reason,
     linear_reason,
+    nearest_name,
+    prefixed_fix,
     search,
     te_norm,
 )
@@ -1138,6 +1140,32 @@ def would_run_fp8(precision: str, te_modules: int, emulated_modules: int = 0) ->
     return emulated_modules > 0 or (precision == "amp_fp8" and te_modules > 0)
 
 
+def _decided_names(model: nn.Module, plan: SwapPlan) -> list[str]:
+    """Every name of the modules `plan` decides on, a module registered twice under each (the
+    options search all of a module's names)."""
+    decided = {d.name for d in plan.decisions}
+    named = list(model.named_modules(remove_duplicate=False))
+    ids = {id(module) for name, module in named if name in decided}
+    return [name for name, module in named if id(module) in ids]
+
+
+def _warn_exclude_unmatched(config: SwapConfig, decided: list[str]) -> None:
+    """Warn of an `exclude` that matches none of the layers te_swap decides on (FP8055, which
+    fp8_lint leaves to this warning in a run): it keeps nothing in high precision, and the
+    layers meant out train in FP8. The names are as the regex sees them: Composer's wrapper
+    adds `model.`, which a `^` must match."""
+    key = f"{config.PATH}.exclude"
+    if not config.exclude or not decided or any(search(key, config.exclude, name)
+                                                for name in decided):
+        return
+    fix = prefixed_fix(key, config.exclude, decided)
+    warnings.warn(f"{key}: {config.exclude!r} matches none of the {len(decided)} layers te_swap "
+                  f"decides on (nearest: {nearest_name(config.exclude, decided)!r}), so it keeps "
+                  "nothing in high precision: those layers train in FP8 (fix: "
+                  + (f"write {fix}, searched in the full names)" if fix else
+                     "a regex that regex.search finds in the full names)"), stacklevel=3)
+
+
 def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
                    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
                    optimizers: Optimizer | Sequence[Optimizer] | None = None,
@@ -1165,14 +1193,7 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
                 "give it in one place"))
         config = dataclasses.replace(config, module_filter_fn=module_filter_fn)
     plan = plan_swap(model, config, precision=precision, meta_elsewhere=meta_elsewhere)
-    if config.exclude and not any(search(f"{config.PATH}.exclude", config.exclude, name)
-                                  for name, _ in model.named_modules(remove_duplicate=False)):
-        # a name as the regex sees it: Composer's wrapper adds `model.`, which `^` must match
-        example = next((d.name for d in plan.converted), None)
-        seen = f", such as {example!r}" if example else ""
-        warnings.warn(f"{config.PATH}.exclude: {config.exclude!r} matches no module name of "
-                      f"the model{seen}, so it keeps nothing in high precision (a typo?)",
-                      stacklevel=2)
+    _warn_exclude_unmatched(config, _decided_names(model, plan))
     te_modules, emulated = fp8_module_counts(model)
     planned = sum(d.kind != "layernorm" for d in plan.converted)  # te.LayerNorm is not FP8
     if plan.backend == "emulate":

@@ -32,8 +32,10 @@ def tiny_mpt() -> torch.nn.Module:
 def test_an_anchored_exclude_that_misses_the_wrapper_prefix_is_shown_a_real_name():
     with pytest.warns(
         UserWarning,
-        match=r"matches no module name of the model, such as "
-        r"'model\.transformer\.blocks\.0\.attn\.Wqkv', so it keeps nothing",
+        match=r"matches none of the \d+ layers te_swap decides on \(nearest: "
+        r"'model\.transformer\.blocks\.0\.attn\.Wqkv'\), so it keeps nothing in high precision: "
+        r"those layers train in FP8 \(fix: write `\^model\\\.transformer\\\.blocks\\\.0\\\.`, "
+        r"searched in the full names\)",
     ):
         plan = convert_to_fp8(
             tiny_mpt(),

@@ -25,7 +25,8 @@ def test_an_exclude_matching_no_module_warns_naming_it():
     model = _llama()
     unfiltered = convert_to_fp8(copy.deepcopy(model), SwapConfig(backend="emulate"))
     with pytest.warns(UserWarning, match=r"algorithms\.te_swap\.exclude: 'down_projj' matches "
-                                         "no module name"):
+                                         r"none of the 15 layers te_swap decides on \(nearest: "
+                                         r"'model\.layers\.\d\.mlp\.down_proj'\)"):
         plan = convert_to_fp8(model, SwapConfig(backend="emulate", exclude="down_projj"))
     assert [d.name for d in plan.converted] == [d.name for d in unfiltered.converted]
 

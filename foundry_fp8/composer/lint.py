@@ -28,9 +28,10 @@ log = logging.getLogger(__name__)
 
 #: Rules whose finding the run warns of itself where it applies, once: FP8052 by the jsonl
 #: logger at INIT and fp8_stats at FIT_START (`paths.say_repeated`), FP8051 by fp8_stats at
-#: FIT_START (`composer.stats.mlflow_races`, judged as the rule judges it in a run). fp8_lint
+#: FIT_START (`composer.stats.mlflow_races`, judged as the rule judges it in a run), FP8055 by
+#: te_swap at INIT (`swap._warn_exclude_unmatched`, on the layers it really decides on). fp8_lint
 #: counts them and leaves the saying to the run, which would otherwise print each twice.
-SAID_BY_THE_RUN = frozenset({"FP8051", "FP8052"})
+SAID_BY_THE_RUN = frozenset({"FP8051", "FP8052", "FP8055"})
 
 
 def mlflow_pool_problem(config: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:

@@ -5,19 +5,18 @@ how they combine with precision."""
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import PurePath
 from typing import Any
-
-import regex
 
 from foundry_fp8.filters import (
     fuse_reason,
     layernorm_reason,
     linear_reason,
     module_filter_fn,
+    nearest_name,
+    prefixed_fix,
     search,
 )
 from foundry_fp8.lint.config import (
@@ -277,22 +276,6 @@ def _stats_layers(config: Mapping[str, Any]) -> tuple[FP8StatsOptions, list[str]
     return built, [m.name for m in modules if m.kind == "linear"]
 
 
-def _nearest(pattern: str, names: list[str]) -> str:
-    """The module name nearest `pattern`'s text (its escapes and anchors dropped), for a
-    message: the name a user meant."""
-    text = regex.sub(r"\\(.)", r"\1", pattern).strip("^$")
-    return max(names, key=lambda name: difflib.SequenceMatcher(None, text, name).ratio())
-
-
-def _anchored_fix(key_path: str, pattern: str, names: list[str]) -> str | None:
-    """For a pattern anchored at `^` that matches none of `names`: the same pattern under
-    Composer's `model.` prefix, where that one matches."""
-    if not pattern.startswith("^") or pattern.startswith(r"^model\."):
-        return None
-    prefixed = r"^model\." + pattern[1:]
-    return f"`{prefixed}`" if any(search(key_path, prefixed, n) for n in names) else None
-
-
 @rule("FP8055", "warning", "a te_swap `exclude` that matches none of the layers te_swap "
       "decides on in an MPT, so it keeps nothing in high precision (`^transformer\\.`: the names "
       "begin with Composer's `model.`)",
@@ -321,10 +304,10 @@ def te_swap_exclude_matches_nothing(config: Mapping[str, Any],
     try:
         if any(search(key, swap.exclude, name) for name in names):
             return
-        fix = _anchored_fix(key, swap.exclude, names)
+        fix = prefixed_fix(key, swap.exclude, names)
     except OptionError:  # a regex that takes too long: te_swap stops with its own error
         return
-    nearest = _nearest(swap.exclude, names)
+    nearest = nearest_name(swap.exclude, names)
     yield Hit(key, f"te_swap's exclude '{swap.exclude}' matches none of the {len(names)} module "
               f"names of this MPT that te_swap decides on (nearest: '{nearest}'), so it keeps "
               "nothing in high precision: those layers train in FP8",
@@ -359,10 +342,10 @@ def fp8_stats_filter_does_nothing(config: Mapping[str, Any],
         watched = [n for n in names if module_filter_fn(path, monitor.layers, None)(None, n)]
         kept = [n for n in watched if module_filter_fn(path, None, monitor.exclude)(None, n)]
         if monitor.exclude is not None and watched and kept == watched:
-            fix = _anchored_fix(f"{path}.exclude", monitor.exclude, watched)
+            fix = prefixed_fix(f"{path}.exclude", monitor.exclude, watched)
             yield Hit(f"{path}.exclude", f"fp8_stats' exclude '{monitor.exclude}' matches none "
                       f"of the {len(watched)} layers it watches (nearest: '"
-                      f"{_nearest(monitor.exclude, watched)}'), so it leaves out nothing",
+                      f"{nearest_name(monitor.exclude, watched)}'), so it leaves out nothing",
                       fix=f"write {fix}, searched in the full names" if fix else None)
         dump_options = [o for o in ("dump_layers", "dump_folder", "dump_max_mb") if o in written]
         if dump_options and not built.schedule.dump_steps:
@@ -375,9 +358,9 @@ def fp8_stats_filter_does_nothing(config: Mapping[str, Any],
                 for n in kept):
             yield Hit(f"{path}.dump_layers", f"fp8_stats' dump_layers '{monitor.dump_layers}' "
                       f"matches none of the {len(kept)} watched layers (nearest: '"
-                      f"{_nearest(monitor.dump_layers, kept)}'), so dump_steps "
+                      f"{nearest_name(monitor.dump_layers, kept)}'), so dump_steps "
                       f"{sorted(built.schedule.dump_steps)} save nothing",
-                      fix=(f"write {fix}, searched in the full names" if (fix := _anchored_fix(
+                      fix=(f"write {fix}, searched in the full names" if (fix := prefixed_fix(
                           f"{path}.dump_layers", monitor.dump_layers, kept)) else None))
     except OptionError:  # a regex that takes too long: fp8_stats stops with its own error
         return
