@@ -145,8 +145,9 @@ def fp8_state_from_checkpoint(path: str | Path) -> FP8ModuleState:
                             f"({_described(error)})") from None
     if not stat.S_ISREG(mode):
         raise FP8StateError(f"fp8_state: {path}: {file_kind(mode)}, not a checkpoint file")
+    allowed = _composer_checkpoint_types()  # outside the try: a bug of ours is no bad file
     try:
-        with torch.serialization.safe_globals(_composer_checkpoint_types()):
+        with torch.serialization.safe_globals(allowed):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         # torch's reason is the line between its advice on weights_only and the link to the
