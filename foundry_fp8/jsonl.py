@@ -45,6 +45,11 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def jsonable_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """A record's metrics as written: names as strings, values as `_jsonable` makes them."""
+    return {str(k): _jsonable(v) for k, v in metrics.items()}
+
+
 class JsonlSink:
     """Writes metric records to one JSONL file, creating its folder on first write.
 
@@ -64,7 +69,7 @@ class JsonlSink:
         record went to, or is shorter (removed, moved, replaced or cut since: the records before
         are not in it; the size tells a new file whose inode number the OS reused)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"step": int(step), "metrics": {str(k): _jsonable(v) for k, v in metrics.items()}}
+        record = {"step": int(step), "metrics": jsonable_metrics(metrics)}
         line = (json.dumps(record) + "\n").encode("utf-8")
         with self.path.open("a+b") as f:  # appends wherever we seek
             found = os.fstat(f.fileno())

@@ -25,6 +25,7 @@ from foundry_fp8.jsonl import (
     STEP_RANGE,
     JsonlSink,
     claim_numbered,
+    jsonable_metrics,
     lock_writer,
     numbered,
     set_aside,
@@ -288,13 +289,16 @@ class JSONLLogger(LoggerDestination):
         return at
 
     def _hold(self, step: int, metrics: dict[str, Any]) -> None:
-        """Keep a record the full disk refused, to write when it can (`HELD_BYTES` at most)."""
-        size = len(json.dumps(metrics, default=str))
+        """Keep a record the full disk refused, to write when it can (`HELD_BYTES` at most).
+        Held as written: a tensor's numbers as they are now (a caller may change it in place
+        later), counted whole (its str() shows a few of them) and no GPU memory held."""
+        metrics = jsonable_metrics(metrics)
+        size = len(json.dumps(metrics))
         if self._held_bytes + size > HELD_BYTES:
             count, first, _ = self._dropped or (0, step, step)
             self._dropped = (count + 1, first, step)
             return
-        self._held.append((step, dict(metrics), size))
+        self._held.append((step, metrics, size))
         self._held_bytes += size
 
     def _catch_up(self, sink: JsonlSink, record: tuple[int, dict[str, Any]] | None = None
