@@ -1519,5 +1519,5 @@ def sequences_past_mpt_max(config: Mapping[str, Any], ctx: LintContext) -> Itera
             yield Hit(where, f"{key} is {length}, above the model's max_seq_len {limit}{given}: "
                       f"MPTModel.forward asserts 'Cannot forward input with seq_len={length}, "
                       f"this model only supports seq_len<={limit}' at the first "
-                      f"{'evaluation' if key.startswith(('eval', 'max_seq_len')) else 'batch'}")
+                      f"{'batch' if key.startswith('train_loader') else 'evaluation'}")
             return
