@@ -35,6 +35,9 @@ def outage(monkeypatch):
         return real_open(self, mode, *args, **kwargs)
 
     monkeypatch.setattr(pathlib.Path, "open", open_)
+    # tried at each record, as a full disk is (the pause between tries of a failing disk:
+    # tests/test_s30_lead_jsonl_outage_retry.py)
+    monkeypatch.setattr(jsonl_logger, "OUTAGE_RETRY_S", 0.0)
     return state
 
 

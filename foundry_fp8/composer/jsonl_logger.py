@@ -11,6 +11,7 @@ import json
 import logging
 import operator
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -54,6 +55,12 @@ log = logging.getLogger(__name__)
 PASSING = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EIO: "failing",
            errno.ESTALE: "failing", errno.ETIMEDOUT: "failing"}
 HELD_BYTES = 16 * 2**20
+#: Seconds between tries of a failing disk (not a full one, which refuses at once and is tried
+#: at each record): an open on a soft-mounted NFS in an outage blocks for the mount's timeout
+#: (minutes), and Composer logs several times a batch, which would all but stop training.
+OUTAGE_RETRY_S = 30.0
+#: The clock of those tries (a test's to replace).
+_now = time.monotonic
 
 
 class JSONLLogger(LoggerDestination):
@@ -129,6 +136,7 @@ class JSONLLogger(LoggerDestination):
         self._dropped: tuple[int, int, int] | None = None  # (count, first step, last step)
         self._hparams_behind = False
         self._disk = "full"  # `PASSING`'s word for what holds the records back
+        self._retry_at = 0.0  # a failing disk is not tried before (`OUTAGE_RETRY_S`)
 
     def init(self, state: State, logger: Logger) -> None:
         del logger
@@ -267,6 +275,9 @@ class JSONLLogger(LoggerDestination):
             if at is None:
                 return
             behind = self._held or self._hparams_behind
+            if behind and self._disk == "failing" and _now() < self._retry_at:
+                self._hold(at, metrics)
+                return
             self._guard(lambda: self._locked(
                 lambda: self._catch_up(sink, (at, metrics)) if behind
                 else self._write(sink, at, metrics)), sink.path, (at, metrics))
@@ -375,8 +386,10 @@ class JSONLLogger(LoggerDestination):
                 raise
             if isinstance(e, OSError) and e.errno in PASSING and (
                     record is not None or hparams or self._held or self._hparams_behind):
-                if not (self._held or self._hparams_behind):
-                    self._disk = PASSING[e.errno]
+                said = self._held or self._hparams_behind
+                self._disk = PASSING[e.errno]  # the latest: a full disk, then an outage
+                self._retry_at = _now() + OUTAGE_RETRY_S
+                if not said:
                     log.warning("jsonl logger: cannot write %s (%s); the records from here on are "
                                 "held in memory (up to %g MiB) and written when the disk takes "
                                 "them again (said then), training goes on (loggers.jsonl.strict: "
