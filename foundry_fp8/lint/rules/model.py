@@ -80,6 +80,7 @@ from foundry_fp8.lint.rules.train import (
     FOUNDRY,
     TE28,
     TE_GEMM_LEADING_DIM,
+    _padded_to,
     loader_sections,
 )
 from foundry_fp8.lint.values import built_options
@@ -1499,7 +1500,10 @@ def _fed_lengths(config: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
       "batch, after the model, the data and FSDP are set up (text samples are exactly the "
       "loader's length; the finetuning loader pads or packs to it), or at the first evaluation "
       "for an eval loader and ICL, which pads its tasks to a task's own max_seq_len, else "
-      "icl_seq_len, else the top-level max_seq_len.",
+      "icl_seq_len, else the top-level max_seq_len. A finetuning train loader that pads to "
+      "the longest example (`pad_to_longest`, `allow_pad_trimming`, unpacked) makes a batch only "
+      "as long as its longest example: a warning, as the crash waits for an example longer than "
+      "the model's limit.",
       source=f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py MPTModel.forward (the "
       "seq_len assert), llmfoundry/models/mpt/configuration_mpt.py (max_seq_len: int = 2048), "
       "llmfoundry/data/text_data.py StreamingTextDataset, llmfoundry/command_utils/train.py "
@@ -1516,8 +1520,13 @@ def sequences_past_mpt_max(config: Mapping[str, Any], ctx: LintContext) -> Itera
             where = "model.max_seq_len" if "max_seq_len" in model else "model"
             given = "" if "max_seq_len" in model else " (MPTConfig's default: the model section " \
                 "gives none)"
+            padding = _padded_to(config, length)[0] if key.startswith("train_loader") else None
+            seq, when = ("S", f"at the first batch whose longest example has more than {limit} "
+                         f"tokens (`{padding}`: a batch is as long as its longest example)") \
+                if padding else (length, "at the first batch" if key.startswith("train_loader")
+                                 else "at the first evaluation")
             yield Hit(where, f"{key} is {length}, above the model's max_seq_len {limit}{given}: "
-                      f"MPTModel.forward asserts 'Cannot forward input with seq_len={length}, "
-                      f"this model only supports seq_len<={limit}' at the first "
-                      f"{'batch' if key.startswith('train_loader') else 'evaluation'}")
+                      f"MPTModel.forward asserts 'Cannot forward input with seq_len={seq}, this "
+                      f"model only supports seq_len<={limit}' {when}",
+                      severity="warning" if padding else None)
             return
