@@ -35,3 +35,13 @@ def test_a_machine_failure_is_one_line_a_logger_bug_keeps_its_traceback(caplog, 
     assert f"_Failing failed to log images ({type(error).__name__}: {error})" in record.message
     assert (record.exc_info is not None) is traceback
     assert ("Traceback" in caplog.text) is traceback
+
+
+def test_the_machine_failures_traceback_is_kept_for_debug_logging(caplog):
+    """The one line is the warning; with debug logging the traceback is there to read."""
+    error = OSError(errno.ENOSPC, "No space left on device")
+    with caplog.at_level(logging.DEBUG, logger="foundry_fp8.composer.destinations"):
+        deliver([_Failing(error)], "images", lambda d: d.log_images(), "fp8_stats")
+    [warning, debug] = caplog.records
+    assert (warning.levelno, warning.exc_info) == (logging.WARNING, None)
+    assert debug.levelno == logging.DEBUG and debug.exc_info[1] is error

@@ -63,6 +63,8 @@ def _warn(destination: LoggerDestination, kind: str, who: str, error: Exception)
                 "affected and training goes on (warned once per logger and kind)", who, name,
                 kind, type(error).__name__, error,
                 exc_info=None if isinstance(error, OSError) else error)
+    if isinstance(error, OSError):  # its traceback for a user who asks (debug logging)
+        log.debug("%s: where %s failed to log %s", who, name, kind, exc_info=error)
 
 
 class ConsoleResend:
