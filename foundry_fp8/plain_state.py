@@ -42,10 +42,10 @@ def fp8_state_dict(model: nn.Module, *, recipe: FP8Recipe | None = None) -> dict
     CPU), to save beside `model.state_dict()`. `recipe`: the one the FP8 autocast runs
     (`fp8_autocast(recipe=...)`, or te.autocast's as an FP8Recipe), recorded so a resume under
     another is refused; None records none (scales then checked against the loosest bound). A TE
-    module before its first FP8 forward holds no state yet and is left out."""
+    module before its first FP8 forward (or under current scaling) holds no state: its entry is
+    empty, so a resume still knows it as one of the FP8 modules and has nothing to restore."""
     return {"recipe": recipe.as_config() if recipe is not None else None,
-            "modules": {name: tensors for name, module in fp8_modules(model)
-                        if (tensors := read_fp8_meta(module))}}
+            "modules": {name: read_fp8_meta(module) for name, module in fp8_modules(model)}}
 
 
 def load_fp8_state_dict(model: nn.Module, state: Mapping[str, Any], *,
@@ -88,7 +88,7 @@ def load_fp8_state_dict(model: nn.Module, state: Mapping[str, Any], *,
                         f"model{_named(unexpected)}", "the modules in both restored")
     named_length = saved_with.amax_history_len if change and saved_with is not None else None
     checked = {}
-    for name in sorted(modules.keys() & saved.keys()):
+    for name in sorted(n for n in modules.keys() & saved.keys() if saved[n]):
         tensors, found = check_module(name, saved[name], saved_with or run,
                                       run.amax_history_len if run else None, named_length)
         problems += found

@@ -220,7 +220,10 @@ def test_te_modules_round_trip_through_fp8_meta_and_need_state_to_write_into(fak
 
     model = build()
     assert not any("extra_state" in key for key in model.state_dict())
-    assert fp8_state_dict(model)["modules"] == {}  # no state before the first FP8 forward
+    before = fp8_state_dict(model, recipe=RECIPE)
+    # no state before the first FP8 forward (nor ever under current scaling): known, empty
+    assert before["modules"] == {f"layers.{i}.{j}": {} for i in range(3) for j in (0, 2)}
+    load_fp8_state_dict(build(), before, recipe=RECIPE)  # nothing to restore, nothing missing
     for i, layer in enumerate(model.layers):
         plant(layer[0], 2.0 ** i)
         plant(layer[2], 2.0 ** -i)
