@@ -240,3 +240,18 @@ def test_te_modules_round_trip_through_fp8_meta_and_need_state_to_write_into(fak
     load_fp8_state_dict(target, saved, recipe=RECIPE)
     assert torch.equal(target.layers[2][0].fp8_meta["scaling_fwd"].scale, torch.full((3,), 4.0))
     assert torch.equal(target.layers[1][2].fp8_meta["scaling_bwd"].scale, torch.full((2,), 0.5))
+
+
+def test_without_strict_a_poisoned_column_starts_fresh_as_te_starts_a_module(saved, caplog):
+    tensors = saved["modules"]["layers.1.0"]
+    tensors["fwd_scale"][1] = float("nan")
+    model, _ = _build()
+    with caplog.at_level(logging.WARNING, logger="foundry_fp8.plain_state"):
+        load_fp8_state_dict(model, saved, recipe=RECIPE, strict=False)
+    assert "layers.1.0.fwd_scale: nan is not a scale" in caplog.text
+    restored = read_fp8_meta(model.layers[1][0])
+    want_scale = tensors["fwd_scale"].clone()
+    want_scale[1] = 1.0  # TE's initial scale, and no amax recorded in that column
+    assert torch.equal(restored["fwd_scale"], want_scale)
+    assert not restored["fwd_amax_history"][:, 1].any()
+    assert torch.equal(restored["fwd_amax_history"][1:, 0], tensors["fwd_amax_history"][1:, 0])
