@@ -58,7 +58,7 @@ def load_fp8_state_dict(model: nn.Module, state: Mapping[str, Any], *,
     either side, a recipe other than `recipe` (the run's; None: the saved one's is taken as the
     run's). `strict`: raise ValueError, one line naming module and field, writing nothing;
     otherwise repair by TE's rules (`foundry_fp8.restore`), restore the modules on both sides,
-    and log one warning. TE modules hold no state before their first FP8 forward: call this
+    and log a warning per kind of repair. TE modules hold no state before their first FP8 forward: call this
     inside TE's autocast then, which creates it as that forward would."""
     if problem := payload_problem(state):
         raise ValueError(f"{_WHO}: not FP8 state as fp8_state_dict saves it ({problem})")
