@@ -21,6 +21,9 @@ _LAZY = {
     # layers in FP8 for any PyTorch model (te_swap's core, torchao's convert style)
     "convert_to_fp8": "foundry_fp8.swap",
     "SwapConfig": "foundry_fp8.options",
+    # its FP8 scaling state for a plain loop's checkpoints (fp8_state's, without Composer)
+    "fp8_state_dict": "foundry_fp8.plain_state",
+    "load_fp8_state_dict": "foundry_fp8.plain_state",
     "tensor_stats": "foundry_fp8.numerics",
     # the emulated FP8 backend: stable names, whatever the file layout
     "EmulatedFP8Linear": "foundry_fp8.emulate",

@@ -1183,6 +1183,9 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
     precision, under `foundry_fp8.fp8_autocast`. `meta_elsewhere`: another rank's model is on
     the meta device (`plan_swap`; te_swap asks the ranks).
 
+    The layers' FP8 scaling state is not in `model.state_dict()`: a plain loop checkpoints it
+    with `fp8_state_dict` and resumes it with `load_fp8_state_dict` (`foundry_fp8.plain_state`).
+
     Raises ValueError, converting nothing, when no module would compute in FP8.
     """
     config = SwapConfig() if config is None else config
