@@ -25,7 +25,6 @@ PATH_KEY = "model.pretrained_model_name_or_path"
 OVERRIDES_KEY = "model.config_overrides"
 #: A config.json larger than this is not read (a real one is a few KB).
 _MAX_CONFIG_BYTES = 1 << 20
-_MAX_BLOCKS = 1024
 TRANSFORMERS = "transformers 4.51"
 
 #: Causal-LM model types whose block linears are transformers' Conv1D (weight [in, out]), which
@@ -216,7 +215,7 @@ def hf_converts_nothing(config: Mapping[str, Any], ctx: LintContext) -> Iterator
     if hf.model_type in CONV1D_MODEL_TYPES:
         d_model, n_blocks = hf.positive("n_embd"), hf.positive("n_layer")
         tied = hf.values.get("tie_word_embeddings", True) is not False
-        if d_model is None or n_blocks is None or n_blocks > _MAX_BLOCKS:
+        if d_model is None or n_blocks is None:
             return
         head = _head_reason(hf, tied, d_model, n_blocks, swap)
         if head is not None:
