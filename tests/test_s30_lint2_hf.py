@@ -41,10 +41,11 @@ def _llama(folder: Path, **kwargs: Any) -> Path:
 
 
 def _lint(tmp_path: Path, name: str, overrides: dict | None = None,
-          swap: dict | None = None) -> tuple[list[dict], list[str]]:
+          swap: dict | None = None, extra: dict | None = None
+          ) -> tuple[list[dict], list[str]]:
     """Our rules' findings for an hf_causal_lm train config, and the file's lines."""
     model: dict[str, Any] = {"name": "hf_causal_lm", "pretrained_model_name_or_path": name,
-                             "pretrained": False}
+                             "pretrained": False, **(extra or {})}
     if overrides:
         model["config_overrides"] = overrides
     path = tmp_path / "train.yaml"
@@ -98,6 +99,18 @@ def test_gpt2_untied_head_by_overrides(tmp_path):
     assert "breaks TE's FP8 rule" in found[0]["message"]
     with pytest.raises(ValueError, match="no module would run in FP8"):
         _plan(folder, odd, keep_lm_head=False)
+
+
+def test_embedding_resizing_leaves_the_head_unjudged(tmp_path):
+    """allow_embedding_resizing: Composer's HuggingFaceModel grows the embeddings to the
+    tokenizer's length (_check_tokenizer_and_maybe_resize_embeddings), unknown to the linter."""
+    untied = ({"tie_word_embeddings": False}, {**EMULATE, "keep_lm_head": False})
+    gpt2, llama = str(_gpt2(tmp_path / "gpt2")), str(_llama(tmp_path / "l", intermediate_size=48))
+    assert [f["rule"] for f in _lint(tmp_path, gpt2, *untied)[0]] == ["FP8062"]
+    assert [f["rule"] for f in _lint(tmp_path, llama, *untied)[0]] == ["FP8063"]
+    resized = {"allow_embedding_resizing": True}
+    assert _lint(tmp_path, gpt2, *untied, resized)[0] == []
+    assert _lint(tmp_path, llama, *untied, resized)[0] == []
 
 
 def test_llama_intermediate_size_off_is_a_warning_te_swap_agrees(tmp_path):

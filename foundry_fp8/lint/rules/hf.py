@@ -130,6 +130,10 @@ def hf_config(model: Mapping[str, Any], environ: Mapping[str, str]) -> HFConfig 
             attribute = renamed.get(key, key)
             values[attribute] = value
             keys[attribute] = f"{OVERRIDES_KEY}.{key}"
+    if model.get("allow_embedding_resizing") is True:
+        # Composer's HuggingFaceModel grows the embeddings to the tokenizer's length, which
+        # the linter does not know: the head's vocab is not judged
+        values.pop("vocab_size", None)
     return HFConfig(path, values, keys)
 
 
@@ -174,12 +178,13 @@ def llama_dims(hf: HFConfig) -> LlamaDims | None:
 
 def _head_reason(hf: HFConfig, tied: bool, d_model: int, n_blocks: int,
                  swap: SwapConfig) -> str | None:
-    """Why te_swap keeps the LM head (`model.lm_head` under Composer; None: it converts it)."""
+    """Why te_swap keeps the LM head (`model.lm_head` under Composer); None: it converts it, or
+    an untied head's vocab is not known."""
     if tied:
         return "the LM head is tied to the input embedding (te_swap keeps a tied head)"
     vocab = hf.positive("vocab_size")
-    if vocab is None:
-        return "vocab_size unknown"
+    if vocab is None:  # not judged
+        return None
     reason = linear_reason("model.lm_head", d_model, vocab, swap, n_blocks, lm_head=True)
     return None if reason is None else f"the LM head: {reason}"
 
