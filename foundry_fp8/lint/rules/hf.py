@@ -247,7 +247,8 @@ def hf_converts_nothing(config: Mapping[str, Any], ctx: LintContext) -> Iterator
       "o_proj's in_features are num_attention_heads x head_dim, k_proj's and v_proj's out "
       "num_key_value_heads x head_dim, gate/up/down_proj's the intermediate_size, and an "
       "untied LM head's out the vocab_size; keys config.json leaves out take the config "
-      "class's default. Read offline from config.json with `config_overrides` applied, as "
+      "class's default; with `allow_embedding_resizing: true` the tokenizer sizes the vocab "
+      "and the head is not judged (here or in FP8062). Read offline from config.json with `config_overrides` applied, as "
       "FP8062; hidden_size off is FP8062's error.",
       source=f"foundry_fp8/filters.py linear_reason, shape_reason; {TRANSFORMERS} "
       "models/llama/modeling_llama.py LlamaAttention, LlamaMLP, and the configuration_<type>.py "
