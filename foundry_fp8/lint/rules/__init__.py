@@ -10,6 +10,7 @@
 - `ours`: our entries (`te_swap`, `fp8_stats`, `fp8_state`, `fp8_guard`, `fp8_lint`, `jsonl`)
   and where the registries look for them;
 - `eval`: LLM-Foundry eval configs;
+- `hf`: an `hf_causal_lm` model whose Hugging Face config.json is on this machine;
 - `mcli`: MCLI run configs around them (their `parameters`, linted as a train or eval config);
 - `accelerate`: Accelerate configs and the DeepSpeed JSON they point to;
 - `environment`: what is installed and what the GPU is (`foundry-fp8 doctor`, `fp8_lint`).
@@ -37,6 +38,7 @@ from foundry_fp8.lint.rules import (  # noqa: F401  (registration happens at imp
     environment,
     eval,
     fsdp,
+    hf,
     mcli,
     model,
     ours,

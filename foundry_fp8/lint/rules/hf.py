@@ -1,0 +1,279 @@
+"""Rules on an `hf_causal_lm` model whose Hugging Face config.json is on this machine: a local
+folder, or a hub name already in the Hugging Face cache. Read offline, never downloaded; a
+model not found here is not judged. LLM-Foundry's `config_overrides` are applied first, as
+`set_config_overrides` applies them to the loaded config (top-level values)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from foundry_fp8.filters import linear_reason
+from foundry_fp8.lint.config import as_int, is_fp8
+from foundry_fp8.lint.known import HF_CAUSAL_LM_NAME
+from foundry_fp8.lint.registry import Hit, LintContext, rule, section
+from foundry_fp8.lint.rules.model import te_swap_options
+from foundry_fp8.lint.rules.train import FOUNDRY
+from foundry_fp8.options import SwapConfig
+from foundry_fp8.shapes import FP8_DIM_MULTIPLE, dim_fits_fp8
+
+PATH_KEY = "model.pretrained_model_name_or_path"
+OVERRIDES_KEY = "model.config_overrides"
+#: A config.json larger than this is not read (a real one is a few KB).
+_MAX_CONFIG_BYTES = 1 << 20
+TRANSFORMERS = "transformers 4.51"
+
+#: Causal-LM model types whose block linears are transformers' Conv1D (weight [in, out]), which
+#: te_swap does not convert (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: GPT2LMHeadModel,
+#: OpenAIGPTLMHeadModel; modeling_gpt2.py, modeling_openai.py), with their configs'
+#: attribute_map (configuration_gpt2.py, configuration_openai.py): the names
+#: `config_overrides` may use for the attributes their config.json writes.
+CONV1D_MODEL_TYPES = frozenset({"gpt2", "openai-gpt"})
+_GPT_ATTRIBUTES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer",
+                   "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}
+_CONV1D_LAYERS = 4  # per block: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+
+#: Dense model types whose blocks are nn.Linear q/k/v/o_proj and gate/up/down_proj (the
+#: Llama layout), with their config classes' defaults for a key config.json leaves out
+#: (configuration_<type>.py): tie_word_embeddings, head_dim (None: hidden_size //
+#: num_attention_heads), num_key_value_heads (None: num_attention_heads).
+LLAMA_LAYOUT: dict[str, tuple[bool, int | None, int | None]] = {
+    "llama": (False, None, None),
+    "mistral": (False, None, 8),
+    "qwen2": (False, None, 32),
+    "qwen3": (False, 128, 32),
+    "gemma": (True, 256, 16),
+    "gemma2": (True, 256, 4),
+    "olmo": (False, None, None),
+    "olmo2": (False, None, None),
+}
+
+
+def hub_cache(environ: Mapping[str, str]) -> Path:
+    """The Hugging Face hub cache, as huggingface_hub's constants find it: HF_HUB_CACHE, the
+    older HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub, ~/.cache/..."""
+    home = environ.get("HF_HOME") or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface")
+    cache = environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE") \
+        or os.path.join(home, "hub")
+    return Path(os.path.expandvars(os.path.expanduser(cache)))
+
+
+def local_config_json(name: str, environ: Mapping[str, str]) -> Path | None:
+    """The config.json transformers would read for `name` without the network: the folder's
+    own, or the cached snapshot refs/main points to; None where there is none."""
+    folder = Path(os.path.expanduser(name))
+    if folder.is_dir():
+        found = folder / "config.json"
+    elif name.count("/") <= 1 and not name.startswith(("/", ".")):
+        repo = hub_cache(environ) / f"models--{name.replace('/', '--')}"
+        ref = repo / "refs" / "main"
+        try:  # a regular file only: a FIFO there would wait
+            revision = ref.read_text(encoding="utf-8").strip() if ref.is_file() else ""
+        except (OSError, UnicodeDecodeError):
+            return None
+        if not revision or "/" in revision or revision.startswith("."):
+            return None
+        found = repo / "snapshots" / revision / "config.json"
+    else:
+        return None
+    return found if found.is_file() else None
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """A config.json with `config_overrides` applied; `keys`: the finding key of each
+    attribute an override sets (the others stand at `pretrained_model_name_or_path`)."""
+
+    path: Path
+    values: Mapping[str, Any]
+    keys: Mapping[str, str]
+
+    @property
+    def model_type(self) -> Any:
+        return self.values.get("model_type")
+
+    def key(self, *attributes: str) -> str:
+        """The key of the first attribute an override sets, else the model's path."""
+        return next((self.keys[a] for a in attributes if a in self.keys), PATH_KEY)
+
+    def positive(self, attribute: str) -> int | None:
+        value = as_int(self.values.get(attribute))
+        return value if value is not None and value > 0 else None
+
+
+def hf_config(model: Mapping[str, Any], environ: Mapping[str, str]) -> HFConfig | None:
+    """The HF config an `hf_causal_lm` section builds its model from, where found here."""
+    name = model.get("pretrained_model_name_or_path")
+    if model.get("name") != HF_CAUSAL_LM_NAME or not isinstance(name, str) or not name:
+        return None
+    path = local_config_json(name, environ)
+    if path is None:
+        return None
+    try:
+        if path.stat().st_size > _MAX_CONFIG_BYTES:
+            return None
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(values, dict):
+        return None
+    renamed = _GPT_ATTRIBUTES if values.get("model_type") in CONV1D_MODEL_TYPES else {}
+    keys = {}
+    for key, value in section(model, "config_overrides").items():
+        if isinstance(key, str) and not isinstance(value, Mapping):
+            attribute = renamed.get(key, key)
+            values[attribute] = value
+            keys[attribute] = f"{OVERRIDES_KEY}.{key}"
+    if model.get("allow_embedding_resizing") is True:
+        # Composer's HuggingFaceModel grows the embeddings to the tokenizer's length, which
+        # the linter does not know: the head's vocab is not judged
+        values.pop("vocab_size", None)
+    return HFConfig(path, values, keys)
+
+
+def _judged(config: Mapping[str, Any], ctx: LintContext) -> tuple[SwapConfig, HFConfig] | None:
+    """te_swap's options and the HF config, where te_swap would plan this model's layers
+    (backend te without amp_fp8 is FP8021's)."""
+    swap = te_swap_options(config)
+    if swap is None or (swap.backend == "te" and not is_fp8(config)):
+        return None
+    found = hf_config(section(config, "model"), ctx.environ or os.environ)
+    return (swap, found) if found is not None else None
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """The GEMM dims of a Llama-layout model (LlamaAttention, LlamaMLP): q_proj's out and
+    o_proj's in `q_width`, k/v_proj's out `kv_width`; `intermediate` None where not given."""
+
+    hidden: int
+    q_width: int
+    kv_width: int
+    intermediate: int | None
+    vocab: int | None
+    tied: bool
+
+
+def llama_dims(hf: HFConfig) -> LlamaDims | None:
+    """A Llama-layout config's dims, its config class's defaults filling the keys config.json
+    leaves out; None for other model types or without hidden_size and num_attention_heads."""
+    if hf.model_type not in LLAMA_LAYOUT:
+        return None
+    tie_default, head_dim_default, kv_default = LLAMA_LAYOUT[hf.model_type]
+    hidden, heads = hf.positive("hidden_size"), hf.positive("num_attention_heads")
+    if hidden is None or heads is None:
+        return None
+    head_dim = hf.positive("head_dim") or head_dim_default or hidden // heads
+    kv_heads = hf.positive("num_key_value_heads") or kv_default or heads
+    return LlamaDims(hidden, heads * head_dim, kv_heads * head_dim,
+                     hf.positive("intermediate_size"), hf.positive("vocab_size"),
+                     hf.values.get("tie_word_embeddings", tie_default) is not False)
+
+
+def _head_reason(hf: HFConfig, tied: bool, d_model: int, n_blocks: int,
+                 swap: SwapConfig) -> str | None:
+    """Why te_swap keeps the LM head (`model.lm_head` under Composer); None: it converts it, or
+    an untied head's vocab is not known."""
+    if tied:
+        return "the LM head is tied to the input embedding (te_swap keeps a tied head)"
+    vocab = hf.positive("vocab_size")
+    if vocab is None:  # not judged
+        return None
+    reason = linear_reason("model.lm_head", d_model, vocab, swap, n_blocks, lm_head=True)
+    return None if reason is None else f"the LM head: {reason}"
+
+
+@rule("FP8062", "error", "an `hf_causal_lm` whose local Hugging Face config gives te_swap no "
+      "layer to convert (GPT-2's Conv1D linears, hidden_size off TE's FP8 rule), so te_swap "
+      "refuses the run at INIT",
+      why="te_swap converts nn.Linear only; GPT-2 and OpenAI GPT (model_type gpt2, openai-gpt) "
+      "build their block linears as transformers' Conv1D (weight [in, out]), which it keeps, "
+      "and their LM head is tied to the input embedding unless tie_word_embeddings is false. "
+      "In the Llama layout (llama, mistral, qwen2, qwen3, gemma, gemma2, olmo, olmo2) every "
+      "block linear and the head have hidden_size as a dim, so a hidden_size TE's FP8 rule "
+      f"refuses (divisible by {FP8_DIM_MULTIPLE}) keeps them all. With no layer converted "
+      "te_swap refuses the run at INIT ('no module would run in FP8'). The linter reads the "
+      "model's config.json where it is on this machine (a local folder, or a hub name in the "
+      "Hugging Face cache: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub, the snapshot "
+      "refs/main names; never downloaded) and applies `config_overrides` first; a model not "
+      "found here is not judged.",
+      source=f"foundry_fp8/swap.py plan_swap (conv1d_features), _refusal; foundry_fp8/filters.py "
+      f"linear_reason, shape_reason; {TRANSFORMERS} models/gpt2/modeling_gpt2.py, "
+      "models/openai/modeling_openai.py (Conv1D), models/llama/modeling_llama.py; huggingface_hub "
+      f"constants.py (HF_HUB_CACHE); {FOUNDRY} llmfoundry/utils/config_utils.py "
+      "set_config_overrides",
+      fix="train a model whose linears are nn.Linear with dims divisible by "
+      f"{FP8_DIM_MULTIPLE}, untie a GPT-2's head (config_overrides: tie_word_embeddings: "
+      "false, a vocab_size divisible by 16, te_swap keep_lm_head: false), or drop te_swap")
+def hf_converts_nothing(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    judged = _judged(config, ctx)
+    if judged is None:
+        return
+    swap, hf = judged
+    where = str(hf.path)
+    if hf.model_type in CONV1D_MODEL_TYPES:
+        d_model, n_blocks = hf.positive("n_embd"), hf.positive("n_layer")
+        tied = hf.values.get("tie_word_embeddings", True) is not False
+        if d_model is None or n_blocks is None:
+            return
+        head = _head_reason(hf, tied, d_model, n_blocks, swap)
+        if head is not None:
+            yield Hit(hf.key("tie_word_embeddings", "vocab_size"),
+                      f"{where}: model_type {hf.model_type} builds its {_CONV1D_LAYERS * n_blocks} "
+                      "block linears as transformers' Conv1D (weight stored [in, out]), which "
+                      f"te_swap does not convert (nn.Linear only), and {head}: te_swap refuses "
+                      "the run at INIT ('no module would run in FP8')")
+        return
+    dims = llama_dims(hf)
+    if dims is not None and not dim_fits_fp8(dims.hidden):
+        yield Hit(hf.key("hidden_size"), f"{where}: hidden_size {dims.hidden} is not divisible by "
+                  f"{FP8_DIM_MULTIPLE}, as TE's FP8 GEMMs require: te_swap keeps every block "
+                  "linear and the LM head (each has it as a dim) and refuses the run at INIT "
+                  "('no module would run in FP8')")
+
+
+@rule("FP8063", "warning", "`hf_causal_lm` GEMM dims in the local Hugging Face config "
+      "(intermediate_size, attention heads x head_dim, vocab_size of an untied head te_swap "
+      "converts) that te_swap keeps in high precision",
+      why="te_swap keeps a linear whose in or out features break TE's FP8 rule (divisible by "
+      f"{FP8_DIM_MULTIPLE}) in high precision, as FP8005 says for MPT. In the Llama layout "
+      "(llama, mistral, qwen2, qwen3, gemma, gemma2, olmo, olmo2) q_proj's out_features and "
+      "o_proj's in_features are num_attention_heads x head_dim, k_proj's and v_proj's out "
+      "num_key_value_heads x head_dim, gate/up/down_proj's the intermediate_size, and an "
+      "untied LM head's out the vocab_size; keys config.json leaves out take the config "
+      "class's default; with `allow_embedding_resizing: true` the tokenizer sizes the vocab "
+      "and the head is not judged (here or in FP8062). Read offline from config.json with `config_overrides` applied, as "
+      "FP8062; hidden_size off is FP8062's error.",
+      source=f"foundry_fp8/filters.py linear_reason, shape_reason; {TRANSFORMERS} "
+      "models/llama/modeling_llama.py LlamaAttention, LlamaMLP, and the configuration_<type>.py "
+      "defaults; transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec",
+      fix=f"use multiples of {FP8_DIM_MULTIPLE} (config_overrides can set them for a model "
+      "trained from scratch), or accept those layers in high precision")
+def hf_gemm_dims(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    judged = _judged(config, ctx)
+    dims = llama_dims(judged[1]) if judged is not None else None
+    if judged is None or dims is None or not dim_fits_fp8(dims.hidden):
+        return
+    swap, hf = judged
+    for what, size, layers, attributes in (
+            ("intermediate_size", dims.intermediate, "MLP gate/up/down_proj",
+             ("intermediate_size",)),
+            ("num_attention_heads x head_dim", dims.q_width, "attention q_proj and o_proj",
+             ("head_dim", "num_attention_heads")),
+            ("num_key_value_heads x head_dim", dims.kv_width, "attention k_proj and v_proj",
+             ("head_dim", "num_key_value_heads", "num_attention_heads"))):
+        if size is not None and not dim_fits_fp8(size):
+            yield Hit(hf.key(*attributes), f"{hf.path}: {hf.model_type} {what} {size} is not "
+                      f"divisible by {FP8_DIM_MULTIPLE}: te_swap keeps the {layers} layers in "
+                      "high precision")
+    if not dims.tied and not swap.keep_lm_head and dims.vocab is not None \
+            and not dim_fits_fp8(dims.vocab):
+        yield Hit(hf.key("vocab_size", "tie_word_embeddings"), f"{hf.path}: {hf.model_type} "
+                  f"vocab_size {dims.vocab} is not divisible by {FP8_DIM_MULTIPLE}: te_swap keeps "
+                  "the untied LM head in high precision although keep_lm_head is false")
