@@ -28,6 +28,9 @@ ALLOWED = {
     # public API for users' own training loops (README)
     ("foundry_fp8/numerics.py", "tensor_stats"): "public API (foundry_fp8.tensor_stats)",
     ("foundry_fp8/numerics.py", "quantize_dequantize"): "public API (foundry_fp8.quantize_dequantize)",
+    ("foundry_fp8/plain_state.py", "fp8_state_dict"): "public API (foundry_fp8.fp8_state_dict)",
+    ("foundry_fp8/plain_state.py", "load_fp8_state_dict"):
+        "public API (foundry_fp8.load_fp8_state_dict)",
 }
 
 

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "foundry_fp8"
 #: The training runtime: what a run imports (the fp8_lint callback, `composer.lint`, is the
 #: linter's own entry and may import it).
 RUNTIME = ("swap", "blocks", "emulate", "monitor", "numerics", "recipe", "options", "filters", "fp8_meta", "guard",
-           "shapes", "jsonl", "attention", "sdpa_facts", "paths", "restore", "health", "te",
+           "shapes", "jsonl", "attention", "sdpa_facts", "paths", "restore", "plain_state", "health", "te",
            "composer")
 RUNTIME_EXCEPT = ("composer.lint",)
 #: What the runtime must never import.

@@ -81,6 +81,9 @@ EMULATE = {"algorithms": {"te_swap": {"backend": "emulate"}}}
 GENERATE = {"prompts": ["The capital of France is", "Here is a quick story:"],
             "interval": "500ba", "max_new_tokens": 32, "do_sample": False}
 TEXT = {"name": "text", "num_workers": 0}
+HF_CORPUS = REPO / "tests" / "hf_configs"  # tiny save_pretrained configs
+HF = {"model": {"name": "hf_causal_lm", "pretrained": False},
+      "algorithms": {"te_swap": {"backend": "emulate"}}}
 
 
 def _merge(*edits: dict) -> dict:
@@ -185,6 +188,10 @@ CASES: dict[str, tuple[dict, str, int]] = {
                "algorithms.te_swap.fuse_ln_mlp", 1),
     "FP8060": (_merge(FP8_TE, {"tp_config": {"strategy": "ffn"}}), "tp_config.strategy", 1),
     "FP8061": ({"model": {"max_seq_len": 1024}}, "model.max_seq_len", 1),
+    "FP8062": (_merge(HF, {"model": {"pretrained_model_name_or_path": str(HF_CORPUS / "gpt2")}}),
+               "model.pretrained_model_name_or_path", 1),
+    "FP8063": (_merge(HF, {"model": {"pretrained_model_name_or_path": str(HF_CORPUS / "llama")}}),
+               "model.pretrained_model_name_or_path", 1),
 }
 
 NEAR_MISSES: dict[str, tuple[dict, int]] = {
@@ -265,6 +272,13 @@ NEAR_MISSES: dict[str, tuple[dict, int]] = {
                                 "algorithms": {"te_swap": {"keep_lm_head": False}}}), 1),
     "FP8060": ({"tp_config": {"strategy": "ffn"}}, 1),  # torch linears: sharded as planned
     "FP8061": ({"model": {"max_seq_len": 4096}}, 1),  # a model longer than its data
+    # GPT-2's head untied to a vocab of 16s: te_swap converts it
+    "FP8062": (_merge(HF, {"model": {"pretrained_model_name_or_path": str(HF_CORPUS / "gpt2"),
+                                     "config_overrides": {"tie_word_embeddings": False,
+                                                          "vocab_size": 50304}},
+                           "algorithms": {"te_swap": {"keep_lm_head": False}}}), 1),
+    "FP8063": (_merge(HF, {"model": {"pretrained_model_name_or_path": str(HF_CORPUS / "llama"),
+                                     "config_overrides": {"intermediate_size": 48}}}), 1),
 }
 
 #: A machine without flash-attn (FP8029 judges against what is installed), nor LLM-Foundry,
