@@ -67,22 +67,23 @@ def hub_cache(environ: Mapping[str, str]) -> Path:
 def local_config_json(name: str, environ: Mapping[str, str]) -> Path | None:
     """The config.json transformers would read for `name` without the network: the folder's
     own, or the cached snapshot refs/main points to; None where there is none."""
-    folder = Path(os.path.expanduser(name))
-    if folder.is_dir():
-        found = folder / "config.json"
-    elif name.count("/") <= 1 and not name.startswith(("/", ".")):
-        repo = hub_cache(environ) / f"models--{name.replace('/', '--')}"
-        ref = repo / "refs" / "main"
-        try:  # a regular file only: a FIFO there would wait
+    try:  # a name too long, a folder we may not search (the stat raises): not found here
+        folder = Path(os.path.expanduser(name))
+        if folder.is_dir():
+            found = folder / "config.json"
+        elif name.count("/") <= 1 and not name.startswith(("/", ".")):
+            repo = hub_cache(environ) / f"models--{name.replace('/', '--')}"
+            ref = repo / "refs" / "main"
+            # a regular file only: a FIFO there would wait
             revision = ref.read_text(encoding="utf-8").strip() if ref.is_file() else ""
-        except (OSError, UnicodeDecodeError):
+            if not revision or "/" in revision or revision.startswith("."):
+                return None
+            found = repo / "snapshots" / revision / "config.json"
+        else:
             return None
-        if not revision or "/" in revision or revision.startswith("."):
-            return None
-        found = repo / "snapshots" / revision / "config.json"
-    else:
+        return found if found.is_file() else None
+    except (OSError, UnicodeDecodeError):
         return None
-    return found if found.is_file() else None
 
 
 @dataclass(frozen=True)
