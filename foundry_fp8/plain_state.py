@@ -72,6 +72,11 @@ def load_fp8_state_dict(model: nn.Module, state: Mapping[str, Any], *,
     run = recipe or saved_with
     saved, problems = (combine_ranks(state["ranks"]) if "ranks" in state
                        else (dict(state.get("modules", {})), []))
+    if saved_with is None and run is not None and run.scaling != "delayed" and any(
+            v.numel() for t in saved.values() for k, v in t.items() if k.endswith("_history")):
+        _refuse(strict, "the saved state records no recipe and holds delayed-scaling amax "
+                        f"histories; this recipe ({run.as_config()}) keeps none", "nothing restored")
+        return
     change = recipe_change(saved_with, run)
     if change:
         assert saved_with is not None and run is not None  # a change needs both
