@@ -49,3 +49,19 @@ def test_a_lease_without_an_nvidia_smi_line_is_kept_and_says_so(
                                   "(Tue Dec  1 06:00:00 UTC 2026)")
     assert "1 passed, 1 failed, 1 error, 1 skipped." in md
     assert "no nvidia-smi GPU line" in capsys.readouterr().err
+
+
+def test_a_second_lease_on_the_same_gpu_keeps_the_first_record(tmp_path: Path, monkeypatch
+                                                               ) -> None:
+    (tmp_path / "gpu-tests.xml").write_text(JUNIT)
+    (tmp_path / "environment-tests.txt").write_text(
+        "Tue Dec  1 06:00:00 UTC 2026\nNVIDIA H200, 570.86.15, 143771 MiB, 1980 MHz\n")
+    monkeypatch.setattr(record, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr("sys.argv", ["record.py", str(tmp_path), "--command", "verify.sh tests"])
+    record.main()
+    first = (tmp_path / "results" / "gpu_tests_nvidia_h200.md").read_text()
+    record.main()
+    assert (tmp_path / "results" / "gpu_tests_nvidia_h200.md").read_text() == first
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [
+        "gpu_tests_nvidia_h200.json", "gpu_tests_nvidia_h200.md",
+        "gpu_tests_nvidia_h200_run2.json", "gpu_tests_nvidia_h200_run2.md"]

@@ -8,6 +8,7 @@ and package versions, the date, the command and every test's outcome and time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -58,6 +59,14 @@ def versions(log: str) -> dict[str, str]:
     return dict(zip(keys, match.groups(), strict=True)) if match else {}
 
 
+def free_stem(stem: str) -> str:
+    """`stem`, or `stem_run<N>` with the first N whose files are not in RESULTS yet: a later
+    lease on the same GPU must not replace an earlier lease's record."""
+    taken = {path.stem for path in RESULTS.iterdir()}
+    names = itertools.chain([stem], (f"{stem}_run{n}" for n in itertools.count(2)))
+    return next(name for name in names if name not in taken)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="the files that came back from the device call")
@@ -75,8 +84,8 @@ def main() -> None:
     if not env["gpu"]:
         print(f"warning: {args.dir / 'environment-tests.txt'} has no nvidia-smi GPU line; "
               f"recorded as '{NO_GPU}'", file=sys.stderr)
-    stem = "gpu_tests_" + re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
     RESULTS.mkdir(exist_ok=True)
+    stem = free_stem("gpu_tests_" + re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_"))
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# `pytest -m gpu` on {gpu} ({env['date']})", "",
              f"Driver {env['driver']} (CUDA {env['driver_cuda']}), {env['memory']}; "
