@@ -305,6 +305,9 @@ def _lazy_reason(module: nn.Module) -> str | None:
 def _fusable_mlp(block: nn.Module) -> tuple[str | None, nn.Module | None]:
     """(why not, ffn) for fusing an MPT block's `norm_2` + `ffn` into `te.LayerNormMLP`."""
     ffn, norm = getattr(block, "ffn", None), getattr(block, "norm_2", None)
+    if ffn is not None and getattr(block, "norm_attn_norm", None) is not None:
+        return ("fuse_norm_attn_norm: norm_2 runs inside norm_attn_norm, which hands the MLP "
+                "its output; kept as separate linears"), None
     if ffn is None or norm is None:
         return "no norm_2 + ffn pair (ffn_type te_ln_mlp is already fused)", None
     if hasattr(ffn, "gate_proj"):
@@ -562,7 +565,8 @@ def plan_swap(model: nn.Module, config: SwapConfig, *, precision: str = "amp_fp8
     if config.fuse_ln_mlp:
         max_abs, max_rel = gelu_tanh_error()
         for name, block in modules.items():
-            if not (hasattr(block, "norm_2") and hasattr(block, "ffn")):
+            if not (hasattr(block, "ffn")
+                    and (hasattr(block, "norm_2") or hasattr(block, "norm_attn_norm"))):
                 continue
             why, ffn = _fusable_mlp(block)
             if ffn is not None:
