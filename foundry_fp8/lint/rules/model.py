@@ -1396,9 +1396,11 @@ def mpt_te_norm(model: Mapping[str, Any]) -> str | None:
 def _te_swap_fuses(model: Mapping[str, Any]) -> bool:
     """Whether te_swap's fuse_ln_mlp fuses this model's blocks, read from the config as
     `swap._fusable_mlp` reads a built block: an MPT whose MLP (mptmlp, torch linears, GELU or
-    ReLU) follows a LayerNorm with a bias or an RMSNorm with a numeric eps."""
+    ReLU) follows a LayerNorm with a bias or an RMSNorm with a numeric eps, in a block of its own
+    (not `fuse_norm_attn_norm`'s, whose norm_2 hands the MLP its output)."""
     norm = mpt_te_norm(model)
     return (_is_mpt(model) and get(model, "ffn_config.ffn_type") in (None, "mptmlp")
+            and model.get("fuse_norm_attn_norm") is not True  # norm_2 is not the block's own
             and fc_type_name(model) in (None, "torch")
             and get(model, "ffn_config.ffn_act_fn.name") in (None, "gelu", "relu")
             and ((norm == "LayerNorm" and mpt_value(model, "no_bias") is not True)
