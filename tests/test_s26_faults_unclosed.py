@@ -29,7 +29,8 @@ def _ours(model: torch.nn.Module) -> int:
     """The monitor's hooks on `model` (te_swap's autocast hooks are another callback's)."""
     return sum(getattr(hook, "__module__", "") == "foundry_fp8.monitor"
                for module in model.modules()
-               for hooks in (module._forward_pre_hooks, module._backward_pre_hooks)
+               for hooks in (module._forward_pre_hooks, module._forward_hooks,
+                             module._backward_pre_hooks)
                for hook in hooks.values())
 
 
