@@ -443,6 +443,7 @@ def test_a_null_or_empty_name_fails_train_before_training_where_fp8053_says(
         raise _FitStarted
 
     monkeypatch.setattr(Trainer, "fit", fit)
+    monkeypatch.chdir(tmp_path)  # no save_folder: the jsonl logger's run folder is ./runs/<name>
     base = OmegaConf.to_container(tiny_config(tmp_path, tiny_data), resolve=True)
     for section, key in (("algorithms", "te_swap"), ("callbacks", "fp8_stats"),
                          ("callbacks", "fp8_state"), ("callbacks", "fp8_lint")):
