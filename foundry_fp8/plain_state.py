@@ -22,13 +22,11 @@ from foundry_fp8.fp8_meta import fp8_modules, read_fp8_meta, write_fp8_meta
 from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.restore import (
     StateProblems,
-    check_module,
+    checked_modules,
     combine_ranks,
     payload_problem,
     recipe_change,
-    recomputed_scales,
     saved_recipe,
-    scale_keys_changed,
 )
 from foundry_fp8.te import backend as te_backend
 
@@ -92,15 +90,9 @@ def load_fp8_state_dict(model: nn.Module, state: Mapping[str, Any], *,
                         f"saved state{_named(missing)}; {len(unexpected)} saved, not in the "
                         f"model{_named(unexpected)}", "the modules in both restored")
     named_length = saved_with.amax_history_len if change and saved_with is not None else None
-    checked = {}
-    for name in sorted(n for n in modules.keys() & saved.keys() if saved[n]):
-        tensors, found = check_module(name, saved[name], saved_with or run,
-                                      run.amax_history_len if run else None, named_length)
-        problems += found
-        if tensors is not None and scale_keys_changed(saved_with, run):
-            tensors = recomputed_scales(tensors, saved_with, run)  # type: ignore[arg-type]
-        if tensors is not None:
-            checked[name] = tensors
+    checked, _, found = checked_modules((n for n in modules.keys() & saved.keys() if saved[n]),
+                                        saved, saved_with, run, named_length)
+    problems += found
     if problems:
         _refuse(strict, f"refused: {StateProblems(problems)}", "it repaired by TE's rules")
     for name, tensors in list(checked.items()):

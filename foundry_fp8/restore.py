@@ -28,7 +28,7 @@ shape, unknown field) leaves the module fresh.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -176,6 +176,32 @@ def recomputed_scales(tensors: Mapping[str, torch.Tensor], saved: FP8Recipe, run
         recomputed = te_scale(_amax(history, run.amax_compute_algo), run, direction, carried)
         out[f"{prefix}_scale"] = torch.where(from_history, recomputed, carried)
     return out
+
+
+def checked_modules(names: Iterable[str], saved: Mapping[str, Mapping[str, torch.Tensor]],
+                    saved_with: FP8Recipe | None, run: FP8Recipe | None,
+                    named_length: int | None) -> tuple[dict[str, dict[str, torch.Tensor]],
+                                                       list[str], list[str]]:
+    """`(tensors to write, names beyond repair, problems)` for the saved state of `names`: each
+    checked by `check_module` under the recipe its scales were computed with, its scales
+    recomputed where the run's recipe changes the scale keys (TE would keep the saved ones until
+    its next update). The one sequence fp8_state and `load_fp8_state_dict` both run."""
+    checked: dict[str, dict[str, torch.Tensor]] = {}
+    fresh: list[str] = []
+    problems: list[str] = []
+    for name in sorted(names):
+        tensors, found = check_module(name, saved[name], saved_with or run,
+                                      run.amax_history_len if run is not None else None,
+                                      named_length)
+        problems += found
+        if tensors is not None and scale_keys_changed(saved_with, run):
+            assert saved_with is not None and run is not None  # a change needs both
+            tensors = recomputed_scales(tensors, saved_with, run)
+        if tensors is None:
+            fresh.append(name)
+        else:
+            checked[name] = tensors
+    return checked, fresh, problems
 
 
 def fit_history(history: torch.Tensor, length: int) -> torch.Tensor:

@@ -1159,8 +1159,7 @@ def _warn_exclude_unmatched(config: SwapConfig, decided: list[str]) -> None:
     layers meant out train in FP8. The names are as the regex sees them: Composer's wrapper
     adds `model.`, which a `^` must match."""
     key = f"{config.PATH}.exclude"
-    if not config.exclude or not decided or any(search(key, config.exclude, name)
-                                                for name in decided):
+    if not decided or any(search(key, config.exclude, name) for name in decided):
         return
     fix = prefixed_fix(key, config.exclude, decided)
     warnings.warn(f"{key}: {config.exclude!r} matches none of the {len(decided)} layers te_swap "
@@ -1200,7 +1199,8 @@ def convert_to_fp8(model: nn.Module, config: SwapConfig | None = None, *,
                 "give it in one place"))
         config = dataclasses.replace(config, module_filter_fn=module_filter_fn)
     plan = plan_swap(model, config, precision=precision, meta_elsewhere=meta_elsewhere)
-    _warn_exclude_unmatched(config, _decided_names(model, plan))
+    if config.exclude:
+        _warn_exclude_unmatched(config, _decided_names(model, plan))
     te_modules, emulated = fp8_module_counts(model)
     planned = sum(d.kind != "layernorm" for d in plan.converted)  # te.LayerNorm is not FP8
     if plan.backend == "emulate":

@@ -551,7 +551,7 @@ def test_a_failure_inside_the_restore_is_one_line_and_not_strict_continues(monke
     def broken(*args: Any, **kwargs: Any) -> None:
         raise KeyError("fwd_scale")
 
-    monkeypatch.setattr("foundry_fp8.composer.state.check_module", broken)
+    monkeypatch.setattr("foundry_fp8.restore.check_module", broken)
     with pytest.raises(FP8StateError) as error:
         _callback(_layers()).load_state_dict(_saved())
     assert _one_line(error.value) == ("fp8_state: the checkpoint's FP8 state could not be "

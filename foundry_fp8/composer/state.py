@@ -50,11 +50,10 @@ from foundry_fp8.recipe import FP8Recipe
 from foundry_fp8.restore import (
     FP8ModuleState,
     StateProblems,
-    check_module,
+    checked_modules,
     combine_ranks,
     payload_problem,
     recipe_change,
-    recomputed_scales,
     saved_recipe,
     scale_keys_changed,
 )
@@ -732,21 +731,11 @@ class FP8State(Callback):
         if missing or unexpected:
             self._mismatch(_layers_changed(missing, unexpected),
                            "the modules in both restored, the others' FP8 state fresh")
-        length = run.amax_history_len if run is not None else None
         # a length change is the recipe change named above: not found again per module
         named_length = saved_with.amax_history_len if change and saved_with is not None else None
-        checked, fresh = {}, []
-        for name in sorted(modules.keys() & saved.keys()):
-            tensors, found = check_module(name, saved[name], saved_with or run, length,
-                                          named_length)
-            problems += found
-            if tensors is not None and scale_keys_changed(saved_with, run):
-                assert saved_with is not None and run is not None  # a change needs both
-                tensors = recomputed_scales(tensors, saved_with, run)
-            if tensors is not None:
-                checked[name] = tensors
-            else:
-                fresh.append(name)
+        checked, fresh, found = checked_modules(modules.keys() & saved.keys(), saved, saved_with,
+                                                run, named_length)
+        problems += found
         if problems:
             shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more"
                                                if len(problems) > 3 else "")
