@@ -85,7 +85,8 @@ class Snapshot:
     Version: 12.4`); None when unread (no nvidia-smi, or the GPU read from torch).
     `te_pure_wheel`: the transformer-engine distribution is a pure-Python wheel (its WHEEL file
     says `Root-Is-Purelib: true`), TE's own test for its PyPI metapackage
-    (`_is_package_installed_from_wheel`, transformer_engine/common/__init__.py:37-56).
+    (`_is_package_installed_from_wheel`, transformer_engine/common/__init__.py:37-56 to
+    2.19.0, 61-79 in 2.20.2).
     `stack_ranges`: (distribution, requirement) for each of `STACK` as the installed foundry-fp8
     requires it (its Requires-Dist, written from setup.cfg's install_requires, the ranges' one
     home: `mosaicml[wandb]<0.33,>=0.31.0`); empty when foundry-fp8's own metadata is not found

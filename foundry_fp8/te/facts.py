@@ -41,22 +41,22 @@ MIN_TE_DEBUG_STATS = (2, 7)
 
 #: The first TE whose `import transformer_engine` itself compares the metapackage's version with
 #: the core package's, with or without the torch extension (sanity_checks_for_pypi_installation,
-#: transformer_engine/common/__init__.py:195-212 at v2.9-v2.18 and main d0067d0); before, only
-#: load_framework_extension compared them.
+#: transformer_engine/common/__init__.py:195-212 at v2.9-v2.18 and main d0067d0, 197-214 in the
+#: 2.19.0 wheel, 249-266 in the 2.20.2 wheel); before, only load_framework_extension compared them.
 TE_CORE_CHECK = (2, 9)
 
 #: The cuDNN TE's torch extension needs from TE 2.20: loading it raises "Transformer Engine
 #: requires cuDNN 9.12.0 or later, but the cuDNN runtime is X." (TE 2.20.2
 #: transformer_engine/common/__init__.py:22-24 MIN_CUDNN_VERSION, :35-42, called at :220-221);
-#: no such check at v2.18 nor main d0067d0 (2.20.0.dev0). torch 2.7.0 pins
-#: nvidia-cudnn-cu12==9.5.1.17 (its Requires-Dist).
+#: no such check at v2.18, in the 2.19.0 wheel (the newest the `te` extra takes) nor main
+#: d0067d0 (2.20.0.dev0). torch 2.7.0 pins nvidia-cudnn-cu12==9.5.1.17 (its Requires-Dist).
 TE_MIN_CUDNN: Version = (9, 12)
 TE_MIN_CUDNN_FROM: Version = (2, 20)
 
 #: MXFP8 runs on compute capability MXFP8_CAPABILITY[0] up to, not including, [1] (TE's
-#: `_compute_mxfp8_support`, pytorch/quantization.py:162-168 at v2.18; pytorch/fp8.py:47-53 at
-#: v2.6, the first tag refusing 12.0+ "MXFP8 (for all gemm layouts) is not supported on 12.0+
-#: architectures yet"; v2.0-v2.5 take 10.0 and above).
+#: `_compute_mxfp8_support`, pytorch/quantization.py:162-168 at v2.18 and in 2.20.2;
+#: pytorch/fp8.py:47-53 at v2.6, the first tag refusing 12.0+ "MXFP8 (for all gemm layouts) is
+#: not supported on 12.0+ architectures yet"; v2.0-v2.5 take 10.0 and above).
 MXFP8_CAPABILITY: tuple[Version, Version] = ((10, 0), (12, 0))
 MXFP8_CAPABILITY_CAPPED_FROM = (2, 6)
 
@@ -255,16 +255,17 @@ LN_MLP_SOURCES = {"layer_norm_weight": "norm_2.weight", "layer_norm_bias": "norm
 
 #: te.LayerNormMLP's keywords under which its parameters are an MPT block's norm_2 + GELU MLP:
 #: TE's defaults (`LayerNormMLP.__init__`, pytorch/module/layernorm_mlp.py:1276-1286 at v1.12,
-#: 1956-1967 at v2.18), `normalization` and `activation` replaced by the block's
-#: (LN_MLP_NORMALIZATIONS; `swap.te_activation`: gelu or relu).
+#: 1956-1967 at v2.18, 1957-1980 in 2.20.2, the same signature in 2.18-2.20.2), `normalization`
+#: and `activation` replaced by the block's (LN_MLP_NORMALIZATIONS; `swap.te_activation`: gelu
+#: or relu).
 #: LLM-Foundry's own `ffn_type: te_ln_mlp` passes the rest of `ffn_config` to TE
 #: (llmfoundry/models/layers/ffn.py `build_te_ln_mlp`, 0.21-0.22), so its checkpoint may differ.
 PLAIN_LN_MLP = {"activation": "gelu", "normalization": "LayerNorm", "zero_centered_gamma": False}
 
-#: te.LayerNormMLP's `normalization`s, the same in every TE 1.12-2.18 (`assert normalization in
-#: ["LayerNorm", "RMSNorm"]`, layernorm_mlp.py:1299 at v1.12, 1984 at v2.18): LayerNorm
-#: `(x - E[x]) / sqrt(Var[x] + eps) * gamma + beta`, RMSNorm `x / sqrt(mean(x^2) + eps) * gamma`
-#: with no `layer_norm_bias` (l. 253-259 at v2.18; formulas: pytorch/module/layernorm.py:22-23,
-#: rmsnorm.py:23-29 at v2.18); `zero_centered_gamma` (False here) puts `(1 + gamma)` in gamma's
-#: place (layernorm_mlp.py docstring, l. 1872-1878 at v2.18).
+#: te.LayerNormMLP's `normalization`s, the same in every TE 1.12-2.20.2 (`assert normalization in
+#: ["LayerNorm", "RMSNorm"]`, layernorm_mlp.py:1299 at v1.12, 1984 at v2.18, 1997 in 2.20.2):
+#: LayerNorm `(x - E[x]) / sqrt(Var[x] + eps) * gamma + beta`, RMSNorm
+#: `x / sqrt(mean(x^2) + eps) * gamma` with no `layer_norm_bias` (l. 253-259 at v2.18; formulas:
+#: pytorch/module/layernorm.py:22-23, rmsnorm.py:23-29 at v2.18); `zero_centered_gamma` (False
+#: here) puts `(1 + gamma)` in gamma's place (layernorm_mlp.py docstring, l. 1872-1878 at v2.18).
 LN_MLP_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
