@@ -7,10 +7,11 @@ extension included. Skipped where TE is absent (CI).
 
 Run on 2026-12-01 (PYTHONPATH holding the files, with a dist-info for the version) against the
 newest releases, the 2.20.2 wheel (PyPI's newest) and the 2.19.0 wheel (the newest the `te`
-extra takes), and the tags at our version thresholds, v1.12, v2.2, v2.8 and v2.15: all pass
-(v1.12: its delayed scaling; it has no current scaling). Each threshold moved by one release
-(TE_MIN_CUDNN_FROM to 2.19, POWER_2_SCALES_ENV_FROM to 2.9, TE_BACKWARD_OVERRIDE_FROM to 2.16)
-fails against its tag."""
+extra takes), and the tags at our version thresholds, v1.12, v2.2, v2.8, v2.15, v2.16,
+v2.16.1, v2.17, v2.17.1 and v2.18: all pass (v1.12: its delayed scaling; it has no current
+scaling). Each threshold moved by one release (TE_MIN_CUDNN_FROM to 2.19,
+POWER_2_SCALES_ENV_FROM to 2.9, TE_BACKWARD_OVERRIDE_FROM to 2.16, 2.17.1 out of
+TE_PICKLE_GUARD_FIXES) fails against its tag."""
 
 from __future__ import annotations
 
@@ -190,3 +191,41 @@ def test_tes_cudnn_floor_is_the_facts(monkeypatch):
     with pytest.raises(RuntimeError) as refused:
         common.check_cudnn_version(90501)  # torch 2.7's nvidia-cudnn-cu12 9.5.1.17
     assert f"{type(refused.value).__name__}: {refused.value}" == CUDNN
+
+
+def test_our_inert_extra_state_is_what_tes_pickle_guard_ignores(te_recipes, monkeypatch):
+    """TE's pickle guard (pytorch/_extra_state.py, from 2.16.1, 2.17.1 and 2.18: exactly the
+    releases `refuses_pickled_extra_state` names) ignores the pickled `None` fp8_state saves in
+    `_extra_state` (l. 113-187 in 2.20.2: no global, no delayed-scaling key), and refuses TE's
+    own delayed-scaling state (`get_extra_state`'s dict, module/base.py:1396-1405), which
+    `holds_te_scaling_state` finds by the key TE's guard reads too (l. 25-30); a current-scaling
+    state it ignores, and so do we."""
+    import pickle
+
+    import torch
+
+    from foundry_fp8.te.extra_state import holds_te_scaling_state, inert_extra_state
+    from foundry_fp8.te.facts import refuses_pickled_extra_state
+
+    guard_file = _te_folder() / "pytorch" / "_extra_state.py"  # before te_recipes' stand-ins
+    recipe = te_recipes(**{BACKWARD_OVERRIDE: None})
+    assert guard_file.exists() is refuses_pickled_extra_state(probe.te_version())
+    if not guard_file.exists():
+        return
+    guard = _execute("transformer_engine.pytorch._extra_state", guard_file, monkeypatch)
+    assert guard.UNSAFE_PICKLE_EXTRA_STATE_ENV == "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+    ignore, unsafe = (guard._PickledExtraStateAction.IGNORE,
+                      guard._PickledExtraStateAction.UNSAFE_LOAD)
+
+    def state(te_recipe: object, **tensors: torch.Tensor) -> torch.Tensor:
+        saved = {"recipe": te_recipe, **tensors, "extra_fp8_variables": {"num_gemms": 1}}
+        return torch.frombuffer(bytearray(pickle.dumps(saved)), dtype=torch.uint8)
+
+    delayed = state(recipe.DelayedScaling(), scale_fwd=torch.ones(3),
+                    amax_history_fwd=torch.zeros(4, 3), scale_bwd=torch.ones(2),
+                    amax_history_bwd=torch.zeros(4, 2))
+    current = state(_current_scaling(recipe)())
+    for tensor, verdict, ours in ((inert_extra_state(), ignore, False), (delayed, unsafe, True),
+                                  (current, ignore, False)):
+        assert guard._classify_extra_state_pickle(tensor.numpy().tobytes()) is verdict
+        assert holds_te_scaling_state({"layer._extra_state": tensor}) is ours
