@@ -154,7 +154,7 @@ def test_current_scalings_power_of_2_reaches_tes_quantizer_params(te_recipes, en
 def test_tes_recipes_refuse_the_backward_override_where_the_facts_say(te_recipes, value,
                                                                       scaling):
     """te.facts' verdict on NVTE_BACKWARD_OVERRIDE is TE's own: its recipes assert the value
-    (and DelayedScaling that it is unset) in `__post_init__` (l. 262-270, 314-319 in 2.20.2),
+    (and DelayedScaling that it is unset) in `__post_init__` (l. 262-270, 314-318 in 2.20.2),
     which pydantic raises as a ValueError; te.backend says it in one line naming the variable
     instead."""
     recipe = te_recipes(**{BACKWARD_OVERRIDE: value})
