@@ -75,7 +75,8 @@ class JSONLLogger(LoggerDestination):
     MLflow do: Composer sends every rank's metrics to every destination, and several ranks
     appending to one file would interleave copies.
 
-    A fresh run (at batch 0 when it starts fitting) starts a new file: the records an earlier
+    A fresh run (at batch 0 when it starts fitting, or evaluating in a Trainer that never fits)
+    starts a new file: the records an earlier
     run of the same name left in it (and its `hparams.json`) are moved to the next free
     `metrics.<n>.jsonl` (`hparams.<n>.json`), with one warning naming both paths, so the report
     never mixes two runs. A resumed run (autoresume, a `load_path` with its timestamp) goes on
@@ -232,6 +233,18 @@ class JSONLLogger(LoggerDestination):
             sink = self.sink
             self._guard(lambda: self._take(sink, state.run_name), sink.path)
         self._between_fits = False
+        self._start(state)
+
+    def eval_standalone_start(self, state: State, logger: Logger) -> None:
+        """An evaluation-only Trainer (`llmfoundry eval`, a `trainer.eval()` before any fit)
+        never fits: it starts here. Under a trained run's name it is a fresh run too, else its
+        records (step 0) went after the training's, which the report then read as an attempt
+        replacing them all, and the training's hparams.json was lost."""
+        del logger
+        self._start(state)
+
+    def _start(self, state: State) -> None:
+        """Where this run is fresh (at batch 0), move the earlier run's records aside."""
         earlier, self._earlier = self._earlier, None
         if (earlier is None or not earlier[0] or self.sink is None or self.stopped
                 or int(state.timestamp.batch) != 0):
