@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from foundry_fp8.jsonl import read_jsonl
 from tests.tiny_run import run_tiny, tiny_config
 
 NAME = "evaluated"
 
 
+@pytest.mark.slow
 def test_an_evaluation_under_the_training_runs_name_moves_its_records_aside(
         tmp_path, tiny_data, monkeypatch):
     from llmfoundry.command_utils import evaluate
