@@ -60,3 +60,36 @@ def test_an_evaluation_under_the_training_runs_name_moves_its_records_aside(
                                              "metrics/eval/TokenAccuracy"]
     [said] = [r.getMessage() for r in records if "earlier run" in r.getMessage()]
     assert "runs/evaluated/metrics.1.jsonl" in said and "hparams.1.json" in said
+
+
+def test_the_models_of_one_evaluation_share_one_file(tmp_path):
+    """`llmfoundry eval` of several models builds the loggers once and gives each model's
+    Trainer the same ones (llmfoundry/command_utils/eval.py, `evaluate`): the second model's
+    evaluation is no fresh run that moves the first one's records aside, and says nothing."""
+    import torch
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from foundry_fp8.composer.jsonl_logger import JSONLLogger
+
+    path = tmp_path / "metrics.jsonl"
+    shared = JSONLLogger(path=str(path))
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("foundry_fp8.composer.jsonl_logger").addHandler(handler)
+    try:
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            trainer = Trainer(model=ComposerClassifier(nn.Linear(4, 2), num_classes=2),
+                              run_name="llm", device="cpu", progress_bar=False,
+                              loggers=[shared])
+            trainer.eval(eval_dataloader=DataLoader(data, batch_size=8))
+            trainer.close()
+    finally:
+        logging.getLogger("foundry_fp8.composer.jsonl_logger").removeHandler(handler)
+    assert [step for step, _ in read_jsonl(path)] == [0, 0]
+    assert not list(tmp_path.glob("metrics.*.jsonl")) and records == []

@@ -121,6 +121,7 @@ class JSONLLogger(LoggerDestination):
         # what an earlier run left: the bytes of the metrics file and hparams.json's text, set
         # aside at FIT_START where this run turns out to be fresh (None: decided)
         self._earlier: tuple[int, str | None] | None = None
+        self._own_records = False  # those records are this logger's own (`init`)
         self._last_step: int | None = None  # the step of the last record written
         self._hparams: Path | None = None  # hparams.json, or hparams.<n>.json beside metrics.<n>
         self._lock: tuple[int, int] | None = None  # `jsonl.lock_writer`'s key while held
@@ -147,6 +148,10 @@ class JSONLLogger(LoggerDestination):
         if dist.get_global_rank() != 0:
             return
         say_repeated(self.path_template, folder, state.run_name, "loggers.jsonl.path")
+        # the file still as this logger left it in an earlier Trainer: LLM-Foundry's eval of
+        # several models gives each model's Trainer the same loggers (command_utils/eval.py)
+        self._own_records = self.sink is not None and self.sink.path == self.path \
+            and self.sink.unchanged()
         sink = self.sink = JsonlSink(self.path)
         self._run_name, self._state = state.run_name, state
         self._between_fits = False  # a logger used again in a new Trainer: held from here
@@ -239,8 +244,11 @@ class JSONLLogger(LoggerDestination):
         """An evaluation-only Trainer (`llmfoundry eval`, a `trainer.eval()` before any fit)
         never fits: it starts here. Under a trained run's name it is a fresh run too, else its
         records (step 0) went after the training's, which the report then read as an attempt
-        replacing them all, and the training's hparams.json was lost."""
+        replacing them all, and the training's hparams.json was lost. The records this logger
+        wrote itself in an earlier Trainer (the models of one `llmfoundry eval`) stay."""
         del logger
+        if self._own_records:  # the evaluation of an earlier model: one file for them all
+            self._earlier = None
         self._start(state)
 
     def _start(self, state: State) -> None:
