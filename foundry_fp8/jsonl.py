@@ -88,6 +88,15 @@ class JsonlSink:
         self.last_file = (found.st_dev, found.st_ino, end)
         return same
 
+    def unchanged(self) -> bool:
+        """Whether the file at `path` is the one the last record went to, at its size then:
+        nobody wrote to it since."""
+        try:
+            found = self.path.stat()
+        except OSError:
+            return False
+        return self.last_file == (found.st_dev, found.st_ino, found.st_size)
+
 
 def write_atomically(path: Path, data: str | bytes) -> None:
     """Replace `path` with `data` (text as UTF-8) in one step (a temporary file in the same

@@ -18,6 +18,20 @@ if [ ! -e "$site/.kit-installed" ]; then
   fi
   join=$(ls gpu-parts/p*/join-and-install.sh | head -1)
   bash "$join" gpu-parts "$site"
+  # TE's pure-Python imports the device provides (prepare.sh): the kit's copy only where the
+  # device has none, so that the device's own version, whatever it is, stays the one used
+  for fallback in gpu-parts/p*/*.whl.fallback; do
+    [ -e "$fallback" ] || continue
+    wheel=$(basename "$fallback" .fallback)
+    module=${wheel%%-*}
+    python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('$module') is None)" &&
+      continue
+    tmp=$(mktemp -d)
+    cp "$fallback" "$tmp/$wheel"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+      "$tmp/$wheel"
+    echo "kit fallback installed: $wheel (the device has no $module)"
+  done
   touch "$site/.kit-installed"
 fi
 export PYTHONPATH=$site

@@ -5,8 +5,9 @@ and after the statistics rewrite, whose own temporaries stay under 256 MiB).
 The bench's fp8-te-swap run, five ways that differ only in one callback:
 
 - `none`: no monitor;
-- `hooks`: no-op hooks where fp8_stats puts its own (a forward pre-hook and a full backward
-  pre-hook on each watched layer, for the whole batch): the hooks' cost without statistics;
+- `hooks`: no-op hooks where fp8_stats puts its own (on each watched layer, for the whole
+  batch, a forward pre-hook and a forward hook putting a hook on the output's gradient): the
+  hooks' cost without statistics;
 - `forward`: fp8_stats every batch, `tensors: [activation, weight]` (forward pre-hooks only);
 - `gradient`: fp8_stats every batch, `tensors: [gradient]`;
 - `all`: fp8_stats every batch, every tensor.
@@ -146,6 +147,14 @@ class StorageTrace(TorchDispatchMode):
         self.trace.append({"action": "free_completed", "addr": addr})
 
 
+def _hook_output_gradient(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """A no-op hook on the output's gradient, where fp8_stats' forward hook puts its own
+    (`FP8Monitor._hook_gradient`)."""
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        out.register_hook(lambda grad: None)
+
+
 class Hooks(Callback):
     """No-op hooks where fp8_stats puts its own, on every batch."""
 
@@ -163,7 +172,7 @@ class Hooks(Callback):
         for module in self.layers:
             self.handles.append(module.register_forward_pre_hook(lambda *a, **k: None,
                                                                  with_kwargs=True))
-            self.handles.append(module.register_full_backward_pre_hook(lambda *a: None))
+            self.handles.append(module.register_forward_hook(_hook_output_gradient))
 
     def after_train_batch(self, state, logger) -> None:
         for handle in self.handles:

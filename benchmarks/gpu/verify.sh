@@ -40,17 +40,23 @@ y.sum().backward(); torch.cuda.synchronize(); print("FP8 te.Linear step: OK")'
     echo "(with NVTE_CUDA_INCLUDE_DIR=$NVTE_CUDA_INCLUDE_DIR)"
   fi
   echo "NVTE_CUDA_INCLUDE_DIR=${NVTE_CUDA_INCLUDE_DIR:-unset, TE picks its own}"
-  # What the tests and the bench import that the kit does not carry (the device's own packages):
-  # one missing shows here by name instead of as an error deep in a test.
+  # What the tests, the bench and TE's import take from the device (the kit does not carry them,
+  # or carries a fallback install.sh used only where the device had none): one missing shows
+  # here by name instead of as an error deep in a test.
   python3 -c 'import importlib, importlib.metadata as md
 for dist, mod in [("pytest", "pytest"), ("hypothesis", "hypothesis"), ("numpy", "numpy"),
                   ("matplotlib", "matplotlib"),
                   ("pillow", "PIL"), ("tqdm", "tqdm"), ("regex", "regex"), ("filelock", "filelock"),
-                  ("safetensors", "safetensors"), ("pyyaml", "yaml"), ("packaging", "packaging")]:
+                  ("safetensors", "safetensors"), ("pyyaml", "yaml"), ("packaging", "packaging"),
+                  ("onnx", "onnx"), ("onnxscript", "onnxscript"), ("onnx_ir", "onnx_ir"),
+                  ("einops", "einops"), ("ml_dtypes", "ml_dtypes"), ("protobuf", "google.protobuf")]:
     try:
-        importlib.import_module(mod); print(f"device package {dist} {md.version(dist)}")
+        module = importlib.import_module(mod)
     except Exception as err:
-        print(f"device package {dist} MISSING ({type(err).__name__}: {err})")'
+        print(f"device package {dist} MISSING ({type(err).__name__}: {err})")
+        continue
+    kit = " (the kit fallback)" if ".gpu-site/" in (module.__file__ or "") else ""
+    print(f"device package {dist} {md.version(dist)}{kit}")'
   python3 -m foundry_fp8.cli doctor
 } > "$out/environment-$what.txt" 2>&1  # a { } group: its export holds below
 cat "$out/environment-$what.txt"

@@ -75,7 +75,8 @@ class JSONLLogger(LoggerDestination):
     MLflow do: Composer sends every rank's metrics to every destination, and several ranks
     appending to one file would interleave copies.
 
-    A fresh run (at batch 0 when it starts fitting) starts a new file: the records an earlier
+    A fresh run (at batch 0 when it starts fitting, or evaluating in a Trainer that never fits)
+    starts a new file: the records an earlier
     run of the same name left in it (and its `hparams.json`) are moved to the next free
     `metrics.<n>.jsonl` (`hparams.<n>.json`), with one warning naming both paths, so the report
     never mixes two runs. A resumed run (autoresume, a `load_path` with its timestamp) goes on
@@ -120,6 +121,7 @@ class JSONLLogger(LoggerDestination):
         # what an earlier run left: the bytes of the metrics file and hparams.json's text, set
         # aside at FIT_START where this run turns out to be fresh (None: decided)
         self._earlier: tuple[int, str | None] | None = None
+        self._own_records = False  # those records are this logger's own (`init`)
         self._last_step: int | None = None  # the step of the last record written
         self._hparams: Path | None = None  # hparams.json, or hparams.<n>.json beside metrics.<n>
         self._lock: tuple[int, int] | None = None  # `jsonl.lock_writer`'s key while held
@@ -146,6 +148,10 @@ class JSONLLogger(LoggerDestination):
         if dist.get_global_rank() != 0:
             return
         say_repeated(self.path_template, folder, state.run_name, "loggers.jsonl.path")
+        # the file still as this logger left it in an earlier Trainer: LLM-Foundry's eval of
+        # several models gives each model's Trainer the same loggers (command_utils/eval.py)
+        self._own_records = self.sink is not None and self.sink.path == self.path \
+            and self.sink.unchanged()
         sink = self.sink = JsonlSink(self.path)
         self._run_name, self._state = state.run_name, state
         self._between_fits = False  # a logger used again in a new Trainer: held from here
@@ -232,6 +238,21 @@ class JSONLLogger(LoggerDestination):
             sink = self.sink
             self._guard(lambda: self._take(sink, state.run_name), sink.path)
         self._between_fits = False
+        self._start(state)
+
+    def eval_standalone_start(self, state: State, logger: Logger) -> None:
+        """An evaluation-only Trainer (`llmfoundry eval`, a `trainer.eval()` before any fit)
+        never fits: it starts here. Under a trained run's name it is a fresh run too, else its
+        records (step 0) went after the training's, which the report then read as an attempt
+        replacing them all, and the training's hparams.json was lost. The records this logger
+        wrote itself in an earlier Trainer (the models of one `llmfoundry eval`) stay."""
+        del logger
+        if self._own_records:  # the evaluation of an earlier model: one file for them all
+            self._earlier = None
+        self._start(state)
+
+    def _start(self, state: State) -> None:
+        """Where this run is fresh (at batch 0), move the earlier run's records aside."""
         earlier, self._earlier = self._earlier, None
         if (earlier is None or not earlier[0] or self.sink is None or self.stopped
                 or int(state.timestamp.batch) != 0):

@@ -351,12 +351,6 @@ class FP8Stats(Callback):
             self._mlflow_race_said = True  # once per run: a second fit changes nothing
             log.warning("fp8_stats: %s; %s", RACE, WORKAROUNDS)
         self._summary_keys.fit_start(int(state.timestamp.batch))
-        if self._recent and int(state.timestamp.batch) <= self._recent[-1][0]:
-            # fit(reset_time=True): the steps start again, so do the heatmaps and their due
-            # steps (the earlier fit's steps would share their numbers, and its last image
-            # step, compared by number, left this fit without images)
-            self._recent.clear()
-            self._start_images()
         if abort_unfinished():  # an earlier fit's, which raised mid-step: no event since
             log.info("fp8_stats: an earlier fit that raised mid-step left its statistics hooks "
                      "armed on the model; taken off")
@@ -398,6 +392,13 @@ class FP8Stats(Callback):
                             "no fp8_stats state back through Composer's load; the summary, "
                             "health streaks and what-if scales start afresh at this resume")
         self._restore()  # Composer loads a checkpoint in the Trainer's constructor, before this
+        if self._recent and int(state.timestamp.batch) <= self._recent[-1][0]:
+            # the steps start again: fit(reset_time=True), or a checkpoint loaded with
+            # `load_ignore_keys: [state/timestamp]`. So do the heatmaps and their due steps (the
+            # earlier steps would share their numbers, and the last image step, compared by
+            # number, left this fit without images until the earlier run's step count)
+            self._recent.clear()
+            self._start_images()
         if self.te_debug is not None:
             self.te_debug.name_layers(canonical_modules(state.model))
             self.te_debug.resume()
