@@ -1480,21 +1480,34 @@ def te_layernorm_mlp_init(config: Mapping[str, Any], ctx: LintContext) -> Iterat
 def _fed_lengths(config: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
     """(key, length) of each sequence length the run feeds the model: every loader's
     `dataset.max_seq_len` (text samples are that long; finetuning pads or packs up to it), and
-    the length ICL pads its tasks to, `icl_seq_len` or else the top-level max_seq_len, where
-    icl_tasks is given and a task does not set its own."""
+    the length ICL pads its tasks to: a task's own `max_seq_len`, else `icl_seq_len` or else the
+    top-level max_seq_len (train.py's `or`; eval passes its max_seq_len)."""
     for key, loader, _ in loader_sections(config):
         if "max_seq_len" in section(loader, "dataset"):
             yield f"{key}.dataset.max_seq_len", loader["dataset"]["max_seq_len"]
     tasks = config.get("icl_tasks")
-    own = isinstance(tasks, list) and all(isinstance(t, Mapping) and "max_seq_len" in t
-                                          for t in tasks)
-    icl = "icl_seq_len" if config.get("icl_seq_len") else "max_seq_len"  # train.py's `or`
+    listed = tasks if isinstance(tasks, list) else []
+    for index, task in enumerate(listed):
+        if isinstance(task, Mapping) and "max_seq_len" in task:
+            yield f"icl_tasks.{index}.max_seq_len", task["max_seq_len"]
+    own = bool(listed) and all(isinstance(t, Mapping) and "max_seq_len" in t for t in listed)
+    icl = "icl_seq_len" if config.get("icl_seq_len") else "max_seq_len"
     if tasks and not own and icl in config:
         yield icl, config[icl]
 
 
+#: FP8061's and FP8313's sources and fix.
+MPT_SEQ_LEN_SOURCE = (f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py MPTModel.forward (the "
+                      "seq_len assert), llmfoundry/models/mpt/configuration_mpt.py (max_seq_len: "
+                      "int = 2048), llmfoundry/data/text_data.py StreamingTextDataset, "
+                      "llmfoundry/utils/builders.py build_icl_evaluators (a task's own "
+                      "max_seq_len first), llmfoundry/eval/datasets/utils.py make_padded_input")
+MPT_SEQ_LEN_FIX = "model.max_seq_len: ${variables.max_seq_len}, the length the loaders use"
+
+
 @rule("FP8061", "error", "sequences longer than MPT's `model.max_seq_len` (default 2048): a "
-      "loader's `dataset.max_seq_len`, or ICL's `icl_seq_len` / top-level `max_seq_len`",
+      "loader's `dataset.max_seq_len`, or ICL's (a task's own, `icl_seq_len`, top-level "
+      "`max_seq_len`)",
       why="MPTModel.forward asserts every input is at most the model's max_seq_len ('Cannot "
       "forward input with seq_len=S, this model only supports seq_len<=M'), whatever the "
       "position encoding, and MPTConfig's default is 2048: a model section that does not take "
@@ -1506,20 +1519,45 @@ def _fed_lengths(config: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
       "the longest example (`pad_to_longest`, `allow_pad_trimming`, unpacked) makes a batch only "
       "as long as its longest example: a warning, as the crash waits for an example longer than "
       "the model's limit.",
-      source=f"{FOUNDRY} llmfoundry/models/mpt/modeling_mpt.py MPTModel.forward (the "
-      "seq_len assert), llmfoundry/models/mpt/configuration_mpt.py (max_seq_len: int = 2048), "
-      "llmfoundry/data/text_data.py StreamingTextDataset, llmfoundry/command_utils/train.py "
-      "(icl_seq_len or max_seq_len), llmfoundry/utils/builders.py build_icl_evaluators, "
-      "llmfoundry/eval/datasets/utils.py make_padded_input",
-      fix="model.max_seq_len: ${variables.max_seq_len}, the length the loaders use")
+      source=MPT_SEQ_LEN_SOURCE + ", llmfoundry/command_utils/train.py (icl_seq_len or "
+      "max_seq_len)",
+      fix=MPT_SEQ_LEN_FIX)
 def sequences_past_mpt_max(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    model = section(config, "model")
+    yield from _past_max(config, section(config, "model"), "model")
+
+
+@rule("FP8313", "error", "an eval config's MPT shorter than the sequences its evaluation feeds "
+      "it: ICL's length (a task's own, else the top-level `max_seq_len`) or an eval loader's "
+      "`dataset.max_seq_len` (FP8061 for eval configs)",
+      why="evaluate_model hands the eval config's top-level max_seq_len to ICL "
+      "(icl_seq_len=max_seq_len), which pads every task to it unless the task gives its own, "
+      "and never to the model: each `models` entry (or the train.py shape's top-level `model`) "
+      "builds its MPT from its own model section, MPTConfig's default 2048 where it gives no "
+      "max_seq_len. MPTModel.forward asserts 'Cannot forward input with seq_len=S, this model "
+      "only supports seq_len<=M' at that model's first evaluation, after its checkpoint is "
+      "loaded and the models listed before it were evaluated.",
+      source=MPT_SEQ_LEN_SOURCE + ", llmfoundry/command_utils/eval.py evaluate_model "
+      "(icl_seq_len=max_seq_len, build_composer_model(cfg=model))",
+      fix=MPT_SEQ_LEN_FIX, family="eval")
+def eval_sequences_past_mpt_max(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    from foundry_fp8.lint.rules.eval import eval_models  # eval.py imports this module
+
+    for where, entry in eval_models(config):
+        model = entry.get("model")
+        if isinstance(model, Mapping):
+            yield from _past_max(config, model, join_key(where, "model") if where else "model")
+
+
+def _past_max(config: Mapping[str, Any], model: Mapping[str, Any],
+              prefix: str) -> Iterator[Hit]:
+    """FP8061's finding for one model section at `prefix`: the first length past an MPT's
+    max_seq_len."""
     limit = as_number(mpt_value(model, "max_seq_len")) if _is_mpt(model) else None
     if limit is None:
         return
     for key, length in _fed_lengths(config):
         if as_number(length) is not None and length > limit:
-            where = "model.max_seq_len" if "max_seq_len" in model else "model"
+            where = join_key(prefix, "max_seq_len") if "max_seq_len" in model else prefix
             given = "" if "max_seq_len" in model else " (MPTConfig's default: the model section " \
                 "gives none)"
             padding = _padded_to(config, length)[0] if key.startswith("train_loader") else None

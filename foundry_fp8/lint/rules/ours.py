@@ -368,19 +368,25 @@ def fp8_stats_filter_does_nothing(config: Mapping[str, Any],
 
 @rule("FP8058", "warning", "an fp8_stats schedule that misses the run: `dump_steps` at or past "
       "max_duration (`max_duration: 1000ba` with `dump_steps: [1000]`), or no logging "
-      "step before it (`start` or `interval` past it)",
+      "step before it (`start` or `interval` past it), or none but step 0 in a run that resumes",
       why="fp8_stats logs and dumps at the batch count a batch starts at: 0 to max_duration - 1 "
       "(`foundry_fp8.composer.stats.last_batch`), so a dump step of max_duration or more never "
       "comes and saves nothing, silently. A schedule with no logging step in the run logs no "
       "FP8 statistics (the run warns at FIT_START); under delayed scaling (te_swap's recipe, "
       "amp_fp8's, else fp8_stats' what-if `recipe`) a schedule whose only step in the run is 0 "
-      "judges nothing either: step 0 casts at the initial scale 1. Judged where max_duration is "
-      "a number of batches (`1000ba`); the schedule's own `next_log` decides.",
+      "judges nothing either: step 0 casts at the initial scale 1. A run that resumes starts "
+      "at its checkpoint's batch count, after step 0 (Composer restores the timestamp): with "
+      "`load_path` (not `load_weights_only`) such a schedule logs no FP8 statistics at all, "
+      "whatever the scaling; with `autoresume`, the first launch logs step 0 and every "
+      "relaunch that resumes logs nothing. Judged where max_duration is a number of batches "
+      "(`1000ba`); the schedule's own `next_log` decides.",
       source="foundry_fp8/options.py Schedule.dumps, next_log; foundry_fp8/composer/stats.py "
-      "last_batch, _fit_start, _say_unlogged; "
-      f"{COMPOSER} composer/core/time.py (an int max_duration is epochs)",
+      "last_batch, _fit_start (judged from the resumed batch count), _say_unlogged; "
+      f"{COMPOSER} composer/core/time.py (an int max_duration is epochs), "
+      "composer/trainer/trainer.py (autoresume loads the latest checkpoint with "
+      "load_weights_only False)",
       fix="dump steps below max_duration's batch count; a start and interval that reach a "
-      "batch before the run's end (after step 0 under delayed scaling)")
+      "batch before the run's end (after step 0 under delayed scaling or in a resumed run)")
 def fp8_stats_schedule_misses_the_run(config: Mapping[str, Any],
                                       ctx: LintContext) -> Iterator[Hit]:
     stats = section(section(config, "callbacks"), "fp8_stats")
@@ -400,19 +406,34 @@ def fp8_stats_schedule_misses_the_run(config: Mapping[str, Any],
                   f"{last}, so {'they save' if len(missed) > 1 else 'it saves'} nothing",
                   fix=f"dump steps from 0 to {last}")
     first = schedule.next_log(-1)
+    later = schedule.next_log(0)
+    if first != 0 or (later is not None and later <= last):
+        resumed = None  # a first logging step after 0 is one a resumed run may reach
+    elif config.get("load_path") and not config.get("load_weights_only"):
+        resumed = "load_path"
+    else:
+        resumed = "autoresume" if config.get("autoresume") is True else None
     # delayed scaling casts a fresh run's step 0 at its initial scale 1: it judges nothing
     # (the run says so at FIT_START, foundry_fp8.composer.stats `_judged_from`)
-    step0_only = first == 0 and _step0_scaling(config, built) == "delayed"
-    judged = schedule.next_log(0) if step0_only else first
-    if judged is None or judged > last:
-        key = "end" if judged is None and "end" in stats else \
-            "start" if "start" in stats and schedule.start > last else "interval"
-        what = ("no other batch", "only step 0, which delayed scaling casts with its initial "
-                "scale 1: no layer is judged") if step0_only else \
-            ("no batch", "no FP8 statistics at all")
-        yield Hit(f"{path}.{key}", f"fp8_stats logs at {what[0]} of this run (interval "
-                  f"{schedule.interval}, start {schedule.start}, end {schedule.end}; max_duration "
-                  f"{duration!r}: batches 0 to {last}): {what[1]}")
+    step0_only = first == 0 and resumed != "load_path" \
+        and _step0_scaling(config, built) == "delayed"
+    judged = later if step0_only or resumed else first
+    if judged is not None and judged <= last:
+        return
+    key = "end" if judged is None and "end" in stats else \
+        "start" if "start" in stats and schedule.start > last else "interval"
+    relaunch = "; a relaunch that autoresumes starts at its checkpoint's batch count, after " \
+        "step 0, and logs no FP8 statistics"
+    what = ("no batch but step 0", "a run resumed from load_path starts at its checkpoint's "
+            "batch count, after step 0 (Composer restores the timestamp): no FP8 statistics "
+            "at all") if resumed == "load_path" else \
+        ("no other batch", "only step 0, which delayed scaling casts with its initial scale 1: "
+         "no layer is judged" + (relaunch if resumed else "")) if step0_only else \
+        ("no other batch", "it logs step 0 alone" + relaunch) if resumed else \
+        ("no batch", "no FP8 statistics at all")
+    yield Hit(f"{path}.{key}", f"fp8_stats logs at {what[0]} of this run (interval "
+              f"{schedule.interval}, start {schedule.start}, end {schedule.end}; max_duration "
+              f"{duration!r}: batches 0 to {last}): {what[1]}")
 
 
 def _step0_scaling(config: Mapping[str, Any], stats: FP8StatsOptions) -> str | None:
