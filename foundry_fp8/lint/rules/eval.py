@@ -31,11 +31,14 @@ from foundry_fp8.lint.rules.fsdp import (
 )
 from foundry_fp8.lint.rules.model import (
     HF_CAUSAL_LM_SOURCE,
+    MPT_SEQ_LEN_FIX,
+    MPT_SEQ_LEN_SOURCE,
     fractional_ffn_hidden,
     hf_model_key_hits,
     model_key_hits,
     mpt_refuses_values,
     mpt_sub_configs,
+    past_mpt_max,
 )
 from foundry_fp8.lint.rules.ours import sdpa_without_our_entries
 from foundry_fp8.lint.rules.train import (
@@ -439,3 +442,23 @@ def eval_config_types(config: Mapping[str, Any], ctx: LintContext) -> Iterator[H
     yield from shape_hits(config, EVAL_SECTION_SHAPES)
     yield from scalar_type_hits(config, EVAL_SCALAR_TYPES, frozenset({"precision"}), "EvalConfig")
     yield from filled_key_hits(config)
+
+
+@rule("FP8313", "error", "an eval config's MPT shorter than the sequences its evaluation feeds "
+      "it: ICL's length (a task's own, else the top-level `max_seq_len`) or an eval loader's "
+      "`dataset.max_seq_len` (FP8061 for eval configs)",
+      why="evaluate_model hands the eval config's top-level max_seq_len to ICL "
+      "(icl_seq_len=max_seq_len), which pads every task to it unless the task gives its own, "
+      "and never to the model: each `models` entry (or the train.py shape's top-level `model`) "
+      "builds its MPT from its own model section, MPTConfig's default 2048 where it gives no "
+      "max_seq_len. MPTModel.forward asserts 'Cannot forward input with seq_len=S, this model "
+      "only supports seq_len<=M' at that model's first evaluation, after its checkpoint is "
+      "loaded and the models listed before it were evaluated.",
+      source=MPT_SEQ_LEN_SOURCE + ", llmfoundry/command_utils/eval.py evaluate_model "
+      "(icl_seq_len=max_seq_len, build_composer_model(cfg=model))",
+      fix=MPT_SEQ_LEN_FIX, family="eval")
+def eval_sequences_past_mpt_max(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
+    for where, entry in eval_models(config):
+        model = entry.get("model")
+        if isinstance(model, Mapping):
+            yield from past_mpt_max(config, model, join_key(where, "model") if where else "model")

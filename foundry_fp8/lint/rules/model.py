@@ -1523,35 +1523,13 @@ MPT_SEQ_LEN_FIX = "model.max_seq_len: ${variables.max_seq_len}, the length the l
       "max_seq_len)",
       fix=MPT_SEQ_LEN_FIX)
 def sequences_past_mpt_max(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    yield from _past_max(config, section(config, "model"), "model")
+    yield from past_mpt_max(config, section(config, "model"), "model")
 
 
-@rule("FP8313", "error", "an eval config's MPT shorter than the sequences its evaluation feeds "
-      "it: ICL's length (a task's own, else the top-level `max_seq_len`) or an eval loader's "
-      "`dataset.max_seq_len` (FP8061 for eval configs)",
-      why="evaluate_model hands the eval config's top-level max_seq_len to ICL "
-      "(icl_seq_len=max_seq_len), which pads every task to it unless the task gives its own, "
-      "and never to the model: each `models` entry (or the train.py shape's top-level `model`) "
-      "builds its MPT from its own model section, MPTConfig's default 2048 where it gives no "
-      "max_seq_len. MPTModel.forward asserts 'Cannot forward input with seq_len=S, this model "
-      "only supports seq_len<=M' at that model's first evaluation, after its checkpoint is "
-      "loaded and the models listed before it were evaluated.",
-      source=MPT_SEQ_LEN_SOURCE + ", llmfoundry/command_utils/eval.py evaluate_model "
-      "(icl_seq_len=max_seq_len, build_composer_model(cfg=model))",
-      fix=MPT_SEQ_LEN_FIX, family="eval")
-def eval_sequences_past_mpt_max(config: Mapping[str, Any], ctx: LintContext) -> Iterator[Hit]:
-    from foundry_fp8.lint.rules.eval import eval_models  # eval.py imports this module
-
-    for where, entry in eval_models(config):
-        model = entry.get("model")
-        if isinstance(model, Mapping):
-            yield from _past_max(config, model, join_key(where, "model") if where else "model")
-
-
-def _past_max(config: Mapping[str, Any], model: Mapping[str, Any],
+def past_mpt_max(config: Mapping[str, Any], model: Mapping[str, Any],
               prefix: str) -> Iterator[Hit]:
-    """FP8061's finding for one model section at `prefix`: the first length past an MPT's
-    max_seq_len."""
+    """FP8061's and FP8313's finding for one model section at `prefix`: the first length past
+    an MPT's max_seq_len."""
     limit = as_number(mpt_value(model, "max_seq_len")) if _is_mpt(model) else None
     if limit is None:
         return
