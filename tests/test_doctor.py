@@ -141,7 +141,7 @@ def test_current_scaling_needs_te_2_2():
 
 def test_rule_ids_are_unique_and_documented():
     ids = [rule.id for rule in ENVIRONMENT_RULES]
-    assert ids == [f"FP82{n:02d}" for n in range(1, 17)]
+    assert ids == [f"FP82{n:02d}" for n in range(1, 18)]
     assert not set(ids) & {rule.id for rule in [*RULES, *ACCELERATE_RULES]}
     for rule in ENVIRONMENT_RULES:
         assert rule.summary and rule.rationale and rule.source and rule.fix

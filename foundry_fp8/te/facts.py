@@ -66,6 +66,12 @@ MXFP8_CAPABILITY_CAPPED_FROM = (2, 6)
 TE_GEMM_LEADING_DIM_FROM = (2, 9)
 TE_GEMM_LEADING_DIM_ERROR = "Leading dimension requirement on A for FP8 GEMM. Caller must pad."
 
+#: The newest TE release whose Python sources foundry-fp8's TE facts were checked against (the
+#: 2.20.2 wheel, tests/test_s31_upstream_te_sources.py): te_swap's `backend: te`, fp8_state and
+#: fp8_guard read TE internals (fp8_meta, `_extra_state`, the autocast state) a later minor
+#: release may change (doctor FP8217).
+TE_NEWEST_READ: Version = (2, 20, 2)
+
 #: `te.LayerNorm` became a `te.ops` op in TE 1.13, taking `normalized_shape`/`dtype`; TE 1.12's
 #: takes `hidden_size`/`params_dtype`.
 TE_LAYERNORM_AS_OP = (1, 13)

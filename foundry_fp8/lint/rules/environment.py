@@ -61,6 +61,7 @@ from foundry_fp8.te.facts import (
     TE_INSTALL_HINT,
     TE_MIN_CUDNN,
     TE_MIN_CUDNN_FROM,
+    TE_NEWEST_READ,
     TE_REQUIREMENT,
     backward_override_problems,
     dotted,
@@ -853,3 +854,27 @@ def environment_findings(snapshot: Snapshot,
     te = uses_te(config)
     return [f if f.rule in _RUN_SEVERITY_OWN else replace(f, severity="error")
             for f in findings if te or f.rule in _RUN_SEVERITY_OWN]
+
+
+@rule("FP8217", "warning", "TransformerEngine newer than the releases foundry-fp8's TE facts "
+      f"were read from ({dotted(TE_NEWEST_READ[:2])}, newest {dotted(TE_NEWEST_READ)})",
+      why="te_swap's `backend: te`, fp8_state and fp8_guard read TE internals that are no "
+      "public API (a module's fp8_meta and its scaling tensors, `_extra_state`'s layout, the "
+      "autocast's state and when it updates scales); TE changed them between minor releases "
+      "before (pytorch/fp8.py became quantization.py in 2.9, the guard on pickled "
+      "`_extra_state` came in 2.16.1), and a release after the newest one read was never checked: a warning, as it "
+      "may work. The emulated backend reads none of them. The doctor's only: a run is not "
+      "stopped for it.",
+      source="foundry_fp8/te/facts.py TE_NEWEST_READ; tests/test_s31_upstream_te_sources.py "
+      "(our TE facts against the installed TE's own sources)",
+      fix="install a TE release up to the one named (pip install --no-build-isolation "
+      f"'transformer-engine[pytorch]=={dotted(TE_NEWEST_READ)}'), or check the run's FP8 state "
+      "with `pytest -m gpu` on this TE first", family="environment")
+def te_newer_than_read(env: Environment, _: LintContext) -> Iterator[Hit]:
+    te = env.snapshot.te_version
+    if env.config is None and te is not None and te[:2] > TE_NEWEST_READ[:2]:
+        yield Hit("transformer_engine", f"TransformerEngine {env.snapshot.te} is newer than "
+                  f"{dotted(TE_NEWEST_READ)}, the newest release foundry-fp8's TE facts were "
+                  "read from: te_swap's `backend: te`, fp8_state and fp8_guard read TE "
+                  "internals (fp8_meta, `_extra_state`, the autocast state) that may have "
+                  "changed; the emulated backend does not use them")
