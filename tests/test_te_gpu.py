@@ -40,7 +40,8 @@ def _recipe(history_len: int = 16):
 
 def _autocast(te, recipe=None):
     """TE's FP8 autocast with `recipe` (`_recipe()` by default): `te.autocast(recipe=)` from TE
-    2.9, `te.fp8_autocast(fp8_recipe=)` before (deprecated in 2.20.2)."""
+    2.9, `te.fp8_autocast(fp8_recipe=)` before (deprecated since 2.9: pytorch/quantization.py:766-776
+    at v2.9, 941-961 in 2.20.2)."""
     recipe = recipe if recipe is not None else _recipe()
     if hasattr(te, "autocast"):
         return te.autocast(enabled=True, recipe=recipe)

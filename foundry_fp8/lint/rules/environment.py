@@ -407,12 +407,13 @@ def _import_fix(snapshot: Snapshot, error: str) -> str:
 def _cudnn_fix(snapshot: Snapshot) -> str:
     """A cuDNN TE takes, or a TE that does not ask for it. TE loads cuDNN from CUDNN_HOME,
     CUDNN_PATH, CUDA_HOME, CUDA_PATH, /usr/local/cuda, then LD_LIBRARY_PATH, before pip's
-    nvidia-cudnn package (TE 2.20.2 common/__init__.py:381-433); torch 2.7 pins
+    nvidia-cudnn package (TE 2.20.2 common/__init__.py:381-413 _load_cuda_library_from_system, :416-433); torch 2.7 pins
     nvidia-cudnn-cu12==9.5.1.17, so pip reports the newer one as a conflict with torch's pin."""
     major = _torch_cuda_major(snapshot)
     package = next((p for p in CUDNN_PACKAGES if p.endswith(f"cu{major}")), CUDNN_PACKAGES[0])
     return (f"install cuDNN {dotted(TE_MIN_CUDNN)} or newer where TE loads it first (CUDNN_HOME,"
-            f" CUDA_HOME, /usr/local/cuda; else the pip package: pip install '{package}>="
+            " CUDNN_PATH, CUDA_HOME, CUDA_PATH, /usr/local/cuda, LD_LIBRARY_PATH; else the pip "
+            f"package: pip install '{package}>="
             f"{dotted(TE_MIN_CUDNN)}', beyond the pin of torch), or use a TransformerEngine "
             f"older than {dotted(TE_MIN_CUDNN_FROM)}: pip install --no-build-isolation "
             f"'{TE_REQUIREMENT}'")
